@@ -1,0 +1,12 @@
+"""lightning-mm: MindSpeed MM's FSDP2 training workflow for PyTorch Lightning."""
+
+from lightning.pytorch.strategies import StrategyRegistry
+
+from lightning_mm.datamodules import MMDataModule
+from lightning_mm.modules import MMLightningModule
+from lightning_mm.strategies import FSDP2Config, MMFSDP2Strategy
+
+__version__ = "0.1.0"
+__all__ = ["MMFSDP2Strategy", "FSDP2Config", "MMLightningModule", "MMDataModule", "__version__"]
+
+MMFSDP2Strategy.register_strategies(StrategyRegistry)

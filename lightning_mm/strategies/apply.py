@@ -1,0 +1,303 @@
+"""Doing the sharding: apply a :class:`~lightning_mm.strategies.plan.ShardingPlan` to a model with torch.
+
+One short function per concern, in the order the strategy calls them: mesh, recomputation, ``fully_shard`` of
+the units and then the root, prefetch, and meta-device materialisation.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+import math
+from collections.abc import Callable, Iterable
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionPolicy, OffloadPolicy, fully_shard
+from torch.distributed.tensor import DTensor
+from torch.utils.checkpoint import checkpoint
+
+from lightning_mm.strategies.plan import ShardingPlan, mesh_layout
+
+__all__ = [
+    "build_device_mesh",
+    "fsdp_kwargs",
+    "ignored_parameters",
+    "apply_ignored_input_cast",
+    "apply_recompute",
+    "apply_fully_shard",
+    "ExecutionOrderPrefetch",
+    "materialize_and_init",
+    "all_reduce_gradients",
+    "MaterializationError",
+]
+
+log = logging.getLogger(__name__)
+
+
+class MaterializationError(RuntimeError):
+    """Meta-device parameters or buffers that no init function filled."""
+
+
+# ----------------------------------------------------------------------------------------------------- mesh
+def build_device_mesh(world_size: int, sharding_size: int, device_type: str) -> DeviceMesh:
+    """A 1-D ``(shard,)`` mesh for FSDP or a 2-D ``(replicate, shard)`` mesh for HSDP, on ``device_type``.
+
+    The mesh is always explicit, CPU included (a gloo run without one picks the wrong device).
+    """
+    shape, names = mesh_layout(world_size, sharding_size)
+    return init_device_mesh(device_type, shape, mesh_dim_names=names)
+
+
+def fsdp_kwargs(plan: ShardingPlan, mesh: DeviceMesh, ignored_params: set[nn.Parameter]) -> dict[str, Any]:
+    """The keyword arguments every ``fully_shard`` call of this plan gets."""
+    mp = plan.precision
+    return {
+        "mesh": mesh,
+        "reshard_after_forward": plan.reshard_after_forward,
+        "mp_policy": MixedPrecisionPolicy(
+            param_dtype=mp.param_dtype,
+            reduce_dtype=mp.reduce_dtype,
+            output_dtype=mp.output_dtype,
+            cast_forward_inputs=mp.cast_forward_inputs,
+        ),
+        "offload_policy": CPUOffloadPolicy(pin_memory=plan.pin_memory) if plan.offload_to_cpu else OffloadPolicy(),
+        "ignored_params": ignored_params or None,
+    }
+
+
+def ignored_parameters(model: nn.Module, plan: ShardingPlan) -> set[nn.Parameter]:
+    """Parameters of the plan's ignored modules: kept whole on every rank, never sharded."""
+    return {p for path in plan.ignored for p in model.get_submodule(path).parameters()}
+
+
+def _cast_inputs_to_own_dtype(module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+    dtype = next((p.dtype for p in module.parameters() if p.is_floating_point()), None)
+    if dtype is None:
+        return args, kwargs
+
+    def cast(x: Any) -> Any:
+        return x.to(dtype) if isinstance(x, torch.Tensor) and x.is_floating_point() else x
+
+    return tuple(cast(a) for a in args), {k: cast(v) for k, v in kwargs.items()}
+
+
+def apply_ignored_input_cast(modules: Iterable[nn.Module], plan: ShardingPlan) -> None:
+    """Ignored modules get no mixed-precision policy and compute in their own parameter dtype.
+
+    FSDP casts each unit's floating inputs to ``param_dtype``; an ignored module's inputs are cast to its own
+    parameter dtype instead, so that it keeps working when the root casts the batch.
+    """
+    if plan.precision.cast_forward_inputs and plan.precision.param_dtype is not None:
+        for module in modules:
+            module.register_forward_pre_hook(_cast_inputs_to_own_dtype, with_kwargs=True)
+
+
+# ------------------------------------------------------------------------------------------- recomputation
+def _checkpointed_forward(forward: Callable[..., Any], use_reentrant: bool) -> Callable[..., Any]:
+    @functools.wraps(forward)
+    def run(*args: Any, **kwargs: Any) -> Any:
+        if not torch.is_grad_enabled():
+            return forward(*args, **kwargs)
+        if use_reentrant:
+            # The reentrant implementation takes no keyword arguments: they are bound as constants.
+            return checkpoint(functools.partial(forward, **kwargs), *args, use_reentrant=True)
+        return checkpoint(forward, *args, use_reentrant=False, **kwargs)
+
+    run.__lightning_mm_recompute__ = True  # type: ignore[attr-defined]
+    return run
+
+
+def apply_recompute(model: nn.Module, plan: ShardingPlan) -> None:
+    """Recompute the activations of each ``recompute_modules`` module in backward (module names unchanged)."""
+    for path in plan.recompute:
+        module = model.get_submodule(path)
+        if getattr(module.forward, "__lightning_mm_recompute__", False):
+            continue
+        module.forward = _checkpointed_forward(module.forward, plan.use_reentrant)
+
+
+# ------------------------------------------------------------------------------------------------ sharding
+def apply_fully_shard(model: nn.Module, root: nn.Module, plan: ShardingPlan, kwargs: dict[str, Any]) -> None:
+    """``fully_shard`` every unit of the plan (children first, shared-parameter groups together), then the root.
+
+    ``model`` is what the plan's paths are relative to; ``root`` is the module whose forward drives a step.
+    """
+    for unit in plan.units:
+        modules = [model.get_submodule(path) for path in unit.modules]
+        fully_shard(modules if len(modules) > 1 else modules[0], **kwargs)
+    fully_shard(root, **kwargs)
+
+
+def fsdp_units(root: nn.Module) -> list[FSDPModule]:
+    """Every module carrying its own FSDP state below (and including) ``root``, one per state."""
+    seen: set[int] = set()
+    units = []
+    for module in root.modules():
+        if isinstance(module, FSDPModule):
+            state = module._get_fsdp_state()
+            if id(state) not in seen:
+                seen.add(id(state))
+                units.append(module)
+    return units
+
+
+# ------------------------------------------------------------------------------------------------ prefetch
+class ExecutionOrderPrefetch:
+    """Sets explicit FSDP2 prefetching from the order in which units actually run.
+
+    Each unit records itself when its forward starts during the first forward pass through ``root``; when that
+    pass ends, unit *i* prefetches the next ``forward`` units in forward and the previous ``backward`` units in
+    backward. (Registration order, which the replaced system uses, is often not execution order.)
+    """
+
+    def __init__(self, root: nn.Module, units: Iterable[FSDPModule], forward: int, backward: int,
+                 names: dict[int, str] | None = None) -> None:
+        self.forward = forward
+        self.backward = backward
+        self.names = names or {}
+        self.order: list[FSDPModule] = []
+        self._seen: set[int] = set()
+        self._handles = [u.register_forward_pre_hook(self._record) for u in units if u is not root]
+        self._handles.append(root.register_forward_hook(self._finish))
+        self.root = root
+
+    def _record(self, module: nn.Module, *_: Any) -> None:
+        state = id(module._get_fsdp_state())  # type: ignore[operator]
+        if state not in self._seen:
+            self._seen.add(state)
+            self.order.append(module)  # type: ignore[arg-type]
+
+    def _finish(self, *_: Any) -> None:
+        for handle in self._handles:
+            handle.remove()
+        self._handles = []
+        order = [self.root, *self.order]
+        for i, unit in enumerate(order):
+            if self.forward:
+                unit.set_modules_to_forward_prefetch(order[i + 1 : i + 1 + self.forward])
+        reverse = order[::-1]
+        for i, unit in enumerate(reverse):
+            unit.set_modules_to_backward_prefetch(reverse[i + 1 : i + 1 + self.backward])
+        if self.order:
+            log.info("FSDP2 prefetch order (forward): %s", " -> ".join(self.name(u) for u in self.order))
+
+    @property
+    def done(self) -> bool:
+        return not self._handles
+
+    def name(self, unit: nn.Module) -> str:
+        return self.names.get(id(unit), type(unit).__name__)
+
+
+# --------------------------------------------------------------------------------------- materialisation
+def _is_meta(t: torch.Tensor) -> bool:
+    return (t.to_local() if isinstance(t, DTensor) else t).is_meta
+
+
+def _local(t: torch.Tensor) -> torch.Tensor:
+    return t.to_local() if isinstance(t, DTensor) else t
+
+
+def _named_tensors(module: nn.Module) -> dict[str, torch.Tensor]:
+    return {**dict(module.named_parameters()), **dict(module.named_buffers())}
+
+
+def _fill_sentinel(t: torch.Tensor) -> None:
+    local = _local(t)
+    if local.is_floating_point() or local.is_complex():
+        local.fill_(math.nan)
+    elif local.dtype != torch.bool:
+        local.fill_(torch.iinfo(local.dtype).min)
+
+
+def _still_sentinel(t: torch.Tensor) -> bool:
+    local = _local(t)
+    if local.numel() == 0 or local.dtype == torch.bool:
+        return False
+    if local.is_floating_point() or local.is_complex():
+        return bool(torch.isnan(local).all())
+    return bool((local == torch.iinfo(local.dtype).min).all())
+
+
+def default_init(model: nn.Module) -> None:
+    """``model.init_weights()`` (WeightInitMixin) if it has one, else every submodule's ``reset_parameters()``."""
+    init_weights = getattr(model, "init_weights", None)
+    if callable(init_weights):
+        init_weights()
+        return
+    for module in model.modules():
+        reset = getattr(module, "reset_parameters", None)
+        if callable(reset):
+            reset()
+
+
+def _move_buffers(root: nn.Module, device: torch.device) -> None:
+    for module in root.modules():
+        for name, buf in module._buffers.items():
+            if buf is not None and buf.device != device:
+                module._buffers[name] = buf.to(device)
+
+
+def materialize_and_init(
+    root: nn.Module,
+    init_target: nn.Module,
+    param_device: torch.device,
+    compute_device: torch.device,
+    ignored_modules: Iterable[nn.Module] = (),
+    init_fn: Callable[[nn.Module], None] = default_init,
+) -> list[str]:
+    """Give meta tensors real storage on ``param_device`` and initialise them; keep every real tensor as it was.
+
+    Buffers and ignored modules end up on ``compute_device`` (they differ when parameters are offloaded to CPU).
+    Anything that was on the meta device and that ``init_fn`` leaves unfilled is an error naming it.
+    Returns the names of the tensors that were materialised.
+    """
+    tensors = _named_tensors(root)
+    meta = [name for name, t in tensors.items() if _is_meta(t)]
+    if meta:
+        real = {name: t for name, t in tensors.items() if name not in meta}
+        root.to_empty(device=param_device)
+        with torch.no_grad():
+            fresh = _named_tensors(root)
+            for name in meta:
+                _fill_sentinel(fresh[name])
+            init_fn(init_target)
+            fresh = _named_tensors(root)
+            missing = [name for name in meta if _still_sentinel(fresh[name])]
+            if missing:
+                shown = ", ".join(missing[:12]) + (f" and {len(missing) - 12} more" if len(missing) > 12 else "")
+                raise MaterializationError(
+                    f"{len(missing)} tensor(s) built on the meta device were not initialised: {shown}. Give the "
+                    "model an `init_weights()` (lightning_mm.modules.WeightInitMixin) or give those modules a "
+                    "`reset_parameters()`, or build them outside the meta-device context (empty_init=False)."
+                )
+            for name, old in real.items():
+                _local(fresh[name]).copy_(_local(old).to(_local(fresh[name]).device))
+    _move_buffers(root, compute_device)
+    for module in ignored_modules:
+        module.to(compute_device)
+    return meta
+
+
+# ------------------------------------------------------------------------------------- gradient sync
+def all_reduce_gradients(params: Iterable[nn.Parameter], group: Any = None) -> None:
+    """Average the gradients of unsharded (ignored) parameters across the data-parallel ranks."""
+    if not dist.is_initialized():
+        return
+    buckets: dict[tuple[torch.dtype, torch.device], list[torch.Tensor]] = {}
+    for p in params:
+        if p.grad is not None:
+            buckets.setdefault((p.grad.dtype, p.grad.device), []).append(p.grad)
+    world = dist.get_world_size(group)
+    for grads in buckets.values():  # one collective per dtype and device
+        flat = torch.cat([g.reshape(-1) for g in grads])
+        dist.all_reduce(flat, op=dist.ReduceOp.SUM, group=group)
+        flat.div_(world)
+        offset = 0
+        for g in grads:
+            g.copy_(flat[offset : offset + g.numel()].view_as(g))
+            offset += g.numel()

@@ -1,0 +1,403 @@
+"""MMFSDP2Strategy: MindSpeed MM's YAML-driven FSDP2 as a Lightning strategy (the lifecycle)."""
+
+from __future__ import annotations
+
+import logging
+import os
+from collections.abc import Generator, Mapping
+from contextlib import contextmanager
+from datetime import timedelta
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import torch
+import torch.distributed as dist
+from lightning.fabric.plugins import CheckpointIO, ClusterEnvironment
+from lightning.fabric.plugins.collectives.torch_collective import default_pg_timeout
+from lightning.fabric.utilities.distributed import _sync_ddp_if_available
+from lightning.fabric.utilities.seed import reset_seed
+from lightning.fabric.utilities.types import _PATH, ReduceOp
+from lightning.pytorch.accelerators import Accelerator
+from lightning.pytorch.plugins.precision import Precision
+from lightning.pytorch.strategies.launchers.subprocess_script import _SubprocessScriptLauncher
+from lightning.pytorch.strategies.parallel import ParallelStrategy
+from lightning.pytorch.trainer.states import TrainerFn
+from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_only
+from lightning_utilities.core.rank_zero import rank_zero_only as utils_rank_zero_only
+from torch import Tensor, nn
+from torch.distributed.fsdp import FSDPModule
+
+from lightning_mm.strategies import apply, checkpoint
+from lightning_mm.strategies.backend import process_group_backend
+from lightning_mm.strategies.config import FSDP2Config
+from lightning_mm.strategies.init_context import meta_parameters
+from lightning_mm.strategies.plan import ShardingPlan, build_plan
+from lightning_mm.strategies.precision import MMFSDP2Precision, resolve_mixed_precision
+
+if TYPE_CHECKING:
+    import lightning.pytorch as pl
+    from torch.distributed.device_mesh import DeviceMesh
+
+__all__ = ["MMFSDP2Strategy"]
+
+log = logging.getLogger(__name__)
+
+_STOCK_PRECISION = ("Precision", "MixedPrecision", "HalfPrecision", "DoublePrecision", "MMFSDP2Precision")
+
+
+class MMFSDP2Strategy(ParallelStrategy):
+    """Fully sharded data parallel (FSDP2) training driven by a MindSpeed MM ``fsdp2_config.yaml``.
+
+    Args:
+        fsdp2_config: a YAML path, a dict, or an :class:`~lightning_mm.FSDP2Config`. ``None`` takes the config
+            from the LightningModule's ``fsdp2_config`` attribute, or else shards every parameter at the root
+            over all ranks (``sharding_size: auto``).
+        process_group_backend: override the backend chosen from the device (gloo, nccl, hccl; mixed with
+            ``cpu:gloo`` when offloading).
+        timeout: process-group timeout.
+        empty_init: build the model of ``configure_model``/``model_provider`` with parameters on the meta device
+            (default ``True``); ``False`` builds it eagerly on every rank.
+
+    Module paths in the config are relative to ``MMLightningModule.model`` (or to the LightningModule itself for
+    a plain one). The whole LightningModule is the FSDP root and each step runs through it.
+    """
+
+    strategy_name = "mm_fsdp2"
+
+    def __init__(
+        self,
+        fsdp2_config: FSDP2Config | Mapping[str, Any] | str | Path | None = None,
+        accelerator: Accelerator | None = None,
+        parallel_devices: list[torch.device] | None = None,
+        cluster_environment: ClusterEnvironment | None = None,
+        checkpoint_io: CheckpointIO | None = None,
+        precision_plugin: Precision | None = None,
+        process_group_backend: str | None = None,
+        timeout: timedelta | None = default_pg_timeout,
+        empty_init: bool = True,
+    ) -> None:
+        super().__init__(
+            accelerator=accelerator,
+            parallel_devices=parallel_devices,
+            cluster_environment=cluster_environment,
+            checkpoint_io=checkpoint_io,
+            precision_plugin=precision_plugin,
+        )
+        self._given_config = FSDP2Config.load(fsdp2_config) if fsdp2_config is not None else None
+        self._config: FSDP2Config | None = self._given_config
+        self._process_group_backend = process_group_backend
+        self._timeout = timeout
+        self._empty_init = empty_init
+        self.num_nodes = 1
+        self._device_mesh: DeviceMesh | None = None
+        self._plan: ShardingPlan | None = None
+        self._prefetch: apply.ExecutionOrderPrefetch | None = None
+        self._ignored_params: list[nn.Parameter] = []
+        self._gradient_sync = True
+
+    # ------------------------------------------------------------------------------------ properties
+    @property
+    def fsdp2_config(self) -> FSDP2Config:
+        """The config in force (known once the LightningModule is attached)."""
+        if self._config is None:
+            self._config = self._config_from_module()
+        return self._config
+
+    @property
+    def plan(self) -> ShardingPlan:
+        """The sharding plan applied at setup."""
+        if self._plan is None:
+            raise RuntimeError("The sharding plan is built in `setup()`; it is not available yet.")
+        return self._plan
+
+    @property
+    def device_mesh(self) -> DeviceMesh:
+        if self._device_mesh is None:
+            raise RuntimeError("The device mesh exists once the processes are initialised (`setup_environment`).")
+        return self._device_mesh
+
+    @property
+    def root_device(self) -> torch.device:
+        assert self.parallel_devices is not None
+        return self.parallel_devices[self.local_rank]
+
+    @property
+    def num_processes(self) -> int:
+        return len(self.parallel_devices) if self.parallel_devices is not None else 0
+
+    @property
+    def is_distributed(self) -> bool:
+        """Tells Lightning to sync logged values and to use distributed samplers."""
+        return True
+
+    @property
+    def process_group_backend(self) -> str | None:
+        return self._process_group_backend
+
+    @property
+    def distributed_sampler_kwargs(self) -> dict[str, Any]:
+        # FSDP and HSDP are both data parallel over every rank: the data-parallel rank is the flat mesh index.
+        mesh = self.device_mesh
+        if mesh.ndim == 1:
+            return {"num_replicas": mesh.size(), "rank": mesh.get_local_rank()}
+        rank = mesh.get_local_rank("replicate") * mesh["shard"].size() + mesh.get_local_rank("shard")
+        return {"num_replicas": mesh.size(), "rank": rank}
+
+    @property
+    def restore_checkpoint_after_setup(self) -> bool:
+        return True
+
+    @property
+    def lightning_restore_optimizer(self) -> bool:
+        return False
+
+    @property
+    def precision_plugin(self) -> Precision:
+        return self._precision_plugin if self._precision_plugin is not None else MMFSDP2Precision()
+
+    @precision_plugin.setter
+    def precision_plugin(self, plugin: Precision | None) -> None:
+        if plugin is not None and not isinstance(plugin, MMFSDP2Precision):
+            if type(plugin).__name__ not in _STOCK_PRECISION:
+                raise TypeError(
+                    f"MMFSDP2Strategy handles precision itself and cannot use {type(plugin).__name__}; pass "
+                    "Trainer(precision=...) or MMFSDP2Precision"
+                )
+            plugin = MMFSDP2Precision(str(plugin.precision))
+        self._precision_plugin = plugin
+
+    # ------------------------------------------------------------------------------------- launching
+    def _configure_launcher(self) -> None:
+        assert self.cluster_environment is not None
+        if self._given_config is not None:
+            self._given_config.resolve_sharding_size(self.num_nodes * self.num_processes)  # fail before launching
+        if not self.cluster_environment.creates_processes_externally:
+            self._launcher = _SubprocessScriptLauncher(self.cluster_environment, self.num_processes, self.num_nodes)
+
+    def set_world_ranks(self) -> None:
+        if self.cluster_environment is not None:
+            self.cluster_environment.set_global_rank(self.node_rank * self.num_processes + self.local_rank)
+            self.cluster_environment.set_world_size(self.num_nodes * self.num_processes)
+        rank_zero_only.rank = utils_rank_zero_only.rank = self.global_rank
+
+    def setup_environment(self) -> None:
+        super().setup_environment()
+        reset_seed()
+        self.set_world_ranks()
+        config = self.fsdp2_config
+        if self._process_group_backend is None:
+            self._process_group_backend = process_group_backend(self.root_device, config.offload_to_cpu)
+        self._init_process_group()
+        sharding = config.resolve_sharding_size(self.world_size)
+        self._device_mesh = apply.build_device_mesh(self.world_size, sharding, self.root_device.type)
+        assert self.lightning_module is not None
+        self.lightning_module._device_mesh = self._device_mesh
+
+    def _init_process_group(self) -> None:
+        if dist.is_initialized():
+            return
+        env = self.cluster_environment
+        assert env is not None
+        os.environ["MASTER_ADDR"] = env.main_address
+        os.environ["MASTER_PORT"] = str(env.main_port)
+        kwargs: dict[str, Any] = {"timeout": self._timeout}
+        if self.root_device.type != "cpu":
+            kwargs["device_id"] = self.root_device
+        dist.init_process_group(self._process_group_backend, rank=self.global_rank, world_size=self.world_size,
+                                **kwargs)
+        rank_zero_info(f"MMFSDP2Strategy: {self.world_size} processes, backend {self._process_group_backend}")
+
+    def _config_from_module(self) -> FSDP2Config:
+        module_config = getattr(self.lightning_module, "fsdp2_config", None)
+        if module_config is not None:
+            return FSDP2Config.load(module_config)
+        return FSDP2Config(sharding_size="auto")
+
+    # ------------------------------------------------------------------------------- model building
+    @contextmanager
+    def tensor_init_context(self, empty_init: bool | None = None) -> Generator[None, None, None]:
+        """Parameters created here go to the meta device (buffers stay real) unless ``empty_init=False``."""
+        meta = self._empty_init if empty_init is None else empty_init
+        with self.precision_plugin.tensor_init_context():
+            if meta:
+                with meta_parameters():
+                    yield
+            else:
+                yield
+
+    def _sharding_target(self) -> nn.Module:
+        """The module the config's paths are relative to."""
+        lm = self.lightning_module
+        assert lm is not None
+        from lightning_mm.modules.lightning_module import MMLightningModule
+
+        if isinstance(lm, MMLightningModule):
+            if lm.model is None:
+                raise RuntimeError("MMLightningModule.model_provider() did not build a model (self.model is None)")
+            return lm.model
+        return lm
+
+    def setup(self, trainer: pl.Trainer) -> None:
+        assert self.model is not None
+        assert self.accelerator is not None
+        self.accelerator.setup(trainer)
+        root = self.lightning_module
+        assert root is not None
+        if not isinstance(root, FSDPModule):
+            self._shard(root)
+        self.barrier()
+        if trainer.state.fn == TrainerFn.FITTING:
+            self._reset_optimizers_and_schedulers()
+            self.setup_optimizers(trainer)
+        self.setup_precision_plugin()
+
+    def _shard(self, root: pl.LightningModule) -> None:
+        target = self._sharding_target()
+        config = self.fsdp2_config
+        precision = resolve_mixed_precision(config, str(self.precision_plugin.precision))
+        root_converted = self.precision_plugin.convert_module(root)
+        assert root_converted is root
+        self._plan = plan = build_plan(config, target, self.world_size, precision)
+        rank_zero_info(plan.describe())
+
+        ignored_modules = [target.get_submodule(p) for p in plan.ignored]
+        ignored = apply.ignored_parameters(target, plan)
+        self._ignored_params = [p for p in ignored if p.requires_grad]
+        kwargs = apply.fsdp_kwargs(plan, self.device_mesh, ignored)
+        apply.apply_recompute(target, plan)
+        apply.apply_ignored_input_cast(ignored_modules, plan)
+        custom = getattr(target, "_fully_shard", None)
+        from lightning_mm.modules.mixins import FSDP2Mixin
+
+        if callable(custom) and type(target)._fully_shard is not FSDP2Mixin._fully_shard:
+            target.fsdp2_config = config
+            custom(fsdp2_kwargs=kwargs, fsdp2_config=config)
+            from torch.distributed.fsdp import fully_shard
+
+            fully_shard(root, **kwargs)
+        else:
+            apply.apply_fully_shard(target, root, plan, kwargs)
+
+        param_device = torch.device("cpu") if plan.offload_to_cpu else self.root_device
+        apply.materialize_and_init(root, target, param_device, self.root_device, ignored_modules)
+
+        units = apply.fsdp_units(root)
+        names = {id(m): (n or "<root>") for n, m in target.named_modules() if isinstance(m, FSDPModule)}
+        self._prefetch = apply.ExecutionOrderPrefetch(
+            root, units, plan.forward_prefetch, plan.backward_prefetch, names
+        )
+
+    # ---------------------------------------------------------------------------------------- steps
+    def _through_root(self, method: str, *args: Any, **kwargs: Any) -> Any:
+        """Run a LightningModule step as the FSDP root's forward, so FSDP's root hooks run around it."""
+        assert self.lightning_module is not None
+        return self._forward_redirection(self.lightning_module, self.lightning_module, method, *args, **kwargs)
+
+    def training_step(self, *args: Any, **kwargs: Any) -> Any:
+        with self.precision_plugin.train_step_context():
+            return self._through_root("training_step", *args, **kwargs)
+
+    def validation_step(self, *args: Any, **kwargs: Any) -> Any:
+        with self.precision_plugin.val_step_context():
+            return self._through_root("validation_step", *args, **kwargs)
+
+    def test_step(self, *args: Any, **kwargs: Any) -> Any:
+        with self.precision_plugin.test_step_context():
+            return self._through_root("test_step", *args, **kwargs)
+
+    def predict_step(self, *args: Any, **kwargs: Any) -> Any:
+        with self.precision_plugin.predict_step_context():
+            return self._through_root("predict_step", *args, **kwargs)
+
+    @contextmanager
+    def block_backward_sync(self) -> Generator[None, None, None]:
+        """Gradient accumulation: no reduce-scatter (and no ignored-gradient all-reduce) until the last micro-batch."""
+        root = self.lightning_module
+        if not isinstance(root, FSDPModule):
+            yield
+            return
+        root.set_requires_gradient_sync(False)
+        self._gradient_sync = False
+        try:
+            yield
+        finally:
+            root.set_requires_gradient_sync(True)
+            self._gradient_sync = True
+
+    def post_backward(self, closure_loss: Tensor) -> None:
+        if self._gradient_sync and self._ignored_params:
+            apply.all_reduce_gradients(self._ignored_params)
+
+    def model_to_device(self) -> None:
+        pass  # placement is part of sharding and materialisation
+
+    # ----------------------------------------------------------------------------------- collectives
+    def barrier(self, name: str | None = None) -> None:
+        if not dist.is_initialized():
+            return
+        if dist.get_backend() == "nccl":
+            dist.barrier(device_ids=[self.root_device.index])
+        else:
+            dist.barrier()
+
+    def broadcast(self, obj: Any, src: int = 0) -> Any:
+        if not dist.is_initialized():
+            return obj
+        box = [obj]
+        dist.broadcast_object_list(box, src)
+        return box[0]
+
+    def reduce(self, tensor: Tensor | Any, group: Any | None = None,
+               reduce_op: ReduceOp | str | None = "mean") -> Tensor | Any:
+        if isinstance(tensor, Tensor):
+            return _sync_ddp_if_available(tensor, group, reduce_op=reduce_op)
+        return tensor
+
+    def teardown(self) -> None:
+        assert self.cluster_environment is not None
+        assert self.accelerator is not None
+        self.cluster_environment.teardown()
+        self.precision_plugin.teardown()
+        self.accelerator.teardown()
+
+    # ----------------------------------------------------------------------------------- checkpoints
+    def lightning_module_state_dict(self) -> dict[str, Any]:
+        assert self.lightning_module is not None
+        return checkpoint.sharded_model_state(self.lightning_module)
+
+    def load_model_state_dict(self, checkpoint: Mapping[str, Any], strict: bool = True) -> None:
+        pass  # loaded by load_checkpoint
+
+    def optimizer_state(self, optimizer: Any) -> dict[str, Any]:
+        assert self.lightning_module is not None
+        return checkpoint.sharded_optimizer_state(self.lightning_module, optimizer)
+
+    def load_optimizer_state_dict(self, checkpoint: Mapping[str, Any]) -> None:
+        pass  # loaded by load_checkpoint
+
+    def save_checkpoint(self, checkpoint_dict: dict[str, Any], filepath: _PATH,
+                        storage_options: Any | None = None) -> None:
+        if storage_options is not None:
+            raise TypeError("MMFSDP2Strategy writes checkpoints with torch.distributed.checkpoint; "
+                            "`storage_options` is not supported")
+        path = Path(self.broadcast(str(filepath)))
+        checkpoint.save_dcp(checkpoint_dict, path, is_global_zero=self.is_global_zero)
+        self.barrier()
+
+    def load_checkpoint(self, checkpoint_path: _PATH, weights_only: bool | None = None) -> dict[str, Any]:
+        path = Path(self.broadcast(str(checkpoint_path)))
+        assert self.lightning_module is not None
+        return checkpoint.load_dcp(
+            path, self.lightning_module, self.optimizers, strict=self.lightning_module.strict_loading
+        )
+
+    def remove_checkpoint(self, filepath: _PATH) -> None:
+        if self.is_global_zero:
+            checkpoint.remove(Path(filepath))
+
+    @classmethod
+    def register_strategies(cls, strategy_registry: Any) -> None:
+        if cls.strategy_name not in strategy_registry:
+            strategy_registry.register(
+                cls.strategy_name, cls, description="FSDP2 driven by a MindSpeed MM fsdp2_config.yaml"
+            )

@@ -1,0 +1,72 @@
+"""Gradient-norm clipping that is correct for FSDP2's DTensor gradients, plain gradients, and HSDP meshes.
+
+``torch.nn.utils.clip_grad_norm_`` refuses a mix of DTensors and plain tensors (ignored modules) and of DTensors
+on different meshes. Here each gradient contributes its local ``sum |g|^p`` (or max), reduced only over the mesh
+dimensions along which it is sharded, so replicated copies are counted once.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable
+
+import torch
+import torch.distributed as dist
+from torch.distributed.tensor import DTensor, Shard
+
+__all__ = ["clip_grad_norm_", "total_grad_norm"]
+
+
+def _local_term(grad: torch.Tensor, norm_type: float) -> torch.Tensor:
+    local = grad.detach().float()
+    if local.numel() == 0:
+        return torch.zeros((), device=local.device)
+    if math.isinf(norm_type):
+        return local.abs().max()
+    return local.abs().pow(norm_type).sum()
+
+
+def total_grad_norm(parameters: Iterable[torch.Tensor], norm_type: float = 2.0) -> torch.Tensor:
+    """The global gradient norm over all ranks, as a plain scalar tensor (identical on every rank)."""
+    is_inf = math.isinf(norm_type)
+    # Group terms by the process groups they must be reduced over.
+    terms: dict[tuple, list[torch.Tensor]] = {}
+    groups: dict[tuple, list] = {}
+    device = None
+    for param in parameters:
+        grad = param.grad
+        if grad is None:
+            continue
+        if isinstance(grad, DTensor):
+            mesh = grad.device_mesh
+            dims = tuple(i for i, p in enumerate(grad.placements) if isinstance(p, Shard))
+            key = (id(mesh), dims)
+            groups.setdefault(key, [mesh.get_group(i) for i in dims])
+            term = _local_term(grad.to_local(), norm_type)
+        else:
+            key = ()
+            groups.setdefault(key, [])
+            term = _local_term(grad, norm_type)
+        device = term.device
+        terms.setdefault(key, []).append(term)
+    if device is None:
+        return torch.zeros(())
+    total = torch.zeros((), device=device)
+    for key, values in terms.items():
+        value = torch.stack([v.to(device) for v in values])
+        value = value.max() if is_inf else value.sum()
+        for group in groups[key]:
+            dist.all_reduce(value, op=dist.ReduceOp.MAX if is_inf else dist.ReduceOp.SUM, group=group)
+        total = torch.maximum(total, value) if is_inf else total + value
+    return total if is_inf else total.pow(1.0 / norm_type)
+
+
+def clip_grad_norm_(parameters: Iterable[torch.Tensor], max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
+    """Scale gradients in place so that their global norm is at most ``max_norm``; returns the norm before."""
+    parameters = [p for p in parameters if p.grad is not None]
+    total = total_grad_norm(parameters, norm_type)
+    coef = max_norm / (float(total) + 1e-6)
+    if coef < 1.0:
+        for param in parameters:
+            param.grad.mul_(coef)
+    return total

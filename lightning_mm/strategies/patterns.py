@@ -1,0 +1,127 @@
+"""The seed's module-path patterns: ``layers.{*}``, ``layers.{0-23}``, ``layers.{1,3,5}``, ``layers.{0-3,7}``.
+
+A pattern is a dotted path whose segments are either a literal child name or a brace group covering the whole
+segment. Resolving a pattern against a module tree is strict: anything that names no module is an error that
+shows the closest existing paths, because a silent miss leaves a model unsharded.
+"""
+
+from __future__ import annotations
+
+import difflib
+import re
+from dataclasses import dataclass
+
+from torch import nn
+
+__all__ = ["PatternError", "Segment", "parse_pattern", "resolve_pattern", "resolve_patterns"]
+
+
+class PatternError(ValueError):
+    """A module-path pattern that is malformed or resolves to nothing."""
+
+
+@dataclass(frozen=True)
+class Segment:
+    """One path segment: a literal name, every child (``{*}``) or a set of child indices."""
+
+    name: str | None = None
+    indices: tuple[int, ...] | None = None  # None with name None means "every child"
+
+    @property
+    def is_wildcard(self) -> bool:
+        return self.name is None and self.indices is None
+
+
+_ITEM = re.compile(r"^\s*(\d+)\s*(?:-\s*(\d+)\s*)?$")
+
+
+def _parse_braces(body: str, pattern: str) -> Segment:
+    if body.strip() == "*":
+        return Segment()
+    indices: list[int] = []
+    for item in body.split(","):
+        match = _ITEM.match(item)
+        if not match:
+            raise PatternError(
+                f"malformed brace group '{{{body}}}' in pattern '{pattern}': expected '*', integers, or ranges "
+                f"such as '{{0-23}}' or '{{1,3,5}}'"
+            )
+        start = int(match.group(1))
+        stop = int(match.group(2)) if match.group(2) is not None else start
+        if stop < start:
+            raise PatternError(f"descending range '{item.strip()}' in pattern '{pattern}'")
+        indices.extend(range(start, stop + 1))
+    return Segment(indices=tuple(dict.fromkeys(indices)))
+
+
+def parse_pattern(pattern: str) -> tuple[Segment, ...]:
+    """Split a pattern into segments, rejecting malformed braces and empty segments."""
+    if not isinstance(pattern, str) or not pattern.strip():
+        raise PatternError(f"empty module path pattern: {pattern!r}")
+    segments = []
+    for raw in pattern.strip().split("."):
+        if raw.startswith("{") and raw.endswith("}") and raw.count("{") == 1 and raw.count("}") == 1:
+            segments.append(_parse_braces(raw[1:-1], pattern))
+        elif "{" in raw or "}" in raw:
+            raise PatternError(
+                f"malformed braces in pattern '{pattern}': a brace group must be a whole path segment, "
+                f"as in 'layers.{{0-3}}'"
+            )
+        elif not raw:
+            raise PatternError(f"empty path segment in pattern '{pattern}'")
+        else:
+            segments.append(Segment(name=raw))
+    return tuple(segments)
+
+
+def _closest(root: nn.Module, wanted: str, n: int = 3) -> str:
+    names = [name for name, _ in root.named_modules() if name]
+    close = difflib.get_close_matches(wanted, names, n=n, cutoff=0.5)
+    if not close:
+        # Fall back to the siblings at the deepest existing prefix.
+        prefix = wanted
+        while prefix and prefix not in names:
+            prefix = prefix.rpartition(".")[0]
+        depth = prefix.count(".") + 1 if prefix else 0
+        close = [m for m in names if m.startswith(prefix) and m.count(".") == depth][:n]
+    return ", ".join(f"'{c}'" for c in close) if close else "(the model has no submodules)"
+
+
+def resolve_pattern(root: nn.Module, pattern: str) -> list[str]:
+    """All module paths under ``root`` that ``pattern`` names, in module order; an error if any part misses."""
+    frontier: list[tuple[str, nn.Module]] = [("", root)]
+    for segment in parse_pattern(pattern):
+        nxt: list[tuple[str, nn.Module]] = []
+        for prefix, module in frontier:
+            children = dict(module.named_children())
+            join = (lambda name, p=prefix: f"{p}.{name}" if p else name)
+            if segment.is_wildcard:
+                if not children:
+                    raise PatternError(
+                        f"pattern '{pattern}': '{prefix or '<model>'}' has no submodules for '{{*}}' to match; "
+                        f"closest paths: {_closest(root, prefix)}"
+                    )
+                nxt.extend((join(name), child) for name, child in children.items())
+                continue
+            wanted = [segment.name] if segment.name is not None else [str(i) for i in segment.indices or ()]
+            for name in wanted:
+                if name not in children:
+                    raise PatternError(
+                        f"pattern '{pattern}' resolves to no module at '{join(name)}'; "
+                        f"closest existing paths: {_closest(root, join(name))}"
+                    )
+                nxt.append((join(name), children[name]))
+        frontier = nxt
+    return [path for path, _ in frontier]
+
+
+def resolve_patterns(root: nn.Module, patterns: list[str], key: str = "patterns") -> list[str]:
+    """Resolve several patterns, keeping first-seen order and dropping duplicates; errors name ``key``."""
+    out: dict[str, None] = {}
+    for pattern in patterns:
+        try:
+            for path in resolve_pattern(root, pattern):
+                out[path] = None
+        except PatternError as err:
+            raise PatternError(f"`{key}`: {err}") from None
+    return list(out)

@@ -1,0 +1,278 @@
+"""Deciding the sharding: an FSDP2 config plus a (meta) model become a :class:`ShardingPlan`.
+
+The plan is pure data. Building it resolves every pattern, checks the config against the model, and works out
+which parameters each FSDP unit owns (grouping units that share a parameter), all without processes, so it can
+be printed, tested and checked before any cluster time is spent. :mod:`lightning_mm.strategies.apply` does.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+from torch import nn
+
+from lightning_mm.strategies.config import FSDP2Config, FSDP2ConfigError
+from lightning_mm.strategies.patterns import PatternError, resolve_patterns
+
+__all__ = ["ShardUnit", "ShardingPlan", "MixedPrecision", "build_plan", "mesh_layout"]
+
+ROOT = ""
+
+
+def mesh_layout(world_size: int, sharding_size: int) -> tuple[tuple[int, ...], tuple[str, ...]]:
+    """Mesh shape and dimension names: ``(shard,)`` for FSDP, ``(replicate, shard)`` for HSDP."""
+    if sharding_size == world_size:
+        return (world_size,), ("shard",)
+    return (world_size // sharding_size, sharding_size), ("replicate", "shard")
+
+
+@dataclass(frozen=True)
+class ShardUnit:
+    """One ``fully_shard`` call: usually one module, several when they share parameters (tied weights)."""
+
+    modules: tuple[str, ...]
+    num_params: int
+
+    @property
+    def name(self) -> str:
+        return " + ".join(self.modules)
+
+
+@dataclass(frozen=True)
+class MixedPrecision:
+    """The dtypes FSDP2 uses, already reconciled with the Trainer's ``precision``."""
+
+    param_dtype: torch.dtype | None = None
+    reduce_dtype: torch.dtype | None = None
+    output_dtype: torch.dtype | None = None
+    cast_forward_inputs: bool = True
+
+
+@dataclass(frozen=True)
+class ShardingPlan:
+    """What the strategy will do to the model, in the order it does it."""
+
+    world_size: int
+    sharding_size: int
+    units: tuple[ShardUnit, ...]
+    """Sub-module units in application order (children before parents); the root unit comes after them."""
+    root_params: int
+    ignored: tuple[str, ...]
+    ignored_params: int
+    recompute: tuple[str, ...]
+    forward_prefetch: int
+    backward_prefetch: int
+    precision: MixedPrecision
+    reshard_after_forward: bool
+    offload_to_cpu: bool
+    pin_memory: bool
+    use_reentrant: bool
+    notes: tuple[str, ...] = field(default=())
+
+    @property
+    def mesh_shape(self) -> tuple[int, ...]:
+        return mesh_layout(self.world_size, self.sharding_size)[0]
+
+    @property
+    def mesh_dim_names(self) -> tuple[str, ...]:
+        return mesh_layout(self.world_size, self.sharding_size)[1]
+
+    @property
+    def is_hsdp(self) -> bool:
+        return len(self.mesh_shape) == 2
+
+    @property
+    def unit_modules(self) -> tuple[str, ...]:
+        return tuple(m for unit in self.units for m in unit.modules)
+
+    def describe(self) -> str:
+        """A readable summary: mesh, units with their parameter counts, ignored and recomputed modules."""
+        def dt(d: torch.dtype | None) -> str:
+            return str(d).removeprefix("torch.") if d is not None else "model dtype"
+
+        mesh = " x ".join(f"{n}={s}" for n, s in zip(self.mesh_dim_names, self.mesh_shape))
+        kind = "HSDP" if self.is_hsdp else "FSDP"
+        lines = [
+            f"FSDP2 sharding plan: {kind}, world size {self.world_size}, mesh ({mesh})",
+            f"  precision: param {dt(self.precision.param_dtype)}, reduce {dt(self.precision.reduce_dtype)}, "
+            f"output {dt(self.precision.output_dtype)}, cast_forward_inputs={self.precision.cast_forward_inputs}",
+            f"  reshard_after_forward={self.reshard_after_forward}, offload_to_cpu={self.offload_to_cpu}"
+            f"{', pin_memory' if self.pin_memory else ''}",
+            f"  units ({len(self.units)} + root, in wrapping order):",
+        ]
+        lines += [f"    {u.name:<60} {u.num_params:>14,} params" for u in self.units]
+        lines.append(f"    {'<root>':<60} {self.root_params:>14,} params")
+        lines.append(
+            f"  ignored ({self.ignored_params:,} params, gradients all-reduced): {', '.join(self.ignored) or '-'}"
+        )
+        reentrant = "reentrant" if self.use_reentrant else "non-reentrant"
+        lines.append(f"  recomputed ({reentrant}): {', '.join(self.recompute) or '-'}")
+        lines.append(
+            f"  prefetch: forward {self.forward_prefetch}, backward {self.backward_prefetch} "
+            "(units in execution order, taken from the first forward pass)"
+        )
+        lines += [f"  note: {n}" for n in self.notes]
+        return "\n".join(lines)
+
+
+def _is_under(path: str, ancestor: str) -> bool:
+    return ancestor == ROOT or path == ancestor or path.startswith(ancestor + ".")
+
+
+def _owner(path: str, candidates: list[str]) -> str:
+    """The deepest candidate module that contains ``path`` (``ROOT`` if none)."""
+    best = ROOT
+    for candidate in candidates:
+        if _is_under(path, candidate) and len(candidate) > len(best):
+            best = candidate
+    return best
+
+
+def _module_of(param_path: str) -> str:
+    return param_path.rpartition(".")[0]
+
+
+def _resolve(model: nn.Module, config: FSDP2Config, key: str) -> list[str]:
+    try:
+        return resolve_patterns(model, getattr(config, key), key)
+    except PatternError as err:
+        where = f" in {config.source}" if config.source else ""
+        raise FSDP2ConfigError(f"FSDP2 config{where}: {err}") from None
+
+
+def _check_overlaps(wrapped: list[str], ignored: list[str], config: FSDP2Config) -> None:
+    where = f" in {config.source}" if config.source else ""
+    for unit in wrapped:
+        for ign in ignored:
+            if _is_under(unit, ign):
+                raise FSDP2ConfigError(
+                    f"FSDP2 config{where}: `sub_modules_to_wrap` module '{unit}' is inside `ignored_modules` "
+                    f"module '{ign}'; a module cannot be both sharded and ignored"
+                )
+
+
+class _UnionFind:
+    def __init__(self) -> None:
+        self.parent: dict[str, str] = {}
+
+    def find(self, x: str) -> str:
+        self.parent.setdefault(x, x)
+        while self.parent[x] != x:
+            self.parent[x] = self.parent[self.parent[x]]
+            x = self.parent[x]
+        return x
+
+    def union(self, a: str, b: str) -> None:
+        self.parent[self.find(a)] = self.find(b)
+
+
+def _group_shared_parameters(
+    model: nn.Module, wrapped: list[str], ignored: list[str], config: FSDP2Config
+) -> tuple[list[tuple[str, ...]], list[str]]:
+    """Group units that own the same parameter object; a unit nested in its partner dissolves into it."""
+    paths_by_param: dict[int, list[str]] = {}
+    for path, param in model.named_parameters(remove_duplicate=False):
+        paths_by_param.setdefault(id(param), []).append(path)
+
+    shared: list[list[str]] = []
+    for paths in paths_by_param.values():
+        in_ignored = [any(_is_under(p, ign) for ign in ignored) for p in paths]
+        if any(in_ignored) and not all(in_ignored):
+            where = f" in {config.source}" if config.source else ""
+            raise FSDP2ConfigError(
+                f"FSDP2 config{where}: parameter shared by {sorted(paths)} is partly in `ignored_modules`; "
+                "ignore every module that uses it or none"
+            )
+        if len(paths) > 1 and not any(in_ignored):
+            shared.append(paths)
+
+    notes: list[str] = []
+    units = list(wrapped)
+    changed = True
+    while changed:  # dropping a unit can change the owners of other shared parameters
+        changed = False
+        for paths in shared:
+            owners = {_owner(_module_of(p), units) for p in paths}
+            for inner in sorted(owners):
+                outer = next((o for o in owners if o != inner and _is_under(inner, o)), None)
+                if outer is not None and inner in units:
+                    units.remove(inner)
+                    enclosing = "the root" if outer == ROOT else repr(outer)
+                    notes.append(
+                        f"'{inner}' shares parameters ({', '.join(sorted(paths))}) with {enclosing}; "
+                        "not wrapped as a unit of its own"
+                    )
+                    changed = True
+
+    uf = _UnionFind()
+    for paths in shared:
+        owners = sorted({_owner(_module_of(p), units) for p in paths})
+        for other in owners[1:]:
+            uf.union(owners[0], other)
+    groups: dict[str, list[str]] = {}
+    for unit in units:
+        groups.setdefault(uf.find(unit), []).append(unit)
+    result = []
+    for members in groups.values():
+        if len(members) > 1:
+            notes.append(f"grouped {', '.join(members)} into one FSDP unit: they share parameters (tied weights)")
+        result.append(tuple(members))
+    return result, notes
+
+
+def _count_params(model: nn.Module, groups: list[tuple[str, ...]], ignored: list[str]) -> tuple[list[int], int, int]:
+    unit_of = {m: i for i, group in enumerate(groups) for m in group}
+    flat = list(unit_of)
+    counts = [0] * len(groups)
+    root = ignored_count = 0
+    for path, param in model.named_parameters():  # each parameter object once
+        if any(_is_under(path, ign) for ign in ignored):
+            ignored_count += param.numel()
+            continue
+        owner = _owner(_module_of(path), flat)
+        if owner == ROOT:
+            root += param.numel()
+        else:
+            counts[unit_of[owner]] += param.numel()
+    return counts, root, ignored_count
+
+
+def build_plan(
+    config: FSDP2Config,
+    model: nn.Module,
+    world_size: int,
+    precision: MixedPrecision | None = None,
+) -> ShardingPlan:
+    """Resolve ``config`` against ``model`` for ``world_size`` ranks; every problem is a clear error here."""
+    sharding_size = config.resolve_sharding_size(world_size)
+    wrapped = _resolve(model, config, "sub_modules_to_wrap")
+    ignored = _resolve(model, config, "ignored_modules")
+    recompute = _resolve(model, config, "recompute_modules")
+    _check_overlaps(wrapped, ignored, config)
+
+    groups, notes = _group_shared_parameters(model, wrapped, ignored, config)
+    # Children before parents: a parent's fully_shard must see its children already sharded.
+    groups.sort(key=lambda g: -max(m.count(".") + 1 for m in g))
+    counts, root_params, ignored_params = _count_params(model, groups, ignored)
+    if precision is None:
+        precision = MixedPrecision(
+            config.param_dtype, config.reduce_dtype, config.output_dtype, config.cast_forward_inputs
+        )
+    return ShardingPlan(
+        world_size=world_size,
+        sharding_size=sharding_size,
+        units=tuple(ShardUnit(g, n) for g, n in zip(groups, counts)),
+        root_params=root_params,
+        ignored=tuple(ignored),
+        ignored_params=ignored_params,
+        recompute=tuple(recompute),
+        forward_prefetch=config.num_to_forward_prefetch,
+        backward_prefetch=config.num_to_backward_prefetch,
+        precision=precision,
+        reshard_after_forward=config.reshard_after_forward,
+        offload_to_cpu=config.offload_to_cpu,
+        pin_memory=config.pin_memory,
+        use_reentrant=config.use_reentrant,
+        notes=tuple(notes),
+    )

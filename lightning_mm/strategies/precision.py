@@ -1,0 +1,111 @@
+"""One place where the Trainer's ``precision`` and the YAML dtypes become FSDP2's mixed-precision policy.
+
+FSDP2 does mixed precision itself (parameters cast per unit, gradients reduced in ``reduce_dtype``), so the
+precision plugin here never autocasts; it converts the module for the ``*-true`` modes and clips gradients
+correctly over DTensors.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Generator, Iterable
+from contextlib import contextmanager, nullcontext
+from typing import Any
+
+import torch
+from lightning.fabric.utilities.types import Optimizable
+from lightning.pytorch.plugins.precision import Precision
+from lightning_utilities.core.apply_func import apply_to_collection
+from torch import nn
+from torch.optim import Optimizer
+
+from lightning_mm.strategies.config import FSDP2Config, FSDP2ConfigError
+from lightning_mm.strategies.grad_clip import clip_grad_norm_
+from lightning_mm.strategies.plan import MixedPrecision
+
+__all__ = ["MMFSDP2Precision", "resolve_mixed_precision", "SUPPORTED_PRECISION"]
+
+SUPPORTED_PRECISION = ("32-true", "bf16-mixed", "bf16-true", "16-true")
+_TRUE_DTYPES = {"bf16-true": torch.bfloat16, "16-true": torch.float16}
+
+
+def _check_supported(precision: str) -> None:
+    if precision == "16-mixed":
+        raise ValueError(
+            "MMFSDP2Strategy does not support precision='16-mixed': fp16 autocast needs a sharded gradient scaler, "
+            "which this strategy does not provide. Use precision='bf16-mixed' (bf16 parameters, fp32 reduction), "
+            "or set `param_dtype: fp16` in the FSDP2 YAML if you handle loss scaling yourself."
+        )
+    if precision not in SUPPORTED_PRECISION:
+        raise ValueError(
+            f"MMFSDP2Strategy does not support precision={precision!r}; supported: {', '.join(SUPPORTED_PRECISION)}"
+        )
+
+
+def resolve_mixed_precision(config: FSDP2Config, precision: str = "32-true") -> MixedPrecision:
+    """Reconcile the Trainer ``precision`` with the YAML dtypes; explicit YAML dtypes win, contradictions fail.
+
+    ``bf16-mixed`` with no dtypes in the YAML means bf16 parameters and fp32 gradient reduction. A ``bf16-*`` or
+    ``16-*`` precision next to a different ``param_dtype`` in the YAML is a contradiction and an error.
+    """
+    _check_supported(precision)
+    param, reduce = config.param_dtype, config.reduce_dtype
+    wanted = {"bf16-mixed": torch.bfloat16, **_TRUE_DTYPES}.get(precision)
+    if wanted is not None and param is not None and param != wanted:
+        where = f" in {config.source}" if config.source else ""
+        raise FSDP2ConfigError(
+            f"FSDP2 config key `param_dtype`{where} is {str(param).removeprefix('torch.')}, which contradicts "
+            f"Trainer(precision={precision!r}); remove one of them or make them agree"
+        )
+    if precision == "bf16-mixed" and param is None:
+        param = torch.bfloat16
+        reduce = reduce if reduce is not None else torch.float32
+    return MixedPrecision(param, reduce, config.output_dtype, config.cast_forward_inputs)
+
+
+class MMFSDP2Precision(Precision):
+    """Precision plugin for :class:`~lightning_mm.MMFSDP2Strategy`: no autocast, DTensor-aware clipping."""
+
+    def __init__(self, precision: str = "32-true") -> None:
+        _check_supported(precision)
+        self.precision = precision  # type: ignore[assignment]
+        self._true_dtype = _TRUE_DTYPES.get(precision)
+
+    def convert_module(self, module: nn.Module) -> nn.Module:
+        return module.to(self._true_dtype) if self._true_dtype is not None else module
+
+    @contextmanager
+    def tensor_init_context(self) -> Generator[None, None, None]:
+        if self._true_dtype is None:
+            yield
+            return
+        previous = torch.get_default_dtype()
+        torch.set_default_dtype(self._true_dtype)
+        try:
+            yield
+        finally:
+            torch.set_default_dtype(previous)
+
+    @contextmanager
+    def module_init_context(self) -> Generator[None, None, None]:
+        with self.tensor_init_context():
+            yield
+
+    def forward_context(self) -> Any:
+        return nullcontext()
+
+    def convert_input(self, data: Any) -> Any:
+        if self._true_dtype is None:
+            return data
+        return apply_to_collection(
+            data, torch.Tensor, lambda t: t.to(self._true_dtype) if torch.is_floating_point(t) else t
+        )
+
+    def clip_grad_by_norm(self, optimizer: Optimizer, clip_val: int | float) -> None:
+        clip_grad_norm_(_params(optimizer), float(clip_val))
+
+    def main_params(self, optimizer: Optimizable) -> Iterable[torch.Tensor]:
+        return _params(optimizer)
+
+
+def _params(optimizer: Any) -> list[torch.Tensor]:
+    return [p for group in optimizer.param_groups for p in group["params"]]
