@@ -181,7 +181,8 @@ class ExecutionOrderPrefetch:
                 unit.set_modules_to_forward_prefetch(order[i + 1 : i + 1 + self.forward])
         reverse = order[::-1]
         for i, unit in enumerate(reverse):
-            unit.set_modules_to_backward_prefetch(reverse[i + 1 : i + 1 + self.backward])
+            if self.backward:  # 0 keeps FSDP2's implicit prefetch of the previous unit
+                unit.set_modules_to_backward_prefetch(reverse[i + 1 : i + 1 + self.backward])
         if self.order:
             log.info("FSDP2 prefetch order (forward): %s", " -> ".join(self.name(u) for u in self.order))
 

@@ -12,7 +12,7 @@ import os
 from collections.abc import Mapping
 from dataclasses import dataclass, field, fields
 from pathlib import Path
-from typing import Any, Literal, Union
+from typing import Any, Literal
 
 import torch
 import yaml
@@ -37,8 +37,8 @@ _DTYPE_NAMES: dict[str, torch.dtype] = {
 
 
 def parse_dtype(value: Any, key: str = "dtype") -> torch.dtype | None:
-    """Turn ``bf16``/``fp16``/``fp32`` (or a torch dtype or its name) into a ``torch.dtype``; ``None`` stays ``None``."""
-    if value is None or isinstance(value, torch.dtype) and value in _DTYPE_NAMES.values():
+    """Turn ``bf16``/``fp16``/``fp32`` (or a torch dtype or its name) into a ``torch.dtype``; ``None`` stays."""
+    if value is None or (isinstance(value, torch.dtype) and value in _DTYPE_NAMES.values()):
         return value
     if isinstance(value, str):
         name = value.strip().lower().removeprefix("torch.")
@@ -65,7 +65,7 @@ class FSDP2Config:
     Build it in Python, with :meth:`from_dict` or with :meth:`from_yaml`; all three validate the values.
     """
 
-    sharding_size: Union[Literal["auto"], int] = 1
+    sharding_size: Literal["auto"] | int = 1
     param_dtype: torch.dtype | None = None
     reduce_dtype: torch.dtype | None = None
     output_dtype: torch.dtype | None = None
@@ -91,7 +91,9 @@ class FSDP2Config:
         """Build a config from a mapping; unknown keys are an error suggesting the nearest valid key."""
         where = f" in {source}" if source else ""
         if not isinstance(data, Mapping):
-            raise FSDP2ConfigError(f"FSDP2 config{where} must be a mapping of keys to values, got {type(data).__name__}")
+            raise FSDP2ConfigError(
+                f"FSDP2 config{where} must be a mapping of keys to values, got {type(data).__name__}"
+            )
         known = [f.name for f in fields(cls) if f.name != "source"]
         for key in data:
             if not isinstance(key, str) or key not in known:

@@ -262,7 +262,6 @@ class MMFSDP2Strategy(ParallelStrategy):
 
         ignored_modules = [target.get_submodule(p) for p in plan.ignored]
         ignored = apply.ignored_parameters(target, plan)
-        self._ignored_params = [p for p in ignored if p.requires_grad]
         kwargs = apply.fsdp_kwargs(plan, self.device_mesh, ignored)
         apply.apply_recompute(target, plan)
         apply.apply_ignored_input_cast(ignored_modules, plan)
@@ -280,6 +279,8 @@ class MMFSDP2Strategy(ParallelStrategy):
 
         param_device = torch.device("cpu") if plan.offload_to_cpu else self.root_device
         apply.materialize_and_init(root, target, param_device, self.root_device, ignored_modules)
+        # Collected after materialisation, which may replace parameter objects.
+        self._ignored_params = [p for m in ignored_modules for p in m.parameters() if p.requires_grad]
 
         units = apply.fsdp_units(root)
         names = {id(m): (n or "<root>") for n, m in target.named_modules() if isinstance(m, FSDPModule)}

@@ -94,7 +94,10 @@ def resolve_pattern(root: nn.Module, pattern: str) -> list[str]:
         nxt: list[tuple[str, nn.Module]] = []
         for prefix, module in frontier:
             children = dict(module.named_children())
-            join = (lambda name, p=prefix: f"{p}.{name}" if p else name)
+
+            def join(name: str, p: str = prefix) -> str:
+                return f"{p}.{name}" if p else name
+
             if segment.is_wildcard:
                 if not children:
                     raise PatternError(

@@ -108,11 +108,15 @@ class ShardingPlan:
         )
         reentrant = "reentrant" if self.use_reentrant else "non-reentrant"
         lines.append(f"  recomputed ({reentrant}): {', '.join(self.recompute) or '-'}")
+        backward = str(self.backward_prefetch) if self.backward_prefetch else "FSDP2 default (1, implicit)"
         lines.append(
-            f"  prefetch: forward {self.forward_prefetch}, backward {self.backward_prefetch} "
+            f"  prefetch: forward {self.forward_prefetch}, backward {backward} "
             "(units in execution order, taken from the first forward pass)"
         )
         lines += [f"  note: {n}" for n in self.notes]
+        if self.sharding_size == 1 and self.world_size > 1:
+            lines.append("  note: sharding_size 1 (the seed's default): parameters are replicated, not sharded; "
+                         "set `sharding_size: auto` to shard over all ranks")
         return "\n".join(lines)
 
 

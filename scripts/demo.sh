@@ -1,0 +1,6 @@
+#!/usr/bin/env bash
+# Installs (scripts/install.sh) and trains the demo: the seed's fsdp2_config.yaml on 2 CPU processes.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+bash scripts/install.sh
+.venv/bin/python examples/custom_model/train.py "$@"

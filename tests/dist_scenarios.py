@@ -1,0 +1,395 @@
+"""Multi-process scenarios for the tests: ``python tests/dist_scenarios.py SCENARIO OUTDIR``.
+
+Each scenario trains with ``Trainer(accelerator="cpu", devices=2)``; Lightning's launcher re-runs this script
+for rank 1, so collectives are real (gloo, explicit CPU mesh). Every rank writes what it observed to
+``OUTDIR/SCENARIO.rank{R}.json``; the pytest side asserts on those files. Nothing here is mocked.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+from pathlib import Path
+from typing import Any
+
+import lightning as L
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.distributed.tensor import DTensor
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "examples" / "custom_model"))
+
+from model import TinyVLM, TinyVLMConfig  # noqa: E402
+
+from lightning_mm import MMDataModule, MMFSDP2Strategy, MMLightningModule  # noqa: E402
+from lightning_mm.modules import FSDP2Mixin, MultiModalModule, WeightInitMixin  # noqa: E402
+
+SEED_YAML = ROOT / "examples" / "custom_model" / "fsdp2_config.yaml"
+
+
+# ------------------------------------------------------------------------------------------- data
+class CaptionData(torch.utils.data.Dataset):
+    def __init__(self, n: int = 64, seq: int = 12, vocab: int = 256) -> None:
+        self.n, self.seq, self.vocab = n, seq, vocab
+
+    def __len__(self) -> int:
+        return self.n
+
+    def __getitem__(self, i: int) -> dict[str, torch.Tensor]:
+        # Learnable: four caption patterns, each a run of consecutive tokens.
+        g = torch.Generator().manual_seed(i)
+        ids = (torch.arange(self.seq) * (1 + i % 4) + 7 * (i % 4)) % self.vocab
+        return {"images": torch.randn(3, 32, 32, generator=g), "input_ids": ids, "labels": ids}
+
+
+class RegressionData(torch.utils.data.Dataset):
+    def __init__(self, n: int = 64, dim: int = 16) -> None:
+        g = torch.Generator().manual_seed(123)
+        self.x = torch.randn(n, dim, generator=g)
+        self.y = torch.randn(n, 1, generator=g)
+
+    def __len__(self) -> int:
+        return len(self.x)
+
+    def __getitem__(self, i: int) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.x[i], self.y[i]
+
+
+def trainer(strategy: Any, max_steps: int, **kwargs: Any) -> L.Trainer:
+    defaults = dict(
+        accelerator="cpu", devices=2, max_steps=max_steps, logger=False, enable_checkpointing=False,
+        enable_progress_bar=False, enable_model_summary=False, num_sanity_val_steps=0, log_every_n_steps=1,
+    )
+    defaults.update(kwargs)
+    return L.Trainer(strategy=strategy, **defaults)
+
+
+class LossRecorder(L.Callback):
+    def __init__(self) -> None:
+        self.losses: list[float] = []
+
+    def on_train_batch_end(self, trainer: L.Trainer, pl_module: Any, outputs: Any, batch: Any, idx: int) -> None:
+        loss = outputs["loss"] if isinstance(outputs, dict) else outputs
+        self.losses.append(float(loss.detach()))
+
+
+def local(t: torch.Tensor) -> torch.Tensor:
+    return t.to_local() if isinstance(t, DTensor) else t
+
+
+def full(t: torch.Tensor) -> torch.Tensor:
+    return t.full_tensor() if isinstance(t, DTensor) else t
+
+
+def dump(name: str, outdir: str, rank: int, data: dict[str, Any]) -> None:
+    Path(outdir, f"{name}.rank{rank}.json").write_text(json.dumps(data, indent=1))
+
+
+# --------------------------------------------------------------------------- seed YAML on TinyVLM
+class SeedModule(MMLightningModule):
+    def model_provider(self) -> nn.Module:
+        return TinyVLM(TinyVLMConfig())
+
+
+def _watch_forward(block: nn.Module, log: list) -> None:
+    """Record every run of ``block.qkv`` (recomputation included): input dtype, weight dtype, grad mode."""
+    def hook(mod: nn.Module, args: tuple) -> None:
+        log.append({"input": str(args[0].dtype), "weight": str(mod.weight.dtype), "grad": torch.is_grad_enabled()})
+
+    block.qkv.register_forward_pre_hook(hook)
+
+
+def scenario_seed_yaml(outdir: str) -> None:
+    """The seed's fsdp2_config.yaml verbatim: shard shapes, dtypes, recompute, ignored sync, prefetch, buffers."""
+    torch.manual_seed(0)
+    module = SeedModule(lr=1e-2)
+    calls: list = []
+
+    class Observe(L.Callback):
+        def on_fit_start(self, trainer: L.Trainer, pl_module: Any) -> None:
+            model = pl_module.model
+            _watch_forward(model.text_decoder.decoder.layers[0], calls)
+            self.setup_obs = {
+                "qkv_local_shape": list(local(model.text_decoder.decoder.layers[0].qkv.weight).shape),
+                "qkv_global_shape": list(model.text_decoder.decoder.layers[0].qkv.weight.shape),
+                "embedding_is_dtensor": isinstance(model.text_decoder.embedding.weight, DTensor),
+                "image_encoder_is_dtensor": any(isinstance(p, DTensor) for p in model.image_encoder.parameters()),
+                "any_meta": any(local(p).is_meta for p in pl_module.parameters()),
+                "norm_weight_ones": bool(torch.all(local(model.text_decoder.decoder.final_norm.weight) == 1)),
+                "any_nan": any(bool(torch.isnan(local(p)).any()) for p in pl_module.parameters()),
+                "inv_freq": model.text_decoder.rotary_pos_emb.inv_freq.tolist(),
+                "mesh": list(trainer.strategy.device_mesh.shape),
+                "plan": trainer.strategy.plan.describe(),
+            }
+
+    observe = Observe()
+    recorder = LossRecorder()
+    t = trainer(MMFSDP2Strategy(fsdp2_config=str(SEED_YAML)), max_steps=6, callbacks=[observe, recorder])
+    t.fit(module, datamodule=MMDataModule(train_dataset=CaptionData(), batch_size=4))
+
+    model = module.model
+    units = {id(m): n for n, m in model.named_modules()}
+    layers = model.text_decoder.decoder.layers
+    fwd = [[units.get(id(m), "?") for m in _prefetch_modules(layers[0], "forward")]]
+    bwd = [[units.get(id(m), "?") for m in _prefetch_modules(layers[1], "backward")]]
+    observed_order = [t.strategy._prefetch.name(u) for u in t.strategy._prefetch.order]
+    dump("seed_yaml", outdir, t.global_rank, {
+        **observe.setup_obs,
+        "forward_calls_layer0": len(calls),
+        "forward_calls_with_grad": sum(c["grad"] for c in calls),
+        "dtypes": calls[0],
+        "losses": recorder.losses,
+        "image_encoder_weights": [float(p.detach().double().sum()) for p in model.image_encoder.parameters()],
+        "layer0_full_sum": float(full(layers[0].qkv.weight).detach().double().sum()),
+        "prefetch_forward_layer0": fwd[0],
+        "prefetch_backward_layer1": bwd[0],
+        "prefetch_order": observed_order,
+    })
+
+
+def _prefetch_modules(module: nn.Module, kind: str) -> list[nn.Module]:
+    state = module._get_fsdp_state()
+    states = state._states_to_forward_prefetch if kind == "forward" else state._states_to_backward_prefetch
+    return [s._modules[0] for s in states]
+
+
+# ------------------------------------------------------------------------ parity with DDP (plain LM)
+class MLP(L.LightningModule):
+    """A plain LightningModule: config paths are relative to it."""
+
+    def __init__(self, lr: float = 0.05) -> None:
+        super().__init__()
+        torch.manual_seed(42)
+        self.layers = nn.ModuleList([nn.Linear(16, 32), nn.Linear(32, 32), nn.Linear(32, 32)])
+        self.head = nn.Linear(32, 1)
+        self.lr = lr
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for layer in self.layers:
+            x = torch.tanh(layer(x))
+        return self.head(x)
+
+    def training_step(self, batch: Any, idx: int) -> torch.Tensor:
+        x, y = batch
+        return F.mse_loss(self(x), y)
+
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        return torch.optim.SGD(self.parameters(), lr=self.lr, momentum=0.9)
+
+
+def scenario_parity(outdir: str) -> None:
+    """Same model, seed and data under DDP and MMFSDP2 (FSDP, then HSDP); with clipping and accumulation."""
+    results: dict[str, Any] = {}
+    common = dict(gradient_clip_val=0.05, accumulate_grad_batches=2)
+    loader = lambda: torch.utils.data.DataLoader(RegressionData(), batch_size=4)  # noqa: E731
+    rank = 0
+    for name, strategy in [
+        ("ddp", "ddp"),
+        ("fsdp", MMFSDP2Strategy({"sharding_size": "auto", "sub_modules_to_wrap": ["layers.{*}"]})),
+        ("hsdp", MMFSDP2Strategy({"sharding_size": 1, "sub_modules_to_wrap": ["layers.{0-2}", "head"]})),
+    ]:
+        recorder = LossRecorder()
+        module = MLP()
+        t = trainer(strategy, max_steps=6, callbacks=[recorder], **common)
+        t.fit(module, train_dataloaders=loader())
+        rank = t.global_rank
+        weights = {n: full(p).detach().double().sum().item() for n, p in module.named_parameters()}
+        results[name] = {"losses": recorder.losses, "weights": weights}
+        if name == "hsdp":
+            w = module.layers[0].weight
+            results[name]["mesh"] = list(t.strategy.device_mesh.shape)
+            results[name]["mesh_names"] = list(t.strategy.device_mesh.mesh_dim_names)
+            results[name]["placements"] = [str(p) for p in w.placements]
+            results[name]["local_shape"] = list(local(w).shape)
+    dump("parity", outdir, rank, results)
+
+
+# ---------------------------------------------------------------- accumulation skips reduce-scatter
+def scenario_accumulation(outdir: str) -> None:
+    observed: list[dict[str, Any]] = []
+
+    class GradState(L.Callback):
+        def on_after_backward(self, trainer: L.Trainer, pl_module: Any) -> None:
+            w = pl_module.layers[0].weight
+            observed.append({"sharded_grad": w.grad is not None, "batch": trainer.fit_loop.batch_idx})
+
+    module = MLP()
+    strategy = MMFSDP2Strategy({"sharding_size": "auto", "sub_modules_to_wrap": ["layers.{*}"]})
+    t = trainer(strategy, max_steps=2, accumulate_grad_batches=3, callbacks=[GradState()])
+    t.fit(module, train_dataloaders=torch.utils.data.DataLoader(RegressionData(), batch_size=4))
+    dump("accumulation", outdir, t.global_rank, {"observed": observed})
+
+
+# ---------------------------------------------------------- tied weights, custom hook, exec order
+class TiedLM(MultiModalModule, FSDP2Mixin, WeightInitMixin):
+    """Embedding and output layer share one weight; layers run in reverse of their registration order."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(64, 32)
+        self.layers = nn.ModuleList([nn.Linear(32, 32) for _ in range(3)])
+        self.out = nn.Linear(32, 64, bias=False)
+        self.out.weight = self.embed.weight
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        x = self.embed(ids)
+        for layer in reversed(self.layers):
+            x = torch.tanh(layer(x))
+        logits = self.out(x)
+        return F.cross_entropy(logits.reshape(-1, 64), ids.reshape(-1))
+
+
+class TiedModule(MMLightningModule):
+    def model_provider(self) -> nn.Module:
+        return TiedLM()
+
+
+class IdsData(torch.utils.data.Dataset):
+    def __len__(self) -> int:
+        return 64
+
+    def __getitem__(self, i: int) -> torch.Tensor:
+        return torch.randint(0, 64, (8,), generator=torch.Generator().manual_seed(i))
+
+
+def scenario_tied(outdir: str) -> None:
+    torch.manual_seed(0)
+    module = TiedModule(lr=1e-2)
+    recorder = LossRecorder()
+    config = {"sharding_size": "auto", "sub_modules_to_wrap": ["embed", "out", "layers.{*}"],
+              "num_to_forward_prefetch": 1, "num_to_backward_prefetch": 1}
+    t = trainer(MMFSDP2Strategy(config), max_steps=8, callbacks=[recorder])
+    t.fit(module, train_dataloaders=torch.utils.data.DataLoader(IdsData(), batch_size=8))
+    model = module.model
+    names = {id(m): n for n, m in model.named_modules()}
+    dump("tied", outdir, t.global_rank, {
+        "still_tied": model.out.weight is model.embed.weight,
+        "plan_units": [list(u.modules) for u in t.strategy.plan.units],
+        "notes": list(t.strategy.plan.notes),
+        "losses": recorder.losses,
+        "order": [t.strategy._prefetch.name(u) for u in t.strategy._prefetch.order],
+        "forward_prefetch": {names.get(id(m), "?"): [names.get(id(x), "?") for x in _prefetch_modules(m, "forward")]
+                             for m in model.layers},
+    })
+
+
+class CustomShardLM(TiedLM):
+    calls: list = []
+
+    def _fully_shard(self, fsdp2_kwargs: dict | None = None, fsdp2_config: Any = None) -> None:
+        from torch.distributed.fsdp import fully_shard
+
+        CustomShardLM.calls.append({"config_attr": self.fsdp2_config is fsdp2_config,
+                                    "mesh": list(fsdp2_kwargs["mesh"].shape)})
+        fully_shard([self.embed, self.out], **fsdp2_kwargs)
+        for layer in self.layers:
+            fully_shard(layer, **fsdp2_kwargs)
+
+
+class CustomModule(MMLightningModule):
+    def model_provider(self) -> nn.Module:
+        return CustomShardLM()
+
+
+def scenario_custom_fully_shard(outdir: str) -> None:
+    module = CustomModule(lr=1e-2)
+    t = trainer(MMFSDP2Strategy({"sharding_size": "auto"}), max_steps=2)
+    t.fit(module, train_dataloaders=torch.utils.data.DataLoader(IdsData(), batch_size=8))
+    model = module.model
+    dump("custom_fully_shard", outdir, t.global_rank, {
+        "calls": CustomShardLM.calls,
+        "layer_local_shape": list(local(model.layers[0].weight).shape),
+        "still_tied": model.out.weight is model.embed.weight,
+    })
+
+
+# ------------------------------------------------------------------------- precision and offload
+def scenario_bf16_offload(outdir: str) -> None:
+    """precision='bf16-mixed' with no dtypes in the YAML, and CPU offload with the non-reentrant recompute."""
+    calls: list = []
+
+    class Observe(L.Callback):
+        def on_fit_start(self, trainer: L.Trainer, pl_module: Any) -> None:
+            _watch_forward(pl_module.model.text_decoder.decoder.layers[0], calls)
+
+    module = SeedModule(lr=1e-3)
+    config = {"sharding_size": "auto", "sub_modules_to_wrap": ["text_decoder.decoder.layers.{*}"],
+              "recompute_modules": ["text_decoder.decoder.layers.{*}"], "use_reentrant": False,
+              "offload_to_cpu": True}
+    t = trainer(MMFSDP2Strategy(config), max_steps=2, precision="bf16-mixed", callbacks=[Observe()])
+    t.fit(module, datamodule=MMDataModule(train_dataset=CaptionData(), batch_size=4))
+    layer = module.model.text_decoder.decoder.layers[0]
+    group = layer._get_fsdp_state()._fsdp_param_group
+    dump("bf16_offload", outdir, t.global_rank, {
+        "dtypes": calls[0],
+        "forward_calls_with_grad": sum(c["grad"] for c in calls),
+        "reduce_dtype": str(group.mp_policy.reduce_dtype),
+        "param_dtype": str(group.mp_policy.param_dtype),
+        "offload_policy": type(group.offload_policy).__name__,
+        "shard_device": str(local(layer.qkv.weight).device),
+        "sharded_param_dtype": str(layer.qkv.weight.dtype),
+    })
+
+
+# --------------------------------------------------------------------------------- failures
+class NoInit(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.scale = nn.Parameter(torch.ones(4))
+        self.lin = nn.Linear(4, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.lin(x) * self.scale
+
+
+class NoInitModule(MMLightningModule):
+    def model_provider(self) -> nn.Module:
+        return nn.Sequential(NoInit())
+
+
+class Marker(L.Callback):
+    def __init__(self, outdir: str) -> None:
+        self.outdir = outdir
+
+    def on_train_batch_start(self, *args: Any) -> None:
+        Path(self.outdir, "trained.marker").write_text("a training step ran")
+
+
+def scenario_uninitialised(outdir: str) -> None:
+    t = trainer(MMFSDP2Strategy({"sharding_size": "auto"}), max_steps=1, callbacks=[Marker(outdir)])
+    data = torch.utils.data.DataLoader(torch.randn(8, 4), batch_size=2)
+    t.fit(NoInitModule(), train_dataloaders=data)
+
+
+def scenario_bad_pattern(outdir: str) -> None:
+    config = {"sharding_size": "auto", "sub_modules_to_wrap": ["text_decoder.decoder.layer.{*}"]}
+    t = trainer(MMFSDP2Strategy(config), max_steps=1, callbacks=[Marker(outdir)])
+    t.fit(SeedModule(), datamodule=MMDataModule(train_dataset=CaptionData(), batch_size=4))
+
+
+def scenario_bad_index(outdir: str) -> None:
+    config = {"sharding_size": "auto", "recompute_modules": ["text_decoder.decoder.layers.{0-5}"]}
+    t = trainer(MMFSDP2Strategy(config), max_steps=1, callbacks=[Marker(outdir)])
+    t.fit(SeedModule(), datamodule=MMDataModule(train_dataset=CaptionData(), batch_size=4))
+
+
+def scenario_registered_name(outdir: str) -> None:
+    """strategy='mm_fsdp2' takes its config from the LightningModule."""
+    config = {"sharding_size": "auto", "sub_modules_to_wrap": ["text_decoder.decoder.layers.{*}"]}
+    module = SeedModule(fsdp2_config=config)
+    t = trainer("mm_fsdp2", max_steps=1)
+    t.fit(module, datamodule=MMDataModule(train_dataset=CaptionData(), batch_size=4))
+    dump("registered_name", outdir, t.global_rank, {
+        "strategy": type(t.strategy).__name__,
+        "units": [list(u.modules) for u in t.strategy.plan.units],
+    })
+
+
+if __name__ == "__main__":
+    name, out = sys.argv[1], sys.argv[2]
+    os.makedirs(out, exist_ok=True)
+    torch.set_num_threads(1)
+    globals()[f"scenario_{name}"](out)

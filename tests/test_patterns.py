@@ -1,0 +1,53 @@
+"""The seed's module-path pattern syntax, resolved strictly against a module tree."""
+
+import pytest
+from torch import nn
+
+from lightning_mm.strategies.patterns import PatternError, parse_pattern, resolve_pattern
+
+
+def tree() -> nn.Module:
+    root = nn.Module()
+    root.model = nn.Module()
+    root.model.layers = nn.ModuleList(nn.Sequential(nn.Linear(2, 2), nn.ReLU()) for _ in range(10))
+    root.model.norm = nn.LayerNorm(2)
+    return root
+
+
+@pytest.mark.parametrize(
+    ("pattern", "expected"),
+    [
+        ("model.norm", ["model.norm"]),
+        ("model.layers.{*}", [f"model.layers.{i}" for i in range(10)]),
+        ("model.layers.{0-3}", [f"model.layers.{i}" for i in range(4)]),
+        ("model.layers.{1,3,5}", ["model.layers.1", "model.layers.3", "model.layers.5"]),
+        ("model.layers.{0-2,7}", ["model.layers.0", "model.layers.1", "model.layers.2", "model.layers.7"]),
+        ("model.layers.{ 8 - 9 }", ["model.layers.8", "model.layers.9"]),
+        ("model.layers.{2}.0", ["model.layers.2.0"]),
+        ("model.layers.{*}.{*}", [f"model.layers.{i}.{j}" for i in range(10) for j in range(2)]),
+    ],
+)
+def test_expansion(pattern, expected):
+    assert resolve_pattern(tree(), pattern) == expected
+
+
+def test_out_of_range_index_is_an_error_with_closest_paths():
+    expected = r"model.layers.{0-23}.*model.layers.10.*closest existing paths: .*model.layers"
+    with pytest.raises(PatternError, match=expected):
+        resolve_pattern(tree(), "model.layers.{0-23}")
+
+
+def test_typo_is_an_error_with_closest_paths():
+    with pytest.raises(PatternError, match=r"'model.layer'; closest existing paths: 'model.layers'"):
+        resolve_pattern(tree(), "model.layer.{*}")
+
+
+def test_wildcard_on_a_leaf_is_an_error():
+    with pytest.raises(PatternError, match="no submodules"):
+        resolve_pattern(tree(), "model.norm.{*}")
+
+
+@pytest.mark.parametrize("pattern", ["a.{", "a.{}", "a.{x}", "a.{1-}", "a.b{1}", "a.{1}}", "", "a..b", "a.{3-1}"])
+def test_malformed(pattern):
+    with pytest.raises(PatternError):
+        parse_pattern(pattern)

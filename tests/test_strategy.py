@@ -1,0 +1,63 @@
+"""In-process checks of the strategy's wiring (no processes are started here)."""
+
+import lightning as L
+import pytest
+
+import lightning_mm
+from lightning_mm import FSDP2Config, MMFSDP2Strategy
+from lightning_mm.strategies.backend import process_group_backend
+from lightning_mm.strategies.config import FSDP2ConfigError
+from lightning_mm.strategies.precision import MMFSDP2Precision
+
+
+def test_registered_as_mm_fsdp2():
+    from lightning.pytorch.strategies import StrategyRegistry
+
+    assert "mm_fsdp2" in StrategyRegistry
+    trainer = L.Trainer(accelerator="cpu", devices=2, strategy="mm_fsdp2", logger=False)
+    assert isinstance(trainer.strategy, MMFSDP2Strategy)
+
+
+def test_public_api():
+    for name in ("MMFSDP2Strategy", "FSDP2Config", "MMLightningModule", "MMDataModule"):
+        assert hasattr(lightning_mm, name)
+    from lightning_mm.modules import FSDP2Mixin, MultiModalModule, WeightInitMixin  # noqa: F401
+
+
+@pytest.mark.parametrize("precision", ["32-true", "bf16-mixed", "bf16-true"])
+def test_trainer_precision_becomes_the_strategy_plugin(precision):
+    trainer = L.Trainer(accelerator="cpu", devices=2, strategy=MMFSDP2Strategy(), precision=precision, logger=False)
+    plugin = trainer.strategy.precision_plugin
+    assert isinstance(plugin, MMFSDP2Precision) and plugin.precision == precision
+
+
+def test_fp16_mixed_is_rejected_when_the_plugin_is_attached():
+    # (On CPU the Trainer itself turns 16-mixed into bf16-mixed, so the plugin is handed over directly.)
+    from lightning.pytorch.plugins.precision import MixedPrecision
+
+    with pytest.raises(ValueError, match="16-mixed"):
+        MMFSDP2Strategy(precision_plugin=MixedPrecision("16-mixed", "cuda"))
+
+
+def test_sharding_size_that_does_not_divide_the_world_fails_before_launch():
+    with pytest.raises(FSDP2ConfigError, match="`sharding_size`.*does not divide the world size 2"):
+        L.Trainer(accelerator="cpu", devices=2, strategy=MMFSDP2Strategy({"sharding_size": 3}), logger=False)
+
+
+def test_yaml_errors_surface_when_the_strategy_is_built(tmp_path):
+    path = tmp_path / "fsdp2_config.yaml"
+    path.write_text("sharding_size: auto\nreshard_after_froward: false\n")
+    with pytest.raises(FSDP2ConfigError, match="did you mean `reshard_after_forward`"):
+        MMFSDP2Strategy(fsdp2_config=str(path))
+
+
+def test_config_sources():
+    assert MMFSDP2Strategy({"sharding_size": 2}).fsdp2_config == FSDP2Config(sharding_size=2)
+
+
+@pytest.mark.parametrize(
+    ("device", "offload", "backend"),
+    [("cpu", False, "gloo"), ("cpu", True, "gloo"), ("cuda:0", False, "nccl"), ("cuda:1", True, "cuda:nccl,cpu:gloo")],
+)
+def test_process_group_backend(device, offload, backend):
+    assert process_group_backend(device, offload) == backend
