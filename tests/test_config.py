@@ -116,3 +116,20 @@ def test_sharding_size_must_divide_world():
         FSDP2Config(sharding_size=3).resolve_sharding_size(8)
     with pytest.raises(FSDP2ConfigError, match="`sharding_size`"):
         FSDP2Config(sharding_size=16).resolve_sharding_size(8)
+
+
+def test_model_defaults_fill_only_unset_keys():
+    class Adapted:
+        def default_fsdp2_config(self):
+            return {"sub_modules_to_wrap": ["layers.{*}"], "recompute_modules": ["layers.{*}"], "sharding_size": 2}
+
+    config = FSDP2Config(recompute_modules=["layers.0"], sharding_size="auto").with_model_defaults(Adapted())
+    assert config.sub_modules_to_wrap == ["layers.{*}"]
+    assert config.recompute_modules == ["layers.0"] and config.sharding_size == "auto"
+
+    class Bad:
+        def default_fsdp2_config(self):
+            return {"sub_module_to_wrap": []}
+
+    with pytest.raises(FSDP2ConfigError, match="sub_module_to_wrap"):
+        FSDP2Config().with_model_defaults(Bad())

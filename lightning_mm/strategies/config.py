@@ -139,6 +139,23 @@ class FSDP2Config:
         out = {k: (list(v) if isinstance(v, list) else v) for k, v in out.items()}
         return out
 
+    def with_model_defaults(self, model: Any) -> FSDP2Config:
+        """Fill the keys this config leaves at their defaults from ``model.default_fsdp2_config()`` (FSDP2Mixin).
+
+        This is how an adapted model supplies its own ``sub_modules_to_wrap`` when the YAML omits it; keys the
+        YAML sets always win.
+        """
+        provider = getattr(model, "default_fsdp2_config", None)
+        defaults = provider() if callable(provider) else {}
+        if not defaults:
+            return self
+        base = FSDP2Config()
+        unknown = sorted(set(defaults) - {f.name for f in fields(self)})
+        if unknown:
+            raise FSDP2ConfigError(f"{type(model).__name__}.default_fsdp2_config() has unknown keys: {unknown}")
+        changes = {k: v for k, v in defaults.items() if getattr(self, k) == getattr(base, k)}
+        return dataclasses.replace(self, **changes) if changes else self
+
     def replace(self, **changes: Any) -> FSDP2Config:
         """A validated copy with some fields changed."""
         return dataclasses.replace(self, **changes)

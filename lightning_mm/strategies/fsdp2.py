@@ -253,7 +253,7 @@ class MMFSDP2Strategy(ParallelStrategy):
 
     def _shard(self, root: pl.LightningModule) -> None:
         target = self._sharding_target()
-        config = self.fsdp2_config
+        config = self._config = self.fsdp2_config.with_model_defaults(target)
         precision = resolve_mixed_precision(config, str(self.precision_plugin.precision))
         root_converted = self.precision_plugin.convert_module(root)
         assert root_converted is root

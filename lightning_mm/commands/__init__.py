@@ -1,0 +1,1 @@
+"""Sub-commands of ``lightning-mm`` other than LightningCLI's (see ``lightning_mm.cli.COMMANDS``)."""
