@@ -76,6 +76,33 @@ class LossRecorder(L.Callback):
         self.losses.append(float(loss.detach()))
 
 
+class NormCheck(L.Callback):
+    """Compare the strategy's gradient norm with one computed from full, gathered gradients, before clipping
+    (on_before_optimizer_step) and after it (an optimizer step post-hook: the clipped grads are still there)."""
+
+    def __init__(self) -> None:
+        self.records: list[dict[str, float]] = []
+
+    @staticmethod
+    def norms(module: nn.Module) -> tuple[float, float]:
+        from lightning_mm.strategies.grad_clip import total_grad_norm
+
+        grads = [full(p.grad).double() for p in module.parameters() if p.grad is not None]
+        reference = float(torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(g) for g in grads])))
+        return float(total_grad_norm(list(module.parameters()))), reference
+
+    def on_train_start(self, trainer: L.Trainer, pl_module: Any) -> None:
+        def after_clipping(*_: Any) -> None:
+            ours, reference = self.norms(pl_module)
+            self.records[-1].update(after=ours, after_reference=reference)
+
+        trainer.optimizers[0].register_step_post_hook(after_clipping)  # grads stay until the next zero_grad
+
+    def on_before_optimizer_step(self, trainer: L.Trainer, pl_module: Any, optimizer: Any) -> None:
+        ours, reference = self.norms(pl_module)
+        self.records.append({"before": ours, "before_reference": reference})
+
+
 def local(t: torch.Tensor) -> torch.Tensor:
     return t.to_local() if isinstance(t, DTensor) else t
 
@@ -127,7 +154,9 @@ def scenario_seed_yaml(outdir: str) -> None:
 
     observe = Observe()
     recorder = LossRecorder()
-    t = trainer(MMFSDP2Strategy(fsdp2_config=str(SEED_YAML)), max_steps=6, callbacks=[observe, recorder])
+    norms = NormCheck()
+    t = trainer(MMFSDP2Strategy(fsdp2_config=str(SEED_YAML)), max_steps=6, callbacks=[observe, recorder, norms],
+                gradient_clip_val=0.5)
     t.fit(module, datamodule=MMDataModule(train_dataset=CaptionData(), batch_size=4))
 
     model = module.model
@@ -147,6 +176,7 @@ def scenario_seed_yaml(outdir: str) -> None:
         "prefetch_forward_layer0": fwd[0],
         "prefetch_backward_layer1": bwd[0],
         "prefetch_order": observed_order,
+        "norms": norms.records,
     })
 
 
@@ -192,12 +222,13 @@ def scenario_parity(outdir: str) -> None:
         ("hsdp", MMFSDP2Strategy({"sharding_size": 1, "sub_modules_to_wrap": ["layers.{0-2}", "head"]})),
     ]:
         recorder = LossRecorder()
+        norms = NormCheck()
         module = MLP()
-        t = trainer(strategy, max_steps=6, callbacks=[recorder], **common)
+        t = trainer(strategy, max_steps=6, callbacks=[recorder, norms], **common)
         t.fit(module, train_dataloaders=loader())
         rank = t.global_rank
         weights = {n: full(p).detach().double().sum().item() for n, p in module.named_parameters()}
-        results[name] = {"losses": recorder.losses, "weights": weights}
+        results[name] = {"losses": recorder.losses, "weights": weights, "norms": norms.records}
         if name == "hsdp":
             w = module.layers[0].weight
             results[name]["mesh"] = list(t.strategy.device_mesh.shape)

@@ -36,6 +36,13 @@ def test_seed_yaml_verbatim_trains_and_every_field_takes_effect(scenario):
     ]
     assert r0["prefetch_forward_layer0"] == ["text_decoder.decoder.layers.1", "text_decoder.output_layer"]
     assert r0["prefetch_backward_layer1"] == ["text_decoder.decoder.layers.0", "text_decoder.rotary_pos_emb"]
+    # Clipping (gradient_clip_val=0.5) over DTensor shards plus plain (ignored) gradients: the strategy's norm
+    # equals the norm of the gathered gradients, and clipping took effect.
+    assert len(r0["norms"]) == len(r0["losses"])
+    for rec in r0["norms"]:
+        assert rec["before"] == pytest.approx(rec["before_reference"], rel=1e-5)
+        assert rec["after"] == pytest.approx(rec["after_reference"], rel=1e-5)
+        assert rec["before"] > 0.5 and rec["after"] == pytest.approx(0.5, rel=1e-3)
     # The loss falls.
     assert all(math.isfinite(x) for x in r0["losses"])
     assert r0["losses"][-1] < r0["losses"][0] - 0.5
@@ -50,6 +57,13 @@ def test_loss_parity_with_ddp_for_fsdp_and_hsdp_with_clipping_and_accumulation(s
             assert r[name]["losses"] == pytest.approx(ddp["losses"], rel=1e-5, abs=1e-7), name
             for key, value in ddp["weights"].items():
                 assert r[name]["weights"][key] == pytest.approx(value, rel=1e-5, abs=1e-6), (name, key)
+    # After clipping, the norm over DTensors (FSDP and HSDP meshes) matches the gathered gradients, at the limit.
+    for name in ("fsdp", "hsdp"):
+        assert len(ranks[0][name]["norms"]) == 6
+        for rec in ranks[0][name]["norms"]:
+            assert rec["before"] == pytest.approx(rec["before_reference"], rel=1e-6)
+            assert rec["after"] == pytest.approx(rec["after_reference"], rel=1e-6)
+            assert rec["before"] > 0.05 and rec["after"] == pytest.approx(0.05, rel=1e-3)
     # HSDP with sharding_size 1 on 2 ranks: (replicate=2, shard=1) mesh, replicated placement, equal weights.
     hsdp0, hsdp1 = ranks[0]["hsdp"], ranks[1]["hsdp"]
     assert hsdp0["mesh"] == [2, 1] and hsdp0["mesh_names"] == ["replicate", "shard"]

@@ -3,35 +3,70 @@
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping
+import time
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import lightning as L
 import torch
 from torch import nn
 
+from lightning_mm.modules.seed_functions import SeedFunctions, resolve_callable
+
 __all__ = ["MMLightningModule"]
+
+_DECAY_STYLES = ("constant", "cosine", "linear")
+
+
+def lr_factor(step: int, warmup_steps: int, total_steps: int, decay_style: str, min_lr_ratio: float) -> float:
+    """Megatron-style schedule as a multiple of the peak lr: linear warmup, then decay to ``min_lr_ratio``."""
+    if step < warmup_steps:
+        return (step + 1) / warmup_steps
+    if decay_style == "constant":
+        return 1.0
+    span = max(1, total_steps - warmup_steps)
+    progress = min(1.0, (step - warmup_steps) / span)
+    if decay_style == "cosine":
+        return min_lr_ratio + (1 - min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * progress))
+    return min_lr_ratio + (1 - min_lr_ratio) * (1 - progress)
 
 
 class MMLightningModule(L.LightningModule):
-    """A LightningModule whose overridable hooks keep MindSpeed MM's names.
+    """A LightningModule whose hooks keep MindSpeed MM's names.
+
+    Override the hooks, or pass the seed's functions (callables or import paths such as
+    ``"pretrain_custom.forward_step"``) to the constructor; those are called with the seed's own signatures:
+    ``model_provider()``, ``get_batch(data_iterator)``, ``forward_step(data_iterator, model)`` and
+    ``loss_func(output)``.
 
     * ``model_provider()`` builds the model, once, inside ``configure_model`` (under the strategy's meta-device
       context); the result is ``self.model``.
     * ``get_batch(batch)`` turns a DataLoader item into forward inputs.
     * ``forward_step(batch)`` runs the model (``self.model(**batch)`` for a mapping, ``self.model(batch)``
       otherwise). Returning ``(output, loss_fn)`` (the Megatron form) is accepted: the loss is ``loss_fn(output)``.
-    * ``loss_func(output, batch)`` returns a loss tensor or a mapping with a ``loss`` key plus values to log.
+    * ``loss_func(output, batch)`` returns a loss tensor, a mapping with a ``loss`` key plus values to log, or
+      ``(loss, {name: value})``.
+
+    Logged: ``train/loss``, ``train/lr``, ``train/grad_norm`` (over all ranks and shards), ``train/samples_per_sec``
+    and ``train/tokens_per_sec`` (global rates, when the batch has ``input_ids``), ``val/loss``, ``test/loss`` and
+    any extra values the loss function returns.
 
     Args:
+        model_provider, get_batch, forward_step, loss_func: the seed's functions, instead of overriding.
         fsdp2_config: the FSDP2 config the ``mm_fsdp2`` strategy uses when it is given none itself.
         lr, weight_decay, betas: AdamW settings of the default optimiser.
-        warmup_steps, lr_decay_style, min_lr: linear warmup, then ``cosine``, ``linear`` or ``constant`` decay to
-            ``min_lr`` over the Trainer's estimated total steps.
+        warmup_steps: linear warmup length in optimizer steps.
+        lr_decay_style: ``constant``, ``cosine`` or ``linear`` decay to ``min_lr`` over the Trainer's total steps.
+        min_lr: the floor of the decay.
+        log_grad_norm: log the global gradient norm each step (one extra reduction per step).
     """
 
     def __init__(
         self,
+        model_provider: Callable[..., nn.Module] | str | None = None,
+        get_batch: Callable[..., Any] | str | None = None,
+        forward_step: Callable[..., Any] | str | None = None,
+        loss_func: Callable[..., Any] | str | None = None,
         fsdp2_config: Any = None,
         lr: float = 1e-4,
         weight_decay: float = 0.0,
@@ -39,10 +74,21 @@ class MMLightningModule(L.LightningModule):
         warmup_steps: int = 0,
         lr_decay_style: str = "constant",
         min_lr: float = 0.0,
+        log_grad_norm: bool = True,
     ) -> None:
         super().__init__()
-        if lr_decay_style not in ("constant", "cosine", "linear"):
-            raise ValueError(f"lr_decay_style must be 'constant', 'cosine' or 'linear', got {lr_decay_style!r}")
+        if lr_decay_style not in _DECAY_STYLES:
+            raise ValueError(f"lr_decay_style must be one of {_DECAY_STYLES}, got {lr_decay_style!r}")
+        if lr <= 0 or min_lr < 0 or min_lr > lr:
+            raise ValueError(f"need 0 <= min_lr <= lr and lr > 0, got lr={lr}, min_lr={min_lr}")
+        if warmup_steps < 0:
+            raise ValueError(f"warmup_steps must be >= 0, got {warmup_steps}")
+        self._seed = SeedFunctions(
+            model_provider=resolve_callable(model_provider, "model_provider"),
+            get_batch=resolve_callable(get_batch, "get_batch"),
+            forward_step=resolve_callable(forward_step, "forward_step"),
+            loss_func=resolve_callable(loss_func, "loss_func"),
+        )
         self.fsdp2_config = fsdp2_config
         self.lr = lr
         self.weight_decay = weight_decay
@@ -50,26 +96,39 @@ class MMLightningModule(L.LightningModule):
         self.warmup_steps = warmup_steps
         self.lr_decay_style = lr_decay_style
         self.min_lr = min_lr
+        self.log_grad_norm = log_grad_norm
         self.model: nn.Module | None = None
+        self._step_started: float | None = None
 
     # ------------------------------------------------------------------------ the seed's hooks
     def model_provider(self) -> nn.Module:
         """Build and return the model."""
-        raise NotImplementedError(f"{type(self).__name__} must implement model_provider()")
+        if self._seed.model_provider is not None:
+            return self._seed.model_provider()
+        raise NotImplementedError(
+            f"{type(self).__name__}: override model_provider() or pass model_provider= to the constructor"
+        )
 
     def get_batch(self, batch: Any) -> Any:
         """Turn a DataLoader item into the model's forward inputs (identity by default)."""
+        if self._seed.get_batch is not None:
+            return self._seed.get_batch(iter([batch]))
         return batch
 
     def forward_step(self, batch: Any) -> Any:
-        """Run the forward pass."""
-        assert self.model is not None
+        """Run the forward pass; may return ``(output, loss_fn)``."""
+        if self._seed.forward_step is not None:
+            return self._seed.forward_step(iter([batch]), self.model)
+        if self.model is None:
+            raise RuntimeError(f"{type(self).__name__}.model is not built (configure_model has not run)")
         if isinstance(batch, Mapping):
             return self.model(**batch)
         return self.model(batch)
 
     def loss_func(self, output: Any, batch: Any) -> Any:
         """The loss of ``output``: the output itself if it is a tensor, or its ``loss`` entry / attribute."""
+        if self._seed.loss_func is not None:
+            return self._seed.loss_func(output)
         if isinstance(output, torch.Tensor):
             return output
         if isinstance(output, Mapping) and "loss" in output:
@@ -83,61 +142,86 @@ class MMLightningModule(L.LightningModule):
     # ------------------------------------------------------------------------ Lightning wiring
     def configure_model(self) -> None:
         if self.model is None:
-            self.model = self.model_provider()
+            model = self.model_provider()
+            if not isinstance(model, nn.Module):
+                raise TypeError(f"model_provider() must return an nn.Module, got {type(model).__name__}")
+            self.model = model
 
-    def _loss(self, batch: Any) -> tuple[torch.Tensor, dict[str, Any]]:
-        inputs = self.get_batch(batch)
+    def _run(self, batch: Any) -> tuple[torch.Tensor, dict[str, Any]]:
+        """get_batch -> forward_step -> loss (either form): the loss tensor and extra values to log."""
+        if self._seed.forward_step is not None:
+            inputs = batch  # the seed's forward_step calls its own get_batch on the iterator
+        else:
+            inputs = self.get_batch(batch)
         output = self.forward_step(inputs)
         if isinstance(output, tuple) and len(output) == 2 and callable(output[1]):
             output, loss_fn = output
             result = loss_fn(output)
         else:
             result = self.loss_func(output, inputs)
-        extras: dict[str, Any] = {}
-        if isinstance(result, Mapping):
-            if "loss" not in result:
-                raise KeyError(f"{type(self).__name__}: a loss mapping must have a 'loss' key, got {list(result)}")
-            extras = {k: v for k, v in result.items() if k != "loss"}
-            result = result["loss"]
-        if isinstance(result, tuple):  # (loss, {extras}) as some MindSpeed loss functions return
-            result, extras = result[0], dict(result[1]) if len(result) > 1 else {}
-        return result, extras
+        return _split_loss(result, type(self).__name__)
 
-    def _batch_size(self, batch: Any) -> int | None:
-        tensor = next(iter(batch.values())) if isinstance(batch, Mapping) and batch else (
-            batch[0] if isinstance(batch, (list, tuple)) and batch else batch)
-        return tensor.shape[0] if isinstance(tensor, torch.Tensor) and tensor.ndim > 0 else None
+    def _log_step(self, stage: str, loss: torch.Tensor, extras: Mapping[str, Any], batch: Any) -> None:
+        size = _batch_size(batch)
+        on_step = stage == "train"
+        self.log(f"{stage}/loss", loss.detach().float(), prog_bar=True, sync_dist=True, batch_size=size,
+                 on_step=on_step, on_epoch=not on_step)
+        for key, value in extras.items():
+            if isinstance(value, torch.Tensor):
+                value = value.detach().float()
+            self.log(f"{stage}/{key}", value, sync_dist=True, batch_size=size, on_step=on_step,
+                     on_epoch=not on_step)
 
     def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
-        loss, extras = self._loss(batch)
-        bs = self._batch_size(batch)
-        self.log("train/loss", loss.detach().float(), prog_bar=True, sync_dist=True, batch_size=bs)
-        for key, value in extras.items():
-            self.log(f"train/{key}", value, sync_dist=True, batch_size=bs)
+        loss, extras = self._run(batch)
+        self._log_step("train", loss, extras, batch)
         return loss
 
     def validation_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
-        loss, extras = self._loss(batch)
-        bs = self._batch_size(batch)
-        self.log("val/loss", loss.detach().float(), prog_bar=True, sync_dist=True, batch_size=bs)
-        for key, value in extras.items():
-            self.log(f"val/{key}", value, sync_dist=True, batch_size=bs)
+        loss, extras = self._run(batch)
+        self._log_step("val", loss, extras, batch)
         return loss
 
     def test_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
-        loss, extras = self._loss(batch)
-        bs = self._batch_size(batch)
-        self.log("test/loss", loss.detach().float(), sync_dist=True, batch_size=bs)
-        for key, value in extras.items():
-            self.log(f"test/{key}", value, sync_dist=True, batch_size=bs)
+        loss, extras = self._run(batch)
+        self._log_step("test", loss, extras, batch)
         return loss
 
     def predict_step(self, batch: Any, batch_idx: int) -> Any:
-        output = self.forward_step(self.get_batch(batch))
+        inputs = batch if self._seed.forward_step is not None else self.get_batch(batch)
+        output = self.forward_step(inputs)
         return output[0] if isinstance(output, tuple) and len(output) == 2 and callable(output[1]) else output
 
+    # ------------------------------------------------------------------------ metrics
+    def on_train_batch_start(self, batch: Any, batch_idx: int) -> None:
+        self._step_started = time.perf_counter()
+
+    def on_train_batch_end(self, outputs: Any, batch: Any, batch_idx: int) -> None:
+        if self._step_started is None:
+            return
+        elapsed = max(time.perf_counter() - self._step_started, 1e-9)
+        size = _batch_size(batch)
+        if size:  # local rates, summed over ranks into global ones
+            self.log("train/samples_per_sec", size / elapsed, sync_dist=True, reduce_fx="sum", batch_size=size)
+        tokens = _token_count(batch)
+        if tokens:
+            self.log("train/tokens_per_sec", tokens / elapsed, sync_dist=True, reduce_fx="sum", batch_size=size)
+        optimizers = self.trainer.optimizers
+        if optimizers:
+            self.log("train/lr", float(optimizers[0].param_groups[0]["lr"]), batch_size=size, rank_zero_only=True)
+
+    def on_before_optimizer_step(self, optimizer: torch.optim.Optimizer) -> None:
+        if self.log_grad_norm:
+            from lightning_mm.strategies.grad_clip import total_grad_norm
+
+            norm = total_grad_norm([p for g in optimizer.param_groups for p in g["params"]])
+            self.log("train/grad_norm", float(norm), rank_zero_only=True)  # identical on every rank
+
+    # ------------------------------------------------------------------------ optimisation
     def configure_optimizers(self) -> Any:
         params = [p for p in self.parameters() if p.requires_grad]
+        if not params:
+            raise ValueError(f"{type(self).__name__} has no trainable parameters")
         optimizer = torch.optim.AdamW(params, lr=self.lr, weight_decay=self.weight_decay, betas=self.betas)
         if self.warmup_steps == 0 and self.lr_decay_style == "constant":
             return optimizer
@@ -145,13 +229,45 @@ class MMLightningModule(L.LightningModule):
         return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step"}}
 
     def _lr_factor(self, step: int) -> float:
-        if step < self.warmup_steps:
-            return (step + 1) / self.warmup_steps
-        if self.lr_decay_style == "constant":
-            return 1.0
-        total = max(int(self.trainer.estimated_stepping_batches), self.warmup_steps + 1)
-        progress = min(1.0, (step - self.warmup_steps) / max(1, total - self.warmup_steps))
-        floor = self.min_lr / self.lr
-        if self.lr_decay_style == "cosine":
-            return floor + (1 - floor) * 0.5 * (1 + math.cos(math.pi * progress))
-        return floor + (1 - floor) * (1 - progress)
+        total = int(self.trainer.estimated_stepping_batches)
+        return lr_factor(step, self.warmup_steps, total, self.lr_decay_style, self.min_lr / self.lr)
+
+
+def _split_loss(result: Any, owner: str) -> tuple[torch.Tensor, dict[str, Any]]:
+    extras: dict[str, Any] = {}
+    if isinstance(result, tuple):  # (loss, {extras}) as MindSpeed loss functions often return
+        if len(result) != 2 or not isinstance(result[1], Mapping):
+            raise TypeError(f"{owner}: a loss tuple must be (loss, {{name: value}}), got {len(result)} items")
+        result, extras = result[0], dict(result[1])
+    if isinstance(result, Mapping):
+        if "loss" not in result:
+            raise KeyError(f"{owner}: a loss mapping must have a 'loss' key, got {sorted(result)}")
+        extras.update({k: v for k, v in result.items() if k != "loss"})
+        result = result["loss"]
+    if not isinstance(result, torch.Tensor) or result.numel() != 1:
+        raise TypeError(f"{owner}: the loss must be a scalar tensor, got {type(result).__name__}")
+    return result, extras
+
+
+def _first_tensor(batch: Any) -> torch.Tensor | None:
+    if isinstance(batch, torch.Tensor):
+        return batch
+    if isinstance(batch, Mapping):
+        values = list(batch.values())
+    elif isinstance(batch, (list, tuple)):
+        values = list(batch)
+    else:
+        return None
+    return next((v for v in values if isinstance(v, torch.Tensor)), None)
+
+
+def _batch_size(batch: Any) -> int | None:
+    tensor = _first_tensor(batch)
+    return int(tensor.shape[0]) if tensor is not None and tensor.ndim > 0 else None
+
+
+def _token_count(batch: Any) -> int | None:
+    if not isinstance(batch, Mapping) or not isinstance(batch.get("input_ids"), torch.Tensor):
+        return None
+    mask = batch.get("attention_mask")
+    return int(mask.sum()) if isinstance(mask, torch.Tensor) else int(batch["input_ids"].numel())
