@@ -3,4 +3,4 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/install.sh
-.venv/bin/python examples/custom_model/train.py "$@"
+.venv/bin/lightning-mm fit --config examples/captioning/config.yaml "$@"

@@ -1,12 +1,17 @@
-"""MMDataModule: the seed's ``train_valid_test_datasets_provider`` as a LightningDataModule."""
+"""MMDataModule: the seed's ``train_valid_test_datasets_provider`` (or a data config) as a LightningDataModule."""
 
 from __future__ import annotations
 
+import os
 from collections.abc import Callable
 from typing import Any
 
 import lightning as L
+import torch
+from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 from torch.utils.data import DataLoader, Dataset, IterableDataset
+
+from lightning_mm.modules.seed_functions import resolve_callable
 
 __all__ = ["MMDataModule"]
 
@@ -14,45 +19,75 @@ _SPLITS = ("train", "val", "test")
 
 
 class MMDataModule(L.LightningDataModule):
-    """Data from a MindSpeed-style provider, or from datasets given directly.
+    """Data from a MindSpeed-style provider, from datasets given directly, or from a data config file.
 
-    ``train_valid_test_datasets_provider()`` returns ``(train, valid, test)``, each a Dataset, a DataLoader or
-    ``None`` (absent split). Datasets are wrapped in DataLoaders with the settings below; DataLoaders are used
-    as they are. Lightning replaces the sampler so that every data-parallel rank sees distinct samples.
+    * ``train_valid_test_datasets_provider()`` (a callable or an import path) returns ``(train, valid, test)``,
+      each a Dataset, a DataLoader or ``None`` (absent split). Datasets are wrapped in DataLoaders with the
+      settings below; DataLoaders are used as they are.
+    * ``data_config`` (or :meth:`from_config`) names a ``data.json``/YAML file describing sources, preprocessing
+      and loading (see :mod:`lightning_mm.datamodules.data_config`); bad records are skipped, counted and
+      reported with file and line, or raise in strict mode.
+
+    Lightning replaces the samplers so that every data-parallel rank sees distinct samples (FSDP and HSDP alike).
     """
 
     def __init__(
         self,
-        train_valid_test_datasets_provider: Callable[[], tuple[Any, Any, Any]] | None = None,
+        train_valid_test_datasets_provider: Callable[[], tuple[Any, Any, Any]] | str | None = None,
         train_dataset: Dataset | DataLoader | None = None,
         val_dataset: Dataset | DataLoader | None = None,
         test_dataset: Dataset | DataLoader | None = None,
+        data_config: str | os.PathLike | None = None,
         batch_size: int = 1,
         num_workers: int = 0,
         collate_fn: Callable[[list[Any]], Any] | None = None,
         pin_memory: bool = False,
         shuffle: bool = True,
         drop_last: bool = False,
+        seed: int = 0,
     ) -> None:
         super().__init__()
-        given = any(d is not None for d in (train_dataset, val_dataset, test_dataset))
-        if train_valid_test_datasets_provider is not None and given:
-            raise ValueError("MMDataModule: pass either train_valid_test_datasets_provider or datasets, not both")
+        sources = sum(x is not None for x in (train_valid_test_datasets_provider, data_config)) + any(
+            d is not None for d in (train_dataset, val_dataset, test_dataset)
+        )
+        if sources != 1:
+            raise ValueError(
+                "MMDataModule: give exactly one of train_valid_test_datasets_provider, data_config, or datasets"
+            )
         if batch_size < 1:
             raise ValueError(f"MMDataModule: batch_size must be positive, got {batch_size}")
-        self.provider = train_valid_test_datasets_provider
-        self._splits: dict[str, Any] | None = (
-            None if self.provider is not None else dict(zip(_SPLITS, (train_dataset, val_dataset, test_dataset)))
-        )
+        self.provider = resolve_callable(train_valid_test_datasets_provider, "train_valid_test_datasets_provider")
+        self.config = None
+        if data_config is not None:
+            from lightning_mm.datamodules.data_config import DataConfig
+
+            self.config = DataConfig.from_file(data_config)  # fails now, naming the key, if the file is wrong
+            loader = self.config.loader
+            batch_size, num_workers, pin_memory = loader.batch_size, loader.num_workers, loader.pin_memory
+            shuffle, drop_last, seed = loader.shuffle, loader.drop_last, loader.seed
+        self._splits: dict[str, Any] | None = None
+        if self.provider is None and self.config is None:
+            self._splits = dict(zip(_SPLITS, (train_dataset, val_dataset, test_dataset)))
         self.batch_size = batch_size
         self.num_workers = num_workers
         self.collate_fn = collate_fn
         self.pin_memory = pin_memory
         self.shuffle = shuffle
         self.drop_last = drop_last
+        self.seed = seed
+        self.reports: dict[str, Any] = {}
 
+    @classmethod
+    def from_config(cls, path: str | os.PathLike, **overrides: Any) -> MMDataModule:
+        """Build the module from a data config file (``data.json`` or YAML)."""
+        return cls(data_config=path, **overrides)
+
+    # ----------------------------------------------------------------------------------------- setup
     def setup(self, stage: str | None = None) -> None:
         if self._splits is not None:
+            return
+        if self.config is not None:
+            self._splits = self._from_config()
             return
         assert self.provider is not None
         result = self.provider()
@@ -63,6 +98,33 @@ class MMDataModule(L.LightningDataModule):
             )
         self._splits = dict(zip(_SPLITS, result))
 
+    def _from_config(self) -> dict[str, Any]:
+        from lightning_mm.datamodules.mm_dataset import MMCollator, MMDataset, load_processor, load_tokenizer
+        from lightning_mm.datamodules.records import DataError, read_records
+
+        config = self.config
+        assert config is not None
+        pre = config.preprocess
+        tokenizer = load_tokenizer(pre.tokenizer)
+        processor = load_processor(pre.processor) if pre.processor is not None else None
+        splits: dict[str, Any] = dict.fromkeys(_SPLITS)
+        for split, files in config.splits.items():
+            records, report = read_records(split, files, config.data_root, tokenizer, pre.max_length, pre.truncation)
+            self.reports[split] = report
+            if report.problems and config.strict:
+                raise DataError(f"bad records in strict mode ({config.source}):\n{report.summary(shown=20)}")
+            if report.problems:
+                rank_zero_warn(f"data: {report.summary()}")
+            else:
+                rank_zero_info(f"data: {report.summary()}")
+            if not records:
+                raise DataError(f"{config.source}: split '{split}' has no usable record:\n{report.summary()}")
+            splits[split] = MMDataset(records, pre, processor)
+        if self.collate_fn is None:
+            self.collate_fn = MMCollator(tokenizer.pad_token_id, pre.image_key, config.loader.padding, pre.max_length)
+        return splits
+
+    # ----------------------------------------------------------------------------------------- loaders
     def _loader(self, split: str, shuffle: bool) -> DataLoader | list:
         if self._splits is None:
             self.setup()
@@ -72,21 +134,23 @@ class MMDataModule(L.LightningDataModule):
             return []
         if isinstance(data, DataLoader):
             return data
+        iterable = isinstance(data, IterableDataset)
         return DataLoader(
             data,
             batch_size=self.batch_size,
-            shuffle=shuffle and not isinstance(data, IterableDataset),
+            shuffle=shuffle and not iterable,
             num_workers=self.num_workers,
             collate_fn=self.collate_fn,
             pin_memory=self.pin_memory,
             drop_last=self.drop_last and split == "train",
+            generator=torch.Generator().manual_seed(self.seed) if shuffle and not iterable else None,
         )
 
     def train_dataloader(self) -> DataLoader | list:
         if self._splits is None:
             self.setup()
-        if self._splits and self._splits["train"] is None:
-            raise ValueError("MMDataModule: the provider returned no training split (train is None)")
+        if self._splits is not None and self._splits["train"] is None:
+            raise ValueError("MMDataModule: there is no training split (train is None)")
         return self._loader("train", self.shuffle)
 
     def val_dataloader(self) -> DataLoader | list:

@@ -1,0 +1,168 @@
+"""The data config (``data.json`` or YAML): the counterpart of MindSpeed MM's ``build_mm_dataset`` settings.
+
+Example::
+
+    data_root: data            # relative to this file; record files and image paths are relative to data_root
+    train: train.jsonl         # a file or a list of files (JSON list or JSON lines)
+    val: val.jsonl
+    test: null
+    preprocess:
+      tokenizer: tokenizer     # a local Hugging Face tokenizer directory (relative to this file)
+      processor: null          # optional local Hugging Face image processor directory
+      image_size: 32
+      max_length: 32
+      truncation: true
+    loader: {batch_size: 8, num_workers: 0, shuffle: true, drop_last: false, padding: longest}
+    strict: false              # true: any bad record is an error; false: skipped, counted and reported
+
+Every key is checked: an unknown key or a path that does not exist fails before training, naming the key.
+"""
+
+from __future__ import annotations
+
+import difflib
+import json
+import os
+from dataclasses import dataclass, field, fields
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+__all__ = ["DataConfig", "PreprocessConfig", "LoaderConfig", "DataConfigError"]
+
+
+class DataConfigError(ValueError):
+    """A data config that cannot be used as written."""
+
+
+@dataclass(frozen=True)
+class PreprocessConfig:
+    tokenizer: Path | None = None
+    processor: Path | None = None
+    image_size: int = 224
+    max_length: int = 512
+    truncation: bool = True
+    image_mean: tuple[float, float, float] = (0.5, 0.5, 0.5)
+    image_std: tuple[float, float, float] = (0.5, 0.5, 0.5)
+    image_key: str = "images"
+
+
+@dataclass(frozen=True)
+class LoaderConfig:
+    batch_size: int = 1
+    num_workers: int = 0
+    shuffle: bool = True
+    drop_last: bool = False
+    pin_memory: bool = False
+    padding: str = "longest"
+    seed: int = 0
+
+
+@dataclass(frozen=True)
+class DataConfig:
+    """A validated data config; paths are absolute."""
+
+    data_root: Path
+    splits: dict[str, tuple[Path, ...]]
+    preprocess: PreprocessConfig = field(default_factory=PreprocessConfig)
+    loader: LoaderConfig = field(default_factory=LoaderConfig)
+    strict: bool = False
+    source: str | None = None
+
+    @classmethod
+    def from_file(cls, path: str | os.PathLike) -> DataConfig:
+        """Read ``data.json`` or a YAML file (safe loader) and validate it."""
+        path = Path(path)
+        if not path.is_file():
+            raise FileNotFoundError(f"data config not found: {path}")
+        text = path.read_text()
+        try:
+            data = json.loads(text) if path.suffix == ".json" else yaml.safe_load(text)
+        except (json.JSONDecodeError, yaml.YAMLError) as err:
+            raise DataConfigError(f"{path}: cannot parse: {err}") from err
+        return cls.from_dict(data or {}, base_dir=path.parent, source=str(path))
+
+    @classmethod
+    def from_dict(cls, data: Any, base_dir: str | os.PathLike = ".", source: str | None = None) -> DataConfig:
+        where = source or "data config"
+        base = Path(base_dir).resolve()
+
+        def fail(key: str, message: str) -> DataConfigError:
+            return DataConfigError(f"{where}: `{key}`: {message}")
+
+        _check_keys(data, ("data_root", "train", "val", "test", "preprocess", "loader", "strict"), "", where)
+        root = base / str(data.get("data_root", "."))
+        if not root.is_dir():
+            raise fail("data_root", f"directory not found: {root}")
+        splits: dict[str, tuple[Path, ...]] = {}
+        for split in ("train", "val", "test"):
+            value = data.get(split)
+            if value is None:
+                continue
+            files = [value] if isinstance(value, str) else value
+            if not isinstance(files, list) or not files or not all(isinstance(f, str) for f in files):
+                raise fail(split, f"expected a file name or a list of file names, got {value!r}")
+            resolved = []
+            for name in files:
+                file = root / name
+                if not file.is_file():
+                    raise fail(split, f"file not found: {file}")
+                resolved.append(file)
+            splits[split] = tuple(resolved)
+        if "train" not in splits and not splits:
+            raise fail("train", "no split is given (train, val or test)")
+
+        pre = dict(data.get("preprocess") or {})
+        _check_keys(pre, [f.name for f in fields(PreprocessConfig)], "preprocess.", where)
+        for key in ("tokenizer", "processor"):
+            if pre.get(key) is not None:
+                directory = base / str(pre[key])
+                if not directory.exists():
+                    raise fail(f"preprocess.{key}", f"not found: {directory}")
+                pre[key] = directory
+        for key in ("image_mean", "image_std"):
+            if key in pre:
+                if not isinstance(pre[key], (list, tuple)) or len(pre[key]) != 3:
+                    raise fail(f"preprocess.{key}", f"expected three numbers, got {pre[key]!r}")
+                pre[key] = tuple(float(x) for x in pre[key])
+        _check_positive_ints(pre, ("image_size", "max_length"), "preprocess.", fail)
+        _check_bools(pre, ("truncation",), "preprocess.", fail)
+        if pre.get("tokenizer") is None:
+            raise fail("preprocess.tokenizer", "a local tokenizer directory is required")
+
+        loader = dict(data.get("loader") or {})
+        _check_keys(loader, [f.name for f in fields(LoaderConfig)], "loader.", where)
+        _check_positive_ints(loader, ("batch_size",), "loader.", fail)
+        if "num_workers" in loader and (not isinstance(loader["num_workers"], int) or loader["num_workers"] < 0):
+            raise fail("loader.num_workers", f"expected a non-negative integer, got {loader['num_workers']!r}")
+        _check_bools(loader, ("shuffle", "drop_last", "pin_memory"), "loader.", fail)
+        if loader.get("padding", "longest") not in ("longest", "max_length"):
+            raise fail("loader.padding", f"expected 'longest' or 'max_length', got {loader['padding']!r}")
+        strict = data.get("strict", False)
+        if not isinstance(strict, bool):
+            raise fail("strict", f"expected true or false, got {strict!r}")
+        return cls(root, splits, PreprocessConfig(**pre), LoaderConfig(**loader), strict, source)
+
+
+def _check_keys(data: Any, known: Any, prefix: str, where: str) -> None:
+    if not isinstance(data, dict):
+        raise DataConfigError(f"{where}: `{prefix.rstrip('.') or '<top>'}` must be a mapping, got {data!r}")
+    known = list(known)
+    for key in data:
+        if key not in known:
+            hint = difflib.get_close_matches(str(key), known, n=1)
+            suggestion = f"; did you mean `{prefix}{hint[0]}`?" if hint else f"; valid keys: {', '.join(known)}"
+            raise DataConfigError(f"{where}: unknown key `{prefix}{key}`{suggestion}")
+
+
+def _check_positive_ints(data: dict, keys: tuple[str, ...], prefix: str, fail: Any) -> None:
+    for key in keys:
+        if key in data and (isinstance(data[key], bool) or not isinstance(data[key], int) or data[key] <= 0):
+            raise fail(prefix + key, f"expected a positive integer, got {data[key]!r}")
+
+
+def _check_bools(data: dict, keys: tuple[str, ...], prefix: str, fail: Any) -> None:
+    for key in keys:
+        if key in data and not isinstance(data[key], bool):
+            raise fail(prefix + key, f"expected true or false, got {data[key]!r}")

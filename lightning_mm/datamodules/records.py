@@ -1,0 +1,175 @@
+"""Reading and checking multimodal records (JSON / JSON lines) before any training starts.
+
+Each record has an ``image`` path (relative to the data root) and either a ``text`` caption or LLaVA-style
+``conversations`` (``[{"from": "human", "value": ...}, {"from": "gpt", "value": ...}]``). Every bad record is
+reported with its file and line: a malformed line, a missing key, a missing or unreadable image, an empty text, or
+a text longer than ``max_length`` when truncation is off.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from PIL import Image
+
+__all__ = ["Record", "DataReport", "DataError", "read_records"]
+
+_USER = ("human", "user")
+_ASSISTANT = ("gpt", "assistant")
+
+
+class DataError(ValueError):
+    """Bad data in strict mode (or no usable record at all)."""
+
+
+@dataclass(frozen=True)
+class Record:
+    """One checked sample: where it came from, its image, and its token ids (prompt ids are not trained on)."""
+
+    file: Path
+    line: int
+    image: Path
+    prompt_ids: tuple[int, ...]
+    target_ids: tuple[int, ...]
+
+
+@dataclass
+class DataReport:
+    """What reading a split found."""
+
+    split: str
+    total: int = 0
+    truncated: int = 0
+    problems: list[str] = field(default_factory=list)
+
+    @property
+    def skipped(self) -> int:
+        return len(self.problems)
+
+    def summary(self, shown: int = 5) -> str:
+        text = (f"{self.split}: {self.total} records, {self.total - self.skipped} used, {self.skipped} skipped, "
+                f"{self.truncated} truncated")
+        if self.problems:
+            text += "".join(f"\n  {p}" for p in self.problems[:shown])
+            if len(self.problems) > shown:
+                text += f"\n  ... and {len(self.problems) - shown} more"
+        return text
+
+
+def _iter_raw(file: Path) -> Iterator[tuple[int, Any, str | None]]:
+    """(line number, parsed record or None, parse error or None) for JSON lines or a JSON list."""
+    text = file.read_text(encoding="utf-8")
+    if file.suffix == ".json":
+        try:
+            data = json.loads(text)
+        except json.JSONDecodeError as err:
+            yield err.lineno, None, f"not valid JSON: {err.msg}"
+            return
+        if not isinstance(data, list):
+            yield 1, None, "a .json data file must hold a list of records"
+            return
+        for i, item in enumerate(data):
+            yield i + 1, item, None
+        return
+    for number, line in enumerate(text.splitlines(), start=1):
+        if not line.strip():
+            continue
+        try:
+            yield number, json.loads(line), None
+        except json.JSONDecodeError as err:
+            yield number, None, f"not valid JSON: {err.msg}"
+
+
+def _texts(record: dict) -> tuple[str, str]:
+    """(prompt, target) of a caption or conversation record; raises ValueError when malformed."""
+    if "text" in record:
+        text = record["text"]
+        if not isinstance(text, str):
+            raise ValueError(f"`text` must be a string, got {type(text).__name__}")
+        return "", text
+    if "conversations" in record:
+        turns = record["conversations"]
+        if not isinstance(turns, list) or not turns:
+            raise ValueError("`conversations` must be a non-empty list")
+        prompt, target = [], []
+        for turn in turns:
+            if not isinstance(turn, dict) or not isinstance(turn.get("value"), str):
+                raise ValueError("each conversation turn needs a string `value`")
+            role = turn.get("from", turn.get("role"))
+            if role in _USER:
+                prompt.append(turn["value"].replace("<image>", "").strip())
+            elif role in _ASSISTANT:
+                target.append(turn["value"])
+            else:
+                raise ValueError(f"unknown conversation role {role!r} (expected human/user or gpt/assistant)")
+        return "\n".join(p for p in prompt if p), "\n".join(target)
+    raise ValueError("record needs `text` or `conversations`")
+
+
+def _check_image(path: Path) -> str | None:
+    if not path.is_file():
+        return f"image not found: {path}"
+    try:
+        with Image.open(path) as img:
+            img.verify()
+    except Exception as err:  # PIL raises many types for broken files
+        return f"cannot read image {path}: {err}"
+    return None
+
+
+def read_records(
+    split: str, files: tuple[Path, ...], root: Path, tokenizer: Any, max_length: int, truncation: bool
+) -> tuple[list[Record], DataReport]:
+    """Read and check every record of a split; bad ones go to the report instead of the result."""
+    records: list[Record] = []
+    report = DataReport(split)
+    eos = tokenizer.eos_token_id
+    for file in files:
+        for line, raw, error in _iter_raw(file):
+            report.total += 1
+            where = f"{file.name}:{line}"
+            if error is not None:
+                report.problems.append(f"{where}: {error}")
+                continue
+            if not isinstance(raw, dict):
+                report.problems.append(f"{where}: a record must be a JSON object, got {type(raw).__name__}")
+                continue
+            image = raw.get("image")
+            if not isinstance(image, str) or not image:
+                report.problems.append(f"{where}: missing or non-string `image`")
+                continue
+            try:
+                prompt, target = _texts(raw)
+            except ValueError as err:
+                report.problems.append(f"{where}: {err}")
+                continue
+            if not target.strip():
+                report.problems.append(f"{where}: empty text")
+                continue
+            image_error = _check_image(root / image)
+            if image_error:
+                report.problems.append(f"{where}: {image_error}")
+                continue
+            prompt_ids = tokenizer(prompt, add_special_tokens=False)["input_ids"] if prompt else []
+            target_ids = tokenizer(target, add_special_tokens=False)["input_ids"]
+            if eos is not None:
+                target_ids = [*target_ids, eos]
+            length = len(prompt_ids) + len(target_ids)
+            if length > max_length:
+                if not truncation:
+                    report.problems.append(
+                        f"{where}: text is {length} tokens, longer than max_length {max_length} (truncation is off)"
+                    )
+                    continue
+                report.truncated += 1
+                keep = max_length - len(prompt_ids)
+                if keep <= 0:
+                    report.problems.append(f"{where}: the prompt alone fills max_length {max_length}")
+                    continue
+                target_ids = target_ids[:keep]
+            records.append(Record(file, line, root / image, tuple(prompt_ids), tuple(target_ids)))
+    return records, report
