@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import atexit
 import logging
 import os
 from collections.abc import Generator, Mapping
@@ -45,6 +46,11 @@ log = logging.getLogger(__name__)
 _STOCK_PRECISION = ("Precision", "MixedPrecision", "HalfPrecision", "DoublePrecision", "MMFSDP2Precision")
 
 
+def _destroy_process_group() -> None:
+    if dist.is_available() and dist.is_initialized():
+        dist.destroy_process_group()
+
+
 class MMFSDP2Strategy(ParallelStrategy):
     """Fully sharded data parallel (FSDP2) training driven by a MindSpeed MM ``fsdp2_config.yaml``.
 
@@ -57,6 +63,12 @@ class MMFSDP2Strategy(ParallelStrategy):
         timeout: process-group timeout.
         empty_init: build the model of ``configure_model``/``model_provider`` with parameters on the meta device
             (default ``True``); ``False`` builds it eagerly on every rank.
+        checkpoint_format: ``"torch_dcp"`` (default): each checkpoint is a directory written in parallel by all
+            ranks with torch.distributed.checkpoint; ``"torch"``: one consolidated file written by rank 0. Both
+            load on any world size and are written atomically.
+        strict_loading: ``None`` (default) follows the LightningModule's ``strict_loading`` (``True`` unless set):
+            a checkpoint whose keys differ from the model's fails with the list of keys. ``False`` loads the
+            matching keys and warns with the list of skipped ones.
 
     Module paths in the config are relative to ``MMLightningModule.model`` (or to the LightningModule itself for
     a plain one). The whole LightningModule is the FSDP root and each step runs through it.
@@ -75,6 +87,8 @@ class MMFSDP2Strategy(ParallelStrategy):
         process_group_backend: str | None = None,
         timeout: timedelta | None = default_pg_timeout,
         empty_init: bool = True,
+        checkpoint_format: str = "torch_dcp",
+        strict_loading: bool | None = None,
     ) -> None:
         super().__init__(
             accelerator=accelerator,
@@ -94,6 +108,12 @@ class MMFSDP2Strategy(ParallelStrategy):
         self._prefetch: apply.ExecutionOrderPrefetch | None = None
         self._ignored_params: list[nn.Parameter] = []
         self._gradient_sync = True
+        if checkpoint_format not in checkpoint.FORMATS:
+            raise ValueError(f"checkpoint_format must be one of {checkpoint.FORMATS}, got {checkpoint_format!r}")
+        self.checkpoint_format = checkpoint_format
+        self._strict_loading = strict_loading
+        self._pending_rng: dict[str, Any] | None = None
+        self._pending_rng_point: str | None = None
 
     # ------------------------------------------------------------------------------------ properties
     @property
@@ -205,6 +225,11 @@ class MMFSDP2Strategy(ParallelStrategy):
             kwargs["device_id"] = self.root_device
         dist.init_process_group(self._process_group_backend, rank=self.global_rank, world_size=self.world_size,
                                 **kwargs)
+        # Ours to destroy: after a failed run (teardown) and at interpreter exit. Not after a successful run: the
+        # sharded model keeps using this group if the same Trainer goes on to validate, test or predict.
+        self._created_process_group = True
+        atexit.unregister(_destroy_process_group)
+        atexit.register(_destroy_process_group)
         rank_zero_info(f"MMFSDP2Strategy: {self.world_size} processes, backend {self._process_group_backend}")
 
     def _config_from_module(self) -> FSDP2Config:
@@ -279,6 +304,9 @@ class MMFSDP2Strategy(ParallelStrategy):
 
         param_device = torch.device("cpu") if plan.offload_to_cpu else self.root_device
         apply.materialize_and_init(root, target, param_device, self.root_device, ignored_modules)
+        load_after_sharding = getattr(target, "load_after_sharding", None)  # FSDP2Mixin: pretrained shards
+        if callable(load_after_sharding):
+            load_after_sharding()
         # Collected after materialisation, which may replace parameter objects.
         self._ignored_params = [p for m in ignored_modules for p in m.parameters() if p.requires_grad]
 
@@ -336,7 +364,7 @@ class MMFSDP2Strategy(ParallelStrategy):
     def barrier(self, name: str | None = None) -> None:
         if not dist.is_initialized():
             return
-        if dist.get_backend() == "nccl":
+        if self.root_device.type != "cpu":  # nccl, hccl, xccl...: the barrier runs on this rank's own device
             dist.barrier(device_ids=[self.root_device.index])
         else:
             dist.barrier()
@@ -354,45 +382,119 @@ class MMFSDP2Strategy(ParallelStrategy):
             return _sync_ddp_if_available(tensor, group, reduce_op=reduce_op)
         return tensor
 
+    def on_exception(self, exception: BaseException) -> None:
+        self._run_failed = True
+
     def teardown(self) -> None:
+        """Release the accelerator; after a failed run, also destroy the process group this strategy created.
+
+        A failed run frees its communicators here (peers blocked in a collective then fail instead of waiting for
+        the timeout, and a later Trainer in this process starts a fresh group). After a successful run the group
+        stays, because the sharded model is bound to it; it is destroyed at interpreter exit.
+        """
         assert self.cluster_environment is not None
         assert self.accelerator is not None
+        if getattr(self, "_run_failed", False) and getattr(self, "_created_process_group", False):
+            _destroy_process_group()
+            self._created_process_group = False
+        self._run_failed = False
         self.cluster_environment.teardown()
         self.precision_plugin.teardown()
         self.accelerator.teardown()
 
     # ----------------------------------------------------------------------------------- checkpoints
+    # See lightning_mm/strategies/checkpoint/: torch_dcp directories or consolidated torch files, written atomically,
+    # loaded strictly (keys listed) and safely (weights_only), resharded to any world size.
     def lightning_module_state_dict(self) -> dict[str, Any]:
+        """This rank's shards (``torch_dcp``), or the gathered state on rank 0 (``torch``)."""
         assert self.lightning_module is not None
-        return checkpoint.sharded_model_state(self.lightning_module)
+        return checkpoint.model_state(self.lightning_module, full=self.checkpoint_format == "torch")
 
-    def load_model_state_dict(self, checkpoint: Mapping[str, Any], strict: bool = True) -> None:
-        pass  # loaded by load_checkpoint
+    def load_model_state_dict(self, state: Mapping[str, Any], strict: bool = True) -> None:
+        pass  # loaded in place by load_checkpoint, which checks the keys
 
     def optimizer_state(self, optimizer: Any) -> dict[str, Any]:
+        """The optimiser state keyed by parameter names: shards (``torch_dcp``) or gathered on rank 0 (``torch``)."""
         assert self.lightning_module is not None
-        return checkpoint.sharded_optimizer_state(self.lightning_module, optimizer)
+        return checkpoint.optimizer_state(self.lightning_module, optimizer, full=self.checkpoint_format == "torch")
 
-    def load_optimizer_state_dict(self, checkpoint: Mapping[str, Any]) -> None:
-        pass  # loaded by load_checkpoint
+    def load_optimizer_state_dict(self, state: Mapping[str, Any]) -> None:
+        pass  # loaded in place by load_checkpoint
+
+    def _check_checkpoint_io(self) -> None:
+        from lightning.fabric.plugins import TorchCheckpointIO
+
+        if self._checkpoint_io is not None and type(self._checkpoint_io) is not TorchCheckpointIO:
+            raise TypeError(f"MMFSDP2Strategy writes its checkpoints itself (checkpoint_format="
+                            f"{self.checkpoint_format!r}); the {type(self._checkpoint_io).__name__} plugin cannot be "
+                            "used with it")
+
+    def _rng_point(self) -> str:
+        """Where a resumed run restores the RNG: before the next batch, or before the next epoch's data iterator."""
+        trainer = getattr(self.lightning_module, "_trainer", None)
+        if trainer is None:
+            return "next_batch"
+        return "next_epoch" if trainer.fit_loop.epoch_loop.batch_progress.is_last_batch else "next_batch"
 
     def save_checkpoint(self, checkpoint_dict: dict[str, Any], filepath: _PATH,
                         storage_options: Any | None = None) -> None:
+        """Write a checkpoint with every rank (``torch_dcp``) or from rank 0 (``torch``); visible once complete."""
         if storage_options is not None:
-            raise TypeError("MMFSDP2Strategy writes checkpoints with torch.distributed.checkpoint; "
-                            "`storage_options` is not supported")
+            raise TypeError("MMFSDP2Strategy writes its checkpoints itself; `storage_options` is not supported")
+        self._check_checkpoint_io()
+        lm = self.lightning_module
+        assert lm is not None
         path = Path(self.broadcast(str(filepath)))
-        checkpoint.save_dcp(checkpoint_dict, path, is_global_zero=self.is_global_zero)
-        self.barrier()
+        extra = {
+            "format_version": checkpoint.FORMAT_VERSION,
+            "kind": checkpoint.KIND_TRAINING,
+            "world_size": self.world_size,
+            "mesh_shape": list(self.device_mesh.shape),
+            "rng_point": self._rng_point(),
+            "hf": checkpoint.hf_records(lm),
+        }
+        checkpoint.save(checkpoint_dict, path, self.checkpoint_format, extra, checkpoint.capture_rng(self.root_device))
 
     def load_checkpoint(self, checkpoint_path: _PATH, weights_only: bool | None = None) -> dict[str, Any]:
+        """Load model and (when fitting) optimiser state in place, with strict key checks; return the rest.
+
+        Per-rank state (RNG, dataloader position) is restored when the world size is unchanged: the dataloader
+        position through Lightning's loop, the RNG right before training continues.
+        """
+        if weights_only is False:
+            raise ValueError("MMFSDP2Strategy loads checkpoints weights_only (no pickled code is run); "
+                             "weights_only=False is not supported")
+        self._check_checkpoint_io()
+        lm = self.lightning_module
+        assert lm is not None
         path = Path(self.broadcast(str(checkpoint_path)))
-        assert self.lightning_module is not None
-        return checkpoint.load_dcp(
-            path, self.lightning_module, self.optimizers, strict=self.lightning_module.strict_loading
-        )
+        fitting = lm.trainer.state.fn == TrainerFn.FITTING
+        strict = lm.strict_loading if self._strict_loading is None else self._strict_loading
+        loaded = checkpoint.load(path, lm, self.optimizers if fitting else [], strict=strict, rank=self.global_rank,
+                                 world_size=self.world_size, fitting=fitting)
+        self._pending_rng, self._pending_rng_point = loaded.rng, loaded.rng_point
+        return loaded.checkpoint
+
+    def _restore_pending_rng(self) -> None:
+        if self._pending_rng is not None:
+            checkpoint.restore_rng(self._pending_rng, self.root_device)
+        self._pending_rng = self._pending_rng_point = None
+
+    def process_dataloader(self, dataloader: object) -> object:
+        """Resuming at an epoch boundary: restore the RNG before the new epoch's training iterator is created."""
+        trainer = getattr(self.lightning_module, "_trainer", None)
+        if (self._pending_rng is not None and self._pending_rng_point == "next_epoch" and trainer is not None
+                and trainer.training and not trainer.sanity_checking):
+            self._restore_pending_rng()
+        return dataloader
+
+    def on_train_batch_start(self, batch: Any, batch_idx: int) -> None:
+        """Resuming mid-epoch: restore the RNG right before the first batch after the checkpoint."""
+        if self._pending_rng is not None:
+            self._restore_pending_rng()
 
     def remove_checkpoint(self, filepath: _PATH) -> None:
+        """Delete a checkpoint (rank 0): a directory is moved out of sight before it is deleted."""
         if self.is_global_zero:
             checkpoint.remove(Path(filepath))
 

@@ -1,0 +1,165 @@
+"""NPUAccelerator: Ascend NPUs through torch_npu, imported only when the NPU accelerator is used.
+
+Nothing here imports torch_npu at module import. ``npu_status()`` imports it on demand (to count NPUs), and asking
+for ``accelerator="npu"`` without torch_npu or without a visible NPU fails when the accelerator is built, i.e. in
+the ``Trainer`` constructor, before any process is started. torch.cuda is never patched: the NPU is addressed as
+the ``npu`` device type through ``torch.npu``.
+"""
+
+from __future__ import annotations
+
+import importlib
+import importlib.util
+import os
+import sys
+from typing import Any
+
+import torch
+from lightning.fabric.accelerators.registry import _AcceleratorRegistry
+from lightning.pytorch.accelerators import Accelerator
+from lightning.pytorch.utilities.exceptions import MisconfigurationException
+
+from lightning_mm.accelerators import runtime
+from lightning_mm.accelerators.device_parsing import parse_device_indices
+
+__all__ = ["NPUAccelerator", "NPUUnavailableError", "npu_status", "torch_npu_version", "INSTALL_HINT"]
+
+INSTALL_HINT = (
+    "install the Ascend driver and CANN toolkit, `source /usr/local/Ascend/ascend-toolkit/set_env.sh`, then "
+    "`pip install lightning-mm[npu]` (a torch_npu release built for torch {torch})"
+)
+_VISIBLE = "ASCEND_RT_VISIBLE_DEVICES"
+
+
+class NPUUnavailableError(RuntimeError):
+    """``accelerator="npu"`` was asked for where torch_npu or an NPU is missing."""
+
+
+def torch_npu_version() -> str | None:
+    """torch_npu's version if it is installed, without importing it (``None`` if not installed)."""
+    module = sys.modules.get("torch_npu")
+    if module is not None:
+        return str(getattr(module, "__version__", "unknown"))
+    from importlib.metadata import PackageNotFoundError, version
+
+    for dist_name in ("torch-npu", "torch_npu"):
+        try:
+            return version(dist_name)
+        except PackageNotFoundError:
+            continue
+    return None
+
+
+def npu_status() -> tuple[int, str | None]:
+    """``(number of visible NPUs, None)``, or ``(0, why there is none)``; never raises.
+
+    Imports torch_npu when it is installed (that is how NPUs are counted); when it is not, imports nothing.
+    """
+    hint = INSTALL_HINT.format(torch=torch.__version__.split("+")[0])
+    if "torch_npu" not in sys.modules and importlib.util.find_spec("torch_npu") is None:
+        return 0, f"torch_npu is not installed: {hint}"
+    try:
+        importlib.import_module("torch_npu")
+    except ModuleNotFoundError as err:
+        if err.name == "torch_npu":
+            return 0, f"torch_npu is not installed: {hint}"
+        return 0, _broken(err, hint)
+    except Exception as err:  # a missing CANN library surfaces as ImportError, OSError or RuntimeError
+        return 0, _broken(err, hint)
+    try:
+        count = int(torch.get_device_module("npu").device_count())
+    except Exception as err:
+        return 0, f"torch_npu is imported but cannot count NPUs ({type(err).__name__}: {err}); {hint}"
+    if count == 0:
+        visible = os.environ.get(_VISIBLE)
+        where = f" ({_VISIBLE}={visible!r})" if visible is not None else ""
+        return 0, (
+            f"torch_npu {torch_npu_version()} is installed but no NPU is visible{where}: check the driver with "
+            "`npu-smi info` and that the CANN environment is sourced"
+        )
+    return count, None
+
+
+def _broken(err: BaseException, hint: str) -> str:
+    return (
+        f"torch_npu is installed but cannot be imported ({type(err).__name__}: {err}). This usually means the CANN "
+        f"toolkit is missing or its environment is not sourced, or torch_npu does not match torch: {hint}"
+    )
+
+
+class NPUAccelerator(Accelerator):
+    """Accelerator for Ascend NPUs (the ``npu`` device type of torch_npu), registered as ``accelerator="npu"``.
+
+    Building it checks that torch_npu imports and that an NPU is visible, and raises
+    :class:`NPUUnavailableError` saying which is missing and how to install it.
+    """
+
+    def __init__(self) -> None:
+        super().__init__()
+        _, reason = npu_status()
+        if reason is not None:
+            raise NPUUnavailableError(f"accelerator='npu' cannot be used: {reason}")
+
+    def setup_device(self, device: torch.device) -> None:
+        """Make ``device`` this process's current NPU."""
+        if device.type != "npu":
+            raise MisconfigurationException(
+                f"NPUAccelerator was given the device {device}; the strategy must place this process on an npu "
+                "device (for one device, Trainer(accelerator='npu', devices=1) picks a single-device NPU strategy)"
+            )
+        runtime.device_module(device).set_device(device)
+
+    def get_device_stats(self, device: Any) -> dict[str, Any]:
+        """Memory statistics of the NPU (``torch.npu.memory_stats``)."""
+        return runtime.memory_stats(_npu_device(device))
+
+    def teardown(self) -> None:
+        """Release the NPU allocator's cached memory."""
+        if "torch_npu" in sys.modules and hasattr(torch, "npu"):
+            runtime.empty_cache("npu")
+
+    @staticmethod
+    def parse_devices(devices: int | str | list[int]) -> list[int]:
+        """``devices`` as NPU indices: an int, ``-1``, a list, ``"auto"``, ``"-1"``, ``"2"`` or ``"0,1"``."""
+        count, reason = npu_status()
+        hint = reason or f"Set {_VISIBLE} to change which NPUs are visible."
+        return parse_device_indices(devices, count, name="NPU", hint=hint)
+
+    @staticmethod
+    def get_parallel_devices(devices: int | list[int]) -> list[torch.device]:
+        """One ``npu`` device per index (an int ``n`` means the first ``n``)."""
+        indices = range(devices) if isinstance(devices, int) else devices
+        return [torch.device("npu", i) for i in indices]
+
+    @staticmethod
+    def auto_device_count() -> int:
+        """The number of visible NPUs."""
+        return npu_status()[0]
+
+    @staticmethod
+    def is_available() -> bool:
+        """Whether torch_npu imports and at least one NPU is visible (never raises)."""
+        return npu_status()[0] > 0
+
+    @staticmethod
+    def name() -> str:
+        return "npu"
+
+    @classmethod
+    def register_accelerators(cls, accelerator_registry: _AcceleratorRegistry) -> None:
+        """Register ``accelerator="npu"`` and teach Lightning's accelerator connector the NPU's single-device
+        strategy, autocast device and ``accelerator="auto"`` choice (see ``lightning_mm.accelerators.connector``)."""
+        from lightning_mm.accelerators import connector
+
+        if cls.name() not in accelerator_registry:
+            accelerator_registry.register(cls.name(), cls, description="Ascend NPU through torch_npu")
+        connector.install()
+
+
+def _npu_device(device: Any) -> torch.device:
+    if isinstance(device, int):
+        return torch.device("npu", device)
+    device = torch.device(device)
+    if device.type != "npu":
+        raise ValueError(f"NPUAccelerator.get_device_stats needs an npu device, got {device}")
+    return device
