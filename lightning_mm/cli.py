@@ -14,7 +14,9 @@ from collections.abc import Sequence
 __all__ = ["main", "COMMANDS"]
 
 # name -> (module, one-line help). A module is listed here once it exists.
-COMMANDS: dict[str, tuple[str, str]] = {}
+COMMANDS: dict[str, tuple[str, str]] = {
+    "env": ("lightning_mm.commands.env", "versions, accelerators and backends of this machine (for bug reports)"),
+}
 
 
 def _usage() -> str:
