@@ -1,0 +1,52 @@
+"""Checkpoints of :class:`~lightning_mm.MMFSDP2Strategy` (the seed's ``--ckpt-format torch_dcp``).
+
+* :mod:`.layout` (deciding): how Lightning's checkpoint dict splits into DCP tensors and a meta tree, key checks.
+* :mod:`.store` (doing): atomic save and strict/non-strict load of ``torch_dcp`` directories and ``torch`` files.
+* :mod:`.safe`: loading without running pickled code; :mod:`.atomic`: temporary sibling, rename into place.
+* :mod:`.rng`: per-rank RNG states; :mod:`.hf`: the Hugging Face record; :mod:`.convert`: converters.
+"""
+
+from lightning_mm.strategies.checkpoint.atomic import remove
+from lightning_mm.strategies.checkpoint.hf import hf_records
+from lightning_mm.strategies.checkpoint.layout import (
+    EXTRA_KEY,
+    FORMAT_VERSION,
+    KIND_TRAINING,
+    KIND_WEIGHTS,
+    META_FILE,
+    CheckpointKeyError,
+)
+from lightning_mm.strategies.checkpoint.rng import capture_rng, restore_rng
+from lightning_mm.strategies.checkpoint.safe import UnsafeCheckpointError
+from lightning_mm.strategies.checkpoint.store import (
+    FORMATS,
+    CheckpointSource,
+    Loaded,
+    load,
+    model_state,
+    open_source,
+    optimizer_state,
+    save,
+)
+
+__all__ = [
+    "EXTRA_KEY",
+    "FORMAT_VERSION",
+    "FORMATS",
+    "KIND_TRAINING",
+    "KIND_WEIGHTS",
+    "META_FILE",
+    "CheckpointKeyError",
+    "CheckpointSource",
+    "Loaded",
+    "UnsafeCheckpointError",
+    "capture_rng",
+    "hf_records",
+    "load",
+    "model_state",
+    "open_source",
+    "optimizer_state",
+    "remove",
+    "restore_rng",
+    "save",
+]

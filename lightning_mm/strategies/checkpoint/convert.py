@@ -1,0 +1,283 @@
+"""Checkpoint conversion in one process, without a GPU: DCP -> one torch file, DCP <-> Hugging Face directory.
+
+Only what a conversion needs is read: ``dcp_to_hf`` reads the model weights (never the optimiser state) one
+safetensors shard at a time; ``hf_to_dcp`` streams tensors from the HF files into DCP one at a time.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint import FileSystemWriter
+from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
+
+from lightning_mm.strategies.checkpoint import atomic
+from lightning_mm.strategies.checkpoint.hf import choose_record
+from lightning_mm.strategies.checkpoint.layout import (
+    EXTRA_KEY,
+    FORMAT_VERSION,
+    KIND_WEIGHTS,
+    MARKER,
+    META_FILE,
+    SEP,
+    fill_tensors,
+    model_key,
+)
+from lightning_mm.strategies.checkpoint.safe import check_weights_only, load_weights_only
+from lightning_mm.strategies.checkpoint.store import _single_process_quiet, _write_file, open_source
+
+__all__ = ["dcp_to_torch", "dcp_to_hf", "hf_to_dcp", "parse_size"]
+
+_DTYPES = {"fp32": torch.float32, "float32": torch.float32, "bf16": torch.bfloat16, "bfloat16": torch.bfloat16,
+           "fp16": torch.float16, "float16": torch.float16}
+_SAFETENSORS_DTYPES = {
+    "F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16, "I64": torch.int64,
+    "I32": torch.int32, "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8, "BOOL": torch.bool,
+    "F8_E4M3": torch.float8_e4m3fn, "F8_E5M2": torch.float8_e5m2,
+}
+
+
+def parse_size(text: str) -> int:
+    """``"5GB"``, ``"500MB"``, ``"1024"`` -> bytes."""
+    units = {"KB": 10**3, "MB": 10**6, "GB": 10**9, "KIB": 2**10, "MIB": 2**20, "GIB": 2**30, "B": 1}
+    upper = text.strip().upper()
+    for unit in sorted(units, key=len, reverse=True):
+        if upper.endswith(unit):
+            return int(float(upper[: -len(unit)]) * units[unit])
+    return int(upper)
+
+
+def _check_output(dst: Path) -> None:
+    if dst.exists() or dst.is_symlink():
+        raise FileExistsError(f"output exists: {dst} (remove it or choose another path)")
+    if not dst.parent.is_dir():
+        raise FileNotFoundError(f"output directory does not exist: {dst.parent}")
+
+
+# ------------------------------------------------------------------------------------------ to torch
+def dcp_to_torch(src: str | Path, dst: str | Path, model_only: bool = False) -> Path:
+    """Consolidate any checkpoint this project writes into one ``torch.save`` file in Lightning's layout.
+
+    The result has full tensors under ``state_dict`` and (unless ``model_only``) ``optimizer_states``, the rest of
+    the checkpoint unchanged, and loads ``weights_only``; ``MMFSDP2Strategy`` resumes from it on any world size.
+    """
+    dst = Path(dst)
+    _check_output(dst)
+    source = open_source(src)
+    meta = dict(source.meta)
+    if model_only:
+        meta.pop("optimizer_states", None)
+    keys = [k for k in source.shapes if not model_only or k.startswith(f"state_dict{SEP}")]
+    tensors = source.read_full(keys)
+    full = fill_tensors(meta, lambda key: tensors[key])
+    extra = dict(full.get(EXTRA_KEY) or {})
+    extra["format"] = "torch"
+    full[EXTRA_KEY] = extra
+    partial = atomic.partial_path(dst)
+    _write_file(full, partial)
+    atomic.commit(partial, dst)
+    return dst
+
+
+# --------------------------------------------------------------------------------------------- to HF
+def _hf_config(source_meta: dict[str, Any], source: str, prefix: str | None, config: str | Path | None) -> tuple[
+        str, dict[str, Any]]:
+    if config is not None:
+        path = Path(config)
+        path = path / "config.json" if path.is_dir() else path
+        if not path.is_file():
+            raise FileNotFoundError(f"--config: no config.json at {config}")
+        return (prefix if prefix is not None else "model."), json.loads(path.read_text())
+    record = choose_record((source_meta.get(EXTRA_KEY) or {}).get("hf") or [], prefix, source)
+    return record["prefix"], json.loads(record["config"])
+
+
+def dcp_to_hf(
+    src: str | Path,
+    out_dir: str | Path,
+    prefix: str | None = None,
+    dtype: str | None = None,
+    max_shard_size: int = 5 * 10**9,
+    config: str | Path | None = None,
+) -> Path:
+    """Write the Hugging Face model of a checkpoint as ``config.json`` plus safetensors shards.
+
+    The model keys of the checkpoint under ``prefix`` (the recorded one by default: ``model.`` for an
+    MMLightningModule) become the HF keys. ``dtype`` (fp32, bf16, fp16) casts floating tensors.
+    """
+    from safetensors.torch import save_file
+
+    out = Path(out_dir)
+    _check_output(out)
+    cast = None
+    if dtype is not None:
+        if dtype not in _DTYPES:
+            raise ValueError(f"--dtype must be one of {sorted(_DTYPES)}, got {dtype!r}")
+        cast = _DTYPES[dtype]
+    source = open_source(src)
+    prefix, hf_config = _hf_config(source.meta, str(src), prefix, config)
+    start = model_key(prefix)
+    names = {k: k[len(start):] for k in source.shapes if k.startswith(start)}
+    if not names:
+        available = sorted({k.split(SEP, 1)[1].split(".", 1)[0] for k in source.shapes if k.startswith("state_dict")})
+        raise ValueError(f"{src}: no model key starts with {prefix!r} (top-level modules: {available})")
+
+    shards: list[list[str]] = [[]]
+    size = 0
+    for key in names:
+        dt = cast if cast is not None and source.dtypes[key].is_floating_point else source.dtypes[key]
+        nbytes = torch.Size(source.shapes[key]).numel() * dt.itemsize
+        if shards[-1] and size + nbytes > max_shard_size:
+            shards.append([])
+            size = 0
+        shards[-1].append(key)
+        size += nbytes
+
+    partial = atomic.partial_path(out)
+    partial.mkdir()
+    weight_map: dict[str, str] = {}
+    total = 0
+    for i, keys in enumerate(shards):
+        file = "model.safetensors" if len(shards) == 1 else f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors"
+        tensors = source.read_full(keys)
+        shard = {}
+        for key, tensor in tensors.items():
+            if cast is not None and tensor.is_floating_point():
+                tensor = tensor.to(cast)
+            shard[names[key]] = tensor.contiguous()
+            weight_map[names[key]] = file
+            total += tensor.numel() * tensor.element_size()
+        save_file(shard, str(partial / file), metadata={"format": "pt"})
+        del tensors, shard
+    if len(shards) > 1:
+        index = {"metadata": {"total_size": total}, "weight_map": weight_map}
+        (partial / "model.safetensors.index.json").write_text(json.dumps(index, indent=2))
+    if cast is not None:
+        hf_config["torch_dtype"] = hf_config["dtype"] = str(cast).removeprefix("torch.")
+    (partial / "config.json").write_text(json.dumps(hf_config, indent=2))
+    atomic.fsync_dir(partial)
+    atomic.commit(partial, out)
+    return out
+
+
+# ------------------------------------------------------------------------------------------ from HF
+class _HFTensors:
+    """The tensors of a Hugging Face directory, read one at a time (safetensors, or a weights-only .bin)."""
+
+    def __init__(self, hf_dir: Path) -> None:
+        self.dir = hf_dir
+        self.files = self._weight_files()
+        self.shapes: dict[str, tuple[int, ...]] = {}
+        self.dtypes: dict[str, torch.dtype] = {}
+        self._where: dict[str, Path] = {}
+        self._bins: dict[Path, dict[str, torch.Tensor]] = {}
+        for file in self.files:
+            if file.suffix == ".safetensors":
+                from safetensors import safe_open
+
+                with safe_open(str(file), framework="pt") as f:
+                    for name in f.keys():  # noqa: SIM118 - safe_open has no __iter__
+                        piece = f.get_slice(name)
+                        if piece.get_dtype() not in _SAFETENSORS_DTYPES:
+                            raise ValueError(f"{file}: tensor {name} has unsupported dtype {piece.get_dtype()}")
+                        self._add(name, file, tuple(piece.get_shape()), _SAFETENSORS_DTYPES[piece.get_dtype()])
+            else:
+                tensors = load_weights_only(file, mmap=True)
+                if not isinstance(tensors, dict):
+                    raise ValueError(f"{file}: expected a dict of tensors, found {type(tensors).__name__}")
+                self._bins[file] = tensors
+                for name, t in tensors.items():
+                    self._add(name, file, tuple(t.shape), t.dtype)
+
+    def _add(self, name: str, file: Path, shape: tuple[int, ...], dtype: torch.dtype) -> None:
+        if name in self._where:
+            raise ValueError(f"{self.dir}: tensor {name} is in both {self._where[name].name} and {file.name}")
+        self._where[name], self.shapes[name], self.dtypes[name] = file, shape, dtype
+
+    def _weight_files(self) -> list[Path]:
+        for index_name in ("model.safetensors.index.json", "pytorch_model.bin.index.json"):
+            index = self.dir / index_name
+            if index.is_file():
+                weight_map = json.loads(index.read_text()).get("weight_map")
+                if not isinstance(weight_map, dict):
+                    raise ValueError(f"{index}: no 'weight_map'")
+                files = [self.dir / f for f in dict.fromkeys(weight_map.values())]
+                missing = [str(f) for f in files if not f.is_file()]
+                if missing:
+                    raise FileNotFoundError(f"{index} names missing files: {missing}")
+                return files
+        for name in ("model.safetensors", "pytorch_model.bin"):
+            if (self.dir / name).is_file():
+                return [self.dir / name]
+        raise FileNotFoundError(
+            f"{self.dir}: no Hugging Face weights (model.safetensors, its index, or pytorch_model.bin)"
+        )
+
+    def get(self, name: str) -> torch.Tensor:
+        file = self._where[name]
+        if file in self._bins:
+            return self._bins[file][name]
+        from safetensors import safe_open
+
+        with safe_open(str(file), framework="pt") as f:
+            return f.get_tensor(name)
+
+
+class _StreamingSavePlanner(DefaultSavePlanner):
+    """Plans from meta tensors and reads each tensor only when the writer asks for it."""
+
+    def __init__(self, read: Any) -> None:
+        super().__init__(flatten_state_dict=False)
+        self._read = read
+
+    def resolve_data(self, write_item: Any) -> Any:
+        return self._read(write_item.index.fqn)
+
+
+def hf_to_dcp(hf_dir: str | Path, dst: str | Path, prefix: str = "model.") -> Path:
+    """A Hugging Face model directory as a weights checkpoint that ``MMFSDP2Strategy`` loads.
+
+    Keys become ``<prefix><hf key>`` (``model.`` is where an MMLightningModule keeps the model). ``fit`` starts from
+    it with a fresh optimiser and loop; validate/test/predict use it directly; any world size loads it.
+    """
+    import lightning
+
+    hf_dir, dst = Path(hf_dir), Path(dst)
+    _check_output(dst)
+    config_file = hf_dir / "config.json"
+    if not config_file.is_file():
+        raise FileNotFoundError(f"{hf_dir}: no config.json (is this a Hugging Face model directory?)")
+    config = json.loads(config_file.read_text())
+    hf = _HFTensors(hf_dir)
+    keys = {model_key(prefix + name): name for name in hf.shapes}
+    planned = {k: torch.empty(hf.shapes[n], dtype=hf.dtypes[n], device="meta") for k, n in keys.items()}
+    architectures = config.get("architectures") or []
+    meta = {
+        "epoch": 0,
+        "global_step": 0,
+        "pytorch-lightning_version": lightning.__version__,
+        "state_dict": {prefix + name: {MARKER: key} for key, name in keys.items()},
+        EXTRA_KEY: {
+            "format_version": FORMAT_VERSION, "format": "torch_dcp", "kind": KIND_WEIGHTS, "world_size": 1,
+            "ranks": [], "source": str(hf_dir),
+            "hf": [{"prefix": prefix, "architecture": architectures[0] if architectures else None,
+                    "config": json.dumps(config)}],
+        },
+    }
+    check_weights_only(meta)
+    partial = atomic.partial_path(dst)
+
+    def read(key: str) -> torch.Tensor:
+        return hf.get(keys[key]).contiguous()
+
+    with _single_process_quiet():
+        dcp.save(planned, storage_writer=FileSystemWriter(partial, thread_count=1, sync_files=True),
+                 planner=_StreamingSavePlanner(read), no_dist=True)
+    _write_file(meta, partial / META_FILE)
+    atomic.fsync_dir(partial)
+    atomic.commit(partial, dst)
+    return dst

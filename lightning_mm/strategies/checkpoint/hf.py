@@ -1,0 +1,64 @@
+"""Hugging Face models inside a LightningModule: what a checkpoint records so that it converts to HF files."""
+
+from __future__ import annotations
+
+import json
+import sys
+from typing import Any
+
+from torch import nn
+
+__all__ = ["hf_records", "choose_record"]
+
+
+def _architecture(module: nn.Module) -> str:
+    """The Hugging Face class a (possibly adapted or FSDP-wrapped) model is an instance of."""
+    for cls in type(module).__mro__:
+        if cls.__module__.startswith("transformers."):
+            return cls.__name__
+    return type(module).__name__
+
+
+def hf_records(root: nn.Module) -> list[dict[str, Any]]:
+    """One record per top-most ``transformers.PreTrainedModel`` inside ``root``.
+
+    Each holds the key ``prefix`` of the model in the LightningModule's state dict (``model.`` for an
+    MMLightningModule), its ``architecture`` and its ``config`` (JSON text). Nothing is recorded (and transformers
+    is not imported) when no transformers model is in use.
+    """
+    transformers = sys.modules.get("transformers")
+    if transformers is None:
+        return []
+    base = transformers.PreTrainedModel
+    records: list[dict[str, Any]] = []
+    taken: list[str] = []
+    for name, module in root.named_modules():
+        if not isinstance(module, base) or any(name.startswith(t) for t in taken):
+            continue
+        prefix = f"{name}." if name else ""
+        taken.append(prefix)
+        architecture = _architecture(module)
+        config = json.loads(module.config.to_json_string(use_diff=False))
+        config["architectures"] = [architecture]
+        records.append({"prefix": prefix, "architecture": architecture, "config": json.dumps(config)})
+    return records
+
+
+def choose_record(records: list[dict[str, Any]], prefix: str | None, source: str) -> dict[str, Any]:
+    """The record of ``prefix``, or the only one when ``prefix`` is None; a clear error otherwise."""
+    if not records:
+        raise ValueError(
+            f"{source} records no Hugging Face model: dcp-to-hf needs a checkpoint of a LightningModule whose model "
+            "is a transformers PreTrainedModel (e.g. built with TransformersModel), or pass --config with the "
+            "model's config.json"
+        )
+    if prefix is None:
+        if len(records) > 1:
+            raise ValueError(f"{source} holds {len(records)} Hugging Face models; choose one with --prefix "
+                             f"({', '.join(r['prefix'] for r in records)})")
+        return records[0]
+    for record in records:
+        if record["prefix"] == prefix:
+            return record
+    raise ValueError(f"{source} has no Hugging Face model at prefix {prefix!r} "
+                     f"(recorded: {', '.join(r['prefix'] for r in records)})")

@@ -1,0 +1,442 @@
+"""Writing and reading checkpoints of a sharded model: ``torch_dcp`` directories and consolidated ``torch`` files.
+
+Every rank calls :func:`save` and :func:`load`. A ``torch_dcp`` checkpoint is a directory::
+
+    step=100.ckpt/
+        .metadata, __0_0.distcp, __1_0.distcp, ...   model and optimiser tensors (DCP, written by every rank)
+        meta.pt                                      everything else (rank 0), loadable weights_only
+
+A ``torch`` checkpoint is one file with the full (gathered) tensors in Lightning's layout, written by rank 0.
+Both are written next to their final path and renamed into place when complete (:mod:`.atomic`).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+import os
+import warnings
+from collections.abc import Iterator, Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
+from torch import nn
+from torch.distributed.checkpoint import FileSystemWriter
+from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
+from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+from torch.distributed.checkpoint.state_dict import (
+    StateDictOptions,
+    get_model_state_dict,
+    get_optimizer_state_dict,
+    set_model_state_dict,
+    set_optimizer_state_dict,
+)
+from torch.distributed.tensor import DTensor, distribute_tensor
+
+from lightning_mm.strategies.checkpoint import atomic
+from lightning_mm.strategies.checkpoint.layout import (
+    EXTRA_KEY,
+    FORMAT_VERSION,
+    KIND_TRAINING,
+    KIND_WEIGHTS,
+    META_FILE,
+    SEP,
+    CheckpointKeyError,
+    KeyPlan,
+    model_key,
+    plan_keys,
+    pop_loader_states,
+    put_loader_states,
+    split_tensors,
+)
+from lightning_mm.strategies.checkpoint.safe import (
+    SafeFileSystemReader,
+    SafeLoadPlanner,
+    check_weights_only,
+    load_weights_only,
+    read_dcp_metadata,
+)
+
+__all__ = [
+    "FORMATS",
+    "model_state",
+    "optimizer_state",
+    "save",
+    "load",
+    "Loaded",
+    "CheckpointSource",
+    "open_source",
+    "alias_groups",
+]
+
+FORMATS = ("torch_dcp", "torch")
+
+
+def _unwrap(optimizer: Any) -> torch.optim.Optimizer:
+    return getattr(optimizer, "_optimizer", optimizer)
+
+
+# --------------------------------------------------------------------------------------- collectives
+def _distributed() -> bool:
+    return dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
+
+
+def _broadcast(obj: Any) -> Any:
+    if not _distributed():
+        return obj
+    box = [obj]
+    dist.broadcast_object_list(box, 0)
+    return box[0]
+
+
+def _gather(obj: Any) -> list[Any] | None:
+    """``obj`` of every rank, in rank order, on rank 0 (None elsewhere)."""
+    if not _distributed():
+        return [obj]
+    rank = dist.get_rank()
+    out: list[Any] | None = [None] * dist.get_world_size() if rank == 0 else None
+    dist.gather_object(obj, out, dst=0)
+    return out
+
+
+def _barrier() -> None:
+    if _distributed():
+        dist.barrier()
+
+
+def _agree(error: str | None) -> None:
+    """Raise on every rank the error rank 0 found (so that no rank waits in a collective for the others)."""
+    error = _broadcast(error)
+    if error:
+        raise ValueError(error)
+
+
+# ------------------------------------------------------------------------------------- state dicts
+def model_state(model: nn.Module, full: bool) -> dict[str, Any]:
+    """The model state: this rank's shards, or (``full``) the gathered tensors on rank 0 and nothing elsewhere."""
+    return get_model_state_dict(model, options=StateDictOptions(full_state_dict=full, cpu_offload=full))
+
+
+def optimizer_state(model: nn.Module, optimizer: Any, full: bool) -> dict[str, Any]:
+    """The optimiser state keyed by parameter names (sharded, or gathered on rank 0 when ``full``)."""
+    return get_optimizer_state_dict(
+        model, _unwrap(optimizer), options=StateDictOptions(full_state_dict=full, cpu_offload=full)
+    )
+
+
+def alias_groups(model: nn.Module) -> list[list[str]]:
+    """Groups of parameter names that share one parameter (tied weights)."""
+    names: dict[int, list[str]] = {}
+    for name, param in model.named_parameters(remove_duplicate=False):
+        names.setdefault(id(param), []).append(name)
+    return [group for group in names.values() if len(group) > 1]
+
+
+# -------------------------------------------------------------------------------------------- saving
+def _copy_loops(checkpoint: dict[str, Any]) -> dict[str, Any]:
+    """A copy of the dict in which the loop state may be modified (per-rank entries are taken out of it)."""
+    checkpoint = dict(checkpoint)
+    if "loops" in checkpoint:
+        checkpoint["loops"] = copy.deepcopy(checkpoint["loops"])
+    return checkpoint
+
+
+def save(
+    checkpoint: dict[str, Any],
+    path: Path,
+    fmt: str,
+    extra: dict[str, Any],
+    rng: dict[str, Any] | None,
+) -> None:
+    """Write ``checkpoint`` (Lightning's dict) to ``path`` atomically; every rank calls this.
+
+    ``extra`` (rank 0's) goes to ``meta[EXTRA_KEY]``; each rank's ``rng`` state and dataloader position are
+    gathered into ``meta[EXTRA_KEY]["ranks"]``.
+    """
+    if fmt not in FORMATS:
+        raise ValueError(f"checkpoint_format must be one of {FORMATS}, got {fmt!r}")
+    checkpoint = _copy_loops(checkpoint)
+    ranks = _gather({"rng": rng, "combined_loader": pop_loader_states(checkpoint)})
+    rank0 = ranks is not None
+    error = None
+    if rank0 and path.exists() and not path.is_symlink() and (path.is_dir() != (fmt == "torch_dcp")):
+        kind = "directory" if path.is_dir() else "file"
+        error = f"cannot write a {fmt} checkpoint to {path}: a {kind} of the other format is there"
+    meta, tensors = split_tensors(checkpoint)
+    meta[EXTRA_KEY] = {**extra, "format": fmt, "ranks": ranks}
+    if rank0 and error is None:
+        try:
+            check_weights_only(meta)
+        except TypeError as err:
+            error = str(err)
+    _agree(error)
+    partial = Path(_broadcast(str(atomic.partial_path(path))))
+    if rank0:
+        for stale in atomic.stale_partials(path):
+            atomic.remove(stale)
+        path.parent.mkdir(parents=True, exist_ok=True)
+    _barrier()
+    if fmt == "torch_dcp":
+        with _single_process_quiet():
+            dcp.save(tensors, storage_writer=FileSystemWriter(partial, sync_files=True),
+                     planner=DefaultSavePlanner(flatten_state_dict=False), no_dist=not _distributed())
+        if rank0:
+            _write_file(meta, partial / META_FILE)
+            atomic.fsync_dir(partial)
+    elif rank0:
+        full = dict(checkpoint)
+        full[EXTRA_KEY] = meta[EXTRA_KEY]
+        _write_file(full, partial)
+    _barrier()
+    if rank0:
+        atomic.commit(partial, path)
+    _barrier()
+
+
+def _write_file(obj: Any, path: Path) -> None:
+    with open(path, "wb") as f:
+        torch.save(obj, f)
+        f.flush()
+        os.fsync(f.fileno())
+
+
+# ------------------------------------------------------------------------------------------- sources
+@dataclass
+class CheckpointSource:
+    """A checkpoint on disk: its meta tree and the shapes of its stored tensors, and a way to read them."""
+
+    path: Path
+    meta: dict[str, Any]
+    shapes: dict[str, tuple[int, ...]]
+    dtypes: dict[str, torch.dtype]
+    is_dcp: bool
+    _tensors: dict[str, torch.Tensor] | None = field(default=None, repr=False)
+
+    @property
+    def extra(self) -> dict[str, Any]:
+        return self.meta.get(EXTRA_KEY) or {}
+
+    def read_into(self, destinations: Mapping[str, torch.Tensor]) -> None:
+        """Fill each destination tensor (a DTensor receives its own shard) from the stored key of the same name."""
+        if not destinations:
+            return
+        if self.is_dcp:
+            with _single_process_quiet():
+                dcp.load(dict(destinations), storage_reader=SafeFileSystemReader(self.path),
+                         planner=SafeLoadPlanner(), no_dist=not _distributed())
+            return
+        assert self._tensors is not None
+        for key, dest in destinations.items():
+            _copy_full_into(self._tensors[key], dest)
+
+    def read_full(self, keys: Sequence[str]) -> dict[str, torch.Tensor]:
+        """Full CPU tensors for ``keys`` (a single process may call this)."""
+        if not self.is_dcp:
+            assert self._tensors is not None
+            return {k: self._tensors[k] for k in keys}
+        out = {k: torch.empty(self.shapes[k], dtype=self.dtypes[k]) for k in keys}
+        if out:
+            with _single_process_quiet():
+                dcp.load(out, storage_reader=SafeFileSystemReader(self.path), planner=SafeLoadPlanner(),
+                         no_dist=True)
+        return out
+
+
+@contextlib.contextmanager
+def _single_process_quiet() -> Iterator[None]:
+    """DCP warns on every single-process call that it assumes a single process; that is the intent here."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+        yield
+
+
+def _copy_full_into(full: torch.Tensor, dest: torch.Tensor) -> None:
+    with torch.no_grad():
+        if isinstance(dest, DTensor):
+            shard = distribute_tensor(full.to(dest.dtype), dest.device_mesh, dest.placements, src_data_rank=None)
+            dest.to_local().copy_(shard.to_local())
+        else:
+            dest.copy_(full)
+
+
+def open_source(path: str | Path) -> CheckpointSource:
+    """Open a checkpoint written by this project (a DCP directory or a consolidated file), safely."""
+    path = Path(path)
+    if not path.exists():
+        raise FileNotFoundError(f"checkpoint not found: {path}")
+    if path.is_dir():
+        if not (path / META_FILE).is_file() or not (path / ".metadata").is_file():
+            raise FileNotFoundError(
+                f"{path} is not a complete torch_dcp checkpoint (it needs both .metadata and {META_FILE})"
+            )
+        metadata = read_dcp_metadata(path)
+        meta = load_weights_only(path / META_FILE)
+        shapes, dtypes = {}, {}
+        for key, item in metadata.state_dict_metadata.items():
+            if isinstance(item, TensorStorageMetadata):
+                shapes[key], dtypes[key] = tuple(item.size), item.properties.dtype
+        return CheckpointSource(path, meta, shapes, dtypes, is_dcp=True)
+    full = load_weights_only(path, mmap=True)
+    if not isinstance(full, dict):
+        raise ValueError(f"{path}: not a Lightning checkpoint (a {type(full).__name__}, not a dict)")
+    meta, tensors = split_tensors(full)
+    return CheckpointSource(
+        path, meta, {k: tuple(v.shape) for k, v in tensors.items()}, {k: v.dtype for k, v in tensors.items()},
+        is_dcp=False, _tensors=tensors,
+    )
+
+
+# ------------------------------------------------------------------------------------------- loading
+@dataclass
+class Loaded:
+    """What :func:`load` gives back: Lightning's dict for the rest of the restore, and this rank's RNG state."""
+
+    checkpoint: dict[str, Any]
+    rng: dict[str, Any] | None
+    rng_point: str | None
+    skipped: list[str]
+
+
+def _shape(t: torch.Tensor) -> tuple[int, ...]:
+    return tuple(t.shape)
+
+
+def _load_model(source: CheckpointSource, model: nn.Module, strict: bool) -> list[str]:
+    state = model_state(model, full=False)
+    prefix = model_key("")
+    expected = {k: _shape(v) for k, v in state.items()}
+    stored = {k[len(prefix):]: s for k, s in source.shapes.items() if k.startswith(prefix)}
+    plan = plan_keys(expected, stored, alias_groups(model))
+    if not plan.load and expected:
+        raise CheckpointKeyError(
+            f"{source.path}: no model key of the checkpoint matches the model ({plan.describe('model', 10)}); "
+            "check the module prefix (e.g. `model.` of MMLightningModule)"
+        )
+    _check(plan, "model", source.path, strict)
+    destinations = {key: state[key] for key in plan.load}
+    source.read_into({model_key(k): v for k, v in destinations.items()})
+    set_model_state_dict(model, destinations, options=StateDictOptions(strict=False))
+    return [*plan.missing, *plan.unexpected, *(k for k, _, _ in plan.mismatched)]
+
+
+def _check(plan: KeyPlan, what: str, path: Path, strict: bool) -> None:
+    if plan.clean:
+        return
+    if strict:
+        raise CheckpointKeyError(
+            f"{path}: the checkpoint does not match the {what} (strict loading). {plan.describe(what)}. "
+            "Set `strict_loading = False` on the LightningModule to load the matching keys and skip the rest"
+        )
+    rank_zero_warn(f"Non-strict load of {path} skipped these {what} keys: {plan.describe(what)}")
+
+
+def _load_optimizer(source: CheckpointSource, model: nn.Module, optimizer: Any, index: int, strict: bool) -> list[str]:
+    optim = _unwrap(optimizer)
+    current = optimizer_state(model, optim, full=False)  # creates the state entries if the optimiser has none yet
+    saved = source.meta["optimizer_states"][index]
+    prefix = f"optimizer_states{SEP}{index}{SEP}state{SEP}"
+    expected: dict[str, tuple[int, ...]] = {}
+    dest: dict[str, torch.Tensor] = {}
+    for fqn, entries in current["state"].items():
+        for name, value in entries.items():
+            if isinstance(value, torch.Tensor):
+                key = f"{prefix}{fqn}{SEP}{name}"
+                expected[key], dest[key] = _shape(value), value
+    stored = {k: s for k, s in source.shapes.items() if k.startswith(prefix)}
+    plan = plan_keys(expected, stored)
+    _check(plan, f"optimizer {index}", source.path, strict)
+    source.read_into({k: dest[k] for k in plan.load})
+
+    loaded = set(plan.load)
+    state: dict[str, dict[str, Any]] = {}
+    for fqn, entries in current["state"].items():
+        keys = [f"{prefix}{fqn}{SEP}{n}" for n, v in entries.items() if isinstance(v, torch.Tensor)]
+        if not all(k in loaded for k in keys):
+            continue  # non-strict: this parameter's optimiser state starts fresh
+        saved_entries = saved.get("state", {}).get(fqn, {})
+        state[fqn] = {n: (v if isinstance(v, torch.Tensor) else saved_entries.get(n, v)) for n, v in entries.items()}
+    groups = _merge_param_groups(current["param_groups"], saved.get("param_groups", []), source.path, index, strict)
+    set_optimizer_state_dict(model, optim, {"state": state, "param_groups": groups},
+                             options=StateDictOptions(strict=False))  # keys were checked above
+    return [*plan.missing, *plan.unexpected, *(k for k, _, _ in plan.mismatched)]
+
+
+def _merge_param_groups(current: list[dict], saved: list[dict], path: Path, index: int, strict: bool) -> list[dict]:
+    """Saved hyper-parameters (lr, betas, ...) over the current groups, whose ``params`` name today's parameters."""
+    if len(current) != len(saved):
+        message = f"{path}: optimizer {index} has {len(current)} parameter group(s), the checkpoint {len(saved)}"
+        if strict:
+            raise CheckpointKeyError(message)
+        rank_zero_warn(f"{message}; the current groups' hyper-parameters are kept")
+        return current
+    merged = []
+    for now, then in zip(current, saved):
+        if strict and sorted(now["params"]) != sorted(then.get("params", [])):
+            missing = sorted(set(now["params"]) - set(then.get("params", [])))
+            extra = sorted(set(then.get("params", [])) - set(now["params"]))
+            raise CheckpointKeyError(
+                f"{path}: optimizer {index} parameter groups differ from the checkpoint's: "
+                f"not in the checkpoint {missing}, only in the checkpoint {extra}"
+            )
+        merged.append({**then, "params": now["params"]})
+    return merged
+
+
+def load(
+    path: Path,
+    model: nn.Module,
+    optimizers: Sequence[Any],
+    strict: bool,
+    rank: int,
+    world_size: int,
+    fitting: bool,
+) -> Loaded:
+    """Load model (and, when ``fitting``, optimiser) state in place; every rank calls this."""
+    source = open_source(path)
+    extra = source.extra
+    if int(extra.get("format_version", FORMAT_VERSION)) > FORMAT_VERSION:
+        raise ValueError(f"{path} was written by a newer lightning-mm (checkpoint format "
+                         f"{extra['format_version']}, this one reads up to {FORMAT_VERSION})")
+    kind = extra.get("kind", KIND_TRAINING)
+    skipped = _load_model(source, model, strict)
+    checkpoint = {k: v for k, v in source.meta.items() if k not in ("state_dict", "optimizer_states", EXTRA_KEY)}
+    checkpoint.setdefault("state_dict", {})
+
+    if fitting and kind == KIND_WEIGHTS:
+        rank_zero_info(f"{path} holds model weights only: training starts from them with a fresh optimiser, "
+                       "LR schedule and loop state")
+        for key in ("loops", "callbacks", "lr_schedulers"):
+            checkpoint.pop(key, None)
+        checkpoint["lr_schedulers"] = []
+        return Loaded(checkpoint, None, None, skipped)
+    if fitting and optimizers:
+        saved = source.meta.get("optimizer_states")
+        if saved is None:
+            raise ValueError(
+                f"{path} holds no optimizer state (saved with `save_weights_only=True`?): it cannot resume training. "
+                "Use it with validate/test/predict, or convert it to a weights checkpoint"
+            )
+        if len(saved) != len(optimizers):
+            raise ValueError(f"{path} holds state for {len(saved)} optimizer(s); the module has {len(optimizers)}")
+        for i, optimizer in enumerate(optimizers):
+            skipped += _load_optimizer(source, model, optimizer, i, strict)
+
+    ranks = extra.get("ranks") or []
+    rng = rng_point = None
+    if fitting and ranks:
+        if len(ranks) == world_size:
+            mine = ranks[rank] or {}
+            put_loader_states(checkpoint, mine.get("combined_loader"))
+            rng, rng_point = mine.get("rng"), extra.get("rng_point")
+        else:
+            rank_zero_warn(
+                f"{path} was saved on {len(ranks)} rank(s) and is loaded on {world_size}: model and optimizer state "
+                "are resharded; the per-rank dataloader positions and RNG states are not restored (the current "
+                "epoch's data restarts from its beginning)"
+            )
+    return Loaded(checkpoint, rng, rng_point, skipped)
