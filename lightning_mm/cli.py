@@ -8,6 +8,7 @@ and are imported only when used.
 from __future__ import annotations
 
 import importlib
+import os
 import sys
 from collections.abc import Sequence
 
@@ -16,6 +17,9 @@ __all__ = ["main", "COMMANDS"]
 # name -> (module, one-line help). A module is listed here once it exists.
 COMMANDS: dict[str, tuple[str, str]] = {
     "env": ("lightning_mm.commands.env", "versions, accelerators and backends of this machine (for bug reports)"),
+    "plan": ("lightning_mm.commands.plan", "print the resolved sharding plan and per-rank memory, no processes"),
+    "migrate": ("lightning_mm.commands.migrate", "turn a MindSpeed MM / Megatron launch into a LightningCLI YAML"),
+    "convert": ("lightning_mm.commands.convert", "checkpoints: dcp-to-torch, dcp-to-hf, hf-to-dcp (one process)"),
 }
 
 
@@ -38,13 +42,15 @@ def run_lightning_cli(argv: Sequence[str]) -> None:
         MMDataModule,
         subclass_mode_model=True,
         subclass_mode_data=True,
-        args=list(argv),
+        args=None if list(argv) == sys.argv[1:] else list(argv),  # LightningCLI warns when given both
         save_config_kwargs={"overwrite": True},
     )
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
+    if "" not in sys.path and os.getcwd() not in sys.path:
+        sys.path.insert(0, os.getcwd())  # class paths resolve from the working directory, as with `python -m`
     if not argv or argv[0] in ("-h", "--help"):
         print(_usage())
         return 0

@@ -38,13 +38,13 @@ class MMDataModule(L.LightningDataModule):
         val_dataset: Dataset | DataLoader | None = None,
         test_dataset: Dataset | DataLoader | None = None,
         data_config: str | os.PathLike | None = None,
-        batch_size: int = 1,
-        num_workers: int = 0,
+        batch_size: int | None = None,
+        num_workers: int | None = None,
         collate_fn: Callable[[list[Any]], Any] | None = None,
-        pin_memory: bool = False,
-        shuffle: bool = True,
-        drop_last: bool = False,
-        seed: int = 0,
+        pin_memory: bool | None = None,
+        shuffle: bool | None = None,
+        drop_last: bool | None = None,
+        seed: int | None = None,
     ) -> None:
         super().__init__()
         sources = sum(x is not None for x in (train_valid_test_datasets_provider, data_config)) + any(
@@ -54,27 +54,35 @@ class MMDataModule(L.LightningDataModule):
             raise ValueError(
                 "MMDataModule: give exactly one of train_valid_test_datasets_provider, data_config, or datasets"
             )
-        if batch_size < 1:
+        if batch_size is not None and batch_size < 1:
             raise ValueError(f"MMDataModule: batch_size must be positive, got {batch_size}")
         self.provider = resolve_callable(train_valid_test_datasets_provider, "train_valid_test_datasets_provider")
         self.config = None
+        # Loading settings: explicit arguments win over the data config's `loader` section, which wins over the
+        # defaults (batch size 1, no workers, shuffled training data, seed 0).
+        given = {"batch_size": batch_size, "num_workers": num_workers, "pin_memory": pin_memory,
+                 "shuffle": shuffle, "drop_last": drop_last, "seed": seed}
+        settings = {"batch_size": 1, "num_workers": 0, "pin_memory": False, "shuffle": True, "drop_last": False,
+                    "seed": 0}
         if data_config is not None:
             from lightning_mm.datamodules.data_config import DataConfig
 
             self.config = DataConfig.from_file(data_config)  # fails now, naming the key, if the file is wrong
-            loader = self.config.loader
-            batch_size, num_workers, pin_memory = loader.batch_size, loader.num_workers, loader.pin_memory
-            shuffle, drop_last, seed = loader.shuffle, loader.drop_last, loader.seed
+            settings.update({k: getattr(self.config.loader, k) for k in settings})
+        overridden = {k: v for k, v in given.items() if v is not None}
+        if self.config is not None and overridden:
+            rank_zero_info(f"MMDataModule: {overridden} override the `loader` section of {self.config.source}")
+        settings.update(overridden)
         self._splits: dict[str, Any] | None = None
         if self.provider is None and self.config is None:
             self._splits = dict(zip(_SPLITS, (train_dataset, val_dataset, test_dataset)))
-        self.batch_size = batch_size
-        self.num_workers = num_workers
+        self.batch_size: int = settings["batch_size"]
+        self.num_workers: int = settings["num_workers"]
+        self.pin_memory: bool = settings["pin_memory"]
+        self.shuffle: bool = settings["shuffle"]
+        self.drop_last: bool = settings["drop_last"]
+        self.seed: int = settings["seed"]
         self.collate_fn = collate_fn
-        self.pin_memory = pin_memory
-        self.shuffle = shuffle
-        self.drop_last = drop_last
-        self.seed = seed
         self.reports: dict[str, Any] = {}
 
     @classmethod
