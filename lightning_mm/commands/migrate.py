@@ -170,7 +170,6 @@ def migrate(launch: Launch) -> Migration:
                            "data": {"class_path": "lightning_mm.MMDataModule", "init_args": {}}}
     out = Migration(cfg)
     strategy_args = set(inspect.signature(MMFSDP2Strategy.__init__).parameters)
-    flags = dict(launch.flags)
     values: dict[str, Any] = {}
 
     world = None
