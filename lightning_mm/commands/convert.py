@@ -1,0 +1,69 @@
+"""``lightning-mm convert``: checkpoint conversion in one process, no GPU needed.
+
+* ``dcp-to-torch SRC DST.pt``: any checkpoint this project writes (a ``torch_dcp`` directory, FSDP or HSDP, any
+  world size; weights-only and converted ones too) as one ``torch.save`` file in Lightning's layout, with full
+  tensors. It loads ``weights_only`` and resumes with ``MMFSDP2Strategy`` on any number of ranks.
+* ``dcp-to-hf SRC OUT_DIR``: the Hugging Face model of a checkpoint (a ``transformers.PreTrainedModel`` built in
+  ``model_provider``, e.g. through TransformersModel) as ``config.json`` + safetensors, for ``from_pretrained``.
+* ``hf-to-dcp HF_DIR DST``: a Hugging Face model directory as a ``torch_dcp`` weights checkpoint:
+  ``trainer.fit(ckpt_path=DST)`` starts training from those weights; validate/test/predict use them.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from collections.abc import Sequence
+
+__all__ = ["main"]
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="lightning-mm convert", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    sub = parser.add_subparsers(dest="command", required=True, metavar="{dcp-to-torch,dcp-to-hf,hf-to-dcp}")
+
+    p = sub.add_parser("dcp-to-torch", help="consolidate a checkpoint into one torch.save file")
+    p.add_argument("src", help="checkpoint directory (torch_dcp) or file")
+    p.add_argument("dst", help="output file (must not exist)")
+    p.add_argument("--model-only", action="store_true", help="leave out the optimizer state")
+
+    p = sub.add_parser("dcp-to-hf", help="write the Hugging Face model of a checkpoint (config.json + safetensors)")
+    p.add_argument("src", help="checkpoint directory (torch_dcp) or file")
+    p.add_argument("out_dir", help="output directory (must not exist)")
+    p.add_argument("--prefix", default=None,
+                   help="key prefix of the HF model in the LightningModule (default: the recorded one, `model.`)")
+    p.add_argument("--dtype", default=None, choices=["fp32", "bf16", "fp16"], help="cast floating tensors")
+    p.add_argument("--max-shard-size", default="5GB", help="largest safetensors file (default 5GB)")
+    p.add_argument("--config", default=None,
+                   help="config.json (or its directory) to use when the checkpoint records no HF config")
+
+    p = sub.add_parser("hf-to-dcp", help="a Hugging Face model directory as a torch_dcp weights checkpoint")
+    p.add_argument("hf_dir", help="directory with config.json and safetensors (or pytorch_model.bin) weights")
+    p.add_argument("dst", help="output checkpoint directory (must not exist)")
+    p.add_argument("--prefix", default="model.",
+                   help="key prefix of the model in the LightningModule (default `model.`: MMLightningModule.model)")
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = _parser().parse_args(list(sys.argv[1:] if argv is None else argv))
+    from lightning_mm.strategies.checkpoint import convert
+
+    try:
+        if args.command == "dcp-to-torch":
+            out = convert.dcp_to_torch(args.src, args.dst, model_only=args.model_only)
+        elif args.command == "dcp-to-hf":
+            out = convert.dcp_to_hf(args.src, args.out_dir, prefix=args.prefix, dtype=args.dtype,
+                                    max_shard_size=convert.parse_size(args.max_shard_size), config=args.config)
+        else:
+            out = convert.hf_to_dcp(args.hf_dir, args.dst, prefix=args.prefix)
+    except (OSError, ValueError, KeyError, TypeError) as error:
+        print(f"lightning-mm convert {args.command}: error: {error}", file=sys.stderr)
+        return 1
+    print(f"wrote {out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
