@@ -419,6 +419,24 @@ def scenario_registered_name(outdir: str) -> None:
     })
 
 
+# ------------------------------------------------------------- MMLightningModule under Lightning's DDP
+def tuple_forward_step(data_iterator: Any, model: nn.Module) -> tuple[torch.Tensor, Any]:
+    batch = next(data_iterator)
+    return model(batch), lambda out: (out, {"doubled": 2 * out.detach()})
+
+
+def scenario_ddp_module(outdir: str) -> None:
+    """The seed's functions passed as callables (Megatron tuple form) train under plain DDP too."""
+    recorder = LossRecorder()
+    module = MMLightningModule(model_provider=TiedLM, forward_step=tuple_forward_step, lr=1e-2)
+    t = trainer("ddp", max_steps=8, callbacks=[recorder])
+    t.fit(module, train_dataloaders=torch.utils.data.DataLoader(IdsData(), batch_size=8))
+    dump("ddp_module", outdir, t.global_rank, {
+        "losses": recorder.losses, "strategy": type(t.strategy).__name__,
+        "logged": sorted(k for k in t.callback_metrics),
+    })
+
+
 if __name__ == "__main__":
     name, out = sys.argv[1], sys.argv[2]
     os.makedirs(out, exist_ok=True)

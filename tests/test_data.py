@@ -1,0 +1,193 @@
+"""MMDataModule: providers, datasets, and the native data config on small real files (no processes)."""
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from PIL import Image
+from torch.utils.data import DataLoader, TensorDataset
+
+from lightning_mm import MMDataModule
+from lightning_mm.datamodules.data_config import DataConfigError
+from lightning_mm.datamodules.records import DataError
+
+
+# ------------------------------------------------------------------------------------------- providers
+def tensors(n):
+    return TensorDataset(torch.arange(n).float())
+
+
+def test_provider_returning_datasets_with_a_none_split():
+    dm = MMDataModule(train_valid_test_datasets_provider=lambda: (tensors(10), tensors(4), None), batch_size=3,
+                      shuffle=False)
+    dm.setup("fit")
+    batches = list(dm.train_dataloader())
+    assert [len(b[0]) for b in batches] == [3, 3, 3, 1]
+    assert len(list(dm.val_dataloader())) == 2
+    assert dm.test_dataloader() == []
+
+
+def test_provider_returning_dataloaders_uses_them_as_they_are():
+    loader = DataLoader(tensors(6), batch_size=2)
+    dm = MMDataModule(train_valid_test_datasets_provider=lambda: (loader, None, None), batch_size=5)
+    dm.setup("fit")
+    assert dm.train_dataloader() is loader and dm.val_dataloader() == []
+
+
+def test_provider_by_import_path_and_bad_returns():
+    dm = MMDataModule(
+        train_valid_test_datasets_provider="examples.migration.pretrain_custom.train_valid_test_datasets_provider"
+    )
+    dm.setup("fit")
+    assert isinstance(dm.train_dataloader(), DataLoader)
+    with pytest.raises(TypeError, match=r"must return \(train, valid, test\)"):
+        MMDataModule(train_valid_test_datasets_provider=lambda: tensors(3)).setup("fit")
+    with pytest.raises(ValueError, match="no training split"):
+        dm = MMDataModule(train_valid_test_datasets_provider=lambda: (None, tensors(3), None))
+        dm.setup("fit")
+        dm.train_dataloader()
+    with pytest.raises(ImportError, match="no attribute"):
+        MMDataModule(train_valid_test_datasets_provider="examples.migration.pretrain_custom.nope")
+
+
+def test_exactly_one_source():
+    with pytest.raises(ValueError, match="exactly one"):
+        MMDataModule()
+    with pytest.raises(ValueError, match="exactly one"):
+        MMDataModule(train_valid_test_datasets_provider=lambda: (None, None, None), train_dataset=tensors(2))
+
+
+def test_seeded_shuffle_is_reproducible():
+    def order(seed):
+        dm = MMDataModule(train_dataset=tensors(20), batch_size=20, seed=seed)
+        return next(iter(dm.train_dataloader()))[0].tolist()
+
+    assert order(1) == order(1) and order(1) != order(2)
+
+
+# ----------------------------------------------------------------------------------------- data config
+def make_tokenizer(directory: Path) -> None:
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    words = ["[PAD]", "[UNK]", "[EOS]", "a", "red", "blue", "square", "circle", "what", "is", "it"]
+    core = Tokenizer(models.WordLevel({w: i for i, w in enumerate(words)}, unk_token="[UNK]"))
+    core.pre_tokenizer = pre_tokenizers.Whitespace()
+    PreTrainedTokenizerFast(tokenizer_object=core, pad_token="[PAD]", unk_token="[UNK]",
+                            eos_token="[EOS]").save_pretrained(str(directory))
+
+
+@pytest.fixture
+def dataset_dir(tmp_path):
+    (tmp_path / "img").mkdir()
+    for name, color in (("r.png", (255, 0, 0)), ("b.png", (0, 0, 255))):
+        Image.new("RGB", (20, 12), color).save(tmp_path / "img" / name)
+    (tmp_path / "img" / "broken.png").write_bytes(b"\x89PNG\r\n\x1a\n not really a png")
+    make_tokenizer(tmp_path / "tok")
+    return tmp_path
+
+
+def write_config(root: Path, train_lines: list, **extra) -> Path:
+    (root / "train.jsonl").write_text("\n".join(x if isinstance(x, str) else json.dumps(x) for x in train_lines))
+    config = {"data_root": ".", "train": "train.jsonl",
+              "preprocess": {"tokenizer": "tok", "image_size": 8, "max_length": 7, "truncation": False},
+              "loader": {"batch_size": 2, "shuffle": False}}
+    for key, value in extra.items():
+        if isinstance(value, dict) and isinstance(config.get(key), dict):
+            config[key].update(value)
+        else:
+            config[key] = value
+    path = root / "data.json"
+    path.write_text(json.dumps(config))
+    return path
+
+
+GOOD = [
+    {"image": "img/r.png", "text": "a red square"},
+    {"image": "img/b.png", "conversations": [{"from": "human", "value": "<image>\nwhat is it"},
+                                              {"from": "gpt", "value": "a blue circle"}]},
+]
+
+
+def test_happy_path_real_images_tokens_and_labels(dataset_dir):
+    dm = MMDataModule.from_config(write_config(dataset_dir, GOOD))
+    dm.setup("fit")
+    batch = next(iter(dm.train_dataloader()))
+    assert batch["images"].shape == (2, 3, 8, 8)
+    assert batch["images"][0, 0].mean() > 0.9 and batch["images"][0, 2].mean() < -0.9  # red, normalised
+    # caption: a red square [EOS] (+pad); conversation: prompt "what is it" masked, then "a blue circle [EOS]"
+    assert batch["input_ids"][0].tolist() == [3, 4, 6, 2, 0, 0, 0]
+    assert batch["labels"][0].tolist() == [3, 4, 6, 2, -100, -100, -100]
+    assert batch["input_ids"][1].tolist() == [8, 9, 10, 3, 5, 7, 2]
+    assert batch["labels"][1].tolist() == [-100, -100, -100, 3, 5, 7, 2]
+    assert batch["attention_mask"].sum(1).tolist() == [4, 7]
+    assert dm.reports["train"].skipped == 0
+
+
+BAD = [
+    ("{not json", "train.jsonl:3: not valid JSON"),
+    ('["a list"]', "train.jsonl:3: a record must be a JSON object"),
+    ({"text": "a red square"}, "train.jsonl:3: missing or non-string `image`"),
+    ({"image": "img/r.png"}, "train.jsonl:3: record needs `text` or `conversations`"),
+    ({"image": "img/gone.png", "text": "a red square"}, "train.jsonl:3: image not found"),
+    ({"image": "img/broken.png", "text": "a red square"}, "train.jsonl:3: cannot read image"),
+    ({"image": "img/r.png", "text": "   "}, "train.jsonl:3: empty text"),
+    ({"image": "img/r.png", "text": "a red red red red red square"}, "train.jsonl:3: text is 8 tokens"),
+    ({"image": "img/r.png", "conversations": [{"from": "robot", "value": "x"}]}, "unknown conversation role"),
+]
+
+
+@pytest.mark.parametrize(("line", "message"), BAD)
+def test_bad_records_are_skipped_counted_and_reported_or_raise_in_strict_mode(dataset_dir, line, message):
+    path = write_config(dataset_dir, [*GOOD, line])
+    dm = MMDataModule.from_config(path)
+    with pytest.warns(UserWarning, match="1 skipped"):
+        dm.setup("fit")
+    report = dm.reports["train"]
+    assert report.total == 3 and report.skipped == 1 and message in report.problems[0]
+    assert len(dm.train_dataloader().dataset) == 2
+    strict = MMDataModule.from_config(write_config(dataset_dir, [*GOOD, line], strict=True))
+    with pytest.raises(DataError, match=message.split(": ", 1)[0]):
+        strict.setup("fit")
+
+
+def test_truncation_keeps_overlong_text_and_counts_it(dataset_dir):
+    line = {"image": "img/r.png", "text": "a red red red red red square"}
+    dm = MMDataModule.from_config(write_config(dataset_dir, [line], preprocess={"truncation": True}))
+    dm.setup("fit")
+    assert dm.reports["train"].truncated == 1 and dm.reports["train"].skipped == 0
+    assert len(dm.train_dataloader().dataset[0]["input_ids"]) == 7
+
+
+def test_no_usable_record_is_an_error(dataset_dir):
+    dm = MMDataModule.from_config(write_config(dataset_dir, [{"image": "img/gone.png", "text": "a"}]))
+    with pytest.raises(DataError, match="no usable record"), pytest.warns(UserWarning):
+        dm.setup("fit")
+
+
+@pytest.mark.parametrize(
+    ("extra", "message"),
+    [
+        ({"trian": "train.jsonl"}, "unknown key `trian`; did you mean `train`"),
+        ({"preprocess": {"max_len": 3}}, "unknown key `preprocess.max_len`; did you mean `preprocess.max_length`"),
+        ({"loader": {"batchsize": 3}}, "did you mean `loader.batch_size`"),
+        ({"val": "missing.jsonl"}, "`val`: file not found"),
+        ({"data_root": "nowhere"}, "`data_root`: directory not found"),
+        ({"preprocess": {"tokenizer": "no_tok"}}, "`preprocess.tokenizer`: not found"),
+        ({"loader": {"batch_size": 0}}, "`loader.batch_size`: expected a positive integer"),
+        ({"loader": {"padding": "left"}}, "`loader.padding`"),
+        ({"strict": "yes"}, "`strict`"),
+    ],
+)
+def test_config_errors_name_the_key_before_training(dataset_dir, extra, message):
+    with pytest.raises((DataConfigError, FileNotFoundError), match=message.replace("(", r"\(")):
+        MMDataModule.from_config(write_config(dataset_dir, GOOD, **extra))
+
+
+def test_missing_config_file_and_explicit_overrides(dataset_dir):
+    with pytest.raises(FileNotFoundError, match="nope.yaml"):
+        MMDataModule.from_config(dataset_dir / "nope.yaml")
+    dm = MMDataModule.from_config(write_config(dataset_dir, GOOD), batch_size=1)
+    dm.setup("fit")
+    assert dm.batch_size == 1 and len(list(dm.train_dataloader())) == 2
