@@ -16,11 +16,14 @@ What it does NOT cover: no tensor can be allocated on the fake device (no alloca
 step, no HCCL collective, no real torch_npu or CANN import, no real memory numbers. Those need Ascend hardware.
 
 Renaming PrivateUse1 is process-global and irreversible: call ``install()`` only in a subprocess started for it
-(``tests/test_npu.py`` sets ``LIGHTNING_MM_FAKE_NPU_SUBPROCESS=1``), never in the pytest process.
+(``tests/test_npu.py`` sets ``LIGHTNING_MM_FAKE_NPU_SUBPROCESS=1``), never in the pytest process. Call it after
+``import lightning_mm``: transformers probes for torch_npu once, at import, and would take the stand-in for the
+real one.
 """
 
 from __future__ import annotations
 
+import importlib.machinery
 import os
 import sys
 import types
@@ -85,6 +88,7 @@ def install(device_count: int = 2) -> FakeNPUModule:
     module = FakeNPUModule(device_count)
     torch._register_device_module("npu", module)
     stand_in = types.ModuleType("torch_npu")
+    stand_in.__spec__ = importlib.machinery.ModuleSpec("torch_npu", None)
     stand_in.__version__ = "0.0.0+fake"
     sys.modules["torch_npu"] = stand_in
     return module

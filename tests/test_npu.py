@@ -30,6 +30,7 @@ import torch
 import lightning_mm
 from lightning_mm.accelerators import NPUAccelerator, NPUUnavailableError
 from lightning_mm.accelerators.device_parsing import parse_device_indices
+from lightning_mm.accelerators.npu import torch_npu_version
 from lightning_mm.strategies.backend import process_group_backend
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -39,7 +40,10 @@ def _python(code: str, *, fake_npu: int | None = None, extra_path: Path | None =
             timeout: int = 180) -> subprocess.CompletedProcess:
     """Run ``code`` in a fresh interpreter (with the fake NPU backend installed first when ``fake_npu`` is set)."""
     if fake_npu is not None:
-        code = f"from tests.fake_npu_backend import install\nfake = install({fake_npu})\n" + textwrap.dedent(code)
+        # lightning_mm first: transformers (imported by it) probes for torch_npu once, at import, and would take
+        # the double's stand-in for the real torch_npu.
+        code = (f"import lightning_mm\nfrom tests.fake_npu_backend import install\nfake = install({fake_npu})\n"
+                + textwrap.dedent(code))
     path = [str(ROOT)] + ([str(extra_path)] if extra_path else [])
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(path), "OMP_NUM_THREADS": "1",
            "TORCH_DEVICE_BACKEND_AUTOLOAD": "0", "LIGHTNING_MM_FAKE_NPU_SUBPROCESS": "1"}
@@ -87,21 +91,47 @@ def test_npu_is_registered_and_exported():
     NPUAccelerator.register_accelerators(AcceleratorRegistry)  # idempotent: a second import-time call is harmless
 
 
-def test_import_lightning_mm_never_imports_torch_npu(tmp_path):
-    # A torch_npu that fails loudly if anything imports it: `import lightning_mm`, registering the accelerator and
-    # building a CPU Trainer must not touch it. (Autoload of device backends is off, as for every test here.)
-    pkg = tmp_path / "torch_npu"
-    pkg.mkdir()
-    (pkg / "__init__.py").write_text('raise SystemExit("torch_npu was imported")\n')
+def test_import_lightning_mm_never_imports_torch_npu():
+    # A meta-path finder sees every lookup of torch_npu (an import or an importlib.util.find_spec probe) and the code
+    # that asked. `import lightning_mm`, registering the accelerator and building a CPU Trainer must not import
+    # torch_npu, and no lightning_mm code may even look for it. (Device-backend autoload is off here.)
     proc = _python("""
-        import json, sys
+        import json, sys, traceback
+
+        class Watch:
+            lookups = []
+            def find_spec(self, name, path=None, target=None):
+                if name.split(".")[0] == "torch_npu":
+                    frames = [f for f in traceback.extract_stack()[:-1] if "importlib" not in f.filename
+                              and not f.filename.startswith("<")]
+                    self.lookups.append(frames[-1].filename if frames else "?")
+                return None
+
+        sys.meta_path.insert(0, Watch())
         import lightning_mm
         from lightning.pytorch.accelerators import AcceleratorRegistry
         import lightning as L
         L.Trainer(accelerator="cpu", devices=1, logger=False)
-        print(json.dumps({"npu": "npu" in AcceleratorRegistry, "torch_npu": "torch_npu" in sys.modules}))
-    """, extra_path=tmp_path)
-    assert _json_result(proc) == {"npu": True, "torch_npu": False}
+        ours = [f for f in Watch.lookups if "lightning_mm" in f]
+        print(json.dumps({"npu": "npu" in AcceleratorRegistry, "torch_npu": "torch_npu" in sys.modules,
+                          "lookups_from_lightning_mm": ours}))
+    """)
+    assert _json_result(proc) == {"npu": True, "torch_npu": False, "lookups_from_lightning_mm": []}
+    # ...whereas resolving accelerator="auto" does look for it (that is how an NPU is found).
+    proc = _python("""
+        import json, sys
+        looked = []
+        class Watch:
+            def find_spec(self, name, path=None, target=None):
+                if name == "torch_npu":
+                    looked.append(name)
+                return None
+        import lightning_mm, lightning as L
+        sys.meta_path.insert(0, Watch())
+        L.Trainer(accelerator="auto", devices=1, logger=False)
+        print(json.dumps({"looked": "torch_npu" in looked, "imported": "torch_npu" in sys.modules}))
+    """)
+    assert _json_result(proc) == {"looked": True, "imported": False}
 
 
 # --------------------------------------------------------------------------- clear errors
@@ -178,7 +208,7 @@ def test_env_command_reports_versions_accelerators_backends_and_auto(no_torch_np
     assert main(["env", "--json"]) == 0
     info = json.loads(capsys.readouterr().out)
     assert info["versions"]["torch"] == torch.__version__ and info["versions"]["lightning"] == L.__version__
-    assert info["versions"]["torch_npu"] is None
+    assert info["versions"]["torch_npu"] == torch_npu_version()  # None here; read without importing torch_npu
     assert info["accelerators"]["cpu"] == {"class": "CPUAccelerator", "available": True, "devices": 1}
     npu = info["accelerators"]["npu"]
     assert npu["available"] is False and "torch_npu is not installed" in npu["reason"]
@@ -187,7 +217,7 @@ def test_env_command_reports_versions_accelerators_backends_and_auto(no_torch_np
 
     assert main(["env"]) == 0
     text = capsys.readouterr().out
-    assert f"torch:         {torch.__version__}" in text and "torch_npu:     not installed" in text
+    assert f"torch:         {torch.__version__}" in text and "torch_npu:" in text
     assert "npu    not available (torch_npu is not installed" in text
     assert 'accelerator="auto" chooses: cpu' in text and "gloo yes" in text
 
