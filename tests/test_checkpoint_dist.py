@@ -210,3 +210,16 @@ def test_dcp_to_hf_to_dcp_round_trips_and_trains_from_hf_weights(work):
     assert "model.lm_head.weight" not in open_source(work / "hf_saved.ckpt").meta["state_dict"]  # tied: an alias
     for key, value in saved_ref.items():
         assert torch.equal(loaded[f"model.{key}"], value), key
+
+
+def test_dcp_to_torch_works_on_every_kind_of_checkpoint_this_project_writes(work, tmp_path):
+    """HSDP, 1-rank, weights-only (from HF), torch-format and save_last copies all consolidate."""
+    cases = {"hsdp.ckpt": "ref_hsdp.pt", "one.ckpt": "ref_one.pt", "llama_back.ckpt": None,
+             "torch/step=3.ckpt": None, "all/last.ckpt": None, "best/last.ckpt": None}
+    for name, ref in cases.items():
+        out = tmp_path / (name.replace("/", "_") + ".pt")
+        assert convert_cmd.main(["dcp-to-torch", str(work / name), str(out)]) == 0, name
+        full = torch.load(out, weights_only=True)
+        assert full["state_dict"] and all(isinstance(v, torch.Tensor) for v in full["state_dict"].values()), name
+        if ref is not None:
+            _states_equal({"model": full["state_dict"], "optimizers": full["optimizer_states"]}, _load(work, ref))
