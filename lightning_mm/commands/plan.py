@@ -10,6 +10,7 @@ from __future__ import annotations
 import argparse
 import sys
 from collections.abc import Sequence
+from typing import Any
 
 __all__ = ["main", "plan_from_cli_config"]
 
@@ -50,7 +51,37 @@ def plan_from_cli_config(cli_args: Sequence[str], world_size: int | None = None,
     precision = resolve_mixed_precision(config, str(trainer.precision_plugin.precision))
     plan = build_plan(config, target, world, precision)
     memory = per_rank_memory(target, plan, optimizer_states)
-    return plan.describe() + "\n" + memory.describe()
+    order = _execution_order(module, target, plan, cli.datamodule)
+    return plan.describe() + "\n" + order + "\n" + memory.describe()
+
+
+def _execution_order(module: Any, target: Any, plan: Any, datamodule: Any) -> str:
+    """Units in the order one batch runs through them, from a forward pass on the meta device (no compute)."""
+    import torch
+    from lightning_utilities.core.apply_func import apply_to_collection
+
+    order: list[str] = []
+    handles = []
+    for unit in plan.units:
+        for path in unit.modules:
+            def record(*_: Any, name: str = unit.name) -> None:
+                if name not in order:
+                    order.append(name)
+
+            handles.append(target.get_submodule(path).register_forward_pre_hook(record))
+    try:
+        datamodule.setup("fit")
+        batch = next(iter(datamodule.train_dataloader()))
+        batch = apply_to_collection(batch, torch.Tensor, lambda t: t.to("meta"))
+        target.to("meta")  # buffers too: this throwaway model only runs to reveal the order
+        with torch.no_grad():
+            module._run(batch) if hasattr(module, "_run") else module.training_step(batch, 0)
+    except Exception as err:  # the order is then taken at the first training step, as always
+        return f"  prefetch order: decided at the first training step (a meta-device forward failed: {err})"
+    finally:
+        for handle in handles:
+            handle.remove()
+    return "  prefetch order (one batch, meta-device forward): " + " -> ".join(order)
 
 
 def main(argv: Sequence[str]) -> int:
