@@ -61,3 +61,15 @@ def test_config_sources():
 )
 def test_process_group_backend(device, offload, backend):
     assert process_group_backend(device, offload) == backend
+
+
+def test_two_different_configs_are_an_error_not_a_silent_choice():
+    from lightning_mm import MMLightningModule
+
+    strategy = MMFSDP2Strategy({"sharding_size": 2})
+    trainer = L.Trainer(accelerator="cpu", devices=2, strategy=strategy, logger=False)
+    trainer.strategy.connect(MMLightningModule(fsdp2_config={"sharding_size": 1}))
+    with pytest.raises(ValueError, match="give it in one place"):
+        trainer.strategy.fsdp2_config
+    trainer.strategy.connect(MMLightningModule(fsdp2_config={"sharding_size": 2}))
+    assert trainer.strategy.fsdp2_config.sharding_size == 2

@@ -121,7 +121,18 @@ class MMFSDP2Strategy(ParallelStrategy):
         """The config in force (known once the LightningModule is attached)."""
         if self._config is None:
             self._config = self._config_from_module()
+        elif self._config is self._given_config:
+            self._check_single_config()
         return self._config
+
+    def _check_single_config(self) -> None:
+        """A config on both the strategy and the LightningModule must agree: neither is silently dropped."""
+        module_config = getattr(self.lightning_module, "fsdp2_config", None)
+        if module_config is not None and FSDP2Config.load(module_config) != self._given_config:
+            raise ValueError(
+                "MMFSDP2Strategy was given an fsdp2_config and the LightningModule has a different one "
+                f"({type(self.lightning_module).__name__}.fsdp2_config); give it in one place"
+            )
 
     @property
     def plan(self) -> ShardingPlan:
