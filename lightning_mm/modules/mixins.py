@@ -36,8 +36,32 @@ class FSDP2Mixin:
     fsdp2_config: Any = None
 
     def default_fsdp2_config(self) -> dict[str, Any]:
-        """YAML defaults for this model (empty: the user's YAML decides)."""
+        """YAML defaults for this model; the user's YAML wins for every key it sets.
+
+        Empty for a custom model (the user's YAML decides). A Hugging Face model gets a plan built from its own
+        metadata (:func:`lightning_mm.modules.hf_plan.hf_default_fsdp2_config`): each decoder layer and vision
+        block is a unit, input and output embeddings are units (grouped when tied), and a frozen vision tower is
+        ignored.
+        """
+        if _is_hf_model(self):
+            from lightning_mm.modules.hf_plan import hf_default_fsdp2_config
+
+            return hf_default_fsdp2_config(self)  # type: ignore[arg-type]
         return {}
+
+    def load_after_sharding(self) -> None:
+        """Hook: called by :class:`~lightning_mm.MMFSDP2Strategy` right after the model is sharded and its
+        parameters are materialised and initialised (``init_weights``), before prefetching is set up and before
+        the first step.
+
+        Each parameter is then a DTensor holding only this rank's shard (or a plain tensor for ignored modules),
+        so this is where a model reads just its own slices of pretrained weights. The default loads what
+        :func:`~lightning_mm.modules.TransformersModel` deferred when it was built on the meta device, and does
+        nothing otherwise. Overrides should call ``super().load_after_sharding()``.
+        """
+        pending = getattr(self, "_pending_pretrained", None)
+        if pending is not None:
+            pending.load_after_sharding(self)
 
     def _fully_shard(self, fsdp2_kwargs: dict[str, Any] | None = None, fsdp2_config: Any = None) -> None:
         """Shard the sub-modules named by ``fsdp2_config.sub_modules_to_wrap`` (what the strategy does itself).
@@ -63,12 +87,25 @@ if hasattr(nn, "RMSNorm"):
 class WeightInitMixin:
     """``init_weights()``: what fills a model's parameters after meta-device materialisation.
 
-    A model with a Hugging Face ``_init_weights(module)`` gets it applied to every submodule. Otherwise:
-    Linear, Conv and Embedding weights ~ N(0, std) (``config.initializer_range`` or 0.02), biases zero, norm
-    weights one, and any other module with a ``reset_parameters()`` resets itself.
+    A Hugging Face model is initialised by its own ``_init_weights`` rules, dispatched per sub-model as
+    ``from_pretrained`` does (composite models such as InternVL have one per tower); its tied weights are tied
+    if they are not already. A model whose pretrained weights will be loaded after sharding (see
+    ``FSDP2Mixin.load_after_sharding``) skips the random init and is zero-filled instead, which is cheaper.
+    Otherwise: Linear, Conv and Embedding weights ~ N(0, std) (``config.initializer_range`` or 0.02), biases zero,
+    norm weights one, and any other module with a ``reset_parameters()`` resets itself.
+
+    The mixin's ``init_weights`` takes precedence over a base class's (``class X(LlamaForCausalLM, FSDP2Mixin,
+    WeightInitMixin)`` as the seed writes it): Hugging Face's own version skips every module it initialised at
+    construction, which after meta-device materialisation would leave them empty.
     """
 
     init_std: float = 0.02
+
+    def __init_subclass__(cls, **kwargs: Any) -> None:
+        super().__init_subclass__(**kwargs)
+        owner = next((k for k in cls.__mro__ if "init_weights" in vars(k)), None)
+        if owner is not None and not issubclass(owner, WeightInitMixin):
+            cls.init_weights = WeightInitMixin.init_weights  # type: ignore[method-assign]
 
     def _init_std(self) -> float:
         config = getattr(self, "config", None)
@@ -77,6 +114,19 @@ class WeightInitMixin:
     @torch.no_grad()
     def init_weights(self) -> None:
         assert isinstance(self, nn.Module)
+        if getattr(self, "_pending_pretrained", None) is not None:
+            for tensor in self.parameters():
+                _local(tensor).zero_()  # overwritten by load_after_sharding(); no point drawing random numbers
+            _tie_hf_weights(self)
+            return
+        if _is_hf_model(self):
+            _clear_hf_init_flags(self)
+            self.initialize_weights()  # type: ignore[attr-defined]
+            for module in self.modules():  # Hugging Face zeroes them through an index, a copy for a DTensor
+                if isinstance(module, nn.Embedding) and module.padding_idx is not None:
+                    _zero_row(module.weight, module.padding_idx)
+            _tie_hf_weights(self)
+            return
         hf_init = getattr(self, "_init_weights", None)
         std = self._init_std()
         for module in self.modules():
@@ -84,6 +134,61 @@ class WeightInitMixin:
                 hf_init(module)
             else:
                 init_module(module, std)
+
+
+def _is_hf_model(module: Any) -> bool:
+    if not isinstance(module, nn.Module) or not hasattr(module, "initialize_weights"):
+        return False
+    from transformers import PreTrainedModel
+
+    return isinstance(module, PreTrainedModel)
+
+
+def _local(tensor: torch.Tensor) -> torch.Tensor:
+    to_local = getattr(tensor, "to_local", None)
+    return to_local() if callable(to_local) else tensor
+
+
+def _zero_row(weight: torch.Tensor, row: int) -> None:
+    """Zero ``weight[row]`` in place, on whichever rank holds that row when ``weight`` is sharded on dim 0."""
+    from torch.distributed.tensor import DTensor
+
+    row = row % weight.shape[0]
+    if not isinstance(weight, DTensor):
+        weight.data[row].zero_()
+        return
+    chunk = weight.__create_chunk_list__()[0]  # this rank's region of the global tensor
+    start, size = chunk.offsets[0], chunk.sizes[0]
+    if start <= row < start + size:
+        weight.to_local()[row - start].zero_()
+
+
+def _clear_hf_init_flags(model: nn.Module) -> None:
+    """Forget Hugging Face's "already initialised" marks (set at construction, when the tensors were empty)."""
+    for module in model.modules():
+        module.__dict__.pop("_is_hf_initialized", None)
+        for tensor in [*module.parameters(recurse=False), *module.buffers(recurse=False)]:
+            if getattr(tensor, "_is_hf_initialized", False):
+                del tensor._is_hf_initialized
+
+
+def _tie_hf_weights(model: nn.Module) -> None:
+    """Tie what the Hugging Face model declares tied (``all_tied_weights_keys``), unless it already is."""
+    tied = getattr(model, "all_tied_weights_keys", None) or {}
+    untied = [
+        (target, source) for target, source in tied.items()
+        if model.get_parameter(target) is not model.get_parameter(source)
+    ]
+    if not untied:
+        return
+    from torch.distributed.tensor import DTensor
+
+    if any(isinstance(p, DTensor) for p in model.parameters()):
+        raise RuntimeError(
+            f"{type(model).__name__}: tied weights {untied} are not tied after sharding; tie them before "
+            "sharding (they must share one parameter object)"
+        )
+    model.tie_weights(recompute_mapping=False)  # type: ignore[operator]
 
 
 @torch.no_grad()
@@ -96,7 +201,7 @@ def init_module(module: nn.Module, std: float = 0.02) -> None:
     elif isinstance(module, nn.Embedding):
         nn.init.normal_(module.weight, mean=0.0, std=std)
         if module.padding_idx is not None:
-            module.weight[module.padding_idx].zero_()
+            _zero_row(module.weight, module.padding_idx)
     elif isinstance(module, _NORMS):
         if getattr(module, "weight", None) is not None:
             nn.init.ones_(module.weight)

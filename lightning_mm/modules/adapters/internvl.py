@@ -1,0 +1,20 @@
+"""InternVL (Transformers' native implementation: ``InternVLForConditionalGeneration``), as the seed's example.
+
+Default plan: ``model.vision_tower.encoder.layer.{*}``, ``model.language_model.layers.{*}``, the embeddings,
+``model.multi_modal_projector`` and ``lm_head`` (one unit when tied); with the vision tower frozen,
+``model.vision_tower`` is ignored instead.
+"""
+
+from transformers import InternVLForConditionalGeneration
+
+from lightning_mm.modules.hub import ModelHub
+from lightning_mm.modules.mixins import FSDP2Mixin, WeightInitMixin
+
+__all__ = ["MMInternVLForConditionalGeneration"]
+
+
+@ModelHub.register("InternVLForConditionalGeneration", "internvl")
+class MMInternVLForConditionalGeneration(InternVLForConditionalGeneration, FSDP2Mixin, WeightInitMixin):
+    """``transformers.InternVLForConditionalGeneration``, FSDP2-ready."""
+
+    fsdp2_vision_towers = ("model.vision_tower",)

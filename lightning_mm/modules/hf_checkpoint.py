@@ -1,0 +1,266 @@
+"""Deciding what to load from a Hugging Face checkpoint: which file and key fills each model tensor.
+
+Only safetensors headers are read here (names, shapes, dtypes), never tensor data, so the whole check runs on a
+meta-device model before any memory is spent. Checkpoint keys are renamed the way Hugging Face's own loader
+renames them (``transformers``' conversion mapping: e.g. a LLaVA checkpoint's ``language_model.model.*`` keys
+become ``model.language_model.*``). The result is strict: a model parameter no checkpoint key fills, a checkpoint
+key no model tensor takes, or a shape that differs is an error that lists the names.
+:mod:`lightning_mm.modules.hf_loading` does the reading.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import re
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from torch import nn
+
+__all__ = [
+    "CheckpointError",
+    "TensorInfo",
+    "SafetensorsIndex",
+    "LoadEntry",
+    "LoadPlan",
+    "checkpoint_key_renamer",
+    "build_load_plan",
+]
+
+log = logging.getLogger(__name__)
+
+_SHOWN = 20
+
+
+class CheckpointError(ValueError):
+    """A checkpoint that does not fit the model (missing, unexpected or misshapen weights) or cannot be read."""
+
+
+def _listing(names: list[str]) -> str:
+    shown = ", ".join(names[:_SHOWN])
+    return shown + (f" ... and {len(names) - _SHOWN} more" if len(names) > _SHOWN else "")
+
+
+@dataclass(frozen=True)
+class TensorInfo:
+    """Where one checkpoint tensor lives and what it is."""
+
+    file: str
+    key: str
+    shape: tuple[int, ...]
+    dtype: str  # safetensors' name, e.g. "F32", "BF16"
+
+
+@dataclass(frozen=True)
+class SafetensorsIndex:
+    """The tensors of a Hugging Face directory's safetensors files, read from their headers."""
+
+    directory: str
+    tensors: dict[str, TensorInfo]
+
+    @classmethod
+    def from_directory(cls, directory: str | Path) -> SafetensorsIndex:
+        """Read ``model.safetensors.index.json`` (sharded) or ``model.safetensors`` in ``directory``."""
+        from safetensors import safe_open
+
+        root = Path(directory)
+        if not root.is_dir():
+            raise CheckpointError(f"init_from_hf_path: '{root}' is not a directory")
+        index_file = root / "model.safetensors.index.json"
+        if index_file.is_file():
+            try:
+                weight_map = json.loads(index_file.read_text())["weight_map"]
+            except (json.JSONDecodeError, KeyError, TypeError) as err:
+                raise CheckpointError(f"{index_file}: not a safetensors index with a 'weight_map' ({err})") from None
+            files = sorted(set(weight_map.values()))
+        elif (root / "model.safetensors").is_file():
+            weight_map, files = None, ["model.safetensors"]
+        else:
+            others = sorted(p.name for p in root.iterdir() if p.suffix in (".bin", ".pt", ".pth", ".safetensors"))
+            raise CheckpointError(
+                f"{root}: no model.safetensors or model.safetensors.index.json"
+                + (f" (found {', '.join(others)}; only safetensors weights are read)" if others else "")
+            )
+        tensors: dict[str, TensorInfo] = {}
+        for name in files:
+            path = root / name
+            if not path.is_file():
+                raise CheckpointError(f"{index_file}: lists '{name}', which does not exist in {root}")
+            try:
+                with safe_open(str(path), framework="pt") as handle:
+                    for key in handle.keys():
+                        if key in tensors:
+                            raise CheckpointError(f"{root}: tensor '{key}' is in both {tensors[key].file} and {name}")
+                        sl = handle.get_slice(key)
+                        tensors[key] = TensorInfo(name, key, tuple(sl.get_shape()), sl.get_dtype())
+            except CheckpointError:
+                raise
+            except Exception as err:  # safetensors raises its own error types for corrupt files
+                raise CheckpointError(f"{path}: cannot read safetensors header ({err})") from None
+        if weight_map is not None:
+            listed_elsewhere = sorted(k for k, f in weight_map.items() if k not in tensors or tensors[k].file != f)
+            if listed_elsewhere:
+                raise CheckpointError(
+                    f"{index_file}: the index and the files disagree on {len(listed_elsewhere)} tensor(s): "
+                    f"{_listing(listed_elsewhere)}"
+                )
+        return cls(str(root), tensors)
+
+
+@dataclass(frozen=True)
+class LoadEntry:
+    """One model tensor (a parameter, with all its tied names, or a persistent buffer) and its source."""
+
+    names: tuple[str, ...]
+    """Every name of the tensor in the model's state dict (several when weights are tied); the first is used."""
+    source: TensorInfo
+    is_parameter: bool
+    duplicates: tuple[TensorInfo, ...] = ()
+    """Further checkpoint tensors for the same (tied) tensor: they must hold the same values."""
+
+
+@dataclass(frozen=True)
+class LoadPlan:
+    """What to read for every model tensor, after the strict checks."""
+
+    directory: str
+    entries: tuple[LoadEntry, ...]
+    ignored_unexpected: tuple[str, ...] = ()
+    """Checkpoint keys the model class declares ignorable (``_keys_to_ignore_on_load_unexpected``)."""
+    buffers_kept: tuple[str, ...] = ()
+    """Persistent buffers absent from the checkpoint: they keep the value computed at construction."""
+    renamed: dict[str, str] = field(default_factory=dict)
+    """Checkpoint key -> model key, for the keys whose names differ."""
+
+    @property
+    def files(self) -> list[str]:
+        return sorted({e.source.file for e in self.entries} | {d.file for e in self.entries for d in e.duplicates})
+
+
+def _native_hf_class(cls: type) -> type | None:
+    """The Transformers class an adapter derives from (the first base defined inside ``transformers``)."""
+    from transformers import PreTrainedModel
+
+    for klass in cls.__mro__:
+        if issubclass(klass, PreTrainedModel) and klass.__module__.startswith("transformers."):
+            return klass
+    return None
+
+
+@contextmanager
+def _as_class(model: nn.Module, cls: type | None) -> Iterator[None]:
+    """View ``model`` as ``cls`` for a moment (its Transformers base: same layout, fewer methods)."""
+    if cls is None or type(model) is cls:
+        yield
+        return
+    original = model.__class__
+    model.__class__ = cls
+    try:
+        yield
+    finally:
+        model.__class__ = original
+
+
+def checkpoint_key_renamer(model: nn.Module) -> Callable[[str], tuple[str, str | None]]:
+    """``rename(checkpoint_key) -> (model_key, converter_pattern)``, as Transformers renames keys on load.
+
+    An adapter class lives outside ``transformers`` and would count as custom code, whose renamings Transformers
+    skips; the model is briefly viewed as its Transformers base class so that it gets the same renamings.
+    ``converter_pattern`` is not ``None`` when the key needs a tensor conversion (fusing, splitting), which
+    sliced loading cannot do.
+    """
+    from transformers.conversion_mapping import get_model_conversion_mapping
+    from transformers.core_model_loading import WeightConverter, WeightRenaming, rename_source_key
+
+    with _as_class(model, _native_hf_class(type(model))):
+        conversions = get_model_conversion_mapping(model)
+    renamings = [c for c in conversions if isinstance(c, WeightRenaming)]
+    converters = [c for c in conversions if isinstance(c, WeightConverter)]
+    model_keys = dict.fromkeys(model.state_dict(keep_vars=True), True)
+    prefix = getattr(model, "base_model_prefix", None) or None
+
+    def rename(key: str) -> tuple[str, str | None]:
+        return rename_source_key(key, renamings, converters, prefix, model_keys)
+
+    return rename
+
+
+def _model_tensors(model: nn.Module) -> tuple[list[tuple[list[str], bool]], dict[str, tuple[int, ...]]]:
+    """Distinct state-dict tensors as ``([names...], is_parameter)`` and every name's shape."""
+    params = {id(p) for p in model.parameters()}
+    groups: dict[int, list[str]] = {}
+    shapes: dict[str, tuple[int, ...]] = {}
+    is_param: dict[int, bool] = {}
+    for name, tensor in model.state_dict(keep_vars=True).items():
+        groups.setdefault(id(tensor), []).append(name)
+        is_param[id(tensor)] = id(tensor) in params
+        shapes[name] = tuple(tensor.shape)
+    return [(names, is_param[key]) for key, names in groups.items()], shapes
+
+
+def build_load_plan(model: nn.Module, index: SafetensorsIndex) -> LoadPlan:
+    """Match every checkpoint tensor of ``index`` to ``model``'s tensors; any mismatch is one error listing all."""
+    rename = checkpoint_key_renamer(model)
+    groups, shapes = _model_tensors(model)
+    owner = {name: i for i, (names, _) in enumerate(groups) for name in names}
+    ignore_unexpected = [re.compile(p) for p in (getattr(model, "_keys_to_ignore_on_load_unexpected", None) or ())]
+
+    sources: dict[int, list[TensorInfo]] = {}
+    unexpected, ignored, needs_conversion, misshapen = [], [], [], []
+    renamed: dict[str, str] = {}
+    reported: set[int] = set()  # tensors already named in an error (misshapen): not "missing" as well
+    for key, info in sorted(index.tensors.items()):
+        target, converter = rename(key)
+        if converter is not None:
+            needs_conversion.append(f"{key} (pattern {converter!r})")
+            continue
+        if target != key:
+            renamed[key] = target
+        if target not in owner:
+            if any(p.search(key) or p.search(target) for p in ignore_unexpected):
+                ignored.append(key)
+            else:
+                unexpected.append(key if target == key else f"{key} (as {target})")
+            continue
+        if info.shape != shapes[target]:
+            misshapen.append(f"{key}: checkpoint {list(info.shape)}, model {list(shapes[target])}")
+            reported.add(owner[target])
+            continue
+        sources.setdefault(owner[target], []).append(info)
+
+    missing, buffers_kept, entries = [], [], []
+    for i, (names, is_parameter) in enumerate(groups):
+        found = sources.get(i)
+        if not found and i in reported:
+            continue
+        if not found:
+            (missing if is_parameter else buffers_kept).extend(names[:1])
+            continue
+        entries.append(LoadEntry(tuple(names), found[0], is_parameter, tuple(found[1:])))
+
+    problems = []
+    if missing:
+        problems.append(f"{len(missing)} model weight(s) missing from the checkpoint: {_listing(missing)}")
+    if unexpected:
+        problems.append(f"{len(unexpected)} checkpoint weight(s) the model does not have: {_listing(unexpected)}")
+    if misshapen:
+        problems.append(f"{len(misshapen)} weight(s) with a different shape: {_listing(misshapen)}")
+    if needs_conversion:
+        problems.append(
+            f"{len(needs_conversion)} weight(s) need a tensor conversion that sliced loading cannot do: "
+            f"{_listing(needs_conversion)}"
+        )
+    if problems:
+        raise CheckpointError(
+            f"checkpoint {index.directory} does not fit {type(model).__name__} (strict loading):\n  - "
+            + "\n  - ".join(problems)
+        )
+    if ignored:
+        log.info("%s: ignoring checkpoint keys the model declares ignorable: %s", index.directory, _listing(ignored))
+    if buffers_kept:
+        log.info("%s: buffers not in the checkpoint keep their constructed values: %s", index.directory,
+                 _listing(buffers_kept))
+    return LoadPlan(index.directory, tuple(entries), tuple(ignored), tuple(buffers_kept), renamed)

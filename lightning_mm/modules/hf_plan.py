@@ -1,0 +1,126 @@
+"""The default FSDP2 plan of a Hugging Face model, read from the model's own metadata (pure: no processes).
+
+* Units: every repeated block (a module whose class is in the model's ``_no_split_modules`` and that sits in an
+  ``nn.ModuleList``: decoder layers, vision blocks), plus the input and output embeddings. Tied embeddings share
+  a parameter, so the plan builder puts them in one unit.
+* The multimodal projector between a vision tower and the language model (``multi_modal_projector``), or the
+  paths of the class attribute ``fsdp2_extra_units``: as a unit of its own the projector computes in
+  ``param_dtype`` whatever dtype the (possibly ignored, full-precision) tower returns.
+* A vision tower (the sub-model built from ``config.vision_config``, or the paths in the class attribute
+  ``fsdp2_vision_towers``) whose parameters are all frozen goes to ``ignored_modules`` and its blocks are not
+  wrapped: it is kept whole on every rank and never communicates.
+
+The result is a dict of FSDP2 YAML keys, expressed with the seed's patterns (``model.layers.{*}``).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from torch import nn
+
+__all__ = ["hf_default_fsdp2_config", "block_paths", "vision_tower_paths", "frozen_vision_towers", "compress_paths"]
+
+
+def _under(path: str, ancestor: str) -> bool:
+    return path == ancestor or path.startswith(ancestor + ".")
+
+
+def block_paths(model: nn.Module) -> list[str]:
+    """The outermost repeated blocks: ``_no_split_modules`` classes that are items of an ``nn.ModuleList``."""
+    classes = set(getattr(model, "_no_split_modules", None) or ())
+    lists = {name for name, module in model.named_modules() if isinstance(module, nn.ModuleList)}
+    found: list[str] = []
+    for name, module in model.named_modules():
+        parent = name.rpartition(".")[0]
+        if type(module).__name__ in classes and parent in lists and not any(_under(name, f) for f in found):
+            found.append(name)
+    return found
+
+
+def vision_tower_paths(model: nn.Module) -> list[str]:
+    """Sub-models built from ``config.vision_config``, or the class's ``fsdp2_vision_towers`` if it sets them."""
+    declared = getattr(type(model), "fsdp2_vision_towers", None)
+    if declared is not None:
+        return list(declared)
+    vision_config = getattr(getattr(model, "config", None), "vision_config", None)
+    if vision_config is None:
+        return []
+    towers: list[str] = []
+    for name, module in model.named_modules():
+        if name and getattr(module, "config", None) is vision_config and not any(_under(name, t) for t in towers):
+            towers.append(name)
+    return towers
+
+
+def frozen_vision_towers(model: nn.Module) -> list[str]:
+    """Vision towers whose parameters are all frozen (``requires_grad=False``)."""
+    frozen = []
+    for path in vision_tower_paths(model):
+        params = list(model.get_submodule(path).parameters())
+        if params and not any(p.requires_grad for p in params):
+            frozen.append(path)
+    return frozen
+
+
+def _module_path(model: nn.Module, target: nn.Module | None) -> str | None:
+    if target is None:
+        return None
+    return next((name for name, module in model.named_modules() if module is target and name), None)
+
+
+def compress_paths(model: nn.Module, paths: list[str]) -> list[str]:
+    """Write the items of one ``nn.ModuleList`` as one pattern: ``layers.{*}`` (all) or ``layers.{0-3,7}``."""
+    by_parent: dict[str, list[int]] = {}
+    out: list[str] = []
+    for path in paths:
+        parent, _, last = path.rpartition(".")
+        owner = model.get_submodule(parent) if parent else model
+        if isinstance(owner, nn.ModuleList) and last.isdigit():
+            if parent not in by_parent:
+                by_parent[parent] = []
+                out.append(parent)  # placeholder, replaced below, keeps first-seen order
+            by_parent[parent].append(int(last))
+        else:
+            out.append(path)
+    result = []
+    for item in out:
+        if item not in by_parent:
+            result.append(item)
+            continue
+        indices = sorted(set(by_parent[item]))
+        if indices == list(range(len(model.get_submodule(item)))):
+            result.append(f"{item}.{{*}}")
+            continue
+        ranges, start = [], indices[0]
+        for prev, cur in zip(indices, [*indices[1:], None]):
+            if cur != prev + 1:
+                ranges.append(str(start) if start == prev else f"{start}-{prev}")
+                start = cur
+        result.append(f"{item}.{{{','.join(ranges)}}}")
+    return result
+
+
+def hf_default_fsdp2_config(model: nn.Module) -> dict[str, Any]:
+    """``sub_modules_to_wrap`` (and ``ignored_modules`` for frozen vision towers) for a Hugging Face model."""
+    ignored = frozen_vision_towers(model)
+    wrap = [p for p in block_paths(model) if not any(_under(p, t) for t in ignored)]
+    embeddings = []
+    for getter in ("get_input_embeddings", "get_output_embeddings"):
+        fn = getattr(model, getter, None)
+        try:
+            module = fn() if callable(fn) else None
+        except (NotImplementedError, AttributeError):
+            module = None
+        path = _module_path(model, module)
+        if path and not any(_under(path, t) for t in ignored) and path not in embeddings:
+            embeddings.append(path)
+    names = {name for name, _ in model.named_modules()}
+    declared = getattr(type(model), "fsdp2_extra_units", None)
+    if declared is None:  # Transformers' VLMs name the module between the vision tower and the LM this way
+        declared = [n for n in names if n.rpartition(".")[2] == "multi_modal_projector"]
+    extra = [p for p in declared if p in names and not any(_under(p, t) for t in ignored)]
+    config: dict[str, Any] = {"sub_modules_to_wrap": compress_paths(model, embeddings + extra + wrap)}
+    if ignored:
+        config["ignored_modules"] = ignored
+    return config

@@ -1,0 +1,111 @@
+"""ModelHub: the registry that maps a model key to its adapted (FSDP2-ready) class, as in MindSpeed MM.
+
+A key is a Hugging Face architecture name (``LlamaForCausalLM``), a ``model_type`` (``llama``) or any name of
+your choosing (``internvl``). :meth:`ModelHub.resolve` looks a model up by an explicit ``model_id`` first, then
+by the Hugging Face config's ``architectures[0]``, then by its ``model_type``; a miss is an error that lists what
+is registered.
+
+Register an adapter with the decorator or by writing to the table directly, as the seed does::
+
+    @ModelHub.register("internvl_chat")
+    class InternVLChatModelGeneration(InternVLForConditionalGeneration, FSDP2Mixin, WeightInitMixin): ...
+
+    ModelHub.MODEL_MAPPINGS["internvl_chat"] = InternVLChatModelGeneration
+"""
+
+from __future__ import annotations
+
+import difflib
+from collections.abc import Callable
+from typing import Any, ClassVar
+
+__all__ = ["ModelHub", "ModelHubError"]
+
+
+class ModelHubError(KeyError):
+    """A model key that no adapter is registered for, or a conflicting registration."""
+
+    def __str__(self) -> str:  # KeyError would show the message with quotes around it
+        return str(self.args[0]) if self.args else ""
+
+
+class ModelHub:
+    """The table of adapted model classes (``MODEL_MAPPINGS``) and the lookup rules over it."""
+
+    MODEL_MAPPINGS: ClassVar[dict[str, type]] = {}
+
+    @classmethod
+    def register(cls, *keys: str, override: bool = False) -> Callable[[type], type]:
+        """Class decorator: register the class under every key in ``keys``.
+
+        A key that is already taken by another class is an error unless ``override=True``.
+        """
+        if not keys or not all(isinstance(k, str) and k.strip() for k in keys):
+            raise ValueError(f"ModelHub.register needs one or more non-empty string keys, got {keys!r}")
+
+        def decorate(model_cls: type) -> type:
+            for key in keys:
+                existing = cls.MODEL_MAPPINGS.get(key)
+                if existing is not None and existing is not model_cls and not override:
+                    raise ModelHubError(
+                        f"ModelHub key '{key}' is already registered to {existing.__module__}.{existing.__qualname__}; "
+                        "pass override=True to replace it"
+                    )
+                cls.MODEL_MAPPINGS[key] = model_cls
+            return model_cls
+
+        return decorate
+
+    @classmethod
+    def available(cls) -> list[str]:
+        """The registered keys, sorted."""
+        return sorted(cls.MODEL_MAPPINGS)
+
+    @classmethod
+    def get(cls, key: str) -> type:
+        """The class registered under ``key``; an unknown key is an error listing the registered ones."""
+        model_cls = cls.MODEL_MAPPINGS.get(key)
+        if model_cls is None:
+            raise ModelHubError(cls._unknown(f"model_id '{key}'", [key]))
+        return model_cls
+
+    @classmethod
+    def resolve(cls, model_id: str | None = None, hf_config: Any = None) -> tuple[str, type]:
+        """``(key, class)`` for an explicit ``model_id``, else ``architectures[0]``, else ``model_type``.
+
+        ``hf_config`` is a Hugging Face config object or a dict with those keys.
+        """
+        if model_id is not None:
+            return model_id, cls.get(model_id)
+        get = hf_config.get if isinstance(hf_config, dict) else (lambda k: getattr(hf_config, k, None))
+        architectures = list(get("architectures") or []) if hf_config is not None else []
+        model_type = get("model_type") if hf_config is not None else None
+        tried = []
+        if architectures:
+            tried.append(architectures[0])
+            if architectures[0] in cls.MODEL_MAPPINGS:
+                return architectures[0], cls.MODEL_MAPPINGS[architectures[0]]
+        if model_type:
+            tried.append(model_type)
+            if model_type in cls.MODEL_MAPPINGS:
+                return model_type, cls.MODEL_MAPPINGS[model_type]
+        if not tried:
+            raise ModelHubError(
+                "cannot choose a model: give `model_id`, or a Hugging Face config with `architectures` or "
+                f"`model_type`. Registered keys: {', '.join(cls.available()) or '(none)'}"
+            )
+        what = " or ".join(
+            f"{label} '{value}'" for label, value in zip(
+                ["architectures[0]", "model_type"] if architectures else ["model_type"], tried
+            )
+        )
+        raise ModelHubError(cls._unknown(what, tried))
+
+    @classmethod
+    def _unknown(cls, what: str, tried: list[str]) -> str:
+        close = [m for t in tried for m in difflib.get_close_matches(t, cls.available(), n=2, cutoff=0.6)]
+        hint = f" Did you mean {', '.join(repr(c) for c in dict.fromkeys(close))}?" if close else ""
+        return (
+            f"no model registered in ModelHub for {what}.{hint} Registered keys: "
+            f"{', '.join(cls.available()) or '(none)'}. Register an adapter with @ModelHub.register(...)."
+        )

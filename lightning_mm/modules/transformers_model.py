@@ -1,0 +1,308 @@
+"""``TransformersModel(config)``: build an adapted Hugging Face model, as MindSpeed MM's ``model_provider`` does.
+
+The config (a dict, or an object with attributes such as the seed's ``args.mm.model``) has these keys:
+
+``model_id``
+    The ModelHub key of the adapter (optional: else the Hugging Face config's ``architectures[0]``, else its
+    ``model_type``).
+``init_from_hf_path``
+    A local Hugging Face directory: its ``config.json`` and its safetensors weights are loaded (strictly).
+``hf_config``
+    A dict that overrides the directory's config (nested dicts update sub-configs such as ``text_config``), or
+    defines the whole config when there is no path (then with ``model_type``, or with ``model_id``); without a
+    path the weights are randomly initialised. ``attn_implementation`` is accepted too.
+``freeze``
+    Module paths whose parameters get ``requires_grad=False``, in the FSDP2 YAML's pattern syntax
+    (``model.vision_tower``, ``model.language_model.layers.{0-3}``).
+``trust_remote_code``
+    ``False`` by default; only ``true`` lets Transformers run code that comes with a checkpoint (it is always
+    passed explicitly, so Transformers never stops to ask on a terminal).
+
+Built inside :class:`~lightning_mm.MMFSDP2Strategy`'s ``model_provider`` context, parameters are on the meta
+device: the checkpoint is checked against the model right away (headers only), and each rank reads just its own
+shards once the strategy has sharded the model (``FSDP2Mixin.load_after_sharding``). Built anywhere else, the
+weights are read straight into the model. Parameters take the default dtype (fp32 unless the Trainer's
+precision says otherwise), whatever dtype the checkpoint or its config names; mixed precision is FSDP2's job.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import logging
+import os
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from lightning_mm.modules.hf_checkpoint import LoadPlan, SafetensorsIndex, build_load_plan
+from lightning_mm.modules.hf_loading import load_into_meta_model, load_local_shards
+from lightning_mm.modules.hub import ModelHub
+from lightning_mm.modules.mixins import FSDP2Mixin, WeightInitMixin
+
+__all__ = ["TransformersModel", "TransformersModelConfig", "TransformersModelConfigError", "PendingPretrained"]
+
+log = logging.getLogger(__name__)
+
+
+class TransformersModelConfigError(ValueError):
+    """A TransformersModel config that cannot be used as written."""
+
+
+@dataclass
+class TransformersModelConfig:
+    """The validated config of :func:`TransformersModel`."""
+
+    model_id: str | None = None
+    init_from_hf_path: str | None = None
+    hf_config: dict[str, Any] = field(default_factory=dict)
+    freeze: list[str] = field(default_factory=list)
+    trust_remote_code: bool = False
+
+    def __post_init__(self) -> None:
+        def fail(key: str, message: str) -> TransformersModelConfigError:
+            return TransformersModelConfigError(f"TransformersModel config `{key}`: {message}")
+
+        if self.model_id is not None and (not isinstance(self.model_id, str) or not self.model_id.strip()):
+            raise fail("model_id", f"expected a non-empty string, got {self.model_id!r}")
+        if self.init_from_hf_path is not None:
+            if not isinstance(self.init_from_hf_path, (str, os.PathLike)):
+                raise fail("init_from_hf_path", f"expected a directory path, got {self.init_from_hf_path!r}")
+            path = Path(self.init_from_hf_path).expanduser()
+            if not path.is_dir():
+                raise fail("init_from_hf_path", f"'{path}' is not a directory")
+            if not (path / "config.json").is_file():
+                raise fail("init_from_hf_path", f"'{path}' has no config.json (not a Hugging Face model directory)")
+            self.init_from_hf_path = str(path)
+        if self.hf_config is None:
+            self.hf_config = {}
+        if not isinstance(self.hf_config, Mapping):
+            raise fail("hf_config", f"expected a mapping of config keys, got {type(self.hf_config).__name__}")
+        self.hf_config = _plain(self.hf_config)
+        if isinstance(self.freeze, str):
+            self.freeze = [self.freeze]
+        if self.freeze is None:
+            self.freeze = []
+        if not isinstance(self.freeze, (list, tuple)) or not all(isinstance(p, str) and p.strip() for p in self.freeze):
+            raise fail("freeze", f"expected a list of module path patterns, got {self.freeze!r}")
+        self.freeze = [p.strip() for p in self.freeze]
+        if not isinstance(self.trust_remote_code, bool):
+            raise fail("trust_remote_code", f"expected true or false, got {self.trust_remote_code!r}")
+
+    @classmethod
+    def from_any(cls, config: Any) -> TransformersModelConfig:
+        """Accept a TransformersModelConfig, a mapping, or an object whose attributes are the keys."""
+        if isinstance(config, cls):
+            return config
+        if isinstance(config, Mapping):
+            data = dict(config)
+        elif hasattr(config, "__dict__"):
+            data = {k: v for k, v in vars(config).items() if not k.startswith("__")}
+        else:
+            raise TransformersModelConfigError(
+                f"TransformersModel config must be a mapping or an object with attributes, got {type(config).__name__}"
+            )
+        known = [f.name for f in dataclasses.fields(cls)]
+        for key in data:
+            if key not in known:
+                hint = difflib.get_close_matches(str(key), known, n=1)
+                suggestion = f"; did you mean `{hint[0]}`?" if hint else f"; valid keys: {', '.join(known)}"
+                raise TransformersModelConfigError(f"unknown TransformersModel config key `{key}`{suggestion}")
+        return cls(**data)
+
+
+def _plain(value: Any) -> Any:
+    """Mappings and attribute objects (namespaces) as plain dicts, recursively."""
+    if isinstance(value, Mapping):
+        return {k: _plain(v) for k, v in value.items()}
+    if hasattr(value, "__dict__") and type(value).__name__ == "Namespace":
+        return {k: _plain(v) for k, v in vars(value).items() if not k.startswith("__")}
+    if isinstance(value, (list, tuple)):
+        return type(value)(_plain(v) for v in value)
+    return value
+
+
+# ------------------------------------------------------------------------------------------ the HF config
+_SPECIAL_KEYS = ("attn_implementation",)
+
+
+def _check_keys(config: Any, overrides: Mapping[str, Any], where: str) -> None:
+    """Every override key must be a key of ``config``: a typo would otherwise become a silent new attribute."""
+    from transformers import PretrainedConfig
+    from transformers.models.auto.configuration_auto import CONFIG_MAPPING
+
+    known = set(config.to_dict()) | set(getattr(config, "attribute_map", {}) or {})
+    for key, value in overrides.items():
+        if key in _SPECIAL_KEYS:
+            continue
+        if key not in known and not hasattr(config, key):
+            hint = difflib.get_close_matches(key, sorted(known), n=3)
+            raise TransformersModelConfigError(
+                f"TransformersModel config `{where}.{key}`: {type(config).__name__} has no such key"
+                + (f"; did you mean {', '.join(repr(h) for h in hint)}?" if hint else "")
+            )
+        sub = getattr(config, key, None)
+        if isinstance(value, Mapping) and isinstance(sub, PretrainedConfig):
+            model_type = value.get("model_type", sub.model_type)
+            if model_type != sub.model_type:
+                if model_type not in CONFIG_MAPPING:
+                    raise TransformersModelConfigError(
+                        f"TransformersModel config `{where}.{key}.model_type`: unknown model_type '{model_type}'"
+                    )
+                sub = CONFIG_MAPPING[model_type]()
+            _check_keys(sub, {k: v for k, v in value.items() if k != "model_type"}, f"{where}.{key}")
+
+
+def _merge(base: dict[str, Any], overrides: Mapping[str, Any]) -> dict[str, Any]:
+    """``base`` updated by ``overrides``; a nested dict updates a sub-config of the same ``model_type``."""
+    out = dict(base)
+    for key, value in overrides.items():
+        current = out.get(key)
+        if (
+            isinstance(current, Mapping) and isinstance(value, Mapping)
+            and value.get("model_type", current.get("model_type")) == current.get("model_type")
+        ):
+            out[key] = _merge(current, value)
+        else:
+            out[key] = value
+    return out
+
+
+def build_hf_config(cfg: TransformersModelConfig) -> Any:
+    """The Hugging Face config: the directory's (plus overrides), or one defined by ``hf_config`` alone."""
+    from transformers import AutoConfig
+    from transformers.models.auto.configuration_auto import CONFIG_MAPPING
+
+    # Always explicit: left unset, Transformers may stop and ask on a terminal whether to run a checkpoint's code.
+    remote = {"trust_remote_code": cfg.trust_remote_code}
+    overrides = dict(cfg.hf_config)
+    attn = overrides.pop("attn_implementation", None)
+    if cfg.init_from_hf_path is not None:
+        base = AutoConfig.from_pretrained(cfg.init_from_hf_path, **remote)
+        if overrides:
+            _check_keys(base, overrides, "hf_config")
+            base = type(base).from_dict(_merge(base.to_dict(), overrides))
+        config = base
+    else:
+        model_type = overrides.pop("model_type", None)
+        if model_type is not None:
+            if model_type not in CONFIG_MAPPING:
+                hint = difflib.get_close_matches(str(model_type), list(CONFIG_MAPPING.keys()), n=3)
+                raise TransformersModelConfigError(
+                    f"TransformersModel config `hf_config.model_type`: unknown model_type '{model_type}'"
+                    + (f"; did you mean {', '.join(repr(h) for h in hint)}?" if hint else "")
+                )
+            config_cls = CONFIG_MAPPING[model_type]
+        elif cfg.model_id is not None:
+            config_cls = ModelHub.get(cfg.model_id).config_class
+        else:
+            raise TransformersModelConfigError(
+                "TransformersModel config: give `init_from_hf_path` (a Hugging Face directory), or `hf_config` "
+                "with a `model_type`, or a `model_id` whose adapter defines the config class"
+            )
+        _check_keys(config_cls(), overrides, "hf_config")
+        config = config_cls(**overrides)
+    if attn is not None:
+        config._attn_implementation = attn
+    return config
+
+
+# ----------------------------------------------------------------------------------- deferred loading
+def _meta_parameters_active() -> bool:
+    """Whether parameters registered now go to the meta device (MMFSDP2Strategy's model-building context)."""
+    probe = nn.Module()
+    probe.register_parameter("probe", nn.Parameter(torch.empty(0)))
+    return probe.probe.is_meta
+
+
+class PendingPretrained:
+    """Pretrained weights that a model built on the meta device reads once it is sharded.
+
+    Until then the model refuses to run forward, so a strategy that never calls ``load_after_sharding`` cannot
+    silently train from empty weights.
+    """
+
+    def __init__(self, model: nn.Module, plan: LoadPlan) -> None:
+        self.plan = plan
+        self._guard = model.register_forward_pre_hook(self._refuse)
+
+    def _refuse(self, module: nn.Module, *_: Any) -> None:
+        raise RuntimeError(
+            f"{type(module).__name__} was built on the meta device and its pretrained weights from "
+            f"{self.plan.directory} were never loaded: the strategy must call `load_after_sharding()` after "
+            "sharding (MMFSDP2Strategy does), or build the model outside the meta-device context"
+        )
+
+    def load_after_sharding(self, model: nn.Module) -> None:
+        count = load_local_shards(model, self.plan)
+        self._guard.remove()
+        model._pending_pretrained = None
+        log.info("loaded %d tensors from %s into the local shards", count, self.plan.directory)
+
+
+# ------------------------------------------------------------------------------------------- building
+def _freeze(model: nn.Module, patterns: list[str]) -> list[str]:
+    from lightning_mm.strategies.patterns import PatternError, resolve_patterns
+
+    try:
+        paths = resolve_patterns(model, patterns, "freeze")
+    except PatternError as err:
+        raise TransformersModelConfigError(f"TransformersModel config {err}") from None
+    frozen = {id(p) for path in paths for p in model.get_submodule(path).parameters()}
+    for name, param in model.named_parameters(remove_duplicate=False):
+        if id(param) in frozen:
+            if not any(name == p or name.startswith(p + ".") for p in paths):
+                log.warning("freeze: '%s' is frozen too, because it is tied to a frozen parameter", name)
+            param.requires_grad_(False)
+    return paths
+
+
+def TransformersModel(config: Any) -> nn.Module:  # noqa: N802 - the seed's name for this factory
+    """Build the adapted Hugging Face model that ``config`` describes (see the module docstring for the keys).
+
+    Returns an instance of the adapter class registered in :class:`~lightning_mm.modules.ModelHub` (a
+    ``transformers.PreTrainedModel`` subclass with ``FSDP2Mixin`` and ``WeightInitMixin``), so module paths and
+    state-dict keys are the Hugging Face ones.
+    """
+    from transformers import PreTrainedModel
+
+    cfg = TransformersModelConfig.from_any(config)
+    hf_config = build_hf_config(cfg)
+    key, model_cls = ModelHub.resolve(cfg.model_id, hf_config)
+    if not (isinstance(model_cls, type) and issubclass(model_cls, PreTrainedModel)):
+        raise TransformersModelConfigError(
+            f"ModelHub key '{key}' maps to {model_cls!r}, which is not a transformers.PreTrainedModel subclass"
+        )
+    missing_mixins = [m.__name__ for m in (FSDP2Mixin, WeightInitMixin) if not issubclass(model_cls, m)]
+    if missing_mixins:
+        raise TransformersModelConfigError(
+            f"ModelHub key '{key}' maps to {model_cls.__name__}, which lacks {', '.join(missing_mixins)}; "
+            f"declare it as `class {model_cls.__name__}(<HF model class>, FSDP2Mixin, WeightInitMixin)`"
+        )
+    if torch.empty(0).is_meta:
+        raise TransformersModelConfigError(
+            "TransformersModel cannot be built under torch.device('meta'): it would lose computed buffers such as "
+            "rotary tables. Use MMFSDP2Strategy (parameters alone go to the meta device) or build it eagerly"
+        )
+
+    index = SafetensorsIndex.from_directory(cfg.init_from_hf_path) if cfg.init_from_hf_path else None
+    if index is None:
+        model = model_cls(hf_config)
+    elif _meta_parameters_active():
+        model = model_cls(hf_config)
+        model._pending_pretrained = PendingPretrained(model, build_load_plan(model, index))
+    else:
+        from lightning_mm.strategies.init_context import meta_parameters
+
+        with meta_parameters():
+            model = model_cls(hf_config)
+        load_into_meta_model(model, build_load_plan(model, index))
+    if cfg.freeze:
+        _freeze(model, cfg.freeze)
+    log.info("TransformersModel: %s (ModelHub key '%s')%s", model_cls.__name__, key,
+             f" from {cfg.init_from_hf_path}" if cfg.init_from_hf_path else ", random init")
+    return model
