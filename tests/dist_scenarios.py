@@ -129,16 +129,28 @@ def _watch_forward(block: nn.Module, log: list) -> None:
     block.qkv.register_forward_pre_hook(hook)
 
 
+def _watch_reshard(layers: nn.ModuleList, log: list) -> None:
+    """When layer 1's forward starts, is layer 0 (already run) resharded or still unsharded?"""
+    def hook(*_: Any) -> None:
+        if not log:
+            group = layers[0]._get_fsdp_state()._fsdp_param_group
+            log.append(str(group.fsdp_params[0].sharded_state).split(".")[-1])
+
+    layers[1].register_forward_pre_hook(hook)
+
+
 def scenario_seed_yaml(outdir: str) -> None:
     """The seed's fsdp2_config.yaml verbatim: shard shapes, dtypes, recompute, ignored sync, prefetch, buffers."""
     torch.manual_seed(0)
     module = SeedModule(lr=1e-2)
     calls: list = []
+    reshard: list = []
 
     class Observe(L.Callback):
         def on_fit_start(self, trainer: L.Trainer, pl_module: Any) -> None:
             model = pl_module.model
             _watch_forward(model.text_decoder.decoder.layers[0], calls)
+            _watch_reshard(model.text_decoder.decoder.layers, reshard)
             self.setup_obs = {
                 "qkv_local_shape": list(local(model.text_decoder.decoder.layers[0].qkv.weight).shape),
                 "qkv_global_shape": list(model.text_decoder.decoder.layers[0].qkv.weight.shape),
@@ -177,6 +189,7 @@ def scenario_seed_yaml(outdir: str) -> None:
         "prefetch_backward_layer1": bwd[0],
         "prefetch_order": observed_order,
         "norms": norms.records,
+        "layer0_state_in_layer1_forward": reshard[0],
     })
 
 
@@ -341,15 +354,17 @@ def scenario_custom_fully_shard(outdir: str) -> None:
 def scenario_bf16_offload(outdir: str) -> None:
     """precision='bf16-mixed' with no dtypes in the YAML, and CPU offload with the non-reentrant recompute."""
     calls: list = []
+    reshard: list = []
 
     class Observe(L.Callback):
         def on_fit_start(self, trainer: L.Trainer, pl_module: Any) -> None:
             _watch_forward(pl_module.model.text_decoder.decoder.layers[0], calls)
+            _watch_reshard(pl_module.model.text_decoder.decoder.layers, reshard)
 
     module = SeedModule(lr=1e-3)
     config = {"sharding_size": "auto", "sub_modules_to_wrap": ["text_decoder.decoder.layers.{*}"],
               "recompute_modules": ["text_decoder.decoder.layers.{*}"], "use_reentrant": False,
-              "offload_to_cpu": True}
+              "offload_to_cpu": True, "reshard_after_forward": False}
     t = trainer(MMFSDP2Strategy(config), max_steps=2, precision="bf16-mixed", callbacks=[Observe()])
     t.fit(module, datamodule=MMDataModule(train_dataset=CaptionData(), batch_size=4))
     layer = module.model.text_decoder.decoder.layers[0]
@@ -362,6 +377,7 @@ def scenario_bf16_offload(outdir: str) -> None:
         "offload_policy": type(group.offload_policy).__name__,
         "shard_device": str(local(layer.qkv.weight).device),
         "sharded_param_dtype": str(layer.qkv.weight.dtype),
+        "layer0_state_in_layer1_forward": reshard[0],
     })
 
 

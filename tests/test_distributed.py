@@ -43,6 +43,8 @@ def test_seed_yaml_verbatim_trains_and_every_field_takes_effect(scenario):
         assert rec["before"] == pytest.approx(rec["before_reference"], rel=1e-5)
         assert rec["after"] == pytest.approx(rec["after_reference"], rel=1e-5)
         assert rec["before"] > 0.5 and rec["after"] == pytest.approx(0.5, rel=1e-3)
+    # reshard_after_forward (default true): layer 0 is resharded by the time layer 1 runs.
+    assert r0["layer0_state_in_layer1_forward"] == "SHARDED"
     # The loss falls.
     assert all(math.isfinite(x) for x in r0["losses"])
     assert r0["losses"][-1] < r0["losses"][0] - 0.5
@@ -105,6 +107,7 @@ def test_bf16_mixed_precision_and_cpu_offload_with_non_reentrant_recompute(scena
     assert r0["sharded_param_dtype"] == "torch.float32"  # master weights stay fp32
     assert r0["offload_policy"] == "CPUOffloadPolicy" and r0["shard_device"] == "cpu"
     assert r0["forward_calls_with_grad"] == 4  # non-reentrant: forward and recompute both with grad, 2 steps
+    assert r0["layer0_state_in_layer1_forward"] == "UNSHARDED"  # reshard_after_forward: false (ZeRO-2)
 
 
 def test_registered_name_takes_config_from_the_module(scenario):
