@@ -35,7 +35,8 @@ _VISION = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_at
 # family -> (architecture, config kwargs). Every family of the built-in adapters, fp32, a few kB each.
 FAMILIES: dict[str, tuple[str, dict[str, Any]]] = {
     "llama_tied": ("LlamaForCausalLM", {**_TEXT, "tie_word_embeddings": True}),
-    "qwen2": ("Qwen2ForCausalLM", {**_TEXT, "tie_word_embeddings": False}),
+    # 63 MLP rows: shards of 32 and 31 rows (FSDP2's uneven split) must be read from the right offsets.
+    "qwen2": ("Qwen2ForCausalLM", {**_TEXT, "intermediate_size": 63, "tie_word_embeddings": False}),
     "qwen3": ("Qwen3ForCausalLM", {**_TEXT, "head_dim": 8, "tie_word_embeddings": False}),
     "internvl": ("InternVLForConditionalGeneration", dict(
         text_config={"model_type": "qwen2", **_TEXT}, image_token_id=IMAGE_TOKEN, downsample_ratio=0.5,

@@ -259,7 +259,7 @@ def test_strict_load_fails_on_a_renamed_weight(ckpts, tmp_path, deferred):
 def test_strict_load_fails_on_shape_and_missing_files(ckpts, tmp_path):
     with pytest.raises(CheckpointError) as err:
         TransformersModel({"init_from_hf_path": str(ckpts["qwen2"]), "hf_config": {"intermediate_size": 48}})
-    assert "6 weight(s) with a different shape: model.layers.0.mlp.down_proj.weight: checkpoint [32, 64], " \
+    assert "6 weight(s) with a different shape: model.layers.0.mlp.down_proj.weight: checkpoint [32, 63], " \
         "model [32, 48]" in str(err.value)
     assert "missing" not in str(err.value)
     empty = tmp_path / "bin_only"
@@ -268,6 +268,37 @@ def test_strict_load_fails_on_shape_and_missing_files(ckpts, tmp_path):
     (empty / "pytorch_model.bin").write_bytes(b"")
     with pytest.raises(CheckpointError, match="no model.safetensors.*found pytorch_model.bin; only safetensors"):
         TransformersModel({"init_from_hf_path": str(empty)})
+
+
+def test_read_region_rows_directly_and_other_regions_through_safetensors(ckpts):
+    from lightning_mm.modules.hf_checkpoint import SafetensorsIndex
+    from lightning_mm.modules.hf_loading import read_region
+
+    index = SafetensorsIndex.from_directory(ckpts["qwen2"])
+    info = index.tensors["model.layers.0.mlp.up_proj.weight"]
+    full = load_file(ckpts["qwen2"] / "model.safetensors")[info.key]
+    assert list(full.shape) == [63, 32]
+    with open(ckpts["qwen2"] / "model.safetensors", "rb") as f:
+        files = {info.file: f}
+        rows = torch.empty(31, 32)
+        read_region(index.directory, files, info, (32, 0), (31, 32), rows)  # rank 1's uneven shard
+        assert torch.equal(rows, full[32:])
+        half = torch.empty(31, 32, dtype=torch.bfloat16)  # converted on the way
+        read_region(index.directory, files, info, (32, 0), (31, 32), half)
+        assert torch.equal(half, full[32:].bfloat16())
+        cols = torch.empty(63, 5)  # not whole rows: read through safetensors' slicing
+        read_region(index.directory, files, info, (0, 3), (63, 5), cols)
+        assert torch.equal(cols, full[:, 3:8])
+
+
+def test_truncated_checkpoint_is_a_clear_error(ckpts, tmp_path):
+    bad = tmp_path / "truncated"
+    bad.mkdir()
+    (bad / "config.json").write_text((ckpts["qwen2"] / "config.json").read_text())
+    data = (ckpts["qwen2"] / "model.safetensors").read_bytes()
+    (bad / "model.safetensors").write_bytes(data[: len(data) - 100])
+    with pytest.raises(CheckpointError, match="data offsets .* do not fit"):
+        TransformersModel({"init_from_hf_path": str(bad)})
 
 
 def test_sharded_safetensors_index_is_read(ckpts):

@@ -52,6 +52,49 @@ class TensorInfo:
     key: str
     shape: tuple[int, ...]
     dtype: str  # safetensors' name, e.g. "F32", "BF16"
+    start: int = 0
+    """Byte offset of the tensor's data in the file."""
+
+
+_ITEMSIZE = {"F64": 8, "F32": 4, "F16": 2, "BF16": 2, "I64": 8, "I32": 4, "I16": 2, "I8": 1, "U8": 1, "BOOL": 1,
+             "F8_E4M3": 1, "F8_E5M2": 1, "U16": 2, "U32": 4, "U64": 8}
+
+
+def read_safetensors_header(path: Path) -> dict[str, TensorInfo]:
+    """The tensors of one ``.safetensors`` file, from its header alone (8-byte length, JSON, then the data).
+
+    Offsets and sizes are checked against the file, so a truncated or inconsistent file fails here.
+    """
+    size = path.stat().st_size
+    with open(path, "rb") as f:
+        prefix = f.read(8)
+        if len(prefix) != 8:
+            raise CheckpointError(f"{path}: too short to be a safetensors file")
+        length = int.from_bytes(prefix, "little")
+        if length > size - 8:
+            raise CheckpointError(f"{path}: header length {length} exceeds the file size {size}")
+        try:
+            header = json.loads(f.read(length))
+        except (json.JSONDecodeError, UnicodeDecodeError) as err:
+            raise CheckpointError(f"{path}: the safetensors header is not valid JSON ({err})") from None
+    data_start = 8 + length
+    tensors = {}
+    for key, meta in header.items():
+        if key == "__metadata__":
+            continue
+        try:
+            dtype, shape, (begin, end) = meta["dtype"], tuple(int(d) for d in meta["shape"]), meta["data_offsets"]
+        except (KeyError, TypeError, ValueError):
+            raise CheckpointError(f"{path}: malformed header entry for '{key}'") from None
+        numel = 1
+        for d in shape:
+            numel *= d
+        expected = numel * _ITEMSIZE[dtype] if dtype in _ITEMSIZE else end - begin
+        if not (0 <= begin <= end and data_start + end <= size and end - begin == expected):
+            raise CheckpointError(f"{path}: tensor '{key}' has data offsets {[begin, end]} that do not fit its "
+                                  f"{dtype} shape {list(shape)} or the file size")
+        tensors[key] = TensorInfo(path.name, key, shape, dtype, data_start + begin)
+    return tensors
 
 
 @dataclass(frozen=True)
@@ -64,8 +107,6 @@ class SafetensorsIndex:
     @classmethod
     def from_directory(cls, directory: str | Path) -> SafetensorsIndex:
         """Read ``model.safetensors.index.json`` (sharded) or ``model.safetensors`` in ``directory``."""
-        from safetensors import safe_open
-
         root = Path(directory)
         if not root.is_dir():
             raise CheckpointError(f"init_from_hf_path: '{root}' is not a directory")
@@ -89,17 +130,10 @@ class SafetensorsIndex:
             path = root / name
             if not path.is_file():
                 raise CheckpointError(f"{index_file}: lists '{name}', which does not exist in {root}")
-            try:
-                with safe_open(str(path), framework="pt") as handle:
-                    for key in handle.keys():
-                        if key in tensors:
-                            raise CheckpointError(f"{root}: tensor '{key}' is in both {tensors[key].file} and {name}")
-                        sl = handle.get_slice(key)
-                        tensors[key] = TensorInfo(name, key, tuple(sl.get_shape()), sl.get_dtype())
-            except CheckpointError:
-                raise
-            except Exception as err:  # safetensors raises its own error types for corrupt files
-                raise CheckpointError(f"{path}: cannot read safetensors header ({err})") from None
+            for key, info in read_safetensors_header(path).items():
+                if key in tensors:
+                    raise CheckpointError(f"{root}: tensor '{key}' is in both {tensors[key].file} and {name}")
+                tensors[key] = info
         if weight_map is not None:
             listed_elsewhere = sorted(k for k, f in weight_map.items() if k not in tensors or tensors[k].file != f)
             if listed_elsewhere:

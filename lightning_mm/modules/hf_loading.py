@@ -1,13 +1,16 @@
 """Doing the loading of a :class:`~lightning_mm.modules.hf_checkpoint.LoadPlan`.
 
 * :func:`load_local_shards` fills a sharded model in place: for a DTensor parameter each rank reads only the
-  slice of the safetensors tensor that its local shard covers (``safe_open(...).get_slice``, memory-mapped), so
+  bytes of the region its local shard covers (FSDP2 shards rows, which are contiguous in a safetensors file), so
   no rank ever holds the full model and nothing is broadcast. Unsharded tensors (ignored modules, buffers) are
   read whole.
 * :func:`load_into_meta_model` gives an unsharded model built with meta-device parameters its real parameters,
   straight from the files (no random init, no second copy).
 
-Values are converted to the dtype of the model's tensors.
+Reads are plain file reads into the destination tensor's own memory (when the dtype matches) rather than a
+memory map: pages of a mapped file count toward the resident memory of every process that touches them. Other
+regions (not whole rows) go through ``safetensors.safe_open(...).get_slice``. Values are converted to the dtype of
+the model's tensors.
 """
 
 from __future__ import annotations
@@ -16,7 +19,7 @@ import logging
 from collections.abc import Iterator
 from contextlib import ExitStack, contextmanager
 from pathlib import Path
-from typing import Any
+from typing import BinaryIO
 
 import torch
 from torch import nn
@@ -24,20 +27,14 @@ from torch.distributed.tensor import DTensor
 
 from lightning_mm.modules.hf_checkpoint import CheckpointError, LoadEntry, LoadPlan, TensorInfo
 
-__all__ = ["load_local_shards", "load_into_meta_model", "local_region"]
+__all__ = ["load_local_shards", "load_into_meta_model", "local_region", "read_region"]
 
 log = logging.getLogger(__name__)
 
-
-@contextmanager
-def _open_files(plan: LoadPlan) -> Iterator[dict[str, Any]]:
-    from safetensors import safe_open
-
-    with ExitStack() as stack:
-        yield {
-            name: stack.enter_context(safe_open(str(Path(plan.directory) / name), framework="pt"))
-            for name in plan.files
-        }
+_DTYPES = {
+    "F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16, "I64": torch.int64,
+    "I32": torch.int32, "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8, "BOOL": torch.bool,
+}
 
 
 def local_region(tensor: torch.Tensor) -> tuple[tuple[int, ...], tuple[int, ...]]:
@@ -45,37 +42,71 @@ def local_region(tensor: torch.Tensor) -> tuple[tuple[int, ...], tuple[int, ...]
     if isinstance(tensor, DTensor):
         chunks = tensor.__create_chunk_list__()
         if len(chunks) != 1:
-            raise NotImplementedError(f"a DTensor with {len(chunks)} local chunks cannot be loaded by slices")
+            raise NotImplementedError(f"a DTensor with {len(chunks)} local chunks cannot be loaded by regions")
         return tuple(chunks[0].offsets), tuple(chunks[0].sizes)
     return (0,) * tensor.ndim, tuple(tensor.shape)
 
 
-def _read(files: dict[str, Any], info: TensorInfo, offsets: tuple[int, ...], sizes: tuple[int, ...]) -> torch.Tensor:
-    handle = files[info.file]
-    if not sizes:  # a scalar
-        return handle.get_tensor(info.key)
-    if tuple(sizes) == info.shape:
-        return handle.get_tensor(info.key)
-    region = tuple(slice(o, o + s) for o, s in zip(offsets, sizes))
-    return handle.get_slice(info.key)[region]
+def _readinto(f: BinaryIO, start: int, out: torch.Tensor) -> None:
+    view = memoryview(out.reshape(-1).view(torch.uint8).numpy())
+    f.seek(start)
+    done = 0
+    while done < len(view):
+        n = f.readinto(view[done:])
+        if not n:
+            raise CheckpointError(f"{getattr(f, 'name', 'file')}: unexpected end of file")
+        done += n
 
 
-def _fill(files: dict[str, Any], entry: LoadEntry, tensor: torch.Tensor) -> None:
+def read_region(
+    directory: str | Path, files: dict[str, BinaryIO], info: TensorInfo, offsets: tuple[int, ...],
+    sizes: tuple[int, ...], out: torch.Tensor,
+) -> None:
+    """Fill ``out`` (shape ``sizes``) with the region ``offsets``/``sizes`` of the checkpoint tensor ``info``."""
+    dtype = _DTYPES.get(info.dtype)
+    rows = all(o == 0 for o in offsets[1:]) and tuple(sizes[1:]) == info.shape[1:]
+    if dtype is None or not rows:
+        from safetensors import safe_open
+
+        with safe_open(str(Path(directory) / info.file), framework="pt") as handle:
+            region = tuple(slice(o, o + s) for o, s in zip(offsets, sizes))
+            data = handle.get_slice(info.key)[region] if sizes else handle.get_tensor(info.key)
+        out.copy_(data)
+        return
+    row_bytes = dtype.itemsize
+    for d in info.shape[1:]:
+        row_bytes *= d
+    start = info.start + (offsets[0] if offsets else 0) * row_bytes
+    direct = out.dtype == dtype and out.device.type == "cpu" and out.is_contiguous()
+    target = out if direct else torch.empty(sizes, dtype=dtype)
+    _readinto(files[info.file], start, target)
+    if not direct:
+        out.copy_(target)
+
+
+@contextmanager
+def _open_files(plan: LoadPlan) -> Iterator[dict[str, BinaryIO]]:
+    with ExitStack() as stack:
+        yield {name: stack.enter_context(open(Path(plan.directory) / name, "rb")) for name in plan.files}
+
+
+def _fill(plan: LoadPlan, files: dict[str, BinaryIO], entry: LoadEntry, tensor: torch.Tensor) -> None:
     offsets, sizes = local_region(tensor)
     local = tensor.to_local() if isinstance(tensor, DTensor) else tensor
     if tuple(local.shape) != tuple(sizes):
         raise RuntimeError(f"{entry.names[0]}: local shard is {list(local.shape)}, expected {list(sizes)}")
     if local.numel() == 0:
         return
-    data = _read(files, entry.source, offsets, sizes)
-    for duplicate in entry.duplicates:  # a tied weight stored twice: both copies must agree
-        if not torch.equal(_read(files, duplicate, offsets, sizes), data):
-            raise CheckpointError(
-                f"{entry.names} are one tied weight, but checkpoint tensors '{entry.source.key}' and "
-                f"'{duplicate.key}' differ; set tie_word_embeddings=False in the config to keep them apart"
-            )
     with torch.no_grad():
-        local.copy_(data.to(device=local.device, dtype=local.dtype))
+        read_region(plan.directory, files, entry.source, offsets, sizes, local)
+        for duplicate in entry.duplicates:  # a tied weight stored twice: both copies must agree
+            other = torch.empty_like(local)
+            read_region(plan.directory, files, duplicate, offsets, sizes, other)
+            if not torch.equal(other, local):
+                raise CheckpointError(
+                    f"{entry.names} are one tied weight, but checkpoint tensors '{entry.source.key}' and "
+                    f"'{duplicate.key}' differ; set tie_word_embeddings=False in the config to keep them apart"
+                )
 
 
 def load_local_shards(model: nn.Module, plan: LoadPlan) -> int:
@@ -86,7 +117,7 @@ def load_local_shards(model: nn.Module, plan: LoadPlan) -> int:
         raise RuntimeError(f"the model no longer has tensors the load plan was made for: {absent[:10]}")
     with _open_files(plan) as files:
         for entry in plan.entries:
-            _fill(files, entry, state[entry.names[0]])
+            _fill(plan, files, entry, state[entry.names[0]])
     return len(plan.entries)
 
 
@@ -108,17 +139,14 @@ def load_into_meta_model(model: nn.Module, plan: LoadPlan, device: torch.device 
         for entry in plan.entries:
             current = state[entry.names[0]]
             if not current.is_meta:
-                _fill(files, entry, current)
+                _fill(plan, files, entry, current)
                 continue
-            data = files[entry.source.file].get_tensor(entry.source.key)
-            for duplicate in entry.duplicates:
-                if not torch.equal(files[duplicate.file].get_tensor(duplicate.key), data):
-                    raise CheckpointError(
-                        f"{entry.names} are one tied weight, but checkpoint tensors '{entry.source.key}' and "
-                        f"'{duplicate.key}' differ; set tie_word_embeddings=False in the config to keep them apart"
-                    )
-            value = data.to(device=device, dtype=current.dtype)
-            _set_parameter(model, entry.names, nn.Parameter(value, requires_grad=current.requires_grad))
+            if not entry.is_parameter:
+                raise CheckpointError(f"buffer {entry.names[0]} is on the meta device and cannot be filled in place")
+            value = torch.empty(current.shape, dtype=current.dtype, device="cpu")
+            _fill(plan, files, entry, value)
+            param = nn.Parameter(value.to(device), requires_grad=current.requires_grad)
+            _set_parameter(model, entry.names, param)
     left = [name for name, p in model.named_parameters() if p.is_meta]
     if left:
         raise CheckpointError(f"parameters left on the meta device after loading {plan.directory}: {left[:10]}")
