@@ -98,10 +98,9 @@ def _gather(obj: Any) -> list[Any] | None:
     """``obj`` of every rank, in rank order, on rank 0 (None elsewhere)."""
     if not _distributed():
         return [obj]
-    rank = dist.get_rank()
-    out: list[Any] | None = [None] * dist.get_world_size() if rank == 0 else None
-    dist.gather_object(obj, out, dst=0)
-    return out
+    out: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(out, obj)  # all_gather: supported by every backend (gloo, nccl, hccl)
+    return out if dist.get_rank() == 0 else None
 
 
 def _barrier() -> None:
