@@ -114,6 +114,7 @@ class MMFSDP2Strategy(ParallelStrategy):
         self._strict_loading = strict_loading
         self._pending_rng: dict[str, Any] | None = None
         self._pending_rng_point: str | None = None
+        self._pending_rng_step: int | None = None
 
     # ------------------------------------------------------------------------------------ properties
     @property
@@ -484,10 +485,13 @@ class MMFSDP2Strategy(ParallelStrategy):
         loaded = checkpoint.load(path, lm, self.optimizers if fitting else [], strict=strict, rank=self.global_rank,
                                  world_size=self.world_size, fitting=fitting)
         self._pending_rng, self._pending_rng_point = loaded.rng, loaded.rng_point
+        self._pending_rng_step = loaded.checkpoint.get("global_step")
         return loaded.checkpoint
 
     def _restore_pending_rng(self) -> None:
-        if self._pending_rng is not None:
+        trainer = getattr(self.lightning_module, "_trainer", None)
+        # Only for the step right after the checkpoint: never into a later, unrelated run of this strategy.
+        if self._pending_rng is not None and (trainer is None or trainer.global_step == self._pending_rng_step):
             checkpoint.restore_rng(self._pending_rng, self.root_device)
         self._pending_rng = self._pending_rng_point = None
 
