@@ -453,6 +453,36 @@ def scenario_ddp_module(outdir: str) -> None:
     })
 
 
+# ---------------------------------------------------------------------- mid-epoch resume of MMDataModule
+class Fingerprints(L.Callback):
+    def __init__(self) -> None:
+        self.seen: list[tuple[int, float, float]] = []
+
+    def on_train_batch_end(self, trainer: L.Trainer, pl_module: Any, outputs: Any, batch: Any, idx: int) -> None:
+        self.seen.append((trainer.global_step, float(batch[0].sum()), float(outputs["loss"].detach())))
+
+
+def scenario_resume_data(outdir: str) -> None:
+    """MMDataModule's train loader is stateful: a mid-epoch resume continues with the next unseen batch."""
+    from lightning.pytorch.callbacks import ModelCheckpoint
+
+    def run(max_steps: int, ckpt_path: str | None, save: bool) -> list:
+        prints = Fingerprints()
+        callbacks: list = [prints]
+        if save:
+            callbacks.append(ModelCheckpoint(dirpath=f"{outdir}/ckpt", every_n_train_steps=5, save_top_k=-1))
+        t = trainer(MMFSDP2Strategy({"sharding_size": "auto", "sub_modules_to_wrap": ["layers.{*}"]}),
+                    max_steps=max_steps, callbacks=callbacks, enable_checkpointing=save)
+        data = MMDataModule(train_dataset=RegressionData(), batch_size=4, seed=7)  # 8 batches per epoch per rank
+        t.fit(MLP(), datamodule=data, ckpt_path=ckpt_path)
+        return [t.global_rank, prints.seen]
+
+    rank, full_run = run(12, None, True)
+    checkpoint = f"{outdir}/ckpt/epoch=0-step=5.ckpt"
+    _, resumed = run(12, checkpoint, False)
+    dump("resume_data", outdir, rank, {"full": full_run, "resumed": resumed})
+
+
 if __name__ == "__main__":
     name, out = sys.argv[1], sys.argv[2]
     os.makedirs(out, exist_ok=True)

@@ -129,3 +129,11 @@ def test_bad_setups_fail_before_any_training_step(tmp_path, name, message):
     assert proc.returncode != 0
     assert message in proc.stderr
     assert not (tmp_path / "trained.marker").exists()
+
+
+def test_mmdatamodule_resumes_mid_epoch_with_the_next_unseen_batch(scenario):
+    for r in scenario("resume_data"):
+        full, resumed = r["full"], r["resumed"]
+        assert len(full) == 12 and len(resumed) == 7
+        # Steps 6..12 of the resumed run see the same batches (and losses) as the uninterrupted run.
+        assert resumed == full[5:]

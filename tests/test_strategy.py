@@ -70,6 +70,6 @@ def test_two_different_configs_are_an_error_not_a_silent_choice():
     trainer = L.Trainer(accelerator="cpu", devices=2, strategy=strategy, logger=False)
     trainer.strategy.connect(MMLightningModule(fsdp2_config={"sharding_size": 1}))
     with pytest.raises(ValueError, match="give it in one place"):
-        trainer.strategy.fsdp2_config
+        _ = trainer.strategy.fsdp2_config
     trainer.strategy.connect(MMLightningModule(fsdp2_config={"sharding_size": 2}))
     assert trainer.strategy.fsdp2_config.sharding_size == 2

@@ -11,6 +11,7 @@ import torch
 from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 from torch.utils.data import DataLoader, Dataset, IterableDataset
 
+from lightning_mm.datamodules.resumable import ResumableDataLoader
 from lightning_mm.modules.seed_functions import resolve_callable
 
 __all__ = ["MMDataModule"]
@@ -143,7 +144,8 @@ class MMDataModule(L.LightningDataModule):
         if isinstance(data, DataLoader):
             return data
         iterable = isinstance(data, IterableDataset)
-        return DataLoader(
+        loader_cls = DataLoader if iterable or split != "train" else ResumableDataLoader  # mid-epoch resume
+        return loader_cls(
             data,
             batch_size=self.batch_size,
             shuffle=shuffle and not iterable,
