@@ -175,11 +175,11 @@ class LoadPlan:
 
 
 def _native_hf_class(cls: type) -> type | None:
-    """The Transformers class an adapter derives from (the first base defined inside ``transformers``)."""
+    """The Transformers model class an adapter derives from (the first base from ``transformers.models``)."""
     from transformers import PreTrainedModel
 
     for klass in cls.__mro__:
-        if issubclass(klass, PreTrainedModel) and klass.__module__.startswith("transformers."):
+        if issubclass(klass, PreTrainedModel) and klass.__module__.startswith("transformers.models."):
             return klass
     return None
 
