@@ -138,7 +138,9 @@ def _full(t: torch.Tensor) -> torch.Tensor:
     return t.full_tensor() if isinstance(t, DTensor) else t
 
 
-def _fit_family(family: str, ckpt: Path, extra: dict[str, Any], steps: int = 4) -> tuple[dict[str, Any], int]:
+def _fit_family(
+    family: str, ckpt: Path, extra: dict[str, Any], steps: int = 4, sharding_size: Any = "auto"
+) -> tuple[dict[str, Any], int]:
     """Train ``family`` loaded from ``ckpt`` for a few steps with the default plan; observe everything."""
     import lightning as L
     import transformers
@@ -180,6 +182,8 @@ def _fit_family(family: str, ckpt: Path, extra: dict[str, Any], steps: int = 4) 
             obs["layer_is_dtensor"] = isinstance(params[layer], DTensor)
             obs["layer_local_shape"] = list(params[layer].to_local().shape)
             obs["layer_global_shape"] = list(params[layer].shape)
+            obs["layer_placements"] = [str(p) for p in params[layer].placements]
+            obs["mesh"] = list(trainer.strategy.device_mesh.shape)
             obs["sharded"] = sorted(n for n, p in params.items() if isinstance(p, DTensor))
             obs["pending_cleared"] = getattr(model, "_pending_pretrained", None) is None
             obs["initial"] = {n: float(_full(p.detach()).double().sum()) for n, p in params.items()}
@@ -196,7 +200,7 @@ def _fit_family(family: str, ckpt: Path, extra: dict[str, Any], steps: int = 4) 
     trainer = L.Trainer(
         accelerator="cpu", devices=2, max_steps=steps, logger=False, enable_checkpointing=False,
         enable_progress_bar=False, enable_model_summary=False, num_sanity_val_steps=0,
-        strategy=MMFSDP2Strategy({"sharding_size": "auto"}), callbacks=[Observe()],
+        strategy=MMFSDP2Strategy({"sharding_size": sharding_size}), callbacks=[Observe()],
     )
     loader = torch.utils.data.DataLoader(FamilyData(family, n=4), batch_size=2)
     trainer.fit(module, train_dataloaders=loader)
@@ -268,10 +272,19 @@ def scenario_random_init(outdir: str, ckptdir: str) -> None:
     _dump("random_init", outdir, trainer.global_rank, obs)
 
 
+def scenario_hsdp_freeze(outdir: str, ckptdir: str) -> None:
+    """HSDP (``sharding_size: 1``: every rank holds whole tensors) from a multi-file checkpoint, with a frozen
+    decoder layer (a whole unit) and a frozen attention block (part of a unit)."""
+    freeze = {"freeze": ["model.layers.{0}", "model.layers.1.self_attn"]}
+    obs, rank = _fit_family("qwen3", Path(ckptdir) / "qwen3", freeze, steps=3, sharding_size=1)
+    _dump("hsdp_freeze", outdir, rank, obs)
+
+
 def scenario_all(outdir: str, ckptdir: str) -> None:
     """Every scenario above in one launch (each launch costs seconds of process start-up)."""
     scenario_families(outdir, ckptdir)
     scenario_random_init(outdir, ckptdir)
+    scenario_hsdp_freeze(outdir, ckptdir)
 
 
 if __name__ == "__main__":

@@ -39,7 +39,7 @@ def ranks(tmp_path_factory):
         raise AssertionError(f"hf scenarios failed ({proc.returncode}):\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}")
     return {
         name: [json.loads((out / f"{name}.rank{r}.json").read_text()) for r in range(2)]
-        for name in ("families", "random_init")
+        for name in ("families", "random_init", "hsdp_freeze")
     }
 
 
@@ -100,6 +100,21 @@ def test_random_init_without_checkpoint_is_initialised_after_sharding(ranks):
         assert obs["inv_freq"] == pytest.approx([1.0, 0.1, 0.01, 0.001], rel=1e-6)
         assert all(math.isfinite(x) for x in obs["losses"])
     assert r0["q_full_sum"] == r1["q_full_sum"]
+
+
+def test_hsdp_load_from_a_multi_file_checkpoint_with_frozen_parts_of_units(ranks):
+    r0, r1 = ranks["hsdp_freeze"]
+    for obs in (r0, r1):
+        assert obs["mesh"] == [2, 1] and obs["layer_placements"] == ["R", "S(0)"]
+        assert obs["layer_local_shape"] == obs["layer_global_shape"]  # a shard group of one rank: whole tensors
+        assert obs["not_equal"] == [] and obs["buffers_not_equal"] == []
+        assert obs["losses"][0] == pytest.approx(obs["ref_losses"][0], rel=1e-6, abs=1e-6)
+        frozen = [n for n in obs["initial"] if n.startswith(("model.layers.0.", "model.layers.1.self_attn."))]
+        assert obs["frozen"] == sorted(frozen) and set(frozen) <= set(obs["grad_none"])
+        assert all(obs["initial"][n] == obs["final"][n] for n in frozen)
+        trained = [n for n in obs["initial"] if n not in frozen]
+        assert all(obs["initial"][n] != obs["final"][n] for n in trained)
+    assert r0["final"] == r1["final"]
 
 
 def test_internvl_example_trains_end_to_end(tmp_path):
