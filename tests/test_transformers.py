@@ -116,9 +116,11 @@ def test_config_as_dict_namespace_or_object(ckpts):
         {"init_from_hf_path": path},
         SimpleNamespace(init_from_hf_path=path, model_id=None),
         argparse.Namespace(init_from_hf_path=path, freeze=[], trust_remote_code=False),
+        SimpleNamespace(init_from_hf_path=path, hf_config=SimpleNamespace(rms_norm_eps=1e-5)),
     ):
         model = TransformersModel(config)
         assert type(model).__name__ == "MMQwen2ForCausalLM"
+    assert model.config.rms_norm_eps == 1e-5
 
 
 @pytest.mark.parametrize("config, match", [

@@ -27,6 +27,7 @@ precision says otherwise), whatever dtype the checkpoint or its config names; mi
 
 from __future__ import annotations
 
+import argparse
 import dataclasses
 import difflib
 import logging
@@ -34,6 +35,7 @@ import os
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 import torch
@@ -78,11 +80,9 @@ class TransformersModelConfig:
             if not (path / "config.json").is_file():
                 raise fail("init_from_hf_path", f"'{path}' has no config.json (not a Hugging Face model directory)")
             self.init_from_hf_path = str(path)
-        if self.hf_config is None:
-            self.hf_config = {}
+        self.hf_config = _plain(self.hf_config) if self.hf_config is not None else {}
         if not isinstance(self.hf_config, Mapping):
             raise fail("hf_config", f"expected a mapping of config keys, got {type(self.hf_config).__name__}")
-        self.hf_config = _plain(self.hf_config)
         if isinstance(self.freeze, str):
             self.freeze = [self.freeze]
         if self.freeze is None:
@@ -116,10 +116,10 @@ class TransformersModelConfig:
 
 
 def _plain(value: Any) -> Any:
-    """Mappings and attribute objects (namespaces) as plain dicts, recursively."""
+    """Mappings and namespaces (argparse's, jsonargparse's, SimpleNamespace) as plain dicts, recursively."""
     if isinstance(value, Mapping):
         return {k: _plain(v) for k, v in value.items()}
-    if hasattr(value, "__dict__") and type(value).__name__ == "Namespace":
+    if isinstance(value, (argparse.Namespace, SimpleNamespace)):
         return {k: _plain(v) for k, v in vars(value).items() if not k.startswith("__")}
     if isinstance(value, (list, tuple)):
         return type(value)(_plain(v) for v in value)
