@@ -346,3 +346,28 @@ def test_default_plan_wraps_blocks_and_embeddings_and_ignores_frozen_towers(fami
         # Keys the YAML sets win over the defaults.
         config = FSDP2Config(sharding_size="auto", sub_modules_to_wrap=["model.language_model.layers.{0}"])
         assert config.with_model_defaults(frozen).sub_modules_to_wrap == ["model.language_model.layers.{0}"]
+
+
+def test_import_lightning_mm_does_not_import_transformers_model_code():
+    # Transformers' model code is slow to import and, on Ascend machines, imports torch_npu: built-in adapters
+    # are registered on the first ModelHub lookup instead.
+    import subprocess
+    import sys
+
+    code = ("import sys, lightning_mm; from lightning_mm.modules import ModelHub; "
+            "before = [m for m in sys.modules if m.startswith('transformers.models.llama')]; "
+            "ModelHub.get('llama'); after = [m for m in sys.modules if m.startswith('transformers.models.llama')]; "
+            "print(len(before), len(after) > 0)")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout.split()
+    assert out == ["0", "True"]
+
+
+def test_user_registration_made_before_the_first_lookup_wins_over_the_builtin():
+    import subprocess
+    import sys
+
+    code = ("from lightning_mm.modules import ModelHub\n"
+            "class Mine: pass\n"
+            "ModelHub.MODEL_MAPPINGS['llama'] = Mine\n"
+            "assert ModelHub.get('llama') is Mine and ModelHub.get('qwen2').__name__ == 'MMQwen2ForCausalLM'\n")
+    subprocess.run([sys.executable, "-c", code], check=True)

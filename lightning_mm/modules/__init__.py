@@ -1,6 +1,5 @@
 """Model-side building blocks: the LightningModule with the seed's hooks and the seed's model mixins."""
 
-from lightning_mm.modules import adapters  # noqa: F401  (registers the built-in adapters in ModelHub)
 from lightning_mm.modules.hub import ModelHub, ModelHubError
 from lightning_mm.modules.lightning_module import MMLightningModule
 from lightning_mm.modules.mixins import FSDP2Mixin, MultiModalModule, WeightInitMixin

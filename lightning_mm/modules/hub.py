@@ -33,6 +33,24 @@ class ModelHub:
     """The table of adapted model classes (``MODEL_MAPPINGS``) and the lookup rules over it."""
 
     MODEL_MAPPINGS: ClassVar[dict[str, type]] = {}
+    _builtins_loaded: ClassVar[bool] = False
+
+    @classmethod
+    def _load_builtins(cls) -> None:
+        """Register the built-in adapters on first lookup; entries the user made first are kept.
+
+        Loading them lazily keeps ``import lightning_mm`` from importing Transformers' model code (which is slow,
+        and on Ascend machines imports torch_npu).
+        """
+        if cls._builtins_loaded:
+            return
+        cls._builtins_loaded = True
+        user_entries = dict(cls.MODEL_MAPPINGS)
+        cls.MODEL_MAPPINGS.clear()
+        try:
+            import lightning_mm.modules.adapters  # noqa: F401  (registers through @ModelHub.register)
+        finally:
+            cls.MODEL_MAPPINGS.update(user_entries)
 
     @classmethod
     def register(cls, *keys: str, override: bool = False) -> Callable[[type], type]:
@@ -59,11 +77,13 @@ class ModelHub:
     @classmethod
     def available(cls) -> list[str]:
         """The registered keys, sorted."""
+        cls._load_builtins()
         return sorted(cls.MODEL_MAPPINGS)
 
     @classmethod
     def get(cls, key: str) -> type:
         """The class registered under ``key``; an unknown key is an error listing the registered ones."""
+        cls._load_builtins()
         model_cls = cls.MODEL_MAPPINGS.get(key)
         if model_cls is None:
             raise ModelHubError(cls._unknown(f"model_id '{key}'", [key]))
@@ -75,6 +95,7 @@ class ModelHub:
 
         ``hf_config`` is a Hugging Face config object or a dict with those keys.
         """
+        cls._load_builtins()
         if model_id is not None:
             return model_id, cls.get(model_id)
         get = hf_config.get if isinstance(hf_config, dict) else (lambda k: getattr(hf_config, k, None))

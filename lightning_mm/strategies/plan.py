@@ -104,7 +104,8 @@ class ShardingPlan:
         lines += [f"    {u.name:<60} {u.num_params:>14,} params" for u in self.units]
         lines.append(f"    {'<root>':<60} {self.root_params:>14,} params")
         lines.append(
-            f"  ignored ({self.ignored_params:,} params, gradients all-reduced): {', '.join(self.ignored) or '-'}"
+            f"  ignored ({self.ignored_params:,} params, whole on every rank, trainable ones' gradients all-reduced): "
+            f"{', '.join(self.ignored) or '-'}"
         )
         reentrant = "reentrant" if self.use_reentrant else "non-reentrant"
         lines.append(f"  recomputed ({reentrant}): {', '.join(self.recompute) or '-'}")
