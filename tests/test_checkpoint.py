@@ -299,3 +299,20 @@ def test_convert_cli_reports_bad_input_clearly(tmp_path, capsys):
     assert "no config.json" in capsys.readouterr().err
     assert convert_cmd.main(["dcp-to-torch", str(tmp_path / "c.ckpt"), str(tmp_path / "c.pt")]) == 0
     assert Path(tmp_path / "c.pt").is_file()
+
+
+def test_hf_to_dcp_renames_keys_as_transformers_does_on_load(tmp_path):
+    # LLaVA checkpoints keep `language_model.model.*`-style keys that Transformers renames when loading; the DCP
+    # checkpoint must use the module's keys so that a strict resume accepts it.
+    from tests.hf_scenarios import save_tiny_checkpoints, tiny_hf_model
+
+    path = save_tiny_checkpoints(tmp_path / "hf", ["llava"])["llava"]
+    convert.hf_to_dcp(path, tmp_path / "llava.ckpt")
+    wrapper = nn.Module()
+    wrapper.model = tiny_hf_model("llava", seed=1)
+    store.load(tmp_path / "llava.ckpt", wrapper, [], strict=True, rank=0, world_size=1, fitting=False)
+    import transformers
+
+    reference = transformers.LlavaForConditionalGeneration.from_pretrained(str(path), dtype=torch.float32)
+    for key, value in reference.state_dict().items():
+        assert torch.equal(wrapper.model.state_dict()[key], value), key

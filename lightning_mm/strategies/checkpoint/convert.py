@@ -238,10 +238,34 @@ class _StreamingSavePlanner(DefaultSavePlanner):
         return self._read(write_item.index.fqn)
 
 
+def _checkpoint_renamer(config: dict[str, Any]) -> Any:
+    """Transformers' load-time key renaming for the model the config describes (``None`` if ModelHub has none).
+
+    Some families (LLaVA, InternVL, Qwen2.5-VL) store keys in an older layout that Transformers renames on load;
+    the renamed keys are the module's, and so the ones a resume checks against.
+    """
+    from lightning_mm.modules.hub import ModelHub, ModelHubError
+
+    try:
+        _, model_cls = ModelHub.resolve(None, config)
+    except ModelHubError:
+        return None
+    from transformers import AutoConfig
+
+    from lightning_mm.modules.hf_checkpoint import checkpoint_key_renamer
+
+    fields = {k: v for k, v in config.items() if k != "model_type"}
+    hf_config = AutoConfig.for_model(config["model_type"], **fields)
+    with torch.device("meta"):
+        model = model_cls(hf_config)
+    return checkpoint_key_renamer(model)
+
+
 def hf_to_dcp(hf_dir: str | Path, dst: str | Path, prefix: str = "model.") -> Path:
     """A Hugging Face model directory as a weights checkpoint that ``MMFSDP2Strategy`` loads.
 
-    Keys become ``<prefix><hf key>`` (``model.`` is where an MMLightningModule keeps the model). ``fit`` starts from
+    Keys become ``<prefix><module key>`` (``model.`` is where an MMLightningModule keeps the model), with the
+    renaming Transformers applies on load for the families ModelHub knows. ``fit`` starts from
     it with a fresh optimiser and loop; validate/test/predict use it directly; any world size loads it.
     """
     import lightning
@@ -253,7 +277,14 @@ def hf_to_dcp(hf_dir: str | Path, dst: str | Path, prefix: str = "model.") -> Pa
         raise FileNotFoundError(f"{hf_dir}: no config.json (is this a Hugging Face model directory?)")
     config = json.loads(config_file.read_text())
     hf = _HFTensors(hf_dir)
-    keys = {model_key(prefix + name): name for name in hf.shapes}
+    rename = _checkpoint_renamer(config) if config.get("model_type") else None
+    keys = {}
+    for name in hf.shapes:
+        target, converter = rename(name) if rename is not None else (name, None)
+        if converter is not None:
+            raise ValueError(f"{hf_dir}: weight {name} needs a tensor conversion ({converter}) on load, which "
+                             "hf-to-dcp does not do; load this model with TransformersModel(init_from_hf_path=...)")
+        keys[model_key(prefix + target)] = name
     planned = {k: torch.empty(hf.shapes[n], dtype=hf.dtypes[n], device="meta") for k, n in keys.items()}
     architectures = config.get("architectures") or []
     meta = {
