@@ -30,6 +30,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from lightning_mm import MMFSDP2Strategy, MMLightningModule  # noqa: E402
+from lightning_mm.datamodules.resumable import ResumableDataLoader  # noqa: E402
 from lightning_mm.modules import FSDP2Mixin, MultiModalModule, WeightInitMixin  # noqa: E402
 
 FSDP = {"sharding_size": "auto", "sub_modules_to_wrap": ["layers.{*}", "head"]}
@@ -81,34 +82,9 @@ class Regression(Dataset):
         return {"x": self.x[i], "y": self.y[i]}
 
 
-class ResumableLoader(DataLoader):
-    """A DataLoader with Lightning's stateful-loader interface: it remembers how far into the epoch it is."""
-
-    def __init__(self, *args: Any, **kwargs: Any) -> None:
-        super().__init__(*args, **kwargs)
-        self._yielded = 0
-        self._skip = 0
-
-    def __iter__(self) -> Any:
-        skip, self._skip = self._skip, 0
-        iterator = super().__iter__()
-        for _ in range(skip):
-            next(iterator)
-        self._yielded = skip
-        for batch in iterator:
-            self._yielded += 1
-            yield batch
-
-    def state_dict(self) -> dict[str, int]:
-        return {"yielded": self._yielded}
-
-    def load_state_dict(self, state: dict[str, int]) -> None:
-        self._skip = state["yielded"] if state["yielded"] < len(self) else 0  # an exhausted epoch starts anew
-
-
 class Data(L.LightningDataModule):
     def train_dataloader(self) -> DataLoader:
-        return ResumableLoader(Regression(), batch_size=4, shuffle=True)
+        return ResumableDataLoader(Regression(), batch_size=4, shuffle=True)  # MMDataModule's stateful loader
 
 
 # ------------------------------------------------------------------------------------- helpers
