@@ -32,6 +32,7 @@ __all__ = [
     "ExecutionOrderPrefetch",
     "materialize_and_init",
     "all_reduce_gradients",
+    "prefer_foreach",
     "MaterializationError",
 ]
 
@@ -152,18 +153,28 @@ class ExecutionOrderPrefetch:
     Each unit records itself when its forward starts during the first forward pass through ``root``; when that
     pass ends, unit *i* prefetches the next ``forward`` units in forward and the previous ``backward`` units in
     backward. (Registration order, which the replaced system uses, is often not execution order.)
+
+    With ``keep_unsharded_for_backward`` (the default) the root and the last unit to run forward keep their
+    parameters unsharded from their forward to their backward: backward needs them first, so resharding them
+    would only all-gather the same parameters again at once (two all-gathers per step saved; see
+    benchmarks/README.md). Every other unit follows ``reshard_after_forward``.
     """
 
     def __init__(self, root: nn.Module, units: Iterable[FSDPModule], forward: int, backward: int,
-                 names: dict[int, str] | None = None) -> None:
+                 names: dict[int, str] | None = None, keep_unsharded_for_backward: bool = True) -> None:
         self.forward = forward
         self.backward = backward
         self.names = names or {}
+        self.keep_unsharded_for_backward = keep_unsharded_for_backward
+        self.kept_unsharded: list[nn.Module] = []
         self.order: list[FSDPModule] = []
         self._seen: set[int] = set()
         self._handles = [u.register_forward_pre_hook(self._record) for u in units if u is not root]
         self._handles.append(root.register_forward_hook(self._finish))
         self.root = root
+        if keep_unsharded_for_backward and isinstance(root, FSDPModule):
+            root.set_reshard_after_forward(False, recurse=False)
+            self.kept_unsharded.append(root)
 
     def _record(self, module: nn.Module, *_: Any) -> None:
         state = id(module._get_fsdp_state())  # type: ignore[operator]
@@ -183,8 +194,16 @@ class ExecutionOrderPrefetch:
         for i, unit in enumerate(reverse):
             if self.backward:  # 0 keeps FSDP2's implicit prefetch of the previous unit
                 unit.set_modules_to_backward_prefetch(reverse[i + 1 : i + 1 + self.backward])
+        if self.keep_unsharded_for_backward:
+            last = next((u for u in reversed(self.order) if _manages_parameters(u)), None)
+            if last is not None:
+                last.set_reshard_after_forward(False, recurse=False)
+                self.kept_unsharded.append(last)
         if self.order:
             log.info("FSDP2 prefetch order (forward): %s", " -> ".join(self.name(u) for u in self.order))
+        if self.kept_unsharded:
+            log.info("FSDP2 units kept unsharded from forward to backward (needed first in backward): %s",
+                     ", ".join("<root>" if u is self.root else self.name(u) for u in self.kept_unsharded))
 
     @property
     def done(self) -> bool:
@@ -192,6 +211,11 @@ class ExecutionOrderPrefetch:
 
     def name(self, unit: nn.Module) -> str:
         return self.names.get(id(unit), type(unit).__name__)
+
+
+def _manages_parameters(unit: FSDPModule) -> bool:
+    """Whether ``fully_shard`` gave this unit parameters of its own (a unit may have none, e.g. a RoPE table)."""
+    return bool(getattr(unit._get_fsdp_state(), "_fsdp_param_groups", True))
 
 
 # --------------------------------------------------------------------------------------- materialisation
@@ -282,6 +306,30 @@ def materialize_and_init(
     for module in ignored_modules:
         module.to(compute_device)
     return meta
+
+
+# ------------------------------------------------------------------------------------------ optimiser
+def prefer_foreach(optimizers: Iterable[torch.optim.Optimizer]) -> int:
+    """Use the multi-tensor (``foreach``) step for parameter groups that leave ``foreach`` unset and hold only
+    DTensors on the CPU; return how many groups changed.
+
+    torch picks the per-parameter loop on the CPU, which costs nothing extra for plain tensors, but over DTensors
+    (sharded parameters, also CPU-offloaded ones) every elementwise operation of every parameter goes through
+    DTensor's dispatch, once per parameter instead of once per group (before/after in benchmarks/README.md). The
+    foreach step computes the same values (bit-identical for torch's optimisers; tests/test_tuning.py).
+    A group that sets ``foreach`` or ``fused`` either way, or ``differentiable``, is left as it is.
+    """
+    changed = 0
+    for optimizer in optimizers:
+        for group in optimizer.param_groups:
+            unset = "foreach" in group and group["foreach"] is None
+            if not unset or group.get("fused") or group.get("differentiable"):
+                continue
+            params = group["params"]
+            if params and all(isinstance(p, DTensor) and p.device.type == "cpu" for p in params):
+                group["foreach"] = True
+                changed += 1
+    return changed
 
 
 # ------------------------------------------------------------------------------------- gradient sync

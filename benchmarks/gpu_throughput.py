@@ -1,0 +1,396 @@
+"""Benchmark 5 (GPU): tokens/s and MFU of MMFSDP2Strategy vs a plain FSDP2 training loop (torchtitan's way).
+
+On a machine with CUDA GPUs, from the repository root, one command:
+
+    python benchmarks/gpu_throughput.py                       # every visible GPU -> results/gpu_throughput.json/.png
+    python benchmarks/gpu_throughput.py --nproc 8 --batch 4 --seq 2048 --rounds 3
+
+A ~1.1 B-parameter Llama-style decoder (RMSNorm, rotary embedding, grouped-query attention, SwiGLU; hidden 2048,
+22 layers, 32 heads / 4 KV heads, MLP 5632, vocab 32000: the TinyLlama shape), bf16 parameters for compute and
+fp32 gradient reduction, every block an FSDP unit, AdamW (fused), random tokens. Both contenders run inside the
+same torchrun processes, alternating in rounds, with the same model, initialisation, data and optimiser:
+
+* ``plain``: ``fully_shard`` on each block (the last one not resharded after forward) and on the model, meta-device
+  init, and a hand-written loop: forward, cross-entropy, backward, optimizer step, zero_grad.
+* ``mm_fsdp2``: a LightningModule whose ``configure_model`` builds the same model, trained by ``Trainer`` with
+  ``MMFSDP2Strategy`` and the YAML ``{sharding_size: auto, sub_modules_to_wrap: [model.layers.{*}],
+  param_dtype: bf16, reduce_dtype: fp32}``.
+
+Throughput is measured over the timed steps between two ``torch.cuda.synchronize()`` calls. MFU uses
+6 x (non-embedding parameters) + 12 x layers x hidden x sequence FLOPs per token and the GPU's dense bf16 peak
+(``--peak-tflops``, or looked up from the device name for H100/H200/A100). Target: mm_fsdp2 >= 0.98 x plain.
+
+``--device cpu --tiny`` runs the same code on 2 CPU processes with a tiny model (a check of the script only; its
+numbers mean nothing).
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import math
+import os
+import sys
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+import common  # noqa: E402
+
+PEAK_BF16_TFLOPS = {"H200": 989.0, "H100": 989.0, "A100": 312.0, "L40S": 362.0, "A10G": 125.0}
+
+
+# -------------------------------------------------------------------------------------------------- model
+@dataclass
+class LlamaConfig:
+    vocab_size: int = 32000
+    hidden_size: int = 2048
+    intermediate_size: int = 5632
+    num_layers: int = 22
+    num_heads: int = 32
+    num_kv_heads: int = 4
+    rope_theta: float = 10000.0
+    norm_eps: float = 1e-5
+
+    def num_params(self, embedding: bool = True) -> int:
+        h, kv = self.hidden_size, self.hidden_size // self.num_heads * self.num_kv_heads
+        block = 2 * h + h * h + 2 * h * kv + h * h + 3 * h * self.intermediate_size
+        emb = 2 * self.vocab_size * h if embedding else 0
+        return self.num_layers * block + h + emb
+
+
+TINY = LlamaConfig(vocab_size=512, hidden_size=64, intermediate_size=160, num_layers=2, num_heads=4, num_kv_heads=2)
+
+
+def _build_model(cfg: LlamaConfig) -> Any:
+    import torch
+    import torch.nn.functional as F
+    from torch import nn
+
+    class RMSNorm(nn.Module):
+        def __init__(self, dim: int, eps: float) -> None:
+            super().__init__()
+            self.eps = eps
+            self.weight = nn.Parameter(torch.ones(dim))
+
+        def reset_parameters(self) -> None:
+            nn.init.ones_(self.weight)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            normed = x.float() * torch.rsqrt(x.float().pow(2).mean(-1, keepdim=True) + self.eps)
+            return normed.type_as(x) * self.weight
+
+    def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        x1, x2 = x.chunk(2, dim=-1)
+        return (x * cos + torch.cat([-x2, x1], dim=-1) * sin).type_as(x)
+
+    class LlamaBlock(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            h, hd = cfg.hidden_size, cfg.hidden_size // cfg.num_heads
+            self.hd = hd
+            self.attn_norm = RMSNorm(h, cfg.norm_eps)
+            self.wq = nn.Linear(h, cfg.num_heads * hd, bias=False)
+            self.wk = nn.Linear(h, cfg.num_kv_heads * hd, bias=False)
+            self.wv = nn.Linear(h, cfg.num_kv_heads * hd, bias=False)
+            self.wo = nn.Linear(cfg.num_heads * hd, h, bias=False)
+            self.mlp_norm = RMSNorm(h, cfg.norm_eps)
+            self.w1 = nn.Linear(h, cfg.intermediate_size, bias=False)
+            self.w3 = nn.Linear(h, cfg.intermediate_size, bias=False)
+            self.w2 = nn.Linear(cfg.intermediate_size, h, bias=False)
+
+        def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+            b, s, _ = x.shape
+            y = self.attn_norm(x)
+            q = self.wq(y).view(b, s, cfg.num_heads, self.hd).transpose(1, 2)
+            k = self.wk(y).view(b, s, cfg.num_kv_heads, self.hd).transpose(1, 2)
+            v = self.wv(y).view(b, s, cfg.num_kv_heads, self.hd).transpose(1, 2)
+            q, k = rotate(q, cos, sin), rotate(k, cos, sin)
+            attn = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
+            x = x + self.wo(attn.transpose(1, 2).reshape(b, s, -1))
+            y = self.mlp_norm(x)
+            return x + self.w2(F.silu(self.w1(y)) * self.w3(y))
+
+    class LlamaLM(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.embed = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+            self.layers = nn.ModuleList(LlamaBlock() for _ in range(cfg.num_layers))
+            self.norm = RMSNorm(cfg.hidden_size, cfg.norm_eps)
+            self.head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+
+        def init_weights(self) -> None:
+            """Normal(0, 0.02) for linear and embedding weights, ones for the norms (works on DTensor shards)."""
+            with torch.no_grad():
+                for m in self.modules():
+                    if isinstance(m, (nn.Linear, nn.Embedding)):
+                        nn.init.normal_(m.weight, std=0.02)
+                    elif isinstance(m, RMSNorm):
+                        nn.init.ones_(m.weight)
+
+        def forward(self, ids: torch.Tensor) -> torch.Tensor:
+            s = ids.shape[1]
+            hd = cfg.hidden_size // cfg.num_heads
+            inv = 1.0 / (cfg.rope_theta ** (torch.arange(0, hd, 2, device=ids.device, dtype=torch.float32) / hd))
+            freqs = torch.outer(torch.arange(s, device=ids.device, dtype=torch.float32), inv)
+            emb = torch.cat([freqs, freqs], dim=-1)
+            x = self.embed(ids)
+            cos, sin = emb.cos().to(x.dtype), emb.sin().to(x.dtype)
+            for layer in self.layers:
+                x = layer(x, cos, sin)
+            return self.head(self.norm(x))
+
+    return LlamaLM()
+
+
+def _loss(model: Any, ids: Any) -> Any:
+    import torch.nn.functional as F
+
+    logits = model(ids[:, :-1])
+    return F.cross_entropy(logits.flatten(0, 1).float(), ids[:, 1:].flatten())
+
+
+# ------------------------------------------------------------------------------------------ contenders
+def _batches(cfg: LlamaConfig, n: int, batch: int, seq: int, seed: int) -> Any:
+    import torch
+
+    g = torch.Generator().manual_seed(seed)
+    return torch.randint(0, cfg.vocab_size, (n, batch, seq + 1), generator=g)
+
+
+def run_plain(cfg: LlamaConfig, args: argparse.Namespace, device: Any, data: Any) -> dict[str, Any]:
+    """A torchtitan-style FSDP2 loop: shard each block (not the last after forward), then the root; init on meta."""
+    import torch
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+    torch.manual_seed(0)
+    mesh = init_device_mesh(device.type, (int(os.environ["WORLD_SIZE"]),))
+    with torch.device("meta"):
+        model = _build_model(cfg)
+    mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+    for i, layer in enumerate(model.layers):
+        fully_shard(layer, mesh=mesh, mp_policy=mp, reshard_after_forward=i < len(model.layers) - 1)
+    fully_shard(model, mesh=mesh, mp_policy=mp)
+    model.to_empty(device=device)
+    model.init_weights()
+    optimizer = torch.optim.AdamW(model.parameters(), lr=3e-4, fused=device.type == "cuda")
+    times = []
+    for step, batch in enumerate(data):
+        if step == args.warmup:
+            _sync(device)
+            start = time.perf_counter()
+        ids = batch.to(device, non_blocking=True)
+        loss = _loss(model, ids)
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+    _sync(device)
+    times.append(time.perf_counter() - start)
+    out = {"elapsed_s": times[0], "final_loss": float(loss), "peak_mem": _peak_mem(device)}
+    del model, optimizer
+    return out
+
+
+def run_mm(cfg: LlamaConfig, args: argparse.Namespace, device: Any, data: Any) -> dict[str, Any]:
+    """The same model, data and optimiser through Trainer + MMFSDP2Strategy."""
+    import lightning as L
+    import torch
+
+    from lightning_mm import MMFSDP2Strategy
+
+    class LlamaTask(L.LightningModule):
+        def __init__(self) -> None:
+            super().__init__()
+            self.model: Any = None
+
+        def configure_model(self) -> None:
+            if self.model is None:
+                self.model = _build_model(cfg)
+
+        def init_weights(self) -> None:
+            self.model.init_weights()
+
+        def training_step(self, batch: Any, idx: int) -> Any:
+            return _loss(self.model, batch)
+
+        def configure_optimizers(self) -> Any:
+            return torch.optim.AdamW(self.parameters(), lr=3e-4, fused=device.type == "cuda")
+
+    timing: dict[str, float] = {}
+
+    class Timer(L.Callback):
+        def on_train_batch_start(self, trainer: Any, pl_module: Any, batch: Any, idx: int) -> None:
+            if idx == args.warmup:
+                _sync(device)
+                timing["start"] = time.perf_counter()
+
+        def on_train_batch_end(self, trainer: Any, pl_module: Any, outputs: Any, batch: Any, idx: int) -> None:
+            if idx == len(data) - 1:
+                _sync(device)
+                timing["end"] = time.perf_counter()
+                timing["loss"] = float(outputs["loss"] if isinstance(outputs, dict) else outputs)
+
+    torch.manual_seed(0)
+    config = {"sharding_size": "auto", "sub_modules_to_wrap": ["model.layers.{*}"], "param_dtype": "bf16",
+              "reduce_dtype": "fp32"}
+    trainer = L.Trainer(accelerator=device.type, devices=int(os.environ["LOCAL_WORLD_SIZE"]),
+                        strategy=MMFSDP2Strategy(config), max_steps=len(data), logger=False,
+                        enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+                        use_distributed_sampler=False, callbacks=[Timer()])  # data is already per rank
+    loader = torch.utils.data.DataLoader(list(data), batch_size=None, shuffle=False, pin_memory=device.type == "cuda")
+    trainer.fit(LlamaTask(), train_dataloaders=loader)
+    out = {"elapsed_s": timing["end"] - timing["start"], "final_loss": timing["loss"], "peak_mem": _peak_mem(device)}
+    del trainer
+    return out
+
+
+def _sync(device: Any) -> None:
+    import torch
+
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def _peak_mem(device: Any) -> int | None:
+    import torch
+
+    if device.type != "cuda":
+        return None
+    peak = torch.cuda.max_memory_allocated(device)
+    torch.cuda.reset_peak_memory_stats(device)
+    return int(peak)
+
+
+# ------------------------------------------------------------------------------------------------ worker
+def worker(args: argparse.Namespace) -> None:
+    import torch
+    import torch.distributed as dist
+
+    local_rank = int(os.environ["LOCAL_RANK"])
+    if args.device == "cuda":
+        torch.cuda.set_device(local_rank)
+        device = torch.device("cuda", local_rank)
+    else:
+        common.pin_threads()
+        device = torch.device("cpu")
+    dist.init_process_group("nccl" if device.type == "cuda" else "gloo",
+                            device_id=device if device.type == "cuda" else None)
+    cfg = TINY if args.tiny else LlamaConfig()
+    world = dist.get_world_size()
+    # Each rank its own slice of the same global stream of batches.
+    data = _batches(cfg, args.warmup + args.steps, args.batch, args.seq, seed=1000 + dist.get_rank())
+    records: dict[str, list[dict[str, Any]]] = {"plain": [], "mm_fsdp2": []}
+    for rnd in range(args.rounds):
+        order = ["plain", "mm_fsdp2"] if rnd % 2 == 0 else ["mm_fsdp2", "plain"]
+        for name in order:
+            result = (run_plain if name == "plain" else run_mm)(cfg, args, device, data)
+            result["round"] = rnd
+            records[name].append(result)
+            gc.collect()
+            if device.type == "cuda":
+                torch.cuda.empty_cache()
+            dist.barrier()
+    info = {"world": world, "device_name": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
+            "config": asdict(cfg), "records": records}
+    common.write_rank_json(Path(args.out), "gpu_throughput", info)
+
+
+def summarize(ranks: list[dict[str, Any]], args: argparse.Namespace) -> dict[str, Any]:
+    info = ranks[0]
+    cfg = LlamaConfig(**info["config"])
+    world = info["world"]
+    tokens = args.steps * args.batch * args.seq * world  # global tokens in the timed steps
+    flops_per_token = 6 * cfg.num_params(embedding=False) + 12 * cfg.num_layers * cfg.hidden_size * args.seq
+    peak = args.peak_tflops or next((v for k, v in PEAK_BF16_TFLOPS.items() if k in info["device_name"]), None)
+    out: dict[str, Any] = {"device_name": info["device_name"], "world": world, "params": cfg.num_params(),
+                           "flops_per_token": flops_per_token, "peak_tflops_per_gpu": peak, "contenders": {}}
+    per_round: dict[str, list[float]] = {}
+    for name in ("plain", "mm_fsdp2"):
+        elapsed = [max(r["records"][name][i]["elapsed_s"] for r in ranks) for i in range(args.rounds)]
+        tps = [tokens / e for e in elapsed]
+        per_round[name] = tps
+        med = common.median(tps)
+        out["contenders"][name] = {
+            "tokens_per_s": med, "tokens_per_s_per_gpu": med / world, "per_round_tokens_per_s": tps,
+            "mfu": (med / world * flops_per_token / (peak * 1e12)) if peak else None,
+            "peak_mem_gib": [r["records"][name][-1]["peak_mem"] / 2**30 if r["records"][name][-1]["peak_mem"]
+                             else None for r in ranks],
+            "final_loss": ranks[0]["records"][name][-1]["final_loss"],
+        }
+    ratios = [a / b for a, b in zip(per_round["mm_fsdp2"], per_round["plain"])]
+    out["ratio_mm_to_plain"] = {"median": common.median(ratios), "per_round": ratios}
+    out["meets_target"] = out["ratio_mm_to_plain"]["median"] >= 0.98
+    return out
+
+
+def plot(summary: dict[str, Any], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(6, 4))
+    names = list(summary["contenders"])
+    for i, name in enumerate(names):
+        vals = summary["contenders"][name]["per_round_tokens_per_s"]
+        ax.scatter([i] * len(vals), vals, color="k", s=12, zorder=3)
+        ax.bar(i, summary["contenders"][name]["tokens_per_s"], 0.5)
+    ax.set_xticks(range(len(names)), names)
+    ax.set_ylabel("tokens/s (all GPUs)")
+    r = summary["ratio_mm_to_plain"]["median"]
+    ax.set_title(f"{summary['device_name']} x{summary['world']}: mm_fsdp2/plain = {r:.3f}")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--device", default="cuda", choices=["cuda", "cpu"])
+    parser.add_argument("--nproc", type=int, default=None, help="processes (default: visible GPUs, or 2 on CPU)")
+    parser.add_argument("--batch", type=int, default=4, help="sequences per GPU and step")
+    parser.add_argument("--seq", type=int, default=2048)
+    parser.add_argument("--steps", type=int, default=20, help="timed steps per run")
+    parser.add_argument("--warmup", type=int, default=5)
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--peak-tflops", type=float, default=None, help="dense bf16 peak per GPU, for the MFU")
+    parser.add_argument("--tiny", action="store_true", help="tiny model (a check of the script)")
+    parser.add_argument("--name", default="gpu_throughput")
+    parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
+    parser.add_argument("--out", default="/tmp/lmm_bench/gpu", help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.worker:
+        worker(args)
+        return
+    import torch
+
+    if args.device == "cuda" and not torch.cuda.is_available():
+        raise SystemExit("no CUDA GPU is visible; this benchmark needs one (or use --device cpu --tiny to check it)")
+    nproc = args.nproc or (torch.cuda.device_count() if args.device == "cuda" else 2)
+    passthrough = [f"--{k.replace('_', '-')}={v}" for k, v in vars(args).items()
+                   if k not in ("worker", "nproc", "name", "tiny", "peak_tflops") and v is not None]
+    if args.tiny:
+        passthrough.append("--tiny")
+    out = Path(args.out)
+    machine = common.machine()
+    common.launch_ranks(Path(__file__), ["--worker", *passthrough], nproc=nproc, log=out / "log.txt")
+    summary = summarize(common.read_rank_jsons(out, "gpu_throughput", nproc), args)
+    result = {"benchmark": "gpu_throughput",
+              "command": "python benchmarks/gpu_throughput.py " + " ".join(sys.argv[1:]), "machine": machine,
+              "batch_per_gpu": args.batch, "seq": args.seq, "steps": args.steps, "warmup": args.warmup,
+              "rounds": args.rounds, "summary": summary}
+    path = common.save_result(args.name, result)
+    plot(summary, path.with_suffix(".png"))
+    print(json.dumps(summary, indent=1))
+    print(f"wrote {path}")
+    if not math.isfinite(summary["ratio_mm_to_plain"]["median"]):
+        raise SystemExit(1)
+
+
+if __name__ == "__main__":
+    main()

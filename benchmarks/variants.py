@@ -1,0 +1,69 @@
+"""Variants of ``mm_fsdp2`` for before/after measurements of the strategy's tuned defaults.
+
+A contender named ``mm_fsdp2@VARIANT`` runs MMFSDP2Strategy with one change: either a config override (what a
+user could write in the YAML) or, for ``before_*`` variants, the strategy's behaviour before a tuning change,
+restored for that run only (a patch of the benchmark process, never of the package).
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Generator
+from contextlib import contextmanager
+from typing import Any
+
+from lightning_mm.strategies import apply
+
+VARIANTS: dict[str, str] = {
+    "": "the strategy as it is",
+    "before_keep": "before: the root and the last unit are resharded after forward like every other unit "
+                   "(ExecutionOrderPrefetch(keep_unsharded_for_backward=False))",
+    "before_foreach": "before: the optimiser keeps torch's CPU default, the per-parameter loop over DTensors "
+                      "(apply.prefer_foreach does nothing)",
+    "before_both": "before: both of the above",
+    "fwd0": "num_to_forward_prefetch: 0",
+    "fwd1": "num_to_forward_prefetch: 1",
+    "fwd2": "num_to_forward_prefetch: 2",
+    "bwd2": "num_to_backward_prefetch: 2",
+    "noreshard": "reshard_after_forward: false (ZeRO-2)",
+    "nocast": "cast_forward_inputs: false",
+}
+
+_OVERRIDES: dict[str, dict[str, Any]] = {
+    "fwd0": {"num_to_forward_prefetch": 0},
+    "fwd1": {"num_to_forward_prefetch": 1},
+    "fwd2": {"num_to_forward_prefetch": 2},
+    "bwd2": {"num_to_backward_prefetch": 2},
+    "noreshard": {"reshard_after_forward": False},
+    "nocast": {"cast_forward_inputs": False},
+}
+
+
+def split(spec: str) -> tuple[str, str]:
+    """``"mm_fsdp2@fwd1"`` -> ``("mm_fsdp2", "fwd1")``; unknown variants are an error."""
+    name, _, variant = spec.partition("@")
+    if variant not in VARIANTS:
+        raise ValueError(f"unknown variant {variant!r} in {spec!r}; known: {', '.join(v for v in VARIANTS if v)}")
+    if variant and name != "mm_fsdp2":
+        raise ValueError(f"variants apply to mm_fsdp2 only, got {spec!r}")
+    return name, variant
+
+
+def config_overrides(variant: str) -> dict[str, Any]:
+    return dict(_OVERRIDES.get(variant, {}))
+
+
+@contextmanager
+def behaviour(variant: str) -> Generator[None, None, None]:
+    """Restore a pre-tuning behaviour of the strategy for the duration of one run."""
+    keep = variant in ("before_keep", "before_both")
+    foreach = variant in ("before_foreach", "before_both")
+    prefetch, prefer = apply.ExecutionOrderPrefetch, apply.prefer_foreach
+    if keep:
+        apply.ExecutionOrderPrefetch = functools.partial(prefetch, keep_unsharded_for_backward=False)  # type: ignore
+    if foreach:
+        apply.prefer_foreach = lambda optimizers: 0  # type: ignore[assignment]
+    try:
+        yield
+    finally:
+        apply.ExecutionOrderPrefetch, apply.prefer_foreach = prefetch, prefer  # type: ignore[misc]
