@@ -97,8 +97,8 @@ class ShardingPlan:
             f"FSDP2 sharding plan: {kind}, world size {self.world_size}, mesh ({mesh})",
             f"  precision: param {dt(self.precision.param_dtype)}, reduce {dt(self.precision.reduce_dtype)}, "
             f"output {dt(self.precision.output_dtype)}, cast_forward_inputs={self.precision.cast_forward_inputs}",
-            f"  reshard_after_forward={self.reshard_after_forward}, offload_to_cpu={self.offload_to_cpu}"
-            f"{', pin_memory' if self.pin_memory else ''}",
+            f"  reshard_after_forward={self.reshard_after_forward}{_KEPT if self.reshard_after_forward else ''}"
+            f", offload_to_cpu={self.offload_to_cpu}{', pin_memory' if self.pin_memory else ''}",
             f"  units ({len(self.units)} + root, in wrapping order):",
         ]
         lines += [f"    {u.name:<60} {u.num_params:>14,} params" for u in self.units]
@@ -119,6 +119,10 @@ class ShardingPlan:
             lines.append("  note: sharding_size 1 (the seed's default): parameters are replicated, not sharded; "
                          "set `sharding_size: auto` to shard over all ranks")
         return "\n".join(lines)
+
+
+# apply.ExecutionOrderPrefetch keeps these two unsharded between their forward and their backward.
+_KEPT = " (except the root and the last unit to run: backward needs them first)"
 
 
 def _is_under(path: str, ancestor: str) -> bool:
