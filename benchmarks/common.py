@@ -119,17 +119,79 @@ class CaptionData(torch.utils.data.Dataset):
 
 
 # ------------------------------------------------------------------------------------------------ timing
-class StepTimer(L.Callback):
-    """Wall time between the starts of consecutive training batches: everything a step costs, loop included."""
+class CommCounter:
+    """Counts the collectives issued through ``torch.distributed``'s Python functions, and their bytes.
+
+    FSDP2 (``all_gather_single``, ``reduce_scatter_single``), FSDP1 on CPU (``all_gather``,
+    ``reduce_scatter_single``) and Lightning (``broadcast``) go through these; DDP's bucketed all-reduces are
+    issued from C++ and are not seen. Installed for the benchmark process only.
+    """
+
+    # function name -> the argument whose size is the traffic (the gathered output, the scattered input)
+    FUNCTIONS = {"all_gather_single": "output_tensor", "reduce_scatter_single": "input",
+                 "all_gather_into_tensor": "output_tensor", "reduce_scatter_tensor": "input",
+                 "all_gather": "tensor_list", "all_reduce": "tensor", "broadcast": "tensor"}
 
     def __init__(self) -> None:
+        self.calls: dict[str, int] = {}
+        self.bytes: dict[str, int] = {}
+        self._saved: dict[str, Any] = {}
+
+    def __enter__(self) -> CommCounter:
+        import torch.distributed as dist
+
+        for name, arg in self.FUNCTIONS.items():
+            original = getattr(dist, name, None)
+            if original is None:
+                continue
+            self._saved[name] = original
+            setattr(dist, name, self._wrap(name, arg, original))
+        return self
+
+    def _wrap(self, name: str, arg: str, original: Any) -> Any:
+        import inspect
+
+        signature = inspect.signature(original)
+
+        def counted(*args: Any, **kwargs: Any) -> Any:
+            value = signature.bind_partial(*args, **kwargs).arguments.get(arg)
+            tensors = value if isinstance(value, (list, tuple)) else [value]
+            self.calls[name] = self.calls.get(name, 0) + 1
+            self.bytes[name] = self.bytes.get(name, 0) + sum(
+                t.numel() * t.element_size() for t in tensors if isinstance(t, torch.Tensor))
+            return original(*args, **kwargs)
+
+        return counted
+
+    def __exit__(self, *exc: Any) -> None:
+        import torch.distributed as dist
+
+        for name, original in self._saved.items():
+            setattr(dist, name, original)
+        self._saved = {}
+
+    def snapshot(self) -> dict[str, int]:
+        return {**{f"{k}_calls": v for k, v in self.calls.items()}, **{f"{k}_bytes": v for k, v in self.bytes.items()}}
+
+
+class StepTimer(L.Callback):
+    """Wall time between the starts of consecutive training batches: everything a step costs, loop included.
+
+    With a :class:`CommCounter`, the collectives of each step are counted too.
+    """
+
+    def __init__(self, comm: CommCounter | None = None) -> None:
         self.starts: list[float] = []
         self.cpu_starts: list[float] = []
+        self.comm_starts: list[dict[str, int]] = []
         self.losses: list[float] = []
+        self.comm = comm
 
     def on_train_batch_start(self, trainer: L.Trainer, pl_module: Any, batch: Any, idx: int) -> None:
         self.starts.append(time.perf_counter())
         self.cpu_starts.append(time.process_time())
+        if self.comm is not None:
+            self.comm_starts.append(self.comm.snapshot())
 
     def on_train_batch_end(self, trainer: L.Trainer, pl_module: Any, outputs: Any, batch: Any, idx: int) -> None:
         loss = outputs["loss"] if isinstance(outputs, dict) else outputs
@@ -139,6 +201,14 @@ class StepTimer(L.Callback):
         """Wall seconds per step after the first ``warmup`` steps."""
         gaps = [b - a for a, b in zip(self.starts, self.starts[1:])]
         return gaps[warmup:]
+
+    def comm_per_step(self, warmup: int) -> dict[str, float]:
+        """Collective calls and bytes per step over the timed steps."""
+        if len(self.comm_starts) < warmup + 2:
+            return {}
+        first, last = self.comm_starts[warmup], self.comm_starts[-1]
+        steps = len(self.comm_starts) - 1 - warmup
+        return {k: (v - first.get(k, 0)) / steps for k, v in last.items()}
 
     def cpu_times(self, warmup: int) -> list[float]:
         """CPU seconds of this process (all its threads) per step after the first ``warmup`` steps: less

@@ -47,15 +47,15 @@ def worker(args: argparse.Namespace) -> None:
                 overrides = variants.config_overrides(variant)
                 base = lm_fsdp2_config() if model == "lm" else seed_fsdp2_config()
                 L.seed_everything(0, verbose=False)
-                timer = StepTimer()
-                with variants.behaviour(variant):
+                timer = StepTimer(common.CommCounter())
+                with variants.behaviour(variant), timer.comm:
                     setup = build(model, name, sizes, total, mm_config={**base, **overrides} if overrides else None)
                     trainer = L.Trainer(strategy=setup.strategy, precision=setup.precision, max_steps=total,
                                         callbacks=[timer], **common.quiet_trainer_kwargs())
                     trainer.fit(setup.module, train_dataloaders=setup.loader)
                 records.setdefault(f"{model}/{spec}", []).append(
                     {"round": rnd, "times": timer.step_times(args.warmup), "cpu": timer.cpu_times(args.warmup),
-                     "losses": timer.losses})
+                     "comm": timer.comm_per_step(args.warmup), "losses": timer.losses})
                 del trainer, setup
                 gc.collect()
                 if dist.is_initialized():
@@ -70,6 +70,7 @@ def summarize(ranks: list[dict[str, Any]], models: list[str], contenders: list[s
         per_round: dict[str, dict[int, float]] = {}
         cpu_round: dict[str, dict[int, float]] = {}
         losses: dict[str, list[float]] = {}
+        comm: dict[str, dict[str, float]] = {}
         for name in contenders:
             runs = zip(*(r[f"{model}/{name}"] for r in ranks))
             for per_rank in runs:
@@ -78,6 +79,7 @@ def summarize(ranks: list[dict[str, Any]], models: list[str], contenders: list[s
                 per_round.setdefault(name, {})[rnd] = median(steps)
                 cpu_round.setdefault(name, {})[rnd] = max(median(p["cpu"]) for p in per_rank)
                 losses[name] = per_rank[0]["losses"]
+                comm[name] = per_rank[0]["comm"]
         rounds = sorted(next(iter(per_round.values())))
         out[model] = {
             "median_step_ms": {n: 1e3 * median(list(v.values())) for n, v in per_round.items()},
@@ -86,6 +88,7 @@ def summarize(ranks: list[dict[str, Any]], models: list[str], contenders: list[s
             "median_cpu_ms": {n: 1e3 * median(list(v.values())) for n, v in cpu_round.items()},
             "cpu_ratios": pair_ratios(cpu_round, rounds),
             "final_loss": {n: v[-1] for n, v in losses.items()},
+            "collectives_per_step_rank0": comm,
         }
     return out
 

@@ -18,9 +18,6 @@ VARIANTS: dict[str, str] = {
     "": "the strategy as it is",
     "before_keep": "before: the root and the last unit are resharded after forward like every other unit "
                    "(ExecutionOrderPrefetch(keep_unsharded_for_backward=False))",
-    "before_foreach": "before: the optimiser keeps torch's CPU default, the per-parameter loop over DTensors "
-                      "(apply.prefer_foreach does nothing)",
-    "before_both": "before: both of the above",
     "fwd0": "num_to_forward_prefetch: 0",
     "fwd1": "num_to_forward_prefetch: 1",
     "fwd2": "num_to_forward_prefetch: 2",
@@ -56,14 +53,12 @@ def config_overrides(variant: str) -> dict[str, Any]:
 @contextmanager
 def behaviour(variant: str) -> Generator[None, None, None]:
     """Restore a pre-tuning behaviour of the strategy for the duration of one run."""
-    keep = variant in ("before_keep", "before_both")
-    foreach = variant in ("before_foreach", "before_both")
-    prefetch, prefer = apply.ExecutionOrderPrefetch, apply.prefer_foreach
-    if keep:
-        apply.ExecutionOrderPrefetch = functools.partial(prefetch, keep_unsharded_for_backward=False)  # type: ignore
-    if foreach:
-        apply.prefer_foreach = lambda optimizers: 0  # type: ignore[assignment]
+    if variant != "before_keep":
+        yield
+        return
+    original = apply.ExecutionOrderPrefetch
+    apply.ExecutionOrderPrefetch = functools.partial(original, keep_unsharded_for_backward=False)  # type: ignore
     try:
         yield
     finally:
-        apply.ExecutionOrderPrefetch, apply.prefer_foreach = prefetch, prefer  # type: ignore[misc]
+        apply.ExecutionOrderPrefetch = original  # type: ignore[misc]

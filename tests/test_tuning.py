@@ -1,4 +1,4 @@
-"""The strategy's tuned defaults (see benchmarks/README.md): what they change, and that results do not change.
+"""The strategy's tuned default (see benchmarks/README.md): what it changes, and that results do not change.
 
 One 2-rank launch of tests/tuning_scenarios.py; no timing is asserted anywhere.
 """
@@ -10,9 +10,6 @@ import sys
 from pathlib import Path
 
 import pytest
-import torch
-
-from lightning_mm.strategies.apply import prefer_foreach
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -38,24 +35,9 @@ def test_root_and_last_unit_keep_parameters_from_forward_to_backward(ranks):
         assert set(r["before"]["states"].values()) == {"SHARDED"} and r["before"]["kept"] == []
 
 
-def test_optimizer_groups_with_foreach_unset_take_the_foreach_step_and_explicit_choices_stay(ranks):
-    for r in ranks:
-        assert r["tuned"]["foreach"] == [True]
-        assert r["before"]["foreach"] == [None]
-        assert r["explicit"]["foreach"] == [False]
-
-
 def test_tuning_leaves_losses_and_weights_bit_identical(ranks):
     for r in ranks:
         assert len(r["tuned"]["losses"]) == 4
-        assert r["tuned"]["losses"] == r["before"]["losses"] == r["explicit"]["losses"]
-        assert r["tuned"]["weights"] == r["before"]["weights"] == r["explicit"]["weights"]
+        assert r["tuned"]["losses"] == r["before"]["losses"]
+        assert r["tuned"]["weights"] == r["before"]["weights"]
     assert ranks[0]["tuned"]["weights"] == ranks[1]["tuned"]["weights"]
-
-
-def test_prefer_foreach_only_touches_unset_groups_of_cpu_dtensors():
-    plain = torch.nn.Linear(2, 2)
-    unset = torch.optim.AdamW(plain.parameters())
-    assert prefer_foreach([unset]) == 0 and unset.param_groups[0]["foreach"] is None  # plain tensors: torch decides
-    sgd = torch.optim.SGD(plain.parameters(), lr=0.1, foreach=False)
-    assert prefer_foreach([sgd]) == 0 and sgd.param_groups[0]["foreach"] is False

@@ -1,9 +1,8 @@
 """2-rank scenario for the strategy's tuned defaults: ``python tests/tuning_scenarios.py OUTDIR``.
 
-Three runs of the same model, seed and data (Lightning's launcher re-runs this script for rank 1; gloo, real
-collectives): the strategy as it is; the strategy with both tunings undone (every unit resharded after forward,
-the optimiser left on torch's per-parameter loop); and an optimiser that sets ``foreach=False`` itself. Each rank
-writes what it saw to ``OUTDIR/tuning.rank{R}.json``; tests/test_tuning.py asserts on it.
+Two runs of the same model, seed and data (Lightning's launcher re-runs this script for rank 1; gloo, real
+collectives): the strategy as it is, and the strategy with the tuning undone (every unit resharded after
+forward). Each rank writes what it saw to ``OUTDIR/tuning.rank{R}.json``; tests/test_tuning.py asserts on it.
 """
 
 from __future__ import annotations
@@ -30,9 +29,8 @@ from lightning_mm.strategies import apply  # noqa: E402
 class LM(L.LightningModule):
     """Embedding and head at the root, three blocks as units."""
 
-    def __init__(self, foreach: bool | None = None) -> None:
+    def __init__(self) -> None:
         super().__init__()
-        self.foreach = foreach
         self.embed = nn.Embedding(32, 16)
         self.layers = nn.ModuleList(nn.Sequential(nn.Linear(16, 16), nn.Tanh()) for _ in range(3))
         self.head = nn.Linear(16, 32)
@@ -44,7 +42,7 @@ class LM(L.LightningModule):
         return nn.functional.cross_entropy(self.head(x).flatten(0, 1), batch[0].flatten())
 
     def configure_optimizers(self) -> torch.optim.Optimizer:
-        return torch.optim.AdamW(self.parameters(), lr=1e-2, foreach=self.foreach)
+        return torch.optim.AdamW(self.parameters(), lr=1e-2)
 
 
 def _state(module: nn.Module) -> str:
@@ -59,10 +57,6 @@ class Observe(L.Callback):
     def __init__(self) -> None:
         self.states: dict[str, str] = {}
         self.losses: list[float] = []
-        self.foreach: list[Any] = []
-
-    def on_train_start(self, trainer: L.Trainer, pl_module: Any) -> None:
-        self.foreach = [g["foreach"] for g in trainer.optimizers[0].param_groups]
 
     def on_before_backward(self, trainer: L.Trainer, pl_module: Any, loss: torch.Tensor) -> None:
         if trainer.global_step == 2:
@@ -73,29 +67,27 @@ class Observe(L.Callback):
         self.losses.append(float(outputs["loss"]))
 
 
-def run(foreach: bool | None = None, before: bool = False) -> tuple[dict[str, Any], int]:
+def run(before: bool = False) -> tuple[dict[str, Any], int]:
     torch.manual_seed(0)
     data = torch.utils.data.TensorDataset(torch.randint(0, 32, (32, 6), generator=torch.Generator().manual_seed(1)))
     observe = Observe()
-    prefetch, prefer = apply.ExecutionOrderPrefetch, apply.prefer_foreach
+    prefetch = apply.ExecutionOrderPrefetch
     if before:
         apply.ExecutionOrderPrefetch = functools.partial(prefetch, keep_unsharded_for_backward=False)
-        apply.prefer_foreach = lambda optimizers: 0
     try:
-        module = LM(foreach)
+        module = LM()
         trainer = L.Trainer(accelerator="cpu", devices=2, max_steps=4, logger=False, enable_checkpointing=False,
                             enable_progress_bar=False, enable_model_summary=False, callbacks=[observe],
                             strategy=MMFSDP2Strategy({"sharding_size": "auto", "sub_modules_to_wrap": ["layers.{*}"]},
                                                      empty_init=False))
         trainer.fit(module, torch.utils.data.DataLoader(data, batch_size=4))
     finally:
-        apply.ExecutionOrderPrefetch, apply.prefer_foreach = prefetch, prefer
+        apply.ExecutionOrderPrefetch = prefetch
     weights = {n: (p.full_tensor() if isinstance(p, DTensor) else p).detach().flatten().tolist()
                for n, p in module.named_parameters()}
     kept = [("<root>" if u is trainer.strategy._prefetch.root else trainer.strategy._prefetch.name(u))
             for u in trainer.strategy._prefetch.kept_unsharded]
-    return {"states": observe.states, "losses": observe.losses, "foreach": observe.foreach, "weights": weights,
-            "kept": kept}, trainer.global_rank
+    return {"states": observe.states, "losses": observe.losses, "weights": weights, "kept": kept}, trainer.global_rank
 
 
 if __name__ == "__main__":
@@ -104,6 +96,4 @@ if __name__ == "__main__":
     torch.set_num_threads(1)
     tuned, rank = run()
     before, _ = run(before=True)
-    explicit, _ = run(foreach=False)
-    Path(out, f"tuning.rank{rank}.json").write_text(json.dumps({"tuned": tuned, "before": before,
-                                                                "explicit": explicit}))
+    Path(out, f"tuning.rank{rank}.json").write_text(json.dumps({"tuned": tuned, "before": before}))

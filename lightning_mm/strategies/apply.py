@@ -32,7 +32,6 @@ __all__ = [
     "ExecutionOrderPrefetch",
     "materialize_and_init",
     "all_reduce_gradients",
-    "prefer_foreach",
     "MaterializationError",
 ]
 
@@ -306,30 +305,6 @@ def materialize_and_init(
     for module in ignored_modules:
         module.to(compute_device)
     return meta
-
-
-# ------------------------------------------------------------------------------------------ optimiser
-def prefer_foreach(optimizers: Iterable[torch.optim.Optimizer]) -> int:
-    """Use the multi-tensor (``foreach``) step for parameter groups that leave ``foreach`` unset and hold only
-    DTensors on the CPU; return how many groups changed.
-
-    torch picks the per-parameter loop on the CPU, which costs nothing extra for plain tensors, but over DTensors
-    (sharded parameters, also CPU-offloaded ones) every elementwise operation of every parameter goes through
-    DTensor's dispatch, once per parameter instead of once per group (before/after in benchmarks/README.md). The
-    foreach step computes the same values (bit-identical for torch's optimisers; tests/test_tuning.py).
-    A group that sets ``foreach`` or ``fused`` either way, or ``differentiable``, is left as it is.
-    """
-    changed = 0
-    for optimizer in optimizers:
-        for group in optimizer.param_groups:
-            unset = "foreach" in group and group["foreach"] is None
-            if not unset or group.get("fused") or group.get("differentiable"):
-                continue
-            params = group["params"]
-            if params and all(isinstance(p, DTensor) and p.device.type == "cpu" for p in params):
-                group["foreach"] = True
-                changed += 1
-    return changed
 
 
 # ------------------------------------------------------------------------------------- gradient sync

@@ -286,9 +286,6 @@ class MMFSDP2Strategy(ParallelStrategy):
         if trainer.state.fn == TrainerFn.FITTING:
             self._reset_optimizers_and_schedulers()
             self.setup_optimizers(trainer)
-            if apply.prefer_foreach(self.optimizers):  # sharded CPU parameters: see apply.prefer_foreach
-                rank_zero_info("MMFSDP2Strategy: optimizer groups with `foreach` unset use the foreach step "
-                               "(DTensor parameters on the CPU)")
         self.setup_precision_plugin()
 
     def _shard(self, root: pl.LightningModule) -> None:
