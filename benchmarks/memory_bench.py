@@ -33,6 +33,7 @@ import common  # noqa: E402
 CONFIGS: dict[str, tuple[str, dict[str, Any]]] = {
     "zero3": ("mm_fsdp2", {}),
     "zero3_before_keep": ("mm_fsdp2@before_keep", {}),
+    "zero3_fwd_prefetch1": ("mm_fsdp2", {"num_to_forward_prefetch": 1}),
     "zero2": ("mm_fsdp2", {"reshard_after_forward": False}),
     "zero3_recompute": ("mm_fsdp2", {"recompute_modules": ["model.layers.{*}"]}),
     "zero2_recompute": ("mm_fsdp2", {"reshard_after_forward": False, "recompute_modules": ["model.layers.{*}"]}),
@@ -103,7 +104,8 @@ class Measure:
         tracker.__exit__(None, None, None)
         snapshot = tracker.get_tracker_snapshot("peak")
         per_device = [snap for dev, snap in snapshot.items() if str(dev) == "cpu"]
-        peak = {str(k): int(v) for k, v in (per_device[0] if per_device else {}).items()}
+        # Category names without their enum prefix: Total, SHARDED_PARAM, ACT, OPT... (PARAM, GRAD... for DDP).
+        peak = {str(k).rpartition(".")[2]: int(v) for k, v in (per_device[0] if per_device else {}).items()}
         if peak.get("Total", 0) > self.peak.get("Total", 0):  # one tracker per step; the larger peak is kept
             self.peak = peak
 
@@ -194,8 +196,10 @@ def plot(result: dict[str, Any], path: Path) -> None:
     bottom = [0.0] * len(names)
     for cat in categories:
         vals = [peaks[n]["by_category"].get(cat, 0) / 2**20 for n in names]
-        ax2.bar(names, vals, bottom=bottom, label=cat)
-        bottom = [b + v for b, v in zip(bottom, vals)]
+        if any(vals):
+            ax2.bar(names, vals, bottom=bottom, label=cat.lower())
+            bottom = [b + v for b, v in zip(bottom, vals)]
+    ax2.set_ylim(0, max(bottom) * 1.25)
     ax2.set_ylabel("tracked peak, MiB (max over ranks)")
     ax2.set_title("peak of a training step by category")
     ax2.tick_params(axis="x", rotation=30)

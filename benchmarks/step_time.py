@@ -86,6 +86,7 @@ def summarize(ranks: list[dict[str, Any]], models: list[str], contenders: list[s
             "per_round_ms": {n: [1e3 * v[r] for r in rounds] for n, v in per_round.items()},
             "ratios": pair_ratios(per_round, rounds),
             "median_cpu_ms": {n: 1e3 * median(list(v.values())) for n, v in cpu_round.items()},
+            "per_round_cpu_ms": {n: [1e3 * v[r] for r in rounds] for n, v in cpu_round.items()},
             "cpu_ratios": pair_ratios(cpu_round, rounds),
             "final_loss": {n: v[-1] for n, v in losses.items()},
             "collectives_per_step_rank0": comm,
@@ -105,24 +106,29 @@ def pair_ratios(per_round: dict[str, dict[int, float]], rounds: list[int]) -> di
 
 
 def plot(summary: dict[str, Any], path: Path, title: str) -> None:
+    """Per model: the median step of each round (wall time, top; CPU time of the process, bottom)."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
     models = list(summary)
-    fig, axes = plt.subplots(1, len(models), figsize=(5.5 * len(models), 4), squeeze=False)
-    for ax, model in zip(axes[0], models):
-        data = summary[model]["per_round_ms"]
-        names = list(data)
-        ax.boxplot([data[n] for n in names], tick_labels=names)
-        for i, n in enumerate(names, start=1):
-            ax.scatter([i] * len(data[n]), data[n], s=10, color="k", zorder=3)
-        ratio = summary[model]["ratios"].get("mm_fsdp2/hand_fsdp2", {}).get("median")
-        sub = f" (mm/hand {ratio:.3f})" if ratio else ""
-        ax.set_title(f"{model}{sub}")
-        ax.set_ylabel("median step per round (ms)")
-        ax.grid(axis="y", alpha=0.3)
+    fig, axes = plt.subplots(2, len(models), figsize=(5.5 * len(models), 7), squeeze=False)
+    for col, model in enumerate(models):
+        for row, (key, ratios, label) in enumerate([("per_round_ms", "ratios", "wall"),
+                                                    ("per_round_cpu_ms", "cpu_ratios", "CPU")]):
+            ax = axes[row][col]
+            data = summary[model][key]
+            names = list(data)
+            ax.boxplot([data[n] for n in names], tick_labels=[n.replace("@", "\n@") for n in names])
+            for i, n in enumerate(names, start=1):
+                ax.scatter([i] * len(data[n]), data[n], s=10, color="k", zorder=3)
+            pair = next((k for k in summary[model][ratios] if k.startswith("mm_fsdp2/")), None)
+            sub = f" ({pair} {summary[model][ratios][pair]['median']:.3f})" if pair else ""
+            ax.set_title(f"{model}, {label}{sub}", fontsize=10)
+            ax.set_ylabel(f"median {label} ms per step, per round")
+            ax.tick_params(axis="x", labelsize=8)
+            ax.grid(axis="y", alpha=0.3)
     fig.suptitle(title)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
