@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Every CPU benchmark in one command, 2 ranks on this machine -> benchmarks/results/*.json and *.png.
 #
-#   bash benchmarks/run_cpu.sh            # waits (up to WAIT_S=1800 s) for a 1-minute load average < MAX_LOAD=0.5
+#   bash benchmarks/run_cpu.sh            # before each stage, waits for a 1-minute load average < MAX_LOAD=0.5
+#                                         # (at most WAIT_S=1800 s of waiting in all, then measures anyway)
 #   QUICK=1 bash benchmarks/run_cpu.sh    # fewer rounds and steps (a check that everything runs, ~5 minutes)
 #
 # Needs the `bench` extra (matplotlib): pip install -e ".[bench]". Not part of the test suite.
@@ -12,16 +13,16 @@ if [ -x .venv/bin/python ] && [ -z "${PYTHON:-}" ]; then PY=.venv/bin/python; fi
 MAX_LOAD=${MAX_LOAD:-0.5}
 WAIT_S=${WAIT_S:-1800}
 
+WAITED=0
 wait_for_quiet() {
-  local waited=0
   while :; do
     local load
     load=$(cut -d' ' -f1 /proc/loadavg)
     if awk -v l="$load" -v m="$MAX_LOAD" 'BEGIN{exit !(l < m)}'; then break; fi
-    if [ "$waited" -ge "$WAIT_S" ]; then echo "load $load still >= $MAX_LOAD after ${WAIT_S}s; measuring anyway"; break; fi
-    echo "load $load >= $MAX_LOAD: waiting (${waited}s so far)"
+    if [ "$WAITED" -ge "$WAIT_S" ]; then echo "load $load >= $MAX_LOAD, waited ${WAITED}s in all: measuring anyway"; break; fi
+    echo "load $load >= $MAX_LOAD: waiting (${WAITED}s waited so far)"
     sleep 60
-    waited=$((waited + 60))
+    WAITED=$((WAITED + 60))
   done
   echo "load before $1: $(cat /proc/loadavg)"
 }
@@ -29,7 +30,7 @@ wait_for_quiet() {
 if [ "${QUICK:-0}" = "1" ]; then
   ROUNDS=2; STEPS=10; WARMUP=3
 else
-  ROUNDS=5; STEPS=30; WARMUP=5
+  ROUNDS=12; STEPS=15; WARMUP=5
 fi
 
 echo "machine: $(nproc) cores, $(grep -m1 'model name' /proc/cpuinfo | cut -d: -f2 | xargs), $(free -g | awk '/Mem:/{print $2}') GiB"
@@ -38,11 +39,23 @@ wait_for_quiet "step_time"
 # 1. Step time: MMFSDP2Strategy vs the same plan by hand (ModelParallelStrategy), FSDP1, DDP.
 $PY benchmarks/step_time.py --models lm,vlm --rounds $ROUNDS --steps $STEPS --warmup $WARMUP --name step_time
 
+wait_for_quiet "step_time_vlm_pair"
+# The two FSDP2 contenders alone on the multimodal model, more rounds (its 4-way ratio is the noisiest).
+$PY benchmarks/step_time.py --models vlm --contenders mm_fsdp2,hand_fsdp2 --rounds $((ROUNDS + 8)) --steps $STEPS \
+  --warmup $WARMUP --name step_time_vlm_pair
+
+# Per-step Python work of each contender, counted under cProfile (does not depend on the load).
+$PY benchmarks/overhead_profile.py
+
 wait_for_quiet "tuning"
 # Tuning, before/after: the root and last unit kept unsharded (before_keep = every unit resharded), and a forward
 # prefetch of 1 for a YAML that leaves it out.
 $PY benchmarks/step_time.py --models lm,vlm --contenders mm_fsdp2,mm_fsdp2@before_keep,mm_fsdp2@fwd1 \
   --rounds $ROUNDS --steps $STEPS --warmup $WARMUP --name tuning
+
+# Forward prefetch 1 vs the default 0 for a YAML that leaves it out, the two alone.
+$PY benchmarks/step_time.py --models lm --contenders mm_fsdp2,mm_fsdp2@fwd1 --rounds $((ROUNDS + 8)) --steps $STEPS \
+  --warmup $WARMUP --name tuning_fwd_pair
 
 # 2. Memory per rank: exact bytes vs DDP, tracked peaks per YAML setting (byte counts: load does not matter).
 $PY benchmarks/memory_bench.py
@@ -60,6 +73,7 @@ if [ -f benchmarks/checkpoint_bench.py ]; then
   wait_for_quiet "checkpoint"
   $PY benchmarks/checkpoint_bench.py --dir /tmp/lmm_bench/checkpoint
   cp /tmp/lmm_bench/checkpoint/results.json benchmarks/results/checkpoint.json
+  $PY benchmarks/report.py --plot-checkpoint
 fi
 
 # 5. GPU throughput needs CUDA GPUs: python benchmarks/gpu_throughput.py (see benchmarks/README.md).
