@@ -24,7 +24,9 @@ import torch.nn.functional as F
 from torch import nn
 
 ROOT = Path(__file__).resolve().parents[1]
-RESULTS = ROOT / "benchmarks" / "results"
+# Where results go: benchmarks/results, or $LMM_BENCH_RESULTS (run_cpu.sh's QUICK mode, so a check run does not
+# overwrite the recorded figures).
+RESULTS = Path(os.environ.get("LMM_BENCH_RESULTS") or ROOT / "benchmarks" / "results")
 for _path in (str(ROOT), str(ROOT / "examples" / "custom_model")):
     if _path not in sys.path:
         sys.path.insert(0, _path)

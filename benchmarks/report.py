@@ -8,11 +8,12 @@
 from __future__ import annotations
 
 import json
+import os
 import sys
 from pathlib import Path
 from typing import Any
 
-RESULTS = Path(__file__).resolve().parent / "results"
+RESULTS = Path(os.environ.get("LMM_BENCH_RESULTS") or Path(__file__).resolve().parent / "results")
 
 
 def _load(name: str) -> dict[str, Any] | None:

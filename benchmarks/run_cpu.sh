@@ -3,7 +3,8 @@
 #
 #   bash benchmarks/run_cpu.sh            # before each stage, waits for a 1-minute load average < MAX_LOAD=0.5
 #                                         # (at most WAIT_S=1800 s of waiting in all, then measures anyway)
-#   QUICK=1 bash benchmarks/run_cpu.sh    # fewer rounds and steps (a check that everything runs, ~5 minutes)
+#   QUICK=1 bash benchmarks/run_cpu.sh    # fewer rounds and steps, results to /tmp/lmm_bench/quick_results
+#                                         # (a check that everything runs, ~5 minutes)
 #
 # Needs the `bench` extra (matplotlib): pip install -e ".[bench]". Not part of the test suite.
 set -euo pipefail
@@ -29,6 +30,8 @@ wait_for_quiet() {
 
 if [ "${QUICK:-0}" = "1" ]; then
   ROUNDS=2; STEPS=10; WARMUP=3
+  export LMM_BENCH_RESULTS=${LMM_BENCH_RESULTS:-/tmp/lmm_bench/quick_results}  # keep the recorded results
+  mkdir -p "$LMM_BENCH_RESULTS"
 else
   ROUNDS=12; STEPS=15; WARMUP=5
 fi
@@ -72,9 +75,9 @@ $PY benchmarks/optimizer_step.py
 if [ -f benchmarks/checkpoint_bench.py ]; then
   wait_for_quiet "checkpoint"
   $PY benchmarks/checkpoint_bench.py --dir /tmp/lmm_bench/checkpoint
-  cp /tmp/lmm_bench/checkpoint/results.json benchmarks/results/checkpoint.json
+  cp /tmp/lmm_bench/checkpoint/results.json "${LMM_BENCH_RESULTS:-benchmarks/results}/checkpoint.json"
   $PY benchmarks/report.py --plot-checkpoint
 fi
 
 # 5. GPU throughput needs CUDA GPUs: python benchmarks/gpu_throughput.py (see benchmarks/README.md).
-echo "done: benchmarks/results/"
+echo "done: ${LMM_BENCH_RESULTS:-benchmarks/results}/"
