@@ -159,6 +159,7 @@ def scenario_seed_yaml(outdir: str) -> None:
                 "any_meta": any(local(p).is_meta for p in pl_module.parameters()),
                 "norm_weight_ones": bool(torch.all(local(model.text_decoder.decoder.final_norm.weight) == 1)),
                 "any_nan": any(bool(torch.isnan(local(p)).any()) for p in pl_module.parameters()),
+                "shard_halves_differ": _halves_differ(model.text_decoder.decoder.layers[0].qkv.weight),
                 "inv_freq": model.text_decoder.rotary_pos_emb.inv_freq.tolist(),
                 "mesh": list(trainer.strategy.device_mesh.shape),
                 "plan": trainer.strategy.plan.describe(),
@@ -191,6 +192,33 @@ def scenario_seed_yaml(outdir: str) -> None:
         "norms": norms.records,
         "layer0_state_in_layer1_forward": reshard[0],
     })
+
+
+def _halves_differ(weight: torch.Tensor) -> bool:
+    """Meta-device init must give each shard its own random values (not the same draw on every rank)."""
+    whole = full(weight).detach()
+    half = whole.shape[0] // 2
+    return not torch.equal(whole[:half], whole[half:])
+
+
+def scenario_hsdp_meta_init(outdir: str) -> None:
+    """HSDP replicas get identical initial weights even when the ranks' RNGs differ; ignored modules too."""
+    torch.manual_seed(100 + int(os.environ.get("LOCAL_RANK", "0")))  # deliberately different per rank
+    seen: dict[str, Any] = {}
+
+    class Observe(L.Callback):
+        def on_fit_start(self, trainer: L.Trainer, pl_module: Any) -> None:
+            model = pl_module.model
+            seen["mesh"] = list(trainer.strategy.device_mesh.shape)
+            seen["layer_sum"] = float(full(model.text_decoder.decoder.layers[0].qkv.weight).double().sum())
+            seen["ignored_sum"] = float(model.image_encoder.patch.weight.double().sum())
+            seen["norm_ones"] = bool(torch.all(local(model.text_decoder.decoder.final_norm.weight) == 1))
+
+    config = {"sharding_size": 1, "sub_modules_to_wrap": ["text_decoder.decoder.layers.{*}"],
+              "ignored_modules": ["image_encoder"]}
+    t = trainer(MMFSDP2Strategy(config), max_steps=1, callbacks=[Observe()])
+    t.fit(SeedModule(), datamodule=MMDataModule(train_dataset=CaptionData(), batch_size=4))
+    dump("hsdp_meta_init", outdir, t.global_rank, seen)
 
 
 def _prefetch_modules(module: nn.Module, kind: str) -> list[nn.Module]:

@@ -27,6 +27,7 @@ def test_seed_yaml_verbatim_trains_and_every_field_takes_effect(scenario):
     assert r0["layer0_full_sum"] == r1["layer0_full_sum"]
     # Meta-device init: nothing left on meta, no NaN, norms initialised to one, buffers kept (rotary table).
     assert not r0["any_meta"] and not r0["any_nan"] and r0["norm_weight_ones"]
+    assert r0["shard_halves_differ"], "every shard drew the same random numbers"
     expected = [1.0 / (10000.0 ** (i / 16)) for i in range(0, 16, 2)]
     assert r0["inv_freq"] == pytest.approx(expected, rel=1e-6)
     # Prefetch 2/2 in execution order (embedding, rotary, layers, output head).
@@ -47,7 +48,7 @@ def test_seed_yaml_verbatim_trains_and_every_field_takes_effect(scenario):
     assert r0["layer0_state_in_layer1_forward"] == "SHARDED"
     # The loss falls.
     assert all(math.isfinite(x) for x in r0["losses"])
-    assert r0["losses"][-1] < r0["losses"][0] - 0.5
+    assert min(r0["losses"][-3:]) < r0["losses"][0] - 0.5
     assert "ignored" in r0["plan"] and "text_decoder.decoder.layers.1" in r0["plan"]
 
 
@@ -137,3 +138,11 @@ def test_mmdatamodule_resumes_mid_epoch_with_the_next_unseen_batch(scenario):
         assert len(full) == 12 and len(resumed) == 7
         # Steps 6..12 of the resumed run see the same batches (and losses) as the uninterrupted run.
         assert resumed == full[5:]
+
+
+def test_meta_init_replicas_and_ignored_modules_agree_across_ranks_with_different_seeds(scenario):
+    r0, r1 = scenario("hsdp_meta_init")
+    assert r0["mesh"] == [2, 1]
+    assert r0["layer_sum"] == r1["layer_sum"]  # HSDP replicas start from the same weights
+    assert r0["ignored_sum"] == r1["ignored_sum"]  # and so do modules kept whole on every rank
+    assert r0["norm_ones"]

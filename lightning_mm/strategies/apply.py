@@ -6,10 +6,11 @@ the units and then the root, prefetch, and meta-device materialisation.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import logging
 import math
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 
 import torch
@@ -32,6 +33,8 @@ __all__ = [
     "ExecutionOrderPrefetch",
     "materialize_and_init",
     "all_reduce_gradients",
+    "shard_distinct_rng",
+    "broadcast_replicated",
     "MaterializationError",
 ]
 
@@ -305,6 +308,41 @@ def materialize_and_init(
     for module in ignored_modules:
         module.to(compute_device)
     return meta
+
+
+@contextlib.contextmanager
+def shard_distinct_rng(mesh: DeviceMesh) -> Iterator[None]:
+    """Random init that differs between shards and agrees between replicas, on meshes DTensor cannot seed.
+
+    DTensor's random ops keep per-shard RNG offsets only on CUDA-like devices; on a CPU mesh every rank would draw
+    the same numbers, so all shards of a weight would be equal. Here the default generator is seeded, for the
+    duration of the init, with rank 0's seed plus this rank's coordinate on the shard dimension (the same on HSDP
+    replicas). The previous RNG state is restored afterwards.
+    """
+    from torch.distributed.tensor._random import is_rng_supported_mesh
+
+    if is_rng_supported_mesh(mesh):
+        yield
+        return
+    base = torch.tensor([torch.initial_seed() % (2**62)], dtype=torch.long)
+    if dist.is_initialized():
+        dist.broadcast(base, src=0)
+    shard = mesh.get_local_rank("shard") if "shard" in (mesh.mesh_dim_names or ()) else mesh.get_local_rank()
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(int(base.item()) + 7919 * shard)
+        yield
+
+
+def broadcast_replicated(root: nn.Module, names: Iterable[str]) -> None:
+    """Make plain (non-DTensor) tensors identical on every rank: rank 0's values win (ignored modules, buffers)."""
+    if not dist.is_initialized():
+        return
+    tensors = _named_tensors(root)
+    with torch.no_grad():
+        for name in names:
+            tensor = tensors[name]
+            if not isinstance(tensor, DTensor):
+                dist.broadcast(tensor.data, src=0)
 
 
 # ------------------------------------------------------------------------------------- gradient sync

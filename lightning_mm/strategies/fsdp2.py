@@ -315,7 +315,9 @@ class MMFSDP2Strategy(ParallelStrategy):
             apply.apply_fully_shard(target, root, plan, kwargs)
 
         param_device = torch.device("cpu") if plan.offload_to_cpu else self.root_device
-        apply.materialize_and_init(root, target, param_device, self.root_device, ignored_modules)
+        with apply.shard_distinct_rng(self.device_mesh):
+            materialized = apply.materialize_and_init(root, target, param_device, self.root_device, ignored_modules)
+        apply.broadcast_replicated(root, materialized)
         load_after_sharding = getattr(target, "load_after_sharding", None)  # FSDP2Mixin: pretrained shards
         if callable(load_after_sharding):
             load_after_sharding()
