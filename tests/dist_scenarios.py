@@ -516,3 +516,6 @@ if __name__ == "__main__":
     os.makedirs(out, exist_ok=True)
     torch.set_num_threads(1)
     globals()[f"scenario_{name}"](out)
+    from tests.scenario_exit import exit_cleanly
+
+    exit_cleanly()

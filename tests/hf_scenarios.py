@@ -291,3 +291,6 @@ if __name__ == "__main__":
     torch.set_num_threads(1)
     name, out, ckpts = sys.argv[1], sys.argv[2], sys.argv[3]
     globals()[f"scenario_{name}"](out, ckpts)
+    from tests.scenario_exit import exit_cleanly
+
+    exit_cleanly()

@@ -97,3 +97,6 @@ if __name__ == "__main__":
     tuned, rank = run()
     before, _ = run(before=True)
     Path(out, f"tuning.rank{rank}.json").write_text(json.dumps({"tuned": tuned, "before": before}))
+    from tests.scenario_exit import exit_cleanly
+
+    exit_cleanly()
