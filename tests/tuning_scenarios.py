@@ -1,8 +1,9 @@
 """2-rank scenario for the strategy's tuned defaults: ``python tests/tuning_scenarios.py OUTDIR``.
 
-Two runs of the same model, seed and data (Lightning's launcher re-runs this script for rank 1; gloo, real
-collectives): the strategy as it is, and the strategy with the tuning undone (every unit resharded after
-forward). Each rank writes what it saw to ``OUTDIR/tuning.rank{R}.json``; tests/test_tuning.py asserts on it.
+Runs of the same model, seed and data (Lightning's launcher re-runs this script for rank 1; gloo, real
+collectives): the strategy as it is, the strategy with the reshard tuning undone (every unit resharded after
+forward), and the fused optimiser step against torch's own choice, across a resume and with ignored modules.
+Each rank writes what it saw to ``OUTDIR/tuning.rank{R}.json``; tests/test_tuning.py asserts on it.
 """
 
 from __future__ import annotations
@@ -67,27 +68,38 @@ class Observe(L.Callback):
         self.losses.append(float(outputs["loss"]))
 
 
-def run(before: bool = False) -> tuple[dict[str, Any], int]:
+def run(before: bool = False, max_steps: int = 4, ckpt_path: str | None = None, save_dir: str | None = None,
+        freeze_head: bool = False, config: dict[str, Any] | None = None,
+        **strategy_kwargs: Any) -> tuple[dict[str, Any], int]:
     torch.manual_seed(0)
     data = torch.utils.data.TensorDataset(torch.randint(0, 32, (32, 6), generator=torch.Generator().manual_seed(1)))
     observe = Observe()
+    callbacks: list[L.Callback] = [observe]
+    if save_dir is not None:
+        from lightning.pytorch.callbacks import ModelCheckpoint
+
+        callbacks.append(ModelCheckpoint(dirpath=save_dir, every_n_train_steps=4, save_top_k=-1))
     prefetch = apply.ExecutionOrderPrefetch
     if before:
         apply.ExecutionOrderPrefetch = functools.partial(prefetch, keep_unsharded_for_backward=False)
     try:
         module = LM()
-        trainer = L.Trainer(accelerator="cpu", devices=2, max_steps=4, logger=False, enable_checkpointing=False,
-                            enable_progress_bar=False, enable_model_summary=False, callbacks=[observe],
-                            strategy=MMFSDP2Strategy({"sharding_size": "auto", "sub_modules_to_wrap": ["layers.{*}"]},
-                                                     empty_init=False))
-        trainer.fit(module, torch.utils.data.DataLoader(data, batch_size=4))
+        module.head.requires_grad_(not freeze_head)
+        plan = {"sharding_size": "auto", "sub_modules_to_wrap": ["layers.{*}"], **(config or {})}
+        trainer = L.Trainer(accelerator="cpu", devices=2, max_steps=max_steps, logger=False,
+                            enable_checkpointing=save_dir is not None, enable_progress_bar=False,
+                            enable_model_summary=False, callbacks=callbacks,
+                            strategy=MMFSDP2Strategy(plan, empty_init=False, **strategy_kwargs))
+        trainer.fit(module, torch.utils.data.DataLoader(data, batch_size=4), ckpt_path=ckpt_path)
     finally:
         apply.ExecutionOrderPrefetch = prefetch
     weights = {n: (p.full_tensor() if isinstance(p, DTensor) else p).detach().flatten().tolist()
                for n, p in module.named_parameters()}
     kept = [("<root>" if u is trainer.strategy._prefetch.root else trainer.strategy._prefetch.name(u))
             for u in trainer.strategy._prefetch.kept_unsharded]
-    return {"states": observe.states, "losses": observe.losses, "weights": weights, "kept": kept}, trainer.global_rank
+    fused = [group["fused"] for group in trainer.optimizers[0].param_groups]
+    return ({"states": observe.states, "losses": observe.losses, "weights": weights, "kept": kept, "fused": fused},
+            trainer.global_rank)
 
 
 if __name__ == "__main__":
@@ -95,8 +107,14 @@ if __name__ == "__main__":
     os.makedirs(out, exist_ok=True)
     torch.set_num_threads(1)
     tuned, rank = run()
-    before, _ = run(before=True)
-    Path(out, f"tuning.rank{rank}.json").write_text(json.dumps({"tuned": tuned, "before": before}))
+    results = {"tuned": tuned, "before": run(before=True)[0]}
+    # The fused optimiser step: torch's choice for comparison, a checkpoint of that run resumed with the fused step,
+    # and groups the fused step cannot take (a trainable ignored module) or can (a frozen one).
+    results["unfused"] = run(max_steps=6, save_dir=f"{out}/ckpt", fused_optimizer_step=False)[0]
+    results["resumed_fused"] = run(max_steps=6, ckpt_path=f"{out}/ckpt/epoch=0-step=4.ckpt")[0]
+    results["ignored_trainable"] = run(config={"ignored_modules": ["head"]})[0]
+    results["ignored_frozen"] = run(config={"ignored_modules": ["head"]}, freeze_head=True)[0]
+    Path(out, f"tuning.rank{rank}.json").write_text(json.dumps(results))
     from tests.scenario_exit import exit_cleanly
 
     exit_cleanly()

@@ -32,6 +32,7 @@ from lightning_mm.strategies import apply, checkpoint
 from lightning_mm.strategies.backend import process_group_backend
 from lightning_mm.strategies.config import FSDP2Config
 from lightning_mm.strategies.init_context import meta_parameters
+from lightning_mm.strategies.optimizer import use_fused_steps
 from lightning_mm.strategies.plan import ShardingPlan, build_plan
 from lightning_mm.strategies.precision import MMFSDP2Precision, resolve_mixed_precision
 
@@ -69,6 +70,10 @@ class MMFSDP2Strategy(ParallelStrategy):
         strict_loading: ``None`` (default) follows the LightningModule's ``strict_loading`` (``True`` unless set):
             a checkpoint whose keys differ from the model's fails with the list of keys. ``False`` loads the
             matching keys and warns with the list of skipped ones.
+        fused_optimizer_step: ``True`` (default): Adam/AdamW parameter groups that set neither ``fused`` nor
+            ``foreach`` use torch's fused step on CPU and CUDA (torch's own CPU default loops over the sharded
+            DTensor parameters one by one; see ``lightning_mm.strategies.optimizer``). The choice is logged.
+            ``False`` leaves the implementation to torch.
 
     Module paths in the config are relative to ``MMLightningModule.model`` (or to the LightningModule itself for
     a plain one). The whole LightningModule is the FSDP root and each step runs through it.
@@ -89,6 +94,7 @@ class MMFSDP2Strategy(ParallelStrategy):
         empty_init: bool = True,
         checkpoint_format: str = "torch_dcp",
         strict_loading: bool | None = None,
+        fused_optimizer_step: bool = True,
     ) -> None:
         super().__init__(
             accelerator=accelerator,
@@ -112,6 +118,7 @@ class MMFSDP2Strategy(ParallelStrategy):
             raise ValueError(f"checkpoint_format must be one of {checkpoint.FORMATS}, got {checkpoint_format!r}")
         self.checkpoint_format = checkpoint_format
         self._strict_loading = strict_loading
+        self._fused_optimizer_step = fused_optimizer_step
         self._pending_rng: dict[str, Any] | None = None
         self._pending_rng_point: str | None = None
         self._pending_rng_step: int | None = None
@@ -286,7 +293,19 @@ class MMFSDP2Strategy(ParallelStrategy):
         if trainer.state.fn == TrainerFn.FITTING:
             self._reset_optimizers_and_schedulers()
             self.setup_optimizers(trainer)
+            if self._fused_optimizer_step:
+                self._use_fused_optimizer_steps()
         self.setup_precision_plugin()
+
+    def _use_fused_optimizer_steps(self) -> None:
+        decisions = use_fused_steps(self.optimizers)
+        fused = [d for d in decisions if d.fused]
+        kept = [d for d in decisions if not d.fused]
+        if fused:
+            rank_zero_info(f"Optimizer step: torch's fused Adam/AdamW for {len(fused)} parameter group(s) that left "
+                           "`fused`/`foreach` unset (MMFSDP2Strategy(fused_optimizer_step=False) keeps torch's choice)")
+        for d in kept:
+            rank_zero_info(f"Optimizer step: {d.describe()}")
 
     def _shard(self, root: pl.LightningModule) -> None:
         target = self._sharding_target()

@@ -61,6 +61,7 @@ from lightning_mm.strategies.checkpoint.safe import (
     load_weights_only,
     read_dcp_metadata,
 )
+from lightning_mm.strategies.optimizer import IMPLEMENTATION_KEYS
 
 __all__ = [
     "FORMATS",
@@ -366,7 +367,10 @@ def _load_optimizer(source: CheckpointSource, model: nn.Module, optimizer: Any, 
 
 
 def _merge_param_groups(current: list[dict], saved: list[dict], path: Path, index: int, strict: bool) -> list[dict]:
-    """Saved hyper-parameters (lr, betas, ...) over the current groups, whose ``params`` name today's parameters."""
+    """Saved hyper-parameters (lr, betas, ...) over the current groups, whose ``params`` name today's parameters.
+
+    The implementation keys (``fused``, ``foreach``) stay the current ones.
+    """
     if len(current) != len(saved):
         message = f"{path}: optimizer {index} has {len(current)} parameter group(s), the checkpoint {len(saved)}"
         if strict:
@@ -382,7 +386,9 @@ def _merge_param_groups(current: list[dict], saved: list[dict], path: Path, inde
                 f"{path}: optimizer {index} parameter groups differ from the checkpoint's: "
                 f"not in the checkpoint {missing}, only in the checkpoint {extra}"
             )
-        merged.append({**then, "params": now["params"]})
+        # How a step is computed (fused/foreach) is this run's choice, not training state: the current one stays.
+        implementation = {k: now[k] for k in IMPLEMENTATION_KEYS if k in now}
+        merged.append({**then, "params": now["params"], **implementation})
     return merged
 
 

@@ -1,0 +1,80 @@
+"""The optimiser step's implementation for FSDP2 parameters: torch's fused Adam/AdamW where torch leaves it open.
+
+FSDP2 hands the optimiser DTensor parameters. When a group sets neither ``fused`` nor ``foreach``, torch picks
+the implementation itself and, on the CPU, picks a Python loop over parameters, so every elementwise operation of
+every parameter goes through DTensor's dispatch. torch's fused Adam/AdamW kernel computes the same update in one
+call per group (benchmarks/README.md, "Tuning": 4-6x faster steps at every size measured). Groups that choose an
+implementation themselves are left alone, and so is anything the fused kernel cannot take: other optimisers, and
+groups whose trainable parameters mix DTensors with plain tensors (a trainable ignored module), which one fused
+call cannot hold. Frozen parameters do not count: the step skips them. (A group whose frozen plain parameters are
+unfrozen later in the run then fails in its step with DTensor's "mixed torch.Tensor and DTensor" error; pass
+``fused=False`` to such an optimiser, or ``fused_optimizer_step=False`` to the strategy.)
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from dataclasses import dataclass
+
+import torch
+from torch.distributed.tensor import DTensor
+
+#: Device types whose fused Adam/AdamW kernels this project has run (NPU is left to torch_npu's own defaults).
+FUSED_DEVICE_TYPES = ("cpu", "cuda")
+
+#: Param-group keys that choose how a step is computed, not what it computes: a resumed run keeps its own.
+IMPLEMENTATION_KEYS = ("fused", "foreach")
+
+
+@dataclass(frozen=True)
+class GroupDecision:
+    """Whether one parameter group is switched to the fused step, and if not, why."""
+
+    optimizer: int
+    group: int
+    fused: bool
+    reason: str
+
+    def describe(self) -> str:
+        verdict = "fused step" if self.fused else f"unchanged ({self.reason})"
+        return f"optimizer {self.optimizer} group {self.group}: {verdict}"
+
+
+def _why_not_fused(optimizer: torch.optim.Optimizer, group: dict) -> str:
+    """The reason a group keeps torch's choice, or ``""`` when the fused step can take it."""
+    if not isinstance(optimizer, (torch.optim.Adam, torch.optim.AdamW)):
+        return f"{type(optimizer).__name__} is not Adam/AdamW"
+    if group.get("fused") is not None or group.get("foreach") is not None:
+        return "the group chooses its implementation (fused/foreach set)"
+    if group.get("differentiable") or group.get("capturable"):
+        return "differentiable/capturable"
+    params = [p for p in group["params"] if p.requires_grad]  # the step skips parameters without gradients
+    if not params:
+        return "no trainable parameters"
+    if any(optimizer.state.get(p) for p in params):
+        return "the optimiser has already stepped"
+    if any(not torch.is_floating_point(p) or p.device.type not in FUSED_DEVICE_TYPES for p in params):
+        return f"parameters not all floating point on {'/'.join(FUSED_DEVICE_TYPES)}"
+    kinds = {isinstance(p, DTensor) for p in params}
+    if len(kinds) > 1:
+        return "the group mixes sharded (DTensor) and unsharded (e.g. ignored-module) parameters"
+    return ""
+
+
+def decide_fused_steps(optimizers: Iterable[torch.optim.Optimizer]) -> list[GroupDecision]:
+    """For every parameter group, whether it can take torch's fused Adam/AdamW step (nothing is changed)."""
+    decisions = []
+    for i, optimizer in enumerate(optimizers):
+        for j, group in enumerate(optimizer.param_groups):
+            reason = _why_not_fused(optimizer, group)
+            decisions.append(GroupDecision(i, j, not reason, reason))
+    return decisions
+
+
+def use_fused_steps(optimizers: list[torch.optim.Optimizer]) -> list[GroupDecision]:
+    """Switch the groups :func:`decide_fused_steps` allows to ``fused=True``; returns every decision."""
+    decisions = decide_fused_steps(optimizers)
+    for d in decisions:
+        if d.fused:
+            optimizers[d.optimizer].param_groups[d.group]["fused"] = True
+    return decisions
