@@ -187,19 +187,32 @@ class CPUFSDPStrategy(FSDPStrategy):
     """Lightning's FSDPStrategy on CPU.
 
     Lightning refuses the exact class on a CPU accelerator and hands FSDP1 ``device_id=None`` there, which FSDP1
-    rejects without an accelerator; FSDP1 itself runs on CPU when given ``device_id=cpu``. Everything else (the
-    auto-wrap policy, mixed precision, activation checkpointing, the training loop) is Lightning's.
+    rejects without an accelerator; FSDP1 itself runs on CPU when given ``device_id=cpu``. Lightning wraps the
+    layers to recompute with torch's default checkpoint wrapper (non-reentrant); ``reentrant=True`` wraps them
+    reentrant instead, like the other contenders (the seed's ``use_reentrant`` default). Everything else (the
+    auto-wrap policy, mixed precision, the training loop) is Lightning's.
     """
 
+    def __init__(self, *args: Any, reentrant: bool = False, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.reentrant = reentrant
+
     def _setup_model(self, model: nn.Module) -> nn.Module:
-        from lightning.fabric.strategies.fsdp import _setup_activation_checkpointing
+        from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import (
+            CheckpointImpl,
+            apply_activation_checkpointing,
+            checkpoint_wrapper,
+        )
         from torch.distributed.fsdp import FullyShardedDataParallel
 
         model = FullyShardedDataParallel(model, cpu_offload=self.cpu_offload,
                                          mixed_precision=self.mixed_precision_config,
                                          sharding_strategy=self.sharding_strategy, device_id=torch.device("cpu"),
                                          **self.kwargs)
-        _setup_activation_checkpointing(model, self._activation_checkpointing_kwargs)
+        if self._activation_checkpointing_kwargs:
+            impl = CheckpointImpl.REENTRANT if self.reentrant else CheckpointImpl.NO_REENTRANT
+            apply_activation_checkpointing(model, checkpoint_wrapper_fn=functools.partial(
+                checkpoint_wrapper, checkpoint_impl=impl), **self._activation_checkpointing_kwargs)
         return model
 
 
@@ -276,6 +289,7 @@ def build(model: str, contender: str, sizes: Sizes, steps: int, mm_config: dict[
                 mixed_precision=MixedPrecision(param_dtype=torch.bfloat16, reduce_dtype=torch.float32,
                                                buffer_dtype=torch.float32, cast_root_forward_inputs=False),
                 ignored_states=[module.model.image_encoder], sharding_strategy="FULL_SHARD", forward_prefetch=True,
+                reentrant=True,
             )
             return Setup(strategy, module, "32-true", loader)
         if contender == "ddp":

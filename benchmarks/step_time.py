@@ -49,7 +49,8 @@ def worker(args: argparse.Namespace) -> None:
                 L.seed_everything(0, verbose=False)
                 timer = StepTimer(common.CommCounter())
                 with variants.behaviour(variant), timer.comm:
-                    setup = build(model, name, sizes, total, mm_config={**base, **overrides} if overrides else None)
+                    setup = build(model, name, sizes, total, mm_config={**base, **overrides} if overrides else None,
+                                  mm_kwargs=variants.strategy_kwargs(variant))
                     trainer = L.Trainer(strategy=setup.strategy, precision=setup.precision, max_steps=total,
                                         callbacks=[timer], **common.quiet_trainer_kwargs())
                     trainer.fit(setup.module, train_dataloaders=setup.loader)

@@ -1,8 +1,8 @@
 """Variants of ``mm_fsdp2`` for before/after measurements of the strategy's tuned defaults.
 
-A contender named ``mm_fsdp2@VARIANT`` runs MMFSDP2Strategy with one change: either a config override (what a
-user could write in the YAML) or, for ``before_*`` variants, the strategy's behaviour before a tuning change,
-restored for that run only (a patch of the benchmark process, never of the package).
+A contender named ``mm_fsdp2@VARIANT`` runs MMFSDP2Strategy with one change: a config override (what a user
+could write in the YAML), a strategy argument, or, for ``before_keep``, the strategy's behaviour before a tuning
+change, restored for that run only (a patch of the benchmark process, never of the package).
 """
 
 from __future__ import annotations
@@ -24,6 +24,9 @@ VARIANTS: dict[str, str] = {
     "bwd2": "num_to_backward_prefetch: 2",
     "noreshard": "reshard_after_forward: false (ZeRO-2)",
     "nocast": "cast_forward_inputs: false",
+    "nonreentrant": "use_reentrant: false (non-reentrant recomputation)",
+    "before_fused": "before: torch chooses the optimiser step's implementation (a per-parameter loop over DTensors on "
+                    "CPU): MMFSDP2Strategy(fused_optimizer_step=False)",
 }
 
 _OVERRIDES: dict[str, dict[str, Any]] = {
@@ -33,6 +36,11 @@ _OVERRIDES: dict[str, dict[str, Any]] = {
     "bwd2": {"num_to_backward_prefetch": 2},
     "noreshard": {"reshard_after_forward": False},
     "nocast": {"cast_forward_inputs": False},
+    "nonreentrant": {"use_reentrant": False},
+}
+
+_STRATEGY_KWARGS: dict[str, dict[str, Any]] = {
+    "before_fused": {"fused_optimizer_step": False},
 }
 
 
@@ -48,6 +56,11 @@ def split(spec: str) -> tuple[str, str]:
 
 def config_overrides(variant: str) -> dict[str, Any]:
     return dict(_OVERRIDES.get(variant, {}))
+
+
+def strategy_kwargs(variant: str) -> dict[str, Any]:
+    """Constructor arguments of ``MMFSDP2Strategy`` that the variant changes."""
+    return dict(_STRATEGY_KWARGS.get(variant, {}))
 
 
 @contextmanager
