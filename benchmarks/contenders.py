@@ -30,6 +30,7 @@ from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 from torch.utils.data import DataLoader
 
 from lightning_mm import MMFSDP2Strategy
+from lightning_mm.strategies.optimizer import group_by_sharding
 
 CONTENDERS = ("mm_fsdp2", "hand_fsdp2", "fsdp1", "ddp")
 SEED_YAML = ROOT / "examples" / "custom_model" / "fsdp2_config.yaml"
@@ -131,7 +132,9 @@ class VLMTask(L.LightningModule):
         return loss
 
     def configure_optimizers(self) -> torch.optim.Optimizer:
-        return torch.optim.AdamW(self.parameters(), lr=self.lr)
+        # As MMLightningModule's default optimiser: sharded and unsharded (the ignored image encoder's) parameters
+        # in groups of their own (one group where all are of one kind: FSDP1's flat parameters, DDP).
+        return torch.optim.AdamW(group_by_sharding(self.parameters()), lr=self.lr)
 
 
 def _all_reduce_flat(params: list[nn.Parameter]) -> None:

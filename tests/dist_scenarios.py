@@ -191,6 +191,8 @@ def scenario_seed_yaml(outdir: str) -> None:
         "prefetch_order": observed_order,
         "norms": norms.records,
         "layer0_state_in_layer1_forward": reshard[0],
+        "optimizer_groups": [{"fused": g["fused"], "dtensor": sorted({isinstance(p, DTensor) for p in g["params"]}),
+                              "size": len(g["params"])} for g in t.optimizers[0].param_groups],
     })
 
 
@@ -406,6 +408,8 @@ def scenario_bf16_offload(outdir: str) -> None:
         "shard_device": str(local(layer.qkv.weight).device),
         "sharded_param_dtype": str(layer.qkv.weight.dtype),
         "layer0_state_in_layer1_forward": reshard[0],
+        "optimizer_groups": [{"fused": g["fused"], "dtensor": sorted({isinstance(p, DTensor) for p in g["params"]}),
+                              "size": len(g["params"])} for g in t.optimizers[0].param_groups],
     })
 
 

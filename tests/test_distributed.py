@@ -37,6 +37,9 @@ def test_seed_yaml_verbatim_trains_and_every_field_takes_effect(scenario):
     ]
     assert r0["prefetch_forward_layer0"] == ["text_decoder.decoder.layers.1", "text_decoder.output_layer"]
     assert r0["prefetch_backward_layer1"] == ["text_decoder.decoder.layers.0", "text_decoder.rotary_pos_emb"]
+    # MMLightningModule's AdamW: sharded parameters, then the ignored image encoder's, each group on the fused step.
+    groups = r0["optimizer_groups"]
+    assert [g["dtensor"] for g in groups] == [[True], [False]] and [g["fused"] for g in groups] == [True, True]
     # Clipping (gradient_clip_val=0.5) over DTensor shards plus plain (ignored) gradients: the strategy's norm
     # equals the norm of the gathered gradients, and clipping took effect.
     assert len(r0["norms"]) == len(r0["losses"])

@@ -12,6 +12,7 @@ import torch
 from torch import nn
 
 from lightning_mm.modules.seed_functions import SeedFunctions, resolve_callable
+from lightning_mm.strategies.optimizer import group_by_sharding
 
 __all__ = ["MMLightningModule"]
 
@@ -222,7 +223,9 @@ class MMLightningModule(L.LightningModule):
         params = [p for p in self.parameters() if p.requires_grad]
         if not params:
             raise ValueError(f"{type(self).__name__} has no trainable parameters")
-        optimizer = torch.optim.AdamW(params, lr=self.lr, weight_decay=self.weight_decay, betas=self.betas)
+        # Sharded and unsharded (ignored-module) parameters in groups of their own: each group can take the fused step.
+        optimizer = torch.optim.AdamW(group_by_sharding(params), lr=self.lr, weight_decay=self.weight_decay,
+                                      betas=self.betas)
         if self.warmup_steps == 0 and self.lr_decay_style == "constant":
             return optimizer
         scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, self._lr_factor)

@@ -57,8 +57,20 @@ def _why_not_fused(optimizer: torch.optim.Optimizer, group: dict) -> str:
         return f"parameters not all floating point on {'/'.join(FUSED_DEVICE_TYPES)}"
     kinds = {isinstance(p, DTensor) for p in params}
     if len(kinds) > 1:
-        return "the group mixes sharded (DTensor) and unsharded (e.g. ignored-module) parameters"
+        return ("the group mixes sharded (DTensor) and unsharded (e.g. ignored-module) trainable parameters; "
+                "`group_by_sharding` puts them in separate groups, which can then both take the fused step")
     return ""
+
+
+def group_by_sharding(params: Iterable[torch.nn.Parameter]) -> list[dict[str, list[torch.nn.Parameter]]]:
+    """Parameter groups for an optimiser: sharded (DTensor) parameters, then unsharded ones (e.g. ignored modules).
+
+    One group when all parameters are of one kind. Groups of one kind each can take the fused step.
+    """
+    params = list(params)
+    sharded = [p for p in params if isinstance(p, DTensor)]
+    unsharded = [p for p in params if not isinstance(p, DTensor)]
+    return [{"params": group} for group in (sharded, unsharded) if group]
 
 
 def decide_fused_steps(optimizers: Iterable[torch.optim.Optimizer]) -> list[GroupDecision]:
