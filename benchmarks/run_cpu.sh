@@ -43,17 +43,19 @@ wait_for_quiet "step_time"
 $PY benchmarks/step_time.py --models lm,vlm --rounds $ROUNDS --steps $STEPS --warmup $WARMUP --name step_time
 
 wait_for_quiet "step_time_vlm_pair"
-# The two FSDP2 contenders alone on the multimodal model, more rounds (its 4-way ratio is the noisiest).
-$PY benchmarks/step_time.py --models vlm --contenders mm_fsdp2,hand_fsdp2 --rounds $((ROUNDS + 8)) --steps $STEPS \
-  --warmup $WARMUP --name step_time_vlm_pair
+# The sharded contenders alone on the multimodal model, more rounds (its 4-way ratios are the noisiest).
+$PY benchmarks/step_time.py --models vlm --contenders mm_fsdp2,hand_fsdp2,fsdp1 --rounds $((ROUNDS + 8)) \
+  --steps $STEPS --warmup $WARMUP --name step_time_vlm_pair
 
 # Per-step Python work of each contender, counted under cProfile (does not depend on the load).
 $PY benchmarks/overhead_profile.py
 
 wait_for_quiet "tuning"
-# Tuning, before/after: the root and last unit kept unsharded (before_keep = every unit resharded), and a forward
-# prefetch of 1 for a YAML that leaves it out.
-$PY benchmarks/step_time.py --models lm,vlm --contenders mm_fsdp2,mm_fsdp2@before_keep,mm_fsdp2@fwd1 \
+# Tuning, before/after: the fused optimiser step (before_fused = torch's choice), the root and last unit kept
+# unsharded (before_keep = every unit resharded), a forward prefetch of 1 for a YAML that leaves it out, and
+# non-reentrant recomputation (the seed's default is reentrant; only the VLM recomputes).
+$PY benchmarks/step_time.py --models lm,vlm \
+  --contenders mm_fsdp2,mm_fsdp2@before_fused,mm_fsdp2@before_keep,mm_fsdp2@fwd1,mm_fsdp2@nonreentrant \
   --rounds $ROUNDS --steps $STEPS --warmup $WARMUP --name tuning
 
 # Forward prefetch 1 vs the default 0 for a YAML that leaves it out, the two alone.
@@ -67,7 +69,7 @@ $PY benchmarks/memory_bench.py
 wait_for_quiet "init"
 $PY benchmarks/init_bench.py
 
-# The rejected foreach-optimiser tuning, kept as evidence.
+# AdamW over DTensor parameters: torch's CPU default, foreach (rejected) and fused (the strategy's default).
 wait_for_quiet "optimizer_step"
 $PY benchmarks/optimizer_step.py
 
