@@ -120,12 +120,14 @@ def optimizer_step() -> str:
     if r is None:
         return ""
     out = [_machine(r), "",
-           "| sizes | params | Tensor, default | Tensor, foreach | DTensor, default | DTensor, foreach | "
-           "DTensor foreach/default |", "|---|---:|---:|---:|---:|---:|---:|"]
+           "| sizes | params | Tensor: default | foreach | fused | DTensor: default | foreach | fused | "
+           "DTensor fused/default | max weight diff, fused vs default |",
+           "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
     for row in r["rows"]:
-        out.append(f"| {row['sizes']} | {row['params']:,} | {row['tensor_default_ms']} ms | "
-                   f"{row['tensor_foreach_ms']} ms | {row['dtensor_default_ms']} ms | {row['dtensor_foreach_ms']} ms | "
-                   f"{row['dtensor_foreach_over_default']} |")
+        cells = [f"{row[f'{kind}_{impl}_ms']} ms" for kind in ("tensor", "dtensor")
+                 for impl in ("default", "foreach", "fused")]
+        out.append(f"| {row['sizes']} | {row['params']:,} | {' | '.join(cells)} | "
+                   f"**{row['dtensor_fused_over_default']}** | {row['dtensor_fused_max_weight_diff']:.1e} |")
     return "\n".join(out)
 
 
@@ -174,7 +176,8 @@ def plot_checkpoint() -> Path:
     return path
 
 
-SECTIONS = {"step_time": step_time, "tuning": lambda: step_time("tuning"), "memory": memory, "init": init,
+SECTIONS = {"step_time": step_time, "step_time_vlm_pair": lambda: step_time("step_time_vlm_pair"),
+            "tuning": lambda: step_time("tuning"), "memory": memory, "init": init,
             "optimizer_step": optimizer_step, "checkpoint": checkpoint}
 
 
