@@ -3,6 +3,7 @@
     python benchmarks/report.py                       # every result present
     python benchmarks/report.py step_time tuning      # some of them
     python benchmarks/report.py --plot-checkpoint     # results/checkpoint.png from results/checkpoint.json
+    python benchmarks/report.py --plot [NAME ...]     # PNGs of checkpoint, optimizer_step, overhead_profile
 """
 
 from __future__ import annotations
@@ -176,6 +177,67 @@ def plot_checkpoint() -> Path:
     return path
 
 
+def _bar_figure() -> tuple[Any, Any]:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    return plt, plt.subplots(figsize=(10, 4.5))
+
+
+def plot_optimizer_step() -> Path:
+    """A PNG of optimizer_step.py's result: ms per AdamW step by implementation, per size (log scale)."""
+    r = _load("optimizer_step")
+    if r is None:
+        raise SystemExit("no results/optimizer_step.json")
+    plt, (fig, ax) = _bar_figure()
+    rows = r["rows"]
+    series = [(kind, impl) for kind in ("tensor", "dtensor") for impl in ("default", "foreach", "fused")]
+    width = 0.8 / len(series)
+    for i, (kind, impl) in enumerate(series):
+        xs = [j + (i - len(series) / 2 + 0.5) * width for j in range(len(rows))]
+        ax.bar(xs, [row[f"{kind}_{impl}_ms"] for row in rows], width, label=f"{kind}, {impl}",
+               hatch="//" if kind == "dtensor" else None)
+    ax.set_xticks(range(len(rows)), [f"{row['sizes']}\n{row['params'] / 1e6:.1f} M params" for row in rows])
+    ax.set_yscale("log")
+    ax.set_ylabel("ms per AdamW step (median)")
+    ax.set_title("AdamW step over plain tensors and FSDP2 DTensors: torch's CPU default, foreach, fused")
+    ax.legend(fontsize=8, ncol=2)
+    fig.tight_layout()
+    path = RESULTS / "optimizer_step.png"
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
+
+
+def plot_overhead_profile() -> Path:
+    """A PNG of overhead_profile.py's result: Python function calls per training step, per contender."""
+    r = _load("overhead_profile")
+    if r is None:
+        raise SystemExit("no results/overhead_profile.json")
+    plt, (fig, ax) = _bar_figure()
+    data = r["rank0"]
+    models = sorted({k.split("/")[0] for k in data})
+    contenders = list(dict.fromkeys(k.split("/")[1] for k in data))
+    width = 0.8 / len(contenders)
+    for i, name in enumerate(contenders):
+        xs = [j + (i - len(contenders) / 2 + 0.5) * width for j in range(len(models))]
+        ax.bar(xs, [data.get(f"{m}/{name}", {}).get("calls_per_step", 0) for m in models], width, label=name)
+    ax.set_xticks(range(len(models)), models)
+    ax.set_ylabel("Python function calls per step (rank 0, cProfile)")
+    ax.set_title("per-step Python work by contender")
+    ax.legend()
+    fig.tight_layout()
+    path = RESULTS / "overhead_profile.png"
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
+
+
+PLOTS = {"checkpoint": plot_checkpoint, "optimizer_step": plot_optimizer_step,
+         "overhead_profile": plot_overhead_profile}
+
 SECTIONS = {"step_time": step_time, "step_time_vlm_pair": lambda: step_time("step_time_vlm_pair"),
             "tuning": lambda: step_time("tuning"), "memory": memory, "init": init,
             "optimizer_step": optimizer_step, "checkpoint": checkpoint}
@@ -184,6 +246,10 @@ SECTIONS = {"step_time": step_time, "step_time_vlm_pair": lambda: step_time("ste
 def main() -> None:
     if sys.argv[1:] == ["--plot-checkpoint"]:
         print(f"wrote {plot_checkpoint()}")
+        return
+    if sys.argv[1:2] == ["--plot"]:  # PNGs for the results whose scripts write JSON only
+        for name in sys.argv[2:] or list(PLOTS):
+            print(f"wrote {PLOTS[name]()}")
         return
     for name in sys.argv[1:] or list(SECTIONS):
         text = SECTIONS[name]()

@@ -49,6 +49,7 @@ $PY benchmarks/step_time.py --models vlm --contenders mm_fsdp2,hand_fsdp2,fsdp1 
 
 # Per-step Python work of each contender, counted under cProfile (does not depend on the load).
 $PY benchmarks/overhead_profile.py
+$PY benchmarks/report.py --plot overhead_profile
 
 wait_for_quiet "tuning"
 # Tuning, before/after: the fused optimiser step (before_fused = torch's choice), the root and last unit kept
@@ -72,6 +73,7 @@ $PY benchmarks/init_bench.py
 # AdamW over DTensor parameters: torch's CPU default, foreach (rejected) and fused (the strategy's default).
 wait_for_quiet "optimizer_step"
 $PY benchmarks/optimizer_step.py
+$PY benchmarks/report.py --plot optimizer_step
 
 # 4. Checkpoint save/load (benchmarks/checkpoint_bench.py, from the checkpoint work), when present.
 if [ -f benchmarks/checkpoint_bench.py ]; then
