@@ -380,6 +380,65 @@ def scenario_custom_fully_shard(outdir: str) -> None:
     })
 
 
+# ------------------------------------------------------------------- byte accounting, measured
+class AccountedModel(L.LightningModule):
+    """Root-held embedding, three layers and a head as units, a trainable ignored encoder."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(64, 32)
+        self.layers = nn.ModuleList(nn.Linear(32, 32) for _ in range(3))
+        self.vision = nn.Linear(16, 32)
+        self.head = nn.Linear(32, 64)
+
+    def training_step(self, batch: Any, idx: int) -> torch.Tensor:
+        ids, feats = batch
+        x = self.embed(ids) + self.vision(feats).unsqueeze(1)
+        for layer in self.layers:
+            x = torch.tanh(layer(x))
+        return F.cross_entropy(self.head(x).flatten(0, 1), ids.flatten())
+
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        from lightning_mm.strategies.optimizer import group_by_sharding
+
+        return torch.optim.AdamW(group_by_sharding(self.parameters()), lr=1e-3)
+
+
+def _bytes(tensors: Any) -> int:
+    return sum(local(t).numel() * local(t).element_size() for t in tensors)
+
+
+def scenario_memory_accounting(outdir: str) -> None:
+    """Bytes of parameters, gradients and AdamW state each rank really holds, next to ``per_rank_memory``."""
+    from lightning_mm import FSDP2Config
+    from lightning_mm.strategies.memory import per_rank_memory
+    from lightning_mm.strategies.plan import build_plan
+
+    config = {"sharding_size": "auto", "sub_modules_to_wrap": ["layers.{*}", "head"], "ignored_modules": ["vision"]}
+    with torch.device("meta"):
+        expected = per_rank_memory(meta := AccountedModel(), build_plan(FSDP2Config.load(config), meta, 2))
+    measured: dict[str, int] = {}
+
+    class Measure(L.Callback):
+        def on_before_optimizer_step(self, trainer: L.Trainer, pl_module: Any, optimizer: Any) -> None:
+            measured["params"] = _bytes(pl_module.parameters())
+            measured["grads"] = _bytes(p.grad for p in pl_module.parameters() if p.grad is not None)
+
+        def on_train_batch_end(self, trainer: L.Trainer, pl_module: Any, *args: Any) -> None:
+            state = trainer.optimizers[0].state
+            measured["optimizer"] = _bytes(v for s in state.values() for k, v in s.items() if k != "step")
+
+    g = torch.Generator().manual_seed(3)
+    data = torch.utils.data.TensorDataset(torch.randint(0, 64, (32, 6), generator=g), torch.randn(32, 16, generator=g))
+    t = trainer(MMFSDP2Strategy(config), max_steps=2, callbacks=[Measure()])
+    t.fit(AccountedModel(), train_dataloaders=torch.utils.data.DataLoader(data, batch_size=4))
+    dump("memory_accounting", outdir, t.global_rank, {
+        "measured": measured,
+        "expected": {"params": expected.params, "grads": expected.grads, "optimizer": expected.optimizer,
+                     "ddp_total": expected.ddp_total},
+    })
+
+
 # ------------------------------------------------------------------------- precision and offload
 def scenario_bf16_offload(outdir: str) -> None:
     """precision='bf16-mixed' with no dtypes in the YAML, and CPU offload with the non-reentrant recompute."""

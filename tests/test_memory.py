@@ -1,4 +1,7 @@
-"""Guard: exact per-rank byte accounting of parameters, gradients and optimiser state (no processes, no timing)."""
+"""Guard: exact per-rank byte accounting of parameters, gradients and optimiser state (no timing).
+
+The computed accounting alone (no processes), and once what two real ranks hold after sharding and a step.
+"""
 
 import pytest
 import torch
@@ -47,3 +50,13 @@ def test_half_precision_storage_halves_bytes():
     model = Small().to(torch.bfloat16)
     plan = build_plan(FSDP2Config(sharding_size="auto"), model, 2)
     assert per_rank_memory(model, plan).params * 2 == per_rank_memory(Small(), plan).params
+
+
+def test_bytes_two_ranks_hold_equal_the_accounting(scenario):
+    """A regression in sharding (a unit left whole, an ignored module sharded, a lost optimiser state) shows here."""
+    for r in scenario("memory_accounting"):
+        assert r["measured"] == {k: r["expected"][k] for k in ("params", "grads", "optimizer")}
+        # embed + 3 layers + head sharded in halves, the ignored encoder (16x32 + 32 = 544 floats) whole.
+        sharded = (64 * 32 + 3 * (32 * 32 + 32) + 64 * 32 + 64) // 2
+        assert r["expected"]["params"] == (sharded + 544) * 4
+        assert r["expected"]["optimizer"] == 2 * r["expected"]["grads"]
