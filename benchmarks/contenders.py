@@ -5,6 +5,9 @@
   ``ModelParallelStrategy`` (data parallel over both ranks), the way Lightning's and torchtitan's docs show it.
 * ``fsdp1``: Lightning's ``FSDPStrategy`` (FSDP1, FULL_SHARD) auto-wrapping the same modules.
 * ``ddp``: Lightning's ``DDPStrategy``, every parameter replicated.
+* ``mm_module`` (not in the default comparison): ``mm_fsdp2`` with the model in an ``MMLightningModule``, as a
+  migrated MindSpeed MM user writes it: its default AdamW and per-step metrics, Lightning's default
+  ``log_every_n_steps=50``. It measures the module's own per-step cost (variant ``@before_lazylog``).
 
 Two models: ``lm``, the small decoder-only transformer of :mod:`common` (plan: every block is a unit, the rest
 is the root; fp32), and ``vlm``, the seed's TinyVLM with the seed's ``fsdp2_config.yaml`` verbatim (bf16
@@ -15,7 +18,7 @@ contender gets the closest equivalent it has; the differences are listed in :dat
 from __future__ import annotations
 
 import functools
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import lightning as L
@@ -29,10 +32,10 @@ from torch import nn
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 from torch.utils.data import DataLoader
 
-from lightning_mm import MMFSDP2Strategy
+from lightning_mm import MMFSDP2Strategy, MMLightningModule
 from lightning_mm.strategies.optimizer import group_by_sharding
 
-CONTENDERS = ("mm_fsdp2", "hand_fsdp2", "fsdp1", "ddp")
+CONTENDERS = ("mm_fsdp2", "hand_fsdp2", "fsdp1", "ddp", "mm_module")
 SEED_YAML = ROOT / "examples" / "custom_model" / "fsdp2_config.yaml"
 
 VLM_NOTES = {
@@ -98,6 +101,34 @@ class LMTask(L.LightningModule):
 
     def configure_optimizers(self) -> torch.optim.Optimizer:
         return torch.optim.AdamW(self.parameters(), lr=self.lr)
+
+
+class MMLMTask(MMLightningModule):
+    """The LM as a migrated MindSpeed MM user writes it: MMLightningModule's hooks, default AdamW and metrics."""
+
+    def __init__(self, cfg: LMConfig) -> None:
+        super().__init__(lr=1e-4)
+        self.cfg = cfg
+
+    def model_provider(self) -> nn.Module:
+        return DecoderLM(self.cfg)
+
+    def get_batch(self, batch: Any) -> torch.Tensor:
+        return batch[0]
+
+    def forward_step(self, input_ids: torch.Tensor) -> torch.Tensor:
+        return lm_loss(self.model, input_ids)
+
+
+class MMVLMTask(MMLightningModule):
+    """TinyVLM in an MMLightningModule (its forward returns ``{"loss": ...}``)."""
+
+    def __init__(self, cfg: TinyVLMConfig) -> None:
+        super().__init__(lr=1e-4)
+        self.cfg = cfg
+
+    def model_provider(self) -> nn.Module:
+        return TinyVLM(self.cfg)
 
 
 class HandLMTask(LMTask):
@@ -244,6 +275,7 @@ class Setup:
     module: L.LightningModule
     precision: str
     loader: DataLoader
+    trainer_kwargs: dict[str, Any] = field(default_factory=dict)  # over common.quiet_trainer_kwargs()
 
 
 def loader_for(model: str, sizes: Sizes, steps: int, world: int = 2) -> DataLoader:
@@ -259,6 +291,16 @@ def build(model: str, contender: str, sizes: Sizes, steps: int, mm_config: dict[
           mm_kwargs: dict[str, Any] | None = None) -> Setup:
     """One contender's strategy, LightningModule and precision for ``model`` (``lm`` or ``vlm``)."""
     loader = loader_for(model, sizes, steps)
+    if contender == "mm_module":  # MMLightningModule: YAML paths are relative to its model; Lightning's log interval
+        if model == "lm":
+            cfg = mm_config if mm_config is not None else {"sharding_size": "auto",
+                                                            "sub_modules_to_wrap": ["layers.{*}"]}
+            module: L.LightningModule = MMLMTask(sizes.lm)
+        else:
+            cfg = mm_config if mm_config is not None else yaml.safe_load(SEED_YAML.read_text())
+            module = MMVLMTask(sizes.vlm)
+        return Setup(MMFSDP2Strategy(cfg, **(mm_kwargs or {})), module, "32-true", loader,
+                     trainer_kwargs={"log_every_n_steps": 50})
     if model == "lm":
         if contender == "mm_fsdp2":
             cfg = mm_config if mm_config is not None else lm_fsdp2_config()

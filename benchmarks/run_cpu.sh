@@ -59,6 +59,11 @@ $PY benchmarks/step_time.py --models lm,vlm \
   --contenders mm_fsdp2,mm_fsdp2@before_fused,mm_fsdp2@before_keep,mm_fsdp2@fwd1,mm_fsdp2@nonreentrant \
   --rounds $ROUNDS --steps $STEPS --warmup $WARMUP --name tuning
 
+# MMLightningModule's own per-step cost: its metrics synchronised only on the steps whose logs are written
+# (before_lazylog = every step), next to the plain LightningModule under the same strategy.
+$PY benchmarks/step_time.py --models lm,vlm --contenders mm_module,mm_module@before_lazylog,mm_fsdp2 \
+  --rounds $ROUNDS --steps $STEPS --warmup $WARMUP --name tuning_module
+
 # Forward prefetch 1 vs the default 0 for a YAML that leaves it out, the two alone.
 $PY benchmarks/step_time.py --models lm --contenders mm_fsdp2,mm_fsdp2@fwd1 --rounds $((ROUNDS + 8)) --steps $STEPS \
   --warmup $WARMUP --name tuning_fwd_pair

@@ -52,7 +52,7 @@ def worker(args: argparse.Namespace) -> None:
                     setup = build(model, name, sizes, total, mm_config={**base, **overrides} if overrides else None,
                                   mm_kwargs=variants.strategy_kwargs(variant))
                     trainer = L.Trainer(strategy=setup.strategy, precision=setup.precision, max_steps=total,
-                                        callbacks=[timer], **common.quiet_trainer_kwargs())
+                                        callbacks=[timer], **{**common.quiet_trainer_kwargs(), **setup.trainer_kwargs})
                     trainer.fit(setup.module, train_dataloaders=setup.loader)
                 records.setdefault(f"{model}/{spec}", []).append(
                     {"round": rnd, "times": timer.step_times(args.warmup), "cpu": timer.cpu_times(args.warmup),
@@ -98,7 +98,7 @@ def summarize(ranks: list[dict[str, Any]], models: list[str], contenders: list[s
 def pair_ratios(per_round: dict[str, dict[int, float]], rounds: list[int]) -> dict[str, dict[str, Any]]:
     """For each pair, the ratio of the two contenders' medians within each round, and the median of those."""
     ratios = {}
-    pairs = [*PAIRS, *(("mm_fsdp2", spec) for spec in per_round if "@" in spec)]
+    pairs = [*PAIRS, ("mm_fsdp2", "mm_module"), *((spec.split("@")[0], spec) for spec in per_round if "@" in spec)]
     for a, b in pairs:
         if a in per_round and b in per_round:
             each = [per_round[a][r] / per_round[b][r] for r in rounds]

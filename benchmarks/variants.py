@@ -1,8 +1,8 @@
 """Variants of ``mm_fsdp2`` for before/after measurements of the strategy's tuned defaults.
 
 A contender named ``mm_fsdp2@VARIANT`` runs MMFSDP2Strategy with one change: a config override (what a user
-could write in the YAML), a strategy argument, or, for ``before_keep``, the strategy's behaviour before a tuning
-change, restored for that run only (a patch of the benchmark process, never of the package).
+could write in the YAML), a strategy argument, or, for ``before_keep`` and ``before_lazylog``, the behaviour before
+a tuning change, restored for that run only (a patch of the benchmark process, never of the package).
 """
 
 from __future__ import annotations
@@ -12,6 +12,7 @@ from collections.abc import Generator
 from contextlib import contextmanager
 from typing import Any
 
+from lightning_mm import MMLightningModule
 from lightning_mm.strategies import apply
 
 VARIANTS: dict[str, str] = {
@@ -25,6 +26,8 @@ VARIANTS: dict[str, str] = {
     "noreshard": "reshard_after_forward: false (ZeRO-2)",
     "nocast": "cast_forward_inputs: false",
     "nonreentrant": "use_reentrant: false (non-reentrant recomputation)",
+    "before_lazylog": "before: MMLightningModule computes and synchronises its throughput and gradient-norm metrics "
+                      "every step, not only on the steps whose logs are written (mm_module only)",
     "before_fused": "before: torch chooses the optimiser step's implementation (a per-parameter loop over DTensors on "
                     "CPU): MMFSDP2Strategy(fused_optimizer_step=False)",
 }
@@ -49,8 +52,8 @@ def split(spec: str) -> tuple[str, str]:
     name, _, variant = spec.partition("@")
     if variant not in VARIANTS:
         raise ValueError(f"unknown variant {variant!r} in {spec!r}; known: {', '.join(v for v in VARIANTS if v)}")
-    if variant and name != "mm_fsdp2":
-        raise ValueError(f"variants apply to mm_fsdp2 only, got {spec!r}")
+    if variant and name not in ("mm_fsdp2", "mm_module"):
+        raise ValueError(f"variants apply to mm_fsdp2 and mm_module only, got {spec!r}")
     return name, variant
 
 
@@ -65,13 +68,19 @@ def strategy_kwargs(variant: str) -> dict[str, Any]:
 
 @contextmanager
 def behaviour(variant: str) -> Generator[None, None, None]:
-    """Restore a pre-tuning behaviour of the strategy for the duration of one run."""
-    if variant != "before_keep":
+    """Restore a pre-tuning behaviour of the strategy or module for the duration of one run."""
+    if variant == "before_keep":
+        owner, attr = apply, "ExecutionOrderPrefetch"
+        replacement: Any = functools.partial(apply.ExecutionOrderPrefetch, keep_unsharded_for_backward=False)
+    elif variant == "before_lazylog":
+        owner, attr = MMLightningModule, "_writes_step_logs"
+        replacement = lambda self: True  # noqa: E731
+    else:
         yield
         return
-    original = apply.ExecutionOrderPrefetch
-    apply.ExecutionOrderPrefetch = functools.partial(original, keep_unsharded_for_backward=False)  # type: ignore
+    original = getattr(owner, attr)
+    setattr(owner, attr, replacement)
     try:
         yield
     finally:
-        apply.ExecutionOrderPrefetch = original  # type: ignore[misc]
+        setattr(owner, attr, original)

@@ -88,7 +88,8 @@ def test_single_device_fit_with_hooks_and_default_schedule(tmp_path):
     data = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(x, x.sum(1, keepdim=True)), batch_size=8)
     recorder = Recorder()
     trainer = L.Trainer(accelerator="cpu", devices=1, max_steps=40, logger=False, enable_checkpointing=False,
-                        enable_progress_bar=False, callbacks=[recorder], default_root_dir=tmp_path)
+                        enable_progress_bar=False, callbacks=[recorder], default_root_dir=tmp_path,
+                        log_every_n_steps=10)
     module = Regression(lr=3e-2, warmup_steps=5, lr_decay_style="cosine", min_lr=3e-3)
     trainer.fit(module, train_dataloaders=data)
     assert recorder.losses[-1] < 0.3 * recorder.losses[0]
@@ -97,6 +98,24 @@ def test_single_device_fit_with_hooks_and_default_schedule(tmp_path):
         assert key in metrics
     assert float(metrics["train/lr"]) == pytest.approx(3e-3, rel=0.05)  # decayed to min_lr at the end
     assert math.isfinite(float(metrics["train/grad_norm"]))
+
+
+def test_throughput_and_grad_norm_are_computed_only_on_steps_whose_logs_are_written(tmp_path):
+    seen = []
+
+    class Watch(L.Callback):  # what the steps before this one logged
+        def on_train_batch_start(self, trainer, module, batch, idx):
+            seen.append(sorted(k for k in trainer.callback_metrics if k != "train/bias"))
+
+    x = torch.randn(64, 4, generator=torch.Generator().manual_seed(0))
+    data = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(x, x.sum(1, keepdim=True)), batch_size=8)
+    trainer = L.Trainer(accelerator="cpu", devices=1, max_steps=6, logger=False, enable_checkpointing=False,
+                        enable_progress_bar=False, callbacks=[Watch()], default_root_dir=tmp_path,
+                        log_every_n_steps=4)
+    trainer.fit(Regression(lr=1e-2), train_dataloaders=data)
+    every_step = ["train/loss", "train/lr"]
+    assert seen[1:4] == [every_step] * 3  # after steps 1-3: not written, so not computed
+    assert seen[4] == ["train/grad_norm", "train/loss", "train/lr", "train/samples_per_sec"]  # step 4: written
 
 
 def test_ddp_fit_with_seed_callables_in_megatron_form(scenario):

@@ -59,7 +59,11 @@ class MMLightningModule(L.LightningModule):
         warmup_steps: linear warmup length in optimizer steps.
         lr_decay_style: ``constant``, ``cosine`` or ``linear`` decay to ``min_lr`` over the Trainer's total steps.
         min_lr: the floor of the decay.
-        log_grad_norm: log the global gradient norm each step (one extra reduction per step).
+        log_grad_norm: log the global gradient norm (one extra reduction on each step whose logs are written).
+
+    Logged: ``train/loss`` (synchronised across ranks) and ``train/lr`` every step; on the steps whose logs
+    Lightning writes (``Trainer(log_every_n_steps)``) also ``train/samples_per_sec`` and ``train/tokens_per_sec``
+    (summed over ranks) and ``train/grad_norm``; validation and test losses per epoch.
     """
 
     def __init__(
@@ -197,22 +201,34 @@ class MMLightningModule(L.LightningModule):
     def on_train_batch_start(self, batch: Any, batch_idx: int) -> None:
         self._step_started = time.perf_counter()
 
+    def _writes_step_logs(self) -> bool:
+        """Whether Lightning writes this training step's logs (every ``Trainer(log_every_n_steps)`` steps).
+
+        The throughput and gradient-norm metrics are computed and synchronised only on those steps: on the others
+        nothing would read them, and their reductions cost about 6 % of a small model's step (benchmarks/README.md).
+        """
+        trainer = self._trainer
+        connector = getattr(trainer, "_logger_connector", None)
+        return bool(getattr(connector, "should_update_logs", True)) if trainer is not None else True
+
     def on_train_batch_end(self, outputs: Any, batch: Any, batch_idx: int) -> None:
         if self._step_started is None:
             return
         elapsed = max(time.perf_counter() - self._step_started, 1e-9)
         size = _batch_size(batch)
+        optimizers = self.trainer.optimizers
+        if optimizers:  # no collective: every step
+            self.log("train/lr", float(optimizers[0].param_groups[0]["lr"]), batch_size=size, rank_zero_only=True)
+        if not self._writes_step_logs():
+            return
         if size:  # local rates, summed over ranks into global ones
             self.log("train/samples_per_sec", size / elapsed, sync_dist=True, reduce_fx="sum", batch_size=size)
         tokens = _token_count(batch)
         if tokens:
             self.log("train/tokens_per_sec", tokens / elapsed, sync_dist=True, reduce_fx="sum", batch_size=size)
-        optimizers = self.trainer.optimizers
-        if optimizers:
-            self.log("train/lr", float(optimizers[0].param_groups[0]["lr"]), batch_size=size, rank_zero_only=True)
 
     def on_before_optimizer_step(self, optimizer: torch.optim.Optimizer) -> None:
-        if self.log_grad_norm:
+        if self.log_grad_norm and self._writes_step_logs():
             from lightning_mm.strategies.grad_clip import total_grad_norm
 
             norm = total_grad_norm([p for g in optimizer.param_groups for p in g["params"]])
