@@ -103,12 +103,16 @@ class LMTask(L.LightningModule):
         return torch.optim.AdamW(self.parameters(), lr=self.lr)
 
 
-class MMLMTask(MMLightningModule):
-    """The LM as a migrated MindSpeed MM user writes it: MMLightningModule's hooks, default AdamW and metrics."""
+class MMTask(MMLightningModule):
+    """A model of ``cfg`` in an MMLightningModule: its default AdamW (lr 1e-4) and metrics."""
 
-    def __init__(self, cfg: LMConfig) -> None:
+    def __init__(self, cfg: Any) -> None:
         super().__init__(lr=1e-4)
         self.cfg = cfg
+
+
+class MMLMTask(MMTask):
+    """The LM as a migrated MindSpeed MM user writes it: the seed's hooks."""
 
     def model_provider(self) -> nn.Module:
         return DecoderLM(self.cfg)
@@ -120,12 +124,8 @@ class MMLMTask(MMLightningModule):
         return lm_loss(self.model, input_ids)
 
 
-class MMVLMTask(MMLightningModule):
-    """TinyVLM in an MMLightningModule (its forward returns ``{"loss": ...}``)."""
-
-    def __init__(self, cfg: TinyVLMConfig) -> None:
-        super().__init__(lr=1e-4)
-        self.cfg = cfg
+class MMVLMTask(MMTask):
+    """TinyVLM (its forward returns ``{"loss": ...}``, which the default hooks take)."""
 
     def model_provider(self) -> nn.Module:
         return TinyVLM(self.cfg)

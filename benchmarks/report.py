@@ -177,21 +177,31 @@ def plot_checkpoint() -> Path:
     return path
 
 
-def _bar_figure() -> tuple[Any, Any]:
+def _bar_figure(name: str) -> tuple[dict[str, Any], Any, Any, Any]:
+    """The result ``name`` and a fresh figure for it: ``(result, plt, fig, ax)``."""
+    r = _load(name)
+    if r is None:
+        raise SystemExit(f"no results/{name}.json")
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    return plt, plt.subplots(figsize=(10, 4.5))
+    fig, ax = plt.subplots(figsize=(10, 4.5))
+    return r, plt, fig, ax
+
+
+def _save_figure(plt: Any, fig: Any, name: str) -> Path:
+    fig.tight_layout()
+    path = RESULTS / f"{name}.png"
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
 
 
 def plot_optimizer_step() -> Path:
     """A PNG of optimizer_step.py's result: ms per AdamW step by implementation, per size (log scale)."""
-    r = _load("optimizer_step")
-    if r is None:
-        raise SystemExit("no results/optimizer_step.json")
-    plt, (fig, ax) = _bar_figure()
+    r, plt, fig, ax = _bar_figure("optimizer_step")
     rows = r["rows"]
     series = [(kind, impl) for kind in ("tensor", "dtensor") for impl in ("default", "foreach", "fused")]
     width = 0.8 / len(series)
@@ -204,19 +214,12 @@ def plot_optimizer_step() -> Path:
     ax.set_ylabel("ms per AdamW step (median)")
     ax.set_title("AdamW step over plain tensors and FSDP2 DTensors: torch's CPU default, foreach, fused")
     ax.legend(fontsize=8, ncol=2)
-    fig.tight_layout()
-    path = RESULTS / "optimizer_step.png"
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return path
+    return _save_figure(plt, fig, "optimizer_step")
 
 
 def plot_overhead_profile() -> Path:
     """A PNG of overhead_profile.py's result: Python function calls per training step, per contender."""
-    r = _load("overhead_profile")
-    if r is None:
-        raise SystemExit("no results/overhead_profile.json")
-    plt, (fig, ax) = _bar_figure()
+    r, plt, fig, ax = _bar_figure("overhead_profile")
     data = r["rank0"]
     models = sorted({k.split("/")[0] for k in data})
     contenders = list(dict.fromkeys(k.split("/")[1] for k in data))
@@ -228,11 +231,7 @@ def plot_overhead_profile() -> Path:
     ax.set_ylabel("Python function calls per step (rank 0, cProfile)")
     ax.set_title("per-step Python work by contender")
     ax.legend()
-    fig.tight_layout()
-    path = RESULTS / "overhead_profile.png"
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return path
+    return _save_figure(plt, fig, "overhead_profile")
 
 
 PLOTS = {"checkpoint": plot_checkpoint, "optimizer_step": plot_optimizer_step,
