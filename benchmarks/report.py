@@ -238,7 +238,8 @@ PLOTS = {"checkpoint": plot_checkpoint, "optimizer_step": plot_optimizer_step,
          "overhead_profile": plot_overhead_profile}
 
 SECTIONS = {"step_time": step_time, "step_time_vlm_pair": lambda: step_time("step_time_vlm_pair"),
-            "tuning": lambda: step_time("tuning"), "tuning_module": lambda: step_time("tuning_module"),
+            "fsdp1_pair": lambda: step_time("fsdp1_pair"), "tuning": lambda: step_time("tuning"),
+            "tuning_module": lambda: step_time("tuning_module"),
             "memory": memory, "init": init,
             "optimizer_step": optimizer_step, "checkpoint": checkpoint}
 

@@ -47,6 +47,11 @@ wait_for_quiet "step_time_vlm_pair"
 $PY benchmarks/step_time.py --models vlm --contenders mm_fsdp2,hand_fsdp2,fsdp1 --rounds $((ROUNDS + 8)) \
   --steps $STEPS --warmup $WARMUP --name step_time_vlm_pair
 
+wait_for_quiet "fsdp1_pair"
+# The strategy against FSDP1 alone, both models, 30 rounds.
+$PY benchmarks/step_time.py --models lm,vlm --contenders mm_fsdp2,fsdp1 --rounds $((ROUNDS + 18)) --steps $STEPS \
+  --warmup $WARMUP --name fsdp1_pair
+
 # Per-step Python work of each contender, counted under cProfile (does not depend on the load).
 $PY benchmarks/overhead_profile.py
 $PY benchmarks/report.py --plot overhead_profile
