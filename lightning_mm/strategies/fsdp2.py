@@ -52,6 +52,32 @@ def _destroy_process_group() -> None:
         dist.destroy_process_group()
 
 
+def _drain_gloo_workers() -> None:
+    """Barrier on the default gloo group, so that its worker threads release their finished collectives now.
+
+    A gloo worker thread drops its reference to a collective it has run just after the caller's ``wait()`` has
+    returned. When that reference is the last one and the work holds a Python object (a collective issued during
+    backward keeps the ``contextvars`` context that backward stashes in thread-local state), the release needs the
+    GIL; a thread that asks for it once the interpreter is finalizing is ended by ``pthread_exit`` inside a
+    ``noexcept`` destructor: ``terminate called without an active exception``, SIGABRT, after a successful run.
+    Queuing the barrier takes the workers' queue lock and waiting for it lets go of the GIL, so a pending release
+    finishes here, while the interpreter is still whole; the barrier's own work holds no Python object.
+    """
+    if dist.get_backend() != "gloo":
+        return
+    try:
+        dist.barrier()
+    except RuntimeError as err:  # a peer already gone: nothing left to wait for, destroy the group anyway
+        log.debug("MMFSDP2Strategy: barrier before destroying the process group at exit failed: %s", err)
+
+
+def _destroy_process_group_at_exit() -> None:
+    """The ``atexit`` handler: let the gloo workers go idle, then destroy the process group."""
+    if dist.is_available() and dist.is_initialized():
+        _drain_gloo_workers()
+        dist.destroy_process_group()
+
+
 class MMFSDP2Strategy(ParallelStrategy):
     """Fully sharded data parallel (FSDP2) training driven by a MindSpeed MM ``fsdp2_config.yaml``.
 
@@ -247,8 +273,8 @@ class MMFSDP2Strategy(ParallelStrategy):
         # Ours to destroy: after a failed run (teardown) and at interpreter exit. Not after a successful run: the
         # sharded model keeps using this group if the same Trainer goes on to validate, test or predict.
         self._created_process_group = True
-        atexit.unregister(_destroy_process_group)
-        atexit.register(_destroy_process_group)
+        atexit.unregister(_destroy_process_group_at_exit)
+        atexit.register(_destroy_process_group_at_exit)
         rank_zero_info(f"MMFSDP2Strategy: {self.world_size} processes, backend {self._process_group_backend}")
 
     def _config_from_module(self) -> FSDP2Config:
