@@ -62,6 +62,9 @@ def _drain_gloo_workers() -> None:
     ``noexcept`` destructor: ``terminate called without an active exception``, SIGABRT, after a successful run.
     Queuing the barrier takes the workers' queue lock and waiting for it lets go of the GIL, so a pending release
     finishes here, while the interpreter is still whole; the barrier's own work holds no Python object.
+
+    The exit of each rank therefore waits until every rank has finished (up to the process-group timeout for a
+    peer that hangs): destroying a gloo group waits for its queued work anyway, so a shorter bound would not help.
     """
     if dist.get_backend() != "gloo":
         return
