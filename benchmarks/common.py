@@ -5,6 +5,7 @@ Nothing here is timed itself. The benchmark scripts import it as ``common`` (the
 
 from __future__ import annotations
 
+import argparse
 import datetime as _dt
 import json
 import math
@@ -14,6 +15,7 @@ import statistics
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
@@ -229,6 +231,27 @@ def quiet_trainer_kwargs() -> dict[str, Any]:
 
 
 # ------------------------------------------------------------------------------------------------ launch
+def benchmark_parser(doc: str | None) -> argparse.ArgumentParser:
+    """The command line of a benchmark script, its module docstring as the help text."""
+    return argparse.ArgumentParser(description=doc, formatter_class=argparse.RawDescriptionHelpFormatter)
+
+
+def parse_or_work(parser: argparse.ArgumentParser, worker: Callable[[argparse.Namespace], None],
+                  out: str) -> argparse.Namespace | None:
+    """Parse the command line of a script that :func:`launch_ranks` re-runs on each rank with ``--worker``.
+
+    Adds the hidden ``--worker`` and ``--out`` (default ``out``, the ranks' scratch folder). In a rank, runs
+    ``worker(args)`` and returns ``None``; in the launching process, returns the parsed arguments.
+    """
+    parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
+    parser.add_argument("--out", default=out, help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.worker:
+        worker(args)
+        return None
+    return args
+
+
 def launch_ranks(script: Path, args: list[str], nproc: int = 2, timeout: int = 3600,
                  log: Path | None = None) -> None:
     """Run ``script args`` on ``nproc`` local ranks with torchrun (one thread each); raise with the log tail."""

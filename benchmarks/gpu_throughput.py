@@ -350,7 +350,7 @@ def plot(summary: dict[str, Any], path: Path) -> None:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = common.benchmark_parser(__doc__)
     parser.add_argument("--device", default="cuda", choices=["cuda", "cpu"])
     parser.add_argument("--nproc", type=int, default=None, help="processes (default: visible GPUs, or 2 on CPU)")
     parser.add_argument("--batch", type=int, default=4, help="sequences per GPU and step")
@@ -361,11 +361,8 @@ def main() -> None:
     parser.add_argument("--peak-tflops", type=float, default=None, help="dense bf16 peak per GPU, for the MFU")
     parser.add_argument("--tiny", action="store_true", help="tiny model (a check of the script)")
     parser.add_argument("--name", default="gpu_throughput")
-    parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
-    parser.add_argument("--out", default="/tmp/lmm_bench/gpu", help=argparse.SUPPRESS)
-    args = parser.parse_args()
-    if args.worker:
-        worker(args)
+    args = common.parse_or_work(parser, worker, out="/tmp/lmm_bench/gpu")
+    if args is None:
         return
     import torch
 

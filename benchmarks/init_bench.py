@@ -100,7 +100,7 @@ def plot(result: dict[str, Any], path: Path) -> None:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = common.benchmark_parser(__doc__)
     parser.add_argument("--hidden", type=int, default=2048)
     parser.add_argument("--layers", type=int, default=28)
     parser.add_argument("--heads", type=int, default=16)
@@ -108,11 +108,8 @@ def main() -> None:
     parser.add_argument("--modes", default=",".join(MODES))
     parser.add_argument("--name", default="init")
     parser.add_argument("--mode", help=argparse.SUPPRESS)
-    parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
-    parser.add_argument("--out", default="/tmp/lmm_bench/init", help=argparse.SUPPRESS)
-    args = parser.parse_args()
-    if args.worker:
-        worker(args)
+    args = common.parse_or_work(parser, worker, out="/tmp/lmm_bench/init")
+    if args is None:
         return
     out = Path(args.out)
     machine = common.machine()

@@ -210,15 +210,12 @@ def plot(result: dict[str, Any], path: Path) -> None:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = common.benchmark_parser(__doc__)
     parser.add_argument("--sizes", default="medium", help="size preset: tiny, small, medium")
     parser.add_argument("--configs", default=",".join(CONFIGS))
     parser.add_argument("--name", default="memory")
-    parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
-    parser.add_argument("--out", default="/tmp/lmm_bench/memory", help=argparse.SUPPRESS)
-    args = parser.parse_args()
-    if args.worker:
-        worker(args)
+    args = common.parse_or_work(parser, worker, out="/tmp/lmm_bench/memory")
+    if args is None:
         return
     out = Path(args.out)
     machine = common.machine()

@@ -75,15 +75,12 @@ def worker(args: argparse.Namespace) -> None:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = common.benchmark_parser(__doc__)
     parser.add_argument("--models", default="lm,vlm")
     parser.add_argument("--contenders", default="mm_fsdp2,hand_fsdp2,fsdp1,ddp")
     parser.add_argument("--sizes", default="small")
-    parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
-    parser.add_argument("--out", default="/tmp/lmm_bench/overhead", help=argparse.SUPPRESS)
-    args = parser.parse_args()
-    if args.worker:
-        worker(args)
+    args = common.parse_or_work(parser, worker, out="/tmp/lmm_bench/overhead")
+    if args is None:
         return
     out = Path(args.out)
     machine = common.machine()

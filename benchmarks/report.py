@@ -145,19 +145,34 @@ def checkpoint() -> str:
     return "\n".join(out)
 
 
-def plot_checkpoint() -> Path:
-    """A PNG of checkpoint_bench.py's result (that script writes JSON only)."""
+def _figure(name: str, ncols: int = 1,
+            figsize: tuple[float, float] = (10, 4.5)) -> tuple[dict[str, Any], Any, Any, Any]:
+    """The result ``name`` and a fresh figure for it: ``(result, plt, fig, axes)``."""
+    r = _load(name)
+    if r is None:
+        raise SystemExit(f"no results/{name}.json")
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    r = _load("checkpoint")
-    if r is None:
-        raise SystemExit("no results/checkpoint.json")
+    fig, axes = plt.subplots(1, ncols, figsize=figsize)
+    return r, plt, fig, axes
+
+
+def _save_figure(plt: Any, fig: Any, name: str) -> Path:
+    fig.tight_layout()
+    path = RESULTS / f"{name}.png"
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
+
+
+def plot_checkpoint() -> Path:
+    """A PNG of checkpoint_bench.py's result (that script writes JSON only)."""
+    r, plt, fig, (ax1, ax2) = _figure("checkpoint", ncols=2, figsize=(10, 4))
     rows = r["rows"]
     names = [row["format"] for row in rows]
-    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(10, 4))
     x = range(len(names))
     ax1.bar([i - 0.2 for i in x], [row["save_s"] for row in rows], 0.4, label="save")
     ax1.bar([i + 0.2 for i in x], [row["load_s"] for row in rows], 0.4, label="load")
@@ -170,38 +185,12 @@ def plot_checkpoint() -> Path:
     ax2.set_ylabel("peak RSS increase, MB (max over ranks)")
     ax2.legend()
     fig.suptitle(f"checkpoint of {r['params'] / 1e6:.0f} M parameters + AdamW state, {r['devices']} ranks")
-    fig.tight_layout()
-    path = RESULTS / "checkpoint.png"
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return path
-
-
-def _bar_figure(name: str) -> tuple[dict[str, Any], Any, Any, Any]:
-    """The result ``name`` and a fresh figure for it: ``(result, plt, fig, ax)``."""
-    r = _load(name)
-    if r is None:
-        raise SystemExit(f"no results/{name}.json")
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, ax = plt.subplots(figsize=(10, 4.5))
-    return r, plt, fig, ax
-
-
-def _save_figure(plt: Any, fig: Any, name: str) -> Path:
-    fig.tight_layout()
-    path = RESULTS / f"{name}.png"
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return path
+    return _save_figure(plt, fig, "checkpoint")
 
 
 def plot_optimizer_step() -> Path:
     """A PNG of optimizer_step.py's result: ms per AdamW step by implementation, per size (log scale)."""
-    r, plt, fig, ax = _bar_figure("optimizer_step")
+    r, plt, fig, ax = _figure("optimizer_step")
     rows = r["rows"]
     series = [(kind, impl) for kind in ("tensor", "dtensor") for impl in ("default", "foreach", "fused")]
     width = 0.8 / len(series)
@@ -219,7 +208,7 @@ def plot_optimizer_step() -> Path:
 
 def plot_overhead_profile() -> Path:
     """A PNG of overhead_profile.py's result: Python function calls per training step, per contender."""
-    r, plt, fig, ax = _bar_figure("overhead_profile")
+    r, plt, fig, ax = _figure("overhead_profile")
     data = r["rank0"]
     models = sorted({k.split("/")[0] for k in data})
     contenders = list(dict.fromkeys(k.split("/")[1] for k in data))

@@ -137,7 +137,7 @@ def plot(summary: dict[str, Any], path: Path, title: str) -> None:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = common.benchmark_parser(__doc__)
     parser.add_argument("--models", default="lm,vlm")
     parser.add_argument("--contenders", default="mm_fsdp2,hand_fsdp2,fsdp1,ddp")
     parser.add_argument("--sizes", default="small", help="size preset: tiny, small, medium")
@@ -145,11 +145,8 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=30, help="timed steps per run")
     parser.add_argument("--warmup", type=int, default=5)
     parser.add_argument("--name", default="step_time", help="result file name under benchmarks/results/")
-    parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
-    parser.add_argument("--out", default="/tmp/lmm_bench/step_time", help=argparse.SUPPRESS)
-    args = parser.parse_args()
-    if args.worker:
-        worker(args)
+    args = common.parse_or_work(parser, worker, out="/tmp/lmm_bench/step_time")
+    if args is None:
         return
 
     out = Path(args.out)

@@ -78,7 +78,7 @@ def _destroy_process_group_at_exit() -> None:
     """The ``atexit`` handler: let the gloo workers go idle, then destroy the process group."""
     if dist.is_available() and dist.is_initialized():
         _drain_gloo_workers()
-        dist.destroy_process_group()
+    _destroy_process_group()
 
 
 class MMFSDP2Strategy(ParallelStrategy):
