@@ -106,7 +106,7 @@ def _iter_raw(file: Path) -> Iterator[tuple[int, Any, str | None]]:
             if len(line) > MAX_LINE_BYTES and not line.endswith(b"\n"):
                 while line and not line.endswith(b"\n"):  # drop the rest of the line, a chunk at a time
                     line = handle.readline(MAX_LINE_BYTES)
-                yield number, None, f"line longer than {MAX_LINE_BYTES >> 20} MiB"
+                yield number, None, f"line longer than {MAX_LINE_BYTES} bytes"
                 continue
             if not line.strip():
                 continue
