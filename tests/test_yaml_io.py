@@ -15,11 +15,14 @@ from tests.limits import bounded
 
 ROOT = Path(__file__).resolve().parents[1]
 
-# 300 bytes that expand to 9**7 (4.8 million) strings; the old loader built it and the error quoted all of it.
-BOMB = "".join(
-    f"{name}: &{name} [{', '.join([f'*{prev}'] * 9) if prev else ', '.join(['lol'] * 9)}]\n"
-    for prev, name in zip([None, "a", "b", "c", "d", "e"], "abcdef")
-)
+
+def bomb(key: str) -> str:
+    """About 300 bytes under one valid key that expand to 9**7 (4.8 million) strings: the old loader built the
+    value (shared, so cheaply) and the error message quoted all of it, tens of MB."""
+    items = [f"  - &a [{', '.join(['lol'] * 9)}]"]
+    items += [f"  - &{name} [{', '.join([f'*{prev}'] * 9)}]" for prev, name in zip("abcde", "bcdef")]
+    return f"{key}:\n" + "\n".join(items) + f"\n  - [{', '.join(['*f'] * 9)}]\n"
+
 
 LOADERS = [
     pytest.param(FSDP2Config.from_yaml, FSDP2ConfigError, "sub_modules_to_wrap", id="fsdp2"),
@@ -35,7 +38,7 @@ def write(tmp_path: Path, text: str | bytes, name: str = "config.yaml") -> Path:
 
 @pytest.mark.parametrize(("load", "error", "key"), LOADERS)
 def test_alias_bomb_is_a_short_error_naming_the_file(tmp_path, load, error, key):
-    path = write(tmp_path, BOMB + f"{key}: [*f, *f, *f, *f, *f, *f, *f, *f, *f]\n")
+    path = write(tmp_path, bomb(key))
     assert len(path.read_bytes()) < 400
     with bounded(extra_bytes=1 << 30, seconds=20), pytest.raises(error, match="expands to more than") as err:
         load(path)
