@@ -12,7 +12,7 @@ may turn into and keeps its errors short:
 * every message names the file, has a line where one is known, and quotes values through :func:`short_repr`.
 
 :func:`load_mapping` also checks the shape: an empty file (or one with only comments) is an empty mapping,
-anything else that is not a mapping (``[]``, ``0``, ``false``) is an error.
+anything else that is not a mapping (``[]``, ``0``, ``false``, ``null``) is an error.
 """
 
 from __future__ import annotations
@@ -54,6 +54,9 @@ class ConfigFileError(ValueError):
     """A config file that cannot be read as written (callers may ask for their own subclass instead)."""
 
 
+_EMPTY = object()  # what an empty YAML document (nothing, or only comments) loads as, before load_config maps it
+
+
 class _Limit(Exception):
     def __init__(self, message: str, mark: Any = None) -> None:
         super().__init__(message)
@@ -85,7 +88,7 @@ class _BoundedLoader(yaml.SafeLoader):
     def get_single_data(self) -> Any:
         node = self.get_single_node()
         if node is None:
-            return None
+            return _EMPTY
         _check_expansion(node)
         return self.construct_document(node)
 
@@ -197,18 +200,23 @@ def _load_json(path: Path, text: str, error: type[Exception]) -> Any:
         raise error(f"{path}: not valid JSON: {str(err)[:200]}") from None
 
 
-def load_config(path: str | os.PathLike, error: type[Exception] = ConfigFileError) -> Any:
-    """Read a YAML file (or JSON, for a ``.json`` suffix) within the limits above; failures raise ``error``."""
+def load_config(path: str | os.PathLike, error: type[Exception] = ConfigFileError, empty: Any = None) -> Any:
+    """Read a YAML file (or JSON, for a ``.json`` suffix) within the limits above; failures raise ``error``.
+
+    A YAML file with no document (empty, or only comments) gives ``empty``.
+    """
     path = Path(path)
     text = _read_text(path, error)
-    return _load_json(path, text, error) if path.suffix.lower() == ".json" else _load_yaml(path, text, error)
+    if path.suffix.lower() == ".json":
+        return _load_json(path, text, error)
+    data = _load_yaml(path, text, error)
+    return empty if data is _EMPTY else data
 
 
 def load_mapping(path: str | os.PathLike, error: type[Exception] = ConfigFileError) -> dict[str, Any]:
-    """:func:`load_config`, and the top level must be a mapping; an empty file (or only comments) gives ``{}``."""
-    data = load_config(path, error)
-    if data is None:
-        return {}
+    """:func:`load_config`, and the top level must be a mapping: an empty file (or only comments) gives ``{}``;
+    anything else, an explicit ``null`` included, is an error naming the file."""
+    data = load_config(path, error, empty={})
     if not isinstance(data, Mapping):
         raise error(f"{path}: the top level must be a mapping of keys to values, got {type(data).__name__} "
                     f"{short_repr(data)}")

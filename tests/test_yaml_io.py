@@ -75,7 +75,7 @@ def test_non_utf8_bytes_name_the_file_and_line(tmp_path, load, error, key):
 
 
 @pytest.mark.parametrize(("load", "error", "key"), LOADERS)
-@pytest.mark.parametrize("top", ["[]", "0", "false", "- a\n- b", "just a string"])
+@pytest.mark.parametrize("top", ["[]", "0", "false", "null", "- a\n- b", "just a string"])
 def test_a_top_level_that_is_not_a_mapping_names_the_file(tmp_path, load, error, key, top):
     path = write(tmp_path, top + "\n")
     with pytest.raises(error, match=rf"{path}: the top level must be a mapping"):
