@@ -317,3 +317,20 @@ def test_an_image_that_fails_to_decode_at_load_time_is_replaced_and_counted(data
     strict.setup("fit")
     with pytest.raises(DataError, match=r"strict mode: train.jsonl:3: cannot decode image .*corrupt.png"):
         list(strict.train_dataloader())
+
+
+def test_images_that_all_fail_to_decode_end_in_an_error_not_a_scan(dataset_dir, monkeypatch):
+    from lightning_mm.datamodules import mm_dataset
+    from tests.hostile_files import write_corrupt_png
+
+    write_corrupt_png(dataset_dir / "img" / "corrupt.png")
+    lines = [{"image": "img/corrupt.png", "text": "a red circle"}] * 5
+    dm = MMDataModule.from_config(write_config(dataset_dir, lines))
+    dm.setup("fit")
+    dataset = dm.train_dataloader().dataset
+    with pytest.warns(UserWarning), pytest.raises(DataError, match="no record has an image that decodes"):
+        dataset[0]
+    monkeypatch.setattr(mm_dataset, "MAX_FAILURES_IN_A_ROW", 2)
+    dataset.bad.clear()
+    with pytest.warns(UserWarning), pytest.raises(DataError, match=r"2 images in a row failed.*train.jsonl:2"):
+        dataset[0]

@@ -15,6 +15,8 @@ from lightning_mm.datamodules.records import DataError, DataReport, Record
 __all__ = ["MMDataset", "MMCollator", "load_tokenizer", "load_processor"]
 
 IGNORE_INDEX = -100
+MAX_FAILURES_IN_A_ROW = 32
+"""Decode failures one sample may run into before the dataset gives up instead of trying every record."""
 
 
 def load_tokenizer(path: Any) -> Any:
@@ -42,7 +44,8 @@ class MMDataset(Dataset):
     file order, wrapping around) whose image decodes: the dataset keeps its length, so every data-parallel rank
     still yields the same number of batches and no collective waits on a missing one. The failed record is
     counted once in ``report`` (the same :class:`DataReport` as the up-front problems, with file:line), warned
-    about, and never decoded again in this process. With ``num_workers > 0`` that happens in the worker processes:
+    about, and never decoded again in this process; :data:`MAX_FAILURES_IN_A_ROW` failures for one sample are an
+    error (something systematic, not one bad file). With ``num_workers > 0`` that happens in the worker processes:
     each warns, but the main process's report does not see their counts. In strict mode the failure is a
     :class:`DataError` naming the record.
     """
@@ -88,6 +91,7 @@ class MMDataset(Dataset):
 
     def __getitem__(self, index: int) -> dict[str, Any]:
         n = len(self.records)
+        failures = 0
         for step in range(n):
             current = (index + step) % n
             if current in self.bad:
@@ -97,6 +101,12 @@ class MMDataset(Dataset):
                 image = self._image(record)
             except Exception as err:  # PIL raises many types for a corrupt stream
                 self._skip(current, err)
+                failures += 1
+                if failures >= MAX_FAILURES_IN_A_ROW:
+                    raise DataError(
+                        f"{self.report.split}: {failures} images in a row failed to decode (the last at "
+                        f"{record.file.name}:{record.line}); the data or the image processor is broken"
+                    ) from err
                 continue
             ids = [*record.prompt_ids, *record.target_ids]
             labels = [IGNORE_INDEX] * len(record.prompt_ids) + list(record.target_ids)
