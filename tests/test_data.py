@@ -191,3 +191,146 @@ def test_missing_config_file_and_explicit_overrides(dataset_dir):
     dm = MMDataModule.from_config(write_config(dataset_dir, GOOD), batch_size=1)
     dm.setup("fit")
     assert dm.batch_size == 1 and len(list(dm.train_dataloader())) == 2
+
+
+# ------------------------------------------------------------------------------------------ hostile data
+def write_raw_lines(root: Path, lines: list[bytes], name: str = "train.jsonl", **extra) -> Path:
+    """Like write_config, with record lines given as raw bytes."""
+    path = write_config(root, [], **extra)
+    (root / name).write_bytes(b"\n".join(lines) + b"\n")
+    return path
+
+
+HOSTILE_LINES = [
+    (b'{"image": "img/r.png", "text": "a red \xff square"}', "train.jsonl:3: not UTF-8 text (byte 0xff"),
+    (b'{"image": "img/r.png", "text": "a", "x": ' + b"[" * 100_000 + b"]" * 100_000 + b"}",
+     "train.jsonl:3: not valid JSON: nested too deeply"),
+    (b'{"image": "img/r.png", "text": "a", "n": ' + b"9" * 5000 + b"}",
+     "train.jsonl:3: not valid JSON: Exceeds the limit"),
+]
+
+
+@pytest.mark.parametrize(("line", "message"), HOSTILE_LINES)
+def test_hostile_record_lines_are_bad_records_with_file_and_line(dataset_dir, line, message):
+    good = [json.dumps(g).encode() for g in GOOD]
+    dm = MMDataModule.from_config(write_raw_lines(dataset_dir, [*good, line, good[0]]))
+    with pytest.warns(UserWarning, match="1 skipped"):
+        dm.setup("fit")
+    report = dm.reports["train"]
+    assert report.total == 4 and report.skipped == 1 and message in report.problems[0], report.problems
+    assert len(dm.train_dataloader().dataset) == 3
+    strict = MMDataModule.from_config(write_raw_lines(dataset_dir, [*good, line], strict=True))
+    with pytest.raises(DataError, match="train.jsonl:3"):
+        strict.setup("fit")
+
+
+def test_a_json_list_file_with_bad_bytes_is_a_bad_record_not_a_crash(dataset_dir):
+    (dataset_dir / "list.json").write_bytes(b'[{"image": "img/r.png", "text": "a red \xff"}]')
+    dm = MMDataModule.from_config(write_config(dataset_dir, GOOD, val="list.json"))
+    with pytest.warns(UserWarning, match="val: 1 records, 0 used, 1 skipped"), pytest.raises(DataError, match="val"):
+        dm.setup("fit")
+    assert "list.json:1: not UTF-8 text" in dm.reports["val"].problems[0]
+
+
+def test_an_overlong_line_is_a_bad_record_and_is_not_kept(dataset_dir, monkeypatch):
+    from lightning_mm.datamodules import records
+
+    monkeypatch.setattr(records, "MAX_LINE_BYTES", 64)
+    good = [json.dumps(g).encode() for g in GOOD[:1]]
+    long_line = json.dumps({"image": "img/r.png", "text": "a " * 200}).encode()
+    dm = MMDataModule.from_config(write_raw_lines(dataset_dir, [*good, long_line, *good]))
+    with pytest.warns(UserWarning, match="1 skipped"):
+        dm.setup("fit")
+    assert dm.reports["train"].problems[0].startswith("train.jsonl:2: line longer than")
+    assert [r.line for r in dm.train_dataloader().dataset.records] == [1, 3]
+
+
+@pytest.fixture
+def outside(tmp_path_factory):
+    """A real picture in a folder next to (not inside) the data root."""
+    path = tmp_path_factory.mktemp("outside") / "o.png"
+    Image.new("RGB", (20, 12), (0, 255, 0)).save(path)
+    return path
+
+
+def test_image_paths_outside_the_data_root_are_bad_records(dataset_dir, outside):
+    (dataset_dir / "img" / "link.png").symlink_to(outside)
+    relative = Path("..") / outside.parent.name / outside.name
+    escapes = [{"image": str(outside), "text": "a red square"},  # absolute
+               {"image": "img/link.png", "text": "a red square"},  # symlink leading out
+               {"image": f"img/../{relative}", "text": "a red square"},  # '..'
+               {"image": "/etc/hostname", "text": "a red square"}]
+    dm = MMDataModule.from_config(write_config(dataset_dir, [*GOOD, *escapes]))
+    with pytest.warns(UserWarning, match="4 skipped"):
+        dm.setup("fit")
+    problems = dm.reports["train"].problems
+    assert [p.split(": ", 1)[0] for p in problems] == [f"train.jsonl:{i}" for i in (3, 4, 5, 6)]
+    assert all("lies outside the data root" in p and "allow_outside_data_root" in p for p in problems)
+    assert all(r.image.is_relative_to(dataset_dir.resolve()) for r in dm.train_dataloader().dataset.records)
+    # Opting in: the same records are used (the absolute /etc path stays out: it is no image).
+    allowed = MMDataModule.from_config(write_config(dataset_dir, [*GOOD, *escapes[:3]], allow_outside_data_root=True))
+    allowed.setup("fit")
+    assert allowed.reports["train"].skipped == 0 and len(allowed.train_dataloader().dataset) == 5
+
+
+def test_record_files_outside_the_data_root_are_a_config_error(dataset_dir, outside):
+    (outside.parent / "t.jsonl").write_text(json.dumps(GOOD[0]) + "\n")
+    path = write_config(dataset_dir, GOOD, val=str(outside.parent / "t.jsonl"))
+    with pytest.raises(DataConfigError, match="`val`: .*lies outside data_root.*allow_outside_data_root"):
+        MMDataModule.from_config(path)
+
+
+@pytest.mark.parametrize(("extra", "message"), [
+    ({"preprocess": []}, "`preprocess` must be a mapping"),
+    ({"loader": 0}, "`loader` must be a mapping"),
+    ({"loader": False}, "`loader` must be a mapping"),
+    ({"allow_outside_data_root": "yes"}, "`allow_outside_data_root`: expected true or false"),
+])
+def test_sections_that_are_not_mappings_are_errors(dataset_dir, extra, message):
+    path = write_config(dataset_dir, GOOD)
+    config = json.loads(path.read_text())
+    config.update(extra)
+    path.write_text(json.dumps(config))
+    with pytest.raises(DataConfigError, match=message):
+        MMDataModule.from_config(path)
+
+
+def test_an_image_that_fails_to_decode_at_load_time_is_replaced_and_counted(dataset_dir):
+    from tests.hostile_files import write_corrupt_png
+
+    write_corrupt_png(dataset_dir / "img" / "corrupt.png")
+    lines = [*GOOD, {"image": "img/corrupt.png", "text": "a red circle"}]
+    dm = MMDataModule.from_config(write_config(dataset_dir, lines))
+    dm.setup("fit")  # verify() passes: nothing is known to be wrong yet
+    assert dm.reports["train"].skipped == 0
+    with pytest.warns(UserWarning, match=r"train.jsonl:3: cannot decode image"):
+        batches = list(dm.train_dataloader())
+    assert [len(b["input_ids"]) for b in batches] == [2, 1]  # same number of samples, record 1 in its place
+    assert torch.equal(batches[1]["images"][0], batches[0]["images"][0])
+    report = dm.reports["train"]
+    assert report.skipped == 1 and report.problems[0].startswith("train.jsonl:3: cannot decode image")
+    assert "1 skipped" in report.summary()
+    list(dm.train_dataloader())  # a second epoch neither decodes it again nor counts it twice
+    assert report.skipped == 1
+
+    strict = MMDataModule.from_config(write_config(dataset_dir, lines, strict=True))
+    strict.setup("fit")
+    with pytest.raises(DataError, match=r"strict mode: train.jsonl:3: cannot decode image .*corrupt.png"):
+        list(strict.train_dataloader())
+
+
+def test_images_that_all_fail_to_decode_end_in_an_error_not_a_scan(dataset_dir, monkeypatch):
+    from lightning_mm.datamodules import mm_dataset
+    from tests.hostile_files import write_corrupt_png
+
+    write_corrupt_png(dataset_dir / "img" / "corrupt.png")
+    lines = [{"image": "img/corrupt.png", "text": "a red circle"}] * 5
+    dm = MMDataModule.from_config(write_config(dataset_dir, lines))
+    dm.setup("fit")
+    dataset = dm.train_dataloader().dataset
+    with pytest.warns(UserWarning), pytest.raises(DataError, match="no record has an image that decodes"):
+        dataset[0]
+    monkeypatch.setattr(mm_dataset, "MAX_FAILURES_IN_A_ROW", 2)
+    dataset.bad.clear()
+    with pytest.warns(UserWarning), pytest.raises(DataError, match=r"2 images in a row failed.*train.jsonl:2"):
+        dataset[0]

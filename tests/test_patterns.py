@@ -51,3 +51,23 @@ def test_wildcard_on_a_leaf_is_an_error():
 def test_malformed(pattern):
     with pytest.raises(PatternError):
         parse_pattern(pattern)
+
+
+def test_huge_range_is_checked_against_the_model_without_being_expanded():
+    from tests.limits import bounded
+
+    with bounded(extra_bytes=512 << 20, seconds=20):
+        segments = parse_pattern("model.layers.{0-999999999}")
+        assert segments[-1].ranges == ((0, 999999999),)
+        with pytest.raises(PatternError, match=r"'model.layers.\{0-999999999\}' resolves to no module at "
+                                               r"'model.layers.10'"):
+            resolve_pattern(tree(), "model.layers.{0-999999999}")
+        assert resolve_pattern(tree(), "model.layers.{8-9,0-1,8}") == [f"model.layers.{i}" for i in (8, 9, 0, 1)]
+
+
+def test_pattern_errors_stay_short():
+    with pytest.raises(PatternError) as err:
+        parse_pattern("a.{" + "1," * 100_000 + "x}")
+    assert len(str(err.value)) < 400
+    with pytest.raises(PatternError, match="more than 18 digits"):
+        parse_pattern("a.{" + "9" * 5000 + "}")

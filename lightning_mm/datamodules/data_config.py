@@ -14,20 +14,23 @@ Example::
       truncation: true
     loader: {batch_size: 8, num_workers: 0, shuffle: true, drop_last: false, padding: longest}
     strict: false              # true: any bad record is an error; false: skipped, counted and reported
+    allow_outside_data_root: false  # true: record files and images may lie outside data_root (absolute paths,
+                                    # '..', symlinks leading out); false: such a record is a bad record
 
-Every key is checked: an unknown key or a path that does not exist fails before training, naming the key.
+Every key is checked: an unknown key or a path that does not exist fails before training, naming the key. The
+file is read by the project's bounded safe loader (:mod:`lightning_mm._yaml`): duplicate keys, a top level that
+is not a mapping, non-UTF-8 bytes and alias bombs are errors naming the file.
 """
 
 from __future__ import annotations
 
 import difflib
-import json
 import os
 from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
-import yaml
+from lightning_mm._yaml import load_mapping, short_repr
 
 __all__ = ["DataConfig", "PreprocessConfig", "LoaderConfig", "DataConfigError"]
 
@@ -69,6 +72,7 @@ class DataConfig:
     loader: LoaderConfig = field(default_factory=LoaderConfig)
     strict: bool = False
     source: str | None = None
+    allow_outside_data_root: bool = False
 
     @classmethod
     def from_file(cls, path: str | os.PathLike) -> DataConfig:
@@ -76,12 +80,8 @@ class DataConfig:
         path = Path(path)
         if not path.is_file():
             raise FileNotFoundError(f"data config not found: {path}")
-        text = path.read_text()
-        try:
-            data = json.loads(text) if path.suffix == ".json" else yaml.safe_load(text)
-        except (json.JSONDecodeError, yaml.YAMLError) as err:
-            raise DataConfigError(f"{path}: cannot parse: {err}") from err
-        return cls.from_dict(data or {}, base_dir=path.parent, source=str(path))
+        data = load_mapping(path, error=DataConfigError)
+        return cls.from_dict(data, base_dir=path.parent, source=str(path))
 
     @classmethod
     def from_dict(cls, data: Any, base_dir: str | os.PathLike = ".", source: str | None = None) -> DataConfig:
@@ -91,8 +91,11 @@ class DataConfig:
         def fail(key: str, message: str) -> DataConfigError:
             return DataConfigError(f"{where}: `{key}`: {message}")
 
-        _check_keys(data, ("data_root", "train", "val", "test", "preprocess", "loader", "strict"), "", where)
-        root = base / str(data.get("data_root", "."))
+        _check_keys(data, _TOP_KEYS, "", where)
+        outside = data.get("allow_outside_data_root", False)
+        if not isinstance(outside, bool):
+            raise fail("allow_outside_data_root", f"expected true or false, got {short_repr(outside)}")
+        root = (base / str(data.get("data_root", "."))).resolve()
         if not root.is_dir():
             raise fail("data_root", f"directory not found: {root}")
         splits: dict[str, tuple[Path, ...]] = {}
@@ -102,10 +105,13 @@ class DataConfig:
                 continue
             files = [value] if isinstance(value, str) else value
             if not isinstance(files, list) or not files or not all(isinstance(f, str) for f in files):
-                raise fail(split, f"expected a file name or a list of file names, got {value!r}")
+                raise fail(split, f"expected a file name or a list of file names, got {short_repr(value)}")
             resolved = []
             for name in files:
-                file = root / name
+                file = (root / name).resolve()
+                if not outside and not file.is_relative_to(root):
+                    raise fail(split, f"{short_repr(name)} lies outside data_root {root} "
+                                      "(set `allow_outside_data_root: true` to allow it)")
                 if not file.is_file():
                     raise fail(split, f"file not found: {file}")
                 resolved.append(file)
@@ -113,7 +119,7 @@ class DataConfig:
         if "train" not in splits and not splits:
             raise fail("train", "no split is given (train, val or test)")
 
-        pre = dict(data.get("preprocess") or {})
+        pre = _section(data, "preprocess", where)
         _check_keys(pre, [f.name for f in fields(PreprocessConfig)], "preprocess.", where)
         for key in ("tokenizer", "processor"):
             if pre.get(key) is not None:
@@ -124,45 +130,62 @@ class DataConfig:
         for key in ("image_mean", "image_std"):
             if key in pre:
                 if not isinstance(pre[key], (list, tuple)) or len(pre[key]) != 3:
-                    raise fail(f"preprocess.{key}", f"expected three numbers, got {pre[key]!r}")
-                pre[key] = tuple(float(x) for x in pre[key])
+                    raise fail(f"preprocess.{key}", f"expected three numbers, got {short_repr(pre[key])}")
+                try:
+                    pre[key] = tuple(float(x) for x in pre[key])
+                except (TypeError, ValueError):
+                    raise fail(f"preprocess.{key}", f"expected three numbers, got {short_repr(pre[key])}") from None
         _check_positive_ints(pre, ("image_size", "max_length"), "preprocess.", fail)
         _check_bools(pre, ("truncation",), "preprocess.", fail)
         if pre.get("tokenizer") is None:
             raise fail("preprocess.tokenizer", "a local tokenizer directory is required")
 
-        loader = dict(data.get("loader") or {})
+        loader = _section(data, "loader", where)
         _check_keys(loader, [f.name for f in fields(LoaderConfig)], "loader.", where)
         _check_positive_ints(loader, ("batch_size",), "loader.", fail)
         if "num_workers" in loader and (not isinstance(loader["num_workers"], int) or loader["num_workers"] < 0):
-            raise fail("loader.num_workers", f"expected a non-negative integer, got {loader['num_workers']!r}")
+            raise fail("loader.num_workers",
+                       f"expected a non-negative integer, got {short_repr(loader['num_workers'])}")
         _check_bools(loader, ("shuffle", "drop_last", "pin_memory"), "loader.", fail)
         if loader.get("padding", "longest") not in ("longest", "max_length"):
-            raise fail("loader.padding", f"expected 'longest' or 'max_length', got {loader['padding']!r}")
+            raise fail("loader.padding", f"expected 'longest' or 'max_length', got {short_repr(loader['padding'])}")
         strict = data.get("strict", False)
         if not isinstance(strict, bool):
-            raise fail("strict", f"expected true or false, got {strict!r}")
-        return cls(root, splits, PreprocessConfig(**pre), LoaderConfig(**loader), strict, source)
+            raise fail("strict", f"expected true or false, got {short_repr(strict)}")
+        return cls(root, splits, PreprocessConfig(**pre), LoaderConfig(**loader), strict, source, outside)
+
+
+_TOP_KEYS = ("data_root", "train", "val", "test", "preprocess", "loader", "strict", "allow_outside_data_root")
+
+
+def _section(data: dict, key: str, where: str) -> dict:
+    """A nested section as a dict: absent or empty (``null``) is ``{}``; anything else must be a mapping."""
+    value = data.get(key)
+    if value is None:
+        return {}
+    if not isinstance(value, dict):
+        raise DataConfigError(f"{where}: `{key}` must be a mapping, got {short_repr(value)}")
+    return dict(value)
 
 
 def _check_keys(data: Any, known: Any, prefix: str, where: str) -> None:
     if not isinstance(data, dict):
-        raise DataConfigError(f"{where}: `{prefix.rstrip('.') or '<top>'}` must be a mapping, got {data!r}")
+        raise DataConfigError(f"{where}: `{prefix.rstrip('.') or '<top>'}` must be a mapping, got {short_repr(data)}")
     known = list(known)
     for key in data:
         if key not in known:
             hint = difflib.get_close_matches(str(key), known, n=1)
             suggestion = f"; did you mean `{prefix}{hint[0]}`?" if hint else f"; valid keys: {', '.join(known)}"
-            raise DataConfigError(f"{where}: unknown key `{prefix}{key}`{suggestion}")
+            raise DataConfigError(f"{where}: unknown key `{prefix}{str(key)[:80]}`{suggestion}")
 
 
 def _check_positive_ints(data: dict, keys: tuple[str, ...], prefix: str, fail: Any) -> None:
     for key in keys:
         if key in data and (isinstance(data[key], bool) or not isinstance(data[key], int) or data[key] <= 0):
-            raise fail(prefix + key, f"expected a positive integer, got {data[key]!r}")
+            raise fail(prefix + key, f"expected a positive integer, got {short_repr(data[key])}")
 
 
 def _check_bools(data: dict, keys: tuple[str, ...], prefix: str, fail: Any) -> None:
     for key in keys:
         if key in data and not isinstance(data[key], bool):
-            raise fail(prefix + key, f"expected true or false, got {data[key]!r}")
+            raise fail(prefix + key, f"expected true or false, got {short_repr(data[key])}")

@@ -118,7 +118,8 @@ class MMDataModule(L.LightningDataModule):
         processor = load_processor(pre.processor) if pre.processor is not None else None
         splits: dict[str, Any] = dict.fromkeys(_SPLITS)
         for split, files in config.splits.items():
-            records, report = read_records(split, files, config.data_root, tokenizer, pre.max_length, pre.truncation)
+            records, report = read_records(split, files, config.data_root, tokenizer, pre.max_length, pre.truncation,
+                                           config.allow_outside_data_root)
             self.reports[split] = report
             if report.problems and config.strict:
                 raise DataError(f"bad records in strict mode ({config.source}):\n{report.summary(shown=20)}")
@@ -128,7 +129,7 @@ class MMDataModule(L.LightningDataModule):
                 rank_zero_info(f"data: {report.summary()}")
             if not records:
                 raise DataError(f"{config.source}: split '{split}' has no usable record:\n{report.summary()}")
-            splits[split] = MMDataset(records, pre, processor)
+            splits[split] = MMDataset(records, pre, processor, strict=config.strict, report=report)
         if self.collate_fn is None:
             self.collate_fn = MMCollator(tokenizer.pad_token_id, pre.image_key, config.loader.padding, pre.max_length)
         return splits

@@ -15,7 +15,8 @@ from pathlib import Path
 from typing import Any, Literal
 
 import torch
-import yaml
+
+from lightning_mm._yaml import load_mapping, short_repr
 
 __all__ = ["FSDP2Config", "FSDP2ConfigError", "parse_dtype"]
 
@@ -45,7 +46,7 @@ def parse_dtype(value: Any, key: str = "dtype") -> torch.dtype | None:
         if name in _DTYPE_NAMES:
             return _DTYPE_NAMES[name]
     raise FSDP2ConfigError(
-        f"`{key}`: unknown dtype {value!r}; use one of bf16, fp16, fp32 (or bfloat16, float16, float32)"
+        f"`{key}`: unknown dtype {short_repr(value)}; use one of bf16, fp16, fp32 (or bfloat16, float16, float32)"
     )
 
 
@@ -99,22 +100,22 @@ class FSDP2Config:
             if not isinstance(key, str) or key not in known:
                 hint = difflib.get_close_matches(str(key), known, n=1)
                 suggestion = f"; did you mean `{hint[0]}`?" if hint else f"; valid keys: {', '.join(known)}"
-                raise FSDP2ConfigError(f"unknown FSDP2 config key `{key}`{where}{suggestion}")
+                raise FSDP2ConfigError(f"unknown FSDP2 config key `{str(key)[:80]}`{where}{suggestion}")
         # An empty YAML value (``ignored_modules:``) means "not set": the default applies.
         values = {k: v for k, v in data.items() if v is not None or k in _NULLABLE}
         return cls(**values, source=source)
 
     @classmethod
     def from_yaml(cls, path: str | os.PathLike) -> FSDP2Config:
-        """Read a YAML file with a safe loader and validate it."""
+        """Read a YAML file with the project's bounded safe loader (:mod:`lightning_mm._yaml`) and validate it.
+
+        An empty file (or one with only comments) means "all defaults"; any other top level that is not a
+        mapping, a duplicate key, non-UTF-8 bytes or an alias bomb is an error naming the file.
+        """
         path = Path(path)
         if not path.is_file():
             raise FileNotFoundError(f"FSDP2 config file not found: {path}")
-        try:
-            data = yaml.safe_load(path.read_text())
-        except yaml.YAMLError as err:
-            raise FSDP2ConfigError(f"{path}: not valid YAML: {err}") from err
-        return cls.from_dict(data or {}, source=str(path))
+        return cls.from_dict(load_mapping(path, error=FSDP2ConfigError), source=str(path))
 
     @classmethod
     def load(cls, value: FSDP2Config | Mapping[str, Any] | str | os.PathLike | None) -> FSDP2Config:
@@ -166,12 +167,13 @@ class FSDP2Config:
         return FSDP2ConfigError(f"FSDP2 config key `{key}`{where}: {message}")
 
     def _validate(self) -> None:
+        bad_size = f"expected 'auto' or a positive integer, got {short_repr(self.sharding_size)}"
         if isinstance(self.sharding_size, str):
             if self.sharding_size.strip().lower() != "auto":
-                raise self._error("sharding_size", f"expected 'auto' or a positive integer, got {self.sharding_size!r}")
+                raise self._error("sharding_size", bad_size)
             self.sharding_size = "auto"
         elif isinstance(self.sharding_size, bool) or not isinstance(self.sharding_size, int):
-            raise self._error("sharding_size", f"expected 'auto' or a positive integer, got {self.sharding_size!r}")
+            raise self._error("sharding_size", bad_size)
         elif self.sharding_size <= 0:
             raise self._error("sharding_size", f"must be positive, got {self.sharding_size}")
 
@@ -184,20 +186,20 @@ class FSDP2Config:
         for key in ("cast_forward_inputs", "use_reentrant", "reshard_after_forward", "offload_to_cpu", "pin_memory"):
             value = getattr(self, key)
             if not isinstance(value, bool):
-                raise self._error(key, f"expected true or false, got {value!r}")
+                raise self._error(key, f"expected true or false, got {short_repr(value)}")
 
         for key in ("sub_modules_to_wrap", "ignored_modules", "recompute_modules"):
             value = getattr(self, key)
             if isinstance(value, str):
                 value = [value]
             if not isinstance(value, (list, tuple)) or not all(isinstance(v, str) and v.strip() for v in value):
-                raise self._error(key, f"expected a list of module path strings, got {value!r}")
+                raise self._error(key, f"expected a list of module path strings, got {short_repr(value)}")
             setattr(self, key, [v.strip() for v in value])
 
         for key in ("num_to_forward_prefetch", "num_to_backward_prefetch"):
             value = getattr(self, key)
             if isinstance(value, bool) or not isinstance(value, int) or value < 0:
-                raise self._error(key, f"expected a non-negative integer, got {value!r}")
+                raise self._error(key, f"expected a non-negative integer, got {short_repr(value)}")
 
         if self.pin_memory and not self.offload_to_cpu:
             raise self._error("pin_memory", "only takes effect with `offload_to_cpu: true`; set both or remove it")

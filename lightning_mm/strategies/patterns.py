@@ -22,53 +22,66 @@ class PatternError(ValueError):
 
 @dataclass(frozen=True)
 class Segment:
-    """One path segment: a literal name, every child (``{*}``) or a set of child indices."""
+    """One path segment: a literal name, every child (``{*}``) or child index ranges.
+
+    Ranges are kept as ``(start, stop)`` pairs (inclusive), never expanded: ``{0-999999999}`` costs two integers
+    here, and resolving it against a model checks it against the children the model has.
+    """
 
     name: str | None = None
-    indices: tuple[int, ...] | None = None  # None with name None means "every child"
+    ranges: tuple[tuple[int, int], ...] | None = None  # None with name None means "every child"
 
     @property
     def is_wildcard(self) -> bool:
-        return self.name is None and self.indices is None
+        return self.name is None and self.ranges is None
 
 
 _ITEM = re.compile(r"^\s*(\d+)\s*(?:-\s*(\d+)\s*)?$")
+_MAX_DIGITS = 18
+_SHOWN = 80
+
+
+def short(pattern: str) -> str:
+    """A pattern as error messages show it: cut after a few dozen characters."""
+    return pattern if len(pattern) <= _SHOWN else pattern[:_SHOWN] + "..."
 
 
 def _parse_braces(body: str, pattern: str) -> Segment:
     if body.strip() == "*":
         return Segment()
-    indices: list[int] = []
+    ranges: list[tuple[int, int]] = []
     for item in body.split(","):
         match = _ITEM.match(item)
         if not match:
             raise PatternError(
-                f"malformed brace group '{{{body}}}' in pattern '{pattern}': expected '*', integers, or ranges "
-                f"such as '{{0-23}}' or '{{1,3,5}}'"
+                f"malformed brace group '{{{short(body)}}}' in pattern '{short(pattern)}': expected '*', integers, "
+                f"or ranges such as '{{0-23}}' or '{{1,3,5}}'"
             )
+        if any(g is not None and len(g) > _MAX_DIGITS for g in match.groups()):
+            raise PatternError(f"index with more than {_MAX_DIGITS} digits in pattern '{short(pattern)}'")
         start = int(match.group(1))
         stop = int(match.group(2)) if match.group(2) is not None else start
         if stop < start:
-            raise PatternError(f"descending range '{item.strip()}' in pattern '{pattern}'")
-        indices.extend(range(start, stop + 1))
-    return Segment(indices=tuple(dict.fromkeys(indices)))
+            raise PatternError(f"descending range '{item.strip()}' in pattern '{short(pattern)}'")
+        ranges.append((start, stop))
+    return Segment(ranges=tuple(ranges))
 
 
 def parse_pattern(pattern: str) -> tuple[Segment, ...]:
     """Split a pattern into segments, rejecting malformed braces and empty segments."""
     if not isinstance(pattern, str) or not pattern.strip():
-        raise PatternError(f"empty module path pattern: {pattern!r}")
+        raise PatternError(f"empty module path pattern: {short(repr(pattern))}")
     segments = []
     for raw in pattern.strip().split("."):
         if raw.startswith("{") and raw.endswith("}") and raw.count("{") == 1 and raw.count("}") == 1:
             segments.append(_parse_braces(raw[1:-1], pattern))
         elif "{" in raw or "}" in raw:
             raise PatternError(
-                f"malformed braces in pattern '{pattern}': a brace group must be a whole path segment, "
+                f"malformed braces in pattern '{short(pattern)}': a brace group must be a whole path segment, "
                 f"as in 'layers.{{0-3}}'"
             )
         elif not raw:
-            raise PatternError(f"empty path segment in pattern '{pattern}'")
+            raise PatternError(f"empty path segment in pattern '{short(pattern)}'")
         else:
             segments.append(Segment(name=raw))
     return tuple(segments)
@@ -87,6 +100,26 @@ def _closest(root: nn.Module, wanted: str, n: int = 3) -> str:
     return ", ".join(f"'{c}'" for c in close) if close else "(the model has no submodules)"
 
 
+def _wanted(segment: Segment, children: dict[str, nn.Module]) -> list[str]:
+    """The child names a literal or index segment asks for, in pattern order without repeats.
+
+    A range is never enumerated past the children that exist: its first missing index is returned as the last
+    name, so the caller's "no module at ..." error names it. The work is bounded by the number of children.
+    """
+    if segment.name is not None:
+        return [segment.name]
+    out: dict[str, None] = {}
+    for start, stop in segment.ranges or ():
+        index = start
+        while index <= stop:
+            name = str(index)
+            out[name] = None
+            if name not in children:
+                return list(out)
+            index += 1
+    return list(out)
+
+
 def resolve_pattern(root: nn.Module, pattern: str) -> list[str]:
     """All module paths under ``root`` that ``pattern`` names, in module order; an error if any part misses."""
     frontier: list[tuple[str, nn.Module]] = [("", root)]
@@ -101,16 +134,15 @@ def resolve_pattern(root: nn.Module, pattern: str) -> list[str]:
             if segment.is_wildcard:
                 if not children:
                     raise PatternError(
-                        f"pattern '{pattern}': '{prefix or '<model>'}' has no submodules for '{{*}}' to match; "
+                        f"pattern '{short(pattern)}': '{prefix or '<model>'}' has no submodules for '{{*}}' to match; "
                         f"closest paths: {_closest(root, prefix)}"
                     )
                 nxt.extend((join(name), child) for name, child in children.items())
                 continue
-            wanted = [segment.name] if segment.name is not None else [str(i) for i in segment.indices or ()]
-            for name in wanted:
+            for name in _wanted(segment, children):
                 if name not in children:
                     raise PatternError(
-                        f"pattern '{pattern}' resolves to no module at '{join(name)}'; "
+                        f"pattern '{short(pattern)}' resolves to no module at '{join(name)}'; "
                         f"closest existing paths: {_closest(root, join(name))}"
                     )
                 nxt.append((join(name), children[name]))
