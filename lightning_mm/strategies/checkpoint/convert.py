@@ -64,14 +64,14 @@ def parse_size(text: str) -> int:
 
 
 @contextlib.contextmanager
-def _writing(partial: Path) -> Iterator[None]:
+def _writing(partial: Path, final: Path) -> Iterator[None]:
     """A failed write removes its partial output and says what failed (e.g. a full disk), naming the path."""
     try:
         yield
     except (Exception, CheckpointException) as error:
         with contextlib.suppress(OSError):
             atomic.remove(partial)
-        raise write_error(error, partial) from error
+        raise write_error(error, final) from error
 
 
 def _check_output(dst: Path) -> None:
@@ -102,7 +102,7 @@ def dcp_to_torch(src: str | Path, dst: str | Path, model_only: bool = False) -> 
     extra["format"] = "torch"
     full[EXTRA_KEY] = extra
     partial = atomic.partial_path(dst)
-    with _writing(partial):
+    with _writing(partial, dst):
         _write_file(full, partial)
     atomic.commit(partial, dst)
     return dst
@@ -333,7 +333,7 @@ def hf_to_dcp(hf_dir: str | Path, dst: str | Path, prefix: str = "model.") -> Pa
 
     writer = FileSystemWriter(partial, thread_count=1, sync_files=True)
     writer.fs = files = RecordingFileSystem()
-    with _writing(partial):
+    with _writing(partial, dst):
         with _single_process_quiet():
             dcp.save(planned, storage_writer=writer, planner=_StreamingSavePlanner(read), no_dist=True)
         _write_file(meta, partial / META_FILE)

@@ -65,12 +65,11 @@ def _disk_full(path: Path) -> bool:
 
 
 def write_error(error: BaseException, path: Path) -> CheckpointWriteError:
-    """What failed while writing the checkpoint at ``path``, as one :class:`CheckpointWriteError` naming a path."""
+    """What failed while writing the checkpoint at ``path`` (its final path), as a :class:`CheckpointWriteError`."""
     causes = _causes(error)
     for cause in causes:
         if isinstance(cause, OSError) and cause.errno is not None:
-            where = cause.filename if cause.filename is not None else str(path)
-            return CheckpointWriteError(cause.errno, os.strerror(cause.errno), where)
+            return CheckpointWriteError(cause.errno, os.strerror(cause.errno), str(path))
     text = " ".join(str(c) for c in causes)
     if "No space left" in text or (("unexpected pos" in text or "inline_container" in text) and _disk_full(path)):
         return CheckpointWriteError(errno.ENOSPC, os.strerror(errno.ENOSPC), str(path))

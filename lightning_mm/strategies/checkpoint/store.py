@@ -199,7 +199,7 @@ def save(
             full[EXTRA_KEY] = meta[EXTRA_KEY]
             _write_file(full, partial)
     except (Exception, CheckpointException) as error:
-        failure, original = write_error(error, partial), error
+        failure, original = write_error(error, path), error
     results = _gather((failure, hashed))
     if rank0:
         failure = next((f for f, _ in results if f is not None), None)
@@ -209,7 +209,7 @@ def save(
                 manifest.write_manifest(partial, [h for _, h in results], [".metadata", META_FILE])
                 atomic.fsync_dir(partial)
             except Exception as error:
-                failure, original = write_error(error, partial), error
+                failure, original = write_error(error, path), error
         if failure is not None:
             with contextlib.suppress(OSError):
                 atomic.remove(partial)  # free the space now; the next save removes what is left
