@@ -5,6 +5,7 @@ Every rank calls :func:`save` and :func:`load`. A ``torch_dcp`` checkpoint is a 
     step=100.ckpt/
         .metadata, __0_0.distcp, __1_0.distcp, ...   model and optimiser tensors (DCP, written by every rank)
         meta.pt                                      everything else (rank 0), loadable weights_only
+        manifest.json                                every file's size and hashes, written last (:mod:`.manifest`)
 
 A ``torch`` checkpoint is one file with the full (gathered) tensors in Lightning's layout, written by rank 0.
 Both are written next to their final path and renamed into place when complete (:mod:`.atomic`).
