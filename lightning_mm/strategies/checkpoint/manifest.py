@@ -3,7 +3,7 @@
 Each rank hashes the files it wrote (:class:`RecordingFileSystem` notes them); rank 0 adds ``.metadata`` and
 ``meta.pt`` and writes the manifest just before the checkpoint is renamed into place::
 
-    {"manifest": "lightning-mm checkpoint", "version": 1, "id": "...", "hash": "sha256",
+    {"manifest": "lightning-mm checkpoint", "version": 1, "id": "...", "hash": "sha256 of 16 MiB chunks",
      "sample": {"blocks": 4, "block_size": 65536},
      "files": {"__0_0.distcp": {"size": 1234, "sha256": "...", "sample": "..."}, ...}}
 
@@ -11,8 +11,9 @@ Each rank hashes the files it wrote (:class:`RecordingFileSystem` notes them); r
 listed file is present, a regular file inside the directory, of its recorded size, and its ``sample`` fingerprint
 (SHA-256 of the size and of ``blocks`` blocks spread over the file, at most 256 KiB read per file) matches, and
 no ``.distcp`` file is there that the manifest does not list. ``full=True`` (the converters) also compares the
-SHA-256 of every whole file. A file from another run, a missing, truncated or extended one fails, naming the file;
-an alteration of a few bytes inside a large file is only seen by ``full``.
+hash of every whole file (SHA-256 over the SHA-256 of its 16 MiB chunks, so that one file hashes on many cores).
+A file from another run, a missing, truncated or extended one fails, naming the file; an alteration of a few
+bytes inside a large file is only seen by ``full``.
 """
 
 from __future__ import annotations
@@ -46,7 +47,8 @@ MANIFEST_FILE = "manifest.json"
 _KIND = "lightning-mm checkpoint"
 _VERSION = 1
 _BLOCKS, _BLOCK_SIZE = 4, 64 * 1024
-_CHUNK = 8 << 20
+_CHUNK = 16 << 20
+_HASH = "sha256 of 16 MiB chunks"
 _DCP_SUFFIX = ".distcp"
 
 
@@ -84,12 +86,16 @@ def _sample(path: Path, size: int, blocks: int = _BLOCKS, block_size: int = _BLO
     return digest.hexdigest()
 
 
-def _sha256(path: Path) -> str:
-    digest = hashlib.sha256()
+def _chunk_digest(path: Path, offset: int) -> bytes:
     with path.open("rb") as f:
-        while chunk := f.read(_CHUNK):
-            digest.update(chunk)  # hashlib releases the GIL on large buffers: files hash in parallel threads
-    return digest.hexdigest()
+        return hashlib.sha256(os.pread(f.fileno(), _CHUNK, offset)).digest()  # releases the GIL while hashing
+
+
+def _sha256(path: Path) -> str:
+    """SHA-256 over the size and the SHA-256 of each 16 MiB chunk (chunks hash in parallel threads)."""
+    size = path.stat().st_size
+    digests = _parallel(lambda offset: _chunk_digest(path, offset), range(0, size, _CHUNK))
+    return hashlib.sha256(size.to_bytes(8, "little") + b"".join(digests)).hexdigest()
 
 
 def _entry(path: Path) -> tuple[str, dict[str, Any]]:
@@ -117,7 +123,7 @@ def write_manifest(directory: Path, entries: Iterable[Mapping[str, dict[str, Any
     for part in entries:
         files.update(part or {})
     files.update(file_entries(directory / name for name in extra))
-    manifest = {"manifest": _KIND, "version": _VERSION, "id": uuid.uuid4().hex, "hash": "sha256",
+    manifest = {"manifest": _KIND, "version": _VERSION, "id": uuid.uuid4().hex, "hash": _HASH,
                 "sample": {"blocks": _BLOCKS, "block_size": _BLOCK_SIZE}, "files": dict(sorted(files.items()))}
     with open(directory / MANIFEST_FILE, "w") as f:
         json.dump(manifest, f, indent=1)
@@ -162,6 +168,9 @@ def read_manifest(directory: Path) -> dict[str, Any] | None:
     if not isinstance(manifest, dict) or manifest.get("manifest") != _KIND or not isinstance(
             manifest.get("files"), dict):
         raise CheckpointIntegrityError(f"{file}: not a lightning-mm checkpoint manifest")
+    if manifest.get("hash") != _HASH:
+        raise CheckpointIntegrityError(f"{file}: unknown hash {manifest.get('hash')!r} (this lightning-mm uses "
+                                       f"{_HASH})")
     if int(manifest.get("version", 0)) > _VERSION:
         raise CheckpointIntegrityError(f"{file}: manifest version {manifest['version']} is newer than this "
                                        f"lightning-mm reads ({_VERSION})")
