@@ -231,6 +231,17 @@ def test_full_disk_truncated_and_corrupted_files_in_one_process_say_so(runs, tmp
     with pytest.raises(CheckpointError, match=r"bad\.ckpt/meta\.pt: (corrupted|truncated)") as info:
         store.open_source(bad)
     assert "weights_only=False" not in str(info.value) and "`weights_only` set to `False`" not in str(info.value)
+    # A truncated Hugging Face shard given to hf-to-dcp.
+    from safetensors.torch import save_file
+
+    hf = tmp_path / "hf"
+    hf.mkdir()
+    (hf / "config.json").write_text(json.dumps({"model_type": "llama"}))
+    save_file({"w": torch.zeros(1000)}, str(hf / "model.safetensors"))
+    with open(hf / "model.safetensors", "r+b") as f:
+        f.truncate(f.seek(0, 2) // 2)
+    with pytest.raises(CheckpointIntegrityError, match=r"hf/model\.safetensors: not a readable safetensors file"):
+        convert.hf_to_dcp(hf, tmp_path / "from_hf.ckpt")
     # Without a manifest (an old checkpoint), a truncated shard is still found before DCP reads it.
     old = _copy(runs, "a", tmp_path, "old.ckpt")
     (old / manifest.MANIFEST_FILE).unlink()

@@ -19,7 +19,7 @@ from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
 
 from lightning_mm.strategies.checkpoint import atomic
-from lightning_mm.strategies.checkpoint.errors import write_error
+from lightning_mm.strategies.checkpoint.errors import CheckpointIntegrityError, write_error
 from lightning_mm.strategies.checkpoint.hf import choose_record
 from lightning_mm.strategies.checkpoint.layout import (
     EXTRA_KEY,
@@ -190,6 +190,20 @@ def dcp_to_hf(
 
 
 # ------------------------------------------------------------------------------------------ from HF
+def _safetensors_header(file: Path) -> list[tuple[str, str, tuple[int, ...]]]:
+    """Name, dtype and shape of each tensor of a safetensors file; a damaged file is an error naming it."""
+    from safetensors import safe_open
+
+    try:
+        with safe_open(str(file), framework="pt") as f:
+            return [(name, (p := f.get_slice(name)).get_dtype(), tuple(p.get_shape()))
+                    for name in f.keys()]  # noqa: SIM118 - safe_open has no __iter__
+    except Exception as error:  # safetensors raises its own SafetensorError
+        if isinstance(error, OSError) and not file.is_file():
+            raise
+        raise CheckpointIntegrityError(f"{file}: not a readable safetensors file ({error})") from None
+
+
 class _HFTensors:
     """The tensors of a Hugging Face directory, read one at a time (safetensors, or a weights-only .bin)."""
 
@@ -202,14 +216,10 @@ class _HFTensors:
         self._bins: dict[Path, dict[str, torch.Tensor]] = {}
         for file in self.files:
             if file.suffix == ".safetensors":
-                from safetensors import safe_open
-
-                with safe_open(str(file), framework="pt") as f:
-                    for name in f.keys():  # noqa: SIM118 - safe_open has no __iter__
-                        piece = f.get_slice(name)
-                        if piece.get_dtype() not in _SAFETENSORS_DTYPES:
-                            raise ValueError(f"{file}: tensor {name} has unsupported dtype {piece.get_dtype()}")
-                        self._add(name, file, tuple(piece.get_shape()), _SAFETENSORS_DTYPES[piece.get_dtype()])
+                for name, dtype, shape in _safetensors_header(file):
+                    if dtype not in _SAFETENSORS_DTYPES:
+                        raise ValueError(f"{file}: tensor {name} has unsupported dtype {dtype}")
+                    self._add(name, file, shape, _SAFETENSORS_DTYPES[dtype])
             else:
                 tensors = load_weights_only(file, mmap=True)
                 if not isinstance(tensors, dict):

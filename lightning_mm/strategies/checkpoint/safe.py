@@ -191,6 +191,7 @@ def load_weights_only(path: str | Path, mmap: bool = False) -> Any:
             ) from None
         raise CheckpointIntegrityError(f"{path}: corrupted ({reason})") from None
     except (EOFError, RuntimeError, ValueError, KeyError, IndexError, TypeError) as error:
-        reason = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
+        text = str(error).strip()
+        reason = text.splitlines()[0].split(". ")[0] if text else type(error).__name__
         state = "truncated" if isinstance(error, EOFError) or "central directory" in reason else "corrupted"
         raise CheckpointIntegrityError(f"{path}: {state}, not a readable torch file ({reason})") from None
