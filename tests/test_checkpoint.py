@@ -17,7 +17,7 @@ import torch
 from torch import nn
 
 from lightning_mm.commands import convert as convert_cmd
-from lightning_mm.strategies.checkpoint import atomic, convert, store
+from lightning_mm.strategies.checkpoint import atomic, convert, manifest, store
 from lightning_mm.strategies.checkpoint.hf import hf_records
 from lightning_mm.strategies.checkpoint.layout import (
     MARKER,
@@ -99,16 +99,23 @@ class _Evil:
         return (os.system, (f"touch {self.path}",))
 
 
+def _forge_manifest(directory: Path) -> None:
+    """An attacker who writes files can rewrite the manifest too: the unpickler, not the manifest, must hold."""
+    manifest.write_manifest(directory, [], [p.name for p in directory.iterdir() if p.name != "manifest.json"])
+
+
 def test_crafted_dcp_metadata_and_meta_file_are_refused_without_running_code(tmp_path):
     net, opt = _trained()
     store.save(_lightning_dict(net, opt), tmp_path / "c.ckpt", "torch_dcp", EXTRA, None)
     assert read_dcp_metadata(tmp_path / "c.ckpt").state_dict_metadata  # the genuine one reads fine
     marker = tmp_path / "pwned"
     (tmp_path / "c.ckpt" / ".metadata").write_bytes(pickle.dumps(_Evil(str(marker))))
+    _forge_manifest(tmp_path / "c.ckpt")
     with pytest.raises(UnsafeCheckpointError, match="refusing to load posix.system"):
         store.open_source(tmp_path / "c.ckpt")
     store.save(_lightning_dict(net, opt), tmp_path / "d.ckpt", "torch_dcp", EXTRA, None)
     torch.save({"x": _Evil(str(marker))}, tmp_path / "d.ckpt" / "meta.pt")
+    _forge_manifest(tmp_path / "d.ckpt")
     with pytest.raises(UnsafeCheckpointError, match="weights_only"):
         store.open_source(tmp_path / "d.ckpt")
     assert not marker.exists()

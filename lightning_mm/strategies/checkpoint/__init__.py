@@ -3,10 +3,12 @@
 * :mod:`.layout` (deciding): how Lightning's checkpoint dict splits into DCP tensors and a meta tree, key checks.
 * :mod:`.store` (doing): atomic save and strict/non-strict load of ``torch_dcp`` directories and ``torch`` files.
 * :mod:`.safe`: loading without running pickled code; :mod:`.atomic`: temporary sibling, rename into place.
+* :mod:`.manifest`: ``manifest.json`` binds every file to its checkpoint; :mod:`.errors`: the exceptions.
 * :mod:`.rng`: per-rank RNG states; :mod:`.hf`: the Hugging Face record; :mod:`.convert`: converters.
 """
 
 from lightning_mm.strategies.checkpoint.atomic import remove
+from lightning_mm.strategies.checkpoint.errors import CheckpointError, CheckpointIntegrityError, CheckpointWriteError
 from lightning_mm.strategies.checkpoint.hf import hf_records
 from lightning_mm.strategies.checkpoint.layout import (
     EXTRA_KEY,
@@ -16,6 +18,7 @@ from lightning_mm.strategies.checkpoint.layout import (
     META_FILE,
     CheckpointKeyError,
 )
+from lightning_mm.strategies.checkpoint.manifest import MANIFEST_FILE
 from lightning_mm.strategies.checkpoint.rng import capture_rng, restore_rng
 from lightning_mm.strategies.checkpoint.safe import UnsafeCheckpointError
 from lightning_mm.strategies.checkpoint.store import (
@@ -35,8 +38,12 @@ __all__ = [
     "FORMATS",
     "KIND_TRAINING",
     "KIND_WEIGHTS",
+    "MANIFEST_FILE",
     "META_FILE",
+    "CheckpointError",
+    "CheckpointIntegrityError",
     "CheckpointKeyError",
+    "CheckpointWriteError",
     "CheckpointSource",
     "Loaded",
     "UnsafeCheckpointError",

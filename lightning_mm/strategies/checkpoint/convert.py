@@ -6,16 +6,20 @@ safetensors shard at a time; ``hf_to_dcp`` streams tensors from the HF files int
 
 from __future__ import annotations
 
+import contextlib
 import json
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import torch
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint import FileSystemWriter
+from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
 
 from lightning_mm.strategies.checkpoint import atomic
+from lightning_mm.strategies.checkpoint.errors import CheckpointIntegrityError, write_error
 from lightning_mm.strategies.checkpoint.hf import choose_record
 from lightning_mm.strategies.checkpoint.layout import (
     EXTRA_KEY,
@@ -26,6 +30,14 @@ from lightning_mm.strategies.checkpoint.layout import (
     SEP,
     fill_tensors,
     model_key,
+)
+from lightning_mm.strategies.checkpoint.manifest import (
+    MANIFEST_FILE,
+    RecordingFileSystem,
+    check_name,
+    file_entries,
+    inside,
+    write_manifest,
 )
 from lightning_mm.strategies.checkpoint.safe import check_weights_only, load_weights_only
 from lightning_mm.strategies.checkpoint.store import _single_process_quiet, _write_file, open_source
@@ -51,6 +63,17 @@ def parse_size(text: str) -> int:
     return int(upper)
 
 
+@contextlib.contextmanager
+def _writing(partial: Path, final: Path) -> Iterator[None]:
+    """A failed write removes its partial output and says what failed (e.g. a full disk), naming the path."""
+    try:
+        yield
+    except (Exception, CheckpointException) as error:
+        with contextlib.suppress(OSError):
+            atomic.remove(partial)
+        raise write_error(error, final) from error
+
+
 def _check_output(dst: Path) -> None:
     if dst.exists() or dst.is_symlink():
         raise FileExistsError(f"output exists: {dst} (remove it or choose another path)")
@@ -64,10 +87,11 @@ def dcp_to_torch(src: str | Path, dst: str | Path, model_only: bool = False) -> 
 
     The result has full tensors under ``state_dict`` and (unless ``model_only``) ``optimizer_states``, the rest of
     the checkpoint unchanged, and loads ``weights_only``; ``MMFSDP2Strategy`` resumes from it on any world size.
+    Every file of a DCP source is checked against its manifest, whole-file hashes included, before any is read.
     """
     dst = Path(dst)
     _check_output(dst)
-    source = open_source(src)
+    source = open_source(src, full_check=True)
     meta = dict(source.meta)
     if model_only:
         meta.pop("optimizer_states", None)
@@ -78,7 +102,8 @@ def dcp_to_torch(src: str | Path, dst: str | Path, model_only: bool = False) -> 
     extra["format"] = "torch"
     full[EXTRA_KEY] = extra
     partial = atomic.partial_path(dst)
-    _write_file(full, partial)
+    with _writing(partial, dst):
+        _write_file(full, partial)
     atomic.commit(partial, dst)
     return dst
 
@@ -165,6 +190,20 @@ def dcp_to_hf(
 
 
 # ------------------------------------------------------------------------------------------ from HF
+def _safetensors_header(file: Path) -> list[tuple[str, str, tuple[int, ...]]]:
+    """Name, dtype and shape of each tensor of a safetensors file; a damaged file is an error naming it."""
+    from safetensors import safe_open
+
+    try:
+        with safe_open(str(file), framework="pt") as f:
+            return [(name, (p := f.get_slice(name)).get_dtype(), tuple(p.get_shape()))
+                    for name in f.keys()]  # noqa: SIM118 - safe_open has no __iter__
+    except Exception as error:  # safetensors raises its own SafetensorError
+        if isinstance(error, OSError) and not file.is_file():
+            raise
+        raise CheckpointIntegrityError(f"{file}: not a readable safetensors file ({error})") from None
+
+
 class _HFTensors:
     """The tensors of a Hugging Face directory, read one at a time (safetensors, or a weights-only .bin)."""
 
@@ -177,14 +216,10 @@ class _HFTensors:
         self._bins: dict[Path, dict[str, torch.Tensor]] = {}
         for file in self.files:
             if file.suffix == ".safetensors":
-                from safetensors import safe_open
-
-                with safe_open(str(file), framework="pt") as f:
-                    for name in f.keys():  # noqa: SIM118 - safe_open has no __iter__
-                        piece = f.get_slice(name)
-                        if piece.get_dtype() not in _SAFETENSORS_DTYPES:
-                            raise ValueError(f"{file}: tensor {name} has unsupported dtype {piece.get_dtype()}")
-                        self._add(name, file, tuple(piece.get_shape()), _SAFETENSORS_DTYPES[piece.get_dtype()])
+                for name, dtype, shape in _safetensors_header(file):
+                    if dtype not in _SAFETENSORS_DTYPES:
+                        raise ValueError(f"{file}: tensor {name} has unsupported dtype {dtype}")
+                    self._add(name, file, shape, _SAFETENSORS_DTYPES[dtype])
             else:
                 tensors = load_weights_only(file, mmap=True)
                 if not isinstance(tensors, dict):
@@ -205,14 +240,14 @@ class _HFTensors:
                 weight_map = json.loads(index.read_text()).get("weight_map")
                 if not isinstance(weight_map, dict):
                     raise ValueError(f"{index}: no 'weight_map'")
-                files = [self.dir / f for f in dict.fromkeys(weight_map.values())]
-                missing = [str(f) for f in files if not f.is_file()]
+                files = [check_name(self.dir, f, index_name) for f in dict.fromkeys(weight_map.values())]
+                missing = [str(f) for f in files if not f.is_file() and not f.is_symlink()]
                 if missing:
                     raise FileNotFoundError(f"{index} names missing files: {missing}")
-                return files
+                return [inside(self.dir, f) for f in files]
         for name in ("model.safetensors", "pytorch_model.bin"):
             if (self.dir / name).is_file():
-                return [self.dir / name]
+                return [inside(self.dir, self.dir / name)]
         raise FileNotFoundError(
             f"{self.dir}: no Hugging Face weights (model.safetensors, its index, or pytorch_model.bin)"
         )
@@ -294,6 +329,7 @@ def hf_to_dcp(hf_dir: str | Path, dst: str | Path, prefix: str = "model.") -> Pa
         "state_dict": {prefix + name: {MARKER: key} for key, name in keys.items()},
         EXTRA_KEY: {
             "format_version": FORMAT_VERSION, "format": "torch_dcp", "kind": KIND_WEIGHTS, "world_size": 1,
+            "manifest": MANIFEST_FILE,
             "ranks": [], "source": str(hf_dir),
             "hf": [{"prefix": prefix, "architecture": architectures[0] if architectures else None,
                     "config": json.dumps(config)}],
@@ -305,10 +341,13 @@ def hf_to_dcp(hf_dir: str | Path, dst: str | Path, prefix: str = "model.") -> Pa
     def read(key: str) -> torch.Tensor:
         return hf.get(keys[key]).contiguous()
 
-    with _single_process_quiet():
-        dcp.save(planned, storage_writer=FileSystemWriter(partial, thread_count=1, sync_files=True),
-                 planner=_StreamingSavePlanner(read), no_dist=True)
-    _write_file(meta, partial / META_FILE)
-    atomic.fsync_dir(partial)
+    writer = FileSystemWriter(partial, thread_count=1, sync_files=True)
+    writer.fs = files = RecordingFileSystem()
+    with _writing(partial, dst):
+        with _single_process_quiet():
+            dcp.save(planned, storage_writer=writer, planner=_StreamingSavePlanner(read), no_dist=True)
+        _write_file(meta, partial / META_FILE)
+        write_manifest(partial, [file_entries(files.written)], [".metadata", META_FILE])
+        atomic.fsync_dir(partial)
     atomic.commit(partial, dst)
     return dst

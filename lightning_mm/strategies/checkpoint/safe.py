@@ -19,6 +19,9 @@ from torch.distributed.checkpoint import FileSystemReader
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
 from torch.distributed.checkpoint.metadata import Metadata
 
+from lightning_mm.strategies.checkpoint.errors import CheckpointError, CheckpointIntegrityError
+from lightning_mm.strategies.checkpoint.manifest import check_name, inside
+
 __all__ = [
     "UnsafeCheckpointError",
     "read_dcp_metadata",
@@ -42,7 +45,7 @@ _ALLOWED: dict[str, set[str]] = {
 }
 
 
-class UnsafeCheckpointError(pickle.UnpicklingError):
+class UnsafeCheckpointError(CheckpointError, pickle.UnpicklingError):
     """A checkpoint file references code that a safe load refuses to run."""
 
 
@@ -62,15 +65,44 @@ class _MetadataUnpickler(pickle.Unpickler):
 
 
 def read_dcp_metadata(path: str | Path) -> Metadata:
-    """Read ``<path>/.metadata`` of a DCP checkpoint with the restricted unpickler."""
-    file = Path(path) / ".metadata"
+    """Read ``<path>/.metadata`` of a DCP checkpoint with the restricted unpickler, and check what it refers to.
+
+    Every shard file it names must be a regular file inside the checkpoint directory (no absolute path, ``..`` or
+    symbolic link), holding every byte range read from it.
+    """
+    directory = Path(path)
+    file = directory / ".metadata"
     if not file.is_file():
         raise FileNotFoundError(f"not a complete DCP checkpoint (no .metadata): {path}")
-    with file.open("rb") as stream:
-        metadata = _MetadataUnpickler(stream, str(file)).load()
+    inside(directory, file)
+    try:
+        with file.open("rb") as stream:
+            metadata = _MetadataUnpickler(stream, str(file)).load()
+    except (EOFError, pickle.UnpicklingError, ValueError, TypeError, AttributeError) as error:
+        if isinstance(error, UnsafeCheckpointError):
+            raise
+        raise CheckpointIntegrityError(f"{file}: truncated or corrupted ({type(error).__name__}: {error})") from error
     if not isinstance(metadata, Metadata):
         raise UnsafeCheckpointError(f"{file}: expected DCP Metadata, found {type(metadata).__name__}")
+    _check_storage(directory, metadata)
     return metadata
+
+
+def _check_storage(directory: Path, metadata: Metadata) -> None:
+    """Every byte range of ``metadata`` lies in a regular file inside ``directory``."""
+    sizes: dict[str, int] = {}
+    for index, info in (getattr(metadata, "storage_data", None) or {}).items():
+        name = getattr(info, "relative_path", None)
+        if name not in sizes:
+            sizes[name] = inside(directory, check_name(directory, name, ".metadata")).stat().st_size
+        offset, length = getattr(info, "offset", None), getattr(info, "length", None)
+        if not (isinstance(offset, int) and isinstance(length, int) and offset >= 0 and length >= 0):
+            raise CheckpointIntegrityError(f"{directory / '.metadata'}: invalid byte range for {index.fqn}")
+        if offset + length > sizes[name]:
+            raise CheckpointIntegrityError(
+                f"{directory / name}: truncated ({sizes[name]} bytes; {index.fqn} is stored up to byte "
+                f"{offset + length})"
+            )
 
 
 class SafeFileSystemReader(FileSystemReader):
@@ -130,9 +162,36 @@ def check_weights_only(meta: Mapping[str, Any]) -> None:
         )
 
 
+def _unpickler_reason(error: BaseException) -> str:
+    """The reason torch's weights-only unpickler gives, without its advice to load unsafely."""
+    paragraphs = [p.strip().removeprefix("WeightsUnpickler error:").strip() for p in str(error).split("\n\n")]
+    kept = [p for p in paragraphs if p and not any(
+        word in p for word in ("weights_only", "Weights only", "documentation", "trusted source"))]
+    return " ".join(kept).replace("\n", " ") or type(error).__name__
+
+
 def load_weights_only(path: str | Path, mmap: bool = False) -> Any:
-    """``torch.load(path, weights_only=True)`` onto the CPU, with the file named in any error."""
+    """``torch.load(path, weights_only=True)`` onto the CPU; any failure names the file, and says what failed.
+
+    A file referencing code is an :class:`UnsafeCheckpointError`; a truncated or corrupted one a
+    :class:`~.errors.CheckpointIntegrityError` (never a bare ``EOFError``, and never advice to load it unsafely).
+    """
+    path = Path(path)
+    if path.is_dir():
+        raise CheckpointIntegrityError(f"{path}: a directory, not a checkpoint file")
     try:
         return torch.load(path, map_location="cpu", weights_only=True, mmap=mmap)
+    except FileNotFoundError:
+        raise
     except pickle.UnpicklingError as error:
-        raise UnsafeCheckpointError(f"{path}: not loadable weights_only: {error}") from error
+        reason = _unpickler_reason(error)
+        if any(word in reason.lower() for word in ("global", "unsupported class", "blocked")):
+            raise UnsafeCheckpointError(
+                f"{path}: not loadable weights_only, it references code ({reason}); a checkpoint holds plain data"
+            ) from None
+        raise CheckpointIntegrityError(f"{path}: corrupted ({reason})") from None
+    except (EOFError, RuntimeError, ValueError, KeyError, IndexError, TypeError) as error:
+        text = str(error).strip()
+        reason = text.splitlines()[0].split(". ")[0] if text else type(error).__name__
+        state = "truncated" if isinstance(error, EOFError) or "central directory" in reason else "corrupted"
+        raise CheckpointIntegrityError(f"{path}: {state}, not a readable torch file ({reason})") from None

@@ -5,6 +5,7 @@ Every rank calls :func:`save` and :func:`load`. A ``torch_dcp`` checkpoint is a 
     step=100.ckpt/
         .metadata, __0_0.distcp, __1_0.distcp, ...   model and optimiser tensors (DCP, written by every rank)
         meta.pt                                      everything else (rank 0), loadable weights_only
+        manifest.json                                every file's size and hashes, written last (:mod:`.manifest`)
 
 A ``torch`` checkpoint is one file with the full (gathered) tensors in Lightning's layout, written by rank 0.
 Both are written next to their final path and renamed into place when complete (:mod:`.atomic`).
@@ -27,6 +28,7 @@ import torch.distributed.checkpoint as dcp
 from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 from torch import nn
 from torch.distributed.checkpoint import FileSystemWriter
+from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 from torch.distributed.checkpoint.state_dict import (
@@ -38,7 +40,8 @@ from torch.distributed.checkpoint.state_dict import (
 )
 from torch.distributed.tensor import DTensor, distribute_tensor
 
-from lightning_mm.strategies.checkpoint import atomic
+from lightning_mm.strategies.checkpoint import atomic, manifest
+from lightning_mm.strategies.checkpoint.errors import CheckpointIntegrityError, write_error
 from lightning_mm.strategies.checkpoint.layout import (
     EXTRA_KEY,
     FORMAT_VERSION,
@@ -169,6 +172,8 @@ def save(
         error = f"cannot write a {fmt} checkpoint to {path}: a {kind} of the other format is there"
     meta, tensors = split_tensors(checkpoint)
     meta[EXTRA_KEY] = {**extra, "format": fmt, "ranks": ranks}
+    if fmt == "torch_dcp":
+        meta[EXTRA_KEY]["manifest"] = manifest.MANIFEST_FILE  # a later load insists on it
     if rank0 and error is None:
         try:
             check_weights_only(meta)
@@ -177,22 +182,41 @@ def save(
     _agree(error)
     partial = Path(_broadcast(str(atomic.partial_path(path))))
     if rank0:
-        for stale in atomic.stale_partials(path):
+        for stale in dict.fromkeys([*atomic.stale_partials(path), *atomic.abandoned_partials(path.parent)]):
             atomic.remove(stale)
         path.parent.mkdir(parents=True, exist_ok=True)
     _barrier()
-    if fmt == "torch_dcp":
-        with _single_process_quiet():
-            dcp.save(tensors, storage_writer=FileSystemWriter(partial, sync_files=True),
-                     planner=DefaultSavePlanner(flatten_state_dict=False), no_dist=not _distributed())
-        if rank0:
-            _write_file(meta, partial / META_FILE)
-            atomic.fsync_dir(partial)
-    elif rank0:
-        full = dict(checkpoint)
-        full[EXTRA_KEY] = meta[EXTRA_KEY]
-        _write_file(full, partial)
-    _barrier()
+    failure, original, hashed = None, None, {}
+    try:
+        if fmt == "torch_dcp":
+            writer = FileSystemWriter(partial, sync_files=True)
+            writer.fs = files = manifest.RecordingFileSystem()  # each rank hashes the files it wrote
+            with _single_process_quiet():
+                dcp.save(tensors, storage_writer=writer, planner=DefaultSavePlanner(flatten_state_dict=False),
+                         no_dist=not _distributed())
+            hashed = manifest.file_entries(files.written)
+        elif rank0:
+            full = dict(checkpoint)
+            full[EXTRA_KEY] = meta[EXTRA_KEY]
+            _write_file(full, partial)
+    except (Exception, CheckpointException) as error:
+        failure, original = write_error(error, path), error
+    results = _gather((failure, hashed))
+    if rank0:
+        failure = next((f for f, _ in results if f is not None), None)
+        if failure is None and fmt == "torch_dcp":
+            try:  # the manifest comes last: it binds every file written before it to this checkpoint
+                _write_file(meta, partial / META_FILE)
+                manifest.write_manifest(partial, [h for _, h in results], [".metadata", META_FILE])
+                atomic.fsync_dir(partial)
+            except Exception as error:
+                failure, original = write_error(error, path), error
+        if failure is not None:
+            with contextlib.suppress(OSError):
+                atomic.remove(partial)  # free the space now; the next save removes what is left
+    failure = _broadcast(failure)
+    if failure is not None:
+        raise failure from original
     if rank0:
         atomic.commit(partial, path)
     _barrier()
@@ -264,8 +288,12 @@ def _copy_full_into(full: torch.Tensor, dest: torch.Tensor) -> None:
             dest.copy_(full)
 
 
-def open_source(path: str | Path) -> CheckpointSource:
-    """Open a checkpoint written by this project (a DCP directory or a consolidated file), safely."""
+def open_source(path: str | Path, full_check: bool = False) -> CheckpointSource:
+    """Open a checkpoint written by this project (a DCP directory or a consolidated file), safely.
+
+    The files of a DCP directory are checked against its manifest first (:func:`.manifest.verify`; whole-file
+    hashes too with ``full_check``).
+    """
     path = Path(path)
     if not path.exists():
         raise FileNotFoundError(f"checkpoint not found: {path}")
@@ -274,8 +302,10 @@ def open_source(path: str | Path) -> CheckpointSource:
             raise FileNotFoundError(
                 f"{path} is not a complete torch_dcp checkpoint (it needs both .metadata and {META_FILE})"
             )
+        listed = manifest.verify(path, full=full_check)
         metadata = read_dcp_metadata(path)
-        meta = load_weights_only(path / META_FILE)
+        meta = load_weights_only(manifest.inside(path, path / META_FILE))
+        _check_listed(path, listed, metadata, meta)
         shapes, dtypes = {}, {}
         for key, item in metadata.state_dict_metadata.items():
             if isinstance(item, TensorStorageMetadata):
@@ -289,6 +319,22 @@ def open_source(path: str | Path) -> CheckpointSource:
         path, meta, {k: tuple(v.shape) for k, v in tensors.items()}, {k: v.dtype for k, v in tensors.items()},
         is_dcp=False, _tensors=tensors,
     )
+
+
+def _check_listed(path: Path, listed: dict[str, Any] | None, metadata: Any, meta: Any) -> None:
+    """Every file the DCP metadata reads is in the manifest; a checkpoint without one warns, unless it was written
+    with one (then its manifest was removed)."""
+    extra = (meta.get(EXTRA_KEY) or {}) if isinstance(meta, dict) else {}
+    if listed is None:
+        if extra.get("manifest"):
+            raise CheckpointIntegrityError(f"{path / manifest.MANIFEST_FILE}: missing; this checkpoint was written "
+                                           "with a manifest, so its files cannot be trusted without it")
+        rank_zero_warn(f"{path} has no {manifest.MANIFEST_FILE} (written by an older lightning-mm): its files are "
+                       "not checked against one another")
+        return
+    for name in (".metadata", META_FILE, *(i.relative_path for i in (metadata.storage_data or {}).values())):
+        if name not in listed["files"]:
+            raise CheckpointIntegrityError(f"{path / name}: not listed in the checkpoint's {manifest.MANIFEST_FILE}")
 
 
 # ------------------------------------------------------------------------------------------- loading

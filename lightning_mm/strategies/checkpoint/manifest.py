@@ -1,0 +1,213 @@
+"""Binding every file of a ``torch_dcp`` checkpoint to that checkpoint: ``manifest.json``, written last.
+
+Each rank hashes the files it wrote (:class:`RecordingFileSystem` notes them); rank 0 adds ``.metadata`` and
+``meta.pt`` and writes the manifest just before the checkpoint is renamed into place::
+
+    {"manifest": "lightning-mm checkpoint", "version": 1, "id": "...", "hash": "sha256 of 16 MiB chunks",
+     "sample": {"blocks": 4, "block_size": 65536},
+     "files": {"__0_0.distcp": {"size": 1234, "sha256": "...", "sample": "..."}, ...}}
+
+:func:`verify` checks a checkpoint before anything is unpickled from it. Always (``full=False``, every load): every
+listed file is present, a regular file inside the directory, of its recorded size, and its ``sample`` fingerprint
+(SHA-256 of the size and of ``blocks`` blocks spread over the file, at most 256 KiB read per file) matches, and
+no ``.distcp`` file is there that the manifest does not list. ``full=True`` (the converters) also compares the
+hash of every whole file (SHA-256 over the SHA-256 of its 16 MiB chunks, so that one file hashes on many cores).
+A file from another run, a missing, truncated or extended one fails, naming the file; an alteration of a few
+bytes inside a large file is only seen by ``full``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import json
+import os
+import uuid
+from collections.abc import Iterable, Iterator, Mapping
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Any
+
+from torch.distributed.checkpoint.filesystem import FileSystem
+
+from lightning_mm.strategies.checkpoint.errors import CheckpointIntegrityError
+
+__all__ = [
+    "MANIFEST_FILE",
+    "RecordingFileSystem",
+    "file_entries",
+    "write_manifest",
+    "read_manifest",
+    "verify",
+    "check_name",
+    "inside",
+]
+
+MANIFEST_FILE = "manifest.json"
+_KIND = "lightning-mm checkpoint"
+_VERSION = 1
+_BLOCKS, _BLOCK_SIZE = 4, 64 * 1024
+_CHUNK = 16 << 20
+_HASH = "sha256 of 16 MiB chunks"
+_DCP_SUFFIX = ".distcp"
+
+
+class RecordingFileSystem(FileSystem):
+    """DCP's local file system that notes each file opened for writing (so its writer can hash it afterwards)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.written: list[Path] = []
+
+    @contextlib.contextmanager
+    def create_stream(self, path: str | os.PathLike, mode: str) -> Iterator[Any]:
+        if "w" in mode:
+            self.written.append(Path(path))  # list.append is atomic: DCP may write from several threads
+        with super().create_stream(path, mode) as stream:
+            yield stream
+
+
+# ------------------------------------------------------------------------------------------- hashing
+def _sample_offsets(size: int, blocks: int, block_size: int) -> list[int]:
+    if size <= blocks * block_size:
+        return [0]
+    last = size - block_size
+    return [last * k // (blocks - 1) for k in range(blocks)]
+
+
+def _sample(path: Path, size: int, blocks: int = _BLOCKS, block_size: int = _BLOCK_SIZE) -> str:
+    """SHA-256 of the size and of ``blocks`` blocks at fixed places (the whole file when it is small)."""
+    digest = hashlib.sha256(size.to_bytes(8, "little"))
+    whole = size <= blocks * block_size
+    with path.open("rb") as f:
+        for offset in _sample_offsets(size, blocks, block_size):
+            f.seek(offset)
+            digest.update(f.read(size if whole else block_size))
+    return digest.hexdigest()
+
+
+def _chunk_digest(path: Path, offset: int) -> bytes:
+    with path.open("rb") as f:
+        return hashlib.sha256(os.pread(f.fileno(), _CHUNK, offset)).digest()  # releases the GIL while hashing
+
+
+def _sha256(path: Path) -> str:
+    """SHA-256 over the size and the SHA-256 of each 16 MiB chunk (chunks hash in parallel threads)."""
+    size = path.stat().st_size
+    digests = _parallel(lambda offset: _chunk_digest(path, offset), range(0, size, _CHUNK))
+    return hashlib.sha256(size.to_bytes(8, "little") + b"".join(digests)).hexdigest()
+
+
+def _entry(path: Path) -> tuple[str, dict[str, Any]]:
+    size = path.stat().st_size
+    return path.name, {"size": size, "sha256": _sha256(path), "sample": _sample(path, size)}
+
+
+def _parallel(function: Any, items: Iterable[Any]) -> list[Any]:
+    items = list(items)
+    if len(items) <= 1:
+        return [function(item) for item in items]
+    with ThreadPoolExecutor(max_workers=min(8, len(items), os.cpu_count() or 1)) as pool:
+        return list(pool.map(function, items))
+
+
+def file_entries(paths: Iterable[Path]) -> dict[str, dict[str, Any]]:
+    """Size, SHA-256 and sample fingerprint of each file that exists (``.tmp`` files renamed since are skipped)."""
+    existing = sorted({Path(p) for p in paths if Path(p).is_file()})
+    return dict(_parallel(_entry, existing))
+
+
+def write_manifest(directory: Path, entries: Iterable[Mapping[str, dict[str, Any]]], extra: Iterable[str]) -> None:
+    """Write ``directory/manifest.json`` from the entries every rank hashed plus the files named in ``extra``."""
+    files: dict[str, dict[str, Any]] = {}
+    for part in entries:
+        files.update(part or {})
+    files.update(file_entries(directory / name for name in extra))
+    manifest = {"manifest": _KIND, "version": _VERSION, "id": uuid.uuid4().hex, "hash": _HASH,
+                "sample": {"blocks": _BLOCKS, "block_size": _BLOCK_SIZE}, "files": dict(sorted(files.items()))}
+    with open(directory / MANIFEST_FILE, "w") as f:
+        json.dump(manifest, f, indent=1)
+        f.flush()
+        os.fsync(f.fileno())
+
+
+# ------------------------------------------------------------------------------------------- reading
+def check_name(directory: Path, name: Any, what: str) -> Path:
+    """``directory/name`` for a plain file name; anything that could lead outside ``directory`` is refused."""
+    if (not isinstance(name, str) or not name or name in (".", "..") or "/" in name or "\\" in name
+            or "\0" in name or os.path.isabs(name)):
+        raise CheckpointIntegrityError(f"{directory}: {what} names {name!r}, which is not a file of the checkpoint "
+                                       "directory (a checkpoint never refers to files outside itself)")
+    return directory / name
+
+
+def inside(directory: Path, path: Path) -> Path:
+    """``path`` if it is a regular file (not a link) inside ``directory``; a clear error otherwise."""
+    if path.is_symlink():
+        raise CheckpointIntegrityError(f"{path}: is a symbolic link (to {os.readlink(path)}); checkpoint files "
+                                       "are regular files inside the checkpoint directory")
+    if not path.exists():
+        raise CheckpointIntegrityError(f"{path}: missing (the checkpoint is incomplete)")
+    if not path.is_file():
+        raise CheckpointIntegrityError(f"{path}: not a regular file")
+    if path.resolve().parent != directory.resolve():
+        raise CheckpointIntegrityError(f"{path}: resolves outside the checkpoint directory {directory}")
+    return path
+
+
+def read_manifest(directory: Path) -> dict[str, Any] | None:
+    """The parsed manifest of ``directory``, or None for a checkpoint written without one."""
+    file = directory / MANIFEST_FILE
+    if not file.exists() and not file.is_symlink():
+        return None
+    inside(directory, file)
+    try:
+        manifest = json.loads(file.read_text())
+    except (UnicodeDecodeError, json.JSONDecodeError) as error:
+        raise CheckpointIntegrityError(f"{file}: not a valid manifest ({error})") from error
+    if not isinstance(manifest, dict) or manifest.get("manifest") != _KIND or not isinstance(
+            manifest.get("files"), dict):
+        raise CheckpointIntegrityError(f"{file}: not a lightning-mm checkpoint manifest")
+    if manifest.get("hash") != _HASH:
+        raise CheckpointIntegrityError(f"{file}: unknown hash {manifest.get('hash')!r} (this lightning-mm uses "
+                                       f"{_HASH})")
+    if int(manifest.get("version", 0)) > _VERSION:
+        raise CheckpointIntegrityError(f"{file}: manifest version {manifest['version']} is newer than this "
+                                       f"lightning-mm reads ({_VERSION})")
+    for name, entry in manifest["files"].items():
+        check_name(directory, name, MANIFEST_FILE)
+        if not isinstance(entry, dict) or not isinstance(entry.get("size"), int) or not all(
+                isinstance(entry.get(k), str) for k in ("sha256", "sample")):
+            raise CheckpointIntegrityError(f"{file}: malformed entry for {name}")
+    return manifest
+
+
+def _check_file(directory: Path, name: str, entry: dict[str, Any], sample: dict[str, int], full: bool) -> None:
+    path = inside(directory, directory / name)
+    size = path.stat().st_size
+    if size != entry["size"]:
+        state = "truncated" if size < entry["size"] else "longer than written"
+        raise CheckpointIntegrityError(f"{path}: {state} ({size} bytes; the checkpoint's manifest records "
+                                       f"{entry['size']})")
+    if _sample(path, size, sample["blocks"], sample["block_size"]) != entry["sample"] or (
+            full and _sha256(path) != entry["sha256"]):
+        raise CheckpointIntegrityError(f"{path}: its content differs from the checkpoint's manifest: the file was "
+                                       "altered or comes from another checkpoint")
+
+
+def verify(directory: Path, full: bool = False) -> dict[str, Any] | None:
+    """Check the files of ``directory`` against its manifest (see the module docstring); None without one."""
+    manifest = read_manifest(directory)
+    if manifest is None:
+        return None
+    files: dict[str, dict[str, Any]] = manifest["files"]
+    sample = manifest.get("sample") or {}
+    sample = {"blocks": int(sample.get("blocks", _BLOCKS)), "block_size": int(sample.get("block_size", _BLOCK_SIZE))}
+    if not 2 <= sample["blocks"] <= 64 or not 1 <= sample["block_size"] <= 1 << 20:
+        raise CheckpointIntegrityError(f"{directory / MANIFEST_FILE}: invalid sample settings {sample}")
+    foreign = sorted(p.name for p in directory.iterdir() if p.name.endswith(_DCP_SUFFIX) and p.name not in files)
+    if foreign:
+        raise CheckpointIntegrityError(f"{directory / foreign[0]}: not part of this checkpoint (its manifest does not "
+                                       f"list it{f'; nor {foreign[1:]}' if len(foreign) > 1 else ''})")
+    _parallel(lambda item: _check_file(directory, item[0], item[1], sample, full), sorted(files.items()))
+    return manifest
