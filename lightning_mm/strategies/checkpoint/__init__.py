@@ -26,6 +26,7 @@ from lightning_mm.strategies.checkpoint.store import (
     model_state,
     open_source,
     optimizer_state,
+    outside_inference_mode,
     save,
 )
 
@@ -46,6 +47,7 @@ __all__ = [
     "model_state",
     "open_source",
     "optimizer_state",
+    "outside_inference_mode",
     "remove",
     "restore_rng",
     "save",
