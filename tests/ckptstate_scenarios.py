@@ -60,6 +60,7 @@ class Record(L.Callback):
 
     def __init__(self, work: Path, name: str) -> None:
         self.work, self.name, self.losses = work, name, []
+        self.batches: list[dict[str, torch.Tensor]] = []  # this rank's batches after the checkpoint step
 
     def _dump(self, trainer: L.Trainer, module: L.LightningModule, what: str) -> None:
         state = full_state(module, trainer)
@@ -72,9 +73,12 @@ class Record(L.Callback):
 
     def on_train_batch_end(self, trainer: L.Trainer, pl_module: Any, outputs: Any, batch: Any, idx: int) -> None:
         self.losses.append(float(outputs["loss"].detach()))
+        if trainer.global_step > SAVE_AT:
+            self.batches.append({k: v.clone() for k, v in batch.items()})
 
     def on_train_end(self, trainer: L.Trainer, pl_module: Any) -> None:
         self._dump(trainer, pl_module, "end")
+        torch.save(self.batches, self.work / f"{self.name}.batches.rank{trainer.global_rank}.pt")
 
 
 class SaveAt(L.Callback):
@@ -140,6 +144,18 @@ def scenario_two(work: Path) -> None:
     t, out["ddp"] = fit(work, "ddp", ddp(), STEPS, save_at_3={"ddp": work / "ddp.ckpt"})
     t, out["mm"] = fit(work, "mm", mm(LAYERS), STEPS,
                        save_at_3={"torch_dcp": work / "mm.ckpt", "torch": work / "mm.pt"})
+    # Every checkpoint entry point inside a user's inference mode (state dicts of DTensors cannot be taken in it);
+    # Lightning's parameter names in a keyword call.
+    strategy = t.strategy
+    strategy.checkpoint_format = "torch_dcp"  # SaveAt left it at "torch"
+    with torch.inference_mode():
+        state = {"state_dict": strategy.lightning_module_state_dict(), "global_step": t.global_step,
+                 "optimizer_states": [strategy.optimizer_state(o) for o in t.optimizers]}
+        strategy.save_checkpoint(checkpoint=state, filepath=work / "keyword.ckpt", storage_options=None)
+        t.save_checkpoint(work / "inference.ckpt")
+        strategy.checkpoint_format = "torch"
+        t.save_checkpoint(work / "inference.pt")
+        out["inference_load_step"] = strategy.load_checkpoint(checkpoint_path=work / "inference.ckpt")["global_step"]
     # A standard (index-keyed) Lightning checkpoint moves to mm_fsdp2: model and optimiser state resume exactly.
     _, out["from_ddp"] = fit(work, "from_ddp", mm(), STEPS, ckpt_path=str(work / "ddp.ckpt"))
     # mm_fsdp2's own checkpoints (sharded and consolidated) resume strictly although some parameters have no
