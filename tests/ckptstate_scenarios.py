@@ -43,8 +43,8 @@ class Llava(L.LightningModule):
         return torch.optim.AdamW(self.parameters(), lr=1e-2, weight_decay=0.1)
 
 
-def data() -> DataLoader:
-    return DataLoader(FamilyData("llava", n=12), batch_size=2, shuffle=False)
+def data(batch_size: int = 2) -> DataLoader:
+    return DataLoader(FamilyData("llava", n=12), batch_size=batch_size, shuffle=False)
 
 
 def full_state(module: L.LightningModule, trainer: L.Trainer) -> dict[str, Any]:
@@ -104,15 +104,16 @@ class SaveAt(L.Callback):
 
 
 def fit(work: Path, name: str, strategy: Any, max_steps: int, devices: int = 2, ckpt_path: str | None = None,
-        save_at_3: dict[str, Path] | None = None) -> tuple[L.Trainer, list[float]]:
+        save_at_3: dict[str, Path] | None = None, batch_size: int = 2,
+        **trainer_kwargs: Any) -> tuple[L.Trainer, list[float]]:
     torch.manual_seed(0)
     callbacks: list[L.Callback] = [Record(work, name)]
     if save_at_3:
         callbacks.append(SaveAt(work, name, SAVE_AT, save_at_3))
     trainer = L.Trainer(accelerator="cpu", devices=devices, strategy=strategy, max_steps=max_steps, logger=False,
                         enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
-                        num_sanity_val_steps=0, callbacks=callbacks, default_root_dir=work)
-    trainer.fit(Llava(), train_dataloaders=data(), ckpt_path=ckpt_path)
+                        num_sanity_val_steps=0, callbacks=callbacks, default_root_dir=work, **trainer_kwargs)
+    trainer.fit(Llava(), train_dataloaders=data(batch_size), ckpt_path=ckpt_path)
     return trainer, callbacks[0].losses
 
 
@@ -166,8 +167,14 @@ def scenario_two(work: Path) -> None:
 
 
 def scenario_one(work: Path) -> None:
-    """1 rank: the 2-rank DDP checkpoint and the 2-rank mm_fsdp2 checkpoint reshard onto one rank."""
+    """1 rank: a single-device Lightning checkpoint resumes under mm_fsdp2; the 2-rank DDP and mm_fsdp2 checkpoints
+    reshard onto one rank."""
     out: dict[str, Any] = {}
+    # The plain loader's order on both sides (a ParallelStrategy would otherwise get a shuffling DistributedSampler);
+    # batches of 4: step 3 ends the epoch, as on 2 ranks.
+    single = dict(devices=1, batch_size=4, use_distributed_sampler=False)
+    _, out["single"] = fit(work, "single", "auto", STEPS, save_at_3={"single": work / "single.ckpt"}, **single)
+    _, out["from_single"] = fit(work, "from_single", mm(), STEPS, ckpt_path=str(work / "single.ckpt"), **single)
     _, out["ddp_to_one"] = fit(work, "ddp_to_one", mm(), SAVE_AT + 1, devices=1, ckpt_path=str(work / "ddp.ckpt"))
     _, out["mm_to_one"] = fit(work, "mm_to_one", mm(LAYERS), SAVE_AT + 1, devices=1, ckpt_path=str(work / "mm.ckpt"))
     dump(work, "one", 0, out)

@@ -111,6 +111,12 @@ def test_lightning_ddp_checkpoint_resumes_model_and_optimizer_exactly_on_any_wor
     assert len(_stateless(at3)) == 18  # DDP leaves the unused parameters without state too
     _states_equal(_load(work, "from_ddp.start.pt"), at3)  # 2 ranks
     _states_equal(_load(work, "ddp_to_one.start.pt"), at3)  # 1 rank
+    one = _json(work, "one")  # a single-device Lightning checkpoint, the same layout
+    _states_equal(_load(work, "from_single.start.pt"), _load(work, "single.at3.pt"))
+    _close(one["from_single"], one["single"][RESUMED])
+    single_end, from_single_end = _load(work, "single.end.pt"), _load(work, "from_single.end.pt")
+    for key, value in single_end["model"].items():
+        torch.testing.assert_close(from_single_end["model"][key], value, rtol=1e-5, atol=0, msg=key)
     two = _json(work, "two")
     _close(two["from_ddp"], two["ddp"][RESUMED])  # per step, against the uninterrupted DDP run
     ref, resumed = _load(work, "ddp.end.pt"), _load(work, "from_ddp.end.pt")
