@@ -27,8 +27,11 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_only
 from lightning_utilities.core.rank_zero import rank_zero_only as utils_rank_zero_only
 from torch import Tensor, nn
 from torch.distributed.fsdp import FSDPModule
+from torch.optim import Optimizer
+from typing_extensions import override
 
 from lightning_mm.strategies import apply, checkpoint
+from lightning_mm.strategies import checkpoint as ckpt  # where a Lightning parameter is named `checkpoint`
 from lightning_mm.strategies.backend import process_group_backend
 from lightning_mm.strategies.config import FSDP2Config
 from lightning_mm.strategies.init_context import meta_parameters
@@ -467,20 +470,28 @@ class MMFSDP2Strategy(ParallelStrategy):
     # ----------------------------------------------------------------------------------- checkpoints
     # See lightning_mm/strategies/checkpoint/: torch_dcp directories or consolidated torch files, written atomically,
     # loaded strictly (keys listed) and safely (weights_only), resharded to any world size.
+    # Every entry point leaves inference mode: DTensor state dicts cannot be taken or loaded under it.
+    @override
+    @checkpoint.outside_inference_mode
     def lightning_module_state_dict(self) -> dict[str, Any]:
         """This rank's shards (``torch_dcp``), or the gathered state on rank 0 (``torch``)."""
         assert self.lightning_module is not None
         return checkpoint.model_state(self.lightning_module, full=self.checkpoint_format == "torch")
 
-    def load_model_state_dict(self, state: Mapping[str, Any], strict: bool = True) -> None:
+    @override
+    def load_model_state_dict(self, checkpoint: Mapping[str, Any], strict: bool = True) -> None:
         pass  # loaded in place by load_checkpoint, which checks the keys
 
-    def optimizer_state(self, optimizer: Any) -> dict[str, Any]:
-        """The optimiser state keyed by parameter names: shards (``torch_dcp``) or gathered on rank 0 (``torch``)."""
+    @override
+    @checkpoint.outside_inference_mode
+    def optimizer_state(self, optimizer: Optimizer) -> dict[str, Any]:
+        """This rank's shards keyed by parameter name (``torch_dcp``), or the gathered state on rank 0 in torch's
+        layout, keyed by parameter index with the names alongside (``torch``)."""
         assert self.lightning_module is not None
         return checkpoint.optimizer_state(self.lightning_module, optimizer, full=self.checkpoint_format == "torch")
 
-    def load_optimizer_state_dict(self, state: Mapping[str, Any]) -> None:
+    @override
+    def load_optimizer_state_dict(self, checkpoint: Mapping[str, Any]) -> None:
         pass  # loaded in place by load_checkpoint
 
     def _check_checkpoint_io(self) -> None:
@@ -498,8 +509,9 @@ class MMFSDP2Strategy(ParallelStrategy):
             return "next_batch"
         return "next_epoch" if trainer.fit_loop.epoch_loop.batch_progress.is_last_batch else "next_batch"
 
-    def save_checkpoint(self, checkpoint_dict: dict[str, Any], filepath: _PATH,
-                        storage_options: Any | None = None) -> None:
+    @override
+    @checkpoint.outside_inference_mode
+    def save_checkpoint(self, checkpoint: dict[str, Any], filepath: _PATH, storage_options: Any | None = None) -> None:
         """Write a checkpoint with every rank (``torch_dcp``) or from rank 0 (``torch``); visible once complete."""
         if storage_options is not None:
             raise TypeError("MMFSDP2Strategy writes its checkpoints itself; `storage_options` is not supported")
@@ -508,15 +520,17 @@ class MMFSDP2Strategy(ParallelStrategy):
         assert lm is not None
         path = Path(self.broadcast(str(filepath)))
         extra = {
-            "format_version": checkpoint.FORMAT_VERSION,
-            "kind": checkpoint.KIND_TRAINING,
+            "format_version": ckpt.FORMAT_VERSION,
+            "kind": ckpt.KIND_TRAINING,
             "world_size": self.world_size,
             "mesh_shape": list(self.device_mesh.shape),
             "rng_point": self._rng_point(),
-            "hf": checkpoint.hf_records(lm),
+            "hf": ckpt.hf_records(lm),
         }
-        checkpoint.save(checkpoint_dict, path, self.checkpoint_format, extra, checkpoint.capture_rng(self.root_device))
+        ckpt.save(checkpoint, path, self.checkpoint_format, extra, ckpt.capture_rng(self.root_device))
 
+    @override
+    @checkpoint.outside_inference_mode
     def load_checkpoint(self, checkpoint_path: _PATH, weights_only: bool | None = None) -> dict[str, Any]:
         """Load model and (when fitting) optimiser state in place, with strict key checks; return the rest.
 
@@ -545,6 +559,7 @@ class MMFSDP2Strategy(ParallelStrategy):
             checkpoint.restore_rng(self._pending_rng, self.root_device)
         self._pending_rng = self._pending_rng_point = None
 
+    @override
     def process_dataloader(self, dataloader: object) -> object:
         """Resuming at an epoch boundary: restore the RNG before the new epoch's training iterator is created."""
         trainer = getattr(self.lightning_module, "_trainer", None)
@@ -553,11 +568,13 @@ class MMFSDP2Strategy(ParallelStrategy):
             self._restore_pending_rng()
         return dataloader
 
+    @override
     def on_train_batch_start(self, batch: Any, batch_idx: int) -> None:
         """Resuming mid-epoch: restore the RNG right before the first batch after the checkpoint."""
         if self._pending_rng is not None:
             self._restore_pending_rng()
 
+    @override
     def remove_checkpoint(self, filepath: _PATH) -> None:
         """Delete a checkpoint (rank 0): a directory is moved out of sight before it is deleted."""
         if self.is_global_zero:

@@ -29,6 +29,7 @@ from lightning_mm.strategies.checkpoint.store import (
     model_state,
     open_source,
     optimizer_state,
+    outside_inference_mode,
     save,
 )
 
@@ -53,6 +54,7 @@ __all__ = [
     "model_state",
     "open_source",
     "optimizer_state",
+    "outside_inference_mode",
     "remove",
     "restore_rng",
     "save",

@@ -21,6 +21,7 @@ from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
 from lightning_mm.strategies.checkpoint import atomic
 from lightning_mm.strategies.checkpoint.errors import CheckpointIntegrityError, write_error
 from lightning_mm.strategies.checkpoint.hf import choose_record
+from lightning_mm.strategies.checkpoint.hf_export import HFLayout, hf_layout
 from lightning_mm.strategies.checkpoint.layout import (
     EXTRA_KEY,
     FORMAT_VERSION,
@@ -121,6 +122,26 @@ def _hf_config(source_meta: dict[str, Any], source: str, prefix: str | None, con
     return record["prefix"], json.loads(record["config"])
 
 
+def _file_keys(stored: dict[str, str], layout: HFLayout, src: str | Path) -> dict[str, str]:
+    """File key -> stored checkpoint key, for every tensor ``save_pretrained`` writes (tied weights once)."""
+    out: dict[str, str] = {}
+    missing = []
+    for file_key, names in layout.keys.items():
+        found = next((stored[n] for n in names if n in stored), None)
+        if found is None:
+            missing.append(names[0])
+        else:
+            out[file_key] = found
+    covered = {n for names in layout.keys.values() for n in names}
+    unexpected = sorted(n for n in stored if n not in covered)
+    if missing or unexpected:
+        raise ValueError(
+            f"{src}: the checkpoint's model keys do not match {layout.config.architectures[0]}'s: "
+            f"{len(missing)} missing {missing[:20]}, {len(unexpected)} not in the model {unexpected[:20]}"
+        )
+    return out
+
+
 def dcp_to_hf(
     src: str | Path,
     out_dir: str | Path,
@@ -129,10 +150,12 @@ def dcp_to_hf(
     max_shard_size: int = 5 * 10**9,
     config: str | Path | None = None,
 ) -> Path:
-    """Write the Hugging Face model of a checkpoint as ``config.json`` plus safetensors shards.
+    """Write the Hugging Face model of a checkpoint as ``save_pretrained`` would write it.
 
     The model keys of the checkpoint under ``prefix`` (the recorded one by default: ``model.`` for an
-    MMLightningModule) become the HF keys. ``dtype`` (fp32, bf16, fp16) casts floating tensors.
+    MMLightningModule) are written under the key names of the saved layout (Transformers' save-time renaming),
+    tied weights once, with ``config.json``, ``generation_config.json`` for a generative model, and safetensors
+    shards (see :mod:`.hf_export`). ``dtype`` (fp32, bf16, fp16) casts floating tensors.
     """
     from safetensors.torch import save_file
 
@@ -146,10 +169,12 @@ def dcp_to_hf(
     source = open_source(src)
     prefix, hf_config = _hf_config(source.meta, str(src), prefix, config)
     start = model_key(prefix)
-    names = {k: k[len(start):] for k in source.shapes if k.startswith(start)}
-    if not names:
+    stored = {k[len(start):]: k for k in source.shapes if k.startswith(start)}
+    if not stored:
         available = sorted({k.split(SEP, 1)[1].split(".", 1)[0] for k in source.shapes if k.startswith("state_dict")})
         raise ValueError(f"{src}: no model key starts with {prefix!r} (top-level modules: {available})")
+    layout = hf_layout(hf_config, str(src))
+    names = {key: file_key for file_key, key in _file_keys(stored, layout, src).items()}
 
     shards: list[list[str]] = [[]]
     size = 0
@@ -161,9 +186,14 @@ def dcp_to_hf(
             size = 0
         shards[-1].append(key)
         size += nbytes
+    floating = [source.dtypes[k] for k in names if source.dtypes[k].is_floating_point]
+    config_dtype = cast if cast is not None else (floating[0] if floating else None)
 
     partial = atomic.partial_path(out)
     partial.mkdir()
+    layout.save_side_files(partial, config_dtype)
+    # safetensors creates its files owner-only (0600); they get the mode of any new file here (the umask's).
+    mode = (partial / "config.json").stat().st_mode & 0o777
     weight_map: dict[str, str] = {}
     total = 0
     for i, keys in enumerate(shards):
@@ -177,13 +207,11 @@ def dcp_to_hf(
             weight_map[names[key]] = file
             total += tensor.numel() * tensor.element_size()
         save_file(shard, str(partial / file), metadata={"format": "pt"})
+        (partial / file).chmod(mode)
         del tensors, shard
     if len(shards) > 1:
-        index = {"metadata": {"total_size": total}, "weight_map": weight_map}
+        index = {"metadata": {"total_size": total}, "weight_map": dict(sorted(weight_map.items()))}
         (partial / "model.safetensors.index.json").write_text(json.dumps(index, indent=2))
-    if cast is not None:
-        hf_config["torch_dtype"] = hf_config["dtype"] = str(cast).removeprefix("torch.")
-    (partial / "config.json").write_text(json.dumps(hf_config, indent=2))
     atomic.fsync_dir(partial)
     atomic.commit(partial, out)
     return out

@@ -15,12 +15,13 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import functools
 import os
 import warnings
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import torch
 import torch.distributed as dist
@@ -57,6 +58,7 @@ from lightning_mm.strategies.checkpoint.layout import (
     put_loader_states,
     split_tensors,
 )
+from lightning_mm.strategies.checkpoint.optim_keys import PARAM_NAMES, saved_names, to_index_keyed
 from lightning_mm.strategies.checkpoint.safe import (
     SafeFileSystemReader,
     SafeLoadPlanner,
@@ -76,6 +78,7 @@ __all__ = [
     "CheckpointSource",
     "open_source",
     "alias_groups",
+    "outside_inference_mode",
 ]
 
 FORMATS = ("torch_dcp", "torch")
@@ -120,16 +123,40 @@ def _agree(error: str | None) -> None:
 
 
 # ------------------------------------------------------------------------------------- state dicts
+_F = TypeVar("_F", bound=Callable[..., Any])
+
+
+def outside_inference_mode(fn: _F) -> _F:
+    """Run ``fn`` outside ``torch.inference_mode`` (under ``no_grad``) when called inside it.
+
+    DTensor state dicts can be neither taken nor loaded in inference mode ("Cannot set version_counter for
+    inference tensor"), so every checkpoint entry point leaves it for its work.
+    """
+
+    @functools.wraps(fn)
+    def wrapper(*args: Any, **kwargs: Any) -> Any:
+        if not torch.is_inference_mode_enabled():
+            return fn(*args, **kwargs)
+        with torch.inference_mode(False), torch.no_grad():
+            return fn(*args, **kwargs)
+
+    return wrapper  # type: ignore[return-value]
+
+
 def model_state(model: nn.Module, full: bool) -> dict[str, Any]:
     """The model state: this rank's shards, or (``full``) the gathered tensors on rank 0 and nothing elsewhere."""
     return get_model_state_dict(model, options=StateDictOptions(full_state_dict=full, cpu_offload=full))
 
 
 def optimizer_state(model: nn.Module, optimizer: Any, full: bool) -> dict[str, Any]:
-    """The optimiser state keyed by parameter names (sharded, or gathered on rank 0 when ``full``)."""
-    return get_optimizer_state_dict(
+    """The optimiser state: this rank's shards keyed by parameter name, or (``full``) the gathered state on rank 0
+    in torch's standard layout (keyed by parameter index, names kept alongside in ``param_groups``), which
+    ``torch.optim.Optimizer.load_state_dict`` and other Lightning strategies load.
+    """
+    state = get_optimizer_state_dict(
         model, _unwrap(optimizer), options=StateDictOptions(full_state_dict=full, cpu_offload=full)
     )
+    return to_index_keyed(state) if full else state
 
 
 def alias_groups(model: nn.Module) -> list[list[str]]:
@@ -381,32 +408,57 @@ def _check(plan: KeyPlan, what: str, path: Path, strict: bool) -> None:
     rank_zero_warn(f"Non-strict load of {path} skipped these {what} keys: {plan.describe(what)}")
 
 
+def _saved_by_name(source: CheckpointSource, saved: Mapping[str, Any], current_groups: list[dict], prefix: str,
+                   where: str) -> tuple[dict[str, Any], dict[str, str]]:
+    """The saved optimiser state with parameters named as today, and ``{renamed stored key: stored key}``.
+
+    An index-keyed state (torch's layout: a checkpoint of DDP, of a single device, or this strategy's ``torch``
+    format) is renamed through :func:`.optim_keys.saved_names`; a name-keyed one is unchanged.
+    """
+    names = saved_names(saved, current_groups, where)
+    stored: dict[str, str] = {}
+    for key in source.shapes:
+        if key.startswith(prefix):
+            pid, _, rest = key[len(prefix):].partition(SEP)
+            stored[f"{prefix}{names.get(pid, pid)}{SEP}{rest}"] = key
+    state = {names.get(str(k), str(k)): v for k, v in (saved.get("state") or {}).items()}
+    groups = [{**{k: v for k, v in g.items() if k != PARAM_NAMES}, "params": [names[str(p)] for p in g["params"]]}
+              for g in saved.get("param_groups", [])]
+    return {"state": state, "param_groups": groups}, stored
+
+
 def _load_optimizer(source: CheckpointSource, model: nn.Module, optimizer: Any, index: int, strict: bool) -> list[str]:
     optim = _unwrap(optimizer)
     current = optimizer_state(model, optim, full=False)  # creates the state entries if the optimiser has none yet
-    saved = source.meta["optimizer_states"][index]
     prefix = f"optimizer_states{SEP}{index}{SEP}state{SEP}"
+    saved, stored_as = _saved_by_name(source, source.meta["optimizer_states"][index], current["param_groups"],
+                                      prefix, f"{source.path}: optimizer {index}")
+    # Parameters that had no optimiser state when the checkpoint was written (they never received a gradient,
+    # e.g. LLaVA's unused last vision layer) are listed in the saved groups but have no saved state: they are
+    # expected to have none, and get none (as in the run that wrote the checkpoint).
+    stateless = {p for g in saved["param_groups"] for p in g["params"]} - set(saved["state"])
     expected: dict[str, tuple[int, ...]] = {}
     dest: dict[str, torch.Tensor] = {}
     for fqn, entries in current["state"].items():
+        if fqn in stateless:
+            continue
         for name, value in entries.items():
             if isinstance(value, torch.Tensor):
                 key = f"{prefix}{fqn}{SEP}{name}"
                 expected[key], dest[key] = _shape(value), value
-    stored = {k: s for k, s in source.shapes.items() if k.startswith(prefix)}
-    plan = plan_keys(expected, stored)
+    plan = plan_keys(expected, {k: source.shapes[v] for k, v in stored_as.items()})
     _check(plan, f"optimizer {index}", source.path, strict)
-    source.read_into({k: dest[k] for k in plan.load})
+    source.read_into({stored_as[k]: dest[k] for k in plan.load})
 
     loaded = set(plan.load)
     state: dict[str, dict[str, Any]] = {}
     for fqn, entries in current["state"].items():
         keys = [f"{prefix}{fqn}{SEP}{n}" for n, v in entries.items() if isinstance(v, torch.Tensor)]
-        if not all(k in loaded for k in keys):
-            continue  # non-strict: this parameter's optimiser state starts fresh
-        saved_entries = saved.get("state", {}).get(fqn, {})
+        if fqn in stateless or not all(k in loaded for k in keys):
+            continue  # no state in the checkpoint, or non-strict: this parameter's optimiser state starts fresh
+        saved_entries = saved["state"].get(fqn, {})
         state[fqn] = {n: (v if isinstance(v, torch.Tensor) else saved_entries.get(n, v)) for n, v in entries.items()}
-    groups = _merge_param_groups(current["param_groups"], saved.get("param_groups", []), source.path, index, strict)
+    groups = _merge_param_groups(current["param_groups"], saved["param_groups"], source.path, index, strict)
     set_optimizer_state_dict(model, optim, {"state": state, "param_groups": groups},
                              options=StateDictOptions(strict=False))  # keys were checked above
     return [*plan.missing, *plan.unexpected, *(k for k, _, _ in plan.mismatched)]

@@ -1,0 +1,85 @@
+"""What ``save_pretrained`` would write for a model: its file keys, tied weights and side files (no tensor data).
+
+The model is built on the meta device from its config, and Transformers' own save-time steps run on its
+state dict of meta tensors: tied weights are stored once (``remove_tied_weights_from_state_dict``) and the
+in-memory names are renamed back to the saved layout (``revert_weight_conversion``: e.g. LLaVA's
+``model.language_model.*`` is saved as ``language_model.model.*``). Each key of the result is traced back to the
+in-memory names it holds, so that the converter streams each tensor from the checkpoint under its file key.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+__all__ = ["HFLayout", "hf_layout"]
+
+
+@dataclass
+class HFLayout:
+    """The saved layout of one Hugging Face model."""
+
+    keys: dict[str, list[str]]
+    """File key -> the in-memory names (module state-dict keys) of that tensor; several for tied weights."""
+    config: Any
+    """The ``PretrainedConfig`` (``architectures`` set), written as ``config.json``."""
+    generation_config: Any
+    """The ``GenerationConfig`` that ``save_pretrained`` writes for a generative model, else ``None``."""
+
+    def save_side_files(self, directory: Path, dtype: torch.dtype | None) -> None:
+        """``config.json`` (with the weights' ``dtype``, as ``save_pretrained`` records it) and
+        ``generation_config.json`` (when the model has one)."""
+        if dtype is not None:
+            self.config.dtype = str(dtype).removeprefix("torch.")
+        self.config.save_pretrained(directory)
+        if self.generation_config is not None:
+            self.generation_config.save_pretrained(directory)
+
+
+def _model_class(config: dict[str, Any], where: str) -> type:
+    import transformers
+
+    architecture = (config.get("architectures") or [None])[0]
+    cls = getattr(transformers, architecture, None) if architecture else None
+    if isinstance(cls, type) and issubclass(cls, transformers.PreTrainedModel):
+        return cls
+    from lightning_mm.modules.hub import ModelHub, ModelHubError
+
+    try:
+        return ModelHub.resolve(None, config)[1]
+    except ModelHubError as err:
+        raise ValueError(f"{where}: cannot build the Hugging Face model of this config ({err})") from None
+
+
+def hf_layout(config: dict[str, Any], where: str) -> HFLayout:
+    """The layout ``save_pretrained`` writes for the model ``config`` (a ``config.json`` dict) describes."""
+    from transformers import AutoConfig
+    from transformers.core_model_loading import revert_weight_conversion
+    from transformers.modeling_utils import remove_tied_weights_from_state_dict
+
+    if not config.get("model_type"):
+        raise ValueError(f"{where}: the model config has no 'model_type'")
+    cls = _model_class(config, where)
+    fields = {k: v for k, v in json.loads(json.dumps(config)).items() if k != "model_type"}
+    hf_config = AutoConfig.for_model(config["model_type"], **fields)
+    with torch.device("meta"):
+        model = cls(hf_config)
+    hf_config.architectures = list(config.get("architectures") or [cls.__name__])
+    state = model.state_dict(keep_vars=True)  # tied names share one Parameter object
+    names: dict[int, list[str]] = {}
+    for name, tensor in state.items():
+        names.setdefault(id(tensor), []).append(name)
+    saved = revert_weight_conversion(model, remove_tied_weights_from_state_dict(dict(state), model))
+    keys: dict[str, list[str]] = {}
+    for key, tensor in saved.items():
+        if id(tensor) not in names:
+            raise ValueError(f"{where}: {type(model).__name__} saves {key} through a tensor conversion (fusing or "
+                             "splitting weights), which dcp-to-hf does not do; load the checkpoint into the model "
+                             "and call save_pretrained")
+        keys[key] = names[id(tensor)]
+    generation = model.generation_config if model.can_generate() else None
+    return HFLayout(keys, hf_config, generation)

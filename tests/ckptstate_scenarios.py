@@ -1,0 +1,187 @@
+"""Optimiser-state checkpoint scenarios: ``python tests/ckptstate_scenarios.py SCENARIO WORKDIR``.
+
+A tiny LLaVA (a real Transformers class, random weights): its default ``vision_feature_layer=-2`` leaves the vision
+tower's last layer without gradients, so AdamW has no state for it. Real Lightning jobs on CPU (gloo) on 2 or 1
+ranks; plain Lightning DDP is the reference. Each scenario writes ``WORKDIR/SCENARIO.rank{R}.json`` and full
+states as ``.pt`` files (name-keyed); tests/test_checkpoint_state.py asserts on them. Nothing is mocked.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+from typing import Any
+
+import lightning as L
+import torch
+from lightning.pytorch.strategies import DDPStrategy
+from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict, get_optimizer_state_dict
+from torch.utils.data import DataLoader
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from lightning_mm import MMFSDP2Strategy  # noqa: E402
+from tests.hf_scenarios import FamilyData, model_inputs, tiny_hf_model  # noqa: E402
+
+STEPS = 6  # two epochs of 3 batches per rank on 2 ranks (12 samples, batch 2)
+SAVE_AT = 3  # the epoch boundary: every strategy restarts the data of the next epoch identically
+
+
+class Llava(L.LightningModule):
+    """A plain LightningModule (as a DDP user writes it) around a tiny LLaVA; AdamW with weight decay."""
+
+    def configure_model(self) -> None:
+        if not hasattr(self, "model"):
+            self.model = tiny_hf_model("llava", seed=3).train()
+
+    def training_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> torch.Tensor:
+        return self.model(**model_inputs(batch)).loss
+
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        return torch.optim.AdamW(self.parameters(), lr=1e-2, weight_decay=0.1)
+
+
+def data(batch_size: int = 2) -> DataLoader:
+    return DataLoader(FamilyData("llava", n=12), batch_size=batch_size, shuffle=False)
+
+
+def full_state(module: L.LightningModule, trainer: L.Trainer) -> dict[str, Any]:
+    """Gathered, name-keyed model and optimiser state (collective; meaningful on rank 0)."""
+    options = StateDictOptions(full_state_dict=True, cpu_offload=True)
+    model = get_model_state_dict(module, options=options)
+    optims = [get_optimizer_state_dict(module, o, options=options) for o in trainer.optimizers]
+    return {"model": model, "optimizers": optims, "global_step": trainer.global_step}
+
+
+class Record(L.Callback):
+    """Per-step losses; the full state right after the restore (train start) and at the end."""
+
+    def __init__(self, work: Path, name: str) -> None:
+        self.work, self.name, self.losses = work, name, []
+        self.batches: list[dict[str, torch.Tensor]] = []  # this rank's batches after the checkpoint step
+
+    def _dump(self, trainer: L.Trainer, module: L.LightningModule, what: str) -> None:
+        state = full_state(module, trainer)
+        if trainer.global_rank == 0:
+            torch.save(state, self.work / f"{self.name}.{what}.pt")
+
+    def on_train_start(self, trainer: L.Trainer, pl_module: Any) -> None:
+        if trainer.global_step > 0:  # resumed (before any step, taking the state would create it for every param)
+            self._dump(trainer, pl_module, "start")
+
+    def on_train_batch_end(self, trainer: L.Trainer, pl_module: Any, outputs: Any, batch: Any, idx: int) -> None:
+        self.losses.append(float(outputs["loss"].detach()))
+        if trainer.global_step > SAVE_AT:
+            self.batches.append({k: v.clone() for k, v in batch.items()})
+
+    def on_train_end(self, trainer: L.Trainer, pl_module: Any) -> None:
+        self._dump(trainer, pl_module, "end")
+        torch.save(self.batches, self.work / f"{self.name}.batches.rank{trainer.global_rank}.pt")
+
+
+class SaveAt(L.Callback):
+    """At step ``step``: the full state to ``WORK/NAME.at{step}.pt`` and a checkpoint per format in ``paths``.
+
+    ``paths`` maps a ``checkpoint_format`` of MMFSDP2Strategy (or anything, for another strategy) to a path.
+    """
+
+    def __init__(self, work: Path, name: str, step: int, paths: dict[str, Path]) -> None:
+        self.work, self.name, self.step, self.paths = work, name, step, paths
+
+    def on_train_batch_end(self, trainer: L.Trainer, pl_module: Any, outputs: Any, batch: Any, idx: int) -> None:
+        if trainer.global_step != self.step:
+            return
+        state = full_state(pl_module, trainer)
+        if trainer.global_rank == 0:
+            torch.save(state, self.work / f"{self.name}.at{self.step}.pt")
+        strategy = trainer.strategy
+        for fmt, path in self.paths.items():
+            if isinstance(strategy, MMFSDP2Strategy):
+                strategy.checkpoint_format = fmt
+            trainer.save_checkpoint(path)
+
+
+def fit(work: Path, name: str, strategy: Any, max_steps: int, devices: int = 2, ckpt_path: str | None = None,
+        save_at_3: dict[str, Path] | None = None, batch_size: int = 2,
+        **trainer_kwargs: Any) -> tuple[L.Trainer, list[float]]:
+    torch.manual_seed(0)
+    callbacks: list[L.Callback] = [Record(work, name)]
+    if save_at_3:
+        callbacks.append(SaveAt(work, name, SAVE_AT, save_at_3))
+    trainer = L.Trainer(accelerator="cpu", devices=devices, strategy=strategy, max_steps=max_steps, logger=False,
+                        enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+                        num_sanity_val_steps=0, callbacks=callbacks, default_root_dir=work, **trainer_kwargs)
+    trainer.fit(Llava(), train_dataloaders=data(batch_size), ckpt_path=ckpt_path)
+    return trainer, callbacks[0].losses
+
+
+# One FSDP unit per layer: the vision tower's unused last layer is a unit of its own, which receives no gradient
+# at all (in a unit shared with used parameters it would receive zeros), so AdamW keeps no state for it.
+LAYERS = {"sharding_size": "auto", "sub_modules_to_wrap": ["model.model.vision_tower.encoder.layers.{*}",
+                                                          "model.model.language_model.layers.{*}"]}
+
+
+def mm(plan: dict[str, Any] | None = None) -> MMFSDP2Strategy:
+    """``plan`` None: one root unit, whose unused parameters get zero gradients as under DDP; torch's own
+    optimizer implementation, as under DDP."""
+    if plan is None:
+        return MMFSDP2Strategy({"sharding_size": "auto"}, empty_init=False, fused_optimizer_step=False)
+    return MMFSDP2Strategy(plan, empty_init=False)
+
+
+def ddp() -> DDPStrategy:
+    return DDPStrategy(find_unused_parameters=True, process_group_backend="gloo")
+
+
+def dump(work: Path, name: str, rank: int, data: dict[str, Any]) -> None:
+    (work / f"{name}.rank{rank}.json").write_text(json.dumps(data, indent=1))
+
+
+def scenario_two(work: Path) -> None:
+    """2 ranks: DDP and mm_fsdp2 uninterrupted (saving at step 3); mm_fsdp2 resumed from each checkpoint."""
+    out: dict[str, Any] = {}
+    t, out["ddp"] = fit(work, "ddp", ddp(), STEPS, save_at_3={"ddp": work / "ddp.ckpt"})
+    t, out["mm"] = fit(work, "mm", mm(LAYERS), STEPS,
+                       save_at_3={"torch_dcp": work / "mm.ckpt", "torch": work / "mm.pt"})
+    # Every checkpoint entry point inside a user's inference mode (state dicts of DTensors cannot be taken in it);
+    # Lightning's parameter names in a keyword call.
+    strategy = t.strategy
+    strategy.checkpoint_format = "torch_dcp"  # SaveAt left it at "torch"
+    with torch.inference_mode():
+        state = {"state_dict": strategy.lightning_module_state_dict(), "global_step": t.global_step,
+                 "optimizer_states": [strategy.optimizer_state(o) for o in t.optimizers]}
+        strategy.save_checkpoint(checkpoint=state, filepath=work / "keyword.ckpt", storage_options=None)
+        t.save_checkpoint(work / "inference.ckpt")
+        strategy.checkpoint_format = "torch"
+        t.save_checkpoint(work / "inference.pt")
+        out["inference_load_step"] = strategy.load_checkpoint(checkpoint_path=work / "inference.ckpt")["global_step"]
+    # A standard (index-keyed) Lightning checkpoint moves to mm_fsdp2: model and optimiser state resume exactly.
+    _, out["from_ddp"] = fit(work, "from_ddp", mm(), STEPS, ckpt_path=str(work / "ddp.ckpt"))
+    # mm_fsdp2's own checkpoints (sharded and consolidated) resume strictly although some parameters have no
+    # optimiser state (the vision tower's unused last layer).
+    _, out["from_mm"] = fit(work, "from_mm", mm(LAYERS), STEPS, ckpt_path=str(work / "mm.ckpt"))
+    _, out["from_mm_torch"] = fit(work, "from_mm_torch", mm(LAYERS), STEPS, ckpt_path=str(work / "mm.pt"))
+    dump(work, "two", t.global_rank, out)
+
+
+def scenario_one(work: Path) -> None:
+    """1 rank: a single-device Lightning checkpoint resumes under mm_fsdp2; the 2-rank DDP and mm_fsdp2 checkpoints
+    reshard onto one rank."""
+    out: dict[str, Any] = {}
+    # The plain loader's order on both sides (a ParallelStrategy would otherwise get a shuffling DistributedSampler);
+    # batches of 4: step 3 ends the epoch, as on 2 ranks.
+    single = dict(devices=1, batch_size=4, use_distributed_sampler=False)
+    _, out["single"] = fit(work, "single", "auto", STEPS, save_at_3={"single": work / "single.ckpt"}, **single)
+    _, out["from_single"] = fit(work, "from_single", mm(), STEPS, ckpt_path=str(work / "single.ckpt"), **single)
+    _, out["ddp_to_one"] = fit(work, "ddp_to_one", mm(), SAVE_AT + 1, devices=1, ckpt_path=str(work / "ddp.ckpt"))
+    _, out["mm_to_one"] = fit(work, "mm_to_one", mm(LAYERS), SAVE_AT + 1, devices=1, ckpt_path=str(work / "mm.ckpt"))
+    dump(work, "one", 0, out)
+
+
+if __name__ == "__main__":
+    name, workdir = sys.argv[1], Path(sys.argv[2])
+    workdir.mkdir(parents=True, exist_ok=True)
+    torch.set_num_threads(1)
+    globals()[f"scenario_{name}"](workdir)

@@ -1,0 +1,307 @@
+"""Optimiser state across checkpoint layouts, strategies and world sizes; Hugging Face export; inference mode.
+
+Two launches of tests/ckptstate_scenarios.py (a tiny LLaVA whose vision tower's last layer gets no gradient):
+2 ranks (plain Lightning DDP and mm_fsdp2, uninterrupted and resumed), then 1 rank (2 -> 1). Plain Lightning DDP
+and plain torch are the references. The Hugging Face export is compared with ``save_pretrained`` in this process.
+"""
+
+from __future__ import annotations
+
+import inspect
+import json
+import os
+import stat
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from lightning.pytorch.strategies import Strategy
+from torch.distributed.checkpoint.state_dict import StateDictOptions, get_optimizer_state_dict
+
+from lightning_mm import MMFSDP2Strategy
+from lightning_mm.strategies.checkpoint import CheckpointKeyError, open_source, store
+from lightning_mm.strategies.checkpoint.convert import dcp_to_hf
+from lightning_mm.strategies.checkpoint.hf import hf_records
+from tests.hf_scenarios import FamilyData, model_inputs, tiny_hf_model
+from tests.test_checkpoint import EXTRA, Net, _trained
+
+ROOT = Path(__file__).resolve().parents[1]
+SCRIPT = ROOT / "tests" / "ckptstate_scenarios.py"
+RESUMED = slice(3, 6)  # the steps after the checkpoint at step 3
+
+
+def _launch(name: str, work: Path) -> None:
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
+    env.pop("LOCAL_RANK", None)
+    proc = subprocess.run([sys.executable, str(SCRIPT), name, str(work)], cwd=ROOT, env=env, capture_output=True,
+                          text=True, timeout=900)
+    if proc.returncode != 0:
+        raise AssertionError(f"scenario {name} failed ({proc.returncode}):\n{proc.stdout[-3000:]}\n"
+                             f"{proc.stderr[-6000:]}")
+
+
+@pytest.fixture(scope="module")
+def work(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    work = tmp_path_factory.mktemp("ckptstate")
+    _launch("two", work)
+    _launch("one", work)
+    return work
+
+
+def _json(work: Path, name: str) -> dict:
+    return json.loads((work / f"{name}.rank0.json").read_text())
+
+
+def _json_rank(work: Path, name: str, rank: int) -> dict:
+    return json.loads((work / f"{name}.rank{rank}.json").read_text())
+
+
+def _load(work: Path, name: str) -> dict:
+    return torch.load(work / name, weights_only=True)
+
+
+def _states_equal(a: dict, b: dict) -> None:
+    """Model and (name-keyed) optimiser state bit-identical, including which parameters have optimiser state."""
+    assert a["model"].keys() == b["model"].keys()
+    for key in a["model"]:
+        assert torch.equal(a["model"][key], b["model"][key]), key
+    for oa, ob in zip(a["optimizers"], b["optimizers"], strict=True):
+        assert oa["state"].keys() == ob["state"].keys()
+        for fqn in oa["state"]:
+            assert oa["state"][fqn].keys() == ob["state"][fqn].keys(), fqn
+            for name, value in oa["state"][fqn].items():
+                assert torch.equal(value, ob["state"][fqn][name]), (fqn, name)
+        assert [g["params"] for g in oa["param_groups"]] == [g["params"] for g in ob["param_groups"]]
+
+
+def _stateless(state: dict) -> list[str]:
+    optim = state["optimizers"][0]
+    return [p for g in optim["param_groups"] for p in g["params"] if p not in optim["state"]]
+
+
+def _close(actual: list[float], expected: list[float], rel: float = 1e-5) -> None:
+    assert len(actual) == len(expected)
+    for a, e in zip(actual, expected):
+        assert a == pytest.approx(e, rel=rel)
+
+
+# ------------------------------------------------------------------------------------ no gradients
+def test_parameters_without_gradients_resume_strictly_and_exactly(work):
+    """LLaVA's unused last vision layer has no AdamW state: the strict resume agrees, on 2 ranks and 2 -> 1."""
+    at3 = _load(work, "mm.at3.pt")
+    unused = _stateless(at3)
+    assert "model.model.vision_tower.encoder.layers.1.mlp.fc1.weight" in unused and len(unused) == 18
+    two = _json(work, "two")
+    for name in ("from_mm", "from_mm_torch"):  # sharded and consolidated checkpoints, strict (the default)
+        assert two[name] == two["mm"][RESUMED], name
+        _states_equal(_load(work, f"{name}.start.pt"), at3)  # still no state for the unused parameters
+        _states_equal(_load(work, f"{name}.end.pt"), _load(work, "mm.end.pt"))
+    _states_equal(_load(work, "mm_to_one.start.pt"), at3)  # resharded 2 -> 1
+
+
+# ------------------------------------------------------------------------------ other strategies
+def test_lightning_ddp_checkpoint_resumes_model_and_optimizer_exactly_on_any_world_size(work):
+    """A plain Lightning DDP checkpoint (optimiser state keyed by index) resumes under mm_fsdp2 as under DDP."""
+    ddp = torch.load(work / "ddp.ckpt", weights_only=True)
+    assert all(isinstance(k, int) for k in ddp["optimizer_states"][0]["state"])  # torch's layout, no names
+    assert "param_names" not in ddp["optimizer_states"][0]["param_groups"][0]
+    at3 = _load(work, "ddp.at3.pt")
+    assert len(_stateless(at3)) == 18  # DDP leaves the unused parameters without state too
+    _states_equal(_load(work, "from_ddp.start.pt"), at3)  # 2 ranks
+    _states_equal(_load(work, "ddp_to_one.start.pt"), at3)  # 1 rank
+    one = _json(work, "one")  # a single-device Lightning checkpoint, the same layout
+    _states_equal(_load(work, "from_single.start.pt"), _load(work, "single.at3.pt"))
+    _close(one["from_single"], one["single"][RESUMED])
+    single_end, from_single_end = _load(work, "single.end.pt"), _load(work, "from_single.end.pt")
+    for key, value in single_end["model"].items():
+        torch.testing.assert_close(from_single_end["model"][key], value, rtol=1e-5, atol=0, msg=key)
+    two = _json(work, "two")
+    _close(two["from_ddp"], two["ddp"][RESUMED])  # per step, against the uninterrupted DDP run
+    ref, resumed = _load(work, "ddp.end.pt"), _load(work, "from_ddp.end.pt")
+    for key, value in ref["model"].items():
+        torch.testing.assert_close(resumed["model"][key], value, rtol=1e-5, atol=0, msg=key)
+
+
+# -------------------------------------------------------------------------------------- torch layout
+def test_torch_format_writes_torch_layout_that_plain_torch_loads(work):
+    """checkpoint_format="torch": index-keyed state with the names alongside; plain torch loads it."""
+    ckpt = torch.load(work / "mm.pt", weights_only=True)
+    optim_state = ckpt["optimizer_states"][0]
+    group = optim_state["param_groups"][0]
+    at3 = _load(work, "mm.at3.pt")
+    names = at3["optimizers"][0]["param_groups"][0]["params"]
+    assert group["params"] == list(range(len(names))) and group["param_names"] == names
+    assert all(isinstance(k, int) for k in optim_state["state"])
+
+    model = tiny_hf_model("llava", seed=3).train()
+    model.load_state_dict({k.removeprefix("model."): v for k, v in ckpt["state_dict"].items()})
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1)
+    optimizer.load_state_dict(optim_state)
+    by_name = dict(zip(names, model.parameters(), strict=True))
+    expected = at3["optimizers"][0]["state"]
+    assert {n for n, p in by_name.items() if p in optimizer.state} == set(expected)
+    for name, entries in expected.items():
+        for key, value in entries.items():
+            assert torch.equal(optimizer.state[by_name[name]][key], value), (name, key)
+    # Plain torch goes on as the 2-rank run did: its global batches (each rank's batch, losses averaged as
+    # DDP/FSDP average gradients) give the same losses, step by step.
+    batches = [_load(work, f"mm.batches.rank{rank}.pt") for rank in range(2)]
+    losses = []
+    for step in range(3):
+        loss = sum(model(**model_inputs(batches[rank][step])).loss for rank in range(2)) / 2
+        optimizer.zero_grad()
+        loss.backward()
+        optimizer.step()
+        losses.append(float(loss.detach()))
+    per_rank = [_json_rank(work, "two", rank)["mm"][RESUMED] for rank in range(2)]
+    _close(losses, [(a + b) / 2 for a, b in zip(*per_rank)])
+
+
+# ------------------------------------------------------------------------------------- inference
+def test_checkpoint_entry_points_work_inside_inference_mode(work):
+    """lightning_module_state_dict, optimizer_state, save_checkpoint (Trainer's and a keyword call), load."""
+    end = _load(work, "mm.end.pt")
+    assert _json(work, "two")["inference_load_step"] == 6
+    for name in ("inference.ckpt", "keyword.ckpt"):
+        source = open_source(work / name)
+        tensors = source.read_full(list(source.shapes))
+        for key, value in end["model"].items():
+            assert torch.equal(tensors[f"state_dict/{key}"], value), (name, key)
+        for fqn, entries in end["optimizers"][0]["state"].items():
+            for entry, value in entries.items():
+                assert torch.equal(tensors[f"optimizer_states/0/state/{fqn}/{entry}"], value), (name, fqn, entry)
+    full = torch.load(work / "inference.pt", weights_only=True)
+    for key, value in end["model"].items():
+        assert torch.equal(full["state_dict"][key], value), key
+
+
+# ----------------------------------------------------------------------------------- signatures
+@pytest.mark.parametrize("method", ["lightning_module_state_dict", "load_model_state_dict", "optimizer_state",
+                                    "load_optimizer_state_dict", "save_checkpoint", "load_checkpoint",
+                                    "remove_checkpoint", "process_dataloader", "on_train_batch_start"])
+def test_checkpoint_methods_keep_lightnings_signature(method):
+    ours, theirs = getattr(MMFSDP2Strategy, method), getattr(Strategy, method)
+    assert list(inspect.signature(ours).parameters) == list(inspect.signature(theirs).parameters)
+    assert getattr(ours, "__override__", False), f"{method} is not marked @override"
+
+
+# --------------------------------------------------------------------------------------- HF export
+def _safetensors(path: Path) -> dict[str, torch.Tensor]:
+    from safetensors.torch import load_file
+
+    return load_file(str(path))
+
+
+def _compare_with_save_pretrained(model: torch.nn.Module, converted: Path, reference: Path) -> None:
+    model.save_pretrained(reference)
+    assert sorted(os.listdir(converted)) == sorted(os.listdir(reference))
+    ours, theirs = _safetensors(converted / "model.safetensors"), _safetensors(reference / "model.safetensors")
+    assert ours.keys() == theirs.keys()
+    for key, value in theirs.items():
+        assert torch.equal(ours[key], value), key
+    for name in ("config.json", "generation_config.json"):
+        assert json.loads((converted / name).read_text()) == json.loads((reference / name).read_text()), name
+    for file in converted.iterdir():  # not owner-only: readable as any new file here
+        assert stat.S_IMODE(file.stat().st_mode) == 0o666 & ~_umask(), file
+
+
+def _umask() -> int:
+    mask = os.umask(0)
+    os.umask(mask)
+    return mask
+
+
+@pytest.mark.parametrize("family", ["qwen2_5_vl", "llava", "llama_tied"])
+def test_dcp_to_hf_writes_what_save_pretrained_writes(family, tmp_path):
+    """Saved-layout key names (not in-memory ones), tied weights once, generation_config.json, same logits."""
+    model = tiny_hf_model(family, seed=5)
+    root = torch.nn.Module()
+    root.model = model  # as in an MMLightningModule: the checkpoint's keys are `model.<in-memory name>`
+    state = {f"model.{k}": v for k, v in model.state_dict().items()}  # tied weights under both names
+    torch.save({"state_dict": state, "lightning_mm": {"hf": hf_records(root)}}, tmp_path / "ckpt.pt")
+    converted = dcp_to_hf(tmp_path / "ckpt.pt", tmp_path / "converted")
+    _compare_with_save_pretrained(model, converted, tmp_path / "reference")
+    files = _safetensors(converted / "model.safetensors")
+    if family == "qwen2_5_vl":
+        assert any(k.startswith("visual.") for k in files) and not any(k.startswith("model.visual.") for k in files)
+    if family == "llama_tied":
+        assert "lm_head.weight" not in files and "model.embed_tokens.weight" in files
+
+    loaded = type(model).from_pretrained(converted).eval()
+    batch = torch.utils.data.default_collate([FamilyData(family)[i] for i in range(2)])
+    with torch.no_grad():
+        torch.testing.assert_close(loaded(**model_inputs(batch)).logits, model.eval()(**model_inputs(batch)).logits,
+                                   rtol=0, atol=0)
+
+
+def test_dcp_to_hf_of_a_sharded_training_checkpoint_matches_save_pretrained(work, tmp_path):
+    """The 2-rank LLaVA checkpoint (torch_dcp): the same files as save_pretrained of its weights."""
+    converted = dcp_to_hf(work / "mm.ckpt", tmp_path / "converted")
+    model = tiny_hf_model("llava", seed=3)
+    model.load_state_dict({k.removeprefix("model."): v for k, v in _load(work, "mm.at3.pt")["model"].items()})
+    _compare_with_save_pretrained(model, converted, tmp_path / "reference")
+
+
+# --------------------------------------------------------------------------------- in one process
+def _optimizer_states_equal(a: torch.optim.Optimizer, b: torch.optim.Optimizer) -> None:
+    assert len(a.state) == len(b.state)
+    for pa, pb in zip([p for g in a.param_groups for p in g["params"]],
+                      [p for g in b.param_groups for p in g["params"]], strict=True):
+        assert (pa in a.state) == (pb in b.state)
+        for key, value in a.state.get(pa, {}).items():
+            assert torch.equal(b.state[pb][key], value), key
+
+
+def _lightning_file(path: Path, net: torch.nn.Module, optim_state: dict) -> None:
+    torch.save({"epoch": 0, "global_step": 2, "state_dict": net.state_dict(), "optimizer_states": [optim_state]},
+               path)
+
+
+def test_index_keyed_state_maps_by_position_and_refuses_other_group_sizes(tmp_path):
+    """torch's layout (what DDP/single-device Lightning writes), including a parameter without state."""
+    net, opt = _trained()
+    net.spare = torch.nn.Linear(2, 2)  # never used: no gradient, no optimiser state
+    opt.add_param_group({"params": list(net.spare.parameters()), "lr": 0.5})
+    _lightning_file(tmp_path / "ddp.ckpt", net, opt.state_dict())
+
+    torch.manual_seed(9)
+    fresh = Net()
+    fresh.spare = torch.nn.Linear(2, 2)
+    fresh_opt = torch.optim.AdamW(fresh.parameters(), lr=0.1)
+    fresh_opt.param_groups[0]["params"] = [p for n, p in fresh.named_parameters() if not n.startswith("spare")]
+    fresh_opt.add_param_group({"params": list(fresh.spare.parameters()), "lr": 0.01})
+    store.load(tmp_path / "ddp.ckpt", fresh, [fresh_opt], strict=True, rank=0, world_size=1, fitting=True)
+    _optimizer_states_equal(opt, fresh_opt)
+    assert fresh_opt.param_groups[1]["lr"] == 0.5  # the saved hyper-parameters
+    for key, value in net.state_dict().items():
+        assert torch.equal(fresh.state_dict()[key], value), key
+
+    one_group = torch.optim.AdamW(fresh.parameters(), lr=0.1)
+    with pytest.raises(CheckpointKeyError, match=r"sizes \[4, 2\].*sizes \[6\]"):
+        store.load(tmp_path / "ddp.ckpt", fresh, [one_group], strict=True, rank=0, world_size=1, fitting=True)
+
+
+def test_old_name_keyed_torch_files_still_load(tmp_path):
+    """checkpoint_format="torch" files written before the index-keyed layout (names as keys) resume as before."""
+    net, opt = _trained()
+    by_name = get_optimizer_state_dict(net, opt, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+    assert isinstance(next(iter(by_name["state"])), str)
+    store.save({"epoch": 0, "global_step": 2, "state_dict": net.state_dict(), "optimizer_states": [by_name]},
+               tmp_path / "old.ckpt", "torch", EXTRA, None)
+    fresh = Net()
+    fresh_opt = torch.optim.AdamW(fresh.parameters(), lr=0.1)
+    store.load(tmp_path / "old.ckpt", fresh, [fresh_opt], strict=True, rank=0, world_size=1, fitting=True)
+    _optimizer_states_equal(opt, fresh_opt)
+
+
+def test_full_optimizer_state_is_what_plain_torch_loads():
+    """The gathered state (checkpoint_format="torch") in torch's layout: ``Optimizer.load_state_dict`` takes it."""
+    net, opt = _trained()
+    full = store.optimizer_state(net, opt, full=True)
+    assert full["param_groups"][0]["param_names"] == [n for n, _ in net.named_parameters()]
+    fresh = Net()
+    fresh_opt = torch.optim.AdamW(fresh.parameters(), lr=0.1)
+    fresh_opt.load_state_dict(full)
+    _optimizer_states_equal(opt, fresh_opt)
