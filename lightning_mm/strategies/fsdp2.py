@@ -15,26 +15,32 @@ import torch
 import torch.distributed as dist
 from lightning.fabric.plugins import CheckpointIO, ClusterEnvironment
 from lightning.fabric.plugins.collectives.torch_collective import default_pg_timeout
+from lightning.fabric.plugins.environments import LightningEnvironment
 from lightning.fabric.utilities.distributed import _sync_ddp_if_available
 from lightning.fabric.utilities.seed import reset_seed
 from lightning.fabric.utilities.types import _PATH, ReduceOp
 from lightning.pytorch.accelerators import Accelerator
+from lightning.pytorch.callbacks import StochasticWeightAveraging
 from lightning.pytorch.plugins.precision import Precision
 from lightning.pytorch.strategies.launchers.subprocess_script import _SubprocessScriptLauncher
 from lightning.pytorch.strategies.parallel import ParallelStrategy
 from lightning.pytorch.trainer.states import TrainerFn
-from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_only
+from lightning.pytorch.utilities.exceptions import MisconfigurationException, SIGTERMException
+from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_only, rank_zero_warn
 from lightning_utilities.core.rank_zero import rank_zero_only as utils_rank_zero_only
 from torch import Tensor, nn
 from torch.distributed.fsdp import FSDPModule
+from typing_extensions import override
 
-from lightning_mm.strategies import apply, checkpoint
+from lightning_mm.strategies import apply, checkpoint, stopping
 from lightning_mm.strategies.backend import process_group_backend
 from lightning_mm.strategies.config import FSDP2Config
 from lightning_mm.strategies.init_context import meta_parameters
 from lightning_mm.strategies.optimizer import use_fused_steps
 from lightning_mm.strategies.plan import ShardingPlan, build_plan
 from lightning_mm.strategies.precision import MMFSDP2Precision, resolve_mixed_precision
+from lightning_mm.strategies.rendezvous import is_loopback, loopback_store
+from lightning_mm.strategies.stopping import SIGNAL_EXIT_STATUS, RunGuard
 
 if TYPE_CHECKING:
     import lightning.pytorch as pl
@@ -103,6 +109,12 @@ class MMFSDP2Strategy(ParallelStrategy):
             ``foreach`` use torch's fused step on CPU and CUDA (torch's own CPU default loops over the sharded
             DTensor parameters one by one; see ``lightning_mm.strategies.optimizer``). The choice is logged.
             ``False`` leaves the implementation to torch.
+        stop_timeout: seconds within which the other ranks stop when one rank process is gone (a SIGTERM, a crash,
+            a kill), see ``lightning_mm.strategies.stopping``. A rank stopped by SIGTERM exits with status 143.
+
+    ``Trainer(sync_batchnorm=True)`` converts the BatchNorm layers to ``torch.nn.SyncBatchNorm`` before sharding (as
+    DDP and FSDP do). ``StochasticWeightAveraging`` is refused at setup: its averaging mixes DTensor and plain
+    parameters.
 
     Module paths in the config are relative to ``MMLightningModule.model`` (or to the LightningModule itself for
     a plain one). The whole LightningModule is the FSDP root and each step runs through it.
@@ -124,6 +136,7 @@ class MMFSDP2Strategy(ParallelStrategy):
         checkpoint_format: str = "torch_dcp",
         strict_loading: bool | None = None,
         fused_optimizer_step: bool = True,
+        stop_timeout: float = 30.0,
     ) -> None:
         super().__init__(
             accelerator=accelerator,
@@ -151,6 +164,10 @@ class MMFSDP2Strategy(ParallelStrategy):
         self._pending_rng: dict[str, Any] | None = None
         self._pending_rng_point: str | None = None
         self._pending_rng_step: int | None = None
+        if not stop_timeout > 0:
+            raise ValueError(f"stop_timeout must be a positive number of seconds, got {stop_timeout!r}")
+        self.stop_timeout = float(stop_timeout)
+        self._guard: RunGuard | None = None
 
     # ------------------------------------------------------------------------------------ properties
     @property
@@ -248,7 +265,10 @@ class MMFSDP2Strategy(ParallelStrategy):
             self.cluster_environment.set_world_size(self.num_nodes * self.num_processes)
         rank_zero_only.rank = utils_rank_zero_only.rank = self.global_rank
 
+    @override
     def setup_environment(self) -> None:
+        self._check_callbacks()
+        self._start_guard()
         super().setup_environment()
         reset_seed()
         self.set_world_ranks()
@@ -261,6 +281,31 @@ class MMFSDP2Strategy(ParallelStrategy):
         assert self.lightning_module is not None
         self.lightning_module._device_mesh = self._device_mesh
 
+    def _check_callbacks(self) -> None:
+        """Refuse, before any process group or epoch, the callbacks that cannot work on sharded parameters."""
+        trainer = self.lightning_module.trainer if self.lightning_module is not None else None
+        if trainer is None or trainer.state.fn != TrainerFn.FITTING:
+            return
+        swa = [type(c).__name__ for c in trainer.callbacks if isinstance(c, StochasticWeightAveraging)]
+        if swa:
+            raise MisconfigurationException(
+                f"MMFSDP2Strategy does not support the {swa[0]} callback: it averages a copy of the unsharded "
+                "module into the sharded (DTensor) parameters, which fails once `swa_epoch_start` is reached. "
+                "Remove the callback, or average the weights yourself, e.g. with torch.optim.swa_utils.AveragedModel "
+                "over the sharded module after `fully_shard`."
+            )
+
+    def _start_guard(self) -> None:
+        """Watch the other rank processes for this run (see ``lightning_mm.strategies.stopping``)."""
+        if self._guard is not None:
+            self._guard.stop()
+        env = self.cluster_environment
+        stopping.remember_children(list(getattr(self._launcher, "procs", None) or []))
+        # A rank that Lightning's launcher started (a LightningEnvironment rank > 0) watches its launcher.
+        launched = type(env) is LightningEnvironment and env.creates_processes_externally and env.local_rank() > 0
+        self._guard = RunGuard(self.stop_timeout, children=stopping.launched_children, watch_parent=launched)
+        self._guard.start()
+
     def _init_process_group(self) -> None:
         if dist.is_initialized():
             return
@@ -271,6 +316,10 @@ class MMFSDP2Strategy(ParallelStrategy):
         kwargs: dict[str, Any] = {"timeout": self._timeout}
         if self.root_device.type != "cpu":
             kwargs["device_id"] = self.root_device
+        if self.num_nodes == 1 and is_loopback(env.main_address):
+            # A single-node run: the rendezvous store listens on the loopback interface only.
+            kwargs["store"] = loopback_store(env.main_address, env.main_port, self.global_rank, self.world_size,
+                                             self._timeout)
         dist.init_process_group(self._process_group_backend, rank=self.global_rank, world_size=self.world_size,
                                 **kwargs)
         # Ours to destroy: after a failed run (teardown) and at interpreter exit. Not after a successful run: the
@@ -317,6 +366,8 @@ class MMFSDP2Strategy(ParallelStrategy):
         root = self.lightning_module
         assert root is not None
         if not isinstance(root, FSDPModule):
+            if trainer.state.fn == TrainerFn.FITTING and self._layer_sync is not None:
+                self._apply_layer_sync(root)
             self._shard(root)
         self.barrier()
         if trainer.state.fn == TrainerFn.FITTING:
@@ -325,6 +376,22 @@ class MMFSDP2Strategy(ParallelStrategy):
             if self._fused_optimizer_step:
                 self._use_fused_optimizer_steps()
         self.setup_precision_plugin()
+
+    def _apply_layer_sync(self, root: pl.LightningModule) -> None:
+        """``Trainer(sync_batchnorm=True)``: convert the BatchNorm layers before sharding, as DDP and FSDP do."""
+        assert self._layer_sync is not None
+        converted = self._layer_sync.apply(root)
+        if converted is not root:
+            raise TypeError(f"{type(self._layer_sync).__name__} replaced the LightningModule itself; MMFSDP2Strategy "
+                            "can only convert layers inside it")
+        count = sum(isinstance(m, nn.SyncBatchNorm) for m in root.modules())
+        rank_zero_info(f"Trainer(sync_batchnorm=True): {count} SyncBatchNorm layer(s), synchronised over all ranks")
+        if count and self.root_device.type == "cpu":
+            rank_zero_warn(
+                f"Trainer(sync_batchnorm=True) on CPU: torch's SyncBatchNorm synchronises only on GPU/NPU-class "
+                f"devices, so a training forward through the {count} converted layer(s) will fail on CPU "
+                "(evaluation, which uses the running statistics, works)."
+            )
 
     def _use_fused_optimizer_steps(self) -> None:
         decisions = use_fused_steps(self.optimizers)
@@ -444,8 +511,32 @@ class MMFSDP2Strategy(ParallelStrategy):
             return _sync_ddp_if_available(tensor, group, reduce_op=reduce_op)
         return tensor
 
+    @override
+    def on_train_start(self) -> None:
+        self._install_signal_handler()
+
+    @override
+    def on_validation_start(self) -> None:
+        self._install_signal_handler()
+
+    @override
+    def on_test_start(self) -> None:
+        self._install_signal_handler()
+
+    @override
+    def on_predict_start(self) -> None:
+        self._install_signal_handler()
+
+    def _install_signal_handler(self) -> None:
+        """After Lightning's own: SIGTERM ends this rank without a collective (``lightning_mm.strategies.stopping``)."""
+        if self._guard is not None:
+            self._guard.install_signal_handler()
+
+    @override
     def on_exception(self, exception: BaseException) -> None:
         self._run_failed = True
+        if isinstance(exception, SIGTERMException) and not exception.code:
+            exception.code = SIGNAL_EXIT_STATUS  # a run stopped by a signal must not exit with status 0
 
     def teardown(self) -> None:
         """Release the accelerator; after a failed run, also destroy the process group this strategy created.
@@ -460,6 +551,9 @@ class MMFSDP2Strategy(ParallelStrategy):
             _destroy_process_group()
             self._created_process_group = False
         self._run_failed = False
+        if self._guard is not None:
+            self._guard.stop()
+            self._guard = None
         self.cluster_environment.teardown()
         self.precision_plugin.teardown()
         self.accelerator.teardown()
