@@ -15,12 +15,12 @@ import sys
 from typing import TYPE_CHECKING, Any
 
 import torch
-from lightning.fabric.accelerators.registry import _AcceleratorRegistry
 from lightning.pytorch.accelerators import Accelerator
 from lightning.pytorch.plugins.precision import MixedPrecision
 from lightning.pytorch.utilities.exceptions import MisconfigurationException
 from typing_extensions import override
 
+from lightning_mm._compat import _AcceleratorRegistry
 from lightning_mm.accelerators import runtime
 from lightning_mm.accelerators.device_parsing import parse_device_indices
 

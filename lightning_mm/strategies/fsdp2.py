@@ -16,13 +16,11 @@ import torch.distributed as dist
 from lightning.fabric.plugins import CheckpointIO, ClusterEnvironment
 from lightning.fabric.plugins.collectives.torch_collective import default_pg_timeout
 from lightning.fabric.plugins.environments import LightningEnvironment
-from lightning.fabric.utilities.distributed import _sync_ddp_if_available
 from lightning.fabric.utilities.seed import reset_seed
-from lightning.fabric.utilities.types import _PATH, ReduceOp
+from lightning.fabric.utilities.types import ReduceOp
 from lightning.pytorch.accelerators import Accelerator
 from lightning.pytorch.callbacks import StochasticWeightAveraging
 from lightning.pytorch.plugins.precision import Precision
-from lightning.pytorch.strategies.launchers.subprocess_script import _SubprocessScriptLauncher
 from lightning.pytorch.strategies.parallel import ParallelStrategy
 from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities.exceptions import MisconfigurationException, SIGTERMException
@@ -32,6 +30,13 @@ from torch import Tensor, nn
 from torch.distributed.fsdp import FSDPModule
 from typing_extensions import override
 
+from lightning_mm._compat import (
+    _PATH,
+    _SubprocessScriptLauncher,
+    _sync_ddp_if_available,
+    attached_trainer,
+    set_device_mesh,
+)
 from lightning_mm.strategies import apply, checkpoint, stopping
 from lightning_mm.strategies.backend import process_group_backend
 from lightning_mm.strategies.config import FSDP2Config
@@ -279,7 +284,7 @@ class MMFSDP2Strategy(ParallelStrategy):
         sharding = config.resolve_sharding_size(self.world_size)
         self._device_mesh = apply.build_device_mesh(self.world_size, sharding, self.root_device.type)
         assert self.lightning_module is not None
-        self.lightning_module._device_mesh = self._device_mesh
+        set_device_mesh(self.lightning_module, self._device_mesh)
 
     def _check_callbacks(self) -> None:
         """Refuse, before any process group or epoch, the callbacks that cannot work on sharded parameters."""
@@ -587,7 +592,7 @@ class MMFSDP2Strategy(ParallelStrategy):
 
     def _rng_point(self) -> str:
         """Where a resumed run restores the RNG: before the next batch, or before the next epoch's data iterator."""
-        trainer = getattr(self.lightning_module, "_trainer", None)
+        trainer = attached_trainer(self.lightning_module)
         if trainer is None:
             return "next_batch"
         return "next_epoch" if trainer.fit_loop.epoch_loop.batch_progress.is_last_batch else "next_batch"
@@ -633,7 +638,7 @@ class MMFSDP2Strategy(ParallelStrategy):
         return loaded.checkpoint
 
     def _restore_pending_rng(self) -> None:
-        trainer = getattr(self.lightning_module, "_trainer", None)
+        trainer = attached_trainer(self.lightning_module)
         # Only for the step right after the checkpoint: never into a later, unrelated run of this strategy.
         if self._pending_rng is not None and (trainer is None or trainer.global_step == self._pending_rng_step):
             checkpoint.restore_rng(self._pending_rng, self.root_device)
@@ -641,7 +646,7 @@ class MMFSDP2Strategy(ParallelStrategy):
 
     def process_dataloader(self, dataloader: object) -> object:
         """Resuming at an epoch boundary: restore the RNG before the new epoch's training iterator is created."""
-        trainer = getattr(self.lightning_module, "_trainer", None)
+        trainer = attached_trainer(self.lightning_module)
         if (self._pending_rng is not None and self._pending_rng_point == "next_epoch" and trainer is not None
                 and trainer.training and not trainer.sanity_checking):
             self._restore_pending_rng()

@@ -9,6 +9,7 @@ nodes must reach it (README, "What a run exposes").
 
 from __future__ import annotations
 
+import errno
 import ipaddress
 import socket
 from datetime import timedelta
@@ -28,17 +29,23 @@ def is_loopback(address: str) -> bool:
 
 def loopback_store(address: str, port: int, rank: int, world_size: int, timeout: timedelta | None) -> dist.Store:
     """The TCPStore for ``rank``: its server (rank 0) listens on ``address:port`` only."""
-    kwargs = {"timeout": timeout} if timeout is not None else {}
+    kwargs: dict = {"timeout": timeout} if timeout is not None else {}
     if rank != 0:
         return dist.TCPStore(address, port, world_size, False, **kwargs)
+    # multi_tenant, as torch's own env:// rendezvous: a later process group of this process on the same port (after
+    # a failed run, whose sharded model may still hold the old group) shares the server instead of failing to bind.
+    kwargs.update(wait_for_workers=False, multi_tenant=True)
     listener = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
     try:
         listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         listener.bind((socket.gethostbyname(address), port))
         listener.listen()
-    except OSError:
+    except OSError as err:
         listener.close()
-        raise
+        if err.errno != errno.EADDRINUSE:
+            raise
+        # Our earlier server on this port, still alive in this process: TCPStore shares it (it listens on loopback).
+        # If another process holds the port instead, TCPStore fails as torch's rendezvous would.
+        return dist.TCPStore(address, port, world_size, True, **kwargs)
     # The store owns the descriptor from here on (detach: Python will not close it a second time).
-    return dist.TCPStore(address, port, world_size, True, wait_for_workers=False, master_listen_fd=listener.detach(),
-                         **kwargs)
+    return dist.TCPStore(address, port, world_size, True, master_listen_fd=listener.detach(), **kwargs)

@@ -38,6 +38,7 @@ from torch.distributed.checkpoint.state_dict import (
 )
 from torch.distributed.tensor import DTensor, distribute_tensor
 
+from lightning_mm._compat import unwrap_optimizer
 from lightning_mm.strategies.checkpoint import atomic
 from lightning_mm.strategies.checkpoint.layout import (
     EXTRA_KEY,
@@ -79,7 +80,7 @@ FORMATS = ("torch_dcp", "torch")
 
 
 def _unwrap(optimizer: Any) -> torch.optim.Optimizer:
-    return getattr(optimizer, "_optimizer", optimizer)
+    return unwrap_optimizer(optimizer)
 
 
 # --------------------------------------------------------------------------------------- collectives
