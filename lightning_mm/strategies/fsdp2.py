@@ -207,6 +207,7 @@ class MMFSDP2Strategy(ParallelStrategy):
         return self._device_mesh
 
     @property
+    @override
     def root_device(self) -> torch.device:
         assert self.parallel_devices is not None
         return self.parallel_devices[self.local_rank]
@@ -225,6 +226,7 @@ class MMFSDP2Strategy(ParallelStrategy):
         return self._process_group_backend
 
     @property
+    @override
     def distributed_sampler_kwargs(self) -> dict[str, Any]:
         # FSDP and HSDP are both data parallel over every rank: the data-parallel rank is the flat mesh index.
         mesh = self.device_mesh
@@ -234,14 +236,17 @@ class MMFSDP2Strategy(ParallelStrategy):
         return {"num_replicas": mesh.size(), "rank": rank}
 
     @property
+    @override
     def restore_checkpoint_after_setup(self) -> bool:
         return True
 
     @property
+    @override
     def lightning_restore_optimizer(self) -> bool:
         return False
 
     @property
+    @override
     def precision_plugin(self) -> Precision:
         return self._precision_plugin if self._precision_plugin is not None else MMFSDP2Precision()
 
@@ -257,6 +262,7 @@ class MMFSDP2Strategy(ParallelStrategy):
         self._precision_plugin = plugin
 
     # ------------------------------------------------------------------------------------- launching
+    @override
     def _configure_launcher(self) -> None:
         assert self.cluster_environment is not None
         if self._given_config is not None:
@@ -321,8 +327,9 @@ class MMFSDP2Strategy(ParallelStrategy):
         kwargs: dict[str, Any] = {"timeout": self._timeout}
         if self.root_device.type != "cpu":
             kwargs["device_id"] = self.root_device
-        if self.num_nodes == 1 and is_loopback(env.main_address):
-            # A single-node run: the rendezvous store listens on the loopback interface only.
+        if type(env) is LightningEnvironment and self.num_nodes == 1 and is_loopback(env.main_address):
+            # A single-node run started by Lightning: the rendezvous store listens on the loopback interface only.
+            # (torchrun's agent owns the store of the runs it starts.)
             kwargs["store"] = loopback_store(env.main_address, env.main_port, self.global_rank, self.world_size,
                                              self._timeout)
         dist.init_process_group(self._process_group_backend, rank=self.global_rank, world_size=self.world_size,
@@ -342,6 +349,7 @@ class MMFSDP2Strategy(ParallelStrategy):
 
     # ------------------------------------------------------------------------------- model building
     @contextmanager
+    @override
     def tensor_init_context(self, empty_init: bool | None = None) -> Generator[None, None, None]:
         """Parameters created here go to the meta device (buffers stay real) unless ``empty_init=False``."""
         meta = self._empty_init if empty_init is None else empty_init
@@ -364,6 +372,7 @@ class MMFSDP2Strategy(ParallelStrategy):
             return lm.model
         return lm
 
+    @override
     def setup(self, trainer: pl.Trainer) -> None:
         assert self.model is not None
         assert self.accelerator is not None
@@ -456,23 +465,28 @@ class MMFSDP2Strategy(ParallelStrategy):
         assert self.lightning_module is not None
         return self._forward_redirection(self.lightning_module, self.lightning_module, method, *args, **kwargs)
 
+    @override
     def training_step(self, *args: Any, **kwargs: Any) -> Any:
         with self.precision_plugin.train_step_context():
             return self._through_root("training_step", *args, **kwargs)
 
+    @override
     def validation_step(self, *args: Any, **kwargs: Any) -> Any:
         with self.precision_plugin.val_step_context():
             return self._through_root("validation_step", *args, **kwargs)
 
+    @override
     def test_step(self, *args: Any, **kwargs: Any) -> Any:
         with self.precision_plugin.test_step_context():
             return self._through_root("test_step", *args, **kwargs)
 
+    @override
     def predict_step(self, *args: Any, **kwargs: Any) -> Any:
         with self.precision_plugin.predict_step_context():
             return self._through_root("predict_step", *args, **kwargs)
 
     @contextmanager
+    @override
     def block_backward_sync(self) -> Generator[None, None, None]:
         """Gradient accumulation: no reduce-scatter (and no ignored-gradient all-reduce) until the last micro-batch."""
         root = self.lightning_module
@@ -487,14 +501,17 @@ class MMFSDP2Strategy(ParallelStrategy):
             root.set_requires_gradient_sync(True)
             self._gradient_sync = True
 
+    @override
     def post_backward(self, closure_loss: Tensor) -> None:
         if self._gradient_sync and self._ignored_params:
             apply.all_reduce_gradients(self._ignored_params)
 
+    @override
     def model_to_device(self) -> None:
         pass  # placement is part of sharding and materialisation
 
     # ----------------------------------------------------------------------------------- collectives
+    @override
     def barrier(self, name: str | None = None) -> None:
         if not dist.is_initialized():
             return
@@ -503,6 +520,7 @@ class MMFSDP2Strategy(ParallelStrategy):
         else:
             dist.barrier()
 
+    @override
     def broadcast(self, obj: Any, src: int = 0) -> Any:
         if not dist.is_initialized():
             return obj
@@ -510,6 +528,7 @@ class MMFSDP2Strategy(ParallelStrategy):
         dist.broadcast_object_list(box, src)
         return box[0]
 
+    @override
     def reduce(self, tensor: Tensor | Any, group: Any | None = None,
                reduce_op: ReduceOp | str | None = "mean") -> Tensor | Any:
         if isinstance(tensor, Tensor):
@@ -543,6 +562,7 @@ class MMFSDP2Strategy(ParallelStrategy):
         if isinstance(exception, SIGTERMException) and not exception.code:
             exception.code = SIGNAL_EXIT_STATUS  # a run stopped by a signal must not exit with status 0
 
+    @override
     def teardown(self) -> None:
         """Release the accelerator; after a failed run, also destroy the process group this strategy created.
 
@@ -663,6 +683,7 @@ class MMFSDP2Strategy(ParallelStrategy):
             checkpoint.remove(Path(filepath))
 
     @classmethod
+    @override
     def register_strategies(cls, strategy_registry: Any) -> None:
         if cls.strategy_name not in strategy_registry:
             strategy_registry.register(
