@@ -559,6 +559,8 @@ class MMFSDP2Strategy(ParallelStrategy):
     @override
     def on_exception(self, exception: BaseException) -> None:
         self._run_failed = True
+        if self._guard is not None:  # this rank is failing on its own: its error, not a peer's loss, is reported
+            self._guard.stop()
         if isinstance(exception, SIGTERMException) and not exception.code:
             exception.code = SIGNAL_EXIT_STATUS  # a run stopped by a signal must not exit with status 0
 

@@ -11,15 +11,17 @@ code), which a scheduler reads as success. :class:`RunGuard` replaces that for t
   with status 143, not 0. No collective runs in the handler.
 * **Watchdog thread**: the launching rank watches the ranks it started, a launched rank watches its launcher. When
   one of them is gone (a launched rank that exited with a non-zero status, or a launcher that vanished), this rank
-  signals itself; if it has not finished its run ``stop_timeout`` seconds later (a collective with the dead peer
-  can block until the process-group timeout on NCCL/HCCL), it terminates the ranks it launched and exits with
-  status 1 without further cleanup.
+  interrupts its main thread (Lightning's KeyboardInterrupt shutdown: hooks, teardown, exit status 1); if it has not
+  finished its run ``stop_timeout`` seconds later (a collective with the dead peer can block until the process-group
+  timeout on NCCL/HCCL), it terminates the ranks it launched and exits with status 1 without further cleanup. A rank
+  whose run already fails on its own (``on_exception``) stops watching: its own error is the one reported.
 
 Ranks started externally (torchrun, SLURM) get the signal handler only: their launcher watches them.
 """
 
 from __future__ import annotations
 
+import _thread
 import os
 import signal
 import subprocess
@@ -122,7 +124,8 @@ class RunGuard:
             print(f"lightning-mm: this rank (pid {os.getpid()}) stops because {reason}; it exits within "
                   f"{self.stop_timeout:g} s (MMFSDP2Strategy(stop_timeout=...))", file=sys.stderr, flush=True)
             self._forward(signal.SIGTERM)
-            os.kill(os.getpid(), signal.SIGTERM)  # ends the run through Lightning's error path where it can
+            # A KeyboardInterrupt in the main thread: Lightning's graceful-shutdown path (hooks, teardown, exit 1).
+            _thread.interrupt_main()
             if self._done.wait(self.stop_timeout):
                 return
             self._forward(signal.SIGKILL)
