@@ -294,7 +294,7 @@ class MMFSDP2Strategy(ParallelStrategy):
 
     def _check_callbacks(self) -> None:
         """Refuse, before any process group or epoch, the callbacks that cannot work on sharded parameters."""
-        trainer = self.lightning_module.trainer if self.lightning_module is not None else None
+        trainer = attached_trainer(self.lightning_module)
         if trainer is None or trainer.state.fn != TrainerFn.FITTING:
             return
         swa = [type(c).__name__ for c in trainer.callbacks if isinstance(c, StochasticWeightAveraging)]
