@@ -7,13 +7,15 @@ Each rank writes what it saw to ``OUTDIR/SCENARIO.rank{R}.json``; tests/test_con
   converts BatchNorm layers (and warns that on CPU a training forward through them fails, which it then does);
   without it they stay per-rank; during a run the rendezvous store listens on the loopback interface only.
 * ``sigterm``: trains slowly until the test sends SIGTERM to one rank; every rank writes its pid when training
-  starts, and rank 0 records how its launched rank process ended.
+  starts, a SIGTERM handler installed before the run records that it was called, and rank 0 records how its
+  launched rank process ended.
 """
 
 from __future__ import annotations
 
 import json
 import os
+import signal
 import sys
 import time
 import warnings
@@ -143,6 +145,9 @@ class Pids(L.Callback):
 
 
 def scenario_sigterm(outdir: str) -> None:
+    rank = os.environ.get("LOCAL_RANK", "0")  # set by Lightning's launcher for the rank it starts
+    # A SIGTERM handler of the user's own, installed before the run: it must still be called.
+    signal.signal(signal.SIGTERM, lambda *_: Path(outdir, f"user_handler.rank{rank}").write_text("called"))
     t = trainer(max_steps=100_000, strategy=MMFSDP2Strategy(FSDP, stop_timeout=5), callbacks=[Pids(outdir)])
     try:
         t.fit(BNNet(pause=0.05), train_dataloaders=data(10_000))

@@ -92,6 +92,7 @@ def test_sigterm_to_one_rank_stops_every_rank_within_the_bound_and_non_zero(tmp_
     assert elapsed < STOP_TIMEOUT + MARGIN
     # Neither rank reports success: 143 (SIGTERM) for a signalled rank, non-zero for the one that lost its peer.
     assert proc.returncode != 0, output[-4000:]
+    assert (tmp_path / f"user_handler.rank{signalled}").read_text() == "called"  # the user's own handler ran
     child = (tmp_path / "child_status").read_text()
     assert child not in ("0", "running"), output[-4000:]
     if signalled == 1:

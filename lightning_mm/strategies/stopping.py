@@ -6,9 +6,9 @@ minutes), and the signalled rank finally exits with status 0 (``SIGTERMException
 code), which a scheduler reads as success. :class:`RunGuard` replaces that for the duration of one run:
 
 * **Signal handler** (installed when a stage starts, after Lightning's; Lightning restores the previous handlers at
-  teardown): SIGTERM is forwarded to the ranks this process launched, then ``SIGTERMException(128 + SIGTERM)`` is
-  raised, so Lightning's ``on_exception`` hooks run (``OnExceptionCheckpoint`` still works) and the process exits
-  with status 143, not 0. No collective runs in the handler.
+  teardown): SIGTERM is forwarded to the ranks this process launched, a handler the user had installed before the
+  run is called, then ``SIGTERMException(128 + SIGTERM)`` is raised, so Lightning's ``on_exception`` hooks run and
+  the process exits with status 143, not 0. No collective runs in the handler.
 * **Watchdog thread**: the launching rank watches the ranks it started, a launched rank watches its launcher. When
   one of them is gone (a launched rank that exited with a non-zero status, or a launcher that vanished), this rank
   interrupts its main thread (Lightning's KeyboardInterrupt shutdown: hooks, teardown, exit status 1); if it has not
@@ -71,6 +71,10 @@ class RunGuard:
         self._done = threading.Event()
         self._thread: threading.Thread | None = None
         self.signalled: int | None = None
+        # The handler in place before Lightning's (a user's own, say): still called first on SIGTERM.
+        previous = signal.getsignal(signal.SIGTERM) if self.supported else None
+        owner = getattr(previous, "__self__", None)
+        self._previous = previous if callable(previous) and not isinstance(owner, RunGuard) else None
 
     @property
     def supported(self) -> bool:
@@ -105,6 +109,8 @@ class RunGuard:
     def _on_signal(self, signum: int, frame: FrameType | None) -> Any:
         self.signalled = signum
         self._forward(signum)
+        if self._previous is not None:
+            self._previous(signum, frame)
         raise SIGTERMException(128 + int(signum))
 
     def _peer_lost(self) -> str | None:
