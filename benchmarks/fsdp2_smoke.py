@@ -1,6 +1,7 @@
 """End-to-end FSDP2 smoke test on any device: the seed's fsdp2_config.yaml on TinyVLM, then a validation pass.
 
-    python benchmarks/fsdp2_smoke.py                          # accelerator="auto": all NPUs, else all GPUs
+    python benchmarks/fsdp2_smoke.py                          # accelerator="auto": all GPUs (Lightning's choice)
+    python benchmarks/fsdp2_smoke.py --accelerator npu        # all NPUs (auto never picks them)
     python benchmarks/fsdp2_smoke.py --accelerator cuda --devices 2
     python benchmarks/fsdp2_smoke.py --accelerator cpu --devices 2 --out /tmp/smoke   # what CI runs
 

@@ -8,9 +8,9 @@
 * a stand-in ``torch_npu`` module in ``sys.modules``, so that the lazy ``import torch_npu`` succeeds.
 
 What it covers: lightning-mm's own NPU logic (availability, device counting and parsing, the parallel devices,
-the connector's choices for ``accelerator="auto"``, one device and mixed precision, that autocast runs on the npu
-device type, setup_device/get_device_stats/teardown reaching ``torch.npu``, the process-group backend chosen for
-npu devices, and ``lightning-mm env``).
+``strategy="single_npu"`` (one device and mixed precision), ``accelerator="auto"`` staying Lightning's choice,
+that autocast runs on the npu device type, setup_device/get_device_stats/teardown reaching ``torch.npu``, the
+process-group backend chosen for npu devices, and ``lightning-mm env``).
 
 What it does NOT cover: no tensor can be allocated on the fake device (no allocator, no kernels), so no training
 step, no HCCL collective, no real torch_npu or CANN import, no real memory numbers. Those need Ascend hardware.

@@ -4,12 +4,14 @@
   constructor), device parsing, backend selection, ``lightning-mm env``.
 * In fresh interpreters: lazy import (``import lightning_mm`` imports no torch_npu), and the strategy's process
   group after a failed run.
+* In a fresh interpreter: Lightning's accelerator connector is not patched, and a CPU Trainer is the same with and
+  without ``import lightning_mm``.
 * In a subprocess with the TEST DOUBLE of tests/fake_npu_backend.py (PrivateUse1 renamed to ``npu`` plus a Python
-  ``torch.npu``): what needs an ``npu`` device type to exist. It covers availability and counting, the
-  connector's choices (``auto`` picks the NPU, one NPU gets a single-device NPU strategy, mixed precision
-  autocasts on ``npu``), setup_device/get_device_stats/teardown reaching ``torch.npu``, the parallel devices and
-  backend of MMFSDP2Strategy on NPUs, and ``lightning-mm env``. It does NOT cover anything that allocates memory
-  on the NPU: no training step, no HCCL collective, no real torch_npu/CANN; that needs Ascend hardware.
+  ``torch.npu``): what needs an ``npu`` device type to exist. It covers availability and counting,
+  ``strategy="single_npu"`` (its device from ``Trainer(devices=...)``, mixed precision autocasting on ``npu``),
+  ``auto`` staying Lightning's choice, setup_device/get_device_stats/teardown reaching ``torch.npu``, the parallel
+  devices and backend of MMFSDP2Strategy on NPUs, and ``lightning-mm env``. It does NOT cover anything that allocates
+  memory on the NPU: no training step, no HCCL collective, no real torch_npu/CANN; that needs Ascend hardware.
 * benchmarks/fsdp2_smoke.py, the end-to-end FSDP2 run that a GPU or NPU machine runs, runs here on 2 CPU ranks.
 """
 
@@ -82,19 +84,56 @@ def broken_torch_npu(tmp_path, monkeypatch):
 # --------------------------------------------------------------------------------- registration
 def test_npu_is_registered_and_exported():
     from lightning.pytorch.accelerators import AcceleratorRegistry
+    from lightning.pytorch.strategies import StrategyRegistry
 
-    from lightning_mm.accelerators import connector
+    from lightning_mm.accelerators import SingleNPUStrategy
 
     assert lightning_mm.NPUAccelerator is NPUAccelerator and "NPUAccelerator" in lightning_mm.__all__
     assert AcceleratorRegistry["npu"]["accelerator"] is NPUAccelerator and NPUAccelerator.name() == "npu"
-    assert connector.is_installed()
+    assert StrategyRegistry["single_npu"]["strategy"] is SingleNPUStrategy
+    assert "SingleNPUStrategy" in lightning_mm.__all__
     NPUAccelerator.register_accelerators(AcceleratorRegistry)  # idempotent: a second import-time call is harmless
+    SingleNPUStrategy.register_strategies(StrategyRegistry)
+
+
+def test_import_lightning_mm_patches_nothing_and_a_cpu_trainer_is_unaffected():
+    # Registering the NPU must not change how Trainers without it behave: Lightning's accelerator connector keeps
+    # its own methods, and CPU Trainers (explicit, auto, mixed precision) are built the same before and after.
+    proc = _python("""
+        import json
+        import lightning as L
+        from lightning.pytorch.trainer.connectors.accelerator_connector import _AcceleratorConnector as C
+
+        def methods():
+            return {k: repr(v) for k, v in vars(C).items() if callable(v) or isinstance(v, staticmethod)}
+
+        def trainers():
+            out = []
+            for kwargs in ({"accelerator": "cpu", "devices": 1}, {"accelerator": "cpu", "devices": 1,
+                           "precision": "bf16-mixed"}, {"accelerator": "auto"}, {"accelerator": "cpu", "devices": 2}):
+                t = L.Trainer(logger=False, **kwargs)
+                out.append([type(t.accelerator).__name__, type(t.strategy).__name__, str(t.strategy.root_device),
+                            type(t.precision_plugin).__name__, getattr(t.precision_plugin, "device", None)])
+            return out
+
+        before = (methods(), trainers())
+        import lightning_mm
+        after = (methods(), trainers())
+        print(json.dumps({"methods_unchanged": before[0] == after[0], "trainers": [before[1], after[1]]}))
+    """)
+    out = _json_result(proc)
+    assert out["methods_unchanged"] is True
+    before, after = out["trainers"]
+    assert before == after
+    assert after[0] == ["CPUAccelerator", "SingleDeviceStrategy", "cpu", "Precision", None]
+    assert after[1] == ["CPUAccelerator", "SingleDeviceStrategy", "cpu", "MixedPrecision", "cpu"]
 
 
 def test_import_lightning_mm_never_imports_torch_npu():
     # A meta-path finder sees every lookup of torch_npu (an import or an importlib.util.find_spec probe) and the code
-    # that asked. `import lightning_mm`, registering the accelerator and building a CPU Trainer must not import
-    # torch_npu, and no lightning_mm code may even look for it. (Device-backend autoload is off here.)
+    # that asked. `import lightning_mm`, registering the accelerator and building a CPU or an "auto" Trainer must not
+    # import torch_npu, and no lightning_mm code may even look for it ("auto" is Lightning's own choice, which never
+    # considers the NPU). (Device-backend autoload is off here.)
     proc = _python("""
         import json, sys, traceback
 
@@ -116,13 +155,12 @@ def test_import_lightning_mm_never_imports_torch_npu():
         import lightning as L
         L.Trainer(accelerator="cpu", devices=1, logger=False)
         out = {"npu": "npu" in AcceleratorRegistry, "torch_npu": "torch_npu" in sys.modules, "at_import": ours()}
-        # ...whereas resolving accelerator="auto" does look for it (that is how an NPU is found).
         L.Trainer(accelerator="auto", devices=1, logger=False)
         out["auto_looked"] = len(ours()) > 0
         out["torch_npu_after_auto"] = "torch_npu" in sys.modules
         print(json.dumps(out))
     """)
-    assert _json_result(proc) == {"npu": True, "torch_npu": False, "at_import": [], "auto_looked": True,
+    assert _json_result(proc) == {"npu": True, "torch_npu": False, "at_import": [], "auto_looked": False,
                                   "torch_npu_after_auto": False}
 
 
@@ -236,8 +274,8 @@ def test_npu_accelerator_and_trainer_wiring_with_the_fake_npu_backend():
         except ValueError as err:
             out["parse_error"] = str(err)
 
-        # accelerator="auto", one device, bf16-mixed: the NPU, a single-device strategy on it, autocast on npu.
-        t = L.Trainer(accelerator="auto", devices=1, precision="bf16-mixed", logger=False)
+        # One NPU, bf16-mixed: strategy="single_npu" on npu:0, autocast on npu.
+        t = L.Trainer(accelerator="npu", devices=1, strategy="single_npu", precision="bf16-mixed", logger=False)
         plugin = t.precision_plugin
         with plugin.forward_context():
             autocast = [torch.is_autocast_enabled("npu"), str(torch.get_autocast_dtype("npu")),
@@ -245,9 +283,21 @@ def test_npu_accelerator_and_trainer_wiring_with_the_fake_npu_backend():
         out["single"] = {"accelerator": type(t.accelerator).__name__, "strategy": type(t.strategy).__name__,
                          "root": str(t.strategy.root_device), "precision": type(plugin).__name__,
                          "autocast_device": plugin.device, "autocast": autocast}
-        t = L.Trainer(accelerator="npu", devices=[1], precision="16-mixed", logger=False)
+        t = L.Trainer(accelerator="npu", devices=[1], strategy="single_npu", precision="16-mixed", logger=False)
         out["single_16"] = [str(t.strategy.root_device), t.precision_plugin.device,
                             str(t.precision_plugin.scaler._device)]
+        # accelerator="auto" stays Lightning's choice; one NPU without strategy="single_npu" gets Lightning's CPU
+        # strategy, which the accelerator refuses, naming the fix, when the run starts.
+        out["auto"] = type(L.Trainer(accelerator="auto", devices=1, logger=False).accelerator).__name__
+        t = L.Trainer(accelerator="npu", devices=1, logger=False)
+        try:
+            t.accelerator.setup_device(t.strategy.root_device)
+        except Exception as err:
+            out["no_single_npu"] = str(err)
+        try:
+            L.Trainer(accelerator="npu", devices=2, strategy="single_npu", logger=False)
+        except ValueError as err:
+            out["single_npu_two"] = str(err)
 
         # MMFSDP2Strategy on every NPU, with CPU offload: devices, root device, backend, precision.
         s = MMFSDP2Strategy({"sharding_size": "auto", "offload_to_cpu": True})
@@ -288,10 +338,13 @@ def test_npu_accelerator_and_trainer_wiring_with_the_fake_npu_backend():
     assert out["parallel"] == ["npu:0", "npu:1"]
     assert "only 2 NPU(s) are visible" in out["parse_error"] and "ASCEND_RT_VISIBLE_DEVICES" in out["parse_error"]
 
-    assert out["single"] == {"accelerator": "NPUAccelerator", "strategy": "SingleDeviceStrategy", "root": "npu:0",
+    assert out["single"] == {"accelerator": "NPUAccelerator", "strategy": "SingleNPUStrategy", "root": "npu:0",
                              "precision": "MixedPrecision", "autocast_device": "npu",
                              "autocast": [True, "torch.bfloat16", False, False]}
     assert out["single_16"] == ["npu:1", "npu", "npu"]
+    assert out["auto"] == "CPUAccelerator"
+    assert "strategy='single_npu'" in out["no_single_npu"] and "given the device cpu" in out["no_single_npu"]
+    assert "runs on one NPU, but 2 devices" in out["single_npu_two"]
 
     assert out["fsdp2"] == {"devices": ["npu:0", "npu:1"], "root": "npu:0", "backend": "npu:hccl,cpu:gloo",
                             "backend_no_offload": "hccl", "precision": ["MMFSDP2Precision", "bf16-mixed"]}
@@ -302,7 +355,7 @@ def test_npu_accelerator_and_trainer_wiring_with_the_fake_npu_backend():
     assert out["cuda_untouched"] == ["torch.cuda", False, True]  # torch.cuda is not patched onto the NPU
 
     assert out["env"] == {"npu": {"class": "NPUAccelerator", "available": True, "devices": 2},
-                          "auto": {"accelerator": "npu", "devices": 2}, "torch_npu": "0.0.0+fake",
+                          "auto": {"accelerator": "cpu", "devices": 1}, "torch_npu": "0.0.0+fake",
                           "torch_accelerator": "npu"}
 
     assert "no NPU is visible" in out["no_device_error"] and "npu-smi info" in out["no_device_error"]

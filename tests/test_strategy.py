@@ -73,3 +73,35 @@ def test_two_different_configs_are_an_error_not_a_silent_choice():
         _ = trainer.strategy.fsdp2_config
     trainer.strategy.connect(MMLightningModule(fsdp2_config={"sharding_size": 2}))
     assert trainer.strategy.fsdp2_config.sharding_size == 2
+
+
+def test_strategy_name_needs_the_package_import_as_the_readme_says():
+    # Lightning resolves strategy names when the Trainer is built and has no entry point for them: in a script that
+    # only imports Lightning, "mm_fsdp2" is Lightning's invalid-name error; `import lightning_mm` registers it.
+    import json
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    code = """
+import json
+import lightning as L
+out = {}
+try:
+    L.Trainer(accelerator="cpu", devices=2, strategy="mm_fsdp2", logger=False)
+except ValueError as err:
+    out["without"] = str(err)
+import lightning_mm
+out["with"] = type(L.Trainer(accelerator="cpu", devices=2, strategy="mm_fsdp2", logger=False).strategy).__name__
+print(json.dumps(out))
+"""
+    root = Path(__file__).resolve().parents[1]
+    env = {**os.environ, "PYTHONPATH": str(root)}
+    env.pop("LOCAL_RANK", None)
+    proc = subprocess.run([sys.executable, "-c", code], cwd=root, env=env, capture_output=True, text=True, timeout=180)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    out = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert "invalid strategy name: `strategy='mm_fsdp2'`" in out["without"]
+    assert out["with"] == "MMFSDP2Strategy"
+    assert "add `import lightning_mm`" in (root / "README.md").read_text()

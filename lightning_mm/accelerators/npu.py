@@ -12,15 +12,20 @@ import importlib
 import importlib.util
 import os
 import sys
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
-from lightning.fabric.accelerators.registry import _AcceleratorRegistry
 from lightning.pytorch.accelerators import Accelerator
+from lightning.pytorch.plugins.precision import MixedPrecision
 from lightning.pytorch.utilities.exceptions import MisconfigurationException
+from typing_extensions import override
 
+from lightning_mm._compat import _AcceleratorRegistry
 from lightning_mm.accelerators import runtime
 from lightning_mm.accelerators.device_parsing import parse_device_indices
+
+if TYPE_CHECKING:
+    import lightning.pytorch as pl
 
 __all__ = ["NPUAccelerator", "NPUUnavailableError", "npu_status", "torch_npu_version", "INSTALL_HINT"]
 
@@ -100,25 +105,41 @@ class NPUAccelerator(Accelerator):
         if reason is not None:
             raise NPUUnavailableError(f"accelerator='npu' cannot be used: {reason}")
 
+    @override
     def setup_device(self, device: torch.device) -> None:
         """Make ``device`` this process's current NPU."""
         if device.type != "npu":
             raise MisconfigurationException(
                 f"NPUAccelerator was given the device {device}; the strategy must place this process on an npu "
-                "device (for one device, Trainer(accelerator='npu', devices=1) picks a single-device NPU strategy)"
+                "device: for one NPU pass Trainer(accelerator='npu', devices=1, strategy='single_npu'), for several "
+                "strategy='mm_fsdp2' (Lightning chooses a CPU strategy for accelerators it does not ship)"
             )
         runtime.device_module(device).set_device(device)
 
+    @override
+    def setup(self, trainer: pl.Trainer) -> None:
+        """Refuse mixed precision that would autocast on another device type (before any step runs)."""
+        plugin = trainer.precision_plugin
+        if isinstance(plugin, MixedPrecision) and plugin.device != "npu":
+            raise MisconfigurationException(
+                f"precision={plugin.precision!r} with accelerator='npu' would autocast on {plugin.device!r}: use "
+                "strategy='single_npu' or 'mm_fsdp2' (both autocast on the NPU), or pass "
+                f"plugins=[MixedPrecision({plugin.precision!r}, 'npu')]"
+            )
+
+    @override
     def get_device_stats(self, device: Any) -> dict[str, Any]:
         """Memory statistics of the NPU (``torch.npu.memory_stats``)."""
         return runtime.memory_stats(_npu_device(device))
 
+    @override
     def teardown(self) -> None:
         """Release the NPU allocator's cached memory."""
         if "torch_npu" in sys.modules and hasattr(torch, "npu"):
             runtime.empty_cache("npu")
 
     @staticmethod
+    @override
     def parse_devices(devices: int | str | list[int]) -> list[int]:
         """``devices`` as NPU indices: an int, ``-1``, a list, ``"auto"``, ``"-1"``, ``"2"`` or ``"0,1"``."""
         count, reason = npu_status()
@@ -126,34 +147,36 @@ class NPUAccelerator(Accelerator):
         return parse_device_indices(devices, count, name="NPU", hint=hint)
 
     @staticmethod
+    @override
     def get_parallel_devices(devices: int | list[int]) -> list[torch.device]:
         """One ``npu`` device per index (an int ``n`` means the first ``n``)."""
         indices = range(devices) if isinstance(devices, int) else devices
         return [torch.device("npu", i) for i in indices]
 
     @staticmethod
+    @override
     def auto_device_count() -> int:
         """The number of visible NPUs."""
         return npu_status()[0]
 
     @staticmethod
+    @override
     def is_available() -> bool:
         """Whether torch_npu imports and at least one NPU is visible (never raises)."""
         return npu_status()[0] > 0
 
     @staticmethod
+    @override
     def name() -> str:
         return "npu"
 
     @classmethod
+    @override
     def register_accelerators(cls, accelerator_registry: _AcceleratorRegistry) -> None:
-        """Register ``accelerator="npu"`` and teach Lightning's accelerator connector the NPU's single-device
-        strategy, autocast device and ``accelerator="auto"`` choice (see ``lightning_mm.accelerators.connector``)."""
-        from lightning_mm.accelerators import connector
-
+        """Register ``accelerator="npu"``; nothing else in Lightning changes (``accelerator="auto"`` never picks the
+        NPU, and one NPU is ``strategy="single_npu"``)."""
         if cls.name() not in accelerator_registry:
             accelerator_registry.register(cls.name(), cls, description="Ascend NPU through torch_npu")
-        connector.install()
 
 
 def _npu_device(device: Any) -> torch.device:

@@ -69,9 +69,9 @@ def _backends() -> dict[str, bool]:
 
 
 def _auto_choice(accelerators: dict[str, dict[str, Any]]) -> dict[str, Any]:
-    from lightning.pytorch.trainer.connectors.accelerator_connector import _AcceleratorConnector
+    from lightning_mm._compat import auto_accelerator
 
-    choice = _AcceleratorConnector._choose_auto_accelerator()
+    choice = auto_accelerator()
     return {"accelerator": choice, "devices": accelerators.get(choice, {}).get("devices")}
 
 
@@ -79,7 +79,7 @@ def collect() -> dict[str, Any]:
     """Everything the report shows, as plain data."""
     import torch
 
-    import lightning_mm  # noqa: F401  (registers accelerator="npu" and the connector's NPU branches)
+    import lightning_mm  # noqa: F401  (registers accelerator="npu")
     from lightning_mm.accelerators.npu import torch_npu_version
 
     accelerators = _accelerators()  # imports torch_npu if it is installed

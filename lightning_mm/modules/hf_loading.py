@@ -125,7 +125,7 @@ def _set_parameter(model: nn.Module, names: tuple[str, ...], param: nn.Parameter
     for name in names:
         parent, _, leaf = name.rpartition(".")
         module = model.get_submodule(parent) if parent else model
-        module._parameters[leaf] = param
+        module.register_parameter(leaf, param)
 
 
 def load_into_meta_model(model: nn.Module, plan: LoadPlan, device: torch.device | str = "cpu") -> None:

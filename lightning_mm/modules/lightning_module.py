@@ -11,6 +11,7 @@ import lightning as L
 import torch
 from torch import nn
 
+from lightning_mm._compat import attached_trainer, should_update_logs
 from lightning_mm.modules.seed_functions import SeedFunctions, resolve_callable
 from lightning_mm.strategies.optimizer import group_by_sharding
 
@@ -207,9 +208,8 @@ class MMLightningModule(L.LightningModule):
         The throughput and gradient-norm metrics are computed and synchronised only on those steps: on the others
         nothing would read them, and their reductions cost about 6 % of a small model's step (benchmarks/README.md).
         """
-        trainer = self._trainer
-        connector = getattr(trainer, "_logger_connector", None)
-        return bool(getattr(connector, "should_update_logs", True)) if trainer is not None else True
+        trainer = attached_trainer(self)
+        return should_update_logs(trainer) if trainer is not None else True
 
     def on_train_batch_end(self, outputs: Any, batch: Any, batch_idx: int) -> None:
         if self._step_started is None:

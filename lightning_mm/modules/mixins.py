@@ -79,7 +79,8 @@ class FSDP2Mixin:
             fully_shard(modules if len(modules) > 1 else modules[0], **fsdp2_kwargs)
 
 
-_NORMS = (nn.LayerNorm, nn.GroupNorm, nn.modules.batchnorm._NormBase)
+_NORMS = (nn.LayerNorm, nn.GroupNorm, nn.BatchNorm1d, nn.BatchNorm2d, nn.BatchNorm3d, nn.SyncBatchNorm,
+          nn.InstanceNorm1d, nn.InstanceNorm2d, nn.InstanceNorm3d)
 if hasattr(nn, "RMSNorm"):
     _NORMS = (*_NORMS, nn.RMSNorm)
 
@@ -194,7 +195,8 @@ def _tie_hf_weights(model: nn.Module) -> None:
 @torch.no_grad()
 def init_module(module: nn.Module, std: float = 0.02) -> None:
     """Initialise the parameters ``module`` owns directly (not those of its children)."""
-    if isinstance(module, (nn.Linear, nn.modules.conv._ConvNd)):
+    if isinstance(module, (nn.Linear, nn.Conv1d, nn.Conv2d, nn.Conv3d, nn.ConvTranspose1d, nn.ConvTranspose2d,
+                           nn.ConvTranspose3d)):
         nn.init.normal_(module.weight, mean=0.0, std=std)
         if module.bias is not None:
             nn.init.zeros_(module.bias)

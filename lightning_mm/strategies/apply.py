@@ -21,6 +21,7 @@ from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionP
 from torch.distributed.tensor import DTensor
 from torch.utils.checkpoint import checkpoint
 
+from lightning_mm._compat import fsdp_param_groups, fsdp_state, is_rng_supported_mesh
 from lightning_mm.strategies.plan import ShardingPlan, mesh_layout
 
 __all__ = [
@@ -141,7 +142,7 @@ def fsdp_units(root: nn.Module) -> list[FSDPModule]:
     units = []
     for module in root.modules():
         if isinstance(module, FSDPModule):
-            state = module._get_fsdp_state()
+            state = fsdp_state(module)
             if id(state) not in seen:
                 seen.add(id(state))
                 units.append(module)
@@ -179,7 +180,7 @@ class ExecutionOrderPrefetch:
             self.kept_unsharded.append(root)
 
     def _record(self, module: nn.Module, *_: Any) -> None:
-        state = id(module._get_fsdp_state())  # type: ignore[operator]
+        state = id(fsdp_state(module))
         if state not in self._seen:
             self._seen.add(state)
             self.order.append(module)  # type: ignore[arg-type]
@@ -217,7 +218,7 @@ class ExecutionOrderPrefetch:
 
 def _manages_parameters(unit: FSDPModule) -> bool:
     """Whether ``fully_shard`` gave this unit parameters of its own (a unit may have none, e.g. a RoPE table)."""
-    return bool(getattr(unit._get_fsdp_state(), "_fsdp_param_groups", True))
+    return bool(fsdp_param_groups(fsdp_state(unit)))
 
 
 # --------------------------------------------------------------------------------------- materialisation
@@ -264,9 +265,9 @@ def default_init(model: nn.Module) -> None:
 
 def _move_buffers(root: nn.Module, device: torch.device) -> None:
     for module in root.modules():
-        for name, buf in module._buffers.items():
+        for name, buf in list(module.named_buffers(recurse=False, remove_duplicate=False)):
             if buf is not None and buf.device != device:
-                module._buffers[name] = buf.to(device)
+                setattr(module, name, buf.to(device))  # an existing buffer: stays a buffer, keeps its persistence
 
 
 def materialize_and_init(
@@ -319,8 +320,6 @@ def shard_distinct_rng(mesh: DeviceMesh) -> Iterator[None]:
     duration of the init, with rank 0's seed plus this rank's coordinate on the shard dimension (the same on HSDP
     replicas). The previous RNG state is restored afterwards.
     """
-    from torch.distributed.tensor._random import is_rng_supported_mesh
-
     if is_rng_supported_mesh(mesh):
         yield
         return

@@ -15,22 +15,30 @@ import torch
 import torch.distributed as dist
 from lightning.fabric.plugins import CheckpointIO, ClusterEnvironment
 from lightning.fabric.plugins.collectives.torch_collective import default_pg_timeout
-from lightning.fabric.utilities.distributed import _sync_ddp_if_available
+from lightning.fabric.plugins.environments import LightningEnvironment
 from lightning.fabric.utilities.seed import reset_seed
-from lightning.fabric.utilities.types import _PATH, ReduceOp
+from lightning.fabric.utilities.types import ReduceOp
 from lightning.pytorch.accelerators import Accelerator
+from lightning.pytorch.callbacks import StochasticWeightAveraging
 from lightning.pytorch.plugins.precision import Precision
-from lightning.pytorch.strategies.launchers.subprocess_script import _SubprocessScriptLauncher
 from lightning.pytorch.strategies.parallel import ParallelStrategy
 from lightning.pytorch.trainer.states import TrainerFn
-from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_only
+from lightning.pytorch.utilities.exceptions import MisconfigurationException, SIGTERMException
+from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_only, rank_zero_warn
 from lightning_utilities.core.rank_zero import rank_zero_only as utils_rank_zero_only
 from torch import Tensor, nn
 from torch.distributed.fsdp import FSDPModule
 from torch.optim import Optimizer
 from typing_extensions import override
 
-from lightning_mm.strategies import apply, checkpoint
+from lightning_mm._compat import (
+    _PATH,
+    _SubprocessScriptLauncher,
+    _sync_ddp_if_available,
+    attached_trainer,
+    set_device_mesh,
+)
+from lightning_mm.strategies import apply, checkpoint, stopping
 from lightning_mm.strategies import checkpoint as ckpt  # where a Lightning parameter is named `checkpoint`
 from lightning_mm.strategies.backend import process_group_backend
 from lightning_mm.strategies.config import FSDP2Config
@@ -38,6 +46,8 @@ from lightning_mm.strategies.init_context import meta_parameters
 from lightning_mm.strategies.optimizer import use_fused_steps
 from lightning_mm.strategies.plan import ShardingPlan, build_plan
 from lightning_mm.strategies.precision import MMFSDP2Precision, resolve_mixed_precision
+from lightning_mm.strategies.rendezvous import is_loopback, loopback_store
+from lightning_mm.strategies.stopping import SIGNAL_EXIT_STATUS, RunGuard
 
 if TYPE_CHECKING:
     import lightning.pytorch as pl
@@ -106,6 +116,12 @@ class MMFSDP2Strategy(ParallelStrategy):
             ``foreach`` use torch's fused step on CPU and CUDA (torch's own CPU default loops over the sharded
             DTensor parameters one by one; see ``lightning_mm.strategies.optimizer``). The choice is logged.
             ``False`` leaves the implementation to torch.
+        stop_timeout: seconds within which the other ranks stop when one rank process is gone (a SIGTERM, a crash,
+            a kill), see ``lightning_mm.strategies.stopping``. A rank stopped by SIGTERM exits with status 143.
+
+    ``Trainer(sync_batchnorm=True)`` converts the BatchNorm layers to ``torch.nn.SyncBatchNorm`` before sharding (as
+    DDP and FSDP do). ``StochasticWeightAveraging`` is refused at setup: its averaging mixes DTensor and plain
+    parameters.
 
     Module paths in the config are relative to ``MMLightningModule.model`` (or to the LightningModule itself for
     a plain one). The whole LightningModule is the FSDP root and each step runs through it.
@@ -127,6 +143,7 @@ class MMFSDP2Strategy(ParallelStrategy):
         checkpoint_format: str = "torch_dcp",
         strict_loading: bool | None = None,
         fused_optimizer_step: bool = True,
+        stop_timeout: float = 30.0,
     ) -> None:
         super().__init__(
             accelerator=accelerator,
@@ -154,6 +171,10 @@ class MMFSDP2Strategy(ParallelStrategy):
         self._pending_rng: dict[str, Any] | None = None
         self._pending_rng_point: str | None = None
         self._pending_rng_step: int | None = None
+        if not stop_timeout > 0:
+            raise ValueError(f"stop_timeout must be a positive number of seconds, got {stop_timeout!r}")
+        self.stop_timeout = float(stop_timeout)
+        self._guard: RunGuard | None = None
 
     # ------------------------------------------------------------------------------------ properties
     @property
@@ -188,6 +209,7 @@ class MMFSDP2Strategy(ParallelStrategy):
         return self._device_mesh
 
     @property
+    @override
     def root_device(self) -> torch.device:
         assert self.parallel_devices is not None
         return self.parallel_devices[self.local_rank]
@@ -206,6 +228,7 @@ class MMFSDP2Strategy(ParallelStrategy):
         return self._process_group_backend
 
     @property
+    @override
     def distributed_sampler_kwargs(self) -> dict[str, Any]:
         # FSDP and HSDP are both data parallel over every rank: the data-parallel rank is the flat mesh index.
         mesh = self.device_mesh
@@ -215,14 +238,17 @@ class MMFSDP2Strategy(ParallelStrategy):
         return {"num_replicas": mesh.size(), "rank": rank}
 
     @property
+    @override
     def restore_checkpoint_after_setup(self) -> bool:
         return True
 
     @property
+    @override
     def lightning_restore_optimizer(self) -> bool:
         return False
 
     @property
+    @override
     def precision_plugin(self) -> Precision:
         return self._precision_plugin if self._precision_plugin is not None else MMFSDP2Precision()
 
@@ -238,6 +264,7 @@ class MMFSDP2Strategy(ParallelStrategy):
         self._precision_plugin = plugin
 
     # ------------------------------------------------------------------------------------- launching
+    @override
     def _configure_launcher(self) -> None:
         assert self.cluster_environment is not None
         if self._given_config is not None:
@@ -251,7 +278,10 @@ class MMFSDP2Strategy(ParallelStrategy):
             self.cluster_environment.set_world_size(self.num_nodes * self.num_processes)
         rank_zero_only.rank = utils_rank_zero_only.rank = self.global_rank
 
+    @override
     def setup_environment(self) -> None:
+        self._check_callbacks()
+        self._start_guard()
         super().setup_environment()
         reset_seed()
         self.set_world_ranks()
@@ -262,7 +292,32 @@ class MMFSDP2Strategy(ParallelStrategy):
         sharding = config.resolve_sharding_size(self.world_size)
         self._device_mesh = apply.build_device_mesh(self.world_size, sharding, self.root_device.type)
         assert self.lightning_module is not None
-        self.lightning_module._device_mesh = self._device_mesh
+        set_device_mesh(self.lightning_module, self._device_mesh)
+
+    def _check_callbacks(self) -> None:
+        """Refuse, before any process group or epoch, the callbacks that cannot work on sharded parameters."""
+        trainer = attached_trainer(self.lightning_module)
+        if trainer is None or trainer.state.fn != TrainerFn.FITTING:
+            return
+        swa = [type(c).__name__ for c in trainer.callbacks if isinstance(c, StochasticWeightAveraging)]
+        if swa:
+            raise MisconfigurationException(
+                f"MMFSDP2Strategy does not support the {swa[0]} callback: it averages a copy of the unsharded "
+                "module into the sharded (DTensor) parameters, which fails once `swa_epoch_start` is reached. "
+                "Remove the callback, or average the weights yourself, e.g. with torch.optim.swa_utils.AveragedModel "
+                "over the sharded module after `fully_shard`."
+            )
+
+    def _start_guard(self) -> None:
+        """Watch the other rank processes for this run (see ``lightning_mm.strategies.stopping``)."""
+        if self._guard is not None:
+            self._guard.stop()
+        env = self.cluster_environment
+        stopping.remember_children(list(getattr(self._launcher, "procs", None) or []))
+        # A rank that Lightning's launcher started (a LightningEnvironment rank > 0) watches its launcher.
+        launched = type(env) is LightningEnvironment and env.creates_processes_externally and env.local_rank() > 0
+        self._guard = RunGuard(self.stop_timeout, children=stopping.launched_children, watch_parent=launched)
+        self._guard.start()
 
     def _init_process_group(self) -> None:
         if dist.is_initialized():
@@ -274,6 +329,11 @@ class MMFSDP2Strategy(ParallelStrategy):
         kwargs: dict[str, Any] = {"timeout": self._timeout}
         if self.root_device.type != "cpu":
             kwargs["device_id"] = self.root_device
+        if type(env) is LightningEnvironment and self.num_nodes == 1 and is_loopback(env.main_address):
+            # A single-node run started by Lightning: the rendezvous store listens on the loopback interface only.
+            # (torchrun's agent owns the store of the runs it starts.)
+            kwargs["store"] = loopback_store(env.main_address, env.main_port, self.global_rank, self.world_size,
+                                             self._timeout)
         dist.init_process_group(self._process_group_backend, rank=self.global_rank, world_size=self.world_size,
                                 **kwargs)
         # Ours to destroy: after a failed run (teardown) and at interpreter exit. Not after a successful run: the
@@ -291,6 +351,7 @@ class MMFSDP2Strategy(ParallelStrategy):
 
     # ------------------------------------------------------------------------------- model building
     @contextmanager
+    @override
     def tensor_init_context(self, empty_init: bool | None = None) -> Generator[None, None, None]:
         """Parameters created here go to the meta device (buffers stay real) unless ``empty_init=False``."""
         meta = self._empty_init if empty_init is None else empty_init
@@ -313,6 +374,7 @@ class MMFSDP2Strategy(ParallelStrategy):
             return lm.model
         return lm
 
+    @override
     def setup(self, trainer: pl.Trainer) -> None:
         assert self.model is not None
         assert self.accelerator is not None
@@ -320,6 +382,8 @@ class MMFSDP2Strategy(ParallelStrategy):
         root = self.lightning_module
         assert root is not None
         if not isinstance(root, FSDPModule):
+            if trainer.state.fn == TrainerFn.FITTING and self._layer_sync is not None:
+                self._apply_layer_sync(root)
             self._shard(root)
         self.barrier()
         if trainer.state.fn == TrainerFn.FITTING:
@@ -328,6 +392,22 @@ class MMFSDP2Strategy(ParallelStrategy):
             if self._fused_optimizer_step:
                 self._use_fused_optimizer_steps()
         self.setup_precision_plugin()
+
+    def _apply_layer_sync(self, root: pl.LightningModule) -> None:
+        """``Trainer(sync_batchnorm=True)``: convert the BatchNorm layers before sharding, as DDP and FSDP do."""
+        assert self._layer_sync is not None
+        converted = self._layer_sync.apply(root)
+        if converted is not root:
+            raise TypeError(f"{type(self._layer_sync).__name__} replaced the LightningModule itself; MMFSDP2Strategy "
+                            "can only convert layers inside it")
+        count = sum(isinstance(m, nn.SyncBatchNorm) for m in root.modules())
+        rank_zero_info(f"Trainer(sync_batchnorm=True): {count} SyncBatchNorm layer(s), synchronised over all ranks")
+        if count and self.root_device.type == "cpu":
+            rank_zero_warn(
+                f"Trainer(sync_batchnorm=True) on CPU: torch's SyncBatchNorm synchronises only on GPU/NPU-class "
+                f"devices, so a training forward through the {count} converted layer(s) will fail on CPU "
+                "(evaluation, which uses the running statistics, works)."
+            )
 
     def _use_fused_optimizer_steps(self) -> None:
         decisions = use_fused_steps(self.optimizers)
@@ -387,23 +467,28 @@ class MMFSDP2Strategy(ParallelStrategy):
         assert self.lightning_module is not None
         return self._forward_redirection(self.lightning_module, self.lightning_module, method, *args, **kwargs)
 
+    @override
     def training_step(self, *args: Any, **kwargs: Any) -> Any:
         with self.precision_plugin.train_step_context():
             return self._through_root("training_step", *args, **kwargs)
 
+    @override
     def validation_step(self, *args: Any, **kwargs: Any) -> Any:
         with self.precision_plugin.val_step_context():
             return self._through_root("validation_step", *args, **kwargs)
 
+    @override
     def test_step(self, *args: Any, **kwargs: Any) -> Any:
         with self.precision_plugin.test_step_context():
             return self._through_root("test_step", *args, **kwargs)
 
+    @override
     def predict_step(self, *args: Any, **kwargs: Any) -> Any:
         with self.precision_plugin.predict_step_context():
             return self._through_root("predict_step", *args, **kwargs)
 
     @contextmanager
+    @override
     def block_backward_sync(self) -> Generator[None, None, None]:
         """Gradient accumulation: no reduce-scatter (and no ignored-gradient all-reduce) until the last micro-batch."""
         root = self.lightning_module
@@ -418,14 +503,17 @@ class MMFSDP2Strategy(ParallelStrategy):
             root.set_requires_gradient_sync(True)
             self._gradient_sync = True
 
+    @override
     def post_backward(self, closure_loss: Tensor) -> None:
         if self._gradient_sync and self._ignored_params:
             apply.all_reduce_gradients(self._ignored_params)
 
+    @override
     def model_to_device(self) -> None:
         pass  # placement is part of sharding and materialisation
 
     # ----------------------------------------------------------------------------------- collectives
+    @override
     def barrier(self, name: str | None = None) -> None:
         if not dist.is_initialized():
             return
@@ -434,6 +522,7 @@ class MMFSDP2Strategy(ParallelStrategy):
         else:
             dist.barrier()
 
+    @override
     def broadcast(self, obj: Any, src: int = 0) -> Any:
         if not dist.is_initialized():
             return obj
@@ -441,15 +530,43 @@ class MMFSDP2Strategy(ParallelStrategy):
         dist.broadcast_object_list(box, src)
         return box[0]
 
+    @override
     def reduce(self, tensor: Tensor | Any, group: Any | None = None,
                reduce_op: ReduceOp | str | None = "mean") -> Tensor | Any:
         if isinstance(tensor, Tensor):
             return _sync_ddp_if_available(tensor, group, reduce_op=reduce_op)
         return tensor
 
+    @override
+    def on_train_start(self) -> None:
+        self._install_signal_handler()
+
+    @override
+    def on_validation_start(self) -> None:
+        self._install_signal_handler()
+
+    @override
+    def on_test_start(self) -> None:
+        self._install_signal_handler()
+
+    @override
+    def on_predict_start(self) -> None:
+        self._install_signal_handler()
+
+    def _install_signal_handler(self) -> None:
+        """After Lightning's own: SIGTERM ends this rank without a collective (``lightning_mm.strategies.stopping``)."""
+        if self._guard is not None:
+            self._guard.install_signal_handler()
+
+    @override
     def on_exception(self, exception: BaseException) -> None:
         self._run_failed = True
+        if self._guard is not None:  # this rank is failing on its own: its error, not a peer's loss, is reported
+            self._guard.stop()
+        if isinstance(exception, SIGTERMException) and not exception.code:
+            exception.code = SIGNAL_EXIT_STATUS  # a run stopped by a signal must not exit with status 0
 
+    @override
     def teardown(self) -> None:
         """Release the accelerator; after a failed run, also destroy the process group this strategy created.
 
@@ -463,6 +580,9 @@ class MMFSDP2Strategy(ParallelStrategy):
             _destroy_process_group()
             self._created_process_group = False
         self._run_failed = False
+        if self._guard is not None:
+            self._guard.stop()
+            self._guard = None
         self.cluster_environment.teardown()
         self.precision_plugin.teardown()
         self.accelerator.teardown()
@@ -504,7 +624,7 @@ class MMFSDP2Strategy(ParallelStrategy):
 
     def _rng_point(self) -> str:
         """Where a resumed run restores the RNG: before the next batch, or before the next epoch's data iterator."""
-        trainer = getattr(self.lightning_module, "_trainer", None)
+        trainer = attached_trainer(self.lightning_module)
         if trainer is None:
             return "next_batch"
         return "next_epoch" if trainer.fit_loop.epoch_loop.batch_progress.is_last_batch else "next_batch"
@@ -553,7 +673,7 @@ class MMFSDP2Strategy(ParallelStrategy):
         return loaded.checkpoint
 
     def _restore_pending_rng(self) -> None:
-        trainer = getattr(self.lightning_module, "_trainer", None)
+        trainer = attached_trainer(self.lightning_module)
         # Only for the step right after the checkpoint: never into a later, unrelated run of this strategy.
         if self._pending_rng is not None and (trainer is None or trainer.global_step == self._pending_rng_step):
             checkpoint.restore_rng(self._pending_rng, self.root_device)
@@ -562,7 +682,7 @@ class MMFSDP2Strategy(ParallelStrategy):
     @override
     def process_dataloader(self, dataloader: object) -> object:
         """Resuming at an epoch boundary: restore the RNG before the new epoch's training iterator is created."""
-        trainer = getattr(self.lightning_module, "_trainer", None)
+        trainer = attached_trainer(self.lightning_module)
         if (self._pending_rng is not None and self._pending_rng_point == "next_epoch" and trainer is not None
                 and trainer.training and not trainer.sanity_checking):
             self._restore_pending_rng()
@@ -581,6 +701,7 @@ class MMFSDP2Strategy(ParallelStrategy):
             checkpoint.remove(Path(filepath))
 
     @classmethod
+    @override
     def register_strategies(cls, strategy_registry: Any) -> None:
         if cls.strategy_name not in strategy_registry:
             strategy_registry.register(

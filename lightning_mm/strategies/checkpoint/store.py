@@ -41,6 +41,7 @@ from torch.distributed.checkpoint.state_dict import (
 )
 from torch.distributed.tensor import DTensor, distribute_tensor
 
+from lightning_mm._compat import unwrap_optimizer
 from lightning_mm.strategies.checkpoint import atomic, manifest
 from lightning_mm.strategies.checkpoint.errors import CheckpointIntegrityError, write_error
 from lightning_mm.strategies.checkpoint.layout import (
@@ -85,7 +86,7 @@ FORMATS = ("torch_dcp", "torch")
 
 
 def _unwrap(optimizer: Any) -> torch.optim.Optimizer:
-    return getattr(optimizer, "_optimizer", optimizer)
+    return unwrap_optimizer(optimizer)
 
 
 # --------------------------------------------------------------------------------------- collectives

@@ -1,0 +1,190 @@
+"""Every private name of Lightning and torch that lightning-mm uses, in one place, behind a version fence.
+
+Where torch 2.13 / Lightning 2.6 offer a public API, the package uses it. What is left has none and is reached only
+through this module: each name is looked up when this module is imported (or, for attributes of objects, when it
+is read) and a missing one raises :class:`PrivateAPIError` naming it and the versions this package was tested
+with; nothing falls back to a default that would let a renamed attribute pass silently. ``tests/test_compat.py``
+exercises every entry, so a release that moves one fails there first.
+
+Versions outside the tested range (``TESTED``, kept in step with pyproject.toml and constraints.txt) warn once.
+The torch names are resolved when this module is imported; the Lightning ones when first imported from here
+(module ``__getattr__``), so the FSDP2 core (``lightning_mm.strategies.apply``) stays free of Lightning.
+"""
+
+from __future__ import annotations
+
+import importlib
+import sys
+import warnings
+from typing import TYPE_CHECKING, Any
+
+import torch
+from packaging.version import Version
+
+if TYPE_CHECKING:
+    import lightning.pytorch as pl
+    from torch.distributed.device_mesh import DeviceMesh
+
+__all__ = [
+    "TESTED",
+    "PrivateAPIError",
+    "check_version_fence",
+    "is_rng_supported_mesh",
+    "fsdp_state",
+    "fsdp_param_groups",
+    "should_update_logs",
+    "set_device_mesh",
+    "auto_accelerator",
+    "attached_trainer",
+    "unwrap_optimizer",
+    "INHERITED_PRIVATE_ATTRIBUTES",
+    "LIGHTNING_NAMES",
+]
+
+# [lowest tested, first untested) per distribution.
+TESTED = {"torch": ("2.13.0", "2.14.0"), "lightning": ("2.5.0", "2.7.0")}
+
+
+class PrivateAPIError(ImportError):
+    """A private Lightning or torch name that lightning-mm relies on is missing or has changed."""
+
+
+def _lightning_version() -> str:
+    module = sys.modules.get("lightning")
+    return str(module.__version__) if module is not None else "not imported"
+
+
+def _versions() -> str:
+    return f"torch {torch.__version__}, lightning {_lightning_version()}"
+
+
+def _tested() -> str:
+    return ", ".join(f"{name} >={low},<{high}" for name, (low, high) in TESTED.items())
+
+
+def _missing(what: str) -> PrivateAPIError:
+    return PrivateAPIError(
+        f"lightning-mm relies on the private {what}, which this installation does not have ({_versions()}; tested "
+        f"with {_tested()}). Install the tested versions (pip install -c constraints.txt) or update "
+        "lightning_mm/_compat.py."
+    )
+
+
+def check_version_fence(names: tuple[str, ...] = ("torch", "lightning")) -> list[str]:
+    """The installed distributions among ``names`` outside the tested range (each also warned about)."""
+    outside = []
+    for name in names:
+        version = torch.__version__ if name == "torch" else importlib.import_module(name).__version__
+        low, high = TESTED[name]
+        if not Version(low) <= Version(Version(version).base_version) < Version(high):
+            outside.append(f"{name} {version}")
+    if outside:
+        warnings.warn(f"lightning-mm is tested with {_tested()}, found {', '.join(outside)}: its private-API uses "
+                      "are checked at import, but behaviour may differ", stacklevel=2)
+    return outside
+
+
+def _require(module: str, name: str) -> Any:
+    try:
+        return getattr(importlib.import_module(module), name)
+    except (ImportError, AttributeError):
+        raise _missing(f"`{module}.{name}`") from None
+
+
+check_version_fence(("torch",))
+
+# ---------------------------------------------------------------------------------------------------- Lightning
+LIGHTNING_NAMES = {
+    # Lightning's path type alias (``str | Path``), kept so the strategy's signatures match Lightning's.
+    "_PATH": "lightning.fabric.utilities.types",
+    # The type of Lightning's ``AcceleratorRegistry`` (the ``register_accelerators`` signature names it).
+    "_AcceleratorRegistry": "lightning.fabric.accelerators.registry",
+    # Lightning's launcher that re-runs the script once per extra local rank (what DDP and FSDP use).
+    "_SubprocessScriptLauncher": "lightning.pytorch.strategies.launchers.subprocess_script",
+    # Lightning's all-reduce with its "mean"/"sum" semantics, as its own strategies' ``reduce`` use it.
+    "_sync_ddp_if_available": "lightning.fabric.utilities.distributed",
+    # Lightning's choice for ``accelerator="auto"`` (``auto_accelerator``).
+    "_AcceleratorConnector": "lightning.pytorch.trainer.connectors.accelerator_connector",
+}
+_fenced_lightning = False
+
+
+def __getattr__(name: str) -> Any:
+    global _fenced_lightning
+    if name not in LIGHTNING_NAMES:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    if not _fenced_lightning:
+        _fenced_lightning = True
+        check_version_fence(("lightning",))
+    value = globals()[name] = _require(LIGHTNING_NAMES[name], name)
+    return value
+
+#: Attributes of Lightning's strategy base classes that MMFSDP2Strategy reads or that Lightning's connector sets on
+#: it (checked by tests/test_compat.py on a real instance).
+INHERITED_PRIVATE_ATTRIBUTES = ("_forward_redirection", "_layer_sync", "_launcher", "_precision_plugin",
+                                "_checkpoint_io")
+
+
+def should_update_logs(trainer: pl.Trainer) -> bool:
+    """Whether Lightning writes this training step's logs (``Trainer(log_every_n_steps)``)."""
+    connector = getattr(trainer, "_logger_connector", None)
+    if connector is None or not hasattr(type(connector), "should_update_logs"):
+        raise _missing("`Trainer._logger_connector.should_update_logs`")
+    return bool(connector.should_update_logs)
+
+
+def set_device_mesh(module: pl.LightningModule, mesh: DeviceMesh) -> None:
+    """Make ``module.device_mesh`` return ``mesh``, as Lightning's ModelParallelStrategy does."""
+    if "_device_mesh" not in vars(module):
+        raise _missing("`LightningModule._device_mesh`")
+    module._device_mesh = mesh
+
+
+def auto_accelerator() -> str:
+    """The accelerator Lightning picks for ``Trainer(accelerator="auto")``."""
+    choose = getattr(__getattr__("_AcceleratorConnector"), "_choose_auto_accelerator", None)
+    if not callable(choose):
+        raise _missing("`_AcceleratorConnector._choose_auto_accelerator`")
+    return str(choose())
+
+
+# ------------------------------------------------------------------------------------------------------- torch
+#: Whether DTensor's random ops keep per-shard offsets on this mesh (CUDA-like devices only).
+is_rng_supported_mesh = _require("torch.distributed.tensor._random", "is_rng_supported_mesh")
+
+try:
+    from torch.distributed.fsdp import FSDPModule as _FSDPModule
+except ImportError:
+    raise _missing("`torch.distributed.fsdp.FSDPModule`") from None
+if not callable(getattr(_FSDPModule, "_get_fsdp_state", None)):
+    raise _missing("`FSDPModule._get_fsdp_state`")
+
+
+def fsdp_state(module: Any) -> Any:
+    """The FSDP state object of a ``fully_shard``-ed module (modules sharded together share one)."""
+    return module._get_fsdp_state()
+
+
+def fsdp_param_groups(state: Any) -> list[Any]:
+    """The parameter groups an FSDP state manages (empty for a unit without parameters of its own)."""
+    if not hasattr(state, "_fsdp_param_groups"):
+        raise _missing("`FSDPState._fsdp_param_groups`")
+    return list(state._fsdp_param_groups)
+
+
+# --------------------------------------------------------------------------------------------- public helpers
+def attached_trainer(module: Any) -> pl.Trainer | None:
+    """The Trainer ``module`` is attached to, or ``None`` (Lightning's public ``trainer`` raises then)."""
+    if module is None:
+        return None
+    try:
+        return module.trainer
+    except RuntimeError:
+        return None
+
+
+def unwrap_optimizer(optimizer: Any) -> torch.optim.Optimizer:
+    """The torch optimizer inside a LightningOptimizer (public ``LightningOptimizer.optimizer``), or ``optimizer``."""
+    from lightning.pytorch.core.optimizer import LightningOptimizer
+
+    return optimizer.optimizer if isinstance(optimizer, LightningOptimizer) else optimizer

@@ -1,0 +1,99 @@
+"""lightning_mm/_compat.py: every private Lightning/torch name the package uses resolves on the installed versions,
+a missing one fails loudly (never a silent default), and no other module reaches for private names itself."""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+import lightning as L
+import pytest
+import torch
+from lightning.pytorch.plugins.layer_sync import TorchSyncBatchNorm
+
+from lightning_mm import MMFSDP2Strategy, _compat
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def test_every_lightning_private_name_resolves():
+    import lightning.fabric.utilities.distributed as fabric_dist
+    from lightning.pytorch.strategies.launchers import subprocess_script
+
+    assert _compat._SubprocessScriptLauncher is subprocess_script._SubprocessScriptLauncher
+    assert _compat._sync_ddp_if_available is fabric_dist._sync_ddp_if_available
+    for name in _compat.LIGHTNING_NAMES:
+        assert getattr(_compat, name) is not None
+    assert _compat.auto_accelerator() == "cpu"
+
+
+def test_a_missing_private_name_is_a_loud_error():
+    with pytest.raises(_compat.PrivateAPIError, match=r"private `lightning.fabric.utilities.types._GONE`.*tested with"):
+        _compat._require("lightning.fabric.utilities.types", "_GONE")
+    with pytest.raises(_compat.PrivateAPIError, match="FSDPState._fsdp_param_groups"):
+        _compat.fsdp_param_groups(object())
+    with pytest.raises(_compat.PrivateAPIError, match="should_update_logs"):
+        _compat.should_update_logs(object())
+    with pytest.raises(_compat.PrivateAPIError, match="LightningModule._device_mesh"):
+        _compat.set_device_mesh(torch.nn.Linear(1, 1), object())
+    with pytest.raises(AttributeError):
+        _compat.not_a_name  # noqa: B018
+
+
+def test_torch_private_names_behave_as_used():
+    from torch.distributed.fsdp import FSDPModule
+    from torch.distributed.fsdp._fully_shard._fsdp_state import FSDPState
+
+    assert callable(FSDPModule._get_fsdp_state) and callable(_compat.is_rng_supported_mesh)
+    assert _compat.fsdp_param_groups(FSDPState()) == []  # a state with no parameters of its own
+
+
+def test_lightning_private_attributes_used_on_instances():
+    trainer = L.Trainer(accelerator="cpu", devices=2, strategy=MMFSDP2Strategy(), sync_batchnorm=True, logger=False,
+                        log_every_n_steps=1)
+    assert isinstance(_compat.should_update_logs(trainer), bool)
+    for name in _compat.INHERITED_PRIVATE_ATTRIBUTES:
+        assert hasattr(trainer.strategy, name), name
+    assert isinstance(trainer.strategy._layer_sync, TorchSyncBatchNorm)  # what Lightning's connector sets
+    module = L.LightningModule()
+    mesh = object()
+    _compat.set_device_mesh(module, mesh)
+    assert module.device_mesh is mesh
+    assert _compat.attached_trainer(module) is None and _compat.attached_trainer(None) is None
+
+
+def test_transformers_model_contract_attributes_exist():
+    from transformers import PretrainedConfig, PreTrainedModel
+
+    for name in ("_no_split_modules", "_keys_to_ignore_on_load_unexpected", "_init_weights"):
+        assert hasattr(PreTrainedModel, name), name
+    assert hasattr(PretrainedConfig(), "_attn_implementation")
+
+
+def test_installed_versions_are_inside_the_fence_and_agree_with_pyproject_and_constraints():
+    assert _compat.check_version_fence() == []
+    pyproject = (ROOT / "pyproject.toml").read_text()
+    for name, (low, high) in _compat.TESTED.items():  # pyproject's range is the fence's
+        assert re.search(rf'"{name}>={re.escape(low.removesuffix(".0"))}(\.0)?,<{re.escape(high.removesuffix(".0"))}"',
+                         pyproject), name
+    pins = dict(line.split("==") for line in (ROOT / "constraints.txt").read_text().splitlines()
+                if line and not line.startswith("#"))
+    assert pins["torch"] == torch.__version__.split("+")[0] and pins["lightning"] == L.__version__
+
+
+_PRIVATE_IMPORT = re.compile(r"^\s*from (torch|lightning|lightning_utilities)(\.\w+)* import .*\b_[A-Za-z]", re.M)
+_PRIVATE_ACCESS = re.compile(r"\._get_fsdp_state\b|_fsdp_param_groups|_logger_connector|\._trainer\b"
+                             r"|_AcceleratorConnector|lightning_module\._device_mesh|\bnn\.modules\.\w+\._")
+
+
+def test_no_module_outside_compat_reaches_for_private_names():
+    offenders = []
+    for path in sorted((ROOT / "lightning_mm").rglob("*.py")):
+        if path.name == "_compat.py":
+            continue
+        text = path.read_text()
+        for pattern in (_PRIVATE_IMPORT, _PRIVATE_ACCESS):
+            offenders += [f"{path.relative_to(ROOT)}: {m.group(0).strip()}" for m in pattern.finditer(text)]
+        offenders += [f"{path.relative_to(ROOT)}: {m.group(0)}"
+                      for m in re.finditer(r"from (torch|lightning)(\.\w+)*\._\w+", text)]
+    assert offenders == []
