@@ -87,21 +87,29 @@ def test_migrate_maps_a_mindspeed_launch_and_lists_what_it_cannot(tmp_path):
     trainer = config["trainer"]
     assert trainer["devices"] == 2 and trainer["num_nodes"] == 1
     assert trainer["strategy"]["class_path"] == "lightning_mm.MMFSDP2Strategy"
-    assert trainer["strategy"]["init_args"]["fsdp2_config"] == "./fsdp2_config.yaml"
+    here = ROOT / "examples" / "migration"
+    # Paths are absolute (taken from the script's folder), so the config works wherever it is written.
+    assert trainer["strategy"]["init_args"] == {"fsdp2_config": str(here / "fsdp2_config.yaml"),
+                                                "checkpoint_format": "torch_dcp"}  # no nccl: the accelerator decides
     assert trainer["max_steps"] == 100 and trainer["precision"] == "bf16-mixed"
     assert trainer["accumulate_grad_batches"] == 2  # 16 / (4 x 2 ranks)
     assert trainer["gradient_clip_val"] == 1.0
-    assert trainer["callbacks"][0]["init_args"] == {"save_last": True, "dirpath": "./ckpt", "every_n_train_steps": 50}
+    assert trainer["callbacks"][0]["init_args"] == {"save_last": True, "dirpath": str(here / "ckpt"),
+                                                    "every_n_train_steps": 50}
     model = config["model"]["init_args"]
     assert model["lr"] == 1e-4 and model["min_lr"] == 1e-5 and model["warmup_steps"] == 10
-    assert model["model_provider"] == "pretrain_custom.model_provider"
-    assert config["data"]["init_args"] == {"batch_size": 4, "data_config": "./data.json"}
+    assert model["model_provider"] == "examples.migration.pretrain_custom.model_provider"
+    assert model["forward_step"] == "examples.migration.pretrain_custom.forward_step"
+    assert config["data"]["init_args"] == {
+        "train_valid_test_datasets_provider": "examples.migration.pretrain_custom.train_valid_test_datasets_provider",
+        "batch_size": 4}
     assert config["seed_everything"] == 1234 and config["ckpt_path"] == "last"
     report = proc.stderr
     unmapped = report.split("NOT mapped")[1]
     for flag in ("--no-load-optim", "--untie-embeddings-and-output-weights", "--master_port",
-                 "CUDA_DEVICE_MAX_CONNECTIONS"):
+                 "CUDA_DEVICE_MAX_CONNECTIONS", "--mm-data ./data.json"):
         assert flag in unmapped
+    assert "--distributed-backend nccl: left out" in report
     assert "--lr 1.0e-4 -> model.init_args.lr" in report
 
 
