@@ -58,7 +58,7 @@ def test_captioning_demo_fits_from_yaml_and_plan_matches_the_sharded_model(tmp_p
     ])
     values = losses(tmp_path)
     assert values[-1] < values[0] * 0.7, values
-    plan = run(["plan", "--config", "examples/captioning/config.yaml"]).stdout
+    plan = run(["plan", "--config", "examples/captioning/config.yaml", "--trace-order"]).stdout
     assert "FSDP, world size 2" in plan and "text_decoder.decoder.layers.1" in plan
     assert ("image_encoder.blocks.0 -> text_decoder.embedding -> text_decoder.decoder.layers.0 -> "
             "text_decoder.decoder.layers.1 -> text_decoder.output_layer") in plan
