@@ -51,13 +51,21 @@ def parse_plan_bytes(text: str) -> dict[str, int]:
 
 def test_captioning_demo_fits_from_yaml_and_plan_matches_the_sharded_model(tmp_path):
     probe = tmp_path / "memory"
-    run([
+    proc = run([
         "fit", "--config", "examples/captioning/config.yaml", "--trainer.max_steps", "30",
-        "--trainer.val_check_interval", "30", "--trainer.logger.init_args.save_dir", str(tmp_path),
+        "--trainer.val_check_interval", "15", "--trainer.logger.init_args.save_dir", str(tmp_path),
         "--trainer.callbacks+=tests.probes.MemoryProbe", f"--trainer.callbacks.path={probe}",
     ])
     values = losses(tmp_path)
     assert values[-1] < values[0] * 0.7, values
+    # The headline metric: on the progress bar, validated at the last step, in the closing summary, and plotted.
+    assert "Summary after 30 steps (last validation at step 30):" in proc.stdout
+    assert "val/caption_acc" in proc.stdout and "step 30/30" in proc.stdout
+    assert "Epoch 0/-2" not in proc.stdout
+    assert next(tmp_path.rglob("metrics.svg")).read_text().startswith("<svg")
+    # A clean run: no warnings (from this project's code or the libraries' known noise), no tips.
+    warned = [line for line in proc.stderr.splitlines() if re.search(r"\.py:\d+: ", line) or "Tip:" in line]
+    assert not warned, warned
     plan = run(["plan", "--config", "examples/captioning/config.yaml", "--trace-order"]).stdout
     assert "FSDP, world size 2" in plan and "text_decoder.decoder.layers.1" in plan
     assert ("image_encoder.blocks.0 -> text_decoder.embedding -> text_decoder.decoder.layers.0 -> "

@@ -86,7 +86,11 @@ def compare_hyperparameters(hparams: Mapping[str, Any], model_config: Mapping[st
 
 
 class MMLightningCLI(LightningCLI):
-    """LightningCLI that reads a checkpoint's hyperparameters as data instead of parsing (and importing) them."""
+    """LightningCLI that reads a checkpoint's hyperparameters as data instead of parsing (and importing) them.
+
+    It also shows the validation metrics on the progress bar (``lightning_mm.commands.progress``) unless the
+    config adds its own progress bar or turns it off.
+    """
 
     _held_ckpt_path: str | None = None
 
@@ -116,11 +120,28 @@ class MMLightningCLI(LightningCLI):
                                f"are used:\n  {shown}{more}")
 
 
+    def instantiate_trainer(self, **kwargs: Any) -> Any:
+        from lightning.pytorch.callbacks import ProgressBar
+
+        from lightning_mm.commands.progress import default_progress_bar
+
+        config = self.config_init[self.subcommand] if self.subcommand else self.config_init
+        trainer_config = config.get("trainer") or {}
+        callbacks = list(kwargs.get("callbacks", trainer_config.get("callbacks") or []))
+        if trainer_config.get("enable_progress_bar") is not False and not any(
+            isinstance(c, ProgressBar) for c in callbacks
+        ):
+            kwargs["callbacks"] = [*callbacks, default_progress_bar()]
+        return super().instantiate_trainer(**kwargs)
+
+
 def run_lightning_cli(argv: Sequence[str]) -> None:
     """Run ``fit|validate|test|predict`` with the given arguments."""
     import lightning_mm
+    from lightning_mm.commands.noise import quiet_library_noise
 
     lightning_mm.register()
+    quiet_library_noise()
     from lightning_mm import MMDataModule, MMLightningModule
 
     MMLightningCLI(
