@@ -102,7 +102,7 @@ def test_migrate_maps_a_mindspeed_launch_and_lists_what_it_cannot(tmp_path):
     assert trainer["max_steps"] == 100 and trainer["precision"] == "bf16-mixed"
     assert trainer["accumulate_grad_batches"] == 2  # 16 / (4 x 2 ranks)
     assert trainer["gradient_clip_val"] == 1.0
-    assert trainer["callbacks"][0]["init_args"] == {"save_last": True, "dirpath": str(here / "ckpt"),
+    assert trainer["callbacks"][0]["init_args"] == {"save_last": "link", "dirpath": str(here / "ckpt"),
                                                     "every_n_train_steps": 50}
     model = config["model"]["init_args"]
     assert model["lr"] == 1e-4 and model["min_lr"] == 1e-5 and model["warmup_steps"] == 10

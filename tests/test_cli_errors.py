@@ -110,7 +110,12 @@ def test_traceback_on_request(tmp_path):
 def test_migrate_given_the_python_file_and_convert_with_a_missing_source_are_one_line(tmp_path):
     proc = run(["migrate", "examples/migration/pretrain_custom.py"])
     assert proc.returncode != 0 and "Traceback" not in proc.stderr
-    assert "no `torchrun ... xxx.py` or `python ... xxx.py` launch line" in proc.stderr.strip().splitlines()[-1]
+    assert "pretrain_custom.py is the entry script; give the shell script" in proc.stderr.strip().splitlines()[-1]
+    script = tmp_path / "no_launch.sh"
+    script.write_text("export A=1\necho hello\n")
+    proc = run(["migrate", str(script)])
+    assert proc.returncode == 1 and proc.stderr.strip().splitlines() == [
+        "lightning-mm migrate: error: no `torchrun ... xxx.py` or `python ... xxx.py` launch line found in the script"]
     proc = run(["convert", "dcp-to-torch", str(tmp_path / "missing.ckpt"), str(tmp_path / "out.pt")])
     assert proc.returncode != 0 and "Traceback" not in proc.stderr
     assert len(proc.stderr.strip().splitlines()) == 1 and "missing.ckpt" in proc.stderr

@@ -43,6 +43,8 @@ def test_migrated_example_trains_without_edits(tmp_path):
                cwd=project)
     assert proc.returncode == 0, proc.stderr[-4000:]
     assert "`max_steps=2` reached" in proc.stderr + proc.stdout
+    for noise in ("view tensor", "DTensor random operators", "model summary", "Tip:"):
+        assert noise not in proc.stderr, noise
 
 
 def test_backend_is_kept_only_on_request():

@@ -66,8 +66,8 @@ class CustomDataset(Dataset):
         return {"input_ids": ids[:-1], "labels": ids[1:]}
 
 
-def build_dataloader(dataset: Dataset) -> DataLoader:
-    return DataLoader(dataset, batch_size=8, shuffle=True)
+def build_dataloader(dataset: Dataset, shuffle: bool = True) -> DataLoader:
+    return DataLoader(dataset, batch_size=8, shuffle=shuffle)
 
 
 # ----------------------------------------------------------------------------- the five seed functions
@@ -103,6 +103,6 @@ def forward_step(data_iterator, model):
 def train_valid_test_datasets_provider():
     """Build train, valid, and test datasets."""
     train_dataloader = build_dataloader(CustomDataset(512))
-    valid_dataloader = build_dataloader(CustomDataset(64))
+    valid_dataloader = build_dataloader(CustomDataset(64), shuffle=False)
     test_dataloader = None
     return train_dataloader, valid_dataloader, test_dataloader

@@ -384,7 +384,8 @@ def migrate(launch: Launch, base_dir: Path | None = None, import_root: Path | No
             out.unmapped.append(f"--global-batch-size {values['gbs']}: cannot derive accumulate_grad_batches "
                                 "(world size unknown or not a divisor); set trainer.accumulate_grad_batches")
     if "save" in values or "save_interval" in values:
-        checkpoint: dict[str, Any] = {"save_last": True}
+        # "link": last.ckpt points at the newest checkpoint instead of being a second full copy of it
+        checkpoint: dict[str, Any] = {"save_last": "link"}
         if values.get("save"):
             checkpoint["dirpath"] = str(path_of(values["save"]))
         if values.get("save_interval"):
@@ -392,7 +393,8 @@ def migrate(launch: Launch, base_dir: Path | None = None, import_root: Path | No
         cfg["trainer"]["callbacks"] = [
             {"class_path": "lightning.pytorch.callbacks.ModelCheckpoint", "init_args": checkpoint}
         ]
-        out.mapped.append("--save/--save-interval -> trainer.callbacks: ModelCheckpoint(dirpath, every_n_train_steps)")
+        out.mapped.append("--save/--save-interval -> trainer.callbacks: ModelCheckpoint(dirpath, every_n_train_steps, "
+                          "save_last: link)")
         if values.get("load") and values.get("save") and path_of(values["load"]) != path_of(values["save"]):
             out.unmapped.append(f"--load {values['load']}: differs from --save; set ckpt_path to the checkpoint")
     if "mm_data" in values:

@@ -6,6 +6,7 @@ anywhere else, and every other message, still shows. Applied by the training com
 * Lightning's advertisement for its ``litlogger`` package, logged at the start of every fit.
 * torch 2.13's ``FutureWarning`` that ``LeafSpec`` is deprecated, triggered inside Lightning's own
   ``lightning.pytorch.utilities._pytree`` (Lightning's code, not the user's, has to change).
+* Lightning's model summary saying it counts bytes at 32 bits under a mixed precision it does not know.
 """
 
 from __future__ import annotations
@@ -35,3 +36,5 @@ def quiet_library_noise() -> None:
             logger.addFilter(_FILTER)
     warnings.filterwarnings("ignore", message=r"`isinstance\(treespec, LeafSpec\)` is deprecated",
                             category=FutureWarning, module=r"lightning\.pytorch\.utilities\._pytree")
+    warnings.filterwarnings("ignore", message=r"Precision .* is not supported by the model summary",
+                            module=r"lightning\.pytorch\.utilities\.model_summary")
