@@ -57,6 +57,25 @@ def test_checkpoint_hyperparameters_are_data_compared_with_the_config(planted):
     assert proc.stderr.strip().splitlines()[-1].startswith("lightning-mm validate: error: ")
 
 
+class _RunsCode:
+    def __reduce__(self):
+        return (os.system, ("true",))
+
+
+def test_checkpoint_that_would_run_code_is_refused_before_anything_is_built(tmp_path):
+    from lightning_mm.commands.train import checkpoint_hyperparameters
+    from lightning_mm.errors import ConfigError
+
+    ckpt = tmp_path / "pickled.ckpt"
+    torch.save({"hyper_parameters": {"x": _RunsCode()}}, ckpt)
+    with pytest.raises(ConfigError, match=r"cannot read checkpoint .* safely \(weights_only\): .*posix.system"):
+        checkpoint_hyperparameters(ckpt)
+    legacy = tmp_path / "legacy.ckpt"  # the pre-zip format cannot be memory-mapped: read normally
+    torch.save({"hyper_parameters": {"lr": 0.1}}, legacy, _use_new_zipfile_serialization=False)
+    assert checkpoint_hyperparameters(legacy) == {"lr": 0.1}
+    assert checkpoint_hyperparameters(tmp_path / "absent.ckpt") is None
+
+
 def test_compare_hyperparameters_accepts_what_the_cli_saved():
     from lightning_mm.commands.train import compare_hyperparameters
 

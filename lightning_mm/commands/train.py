@@ -36,9 +36,19 @@ def checkpoint_hyperparameters(ckpt_path: str | Path) -> dict[str, Any] | None:
     if not target.is_file():
         return None
     try:
-        checkpoint = torch.load(target, map_location="cpu", weights_only=True, mmap=True)
+        try:  # memory-mapped: only the pickled metadata is read, not a consolidated checkpoint's tensors
+            checkpoint = torch.load(target, map_location="cpu", weights_only=True, mmap=True)
+        except RuntimeError as error:
+            if "mmap" not in str(error):
+                raise
+            checkpoint = torch.load(target, map_location="cpu", weights_only=True)  # the legacy (non-zip) format
     except Exception as error:  # not loadable weights_only: a tampered or foreign file
-        raise ConfigError(f"cannot read checkpoint {target} safely (weights_only): {error}") from error
+        text = str(error)
+        if "Weights only load failed" in text:  # torch's long message: keep only the reason
+            reason = text.split("trusted source.", 1)[-1].split("Check the documentation")[0]
+            reason = reason.split("WeightsUnpickler error:", 1)[-1]
+            text = " ".join(reason.split()) or text
+        raise ConfigError(f"cannot read checkpoint {target} safely (weights_only): {text}") from error
     hparams = checkpoint.get("hyper_parameters") if isinstance(checkpoint, Mapping) else None
     return dict(hparams) if isinstance(hparams, Mapping) else None
 
