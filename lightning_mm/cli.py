@@ -1,8 +1,13 @@
 """The ``lightning-mm`` command.
 
-``lightning-mm fit|validate|test|predict --config cfg.yaml`` is LightningCLI. Other sub-commands (``env``,
-``plan``, ``migrate``, ``convert``) live in ``lightning_mm/commands/<name>.py``, each with a ``main(argv) -> int``,
-and are imported only when used.
+``lightning-mm fit|validate|test|predict --config cfg.yaml`` is LightningCLI (``lightning_mm.commands.train``).
+Other sub-commands (``env``, ``plan``, ``migrate``, ``convert``) live in ``lightning_mm/commands/<name>.py``, each
+with a ``main(argv) -> int``, and are imported only when used; this module imports nothing heavy, so ``--help``
+and the commands that do not train start without Lightning.
+
+Errors that are the user's to fix (bad config, data, checkpoint, arguments: see
+``lightning_mm.commands.failure``) print as one line and exit 1; ``--traceback`` (anywhere on the command line)
+or ``LIGHTNING_MM_TRACEBACK=1`` shows the traceback instead.
 """
 
 from __future__ import annotations
@@ -11,6 +16,8 @@ import importlib
 import os
 import sys
 from collections.abc import Sequence
+
+from lightning_mm.commands.failure import TRACEBACK_ENV, one_line, traceback_requested, user_error
 
 __all__ = ["main", "COMMANDS"]
 
@@ -21,44 +28,60 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "migrate": ("lightning_mm.commands.migrate", "turn a MindSpeed MM / Megatron launch into a LightningCLI YAML"),
     "convert": ("lightning_mm.commands.convert", "checkpoints: dcp-to-torch, dcp-to-hf, hf-to-dcp (one process)"),
 }
+_TRAINING = ("fit", "validate", "test", "predict")
+_READS_CLASS_PATHS = (*_TRAINING, "plan")
 
 
 def _usage() -> str:
     lines = ["usage: lightning-mm {fit,validate,test,predict" + "".join(f",{c}" for c in COMMANDS) + "} ...", ""]
     lines.append("  fit, validate, test, predict   LightningCLI (see `lightning-mm fit --help`)")
     lines += [f"  {name:<30} {help_}" for name, (_, help_) in COMMANDS.items()]
+    lines += ["", f"Errors in your input print as one line; --traceback (or {TRACEBACK_ENV}=1) shows the traceback."]
     return "\n".join(lines)
 
 
-def run_lightning_cli(argv: Sequence[str]) -> None:
-    """LightningCLI over MMLightningModule / MMDataModule subclasses (``class_path`` / ``init_args``)."""
-    from lightning.pytorch.cli import LightningCLI
+def _add_working_directory() -> None:
+    """Let class paths in a config (``examples.captioning.module.CaptioningModule``) resolve from the working directory.
 
-    import lightning_mm  # noqa: F401  (registers the mm_fsdp2 strategy)
-    from lightning_mm import MMDataModule, MMLightningModule
-
-    LightningCLI(
-        MMLightningModule,
-        MMDataModule,
-        subclass_mode_model=True,
-        subclass_mode_data=True,
-        args=None if list(argv) == sys.argv[1:] else list(argv),  # LightningCLI warns when given both
-        save_config_kwargs={"overwrite": True},
-    )
-
-
-def main(argv: Sequence[str] | None = None) -> int:
-    argv = list(sys.argv[1:] if argv is None else argv)
+    Appended, not prepended: a file in the working directory never shadows an installed module.
+    """
     if "" not in sys.path and os.getcwd() not in sys.path:
-        sys.path.insert(0, os.getcwd())  # class paths resolve from the working directory, as with `python -m`
+        sys.path.append(os.getcwd())
+
+
+def _dispatch(argv: list[str]) -> int:
     if not argv or argv[0] in ("-h", "--help"):
         print(_usage())
         return 0
+    if argv[0] in _READS_CLASS_PATHS:
+        _add_working_directory()
     if argv[0] in COMMANDS:
         module = importlib.import_module(COMMANDS[argv[0]][0])
         return int(module.main(argv[1:]) or 0)
+    from lightning_mm.commands.train import run_lightning_cli
+
     run_lightning_cli(argv)
     return 0
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Run one ``lightning-mm`` command; returns the exit status."""
+    from_sys_argv = argv is None
+    args = list(sys.argv[1:] if argv is None else argv)
+    if "--traceback" in args:
+        args = [a for a in args if a != "--traceback"]
+        os.environ[TRACEBACK_ENV] = "1"  # inherited by the ranks Lightning starts
+        if from_sys_argv:
+            sys.argv = [sys.argv[0], *args]  # the ranks are started with sys.argv
+    try:
+        return _dispatch(args)
+    except Exception as error:
+        cause = None if traceback_requested() else user_error(error)
+        if cause is None:
+            raise
+        command = args[0] if args else ""
+        print(f"lightning-mm {command}: error: {one_line(cause)}", file=sys.stderr)
+        return 1
 
 
 if __name__ == "__main__":

@@ -17,6 +17,23 @@ from torch.utils.data import DataLoader, Dataset
 from lightning_mm.modules import FSDP2Mixin, MultiModalModule, WeightInitMixin
 
 
+class ResidualMLP(nn.Module):
+    """One layer: ``x + mlp(norm(x))``.
+
+    The residual add is inside the layer, so what an FSDP unit returns is a fresh tensor. (A bare ``nn.Sequential``
+    ending in ``nn.Linear`` returns a view of a 3-D input, and FSDP2 warns that an in-place op on such a view would
+    skip its backward hook; ``x = x + layer(x)`` was out of place and safe, but the warning was noise.)
+    """
+
+    def __init__(self, hidden: int) -> None:
+        super().__init__()
+        self.mlp = nn.Sequential(nn.LayerNorm(hidden), nn.Linear(hidden, 4 * hidden), nn.GELU(),
+                                 nn.Linear(4 * hidden, hidden))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + self.mlp(x)
+
+
 class CustomModel(MultiModalModule, FSDP2Mixin, WeightInitMixin):
     """The user's own model: only the base classes changed."""
 
@@ -24,16 +41,13 @@ class CustomModel(MultiModalModule, FSDP2Mixin, WeightInitMixin):
         super().__init__(config)
         hidden = config["hidden_size"]
         self.embedding = nn.Embedding(config["vocab_size"], hidden)
-        self.layers = nn.ModuleList(
-            nn.Sequential(nn.LayerNorm(hidden), nn.Linear(hidden, 4 * hidden), nn.GELU(), nn.Linear(4 * hidden, hidden))
-            for _ in range(config["num_layers"])
-        )
+        self.layers = nn.ModuleList(ResidualMLP(hidden) for _ in range(config["num_layers"]))
         self.output_layer = nn.Linear(hidden, config["vocab_size"], bias=False)
 
     def forward(self, input_ids: torch.Tensor, labels: torch.Tensor) -> dict[str, torch.Tensor]:
         x = self.embedding(input_ids)
         for layer in self.layers:
-            x = x + layer(x)
+            x = layer(x)
         logits = self.output_layer(x)
         return {"logits": logits, "labels": labels}
 
@@ -52,8 +66,8 @@ class CustomDataset(Dataset):
         return {"input_ids": ids[:-1], "labels": ids[1:]}
 
 
-def build_dataloader(dataset: Dataset) -> DataLoader:
-    return DataLoader(dataset, batch_size=8, shuffle=True)
+def build_dataloader(dataset: Dataset, shuffle: bool = True) -> DataLoader:
+    return DataLoader(dataset, batch_size=8, shuffle=shuffle)
 
 
 # ----------------------------------------------------------------------------- the five seed functions
@@ -89,6 +103,6 @@ def forward_step(data_iterator, model):
 def train_valid_test_datasets_provider():
     """Build train, valid, and test datasets."""
     train_dataloader = build_dataloader(CustomDataset(512))
-    valid_dataloader = build_dataloader(CustomDataset(64))
+    valid_dataloader = build_dataloader(CustomDataset(64), shuffle=False)
     test_dataloader = None
     return train_dataloader, valid_dataloader, test_dataloader

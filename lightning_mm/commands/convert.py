@@ -48,6 +48,7 @@ def _parser() -> argparse.ArgumentParser:
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = _parser().parse_args(list(sys.argv[1:] if argv is None else argv))
+    from lightning_mm.commands.failure import one_line, traceback_requested, user_error
     from lightning_mm.strategies.checkpoint import convert
 
     try:
@@ -58,8 +59,11 @@ def main(argv: Sequence[str] | None = None) -> int:
                                     max_shard_size=convert.parse_size(args.max_shard_size), config=args.config)
         else:
             out = convert.hf_to_dcp(args.hf_dir, args.dst, prefix=args.prefix)
-    except (OSError, ValueError, KeyError, TypeError) as error:
-        print(f"lightning-mm convert {args.command}: error: {error}", file=sys.stderr)
+    except Exception as error:  # the user's to fix: one line (see lightning_mm.commands.failure); a bug: traceback
+        cause = None if traceback_requested() else user_error(error)
+        if cause is None:
+            raise
+        print(f"lightning-mm convert {args.command}: error: {one_line(cause)}", file=sys.stderr)
         return 1
     print(f"wrote {out}")
     return 0

@@ -3,7 +3,8 @@
 Reports torch, torch_npu (if installed), lightning, transformers and lightning-mm versions; for each accelerator
 Lightning knows (NPU included), whether it is available and how many devices it has; the distributed backends
 PyTorch can use here; and what ``Trainer(accelerator="auto", devices="auto")`` would choose. When torch_npu is
-installed it is imported here, to count NPUs.
+installed it is imported here, to count NPUs. Lightning is imported (what is reported is Lightning's view of the
+machine); Transformers and the rest of lightning-mm are not.
 """
 
 from __future__ import annotations
@@ -78,9 +79,12 @@ def _auto_choice(accelerators: dict[str, dict[str, Any]]) -> dict[str, Any]:
 def collect() -> dict[str, Any]:
     """Everything the report shows, as plain data."""
     import torch
+    from lightning.pytorch.accelerators import AcceleratorRegistry
 
-    import lightning_mm  # noqa: F401  (registers accelerator="npu")
-    from lightning_mm.accelerators.npu import torch_npu_version
+    from lightning_mm.accelerators.npu import NPUAccelerator, torch_npu_version
+
+    # accelerator="npu" in Lightning's registry; the rest of lightning_mm stays unimported
+    NPUAccelerator.register_accelerators(AcceleratorRegistry)
 
     accelerators = _accelerators()  # imports torch_npu if it is installed
     current = torch.accelerator.current_accelerator()

@@ -11,7 +11,7 @@ either mapped or listed in the report with the reason; nothing is dropped silent
 from __future__ import annotations
 
 import argparse
-import inspect
+import ast
 import re
 import shlex
 import sys
@@ -22,7 +22,22 @@ from typing import Any
 
 import yaml
 
-__all__ = ["main", "Launch", "parse_script", "parse_args", "migrate"]
+__all__ = ["main", "Launch", "parse_script", "parse_args", "migrate", "STRATEGY_ARGS", "SEED_FUNCTIONS"]
+
+# MMFSDP2Strategy's __init__ arguments, listed here so that migrating never imports Lightning
+# (tests/test_migrate.py checks the list against the class).
+STRATEGY_ARGS = frozenset({
+    "fsdp2_config", "accelerator", "parallel_devices", "cluster_environment", "checkpoint_io", "precision_plugin",
+    "process_group_backend", "timeout", "empty_init", "checkpoint_format", "strict_loading", "fused_optimizer_step",
+})
+# The seed's functions and where each goes (MMLightningModule / MMDataModule arguments).
+SEED_FUNCTIONS = {
+    "model_provider": "model.init_args.model_provider",
+    "forward_step": "model.init_args.forward_step",
+    "get_batch": "model.init_args.get_batch",
+    "loss_func": "model.init_args.loss_func",
+    "train_valid_test_datasets_provider": "data.init_args.train_valid_test_datasets_provider",
+}
 
 _VAR = re.compile(r"\$\{([A-Za-z_][A-Za-z0-9_]*)\}|\$([A-Za-z_][A-Za-z0-9_]*)")
 _ASSIGN = re.compile(r"^(?:export\s+)?([A-Za-z_][A-Za-z0-9_]*)=(.*)$")
@@ -139,10 +154,15 @@ class Migration:
     config: dict[str, Any]
     mapped: list[str] = field(default_factory=list)
     unmapped: list[str] = field(default_factory=list)
+    notes: list[str] = field(default_factory=list)
+    import_root: Path | None = None
 
     def report(self) -> str:
-        lines = [f"mapped {len(self.mapped)} flag(s):", *(f"  {m}" for m in self.mapped)]
-        lines.append(f"NOT mapped {len(self.unmapped)} flag(s) (review these by hand):")
+        lines = [f"mapped {len(self.mapped)} item(s):", *(f"  {m}" for m in self.mapped)]
+        if self.notes:
+            lines.append("notes:")
+            lines += [f"  {n}" for n in self.notes]
+        lines.append(f"NOT mapped {len(self.unmapped)} item(s) (review these by hand):")
         lines += [f"  {u}" for u in self.unmapped] or ["  (none)"]
         return "\n".join(lines)
 
@@ -162,15 +182,40 @@ def _number(value: str | None, flag: str) -> float:
         raise ValueError(f"{flag} needs a number, got {value!r}") from None
 
 
-def migrate(launch: Launch) -> Migration:
-    """Map a launch onto a LightningCLI config; everything not mapped is listed with the reason."""
-    from lightning_mm import MMFSDP2Strategy
+def _defined_functions(script: Path) -> set[str] | None:
+    """Names of the top-level functions of an entry script (read, never imported); None if it cannot be read."""
+    try:
+        tree = ast.parse(script.read_text(), filename=str(script))
+    except (OSError, SyntaxError, ValueError):
+        return None
+    return {node.name for node in tree.body if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef))}
 
+
+def _module_path(script: Path, import_root: Path) -> str:
+    """The dotted import path of ``script`` seen from ``import_root`` (``examples.migration.pretrain_custom``)."""
+    relative = script.resolve().with_suffix("").relative_to(import_root.resolve())
+    return ".".join(relative.parts)
+
+
+def migrate(launch: Launch, base_dir: Path | None = None, import_root: Path | None = None,
+            keep_backend: bool = False) -> Migration:
+    """Map a launch onto a LightningCLI config; everything not mapped is listed with the reason.
+
+    Relative paths in the launch are taken from ``base_dir`` (the launch script's folder; default: the working
+    directory) and written as absolute paths, so that the config works wherever it is written. The entry script's
+    functions are named by their import path from ``import_root`` (default: the working directory when the script
+    lies below it, else the script's folder): LightningCLI resolves class paths from the directory it runs in.
+    ``--distributed-backend`` is left to the accelerator (nccl, hccl or gloo) unless ``keep_backend``.
+    """
     cfg: dict[str, Any] = {"trainer": {}, "model": {"class_path": "lightning_mm.MMLightningModule", "init_args": {}},
                            "data": {"class_path": "lightning_mm.MMDataModule", "init_args": {}}}
     out = Migration(cfg)
-    strategy_args = set(inspect.signature(MMFSDP2Strategy.__init__).parameters)
+    strategy_args = STRATEGY_ARGS
     values: dict[str, Any] = {}
+    base = Path.cwd() if base_dir is None else Path(base_dir)
+
+    def path_of(value: str | None) -> Path:
+        return (base / (value or "")).resolve()
 
     world = None
     nproc = launch.launcher.get("nproc_per_node")
@@ -186,12 +231,31 @@ def migrate(launch: Launch) -> Migration:
         if key not in ("nproc_per_node", "nnodes"):
             out.unmapped.append(f"torchrun --{key}: set by the launcher / cluster environment, not in the YAML")
 
+    functions: set[str] = set()
+    module = ""
     if launch.script:
-        module = Path(launch.script).stem
-        for fn in ("model_provider", "forward_step"):
-            _set(cfg, f"model.init_args.{fn}", f"{module}.{fn}")
-        out.mapped.append(f"{launch.script} -> model.init_args.model_provider / forward_step = {module}.<function> "
-                          "(remove Megatron globals such as get_args() from them)")
+        script = path_of(launch.script)
+        defined = _defined_functions(script)
+        if import_root is None:
+            import_root = Path.cwd() if script.is_relative_to(Path.cwd().resolve()) else script.parent
+        out.import_root = Path(import_root).resolve()
+        module = _module_path(script, out.import_root) if script.is_relative_to(out.import_root) else script.stem
+        if defined is None:
+            out.unmapped.append(f"{launch.script}: entry script not found or not Python ({script}); add "
+                                "model.init_args.model_provider / forward_step by hand")
+        else:
+            functions = defined & set(SEED_FUNCTIONS)
+            if "forward_step" in functions:  # forward_step calls get_batch and returns loss_func itself
+                functions -= {"get_batch", "loss_func"}
+            for fn in sorted(functions, key=list(SEED_FUNCTIONS).index):
+                _set(cfg, SEED_FUNCTIONS[fn], f"{module}.{fn}")
+                out.mapped.append(f"{launch.script}: {fn} -> {SEED_FUNCTIONS[fn]} = {module}.{fn}")
+            if functions:
+                out.notes.append(f"the entry script's functions are imported as `{module}`: run lightning-mm from "
+                                 f"{out.import_root} (remove Megatron globals such as get_args() from them)")
+            missing = {"model_provider"} - functions
+            for fn in sorted(missing):
+                out.unmapped.append(f"{launch.script}: defines no `{fn}`; set {SEED_FUNCTIONS[fn]} by hand")
 
     def strategy(key: str, value: Any, flag: str) -> None:
         if key not in strategy_args:
@@ -207,8 +271,10 @@ def migrate(launch: Launch) -> Migration:
                 cfg["trainer"].setdefault("strategy", {"class_path": "lightning_mm.MMFSDP2Strategy", "init_args": {}})
                 out.mapped.append(f"{shown} -> trainer.strategy: lightning_mm.MMFSDP2Strategy")
             elif flag == "--fsdp2-config-path":
-                strategy("fsdp2_config", value, shown)
-                out.mapped.append(f"{shown} -> trainer.strategy.init_args.fsdp2_config")
+                strategy("fsdp2_config", str(path_of(value)), shown)
+                out.mapped.append(f"{shown} -> trainer.strategy.init_args.fsdp2_config ({path_of(value)})")
+                if not path_of(value).is_file():
+                    out.unmapped.append(f"{shown}: {path_of(value)} does not exist; write it before training")
             elif flag == "--ckpt-format":
                 if value not in ("torch_dcp", "torch"):
                     out.unmapped.append(f"{shown}: only torch_dcp and torch are supported")
@@ -218,8 +284,12 @@ def migrate(launch: Launch) -> Migration:
                 else:
                     out.unmapped.append(f"{shown}: this version writes torch_dcp checkpoints only")
             elif flag == "--distributed-backend":
-                strategy("process_group_backend", value, shown)
-                out.mapped.append(f"{shown} -> trainer.strategy.init_args.process_group_backend")
+                if keep_backend:
+                    strategy("process_group_backend", value, shown)
+                    out.mapped.append(f"{shown} -> trainer.strategy.init_args.process_group_backend (--keep-backend)")
+                else:
+                    out.notes.append(f"{shown}: left out; the backend follows the accelerator (nccl on CUDA, hccl on "
+                                     "Ascend, gloo on CPU). `migrate --keep-backend` keeps it")
             elif flag == "--micro-batch-size":
                 values["mbs"] = int(_number(value, flag))
                 _set(cfg, "data.init_args.batch_size", values["mbs"])
@@ -283,9 +353,7 @@ def migrate(launch: Launch) -> Migration:
                 values["load"] = value
                 out.mapped.append(f"{shown} -> ckpt_path: last (resumes from the ModelCheckpoint directory)")
             elif flag == "--mm-data":
-                _set(cfg, "data.init_args.data_config", value)
-                out.mapped.append(f"{shown} -> data.init_args.data_config (check it against lightning-mm's data "
-                                  "config format, docs/migration.md)")
+                values["mm_data"] = (shown, path_of(value))
             elif flag == "--mm-model":
                 out.unmapped.append(f"{shown}: MindSpeed's model.json has no direct equivalent; build the model in "
                                     "model_provider (or TransformersModel) from it")
@@ -316,21 +384,35 @@ def migrate(launch: Launch) -> Migration:
             out.unmapped.append(f"--global-batch-size {values['gbs']}: cannot derive accumulate_grad_batches "
                                 "(world size unknown or not a divisor); set trainer.accumulate_grad_batches")
     if "save" in values or "save_interval" in values:
-        checkpoint: dict[str, Any] = {"save_last": True}
+        # "link": last.ckpt points at the newest checkpoint instead of being a second full copy of it
+        checkpoint: dict[str, Any] = {"save_last": "link"}
         if values.get("save"):
-            checkpoint["dirpath"] = values["save"]
+            checkpoint["dirpath"] = str(path_of(values["save"]))
         if values.get("save_interval"):
             checkpoint["every_n_train_steps"] = values["save_interval"]
         cfg["trainer"]["callbacks"] = [
             {"class_path": "lightning.pytorch.callbacks.ModelCheckpoint", "init_args": checkpoint}
         ]
-        out.mapped.append("--save/--save-interval -> trainer.callbacks: ModelCheckpoint(dirpath, every_n_train_steps)")
-        if values.get("load") and values.get("save") and values["load"] != values["save"]:
+        out.mapped.append("--save/--save-interval -> trainer.callbacks: ModelCheckpoint(dirpath, every_n_train_steps, "
+                          "save_last: link)")
+        if values.get("load") and values.get("save") and path_of(values["load"]) != path_of(values["save"]):
             out.unmapped.append(f"--load {values['load']}: differs from --save; set ckpt_path to the checkpoint")
-    if not cfg["data"]["init_args"].get("data_config") and launch.script:
-        module = Path(launch.script).stem
-        _set(cfg, "data.init_args.train_valid_test_datasets_provider",
-             f"{module}.train_valid_test_datasets_provider")
+    if "mm_data" in values:
+        shown, data_path = values["mm_data"]
+        if "train_valid_test_datasets_provider" in functions:
+            out.unmapped.append(f"{shown}: read by the entry script's train_valid_test_datasets_provider, which is "
+                                "used instead; pass the file to it, or turn it into a lightning-mm data config "
+                                "(docs/migration.md)")
+        elif data_path.is_file():
+            _set(cfg, "data.init_args.data_config", str(data_path))
+            out.mapped.append(f"{shown} -> data.init_args.data_config ({data_path}; check it against lightning-mm's "
+                              "data config format, docs/migration.md)")
+        else:
+            out.unmapped.append(f"{shown}: {data_path} does not exist and the entry script defines no "
+                                "train_valid_test_datasets_provider; set data.init_args by hand")
+    elif launch.script and "train_valid_test_datasets_provider" not in functions:
+        out.unmapped.append("no --mm-data and no train_valid_test_datasets_provider in the entry script; "
+                            "set data.init_args by hand")
     for name in launch.env:
         if name in ("CUDA_DEVICE_MAX_CONNECTIONS",):
             out.unmapped.append(f"{name}: Megatron tuning variable, not needed by FSDP2")
@@ -341,6 +423,14 @@ def main(argv: Sequence[str]) -> int:
     parser = argparse.ArgumentParser(prog="lightning-mm migrate", description=__doc__.splitlines()[0])
     parser.add_argument("script", nargs="?", help="a MindSpeed MM / Megatron launch script (.sh)")
     parser.add_argument("-o", "--output", help="write the YAML here (default: standard output)")
+    parser.add_argument("--base-dir", default=None,
+                        help="directory the launch's relative paths start from (default: the script's folder; with "
+                             "a flag list, the working directory)")
+    parser.add_argument("--import-root", default=None,
+                        help="directory lightning-mm will run from, where the entry script's import path starts "
+                             "(default: the working directory if the script lies below it, else the script's folder)")
+    parser.add_argument("--keep-backend", action="store_true",
+                        help="keep --distributed-backend instead of letting the accelerator choose it")
     parser.epilog = "Training flags may be given instead of a script, after `--`."
     argv = list(argv)
     flags: list[str] = []
@@ -354,11 +444,20 @@ def main(argv: Sequence[str]) -> int:
         path = Path(args.script)
         if not path.is_file():
             parser.error(f"launch script not found: {path}")
+        if path.suffix == ".py":
+            parser.error(f"{path} is the entry script; give the shell script that launches it (torchrun ... "
+                         f"{path.name} ...), or its training flags after `--`")
         launch = parse_script(path.read_text())
+        base_dir = Path(args.base_dir) if args.base_dir else path.resolve().parent
     else:
         launch = parse_args(flags)
-    result = migrate(launch)
+        base_dir = Path(args.base_dir) if args.base_dir else None
+    import_root = Path(args.import_root) if args.import_root else None
+    result = migrate(launch, base_dir=base_dir, import_root=import_root, keep_backend=args.keep_backend)
     header = f"# Generated by `lightning-mm migrate` from {args.script or 'a flag list'}. Review the report.\n"
+    if result.import_root is not None:
+        header += (f"# Run from {result.import_root}: lightning-mm fit --config "
+                   f"{Path(args.output).resolve() if args.output else 'THIS_FILE'}\n")
     text = header + yaml.safe_dump(result.config, sort_keys=False)
     if args.output:
         Path(args.output).write_text(text)

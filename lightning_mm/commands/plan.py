@@ -2,7 +2,10 @@
 
 The model of a LightningCLI config is built with its parameters on the meta device (no weights are allocated),
 the FSDP2 config is resolved against it exactly as the strategy does at setup, and the plan is printed with the
-per-rank bytes of parameters, gradients and optimiser state.
+per-rank bytes of parameters, gradients and optimiser state. No Trainer is built: the config's accelerator and
+devices need not exist here (plan a 64-NPU run on a laptop with ``--world-size 64``), and nothing is checked
+against the config's own device count when ``--world-size`` is given. The data module is left alone unless
+``--trace-order`` asks for the units' execution order (it then sets the data module up and takes one batch).
 """
 
 from __future__ import annotations
@@ -12,46 +15,94 @@ import sys
 from collections.abc import Sequence
 from typing import Any
 
-__all__ = ["main", "plan_from_cli_config"]
+from lightning_mm.errors import ConfigError
+
+__all__ = ["main", "plan_from_cli_config", "world_size_of"]
+
+# Lightning's short precision names and their full ones (what the strategy's precision resolution expects).
+_PRECISION_ALIASES = {"32": "32-true", "64": "64-true", "16": "16-mixed", "bf16": "bf16-mixed", "None": "32-true"}
 
 
-def plan_from_cli_config(cli_args: Sequence[str], world_size: int | None = None, optimizer_states: int = 2) -> str:
-    """Build the plan for a LightningCLI argument list (``["--config", "cfg.yaml", ...]``) and describe it."""
+def world_size_of(devices: Any, num_nodes: Any) -> int:
+    """The world size a Trainer would get from ``devices`` x ``num_nodes`` when that is fixed by the config."""
+    count: int | None = None
+    if isinstance(devices, int) and devices > 0:
+        count = devices
+    elif isinstance(devices, (list, tuple)) and devices:
+        count = len(devices)
+    elif isinstance(devices, str) and devices.strip().isdigit() and int(devices) > 0:
+        count = int(devices)
+    elif isinstance(devices, str) and "," in devices:
+        count = len([d for d in devices.split(",") if d.strip()])
+    if count is None:
+        raise ConfigError(f"trainer.devices is {devices!r}, which depends on the machine; give --world-size N")
+    nodes = int(num_nodes or 1)
+    return count * nodes
+
+
+def _load_cli(cli_args: Sequence[str]) -> Any:
+    """The LightningCLI of a config with model, data and strategy instantiated, and no Trainer."""
     from lightning.pytorch.cli import LightningCLI
 
-    from lightning_mm import MMDataModule, MMFSDP2Strategy, MMLightningModule
+    import lightning_mm
+
+    lightning_mm.register()
+    from lightning_mm import MMDataModule, MMLightningModule
+
+    class _PlanCLI(LightningCLI):
+        def instantiate_trainer(self, **kwargs: Any) -> Any:
+            return None  # a Trainer would resolve accelerator and devices on this machine
+
+    saved_argv = sys.argv
+    sys.argv = [saved_argv[0]]  # LightningCLI warns when it sees both `args` and command-line arguments
+    try:
+        return _PlanCLI(
+            MMLightningModule, MMDataModule, subclass_mode_model=True, subclass_mode_data=True, run=False,
+            args=list(cli_args), save_config_callback=None,
+        )
+    finally:
+        sys.argv = saved_argv
+
+
+def plan_from_cli_config(cli_args: Sequence[str], world_size: int | None = None, optimizer_states: int = 2,
+                         trace_order: bool = False) -> str:
+    """Build the plan for a LightningCLI argument list (``["--config", "cfg.yaml", ...]``) and describe it."""
+    from lightning_mm import MMFSDP2Strategy, MMLightningModule
     from lightning_mm.strategies.config import FSDP2Config
     from lightning_mm.strategies.init_context import meta_parameters
     from lightning_mm.strategies.memory import per_rank_memory
     from lightning_mm.strategies.plan import build_plan
     from lightning_mm.strategies.precision import resolve_mixed_precision
 
-    saved_argv = sys.argv
-    sys.argv = [saved_argv[0]]  # LightningCLI warns when it sees both `args` and command-line arguments
-    try:
-        cli = LightningCLI(
-            MMLightningModule, MMDataModule, subclass_mode_model=True, subclass_mode_data=True, run=False,
-            args=list(cli_args), save_config_callback=None,
-        )
-    finally:
-        sys.argv = saved_argv
-    trainer, module = cli.trainer, cli.model
-    strategy = trainer.strategy
-    if not isinstance(strategy, MMFSDP2Strategy):
-        raise SystemExit(f"the config's strategy is {type(strategy).__name__}, not MMFSDP2Strategy (mm_fsdp2)")
+    cli = _load_cli(cli_args)
+    trainer_config = cli.config_init["trainer"]
+    strategy = trainer_config.get("strategy")
+    module = cli.model
+    if isinstance(strategy, MMFSDP2Strategy):
+        given = strategy._given_config
+    elif strategy == MMFSDP2Strategy.strategy_name:
+        given = None
+    else:
+        shown = type(strategy).__name__ if not isinstance(strategy, str) else repr(strategy)
+        raise ConfigError(f"trainer.strategy is {shown}, not MMFSDP2Strategy (mm_fsdp2): nothing to plan")
+    world = world_size or world_size_of(trainer_config.get("devices"), trainer_config.get("num_nodes"))
     with meta_parameters():
         module.configure_model()
     target = module.model if isinstance(module, MMLightningModule) else module
-    config = FSDP2Config.load(strategy._given_config) if strategy._given_config is not None else None
+    config = given
     if config is None:
-        given = getattr(module, "fsdp2_config", None)
-        config = FSDP2Config.load(given) if given is not None else FSDP2Config(sharding_size="auto")
+        from_module = getattr(module, "fsdp2_config", None)
+        config = FSDP2Config.load(from_module) if from_module is not None else FSDP2Config(sharding_size="auto")
     config = config.with_model_defaults(target)
-    world = world_size or trainer.num_nodes * trainer.num_devices
-    precision = resolve_mixed_precision(config, str(trainer.precision_plugin.precision))
+    precision_name = str(trainer_config.get("precision"))
+    precision = resolve_mixed_precision(config, _PRECISION_ALIASES.get(precision_name, precision_name))
     plan = build_plan(config, target, world, precision)
     memory = per_rank_memory(target, plan, optimizer_states)
-    order = _execution_order(module, target, plan, cli.datamodule)
+    if trace_order:
+        order = _execution_order(module, target, plan, cli.datamodule)
+    else:
+        order = ("  prefetch order: decided at the first training step (--trace-order shows it from one batch on the "
+                 "meta device; it sets up the data module)")
     return plan.describe() + "\n" + order + "\n" + memory.describe()
 
 
@@ -90,12 +141,14 @@ def main(argv: Sequence[str]) -> int:
                         help="number of ranks to plan for (default: the config's num_nodes x devices)")
     parser.add_argument("--optimizer-states", type=int, default=2,
                         help="optimiser tensors per parameter (2 for Adam/AdamW)")
+    parser.add_argument("--trace-order", action="store_true",
+                        help="also show the units' execution order from one batch (sets up the data module)")
     args, rest = parser.parse_known_args(list(argv))
     if not rest:
         parser.error("give the LightningCLI config, e.g. --config cfg.yaml")
     if args.world_size is not None and args.world_size < 1:
         parser.error("--world-size must be positive")
-    print(plan_from_cli_config(rest, args.world_size, args.optimizer_states))
+    print(plan_from_cli_config(rest, args.world_size, args.optimizer_states, args.trace_order))
     return 0
 
 

@@ -10,6 +10,7 @@ import contextlib
 import functools
 import logging
 import math
+import warnings
 from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 
@@ -311,6 +312,9 @@ def materialize_and_init(
     return meta
 
 
+_CPU_MESH_RNG_WARNING = "DTensor random operators may not have complete support"
+
+
 @contextlib.contextmanager
 def shard_distinct_rng(mesh: DeviceMesh) -> Iterator[None]:
     """Random init that differs between shards and agrees between replicas, on meshes DTensor cannot seed.
@@ -320,14 +324,18 @@ def shard_distinct_rng(mesh: DeviceMesh) -> Iterator[None]:
     duration of the init, with rank 0's seed plus this rank's coordinate on the shard dimension (the same on HSDP
     replicas). The previous RNG state is restored afterwards.
     """
-    if is_rng_supported_mesh(mesh):
+    with warnings.catch_warnings():  # torch warns about CPU meshes: the case this function handles
+        warnings.filterwarnings("ignore", message=_CPU_MESH_RNG_WARNING)
+        supported = is_rng_supported_mesh(mesh)
+    if supported:
         yield
         return
     base = torch.tensor([torch.initial_seed() % (2**62)], dtype=torch.long)
     if dist.is_initialized():
         dist.broadcast(base, src=0)
     shard = mesh.get_local_rank("shard") if "shard" in (mesh.mesh_dim_names or ()) else mesh.get_local_rank()
-    with torch.random.fork_rng(devices=[]):
+    with torch.random.fork_rng(devices=[]), warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=_CPU_MESH_RNG_WARNING)  # DTensor's init ops repeat it
         torch.manual_seed(int(base.item()) + 7919 * shard)
         yield
 

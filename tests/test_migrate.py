@@ -1,0 +1,60 @@
+"""`lightning-mm migrate` output trains as written: the example launch, migrated into another folder, then fit."""
+
+import inspect
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import yaml
+
+from lightning_mm.commands.migrate import STRATEGY_ARGS, migrate, parse_args
+
+ROOT = Path(__file__).resolve().parents[1]
+EXAMPLE = ROOT / "examples" / "migration"
+
+
+def cli(args, cwd):
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
+    env.pop("LOCAL_RANK", None)
+    return subprocess.run([sys.executable, "-m", "lightning_mm.cli", *args], cwd=cwd, env=env, capture_output=True,
+                          text=True, timeout=600)
+
+
+def test_migrated_example_trains_without_edits(tmp_path):
+    project = tmp_path / "project"
+    project.mkdir()
+    for name in ("pretrain_custom.sh", "pretrain_custom.py", "fsdp2_config.yaml"):
+        shutil.copy(EXAMPLE / name, project / name)
+    out = tmp_path / "elsewhere" / "config.yaml"
+    out.parent.mkdir()
+    # Migrated from the repository root (not the script's folder), written to a third folder.
+    proc = cli(["migrate", str(project / "pretrain_custom.sh"), "-o", str(out)], cwd=ROOT)
+    assert proc.returncode == 0, proc.stderr
+    config = yaml.safe_load(out.read_text())
+    assert config["trainer"]["strategy"]["init_args"]["fsdp2_config"] == str(project / "fsdp2_config.yaml")
+    assert "process_group_backend" not in config["trainer"]["strategy"]["init_args"]
+    assert config["data"]["init_args"]["train_valid_test_datasets_provider"] == \
+        "pretrain_custom.train_valid_test_datasets_provider"
+    assert f"# Run from {project}:" in out.read_text()
+    # Train from it as written (two steps instead of 100: a command-line override, not an edit).
+    proc = cli(["fit", "--config", str(out), "--trainer.max_steps", "2", "--trainer.enable_progress_bar", "false"],
+               cwd=project)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    assert "`max_steps=2` reached" in proc.stderr + proc.stdout
+    for noise in ("view tensor", "DTensor random operators", "model summary", "Tip:"):
+        assert noise not in proc.stderr, noise
+
+
+def test_backend_is_kept_only_on_request():
+    launch = parse_args(["--use-torch-fsdp2", "--distributed-backend", "hccl"])
+    assert "process_group_backend" not in migrate(launch).config["trainer"]["strategy"]["init_args"]
+    kept = migrate(launch, keep_backend=True).config["trainer"]["strategy"]["init_args"]
+    assert kept["process_group_backend"] == "hccl"
+
+
+def test_strategy_argument_list_matches_the_class():
+    from lightning_mm import MMFSDP2Strategy
+
+    assert set(inspect.signature(MMFSDP2Strategy.__init__).parameters) - {"self"} == STRATEGY_ARGS
