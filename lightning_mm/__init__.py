@@ -4,7 +4,8 @@
 ``strategy="single_npu"`` and ``accelerator="npu"`` with Lightning's registries (nothing else in Lightning or torch
 changes; torch_npu is not imported). The one exception is the ``lightning-mm`` command itself: there the package
 starts empty (the names below are still importable, on first use), so that commands that do not train
-(``--help``, ``migrate``, ``convert``, ``env``) never import Lightning or Transformers; the training commands call :func:`register`.
+(``--help``, ``migrate``, ``convert``, ``env``) never import Lightning or Transformers;
+the training commands call :func:`register`.
 """
 
 from __future__ import annotations
