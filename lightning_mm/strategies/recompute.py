@@ -13,8 +13,10 @@ every tensor the module reads must reach the checkpoint as an input:
   replay would update them twice. Such a module cannot be recomputed; :func:`check_recomputable` says so before
   any work starts.
 * The reentrant implementation passes only positional arguments through autograd: a tensor handed over as a
-  keyword argument would be a constant of the replay, cut off from the graph. Tensor keyword arguments (and
-  tuples or lists of tensors) are therefore passed positionally and put back in place inside the checkpoint.
+  keyword argument would be a constant of the replay, and the replay's backward would run on into the graph
+  that produced it, which the outer backward then reaches a second time (an error, or gradients counted twice).
+  Tensor keyword arguments (and tuples or lists of tensors) are therefore passed positionally and put back in
+  place inside the checkpoint.
   When no input needs a gradient (frozen embeddings before recomputed layers) the reentrant implementation would
   give the module's own parameters none; a zero-size input that requires a gradient is added then. And it
   passes gradients only to tensors returned directly: the tensors of a structured output (a tuple of tuples, a
