@@ -121,9 +121,10 @@ def _reentrant(forward: Callable[..., Any], args: tuple, kwargs: dict[str, Any])
         else:
             flat.extend(value)
             layout.append((key, type(value), len(value)))
-    if not any(isinstance(t, torch.Tensor) and t.requires_grad for t in flat):
+    if not any(isinstance(t, torch.Tensor) and t.requires_grad for t in flat) and _has_trainable(forward):
         # Otherwise the checkpoint's output needs no gradient and the module's parameters would get none.
-        flat.append(torch.empty(0, requires_grad=True))
+        device = next((t.device for t in flat if isinstance(t, torch.Tensor)), None)
+        flat.append(torch.empty(0, device=device, requires_grad=True))
     n_args = len(args)
     first_output: list[Any] = []
 
@@ -142,6 +143,11 @@ def _reentrant(forward: Callable[..., Any], args: tuple, kwargs: dict[str, Any])
 
     tensors = checkpoint(run, *flat, use_reentrant=True)
     return _with_tensors(first_output.pop(), iter(tensors))
+
+
+def _has_trainable(forward: Callable[..., Any]) -> bool:
+    owner = getattr(forward, "__self__", None)
+    return not isinstance(owner, nn.Module) or any(p.requires_grad for p in owner.parameters())
 
 
 def _tensors_in(value: Any) -> list[torch.Tensor]:
