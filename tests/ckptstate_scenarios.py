@@ -39,6 +39,9 @@ class Llava(L.LightningModule):
     def training_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> torch.Tensor:
         return self.model(**model_inputs(batch)).loss
 
+    def test_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> None:
+        self.log("test_loss", self.model(**model_inputs(batch)).loss, sync_dist=True)
+
     def configure_optimizers(self) -> torch.optim.Optimizer:
         return torch.optim.AdamW(self.parameters(), lr=1e-2, weight_decay=0.1)
 
@@ -103,6 +106,14 @@ class SaveAt(L.Callback):
             trainer.save_checkpoint(path)
 
 
+def evaluate(work: Path, ckpt_path: Path) -> float:
+    """``trainer.test`` of a fresh module (one unit per layer) from ``ckpt_path``: the loss."""
+    trainer = L.Trainer(accelerator="cpu", devices=2, strategy=MMFSDP2Strategy(LAYERS, empty_init=False), logger=False,
+                        enable_progress_bar=False, enable_model_summary=False, default_root_dir=work)
+    trainer.test(Llava(), dataloaders=data(), ckpt_path=str(ckpt_path), verbose=False)
+    return float(trainer.callback_metrics["test_loss"])
+
+
 def fit(work: Path, name: str, strategy: Any, max_steps: int, devices: int = 2, ckpt_path: str | None = None,
         save_at_3: dict[str, Path] | None = None, batch_size: int = 2,
         **trainer_kwargs: Any) -> tuple[L.Trainer, list[float]]:
@@ -163,6 +174,11 @@ def scenario_two(work: Path) -> None:
     # optimiser state (the vision tower's unused last layer).
     _, out["from_mm"] = fit(work, "from_mm", mm(LAYERS), STEPS, ckpt_path=str(work / "mm.ckpt"))
     _, out["from_mm_torch"] = fit(work, "from_mm_torch", mm(LAYERS), STEPS, ckpt_path=str(work / "mm.pt"))
+    # trainer.test from a checkpoint, as evaluation scripts write it: inside a user's inference mode too (the model
+    # is built, sharded and run there), giving the loss it gives outside.
+    out["test_loss"] = evaluate(work, work / "mm.ckpt")
+    with torch.inference_mode():
+        out["test_loss_inference_mode"] = evaluate(work, work / "mm.ckpt")
     dump(work, "two", t.global_rank, out)
 
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import inspect
 import json
+import math
 import os
 import stat
 import subprocess
@@ -175,6 +176,14 @@ def test_checkpoint_entry_points_work_inside_inference_mode(work):
     full = torch.load(work / "inference.pt", weights_only=True)
     for key, value in end["model"].items():
         assert torch.equal(full["state_dict"][key], value), key
+
+
+def test_trainer_test_from_a_checkpoint_inside_inference_mode(work):
+    """Lightning's own tests run ``trainer.test(ckpt_path=...)`` inside ``torch.inference_mode()``: the model is
+    built, sharded and evaluated there and gives the loss it gives outside it."""
+    out = _json(work, "two")
+    assert math.isfinite(out["test_loss"])
+    assert out["test_loss_inference_mode"] == out["test_loss"]
 
 
 # ----------------------------------------------------------------------------------- signatures

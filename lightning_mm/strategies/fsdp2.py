@@ -42,6 +42,7 @@ from lightning_mm.strategies import apply, checkpoint, stopping
 from lightning_mm.strategies import checkpoint as ckpt  # where a Lightning parameter is named `checkpoint`
 from lightning_mm.strategies.backend import process_group_backend
 from lightning_mm.strategies.config import FSDP2Config
+from lightning_mm.strategies.grad_mode import leave_inference_mode, outside_inference_mode
 from lightning_mm.strategies.init_context import meta_parameters
 from lightning_mm.strategies.optimizer import use_fused_steps
 from lightning_mm.strategies.plan import ShardingPlan, build_plan
@@ -353,9 +354,13 @@ class MMFSDP2Strategy(ParallelStrategy):
     @contextmanager
     @override
     def tensor_init_context(self, empty_init: bool | None = None) -> Generator[None, None, None]:
-        """Parameters created here go to the meta device (buffers stay real) unless ``empty_init=False``."""
+        """Parameters created here go to the meta device (buffers stay real) unless ``empty_init=False``.
+
+        Inside a caller's ``torch.inference_mode`` the model is still built with ordinary tensors (under
+        ``no_grad``): FSDP2 cannot shard inference tensors.
+        """
         meta = self._empty_init if empty_init is None else empty_init
-        with self.precision_plugin.tensor_init_context():
+        with leave_inference_mode(), self.precision_plugin.tensor_init_context():
             if meta:
                 with meta_parameters():
                     yield
@@ -375,7 +380,9 @@ class MMFSDP2Strategy(ParallelStrategy):
         return lm
 
     @override
+    @outside_inference_mode
     def setup(self, trainer: pl.Trainer) -> None:
+        """Shard the model (and set up optimisers when fitting); outside a caller's ``torch.inference_mode``."""
         assert self.model is not None
         assert self.accelerator is not None
         self.accelerator.setup(trainer)
@@ -472,19 +479,21 @@ class MMFSDP2Strategy(ParallelStrategy):
         with self.precision_plugin.train_step_context():
             return self._through_root("training_step", *args, **kwargs)
 
+    # Evaluation steps leave a caller's inference mode (FSDP2 cannot gather into inference tensors) for no_grad, as
+    # Lightning's loops choose no_grad for its FSDP strategy.
     @override
     def validation_step(self, *args: Any, **kwargs: Any) -> Any:
-        with self.precision_plugin.val_step_context():
+        with leave_inference_mode(), self.precision_plugin.val_step_context():
             return self._through_root("validation_step", *args, **kwargs)
 
     @override
     def test_step(self, *args: Any, **kwargs: Any) -> Any:
-        with self.precision_plugin.test_step_context():
+        with leave_inference_mode(), self.precision_plugin.test_step_context():
             return self._through_root("test_step", *args, **kwargs)
 
     @override
     def predict_step(self, *args: Any, **kwargs: Any) -> Any:
-        with self.precision_plugin.predict_step_context():
+        with leave_inference_mode(), self.precision_plugin.predict_step_context():
             return self._through_root("predict_step", *args, **kwargs)
 
     @contextmanager

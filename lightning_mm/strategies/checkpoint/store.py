@@ -15,13 +15,12 @@ from __future__ import annotations
 
 import contextlib
 import copy
-import functools
 import os
 import warnings
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -67,6 +66,7 @@ from lightning_mm.strategies.checkpoint.safe import (
     load_weights_only,
     read_dcp_metadata,
 )
+from lightning_mm.strategies.grad_mode import outside_inference_mode
 from lightning_mm.strategies.optimizer import IMPLEMENTATION_KEYS
 
 __all__ = [
@@ -124,24 +124,6 @@ def _agree(error: str | None) -> None:
 
 
 # ------------------------------------------------------------------------------------- state dicts
-_F = TypeVar("_F", bound=Callable[..., Any])
-
-
-def outside_inference_mode(fn: _F) -> _F:
-    """Run ``fn`` outside ``torch.inference_mode`` (under ``no_grad``) when called inside it.
-
-    DTensor state dicts can be neither taken nor loaded in inference mode ("Cannot set version_counter for
-    inference tensor"), so every checkpoint entry point leaves it for its work.
-    """
-
-    @functools.wraps(fn)
-    def wrapper(*args: Any, **kwargs: Any) -> Any:
-        if not torch.is_inference_mode_enabled():
-            return fn(*args, **kwargs)
-        with torch.inference_mode(False), torch.no_grad():
-            return fn(*args, **kwargs)
-
-    return wrapper  # type: ignore[return-value]
 
 
 def model_state(model: nn.Module, full: bool) -> dict[str, Any]:
