@@ -153,8 +153,6 @@ def test_resume_continues_exactly(resumed, ckpts):
     _resume_check(resumed, ckpts, "qwen3-resume")
 
 
-@pytest.mark.xfail(strict=True, reason="optimizer state for parameters without gradients: fixed on the checkpoint "
-                                       "branch")
 def test_resume_with_a_trainable_vision_tower_continues_exactly(resumed, ckpts):
     _resume_check(resumed, ckpts, "llava-trainable-tower-resume")
 
