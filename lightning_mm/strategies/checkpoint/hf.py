@@ -40,7 +40,13 @@ def hf_records(root: nn.Module) -> list[dict[str, Any]]:
         architecture = _architecture(module)
         config = json.loads(module.config.to_json_string(use_diff=False))
         config["architectures"] = [architecture]
-        records.append({"prefix": prefix, "architecture": architecture, "config": json.dumps(config)})
+        record = {"prefix": prefix, "architecture": architecture, "config": json.dumps(config)}
+        lora = getattr(module, "peft_config", None)  # LoRA adapters (lightning_mm.modules.lora): dcp-to-hf --merge-lora
+        if lora is not None:
+            from lightning_mm.modules.lora_export import lora_record
+
+            record["lora"] = lora_record(module)
+        records.append(record)
     return records
 
 
