@@ -1,0 +1,233 @@
+"""LoRA fine-tuning on 2 CPU ranks (gloo) against a one-process PEFT reference.
+
+    python tests/lora_scenarios.py all OUTDIR CKPTDIR
+
+``CKPTDIR`` holds tiny Qwen3 and Qwen2.5-VL checkpoints written by the pytest side
+(:func:`tests.hf_scenarios.save_tiny_checkpoints`). Each run trains with ``Trainer(accelerator="cpu", devices=2)``
+and ``MMFSDP2Strategy``; every rank also trains the reference (Transformers + PEFT's ``get_peft_model`` after
+``torch.manual_seed(0)``, the same AdamW, the same global batches: the mean of the two ranks' losses) and writes
+what it observed to ``OUTDIR/<name>.rank{R}.json``. Nothing is mocked.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+from typing import Any
+
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+if str(ROOT) not in sys.path:
+    sys.path.insert(0, str(ROOT))
+
+from tests.hf_scenarios import FAMILIES, FamilyData, model_inputs  # noqa: E402
+
+LR = 5e-2
+STEPS = 4
+BATCH = 2  # per rank
+# family -> (lora setting without target_modules' values resolved, extra TransformersModel keys, FSDP2 YAML)
+SETTINGS: dict[str, dict[str, Any]] = {
+    "qwen3": dict(
+        lora={"rank": 4, "alpha": 8, "target_modules": ["model.layers.{*}.self_attn.q_proj",
+                                                        "model.layers.{*}.self_attn.v_proj", "model.layers.{1}.mlp"]},
+        extra={},
+        fsdp2={"sharding_size": "auto", "recompute_modules": ["model.layers.{*}"], "use_reentrant": False},
+    ),
+    "qwen2_5_vl": dict(
+        lora={"rank": 4, "alpha": 16, "target_modules": ["model.language_model.layers.{*}.self_attn"]},
+        extra={"freeze": ["model.visual"]},
+        fsdp2={"sharding_size": "auto"},
+    ),
+}
+
+
+def _dump(name: str, outdir: str, rank: int, data: dict[str, Any]) -> None:
+    Path(outdir, f"{name}.rank{rank}.json").write_text(json.dumps(data, indent=1))
+
+
+def _full(t: torch.Tensor) -> torch.Tensor:
+    from torch.distributed.tensor import DTensor
+
+    return (t.full_tensor() if isinstance(t, DTensor) else t).detach()
+
+
+def _batch(family: str, indices: list[int]) -> dict[str, torch.Tensor]:
+    data = FamilyData(family, n=16)
+    return model_inputs(torch.utils.data.default_collate([data[i] for i in indices]))
+
+
+def _index_of(family: str, ids: torch.Tensor) -> int:
+    """Which sample of the data set a row of token ids is (the reference trains on the same global batches)."""
+    data = FamilyData(family, n=16)
+    return next(i for i in range(len(data)) if torch.equal(data[i]["input_ids"], ids))
+
+
+def _reference(family: str, ckpt: Path, targets: list[str], setting: dict[str, Any],
+               indices: list[list[list[int]]]) -> tuple[Any, dict, list]:
+    """The one-process PEFT reference: its initial adapters and its per-step, per-rank losses."""
+    import transformers
+    from peft import LoraConfig, get_peft_model
+
+    model = getattr(transformers, FAMILIES[family][0]).from_pretrained(str(ckpt), dtype=torch.float32)
+    lora = setting["lora"]
+    torch.manual_seed(0)
+    model = get_peft_model(model, LoraConfig(r=lora["rank"], lora_alpha=lora["alpha"], target_modules=targets))
+    initial = {n.removeprefix("base_model.model."): p.detach().clone()
+               for n, p in model.named_parameters() if p.requires_grad}
+    params = [p for p in model.parameters() if p.requires_grad]
+    optimizer = torch.optim.AdamW(params, lr=LR, weight_decay=0.0, betas=(0.9, 0.999))
+    losses = []
+    for step in range(STEPS):
+        per_rank = [model(**_batch(family, indices[r][step])).loss for r in range(2)]
+        optimizer.zero_grad()
+        ((per_rank[0] + per_rank[1]) / 2).backward()
+        optimizer.step()
+        losses.append([float(x) for x in per_rank])
+    return model.eval(), initial, losses
+
+
+def _run(family: str, ckpt: Path, work: Path, ckpt_path: str | None = None, save: bool = False) -> tuple[Any, ...]:
+    import lightning as L
+    from lightning.pytorch.callbacks import ModelCheckpoint
+
+    from lightning_mm import MMFSDP2Strategy, MMLightningModule
+    from lightning_mm.modules import TransformersModel
+
+    setting = SETTINGS[family]
+    config = {"init_from_hf_path": str(ckpt), "lora": setting["lora"], **setting["extra"]}
+
+    class Module(MMLightningModule):
+        def model_provider(self) -> torch.nn.Module:
+            return TransformersModel(config)
+
+        def get_batch(self, batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+            return model_inputs(batch)
+
+    obs: dict[str, Any] = {"losses": [], "indices": []}
+
+    class Observe(L.Callback):
+        def on_fit_start(self, trainer: L.Trainer, pl_module: Any) -> None:
+            model = pl_module.model
+            obs["initial"] = {n: _full(p).clone() for n, p in model.named_parameters()}
+            obs["trainable"] = sorted(n for n, p in model.named_parameters() if p.requires_grad)
+            obs["plan"] = trainer.strategy.plan.describe()
+            obs["plan_ignored"] = list(trainer.strategy.plan.ignored)
+            optimizer = trainer.optimizers[0]
+            obs["optimizer_params"] = sum(p.numel() for g in optimizer.param_groups for p in g["params"])
+
+        def on_train_batch_start(self, trainer: L.Trainer, pl_module: Any, batch: Any, idx: int) -> None:
+            obs["indices"].append([_index_of(family, row) for row in batch["input_ids"]])
+
+        def on_train_batch_end(self, trainer: L.Trainer, pl_module: Any, outputs: Any, batch: Any, idx: int) -> None:
+            obs["losses"].append(float(outputs["loss"].detach()))
+
+    callbacks: list[Any] = [Observe()]
+    if save:
+        callbacks.append(ModelCheckpoint(dirpath=work / "ckpt", filename="{step}", every_n_train_steps=2,
+                                         save_top_k=-1))
+    module = Module(lr=LR)
+    trainer = L.Trainer(
+        accelerator="cpu", devices=2, max_steps=STEPS, logger=False, enable_checkpointing=save,
+        enable_progress_bar=False, enable_model_summary=False, num_sanity_val_steps=0,
+        strategy=MMFSDP2Strategy(setting["fsdp2"]), callbacks=callbacks,
+    )
+    loader = torch.utils.data.DataLoader(FamilyData(family, n=8), batch_size=BATCH)  # 2 steps an epoch: step 2 ends one
+    trainer.fit(module, train_dataloaders=loader, ckpt_path=ckpt_path)
+    optimizer = trainer.optimizers[0]
+    obs["optimizer_state"] = sum(
+        _full(v).numel() for state in optimizer.state.values() for v in state.values()
+        if isinstance(v, torch.Tensor) and v.ndim > 0
+    )
+    return module, trainer, obs
+
+
+def _family(family: str, ckptdir: str, outdir: str, resume: bool) -> None:
+    import transformers
+    from peft import PeftModel
+
+    from lightning_mm.modules.lora import lora_parameter_names
+    from lightning_mm.modules.lora_export import dcp_to_hf_merged, save_lora_adapters, save_merged_model
+
+    ckpt = Path(ckptdir) / family
+    work = Path(outdir) / family
+    module, trainer, obs = _run(family, ckpt, work, save=resume)
+    rank = trainer.global_rank
+    model = module.model
+    adapters = lora_parameter_names(model)
+    targets = sorted({n.split(".lora_")[0] for n in adapters})
+    import torch.distributed as dist
+
+    indices: list[Any] = [None, None]
+    dist.all_gather_object(indices, obs["indices"])  # each rank's batches, step by step
+    ref_model, ref_initial, ref_losses = _reference(family, ckpt, targets, SETTINGS[family], indices)
+
+    final = {n: _full(p) for n, p in model.named_parameters()}
+    ref_start = {n.removeprefix("base_model.model."): p for n, p in ref_model.named_parameters()}
+    result: dict[str, Any] = {
+        "losses": obs["losses"],
+        "ref_losses": [step[rank] for step in ref_losses],
+        "adapters": adapters,
+        "trainable": obs["trainable"],
+        "changed": sorted(n for n in final if not torch.equal(final[n], obs["initial"][n])),
+        "base_not_loaded": sorted(n for n in final if n not in adapters
+                                  and not torch.equal(obs["initial"][n], ref_start[n])),
+        "initial_not_peft": sorted(n for n in adapters if not torch.equal(obs["initial"][n], ref_initial[n])),
+        "plan": obs["plan"],
+        "plan_ignored": obs["plan_ignored"],
+        "optimizer_params": obs["optimizer_params"],
+        "optimizer_state": obs["optimizer_state"],
+        "adapter_numel": sum(final[n].numel() for n in adapters),
+    }
+    # The trained model against the trained reference, PEFT's loading of the exported adapters, and Transformers'
+    # loading of the merged export: logits on one fixed batch.
+    data = FamilyData(family, n=16)
+    raw = torch.utils.data.default_collate([data[0], data[1]])
+    batch = model_inputs(raw)
+    model.eval()
+    with torch.no_grad():  # through the FSDP root, as Lightning runs a step
+        logits = trainer.strategy.predict_step(raw, 0).logits
+        ref_logits = ref_model(**batch).logits
+    save_lora_adapters(model, work / "adapters", base_model_name_or_path=str(ckpt))
+    save_merged_model(model, work / "merged")
+    cls = getattr(transformers, FAMILIES[family][0])
+
+    def rel(a: torch.Tensor) -> float:
+        return float((a - logits).abs().max() / logits.abs().max())
+
+    result["ref_logits_rel"] = rel(ref_logits)
+    if rank == 0:
+        base = cls.from_pretrained(str(ckpt), dtype=torch.float32)
+        peft = PeftModel.from_pretrained(base, str(work / "adapters")).eval()
+        merged = cls.from_pretrained(str(work / "merged"), dtype=torch.float32).eval()
+        with torch.no_grad():
+            result["peft_logits_rel"] = rel(peft(**batch).logits)
+            result["merged_logits_rel"] = rel(merged(**batch).logits)
+            result["merged_has_lora_keys"] = any("lora" in n or "base_layer" in n for n in merged.state_dict())
+    if resume:
+        trainer.strategy.barrier()
+        if rank == 0:
+            converted = dcp_to_hf_merged(work / "ckpt" / "step=4.ckpt", work / "converted")
+            with torch.no_grad():
+                result["converted_logits_rel"] = rel(cls.from_pretrained(str(converted)).eval()(**batch).logits)
+        _, _, again = _run(family, ckpt, work / "again", ckpt_path=str(work / "ckpt" / "step=2.ckpt"))
+        result["resumed_losses"] = again["losses"]
+        result["resumed_indices"] = again["indices"]
+        result["indices"] = obs["indices"]
+    _dump(family, outdir, rank, result)
+
+
+def scenario_all(outdir: str, ckptdir: str) -> None:
+    """Qwen3 (recomputation, checkpoints, resume, convert) and Qwen2.5-VL (frozen vision tower) in one launch."""
+    _family("qwen3", ckptdir, outdir, resume=True)
+    _family("qwen2_5_vl", ckptdir, outdir, resume=False)
+
+
+if __name__ == "__main__":
+    torch.set_num_threads(1)
+    name, out, ckpts = sys.argv[1], sys.argv[2], sys.argv[3]
+    globals()[f"scenario_{name}"](out, ckpts)
+    from tests.scenario_exit import exit_cleanly
+
+    exit_cleanly()
