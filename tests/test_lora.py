@@ -41,7 +41,8 @@ def ranks(ckpts, tmp_path_factory):
     )
     if proc.returncode != 0:
         raise AssertionError(f"lora scenarios failed ({proc.returncode}):\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}")
-    return {f: [json.loads((out / f"{f}.rank{r}.json").read_text()) for r in range(2)] for f in ("qwen3", "qwen2_5_vl")}
+    families = ("qwen3", "qwen2_5_vl")
+    return {f: [json.loads((out / f"{f}.rank{r}.json").read_text()) for r in range(2)] for f in families}
 
 
 # ------------------------------------------------------------------------------------------ 2 ranks
