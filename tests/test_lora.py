@@ -40,7 +40,8 @@ def ranks(ckpts, tmp_path_factory):
         cwd=ROOT, env=_env(), capture_output=True, text=True, timeout=600,
     )
     if proc.returncode != 0:
-        raise AssertionError(f"lora scenarios failed ({proc.returncode}):\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}")
+        raise AssertionError(f"lora scenarios failed ({proc.returncode}):\n{proc.stdout[-3000:]}\n"
+                             f"{proc.stderr[-6000:]}")
     families = ("qwen3", "qwen2_5_vl")
     return {f: [json.loads((out / f"{f}.rank{r}.json").read_text()) for r in range(2)] for f in families}
 
