@@ -148,7 +148,7 @@ def _family(family: str, ckptdir: str, outdir: str, resume: bool) -> None:
     from peft import PeftModel
 
     from lightning_mm.modules.lora import lora_parameter_names
-    from lightning_mm.modules.lora_export import dcp_to_hf_merged, save_lora_adapters, save_merged_model
+    from lightning_mm.modules.lora_export import save_lora_adapters, save_merged_model
 
     ckpt = Path(ckptdir) / family
     work = Path(outdir) / family
@@ -208,7 +208,11 @@ def _family(family: str, ckptdir: str, outdir: str, resume: bool) -> None:
     if resume:
         trainer.strategy.barrier()
         if rank == 0:
-            converted = dcp_to_hf_merged(work / "ckpt" / "step=4.ckpt", work / "converted")
+            from lightning_mm.commands.convert import main as convert_main
+
+            assert convert_main(["dcp-to-hf", str(work / "ckpt" / "step=4.ckpt"), str(work / "converted"),
+                                 "--merge-lora"]) == 0
+            converted = work / "converted"
             with torch.no_grad():
                 result["converted_logits_rel"] = rel(cls.from_pretrained(str(converted)).eval()(**batch).logits)
         _, _, again = _run(family, ckpt, work / "again", ckpt_path=str(work / "ckpt" / "step=2.ckpt"))
