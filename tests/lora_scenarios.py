@@ -222,10 +222,118 @@ def _family(family: str, ckptdir: str, outdir: str, resume: bool) -> None:
     _dump(family, outdir, rank, result)
 
 
+# ----------------------------------------------------------------------------- a custom (non-HF) model
+class _CustomData(torch.utils.data.Dataset):
+    def __len__(self) -> int:
+        return 8
+
+    def __getitem__(self, i: int) -> dict[str, torch.Tensor]:
+        g = torch.Generator().manual_seed(500 + i)
+        return {"x": torch.randn(8, generator=g), "y": torch.randn(1, generator=g)}
+
+
+def _custom_model() -> torch.nn.Module:
+    from torch import nn
+
+    from lightning_mm.modules import FSDP2Mixin, WeightInitMixin
+
+    class Block(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.fc1, self.fc2 = nn.Linear(16, 32), nn.Linear(32, 16)
+
+        def forward(self, h: torch.Tensor) -> torch.Tensor:
+            return h + self.fc2(torch.tanh(self.fc1(h)))
+
+    class Custom(nn.Module, FSDP2Mixin, WeightInitMixin):
+        def __init__(self) -> None:
+            super().__init__()
+            self.embed, self.head = nn.Linear(8, 16), nn.Linear(16, 1)
+            self.blocks = nn.ModuleList([Block(), Block()])
+
+        def forward(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+            h = self.embed(x)
+            for block in self.blocks:
+                h = block(h)
+            return (self.head(h) - y).pow(2).mean()
+
+    return Custom()
+
+
+CUSTOM_LORA = {"rank": 2, "alpha": 4, "target_modules": ["blocks.{*}.fc1", "blocks.{1}"]}
+
+
+def _custom(outdir: str) -> None:
+    """A custom MMLightningModule model: ``apply_lora`` in ``model_provider``, built on the meta device."""
+    import lightning as L
+    import torch.distributed as dist
+    from peft import LoraConfig, inject_adapter_in_model
+
+    from lightning_mm import MMFSDP2Strategy, MMLightningModule
+    from lightning_mm.modules.lora import apply_lora, lora_parameter_names
+
+    class Module(MMLightningModule):
+        def model_provider(self) -> torch.nn.Module:
+            return apply_lora(_custom_model(), CUSTOM_LORA)
+
+    obs: dict[str, Any] = {"losses": [], "indices": []}
+    data = _CustomData()
+
+    class Observe(L.Callback):
+        def on_fit_start(self, trainer: L.Trainer, pl_module: Any) -> None:
+            obs["initial"] = {n: _full(p).clone() for n, p in pl_module.model.named_parameters()}
+
+        def on_train_batch_start(self, trainer: L.Trainer, pl_module: Any, batch: Any, idx: int) -> None:
+            obs["indices"].append([next(i for i in range(len(data)) if torch.equal(data[i]["x"], x))
+                                   for x in batch["x"]])
+
+        def on_train_batch_end(self, trainer: L.Trainer, pl_module: Any, outputs: Any, batch: Any, idx: int) -> None:
+            obs["losses"].append(float(outputs["loss"].detach()))
+
+    module = Module(lr=LR)
+    trainer = L.Trainer(
+        accelerator="cpu", devices=2, max_steps=STEPS, logger=False, enable_checkpointing=False,
+        enable_progress_bar=False, enable_model_summary=False, num_sanity_val_steps=0,
+        strategy=MMFSDP2Strategy({"sharding_size": "auto", "sub_modules_to_wrap": ["blocks.{*}"]}),
+        callbacks=[Observe()],
+    )
+    trainer.fit(module, train_dataloaders=torch.utils.data.DataLoader(data, batch_size=BATCH))
+    indices: list[Any] = [None, None]
+    dist.all_gather_object(indices, obs["indices"])
+    adapters = lora_parameter_names(module.model)
+    targets = sorted({n.split(".lora_")[0] for n in adapters})
+
+    reference = _custom_model()
+    torch.manual_seed(0)
+    inject_adapter_in_model(LoraConfig(r=2, lora_alpha=4, target_modules=targets), reference)
+    initial_peft = {n: p.detach().clone() for n, p in reference.named_parameters() if ".lora_" in n}
+    with torch.no_grad():  # the sharded model's random base weights, then PEFT's adapters
+        for n, p in reference.named_parameters():
+            p.copy_(initial_peft[n] if n in initial_peft else obs["initial"][n])
+            p.requires_grad_(n in initial_peft)
+    optimizer = torch.optim.AdamW([p for p in reference.parameters() if p.requires_grad], lr=LR, weight_decay=0.0)
+    ref_losses = []
+    for step in range(STEPS):
+        per_rank = [reference(**torch.utils.data.default_collate([data[i] for i in indices[r][step]]))
+                    for r in range(2)]
+        optimizer.zero_grad()
+        ((per_rank[0] + per_rank[1]) / 2).backward()
+        optimizer.step()
+        ref_losses.append(per_rank[trainer.global_rank].item())
+    final = {n: _full(p) for n, p in module.model.named_parameters()}
+    _dump("custom", outdir, trainer.global_rank, {
+        "losses": obs["losses"], "ref_losses": ref_losses, "adapters": adapters,
+        "initial_not_peft": sorted(n for n in adapters if not torch.equal(obs["initial"][n], initial_peft[n])),
+        "changed": sorted(n for n in final if not torch.equal(final[n], obs["initial"][n])),
+    })
+
+
 def scenario_all(outdir: str, ckptdir: str) -> None:
-    """Qwen3 (recomputation, checkpoints, resume, convert) and Qwen2.5-VL (frozen vision tower) in one launch."""
+    """Qwen3 (recomputation, checkpoints, resume, convert), Qwen2.5-VL (frozen vision tower) and a custom model,
+    in one launch."""
     _family("qwen3", ckptdir, outdir, resume=True)
     _family("qwen2_5_vl", ckptdir, outdir, resume=False)
+    _custom(outdir)
 
 
 if __name__ == "__main__":

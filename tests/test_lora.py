@@ -42,7 +42,7 @@ def ranks(ckpts, tmp_path_factory):
     if proc.returncode != 0:
         raise AssertionError(f"lora scenarios failed ({proc.returncode}):\n{proc.stdout[-3000:]}\n"
                              f"{proc.stderr[-6000:]}")
-    families = ("qwen3", "qwen2_5_vl")
+    families = ("qwen3", "qwen2_5_vl", "custom")
     return {f: [json.loads((out / f"{f}.rank{r}.json").read_text()) for r in range(2)] for f in families}
 
 
@@ -89,6 +89,24 @@ def test_resume_is_exact_and_dcp_to_hf_merges_the_checkpoint(ranks):
         assert obs["resumed_indices"] == obs["indices"][2:]
         assert obs["resumed_losses"] == obs["losses"][2:]
     assert ranks["qwen3"][0]["converted_logits_rel"] < 1e-5
+
+
+def test_a_custom_model_with_apply_lora_trains_like_peft(ranks):
+    for obs in ranks["custom"]:
+        assert obs["initial_not_peft"] == []
+        assert obs["losses"] == pytest.approx(obs["ref_losses"], rel=1e-5)
+        # blocks.{*}.fc1 and everything linear in blocks.1: three targets, A and B each
+        assert len(obs["adapters"]) == 6 and set(obs["changed"]) == set(obs["adapters"])
+
+
+def test_a_meta_built_model_without_fsdp2_mixin_is_refused():
+    from lightning_mm.modules.lora import LoRAConfigError, apply_lora
+    from lightning_mm.strategies.init_context import meta_parameters
+
+    with meta_parameters():
+        model = torch.nn.Sequential(torch.nn.Linear(4, 4))
+    with pytest.raises(LoRAConfigError, match="declare it with lightning_mm.modules.FSDP2Mixin"):
+        apply_lora(model, {"target_modules": ["0"]})
 
 
 # ------------------------------------------------------------------------------- before training
