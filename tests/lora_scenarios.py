@@ -88,7 +88,8 @@ def _reference(family: str, ckpt: Path, targets: list[str], setting: dict[str, A
     return model.eval(), initial, losses
 
 
-def _run(family: str, ckpt: Path, work: Path, ckpt_path: str | None = None, save: bool = False) -> tuple[Any, ...]:
+def _run(family: str, ckpt: Path, work: Path, ckpt_path: str | None = None, save: bool = False,
+         precision: str = "32-true") -> tuple[Any, ...]:
     import lightning as L
     from lightning.pytorch.callbacks import ModelCheckpoint
 
@@ -129,7 +130,7 @@ def _run(family: str, ckpt: Path, work: Path, ckpt_path: str | None = None, save
                                          save_top_k=-1))
     module = Module(lr=LR)
     trainer = L.Trainer(
-        accelerator="cpu", devices=2, max_steps=STEPS, logger=False, enable_checkpointing=save,
+        accelerator="cpu", devices=2, max_steps=STEPS, logger=False, enable_checkpointing=save, precision=precision,
         enable_progress_bar=False, enable_model_summary=False, num_sanity_val_steps=0,
         strategy=MMFSDP2Strategy(setting["fsdp2"]), callbacks=callbacks,
     )
@@ -328,12 +329,25 @@ def _custom(outdir: str) -> None:
     })
 
 
+def _mixed(ckptdir: str, outdir: str) -> None:
+    """Qwen3 with LoRA under ``bf16-mixed``: bf16 compute, fp32 adapters and optimiser."""
+    module, trainer, obs = _run("qwen3", Path(ckptdir) / "qwen3", Path(outdir) / "mixed", precision="bf16-mixed")
+    params = dict(module.model.named_parameters())
+    _dump("mixed", outdir, trainer.global_rank, {
+        "losses": obs["losses"], "indices": obs["indices"],
+        "adapter_dtypes": sorted({str(params[n].dtype) for n in obs["trainable"]}),
+        "changed": sorted(n for n, p in params.items() if not torch.equal(_full(p), obs["initial"][n])),
+        "trainable": obs["trainable"], "plan": obs["plan"],
+    })
+
+
 def scenario_all(outdir: str, ckptdir: str) -> None:
-    """Qwen3 (recomputation, checkpoints, resume, convert), Qwen2.5-VL (frozen vision tower) and a custom model,
-    in one launch."""
+    """Qwen3 (recomputation, checkpoints, resume, convert), Qwen2.5-VL (frozen vision tower), a custom model and
+    Qwen3 under bf16-mixed, in one launch."""
     _family("qwen3", ckptdir, outdir, resume=True)
     _family("qwen2_5_vl", ckptdir, outdir, resume=False)
     _custom(outdir)
+    _mixed(ckptdir, outdir)
 
 
 if __name__ == "__main__":

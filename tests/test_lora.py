@@ -42,7 +42,7 @@ def ranks(ckpts, tmp_path_factory):
     if proc.returncode != 0:
         raise AssertionError(f"lora scenarios failed ({proc.returncode}):\n{proc.stdout[-3000:]}\n"
                              f"{proc.stderr[-6000:]}")
-    families = ("qwen3", "qwen2_5_vl", "custom")
+    families = ("qwen3", "qwen2_5_vl", "custom", "mixed")
     return {f: [json.loads((out / f"{f}.rank{r}.json").read_text()) for r in range(2)] for f in families}
 
 
@@ -97,6 +97,15 @@ def test_a_custom_model_with_apply_lora_trains_like_peft(ranks):
         assert obs["losses"] == pytest.approx(obs["ref_losses"], rel=1e-5)
         # blocks.{*}.fc1 and everything linear in blocks.1: three targets, A and B each
         assert len(obs["adapters"]) == 6 and set(obs["changed"]) == set(obs["adapters"])
+
+
+def test_mixed_precision_trains_the_adapters_in_full_precision(ranks):
+    for fp32, mixed in zip(ranks["qwen3"], ranks["mixed"]):
+        assert mixed["indices"] == fp32["indices"]
+        assert mixed["losses"] == pytest.approx(fp32["losses"], rel=2e-2)  # bf16 compute
+        assert mixed["adapter_dtypes"] == ["torch.float32"]
+        assert set(mixed["changed"]) == set(mixed["trainable"])
+        assert "precision: param bfloat16" in mixed["plan"]
 
 
 def test_a_meta_built_model_without_fsdp2_mixin_is_refused():
