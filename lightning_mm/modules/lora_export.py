@@ -24,6 +24,7 @@ import torch
 from torch import nn
 
 from lightning_mm.modules.lora import ADAPTER_NAME
+from lightning_mm.strategies.checkpoint.hf import lora_record  # what checkpoints record of the adapters
 
 __all__ = ["lora_record", "save_lora_adapters", "save_merged_model", "merge_lora_state_dict", "dcp_to_hf_merged"]
 
@@ -35,15 +36,6 @@ def _peft_config(model: nn.Module) -> Any:
     if not isinstance(configs, Mapping) or ADAPTER_NAME not in configs:
         raise ValueError(f"{type(model).__name__} has no LoRA adapters (built without a `lora` setting)")
     return configs[ADAPTER_NAME]
-
-
-def lora_record(model: nn.Module) -> dict[str, Any] | None:
-    """The PEFT ``LoraConfig`` of ``model`` as a JSON-able dict, or ``None`` without adapters (for checkpoints)."""
-    configs = getattr(model, "peft_config", None)
-    if not isinstance(configs, Mapping) or ADAPTER_NAME not in configs:
-        return None
-    data = configs[ADAPTER_NAME].to_dict()
-    return json.loads(json.dumps(data, default=lambda v: sorted(v) if isinstance(v, set) else str(v)))
 
 
 def _is_rank_zero() -> bool:
