@@ -29,7 +29,7 @@ def _env() -> dict[str, str]:
 @pytest.fixture(scope="module")
 def ckpts(tmp_path_factory):
     directory = tmp_path_factory.mktemp("lora_ckpts")
-    return save_tiny_checkpoints(directory, ["qwen3", "qwen2", "qwen2_5_vl"])
+    return save_tiny_checkpoints(directory, ["qwen3", "qwen2", "qwen2_5_vl", "llama_tied"])
 
 
 @pytest.fixture(scope="module")
@@ -218,3 +218,31 @@ def test_peft_is_not_imported_with_the_package():
     code = "import sys, lightning_mm, lightning_mm.modules; print('peft' in sys.modules)"
     out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=_env(), capture_output=True, text=True)
     assert out.returncode == 0 and out.stdout.strip() == "False", out.stderr
+
+
+def test_exports_of_an_adapted_tied_output_layer(ckpts, tmp_path):
+    """LoRA on a tied lm_head (one process): PEFT and Transformers reload the trained logits; the model's own
+    config is left as it was (PEFT unties the merged copy)."""
+    import transformers
+    from peft import PeftModel
+
+    from lightning_mm.modules.lora_export import save_lora_adapters, save_merged_model
+    from tests.hf_scenarios import FamilyData, model_inputs
+
+    model = _build(ckpts, "llama_tied", target_modules=["lm_head", "model.layers.{0}.mlp"])
+    with torch.no_grad():
+        for p in model.parameters():
+            if p.requires_grad:
+                p.add_(torch.randn_like(p) * 0.1)
+    model.eval()
+    batch = model_inputs(torch.utils.data.default_collate([FamilyData("llama_tied")[i] for i in range(2)]))
+    with torch.no_grad():
+        logits = model(**batch).logits
+        save_lora_adapters(model, tmp_path / "adapters")
+        save_merged_model(model, tmp_path / "merged")
+        cls = transformers.LlamaForCausalLM
+        peft = PeftModel.from_pretrained(cls.from_pretrained(str(ckpts["llama_tied"])), str(tmp_path / "adapters"))
+        merged = cls.from_pretrained(str(tmp_path / "merged"))
+        assert torch.allclose(peft.eval()(**batch).logits, logits, rtol=0, atol=1e-6)
+        assert torch.allclose(merged.eval()(**batch).logits, logits, rtol=0, atol=1e-5)
+    assert model.config.tie_word_embeddings is True

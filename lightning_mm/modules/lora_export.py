@@ -13,6 +13,7 @@ rank 0 writes.
 
 from __future__ import annotations
 
+import copy
 import json
 import shutil
 import tempfile
@@ -108,6 +109,7 @@ def merge_lora_state_dict(state: Mapping[str, torch.Tensor], hf_config: Any, lor
 
     peft_config = LoraConfig(**{k: v for k, v in lora_config.items() if k in LoraConfig.__dataclass_fields__})
     peft_config.inference_mode = False
+    hf_config = copy.deepcopy(hf_config)  # PEFT may edit it (untying merged embeddings); not the caller's model's
     with torch.device("meta"):
         base = model_class(hf_config)
     wrapped = LoraModel(base, peft_config, ADAPTER_NAME)
