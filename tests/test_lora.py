@@ -246,3 +246,18 @@ def test_exports_of_an_adapted_tied_output_layer(ckpts, tmp_path):
         assert torch.allclose(peft.eval()(**batch).logits, logits, rtol=0, atol=1e-6)
         assert torch.allclose(merged.eval()(**batch).logits, logits, rtol=0, atol=1e-5)
     assert model.config.tie_word_embeddings is True
+
+
+def test_initial_adapters_equal_peft_whatever_the_order_of_the_patterns(ckpts):
+    import transformers
+    from peft import LoraConfig, get_peft_model
+
+    model = _build(ckpts, target_modules=["model.layers.{*}.mlp", "model.layers.{1,0}.self_attn.q_proj"])
+    adapters = {n: p for n, p in model.named_parameters() if p.requires_grad}
+    targets = sorted({n.split(".lora_")[0] for n in adapters})
+    reference = transformers.Qwen3ForCausalLM.from_pretrained(str(ckpts["qwen3"]))
+    torch.manual_seed(0)
+    reference = get_peft_model(reference, LoraConfig(r=4, lora_alpha=8, target_modules=targets))
+    expected = {n.removeprefix("base_model.model."): p for n, p in reference.named_parameters() if p.requires_grad}
+    assert expected.keys() == adapters.keys()
+    assert all(torch.equal(adapters[n], expected[n]) for n in adapters)

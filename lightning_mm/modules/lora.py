@@ -37,7 +37,6 @@ from __future__ import annotations
 import dataclasses
 import difflib
 import json
-import math
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -161,7 +160,9 @@ def resolve_targets(model: nn.Module, config: LoRAConfig, frozen: list[str] = ()
                 raise _fail("target_modules", f"'{target}' lies under '{under}', which `freeze` freezes; "
                             "remove it from one of the two")
             targets[target] = None
-    return list(targets)
+    # In the model's module order, the order PEFT visits them in (and so draws their random values in).
+    order = {name: i for i, (name, _) in enumerate(model.named_modules())}
+    return sorted(targets, key=order.__getitem__)
 
 
 def lora_parameter_names(model: nn.Module) -> list[str]:
@@ -373,9 +374,3 @@ def apply_lora(model: nn.Module, config: Any, frozen: list[str] = ()) -> nn.Modu
     _inputs_require_grad(model)
     model._lora_config = cfg
     return model
-
-
-def scaling(config: Mapping[str, Any]) -> float:
-    """``alpha / r`` (``alpha / sqrt(r)`` with rsLoRA) of a PEFT ``LoraConfig`` dict."""
-    r, alpha = config["r"], config["lora_alpha"]
-    return alpha / math.sqrt(r) if config.get("use_rslora") else alpha / r
