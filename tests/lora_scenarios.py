@@ -211,6 +211,9 @@ def _family(family: str, ckptdir: str, outdir: str, resume: bool) -> None:
         if rank == 0:
             from lightning_mm.commands.convert import main as convert_main
 
+            result["convert_unmerged_rc"] = convert_main(["dcp-to-hf", str(work / "ckpt" / "step=4.ckpt"),
+                                                          str(work / "unmerged")])
+            result["unmerged_written"] = (work / "unmerged").exists()
             assert convert_main(["dcp-to-hf", str(work / "ckpt" / "step=4.ckpt"), str(work / "converted"),
                                  "--merge-lora"]) == 0
             converted = work / "converted"

@@ -89,6 +89,8 @@ def test_resume_is_exact_and_dcp_to_hf_merges_the_checkpoint(ranks):
         assert obs["resumed_indices"] == obs["indices"][2:]
         assert obs["resumed_losses"] == obs["losses"][2:]
     assert ranks["qwen3"][0]["converted_logits_rel"] < 1e-5
+    # Without --merge-lora the adapters' keys would make a directory Transformers cannot load: refused.
+    assert ranks["qwen3"][0]["convert_unmerged_rc"] == 1 and ranks["qwen3"][0]["unmerged_written"] is False
 
 
 def test_a_custom_model_with_apply_lora_trains_like_peft(ranks):

@@ -61,6 +61,11 @@ def main(argv: Sequence[str] | None = None) -> int:
             out = dcp_to_hf_merged(args.src, args.out_dir, prefix=args.prefix, dtype=args.dtype,
                                    max_shard_size=convert.parse_size(args.max_shard_size))
         elif args.command == "dcp-to-hf":
+            from lightning_mm.modules.lora_export import checkpoint_lora
+
+            if args.config is None and checkpoint_lora(args.src, args.prefix) is not None:
+                raise ValueError(f"{args.src} holds LoRA adapters (keys `*.base_layer.*`, `*.lora_A.*`), which "
+                                 "Transformers cannot load as they are: add --merge-lora")
             out = convert.dcp_to_hf(args.src, args.out_dir, prefix=args.prefix, dtype=args.dtype,
                                     max_shard_size=convert.parse_size(args.max_shard_size), config=args.config)
         else:

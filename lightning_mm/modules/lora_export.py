@@ -27,7 +27,8 @@ from torch import nn
 from lightning_mm.modules.lora import ADAPTER_NAME
 from lightning_mm.strategies.checkpoint.hf import lora_record  # what checkpoints record of the adapters
 
-__all__ = ["lora_record", "save_lora_adapters", "save_merged_model", "merge_lora_state_dict", "dcp_to_hf_merged"]
+__all__ = ["lora_record", "save_lora_adapters", "save_merged_model", "merge_lora_state_dict", "dcp_to_hf_merged",
+           "checkpoint_lora"]
 
 _PEFT_PREFIX = "base_model.model."
 
@@ -138,6 +139,19 @@ def save_merged_model(model: nn.Module, directory: str | Path) -> Path:
         merge_lora_state_dict(state, model.config, record, _hf_class(model), directory)
     _barrier()
     return Path(directory)
+
+
+def checkpoint_lora(src: str | Path, prefix: str | None = None) -> dict[str, Any] | None:
+    """The ``LoraConfig`` a checkpoint recorded for its Hugging Face model, or ``None`` (no adapters, no record)."""
+    from lightning_mm.strategies.checkpoint.hf import choose_record
+    from lightning_mm.strategies.checkpoint.layout import EXTRA_KEY
+    from lightning_mm.strategies.checkpoint.store import open_source
+
+    try:
+        record = choose_record((open_source(src).meta.get(EXTRA_KEY) or {}).get("hf") or [], prefix, str(src))
+    except ValueError:  # no record: dcp_to_hf reports that itself
+        return None
+    return record.get("lora") or None
 
 
 def dcp_to_hf_merged(src: str | Path, out_dir: str | Path, prefix: str | None = None, dtype: str | None = None,
