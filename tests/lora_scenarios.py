@@ -145,6 +145,8 @@ def _run(family: str, ckpt: Path, work: Path, ckpt_path: str | None = None, save
 
 
 def _family(family: str, ckptdir: str, outdir: str, resume: bool) -> None:
+    """Train ``family`` with LoRA against the PEFT reference; exports; ``dcp-to-hf --merge-lora`` of the last
+    checkpoint; with ``resume``, resume from the step-2 checkpoint."""
     import transformers
     from peft import PeftModel
 
@@ -153,7 +155,7 @@ def _family(family: str, ckptdir: str, outdir: str, resume: bool) -> None:
 
     ckpt = Path(ckptdir) / family
     work = Path(outdir) / family
-    module, trainer, obs = _run(family, ckpt, work, save=resume)
+    module, trainer, obs = _run(family, ckpt, work, save=True)
     rank = trainer.global_rank
     model = module.model
     adapters = lora_parameter_names(model)
@@ -206,19 +208,19 @@ def _family(family: str, ckptdir: str, outdir: str, resume: bool) -> None:
             result["peft_logits_rel"] = rel(peft(**batch).logits)
             result["merged_logits_rel"] = rel(merged(**batch).logits)
             result["merged_has_lora_keys"] = any("lora" in n or "base_layer" in n for n in merged.state_dict())
-    if resume:
-        trainer.strategy.barrier()
-        if rank == 0:
-            from lightning_mm.commands.convert import main as convert_main
+    trainer.strategy.barrier()
+    if rank == 0:
+        from lightning_mm.commands.convert import main as convert_main
 
-            result["convert_unmerged_rc"] = convert_main(["dcp-to-hf", str(work / "ckpt" / "step=4.ckpt"),
-                                                          str(work / "unmerged")])
-            result["unmerged_written"] = (work / "unmerged").exists()
-            assert convert_main(["dcp-to-hf", str(work / "ckpt" / "step=4.ckpt"), str(work / "converted"),
-                                 "--merge-lora"]) == 0
-            converted = work / "converted"
-            with torch.no_grad():
-                result["converted_logits_rel"] = rel(cls.from_pretrained(str(converted)).eval()(**batch).logits)
+        result["convert_unmerged_rc"] = convert_main(["dcp-to-hf", str(work / "ckpt" / "step=4.ckpt"),
+                                                      str(work / "unmerged")])
+        result["unmerged_written"] = (work / "unmerged").exists()
+        assert convert_main(["dcp-to-hf", str(work / "ckpt" / "step=4.ckpt"), str(work / "converted"),
+                             "--merge-lora"]) == 0
+        converted = work / "converted"
+        with torch.no_grad():
+            result["converted_logits_rel"] = rel(cls.from_pretrained(str(converted)).eval()(**batch).logits)
+    if resume:
         _, _, again = _run(family, ckpt, work / "again", ckpt_path=str(work / "ckpt" / "step=2.ckpt"))
         result["resumed_losses"] = again["losses"]
         result["resumed_indices"] = again["indices"]

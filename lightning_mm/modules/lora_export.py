@@ -103,9 +103,11 @@ def _hf_class(model: nn.Module) -> type:
 
 
 def merge_lora_state_dict(state: Mapping[str, torch.Tensor], hf_config: Any, lora_config: Mapping[str, Any],
-                          model_class: type, directory: str | Path) -> Path:
+                          model_class: type, directory: str | Path, dtype: torch.dtype | None = None,
+                          max_shard_size: int | str = "5GB") -> Path:
     """Build ``model_class`` from ``hf_config`` with ``state`` (a LoRA model's keys), merge with PEFT's
-    ``merge_and_unload`` and ``save_pretrained`` the result into ``directory``."""
+    ``merge_and_unload`` and ``save_pretrained`` the result into ``directory`` (cast to ``dtype`` after the
+    merge, if given)."""
     from peft import LoraConfig, LoraModel
 
     peft_config = LoraConfig(**{k: v for k, v in lora_config.items() if k in LoraConfig.__dataclass_fields__})
@@ -119,13 +121,19 @@ def merge_lora_state_dict(state: Mapping[str, torch.Tensor], hf_config: Any, lor
         raise ValueError(f"the checkpoint has weights {result.unexpected_keys[:5]} that "
                          f"{model_class.__name__} with these adapters lacks")
     left = [n for n, p in wrapped.model.named_parameters() if p.is_meta]
+    if left:  # a tied weight stored once
+        wrapped.model.tie_weights()
+        left = [n for n, p in wrapped.model.named_parameters() if p.is_meta]
     if left:
         raise ValueError(f"the checkpoint has no values for {left[:5]}")
     merged = wrapped.merge_and_unload()
     if getattr(hf_config, "tie_word_embeddings", False) or getattr(
             getattr(hf_config, "get_text_config", lambda: None)(), "tie_word_embeddings", False):
         merged.tie_weights()
-    merged.save_pretrained(str(directory))
+    if dtype is not None:
+        merged = merged.to(dtype)
+        merged.config.dtype = dtype
+    merged.save_pretrained(str(directory), max_shard_size=max_shard_size)
     return Path(directory)
 
 
@@ -158,35 +166,42 @@ def dcp_to_hf_merged(src: str | Path, out_dir: str | Path, prefix: str | None = 
                      max_shard_size: int = 5 * 10**9) -> Path:
     """``dcp-to-hf --merge-lora``: a LoRA checkpoint as a Transformers directory with the adapters merged.
 
-    The checkpoint's record of the model (written at save time) holds the adapters' ``LoraConfig``. The whole
-    model is held in memory once (a merge needs each target's full weight and adapters).
+    The model's tensors are read straight from the checkpoint under their module keys (``...base_layer.weight``,
+    ``...lora_A.default.weight``), merged by PEFT, and written by ``save_pretrained`` (its key layout, shards of
+    at most ``max_shard_size`` bytes). The checkpoint's record of the model holds its config and the adapters'
+    ``LoraConfig``. The whole model is held in memory once (a merge needs each target's full weight).
     """
     import transformers
-    from safetensors.torch import load_file
 
-    from lightning_mm.strategies.checkpoint.convert import dcp_to_hf
     from lightning_mm.strategies.checkpoint.hf import choose_record
-    from lightning_mm.strategies.checkpoint.layout import EXTRA_KEY
+    from lightning_mm.strategies.checkpoint.layout import EXTRA_KEY, model_key
     from lightning_mm.strategies.checkpoint.store import open_source
 
     out = Path(out_dir)
-    if out.exists():
+    if out.exists() or out.is_symlink():
         raise FileExistsError(f"output exists: {out} (remove it or choose another path)")
-    record = choose_record((open_source(src).meta.get(EXTRA_KEY) or {}).get("hf") or [], prefix, str(src))
+    if not out.parent.is_dir():
+        raise FileNotFoundError(f"output directory does not exist: {out.parent}")
+    casts = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+    if dtype is not None and dtype not in casts:
+        raise ValueError(f"--dtype must be one of {sorted(casts)}, got {dtype!r}")
+    source = open_source(src)
+    record = choose_record((source.meta.get(EXTRA_KEY) or {}).get("hf") or [], prefix, str(src))
     if not record.get("lora"):
         raise ValueError(f"{src}: the checkpoint's model has no LoRA adapters; convert it without --merge-lora")
-    with tempfile.TemporaryDirectory(dir=out.parent) as tmp:
-        raw = dcp_to_hf(src, Path(tmp) / "raw", prefix=record["prefix"], dtype=dtype, max_shard_size=max_shard_size)
-        state: dict[str, torch.Tensor] = {}
-        for file in sorted(raw.glob("*.safetensors")):
-            state.update(load_file(str(file)))
-        config_dict = json.loads((raw / "config.json").read_text())
-        hf_config = transformers.AutoConfig.for_model(**config_dict)
-        architecture = record.get("architecture") or (config_dict.get("architectures") or [None])[0]
-        model_class = getattr(transformers, str(architecture), None)
-        if model_class is None:
-            raise ValueError(f"{src}: unknown Transformers architecture {architecture!r}")
+    start = model_key(record["prefix"])
+    keys = [k for k in source.shapes if k.startswith(start)]
+    state = {k[len(start):]: t for k, t in source.read_full(keys).items()}
+    config_dict = json.loads(record["config"])
+    architecture = record.get("architecture") or (config_dict.get("architectures") or [None])[0]
+    model_class = getattr(transformers, str(architecture), None)
+    if model_class is None:
+        raise ValueError(f"{src}: unknown Transformers architecture {architecture!r}")
+    fields = {k: v for k, v in config_dict.items() if k != "model_type"}
+    hf_config = transformers.AutoConfig.for_model(config_dict["model_type"], **fields)
+    with tempfile.TemporaryDirectory(dir=out.parent, prefix=f".{out.name}.partial-") as tmp:
         staged = Path(tmp) / "merged"
-        merge_lora_state_dict(state, hf_config, record["lora"], model_class, staged)
+        merge_lora_state_dict(state, hf_config, record["lora"], model_class, staged,
+                              dtype=casts[dtype] if dtype else None, max_shard_size=max_shard_size)
         shutil.move(str(staged), str(out))
     return out
