@@ -89,7 +89,7 @@ def _reference(family: str, ckpt: Path, targets: list[str], setting: dict[str, A
 
 
 def _run(family: str, ckpt: Path, work: Path, ckpt_path: str | None = None, save: bool = False,
-         precision: str = "32-true") -> tuple[Any, ...]:
+         precision: str = "32-true", lora: dict[str, Any] | None = None, steps: int = STEPS) -> tuple[Any, ...]:
     import lightning as L
     from lightning.pytorch.callbacks import ModelCheckpoint
 
@@ -97,7 +97,7 @@ def _run(family: str, ckpt: Path, work: Path, ckpt_path: str | None = None, save
     from lightning_mm.modules import TransformersModel
 
     setting = SETTINGS[family]
-    config = {"init_from_hf_path": str(ckpt), "lora": setting["lora"], **setting["extra"]}
+    config = {"init_from_hf_path": str(ckpt), "lora": {**setting["lora"], **(lora or {})}, **setting["extra"]}
 
     class Module(MMLightningModule):
         def model_provider(self) -> torch.nn.Module:
@@ -130,7 +130,7 @@ def _run(family: str, ckpt: Path, work: Path, ckpt_path: str | None = None, save
                                          save_top_k=-1))
     module = Module(lr=LR)
     trainer = L.Trainer(
-        accelerator="cpu", devices=2, max_steps=STEPS, logger=False, enable_checkpointing=save, precision=precision,
+        accelerator="cpu", devices=2, max_steps=steps, logger=False, enable_checkpointing=save, precision=precision,
         enable_progress_bar=False, enable_model_summary=False, num_sanity_val_steps=0,
         strategy=MMFSDP2Strategy(setting["fsdp2"]), callbacks=callbacks,
     )
@@ -225,6 +225,10 @@ def _family(family: str, ckptdir: str, outdir: str, resume: bool) -> None:
         result["resumed_losses"] = again["losses"]
         result["resumed_indices"] = again["indices"]
         result["indices"] = obs["indices"]
+        # Built on the meta device from the exported adapters: they are the starting point on every shard.
+        _, _, start = _run(family, ckpt, work / "pretrained", steps=1,
+                           lora={"pretrained_lora_path": str(work / "adapters")})
+        result["pretrained_not_equal"] = sorted(n for n in adapters if not torch.equal(start["initial"][n], final[n]))
     _dump(family, outdir, rank, result)
 
 

@@ -84,10 +84,11 @@ def test_exports_give_the_trained_models_logits(ranks, family):
     assert obs["merged_has_lora_keys"] is False
 
 
-def test_resume_is_exact(ranks):
+def test_resume_is_exact_and_pretrained_adapters_start_a_sharded_run(ranks):
     for obs in ranks["qwen3"]:
         assert obs["resumed_indices"] == obs["indices"][2:]
         assert obs["resumed_losses"] == obs["losses"][2:]
+        assert obs["pretrained_not_equal"] == []  # pretrained_lora_path on a sharded model built on meta
 
 
 @pytest.mark.parametrize("family", ["qwen3", "qwen2_5_vl"])
