@@ -37,6 +37,8 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--max-shard-size", default="5GB", help="largest safetensors file (default 5GB)")
     p.add_argument("--config", default=None,
                    help="config.json (or its directory) to use when the checkpoint records no HF config")
+    p.add_argument("--merge-lora", action="store_true",
+                   help="merge the checkpoint's LoRA adapters into the weights (PEFT's merge_and_unload)")
 
     p = sub.add_parser("hf-to-dcp", help="a Hugging Face model directory as a torch_dcp weights checkpoint")
     p.add_argument("hf_dir", help="directory with config.json and safetensors (or pytorch_model.bin) weights")
@@ -54,7 +56,17 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         if args.command == "dcp-to-torch":
             out = convert.dcp_to_torch(args.src, args.dst, model_only=args.model_only)
+        elif args.command == "dcp-to-hf" and args.merge_lora:
+            from lightning_mm.modules.lora_export import dcp_to_hf_merged
+
+            out = dcp_to_hf_merged(args.src, args.out_dir, prefix=args.prefix, dtype=args.dtype,
+                                   max_shard_size=convert.parse_size(args.max_shard_size))
         elif args.command == "dcp-to-hf":
+            from lightning_mm.modules.lora_export import checkpoint_lora
+
+            if args.config is None and checkpoint_lora(args.src, args.prefix) is not None:
+                raise ValueError(f"{args.src} holds LoRA adapters (keys `*.base_layer.*`, `*.lora_A.*`), which "
+                                 "Transformers cannot load as they are: add --merge-lora")
             out = convert.dcp_to_hf(args.src, args.out_dir, prefix=args.prefix, dtype=args.dtype,
                                     max_shard_size=convert.parse_size(args.max_shard_size), config=args.config)
         else:

@@ -61,12 +61,16 @@ class FSDP2Mixin:
 
         Each parameter is then a DTensor holding only this rank's shard (or a plain tensor for ignored modules),
         so this is where a model reads just its own slices of pretrained weights. The default loads what
-        :func:`~lightning_mm.modules.TransformersModel` deferred when it was built on the meta device, and does
+        :func:`~lightning_mm.modules.TransformersModel` deferred when it was built on the meta device, then the
+        values of LoRA adapters added on the meta device (:func:`~lightning_mm.modules.lora.apply_lora`), and does
         nothing otherwise. Overrides should call ``super().load_after_sharding()``.
         """
         pending = getattr(self, "_pending_pretrained", None)
         if pending is not None:
             pending.load_after_sharding(self)
+        pending_lora = getattr(self, "_pending_lora", None)  # lightning_mm.modules.lora: the adapters' values
+        if pending_lora is not None:
+            pending_lora.load_after_sharding(self)
 
     def _fully_shard(self, fsdp2_kwargs: dict[str, Any] | None = None, fsdp2_config: Any = None) -> None:
         """Shard the sub-modules named by ``fsdp2_config.sub_modules_to_wrap`` (what the strategy does itself).

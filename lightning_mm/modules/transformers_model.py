@@ -14,6 +14,10 @@ The config (a dict, or an object with attributes such as the seed's ``args.mm.mo
 ``freeze``
     Module paths whose parameters get ``requires_grad=False``, in the FSDP2 YAML's pattern syntax
     (``model.vision_tower``, ``model.language_model.layers.{0-3}``).
+``lora``
+    LoRA fine-tuning with PEFT (``rank``, ``alpha``, ``target_modules``, ``dropout``, ``init_lora_weights``,
+    ``pretrained_lora_path``): see :mod:`lightning_mm.modules.lora`. Adapters are added after ``freeze``, before
+    sharding; every other parameter is frozen.
 ``trust_remote_code``
     ``False`` by default; only ``true`` lets Transformers run code that comes with a checkpoint (it is always
     passed explicitly, so Transformers never stops to ask on a terminal).
@@ -64,6 +68,7 @@ class TransformersModelConfig:
     hf_config: dict[str, Any] = field(default_factory=dict)
     freeze: list[str] = field(default_factory=list)
     trust_remote_code: bool = False
+    lora: Any = None
 
     def __post_init__(self) -> None:
         def fail(key: str, message: str) -> TransformersModelConfigError:
@@ -92,6 +97,10 @@ class TransformersModelConfig:
         self.freeze = [p.strip() for p in self.freeze]
         if not isinstance(self.trust_remote_code, bool):
             raise fail("trust_remote_code", f"expected true or false, got {self.trust_remote_code!r}")
+        if self.lora is not None:  # checked now, before any model is built
+            from lightning_mm.modules.lora import LoRAConfig
+
+            self.lora = LoRAConfig.from_any(_plain(self.lora))
 
     @classmethod
     def from_any(cls, config: Any) -> TransformersModelConfig:
@@ -301,8 +310,11 @@ def TransformersModel(config: Any) -> nn.Module:  # noqa: N802 - the seed's name
         with meta_parameters():
             model = model_cls(hf_config)
         load_into_meta_model(model, build_load_plan(model, index))
-    if cfg.freeze:
-        _freeze(model, cfg.freeze)
+    frozen = _freeze(model, cfg.freeze) if cfg.freeze else []
+    if cfg.lora is not None:
+        from lightning_mm.modules.lora import apply_lora
+
+        apply_lora(model, cfg.lora, frozen)
     log.info("TransformersModel: %s (ModelHub key '%s')%s", model_cls.__name__, key,
              f" from {cfg.init_from_hf_path}" if cfg.init_from_hf_path else ", random init")
     return model

@@ -34,6 +34,8 @@ class ShardUnit:
 
     modules: tuple[str, ...]
     num_params: int
+    trainable_params: int | None = None
+    """Of ``num_params``, those with ``requires_grad`` (``None``: not counted)."""
 
     @property
     def name(self) -> str:
@@ -102,7 +104,7 @@ class ShardingPlan:
             f", offload_to_cpu={self.offload_to_cpu}{', pin_memory' if self.pin_memory else ''}",
             f"  units ({len(self.units)} + root, in wrapping order):",
         ]
-        lines += [f"    {u.name:<60} {u.num_params:>14,} params" for u in self.units]
+        lines += [f"    {u.name:<60} {u.num_params:>14,} params{_split(u)}" for u in self.units]
         lines.append(f"    {'<root>':<60} {self.root_params:>14,} params")
         lines.append(
             f"  ignored ({self.ignored_params:,} params, whole on every rank, trainable ones' gradients all-reduced): "
@@ -120,6 +122,13 @@ class ShardingPlan:
             lines.append("  note: sharding_size 1 (the seed's default): parameters are replicated, not sharded; "
                          "set `sharding_size: auto` to shard over all ranks")
         return "\n".join(lines)
+
+
+def _split(unit: ShardUnit) -> str:
+    """`` (N trainable, M frozen)`` for a unit with frozen parameters (LoRA, ``freeze``), else nothing."""
+    if unit.trainable_params is None or unit.trainable_params == unit.num_params:
+        return ""
+    return f" ({unit.trainable_params:,} trainable, {unit.num_params - unit.trainable_params:,} frozen)"
 
 
 # apply.ExecutionOrderPrefetch keeps these two unsharded between their forward and their backward.
@@ -231,10 +240,12 @@ def _group_shared_parameters(
     return result, notes
 
 
-def _count_params(model: nn.Module, groups: list[tuple[str, ...]], ignored: list[str]) -> tuple[list[int], int, int]:
+def _count_params(model: nn.Module, groups: list[tuple[str, ...]], ignored: list[str]) -> tuple[
+        list[int], int, int, list[int]]:
     unit_of = {m: i for i, group in enumerate(groups) for m in group}
     flat = list(unit_of)
     counts = [0] * len(groups)
+    trainable = [0] * len(groups)
     root = ignored_count = 0
     for path, param in model.named_parameters():  # each parameter object once
         if any(_is_under(path, ign) for ign in ignored):
@@ -245,7 +256,8 @@ def _count_params(model: nn.Module, groups: list[tuple[str, ...]], ignored: list
             root += param.numel()
         else:
             counts[unit_of[owner]] += param.numel()
-    return counts, root, ignored_count
+            trainable[unit_of[owner]] += param.numel() if param.requires_grad else 0
+    return counts, root, ignored_count, trainable
 
 
 def build_plan(
@@ -271,7 +283,7 @@ def build_plan(
                      "a replay in backward would update it a second time")
     # Children before parents: a parent's fully_shard must see its children already sharded.
     groups.sort(key=lambda g: -max(m.count(".") + 1 for m in g))
-    counts, root_params, ignored_params = _count_params(model, groups, ignored)
+    counts, root_params, ignored_params, trainable = _count_params(model, groups, ignored)
     if precision is None:
         precision = MixedPrecision(
             config.param_dtype, config.reduce_dtype, config.output_dtype, config.cast_forward_inputs
@@ -279,7 +291,7 @@ def build_plan(
     return ShardingPlan(
         world_size=world_size,
         sharding_size=sharding_size,
-        units=tuple(ShardUnit(g, n) for g, n in zip(groups, counts)),
+        units=tuple(ShardUnit(g, n, t) for g, n, t in zip(groups, counts, trainable)),
         root_params=root_params,
         ignored=tuple(ignored),
         ignored_params=ignored_params,

@@ -8,7 +8,7 @@ from typing import Any
 
 from torch import nn
 
-__all__ = ["hf_records", "choose_record"]
+__all__ = ["hf_records", "choose_record", "lora_record"]
 
 
 def _architecture(module: nn.Module) -> str:
@@ -40,8 +40,22 @@ def hf_records(root: nn.Module) -> list[dict[str, Any]]:
         architecture = _architecture(module)
         config = json.loads(module.config.to_json_string(use_diff=False))
         config["architectures"] = [architecture]
-        records.append({"prefix": prefix, "architecture": architecture, "config": json.dumps(config)})
+        record = {"prefix": prefix, "architecture": architecture, "config": json.dumps(config)}
+        lora = lora_record(module)
+        if lora is not None:
+            record["lora"] = lora
+        records.append(record)
     return records
+
+
+def lora_record(module: nn.Module) -> dict[str, Any] | None:
+    """The PEFT ``LoraConfig`` of LoRA adapters added by ``lightning_mm.modules.lora`` (for ``dcp-to-hf
+    --merge-lora``), as JSON-able data; ``None`` without adapters."""
+    configs = getattr(module, "peft_config", None)
+    if not isinstance(configs, dict) or "default" not in configs:
+        return None
+    data = configs["default"].to_dict()
+    return json.loads(json.dumps(data, default=lambda v: sorted(v) if isinstance(v, set) else str(v)))
 
 
 def choose_record(records: list[dict[str, Any]], prefix: str | None, source: str) -> dict[str, Any]:
