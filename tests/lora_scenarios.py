@@ -32,7 +32,7 @@ SETTINGS: dict[str, dict[str, Any]] = {
     "qwen3": dict(
         lora={"rank": 4, "alpha": 8, "target_modules": ["model.layers.{*}.self_attn.q_proj",
                                                         "model.layers.{*}.self_attn.v_proj", "model.layers.{1}.mlp"]},
-        extra={"hf_config": {"use_cache": False}},  # reentrant replay + a KV cache: see README
+        extra={},  # use_cache stays on: recomputation turns the cache off itself
         fsdp2={"sharding_size": "auto", "recompute_modules": ["model.layers.{*}"], "use_reentrant": True},
     ),
     "qwen2_5_vl": dict(
