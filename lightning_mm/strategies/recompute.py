@@ -59,9 +59,11 @@ def uses_kv_cache(model: nn.Module) -> bool:
 
 
 def _stateful_norms(module: nn.Module) -> list[str]:
+    """Submodules that update running statistics in a training forward (torch's batch/instance norms and any module
+    following their ``track_running_stats`` + ``running_mean`` convention)."""
     return [
         name or "<itself>" for name, sub in module.named_modules()
-        if isinstance(sub, nn.modules.batchnorm._NormBase) and sub.track_running_stats
+        if getattr(sub, "track_running_stats", False) is True and getattr(sub, "running_mean", None) is not None
     ]
 
 
