@@ -229,3 +229,16 @@ def test_four_ranks_dp2_cp2_match_reference(four: Path, ckptdir: Path, name: str
 def test_heads_not_dividing_fail_at_setup(four: Path) -> None:
     errors = [json.loads((four / f"{BAD_CASE.name}.rank{r}.json").read_text())["error"] for r in range(4)]
     assert all(e and "2 key/value heads do not divide by context_parallel_size 4" in e for e in errors), errors
+
+
+def test_migrate_maps_the_megatron_flags() -> None:
+    from lightning_mm.commands.migrate import migrate, parse_script
+
+    launch = parse_script("torchrun --nproc_per_node 8 pretrain_vlm.py --use-torch-fsdp2 --micro-batch-size 1 "
+                          "--global-batch-size 8 --context-parallel-size 2 --context-parallel-algo ulysses_cp_algo")
+    result = migrate(launch)
+    args = result.config["trainer"]["strategy"]["init_args"]
+    assert (args["context_parallel_size"], args["context_parallel_algo"]) == (2, "ulysses")
+    assert result.config["trainer"]["accumulate_grad_batches"] == 2  # 8 / (1 x 4 data-parallel ranks)
+    ring = migrate(parse_script("torchrun pretrain_vlm.py --context-parallel-algo megatron_cp_algo"))
+    assert any("only Ulysses" in line for line in ring.unmapped)
