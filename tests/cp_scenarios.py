@@ -88,6 +88,17 @@ def batch_of(case: CPCase, indices: list[int]) -> dict[str, torch.Tensor]:
     return model_inputs(batch)
 
 
+def qwen3_provider() -> torch.nn.Module:
+    """The tiny Qwen3 (4 heads, 2 key/value heads), for ``lightning-mm plan`` in the tests."""
+    from tests.hf_scenarios import tiny_hf_model
+
+    return tiny_hf_model("qwen3")
+
+
+def qwen3_datasets() -> tuple[Any, None, None]:
+    return CPData("qwen3", 16), None, None
+
+
 def _fit(case: CPCase, cp: int, ckptdir: Path, outdir: Path, max_steps: int, devices: int,
          ckpt_path: str | None = None) -> tuple[dict[str, Any], Any]:
     import lightning as L

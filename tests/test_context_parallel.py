@@ -242,3 +242,39 @@ def test_migrate_maps_the_megatron_flags() -> None:
     assert result.config["trainer"]["accumulate_grad_batches"] == 2  # 8 / (1 x 4 data-parallel ranks)
     ring = migrate(parse_script("torchrun pretrain_vlm.py --context-parallel-algo megatron_cp_algo"))
     assert any("only Ulysses" in line for line in ring.unmapped)
+
+
+def _plan_config(tmp_path: Path, cp: int) -> Path:
+    path = tmp_path / f"cp{cp}.yaml"
+    path.write_text(f"""
+trainer:
+  accelerator: cpu
+  devices: 4
+  strategy:
+    class_path: lightning_mm.MMFSDP2Strategy
+    init_args:
+      context_parallel_size: {cp}
+model:
+  class_path: lightning_mm.MMLightningModule
+  init_args:
+    model_provider: tests.cp_scenarios.qwen3_provider
+data:
+  class_path: lightning_mm.MMDataModule
+  init_args:
+    train_valid_test_datasets_provider: tests.cp_scenarios.qwen3_datasets
+""")
+    return path
+
+
+def test_lightning_mm_plan_shows_the_cp_mesh_and_activations_per_rank(tmp_path: Path) -> None:
+    from lightning_mm.commands.plan import plan_from_cli_config
+    from lightning_mm.strategies.context_parallel import ContextParallelError
+
+    text = plan_from_cli_config(["--config", str(_plan_config(tmp_path, 2))], seq_length=4096)
+    assert "FSDP, world size 4" in text
+    assert "context parallel: ulysses, mesh (dp=2 x cp=2); groups sharing samples: [0,1], [2,3]" in text
+    assert "sequence 4096 tokens -> 2048 per rank" in text
+    # 34 x 4096 x 32 hidden x 2 layers 16-bit bytes = 8.5 MiB, halved
+    assert "decoder activations per rank ~ 4.2 MiB (without context parallel 8.5 MiB; 1/2)" in text
+    with pytest.raises(ContextParallelError, match="2 key/value heads do not divide by context_parallel_size 4"):
+        plan_from_cli_config(["--config", str(_plan_config(tmp_path, 4))])

@@ -29,14 +29,16 @@ from torch import Tensor, nn
 from lightning_mm.strategies.context_parallel import (
     IGNORE_INDEX,
     ContextParallelError,
+    activation_bytes_estimate,
     all_to_all,
     check_heads,
     context_parallel_loss,
+    context_parallel_plan,
     shift_labels,
     split_sequence,
 )
 
-__all__ = ["ROUTABLE", "enable_context_parallel", "find_hf_model", "check_routable"]
+__all__ = ["ROUTABLE", "enable_context_parallel", "find_hf_model", "check_routable", "context_parallel_summary"]
 
 ROUTABLE = ("eager", "sdpa")
 PREFIX = "ulysses_"
@@ -189,3 +191,21 @@ def _put_loss(model: nn.Module, args: tuple, output: Any) -> Any:
     else:
         output.loss = loss
     return output
+
+
+def context_parallel_summary(target: nn.Module, world_size: int, size: int, algo: str = "ulysses",
+                             seq_len: int | None = None) -> str:
+    """The context-parallel part of ``lightning-mm plan``: the mesh, the checks of :func:`check_routable`, and
+    with ``seq_len`` the tokens and (estimated, 16-bit) decoder activation memory per rank for one sequence."""
+    plan = context_parallel_plan(world_size, size, algo)
+    model = find_hf_model(target)
+    activations = None
+    if model is not None:
+        decoder = check_routable(model, size) if plan.enabled else model.get_decoder()
+        config = decoder.config
+        if seq_len and getattr(config, "hidden_size", None) and getattr(config, "num_hidden_layers", None):
+            activations = activation_bytes_estimate(config.hidden_size, config.num_hidden_layers, seq_len)
+    elif plan.enabled:
+        raise ContextParallelError(f"context_parallel_size {size}: {type(target).__name__} is not a Transformers "
+                                   "model; its LightningModule must set `handles_context_parallel = True`")
+    return plan.describe(seq_len, activations)

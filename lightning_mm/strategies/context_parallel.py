@@ -32,6 +32,7 @@ __all__ = [
     "ALGORITHMS",
     "ContextParallelError",
     "ContextParallelPlan",
+    "activation_bytes_estimate",
     "all_to_all",
     "build_context_parallel_mesh",
     "check_heads",
@@ -94,7 +95,10 @@ class ContextParallelPlan:
     def describe(self, seq_len: int | None = None, activation_bytes: int | None = None) -> str:
         """The mesh with its ``cp`` dimension; with ``seq_len`` the tokens and activation memory per rank."""
         if not self.enabled:
-            return "context parallel: off (context_parallel_size 1)"
+            line = "context parallel: off (context_parallel_size 1)"
+            if seq_len is not None and activation_bytes is not None:
+                line += f"; decoder activations per rank for {seq_len} tokens ~ {_mib(activation_bytes)}"
+            return line
         mesh = " x ".join(f"{n}={s}" for n, s in zip(self.mesh_dim_names, self.mesh_shape))
         groups = ", ".join("[" + ",".join(map(str, g)) + "]" for g in self.groups()[:4])
         more = " ..." if self.data_parallel_size > 4 else ""
@@ -118,6 +122,14 @@ class ContextParallelPlan:
 
 def _mib(n: float) -> str:
     return f"{n / 2**20:,.1f} MiB"
+
+
+def activation_bytes_estimate(hidden_size: int, num_layers: int, seq_len: int, batch: int = 1,
+                              bytes_per_value: int = 2) -> int:
+    """Activations a decoder keeps for backward, without recomputation: about ``34 x seq x batch x hidden`` 16-bit
+    bytes per layer (Korthikanti et al., 2022, with attention scores not stored, as sdpa/flash attention do).
+    An estimate for planning; context parallelism divides it by ``C``."""
+    return int(34 * seq_len * batch * hidden_size * num_layers * bytes_per_value / 2)
 
 
 def context_parallel_plan(world_size: int, size: int, algo: str = "ulysses") -> ContextParallelPlan:
