@@ -40,6 +40,8 @@ class CPCase:
     cp: int = 2
     fsdp2: dict[str, Any] = field(default_factory=dict)
     steps: int = 3
+    custom: bool = False
+    """``TinyAttentionLM`` in an MMLightningModule with ``handles_context_parallel = True`` (family: the data)."""
     resume_at: int | None = None
     resume_cp: int = 1
     """With ``resume_at``: train ``resume_at`` steps with ``cp``, save, resume with ``resume_cp`` to ``steps``."""
@@ -54,6 +56,7 @@ TWO_RANK_CASES = [
     CPCase("qwen3-nocp-len16", "qwen3", 16, cp=1),
     CPCase("qwen3-cp2-len15", "qwen3", 15),
     CPCase("qwen2_5_vl-cp2-len15", "qwen2_5_vl", 15),
+    CPCase("custom-cp2-len15", "qwen3", 15, custom=True),
     CPCase("qwen2_5_vl-cp2-len16-recompute", "qwen2_5_vl", 16, fsdp2=_recompute("qwen2_5_vl", False)),
 ]
 RESUME_CASES = [CPCase("qwen3-cp2-resume-nocp", "qwen3", 15, steps=4, resume_at=2)]
@@ -88,6 +91,48 @@ def batch_of(case: CPCase, indices: list[int]) -> dict[str, torch.Tensor]:
     return model_inputs(batch)
 
 
+class TinyAttentionLM(torch.nn.Module):
+    """A custom (non-Transformers) causal LM whose own attention runs context-parallel through the documented
+    helpers: :func:`split_sequence`, :func:`ulysses_attention`, :func:`context_parallel_loss`."""
+
+    def __init__(self, vocab: int = 128, width: int = 32, heads: int = 4, max_len: int = 32) -> None:
+        super().__init__()
+        self.heads = heads
+        self.embed = torch.nn.Embedding(vocab, width)
+        self.pos = torch.nn.Embedding(max_len, width)
+        self.norm = torch.nn.LayerNorm(width)
+        self.qkv = torch.nn.Linear(width, 3 * width)
+        self.proj = torch.nn.Linear(width, width)
+        self.head = torch.nn.Linear(width, vocab)
+
+    def forward(self, input_ids: torch.Tensor, labels: torch.Tensor, group: Any = None, **_: Any) -> torch.Tensor:
+        from lightning_mm.strategies.context_parallel import (
+            context_parallel_loss,
+            shift_labels,
+            split_sequence,
+            ulysses_attention,
+        )
+
+        batch, seq = input_ids.shape
+        positions = torch.arange(seq, device=input_ids.device).expand(batch, seq)
+        targets = shift_labels(labels)  # shifted over the whole sequence, then split
+        if group is not None:
+            input_ids, positions = split_sequence(input_ids, 1, group), split_sequence(positions, 1, group)
+            targets = split_sequence(targets, 1, group, pad_value=-100)
+        x = self.embed(input_ids) + self.pos(positions)
+        local = x.shape[1]
+        q, k, v = self.qkv(self.norm(x)).view(batch, local, 3, self.heads, -1).permute(2, 0, 3, 1, 4)
+
+        def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+            return torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True)
+
+        out = ulysses_attention(attention, q, k, v, group) if group is not None else attention(q, k, v)
+        logits = self.head(x + self.proj(out.transpose(1, 2).reshape(batch, local, -1)))
+        if group is not None:
+            return context_parallel_loss(logits, targets, group)
+        return torch.nn.functional.cross_entropy(logits.float().reshape(-1, logits.shape[-1]), targets.reshape(-1))
+
+
 def qwen3_provider() -> torch.nn.Module:
     """The tiny Qwen3 (4 heads, 2 key/value heads), for ``lightning-mm plan`` in the tests."""
     from tests.hf_scenarios import tiny_hf_model
@@ -109,8 +154,17 @@ def _fit(case: CPCase, cp: int, ckptdir: Path, outdir: Path, max_steps: int, dev
     record: dict[str, Any] = {"losses": [], "indices": [], "steps": []}
 
     class Module(MMLightningModule):
+        handles_context_parallel = case.custom
+
         def model_provider(self) -> torch.nn.Module:
+            if case.custom:
+                return TinyAttentionLM()
             return TransformersModel({"init_from_hf_path": str(ckptdir / case.family)})
+
+        def forward_step(self, batch: dict[str, torch.Tensor]) -> Any:
+            if case.custom:
+                return self.model(**batch, group=self.context_parallel_group)
+            return super().forward_step(batch)
 
         def get_batch(self, batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
             batch = dict(batch)
@@ -122,6 +176,11 @@ def _fit(case: CPCase, cp: int, ckptdir: Path, outdir: Path, max_steps: int, dev
             record["losses"].append(float(loss.detach()))
             record["steps"].append(self.trainer.global_step)
             return loss
+
+        def on_fit_start(self) -> None:
+            initial = _gathered(self.model)  # a collective
+            if self.trainer.global_rank == 0 and ckpt_path is None:
+                torch.save(initial, outdir / f"{case.name}.init.pt")
 
         def on_before_optimizer_step(self, optimizer: torch.optim.Optimizer) -> None:
             if self.trainer.global_step == 0 and ckpt_path is None:  # a collective: every rank
@@ -146,7 +205,8 @@ def _finish(case: CPCase, outdir: Path, parts: list[dict[str, Any]], trainer: An
     final = _gathered(module.model)
     if trainer.global_rank == 0:
         torch.save(final, outdir / f"{case.name}.pt")
-    _dump(case, outdir, trainer.global_rank, {"parts": parts, "error": None})
+    metrics = {k: float(v) for k, v in trainer.callback_metrics.items()}
+    _dump(case, outdir, trainer.global_rank, {"parts": parts, "error": None, "metrics": metrics})
 
 
 def _run(case: CPCase, outdir: Path, ckptdir: Path, devices: int) -> None:

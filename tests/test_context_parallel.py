@@ -14,7 +14,16 @@ from typing import Any
 import pytest
 import torch
 
-from tests.cp_scenarios import BAD_CASE, CASES, FOUR_RANK_CASES, RESUME_CASES, TWO_RANK_CASES, CPCase, batch_of
+from tests.cp_scenarios import (
+    BAD_CASE,
+    CASES,
+    FOUR_RANK_CASES,
+    RESUME_CASES,
+    TWO_RANK_CASES,
+    CPCase,
+    TinyAttentionLM,
+    batch_of,
+)
 from tests.hf_scenarios import save_tiny_checkpoints, tiny_hf_model
 from tests.parity import LR, NOISE, Reference, weight_errors
 
@@ -133,8 +142,8 @@ def _global_steps(ranks: list[dict[str, Any]], part: int, cp: int) -> tuple[list
     return steps, losses
 
 
-def _reference(case: CPCase, steps: list[list[list[int]]], ckptdir: Path) -> tuple[Reference, list[float],
-                                                                                     dict[str, torch.Tensor]]:
+def _reference(case: CPCase, steps: list[list[list[int]]], ckptdir: Path, initial: Path | None = None,
+               ) -> tuple[Reference, list[float], dict[str, torch.Tensor]]:
     """Plain Transformers in one process: per step, the mean over the data-parallel groups of their losses."""
     import transformers
 
@@ -144,8 +153,13 @@ def _reference(case: CPCase, steps: list[list[list[int]]], ckptdir: Path) -> tup
     torch.set_num_threads(1)
     try:
         torch.manual_seed(0)
-        model = getattr(transformers, FAMILIES[case.family][0]).from_pretrained(
-            str(ckptdir / case.family), dtype=torch.float32).train()
+        if case.custom:  # the strategy's initial weights, in one plain process
+            model = TinyAttentionLM()
+            model.load_state_dict(torch.load(initial))
+        else:
+            model = getattr(transformers, FAMILIES[case.family][0]).from_pretrained(
+                str(ckptdir / case.family), dtype=torch.float32)
+        model.train()
         named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
         params = [p for _, p in named]
         small = {n: torch.ones_like(p, dtype=torch.bool) for n, p in named}
@@ -156,7 +170,8 @@ def _reference(case: CPCase, steps: list[list[list[int]]], ckptdir: Path) -> tup
         for groups in steps:
             values = []
             for indices in groups:
-                loss = model(**batch_of(case, indices)).loss
+                out = model(**batch_of(case, indices))
+                loss = out if isinstance(out, torch.Tensor) else out.loss
                 grads = torch.autograd.grad(loss / len(groups), params, allow_unused=True)
                 values.append(float(loss.detach()))
                 for p, g in zip(params, grads):
@@ -196,7 +211,7 @@ def _check_against_reference(out: Path, case: CPCase, world: int, ckptdir: Path)
         steps += s
         losses += lo
     assert len(steps) == case.steps
-    ref, ref_losses, ref_grads = _reference(case, steps, ckptdir)
+    ref, ref_losses, ref_grads = _reference(case, steps, ckptdir, out / f"{case.name}.init.pt")
     loss_err = [abs(a - e) / abs(e) for a, e in zip(losses, ref_losses)]
     assert max(loss_err) < TOL, (losses, ref_losses)
     grad_err = _grad_errors(torch.load(out / f"{case.name}.grad.pt"), ref_grads)
@@ -219,6 +234,15 @@ def test_context_parallel_equals_no_context_parallel(two: Path) -> None:
         a, b = torch.load(two / f"{cp}.{kind}"), torch.load(two / f"{plain}.{kind}")
         errors = {n: float((a[n] - b[n]).norm() / b[n].norm().clamp_min(1e-12)) for n in b}
         assert max(errors.values()) < tol, (kind, sorted(errors.items(), key=lambda kv: -kv[1])[:3])
+
+
+def test_logged_loss_is_the_global_loss(two: Path, four: Path) -> None:
+    """``train/loss`` (synchronised over all ranks) is the loss of the global batch: the ranks of a
+    context-parallel group each hold the whole-sequence loss, so the mean over ranks counts each sample once."""
+    for out, name, world in ((two, "qwen3-cp2-len15", 2), (four, "qwen3-dp2xcp2-len15-recompute", 4)):
+        ranks = _ranks(out, name, world)
+        _, losses = _global_steps(ranks, 0, CASES[name].cp)
+        assert ranks[0]["metrics"]["train/loss"] == pytest.approx(losses[-1], rel=1e-6)
 
 
 @pytest.mark.parametrize("name", [c.name for c in FOUR_RANK_CASES])
