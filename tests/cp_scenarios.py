@@ -42,6 +42,8 @@ class CPCase:
     steps: int = 3
     custom: bool = False
     """``TinyAttentionLM`` in an MMLightningModule with ``handles_context_parallel = True`` (family: the data)."""
+    left_pad: int = 0
+    """Left-pad the odd samples by this many tokens (a padding ``attention_mask``)."""
     resume_at: int | None = None
     resume_cp: int = 1
     """With ``resume_at``: train ``resume_at`` steps with ``cp``, save, resume with ``resume_cp`` to ``steps``."""
@@ -55,6 +57,7 @@ TWO_RANK_CASES = [
     CPCase("qwen3-cp2-len16", "qwen3", 16),
     CPCase("qwen3-nocp-len16", "qwen3", 16, cp=1),
     CPCase("qwen3-cp2-len15", "qwen3", 15),
+    CPCase("qwen3-cp2-len15-padding-mask", "qwen3", 15, left_pad=3),
     CPCase("qwen2_5_vl-cp2-len15", "qwen2_5_vl", 15),
     CPCase("custom-cp2-len15", "qwen3", 15, custom=True),
     CPCase("qwen2_5_vl-cp2-len16-recompute", "qwen2_5_vl", 16, fsdp2=_recompute("qwen2_5_vl", False)),
@@ -71,8 +74,8 @@ CASES = {c.name: c for c in [*TWO_RANK_CASES, *RESUME_CASES, *FOUR_RANK_CASES, B
 class CPData(torch.utils.data.Dataset):
     """The parity samples cut to ``seq_len`` tokens, with their index."""
 
-    def __init__(self, family: str, seq_len: int, n: int = SAMPLES) -> None:
-        self.data, self.seq_len = IndexedData(family, n), seq_len
+    def __init__(self, family: str, seq_len: int, n: int = SAMPLES, left_pad: int = 0) -> None:
+        self.data, self.seq_len, self.left_pad = IndexedData(family, n), seq_len, left_pad
 
     def __len__(self) -> int:
         return len(self.data)
@@ -81,11 +84,14 @@ class CPData(torch.utils.data.Dataset):
         sample = dict(self.data[i])
         for key in ("input_ids", "attention_mask", "labels"):
             sample[key] = sample[key][: self.seq_len]
+        if self.left_pad and i % 2:  # odd samples left-padded; no target is predicted from a padded position
+            sample["attention_mask"][: self.left_pad] = 0
+            sample["labels"][: self.left_pad + 1] = -100
         return sample
 
 
 def batch_of(case: CPCase, indices: list[int]) -> dict[str, torch.Tensor]:
-    data = CPData(case.family, case.seq_len)
+    data = CPData(case.family, case.seq_len, left_pad=case.left_pad)
     batch = torch.utils.data.default_collate([data[i] for i in indices])
     batch.pop("index")
     return model_inputs(batch)
@@ -195,7 +201,7 @@ def _fit(case: CPCase, cp: int, ckptdir: Path, outdir: Path, max_steps: int, dev
         enable_progress_bar=False, enable_model_summary=False, num_sanity_val_steps=0, default_root_dir=outdir,
         strategy=MMFSDP2Strategy({"sharding_size": "auto", **case.fsdp2}, context_parallel_size=cp),
     )
-    loader = torch.utils.data.DataLoader(CPData(case.family, case.seq_len),
+    loader = torch.utils.data.DataLoader(CPData(case.family, case.seq_len, left_pad=case.left_pad),
                                          batch_size=GLOBAL_BATCH * cp // devices)
     trainer.fit(module, train_dataloaders=loader, ckpt_path=ckpt_path)
     return record, (trainer, module)

@@ -49,6 +49,8 @@ class _State:
 
     group: Any = None
     key_valid: Tensor | None = None
+    all_valid: bool = True
+    """No padding in the caller's attention mask (only the end padding to a multiple of ``C``)."""
     labels: Tensor | None = None
 
 
@@ -67,8 +69,14 @@ def _ulysses(inner: str) -> Any:
             raise ContextParallelError("sliding-window attention is not supported under context parallelism")
         group = _STATE.group
         q, k, v = (all_to_all(t, 1, 2, group) for t in (query, key, value))  # (B, H/C, S, D)
-        mask = _full_mask(q, getattr(module, "is_causal", True))
+        causal = getattr(module, "is_causal", True)
         kwargs.pop("is_causal", None)
+        if inner == "sdpa" and causal and _STATE.all_valid:
+            # Only end padding: causal attention alone keeps real tokens off the padded keys, and sdpa can use
+            # its flash kernel without an O(S^2) mask.
+            mask, kwargs["is_causal"] = None, True
+        else:
+            mask = _full_mask(q, causal)
         # The model's own eager function (the same math in every family), else Llama's.
         eager = getattr(sys.modules.get(type(module).__module__), "eager_attention_forward", eager_attention_forward)
         fn = eager if inner == "eager" else sdpa_attention_forward
@@ -164,6 +172,7 @@ def _split_decoder_inputs(decoder: nn.Module, args: tuple, kwargs: dict[str, Any
     valid = mask.bool() if mask is not None else torch.ones(1, seq, dtype=torch.bool, device=embeds.device)
     size = torch.distributed.get_world_size(group)
     padded = -(-seq // size) * size
+    _STATE.all_valid = mask is None or bool(mask.all())
     _STATE.key_valid = torch.cat([valid, valid.new_zeros(valid.shape[0], padded - seq)], dim=1)
     kwargs.update(
         input_ids=None,
