@@ -59,6 +59,7 @@ TWO_RANK_CASES = [
     CPCase("qwen3-cp2-len15", "qwen3", 15),
     CPCase("qwen3-cp2-len15-padding-mask", "qwen3", 15, left_pad=3),
     CPCase("qwen2_5_vl-cp2-len15", "qwen2_5_vl", 15),
+    CPCase("internvl-cp2-len15", "internvl", 15),
     CPCase("custom-cp2-len15", "qwen3", 15, custom=True),
     CPCase("qwen2_5_vl-cp2-len16-recompute", "qwen2_5_vl", 16, fsdp2=_recompute("qwen2_5_vl", False)),
 ]

@@ -102,7 +102,7 @@ def _launch(group: str, outdir: Path, ckptdir: Path, timeout: int = 420) -> None
 @pytest.fixture(scope="module")
 def ckptdir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     directory = tmp_path_factory.mktemp("cp_ckpt")
-    save_tiny_checkpoints(directory, ["qwen3", "qwen2_5_vl"])
+    save_tiny_checkpoints(directory, ["qwen3", "qwen2_5_vl", "internvl"])
     return directory
 
 

@@ -189,7 +189,8 @@ def split_sequence(t: Tensor, dim: int, group: Any, pad_value: float | int = 0) 
         shape = list(t.shape)
         shape[dim] = padded - length
         t = torch.cat([t, t.new_full(shape, pad_value)], dim=dim)
-    return t.narrow(dim, rank * (padded // size), padded // size)
+    # A copy, not a view: a view would keep the whole-sequence tensor (e.g. the embeddings) alive until backward.
+    return t.narrow(dim, rank * (padded // size), padded // size).clone()
 
 
 class _AllToAll(torch.autograd.Function):
