@@ -29,7 +29,7 @@ __all__ = ["main", "Launch", "parse_script", "parse_args", "migrate", "STRATEGY_
 STRATEGY_ARGS = frozenset({
     "fsdp2_config", "accelerator", "parallel_devices", "cluster_environment", "checkpoint_io", "precision_plugin",
     "process_group_backend", "timeout", "empty_init", "checkpoint_format", "strict_loading", "fused_optimizer_step",
-    "stop_timeout",
+    "stop_timeout", "context_parallel_size", "context_parallel_algo",
 })
 # The seed's functions and where each goes (MMLightningModule / MMDataModule arguments).
 SEED_FUNCTIONS = {
@@ -358,6 +358,16 @@ def migrate(launch: Launch, base_dir: Path | None = None, import_root: Path | No
             elif flag == "--mm-model":
                 out.unmapped.append(f"{shown}: MindSpeed's model.json has no direct equivalent; build the model in "
                                     "model_provider (or TransformersModel) from it")
+            elif flag in ("--context-parallel-size", "--context-parallel-algo"):  # context parallelism
+                key = flag.removeprefix("--").replace("-", "_")
+                if key == "context_parallel_size":
+                    values["cp"] = int(_number(value, flag))
+                    strategy(key, values["cp"], shown)
+                elif value in ("ulysses_cp_algo", "ulysses"):
+                    strategy(key, "ulysses", shown)
+                else:
+                    raise ValueError("only Ulysses context parallelism (ulysses_cp_algo) is supported")
+                out.mapped.append(f"{shown} -> trainer.strategy.init_args.{key}")
             elif flag == "--untie-embeddings-and-output-weights":
                 out.unmapped.append(f"{shown}: a model property; build untied embedding/output weights in "
                                     "model_provider (tied ones are grouped into one FSDP unit automatically)")
@@ -377,6 +387,8 @@ def migrate(launch: Launch, base_dir: Path | None = None, import_root: Path | No
             out.unmapped.append("--lr-warmup-fraction: needs --train-iters to become a step count")
     if "gbs" in values:
         mbs = values.get("mbs", 1)
+        if world and values.get("cp", 1) > 1 and world % values["cp"] == 0:
+            world //= values["cp"]  # the ranks of a context-parallel group share their samples
         if world and values["gbs"] % (mbs * world) == 0:
             _set(cfg, "trainer.accumulate_grad_batches", values["gbs"] // (mbs * world))
             out.mapped.append(f"--global-batch-size {values['gbs']} -> trainer.accumulate_grad_batches "

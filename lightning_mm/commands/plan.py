@@ -65,7 +65,7 @@ def _load_cli(cli_args: Sequence[str]) -> Any:
 
 
 def plan_from_cli_config(cli_args: Sequence[str], world_size: int | None = None, optimizer_states: int = 2,
-                         trace_order: bool = False) -> str:
+                         trace_order: bool = False, seq_length: int | None = None) -> str:
     """Build the plan for a LightningCLI argument list (``["--config", "cfg.yaml", ...]``) and describe it."""
     from lightning_mm import MMFSDP2Strategy, MMLightningModule
     from lightning_mm.strategies.config import FSDP2Config
@@ -103,7 +103,14 @@ def plan_from_cli_config(cli_args: Sequence[str], world_size: int | None = None,
     else:
         order = ("  prefetch order: decided at the first training step (--trace-order shows it from one batch on the "
                  "meta device; it sets up the data module)")
-    return plan.describe() + "\n" + order + "\n" + memory.describe()
+    text = plan.describe() + "\n" + order + "\n" + memory.describe()
+    cp = strategy.context_parallel_size if isinstance(strategy, MMFSDP2Strategy) else 1
+    if cp > 1 or seq_length:
+        from lightning_mm.modules.cp_attention import context_parallel_summary
+
+        text += "\n" + context_parallel_summary(target, world, cp, strategy._context_parallel.algo
+                                                if isinstance(strategy, MMFSDP2Strategy) else "ulysses", seq_length)
+    return text
 
 
 def _execution_order(module: Any, target: Any, plan: Any, datamodule: Any) -> str:
@@ -143,12 +150,15 @@ def main(argv: Sequence[str]) -> int:
                         help="optimiser tensors per parameter (2 for Adam/AdamW)")
     parser.add_argument("--trace-order", action="store_true",
                         help="also show the units' execution order from one batch (sets up the data module)")
+    parser.add_argument("--seq-length", type=int, default=None,
+                        help="tokens per sequence: show the tokens and decoder activation memory per rank")
     args, rest = parser.parse_known_args(list(argv))
     if not rest:
         parser.error("give the LightningCLI config, e.g. --config cfg.yaml")
     if args.world_size is not None and args.world_size < 1:
         parser.error("--world-size must be positive")
-    print(plan_from_cli_config(rest, args.world_size, args.optimizer_states, args.trace_order))
+    print(plan_from_cli_config(rest, args.world_size, args.optimizer_states, args.trace_order,
+                               args.seq_length))
     return 0
 
 

@@ -145,6 +145,19 @@ class MMLightningModule(L.LightningModule):
             f"{type(self).__name__}.loss_func cannot find a loss in a {type(output).__name__}; override loss_func"
         )
 
+    # ------------------------------------------------------------------------ context parallelism
+    handles_context_parallel: bool = False
+    """``True``: this module's model runs its own attention context-parallel (with the helpers of
+    ``lightning_mm.strategies.context_parallel``) instead of the strategy routing a Transformers model's."""
+
+    @property
+    def context_parallel_group(self) -> Any:
+        """The process group of this rank's context-parallel group (``MMFSDP2Strategy(context_parallel_size=C)``),
+        ``None`` without context parallelism: pass it to ``split_sequence``, ``ulysses_attention`` and
+        ``context_parallel_loss``."""
+        trainer = attached_trainer(self)
+        return getattr(trainer.strategy, "context_parallel_group", None) if trainer is not None else None
+
     # ------------------------------------------------------------------------ Lightning wiring
     def configure_model(self) -> None:
         if self.model is None:
@@ -221,11 +234,14 @@ class MMLightningModule(L.LightningModule):
             self.log("train/lr", float(optimizers[0].param_groups[0]["lr"]), batch_size=size, rank_zero_only=True)
         if not self._writes_step_logs():
             return
+        # The ranks of a context-parallel group share their samples: each counts 1/C of them.
+        cp = getattr(self.trainer.strategy, "context_parallel_size", 1)
         if size:  # local rates, summed over ranks into global ones
-            self.log("train/samples_per_sec", size / elapsed, sync_dist=True, reduce_fx="sum", batch_size=size)
+            self.log("train/samples_per_sec", size / elapsed / cp, sync_dist=True, reduce_fx="sum", batch_size=size)
         tokens = _token_count(batch)
         if tokens:
-            self.log("train/tokens_per_sec", tokens / elapsed, sync_dist=True, reduce_fx="sum", batch_size=size)
+            self.log("train/tokens_per_sec", tokens / elapsed / cp, sync_dist=True, reduce_fx="sum",
+                     batch_size=size)
 
     def on_before_optimizer_step(self, optimizer: torch.optim.Optimizer) -> None:
         if self.log_grad_norm and self._writes_step_logs():

@@ -42,6 +42,7 @@ from lightning_mm.strategies import apply, checkpoint, stopping
 from lightning_mm.strategies import checkpoint as ckpt  # where a Lightning parameter is named `checkpoint`
 from lightning_mm.strategies.backend import process_group_backend
 from lightning_mm.strategies.config import FSDP2Config
+from lightning_mm.strategies.cp_setup import ContextParallelSetup
 from lightning_mm.strategies.grad_mode import leave_inference_mode, outside_inference_mode
 from lightning_mm.strategies.init_context import meta_parameters
 from lightning_mm.strategies.optimizer import use_fused_steps
@@ -119,6 +120,10 @@ class MMFSDP2Strategy(ParallelStrategy):
             ``False`` leaves the implementation to torch.
         stop_timeout: seconds within which the other ranks stop when one rank process is gone (a SIGTERM, a crash,
             a kill), see ``lightning_mm.strategies.stopping``. A rank stopped by SIGTERM exits with status 143.
+        context_parallel_size: ``C`` > 1 turns on Ulysses context parallelism: ``C`` consecutive ranks share
+            samples, each holding ``seq / C`` tokens (see ``lightning_mm.strategies.context_parallel``).
+            Parameters stay sharded over all ranks; the sampler runs over ``world / C`` data-parallel ranks.
+        context_parallel_algo: ``"ulysses"`` (MindSpeed MM's ``ulysses_cp_algo`` is accepted as the same).
 
     ``Trainer(sync_batchnorm=True)`` converts the BatchNorm layers to ``torch.nn.SyncBatchNorm`` before sharding (as
     DDP and FSDP do). ``StochasticWeightAveraging`` is refused at setup: its averaging mixes DTensor and plain
@@ -145,6 +150,8 @@ class MMFSDP2Strategy(ParallelStrategy):
         strict_loading: bool | None = None,
         fused_optimizer_step: bool = True,
         stop_timeout: float = 30.0,
+        context_parallel_size: int = 1,
+        context_parallel_algo: str = "ulysses",
     ) -> None:
         super().__init__(
             accelerator=accelerator,
@@ -176,6 +183,7 @@ class MMFSDP2Strategy(ParallelStrategy):
             raise ValueError(f"stop_timeout must be a positive number of seconds, got {stop_timeout!r}")
         self.stop_timeout = float(stop_timeout)
         self._guard: RunGuard | None = None
+        self._context_parallel = ContextParallelSetup(context_parallel_size, context_parallel_algo)
 
     # ------------------------------------------------------------------------------------ properties
     @property
@@ -202,6 +210,15 @@ class MMFSDP2Strategy(ParallelStrategy):
         if self._plan is None:
             raise RuntimeError("The sharding plan is built in `setup()`; it is not available yet.")
         return self._plan
+
+    @property
+    def context_parallel_group(self) -> Any:
+        """The context-parallel process group of this rank (``None`` when ``context_parallel_size`` is 1)."""
+        return self._context_parallel.group
+
+    @property
+    def context_parallel_size(self) -> int:
+        return self._context_parallel.size
 
     @property
     def device_mesh(self) -> DeviceMesh:
@@ -231,6 +248,8 @@ class MMFSDP2Strategy(ParallelStrategy):
     @property
     @override
     def distributed_sampler_kwargs(self) -> dict[str, Any]:
+        if self._context_parallel.enabled:  # the ranks of a context-parallel group read the same samples
+            return self._context_parallel.sampler_kwargs(self.global_rank)
         # FSDP and HSDP are both data parallel over every rank: the data-parallel rank is the flat mesh index.
         mesh = self.device_mesh
         if mesh.ndim == 1:
@@ -294,6 +313,7 @@ class MMFSDP2Strategy(ParallelStrategy):
         self._device_mesh = apply.build_device_mesh(self.world_size, sharding, self.root_device.type)
         assert self.lightning_module is not None
         set_device_mesh(self.lightning_module, self._device_mesh)
+        self._context_parallel.setup(self.world_size, self.root_device.type)
 
     def _check_callbacks(self) -> None:
         """Refuse, before any process group or epoch, the callbacks that cannot work on sharded parameters."""
@@ -434,6 +454,7 @@ class MMFSDP2Strategy(ParallelStrategy):
         assert root_converted is root
         self._plan = plan = build_plan(config, target, self.world_size, precision)
         rank_zero_info(plan.describe())
+        self._context_parallel.apply(root, target)
 
         ignored_modules = [target.get_submodule(p) for p in plan.ignored]
         ignored = apply.ignored_parameters(target, plan)

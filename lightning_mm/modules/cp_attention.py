@@ -1,0 +1,220 @@
+"""Ulysses context parallelism for Hugging Face models, without user code.
+
+:func:`enable_context_parallel` prepares a Transformers model for a context-parallel group:
+
+* its text decoder (``model.get_decoder()``: ``Qwen3Model``, Qwen2.5-VL's / InternVL's ``language_model``) gets a
+  forward pre-hook that takes the decoder's inputs for the whole sequence (token embeddings, or the embeddings in
+  which a VLM has already placed its image/video features; position ids, including Qwen2.5-VL's 3-D multimodal
+  RoPE positions, which the model computed for the whole sequence) and keeps this rank's slice of them. The
+  sequence is padded at its end to a multiple of ``C``; padded keys are masked, padded targets ignored;
+* the decoder's ``config._attn_implementation`` becomes ``ulysses_<inner>``, registered in Transformers'
+  ``AttentionInterface``: an all-to-all to (whole sequence, ``heads / C``), the configured ``eager`` or ``sdpa``
+  attention with a causal + padding mask of the whole sequence, and the inverse all-to-all. Every model whose
+  decoder attention calls ``ALL_ATTENTION_FUNCTIONS`` is routed;
+* the model gets a pre-hook that takes ``labels`` out of the call and a hook that puts the loss of the whole
+  sequences (:func:`~lightning_mm.strategies.context_parallel.context_parallel_loss`) into ``output.loss``.
+
+The vision tower and the embeddings run on whole sequences on each rank of the group (their activations are
+small next to the decoder's); the decoder layers, the final norm and the LM head see ``seq / C`` tokens.
+Generation (a key/value cache) is not supported under context parallelism.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+
+from lightning_mm.strategies.context_parallel import (
+    IGNORE_INDEX,
+    ContextParallelError,
+    activation_bytes_estimate,
+    all_to_all,
+    check_heads,
+    context_parallel_loss,
+    context_parallel_plan,
+    shift_labels,
+    split_sequence,
+)
+
+__all__ = ["ROUTABLE", "enable_context_parallel", "find_hf_model", "check_routable", "context_parallel_summary"]
+
+ROUTABLE = ("eager", "sdpa")
+PREFIX = "ulysses_"
+
+
+class _State:
+    """What the attention function needs of the current forward: the group and the keys that are real."""
+
+    group: Any = None
+    key_valid: Tensor | None = None
+    all_valid: bool = True
+    """No padding in the caller's attention mask (only the end padding to a multiple of ``C``)."""
+    labels: Tensor | None = None
+
+
+_STATE = _State()
+
+
+def _ulysses(inner: str) -> Any:
+    def attention(module: nn.Module, query: Tensor, key: Tensor, value: Tensor, attention_mask: Tensor | None,
+                  **kwargs: Any) -> tuple[Tensor, None]:
+        import sys
+
+        from transformers.integrations.sdpa_attention import sdpa_attention_forward
+        from transformers.models.llama.modeling_llama import eager_attention_forward
+
+        if kwargs.get("sliding_window") is not None:
+            raise ContextParallelError("sliding-window attention is not supported under context parallelism")
+        group = _STATE.group
+        q, k, v = (all_to_all(t, 1, 2, group) for t in (query, key, value))  # (B, H/C, S, D)
+        causal = getattr(module, "is_causal", True)
+        kwargs.pop("is_causal", None)
+        if inner == "sdpa" and causal and _STATE.all_valid:
+            # Only end padding: causal attention alone keeps real tokens off the padded keys, and sdpa can use
+            # its flash kernel without an O(S^2) mask.
+            mask, kwargs["is_causal"] = None, True
+        else:
+            mask = _full_mask(q, causal)
+        # The model's own eager function (the same math in every family), else Llama's.
+        eager = getattr(sys.modules.get(type(module).__module__), "eager_attention_forward", eager_attention_forward)
+        fn = eager if inner == "eager" else sdpa_attention_forward
+        out, _ = fn(module, q, k, v, mask, **kwargs)  # (B, S, H/C, D)
+        return all_to_all(out, 1, 2, group), None  # (B, S/C, H, D)
+
+    attention.__name__ = f"{PREFIX}{inner}"
+    return attention
+
+
+def _full_mask(q: Tensor, causal: bool) -> Tensor:
+    """An additive ``(B, 1, S, S)`` mask of the whole padded sequence: causal, padded keys masked."""
+    s = q.shape[2]
+    allowed = torch.ones(s, s, dtype=torch.bool, device=q.device)
+    if causal:
+        allowed = torch.tril(allowed)
+    allowed = allowed[None, None]
+    if _STATE.key_valid is not None:
+        allowed = allowed & _STATE.key_valid[:, None, None, :].to(q.device)
+    zero = torch.zeros((), dtype=q.dtype, device=q.device)
+    return torch.where(allowed, zero, torch.finfo(q.dtype).min)
+
+
+def _register() -> None:
+    from transformers import AttentionInterface
+
+    for inner in ROUTABLE:
+        AttentionInterface.register(f"{PREFIX}{inner}", _ulysses(inner))
+
+
+def find_hf_model(root: nn.Module) -> nn.Module | None:
+    """The outermost Transformers ``PreTrainedModel`` in ``root`` (``root`` itself included), or ``None``."""
+    try:
+        from transformers import PreTrainedModel
+    except ImportError:  # pragma: no cover - transformers is an optional extra
+        return None
+    return next((m for m in root.modules() if isinstance(m, PreTrainedModel)), None)
+
+
+def check_routable(model: nn.Module, size: int) -> nn.Module:
+    """The decoder of ``model`` if its attention can run under Ulysses with ``size`` ranks; else a clear error."""
+    name = type(model).__name__
+    try:
+        decoder = model.get_decoder()
+    except Exception as err:  # noqa: BLE001 - Transformers raises several kinds for models without a decoder
+        raise ContextParallelError(f"{name}: no text decoder to run context-parallel ({err})") from None
+    config = decoder.config
+    impl = config._attn_implementation or "eager"
+    inner = impl.removeprefix(PREFIX)
+    if inner not in ROUTABLE:
+        raise ContextParallelError(
+            f"{name}: attention implementation {impl!r} cannot be routed through Ulysses context parallelism "
+            f"(supported: {ROUTABLE}); load the model with attn_implementation='sdpa' or 'eager'"
+        )
+    heads = getattr(config, "num_attention_heads", None)
+    if heads is None:
+        raise ContextParallelError(f"{name}: its decoder config has no num_attention_heads; cannot split heads")
+    check_heads(heads, getattr(config, "num_key_value_heads", None), size, name)
+    return decoder
+
+
+def enable_context_parallel(model: nn.Module, group: Any) -> nn.Module:
+    """Route ``model`` (a Transformers model) through Ulysses over ``group``; returns its decoder."""
+    size = torch.distributed.get_world_size(group)
+    decoder = check_routable(model, size)
+    _register()
+    decoder.config._attn_implementation = PREFIX + (decoder.config._attn_implementation or "eager").removeprefix(
+        PREFIX)
+    _STATE.group = group
+    decoder.register_forward_pre_hook(_split_decoder_inputs, with_kwargs=True)
+    model.register_forward_pre_hook(_take_labels, with_kwargs=True)
+    model.register_forward_hook(_put_loss)
+    return decoder
+
+
+def _split_decoder_inputs(decoder: nn.Module, args: tuple, kwargs: dict[str, Any]) -> tuple[tuple, dict[str, Any]]:
+    group = _STATE.group
+    if args:  # input_ids given positionally
+        kwargs = {"input_ids": args[0], **kwargs}
+        args = ()
+    if kwargs.get("cache") is not None or kwargs.get("past_key_values") is not None:
+        raise ContextParallelError("generation with a key/value cache is not supported under context parallelism")
+    embeds = kwargs.get("inputs_embeds")
+    if embeds is None:
+        embeds = decoder.get_input_embeddings()(kwargs["input_ids"])
+    batch, seq = embeds.shape[:2]
+    positions = kwargs.get("position_ids")
+    if positions is None:
+        positions = torch.arange(seq, device=embeds.device).expand(batch, seq)
+    mask = kwargs.get("attention_mask")
+    if mask is not None and (not isinstance(mask, Tensor) or mask.ndim != 2):
+        raise ContextParallelError("context parallelism takes a 2-D (batch, seq) padding attention_mask or none")
+    valid = mask.bool() if mask is not None else torch.ones(1, seq, dtype=torch.bool, device=embeds.device)
+    size = torch.distributed.get_world_size(group)
+    padded = -(-seq // size) * size
+    _STATE.all_valid = mask is None or bool(mask.all())
+    _STATE.key_valid = torch.cat([valid, valid.new_zeros(valid.shape[0], padded - seq)], dim=1)
+    kwargs.update(
+        input_ids=None,
+        inputs_embeds=split_sequence(embeds, 1, group),
+        position_ids=split_sequence(positions, positions.ndim - 1, group),
+        attention_mask=None,
+        use_cache=False,
+    )
+    return args, kwargs
+
+
+def _take_labels(model: nn.Module, args: tuple, kwargs: dict[str, Any]) -> tuple[tuple, dict[str, Any]]:
+    _STATE.labels = kwargs.pop("labels", None)
+    return args, kwargs
+
+
+def _put_loss(model: nn.Module, args: tuple, output: Any) -> Any:
+    labels, _STATE.labels = _STATE.labels, None
+    if labels is None:
+        return output
+    targets = split_sequence(shift_labels(labels), labels.ndim - 1, _STATE.group, pad_value=IGNORE_INDEX)
+    loss = context_parallel_loss(output.logits, targets, _STATE.group)
+    if isinstance(output, dict):  # a ModelOutput: key and attribute
+        output["loss"] = loss
+    else:
+        output.loss = loss
+    return output
+
+
+def context_parallel_summary(target: nn.Module, world_size: int, size: int, algo: str = "ulysses",
+                             seq_len: int | None = None) -> str:
+    """The context-parallel part of ``lightning-mm plan``: the mesh, the checks of :func:`check_routable`, and
+    with ``seq_len`` the tokens and (estimated, 16-bit) decoder activation memory per rank for one sequence."""
+    plan = context_parallel_plan(world_size, size, algo)
+    model = find_hf_model(target)
+    activations = None
+    if model is not None:
+        decoder = check_routable(model, size) if plan.enabled else model.get_decoder()
+        config = decoder.config
+        if seq_len and getattr(config, "hidden_size", None) and getattr(config, "num_hidden_layers", None):
+            activations = activation_bytes_estimate(config.hidden_size, config.num_hidden_layers, seq_len)
+    elif plan.enabled:
+        raise ContextParallelError(f"context_parallel_size {size}: {type(target).__name__} is not a Transformers "
+                                   "model; its LightningModule must set `handles_context_parallel = True`")
+    return plan.describe(seq_len, activations)

@@ -1,0 +1,73 @@
+"""The strategy's side of context parallelism: check the settings, build the ``(dp, cp)`` mesh, route the model.
+
+Kept out of ``fsdp2.py`` so that the strategy only calls :class:`ContextParallelSetup` at three points: the
+arguments (``__init__``), the processes (``setup_environment``) and the model (``_shard``, before ``fully_shard``).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from lightning.pytorch.utilities.rank_zero import rank_zero_info
+from torch import nn
+
+from lightning_mm.strategies.context_parallel import (
+    ContextParallelError,
+    ContextParallelPlan,
+    build_context_parallel_mesh,
+    context_parallel_plan,
+)
+
+__all__ = ["ContextParallelSetup"]
+
+
+class ContextParallelSetup:
+    """``MMFSDP2Strategy(context_parallel_size=C, context_parallel_algo=...)`` from arguments to a routed model."""
+
+    def __init__(self, size: int, algo: str) -> None:
+        context_parallel_plan(size if isinstance(size, int) and size > 0 else 1, size, algo)  # argument errors now
+        self.size, self.algo = size, algo
+        self.plan: ContextParallelPlan | None = None
+        self.mesh: Any = None
+        self.group: Any = None
+
+    @property
+    def enabled(self) -> bool:
+        return self.size > 1
+
+    def setup(self, world_size: int, device_type: str) -> None:
+        """Check ``C`` against the world size and build the ``(dp, cp)`` mesh (every rank calls this)."""
+        self.plan = context_parallel_plan(world_size, self.size, self.algo)
+        if self.enabled:
+            self.mesh = build_context_parallel_mesh(self.plan, device_type)
+            self.group = self.mesh.get_group("cp")
+
+    def sampler_kwargs(self, global_rank: int) -> dict[str, Any]:
+        assert self.plan is not None
+        return {"num_replicas": self.plan.data_parallel_size, "rank": self.plan.data_parallel_rank(global_rank)}
+
+    def apply(self, root: nn.Module, target: nn.Module) -> None:
+        """Route the model's attention through Ulysses, or refuse a model whose attention cannot be routed.
+
+        A LightningModule with ``handles_context_parallel = True`` runs its own attention through
+        :func:`~lightning_mm.strategies.context_parallel.ulysses_attention`; otherwise the Transformers model in
+        ``target`` is routed (:func:`~lightning_mm.modules.cp_attention.enable_context_parallel`).
+        """
+        if not self.enabled:
+            return
+        assert self.plan is not None
+        rank_zero_info(self.plan.describe())
+        if getattr(root, "handles_context_parallel", False):
+            return
+        from lightning_mm.modules.cp_attention import enable_context_parallel, find_hf_model
+
+        model = find_hf_model(target)
+        if model is None:
+            raise ContextParallelError(
+                f"context_parallel_size {self.size}: the attention of {type(target).__name__} cannot be routed "
+                "(no Transformers model in it). For a custom model, split the batch with "
+                "lightning_mm.strategies.context_parallel.split_sequence, run attention through ulysses_attention, "
+                "compute the loss with context_parallel_loss, and set `handles_context_parallel = True` on the "
+                "LightningModule"
+            )
+        enable_context_parallel(model, self.group)

@@ -1,0 +1,304 @@
+"""Ulysses context parallelism: the plan and its errors in-process; training on 2 and 4 real gloo ranks against the
+same model without context parallelism and against a one-process Transformers model (``tests/cp_scenarios.py``).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from tests.cp_scenarios import (
+    BAD_CASE,
+    CASES,
+    FOUR_RANK_CASES,
+    RESUME_CASES,
+    TWO_RANK_CASES,
+    CPCase,
+    TinyAttentionLM,
+    batch_of,
+)
+from tests.hf_scenarios import save_tiny_checkpoints, tiny_hf_model
+from tests.parity import LR, NOISE, Reference, weight_errors
+
+ROOT = Path(__file__).resolve().parents[1]
+TOL = 1e-5
+WEIGHT_TOL = 1e-4
+"""Weights after several AdamW steps: Adam divides each gradient element by its own running size, which magnifies
+the rounding of small elements. The one-process reference itself, fed the same samples one at a time instead of
+two at a time (the same sums in another order), moves Qwen2.5-VL's key biases and LM head by up to 2.7e-5."""
+
+
+# ------------------------------------------------------------------------------------- in-process: deciding
+def test_plan_layout_and_description() -> None:
+    from lightning_mm.strategies.context_parallel import context_parallel_plan
+
+    plan = context_parallel_plan(8, 2, "ulysses_cp_algo")
+    assert plan.algo == "ulysses" and plan.mesh_shape == (4, 2) and plan.mesh_dim_names == ("dp", "cp")
+    assert plan.groups() == [[0, 1], [2, 3], [4, 5], [6, 7]]
+    assert [plan.data_parallel_rank(r) for r in range(8)] == [0, 0, 1, 1, 2, 2, 3, 3]
+    assert (plan.padded_length(15), plan.local_length(15)) == (16, 8)
+    text = plan.describe(seq_len=15, activation_bytes=2**30)
+    assert "mesh (dp=4 x cp=2)" in text and "15 tokens -> 8 per rank (1 padding)" in text
+    assert "546.1 MiB" in text and "1,024.0 MiB" in text  # 1 GiB x 8 / 15 per rank
+
+
+@pytest.mark.parametrize("world,size,algo,message", [
+    (6, 4, "ulysses", "does not divide the world size 6"),
+    (4, 2, "ring", "'ring' is not supported"),
+    (4, 0, "ulysses", "must be a positive integer"),
+])
+def test_bad_settings(world: int, size: int, algo: str, message: str) -> None:
+    from lightning_mm.strategies.context_parallel import ContextParallelError, context_parallel_plan
+
+    with pytest.raises(ContextParallelError, match=message):
+        context_parallel_plan(world, size, algo)
+
+
+def test_strategy_refuses_a_bad_algorithm_at_construction() -> None:
+    from lightning_mm import MMFSDP2Strategy
+    from lightning_mm.strategies.context_parallel import ContextParallelError
+
+    with pytest.raises(ContextParallelError, match="not supported"):
+        MMFSDP2Strategy(context_parallel_algo="ring")
+    assert MMFSDP2Strategy(context_parallel_size=2).context_parallel_size == 2
+
+
+def test_heads_and_routing_errors() -> None:
+    from lightning_mm.modules.cp_attention import check_routable
+    from lightning_mm.strategies.context_parallel import ContextParallelError
+    from lightning_mm.strategies.cp_setup import ContextParallelSetup
+
+    model = tiny_hf_model("qwen3")  # 4 heads, 2 key/value heads
+    assert check_routable(model, 2) is model.model
+    with pytest.raises(ContextParallelError, match="2 key/value heads do not divide by context_parallel_size 4"):
+        check_routable(model, 4)
+    model.config._attn_implementation = "flash_attention_2"
+    with pytest.raises(ContextParallelError, match="'flash_attention_2' cannot be routed"):
+        check_routable(model, 2)
+    from lightning_mm.strategies.context_parallel import context_parallel_plan
+
+    setup = ContextParallelSetup(2, "ulysses")
+    setup.plan = context_parallel_plan(2, 2)  # what setup() decides; its mesh needs processes
+    with pytest.raises(ContextParallelError, match="cannot be routed .no Transformers model"):
+        setup.apply(torch.nn.Module(), torch.nn.Linear(2, 2))
+
+
+# --------------------------------------------------------------------------------------- distributed runs
+def _launch(group: str, outdir: Path, ckptdir: Path, timeout: int = 420) -> None:
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
+    env.pop("LOCAL_RANK", None)
+    proc = subprocess.run([sys.executable, str(ROOT / "tests" / "cp_scenarios.py"), group, str(outdir),
+                           str(ckptdir)], cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
+    assert proc.returncode == 0, f"cp_scenarios {group} failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}"
+
+
+@pytest.fixture(scope="module")
+def ckptdir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    directory = tmp_path_factory.mktemp("cp_ckpt")
+    save_tiny_checkpoints(directory, ["qwen3", "qwen2_5_vl", "internvl"])
+    return directory
+
+
+@pytest.fixture(scope="module")
+def two(tmp_path_factory: pytest.TempPathFactory, ckptdir: Path) -> Path:
+    out = tmp_path_factory.mktemp("cp_two")
+    _launch("two", out, ckptdir)
+    return out
+
+
+@pytest.fixture(scope="module")
+def four(tmp_path_factory: pytest.TempPathFactory, ckptdir: Path) -> Path:
+    out = tmp_path_factory.mktemp("cp_four")
+    _launch("four", out, ckptdir)
+    return out
+
+
+def _ranks(out: Path, name: str, world: int) -> list[dict[str, Any]]:
+    ranks = [json.loads((out / f"{name}.rank{r}.json").read_text()) for r in range(world)]
+    assert all(r["error"] is None for r in ranks), ranks[0]["error"]
+    return ranks
+
+
+def _global_steps(ranks: list[dict[str, Any]], part: int, cp: int) -> tuple[list[list[list[int]]], list[float]]:
+    """Per step, the samples of each data-parallel group; per step, the loss (mean over the groups).
+
+    The ranks of one context-parallel group must have seen the same samples and report the same loss.
+    """
+    records = [r["parts"][part] for r in ranks]
+    for first in range(0, len(records), cp):
+        for other in records[first + 1: first + cp]:
+            assert other["indices"] == records[first]["indices"]
+            assert other["losses"] == records[first]["losses"]
+    leaders = records[::cp]
+    steps = [list(group) for group in zip(*(r["indices"] for r in leaders))]
+    losses = [sum(v) / len(v) for v in zip(*(r["losses"] for r in leaders))]
+    return steps, losses
+
+
+def _reference(case: CPCase, steps: list[list[list[int]]], ckptdir: Path, initial: Path | None = None,
+               ) -> tuple[Reference, list[float], dict[str, torch.Tensor]]:
+    """Plain Transformers in one process: per step, the mean over the data-parallel groups of their losses."""
+    import transformers
+
+    from tests.hf_scenarios import FAMILIES
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        torch.manual_seed(0)
+        if case.custom:  # the strategy's initial weights, in one plain process
+            model = TinyAttentionLM()
+            model.load_state_dict(torch.load(initial))
+        else:
+            model = getattr(transformers, FAMILIES[case.family][0]).from_pretrained(
+                str(ckptdir / case.family), dtype=torch.float32)
+        model.train()
+        named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
+        params = [p for _, p in named]
+        small = {n: torch.ones_like(p, dtype=torch.bool) for n, p in named}
+        moved = {n: torch.zeros_like(p, dtype=torch.bool) for n, p in named}
+        optimizer = torch.optim.AdamW(params, lr=LR, weight_decay=0.0)
+        losses: list[float] = []
+        first_grads: dict[str, torch.Tensor] = {}
+        for groups in steps:
+            values = []
+            for indices in groups:
+                out = model(**batch_of(case, indices))
+                loss = out if isinstance(out, torch.Tensor) else out.loss
+                grads = torch.autograd.grad(loss / len(groups), params, allow_unused=True)
+                values.append(float(loss.detach()))
+                for p, g in zip(params, grads):
+                    if g is not None:
+                        p.grad = g if p.grad is None else p.grad + g
+            losses.append(sum(values) / len(values))
+            if not first_grads:
+                first_grads = {n: p.grad.clone() for n, p in named if p.grad is not None}
+            largest = max(float(p.grad.abs().max()) for p in params if p.grad is not None)
+            for n, p in named:
+                if p.grad is not None:
+                    small[n] &= p.grad.abs() <= NOISE * largest
+                    moved[n] |= p.grad != 0
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
+        final = {k: v.detach().clone() for k, v in model.named_parameters()}
+        noise = {n: small[n] & moved[n] for n in small}
+        return Reference(losses, final, {n: m for n, m in noise.items() if m.any()}), losses, first_grads
+    finally:
+        torch.set_num_threads(threads)
+
+
+def _grad_errors(actual: dict[str, torch.Tensor], expected: dict[str, torch.Tensor]) -> dict[str, float]:
+    """Per tensor, the gradient difference relative to the step's largest gradient norm."""
+    assert set(actual) == set(expected)
+    scale = max(float(g.norm()) for g in expected.values())
+    return {n: float((actual[n] - expected[n]).norm()) / max(float(expected[n].norm()), 1e-3 * scale)
+            for n in expected}
+
+
+def _check_against_reference(out: Path, case: CPCase, world: int, ckptdir: Path) -> None:
+    ranks = _ranks(out, case.name, world)
+    cps = [case.cp] if case.resume_at is None else [case.cp, case.resume_cp]
+    steps, losses = [], []
+    for part, cp in enumerate(cps):
+        s, lo = _global_steps(ranks, part, cp)
+        steps += s
+        losses += lo
+    assert len(steps) == case.steps
+    ref, ref_losses, ref_grads = _reference(case, steps, ckptdir, out / f"{case.name}.init.pt")
+    loss_err = [abs(a - e) / abs(e) for a, e in zip(losses, ref_losses)]
+    assert max(loss_err) < TOL, (losses, ref_losses)
+    grad_err = _grad_errors(torch.load(out / f"{case.name}.grad.pt"), ref_grads)
+    assert max(grad_err.values()) < TOL, sorted(grad_err.items(), key=lambda kv: -kv[1])[:3]
+    weight_err = weight_errors(torch.load(out / f"{case.name}.pt"), ref)
+    assert max(weight_err.values()) < WEIGHT_TOL, sorted(weight_err.items(), key=lambda kv: -kv[1])[:3]
+
+
+@pytest.mark.parametrize("name", [c.name for c in [*TWO_RANK_CASES, *RESUME_CASES]])
+def test_two_ranks_match_reference(two: Path, ckptdir: Path, name: str) -> None:
+    _check_against_reference(two, CASES[name], 2, ckptdir)
+
+
+def test_context_parallel_equals_no_context_parallel(two: Path) -> None:
+    cp, plain = "qwen3-cp2-len16", "qwen3-nocp-len16"
+    _, cp_losses = _global_steps(_ranks(two, cp, 2), 0, 2)
+    _, plain_losses = _global_steps(_ranks(two, plain, 2), 0, 1)
+    assert max(abs(a - b) / abs(b) for a, b in zip(cp_losses, plain_losses)) < TOL
+    for kind, tol in (("grad.pt", TOL), ("pt", WEIGHT_TOL)):
+        a, b = torch.load(two / f"{cp}.{kind}"), torch.load(two / f"{plain}.{kind}")
+        errors = {n: float((a[n] - b[n]).norm() / b[n].norm().clamp_min(1e-12)) for n in b}
+        assert max(errors.values()) < tol, (kind, sorted(errors.items(), key=lambda kv: -kv[1])[:3])
+
+
+def test_logged_loss_is_the_global_loss(two: Path, four: Path) -> None:
+    """``train/loss`` (synchronised over all ranks) is the loss of the global batch: the ranks of a
+    context-parallel group each hold the whole-sequence loss, so the mean over ranks counts each sample once."""
+    for out, name, world in ((two, "qwen3-cp2-len15", 2), (four, "qwen3-dp2xcp2-len15-recompute", 4)):
+        ranks = _ranks(out, name, world)
+        _, losses = _global_steps(ranks, 0, CASES[name].cp)
+        assert ranks[0]["metrics"]["train/loss"] == pytest.approx(losses[-1], rel=1e-6)
+
+
+@pytest.mark.parametrize("name", [c.name for c in FOUR_RANK_CASES])
+def test_four_ranks_dp2_cp2_match_reference(four: Path, ckptdir: Path, name: str) -> None:
+    _check_against_reference(four, CASES[name], 4, ckptdir)
+
+
+def test_heads_not_dividing_fail_at_setup(four: Path) -> None:
+    errors = [json.loads((four / f"{BAD_CASE.name}.rank{r}.json").read_text())["error"] for r in range(4)]
+    assert all(e and "2 key/value heads do not divide by context_parallel_size 4" in e for e in errors), errors
+
+
+def test_migrate_maps_the_megatron_flags() -> None:
+    from lightning_mm.commands.migrate import migrate, parse_script
+
+    launch = parse_script("torchrun --nproc_per_node 8 pretrain_vlm.py --use-torch-fsdp2 --micro-batch-size 1 "
+                          "--global-batch-size 8 --context-parallel-size 2 --context-parallel-algo ulysses_cp_algo")
+    result = migrate(launch)
+    args = result.config["trainer"]["strategy"]["init_args"]
+    assert (args["context_parallel_size"], args["context_parallel_algo"]) == (2, "ulysses")
+    assert result.config["trainer"]["accumulate_grad_batches"] == 2  # 8 / (1 x 4 data-parallel ranks)
+    ring = migrate(parse_script("torchrun pretrain_vlm.py --context-parallel-algo megatron_cp_algo"))
+    assert any("only Ulysses" in line for line in ring.unmapped)
+
+
+def _plan_config(tmp_path: Path, cp: int) -> Path:
+    path = tmp_path / f"cp{cp}.yaml"
+    path.write_text(f"""
+trainer:
+  accelerator: cpu
+  devices: 4
+  strategy:
+    class_path: lightning_mm.MMFSDP2Strategy
+    init_args:
+      context_parallel_size: {cp}
+model:
+  class_path: lightning_mm.MMLightningModule
+  init_args:
+    model_provider: tests.cp_scenarios.qwen3_provider
+data:
+  class_path: lightning_mm.MMDataModule
+  init_args:
+    train_valid_test_datasets_provider: tests.cp_scenarios.qwen3_datasets
+""")
+    return path
+
+
+def test_lightning_mm_plan_shows_the_cp_mesh_and_activations_per_rank(tmp_path: Path) -> None:
+    from lightning_mm.commands.plan import plan_from_cli_config
+    from lightning_mm.strategies.context_parallel import ContextParallelError
+
+    text = plan_from_cli_config(["--config", str(_plan_config(tmp_path, 2))], seq_length=4096)
+    assert "FSDP, world size 4" in text
+    assert "context parallel: ulysses, mesh (dp=2 x cp=2); groups sharing samples: [0,1], [2,3]" in text
+    assert "sequence 4096 tokens -> 2048 per rank" in text
+    # 34 x 4096 x 32 hidden x 2 layers 16-bit bytes = 8.5 MiB, halved
+    assert "decoder activations per rank ~ 4.2 MiB (without context parallel 8.5 MiB; 1/2)" in text
+    with pytest.raises(ContextParallelError, match="2 key/value heads do not divide by context_parallel_size 4"):
+        plan_from_cli_config(["--config", str(_plan_config(tmp_path, 4))])
