@@ -15,7 +15,7 @@ import ast
 import re
 import shlex
 import sys
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -198,6 +198,164 @@ def _module_path(script: Path, import_root: Path) -> str:
     return ".".join(relative.parts)
 
 
+# ------------------------------------------------------------------------------------------ flag table
+@dataclass
+class _Flags:
+    """What the flag handlers read and write while one launch is migrated."""
+
+    cfg: dict[str, Any]
+    out: Migration
+    values: dict[str, Any]
+    base: Path
+    keep_backend: bool
+
+    def path_of(self, value: str | None) -> Path:
+        return (self.base / (value or "")).resolve()
+
+    def strategy(self, key: str, value: Any) -> None:
+        self.cfg["trainer"].setdefault("strategy", {"class_path": "lightning_mm.MMFSDP2Strategy", "init_args": {}})
+        self.cfg["trainer"]["strategy"]["init_args"][key] = value
+
+
+# A handler maps one flag: handler(state, flag, value, shown), ``shown`` being the flag as written in the report.
+_Handler = Callable[[_Flags, str, "str | None", str], None]
+
+
+def _to(path: str, kind: type = float, keep: str | None = None, also: dict[str, Any] | None = None) -> _Handler:
+    """``--flag N`` -> ``path`` as ``kind`` (kept in ``values[keep]`` too; ``also`` sets further keys)."""
+
+    def handle(state: _Flags, flag: str, value: str | None, shown: str) -> None:
+        number = kind(_number(value, flag))
+        if keep:
+            state.values[keep] = number
+        _set(state.cfg, path, number)
+        for other, fixed in (also or {}).items():
+            _set(state.cfg, other, fixed)
+        state.out.mapped.append(f"{shown} -> {path}")
+
+    return handle
+
+
+def _keep(name: str | None = None, kind: type | None = float) -> _Handler:
+    """Remember the value (under ``name``, default the flag) for a mapping that needs other flags too."""
+
+    def handle(state: _Flags, flag: str, value: str | None, shown: str) -> None:
+        state.values[name or flag] = value if kind is None else kind(_number(value, flag))
+
+    return handle
+
+
+def _const(path: str, fixed: Any) -> _Handler:
+    """A switch that sets ``path`` to ``fixed``."""
+
+    def handle(state: _Flags, flag: str, value: str | None, shown: str) -> None:
+        _set(state.cfg, path, fixed)
+        state.out.mapped.append(f"{shown} -> {path}: {fixed}")
+
+    return handle
+
+
+def _refuse(reason: str) -> _Handler:
+    """Not mapped, with the reason."""
+
+    def handle(state: _Flags, flag: str, value: str | None, shown: str) -> None:
+        state.out.unmapped.append(f"{shown}: {reason}")
+
+    return handle
+
+
+def _choice(path: str, choices: tuple[str, ...], reason: str) -> _Handler:
+    """``--flag VALUE`` -> ``path`` when the value is one of ``choices``; otherwise not mapped, with ``reason``."""
+
+    def handle(state: _Flags, flag: str, value: str | None, shown: str) -> None:
+        if value not in choices:
+            state.out.unmapped.append(f"{shown}: {reason}")
+            return
+        _set(state.cfg, path, value)
+        state.out.mapped.append(f"{shown} -> {path}")
+
+    return handle
+
+
+def _use_fsdp2(state: _Flags, flag: str, value: str | None, shown: str) -> None:
+    state.cfg["trainer"].setdefault("strategy", {"class_path": "lightning_mm.MMFSDP2Strategy", "init_args": {}})
+    state.out.mapped.append(f"{shown} -> trainer.strategy: lightning_mm.MMFSDP2Strategy")
+
+
+def _fsdp2_config(state: _Flags, flag: str, value: str | None, shown: str) -> None:
+    path = state.path_of(value)
+    state.strategy("fsdp2_config", str(path))
+    state.out.mapped.append(f"{shown} -> trainer.strategy.init_args.fsdp2_config ({path})")
+    if not path.is_file():
+        state.out.unmapped.append(f"{shown}: {path} does not exist; write it before training")
+
+
+def _ckpt_format(state: _Flags, flag: str, value: str | None, shown: str) -> None:
+    if value not in ("torch_dcp", "torch"):
+        state.out.unmapped.append(f"{shown}: only torch_dcp and torch are supported")
+        return
+    state.strategy("checkpoint_format", value)
+    state.out.mapped.append(f"{shown} -> trainer.strategy.init_args.checkpoint_format")
+
+
+def _backend(state: _Flags, flag: str, value: str | None, shown: str) -> None:
+    if state.keep_backend:
+        state.strategy("process_group_backend", value)
+        state.out.mapped.append(f"{shown} -> trainer.strategy.init_args.process_group_backend (--keep-backend)")
+    else:
+        state.out.notes.append(f"{shown}: left out; the backend follows the accelerator (nccl on CUDA, hccl on "
+                               "Ascend, gloo on CPU). `migrate --keep-backend` keeps it")
+
+
+def _load(state: _Flags, flag: str, value: str | None, shown: str) -> None:
+    state.cfg["ckpt_path"] = "last"
+    state.values["load"] = value
+    state.out.mapped.append(f"{shown} -> ckpt_path: last (resumes from the ModelCheckpoint directory)")
+
+
+def _mm_data(state: _Flags, flag: str, value: str | None, shown: str) -> None:
+    state.values["mm_data"] = (shown, state.path_of(value))
+
+
+# Every Megatron / MindSpeed MM flag migrate knows, in one table. Flags kept in ``values`` are mapped after the
+# loop, where they meet the flags they depend on (batch sizes, betas, warmup fraction, checkpoint callback, data).
+FLAGS: dict[str, _Handler] = {
+    "--use-torch-fsdp2": _use_fsdp2,
+    "--fsdp2-config-path": _fsdp2_config,
+    "--ckpt-format": _ckpt_format,
+    "--distributed-backend": _backend,
+    "--micro-batch-size": _to("data.init_args.batch_size", int, keep="mbs"),
+    "--global-batch-size": _keep("gbs", int),
+    "--lr": _to("model.init_args.lr"),
+    "--min-lr": _to("model.init_args.min_lr"),
+    "--weight-decay": _to("model.init_args.weight_decay"),
+    "--adam-beta1": _keep(),
+    "--adam-beta2": _keep(),
+    "--lr-decay-style": _choice("model.init_args.lr_decay_style", ("cosine", "linear", "constant"),
+                                "only cosine, linear and constant decay are built in"),
+    "--lr-warmup-iters": _to("model.init_args.warmup_steps", int),
+    "--lr-warmup-fraction": _keep("warmup_fraction"),
+    "--train-iters": _to("trainer.max_steps", int, keep="train_iters"),
+    "--clip-grad": _to("trainer.gradient_clip_val"),
+    "--bf16": _const("trainer.precision", "bf16-mixed"),
+    "--fp16": _refuse("fp16 mixed precision needs a sharded grad scaler; use --bf16 (bf16-mixed) or "
+                      "param_dtype: fp16 in the FSDP2 YAML"),
+    "--seed": _to("seed_everything", int),
+    "--log-interval": _to("trainer.log_every_n_steps", int),
+    "--eval-interval": _to("trainer.val_check_interval", int, also={"trainer.check_val_every_n_epoch": None}),
+    "--eval-iters": _to("trainer.limit_val_batches", int),
+    "--save": _keep("save", None),
+    "--save-interval": _keep("save_interval", int),
+    "--load": _load,
+    "--mm-data": _mm_data,
+    "--mm-model": _refuse("MindSpeed's model.json has no direct equivalent; build the model in model_provider "
+                          "(or TransformersModel) from it"),
+    "--untie-embeddings-and-output-weights": _refuse(
+        "a model property; build untied embedding/output weights in model_provider (tied ones are grouped into one "
+        "FSDP unit automatically)"),
+}
+
+
 def migrate(launch: Launch, base_dir: Path | None = None, import_root: Path | None = None,
             keep_backend: bool = False) -> Migration:
     """Map a launch onto a LightningCLI config; everything not mapped is listed with the reason.
@@ -211,12 +369,9 @@ def migrate(launch: Launch, base_dir: Path | None = None, import_root: Path | No
     cfg: dict[str, Any] = {"trainer": {}, "model": {"class_path": "lightning_mm.MMLightningModule", "init_args": {}},
                            "data": {"class_path": "lightning_mm.MMDataModule", "init_args": {}}}
     out = Migration(cfg)
-    strategy_args = STRATEGY_ARGS
     values: dict[str, Any] = {}
-    base = Path.cwd() if base_dir is None else Path(base_dir)
-
-    def path_of(value: str | None) -> Path:
-        return (base / (value or "")).resolve()
+    state = _Flags(cfg, out, values, Path.cwd() if base_dir is None else Path(base_dir), keep_backend)
+    path_of = state.path_of
 
     world = None
     nproc = launch.launcher.get("nproc_per_node")
@@ -258,111 +413,14 @@ def migrate(launch: Launch, base_dir: Path | None = None, import_root: Path | No
             for fn in sorted(missing):
                 out.unmapped.append(f"{launch.script}: defines no `{fn}`; set {SEED_FUNCTIONS[fn]} by hand")
 
-    def strategy(key: str, value: Any, flag: str) -> None:
-        if key not in strategy_args:
-            out.unmapped.append(f"{flag}: MMFSDP2Strategy has no `{key}` argument in this version")
-            return
-        cfg["trainer"].setdefault("strategy", {"class_path": "lightning_mm.MMFSDP2Strategy", "init_args": {}})
-        cfg["trainer"]["strategy"]["init_args"][key] = value
-
     for flag, value in launch.flags:
         shown = f"{flag} {value}" if value is not None else flag
+        handler = FLAGS.get(flag)
+        if handler is None:
+            out.unmapped.append(f"{shown}: unknown to lightning-mm migrate")
+            continue
         try:
-            if flag == "--use-torch-fsdp2":
-                cfg["trainer"].setdefault("strategy", {"class_path": "lightning_mm.MMFSDP2Strategy", "init_args": {}})
-                out.mapped.append(f"{shown} -> trainer.strategy: lightning_mm.MMFSDP2Strategy")
-            elif flag == "--fsdp2-config-path":
-                strategy("fsdp2_config", str(path_of(value)), shown)
-                out.mapped.append(f"{shown} -> trainer.strategy.init_args.fsdp2_config ({path_of(value)})")
-                if not path_of(value).is_file():
-                    out.unmapped.append(f"{shown}: {path_of(value)} does not exist; write it before training")
-            elif flag == "--ckpt-format":
-                if value not in ("torch_dcp", "torch"):
-                    out.unmapped.append(f"{shown}: only torch_dcp and torch are supported")
-                elif "checkpoint_format" in strategy_args:
-                    strategy("checkpoint_format", value, shown)
-                    out.mapped.append(f"{shown} -> trainer.strategy.init_args.checkpoint_format")
-                else:
-                    out.unmapped.append(f"{shown}: this version writes torch_dcp checkpoints only")
-            elif flag == "--distributed-backend":
-                if keep_backend:
-                    strategy("process_group_backend", value, shown)
-                    out.mapped.append(f"{shown} -> trainer.strategy.init_args.process_group_backend (--keep-backend)")
-                else:
-                    out.notes.append(f"{shown}: left out; the backend follows the accelerator (nccl on CUDA, hccl on "
-                                     "Ascend, gloo on CPU). `migrate --keep-backend` keeps it")
-            elif flag == "--micro-batch-size":
-                values["mbs"] = int(_number(value, flag))
-                _set(cfg, "data.init_args.batch_size", values["mbs"])
-                out.mapped.append(f"{shown} -> data.init_args.batch_size")
-            elif flag == "--global-batch-size":
-                values["gbs"] = int(_number(value, flag))
-            elif flag == "--lr":
-                _set(cfg, "model.init_args.lr", _number(value, flag))
-                out.mapped.append(f"{shown} -> model.init_args.lr")
-            elif flag == "--min-lr":
-                _set(cfg, "model.init_args.min_lr", _number(value, flag))
-                out.mapped.append(f"{shown} -> model.init_args.min_lr")
-            elif flag == "--weight-decay":
-                _set(cfg, "model.init_args.weight_decay", _number(value, flag))
-                out.mapped.append(f"{shown} -> model.init_args.weight_decay")
-            elif flag in ("--adam-beta1", "--adam-beta2"):
-                values[flag] = _number(value, flag)
-            elif flag == "--lr-decay-style":
-                if value in ("cosine", "linear", "constant"):
-                    _set(cfg, "model.init_args.lr_decay_style", value)
-                    out.mapped.append(f"{shown} -> model.init_args.lr_decay_style")
-                else:
-                    out.unmapped.append(f"{shown}: only cosine, linear and constant decay are built in")
-            elif flag == "--lr-warmup-iters":
-                _set(cfg, "model.init_args.warmup_steps", int(_number(value, flag)))
-                out.mapped.append(f"{shown} -> model.init_args.warmup_steps")
-            elif flag == "--lr-warmup-fraction":
-                values["warmup_fraction"] = _number(value, flag)
-            elif flag == "--train-iters":
-                values["train_iters"] = int(_number(value, flag))
-                _set(cfg, "trainer.max_steps", values["train_iters"])
-                out.mapped.append(f"{shown} -> trainer.max_steps")
-            elif flag == "--clip-grad":
-                _set(cfg, "trainer.gradient_clip_val", _number(value, flag))
-                out.mapped.append(f"{shown} -> trainer.gradient_clip_val")
-            elif flag == "--bf16":
-                _set(cfg, "trainer.precision", "bf16-mixed")
-                out.mapped.append(f"{shown} -> trainer.precision: bf16-mixed")
-            elif flag == "--fp16":
-                out.unmapped.append(f"{shown}: fp16 mixed precision needs a sharded grad scaler; use --bf16 "
-                                    "(bf16-mixed) or param_dtype: fp16 in the FSDP2 YAML")
-            elif flag == "--seed":
-                cfg["seed_everything"] = int(_number(value, flag))
-                out.mapped.append(f"{shown} -> seed_everything")
-            elif flag == "--log-interval":
-                _set(cfg, "trainer.log_every_n_steps", int(_number(value, flag)))
-                out.mapped.append(f"{shown} -> trainer.log_every_n_steps")
-            elif flag == "--eval-interval":
-                _set(cfg, "trainer.val_check_interval", int(_number(value, flag)))
-                _set(cfg, "trainer.check_val_every_n_epoch", None)
-                out.mapped.append(f"{shown} -> trainer.val_check_interval")
-            elif flag == "--eval-iters":
-                _set(cfg, "trainer.limit_val_batches", int(_number(value, flag)))
-                out.mapped.append(f"{shown} -> trainer.limit_val_batches")
-            elif flag == "--save":
-                values["save"] = value
-            elif flag == "--save-interval":
-                values["save_interval"] = int(_number(value, flag))
-            elif flag == "--load":
-                cfg["ckpt_path"] = "last"
-                values["load"] = value
-                out.mapped.append(f"{shown} -> ckpt_path: last (resumes from the ModelCheckpoint directory)")
-            elif flag == "--mm-data":
-                values["mm_data"] = (shown, path_of(value))
-            elif flag == "--mm-model":
-                out.unmapped.append(f"{shown}: MindSpeed's model.json has no direct equivalent; build the model in "
-                                    "model_provider (or TransformersModel) from it")
-            elif flag == "--untie-embeddings-and-output-weights":
-                out.unmapped.append(f"{shown}: a model property; build untied embedding/output weights in "
-                                    "model_provider (tied ones are grouped into one FSDP unit automatically)")
-            else:
-                out.unmapped.append(f"{shown}: unknown to lightning-mm migrate")
+            handler(state, flag, value, shown)
         except ValueError as err:
             out.unmapped.append(f"{shown}: {err}")
 
