@@ -13,7 +13,9 @@ from torch import nn
 
 from lightning_mm._compat import attached_trainer, should_update_logs
 from lightning_mm.modules.seed_functions import SeedFunctions, resolve_callable
+from lightning_mm.strategies.grad_clip import total_grad_norm
 from lightning_mm.strategies.optimizer import group_by_sharding
+from lightning_mm.strategies.precision import MMFSDP2Precision
 
 __all__ = ["MMLightningModule"]
 
@@ -229,9 +231,11 @@ class MMLightningModule(L.LightningModule):
 
     def on_before_optimizer_step(self, optimizer: torch.optim.Optimizer) -> None:
         if self.log_grad_norm and self._writes_step_logs():
-            from lightning_mm.strategies.grad_clip import total_grad_norm
-
-            norm = total_grad_norm([p for g in optimizer.param_groups for p in g["params"]])
+            plugin = self.trainer.precision_plugin
+            if isinstance(plugin, MMFSDP2Precision):  # computed once, shared with norm clipping
+                norm = plugin.grad_norm(optimizer)
+            else:
+                norm = total_grad_norm([p for g in optimizer.param_groups for p in g["params"]])
             self.log("train/grad_norm", float(norm), rank_zero_only=True)  # identical on every rank
 
     # ------------------------------------------------------------------------ optimisation
