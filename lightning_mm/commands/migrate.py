@@ -368,11 +368,31 @@ def migrate(launch: Launch, base_dir: Path | None = None, import_root: Path | No
     """
     cfg: dict[str, Any] = {"trainer": {}, "model": {"class_path": "lightning_mm.MMLightningModule", "init_args": {}},
                            "data": {"class_path": "lightning_mm.MMDataModule", "init_args": {}}}
-    out = Migration(cfg)
-    values: dict[str, Any] = {}
-    state = _Flags(cfg, out, values, Path.cwd() if base_dir is None else Path(base_dir), keep_backend)
-    path_of = state.path_of
+    state = _Flags(cfg, Migration(cfg), {}, Path.cwd() if base_dir is None else Path(base_dir), keep_backend)
+    world = _map_launcher(state, launch)
+    functions = _map_entry_script(state, launch, import_root)
+    for flag, value in launch.flags:
+        shown = f"{flag} {value}" if value is not None else flag
+        handler = FLAGS.get(flag)
+        if handler is None:
+            state.out.unmapped.append(f"{shown}: unknown to lightning-mm migrate")
+            continue
+        try:
+            handler(state, flag, value, shown)
+        except ValueError as err:
+            state.out.unmapped.append(f"{shown}: {err}")
+    _map_combined(state, world)
+    _map_checkpointing(state)
+    _map_data(state, launch, functions)
+    for name in launch.env:
+        if name in ("CUDA_DEVICE_MAX_CONNECTIONS",):
+            state.out.unmapped.append(f"{name}: Megatron tuning variable, not needed by FSDP2")
+    return state.out
 
+
+def _map_launcher(state: _Flags, launch: Launch) -> int | None:
+    """torchrun's process counts; returns the world size when it is known."""
+    cfg, out = state.cfg, state.out
     world = None
     nproc = launch.launcher.get("nproc_per_node")
     nnodes = launch.launcher.get("nnodes")
@@ -386,44 +406,41 @@ def migrate(launch: Launch, base_dir: Path | None = None, import_root: Path | No
     for key in launch.launcher:
         if key not in ("nproc_per_node", "nnodes"):
             out.unmapped.append(f"torchrun --{key}: set by the launcher / cluster environment, not in the YAML")
+    return world
 
-    functions: set[str] = set()
-    module = ""
-    if launch.script:
-        script = path_of(launch.script)
-        defined = _defined_functions(script)
-        if import_root is None:
-            import_root = Path.cwd() if script.is_relative_to(Path.cwd().resolve()) else script.parent
-        out.import_root = Path(import_root).resolve()
-        module = _module_path(script, out.import_root) if script.is_relative_to(out.import_root) else script.stem
-        if defined is None:
-            out.unmapped.append(f"{launch.script}: entry script not found or not Python ({script}); add "
-                                "model.init_args.model_provider / forward_step by hand")
-        else:
-            functions = defined & set(SEED_FUNCTIONS)
-            if "forward_step" in functions:  # forward_step calls get_batch and returns loss_func itself
-                functions -= {"get_batch", "loss_func"}
-            for fn in sorted(functions, key=list(SEED_FUNCTIONS).index):
-                _set(cfg, SEED_FUNCTIONS[fn], f"{module}.{fn}")
-                out.mapped.append(f"{launch.script}: {fn} -> {SEED_FUNCTIONS[fn]} = {module}.{fn}")
-            if functions:
-                out.notes.append(f"the entry script's functions are imported as `{module}`: run lightning-mm from "
-                                 f"{out.import_root} (remove Megatron globals such as get_args() from them)")
-            missing = {"model_provider"} - functions
-            for fn in sorted(missing):
-                out.unmapped.append(f"{launch.script}: defines no `{fn}`; set {SEED_FUNCTIONS[fn]} by hand")
 
-    for flag, value in launch.flags:
-        shown = f"{flag} {value}" if value is not None else flag
-        handler = FLAGS.get(flag)
-        if handler is None:
-            out.unmapped.append(f"{shown}: unknown to lightning-mm migrate")
-            continue
-        try:
-            handler(state, flag, value, shown)
-        except ValueError as err:
-            out.unmapped.append(f"{shown}: {err}")
+def _map_entry_script(state: _Flags, launch: Launch, import_root: Path | None) -> set[str]:
+    """The seed functions the entry script defines, named by import path; returns their names."""
+    cfg, out = state.cfg, state.out
+    if not launch.script:
+        return set()
+    script = state.path_of(launch.script)
+    defined = _defined_functions(script)
+    if import_root is None:
+        import_root = Path.cwd() if script.is_relative_to(Path.cwd().resolve()) else script.parent
+    out.import_root = Path(import_root).resolve()
+    module = _module_path(script, out.import_root) if script.is_relative_to(out.import_root) else script.stem
+    if defined is None:
+        out.unmapped.append(f"{launch.script}: entry script not found or not Python ({script}); add "
+                            "model.init_args.model_provider / forward_step by hand")
+        return set()
+    functions = defined & set(SEED_FUNCTIONS)
+    if "forward_step" in functions:  # forward_step calls get_batch and returns loss_func itself
+        functions -= {"get_batch", "loss_func"}
+    for fn in sorted(functions, key=list(SEED_FUNCTIONS).index):
+        _set(cfg, SEED_FUNCTIONS[fn], f"{module}.{fn}")
+        out.mapped.append(f"{launch.script}: {fn} -> {SEED_FUNCTIONS[fn]} = {module}.{fn}")
+    if functions:
+        out.notes.append(f"the entry script's functions are imported as `{module}`: run lightning-mm from "
+                         f"{out.import_root} (remove Megatron globals such as get_args() from them)")
+    for fn in sorted({"model_provider"} - functions):
+        out.unmapped.append(f"{launch.script}: defines no `{fn}`; set {SEED_FUNCTIONS[fn]} by hand")
+    return functions
 
+
+def _map_combined(state: _Flags, world: int | None) -> None:
+    """Flags that become one key together: Adam betas, the warmup fraction, the global batch size."""
+    cfg, out, values = state.cfg, state.out, state.values
     if "--adam-beta1" in values or "--adam-beta2" in values:
         _set(cfg, "model.init_args.betas", [values.get("--adam-beta1", 0.9), values.get("--adam-beta2", 0.999)])
         out.mapped.append("--adam-beta1/--adam-beta2 -> model.init_args.betas")
@@ -442,28 +459,38 @@ def migrate(launch: Launch, base_dir: Path | None = None, import_root: Path | No
         else:
             out.unmapped.append(f"--global-batch-size {values['gbs']}: cannot derive accumulate_grad_batches "
                                 "(world size unknown or not a divisor); set trainer.accumulate_grad_batches")
-    if "save" in values or "save_interval" in values:
-        # "link": last.ckpt points at the newest checkpoint instead of being a second full copy of it
-        checkpoint: dict[str, Any] = {"save_last": "link"}
-        if values.get("save"):
-            checkpoint["dirpath"] = str(path_of(values["save"]))
-        if values.get("save_interval"):
-            checkpoint["every_n_train_steps"] = values["save_interval"]
-        cfg["trainer"]["callbacks"] = [
-            {"class_path": "lightning.pytorch.callbacks.ModelCheckpoint", "init_args": checkpoint}
-        ]
-        out.mapped.append("--save/--save-interval -> trainer.callbacks: ModelCheckpoint(dirpath, every_n_train_steps, "
-                          "save_last: link)")
-        if values.get("load") and values.get("save") and path_of(values["load"]) != path_of(values["save"]):
-            out.unmapped.append(f"--load {values['load']}: differs from --save; set ckpt_path to the checkpoint")
-    if "mm_data" in values:
-        shown, data_path = values["mm_data"]
+
+
+def _map_checkpointing(state: _Flags) -> None:
+    """--save / --save-interval / --load: a ModelCheckpoint callback and ``ckpt_path``."""
+    cfg, out, values = state.cfg, state.out, state.values
+    if "save" not in values and "save_interval" not in values:
+        return
+    # "link": last.ckpt points at the newest checkpoint instead of being a second full copy of it
+    checkpoint: dict[str, Any] = {"save_last": "link"}
+    if values.get("save"):
+        checkpoint["dirpath"] = str(state.path_of(values["save"]))
+    if values.get("save_interval"):
+        checkpoint["every_n_train_steps"] = values["save_interval"]
+    callback = {"class_path": "lightning.pytorch.callbacks.ModelCheckpoint", "init_args": checkpoint}
+    cfg["trainer"]["callbacks"] = [callback]
+    out.mapped.append("--save/--save-interval -> trainer.callbacks: ModelCheckpoint(dirpath, every_n_train_steps, "
+                      "save_last: link)")
+    if values.get("load") and values.get("save") and state.path_of(values["load"]) != state.path_of(values["save"]):
+        out.unmapped.append(f"--load {values['load']}: differs from --save; set ckpt_path to the checkpoint")
+
+
+def _map_data(state: _Flags, launch: Launch, functions: set[str]) -> None:
+    """--mm-data, unless the entry script's dataset provider reads it."""
+    out = state.out
+    if "mm_data" in state.values:
+        shown, data_path = state.values["mm_data"]
         if "train_valid_test_datasets_provider" in functions:
             out.unmapped.append(f"{shown}: read by the entry script's train_valid_test_datasets_provider, which is "
                                 "used instead; pass the file to it, or turn it into a lightning-mm data config "
                                 "(docs/migration.md)")
         elif data_path.is_file():
-            _set(cfg, "data.init_args.data_config", str(data_path))
+            _set(state.cfg, "data.init_args.data_config", str(data_path))
             out.mapped.append(f"{shown} -> data.init_args.data_config ({data_path}; check it against lightning-mm's "
                               "data config format, docs/migration.md)")
         else:
@@ -472,10 +499,6 @@ def migrate(launch: Launch, base_dir: Path | None = None, import_root: Path | No
     elif launch.script and "train_valid_test_datasets_provider" not in functions:
         out.unmapped.append("no --mm-data and no train_valid_test_datasets_provider in the entry script; "
                             "set data.init_args by hand")
-    for name in launch.env:
-        if name in ("CUDA_DEVICE_MAX_CONNECTIONS",):
-            out.unmapped.append(f"{name}: Megatron tuning variable, not needed by FSDP2")
-    return out
 
 
 def main(argv: Sequence[str]) -> int:
