@@ -7,12 +7,11 @@ correctly over DTensors.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Generator, Iterable
+from collections.abc import Callable, Generator
 from contextlib import contextmanager
 from typing import Any
 
 import torch
-from lightning.fabric.utilities.types import Optimizable
 from lightning.pytorch.plugins.precision import Precision
 from lightning_utilities.core.apply_func import apply_to_collection
 from torch import nn
@@ -119,9 +118,6 @@ class MMFSDP2Precision(Precision):
             return super().optimizer_step(optimizer, model, closure, **kwargs)
         finally:
             self._step_norm = None
-
-    def main_params(self, optimizer: Optimizable) -> Iterable[torch.Tensor]:
-        return _params(optimizer)
 
 
 def _params(optimizer: Any) -> list[torch.Tensor]:
