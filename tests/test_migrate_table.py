@@ -79,3 +79,17 @@ def test_a_bad_number_is_reported_not_raised():
     result = migrate(parse_args(["--lr", "fast"]))
     assert result.unmapped == ["--lr fast: --lr needs a number, got 'fast'"]
     assert "lr" not in result.config["model"]["init_args"]
+
+
+def test_a_new_flag_is_one_table_line(monkeypatch):
+    from lightning_mm.commands.migrate import _refuse, _strategy_arg, _to
+
+    with pytest.raises(ValueError, match="no `stop_timeoutt` argument"):
+        _strategy_arg("stop_timeoutt", float)  # checked against the class's argument list when the table is built
+    monkeypatch.setitem(FLAGS, "--stop-timeout", _strategy_arg("stop_timeout", float))
+    monkeypatch.setitem(FLAGS, "--max-epochs", _to("trainer.max_epochs", int))
+    monkeypatch.setitem(FLAGS, "--use-mcore-models", _refuse("Megatron core models are Megatron's"))
+    result = migrate(parse_args(["--stop-timeout", "30", "--max-epochs", "2", "--use-mcore-models"]))
+    assert result.config["trainer"]["strategy"]["init_args"] == {"stop_timeout": 30.0}
+    assert result.config["trainer"]["max_epochs"] == 2
+    assert result.unmapped == ["--use-mcore-models: Megatron core models are Megatron's"]

@@ -277,6 +277,21 @@ def _choice(path: str, choices: tuple[str, ...], reason: str) -> _Handler:
     return handle
 
 
+def _strategy_arg(key: str, kind: type = str, choices: tuple[str, ...] = (), reason: str = "") -> _Handler:
+    """``--flag VALUE`` -> ``MMFSDP2Strategy(key=VALUE)`` (as ``kind``; only one of ``choices`` when given)."""
+    if key not in STRATEGY_ARGS:
+        raise ValueError(f"MMFSDP2Strategy has no `{key}` argument")
+
+    def handle(state: _Flags, flag: str, value: str | None, shown: str) -> None:
+        if choices and value not in choices:
+            state.out.unmapped.append(f"{shown}: {reason}")
+            return
+        state.strategy(key, kind(_number(value, flag)) if kind in (int, float) else value)
+        state.out.mapped.append(f"{shown} -> trainer.strategy.init_args.{key}")
+
+    return handle
+
+
 def _use_fsdp2(state: _Flags, flag: str, value: str | None, shown: str) -> None:
     state.cfg["trainer"].setdefault("strategy", {"class_path": "lightning_mm.MMFSDP2Strategy", "init_args": {}})
     state.out.mapped.append(f"{shown} -> trainer.strategy: lightning_mm.MMFSDP2Strategy")
@@ -288,14 +303,6 @@ def _fsdp2_config(state: _Flags, flag: str, value: str | None, shown: str) -> No
     state.out.mapped.append(f"{shown} -> trainer.strategy.init_args.fsdp2_config ({path})")
     if not path.is_file():
         state.out.unmapped.append(f"{shown}: {path} does not exist; write it before training")
-
-
-def _ckpt_format(state: _Flags, flag: str, value: str | None, shown: str) -> None:
-    if value not in ("torch_dcp", "torch"):
-        state.out.unmapped.append(f"{shown}: only torch_dcp and torch are supported")
-        return
-    state.strategy("checkpoint_format", value)
-    state.out.mapped.append(f"{shown} -> trainer.strategy.init_args.checkpoint_format")
 
 
 def _backend(state: _Flags, flag: str, value: str | None, shown: str) -> None:
@@ -319,10 +326,13 @@ def _mm_data(state: _Flags, flag: str, value: str | None, shown: str) -> None:
 
 # Every Megatron / MindSpeed MM flag migrate knows, in one table. Flags kept in ``values`` are mapped after the
 # loop, where they meet the flags they depend on (batch sizes, betas, warmup fraction, checkpoint callback, data).
+# A new flag is one line: ``_to(config path, type)`` for a Trainer / module / data key, ``_strategy_arg(name, type)``
+# for an MMFSDP2Strategy argument, ``_refuse(reason)`` for one that has no equivalent.
 FLAGS: dict[str, _Handler] = {
     "--use-torch-fsdp2": _use_fsdp2,
     "--fsdp2-config-path": _fsdp2_config,
-    "--ckpt-format": _ckpt_format,
+    "--ckpt-format": _strategy_arg("checkpoint_format", choices=("torch_dcp", "torch"),
+                                   reason="only torch_dcp and torch are supported"),
     "--distributed-backend": _backend,
     "--micro-batch-size": _to("data.init_args.batch_size", int, keep="mbs"),
     "--global-batch-size": _keep("gbs", int),
