@@ -33,6 +33,7 @@ __all__ = [
     "fsdp_state",
     "fsdp_param_groups",
     "should_update_logs",
+    "throughput_meters",
     "set_device_mesh",
     "auto_accelerator",
     "attached_trainer",
@@ -131,6 +132,14 @@ def should_update_logs(trainer: pl.Trainer) -> bool:
     if connector is None or not hasattr(type(connector), "should_update_logs"):
         raise _missing("`Trainer._logger_connector.should_update_logs`")
     return bool(connector.should_update_logs)
+
+
+def throughput_meters(monitor: Any) -> dict[Any, Any]:
+    """The per-stage ``Throughput`` meters of a Lightning ``ThroughputMonitor`` (made in its ``setup``)."""
+    meters = getattr(monitor, "_throughputs", None)
+    if not isinstance(meters, dict):
+        raise _missing("`ThroughputMonitor._throughputs`")
+    return meters
 
 
 def set_device_mesh(module: pl.LightningModule, mesh: DeviceMesh) -> None:

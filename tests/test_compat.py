@@ -36,6 +36,8 @@ def test_a_missing_private_name_is_a_loud_error():
         _compat.should_update_logs(object())
     with pytest.raises(_compat.PrivateAPIError, match="LightningModule._device_mesh"):
         _compat.set_device_mesh(torch.nn.Linear(1, 1), object())
+    with pytest.raises(_compat.PrivateAPIError, match="ThroughputMonitor._throughputs"):
+        _compat.throughput_meters(object())
     with pytest.raises(AttributeError):
         _compat.not_a_name  # noqa: B018
 
@@ -60,6 +62,11 @@ def test_lightning_private_attributes_used_on_instances():
     _compat.set_device_mesh(module, mesh)
     assert module.device_mesh is mesh
     assert _compat.attached_trainer(module) is None and _compat.attached_trainer(None) is None
+    from lightning.fabric.utilities.throughput import Throughput
+    from lightning.pytorch.callbacks import ThroughputMonitor
+
+    assert _compat.throughput_meters(ThroughputMonitor(batch_size_fn=len)) == {}
+    assert Throughput().world_size == 1  # the public attribute the context-parallel monitor sets
 
 
 def test_transformers_model_contract_attributes_exist():

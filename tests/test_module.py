@@ -5,6 +5,8 @@ import math
 import lightning as L
 import pytest
 import torch
+from lightning.pytorch.callbacks import ThroughputMonitor
+from lightning.pytorch.loggers import Logger
 from torch import nn
 
 from lightning_mm import MMLightningModule
@@ -74,6 +76,32 @@ class Regression(MMLightningModule):
         return {"loss": torch.nn.functional.mse_loss(prediction, target), "bias": prediction.mean()}
 
 
+class MemoryLogger(Logger):
+    """Keeps what Lightning writes to loggers: ``(global_step, metrics)`` per call."""
+
+    def __init__(self):
+        super().__init__()
+        self.written = []
+        self.trainer = None
+
+    @property
+    def name(self):
+        return "memory"
+
+    @property
+    def version(self):
+        return 0
+
+    def log_hyperparams(self, *args, **kwargs):
+        pass
+
+    def log_metrics(self, metrics, step=None):
+        self.written.append((self.trainer.global_step if self.trainer else step, dict(metrics)))
+
+    def keys_at(self, step):
+        return sorted({k for s, m in self.written if s == step for k in m})
+
+
 class Recorder(L.Callback):
     def __init__(self):
         self.losses = []
@@ -87,17 +115,21 @@ def test_single_device_fit_with_hooks_and_default_schedule(tmp_path):
     x = torch.randn(64, 4, generator=g)
     data = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(x, x.sum(1, keepdim=True)), batch_size=8)
     recorder = Recorder()
-    trainer = L.Trainer(accelerator="cpu", devices=1, max_steps=40, logger=False, enable_checkpointing=False,
+    logger = MemoryLogger()
+    trainer = L.Trainer(accelerator="cpu", devices=1, max_steps=40, logger=logger, enable_checkpointing=False,
                         enable_progress_bar=False, callbacks=[recorder], default_root_dir=tmp_path,
                         log_every_n_steps=10)
+    logger.trainer = trainer
     module = Regression(lr=3e-2, warmup_steps=5, lr_decay_style="cosine", min_lr=3e-3)
     trainer.fit(module, train_dataloaders=data)
     assert recorder.losses[-1] < 0.3 * recorder.losses[0]
     metrics = trainer.callback_metrics
-    for key in ("train/loss", "train/bias", "train/lr", "train/grad_norm", "train/samples_per_sec"):
+    for key in ("train/loss", "train/bias", "train/lr", "train/grad_norm"):
         assert key in metrics
     assert float(metrics["train/lr"]) == pytest.approx(3e-3, rel=0.05)  # decayed to min_lr at the end
     assert math.isfinite(float(metrics["train/grad_norm"]))
+    rates = [m["train/device/samples_per_sec"] for _, m in logger.written if "train/device/samples_per_sec" in m]
+    assert len(rates) == 4 and all(math.isfinite(r) and r > 0 for r in rates)  # ThroughputMonitor's, every 10
 
 
 def test_throughput_and_grad_norm_are_computed_only_on_steps_whose_logs_are_written(tmp_path):
@@ -109,13 +141,39 @@ def test_throughput_and_grad_norm_are_computed_only_on_steps_whose_logs_are_writ
 
     x = torch.randn(64, 4, generator=torch.Generator().manual_seed(0))
     data = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(x, x.sum(1, keepdim=True)), batch_size=8)
-    trainer = L.Trainer(accelerator="cpu", devices=1, max_steps=6, logger=False, enable_checkpointing=False,
+    logger = MemoryLogger()
+    trainer = L.Trainer(accelerator="cpu", devices=1, max_steps=6, logger=logger, enable_checkpointing=False,
                         enable_progress_bar=False, callbacks=[Watch()], default_root_dir=tmp_path,
                         log_every_n_steps=4)
+    logger.trainer = trainer
     trainer.fit(Regression(lr=1e-2), train_dataloaders=data)
     every_step = ["train/loss", "train/lr"]
     assert seen[1:4] == [every_step] * 3  # after steps 1-3: not written, so not computed
-    assert seen[4] == ["train/grad_norm", "train/loss", "train/lr", "train/samples_per_sec"]  # step 4: written
+    assert seen[4] == ["train/grad_norm", "train/loss", "train/lr"]  # step 4: written
+    # Throughput (Lightning's ThroughputMonitor) is computed and written on the same steps only: after step 4.
+    throughput = [step for step, m in logger.written if any(k.endswith("_per_sec") for k in m)]
+    assert throughput == [4]
+    assert {"train/device/samples_per_sec", "train/device/items_per_sec"} <= set(logger.keys_at(4))
+    written = [step for step, m in logger.written if "train/grad_norm" in m]
+    assert written == [4]
+
+
+def test_throughput_monitor_is_lightnings_and_the_users_own_wins(tmp_path):
+    module = Regression()
+    trainer = L.Trainer(accelerator="cpu", devices=1, logger=False, log_every_n_steps=5, accumulate_grad_batches=3)
+    module.trainer = trainer
+    (monitor,) = module.configure_callbacks()
+    assert isinstance(monitor, ThroughputMonitor)
+    assert monitor.kwargs == {"window_size": 15}  # the batches between two written logs
+    mask = torch.tensor([[1] * 6, [1] * 3 + [0] * 3])
+    batch = {"input_ids": torch.ones(2, 6, dtype=torch.long), "attention_mask": mask}
+    assert (monitor.batch_size_fn(batch), monitor.length_fn(batch)) == (2, 9)  # non-padding tokens
+    assert (monitor.batch_size_fn((torch.ones(4, 2), 0)), monitor.length_fn((torch.ones(4, 2), 0))) == (4, 4)
+    own = L.Trainer(accelerator="cpu", devices=1, logger=False, callbacks=[ThroughputMonitor(len)])
+    module.trainer = own
+    assert module.configure_callbacks() == []
+    module.trainer = trainer
+    assert Regression(log_throughput=False).configure_callbacks() == []
 
 
 def test_ddp_fit_with_seed_callables_in_megatron_form(scenario):

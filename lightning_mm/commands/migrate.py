@@ -15,7 +15,7 @@ import ast
 import re
 import shlex
 import sys
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -198,6 +198,192 @@ def _module_path(script: Path, import_root: Path) -> str:
     return ".".join(relative.parts)
 
 
+# ------------------------------------------------------------------------------------------ flag table
+@dataclass
+class _Flags:
+    """What the flag handlers read and write while one launch is migrated."""
+
+    cfg: dict[str, Any]
+    out: Migration
+    values: dict[str, Any]
+    base: Path
+    keep_backend: bool
+
+    def path_of(self, value: str | None) -> Path:
+        return (self.base / (value or "")).resolve()
+
+    def strategy(self, key: str, value: Any) -> None:
+        self.cfg["trainer"].setdefault("strategy", {"class_path": "lightning_mm.MMFSDP2Strategy", "init_args": {}})
+        self.cfg["trainer"]["strategy"]["init_args"][key] = value
+
+
+# A handler maps one flag: handler(state, flag, value, shown), ``shown`` being the flag as written in the report.
+_Handler = Callable[[_Flags, str, "str | None", str], None]
+
+
+def _to(path: str, kind: type = float, keep: str | None = None, also: dict[str, Any] | None = None) -> _Handler:
+    """``--flag N`` -> ``path`` as ``kind`` (kept in ``values[keep]`` too; ``also`` sets further keys)."""
+
+    def handle(state: _Flags, flag: str, value: str | None, shown: str) -> None:
+        number = kind(_number(value, flag))
+        if keep:
+            state.values[keep] = number
+        _set(state.cfg, path, number)
+        for other, fixed in (also or {}).items():
+            _set(state.cfg, other, fixed)
+        state.out.mapped.append(f"{shown} -> {path}")
+
+    return handle
+
+
+def _keep(name: str | None = None, kind: type | None = float) -> _Handler:
+    """Remember the value (under ``name``, default the flag) for a mapping that needs other flags too."""
+
+    def handle(state: _Flags, flag: str, value: str | None, shown: str) -> None:
+        state.values[name or flag] = value if kind is None else kind(_number(value, flag))
+
+    return handle
+
+
+def _const(path: str, fixed: Any) -> _Handler:
+    """A switch that sets ``path`` to ``fixed``."""
+
+    def handle(state: _Flags, flag: str, value: str | None, shown: str) -> None:
+        _set(state.cfg, path, fixed)
+        state.out.mapped.append(f"{shown} -> {path}: {fixed}")
+
+    return handle
+
+
+def _refuse(reason: str) -> _Handler:
+    """Not mapped, with the reason."""
+
+    def handle(state: _Flags, flag: str, value: str | None, shown: str) -> None:
+        state.out.unmapped.append(f"{shown}: {reason}")
+
+    return handle
+
+
+def _choice(path: str, choices: tuple[str, ...], reason: str) -> _Handler:
+    """``--flag VALUE`` -> ``path`` when the value is one of ``choices``; otherwise not mapped, with ``reason``."""
+
+    def handle(state: _Flags, flag: str, value: str | None, shown: str) -> None:
+        if value not in choices:
+            state.out.unmapped.append(f"{shown}: {reason}")
+            return
+        _set(state.cfg, path, value)
+        state.out.mapped.append(f"{shown} -> {path}")
+
+    return handle
+
+
+def _strategy_arg(key: str, kind: type = str, choices: tuple[str, ...] = (), reason: str = "") -> _Handler:
+    """``--flag VALUE`` -> ``MMFSDP2Strategy(key=VALUE)`` (as ``kind``; only one of ``choices`` when given)."""
+    if key not in STRATEGY_ARGS:
+        raise ValueError(f"MMFSDP2Strategy has no `{key}` argument")
+
+    def handle(state: _Flags, flag: str, value: str | None, shown: str) -> None:
+        if choices and value not in choices:
+            state.out.unmapped.append(f"{shown}: {reason}")
+            return
+        state.strategy(key, kind(_number(value, flag)) if kind in (int, float) else value)
+        state.out.mapped.append(f"{shown} -> trainer.strategy.init_args.{key}")
+
+    return handle
+
+
+def _use_fsdp2(state: _Flags, flag: str, value: str | None, shown: str) -> None:
+    state.cfg["trainer"].setdefault("strategy", {"class_path": "lightning_mm.MMFSDP2Strategy", "init_args": {}})
+    state.out.mapped.append(f"{shown} -> trainer.strategy: lightning_mm.MMFSDP2Strategy")
+
+
+def _fsdp2_config(state: _Flags, flag: str, value: str | None, shown: str) -> None:
+    path = state.path_of(value)
+    state.strategy("fsdp2_config", str(path))
+    state.out.mapped.append(f"{shown} -> trainer.strategy.init_args.fsdp2_config ({path})")
+    if not path.is_file():
+        state.out.unmapped.append(f"{shown}: {path} does not exist; write it before training")
+
+
+def _backend(state: _Flags, flag: str, value: str | None, shown: str) -> None:
+    if state.keep_backend:
+        state.strategy("process_group_backend", value)
+        state.out.mapped.append(f"{shown} -> trainer.strategy.init_args.process_group_backend (--keep-backend)")
+    else:
+        state.out.notes.append(f"{shown}: left out; the backend follows the accelerator (nccl on CUDA, hccl on "
+                               "Ascend, gloo on CPU). `migrate --keep-backend` keeps it")
+
+
+def _load(state: _Flags, flag: str, value: str | None, shown: str) -> None:
+    state.cfg["ckpt_path"] = "last"
+    state.values["load"] = value
+    state.out.mapped.append(f"{shown} -> ckpt_path: last (resumes from the ModelCheckpoint directory)")
+
+
+def _mm_data(state: _Flags, flag: str, value: str | None, shown: str) -> None:
+    state.values["mm_data"] = (shown, state.path_of(value))
+
+
+def _context_parallel_size(state: _Flags, flag: str, value: str | None, shown: str) -> None:
+    _CP_SIZE(state, flag, value, shown)
+    state.values["cp"] = int(_number(value, flag))  # the global batch size counts data-parallel ranks only
+
+
+_CP_SIZE = _strategy_arg("context_parallel_size", int)
+
+
+def _context_parallel_algo(state: _Flags, flag: str, value: str | None, shown: str) -> None:
+    if value not in ("ulysses_cp_algo", "ulysses"):
+        state.out.unmapped.append(f"{shown}: only Ulysses context parallelism (ulysses_cp_algo) is supported")
+        return
+    state.strategy("context_parallel_algo", "ulysses")
+    state.out.mapped.append(f"{shown} -> trainer.strategy.init_args.context_parallel_algo: ulysses")
+
+
+# Every Megatron / MindSpeed MM flag migrate knows, in one table. Flags kept in ``values`` are mapped after the
+# loop, where they meet the flags they depend on (batch sizes, betas, warmup fraction, checkpoint callback, data).
+# A new flag is one line: ``_to(config path, type)`` for a Trainer / module / data key, ``_strategy_arg(name, type)``
+# for an MMFSDP2Strategy argument, ``_refuse(reason)`` for one that has no equivalent.
+FLAGS: dict[str, _Handler] = {
+    "--use-torch-fsdp2": _use_fsdp2,
+    "--fsdp2-config-path": _fsdp2_config,
+    "--ckpt-format": _strategy_arg("checkpoint_format", choices=("torch_dcp", "torch"),
+                                   reason="only torch_dcp and torch are supported"),
+    "--distributed-backend": _backend,
+    "--micro-batch-size": _to("data.init_args.batch_size", int, keep="mbs"),
+    "--global-batch-size": _keep("gbs", int),
+    "--lr": _to("model.init_args.lr"),
+    "--min-lr": _to("model.init_args.min_lr"),
+    "--weight-decay": _to("model.init_args.weight_decay"),
+    "--adam-beta1": _keep(),
+    "--adam-beta2": _keep(),
+    "--lr-decay-style": _choice("model.init_args.lr_decay_style", ("cosine", "linear", "constant"),
+                                "only cosine, linear and constant decay are built in"),
+    "--lr-warmup-iters": _to("model.init_args.warmup_steps", int),
+    "--lr-warmup-fraction": _keep("warmup_fraction"),
+    "--train-iters": _to("trainer.max_steps", int, keep="train_iters"),
+    "--clip-grad": _to("trainer.gradient_clip_val"),
+    "--bf16": _const("trainer.precision", "bf16-mixed"),
+    "--fp16": _refuse("fp16 mixed precision needs a sharded grad scaler; use --bf16 (bf16-mixed) or "
+                      "param_dtype: fp16 in the FSDP2 YAML"),
+    "--seed": _to("seed_everything", int),
+    "--log-interval": _to("trainer.log_every_n_steps", int),
+    "--eval-interval": _to("trainer.val_check_interval", int, also={"trainer.check_val_every_n_epoch": None}),
+    "--eval-iters": _to("trainer.limit_val_batches", int),
+    "--save": _keep("save", None),
+    "--save-interval": _keep("save_interval", int),
+    "--load": _load,
+    "--mm-data": _mm_data,
+    "--context-parallel-size": _context_parallel_size,
+    "--context-parallel-algo": _context_parallel_algo,
+    "--mm-model": _refuse("MindSpeed's model.json has no direct equivalent; build the model in model_provider "
+                          "(or TransformersModel) from it"),
+    "--untie-embeddings-and-output-weights": _refuse(
+        "a model property; build untied embedding/output weights in model_provider (tied ones are grouped into one "
+        "FSDP unit automatically)"),
+}
+
+
 def migrate(launch: Launch, base_dir: Path | None = None, import_root: Path | None = None,
             keep_backend: bool = False) -> Migration:
     """Map a launch onto a LightningCLI config; everything not mapped is listed with the reason.
@@ -210,14 +396,31 @@ def migrate(launch: Launch, base_dir: Path | None = None, import_root: Path | No
     """
     cfg: dict[str, Any] = {"trainer": {}, "model": {"class_path": "lightning_mm.MMLightningModule", "init_args": {}},
                            "data": {"class_path": "lightning_mm.MMDataModule", "init_args": {}}}
-    out = Migration(cfg)
-    strategy_args = STRATEGY_ARGS
-    values: dict[str, Any] = {}
-    base = Path.cwd() if base_dir is None else Path(base_dir)
+    state = _Flags(cfg, Migration(cfg), {}, Path.cwd() if base_dir is None else Path(base_dir), keep_backend)
+    world = _map_launcher(state, launch)
+    functions = _map_entry_script(state, launch, import_root)
+    for flag, value in launch.flags:
+        shown = f"{flag} {value}" if value is not None else flag
+        handler = FLAGS.get(flag)
+        if handler is None:
+            state.out.unmapped.append(f"{shown}: unknown to lightning-mm migrate")
+            continue
+        try:
+            handler(state, flag, value, shown)
+        except ValueError as err:
+            state.out.unmapped.append(f"{shown}: {err}")
+    _map_combined(state, world)
+    _map_checkpointing(state)
+    _map_data(state, launch, functions)
+    for name in launch.env:
+        if name in ("CUDA_DEVICE_MAX_CONNECTIONS",):
+            state.out.unmapped.append(f"{name}: Megatron tuning variable, not needed by FSDP2")
+    return state.out
 
-    def path_of(value: str | None) -> Path:
-        return (base / (value or "")).resolve()
 
+def _map_launcher(state: _Flags, launch: Launch) -> int | None:
+    """torchrun's process counts; returns the world size when it is known."""
+    cfg, out = state.cfg, state.out
     world = None
     nproc = launch.launcher.get("nproc_per_node")
     nnodes = launch.launcher.get("nnodes")
@@ -231,151 +434,41 @@ def migrate(launch: Launch, base_dir: Path | None = None, import_root: Path | No
     for key in launch.launcher:
         if key not in ("nproc_per_node", "nnodes"):
             out.unmapped.append(f"torchrun --{key}: set by the launcher / cluster environment, not in the YAML")
+    return world
 
-    functions: set[str] = set()
-    module = ""
-    if launch.script:
-        script = path_of(launch.script)
-        defined = _defined_functions(script)
-        if import_root is None:
-            import_root = Path.cwd() if script.is_relative_to(Path.cwd().resolve()) else script.parent
-        out.import_root = Path(import_root).resolve()
-        module = _module_path(script, out.import_root) if script.is_relative_to(out.import_root) else script.stem
-        if defined is None:
-            out.unmapped.append(f"{launch.script}: entry script not found or not Python ({script}); add "
-                                "model.init_args.model_provider / forward_step by hand")
-        else:
-            functions = defined & set(SEED_FUNCTIONS)
-            if "forward_step" in functions:  # forward_step calls get_batch and returns loss_func itself
-                functions -= {"get_batch", "loss_func"}
-            for fn in sorted(functions, key=list(SEED_FUNCTIONS).index):
-                _set(cfg, SEED_FUNCTIONS[fn], f"{module}.{fn}")
-                out.mapped.append(f"{launch.script}: {fn} -> {SEED_FUNCTIONS[fn]} = {module}.{fn}")
-            if functions:
-                out.notes.append(f"the entry script's functions are imported as `{module}`: run lightning-mm from "
-                                 f"{out.import_root} (remove Megatron globals such as get_args() from them)")
-            missing = {"model_provider"} - functions
-            for fn in sorted(missing):
-                out.unmapped.append(f"{launch.script}: defines no `{fn}`; set {SEED_FUNCTIONS[fn]} by hand")
 
-    def strategy(key: str, value: Any, flag: str) -> None:
-        if key not in strategy_args:
-            out.unmapped.append(f"{flag}: MMFSDP2Strategy has no `{key}` argument in this version")
-            return
-        cfg["trainer"].setdefault("strategy", {"class_path": "lightning_mm.MMFSDP2Strategy", "init_args": {}})
-        cfg["trainer"]["strategy"]["init_args"][key] = value
+def _map_entry_script(state: _Flags, launch: Launch, import_root: Path | None) -> set[str]:
+    """The seed functions the entry script defines, named by import path; returns their names."""
+    cfg, out = state.cfg, state.out
+    if not launch.script:
+        return set()
+    script = state.path_of(launch.script)
+    defined = _defined_functions(script)
+    if import_root is None:
+        import_root = Path.cwd() if script.is_relative_to(Path.cwd().resolve()) else script.parent
+    out.import_root = Path(import_root).resolve()
+    module = _module_path(script, out.import_root) if script.is_relative_to(out.import_root) else script.stem
+    if defined is None:
+        out.unmapped.append(f"{launch.script}: entry script not found or not Python ({script}); add "
+                            "model.init_args.model_provider / forward_step by hand")
+        return set()
+    functions = defined & set(SEED_FUNCTIONS)
+    if "forward_step" in functions:  # forward_step calls get_batch and returns loss_func itself
+        functions -= {"get_batch", "loss_func"}
+    for fn in sorted(functions, key=list(SEED_FUNCTIONS).index):
+        _set(cfg, SEED_FUNCTIONS[fn], f"{module}.{fn}")
+        out.mapped.append(f"{launch.script}: {fn} -> {SEED_FUNCTIONS[fn]} = {module}.{fn}")
+    if functions:
+        out.notes.append(f"the entry script's functions are imported as `{module}`: run lightning-mm from "
+                         f"{out.import_root} (remove Megatron globals such as get_args() from them)")
+    for fn in sorted({"model_provider"} - functions):
+        out.unmapped.append(f"{launch.script}: defines no `{fn}`; set {SEED_FUNCTIONS[fn]} by hand")
+    return functions
 
-    for flag, value in launch.flags:
-        shown = f"{flag} {value}" if value is not None else flag
-        try:
-            if flag == "--use-torch-fsdp2":
-                cfg["trainer"].setdefault("strategy", {"class_path": "lightning_mm.MMFSDP2Strategy", "init_args": {}})
-                out.mapped.append(f"{shown} -> trainer.strategy: lightning_mm.MMFSDP2Strategy")
-            elif flag == "--fsdp2-config-path":
-                strategy("fsdp2_config", str(path_of(value)), shown)
-                out.mapped.append(f"{shown} -> trainer.strategy.init_args.fsdp2_config ({path_of(value)})")
-                if not path_of(value).is_file():
-                    out.unmapped.append(f"{shown}: {path_of(value)} does not exist; write it before training")
-            elif flag == "--ckpt-format":
-                if value not in ("torch_dcp", "torch"):
-                    out.unmapped.append(f"{shown}: only torch_dcp and torch are supported")
-                elif "checkpoint_format" in strategy_args:
-                    strategy("checkpoint_format", value, shown)
-                    out.mapped.append(f"{shown} -> trainer.strategy.init_args.checkpoint_format")
-                else:
-                    out.unmapped.append(f"{shown}: this version writes torch_dcp checkpoints only")
-            elif flag == "--distributed-backend":
-                if keep_backend:
-                    strategy("process_group_backend", value, shown)
-                    out.mapped.append(f"{shown} -> trainer.strategy.init_args.process_group_backend (--keep-backend)")
-                else:
-                    out.notes.append(f"{shown}: left out; the backend follows the accelerator (nccl on CUDA, hccl on "
-                                     "Ascend, gloo on CPU). `migrate --keep-backend` keeps it")
-            elif flag == "--micro-batch-size":
-                values["mbs"] = int(_number(value, flag))
-                _set(cfg, "data.init_args.batch_size", values["mbs"])
-                out.mapped.append(f"{shown} -> data.init_args.batch_size")
-            elif flag == "--global-batch-size":
-                values["gbs"] = int(_number(value, flag))
-            elif flag == "--lr":
-                _set(cfg, "model.init_args.lr", _number(value, flag))
-                out.mapped.append(f"{shown} -> model.init_args.lr")
-            elif flag == "--min-lr":
-                _set(cfg, "model.init_args.min_lr", _number(value, flag))
-                out.mapped.append(f"{shown} -> model.init_args.min_lr")
-            elif flag == "--weight-decay":
-                _set(cfg, "model.init_args.weight_decay", _number(value, flag))
-                out.mapped.append(f"{shown} -> model.init_args.weight_decay")
-            elif flag in ("--adam-beta1", "--adam-beta2"):
-                values[flag] = _number(value, flag)
-            elif flag == "--lr-decay-style":
-                if value in ("cosine", "linear", "constant"):
-                    _set(cfg, "model.init_args.lr_decay_style", value)
-                    out.mapped.append(f"{shown} -> model.init_args.lr_decay_style")
-                else:
-                    out.unmapped.append(f"{shown}: only cosine, linear and constant decay are built in")
-            elif flag == "--lr-warmup-iters":
-                _set(cfg, "model.init_args.warmup_steps", int(_number(value, flag)))
-                out.mapped.append(f"{shown} -> model.init_args.warmup_steps")
-            elif flag == "--lr-warmup-fraction":
-                values["warmup_fraction"] = _number(value, flag)
-            elif flag == "--train-iters":
-                values["train_iters"] = int(_number(value, flag))
-                _set(cfg, "trainer.max_steps", values["train_iters"])
-                out.mapped.append(f"{shown} -> trainer.max_steps")
-            elif flag == "--clip-grad":
-                _set(cfg, "trainer.gradient_clip_val", _number(value, flag))
-                out.mapped.append(f"{shown} -> trainer.gradient_clip_val")
-            elif flag == "--bf16":
-                _set(cfg, "trainer.precision", "bf16-mixed")
-                out.mapped.append(f"{shown} -> trainer.precision: bf16-mixed")
-            elif flag == "--fp16":
-                out.unmapped.append(f"{shown}: fp16 mixed precision needs a sharded grad scaler; use --bf16 "
-                                    "(bf16-mixed) or param_dtype: fp16 in the FSDP2 YAML")
-            elif flag == "--seed":
-                cfg["seed_everything"] = int(_number(value, flag))
-                out.mapped.append(f"{shown} -> seed_everything")
-            elif flag == "--log-interval":
-                _set(cfg, "trainer.log_every_n_steps", int(_number(value, flag)))
-                out.mapped.append(f"{shown} -> trainer.log_every_n_steps")
-            elif flag == "--eval-interval":
-                _set(cfg, "trainer.val_check_interval", int(_number(value, flag)))
-                _set(cfg, "trainer.check_val_every_n_epoch", None)
-                out.mapped.append(f"{shown} -> trainer.val_check_interval")
-            elif flag == "--eval-iters":
-                _set(cfg, "trainer.limit_val_batches", int(_number(value, flag)))
-                out.mapped.append(f"{shown} -> trainer.limit_val_batches")
-            elif flag == "--save":
-                values["save"] = value
-            elif flag == "--save-interval":
-                values["save_interval"] = int(_number(value, flag))
-            elif flag == "--load":
-                cfg["ckpt_path"] = "last"
-                values["load"] = value
-                out.mapped.append(f"{shown} -> ckpt_path: last (resumes from the ModelCheckpoint directory)")
-            elif flag == "--mm-data":
-                values["mm_data"] = (shown, path_of(value))
-            elif flag == "--mm-model":
-                out.unmapped.append(f"{shown}: MindSpeed's model.json has no direct equivalent; build the model in "
-                                    "model_provider (or TransformersModel) from it")
-            elif flag in ("--context-parallel-size", "--context-parallel-algo"):  # context parallelism
-                key = flag.removeprefix("--").replace("-", "_")
-                if key == "context_parallel_size":
-                    values["cp"] = int(_number(value, flag))
-                    strategy(key, values["cp"], shown)
-                elif value in ("ulysses_cp_algo", "ulysses"):
-                    strategy(key, "ulysses", shown)
-                else:
-                    raise ValueError("only Ulysses context parallelism (ulysses_cp_algo) is supported")
-                out.mapped.append(f"{shown} -> trainer.strategy.init_args.{key}")
-            elif flag == "--untie-embeddings-and-output-weights":
-                out.unmapped.append(f"{shown}: a model property; build untied embedding/output weights in "
-                                    "model_provider (tied ones are grouped into one FSDP unit automatically)")
-            else:
-                out.unmapped.append(f"{shown}: unknown to lightning-mm migrate")
-        except ValueError as err:
-            out.unmapped.append(f"{shown}: {err}")
 
+def _map_combined(state: _Flags, world: int | None) -> None:
+    """Flags that become one key together: Adam betas, the warmup fraction, the global batch size."""
+    cfg, out, values = state.cfg, state.out, state.values
     if "--adam-beta1" in values or "--adam-beta2" in values:
         _set(cfg, "model.init_args.betas", [values.get("--adam-beta1", 0.9), values.get("--adam-beta2", 0.999)])
         out.mapped.append("--adam-beta1/--adam-beta2 -> model.init_args.betas")
@@ -396,28 +489,38 @@ def migrate(launch: Launch, base_dir: Path | None = None, import_root: Path | No
         else:
             out.unmapped.append(f"--global-batch-size {values['gbs']}: cannot derive accumulate_grad_batches "
                                 "(world size unknown or not a divisor); set trainer.accumulate_grad_batches")
-    if "save" in values or "save_interval" in values:
-        # "link": last.ckpt points at the newest checkpoint instead of being a second full copy of it
-        checkpoint: dict[str, Any] = {"save_last": "link"}
-        if values.get("save"):
-            checkpoint["dirpath"] = str(path_of(values["save"]))
-        if values.get("save_interval"):
-            checkpoint["every_n_train_steps"] = values["save_interval"]
-        cfg["trainer"]["callbacks"] = [
-            {"class_path": "lightning.pytorch.callbacks.ModelCheckpoint", "init_args": checkpoint}
-        ]
-        out.mapped.append("--save/--save-interval -> trainer.callbacks: ModelCheckpoint(dirpath, every_n_train_steps, "
-                          "save_last: link)")
-        if values.get("load") and values.get("save") and path_of(values["load"]) != path_of(values["save"]):
-            out.unmapped.append(f"--load {values['load']}: differs from --save; set ckpt_path to the checkpoint")
-    if "mm_data" in values:
-        shown, data_path = values["mm_data"]
+
+
+def _map_checkpointing(state: _Flags) -> None:
+    """--save / --save-interval / --load: a ModelCheckpoint callback and ``ckpt_path``."""
+    cfg, out, values = state.cfg, state.out, state.values
+    if "save" not in values and "save_interval" not in values:
+        return
+    # "link": last.ckpt points at the newest checkpoint instead of being a second full copy of it
+    checkpoint: dict[str, Any] = {"save_last": "link"}
+    if values.get("save"):
+        checkpoint["dirpath"] = str(state.path_of(values["save"]))
+    if values.get("save_interval"):
+        checkpoint["every_n_train_steps"] = values["save_interval"]
+    callback = {"class_path": "lightning.pytorch.callbacks.ModelCheckpoint", "init_args": checkpoint}
+    cfg["trainer"]["callbacks"] = [callback]
+    out.mapped.append("--save/--save-interval -> trainer.callbacks: ModelCheckpoint(dirpath, every_n_train_steps, "
+                      "save_last: link)")
+    if values.get("load") and values.get("save") and state.path_of(values["load"]) != state.path_of(values["save"]):
+        out.unmapped.append(f"--load {values['load']}: differs from --save; set ckpt_path to the checkpoint")
+
+
+def _map_data(state: _Flags, launch: Launch, functions: set[str]) -> None:
+    """--mm-data, unless the entry script's dataset provider reads it."""
+    out = state.out
+    if "mm_data" in state.values:
+        shown, data_path = state.values["mm_data"]
         if "train_valid_test_datasets_provider" in functions:
             out.unmapped.append(f"{shown}: read by the entry script's train_valid_test_datasets_provider, which is "
                                 "used instead; pass the file to it, or turn it into a lightning-mm data config "
                                 "(docs/migration.md)")
         elif data_path.is_file():
-            _set(cfg, "data.init_args.data_config", str(data_path))
+            _set(state.cfg, "data.init_args.data_config", str(data_path))
             out.mapped.append(f"{shown} -> data.init_args.data_config ({data_path}; check it against lightning-mm's "
                               "data config format, docs/migration.md)")
         else:
@@ -426,10 +529,6 @@ def migrate(launch: Launch, base_dir: Path | None = None, import_root: Path | No
     elif launch.script and "train_valid_test_datasets_provider" not in functions:
         out.unmapped.append("no --mm-data and no train_valid_test_datasets_provider in the entry script; "
                             "set data.init_args by hand")
-    for name in launch.env:
-        if name in ("CUDA_DEVICE_MAX_CONNECTIONS",):
-            out.unmapped.append(f"{name}: Megatron tuning variable, not needed by FSDP2")
-    return out
 
 
 def main(argv: Sequence[str]) -> int:

@@ -3,17 +3,20 @@
 from __future__ import annotations
 
 import math
-import time
 from collections.abc import Callable, Mapping
 from typing import Any
 
 import lightning as L
 import torch
+from lightning.pytorch.callbacks import ThroughputMonitor
 from torch import nn
+from typing_extensions import override
 
-from lightning_mm._compat import attached_trainer, should_update_logs
+from lightning_mm._compat import attached_trainer, should_update_logs, throughput_meters
 from lightning_mm.modules.seed_functions import SeedFunctions, resolve_callable
+from lightning_mm.strategies.grad_clip import total_grad_norm
 from lightning_mm.strategies.optimizer import group_by_sharding
+from lightning_mm.strategies.precision import MMFSDP2Precision
 
 __all__ = ["MMLightningModule"]
 
@@ -49,10 +52,6 @@ class MMLightningModule(L.LightningModule):
     * ``loss_func(output, batch)`` returns a loss tensor, a mapping with a ``loss`` key plus values to log, or
       ``(loss, {name: value})``.
 
-    Logged: ``train/loss``, ``train/lr``, ``train/grad_norm`` (over all ranks and shards), ``train/samples_per_sec``
-    and ``train/tokens_per_sec`` (global rates, when the batch has ``input_ids``), ``val/loss``, ``test/loss`` and
-    any extra values the loss function returns.
-
     Args:
         model_provider, get_batch, forward_step, loss_func: the seed's functions, instead of overriding.
         fsdp2_config: the FSDP2 config the ``mm_fsdp2`` strategy uses when it is given none itself.
@@ -60,12 +59,21 @@ class MMLightningModule(L.LightningModule):
         warmup_steps: linear warmup length in optimizer steps.
         lr_decay_style: ``constant``, ``cosine`` or ``linear`` decay to ``min_lr`` over the Trainer's total steps.
         min_lr: the floor of the decay.
-        log_grad_norm: log the global gradient norm (one extra reduction on each step whose logs are written).
+        log_grad_norm: log the global gradient norm (one reduction on each step whose logs are written, shared with
+            norm clipping under ``MMFSDP2Strategy``).
+        log_throughput: add Lightning's ``ThroughputMonitor`` (unless the Trainer has one already).
 
-    Logged: ``train/loss`` (synchronised across ranks) and ``train/lr`` every step; on the steps whose logs
-    Lightning writes (``Trainer(log_every_n_steps)``) also ``train/samples_per_sec`` and ``train/tokens_per_sec``
-    (summed over ranks) and ``train/grad_norm``; validation and test losses per epoch.
+    Logged: ``train/loss`` (synchronised across ranks) and ``train/lr`` every step; ``train/grad_norm`` (over all
+    ranks and shards) on the steps whose logs Lightning writes (``Trainer(log_every_n_steps)``); validation and
+    test losses per epoch, and any extra values the loss function returns. Throughput comes from Lightning's
+    ``ThroughputMonitor``, to the loggers on the same steps, as a rolling average over the last
+    ``log_every_n_steps`` steps measured on rank 0: ``train/device/samples_per_sec``, ``train/device/items_per_sec``
+    (tokens: the non-padding ``input_ids`` when the batch has them, else one per sample) and, with more than one
+    rank, the global ``train/samples_per_sec`` and ``train/items_per_sec`` (the device rates times the world size).
+    Set ``flops_per_batch`` (e.g. with ``lightning.fabric.utilities.throughput.measure_flops``) to get MFU too.
     """
+
+    flops_per_batch: int | None = None  # read by ThroughputMonitor on every step; None: no FLOPs or MFU
 
     def __init__(
         self,
@@ -81,6 +89,7 @@ class MMLightningModule(L.LightningModule):
         lr_decay_style: str = "constant",
         min_lr: float = 0.0,
         log_grad_norm: bool = True,
+        log_throughput: bool = True,
     ) -> None:
         super().__init__()
         if lr_decay_style not in _DECAY_STYLES:
@@ -103,8 +112,8 @@ class MMLightningModule(L.LightningModule):
         self.lr_decay_style = lr_decay_style
         self.min_lr = min_lr
         self.log_grad_norm = log_grad_norm
+        self.log_throughput = log_throughput
         self.model: nn.Module | None = None
-        self._step_started: float | None = None
 
     # ------------------------------------------------------------------------ the seed's hooks
     def model_provider(self) -> nn.Module:
@@ -212,42 +221,38 @@ class MMLightningModule(L.LightningModule):
         return output[0] if isinstance(output, tuple) and len(output) == 2 and callable(output[1]) else output
 
     # ------------------------------------------------------------------------ metrics
-    def on_train_batch_start(self, batch: Any, batch_idx: int) -> None:
-        self._step_started = time.perf_counter()
+    def configure_callbacks(self) -> list[L.Callback]:
+        """Lightning's ``ThroughputMonitor``, averaging over the steps between two written logs."""
+        trainer = attached_trainer(self)
+        if not self.log_throughput or trainer is None:
+            return []
+        if any(isinstance(callback, ThroughputMonitor) for callback in trainer.callbacks):
+            return []  # the user's own
+        window = max(2, int(trainer.log_every_n_steps) * int(trainer.accumulate_grad_batches))  # batches, not steps
+        return [_DataParallelThroughputMonitor(batch_size_fn=_samples, length_fn=_items, window_size=window)]
 
     def _writes_step_logs(self) -> bool:
         """Whether Lightning writes this training step's logs (every ``Trainer(log_every_n_steps)`` steps).
 
-        The throughput and gradient-norm metrics are computed and synchronised only on those steps: on the others
-        nothing would read them, and their reductions cost about 6 % of a small model's step (benchmarks/README.md).
+        The gradient norm is computed and synchronised only on those steps: on the others nothing would read it,
+        and its reduction costs a few per cent of a small model's step (benchmarks/README.md).
         """
         trainer = attached_trainer(self)
         return should_update_logs(trainer) if trainer is not None else True
 
     def on_train_batch_end(self, outputs: Any, batch: Any, batch_idx: int) -> None:
-        if self._step_started is None:
-            return
-        elapsed = max(time.perf_counter() - self._step_started, 1e-9)
-        size = _batch_size(batch)
         optimizers = self.trainer.optimizers
         if optimizers:  # no collective: every step
-            self.log("train/lr", float(optimizers[0].param_groups[0]["lr"]), batch_size=size, rank_zero_only=True)
-        if not self._writes_step_logs():
-            return
-        # The ranks of a context-parallel group share their samples: each counts 1/C of them.
-        cp = getattr(self.trainer.strategy, "context_parallel_size", 1)
-        if size:  # local rates, summed over ranks into global ones
-            self.log("train/samples_per_sec", size / elapsed / cp, sync_dist=True, reduce_fx="sum", batch_size=size)
-        tokens = _token_count(batch)
-        if tokens:
-            self.log("train/tokens_per_sec", tokens / elapsed / cp, sync_dist=True, reduce_fx="sum",
-                     batch_size=size)
+            self.log("train/lr", float(optimizers[0].param_groups[0]["lr"]), batch_size=_batch_size(batch),
+                     rank_zero_only=True)
 
     def on_before_optimizer_step(self, optimizer: torch.optim.Optimizer) -> None:
         if self.log_grad_norm and self._writes_step_logs():
-            from lightning_mm.strategies.grad_clip import total_grad_norm
-
-            norm = total_grad_norm([p for g in optimizer.param_groups for p in g["params"]])
+            plugin = self.trainer.precision_plugin
+            if isinstance(plugin, MMFSDP2Precision):  # computed once, shared with norm clipping
+                norm = plugin.grad_norm(optimizer)
+            else:
+                norm = total_grad_norm([p for g in optimizer.param_groups for p in g["params"]])
             self.log("train/grad_norm", float(norm), rank_zero_only=True)  # identical on every rank
 
     # ------------------------------------------------------------------------ optimisation
@@ -306,3 +311,33 @@ def _token_count(batch: Any) -> int | None:
         return None
     mask = batch.get("attention_mask")
     return int(mask.sum()) if isinstance(mask, torch.Tensor) else int(batch["input_ids"].numel())
+
+
+def _samples(batch: Any) -> int:
+    """ThroughputMonitor's batch size: the first tensor's leading dimension (1 for a batch without tensors)."""
+    return _batch_size(batch) or 1
+
+
+def _items(batch: Any) -> int:
+    """ThroughputMonitor's items: the batch's tokens, or one per sample when it has no ``input_ids``.
+
+    (The monitor needs at least one item per sample: a batch of empty sequences still counts its samples.)
+    """
+    return max(_token_count(batch) or 0, _samples(batch))
+
+
+class _DataParallelThroughputMonitor(ThroughputMonitor):
+    """Lightning's ``ThroughputMonitor`` with global rates over the data-parallel ranks.
+
+    Lightning multiplies rank 0's rates by the world size; under context parallelism the C ranks of a group share
+    their samples, so the global rates count each sample once by multiplying by ``world_size / C`` instead. (A
+    ``ThroughputMonitor`` of the user's own, which takes precedence, counts them C times.)
+    """
+
+    @override
+    def setup(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
+        super().setup(trainer, pl_module, stage)
+        cp = int(getattr(trainer.strategy, "context_parallel_size", 1))
+        if cp > 1:
+            for meter in throughput_meters(self).values():
+                meter.world_size = trainer.world_size // cp

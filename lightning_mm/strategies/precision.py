@@ -7,19 +7,18 @@ correctly over DTensors.
 
 from __future__ import annotations
 
-from collections.abc import Generator, Iterable
-from contextlib import contextmanager, nullcontext
+from collections.abc import Callable, Generator
+from contextlib import contextmanager
 from typing import Any
 
 import torch
-from lightning.fabric.utilities.types import Optimizable
 from lightning.pytorch.plugins.precision import Precision
 from lightning_utilities.core.apply_func import apply_to_collection
 from torch import nn
 from torch.optim import Optimizer
 
 from lightning_mm.strategies.config import FSDP2Config, FSDP2ConfigError
-from lightning_mm.strategies.grad_clip import clip_grad_norm_
+from lightning_mm.strategies.grad_clip import clip_grads_with_norm_, total_grad_norm
 from lightning_mm.strategies.plan import MixedPrecision
 
 __all__ = ["MMFSDP2Precision", "resolve_mixed_precision", "SUPPORTED_PRECISION"]
@@ -69,6 +68,7 @@ class MMFSDP2Precision(Precision):
         _check_supported(precision)
         self.precision = precision  # type: ignore[assignment]
         self._true_dtype = _TRUE_DTYPES.get(precision)
+        self._step_norm: tuple[int, torch.Tensor] | None = None  # (id(optimizer), norm) of the step under way
 
     def convert_module(self, module: nn.Module) -> nn.Module:
         return module.to(self._true_dtype) if self._true_dtype is not None else module
@@ -90,9 +90,6 @@ class MMFSDP2Precision(Precision):
         with self.tensor_init_context():
             yield
 
-    def forward_context(self) -> Any:
-        return nullcontext()
-
     def convert_input(self, data: Any) -> Any:
         if self._true_dtype is None:
             return data
@@ -100,11 +97,27 @@ class MMFSDP2Precision(Precision):
             data, torch.Tensor, lambda t: t.to(self._true_dtype) if torch.is_floating_point(t) else t
         )
 
-    def clip_grad_by_norm(self, optimizer: Optimizer, clip_val: int | float) -> None:
-        clip_grad_norm_(_params(optimizer), float(clip_val))
+    def grad_norm(self, optimizer: Optimizer) -> torch.Tensor:
+        """The global gradient norm of ``optimizer``'s parameters in the optimizer step under way, before clipping.
 
-    def main_params(self, optimizer: Optimizable) -> Iterable[torch.Tensor]:
-        return _params(optimizer)
+        Computed once per step: ``MMLightningModule`` logs it (``train/grad_norm``, from ``on_before_optimizer_step``,
+        which Lightning calls just before clipping) and norm clipping then reuses it instead of reducing again.
+        """
+        if self._step_norm is None or self._step_norm[0] != id(optimizer):
+            self._step_norm = (id(optimizer), total_grad_norm(_params(optimizer)))
+        return self._step_norm[1]
+
+    def clip_grad_by_norm(self, optimizer: Optimizer, clip_val: int | float) -> None:
+        norm = self.grad_norm(optimizer)
+        self._step_norm = None  # the gradients change now
+        clip_grads_with_norm_(_params(optimizer), float(clip_val), norm)
+
+    def optimizer_step(self, optimizer: Any, model: Any, closure: Callable[[], Any], **kwargs: Any) -> Any:
+        self._step_norm = None  # a norm from before this step's backward is stale
+        try:
+            return super().optimizer_step(optimizer, model, closure, **kwargs)
+        finally:
+            self._step_norm = None
 
 
 def _params(optimizer: Any) -> list[torch.Tensor]:

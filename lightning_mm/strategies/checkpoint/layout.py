@@ -29,7 +29,6 @@ __all__ = [
     "KIND_WEIGHTS",
     "split_tensors",
     "fill_tensors",
-    "marker_keys",
     "model_key",
     "KeyPlan",
     "plan_keys",
@@ -90,13 +89,6 @@ def fill_tensors(meta: Any, lookup: Callable[[str], Any]) -> Any:
     if isinstance(meta, tuple):
         return tuple(fill_tensors(v, lookup) for v in meta)
     return meta
-
-
-def marker_keys(meta: Any) -> list[str]:
-    """Every stored key referenced by the markers of ``meta``."""
-    keys: list[str] = []
-    fill_tensors(meta, lambda k: keys.append(k))
-    return keys
 
 
 # ----------------------------------------------------------------------------------------- key checks

@@ -1,0 +1,97 @@
+"""`lightning-mm migrate`'s flag table: every flag maps where the documentation says, one flag at a time."""
+
+import re
+from pathlib import Path
+
+import pytest
+
+from lightning_mm.commands.migrate import FLAGS, STRATEGY_ARGS, migrate, parse_args
+
+ROOT = Path(__file__).resolve().parents[1]
+
+# flag, value -> (config path, value there); None: the flag alone sets nothing (it is combined after the loop).
+EXPECTED = {
+    "--use-torch-fsdp2": (None, "trainer.strategy.class_path", "lightning_mm.MMFSDP2Strategy"),
+    "--ckpt-format": ("torch", "trainer.strategy.init_args.checkpoint_format", "torch"),
+    "--micro-batch-size": ("3", "data.init_args.batch_size", 3),
+    "--lr": ("2e-4", "model.init_args.lr", 2e-4),
+    "--min-lr": ("1e-6", "model.init_args.min_lr", 1e-6),
+    "--weight-decay": ("0.1", "model.init_args.weight_decay", 0.1),
+    "--adam-beta1": ("0.8", "model.init_args.betas", [0.8, 0.999]),
+    "--adam-beta2": ("0.95", "model.init_args.betas", [0.9, 0.95]),
+    "--lr-decay-style": ("linear", "model.init_args.lr_decay_style", "linear"),
+    "--lr-warmup-iters": ("7", "model.init_args.warmup_steps", 7),
+    "--train-iters": ("90", "trainer.max_steps", 90),
+    "--clip-grad": ("1.5", "trainer.gradient_clip_val", 1.5),
+    "--bf16": (None, "trainer.precision", "bf16-mixed"),
+    "--seed": ("5", "seed_everything", 5),
+    "--log-interval": ("4", "trainer.log_every_n_steps", 4),
+    "--eval-interval": ("50", "trainer.val_check_interval", 50),
+    "--eval-iters": ("2", "trainer.limit_val_batches", 2),
+    "--save": ("ckpts", "trainer.callbacks.0.init_args.save_last", "link"),
+    "--save-interval": ("20", "trainer.callbacks.0.init_args.every_n_train_steps", 20),
+    "--load": ("ckpts", "ckpt_path", "last"),
+    "--context-parallel-size": ("2", "trainer.strategy.init_args.context_parallel_size", 2),
+    "--context-parallel-algo": ("ulysses_cp_algo", "trainer.strategy.init_args.context_parallel_algo", "ulysses"),
+}
+# Flags that are only reported (never silently dropped), with a word of their reason.
+REPORTED = {"--fp16": "grad scaler", "--mm-model": "model.json", "--untie-embeddings-and-output-weights": "model",
+            "--global-batch-size": "accumulate_grad_batches", "--lr-warmup-fraction": "--train-iters",
+            "--mm-data": "does not exist"}
+
+
+def _get(config, path):
+    node = config
+    for part in path.split("."):
+        node = node[int(part)] if isinstance(node, list) else node[part]
+    return node
+
+
+@pytest.mark.parametrize("flag", sorted(EXPECTED))
+def test_each_flag_maps_to_its_documented_key(flag):
+    value, path, expected = EXPECTED[flag]
+    result = migrate(parse_args([flag] if value is None else [flag, value]))
+    assert _get(result.config, path) == expected
+    assert not [u for u in result.unmapped if u.startswith(flag)]
+    assert any(flag in m for m in result.mapped), result.mapped
+
+
+@pytest.mark.parametrize("flag", sorted(REPORTED))
+def test_flags_that_cannot_map_alone_are_reported_with_the_reason(flag):
+    result = migrate(parse_args([flag, "7"] if flag != "--fp16" else [flag]))
+    assert any(u.startswith(flag) and REPORTED[flag] in u for u in result.unmapped), result.unmapped
+
+
+def test_the_table_is_covered_and_matches_the_documentation():
+    assert set(FLAGS) == set(EXPECTED) | set(REPORTED) | {"--fsdp2-config-path", "--distributed-backend"}
+    documented = set(re.findall(r"`(--[a-z0-9-]+)`", (ROOT / "docs" / "migration.md").read_text()))
+    documented -= {"--keep-backend"}  # an option of migrate itself
+    assert documented <= set(FLAGS), documented - set(FLAGS)
+
+
+def test_strategy_keys_written_by_the_table_are_strategy_arguments():
+    flags = ["--fsdp2-config-path", "f.yaml", "--ckpt-format", "torch_dcp", "--distributed-backend", "gloo"]
+    launch = parse_args(flags)
+    init_args = migrate(launch, keep_backend=True).config["trainer"]["strategy"]["init_args"]
+    assert set(init_args) == {"fsdp2_config", "checkpoint_format", "process_group_backend"}
+    assert set(init_args) <= STRATEGY_ARGS
+
+
+def test_a_bad_number_is_reported_not_raised():
+    result = migrate(parse_args(["--lr", "fast"]))
+    assert result.unmapped == ["--lr fast: --lr needs a number, got 'fast'"]
+    assert "lr" not in result.config["model"]["init_args"]
+
+
+def test_a_new_flag_is_one_table_line(monkeypatch):
+    from lightning_mm.commands.migrate import _refuse, _strategy_arg, _to
+
+    with pytest.raises(ValueError, match="no `stop_timeoutt` argument"):
+        _strategy_arg("stop_timeoutt", float)  # checked against the class's argument list when the table is built
+    monkeypatch.setitem(FLAGS, "--stop-timeout", _strategy_arg("stop_timeout", float))
+    monkeypatch.setitem(FLAGS, "--max-epochs", _to("trainer.max_epochs", int))
+    monkeypatch.setitem(FLAGS, "--use-mcore-models", _refuse("Megatron core models are Megatron's"))
+    result = migrate(parse_args(["--stop-timeout", "30", "--max-epochs", "2", "--use-mcore-models"]))
+    assert result.config["trainer"]["strategy"]["init_args"] == {"stop_timeout": 30.0}
+    assert result.config["trainer"]["max_epochs"] == 2
+    assert result.unmapped == ["--use-mcore-models: Megatron core models are Megatron's"]
