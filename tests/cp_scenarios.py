@@ -200,6 +200,7 @@ def _fit(case: CPCase, cp: int, ckptdir: Path, outdir: Path, max_steps: int, dev
     trainer = L.Trainer(
         accelerator="cpu", devices=devices, max_steps=max_steps, logger=False, enable_checkpointing=False,
         enable_progress_bar=False, enable_model_summary=False, num_sanity_val_steps=0, default_root_dir=outdir,
+        log_every_n_steps=1,  # the ThroughputMonitor averages over 2 batches: enough steps here to report rates
         strategy=MMFSDP2Strategy({"sharding_size": "auto", **case.fsdp2}, context_parallel_size=cp),
     )
     loader = torch.utils.data.DataLoader(CPData(case.family, case.seq_len, left_pad=case.left_pad),
@@ -213,7 +214,24 @@ def _finish(case: CPCase, outdir: Path, parts: list[dict[str, Any]], trainer: An
     if trainer.global_rank == 0:
         torch.save(final, outdir / f"{case.name}.pt")
     metrics = {k: float(v) for k, v in trainer.callback_metrics.items()}
-    _dump(case, outdir, trainer.global_rank, {"parts": parts, "error": None, "metrics": metrics})
+    _dump(case, outdir, trainer.global_rank, {"parts": parts, "error": None, "metrics": metrics,
+                                              "throughput": _throughput(trainer)})
+
+
+def _throughput(trainer: Any) -> dict[str, float]:
+    """What MMLightningModule's ThroughputMonitor computes for training at the end (global and per-device rates)."""
+    from lightning.pytorch.callbacks import ThroughputMonitor
+    from lightning.pytorch.trainer.states import RunningStage
+
+    from lightning_mm._compat import throughput_meters
+
+    if trainer.global_rank != 0:  # Lightning's monitor measures on rank 0 only
+        return {}
+    try:  # an error here must not leave the other ranks waiting for this one
+        monitor = next(c for c in trainer.callbacks if isinstance(c, ThroughputMonitor))
+        return {k: float(v) for k, v in throughput_meters(monitor)[RunningStage.TRAINING].compute().items()}
+    except Exception as err:  # noqa: BLE001 - reported to the test
+        return {"error": repr(err)}
 
 
 def _run(case: CPCase, outdir: Path, ckptdir: Path, devices: int) -> None:

@@ -245,6 +245,14 @@ def test_logged_loss_is_the_global_loss(two: Path, four: Path) -> None:
         assert ranks[0]["metrics"]["train/loss"] == pytest.approx(losses[-1], rel=1e-6)
 
 
+def test_throughput_counts_each_sample_once(four: Path) -> None:
+    """The 2 ranks of a context-parallel group share their samples: global rates are the per-device rates times
+    the 2 data-parallel ranks, not times the world size 4."""
+    rates = _ranks(four, "qwen3-dp2xcp2-len15-recompute", 4)[0]["throughput"]
+    assert rates["samples_per_sec"] == pytest.approx(2 * rates["device/samples_per_sec"])
+    assert rates["items_per_sec"] == pytest.approx(2 * rates["device/items_per_sec"])
+
+
 @pytest.mark.parametrize("name", [c.name for c in FOUR_RANK_CASES])
 def test_four_ranks_dp2_cp2_match_reference(four: Path, ckptdir: Path, name: str) -> None:
     _check_against_reference(four, CASES[name], 4, ckptdir)
