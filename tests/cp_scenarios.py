@@ -11,6 +11,7 @@ the gathered gradients of the first step to ``OUTDIR/CASE.grad.pt``. Real gloo c
 
 from __future__ import annotations
 
+import json
 import sys
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -258,9 +259,34 @@ def _error_case(case: CPCase, outdir: Path, ckptdir: Path, devices: int) -> None
     _dump(case, outdir, int(os.environ.get("LOCAL_RANK", 0)), {"parts": [], "error": error})
 
 
+def _predict_refused(outdir: Path, ckptdir: Path) -> None:
+    """``trainer.predict`` with context parallel 2: refused at setup (last: the failed run ends the process group)."""
+    import os
+
+    import lightning as L
+
+    from lightning_mm import MMFSDP2Strategy, MMLightningModule
+    from lightning_mm.modules import TransformersModel
+
+    class Module(MMLightningModule):
+        def model_provider(self) -> torch.nn.Module:
+            return TransformersModel({"init_from_hf_path": str(ckptdir / "qwen3")})
+
+    trainer = L.Trainer(accelerator="cpu", devices=2, logger=False, enable_progress_bar=False,
+                        enable_model_summary=False, default_root_dir=outdir,
+                        strategy=MMFSDP2Strategy({"sharding_size": "auto"}, context_parallel_size=2))
+    try:
+        trainer.predict(Module(), torch.utils.data.DataLoader(CPData("qwen3", 16), batch_size=1))
+        error = None
+    except Exception as err:  # noqa: BLE001 - the message is what the test checks
+        error = f"{type(err).__name__}: {err}"
+    (outdir / f"predict-cp2.rank{os.environ.get('LOCAL_RANK', 0)}.json").write_text(json.dumps({"error": error}))
+
+
 def group_two(outdir: Path, ckptdir: Path) -> None:
     for case in [*TWO_RANK_CASES, *RESUME_CASES]:
         _run(case, outdir, ckptdir, 2)
+    _predict_refused(outdir, ckptdir)
 
 
 def group_four(outdir: Path, ckptdir: Path) -> None:

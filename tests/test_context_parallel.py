@@ -245,6 +245,12 @@ def test_logged_loss_is_the_global_loss(two: Path, four: Path) -> None:
         assert ranks[0]["metrics"]["train/loss"] == pytest.approx(losses[-1], rel=1e-6)
 
 
+def test_predict_is_refused_before_any_batch(two: Path) -> None:
+    """Prediction would return each rank's slice of the sequence: an error at setup, on every rank."""
+    errors = [json.loads((two / f"predict-cp2.rank{r}.json").read_text())["error"] for r in range(2)]
+    assert all(e and "ContextParallelError" in e and "trainer.predict would return" in e for e in errors), errors
+
+
 def test_throughput_counts_each_sample_once(four: Path) -> None:
     """The 2 ranks of a context-parallel group share their samples: global rates are the per-device rates times
     the 2 data-parallel ranks, not times the world size 4."""

@@ -46,6 +46,16 @@ class ContextParallelSetup:
         assert self.plan is not None
         return {"num_replicas": self.plan.data_parallel_size, "rank": self.plan.data_parallel_rank(global_rank)}
 
+    def refuse_prediction(self, root: nn.Module) -> None:
+        """``trainer.predict`` under context parallelism would return each rank's slice of the sequence: refuse it
+        before any batch (a model that handles context parallelism itself gathers what it returns)."""
+        if self.enabled and not getattr(root, "handles_context_parallel", False):
+            raise ContextParallelError(
+                f"context_parallel_size {self.size}: trainer.predict would return each rank's 1/{self.size} slice "
+                "of the sequence; predict with context_parallel_size=1 (checkpoints load without context "
+                "parallelism)"
+            )
+
     def apply(self, root: nn.Module, target: nn.Module) -> None:
         """Route the model's attention through Ulysses, or refuse a model whose attention cannot be routed.
 

@@ -408,6 +408,8 @@ class MMFSDP2Strategy(ParallelStrategy):
         self.accelerator.setup(trainer)
         root = self.lightning_module
         assert root is not None
+        if trainer.state.fn == TrainerFn.PREDICTING:
+            self._context_parallel.refuse_prediction(root)
         if not isinstance(root, FSDPModule):
             if trainer.state.fn == TrainerFn.FITTING and self._layer_sync is not None:
                 self._apply_layer_sync(root)
