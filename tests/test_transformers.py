@@ -315,13 +315,17 @@ EXPECTED_WRAP = {
     "llama_tied": ["model.embed_tokens", "lm_head", "model.layers.{*}"],
     "qwen2": ["model.embed_tokens", "lm_head", "model.layers.{*}"],
     "qwen3": ["model.embed_tokens", "lm_head", "model.layers.{*}"],
-    "internvl": ["model.language_model.embed_tokens", "lm_head", "model.multi_modal_projector",
-                 "model.vision_tower.encoder.layer.{*}", "model.language_model.layers.{*}"],
-    "qwen2_5_vl": ["model.language_model.embed_tokens", "lm_head", "model.visual.blocks.{*}",
-                   "model.language_model.layers.{*}"],
-    "llava": ["model.language_model.embed_tokens", "lm_head", "model.multi_modal_projector",
-              "model.vision_tower.encoder.layers.{*}", "model.language_model.layers.{*}"],
+    "internvl": ["model.language_model.embed_tokens", "lm_head", "model.vision_tower.embeddings",
+                 "model.multi_modal_projector", "model.vision_tower.encoder.layer.{*}",
+                 "model.language_model.layers.{*}"],
+    "qwen2_5_vl": ["model.language_model.embed_tokens", "lm_head", "model.visual.patch_embed", "model.visual.merger",
+                   "model.visual.blocks.{*}", "model.language_model.layers.{*}"],
+    "llava": ["model.language_model.embed_tokens", "lm_head", "model.vision_tower.embeddings",
+              "model.multi_modal_projector", "model.vision_tower.encoder.layers.{*}",
+              "model.language_model.layers.{*}"],
 }
+# What the default plan leaves in the root unit: norms only (a few hidden sizes), no projector or patch embedding.
+ROOT_PARAMS = {"llama_tied": 32, "qwen2": 32, "qwen3": 32, "internvl": 32, "qwen2_5_vl": 32, "llava": 32 + 2 * 64}
 TOWER = {"internvl": "model.vision_tower", "qwen2_5_vl": "model.visual", "llava": "model.vision_tower"}
 
 
@@ -331,6 +335,7 @@ def test_default_plan_wraps_blocks_and_embeddings_and_ignores_frozen_towers(fami
         model = TransformersModel({"init_from_hf_path": str(ckpts[family])})
     assert model.default_fsdp2_config() == {"sub_modules_to_wrap": EXPECTED_WRAP[family]}
     plan = build_plan(FSDP2Config(sharding_size="auto").with_model_defaults(model), model, 2)
+    assert plan.root_params == ROOT_PARAMS[family]
     tied = family in ("llama_tied", "internvl")
     assert any(len(u.modules) == 2 and "lm_head" in u.modules for u in plan.units) == tied
     layers = [n for n, m in model.named_modules() if type(m).__name__ in model._no_split_modules and n[-1].isdigit()]
@@ -346,6 +351,14 @@ def test_default_plan_wraps_blocks_and_embeddings_and_ignores_frozen_towers(fami
         # Keys the YAML sets win over the defaults.
         config = FSDP2Config(sharding_size="auto", sub_modules_to_wrap=["model.language_model.layers.{0}"])
         assert config.with_model_defaults(frozen).sub_modules_to_wrap == ["model.language_model.layers.{0}"]
+        # ... even when the value equals the default: `ignored_modules: []` shards the frozen tower, blocks and all.
+        config = FSDP2Config.from_dict({"sharding_size": "auto", "ignored_modules": []}).with_model_defaults(frozen)
+        assert config.ignored_modules == [] and config.sub_modules_to_wrap == EXPECTED_WRAP[family]
+        assert build_plan(config, frozen, 2).root_params == ROOT_PARAMS[family]
+        # A trainable tower the YAML ignores gets no default units inside it.
+        config = FSDP2Config(sharding_size="auto", ignored_modules=[TOWER[family]]).with_model_defaults(model)
+        assert not any(p.startswith(TOWER[family]) for p in config.sub_modules_to_wrap)
+        assert build_plan(config, model, 2).ignored == (TOWER[family],)
 
 
 def test_import_lightning_mm_does_not_import_transformers_model_code():

@@ -4,8 +4,11 @@
   ``nn.ModuleList``: decoder layers, vision blocks), plus the input and output embeddings. Tied embeddings share
   a parameter, so the plan builder puts them in one unit.
 * The multimodal projector between a vision tower and the language model (``multi_modal_projector``), or the
-  paths of the class attribute ``fsdp2_extra_units``: as a unit of its own the projector computes in
-  ``param_dtype`` whatever dtype the (possibly ignored, full-precision) tower returns.
+  paths of the class attribute ``fsdp2_extra_units`` (Qwen2.5-VL's ``model.visual.merger``): as a unit of its
+  own the projector computes in ``param_dtype`` whatever dtype the (possibly ignored, full-precision) tower
+  returns, and its parameters are not left in the root unit.
+* A trainable vision tower's input embeddings (the tower's child that holds its ``get_input_embeddings()``: patch
+  and position embeddings), so that only small norms stay in the root unit.
 * A vision tower (the sub-model built from ``config.vision_config``, or the paths in the class attribute
   ``fsdp2_vision_towers``) whose parameters are all frozen goes to ``ignored_modules`` and its blocks are not
   wrapped: it is kept whole on every rank and never communicates.
@@ -19,7 +22,10 @@ from typing import Any
 
 from torch import nn
 
-__all__ = ["hf_default_fsdp2_config", "block_paths", "vision_tower_paths", "frozen_vision_towers", "compress_paths"]
+__all__ = [
+    "hf_default_fsdp2_config", "block_paths", "vision_tower_paths", "frozen_vision_towers", "input_embedding_units",
+    "compress_paths",
+]
 
 
 def _under(path: str, ancestor: str) -> bool:
@@ -101,9 +107,43 @@ def compress_paths(model: nn.Module, paths: list[str]) -> list[str]:
     return result
 
 
-def hf_default_fsdp2_config(model: nn.Module) -> dict[str, Any]:
-    """``sub_modules_to_wrap`` (and ``ignored_modules`` for frozen vision towers) for a Hugging Face model."""
-    ignored = frozen_vision_towers(model)
+def input_embedding_units(model: nn.Module, towers: list[str]) -> list[str]:
+    """For each vision tower, its child that holds the tower's input (patch) embeddings, with their position
+    embeddings: ``model.visual.patch_embed``, ``model.vision_tower.embeddings``."""
+    found = []
+    for tower_path in towers:
+        tower = model.get_submodule(tower_path)
+        getter = getattr(tower, "get_input_embeddings", None)
+        try:
+            embedding = getter() if callable(getter) else None
+        except (NotImplementedError, AttributeError):
+            embedding = None
+        path = _module_path(tower, embedding)
+        if path:
+            found.append(f"{tower_path}.{path.split('.')[0]}")
+    return found
+
+
+def _resolved(model: nn.Module, patterns: list[str]) -> list[str]:
+    from lightning_mm.strategies.patterns import PatternError, resolve_patterns
+
+    paths = []
+    for pattern in patterns:
+        try:
+            paths += resolve_patterns(model, [pattern], "ignored_modules")
+        except PatternError:
+            pass  # build_plan reports it, with the file it came from
+    return paths
+
+
+def hf_default_fsdp2_config(model: nn.Module, ignored: list[str] | None = None) -> dict[str, Any]:
+    """``sub_modules_to_wrap`` (and ``ignored_modules`` for frozen vision towers) for a Hugging Face model.
+
+    ``ignored``: the ``ignored_modules`` the user set (patterns allowed); then no default unit lies inside them
+    and no ``ignored_modules`` default is given.
+    """
+    user_ignored = ignored is not None
+    ignored = _resolved(model, list(ignored)) if user_ignored else frozen_vision_towers(model)
     wrap = [p for p in block_paths(model) if not any(_under(p, t) for t in ignored)]
     embeddings = []
     for getter in ("get_input_embeddings", "get_output_embeddings"):
@@ -119,8 +159,10 @@ def hf_default_fsdp2_config(model: nn.Module) -> dict[str, Any]:
     declared = getattr(type(model), "fsdp2_extra_units", None)
     if declared is None:  # Transformers' VLMs name the module between the vision tower and the LM this way
         declared = [n for n in names if n.rpartition(".")[2] == "multi_modal_projector"]
-    extra = [p for p in declared if p in names and not any(_under(p, t) for t in ignored)]
+    towers = [t for t in vision_tower_paths(model) if t in names]
+    extra = [p for p in [*input_embedding_units(model, towers), *declared]
+             if p in names and not any(_under(p, t) for t in ignored)]
     config: dict[str, Any] = {"sub_modules_to_wrap": compress_paths(model, embeddings + extra + wrap)}
-    if ignored:
+    if ignored and not user_ignored:
         config["ignored_modules"] = ignored
     return config

@@ -7,10 +7,13 @@ construction.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import Any
 
 import torch
 from torch import nn
+
+from lightning_mm.strategies.torch_init import init_module_like_constructor, zero_row
 
 __all__ = ["MultiModalModule", "FSDP2Mixin", "WeightInitMixin"]
 
@@ -35,18 +38,20 @@ class FSDP2Mixin:
 
     fsdp2_config: Any = None
 
-    def default_fsdp2_config(self) -> dict[str, Any]:
+    def default_fsdp2_config(self, explicit: Mapping[str, Any] | None = None) -> dict[str, Any]:
         """YAML defaults for this model; the user's YAML wins for every key it sets.
 
         Empty for a custom model (the user's YAML decides). A Hugging Face model gets a plan built from its own
         metadata (:func:`lightning_mm.modules.hf_plan.hf_default_fsdp2_config`): each decoder layer and vision
         block is a unit, input and output embeddings are units (grouped when tied), and a frozen vision tower is
-        ignored.
+        ignored. ``explicit`` holds the keys the user's YAML sets (see ``FSDP2Config.with_model_defaults``): the
+        default units leave out the modules it ignores.
         """
         if _is_hf_model(self):
             from lightning_mm.modules.hf_plan import hf_default_fsdp2_config
 
-            return hf_default_fsdp2_config(self)  # type: ignore[arg-type]
+            ignored = (explicit or {}).get("ignored_modules")
+            return hf_default_fsdp2_config(self, ignored=ignored)  # type: ignore[arg-type]
         return {}
 
     def load_after_sharding(self) -> None:
@@ -92,7 +97,8 @@ class WeightInitMixin:
     if they are not already. A model whose pretrained weights will be loaded after sharding (see
     ``FSDP2Mixin.load_after_sharding``) skips the random init and is zero-filled instead, which is cheaper.
     Otherwise: Linear, Conv and Embedding weights ~ N(0, std) (``config.initializer_range`` or 0.02), biases zero,
-    norm weights one, and any other module with a ``reset_parameters()`` resets itself.
+    norm weights one, and any other module is initialised as its constructor does (``reset_parameters()``, or
+    torch's ``_reset_parameters()`` for ``nn.MultiheadAttention``).
 
     The mixin's ``init_weights`` takes precedence over a base class's (``class X(LlamaForCausalLM, FSDP2Mixin,
     WeightInitMixin)`` as the seed writes it): Hugging Face's own version skips every module it initialised at
@@ -124,7 +130,7 @@ class WeightInitMixin:
             self.initialize_weights()  # type: ignore[attr-defined]
             for module in self.modules():  # Hugging Face zeroes them through an index, a copy for a DTensor
                 if isinstance(module, nn.Embedding) and module.padding_idx is not None:
-                    _zero_row(module.weight, module.padding_idx)
+                    zero_row(module.weight, module.padding_idx)
             _tie_hf_weights(self)
             return
         hf_init = getattr(self, "_init_weights", None)
@@ -147,20 +153,6 @@ def _is_hf_model(module: Any) -> bool:
 def _local(tensor: torch.Tensor) -> torch.Tensor:
     to_local = getattr(tensor, "to_local", None)
     return to_local() if callable(to_local) else tensor
-
-
-def _zero_row(weight: torch.Tensor, row: int) -> None:
-    """Zero ``weight[row]`` in place, on whichever rank holds that row when ``weight`` is sharded on dim 0."""
-    from torch.distributed.tensor import DTensor
-
-    row = row % weight.shape[0]
-    if not isinstance(weight, DTensor):
-        weight.data[row].zero_()
-        return
-    chunk = weight.__create_chunk_list__()[0]  # this rank's region of the global tensor
-    start, size = chunk.offsets[0], chunk.sizes[0]
-    if start <= row < start + size:
-        weight.to_local()[row - start].zero_()
 
 
 def _clear_hf_init_flags(model: nn.Module) -> None:
@@ -201,11 +193,11 @@ def init_module(module: nn.Module, std: float = 0.02) -> None:
     elif isinstance(module, nn.Embedding):
         nn.init.normal_(module.weight, mean=0.0, std=std)
         if module.padding_idx is not None:
-            _zero_row(module.weight, module.padding_idx)
+            zero_row(module.weight, module.padding_idx)
     elif isinstance(module, _NORMS):
         if getattr(module, "weight", None) is not None:
             nn.init.ones_(module.weight)
         if getattr(module, "bias", None) is not None:
             nn.init.zeros_(module.bias)
-    elif callable(getattr(module, "reset_parameters", None)):
-        module.reset_parameters()
+    else:  # e.g. nn.MultiheadAttention's in_proj_weight (torch's `_reset_parameters()`), PReLU, RNNs
+        init_module_like_constructor(module)

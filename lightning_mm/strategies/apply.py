@@ -7,7 +7,6 @@ the units and then the root, prefetch, and meta-device materialisation.
 from __future__ import annotations
 
 import contextlib
-import functools
 import logging
 import math
 from collections.abc import Callable, Iterable, Iterator
@@ -19,9 +18,10 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionPolicy, OffloadPolicy, fully_shard
 from torch.distributed.tensor import DTensor
-from torch.utils.checkpoint import checkpoint
 
 from lightning_mm.strategies.plan import ShardingPlan, mesh_layout
+from lightning_mm.strategies.recompute import checkpointed_forward, is_recomputed
+from lightning_mm.strategies.torch_init import init_like_constructors
 
 __all__ = [
     "build_device_mesh",
@@ -100,27 +100,17 @@ def apply_ignored_input_cast(modules: Iterable[nn.Module], plan: ShardingPlan) -
 
 
 # ------------------------------------------------------------------------------------------- recomputation
-def _checkpointed_forward(forward: Callable[..., Any], use_reentrant: bool) -> Callable[..., Any]:
-    @functools.wraps(forward)
-    def run(*args: Any, **kwargs: Any) -> Any:
-        if not torch.is_grad_enabled():
-            return forward(*args, **kwargs)
-        if use_reentrant:
-            # The reentrant implementation takes no keyword arguments: they are bound as constants.
-            return checkpoint(functools.partial(forward, **kwargs), *args, use_reentrant=True)
-        return checkpoint(forward, *args, use_reentrant=False, **kwargs)
-
-    run.__lightning_mm_recompute__ = True  # type: ignore[attr-defined]
-    return run
-
-
 def apply_recompute(model: nn.Module, plan: ShardingPlan) -> None:
-    """Recompute the activations of each ``recompute_modules`` module in backward (module names unchanged)."""
+    """Recompute the activations of each ``recompute_modules`` module in backward (module names unchanged).
+
+    The gradients equal those without recomputation for either ``use_reentrant`` value; see
+    :mod:`lightning_mm.strategies.recompute` (a key/value cache is not used in recomputed calls).
+    """
     for path in plan.recompute:
         module = model.get_submodule(path)
-        if getattr(module.forward, "__lightning_mm_recompute__", False):
+        if is_recomputed(module):
             continue
-        module.forward = _checkpointed_forward(module.forward, plan.use_reentrant)
+        module.forward = checkpointed_forward(module.forward, plan.use_reentrant, path)
 
 
 # ------------------------------------------------------------------------------------------------ sharding
@@ -251,15 +241,14 @@ def _still_sentinel(t: torch.Tensor) -> bool:
 
 
 def default_init(model: nn.Module) -> None:
-    """``model.init_weights()`` (WeightInitMixin) if it has one, else every submodule's ``reset_parameters()``."""
+    """``model.init_weights()`` (WeightInitMixin) if it has one, else every module initialised as its
+    constructor does, children first (:func:`~lightning_mm.strategies.torch_init.init_like_constructors`:
+    ``reset_parameters()``, and torch's ``_reset_parameters()`` of ``nn.MultiheadAttention``/``nn.Transformer``)."""
     init_weights = getattr(model, "init_weights", None)
     if callable(init_weights):
         init_weights()
         return
-    for module in model.modules():
-        reset = getattr(module, "reset_parameters", None)
-        if callable(reset):
-            reset()
+    init_like_constructors(model)
 
 
 def _move_buffers(root: nn.Module, device: torch.device) -> None:

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import inspect
 import os
 from collections.abc import Mapping
 from dataclasses import dataclass, field, fields
@@ -83,8 +84,21 @@ class FSDP2Config:
     source: str | None = field(default=None, compare=False, repr=False)
     """Where the config came from (a file path), used in error messages only."""
 
+    def __new__(cls, *args: Any, **kwargs: Any) -> FSDP2Config:
+        # Record which keys the caller set (the YAML's keys, through from_dict), whatever their values: a key set
+        # explicitly wins over the model's defaults even when it equals the default (``ignored_modules: []``).
+        self = super().__new__(cls)
+        names = [f.name for f in fields(cls)]
+        self._explicit = (frozenset(names[: len(args)]) | frozenset(kwargs)) - {"source"}
+        return self
+
     def __post_init__(self) -> None:
         self._validate()
+
+    @property
+    def explicit_keys(self) -> frozenset[str]:
+        """The keys set explicitly (present in the YAML or dict, or passed to the constructor)."""
+        return self._explicit
 
     # ------------------------------------------------------------------ loading
     @classmethod
@@ -141,25 +155,39 @@ class FSDP2Config:
         return out
 
     def with_model_defaults(self, model: Any) -> FSDP2Config:
-        """Fill the keys this config leaves at their defaults from ``model.default_fsdp2_config()`` (FSDP2Mixin).
+        """Fill the keys this config does not set from ``model.default_fsdp2_config()`` (FSDP2Mixin).
 
-        This is how an adapted model supplies its own ``sub_modules_to_wrap`` when the YAML omits it; keys the
-        YAML sets always win.
+        This is how an adapted model supplies its own ``sub_modules_to_wrap`` when the YAML omits it. A key the
+        YAML sets always wins, even when its value is the default (``ignored_modules: []`` keeps a frozen tower
+        sharded). A provider that takes an ``explicit`` argument gets the keys set explicitly, so that its
+        defaults can agree with them (no default unit inside an explicitly ignored module).
         """
         provider = getattr(model, "default_fsdp2_config", None)
-        defaults = provider() if callable(provider) else {}
+        if not callable(provider):
+            return self
+        explicit = {key: getattr(self, key) for key in sorted(self._explicit)}
+        try:
+            takes_explicit = "explicit" in inspect.signature(provider).parameters
+        except (TypeError, ValueError):
+            takes_explicit = False
+        defaults = provider(explicit=explicit) if takes_explicit else provider()
         if not defaults:
             return self
-        base = FSDP2Config()
         unknown = sorted(set(defaults) - {f.name for f in fields(self)})
         if unknown:
             raise FSDP2ConfigError(f"{type(model).__name__}.default_fsdp2_config() has unknown keys: {unknown}")
-        changes = {k: v for k, v in defaults.items() if getattr(self, k) == getattr(base, k)}
-        return dataclasses.replace(self, **changes) if changes else self
+        changes = {k: v for k, v in defaults.items() if k not in self._explicit}
+        if not changes:
+            return self
+        filled = dataclasses.replace(self, **changes)
+        filled._explicit = self._explicit  # the model's defaults are not the user's choice
+        return filled
 
     def replace(self, **changes: Any) -> FSDP2Config:
-        """A validated copy with some fields changed."""
-        return dataclasses.replace(self, **changes)
+        """A validated copy with some fields changed (those count as set explicitly)."""
+        copy = dataclasses.replace(self, **changes)
+        copy._explicit = self._explicit | frozenset(changes)
+        return copy
 
     # --------------------------------------------------------------- validation
     def _error(self, key: str, message: str) -> FSDP2ConfigError:

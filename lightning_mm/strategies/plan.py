@@ -14,6 +14,7 @@ from torch import nn
 
 from lightning_mm.strategies.config import FSDP2Config, FSDP2ConfigError
 from lightning_mm.strategies.patterns import PatternError, resolve_patterns
+from lightning_mm.strategies.recompute import RecomputeError, check_recomputable, uses_kv_cache
 
 __all__ = ["ShardUnit", "ShardingPlan", "MixedPrecision", "build_plan", "mesh_layout"]
 
@@ -259,8 +260,15 @@ def build_plan(
     ignored = _resolve(model, config, "ignored_modules")
     recompute = _resolve(model, config, "recompute_modules")
     _check_overlaps(wrapped, ignored, config)
+    try:
+        check_recomputable(model, recompute, config.source)
+    except RecomputeError as err:
+        raise FSDP2ConfigError(str(err)) from None
 
     groups, notes = _group_shared_parameters(model, wrapped, ignored, config)
+    if recompute and uses_kv_cache(model):
+        notes.append("recomputed modules run without the key/value cache (`use_cache`) when gradients are on: "
+                     "a replay in backward would update it a second time")
     # Children before parents: a parent's fully_shard must see its children already sharded.
     groups.sort(key=lambda g: -max(m.count(".") + 1 for m in g))
     counts, root_params, ignored_params = _count_params(model, groups, ignored)

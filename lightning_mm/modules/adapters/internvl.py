@@ -1,6 +1,7 @@
 """InternVL (Transformers' native implementation: ``InternVLForConditionalGeneration``), as the seed's example.
 
-Default plan: ``model.vision_tower.encoder.layer.{*}``, ``model.language_model.layers.{*}``, the embeddings,
+Default plan: ``model.vision_tower.encoder.layer.{*}``, ``model.vision_tower.embeddings``,
+``model.language_model.layers.{*}``, the embeddings,
 ``model.multi_modal_projector`` and ``lm_head`` (one unit when tied); with the vision tower frozen,
 ``model.vision_tower`` is ignored instead.
 """

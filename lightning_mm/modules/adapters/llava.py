@@ -1,8 +1,8 @@
 """LLaVA (``LlavaForConditionalGeneration``: a CLIP/SigLIP-style vision tower, a projector and a decoder LM).
 
-Default plan: the vision tower's encoder layers, ``model.language_model.layers.{*}``, the embeddings,
-``model.multi_modal_projector`` and ``lm_head``; with the vision tower frozen, ``model.vision_tower`` is
-ignored instead.
+Default plan: the vision tower's encoder layers and its ``embeddings``, ``model.language_model.layers.{*}``, the
+embeddings, ``model.multi_modal_projector`` and ``lm_head``; with the vision tower frozen, ``model.vision_tower``
+is ignored instead.
 """
 
 from transformers import LlavaForConditionalGeneration

@@ -1,6 +1,7 @@
 """Qwen2.5-VL (``Qwen2_5_VLForConditionalGeneration``).
 
-Default plan: ``model.visual.blocks.{*}``, ``model.language_model.layers.{*}``, the embeddings and ``lm_head``;
+Default plan: ``model.visual.blocks.{*}``, ``model.visual.patch_embed``, the patch merger ``model.visual.merger``
+(the projector into the language model), ``model.language_model.layers.{*}``, the embeddings and ``lm_head``;
 with the vision tower frozen, ``model.visual`` is ignored instead.
 """
 
@@ -17,3 +18,4 @@ class MMQwen2_5_VLForConditionalGeneration(Qwen2_5_VLForConditionalGeneration, F
     """``transformers.Qwen2_5_VLForConditionalGeneration``, FSDP2-ready."""
 
     fsdp2_vision_towers = ("model.visual",)
+    fsdp2_extra_units = ("model.visual.merger",)

@@ -1,0 +1,162 @@
+"""The strategy's side of the parity suite (see ``tests/parity.py``).
+
+    python tests/parity_scenarios.py GROUP OUTDIR CKPTDIR
+
+``GROUP`` is ``train`` (every case of ``TRAIN_CASES``, one after the other, on 2 ranks), ``resume`` (each case
+of ``RESUME_CASES``: train, save a checkpoint, resume from it in a new Trainer, on 2 ranks) or ``resume_one``
+(the ``qwen3-resume`` checkpoint written by ``resume`` resumed by a 1-process Trainer). ``CKPTDIR`` holds the
+tiny Hugging Face checkpoints. Each rank writes ``OUTDIR/CASE.rank{R}.json`` (per micro-batch: its loss, the
+indices of its samples and the optimizer step it belongs to); rank 0 writes the gathered final weights to
+``OUTDIR/CASE.pt`` (and the initial ones to ``OUTDIR/CASE.init.pt``). A case that raises records the error
+and the next case runs. Nothing is mocked.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+import traceback
+from pathlib import Path
+from typing import Any
+
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+if str(ROOT) not in sys.path:
+    sys.path.insert(0, str(ROOT))
+
+from tests.hf_scenarios import model_inputs  # noqa: E402
+from tests.parity import (  # noqa: E402
+    CASES,
+    LR,
+    PER_RANK_BATCH,
+    RESUME_CASES,
+    TORCH_LAYERS,
+    TRAIN_CASES,
+    Case,
+    IndexedData,
+    TorchLayersLM,
+)
+
+
+def _full(t: torch.Tensor) -> torch.Tensor:
+    from torch.distributed.tensor import DTensor
+
+    return (t.full_tensor() if isinstance(t, DTensor) else t).detach().clone()
+
+
+def _gathered(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """Full weights (a collective: every rank calls it, in the same order)."""
+    return {name: _full(p) for name, p in model.named_parameters()}
+
+
+def _fit(case: Case, ckptdir: Path, outdir: Path, max_steps: int, devices: int = 2,
+         ckpt_path: str | None = None) -> tuple[dict[str, Any], Any]:
+    import lightning as L
+
+    from lightning_mm import MMFSDP2Strategy, MMLightningModule
+    from lightning_mm.modules import TransformersModel
+
+    record: dict[str, Any] = {"losses": [], "indices": [], "steps": []}
+
+    class Module(MMLightningModule):
+        def model_provider(self) -> torch.nn.Module:
+            if case.family == TORCH_LAYERS:
+                return TorchLayersLM()
+            return TransformersModel({"init_from_hf_path": str(ckptdir / case.family), "freeze": list(case.freeze)})
+
+        def get_batch(self, batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+            batch = dict(batch)
+            record["indices"].append(batch.pop("index").tolist())
+            return model_inputs(batch)
+
+        def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+            loss = super().training_step(batch, batch_idx)
+            record["losses"].append(float(loss.detach()))
+            record["steps"].append(self.trainer.global_step)  # optimizer steps taken before this micro-batch
+            return loss
+
+    class SaveInitial(L.Callback):
+        def on_fit_start(self, trainer: L.Trainer, pl_module: Any) -> None:
+            initial = _gathered(pl_module.model)
+            if trainer.global_rank == 0 and ckpt_path is None:
+                torch.save(initial, outdir / f"{case.name}.init.pt")
+
+    torch.manual_seed(0)
+    module = Module(lr=LR, log_grad_norm=False)
+    trainer = L.Trainer(
+        accelerator="cpu", devices=devices, max_steps=max_steps, accumulate_grad_batches=case.accumulate,
+        gradient_clip_val=case.clip, precision=case.precision, logger=False, enable_checkpointing=False,
+        enable_progress_bar=False, enable_model_summary=False, num_sanity_val_steps=0, default_root_dir=outdir,
+        strategy=MMFSDP2Strategy({"sharding_size": "auto", **case.fsdp2}),
+        callbacks=[SaveInitial()] if case.family == TORCH_LAYERS else [],
+    )
+    loader = torch.utils.data.DataLoader(IndexedData(case.family), batch_size=PER_RANK_BATCH * 2 // devices)
+    trainer.fit(module, train_dataloaders=loader, ckpt_path=ckpt_path)
+    return record, (trainer, module)
+
+
+def _finish(case: Case, outdir: Path, parts: list[dict[str, Any]], trainer: Any, module: Any) -> None:
+    final = _gathered(module.model)
+    rank = trainer.global_rank
+    if rank == 0:
+        torch.save(final, outdir / f"{case.name}.pt")
+    _dump(case, outdir, rank, {"parts": parts, "error": None})
+
+
+def _dump(case: Case, outdir: Path, rank: int, data: dict[str, Any]) -> None:
+    (outdir / f"{case.name}.rank{rank}.json").write_text(json.dumps(data))
+
+
+def _guarded(case: Case, outdir: Path, run: Any) -> None:
+    try:
+        run()
+    except Exception:  # recorded for the test of this case; the other cases still run
+        import torch.distributed as dist
+
+        rank = dist.get_rank() if dist.is_initialized() else 0
+        _dump(case, outdir, rank, {"parts": [], "error": traceback.format_exc()[-4000:]})
+
+
+def group_train(outdir: Path, ckptdir: Path) -> None:
+    for case in TRAIN_CASES:
+        def run(case: Case = case) -> None:
+            record, (trainer, module) = _fit(case, ckptdir, outdir, case.steps)
+            _finish(case, outdir, [record], trainer, module)
+
+        _guarded(case, outdir, run)
+
+
+def group_resume(outdir: Path, ckptdir: Path) -> None:
+    for case in RESUME_CASES:
+        def run(case: Case = case) -> None:
+            assert case.resume_at is not None
+            first, (trainer, _) = _fit(case, ckptdir, outdir, case.resume_at)
+            trainer.save_checkpoint(outdir / f"{case.name}.ckpt")
+            second, (trainer, module) = _fit(case, ckptdir, outdir, case.steps,
+                                             ckpt_path=str(outdir / f"{case.name}.ckpt"))
+            _finish(case, outdir, [first, second], trainer, module)
+
+        _guarded(case, outdir, run)
+
+
+def group_resume_one(outdir: Path, ckptdir: Path) -> None:
+    """The 2-rank ``qwen3-resume`` checkpoint (step 3) resumed by one process (the global batch unchanged)."""
+    case = CASES["qwen3-resume"]
+    one = Case(f"{case.name}-one-rank", case.family, case.fsdp2, case.freeze, case.steps, resume_at=case.resume_at)
+
+    def run() -> None:
+        second, (trainer, module) = _fit(one, ckptdir, outdir, case.steps, devices=1,
+                                         ckpt_path=str(outdir / f"{case.name}.ckpt"))
+        _finish(one, outdir, [second], trainer, module)
+
+    _guarded(one, outdir, run)
+
+
+if __name__ == "__main__":
+    torch.set_num_threads(1)
+    name, out, ckpts = sys.argv[1], Path(sys.argv[2]), Path(sys.argv[3])
+    globals()[f"group_{name}"](out, ckpts)
+    from tests.scenario_exit import exit_cleanly
+
+    exit_cleanly()
