@@ -344,6 +344,7 @@ class MMFSDP2Strategy(ParallelStrategy):
         assert root_converted is root
         self._plan = plan = build_plan(config, target, self.world_size, precision)
         rank_zero_info(plan.describe())
+        _check_supported(plan)
 
         ignored_modules = [target.get_submodule(p) for p in plan.ignored]
         ignored = apply.ignored_parameters(target, plan)
@@ -569,3 +570,12 @@ class MMFSDP2Strategy(ParallelStrategy):
             strategy_registry.register(
                 cls.strategy_name, cls, description="FSDP2 driven by a MindSpeed MM fsdp2_config.yaml"
             )
+
+
+def _check_supported(plan: Any) -> None:
+    """Keys the plan accepts whose doing is not implemented yet fail here, before any sharding."""
+    if plan.experts is not None:
+        raise NotImplementedError("FSDP2 config key `expert_parallel_size` > 1: expert parallelism is not supported "
+                                  "yet")
+    if any(u.label for u in plan.units):
+        raise NotImplementedError("FSDP2 config key `align_fsdp_param_groups: true` is not supported yet")
