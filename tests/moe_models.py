@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -41,6 +42,24 @@ def tiny_moe_model(family: str, seed: int = 0) -> torch.nn.Module:
     arch, kwargs = MOE_FAMILIES[family]
     cls = getattr(transformers, arch)
     config = cls.config_class(**kwargs)
+    config.architectures = [arch]
     torch.manual_seed(seed)
     model = cls(config)
-    return model.float()
+    return model.float().eval()
+
+
+def register_moe_families() -> None:
+    """Make the MoE families known to the parity harness (``tests/parity.py`` looks families up by name)."""
+    from tests.hf_scenarios import FAMILIES
+
+    FAMILIES.update(MOE_FAMILIES)
+
+
+def save_moe_checkpoints(directory: Path) -> dict[str, Path]:
+    """``save_pretrained`` each MoE family's tiny model into ``directory/<family>``, in Transformers 5's own layout
+    (fused 3-D expert weights; sliced loading does not convert the per-expert layout)."""
+    out = {}
+    for i, family in enumerate(MOE_FAMILIES):
+        out[family] = Path(directory) / family
+        tiny_moe_model(family, seed=10 + i).save_pretrained(out[family], save_original_format=False)
+    return out

@@ -351,6 +351,18 @@ class MMFSDP2Strategy(ParallelStrategy):
         kwargs = apply.fsdp_kwargs(plan, self.device_mesh, ignored)
         apply.apply_recompute(target, plan)
         apply.apply_ignored_input_cast(ignored_modules, plan)
+        self._whole_experts: list[nn.Parameter] = []
+        if plan.experts is not None:  # before the units that contain the experts are sharded
+            from lightning_mm.strategies import expert_parallel
+
+            self._ep_mesh = expert_parallel.build_ep_mesh(
+                self.world_size, plan.experts.expert_parallel_size, self.root_device.type
+            )
+            self._whole_experts = expert_parallel.apply_expert_parallel(
+                target, plan, self._ep_mesh, kwargs
+            )
+            if self._whole_experts:  # kept whole: out of FSDP, reduced in post_backward
+                kwargs = apply.fsdp_kwargs(plan, self.device_mesh, ignored | set(self._whole_experts))
         custom = getattr(target, "_fully_shard", None)
         from lightning_mm.modules.mixins import FSDP2Mixin
 
@@ -366,6 +378,15 @@ class MMFSDP2Strategy(ParallelStrategy):
         param_device = torch.device("cpu") if plan.offload_to_cpu else self.root_device
         with apply.shard_distinct_rng(self.device_mesh):
             materialized = apply.materialize_and_init(root, target, param_device, self.root_device, ignored_modules)
+        if self._whole_experts:  # local experts differ along `ep`: equal only within an ep_replicate column
+            from lightning_mm.strategies import expert_parallel
+
+            assert plan.experts is not None
+            self._whole_experts = [p for m in plan.experts.modules for p in target.get_submodule(m).parameters()]
+            whole = {id(p) for p in self._whole_experts}
+            names = dict(root.named_parameters())
+            materialized = [n for n in materialized if id(names.get(n)) not in whole]
+            expert_parallel.broadcast_expert_replicas(self._whole_experts, self._ep_mesh)
         apply.broadcast_replicated(root, materialized)
         load_after_sharding = getattr(target, "load_after_sharding", None)  # FSDP2Mixin: pretrained shards
         if callable(load_after_sharding):
@@ -417,8 +438,13 @@ class MMFSDP2Strategy(ParallelStrategy):
             self._gradient_sync = True
 
     def post_backward(self, closure_loss: Tensor) -> None:
+        whole_experts = getattr(self, "_whole_experts", None)
         if self._gradient_sync and self._ignored_params:
             apply.all_reduce_gradients(self._ignored_params)
+        if self._gradient_sync and whole_experts:
+            from lightning_mm.strategies import expert_parallel
+
+            expert_parallel.all_reduce_expert_gradients(whole_experts, self._ep_mesh)
 
     def model_to_device(self) -> None:
         pass  # placement is part of sharding and materialisation
@@ -574,8 +600,6 @@ class MMFSDP2Strategy(ParallelStrategy):
 
 def _check_supported(plan: Any) -> None:
     """Keys the plan accepts whose doing is not implemented yet fail here, before any sharding."""
-    if plan.experts is not None:
-        raise NotImplementedError("FSDP2 config key `expert_parallel_size` > 1: expert parallelism is not supported "
-                                  "yet")
-    if any(u.label for u in plan.units):
-        raise NotImplementedError("FSDP2 config key `align_fsdp_param_groups: true` is not supported yet")
+    if plan.experts is not None and plan.offload_to_cpu:
+        raise NotImplementedError("FSDP2 config keys `expert_parallel_size` > 1 with `offload_to_cpu: true`: not "
+                                  "supported yet")

@@ -441,7 +441,7 @@ def build_plan(
     experts = None
     if config.expert_parallel_size > 1:
         experts = _plan_experts(model, config, world_size, wrapped, ignored)
-    elif config.moe_modules:
+    elif config.moe_modules and "moe_modules" in config.explicit_keys:
         notes.append("`moe_modules` is not used with `expert_parallel_size: 1` (the experts are sharded like the "
                      "rest of their unit)")
     if recompute and uses_kv_cache(model):
