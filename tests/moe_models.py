@@ -56,10 +56,15 @@ def register_moe_families() -> None:
 
 
 def save_moe_checkpoints(directory: Path) -> dict[str, Path]:
-    """``save_pretrained`` each MoE family's tiny model into ``directory/<family>``, in Transformers 5's own layout
-    (fused 3-D expert weights; sliced loading does not convert the per-expert layout)."""
+    """``save_pretrained`` each MoE family's tiny model into ``directory/<family>``.
+
+    Qwen3-VL-MoE in its original layout (fused experts with their last two dimensions swapped, which sliced loading
+    transposes); Qwen3-MoE in Transformers 5's own fused layout (sliced loading does not fuse the original
+    per-expert tensors).
+    """
     out = {}
     for i, family in enumerate(MOE_FAMILIES):
         out[family] = Path(directory) / family
-        tiny_moe_model(family, seed=10 + i).save_pretrained(out[family], save_original_format=False)
+        original = family == "qwen3_vl_moe"
+        tiny_moe_model(family, seed=10 + i).save_pretrained(out[family], save_original_format=original)
     return out

@@ -101,6 +101,15 @@ def _fill(plan: LoadPlan, files: dict[str, BinaryIO], entry: LoadEntry, tensor: 
     if local.numel() == 0:
         return
     with torch.no_grad():
+        if entry.transpose is not None:  # stored with two (non-leading) dimensions swapped
+            d0, d1 = entry.transpose
+            src_offsets, src_sizes = list(offsets), list(sizes)
+            src_offsets[d0], src_offsets[d1] = src_offsets[d1], src_offsets[d0]
+            src_sizes[d0], src_sizes[d1] = src_sizes[d1], src_sizes[d0]
+            stored = torch.empty(src_sizes, dtype=local.dtype)
+            read_region(plan.directory, files, entry.source, tuple(src_offsets), tuple(src_sizes), stored)
+            local.copy_(stored.transpose(d0, d1))
+            return
         read_region(plan.directory, files, entry.source, offsets, sizes, local)
         for duplicate in entry.duplicates:  # a tied weight stored twice: both copies must agree
             other = torch.empty_like(local)

@@ -497,6 +497,7 @@ class MMFSDP2Strategy(ParallelStrategy):
     def lightning_module_state_dict(self) -> dict[str, Any]:
         """This rank's shards (``torch_dcp``), or the gathered state on rank 0 (``torch``)."""
         assert self.lightning_module is not None
+        _refuse_expert_checkpoint(self._plan)
         return checkpoint.model_state(self.lightning_module, full=self.checkpoint_format == "torch")
 
     def load_model_state_dict(self, state: Mapping[str, Any], strict: bool = True) -> None:
@@ -554,6 +555,7 @@ class MMFSDP2Strategy(ParallelStrategy):
             raise ValueError("MMFSDP2Strategy loads checkpoints weights_only (no pickled code is run); "
                              "weights_only=False is not supported")
         self._check_checkpoint_io()
+        _refuse_expert_checkpoint(self._plan)
         lm = self.lightning_module
         assert lm is not None
         path = Path(self.broadcast(str(checkpoint_path)))
@@ -603,3 +605,10 @@ def _check_supported(plan: Any) -> None:
     if plan.experts is not None and plan.offload_to_cpu:
         raise NotImplementedError("FSDP2 config keys `expert_parallel_size` > 1 with `offload_to_cpu: true`: not "
                                   "supported yet")
+
+
+def _refuse_expert_checkpoint(plan: Any) -> None:
+    """Each EP rank holds other experts under the same names: saving them needs the experts' global layout."""
+    if plan is not None and plan.experts is not None:
+        raise NotImplementedError("checkpoints of an expert-parallel run (`expert_parallel_size` > 1) are not "
+                                  "supported yet; train with `expert_parallel_size: 1` to save or resume")
