@@ -44,6 +44,9 @@ EP_CASES = [
          steps=STEPS),
 ]
 
+RESUME = Case("qwen3_moe-resume-ep2-to-none", "qwen3_moe", _ep("qwen3_moe", 2), steps=6, resume_at=3)
+"""Trained with EP 2 for 3 steps and saved; resumed without expert parallelism for the other 3."""
+
 
 def group_train(outdir: Path, ckptdir: Path) -> None:
     from tests.parity_scenarios import _finish, _fit, _guarded
@@ -58,6 +61,20 @@ def group_train(outdir: Path, ckptdir: Path) -> None:
             _finish(case, outdir, [record], trainer, module)
 
         _guarded(case, outdir, run)
+    if not only or RESUME.name in only.split(","):
+        _guarded(RESUME, outdir, lambda: _resume(outdir, ckptdir))
+
+
+def _resume(outdir: Path, ckptdir: Path) -> None:
+    from tests.parity_scenarios import _finish, _fit
+
+    assert RESUME.resume_at is not None
+    first, (trainer, _) = _fit(RESUME, ckptdir, outdir, RESUME.resume_at, devices=DEVICES)
+    path = outdir / f"{RESUME.name}.ckpt"
+    trainer.save_checkpoint(path)
+    plain = Case(RESUME.name, RESUME.family, {}, steps=RESUME.steps)
+    second, (trainer, module) = _fit(plain, ckptdir, outdir, RESUME.steps, devices=DEVICES, ckpt_path=str(path))
+    _finish(RESUME, outdir, [first, second], trainer, module)
 
 
 def _aligned_unit(trainer: Any, module: Any) -> list[str] | None:

@@ -15,13 +15,15 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import torch
 
-from tests.ep_scenarios import DEVICES, EP_CASES
+from tests.ep_scenarios import DEVICES, EP_CASES, RESUME
 from tests.moe_models import register_moe_families, save_moe_checkpoints
-from tests.parity import global_losses, global_steps, reference_run, relative_errors
+from tests.parity import global_losses, global_steps, reference_run, relative_errors, weight_errors
 
 ROOT = Path(__file__).resolve().parents[1]
 FP32_LOSS = 1e-5
+FP32_WEIGHTS = 3e-4  # as in tests/test_parity.py (AdamW amplifies fp32 rounding in near-cancelling elements)
 CASES = {c.name: c for c in EP_CASES}
 
 
@@ -70,3 +72,36 @@ def test_aligned_unit_holds_exactly_the_norms_and_routers(runs):
         + ["model.norm.weight"]
     )
     assert aligned == expected
+
+
+def test_ep2_checkpoint_resumes_without_ep_exactly(runs):
+    out, ckpts = runs
+    case = RESUME
+    ranks = _ranks(out, case.name)
+    first, second = [r["parts"][0] for r in ranks], [r["parts"][1] for r in ranks]
+    steps = global_steps(case, first) + global_steps(case, second)
+    assert len(global_steps(case, first)) == case.resume_at and len(steps) == case.steps
+    ref = reference_run(case, steps, ckpts / case.family)
+    errors = relative_errors(global_losses(first) + global_losses(second), ref.losses)
+    assert max(errors) < FP32_LOSS, f"per-step relative loss errors {errors}"
+    final = torch.load(out / f"{case.name}.pt", weights_only=True)
+    worst = max(weight_errors(final, ref).items(), key=lambda kv: kv[1])
+    assert worst[1] <= FP32_WEIGHTS, f"final weights differ from the reference: {worst}"
+
+
+def test_ep2_checkpoint_converts_to_transformers_layout(runs, tmp_path):
+    import transformers
+
+    from lightning_mm.strategies.checkpoint.convert import dcp_to_hf
+
+    out, ckpts = runs
+    case = RESUME
+    hf_dir = dcp_to_hf(out / f"{case.name}.ckpt", tmp_path / "hf")
+    model = transformers.Qwen3MoeForCausalLM.from_pretrained(str(hf_dir), dtype=torch.float32)
+    first = [r["parts"][0] for r in _ranks(out, case.name)]
+    ref = reference_run(case, global_steps(case, first), ckpts / case.family)  # the 3 steps before the save
+    state = dict(model.named_parameters())
+    assert state["model.layers.0.mlp.experts.gate_up_proj"].shape[0] == 8  # all experts, fused as Transformers has
+    errors = {n: float((state[n].detach() - t).norm() / t.norm()) for n, t in ref.final.items()}
+    worst = max(errors.items(), key=lambda kv: kv[1])
+    assert worst[1] <= FP32_WEIGHTS, f"converted weights differ from the reference after 3 steps: {worst}"

@@ -221,3 +221,58 @@ def broadcast_expert_replicas(params: list[nn.Parameter], ep_mesh: DeviceMesh) -
     with torch.no_grad():
         for p in params:
             dist.broadcast(p.data, src=src, group=group)
+
+
+# ---------------------------------------------------------------------------------------------- checkpoints
+def expert_state_names(root: nn.Module, plan: ShardingPlan, target: nn.Module) -> set[str]:
+    """Fully qualified names (relative to ``root``) of the expert parameters, as state dicts key them."""
+    assert plan.experts is not None
+    experts = {id(target.get_submodule(path)) for path in plan.experts.modules}
+    names = set()
+    for prefix, module in root.named_modules():
+        if id(module) in experts:
+            names.update(f"{prefix}.{name}" if prefix else name for name, _ in module.named_parameters())
+    return names
+
+
+class ExpertCheckpointLayout:
+    """Saves the local experts as their share of the global tensor (all experts), so that a checkpoint of an EP run
+    loads without expert parallelism or with another ``expert_parallel_size`` (DCP reshards).
+
+    Whole local experts (``reshard_local_experts: false``) are ``[Replicate, Shard(0)]`` on ``(ep_replicate, ep)``;
+    FSDP-sharded ones are ``[Shard(0), Shard(0)]`` on ``(ep, ep_replicate)`` (the experts split over ``ep`` first,
+    each share's rows then over ``ep_replicate``, as FSDP chunks them).
+    """
+
+    def __init__(self, ep_mesh: DeviceMesh, num_experts: int) -> None:
+        self.ep_mesh = ep_mesh
+        self.num_experts = num_experts
+        self.ep_size = ep_mesh.size(1)
+        # Every rank builds it (new process groups): an ordinary collective, once per run.
+        self.transposed = DeviceMesh(ep_mesh.device_type, ep_mesh.mesh.t().contiguous(),
+                                     mesh_dim_names=("ep", "ep_replicate"))
+
+    def to_global(self, tensor: torch.Tensor) -> torch.Tensor:
+        from torch.distributed.tensor import DTensor, Replicate, Shard
+
+        shape = torch.Size([tensor.shape[0] * self.ep_size, *tensor.shape[1:]])  # a DTensor: its local experts
+        if shape[0] != self.num_experts:
+            return tensor
+        stride = torch.empty(shape, device="meta").stride()
+        if isinstance(tensor, DTensor):
+            return DTensor.from_local(tensor.to_local(), self.transposed, [Shard(0), Shard(0)], run_check=False,
+                                      shape=shape, stride=stride)
+        return DTensor.from_local(tensor, self.ep_mesh, [Replicate(), Shard(0)], run_check=False, shape=shape,
+                                  stride=stride)
+
+    def model_state(self, state: dict[str, Any], names: set[str]) -> dict[str, Any]:
+        return {k: (self.to_global(v) if k in names and isinstance(v, torch.Tensor) else v) for k, v in state.items()}
+
+    def optimizer_state(self, state: dict[str, Any], names: set[str]) -> dict[str, Any]:
+        per_param = state.get("state", {})
+        converted = {
+            key: ({k: (self.to_global(v) if isinstance(v, torch.Tensor) and v.ndim > 0 else v)
+                   for k, v in value.items()} if key in names and isinstance(value, dict) else value)
+            for key, value in per_param.items()
+        }
+        return {**state, "state": converted}

@@ -497,8 +497,8 @@ class MMFSDP2Strategy(ParallelStrategy):
     def lightning_module_state_dict(self) -> dict[str, Any]:
         """This rank's shards (``torch_dcp``), or the gathered state on rank 0 (``torch``)."""
         assert self.lightning_module is not None
-        _refuse_expert_checkpoint(self._plan)
-        return checkpoint.model_state(self.lightning_module, full=self.checkpoint_format == "torch")
+        state = checkpoint.model_state(self.lightning_module, full=self.checkpoint_format == "torch")
+        return self._global_experts(state, "model")
 
     def load_model_state_dict(self, state: Mapping[str, Any], strict: bool = True) -> None:
         pass  # loaded in place by load_checkpoint, which checks the keys
@@ -506,7 +506,27 @@ class MMFSDP2Strategy(ParallelStrategy):
     def optimizer_state(self, optimizer: Any) -> dict[str, Any]:
         """The optimiser state keyed by parameter names: shards (``torch_dcp``) or gathered on rank 0 (``torch``)."""
         assert self.lightning_module is not None
-        return checkpoint.optimizer_state(self.lightning_module, optimizer, full=self.checkpoint_format == "torch")
+        state = checkpoint.optimizer_state(self.lightning_module, optimizer, full=self.checkpoint_format == "torch")
+        return self._global_experts(state, "optimizer")
+
+    def _global_experts(self, state: dict[str, Any], kind: str) -> dict[str, Any]:
+        """With expert parallelism, the local experts saved as their share of the global (all-experts) tensors."""
+        plan = self._plan
+        if plan is None or plan.experts is None:
+            return state
+        if self.checkpoint_format != "torch_dcp":
+            raise NotImplementedError("an expert-parallel run saves `checkpoint_format='torch_dcp'` checkpoints only")
+        from lightning_mm.strategies import expert_parallel
+
+        if getattr(self, "_expert_layout", None) is None:
+            self._expert_layout = expert_parallel.ExpertCheckpointLayout(self._ep_mesh, plan.experts.num_experts)
+            self._expert_names = expert_parallel.expert_state_names(
+                self.lightning_module, plan, self._sharding_target()
+            )
+        layout = self._expert_layout
+        if kind == "model":
+            return layout.model_state(state, self._expert_names)
+        return layout.optimizer_state(state, self._expert_names)
 
     def load_optimizer_state_dict(self, state: Mapping[str, Any]) -> None:
         pass  # loaded in place by load_checkpoint
@@ -608,7 +628,7 @@ def _check_supported(plan: Any) -> None:
 
 
 def _refuse_expert_checkpoint(plan: Any) -> None:
-    """Each EP rank holds other experts under the same names: saving them needs the experts' global layout."""
+    """Loading into an expert-parallel model (its local experts from the global tensors) is not implemented."""
     if plan is not None and plan.experts is not None:
-        raise NotImplementedError("checkpoints of an expert-parallel run (`expert_parallel_size` > 1) are not "
-                                  "supported yet; train with `expert_parallel_size: 1` to save or resume")
+        raise NotImplementedError("resuming into an expert-parallel run (`expert_parallel_size` > 1) is not "
+                                  "supported yet; an EP run's checkpoint loads with `expert_parallel_size: 1`")
