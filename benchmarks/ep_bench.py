@@ -14,6 +14,7 @@ Not a test: nothing here is asserted.
 from __future__ import annotations
 
 import json
+import os
 import statistics
 import sys
 import tempfile
@@ -102,6 +103,12 @@ def run(setting: str, ckpt: Path) -> dict[str, Any]:
 def main() -> None:
     import transformers
 
+    if os.environ.get("FH"):
+        import faulthandler
+
+        faulthandler.dump_traceback_later(int(os.environ["FH"]), exit=False,
+                                          file=open(f"/tmp/fh_{os.getpid()}.txt", "w"))  # noqa: SIM115
+
     torch.set_num_threads(1)
     out = Path(sys.argv[1]) if len(sys.argv) > 1 else ROOT / "benchmarks" / "results" / "ep_bench.json"
     ckpt = Path(tempfile.gettempdir()) / "lmm_ep_bench_qwen3_moe"
@@ -110,7 +117,8 @@ def main() -> None:
         config.architectures = ["Qwen3MoeForCausalLM"]
         torch.manual_seed(0)
         transformers.Qwen3MoeForCausalLM(config).save_pretrained(ckpt, save_original_format=False)
-    results = [run(setting, ckpt) for setting in SETTINGS]
+    only = os.environ.get("EP_BENCH_ONLY")
+    results = [run(setting, ckpt) for setting in SETTINGS if not only or setting in only.split(",")]
     import torch.distributed as dist
 
     if dist.get_rank() == 0:
