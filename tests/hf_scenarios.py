@@ -108,10 +108,12 @@ class FamilyData(torch.utils.data.Dataset):
         elif self.family == "llava":  # 2x2 patches, CLS dropped -> 4 tokens
             ids[1:5] = IMAGE_TOKEN
             sample["pixel_values"] = torch.randn(3, 28, 28, generator=g)
-        elif self.family == "qwen2_5_vl":  # grid 1x2x2 patches, merged 2x2 -> 1 token between start and end
+        elif self.family in ("qwen2_5_vl", "qwen3_vl_moe"):  # grid 1x2x2 patches, merged 2x2 -> 1 token, in start/end
             ids[1], ids[2], ids[3] = 7, IMAGE_TOKEN, 8
             sample["pixel_values"] = torch.randn(4, 3 * 2 * 14 * 14, generator=g)
             sample["image_grid_thw"] = torch.tensor([[1, 2, 2]])
+        if self.family == "qwen3_vl_moe":  # Qwen3-VL's M-RoPE takes the image tokens' positions from here
+            sample["mm_token_type_ids"] = (ids == IMAGE_TOKEN).long()
         if "pixel_values" in sample:
             labels[ids == IMAGE_TOKEN] = -100
         sample.update(input_ids=ids, attention_mask=torch.ones_like(ids), labels=labels)

@@ -17,6 +17,7 @@ from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 from torch import nn
 
@@ -154,6 +155,9 @@ class LoadEntry:
     is_parameter: bool
     duplicates: tuple[TensorInfo, ...] = ()
     """Further checkpoint tensors for the same (tied) tensor: they must hold the same values."""
+    transpose: tuple[int, int] | None = None
+    """The checkpoint stores the tensor with these two dimensions swapped (Transformers' ``Transpose`` conversion,
+    e.g. Qwen3-VL-MoE's fused experts); never the first dimension, so row slices stay row slices."""
 
 
 @dataclass(frozen=True)
@@ -219,7 +223,23 @@ def checkpoint_key_renamer(model: nn.Module) -> Callable[[str], tuple[str, str |
     def rename(key: str) -> tuple[str, str | None]:
         return rename_source_key(key, renamings, converters, prefix, model_keys)
 
+    rename.converters = converters  # type: ignore[attr-defined]
     return rename
+
+
+def _row_preserving_transpose(converters: list[Any], pattern: str) -> tuple[int, int, bool] | None:
+    """``(dim0, dim1, check_dims)`` when the converter of ``pattern`` only swaps two non-leading dimensions of one
+    tensor (a conversion that sliced loading can do); ``None`` otherwise."""
+    from transformers.core_model_loading import Transpose
+
+    for conv in converters:
+        sources, targets = list(conv.source_patterns), list(conv.target_patterns)
+        if pattern not in sources or len(sources) != 1 or len(targets) != 1:
+            continue
+        ops = list(conv.operations)
+        if len(ops) == 1 and type(ops[0]) is Transpose and 0 not in (ops[0].dim0, ops[0].dim1):
+            return ops[0].dim0, ops[0].dim1, bool(ops[0].check_dims)
+    return None
 
 
 def _model_tensors(model: nn.Module) -> tuple[list[tuple[list[str], bool]], dict[str, tuple[int, ...]]]:
@@ -246,10 +266,24 @@ def build_load_plan(model: nn.Module, index: SafetensorsIndex) -> LoadPlan:
     unexpected, ignored, needs_conversion, misshapen = [], [], [], []
     renamed: dict[str, str] = {}
     reported: set[int] = set()  # tensors already named in an error (misshapen): not "missing" as well
+    transposed: dict[int, tuple[int, int]] = {}
     for key, info in sorted(index.tensors.items()):
         target, converter = rename(key)
+        swap = None
         if converter is not None:
-            needs_conversion.append(f"{key} (pattern {converter!r})")
+            transpose = _row_preserving_transpose(getattr(rename, "converters", []), converter)
+            if transpose is None or target not in owner:
+                needs_conversion.append(f"{key} (pattern {converter!r})")
+                continue
+            d0, d1, check_dims = transpose
+            swapped = list(info.shape)
+            swapped[d0], swapped[d1] = swapped[d1], swapped[d0]
+            if not (check_dims and info.shape == shapes[target]) and tuple(swapped) == shapes[target]:
+                swap = (d0, d1)
+        if swap is not None:
+            renamed[key] = target
+            sources.setdefault(owner[target], []).append(info)
+            transposed[owner[target]] = swap
             continue
         if target != key:
             renamed[key] = target
@@ -273,7 +307,7 @@ def build_load_plan(model: nn.Module, index: SafetensorsIndex) -> LoadPlan:
         if not found:
             (missing if is_parameter else buffers_kept).extend(names[:1])
             continue
-        entries.append(LoadEntry(tuple(names), found[0], is_parameter, tuple(found[1:])))
+        entries.append(LoadEntry(tuple(names), found[0], is_parameter, tuple(found[1:]), transposed.get(i)))
 
     problems = []
     if missing:

@@ -90,14 +90,26 @@ def _open_files(plan: LoadPlan) -> Iterator[dict[str, BinaryIO]]:
         yield {name: stack.enter_context(open(Path(plan.directory) / name, "rb")) for name in plan.files}
 
 
-def _fill(plan: LoadPlan, files: dict[str, BinaryIO], entry: LoadEntry, tensor: torch.Tensor) -> None:
+def _fill(plan: LoadPlan, files: dict[str, BinaryIO], entry: LoadEntry, tensor: torch.Tensor,
+          first_row: int = 0) -> None:
     offsets, sizes = local_region(tensor)
+    if first_row:  # the local experts of an expert-parallel module: rows from `first_row` on
+        offsets = (offsets[0] + first_row, *offsets[1:])
     local = tensor.to_local() if isinstance(tensor, DTensor) else tensor
     if tuple(local.shape) != tuple(sizes):
         raise RuntimeError(f"{entry.names[0]}: local shard is {list(local.shape)}, expected {list(sizes)}")
     if local.numel() == 0:
         return
     with torch.no_grad():
+        if entry.transpose is not None:  # stored with two (non-leading) dimensions swapped
+            d0, d1 = entry.transpose
+            src_offsets, src_sizes = list(offsets), list(sizes)
+            src_offsets[d0], src_offsets[d1] = src_offsets[d1], src_offsets[d0]
+            src_sizes[d0], src_sizes[d1] = src_sizes[d1], src_sizes[d0]
+            stored = torch.empty(src_sizes, dtype=local.dtype)
+            read_region(plan.directory, files, entry.source, tuple(src_offsets), tuple(src_sizes), stored)
+            local.copy_(stored.transpose(d0, d1))
+            return
         read_region(plan.directory, files, entry.source, offsets, sizes, local)
         for duplicate in entry.duplicates:  # a tied weight stored twice: both copies must agree
             other = torch.empty_like(local)
@@ -115,9 +127,13 @@ def load_local_shards(model: nn.Module, plan: LoadPlan) -> int:
     absent = [e.names[0] for e in plan.entries if e.names[0] not in state]
     if absent:
         raise RuntimeError(f"the model no longer has tensors the load plan was made for: {absent[:10]}")
+    from lightning_mm.strategies.expert_parallel import expert_row_offset
+
     with _open_files(plan) as files:
         for entry in plan.entries:
-            _fill(plan, files, entry, state[entry.names[0]])
+            parent = entry.names[0].rpartition(".")[0]
+            first_row = expert_row_offset(model.get_submodule(parent)) if parent else 0
+            _fill(plan, files, entry, state[entry.names[0]], first_row)
     return len(plan.entries)
 
 

@@ -24,7 +24,7 @@ from torch import nn
 
 __all__ = [
     "hf_default_fsdp2_config", "block_paths", "vision_tower_paths", "frozen_vision_towers", "input_embedding_units",
-    "compress_paths",
+    "compress_paths", "moe_module_paths",
 ]
 
 
@@ -136,6 +136,15 @@ def _resolved(model: nn.Module, patterns: list[str]) -> list[str]:
     return paths
 
 
+def moe_module_paths(model: nn.Module) -> list[str]:
+    """Transformers 5's expert modules: a class named ``...Experts`` with ``num_experts`` and parameters."""
+    return [
+        name for name, module in model.named_modules()
+        if type(module).__name__.endswith("Experts") and isinstance(getattr(module, "num_experts", None), int)
+        and any(True for _ in module.parameters(recurse=False))
+    ]
+
+
 def hf_default_fsdp2_config(model: nn.Module, ignored: list[str] | None = None) -> dict[str, Any]:
     """``sub_modules_to_wrap`` (and ``ignored_modules`` for frozen vision towers) for a Hugging Face model.
 
@@ -163,6 +172,9 @@ def hf_default_fsdp2_config(model: nn.Module, ignored: list[str] | None = None) 
     extra = [p for p in [*input_embedding_units(model, towers), *declared]
              if p in names and not any(_under(p, t) for t in ignored)]
     config: dict[str, Any] = {"sub_modules_to_wrap": compress_paths(model, embeddings + extra + wrap)}
+    moe = [p for p in moe_module_paths(model) if not any(_under(p, t) for t in ignored)]
+    if moe:
+        config["moe_modules"] = moe
     if ignored and not user_ignored:
         config["ignored_modules"] = ignored
     return config

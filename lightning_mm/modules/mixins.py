@@ -54,6 +54,18 @@ class FSDP2Mixin:
             return hf_default_fsdp2_config(self, ignored=ignored)  # type: ignore[arg-type]
         return {}
 
+    def expert_parallel_forward(self, path: str, module: nn.Module, ep: Any) -> Any:
+        """Hook: the forward of MoE module ``path`` under expert parallelism, or ``None`` for the default.
+
+        The default (:func:`lightning_mm.strategies.expert_parallel.routed_forward`) serves expert modules with
+        Transformers 5's call shape ``experts(hidden_states, top_k_index, top_k_weights)`` and fused weights whose
+        first dimension is the experts (already cut to this rank's ``ep.experts_per_rank`` when this is called).
+        ``ep`` (:class:`~lightning_mm.strategies.expert_parallel.ExpertGroup`) holds the EP process group, this
+        rank's place in it and the experts count; a model with another call shape returns its own forward here
+        (typically wrapping ``routed_forward(module, local_forward, ep)``).
+        """
+        return None
+
     def load_after_sharding(self) -> None:
         """Hook: called by :class:`~lightning_mm.MMFSDP2Strategy` right after the model is sharded and its
         parameters are materialised and initialised (``init_weights``), before prefetching is set up and before

@@ -123,7 +123,8 @@ def apply_fully_shard(model: nn.Module, root: nn.Module, plan: ShardingPlan, kwa
     """
     for unit in plan.units:
         modules = [model.get_submodule(path) for path in unit.modules]
-        fully_shard(modules if len(modules) > 1 else modules[0], **kwargs)
+        unit_kwargs = {**kwargs, "reshard_after_forward": False} if unit.keep_unsharded else kwargs
+        fully_shard(modules if len(modules) > 1 else modules[0], **unit_kwargs)
     fully_shard(root, **kwargs)
 
 

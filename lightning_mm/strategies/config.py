@@ -81,6 +81,14 @@ class FSDP2Config:
     pin_memory: bool = False
     num_to_forward_prefetch: int = 0
     num_to_backward_prefetch: int = 1
+    align_fsdp_param_groups: bool = False
+    """Gather the norms and routers of the wrapped units (and the final norm) into one FSDP unit of their own."""
+    expert_parallel_size: int = 1
+    """Split the experts of each ``moe_modules`` module over this many ranks (1: no expert parallelism)."""
+    moe_modules: list[str] = field(default_factory=list)
+    """The expert modules (patterns allowed) that expert parallelism splits."""
+    reshard_local_experts: bool = True
+    """With expert parallelism: FSDP-shard the local experts over the ranks that hold the same experts."""
     source: str | None = field(default=None, compare=False, repr=False)
     """Where the config came from (a file path), used in error messages only."""
 
@@ -211,12 +219,13 @@ class FSDP2Config:
             except FSDP2ConfigError as err:
                 raise self._error(key, str(err).split(": ", 1)[1]) from None
 
-        for key in ("cast_forward_inputs", "use_reentrant", "reshard_after_forward", "offload_to_cpu", "pin_memory"):
+        for key in ("cast_forward_inputs", "use_reentrant", "reshard_after_forward", "offload_to_cpu", "pin_memory",
+                    "align_fsdp_param_groups", "reshard_local_experts"):
             value = getattr(self, key)
             if not isinstance(value, bool):
                 raise self._error(key, f"expected true or false, got {short_repr(value)}")
 
-        for key in ("sub_modules_to_wrap", "ignored_modules", "recompute_modules"):
+        for key in _PATTERN_KEYS:
             value = getattr(self, key)
             if isinstance(value, str):
                 value = [value]
@@ -229,18 +238,30 @@ class FSDP2Config:
             if isinstance(value, bool) or not isinstance(value, int) or value < 0:
                 raise self._error(key, f"expected a non-negative integer, got {short_repr(value)}")
 
+        size = self.expert_parallel_size
+        if isinstance(size, bool) or not isinstance(size, int) or size < 1:
+            raise self._error("expert_parallel_size", f"expected a positive integer, got {short_repr(size)}")
+
         if self.pin_memory and not self.offload_to_cpu:
             raise self._error("pin_memory", "only takes effect with `offload_to_cpu: true`; set both or remove it")
 
         # Imported here: the pattern grammar lives with the resolver, and a malformed pattern fails at load time.
         from lightning_mm.strategies.patterns import parse_pattern
 
-        for key in ("sub_modules_to_wrap", "ignored_modules", "recompute_modules"):
+        for key in _PATTERN_KEYS:
             for pattern in getattr(self, key):
                 try:
                     parse_pattern(pattern)
                 except ValueError as err:
                     raise self._error(key, str(err)) from None
+
+    def check_expert_parallel_size(self, world_size: int) -> None:
+        """``expert_parallel_size`` must divide the world size."""
+        if world_size % self.expert_parallel_size != 0:
+            raise self._error(
+                "expert_parallel_size",
+                f"{self.expert_parallel_size} does not divide the world size {world_size}",
+            )
 
     def resolve_sharding_size(self, world_size: int) -> int:
         """The shard group size for ``world_size`` ranks; it must divide the world size."""
@@ -251,6 +272,8 @@ class FSDP2Config:
             )
         return size
 
+
+_PATTERN_KEYS = ("sub_modules_to_wrap", "ignored_modules", "recompute_modules", "moe_modules")
 
 # Keys whose explicit ``null`` in YAML means "not set" and is kept as None.
 _NULLABLE = {"param_dtype", "reduce_dtype", "output_dtype"}

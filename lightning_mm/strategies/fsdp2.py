@@ -456,6 +456,7 @@ class MMFSDP2Strategy(ParallelStrategy):
         assert root_converted is root
         self._plan = plan = build_plan(config, target, self.world_size, precision)
         rank_zero_info(plan.describe())
+        _check_supported(plan, self._context_parallel.size)
         self._context_parallel.apply(root, target)
 
         ignored_modules = [target.get_submodule(p) for p in plan.ignored]
@@ -463,6 +464,18 @@ class MMFSDP2Strategy(ParallelStrategy):
         kwargs = apply.fsdp_kwargs(plan, self.device_mesh, ignored)
         apply.apply_recompute(target, plan)
         apply.apply_ignored_input_cast(ignored_modules, plan)
+        self._whole_experts: list[nn.Parameter] = []
+        if plan.experts is not None:  # before the units that contain the experts are sharded
+            from lightning_mm.strategies import expert_parallel
+
+            self._ep_mesh = expert_parallel.build_ep_mesh(
+                self.world_size, plan.experts.expert_parallel_size, self.root_device.type
+            )
+            self._whole_experts = expert_parallel.apply_expert_parallel(
+                target, plan, self._ep_mesh, kwargs
+            )
+            if self._whole_experts:  # kept whole: out of FSDP, reduced in post_backward
+                kwargs = apply.fsdp_kwargs(plan, self.device_mesh, ignored | set(self._whole_experts))
         custom = getattr(target, "_fully_shard", None)
         from lightning_mm.modules.mixins import FSDP2Mixin
 
@@ -478,6 +491,15 @@ class MMFSDP2Strategy(ParallelStrategy):
         param_device = torch.device("cpu") if plan.offload_to_cpu else self.root_device
         with apply.shard_distinct_rng(self.device_mesh):
             materialized = apply.materialize_and_init(root, target, param_device, self.root_device, ignored_modules)
+        if self._whole_experts:  # local experts differ along `ep`: equal only within an ep_replicate column
+            from lightning_mm.strategies import expert_parallel
+
+            assert plan.experts is not None
+            self._whole_experts = [p for m in plan.experts.modules for p in target.get_submodule(m).parameters()]
+            whole = {id(p) for p in self._whole_experts}
+            names = dict(root.named_parameters())
+            materialized = [n for n in materialized if id(names.get(n)) not in whole]
+            expert_parallel.broadcast_expert_replicas(self._whole_experts, self._ep_mesh)
         apply.broadcast_replicated(root, materialized)
         load_after_sharding = getattr(target, "load_after_sharding", None)  # FSDP2Mixin: pretrained shards
         if callable(load_after_sharding):
@@ -537,8 +559,13 @@ class MMFSDP2Strategy(ParallelStrategy):
 
     @override
     def post_backward(self, closure_loss: Tensor) -> None:
+        whole_experts = getattr(self, "_whole_experts", None)
         if self._gradient_sync and self._ignored_params:
             apply.all_reduce_gradients(self._ignored_params)
+        if self._gradient_sync and whole_experts:
+            from lightning_mm.strategies import expert_parallel
+
+            expert_parallel.all_reduce_expert_gradients(whole_experts, self._ep_mesh)
 
     @override
     def model_to_device(self) -> None:
@@ -628,7 +655,8 @@ class MMFSDP2Strategy(ParallelStrategy):
     def lightning_module_state_dict(self) -> dict[str, Any]:
         """This rank's shards (``torch_dcp``), or the gathered state on rank 0 (``torch``)."""
         assert self.lightning_module is not None
-        return checkpoint.model_state(self.lightning_module, full=self.checkpoint_format == "torch")
+        state = checkpoint.model_state(self.lightning_module, full=self.checkpoint_format == "torch")
+        return self._global_experts(state, "model")
 
     @override
     def load_model_state_dict(self, checkpoint: Mapping[str, Any], strict: bool = True) -> None:
@@ -640,7 +668,27 @@ class MMFSDP2Strategy(ParallelStrategy):
         """This rank's shards keyed by parameter name (``torch_dcp``), or the gathered state on rank 0 in torch's
         layout, keyed by parameter index with the names alongside (``torch``)."""
         assert self.lightning_module is not None
-        return checkpoint.optimizer_state(self.lightning_module, optimizer, full=self.checkpoint_format == "torch")
+        state = checkpoint.optimizer_state(self.lightning_module, optimizer, full=self.checkpoint_format == "torch")
+        return self._global_experts(state, "optimizer")
+
+    def _global_experts(self, state: dict[str, Any], kind: str) -> dict[str, Any]:
+        """With expert parallelism, the local experts saved as their share of the global (all-experts) tensors."""
+        plan = self._plan
+        if plan is None or plan.experts is None:
+            return state
+        if self.checkpoint_format != "torch_dcp":
+            raise NotImplementedError("an expert-parallel run saves `checkpoint_format='torch_dcp'` checkpoints only")
+        from lightning_mm.strategies import expert_parallel
+
+        if getattr(self, "_expert_layout", None) is None:
+            self._expert_layout = expert_parallel.ExpertCheckpointLayout(self._ep_mesh, plan.experts.num_experts)
+            self._expert_names = expert_parallel.expert_state_names(
+                self.lightning_module, plan, self._sharding_target()
+            )
+        layout = self._expert_layout
+        if kind == "model":
+            return layout.model_state(state, self._expert_names)
+        return layout.optimizer_state(state, self._expert_names)
 
     @override
     def load_optimizer_state_dict(self, checkpoint: Mapping[str, Any]) -> None:
@@ -693,6 +741,7 @@ class MMFSDP2Strategy(ParallelStrategy):
             raise ValueError("MMFSDP2Strategy loads checkpoints weights_only (no pickled code is run); "
                              "weights_only=False is not supported")
         self._check_checkpoint_io()
+        _refuse_expert_checkpoint(self._plan)
         lm = self.lightning_module
         assert lm is not None
         path = Path(self.broadcast(str(checkpoint_path)))
@@ -739,3 +788,20 @@ class MMFSDP2Strategy(ParallelStrategy):
             strategy_registry.register(
                 cls.strategy_name, cls, description="FSDP2 driven by a MindSpeed MM fsdp2_config.yaml"
             )
+
+
+def _check_supported(plan: Any, context_parallel_size: int = 1) -> None:
+    """Settings the plan accepts whose doing is not implemented yet fail here, before any sharding."""
+    if plan.experts is not None and plan.offload_to_cpu:
+        raise NotImplementedError("FSDP2 config keys `expert_parallel_size` > 1 with `offload_to_cpu: true`: not "
+                                  "supported yet")
+    if plan.experts is not None and context_parallel_size > 1:
+        raise NotImplementedError("FSDP2 config key `expert_parallel_size` > 1 with MMFSDP2Strategy("
+                                  "context_parallel_size > 1): not supported yet (each works on its own)")
+
+
+def _refuse_expert_checkpoint(plan: Any) -> None:
+    """Loading into an expert-parallel model (its local experts from the global tensors) is not implemented."""
+    if plan is not None and plan.experts is not None:
+        raise NotImplementedError("resuming into an expert-parallel run (`expert_parallel_size` > 1) is not "
+                                  "supported yet; an EP run's checkpoint loads with `expert_parallel_size: 1`")

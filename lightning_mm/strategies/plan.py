@@ -16,7 +16,10 @@ from lightning_mm.strategies.config import FSDP2Config, FSDP2ConfigError
 from lightning_mm.strategies.patterns import PatternError, resolve_patterns
 from lightning_mm.strategies.recompute import RecomputeError, check_recomputable, uses_kv_cache
 
-__all__ = ["ShardUnit", "ShardingPlan", "MixedPrecision", "build_plan", "mesh_layout"]
+__all__ = [
+    "ShardUnit", "ShardingPlan", "MixedPrecision", "ExpertPlan", "build_plan", "mesh_layout", "ep_mesh_layout",
+    "norm_and_router_modules",
+]
 
 ROOT = ""
 
@@ -28,6 +31,11 @@ def mesh_layout(world_size: int, sharding_size: int) -> tuple[tuple[int, ...], t
     return (world_size // sharding_size, sharding_size), ("replicate", "shard")
 
 
+def ep_mesh_layout(world_size: int, expert_parallel_size: int) -> tuple[tuple[int, int], tuple[str, str]]:
+    """The expert mesh: ``(ep_replicate, ep)``; ranks ``r`` with the same ``r // ep`` form one EP group."""
+    return (world_size // expert_parallel_size, expert_parallel_size), ("ep_replicate", "ep")
+
+
 @dataclass(frozen=True)
 class ShardUnit:
     """One ``fully_shard`` call: usually one module, several when they share parameters (tied weights)."""
@@ -36,10 +44,30 @@ class ShardUnit:
     num_params: int
     trainable_params: int | None = None
     """Of ``num_params``, those with ``requires_grad`` (``None``: not counted)."""
+    label: str = ""
+    """A short name for a unit of many modules (the aligned norm/router unit)."""
+    keep_unsharded: bool = False
+    """Parameters stay unsharded from forward to backward (the aligned unit: its modules run all through a step)."""
 
     @property
     def name(self) -> str:
-        return " + ".join(self.modules)
+        return self.label or " + ".join(self.modules)
+
+
+@dataclass(frozen=True)
+class ExpertPlan:
+    """Expert parallelism: each MoE module's experts split over the ``ep`` ranks of an EP group."""
+
+    expert_parallel_size: int
+    modules: tuple[str, ...]
+    num_experts: int
+    experts_per_rank: int
+    reshard_local_experts: bool
+    expert_params: int
+    """Expert parameters of all MoE modules (all experts, before splitting)."""
+    expert_bytes: int
+    other_bytes: int
+    """Bytes of every parameter that is not an expert's (before sharding)."""
 
 
 @dataclass(frozen=True)
@@ -72,6 +100,8 @@ class ShardingPlan:
     pin_memory: bool
     use_reentrant: bool
     notes: tuple[str, ...] = field(default=())
+    experts: ExpertPlan | None = None
+    """Expert parallelism, or None without it (``expert_parallel_size: 1``)."""
 
     @property
     def mesh_shape(self) -> tuple[int, ...]:
@@ -104,7 +134,12 @@ class ShardingPlan:
             f", offload_to_cpu={self.offload_to_cpu}{', pin_memory' if self.pin_memory else ''}",
             f"  units ({len(self.units)} + root, in wrapping order):",
         ]
-        lines += [f"    {u.name:<60} {u.num_params:>14,} params{_split(u)}" for u in self.units]
+        for u in self.units:
+            lines.append(f"    {u.name:<60} {u.num_params:>14,} params{_split(u)}")
+            if u.label:
+                shown = ", ".join(u.modules[:6]) + (f", ... ({len(u.modules) - 6} more)" if len(u.modules) > 6 else "")
+                kept = "; kept unsharded from forward to backward" if u.keep_unsharded else ""
+                lines.append(f"      = {shown}{kept}")
         lines.append(f"    {'<root>':<60} {self.root_params:>14,} params")
         lines.append(
             f"  ignored ({self.ignored_params:,} params, whole on every rank, trainable ones' gradients all-reduced): "
@@ -117,11 +152,45 @@ class ShardingPlan:
             f"  prefetch: forward {self.forward_prefetch}, backward {backward} "
             "(units in execution order, taken from the first forward pass)"
         )
+        if self.experts is not None:
+            lines += self._describe_experts()
         lines += [f"  note: {n}" for n in self.notes]
         if self.sharding_size == 1 and self.world_size > 1:
             lines.append("  note: sharding_size 1 (the seed's default): parameters are replicated, not sharded; "
                          "set `sharding_size: auto` to shard over all ranks")
         return "\n".join(lines)
+
+
+    @property
+    def ep_mesh_shape(self) -> tuple[int, int] | None:
+        return None if self.experts is None else ep_mesh_layout(self.world_size, self.experts.expert_parallel_size)[0]
+
+    def bytes_per_rank(self) -> tuple[int, int]:
+        """Parameter bytes one rank holds: ``(non-expert, expert)`` (FSDP shards rounded up)."""
+        ep = self.experts
+        assert ep is not None
+        replicate = self.world_size // ep.expert_parallel_size
+        expert = -(-ep.expert_bytes // ep.expert_parallel_size)
+        if ep.reshard_local_experts:
+            expert = -(-expert // replicate)
+        return -(-ep.other_bytes // self.sharding_size), expert
+
+    def _describe_experts(self) -> list[str]:
+        ep = self.experts
+        assert ep is not None
+        shape, names = ep_mesh_layout(self.world_size, ep.expert_parallel_size)
+        mesh = " x ".join(f"{n}={s}" for n, s in zip(names, shape))
+        local = ("FSDP-sharded over ep_replicate" if ep.reshard_local_experts
+                 else "kept whole, gradients all-reduced over ep_replicate")
+        other, expert = self.bytes_per_rank()
+        no_ep = -(-(ep.other_bytes + ep.expert_bytes) // self.sharding_size)
+        return [
+            f"  expert parallel: mesh ({mesh}), {len(ep.modules)} MoE module(s), {ep.num_experts} experts each, "
+            f"{ep.experts_per_rank} per rank; local experts {local}",
+            f"    moe_modules: {', '.join(ep.modules)}",
+            f"    parameter bytes per rank: {other + expert:,} ({other:,} non-expert + {expert:,} expert; "
+            f"{no_ep:,} without expert parallelism)",
+        ]
 
 
 def _split(unit: ShardUnit) -> str:
@@ -240,14 +309,110 @@ def _group_shared_parameters(
     return result, notes
 
 
-def _count_params(model: nn.Module, groups: list[tuple[str, ...]], ignored: list[str]) -> tuple[
-        list[int], int, int, list[int]]:
+def _is_norm(module: nn.Module) -> bool:
+    norms = (nn.LayerNorm, nn.GroupNorm, nn.RMSNorm, nn.BatchNorm1d, nn.BatchNorm2d, nn.BatchNorm3d, nn.SyncBatchNorm,
+             nn.InstanceNorm1d, nn.InstanceNorm2d, nn.InstanceNorm3d)
+    return isinstance(module, norms) or "Norm" in type(module).__name__
+
+
+def _is_router(path: str, module: nn.Module, model: nn.Module) -> bool:
+    if "Router" in type(module).__name__:
+        return True
+    parent, _, leaf = path.rpartition(".")
+    owner = model.get_submodule(parent) if parent else model
+    return leaf in ("gate", "router") and hasattr(owner, "experts")  # the MoE block's gate beside its experts
+
+
+def norm_and_router_modules(model: nn.Module, units: list[str], ignored: list[str]) -> list[str]:
+    """The modules ``align_fsdp_param_groups`` gathers into one unit, found by type, not by path.
+
+    Norms and MoE routers strictly inside the wrapped units (input/post-attention norms, q/k norms, the MoE
+    gate), and the norms beside a stack of wrapped blocks (the final norm of a decoder) that would otherwise stay
+    in the root unit. Outermost matches only; modules without parameters of their own are skipped.
+    """
+    stacks = set()
+    for unit in units:
+        parent = unit.rpartition(".")[0]
+        owner = model.get_submodule(parent) if parent else model
+        if isinstance(owner, nn.ModuleList):
+            stacks.add(parent.rpartition(".")[0])
+    found: list[str] = []
+    for path, module in model.named_modules():
+        if not path or any(_is_under(path, f) for f in found) or any(_is_under(path, ign) for ign in ignored):
+            continue
+        if not any(True for _ in module.parameters()):
+            continue
+        if not (_is_norm(module) or _is_router(path, module, model)):
+            continue
+        owner = _owner(path, units)
+        inside = owner != ROOT and owner != path
+        beside_stack = owner == ROOT and path not in units and path.rpartition(".")[0] in stacks
+        if inside or beside_stack:
+            found.append(path)
+    return found
+
+
+def _num_experts(path: str, module: nn.Module, config: FSDP2Config) -> int:
+    """Experts of a MoE module: its ``num_experts`` or the common first dimension of its (3-D) weights."""
+    declared = getattr(module, "num_experts", None)
+    if isinstance(declared, int) and not isinstance(declared, bool):
+        return declared
+    firsts = {p.shape[0] for p in module.parameters() if p.ndim >= 2}
+    if len(firsts) != 1:
+        raise config._error("moe_modules", f"cannot tell how many experts '{path}' holds: it has no `num_experts` "
+                                           "and its weights do not share a leading experts dimension")
+    return firsts.pop()
+
+
+def _plan_experts(model: nn.Module, config: FSDP2Config, world_size: int, wrapped: list[str],
+                  ignored: list[str]) -> ExpertPlan:
+    size = config.expert_parallel_size
+    config.check_expert_parallel_size(world_size)
+    if not config.moe_modules:
+        raise config._error("moe_modules", f"`expert_parallel_size: {size}` needs the MoE expert modules "
+                                           "(e.g. `model.layers.{*}.mlp.experts`)")
+    modules = _resolve(model, config, "moe_modules")
+    counts = set()
+    for path in modules:
+        if path in wrapped:
+            raise config._error("moe_modules", f"'{path}' is also in `sub_modules_to_wrap`; expert modules are "
+                                               "sharded by expert parallelism, not as units of their own")
+        if any(_is_under(path, ign) for ign in ignored):
+            raise config._error("moe_modules", f"'{path}' is inside `ignored_modules`")
+        if any(_is_under(other, path) for other in modules if other != path):
+            raise config._error("moe_modules", f"'{path}' contains another MoE module")
+        module = model.get_submodule(path)
+        if not any(True for _ in module.parameters()):
+            raise config._error("moe_modules", f"'{path}' has no parameters")
+        experts = _num_experts(path, module, config)
+        if experts % size:
+            raise config._error("expert_parallel_size", f"{size} does not divide the {experts} experts of '{path}'")
+        counts.add(experts)
+    if len(counts) != 1:
+        raise config._error("moe_modules", f"the MoE modules hold different numbers of experts: {sorted(counts)}")
+    experts = counts.pop()
+    expert_ids = {id(p) for path in modules for p in model.get_submodule(path).parameters()}
+    expert_numel = expert_bytes = other_bytes = 0
+    for _, param in model.named_parameters():
+        if id(param) in expert_ids:
+            expert_numel += param.numel()
+            expert_bytes += param.numel() * param.element_size()
+        else:
+            other_bytes += param.numel() * param.element_size()
+    return ExpertPlan(size, tuple(modules), experts, experts // size, config.reshard_local_experts,
+                      expert_numel, expert_bytes, other_bytes)
+
+
+def _count_params(model: nn.Module, groups: list[tuple[str, ...]], ignored: list[str],
+                  experts: tuple[str, ...] = ()) -> tuple[list[int], int, int, list[int]]:
     unit_of = {m: i for i, group in enumerate(groups) for m in group}
     flat = list(unit_of)
     counts = [0] * len(groups)
     trainable = [0] * len(groups)
     root = ignored_count = 0
     for path, param in model.named_parameters():  # each parameter object once
+        if any(_is_under(path, e) for e in experts):
+            continue
         if any(_is_under(path, ign) for ign in ignored):
             ignored_count += param.numel()
             continue
@@ -278,12 +443,27 @@ def build_plan(
         raise FSDP2ConfigError(str(err)) from None
 
     groups, notes = _group_shared_parameters(model, wrapped, ignored, config)
+    aligned: tuple[str, ...] = ()
+    if config.align_fsdp_param_groups:
+        aligned = tuple(norm_and_router_modules(model, [m for g in groups for m in g], ignored))
+        if not aligned:
+            raise config._error("align_fsdp_param_groups", "found no norm or router module inside the wrapped units "
+                                                           "(`sub_modules_to_wrap`) to gather into a unit of its own")
+        groups.append(aligned)
+    experts = None
+    if config.expert_parallel_size > 1:
+        experts = _plan_experts(model, config, world_size, wrapped, ignored)
+    elif config.moe_modules and "moe_modules" in config.explicit_keys:
+        notes.append("`moe_modules` is not used with `expert_parallel_size: 1` (the experts are sharded like the "
+                     "rest of their unit)")
     if recompute and uses_kv_cache(model):
         notes.append("recomputed modules run without the key/value cache (`use_cache`) when gradients are on: "
                      "a replay in backward would update it a second time")
     # Children before parents: a parent's fully_shard must see its children already sharded.
     groups.sort(key=lambda g: -max(m.count(".") + 1 for m in g))
-    counts, root_params, ignored_params, trainable = _count_params(model, groups, ignored)
+    counts, root_params, ignored_params, trainable = _count_params(
+        model, groups, ignored, experts.modules if experts is not None else ()
+    )
     if precision is None:
         precision = MixedPrecision(
             config.param_dtype, config.reduce_dtype, config.output_dtype, config.cast_forward_inputs
@@ -291,7 +471,10 @@ def build_plan(
     return ShardingPlan(
         world_size=world_size,
         sharding_size=sharding_size,
-        units=tuple(ShardUnit(g, n, t) for g, n, t in zip(groups, counts, trainable)),
+        units=tuple(
+            ShardUnit(g, n, t, f"<norms and routers: {len(g)} modules>", True) if g == aligned else ShardUnit(g, n, t)
+            for g, n, t in zip(groups, counts, trainable)
+        ),
         root_params=root_params,
         ignored=tuple(ignored),
         ignored_params=ignored_params,
@@ -304,4 +487,5 @@ def build_plan(
         pin_memory=config.pin_memory,
         use_reentrant=config.use_reentrant,
         notes=tuple(notes),
+        experts=experts,
     )

@@ -8,6 +8,7 @@ the YAML) wraps every decoder layer and vision block and the embeddings, and ign
 from lightning_mm.modules.adapters.causal_lm import MMLlamaForCausalLM, MMQwen2ForCausalLM, MMQwen3ForCausalLM
 from lightning_mm.modules.adapters.internvl import MMInternVLForConditionalGeneration
 from lightning_mm.modules.adapters.llava import MMLlavaForConditionalGeneration
+from lightning_mm.modules.adapters.moe import MMQwen3MoeForCausalLM, MMQwen3VLMoeForConditionalGeneration
 from lightning_mm.modules.adapters.qwen2_5_vl import MMQwen2_5_VLForConditionalGeneration
 
 __all__ = [
@@ -17,4 +18,6 @@ __all__ = [
     "MMInternVLForConditionalGeneration",
     "MMQwen2_5_VLForConditionalGeneration",
     "MMLlavaForConditionalGeneration",
+    "MMQwen3MoeForCausalLM",
+    "MMQwen3VLMoeForConditionalGeneration",
 ]
