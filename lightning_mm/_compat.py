@@ -30,6 +30,7 @@ __all__ = [
     "PrivateAPIError",
     "check_version_fence",
     "is_rng_supported_mesh",
+    "all_to_all_single_autograd",
     "fsdp_state",
     "fsdp_param_groups",
     "should_update_logs",
@@ -160,6 +161,8 @@ def auto_accelerator() -> str:
 # ------------------------------------------------------------------------------------------------------- torch
 #: Whether DTensor's random ops keep per-shard offsets on this mesh (CUDA-like devices only).
 is_rng_supported_mesh = _require("torch.distributed.tensor._random", "is_rng_supported_mesh")
+#: An all-to-all with uneven splits whose backward is the inverse all-to-all (expert-parallel token dispatch).
+all_to_all_single_autograd = _require("torch.distributed._functional_collectives", "all_to_all_single_autograd")
 
 try:
     from torch.distributed.fsdp import FSDPModule as _FSDPModule

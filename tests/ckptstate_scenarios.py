@@ -201,3 +201,6 @@ if __name__ == "__main__":
     workdir.mkdir(parents=True, exist_ok=True)
     torch.set_num_threads(1)
     globals()[f"scenario_{name}"](workdir)
+    from tests.scenario_exit import exit_cleanly
+
+    exit_cleanly()

@@ -245,6 +245,25 @@ def test_dcp_to_hf_writes_what_save_pretrained_writes(family, tmp_path):
                                    rtol=0, atol=0)
 
 
+def test_dcp_to_hf_converts_tensors_as_save_pretrained_does(tmp_path):
+    """Qwen3-MoE keeps its experts fused in memory and saves them one tensor per expert: the converted directory
+    holds save_pretrained's files and loads back to the same logits."""
+    from tests.moe_models import tiny_moe_model
+
+    model = tiny_moe_model("qwen3_moe", seed=5)
+    root = torch.nn.Module()
+    root.model = model
+    state = {f"model.{k}": v for k, v in model.state_dict().items()}
+    torch.save({"state_dict": state, "lightning_mm": {"hf": hf_records(root)}}, tmp_path / "ckpt.pt")
+    converted = dcp_to_hf(tmp_path / "ckpt.pt", tmp_path / "converted")
+    _compare_with_save_pretrained(model, converted, tmp_path / "reference")
+    assert "model.layers.0.mlp.experts.7.down_proj.weight" in _safetensors(converted / "model.safetensors")
+    loaded = type(model).from_pretrained(converted).eval()
+    ids = torch.arange(12).reshape(2, 6) % model.config.vocab_size
+    with torch.no_grad():
+        torch.testing.assert_close(loaded(input_ids=ids).logits, model(input_ids=ids).logits, rtol=0, atol=0)
+
+
 def test_dcp_to_hf_of_a_sharded_training_checkpoint_matches_save_pretrained(work, tmp_path):
     """The 2-rank LLaVA checkpoint (torch_dcp): the same files as save_pretrained of its weights."""
     converted = dcp_to_hf(work / "mm.ckpt", tmp_path / "converted")

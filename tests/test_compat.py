@@ -47,6 +47,7 @@ def test_torch_private_names_behave_as_used():
     from torch.distributed.fsdp._fully_shard._fsdp_state import FSDPState
 
     assert callable(FSDPModule._get_fsdp_state) and callable(_compat.is_rng_supported_mesh)
+    assert callable(_compat.all_to_all_single_autograd)
     assert _compat.fsdp_param_groups(FSDPState()) == []  # a state with no parameters of its own
 
 
@@ -89,7 +90,7 @@ def test_installed_versions_are_inside_the_fence_and_agree_with_pyproject_and_co
 
 
 _PRIVATE_IMPORT = re.compile(r"^\s*from (torch|lightning|lightning_utilities)(\.\w+)* import .*\b_[A-Za-z]", re.M)
-_PRIVATE_ACCESS = re.compile(r"\._get_fsdp_state\b|_fsdp_param_groups|_logger_connector|\._trainer\b"
+_PRIVATE_ACCESS = re.compile(r"\._get_fsdp_state\b|(?<!\w)_fsdp_param_groups|_logger_connector|\._trainer\b"
                              r"|_AcceleratorConnector|lightning_module\._device_mesh|\bnn\.modules\.\w+\._")
 
 

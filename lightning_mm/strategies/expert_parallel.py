@@ -126,7 +126,7 @@ def routed_forward(module: nn.Module, local_forward: Callable[..., torch.Tensor]
     (indices ``0..per_rank-1``, one per token, weight 1); the routing weights are applied where the tokens came
     from, after they return.
     """
-    from torch.distributed._functional_collectives import all_to_all_single_autograd
+    from lightning_mm._compat import all_to_all_single_autograd
 
     def forward(hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor
                 ) -> torch.Tensor:

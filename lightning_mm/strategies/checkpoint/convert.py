@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import contextlib
 import json
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -155,9 +155,10 @@ def dcp_to_hf(
     The model keys of the checkpoint under ``prefix`` (the recorded one by default: ``model.`` for an
     MMLightningModule) are written under the key names of the saved layout (Transformers' save-time renaming),
     tied weights once, with ``config.json``, ``generation_config.json`` for a generative model, and safetensors
-    shards (see :mod:`.hf_export`). ``dtype`` (fp32, bf16, fp16) casts floating tensors.
+    shards (see :mod:`.hf_export`). ``dtype`` (fp32, bf16, fp16) casts floating tensors. Tensors are streamed
+    shard by shard, except for a model whose ``save_pretrained`` converts tensors (e.g. Qwen3-MoE's fused experts,
+    saved one per expert): its tensors are read whole and converted by Transformers' own save-time steps.
     """
-    from safetensors.torch import save_file
 
     out = Path(out_dir)
     _check_output(out)
@@ -174,6 +175,8 @@ def dcp_to_hf(
         available = sorted({k.split(SEP, 1)[1].split(".", 1)[0] for k in source.shapes if k.startswith("state_dict")})
         raise ValueError(f"{src}: no model key starts with {prefix!r} (top-level modules: {available})")
     layout = hf_layout(hf_config, str(src))
+    if layout.converted:
+        return _write_converted(source, stored, layout, src, out, cast, max_shard_size)
     names = {key: file_key for file_key, key in _file_keys(stored, layout, src).items()}
 
     shards: list[list[str]] = [[]]
@@ -194,24 +197,70 @@ def dcp_to_hf(
     layout.save_side_files(partial, config_dtype)
     # safetensors creates its files owner-only (0600); they get the mode of any new file here (the umask's).
     mode = (partial / "config.json").stat().st_mode & 0o777
+
+    def read(keys: list[str]) -> dict[str, torch.Tensor]:  # one shard at a time, under its file keys
+        tensors = source.read_full(keys)
+        return {names[k]: (t.to(cast) if cast is not None and t.is_floating_point() else t) for k, t in tensors.items()}
+
+    _write_shards(partial, (read(keys) for keys in shards), len(shards), mode)
+    atomic.fsync_dir(partial)
+    atomic.commit(partial, out)
+    return out
+
+
+def _write_shards(directory: Path, shards: Iterable[dict[str, torch.Tensor]], count: int, mode: int) -> None:
+    """Safetensors files as ``save_pretrained`` names them (and the index when there are several), with ``mode``."""
+    from safetensors.torch import save_file
+
     weight_map: dict[str, str] = {}
     total = 0
-    for i, keys in enumerate(shards):
-        file = "model.safetensors" if len(shards) == 1 else f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors"
-        tensors = source.read_full(keys)
-        shard = {}
-        for key, tensor in tensors.items():
-            if cast is not None and tensor.is_floating_point():
-                tensor = tensor.to(cast)
-            shard[names[key]] = tensor.contiguous()
-            weight_map[names[key]] = file
+    for i, shard in enumerate(shards):
+        file = "model.safetensors" if count == 1 else f"model-{i + 1:05d}-of-{count:05d}.safetensors"
+        save_file({k: t.contiguous() for k, t in shard.items()}, str(directory / file), metadata={"format": "pt"})
+        (directory / file).chmod(mode)
+        for key, tensor in shard.items():
+            weight_map[key] = file
             total += tensor.numel() * tensor.element_size()
-        save_file(shard, str(partial / file), metadata={"format": "pt"})
-        (partial / file).chmod(mode)
-        del tensors, shard
-    if len(shards) > 1:
+    if count > 1:
         index = {"metadata": {"total_size": total}, "weight_map": dict(sorted(weight_map.items()))}
-        (partial / "model.safetensors.index.json").write_text(json.dumps(index, indent=2))
+        (directory / "model.safetensors.index.json").write_text(json.dumps(index, indent=2))
+
+
+def _write_converted(source: Any, stored: dict[str, str], layout: HFLayout, src: str | Path, out: Path,
+                     cast: torch.dtype | None, max_shard_size: int) -> Path:
+    """``dcp_to_hf`` for a model whose ``save_pretrained`` converts tensors (e.g. Qwen3-MoE's fused experts are
+    saved one tensor per expert): the model's tensors are read whole, converted by Transformers' own save-time
+    steps, then written. Needs the model's size in memory, unlike the streaming path."""
+    expected = layout.in_memory_names()
+    missing = [n for n in expected if n not in stored]
+    unexpected = sorted(n for n in stored if n not in set(expected))
+    if missing or unexpected:
+        raise ValueError(
+            f"{src}: the checkpoint's model keys do not match {layout.config.architectures[0]}'s: "
+            f"{len(missing)} missing {missing[:20]}, {len(unexpected)} not in the model {unexpected[:20]}"
+        )
+    full = source.read_full([stored[n] for n in expected])
+    state = {}
+    for name in expected:
+        tensor = full.pop(stored[name])
+        state[name] = tensor.to(cast) if cast is not None and tensor.is_floating_point() else tensor
+    saved = layout.revert(state)
+    del state
+    shards: list[dict[str, torch.Tensor]] = [{}]
+    size = 0
+    for key, tensor in saved.items():
+        nbytes = tensor.numel() * tensor.element_size()
+        if shards[-1] and size + nbytes > max_shard_size:
+            shards.append({})
+            size = 0
+        shards[-1][key] = tensor
+        size += nbytes
+    floating = [t.dtype for t in saved.values() if t.is_floating_point()]
+    partial = atomic.partial_path(out)
+    partial.mkdir()
+    layout.save_side_files(partial, floating[0] if floating else None)
+    mode = (partial / "config.json").stat().st_mode & 0o777  # as the streaming path: not safetensors' 0600
+    _write_shards(partial, shards, len(shards), mode)
     atomic.fsync_dir(partial)
     atomic.commit(partial, out)
     return out

@@ -29,6 +29,25 @@ class HFLayout:
     """The ``PretrainedConfig`` (``architectures`` set), written as ``config.json``."""
     generation_config: Any
     """The ``GenerationConfig`` that ``save_pretrained`` writes for a generative model, else ``None``."""
+    model: Any = None
+    """The model on the meta device, kept when saving converts tensors (``converted``)."""
+    converted: bool = False
+    """``save_pretrained`` converts tensors of this model (e.g. splits fused experts); ``keys`` is then empty and
+    the tensors go through :meth:`revert`."""
+
+    def in_memory_names(self) -> list[str]:
+        """Every in-memory name the checkpoint must hold (a converted model's full state-dict keys)."""
+        if self.converted:
+            return list(self.model.state_dict().keys())
+        return [n for names in self.keys.values() for n in names]
+
+    def revert(self, state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """The tensors ``save_pretrained`` writes for the in-memory ``state`` (full tensors): tied weights once,
+        conversions undone (Transformers' own save-time steps)."""
+        from transformers.core_model_loading import revert_weight_conversion
+        from transformers.modeling_utils import remove_tied_weights_from_state_dict
+
+        return revert_weight_conversion(self.model, remove_tied_weights_from_state_dict(dict(state), self.model))
 
     def save_side_files(self, directory: Path, dtype: torch.dtype | None) -> None:
         """``config.json`` (with the weights' ``dtype``, as ``save_pretrained`` records it) and
@@ -75,11 +94,9 @@ def hf_layout(config: dict[str, Any], where: str) -> HFLayout:
         names.setdefault(id(tensor), []).append(name)
     saved = revert_weight_conversion(model, remove_tied_weights_from_state_dict(dict(state), model))
     keys: dict[str, list[str]] = {}
-    for key, tensor in saved.items():
-        if id(tensor) not in names:
-            raise ValueError(f"{where}: {type(model).__name__} saves {key} through a tensor conversion (fusing or "
-                             "splitting weights), which dcp-to-hf does not do; load the checkpoint into the model "
-                             "and call save_pretrained")
-        keys[key] = names[id(tensor)]
     generation = model.generation_config if model.can_generate() else None
+    for key, tensor in saved.items():
+        if id(tensor) not in names:  # a conversion (fusing or splitting weights): tensors must be converted
+            return HFLayout({}, hf_config, generation, model=model, converted=True)
+        keys[key] = names[id(tensor)]
     return HFLayout(keys, hf_config, generation)
