@@ -174,7 +174,7 @@ def _imported_top_level_modules(stderr: str) -> set[str]:
 
 @pytest.mark.parametrize("args, allowed", [
     (["--help"], set()), (["migrate", "examples/migration/pretrain_custom.sh"], set()), (["convert", "--help"], set()),
-    (["env"], {"lightning", "transformers"}),  # Lightning's view of the machine; Lightning imports Transformers
+    (["env"], set()),
 ])
 def test_commands_that_do_not_train_import_neither_lightning_nor_transformers(args, allowed):
     env = {**os.environ, "PYTHONPATH": str(ROOT)}

@@ -252,6 +252,17 @@ def test_env_command_reports_versions_accelerators_backends_and_auto(no_torch_np
     assert 'accelerator="auto" chooses: cpu' in text and "gloo yes" in text
 
 
+def test_env_asks_torch_what_lightning_would_find(no_torch_npu):
+    """``env`` reports Lightning's accelerators and ``auto`` choice without importing Lightning: the answers equal
+    Lightning's own on this machine."""
+    from lightning_mm._compat import auto_accelerator
+    from lightning_mm.commands import env
+
+    assert env._accelerators() == env._lightning_accelerators() | {"npu": env._accelerators()["npu"]}
+    assert env._lightning_accelerators()["npu"]["available"] is False
+    assert env._auto_choice(env._accelerators())["accelerator"] == auto_accelerator()
+
+
 # ----------------------------------------------------------------------------- with the test double
 def test_npu_accelerator_and_trainer_wiring_with_the_fake_npu_backend():
     proc = _python("""

@@ -3,13 +3,14 @@
 Reports torch, torch_npu (if installed), lightning, transformers and lightning-mm versions; for each accelerator
 Lightning knows (NPU included), whether it is available and how many devices it has; the distributed backends
 PyTorch can use here; and what ``Trainer(accelerator="auto", devices="auto")`` would choose. When torch_npu is
-installed it is imported here, to count NPUs. Lightning is imported (what is reported is Lightning's view of the
-machine); Transformers and the rest of lightning-mm are not.
+installed it is imported here, to count NPUs. Lightning and Transformers are not imported: Lightning's view of the
+machine is asked of torch the way Lightning asks it (``tests/test_npu.py`` checks it against Lightning's own).
 """
 
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import json
 import os
 import platform
@@ -32,11 +33,13 @@ def _version(dist_name: str) -> str | None:
         return None
 
 
-def _accelerators() -> dict[str, dict[str, Any]]:
+def _lightning_accelerators() -> dict[str, dict[str, Any]]:
+    """Each accelerator in Lightning's registry, asked through Lightning (imports Lightning)."""
     from lightning.pytorch.accelerators import AcceleratorRegistry
 
-    from lightning_mm.accelerators.npu import npu_status
+    from lightning_mm.accelerators.npu import NPUAccelerator
 
+    NPUAccelerator.register_accelerators(AcceleratorRegistry)  # accelerator="npu"
     report: dict[str, dict[str, Any]] = {}
     for name in sorted(AcceleratorRegistry.available_accelerators()):
         cls = AcceleratorRegistry[name]["accelerator"]
@@ -46,10 +49,35 @@ def _accelerators() -> dict[str, dict[str, Any]]:
             entry["devices"] = int(cls.auto_device_count()) if entry["available"] else 0
         except Exception as err:  # report, never crash: this output goes into bug reports
             entry.update(available=False, devices=0, error=f"{type(err).__name__}: {err}")
-        if name == "npu" and not entry["available"]:
-            entry["reason"] = npu_status()[1]
         report[name] = entry
     return report
+
+
+def _accelerators() -> dict[str, dict[str, Any]]:
+    """What Lightning's accelerators (cpu, cuda, mps, tpu, and npu from lightning-mm) would find, asked of torch
+    directly as Lightning asks it, so that this command does not import Lightning. With torch_xla installed, the
+    answer needs Lightning's XLA probing, and Lightning is asked instead."""
+    import torch
+
+    from lightning_mm.npu_probe import npu_status
+
+    if importlib.util.find_spec("torch_xla") is not None:
+        report = _lightning_accelerators()
+    else:
+        cuda = torch.cuda.device_count()
+        mps = (os.getenv("DISABLE_MPS", "0") != "1" and torch.backends.mps.is_available()
+               and platform.processor() in ("arm", "arm64"))
+        report = {
+            "cpu": {"class": "CPUAccelerator", "available": True, "devices": 1},
+            "cuda": {"class": "CUDAAccelerator", "available": cuda > 0, "devices": cuda},
+            "mps": {"class": "MPSAccelerator", "available": mps, "devices": 1 if mps else 0},
+            "tpu": {"class": "XLAAccelerator", "available": False, "devices": 0},
+        }
+    count, reason = npu_status()
+    report["npu"] = {"class": "NPUAccelerator", "available": count > 0, "devices": count}
+    if reason:
+        report["npu"]["reason"] = reason
+    return dict(sorted(report.items()))
 
 
 def _backends() -> dict[str, bool]:
@@ -70,21 +98,17 @@ def _backends() -> dict[str, bool]:
 
 
 def _auto_choice(accelerators: dict[str, dict[str, Any]]) -> dict[str, Any]:
-    from lightning_mm._compat import auto_accelerator
-
-    choice = auto_accelerator()
-    return {"accelerator": choice, "devices": accelerators.get(choice, {}).get("devices")}
+    """What ``Trainer(accelerator="auto", devices="auto")`` picks: Lightning's order (tpu, mps, cuda, else cpu;
+    never the NPU, which must be asked for by name)."""
+    choice = next((name for name in ("tpu", "mps", "cuda") if accelerators[name]["available"]), "cpu")
+    return {"accelerator": choice, "devices": accelerators[choice]["devices"]}
 
 
 def collect() -> dict[str, Any]:
     """Everything the report shows, as plain data."""
     import torch
-    from lightning.pytorch.accelerators import AcceleratorRegistry
 
-    from lightning_mm.accelerators.npu import NPUAccelerator, torch_npu_version
-
-    # accelerator="npu" in Lightning's registry; the rest of lightning_mm stays unimported
-    NPUAccelerator.register_accelerators(AcceleratorRegistry)
+    from lightning_mm.npu_probe import torch_npu_version
 
     accelerators = _accelerators()  # imports torch_npu if it is installed
     current = torch.accelerator.current_accelerator()
