@@ -63,6 +63,70 @@ def group_train(outdir: Path, ckptdir: Path) -> None:
         _guarded(case, outdir, run)
     if not only or RESUME.name in only.split(","):
         _guarded(RESUME, outdir, lambda: _resume(outdir, ckptdir))
+    if not only or IDLE_RANK.name in only.split(","):
+        _guarded(IDLE_RANK, outdir, lambda: _idle_rank(outdir))
+
+
+IDLE_RANK = Case("qwen3_moe-ep4-idle-rank", "qwen3_moe")
+"""The routed forward and backward on 4 ranks (EP 4) with a routing that sends no token to the last rank's
+experts, against the unsplit experts module. Run after the training cases (their Trainer set up the gloo group)."""
+
+
+def _idle_rank(outdir: Path) -> None:
+    """A rank whose local experts receive no token must still take part in the all-to-alls' backward.
+
+    It used to skip the dispatching all-to-all's backward (its output did not depend on the received tokens), so
+    its next collective met the other ranks' all-to-all: a deadlock (in training, FSDP's reduce-scatter against
+    the all-to-all). Here that next collective is an all-reduce of the gradients; the launch times out without the
+    fix. Outputs and gradients must equal the unsplit module's (to fp32 rounding).
+    """
+    import torch.distributed as dist
+
+    from lightning_mm.strategies.expert_parallel import ExpertGroup, routed_forward, split_experts
+    from tests.moe_models import tiny_moe_model
+    from tests.parity_scenarios import _dump
+
+    assert dist.is_initialized() and dist.get_world_size() == DEVICES
+    rank = dist.get_rank()
+    experts = []
+    for _ in range(2):  # the unsplit module and the one to split, same weights
+        model = tiny_moe_model("qwen3_moe")
+        # Transformers' eager loop returns a fresh `zeros_like` when no token came (the output loses the tokens)
+        model.set_experts_implementation("eager")
+        experts.append(model.model.layers[0].mlp.experts)
+    full, local = experts
+    num = full.num_experts
+    ep = ExpertGroup(dist.group.WORLD, rank, DEVICES, num)
+    split_experts(local, "experts", ep)
+    forward = routed_forward(local, local.forward, ep)
+    gen = torch.Generator().manual_seed(rank)
+    tokens, k = 6, 2
+    hidden = torch.randn(tokens, full.hidden_dim, generator=gen)
+    busy = num - ep.experts_per_rank  # the last rank's experts get no token
+    index = torch.stack([torch.randperm(busy, generator=gen)[:k] for _ in range(tokens)])
+    weights = torch.rand(tokens, k, generator=gen)
+    results = []
+    for module, run in ((full, full.forward), (local, forward)):
+        x = hidden.clone().requires_grad_(True)
+        w = weights.clone().requires_grad_(True)
+        out = run(x, index, w)
+        (out * torch.linspace(-1, 1, out.numel()).view_as(out)).sum().backward()
+        grads = [p.grad.clone() for p in module.parameters()]
+        results.append((out.detach(), x.grad, w.grad, grads))
+    # the local experts' gradients summed over the EP ranks' tokens, scaled by 1/ep: times ep, as a full module's
+    local_grads = [g * DEVICES for g in results[1][3]]
+    full_grads = [g.clone() for g in results[0][3]]  # summed over the ranks: every token's contribution
+    for g in full_grads:  # the next collective: pairs with the others' all-to-all if this rank skipped one
+        dist.all_reduce(g)
+    summed = torch.cat([g[ep.first_expert : ep.first_expert + ep.experts_per_rank].reshape(-1) for g in full_grads])
+    local_flat = torch.cat([g.reshape(-1) for g in local_grads])
+    (expected_out, expected_x, expected_w, _), (out, x_grad, w_grad, _) = results
+    diff = lambda a, b: float((a - b).abs().max()) if a.numel() else 0.0  # noqa: E731
+    _dump(IDLE_RANK, outdir, rank, {"error": None, "parts": [{
+        "out": diff(out, expected_out), "x_grad": diff(x_grad, expected_x), "w_grad": diff(w_grad, expected_w),
+        "expert_grads": diff(local_flat, summed) / max(float(summed.abs().max()), 1e-30),
+        "idle_expert_grads": max(float(g.abs().max()) for g in results[1][3]) if rank == DEVICES - 1 else None,
+    }]})
 
 
 def _resume(outdir: Path, ckptdir: Path) -> None:

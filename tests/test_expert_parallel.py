@@ -105,3 +105,14 @@ def test_ep2_checkpoint_converts_to_transformers_layout(runs, tmp_path):
     errors = {n: float((state[n].detach() - t).norm() / t.norm()) for n, t in ref.final.items()}
     worst = max(errors.items(), key=lambda kv: kv[1])
     assert worst[1] <= FP32_WEIGHTS, f"converted weights differ from the reference after 3 steps: {worst}"
+
+
+def test_rank_whose_experts_get_no_token_takes_part_in_backward(runs):
+    """No token routed to the last rank's experts: the launch finishes (it deadlocked) and results are exact."""
+    from tests.ep_scenarios import IDLE_RANK
+
+    ranks = [r["parts"][0] for r in _ranks(runs[0], IDLE_RANK.name)]
+    for r, data in enumerate(ranks):
+        assert data["out"] < 1e-6 and data["x_grad"] < 1e-6 and data["w_grad"] < 1e-6, (r, data)
+        assert data["expert_grads"] < 1e-5, (r, data)
+    assert ranks[-1]["idle_expert_grads"] == 0.0

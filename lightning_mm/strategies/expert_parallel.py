@@ -96,13 +96,20 @@ def split_experts(module: nn.Module, path: str, ep: ExpertGroup) -> None:
     setattr(module, EXPERT_OFFSET_ATTR, first)
 
 
-def _touch(module: nn.Module) -> torch.Tensor | None:
-    """Zero that depends on every parameter: each local expert gets a gradient even when no token reached it, so
-    every rank reduces the same gradients."""
-    params = [p for p in module.parameters() if p.requires_grad]
-    if not params:
-        return None
-    return sum(p.reshape(-1)[:1].sum() for p in params) * 0.0
+def _touch(module: nn.Module, received: torch.Tensor) -> torch.Tensor:
+    """Zero that depends on every parameter and on the received tokens, added to the local experts' output.
+
+    Each local expert gets a gradient even when no token reached it, so every rank reduces the same gradients; and
+    the output depends on the dispatching all-to-all even when this rank received no token at all (the module's
+    own forward then returns a fresh ``zeros_like``), so that all-to-all's backward runs on every rank of the EP
+    group. Without it, such a rank skipped that collective and went on to the next FSDP reduce-scatter while the
+    others waited in the all-to-all's backward: a deadlock. Adding zero leaves values and gradients exact.
+    """
+    zero = received.sum() * 0.0
+    for p in module.parameters():
+        if p.requires_grad:
+            zero = zero + p.reshape(-1)[:1].sum().to(zero.dtype) * 0.0
+    return zero
 
 
 class _GradScale(torch.autograd.Function):
@@ -151,10 +158,9 @@ def routed_forward(module: nn.Module, local_forward: Callable[..., torch.Tensor]
         # The local experts' gradients sum over the `ep` ranks' tokens: scale them by 1/ep here (and the tokens'
         # gradients back by ep), so that the reduction over `ep_replicate` only has to average (exact for a
         # power-of-two `ep`).
-        out = local_forward(_GradScale.apply(recv, float(ep.size)), local_index, ones)
-        touch = _touch(module)
-        if touch is not None:
-            out = out + touch.to(out.dtype)
+        scaled = _GradScale.apply(recv, float(ep.size))
+        out = local_forward(scaled, local_index, ones)
+        out = out + _touch(module, scaled).to(out.dtype)
         out = _GradScale.apply(out, 1.0 / ep.size)
         back = all_to_all_single_autograd(out.contiguous(), send_split, recv_split, ep.group)
         back = back.view(send.shape[0], hidden)
