@@ -35,7 +35,6 @@ PEFT is imported only when LoRA is used.
 from __future__ import annotations
 
 import dataclasses
-import difflib
 import json
 from collections.abc import Mapping
 from dataclasses import dataclass, field
@@ -44,6 +43,8 @@ from typing import Any
 
 import torch
 from torch import nn
+
+from lightning_mm.modules.config_fields import checked_fields
 
 __all__ = ["LoRAConfig", "LoRAConfigError", "apply_lora", "lora_parameter_names", "ADAPTER_NAME"]
 
@@ -111,18 +112,7 @@ class LoRAConfig:
         """Accept a LoRAConfig, a mapping, or an object whose attributes are the keys (the seed's namespaces)."""
         if isinstance(config, cls):
             return config
-        if isinstance(config, Mapping):
-            data = dict(config)
-        elif hasattr(config, "__dict__"):
-            data = {k: v for k, v in vars(config).items() if not k.startswith("__")}
-        else:
-            raise LoRAConfigError(f"lora config must be a mapping, got {type(config).__name__}")
-        known = [f.name for f in dataclasses.fields(cls)]
-        for key in data:
-            if key not in known:
-                hint = difflib.get_close_matches(str(key), known, n=1)
-                suggestion = f"; did you mean `{hint[0]}`?" if hint else f"; valid keys: {', '.join(known)}"
-                raise LoRAConfigError(f"unknown lora config key `{key}`{suggestion}")
+        data = checked_fields(config, cls, "lora", LoRAConfigError)
         if "target_modules" not in data:
             raise _fail("target_modules", "is required (the module paths that get adapters)")
         return cls(**data)

@@ -32,7 +32,6 @@ precision says otherwise), whatever dtype the checkpoint or its config names; mi
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import difflib
 import logging
 import os
@@ -45,6 +44,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from lightning_mm.modules.config_fields import checked_fields
 from lightning_mm.modules.hf_checkpoint import LoadPlan, SafetensorsIndex, build_load_plan
 from lightning_mm.modules.hf_loading import load_into_meta_model, load_local_shards
 from lightning_mm.modules.hub import ModelHub
@@ -107,20 +107,7 @@ class TransformersModelConfig:
         """Accept a TransformersModelConfig, a mapping, or an object whose attributes are the keys."""
         if isinstance(config, cls):
             return config
-        if isinstance(config, Mapping):
-            data = dict(config)
-        elif hasattr(config, "__dict__"):
-            data = {k: v for k, v in vars(config).items() if not k.startswith("__")}
-        else:
-            raise TransformersModelConfigError(
-                f"TransformersModel config must be a mapping or an object with attributes, got {type(config).__name__}"
-            )
-        known = [f.name for f in dataclasses.fields(cls)]
-        for key in data:
-            if key not in known:
-                hint = difflib.get_close_matches(str(key), known, n=1)
-                suggestion = f"; did you mean `{hint[0]}`?" if hint else f"; valid keys: {', '.join(known)}"
-                raise TransformersModelConfigError(f"unknown TransformersModel config key `{key}`{suggestion}")
+        data = checked_fields(config, cls, "TransformersModel", TransformersModelConfigError)
         return cls(**data)
 
 
