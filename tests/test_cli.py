@@ -63,6 +63,10 @@ def test_captioning_demo_fits_from_yaml_and_plan_matches_the_sharded_model(tmp_p
     assert "val/caption_acc" in proc.stdout and "step 30/30" in proc.stdout
     assert "Epoch 0/-2" not in proc.stdout
     assert next(tmp_path.rglob("metrics.svg")).read_text().startswith("<svg")
+    # The accuracies are shares (meta-device init once emptied the torchmetrics states: values of 1e12).
+    rows = list(csv.DictReader(next(tmp_path.rglob("metrics.csv")).open()))
+    accuracies = [float(r[k]) for r in rows for k in ("val/token_acc", "val/caption_acc") if r.get(k)]
+    assert accuracies and all(0.0 <= a <= 1.0 for a in accuracies), accuracies
     # A clean run: no warnings (from this project's code or the libraries' known noise), no tips.
     warned = [line for line in proc.stderr.splitlines() if re.search(r"\.py:\d+: ", line) or "Tip:" in line]
     assert not warned, warned

@@ -84,3 +84,19 @@ def test_weight_init_mixin_initialises_multihead_attention():
     assert 0 < attention.in_proj_weight.abs().max() <= bound
     assert torch.all(attention.in_proj_bias == 0) and torch.all(attention.out_proj.bias == 0)
     assert float(attention.out_proj.weight.detach().std()) == pytest.approx(0.02, rel=0.3)  # the mixin's Linear rule
+
+
+def test_materialising_keeps_state_that_is_neither_parameter_nor_buffer():
+    """torchmetrics keeps metric states as plain attributes and moves them in ``_apply``: materialising the meta
+    parameters next to them must leave them alone (a module-wide ``to_empty`` filled them with garbage)."""
+    from torchmetrics import MeanMetric
+
+    with meta_parameters():
+        model = nn.ModuleDict({"proj": nn.Linear(4, 4), "metric": MeanMetric()})
+    model["metric"].update(torch.tensor([2.0, 4.0]))
+    materialize_and_init(model, model, CPU, CPU)
+    assert not model["proj"].weight.is_meta
+    assert float(model["metric"].compute()) == 3.0
+    model["metric"].reset()
+    model["metric"].update(torch.tensor(5.0))
+    assert float(model["metric"].compute()) == 5.0

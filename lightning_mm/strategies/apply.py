@@ -279,7 +279,12 @@ def materialize_and_init(
     meta = [name for name, t in tensors.items() if _is_meta(t)]
     if meta:
         real = {name: t for name, t in tensors.items() if name not in meta}
-        root.to_empty(device=param_device)
+        # Only modules that hold meta tensors themselves: a module-wide ``to_empty`` would also empty state that is
+        # neither parameter nor buffer (torchmetrics keeps its metric states that way, and moves them in ``_apply``).
+        for module in root.modules():
+            own = [*module.parameters(recurse=False), *module.buffers(recurse=False)]
+            if any(_is_meta(t) for t in own):
+                module.to_empty(device=param_device, recurse=False)
         with torch.no_grad():
             fresh = _named_tensors(root)
             for name in meta:
