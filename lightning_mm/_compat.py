@@ -31,6 +31,8 @@ __all__ = [
     "check_version_fence",
     "is_rng_supported_mesh",
     "all_to_all_single_autograd",
+    "reset_torch_layer",
+    "local_offsets",
     "fsdp_state",
     "fsdp_param_groups",
     "should_update_logs",
@@ -182,6 +184,26 @@ def fsdp_param_groups(state: Any) -> list[Any]:
     if not hasattr(state, "_fsdp_param_groups"):
         raise _missing("`FSDPState._fsdp_param_groups`")
     return list(state._fsdp_param_groups)
+
+
+def reset_torch_layer(module: Any) -> None:
+    """Run the private ``_reset_parameters()`` by which torch's ``nn.MultiheadAttention`` / ``nn.Transformer``
+    initialise their parameters in their constructors."""
+    reset = getattr(type(module), "_reset_parameters", None)
+    if not callable(reset):
+        raise _missing(f"`{type(module).__name__}._reset_parameters`")
+    reset(module)
+
+
+def local_offsets(tensor: Any) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    """``(offsets, sizes)`` of this rank's region of a DTensor in the global tensor (DTensor's chunk list)."""
+    chunks = getattr(tensor, "__create_chunk_list__", None)
+    if not callable(chunks):
+        raise _missing("`DTensor.__create_chunk_list__`")
+    found = chunks()
+    if len(found) != 1:
+        raise NotImplementedError(f"a DTensor with {len(found)} local chunks has no single region")
+    return tuple(found[0].offsets), tuple(found[0].sizes)
 
 
 # --------------------------------------------------------------------------------------------- public helpers

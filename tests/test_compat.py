@@ -36,6 +36,8 @@ def test_a_missing_private_name_is_a_loud_error():
         _compat.should_update_logs(object())
     with pytest.raises(_compat.PrivateAPIError, match="LightningModule._device_mesh"):
         _compat.set_device_mesh(torch.nn.Linear(1, 1), object())
+    with pytest.raises(_compat.PrivateAPIError, match="DTensor.__create_chunk_list__"):
+        _compat.local_offsets(torch.zeros(2))
     with pytest.raises(_compat.PrivateAPIError, match="ThroughputMonitor._throughputs"):
         _compat.throughput_meters(object())
     with pytest.raises(AttributeError):
@@ -48,6 +50,12 @@ def test_torch_private_names_behave_as_used():
 
     assert callable(FSDPModule._get_fsdp_state) and callable(_compat.is_rng_supported_mesh)
     assert callable(_compat.all_to_all_single_autograd)
+    attention = torch.nn.MultiheadAttention(4, 2)
+    torch.nn.init.ones_(attention.in_proj_weight)
+    _compat.reset_torch_layer(attention)
+    assert not torch.equal(attention.in_proj_weight, torch.ones_like(attention.in_proj_weight))
+    with pytest.raises(_compat.PrivateAPIError, match="Linear._reset_parameters"):
+        _compat.reset_torch_layer(torch.nn.Linear(1, 1))
     assert _compat.fsdp_param_groups(FSDPState()) == []  # a state with no parameters of its own
 
 
@@ -91,7 +99,8 @@ def test_installed_versions_are_inside_the_fence_and_agree_with_pyproject_and_co
 
 _PRIVATE_IMPORT = re.compile(r"^\s*from (torch|lightning|lightning_utilities)(\.\w+)* import .*\b_[A-Za-z]", re.M)
 _PRIVATE_ACCESS = re.compile(r"\._get_fsdp_state\b|(?<!\w)_fsdp_param_groups|_logger_connector|\._trainer\b"
-                             r"|_AcceleratorConnector|lightning_module\._device_mesh|\bnn\.modules\.\w+\._")
+                             r"|_AcceleratorConnector|lightning_module\._device_mesh|\bnn\.modules\.\w+\._"
+                             r"|\._reset_parameters\(|__create_chunk_list__")
 
 
 def test_no_module_outside_compat_reaches_for_private_names():

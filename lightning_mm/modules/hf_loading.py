@@ -25,6 +25,7 @@ import torch
 from torch import nn
 from torch.distributed.tensor import DTensor
 
+from lightning_mm._compat import local_offsets
 from lightning_mm.modules.hf_checkpoint import CheckpointError, LoadEntry, LoadPlan, TensorInfo
 
 __all__ = ["load_local_shards", "load_into_meta_model", "local_region", "read_region"]
@@ -40,10 +41,7 @@ _DTYPES = {
 def local_region(tensor: torch.Tensor) -> tuple[tuple[int, ...], tuple[int, ...]]:
     """``(offsets, sizes)`` of the part of the global tensor this rank holds (all of it for a plain tensor)."""
     if isinstance(tensor, DTensor):
-        chunks = tensor.__create_chunk_list__()
-        if len(chunks) != 1:
-            raise NotImplementedError(f"a DTensor with {len(chunks)} local chunks cannot be loaded by regions")
-        return tuple(chunks[0].offsets), tuple(chunks[0].sizes)
+        return local_offsets(tensor)
     return (0,) * tensor.ndim, tuple(tensor.shape)
 
 

@@ -21,6 +21,8 @@ import torch
 from torch import nn
 from torch.distributed.tensor import DTensor
 
+from lightning_mm._compat import local_offsets, reset_torch_layer
+
 __all__ = ["init_like_constructors", "init_module_like_constructor", "zero_row"]
 
 _CLONED_LAYERS = (nn.TransformerEncoder, nn.TransformerDecoder)
@@ -37,8 +39,8 @@ def zero_row(weight: torch.Tensor, row: int) -> None:
     if not isinstance(weight, DTensor):
         weight.data[row].zero_()
         return
-    chunk = weight.__create_chunk_list__()[0]  # this rank's region of the global tensor
-    start, size = chunk.offsets[0], chunk.sizes[0]
+    offsets, sizes = local_offsets(weight)  # this rank's region of the global tensor
+    start, size = offsets[0], sizes[0]
     if start <= row < start + size:
         weight.to_local()[row - start].zero_()
 
@@ -57,7 +59,7 @@ def init_module_like_constructor(module: nn.Module) -> None:
         if module.padding_idx is not None:
             zero_row(module.weight, module.padding_idx)
     elif _is_torch_method(module, "_reset_parameters"):
-        module._reset_parameters()
+        reset_torch_layer(module)
     elif _is_torch_method(module, "reset_parameters"):
         if next(module.parameters(recurse=False), None) is not None:
             module.reset_parameters()
