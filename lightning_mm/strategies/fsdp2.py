@@ -179,6 +179,11 @@ class MMFSDP2Strategy(ParallelStrategy):
         self._pending_rng: dict[str, Any] | None = None
         self._pending_rng_point: str | None = None
         self._pending_rng_step: int | None = None
+        # Expert parallelism (set in `_shard` when the plan has experts).
+        self._whole_experts: list[nn.Parameter] = []  # local experts kept whole: gradients reduced in post_backward
+        self._ep_mesh: DeviceMesh | None = None
+        self._expert_layout: Any = None  # built on the first checkpoint save
+        self._expert_names: Any = None
         if not stop_timeout > 0:
             raise ValueError(f"stop_timeout must be a positive number of seconds, got {stop_timeout!r}")
         self.stop_timeout = float(stop_timeout)
@@ -464,7 +469,7 @@ class MMFSDP2Strategy(ParallelStrategy):
         kwargs = apply.fsdp_kwargs(plan, self.device_mesh, ignored)
         apply.apply_recompute(target, plan)
         apply.apply_ignored_input_cast(ignored_modules, plan)
-        self._whole_experts: list[nn.Parameter] = []
+        self._whole_experts = []
         if plan.experts is not None:  # before the units that contain the experts are sharded
             from lightning_mm.strategies import expert_parallel
 
@@ -559,13 +564,12 @@ class MMFSDP2Strategy(ParallelStrategy):
 
     @override
     def post_backward(self, closure_loss: Tensor) -> None:
-        whole_experts = getattr(self, "_whole_experts", None)
         if self._gradient_sync and self._ignored_params:
             apply.all_reduce_gradients(self._ignored_params)
-        if self._gradient_sync and whole_experts:
+        if self._gradient_sync and self._whole_experts:
             from lightning_mm.strategies import expert_parallel
 
-            expert_parallel.all_reduce_expert_gradients(whole_experts, self._ep_mesh)
+            expert_parallel.all_reduce_expert_gradients(self._whole_experts, self._ep_mesh)
 
     @override
     def model_to_device(self) -> None:
@@ -680,7 +684,7 @@ class MMFSDP2Strategy(ParallelStrategy):
             raise NotImplementedError("an expert-parallel run saves `checkpoint_format='torch_dcp'` checkpoints only")
         from lightning_mm.strategies import expert_parallel
 
-        if getattr(self, "_expert_layout", None) is None:
+        if self._expert_layout is None:
             self._expert_layout = expert_parallel.ExpertCheckpointLayout(self._ep_mesh, plan.experts.num_experts)
             self._expert_names = expert_parallel.expert_state_names(
                 self.lightning_module, plan, self._sharding_target()
