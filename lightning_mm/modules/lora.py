@@ -307,25 +307,6 @@ def _rename_pending_plan(model: nn.Module, targets: list[str]) -> None:
     pending.plan = dataclasses.replace(pending.plan, entries=entries)
 
 
-def _inputs_require_grad(model: nn.Module) -> None:
-    """Make the input embeddings' output require grad, as Transformers does for PEFT with recomputation: with all
-    base weights frozen, reentrant recomputation of the first block would otherwise see no input that needs a
-    gradient and give its adapters none."""
-    getter = getattr(model, "get_input_embeddings", None)
-    try:
-        embeddings = getter() if callable(getter) else None
-    except (NotImplementedError, AttributeError):
-        embeddings = None
-    if embeddings is None:
-        return
-
-    def hook(module: nn.Module, args: Any, output: Any) -> None:
-        if isinstance(output, torch.Tensor) and output.is_floating_point() and torch.is_grad_enabled():
-            output.requires_grad_(True)
-
-    embeddings.register_forward_hook(hook)
-
-
 def apply_lora(model: nn.Module, config: Any, frozen: list[str] = ()) -> nn.Module:
     """Add LoRA adapters to ``model`` in place (PEFT's ``inject_adapter_in_model``) and freeze everything else.
 
@@ -361,6 +342,5 @@ def apply_lora(model: nn.Module, config: Any, frozen: list[str] = ()) -> nn.Modu
         model._pending_lora = pending
     else:
         pending.load_after_sharding(model)
-    _inputs_require_grad(model)
     model._lora_config = cfg
     return model
