@@ -32,8 +32,7 @@ from torch.utils.data import DataLoader, TensorDataset
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from lightning_mm import MMFSDP2Strategy  # noqa: E402
-from lightning_mm.strategies import checkpoint  # noqa: E402
+from lightning_mm import MMFSDP2Strategy, checkpoint  # noqa: E402
 
 
 class MLP(L.LightningModule):

@@ -33,7 +33,7 @@ from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 from torch.utils.data import DataLoader
 
 from lightning_mm import MMFSDP2Strategy, MMLightningModule
-from lightning_mm.strategies.optimizer import group_by_sharding
+from lightning_mm.core.optimizer import group_by_sharding
 
 CONTENDERS = ("mm_fsdp2", "hand_fsdp2", "fsdp1", "ddp", "mm_module")
 SEED_YAML = ROOT / "examples" / "custom_model" / "fsdp2_config.yaml"

@@ -4,7 +4,7 @@
 
 A small Qwen3 (hidden 64, 2 layers, 2 heads of 32, 2 key/value heads, vocab 512, sdpa attention), one sequence per
 rank. ``none``: each rank runs a whole sequence of its own (data parallel). ``cp2``: the two ranks form one
-context-parallel group (``lightning_mm.modules.cp_attention.enable_context_parallel``) and share one sequence,
+context-parallel group (``lightning_mm.hf.cp_attention.enable_context_parallel``) and share one sequence,
 ``seq / 2`` tokens each. Measured per rank, the larger of the two ranks:
 
 * activation memory: the bytes autograd keeps for backward during the forward pass (every tensor saved by an
@@ -89,7 +89,7 @@ def main() -> None:
     args = parser.parse_args()
     torch.set_num_threads(1)
     dist.init_process_group("gloo")
-    from lightning_mm.modules.cp_attention import enable_context_parallel
+    from lightning_mm.hf.cp_attention import enable_context_parallel
 
     rows = []
     for seq in [int(x) for x in args.lengths.split(",")]:

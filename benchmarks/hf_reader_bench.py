@@ -9,7 +9,7 @@ alternating the order (``ours``, ``dcp``, then ``dcp``, ``ours``, ...). Each ran
 device, shards every layer and the root with ``fully_shard`` over a CPU mesh, allocates its shards
 (``to_empty``), then loads with
 
-* ``ours``: ``build_load_plan`` + ``load_local_shards`` (``lightning_mm/modules/hf_loading.py``): plain reads of
+* ``ours``: ``build_load_plan`` + ``load_local_shards`` (``lightning_mm/hf/loading.py``): plain reads of
   each rank's rows into the shard's memory;
 * ``dcp``: ``torch.distributed.checkpoint.load(model.state_dict(), storage_reader=HuggingFaceStorageReader(dir))``.
 
@@ -65,8 +65,8 @@ def rank_main(reader: str, directory: str, hidden: int, layers: int, out: str) -
     from torch.distributed.fsdp import fully_shard
     from torch.distributed.tensor import DTensor
 
-    from lightning_mm.modules.hf_checkpoint import SafetensorsIndex, build_load_plan  # imported before timing
-    from lightning_mm.modules.hf_loading import load_local_shards
+    from lightning_mm.hf.loading import load_local_shards
+    from lightning_mm.hf.pretrained_index import SafetensorsIndex, build_load_plan  # imported before timing
 
     torch.set_num_threads(1)
     dist.init_process_group("gloo")

@@ -9,7 +9,7 @@ MLP projections of every decoder layer.
 
 * Bytes (exact, independent of the machine's load): parameters, gradients and AdamW state held by each rank,
   measured after the first step (local shards; AdamW's scalar ``step`` counters left out), next to what
-  ``lightning_mm.strategies.memory.per_rank_memory`` (the figure ``lightning-mm plan`` prints) predicts.
+  ``lightning_mm.core.memory.per_rank_memory`` (the figure ``lightning-mm plan`` prints) predicts.
 * Step time: the two runs alternate within the same two processes, ``--rounds`` times, order rotating; the
   median step after 3 warm-up steps, the slower rank. Wall time on a shared machine: see benchmarks/README.md.
 """
@@ -48,8 +48,8 @@ def _run(kind: str, hf_dir: str, args: argparse.Namespace) -> dict[str, Any]:
     import torch
 
     from lightning_mm import MMFSDP2Strategy, MMLightningModule
+    from lightning_mm.core.memory import per_rank_memory
     from lightning_mm.modules import TransformersModel
-    from lightning_mm.strategies.memory import per_rank_memory
 
     config = {"init_from_hf_path": hf_dir, **({"lora": LORA} if kind == "lora" else {})}
 

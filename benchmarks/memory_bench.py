@@ -2,7 +2,7 @@
 
     python benchmarks/memory_bench.py                 # -> results/memory.{json,png}
 
-Part 1 (exact bytes): ``lightning_mm.strategies.memory.per_rank_memory`` computes, from the meta model and the
+Part 1 (exact bytes): ``lightning_mm.core.memory.per_rank_memory`` computes, from the meta model and the
 plan alone, what the most loaded rank holds under MMFSDP2Strategy and under DDP; the same quantities are then
 measured on 2 real ranks after two training steps (local shards of parameters, gradients and AdamW's
 ``exp_avg``/``exp_avg_sq``; AdamW's scalar ``step`` counters are listed separately). Target: at most 1/N of DDP
@@ -152,8 +152,8 @@ def expected_bytes(sizes_name: str) -> dict[str, Any]:
     from model import TinyVLM
 
     from lightning_mm import FSDP2Config
-    from lightning_mm.strategies.memory import per_rank_memory
-    from lightning_mm.strategies.plan import build_plan
+    from lightning_mm.core.memory import per_rank_memory
+    from lightning_mm.core.plan import build_plan
 
     sizes = default_sizes(sizes_name)
     out = {}

@@ -13,7 +13,7 @@ from contextlib import contextmanager
 from typing import Any
 
 from lightning_mm import MMLightningModule
-from lightning_mm.strategies import apply
+from lightning_mm.core import apply
 
 VARIANTS: dict[str, str] = {
     "": "the strategy as it is",

@@ -8,7 +8,7 @@ exercises every entry, so a release that moves one fails there first.
 
 Versions outside the tested range (``TESTED``, kept in step with pyproject.toml and constraints.txt) warn once.
 The torch names are resolved when this module is imported; the Lightning ones when first imported from here
-(module ``__getattr__``), so the FSDP2 core (``lightning_mm.strategies.apply``) stays free of Lightning.
+(module ``__getattr__``), so the FSDP2 core (``lightning_mm.core.apply``) stays free of Lightning.
 """
 
 from __future__ import annotations

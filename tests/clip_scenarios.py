@@ -1,5 +1,5 @@
 """Gradient clipping over DTensors: torch's public ``get_total_norm`` / ``clip_grads_with_norm_`` against
-``lightning_mm.strategies.grad_clip``, on 2 real gloo ranks: ``python tests/clip_scenarios.py OUTDIR``.
+``lightning_mm.core.grad_clip``, on 2 real gloo ranks: ``python tests/clip_scenarios.py OUTDIR``.
 
 Cases: FSDP (1-D mesh) gradients, the same plus plain (ignored-module) gradients, HSDP (2 x 1 and 1 x 2
 replicate x shard meshes), DTensors on two different meshes, and bf16 gradients. Each rank writes
@@ -27,7 +27,7 @@ from torch.distributed.tensor.experimental import implicit_replication
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from lightning_mm.strategies.grad_clip import clip_grad_norm_, total_grad_norm  # noqa: E402
+from lightning_mm.core.grad_clip import clip_grad_norm_, total_grad_norm  # noqa: E402
 
 
 def torch_total_grad_norm(params: list[nn.Parameter], norm_type: float) -> torch.Tensor:

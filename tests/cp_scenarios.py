@@ -114,7 +114,7 @@ class TinyAttentionLM(torch.nn.Module):
         self.head = torch.nn.Linear(width, vocab)
 
     def forward(self, input_ids: torch.Tensor, labels: torch.Tensor, group: Any = None, **_: Any) -> torch.Tensor:
-        from lightning_mm.strategies.context_parallel import (
+        from lightning_mm.core.context_parallel import (
             context_parallel_loss,
             shift_labels,
             split_sequence,

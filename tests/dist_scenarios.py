@@ -85,7 +85,7 @@ class NormCheck(L.Callback):
 
     @staticmethod
     def norms(module: nn.Module) -> tuple[float, float]:
-        from lightning_mm.strategies.grad_clip import total_grad_norm
+        from lightning_mm.core.grad_clip import total_grad_norm
 
         grads = [full(p.grad).double() for p in module.parameters() if p.grad is not None]
         reference = float(torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(g) for g in grads])))
@@ -399,7 +399,7 @@ class AccountedModel(L.LightningModule):
         return F.cross_entropy(self.head(x).flatten(0, 1), ids.flatten())
 
     def configure_optimizers(self) -> torch.optim.Optimizer:
-        from lightning_mm.strategies.optimizer import group_by_sharding
+        from lightning_mm.core.optimizer import group_by_sharding
 
         return torch.optim.AdamW(group_by_sharding(self.parameters()), lr=1e-3)
 
@@ -411,8 +411,8 @@ def _bytes(tensors: Any) -> int:
 def scenario_memory_accounting(outdir: str) -> None:
     """Bytes of parameters, gradients and AdamW state each rank really holds, next to ``per_rank_memory``."""
     from lightning_mm import FSDP2Config
-    from lightning_mm.strategies.memory import per_rank_memory
-    from lightning_mm.strategies.plan import build_plan
+    from lightning_mm.core.memory import per_rank_memory
+    from lightning_mm.core.plan import build_plan
 
     config = {"sharding_size": "auto", "sub_modules_to_wrap": ["layers.{*}", "head"], "ignored_modules": ["vision"]}
     with torch.device("meta"):

@@ -82,7 +82,7 @@ def _idle_rank(outdir: Path) -> None:
     """
     import torch.distributed as dist
 
-    from lightning_mm.strategies.expert_parallel import ExpertGroup, routed_forward, split_experts
+    from lightning_mm.core.expert_parallel import ExpertGroup, routed_forward, split_experts
     from tests.moe_models import tiny_moe_model
     from tests.parity_scenarios import _dump
 

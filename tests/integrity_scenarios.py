@@ -1,7 +1,7 @@
 """Checkpoint integrity on 2 ranks: ``python tests/integrity_scenarios.py WORKDIR [FULL_DISK_DIR]``.
 
 Two processes (gloo, explicit CPU mesh) shard a small model with FSDP2 and save it through
-``lightning_mm.strategies.checkpoint.store.save``, each rank writing and hashing its own shard files:
+``lightning_mm.checkpoint.store.save``, each rank writing and hashing its own shard files:
 
 * ``WORKDIR/a.ckpt`` and ``WORKDIR/b.ckpt``: two runs of the same model (different seeds), model and AdamW state;
 * with ``FULL_DISK_DIR`` (a small tmpfs the caller mounted): a weights checkpoint that fits, then a training
@@ -25,7 +25,7 @@ from torch import nn
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from lightning_mm.strategies.checkpoint import store  # noqa: E402
+from lightning_mm.checkpoint import store  # noqa: E402
 
 EXTRA = {"format_version": 1, "kind": "training", "world_size": 2, "rng_point": "next_batch", "hf": []}
 

@@ -150,8 +150,8 @@ def _family(family: str, ckptdir: str, outdir: str, resume: bool) -> None:
     import transformers
     from peft import PeftModel
 
-    from lightning_mm.modules.lora import lora_parameter_names
-    from lightning_mm.modules.lora_export import save_lora_adapters, save_merged_model
+    from lightning_mm.hf.lora import lora_parameter_names
+    from lightning_mm.hf.lora_export import save_lora_adapters, save_merged_model
 
     ckpt = Path(ckptdir) / family
     work = Path(outdir) / family
@@ -280,7 +280,7 @@ def _custom(outdir: str) -> None:
     from peft import LoraConfig, inject_adapter_in_model
 
     from lightning_mm import MMFSDP2Strategy, MMLightningModule
-    from lightning_mm.modules.lora import apply_lora, lora_parameter_names
+    from lightning_mm.hf.lora import apply_lora, lora_parameter_names
 
     class Module(MMLightningModule):
         def model_provider(self) -> torch.nn.Module:

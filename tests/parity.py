@@ -116,7 +116,7 @@ def batch_of(family: str, indices: Sequence[int]) -> dict[str, torch.Tensor]:
 
 
 def _freeze(model: nn.Module, patterns: Sequence[str]) -> None:
-    from lightning_mm.strategies.patterns import resolve_patterns
+    from lightning_mm.core.patterns import resolve_patterns
 
     for path in resolve_patterns(model, list(patterns), "freeze"):
         model.get_submodule(path).requires_grad_(False)

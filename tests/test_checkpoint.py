@@ -16,10 +16,8 @@ import pytest
 import torch
 from torch import nn
 
-from lightning_mm.commands import convert as convert_cmd
-from lightning_mm.strategies.checkpoint import atomic, convert, manifest, store
-from lightning_mm.strategies.checkpoint.hf import hf_records
-from lightning_mm.strategies.checkpoint.layout import (
+from lightning_mm.checkpoint import atomic, manifest, store
+from lightning_mm.checkpoint.layout import (
     MARKER,
     CheckpointKeyError,
     fill_tensors,
@@ -28,8 +26,11 @@ from lightning_mm.strategies.checkpoint.layout import (
     put_loader_states,
     split_tensors,
 )
-from lightning_mm.strategies.checkpoint.rng import capture_rng, restore_rng
-from lightning_mm.strategies.checkpoint.safe import UnsafeCheckpointError, check_weights_only, read_dcp_metadata
+from lightning_mm.checkpoint.rng import capture_rng, restore_rng
+from lightning_mm.checkpoint.safe import UnsafeCheckpointError, check_weights_only, read_dcp_metadata
+from lightning_mm.commands import convert as convert_cmd
+from lightning_mm.hf import convert
+from lightning_mm.hf.records import hf_records
 
 EXTRA = {"format_version": 1, "kind": "training", "world_size": 1, "rng_point": "next_batch", "hf": []}
 

@@ -17,8 +17,8 @@ from pathlib import Path
 import pytest
 import torch
 
+from lightning_mm.checkpoint import open_source
 from lightning_mm.commands import convert as convert_cmd
-from lightning_mm.strategies.checkpoint import open_source
 
 ROOT = Path(__file__).resolve().parents[1]
 SCRIPT = ROOT / "tests" / "ckpt_scenarios.py"

@@ -25,9 +25,10 @@ import pytest
 import torch
 from torch import nn
 
+from lightning_mm.checkpoint import atomic, manifest, store
+from lightning_mm.checkpoint.errors import CheckpointError, CheckpointIntegrityError, CheckpointWriteError
 from lightning_mm.commands import convert as convert_cmd
-from lightning_mm.strategies.checkpoint import atomic, convert, manifest, store
-from lightning_mm.strategies.checkpoint.errors import CheckpointError, CheckpointIntegrityError, CheckpointWriteError
+from lightning_mm.hf import convert
 
 ROOT = Path(__file__).resolve().parents[1]
 SCRIPT = ROOT / "tests" / "integrity_scenarios.py"

@@ -22,9 +22,9 @@ from lightning.pytorch.strategies import Strategy
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_optimizer_state_dict
 
 from lightning_mm import MMFSDP2Strategy
-from lightning_mm.strategies.checkpoint import CheckpointKeyError, open_source, store
-from lightning_mm.strategies.checkpoint.convert import dcp_to_hf
-from lightning_mm.strategies.checkpoint.hf import hf_records
+from lightning_mm.checkpoint import CheckpointKeyError, open_source, store
+from lightning_mm.hf.convert import dcp_to_hf
+from lightning_mm.hf.records import hf_records
 from tests.hf_scenarios import FamilyData, model_inputs, tiny_hf_model
 from tests.test_checkpoint import EXTRA, Net, _trained
 

@@ -153,7 +153,7 @@ def test_a_bug_keeps_its_traceback():
 
 def test_an_error_raised_by_lightning_mm_code_is_found_through_its_wrappers():
     from lightning_mm.commands.failure import one_line, user_error
-    from lightning_mm.strategies.config import FSDP2Config
+    from lightning_mm.core.config import FSDP2Config
 
     try:
         try:

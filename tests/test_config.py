@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from lightning_mm import FSDP2Config
-from lightning_mm.strategies.config import FSDP2ConfigError
+from lightning_mm.core.config import FSDP2ConfigError
 
 SEED_YAML = Path(__file__).resolve().parents[1] / "examples" / "custom_model" / "fsdp2_config.yaml"
 

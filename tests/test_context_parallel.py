@@ -37,7 +37,7 @@ two at a time (the same sums in another order), moves Qwen2.5-VL's key biases an
 
 # ------------------------------------------------------------------------------------- in-process: deciding
 def test_plan_layout_and_description() -> None:
-    from lightning_mm.strategies.context_parallel import context_parallel_plan
+    from lightning_mm.core.context_parallel import context_parallel_plan
 
     plan = context_parallel_plan(8, 2, "ulysses_cp_algo")
     assert plan.algo == "ulysses" and plan.mesh_shape == (4, 2) and plan.mesh_dim_names == ("dp", "cp")
@@ -55,7 +55,7 @@ def test_plan_layout_and_description() -> None:
     (4, 0, "ulysses", "must be a positive integer"),
 ])
 def test_bad_settings(world: int, size: int, algo: str, message: str) -> None:
-    from lightning_mm.strategies.context_parallel import ContextParallelError, context_parallel_plan
+    from lightning_mm.core.context_parallel import ContextParallelError, context_parallel_plan
 
     with pytest.raises(ContextParallelError, match=message):
         context_parallel_plan(world, size, algo)
@@ -63,7 +63,7 @@ def test_bad_settings(world: int, size: int, algo: str, message: str) -> None:
 
 def test_strategy_refuses_a_bad_algorithm_at_construction() -> None:
     from lightning_mm import MMFSDP2Strategy
-    from lightning_mm.strategies.context_parallel import ContextParallelError
+    from lightning_mm.core.context_parallel import ContextParallelError
 
     with pytest.raises(ContextParallelError, match="not supported"):
         MMFSDP2Strategy(context_parallel_algo="ring")
@@ -71,8 +71,8 @@ def test_strategy_refuses_a_bad_algorithm_at_construction() -> None:
 
 
 def test_heads_and_routing_errors() -> None:
-    from lightning_mm.modules.cp_attention import check_routable
-    from lightning_mm.strategies.context_parallel import ContextParallelError
+    from lightning_mm.core.context_parallel import ContextParallelError
+    from lightning_mm.hf.cp_attention import check_routable
     from lightning_mm.strategies.cp_setup import ContextParallelSetup
 
     model = tiny_hf_model("qwen3")  # 4 heads, 2 key/value heads
@@ -82,7 +82,7 @@ def test_heads_and_routing_errors() -> None:
     model.config._attn_implementation = "flash_attention_2"
     with pytest.raises(ContextParallelError, match="'flash_attention_2' cannot be routed"):
         check_routable(model, 2)
-    from lightning_mm.strategies.context_parallel import context_parallel_plan
+    from lightning_mm.core.context_parallel import context_parallel_plan
 
     setup = ContextParallelSetup(2, "ulysses")
     setup.plan = context_parallel_plan(2, 2)  # what setup() decides; its mesh needs processes
@@ -306,7 +306,7 @@ data:
 
 def test_lightning_mm_plan_shows_the_cp_mesh_and_activations_per_rank(tmp_path: Path) -> None:
     from lightning_mm.commands.plan import plan_from_cli_config
-    from lightning_mm.strategies.context_parallel import ContextParallelError
+    from lightning_mm.core.context_parallel import ContextParallelError
 
     text = plan_from_cli_config(["--config", str(_plan_config(tmp_path, 2))], seq_length=4096)
     assert "FSDP, world size 4" in text

@@ -92,7 +92,7 @@ def test_ep2_checkpoint_resumes_without_ep_exactly(runs):
 def test_ep2_checkpoint_converts_to_transformers_layout(runs, tmp_path):
     import transformers
 
-    from lightning_mm.strategies.checkpoint.convert import dcp_to_hf
+    from lightning_mm.hf.convert import dcp_to_hf
 
     out, ckpts = runs
     case = RESUME

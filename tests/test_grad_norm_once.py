@@ -6,7 +6,7 @@ import torch
 
 import lightning_mm.modules.lightning_module as module_module
 import lightning_mm.strategies.precision as precision_module
-from lightning_mm.strategies.grad_clip import total_grad_norm
+from lightning_mm.core.grad_clip import total_grad_norm
 from lightning_mm.strategies.precision import MMFSDP2Precision
 from tests.test_module import Regression
 

@@ -117,8 +117,8 @@ def test_mixed_precision_trains_the_adapters_in_full_precision(ranks):
 
 
 def test_a_meta_built_model_without_fsdp2_mixin_is_refused():
-    from lightning_mm.modules.lora import LoRAConfigError, apply_lora
-    from lightning_mm.strategies.init_context import meta_parameters
+    from lightning_mm.core.init_context import meta_parameters
+    from lightning_mm.hf.lora import LoRAConfigError, apply_lora
 
     with meta_parameters():
         model = torch.nn.Sequential(torch.nn.Linear(4, 4))
@@ -143,14 +143,14 @@ def _build(ckpts, family="qwen3", **lora):
     ({"rnak": 4}, "did you mean `rank`"),
 ])
 def test_bad_settings_fail_naming_the_key(ckpts, change, message):
-    from lightning_mm.modules.lora import LoRAConfigError
+    from lightning_mm.hf.lora import LoRAConfigError
 
     with pytest.raises(LoRAConfigError, match=message.replace("(", r"\(").replace("`", ".")):
         _build(ckpts, **change)
 
 
 def test_a_target_pattern_that_matches_nothing_is_an_error_naming_it(ckpts):
-    from lightning_mm.modules.lora import LoRAConfigError
+    from lightning_mm.hf.lora import LoRAConfigError
 
     with pytest.raises(LoRAConfigError, match=r"lora.target_modules.*model\.layers\.\{\*\}\.self_attn\.qproj"):
         _build(ckpts, target_modules=["model.layers.{*}.self_attn.qproj"])
@@ -159,8 +159,8 @@ def test_a_target_pattern_that_matches_nothing_is_an_error_naming_it(ckpts):
 
 
 def test_adapters_of_another_base_model_fail_before_training(ckpts, tmp_path):
-    from lightning_mm.modules.lora import LoRAConfigError
-    from lightning_mm.modules.lora_export import save_lora_adapters
+    from lightning_mm.hf.lora import LoRAConfigError
+    from lightning_mm.hf.lora_export import save_lora_adapters
 
     mlp = {"target_modules": ["model.layers.{*}.mlp.down_proj"]}
     save_lora_adapters(_build(ckpts, "qwen2", **mlp), tmp_path / "qwen2")  # 63 MLP rows, Qwen3 has 64
@@ -175,7 +175,7 @@ def test_adapters_of_another_base_model_fail_before_training(ckpts, tmp_path):
 
 
 def test_pretrained_adapters_are_the_starting_point(ckpts, tmp_path):
-    from lightning_mm.modules.lora_export import save_lora_adapters
+    from lightning_mm.hf.lora_export import save_lora_adapters
 
     first = _build(ckpts)
     with torch.no_grad():
@@ -189,19 +189,19 @@ def test_pretrained_adapters_are_the_starting_point(ckpts, tmp_path):
 
 
 def test_adapters_under_a_frozen_module_are_an_error(ckpts):
+    from lightning_mm.hf.lora import LoRAConfigError
     from lightning_mm.modules import TransformersModel
-    from lightning_mm.modules.lora import LoRAConfigError
 
     with pytest.raises(LoRAConfigError, match="lies under 'model.layers.0', which `freeze` freezes"):
         TransformersModel({"init_from_hf_path": str(ckpts["qwen3"]), "freeze": ["model.layers.0"], "lora": LORA})
 
 
 def test_plan_and_memory_show_trainable_and_frozen_parameters(ckpts):
+    from lightning_mm.core.config import FSDP2Config
+    from lightning_mm.core.init_context import meta_parameters
+    from lightning_mm.core.memory import per_rank_memory
+    from lightning_mm.core.plan import build_plan
     from lightning_mm.modules import TransformersModel
-    from lightning_mm.strategies.config import FSDP2Config
-    from lightning_mm.strategies.init_context import meta_parameters
-    from lightning_mm.strategies.memory import per_rank_memory
-    from lightning_mm.strategies.plan import build_plan
 
     def plan_of(lora):
         extra = {"lora": lora} if lora else {}
@@ -234,7 +234,7 @@ def test_exports_of_an_adapted_tied_output_layer(ckpts, tmp_path):
     import transformers
     from peft import PeftModel
 
-    from lightning_mm.modules.lora_export import save_lora_adapters, save_merged_model
+    from lightning_mm.hf.lora_export import save_lora_adapters, save_merged_model
     from tests.hf_scenarios import FamilyData, model_inputs
 
     model = _build(ckpts, "llama_tied", target_modules=["lm_head", "model.layers.{0}.mlp"])

@@ -8,8 +8,8 @@ import torch
 from torch import nn
 
 from lightning_mm import FSDP2Config
-from lightning_mm.strategies.memory import local_numel, per_rank_memory
-from lightning_mm.strategies.plan import build_plan
+from lightning_mm.core.memory import local_numel, per_rank_memory
+from lightning_mm.core.plan import build_plan
 
 
 class Small(nn.Module):

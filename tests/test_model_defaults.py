@@ -5,7 +5,7 @@ from __future__ import annotations
 import copy
 import pickle
 
-from lightning_mm.strategies.config import FSDP2Config
+from lightning_mm.core.config import FSDP2Config
 
 
 class Adapted:

@@ -33,7 +33,7 @@ import lightning_mm
 from lightning_mm.accelerators import NPUAccelerator, NPUUnavailableError
 from lightning_mm.accelerators.device_parsing import parse_device_indices
 from lightning_mm.accelerators.npu import torch_npu_version
-from lightning_mm.strategies.backend import process_group_backend
+from lightning_mm.core.backend import process_group_backend
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -272,7 +272,7 @@ def test_npu_accelerator_and_trainer_wiring_with_the_fake_npu_backend():
         from lightning.pytorch.strategies import SingleDeviceStrategy
         from lightning_mm import MMFSDP2Strategy, NPUAccelerator
         from lightning_mm.accelerators import NPUUnavailableError
-        from lightning_mm.strategies.backend import process_group_backend
+        from lightning_mm.core.backend import process_group_backend
         from lightning_mm.strategies.precision import MMFSDP2Precision
         from lightning_mm.commands.env import collect
         out = {}

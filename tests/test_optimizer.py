@@ -3,7 +3,7 @@
 import torch
 from torch import nn
 
-from lightning_mm.strategies.optimizer import decide_fused_steps, use_fused_steps
+from lightning_mm.core.optimizer import decide_fused_steps, use_fused_steps
 
 
 def _params():

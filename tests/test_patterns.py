@@ -3,7 +3,7 @@
 import pytest
 from torch import nn
 
-from lightning_mm.strategies.patterns import PatternError, parse_pattern, resolve_pattern
+from lightning_mm.core.patterns import PatternError, parse_pattern, resolve_pattern
 
 
 def tree() -> nn.Module:

@@ -5,9 +5,9 @@ import torch
 from torch import nn
 
 from lightning_mm import FSDP2Config
-from lightning_mm.strategies.config import FSDP2ConfigError
-from lightning_mm.strategies.init_context import meta_parameters
-from lightning_mm.strategies.plan import build_plan
+from lightning_mm.core.config import FSDP2ConfigError
+from lightning_mm.core.init_context import meta_parameters
+from lightning_mm.core.plan import build_plan
 from lightning_mm.strategies.precision import MMFSDP2Precision, resolve_mixed_precision
 
 

@@ -11,10 +11,10 @@ import pytest
 import torch
 from torch import nn
 
-from lightning_mm.strategies import apply
-from lightning_mm.strategies.config import FSDP2Config, FSDP2ConfigError
-from lightning_mm.strategies.plan import build_plan
-from lightning_mm.strategies.recompute import RecomputeError
+from lightning_mm.core import apply
+from lightning_mm.core.config import FSDP2Config, FSDP2ConfigError
+from lightning_mm.core.plan import build_plan
+from lightning_mm.core.recompute import RecomputeError
 from tests.hf_scenarios import FamilyData, model_inputs, tiny_hf_model
 
 CASES = {

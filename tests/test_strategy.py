@@ -5,8 +5,8 @@ import pytest
 
 import lightning_mm
 from lightning_mm import FSDP2Config, MMFSDP2Strategy
-from lightning_mm.strategies.backend import process_group_backend
-from lightning_mm.strategies.config import FSDP2ConfigError
+from lightning_mm.core.backend import process_group_backend
+from lightning_mm.core.config import FSDP2ConfigError
 from lightning_mm.strategies.precision import MMFSDP2Precision
 
 

@@ -10,9 +10,9 @@ import pytest
 import torch
 from torch import nn
 
-from lightning_mm.modules.mixins import WeightInitMixin
-from lightning_mm.strategies.apply import materialize_and_init
-from lightning_mm.strategies.init_context import meta_parameters
+from lightning_mm.core.apply import materialize_and_init
+from lightning_mm.core.init_context import meta_parameters
+from lightning_mm.hf.mixins import WeightInitMixin
 
 CPU = torch.device("cpu")
 

@@ -14,6 +14,10 @@ import transformers
 from safetensors.torch import load_file, save_file
 from torch import nn
 
+from lightning_mm.core.config import FSDP2Config
+from lightning_mm.core.init_context import meta_parameters
+from lightning_mm.core.plan import build_plan
+from lightning_mm.hf.pretrained_index import CheckpointError
 from lightning_mm.modules import (
     FSDP2Mixin,
     ModelHub,
@@ -22,10 +26,6 @@ from lightning_mm.modules import (
     TransformersModelConfigError,
     WeightInitMixin,
 )
-from lightning_mm.modules.hf_checkpoint import CheckpointError
-from lightning_mm.strategies.config import FSDP2Config
-from lightning_mm.strategies.init_context import meta_parameters
-from lightning_mm.strategies.plan import build_plan
 from tests.hf_scenarios import FAMILIES, FamilyData, model_inputs, save_tiny_checkpoints
 
 BUILTIN = {
@@ -273,8 +273,8 @@ def test_strict_load_fails_on_shape_and_missing_files(ckpts, tmp_path):
 
 
 def test_read_region_rows_directly_and_other_regions_through_safetensors(ckpts):
-    from lightning_mm.modules.hf_checkpoint import SafetensorsIndex
-    from lightning_mm.modules.hf_loading import read_region
+    from lightning_mm.hf.loading import read_region
+    from lightning_mm.hf.pretrained_index import SafetensorsIndex
 
     index = SafetensorsIndex.from_directory(ckpts["qwen2"])
     info = index.tensors["model.layers.0.mlp.up_proj.weight"]

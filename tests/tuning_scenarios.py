@@ -24,7 +24,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from lightning_mm import MMFSDP2Strategy  # noqa: E402
-from lightning_mm.strategies import apply  # noqa: E402
+from lightning_mm.core import apply  # noqa: E402
 
 
 class LM(L.LightningModule):

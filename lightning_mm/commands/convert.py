@@ -51,18 +51,18 @@ def _parser() -> argparse.ArgumentParser:
 def main(argv: Sequence[str] | None = None) -> int:
     args = _parser().parse_args(list(sys.argv[1:] if argv is None else argv))
     from lightning_mm.commands.failure import one_line, traceback_requested, user_error
-    from lightning_mm.strategies.checkpoint import convert
+    from lightning_mm.hf import convert
 
     try:
         if args.command == "dcp-to-torch":
             out = convert.dcp_to_torch(args.src, args.dst, model_only=args.model_only)
         elif args.command == "dcp-to-hf" and args.merge_lora:
-            from lightning_mm.modules.lora_export import dcp_to_hf_merged
+            from lightning_mm.hf.lora_export import dcp_to_hf_merged
 
             out = dcp_to_hf_merged(args.src, args.out_dir, prefix=args.prefix, dtype=args.dtype,
                                    max_shard_size=convert.parse_size(args.max_shard_size))
         elif args.command == "dcp-to-hf":
-            from lightning_mm.modules.lora_export import checkpoint_lora
+            from lightning_mm.hf.lora_export import checkpoint_lora
 
             if args.config is None and checkpoint_lora(args.src, args.prefix) is not None:
                 raise ValueError(f"{args.src} holds LoRA adapters (keys `*.base_layer.*`, `*.lora_A.*`), which "

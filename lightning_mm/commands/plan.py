@@ -68,10 +68,10 @@ def plan_from_cli_config(cli_args: Sequence[str], world_size: int | None = None,
                          trace_order: bool = False, seq_length: int | None = None) -> str:
     """Build the plan for a LightningCLI argument list (``["--config", "cfg.yaml", ...]``) and describe it."""
     from lightning_mm import MMFSDP2Strategy, MMLightningModule
-    from lightning_mm.strategies.config import FSDP2Config
-    from lightning_mm.strategies.init_context import meta_parameters
-    from lightning_mm.strategies.memory import per_rank_memory
-    from lightning_mm.strategies.plan import build_plan
+    from lightning_mm.core.config import FSDP2Config
+    from lightning_mm.core.init_context import meta_parameters
+    from lightning_mm.core.memory import per_rank_memory
+    from lightning_mm.core.plan import build_plan
     from lightning_mm.strategies.precision import resolve_mixed_precision
 
     cli = _load_cli(cli_args)
@@ -106,7 +106,7 @@ def plan_from_cli_config(cli_args: Sequence[str], world_size: int | None = None,
     text = plan.describe() + "\n" + order + "\n" + memory.describe()
     cp = strategy.context_parallel_size if isinstance(strategy, MMFSDP2Strategy) else 1
     if cp > 1 or seq_length:
-        from lightning_mm.modules.cp_attention import context_parallel_summary
+        from lightning_mm.hf.cp_attention import context_parallel_summary
 
         text += "\n" + context_parallel_summary(target, world, cp, strategy._context_parallel.algo
                                                 if isinstance(strategy, MMFSDP2Strategy) else "ulysses", seq_length)

@@ -13,9 +13,9 @@ from torch import nn
 from typing_extensions import override
 
 from lightning_mm._compat import attached_trainer, should_update_logs, throughput_meters
+from lightning_mm.core.grad_clip import total_grad_norm
+from lightning_mm.core.optimizer import group_by_sharding
 from lightning_mm.modules.seed_functions import SeedFunctions, resolve_callable
-from lightning_mm.strategies.grad_clip import total_grad_norm
-from lightning_mm.strategies.optimizer import group_by_sharding
 from lightning_mm.strategies.precision import MMFSDP2Precision
 
 __all__ = ["MMLightningModule"]
@@ -157,7 +157,7 @@ class MMLightningModule(L.LightningModule):
     # ------------------------------------------------------------------------ context parallelism
     handles_context_parallel: bool = False
     """``True``: this module's model runs its own attention context-parallel (with the helpers of
-    ``lightning_mm.strategies.context_parallel``) instead of the strategy routing a Transformers model's."""
+    ``lightning_mm.core.context_parallel``) instead of the strategy routing a Transformers model's."""
 
     @property
     def context_parallel_group(self) -> Any:

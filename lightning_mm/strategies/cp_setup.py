@@ -11,7 +11,7 @@ from typing import Any
 from lightning.pytorch.utilities.rank_zero import rank_zero_info
 from torch import nn
 
-from lightning_mm.strategies.context_parallel import (
+from lightning_mm.core.context_parallel import (
     ContextParallelError,
     ContextParallelPlan,
     build_context_parallel_mesh,
@@ -60,8 +60,8 @@ class ContextParallelSetup:
         """Route the model's attention through Ulysses, or refuse a model whose attention cannot be routed.
 
         A LightningModule with ``handles_context_parallel = True`` runs its own attention through
-        :func:`~lightning_mm.strategies.context_parallel.ulysses_attention`; otherwise the Transformers model in
-        ``target`` is routed (:func:`~lightning_mm.modules.cp_attention.enable_context_parallel`).
+        :func:`~lightning_mm.core.context_parallel.ulysses_attention`; otherwise the Transformers model in
+        ``target`` is routed (:func:`~lightning_mm.hf.cp_attention.enable_context_parallel`).
         """
         if not self.enabled:
             return
@@ -69,14 +69,14 @@ class ContextParallelSetup:
         rank_zero_info(self.plan.describe())
         if getattr(root, "handles_context_parallel", False):
             return
-        from lightning_mm.modules.cp_attention import enable_context_parallel, find_hf_model
+        from lightning_mm.hf.cp_attention import enable_context_parallel, find_hf_model
 
         model = find_hf_model(target)
         if model is None:
             raise ContextParallelError(
                 f"context_parallel_size {self.size}: the attention of {type(target).__name__} cannot be routed "
                 "(no Transformers model in it). For a custom model, split the batch with "
-                "lightning_mm.strategies.context_parallel.split_sequence, run attention through ulysses_attention, "
+                "lightning_mm.core.context_parallel.split_sequence, run attention through ulysses_attention, "
                 "compute the loss with context_parallel_loss, and set `handles_context_parallel = True` on the "
                 "LightningModule"
             )

@@ -31,6 +31,8 @@ from torch.distributed.fsdp import FSDPModule
 from torch.optim import Optimizer
 from typing_extensions import override
 
+from lightning_mm import checkpoint
+from lightning_mm import checkpoint as ckpt  # where a Lightning parameter is named `checkpoint`
 from lightning_mm._compat import (
     _PATH,
     _SubprocessScriptLauncher,
@@ -38,15 +40,16 @@ from lightning_mm._compat import (
     attached_trainer,
     set_device_mesh,
 )
-from lightning_mm.strategies import apply, checkpoint, stopping
-from lightning_mm.strategies import checkpoint as ckpt  # where a Lightning parameter is named `checkpoint`
-from lightning_mm.strategies.backend import process_group_backend
-from lightning_mm.strategies.config import FSDP2Config
+from lightning_mm.core import apply
+from lightning_mm.core.backend import process_group_backend
+from lightning_mm.core.config import FSDP2Config
+from lightning_mm.core.grad_mode import leave_inference_mode, outside_inference_mode
+from lightning_mm.core.init_context import meta_parameters
+from lightning_mm.core.optimizer import use_fused_steps
+from lightning_mm.core.plan import ShardingPlan, build_plan
+from lightning_mm.hf.records import hf_records
+from lightning_mm.strategies import stopping
 from lightning_mm.strategies.cp_setup import ContextParallelSetup
-from lightning_mm.strategies.grad_mode import leave_inference_mode, outside_inference_mode
-from lightning_mm.strategies.init_context import meta_parameters
-from lightning_mm.strategies.optimizer import use_fused_steps
-from lightning_mm.strategies.plan import ShardingPlan, build_plan
 from lightning_mm.strategies.precision import MMFSDP2Precision, resolve_mixed_precision
 from lightning_mm.strategies.rendezvous import is_loopback, loopback_store
 from lightning_mm.strategies.stopping import SIGNAL_EXIT_STATUS, RunGuard
@@ -116,12 +119,12 @@ class MMFSDP2Strategy(ParallelStrategy):
             matching keys and warns with the list of skipped ones.
         fused_optimizer_step: ``True`` (default): Adam/AdamW parameter groups that set neither ``fused`` nor
             ``foreach`` use torch's fused step on CPU and CUDA (torch's own CPU default loops over the sharded
-            DTensor parameters one by one; see ``lightning_mm.strategies.optimizer``). The choice is logged.
+            DTensor parameters one by one; see ``lightning_mm.core.optimizer``). The choice is logged.
             ``False`` leaves the implementation to torch.
         stop_timeout: seconds within which the other ranks stop when one rank process is gone (a SIGTERM, a crash,
             a kill), see ``lightning_mm.strategies.stopping``. A rank stopped by SIGTERM exits with status 143.
         context_parallel_size: ``C`` > 1 turns on Ulysses context parallelism: ``C`` consecutive ranks share
-            samples, each holding ``seq / C`` tokens (see ``lightning_mm.strategies.context_parallel``).
+            samples, each holding ``seq / C`` tokens (see ``lightning_mm.core.context_parallel``).
             Parameters stay sharded over all ranks; the sampler runs over ``world / C`` data-parallel ranks.
         context_parallel_algo: ``"ulysses"`` (MindSpeed MM's ``ulysses_cp_algo`` is accepted as the same).
 
@@ -471,7 +474,7 @@ class MMFSDP2Strategy(ParallelStrategy):
         apply.apply_ignored_input_cast(ignored_modules, plan)
         self._whole_experts = []
         if plan.experts is not None:  # before the units that contain the experts are sharded
-            from lightning_mm.strategies import expert_parallel
+            from lightning_mm.core import expert_parallel
 
             self._ep_mesh = expert_parallel.build_ep_mesh(
                 self.world_size, plan.experts.expert_parallel_size, self.root_device.type
@@ -482,7 +485,7 @@ class MMFSDP2Strategy(ParallelStrategy):
             if self._whole_experts:  # kept whole: out of FSDP, reduced in post_backward
                 kwargs = apply.fsdp_kwargs(plan, self.device_mesh, ignored | set(self._whole_experts))
         custom = getattr(target, "_fully_shard", None)
-        from lightning_mm.modules.mixins import FSDP2Mixin
+        from lightning_mm.hf.mixins import FSDP2Mixin
 
         if callable(custom) and type(target)._fully_shard is not FSDP2Mixin._fully_shard:
             target.fsdp2_config = config
@@ -497,7 +500,7 @@ class MMFSDP2Strategy(ParallelStrategy):
         with apply.shard_distinct_rng(self.device_mesh):
             materialized = apply.materialize_and_init(root, target, param_device, self.root_device, ignored_modules)
         if self._whole_experts:  # local experts differ along `ep`: equal only within an ep_replicate column
-            from lightning_mm.strategies import expert_parallel
+            from lightning_mm.core import expert_parallel
 
             assert plan.experts is not None
             self._whole_experts = [p for m in plan.experts.modules for p in target.get_submodule(m).parameters()]
@@ -567,7 +570,7 @@ class MMFSDP2Strategy(ParallelStrategy):
         if self._gradient_sync and self._ignored_params:
             apply.all_reduce_gradients(self._ignored_params)
         if self._gradient_sync and self._whole_experts:
-            from lightning_mm.strategies import expert_parallel
+            from lightning_mm.core import expert_parallel
 
             expert_parallel.all_reduce_expert_gradients(self._whole_experts, self._ep_mesh)
 
@@ -651,7 +654,7 @@ class MMFSDP2Strategy(ParallelStrategy):
         self.accelerator.teardown()
 
     # ----------------------------------------------------------------------------------- checkpoints
-    # See lightning_mm/strategies/checkpoint/: torch_dcp directories or consolidated torch files, written atomically,
+    # See lightning_mm/checkpoint/: torch_dcp directories or consolidated torch files, written atomically,
     # loaded strictly (keys listed) and safely (weights_only), resharded to any world size.
     # Every entry point leaves inference mode: DTensor state dicts cannot be taken or loaded under it.
     @override
@@ -682,7 +685,7 @@ class MMFSDP2Strategy(ParallelStrategy):
             return state
         if self.checkpoint_format != "torch_dcp":
             raise NotImplementedError("an expert-parallel run saves `checkpoint_format='torch_dcp'` checkpoints only")
-        from lightning_mm.strategies import expert_parallel
+        from lightning_mm.core import expert_parallel
 
         if self._expert_layout is None:
             self._expert_layout = expert_parallel.ExpertCheckpointLayout(self._ep_mesh, plan.experts.num_experts)
@@ -729,7 +732,7 @@ class MMFSDP2Strategy(ParallelStrategy):
             "world_size": self.world_size,
             "mesh_shape": list(self.device_mesh.shape),
             "rng_point": self._rng_point(),
-            "hf": ckpt.hf_records(lm),
+            "hf": hf_records(lm),
         }
         ckpt.save(checkpoint, path, self.checkpoint_format, extra, ckpt.capture_rng(self.root_device))
 

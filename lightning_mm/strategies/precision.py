@@ -17,9 +17,9 @@ from lightning_utilities.core.apply_func import apply_to_collection
 from torch import nn
 from torch.optim import Optimizer
 
-from lightning_mm.strategies.config import FSDP2Config, FSDP2ConfigError
-from lightning_mm.strategies.grad_clip import clip_grads_with_norm_, total_grad_norm
-from lightning_mm.strategies.plan import MixedPrecision
+from lightning_mm.core.config import FSDP2Config, FSDP2ConfigError
+from lightning_mm.core.grad_clip import clip_grads_with_norm_, total_grad_norm
+from lightning_mm.core.plan import MixedPrecision
 
 __all__ = ["MMFSDP2Precision", "resolve_mixed_precision", "SUPPORTED_PRECISION"]
 

@@ -5,22 +5,24 @@ Default plan: ``model.layers.{*}``, ``model.embed_tokens`` and ``lm_head`` (one 
 
 from transformers import LlamaForCausalLM, Qwen2ForCausalLM, Qwen3ForCausalLM
 
-from lightning_mm.modules.hub import ModelHub
-from lightning_mm.modules.mixins import FSDP2Mixin, WeightInitMixin
+from lightning_mm.hf.mixins import FSDP2Mixin, WeightInitMixin
 
 __all__ = ["MMLlamaForCausalLM", "MMQwen2ForCausalLM", "MMQwen3ForCausalLM"]
 
 
-@ModelHub.register("LlamaForCausalLM", "llama")
 class MMLlamaForCausalLM(LlamaForCausalLM, FSDP2Mixin, WeightInitMixin):
     """``transformers.LlamaForCausalLM``, FSDP2-ready."""
 
+    hub_keys = ("LlamaForCausalLM", "llama")
 
-@ModelHub.register("Qwen2ForCausalLM", "qwen2")
+
 class MMQwen2ForCausalLM(Qwen2ForCausalLM, FSDP2Mixin, WeightInitMixin):
     """``transformers.Qwen2ForCausalLM``, FSDP2-ready."""
 
+    hub_keys = ("Qwen2ForCausalLM", "qwen2")
 
-@ModelHub.register("Qwen3ForCausalLM", "qwen3")
+
 class MMQwen3ForCausalLM(Qwen3ForCausalLM, FSDP2Mixin, WeightInitMixin):
     """``transformers.Qwen3ForCausalLM``, FSDP2-ready."""
+
+    hub_keys = ("Qwen3ForCausalLM", "qwen3")

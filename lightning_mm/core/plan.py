@@ -2,7 +2,7 @@
 
 The plan is pure data. Building it resolves every pattern, checks the config against the model, and works out
 which parameters each FSDP unit owns (grouping units that share a parameter), all without processes, so it can
-be printed, tested and checked before any cluster time is spent. :mod:`lightning_mm.strategies.apply` does.
+be printed, tested and checked before any cluster time is spent. :mod:`lightning_mm.core.apply` does.
 """
 
 from __future__ import annotations
@@ -12,9 +12,9 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
-from lightning_mm.strategies.config import FSDP2Config, FSDP2ConfigError
-from lightning_mm.strategies.patterns import PatternError, resolve_patterns
-from lightning_mm.strategies.recompute import RecomputeError, check_recomputable, uses_kv_cache
+from lightning_mm.core.config import FSDP2Config, FSDP2ConfigError
+from lightning_mm.core.patterns import PatternError, resolve_patterns
+from lightning_mm.core.recompute import RecomputeError, check_recomputable, uses_kv_cache
 
 __all__ = [
     "ShardUnit", "ShardingPlan", "MixedPrecision", "ExpertPlan", "build_plan", "mesh_layout", "ep_mesh_layout",

@@ -4,13 +4,12 @@
 * :mod:`.store` (doing): atomic save and strict/non-strict load of ``torch_dcp`` directories and ``torch`` files.
 * :mod:`.safe`: loading without running pickled code; :mod:`.atomic`: temporary sibling, rename into place.
 * :mod:`.manifest`: ``manifest.json`` binds every file to its checkpoint; :mod:`.errors`: the exceptions.
-* :mod:`.rng`: per-rank RNG states; :mod:`.hf`: the Hugging Face record; :mod:`.convert`: converters.
+* :mod:`.rng`: per-rank RNG states. Conversion to and from Hugging Face directories is in :mod:`lightning_mm.hf`.
 """
 
-from lightning_mm.strategies.checkpoint.atomic import remove
-from lightning_mm.strategies.checkpoint.errors import CheckpointError, CheckpointIntegrityError, CheckpointWriteError
-from lightning_mm.strategies.checkpoint.hf import hf_records
-from lightning_mm.strategies.checkpoint.layout import (
+from lightning_mm.checkpoint.atomic import remove
+from lightning_mm.checkpoint.errors import CheckpointError, CheckpointIntegrityError, CheckpointWriteError
+from lightning_mm.checkpoint.layout import (
     EXTRA_KEY,
     FORMAT_VERSION,
     KIND_TRAINING,
@@ -18,10 +17,10 @@ from lightning_mm.strategies.checkpoint.layout import (
     META_FILE,
     CheckpointKeyError,
 )
-from lightning_mm.strategies.checkpoint.manifest import MANIFEST_FILE
-from lightning_mm.strategies.checkpoint.rng import capture_rng, restore_rng
-from lightning_mm.strategies.checkpoint.safe import UnsafeCheckpointError
-from lightning_mm.strategies.checkpoint.store import (
+from lightning_mm.checkpoint.manifest import MANIFEST_FILE
+from lightning_mm.checkpoint.rng import capture_rng, restore_rng
+from lightning_mm.checkpoint.safe import UnsafeCheckpointError
+from lightning_mm.checkpoint.store import (
     FORMATS,
     CheckpointSource,
     Loaded,
@@ -49,7 +48,6 @@ __all__ = [
     "Loaded",
     "UnsafeCheckpointError",
     "capture_rng",
-    "hf_records",
     "load",
     "model_state",
     "open_source",

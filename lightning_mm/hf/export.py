@@ -66,7 +66,7 @@ def _model_class(config: dict[str, Any], where: str) -> type:
     cls = getattr(transformers, architecture, None) if architecture else None
     if isinstance(cls, type) and issubclass(cls, transformers.PreTrainedModel):
         return cls
-    from lightning_mm.modules.hub import ModelHub, ModelHubError
+    from lightning_mm.hf.hub import ModelHub, ModelHubError
 
     try:
         return ModelHub.resolve(None, config)[1]

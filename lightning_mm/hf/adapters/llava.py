@@ -7,14 +7,14 @@ is ignored instead.
 
 from transformers import LlavaForConditionalGeneration
 
-from lightning_mm.modules.hub import ModelHub
-from lightning_mm.modules.mixins import FSDP2Mixin, WeightInitMixin
+from lightning_mm.hf.mixins import FSDP2Mixin, WeightInitMixin
 
 __all__ = ["MMLlavaForConditionalGeneration"]
 
 
-@ModelHub.register("LlavaForConditionalGeneration", "llava")
 class MMLlavaForConditionalGeneration(LlavaForConditionalGeneration, FSDP2Mixin, WeightInitMixin):
     """``transformers.LlavaForConditionalGeneration``, FSDP2-ready."""
+
+    hub_keys = ("LlavaForConditionalGeneration", "llava")
 
     fsdp2_vision_towers = ("model.vision_tower",)

@@ -125,7 +125,7 @@ def input_embedding_units(model: nn.Module, towers: list[str]) -> list[str]:
 
 
 def _resolved(model: nn.Module, patterns: list[str]) -> list[str]:
-    from lightning_mm.strategies.patterns import PatternError, resolve_patterns
+    from lightning_mm.core.patterns import PatternError, resolve_patterns
 
     paths = []
     for pattern in patterns:

@@ -8,14 +8,14 @@ Default plan: ``model.vision_tower.encoder.layer.{*}``, ``model.vision_tower.emb
 
 from transformers import InternVLForConditionalGeneration
 
-from lightning_mm.modules.hub import ModelHub
-from lightning_mm.modules.mixins import FSDP2Mixin, WeightInitMixin
+from lightning_mm.hf.mixins import FSDP2Mixin, WeightInitMixin
 
 __all__ = ["MMInternVLForConditionalGeneration"]
 
 
-@ModelHub.register("InternVLForConditionalGeneration", "internvl")
 class MMInternVLForConditionalGeneration(InternVLForConditionalGeneration, FSDP2Mixin, WeightInitMixin):
     """``transformers.InternVLForConditionalGeneration``, FSDP2-ready."""
+
+    hub_keys = ("InternVLForConditionalGeneration", "internvl")
 
     fsdp2_vision_towers = ("model.vision_tower",)

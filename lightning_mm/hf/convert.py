@@ -18,11 +18,9 @@ from torch.distributed.checkpoint import FileSystemWriter
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
 
-from lightning_mm.strategies.checkpoint import atomic
-from lightning_mm.strategies.checkpoint.errors import CheckpointIntegrityError, write_error
-from lightning_mm.strategies.checkpoint.hf import choose_record
-from lightning_mm.strategies.checkpoint.hf_export import HFLayout, hf_layout
-from lightning_mm.strategies.checkpoint.layout import (
+from lightning_mm.checkpoint import atomic
+from lightning_mm.checkpoint.errors import CheckpointIntegrityError, write_error
+from lightning_mm.checkpoint.layout import (
     EXTRA_KEY,
     FORMAT_VERSION,
     KIND_WEIGHTS,
@@ -32,7 +30,7 @@ from lightning_mm.strategies.checkpoint.layout import (
     fill_tensors,
     model_key,
 )
-from lightning_mm.strategies.checkpoint.manifest import (
+from lightning_mm.checkpoint.manifest import (
     MANIFEST_FILE,
     RecordingFileSystem,
     check_name,
@@ -40,8 +38,10 @@ from lightning_mm.strategies.checkpoint.manifest import (
     inside,
     write_manifest,
 )
-from lightning_mm.strategies.checkpoint.safe import check_weights_only, load_weights_only
-from lightning_mm.strategies.checkpoint.store import _single_process_quiet, _write_file, open_source
+from lightning_mm.checkpoint.safe import check_weights_only, load_weights_only
+from lightning_mm.checkpoint.store import _single_process_quiet, _write_file, open_source
+from lightning_mm.hf.export import HFLayout, hf_layout
+from lightning_mm.hf.records import choose_record
 
 __all__ = ["dcp_to_torch", "dcp_to_hf", "hf_to_dcp", "parse_size"]
 
@@ -356,7 +356,7 @@ def _checkpoint_renamer(config: dict[str, Any]) -> Any:
     Some families (LLaVA, InternVL, Qwen2.5-VL) store keys in an older layout that Transformers renames on load;
     the renamed keys are the module's, and so the ones a resume checks against.
     """
-    from lightning_mm.modules.hub import ModelHub, ModelHubError
+    from lightning_mm.hf.hub import ModelHub, ModelHubError
 
     try:
         _, model_cls = ModelHub.resolve(None, config)
@@ -364,7 +364,7 @@ def _checkpoint_renamer(config: dict[str, Any]) -> Any:
         return None
     from transformers import AutoConfig
 
-    from lightning_mm.modules.hf_checkpoint import checkpoint_key_renamer
+    from lightning_mm.hf.pretrained_index import checkpoint_key_renamer
 
     fields = {k: v for k, v in config.items() if k != "model_type"}
     hf_config = AutoConfig.for_model(config["model_type"], **fields)

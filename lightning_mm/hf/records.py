@@ -49,7 +49,7 @@ def hf_records(root: nn.Module) -> list[dict[str, Any]]:
 
 
 def lora_record(module: nn.Module) -> dict[str, Any] | None:
-    """The PEFT ``LoraConfig`` of LoRA adapters added by ``lightning_mm.modules.lora`` (for ``dcp-to-hf
+    """The PEFT ``LoraConfig`` of LoRA adapters added by ``lightning_mm.hf.lora`` (for ``dcp-to-hf
     --merge-lora``), as JSON-able data; ``None`` without adapters."""
     configs = getattr(module, "peft_config", None)
     if not isinstance(configs, dict) or "default" not in configs:

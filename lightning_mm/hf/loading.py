@@ -1,4 +1,4 @@
-"""Doing the loading of a :class:`~lightning_mm.modules.hf_checkpoint.LoadPlan`.
+"""Doing the loading of a :class:`~lightning_mm.hf.pretrained_index.LoadPlan`.
 
 * :func:`load_local_shards` fills a sharded model in place: for a DTensor parameter each rank reads only the
   bytes of the region its local shard covers (FSDP2 shards rows, which are contiguous in a safetensors file), so
@@ -26,7 +26,7 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 
 from lightning_mm._compat import local_offsets
-from lightning_mm.modules.hf_checkpoint import CheckpointError, LoadEntry, LoadPlan, TensorInfo
+from lightning_mm.hf.pretrained_index import CheckpointError, LoadEntry, LoadPlan, TensorInfo
 
 __all__ = ["load_local_shards", "load_into_meta_model", "local_region", "read_region"]
 
@@ -125,7 +125,7 @@ def load_local_shards(model: nn.Module, plan: LoadPlan) -> int:
     absent = [e.names[0] for e in plan.entries if e.names[0] not in state]
     if absent:
         raise RuntimeError(f"the model no longer has tensors the load plan was made for: {absent[:10]}")
-    from lightning_mm.strategies.expert_parallel import expert_row_offset
+    from lightning_mm.core.expert_parallel import expert_row_offset
 
     with _open_files(plan) as files:
         for entry in plan.entries:

@@ -48,7 +48,10 @@ class ModelHub:
         user_entries = dict(cls.MODEL_MAPPINGS)
         cls.MODEL_MAPPINGS.clear()
         try:
-            import lightning_mm.modules.adapters  # noqa: F401  (registers through @ModelHub.register)
+            from lightning_mm.hf.adapters import BUILTIN_ADAPTERS
+
+            for adapter in BUILTIN_ADAPTERS:
+                cls.register(*adapter.hub_keys)(adapter)
         finally:
             cls.MODEL_MAPPINGS.update(user_entries)
 

@@ -246,7 +246,7 @@ class FSDP2Config:
             raise self._error("pin_memory", "only takes effect with `offload_to_cpu: true`; set both or remove it")
 
         # Imported here: the pattern grammar lives with the resolver, and a malformed pattern fails at load time.
-        from lightning_mm.strategies.patterns import parse_pattern
+        from lightning_mm.core.patterns import parse_pattern
 
         for key in _PATTERN_KEYS:
             for pattern in getattr(self, key):

@@ -5,7 +5,7 @@ meta-device model before any memory is spent. Checkpoint keys are renamed the wa
 renames them (``transformers``' conversion mapping: e.g. a LLaVA checkpoint's ``language_model.model.*`` keys
 become ``model.language_model.*``). The result is strict: a model parameter no checkpoint key fills, a checkpoint
 key no model tensor takes, or a shape that differs is an error that lists the names.
-:mod:`lightning_mm.modules.hf_loading` does the reading.
+:mod:`lightning_mm.hf.loading` does the reading.
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""Doing the sharding: apply a :class:`~lightning_mm.strategies.plan.ShardingPlan` to a model with torch.
+"""Doing the sharding: apply a :class:`~lightning_mm.core.plan.ShardingPlan` to a model with torch.
 
 One short function per concern, in the order the strategy calls them: mesh, recomputation, ``fully_shard`` of
 the units and then the root, prefetch, and meta-device materialisation.
@@ -21,9 +21,9 @@ from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionP
 from torch.distributed.tensor import DTensor
 
 from lightning_mm._compat import fsdp_param_groups, fsdp_state, is_rng_supported_mesh
-from lightning_mm.strategies.plan import ShardingPlan, mesh_layout
-from lightning_mm.strategies.recompute import checkpointed_forward, is_recomputed
-from lightning_mm.strategies.torch_init import init_like_constructors
+from lightning_mm.core.plan import ShardingPlan, mesh_layout
+from lightning_mm.core.recompute import checkpointed_forward, is_recomputed
+from lightning_mm.core.torch_init import init_like_constructors
 
 __all__ = [
     "build_device_mesh",
@@ -106,7 +106,7 @@ def apply_recompute(model: nn.Module, plan: ShardingPlan) -> None:
     """Recompute the activations of each ``recompute_modules`` module in backward (module names unchanged).
 
     The gradients equal those without recomputation for either ``use_reentrant`` value; see
-    :mod:`lightning_mm.strategies.recompute` (a key/value cache is not used in recomputed calls).
+    :mod:`lightning_mm.core.recompute` (a key/value cache is not used in recomputed calls).
     """
     for path in plan.recompute:
         module = model.get_submodule(path)
@@ -245,7 +245,7 @@ def _still_sentinel(t: torch.Tensor) -> bool:
 
 def default_init(model: nn.Module) -> None:
     """``model.init_weights()`` (WeightInitMixin) if it has one, else every module initialised as its
-    constructor does, children first (:func:`~lightning_mm.strategies.torch_init.init_like_constructors`:
+    constructor does, children first (:func:`~lightning_mm.core.torch_init.init_like_constructors`:
     ``reset_parameters()``, and torch's ``_reset_parameters()`` of ``nn.MultiheadAttention``/``nn.Transformer``)."""
     init_weights = getattr(model, "init_weights", None)
     if callable(init_weights):

@@ -30,7 +30,7 @@ from typing import Any
 
 from torch.distributed.checkpoint.filesystem import FileSystem
 
-from lightning_mm.strategies.checkpoint.errors import CheckpointIntegrityError
+from lightning_mm.checkpoint.errors import CheckpointIntegrityError
 
 __all__ = [
     "MANIFEST_FILE",

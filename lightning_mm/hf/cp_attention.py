@@ -12,7 +12,7 @@
   attention with a causal + padding mask of the whole sequence, and the inverse all-to-all. Every model whose
   decoder attention calls ``ALL_ATTENTION_FUNCTIONS`` is routed;
 * the model gets a pre-hook that takes ``labels`` out of the call and a hook that puts the loss of the whole
-  sequences (:func:`~lightning_mm.strategies.context_parallel.context_parallel_loss`) into ``output.loss``.
+  sequences (:func:`~lightning_mm.core.context_parallel.context_parallel_loss`) into ``output.loss``.
 
 The vision tower and the embeddings run on whole sequences on each rank of the group (their activations are
 small next to the decoder's); the decoder layers, the final norm and the LM head see ``seq / C`` tokens.
@@ -26,7 +26,7 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from lightning_mm.strategies.context_parallel import (
+from lightning_mm.core.context_parallel import (
     IGNORE_INDEX,
     ContextParallelError,
     activation_bytes_estimate,

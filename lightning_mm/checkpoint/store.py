@@ -25,7 +25,6 @@ from typing import Any
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
-from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 from torch import nn
 from torch.distributed.checkpoint import FileSystemWriter
 from torch.distributed.checkpoint.api import CheckpointException
@@ -41,9 +40,10 @@ from torch.distributed.checkpoint.state_dict import (
 from torch.distributed.tensor import DTensor, distribute_tensor
 
 from lightning_mm._compat import unwrap_optimizer
-from lightning_mm.strategies.checkpoint import atomic, manifest
-from lightning_mm.strategies.checkpoint.errors import CheckpointIntegrityError, write_error
-from lightning_mm.strategies.checkpoint.layout import (
+from lightning_mm._rank_zero import rank_zero_warn
+from lightning_mm.checkpoint import atomic, manifest
+from lightning_mm.checkpoint.errors import CheckpointIntegrityError, write_error
+from lightning_mm.checkpoint.layout import (
     EXTRA_KEY,
     FORMAT_VERSION,
     KIND_TRAINING,
@@ -58,16 +58,16 @@ from lightning_mm.strategies.checkpoint.layout import (
     put_loader_states,
     split_tensors,
 )
-from lightning_mm.strategies.checkpoint.optim_keys import PARAM_NAMES, saved_names, to_index_keyed
-from lightning_mm.strategies.checkpoint.safe import (
+from lightning_mm.checkpoint.optim_keys import PARAM_NAMES, saved_names, to_index_keyed
+from lightning_mm.checkpoint.safe import (
     SafeFileSystemReader,
     SafeLoadPlanner,
     check_weights_only,
     load_weights_only,
     read_dcp_metadata,
 )
-from lightning_mm.strategies.grad_mode import outside_inference_mode
-from lightning_mm.strategies.optimizer import IMPLEMENTATION_KEYS
+from lightning_mm.core.grad_mode import outside_inference_mode
+from lightning_mm.core.optimizer import IMPLEMENTATION_KEYS
 
 __all__ = [
     "FORMATS",
@@ -494,7 +494,7 @@ def load(
     checkpoint.setdefault("state_dict", {})
 
     if fitting and kind == KIND_WEIGHTS:
-        rank_zero_info(f"{path} holds model weights only: training starts from them with a fresh optimiser, "
+        rank_zero_warn(f"{path} holds model weights only: training starts from them with a fresh optimiser, "
                        "LR schedule and loop state")
         for key in ("loops", "callbacks", "lr_schedulers"):
             checkpoint.pop(key, None)

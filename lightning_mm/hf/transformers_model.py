@@ -16,7 +16,7 @@ The config (a dict, or an object with attributes such as the seed's ``args.mm.mo
     (``model.vision_tower``, ``model.language_model.layers.{0-3}``).
 ``lora``
     LoRA fine-tuning with PEFT (``rank``, ``alpha``, ``target_modules``, ``dropout``, ``init_lora_weights``,
-    ``pretrained_lora_path``): see :mod:`lightning_mm.modules.lora`. Adapters are added after ``freeze``, before
+    ``pretrained_lora_path``): see :mod:`lightning_mm.hf.lora`. Adapters are added after ``freeze``, before
     sharding; every other parameter is frozen.
 ``trust_remote_code``
     ``False`` by default; only ``true`` lets Transformers run code that comes with a checkpoint (it is always
@@ -44,11 +44,11 @@ from typing import Any
 import torch
 from torch import nn
 
-from lightning_mm.modules.config_fields import checked_fields
-from lightning_mm.modules.hf_checkpoint import LoadPlan, SafetensorsIndex, build_load_plan
-from lightning_mm.modules.hf_loading import load_into_meta_model, load_local_shards
-from lightning_mm.modules.hub import ModelHub
-from lightning_mm.modules.mixins import FSDP2Mixin, WeightInitMixin
+from lightning_mm.hf.config_fields import checked_fields
+from lightning_mm.hf.hub import ModelHub
+from lightning_mm.hf.loading import load_into_meta_model, load_local_shards
+from lightning_mm.hf.mixins import FSDP2Mixin, WeightInitMixin
+from lightning_mm.hf.pretrained_index import LoadPlan, SafetensorsIndex, build_load_plan
 
 __all__ = ["TransformersModel", "TransformersModelConfig", "TransformersModelConfigError", "PendingPretrained"]
 
@@ -98,7 +98,7 @@ class TransformersModelConfig:
         if not isinstance(self.trust_remote_code, bool):
             raise fail("trust_remote_code", f"expected true or false, got {self.trust_remote_code!r}")
         if self.lora is not None:  # checked now, before any model is built
-            from lightning_mm.modules.lora import LoRAConfig
+            from lightning_mm.hf.lora import LoRAConfig
 
             self.lora = LoRAConfig.from_any(_plain(self.lora))
 
@@ -242,7 +242,7 @@ class PendingPretrained:
 
 # ------------------------------------------------------------------------------------------- building
 def _freeze(model: nn.Module, patterns: list[str]) -> list[str]:
-    from lightning_mm.strategies.patterns import PatternError, resolve_patterns
+    from lightning_mm.core.patterns import PatternError, resolve_patterns
 
     try:
         paths = resolve_patterns(model, patterns, "freeze")
@@ -292,14 +292,14 @@ def TransformersModel(config: Any) -> nn.Module:  # noqa: N802 - the seed's name
         model = model_cls(hf_config)
         model._pending_pretrained = PendingPretrained(model, build_load_plan(model, index))
     else:
-        from lightning_mm.strategies.init_context import meta_parameters
+        from lightning_mm.core.init_context import meta_parameters
 
         with meta_parameters():
             model = model_cls(hf_config)
         load_into_meta_model(model, build_load_plan(model, index))
     frozen = _freeze(model, cfg.freeze) if cfg.freeze else []
     if cfg.lora is not None:
-        from lightning_mm.modules.lora import apply_lora
+        from lightning_mm.hf.lora import apply_lora
 
         apply_lora(model, cfg.lora, frozen)
     log.info("TransformersModel: %s (ModelHub key '%s')%s", model_cls.__name__, key,

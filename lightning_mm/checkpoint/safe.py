@@ -19,8 +19,8 @@ from torch.distributed.checkpoint import FileSystemReader
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
 from torch.distributed.checkpoint.metadata import Metadata
 
-from lightning_mm.strategies.checkpoint.errors import CheckpointError, CheckpointIntegrityError
-from lightning_mm.strategies.checkpoint.manifest import check_name, inside
+from lightning_mm.checkpoint.errors import CheckpointError, CheckpointIntegrityError
+from lightning_mm.checkpoint.manifest import check_name, inside
 
 __all__ = [
     "UnsafeCheckpointError",

@@ -13,7 +13,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from lightning_mm.strategies.torch_init import init_module_like_constructor, zero_row
+from lightning_mm.core.torch_init import init_module_like_constructor, zero_row
 
 __all__ = ["MultiModalModule", "FSDP2Mixin", "WeightInitMixin"]
 
@@ -42,13 +42,13 @@ class FSDP2Mixin:
         """YAML defaults for this model; the user's YAML wins for every key it sets.
 
         Empty for a custom model (the user's YAML decides). A Hugging Face model gets a plan built from its own
-        metadata (:func:`lightning_mm.modules.hf_plan.hf_default_fsdp2_config`): each decoder layer and vision
+        metadata (:func:`lightning_mm.hf.default_plans.hf_default_fsdp2_config`): each decoder layer and vision
         block is a unit, input and output embeddings are units (grouped when tied), and a frozen vision tower is
         ignored. ``explicit`` holds the keys the user's YAML sets (see ``FSDP2Config.with_model_defaults``): the
         default units leave out the modules it ignores.
         """
         if _is_hf_model(self):
-            from lightning_mm.modules.hf_plan import hf_default_fsdp2_config
+            from lightning_mm.hf.default_plans import hf_default_fsdp2_config
 
             ignored = (explicit or {}).get("ignored_modules")
             return hf_default_fsdp2_config(self, ignored=ignored)  # type: ignore[arg-type]
@@ -57,10 +57,10 @@ class FSDP2Mixin:
     def expert_parallel_forward(self, path: str, module: nn.Module, ep: Any) -> Any:
         """Hook: the forward of MoE module ``path`` under expert parallelism, or ``None`` for the default.
 
-        The default (:func:`lightning_mm.strategies.expert_parallel.routed_forward`) serves expert modules with
+        The default (:func:`lightning_mm.core.expert_parallel.routed_forward`) serves expert modules with
         Transformers 5's call shape ``experts(hidden_states, top_k_index, top_k_weights)`` and fused weights whose
         first dimension is the experts (already cut to this rank's ``ep.experts_per_rank`` when this is called).
-        ``ep`` (:class:`~lightning_mm.strategies.expert_parallel.ExpertGroup`) holds the EP process group, this
+        ``ep`` (:class:`~lightning_mm.core.expert_parallel.ExpertGroup`) holds the EP process group, this
         rank's place in it and the experts count; a model with another call shape returns its own forward here
         (typically wrapping ``routed_forward(module, local_forward, ep)``).
         """
@@ -74,13 +74,13 @@ class FSDP2Mixin:
         Each parameter is then a DTensor holding only this rank's shard (or a plain tensor for ignored modules),
         so this is where a model reads just its own slices of pretrained weights. The default loads what
         :func:`~lightning_mm.modules.TransformersModel` deferred when it was built on the meta device, then the
-        values of LoRA adapters added on the meta device (:func:`~lightning_mm.modules.lora.apply_lora`), and does
+        values of LoRA adapters added on the meta device (:func:`~lightning_mm.hf.lora.apply_lora`), and does
         nothing otherwise. Overrides should call ``super().load_after_sharding()``.
         """
         pending = getattr(self, "_pending_pretrained", None)
         if pending is not None:
             pending.load_after_sharding(self)
-        pending_lora = getattr(self, "_pending_lora", None)  # lightning_mm.modules.lora: the adapters' values
+        pending_lora = getattr(self, "_pending_lora", None)  # lightning_mm.hf.lora: the adapters' values
         if pending_lora is not None:
             pending_lora.load_after_sharding(self)
 
@@ -91,7 +91,7 @@ class FSDP2Mixin:
         """
         from torch.distributed.fsdp import fully_shard
 
-        from lightning_mm.strategies.plan import build_plan
+        from lightning_mm.core.plan import build_plan
 
         assert isinstance(self, nn.Module) and fsdp2_kwargs is not None and fsdp2_config is not None
         plan = build_plan(fsdp2_config, self, fsdp2_kwargs["mesh"].size())

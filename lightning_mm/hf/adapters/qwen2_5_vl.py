@@ -7,15 +7,15 @@ with the vision tower frozen, ``model.visual`` is ignored instead.
 
 from transformers import Qwen2_5_VLForConditionalGeneration
 
-from lightning_mm.modules.hub import ModelHub
-from lightning_mm.modules.mixins import FSDP2Mixin, WeightInitMixin
+from lightning_mm.hf.mixins import FSDP2Mixin, WeightInitMixin
 
 __all__ = ["MMQwen2_5_VLForConditionalGeneration"]
 
 
-@ModelHub.register("Qwen2_5_VLForConditionalGeneration", "qwen2_5_vl")
 class MMQwen2_5_VLForConditionalGeneration(Qwen2_5_VLForConditionalGeneration, FSDP2Mixin, WeightInitMixin):
     """``transformers.Qwen2_5_VLForConditionalGeneration``, FSDP2-ready."""
+
+    hub_keys = ("Qwen2_5_VLForConditionalGeneration", "qwen2_5_vl")
 
     fsdp2_vision_towers = ("model.visual",)
     fsdp2_extra_units = ("model.visual.merger",)

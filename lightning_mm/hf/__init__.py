@@ -1,0 +1,8 @@
+"""The Hugging Face integration: everything that knows Transformers, PEFT or the Hub's file layout.
+
+The model registry (:mod:`~lightning_mm.hf.hub`) and its adapters, the FSDP2 mixins, ``TransformersModel``, default
+plans, checkpoint key mapping and sliced loading of safetensors shards, LoRA through PEFT, context-parallel
+attention, and conversion between lightning-mm checkpoints and Hugging Face directories. It sits on the core and
+the checkpoint I/O, and below the Lightning layer; it does not import Lightning. Users reach it through
+:mod:`lightning_mm.modules`.
+"""
