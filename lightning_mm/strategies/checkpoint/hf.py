@@ -8,6 +8,8 @@ from typing import Any
 
 from torch import nn
 
+from lightning_mm._module_paths import enclosing
+
 __all__ = ["hf_records", "choose_record", "lora_record"]
 
 
@@ -33,10 +35,10 @@ def hf_records(root: nn.Module) -> list[dict[str, Any]]:
     records: list[dict[str, Any]] = []
     taken: list[str] = []
     for name, module in root.named_modules():
-        if not isinstance(module, base) or any(name.startswith(t) for t in taken):
+        if not isinstance(module, base) or enclosing(name, taken) is not None:
             continue
         prefix = f"{name}." if name else ""
-        taken.append(prefix)
+        taken.append(name)
         architecture = _architecture(module)
         config = json.loads(module.config.to_json_string(use_diff=False))
         config["architectures"] = [architecture]
