@@ -279,3 +279,37 @@ def test_local_tensor_of_a_dtensor_is_its_local_shard():
         assert type(local) is torch.Tensor and torch.equal(local, full)
     finally:
         dist.destroy_process_group()
+
+
+# ---------------------------------------------------------------------------------- _transformers_class
+def test_transformers_class_is_the_model_class_behind_adapters_and_wrappers():
+    transformers = pytest.importorskip("transformers")
+    from lightning_mm._transformers_class import transformers_class
+    from lightning_mm.strategies.checkpoint.hf import _architecture
+
+    class Adapter(transformers.LlamaForCausalLM):
+        pass
+
+    class Wrapper:
+        pass
+
+    class FSDPAdapter(Wrapper, Adapter):  # as fully_shard derives a class: a base of its own first
+        pass
+
+    assert transformers_class(Adapter) is transformers.LlamaForCausalLM
+    assert transformers_class(FSDPAdapter) is transformers.LlamaForCausalLM
+    assert transformers_class(nn.Linear) is None
+    assert _architecture(Adapter.__new__(Adapter)) == "LlamaForCausalLM"
+
+
+def test_a_remote_code_model_is_named_by_its_own_class_not_by_a_generic_base():
+    """hf_records' copy took the first class from any ``transformers.`` module, so a remote-code model (module
+    ``transformers_modules.*``) was recorded as 'PreTrainedModel'; the load plan's copy wanted a model class from
+    ``transformers.models``, and so do all now."""
+    transformers = pytest.importorskip("transformers")
+    from lightning_mm._transformers_class import transformers_class
+    from lightning_mm.strategies.checkpoint.hf import _architecture
+
+    remote = type("RemoteForCausalLM", (transformers.PreTrainedModel,), {"__module__": "transformers_modules.x"})
+    assert transformers_class(remote) is None
+    assert _architecture(remote.__new__(remote)) == "RemoteForCausalLM"

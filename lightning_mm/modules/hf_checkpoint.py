@@ -24,6 +24,7 @@ from torch import nn
 from lightning_mm import _safetensors
 from lightning_mm._names import listing
 from lightning_mm._tied import names_by_tensor
+from lightning_mm._transformers_class import transformers_class
 
 __all__ = [
     "CheckpointError",
@@ -175,16 +176,6 @@ class LoadPlan:
         return sorted({e.source.file for e in self.entries} | {d.file for e in self.entries for d in e.duplicates})
 
 
-def _native_hf_class(cls: type) -> type | None:
-    """The Transformers model class an adapter derives from (the first base from ``transformers.models``)."""
-    from transformers import PreTrainedModel
-
-    for klass in cls.__mro__:
-        if issubclass(klass, PreTrainedModel) and klass.__module__.startswith("transformers.models."):
-            return klass
-    return None
-
-
 @contextmanager
 def _as_class(model: nn.Module, cls: type | None) -> Iterator[None]:
     """View ``model`` as ``cls`` for a moment (its Transformers base: same layout, fewer methods)."""
@@ -210,7 +201,7 @@ def checkpoint_key_renamer(model: nn.Module) -> Callable[[str], tuple[str, str |
     from transformers.conversion_mapping import get_model_conversion_mapping
     from transformers.core_model_loading import WeightConverter, WeightRenaming, rename_source_key
 
-    with _as_class(model, _native_hf_class(type(model))):
+    with _as_class(model, transformers_class(type(model))):
         conversions = get_model_conversion_mapping(model)
     renamings = [c for c in conversions if isinstance(c, WeightRenaming)]
     converters = [c for c in conversions if isinstance(c, WeightConverter)]

@@ -9,16 +9,15 @@ from typing import Any
 from torch import nn
 
 from lightning_mm._module_paths import enclosing
+from lightning_mm._transformers_class import transformers_class
 
 __all__ = ["hf_records", "choose_record", "lora_record"]
 
 
 def _architecture(module: nn.Module) -> str:
     """The Hugging Face class a (possibly adapted or FSDP-wrapped) model is an instance of."""
-    for cls in type(module).__mro__:
-        if cls.__module__.startswith("transformers."):
-            return cls.__name__
-    return type(module).__name__
+    cls = transformers_class(type(module))
+    return (cls or type(module)).__name__
 
 
 def hf_records(root: nn.Module) -> list[dict[str, Any]]:
