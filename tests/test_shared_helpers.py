@@ -313,3 +313,14 @@ def test_a_remote_code_model_is_named_by_its_own_class_not_by_a_generic_base():
     remote = type("RemoteForCausalLM", (transformers.PreTrainedModel,), {"__module__": "transformers_modules.x"})
     assert transformers_class(remote) is None
     assert _architecture(remote.__new__(remote)) == "RemoteForCausalLM"
+
+
+# ------------------------------------------------------------------------- accelerators.device_parsing
+def test_npu_device_reads_one_npu_device_and_names_who_needs_it():
+    from lightning_mm.accelerators.device_parsing import npu_device
+
+    assert npu_device(1, "X") == torch.device("npu", 1)
+    assert npu_device("npu:0", "X") == torch.device("npu", 0)
+    assert npu_device(torch.device("npu"), "X") == torch.device("npu")
+    with pytest.raises(ValueError, match="^SingleNPUStrategy needs an npu device, got cpu$"):
+        npu_device("cpu", "SingleNPUStrategy")
