@@ -316,11 +316,9 @@ def test_a_remote_code_model_is_named_by_its_own_class_not_by_a_generic_base():
 
 
 # ------------------------------------------------------------------------- accelerators.device_parsing
-def test_npu_device_reads_one_npu_device_and_names_who_needs_it():
+def test_npu_device_names_who_needs_an_npu_device():
     from lightning_mm.accelerators.device_parsing import npu_device
 
-    assert npu_device(1, "X") == torch.device("npu", 1)
-    assert npu_device("npu:0", "X") == torch.device("npu", 0)
-    assert npu_device(torch.device("npu"), "X") == torch.device("npu")
+    # (without torch_npu, torch knows no "npu" device type: tests/test_npu.py covers the npu cases on its fake one)
     with pytest.raises(ValueError, match="^SingleNPUStrategy needs an npu device, got cpu$"):
         npu_device("cpu", "SingleNPUStrategy")
