@@ -322,3 +322,19 @@ def test_npu_device_names_who_needs_an_npu_device():
     # (without torch_npu, torch knows no "npu" device type: tests/test_npu.py covers the npu cases on its fake one)
     with pytest.raises(ValueError, match="^SingleNPUStrategy needs an npu device, got cpu$"):
         npu_device("cpu", "SingleNPUStrategy")
+
+
+# ------------------------------------------------------------------------------ checkpoint conversion
+def test_dcp_to_hf_key_mismatches_are_reported_by_one_check():
+    from types import SimpleNamespace
+
+    from lightning_mm.strategies.checkpoint.convert import _check_keys_match, _file_keys
+
+    layout = SimpleNamespace(config=SimpleNamespace(architectures=["LlamaForCausalLM"]),
+                             keys={"lm_head.weight": ["lm_head.weight", "model.embed_tokens.weight"], "b": ["b"]})
+    _check_keys_match("ckpt", layout, [], [])
+    with pytest.raises(ValueError, match=r"^ckpt: the checkpoint's model keys do not match LlamaForCausalLM's: "
+                                         r"1 missing \['b'\], 1 not in the model \['extra'\]$"):
+        _file_keys({"model.embed_tokens.weight": "k1", "extra": "k2"}, layout, "ckpt")
+    assert _file_keys({"model.embed_tokens.weight": "k1", "b": "k2"}, layout, "ckpt") == {
+        "lm_head.weight": "k1", "b": "k2"}

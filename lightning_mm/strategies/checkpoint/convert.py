@@ -128,13 +128,17 @@ def _file_keys(stored: dict[str, str], layout: HFLayout, src: str | Path) -> dic
         else:
             out[file_key] = found
     covered = {n for names in layout.keys.values() for n in names}
-    unexpected = sorted(n for n in stored if n not in covered)
+    _check_keys_match(src, layout, missing, sorted(n for n in stored if n not in covered))
+    return out
+
+
+def _check_keys_match(src: str | Path, layout: HFLayout, missing: list[str], unexpected: list[str]) -> None:
+    """The checkpoint's model keys and the model's must be the same: any ``missing`` or ``unexpected`` is an error."""
     if missing or unexpected:
         raise ValueError(
             f"{src}: the checkpoint's model keys do not match {layout.config.architectures[0]}'s: "
             f"{len(missing)} missing {missing[:20]}, {len(unexpected)} not in the model {unexpected[:20]}"
         )
-    return out
 
 
 def dcp_to_hf(
@@ -227,13 +231,9 @@ def _write_converted(source: Any, stored: dict[str, str], layout: HFLayout, src:
     saved one tensor per expert): the model's tensors are read whole, converted by Transformers' own save-time
     steps, then written. Needs the model's size in memory, unlike the streaming path."""
     expected = layout.in_memory_names()
-    missing = [n for n in expected if n not in stored]
-    unexpected = sorted(n for n in stored if n not in set(expected))
-    if missing or unexpected:
-        raise ValueError(
-            f"{src}: the checkpoint's model keys do not match {layout.config.architectures[0]}'s: "
-            f"{len(missing)} missing {missing[:20]}, {len(unexpected)} not in the model {unexpected[:20]}"
-        )
+    known = set(expected)
+    unexpected = sorted(n for n in stored if n not in known)
+    _check_keys_match(src, layout, [n for n in expected if n not in stored], unexpected)
     full = source.read_full([stored[n] for n in expected])
     state = {}
     for name in expected:
