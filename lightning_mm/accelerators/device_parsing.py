@@ -2,14 +2,25 @@
 
 Accepted forms, as Lightning accepts them for GPUs: an int ``n`` (the first ``n`` devices), ``-1`` (all), a list or
 tuple of indices, and the strings ``"auto"``/``"-1"`` (all), ``"2"`` (the first two) and ``"0,1"`` / ``"1,"``
-(those indices).
+(those indices). :func:`npu_device` reads one device as a ``torch.device`` of type ``npu``.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
 
-__all__ = ["parse_device_indices"]
+import torch
+
+__all__ = ["parse_device_indices", "npu_device"]
+
+
+def npu_device(device: torch.device | str | int, needed_by: str) -> torch.device:
+    """``device`` (an index, ``"npu:1"``, a ``torch.device``) as an npu ``torch.device``; any other type of device
+    is a ``ValueError`` saying that ``needed_by`` needs an npu device."""
+    device = torch.device("npu", device) if isinstance(device, int) else torch.device(device)
+    if device.type != "npu":
+        raise ValueError(f"{needed_by} needs an npu device, got {device}")
+    return device
 
 
 def parse_device_indices(devices: int | str | Sequence[int], available: int, name: str = "NPU",

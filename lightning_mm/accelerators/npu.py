@@ -19,7 +19,7 @@ from typing_extensions import override
 
 from lightning_mm._compat import _AcceleratorRegistry
 from lightning_mm.accelerators import runtime
-from lightning_mm.accelerators.device_parsing import parse_device_indices
+from lightning_mm.accelerators.device_parsing import npu_device, parse_device_indices
 from lightning_mm.npu_probe import INSTALL_HINT, VISIBLE_DEVICES, npu_status, torch_npu_version
 
 if TYPE_CHECKING:
@@ -69,7 +69,7 @@ class NPUAccelerator(Accelerator):
     @override
     def get_device_stats(self, device: Any) -> dict[str, Any]:
         """Memory statistics of the NPU (``torch.npu.memory_stats``)."""
-        return runtime.memory_stats(_npu_device(device))
+        return runtime.memory_stats(npu_device(device, "NPUAccelerator.get_device_stats"))
 
     @override
     def teardown(self) -> None:
@@ -116,12 +116,3 @@ class NPUAccelerator(Accelerator):
         NPU, and one NPU is ``strategy="single_npu"``)."""
         if cls.name() not in accelerator_registry:
             accelerator_registry.register(cls.name(), cls, description="Ascend NPU through torch_npu")
-
-
-def _npu_device(device: Any) -> torch.device:
-    if isinstance(device, int):
-        return torch.device("npu", device)
-    device = torch.device(device)
-    if device.type != "npu":
-        raise ValueError(f"NPUAccelerator.get_device_stats needs an npu device, got {device}")
-    return device

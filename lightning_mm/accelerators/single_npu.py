@@ -19,7 +19,11 @@ from lightning.pytorch.plugins.precision import MixedPrecision, Precision
 from lightning.pytorch.strategies import SingleDeviceStrategy
 from typing_extensions import override
 
+from lightning_mm.accelerators.device_parsing import npu_device
+
 __all__ = ["SingleNPUStrategy"]
+
+_NEEDED_BY = "SingleNPUStrategy"
 
 
 class SingleNPUStrategy(SingleDeviceStrategy):
@@ -30,7 +34,7 @@ class SingleNPUStrategy(SingleDeviceStrategy):
     def __init__(self, device: torch.device | str | int | None = None, accelerator: Any = None,
                  checkpoint_io: Any = None, precision_plugin: Precision | None = None) -> None:
         super().__init__(device="cpu", accelerator=accelerator, checkpoint_io=checkpoint_io)
-        self._npu: torch.device | None = None if device is None else _npu_device(device)
+        self._npu: torch.device | None = None if device is None else npu_device(device, _NEEDED_BY)
         self.precision_plugin = precision_plugin
 
     @property
@@ -50,7 +54,7 @@ class SingleNPUStrategy(SingleDeviceStrategy):
         if len(devices) != 1:
             raise ValueError(f"strategy='single_npu' runs on one NPU, but {len(devices)} devices were asked for "
                              f"({[str(d) for d in devices]}); use strategy='mm_fsdp2' (or 'ddp') for several")
-        self._npu = _npu_device(devices[0])
+        self._npu = npu_device(devices[0], _NEEDED_BY)
 
     @property
     @override
@@ -70,10 +74,3 @@ class SingleNPUStrategy(SingleDeviceStrategy):
     def register_strategies(cls, strategy_registry: Any) -> None:
         if cls.strategy_name not in strategy_registry:
             strategy_registry.register(cls.strategy_name, cls, description="One Ascend NPU")
-
-
-def _npu_device(device: torch.device | str | int) -> torch.device:
-    device = torch.device("npu", device) if isinstance(device, int) else torch.device(device)
-    if device.type != "npu":
-        raise ValueError(f"SingleNPUStrategy needs an npu device, got {device}")
-    return device

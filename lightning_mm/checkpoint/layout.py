@@ -19,6 +19,8 @@ from typing import Any
 
 import torch
 
+from lightning_mm._names import listing
+
 __all__ = [
     "MARKER",
     "EXTRA_KEY",
@@ -122,7 +124,7 @@ class KeyPlan:
         for title, items in (("missing from the checkpoint", self.missing),
                              ("unexpected in the checkpoint", self.unexpected)):
             if items:
-                shown = ", ".join(items[:limit]) + (f", ... ({len(items) - limit} more)" if len(items) > limit else "")
+                shown = listing(items, limit)
                 parts.append(f"{len(items)} {what} key(s) {title}: {shown}")
         if self.mismatched:
             shown = ", ".join(f"{k} (checkpoint {list(s)}, model {list(m)})" for k, s, m in self.mismatched[:limit])

@@ -30,6 +30,7 @@ from typing import Any
 
 from torch.distributed.checkpoint.filesystem import FileSystem
 
+from lightning_mm._files import is_plain_file_name
 from lightning_mm.checkpoint.errors import CheckpointIntegrityError
 
 __all__ = [
@@ -134,8 +135,7 @@ def write_manifest(directory: Path, entries: Iterable[Mapping[str, dict[str, Any
 # ------------------------------------------------------------------------------------------- reading
 def check_name(directory: Path, name: Any, what: str) -> Path:
     """``directory/name`` for a plain file name; anything that could lead outside ``directory`` is refused."""
-    if (not isinstance(name, str) or not name or name in (".", "..") or "/" in name or "\\" in name
-            or "\0" in name or os.path.isabs(name)):
+    if not is_plain_file_name(name):
         raise CheckpointIntegrityError(f"{directory}: {what} names {name!r}, which is not a file of the checkpoint "
                                        "directory (a checkpoint never refers to files outside itself)")
     return directory / name

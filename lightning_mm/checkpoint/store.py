@@ -41,6 +41,7 @@ from torch.distributed.tensor import DTensor, distribute_tensor
 
 from lightning_mm._compat import unwrap_optimizer
 from lightning_mm._rank_zero import rank_zero_warn
+from lightning_mm._tied import tied_parameter_names
 from lightning_mm.checkpoint import atomic, manifest
 from lightning_mm.checkpoint.errors import CheckpointIntegrityError, write_error
 from lightning_mm.checkpoint.layout import (
@@ -144,10 +145,7 @@ def optimizer_state(model: nn.Module, optimizer: Any, full: bool) -> dict[str, A
 
 def alias_groups(model: nn.Module) -> list[list[str]]:
     """Groups of parameter names that share one parameter (tied weights)."""
-    names: dict[int, list[str]] = {}
-    for name, param in model.named_parameters(remove_duplicate=False):
-        names.setdefault(id(param), []).append(name)
-    return [group for group in names.values() if len(group) > 1]
+    return tied_parameter_names(model)
 
 
 # -------------------------------------------------------------------------------------------- saving

@@ -16,6 +16,7 @@ from typing import Any
 
 from lightning.pytorch.cli import LightningCLI
 
+from lightning_mm._names import listing
 from lightning_mm.errors import ConfigError
 
 __all__ = ["MMLightningCLI", "run_lightning_cli", "checkpoint_hyperparameters", "compare_hyperparameters"]
@@ -124,10 +125,9 @@ class MMLightningCLI(LightningCLI):
             if differences:
                 from lightning.pytorch.utilities import rank_zero_warn
 
-                shown = "\n  ".join(differences[:_SHOWN])
-                more = f"\n  ... and {len(differences) - _SHOWN} more" if len(differences) > _SHOWN else ""
+                shown = listing(differences, _SHOWN, sep="\n  ")
                 rank_zero_warn(f"the hyperparameters of {self._held_ckpt_path} differ from the config; the config's "
-                               f"are used:\n  {shown}{more}")
+                               f"are used:\n  {shown}")
 
 
     def instantiate_trainer(self, **kwargs: Any) -> Any:

@@ -21,6 +21,8 @@ from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionP
 from torch.distributed.tensor import DTensor
 
 from lightning_mm._compat import fsdp_param_groups, fsdp_state, is_rng_supported_mesh
+from lightning_mm._dtensor import local_tensor as _local
+from lightning_mm._names import listing
 from lightning_mm.core.plan import ShardingPlan, mesh_layout
 from lightning_mm.core.recompute import checkpointed_forward, is_recomputed
 from lightning_mm.core.torch_init import init_like_constructors
@@ -215,11 +217,7 @@ def _manages_parameters(unit: FSDPModule) -> bool:
 
 # --------------------------------------------------------------------------------------- materialisation
 def _is_meta(t: torch.Tensor) -> bool:
-    return (t.to_local() if isinstance(t, DTensor) else t).is_meta
-
-
-def _local(t: torch.Tensor) -> torch.Tensor:
-    return t.to_local() if isinstance(t, DTensor) else t
+    return _local(t).is_meta
 
 
 def _named_tensors(module: nn.Module) -> dict[str, torch.Tensor]:
@@ -293,7 +291,7 @@ def materialize_and_init(
             fresh = _named_tensors(root)
             missing = [name for name in meta if _still_sentinel(fresh[name])]
             if missing:
-                shown = ", ".join(missing[:12]) + (f" and {len(missing) - 12} more" if len(missing) > 12 else "")
+                shown = listing(missing, 12)
                 raise MaterializationError(
                     f"{len(missing)} tensor(s) built on the meta device were not initialised: {shown}. Give the "
                     "model an `init_weights()` (lightning_mm.modules.WeightInitMixin) or give those modules a "

@@ -7,7 +7,6 @@ an unknown key, a wrong type or an unknown dtype is an error that names the key 
 from __future__ import annotations
 
 import dataclasses
-import difflib
 import inspect
 import os
 from collections.abc import Mapping
@@ -17,6 +16,7 @@ from typing import Any, Literal
 
 import torch
 
+from lightning_mm._names import find_unknown_key
 from lightning_mm._yaml import load_mapping, short_repr
 
 __all__ = ["FSDP2Config", "FSDP2ConfigError", "parse_dtype"]
@@ -118,11 +118,10 @@ class FSDP2Config:
                 f"FSDP2 config{where} must be a mapping of keys to values, got {type(data).__name__}"
             )
         known = [f.name for f in fields(cls) if f.name != "source"]
-        for key in data:
-            if not isinstance(key, str) or key not in known:
-                hint = difflib.get_close_matches(str(key), known, n=1)
-                suggestion = f"; did you mean `{hint[0]}`?" if hint else f"; valid keys: {', '.join(known)}"
-                raise FSDP2ConfigError(f"unknown FSDP2 config key `{str(key)[:80]}`{where}{suggestion}")
+        unknown = find_unknown_key(data, known)
+        if unknown is not None:
+            shown, hint = unknown
+            raise FSDP2ConfigError(f"unknown FSDP2 config key `{shown}`{where}{hint}")
         # An empty YAML value (``ignored_modules:``) means "not set": the default applies.
         values = {k: v for k, v in data.items() if v is not None or k in _NULLABLE}
         return cls(**values, source=source)

@@ -13,6 +13,7 @@ from dataclasses import dataclass
 
 from torch import nn
 
+from lightning_mm._module_paths import enclosing
 from lightning_mm.core.plan import ShardingPlan
 
 __all__ = ["RankMemory", "per_rank_memory", "local_numel"]
@@ -59,17 +60,14 @@ def local_numel(shape: tuple[int, ...], shard_size: int) -> int:
     return rows * math.prod(shape[1:])
 
 
-def _under(path: str, prefixes: tuple[str, ...]) -> bool:
-    return any(path == p or path.startswith(p + ".") for p in prefixes)
-
-
 def per_rank_memory(model: nn.Module, plan: ShardingPlan, optimizer_states: int = 2) -> RankMemory:
     """Exact per-rank byte accounting of ``model`` (its paths relative to the plan's) under ``plan``."""
     params = grads = ddp_params = ddp_grads = 0
     for path, param in model.named_parameters():
         size = param.element_size()
         full = param.numel() * size
-        local = full if _under(path, plan.ignored) else local_numel(tuple(param.shape), plan.sharding_size) * size
+        whole = enclosing(path, plan.ignored) is not None
+        local = full if whole else local_numel(tuple(param.shape), plan.sharding_size) * size
         params += local
         ddp_params += full
         if param.requires_grad:

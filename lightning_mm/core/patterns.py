@@ -7,11 +7,13 @@ shows the closest existing paths, because a silent miss leaves a model unsharded
 
 from __future__ import annotations
 
-import difflib
 import re
 from dataclasses import dataclass
 
 from torch import nn
+
+from lightning_mm._module_paths import is_under
+from lightning_mm._names import nearest
 
 __all__ = ["PatternError", "Segment", "parse_pattern", "resolve_pattern", "resolve_patterns"]
 
@@ -89,14 +91,14 @@ def parse_pattern(pattern: str) -> tuple[Segment, ...]:
 
 def _closest(root: nn.Module, wanted: str, n: int = 3) -> str:
     names = [name for name, _ in root.named_modules() if name]
-    close = difflib.get_close_matches(wanted, names, n=n, cutoff=0.5)
+    close = nearest(wanted, names, n=n, cutoff=0.5)
     if not close:
-        # Fall back to the siblings at the deepest existing prefix.
+        # Fall back to the children of the deepest existing prefix.
         prefix = wanted
         while prefix and prefix not in names:
             prefix = prefix.rpartition(".")[0]
         depth = prefix.count(".") + 1 if prefix else 0
-        close = [m for m in names if m.startswith(prefix) and m.count(".") == depth][:n]
+        close = [m for m in names if is_under(m, prefix) and m.count(".") == depth][:n]
     return ", ".join(f"'{c}'" for c in close) if close else "(the model has no submodules)"
 
 

@@ -12,6 +12,10 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
+from lightning_mm._module_paths import ROOT
+from lightning_mm._module_paths import is_under as _is_under
+from lightning_mm._names import listing
+from lightning_mm._tied import parameter_names_by_tensor
 from lightning_mm.core.config import FSDP2Config, FSDP2ConfigError
 from lightning_mm.core.patterns import PatternError, resolve_patterns
 from lightning_mm.core.recompute import RecomputeError, check_recomputable, uses_kv_cache
@@ -20,8 +24,6 @@ __all__ = [
     "ShardUnit", "ShardingPlan", "MixedPrecision", "ExpertPlan", "build_plan", "mesh_layout", "ep_mesh_layout",
     "norm_and_router_modules",
 ]
-
-ROOT = ""
 
 
 def mesh_layout(world_size: int, sharding_size: int) -> tuple[tuple[int, ...], tuple[str, ...]]:
@@ -137,7 +139,7 @@ class ShardingPlan:
         for u in self.units:
             lines.append(f"    {u.name:<60} {u.num_params:>14,} params{_split(u)}")
             if u.label:
-                shown = ", ".join(u.modules[:6]) + (f", ... ({len(u.modules) - 6} more)" if len(u.modules) > 6 else "")
+                shown = listing(u.modules, 6)
                 kept = "; kept unsharded from forward to backward" if u.keep_unsharded else ""
                 lines.append(f"      = {shown}{kept}")
         lines.append(f"    {'<root>':<60} {self.root_params:>14,} params")
@@ -204,10 +206,6 @@ def _split(unit: ShardUnit) -> str:
 _KEPT = " (except the root and the last unit to run: backward needs them first)"
 
 
-def _is_under(path: str, ancestor: str) -> bool:
-    return ancestor == ROOT or path == ancestor or path.startswith(ancestor + ".")
-
-
 def _owner(path: str, candidates: list[str]) -> str:
     """The deepest candidate module that contains ``path`` (``ROOT`` if none)."""
     best = ROOT
@@ -259,12 +257,8 @@ def _group_shared_parameters(
     model: nn.Module, wrapped: list[str], ignored: list[str], config: FSDP2Config
 ) -> tuple[list[tuple[str, ...]], list[str]]:
     """Group units that own the same parameter object; a unit nested in its partner dissolves into it."""
-    paths_by_param: dict[int, list[str]] = {}
-    for path, param in model.named_parameters(remove_duplicate=False):
-        paths_by_param.setdefault(id(param), []).append(path)
-
     shared: list[list[str]] = []
-    for paths in paths_by_param.values():
+    for paths in parameter_names_by_tensor(model).values():
         in_ignored = [any(_is_under(p, ign) for ign in ignored) for p in paths]
         if any(in_ignored) and not all(in_ignored):
             where = f" in {config.source}" if config.source else ""

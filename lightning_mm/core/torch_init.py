@@ -22,15 +22,12 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 
 from lightning_mm._compat import local_offsets, reset_torch_layer
+from lightning_mm._dtensor import local_tensor
 
 __all__ = ["init_like_constructors", "init_module_like_constructor", "zero_row"]
 
 _CLONED_LAYERS = (nn.TransformerEncoder, nn.TransformerDecoder)
 _EMBEDDINGS = (nn.Embedding, nn.EmbeddingBag)
-
-
-def _local(t: torch.Tensor) -> torch.Tensor:
-    return t.to_local() if isinstance(t, DTensor) else t
 
 
 def zero_row(weight: torch.Tensor, row: int) -> None:
@@ -86,7 +83,7 @@ def _copy_first_layer(layers: nn.ModuleList) -> bool:
         return False
     for params in others:
         for src, dst in zip(first, params):
-            _local(dst).copy_(_local(src))
+            local_tensor(dst).copy_(local_tensor(src))
     return True
 
 

@@ -24,12 +24,12 @@ is not a mapping, non-UTF-8 bytes and alias bombs are errors naming the file.
 
 from __future__ import annotations
 
-import difflib
 import os
 from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
+from lightning_mm._names import find_unknown_key
 from lightning_mm._yaml import load_mapping, short_repr
 
 __all__ = ["DataConfig", "PreprocessConfig", "LoaderConfig", "DataConfigError"]
@@ -171,12 +171,10 @@ def _section(data: dict, key: str, where: str) -> dict:
 def _check_keys(data: Any, known: Any, prefix: str, where: str) -> None:
     if not isinstance(data, dict):
         raise DataConfigError(f"{where}: `{prefix.rstrip('.') or '<top>'}` must be a mapping, got {short_repr(data)}")
-    known = list(known)
-    for key in data:
-        if key not in known:
-            hint = difflib.get_close_matches(str(key), known, n=1)
-            suggestion = f"; did you mean `{prefix}{hint[0]}`?" if hint else f"; valid keys: {', '.join(known)}"
-            raise DataConfigError(f"{where}: unknown key `{prefix}{str(key)[:80]}`{suggestion}")
+    unknown = find_unknown_key(data, list(known), prefix)
+    if unknown is not None:
+        shown, hint = unknown
+        raise DataConfigError(f"{where}: unknown key `{shown}`{hint}")
 
 
 def _check_positive_ints(data: dict, keys: tuple[str, ...], prefix: str, fail: Any) -> None:

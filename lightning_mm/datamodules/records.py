@@ -18,6 +18,7 @@ from typing import Any
 
 from PIL import Image
 
+from lightning_mm._names import listing
 from lightning_mm._yaml import short_repr
 
 __all__ = ["Record", "DataReport", "DataError", "read_records", "MAX_LINE_BYTES"]
@@ -61,9 +62,7 @@ class DataReport:
         text = (f"{self.split}: {self.total} records, {self.total - self.skipped} used, {self.skipped} skipped, "
                 f"{self.truncated} truncated")
         if self.problems:
-            text += "".join(f"\n  {p}" for p in self.problems[:shown])
-            if len(self.problems) > shown:
-                text += f"\n  ... and {len(self.problems) - shown} more"
+            text += "\n  " + listing(self.problems, shown, sep="\n  ")
         return text
 
 

@@ -3,9 +3,10 @@
 from __future__ import annotations
 
 import dataclasses
-import difflib
 from collections.abc import Mapping
 from typing import Any
+
+from lightning_mm._names import find_unknown_key
 
 __all__ = ["checked_fields"]
 
@@ -20,9 +21,8 @@ def checked_fields(config: Any, cls: type, what: str, error: type[Exception]) ->
     else:
         raise error(f"{what} config must be a mapping or an object with attributes, got {type(config).__name__}")
     known = [f.name for f in dataclasses.fields(cls)]
-    for key in data:
-        if key not in known:
-            hint = difflib.get_close_matches(str(key), known, n=1)
-            suggestion = f"; did you mean `{hint[0]}`?" if hint else f"; valid keys: {', '.join(known)}"
-            raise error(f"unknown {what} config key `{key}`{suggestion}")
+    unknown = find_unknown_key(data, known)
+    if unknown is not None:
+        shown, hint = unknown
+        raise error(f"unknown {what} config key `{shown}`{hint}")
     return data

@@ -18,6 +18,7 @@ from torch.distributed.checkpoint import FileSystemWriter
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
 
+from lightning_mm._safetensors import DTYPES, read_weight_map, shard_files
 from lightning_mm.checkpoint import atomic
 from lightning_mm.checkpoint.errors import CheckpointIntegrityError, write_error
 from lightning_mm.checkpoint.layout import (
@@ -33,7 +34,6 @@ from lightning_mm.checkpoint.layout import (
 from lightning_mm.checkpoint.manifest import (
     MANIFEST_FILE,
     RecordingFileSystem,
-    check_name,
     file_entries,
     inside,
     write_manifest,
@@ -47,11 +47,6 @@ __all__ = ["dcp_to_torch", "dcp_to_hf", "hf_to_dcp", "parse_size"]
 
 _DTYPES = {"fp32": torch.float32, "float32": torch.float32, "bf16": torch.bfloat16, "bfloat16": torch.bfloat16,
            "fp16": torch.float16, "float16": torch.float16}
-_SAFETENSORS_DTYPES = {
-    "F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16, "I64": torch.int64,
-    "I32": torch.int32, "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8, "BOOL": torch.bool,
-    "F8_E4M3": torch.float8_e4m3fn, "F8_E5M2": torch.float8_e5m2,
-}
 
 
 def parse_size(text: str) -> int:
@@ -133,13 +128,17 @@ def _file_keys(stored: dict[str, str], layout: HFLayout, src: str | Path) -> dic
         else:
             out[file_key] = found
     covered = {n for names in layout.keys.values() for n in names}
-    unexpected = sorted(n for n in stored if n not in covered)
+    _check_keys_match(src, layout, missing, sorted(n for n in stored if n not in covered))
+    return out
+
+
+def _check_keys_match(src: str | Path, layout: HFLayout, missing: list[str], unexpected: list[str]) -> None:
+    """The checkpoint's model keys and the model's must be the same: any ``missing`` or ``unexpected`` is an error."""
     if missing or unexpected:
         raise ValueError(
             f"{src}: the checkpoint's model keys do not match {layout.config.architectures[0]}'s: "
             f"{len(missing)} missing {missing[:20]}, {len(unexpected)} not in the model {unexpected[:20]}"
         )
-    return out
 
 
 def dcp_to_hf(
@@ -232,13 +231,9 @@ def _write_converted(source: Any, stored: dict[str, str], layout: HFLayout, src:
     saved one tensor per expert): the model's tensors are read whole, converted by Transformers' own save-time
     steps, then written. Needs the model's size in memory, unlike the streaming path."""
     expected = layout.in_memory_names()
-    missing = [n for n in expected if n not in stored]
-    unexpected = sorted(n for n in stored if n not in set(expected))
-    if missing or unexpected:
-        raise ValueError(
-            f"{src}: the checkpoint's model keys do not match {layout.config.architectures[0]}'s: "
-            f"{len(missing)} missing {missing[:20]}, {len(unexpected)} not in the model {unexpected[:20]}"
-        )
+    known = set(expected)
+    unexpected = sorted(n for n in stored if n not in known)
+    _check_keys_match(src, layout, [n for n in expected if n not in stored], unexpected)
     full = source.read_full([stored[n] for n in expected])
     state = {}
     for name in expected:
@@ -294,9 +289,9 @@ class _HFTensors:
         for file in self.files:
             if file.suffix == ".safetensors":
                 for name, dtype, shape in _safetensors_header(file):
-                    if dtype not in _SAFETENSORS_DTYPES:
+                    if dtype not in DTYPES:
                         raise ValueError(f"{file}: tensor {name} has unsupported dtype {dtype}")
-                    self._add(name, file, shape, _SAFETENSORS_DTYPES[dtype])
+                    self._add(name, file, shape, DTYPES[dtype])
             else:
                 tensors = load_weights_only(file, mmap=True)
                 if not isinstance(tensors, dict):
@@ -314,10 +309,8 @@ class _HFTensors:
         for index_name in ("model.safetensors.index.json", "pytorch_model.bin.index.json"):
             index = self.dir / index_name
             if index.is_file():
-                weight_map = json.loads(index.read_text()).get("weight_map")
-                if not isinstance(weight_map, dict):
-                    raise ValueError(f"{index}: no 'weight_map'")
-                files = [check_name(self.dir, f, index_name) for f in dict.fromkeys(weight_map.values())]
+                weight_map = read_weight_map(index, CheckpointIntegrityError)
+                files = [self.dir / f for f in shard_files(weight_map)]
                 missing = [str(f) for f in files if not f.is_file() and not f.is_symlink()]
                 if missing:
                     raise FileNotFoundError(f"{index} names missing files: {missing}")

@@ -22,14 +22,12 @@ from typing import Any
 
 from torch import nn
 
+from lightning_mm._module_paths import is_under
+
 __all__ = [
     "hf_default_fsdp2_config", "block_paths", "vision_tower_paths", "frozen_vision_towers", "input_embedding_units",
     "compress_paths", "moe_module_paths",
 ]
-
-
-def _under(path: str, ancestor: str) -> bool:
-    return path == ancestor or path.startswith(ancestor + ".")
 
 
 def block_paths(model: nn.Module) -> list[str]:
@@ -39,7 +37,7 @@ def block_paths(model: nn.Module) -> list[str]:
     found: list[str] = []
     for name, module in model.named_modules():
         parent = name.rpartition(".")[0]
-        if type(module).__name__ in classes and parent in lists and not any(_under(name, f) for f in found):
+        if type(module).__name__ in classes and parent in lists and not any(is_under(name, f) for f in found):
             found.append(name)
     return found
 
@@ -54,7 +52,7 @@ def vision_tower_paths(model: nn.Module) -> list[str]:
         return []
     towers: list[str] = []
     for name, module in model.named_modules():
-        if name and getattr(module, "config", None) is vision_config and not any(_under(name, t) for t in towers):
+        if name and getattr(module, "config", None) is vision_config and not any(is_under(name, t) for t in towers):
             towers.append(name)
     return towers
 
@@ -153,7 +151,7 @@ def hf_default_fsdp2_config(model: nn.Module, ignored: list[str] | None = None) 
     """
     user_ignored = ignored is not None
     ignored = _resolved(model, list(ignored)) if user_ignored else frozen_vision_towers(model)
-    wrap = [p for p in block_paths(model) if not any(_under(p, t) for t in ignored)]
+    wrap = [p for p in block_paths(model) if not any(is_under(p, t) for t in ignored)]
     embeddings = []
     for getter in ("get_input_embeddings", "get_output_embeddings"):
         fn = getattr(model, getter, None)
@@ -162,7 +160,7 @@ def hf_default_fsdp2_config(model: nn.Module, ignored: list[str] | None = None) 
         except (NotImplementedError, AttributeError):
             module = None
         path = _module_path(model, module)
-        if path and not any(_under(path, t) for t in ignored) and path not in embeddings:
+        if path and not any(is_under(path, t) for t in ignored) and path not in embeddings:
             embeddings.append(path)
     names = {name for name, _ in model.named_modules()}
     declared = getattr(type(model), "fsdp2_extra_units", None)
@@ -170,9 +168,9 @@ def hf_default_fsdp2_config(model: nn.Module, ignored: list[str] | None = None) 
         declared = [n for n in names if n.rpartition(".")[2] == "multi_modal_projector"]
     towers = [t for t in vision_tower_paths(model) if t in names]
     extra = [p for p in [*input_embedding_units(model, towers), *declared]
-             if p in names and not any(_under(p, t) for t in ignored)]
+             if p in names and not any(is_under(p, t) for t in ignored)]
     config: dict[str, Any] = {"sub_modules_to_wrap": compress_paths(model, embeddings + extra + wrap)}
-    moe = [p for p in moe_module_paths(model) if not any(_under(p, t) for t in ignored)]
+    moe = [p for p in moe_module_paths(model) if not any(is_under(p, t) for t in ignored)]
     if moe:
         config["moe_modules"] = moe
     if ignored and not user_ignored:

@@ -16,6 +16,8 @@ from typing import Any
 
 import torch
 
+from lightning_mm._tied import names_by_tensor
+
 __all__ = ["HFLayout", "hf_layout"]
 
 
@@ -89,9 +91,7 @@ def hf_layout(config: dict[str, Any], where: str) -> HFLayout:
         model = cls(hf_config)
     hf_config.architectures = list(config.get("architectures") or [cls.__name__])
     state = model.state_dict(keep_vars=True)  # tied names share one Parameter object
-    names: dict[int, list[str]] = {}
-    for name, tensor in state.items():
-        names.setdefault(id(tensor), []).append(name)
+    names = names_by_tensor(state.items())
     saved = revert_weight_conversion(model, remove_tied_weights_from_state_dict(dict(state), model))
     keys: dict[str, list[str]] = {}
     generation = model.generation_config if model.can_generate() else None

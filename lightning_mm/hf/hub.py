@@ -15,9 +15,10 @@ Register an adapter with the decorator or by writing to the table directly, as t
 
 from __future__ import annotations
 
-import difflib
 from collections.abc import Callable
 from typing import Any, ClassVar
+
+from lightning_mm._names import nearest
 
 __all__ = ["ModelHub", "ModelHubError"]
 
@@ -127,7 +128,7 @@ class ModelHub:
 
     @classmethod
     def _unknown(cls, what: str, tried: list[str]) -> str:
-        close = [m for t in tried for m in difflib.get_close_matches(t, cls.available(), n=2, cutoff=0.6)]
+        close = [m for t in tried for m in nearest(t, cls.available(), n=2)]
         hint = f" Did you mean {', '.join(repr(c) for c in dict.fromkeys(close))}?" if close else ""
         return (
             f"no model registered in ModelHub for {what}.{hint} Registered keys: "

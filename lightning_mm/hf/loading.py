@@ -26,17 +26,13 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 
 from lightning_mm._compat import local_offsets
+from lightning_mm._dtensor import local_tensor
+from lightning_mm._safetensors import DTYPES
 from lightning_mm.hf.pretrained_index import CheckpointError, LoadEntry, LoadPlan, TensorInfo
 
 __all__ = ["load_local_shards", "load_into_meta_model", "local_region", "read_region"]
 
 log = logging.getLogger(__name__)
-
-_DTYPES = {
-    "F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16, "I64": torch.int64,
-    "I32": torch.int32, "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8, "BOOL": torch.bool,
-}
-
 
 def local_region(tensor: torch.Tensor) -> tuple[tuple[int, ...], tuple[int, ...]]:
     """``(offsets, sizes)`` of the part of the global tensor this rank holds (all of it for a plain tensor)."""
@@ -61,7 +57,7 @@ def read_region(
     sizes: tuple[int, ...], out: torch.Tensor,
 ) -> None:
     """Fill ``out`` (shape ``sizes``) with the region ``offsets``/``sizes`` of the checkpoint tensor ``info``."""
-    dtype = _DTYPES.get(info.dtype)
+    dtype = DTYPES.get(info.dtype)
     rows = all(o == 0 for o in offsets[1:]) and tuple(sizes[1:]) == info.shape[1:]
     if dtype is None or not rows:
         from safetensors import safe_open
@@ -93,7 +89,7 @@ def _fill(plan: LoadPlan, files: dict[str, BinaryIO], entry: LoadEntry, tensor: 
     offsets, sizes = local_region(tensor)
     if first_row:  # the local experts of an expert-parallel module: rows from `first_row` on
         offsets = (offsets[0] + first_row, *offsets[1:])
-    local = tensor.to_local() if isinstance(tensor, DTensor) else tensor
+    local = local_tensor(tensor)
     if tuple(local.shape) != tuple(sizes):
         raise RuntimeError(f"{entry.names[0]}: local shard is {list(local.shape)}, expected {list(sizes)}")
     if local.numel() == 0:

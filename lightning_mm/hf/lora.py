@@ -44,6 +44,8 @@ from typing import Any
 import torch
 from torch import nn
 
+from lightning_mm._dtensor import local_tensor
+from lightning_mm._module_paths import enclosing
 from lightning_mm.hf.config_fields import checked_fields
 
 __all__ = ["LoRAConfig", "LoRAConfigError", "apply_lora", "lora_parameter_names", "ADAPTER_NAME"]
@@ -145,7 +147,7 @@ def resolve_targets(model: nn.Module, config: LoRAConfig, frozen: list[str] = ()
             raise _fail("target_modules", f"'{path}' ({type(module).__name__}) is not an nn.Linear and holds none; "
                         "LoRA adapts linear layers")
         for target in found:
-            under = next((f for f in frozen if target == f or target.startswith(f + ".")), None)
+            under = enclosing(target, frozen)
             if under is not None:
                 raise _fail("target_modules", f"'{target}' lies under '{under}', which `freeze` freezes; "
                             "remove it from one of the two")
@@ -260,9 +262,9 @@ def read_pretrained_adapters(path: str, expected: Mapping[str, tuple[tuple[int, 
 
 def _copy_into(model: nn.Module, values: Mapping[str, torch.Tensor]) -> None:
     """Write full ``values`` into ``model``'s parameters (each rank only its own region of a DTensor)."""
-    from torch.distributed.tensor import DTensor
 
     from lightning_mm.hf.loading import local_region
+
 
     params = dict(model.named_parameters())
     with torch.no_grad():
@@ -270,7 +272,7 @@ def _copy_into(model: nn.Module, values: Mapping[str, torch.Tensor]) -> None:
             param = params[name]
             offsets, sizes = local_region(param)
             region = value[tuple(slice(o, o + s) for o, s in zip(offsets, sizes))]
-            local = param.to_local() if isinstance(param, DTensor) else param
+            local = local_tensor(param)
             local.copy_(region.to(local.dtype))
 
 

@@ -24,6 +24,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from lightning_mm._transformers_class import transformers_class
 from lightning_mm.hf.lora import ADAPTER_NAME
 from lightning_mm.hf.records import lora_record  # what checkpoints record of the adapters
 
@@ -96,10 +97,10 @@ def save_lora_adapters(model: nn.Module, directory: str | Path, base_model_name_
 
 def _hf_class(model: nn.Module) -> type:
     """The Transformers class a (possibly adapted) model is an instance of."""
-    for cls in type(model).__mro__:
-        if cls.__module__.startswith("transformers."):
-            return cls
-    raise ValueError(f"{type(model).__name__} is not a transformers model")
+    cls = transformers_class(type(model))
+    if cls is None:
+        raise ValueError(f"{type(model).__name__} is not a transformers model")
+    return cls
 
 
 def merge_lora_state_dict(state: Mapping[str, torch.Tensor], hf_config: Any, lora_config: Mapping[str, Any],

@@ -13,6 +13,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from lightning_mm._dtensor import local_tensor
 from lightning_mm.core.torch_init import init_module_like_constructor, zero_row
 
 __all__ = ["MultiModalModule", "FSDP2Mixin", "WeightInitMixin"]
@@ -139,7 +140,7 @@ class WeightInitMixin:
         assert isinstance(self, nn.Module)
         if getattr(self, "_pending_pretrained", None) is not None:
             for tensor in self.parameters():
-                _local(tensor).zero_()  # overwritten by load_after_sharding(); no point drawing random numbers
+                local_tensor(tensor).zero_()  # overwritten by load_after_sharding(); no point drawing random numbers
             _tie_hf_weights(self)
             return
         if _is_hf_model(self):
@@ -165,11 +166,6 @@ def _is_hf_model(module: Any) -> bool:
     from transformers import PreTrainedModel
 
     return isinstance(module, PreTrainedModel)
-
-
-def _local(tensor: torch.Tensor) -> torch.Tensor:
-    to_local = getattr(tensor, "to_local", None)
-    return to_local() if callable(to_local) else tensor
 
 
 def _clear_hf_init_flags(model: nn.Module) -> None:

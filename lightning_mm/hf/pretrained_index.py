@@ -21,6 +21,11 @@ from typing import Any
 
 from torch import nn
 
+from lightning_mm import _safetensors
+from lightning_mm._names import listing
+from lightning_mm._tied import names_by_tensor
+from lightning_mm._transformers_class import transformers_class
+
 __all__ = [
     "CheckpointError",
     "TensorInfo",
@@ -41,8 +46,7 @@ class CheckpointError(ValueError):
 
 
 def _listing(names: list[str]) -> str:
-    shown = ", ".join(names[:_SHOWN])
-    return shown + (f" ... and {len(names) - _SHOWN} more" if len(names) > _SHOWN else "")
+    return listing(names, _SHOWN)
 
 
 @dataclass(frozen=True)
@@ -55,10 +59,6 @@ class TensorInfo:
     dtype: str  # safetensors' name, e.g. "F32", "BF16"
     start: int = 0
     """Byte offset of the tensor's data in the file."""
-
-
-_ITEMSIZE = {"F64": 8, "F32": 4, "F16": 2, "BF16": 2, "I64": 8, "I32": 4, "I16": 2, "I8": 1, "U8": 1, "BOOL": 1,
-             "F8_E4M3": 1, "F8_E5M2": 1, "U16": 2, "U32": 4, "U64": 8}
 
 
 def read_safetensors_header(path: Path) -> dict[str, TensorInfo]:
@@ -90,7 +90,8 @@ def read_safetensors_header(path: Path) -> dict[str, TensorInfo]:
         numel = 1
         for d in shape:
             numel *= d
-        expected = numel * _ITEMSIZE[dtype] if dtype in _ITEMSIZE else end - begin
+        size_of = _safetensors.itemsize(dtype)
+        expected = numel * size_of if size_of is not None else end - begin
         if not (0 <= begin <= end and data_start + end <= size and end - begin == expected):
             raise CheckpointError(f"{path}: tensor '{key}' has data offsets {[begin, end]} that do not fit its "
                                   f"{dtype} shape {list(shape)} or the file size")
@@ -113,11 +114,8 @@ class SafetensorsIndex:
             raise CheckpointError(f"init_from_hf_path: '{root}' is not a directory")
         index_file = root / "model.safetensors.index.json"
         if index_file.is_file():
-            try:
-                weight_map = json.loads(index_file.read_text())["weight_map"]
-            except (json.JSONDecodeError, KeyError, TypeError) as err:
-                raise CheckpointError(f"{index_file}: not a safetensors index with a 'weight_map' ({err})") from None
-            files = sorted(set(weight_map.values()))
+            weight_map = _safetensors.read_weight_map(index_file, CheckpointError)
+            files = sorted(_safetensors.shard_files(weight_map))
         elif (root / "model.safetensors").is_file():
             weight_map, files = None, ["model.safetensors"]
         else:
@@ -178,16 +176,6 @@ class LoadPlan:
         return sorted({e.source.file for e in self.entries} | {d.file for e in self.entries for d in e.duplicates})
 
 
-def _native_hf_class(cls: type) -> type | None:
-    """The Transformers model class an adapter derives from (the first base from ``transformers.models``)."""
-    from transformers import PreTrainedModel
-
-    for klass in cls.__mro__:
-        if issubclass(klass, PreTrainedModel) and klass.__module__.startswith("transformers.models."):
-            return klass
-    return None
-
-
 @contextmanager
 def _as_class(model: nn.Module, cls: type | None) -> Iterator[None]:
     """View ``model`` as ``cls`` for a moment (its Transformers base: same layout, fewer methods)."""
@@ -213,7 +201,7 @@ def checkpoint_key_renamer(model: nn.Module) -> Callable[[str], tuple[str, str |
     from transformers.conversion_mapping import get_model_conversion_mapping
     from transformers.core_model_loading import WeightConverter, WeightRenaming, rename_source_key
 
-    with _as_class(model, _native_hf_class(type(model))):
+    with _as_class(model, transformers_class(type(model))):
         conversions = get_model_conversion_mapping(model)
     renamings = [c for c in conversions if isinstance(c, WeightRenaming)]
     converters = [c for c in conversions if isinstance(c, WeightConverter)]
@@ -245,14 +233,9 @@ def _row_preserving_transpose(converters: list[Any], pattern: str) -> tuple[int,
 def _model_tensors(model: nn.Module) -> tuple[list[tuple[list[str], bool]], dict[str, tuple[int, ...]]]:
     """Distinct state-dict tensors as ``([names...], is_parameter)`` and every name's shape."""
     params = {id(p) for p in model.parameters()}
-    groups: dict[int, list[str]] = {}
-    shapes: dict[str, tuple[int, ...]] = {}
-    is_param: dict[int, bool] = {}
-    for name, tensor in model.state_dict(keep_vars=True).items():
-        groups.setdefault(id(tensor), []).append(name)
-        is_param[id(tensor)] = id(tensor) in params
-        shapes[name] = tuple(tensor.shape)
-    return [(names, is_param[key]) for key, names in groups.items()], shapes
+    state = model.state_dict(keep_vars=True)
+    shapes = {name: tuple(tensor.shape) for name, tensor in state.items()}
+    return [(names, key in params) for key, names in names_by_tensor(state.items()).items()], shapes
 
 
 def build_load_plan(model: nn.Module, index: SafetensorsIndex) -> LoadPlan:

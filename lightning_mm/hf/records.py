@@ -8,15 +8,16 @@ from typing import Any
 
 from torch import nn
 
+from lightning_mm._module_paths import enclosing
+from lightning_mm._transformers_class import transformers_class
+
 __all__ = ["hf_records", "choose_record", "lora_record"]
 
 
 def _architecture(module: nn.Module) -> str:
     """The Hugging Face class a (possibly adapted or FSDP-wrapped) model is an instance of."""
-    for cls in type(module).__mro__:
-        if cls.__module__.startswith("transformers."):
-            return cls.__name__
-    return type(module).__name__
+    cls = transformers_class(type(module))
+    return (cls or type(module)).__name__
 
 
 def hf_records(root: nn.Module) -> list[dict[str, Any]]:
@@ -33,10 +34,10 @@ def hf_records(root: nn.Module) -> list[dict[str, Any]]:
     records: list[dict[str, Any]] = []
     taken: list[str] = []
     for name, module in root.named_modules():
-        if not isinstance(module, base) or any(name.startswith(t) for t in taken):
+        if not isinstance(module, base) or enclosing(name, taken) is not None:
             continue
         prefix = f"{name}." if name else ""
-        taken.append(prefix)
+        taken.append(name)
         architecture = _architecture(module)
         config = json.loads(module.config.to_json_string(use_diff=False))
         config["architectures"] = [architecture]

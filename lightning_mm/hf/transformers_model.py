@@ -32,7 +32,6 @@ precision says otherwise), whatever dtype the checkpoint or its config names; mi
 from __future__ import annotations
 
 import argparse
-import difflib
 import logging
 import os
 from collections.abc import Mapping
@@ -44,6 +43,8 @@ from typing import Any
 import torch
 from torch import nn
 
+from lightning_mm._module_paths import enclosing
+from lightning_mm._names import did_you_mean
 from lightning_mm.hf.config_fields import checked_fields
 from lightning_mm.hf.hub import ModelHub
 from lightning_mm.hf.loading import load_into_meta_model, load_local_shards
@@ -135,11 +136,10 @@ def _check_keys(config: Any, overrides: Mapping[str, Any], where: str) -> None:
     for key, value in overrides.items():
         if key in _SPECIAL_KEYS:
             continue
-        if key not in known and not hasattr(config, key):
-            hint = difflib.get_close_matches(key, sorted(known), n=3)
+        if not isinstance(key, str) or (key not in known and not hasattr(config, key)):
             raise TransformersModelConfigError(
                 f"TransformersModel config `{where}.{key}`: {type(config).__name__} has no such key"
-                + (f"; did you mean {', '.join(repr(h) for h in hint)}?" if hint else "")
+                + did_you_mean(key, sorted(known))
             )
         sub = getattr(config, key, None)
         if isinstance(value, Mapping) and isinstance(sub, PretrainedConfig):
@@ -187,10 +187,9 @@ def build_hf_config(cfg: TransformersModelConfig) -> Any:
         model_type = overrides.pop("model_type", None)
         if model_type is not None:
             if model_type not in CONFIG_MAPPING:
-                hint = difflib.get_close_matches(str(model_type), list(CONFIG_MAPPING.keys()), n=3)
                 raise TransformersModelConfigError(
                     f"TransformersModel config `hf_config.model_type`: unknown model_type '{model_type}'"
-                    + (f"; did you mean {', '.join(repr(h) for h in hint)}?" if hint else "")
+                    + did_you_mean(model_type, CONFIG_MAPPING.keys())
                 )
             config_cls = CONFIG_MAPPING[model_type]
         elif cfg.model_id is not None:
@@ -251,7 +250,7 @@ def _freeze(model: nn.Module, patterns: list[str]) -> list[str]:
     frozen = {id(p) for path in paths for p in model.get_submodule(path).parameters()}
     for name, param in model.named_parameters(remove_duplicate=False):
         if id(param) in frozen:
-            if not any(name == p or name.startswith(p + ".") for p in paths):
+            if enclosing(name, paths) is None:
                 log.warning("freeze: '%s' is frozen too, because it is tied to a frozen parameter", name)
             param.requires_grad_(False)
     return paths
