@@ -16,7 +16,7 @@ import pytest
 import torch
 from torch import nn
 
-from lightning_mm.checkpoint import atomic, manifest, store
+from lightning_mm.checkpoint import atomic, consolidate, manifest, store
 from lightning_mm.checkpoint.layout import (
     MARKER,
     CheckpointKeyError,
@@ -272,7 +272,7 @@ def test_converters_round_trip_in_one_process(tmp_path):
             "optimizer_states": [store.optimizer_state(wrapper, opt, False)]}
     store.save(ckpt, tmp_path / "c.ckpt", "torch_dcp", EXTRA | {"hf": hf_records(wrapper)}, None)
     # dcp -> torch: full tensors in Lightning's layout, loadable weights-only.
-    convert.dcp_to_torch(tmp_path / "c.ckpt", tmp_path / "c.pt", model_only=True)
+    consolidate.dcp_to_torch(tmp_path / "c.ckpt", tmp_path / "c.pt", model_only=True)
     full = torch.load(tmp_path / "c.pt", weights_only=True)
     assert "optimizer_states" not in full
     for key, value in wrapper.state_dict().items():

@@ -50,12 +50,13 @@ def _parser() -> argparse.ArgumentParser:
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = _parser().parse_args(list(sys.argv[1:] if argv is None else argv))
+    from lightning_mm.checkpoint import consolidate
     from lightning_mm.commands.failure import one_line, traceback_requested, user_error
     from lightning_mm.hf import convert
 
     try:
         if args.command == "dcp-to-torch":
-            out = convert.dcp_to_torch(args.src, args.dst, model_only=args.model_only)
+            out = consolidate.dcp_to_torch(args.src, args.dst, model_only=args.model_only)
         elif args.command == "dcp-to-hf" and args.merge_lora:
             from lightning_mm.hf.lora_export import dcp_to_hf_merged
 

@@ -1,4 +1,6 @@
-"""Checkpoint conversion in one process, without a GPU: DCP -> one torch file, DCP <-> Hugging Face directory.
+"""Checkpoint conversion in one process, without a GPU: DCP <-> Hugging Face directory.
+
+(DCP -> one torch file is :func:`lightning_mm.checkpoint.consolidate.dcp_to_torch`.)
 
 Only what a conversion needs is read: ``dcp_to_hf`` reads the model weights (never the optimiser state) one
 safetensors shard at a time; ``hf_to_dcp`` streams tensors from the HF files into DCP one at a time.
@@ -6,21 +8,20 @@ safetensors shard at a time; ``hf_to_dcp`` streams tensors from the HF files int
 
 from __future__ import annotations
 
-import contextlib
 import json
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
 import torch
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint import FileSystemWriter
-from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
 
 from lightning_mm._safetensors import DTYPES, read_weight_map, shard_files
 from lightning_mm.checkpoint import atomic
-from lightning_mm.checkpoint.errors import CheckpointIntegrityError, write_error
+from lightning_mm.checkpoint.consolidate import check_output, writing
+from lightning_mm.checkpoint.errors import CheckpointIntegrityError
 from lightning_mm.checkpoint.layout import (
     EXTRA_KEY,
     FORMAT_VERSION,
@@ -28,7 +29,6 @@ from lightning_mm.checkpoint.layout import (
     MARKER,
     META_FILE,
     SEP,
-    fill_tensors,
     model_key,
 )
 from lightning_mm.checkpoint.manifest import (
@@ -43,7 +43,7 @@ from lightning_mm.checkpoint.store import _single_process_quiet, _write_file, op
 from lightning_mm.hf.export import HFLayout, hf_layout
 from lightning_mm.hf.records import choose_record
 
-__all__ = ["dcp_to_torch", "dcp_to_hf", "hf_to_dcp", "parse_size"]
+__all__ = ["dcp_to_hf", "hf_to_dcp", "parse_size"]
 
 _DTYPES = {"fp32": torch.float32, "float32": torch.float32, "bf16": torch.bfloat16, "bfloat16": torch.bfloat16,
            "fp16": torch.float16, "float16": torch.float16}
@@ -57,51 +57,6 @@ def parse_size(text: str) -> int:
         if upper.endswith(unit):
             return int(float(upper[: -len(unit)]) * units[unit])
     return int(upper)
-
-
-@contextlib.contextmanager
-def _writing(partial: Path, final: Path) -> Iterator[None]:
-    """A failed write removes its partial output and says what failed (e.g. a full disk), naming the path."""
-    try:
-        yield
-    except (Exception, CheckpointException) as error:
-        with contextlib.suppress(OSError):
-            atomic.remove(partial)
-        raise write_error(error, final) from error
-
-
-def _check_output(dst: Path) -> None:
-    if dst.exists() or dst.is_symlink():
-        raise FileExistsError(f"output exists: {dst} (remove it or choose another path)")
-    if not dst.parent.is_dir():
-        raise FileNotFoundError(f"output directory does not exist: {dst.parent}")
-
-
-# ------------------------------------------------------------------------------------------ to torch
-def dcp_to_torch(src: str | Path, dst: str | Path, model_only: bool = False) -> Path:
-    """Consolidate any checkpoint this project writes into one ``torch.save`` file in Lightning's layout.
-
-    The result has full tensors under ``state_dict`` and (unless ``model_only``) ``optimizer_states``, the rest of
-    the checkpoint unchanged, and loads ``weights_only``; ``MMFSDP2Strategy`` resumes from it on any world size.
-    Every file of a DCP source is checked against its manifest, whole-file hashes included, before any is read.
-    """
-    dst = Path(dst)
-    _check_output(dst)
-    source = open_source(src, full_check=True)
-    meta = dict(source.meta)
-    if model_only:
-        meta.pop("optimizer_states", None)
-    keys = [k for k in source.shapes if not model_only or k.startswith(f"state_dict{SEP}")]
-    tensors = source.read_full(keys)
-    full = fill_tensors(meta, lambda key: tensors[key])
-    extra = dict(full.get(EXTRA_KEY) or {})
-    extra["format"] = "torch"
-    full[EXTRA_KEY] = extra
-    partial = atomic.partial_path(dst)
-    with _writing(partial, dst):
-        _write_file(full, partial)
-    atomic.commit(partial, dst)
-    return dst
 
 
 # --------------------------------------------------------------------------------------------- to HF
@@ -160,7 +115,7 @@ def dcp_to_hf(
     """
 
     out = Path(out_dir)
-    _check_output(out)
+    check_output(out)
     cast = None
     if dtype is not None:
         if dtype not in _DTYPES:
@@ -376,7 +331,7 @@ def hf_to_dcp(hf_dir: str | Path, dst: str | Path, prefix: str = "model.") -> Pa
     import lightning
 
     hf_dir, dst = Path(hf_dir), Path(dst)
-    _check_output(dst)
+    check_output(dst)
     config_file = hf_dir / "config.json"
     if not config_file.is_file():
         raise FileNotFoundError(f"{hf_dir}: no config.json (is this a Hugging Face model directory?)")
@@ -413,7 +368,7 @@ def hf_to_dcp(hf_dir: str | Path, dst: str | Path, prefix: str = "model.") -> Pa
 
     writer = FileSystemWriter(partial, thread_count=1, sync_files=True)
     writer.fs = files = RecordingFileSystem()
-    with _writing(partial, dst):
+    with writing(partial, dst):
         with _single_process_quiet():
             dcp.save(planned, storage_writer=writer, planner=_StreamingSavePlanner(read), no_dist=True)
         _write_file(meta, partial / META_FILE)

@@ -1,0 +1,60 @@
+"""Consolidating a checkpoint into one ``torch.save`` file, and the output rules every converter follows."""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+from pathlib import Path
+
+from torch.distributed.checkpoint.api import CheckpointException
+
+from lightning_mm.checkpoint import atomic
+from lightning_mm.checkpoint.errors import write_error
+from lightning_mm.checkpoint.layout import EXTRA_KEY, SEP, fill_tensors
+from lightning_mm.checkpoint.store import _write_file, open_source
+
+__all__ = ["dcp_to_torch", "writing", "check_output"]
+
+
+@contextlib.contextmanager
+def writing(partial: Path, final: Path) -> Iterator[None]:
+    """A failed write removes its partial output and says what failed (e.g. a full disk), naming the path."""
+    try:
+        yield
+    except (Exception, CheckpointException) as error:
+        with contextlib.suppress(OSError):
+            atomic.remove(partial)
+        raise write_error(error, final) from error
+
+
+def check_output(dst: Path) -> None:
+    if dst.exists() or dst.is_symlink():
+        raise FileExistsError(f"output exists: {dst} (remove it or choose another path)")
+    if not dst.parent.is_dir():
+        raise FileNotFoundError(f"output directory does not exist: {dst.parent}")
+
+
+def dcp_to_torch(src: str | Path, dst: str | Path, model_only: bool = False) -> Path:
+    """Consolidate any checkpoint this project writes into one ``torch.save`` file in Lightning's layout.
+
+    The result has full tensors under ``state_dict`` and (unless ``model_only``) ``optimizer_states``, the rest of
+    the checkpoint unchanged, and loads ``weights_only``; ``MMFSDP2Strategy`` resumes from it on any world size.
+    Every file of a DCP source is checked against its manifest, whole-file hashes included, before any is read.
+    """
+    dst = Path(dst)
+    check_output(dst)
+    source = open_source(src, full_check=True)
+    meta = dict(source.meta)
+    if model_only:
+        meta.pop("optimizer_states", None)
+    keys = [k for k in source.shapes if not model_only or k.startswith(f"state_dict{SEP}")]
+    tensors = source.read_full(keys)
+    full = fill_tensors(meta, lambda key: tensors[key])
+    extra = dict(full.get(EXTRA_KEY) or {})
+    extra["format"] = "torch"
+    full[EXTRA_KEY] = extra
+    partial = atomic.partial_path(dst)
+    with writing(partial, dst):
+        _write_file(full, partial)
+    atomic.commit(partial, dst)
+    return dst
