@@ -59,17 +59,13 @@ def local_numel(shape: tuple[int, ...], shard_size: int) -> int:
     return rows * math.prod(shape[1:])
 
 
-def _under(path: str, prefixes: tuple[str, ...]) -> bool:
-    return any(path == p or path.startswith(p + ".") for p in prefixes)
-
-
 def per_rank_memory(model: nn.Module, plan: ShardingPlan, optimizer_states: int = 2) -> RankMemory:
     """Exact per-rank byte accounting of ``model`` (its paths relative to the plan's) under ``plan``."""
     params = grads = ddp_params = ddp_grads = 0
     for path, param in model.named_parameters():
         size = param.element_size()
         full = param.numel() * size
-        local = full if _under(path, plan.ignored) else local_numel(tuple(param.shape), plan.sharding_size) * size
+        local = full if plan.is_ignored(path) else local_numel(tuple(param.shape), plan.sharding_size) * size
         params += local
         ddp_params += full
         if param.requires_grad:

@@ -4,12 +4,12 @@
 * :mod:`.store` (doing): atomic save and strict/non-strict load of ``torch_dcp`` directories and ``torch`` files.
 * :mod:`.safe`: loading without running pickled code; :mod:`.atomic`: temporary sibling, rename into place.
 * :mod:`.manifest`: ``manifest.json`` binds every file to its checkpoint; :mod:`.errors`: the exceptions.
-* :mod:`.rng`: per-rank RNG states; :mod:`.hf`: the Hugging Face record; :mod:`.convert`: converters.
+* :mod:`.rng`: per-rank RNG states; :mod:`.records`: what other layers add to a checkpoint (a registry of record
+  providers; the Hugging Face one, :mod:`.hf`, is registered by ``lightning_mm.modules``); :mod:`.convert`: converters.
 """
 
 from lightning_mm.strategies.checkpoint.atomic import remove
 from lightning_mm.strategies.checkpoint.errors import CheckpointError, CheckpointIntegrityError, CheckpointWriteError
-from lightning_mm.strategies.checkpoint.hf import hf_records
 from lightning_mm.strategies.checkpoint.layout import (
     EXTRA_KEY,
     FORMAT_VERSION,
@@ -19,6 +19,7 @@ from lightning_mm.strategies.checkpoint.layout import (
     CheckpointKeyError,
 )
 from lightning_mm.strategies.checkpoint.manifest import MANIFEST_FILE
+from lightning_mm.strategies.checkpoint.records import collect_records, register_record_provider
 from lightning_mm.strategies.checkpoint.rng import capture_rng, restore_rng
 from lightning_mm.strategies.checkpoint.safe import UnsafeCheckpointError
 from lightning_mm.strategies.checkpoint.store import (
@@ -49,12 +50,13 @@ __all__ = [
     "Loaded",
     "UnsafeCheckpointError",
     "capture_rng",
-    "hf_records",
+    "collect_records",
     "load",
     "model_state",
     "open_source",
     "optimizer_state",
     "outside_inference_mode",
+    "register_record_provider",
     "remove",
     "restore_rng",
     "save",
