@@ -77,7 +77,6 @@ class ShardedModel:
     ep_mesh: DeviceMesh | None = None
     whole_experts: list[nn.Parameter] = field(default_factory=list)
     """Local experts kept whole (``reshard_local_experts: false``): out of FSDP, reduced over ``ep_replicate``."""
-    materialized: list[str] = field(default_factory=list)
 
     def reduce_unsharded_gradients(self) -> None:
         """After the backward of the last micro-batch: average the gradients FSDP does not reduce."""
@@ -108,13 +107,13 @@ def apply_plan(
     if whole:  # kept whole: out of FSDP, reduced after backward
         kwargs = fsdp_kwargs(plan, mesh, ignored.parameters() | set(whole))
     apply_fully_shard(target, root, plan, kwargs, shard_units)
-    materialized, whole = materialize(root, target, plan, mesh, device, ignored, ep_mesh if whole else None)
+    whole = materialize(root, target, plan, mesh, device, ignored, ep_mesh if whole else None)
     load_after_sharding = getattr(target, "load_after_sharding", None)  # FSDP2Mixin: pretrained shards
     if callable(load_after_sharding):
         load_after_sharding()
     units = plan_units(target, plan) if shard_units is None else sharded_units(target, root)
     prefetch = ExecutionOrderPrefetch(root, units, plan)
-    return ShardedModel(ignored, prefetch, ep_mesh, whole, materialized)
+    return ShardedModel(ignored, prefetch, ep_mesh, whole)
 
 
 def model_unit_sharding(target: nn.Module, config: FSDP2Config) -> Callable[[dict[str, Any]], None] | None:
@@ -402,13 +401,13 @@ def materialize(
     device: torch.device,
     ignored: IgnoredModules,
     ep_mesh: DeviceMesh | None = None,
-) -> tuple[list[str], list[nn.Parameter]]:
+) -> list[nn.Parameter]:
     """Materialise and initialise what was built on the meta device, then make the unsharded tensors agree.
 
     Parameters live on ``device`` (on the CPU when offloaded), buffers and the ignored modules on ``device``.
     Plain tensors that were materialised take rank 0's values; local experts kept whole (``ep_mesh`` given) take
-    those of the first rank of their ``ep_replicate`` column instead. Returns the materialised names and the
-    whole local experts' parameters (collected after materialisation, which may replace parameter objects).
+    those of the first rank of their ``ep_replicate`` column instead. Returns the whole local experts' parameters
+    (collected after materialisation, which may replace parameter objects).
     """
     param_device = torch.device("cpu") if plan.offload_to_cpu else device
     with shard_distinct_rng(mesh):
@@ -423,7 +422,7 @@ def materialize(
         materialized = [n for n in materialized if id(names.get(n)) not in ids]
         expert_parallel.broadcast_expert_replicas(whole, ep_mesh)
     broadcast_replicated(root, materialized)
-    return materialized, whole
+    return whole
 
 
 _CPU_MESH_RNG_WARNING = "DTensor random operators may not have complete support"

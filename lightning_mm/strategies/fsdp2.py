@@ -180,7 +180,6 @@ class MMFSDP2Strategy(ParallelStrategy):
         self._pending_rng_point: str | None = None
         self._pending_rng_step: int | None = None
         # Expert parallelism (set in `_shard` when the plan has experts).
-        self._whole_experts: list[nn.Parameter] = []  # local experts kept whole: gradients reduced in post_backward
         self._ep_mesh: DeviceMesh | None = None
         self._expert_layout: Any = None  # built on the first checkpoint save
         self._expert_names: Any = None
@@ -462,7 +461,7 @@ class MMFSDP2Strategy(ParallelStrategy):
         self._context_parallel.apply(root, target)
         self._sharded = sharded = apply.apply_plan(root, target, plan, self.device_mesh, self.root_device,
                                                    apply.model_unit_sharding(target, config))
-        self._ep_mesh, self._whole_experts = sharded.ep_mesh, sharded.whole_experts
+        self._ep_mesh = sharded.ep_mesh
 
     # ---------------------------------------------------------------------------------------- steps
     def _through_root(self, method: str, *args: Any, **kwargs: Any) -> Any:
@@ -671,7 +670,7 @@ class MMFSDP2Strategy(ParallelStrategy):
             "world_size": self.world_size,
             "mesh_shape": list(self.device_mesh.shape),
             "rng_point": self._rng_point(),
-            **ckpt.collect_records(lm),  # what other layers record (e.g. the Hugging Face model's config)
+            **ckpt.collect_records(lm),  # what other layers record (registered record providers)
         }
         ckpt.save(checkpoint, path, self.checkpoint_format, extra, ckpt.capture_rng(self.root_device))
 
