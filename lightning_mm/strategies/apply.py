@@ -43,6 +43,7 @@ __all__ = [
     "materialize",
     "Unit",
     "plan_units",
+    "sharded_units",
     "ExecutionOrderPrefetch",
     "materialize_and_init",
     "shard_distinct_rng",
