@@ -13,12 +13,12 @@ from contextlib import contextmanager
 from typing import Any
 
 from lightning_mm import MMLightningModule
-from lightning_mm.core import apply
+from lightning_mm.strategies import fsdp2
 
 VARIANTS: dict[str, str] = {
     "": "the strategy as it is",
     "before_keep": "before: the root and the last unit are resharded after forward like every other unit "
-                   "(ExecutionOrderPrefetch(keep_unsharded_for_backward=False))",
+                   "(build_plan(..., keep_unsharded_for_backward=False))",
     "fwd0": "num_to_forward_prefetch: 0",
     "fwd1": "num_to_forward_prefetch: 1",
     "fwd2": "num_to_forward_prefetch: 2",
@@ -70,8 +70,8 @@ def strategy_kwargs(variant: str) -> dict[str, Any]:
 def behaviour(variant: str) -> Generator[None, None, None]:
     """Restore a pre-tuning behaviour of the strategy or module for the duration of one run."""
     if variant == "before_keep":
-        owner, attr = apply, "ExecutionOrderPrefetch"
-        replacement: Any = functools.partial(apply.ExecutionOrderPrefetch, keep_unsharded_for_backward=False)
+        owner, attr = fsdp2, "build_plan"
+        replacement: Any = functools.partial(fsdp2.build_plan, keep_unsharded_for_backward=False)
     elif variant == "before_lazylog":
         owner, attr = MMLightningModule, "_writes_step_logs"
         replacement = lambda self: True  # noqa: E731

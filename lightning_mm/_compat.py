@@ -34,7 +34,6 @@ __all__ = [
     "reset_torch_layer",
     "local_offsets",
     "fsdp_state",
-    "fsdp_param_groups",
     "should_update_logs",
     "throughput_meters",
     "set_device_mesh",
@@ -175,15 +174,9 @@ if not callable(getattr(_FSDPModule, "_get_fsdp_state", None)):
 
 
 def fsdp_state(module: Any) -> Any:
-    """The FSDP state object of a ``fully_shard``-ed module (modules sharded together share one)."""
+    """The FSDP state object of a ``fully_shard``-ed module (modules sharded together share one): how the units of a
+    model's own ``_fully_shard``, which the plan does not know, are told apart (``apply.sharded_units``)."""
     return module._get_fsdp_state()
-
-
-def fsdp_param_groups(state: Any) -> list[Any]:
-    """The parameter groups an FSDP state manages (empty for a unit without parameters of its own)."""
-    if not hasattr(state, "_fsdp_param_groups"):
-        raise _missing("`FSDPState._fsdp_param_groups`")
-    return list(state._fsdp_param_groups)
 
 
 def reset_torch_layer(module: Any) -> None:

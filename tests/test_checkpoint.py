@@ -324,3 +324,17 @@ def test_hf_to_dcp_renames_keys_as_transformers_does_on_load(tmp_path):
     reference = transformers.LlavaForConditionalGeneration.from_pretrained(str(path), dtype=torch.float32)
     for key, value in reference.state_dict().items():
         assert torch.equal(wrapper.model.state_dict()[key], value), key
+
+
+def test_checkpoint_records_come_from_registered_providers():
+    from lightning_mm.checkpoint import collect_records, records, register_record_provider
+
+    assert records._providers["hf"] is hf_records  # registered by lightning_mm.modules
+    wrapper = nn.Module()
+    wrapper.model = _tiny_llama()
+    assert collect_records(wrapper)["hf"] == hf_records(wrapper)
+    register_record_provider("hf", hf_records)  # the same provider again: nothing changes
+    with pytest.raises(ValueError, match="already registered under 'hf'"):
+        register_record_provider("hf", lambda root: [])
+    with pytest.raises(ValueError, match="checkpoint's own keys"):
+        register_record_provider("world_size", lambda root: 1)

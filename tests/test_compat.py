@@ -30,8 +30,6 @@ def test_every_lightning_private_name_resolves():
 def test_a_missing_private_name_is_a_loud_error():
     with pytest.raises(_compat.PrivateAPIError, match=r"private `lightning.fabric.utilities.types._GONE`.*tested with"):
         _compat._require("lightning.fabric.utilities.types", "_GONE")
-    with pytest.raises(_compat.PrivateAPIError, match="FSDPState._fsdp_param_groups"):
-        _compat.fsdp_param_groups(object())
     with pytest.raises(_compat.PrivateAPIError, match="should_update_logs"):
         _compat.should_update_logs(object())
     with pytest.raises(_compat.PrivateAPIError, match="LightningModule._device_mesh"):
@@ -46,7 +44,6 @@ def test_a_missing_private_name_is_a_loud_error():
 
 def test_torch_private_names_behave_as_used():
     from torch.distributed.fsdp import FSDPModule
-    from torch.distributed.fsdp._fully_shard._fsdp_state import FSDPState
 
     assert callable(FSDPModule._get_fsdp_state) and callable(_compat.is_rng_supported_mesh)
     assert callable(_compat.all_to_all_single_autograd)
@@ -56,7 +53,6 @@ def test_torch_private_names_behave_as_used():
     assert not torch.equal(attention.in_proj_weight, torch.ones_like(attention.in_proj_weight))
     with pytest.raises(_compat.PrivateAPIError, match="Linear._reset_parameters"):
         _compat.reset_torch_layer(torch.nn.Linear(1, 1))
-    assert _compat.fsdp_param_groups(FSDPState()) == []  # a state with no parameters of its own
 
 
 def test_lightning_private_attributes_used_on_instances():

@@ -145,3 +145,38 @@ def test_seed_default_sharding_size_replicates_and_says_so():
     plan = plan_for(Net(), world=4)
     assert plan.mesh_shape == (4, 1)
     assert "replicated, not sharded" in plan.describe()
+
+
+def test_the_plan_carries_the_root_and_last_unit_kept_unsharded_for_backward():
+    plan = plan_for(Net(), sub_modules_to_wrap=["blocks.{*}"])
+    assert plan.keep_unsharded_for_backward and "except the root and the last unit to run" in plan.describe()
+    undone = build_plan(FSDP2Config(sub_modules_to_wrap=["blocks.{*}"]), Net(), 4, keep_unsharded_for_backward=False)
+    assert not undone.keep_unsharded_for_backward and "except the root" not in undone.describe()
+    zero2 = plan_for(Net(), sub_modules_to_wrap=["blocks.{*}"], reshard_after_forward=False)
+    assert "except the root" not in zero2.describe()  # nothing is resharded after forward anyway
+
+
+def test_the_plan_says_which_paths_are_ignored():
+    plan = plan_for(Net(), sub_modules_to_wrap=["blocks.{*}"], ignored_modules=["vision", "blocks.1.0"])
+    assert plan.is_ignored("vision") and plan.is_ignored("vision.weight") and plan.is_ignored("blocks.1.0.bias")
+    assert not plan.is_ignored("visionary.weight") and not plan.is_ignored("blocks.1.1.weight")
+
+
+def test_ignored_modules_have_one_owner_that_casts_places_and_lists_them():
+    from lightning_mm.core.ignored import IgnoredModules
+    from lightning_mm.core.plan import MixedPrecision
+
+    model = Net()
+    model.vision.bias.requires_grad_(False)
+    config = FSDP2Config(sub_modules_to_wrap=["blocks.{*}"], ignored_modules=["vision"])
+    plan = build_plan(config, model, 4, MixedPrecision(param_dtype=torch.bfloat16))
+    ignored = IgnoredModules(model, plan)
+    assert ignored and ignored.modules == [model.vision]
+    assert ignored.parameters() == {model.vision.weight, model.vision.bias}
+    assert ignored.trainable_parameters() == [model.vision.weight]
+    ignored.cast_inputs()  # FSDP casts the batch to bf16; the fp32 ignored module gets fp32 inputs back
+    assert model.vision(torch.ones(2, 4, dtype=torch.bfloat16)).dtype == torch.float32
+    ignored.place(torch.device("meta"))
+    assert model.vision.weight.is_meta and not model.head.weight.is_meta
+    assert not IgnoredModules(model, plan_for(model))
+

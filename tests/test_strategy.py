@@ -105,3 +105,63 @@ print(json.dumps(out))
     assert "invalid strategy name: `strategy='mm_fsdp2'`" in out["without"]
     assert out["with"] == "MMFSDP2Strategy"
     assert "add `import lightning_mm`" in (root / "README.md").read_text()
+
+
+def test_the_sharding_target_comes_from_the_module_protocol():
+    from torch import nn
+
+    from lightning_mm import MMLightningModule
+
+    class Plain(L.LightningModule):
+        pass
+
+    class WithTarget(L.LightningModule):
+        def __init__(self):
+            super().__init__()
+            self.inner = nn.Linear(2, 2)
+
+        def sharding_target(self):
+            return self.inner
+
+    for module, expected in ((Plain(), None), (WithTarget(), "inner")):
+        strategy = MMFSDP2Strategy()
+        strategy.connect(module)
+        assert strategy._sharding_target() is (module if expected is None else getattr(module, expected))
+    strategy = MMFSDP2Strategy()
+    mm = MMLightningModule(model_provider=lambda: nn.Linear(2, 2))
+    strategy.connect(mm)
+    with pytest.raises(RuntimeError, match="did not build a model"):
+        strategy._sharding_target()
+    mm.configure_model()
+    assert strategy._sharding_target() is mm.model
+
+
+def test_only_an_overridden_fully_shard_replaces_the_plan_units():
+    from torch import nn
+
+    from lightning_mm.core.apply import model_unit_sharding
+    from lightning_mm.modules import FSDP2Mixin
+
+    class Default(nn.Linear, FSDP2Mixin):
+        pass
+
+    class Custom(nn.Linear, FSDP2Mixin):
+        def _fully_shard(self, fsdp2_kwargs=None, fsdp2_config=None):
+            self.seen = (fsdp2_kwargs, fsdp2_config)
+
+    class NoMixin(nn.Linear):
+        def _fully_shard(self, fsdp2_kwargs=None, fsdp2_config=None):
+            self.seen = (fsdp2_kwargs, fsdp2_config)
+
+    config = FSDP2Config()
+    assert model_unit_sharding(Default(1, 1), config) is None and model_unit_sharding(nn.Linear(1, 1), config) is None
+    for model in (Custom(1, 1), NoMixin(1, 1)):
+        model_unit_sharding(model, config)({"mesh": None})
+        assert model.seen == ({"mesh": None}, config) and model.fsdp2_config is config
+
+
+def test_the_strategy_names_neither_the_model_side_nor_hugging_face():
+    from pathlib import Path
+
+    text = Path(lightning_mm.strategies.fsdp2.__file__).read_text()
+    assert "lightning_mm.modules" not in text and "hf_records" not in text and "FSDP2Mixin" not in text

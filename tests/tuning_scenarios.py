@@ -24,7 +24,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from lightning_mm import MMFSDP2Strategy  # noqa: E402
-from lightning_mm.core import apply  # noqa: E402
+from lightning_mm.strategies import fsdp2  # noqa: E402
 
 
 class LM(L.LightningModule):
@@ -79,9 +79,9 @@ def run(before: bool = False, max_steps: int = 4, ckpt_path: str | None = None, 
         from lightning.pytorch.callbacks import ModelCheckpoint
 
         callbacks.append(ModelCheckpoint(dirpath=save_dir, every_n_train_steps=4, save_top_k=-1))
-    prefetch = apply.ExecutionOrderPrefetch
+    plan_builder = fsdp2.build_plan
     if before:
-        apply.ExecutionOrderPrefetch = functools.partial(prefetch, keep_unsharded_for_backward=False)
+        fsdp2.build_plan = functools.partial(plan_builder, keep_unsharded_for_backward=False)
     try:
         module = LM()
         module.head.requires_grad_(not freeze_head)
@@ -92,11 +92,11 @@ def run(before: bool = False, max_steps: int = 4, ckpt_path: str | None = None, 
                             strategy=MMFSDP2Strategy(plan, empty_init=False, **strategy_kwargs))
         trainer.fit(module, torch.utils.data.DataLoader(data, batch_size=4), ckpt_path=ckpt_path)
     finally:
-        apply.ExecutionOrderPrefetch = prefetch
+        fsdp2.build_plan = plan_builder
     weights = {n: (p.full_tensor() if isinstance(p, DTensor) else p).detach().flatten().tolist()
                for n, p in module.named_parameters()}
-    kept = [("<root>" if u is trainer.strategy._prefetch.root else trainer.strategy._prefetch.name(u))
-            for u in trainer.strategy._prefetch.kept_unsharded]
+    prefetch = trainer.strategy._sharded.prefetch
+    kept = ["<root>" if u is prefetch.root else prefetch.name(u) for u in prefetch.kept_unsharded]
     fused = [group["fused"] for group in trainer.optimizers[0].param_groups]
     return ({"states": observe.states, "losses": observe.losses, "weights": weights, "kept": kept, "fused": fused},
             trainer.global_rank)

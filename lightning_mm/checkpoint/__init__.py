@@ -4,7 +4,10 @@
 * :mod:`.store` (doing): atomic save and strict/non-strict load of ``torch_dcp`` directories and ``torch`` files.
 * :mod:`.safe`: loading without running pickled code; :mod:`.atomic`: temporary sibling, rename into place.
 * :mod:`.manifest`: ``manifest.json`` binds every file to its checkpoint; :mod:`.errors`: the exceptions.
-* :mod:`.rng`: per-rank RNG states. Conversion to and from Hugging Face directories is in :mod:`lightning_mm.hf`.
+* :mod:`.rng`: per-rank RNG states; :mod:`.records`: what other layers add to a checkpoint (a registry of record
+  providers; the Hugging Face one, :func:`lightning_mm.hf.records.hf_records`, is registered by
+  ``lightning_mm.modules``); :mod:`.consolidate`: ``dcp-to-torch``. Conversion to and from Hugging Face
+  directories is in :mod:`lightning_mm.hf.convert`.
 """
 
 from lightning_mm.checkpoint.atomic import remove
@@ -18,6 +21,7 @@ from lightning_mm.checkpoint.layout import (
     CheckpointKeyError,
 )
 from lightning_mm.checkpoint.manifest import MANIFEST_FILE
+from lightning_mm.checkpoint.records import collect_records, register_record_provider
 from lightning_mm.checkpoint.rng import capture_rng, restore_rng
 from lightning_mm.checkpoint.safe import UnsafeCheckpointError
 from lightning_mm.checkpoint.store import (
@@ -48,11 +52,13 @@ __all__ = [
     "Loaded",
     "UnsafeCheckpointError",
     "capture_rng",
+    "collect_records",
     "load",
     "model_state",
     "open_source",
     "optimizer_state",
     "outside_inference_mode",
+    "register_record_provider",
     "remove",
     "restore_rng",
     "save",

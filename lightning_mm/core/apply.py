@@ -1,7 +1,9 @@
 """Doing the sharding: apply a :class:`~lightning_mm.core.plan.ShardingPlan` to a model with torch.
 
-One short function per concern, in the order the strategy calls them: mesh, recomputation, ``fully_shard`` of
-the units and then the root, prefetch, and meta-device materialisation.
+:func:`apply_plan` is the whole of it, as torchtitan's ``parallelize``: a short sequence of one function per
+concern (recomputation, the ignored modules, expert parallelism, ``fully_shard`` of the units and then the root,
+meta-device materialisation and init, prefetch). The mesh comes first (:func:`build_device_mesh`), when the
+processes start. Lightning-free.
 """
 
 from __future__ import annotations
@@ -11,6 +13,7 @@ import logging
 import math
 import warnings
 from collections.abc import Callable, Iterable, Iterator
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -20,23 +23,31 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionPolicy, OffloadPolicy, fully_shard
 from torch.distributed.tensor import DTensor
 
-from lightning_mm._compat import fsdp_param_groups, fsdp_state, is_rng_supported_mesh
+from lightning_mm._compat import fsdp_state, is_rng_supported_mesh
 from lightning_mm._dtensor import local_tensor as _local
 from lightning_mm._names import listing
+from lightning_mm.core import expert_parallel
+from lightning_mm.core.config import FSDP2Config
+from lightning_mm.core.ignored import IgnoredModules
 from lightning_mm.core.plan import ShardingPlan, mesh_layout
 from lightning_mm.core.recompute import checkpointed_forward, is_recomputed
 from lightning_mm.core.torch_init import init_like_constructors
 
 __all__ = [
     "build_device_mesh",
+    "apply_plan",
+    "ShardedModel",
+    "model_unit_sharding",
     "fsdp_kwargs",
-    "ignored_parameters",
-    "apply_ignored_input_cast",
     "apply_recompute",
+    "apply_experts",
     "apply_fully_shard",
+    "materialize",
+    "Unit",
+    "plan_units",
+    "sharded_units",
     "ExecutionOrderPrefetch",
     "materialize_and_init",
-    "all_reduce_gradients",
     "shard_distinct_rng",
     "broadcast_replicated",
     "MaterializationError",
@@ -59,8 +70,73 @@ def build_device_mesh(world_size: int, sharding_size: int, device_type: str) -> 
     return init_device_mesh(device_type, shape, mesh_dim_names=names)
 
 
-def fsdp_kwargs(plan: ShardingPlan, mesh: DeviceMesh, ignored_params: set[nn.Parameter]) -> dict[str, Any]:
-    """The keyword arguments every ``fully_shard`` call of this plan gets."""
+# ------------------------------------------------------------------------------------------ the sequence
+@dataclass
+class ShardedModel:
+    """What applying a plan leaves for the run: the parameters FSDP does not reduce, and the prefetching."""
+
+    ignored: IgnoredModules
+    prefetch: ExecutionOrderPrefetch
+    ep_mesh: DeviceMesh | None = None
+    whole_experts: list[nn.Parameter] = field(default_factory=list)
+    """Local experts kept whole (``reshard_local_experts: false``): out of FSDP, reduced over ``ep_replicate``."""
+
+    def reduce_unsharded_gradients(self) -> None:
+        """After the backward of the last micro-batch: average the gradients FSDP does not reduce."""
+        self.ignored.all_reduce_gradients()
+        if self.whole_experts:
+            assert self.ep_mesh is not None
+            expert_parallel.all_reduce_expert_gradients(self.whole_experts, self.ep_mesh)
+
+
+def apply_plan(
+    root: nn.Module,
+    target: nn.Module,
+    plan: ShardingPlan,
+    mesh: DeviceMesh,
+    device: torch.device,
+    shard_units: Callable[[dict[str, Any]], None] | None = None,
+) -> ShardedModel:
+    """Apply ``plan`` to ``target`` (the module its paths are relative to) inside ``root`` (the FSDP root).
+
+    ``device`` is the compute device. ``shard_units`` replaces the sharding of the plan's units (a model's own
+    ``_fully_shard``, see :func:`model_unit_sharding`); the root is sharded here either way.
+    """
+    ignored = IgnoredModules(target, plan)
+    apply_recompute(target, plan)
+    ignored.cast_inputs()
+    kwargs = fsdp_kwargs(plan, mesh, ignored.parameters())
+    ep_mesh, whole = apply_experts(target, plan, mesh.device_type, kwargs)  # before the units containing experts
+    if whole:  # kept whole: out of FSDP, reduced after backward
+        kwargs = fsdp_kwargs(plan, mesh, ignored.parameters() | set(whole))
+    apply_fully_shard(target, root, plan, kwargs, shard_units)
+    whole = materialize(root, target, plan, mesh, device, ignored, ep_mesh if whole else None)
+    load_after_sharding = getattr(target, "load_after_sharding", None)  # FSDP2Mixin: pretrained shards
+    if callable(load_after_sharding):
+        load_after_sharding()
+    units = plan_units(target, plan) if shard_units is None else sharded_units(target, root)
+    prefetch = ExecutionOrderPrefetch(root, units, plan)
+    return ShardedModel(ignored, prefetch, ep_mesh, whole)
+
+
+def model_unit_sharding(target: nn.Module, config: FSDP2Config) -> Callable[[dict[str, Any]], None] | None:
+    """The model's own wrapping of its sub-modules (the seed's ``_fully_shard(fsdp2_kwargs, fsdp2_config)``), or
+    ``None`` when it has none or keeps ``FSDP2Mixin``'s default (which shards the plan's units, as
+    :func:`apply_fully_shard` does). ``target.fsdp2_config`` is set before the call, as in MindSpeed MM."""
+    custom = getattr(target, "_fully_shard", None)
+    if not callable(custom) or getattr(custom, "shards_plan_units", False):
+        return None
+
+    def shard_units(kwargs: dict[str, Any]) -> None:
+        target.fsdp2_config = config
+        custom(fsdp2_kwargs=kwargs, fsdp2_config=config)
+
+    return shard_units
+
+
+def fsdp_kwargs(plan: ShardingPlan, mesh: DeviceMesh, kept_whole: set[nn.Parameter]) -> dict[str, Any]:
+    """The keyword arguments every ``fully_shard`` call of this plan gets; ``kept_whole``: FSDP's ``ignored_params``
+    (the ignored modules' parameters, and local experts kept whole)."""
     mp = plan.precision
     return {
         "mesh": mesh,
@@ -72,35 +148,8 @@ def fsdp_kwargs(plan: ShardingPlan, mesh: DeviceMesh, ignored_params: set[nn.Par
             cast_forward_inputs=mp.cast_forward_inputs,
         ),
         "offload_policy": CPUOffloadPolicy(pin_memory=plan.pin_memory) if plan.offload_to_cpu else OffloadPolicy(),
-        "ignored_params": ignored_params or None,
+        "ignored_params": kept_whole or None,
     }
-
-
-def ignored_parameters(model: nn.Module, plan: ShardingPlan) -> set[nn.Parameter]:
-    """Parameters of the plan's ignored modules: kept whole on every rank, never sharded."""
-    return {p for path in plan.ignored for p in model.get_submodule(path).parameters()}
-
-
-def _cast_inputs_to_own_dtype(module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
-    dtype = next((p.dtype for p in module.parameters() if p.is_floating_point()), None)
-    if dtype is None:
-        return args, kwargs
-
-    def cast(x: Any) -> Any:
-        return x.to(dtype) if isinstance(x, torch.Tensor) and x.is_floating_point() else x
-
-    return tuple(cast(a) for a in args), {k: cast(v) for k, v in kwargs.items()}
-
-
-def apply_ignored_input_cast(modules: Iterable[nn.Module], plan: ShardingPlan) -> None:
-    """Ignored modules get no mixed-precision policy and compute in their own parameter dtype.
-
-    FSDP casts each unit's floating inputs to ``param_dtype``; an ignored module's inputs are cast to its own
-    parameter dtype instead, so that it keeps working when the root casts the batch.
-    """
-    if plan.precision.cast_forward_inputs and plan.precision.param_dtype is not None:
-        for module in modules:
-            module.register_forward_pre_hook(_cast_inputs_to_own_dtype, with_kwargs=True)
 
 
 # ------------------------------------------------------------------------------------------- recomputation
@@ -117,30 +166,81 @@ def apply_recompute(model: nn.Module, plan: ShardingPlan) -> None:
         module.forward = checkpointed_forward(module.forward, plan.use_reentrant, path)
 
 
+# ------------------------------------------------------------------------------------- expert parallelism
+def apply_experts(
+    model: nn.Module, plan: ShardingPlan, device_type: str, kwargs: dict[str, Any]
+) -> tuple[DeviceMesh | None, list[nn.Parameter]]:
+    """Split and route the plan's MoE modules over the expert mesh (before the units that contain them are
+    sharded): the expert mesh and the expert parameters kept whole (:mod:`~lightning_mm.core.expert_parallel`).
+    """
+    if plan.experts is None:
+        return None, []
+    ep_mesh = expert_parallel.build_ep_mesh(plan.world_size, plan.experts.expert_parallel_size, device_type)
+    return ep_mesh, expert_parallel.apply_expert_parallel(model, plan, ep_mesh, kwargs)
+
+
 # ------------------------------------------------------------------------------------------------ sharding
-def apply_fully_shard(model: nn.Module, root: nn.Module, plan: ShardingPlan, kwargs: dict[str, Any]) -> None:
+def apply_fully_shard(model: nn.Module, root: nn.Module, plan: ShardingPlan, kwargs: dict[str, Any],
+                      shard_units: Callable[[dict[str, Any]], None] | None = None) -> None:
     """``fully_shard`` every unit of the plan (children first, shared-parameter groups together), then the root.
 
     ``model`` is what the plan's paths are relative to; ``root`` is the module whose forward drives a step.
+    ``shard_units`` (a model's own ``_fully_shard``) shards the units instead of the plan's. Units the plan marks
+    ``keep_unsharded``, and the root when ``plan.keep_unsharded_for_backward``, are not resharded after forward.
     """
-    for unit in plan.units:
-        modules = [model.get_submodule(path) for path in unit.modules]
-        unit_kwargs = {**kwargs, "reshard_after_forward": False} if unit.keep_unsharded else kwargs
-        fully_shard(modules if len(modules) > 1 else modules[0], **unit_kwargs)
-    fully_shard(root, **kwargs)
+    if shard_units is not None:
+        shard_units(kwargs)
+    else:
+        for unit in plan.units:
+            modules = [model.get_submodule(path) for path in unit.modules]
+            unit_kwargs = {**kwargs, "reshard_after_forward": False} if unit.keep_unsharded else kwargs
+            fully_shard(modules if len(modules) > 1 else modules[0], **unit_kwargs)
+    root_kwargs = {**kwargs, "reshard_after_forward": False} if plan.keep_unsharded_for_backward else kwargs
+    fully_shard(root, **root_kwargs)
 
 
-def fsdp_units(root: nn.Module) -> list[FSDPModule]:
-    """Every module carrying its own FSDP state below (and including) ``root``, one per state."""
-    seen: set[int] = set()
-    units = []
-    for module in root.modules():
-        if isinstance(module, FSDPModule):
-            state = fsdp_state(module)
-            if id(state) not in seen:
-                seen.add(id(state))
-                units.append(module)
+@dataclass(frozen=True, eq=False)
+class Unit:
+    """One ``fully_shard`` call's modules (the first stands for the unit), by the name it is logged under."""
+
+    name: str
+    modules: tuple[nn.Module, ...]
+    manages_parameters: bool
+    """Whether ``fully_shard`` gave it parameters of its own (a unit may have none, e.g. a RoPE table)."""
+
+
+def plan_units(model: nn.Module, plan: ShardingPlan) -> list[Unit]:
+    """The units :func:`apply_fully_shard` and :func:`apply_experts` made from the plan (the root excepted)."""
+    units = [Unit(unit.modules[0], tuple(model.get_submodule(p) for p in unit.modules), unit.num_params > 0)
+             for unit in plan.units]
+    if plan.experts is not None and plan.experts.reshard_local_experts:  # each MoE module sharded on its own
+        units += [Unit(path, (model.get_submodule(path),), True) for path in plan.experts.modules]
     return units
+
+
+def sharded_units(model: nn.Module, root: nn.Module) -> list[Unit]:
+    """The units a model's own ``_fully_shard`` made, which the plan does not know: its ``FSDPModule`` s.
+
+    Modules sharded by one call share one FSDP state; telling them apart has no public API, so this (and only this)
+    asks FSDP's state (``lightning_mm._compat.fsdp_state``).
+    """
+    by_state: dict[int, list[tuple[str, nn.Module]]] = {}
+    for name, module in model.named_modules():
+        if isinstance(module, FSDPModule) and module is not root:
+            by_state.setdefault(id(fsdp_state(module)), []).append((name or "<root>", module))
+    return [Unit(members[0][0], tuple(m for _, m in members), _holds_sharded_parameters(m for _, m in members))
+            for members in by_state.values()]
+
+
+def _holds_sharded_parameters(modules: Iterable[nn.Module]) -> bool:
+    """Whether parameters of ``modules`` outside nested FSDP units are sharded (DTensors): FSDP manages them."""
+    def own(module: nn.Module) -> Iterator[nn.Parameter]:
+        yield from module.parameters(recurse=False)
+        for child in module.children():
+            if not isinstance(child, FSDPModule):
+                yield from own(child)
+
+    return any(isinstance(p, DTensor) for module in modules for p in own(module))
 
 
 # ------------------------------------------------------------------------------------------------ prefetch
@@ -148,36 +248,35 @@ class ExecutionOrderPrefetch:
     """Sets explicit FSDP2 prefetching from the order in which units actually run.
 
     Each unit records itself when its forward starts during the first forward pass through ``root``; when that
-    pass ends, unit *i* prefetches the next ``forward`` units in forward and the previous ``backward`` units in
-    backward. (Registration order, which the replaced system uses, is often not execution order.)
+    pass ends, unit *i* prefetches the next ``plan.forward_prefetch`` units in forward and the previous
+    ``plan.backward_prefetch`` units in backward. (Registration order, which the replaced system uses, is often not
+    execution order.)
 
-    With ``keep_unsharded_for_backward`` (the default) the root and the last unit to run forward keep their
-    parameters unsharded from their forward to their backward: backward needs them first, so resharding them
-    would only all-gather the same parameters again at once (two all-gathers per step saved; see
-    benchmarks/README.md). Every other unit follows ``reshard_after_forward``.
+    With ``plan.keep_unsharded_for_backward`` the last unit to run forward (that has parameters) keeps them
+    unsharded from its forward to its backward, as the root does (:func:`apply_fully_shard`).
     """
 
-    def __init__(self, root: nn.Module, units: Iterable[FSDPModule], forward: int, backward: int,
-                 names: dict[int, str] | None = None, keep_unsharded_for_backward: bool = True) -> None:
-        self.forward = forward
-        self.backward = backward
-        self.names = names or {}
-        self.keep_unsharded_for_backward = keep_unsharded_for_backward
-        self.kept_unsharded: list[nn.Module] = []
-        self.order: list[FSDPModule] = []
-        self._seen: set[int] = set()
-        self._handles = [u.register_forward_pre_hook(self._record) for u in units if u is not root]
-        self._handles.append(root.register_forward_hook(self._finish))
+    def __init__(self, root: nn.Module, units: Iterable[Unit], plan: ShardingPlan) -> None:
+        self.forward = plan.forward_prefetch
+        self.backward = plan.backward_prefetch
+        self.keep_unsharded_for_backward = plan.keep_unsharded_for_backward
         self.root = root
-        if keep_unsharded_for_backward and isinstance(root, FSDPModule):
-            root.set_reshard_after_forward(False, recurse=False)
-            self.kept_unsharded.append(root)
+        self.units = list(units)
+        self.names = {id(unit.modules[0]): unit.name for unit in self.units}
+        self.kept_unsharded: list[nn.Module] = [root] if plan.keep_unsharded_for_backward else []
+        self.order: list[FSDPModule] = []
+        self._ran: list[Unit] = []
+        self._handles = [module.register_forward_pre_hook(self._recorder(unit))
+                         for unit in self.units for module in unit.modules if module is not root]
+        self._handles.append(root.register_forward_hook(self._finish))
 
-    def _record(self, module: nn.Module, *_: Any) -> None:
-        state = id(fsdp_state(module))
-        if state not in self._seen:
-            self._seen.add(state)
-            self.order.append(module)  # type: ignore[arg-type]
+    def _recorder(self, unit: Unit) -> Callable[..., None]:
+        def record(*_: Any) -> None:
+            if unit not in self._ran:  # a unit of several modules records when the first of them runs
+                self._ran.append(unit)
+                self.order.append(unit.modules[0])  # type: ignore[arg-type]
+
+        return record
 
     def _finish(self, *_: Any) -> None:
         for handle in self._handles:
@@ -192,9 +291,9 @@ class ExecutionOrderPrefetch:
             if self.backward:  # 0 keeps FSDP2's implicit prefetch of the previous unit
                 unit.set_modules_to_backward_prefetch(reverse[i + 1 : i + 1 + self.backward])
         if self.keep_unsharded_for_backward:
-            last = next((u for u in reversed(self.order) if _manages_parameters(u)), None)
+            last = next((u.modules[0] for u in reversed(self._ran) if u.manages_parameters), None)
             if last is not None:
-                last.set_reshard_after_forward(False, recurse=False)
+                last.set_reshard_after_forward(False, recurse=False)  # type: ignore[operator]
                 self.kept_unsharded.append(last)
         if self.order:
             log.info("FSDP2 prefetch order (forward): %s", " -> ".join(self.name(u) for u in self.order))
@@ -202,17 +301,8 @@ class ExecutionOrderPrefetch:
             log.info("FSDP2 units kept unsharded from forward to backward (needed first in backward): %s",
                      ", ".join("<root>" if u is self.root else self.name(u) for u in self.kept_unsharded))
 
-    @property
-    def done(self) -> bool:
-        return not self._handles
-
     def name(self, unit: nn.Module) -> str:
         return self.names.get(id(unit), type(unit).__name__)
-
-
-def _manages_parameters(unit: FSDPModule) -> bool:
-    """Whether ``fully_shard`` gave this unit parameters of its own (a unit may have none, e.g. a RoPE table)."""
-    return bool(fsdp_param_groups(fsdp_state(unit)))
 
 
 # --------------------------------------------------------------------------------------- materialisation
@@ -264,12 +354,11 @@ def materialize_and_init(
     init_target: nn.Module,
     param_device: torch.device,
     compute_device: torch.device,
-    ignored_modules: Iterable[nn.Module] = (),
     init_fn: Callable[[nn.Module], None] = default_init,
 ) -> list[str]:
     """Give meta tensors real storage on ``param_device`` and initialise them; keep every real tensor as it was.
 
-    Buffers and ignored modules end up on ``compute_device`` (they differ when parameters are offloaded to CPU).
+    Buffers end up on ``compute_device`` (it differs from ``param_device`` when parameters are offloaded to CPU).
     Anything that was on the meta device and that ``init_fn`` leaves unfilled is an error naming it.
     Returns the names of the tensors that were materialised.
     """
@@ -300,9 +389,39 @@ def materialize_and_init(
             for name, old in real.items():
                 _local(fresh[name]).copy_(_local(old).to(_local(fresh[name]).device))
     _move_buffers(root, compute_device)
-    for module in ignored_modules:
-        module.to(compute_device)
     return meta
+
+
+def materialize(
+    root: nn.Module,
+    target: nn.Module,
+    plan: ShardingPlan,
+    mesh: DeviceMesh,
+    device: torch.device,
+    ignored: IgnoredModules,
+    ep_mesh: DeviceMesh | None = None,
+) -> list[nn.Parameter]:
+    """Materialise and initialise what was built on the meta device, then make the unsharded tensors agree.
+
+    Parameters live on ``device`` (on the CPU when offloaded), buffers and the ignored modules on ``device``.
+    Plain tensors that were materialised take rank 0's values; local experts kept whole (``ep_mesh`` given) take
+    those of the first rank of their ``ep_replicate`` column instead. Returns the whole local experts' parameters
+    (collected after materialisation, which may replace parameter objects).
+    """
+    param_device = torch.device("cpu") if plan.offload_to_cpu else device
+    with shard_distinct_rng(mesh):
+        materialized = materialize_and_init(root, target, param_device, device)
+    ignored.place(device)
+    whole: list[nn.Parameter] = []
+    if ep_mesh is not None:  # local experts differ along `ep`: equal only within an ep_replicate column
+        assert plan.experts is not None
+        whole = [p for m in plan.experts.modules for p in target.get_submodule(m).parameters()]
+        ids = {id(p) for p in whole}
+        names = dict(root.named_parameters())
+        materialized = [n for n in materialized if id(names.get(n)) not in ids]
+        expert_parallel.broadcast_expert_replicas(whole, ep_mesh)
+    broadcast_replicated(root, materialized)
+    return whole
 
 
 _CPU_MESH_RNG_WARNING = "DTensor random operators may not have complete support"
@@ -343,23 +462,3 @@ def broadcast_replicated(root: nn.Module, names: Iterable[str]) -> None:
             tensor = tensors[name]
             if not isinstance(tensor, DTensor):
                 dist.broadcast(tensor.data, src=0)
-
-
-# ------------------------------------------------------------------------------------- gradient sync
-def all_reduce_gradients(params: Iterable[nn.Parameter], group: Any = None) -> None:
-    """Average the gradients of unsharded (ignored) parameters across the data-parallel ranks."""
-    if not dist.is_initialized():
-        return
-    buckets: dict[tuple[torch.dtype, torch.device], list[torch.Tensor]] = {}
-    for p in params:
-        if p.grad is not None:
-            buckets.setdefault((p.grad.dtype, p.grad.device), []).append(p.grad)
-    world = dist.get_world_size(group)
-    for grads in buckets.values():  # one collective per dtype and device
-        flat = torch.cat([g.reshape(-1) for g in grads])
-        dist.all_reduce(flat, op=dist.ReduceOp.SUM, group=group)
-        flat.div_(world)
-        offset = 0
-        for g in grads:
-            g.copy_(flat[offset : offset + g.numel()].view_as(g))
-            offset += g.numel()

@@ -13,7 +13,6 @@ from dataclasses import dataclass
 
 from torch import nn
 
-from lightning_mm._module_paths import enclosing
 from lightning_mm.core.plan import ShardingPlan
 
 __all__ = ["RankMemory", "per_rank_memory", "local_numel"]
@@ -66,8 +65,7 @@ def per_rank_memory(model: nn.Module, plan: ShardingPlan, optimizer_states: int 
     for path, param in model.named_parameters():
         size = param.element_size()
         full = param.numel() * size
-        whole = enclosing(path, plan.ignored) is not None
-        local = full if whole else local_numel(tuple(param.shape), plan.sharding_size) * size
+        local = full if plan.is_ignored(path) else local_numel(tuple(param.shape), plan.sharding_size) * size
         params += local
         ddp_params += full
         if param.requires_grad:

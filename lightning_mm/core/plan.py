@@ -104,6 +104,11 @@ class ShardingPlan:
     notes: tuple[str, ...] = field(default=())
     experts: ExpertPlan | None = None
     """Expert parallelism, or None without it (``expert_parallel_size: 1``)."""
+    keep_unsharded_for_backward: bool = True
+    """The root and the last unit to run forward keep their parameters unsharded from forward to backward, whatever
+    ``reshard_after_forward`` says: backward needs them first, so resharding them would only all-gather the same
+    parameters again at once (two all-gathers per step saved; see benchmarks/README.md). The root is sharded so;
+    the last unit is known once the first forward has run (``apply.ExecutionOrderPrefetch``)."""
 
     @property
     def mesh_shape(self) -> tuple[int, ...]:
@@ -121,6 +126,10 @@ class ShardingPlan:
     def unit_modules(self) -> tuple[str, ...]:
         return tuple(m for unit in self.units for m in unit.modules)
 
+    def is_ignored(self, path: str) -> bool:
+        """Whether the module or parameter at ``path`` is inside an ``ignored_modules`` module (whole on every rank)."""
+        return any(_is_under(path, ignored) for ignored in self.ignored)
+
     def describe(self) -> str:
         """A readable summary: mesh, units with their parameter counts, ignored and recomputed modules."""
         def dt(d: torch.dtype | None) -> str:
@@ -128,11 +137,12 @@ class ShardingPlan:
 
         mesh = " x ".join(f"{n}={s}" for n, s in zip(self.mesh_dim_names, self.mesh_shape))
         kind = "HSDP" if self.is_hsdp else "FSDP"
+        root_kept = _KEPT if self.reshard_after_forward and self.keep_unsharded_for_backward else ""
         lines = [
             f"FSDP2 sharding plan: {kind}, world size {self.world_size}, mesh ({mesh})",
             f"  precision: param {dt(self.precision.param_dtype)}, reduce {dt(self.precision.reduce_dtype)}, "
             f"output {dt(self.precision.output_dtype)}, cast_forward_inputs={self.precision.cast_forward_inputs}",
-            f"  reshard_after_forward={self.reshard_after_forward}{_KEPT if self.reshard_after_forward else ''}"
+            f"  reshard_after_forward={self.reshard_after_forward}{root_kept}"
             f", offload_to_cpu={self.offload_to_cpu}{', pin_memory' if self.pin_memory else ''}",
             f"  units ({len(self.units)} + root, in wrapping order):",
         ]
@@ -161,7 +171,6 @@ class ShardingPlan:
             lines.append("  note: sharding_size 1 (the seed's default): parameters are replicated, not sharded; "
                          "set `sharding_size: auto` to shard over all ranks")
         return "\n".join(lines)
-
 
     @property
     def ep_mesh_shape(self) -> tuple[int, int] | None:
@@ -202,7 +211,7 @@ def _split(unit: ShardUnit) -> str:
     return f" ({unit.trainable_params:,} trainable, {unit.num_params - unit.trainable_params:,} frozen)"
 
 
-# apply.ExecutionOrderPrefetch keeps these two unsharded between their forward and their backward.
+# ShardingPlan.keep_unsharded_for_backward: these two stay unsharded between their forward and their backward.
 _KEPT = " (except the root and the last unit to run: backward needs them first)"
 
 
@@ -424,8 +433,13 @@ def build_plan(
     model: nn.Module,
     world_size: int,
     precision: MixedPrecision | None = None,
+    keep_unsharded_for_backward: bool = True,
 ) -> ShardingPlan:
-    """Resolve ``config`` against ``model`` for ``world_size`` ranks; every problem is a clear error here."""
+    """Resolve ``config`` against ``model`` for ``world_size`` ranks; every problem is a clear error here.
+
+    ``keep_unsharded_for_backward=False`` reshards the root and the last unit after forward like every other unit
+    (no YAML key: the measurements of benchmarks/README.md compare against it).
+    """
     sharding_size = config.resolve_sharding_size(world_size)
     wrapped = _resolve(model, config, "sub_modules_to_wrap")
     ignored = _resolve(model, config, "ignored_modules")
@@ -482,4 +496,5 @@ def build_plan(
         use_reentrant=config.use_reentrant,
         notes=tuple(notes),
         experts=experts,
+        keep_unsharded_for_backward=keep_unsharded_for_backward,
     )

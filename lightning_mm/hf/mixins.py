@@ -100,6 +100,10 @@ class FSDP2Mixin:
             modules = [self.get_submodule(path) for path in unit.modules]
             fully_shard(modules if len(modules) > 1 else modules[0], **fsdp2_kwargs)
 
+    # A duck-typed mark of this default, which does what the strategy does itself: the strategy calls only an
+    # override (``lightning_mm.core.apply.model_unit_sharding`` reads it; an override's function has none).
+    _fully_shard.shards_plan_units = True  # type: ignore[attr-defined]
+
 
 _NORMS = (nn.LayerNorm, nn.GroupNorm, nn.BatchNorm1d, nn.BatchNorm2d, nn.BatchNorm3d, nn.SyncBatchNorm,
           nn.InstanceNorm1d, nn.InstanceNorm2d, nn.InstanceNorm3d)

@@ -154,6 +154,12 @@ class MMLightningModule(L.LightningModule):
             f"{type(self).__name__}.loss_func cannot find a loss in a {type(output).__name__}; override loss_func"
         )
 
+    def sharding_target(self) -> nn.Module:
+        """The module the FSDP2 config's paths are relative to (``MMFSDP2Strategy`` asks): ``self.model``."""
+        if self.model is None:
+            raise RuntimeError("MMLightningModule.model_provider() did not build a model (self.model is None)")
+        return self.model
+
     # ------------------------------------------------------------------------ context parallelism
     handles_context_parallel: bool = False
     """``True``: this module's model runs its own attention context-parallel (with the helpers of

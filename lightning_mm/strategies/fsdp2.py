@@ -47,7 +47,6 @@ from lightning_mm.core.grad_mode import leave_inference_mode, outside_inference_
 from lightning_mm.core.init_context import meta_parameters
 from lightning_mm.core.optimizer import use_fused_steps
 from lightning_mm.core.plan import ShardingPlan, build_plan
-from lightning_mm.hf.records import hf_records
 from lightning_mm.strategies import stopping
 from lightning_mm.strategies.cp_setup import ContextParallelSetup
 from lightning_mm.strategies.precision import MMFSDP2Precision, resolve_mixed_precision
@@ -132,8 +131,9 @@ class MMFSDP2Strategy(ParallelStrategy):
     DDP and FSDP do). ``StochasticWeightAveraging`` is refused at setup: its averaging mixes DTensor and plain
     parameters.
 
-    Module paths in the config are relative to ``MMLightningModule.model`` (or to the LightningModule itself for
-    a plain one). The whole LightningModule is the FSDP root and each step runs through it.
+    Module paths in the config are relative to what the LightningModule's ``sharding_target()`` method returns when
+    it has one (``MMLightningModule``: its ``model``), else to the LightningModule itself. The whole LightningModule
+    is the FSDP root and each step runs through it.
     """
 
     strategy_name = "mm_fsdp2"
@@ -171,8 +171,7 @@ class MMFSDP2Strategy(ParallelStrategy):
         self.num_nodes = 1
         self._device_mesh: DeviceMesh | None = None
         self._plan: ShardingPlan | None = None
-        self._prefetch: apply.ExecutionOrderPrefetch | None = None
-        self._ignored_params: list[nn.Parameter] = []
+        self._sharded: apply.ShardedModel | None = None
         self._gradient_sync = True
         if checkpoint_format not in checkpoint.FORMATS:
             raise ValueError(f"checkpoint_format must be one of {checkpoint.FORMATS}, got {checkpoint_format!r}")
@@ -183,7 +182,6 @@ class MMFSDP2Strategy(ParallelStrategy):
         self._pending_rng_point: str | None = None
         self._pending_rng_step: int | None = None
         # Expert parallelism (set in `_shard` when the plan has experts).
-        self._whole_experts: list[nn.Parameter] = []  # local experts kept whole: gradients reduced in post_backward
         self._ep_mesh: DeviceMesh | None = None
         self._expert_layout: Any = None  # built on the first checkpoint save
         self._expert_names: Any = None
@@ -396,16 +394,12 @@ class MMFSDP2Strategy(ParallelStrategy):
                 yield
 
     def _sharding_target(self) -> nn.Module:
-        """The module the config's paths are relative to."""
+        """The module the config's paths are relative to: the LightningModule's ``sharding_target()`` (for
+        ``MMLightningModule``, its ``model``) when it has one, else the LightningModule itself."""
         lm = self.lightning_module
         assert lm is not None
-        from lightning_mm.modules.lightning_module import MMLightningModule
-
-        if isinstance(lm, MMLightningModule):
-            if lm.model is None:
-                raise RuntimeError("MMLightningModule.model_provider() did not build a model (self.model is None)")
-            return lm.model
-        return lm
+        sharding_target = getattr(lm, "sharding_target", None)
+        return sharding_target() if callable(sharding_target) else lm
 
     @override
     @outside_inference_mode
@@ -457,6 +451,7 @@ class MMFSDP2Strategy(ParallelStrategy):
             rank_zero_info(f"Optimizer step: {d.describe()}")
 
     def _shard(self, root: pl.LightningModule) -> None:
+        """Resolve the config and the precision, build the plan and log it, apply it (``apply.apply_plan``)."""
         target = self._sharding_target()
         config = self._config = self.fsdp2_config.with_model_defaults(target)
         precision = resolve_mixed_precision(config, str(self.precision_plugin.precision))
@@ -466,60 +461,9 @@ class MMFSDP2Strategy(ParallelStrategy):
         rank_zero_info(plan.describe())
         _check_supported(plan, self._context_parallel.size)
         self._context_parallel.apply(root, target)
-
-        ignored_modules = [target.get_submodule(p) for p in plan.ignored]
-        ignored = apply.ignored_parameters(target, plan)
-        kwargs = apply.fsdp_kwargs(plan, self.device_mesh, ignored)
-        apply.apply_recompute(target, plan)
-        apply.apply_ignored_input_cast(ignored_modules, plan)
-        self._whole_experts = []
-        if plan.experts is not None:  # before the units that contain the experts are sharded
-            from lightning_mm.core import expert_parallel
-
-            self._ep_mesh = expert_parallel.build_ep_mesh(
-                self.world_size, plan.experts.expert_parallel_size, self.root_device.type
-            )
-            self._whole_experts = expert_parallel.apply_expert_parallel(
-                target, plan, self._ep_mesh, kwargs
-            )
-            if self._whole_experts:  # kept whole: out of FSDP, reduced in post_backward
-                kwargs = apply.fsdp_kwargs(plan, self.device_mesh, ignored | set(self._whole_experts))
-        custom = getattr(target, "_fully_shard", None)
-        from lightning_mm.hf.mixins import FSDP2Mixin
-
-        if callable(custom) and type(target)._fully_shard is not FSDP2Mixin._fully_shard:
-            target.fsdp2_config = config
-            custom(fsdp2_kwargs=kwargs, fsdp2_config=config)
-            from torch.distributed.fsdp import fully_shard
-
-            fully_shard(root, **kwargs)
-        else:
-            apply.apply_fully_shard(target, root, plan, kwargs)
-
-        param_device = torch.device("cpu") if plan.offload_to_cpu else self.root_device
-        with apply.shard_distinct_rng(self.device_mesh):
-            materialized = apply.materialize_and_init(root, target, param_device, self.root_device, ignored_modules)
-        if self._whole_experts:  # local experts differ along `ep`: equal only within an ep_replicate column
-            from lightning_mm.core import expert_parallel
-
-            assert plan.experts is not None
-            self._whole_experts = [p for m in plan.experts.modules for p in target.get_submodule(m).parameters()]
-            whole = {id(p) for p in self._whole_experts}
-            names = dict(root.named_parameters())
-            materialized = [n for n in materialized if id(names.get(n)) not in whole]
-            expert_parallel.broadcast_expert_replicas(self._whole_experts, self._ep_mesh)
-        apply.broadcast_replicated(root, materialized)
-        load_after_sharding = getattr(target, "load_after_sharding", None)  # FSDP2Mixin: pretrained shards
-        if callable(load_after_sharding):
-            load_after_sharding()
-        # Collected after materialisation, which may replace parameter objects.
-        self._ignored_params = [p for m in ignored_modules for p in m.parameters() if p.requires_grad]
-
-        units = apply.fsdp_units(root)
-        names = {id(m): (n or "<root>") for n, m in target.named_modules() if isinstance(m, FSDPModule)}
-        self._prefetch = apply.ExecutionOrderPrefetch(
-            root, units, plan.forward_prefetch, plan.backward_prefetch, names
-        )
+        self._sharded = sharded = apply.apply_plan(root, target, plan, self.device_mesh, self.root_device,
+                                                   apply.model_unit_sharding(target, config))
+        self._ep_mesh = sharded.ep_mesh
 
     # ---------------------------------------------------------------------------------------- steps
     def _through_root(self, method: str, *args: Any, **kwargs: Any) -> Any:
@@ -567,12 +511,8 @@ class MMFSDP2Strategy(ParallelStrategy):
 
     @override
     def post_backward(self, closure_loss: Tensor) -> None:
-        if self._gradient_sync and self._ignored_params:
-            apply.all_reduce_gradients(self._ignored_params)
-        if self._gradient_sync and self._whole_experts:
-            from lightning_mm.core import expert_parallel
-
-            expert_parallel.all_reduce_expert_gradients(self._whole_experts, self._ep_mesh)
+        if self._gradient_sync and self._sharded is not None:  # FSDP reduces the rest in its own backward hooks
+            self._sharded.reduce_unsharded_gradients()
 
     @override
     def model_to_device(self) -> None:
@@ -732,7 +672,7 @@ class MMFSDP2Strategy(ParallelStrategy):
             "world_size": self.world_size,
             "mesh_shape": list(self.device_mesh.shape),
             "rng_point": self._rng_point(),
-            "hf": hf_records(lm),
+            **ckpt.collect_records(lm),  # what other layers record (registered record providers)
         }
         ckpt.save(checkpoint, path, self.checkpoint_format, extra, ckpt.capture_rng(self.root_device))
 

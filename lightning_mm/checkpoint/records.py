@@ -1,0 +1,39 @@
+"""Record providers: what other layers add to a training checkpoint's ``lightning_mm`` entry, through a hook.
+
+A provider is registered under a name (``register_record_provider("hf", hf_records)``, done by the Hugging Face
+integration when it is imported) and called with the LightningModule when a checkpoint is saved; what it returns
+(JSON-able data) is stored under its name next to the checkpoint's own keys. The strategy asks for
+:func:`collect_records` and names no provider.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+from torch import nn
+
+__all__ = ["RecordProvider", "register_record_provider", "collect_records"]
+
+RecordProvider = Callable[[nn.Module], Any]
+
+#: The checkpoint's own keys in the ``lightning_mm`` entry, which no provider may take.
+RESERVED = frozenset({"format_version", "format", "kind", "world_size", "mesh_shape", "rng_point", "ranks", "manifest"})
+
+_providers: dict[str, RecordProvider] = {}
+
+
+def register_record_provider(name: str, provider: RecordProvider) -> None:
+    """Record ``provider(root)`` under ``name`` in every training checkpoint saved from now on (idempotent for the
+    same provider; another provider under a taken name is an error)."""
+    if name in RESERVED:
+        raise ValueError(f"checkpoint record name {name!r} is one of the checkpoint's own keys ({sorted(RESERVED)})")
+    known = _providers.get(name)
+    if known is not None and known is not provider:
+        raise ValueError(f"a checkpoint record provider is already registered under {name!r} ({known!r})")
+    _providers[name] = provider
+
+
+def collect_records(root: nn.Module) -> dict[str, Any]:
+    """Every registered provider's record of ``root``, by name."""
+    return {name: provider(root) for name, provider in _providers.items()}
