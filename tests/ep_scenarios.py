@@ -47,6 +47,20 @@ EP_CASES = [
 RESUME = Case("qwen3_moe-resume-ep2-to-none", "qwen3_moe", _ep("qwen3_moe", 2), steps=6, resume_at=3)
 """Trained with EP 2 for 3 steps and saved; resumed without expert parallelism for the other 3."""
 
+CHAIN = Case("qwen3_moe-resume-chain", "qwen3_moe", steps=6)
+"""One training run of :data:`CHAIN_STAGES`: each stage resumes the previous stage's checkpoint (model and AdamW
+state, strictly) with other expert-parallel settings, trains, and saves its own checkpoint."""
+
+CHAIN_STAGES: list[tuple[str, dict[str, Any], int, str]] = [
+    # (label, FSDP2 keys, optimizer steps done at the end of the stage, format of the checkpoint it saves)
+    ("none", {}, 2, "torch_dcp"),
+    ("ep2", _ep("qwen3_moe", 2), 3, "torch_dcp"),  # no EP -> EP 2
+    ("ep4", _ep("qwen3_moe", 4), 4, "torch_dcp"),  # EP 2 -> EP 4
+    ("ep2-whole", _ep("qwen3_moe", 2, False), 5, "torch"),  # EP 4 -> EP 2 whole; saves one gathered file
+    ("ep2", _ep("qwen3_moe", 2), 6, "torch"),  # the gathered file -> EP 2 sharded (whole -> resharded)
+]
+"""Stage ``i`` trains up to its step count; its checkpoint is ``CHAIN.name.{i}.ckpt``."""
+
 
 def group_train(outdir: Path, ckptdir: Path) -> None:
     from tests.parity_scenarios import _finish, _fit, _guarded
@@ -63,6 +77,8 @@ def group_train(outdir: Path, ckptdir: Path) -> None:
         _guarded(case, outdir, run)
     if not only or RESUME.name in only.split(","):
         _guarded(RESUME, outdir, lambda: _resume(outdir, ckptdir))
+    if not only or CHAIN.name in only.split(","):
+        _chain(outdir, ckptdir)
     if not only or IDLE_RANK.name in only.split(","):
         _guarded(IDLE_RANK, outdir, lambda: _idle_rank(outdir))
 
@@ -139,6 +155,34 @@ def _resume(outdir: Path, ckptdir: Path) -> None:
     plain = Case(RESUME.name, RESUME.family, {}, steps=RESUME.steps)
     second, (trainer, module) = _fit(plain, ckptdir, outdir, RESUME.steps, devices=DEVICES, ckpt_path=str(path))
     _finish(RESUME, outdir, [first, second], trainer, module)
+
+
+def chain_checkpoint(outdir: Path, stage: int) -> Path:
+    return outdir / f"{CHAIN.name}.{stage}.ckpt"
+
+
+def _chain(outdir: Path, ckptdir: Path) -> None:
+    """Every stage of :data:`CHAIN_STAGES`, each resuming the last one's checkpoint. Each rank records the stages
+    it finished (``parts``) and, if one failed, which one and why; the stages after a failed one do not run."""
+    import traceback
+
+    import torch.distributed as dist
+
+    from tests.parity_scenarios import _dump, _fit
+
+    parts: list[dict[str, Any]] = []
+    error = None
+    try:
+        for i, (label, fsdp2, steps, fmt) in enumerate(CHAIN_STAGES):
+            stage = Case(f"{CHAIN.name}.{i}-{label}", CHAIN.family, fsdp2, steps=steps)
+            resume = str(chain_checkpoint(outdir, i - 1)) if i else None
+            record, (trainer, _) = _fit(stage, ckptdir, outdir, steps, devices=DEVICES, ckpt_path=resume)
+            trainer.strategy.checkpoint_format = fmt
+            trainer.save_checkpoint(chain_checkpoint(outdir, i))
+            parts.append(record)
+    except Exception:  # recorded for the tests; the later stages cannot run without this stage's checkpoint
+        error = f"stage {len(parts)} {CHAIN_STAGES[len(parts)][0]}:\n{traceback.format_exc()[-4000:]}"
+    _dump(CHAIN, outdir, dist.get_rank() if dist.is_initialized() else 0, {"parts": parts, "error": error})
 
 
 def _aligned_unit(trainer: Any, module: Any) -> list[str] | None:

@@ -243,22 +243,27 @@ def expert_state_names(root: nn.Module, plan: ShardingPlan, target: nn.Module) -
 
 class ExpertCheckpointLayout:
     """Saves the local experts as their share of the global tensor (all experts), so that a checkpoint of an EP run
-    loads without expert parallelism or with another ``expert_parallel_size`` (DCP reshards).
+    loads without expert parallelism or with another ``expert_parallel_size`` (DCP reshards), and loads them from it.
 
     Whole local experts (``reshard_local_experts: false``) are ``[Replicate, Shard(0)]`` on ``(ep_replicate, ep)``;
     FSDP-sharded ones are ``[Shard(0), Shard(0)]`` on ``(ep, ep_replicate)`` (the experts split over ``ep`` first,
-    each share's rows then over ``ep_replicate``, as FSDP chunks them).
+    each share's rows then over ``ep_replicate``, as FSDP chunks them). Those global tensors are views of the local
+    ones (:meth:`DTensor.from_local` shares the storage), so a checkpoint read into them fills the model's and the
+    optimiser's own tensors: any ``expert_parallel_size`` (1 included) reads any other.
     """
 
-    def __init__(self, ep_mesh: DeviceMesh, num_experts: int) -> None:
+    def __init__(self, ep_mesh: DeviceMesh, num_experts: int, names: set[str]) -> None:
         self.ep_mesh = ep_mesh
         self.num_experts = num_experts
+        self.names = names
+        """State-dict names of the expert parameters (:func:`expert_state_names`)."""
         self.ep_size = ep_mesh.size(1)
         # Every rank builds it (new process groups): an ordinary collective, once per run.
         self.transposed = DeviceMesh(ep_mesh.device_type, ep_mesh.mesh.t().contiguous(),
                                      mesh_dim_names=("ep", "ep_replicate"))
 
     def to_global(self, tensor: torch.Tensor) -> torch.Tensor:
+        """This rank's local experts (a plain tensor, or FSDP's shard of them) as its share of all experts."""
         from torch.distributed.tensor import DTensor, Replicate, Shard
 
         shape = torch.Size([tensor.shape[0] * self.ep_size, *tensor.shape[1:]])  # a DTensor: its local experts
@@ -266,19 +271,25 @@ class ExpertCheckpointLayout:
             return tensor
         stride = torch.empty(shape, device="meta").stride()
         if isinstance(tensor, DTensor):
-            return DTensor.from_local(tensor.to_local(), self.transposed, [Shard(0), Shard(0)], run_check=False,
-                                      shape=shape, stride=stride)
+            if tensor.device_mesh.size() == 1:  # whole experts FSDP manages on this rank alone (CPU offload)
+                tensor = tensor.to_local()
+            else:
+                return DTensor.from_local(tensor.to_local(), self.transposed, [Shard(0), Shard(0)],
+                                          run_check=False, shape=shape, stride=stride)
         return DTensor.from_local(tensor, self.ep_mesh, [Replicate(), Shard(0)], run_check=False, shape=shape,
                                   stride=stride)
 
-    def model_state(self, state: dict[str, Any], names: set[str]) -> dict[str, Any]:
-        return {k: (self.to_global(v) if k in names and isinstance(v, torch.Tensor) else v) for k, v in state.items()}
+    def model_state(self, state: dict[str, Any]) -> dict[str, Any]:
+        """A model state dict with the expert parameters as global tensors (views)."""
+        return {k: (self.to_global(v) if k in self.names and isinstance(v, torch.Tensor) else v)
+                for k, v in state.items()}
 
-    def optimizer_state(self, state: dict[str, Any], names: set[str]) -> dict[str, Any]:
+    def optimizer_state(self, state: dict[str, Any]) -> dict[str, Any]:
+        """A name-keyed optimiser state dict with the experts' state tensors (not ``step``) as global tensors."""
         per_param = state.get("state", {})
         converted = {
             key: ({k: (self.to_global(v) if isinstance(v, torch.Tensor) and v.ndim > 0 else v)
-                   for k, v in value.items()} if key in names and isinstance(value, dict) else value)
+                   for k, v in value.items()} if key in self.names and isinstance(value, dict) else value)
             for key, value in per_param.items()
         }
         return {**state, "state": converted}
