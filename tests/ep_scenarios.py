@@ -47,7 +47,7 @@ EP_CASES = [
 RESUME = Case("qwen3_moe-resume-ep2-to-none", "qwen3_moe", _ep("qwen3_moe", 2), steps=6, resume_at=3)
 """Trained with EP 2 for 3 steps and saved; resumed without expert parallelism for the other 3."""
 
-CHAIN = Case("qwen3_moe-resume-chain", "qwen3_moe", steps=6)
+CHAIN = Case("qwen3_moe-resume-chain", "qwen3_moe", steps=8)
 """One training run of :data:`CHAIN_STAGES`: each stage resumes the previous stage's checkpoint (model and AdamW
 state, strictly) with other expert-parallel settings, trains, and saves its own checkpoint."""
 
@@ -57,7 +57,9 @@ CHAIN_STAGES: list[tuple[str, dict[str, Any], int, str]] = [
     ("ep2", _ep("qwen3_moe", 2), 3, "torch_dcp"),  # no EP -> EP 2
     ("ep4", _ep("qwen3_moe", 4), 4, "torch_dcp"),  # EP 2 -> EP 4
     ("ep2-whole", _ep("qwen3_moe", 2, False), 5, "torch"),  # EP 4 -> EP 2 whole; saves one gathered file
-    ("ep2", _ep("qwen3_moe", 2), 6, "torch"),  # the gathered file -> EP 2 sharded (whole -> resharded)
+    ("ep2", _ep("qwen3_moe", 2), 6, "torch_dcp"),  # the gathered file -> EP 2 sharded (whole -> resharded)
+    ("ep2-whole-offload", _ep("qwen3_moe", 2, False, offload_to_cpu=True), 7, "torch_dcp"),  # CPU offload
+    ("ep2-offload", _ep("qwen3_moe", 2, offload_to_cpu=True), 8, "torch"),
 ]
 """Stage ``i`` trains up to its step count; its checkpoint is ``CHAIN.name.{i}.ckpt``."""
 
@@ -176,13 +178,30 @@ def _chain(outdir: Path, ckptdir: Path) -> None:
         for i, (label, fsdp2, steps, fmt) in enumerate(CHAIN_STAGES):
             stage = Case(f"{CHAIN.name}.{i}-{label}", CHAIN.family, fsdp2, steps=steps)
             resume = str(chain_checkpoint(outdir, i - 1)) if i else None
-            record, (trainer, _) = _fit(stage, ckptdir, outdir, steps, devices=DEVICES, ckpt_path=resume)
+            record, (trainer, module) = _fit(stage, ckptdir, outdir, steps, devices=DEVICES, ckpt_path=resume)
+            record["experts"] = _expert_units(module)
             trainer.strategy.checkpoint_format = fmt
             trainer.save_checkpoint(chain_checkpoint(outdir, i))
             parts.append(record)
     except Exception:  # recorded for the tests; the later stages cannot run without this stage's checkpoint
         error = f"stage {len(parts)} {CHAIN_STAGES[len(parts)][0]}:\n{traceback.format_exc()[-4000:]}"
     _dump(CHAIN, outdir, dist.get_rank() if dist.is_initialized() else 0, {"parts": parts, "error": error})
+
+
+def _expert_units(module: Any) -> list[dict[str, Any]]:
+    """Per MoE module: the size of the mesh FSDP shards it over and its offload policy (None when not in FSDP)."""
+    from torch.distributed.fsdp import FSDPModule
+
+    out = []
+    for path in [f"model.layers.{i}.mlp.experts" for i in range(2)]:  # Qwen3-MoE's (CHAIN.family)
+        experts = module.model.get_submodule(path)
+        if not isinstance(experts, FSDPModule):
+            out.append({"fsdp_mesh": None, "offload": None, "device": str(next(experts.parameters()).device)})
+            continue
+        group = experts._get_fsdp_state()._fsdp_param_group
+        out.append({"fsdp_mesh": group.mesh_info.mesh.size(), "offload": type(group.offload_policy).__name__,
+                    "device": str(group.fsdp_params[0].sharded_param.device)})
+    return out
 
 
 def _aligned_unit(trainer: Any, module: Any) -> list[str] | None:

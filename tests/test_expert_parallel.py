@@ -125,8 +125,9 @@ def chain(runs) -> tuple[list[list[dict[str, Any]]], Any, str | None]:
                               for i, (label, *_) in enumerate(CHAIN_STAGES)])
 def test_resume_chain_losses_equal_transformers(chain, stage):
     """Each stage resumed the previous one's checkpoint (model and optimiser, strictly) with other expert-parallel
-    settings (no EP -> EP 2 -> EP 4 -> EP 2 whole -> gathered `torch` file -> EP 2 sharded): its per-step losses
-    equal one uninterrupted Transformers run over the same global batches."""
+    settings (no EP -> EP 2 -> EP 4 -> EP 2 whole -> gathered `torch` file -> EP 2 sharded -> EP 2 whole with CPU
+    offload -> EP 2 sharded with CPU offload): its per-step losses equal one uninterrupted Transformers run over the
+    same global batches."""
     stages, ref, error = chain
     assert stage < len(stages), f"stage {stage} did not run: {error}"
     steps_done = CHAIN_STAGES[stage][2]
@@ -139,8 +140,8 @@ def test_resume_chain_losses_equal_transformers(chain, stage):
 
 
 def test_resume_chain_final_gathered_checkpoint_equals_transformers(runs, chain):
-    """The last stage (EP 2, FSDP-sharded experts) saved a `torch` file: all experts, gathered, equal to the
-    reference's weights after every step; the EP 2 whole-experts stage's file holds all experts too."""
+    """The last stage (EP 2, FSDP-sharded experts, CPU offload) saved a `torch` file: all experts, gathered, equal
+    to the reference's weights after every step; the EP 2 whole-experts stage's file holds all experts too."""
     out, _ = runs
     stages, ref, error = chain
     assert len(stages) == len(CHAIN_STAGES), error
@@ -161,6 +162,27 @@ def test_resume_chain_final_gathered_checkpoint_equals_transformers(runs, chain)
     final = {k.removeprefix("model."): v for k, v in saved.items()}
     worst = max(weight_errors(final, ref).items(), key=lambda kv: kv[1])
     assert worst[1] <= FP32_WEIGHTS, f"final weights differ from the reference: {worst}"
+
+
+def test_cpu_offload_covers_the_experts(chain):
+    """`offload_to_cpu: true` with EP: FSDP offloads the local experts too, the FSDP-sharded ones over ep_replicate
+    and the whole ones (`reshard_local_experts: false`) as a unit of their rank alone; without offload, whole local
+    experts stay out of FSDP."""
+    stages, _, error = chain
+    assert len(stages) == len(CHAIN_STAGES), error
+    for (label, fsdp2, _, _), stage in zip(CHAIN_STAGES, stages):
+        if not fsdp2:
+            continue
+        whole = not fsdp2["reshard_local_experts"]
+        replicas = DEVICES // fsdp2["expert_parallel_size"]
+        if fsdp2.get("offload_to_cpu"):
+            expected = {"fsdp_mesh": 1 if whole else replicas, "offload": "CPUOffloadPolicy", "device": "cpu"}
+        elif whole:
+            expected = {"fsdp_mesh": None, "offload": None, "device": "cpu"}
+        else:
+            expected = {"fsdp_mesh": replicas, "offload": "OffloadPolicy", "device": "cpu"}
+        for r, rank in enumerate(stage):
+            assert rank["experts"] == [expected] * 2, (label, r, rank["experts"])
 
 
 def test_rank_whose_experts_get_no_token_takes_part_in_backward(runs):

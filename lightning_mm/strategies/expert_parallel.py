@@ -31,7 +31,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
-from torch.distributed.fsdp import fully_shard
+from torch.distributed.fsdp import CPUOffloadPolicy, fully_shard
 
 from lightning_mm.strategies.plan import ShardingPlan, ep_mesh_layout
 
@@ -190,22 +190,39 @@ def apply_expert_parallel(
     ep = ExpertGroup(ep_mesh.get_group("ep"), ep_mesh.get_local_rank("ep"), experts.expert_parallel_size,
                      experts.num_experts)
     kept: list[nn.Parameter] = []
+    # With CPU offload, whole local experts are an FSDP unit over this rank alone: FSDP keeps them (and their
+    # gradients and optimiser step) on the CPU and brings them to the device for forward and backward, as it does
+    # for every other unit; their gradients are still averaged over ep_replicate by all_reduce_expert_gradients.
+    offloaded = isinstance(fsdp_kwargs.get("offload_policy"), CPUOffloadPolicy)
+    alone = own_rank_mesh(ep_mesh.device_type) if offloaded and not experts.reshard_local_experts else None
     for path in experts.modules:
         module = model.get_submodule(path)
         split_experts(module, path, ep)
         module.forward = _forward_of(model, path, module, ep)
-        if experts.reshard_local_experts:
+        if experts.reshard_local_experts or alone is not None:
             kwargs = copy.copy(fsdp_kwargs)
-            kwargs.update(mesh=ep_mesh["ep_replicate"], ignored_params=None)
-            fully_shard(module, **kwargs)  # averages over ep_replicate; the routed forward did the 1/ep
-        else:
+            # averages over ep_replicate (the routed forward did the 1/ep), or over this rank alone (kept whole)
+            kwargs.update(mesh=alone if alone is not None else ep_mesh["ep_replicate"], ignored_params=None)
+            fully_shard(module, **kwargs)
+        if not experts.reshard_local_experts:
             kept.extend(module.parameters())
     return kept
 
 
+def own_rank_mesh(device_type: str) -> DeviceMesh:
+    """A 1-rank mesh of this rank alone (every rank calls this: it creates one process group per rank)."""
+    return init_device_mesh(device_type, (dist.get_world_size(), 1), mesh_dim_names=("world", "alone"))["alone"]
+
+
+def _local(t: torch.Tensor) -> torch.Tensor:
+    from torch.distributed.tensor import DTensor
+
+    return t.to_local() if isinstance(t, DTensor) else t
+
+
 def all_reduce_expert_gradients(params: list[nn.Parameter], ep_mesh: DeviceMesh) -> None:
     """Average the whole local experts' gradients over ``ep_replicate`` (the routed forward scaled them by 1/ep)."""
-    grads = [p.grad for p in params if p.grad is not None]
+    grads = [_local(p.grad) for p in params if p.grad is not None]  # DTensors of a 1-rank mesh when offloaded
     if not grads:
         return
     flat = torch.cat([g.reshape(-1) for g in grads])
@@ -226,7 +243,7 @@ def broadcast_expert_replicas(params: list[nn.Parameter], ep_mesh: DeviceMesh) -
     src = dist.get_global_rank(group, 0)
     with torch.no_grad():
         for p in params:
-            dist.broadcast(p.data, src=src, group=group)
+            dist.broadcast(_local(p.data), src=src, group=group)
 
 
 # ---------------------------------------------------------------------------------------------- checkpoints

@@ -793,9 +793,6 @@ class MMFSDP2Strategy(ParallelStrategy):
 
 def _check_supported(plan: Any, context_parallel_size: int = 1) -> None:
     """Settings the plan accepts whose doing is not implemented yet fail here, before any sharding."""
-    if plan.experts is not None and plan.offload_to_cpu:
-        raise NotImplementedError("FSDP2 config keys `expert_parallel_size` > 1 with `offload_to_cpu: true`: not "
-                                  "supported yet")
     if plan.experts is not None and context_parallel_size > 1:
         raise NotImplementedError("FSDP2 config key `expert_parallel_size` > 1 with MMFSDP2Strategy("
                                   "context_parallel_size > 1): not supported yet (each works on its own)")
