@@ -288,7 +288,7 @@ class ExpertCheckpointLayout:
             return tensor
         stride = torch.empty(shape, device="meta").stride()
         if isinstance(tensor, DTensor):
-            if tensor.device_mesh.size() == 1:  # whole experts FSDP manages on this rank alone (CPU offload)
+            if tensor.device_mesh.size() == 1:  # a 1-rank FSDP mesh holds them whole (CPU offload; ep = world)
                 tensor = tensor.to_local()
             else:
                 return DTensor.from_local(tensor.to_local(), self.transposed, [Shard(0), Shard(0)],
