@@ -17,7 +17,7 @@ from typing import Any
 import pytest
 import torch
 
-from tests.ep_scenarios import CHAIN, CHAIN_STAGES, DEVICES, EP_CASES, RESUME, chain_checkpoint
+from tests.ep_scenarios import CHAIN, CHAIN_STAGES, DEVICES, EP_CASES, chain_checkpoint
 from tests.moe_models import register_moe_families, save_moe_checkpoints
 from tests.parity import global_losses, global_steps, reference_run, relative_errors, weight_errors
 
@@ -74,39 +74,6 @@ def test_aligned_unit_holds_exactly_the_norms_and_routers(runs):
     assert aligned == expected
 
 
-def test_ep2_checkpoint_resumes_without_ep_exactly(runs):
-    out, ckpts = runs
-    case = RESUME
-    ranks = _ranks(out, case.name)
-    first, second = [r["parts"][0] for r in ranks], [r["parts"][1] for r in ranks]
-    steps = global_steps(case, first) + global_steps(case, second)
-    assert len(global_steps(case, first)) == case.resume_at and len(steps) == case.steps
-    ref = reference_run(case, steps, ckpts / case.family)
-    errors = relative_errors(global_losses(first) + global_losses(second), ref.losses)
-    assert max(errors) < FP32_LOSS, f"per-step relative loss errors {errors}"
-    final = torch.load(out / f"{case.name}.pt", weights_only=True)
-    worst = max(weight_errors(final, ref).items(), key=lambda kv: kv[1])
-    assert worst[1] <= FP32_WEIGHTS, f"final weights differ from the reference: {worst}"
-
-
-def test_ep2_checkpoint_converts_to_transformers_layout(runs, tmp_path):
-    import transformers
-
-    from lightning_mm.strategies.checkpoint.convert import dcp_to_hf
-
-    out, ckpts = runs
-    case = RESUME
-    hf_dir = dcp_to_hf(out / f"{case.name}.ckpt", tmp_path / "hf")
-    model = transformers.Qwen3MoeForCausalLM.from_pretrained(str(hf_dir), dtype=torch.float32)
-    first = [r["parts"][0] for r in _ranks(out, case.name)]
-    ref = reference_run(case, global_steps(case, first), ckpts / case.family)  # the 3 steps before the save
-    state = dict(model.named_parameters())
-    assert state["model.layers.0.mlp.experts.gate_up_proj"].shape[0] == 8  # all experts, fused as Transformers has
-    errors = {n: float((state[n].detach() - t).norm() / t.norm()) for n, t in ref.final.items()}
-    worst = max(errors.items(), key=lambda kv: kv[1])
-    assert worst[1] <= FP32_WEIGHTS, f"converted weights differ from the reference after 3 steps: {worst}"
-
-
 @pytest.fixture(scope="module")
 def chain(runs) -> tuple[list[list[dict[str, Any]]], Any, str | None]:
     """The resume chain: per stage, each rank's record; the reference over the stages that ran; the error."""
@@ -125,9 +92,9 @@ def chain(runs) -> tuple[list[list[dict[str, Any]]], Any, str | None]:
                               for i, (label, *_) in enumerate(CHAIN_STAGES)])
 def test_resume_chain_losses_equal_transformers(chain, stage):
     """Each stage resumed the previous one's checkpoint (model and optimiser, strictly) with other expert-parallel
-    settings (no EP -> EP 2 -> EP 4 -> EP 2 whole -> gathered `torch` file -> EP 2 sharded -> EP 2 whole with CPU
-    offload -> EP 2 sharded with CPU offload): its per-step losses equal one uninterrupted Transformers run over the
-    same global batches."""
+    settings (no EP -> EP 2 -> EP 4 -> EP 2 whole -> gathered `torch` file -> EP 2 sharded with CPU offload ->
+    `torch` file -> EP 2 whole with CPU offload -> no EP): its per-step losses equal one uninterrupted Transformers
+    run over the same global batches."""
     stages, ref, error = chain
     assert stage < len(stages), f"stage {stage} did not run: {error}"
     steps_done = CHAIN_STAGES[stage][2]
@@ -140,8 +107,9 @@ def test_resume_chain_losses_equal_transformers(chain, stage):
 
 
 def test_resume_chain_final_gathered_checkpoint_equals_transformers(runs, chain):
-    """The last stage (EP 2, FSDP-sharded experts, CPU offload) saved a `torch` file: all experts, gathered, equal
-    to the reference's weights after every step; the EP 2 whole-experts stage's file holds all experts too."""
+    """The `torch` files of the EP 2 stages (whole experts; FSDP-sharded with CPU offload) hold all experts and their
+    AdamW moments, gathered; the last stage's (no EP, resumed from EP 2) weights equal the reference's after every
+    step."""
     out, _ = runs
     stages, ref, error = chain
     assert len(stages) == len(CHAIN_STAGES), error
@@ -183,6 +151,26 @@ def test_cpu_offload_covers_the_experts(chain):
             expected = {"fsdp_mesh": replicas, "offload": "OffloadPolicy", "device": "cpu"}
         for r, rank in enumerate(stage):
             assert rank["experts"] == [expected] * 2, (label, r, rank["experts"])
+
+
+def test_ep2_checkpoint_converts_to_transformers_layout(runs, chain, tmp_path):
+    import transformers
+
+    from lightning_mm.strategies.checkpoint.convert import dcp_to_hf
+
+    out, ckpts = runs
+    stages, _, error = chain
+    assert len(stages) > 1, error
+    assert CHAIN_STAGES[1][0] == "ep2" and CHAIN_STAGES[1][3] == "torch_dcp"
+    hf_dir = dcp_to_hf(chain_checkpoint(out, 1), tmp_path / "hf")
+    model = transformers.Qwen3MoeForCausalLM.from_pretrained(str(hf_dir), dtype=torch.float32)
+    steps = [s for stage in stages[:2] for s in global_steps(CHAIN, stage)]
+    ref = reference_run(CHAIN, steps, ckpts / CHAIN.family)  # the 3 steps before the EP 2 stage saved
+    state = dict(model.named_parameters())
+    assert state["model.layers.0.mlp.experts.gate_up_proj"].shape[0] == 8  # all experts, fused as Transformers has
+    errors = {n: float((state[n].detach() - t).norm() / t.norm()) for n, t in ref.final.items()}
+    worst = max(errors.items(), key=lambda kv: kv[1])
+    assert worst[1] <= FP32_WEIGHTS, f"converted weights differ from the reference after 3 steps: {worst}"
 
 
 def test_rank_whose_experts_get_no_token_takes_part_in_backward(runs):
