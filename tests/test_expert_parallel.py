@@ -236,3 +236,30 @@ def test_optimizer_state_loads_into_parameters_grouped_differently(tmp_path):
     with pytest.raises(CheckpointKeyError, match="1 parameter group"):
         store.load(tmp_path / "two_lrs.ckpt", single, [single_opt], strict=True, rank=0, world_size=1,
                    fitting=True, schedulers=[single_sched])
+
+
+def test_nested_scheduler_states_are_regrouped_but_not_their_milestones():
+    """SequentialLR keeps its schedulers' states (with per-group lists) and its milestones (not per group)."""
+    from lightning_mm.strategies.checkpoint.store import _remap_scheduler
+
+    def sequential(groups: int) -> Any:
+        opt = torch.optim.SGD([{"params": [torch.nn.Parameter(torch.zeros(1))]} for _ in range(groups)], lr=0.1)
+        first = torch.optim.lr_scheduler.ConstantLR(opt, factor=0.5, total_iters=1)
+        return torch.optim.lr_scheduler.SequentialLR(
+            opt, [first, torch.optim.lr_scheduler.ExponentialLR(opt, gamma=0.9)], milestones=[1])
+
+    one = sequential(1)
+    for _ in range(3):
+        one.optimizer.step()
+        one.step()
+    state = _remap_scheduler(one.state_dict(), [0, 0], 1)
+    assert state["_milestones"] == [1] and all(len(s["base_lrs"]) == 2 for s in state["_schedulers"])
+    two = sequential(2)
+    two.load_state_dict(state)
+    for group in two.optimizer.param_groups:  # restored with the optimiser's state
+        group["lr"] = one.optimizer.param_groups[0]["lr"]
+    two.optimizer.step()
+    two.step()
+    one.optimizer.step()
+    one.step()
+    assert [g["lr"] for g in two.optimizer.param_groups] == pytest.approx([one.optimizer.param_groups[0]["lr"]] * 2)

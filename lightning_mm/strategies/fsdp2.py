@@ -796,4 +796,3 @@ def _check_supported(plan: Any, context_parallel_size: int = 1) -> None:
     if plan.experts is not None and context_parallel_size > 1:
         raise NotImplementedError("FSDP2 config key `expert_parallel_size` > 1 with MMFSDP2Strategy("
                                   "context_parallel_size > 1): not supported yet (each works on its own)")
-

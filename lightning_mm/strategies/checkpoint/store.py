@@ -456,7 +456,9 @@ def _saved_by_name(source: CheckpointSource, saved: Mapping[str, Any], current_g
 
 
 def _load_optimizer(source: CheckpointSource, model: nn.Module, optimizer: Any, index: int, strict: bool,
-                    view: StateView | None = None) -> list[str]:
+                    view: StateView | None = None) -> tuple[list[str], list[int] | None]:
+    """Load one optimiser's state in place; returns the skipped keys, and how its groups were regrouped
+    (:func:`_merge_param_groups`)."""
     optim = _unwrap(optimizer)
     current = optimizer_state(model, optim, full=False)  # creates the state entries if the optimiser has none yet
     shown = view(current) if view is not None else current  # the same storage, seen as the checkpoint stores it
@@ -561,12 +563,23 @@ def _merge_param_groups(current: list[dict], saved: list[dict], path: Path, inde
     return merged, None
 
 
+_PER_GROUP = ("base_lrs", "_last_lr", "lr_lambdas", "min_lrs", "max_lrs")
+"""The per-parameter-group lists in the state of torch's LR schedulers (``SequentialLR`` and ``ChainedScheduler``
+keep their schedulers' states in ``_schedulers``)."""
+
+
 def _remap_scheduler(state: Any, sources: list[int], saved_groups: int) -> Any:
     """A scheduler's per-group lists (``base_lrs``, ``_last_lr``, ...) in the current groups' order."""
     if not isinstance(state, dict):
         return state
-    return {k: ([v[j] for j in sources] if isinstance(v, (list, tuple)) and len(v) == saved_groups else v)
-            for k, v in state.items()}
+    out = {}
+    for key, value in state.items():
+        if key in _PER_GROUP and isinstance(value, (list, tuple)) and len(value) == saved_groups:
+            value = [value[j] for j in sources]
+        elif key == "_schedulers" and isinstance(value, list):
+            value = [_remap_scheduler(v, sources, saved_groups) for v in value]
+        out[key] = value
+    return out
 
 
 def load(
