@@ -5,7 +5,8 @@
 Each case of :data:`EP_CASES` trains a tiny Qwen3-MoE or Qwen3-VL-MoE (``tests/moe_models.py``) through
 ``TransformersModel`` with ``Trainer(accelerator="cpu", devices=4)`` (real gloo collectives) and records, per rank
 and micro-batch, its loss and its samples (``tests/parity_scenarios.py`` does the training and the recording);
-``tests/test_expert_parallel.py`` compares them with a one-process Transformers reference. Nothing is mocked.
+``tests/test_expert_parallel.py`` compares them with a one-process Transformers reference. The resume chain
+(:data:`CHAIN_STAGES`) trains one run in stages, each resuming the previous stage's checkpoint. Nothing is mocked.
 """
 
 from __future__ import annotations

@@ -1,8 +1,9 @@
 """Expert parallelism and aligned parameter groups on 4 CPU ranks against one-process Transformers (issue #15).
 
-One launch (``tests/ep_scenarios.py``) trains every case of ``EP_CASES`` with ``Trainer(devices=4)`` and real gloo
-collectives; the references are plain Transformers models trained here with the same AdamW over the same global
-batches (``tests/parity.py``). fp32: relative 1e-5 per micro-batch loss.
+One launch (``tests/ep_scenarios.py``) trains every case of ``EP_CASES``, and the resume chain of ``CHAIN_STAGES``
+(each stage resumes the last one's checkpoint with other expert-parallel settings, formats and CPU offload), with
+``Trainer(devices=4)`` and real gloo collectives; the references are plain Transformers models trained here with the
+same AdamW over the same global batches (``tests/parity.py``). fp32: relative 1e-5 per micro-batch loss.
 """
 
 from __future__ import annotations
