@@ -1,12 +1,15 @@
-"""Warnings shown once per job (by global rank 0) without importing Lightning: for the layers below it."""
+"""Messages given once per job (by global rank 0) without importing Lightning: for the layers below it."""
 
 from __future__ import annotations
 
+import logging
 import warnings
 
 import torch.distributed as dist
 
-__all__ = ["is_rank_zero", "rank_zero_warn"]
+__all__ = ["is_rank_zero", "rank_zero_info", "rank_zero_warn"]
+
+log = logging.getLogger("lightning_mm")
 
 
 def is_rank_zero() -> bool:
@@ -18,3 +21,9 @@ def rank_zero_warn(message: str, category: type[Warning] = UserWarning, stacklev
     """``warnings.warn`` on global rank 0 only (the caller's caller is named as the place)."""
     if is_rank_zero():
         warnings.warn(message, category, stacklevel=stacklevel)
+
+
+def rank_zero_info(message: str) -> None:
+    """An INFO record of the ``lightning_mm`` logger, on global rank 0 only."""
+    if is_rank_zero():
+        log.info(message)

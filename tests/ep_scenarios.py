@@ -5,7 +5,8 @@
 Each case of :data:`EP_CASES` trains a tiny Qwen3-MoE or Qwen3-VL-MoE (``tests/moe_models.py``) through
 ``TransformersModel`` with ``Trainer(accelerator="cpu", devices=4)`` (real gloo collectives) and records, per rank
 and micro-batch, its loss and its samples (``tests/parity_scenarios.py`` does the training and the recording);
-``tests/test_expert_parallel.py`` compares them with a one-process Transformers reference. Nothing is mocked.
+``tests/test_expert_parallel.py`` compares them with a one-process Transformers reference. The resume chain
+(:data:`CHAIN_STAGES`) trains one run in stages, each resuming the previous stage's checkpoint. Nothing is mocked.
 """
 
 from __future__ import annotations
@@ -44,8 +45,21 @@ EP_CASES = [
          steps=STEPS),
 ]
 
-RESUME = Case("qwen3_moe-resume-ep2-to-none", "qwen3_moe", _ep("qwen3_moe", 2), steps=6, resume_at=3)
-"""Trained with EP 2 for 3 steps and saved; resumed without expert parallelism for the other 3."""
+CHAIN = Case("qwen3_moe-resume-chain", "qwen3_moe", steps=8)
+"""One training run of :data:`CHAIN_STAGES`: each stage resumes the previous stage's checkpoint (model and AdamW
+state, strictly) with other expert-parallel settings, trains, and saves its own checkpoint."""
+
+CHAIN_STAGES: list[tuple[str, dict[str, Any], int, str]] = [
+    # (label, FSDP2 keys, optimizer steps done at the end of the stage, format of the checkpoint it saves)
+    ("none", {}, 2, "torch_dcp"),
+    ("ep2", _ep("qwen3_moe", 2), 3, "torch_dcp"),  # no EP -> EP 2 (its checkpoint: converted to HF's layout)
+    ("ep4", _ep("qwen3_moe", 4), 4, "torch_dcp"),  # EP 2 -> EP 4
+    ("ep2-whole", _ep("qwen3_moe", 2, False), 5, "torch"),  # EP 4 -> EP 2 whole; saves one gathered file
+    ("ep2-offload", _ep("qwen3_moe", 2, offload_to_cpu=True), 6, "torch"),  # the file -> EP 2 sharded, offloaded
+    ("ep2-whole-offload", _ep("qwen3_moe", 2, False, offload_to_cpu=True), 7, "torch_dcp"),  # a file -> whole
+    ("none", {}, 8, "torch"),  # EP 2 -> no EP; the final weights are compared from its gathered file
+]
+"""Stage ``i`` trains up to its step count; its checkpoint is ``CHAIN.name.{i}.ckpt``."""
 
 
 def group_train(outdir: Path, ckptdir: Path) -> None:
@@ -61,8 +75,8 @@ def group_train(outdir: Path, ckptdir: Path) -> None:
             _finish(case, outdir, [record], trainer, module)
 
         _guarded(case, outdir, run)
-    if not only or RESUME.name in only.split(","):
-        _guarded(RESUME, outdir, lambda: _resume(outdir, ckptdir))
+    if not only or CHAIN.name in only.split(","):
+        _chain(outdir, ckptdir)
     if not only or IDLE_RANK.name in only.split(","):
         _guarded(IDLE_RANK, outdir, lambda: _idle_rank(outdir))
 
@@ -129,16 +143,49 @@ def _idle_rank(outdir: Path) -> None:
     }]})
 
 
-def _resume(outdir: Path, ckptdir: Path) -> None:
-    from tests.parity_scenarios import _finish, _fit
+def chain_checkpoint(outdir: Path, stage: int) -> Path:
+    return outdir / f"{CHAIN.name}.{stage}.ckpt"
 
-    assert RESUME.resume_at is not None
-    first, (trainer, _) = _fit(RESUME, ckptdir, outdir, RESUME.resume_at, devices=DEVICES)
-    path = outdir / f"{RESUME.name}.ckpt"
-    trainer.save_checkpoint(path)
-    plain = Case(RESUME.name, RESUME.family, {}, steps=RESUME.steps)
-    second, (trainer, module) = _fit(plain, ckptdir, outdir, RESUME.steps, devices=DEVICES, ckpt_path=str(path))
-    _finish(RESUME, outdir, [first, second], trainer, module)
+
+def _chain(outdir: Path, ckptdir: Path) -> None:
+    """Every stage of :data:`CHAIN_STAGES`, each resuming the last one's checkpoint. Each rank records the stages
+    it finished (``parts``) and, if one failed, which one and why; the stages after a failed one do not run."""
+    import traceback
+
+    import torch.distributed as dist
+
+    from tests.parity_scenarios import _dump, _fit
+
+    parts: list[dict[str, Any]] = []
+    error = None
+    try:
+        for i, (label, fsdp2, steps, fmt) in enumerate(CHAIN_STAGES):
+            stage = Case(f"{CHAIN.name}.{i}-{label}", CHAIN.family, fsdp2, steps=steps)
+            resume = str(chain_checkpoint(outdir, i - 1)) if i else None
+            record, (trainer, module) = _fit(stage, ckptdir, outdir, steps, devices=DEVICES, ckpt_path=resume)
+            record["experts"] = _expert_units(module)
+            trainer.strategy.checkpoint_format = fmt
+            trainer.save_checkpoint(chain_checkpoint(outdir, i))
+            parts.append(record)
+    except Exception:  # recorded for the tests; the later stages cannot run without this stage's checkpoint
+        error = f"stage {len(parts)} {CHAIN_STAGES[len(parts)][0]}:\n{traceback.format_exc()[-4000:]}"
+    _dump(CHAIN, outdir, dist.get_rank() if dist.is_initialized() else 0, {"parts": parts, "error": error})
+
+
+def _expert_units(module: Any) -> list[dict[str, Any]]:
+    """Per MoE module: the size of the mesh FSDP shards it over and its offload policy (None when not in FSDP)."""
+    from torch.distributed.fsdp import FSDPModule
+
+    out = []
+    for path in [f"model.layers.{i}.mlp.experts" for i in range(2)]:  # Qwen3-MoE's (CHAIN.family)
+        experts = module.model.get_submodule(path)
+        if not isinstance(experts, FSDPModule):
+            out.append({"fsdp_mesh": None, "offload": None, "device": str(next(experts.parameters()).device)})
+            continue
+        group = experts._get_fsdp_state()._fsdp_param_group
+        out.append({"fsdp_mesh": group.mesh_info.mesh.size(), "offload": type(group.offload_policy).__name__,
+                    "device": str(group.fsdp_params[0].sharded_param.device)})
+    return out
 
 
 def _aligned_unit(trainer: Any, module: Any) -> list[str] | None:

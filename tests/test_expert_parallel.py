@@ -1,8 +1,9 @@
 """Expert parallelism and aligned parameter groups on 4 CPU ranks against one-process Transformers (issue #15).
 
-One launch (``tests/ep_scenarios.py``) trains every case of ``EP_CASES`` with ``Trainer(devices=4)`` and real gloo
-collectives; the references are plain Transformers models trained here with the same AdamW over the same global
-batches (``tests/parity.py``). fp32: relative 1e-5 per micro-batch loss.
+One launch (``tests/ep_scenarios.py``) trains every case of ``EP_CASES``, and the resume chain of ``CHAIN_STAGES``
+(each stage resumes the last one's checkpoint with other expert-parallel settings, formats and CPU offload), with
+``Trainer(devices=4)`` and real gloo collectives; the references are plain Transformers models trained here with the
+same AdamW over the same global batches (``tests/parity.py``). fp32: relative 1e-5 per micro-batch loss.
 """
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ from typing import Any
 import pytest
 import torch
 
-from tests.ep_scenarios import DEVICES, EP_CASES, RESUME
+from tests.ep_scenarios import CHAIN, CHAIN_STAGES, DEVICES, EP_CASES, chain_checkpoint
 from tests.moe_models import register_moe_families, save_moe_checkpoints
 from tests.parity import global_losses, global_steps, reference_run, relative_errors, weight_errors
 
@@ -74,32 +75,98 @@ def test_aligned_unit_holds_exactly_the_norms_and_routers(runs):
     assert aligned == expected
 
 
-def test_ep2_checkpoint_resumes_without_ep_exactly(runs):
+@pytest.fixture(scope="module")
+def chain(runs) -> tuple[list[list[dict[str, Any]]], Any, str | None]:
+    """The resume chain: per stage, each rank's record; the reference over the stages that ran; the error."""
     out, ckpts = runs
-    case = RESUME
-    ranks = _ranks(out, case.name)
-    first, second = [r["parts"][0] for r in ranks], [r["parts"][1] for r in ranks]
-    steps = global_steps(case, first) + global_steps(case, second)
-    assert len(global_steps(case, first)) == case.resume_at and len(steps) == case.steps
-    ref = reference_run(case, steps, ckpts / case.family)
-    errors = relative_errors(global_losses(first) + global_losses(second), ref.losses)
-    assert max(errors) < FP32_LOSS, f"per-step relative loss errors {errors}"
-    final = torch.load(out / f"{case.name}.pt", weights_only=True)
+    ranks = [json.loads((out / f"{CHAIN.name}.rank{r}.json").read_text()) for r in range(DEVICES)]
+    done = min(len(r["parts"]) for r in ranks)
+    stages = [[r["parts"][i] for r in ranks] for i in range(done)]
+    steps = [s for stage in stages for s in global_steps(CHAIN, stage)]
+    ref = reference_run(CHAIN, steps, ckpts / CHAIN.family) if steps else None
+    error = next((r["error"] for r in ranks if r["error"]), None)
+    return stages, ref, error
+
+
+@pytest.mark.parametrize("stage", range(len(CHAIN_STAGES)),
+                         ids=[f"{i}-{label}-from-{CHAIN_STAGES[i - 1][0] if i else 'hf'}"
+                              for i, (label, *_) in enumerate(CHAIN_STAGES)])
+def test_resume_chain_losses_equal_transformers(chain, stage):
+    """Each stage resumed the previous one's checkpoint (model and optimiser, strictly) with other expert-parallel
+    settings (no EP -> EP 2 -> EP 4 -> EP 2 whole -> gathered `torch` file -> EP 2 sharded with CPU offload ->
+    `torch` file -> EP 2 whole with CPU offload -> no EP): its per-step losses equal one uninterrupted Transformers
+    run over the same global batches."""
+    stages, ref, error = chain
+    assert stage < len(stages), f"stage {stage} did not run: {error}"
+    steps_done = CHAIN_STAGES[stage][2]
+    first = CHAIN_STAGES[stage - 1][2] if stage else 0
+    assert [len(global_steps(CHAIN, s)) for s in stages[stage:stage + 1]] == [steps_done - first]
+    start = sum(len(global_losses(s)) for s in stages[:stage])
+    losses = global_losses(stages[stage])
+    errors = relative_errors(losses, ref.losses[start:start + len(losses)])
+    assert max(errors) < FP32_LOSS, f"stage {stage}: per-step relative loss errors {errors}"
+
+
+def test_resume_chain_final_gathered_checkpoint_equals_transformers(runs, chain):
+    """The `torch` files of the EP 2 stages (whole experts; FSDP-sharded with CPU offload) hold all experts and their
+    AdamW moments, gathered; the last stage's (no EP, resumed from EP 2) weights equal the reference's after every
+    step."""
+    out, _ = runs
+    stages, ref, error = chain
+    assert len(stages) == len(CHAIN_STAGES), error
+    for stage, (_, _, _, fmt) in enumerate(CHAIN_STAGES):
+        if fmt != "torch":
+            continue
+        path = chain_checkpoint(out, stage)
+        assert path.is_file()
+        whole = torch.load(path, weights_only=True)
+        saved = whole["state_dict"]
+        experts = [k for k in saved if ".mlp.experts." in k]
+        assert experts and all(saved[k].shape[0] == 8 for k in experts)  # all 8 experts, not a rank's share
+        optim = whole["optimizer_states"][0]
+        names = {i: n for g in optim["param_groups"] for i, n in zip(g["params"], g["param_names"])}
+        moments = [v for i, s in optim["state"].items() if ".mlp.experts." in names[i] for k, v in s.items()
+                   if k in ("exp_avg", "exp_avg_sq")]
+        assert len(moments) == 2 * len(experts) and all(m.shape[0] == 8 for m in moments)
+    final = {k.removeprefix("model."): v for k, v in saved.items()}
     worst = max(weight_errors(final, ref).items(), key=lambda kv: kv[1])
     assert worst[1] <= FP32_WEIGHTS, f"final weights differ from the reference: {worst}"
 
 
-def test_ep2_checkpoint_converts_to_transformers_layout(runs, tmp_path):
+def test_cpu_offload_covers_the_experts(chain):
+    """`offload_to_cpu: true` with EP: FSDP offloads the local experts too, the FSDP-sharded ones over ep_replicate
+    and the whole ones (`reshard_local_experts: false`) as a unit of their rank alone; without offload, whole local
+    experts stay out of FSDP."""
+    stages, _, error = chain
+    assert len(stages) == len(CHAIN_STAGES), error
+    for (label, fsdp2, _, _), stage in zip(CHAIN_STAGES, stages):
+        if not fsdp2:
+            continue
+        whole = not fsdp2["reshard_local_experts"]
+        replicas = DEVICES // fsdp2["expert_parallel_size"]
+        if fsdp2.get("offload_to_cpu"):
+            expected = {"fsdp_mesh": 1 if whole else replicas, "offload": "CPUOffloadPolicy", "device": "cpu"}
+        elif whole:
+            expected = {"fsdp_mesh": None, "offload": None, "device": "cpu"}
+        else:
+            expected = {"fsdp_mesh": replicas, "offload": "OffloadPolicy", "device": "cpu"}
+        for r, rank in enumerate(stage):
+            assert rank["experts"] == [expected] * 2, (label, r, rank["experts"])
+
+
+def test_ep2_checkpoint_converts_to_transformers_layout(runs, chain, tmp_path):
     import transformers
 
     from lightning_mm.hf.convert import dcp_to_hf
 
     out, ckpts = runs
-    case = RESUME
-    hf_dir = dcp_to_hf(out / f"{case.name}.ckpt", tmp_path / "hf")
+    stages, _, error = chain
+    assert len(stages) > 1, error
+    assert CHAIN_STAGES[1][0] == "ep2" and CHAIN_STAGES[1][3] == "torch_dcp"
+    hf_dir = dcp_to_hf(chain_checkpoint(out, 1), tmp_path / "hf")
     model = transformers.Qwen3MoeForCausalLM.from_pretrained(str(hf_dir), dtype=torch.float32)
-    first = [r["parts"][0] for r in _ranks(out, case.name)]
-    ref = reference_run(case, global_steps(case, first), ckpts / case.family)  # the 3 steps before the save
+    steps = [s for stage in stages[:2] for s in global_steps(CHAIN, stage)]
+    ref = reference_run(CHAIN, steps, ckpts / CHAIN.family)  # the 3 steps before the EP 2 stage saved
     state = dict(model.named_parameters())
     assert state["model.layers.0.mlp.experts.gate_up_proj"].shape[0] == 8  # all experts, fused as Transformers has
     errors = {n: float((state[n].detach() - t).norm() / t.norm()) for n, t in ref.final.items()}
@@ -116,3 +183,84 @@ def test_rank_whose_experts_get_no_token_takes_part_in_backward(runs):
         assert data["out"] < 1e-6 and data["x_grad"] < 1e-6 and data["w_grad"] < 1e-6, (r, data)
         assert data["expert_grads"] < 1e-5, (r, data)
     assert ranks[-1]["idle_expert_grads"] == 0.0
+
+
+# --------------------------------------------------------------------------------- in one process
+def _regroup_run(groups: list[list[int]], lrs: list[float]) -> tuple[torch.nn.Module, Any, Any]:
+    """A small net whose parameters are split into ``groups`` (indices into its parameter list), with a LambdaLR."""
+    torch.manual_seed(0)
+    net = torch.nn.Sequential(torch.nn.Linear(3, 4), torch.nn.Linear(4, 2))
+    params = list(net.parameters())
+    opt = torch.optim.AdamW([{"params": [params[i] for i in g], "lr": lr} for g, lr in zip(groups, lrs)])
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda step: 1.0 / (1 + step))
+    return net, opt, sched
+
+
+def test_optimizer_state_loads_into_parameters_grouped_differently(tmp_path):
+    """Expert parallelism's whole local experts (plain tensors) are an optimiser group of their own, FSDP-sharded
+    ones are not: a checkpoint whose groups split the same parameters differently, with the same hyper-parameters,
+    loads strictly (state by parameter name, the scheduler's per-group lists regrouped); other hyper-parameters
+    are refused."""
+    from lightning_mm.checkpoint import CheckpointKeyError, store
+
+    net, opt, sched = _regroup_run([[0, 1, 2, 3]], [0.1])
+    for _ in range(3):
+        net(torch.randn(5, 3)).square().sum().backward()
+        opt.step()
+        opt.zero_grad()
+        sched.step()
+    extra = {"format_version": 1, "kind": "training", "world_size": 1, "rng_point": "next_batch", "hf": []}
+    state = {"epoch": 0, "global_step": 3, "state_dict": net.state_dict(),
+             "optimizer_states": [store.optimizer_state(net, opt, full=True)], "lr_schedulers": [sched.state_dict()]}
+    store.save(state, tmp_path / "one_group.ckpt", "torch", extra, None)
+
+    fresh, fresh_opt, fresh_sched = _regroup_run([[0, 1], [3, 2]], [0.1, 0.1])  # as an EP run might group them
+    loaded = store.load(tmp_path / "one_group.ckpt", fresh, [fresh_opt], strict=True, rank=0, world_size=1,
+                        fitting=True, schedulers=[fresh_sched])
+    fresh_sched.load_state_dict(loaded.checkpoint["lr_schedulers"][0])
+    names = dict(net.named_parameters())
+    for group in fresh_opt.param_groups:
+        assert group["lr"] == opt.param_groups[0]["lr"] and group["initial_lr"] == 0.1
+        for p in group["params"]:
+            name = next(n for n, q in fresh.named_parameters() if q is p)
+            for key, value in opt.state[names[name]].items():
+                assert torch.equal(fresh_opt.state[p][key], value), (name, key)
+    assert fresh_sched.base_lrs == [0.1, 0.1] and len(fresh_sched.get_last_lr()) == 2
+    fresh_sched.step()
+    assert [g["lr"] for g in fresh_opt.param_groups] == pytest.approx([0.1 / 5] * 2)  # the 4th step's factor
+
+    other, other_opt, other_sched = _regroup_run([[0, 1], [2, 3]], [0.1, 0.2])  # two learning rates: no merging
+    state["optimizer_states"] = [store.optimizer_state(other, other_opt, full=True)]
+    state["lr_schedulers"] = [other_sched.state_dict()]
+    store.save(state, tmp_path / "two_lrs.ckpt", "torch", extra, None)
+    single, single_opt, single_sched = _regroup_run([[0, 1, 2, 3]], [0.1])
+    with pytest.raises(CheckpointKeyError, match="1 parameter group"):
+        store.load(tmp_path / "two_lrs.ckpt", single, [single_opt], strict=True, rank=0, world_size=1,
+                   fitting=True, schedulers=[single_sched])
+
+
+def test_nested_scheduler_states_are_regrouped_but_not_their_milestones():
+    """SequentialLR keeps its schedulers' states (with per-group lists) and its milestones (not per group)."""
+    from lightning_mm.checkpoint.store import _remap_scheduler
+
+    def sequential(groups: int) -> Any:
+        opt = torch.optim.SGD([{"params": [torch.nn.Parameter(torch.zeros(1))]} for _ in range(groups)], lr=0.1)
+        first = torch.optim.lr_scheduler.ConstantLR(opt, factor=0.5, total_iters=1)
+        return torch.optim.lr_scheduler.SequentialLR(
+            opt, [first, torch.optim.lr_scheduler.ExponentialLR(opt, gamma=0.9)], milestones=[1])
+
+    one = sequential(1)
+    for _ in range(3):
+        one.optimizer.step()
+        one.step()
+    state = _remap_scheduler(one.state_dict(), [0, 0], 1)
+    assert state["_milestones"] == [1] and all(len(s["base_lrs"]) == 2 for s in state["_schedulers"])
+    two = sequential(2)
+    two.load_state_dict(state)
+    for group in two.optimizer.param_groups:  # restored with the optimiser's state
+        group["lr"] = one.optimizer.param_groups[0]["lr"]
+    two.optimizer.step()
+    two.step()
+    one.optimizer.step()
+    one.step()
+    assert [g["lr"] for g in two.optimizer.param_groups] == pytest.approx([one.optimizer.param_groups[0]["lr"]] * 2)

@@ -17,7 +17,7 @@ import contextlib
 import copy
 import os
 import warnings
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -40,7 +40,7 @@ from torch.distributed.checkpoint.state_dict import (
 from torch.distributed.tensor import DTensor, distribute_tensor
 
 from lightning_mm._compat import unwrap_optimizer
-from lightning_mm._rank_zero import rank_zero_warn
+from lightning_mm._rank_zero import rank_zero_info, rank_zero_warn
 from lightning_mm._tied import tied_parameter_names
 from lightning_mm.checkpoint import atomic, manifest
 from lightning_mm.checkpoint.errors import CheckpointIntegrityError, write_error
@@ -80,7 +80,9 @@ __all__ = [
     "CheckpointSource",
     "open_source",
     "alias_groups",
+    "gather_full",
     "outside_inference_mode",
+    "StateView",
 ]
 
 FORMATS = ("torch_dcp", "torch")
@@ -127,20 +129,62 @@ def _agree(error: str | None) -> None:
 # ------------------------------------------------------------------------------------- state dicts
 
 
-def model_state(model: nn.Module, full: bool) -> dict[str, Any]:
-    """The model state: this rank's shards, or (``full``) the gathered tensors on rank 0 and nothing elsewhere."""
-    return get_model_state_dict(model, options=StateDictOptions(full_state_dict=full, cpu_offload=full))
+StateView = Callable[[dict[str, Any]], dict[str, Any]]
+"""Maps a sharded state dict to the one a checkpoint stores: the same keys, some tensors replaced by views of them
+with another (global) layout, sharing their storage (expert parallelism's local experts as shares of all experts)."""
 
 
-def optimizer_state(model: nn.Module, optimizer: Any, full: bool) -> dict[str, Any]:
+def model_state(model: nn.Module, full: bool, view: StateView | None = None) -> dict[str, Any]:
+    """The model state: this rank's shards, or (``full``) the gathered tensors on rank 0 and nothing elsewhere.
+
+    With ``view``, the shards are seen through it first (and then gathered when ``full``).
+    """
+    if view is None:
+        return get_model_state_dict(model, options=StateDictOptions(full_state_dict=full, cpu_offload=full))
+    state = view(get_model_state_dict(model, options=StateDictOptions()))
+    return gather_full(state) if full else state
+
+
+def optimizer_state(model: nn.Module, optimizer: Any, full: bool, view: StateView | None = None) -> dict[str, Any]:
     """The optimiser state: this rank's shards keyed by parameter name, or (``full``) the gathered state on rank 0
     in torch's standard layout (keyed by parameter index, names kept alongside in ``param_groups``), which
     ``torch.optim.Optimizer.load_state_dict`` and other Lightning strategies load.
+
+    With ``view``, the shards are seen through it first (and then gathered when ``full``).
     """
-    state = get_optimizer_state_dict(
-        model, _unwrap(optimizer), options=StateDictOptions(full_state_dict=full, cpu_offload=full)
-    )
+    if view is None:
+        state = get_optimizer_state_dict(
+            model, _unwrap(optimizer), options=StateDictOptions(full_state_dict=full, cpu_offload=full)
+        )
+    else:
+        state = view(get_optimizer_state_dict(model, _unwrap(optimizer), options=StateDictOptions()))
+        state = gather_full(state) if full else state
     return to_index_keyed(state) if full else state
+
+
+def gather_full(state: dict[str, Any]) -> dict[str, Any]:
+    """Every DTensor of a (nested) state dict gathered whole, on rank 0's CPU; an empty dict on the other ranks.
+
+    What ``StateDictOptions(full_state_dict=True, cpu_offload=True)`` gives, for a state seen through a view. Every
+    rank calls this with the same keys in the same order (one collective per DTensor).
+    """
+    rank0 = not _distributed() or dist.get_rank() == 0
+
+    def gather(value: Any) -> Any:
+        if isinstance(value, Mapping):
+            return {k: gather(v) for k, v in value.items()}
+        if isinstance(value, list):
+            return [gather(v) for v in value]
+        if isinstance(value, DTensor):
+            if value.device.type != value.device_mesh.device_type:  # offloaded shards: gathered on the mesh device
+                value = value.to(value.device_mesh.device_type)
+            value = value.full_tensor()
+        if isinstance(value, torch.Tensor):
+            return value.detach().cpu() if rank0 else None
+        return copy.deepcopy(value)
+
+    gathered = gather(state)
+    return gathered if rank0 else {}
 
 
 def alias_groups(model: nn.Module) -> list[list[str]]:
@@ -360,10 +404,12 @@ def _shape(t: torch.Tensor) -> tuple[int, ...]:
     return tuple(t.shape)
 
 
-def _load_model(source: CheckpointSource, model: nn.Module, strict: bool) -> list[str]:
+def _load_model(source: CheckpointSource, model: nn.Module, strict: bool, view: StateView | None = None
+                ) -> list[str]:
     state = model_state(model, full=False)
+    stored_as = view(state) if view is not None else state  # the same storage, seen as the checkpoint stores it
     prefix = model_key("")
-    expected = {k: _shape(v) for k, v in state.items()}
+    expected = {k: _shape(v) for k, v in stored_as.items()}
     stored = {k[len(prefix):]: s for k, s in source.shapes.items() if k.startswith(prefix)}
     plan = plan_keys(expected, stored, alias_groups(model))
     if not plan.load and expected:
@@ -372,9 +418,8 @@ def _load_model(source: CheckpointSource, model: nn.Module, strict: bool) -> lis
             "check the module prefix (e.g. `model.` of MMLightningModule)"
         )
     _check(plan, "model", source.path, strict)
-    destinations = {key: state[key] for key in plan.load}
-    source.read_into({model_key(k): v for k, v in destinations.items()})
-    set_model_state_dict(model, destinations, options=StateDictOptions(strict=False))
+    source.read_into({model_key(k): stored_as[k] for k in plan.load})
+    set_model_state_dict(model, {key: state[key] for key in plan.load}, options=StateDictOptions(strict=False))
     return [*plan.missing, *plan.unexpected, *(k for k, _, _ in plan.mismatched)]
 
 
@@ -408,9 +453,13 @@ def _saved_by_name(source: CheckpointSource, saved: Mapping[str, Any], current_g
     return {"state": state, "param_groups": groups}, stored
 
 
-def _load_optimizer(source: CheckpointSource, model: nn.Module, optimizer: Any, index: int, strict: bool) -> list[str]:
+def _load_optimizer(source: CheckpointSource, model: nn.Module, optimizer: Any, index: int, strict: bool,
+                    view: StateView | None = None) -> tuple[list[str], list[int] | None]:
+    """Load one optimiser's state in place; returns the skipped keys, and how its groups were regrouped
+    (:func:`_merge_param_groups`)."""
     optim = _unwrap(optimizer)
     current = optimizer_state(model, optim, full=False)  # creates the state entries if the optimiser has none yet
+    shown = view(current) if view is not None else current  # the same storage, seen as the checkpoint stores it
     prefix = f"optimizer_states{SEP}{index}{SEP}state{SEP}"
     saved, stored_as = _saved_by_name(source, source.meta["optimizer_states"][index], current["param_groups"],
                                       prefix, f"{source.path}: optimizer {index}")
@@ -420,7 +469,7 @@ def _load_optimizer(source: CheckpointSource, model: nn.Module, optimizer: Any, 
     stateless = {p for g in saved["param_groups"] for p in g["params"]} - set(saved["state"])
     expected: dict[str, tuple[int, ...]] = {}
     dest: dict[str, torch.Tensor] = {}
-    for fqn, entries in current["state"].items():
+    for fqn, entries in shown["state"].items():
         if fqn in stateless:
             continue
         for name, value in entries.items():
@@ -439,23 +488,64 @@ def _load_optimizer(source: CheckpointSource, model: nn.Module, optimizer: Any, 
             continue  # no state in the checkpoint, or non-strict: this parameter's optimiser state starts fresh
         saved_entries = saved["state"].get(fqn, {})
         state[fqn] = {n: (v if isinstance(v, torch.Tensor) else saved_entries.get(n, v)) for n, v in entries.items()}
-    groups = _merge_param_groups(current["param_groups"], saved["param_groups"], source.path, index, strict)
+    groups, sources = _merge_param_groups(current["param_groups"], saved["param_groups"], source.path, index, strict)
     set_optimizer_state_dict(model, optim, {"state": state, "param_groups": groups},
                              options=StateDictOptions(strict=False))  # keys were checked above
-    return [*plan.missing, *plan.unexpected, *(k for k, _, _ in plan.mismatched)]
+    return [*plan.missing, *plan.unexpected, *(k for k, _, _ in plan.mismatched)], sources
 
 
-def _merge_param_groups(current: list[dict], saved: list[dict], path: Path, index: int, strict: bool) -> list[dict]:
-    """Saved hyper-parameters (lr, betas, ...) over the current groups, whose ``params`` name today's parameters.
+_NOT_HYPER = ("params", PARAM_NAMES, *IMPLEMENTATION_KEYS)
+
+
+def _same(a: Any, b: Any) -> bool:
+    if isinstance(a, torch.Tensor) or isinstance(b, torch.Tensor):
+        return isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor) and torch.equal(a, b)
+    if isinstance(a, (list, tuple)) and isinstance(b, (list, tuple)):
+        return len(a) == len(b) and all(_same(x, y) for x, y in zip(a, b))
+    return type(a) is type(b) and a == b
+
+
+def _regroup(current: list[dict], saved: list[dict]) -> list[int] | None:
+    """For each current group, the saved group whose hyper-parameters it takes, when the same parameters are only
+    split into groups differently (e.g. expert parallelism's whole local experts, plain tensors, are a group of
+    their own, FSDP-sharded ones are not). None when the parameters differ, or when one current group would take
+    parameters from saved groups with different hyper-parameters."""
+    where = {name: j for j, g in enumerate(saved) for name in g.get("params", [])}
+    if set(where) != {name for g in current for name in g["params"]}:
+        return None
+    sources = []
+    for now in current:
+        found = sorted({where[name] for name in now["params"]})
+        hyper = [{k: v for k, v in saved[j].items() if k not in _NOT_HYPER} for j in found]
+        first = hyper[0] if hyper else {}
+        if any(h.keys() != first.keys() or not all(_same(h[k], first[k]) for k in h) for h in hyper):
+            return None
+        sources.append(found[0] if found else 0)
+    return sources
+
+
+def _merge_param_groups(current: list[dict], saved: list[dict], path: Path, index: int, strict: bool
+                        ) -> tuple[list[dict], list[int] | None]:
+    """Saved hyper-parameters (lr, betas, ...) over the current groups, whose ``params`` name today's parameters;
+    and, when the same parameters were split into groups differently (:func:`_regroup`), the saved group each
+    current group comes from (None when the groups correspond one to one).
 
     The implementation keys (``fused``, ``foreach``) stay the current ones.
     """
+    same_split = len(current) == len(saved) and all(
+        sorted(now["params"]) == sorted(then.get("params", [])) for now, then in zip(current, saved))
+    sources = None if same_split else _regroup(current, saved)
+    if sources is not None:
+        rank_zero_info(f"{path}: optimizer {index} has its parameters in {len(current)} group(s), the checkpoint in "
+                       f"{len(saved)} with the same hyper-parameters: each group takes its checkpointed ones")
+        return [{**saved[j], "params": now["params"], **{k: now[k] for k in IMPLEMENTATION_KEYS if k in now}}
+                for now, j in zip(current, sources)], sources
     if len(current) != len(saved):
         message = f"{path}: optimizer {index} has {len(current)} parameter group(s), the checkpoint {len(saved)}"
         if strict:
             raise CheckpointKeyError(message)
         rank_zero_warn(f"{message}; the current groups' hyper-parameters are kept")
-        return current
+        return current, None
     merged = []
     for now, then in zip(current, saved):
         if strict and sorted(now["params"]) != sorted(then.get("params", [])):
@@ -468,7 +558,26 @@ def _merge_param_groups(current: list[dict], saved: list[dict], path: Path, inde
         # How a step is computed (fused/foreach) is this run's choice, not training state: the current one stays.
         implementation = {k: now[k] for k in IMPLEMENTATION_KEYS if k in now}
         merged.append({**then, "params": now["params"], **implementation})
-    return merged
+    return merged, None
+
+
+_PER_GROUP = ("base_lrs", "_last_lr", "lr_lambdas", "min_lrs", "max_lrs")
+"""The per-parameter-group lists in the state of torch's LR schedulers (``SequentialLR`` and ``ChainedScheduler``
+keep their schedulers' states in ``_schedulers``)."""
+
+
+def _remap_scheduler(state: Any, sources: list[int], saved_groups: int) -> Any:
+    """A scheduler's per-group lists (``base_lrs``, ``_last_lr``, ...) in the current groups' order."""
+    if not isinstance(state, dict):
+        return state
+    out = {}
+    for key, value in state.items():
+        if key in _PER_GROUP and isinstance(value, (list, tuple)) and len(value) == saved_groups:
+            value = [value[j] for j in sources]
+        elif key == "_schedulers" and isinstance(value, list):
+            value = [_remap_scheduler(v, sources, saved_groups) for v in value]
+        out[key] = value
+    return out
 
 
 def load(
@@ -479,15 +588,24 @@ def load(
     rank: int,
     world_size: int,
     fitting: bool,
+    view: StateView | None = None,
+    optimizer_view: StateView | None = None,
+    schedulers: Sequence[Any] = (),
 ) -> Loaded:
-    """Load model (and, when ``fitting``, optimiser) state in place; every rank calls this."""
+    """Load model (and, when ``fitting``, optimiser) state in place; every rank calls this.
+
+    ``view`` and ``optimizer_view`` (as in :func:`model_state` and :func:`optimizer_state`) show the model's and the
+    optimisers' tensors as the checkpoint stores them: the stored tensors are read into those views, hence into
+    the model's and optimisers' own storage. ``schedulers`` (Lightning's, in the order of the checkpoint's
+    ``lr_schedulers``) tell which optimiser each scheduler state belongs to.
+    """
     source = open_source(path)
     extra = source.extra
     if int(extra.get("format_version", FORMAT_VERSION)) > FORMAT_VERSION:
         raise ValueError(f"{path} was written by a newer lightning-mm (checkpoint format "
                          f"{extra['format_version']}, this one reads up to {FORMAT_VERSION})")
     kind = extra.get("kind", KIND_TRAINING)
-    skipped = _load_model(source, model, strict)
+    skipped = _load_model(source, model, strict, view)
     checkpoint = {k: v for k, v in source.meta.items() if k not in ("state_dict", "optimizer_states", EXTRA_KEY)}
     checkpoint.setdefault("state_dict", {})
 
@@ -508,7 +626,24 @@ def load(
         if len(saved) != len(optimizers):
             raise ValueError(f"{path} holds state for {len(saved)} optimizer(s); the module has {len(optimizers)}")
         for i, optimizer in enumerate(optimizers):
-            skipped += _load_optimizer(source, model, optimizer, i, strict)
+            missed, sources = _load_optimizer(source, model, optimizer, i, strict, optimizer_view)
+            skipped += missed
+            if sources is None:
+                continue
+            # Schedulers keep lists with one entry per parameter group: regrouped as the optimiser was.
+            saved_groups = len(saved[i].get("param_groups", []))
+            states = checkpoint.get("lr_schedulers") or []
+            owners = [next((j for j, o in enumerate(optimizers) if _unwrap(o) is getattr(s, "optimizer", None)),
+                           None) for s in schedulers]
+            if len(owners) != len(states):
+                message = (f"{path}: optimizer {i}'s parameter groups were regrouped, and the checkpoint's "
+                           f"{len(states)} LR scheduler state(s) cannot be matched to the {len(owners)} scheduler(s)")
+                if strict:
+                    raise CheckpointKeyError(message)
+                rank_zero_warn(f"{message}; they are restored as saved")
+                continue
+            checkpoint["lr_schedulers"] = [_remap_scheduler(st, sources, saved_groups) if owner == i else st
+                                           for st, owner in zip(states, owners)]
 
     ranks = extra.get("ranks") or []
     rng = rng_point = None

@@ -31,7 +31,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
-from torch.distributed.fsdp import fully_shard
+from torch.distributed.fsdp import CPUOffloadPolicy, fully_shard
 
 from lightning_mm.core.plan import ShardingPlan, ep_mesh_layout
 
@@ -190,22 +190,39 @@ def apply_expert_parallel(
     ep = ExpertGroup(ep_mesh.get_group("ep"), ep_mesh.get_local_rank("ep"), experts.expert_parallel_size,
                      experts.num_experts)
     kept: list[nn.Parameter] = []
+    # With CPU offload, whole local experts are an FSDP unit over this rank alone: FSDP keeps them (and their
+    # gradients and optimiser step) on the CPU and brings them to the device for forward and backward, as it does
+    # for every other unit; their gradients are still averaged over ep_replicate by all_reduce_expert_gradients.
+    offloaded = isinstance(fsdp_kwargs.get("offload_policy"), CPUOffloadPolicy)
+    alone = own_rank_mesh(ep_mesh.device_type) if offloaded and not experts.reshard_local_experts else None
     for path in experts.modules:
         module = model.get_submodule(path)
         split_experts(module, path, ep)
         module.forward = _forward_of(model, path, module, ep)
-        if experts.reshard_local_experts:
+        if experts.reshard_local_experts or alone is not None:
             kwargs = copy.copy(fsdp_kwargs)
-            kwargs.update(mesh=ep_mesh["ep_replicate"], ignored_params=None)
-            fully_shard(module, **kwargs)  # averages over ep_replicate; the routed forward did the 1/ep
-        else:
+            # averages over ep_replicate (the routed forward did the 1/ep), or over this rank alone (kept whole)
+            kwargs.update(mesh=alone if alone is not None else ep_mesh["ep_replicate"], ignored_params=None)
+            fully_shard(module, **kwargs)
+        if not experts.reshard_local_experts:
             kept.extend(module.parameters())
     return kept
 
 
+def own_rank_mesh(device_type: str) -> DeviceMesh:
+    """A 1-rank mesh of this rank alone (every rank calls this: it creates one process group per rank)."""
+    return init_device_mesh(device_type, (dist.get_world_size(), 1), mesh_dim_names=("world", "alone"))["alone"]
+
+
+def _local(t: torch.Tensor) -> torch.Tensor:
+    from torch.distributed.tensor import DTensor
+
+    return t.to_local() if isinstance(t, DTensor) else t
+
+
 def all_reduce_expert_gradients(params: list[nn.Parameter], ep_mesh: DeviceMesh) -> None:
     """Average the whole local experts' gradients over ``ep_replicate`` (the routed forward scaled them by 1/ep)."""
-    grads = [p.grad for p in params if p.grad is not None]
+    grads = [_local(p.grad) for p in params if p.grad is not None]  # DTensors of a 1-rank mesh when offloaded
     if not grads:
         return
     flat = torch.cat([g.reshape(-1) for g in grads])
@@ -226,7 +243,7 @@ def broadcast_expert_replicas(params: list[nn.Parameter], ep_mesh: DeviceMesh) -
     src = dist.get_global_rank(group, 0)
     with torch.no_grad():
         for p in params:
-            dist.broadcast(p.data, src=src, group=group)
+            dist.broadcast(_local(p.data), src=src, group=group)
 
 
 # ---------------------------------------------------------------------------------------------- checkpoints
@@ -243,22 +260,27 @@ def expert_state_names(root: nn.Module, plan: ShardingPlan, target: nn.Module) -
 
 class ExpertCheckpointLayout:
     """Saves the local experts as their share of the global tensor (all experts), so that a checkpoint of an EP run
-    loads without expert parallelism or with another ``expert_parallel_size`` (DCP reshards).
+    loads without expert parallelism or with another ``expert_parallel_size`` (DCP reshards), and loads them from it.
 
     Whole local experts (``reshard_local_experts: false``) are ``[Replicate, Shard(0)]`` on ``(ep_replicate, ep)``;
     FSDP-sharded ones are ``[Shard(0), Shard(0)]`` on ``(ep, ep_replicate)`` (the experts split over ``ep`` first,
-    each share's rows then over ``ep_replicate``, as FSDP chunks them).
+    each share's rows then over ``ep_replicate``, as FSDP chunks them). Those global tensors are views of the local
+    ones (:meth:`DTensor.from_local` shares the storage), so a checkpoint read into them fills the model's and the
+    optimiser's own tensors: any ``expert_parallel_size`` (1 included) reads any other.
     """
 
-    def __init__(self, ep_mesh: DeviceMesh, num_experts: int) -> None:
+    def __init__(self, ep_mesh: DeviceMesh, num_experts: int, names: set[str]) -> None:
         self.ep_mesh = ep_mesh
         self.num_experts = num_experts
+        self.names = names
+        """State-dict names of the expert parameters (:func:`expert_state_names`)."""
         self.ep_size = ep_mesh.size(1)
         # Every rank builds it (new process groups): an ordinary collective, once per run.
         self.transposed = DeviceMesh(ep_mesh.device_type, ep_mesh.mesh.t().contiguous(),
                                      mesh_dim_names=("ep", "ep_replicate"))
 
     def to_global(self, tensor: torch.Tensor) -> torch.Tensor:
+        """This rank's local experts (a plain tensor, or FSDP's shard of them) as its share of all experts."""
         from torch.distributed.tensor import DTensor, Replicate, Shard
 
         shape = torch.Size([tensor.shape[0] * self.ep_size, *tensor.shape[1:]])  # a DTensor: its local experts
@@ -266,19 +288,25 @@ class ExpertCheckpointLayout:
             return tensor
         stride = torch.empty(shape, device="meta").stride()
         if isinstance(tensor, DTensor):
-            return DTensor.from_local(tensor.to_local(), self.transposed, [Shard(0), Shard(0)], run_check=False,
-                                      shape=shape, stride=stride)
+            if tensor.device_mesh.size() == 1:  # a 1-rank FSDP mesh holds them whole (CPU offload; ep = world)
+                tensor = tensor.to_local()
+            else:
+                return DTensor.from_local(tensor.to_local(), self.transposed, [Shard(0), Shard(0)],
+                                          run_check=False, shape=shape, stride=stride)
         return DTensor.from_local(tensor, self.ep_mesh, [Replicate(), Shard(0)], run_check=False, shape=shape,
                                   stride=stride)
 
-    def model_state(self, state: dict[str, Any], names: set[str]) -> dict[str, Any]:
-        return {k: (self.to_global(v) if k in names and isinstance(v, torch.Tensor) else v) for k, v in state.items()}
+    def model_state(self, state: dict[str, Any]) -> dict[str, Any]:
+        """A model state dict with the expert parameters as global tensors (views)."""
+        return {k: (self.to_global(v) if k in self.names and isinstance(v, torch.Tensor) else v)
+                for k, v in state.items()}
 
-    def optimizer_state(self, state: dict[str, Any], names: set[str]) -> dict[str, Any]:
+    def optimizer_state(self, state: dict[str, Any]) -> dict[str, Any]:
+        """A name-keyed optimiser state dict with the experts' state tensors (not ``step``) as global tensors."""
         per_param = state.get("state", {})
         converted = {
             key: ({k: (self.to_global(v) if isinstance(v, torch.Tensor) and v.ndim > 0 else v)
-                   for k, v in value.items()} if key in names and isinstance(value, dict) else value)
+                   for k, v in value.items()} if key in self.names and isinstance(value, dict) else value)
             for key, value in per_param.items()
         }
         return {**state, "state": converted}

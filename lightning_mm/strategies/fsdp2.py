@@ -183,8 +183,7 @@ class MMFSDP2Strategy(ParallelStrategy):
         self._pending_rng_step: int | None = None
         # Expert parallelism (set in `_shard` when the plan has experts).
         self._ep_mesh: DeviceMesh | None = None
-        self._expert_layout: Any = None  # built on the first checkpoint save
-        self._expert_names: Any = None
+        self._expert_layout: Any = None  # built on the first checkpoint save or load
         if not stop_timeout > 0:
             raise ValueError(f"stop_timeout must be a positive number of seconds, got {stop_timeout!r}")
         self.stop_timeout = float(stop_timeout)
@@ -602,8 +601,8 @@ class MMFSDP2Strategy(ParallelStrategy):
     def lightning_module_state_dict(self) -> dict[str, Any]:
         """This rank's shards (``torch_dcp``), or the gathered state on rank 0 (``torch``)."""
         assert self.lightning_module is not None
-        state = checkpoint.model_state(self.lightning_module, full=self.checkpoint_format == "torch")
-        return self._global_experts(state, "model")
+        full = self.checkpoint_format == "torch"
+        return checkpoint.model_state(self.lightning_module, full=full, view=self._expert_view("model"))
 
     @override
     def load_model_state_dict(self, checkpoint: Mapping[str, Any], strict: bool = True) -> None:
@@ -615,27 +614,24 @@ class MMFSDP2Strategy(ParallelStrategy):
         """This rank's shards keyed by parameter name (``torch_dcp``), or the gathered state on rank 0 in torch's
         layout, keyed by parameter index with the names alongside (``torch``)."""
         assert self.lightning_module is not None
-        state = checkpoint.optimizer_state(self.lightning_module, optimizer, full=self.checkpoint_format == "torch")
-        return self._global_experts(state, "optimizer")
+        full = self.checkpoint_format == "torch"
+        return checkpoint.optimizer_state(self.lightning_module, optimizer, full=full,
+                                          view=self._expert_view("optimizer"))
 
-    def _global_experts(self, state: dict[str, Any], kind: str) -> dict[str, Any]:
-        """With expert parallelism, the local experts saved as their share of the global (all-experts) tensors."""
+    def _expert_view(self, kind: str) -> Any:
+        """With expert parallelism, how checkpoints see the local experts: as their share of the global
+        (all-experts) tensors, in both formats and both directions (any ``expert_parallel_size`` reads any)."""
         plan = self._plan
         if plan is None or plan.experts is None:
-            return state
-        if self.checkpoint_format != "torch_dcp":
-            raise NotImplementedError("an expert-parallel run saves `checkpoint_format='torch_dcp'` checkpoints only")
+            return None
         from lightning_mm.core import expert_parallel
 
         if self._expert_layout is None:
-            self._expert_layout = expert_parallel.ExpertCheckpointLayout(self._ep_mesh, plan.experts.num_experts)
-            self._expert_names = expert_parallel.expert_state_names(
-                self.lightning_module, plan, self._sharding_target()
-            )
+            names = expert_parallel.expert_state_names(self.lightning_module, plan, self._sharding_target())
+            self._expert_layout = expert_parallel.ExpertCheckpointLayout(self._ep_mesh, plan.experts.num_experts,
+                                                                         names)
         layout = self._expert_layout
-        if kind == "model":
-            return layout.model_state(state, self._expert_names)
-        return layout.optimizer_state(state, self._expert_names)
+        return layout.model_state if kind == "model" else layout.optimizer_state
 
     @override
     def load_optimizer_state_dict(self, checkpoint: Mapping[str, Any]) -> None:
@@ -688,14 +684,15 @@ class MMFSDP2Strategy(ParallelStrategy):
             raise ValueError("MMFSDP2Strategy loads checkpoints weights_only (no pickled code is run); "
                              "weights_only=False is not supported")
         self._check_checkpoint_io()
-        _refuse_expert_checkpoint(self._plan)
         lm = self.lightning_module
         assert lm is not None
         path = Path(self.broadcast(str(checkpoint_path)))
         fitting = lm.trainer.state.fn == TrainerFn.FITTING
         strict = lm.strict_loading if self._strict_loading is None else self._strict_loading
         loaded = checkpoint.load(path, lm, self.optimizers if fitting else [], strict=strict, rank=self.global_rank,
-                                 world_size=self.world_size, fitting=fitting)
+                                 world_size=self.world_size, fitting=fitting, view=self._expert_view("model"),
+                                 optimizer_view=self._expert_view("optimizer"),
+                                 schedulers=[c.scheduler for c in self.lr_scheduler_configs])
         self._pending_rng, self._pending_rng_point = loaded.rng, loaded.rng_point
         self._pending_rng_step = loaded.checkpoint.get("global_step")
         return loaded.checkpoint
@@ -739,16 +736,6 @@ class MMFSDP2Strategy(ParallelStrategy):
 
 def _check_supported(plan: Any, context_parallel_size: int = 1) -> None:
     """Settings the plan accepts whose doing is not implemented yet fail here, before any sharding."""
-    if plan.experts is not None and plan.offload_to_cpu:
-        raise NotImplementedError("FSDP2 config keys `expert_parallel_size` > 1 with `offload_to_cpu: true`: not "
-                                  "supported yet")
     if plan.experts is not None and context_parallel_size > 1:
         raise NotImplementedError("FSDP2 config key `expert_parallel_size` > 1 with MMFSDP2Strategy("
                                   "context_parallel_size > 1): not supported yet (each works on its own)")
-
-
-def _refuse_expert_checkpoint(plan: Any) -> None:
-    """Loading into an expert-parallel model (its local experts from the global tensors) is not implemented."""
-    if plan is not None and plan.experts is not None:
-        raise NotImplementedError("resuming into an expert-parallel run (`expert_parallel_size` > 1) is not "
-                                  "supported yet; an EP run's checkpoint loads with `expert_parallel_size: 1`")
