@@ -43,6 +43,9 @@ EP_CASES = [
     Case("qwen3_vl_moe-ep2", "qwen3_vl_moe", _ep("qwen3_vl_moe", 2), steps=STEPS),
     Case("qwen3_vl_moe-ep4-whole-align", "qwen3_vl_moe", _ep("qwen3_vl_moe", 4, False, align_fsdp_param_groups=True),
          steps=STEPS),
+    # Norm clipping that acts on every step: the norm must sum the experts of every rank of an EP group.
+    Case("qwen3_moe-ep2-clip", "qwen3_moe", _ep("qwen3_moe", 2), steps=STEPS, clip=0.05),
+    Case("qwen3_moe-ep4-whole-clip", "qwen3_moe", _ep("qwen3_moe", 4, False), steps=STEPS, clip=0.05),
 ]
 
 CHAIN = Case("qwen3_moe-resume-chain", "qwen3_moe", steps=8)

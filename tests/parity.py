@@ -150,6 +150,8 @@ class Reference:
     """The trained parameters."""
     noise: dict[str, torch.Tensor]
     """Per parameter, the elements whose gradient was rounding noise at every step (see :data:`NOISE`)."""
+    norms: list[float] = field(default_factory=list)
+    """Per optimizer step with ``case.clip``: the gradient norm before clipping."""
 
 
 NOISE = 1e-7
@@ -188,6 +190,7 @@ def _train_reference(
     optimizer = torch.optim.AdamW(params, lr=LR, weight_decay=0.0)
     bf16 = case.precision == "bf16-mixed"
     losses: list[float] = []
+    norms: list[float] = []
     for micro in steps:
         compute = master
         if bf16:
@@ -217,12 +220,12 @@ def _train_reference(
                 small[n] &= p.grad.abs() <= NOISE * largest
                 moved[n] |= p.grad != 0
         if case.clip is not None:
-            torch.nn.utils.clip_grad_norm_(params, case.clip)
+            norms.append(float(torch.nn.utils.clip_grad_norm_(params, case.clip)))
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
     final = {k: v.detach().clone() for k, v in master.named_parameters()}
     noise = {n: small[n] & moved[n] for n in small}  # an element with no gradient at all must not move either
-    return Reference(losses, final, {n: m for n, m in noise.items() if m.any()})
+    return Reference(losses, final, {n: m for n, m in noise.items() if m.any()}, norms)
 
 
 # ------------------------------------------------------------------------------------------- comparison

@@ -76,6 +76,12 @@ def _fit(case: Case, ckptdir: Path, outdir: Path, max_steps: int, devices: int =
             record["steps"].append(self.trainer.global_step)  # optimizer steps taken before this micro-batch
             return loss
 
+    class RecordNorm(L.Callback):
+        """The gradient norm each optimizer step clips with (``MMFSDP2Precision.grad_norm``, before clipping)."""
+
+        def on_before_optimizer_step(self, trainer: L.Trainer, pl_module: Any, optimizer: Any) -> None:
+            record.setdefault("norms", []).append(float(trainer.precision_plugin.grad_norm(optimizer)))
+
     class SaveInitial(L.Callback):
         def on_fit_start(self, trainer: L.Trainer, pl_module: Any) -> None:
             initial = _gathered(pl_module.model)
@@ -89,7 +95,7 @@ def _fit(case: Case, ckptdir: Path, outdir: Path, max_steps: int, devices: int =
         gradient_clip_val=case.clip, precision=case.precision, logger=False, enable_checkpointing=False,
         enable_progress_bar=False, enable_model_summary=False, num_sanity_val_steps=0, default_root_dir=outdir,
         strategy=MMFSDP2Strategy({"sharding_size": "auto", **case.fsdp2}),
-        callbacks=[SaveInitial()] if case.family == TORCH_LAYERS else [],
+        callbacks=[*([SaveInitial()] if case.family == TORCH_LAYERS else []), *([RecordNorm()] if case.clip else [])],
     )
     loader = torch.utils.data.DataLoader(IndexedData(case.family), batch_size=PER_RANK_BATCH * 2 // devices)
     trainer.fit(module, train_dataloaders=loader, ckpt_path=ckpt_path)

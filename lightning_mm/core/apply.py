@@ -80,6 +80,9 @@ class ShardedModel:
     ep_mesh: DeviceMesh | None = None
     whole_experts: list[nn.Parameter] = field(default_factory=list)
     """Local experts kept whole (``reshard_local_experts: false``): out of FSDP, reduced over ``ep_replicate``."""
+    norm_groups: dict[int, tuple[Any, ...]] = field(default_factory=dict)
+    """``id(parameter)`` -> process groups its gradient-norm term is summed over beyond its placements (the
+    ``ep`` group for every local expert: each rank of it holds other experts)."""
 
     def reduce_unsharded_gradients(self) -> None:
         """After the backward of the last micro-batch: average the gradients FSDP does not reduce."""
@@ -116,7 +119,8 @@ def apply_plan(
         load_after_sharding()
     units = plan_units(target, plan) if shard_units is None else sharded_units(target, root)
     prefetch = ExecutionOrderPrefetch(root, units, plan)
-    return ShardedModel(ignored, prefetch, ep_mesh, whole)
+    norm_groups = expert_parallel.expert_norm_groups(target, plan, ep_mesh) if ep_mesh is not None else {}
+    return ShardedModel(ignored, prefetch, ep_mesh, whole, norm_groups)
 
 
 def model_unit_sharding(target: nn.Module, config: FSDP2Config) -> Callable[[dict[str, Any]], None] | None:

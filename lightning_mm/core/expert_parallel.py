@@ -33,11 +33,12 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.fsdp import CPUOffloadPolicy, fully_shard
 
+from lightning_mm._dtensor import local_tensor
 from lightning_mm.core.plan import ShardingPlan, ep_mesh_layout
 
 __all__ = [
     "ExpertParallelError", "ExpertGroup", "build_ep_mesh", "split_experts", "routed_forward", "apply_expert_parallel",
-    "all_reduce_expert_gradients", "expert_row_offset",
+    "all_reduce_expert_gradients", "expert_row_offset", "expert_norm_groups",
 ]
 
 EXPERT_OFFSET_ATTR = "_lmm_expert_offset"
@@ -214,15 +215,9 @@ def own_rank_mesh(device_type: str) -> DeviceMesh:
     return init_device_mesh(device_type, (dist.get_world_size(), 1), mesh_dim_names=("world", "alone"))["alone"]
 
 
-def _local(t: torch.Tensor) -> torch.Tensor:
-    from torch.distributed.tensor import DTensor
-
-    return t.to_local() if isinstance(t, DTensor) else t
-
-
 def all_reduce_expert_gradients(params: list[nn.Parameter], ep_mesh: DeviceMesh) -> None:
     """Average the whole local experts' gradients over ``ep_replicate`` (the routed forward scaled them by 1/ep)."""
-    grads = [_local(p.grad) for p in params if p.grad is not None]  # DTensors of a 1-rank mesh when offloaded
+    grads = [local_tensor(p.grad) for p in params if p.grad is not None]  # DTensors of a 1-rank mesh when offloaded
     if not grads:
         return
     flat = torch.cat([g.reshape(-1) for g in grads])
@@ -243,7 +238,17 @@ def broadcast_expert_replicas(params: list[nn.Parameter], ep_mesh: DeviceMesh) -
     src = dist.get_global_rank(group, 0)
     with torch.no_grad():
         for p in params:
-            dist.broadcast(_local(p.data), src=src, group=group)
+            dist.broadcast(local_tensor(p.data), src=src, group=group)
+
+
+def expert_norm_groups(target: nn.Module, plan: ShardingPlan, ep_mesh: DeviceMesh) -> dict[int, tuple[Any, ...]]:
+    """``id(parameter)`` -> ``(ep group,)`` for every local expert parameter: the ranks of an EP group hold other
+    experts, so a gradient norm sums their terms over it (besides the dimensions FSDP shards them along)."""
+    assert plan.experts is not None
+    if ep_mesh.size(1) == 1:
+        return {}
+    group = ep_mesh.get_group("ep")
+    return {id(p): (group,) for path in plan.experts.modules for p in target.get_submodule(path).parameters()}
 
 
 # ---------------------------------------------------------------------------------------------- checkpoints

@@ -2,7 +2,9 @@
 
 ``torch.nn.utils.clip_grad_norm_`` refuses a mix of DTensors and plain tensors (ignored modules) and of DTensors
 on different meshes. Here each gradient contributes its local ``sum |g|^p`` (or max), reduced only over the mesh
-dimensions along which it is sharded, so replicated copies are counted once.
+dimensions along which it is sharded, so replicated copies are counted once. Parameters whose values differ
+between ranks in a way no placement shows (the local experts of an expert-parallel group: each rank holds other
+experts) name the extra process groups their terms are summed over (``sum_over``).
 
 torch's public ``get_total_norm`` / ``clip_grads_with_norm_`` were measured against this module on 2 gloo ranks
 (``tests/clip_scenarios.py``, figures in benchmarks/README.md): both refuse the same mixed lists, so the grouping
@@ -13,7 +15,8 @@ up to 2e-3, as each per-tensor norm is rounded to the gradient's dtype), so this
 from __future__ import annotations
 
 import math
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping, Sequence
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -31,8 +34,14 @@ def _local_term(grad: torch.Tensor, norm_type: float) -> torch.Tensor:
     return local.abs().pow(norm_type).sum()
 
 
-def total_grad_norm(parameters: Iterable[torch.Tensor], norm_type: float = 2.0) -> torch.Tensor:
-    """The global gradient norm over all ranks, as a plain scalar tensor (identical on every rank)."""
+def total_grad_norm(parameters: Iterable[torch.Tensor], norm_type: float = 2.0,
+                    sum_over: Mapping[int, Sequence[Any]] | None = None) -> torch.Tensor:
+    """The global gradient norm over all ranks, as a plain scalar tensor (identical on every rank).
+
+    ``sum_over`` maps ``id(parameter)`` to further process groups its term is reduced over, beyond the mesh
+    dimensions its placements shard it along (e.g. the ``ep`` group for a local expert).
+    """
+    sum_over = sum_over or {}
     is_inf = math.isinf(norm_type)
     # Group terms by the process groups they must be reduced over.
     terms: dict[tuple, list[torch.Tensor]] = {}
@@ -42,15 +51,16 @@ def total_grad_norm(parameters: Iterable[torch.Tensor], norm_type: float = 2.0) 
         grad = param.grad
         if grad is None:
             continue
+        extra = tuple(sum_over.get(id(param), ()))
         if isinstance(grad, DTensor):
             mesh = grad.device_mesh
             dims = tuple(i for i, p in enumerate(grad.placements) if isinstance(p, Shard))
-            key = (id(mesh), dims)
-            groups.setdefault(key, [mesh.get_group(i) for i in dims])
+            key: tuple = (id(mesh), dims, *map(id, extra))
+            groups.setdefault(key, [*(mesh.get_group(i) for i in dims), *extra])
             term = _local_term(grad.to_local(), norm_type)
         else:
-            key = ()
-            groups.setdefault(key, [])
+            key = (None, (), *map(id, extra))
+            groups.setdefault(key, list(extra))
             term = _local_term(grad, norm_type)
         device = term.device
         terms.setdefault(key, []).append(term)
@@ -79,9 +89,10 @@ def clip_grads_with_norm_(parameters: Iterable[torch.Tensor], max_norm: float, t
                 param.grad.mul_(coef)
 
 
-def clip_grad_norm_(parameters: Iterable[torch.Tensor], max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
+def clip_grad_norm_(parameters: Iterable[torch.Tensor], max_norm: float, norm_type: float = 2.0,
+                    sum_over: Mapping[int, Sequence[Any]] | None = None) -> torch.Tensor:
     """Scale gradients in place so that their global norm is at most ``max_norm``; returns the norm before."""
     parameters = [p for p in parameters if p.grad is not None]
-    total = total_grad_norm(parameters, norm_type)
+    total = total_grad_norm(parameters, norm_type, sum_over)
     clip_grads_with_norm_(parameters, max_norm, total)
     return total

@@ -463,6 +463,8 @@ class MMFSDP2Strategy(ParallelStrategy):
         self._sharded = sharded = apply.apply_plan(root, target, plan, self.device_mesh, self.root_device,
                                                    apply.model_unit_sharding(target, config))
         self._ep_mesh = sharded.ep_mesh
+        if isinstance(self.precision_plugin, MMFSDP2Precision):  # gradient norms: local experts summed over EP
+            self.precision_plugin.norm_groups = sharded.norm_groups
 
     # ---------------------------------------------------------------------------------------- steps
     def _through_root(self, method: str, *args: Any, **kwargs: Any) -> Any:

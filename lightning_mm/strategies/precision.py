@@ -69,6 +69,9 @@ class MMFSDP2Precision(Precision):
         self.precision = precision  # type: ignore[assignment]
         self._true_dtype = _TRUE_DTYPES.get(precision)
         self._step_norm: tuple[int, torch.Tensor] | None = None  # (id(optimizer), norm) of the step under way
+        self.norm_groups: dict[int, tuple[Any, ...]] = {}
+        """Set by the strategy after sharding: parameters whose norm terms are summed over further process groups
+        (local experts over their EP group; see :func:`~lightning_mm.core.grad_clip.total_grad_norm`)."""
 
     def convert_module(self, module: nn.Module) -> nn.Module:
         return module.to(self._true_dtype) if self._true_dtype is not None else module
@@ -104,7 +107,7 @@ class MMFSDP2Precision(Precision):
         which Lightning calls just before clipping) and norm clipping then reuses it instead of reducing again.
         """
         if self._step_norm is None or self._step_norm[0] != id(optimizer):
-            self._step_norm = (id(optimizer), total_grad_norm(_params(optimizer)))
+            self._step_norm = (id(optimizer), total_grad_norm(_params(optimizer), sum_over=self.norm_groups))
         return self._step_norm[1]
 
     def clip_grad_by_norm(self, optimizer: Optimizer, clip_val: int | float) -> None:
