@@ -190,12 +190,6 @@ class FSDP2Config:
         filled._explicit = self._explicit  # the model's defaults are not the user's choice
         return filled
 
-    def replace(self, **changes: Any) -> FSDP2Config:
-        """A validated copy with some fields changed (those count as set explicitly)."""
-        copy = dataclasses.replace(self, **changes)
-        copy._explicit = self._explicit | frozenset(changes)
-        return copy
-
     # --------------------------------------------------------------- validation
     def _error(self, key: str, message: str) -> FSDP2ConfigError:
         where = f" in {self.source}" if self.source else ""
