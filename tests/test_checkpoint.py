@@ -329,7 +329,7 @@ def test_hf_to_dcp_renames_keys_as_transformers_does_on_load(tmp_path):
 def test_checkpoint_records_come_from_registered_providers():
     from lightning_mm.checkpoint import collect_records, records, register_record_provider
 
-    assert records._providers["hf"] is hf_records  # registered by lightning_mm.modules
+    assert records._providers["hf"] is hf_records  # registered by importing lightning_mm.hf
     wrapper = nn.Module()
     wrapper.model = _tiny_llama()
     assert collect_records(wrapper)["hf"] == hf_records(wrapper)

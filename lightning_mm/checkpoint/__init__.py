@@ -6,7 +6,7 @@
 * :mod:`.manifest`: ``manifest.json`` binds every file to its checkpoint; :mod:`.errors`: the exceptions.
 * :mod:`.rng`: per-rank RNG states; :mod:`.records`: what other layers add to a checkpoint (a registry of record
   providers; the Hugging Face one, :func:`lightning_mm.hf.records.hf_records`, is registered by
-  ``lightning_mm.modules``); :mod:`.consolidate`: ``dcp-to-torch``. Conversion to and from Hugging Face
+  ``lightning_mm.hf`` on import); :mod:`.consolidate`: ``dcp-to-torch``. Conversion to and from Hugging Face
   directories is in :mod:`lightning_mm.hf.convert`.
 """
 

@@ -5,4 +5,13 @@ plans, checkpoint key mapping and sliced loading of safetensors shards, LoRA thr
 attention, and conversion between lightning-mm checkpoints and Hugging Face directories. It sits on the core and
 the checkpoint I/O, and below the Lightning layer; it does not import Lightning. Users reach it through
 :mod:`lightning_mm.modules`.
+
+Importing it (which any import of its modules does first) registers the Hugging Face checkpoint record (``hf``: the
+architecture and config of each Transformers model, what ``dcp-to-hf`` reads) with the checkpoint I/O's record
+providers.
 """
+
+from lightning_mm.checkpoint.records import register_record_provider
+from lightning_mm.hf.records import hf_records
+
+register_record_provider("hf", hf_records)
