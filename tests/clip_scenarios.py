@@ -28,6 +28,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from lightning_mm.core.grad_clip import clip_grad_norm_, total_grad_norm  # noqa: E402
+from tests.scenario_exit import exit_cleanly  # noqa: E402
 
 
 def torch_total_grad_norm(params: list[nn.Parameter], norm_type: float) -> torch.Tensor:
@@ -122,7 +123,7 @@ def main(outdir: str) -> None:
         for norm_type in (2.0, 1.0, math.inf):
             results[f"{case}/{norm_type}"] = _case(case, rank, norm_type, max_norm=0.05)
     Path(outdir, f"clip.rank{rank}.json").write_text(json.dumps(results, indent=1))
-    dist.destroy_process_group()
+    exit_cleanly()
 
 
 def _spawned(rank: int, world: int, port: int, outdir: str) -> None:

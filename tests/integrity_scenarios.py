@@ -26,6 +26,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from lightning_mm.checkpoint import store  # noqa: E402
+from tests.scenario_exit import exit_cleanly  # noqa: E402
 
 EXTRA = {"format_version": 1, "kind": "training", "world_size": 2, "rng_point": "next_batch", "hf": []}
 
@@ -58,24 +59,22 @@ def lightning_dict(model: nn.Module, optimizer: torch.optim.Optimizer | None) ->
 
 def worker(rank: int, work: Path, full_disk: str | None) -> None:
     dist.init_process_group("gloo", init_method=f"file://{work / 'rendezvous'}", rank=rank, world_size=2)
-    try:
-        for name, seed in (("a", 1), ("b", 2)):
-            model, optimizer = build(seed)
-            store.save(lightning_dict(model, optimizer), work / f"{name}.ckpt", "torch_dcp", EXTRA, None)
-        if full_disk:
-            directory = Path(full_disk)
-            store.save(lightning_dict(model, None), directory / "weights.ckpt", "torch_dcp", EXTRA, None)
-            record: dict = {"raised": None}
-            try:
-                store.save(lightning_dict(model, optimizer), directory / "train.ckpt", "torch_dcp", EXTRA, None)
-            except BaseException as error:  # what a user sees (DCP's CheckpointException is a BaseException)
-                record = {"raised": type(error).__name__, "message": str(error),
-                          "errno": getattr(error, "errno", None), "mro": [c.__name__ for c in type(error).__mro__]}
-            dist.barrier()
-            record["listing"] = sorted(p.name for p in directory.iterdir())
-            (work / f"full_disk.rank{rank}.json").write_text(json.dumps(record))
-    finally:
-        dist.destroy_process_group()
+    for name, seed in (("a", 1), ("b", 2)):
+        model, optimizer = build(seed)
+        store.save(lightning_dict(model, optimizer), work / f"{name}.ckpt", "torch_dcp", EXTRA, None)
+    if full_disk:
+        directory = Path(full_disk)
+        store.save(lightning_dict(model, None), directory / "weights.ckpt", "torch_dcp", EXTRA, None)
+        record: dict = {"raised": None}
+        try:
+            store.save(lightning_dict(model, optimizer), directory / "train.ckpt", "torch_dcp", EXTRA, None)
+        except BaseException as error:  # what a user sees (DCP's CheckpointException is a BaseException)
+            record = {"raised": type(error).__name__, "message": str(error),
+                      "errno": getattr(error, "errno", None), "mro": [c.__name__ for c in type(error).__mro__]}
+        dist.barrier()
+        record["listing"] = sorted(p.name for p in directory.iterdir())
+        (work / f"full_disk.rank{rank}.json").write_text(json.dumps(record))
+    exit_cleanly()
 
 
 if __name__ == "__main__":
