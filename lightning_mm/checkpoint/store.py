@@ -617,37 +617,53 @@ def load(
         checkpoint["lr_schedulers"] = []
         return Loaded(checkpoint, None, None, skipped)
     if fitting and optimizers:
-        saved = source.meta.get("optimizer_states")
-        if saved is None:
-            raise ValueError(
-                f"{path} holds no optimizer state (saved with `save_weights_only=True`?): it cannot resume training. "
-                "Use it with validate/test/predict, or convert it to a weights checkpoint"
-            )
-        if len(saved) != len(optimizers):
-            raise ValueError(f"{path} holds state for {len(saved)} optimizer(s); the module has {len(optimizers)}")
-        for i, optimizer in enumerate(optimizers):
-            missed, sources = _load_optimizer(source, model, optimizer, i, strict, optimizer_view)
-            skipped += missed
-            if sources is None:
-                continue
-            # Schedulers keep lists with one entry per parameter group: regrouped as the optimiser was.
-            saved_groups = len(saved[i].get("param_groups", []))
-            states = checkpoint.get("lr_schedulers") or []
-            owners = [next((j for j, o in enumerate(optimizers) if _unwrap(o) is getattr(s, "optimizer", None)),
-                           None) for s in schedulers]
-            if len(owners) != len(states):
-                message = (f"{path}: optimizer {i}'s parameter groups were regrouped, and the checkpoint's "
-                           f"{len(states)} LR scheduler state(s) cannot be matched to the {len(owners)} scheduler(s)")
-                if strict:
-                    raise CheckpointKeyError(message)
-                rank_zero_warn(f"{message}; they are restored as saved")
-                continue
-            checkpoint["lr_schedulers"] = [_remap_scheduler(st, sources, saved_groups) if owner == i else st
-                                           for st, owner in zip(states, owners)]
+        skipped += _load_optimizers(path, source, model, optimizers, checkpoint, strict, optimizer_view, schedulers)
+    rng, rng_point = _rank_state(path, extra, checkpoint, rank, world_size) if fitting else (None, None)
+    return Loaded(checkpoint, rng, rng_point, skipped)
 
+
+def _load_optimizers(path: Path, source: CheckpointSource, model: nn.Module, optimizers: Sequence[Any],
+                     checkpoint: dict[str, Any], strict: bool, view: StateView | None,
+                     schedulers: Sequence[Any]) -> list[str]:
+    """Every optimiser's state in place (regrouped by parameter name where its groups split differently, and the
+    LR schedulers' per-group lists with it); returns the keys a non-strict load skipped."""
+    skipped: list[str] = []
+    saved = source.meta.get("optimizer_states")
+    if saved is None:
+        raise ValueError(
+            f"{path} holds no optimizer state (saved with `save_weights_only=True`?): it cannot resume training. "
+            "Use it with validate/test/predict, or convert it to a weights checkpoint"
+        )
+    if len(saved) != len(optimizers):
+        raise ValueError(f"{path} holds state for {len(saved)} optimizer(s); the module has {len(optimizers)}")
+    for i, optimizer in enumerate(optimizers):
+        missed, sources = _load_optimizer(source, model, optimizer, i, strict, view)
+        skipped += missed
+        if sources is None:
+            continue
+        # Schedulers keep lists with one entry per parameter group: regrouped as the optimiser was.
+        saved_groups = len(saved[i].get("param_groups", []))
+        states = checkpoint.get("lr_schedulers") or []
+        owners = [next((j for j, o in enumerate(optimizers) if _unwrap(o) is getattr(s, "optimizer", None)),
+                       None) for s in schedulers]
+        if len(owners) != len(states):
+            message = (f"{path}: optimizer {i}'s parameter groups were regrouped, and the checkpoint's "
+                       f"{len(states)} LR scheduler state(s) cannot be matched to the {len(owners)} scheduler(s)")
+            if strict:
+                raise CheckpointKeyError(message)
+            rank_zero_warn(f"{message}; they are restored as saved")
+            continue
+        checkpoint["lr_schedulers"] = [_remap_scheduler(st, sources, saved_groups) if owner == i else st
+                                       for st, owner in zip(states, owners)]
+    return skipped
+
+
+def _rank_state(path: Path, extra: dict[str, Any], checkpoint: dict[str, Any], rank: int,
+                world_size: int) -> tuple[Any, Any]:
+    """This rank's dataloader positions (into ``checkpoint``) and RNG state, when the world size is the same."""
     ranks = extra.get("ranks") or []
     rng = rng_point = None
-    if fitting and ranks:
+    if ranks:
         if len(ranks) == world_size:
             mine = ranks[rank] or {}
             put_loader_states(checkpoint, mine.get("combined_loader"))
@@ -658,4 +674,4 @@ def load(
                 "are resharded; the per-rank dataloader positions and RNG states are not restored (the current "
                 "epoch's data restarts from its beginning)"
             )
-    return Loaded(checkpoint, rng, rng_point, skipped)
+    return rng, rng_point
