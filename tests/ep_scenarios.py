@@ -65,6 +65,10 @@ def group_train(outdir: Path, ckptdir: Path) -> None:
         _guarded(RESUME, outdir, lambda: _resume(outdir, ckptdir))
     if not only or IDLE_RANK.name in only.split(","):
         _guarded(IDLE_RANK, outdir, lambda: _idle_rank(outdir))
+    # Custom dispatch hook and a training step with idle ranks (tests/ep_custom_scenarios.py), after the above.
+    from tests.ep_custom_scenarios import run_cases
+
+    run_cases(outdir, set(only.split(",")) if only else None)
 
 
 IDLE_RANK = Case("qwen3_moe-ep4-idle-rank", "qwen3_moe")

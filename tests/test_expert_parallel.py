@@ -116,3 +116,42 @@ def test_rank_whose_experts_get_no_token_takes_part_in_backward(runs):
         assert data["out"] < 1e-6 and data["x_grad"] < 1e-6 and data["w_grad"] < 1e-6, (r, data)
         assert data["expert_grads"] < 1e-5, (r, data)
     assert ranks[-1]["idle_expert_grads"] == 0.0
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# A custom MoE model's own dispatch (FSDP2Mixin.expert_parallel_forward) and a training step in which some ranks'
+# experts receive no token (tests/ep_custom_scenarios.py; same launch).
+@pytest.mark.parametrize("name", ["custom_moe-ep2", "custom_moe-ep2-whole"])
+def test_custom_moe_dispatch_hook_trains_as_one_process_without_ep(runs, name):
+    from tests.ep_custom_scenarios import CUSTOM_CASES, LAYERS, custom_reference
+
+    case = {c.name: c for c in CUSTOM_CASES}[name]
+    ranks = [r["parts"][0] for r in _ranks(runs[0], name)]
+    for data in ranks:  # the hook served every MoE module, each rank holding half of the 4 experts
+        assert data["hook_calls"] == [f"blocks.{i}.experts" for i in range(LAYERS)], data["hook_calls"]
+        assert data["local_experts"] == [2] * LAYERS
+    steps = global_steps(case, ranks)
+    assert len(steps) == case.steps and all(len(group) == DEVICES for micro in steps for group in micro)
+    errors = relative_errors(global_losses(ranks), custom_reference(steps))
+    assert max(errors) < FP32_LOSS, f"{name}: per-step relative loss errors {errors}"
+
+
+def test_training_with_ranks_whose_experts_get_no_token(runs):
+    """All routers zero: every token picks the same two experts, so in the first step two of the four EP ranks
+    receive no token in every MoE layer. The launch finishes (a rank skipping the all-to-all's backward
+    deadlocked against FSDP's reduce-scatter) and the losses equal one-process Transformers'."""
+    from tests.ep_custom_scenarios import ZERO_ROUTER
+
+    out, _ = runs
+    case = ZERO_ROUTER
+    ranks = [r["parts"][0] for r in _ranks(out, case.name)]
+    per_rank = 8 // 4
+    for layer in range(2):
+        picked = {e for data in ranks for e in data["chosen_experts"][layer]}
+        idle = [r for r in range(DEVICES) if not picked & set(range(r * per_rank, (r + 1) * per_rank))]
+        assert idle, f"layer {layer}: every rank's experts got tokens ({sorted(picked)}); the case tests nothing"
+    steps = global_steps(case, ranks)
+    assert len(steps) == case.steps
+    ref = reference_run(case, steps, out / "zero_router_ckpt" / case.family)
+    errors = relative_errors(global_losses(ranks), ref.losses)
+    assert max(errors) < FP32_LOSS, f"per-step relative loss errors {errors}"

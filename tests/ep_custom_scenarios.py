@@ -1,0 +1,296 @@
+"""Expert-parallel cases beyond the built-in Transformers dispatch, run inside ``tests/ep_scenarios.py``'s launch.
+
+* :data:`CUSTOM_CASES`: a plain torch MoE language model (:class:`CustomMoELM`) whose experts module has its own
+  call shape (``experts(x [batch, seq, hidden], scores [batch, seq, experts])``, routing inside the module) plugs
+  its dispatch in through ``FSDP2Mixin.expert_parallel_forward``; trained with EP 2 on 4 ranks and compared with
+  the same model trained in one process without expert parallelism (:func:`custom_reference`).
+* :data:`ZERO_ROUTER`: a tiny Qwen3-MoE whose routers are all zero trained through ``TransformersModel`` with EP 4:
+  every token picks the same two experts (ties), so two of the four ranks receive no token in the first step.
+  This is the benchmark's deadlock (a rank whose experts get no token skipped the dispatching all-to-all's
+  backward and met the others' all-to-all with FSDP's reduce-scatter) in a real training step.
+
+Each case runs under a watchdog: a rank still inside a case after :data:`CASE_LIMIT_S` seconds records the error
+(with every thread's stack) and exits, so a deadlock fails the test instead of hanging the launch.
+"""
+
+from __future__ import annotations
+
+import faulthandler
+import os
+import sys
+import threading
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from lightning_mm.modules.mixins import FSDP2Mixin
+from tests.parity import Case
+
+DEVICES = 4
+CASE_LIMIT_S = int(os.environ.get("EP_CASE_LIMIT_S", "240"))
+
+# ------------------------------------------------------------------------------------ the custom MoE model
+VOCAB, HIDDEN, INNER, EXPERTS, TOP_K, LAYERS, SEQ = 64, 16, 24, 4, 2, 2, 12
+CUSTOM_LR = 0.5
+"""Plain SGD (no momentum): a wrong gradient scale shows in the losses, which AdamW's normalisation would hide."""
+CUSTOM_SAMPLES = 32  # 4 steps of 4 ranks x 2 samples
+CUSTOM_PER_RANK = 2
+
+
+class CustomExperts(nn.Module):
+    """Experts with a call shape of their own: ``forward(x [B, S, H], scores [B, S, E]) -> [B, S, H]``.
+
+    Routing happens inside (softmax, top-k, renormalised); the weights are stacked along a leading experts
+    dimension (input projection stored ``[E, H, I]``, i.e. transposed against Transformers' layout, with biases).
+    :meth:`compute` is the part that runs on the experts' owners: Transformers' call shape over the experts this
+    module holds (all of them, or its local ones under expert parallelism).
+    """
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.num_experts = EXPERTS
+        self.w_in = nn.Parameter(torch.randn(EXPERTS, HIDDEN, INNER) * 0.2)
+        self.b_in = nn.Parameter(torch.randn(EXPERTS, INNER) * 0.1)
+        self.w_out = nn.Parameter(torch.randn(EXPERTS, INNER, HIDDEN) * 0.2)
+
+    @staticmethod
+    def route(scores: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        probs = scores.float().softmax(dim=-1)
+        weights, index = probs.topk(TOP_K, dim=-1)
+        return index, (weights / weights.sum(dim=-1, keepdim=True)).to(scores.dtype)
+
+    def compute(self, tokens: torch.Tensor, index: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+        """``[T, H]`` tokens, ``[T, k]`` expert indices into this module's experts, ``[T, k]`` weights."""
+        out = torch.zeros_like(tokens)
+        for e in range(self.w_in.shape[0]):
+            rows, slot = torch.nonzero(index == e, as_tuple=True)
+            if rows.numel() == 0:
+                continue
+            h = torch.nn.functional.gelu(tokens[rows] @ self.w_in[e] + self.b_in[e]) @ self.w_out[e]
+            out = out.index_add(0, rows, h * weights[rows, slot].unsqueeze(-1))
+        return out
+
+    def forward(self, x: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
+        index, weights = self.route(scores)
+        b, s, h = x.shape
+        return self.compute(x.reshape(-1, h), index.reshape(-1, TOP_K), weights.reshape(-1, TOP_K)).view(b, s, h)
+
+
+class CustomBlock(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.norm = nn.LayerNorm(HIDDEN)
+        self.mix = nn.Linear(HIDDEN, HIDDEN)  # with the previous token's state: tokens interact
+        self.gate = nn.Linear(HIDDEN, EXPERTS, bias=False)
+        self.experts = CustomExperts()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        previous = torch.nn.functional.pad(x, (0, 0, 1, 0))[:, :-1]
+        x = x + torch.tanh(self.mix(previous))
+        h = self.norm(x)
+        return x + self.experts(h, self.gate(h))
+
+
+class CustomMoELM(nn.Module, FSDP2Mixin):
+    """A small plain-torch MoE language model; under expert parallelism its experts dispatch through the hook."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(VOCAB, HIDDEN)
+        self.blocks = nn.ModuleList(CustomBlock() for _ in range(LAYERS))
+        self.norm = nn.LayerNorm(HIDDEN)
+        self.head = nn.Linear(HIDDEN, VOCAB)
+        self.ep_forward_calls: list[str] = []
+
+    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        x = self.embed(input_ids)
+        for block in self.blocks:
+            x = block(x)
+        logits = self.head(self.norm(x))
+        return torch.nn.functional.cross_entropy(logits[:, :-1].reshape(-1, VOCAB), input_ids[:, 1:].reshape(-1))
+
+    def expert_parallel_forward(self, path: str, module: nn.Module, ep: Any) -> Callable[..., torch.Tensor]:
+        from lightning_mm.strategies.expert_parallel import routed_forward
+
+        assert isinstance(module, CustomExperts) and module.w_in.shape[0] == ep.experts_per_rank
+        self.ep_forward_calls.append(path)
+        routed = routed_forward(module, module.compute, ep)
+
+        def forward(x: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
+            index, weights = module.route(scores)
+            b, s, h = x.shape
+            return routed(x.reshape(-1, h), index.reshape(-1, TOP_K), weights.reshape(-1, TOP_K)).view(b, s, h)
+
+        return forward
+
+
+def custom_model() -> CustomMoELM:
+    torch.manual_seed(1234)
+    return CustomMoELM()
+
+
+def custom_sample(index: int) -> torch.Tensor:
+    return torch.randint(0, VOCAB, (SEQ,), generator=torch.Generator().manual_seed(100 + index))
+
+
+class CustomData(torch.utils.data.Dataset):
+    def __len__(self) -> int:
+        return CUSTOM_SAMPLES
+
+    def __getitem__(self, i: int) -> dict[str, Any]:
+        return {"input_ids": custom_sample(i), "index": i}
+
+
+CUSTOM_CASES = [
+    Case("custom_moe-ep2", "custom_moe", {"expert_parallel_size": 2, "moe_modules": ["blocks.{*}.experts"]},
+         steps=4),
+    Case("custom_moe-ep2-whole", "custom_moe", {"expert_parallel_size": 2, "moe_modules": ["blocks.{*}.experts"],
+                                                "reshard_local_experts": False}, steps=4),
+]
+
+
+def _fit_custom(case: Case, outdir: Path) -> None:
+    import lightning as L
+
+    from lightning_mm import MMFSDP2Strategy, MMLightningModule
+    from tests.parity_scenarios import _dump
+
+    record: dict[str, Any] = {"losses": [], "indices": [], "steps": []}
+
+    class Module(MMLightningModule):
+        def __init__(self) -> None:
+            super().__init__(lr=CUSTOM_LR, log_grad_norm=False)
+            self.model = custom_model()  # built here, with real weights: every rank starts from the same ones
+
+        def get_batch(self, batch: dict[str, Any]) -> dict[str, Any]:
+            record["indices"].append(batch["index"].tolist())
+            return {"input_ids": batch["input_ids"]}
+
+        def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+            loss = super().training_step(batch, batch_idx)
+            record["losses"].append(float(loss.detach()))
+            record["steps"].append(self.trainer.global_step)
+            return loss
+
+        def configure_optimizers(self) -> Any:
+            return torch.optim.SGD(self.parameters(), lr=CUSTOM_LR)
+
+    module = Module()
+    trainer = L.Trainer(
+        accelerator="cpu", devices=DEVICES, max_steps=case.steps, logger=False, enable_checkpointing=False,
+        enable_progress_bar=False, enable_model_summary=False, num_sanity_val_steps=0, default_root_dir=outdir,
+        strategy=MMFSDP2Strategy({"sharding_size": "auto", "sub_modules_to_wrap": ["blocks.{*}"], **case.fsdp2}),
+    )
+    trainer.fit(module, train_dataloaders=torch.utils.data.DataLoader(CustomData(), batch_size=CUSTOM_PER_RANK))
+    model = module.model
+    record["hook_calls"] = list(model.ep_forward_calls)
+    record["local_experts"] = [int(b.experts.w_in.shape[0]) for b in model.blocks]
+    _dump(case, outdir, trainer.global_rank, {"parts": [record], "error": None})
+
+
+def custom_reference(steps: list[list[list[int]]]) -> list[float]:
+    """The same model trained in one process without expert parallelism: per micro-batch the mean of the ranks'
+    losses (data parallelism averages the ranks' gradients), with the same SGD."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        model = custom_model()
+        optimizer = torch.optim.SGD(model.parameters(), lr=CUSTOM_LR)
+        losses = []
+        for micro in steps:
+            for ranks in micro:
+                optimizer.zero_grad()
+                per_rank = [model(torch.stack([custom_sample(i) for i in indices])) for indices in ranks]
+                total = sum(per_rank) / len(per_rank)
+                total.backward()
+                losses.append(float(total.detach()))
+            optimizer.step()
+        return losses
+    finally:
+        torch.set_num_threads(threads)
+
+
+# ------------------------------------------------------------------- Qwen3-MoE with all routers at zero
+ZERO_ROUTER = Case("qwen3_moe-ep4-zero-router", "qwen3_moe",
+                   {"expert_parallel_size": 4, "moe_modules": ["model.layers.{*}.mlp.experts"]}, steps=3)
+
+
+def zero_router_checkpoint(directory: Path) -> Path:
+    """``directory/qwen3_moe``: the tiny Qwen3-MoE with every router weight zero."""
+    from tests.moe_models import tiny_moe_model
+
+    path = directory / "qwen3_moe"
+    model = tiny_moe_model("qwen3_moe", seed=10)
+    with torch.no_grad():
+        for layer in model.model.layers:
+            layer.mlp.gate.weight.zero_()
+    model.save_pretrained(path, save_original_format=False)
+    return path
+
+
+def _zero_router(outdir: Path) -> None:
+    import torch.distributed as dist
+
+    from tests.parity_scenarios import _finish, _fit
+
+    ckpts = outdir / "zero_router_ckpt"
+    # Written by rank 0 (Transformers saves on rank 0 alone once torch.distributed is up); without a process
+    # group yet, this process is the launcher, and the other ranks start only when the Trainer below does.
+    if dist.is_initialized():
+        if dist.get_rank() == 0:
+            zero_router_checkpoint(ckpts)
+        dist.barrier()
+    elif int(os.environ.get("LOCAL_RANK", "0")) == 0:
+        zero_router_checkpoint(ckpts)
+    chosen: list[list[int]] = []
+
+    def record_experts(module: nn.Module, args: tuple[Any, ...]) -> None:
+        # the first step's MoE layers: the (global) experts this rank's tokens picked
+        if type(module).__name__.endswith("MoeExperts") and len(chosen) < 2 and len(args) == 3:
+            chosen.append(sorted(set(args[1].reshape(-1).tolist())))
+
+    handle = torch.nn.modules.module.register_module_forward_pre_hook(record_experts)
+    try:
+        record, (trainer, module) = _fit(ZERO_ROUTER, ckpts, outdir, ZERO_ROUTER.steps, devices=DEVICES)
+    finally:
+        handle.remove()
+    record["chosen_experts"] = chosen
+    _finish(ZERO_ROUTER, outdir, [record], trainer, module)
+
+
+# --------------------------------------------------------------------------------------------- the launch
+def _watched(case: Case, outdir: Path, run: Callable[[], None]) -> None:
+    """``run`` with a deadline: past it, record the error with every thread's stack and leave the process."""
+    from tests.parity_scenarios import _dump, _guarded
+
+    def fire() -> None:
+        import torch.distributed as dist
+
+        rank = dist.get_rank() if dist.is_initialized() else int(os.environ.get("LOCAL_RANK", "0"))
+        stacks = outdir / f"{case.name}.stacks.rank{rank}.txt"
+        with open(stacks, "w") as f:
+            faulthandler.dump_traceback(file=f, all_threads=True)
+        message = f"{case.name}: rank {rank} still in the case after {CASE_LIMIT_S} s (deadlock?); its stacks:\n"
+        _dump(case, outdir, rank, {"parts": [], "error": message + stacks.read_text()[-3000:]})
+        print(message + stacks.read_text()[-1500:], file=sys.stderr, flush=True)
+        os._exit(3)
+
+    timer = threading.Timer(CASE_LIMIT_S, fire)
+    timer.daemon = True
+    timer.start()
+    try:
+        _guarded(case, outdir, run)
+    finally:
+        timer.cancel()
+
+
+def run_cases(outdir: Path, only: set[str] | None = None) -> None:
+    """Every case of this file, one after the other (``only``: the names to run)."""
+    for case in CUSTOM_CASES:
+        if not only or case.name in only:
+            _watched(case, outdir, lambda case=case: _fit_custom(case, outdir))
+    if not only or ZERO_ROUTER.name in only:
+        _watched(ZERO_ROUTER, outdir, lambda: _zero_router(outdir))
