@@ -261,6 +261,61 @@ def _zero_router(outdir: Path) -> None:
     _finish(ZERO_ROUTER, outdir, [record], trainer, module)
 
 
+# ---------------------------------------------------- the routed forward over each Transformers experts kernel
+IMPLEMENTATIONS = ("eager", "grouped_mm", "batched_mm")
+ROUTED_KERNELS = Case("qwen3_moe-ep4-routed-kernels", "qwen3_moe")
+"""The routed forward and backward (EP 4, no Trainer) with each of Transformers' experts implementations, once with
+a routing that leaves the last rank's experts without a token and once with every expert busy, against the unsplit
+module with the same implementation. ``TransformersModel`` models run ``eager`` (Transformers' support check reads
+the source of the class's module, and the adapters' module does not name its decorator); Transformers' own models
+default to ``grouped_mm``."""
+
+
+def _routed_kernels(outdir: Path) -> None:
+    import torch.distributed as dist
+
+    from lightning_mm.strategies.expert_parallel import ExpertGroup, routed_forward, split_experts
+    from tests.moe_models import tiny_moe_model
+    from tests.parity_scenarios import _dump
+
+    rank = dist.get_rank()
+    results: dict[str, Any] = {}
+    for impl in IMPLEMENTATIONS:
+        full, local = (tiny_moe_model("qwen3_moe").model.layers[0].mlp.experts for _ in range(2))
+        full.config._experts_implementation = impl  # (the two share one config)
+        ep = ExpertGroup(dist.group.WORLD, rank, DEVICES, full.num_experts)
+        split_experts(local, "experts", ep)
+        forward = routed_forward(local, local.forward, ep)
+        for routing in ("idle", "busy"):
+            gen = torch.Generator().manual_seed(10 * rank + len(routing))
+            tokens, k = 6, 2
+            hidden = torch.randn(tokens, full.hidden_dim, generator=gen)
+            choices = full.num_experts - ep.experts_per_rank if routing == "idle" else full.num_experts
+            index = torch.stack([torch.randperm(choices, generator=gen)[:k] for _ in range(tokens)])
+            weights = torch.rand(tokens, k, generator=gen)
+            runs = []
+            for module, run in ((full, full.forward), (local, forward)):
+                for p in module.parameters():
+                    p.grad = None
+                x, w = hidden.clone().requires_grad_(True), weights.clone().requires_grad_(True)
+                out = run(x, index, w)
+                (out * torch.linspace(-1, 1, out.numel()).view_as(out)).sum().backward()
+                runs.append((out.detach(), x.grad, w.grad, [p.grad.clone() for p in module.parameters()]))
+            (ref_out, ref_x, ref_w, ref_grads), (out, x_grad, w_grad, grads) = runs
+            for g in ref_grads:  # the next collective: it meets an all-to-all of a rank that skipped one
+                dist.all_reduce(g)
+            first, count = ep.first_expert, ep.experts_per_rank
+            summed = torch.cat([g[first : first + count].reshape(-1) for g in ref_grads])
+            local_flat = torch.cat([g.reshape(-1) * DEVICES for g in grads])  # scaled by 1/ep in the routed forward
+            diff = lambda a, b: float((a - b).abs().max()) if a.numel() else 0.0  # noqa: E731
+            results[f"{impl}-{routing}"] = {
+                "out": diff(out, ref_out), "x_grad": diff(x_grad, ref_x), "w_grad": diff(w_grad, ref_w),
+                "expert_grads": diff(local_flat, summed) / max(float(summed.abs().max()), 1e-30),
+                "finite": bool(all(torch.isfinite(g).all() for g in grads)),
+            }
+    _dump(ROUTED_KERNELS, outdir, rank, {"error": None, "parts": [results]})
+
+
 # --------------------------------------------------------------------------------------------- the launch
 def _watched(case: Case, outdir: Path, run: Callable[[], None]) -> None:
     """``run`` with a deadline: past it, record the error with every thread's stack and leave the process."""
@@ -294,3 +349,5 @@ def run_cases(outdir: Path, only: set[str] | None = None) -> None:
             _watched(case, outdir, lambda case=case: _fit_custom(case, outdir))
     if not only or ZERO_ROUTER.name in only:
         _watched(ZERO_ROUTER, outdir, lambda: _zero_router(outdir))
+    if not only or ROUTED_KERNELS.name in only:  # after a Trainer has set up the process group
+        _watched(ROUTED_KERNELS, outdir, lambda: _routed_kernels(outdir))

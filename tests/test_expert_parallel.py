@@ -155,3 +155,17 @@ def test_training_with_ranks_whose_experts_get_no_token(runs):
     ref = reference_run(case, steps, out / "zero_router_ckpt" / case.family)
     errors = relative_errors(global_losses(ranks), ref.losses)
     assert max(errors) < FP32_LOSS, f"per-step relative loss errors {errors}"
+
+
+@pytest.mark.parametrize("impl", ["eager", "grouped_mm", "batched_mm"])
+@pytest.mark.parametrize("routing", ["idle", "busy"])
+def test_routed_forward_with_each_transformers_experts_kernel(runs, impl, routing):
+    """The routed forward and backward equal the unsplit experts module's with each of Transformers' experts
+    implementations, with a rank whose experts get no token ("idle") and without ("busy")."""
+    from tests.ep_custom_scenarios import ROUTED_KERNELS
+
+    for r, data in enumerate(_ranks(runs[0], ROUTED_KERNELS.name)):
+        result = data["parts"][0][f"{impl}-{routing}"]
+        assert result["finite"], (r, result)
+        assert result["out"] < 1e-6 and result["x_grad"] < 1e-6 and result["w_grad"] < 1e-6, (r, result)
+        assert result["expert_grads"] < 1e-5, (r, result)
