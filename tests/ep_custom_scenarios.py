@@ -316,6 +316,64 @@ def _routed_kernels(outdir: Path) -> None:
     _dump(ROUTED_KERNELS, outdir, rank, {"error": None, "parts": [results]})
 
 
+# ------------------------------------------------------- pretrained weights stored one tensor per expert (Hub layout)
+HUB_LAYOUT_CASES = [
+    Case("qwen3_moe-hub-layout-ep2", "qwen3_moe",
+         {"expert_parallel_size": 2, "moe_modules": ["model.layers.{*}.mlp.experts"]}, steps=3),
+    Case("qwen3_moe-hub-layout-ep4-whole", "qwen3_moe",
+         {"expert_parallel_size": 4, "moe_modules": ["model.layers.{*}.mlp.experts"], "reshard_local_experts": False},
+         steps=3),
+]
+"""Qwen3-MoE saved in its original Hub layout (``mlp.experts.{e}.gate_proj.weight`` etc., which Transformers 5 fuses
+into ``gate_up_proj``/``down_proj`` on load), trained with EP through ``TransformersModel``: each rank reads only the
+pieces of the experts it holds; losses against one-process Transformers' ``from_pretrained`` of the same files."""
+
+
+def hub_layout_checkpoint(directory: Path) -> Path:
+    from tests.moe_models import tiny_moe_model
+
+    path = directory / "qwen3_moe"
+    tiny_moe_model("qwen3_moe", seed=10).save_pretrained(path, save_original_format=True)
+    return path
+
+
+def _on_rank0_first(write: Callable[[], Any]) -> None:
+    """``write()`` on rank 0, seen by every rank (Transformers saves on rank 0 alone once torch.distributed is up;
+    without a process group yet this process is the launcher, and the other ranks start with the next Trainer)."""
+    import torch.distributed as dist
+
+    if dist.is_initialized():
+        if dist.get_rank() == 0:
+            write()
+        dist.barrier()
+    elif int(os.environ.get("LOCAL_RANK", "0")) == 0:
+        write()
+
+
+def _hub_layout(case: Case, outdir: Path) -> None:
+    from lightning_mm.modules import hf_loading
+    from tests.parity_scenarios import _finish, _fit
+
+    ckpts = outdir / "hub_layout_ckpt"
+    if case is HUB_LAYOUT_CASES[0] or not (ckpts / "qwen3_moe").exists():
+        _on_rank0_first(lambda: hub_layout_checkpoint(ckpts))
+    read: list[list[Any]] = []
+    original = hf_loading.read_region
+
+    def recording(directory: Any, files: Any, info: Any, offsets: Any, sizes: Any, out: Any) -> None:
+        if ".experts." in info.key:
+            read.append([info.key, list(offsets), list(sizes)])
+        original(directory, files, info, offsets, sizes, out)
+
+    hf_loading.read_region = recording
+    try:
+        record, (trainer, module) = _fit(case, ckpts, outdir, case.steps, devices=DEVICES)
+    finally:
+        hf_loading.read_region = original
+    record["expert_reads"] = read
+    _finish(case, outdir, [record], trainer, module)
+
+
 # --------------------------------------------------------------------------------------------- the launch
 def _watched(case: Case, outdir: Path, run: Callable[[], None]) -> None:
     """``run`` with a deadline: past it, record the error with every thread's stack and leave the process."""
@@ -349,5 +407,8 @@ def run_cases(outdir: Path, only: set[str] | None = None) -> None:
             _watched(case, outdir, lambda case=case: _fit_custom(case, outdir))
     if not only or ZERO_ROUTER.name in only:
         _watched(ZERO_ROUTER, outdir, lambda: _zero_router(outdir))
+    for case in HUB_LAYOUT_CASES:
+        if not only or case.name in only:
+            _watched(case, outdir, lambda case=case: _hub_layout(case, outdir))
     if not only or ROUTED_KERNELS.name in only:  # after a Trainer has set up the process group
         _watched(ROUTED_KERNELS, outdir, lambda: _routed_kernels(outdir))

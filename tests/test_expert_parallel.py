@@ -169,3 +169,39 @@ def test_routed_forward_with_each_transformers_experts_kernel(runs, impl, routin
         assert result["finite"], (r, result)
         assert result["out"] < 1e-6 and result["x_grad"] < 1e-6 and result["w_grad"] < 1e-6, (r, result)
         assert result["expert_grads"] < 1e-5, (r, result)
+
+
+@pytest.mark.parametrize("name", ["qwen3_moe-hub-layout-ep2", "qwen3_moe-hub-layout-ep4-whole"])
+def test_hub_layout_per_expert_weights_load_sliced_under_ep(runs, name):
+    """Qwen3-MoE stored one tensor per expert (its Hub layout): each rank reads only its own experts' pieces (2 of 8
+    per layer on 4 ranks, every piece read by exactly one rank), and training equals one-process Transformers'
+    `from_pretrained` of the same files."""
+    import re
+
+    from tests.ep_custom_scenarios import HUB_LAYOUT_CASES
+
+    out, _ = runs
+    case = {c.name: c for c in HUB_LAYOUT_CASES}[name]
+    ranks = [r["parts"][0] for r in _ranks(out, name)]
+    owners: dict[tuple[int, int], int] = {}
+    for r, data in enumerate(ranks):
+        per_layer: dict[int, set[int]] = {}
+        pieces: dict[tuple[int, int], list[str]] = {}
+        for key, offsets, _sizes in data["expert_reads"]:
+            found = re.fullmatch(r"model\.layers\.(\d+)\.mlp\.experts\.(\d+)\.(gate|up|down)_proj\.weight", key)
+            assert found is not None, key
+            layer, expert = int(found.group(1)), int(found.group(2))
+            assert offsets == [0, 0], (key, offsets)  # whole pieces: the experts are split, not their rows
+            per_layer.setdefault(layer, set()).add(expert)
+            pieces.setdefault((layer, expert), []).append(found.group(3))
+        assert sorted(per_layer) == [0, 1] and all(len(e) == 2 for e in per_layer.values()), (r, per_layer)
+        for where, kinds in pieces.items():
+            assert sorted(kinds) == ["down", "gate", "up"], (r, where, kinds)
+            assert where not in owners, f"expert {where} read by ranks {owners[where]} and {r}"
+            owners[where] = r
+    assert sorted(owners) == [(layer, e) for layer in range(2) for e in range(8)]
+    steps = global_steps(case, ranks)
+    assert len(steps) == case.steps
+    ref = reference_run(case, steps, out / "hub_layout_ckpt" / case.family)
+    errors = relative_errors(global_losses(ranks), ref.losses)
+    assert max(errors) < FP32_LOSS, f"{name}: per-step relative loss errors {errors}"
