@@ -8,6 +8,9 @@
   every token picks the same two experts (ties), so two of the four ranks receive no token in the first step.
   This is the benchmark's deadlock (a rank whose experts get no token skipped the dispatching all-to-all's
   backward and met the others' all-to-all with FSDP's reduce-scatter) in a real training step.
+* :data:`HUB_LAYOUT_CASES`: Qwen3-MoE saved one tensor per expert (its Hub layout) trained with EP 2 and EP 4:
+  which expert pieces each rank reads, and the losses.
+* :data:`ROUTED_KERNELS`: the routed forward and backward over each of Transformers' experts kernels.
 
 Each case runs under a watchdog: a rank still inside a case after :data:`CASE_LIMIT_S` seconds records the error
 (with every thread's stack) and exits, so a deadlock fails the test instead of hanging the launch.
