@@ -221,6 +221,19 @@ ZERO_ROUTER = Case("qwen3_moe-ep4-zero-router", "qwen3_moe",
                    {"expert_parallel_size": 4, "moe_modules": ["model.layers.{*}.mlp.experts"]}, steps=3)
 
 
+def _on_rank0_first(write: Callable[[], Any]) -> None:
+    """``write()`` on rank 0, seen by every rank (Transformers saves on rank 0 alone once torch.distributed is up;
+    without a process group yet this process is the launcher, and the other ranks start with the next Trainer)."""
+    import torch.distributed as dist
+
+    if dist.is_initialized():
+        if dist.get_rank() == 0:
+            write()
+        dist.barrier()
+    elif int(os.environ.get("LOCAL_RANK", "0")) == 0:
+        write()
+
+
 def zero_router_checkpoint(directory: Path) -> Path:
     """``directory/qwen3_moe``: the tiny Qwen3-MoE with every router weight zero."""
     from tests.moe_models import tiny_moe_model
@@ -235,19 +248,10 @@ def zero_router_checkpoint(directory: Path) -> Path:
 
 
 def _zero_router(outdir: Path) -> None:
-    import torch.distributed as dist
-
     from tests.parity_scenarios import _finish, _fit
 
     ckpts = outdir / "zero_router_ckpt"
-    # Written by rank 0 (Transformers saves on rank 0 alone once torch.distributed is up); without a process
-    # group yet, this process is the launcher, and the other ranks start only when the Trainer below does.
-    if dist.is_initialized():
-        if dist.get_rank() == 0:
-            zero_router_checkpoint(ckpts)
-        dist.barrier()
-    elif int(os.environ.get("LOCAL_RANK", "0")) == 0:
-        zero_router_checkpoint(ckpts)
+    _on_rank0_first(lambda: zero_router_checkpoint(ckpts))
     chosen: list[list[int]] = []
 
     def record_experts(module: nn.Module, args: tuple[Any, ...]) -> None:
@@ -340,26 +344,12 @@ def hub_layout_checkpoint(directory: Path) -> Path:
     return path
 
 
-def _on_rank0_first(write: Callable[[], Any]) -> None:
-    """``write()`` on rank 0, seen by every rank (Transformers saves on rank 0 alone once torch.distributed is up;
-    without a process group yet this process is the launcher, and the other ranks start with the next Trainer)."""
-    import torch.distributed as dist
-
-    if dist.is_initialized():
-        if dist.get_rank() == 0:
-            write()
-        dist.barrier()
-    elif int(os.environ.get("LOCAL_RANK", "0")) == 0:
-        write()
-
-
 def _hub_layout(case: Case, outdir: Path) -> None:
     from lightning_mm.modules import hf_loading
     from tests.parity_scenarios import _finish, _fit
 
     ckpts = outdir / "hub_layout_ckpt"
-    if case is HUB_LAYOUT_CASES[0] or not (ckpts / "qwen3_moe").exists():
-        _on_rank0_first(lambda: hub_layout_checkpoint(ckpts))
+    _on_rank0_first(lambda: hub_layout_checkpoint(ckpts))
     read: list[list[Any]] = []
     original = hf_loading.read_region
 
