@@ -1,14 +1,18 @@
 """Expert parallelism on 4 CPU ranks: per-rank parameter bytes and step time, with EP against without.
 
     python benchmarks/ep_bench.py [OUT.json]
+    EP_BENCH_ROUNDS=3 EP_BENCH_STEPS=34 EP_BENCH_EXPERTS=eager python benchmarks/ep_bench.py   # the defaults
 
 A small random Qwen3-MoE (real Transformers class, fp32: 4 layers, hidden 128, 16 experts of width 256, top-2),
 saved once and trained through ``TransformersModel`` with ``Trainer(accelerator="cpu", devices=4)`` (gloo), one
 compute thread per rank, in four settings one after the other in the same processes: no EP (``sharding_size:
 auto``), EP 2 and EP 4 (local experts FSDP-sharded over ``ep_replicate``) and EP 4 with ``reshard_local_experts:
-false``. Per setting: the bytes of the parameter storage each rank holds after sharding (the local shards, the
-largest rank), the plan's computed figure, and the median step time (wall, slowest rank) over steps 4..N.
-Not a test: nothing here is asserted.
+false``. The four settings run ``EP_BENCH_ROUNDS`` times in turn (round-robin, so that a change in the machine's
+load touches every setting alike), ``EP_BENCH_STEPS`` steps each. Per setting: the bytes of the parameter storage
+each rank holds after sharding (the local shards, the largest rank), the plan's computed figure, and the median
+step time (wall, slowest rank) over every round's steps after the first ``WARMUP``, with its quartiles.
+``EP_BENCH_EXPERTS`` picks Transformers' experts kernel (``eager``, what ``TransformersModel`` gives; or
+``grouped_mm`` / ``batched_mm``, set on the config after building). Not a test: nothing here is asserted.
 """
 
 from __future__ import annotations
@@ -28,7 +32,10 @@ ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
-STEPS, WARMUP, DEVICES = 14, 4, 4
+STEPS = int(os.environ.get("EP_BENCH_STEPS", "34"))
+ROUNDS = int(os.environ.get("EP_BENCH_ROUNDS", "3"))
+EXPERTS_KERNEL = os.environ.get("EP_BENCH_EXPERTS", "eager")
+WARMUP, DEVICES = 4, 4
 CONFIG = dict(
     vocab_size=512, hidden_size=128, intermediate_size=256, moe_intermediate_size=256, num_hidden_layers=4,
     num_attention_heads=4, num_key_value_heads=2, head_dim=32, max_position_embeddings=256, num_experts=16,
@@ -74,7 +81,9 @@ def run(setting: str, ckpt: Path) -> dict[str, Any]:
 
     class Module(MMLightningModule):
         def model_provider(self) -> torch.nn.Module:
-            return TransformersModel({"init_from_hf_path": str(ckpt)})
+            model = TransformersModel({"init_from_hf_path": str(ckpt)})
+            model.config._experts_implementation = EXPERTS_KERNEL
+            return model
 
     class Timer(L.Callback):
         def on_train_batch_start(self, trainer: L.Trainer, pl_module: Any, batch: Any, idx: int) -> None:
@@ -97,7 +106,17 @@ def run(setting: str, ckpt: Path) -> dict[str, Any]:
     dist.all_gather_object(gathered, {"steps": steps.tolist(), "bytes": info["bytes"]})
     slowest = [max(r["steps"][i] for r in gathered) for i in range(len(steps))]
     return {"setting": setting, "bytes_per_rank": max(r["bytes"] for r in gathered),
-            "plan_bytes_per_rank": info.get("plan_bytes"), "step_s": statistics.median(slowest)}
+            "plan_bytes_per_rank": info.get("plan_bytes"), "steps_s": slowest}
+
+
+def _summary(rounds: list[dict[str, Any]]) -> dict[str, Any]:
+    """One setting over its rounds: the step times pooled, their median and quartiles, and each round's median."""
+    pooled = [t for r in rounds for t in r["steps_s"]]
+    q1, median, q3 = statistics.quantiles(pooled, n=4)
+    return {"setting": rounds[0]["setting"], "bytes_per_rank": rounds[0]["bytes_per_rank"],
+            "plan_bytes_per_rank": rounds[0]["plan_bytes_per_rank"], "step_s": median, "step_q1_s": q1,
+            "step_q3_s": q3, "round_medians_s": [statistics.median(r["steps_s"]) for r in rounds],
+            "steps_measured": len(pooled)}
 
 
 def main() -> None:
@@ -118,18 +137,28 @@ def main() -> None:
         torch.manual_seed(0)
         transformers.Qwen3MoeForCausalLM(config).save_pretrained(ckpt, save_original_format=False)
     only = os.environ.get("EP_BENCH_ONLY")
-    results = [run(setting, ckpt) for setting in SETTINGS if not only or setting in only.split(",")]
+    settings = [setting for setting in SETTINGS if not only or setting in only.split(",")]
+    runs: dict[str, list[dict[str, Any]]] = {setting: [] for setting in settings}
+    for _ in range(ROUNDS):
+        for setting in settings:
+            runs[setting].append(run(setting, ckpt))
+    results = [_summary(runs[setting]) for setting in settings]
     import torch.distributed as dist
 
     if dist.get_rank() == 0:
         out.parent.mkdir(parents=True, exist_ok=True)
-        out.write_text(json.dumps(results, indent=1))
+        out.write_text(json.dumps({"experts_kernel": EXPERTS_KERNEL, "rounds": ROUNDS, "steps": STEPS,
+                                   "warmup": WARMUP, "results": results}, indent=1))
         base = results[0]
-        print("| setting | parameter bytes per rank | vs no EP | step (s) | vs no EP |")
-        print("|---|---:|---:|---:|---:|")
+        print(f"experts kernel {EXPERTS_KERNEL}, {ROUNDS} rounds of {STEPS} steps, median of steps {WARMUP}..")
+        print("| setting | parameter bytes per rank | vs no EP | step (s), median [quartiles] | vs no EP "
+              "| round medians (s) |")
+        print("|---|---:|---:|---:|---:|---|")
         for r in results:
+            rounds = ", ".join(f"{m:.3f}" for m in r["round_medians_s"])
             print(f"| {r['setting']} | {r['bytes_per_rank']:,} | {r['bytes_per_rank'] / base['bytes_per_rank']:.2f} | "
-                  f"{r['step_s']:.3f} | {r['step_s'] / base['step_s']:.2f} |")
+                  f"{r['step_s']:.3f} [{r['step_q1_s']:.3f}, {r['step_q3_s']:.3f}] | "
+                  f"{r['step_s'] / base['step_s']:.2f} | {rounds} |")
     from tests.scenario_exit import exit_cleanly
 
     exit_cleanly()

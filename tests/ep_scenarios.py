@@ -82,6 +82,11 @@ def group_train(outdir: Path, ckptdir: Path) -> None:
         _chain(outdir, ckptdir)
     if not only or IDLE_RANK.name in only.split(","):
         _guarded(IDLE_RANK, outdir, lambda: _idle_rank(outdir))
+    # After the above (tests/ep_custom_scenarios.py): a custom model's dispatch hook, training with idle EP ranks,
+    # per-expert (Hub layout) checkpoints loaded sliced, and the routed forward over each Transformers experts kernel.
+    from tests.ep_custom_scenarios import run_cases
+
+    run_cases(outdir, set(only.split(",")) if only else None)
 
 
 IDLE_RANK = Case("qwen3_moe-ep4-idle-rank", "qwen3_moe")

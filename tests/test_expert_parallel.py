@@ -278,3 +278,92 @@ def test_nested_scheduler_states_are_regrouped_but_not_their_milestones():
     one.optimizer.step()
     one.step()
     assert [g["lr"] for g in two.optimizer.param_groups] == pytest.approx([one.optimizer.param_groups[0]["lr"]] * 2)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# A custom MoE model's own dispatch (FSDP2Mixin.expert_parallel_forward) and a training step in which some ranks'
+# experts receive no token (tests/ep_custom_scenarios.py; same launch).
+@pytest.mark.parametrize("name", ["custom_moe-ep2", "custom_moe-ep2-whole"])
+def test_custom_moe_dispatch_hook_trains_as_one_process_without_ep(runs, name):
+    from tests.ep_custom_scenarios import CUSTOM_CASES, LAYERS, custom_reference
+
+    case = {c.name: c for c in CUSTOM_CASES}[name]
+    ranks = [r["parts"][0] for r in _ranks(runs[0], name)]
+    for data in ranks:  # the hook served every MoE module, each rank holding half of the 4 experts
+        assert data["hook_calls"] == [f"blocks.{i}.experts" for i in range(LAYERS)], data["hook_calls"]
+        assert data["local_experts"] == [2] * LAYERS
+    steps = global_steps(case, ranks)
+    assert len(steps) == case.steps and all(len(group) == DEVICES for micro in steps for group in micro)
+    errors = relative_errors(global_losses(ranks), custom_reference(steps))
+    assert max(errors) < FP32_LOSS, f"{name}: per-step relative loss errors {errors}"
+
+
+def test_training_with_ranks_whose_experts_get_no_token(runs):
+    """All routers zero: every token picks the same two experts, so in the first step two of the four EP ranks
+    receive no token in every MoE layer. The launch finishes (a rank skipping the all-to-all's backward
+    deadlocked against FSDP's reduce-scatter) and the losses equal one-process Transformers'."""
+    from tests.ep_custom_scenarios import ZERO_ROUTER
+
+    out, _ = runs
+    case = ZERO_ROUTER
+    ranks = [r["parts"][0] for r in _ranks(out, case.name)]
+    per_rank = 8 // 4
+    for layer in range(2):
+        picked = {e for data in ranks for e in data["chosen_experts"][layer]}
+        idle = [r for r in range(DEVICES) if not picked & set(range(r * per_rank, (r + 1) * per_rank))]
+        assert idle, f"layer {layer}: every rank's experts got tokens ({sorted(picked)}); the case tests nothing"
+    steps = global_steps(case, ranks)
+    assert len(steps) == case.steps
+    ref = reference_run(case, steps, out / "zero_router_ckpt" / case.family)
+    errors = relative_errors(global_losses(ranks), ref.losses)
+    assert max(errors) < FP32_LOSS, f"per-step relative loss errors {errors}"
+
+
+@pytest.mark.parametrize("impl", ["eager", "grouped_mm", "batched_mm"])
+@pytest.mark.parametrize("routing", ["idle", "busy"])
+def test_routed_forward_with_each_transformers_experts_kernel(runs, impl, routing):
+    """The routed forward and backward equal the unsplit experts module's with each of Transformers' experts
+    implementations, with a rank whose experts get no token ("idle") and without ("busy")."""
+    from tests.ep_custom_scenarios import ROUTED_KERNELS
+
+    for r, data in enumerate(_ranks(runs[0], ROUTED_KERNELS.name)):
+        result = data["parts"][0][f"{impl}-{routing}"]
+        assert result["finite"], (r, result)
+        assert result["out"] < 1e-6 and result["x_grad"] < 1e-6 and result["w_grad"] < 1e-6, (r, result)
+        assert result["expert_grads"] < 1e-5, (r, result)
+
+
+@pytest.mark.parametrize("name", ["qwen3_moe-hub-layout-ep2", "qwen3_moe-hub-layout-ep4-whole"])
+def test_hub_layout_per_expert_weights_load_sliced_under_ep(runs, name):
+    """Qwen3-MoE stored one tensor per expert (its Hub layout): each rank reads only its own experts' pieces (2 of 8
+    per layer on 4 ranks, every piece read by exactly one rank), and training equals one-process Transformers'
+    `from_pretrained` of the same files."""
+    import re
+
+    from tests.ep_custom_scenarios import HUB_LAYOUT_CASES
+
+    out, _ = runs
+    case = {c.name: c for c in HUB_LAYOUT_CASES}[name]
+    ranks = [r["parts"][0] for r in _ranks(out, name)]
+    owners: dict[tuple[int, int], int] = {}
+    for r, data in enumerate(ranks):
+        per_layer: dict[int, set[int]] = {}
+        pieces: dict[tuple[int, int], list[str]] = {}
+        for key, offsets, _sizes in data["expert_reads"]:
+            found = re.fullmatch(r"model\.layers\.(\d+)\.mlp\.experts\.(\d+)\.(gate|up|down)_proj\.weight", key)
+            assert found is not None, key
+            layer, expert = int(found.group(1)), int(found.group(2))
+            assert offsets == [0, 0], (key, offsets)  # whole pieces: the experts are split, not their rows
+            per_layer.setdefault(layer, set()).add(expert)
+            pieces.setdefault((layer, expert), []).append(found.group(3))
+        assert sorted(per_layer) == [0, 1] and all(len(e) == 2 for e in per_layer.values()), (r, per_layer)
+        for where, kinds in pieces.items():
+            assert sorted(kinds) == ["down", "gate", "up"], (r, where, kinds)
+            assert where not in owners, f"expert {where} read by ranks {owners[where]} and {r}"
+            owners[where] = r
+    assert sorted(owners) == [(layer, e) for layer in range(2) for e in range(8)]
+    steps = global_steps(case, ranks)
+    assert len(steps) == case.steps
+    ref = reference_run(case, steps, out / "hub_layout_ckpt" / case.family)
+    errors = relative_errors(global_losses(ranks), ref.losses)
+    assert max(errors) < FP32_LOSS, f"{name}: per-step relative loss errors {errors}"

@@ -105,6 +105,9 @@ def _touch(module: nn.Module, received: torch.Tensor) -> torch.Tensor:
     own forward then returns a fresh ``zeros_like``), so that all-to-all's backward runs on every rank of the EP
     group. Without it, such a rank skipped that collective and went on to the next FSDP reduce-scatter while the
     others waited in the all-to-all's backward: a deadlock. Adding zero leaves values and gradients exact.
+    Transformers' ``grouped_mm`` and ``batched_mm`` kernels compute their output from the received rows even when
+    there are none, so only a loop over the hit experts (its ``eager`` forward, which ``TransformersModel`` models
+    run, or a custom model's ``local_forward``) needs this; the term is added whatever the kernel.
     """
     zero = received.sum() * 0.0
     for p in module.parameters():

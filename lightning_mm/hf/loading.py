@@ -95,6 +95,9 @@ def _fill(plan: LoadPlan, files: dict[str, BinaryIO], entry: LoadEntry, tensor: 
     if local.numel() == 0:
         return
     with torch.no_grad():
+        if entry.stacked is not None:  # stored one piece per expert: read the held experts' pieces (their rows)
+            _fill_stacked(plan, files, entry.stacked, offsets, sizes, local)
+            return
         if entry.transpose is not None:  # stored with two (non-leading) dimensions swapped
             d0, d1 = entry.transpose
             src_offsets, src_sizes = list(offsets), list(sizes)
@@ -113,6 +116,22 @@ def _fill(plan: LoadPlan, files: dict[str, BinaryIO], entry: LoadEntry, tensor: 
                     f"{entry.names} are one tied weight, but checkpoint tensors '{entry.source.key}' and "
                     f"'{duplicate.key}' differ; set tie_word_embeddings=False in the config to keep them apart"
                 )
+
+
+def _fill_stacked(plan: LoadPlan, files: dict[str, BinaryIO], stacked: tuple[tuple[TensorInfo, ...], ...],
+                  offsets: tuple[int, ...], sizes: tuple[int, ...], local: torch.Tensor) -> None:
+    """The region ``offsets``/``sizes`` of a 3-D experts tensor stored as 2-D pieces: for each expert in the region,
+    the rows of its pieces (in row order) that fall inside it."""
+    first_row, rows = offsets[1], sizes[1]
+    for j in range(sizes[0]):
+        start = 0
+        for piece in stacked[offsets[0] + j]:
+            end = start + piece.shape[0]
+            a, b = max(start, first_row), min(end, first_row + rows)
+            if a < b:
+                out = local[j, a - first_row : b - first_row]
+                read_region(plan.directory, files, piece, (a - start, offsets[2]), (b - a, sizes[2]), out)
+            start = end
 
 
 def load_local_shards(model: nn.Module, plan: LoadPlan) -> int:

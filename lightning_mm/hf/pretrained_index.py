@@ -156,6 +156,11 @@ class LoadEntry:
     transpose: tuple[int, int] | None = None
     """The checkpoint stores the tensor with these two dimensions swapped (Transformers' ``Transpose`` conversion,
     e.g. Qwen3-VL-MoE's fused experts); never the first dimension, so row slices stay row slices."""
+    stacked: tuple[tuple[TensorInfo, ...], ...] | None = None
+    """The checkpoint stores a 3-D experts tensor one 2-D piece per expert (Transformers' ``MergeModulelist``, then
+    ``Concatenate(dim=1)`` when several pieces make one expert's rows): per expert, its pieces in row order, e.g.
+    Qwen3-MoE's Hub layout ``experts.{e}.gate_proj.weight`` and ``experts.{e}.up_proj.weight`` for ``gate_up_proj``.
+    A rank reads only the pieces of the experts (and rows) it holds. ``source`` is the first piece."""
 
 
 @dataclass(frozen=True)
@@ -173,7 +178,8 @@ class LoadPlan:
 
     @property
     def files(self) -> list[str]:
-        return sorted({e.source.file for e in self.entries} | {d.file for e in self.entries for d in e.duplicates})
+        return sorted({e.source.file for e in self.entries} | {d.file for e in self.entries for d in e.duplicates}
+                      | {p.file for e in self.entries for pieces in (e.stacked or ()) for p in pieces})
 
 
 @contextmanager
@@ -230,6 +236,61 @@ def _row_preserving_transpose(converters: list[Any], pattern: str) -> tuple[int,
     return None
 
 
+def _stacking_sources(converters: list[Any], pattern: str) -> list[str] | None:
+    """The source patterns, in row order, when the converter of ``pattern`` stacks one 2-D tensor per expert into a
+    3-D tensor (``MergeModulelist(dim=0)``), concatenating several sources' pieces along the rows
+    (``Concatenate(dim=1)``): a conversion that sliced loading can do piece by piece. ``None`` otherwise."""
+    from transformers.core_model_loading import Concatenate, MergeModulelist
+
+    for conv in converters:
+        sources, targets = list(conv.source_patterns), list(conv.target_patterns)
+        if pattern not in sources or len(targets) != 1 or any(s.count("*") != 1 for s in sources):
+            continue
+        ops = list(conv.operations)
+        merge = len(ops) >= 1 and type(ops[0]) is MergeModulelist and ops[0].dim == 0
+        if merge and len(sources) == 1 and len(ops) == 1:
+            return sources
+        if merge and len(ops) == 2 and type(ops[1]) is Concatenate and ops[1].dim == 1:
+            return sources
+    return None
+
+
+def _expert_of(key: str, pattern: str) -> int | None:
+    """The expert index that the ``*`` of ``pattern`` matches in checkpoint key ``key``."""
+    regex = re.escape(pattern).replace(r"\*", r"(\d+)")
+    found = re.search(rf"(?:^|\.){regex}$", key)
+    return int(found.group(1)) if found else None
+
+
+def _stack_pieces(
+    name: str, shape: tuple[int, ...], sources: list[str], pieces: dict[tuple[int, int], TensorInfo],
+) -> tuple[tuple[tuple[TensorInfo, ...], ...] | None, list[str], list[str]]:
+    """Per expert, its pieces in row order; or the missing pieces and the misshapen ones."""
+    missing, misshapen = [], []
+    if len(shape) != 3:
+        return None, [], [f"{name}: model {list(shape)} is not a 3-D experts tensor, the checkpoint stores pieces"]
+    experts, rows, cols = shape
+    (s0, e0), any_piece = next(iter(pieces.items()))
+    prefix = any_piece.key[: len(any_piece.key) - len(sources[s0].replace("*", str(e0)))]  # e.g. "model.layers.1."
+    stacked = []
+    for e in range(experts):
+        found = [pieces.get((s, e)) for s in range(len(sources))]
+        missing.extend(f"{prefix}{sources[s].replace('*', str(e))}" for s, f in enumerate(found) if f is None)
+        present = [f for f in found if f is not None]
+        if len(present) == len(found):
+            flat = all(len(f.shape) == 2 and f.shape[1] == cols for f in present)
+            if not flat or sum(f.shape[0] for f in present) != rows:
+                misshapen.append(f"{name}, expert {e}: checkpoint pieces {[list(f.shape) for f in present]}, model "
+                                 f"{list(shape)}")
+            stacked.append(tuple(present))
+    beyond = sorted(f"{p.key}" for (_, e), p in pieces.items() if e >= experts)
+    if beyond:
+        misshapen.append(f"{name}: the checkpoint has more than the model's {experts} experts ({_listing(beyond)})")
+    if missing or misshapen:
+        return None, missing, misshapen
+    return tuple(stacked), [], []
+
+
 def _model_tensors(model: nn.Module) -> tuple[list[tuple[list[str], bool]], dict[str, tuple[int, ...]]]:
     """Distinct state-dict tensors as ``([names...], is_parameter)`` and every name's shape."""
     params = {id(p) for p in model.parameters()}
@@ -250,9 +311,20 @@ def build_load_plan(model: nn.Module, index: SafetensorsIndex) -> LoadPlan:
     renamed: dict[str, str] = {}
     reported: set[int] = set()  # tensors already named in an error (misshapen): not "missing" as well
     transposed: dict[int, tuple[int, int]] = {}
+    pieces: dict[int, tuple[str, list[str], dict[tuple[int, int], TensorInfo]]] = {}
     for key, info in sorted(index.tensors.items()):
         target, converter = rename(key)
         swap = None
+        stacking = None
+        if converter is not None and target in owner:
+            stacking = _stacking_sources(getattr(rename, "converters", []), converter)
+        if stacking is not None:
+            expert = _expert_of(key, converter)  # type: ignore[arg-type]
+            if expert is not None:
+                renamed[key] = target
+                _, _, parts = pieces.setdefault(owner[target], (target, stacking, {}))
+                parts[(stacking.index(converter), expert)] = info  # type: ignore[arg-type]
+                continue
         if converter is not None:
             transpose = _row_preserving_transpose(getattr(rename, "converters", []), converter)
             if transpose is None or target not in owner:
@@ -283,6 +355,19 @@ def build_load_plan(model: nn.Module, index: SafetensorsIndex) -> LoadPlan:
         sources.setdefault(owner[target], []).append(info)
 
     missing, buffers_kept, entries = [], [], []
+    stacked: dict[int, tuple[tuple[TensorInfo, ...], ...]] = {}
+    for i, (target, stacking, parts) in pieces.items():
+        if i in sources:  # also stored whole: two sources for one tensor
+            unexpected.extend(sorted(p.key for p in parts.values()))
+            continue
+        layout, absent, wrong = _stack_pieces(target, shapes[target], stacking, parts)
+        missing.extend(absent)
+        misshapen.extend(wrong)
+        if layout is None:
+            reported.add(i)
+            continue
+        stacked[i] = layout
+        sources[i] = [layout[0][0]]
     for i, (names, is_parameter) in enumerate(groups):
         found = sources.get(i)
         if not found and i in reported:
@@ -290,7 +375,8 @@ def build_load_plan(model: nn.Module, index: SafetensorsIndex) -> LoadPlan:
         if not found:
             (missing if is_parameter else buffers_kept).extend(names[:1])
             continue
-        entries.append(LoadEntry(tuple(names), found[0], is_parameter, tuple(found[1:]), transposed.get(i)))
+        entries.append(LoadEntry(tuple(names), found[0], is_parameter, tuple(found[1:]), transposed.get(i),
+                                 stacked.get(i)))
 
     problems = []
     if missing:
