@@ -59,8 +59,8 @@ def save_moe_checkpoints(directory: Path) -> dict[str, Path]:
     """``save_pretrained`` each MoE family's tiny model into ``directory/<family>``.
 
     Qwen3-VL-MoE in its original layout (fused experts with their last two dimensions swapped, which sliced loading
-    transposes); Qwen3-MoE in Transformers 5's own fused layout (sliced loading does not fuse the original
-    per-expert tensors).
+    transposes); Qwen3-MoE in Transformers 5's own fused layout (its original per-expert Hub layout is covered by
+    ``tests/ep_custom_scenarios.py`` and ``tests/test_hub_expert_layout.py``).
     """
     out = {}
     for i, family in enumerate(MOE_FAMILIES):
