@@ -40,6 +40,7 @@ __all__ = [
     "auto_accelerator",
     "attached_trainer",
     "unwrap_optimizer",
+    "share_experts_kernels_with_base",
     "INHERITED_PRIVATE_ATTRIBUTES",
     "LIGHTNING_NAMES",
 ]
@@ -215,3 +216,20 @@ def unwrap_optimizer(optimizer: Any) -> torch.optim.Optimizer:
     from lightning.pytorch.core.optimizer import LightningOptimizer
 
     return optimizer.optimizer if isinstance(optimizer, LightningOptimizer) else optimizer
+
+
+# ------------------------------------------------------------------------------------------------- Transformers
+def share_experts_kernels_with_base(cls: type) -> None:
+    """Let a subclass of a Transformers model, defined outside Transformers, use the experts kernels its base uses.
+
+    Transformers 5 decides whether a model class may run its ``grouped_mm``/``batched_mm`` experts by searching the
+    source of the module that defines the class for ``@use_experts_implementation`` (``PreTrainedModel.
+    _can_set_experts_implementation``) and caches the answer on the class; a subclass defined elsewhere (an adapter)
+    would silently run the slower eager loop, or fail when ``experts_implementation`` is asked for. The subclass takes
+    its Transformers base's answer instead. A class without a Transformers base is left alone.
+    """
+    base = next((k for k in cls.__mro__[1:] if k.__module__.startswith("transformers.models.")), None)
+    probe = getattr(base, "_can_set_experts_implementation", None)
+    if base is None or probe is None:  # not a Transformers model, or a Transformers without experts kernels
+        return
+    cls._can_set_experts_implementation_cached_value = bool(probe())  # type: ignore[attr-defined]

@@ -110,3 +110,29 @@ def test_no_module_outside_compat_reaches_for_private_names():
         offenders += [f"{path.relative_to(ROOT)}: {m.group(0)}"
                       for m in re.finditer(r"from (torch|lightning)(\.\w+)*\._\w+", text)]
     assert offenders == []
+
+
+def test_moe_adapters_run_the_experts_kernel_of_their_transformers_base():
+    """Transformers picks a class's experts kernel by reading the source of the class's module (a private
+    heuristic, cached per class): adapters defined here, and a user's own, must still get the base's
+    ``grouped_mm``. In a fresh process, before the base class has cached its own answer (subclasses inherit it)."""
+    import subprocess
+    import sys
+
+    code = """
+from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
+from lightning_mm.hf.adapters import MMQwen3MoeForCausalLM
+from lightning_mm.hf.mixins import FSDP2Mixin, WeightInitMixin
+
+class UsersAdapter(Qwen3MoeForCausalLM, FSDP2Mixin, WeightInitMixin):
+    pass
+
+config = Qwen3MoeConfig(vocab_size=32, hidden_size=16, intermediate_size=32, moe_intermediate_size=8,
+                        num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=1, head_dim=8,
+                        num_experts=4, num_experts_per_tok=2)
+print([cls(config).config._experts_implementation for cls in (MMQwen3MoeForCausalLM, UsersAdapter)])
+print(Qwen3MoeForCausalLM(config).config._experts_implementation)
+"""
+    proc = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert proc.stdout.split("\n")[:2] == ["['grouped_mm', 'grouped_mm']", "grouped_mm"], proc.stdout

@@ -13,6 +13,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from lightning_mm._compat import share_experts_kernels_with_base
 from lightning_mm._dtensor import local_tensor
 from lightning_mm.core.torch_init import init_module_like_constructor, zero_row
 
@@ -38,6 +39,10 @@ class FSDP2Mixin:
     """
 
     fsdp2_config: Any = None
+
+    def __init_subclass__(cls, **kwargs: Any) -> None:
+        super().__init_subclass__(**kwargs)
+        share_experts_kernels_with_base(cls)  # an adapter runs the experts kernels its Transformers base runs
 
     def default_fsdp2_config(self, explicit: Mapping[str, Any] | None = None) -> dict[str, Any]:
         """YAML defaults for this model; the user's YAML wins for every key it sets.
