@@ -11,7 +11,7 @@ false``. The four settings run ``EP_BENCH_ROUNDS`` times in turn (round-robin, s
 load touches every setting alike), ``EP_BENCH_STEPS`` steps each. Per setting: the bytes of the parameter storage
 each rank holds after sharding (the local shards, the largest rank), the plan's computed figure, and the median
 step time (wall, slowest rank) over every round's steps after the first ``WARMUP``, with its quartiles.
-``EP_BENCH_EXPERTS`` picks Transformers' experts kernel (``eager``, what ``TransformersModel`` gives; or
+``EP_BENCH_EXPERTS`` picks Transformers' experts kernel (``eager``, the default here; or
 ``grouped_mm`` / ``batched_mm``, set on the config after building). Not a test: nothing here is asserted.
 """
 
