@@ -39,6 +39,11 @@ def test_fp16_mixed_is_rejected_when_the_plugin_is_attached():
         MMFSDP2Strategy(precision_plugin=MixedPrecision("16-mixed", "cuda"))
 
 
+def test_double_precision_is_refused_with_the_supported_values():
+    with pytest.raises(ValueError, match="does not support precision='64-true'; supported: "):
+        L.Trainer(accelerator="cpu", devices=1, precision="64-true", strategy=MMFSDP2Strategy(), logger=False)
+
+
 def test_sharding_size_that_does_not_divide_the_world_fails_before_launch():
     with pytest.raises(FSDP2ConfigError, match="`sharding_size`.*does not divide the world size 2"):
         L.Trainer(accelerator="cpu", devices=2, strategy=MMFSDP2Strategy({"sharding_size": 3}), logger=False)

@@ -61,6 +61,9 @@ __all__ = ["MMFSDP2Strategy"]
 
 log = logging.getLogger(__name__)
 
+# The plugins Lightning's connector makes from ``Trainer(precision=...)``: replaced by MMFSDP2Precision of the same
+# precision, which refuses the ones it does not support by name (``DoublePrecision``, i.e. "64-true", is refused
+# there with the list of supported values, rather than as an unknown plugin).
 _STOCK_PRECISION = ("Precision", "MixedPrecision", "HalfPrecision", "DoublePrecision", "MMFSDP2Precision")
 
 
