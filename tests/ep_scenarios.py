@@ -65,6 +65,20 @@ CHAIN_STAGES: list[tuple[str, dict[str, Any], int, str]] = [
 """Stage ``i`` trains up to its step count; its checkpoint is ``CHAIN.name.{i}.ckpt``."""
 
 
+def _ep_cp_cases() -> list[Any]:
+    from tests.cp_scenarios import CPCase
+
+    return [  # 2 data parallel x 2 context parallel; the EP groups cut across the context-parallel pairs at EP 4
+        CPCase("qwen3_moe-ep2xcp2-len15", "qwen3_moe", 15, cp=2, fsdp2=_ep("qwen3_moe", 2), steps=3),
+        CPCase("qwen3_moe-ep4-whole-xcp2-len16", "qwen3_moe", 16, cp=2, fsdp2=_ep("qwen3_moe", 4, False), steps=3),
+    ]
+
+
+EP_CP_CASES = _ep_cp_cases()
+"""Expert parallelism together with context parallelism (``MMFSDP2Strategy(context_parallel_size=2)``), run with
+``tests/cp_scenarios.py``'s harness and checked like its cases (losses, first-step gradients)."""
+
+
 def group_train(outdir: Path, ckptdir: Path) -> None:
     from tests.parity_scenarios import _finish, _fit, _guarded
 
@@ -78,6 +92,9 @@ def group_train(outdir: Path, ckptdir: Path) -> None:
             _finish(case, outdir, [record], trainer, module)
 
         _guarded(case, outdir, run)
+    for cp_case in EP_CP_CASES:
+        if not only or cp_case.name in only.split(","):
+            _guarded(cp_case, outdir, lambda c=cp_case: _ep_cp(c, outdir, ckptdir))
     if not only or CHAIN.name in only.split(","):
         _chain(outdir, ckptdir)
     if not only or IDLE_RANK.name in only.split(","):
@@ -87,6 +104,13 @@ def group_train(outdir: Path, ckptdir: Path) -> None:
     from tests.ep_custom_scenarios import run_cases
 
     run_cases(outdir, set(only.split(",")) if only else None)
+
+
+def _ep_cp(case: Any, outdir: Path, ckptdir: Path) -> None:
+    from tests.cp_scenarios import _finish, _fit
+
+    record, (trainer, module) = _fit(case, case.cp, ckptdir, outdir, case.steps, DEVICES)
+    _finish(case, outdir, [record], trainer, module)
 
 
 IDLE_RANK = Case("qwen3_moe-ep4-idle-rank", "qwen3_moe")

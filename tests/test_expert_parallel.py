@@ -18,7 +18,7 @@ from typing import Any
 import pytest
 import torch
 
-from tests.ep_scenarios import CHAIN, CHAIN_STAGES, DEVICES, EP_CASES, chain_checkpoint
+from tests.ep_scenarios import CHAIN, CHAIN_STAGES, DEVICES, EP_CASES, EP_CP_CASES, chain_checkpoint
 from tests.moe_models import register_moe_families, save_moe_checkpoints
 from tests.parity import global_losses, global_steps, reference_run, relative_errors, weight_errors
 
@@ -75,6 +75,26 @@ def test_clipping_norm_equals_transformers(runs, name):
     for rank in ranks:
         errors = relative_errors(rank["norms"], ref.norms)
         assert max(errors) < FP32_LOSS, f"{name}: per-step relative norm errors {errors}"
+
+
+@pytest.mark.parametrize("case", EP_CP_CASES, ids=lambda c: c.name)
+def test_expert_and_context_parallel_together_equal_transformers(runs, case):
+    """EP with Ulysses context parallelism on 4 ranks (2 data parallel x 2 context parallel): per-step losses and
+    the first step's gradients (every parameter; the experts as rank 0's local share) equal one-process
+    Transformers over the same global batches."""
+    from tests import test_context_parallel as cp_test
+
+    out, ckpts = runs
+    steps, losses = cp_test._global_steps(cp_test._ranks(out, case.name, DEVICES), 0, case.cp)
+    assert len(steps) == case.steps
+    _, ref_losses, ref_grads = cp_test._reference(case, steps, ckpts)
+    errors = relative_errors(losses, ref_losses)
+    assert max(errors) < FP32_LOSS, f"{case.name}: per-step relative loss errors {errors}"
+    grads = torch.load(out / f"{case.name}.grad.pt")
+    local = {n: ref[: grads[n].shape[0]] for n, ref in ref_grads.items()}  # rank 0 holds the first experts
+    assert any(grads[n].shape != ref_grads[n].shape for n in ref_grads)  # the experts really are split
+    grad_errors = cp_test._grad_errors(grads, local)
+    assert max(grad_errors.values()) < FP32_LOSS, sorted(grad_errors.items(), key=lambda kv: -kv[1])[:3]
 
 
 def test_aligned_unit_holds_exactly_the_norms_and_routers(runs):

@@ -461,7 +461,6 @@ class MMFSDP2Strategy(ParallelStrategy):
         assert root_converted is root
         self._plan = plan = build_plan(config, target, self.world_size, precision)
         rank_zero_info(plan.describe())
-        _check_supported(plan, self._context_parallel.size)
         self._context_parallel.apply(root, target)
         self._sharded = sharded = apply.apply_plan(root, target, plan, self.device_mesh, self.root_device,
                                                    apply.model_unit_sharding(target, config))
@@ -738,9 +737,3 @@ class MMFSDP2Strategy(ParallelStrategy):
                 cls.strategy_name, cls, description="FSDP2 driven by a MindSpeed MM fsdp2_config.yaml"
             )
 
-
-def _check_supported(plan: Any, context_parallel_size: int = 1) -> None:
-    """Settings the plan accepts whose doing is not implemented yet fail here, before any sharding."""
-    if plan.experts is not None and context_parallel_size > 1:
-        raise NotImplementedError("FSDP2 config key `expert_parallel_size` > 1 with MMFSDP2Strategy("
-                                  "context_parallel_size > 1): not supported yet (each works on its own)")
