@@ -428,6 +428,30 @@ def _count_params(model: nn.Module, groups: list[tuple[str, ...]], ignored: list
     return counts, root, ignored_count, trainable
 
 
+def _aligned_group(model: nn.Module, config: FSDP2Config, groups: list[tuple[str, ...]],
+                   ignored: list[str]) -> tuple[str, ...]:
+    """``align_fsdp_param_groups``: the norms and routers inside the wrapped units, as one unit (empty when off)."""
+    if not config.align_fsdp_param_groups:
+        return ()
+    aligned = tuple(norm_and_router_modules(model, [m for g in groups for m in g], ignored))
+    if not aligned:
+        raise config._error("align_fsdp_param_groups", "found no norm or router module inside the wrapped units "
+                                                       "(`sub_modules_to_wrap`) to gather into a unit of its own")
+    return aligned
+
+
+def _setting_notes(model: nn.Module, config: FSDP2Config, recompute: list[str]) -> list[str]:
+    """What the plan says about settings that take effect differently than one might expect."""
+    notes = []
+    if config.expert_parallel_size == 1 and config.moe_modules and "moe_modules" in config.explicit_keys:
+        notes.append("`moe_modules` is not used with `expert_parallel_size: 1` (the experts are sharded like the "
+                     "rest of their unit)")
+    if recompute and uses_kv_cache(model):
+        notes.append("recomputed modules run without the key/value cache (`use_cache`) when gradients are on: "
+                     "a replay in backward would update it a second time")
+    return notes
+
+
 def build_plan(
     config: FSDP2Config,
     model: nn.Module,
@@ -451,22 +475,11 @@ def build_plan(
         raise FSDP2ConfigError(str(err)) from None
 
     groups, notes = _group_shared_parameters(model, wrapped, ignored, config)
-    aligned: tuple[str, ...] = ()
-    if config.align_fsdp_param_groups:
-        aligned = tuple(norm_and_router_modules(model, [m for g in groups for m in g], ignored))
-        if not aligned:
-            raise config._error("align_fsdp_param_groups", "found no norm or router module inside the wrapped units "
-                                                           "(`sub_modules_to_wrap`) to gather into a unit of its own")
+    aligned = _aligned_group(model, config, groups, ignored)
+    if aligned:
         groups.append(aligned)
-    experts = None
-    if config.expert_parallel_size > 1:
-        experts = _plan_experts(model, config, world_size, wrapped, ignored)
-    elif config.moe_modules and "moe_modules" in config.explicit_keys:
-        notes.append("`moe_modules` is not used with `expert_parallel_size: 1` (the experts are sharded like the "
-                     "rest of their unit)")
-    if recompute and uses_kv_cache(model):
-        notes.append("recomputed modules run without the key/value cache (`use_cache`) when gradients are on: "
-                     "a replay in backward would update it a second time")
+    experts = _plan_experts(model, config, world_size, wrapped, ignored) if config.expert_parallel_size > 1 else None
+    notes += _setting_notes(model, config, recompute)
     # Children before parents: a parent's fully_shard must see its children already sharded.
     groups.sort(key=lambda g: -max(m.count(".") + 1 for m in g))
     counts, root_params, ignored_params, trainable = _count_params(
