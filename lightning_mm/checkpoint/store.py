@@ -40,7 +40,7 @@ from torch.distributed.checkpoint.state_dict import (
 from torch.distributed.tensor import DTensor, distribute_tensor
 
 from lightning_mm._compat import unwrap_optimizer
-from lightning_mm._rank_zero import rank_zero_info, rank_zero_warn
+from lightning_mm._rank_zero import is_rank_zero, rank_zero_info, rank_zero_warn
 from lightning_mm._tied import tied_parameter_names
 from lightning_mm.checkpoint import atomic, manifest
 from lightning_mm.checkpoint.errors import CheckpointIntegrityError, write_error
@@ -168,7 +168,7 @@ def gather_full(state: dict[str, Any]) -> dict[str, Any]:
     What ``StateDictOptions(full_state_dict=True, cpu_offload=True)`` gives, for a state seen through a view. Every
     rank calls this with the same keys in the same order (one collective per DTensor).
     """
-    rank0 = not _distributed() or dist.get_rank() == 0
+    rank0 = is_rank_zero()
 
     def gather(value: Any) -> Any:
         if isinstance(value, Mapping):

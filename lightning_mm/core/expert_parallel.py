@@ -33,6 +33,7 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.fsdp import CPUOffloadPolicy, fully_shard
 
+from lightning_mm._collectives import average_in_place
 from lightning_mm._dtensor import local_tensor
 from lightning_mm.core.plan import ShardingPlan, ep_mesh_layout
 
@@ -220,17 +221,9 @@ def own_rank_mesh(device_type: str) -> DeviceMesh:
 
 def all_reduce_expert_gradients(params: list[nn.Parameter], ep_mesh: DeviceMesh) -> None:
     """Average the whole local experts' gradients over ``ep_replicate`` (the routed forward scaled them by 1/ep)."""
-    grads = [local_tensor(p.grad) for p in params if p.grad is not None]  # DTensors of a 1-rank mesh when offloaded
-    if not grads:
-        return
-    flat = torch.cat([g.reshape(-1) for g in grads])
-    if ep_mesh.size(0) > 1:
-        dist.all_reduce(flat, op=dist.ReduceOp.SUM, group=ep_mesh.get_group("ep_replicate"))
-        flat.div_(ep_mesh.size(0))
-    offset = 0
-    for g in grads:
-        g.copy_(flat[offset : offset + g.numel()].view_as(g))
-        offset += g.numel()
+    if ep_mesh.size(0) > 1:  # DTensors of a 1-rank mesh when offloaded: their local tensors
+        average_in_place([local_tensor(p.grad) for p in params if p.grad is not None],
+                         ep_mesh.get_group("ep_replicate"))
 
 
 def broadcast_expert_replicas(params: list[nn.Parameter], ep_mesh: DeviceMesh) -> None:

@@ -17,16 +17,15 @@ the other ranks with every other plain tensor that was materialised
 
 from __future__ import annotations
 
-from collections.abc import Iterable
 from typing import Any
 
 import torch
-import torch.distributed as dist
 from torch import nn
 
+from lightning_mm._collectives import average_in_place
 from lightning_mm.core.plan import ShardingPlan
 
-__all__ = ["IgnoredModules", "all_reduce_gradients"]
+__all__ = ["IgnoredModules"]
 
 
 class IgnoredModules:
@@ -68,8 +67,7 @@ class IgnoredModules:
 
     def all_reduce_gradients(self, group: Any = None) -> None:
         """Average the trainable ignored parameters' gradients across the data-parallel ranks (after backward)."""
-        if self.modules:
-            all_reduce_gradients(self.trainable_parameters(), group)
+        average_in_place([p.grad for p in self.trainable_parameters() if p.grad is not None], group)
 
 
 def _cast_inputs_to_own_dtype(module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
@@ -82,21 +80,3 @@ def _cast_inputs_to_own_dtype(module: nn.Module, args: tuple, kwargs: dict) -> t
 
     return tuple(cast(a) for a in args), {k: cast(v) for k, v in kwargs.items()}
 
-
-def all_reduce_gradients(params: Iterable[nn.Parameter], group: Any = None) -> None:
-    """Average the gradients of unsharded parameters across the ranks of ``group`` (all ranks by default)."""
-    if not dist.is_initialized():
-        return
-    buckets: dict[tuple[torch.dtype, torch.device], list[torch.Tensor]] = {}
-    for p in params:
-        if p.grad is not None:
-            buckets.setdefault((p.grad.dtype, p.grad.device), []).append(p.grad)
-    world = dist.get_world_size(group)
-    for grads in buckets.values():  # one collective per dtype and device
-        flat = torch.cat([g.reshape(-1) for g in grads])
-        dist.all_reduce(flat, op=dist.ReduceOp.SUM, group=group)
-        flat.div_(world)
-        offset = 0
-        for g in grads:
-            g.copy_(flat[offset : offset + g.numel()].view_as(g))
-            offset += g.numel()

@@ -24,6 +24,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from lightning_mm._rank_zero import is_rank_zero
 from lightning_mm._transformers_class import transformers_class
 from lightning_mm.hf.lora import ADAPTER_NAME
 from lightning_mm.hf.records import lora_record  # what checkpoints record of the adapters
@@ -39,12 +40,6 @@ def _peft_config(model: nn.Module) -> Any:
     if not isinstance(configs, Mapping) or ADAPTER_NAME not in configs:
         raise ValueError(f"{type(model).__name__} has no LoRA adapters (built without a `lora` setting)")
     return configs[ADAPTER_NAME]
-
-
-def _is_rank_zero() -> bool:
-    import torch.distributed as dist
-
-    return not dist.is_initialized() or dist.get_rank() == 0
 
 
 def _barrier() -> None:
@@ -84,7 +79,7 @@ def save_lora_adapters(model: nn.Module, directory: str | Path, base_model_name_
     config = _peft_config(model)
     adapters = _full_state(model, _is_adapter)
     out = Path(directory)
-    if _is_rank_zero():
+    if is_rank_zero():
         out.mkdir(parents=True, exist_ok=True)
         save_file({_peft_key(k): v.contiguous() for k, v in adapters.items()}, str(out / "adapter_model.safetensors"),
                   metadata={"format": "pt"})
@@ -144,7 +139,7 @@ def save_merged_model(model: nn.Module, directory: str | Path) -> Path:
     if record is None:
         raise ValueError(f"{type(model).__name__} has no LoRA adapters (built without a `lora` setting)")
     state = _full_state(model)
-    if _is_rank_zero():
+    if is_rank_zero():
         merge_lora_state_dict(state, model.config, record, _hf_class(model), directory)
     _barrier()
     return Path(directory)

@@ -184,8 +184,7 @@ class MMFSDP2Strategy(ParallelStrategy):
         self._pending_rng: dict[str, Any] | None = None
         self._pending_rng_point: str | None = None
         self._pending_rng_step: int | None = None
-        # Expert parallelism (set in `_shard` when the plan has experts).
-        self._ep_mesh: DeviceMesh | None = None
+        # Expert parallelism: how checkpoints see the local experts.
         self._expert_layout: Any = None  # built on the first checkpoint save or load
         if not stop_timeout > 0:
             raise ValueError(f"stop_timeout must be a positive number of seconds, got {stop_timeout!r}")
@@ -462,11 +461,10 @@ class MMFSDP2Strategy(ParallelStrategy):
         self._plan = plan = build_plan(config, target, self.world_size, precision)
         rank_zero_info(plan.describe())
         self._context_parallel.apply(root, target)
-        self._sharded = sharded = apply.apply_plan(root, target, plan, self.device_mesh, self.root_device,
-                                                   apply.model_unit_sharding(target, config))
-        self._ep_mesh = sharded.ep_mesh
+        self._sharded = apply.apply_plan(root, target, plan, self.device_mesh, self.root_device,
+                                         apply.model_unit_sharding(target, config))
         if isinstance(self.precision_plugin, MMFSDP2Precision):  # gradient norms: local experts summed over EP
-            self.precision_plugin.norm_groups = sharded.norm_groups
+            self.precision_plugin.norm_groups = self._sharded.norm_groups
 
     # ---------------------------------------------------------------------------------------- steps
     def _through_root(self, method: str, *args: Any, **kwargs: Any) -> Any:
@@ -631,9 +629,11 @@ class MMFSDP2Strategy(ParallelStrategy):
         from lightning_mm.core import expert_parallel
 
         if self._expert_layout is None:
+            assert self._sharded is not None and self._sharded.ep_mesh is not None
             names = expert_parallel.expert_state_names(self.lightning_module, plan, self._sharding_target())
-            self._expert_layout = expert_parallel.ExpertCheckpointLayout(self._ep_mesh, plan.experts.num_experts,
-                                                                         names)
+            self._expert_layout = expert_parallel.ExpertCheckpointLayout(
+                self._sharded.ep_mesh, plan.experts.num_experts, names
+            )
         layout = self._expert_layout
         return layout.model_state if kind == "model" else layout.optimizer_state
 
