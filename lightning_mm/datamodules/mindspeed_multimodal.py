@@ -216,8 +216,8 @@ def _parse_sources(value: Any, base: Path, fail: _Fail) -> tuple[DataSource, ...
                                             "'huggingface', not for 'multimodal'")
         fail.unknown(entry, _BASIC_KEYS, prefix)
         if entry.get("data_storage_mode", "standard") != "standard":
-            raise fail(prefix + "data_storage_mode",
-                       f"only 'standard' is used by the multimodal dataset, got {short_repr(entry['data_storage_mode'])}")
+            mode = short_repr(entry["data_storage_mode"])
+            raise fail(prefix + "data_storage_mode", f"only 'standard' is used by the multimodal dataset, got {mode}")
         path = entry.get("data_path")
         if not isinstance(path, str) or not path:
             raise fail(prefix + "data_path", f"expected a file name, got {short_repr(path)}")
