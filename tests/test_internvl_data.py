@@ -462,3 +462,36 @@ def test_bad_keys_without_tiling(tiny):
         change(config)
         with pytest.raises(DataConfigError, match=message):
             _build(root, model, [_chat("square.png", "<image>\nA?", "b")], config)
+
+
+def test_several_sources_and_paths_relative_to_base_dir(tiny, tmp_path):
+    root, model = tiny
+    (tmp_path / "more").mkdir()
+    _picture(tmp_path / "more" / "x.png", 60, 30, seed=9)
+    _write(tmp_path, [_chat("x.png", "<image>\nX?", "x"), _chat("x.png", "<image>\nY?", "y")], "more.jsonl")
+    config = _data_json(model=str(root / "model"))
+    first = {"data_path": str(root / "train.jsonl"), "data_folder": str(root / "images"), "repeat_time": 2}
+    config["dataset_param"]["basic_parameters"] = [first, {"data_path": "more.jsonl", "data_folder": "more"}]
+    config["dataloader_param"]["collate_param"]["pad_id"] = model.pad_id
+    _write(root, [_chat("square.png", "<image>\nA?", "a")])
+    splits, _, reports = build_multimodal_datasets(config["dataset_param"], config["dataloader_param"][
+        "collate_param"], tmp_path, SOURCE, False)
+    data = splits["train"]
+    assert len(data) == 2 + 2 and reports["train"].total == 3
+    processor = load_internvl_processor(root / "model")
+    assert processor.tokenizer.decode(data[1]["labels"][data[1]["labels"] != -100]) == "a<|im_end|>"
+    assert processor.tokenizer.decode(data[3]["labels"][data[3]["labels"] != -100]) == "y<|im_end|>"
+    config["dataset_param"]["basic_parameters"][1]["data_folder"] = "absent"
+    with pytest.raises(DataConfigError, match=r"basic_parameters.1.data_folder`: directory not found"):
+        build_multimodal_datasets(config["dataset_param"], config["dataloader_param"]["collate_param"], tmp_path,
+                                  SOURCE, False)
+
+
+def test_a_model_directory_of_another_kind_is_refused(tiny, tmp_path):
+    root, model = tiny
+    other = tmp_path / "qwen"
+    other.mkdir()
+    (other / "config.json").write_text(json.dumps({"model_type": "qwen2", "architectures": ["Qwen2ForCausalLM"]}))
+    config = _data_json(model=str(other))
+    with pytest.raises(DataConfigError, match=r"from_pretrained`: model_type is 'qwen2'; Transformers' InternVL"):
+        _build(root, model, [_chat("square.png", "<image>\nA?", "b")], config)

@@ -713,6 +713,8 @@ def _load_model_side(settings: MultimodalSettings) -> tuple[Any, Any]:
         processor = load_internvl_processor(settings.model_dir)
     except ProcessorDirectoryError as err:
         raise fail(key, str(err)) from None
+    except (ValueError, OSError) as err:  # Transformers' own loading errors (an unknown processor class, ...)
+        raise fail(key, f"cannot load InternVL's processor: {str(err)[:300]}") from None
     return processor, config
 
 
