@@ -95,3 +95,8 @@ def tiny_model_provider() -> torch.nn.Module:
     from lightning_mm.modules import TransformersModel
 
     return TransformersModel({"hf_config": {"model_type": "qwen3_vl", **CONFIG}})
+
+
+def datasets_provider(*_: Any) -> tuple[Qwen3VLData, None, None]:
+    """A ``train_valid_test_datasets_provider`` for LightningCLI configs."""
+    return Qwen3VLData(), None, None

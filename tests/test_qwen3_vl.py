@@ -158,6 +158,8 @@ def test_plan_command_prints_the_default_plan(tmp_path):
         "trainer": {"accelerator": "cpu", "devices": 2, "strategy": "mm_fsdp2", "logger": False},
         "model": {"class_path": "lightning_mm.MMLightningModule",
                   "init_args": {"model_provider": "tests.qwen3_vl_family.tiny_model_provider"}},
+        "data": {"class_path": "lightning_mm.MMDataModule",
+                 "init_args": {"train_valid_test_datasets_provider": "tests.qwen3_vl_family.datasets_provider"}},
     }
     path = tmp_path / "cfg.yaml"
     path.write_text(yaml.safe_dump(config))
