@@ -2,8 +2,9 @@
 
 Three launches: every training case on 2 ranks (``train``), checkpoint and resume on 2 ranks (``resume``), and
 the resumed run on 1 process (``resume_one``). Dense Qwen3-VL runs in the first two: reentrant recomputation with
-a trainable tower (``qwen3_vl-recompute-reentrant``), non-reentrant with a frozen, ignored tower, and a resume. The references are computed here, in this process (plain models,
-no torch.distributed). Tolerance for fp32: relative 1e-5 per micro-batch loss and per final weight tensor.
+a trainable tower, non-reentrant with a frozen (ignored) tower, and a resume. The references are computed here,
+in this process (plain models, no torch.distributed). Tolerance for fp32: relative 1e-5 per micro-batch loss and
+per final weight tensor.
 """
 
 from __future__ import annotations
@@ -19,7 +20,6 @@ import pytest
 import torch
 
 from tests.hf_scenarios import save_tiny_checkpoints
-from tests.qwen3_vl_family import save_qwen3_vl
 from tests.parity import (
     CASES,
     QWEN3_VL,
@@ -34,6 +34,7 @@ from tests.parity import (
     relative_errors,
     weight_errors,
 )
+from tests.qwen3_vl_family import save_qwen3_vl
 
 ROOT = Path(__file__).resolve().parents[1]
 FP32_LOSS = 1e-5

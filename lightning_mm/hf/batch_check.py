@@ -55,35 +55,45 @@ def _inner(model: nn.Module) -> nn.Module | None:
     return base if isinstance(base, nn.Module) and base is not model else None
 
 
-def _explicit_parameters(fn: Any) -> set[str]:
-    """Named parameters of ``fn`` plus the keys of a typed ``**kwargs: Unpack[SomeTypedDict]``."""
+def _parameters(fn: Any) -> tuple[set[str], set[str]]:
+    """The named parameters of ``fn``, and the keys of a typed ``**kwargs: Unpack[SomeTypedDict]``."""
     try:
         signature = inspect.signature(fn)
     except (TypeError, ValueError):
-        return set()
+        return set(), set()
     names: set[str] = set()
+    typed_keys: set[str] = set()
     for name, parameter in signature.parameters.items():
         if name == "self" or parameter.kind is parameter.VAR_POSITIONAL:
             continue
         if parameter.kind is parameter.VAR_KEYWORD:
             for typed in typing.get_args(parameter.annotation):  # Unpack[TransformersKwargs] -> (TransformersKwargs,)
-                names |= set(getattr(typed, "__required_keys__", ())) | set(getattr(typed, "__optional_keys__", ()))
+                typed_keys |= set(getattr(typed, "__required_keys__", ()))
+                typed_keys |= set(getattr(typed, "__optional_keys__", ()))
             continue
         names.add(name)
-    return names
+    return names, typed_keys
 
 
-def forward_keys(model: nn.Module) -> frozenset[str]:
-    """The batch keys ``model`` consumes (see the module docstring): what the key check accepts."""
-    keys: set[str] = set()
+def _model_keys(model: nn.Module) -> tuple[set[str], set[str]]:
+    explicit: set[str] = set()
+    typed: set[str] = set()
     for owner in (model, _inner(model)):
         if owner is None:
             continue
         for method in ("forward", "get_image_features", "get_video_features"):
             fn = getattr(type(owner), method, None)
             if fn is not None:
-                keys |= _explicit_parameters(fn)
-    return frozenset(keys)
+                names, keys = _parameters(fn)
+                explicit |= names
+                typed |= keys
+    return explicit, typed - explicit
+
+
+def forward_keys(model: nn.Module) -> frozenset[str]:
+    """The batch keys ``model`` consumes (see the module docstring): what the key check accepts."""
+    explicit, typed = _model_keys(model)
+    return frozenset(explicit | typed)
 
 
 def _tensor(batch: Mapping[str, Any], key: str) -> torch.Tensor | None:
@@ -120,7 +130,8 @@ def expected_image_tokens(model: nn.Module, batch: Mapping[str, Any], video: boo
     rows, cols = pixels.shape[-2] // patch[0], pixels.shape[-1] // patch[1]
     model_type = getattr(config, "model_type", None)
     if model_type == "llava" and batch.get("image_sizes") is None:
-        strategy = batch.get("vision_feature_select_strategy") or getattr(config, "vision_feature_select_strategy", None)
+        strategy = batch.get("vision_feature_select_strategy") or getattr(config, "vision_feature_select_strategy",
+                                                                           None)
         return pixels.shape[0] * (rows * cols + (1 if strategy == "full" else 0))
     if model_type == "internvl":
         ratio = float(getattr(config, "downsample_ratio", 1.0))
@@ -129,13 +140,14 @@ def expected_image_tokens(model: nn.Module, batch: Mapping[str, Any], video: boo
 
 
 def _check_keys(model: nn.Module, batch: Mapping[str, Any]) -> None:
-    accepted = forward_keys(model)
-    unknown = sorted(k for k, v in batch.items() if v is not None and k not in accepted)
+    explicit, typed = _model_keys(model)
+    unknown = sorted(k for k, v in batch.items() if v is not None and k not in explicit and k not in typed)
     if unknown:
         name = type(model).__name__.removeprefix("FSDP")
+        typed_note = f" (and the keyword arguments {', '.join(sorted(typed))})" if typed else ""
         raise BatchCheckError(
             f"batch key(s) {', '.join(repr(k) for k in unknown)} are not taken by {name}: its forward would "
-            f"swallow them and train without them. It takes: {', '.join(sorted(accepted))}"
+            f"swallow them and train without them. It takes: {', '.join(sorted(explicit))}{typed_note}"
         )
 
 
