@@ -84,8 +84,9 @@ class CPData(torch.utils.data.Dataset):
 
     def __getitem__(self, i: int) -> dict[str, torch.Tensor]:
         sample = dict(self.data[i])
-        for key in ("input_ids", "attention_mask", "labels"):
-            sample[key] = sample[key][: self.seq_len]
+        for key in ("input_ids", "attention_mask", "labels", "mm_token_type_ids"):
+            if key in sample:
+                sample[key] = sample[key][: self.seq_len]
         if self.left_pad and i % 2:  # odd samples left-padded; no target is predicted from a padded position
             sample["attention_mask"][: self.left_pad] = 0
             sample["labels"][: self.left_pad + 1] = -100

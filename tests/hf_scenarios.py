@@ -112,7 +112,7 @@ class FamilyData(torch.utils.data.Dataset):
             ids[1], ids[2], ids[3] = 7, IMAGE_TOKEN, 8
             sample["pixel_values"] = torch.randn(4, 3 * 2 * 14 * 14, generator=g)
             sample["image_grid_thw"] = torch.tensor([[1, 2, 2]])
-        if self.family == "qwen3_vl_moe":  # Qwen3-VL's M-RoPE takes the image tokens' positions from here
+        if self.family in ("qwen2_5_vl", "qwen3_vl_moe"):  # their M-RoPE takes the image tokens' positions from here
             sample["mm_token_type_ids"] = (ids == IMAGE_TOKEN).long()
         if "pixel_values" in sample:
             labels[ids == IMAGE_TOKEN] = -100

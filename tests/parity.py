@@ -19,6 +19,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from tests import qwen3_vl_family
 from tests.hf_scenarios import FAMILIES, VOCAB, FamilyData, model_inputs
 
 LR = 5e-3
@@ -32,7 +33,9 @@ RECOMPUTE = {
     "llava": ["model.vision_tower.encoder.layers.{*}", "model.language_model.layers.{*}"],
     "qwen3": ["model.layers.{*}"],
     "llama_tied": ["model.layers.{*}"],
+    "qwen3_vl": qwen3_vl_family.RECOMPUTE,
 }
+QWEN3_VL = "qwen3_vl"  # not in hf_scenarios.FAMILIES: its batches are tests/qwen3_vl_family.py's
 TORCH_LAYERS = "torch_layers"
 
 
@@ -57,9 +60,11 @@ def _recompute(family: str, reentrant: bool) -> dict[str, Any]:
 
 
 TRAIN_CASES = [
-    *[Case(f"{f}-plain", f) for f in RECOMPUTE],
+    *[Case(f"{f}-plain", f) for f in RECOMPUTE if f != QWEN3_VL],  # qwen3_vl-resume trains it plain
     *[Case(f"{f}-recompute-reentrant", f, _recompute(f, True)) for f in RECOMPUTE],
     *[Case(f"{f}-recompute-nonreentrant", f, _recompute(f, False)) for f in ("qwen2_5_vl", "qwen3")],
+    Case("qwen3_vl-recompute-nonreentrant-frozen-tower", QWEN3_VL, _recompute(QWEN3_VL, False),
+         freeze=("model.visual",)),
     Case("internvl-trainable-ignored-tower", "internvl", {"ignored_modules": ["model.vision_tower"]}),
     Case("internvl-frozen-tower", "internvl", freeze=("model.vision_tower",)),
     Case("qwen3-accumulate-2", "qwen3", steps=4, accumulate=2),
@@ -72,6 +77,7 @@ RESUME_CASES = [
     Case("qwen3-resume", "qwen3", resume_at=3),
     # LLaVA's last vision layer gets no gradient (its output is not used): no AdamW state for its parameters.
     Case("llava-trainable-tower-resume", "llava", resume_at=3),
+    Case("qwen3_vl-resume", QWEN3_VL, resume_at=3),
 ]
 CASES = {c.name: c for c in [*TRAIN_CASES, *RESUME_CASES]}
 
@@ -99,7 +105,10 @@ class IndexedData(torch.utils.data.Dataset):
     """``FamilyData`` samples with their index, so that each side can say which samples a step used."""
 
     def __init__(self, family: str, n: int = SAMPLES) -> None:
-        self.data = FamilyData("llama_tied" if family == TORCH_LAYERS else family, n)
+        if family == QWEN3_VL:
+            self.data: torch.utils.data.Dataset = qwen3_vl_family.Qwen3VLData(n)
+        else:
+            self.data = FamilyData("llama_tied" if family == TORCH_LAYERS else family, n)
 
     def __len__(self) -> int:
         return len(self.data)
@@ -137,7 +146,8 @@ def _plain_model(case: Case, ckpt: Path | None, initial: dict[str, torch.Tensor]
         import transformers
 
         assert ckpt is not None
-        model = getattr(transformers, FAMILIES[case.family][0]).from_pretrained(str(ckpt), dtype=torch.float32)
+        arch = qwen3_vl_family.ARCH if case.family == QWEN3_VL else FAMILIES[case.family][0]
+        model = getattr(transformers, arch).from_pretrained(str(ckpt), dtype=torch.float32)
     _freeze(model, case.freeze)
     return model.train()
 

@@ -1,8 +1,10 @@
 """Numerical parity with plain Transformers + torch (issue #11): the harness of ``tests/parity.py``.
 
 Three launches: every training case on 2 ranks (``train``), checkpoint and resume on 2 ranks (``resume``), and
-the resumed run on 1 process (``resume_one``). The references are computed here, in this process (plain models,
-no torch.distributed). Tolerance for fp32: relative 1e-5 per micro-batch loss and per final weight tensor.
+the resumed run on 1 process (``resume_one``). Dense Qwen3-VL runs in the first two: reentrant recomputation with
+a trainable tower, non-reentrant with a frozen (ignored) tower, and a resume. The references are computed here,
+in this process (plain models, no torch.distributed). Tolerance for fp32: relative 1e-5 per micro-batch loss and
+per final weight tensor.
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ import torch
 from tests.hf_scenarios import save_tiny_checkpoints
 from tests.parity import (
     CASES,
+    QWEN3_VL,
     RECOMPUTE,
     TORCH_LAYERS,
     TRAIN_CASES,
@@ -31,6 +34,7 @@ from tests.parity import (
     relative_errors,
     weight_errors,
 )
+from tests.qwen3_vl_family import save_qwen3_vl
 
 ROOT = Path(__file__).resolve().parents[1]
 FP32_LOSS = 1e-5
@@ -64,7 +68,8 @@ def _launch(group: str, out: Path, ckpts: Path) -> None:
 @pytest.fixture(scope="module")
 def ckpts(tmp_path_factory) -> Path:
     directory = tmp_path_factory.mktemp("parity_ckpts")
-    save_tiny_checkpoints(directory, list(RECOMPUTE))
+    save_tiny_checkpoints(directory, [f for f in RECOMPUTE if f != QWEN3_VL])
+    save_qwen3_vl(directory / QWEN3_VL)
     return directory
 
 
@@ -155,6 +160,11 @@ def test_resume_continues_exactly(resumed, ckpts):
 
 def test_resume_with_a_trainable_vision_tower_continues_exactly(resumed, ckpts):
     _resume_check(resumed, ckpts, "llava-trainable-tower-resume")
+
+
+def test_resume_qwen3_vl_continues_exactly(resumed, ckpts):
+    """Dense Qwen3-VL (two images per sample, M-RoPE positions from mm_token_type_ids), tower trainable."""
+    _resume_check(resumed, ckpts, "qwen3_vl-resume")
 
 
 def test_resume_on_one_rank_continues_exactly(resumed, ckpts):

@@ -4,9 +4,10 @@
   ``nn.ModuleList``: decoder layers, vision blocks), plus the input and output embeddings. Tied embeddings share
   a parameter, so the plan builder puts them in one unit.
 * The multimodal projector between a vision tower and the language model (``multi_modal_projector``), or the
-  paths of the class attribute ``fsdp2_extra_units`` (Qwen2.5-VL's ``model.visual.merger``): as a unit of its
-  own the projector computes in ``param_dtype`` whatever dtype the (possibly ignored, full-precision) tower
-  returns, and its parameters are not left in the root unit.
+  paths of the class attribute ``fsdp2_extra_units`` (Qwen2.5-VL's ``model.visual.merger``; patterns such as
+  Qwen3-VL's ``model.visual.deepstack_merger_list.{*}`` allowed, a pattern matching nothing in this config is
+  left out): as a unit of its own the projector computes in ``param_dtype`` whatever dtype the (possibly
+  ignored, full-precision) tower returns, and its parameters are not left in the root unit.
 * A trainable vision tower's input embeddings (the tower's child that holds its ``get_input_embeddings()``: patch
   and position embeddings), so that only small norms stay in the root unit.
 * A vision tower (the sub-model built from ``config.vision_config``, or the paths in the class attribute
@@ -166,8 +167,10 @@ def hf_default_fsdp2_config(model: nn.Module, ignored: list[str] | None = None) 
     declared = getattr(type(model), "fsdp2_extra_units", None)
     if declared is None:  # Transformers' VLMs name the module between the vision tower and the LM this way
         declared = [n for n in names if n.rpartition(".")[2] == "multi_modal_projector"]
+    else:
+        declared = _resolved(model, list(declared))
     towers = [t for t in vision_tower_paths(model) if t in names]
-    extra = [p for p in [*input_embedding_units(model, towers), *declared]
+    extra = [p for p in dict.fromkeys([*input_embedding_units(model, towers), *declared])
              if p in names and not any(is_under(p, t) for t in ignored)]
     config: dict[str, Any] = {"sub_modules_to_wrap": compress_paths(model, embeddings + extra + wrap)}
     moe = [p for p in moe_module_paths(model) if not any(is_under(p, t) for t in ignored)]

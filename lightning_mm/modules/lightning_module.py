@@ -15,6 +15,7 @@ from typing_extensions import override
 from lightning_mm._compat import attached_trainer, should_update_logs, throughput_meters
 from lightning_mm.core.grad_clip import total_grad_norm
 from lightning_mm.core.optimizer import group_by_sharding
+from lightning_mm.hf.batch_check import BatchCheck
 from lightning_mm.modules.seed_functions import SeedFunctions, resolve_callable
 from lightning_mm.strategies.precision import MMFSDP2Precision
 
@@ -49,6 +50,9 @@ class MMLightningModule(L.LightningModule):
     * ``get_batch(batch)`` turns a DataLoader item into forward inputs.
     * ``forward_step(batch)`` runs the model (``self.model(**batch)`` for a mapping, ``self.model(batch)``
       otherwise). Returning ``(output, loss_fn)`` (the Megatron form) is accepted: the loss is ``loss_fn(output)``.
+      For a Transformers model the default first checks that it consumes the batch (every key, and as many
+      image placeholder tokens as the images make: :mod:`lightning_mm.hf.batch_check`), in full on the first batch
+      of each stage and key set; an override or the seed's ``forward_step`` can call ``check_batch`` itself.
     * ``loss_func(output, batch)`` returns a loss tensor, a mapping with a ``loss`` key plus values to log, or
       ``(loss, {name: value})``.
 
@@ -114,6 +118,7 @@ class MMLightningModule(L.LightningModule):
         self.log_grad_norm = log_grad_norm
         self.log_throughput = log_throughput
         self.model: nn.Module | None = None
+        self._batch_check = BatchCheck()
 
     # ------------------------------------------------------------------------ the seed's hooks
     def model_provider(self) -> nn.Module:
@@ -137,8 +142,16 @@ class MMLightningModule(L.LightningModule):
         if self.model is None:
             raise RuntimeError(f"{type(self).__name__}.model is not built (configure_model has not run)")
         if isinstance(batch, Mapping):
+            self._batch_check(self.model, batch, self._batch_check_context())
             return self.model(**batch)
         return self.model(batch)
+
+    def _batch_check_context(self) -> tuple[Any, ...]:
+        """What makes a batch "first" for the batch check: the trainer, its entry point and its stage."""
+        trainer = attached_trainer(self)
+        if trainer is None:
+            return (None,)
+        return (id(trainer), str(trainer.state.fn), str(trainer.state.stage))
 
     def loss_func(self, output: Any, batch: Any) -> Any:
         """The loss of ``output``: the output itself if it is a tensor, or its ``loss`` entry / attribute."""

@@ -12,6 +12,7 @@ from lightning_mm.hf.adapters.internvl import MMInternVLForConditionalGeneration
 from lightning_mm.hf.adapters.llava import MMLlavaForConditionalGeneration
 from lightning_mm.hf.adapters.moe import MMQwen3MoeForCausalLM, MMQwen3VLMoeForConditionalGeneration
 from lightning_mm.hf.adapters.qwen2_5_vl import MMQwen2_5_VLForConditionalGeneration
+from lightning_mm.hf.adapters.qwen3_vl import MMQwen3VLForConditionalGeneration
 
 __all__ = [
     "BUILTIN_ADAPTERS",
@@ -20,6 +21,7 @@ __all__ = [
     "MMQwen3ForCausalLM",
     "MMInternVLForConditionalGeneration",
     "MMQwen2_5_VLForConditionalGeneration",
+    "MMQwen3VLForConditionalGeneration",
     "MMLlavaForConditionalGeneration",
     "MMQwen3MoeForCausalLM",
     "MMQwen3VLMoeForConditionalGeneration",
@@ -28,5 +30,5 @@ __all__ = [
 BUILTIN_ADAPTERS: tuple[type, ...] = (
     MMLlamaForCausalLM, MMQwen2ForCausalLM, MMQwen3ForCausalLM, MMInternVLForConditionalGeneration,
     MMQwen2_5_VLForConditionalGeneration, MMLlavaForConditionalGeneration, MMQwen3MoeForCausalLM,
-    MMQwen3VLMoeForConditionalGeneration,
+    MMQwen3VLMoeForConditionalGeneration, MMQwen3VLForConditionalGeneration,
 )

@@ -1,0 +1,245 @@
+"""Checks that a Transformers model really consumes a batch: every key, and every image.
+
+A Transformers VLM's ``forward(**kwargs)`` swallows keys it does not use: a batch whose image key is misnamed
+(``images`` for LLaVA, which takes ``pixel_values``) trains on text alone and exits 0. Images whose placeholder
+tokens are missing from ``input_ids`` fail only deep in the model, or not at all. And Qwen2.5-VL without
+``mm_token_type_ids`` (or 3-D ``position_ids``) silently falls back to 1-D positions instead of M-RoPE.
+:func:`check_batch` turns each of these into a short :class:`BatchCheckError` before the batch reaches the model.
+
+* Keys: a batch key must be an explicit parameter of the model's ``forward``, of its inner model's ``forward``
+  (``model.model``: the one that runs the vision tower), or of their ``get_image_features`` /
+  ``get_video_features``, or a key that a typed ``**kwargs: Unpack[TransformersKwargs]`` declares (packing's
+  ``cu_seq_lens_q``, ``num_items_in_batch``, ...). An untyped ``**kwargs`` takes nothing.
+* Images and placeholders (config ``image_token_id`` / ``image_token_index``, ``video_token_id``): the tokens the
+  images make must equal the placeholder tokens in ``input_ids``. Qwen-VL: ``prod(image_grid_thw) /
+  spatial_merge_size**2`` per image (videos likewise with ``video_grid_thw``); LLaVA: ``(H / patch) * (W / patch)``
+  per image (+1 for the ``full`` feature strategy); InternVL: ``(H / patch * downsample_ratio) * (W / patch *
+  downsample_ratio)`` per tile. Other VLMs: images need at least one placeholder, placeholders need images.
+* Qwen-VL (a model with ``get_rope_index`` whose forward takes ``mm_token_type_ids``): a batch with images needs
+  ``mm_token_type_ids`` or 3-D ``position_ids``; ``mm_token_type_ids`` must mark exactly the image (1) and video
+  (2) placeholder tokens.
+
+Only Transformers models (``PreTrainedModel``) are checked; a plain module without ``**kwargs`` already refuses an
+unknown key itself. Lightning-free: the Lightning layer calls :class:`BatchCheck` on each batch it runs, which checks
+each kind of batch (stage and key set) once and costs a set lookup afterwards.
+"""
+
+from __future__ import annotations
+
+import inspect
+import typing
+from collections.abc import Hashable, Mapping
+from typing import Any
+
+import torch
+from torch import nn
+
+__all__ = ["BatchCheckError", "BatchCheck", "check_batch", "forward_keys", "expected_image_tokens"]
+
+
+class BatchCheckError(ValueError):
+    """A batch that the model would not consume as given (a key it ignores, images without placeholders, ...)."""
+
+
+def _hf_model(model: Any) -> nn.Module | None:
+    if not isinstance(model, nn.Module) or not hasattr(model, "config"):
+        return None
+    from transformers import PreTrainedModel
+
+    return model if isinstance(model, PreTrainedModel) else None
+
+
+def _inner(model: nn.Module) -> nn.Module | None:
+    """The inner model that holds the towers (``model.model`` of a ``...ForConditionalGeneration``)."""
+    base = getattr(model, "base_model", None)
+    return base if isinstance(base, nn.Module) and base is not model else None
+
+
+def _parameters(fn: Any) -> tuple[set[str], set[str]]:
+    """The named parameters of ``fn``, and the keys of a typed ``**kwargs: Unpack[SomeTypedDict]``."""
+    try:
+        signature = inspect.signature(fn)
+    except (TypeError, ValueError):
+        return set(), set()
+    names: set[str] = set()
+    typed_keys: set[str] = set()
+    for name, parameter in signature.parameters.items():
+        if name == "self" or parameter.kind is parameter.VAR_POSITIONAL:
+            continue
+        if parameter.kind is parameter.VAR_KEYWORD:
+            for typed in typing.get_args(parameter.annotation):  # Unpack[TransformersKwargs] -> (TransformersKwargs,)
+                typed_keys |= set(getattr(typed, "__required_keys__", ()))
+                typed_keys |= set(getattr(typed, "__optional_keys__", ()))
+            continue
+        names.add(name)
+    return names, typed_keys
+
+
+def _model_keys(model: nn.Module) -> tuple[set[str], set[str]]:
+    explicit: set[str] = set()
+    typed: set[str] = set()
+    for owner in (model, _inner(model)):
+        if owner is None:
+            continue
+        for method in ("forward", "get_image_features", "get_video_features"):
+            fn = getattr(type(owner), method, None)
+            if fn is not None:
+                names, keys = _parameters(fn)
+                explicit |= names
+                typed |= keys
+    return explicit, typed - explicit
+
+
+def forward_keys(model: nn.Module) -> frozenset[str]:
+    """The batch keys ``model`` consumes (see the module docstring): what the key check accepts."""
+    explicit, typed = _model_keys(model)
+    return frozenset(explicit | typed)
+
+
+def _tensor(batch: Mapping[str, Any], key: str) -> torch.Tensor | None:
+    value = batch.get(key)
+    return value if isinstance(value, torch.Tensor) and value.numel() > 0 else None
+
+
+def _token_id(config: Any, *names: str) -> int | None:
+    for name in names:
+        value = getattr(config, name, None)
+        if isinstance(value, int):
+            return value
+    return None
+
+
+def _pair(value: Any) -> tuple[int, int]:
+    return (int(value[0]), int(value[1])) if isinstance(value, (list, tuple)) else (int(value), int(value))
+
+
+def expected_image_tokens(model: nn.Module, batch: Mapping[str, Any], video: bool = False) -> int | None:
+    """The placeholder tokens that the batch's images (or videos) fill, or ``None`` if this model's rule is unknown."""
+    config = model.config
+    vision = getattr(config, "vision_config", None)
+    grid = _tensor(batch, "video_grid_thw" if video else "image_grid_thw")
+    merge = getattr(vision, "spatial_merge_size", None)
+    if grid is not None and isinstance(merge, int):  # Qwen-VL: one token per merged group of patches
+        return int((grid.long().prod(-1) // merge**2).sum())
+    pixels = _tensor(batch, "pixel_values_videos" if video else "pixel_values")
+    if video or pixels is None or pixels.ndim != 4 or vision is None:
+        return None
+    patch = _pair(getattr(vision, "patch_size", 0) or 0)
+    if not all(patch):
+        return None
+    rows, cols = pixels.shape[-2] // patch[0], pixels.shape[-1] // patch[1]
+    model_type = getattr(config, "model_type", None)
+    if model_type == "llava" and batch.get("image_sizes") is None:
+        strategy = batch.get("vision_feature_select_strategy") or getattr(config, "vision_feature_select_strategy",
+                                                                           None)
+        return pixels.shape[0] * (rows * cols + (1 if strategy == "full" else 0))
+    if model_type == "internvl":
+        ratio = float(getattr(config, "downsample_ratio", 1.0))
+        return pixels.shape[0] * int(rows * ratio) * int(cols * ratio)
+    return None
+
+
+def _check_keys(model: nn.Module, batch: Mapping[str, Any]) -> None:
+    explicit, typed = _model_keys(model)
+    unknown = sorted(k for k, v in batch.items() if v is not None and k not in explicit and k not in typed)
+    if unknown:
+        name = type(model).__name__.removeprefix("FSDP")
+        typed_note = f" (and the keyword arguments {', '.join(sorted(typed))})" if typed else ""
+        raise BatchCheckError(
+            f"batch key(s) {', '.join(repr(k) for k in unknown)} are not taken by {name}: its forward would "
+            f"swallow them and train without them. It takes: {', '.join(sorted(explicit))}{typed_note}"
+        )
+
+
+def _check_tokens(model: nn.Module, batch: Mapping[str, Any]) -> None:
+    ids = _tensor(batch, "input_ids")
+    if ids is None or ids.is_meta:
+        return  # inputs_embeds, or a trace on the meta device: nothing to count
+    config = model.config
+    counts: dict[str, int] = {}
+    for kind, video, token_names, pixel_key in (
+        ("image", False, ("image_token_id", "image_token_index"), "pixel_values"),
+        ("video", True, ("video_token_id", "video_token_index"), "pixel_values_videos"),
+    ):
+        token = _token_id(config, *token_names)
+        if token is None:
+            continue
+        placeholders = int((ids == token).sum())
+        counts[kind] = placeholders
+        given = _tensor(batch, pixel_key) is not None
+        if not given and placeholders:
+            raise BatchCheckError(
+                f"input_ids holds {placeholders} {kind} placeholder tokens ({token_names[0]} {token}) but the batch "
+                f"has no `{pixel_key}`"
+            )
+        if not given:
+            continue
+        expected = expected_image_tokens(model, batch, video=video)
+        if expected is None and placeholders == 0:
+            raise BatchCheckError(
+                f"the batch has `{pixel_key}` but input_ids holds no {kind} placeholder token ({token_names[0]} "
+                f"{token}): the {kind}s would not reach the language model"
+            )
+        if expected is not None and expected != placeholders:
+            raise BatchCheckError(
+                f"the batch's {kind}s make {expected} {kind} tokens but input_ids holds {placeholders} {kind} "
+                f"placeholder tokens ({token_names[0]} {token})"
+            )
+    _check_mrope(model, batch, counts)
+
+
+def _check_mrope(model: nn.Module, batch: Mapping[str, Any], counts: dict[str, int]) -> None:
+    inner = _inner(model)
+    if inner is None or not hasattr(inner, "get_rope_index") or "mm_token_type_ids" not in forward_keys(model):
+        return
+    visual = [k for k in ("pixel_values", "pixel_values_videos", "image_grid_thw", "video_grid_thw")
+              if _tensor(batch, k) is not None]
+    if not visual:
+        return
+    types = _tensor(batch, "mm_token_type_ids")
+    positions = _tensor(batch, "position_ids")
+    if types is None:
+        if positions is not None and positions.ndim == 3:
+            return
+        raise BatchCheckError(
+            f"the batch has {', '.join(visual)} but neither `mm_token_type_ids` nor 3-D `position_ids`: "
+            f"{type(model).__name__.removeprefix('FSDP')} needs one of them for its M-RoPE positions (the processor "
+            "returns `mm_token_type_ids` with `input_ids`)"
+        )
+    for kind, value in (("image", 1), ("video", 2)):
+        marked = int((types == value).sum())
+        if kind in counts and marked != counts[kind]:
+            raise BatchCheckError(
+                f"mm_token_type_ids marks {marked} {kind} tokens (value {value}) but input_ids holds {counts[kind]} "
+                f"{kind} placeholder tokens"
+            )
+
+
+def check_batch(model: nn.Module, batch: Mapping[str, Any]) -> None:
+    """Raise :class:`BatchCheckError` if ``model(**batch)`` would not consume ``batch`` as given.
+
+    A no-op for a model that is not a Transformers ``PreTrainedModel``. Reads the batch (a few reductions over
+    ``input_ids``), never the model's parameters.
+    """
+    hf = _hf_model(model)
+    if hf is None or not isinstance(batch, Mapping):
+        return
+    _check_keys(hf, batch)
+    _check_tokens(hf, batch)
+
+
+class BatchCheck:
+    """:func:`check_batch` once per kind of batch: the first batch of each ``context`` (e.g. the trainer, its entry
+    point and stage) and key set is checked in full; later ones cost a set lookup."""
+
+    def __init__(self) -> None:
+        self._checked: set[Hashable] = set()
+
+    def __call__(self, model: nn.Module, batch: Mapping[str, Any], context: Hashable = None) -> None:
+        if not isinstance(batch, Mapping):
+            return
+        key = (context, id(type(model)), frozenset(batch))
+        if key in self._checked:
+            return
+        check_batch(model, batch)
+        self._checked.add(key)
