@@ -65,17 +65,27 @@ class MMDataModule(L.LightningDataModule):
                  "shuffle": shuffle, "drop_last": drop_last, "seed": seed}
         settings = {"batch_size": 1, "num_workers": 0, "pin_memory": False, "shuffle": True, "drop_last": False,
                     "seed": 0}
+        self.mindspeed_config = None
         if data_config is not None:
             from lightning_mm.datamodules.data_config import DataConfig
+            from lightning_mm.datamodules.mindspeed_data import read_data_file
 
-            self.config = DataConfig.from_file(data_config)  # fails now, naming the key, if the file is wrong
-            settings.update({k: getattr(self.config.loader, k) for k in settings})
+            # A MindSpeed MM data config (dataset_param/dataloader_param, at the top or under `data:`), else native.
+            self.mindspeed_config = read_data_file(data_config)  # fails now, naming the key, if the file is wrong
+            if self.mindspeed_config is None:
+                self.config = DataConfig.from_file(data_config)
+                settings.update({k: getattr(self.config.loader, k) for k in settings})
+            else:
+                settings.update({k: getattr(self.mindspeed_config, k) for k in ("shuffle", "drop_last", "pin_memory")})
         overridden = {k: v for k, v in given.items() if v is not None}
         if self.config is not None and overridden:
             rank_zero_info(f"MMDataModule: {overridden} override the `loader` section of {self.config.source}")
+        if self.mindspeed_config is not None and overridden:
+            rank_zero_info(f"MMDataModule: {overridden} override the `dataloader_param` of "
+                           f"{self.mindspeed_config.source}")
         settings.update(overridden)
         self._splits: dict[str, Any] | None = None
-        if self.provider is None and self.config is None:
+        if self.provider is None and self.config is None and self.mindspeed_config is None:
             self._splits = dict(zip(_SPLITS, (train_dataset, val_dataset, test_dataset)))
         self.batch_size: int = settings["batch_size"]
         self.num_workers: int = settings["num_workers"]
@@ -97,6 +107,13 @@ class MMDataModule(L.LightningDataModule):
             return
         if self.config is not None:
             self._splits = self._from_config()
+            return
+        if self.mindspeed_config is not None:
+            from lightning_mm.datamodules.mindspeed_data import build_datasets
+
+            self._splits, collate, self.reports = build_datasets(self.mindspeed_config)
+            if self.collate_fn is None:
+                self.collate_fn = collate
             return
         assert self.provider is not None
         result = self.provider()
