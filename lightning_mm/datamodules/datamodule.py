@@ -9,8 +9,9 @@ from typing import Any
 import lightning as L
 import torch
 from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
-from torch.utils.data import DataLoader, Dataset, IterableDataset
+from torch.utils.data import DataLoader, Dataset, DistributedSampler, IterableDataset
 
+from lightning_mm._compat import attached_trainer, installs_distributed_sampler
 from lightning_mm.datamodules.resumable import ResumableDataLoader
 from lightning_mm.modules.seed_functions import resolve_callable
 
@@ -167,12 +168,26 @@ class MMDataModule(L.LightningDataModule):
             data,
             batch_size=self.batch_size,
             shuffle=shuffle and not iterable,
+            sampler=self._unshuffled_distributed_sampler(data) if split == "train" and not shuffle else None,
             num_workers=self.num_workers,
             collate_fn=self.collate_fn,
             pin_memory=self.pin_memory,
             drop_last=self.drop_last and split == "train",
             generator=torch.Generator().manual_seed(self.seed) if shuffle and not iterable else None,
         )
+
+    def _unshuffled_distributed_sampler(self, data: Any) -> DistributedSampler | None:
+        """Lightning's training sampler with ``shuffle=False``, or ``None`` when Lightning installs none.
+
+        Lightning always shuffles the ``DistributedSampler`` it puts into a training loader, whatever the loader's
+        own sampler; it keeps a loader's ``DistributedSampler``. So ``shuffle: false`` installs the sampler that
+        Lightning would (the strategy's ``distributed_sampler_kwargs``), unshuffled.
+        """
+        trainer = attached_trainer(self)
+        if trainer is None or isinstance(data, IterableDataset) or not installs_distributed_sampler(trainer):
+            return None
+        kwargs = trainer.strategy.distributed_sampler_kwargs or {}
+        return DistributedSampler(data, shuffle=False, **kwargs)
 
     def train_dataloader(self) -> DataLoader | list:
         if self._splits is None:
