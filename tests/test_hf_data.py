@@ -308,7 +308,7 @@ def test_the_data_section_of_a_launch_yaml(models, tmp_path, monkeypatch):
 
 def test_no_effect_keys_are_logged(models, tmp_path, monkeypatch, caplog):
     family = "qwen2_5_vl"
-    with caplog.at_level(logging.INFO, logger="lightning_mm.datamodules.mindspeed_hf"):
+    with caplog.at_level(logging.INFO, logger="lightning.pytorch.utilities.rank_zero"):
         _module(tmp_path, monkeypatch, _config(models[family], family))
     text = caplog.text
     for key in ("cache_dir", "preprocessing_batch_size", "preprocessing_num_workers", "video_fps"):

@@ -15,21 +15,18 @@ Two keys of this project may sit next to ``dataset_param``: ``strict`` and ``all
 
 from __future__ import annotations
 
-import logging
 import os
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from lightning_mm._names import find_unknown_key
 from lightning_mm._yaml import load_mapping, short_repr
 from lightning_mm.datamodules.data_config import DataConfigError
-from lightning_mm.datamodules.records import DataError, DataReport
+from lightning_mm.datamodules.mindspeed_keys import check_keys
+from lightning_mm.datamodules.records import DataReport
 
 __all__ = ["MindSpeedDataConfig", "read_data_file", "parse_section", "build_datasets"]
-
-log = logging.getLogger(__name__)
 
 _SECTION_KEYS = ("dataset_param", "dataloader_param", "strict", "allow_outside_data_root")
 _DATASET_KEYS = ("dataset_type", "preprocess_parameters", "basic_parameters", "attr")
@@ -39,7 +36,6 @@ _LAUNCH_FLAGS = {"batch_size": "micro_batch_size (MMDataModule(batch_size=...))"
 _UNSUPPORTED_LOADER = ("prefetch_factor", "persistent_workers", "data_sharding", "group_frame", "group_resolution",
                        "group_data", "initial_global_step_for_sampler", "priority_mode")
 _SAMPLERS = ("BaseRandomBatchSampler", "stateful_distributed_sampler")
-MAX_FAILURES_IN_A_ROW = 32
 
 
 @dataclass(frozen=True)
@@ -77,19 +73,6 @@ def read_data_file(path: str | os.PathLike) -> MindSpeedDataConfig | None:
 
 def _fail(source: str, key: str, message: str) -> DataConfigError:
     return DataConfigError(f"{source}: `{key}`: {message}")
-
-
-def check_keys(data: Any, known: tuple[str, ...], prefix: str, source: str) -> dict[str, Any]:
-    """``data`` as a dict (``None`` is empty); a non-mapping or an unknown key is an error naming it."""
-    if data is None:
-        return {}
-    if not isinstance(data, Mapping):
-        raise DataConfigError(f"{source}: `{prefix.rstrip('.')}` must be a mapping, got {short_repr(data)}")
-    unknown = find_unknown_key(data, list(known), prefix)
-    if unknown is not None:
-        shown, hint = unknown
-        raise DataConfigError(f"{source}: unknown key `{shown}`{hint}")
-    return dict(data)
 
 
 def _bool(data: Mapping, key: str, default: bool, prefix: str, source: str) -> bool:
@@ -161,10 +144,3 @@ def build_datasets(config: MindSpeedDataConfig) -> tuple[dict[str, Any], Callabl
     return build_huggingface_datasets(config.dataset_param, config.collate_param, config.base_dir, config.source,
                                       config.strict, allow_outside_data_root=config.allow_outside_data_root,
                                       prefix=config.prefix)
-
-
-def strict_or_warn(report: DataReport, strict: bool, source: str) -> None:
-    """Raise in strict mode when the report has problems; otherwise log its summary."""
-    if report.problems and strict:
-        raise DataError(f"bad records in strict mode ({source}):\n{report.summary(shown=20)}")
-    log.log(logging.WARNING if report.problems else logging.INFO, "data: %s", report.summary())

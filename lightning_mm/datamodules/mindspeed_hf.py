@@ -12,24 +12,22 @@ in the same report with ``file:line`` and replaced by the next good one, or rais
 
 from __future__ import annotations
 
-import logging
 import warnings
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from lightning.pytorch.utilities.rank_zero import rank_zero_info
 from PIL import Image
 from torch.utils.data import Dataset
 
 from lightning_mm._yaml import load_mapping, short_repr
 from lightning_mm.datamodules.data_config import DataConfigError
-from lightning_mm.datamodules.mindspeed_data import MAX_FAILURES_IN_A_ROW, check_keys, strict_or_warn
+from lightning_mm.datamodules.mindspeed_keys import MAX_FAILURES_IN_A_ROW, check_keys, strict_or_warn
 from lightning_mm.datamodules.records import DataError, DataReport, _iter_raw
 
 __all__ = ["build_huggingface_datasets", "ChatRecord", "ChatDataset"]
-
-log = logging.getLogger(__name__)
 
 # key -> (default, what a value other than the default means here: None = honoured)
 _PREPROCESS_KEYS = ("model_name_or_path", "use_fast_tokenizer", "split_special_tokens", "image_resolution",
@@ -373,7 +371,7 @@ def build_huggingface_datasets(
     for section, sp in ((pre, pp), (basic, bp)):
         for key in section:
             if key in _NO_EFFECT:
-                log.info("%s: `%s%s` has no effect here: %s", source, sp, key, _NO_EFFECT[key])
+                rank_zero_info(f"{source}: `{sp}{key}` has no effect here: {_NO_EFFECT[key]}")
 
     model_dir = _path(base, pre.get("model_name_or_path"), pp + "model_name_or_path", source, "dir")
     config_file = model_dir / "config.json"
