@@ -442,3 +442,11 @@ def test_shuffle_false_reaches_lightning_distributed_sampler(models, tmp_path):
         assert rank["sampler"] == "DistributedSampler" and rank["shuffle"] is False
         assert rank["seen"] == rank["expected"] and len(rank["seen"]) == 3
     assert ranks[0]["seen"] != ranks[1]["seen"]
+
+
+def test_the_dataset_survives_pickling_for_spawned_workers(models, tmp_path, monkeypatch):
+    import pickle
+
+    family = "qwen2_5_vl"
+    dataset = _module(tmp_path, monkeypatch, _config(models[family], family))._splits["train"]
+    _assert_same(pickle.loads(pickle.dumps(dataset))[1], dataset[1])

@@ -27,8 +27,10 @@ class MMDataModule(L.LightningDataModule):
       each a Dataset, a DataLoader or ``None`` (absent split). Datasets are wrapped in DataLoaders with the
       settings below; DataLoaders are used as they are.
     * ``data_config`` (or :meth:`from_config`) names a ``data.json``/YAML file describing sources, preprocessing
-      and loading (see :mod:`lightning_mm.datamodules.data_config`); bad records are skipped, counted and
-      reported with file and line, or raise in strict mode.
+      and loading (see :mod:`lightning_mm.datamodules.data_config`), or a MindSpeed MM data config
+      (``dataset_param`` + ``dataloader_param``, at the top or under ``data:``; see
+      :mod:`lightning_mm.datamodules.mindspeed_data`); bad records are skipped, counted and reported with file and
+      line, or raise in strict mode.
 
     Lightning replaces the samplers so that every data-parallel rank sees distinct samples (FSDP and HSDP alike).
     """

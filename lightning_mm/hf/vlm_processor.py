@@ -76,12 +76,19 @@ def _without_video(path: Path, why: str) -> Any:
                 return None
             return super().check_argument_for_proper_class(argument_name, argument)
 
+        def __reduce__(self) -> tuple[Any, tuple[str]]:  # a DataLoader worker started by spawn loads it again
+            return _reload, (str(path),)
+
     _ImagesOnly.__name__ = _ImagesOnly.__qualname__ = base.__name__
     kwargs = {"local_files_only": True, "trust_remote_code": False}
     tokenizer = AutoTokenizer.from_pretrained(str(path), **kwargs)
     image_processor = AutoImageProcessor.from_pretrained(str(path), **kwargs)
     return _ImagesOnly(image_processor=image_processor, tokenizer=tokenizer, video_processor=None,
                        chat_template=_chat_template(path, tokenizer))
+
+
+def _reload(path: str) -> Any:
+    return load_vlm_processor(path).processor
 
 
 def load_vlm_processor(path: str | Path) -> LoadedProcessor:
