@@ -61,6 +61,36 @@ def scenario_order(outdir: str) -> None:
         json.dump(result, handle)
 
 
+def scenario_parity(outdir: str) -> None:
+    """``TransformersModel`` (tiny Qwen2.5-VL at ``OUTDIR/model``) under MMFSDP2Strategy, fp32, batch 2 per rank,
+    fed by ``OUTDIR/data.json``: each rank's loss per step and the ``input_ids`` rows of its batches."""
+    from lightning_mm import MMLightningModule
+    from lightning_mm.modules import TransformersModel
+
+    record: dict[str, Any] = {"losses": [], "rows": []}
+
+    class Module(MMLightningModule):
+        def model_provider(self) -> torch.nn.Module:
+            return TransformersModel({"init_from_hf_path": str(Path(outdir) / "model")})
+
+        def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+            record["rows"].append([row[mask.bool()].tolist()
+                                   for row, mask in zip(batch["input_ids"], batch["attention_mask"])])
+            loss = super().training_step(batch, batch_idx)
+            record["losses"].append(float(loss.detach()))
+            return loss
+
+    torch.manual_seed(0)
+    data = MMDataModule(data_config=Path(outdir) / "data.json", batch_size=2)
+    trainer = L.Trainer(accelerator="cpu", devices=2, strategy=MMFSDP2Strategy({"sharding_size": "auto"}),
+                        max_steps=3, precision="32-true", logger=False, enable_checkpointing=False,
+                        enable_progress_bar=False, enable_model_summary=False, num_sanity_val_steps=0,
+                        default_root_dir=outdir)
+    trainer.fit(Module(lr=5e-3, log_grad_norm=False), datamodule=data)
+    with open(f"{outdir}/parity.rank{trainer.global_rank}.json", "w") as handle:
+        json.dump(record, handle)
+
+
 if __name__ == "__main__":
     name, out = sys.argv[1], sys.argv[2]
     os.makedirs(out, exist_ok=True)

@@ -416,28 +416,35 @@ def test_native_layout_is_detected_and_unchanged(tmp_path):
 
 
 # ----------------------------------------------------------------------------------------------- 2 ranks
+def _run_scenario(name: str, outdir: Path) -> list[dict]:
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
+    env.pop("LOCAL_RANK", None)
+    proc = subprocess.Popen([sys.executable, str(ROOT / "tests" / "hfdata_scenarios.py"), name, str(outdir)],
+                            cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            start_new_session=True)
+    try:
+        output, _ = proc.communicate(timeout=300)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        output, _ = proc.communicate()
+        raise AssertionError(f"scenario {name} did not finish:\n{output[-4000:]}") from None
+    assert proc.returncode == 0, output[-6000:]
+    return [json.loads((outdir / f"{name}.rank{r}.json").read_text()) for r in range(2)]
+
+
+def _absolute(config: dict, tmp: Path) -> dict:
+    config["dataset_param"]["basic_parameters"].update(dataset_dir=str(tmp / "data"),
+                                                       dataset=str(tmp / "data" / "train.jsonl"))
+    return config
+
+
 def test_shuffle_false_reaches_lightning_distributed_sampler(models, tmp_path):
     """2 ranks, MMFSDP2Strategy: each rank sees exactly the unshuffled DistributedSampler order."""
     family = "qwen2_5_vl"
     records = [_record([("user", f"<image>What is {i}?"), ("assistant", f"It is {i}.")], ["a.png"])
                for i in range(6)]
-    config = _config(models[family], family)
-    config["dataset_param"]["basic_parameters"].update(dataset_dir=str(tmp_path / "data"),
-                                                       dataset=str(tmp_path / "data" / "train.jsonl"))
-    _write(tmp_path, config, records)
-    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
-    env.pop("LOCAL_RANK", None)
-    proc = subprocess.Popen([sys.executable, str(ROOT / "tests" / "hfdata_scenarios.py"), "order", str(tmp_path)],
-                            cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                            start_new_session=True)
-    try:
-        output, _ = proc.communicate(timeout=240)
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
-        output, _ = proc.communicate()
-        raise AssertionError(f"the scenario did not finish:\n{output[-4000:]}") from None
-    assert proc.returncode == 0, output[-6000:]
-    ranks = [json.loads((tmp_path / f"order.rank{r}.json").read_text()) for r in range(2)]
+    _write(tmp_path, _absolute(_config(models[family], family), tmp_path), records)
+    ranks = _run_scenario("order", tmp_path)
     for rank in ranks:
         assert rank["sampler"] == "DistributedSampler" and rank["shuffle"] is False
         assert rank["seen"] == rank["expected"] and len(rank["seen"]) == 3
@@ -450,3 +457,64 @@ def test_the_dataset_survives_pickling_for_spawned_workers(models, tmp_path, mon
     family = "qwen2_5_vl"
     dataset = _module(tmp_path, monkeypatch, _config(models[family], family))._splits["train"]
     _assert_same(pickle.loads(pickle.dumps(dataset))[1], dataset[1])
+
+
+PARITY_RECORDS = [
+    _record([("user", f"<image>{q}"), ("assistant", a)], [image]) for q, a, image in [
+        ("What is in this picture?", "A red square.", "a.png"), ("Describe the image.", "Two cats.", "b.png"),
+        ("How many?", "The answer is 2.", "c.png"), ("Left or right?", "left", "d.png"),
+        ("What colour?", "Blue ground.", "big.png"), ("Is it a dog?", "No, it is not.", "a.png"),
+        ("Top or bottom?", "top", "c.png"), ("Shapes?", "One dog and two cats.", "b.png"),
+    ]
+]
+
+
+def _collate_reference(samples: list[dict], pad: int) -> dict[str, torch.Tensor]:
+    width = max(len(s["input_ids"]) for s in samples)
+    batch = {}
+    for key, fill in (("input_ids", pad), ("attention_mask", 0), ("mm_token_type_ids", 0), ("labels", -100)):
+        batch[key] = torch.stack([torch.nn.functional.pad(s[key], (0, width - len(s[key])), value=fill)
+                                  for s in samples])
+    batch["pixel_values"] = torch.cat([s["pixel_values"] for s in samples])
+    batch["image_grid_thw"] = torch.cat([s["image_grid_thw"] for s in samples])
+    return batch
+
+
+def test_two_rank_training_equals_plain_transformers(tmp_path):
+    """TransformersModel under MMFSDP2Strategy on 2 ranks, fed by a MindSpeed MM data.json, against one process
+    of plain Transformers (same AdamW, the same global batches in the unshuffled sampler order): per-step losses
+    at fp32 relative 1e-5."""
+    import transformers
+
+    model_dir = write_tiny_vlm(tmp_path / "model", "qwen2_5_vl", seed=3, init_std=0.3)  # positions matter
+    _write(tmp_path, _absolute(_config(model_dir, "qwen2_5_vl"), tmp_path), PARITY_RECORDS)
+    ranks = _run_scenario("parity", tmp_path)
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        model = transformers.Qwen2_5_VLForConditionalGeneration.from_pretrained(model_dir, dtype=torch.float32)
+        model.train()
+        optimizer = torch.optim.AdamW(model.parameters(), lr=5e-3, weight_decay=0.0)
+        pad = _reference_processor(model_dir).tokenizer.pad_token_id
+        samples = [_reference(model_dir, r, tmp_path / "data") for r in PARITY_RECORDS]
+        order = [list(range(rank, len(samples), 2)) for rank in range(2)]  # DistributedSampler, shuffle=False
+        expected: list[list[float]] = [[], []]
+        for step in range(3):  # two batches per epoch; the second epoch repeats the unshuffled order
+            optimizer.zero_grad()
+            first = 2 * (step % 2)
+            for rank in range(2):
+                batch = _collate_reference([samples[i] for i in order[rank][first: first + 2]], pad)
+                assert [row[m.bool()].tolist() for row, m in zip(batch["input_ids"], batch["attention_mask"])] \
+                    == ranks[rank]["rows"][step]
+                loss = model(**batch).loss
+                (loss / 2).backward()  # FSDP averages the ranks' gradients
+                expected[rank].append(float(loss.detach()))
+            optimizer.step()
+    finally:
+        torch.set_num_threads(threads)
+    for rank in range(2):
+        got = torch.tensor(ranks[rank]["losses"], dtype=torch.float64)
+        want = torch.tensor(expected[rank], dtype=torch.float64)
+        assert torch.allclose(got, want, rtol=1e-5, atol=0), (rank, got.tolist(), want.tolist())
+    assert expected[0][0] != expected[0][2]  # the weights moved

@@ -97,14 +97,14 @@ def _tokenizer(special: list[str]) -> Any:
     return PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<|im_end|>", pad_token="<|endoftext|>")
 
 
-def _config(family: str, tokenizer: Any) -> Any:
+def _config(family: str, tokenizer: Any, init_std: float) -> Any:
     import transformers
 
     ids = {name: tokenizer.convert_tokens_to_ids(token) for name, token in (
         ("image_token_id", "<|image_pad|>"), ("video_token_id", "<|video_pad|>"),
         ("vision_start_token_id", "<|vision_start|>"), ("vision_end_token_id", "<|vision_end|>"))}
     text = dict(_TEXT, vocab_size=len(tokenizer), pad_token_id=tokenizer.pad_token_id,
-                eos_token_id=tokenizer.eos_token_id, bos_token_id=None)
+                eos_token_id=tokenizer.eos_token_id, bos_token_id=None, initializer_range=init_std)
     if family == "qwen2_5_vl":
         cls = transformers.Qwen2_5_VLConfig
         text["rope_parameters"] = {"rope_type": "default", "rope_theta": 10000.0, "mrope_section": [1, 1, 2]}
@@ -118,14 +118,19 @@ def _config(family: str, tokenizer: Any) -> Any:
         vision = dict(depth=2, hidden_size=32, intermediate_size=64, num_heads=4, out_hidden_size=32,
                       patch_size=16, spatial_merge_size=2, temporal_patch_size=2, num_position_embeddings=16,
                       deepstack_visual_indexes=[0])
-    config = cls(text_config=text, vision_config=vision, **ids, tie_word_embeddings=False)
+    vision["initializer_range"] = init_std
+    config = cls(text_config=text, vision_config=vision, **ids, tie_word_embeddings=False, initializer_range=init_std)
     config.architectures = [FAMILIES[family]["model"]]
     return config
 
 
 def write_tiny_vlm(directory: str | Path, family: str = "qwen2_5_vl", seed: int = 0,
-                   min_pixels: int = 28 * 28, max_pixels: int = 112 * 112) -> Path:
-    """Write a tiny random ``family`` model directory (see the module docstring) into ``directory``."""
+                   min_pixels: int = 28 * 28, max_pixels: int = 112 * 112, init_std: float = 0.02) -> Path:
+    """Write a tiny random ``family`` model directory (see the module docstring) into ``directory``.
+
+    ``init_std`` is the weights' initialiser range: larger than Transformers' 0.02 makes attention depend visibly
+    on positions (at 0.02 the tiny model's attention is nearly uniform, so wrong M-RoPE positions barely show).
+    """
     import torch
     import transformers
     from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
@@ -144,6 +149,6 @@ def write_tiny_vlm(directory: str | Path, family: str = "qwen2_5_vl", seed: int 
     (path / "chat_template.jinja").write_text(spec["chat_template"])
     (path / "processor_config.json").write_text(json.dumps({"processor_class": spec["processor"]}, indent=1))
     torch.manual_seed(seed)
-    model = getattr(transformers, spec["model"])(_config(family, tokenizer))
+    model = getattr(transformers, spec["model"])(_config(family, tokenizer, init_std))
     model.save_pretrained(path)
     return path
