@@ -145,12 +145,12 @@ def _reference(model: Path, record: dict, data: Path, *, train_on_prompt: bool =
     for name in record.get("images", []):
         with Image.open(data / name) as img:
             images.append(img.convert("RGB"))
-    out = processor(text=[text], images=images, return_tensors="pt",
+    out = processor(text=[text], images=images or None, return_tensors="pt",
                     images_kwargs={"size": {"shortest_edge": 1, "longest_edge": MAX_PIXELS}})
     # Labels from character offsets: each assistant content and its "<|im_end|>\n", in the expanded text.
     merge = processor.image_processor.merge_size ** 2
     expanded = text
-    for grid in out["image_grid_thw"]:
+    for grid in out.get("image_grid_thw", []):
         expanded = expanded.replace("<|image_pad|>", "<|placeholder|>" * int(grid.prod() // merge), 1)
     expanded = expanded.replace("<|placeholder|>", "<|image_pad|>")
     spans, cursor = [], 0
@@ -265,6 +265,29 @@ def test_collate_pads_right_and_concatenates_images_for_the_model(models, tmp_pa
         for row, sample in enumerate(samples):  # each row as the model computes the sample alone
             alone = model(**{k: v.unsqueeze(0) if v.dim() == 1 else v for k, v in sample.items()}).logits[0]
             assert torch.allclose(batched[row, : len(alone)], alone, atol=1e-5)
+
+
+def test_a_batch_without_images_gets_a_masked_filler_image(models, tmp_path, monkeypatch):
+    import transformers
+
+    family = "qwen2_5_vl"
+    records = [_record([("user", "What is in this picture?"), ("assistant", "A red square.")]),
+               _record([("user", "How many?"), ("assistant", "The answer is 2.")])]
+    module = _module(tmp_path, monkeypatch, _config(models[family], family), records, batch_size=2)
+    batch = next(iter(module.train_dataloader()))
+    samples = [module._splits["train"][i] for i in range(2)]
+    for sample, record in zip(samples, records):
+        _assert_same(sample, _reference(models[family], record, tmp_path / "data"))
+    plain = _collate_reference(samples, _reference_processor(models[family]).tokenizer.pad_token_id)
+    assert "pixel_values" not in plain and "pixel_values" in batch and batch["image_grid_thw"].shape == (1, 3)
+    n = len(samples[0]["input_ids"])
+    image_id = _reference_processor(models[family]).image_token_id
+    extra = batch["input_ids"][0, n:][batch["attention_mask"][0, n:] == 0]
+    assert (batch["input_ids"][0, n:n + int(batch["image_grid_thw"].prod()) // 4] == image_id).all()
+    assert (batch["attention_mask"][0, n:] == 0).all() and (batch["labels"][0, n:] == -100).all() and len(extra)
+    model = transformers.Qwen2_5_VLForConditionalGeneration.from_pretrained(models[family]).eval()
+    with torch.no_grad():
+        assert torch.allclose(model(**batch).loss, model(**plain).loss, rtol=1e-6)
 
 
 def test_ignore_pad_token_for_loss_false_pads_labels_with_the_pad_id(models, tmp_path, monkeypatch):
@@ -459,10 +482,13 @@ def test_the_dataset_survives_pickling_for_spawned_workers(models, tmp_path, mon
     _assert_same(pickle.loads(pickle.dumps(dataset))[1], dataset[1])
 
 
+# Records 1 and 3 have no image: rank 1's first batch is text only (the collate function's filler image keeps
+# its vision blocks' collectives in step with rank 0's).
 PARITY_RECORDS = [
-    _record([("user", f"<image>{q}"), ("assistant", a)], [image]) for q, a, image in [
-        ("What is in this picture?", "A red square.", "a.png"), ("Describe the image.", "Two cats.", "b.png"),
-        ("How many?", "The answer is 2.", "c.png"), ("Left or right?", "left", "d.png"),
+    _record([("user", f"<image>{q}" if image else q), ("assistant", a)], [image] if image else None)
+    for q, a, image in [
+        ("What is in this picture?", "A red square.", "a.png"), ("Describe the image.", "Two cats.", None),
+        ("How many?", "The answer is 2.", "c.png"), ("Left or right?", "left", None),
         ("What colour?", "Blue ground.", "big.png"), ("Is it a dog?", "No, it is not.", "a.png"),
         ("Top or bottom?", "top", "c.png"), ("Shapes?", "One dog and two cats.", "b.png"),
     ]
@@ -475,8 +501,9 @@ def _collate_reference(samples: list[dict], pad: int) -> dict[str, torch.Tensor]
     for key, fill in (("input_ids", pad), ("attention_mask", 0), ("mm_token_type_ids", 0), ("labels", -100)):
         batch[key] = torch.stack([torch.nn.functional.pad(s[key], (0, width - len(s[key])), value=fill)
                                   for s in samples])
-    batch["pixel_values"] = torch.cat([s["pixel_values"] for s in samples])
-    batch["image_grid_thw"] = torch.cat([s["image_grid_thw"] for s in samples])
+    if any("pixel_values" in s for s in samples):
+        batch["pixel_values"] = torch.cat([s["pixel_values"] for s in samples if "pixel_values" in s])
+        batch["image_grid_thw"] = torch.cat([s["image_grid_thw"] for s in samples if "pixel_values" in s])
     return batch
 
 

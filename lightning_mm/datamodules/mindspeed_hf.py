@@ -421,5 +421,6 @@ def build_huggingface_datasets(
             raise DataError(f"{source}: split '{split}' has no usable record:\n{report.summary()}")
         splits[split] = ChatDataset(records, builder, strict=strict, report=report)
     collate = ChatCollator(processor.tokenizer.pad_token_id,
-                           ignore_pad_token_for_loss=collate_param.get("ignore_pad_token_for_loss", True))
+                           ignore_pad_token_for_loss=collate_param.get("ignore_pad_token_for_loss", True),
+                           filler=builder.filler())
     return splits, collate, reports

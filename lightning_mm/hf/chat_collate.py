@@ -19,13 +19,23 @@ with one ``image_grid_thw`` row per image, in sample order)."""
 
 class ChatCollator:
     """Pads ``input_ids`` with ``pad_token_id``, ``attention_mask`` and ``mm_token_type_ids`` with 0, and ``labels``
-    with -100 (``ignore_pad_token_for_loss``, the default) or else ``pad_token_id``, as MindSpeed MM does."""
+    with -100 (``ignore_pad_token_for_loss``, the default) or else ``pad_token_id``, as MindSpeed MM does.
 
-    def __init__(self, pad_token_id: int, ignore_pad_token_for_loss: bool = True) -> None:
+    A batch in which no sample has an image gets ``filler`` (one small image's tokens and pixels) appended to its
+    first sample, with attention mask 0 and labels -100, as MindSpeed MM's collator does: every rank then runs the
+    vision tower, so the sharded vision blocks' collectives happen on all ranks (a rank that skipped them would
+    leave the others waiting), and the filler changes no loss (its tokens are masked and come after the text).
+    """
+
+    def __init__(self, pad_token_id: int, ignore_pad_token_for_loss: bool = True,
+                 filler: dict[str, torch.Tensor] | None = None) -> None:
+        self.filler = filler
         self.pad = {"input_ids": pad_token_id, "attention_mask": 0, "mm_token_type_ids": 0, "token_type_ids": 0,
                     "labels": IGNORE_INDEX if ignore_pad_token_for_loss else pad_token_id}
 
     def __call__(self, samples: list[dict[str, Any]]) -> dict[str, torch.Tensor]:
+        if self.filler is not None and not any("pixel_values" in s for s in samples):
+            samples = [self._with_filler(samples[0]), *samples[1:]]
         keys = set().union(*(s.keys() for s in samples))
         unknown = keys - set(TOKEN_KEYS) - set(VISION_KEYS)
         if unknown:
@@ -45,3 +55,18 @@ class ChatCollator:
             if parts:
                 batch[key] = torch.cat(parts, dim=0)
         return batch
+
+    def _with_filler(self, sample: dict[str, Any]) -> dict[str, Any]:
+        assert self.filler is not None
+        extra = len(self.filler["input_ids"])
+        out = dict(sample)
+        out["input_ids"] = torch.cat([sample["input_ids"], self.filler["input_ids"]])
+        out["attention_mask"] = torch.cat([sample["attention_mask"], torch.zeros(extra, dtype=torch.long)])
+        out["labels"] = torch.cat([sample["labels"], torch.full((extra,), IGNORE_INDEX, dtype=torch.long)])
+        for key in ("mm_token_type_ids", "token_type_ids"):
+            if key in sample and key in self.filler:
+                out[key] = torch.cat([sample[key], self.filler[key]])
+        for key in VISION_KEYS:
+            if key in self.filler:
+                out[key] = self.filler[key]
+        return out

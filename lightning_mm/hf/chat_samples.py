@@ -179,6 +179,15 @@ class ChatSampleBuilder:
         sample["labels"] = self._labels(text, spans, sample["input_ids"], out.get("image_grid_thw"))
         return sample
 
+    def filler(self) -> dict[str, Any]:
+        """The tokens and pixels of one 64x64 white image (MindSpeed MM's stand-in for a batch without images)."""
+        from PIL import Image
+
+        out = self.processor(text=[self.processor.image_token], images=[Image.new("RGB", (64, 64), (255, 255, 255))],
+                             images_kwargs=self.images_kwargs, return_tensors="pt")
+        return {k: v[0] if k in ("input_ids", "attention_mask", "mm_token_type_ids", "token_type_ids") else v
+                for k, v in out.items()}
+
     def _labels(self, text: str, spans: list[tuple[int, int, bool]], input_ids: Any, grid: Any) -> Any:
         import torch
 
