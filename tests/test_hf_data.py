@@ -545,3 +545,128 @@ def test_two_rank_training_equals_plain_transformers(tmp_path):
         want = torch.tensor(expected[rank], dtype=torch.float64)
         assert torch.allclose(got, want, rtol=1e-5, atol=0), (rank, got.tolist(), want.tolist())
     assert expected[0][0] != expected[0][2]  # the weights moved
+
+
+LAUNCH_YAML = """\
+HF_MODEL_LOAD_PATH: &HF_MODEL_LOAD_PATH {model}
+DATASET_PATH: &DATASET_PATH ./data/train.jsonl
+SAVE_PATH: &SAVE_PATH save_dir
+
+### GPT args
+gpt_args:
+  micro_batch_size: 1
+  global_batch_size: 8  # 默认8卡配置
+  seq_length: 1024
+  num_workers: 8
+
+### 数据相关配置
+data:
+  dataset_param:
+    dataset_type: huggingface
+    #数据集属性
+    attr:
+      system: null
+      images: images
+      videos: null
+      messages: messages
+      role_tag: role
+      content_tag: content
+      user_tag: user
+      assistant_tag: assistant
+      observation_tag: null
+      function_tag: null
+      system_tag: null
+
+    # 数据预处理
+    preprocess_parameters:
+      model_name_or_path: *HF_MODEL_LOAD_PATH
+      use_fast_tokenizer: true
+      split_special_tokens: false
+      image_max_pixels: {max_pixels}
+      image_min_pixels: 1024
+      video_max_pixels: 16384
+      video_min_pixels: 0
+      video_fps: 2.0
+      video_maxlen: 64
+
+    basic_parameters:
+      template: qwen3_vl_nothink
+      enable_thinking: false
+      train_on_prompt: false
+      mask_history: false
+      tool_format: null
+      dataset_dir: ./data
+      dataset: *DATASET_PATH
+      cache_dir: ./data/cache_dir
+      overwrite_cache: false
+      preprocessing_batch_size: 1000
+      preprocessing_num_workers: 16
+      max_samples: null
+
+  # 数据加载
+  dataloader_param:
+    pin_memory: true
+    shuffle: true
+    dataloader_mode: sampler
+    drop_last: true
+    sampler_type: BaseRandomBatchSampler
+    collate_param:
+      model_name: qwen3vl
+      ignore_pad_token_for_loss: true
+
+### 模型相关配置
+model:
+  model_id: qwen3_vl
+  init_from_hf_path: *HF_MODEL_LOAD_PATH
+  image_encoder:
+    vision_encoder:
+      model_id: qwen3vit
+      freeze: true
+"""
+
+
+def test_a_copy_of_mindspeed_qwen3vl_launch_yaml(models, tmp_path, monkeypatch):
+    """The layout of MindSpeed MM's examples/qwen3vl/qwen3vl_full_sft_8B.yaml (anchors, comments, other sections),
+    run from a directory that is not the config's: relative paths follow the working directory."""
+    monkeypatch.chdir(tmp_path)
+    _write(tmp_path, {})
+    (tmp_path / "configs").mkdir()
+    path = tmp_path / "configs" / "qwen3vl_full_sft_8B.yaml"
+    path.write_text(LAUNCH_YAML.format(model=models["qwen3_vl"], max_pixels=MAX_PIXELS), encoding="utf-8")
+    module = MMDataModule.from_config(path)
+    module.setup()
+    assert (module.shuffle, module.drop_last, module.pin_memory) == (True, True, True)
+    sample = module._splits["train"][0]
+    reference = _reference(models["qwen3_vl"], RECORDS[0], tmp_path / "data")
+    # image_min_pixels 1024 is above a patch cell here, so the reference differs only if an image is that small
+    _assert_same(sample, reference)
+
+
+def test_val_dataset_and_val_max_samples(models, tmp_path, monkeypatch):
+    family = "qwen2_5_vl"
+    config = _config(models[family], family, basic={"val_dataset": "./data/train.jsonl", "val_max_samples": 3})
+    module = _module(tmp_path, monkeypatch, config)
+    assert len(module._splits["val"]) == 3 and module.reports["val"].total == 3 and module._splits["test"] is None
+    _assert_same(module._splits["val"][2], _reference(models[family], RECORDS[2], tmp_path / "data"))
+
+
+def test_llava_fixture_loads_and_its_family_is_refused_by_name(tmp_path, monkeypatch):
+    """The tiny LLaVA directory loads with AutoProcessor (no video processor) and trains a step's loss; MindSpeed MM
+    has no huggingface template for LLaVA, so a data config naming one is an error listing the supported ones."""
+    import transformers
+
+    model = write_tiny_vlm(tmp_path / "llava", "llava")
+    processor = transformers.AutoProcessor.from_pretrained(model, local_files_only=True, trust_remote_code=False)
+    messages = [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": "What is this?"}]},
+                {"role": "assistant", "content": [{"type": "text", "text": "A red square."}]}]
+    text = processor.apply_chat_template(messages, tokenize=False)
+    assert text == "USER: <image>\nWhat is this? ASSISTANT: A red square. "
+    out = processor(text=[text], images=[Image.new("RGB", (60, 40))], return_tensors="pt")
+    assert int((out["input_ids"] == processor.image_token_id).sum()) == 4
+    loss = transformers.LlavaForConditionalGeneration.from_pretrained(model)(**out, labels=out["input_ids"]).loss
+    assert torch.isfinite(loss)
+    for template, message in (("llava", "not a MindSpeed MM template"), ("qwen2vl", "but the model is 'llava'")):
+        monkeypatch.chdir(tmp_path)
+        config = _config(model, "qwen2_5_vl", template=template)
+        with pytest.raises(DataConfigError, match=message):
+            MMDataModule(data_config=_write(tmp_path, config)).setup()

@@ -17,7 +17,7 @@ import json
 from pathlib import Path
 from typing import Any
 
-__all__ = ["FAMILIES", "QWEN2_5_VL_CHAT_TEMPLATE", "QWEN3_VL_CHAT_TEMPLATE", "write_tiny_vlm"]
+__all__ = ["FAMILIES", "QWEN2_5_VL_CHAT_TEMPLATE", "QWEN3_VL_CHAT_TEMPLATE", "LLAVA_CHAT_TEMPLATE", "write_tiny_vlm"]
 
 # The real Qwen2-VL / Qwen2.5-VL chat template (chat_template.json of Qwen/Qwen2.5-VL-7B-Instruct).
 QWEN2_5_VL_CHAT_TEMPLATE = (
@@ -57,6 +57,18 @@ QWEN3_VL_CHAT_TEMPLATE = (
     "{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}{%- endif %}"
 )
 
+# The real LLaVA-1.5 chat template (chat_template.json of llava-hf/llava-1.5-7b-hf).
+LLAVA_CHAT_TEMPLATE = (
+    "{% for message in messages %}{% if message['role'] != 'system' %}{{ message['role'].upper() + ': '}}{% endif %}"
+    "{# Render all images first #}{% for content in message['content'] | selectattr('type', 'equalto', 'image') %}"
+    "{{ '<image>\n' }}{% endfor %}{# Render all text next #}{% if message['role'] != 'assistant' %}"
+    "{% for content in message['content'] | selectattr('type', 'equalto', 'text') %}{{ content['text'] + ' '}}"
+    "{% endfor %}{% else %}{% for content in message['content'] | selectattr('type', 'equalto', 'text') %}"
+    "{% generation %}{{ content['text'] + ' '}}{% endgeneration %}{% endfor %}{% endif %}{% endfor %}"
+    "{% if add_generation_prompt %}{{ 'ASSISTANT:' }}{% endif %}"
+)
+_LLAVA_SPECIAL = ["<unk>", "<s>", "</s>", "<pad>", "<image>"]
+
 _QWEN_SPECIAL = ["<|endoftext|>", "<|im_start|>", "<|im_end|>", "<|vision_start|>", "<|vision_end|>",
                  "<|image_pad|>", "<|video_pad|>"]
 _TEXT = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
@@ -81,24 +93,42 @@ FAMILIES: dict[str, dict[str, Any]] = {
                    image_std=[0.5, 0.5, 0.5]),
         chat_template=QWEN3_VL_CHAT_TEMPLATE, special=["<think>", "</think>"],
     ),
+    # CLIP tower on 28x28 images, 14x14 patches: 4 image tokens (the CLS feature is dropped, strategy "default").
+    "llava": dict(model="LlavaForConditionalGeneration", processor="LlavaProcessor", image={},
+                  chat_template=LLAVA_CHAT_TEMPLATE, special=[]),
 }
 
 
-def _tokenizer(special: list[str]) -> Any:
+def _tokenizer(special: list[str], llava: bool = False) -> Any:
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
     from transformers import PreTrainedTokenizerFast
 
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=400, special_tokens=[*_QWEN_SPECIAL, *special], show_progress=False,
+    tokens = _LLAVA_SPECIAL if llava else [*_QWEN_SPECIAL, *special]
+    trainer = trainers.BpeTrainer(vocab_size=400, special_tokens=tokens, show_progress=False,
                                   initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
     tok.train_from_iterator(_CORPUS * 4, trainer)
+    if llava:
+        return PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<s>", eos_token="</s>", unk_token="<unk>",
+                                       pad_token="<pad>", extra_special_tokens={"image_token": "<image>"})
     return PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<|im_end|>", pad_token="<|endoftext|>")
 
 
 def _config(family: str, tokenizer: Any, init_std: float) -> Any:
     import transformers
+
+    if family == "llava":
+        text = dict(_TEXT, model_type="llama", vocab_size=len(tokenizer), pad_token_id=tokenizer.pad_token_id,
+                    bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id,
+                    initializer_range=init_std)
+        vision = dict(model_type="clip_vision_model", hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                      num_attention_heads=4, image_size=28, patch_size=14, projection_dim=32)
+        config = transformers.LlavaConfig(text_config=text, vision_config=vision, initializer_range=init_std,
+                                          image_token_id=tokenizer.convert_tokens_to_ids("<image>"))
+        config.architectures = [FAMILIES[family]["model"]]
+        return config
 
     ids = {name: tokenizer.convert_tokens_to_ids(token) for name, token in (
         ("image_token_id", "<|image_pad|>"), ("video_token_id", "<|video_pad|>"),
@@ -138,16 +168,26 @@ def write_tiny_vlm(directory: str | Path, family: str = "qwen2_5_vl", seed: int 
     spec = FAMILIES[family]
     path = Path(directory)
     path.mkdir(parents=True, exist_ok=True)
-    tokenizer = _tokenizer(spec["special"])
-    tokenizer.save_pretrained(path)
-    config_file = path / "tokenizer_config.json"
-    tok_config = json.loads(config_file.read_text())
-    tok_config["tokenizer_class"] = "Qwen2Tokenizer"
-    config_file.write_text(json.dumps(tok_config, indent=1))
-    image = Qwen2VLImageProcessorPil(**spec["image"], min_pixels=min_pixels, max_pixels=max_pixels)
-    image.save_pretrained(path)
-    (path / "chat_template.jinja").write_text(spec["chat_template"])
-    (path / "processor_config.json").write_text(json.dumps({"processor_class": spec["processor"]}, indent=1))
+    llava = family == "llava"
+    tokenizer = _tokenizer(spec["special"], llava=llava)
+    if llava:
+        from transformers import LlavaProcessor
+        from transformers.models.clip.image_processing_pil_clip import CLIPImageProcessorPil
+
+        image = CLIPImageProcessorPil(size={"shortest_edge": 28}, crop_size={"height": 28, "width": 28})
+        LlavaProcessor(image_processor=image, tokenizer=tokenizer, patch_size=14,
+                       vision_feature_select_strategy="default", num_additional_image_tokens=1,
+                       chat_template=spec["chat_template"]).save_pretrained(path)
+    else:
+        tokenizer.save_pretrained(path)
+        config_file = path / "tokenizer_config.json"
+        tok_config = json.loads(config_file.read_text())
+        tok_config["tokenizer_class"] = "Qwen2Tokenizer"
+        config_file.write_text(json.dumps(tok_config, indent=1))
+        image = Qwen2VLImageProcessorPil(**spec["image"], min_pixels=min_pixels, max_pixels=max_pixels)
+        image.save_pretrained(path)
+        (path / "chat_template.jinja").write_text(spec["chat_template"])
+        (path / "processor_config.json").write_text(json.dumps({"processor_class": spec["processor"]}, indent=1))
     torch.manual_seed(seed)
     model = getattr(transformers, spec["model"])(_config(family, tokenizer, init_std))
     model.save_pretrained(path)
