@@ -127,7 +127,8 @@ def _reference_processor(model: Path) -> Any:
 
 
 def _reference(model: Path, record: dict, data: Path, *, train_on_prompt: bool = False, mask_history: bool = False,
-               thought: str = "", thought_trained: bool = True, system: str | None = None) -> dict[str, torch.Tensor]:
+               thought: str = "", thought_trained: bool = True, system: str | None = None,
+               chat_template: str | None = None) -> dict[str, torch.Tensor]:
     processor = _reference_processor(model)
     messages: list[dict[str, Any]] = [{"role": "system", "content": system}] if system else []
     assistants = []
@@ -140,7 +141,7 @@ def _reference(model: Path, record: dict, data: Path, *, train_on_prompt: bool =
         else:
             messages.append({"role": "assistant", "content": thought + turn["content"]})
             assistants.append(turn["content"])
-    text = processor.apply_chat_template(messages, tokenize=False)
+    text = processor.apply_chat_template(messages, tokenize=False, chat_template=chat_template)
     images = []
     for name in record.get("images", []):
         with Image.open(data / name) as img:
@@ -411,8 +412,14 @@ CONFIG_ERRORS = [
     ("dataloader_param.batch_size", 4, "MMDataModule(batch_size=...)"),
     ("dataloader_param.dataloader_mode", "base", "`dataloader_param.dataloader_mode`: 'base' is not supported"),
     ("dataloader_param.sampler_type", "LengthGroupedSampler", "is not supported"),
-    ("dataloader_param.collate_param.model_name", "internvl", "does not fit template 'qwen2vl'"),
-    ("dataset_param.basic_parameters.cutoff_len", 1024, "deprecated in MindSpeed MM"),
+    ("dataloader_param.collate_param.model_name", "internvl", "does not fit a qwen2_5_vl model"),
+    ("dataset_param.basic_parameters.stage", "rm", "only supervised fine-tuning"),
+    ("dataset_param.basic_parameters.cutoff_len", 0, "expected an integer >= 1"),
+    ("dataset_param.basic_parameters.chat_template", "missing.jinja", "file not found"),
+    ("val_dataset_param", {}, "give the validation records as dataset_param.basic_parameters.val_dataset"),
+    ("dataloader_param.collate_param.collator_id", "internvl", "does not fit a qwen2_5_vl model"),
+    ("dataloader_param.collate_param.pad_to_multiple_of", 0, "expected a positive integer"),
+    ("dataloader_param.num_workers", -1, "expected an integer >= 0"),
     ("dataset_param.basic_parameters.packing", True, "packing is not supported"),
     ("dataset_param.basic_parameters.streaming", True, "streaming is not supported"),
     ("dataset_param.preprocess_parameters.split_special_tokens", True, "must stay single tokens"),
@@ -670,3 +677,62 @@ def test_llava_fixture_loads_and_its_family_is_refused_by_name(tmp_path, monkeyp
         config = _config(model, "qwen2_5_vl", template=template)
         with pytest.raises(DataConfigError, match=message):
             MMDataModule(data_config=_write(tmp_path, config)).setup()
+
+
+def test_mindspeed_fsdp_trainer_keys(models, tmp_path, monkeypatch):
+    """Keys of MindSpeed MM's FSDP trainer configs (e.g. examples/qwen3_5/*_config.yaml): num_workers and
+    enable_preload in dataloader_param, collator_id and pad_to_multiple_of, no template (the model's own)."""
+    family = "qwen2_5_vl"
+    config = _config(models[family], family, loader={"num_workers": 2, "enable_preload": False,
+                                                     "collate_param": {"collator_id": "qwen2vl",
+                                                                       "ignore_pad_token_for_loss": True,
+                                                                       "pad_to_multiple_of": 8}})
+    del config["dataset_param"]["basic_parameters"]["template"]
+    config["dataset_param"]["basic_parameters"]["stage"] = "sft"
+    module = _module(tmp_path, monkeypatch, config, batch_size=2)
+    assert module.num_workers == 2
+    assert MMDataModule(data_config=tmp_path / "data.json", num_workers=0).num_workers == 0  # the argument wins
+    _assert_same(module._splits["train"][0], _reference(models[family], RECORDS[0], tmp_path / "data"))
+    module.num_workers = 0
+    batch = next(iter(module.train_dataloader()))
+    assert batch["input_ids"].shape[1] % 8 == 0
+    assert batch["input_ids"].shape[1] - max(len(module._splits["train"][i]["input_ids"]) for i in range(2)) < 8
+
+
+def test_chat_template_file_replaces_the_models(models, tmp_path, monkeypatch):
+    from tests.tiny_vlms import QWEN2_5_VL_CHAT_TEMPLATE
+
+    family = "qwen2_5_vl"
+    custom = QWEN2_5_VL_CHAT_TEMPLATE.replace("You are a helpful assistant.", "You are a tiny model.")
+    (tmp_path / "custom.jinja").write_text(custom)
+    config = _config(models[family], family, basic={"chat_template": "./custom.jinja"})
+    module = _module(tmp_path, monkeypatch, config)
+    for i in (0, 2):
+        _assert_same(module._splits["train"][i],
+                     _reference(models[family], RECORDS[i], tmp_path / "data", chat_template=custom))
+
+
+def test_cutoff_len_cuts_text_and_refuses_to_cut_an_image(models, tmp_path, monkeypatch):
+    family = "qwen2_5_vl"
+    _write(tmp_path, {})
+    late_image = _record([("user", "What is in this picture? Describe the image, left or right? <image>Describe."),
+                          ("assistant", "Two cats."), ("user", "How many?"), ("assistant", "The answer is 2.")],
+                         ["d.png"])
+    full = _reference(models[family], late_image, tmp_path / "data")
+    text_only = _record([("user", "Hi"), ("assistant", "No.")])
+    short = _reference(models[family], text_only, tmp_path / "data")
+    image_end = int(torch.nonzero(full["mm_token_type_ids"]).max())
+    assert len(short["input_ids"]) <= image_end < len(full["input_ids"]) - 5
+    cut = len(full["input_ids"]) - 5
+    module = _module(tmp_path, monkeypatch, _config(models[family], family, basic={"cutoff_len": cut}),
+                     [late_image, text_only])
+    sample = module._splits["train"][0]
+    assert len(sample["input_ids"]) == cut
+    for key in ("input_ids", "attention_mask", "mm_token_type_ids", "labels"):
+        assert torch.equal(sample[key], full[key][:cut]), key
+    assert torch.equal(sample["pixel_values"], full["pixel_values"])
+    config = _config(models[family], family, basic={"cutoff_len": image_end})
+    module = _module(tmp_path, monkeypatch, config, [late_image, text_only])
+    with pytest.warns(UserWarning, match="train.jsonl:1: .*cut would split its images' tokens"):
+        replaced = module._splits["train"][0]
+    _assert_same(replaced, short)  # the next good record takes its place

@@ -80,6 +80,8 @@ class MMDataModule(L.LightningDataModule):
                 settings.update({k: getattr(self.config.loader, k) for k in settings})
             else:
                 settings.update({k: getattr(self.mindspeed_config, k) for k in ("shuffle", "drop_last", "pin_memory")})
+                if self.mindspeed_config.num_workers is not None:
+                    settings["num_workers"] = self.mindspeed_config.num_workers
         overridden = {k: v for k, v in given.items() if v is not None}
         if self.config is not None and overridden:
             rank_zero_info(f"MMDataModule: {overridden} override the `loader` section of {self.config.source}")

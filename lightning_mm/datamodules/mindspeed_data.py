@@ -21,6 +21,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from lightning.pytorch.utilities.rank_zero import rank_zero_info
+
 from lightning_mm._yaml import load_mapping, short_repr
 from lightning_mm.datamodules.data_config import DataConfigError
 from lightning_mm.datamodules.mindspeed_keys import check_keys
@@ -28,11 +30,13 @@ from lightning_mm.datamodules.records import DataReport
 
 __all__ = ["MindSpeedDataConfig", "read_data_file", "parse_section", "build_datasets"]
 
-_SECTION_KEYS = ("dataset_param", "dataloader_param", "strict", "allow_outside_data_root")
+_SECTION_KEYS = ("dataset_param", "dataloader_param", "val_dataset_param", "strict", "allow_outside_data_root")
 _DATASET_KEYS = ("dataset_type", "preprocess_parameters", "basic_parameters", "attr")
-_LOADER_KEYS = ("dataloader_mode", "drop_last", "sampler_type", "collate_param", "pin_memory", "shuffle")
+_LOADER_KEYS = ("dataloader_mode", "drop_last", "sampler_type", "collate_param", "pin_memory", "shuffle",
+                "num_workers", "enable_preload")
+_COLLATE_KEYS = ("model_name", "collator_id", "ignore_pad_token_for_loss", "pad_to_multiple_of")
 _LAUNCH_FLAGS = {"batch_size": "micro_batch_size (MMDataModule(batch_size=...))",
-                 "num_workers": "num_workers (MMDataModule(num_workers=...))", "seed": "seed (MMDataModule(seed=...))"}
+                 "seed": "seed (MMDataModule(seed=...))"}
 _UNSUPPORTED_LOADER = ("prefetch_factor", "persistent_workers", "data_sharding", "group_frame", "group_resolution",
                        "group_data", "initial_global_step_for_sampler", "priority_mode")
 _SAMPLERS = ("BaseRandomBatchSampler", "stateful_distributed_sampler")
@@ -48,6 +52,9 @@ class MindSpeedDataConfig:
     shuffle: bool = True
     drop_last: bool = False
     pin_memory: bool = False
+    num_workers: int | None = None
+    """``dataloader_param.num_workers`` (MindSpeed MM's FSDP trainer reads it there; its Megatron one takes the
+    launch flag); ``MMDataModule(num_workers=...)`` wins."""
     strict: bool = False
     allow_outside_data_root: bool = False
     base_dir: Path = field(default_factory=Path.cwd)
@@ -114,14 +121,27 @@ def parse_section(section: dict[str, Any], source: str, prefix: str = "", base_d
         raise _fail(source, lp + "sampler_type", f"{short_repr(sampler)} is not supported (supported: "
                                                  f"{', '.join(_SAMPLERS)}: each rank gets distinct samples, "
                                                  "shuffled or in order per `shuffle`)")
-    collate = check_keys(loader.get("collate_param"), ("model_name", "ignore_pad_token_for_loss"),
-                         lp + "collate_param.", source)
+    collate = check_keys(loader.get("collate_param"), _COLLATE_KEYS, lp + "collate_param.", source)
     _bool(collate, "ignore_pad_token_for_loss", True, lp + "collate_param.", source)
+    multiple = collate.get("pad_to_multiple_of")
+    if multiple is not None and (isinstance(multiple, bool) or not isinstance(multiple, int) or multiple < 1):
+        raise _fail(source, lp + "collate_param.pad_to_multiple_of", f"expected a positive integer, got "
+                                                                     f"{short_repr(multiple)}")
+    workers = loader.get("num_workers")
+    if workers is not None and (isinstance(workers, bool) or not isinstance(workers, int) or workers < 0):
+        raise _fail(source, lp + "num_workers", f"expected an integer >= 0, got {short_repr(workers)}")
+    if _bool(loader, "enable_preload", False, lp, source):
+        rank_zero_info(f"{source}: `{lp}enable_preload` has no effect here: Lightning moves each batch to the "
+                       "device itself")
+    if section.get("val_dataset_param") is not None:
+        raise _fail(source, prefix + "val_dataset_param", "not supported here; give the validation records as "
+                                                          "dataset_param.basic_parameters.val_dataset")
     return MindSpeedDataConfig(
         dataset_type=dataset_type, dataset_param=dataset_param, collate_param=collate,
         shuffle=_bool(loader, "shuffle", False, lp, source),  # MindSpeed MM's samplers default to shuffle=False
         drop_last=_bool(loader, "drop_last", False, lp, source),
         pin_memory=_bool(loader, "pin_memory", False, lp, source),
+        num_workers=workers,
         strict=_bool(section, "strict", False, prefix, source),
         allow_outside_data_root=_bool(section, "allow_outside_data_root", False, prefix, source),
         base_dir=(base_dir or Path.cwd()).resolve(), source=source, prefix=prefix,

@@ -37,7 +37,8 @@ _PREPROCESS_KEYS = ("model_name_or_path", "use_fast_tokenizer", "split_special_t
 _BASIC_KEYS = ("cache_dir", "template", "enable_thinking", "dataset_dir", "dataset", "cutoff_len", "train_on_prompt",
                "mask_history", "streaming", "overwrite_cache", "preprocessing_batch_size", "preprocessing_num_workers",
                "max_samples", "tool_format", "val_dataset", "val_max_samples", "val_rate", "packing", "neat_packing",
-               "preprocess_on_fly", "async_preprocess", "async_preprocess_buffer_size", "use_pmcc_data")
+               "preprocess_on_fly", "async_preprocess", "async_preprocess_buffer_size", "use_pmcc_data",
+               "chat_template", "stage")
 _ATTR_KEYS = ("packing", "ranking", "pretrain", "system", "images", "videos", "audios", "prompt", "query", "response",
               "history", "messages", "role_tag", "content_tag", "user_tag", "assistant_tag", "observation_tag",
               "function_tag", "system_tag", "chosen", "rejected", "formatting")
@@ -53,6 +54,9 @@ _NO_EFFECT = {
     "video_max_pixels": "videos are not supported here", "video_min_pixels": "videos are not supported here",
     "video_fps": "videos are not supported here", "video_maxlen": "videos are not supported here",
     "audio_sampling_rate": "audio is not supported here",
+    "image_resolution": "MindSpeed MM's huggingface dataset does not read it either (images are bounded by "
+                        "image_max_pixels/image_min_pixels)",
+    "video_resolution": "MindSpeed MM's huggingface dataset does not read it either",
 }
 # key -> (the only accepted value, why another value is refused)
 _FIXED = {
@@ -68,10 +72,9 @@ _FIXED = {
     "packing": (None, "packing is not supported here"), "neat_packing": (False, "packing is not supported here"),
     "async_preprocess": (False, "it only applies to streaming, which is not supported here"),
     "use_pmcc_data": (False, "PMCC data is not supported here"),
+    "stage": ("sft", "only supervised fine-tuning (stage: sft) is supported here"),
     "tool_format": (None, "tool calling is not supported here"),
     "val_rate": (None, "MindSpeed MM's huggingface dataset does not split by val_rate; give val_dataset"),
-    "image_resolution": (None, "MindSpeed MM's Qwen plugins bound images by image_max_pixels/image_min_pixels"),
-    "video_resolution": (None, "videos are not supported here"),
     "ranking": (False, "pairwise (ranking) data is not supported here"),
     "pretrain": (False, "pretraining data is not supported here"),
     "audios": (None, "audio is not supported here"),
@@ -362,9 +365,6 @@ def build_huggingface_datasets(
     basic = check_keys(dataset_param.get("basic_parameters"), _BASIC_KEYS, dp + "basic_parameters.", source)
     attr_section = check_keys(dataset_param.get("attr"), _ATTR_KEYS, dp + "attr.", source)
     pp, bp, ap = dp + "preprocess_parameters.", dp + "basic_parameters.", dp + "attr."
-    if "cutoff_len" in basic:  # MindSpeed MM refuses it too
-        raise DataConfigError(f"{source}: `{bp}cutoff_len`: deprecated in MindSpeed MM (it takes seq_length); "
-                              "sequences are not cut here")
     _check_fixed(pre, pp, source)
     _check_fixed(basic, bp, source)
     _check_fixed(attr_section, ap, source)
@@ -378,15 +378,23 @@ def build_huggingface_datasets(
     if not config_file.is_file():
         raise DataConfigError(f"{source}: `{pp}model_name_or_path`: no config.json in {model_dir}")
     model_type = load_mapping(config_file, error=DataConfigError).get("model_type")
+    chat_template = None
+    if basic.get("chat_template") is not None:  # MindSpeed MM's FSDP trainer: a file, before `template`
+        chat_file = _path(base, basic["chat_template"], bp + "chat_template", source, "file")
+        chat_template = chat_file.read_text(encoding="utf-8")
+        if basic.get("template") is not None:
+            rank_zero_info(f"{source}: `{bp}template` is not used: `{bp}chat_template` {chat_file} renders the "
+                           "conversations (as in MindSpeed MM)")
     try:
-        template = template_for(basic.get("template"), model_type)
+        template = template_for(None if chat_template is not None else basic.get("template"), model_type)
     except ValueError as err:
         raise DataConfigError(f"{source}: `{bp}template`: {err}") from None
-    name = collate_param.get("model_name", template.collate_names[0])
-    if name not in template.collate_names:
-        raise DataConfigError(f"{source}: `{prefix}dataloader_param.collate_param.model_name`: {short_repr(name)} "
-                              f"does not fit template {basic['template']!r} (expected "
-                              f"{' or '.join(template.collate_names)})")
+    for key in ("model_name", "collator_id"):
+        name = collate_param.get(key)
+        if name is not None and name not in template.collate_names:
+            raise DataConfigError(f"{source}: `{prefix}dataloader_param.collate_param.{key}`: {short_repr(name)} "
+                                  f"does not fit a {model_type} model (expected {' or '.join(template.collate_names)})")
+    cutoff_len = _int(basic, "cutoff_len", None, bp, source, low=1)
     min_pixels = _int(pre, "image_min_pixels", 32 * 32, pp, source)
     max_pixels = _int(pre, "image_max_pixels", 768 * 768, pp, source, low=1)
     if min_pixels is None or max_pixels is None or min_pixels > max_pixels:
@@ -409,7 +417,7 @@ def build_huggingface_datasets(
     if processor.tokenizer.pad_token_id is None:
         raise DataConfigError(f"{source}: `{pp}model_name_or_path`: the tokenizer in {model_dir} has no pad token")
     builder = ChatSampleBuilder(processor, template, image_min_pixels=min_pixels, image_max_pixels=max_pixels,
-                                **flags)
+                                cutoff_len=cutoff_len, chat_template=chat_template, **flags)
     splits: dict[str, Dataset | None] = dict.fromkeys(("train", "val", "test"))
     reports: dict[str, DataReport] = {}
     for split, files in splits_files.items():
@@ -422,5 +430,5 @@ def build_huggingface_datasets(
         splits[split] = ChatDataset(records, builder, strict=strict, report=report)
     collate = ChatCollator(processor.tokenizer.pad_token_id,
                            ignore_pad_token_for_loss=collate_param.get("ignore_pad_token_for_loss", True),
-                           filler=builder.filler())
+                           filler=builder.filler(), pad_to_multiple_of=collate_param.get("pad_to_multiple_of"))
     return splits, collate, reports

@@ -25,11 +25,13 @@ class ChatCollator:
     first sample, with attention mask 0 and labels -100, as MindSpeed MM's collator does: every rank then runs the
     vision tower, so the sharded vision blocks' collectives happen on all ranks (a rank that skipped them would
     leave the others waiting), and the filler changes no loss (its tokens are masked and come after the text).
+    ``pad_to_multiple_of`` rounds the padded width up to a multiple (MindSpeed MM's FSDP collator, 8 there).
     """
 
     def __init__(self, pad_token_id: int, ignore_pad_token_for_loss: bool = True,
-                 filler: dict[str, torch.Tensor] | None = None) -> None:
+                 filler: dict[str, torch.Tensor] | None = None, pad_to_multiple_of: int | None = None) -> None:
         self.filler = filler
+        self.multiple = pad_to_multiple_of
         self.pad = {"input_ids": pad_token_id, "attention_mask": 0, "mm_token_type_ids": 0, "token_type_ids": 0,
                     "labels": IGNORE_INDEX if ignore_pad_token_for_loss else pad_token_id}
 
@@ -41,6 +43,8 @@ class ChatCollator:
         if unknown:
             raise ValueError(f"samples have keys the collate function does not know how to batch: {sorted(unknown)}")
         width = max(len(s["input_ids"]) for s in samples)
+        if self.multiple:
+            width = -(-width // self.multiple) * self.multiple
         batch: dict[str, torch.Tensor] = {}
         for key in TOKEN_KEYS:
             if key not in keys:

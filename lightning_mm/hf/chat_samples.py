@@ -61,8 +61,17 @@ MINDSPEED_TEMPLATES = ("qwen2vl", "qwen3_vl", "qwen3_vl_nothink", "qwen2_omni", 
 
 
 def template_for(name: Any, model_type: str | None) -> TemplateSpec:
-    """The spec of template ``name`` for a model of ``model_type``; ValueError (short, naming both) otherwise."""
+    """The spec of template ``name`` for a model of ``model_type``; ValueError (short, naming both) otherwise.
+
+    ``None`` (MindSpeed MM's FSDP trainer allows it, and ignores the name when a ``chat_template`` file is given)
+    is the model's chat template as it is, with nothing added: the spec of the family's non-reasoning template.
+    """
     supported = ", ".join(TEMPLATES)
+    if name is None:
+        for spec in TEMPLATES.values():
+            if model_type in spec.model_types and not spec.reasoning:
+                return spec
+        raise ValueError(f"no template is built in here for {model_type!r} models; supported: {supported}")
     if name not in TEMPLATES:
         known = "a MindSpeed MM template for a family not built in here" if name in MINDSPEED_TEMPLATES else \
             "not a MindSpeed MM template"
@@ -96,13 +105,19 @@ class ChatSampleBuilder:
 
     ``messages`` alternate ``{"role": "user" | "assistant", "content": str}``, user first, assistant last.
     ``image_min_pixels`` / ``image_max_pixels`` go to the image processor as its ``size`` (``shortest_edge`` /
-    ``longest_edge``, Transformers' names for the pixel bounds of Qwen's dynamic resolution).
+    ``longest_edge``, Transformers' names for the pixel bounds of Qwen's dynamic resolution). ``chat_template``
+    (a Jinja text) replaces the processor's own. A sample longer than ``cutoff_len`` tokens is cut at its end when no
+    vision token lies past the cut (MindSpeed MM cuts each turn's prompt and answer in proportion instead; a cut
+    through an image would break the model's image-token count), and is a :class:`SampleError` otherwise.
     """
 
     def __init__(self, processor: Any, template: TemplateSpec, *, train_on_prompt: bool = False,
                  mask_history: bool = False, enable_thinking: bool = True, image_min_pixels: int = 32 * 32,
-                 image_max_pixels: int = 768 * 768) -> None:
+                 image_max_pixels: int = 768 * 768, cutoff_len: int | None = None,
+                 chat_template: str | None = None) -> None:
         self.processor = processor
+        self.cutoff_len = cutoff_len
+        self.chat_template = chat_template
         self.template = template
         self.train_on_prompt = train_on_prompt
         self.mask_history = mask_history
@@ -142,7 +157,9 @@ class ChatSampleBuilder:
         return conv, untrained_prefix
 
     def _render(self, conv: list[dict[str, Any]], generation_prompt: bool = False) -> str:
-        return self.processor.apply_chat_template(conv, tokenize=False, add_generation_prompt=generation_prompt)
+        extra = {} if self.chat_template is None else {"chat_template": self.chat_template}
+        return self.processor.apply_chat_template(conv, tokenize=False, add_generation_prompt=generation_prompt,
+                                                  **extra)
 
     def trained_spans(self, conv: list[dict[str, Any]], untrained_prefix: list[int]) -> tuple[str, list[tuple]]:
         """The rendered text and its ``(start, end, trained)`` character spans covering it."""
@@ -177,7 +194,23 @@ class ChatSampleBuilder:
         sample = {k: v[0] if k in ("input_ids", "attention_mask", "mm_token_type_ids", "token_type_ids") else v
                   for k, v in out.items()}
         sample["labels"] = self._labels(text, spans, sample["input_ids"], out.get("image_grid_thw"))
+        if self.cutoff_len is not None and len(sample["input_ids"]) > self.cutoff_len:
+            sample = self._cut(sample)
         return sample
+
+    def _cut(self, sample: dict[str, Any]) -> dict[str, Any]:
+        n, cut = len(sample["input_ids"]), self.cutoff_len
+        assert cut is not None
+        vision = sample.get("mm_token_type_ids")
+        beyond = vision[cut:].any() if vision is not None else (sample["input_ids"][cut:] == self.image_token_id).any()
+        if bool(beyond):
+            raise SampleError(f"the sample has {n} tokens, more than cutoff_len {cut}, and the cut would split its "
+                              "images' tokens")
+        out = {k: v[:cut] if k in ("input_ids", "attention_mask", "mm_token_type_ids", "token_type_ids", "labels")
+               else v for k, v in sample.items()}
+        if not (out["labels"] != IGNORE_INDEX).any():
+            raise SampleError(f"the sample has {n} tokens; cut to cutoff_len {cut}, no trained token is left")
+        return out
 
     def filler(self) -> dict[str, Any]:
         """The tokens and pixels of one 64x64 white image (MindSpeed MM's stand-in for a batch without images)."""
