@@ -381,7 +381,14 @@ def build_huggingface_datasets(
     chat_template = None
     if basic.get("chat_template") is not None:  # MindSpeed MM's FSDP trainer: a file, before `template`
         chat_file = _path(base, basic["chat_template"], bp + "chat_template", source, "file")
-        chat_template = chat_file.read_text(encoding="utf-8")
+        with open(chat_file, "rb") as handle:
+            raw = handle.read((1 << 20) + 1)
+        try:
+            chat_template = raw.decode("utf-8")
+        except UnicodeDecodeError:
+            raise DataConfigError(f"{source}: `{bp}chat_template`: {chat_file} is not UTF-8 text") from None
+        if len(raw) > 1 << 20:
+            raise DataConfigError(f"{source}: `{bp}chat_template`: {chat_file} is larger than 1 MiB")
         if basic.get("template") is not None:
             rank_zero_info(f"{source}: `{bp}template` is not used: `{bp}chat_template` {chat_file} renders the "
                            "conversations (as in MindSpeed MM)")
@@ -429,6 +436,6 @@ def build_huggingface_datasets(
             raise DataError(f"{source}: split '{split}' has no usable record:\n{report.summary()}")
         splits[split] = ChatDataset(records, builder, strict=strict, report=report)
     collate = ChatCollator(processor.tokenizer.pad_token_id,
-                           ignore_pad_token_for_loss=collate_param.get("ignore_pad_token_for_loss", True),
+                           ignore_pad_token_for_loss=collate_param.get("ignore_pad_token_for_loss") is not False,
                            filler=builder.filler(), pad_to_multiple_of=collate_param.get("pad_to_multiple_of"))
     return splits, collate, reports
