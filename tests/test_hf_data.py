@@ -268,10 +268,10 @@ def test_collate_pads_right_and_concatenates_images_for_the_model(models, tmp_pa
             assert torch.allclose(batched[row, : len(alone)], alone, atol=1e-5)
 
 
-def test_a_batch_without_images_gets_a_masked_filler_image(models, tmp_path, monkeypatch):
+@pytest.mark.parametrize("family", list(TEMPLATE))
+def test_a_batch_without_images_gets_a_masked_filler_image(family, models, tmp_path, monkeypatch):
     import transformers
 
-    family = "qwen2_5_vl"
     records = [_record([("user", "What is in this picture?"), ("assistant", "A red square.")]),
                _record([("user", "How many?"), ("assistant", "The answer is 2.")])]
     module = _module(tmp_path, monkeypatch, _config(models[family], family), records, batch_size=2)
@@ -286,7 +286,9 @@ def test_a_batch_without_images_gets_a_masked_filler_image(models, tmp_path, mon
     extra = batch["input_ids"][0, n:][batch["attention_mask"][0, n:] == 0]
     assert (batch["input_ids"][0, n:n + int(batch["image_grid_thw"].prod()) // 4] == image_id).all()
     assert (batch["attention_mask"][0, n:] == 0).all() and (batch["labels"][0, n:] == -100).all() and len(extra)
-    model = transformers.Qwen2_5_VLForConditionalGeneration.from_pretrained(models[family]).eval()
+    cls = {"qwen2_5_vl": transformers.Qwen2_5_VLForConditionalGeneration,
+           "qwen3_vl": transformers.Qwen3VLForConditionalGeneration}[family]
+    model = cls.from_pretrained(models[family]).eval()
     with torch.no_grad():
         assert torch.allclose(model(**batch).loss, model(**plain).loss, rtol=1e-6)
 
