@@ -738,3 +738,13 @@ def test_cutoff_len_cuts_text_and_refuses_to_cut_an_image(models, tmp_path, monk
     with pytest.warns(UserWarning, match="train.jsonl:1: .*cut would split its images' tokens"):
         replaced = module._splits["train"][0]
     _assert_same(replaced, short)  # the next good record takes its place
+
+
+def test_installs_distributed_sampler_reads_the_trainer():
+    import lightning as L
+
+    from lightning_mm import _compat
+
+    assert _compat.installs_distributed_sampler(L.Trainer(accelerator="cpu", devices=1, logger=False)) is False
+    with pytest.raises(_compat.PrivateAPIError, match="use_distributed_sampler"):
+        _compat.installs_distributed_sampler(object())

@@ -155,7 +155,13 @@ def build_datasets(config: MindSpeedDataConfig) -> tuple[dict[str, Any], Callabl
         if config.allow_outside_data_root:
             raise _fail(config.source, config.prefix + "allow_outside_data_root",
                         "not supported with dataset_type: multimodal")
-        from lightning_mm.datamodules.mindspeed_multimodal import build_multimodal_datasets
+        try:
+            from lightning_mm.datamodules.mindspeed_multimodal import build_multimodal_datasets
+        except ModuleNotFoundError as err:
+            if err.name != "lightning_mm.datamodules.mindspeed_multimodal":
+                raise
+            raise _fail(config.source, config.prefix + "dataset_param.dataset_type",
+                        "'multimodal' is not available in this installation") from None
 
         return build_multimodal_datasets(config.dataset_param, config.collate_param, config.base_dir, config.source,
                                          config.strict)
