@@ -1,5 +1,10 @@
 """Tiny random vision-language model directories, as a Hub checkpoint lays them out, for data and parity tests.
 
+Families (:data:`FAMILIES`): ``qwen2_5_vl``, ``qwen3_vl`` and ``llava`` (LLaVA-1.5: ``<s>``, ``</s>``, ``<image>``,
+a CLIP tower on 28x28 images giving 4 image tokens, saved by ``LlavaProcessor.save_pretrained``, which loads with
+``AutoProcessor`` even without torchvision). The Qwen processors cannot be built by Transformers 5 without
+torchvision (their video processor needs it), so their parts are saved one by one.
+
 :func:`write_tiny_vlm` writes ``config.json`` and weights (``save_pretrained``), a byte-level BPE tokenizer built
 with the ``tokenizers`` library that holds the family's real special tokens (``<|im_start|>``, ``<|im_end|>``,
 ``<|vision_start|>``, ``<|image_pad|>``, ...), the image processor of the family (Transformers' PIL one, with a
