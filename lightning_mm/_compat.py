@@ -137,6 +137,16 @@ def should_update_logs(trainer: pl.Trainer) -> bool:
     return bool(connector.should_update_logs)
 
 
+def installs_distributed_sampler(trainer: pl.Trainer) -> bool:
+    """Whether Lightning would put a ``DistributedSampler`` into this run's training loader (distributed, and
+    ``Trainer(use_distributed_sampler=True)``, the default)."""
+    connector = getattr(trainer, "_accelerator_connector", None)
+    if connector is None or not hasattr(connector, "use_distributed_sampler") or not hasattr(connector,
+                                                                                             "is_distributed"):
+        raise _missing("`Trainer._accelerator_connector.use_distributed_sampler` / `.is_distributed`")
+    return bool(connector.use_distributed_sampler and connector.is_distributed)
+
+
 def throughput_meters(monitor: Any) -> dict[Any, Any]:
     """The per-stage ``Throughput`` meters of a Lightning ``ThroughputMonitor`` (made in its ``setup``)."""
     meters = getattr(monitor, "_throughputs", None)

@@ -9,8 +9,9 @@ from typing import Any
 import lightning as L
 import torch
 from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
-from torch.utils.data import DataLoader, Dataset, IterableDataset
+from torch.utils.data import DataLoader, Dataset, DistributedSampler, IterableDataset
 
+from lightning_mm._compat import attached_trainer, installs_distributed_sampler
 from lightning_mm.datamodules.resumable import ResumableDataLoader
 from lightning_mm.modules.seed_functions import resolve_callable
 
@@ -26,8 +27,10 @@ class MMDataModule(L.LightningDataModule):
       each a Dataset, a DataLoader or ``None`` (absent split). Datasets are wrapped in DataLoaders with the
       settings below; DataLoaders are used as they are.
     * ``data_config`` (or :meth:`from_config`) names a ``data.json``/YAML file describing sources, preprocessing
-      and loading (see :mod:`lightning_mm.datamodules.data_config`); bad records are skipped, counted and
-      reported with file and line, or raise in strict mode.
+      and loading (see :mod:`lightning_mm.datamodules.data_config`), or a MindSpeed MM data config
+      (``dataset_param`` + ``dataloader_param``, at the top or under ``data:``; see
+      :mod:`lightning_mm.datamodules.mindspeed_data`); bad records are skipped, counted and reported with file and
+      line, or raise in strict mode.
 
     Lightning replaces the samplers so that every data-parallel rank sees distinct samples (FSDP and HSDP alike).
     """
@@ -65,17 +68,29 @@ class MMDataModule(L.LightningDataModule):
                  "shuffle": shuffle, "drop_last": drop_last, "seed": seed}
         settings = {"batch_size": 1, "num_workers": 0, "pin_memory": False, "shuffle": True, "drop_last": False,
                     "seed": 0}
+        self.mindspeed_config = None
         if data_config is not None:
             from lightning_mm.datamodules.data_config import DataConfig
+            from lightning_mm.datamodules.mindspeed_data import read_data_file
 
-            self.config = DataConfig.from_file(data_config)  # fails now, naming the key, if the file is wrong
-            settings.update({k: getattr(self.config.loader, k) for k in settings})
+            # A MindSpeed MM data config (dataset_param/dataloader_param, at the top or under `data:`), else native.
+            self.mindspeed_config = read_data_file(data_config)  # fails now, naming the key, if the file is wrong
+            if self.mindspeed_config is None:
+                self.config = DataConfig.from_file(data_config)
+                settings.update({k: getattr(self.config.loader, k) for k in settings})
+            else:
+                settings.update({k: getattr(self.mindspeed_config, k) for k in ("shuffle", "drop_last", "pin_memory")})
+                if self.mindspeed_config.num_workers is not None:
+                    settings["num_workers"] = self.mindspeed_config.num_workers
         overridden = {k: v for k, v in given.items() if v is not None}
         if self.config is not None and overridden:
             rank_zero_info(f"MMDataModule: {overridden} override the `loader` section of {self.config.source}")
+        if self.mindspeed_config is not None and overridden:
+            rank_zero_info(f"MMDataModule: {overridden} override the `dataloader_param` of "
+                           f"{self.mindspeed_config.source}")
         settings.update(overridden)
         self._splits: dict[str, Any] | None = None
-        if self.provider is None and self.config is None:
+        if self.provider is None and self.config is None and self.mindspeed_config is None:
             self._splits = dict(zip(_SPLITS, (train_dataset, val_dataset, test_dataset)))
         self.batch_size: int = settings["batch_size"]
         self.num_workers: int = settings["num_workers"]
@@ -97,6 +112,13 @@ class MMDataModule(L.LightningDataModule):
             return
         if self.config is not None:
             self._splits = self._from_config()
+            return
+        if self.mindspeed_config is not None:
+            from lightning_mm.datamodules.mindspeed_data import build_datasets
+
+            self._splits, collate, self.reports = build_datasets(self.mindspeed_config)
+            if self.collate_fn is None:
+                self.collate_fn = collate
             return
         assert self.provider is not None
         result = self.provider()
@@ -150,12 +172,26 @@ class MMDataModule(L.LightningDataModule):
             data,
             batch_size=self.batch_size,
             shuffle=shuffle and not iterable,
+            sampler=self._unshuffled_distributed_sampler(data) if split == "train" and not shuffle else None,
             num_workers=self.num_workers,
             collate_fn=self.collate_fn,
             pin_memory=self.pin_memory,
             drop_last=self.drop_last and split == "train",
             generator=torch.Generator().manual_seed(self.seed) if shuffle and not iterable else None,
         )
+
+    def _unshuffled_distributed_sampler(self, data: Any) -> DistributedSampler | None:
+        """Lightning's training sampler with ``shuffle=False``, or ``None`` when Lightning installs none.
+
+        Lightning always shuffles the ``DistributedSampler`` it puts into a training loader, whatever the loader's
+        own sampler; it keeps a loader's ``DistributedSampler``. So ``shuffle: false`` installs the sampler that
+        Lightning would (the strategy's ``distributed_sampler_kwargs``), unshuffled.
+        """
+        trainer = attached_trainer(self)
+        if trainer is None or isinstance(data, IterableDataset) or not installs_distributed_sampler(trainer):
+            return None
+        kwargs = trainer.strategy.distributed_sampler_kwargs or {}
+        return DistributedSampler(data, shuffle=False, **kwargs)
 
     def train_dataloader(self) -> DataLoader | list:
         if self._splits is None:

@@ -1,0 +1,225 @@
+"""Sharegpt records of MindSpeed MM's ``huggingface`` dataset, checked cheaply up front, and their Dataset.
+
+Up front (no pixels): JSON, roles and their order (MindSpeed MM's sharegpt conversion: an optional system turn,
+then user and assistant turns alternating, an assistant turn last), ``<image>`` placeholders against the images,
+media files present, inside ``dataset_dir`` and readable, text that UTF-8 can encode. Only the text and media paths
+are kept; pixels are processed in ``__getitem__``.
+"""
+
+from __future__ import annotations
+
+import warnings
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from PIL import Image
+from torch.utils.data import Dataset
+
+from lightning_mm._yaml import short_repr
+from lightning_mm.datamodules.mindspeed_keys import MAX_FAILURES_IN_A_ROW
+from lightning_mm.datamodules.records import DataError, DataReport, _iter_raw
+
+__all__ = ["ChatRecord", "ChatAttr", "ChatDataset", "read_chat_records"]
+
+
+@dataclass(frozen=True)
+class ChatRecord:
+    """One checked record: where it is, its turns (roles ``user``/``assistant``), system prompt and image paths."""
+
+    file: Path
+    line: int
+    messages: tuple[tuple[str, str], ...]
+    system: str | None
+    images: tuple[Path, ...]
+
+
+@dataclass(frozen=True)
+class ChatAttr:
+    """The column and tag names of ``attr``."""
+
+    messages: str
+    role_tag: str
+    content_tag: str
+    user_tag: str
+    assistant_tag: str
+    observation_tag: str | None
+    function_tag: str | None
+    system_tag: str | None
+    system: str | None
+    images: str | None
+    videos: str | None
+
+
+# ----------------------------------------------------------------------------------------------- records
+def _turns(raw: dict, attr: ChatAttr) -> tuple[list[tuple[str, str]], str | None]:
+    """MindSpeed MM's sharegpt conversion: a leading system turn, then user/assistant turns alternating."""
+    messages = raw.get(attr.messages)
+    if not isinstance(messages, list) or not messages:
+        raise ValueError(f"`{attr.messages}` must be a non-empty list of turns")
+    for turn in messages:
+        if not isinstance(turn, dict):
+            raise ValueError(f"each turn of `{attr.messages}` must be an object, got {type(turn).__name__}")
+    system = None
+    if attr.system:
+        system = raw.get(attr.system)
+        if system is not None and not isinstance(system, str):
+            raise ValueError(f"`{attr.system}` must be a string")
+    if attr.system_tag and messages[0].get(attr.role_tag) == attr.system_tag:
+        system = messages[0].get(attr.content_tag)
+        if not isinstance(system, str):
+            raise ValueError(f"the system turn's `{attr.content_tag}` must be a string")
+        messages = messages[1:]
+    tools = {t for t in (attr.observation_tag, attr.function_tag) if t}
+    turns: list[tuple[str, str]] = []
+    for i, turn in enumerate(messages):
+        role = turn.get(attr.role_tag)
+        if role in tools:
+            raise ValueError(f"turn {i + 1}: role {short_repr(role)} (a tool turn) is not supported here")
+        expected = (attr.user_tag, "user") if i % 2 == 0 else (attr.assistant_tag, "assistant")
+        if role != expected[0]:
+            known = {attr.user_tag, attr.assistant_tag, *tools, attr.system_tag}
+            what = "unknown role" if role not in known else "role out of order"
+            raise ValueError(f"turn {i + 1}: {what} {short_repr(role)} (expected {expected[0]!r}: turns alternate "
+                             f"{attr.user_tag!r} and {attr.assistant_tag!r}, {attr.user_tag!r} first)")
+        content = turn.get(attr.content_tag)
+        if not isinstance(content, str):
+            raise ValueError(f"turn {i + 1}: `{attr.content_tag}` must be a string")
+        _encodable(content, f"turn {i + 1}")
+        turns.append((expected[1], content))
+    if not turns or turns[-1][0] != "assistant":
+        raise ValueError(f"no {attr.assistant_tag!r} turn ends the conversation")
+    if system is not None:
+        _encodable(system, "the system prompt")
+    return turns, system
+
+
+def _encodable(text: str, what: str) -> None:
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as err:  # a lone surrogate ("\ud800"): no tokenizer takes it
+        raise ValueError(f"{what}: not valid Unicode text ({err.reason} at character {err.start})") from None
+
+
+def _media(raw: dict, column: str | None) -> list[Any]:
+    if not column:
+        return []
+    value = raw.get(column)
+    if value is None:
+        return []
+    return value if isinstance(value, list) else [value]
+
+
+def _image_file(name: Any, root: Path, base: Path, allow_outside: bool) -> Path:
+    if not isinstance(name, str) or not name:
+        raise ValueError(f"an image must be a path, got {short_repr(name)}")
+    inside = (root / name).resolve()
+    if inside.is_file() and (allow_outside or inside.is_relative_to(root)):
+        path = inside
+    elif allow_outside:
+        path = (base / name).resolve()
+    else:
+        why = "lies outside" if not inside.is_relative_to(root) else "is not a file in"
+        raise ValueError(f"image {short_repr(name)} {why} dataset_dir {root} (set `allow_outside_data_root: true` "
+                         "next to dataset_param to allow paths outside it)")
+    if not path.is_file():
+        raise ValueError(f"image not found: {path}")
+    try:
+        with Image.open(path) as img:
+            img.verify()
+    except Exception as err:  # PIL raises many types for broken files
+        raise ValueError(f"cannot read image {path}: {str(err)[:200]}") from None
+    return path
+
+
+def read_chat_records(split: str, files: tuple[Path, ...], attr: ChatAttr, root: Path, base: Path, allow_outside: bool,
+                      max_samples: int | None, video_note: str | None) -> tuple[list[ChatRecord], DataReport]:
+    """Check every record (the first ``max_samples`` across the files when given); bad ones go to the report."""
+    from lightning_mm.hf.chat_samples import IMAGE_PLACEHOLDER, VIDEO_PLACEHOLDER
+
+    records: list[ChatRecord] = []
+    report = DataReport(split)
+    for file in files:
+        for line, raw, error in _iter_raw(file):
+            if max_samples is not None and report.total >= max_samples:
+                return records, report
+            report.total += 1
+            where = f"{file.name}:{line}"
+            if error is None and not isinstance(raw, dict):
+                error = f"a record must be a JSON object, got {type(raw).__name__}"
+            if error is None:
+                try:
+                    turns, system = _turns(raw, attr)
+                    videos = _media(raw, attr.videos)
+                    text = "".join(c for _, c in turns)
+                    if videos or VIDEO_PLACEHOLDER in text:
+                        raise ValueError(f"videos are not supported here ({video_note or 'not implemented'})")
+                    images = _media(raw, attr.images)
+                    placeholders = sum(c.count(IMAGE_PLACEHOLDER) for r, c in turns if r == "user")
+                    if any(IMAGE_PLACEHOLDER in c for r, c in turns if r == "assistant"):
+                        raise ValueError(f"an assistant turn holds {IMAGE_PLACEHOLDER}; images go in user turns")
+                    if placeholders != len(images):
+                        raise ValueError(f"{placeholders} {IMAGE_PLACEHOLDER} placeholders for {len(images)} images")
+                    paths = tuple(_image_file(name, root, base, allow_outside) for name in images)
+                except ValueError as err:
+                    error = str(err)
+            if error is not None:
+                report.problems.append(f"{where}: {error}")
+                continue
+            records.append(ChatRecord(file, line, tuple(turns), system, paths))
+    return records, report
+
+
+# ----------------------------------------------------------------------------------------------- dataset
+class ChatDataset(Dataset):
+    """Checked records, processed in ``__getitem__`` by a :class:`~lightning_mm.hf.chat_samples.ChatSampleBuilder`.
+
+    A record that fails there (an image that does not decode, text the tokenizer rejects, any exception from the
+    processor) is counted once in ``report`` with ``file:line`` and warned about, and the next good record (in file
+    order, wrapping around) takes its place, so every rank keeps its number of batches; in strict mode it raises
+    :class:`DataError`. With ``num_workers > 0`` the count stays in the worker processes (the warning still shows).
+    """
+
+    def __init__(self, records: list[ChatRecord], builder: Callable[..., dict], strict: bool = False,
+                 report: DataReport | None = None) -> None:
+        self.records = records
+        self.builder = builder
+        self.strict = strict
+        self.report = report if report is not None else DataReport("data")
+        self.bad: set[int] = set()
+
+    def __len__(self) -> int:
+        return len(self.records)
+
+    def sample(self, record: ChatRecord) -> dict[str, Any]:
+        images = []
+        for path in record.images:
+            with Image.open(path) as img:
+                images.append(img.convert("RGB"))
+        messages = [{"role": role, "content": content} for role, content in record.messages]
+        return self.builder(messages, record.system, images)
+
+    def __getitem__(self, index: int) -> dict[str, Any]:
+        n = len(self.records)
+        failures = 0
+        for step in range(n):
+            current = (index + step) % n
+            if current in self.bad:
+                continue
+            record = self.records[current]
+            try:
+                return self.sample(record)
+            except Exception as err:  # any failure of one record's preprocessing is that record's problem
+                problem = f"{record.file.name}:{record.line}: cannot process the record: {str(err)[:200]}"
+                if self.strict:
+                    raise DataError(f"bad record in strict mode: {problem}") from err
+                self.bad.add(current)
+                self.report.problems.append(f"{problem} (at load time; the next good record is used in its place)")
+                warnings.warn(f"data: skipped {problem}; the next good record is used in its place", stacklevel=2)
+                failures += 1
+                if failures >= MAX_FAILURES_IN_A_ROW:
+                    raise DataError(f"{self.report.split}: {failures} records in a row failed to process (the last "
+                                    f"at {record.file.name}:{record.line}); the data or the processor is broken"
+                                    ) from err
+        raise DataError(f"{self.report.split}: no record could be processed ({len(self.bad)} failed)")

@@ -1,0 +1,76 @@
+"""The collate function of :class:`~lightning_mm.hf.chat_samples.ChatSampleBuilder` samples (MindSpeed MM's
+``DataCollatorForQwen2vl``): right padding, vision tensors concatenated as the Qwen-VL forward takes them."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+__all__ = ["ChatCollator", "TOKEN_KEYS", "VISION_KEYS"]
+
+IGNORE_INDEX = -100
+TOKEN_KEYS = ("input_ids", "attention_mask", "labels", "mm_token_type_ids", "token_type_ids")
+"""Per-token keys: padded on the right to the longest sample."""
+VISION_KEYS = ("pixel_values", "image_grid_thw")
+"""Per-image keys: concatenated along their first dimension (Qwen-VL takes all patches of a batch as one tensor,
+with one ``image_grid_thw`` row per image, in sample order)."""
+
+
+class ChatCollator:
+    """Pads ``input_ids`` with ``pad_token_id``, ``attention_mask`` and ``mm_token_type_ids`` with 0, and ``labels``
+    with -100 (``ignore_pad_token_for_loss``, the default) or else ``pad_token_id``, as MindSpeed MM does.
+
+    A batch in which no sample has an image gets ``filler`` (one small image's tokens and pixels) appended to its
+    first sample, with attention mask 0 and labels -100, as MindSpeed MM's collator does: every rank then runs the
+    vision tower, so the sharded vision blocks' collectives happen on all ranks (a rank that skipped them would
+    leave the others waiting), and the filler changes no loss (its tokens are masked and come after the text).
+    ``pad_to_multiple_of`` rounds the padded width up to a multiple (MindSpeed MM's FSDP collator, 8 there).
+    """
+
+    def __init__(self, pad_token_id: int, ignore_pad_token_for_loss: bool = True,
+                 filler: dict[str, torch.Tensor] | None = None, pad_to_multiple_of: int | None = None) -> None:
+        self.filler = filler
+        self.multiple = pad_to_multiple_of
+        self.pad = {"input_ids": pad_token_id, "attention_mask": 0, "mm_token_type_ids": 0, "token_type_ids": 0,
+                    "labels": IGNORE_INDEX if ignore_pad_token_for_loss else pad_token_id}
+
+    def __call__(self, samples: list[dict[str, Any]]) -> dict[str, torch.Tensor]:
+        if self.filler is not None and not any("pixel_values" in s for s in samples):
+            samples = [self._with_filler(samples[0]), *samples[1:]]
+        keys = set().union(*(s.keys() for s in samples))
+        unknown = keys - set(TOKEN_KEYS) - set(VISION_KEYS)
+        if unknown:
+            raise ValueError(f"samples have keys the collate function does not know how to batch: {sorted(unknown)}")
+        width = max(len(s["input_ids"]) for s in samples)
+        if self.multiple:
+            width = -(-width // self.multiple) * self.multiple
+        batch: dict[str, torch.Tensor] = {}
+        for key in TOKEN_KEYS:
+            if key not in keys:
+                continue
+            out = torch.full((len(samples), width), self.pad[key], dtype=torch.long)
+            for i, sample in enumerate(samples):
+                value = sample[key]
+                out[i, : len(value)] = value
+            batch[key] = out
+        for key in VISION_KEYS:
+            parts = [s[key] for s in samples if key in s]
+            if parts:
+                batch[key] = torch.cat(parts, dim=0)
+        return batch
+
+    def _with_filler(self, sample: dict[str, Any]) -> dict[str, Any]:
+        assert self.filler is not None
+        extra = len(self.filler["input_ids"])
+        out = dict(sample)
+        out["input_ids"] = torch.cat([sample["input_ids"], self.filler["input_ids"]])
+        out["attention_mask"] = torch.cat([sample["attention_mask"], torch.zeros(extra, dtype=torch.long)])
+        out["labels"] = torch.cat([sample["labels"], torch.full((extra,), IGNORE_INDEX, dtype=torch.long)])
+        for key in ("mm_token_type_ids", "token_type_ids"):
+            if key in sample and key in self.filler:
+                out[key] = torch.cat([sample[key], self.filler[key]])
+        for key in VISION_KEYS:
+            if key in self.filler:
+                out[key] = self.filler[key]
+        return out
