@@ -495,3 +495,28 @@ def test_a_model_directory_of_another_kind_is_refused(tiny, tmp_path):
     config = _data_json(model=str(other))
     with pytest.raises(DataConfigError, match=r"from_pretrained`: model_type is 'qwen2'; Transformers' InternVL"):
         _build(root, model, [_chat("square.png", "<image>\nA?", "b")], config)
+
+
+def test_the_data_module_reads_a_multimodal_data_json(tiny, tmp_path, monkeypatch):
+    """``MMDataModule(data_config=data.json)`` dispatches ``dataset_type: multimodal`` here, paths relative to the
+    working directory (MindSpeed MM's examples run from its repository root), and its batches are the collate's."""
+    from lightning_mm import MMDataModule
+
+    root, model = tiny
+    records = [_chat("square.png", "<image>\nA?", "one"), _chat("wide.png", "<image>\nB?", "two")]
+    _write(root, records)
+    config = _data_json(model=str(root / "model"))
+    config["dataset_param"]["basic_parameters"].update(data_path=str(root / "train.jsonl"),
+                                                       data_folder=str(root / "images"))
+    config["dataloader_param"]["collate_param"]["pad_id"] = model.pad_id
+    config["dataloader_param"].update(shuffle=False, drop_last=False)
+    (tmp_path / "data.json").write_text(json.dumps(config))
+    monkeypatch.chdir(tmp_path)
+    data = MMDataModule(data_config="data.json", batch_size=2)
+    data.setup("fit")
+    batch = next(iter(data.train_dataloader()))
+    splits, collate, _ = _build(root, model, records)
+    expected = collate([splits["train"][0], splits["train"][1]])
+    assert set(batch) == set(expected)
+    for key in expected:
+        assert torch.equal(batch[key], expected[key]), key

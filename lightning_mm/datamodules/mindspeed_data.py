@@ -97,11 +97,16 @@ def parse_section(section: dict[str, Any], source: str, prefix: str = "", base_d
     section = check_keys(section, _SECTION_KEYS, prefix, source)
     if "dataset_param" not in section:
         raise _fail(source, prefix + "dataset_param", "missing (MindSpeed MM requires it)")
-    dataset_param = check_keys(section["dataset_param"], _DATASET_KEYS, prefix + "dataset_param.", source)
-    dataset_type = dataset_param.get("dataset_type")
+    raw_dataset = section["dataset_param"]
+    dataset_type = raw_dataset.get("dataset_type") if isinstance(raw_dataset, Mapping) else None
     if dataset_type not in ("huggingface", "multimodal"):
         raise _fail(source, prefix + "dataset_param.dataset_type",
                     f"{short_repr(dataset_type)} is not supported here (supported: huggingface, multimodal)")
+    # The huggingface type's keys are checked here; the multimodal type (InternVL) checks its own dataset_param
+    # and collate_param keys (lightning_mm.datamodules.mindspeed_multimodal).
+    multimodal = dataset_type == "multimodal"
+    dataset_param = dict(raw_dataset) if multimodal else check_keys(raw_dataset, _DATASET_KEYS,
+                                                                    prefix + "dataset_param.", source)
     lp = prefix + "dataloader_param."
     raw_loader = section.get("dataloader_param")
     if isinstance(raw_loader, Mapping):
@@ -121,12 +126,18 @@ def parse_section(section: dict[str, Any], source: str, prefix: str = "", base_d
         raise _fail(source, lp + "sampler_type", f"{short_repr(sampler)} is not supported (supported: "
                                                  f"{', '.join(_SAMPLERS)}: each rank gets distinct samples, "
                                                  "shuffled or in order per `shuffle`)")
-    collate = check_keys(loader.get("collate_param"), _COLLATE_KEYS, lp + "collate_param.", source)
-    _bool(collate, "ignore_pad_token_for_loss", True, lp + "collate_param.", source)
-    multiple = collate.get("pad_to_multiple_of")
-    if multiple is not None and (isinstance(multiple, bool) or not isinstance(multiple, int) or multiple < 1):
-        raise _fail(source, lp + "collate_param.pad_to_multiple_of", f"expected a positive integer, got "
-                                                                     f"{short_repr(multiple)}")
+    if multimodal:
+        collate = loader.get("collate_param") or {}
+        if not isinstance(collate, Mapping):
+            raise _fail(source, lp + "collate_param", f"must be a mapping, got {short_repr(collate)}")
+        collate = dict(collate)
+    else:
+        collate = check_keys(loader.get("collate_param"), _COLLATE_KEYS, lp + "collate_param.", source)
+        _bool(collate, "ignore_pad_token_for_loss", True, lp + "collate_param.", source)
+        multiple = collate.get("pad_to_multiple_of")
+        if multiple is not None and (isinstance(multiple, bool) or not isinstance(multiple, int) or multiple < 1):
+            raise _fail(source, lp + "collate_param.pad_to_multiple_of", f"expected a positive integer, got "
+                                                                         f"{short_repr(multiple)}")
     workers = loader.get("num_workers")
     if workers is not None and (isinstance(workers, bool) or not isinstance(workers, int) or workers < 0):
         raise _fail(source, lp + "num_workers", f"expected an integer >= 0, got {short_repr(workers)}")
