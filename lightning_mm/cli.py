@@ -3,7 +3,10 @@
 ``lightning-mm fit|validate|test|predict --config cfg.yaml`` is LightningCLI (``lightning_mm.commands.train``).
 Other sub-commands (``env``, ``plan``, ``migrate``, ``convert``) live in ``lightning_mm/commands/<name>.py``, each
 with a ``main(argv) -> int``, and are imported only when used; this module imports nothing heavy, so ``--help``
-and the commands that do not train start without Lightning.
+and the commands that do not train start without Lightning. The package root, which Python runs first, does not
+import Lightning either: it registers ``mm_fsdp2``, ``single_npu`` and ``npu`` only once Lightning is imported (see
+``lightning_mm/__init__.py``), the same whether this runs as the ``lightning-mm`` console script, as
+``python -m lightning_mm.cli`` or from a user's program.
 
 Errors that are the user's to fix (bad config, data, checkpoint, arguments: see
 ``lightning_mm.commands.failure``) print as one line and exit 1; ``--traceback`` (anywhere on the command line)
