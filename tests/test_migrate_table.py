@@ -35,7 +35,7 @@ EXPECTED = {
     "--context-parallel-algo": ("ulysses_cp_algo", "trainer.strategy.init_args.context_parallel_algo", "ulysses"),
 }
 # Flags that are only reported (never silently dropped), with a word of their reason.
-REPORTED = {"--fp16": "grad scaler", "--mm-model": "model.json", "--untie-embeddings-and-output-weights": "model",
+REPORTED = {"--fp16": "grad scaler", "--mm-model": "does not exist", "--untie-embeddings-and-output-weights": "model",
             "--global-batch-size": "accumulate_grad_batches", "--lr-warmup-fraction": "--train-iters",
             "--mm-data": "does not exist"}
 
