@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import ast
 import re
-import shlex
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -113,6 +112,41 @@ def _arithmetic(match: re.Match[str]) -> str:
         return str(value(tree))
     except (ZeroDivisionError, OverflowError, RecursionError):
         return match.group(0)
+
+
+# One shell word piece: unquoted text, a '...' or "..." string, an escaped character; or whitespace (group 1), or
+# anything else (group 2: an unterminated quote or a trailing backslash). Each alternative is linear: no backtracking.
+_PIECE = re.compile(r"""[^\s'"\\]+|'[^']*'|"(?:[^"\\]|\\.)*"|\\.|(\s+)|(.)""", re.DOTALL)
+_DOUBLE_QUOTED_ESCAPE = re.compile(r'\\([\\"$`\n])')
+
+
+def split_words(text: str) -> list[str]:
+    """``shlex.split`` (POSIX quoting, no comments) in linear time with regular expressions: ``shlex`` takes
+    about 10 microseconds a character, seconds for an expanded value of a few hundred kB."""
+    words: list[str] = []
+    current: list[str] = []
+    in_word = False
+    for match in _PIECE.finditer(text):
+        piece = match.group(0)
+        if match.group(1) is not None:
+            if in_word:
+                words.append("".join(current))
+                current, in_word = [], False
+            continue
+        if match.group(2) is not None:
+            raise ValueError("No closing quotation" if piece in "'\"" else "No escaped character")
+        in_word = True
+        if piece[0] == "'":
+            current.append(piece[1:-1])
+        elif piece[0] == '"':
+            current.append(_DOUBLE_QUOTED_ESCAPE.sub(r"\1", piece[1:-1]))
+        elif piece[0] == "\\":
+            current.append(piece[1])
+        else:
+            current.append(piece)
+    if in_word:
+        words.append("".join(current))
+    return words
 
 
 def _split_flags(tokens: list[str]) -> list[tuple[str, str | None]]:
@@ -244,7 +278,7 @@ def parse_script(text: str, source: str = "the launch script") -> Launch:
         if assign and not is_launch:
             value = expand(assign.group(2).strip(), env, number)
             try:
-                value = " ".join(shlex.split(value))
+                value = " ".join(split_words(value))
             except ValueError:
                 value = value.strip("\"'")
             env[assign.group(1)] = value
@@ -254,7 +288,7 @@ def parse_script(text: str, source: str = "the launch script") -> Launch:
     if launch_line is None:
         raise MigrateError("no `torchrun ... xxx.py` or `python ... xxx.py` launch line found in the script")
     try:
-        tokens = shlex.split(launch_line)
+        tokens = split_words(launch_line)
     except ValueError as err:
         raise MigrateError(f"{source}:{launch_no}: cannot split the launch line: {err}") from None
     for i, token in enumerate(tokens):
