@@ -92,10 +92,10 @@ def hf_layout(config: dict[str, Any], where: str) -> HFLayout:
         hf_config = AutoConfig.for_model(config["model_type"], **fields)
         with torch.device("meta"):
             model = cls(hf_config)
-    except (TypeError, ValueError, AttributeError, KeyError, IndexError, OverflowError) as err:
-        message = str(err).splitlines()[0] if str(err) else type(err).__name__
+    except Exception as err:  # Transformers validates fields in its own ways (e.g. huggingface_hub's strict fields)
+        message = " ".join(str(err).split())
         raise ValueError(f"{where}: cannot build {cls.__name__} from this config ({type(err).__name__}: "
-                         f"{message[:300]}); check its fields' types") from None
+                         f"{message[:300]}); check its fields' types") from err
     hf_config.architectures = list(config.get("architectures") or [cls.__name__])
     state = model.state_dict(keep_vars=True)  # tied names share one Parameter object
     names = names_by_tensor(state.items())
