@@ -263,6 +263,38 @@ def _context_parallel_algo(state: _Flags, flag: str, value: str | None, shown: s
     state.out.mapped.append(f"{shown} -> trainer.strategy.init_args.context_parallel_algo: ulysses")
 
 
+def _only_one(reason: str) -> _Handler:
+    """A parallelism size that only its value 1 (none) maps to: nothing to set."""
+
+    def handle(state: _Flags, flag: str, value: str | None, shown: str) -> None:
+        if value != "1":
+            state.out.unmapped.append(f"{shown}: {reason}")
+        else:
+            state.out.notes.append(f"{shown}: none, as here; nothing to set")
+
+    return handle
+
+
+def _optimizer(state: _Flags, flag: str, value: str | None, shown: str) -> None:
+    if value in ("adam", "fused_torch_adamw", "fused_adamw"):
+        state.out.notes.append(f"{shown}: MMLightningModule's AdamW (with torch's fused step under MMFSDP2Strategy's "
+                               "fused_optimizer_step, the default); nothing to set")
+    else:
+        state.out.unmapped.append(f"{shown}: only AdamW is built in; override configure_optimizers for another")
+
+
+MEGATRON_MODEL_FLAGS = (
+    "--use-mcore-models", "--num-layers", "--hidden-size", "--ffn-hidden-size", "--num-attention-heads",
+    "--group-query-attention", "--num-query-groups", "--seq-length", "--max-position-embeddings", "--vocab-size",
+    "--make-vocab-size-divisible-by", "--tokenizer-type", "--normalization", "--swiglu", "--use-fused-rmsnorm",
+    "--use-fused-swiglu", "--use-flash-attn", "--no-masked-softmax-fusion", "--no-gradient-accumulation-fusion",
+    "--use-cpu-initialization", "--init-model-with-meta-device", "--position-embedding-type",
+    "--use-fused-rotary-pos-emb", "--use-distributed-optimizer", "--variable-seq-lengths",
+)
+"""Megatron's model-building and kernel flags: on the Transformers route MindSpeed MM itself reads the model from
+its Hugging Face config, and here the model is what ``model_provider`` builds."""
+
+
 # Every Megatron / MindSpeed MM flag migrate knows, in one table. Flags kept in ``values`` are mapped after the
 # loop, where they meet the flags they depend on (batch sizes, betas, warmup fraction, checkpoint callback, data).
 # A new flag is one line: ``_to(config path, type)`` for a Trainer / module / data key, ``_strategy_arg(name, type)``
@@ -303,6 +335,22 @@ FLAGS: dict[str, _Handler] = {
     "--untie-embeddings-and-output-weights": _refuse(
         "a model property; build untied embedding/output weights in model_provider (tied ones are grouped into one "
         "FSDP unit automatically)"),
+    "--num-workers": _to("data.init_args.num_workers", int),
+    "--tensor-model-parallel-size": _only_one("tensor parallelism is not supported (FSDP2 and context parallelism)"),
+    "--pipeline-model-parallel-size": _only_one("pipeline parallelism is not supported (FSDP2 and context "
+                                                "parallelism)"),
+    "--optimizer-selection": _optimizer,
+    "--no-load-optim": _refuse("a resume here restores the optimizer and RNG state with the weights; to start from "
+                               "weights alone, give TransformersModel's init_from_hf_path or a weights checkpoint "
+                               "(lightning-mm convert hf-to-dcp)"),
+    "--no-load-rng": _refuse("a resume here restores the RNG state with the weights"),
+    "--no-save-optim": _refuse("checkpoints here always hold the optimizer state"),
+    "--no-save-rng": _refuse("checkpoints here always hold each rank's RNG state"),
+    "--log-tps": _refuse("throughput (tokens per second) is logged by MMLightningModule's ThroughputMonitor "
+                         "(train/items_per_sec)"),
+    **dict.fromkeys(MEGATRON_MODEL_FLAGS, _refuse(
+        "a Megatron model or kernel setting; the model is the one model_provider builds (TransformersModel: from "
+        "init_from_hf_path's config.json)")),
 }
 
 
