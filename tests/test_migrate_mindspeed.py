@@ -259,8 +259,8 @@ def test_single_yaml_given_itself(tmp_path):
 
 def _cli(args, cwd):
     env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
-    return subprocess.run([sys.executable, "-m", "lightning_mm.cli", "migrate", *args], cwd=cwd, env=env,
-                          capture_output=True, text=True, timeout=300)
+    return subprocess.run([sys.executable, "-X", "importtime", "-m", "lightning_mm.cli", "migrate", *args], cwd=cwd,
+                          env=env, capture_output=True, text=True, timeout=300)
 
 
 def test_single_yaml_launch_from_the_repository_root(tmp_path):
@@ -274,6 +274,9 @@ def test_single_yaml_launch_from_the_repository_root(tmp_path):
     assert config["model"]["init_args"]["transformers_model"]["init_from_hf_path"] == str(root / "ckpt" / "hf")
     assert "--distributed-backend nccl: after the YAML on the launch line" in proc.stderr
     assert "is found from the working directory" in proc.stderr
+    imported = {line.rsplit("|", 1)[-1].strip().split(".")[0] for line in proc.stderr.splitlines()
+                if line.startswith("import time:")}
+    assert not imported & {"transformers", "lightning", "pytorch_lightning"}  # the model config is read, not built
 
 
 def test_mm_data_and_mm_model_flags_with_mindspeeds_entry_script(tmp_path):
