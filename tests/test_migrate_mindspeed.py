@@ -273,7 +273,7 @@ def test_single_yaml_launch_from_the_repository_root(tmp_path):
     assert config["trainer"]["devices"] == 2 and config["trainer"]["accumulate_grad_batches"] == 4  # 16 / (2 x 2)
     assert config["model"]["init_args"]["transformers_model"]["init_from_hf_path"] == str(root / "ckpt" / "hf")
     assert "--distributed-backend nccl: after the YAML on the launch line" in proc.stderr
-    assert "is found from the working directory" in proc.stderr
+    assert "found from the working directory, not from the script's folder" in proc.stderr
     imported = {line.rsplit("|", 1)[-1].strip().split(".")[0] for line in proc.stderr.splitlines()
                 if line.startswith("import time:")}
     assert not imported & {"transformers", "lightning", "pytorch_lightning"}  # the model config is read, not built

@@ -41,7 +41,7 @@ REPORTED = {"--fp16": "grad scaler", "--mm-model": "does not exist", "--untie-em
             "--mm-data": "does not exist", "--tensor-model-parallel-size": "tensor parallelism",
             "--pipeline-model-parallel-size": "pipeline parallelism", "--optimizer-selection": "only AdamW",
             "--no-load-optim": "restores the optimizer", "--no-load-rng": "RNG", "--no-save-optim": "optimizer state",
-            "--no-save-rng": "RNG", "--log-tps": "ThroughputMonitor",
+            "--no-save-rng": "RNG", "--log-tps": "ThroughputMonitor", "--mm-tool": "tool definitions",
             **dict.fromkeys(MEGATRON_MODEL_FLAGS, "Megatron model or kernel setting")}
 
 

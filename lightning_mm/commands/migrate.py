@@ -336,6 +336,7 @@ FLAGS: dict[str, _Handler] = {
         "a model property; build untied embedding/output weights in model_provider (tied ones are grouped into one "
         "FSDP unit automatically)"),
     "--num-workers": _to("data.init_args.num_workers", int),
+    "--mm-tool": _refuse("MindSpeed MM's tool definitions for its chat templates; not read by lightning-mm"),
     "--tensor-model-parallel-size": _only_one("tensor parallelism is not supported (FSDP2 and context parallelism)"),
     "--pipeline-model-parallel-size": _only_one("pipeline parallelism is not supported (FSDP2 and context "
                                                 "parallelism)"),
@@ -464,7 +465,7 @@ def _map_single_yaml(state: _Flags, path: Path, config: Mapping[str, Any]) -> li
             out.unmapped.append(f"lora_args.{key}: {value}: MindSpeed MM's LoRA flags; set "
                                 "model.init_args.transformers_model.lora (rank, alpha, target_modules, ...) by hand")
     if "MM_TOOL_PATH" in config:
-        out.unmapped.append(f"MM_TOOL_PATH {config['MM_TOOL_PATH']}: MindSpeed MM's tool definitions (--mm-tool) for "
+        out.unmapped.append(f"MM_TOOL_PATH {config['MM_TOOL_PATH']} (--mm-tool): MindSpeed MM's tool definitions for "
                             "its chat templates; not read by lightning-mm")
     for key, value in config.items():
         if key in _YAML_SECTIONS:
@@ -659,14 +660,21 @@ def _map_data(state: _Flags, launch: Launch, functions: set[str]) -> None:
                          "--global-batch-size")
 
 
+_PATH_FLAGS = ("--mm-data", "--mm-model", "--fsdp2-config-path")
+
+
 def _launch_dir(script: Path, launch: Launch) -> tuple[Path, str]:
-    """Where a launch script's relative paths start, and why: the script's folder, unless the files the launch
-    names (its YAML, its entry script) are found only from the working directory, as MindSpeed MM's scripts are
-    run (``bash examples/qwen3vl/finetune_qwen3vl_8B.sh`` from the repository root)."""
+    """Where a launch script's relative paths start, and why: the script's folder, unless more of the files the
+    launch names (its YAML, entry script, --mm-data, --mm-model, --fsdp2-config-path) are found from the working
+    directory, as MindSpeed MM's scripts are run (``bash examples/qwen3vl/finetune_qwen3vl_8B.sh`` from its
+    repository root)."""
     folder, cwd = script.resolve().parent, Path.cwd().resolve()
-    for named in (launch.config_yaml, launch.script):
-        if named and not (folder / named).exists() and (cwd / named).exists():
-            return cwd, f"{named} is found from the working directory, not from the script's folder"
+    named = [n for n in (launch.config_yaml, launch.script) if n]
+    named += [value for flag, value in launch.flags if flag in _PATH_FLAGS and value]
+    from_folder = [n for n in named if (folder / n).exists()]
+    from_cwd = [n for n in named if (cwd / n).exists()]
+    if folder != cwd and len(from_cwd) > len(from_folder):
+        return cwd, f"{', '.join(from_cwd)} found from the working directory, not from the script's folder"
     return folder, "the script's folder"
 
 

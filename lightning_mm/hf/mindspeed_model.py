@@ -84,7 +84,6 @@ _MEGATRON_KEYS = {
     "attention_mask_type", "add_bias_linear", "input_size", "seq_length", "vocab_size", "rope_theta",
     "untie_embeddings_and_output_weights", "disable_bias_linear", "init_method_std", "position_embedding_type",
     "attention_softmax_in_fp32", "num_query_groups", "group_query_attention", "kv_channels", "rotary_base",
-    "img_context_token_id", "vision_start_token_id", "video_token_id", "image_token_id",
 }
 # Settings of MindSpeed MM's own NPU kernels and runtime (overwrite_transformer_config); Transformers' models here
 # use Transformers' attention (hf_config.attn_implementation) and this project's FSDP2 plan.
@@ -96,6 +95,11 @@ _RUNTIME_KEYS = {
     "activation_offload": "MindSpeed MM's activation offload; use recompute_modules in the FSDP2 YAML",
     "is_causal": "read by MindSpeed MM's own attention kernels only (Transformers' models here are causal)",
     "use_npu_fused_moe": "MindSpeed MM's fused NPU MoE kernel",
+    "img_context_token_id": "a placeholder token id; Transformers' model reads its own from init_from_hf_path's "
+                            "config.json (image_token_id)",
+    "vision_start_token_id": "a token id Transformers' model reads from init_from_hf_path's config.json",
+    "video_token_id": "a token id Transformers' model reads from init_from_hf_path's config.json",
+    "image_token_id": "a token id Transformers' model reads from init_from_hf_path's config.json",
 }
 _PATCHES_WITHOUT_EFFECT = {
     "clip_grad_async": "an asynchronous form of Megatron's gradient-norm clipping (same result); "
@@ -282,8 +286,8 @@ def _map_loss(loss: Any, out: ModelMigration, handled: set[str]) -> None:
     elif "chunk_size" in loss:
         out.not_applicable.append("loss_cfg.chunk_size: used only by compute_mode chunk / dynamic_chunk")
     if kind in _LOSS_TYPES_OTHER:
-        out.unmapped.append(f"loss_cfg.loss_type {kind}: MindSpeed MM's {_LOSS_TYPES_OTHER[kind]}, which "
-                            f"lightning-mm does not implement; its loss is {_DEFAULT_LOSS}")
+        out.unmapped.append(f"loss_cfg.loss_type {kind} ({_LOSS_TYPES_OTHER[kind]}): not implemented in "
+                            f"lightning-mm, whose loss is {_DEFAULT_LOSS}")
     elif kind != "default":
         out.unmapped.append(f"loss_cfg.loss_type {kind}: not a MindSpeed MM loss type")
     elif mode == "default":
