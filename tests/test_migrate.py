@@ -84,6 +84,8 @@ def test_the_batch_size_check_of_provider_loaders():
     MMDataModule(lambda: (DataLoader(data, batch_size=8), data, None)).setup()  # no batch_size given: nothing to check
     with pytest.raises(ValueError, match=r"batch_size=4, but the val DataLoader .* has batch size 8"):
         MMDataModule(lambda: (data, DataLoader(data, batch_size=8), None), batch_size=4).setup()
+    with pytest.raises(ValueError, match=r"batch_size=2, but the train DataLoader given to MMDataModule has batch "):
+        MMDataModule(train_dataset=DataLoader(data, batch_size=4), batch_size=2)
     sampled = DataLoader(data, batch_sampler=[[0, 1], [2, 3]])
     with pytest.raises(ValueError, match="has batch size set by its batch_sampler"):
         MMDataModule(lambda: (sampled, None, None), batch_size=2).setup()
