@@ -30,7 +30,7 @@ def test_provider_returning_datasets_with_a_none_split():
 
 def test_provider_returning_dataloaders_uses_them_as_they_are():
     loader = DataLoader(tensors(6), batch_size=2)
-    dm = MMDataModule(train_valid_test_datasets_provider=lambda: (loader, None, None), batch_size=5)
+    dm = MMDataModule(train_valid_test_datasets_provider=lambda: (loader, None, None), batch_size=2)
     dm.setup("fit")
     assert dm.train_dataloader() is loader and dm.val_dataloader() == []
 

@@ -5,7 +5,7 @@ from pathlib import Path
 
 import pytest
 
-from lightning_mm.commands.migrate import FLAGS, STRATEGY_ARGS, migrate, parse_args
+from lightning_mm.commands.migrate import FLAGS, MEGATRON_MODEL_FLAGS, STRATEGY_ARGS, migrate, parse_args
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -33,11 +33,16 @@ EXPECTED = {
     "--load": ("ckpts", "ckpt_path", "last"),
     "--context-parallel-size": ("2", "trainer.strategy.init_args.context_parallel_size", 2),
     "--context-parallel-algo": ("ulysses_cp_algo", "trainer.strategy.init_args.context_parallel_algo", "ulysses"),
+    "--num-workers": ("8", "data.init_args.num_workers", 8),
 }
 # Flags that are only reported (never silently dropped), with a word of their reason.
-REPORTED = {"--fp16": "grad scaler", "--mm-model": "model.json", "--untie-embeddings-and-output-weights": "model",
+REPORTED = {"--fp16": "grad scaler", "--mm-model": "does not exist", "--untie-embeddings-and-output-weights": "model",
             "--global-batch-size": "accumulate_grad_batches", "--lr-warmup-fraction": "--train-iters",
-            "--mm-data": "does not exist"}
+            "--mm-data": "does not exist", "--tensor-model-parallel-size": "tensor parallelism",
+            "--pipeline-model-parallel-size": "pipeline parallelism", "--optimizer-selection": "only AdamW",
+            "--no-load-optim": "restores the optimizer", "--no-load-rng": "RNG", "--no-save-optim": "optimizer state",
+            "--no-save-rng": "RNG", "--log-tps": "ThroughputMonitor", "--mm-tool": "tool definitions",
+            **dict.fromkeys(MEGATRON_MODEL_FLAGS, "Megatron model or kernel setting")}
 
 
 def _get(config, path):
@@ -65,7 +70,7 @@ def test_flags_that_cannot_map_alone_are_reported_with_the_reason(flag):
 def test_the_table_is_covered_and_matches_the_documentation():
     assert set(FLAGS) == set(EXPECTED) | set(REPORTED) | {"--fsdp2-config-path", "--distributed-backend"}
     documented = set(re.findall(r"`(--[a-z0-9-]+)`", (ROOT / "docs" / "migration.md").read_text()))
-    documented -= {"--keep-backend"}  # an option of migrate itself
+    documented -= {"--keep-backend", "--force", "--base-dir", "--import-root", "--pretrained-dir"}  # our options
     assert documented <= set(FLAGS), documented - set(FLAGS)
 
 

@@ -67,7 +67,7 @@ class CustomDataset(Dataset):
 
 
 def build_dataloader(dataset: Dataset, shuffle: bool = True) -> DataLoader:
-    return DataLoader(dataset, batch_size=8, shuffle=shuffle)
+    return DataLoader(dataset, batch_size=4, shuffle=shuffle)  # the launch's --micro-batch-size
 
 
 # ----------------------------------------------------------------------------- the five seed functions

@@ -4,16 +4,24 @@
   world size; weights-only and converted ones too) as one ``torch.save`` file in Lightning's layout, with full
   tensors. It loads ``weights_only`` and resumes with ``MMFSDP2Strategy`` on any number of ranks.
 * ``dcp-to-hf SRC OUT_DIR``: the Hugging Face model of a checkpoint (a ``transformers.PreTrainedModel`` built in
-  ``model_provider``, e.g. through TransformersModel) as ``config.json`` + safetensors, for ``from_pretrained``.
+  ``model_provider``, e.g. through TransformersModel) as ``config.json`` + safetensors, for ``from_pretrained``,
+  with the tokenizer, processor, chat template and generation config files of ``--pretrained-dir`` (default: the
+  ``init_from_hf_path`` the checkpoint records, when it still exists), so that AutoTokenizer / AutoProcessor load it.
 * ``hf-to-dcp HF_DIR DST``: a Hugging Face model directory as a ``torch_dcp`` weights checkpoint:
   ``trainer.fit(ckpt_path=DST)`` starts training from those weights; validate/test/predict use them.
+
+Every converter writes a new output (an existing one is refused, and so is an output inside the source) through a
+hidden ``.partial-*`` sibling renamed into place when complete: a failure such as a full disk (ENOSPC) is one
+line and leaves nothing behind.
 """
 
 from __future__ import annotations
 
 import argparse
+import errno
 import sys
 from collections.abc import Sequence
+from pathlib import Path
 
 __all__ = ["main"]
 
@@ -39,6 +47,9 @@ def _parser() -> argparse.ArgumentParser:
                    help="config.json (or its directory) to use when the checkpoint records no HF config")
     p.add_argument("--merge-lora", action="store_true",
                    help="merge the checkpoint's LoRA adapters into the weights (PEFT's merge_and_unload)")
+    p.add_argument("--pretrained-dir", default=None,
+                   help="copy the tokenizer, processor, chat template and generation config files from this "
+                        "Hugging Face directory (default: the init_from_hf_path the checkpoint records, if it exists)")
 
     p = sub.add_parser("hf-to-dcp", help="a Hugging Face model directory as a torch_dcp weights checkpoint")
     p.add_argument("hf_dir", help="directory with config.json and safetensors (or pytorch_model.bin) weights")
@@ -48,36 +59,72 @@ def _parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _inside(path: Path, root: Path) -> bool:
+    return path == root or root in path.parents
+
+
+def _check_paths(src: str, dst: str) -> None:
+    """An output may not be (or lie inside) the source, nor contain it: a converter never writes into what it reads."""
+    source, target = Path(src).resolve(), Path(dst).resolve()
+    if target == source:
+        raise FileExistsError(f"output exists: {dst} (it is the source; write the output elsewhere)")
+    if _inside(target, source):
+        raise ValueError(f"output {dst} is inside the source {src}; write it elsewhere")
+    if _inside(source, target):
+        raise ValueError(f"output {dst} contains the source {src}; write it elsewhere")
+
+
+def _one_line(error: BaseException, message: str) -> str:
+    """The message, with the errno's name for an OS error (``... No space left on device (ENOSPC)``)."""
+    code = getattr(error, "errno", None)
+    if isinstance(error, OSError) and isinstance(code, int) and code in errno.errorcode:
+        return f"{message} ({errno.errorcode[code]})"
+    return message
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     args = _parser().parse_args(list(sys.argv[1:] if argv is None else argv))
-    from lightning_mm.checkpoint import consolidate
     from lightning_mm.commands.failure import one_line, traceback_requested, user_error
-    from lightning_mm.hf import convert
 
     try:
+        src, dst = (args.hf_dir, args.dst) if args.command == "hf-to-dcp" else (
+            args.src, args.dst if args.command == "dcp-to-torch" else args.out_dir)
+        _check_paths(src, dst)
+        from lightning_mm.checkpoint import consolidate
+        from lightning_mm.hf import convert
+
+        notes: list[str] = []
         if args.command == "dcp-to-torch":
             out = consolidate.dcp_to_torch(args.src, args.dst, model_only=args.model_only)
-        elif args.command == "dcp-to-hf" and args.merge_lora:
-            from lightning_mm.hf.lora_export import dcp_to_hf_merged
-
-            out = dcp_to_hf_merged(args.src, args.out_dir, prefix=args.prefix, dtype=args.dtype,
-                                   max_shard_size=convert.parse_size(args.max_shard_size))
         elif args.command == "dcp-to-hf":
-            from lightning_mm.hf.lora_export import checkpoint_lora
+            max_shard_size = convert.parse_size(args.max_shard_size)  # before any work
+            if args.merge_lora:
+                from lightning_mm.hf.lora_export import dcp_to_hf_merged
 
-            if args.config is None and checkpoint_lora(args.src, args.prefix) is not None:
-                raise ValueError(f"{args.src} holds LoRA adapters (keys `*.base_layer.*`, `*.lora_A.*`), which "
-                                 "Transformers cannot load as they are: add --merge-lora")
-            out = convert.dcp_to_hf(args.src, args.out_dir, prefix=args.prefix, dtype=args.dtype,
-                                    max_shard_size=convert.parse_size(args.max_shard_size), config=args.config)
+                if args.pretrained_dir is not None:
+                    raise ValueError("--pretrained-dir is not supported with --merge-lora yet; copy the tokenizer "
+                                     "and processor files by hand")
+                out = dcp_to_hf_merged(args.src, args.out_dir, prefix=args.prefix, dtype=args.dtype,
+                                       max_shard_size=max_shard_size)
+            else:
+                from lightning_mm.hf.lora_export import checkpoint_lora
+
+                if args.config is None and checkpoint_lora(args.src, args.prefix) is not None:
+                    raise ValueError(f"{args.src} holds LoRA adapters (keys `*.base_layer.*`, `*.lora_A.*`), which "
+                                     "Transformers cannot load as they are: add --merge-lora")
+                out = convert.dcp_to_hf(args.src, args.out_dir, prefix=args.prefix, dtype=args.dtype,
+                                        max_shard_size=max_shard_size, config=args.config,
+                                        pretrained_dir=args.pretrained_dir, notes=notes)
         else:
             out = convert.hf_to_dcp(args.hf_dir, args.dst, prefix=args.prefix)
     except Exception as error:  # the user's to fix: one line (see lightning_mm.commands.failure); a bug: traceback
         cause = None if traceback_requested() else user_error(error)
         if cause is None:
             raise
-        print(f"lightning-mm convert {args.command}: error: {one_line(cause)}", file=sys.stderr)
+        print(f"lightning-mm convert {args.command}: error: {_one_line(cause, one_line(cause))}", file=sys.stderr)
         return 1
+    for note in notes:
+        print(f"note: {note}", file=sys.stderr)
     print(f"wrote {out}")
     return 0
 

@@ -2,27 +2,35 @@
 
     lightning-mm migrate pretrain_custom.sh -o config.yaml
     lightning-mm migrate -o config.yaml -- --use-torch-fsdp2 --fsdp2-config-path fsdp2_config.yaml --lr 1e-4 ...
+    lightning-mm migrate finetune_qwen3vl_8B.sh -o config.yaml     # torchrun ... pretrain_transformers.py cfg.yaml
+    lightning-mm migrate qwen3vl_full_sft_8B.yaml -o config.yaml   # MindSpeed MM's single YAML itself
 
-Shell scripts are read the way Megatron launch scripts are written: ``VAR=value`` / ``export`` lines, ``$VAR``
-expansion, line continuations, and a ``torchrun ... pretrain_xxx.py ...`` (or ``python ...``) line. Every flag is
-either mapped or listed in the report with the reason; nothing is dropped silently.
+Shell scripts are read by :mod:`lightning_mm.commands.launch_script`. MindSpeed MM's single-YAML form
+(``gpt_args``, ``data``, ``model`` sections) is read with the project's safe YAML loader: ``gpt_args`` go through
+the same flag table as the flags of a script, ``data`` becomes ``MMDataModule(data_config=<that YAML>)`` and
+``model`` a TransformersModel config (:mod:`lightning_mm.hf.mindspeed_model`). Every flag and key is either
+mapped or listed in the report with the reason; nothing is dropped silently. An existing output file is never
+overwritten without ``--force``, and the input never.
 """
 
 from __future__ import annotations
 
 import argparse
 import ast
-import re
-import shlex
+import os
 import sys
-from collections.abc import Callable, Sequence
+import tempfile
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import yaml
 
-__all__ = ["main", "Launch", "parse_script", "parse_args", "migrate", "STRATEGY_ARGS", "SEED_FUNCTIONS"]
+from lightning_mm.commands.launch_script import Launch, MigrateError, parse_args, parse_script, read_text_file
+
+__all__ = ["main", "Launch", "MigrateError", "parse_script", "parse_args", "migrate", "migrate_yaml",
+           "STRATEGY_ARGS", "SEED_FUNCTIONS"]
 
 # MMFSDP2Strategy's __init__ arguments, listed here so that migrating never imports Lightning
 # (tests/test_migrate.py checks the list against the class).
@@ -40,115 +48,6 @@ SEED_FUNCTIONS = {
     "train_valid_test_datasets_provider": "data.init_args.train_valid_test_datasets_provider",
 }
 
-_VAR = re.compile(r"\$\{([A-Za-z_][A-Za-z0-9_]*)\}|\$([A-Za-z_][A-Za-z0-9_]*)")
-_ASSIGN = re.compile(r"^(?:export\s+)?([A-Za-z_][A-Za-z0-9_]*)=(.*)$")
-_LAUNCHERS = ("torchrun", "python", "python3", "python -m torch.distributed.launch")
-
-
-@dataclass
-class Launch:
-    """What a launch consists of: launcher options, the entry script, and the training flags."""
-
-    launcher: dict[str, str] = field(default_factory=dict)
-    script: str | None = None
-    flags: list[tuple[str, str | None]] = field(default_factory=list)
-    env: dict[str, str] = field(default_factory=dict)
-
-
-def _expand(text: str, env: dict[str, str]) -> str:
-    return _VAR.sub(lambda m: env.get(m.group(1) or m.group(2), ""), text)
-
-
-def _split_flags(tokens: list[str]) -> list[tuple[str, str | None]]:
-    flags: list[tuple[str, str | None]] = []
-    i = 0
-    while i < len(tokens):
-        token = tokens[i]
-        if not token.startswith("--"):
-            flags.append((token, None))  # a stray value, reported as unmapped
-            i += 1
-            continue
-        if "=" in token:
-            name, value = token.split("=", 1)
-            flags.append((name, value))
-            i += 1
-            continue
-        nxt = tokens[i + 1] if i + 1 < len(tokens) else None
-        if nxt is not None and (not nxt.startswith("--") or re.fullmatch(r"-[\d.e+-]+", nxt)):
-            flags.append((token, nxt))
-            i += 2
-        else:
-            flags.append((token, None))
-            i += 1
-    return flags
-
-
-def parse_args(tokens: Sequence[str]) -> Launch:
-    """A launch given as an argument list (training flags only)."""
-    return Launch(flags=_split_flags(list(tokens)))
-
-
-def _logical_lines(text: str) -> list[str]:
-    """Shell lines with continuations joined and quoted values spanning several lines kept together."""
-    text = re.sub(r"\\\r?\n", " ", text)
-    lines: list[str] = []
-    buffer = ""
-    for raw in text.splitlines():
-        if not buffer and raw.strip().startswith("#"):
-            continue
-        buffer = f"{buffer} {raw}" if buffer else raw
-        try:
-            shlex.split(buffer, comments=True)
-        except ValueError:  # an open quote: the value goes on on the next line
-            continue
-        lines.append(buffer.strip())
-        buffer = ""
-    if buffer:
-        raise ValueError(f"unterminated quote in the launch script near: {buffer[:80]!r}")
-    return [line for line in lines if line]
-
-
-def parse_script(text: str) -> Launch:
-    """A launch given as a shell script."""
-    env: dict[str, str] = {}
-    launch_line = None
-    for line in _logical_lines(text):
-        is_launch = bool(re.search(r"(^|\s)(torchrun|python3?)\s", line)) and ".py" in line
-        assign = _ASSIGN.match(line)
-        if assign and not is_launch:
-            value = assign.group(2).strip()
-            try:
-                value = " ".join(shlex.split(_expand(value, env)))
-            except ValueError:
-                value = _expand(value.strip("\"'"), env)
-            env[assign.group(1)] = value
-            continue
-        if is_launch:
-            launch_line = _expand(line, env)
-    if launch_line is None:
-        raise ValueError("no `torchrun ... xxx.py` or `python ... xxx.py` launch line found in the script")
-    tokens = shlex.split(launch_line)
-    while tokens and not re.search(r"(^|/)(torchrun|python3?)$", tokens[0]):
-        tokens.pop(0)  # e.g. `nohup`, environment prefixes
-    tokens.pop(0)
-    launcher: dict[str, str] = {}
-    script = None
-    while tokens:
-        token = tokens.pop(0)
-        if token.endswith(".py"):
-            script = token
-            break
-        if token in ("-m",):
-            tokens.pop(0) if tokens else None
-            continue
-        if token.startswith("--"):
-            name, _, value = token.partition("=")
-            if not value and tokens and not tokens[0].startswith("-") and not tokens[0].endswith(".py"):
-                value = tokens.pop(0)
-            launcher[name.lstrip("-").replace("-", "_")] = value
-    return Launch(launcher=launcher, script=script, flags=_split_flags(tokens), env=env)
-
-
 # ------------------------------------------------------------------------------------------ mapping
 @dataclass
 class Migration:
@@ -157,6 +56,9 @@ class Migration:
     unmapped: list[str] = field(default_factory=list)
     notes: list[str] = field(default_factory=list)
     import_root: Path | None = None
+    """Where the entry script's functions import from (lightning-mm must run there)."""
+    run_from: Path | None = None
+    """The launch directory, where a MindSpeed MM data config's relative paths start (lightning-mm must run there)."""
 
     def report(self) -> str:
         lines = [f"mapped {len(self.mapped)} item(s):", *(f"  {m}" for m in self.mapped)]
@@ -183,13 +85,30 @@ def _number(value: str | None, flag: str) -> float:
         raise ValueError(f"{flag} needs a number, got {value!r}") from None
 
 
-def _defined_functions(script: Path) -> set[str] | None:
-    """Names of the top-level functions of an entry script (read, never imported); None if it cannot be read."""
-    try:
-        tree = ast.parse(script.read_text(), filename=str(script))
-    except (OSError, SyntaxError, ValueError):
+def _defined_functions(script: Path) -> dict[str, set[str]] | None:
+    """The top-level functions of an entry script (read, never imported), each with the names its body uses;
+    None if there is no such file. A binary, non-UTF-8 or too deeply nested file is an error naming it."""
+    if not script.is_file():
         return None
-    return {node.name for node in tree.body if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef))}
+    text = read_text_file(script, "an entry script")
+    try:
+        tree = ast.parse(text, filename=str(script))
+    except SyntaxError as err:
+        raise MigrateError(f"{script}:{err.lineno}: not valid Python: {err.msg}") from None
+    except (RecursionError, MemoryError):
+        raise MigrateError(f"{script}: nested too deeply for Python's parser; not an entry script") from None
+    except ValueError as err:
+        raise MigrateError(f"{script}: cannot be parsed as Python: {err}") from None
+    functions: dict[str, set[str]] = {}
+    for node in tree.body:
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+            try:
+                names = {n.id if isinstance(n, ast.Name) else n.attr for n in ast.walk(node)
+                         if isinstance(n, (ast.Name, ast.Attribute))}
+            except RecursionError:
+                raise MigrateError(f"{script}: nested too deeply for Python's parser; not an entry script") from None
+            functions[node.name] = names
+    return functions
 
 
 def _module_path(script: Path, import_root: Path) -> str:
@@ -324,6 +243,10 @@ def _mm_data(state: _Flags, flag: str, value: str | None, shown: str) -> None:
     state.values["mm_data"] = (shown, state.path_of(value))
 
 
+def _mm_model(state: _Flags, flag: str, value: str | None, shown: str) -> None:
+    state.values["mm_model"] = (shown, state.path_of(value), None)
+
+
 def _context_parallel_size(state: _Flags, flag: str, value: str | None, shown: str) -> None:
     _CP_SIZE(state, flag, value, shown)
     state.values["cp"] = int(_number(value, flag))  # the global batch size counts data-parallel ranks only
@@ -338,6 +261,38 @@ def _context_parallel_algo(state: _Flags, flag: str, value: str | None, shown: s
         return
     state.strategy("context_parallel_algo", "ulysses")
     state.out.mapped.append(f"{shown} -> trainer.strategy.init_args.context_parallel_algo: ulysses")
+
+
+def _only_one(reason: str) -> _Handler:
+    """A parallelism size that only its value 1 (none) maps to: nothing to set."""
+
+    def handle(state: _Flags, flag: str, value: str | None, shown: str) -> None:
+        if value != "1":
+            state.out.unmapped.append(f"{shown}: {reason}")
+        else:
+            state.out.notes.append(f"{shown}: none, as here; nothing to set")
+
+    return handle
+
+
+def _optimizer(state: _Flags, flag: str, value: str | None, shown: str) -> None:
+    if value in ("adam", "fused_torch_adamw", "fused_adamw"):
+        state.out.notes.append(f"{shown}: MMLightningModule's AdamW (with torch's fused step under MMFSDP2Strategy's "
+                               "fused_optimizer_step, the default); nothing to set")
+    else:
+        state.out.unmapped.append(f"{shown}: only AdamW is built in; override configure_optimizers for another")
+
+
+MEGATRON_MODEL_FLAGS = (
+    "--use-mcore-models", "--num-layers", "--hidden-size", "--ffn-hidden-size", "--num-attention-heads",
+    "--group-query-attention", "--num-query-groups", "--seq-length", "--max-position-embeddings", "--vocab-size",
+    "--make-vocab-size-divisible-by", "--tokenizer-type", "--normalization", "--swiglu", "--use-fused-rmsnorm",
+    "--use-fused-swiglu", "--use-flash-attn", "--no-masked-softmax-fusion", "--no-gradient-accumulation-fusion",
+    "--use-cpu-initialization", "--init-model-with-meta-device", "--position-embedding-type",
+    "--use-fused-rotary-pos-emb", "--use-distributed-optimizer", "--variable-seq-lengths",
+)
+"""Megatron's model-building and kernel flags: on the Transformers route MindSpeed MM itself reads the model from
+its Hugging Face config, and here the model is what ``model_provider`` builds."""
 
 
 # Every Megatron / MindSpeed MM flag migrate knows, in one table. Flags kept in ``values`` are mapped after the
@@ -376,31 +331,61 @@ FLAGS: dict[str, _Handler] = {
     "--mm-data": _mm_data,
     "--context-parallel-size": _context_parallel_size,
     "--context-parallel-algo": _context_parallel_algo,
-    "--mm-model": _refuse("MindSpeed's model.json has no direct equivalent; build the model in model_provider "
-                          "(or TransformersModel) from it"),
+    "--mm-model": _mm_model,
     "--untie-embeddings-and-output-weights": _refuse(
         "a model property; build untied embedding/output weights in model_provider (tied ones are grouped into one "
         "FSDP unit automatically)"),
+    "--num-workers": _to("data.init_args.num_workers", int),
+    "--mm-tool": _refuse("MindSpeed MM's tool definitions for its chat templates; not read by lightning-mm"),
+    "--tensor-model-parallel-size": _only_one("tensor parallelism is not supported (FSDP2 and context parallelism)"),
+    "--pipeline-model-parallel-size": _only_one("pipeline parallelism is not supported (FSDP2 and context "
+                                                "parallelism)"),
+    "--optimizer-selection": _optimizer,
+    "--no-load-optim": _refuse("a resume here restores the optimizer and RNG state with the weights; to start from "
+                               "weights alone, give TransformersModel's init_from_hf_path or a weights checkpoint "
+                               "(lightning-mm convert hf-to-dcp)"),
+    "--no-load-rng": _refuse("a resume here restores the RNG state with the weights"),
+    "--no-save-optim": _refuse("checkpoints here always hold the optimizer state"),
+    "--no-save-rng": _refuse("checkpoints here always hold each rank's RNG state"),
+    "--log-tps": _refuse("throughput (tokens per second) is logged by MMLightningModule's ThroughputMonitor "
+                         "(train/items_per_sec)"),
+    **dict.fromkeys(MEGATRON_MODEL_FLAGS, _refuse(
+        "a Megatron model or kernel setting; the model is the one model_provider builds (TransformersModel: from "
+        "init_from_hf_path's config.json)")),
 }
 
 
+TRANSFORMERS_MODULE = "lightning_mm.modules.transformers_module.MMTransformersModule"
+"""The LightningModule a TransformersModel config is written for (MindSpeed MM's pretrain_transformers.py)."""
+MINDSPEED_ENTRY_SCRIPTS = ("pretrain_transformers.py",)
+"""MindSpeed MM's own entry scripts of the Transformers route: their functions read Megatron's globals and become
+lightning-mm's built-ins (TransformersModel from --mm-model, MMDataModule(data_config) from --mm-data)."""
+
+
 def migrate(launch: Launch, base_dir: Path | None = None, import_root: Path | None = None,
-            keep_backend: bool = False) -> Migration:
+            keep_backend: bool = False, single_yaml: tuple[Path, Mapping[str, Any]] | None = None) -> Migration:
     """Map a launch onto a LightningCLI config; everything not mapped is listed with the reason.
 
-    Relative paths in the launch are taken from ``base_dir`` (the launch script's folder; default: the working
+    Relative paths in the launch are taken from ``base_dir`` (the launch directory: by default the working
     directory) and written as absolute paths, so that the config works wherever it is written. The entry script's
     functions are named by their import path from ``import_root`` (default: the working directory when the script
     lies below it, else the script's folder): LightningCLI resolves class paths from the directory it runs in.
     ``--distributed-backend`` is left to the accelerator (nccl, hccl or gloo) unless ``keep_backend``.
+    ``single_yaml`` is MindSpeed MM's single YAML (its path and content): its ``gpt_args`` replace the launch's
+    training flags, as MindSpeed MM's ``read_yaml_config.py`` does, and its ``data`` / ``model`` sections are used.
     """
     cfg: dict[str, Any] = {"trainer": {}, "model": {"class_path": "lightning_mm.MMLightningModule", "init_args": {}},
                            "data": {"class_path": "lightning_mm.MMDataModule", "init_args": {}}}
     state = _Flags(cfg, Migration(cfg), {}, Path.cwd() if base_dir is None else Path(base_dir), keep_backend)
     world = _map_launcher(state, launch)
     functions = _map_entry_script(state, launch, import_root)
-    for flag, value in launch.flags:
-        shown = f"{flag} {value}" if value is not None else flag
+    flags = [(flag, value, f"{flag} {value}" if value is not None else flag) for flag, value in launch.flags]
+    if single_yaml is not None:
+        for _, _, shown in flags:
+            state.out.unmapped.append(f"{shown}: after the YAML on the launch line, which MindSpeed MM ignores too "
+                                      "(its read_yaml_config.py rebuilds the command line from gpt_args)")
+        flags = _map_single_yaml(state, *single_yaml)
+    for flag, value, shown in flags:
         handler = FLAGS.get(flag)
         if handler is None:
             state.out.unmapped.append(f"{shown}: unknown to lightning-mm migrate")
@@ -411,11 +396,87 @@ def migrate(launch: Launch, base_dir: Path | None = None, import_root: Path | No
             state.out.unmapped.append(f"{shown}: {err}")
     _map_combined(state, world)
     _map_checkpointing(state)
+    _map_model(state, launch, functions)
     _map_data(state, launch, functions)
     for name in launch.env:
         if name in ("CUDA_DEVICE_MAX_CONNECTIONS",):
             state.out.unmapped.append(f"{name}: Megatron tuning variable, not needed by FSDP2")
     return state.out
+
+
+def migrate_yaml(path: Path, base_dir: Path | None = None, keep_backend: bool = False) -> Migration:
+    """MindSpeed MM's single YAML (``gpt_args``, ``data``, ``model``) given by itself; relative paths in it are
+    taken from ``base_dir`` (the launch directory, by default the working directory), as MindSpeed MM does."""
+    return migrate(Launch(), base_dir=base_dir, keep_backend=keep_backend, single_yaml=(path, _load_yaml(path)))
+
+
+def _load_yaml(path: Path) -> dict[str, Any]:
+    from lightning_mm._yaml import load_mapping
+
+    return load_mapping(path, MigrateError)
+
+
+_YAML_SECTIONS = ("gpt_args", "lora_args", "data", "model", "MM_TOOL_PATH")
+
+
+def _flatten_gpt_args(node: Mapping[str, Any], section: str) -> list[tuple[str, Any]]:
+    """``gpt_args`` as MindSpeed MM flattens them: nested mappings dissolved, leaves kept, later keys winning."""
+    items: dict[str, Any] = {}
+
+    def walk(value: Mapping[str, Any]) -> None:
+        for key, item in value.items():
+            if isinstance(item, Mapping):
+                walk(item)
+            else:
+                items.pop(str(key), None)
+                items[str(key)] = item
+
+    walk(node)
+    return list(items.items())
+
+
+def _map_single_yaml(state: _Flags, path: Path, config: Mapping[str, Any]) -> list[tuple[str, str | None, str]]:
+    """The sections of MindSpeed MM's single YAML: ``gpt_args`` as flags (returned), ``data`` and ``model`` kept
+    for :func:`_map_data` / :func:`_map_model`, every other key reported."""
+    out = state.out
+    gpt_args = config.get("gpt_args")
+    if not isinstance(gpt_args, Mapping):
+        raise MigrateError(f"{path}: no `gpt_args` mapping; MindSpeed MM's single YAML has gpt_args, data and model "
+                           "sections")
+    flags: list[tuple[str, str | None, str]] = []
+    for key, value in _flatten_gpt_args(gpt_args, "gpt_args"):
+        flag = "--" + key.replace("_", "-")
+        shown = f"gpt_args.{key}: {value}"
+        if value is True:
+            flags.append((flag, None, shown))
+        elif value is False or value is None:
+            out.notes.append(f"{shown}: off / unset, nothing to map")
+        elif isinstance(value, list):
+            flags += [(flag, str(item), f"{shown} [{i}]") for i, item in enumerate(value)]
+        else:
+            flags.append((flag, str(value), shown))
+    if "data" in config:
+        state.values["mm_data"] = (f"{path.name} data:", path)
+    if "model" in config:
+        state.values["mm_model"] = (f"{path.name} model:", path, config["model"])
+    lora = config.get("lora_args")
+    if isinstance(lora, Mapping):
+        for key, value in _flatten_gpt_args(lora, "lora_args"):
+            out.unmapped.append(f"lora_args.{key}: {value}: MindSpeed MM's LoRA flags; set "
+                                "model.init_args.transformers_model.lora (rank, alpha, target_modules, ...) by hand")
+    if "MM_TOOL_PATH" in config:
+        out.unmapped.append(f"MM_TOOL_PATH {config['MM_TOOL_PATH']} (--mm-tool): MindSpeed MM's tool definitions for "
+                            "its chat templates; not read by lightning-mm")
+    for key, value in config.items():
+        if key in _YAML_SECTIONS:
+            continue
+        if isinstance(value, (Mapping, list)):
+            out.unmapped.append(f"{path.name}: top-level section `{key}`: unknown to MindSpeed MM and to "
+                                "lightning-mm migrate")
+        else:
+            out.notes.append(f"{path.name}: top-level `{key}: {value}`: MindSpeed MM reads no such key (values like "
+                             "this one are used through YAML anchors); nothing to map")
+    return flags
 
 
 def _map_launcher(state: _Flags, launch: Launch) -> int | None:
@@ -438,7 +499,12 @@ def _map_launcher(state: _Flags, launch: Launch) -> int | None:
 
 
 def _map_entry_script(state: _Flags, launch: Launch, import_root: Path | None) -> set[str]:
-    """The seed functions the entry script defines, named by import path; returns their names."""
+    """The seed functions the entry script defines, named by import path; returns their names.
+
+    MindSpeed MM's own entry script (``pretrain_transformers.py``, or one whose ``model_provider`` builds
+    ``TransformersModel`` from ``args.mm.model`` and whose provider calls ``build_mm_dataset``) reads Megatron's
+    globals: those functions are replaced by lightning-mm's built-ins instead of being named.
+    """
     cfg, out = state.cfg, state.out
     if not launch.script:
         return set()
@@ -448,21 +514,43 @@ def _map_entry_script(state: _Flags, launch: Launch, import_root: Path | None) -
         import_root = Path.cwd() if script.is_relative_to(Path.cwd().resolve()) else script.parent
     out.import_root = Path(import_root).resolve()
     module = _module_path(script, out.import_root) if script.is_relative_to(out.import_root) else script.stem
+    if Path(launch.script).name in MINDSPEED_ENTRY_SCRIPTS:
+        state.values["builtin_model"] = state.values["builtin_data"] = True
+        out.import_root = None
+        out.notes.append(f"{launch.script}: MindSpeed MM's own entry script; its model_provider, forward_step and "
+                         f"datasets provider become {TRANSFORMERS_MODULE.rsplit('.', 1)[1]} (TransformersModel from "
+                         "the model config) and MMDataModule(data_config)")
+        return set()
     if defined is None:
-        out.unmapped.append(f"{launch.script}: entry script not found or not Python ({script}); add "
+        out.import_root = None
+        out.unmapped.append(f"{launch.script}: entry script not found ({script}); add "
                             "model.init_args.model_provider / forward_step by hand")
         return set()
-    functions = defined & set(SEED_FUNCTIONS)
+    functions = set(defined) & set(SEED_FUNCTIONS)
     if "forward_step" in functions:  # forward_step calls get_batch and returns loss_func itself
         functions -= {"get_batch", "loss_func"}
+    if "TransformersModel" in defined.get("model_provider", set()) and "mm" in defined["model_provider"]:
+        state.values["builtin_model"] = True  # TransformersModel(args.mm.model): the model config is used
+        functions.discard("model_provider")
+        out.notes.append(f"{launch.script}: model_provider builds TransformersModel from --mm-model; the model "
+                         "config is written instead")
+    provider = defined.get("train_valid_test_datasets_provider", set())
+    if "build_mm_dataset" in provider:
+        state.values["builtin_data"] = True  # MindSpeed MM's dataset from --mm-data: MMDataModule(data_config)
+        functions.discard("train_valid_test_datasets_provider")
+        out.notes.append(f"{launch.script}: train_valid_test_datasets_provider builds MindSpeed MM's dataset from "
+                         "--mm-data; MMDataModule(data_config) reads that file instead")
     for fn in sorted(functions, key=list(SEED_FUNCTIONS).index):
         _set(cfg, SEED_FUNCTIONS[fn], f"{module}.{fn}")
         out.mapped.append(f"{launch.script}: {fn} -> {SEED_FUNCTIONS[fn]} = {module}.{fn}")
     if functions:
         out.notes.append(f"the entry script's functions are imported as `{module}`: run lightning-mm from "
                          f"{out.import_root} (remove Megatron globals such as get_args() from them)")
-    for fn in sorted({"model_provider"} - functions):
-        out.unmapped.append(f"{launch.script}: defines no `{fn}`; set {SEED_FUNCTIONS[fn]} by hand")
+    else:
+        out.import_root = None
+    if "model_provider" not in functions and not state.values.get("builtin_model"):
+        out.unmapped.append(f"{launch.script}: defines no `model_provider`; set {SEED_FUNCTIONS['model_provider']} "
+                            "by hand")
     return functions
 
 
@@ -510,34 +598,118 @@ def _map_checkpointing(state: _Flags) -> None:
         out.unmapped.append(f"--load {values['load']}: differs from --save; set ckpt_path to the checkpoint")
 
 
-def _map_data(state: _Flags, launch: Launch, functions: set[str]) -> None:
-    """--mm-data, unless the entry script's dataset provider reads it."""
+def _map_model(state: _Flags, launch: Launch, functions: set[str]) -> None:
+    """--mm-model (or the single YAML's ``model:``): a TransformersModel config, unless the entry script's own
+    model_provider is used."""
     out = state.out
+    if "mm_model" not in state.values:
+        if state.values.get("builtin_model"):
+            out.unmapped.append("no --mm-model (model.json): set model.init_args.transformers_model by hand")
+        return
+    shown, path, section = state.values["mm_model"]
+    if "model_provider" in functions:
+        out.unmapped.append(f"{shown}: read by the entry script's model_provider, which is used instead; build "
+                            "TransformersModel in it, or drop model_provider and give the model config "
+                            "(docs/migration.md)")
+        return
+    if section is None:
+        if not path.is_file():
+            out.unmapped.append(f"{shown}: {path} does not exist; set model.init_args.transformers_model by hand")
+            return
+        section = _load_yaml(path)
+    from lightning_mm.hf.mindspeed_model import transformers_model_config
+
+    source = f"{path} (model)" if path.suffix.lower() in (".yaml", ".yml") else str(path)
+    converted = transformers_model_config(section, source, state.base)
+    model = state.cfg["model"]
+    model["class_path"] = TRANSFORMERS_MODULE
+    model["init_args"] = {"transformers_model": converted.config, **model["init_args"]}
+    out.mapped.append(f"{shown} -> model: {TRANSFORMERS_MODULE} with transformers_model {converted.config}")
+    out.mapped += [f"  {shown} {item}" for item in converted.mapped]
+    out.notes += [f"{shown} {item} (not applicable)" for item in converted.not_applicable]
+    out.unmapped += [f"{shown} {item}" for item in converted.unmapped]
+
+
+def _map_data(state: _Flags, launch: Launch, functions: set[str]) -> None:
+    """--mm-data (or the single YAML's ``data:``) as MMDataModule's data_config, unless the entry script's own
+    dataset provider reads it."""
+    out = state.out
+    provider = "train_valid_test_datasets_provider" in functions
     if "mm_data" in state.values:
         shown, data_path = state.values["mm_data"]
-        if "train_valid_test_datasets_provider" in functions:
+        if provider:
             out.unmapped.append(f"{shown}: read by the entry script's train_valid_test_datasets_provider, which is "
-                                "used instead; pass the file to it, or turn it into a lightning-mm data config "
-                                "(docs/migration.md)")
+                                "used instead; pass the file to it, or drop the provider to use the file as "
+                                "MMDataModule's data_config (docs/migration.md)")
         elif data_path.is_file():
             _set(state.cfg, "data.init_args.data_config", str(data_path))
-            out.mapped.append(f"{shown} -> data.init_args.data_config ({data_path}; check it against lightning-mm's "
-                              "data config format, docs/migration.md)")
+            out.mapped.append(f"{shown} -> data.init_args.data_config ({data_path})")
+            out.run_from = state.base
+            out.notes.append(f"{shown}: relative paths inside it are taken from the directory lightning-mm runs in, "
+                             f"as MindSpeed MM takes them from its launch directory: run from {state.base}")
         else:
             out.unmapped.append(f"{shown}: {data_path} does not exist and the entry script defines no "
                                 "train_valid_test_datasets_provider; set data.init_args by hand")
-    elif launch.script and "train_valid_test_datasets_provider" not in functions:
+    elif launch.script and not provider:
         out.unmapped.append("no --mm-data and no train_valid_test_datasets_provider in the entry script; "
                             "set data.init_args by hand")
+    if "mbs" in state.values and provider:
+        out.notes.append(f"--micro-batch-size {state.values['mbs']} -> data.init_args.batch_size: the batch size of "
+                         "the Datasets the provider returns; a DataLoader it returns must have this batch size "
+                         "(MMDataModule checks it at setup), or the global batch would differ from "
+                         "--global-batch-size")
+
+
+_PATH_FLAGS = ("--mm-data", "--mm-model", "--fsdp2-config-path")
+
+
+def _launch_dir(script: Path, launch: Launch) -> tuple[Path, str]:
+    """Where a launch script's relative paths start, and why: the script's folder, unless more of the files the
+    launch names (its YAML, entry script, --mm-data, --mm-model, --fsdp2-config-path) are found from the working
+    directory, as MindSpeed MM's scripts are run (``bash examples/qwen3vl/finetune_qwen3vl_8B.sh`` from its
+    repository root)."""
+    folder, cwd = script.resolve().parent, Path.cwd().resolve()
+    named = [n for n in (launch.config_yaml, launch.script) if n]
+    named += [value for flag, value in launch.flags if flag in _PATH_FLAGS and value]
+    from_folder = [n for n in named if (folder / n).exists()]
+    from_cwd = [n for n in named if (cwd / n).exists()]
+    if folder != cwd and len(from_cwd) > len(from_folder):
+        return cwd, f"{', '.join(from_cwd)} found from the working directory, not from the script's folder"
+    return folder, "the script's folder"
+
+
+def _write_output(output: Path, text: str, inputs: list[Path], force: bool) -> None:
+    """Write ``text`` to ``output`` atomically; never over an input, nor over an existing file without ``force``."""
+    target = output.resolve()
+    for source in inputs:
+        if source.exists() and (target == source.resolve() or (output.exists() and os.path.samefile(output, source))):
+            raise MigrateError(f"-o {output} is the input {source}; migrate never overwrites its input")
+    if output.is_dir():
+        raise MigrateError(f"-o {output} is a directory; give a file name")
+    if output.exists() and not force:
+        raise MigrateError(f"-o {output} exists; pass --force to overwrite it")
+    if not target.parent.is_dir():
+        raise MigrateError(f"-o {output}: the directory {target.parent} does not exist")
+    fd, tmp = tempfile.mkstemp(prefix=f".{target.name}.", suffix=".tmp", dir=target.parent)
+    try:
+        with os.fdopen(fd, "w", encoding="utf-8") as handle:
+            handle.write(text)
+        os.replace(tmp, target)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
 
 
 def main(argv: Sequence[str]) -> int:
     parser = argparse.ArgumentParser(prog="lightning-mm migrate", description=__doc__.splitlines()[0])
-    parser.add_argument("script", nargs="?", help="a MindSpeed MM / Megatron launch script (.sh)")
-    parser.add_argument("-o", "--output", help="write the YAML here (default: standard output)")
+    parser.add_argument("script", nargs="?",
+                        help="a MindSpeed MM / Megatron launch script (.sh), or MindSpeed MM's single YAML (.yaml)")
+    parser.add_argument("-o", "--output", help="write the YAML here (default: standard output); never the input")
+    parser.add_argument("--force", action="store_true", help="overwrite an existing output file")
     parser.add_argument("--base-dir", default=None,
-                        help="directory the launch's relative paths start from (default: the script's folder; with "
-                             "a flag list, the working directory)")
+                        help="the launch directory, where the launch's relative paths start (default: the script's "
+                             "folder, or the working directory when the files the script names are found only "
+                             "there; for a YAML or a flag list, the working directory)")
     parser.add_argument("--import-root", default=None,
                         help="directory lightning-mm will run from, where the entry script's import path starts "
                              "(default: the working directory if the script lies below it, else the script's folder)")
@@ -552,27 +724,51 @@ def main(argv: Sequence[str]) -> int:
     args = parser.parse_args(argv)
     if bool(args.script) == bool(flags):
         parser.error("give a launch script, or `--` followed by the flags (one of them)")
+    import_root = Path(args.import_root) if args.import_root else None
+    inputs: list[Path] = []
+    notes: list[str] = []
     if args.script:
         path = Path(args.script)
         if not path.is_file():
             parser.error(f"launch script not found: {path}")
+        inputs.append(path)
         if path.suffix == ".py":
             parser.error(f"{path} is the entry script; give the shell script that launches it (torchrun ... "
                          f"{path.name} ...), or its training flags after `--`")
-        launch = parse_script(path.read_text())
-        base_dir = Path(args.base_dir) if args.base_dir else path.resolve().parent
+        if path.suffix.lower() in (".yaml", ".yml"):
+            base_dir = Path(args.base_dir) if args.base_dir else Path.cwd()
+            notes.append(f"relative paths are taken from {base_dir.resolve()} (the launch directory; --base-dir)")
+            result = migrate_yaml(path, base_dir=base_dir, keep_backend=args.keep_backend)
+        else:
+            launch = parse_script(read_text_file(path, "a launch script"), str(path))
+            if args.base_dir:
+                base_dir, why = Path(args.base_dir), "--base-dir"
+            else:
+                base_dir, why = _launch_dir(path, launch)
+            notes.append(f"relative paths are taken from {base_dir.resolve()} ({why})")
+            single = None
+            if launch.config_yaml:
+                yaml_path = (base_dir / launch.config_yaml).resolve()
+                if not yaml_path.is_file():
+                    raise MigrateError(f"{path}: the launch's YAML {launch.config_yaml} is not found at {yaml_path}; "
+                                       "give the launch directory with --base-dir")
+                inputs.append(yaml_path)
+                single = (yaml_path, _load_yaml(yaml_path))
+            result = migrate(launch, base_dir=base_dir, import_root=import_root, keep_backend=args.keep_backend,
+                             single_yaml=single)
     else:
         launch = parse_args(flags)
         base_dir = Path(args.base_dir) if args.base_dir else None
-    import_root = Path(args.import_root) if args.import_root else None
-    result = migrate(launch, base_dir=base_dir, import_root=import_root, keep_backend=args.keep_backend)
+        result = migrate(launch, base_dir=base_dir, import_root=import_root, keep_backend=args.keep_backend)
+    result.notes[:0] = notes
     header = f"# Generated by `lightning-mm migrate` from {args.script or 'a flag list'}. Review the report.\n"
-    if result.import_root is not None:
-        header += (f"# Run from {result.import_root}: lightning-mm fit --config "
+    run_from = result.import_root or result.run_from
+    if run_from is not None:
+        header += (f"# Run from {Path(run_from).resolve()}: lightning-mm fit --config "
                    f"{Path(args.output).resolve() if args.output else 'THIS_FILE'}\n")
     text = header + yaml.safe_dump(result.config, sort_keys=False)
     if args.output:
-        Path(args.output).write_text(text)
+        _write_output(Path(args.output), text, inputs, args.force)
         print(f"wrote {args.output}", file=sys.stderr)
     else:
         print(text)

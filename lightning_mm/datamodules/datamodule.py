@@ -93,6 +93,7 @@ class MMDataModule(L.LightningDataModule):
         if self.provider is None and self.config is None and self.mindspeed_config is None:
             self._splits = dict(zip(_SPLITS, (train_dataset, val_dataset, test_dataset)))
         self.batch_size: int = settings["batch_size"]
+        self._given_batch_size = batch_size  # checked against DataLoaders given or returned by the provider
         self.num_workers: int = settings["num_workers"]
         self.pin_memory: bool = settings["pin_memory"]
         self.shuffle: bool = settings["shuffle"]
@@ -100,6 +101,7 @@ class MMDataModule(L.LightningDataModule):
         self.seed: int = settings["seed"]
         self.collate_fn = collate_fn
         self.reports: dict[str, Any] = {}
+        self._check_loader_batch_size("given to MMDataModule")
 
     @classmethod
     def from_config(cls, path: str | os.PathLike, **overrides: Any) -> MMDataModule:
@@ -128,6 +130,19 @@ class MMDataModule(L.LightningDataModule):
                 f"got {type(result).__name__}"
             )
         self._splits = dict(zip(_SPLITS, result))
+        self._check_loader_batch_size("that train_valid_test_datasets_provider returns")
+
+    def _check_loader_batch_size(self, origin: str) -> None:
+        """A DataLoader keeps its own batch size: an explicit ``batch_size`` must agree with it, or the global batch
+        (and ``accumulate_grad_batches`` derived from it) would silently differ."""
+        if self._given_batch_size is None or self._splits is None:
+            return
+        for split, loader in self._splits.items():
+            if isinstance(loader, DataLoader) and loader.batch_size != self._given_batch_size:
+                size = "set by its batch_sampler" if loader.batch_size is None else loader.batch_size
+                raise ValueError(
+                    f"MMDataModule: batch_size={self._given_batch_size}, but the {split} DataLoader {origin} has "
+                    f"batch size {size}; a DataLoader keeps its own, so make the two agree (or drop batch_size)")
 
     def _from_config(self) -> dict[str, Any]:
         from lightning_mm.datamodules.mm_dataset import MMCollator, MMDataset, load_processor, load_tokenizer

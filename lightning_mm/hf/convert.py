@@ -9,6 +9,9 @@ safetensors shard at a time; ``hf_to_dcp`` streams tensors from the HF files int
 from __future__ import annotations
 
 import json
+import math
+import re
+import shutil
 from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
@@ -43,33 +46,121 @@ from lightning_mm.checkpoint.store import _single_process_quiet, _write_file, op
 from lightning_mm.hf.export import HFLayout, hf_layout
 from lightning_mm.hf.records import choose_record
 
-__all__ = ["dcp_to_hf", "hf_to_dcp", "parse_size"]
+__all__ = ["dcp_to_hf", "hf_to_dcp", "parse_size", "read_config_json", "side_files", "ConvertError"]
 
 _DTYPES = {"fp32": torch.float32, "float32": torch.float32, "bf16": torch.bfloat16, "bfloat16": torch.bfloat16,
            "fp16": torch.float16, "float16": torch.float16}
 
 
+class ConvertError(ValueError):
+    """Bad input to a converter (a size, a config file, a directory); the message names it."""
+
+
+_SIZE = re.compile(r"^\s*(\d+(?:\.\d*)?(?:e[+-]?\d+)?)\s*(B|KB|MB|GB|TB|KIB|MIB|GIB|TIB)?\s*$", re.IGNORECASE)
+_UNITS = {"B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12, "KIB": 2**10, "MIB": 2**20, "GIB": 2**30,
+          "TIB": 2**40}
+
+
 def parse_size(text: str) -> int:
-    """``"5GB"``, ``"500MB"``, ``"1024"`` -> bytes."""
-    units = {"KB": 10**3, "MB": 10**6, "GB": 10**9, "KIB": 2**10, "MIB": 2**20, "GIB": 2**30, "B": 1}
-    upper = text.strip().upper()
-    for unit in sorted(units, key=len, reverse=True):
-        if upper.endswith(unit):
-            return int(float(upper[: -len(unit)]) * units[unit])
-    return int(upper)
+    """``"5GB"``, ``"500MB"``, ``"1.5GiB"``, ``"1024"`` -> bytes: a positive, finite number of bytes, else an error
+    (``inf``, ``nan``, ``0``, ``-1``, ``5XB`` and ``1e400GB`` are refused)."""
+    match = _SIZE.match(str(text))
+    if match is None:
+        raise ConvertError(f"--max-shard-size {text!r}: expected a positive size such as 5GB, 500MB, 2GiB or 1048576 "
+                           f"(units {', '.join(_UNITS)})")
+    number = float(match.group(1)) * _UNITS[(match.group(2) or "B").upper()]
+    if not math.isfinite(number) or number < 1:
+        raise ConvertError(f"--max-shard-size {text!r}: must be a finite size of at least 1 byte")
+    return int(number)
+
+
+def read_config_json(path: Path) -> dict[str, Any]:
+    """A ``config.json``: a JSON object whose ``model_type`` is a string and ``architectures`` a list of strings;
+    anything else is a one-line error naming the file."""
+    if not path.is_file():
+        raise ConvertError(f"{path}: no config.json there")
+    config = _json_mapping(path)
+    if "model_type" in config and not isinstance(config["model_type"], str):
+        raise ConvertError(f"{path}: `model_type` must be a string, got {config['model_type']!r}")
+    architectures = config.get("architectures")
+    if architectures is not None and (not isinstance(architectures, list)
+                                      or not all(isinstance(a, str) for a in architectures)):
+        raise ConvertError(f"{path}: `architectures` must be a list of class names, got {architectures!r}")
+    return config
+
+
+def _json_mapping(path: Path) -> dict[str, Any]:
+    try:
+        data = json.loads(path.read_text(encoding="utf-8"))
+    except UnicodeDecodeError as err:
+        raise ConvertError(f"{path}: not UTF-8 text ({err.reason} at byte {err.start})") from None
+    except json.JSONDecodeError as err:
+        raise ConvertError(f"{path}:{err.lineno}: not valid JSON: {err.msg}") from None
+    except (RecursionError, ValueError) as err:
+        raise ConvertError(f"{path}: not valid JSON: {str(err)[:200] or type(err).__name__}") from None
+    if not isinstance(data, dict):
+        raise ConvertError(f"{path}: must hold a JSON object, got {type(data).__name__}")
+    return data
+
+
+# The files of a pretrained directory that a converted one needs besides its weights and config.json: tokenizer,
+# processor, chat template and generation config (AutoTokenizer / AutoProcessor / generate read them).
+_SIDE_FILE = re.compile(
+    r"^(tokenizer(_config)?\.json|tokenizer\.model|special_tokens_map\.json|added_tokens\.json|vocab\.(json|txt)|"
+    r"merges\.txt|spiece\.model|sentencepiece\.bpe\.model|.*\.tiktoken|(.+_)?preprocessor_config\.json|"
+    r"processor_config\.json|chat_template\.(json|jinja)|generation_config\.json)$")
+_SIDE_DIRS = ("additional_chat_templates",)
+
+
+def side_files(pretrained: Path) -> list[Path]:
+    """The tokenizer, processor, chat template and generation config files of a pretrained directory (no
+    weights, no config.json), relative to it."""
+    found = [Path(f.name) for f in sorted(pretrained.iterdir()) if f.is_file() and _SIDE_FILE.match(f.name)]
+    for name in _SIDE_DIRS:
+        folder = pretrained / name
+        if folder.is_dir():
+            found += [Path(name) / f.name for f in sorted(folder.iterdir()) if f.is_file()]
+    return found
+
+
+def _copy_side_files(pretrained: Path, directory: Path) -> None:
+    for relative in side_files(pretrained):
+        (directory / relative).parent.mkdir(exist_ok=True)
+        shutil.copyfile(pretrained / relative, directory / relative)  # a new file: the umask's mode
+
+
+def _pretrained_source(record: dict[str, Any], hf_config: dict[str, Any], explicit: str | Path | None,
+                       notes: list[str] | None) -> Path | None:
+    """Where the side files come from: ``explicit`` (must be a directory), else the pretrained directory the
+    checkpoint records, when it still exists."""
+    if explicit is not None:
+        path = Path(explicit)
+        if not path.is_dir():
+            raise ConvertError(f"--pretrained-dir {explicit}: not a directory")
+        return path
+    recorded = record.get("pretrained") or hf_config.get("_name_or_path") or None
+    if recorded and Path(recorded).is_absolute() and Path(recorded).is_dir():
+        return Path(recorded)
+    if notes is not None:
+        notes.append(f"the checkpoint's pretrained directory {recorded} no longer exists" if recorded else
+                     "the checkpoint records no pretrained directory")
+        notes[-1] += ("; no tokenizer, processor or chat template files were copied (give --pretrained-dir for "
+                      "AutoTokenizer / AutoProcessor to load the output)")
+    return None
 
 
 # --------------------------------------------------------------------------------------------- to HF
 def _hf_config(source_meta: dict[str, Any], source: str, prefix: str | None, config: str | Path | None) -> tuple[
-        str, dict[str, Any]]:
+        str, dict[str, Any], dict[str, Any], str]:
+    """The prefix, HF config, record and the name of the config's origin (for messages)."""
     if config is not None:
         path = Path(config)
         path = path / "config.json" if path.is_dir() else path
         if not path.is_file():
             raise FileNotFoundError(f"--config: no config.json at {config}")
-        return (prefix if prefix is not None else "model."), json.loads(path.read_text())
+        return (prefix if prefix is not None else "model."), read_config_json(path), {}, str(path)
     record = choose_record((source_meta.get(EXTRA_KEY) or {}).get("hf") or [], prefix, source)
-    return record["prefix"], json.loads(record["config"])
+    return record["prefix"], json.loads(record["config"]), record, source
 
 
 def _file_keys(stored: dict[str, str], layout: HFLayout, src: str | Path) -> dict[str, str]:
@@ -103,6 +194,8 @@ def dcp_to_hf(
     dtype: str | None = None,
     max_shard_size: int = 5 * 10**9,
     config: str | Path | None = None,
+    pretrained_dir: str | Path | None = None,
+    notes: list[str] | None = None,
 ) -> Path:
     """Write the Hugging Face model of a checkpoint as ``save_pretrained`` would write it.
 
@@ -112,9 +205,16 @@ def dcp_to_hf(
     shards (see :mod:`.hf_export`). ``dtype`` (fp32, bf16, fp16) casts floating tensors. Tensors are streamed
     shard by shard, except for a model whose ``save_pretrained`` converts tensors (e.g. Qwen3-MoE's fused experts,
     saved one per expert): its tensors are read whole and converted by Transformers' own save-time steps.
+
+    The tokenizer, processor, chat template and generation config files (:func:`side_files`) are copied from
+    ``pretrained_dir``, or else from the pretrained directory the checkpoint records (``init_from_hf_path``) when
+    it still exists; ``notes`` receives a line when neither is there. A failed write (e.g. a full disk) leaves no
+    partial directory and raises :class:`~lightning_mm.checkpoint.errors.CheckpointWriteError` naming the output.
     """
 
     out = Path(out_dir)
+    if not isinstance(max_shard_size, int) or isinstance(max_shard_size, bool) or max_shard_size < 1:
+        raise ConvertError(f"max_shard_size must be a positive number of bytes, got {max_shard_size!r}")
     check_output(out)
     cast = None
     if dtype is not None:
@@ -122,15 +222,16 @@ def dcp_to_hf(
             raise ValueError(f"--dtype must be one of {sorted(_DTYPES)}, got {dtype!r}")
         cast = _DTYPES[dtype]
     source = open_source(src)
-    prefix, hf_config = _hf_config(source.meta, str(src), prefix, config)
+    prefix, hf_config, record, origin = _hf_config(source.meta, str(src), prefix, config)
+    pretrained = _pretrained_source(record, hf_config, pretrained_dir, notes)
     start = model_key(prefix)
     stored = {k[len(start):]: k for k in source.shapes if k.startswith(start)}
     if not stored:
         available = sorted({k.split(SEP, 1)[1].split(".", 1)[0] for k in source.shapes if k.startswith("state_dict")})
         raise ValueError(f"{src}: no model key starts with {prefix!r} (top-level modules: {available})")
-    layout = hf_layout(hf_config, str(src))
+    layout = hf_layout(hf_config, origin)
     if layout.converted:
-        return _write_converted(source, stored, layout, src, out, cast, max_shard_size)
+        return _write_converted(source, stored, layout, src, out, cast, max_shard_size, pretrained)
     names = {key: file_key for file_key, key in _file_keys(stored, layout, src).items()}
 
     shards: list[list[str]] = [[]]
@@ -146,18 +247,20 @@ def dcp_to_hf(
     floating = [source.dtypes[k] for k in names if source.dtypes[k].is_floating_point]
     config_dtype = cast if cast is not None else (floating[0] if floating else None)
 
-    partial = atomic.partial_path(out)
-    partial.mkdir()
-    layout.save_side_files(partial, config_dtype)
-    # safetensors creates its files owner-only (0600); they get the mode of any new file here (the umask's).
-    mode = (partial / "config.json").stat().st_mode & 0o777
-
     def read(keys: list[str]) -> dict[str, torch.Tensor]:  # one shard at a time, under its file keys
         tensors = source.read_full(keys)
         return {names[k]: (t.to(cast) if cast is not None and t.is_floating_point() else t) for k, t in tensors.items()}
 
-    _write_shards(partial, (read(keys) for keys in shards), len(shards), mode)
-    atomic.fsync_dir(partial)
+    partial = atomic.partial_path(out)
+    with writing(partial, out):
+        partial.mkdir()
+        layout.save_side_files(partial, config_dtype)
+        # safetensors creates its files owner-only (0600); they get the mode of any new file here (the umask's).
+        mode = (partial / "config.json").stat().st_mode & 0o777
+        _write_shards(partial, (read(keys) for keys in shards), len(shards), mode)
+        if pretrained is not None:
+            _copy_side_files(pretrained, partial)
+        atomic.fsync_dir(partial)
     atomic.commit(partial, out)
     return out
 
@@ -181,7 +284,7 @@ def _write_shards(directory: Path, shards: Iterable[dict[str, torch.Tensor]], co
 
 
 def _write_converted(source: Any, stored: dict[str, str], layout: HFLayout, src: str | Path, out: Path,
-                     cast: torch.dtype | None, max_shard_size: int) -> Path:
+                     cast: torch.dtype | None, max_shard_size: int, pretrained: Path | None) -> Path:
     """``dcp_to_hf`` for a model whose ``save_pretrained`` converts tensors (e.g. Qwen3-MoE's fused experts are
     saved one tensor per expert): the model's tensors are read whole, converted by Transformers' own save-time
     steps, then written. Needs the model's size in memory, unlike the streaming path."""
@@ -207,11 +310,14 @@ def _write_converted(source: Any, stored: dict[str, str], layout: HFLayout, src:
         size += nbytes
     floating = [t.dtype for t in saved.values() if t.is_floating_point()]
     partial = atomic.partial_path(out)
-    partial.mkdir()
-    layout.save_side_files(partial, floating[0] if floating else None)
-    mode = (partial / "config.json").stat().st_mode & 0o777  # as the streaming path: not safetensors' 0600
-    _write_shards(partial, shards, len(shards), mode)
-    atomic.fsync_dir(partial)
+    with writing(partial, out):
+        partial.mkdir()
+        layout.save_side_files(partial, floating[0] if floating else None)
+        mode = (partial / "config.json").stat().st_mode & 0o777  # as the streaming path: not safetensors' 0600
+        _write_shards(partial, shards, len(shards), mode)
+        if pretrained is not None:
+            _copy_side_files(pretrained, partial)
+        atomic.fsync_dir(partial)
     atomic.commit(partial, out)
     return out
 
@@ -335,7 +441,7 @@ def hf_to_dcp(hf_dir: str | Path, dst: str | Path, prefix: str = "model.") -> Pa
     config_file = hf_dir / "config.json"
     if not config_file.is_file():
         raise FileNotFoundError(f"{hf_dir}: no config.json (is this a Hugging Face model directory?)")
-    config = json.loads(config_file.read_text())
+    config = read_config_json(config_file)
     hf = _HFTensors(hf_dir)
     rename = _checkpoint_renamer(config) if config.get("model_type") else None
     keys = {}
@@ -357,7 +463,7 @@ def hf_to_dcp(hf_dir: str | Path, dst: str | Path, prefix: str = "model.") -> Pa
             "manifest": MANIFEST_FILE,
             "ranks": [], "source": str(hf_dir),
             "hf": [{"prefix": prefix, "architecture": architectures[0] if architectures else None,
-                    "config": json.dumps(config)}],
+                    "config": json.dumps(config), "pretrained": str(hf_dir.resolve())}],
         },
     }
     check_weights_only(meta)

@@ -65,7 +65,7 @@ def _model_class(config: dict[str, Any], where: str) -> type:
     import transformers
 
     architecture = (config.get("architectures") or [None])[0]
-    cls = getattr(transformers, architecture, None) if architecture else None
+    cls = getattr(transformers, architecture, None) if isinstance(architecture, str) else None
     if isinstance(cls, type) and issubclass(cls, transformers.PreTrainedModel):
         return cls
     from lightning_mm.hf.hub import ModelHub, ModelHubError
@@ -82,13 +82,20 @@ def hf_layout(config: dict[str, Any], where: str) -> HFLayout:
     from transformers.core_model_loading import revert_weight_conversion
     from transformers.modeling_utils import remove_tied_weights_from_state_dict
 
-    if not config.get("model_type"):
-        raise ValueError(f"{where}: the model config has no 'model_type'")
+    if not isinstance(config, dict):
+        raise ValueError(f"{where}: the model config must be a JSON object, got {type(config).__name__}")
+    if not config.get("model_type") or not isinstance(config["model_type"], str):
+        raise ValueError(f"{where}: the model config has no 'model_type' string")
     cls = _model_class(config, where)
     fields = {k: v for k, v in json.loads(json.dumps(config)).items() if k != "model_type"}
-    hf_config = AutoConfig.for_model(config["model_type"], **fields)
-    with torch.device("meta"):
-        model = cls(hf_config)
+    try:
+        hf_config = AutoConfig.for_model(config["model_type"], **fields)
+        with torch.device("meta"):
+            model = cls(hf_config)
+    except Exception as err:  # Transformers validates fields in its own ways (e.g. huggingface_hub's strict fields)
+        message = " ".join(str(err).split())
+        raise ValueError(f"{where}: cannot build {cls.__name__} from this config ({type(err).__name__}: "
+                         f"{message[:300]}); check its fields' types") from err
     hf_config.architectures = list(config.get("architectures") or [cls.__name__])
     state = model.state_dict(keep_vars=True)  # tied names share one Parameter object
     names = names_by_tensor(state.items())

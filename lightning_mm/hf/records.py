@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import sys
+from pathlib import Path
 from typing import Any
 
 from torch import nn
@@ -24,8 +25,10 @@ def hf_records(root: nn.Module) -> list[dict[str, Any]]:
     """One record per top-most ``transformers.PreTrainedModel`` inside ``root``.
 
     Each holds the key ``prefix`` of the model in the LightningModule's state dict (``model.`` for an
-    MMLightningModule), its ``architecture`` and its ``config`` (JSON text). Nothing is recorded (and transformers
-    is not imported) when no transformers model is in use.
+    MMLightningModule), its ``architecture``, its ``config`` (JSON text) and ``pretrained``: the local directory
+    it was loaded from (TransformersModel's ``init_from_hf_path``, as its config's ``name_or_path`` says), or
+    ``None``; ``dcp-to-hf`` copies the tokenizer and processor files from there. Nothing is recorded (and
+    transformers is not imported) when no transformers model is in use.
     """
     transformers = sys.modules.get("transformers")
     if transformers is None:
@@ -41,12 +44,22 @@ def hf_records(root: nn.Module) -> list[dict[str, Any]]:
         architecture = _architecture(module)
         config = json.loads(module.config.to_json_string(use_diff=False))
         config["architectures"] = [architecture]
-        record = {"prefix": prefix, "architecture": architecture, "config": json.dumps(config)}
+        record = {"prefix": prefix, "architecture": architecture, "config": json.dumps(config),
+                  "pretrained": _pretrained_directory(module)}
         lora = lora_record(module)
         if lora is not None:
             record["lora"] = lora
         records.append(record)
     return records
+
+
+def _pretrained_directory(module: nn.Module) -> str | None:
+    """The local directory a model was loaded from (``from_pretrained`` sets its config's ``name_or_path``)."""
+    name = getattr(module.config, "name_or_path", None)
+    if not isinstance(name, str) or not name:
+        return None
+    path = Path(name)
+    return str(path.resolve()) if path.is_dir() and (path / "config.json").is_file() else None
 
 
 def lora_record(module: nn.Module) -> dict[str, Any] | None:
