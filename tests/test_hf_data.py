@@ -24,7 +24,7 @@ from PIL import Image
 from lightning_mm import MMDataModule
 from lightning_mm.datamodules.data_config import DataConfigError
 from lightning_mm.datamodules.records import DataError
-from tests.tiny_vlms import write_tiny_vlm
+from tests.tiny_vlms import FAMILIES, write_tiny_vlm
 
 ROOT = Path(__file__).resolve().parents[1]
 TEMPLATE = {"qwen2_5_vl": "qwen2vl", "qwen3_vl": "qwen3_vl_nothink"}
@@ -516,20 +516,22 @@ def _collate_reference(samples: list[dict], pad: int) -> dict[str, torch.Tensor]
     return batch
 
 
-def test_two_rank_training_equals_plain_transformers(tmp_path):
+@pytest.mark.parametrize("family", ["qwen2_5_vl", "qwen3_vl"])
+def test_two_rank_training_equals_plain_transformers(tmp_path, family):
     """TransformersModel under MMFSDP2Strategy on 2 ranks, fed by a MindSpeed MM data.json, against one process
     of plain Transformers (same AdamW, the same global batches in the unshuffled sampler order): per-step losses
     at fp32 relative 1e-5."""
     import transformers
 
-    model_dir = write_tiny_vlm(tmp_path / "model", "qwen2_5_vl", seed=3, init_std=0.3)  # positions matter
-    _write(tmp_path, _absolute(_config(model_dir, "qwen2_5_vl"), tmp_path), PARITY_RECORDS)
+    model_dir = write_tiny_vlm(tmp_path / "model", family, seed=3, init_std=0.3)  # positions matter
+    _write(tmp_path, _absolute(_config(model_dir, family), tmp_path), PARITY_RECORDS)
     ranks = _run_scenario("parity", tmp_path)
 
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
-        model = transformers.Qwen2_5_VLForConditionalGeneration.from_pretrained(model_dir, dtype=torch.float32)
+        model_class = getattr(transformers, FAMILIES[family]["model"])
+        model = model_class.from_pretrained(model_dir, dtype=torch.float32)
         model.train()
         optimizer = torch.optim.AdamW(model.parameters(), lr=5e-3, weight_decay=0.0)
         pad = _reference_processor(model_dir).tokenizer.pad_token_id
