@@ -60,6 +60,7 @@ from lightning_mm.checkpoint.layout import (
     split_tensors,
 )
 from lightning_mm.checkpoint.optim_keys import PARAM_NAMES, saved_names, to_index_keyed
+from lightning_mm.checkpoint.records import check_records
 from lightning_mm.checkpoint.safe import (
     SafeFileSystemReader,
     SafeLoadPlanner,
@@ -605,6 +606,7 @@ def load(
         raise ValueError(f"{path} was written by a newer lightning-mm (checkpoint format "
                          f"{extra['format_version']}, this one reads up to {FORMAT_VERSION})")
     kind = extra.get("kind", KIND_TRAINING)
+    check_records(extra, model, str(path))  # e.g. LoRA settings that change what the adapters compute
     skipped = _load_model(source, model, strict, view)
     checkpoint = {k: v for k, v in source.meta.items() if k not in ("state_dict", "optimizer_states", EXTRA_KEY)}
     checkpoint.setdefault("state_dict", {})
