@@ -684,6 +684,8 @@ class MMFSDP2Strategy(ParallelStrategy):
             "rng_point": self._rng_point(),
             **ckpt.collect_records(lm),  # what other layers record (registered record providers)
         }
+        if self.checkpoint_format == "torch" and "optimizer_states" in checkpoint:  # what the indices stand for
+            extra[ckpt.OPTIMIZER_NAMES_KEY] = ckpt.optimizer_param_names(lm, self.optimizers)
         ckpt.save(checkpoint, path, self.checkpoint_format, extra, ckpt.capture_rng(self.root_device))
 
     @override
