@@ -132,7 +132,8 @@ class MMFSDP2Strategy(ParallelStrategy):
         stop_on_nonfinite: ``True`` (default): a NaN or infinite loss on any rank, or a non-finite global gradient
             norm, stops training on every rank before the optimizer step applies it, with a
             :class:`~lightning_mm.core.finite.NonFiniteError` naming the step and the rank(s) (the loss flags ride
-            in the gradient norm's reduction, which ``train/grad_norm`` and clipping reuse). ``False`` trains on.
+            in the gradient norm's reduction, which ``train/grad_norm`` and clipping reuse). ``False`` trains on
+            (e.g. with your own fp16 loss scaling, whose overflowing steps have infinite gradients by design).
 
     ``Trainer(sync_batchnorm=True)`` converts the BatchNorm layers to ``torch.nn.SyncBatchNorm`` before sharding (as
     DDP and FSDP do). ``StochasticWeightAveraging`` is refused at setup: its averaging mixes DTensor and plain
