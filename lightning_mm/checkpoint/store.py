@@ -459,8 +459,8 @@ def _saved_by_name(source: CheckpointSource, saved: Mapping[str, Any], current_g
     ``params``; those this project's ``torch`` files once added (before :data:`OPTIMIZER_NAMES_KEY`) are dropped.
     """
     extra = source.extra
-    recorded = (extra.get(OPTIMIZER_NAMES_KEY) or [None] * (index + 1))[index] \
-        if OPTIMIZER_NAMES_KEY in extra else None
+    record = extra.get(OPTIMIZER_NAMES_KEY)
+    recorded = record[index] if isinstance(record, list) and index < len(record) else None
     annotated = OPTIMIZER_NAMES_KEY not in extra and extra.get("format") == "torch"
     names = saved_names(saved, current_groups, where, recorded=recorded, annotated=annotated)
     stored: dict[str, str] = {}
