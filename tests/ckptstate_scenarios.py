@@ -17,6 +17,7 @@ import lightning as L
 import torch
 from lightning.pytorch.strategies import DDPStrategy
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict, get_optimizer_state_dict
+from torch.distributed.tensor import DTensor
 from torch.utils.data import DataLoader
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -58,6 +59,36 @@ def full_state(module: L.LightningModule, trainer: L.Trainer) -> dict[str, Any]:
     return {"model": model, "optimizers": optims, "global_step": trainer.global_step}
 
 
+def _local(value: Any) -> Any:
+    """A state with DTensors as their local shards (what this rank holds), for torch.save."""
+    if isinstance(value, dict):
+        return {k: _local(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return type(value)(_local(v) for v in value)
+    if isinstance(value, DTensor):
+        return value.to_local().detach().clone()
+    if isinstance(value, torch.Tensor):
+        return value.detach().clone()
+    return value
+
+
+def dump_optimizer_states(trainer: L.Trainer, work: Path, name: str, when: str) -> None:
+    """What ``trainer.strategy.optimizer_state`` returns, as Lightning's own round-trip tests take it: under
+    mm_fsdp2 in both layouts (``torch``: gathered, index-keyed, on rank 0; ``torch_dcp``: this rank's shards,
+    name-keyed), under another strategy its own. ``WORK/NAME.optstate.WHEN.VIEW.rankR.pt``."""
+    strategy, rank = trainer.strategy, trainer.global_rank
+    if isinstance(strategy, MMFSDP2Strategy):
+        kept = strategy.checkpoint_format
+        for fmt in ("torch", "torch_dcp"):
+            strategy.checkpoint_format = fmt
+            states = [_local(strategy.optimizer_state(o)) for o in trainer.optimizers]
+            torch.save(states, work / f"{name}.optstate.{when}.{fmt}.rank{rank}.pt")
+        strategy.checkpoint_format = kept
+    else:
+        states = [_local(strategy.optimizer_state(o)) for o in trainer.optimizers]
+        torch.save(states, work / f"{name}.optstate.{when}.own.rank{rank}.pt")
+
+
 class Record(L.Callback):
     """Per-step losses; the full state right after the restore (train start) and at the end."""
 
@@ -73,6 +104,7 @@ class Record(L.Callback):
     def on_train_start(self, trainer: L.Trainer, pl_module: Any) -> None:
         if trainer.global_step > 0:  # resumed (before any step, taking the state would create it for every param)
             self._dump(trainer, pl_module, "start")
+            dump_optimizer_states(trainer, self.work, self.name, "restored")
 
     def on_train_batch_end(self, trainer: L.Trainer, pl_module: Any, outputs: Any, batch: Any, idx: int) -> None:
         self.losses.append(float(outputs["loss"].detach()))
@@ -99,6 +131,7 @@ class SaveAt(L.Callback):
         state = full_state(pl_module, trainer)
         if trainer.global_rank == 0:
             torch.save(state, self.work / f"{self.name}.at{self.step}.pt")
+        dump_optimizer_states(trainer, self.work, self.name, "saved")
         strategy = trainer.strategy
         for fmt, path in self.paths.items():
             if isinstance(strategy, MMFSDP2Strategy):
@@ -174,12 +207,21 @@ def scenario_two(work: Path) -> None:
     # optimiser state (the vision tower's unused last layer).
     _, out["from_mm"] = fit(work, "from_mm", mm(LAYERS), STEPS, ckpt_path=str(work / "mm.ckpt"))
     _, out["from_mm_torch"] = fit(work, "from_mm_torch", mm(LAYERS), STEPS, ckpt_path=str(work / "mm.pt"))
+    # Resharded 1 -> 2: the checkpoints of a 1-rank mm_fsdp2 run (scenario "pre"), in both formats.
+    fit(work, "one_to_two", mm(LAYERS), SAVE_AT + 1, ckpt_path=str(work / "mm1.ckpt"))
+    fit(work, "one_to_two_torch", mm(LAYERS), SAVE_AT + 1, ckpt_path=str(work / "mm1.pt"))
     # trainer.test from a checkpoint, as evaluation scripts write it: inside a user's inference mode too (the model
     # is built, sharded and run there), giving the loss it gives outside.
     out["test_loss"] = evaluate(work, work / "mm.ckpt")
     with torch.inference_mode():
         out["test_loss_inference_mode"] = evaluate(work, work / "mm.ckpt")
     dump(work, "two", t.global_rank, out)
+
+
+def scenario_pre(work: Path) -> None:
+    """1 rank, before the 2-rank launch: mm_fsdp2 checkpoints at step 3 in both formats, for 1 -> 2."""
+    fit(work, "mm1", mm(LAYERS), SAVE_AT, devices=1, batch_size=4, use_distributed_sampler=False,
+        save_at_3={"torch_dcp": work / "mm1.ckpt", "torch": work / "mm1.pt"})
 
 
 def scenario_one(work: Path) -> None:
@@ -193,6 +235,7 @@ def scenario_one(work: Path) -> None:
     _, out["from_single"] = fit(work, "from_single", mm(), STEPS, ckpt_path=str(work / "single.ckpt"), **single)
     _, out["ddp_to_one"] = fit(work, "ddp_to_one", mm(), SAVE_AT + 1, devices=1, ckpt_path=str(work / "ddp.ckpt"))
     _, out["mm_to_one"] = fit(work, "mm_to_one", mm(LAYERS), SAVE_AT + 1, devices=1, ckpt_path=str(work / "mm.ckpt"))
+    fit(work, "mm_to_one_torch", mm(LAYERS), SAVE_AT + 1, devices=1, ckpt_path=str(work / "mm.pt"))
     dump(work, "one", 0, out)
 
 

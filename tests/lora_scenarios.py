@@ -221,6 +221,15 @@ def _family(family: str, ckptdir: str, outdir: str, resume: bool) -> None:
         with torch.no_grad():
             result["converted_logits_rel"] = rel(cls.from_pretrained(str(converted)).eval()(**batch).logits)
     if resume:
+        # Another alpha computes another function from the same adapters: refused on every rank before training
+        # (this process then trains on with a fresh Trainer, below).
+        from lightning_mm.hf.lora import LoRAConfigError
+
+        try:
+            _run(family, ckpt, work / "changed", ckpt_path=str(work / "ckpt" / "step=2.ckpt"),
+                 lora={"alpha": 2 * SETTINGS[family]["lora"]["alpha"]})
+        except LoRAConfigError as err:
+            result["changed_alpha_error"] = str(err)
         _, _, again = _run(family, ckpt, work / "again", ckpt_path=str(work / "ckpt" / "step=2.ckpt"))
         result["resumed_losses"] = again["losses"]
         result["resumed_indices"] = again["indices"]

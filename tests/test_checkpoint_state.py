@@ -46,6 +46,7 @@ def _launch(name: str, work: Path) -> None:
 @pytest.fixture(scope="module")
 def work(tmp_path_factory: pytest.TempPathFactory) -> Path:
     work = tmp_path_factory.mktemp("ckptstate")
+    _launch("pre", work)  # 1 rank: the checkpoints resumed on 2 ranks (1 -> 2)
     _launch("two", work)
     _launch("one", work)
     return work
@@ -133,7 +134,8 @@ def test_torch_format_writes_torch_layout_that_plain_torch_loads(work):
     group = optim_state["param_groups"][0]
     at3 = _load(work, "mm.at3.pt")
     names = at3["optimizers"][0]["param_groups"][0]["params"]
-    assert group["params"] == list(range(len(names))) and group["param_names"] == names
+    assert group["params"] == list(range(len(names))) and "param_names" not in group  # as torch writes it
+    assert ckpt["lightning_mm"]["optimizer_param_names"] == [[names]]  # what the indices stand for, beside it
     assert all(isinstance(k, int) for k in optim_state["state"])
 
     model = tiny_hf_model("llava", seed=3).train()
@@ -325,11 +327,139 @@ def test_old_name_keyed_torch_files_still_load(tmp_path):
 
 
 def test_full_optimizer_state_is_what_plain_torch_loads():
-    """The gathered state (checkpoint_format="torch") in torch's layout: ``Optimizer.load_state_dict`` takes it."""
+    """The gathered state (checkpoint_format="torch") is torch's own ``state_dict()``, key for key; plain
+    ``Optimizer.load_state_dict`` takes it."""
     net, opt = _trained()
     full = store.optimizer_state(net, opt, full=True)
-    assert full["param_groups"][0]["param_names"] == [n for n, _ in net.named_parameters()]
+    assert_same_state(full, opt.state_dict())
+    assert "param_names" not in full["param_groups"][0]
     fresh = Net()
     fresh_opt = torch.optim.AdamW(fresh.parameters(), lr=0.1)
     fresh_opt.load_state_dict(full)
     _optimizer_states_equal(opt, fresh_opt)
+
+
+
+# ------------------------------------------------------------------ the restored state is the saved one
+def assert_same_state(a, b, where="state") -> None:
+    """Equal key for key (dicts), item for item (lists), tensors bit-identical: Lightning's round-trip check."""
+    if isinstance(a, dict):
+        assert isinstance(b, dict) and a.keys() == b.keys(), f"{where}: keys {sorted(map(str, a))} vs " \
+                                                             f"{sorted(map(str, b))}"
+        for key in a:
+            assert_same_state(a[key], b[key], f"{where}[{key!r}]")
+    elif isinstance(a, (list, tuple)):
+        assert isinstance(b, (list, tuple)) and len(a) == len(b), f"{where}: {a!r} vs {b!r}"
+        for i, (x, y) in enumerate(zip(a, b)):
+            assert_same_state(x, y, f"{where}[{i}]")
+    elif isinstance(a, torch.Tensor):
+        assert isinstance(b, torch.Tensor) and a.dtype == b.dtype and torch.equal(a, b), where
+    else:
+        assert type(a) is type(b) and a == b, f"{where}: {a!r} vs {b!r}"
+
+
+def _named_trained(seed: int = 0):
+    """As _trained, with the optimizer built over named parameters (torch then keeps `param_names`), named
+    otherwise than their module paths."""
+    torch.manual_seed(seed)
+    net = Net()
+    opt = torch.optim.AdamW([(f"mine.{n}", p) for n, p in net.named_parameters()], lr=0.1)
+    for _ in range(2):
+        net(torch.randn(5, 3)).square().sum().backward()
+        opt.step()
+        opt.zero_grad()
+    return net, opt
+
+
+@pytest.mark.parametrize("named", [False, True])
+@pytest.mark.parametrize("fresh_named", [False, True])
+def test_another_strategys_checkpoint_restores_its_state_key_for_key(tmp_path, named, fresh_named):
+    """A DDP/single-device checkpoint (``optimizer.state_dict()``): the restored ``optimizer_state`` (torch layout)
+    is that dict, with ``param_names`` exactly where the saved one had them (an optimizer over named parameters)."""
+    net, opt = _named_trained() if named else _trained()
+    saved = opt.state_dict()
+    assert ("param_names" in saved["param_groups"][0]) is named
+    _lightning_file(tmp_path / "ddp.ckpt", net, saved)
+    fresh = Net()
+    fresh_opt = torch.optim.AdamW(fresh.named_parameters() if fresh_named else fresh.parameters(), lr=0.5)
+    store.load(tmp_path / "ddp.ckpt", fresh, [fresh_opt], strict=True, rank=0, world_size=1, fitting=True)
+    restored = store.optimizer_state(fresh, fresh_opt, full=True)
+    if named or not fresh_named:
+        assert_same_state(restored, saved)
+    else:  # names the saved state lacks: the optimizer keeps its own, as torch's load_state_dict does
+        assert restored["param_groups"][0].pop("param_names") == [n for n, _ in fresh.named_parameters()]
+        assert_same_state(restored, saved)
+    _optimizer_states_equal(opt, fresh_opt)
+
+
+@pytest.mark.parametrize("fmt", ["torch", "torch_dcp"])
+@pytest.mark.parametrize("named", [False, True])
+def test_own_checkpoints_restore_the_saved_state_key_for_key(tmp_path, fmt, named):
+    """Saved by this project in either format: the restored ``optimizer_state`` equals the one saved."""
+    from lightning_mm.checkpoint import OPTIMIZER_NAMES_KEY, optimizer_param_names
+
+    net, opt = _named_trained() if named else _trained()
+    before = store.optimizer_state(net, opt, full=fmt == "torch")
+    extra = {**EXTRA, OPTIMIZER_NAMES_KEY: optimizer_param_names(net, [opt])} if fmt == "torch" else EXTRA
+    store.save({"epoch": 0, "global_step": 2, "state_dict": net.state_dict(), "optimizer_states": [before]},
+               tmp_path / "c.ckpt", fmt, extra, None)
+    fresh = Net()
+    fresh_opt = torch.optim.AdamW(fresh.named_parameters() if named else fresh.parameters(), lr=0.5)
+    store.load(tmp_path / "c.ckpt", fresh, [fresh_opt], strict=True, rank=0, world_size=1, fitting=True)
+    assert_same_state(store.optimizer_state(fresh, fresh_opt, full=fmt == "torch"), before)
+    _optimizer_states_equal(opt, fresh_opt)
+
+
+def test_torch_files_from_before_the_names_record_still_map_by_their_names(tmp_path):
+    """Such files kept this project's names in ``param_names``: used to map the indices, then dropped."""
+    net, opt = _trained()
+    state = store.optimizer_state(net, opt, full=True)
+    names = [n for n, _ in net.named_parameters()]
+    swap = [1, 0, 2, 3]  # index 0 holds the second parameter's state: position would mismatch, the names decide
+    old = {**state, "param_groups": [{**state["param_groups"][0], "param_names": [names[i] for i in swap]}]}
+    old["state"] = {i: state["state"][swap[i]] for i in range(4)}
+    store.save({"epoch": 0, "global_step": 2, "state_dict": net.state_dict(), "optimizer_states": [old]},
+               tmp_path / "old.ckpt", "torch", EXTRA, None)
+    fresh = Net()
+    fresh_opt = torch.optim.AdamW(fresh.parameters(), lr=0.5)
+    store.load(tmp_path / "old.ckpt", fresh, [fresh_opt], strict=True, rank=0, world_size=1, fitting=True)
+    _optimizer_states_equal(opt, fresh_opt)
+    assert "param_names" not in fresh_opt.state_dict()["param_groups"][0]
+
+
+def _optstate(work: Path, name: str, when: str, view: str, rank: int = 0) -> list:
+    return torch.load(work / f"{name}.optstate.{when}.{view}.rank{rank}.pt", weights_only=True)
+
+
+@pytest.mark.parametrize(("resumed", "source", "ranks"), [
+    ("from_mm", "mm", 2),  # torch_dcp, same world size
+    ("from_mm_torch", "mm", 2),  # torch, same world size
+    ("mm_to_one", "mm", 1),  # 2 -> 1
+    ("mm_to_one_torch", "mm", 1),
+    ("one_to_two", "mm1", 2),  # 1 -> 2
+    ("one_to_two_torch", "mm1", 2),
+])
+def test_restored_optimizer_state_is_the_saved_one_key_for_key(work, resumed, source, ranks):
+    """Lightning's round trip: ``strategy.optimizer_state`` after the restore equals it before the save, key for
+    key (param_groups entries included): gathered (torch layout) always, and each rank's shards (name-keyed) when
+    the world size is the same."""
+    assert_same_state(_optstate(work, resumed, "restored", "torch"), _optstate(work, source, "saved", "torch"))
+    source_ranks = 1 if source == "mm1" else 2
+    if ranks == source_ranks:
+        for rank in range(ranks):
+            assert_same_state(_optstate(work, resumed, "restored", "torch_dcp", rank),
+                              _optstate(work, source, "saved", "torch_dcp", rank))
+
+
+@pytest.mark.parametrize(("resumed", "source"), [("from_ddp", "ddp"), ("ddp_to_one", "ddp"),
+                                                 ("from_single", "single")])
+def test_another_strategys_optimizer_state_is_restored_key_for_key(work, resumed, source):
+    """A DDP or single-device checkpoint under mm_fsdp2: the gathered ``optimizer_state`` is the saving strategy's
+    ``optimizer_state``, key for key, and no group gains a ``param_names`` (in either layout)."""
+    saved = _optstate(work, source, "saved", "own")
+    assert "param_names" not in saved[0]["param_groups"][0]
+    assert_same_state(_optstate(work, resumed, "restored", "torch"), saved)
+    sharded = _optstate(work, resumed, "restored", "torch_dcp")
+    for now, then in zip(sharded[0]["param_groups"], saved[0]["param_groups"], strict=True):
+        assert now.keys() == then.keys()  # the same entries; params are names in this layout
+        assert {k: v for k, v in now.items() if k != "params"} == {k: v for k, v in then.items() if k != "params"}

@@ -135,6 +135,18 @@ BAD = [
     ({"image": "img/r.png", "text": "   "}, "train.jsonl:3: empty text"),
     ({"image": "img/r.png", "text": "a red red red red red square"}, "train.jsonl:3: text is 8 tokens"),
     ({"image": "img/r.png", "conversations": [{"from": "robot", "value": "x"}]}, "unknown conversation role"),
+    # A lone surrogate (JSON's "\ud800" escape) crashed the tokenizer with a TypeError and no file:line.
+    ({"image": "img/r.png", "text": "a red \ud800 square"}, "train.jsonl:3: text is not valid Unicode (lone surrogate"),
+    ({"image": "img/r.png", "conversations": [{"from": "human", "value": "<image>\nwhat \udfff"},
+                                              {"from": "gpt", "value": "a red square"}]},
+     "train.jsonl:3: text is not valid Unicode"),
+    # One image, so at most one placeholder.
+    ({"image": "img/r.png", "conversations": [{"from": "human", "value": "<image><image><image>\nwhat is it"},
+                                              {"from": "gpt", "value": "a red square"}]},
+     "train.jsonl:3: 3 `<image>` placeholders for one image"),
+    ({"image": "img/r.png", "conversations": [{"from": "human", "value": "<image>\nwhat is it"},
+                                              {"from": "gpt", "value": "a red <image> square"}]},
+     "train.jsonl:3: 2 `<image>` placeholders for one image"),
 ]
 
 
@@ -178,11 +190,53 @@ def test_no_usable_record_is_an_error(dataset_dir):
         ({"loader": {"batch_size": 0}}, "`loader.batch_size`: expected a positive integer"),
         ({"loader": {"padding": "left"}}, "`loader.padding`"),
         ({"strict": "yes"}, "`strict`"),
+        # Values that make every sample NaN or infinite, or sizes that cannot be.
+        ({"preprocess": {"image_std": [0, 0, 0]}}, "`preprocess.image_std`: a standard deviation of 0"),
+        ({"preprocess": {"image_std": [0.5, 0.0, 0.5]}}, "`preprocess.image_std`: a standard deviation of 0"),
+        ({"preprocess": {"image_std": [0.5, "inf", 0.5]}}, "`preprocess.image_std`: expected finite numbers"),
+        ({"preprocess": {"image_mean": ["nan", 0.5, 0.5]}}, "`preprocess.image_mean`: expected finite numbers"),
+        ({"preprocess": {"image_size": 0}}, "`preprocess.image_size`: expected a positive integer"),
+        ({"preprocess": {"image_size": -8}}, "`preprocess.image_size`: expected a positive integer"),
+        ({"preprocess": {"max_length": 0}}, "`preprocess.max_length`: expected a positive integer"),
+        ({"loader": {"batch_size": -1}}, "`loader.batch_size`: expected a positive integer"),
     ],
 )
 def test_config_errors_name_the_key_before_training(dataset_dir, extra, message):
-    with pytest.raises((DataConfigError, FileNotFoundError), match=message.replace("(", r"\(")):
+    with pytest.raises((DataConfigError, FileNotFoundError), match=message.replace("(", r"\(")) as err:
         MMDataModule.from_config(write_config(dataset_dir, GOOD, **extra))
+    if err.type is DataConfigError:
+        assert str(err.value).startswith(str(dataset_dir / "data.json"))  # the file, then the key
+
+
+def test_a_processor_that_normalises_by_zero_is_a_config_error_naming_its_file(dataset_dir):
+    from transformers.models.clip.image_processing_pil_clip import CLIPImageProcessorPil
+
+    CLIPImageProcessorPil(image_std=[0.5, 0, 0.5], size={"shortest_edge": 8},
+                          crop_size={"height": 8, "width": 8}).save_pretrained(str(dataset_dir / "proc"))
+    dm = MMDataModule.from_config(write_config(dataset_dir, GOOD, preprocess={"processor": "proc"}))
+    with pytest.raises(DataConfigError, match=r"proc: image processor `image_std` is \[0.5, 0, 0.5\]"):
+        dm.setup("fit")
+
+
+def test_any_exception_while_tokenizing_one_record_is_a_bad_record(dataset_dir):
+    """A tokenizer's own error for one text (here a RuntimeError) is that record's problem, with file:line."""
+    from lightning_mm.datamodules.mm_dataset import load_tokenizer
+    from lightning_mm.datamodules.records import read_records
+
+    real = load_tokenizer(dataset_dir / "tok")
+
+    class Picky:
+        eos_token_id = real.eos_token_id
+
+        def __call__(self, text, **kwargs):
+            if "circle" in text:
+                raise RuntimeError("no circles here")
+            return real(text, **kwargs)
+
+    write_config(dataset_dir, GOOD)
+    records, report = read_records("train", (dataset_dir / "train.jsonl",), dataset_dir, Picky(), 16, False)
+    assert [r.line for r in records] == [1] and report.total == 2
+    assert report.problems == ["train.jsonl:2: the tokenizer rejects the text: RuntimeError: no circles here"]
 
 
 def test_missing_config_file_and_explicit_overrides(dataset_dir):

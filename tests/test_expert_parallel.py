@@ -158,7 +158,9 @@ def test_resume_chain_final_gathered_checkpoint_equals_transformers(runs, chain)
         experts = [k for k in saved if ".mlp.experts." in k]
         assert experts and all(saved[k].shape[0] == 8 for k in experts)  # all 8 experts, not a rank's share
         optim = whole["optimizer_states"][0]
-        names = {i: n for g in optim["param_groups"] for i, n in zip(g["params"], g["param_names"])}
+        recorded = whole["lightning_mm"]["optimizer_param_names"][0]  # the names of the indices, per group
+        names = {i: n for g, fqns in zip(optim["param_groups"], recorded, strict=True)
+                 for i, n in zip(g["params"], fqns)}
         moments = [v for i, s in optim["state"].items() if ".mlp.experts." in names[i] for k, v in s.items()
                    if k in ("exp_avg", "exp_avg_sq")]
         assert len(moments) == 2 * len(experts) and all(m.shape[0] == 8 for m in moments)

@@ -89,6 +89,9 @@ def test_resume_is_exact_and_pretrained_adapters_start_a_sharded_run(ranks):
         assert obs["resumed_indices"] == obs["indices"][2:]
         assert obs["resumed_losses"] == obs["losses"][2:]
         assert obs["pretrained_not_equal"] == []  # pretrained_lora_path on a sharded model built on meta
+        # Resuming the same checkpoint with another alpha fails on every rank, before any step.
+        assert "step=2.ckpt: the checkpoint's LoRA adapters of `model` were trained with alpha 8, the model now " \
+               "has alpha 16" in obs["changed_alpha_error"]
 
 
 @pytest.mark.parametrize("family", ["qwen3", "qwen2_5_vl"])
@@ -269,3 +272,63 @@ def test_initial_adapters_equal_peft_whatever_the_order_of_the_patterns(ckpts):
     expected = {n.removeprefix("base_model.model."): p for n, p in reference.named_parameters() if p.requires_grad}
     assert expected.keys() == adapters.keys()
     assert all(torch.equal(adapters[n], expected[n]) for n in adapters)
+
+
+# ------------------------------------------------------------------------------------------ resuming
+def _save_adapted(ckpts, path, **lora):
+    """A consolidated checkpoint of a LightningModule-like root whose ``model`` has adapters (``lora`` changes)."""
+    from lightning_mm.checkpoint import collect_records, store
+    from tests.test_checkpoint import EXTRA
+
+    root = torch.nn.Module()
+    root.model = _build(ckpts, **lora)
+    store.save({"epoch": 0, "global_step": 2, "state_dict": root.state_dict()}, path, "torch",
+               {**EXTRA, **collect_records(root)}, None)
+    return root
+
+
+def _load_adapted(ckpts, path, **lora):
+    from lightning_mm.checkpoint import store
+
+    root = torch.nn.Module()
+    root.model = _build(ckpts, **lora)
+    store.load(path, root, [], strict=True, rank=0, world_size=1, fitting=False)
+    return root
+
+
+@pytest.mark.parametrize(("change", "message"), [
+    ({"alpha": 16}, r"trained with alpha 8, the model now has alpha 16.*Set lora `alpha` back to 8"),
+    ({"rank": 2}, r"trained with rank 4, the model now has rank 2"),
+    ({"target_modules": ["model.layers.{*}.self_attn.k_proj"]},
+     r"trained with target_modules \[\"model.layers.0.self_attn.q_proj\".*now has target_modules "
+     r"\[\"model.layers.0.self_attn.k_proj\""),
+])
+def test_resuming_with_changed_adapter_settings_fails_before_any_weight_is_read(ckpts, tmp_path, change, message,
+                                                                                 monkeypatch):
+    from lightning_mm.checkpoint import store
+    from lightning_mm.hf.lora import LoRAConfigError
+
+    saved = _save_adapted(ckpts, tmp_path / "a.ckpt")
+    monkeypatch.setattr(store, "_load_model", lambda *a, **k: pytest.fail("weights were read"))
+    with pytest.raises(LoRAConfigError, match=rf"{tmp_path / 'a.ckpt'}: the checkpoint's LoRA adapters of "
+                                              rf"`model` were {message}"):
+        _load_adapted(ckpts, tmp_path / "a.ckpt", **change)
+    monkeypatch.undo()
+    # The same settings resume; so does another dropout (it changes training noise, not the function).
+    for same in ({}, {"alpha": 8.0}, {"dropout": 0.3}):
+        loaded = _load_adapted(ckpts, tmp_path / "a.ckpt", **same)
+        assert all(torch.equal(v, saved.state_dict()[k]) for k, v in loaded.state_dict().items())
+
+
+def test_a_checkpoint_from_before_the_lora_record_is_checked_through_its_hf_record(ckpts, tmp_path):
+    from lightning_mm.checkpoint import open_source
+    from lightning_mm.hf.lora import LoRAConfigError, check_resumed_lora
+
+    _save_adapted(ckpts, tmp_path / "a.ckpt")
+    records = dict(open_source(tmp_path / "a.ckpt").extra)
+    assert records["lora"]["model"]["lora_alpha"] == 8 and records["lora"]["model"]["r"] == 4
+    del records["lora"]
+    root = torch.nn.Module()
+    root.model = _build(ckpts, alpha=4)
+    with pytest.raises(LoRAConfigError, match="alpha 8, the model now has alpha 4"):
+        check_resumed_lora(records, root, "old.ckpt")

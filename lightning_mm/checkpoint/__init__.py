@@ -26,11 +26,13 @@ from lightning_mm.checkpoint.rng import capture_rng, restore_rng
 from lightning_mm.checkpoint.safe import UnsafeCheckpointError
 from lightning_mm.checkpoint.store import (
     FORMATS,
+    OPTIMIZER_NAMES_KEY,
     CheckpointSource,
     Loaded,
     load,
     model_state,
     open_source,
+    optimizer_param_names,
     optimizer_state,
     outside_inference_mode,
     save,
@@ -56,6 +58,8 @@ __all__ = [
     "load",
     "model_state",
     "open_source",
+    "OPTIMIZER_NAMES_KEY",
+    "optimizer_param_names",
     "optimizer_state",
     "outside_inference_mode",
     "register_record_provider",

@@ -59,7 +59,8 @@ from lightning_mm.checkpoint.layout import (
     put_loader_states,
     split_tensors,
 )
-from lightning_mm.checkpoint.optim_keys import PARAM_NAMES, saved_names, to_index_keyed
+from lightning_mm.checkpoint.optim_keys import PARAM_NAMES, group_param_names, saved_names, to_index_keyed
+from lightning_mm.checkpoint.records import check_records
 from lightning_mm.checkpoint.safe import (
     SafeFileSystemReader,
     SafeLoadPlanner,
@@ -83,6 +84,8 @@ __all__ = [
     "gather_full",
     "outside_inference_mode",
     "StateView",
+    "OPTIMIZER_NAMES_KEY",
+    "optimizer_param_names",
 ]
 
 FORMATS = ("torch_dcp", "torch")
@@ -160,6 +163,18 @@ def optimizer_state(model: nn.Module, optimizer: Any, full: bool, view: StateVie
         state = view(get_optimizer_state_dict(model, _unwrap(optimizer), options=StateDictOptions()))
         state = gather_full(state) if full else state
     return to_index_keyed(state) if full else state
+
+
+OPTIMIZER_NAMES_KEY = "optimizer_param_names"
+"""The ``lightning_mm`` entry of a ``torch`` checkpoint: each optimiser's parameter names per group, what the
+indices of its (torch-layout) state stand for."""
+
+
+def optimizer_param_names(model: nn.Module, optimizers: Sequence[Any]) -> list[list[list[str]]]:
+    """For each optimiser, its parameter names (FQNs) per group, as :func:`optimizer_state` names them (local:
+    no collective)."""
+    return [group_param_names(get_optimizer_state_dict(model, _unwrap(o), options=StateDictOptions()))
+            for o in optimizers]
 
 
 def gather_full(state: dict[str, Any]) -> dict[str, Any]:
@@ -435,21 +450,31 @@ def _check(plan: KeyPlan, what: str, path: Path, strict: bool) -> None:
 
 
 def _saved_by_name(source: CheckpointSource, saved: Mapping[str, Any], current_groups: list[dict], prefix: str,
-                   where: str) -> tuple[dict[str, Any], dict[str, str]]:
+                   where: str, index: int = 0) -> tuple[dict[str, Any], dict[str, str]]:
     """The saved optimiser state with parameters named as today, and ``{renamed stored key: stored key}``.
 
     An index-keyed state (torch's layout: a checkpoint of DDP, of a single device, or this strategy's ``torch``
-    format) is renamed through :func:`.optim_keys.saved_names`; a name-keyed one is unchanged.
+    format) is renamed through :func:`.optim_keys.saved_names`; a name-keyed one is unchanged. A group's
+    ``param_names`` (the optimiser's own, torch's for named parameters) stay, aligned with its renamed
+    ``params``; those this project's ``torch`` files once added (before :data:`OPTIMIZER_NAMES_KEY`) are dropped.
     """
-    names = saved_names(saved, current_groups, where)
+    extra = source.extra
+    record = extra.get(OPTIMIZER_NAMES_KEY)
+    recorded = record[index] if isinstance(record, list) and index < len(record) else None
+    annotated = OPTIMIZER_NAMES_KEY not in extra and extra.get("format") == "torch"
+    names = saved_names(saved, current_groups, where, recorded=recorded, annotated=annotated)
     stored: dict[str, str] = {}
     for key in source.shapes:
         if key.startswith(prefix):
             pid, _, rest = key[len(prefix):].partition(SEP)
             stored[f"{prefix}{names.get(pid, pid)}{SEP}{rest}"] = key
     state = {names.get(str(k), str(k)): v for k, v in (saved.get("state") or {}).items()}
-    groups = [{**{k: v for k, v in g.items() if k != PARAM_NAMES}, "params": [names[str(p)] for p in g["params"]]}
-              for g in saved.get("param_groups", [])]
+    groups = []
+    for g in saved.get("param_groups", []):
+        group = {**{k: v for k, v in g.items() if k != PARAM_NAMES}, "params": [names[str(p)] for p in g["params"]]}
+        if PARAM_NAMES in g and not annotated:
+            group[PARAM_NAMES] = list(g[PARAM_NAMES])
+        groups.append(group)
     return {"state": state, "param_groups": groups}, stored
 
 
@@ -462,7 +487,7 @@ def _load_optimizer(source: CheckpointSource, model: nn.Module, optimizer: Any, 
     shown = view(current) if view is not None else current  # the same storage, seen as the checkpoint stores it
     prefix = f"optimizer_states{SEP}{index}{SEP}state{SEP}"
     saved, stored_as = _saved_by_name(source, source.meta["optimizer_states"][index], current["param_groups"],
-                                      prefix, f"{source.path}: optimizer {index}")
+                                      prefix, f"{source.path}: optimizer {index}", index)
     # Parameters that had no optimiser state when the checkpoint was written (they never received a gradient,
     # e.g. LLaVA's unused last vision layer) are listed in the saved groups but have no saved state: they are
     # expected to have none, and get none (as in the run that wrote the checkpoint).
@@ -535,10 +560,12 @@ def _merge_param_groups(current: list[dict], saved: list[dict], path: Path, inde
     same_split = len(current) == len(saved) and all(
         sorted(now["params"]) == sorted(then.get("params", [])) for now, then in zip(current, saved))
     sources = None if same_split else _regroup(current, saved)
+    names = _NamesAlong(saved)
     if sources is not None:
         rank_zero_info(f"{path}: optimizer {index} has its parameters in {len(current)} group(s), the checkpoint in "
                        f"{len(saved)} with the same hyper-parameters: each group takes its checkpointed ones")
-        return [{**saved[j], "params": now["params"], **{k: now[k] for k in IMPLEMENTATION_KEYS if k in now}}
+        return [names.along({**saved[j], "params": now["params"],
+                             **{k: now[k] for k in IMPLEMENTATION_KEYS if k in now}})
                 for now, j in zip(current, sources)], sources
     if len(current) != len(saved):
         message = f"{path}: optimizer {index} has {len(current)} parameter group(s), the checkpoint {len(saved)}"
@@ -557,8 +584,24 @@ def _merge_param_groups(current: list[dict], saved: list[dict], path: Path, inde
             )
         # How a step is computed (fused/foreach) is this run's choice, not training state: the current one stays.
         implementation = {k: now[k] for k in IMPLEMENTATION_KEYS if k in now}
-        merged.append({**then, "params": now["params"], **implementation})
+        merged.append(names.along({**then, "params": now["params"], **implementation}))
     return merged, None
+
+
+class _NamesAlong:
+    """The saved groups' own ``param_names`` (the optimiser's, torch's for named parameters), given to a merged
+    group in the order of its ``params``; a merged group whose parameters they do not all name gets none (the
+    optimiser then keeps its own, as torch's ``load_state_dict`` does)."""
+
+    def __init__(self, saved: list[dict]) -> None:
+        self.named = bool(saved) and all(PARAM_NAMES in g for g in saved)
+        self.by_param = {p: n for g in saved for p, n in zip(g.get("params", []), g.get(PARAM_NAMES, []))}
+
+    def along(self, group: dict) -> dict:
+        group = {k: v for k, v in group.items() if k != PARAM_NAMES}
+        if self.named and all(p in self.by_param for p in group["params"]):
+            group[PARAM_NAMES] = [self.by_param[p] for p in group["params"]]
+        return group
 
 
 _PER_GROUP = ("base_lrs", "_last_lr", "lr_lambdas", "min_lrs", "max_lrs")
@@ -605,6 +648,7 @@ def load(
         raise ValueError(f"{path} was written by a newer lightning-mm (checkpoint format "
                          f"{extra['format_version']}, this one reads up to {FORMAT_VERSION})")
     kind = extra.get("kind", KIND_TRAINING)
+    check_records(extra, model, str(path))  # e.g. LoRA settings that change what the adapters compute
     skipped = _load_model(source, model, strict, view)
     checkpoint = {k: v for k, v in source.meta.items() if k not in ("state_dict", "optimizer_states", EXTRA_KEY)}
     checkpoint.setdefault("state_dict", {})

@@ -35,14 +35,22 @@ def _local_term(grad: torch.Tensor, norm_type: float) -> torch.Tensor:
 
 
 def total_grad_norm(parameters: Iterable[torch.Tensor], norm_type: float = 2.0,
-                    sum_over: Mapping[int, Sequence[Any]] | None = None) -> torch.Tensor:
+                    sum_over: Mapping[int, Sequence[Any]] | None = None,
+                    also_reduce: torch.Tensor | None = None) -> torch.Tensor:
     """The global gradient norm over all ranks, as a plain scalar tensor (identical on every rank).
 
     ``sum_over`` maps ``id(parameter)`` to further process groups its term is reduced over, beyond the mesh
     dimensions its placements shard it along (e.g. the ``ep`` group for a local expert).
+
+    ``also_reduce``: a float tensor reduced in place over all ranks along with the norm (summed, or maxed for the
+    inf norm), e.g. per-rank flags (:mod:`lightning_mm.core.finite`). It rides in the norm's own all-reduce when
+    the terms of one group of parameters are reduced over all ranks at once (one process group spanning the
+    world, as with plain FSDP sharding), and takes one all-reduce of its own otherwise.
     """
     sum_over = sum_over or {}
     is_inf = math.isinf(norm_type)
+    op = dist.ReduceOp.MAX if is_inf else dist.ReduceOp.SUM
+    pending = also_reduce if also_reduce is not None and _distributed() else None
     # Group terms by the process groups they must be reduced over.
     terms: dict[tuple, list[torch.Tensor]] = {}
     groups: dict[tuple, list] = {}
@@ -64,16 +72,36 @@ def total_grad_norm(parameters: Iterable[torch.Tensor], norm_type: float = 2.0,
             term = _local_term(grad, norm_type)
         device = term.device
         terms.setdefault(key, []).append(term)
-    if device is None:
-        return torch.zeros(())
-    total = torch.zeros((), device=device)
+    total = torch.zeros((), device=device) if device is not None else torch.zeros(())
     for key, values in terms.items():
         value = torch.stack([v.to(device) for v in values])
         value = value.max() if is_inf else value.sum()
-        for group in groups[key]:
-            dist.all_reduce(value, op=dist.ReduceOp.MAX if is_inf else dist.ReduceOp.SUM, group=group)
+        if pending is not None and len(groups[key]) == 1 and _spans_world(groups[key][0]):
+            packed = torch.cat([value.reshape(1), pending.detach().to(value.device, torch.float32).reshape(-1)])
+            dist.all_reduce(packed, op=op, group=groups[key][0])
+            value = packed[0]
+            pending.copy_(packed[1:].reshape(pending.shape))
+            pending = None
+        else:
+            for group in groups[key]:
+                dist.all_reduce(value, op=op, group=group)
         total = torch.maximum(total, value) if is_inf else total + value
+    if pending is not None:  # no group of terms spans every rank: the tensor on its own
+        buffer = pending.to(device) if device is not None else pending
+        dist.all_reduce(buffer, op=op)
+        if buffer is not pending:
+            pending.copy_(buffer)
+    if device is None:
+        return total
     return total if is_inf else total.pow(1.0 / norm_type)
+
+
+def _distributed() -> bool:
+    return dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
+
+
+def _spans_world(group: Any) -> bool:
+    return dist.get_world_size(group) == dist.get_world_size()
 
 
 def clip_grads_with_norm_(parameters: Iterable[torch.Tensor], max_norm: float, total_norm: torch.Tensor) -> None:

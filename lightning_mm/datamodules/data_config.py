@@ -24,6 +24,7 @@ is not a mapping, non-UTF-8 bytes and alias bombs are errors naming the file.
 
 from __future__ import annotations
 
+import math
 import os
 from dataclasses import dataclass, field, fields
 from pathlib import Path
@@ -135,6 +136,7 @@ class DataConfig:
                     pre[key] = tuple(float(x) for x in pre[key])
                 except (TypeError, ValueError):
                     raise fail(f"preprocess.{key}", f"expected three numbers, got {short_repr(pre[key])}") from None
+                _check_normalisation(key, pre[key], fail)
         _check_positive_ints(pre, ("image_size", "max_length"), "preprocess.", fail)
         _check_bools(pre, ("truncation",), "preprocess.", fail)
         if pre.get("tokenizer") is None:
@@ -181,6 +183,14 @@ def _check_positive_ints(data: dict, keys: tuple[str, ...], prefix: str, fail: A
     for key in keys:
         if key in data and (isinstance(data[key], bool) or not isinstance(data[key], int) or data[key] <= 0):
             raise fail(prefix + key, f"expected a positive integer, got {short_repr(data[key])}")
+
+
+def _check_normalisation(key: str, values: tuple[float, ...], fail: Any) -> None:
+    """Pixels become ``(x - mean) / std``: a non-finite mean or std, or a zero std, makes every sample NaN or inf."""
+    if not all(math.isfinite(v) for v in values):
+        raise fail(f"preprocess.{key}", f"expected finite numbers, got {list(values)}")
+    if key == "image_std" and any(v == 0 for v in values):
+        raise fail(f"preprocess.{key}", f"a standard deviation of 0 divides every pixel by zero, got {list(values)}")
 
 
 def _check_bools(data: dict, keys: tuple[str, ...], prefix: str, fail: Any) -> None:

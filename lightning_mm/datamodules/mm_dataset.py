@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import warnings
 from typing import Any
 
@@ -9,7 +10,7 @@ import torch
 from PIL import Image
 from torch.utils.data import Dataset
 
-from lightning_mm.datamodules.data_config import PreprocessConfig
+from lightning_mm.datamodules.data_config import DataConfigError, PreprocessConfig
 from lightning_mm.datamodules.records import DataError, DataReport, Record
 
 __all__ = ["MMDataset", "MMCollator", "load_tokenizer", "load_processor"]
@@ -33,7 +34,27 @@ def load_processor(path: Any) -> Any:
     """A Hugging Face image processor from a local directory."""
     from transformers import AutoImageProcessor
 
-    return AutoImageProcessor.from_pretrained(str(path), local_files_only=True, trust_remote_code=False)
+    processor = AutoImageProcessor.from_pretrained(str(path), local_files_only=True, trust_remote_code=False)
+    _check_processor_normalisation(processor, path)
+    return processor
+
+
+def _check_processor_normalisation(processor: Any, path: Any) -> None:
+    """A processor that normalises with a zero or non-finite std (or a non-finite mean) makes every image NaN."""
+    if not getattr(processor, "do_normalize", True):
+        return
+    for key in ("image_mean", "image_std"):
+        values = getattr(processor, key, None)
+        if values is None:
+            continue
+        values = [values] if isinstance(values, (int, float)) else list(values)
+        try:
+            bad = [float(v) for v in values if not math.isfinite(float(v)) or (key == "image_std" and float(v) == 0)]
+        except (TypeError, ValueError):
+            bad = values
+        if bad:
+            raise DataConfigError(f"{path}: image processor `{key}` is {values}: every image would be NaN or "
+                                  "infinite after normalisation (a std must be finite and non-zero)")
 
 
 class MMDataset(Dataset):

@@ -5,7 +5,9 @@ Each record has an ``image`` path (relative to the data root) and either a ``tex
 reported with its file and line: a malformed line (invalid JSON or UTF-8, nested too deeply, an integer past
 Python's digit limit, a line over :data:`MAX_LINE_BYTES`), a missing key, a missing or unreadable image, an image
 path outside the data root (an absolute path, ``..`` or a symlink leading out; allowed only with
-``allow_outside_data_root``), an empty text, or a text longer than ``max_length`` when truncation is off.
+``allow_outside_data_root``), an empty text, text that is not valid Unicode (a lone surrogate, e.g. from a JSON
+``\\ud800`` escape), more than one ``<image>`` placeholder (a record has one image), a text longer than
+``max_length`` when truncation is off, or any other failure to tokenize the record.
 """
 
 from __future__ import annotations
@@ -25,6 +27,9 @@ __all__ = ["Record", "DataReport", "DataError", "read_records", "MAX_LINE_BYTES"
 
 MAX_LINE_BYTES = 16 << 20
 """Longest JSON line read as one record (16 MiB); a longer line is a bad record, skipped without keeping it."""
+
+IMAGE_PLACEHOLDER = "<image>"
+"""The placeholder of a record's image in its text (LLaVA's); one record has one image, so one placeholder at most."""
 
 _USER = ("human", "user")
 _ASSISTANT = ("gpt", "assistant")
@@ -112,6 +117,35 @@ def _iter_raw(file: Path) -> Iterator[tuple[int, Any, str | None]]:
             yield number, *_parse(line)
 
 
+def _all_texts(record: dict) -> list[str]:
+    """Every text of a record whose :func:`_texts` succeeded (the caption, or each turn's value)."""
+    if "text" in record:
+        return [record["text"]]
+    return [turn["value"] for turn in record["conversations"]]
+
+
+def _text_problem(texts: list[str]) -> str | None:
+    """Why the texts of one record cannot be used (not Unicode, or placeholders that do not match one image)."""
+    for text in texts:
+        try:
+            text.encode("utf-8")
+        except UnicodeEncodeError as err:  # a lone surrogate, which no tokenizer takes
+            return (f"text is not valid Unicode (lone surrogate {short_repr(text[err.start:err.end])} at "
+                    f"character {err.start + 1})")
+    placeholders = sum(text.count(IMAGE_PLACEHOLDER) for text in texts)
+    if placeholders > 1:
+        return (f"{placeholders} `{IMAGE_PLACEHOLDER}` placeholders for one image (a record has one `image`, "
+                "so at most one placeholder)")
+    return None
+
+
+def _token_ids(tokenizer: Any, text: str) -> list[int]:
+    ids = tokenizer(text, add_special_tokens=False)["input_ids"]
+    if not isinstance(ids, list) or not all(isinstance(i, int) and not isinstance(i, bool) for i in ids):
+        raise TypeError(f"the tokenizer returned {type(ids).__name__}, not a list of token ids")
+    return ids
+
+
 def _texts(record: dict) -> tuple[str, str]:
     """(prompt, target) of a caption or conversation record; raises ValueError when malformed."""
     if "text" in record:
@@ -174,12 +208,14 @@ def read_records(
 ) -> tuple[list[Record], DataReport]:
     """Read and check every record of a split; bad ones go to the report instead of the result.
 
-    Image paths are resolved (symlinks followed) and must lie inside ``root`` unless ``allow_outside``.
+    Image paths are resolved (symlinks followed) and must lie inside ``root`` unless ``allow_outside``. Any
+    exception while one record is checked or tokenized makes that record a bad record (named by file:line), never
+    a crash of the run.
     """
     root = root.resolve()
     records: list[Record] = []
     report = DataReport(split)
-    eos = tokenizer.eos_token_id
+    check = _RecordCheck(root, tokenizer, max_length, truncation, allow_outside)
     for file in files:
         for line, raw, error in _iter_raw(file):
             report.total += 1
@@ -187,43 +223,64 @@ def read_records(
             if error is not None:
                 report.problems.append(f"{where}: {error}")
                 continue
-            if not isinstance(raw, dict):
-                report.problems.append(f"{where}: a record must be a JSON object, got {type(raw).__name__}")
-                continue
-            image = raw.get("image")
-            if not isinstance(image, str) or not image:
-                report.problems.append(f"{where}: missing or non-string `image`")
-                continue
             try:
-                prompt, target = _texts(raw)
-            except ValueError as err:
-                report.problems.append(f"{where}: {err}")
+                result = check(file, line, raw)
+            except Exception as err:  # anything else one record can raise (a tokenizer's own errors, ...)
+                result = f"cannot preprocess the record: {type(err).__name__}: {str(err)[:200]}"
+            if isinstance(result, str):
+                report.problems.append(f"{where}: {result}")
                 continue
-            if not target.strip():
-                report.problems.append(f"{where}: empty text")
-                continue
-            path, image_error = _image_path(root, image, allow_outside)
-            if path is not None:
-                image_error = _check_image(path)
-            if image_error or path is None:
-                report.problems.append(f"{where}: {image_error}")
-                continue
-            prompt_ids = tokenizer(prompt, add_special_tokens=False)["input_ids"] if prompt else []
-            target_ids = tokenizer(target, add_special_tokens=False)["input_ids"]
-            if eos is not None:
-                target_ids = [*target_ids, eos]
-            length = len(prompt_ids) + len(target_ids)
-            if length > max_length:
-                if not truncation:
-                    report.problems.append(
-                        f"{where}: text is {length} tokens, longer than max_length {max_length} (truncation is off)"
-                    )
-                    continue
-                report.truncated += 1
-                keep = max_length - len(prompt_ids)
-                if keep <= 0:
-                    report.problems.append(f"{where}: the prompt alone fills max_length {max_length}")
-                    continue
-                target_ids = target_ids[:keep]
-            records.append(Record(file, line, path, tuple(prompt_ids), tuple(target_ids)))
+            record, truncated = result
+            report.truncated += truncated
+            records.append(record)
     return records, report
+
+
+@dataclass(frozen=True)
+class _RecordCheck:
+    """One record's checks and tokenization: ``(Record, truncated)``, or why the record is bad."""
+
+    root: Path
+    tokenizer: Any
+    max_length: int
+    truncation: bool
+    allow_outside: bool
+
+    def __call__(self, file: Path, line: int, raw: Any) -> tuple[Record, bool] | str:
+        if not isinstance(raw, dict):
+            return f"a record must be a JSON object, got {type(raw).__name__}"
+        image = raw.get("image")
+        if not isinstance(image, str) or not image:
+            return "missing or non-string `image`"
+        try:
+            prompt, target = _texts(raw)
+        except ValueError as err:
+            return str(err)
+        if not target.strip():
+            return "empty text"
+        text_error = _text_problem(_all_texts(raw))
+        if text_error is not None:
+            return text_error
+        path, image_error = _image_path(self.root, image, self.allow_outside)
+        if path is not None:
+            image_error = _check_image(path)
+        if image_error or path is None:
+            return str(image_error)
+        try:
+            prompt_ids = _token_ids(self.tokenizer, prompt) if prompt else []
+            target_ids = _token_ids(self.tokenizer, target)
+        except Exception as err:  # a tokenizer rejects text in its own ways (TypeError, ValueError, ...)
+            return f"the tokenizer rejects the text: {type(err).__name__}: {str(err)[:200]}"
+        eos = self.tokenizer.eos_token_id
+        if eos is not None:
+            target_ids = [*target_ids, eos]
+        length = len(prompt_ids) + len(target_ids)
+        truncated = False
+        if length > self.max_length:
+            if not self.truncation:
+                return f"text is {length} tokens, longer than max_length {self.max_length} (truncation is off)"
+            keep = self.max_length - len(prompt_ids)
+            if keep <= 0:
+                return f"the prompt alone fills max_length {self.max_length}"
+            target_ids, truncated = target_ids[:keep], True
+        return Record(file, line, path, tuple(prompt_ids), tuple(target_ids)), truncated

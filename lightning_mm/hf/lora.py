@@ -29,6 +29,11 @@ every parameter that is not an adapter. On a model built on the meta device (ins
 initial adapter values are written into the local shards once the model is sharded
 (``FSDP2Mixin.load_after_sharding``).
 
+Resuming checks the adapters' settings: a checkpoint records, for each adapted model, the PEFT settings that
+change what the adapters compute (:data:`FUNCTION_SETTINGS`; the ``lora`` checkpoint record), and a resume (or a
+validate/test/predict from the checkpoint) whose settings differ fails before any weight is read, naming the
+setting with its saved and current values (:func:`check_resumed_lora`).
+
 PEFT is imported only when LoRA is used.
 """
 
@@ -48,7 +53,16 @@ from lightning_mm._dtensor import local_tensor
 from lightning_mm._module_paths import enclosing
 from lightning_mm.hf.config_fields import checked_fields
 
-__all__ = ["LoRAConfig", "LoRAConfigError", "apply_lora", "lora_parameter_names", "ADAPTER_NAME"]
+__all__ = [
+    "LoRAConfig",
+    "LoRAConfigError",
+    "apply_lora",
+    "lora_parameter_names",
+    "ADAPTER_NAME",
+    "FUNCTION_SETTINGS",
+    "lora_records",
+    "check_resumed_lora",
+]
 
 ADAPTER_NAME = "default"
 _INITS = (True, False, "gaussian")
@@ -346,3 +360,106 @@ def apply_lora(model: nn.Module, config: Any, frozen: list[str] = ()) -> nn.Modu
         pending.load_after_sharding(model)
     model._lora_config = cfg
     return model
+
+
+# -------------------------------------------------------------------------------------- resuming
+FUNCTION_SETTINGS: dict[str, str] = {
+    "r": "rank",
+    "lora_alpha": "alpha",
+    "target_modules": "target_modules",
+    "target_parameters": "target_parameters",
+    "exclude_modules": "exclude_modules",
+    "use_rslora": "use_rslora",
+    "use_dora": "use_dora",
+    "use_bdlora": "use_bdlora",
+    "use_qalora": "use_qalora",
+    "qalora_group_size": "qalora_group_size",
+    "bias": "bias",
+    "lora_bias": "lora_bias",
+    "fan_in_fan_out": "fan_in_fan_out",
+    "rank_pattern": "rank_pattern",
+    "alpha_pattern": "alpha_pattern",
+    "layers_to_transform": "layers_to_transform",
+    "layers_pattern": "layers_pattern",
+    "layer_replication": "layer_replication",
+    "modules_to_save": "modules_to_save",
+    "trainable_token_indices": "trainable_token_indices",
+    "alora_invocation_tokens": "alora_invocation_tokens",
+    "arrow_config": "arrow_config",
+    "kasa_config": "kasa_config",
+    "monteclora_config": "monteclora_config",
+    "velora_config": "velora_config",
+}
+"""PEFT ``LoraConfig`` fields that change the function the adapted model computes from the same weights, and the
+name a message gives each (this project's ``lora`` key where it has one: ``rank``, ``alpha``). Resuming with any
+of them changed is refused. Not among them: ``lora_dropout`` (dropout changes the noise of training steps only;
+the function evaluated from the weights is the same, and changing it between runs is a legitimate schedule),
+``init_lora_weights`` and the initialisation configs (``loftq_config``, ``eva_config``, ``corda_config``,
+``lora_ga_config``: a resume reads the values), ``seed``, and bookkeeping (``task_type``, ``inference_mode``,
+``base_model_name_or_path``, ``revision``, ``peft_version``, the Megatron layer settings)."""
+
+_RECORD = "lora"  # the checkpoint record's name (``lightning_mm.checkpoint.records``)
+
+
+def lora_records(root: nn.Module) -> dict[str, dict[str, Any]]:
+    """``{module path: its adapters' FUNCTION_SETTINGS}`` for every top-most module with LoRA adapters (a
+    ``peft_config``), as JSON-able data: what a checkpoint records to check a resume (``{}`` without adapters)."""
+    from lightning_mm.hf.records import lora_record
+
+    out: dict[str, dict[str, Any]] = {}
+    for name, module in root.named_modules():
+        if enclosing(name, list(out)) is not None:
+            continue
+        record = lora_record(module)
+        if record is not None:
+            out[name] = {key: record[key] for key in FUNCTION_SETTINGS if key in record}
+    return out
+
+
+def _hf_lora(records: Mapping[str, Any]) -> dict[str, dict[str, Any]]:
+    """The adapters' settings of a checkpoint written before the ``lora`` record, from its ``hf`` record."""
+    out = {}
+    for record in records.get("hf") or []:
+        if isinstance(record, Mapping) and isinstance(record.get("lora"), Mapping):
+            out[str(record.get("prefix", "")).removesuffix(".")] = dict(record["lora"])
+    return out
+
+
+def _same_setting(saved: Any, now: Any) -> bool:
+    numbers = (int, float)
+    if isinstance(saved, numbers) and isinstance(now, numbers) and not isinstance(saved, bool) \
+            and not isinstance(now, bool):
+        return float(saved) == float(now)
+    if isinstance(saved, (list, tuple)) and isinstance(now, (list, tuple)):
+        return len(saved) == len(now) and all(_same_setting(a, b) for a, b in zip(saved, now))
+    if isinstance(saved, Mapping) and isinstance(now, Mapping):
+        return saved.keys() == now.keys() and all(_same_setting(saved[k], now[k]) for k in saved)
+    return saved == now
+
+
+def _shown(value: Any) -> str:
+    text = json.dumps(value, default=str)
+    return text if len(text) <= 200 else text[:197] + "..."
+
+
+def check_resumed_lora(records: Mapping[str, Any], root: nn.Module, where: str) -> None:
+    """Refuse to load a checkpoint into ``root`` when an adapted module's :data:`FUNCTION_SETTINGS` differ from the
+    ones the checkpoint records (``records``: its record entries); a :class:`LoRAConfigError` naming the setting,
+    the saved and the current value. Adapters present on one side only are left to the key checks."""
+    saved_all = records.get(_RECORD)
+    saved_all = dict(saved_all) if isinstance(saved_all, Mapping) else _hf_lora(records)
+    if not saved_all:
+        return
+    current_all = lora_records(root)
+    for path, saved in saved_all.items():
+        current = current_all.get(path)
+        if current is None or not isinstance(saved, Mapping):
+            continue
+        for key, name in FUNCTION_SETTINGS.items():
+            if key in saved and key in current and not _same_setting(saved[key], current[key]):
+                module = f" of `{path}`" if path else ""
+                raise LoRAConfigError(
+                    f"{where}: the checkpoint's LoRA adapters{module} were trained with {name} {_shown(saved[key])}, "
+                    f"the model now has {name} {_shown(current[key])}; loading them would change what they compute. "
+                    f"Set lora `{name}` back to {_shown(saved[key])} to resume, or start new adapters"
+                )

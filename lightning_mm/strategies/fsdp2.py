@@ -129,6 +129,11 @@ class MMFSDP2Strategy(ParallelStrategy):
             samples, each holding ``seq / C`` tokens (see ``lightning_mm.core.context_parallel``).
             Parameters stay sharded over all ranks; the sampler runs over ``world / C`` data-parallel ranks.
         context_parallel_algo: ``"ulysses"`` (MindSpeed MM's ``ulysses_cp_algo`` is accepted as the same).
+        stop_on_nonfinite: ``True`` (default): a NaN or infinite loss on any rank, or a non-finite global gradient
+            norm, stops training on every rank before the optimizer step applies it, with a
+            :class:`~lightning_mm.core.finite.NonFiniteError` naming the step and the rank(s) (the loss flags ride
+            in the gradient norm's reduction, which ``train/grad_norm`` and clipping reuse). ``False`` trains on
+            (e.g. with your own fp16 loss scaling, whose overflowing steps have infinite gradients by design).
 
     ``Trainer(sync_batchnorm=True)`` converts the BatchNorm layers to ``torch.nn.SyncBatchNorm`` before sharding (as
     DDP and FSDP do). ``StochasticWeightAveraging`` is refused at setup: its averaging mixes DTensor and plain
@@ -158,6 +163,7 @@ class MMFSDP2Strategy(ParallelStrategy):
         stop_timeout: float = 30.0,
         context_parallel_size: int = 1,
         context_parallel_algo: str = "ulysses",
+        stop_on_nonfinite: bool = True,
     ) -> None:
         super().__init__(
             accelerator=accelerator,
@@ -191,6 +197,9 @@ class MMFSDP2Strategy(ParallelStrategy):
         self.stop_timeout = float(stop_timeout)
         self._guard: RunGuard | None = None
         self._context_parallel = ContextParallelSetup(context_parallel_size, context_parallel_algo)
+        if not isinstance(stop_on_nonfinite, bool):
+            raise TypeError(f"stop_on_nonfinite must be True or False, got {stop_on_nonfinite!r}")
+        self.stop_on_nonfinite = stop_on_nonfinite
 
     # ------------------------------------------------------------------------------------ properties
     @property
@@ -423,6 +432,8 @@ class MMFSDP2Strategy(ParallelStrategy):
             self.setup_optimizers(trainer)
             if self._fused_optimizer_step:
                 self._use_fused_optimizer_steps()
+        if isinstance(self.precision_plugin, MMFSDP2Precision):
+            self.precision_plugin.stop_on_nonfinite = self.stop_on_nonfinite
         self.setup_precision_plugin()
 
     def _apply_layer_sync(self, root: pl.LightningModule) -> None:
@@ -674,6 +685,8 @@ class MMFSDP2Strategy(ParallelStrategy):
             "rng_point": self._rng_point(),
             **ckpt.collect_records(lm),  # what other layers record (registered record providers)
         }
+        if self.checkpoint_format == "torch" and "optimizer_states" in checkpoint:  # what the indices stand for
+            extra[ckpt.OPTIMIZER_NAMES_KEY] = ckpt.optimizer_param_names(lm, self.optimizers)
         ckpt.save(checkpoint, path, self.checkpoint_format, extra, ckpt.capture_rng(self.root_device))
 
     @override

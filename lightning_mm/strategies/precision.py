@@ -2,7 +2,8 @@
 
 FSDP2 does mixed precision itself (parameters cast per unit, gradients reduced in ``reduce_dtype``), so the
 precision plugin here never autocasts; it converts the module for the ``*-true`` modes and clips gradients
-correctly over DTensors.
+correctly over DTensors. It also stops training on a non-finite loss or gradient norm, on every rank before the
+optimizer step (``stop_on_nonfinite``, :mod:`lightning_mm.core.finite`).
 """
 
 from __future__ import annotations
@@ -16,7 +17,10 @@ from lightning.pytorch.plugins.precision import Precision
 from lightning_utilities.core.apply_func import apply_to_collection
 from torch import nn
 from torch.optim import Optimizer
+from typing_extensions import override
 
+from lightning_mm._compat import attached_trainer
+from lightning_mm.core import finite
 from lightning_mm.core.config import FSDP2Config, FSDP2ConfigError
 from lightning_mm.core.grad_clip import clip_grads_with_norm_, total_grad_norm
 from lightning_mm.core.plan import MixedPrecision
@@ -64,11 +68,16 @@ def resolve_mixed_precision(config: FSDP2Config, precision: str = "32-true") -> 
 class MMFSDP2Precision(Precision):
     """Precision plugin for :class:`~lightning_mm.MMFSDP2Strategy`: no autocast, DTensor-aware clipping."""
 
-    def __init__(self, precision: str = "32-true") -> None:
+    def __init__(self, precision: str = "32-true", stop_on_nonfinite: bool = True) -> None:
         _check_supported(precision)
         self.precision = precision  # type: ignore[assignment]
         self._true_dtype = _TRUE_DTYPES.get(precision)
         self._step_norm: tuple[int, torch.Tensor] | None = None  # (id(optimizer), norm) of the step under way
+        self.stop_on_nonfinite = stop_on_nonfinite
+        """Before each optimizer step: a non-finite loss on any rank (any micro-batch since the last step) or a
+        non-finite gradient norm raises :class:`~lightning_mm.core.finite.NonFiniteError` on every rank, before the
+        step. Set from ``MMFSDP2Strategy(stop_on_nonfinite=...)``."""
+        self._bad_loss: torch.Tensor | None = None  # whether a loss since the last check was not finite (a tensor)
         self.norm_groups: dict[int, tuple[Any, ...]] = {}
         """Set by the strategy after sharding: parameters whose norm terms are summed over further process groups
         (local experts over their EP group; see :func:`~lightning_mm.core.grad_clip.total_grad_norm`)."""
@@ -115,12 +124,45 @@ class MMFSDP2Precision(Precision):
         self._step_norm = None  # the gradients change now
         clip_grads_with_norm_(_params(optimizer), float(clip_val), norm)
 
+    @override
+    def post_backward(self, tensor: torch.Tensor, module: Any) -> torch.Tensor:
+        if self.stop_on_nonfinite:  # noted without a host synchronisation; checked before the optimizer step
+            bad = finite.nonfinite(tensor)
+            self._bad_loss = bad if self._bad_loss is None else self._bad_loss | bad.to(self._bad_loss.device)
+        return super().post_backward(tensor, module)
+
+    @override
     def optimizer_step(self, optimizer: Any, model: Any, closure: Callable[[], Any], **kwargs: Any) -> Any:
         self._step_norm = None  # a norm from before this step's backward is stale
+        if self.stop_on_nonfinite:
+            inner = closure
+
+            def closure() -> Any:  # backward, then the check: before the step's hooks, clipping and the step
+                result = inner()
+                self._check_finite(optimizer, model)
+                return result
+
         try:
             return super().optimizer_step(optimizer, model, closure, **kwargs)
         finally:
             self._step_norm = None
+
+    def _check_finite(self, optimizer: Any, model: Any) -> None:
+        """Agree over all ranks on the losses' and the gradient norm's finiteness; raise on every rank or none.
+
+        The per-rank loss flags ride in the gradient norm's all-reduce, and the norm is kept for this step's
+        ``train/grad_norm`` and clipping: one norm computation per step, as without the check.
+        """
+        bad_loss, self._bad_loss = self._bad_loss, None
+        params = _params(optimizer)
+        device = next((p.grad.device for p in params if p.grad is not None),
+                      bad_loss.device if bad_loss is not None else torch.device("cpu"))
+        flags = finite.rank_flags(bad_loss, device)
+        norm = total_grad_norm(params, sum_over=self.norm_groups, also_reduce=flags)
+        self._step_norm = (id(optimizer), norm)
+        trainer = attached_trainer(model)
+        finite.check_step(flags, norm, trainer.global_step if trainer is not None else None,
+                          "MMFSDP2Strategy(stop_on_nonfinite=False)")
 
 
 def _params(optimizer: Any) -> list[torch.Tensor]:
