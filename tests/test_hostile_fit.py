@@ -101,7 +101,7 @@ def test_sigterm_to_rank_zero_blocked_in_a_collective_with_a_hung_peer_ends_ever
     status, pids, elapsed, output = _signal_a_hanging_run("hang_collective", tmp_path, hung=1, target=0,
                                                           signum=signal.SIGTERM)
     # Without a watcher independent of the main thread, rank 0 sat in its gloo wait until the 30-minute timeout.
-    assert elapsed <= STOP_TIMEOUT + MARGIN, f"ranks still ran {STOP_TIMEOUT + MARGIN} s after SIGTERM\n{output[-4000:]}"
+    assert elapsed <= STOP_TIMEOUT + MARGIN, f"ranks ran {STOP_TIMEOUT + MARGIN} s after SIGTERM\n{output[-3000:]}"
     assert status == 143, output[-4000:]
     assert f"pid {pids[0]}) did not finish its run within 3 s of SIGTERM" in output, output[-4000:]
     child = re.search(rf"the ranks it launched: pid {pids[1]} status (-?\d+)", output)
@@ -112,7 +112,7 @@ def test_sigterm_to_rank_zero_blocked_in_a_collective_with_a_hung_peer_ends_ever
 def test_sigterm_to_the_rank_hung_in_a_c_call_ends_every_rank_in_time(tmp_path):
     status, pids, elapsed, output = _signal_a_hanging_run("hang_c_call", tmp_path, hung=1, target=1,
                                                           signum=signal.SIGTERM)
-    assert elapsed <= STOP_TIMEOUT + MARGIN, f"ranks still ran {STOP_TIMEOUT + MARGIN} s after SIGTERM\n{output[-4000:]}"
+    assert elapsed <= STOP_TIMEOUT + MARGIN, f"ranks ran {STOP_TIMEOUT + MARGIN} s after SIGTERM\n{output[-3000:]}"
     # The signalled rank: 143; rank 0, whose collective lost its peer: non-zero.
     assert f"pid {pids[1]}) did not finish its run within 3 s of SIGTERM (its main thread is blocked); it exits " \
            "with status 143" in output, output[-4000:]
@@ -123,7 +123,7 @@ def test_sigterm_to_the_rank_hung_in_a_c_call_ends_every_rank_in_time(tmp_path):
 def test_sigint_to_rank_zero_blocked_during_setup_ends_every_rank_in_time(tmp_path):
     status, pids, elapsed, output = _signal_a_hanging_run("hang_setup", tmp_path, hung=0, target=0,
                                                           signum=signal.SIGINT)
-    assert elapsed <= STOP_TIMEOUT + MARGIN, f"ranks still ran {STOP_TIMEOUT + MARGIN} s after SIGINT\n{output[-4000:]}"
+    assert elapsed <= STOP_TIMEOUT + MARGIN, f"ranks ran {STOP_TIMEOUT + MARGIN} s after SIGINT\n{output[-3000:]}"
     assert status == 130, output[-4000:]  # 128 + SIGINT: the KeyboardInterrupt could not be raised in time
     child = re.search(rf"the ranks it launched: pid {pids[1]} status (-?\d+)", output)
     assert child is not None and int(child[1]) != 0, output[-4000:]
