@@ -35,7 +35,6 @@ from lightning_mm import checkpoint
 from lightning_mm import checkpoint as ckpt  # where a Lightning parameter is named `checkpoint`
 from lightning_mm._compat import (
     _PATH,
-    _SubprocessScriptLauncher,
     _sync_ddp_if_available,
     attached_trainer,
     set_device_mesh,
@@ -49,6 +48,7 @@ from lightning_mm.core.optimizer import use_fused_steps
 from lightning_mm.core.plan import ShardingPlan, build_plan
 from lightning_mm.strategies import stopping
 from lightning_mm.strategies.cp_setup import ContextParallelSetup
+from lightning_mm.strategies.launch import CheckingLauncher, CheckingSubprocessScriptLauncher
 from lightning_mm.strategies.precision import MMFSDP2Precision, resolve_mixed_precision
 from lightning_mm.strategies.rendezvous import is_loopback, loopback_store
 from lightning_mm.strategies.stopping import SIGNAL_EXIT_STATUS, RunGuard
@@ -296,8 +296,12 @@ class MMFSDP2Strategy(ParallelStrategy):
         assert self.cluster_environment is not None
         if self._given_config is not None:
             self._given_config.resolve_sharding_size(self.num_nodes * self.num_processes)  # fail before launching
+        # Both check ckpt_path="last" first (lightning_mm.strategies.launch).
         if not self.cluster_environment.creates_processes_externally:
-            self._launcher = _SubprocessScriptLauncher(self.cluster_environment, self.num_processes, self.num_nodes)
+            self._launcher = CheckingSubprocessScriptLauncher(self.cluster_environment, self.num_processes,
+                                                              self.num_nodes)
+        else:
+            self._launcher = CheckingLauncher()
 
     def set_world_ranks(self) -> None:
         if self.cluster_environment is not None:
