@@ -73,3 +73,21 @@ def test_a_signal_ends_a_process_whose_main_thread_is_blocked_in_a_c_call(tmp_pa
     assert proc.returncode == status, err
     assert 0.9 <= elapsed <= 4, elapsed  # the deadline (1 s), not at once and not never
     assert f"did not finish its run within 1 s of {signal.Signals(signum).name}" in err, err
+
+
+@pytest.mark.skipif(not hasattr(os, "fork"), reason="fork")
+def test_a_forked_child_does_not_report_its_signals_to_the_run_guard():
+    import signal as sig
+
+    from lightning_mm.strategies.stopping import _WakeupPipe
+
+    pipe = _WakeupPipe()
+    try:
+        pid = os.fork()
+        if pid == 0:  # a DataLoader worker, say: its SIGTERM/SIGINT must not arm the parent's deadline
+            os._exit(0 if sig.set_wakeup_fd(-1) == -1 else 1)
+        _, status = os.waitpid(pid, 0)
+        assert os.waitstatus_to_exitcode(status) == 0
+    finally:
+        pipe.close()
+    assert sig.set_wakeup_fd(-1) == -1  # put back as it was

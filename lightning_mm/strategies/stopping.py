@@ -90,9 +90,28 @@ def launched_children() -> list[subprocess.Popen]:
     return list(_LAUNCHED)
 
 
+_ACTIVE_PIPES: dict[int, int] = {}  # write descriptor of each open wakeup pipe -> the wakeup descriptor before it
+
+
+def _forget_pipes_in_child() -> None:
+    """In a forked child (a DataLoader worker): its signals are not this run's; the wakeup descriptor goes back."""
+    if not _ACTIVE_PIPES:
+        return
+    try:
+        current = signal.set_wakeup_fd(-1)
+        signal.set_wakeup_fd(_ACTIVE_PIPES.get(current, current))
+    except (ValueError, OSError):  # forked from another thread than the main one: nothing to put back
+        pass
+    _ACTIVE_PIPES.clear()
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_forget_pipes_in_child)
+
+
 class _WakeupPipe:
     """``signal.set_wakeup_fd`` on a pipe of ours, restored at :meth:`close`; signal numbers that arrive are also
-    passed on to a wakeup descriptor that was there before (an event loop's)."""
+    passed on to a wakeup descriptor that was there before (an event loop's). A forked child does not keep it."""
 
     def __init__(self) -> None:
         self.read_fd, self.write_fd = os.pipe()
@@ -104,6 +123,7 @@ class _WakeupPipe:
             os.close(self.read_fd)
             os.close(self.write_fd)
             raise
+        _ACTIVE_PIPES[self.write_fd] = self.previous
 
     def read(self, timeout: float) -> bytes:
         """The signal numbers that arrived (waits up to ``timeout`` seconds for one)."""
@@ -127,6 +147,7 @@ class _WakeupPipe:
     def close(self) -> None:
         """Put back the previous wakeup descriptor (main thread only; elsewhere ours stays until the next guard)."""
         if threading.current_thread() is threading.main_thread():
+            _ACTIVE_PIPES.pop(self.write_fd, None)
             try:
                 current = signal.set_wakeup_fd(self.previous)
                 if current != self.write_fd:  # someone replaced ours since: theirs stays
