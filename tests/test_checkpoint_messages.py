@@ -87,3 +87,11 @@ def test_without_any_last_checkpoint_lightning_warns_and_starts_fresh(tmp_path):
     (tmp_path / "step=1.ckpt").mkdir()
     (tmp_path / "last.ckpt").symlink_to("step=1.ckpt")
     assert dangling_last_link(trainer) is None  # a link to a checkpoint that exists: Lightning resumes from it
+
+
+def test_a_meta_file_with_bytes_appended_is_longer_than_written_not_foreign(tmp_path):
+    extended = _save(tmp_path / "x.ckpt", 0)
+    with open(extended / "meta.pt", "ab") as f:
+        f.write(b"\0" * 100)
+    with pytest.raises(CheckpointIntegrityError, match=r"x\.ckpt/meta\.pt: longer than written"):
+        store.open_source(extended)

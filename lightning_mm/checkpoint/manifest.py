@@ -201,8 +201,14 @@ def _complete_file(path: Path) -> str | None:
         except (OSError, ValueError, EOFError):
             return None
         return "DCP .metadata" if end == len(data) else None
-    if path.suffix == ".pt":
-        return "torch file" if zipfile.is_zipfile(path) else None
+    if path.suffix == ".pt":  # torch.save writes no archive comment: the end record is the file's last 22 bytes
+        try:
+            with path.open("rb") as f:
+                f.seek(max(0, path.stat().st_size - 22))
+                ends_as_zip = f.read(4) == b"PK\x05\x06"
+        except OSError:
+            return None
+        return "torch file" if ends_as_zip and zipfile.is_zipfile(path) else None
     return None
 
 
