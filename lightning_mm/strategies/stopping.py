@@ -38,6 +38,7 @@ from __future__ import annotations
 
 import _thread
 import math
+import numbers
 import os
 import select
 import signal
@@ -71,7 +72,7 @@ _LAUNCHED: list[subprocess.Popen] = []  # every rank process this process launch
 
 def check_stop_timeout(value: Any) -> float:
     """``value`` as seconds, when it is a positive finite number a thread can wait for; a clear error otherwise."""
-    if isinstance(value, bool) or not isinstance(value, (int, float)):
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):
         raise TypeError(f"stop_timeout must be a number of seconds, got {value!r}")
     seconds = float(value)
     if not (math.isfinite(seconds) and 0 < seconds <= threading.TIMEOUT_MAX):
