@@ -39,6 +39,7 @@ __all__ = [
     "set_device_mesh",
     "auto_accelerator",
     "attached_trainer",
+    "last_checkpoints",
     "unwrap_optimizer",
     "share_experts_kernels_with_base",
     "INHERITED_PRIVATE_ATTRIBUTES",
@@ -105,6 +106,8 @@ LIGHTNING_NAMES = {
     "_AcceleratorRegistry": "lightning.fabric.accelerators.registry",
     # Lightning's launcher that re-runs the script once per extra local rank (what DDP and FSDP use).
     "_SubprocessScriptLauncher": "lightning.pytorch.strategies.launchers.subprocess_script",
+    # The base class of the Trainer's launchers (what ``Trainer.fit`` calls before anything else when set).
+    "_Launcher": "lightning.pytorch.strategies.launchers.launcher",
     # Lightning's all-reduce with its "mean"/"sum" semantics, as its own strategies' ``reduce`` use it.
     "_sync_ddp_if_available": "lightning.fabric.utilities.distributed",
     # Lightning's choice for ``accelerator="auto"`` (``auto_accelerator``).
@@ -160,6 +163,15 @@ def set_device_mesh(module: pl.LightningModule, mesh: DeviceMesh) -> None:
     if "_device_mesh" not in vars(module):
         raise _missing("`LightningModule._device_mesh`")
     module._device_mesh = mesh
+
+
+def last_checkpoints(callback: Any, trainer: pl.Trainer) -> set[str]:
+    """The ``last*.ckpt`` entries of a ModelCheckpoint's directory that ``ckpt_path="last"`` chooses among (links
+    included, whether their targets exist or not)."""
+    find = getattr(callback, "_find_last_checkpoints", None)
+    if not callable(find):
+        raise _missing("`ModelCheckpoint._find_last_checkpoints`")
+    return set(find(trainer))
 
 
 def auto_accelerator() -> str:

@@ -4,6 +4,8 @@
 * :class:`CheckpointIntegrityError`: a checkpoint whose files are missing, truncated, altered, foreign (from
   another checkpoint) or outside its directory.
 * :class:`CheckpointWriteError`: a save that failed on the disk (``errno`` and ``filename`` as in ``OSError``).
+* :class:`CheckpointNotFoundError`: the checkpoint asked for is not there (e.g. ``ckpt_path="last"`` whose ``last``
+  link points at a deleted checkpoint), a ``FileNotFoundError``.
 
 :func:`write_error` turns what a failed write raised (an ``OSError``, DCP's ``CheckpointException`` collecting the
 failures of every rank, or torch's ``[enforce fail at inline_container.cc] unexpected pos`` when a full disk cut a
@@ -16,7 +18,8 @@ import errno
 import os
 from pathlib import Path
 
-__all__ = ["CheckpointError", "CheckpointIntegrityError", "CheckpointWriteError", "write_error"]
+__all__ = ["CheckpointError", "CheckpointIntegrityError", "CheckpointWriteError", "CheckpointNotFoundError",
+           "write_error"]
 
 _FREE_SPACE_FLOOR = 1 << 20  # a write failure with less than this free is taken for a full disk
 
@@ -34,6 +37,13 @@ class CheckpointWriteError(CheckpointError, OSError):
 
     def __str__(self) -> str:
         return f"{self.filename}: {self.strerror}" if self.filename is not None else super().__str__()
+
+
+class CheckpointNotFoundError(CheckpointError, FileNotFoundError):
+    """The checkpoint asked for does not exist (the message names the path, or the link and its target)."""
+
+    def __str__(self) -> str:
+        return str(self.args[0]) if len(self.args) == 1 else super().__str__()
 
 
 def _causes(error: BaseException) -> list[BaseException]:

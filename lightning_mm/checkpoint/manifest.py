@@ -13,7 +13,9 @@ listed file is present, a regular file inside the directory, of its recorded siz
 no ``.distcp`` file is there that the manifest does not list. ``full=True`` (the converters) also compares the
 hash of every whole file (SHA-256 over the SHA-256 of its 16 MiB chunks, so that one file hashes on many cores).
 A file from another run, a missing, truncated or extended one fails, naming the file; an alteration of a few
-bytes inside a large file is only seen by ``full``.
+bytes inside a large file is only seen by ``full``. A ``.metadata`` or ``meta.pt`` that differs from its entry but
+is whole in its own format (a pickle that ends where the file ends, a zip archive with its central directory) is
+reported as a file of another checkpoint or run, not as truncated or altered.
 """
 
 from __future__ import annotations
@@ -22,7 +24,9 @@ import contextlib
 import hashlib
 import json
 import os
+import pickletools
 import uuid
+import zipfile
 from collections.abc import Iterable, Iterator, Mapping
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -182,15 +186,56 @@ def read_manifest(directory: Path) -> dict[str, Any] | None:
     return manifest
 
 
+def _complete_file(path: Path) -> str | None:
+    """What ``path`` is when it is a whole file of its kind (a DCP ``.metadata`` pickle that ends where the file
+    ends, a ``.pt`` zip archive with its central directory); None when it is not, or its kind has no such test
+    (``.distcp`` shards are raw bytes). Nothing is unpickled or loaded."""
+    if path.name == ".metadata":
+        try:
+            with path.open("rb") as f:
+                data = f.read()
+            end = None
+            for opcode, _, position in pickletools.genops(data):
+                if opcode.name == "STOP":
+                    end = position + 1
+        except (OSError, ValueError, EOFError):
+            return None
+        return "DCP .metadata" if end == len(data) else None
+    if path.suffix == ".pt":  # torch.save writes no archive comment: the end record is the file's last 22 bytes
+        try:
+            with path.open("rb") as f:
+                f.seek(max(0, path.stat().st_size - 22))
+                ends_as_zip = f.read(4) == b"PK\x05\x06"
+        except OSError:
+            return None
+        return "torch file" if ends_as_zip and zipfile.is_zipfile(path) else None
+    return None
+
+
+def _not_ours(path: Path, size: int, entry: dict[str, Any]) -> CheckpointIntegrityError | None:
+    kind = _complete_file(path)
+    if kind is None:
+        return None
+    return CheckpointIntegrityError(
+        f"{path}: does not belong to this checkpoint: a complete {kind} of {size} bytes that is not the one its "
+        f"{MANIFEST_FILE} records ({entry['size']} bytes, another content), i.e. the file of another checkpoint or run")
+
+
 def _check_file(directory: Path, name: str, entry: dict[str, Any], sample: dict[str, int], full: bool) -> None:
     path = inside(directory, directory / name)
     size = path.stat().st_size
     if size != entry["size"]:
+        foreign = _not_ours(path, size, entry)
+        if foreign is not None:
+            raise foreign
         state = "truncated" if size < entry["size"] else "longer than written"
         raise CheckpointIntegrityError(f"{path}: {state} ({size} bytes; the checkpoint's manifest records "
                                        f"{entry['size']})")
     if _sample(path, size, sample["blocks"], sample["block_size"]) != entry["sample"] or (
             full and _sha256(path) != entry["sha256"]):
+        foreign = _not_ours(path, size, entry)
+        if foreign is not None:
+            raise foreign
         raise CheckpointIntegrityError(f"{path}: its content differs from the checkpoint's manifest: the file was "
                                        "altered or comes from another checkpoint")
 

@@ -249,8 +249,12 @@ def save(
     _agree(error)
     partial = Path(_broadcast(str(atomic.partial_path(path))))
     if rank0:
-        for stale in dict.fromkeys([*atomic.stale_partials(path), *atomic.abandoned_partials(path.parent)]):
+        for stale in atomic.abandoned_partials(path.parent):  # only partials whose writer is gone, or ours
             atomic.remove(stale)
+        others = atomic.live_writers(path)
+        if others:
+            rank_zero_warn(f"another run is saving {path.name} here ({'; '.join(others)}): the checkpoint "
+                           f"committed last replaces the other in {path.parent}")
         path.parent.mkdir(parents=True, exist_ok=True)
     _barrier()
     failure, original, hashed = None, None, {}

@@ -35,7 +35,6 @@ from lightning_mm import checkpoint
 from lightning_mm import checkpoint as ckpt  # where a Lightning parameter is named `checkpoint`
 from lightning_mm._compat import (
     _PATH,
-    _SubprocessScriptLauncher,
     _sync_ddp_if_available,
     attached_trainer,
     set_device_mesh,
@@ -49,6 +48,7 @@ from lightning_mm.core.optimizer import use_fused_steps
 from lightning_mm.core.plan import ShardingPlan, build_plan
 from lightning_mm.strategies import stopping
 from lightning_mm.strategies.cp_setup import ContextParallelSetup
+from lightning_mm.strategies.launch import CheckingLauncher, CheckingSubprocessScriptLauncher
 from lightning_mm.strategies.precision import MMFSDP2Precision, resolve_mixed_precision
 from lightning_mm.strategies.rendezvous import is_loopback, loopback_store
 from lightning_mm.strategies.stopping import SIGNAL_EXIT_STATUS, RunGuard
@@ -123,8 +123,10 @@ class MMFSDP2Strategy(ParallelStrategy):
             ``foreach`` use torch's fused step on CPU and CUDA (torch's own CPU default loops over the sharded
             DTensor parameters one by one; see ``lightning_mm.core.optimizer``). The choice is logged.
             ``False`` leaves the implementation to torch.
-        stop_timeout: seconds within which the other ranks stop when one rank process is gone (a SIGTERM, a crash,
-            a kill), see ``lightning_mm.strategies.stopping``. A rank stopped by SIGTERM exits with status 143.
+        stop_timeout: seconds within which a signalled rank (SIGTERM, SIGINT) ends, whatever its main thread is
+            doing, and the other ranks stop when one rank process is gone (a SIGTERM, a crash, a kill), see
+            ``lightning_mm.strategies.stopping``; a positive finite number. A rank stopped by SIGTERM exits with
+            status 143.
         context_parallel_size: ``C`` > 1 turns on Ulysses context parallelism: ``C`` consecutive ranks share
             samples, each holding ``seq / C`` tokens (see ``lightning_mm.core.context_parallel``).
             Parameters stay sharded over all ranks; the sampler runs over ``world / C`` data-parallel ranks.
@@ -192,9 +194,7 @@ class MMFSDP2Strategy(ParallelStrategy):
         self._pending_rng_step: int | None = None
         # Expert parallelism: how checkpoints see the local experts.
         self._expert_layout: Any = None  # built on the first checkpoint save or load
-        if not stop_timeout > 0:
-            raise ValueError(f"stop_timeout must be a positive number of seconds, got {stop_timeout!r}")
-        self.stop_timeout = float(stop_timeout)
+        self.stop_timeout = stopping.check_stop_timeout(stop_timeout)
         self._guard: RunGuard | None = None
         self._context_parallel = ContextParallelSetup(context_parallel_size, context_parallel_algo)
         if not isinstance(stop_on_nonfinite, bool):
@@ -305,8 +305,12 @@ class MMFSDP2Strategy(ParallelStrategy):
         assert self.cluster_environment is not None
         if self._given_config is not None:
             self._given_config.resolve_sharding_size(self.num_nodes * self.num_processes)  # fail before launching
+        # Both check ckpt_path="last" first (lightning_mm.strategies.launch).
         if not self.cluster_environment.creates_processes_externally:
-            self._launcher = _SubprocessScriptLauncher(self.cluster_environment, self.num_processes, self.num_nodes)
+            self._launcher = CheckingSubprocessScriptLauncher(self.cluster_environment, self.num_processes,
+                                                              self.num_nodes)
+        else:
+            self._launcher = CheckingLauncher()
 
     def set_world_ranks(self) -> None:
         if self.cluster_environment is not None:
@@ -580,7 +584,7 @@ class MMFSDP2Strategy(ParallelStrategy):
     def on_exception(self, exception: BaseException) -> None:
         self._run_failed = True
         if self._guard is not None:  # this rank is failing on its own: its error, not a peer's loss, is reported
-            self._guard.stop()
+            self._guard.failed()
         if isinstance(exception, SIGTERMException) and not exception.code:
             exception.code = SIGNAL_EXIT_STATUS  # a run stopped by a signal must not exit with status 0
 
