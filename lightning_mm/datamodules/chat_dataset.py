@@ -19,7 +19,7 @@ from torch.utils.data import Dataset
 
 from lightning_mm._yaml import short_repr
 from lightning_mm.datamodules.mindspeed_keys import MAX_FAILURES_IN_A_ROW
-from lightning_mm.datamodules.records import DataError, DataReport, _iter_raw
+from lightning_mm.datamodules.records import DataError, DataReport, iter_raw_records
 
 __all__ = ["ChatRecord", "ChatAttr", "ChatDataset", "read_chat_records"]
 
@@ -141,7 +141,7 @@ def read_chat_records(split: str, files: tuple[Path, ...], attr: ChatAttr, root:
     records: list[ChatRecord] = []
     report = DataReport(split)
     for file in files:
-        for line, raw, error in _iter_raw(file):
+        for line, raw, error in iter_raw_records(file):
             if max_samples is not None and report.total >= max_samples:
                 return records, report
             report.total += 1

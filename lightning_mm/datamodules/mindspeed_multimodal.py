@@ -39,7 +39,7 @@ from lightning_mm._names import find_unknown_key
 from lightning_mm._yaml import short_repr
 from lightning_mm.datamodules.data_config import DataConfigError
 from lightning_mm.datamodules.mm_dataset import MAX_FAILURES_IN_A_ROW
-from lightning_mm.datamodules.records import DataError, DataReport, _iter_raw
+from lightning_mm.datamodules.records import DataError, DataReport, iter_raw_records
 from lightning_mm.hf.internvl_conversation import (
     IGNORE_INDEX,
     IMAGE_PLACEHOLDER,
@@ -572,7 +572,7 @@ def read_chat_records(
     source: DataSource, specials: tuple[str, ...], report: DataReport
 ) -> list[ChatRecord]:
     """The good records of one source, in file order, after ``repeat_time`` below 1 (bad ones go to ``report``)."""
-    raw = list(_iter_raw(source.data_path))
+    raw = list(iter_raw_records(source.data_path))
     if source.repeat_time < 1:  # MindSpeed MM keeps the first int(n * repeat_time) records of the file
         raw = raw[:int(len(raw) * source.repeat_time)]
     records = []

@@ -23,7 +23,7 @@ from PIL import Image
 from lightning_mm._names import listing
 from lightning_mm._yaml import short_repr
 
-__all__ = ["Record", "DataReport", "DataError", "read_records", "MAX_LINE_BYTES"]
+__all__ = ["Record", "DataReport", "DataError", "read_records", "iter_raw_records", "MAX_LINE_BYTES"]
 
 MAX_LINE_BYTES = 16 << 20
 """Longest JSON line read as one record (16 MiB); a longer line is a bad record, skipped without keeping it."""
@@ -87,7 +87,7 @@ def _parse(data: bytes) -> tuple[Any, str | None]:
         return None, f"not valid JSON: {str(err)[:120]}"
 
 
-def _iter_raw(file: Path) -> Iterator[tuple[int, Any, str | None]]:
+def iter_raw_records(file: Path) -> Iterator[tuple[int, Any, str | None]]:
     """(line number, parsed record or None, parse error or None) for JSON lines or a JSON list."""
     if file.suffix == ".json":
         data, error = _parse(file.read_bytes())
@@ -217,7 +217,7 @@ def read_records(
     report = DataReport(split)
     check = _RecordCheck(root, tokenizer, max_length, truncation, allow_outside)
     for file in files:
-        for line, raw, error in _iter_raw(file):
+        for line, raw, error in iter_raw_records(file):
             report.total += 1
             where = f"{file.name}:{line}"
             if error is not None:
