@@ -62,8 +62,8 @@ def scenario_order(outdir: str) -> None:
 
 
 def scenario_parity(outdir: str) -> None:
-    """``TransformersModel`` (the tiny VLM at ``OUTDIR/model``: Qwen2.5-VL or Qwen3-VL) under MMFSDP2Strategy, fp32, batch 2 per rank,
-    fed by ``OUTDIR/data.json``: each rank's loss per step and the ``input_ids`` rows of its batches."""
+    """``TransformersModel`` (the tiny VLM at ``OUTDIR/model``: Qwen2.5-VL or Qwen3-VL) under MMFSDP2Strategy,
+    fp32, batch 2 per rank, fed by ``OUTDIR/data.json``: each rank's loss per step and its batches' ``input_ids``."""
     from lightning_mm import MMLightningModule
     from lightning_mm.modules import TransformersModel
 
