@@ -6,6 +6,7 @@ from __future__ import annotations
 import errno
 import json
 import subprocess
+from pathlib import Path
 
 import pytest
 import torch
@@ -137,6 +138,34 @@ def test_no_converter_writes_into_its_source_or_over_an_output(pretrained, tmp_p
                  ["hf-to-dcp", str(hf_dir), str(existing)]):
         assert "output exists" in _fail(capsys, *args)
     assert [p.name for p in existing.iterdir()] == ["keep"]
+
+
+def test_force_replaces_only_an_earlier_output_of_the_same_converter(pretrained, tmp_path, capsys):
+    """``--force`` replaces what the same converter wrote before (whole, once the new output is complete); any
+    other existing path is still refused, even with ``--force``, and left as it was."""
+    from safetensors.torch import load_file
+
+    root, hf_dir, model = pretrained
+    ck, pt, hf = tmp_path / "ck", tmp_path / "ck.pt", tmp_path / "hf"
+    for args in (["hf-to-dcp", str(hf_dir), str(ck)], ["dcp-to-torch", str(ck), str(pt)],
+                 ["dcp-to-hf", str(root / "ckpt.pt"), str(hf)]):
+        assert _convert(capsys, *args)[0] == 0
+        assert "--force" in _fail(capsys, *args)  # an existing output is refused without it
+        (Path(args[-1]) / "stale" if Path(args[-1]).is_dir() else tmp_path / "unused").write_text("old")
+        assert _convert(capsys, *args, "--force")[0] == 0
+        assert not (Path(args[-1]) / "stale").exists()  # replaced, not merged into
+    written = load_file(hf / "model.safetensors")
+    assert len(written) == len(model.state_dict()) and (hf / "config.json").is_file()
+    other = tmp_path / "mine"
+    other.mkdir()
+    (other / "keep").write_text("mine")
+    file = tmp_path / "notes.txt"
+    file.write_text("mine")
+    for args in (["dcp-to-torch", str(ck), str(other)], ["dcp-to-hf", str(root / "ckpt.pt"), str(other)],
+                 ["hf-to-dcp", str(hf_dir), str(other)], ["hf-to-dcp", str(hf_dir), str(file)],
+                 ["dcp-to-hf", str(root / "ckpt.pt"), str(file)]):
+        assert "replaces only an earlier output" in _fail(capsys, *args, "--force")
+    assert [p.name for p in other.iterdir()] == ["keep"] and file.read_text() == "mine"
 
 
 @pytest.mark.parametrize("size", ["inf", "nan", "5XB", "1e400GB", "0", "-1", "", "0.5B"])

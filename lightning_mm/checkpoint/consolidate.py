@@ -27,22 +27,38 @@ def writing(partial: Path, final: Path) -> Iterator[None]:
         raise write_error(error, final) from error
 
 
-def check_output(dst: Path) -> None:
+_OUTPUT_MARKERS = {"file": (), "hf": ("config.json",), "dcp": (".metadata",)}
+"""What an existing output must be for ``force`` to replace it: a plain file (``torch.save`` output), or a directory
+holding the marker file of a Hugging Face model (``config.json``) or of a DCP checkpoint (``.metadata``)."""
+
+
+def check_output(dst: Path, force: bool = False, kind: str = "file") -> None:
+    """A converter's output must not exist, unless ``force`` and it is an earlier output of the same ``kind``
+    (:data:`_OUTPUT_MARKERS`): then it is replaced only once the new output is complete (``atomic.commit``)."""
     if dst.exists() or dst.is_symlink():
-        raise FileExistsError(f"output exists: {dst} (remove it or choose another path)")
+        if not force:
+            raise FileExistsError(f"output exists: {dst} (remove it, choose another path, or pass --force)")
+        markers = _OUTPUT_MARKERS[kind]
+        replaceable = (dst.is_file() and not dst.is_symlink()) if kind == "file" else (
+            dst.is_dir() and not dst.is_symlink() and all((dst / m).is_file() for m in markers))
+        if not replaceable:
+            what = "a file" if kind == "file" else f"a directory with {', '.join(markers)}"
+            raise FileExistsError(f"output exists: {dst}, and --force replaces only an earlier output ({what}); "
+                                  "remove it or choose another path")
     if not dst.parent.is_dir():
         raise FileNotFoundError(f"output directory does not exist: {dst.parent}")
 
 
-def dcp_to_torch(src: str | Path, dst: str | Path, model_only: bool = False) -> Path:
+def dcp_to_torch(src: str | Path, dst: str | Path, model_only: bool = False, force: bool = False) -> Path:
     """Consolidate any checkpoint this project writes into one ``torch.save`` file in Lightning's layout.
 
     The result has full tensors under ``state_dict`` and (unless ``model_only``) ``optimizer_states``, the rest of
     the checkpoint unchanged, and loads ``weights_only``; ``MMFSDP2Strategy`` resumes from it on any world size.
     Every file of a DCP source is checked against its manifest, whole-file hashes included, before any is read.
+    ``force`` replaces an earlier output file (once the new one is complete).
     """
     dst = Path(dst)
-    check_output(dst)
+    check_output(dst, force)
     source = open_source(src, full_check=True)
     meta = dict(source.meta)
     if model_only:

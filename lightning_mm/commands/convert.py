@@ -10,9 +10,10 @@
 * ``hf-to-dcp HF_DIR DST``: a Hugging Face model directory as a ``torch_dcp`` weights checkpoint:
   ``trainer.fit(ckpt_path=DST)`` starts training from those weights; validate/test/predict use them.
 
-Every converter writes a new output (an existing one is refused, and so is an output inside the source) through a
-hidden ``.partial-*`` sibling renamed into place when complete: a failure such as a full disk (ENOSPC) is one
-line and leaves nothing behind.
+Every converter writes a new output (an existing one is refused unless ``--force`` and it is an earlier output of
+the same converter; an output that is, lies inside or contains the source is always refused) through a hidden
+``.partial-*`` sibling renamed into place when complete: a failure such as a full disk (ENOSPC) is one line and
+leaves nothing behind, and a replaced output stays whole until the new one is.
 """
 
 from __future__ import annotations
@@ -26,6 +27,9 @@ from pathlib import Path
 __all__ = ["main"]
 
 
+_FORCE_HELP = "replace {what} once the new output is complete (anything else that exists is still refused)"
+
+
 def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="lightning-mm convert", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -35,6 +39,7 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("src", help="checkpoint directory (torch_dcp) or file")
     p.add_argument("dst", help="output file (must not exist)")
     p.add_argument("--model-only", action="store_true", help="leave out the optimizer state")
+    p.add_argument("--force", action="store_true", help=_FORCE_HELP.format(what="an earlier output file"))
 
     p = sub.add_parser("dcp-to-hf", help="write the Hugging Face model of a checkpoint (config.json + safetensors)")
     p.add_argument("src", help="checkpoint directory (torch_dcp) or file")
@@ -50,12 +55,16 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--pretrained-dir", default=None,
                    help="copy the tokenizer, processor, chat template and generation config files from this "
                         "Hugging Face directory (default: the init_from_hf_path the checkpoint records, if it exists)")
+    p.add_argument("--force", action="store_true",
+                   help=_FORCE_HELP.format(what="an earlier output directory (one with a config.json)"))
 
     p = sub.add_parser("hf-to-dcp", help="a Hugging Face model directory as a torch_dcp weights checkpoint")
     p.add_argument("hf_dir", help="directory with config.json and safetensors (or pytorch_model.bin) weights")
     p.add_argument("dst", help="output checkpoint directory (must not exist)")
     p.add_argument("--prefix", default="model.",
                    help="key prefix of the model in the LightningModule (default `model.`: MMLightningModule.model)")
+    p.add_argument("--force", action="store_true",
+                   help=_FORCE_HELP.format(what="an earlier output checkpoint (a directory with a .metadata)"))
     return parser
 
 
@@ -95,7 +104,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 
         notes: list[str] = []
         if args.command == "dcp-to-torch":
-            out = consolidate.dcp_to_torch(args.src, args.dst, model_only=args.model_only)
+            out = consolidate.dcp_to_torch(args.src, args.dst, model_only=args.model_only, force=args.force)
         elif args.command == "dcp-to-hf":
             max_shard_size = convert.parse_size(args.max_shard_size)  # before any work
             if args.merge_lora:
@@ -105,7 +114,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                     raise ValueError("--pretrained-dir is not supported with --merge-lora yet; copy the tokenizer "
                                      "and processor files by hand")
                 out = dcp_to_hf_merged(args.src, args.out_dir, prefix=args.prefix, dtype=args.dtype,
-                                       max_shard_size=max_shard_size)
+                                       max_shard_size=max_shard_size, force=args.force)
             else:
                 from lightning_mm.hf.lora_export import checkpoint_lora
 
@@ -114,9 +123,9 @@ def main(argv: Sequence[str] | None = None) -> int:
                                      "Transformers cannot load as they are: add --merge-lora")
                 out = convert.dcp_to_hf(args.src, args.out_dir, prefix=args.prefix, dtype=args.dtype,
                                         max_shard_size=max_shard_size, config=args.config,
-                                        pretrained_dir=args.pretrained_dir, notes=notes)
+                                        pretrained_dir=args.pretrained_dir, notes=notes, force=args.force)
         else:
-            out = convert.hf_to_dcp(args.hf_dir, args.dst, prefix=args.prefix)
+            out = convert.hf_to_dcp(args.hf_dir, args.dst, prefix=args.prefix, force=args.force)
     except Exception as error:  # the user's to fix: one line (see lightning_mm.commands.failure); a bug: traceback
         cause = None if traceback_requested() else user_error(error)
         if cause is None:

@@ -196,8 +196,10 @@ def dcp_to_hf(
     config: str | Path | None = None,
     pretrained_dir: str | Path | None = None,
     notes: list[str] | None = None,
+    force: bool = False,
 ) -> Path:
-    """Write the Hugging Face model of a checkpoint as ``save_pretrained`` would write it.
+    """Write the Hugging Face model of a checkpoint as ``save_pretrained`` would write it (``force``: replace an
+    earlier output directory, one with a ``config.json``, once the new one is complete).
 
     The model keys of the checkpoint under ``prefix`` (the recorded one by default: ``model.`` for an
     MMLightningModule) are written under the key names of the saved layout (Transformers' save-time renaming),
@@ -215,7 +217,7 @@ def dcp_to_hf(
     out = Path(out_dir)
     if not isinstance(max_shard_size, int) or isinstance(max_shard_size, bool) or max_shard_size < 1:
         raise ConvertError(f"max_shard_size must be a positive number of bytes, got {max_shard_size!r}")
-    check_output(out)
+    check_output(out, force, kind="hf")
     cast = None
     if dtype is not None:
         if dtype not in _DTYPES:
@@ -427,7 +429,7 @@ def _checkpoint_renamer(config: dict[str, Any]) -> Any:
     return checkpoint_key_renamer(model)
 
 
-def hf_to_dcp(hf_dir: str | Path, dst: str | Path, prefix: str = "model.") -> Path:
+def hf_to_dcp(hf_dir: str | Path, dst: str | Path, prefix: str = "model.", force: bool = False) -> Path:
     """A Hugging Face model directory as a weights checkpoint that ``MMFSDP2Strategy`` loads.
 
     Keys become ``<prefix><module key>`` (``model.`` is where an MMLightningModule keeps the model), with the
@@ -437,7 +439,7 @@ def hf_to_dcp(hf_dir: str | Path, dst: str | Path, prefix: str = "model.") -> Pa
     import lightning
 
     hf_dir, dst = Path(hf_dir), Path(dst)
-    check_output(dst)
+    check_output(dst, force, kind="dcp")
     config_file = hf_dir / "config.json"
     if not config_file.is_file():
         raise FileNotFoundError(f"{hf_dir}: no config.json (is this a Hugging Face model directory?)")

@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import copy
 import json
-import shutil
 import tempfile
 from collections.abc import Mapping
 from pathlib import Path
@@ -159,7 +158,7 @@ def checkpoint_lora(src: str | Path, prefix: str | None = None) -> dict[str, Any
 
 
 def dcp_to_hf_merged(src: str | Path, out_dir: str | Path, prefix: str | None = None, dtype: str | None = None,
-                     max_shard_size: int = 5 * 10**9) -> Path:
+                     max_shard_size: int = 5 * 10**9, force: bool = False) -> Path:
     """``dcp-to-hf --merge-lora``: a LoRA checkpoint as a Transformers directory with the adapters merged.
 
     The model's tensors are read straight from the checkpoint under their module keys (``...base_layer.weight``,
@@ -169,15 +168,14 @@ def dcp_to_hf_merged(src: str | Path, out_dir: str | Path, prefix: str | None = 
     """
     import transformers
 
+    from lightning_mm.checkpoint import atomic
+    from lightning_mm.checkpoint.consolidate import check_output
     from lightning_mm.checkpoint.layout import EXTRA_KEY, model_key
     from lightning_mm.checkpoint.store import open_source
     from lightning_mm.hf.records import choose_record
 
     out = Path(out_dir)
-    if out.exists() or out.is_symlink():
-        raise FileExistsError(f"output exists: {out} (remove it or choose another path)")
-    if not out.parent.is_dir():
-        raise FileNotFoundError(f"output directory does not exist: {out.parent}")
+    check_output(out, force, kind="hf")
     casts = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
     if dtype is not None and dtype not in casts:
         raise ValueError(f"--dtype must be one of {sorted(casts)}, got {dtype!r}")
@@ -199,5 +197,5 @@ def dcp_to_hf_merged(src: str | Path, out_dir: str | Path, prefix: str | None = 
         staged = Path(tmp) / "merged"
         merge_lora_state_dict(state, hf_config, record["lora"], model_class, staged,
                               dtype=casts[dtype] if dtype else None, max_shard_size=max_shard_size)
-        shutil.move(str(staged), str(out))
+        atomic.commit(staged, out)
     return out
