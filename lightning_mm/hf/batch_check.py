@@ -7,14 +7,18 @@ tokens are missing from ``input_ids`` fail only deep in the model, or not at all
 :func:`check_batch` turns each of these into a short :class:`BatchCheckError` before the batch reaches the model.
 
 * Keys: a batch key must be an explicit parameter of the model's ``forward``, of its inner model's ``forward``
-  (``model.model``: the one that runs the vision tower), or of their ``get_image_features`` /
+  (``model.model``: the one that runs the vision tower), of its language model's ``forward`` (``get_decoder()``:
+  where a VLM's ``**kwargs`` end, e.g. ``use_cache``), or of their ``get_image_features`` /
   ``get_video_features``, or a key that a typed ``**kwargs: Unpack[TransformersKwargs]`` declares (packing's
-  ``cu_seq_lens_q``, ``num_items_in_batch``, ...). An untyped ``**kwargs`` takes nothing.
+  ``cu_seq_lens_q``, ``num_items_in_batch``, ...), or ``return_dict`` (taken by Transformers' forward wrapper).
+  An untyped ``**kwargs`` takes nothing.
 * Images and placeholders (config ``image_token_id`` / ``image_token_index``, ``video_token_id``): the tokens the
   images make must equal the placeholder tokens in ``input_ids``. Qwen-VL: ``prod(image_grid_thw) /
   spatial_merge_size**2`` per image (videos likewise with ``video_grid_thw``); LLaVA: ``(H / patch) * (W / patch)``
   per image (+1 for the ``full`` feature strategy); InternVL: ``(H / patch * downsample_ratio) * (W / patch *
   downsample_ratio)`` per tile. Other VLMs: images need at least one placeholder, placeholders need images.
+  Images that ``generate()`` has already encoded (``mm_encoder_outputs``) need at least one placeholder (the
+  model compares the features with the placeholders itself).
 * Qwen-VL (a model with ``get_rope_index`` whose forward takes ``mm_token_type_ids``): a batch with images needs
   ``mm_token_type_ids`` or 3-D ``position_ids``; ``mm_token_type_ids`` must mark exactly the image (1) and video
   (2) placeholder tokens.
@@ -25,12 +29,13 @@ unknown key itself. Lightning-free.
 Where it runs: :func:`install_batch_check` registers :class:`BatchCheckHook` as a forward pre-hook (with kwargs) on
 a model, so every call ``model(**batch)`` (or ``model(input_ids, ...)``) is checked, whoever makes it: the seed's
 ``forward_step``, an overriding module, a plain LightningModule, ``generate``. ``TransformersModel`` installs it on
-every model it builds. The first call of each kind (the model's train/eval mode, the grad mode, and the set of keys
-given) is checked in full; later calls of that kind cost a set lookup. The hook survives FSDP2's ``fully_shard``
-(which keeps the module's hooks and puts its own first: a call is checked after its parameters are gathered, before
-any compute), recomputation (which replays sub-modules, never the root's hooks) and meta-device construction (a
-meta ``input_ids`` is not counted). :class:`BatchCheck` is the same check for a caller that runs it itself (the
-default ``forward_step`` of ``MMLightningModule``, for a Transformers model not built by ``TransformersModel``).
+every model it builds. The first call of each kind (the model's train/eval mode, the grad or inference mode, and
+the set of keys given) is checked in full; later calls of that kind cost a set lookup. The hook survives FSDP2's
+``fully_shard`` (which keeps the module's hooks and puts its own first: a call is checked after its parameters are
+gathered, before any compute), recomputation (which replays sub-modules, never the root's hooks) and meta-device
+construction (a meta ``input_ids`` is not counted). :class:`BatchCheck` is the same check for a caller that runs it
+itself (the default ``forward_step`` of ``MMLightningModule``, for a Transformers model not built by
+``TransformersModel``).
 """
 
 from __future__ import annotations
@@ -301,9 +306,9 @@ class BatchCheckHook:
     The call's keyword arguments, plus positional ones under their parameter names, are checked with
     :func:`check_batch`: in full on the first call of each kind (``module.training``, ``torch.is_grad_enabled()``,
     ``torch.is_inference_mode_enabled()``, the set of keys given), a set lookup afterwards. So the first training
-    step, the first validation step of a fit, the first step of a ``validate``/``test``/``predict`` run and the first
-    ``generate`` step are each checked before they compute. The hook changes no input and holds no reference to the
-    model (a deep copy or a pickle of the model carries its own).
+    step, the first validation step of a fit, the first step under inference mode (``validate``, ``test``,
+    ``predict``) and the first ``generate`` step are each checked before they compute. The hook changes no input
+    and holds no reference to the model (a deep copy or a pickle of the model carries its own).
     """
 
     def __init__(self) -> None:
