@@ -1,5 +1,6 @@
 """A VLM never trains without its images: batch keys, image placeholders and Qwen's M-RoPE inputs are checked
-before the model runs a batch (lightning_mm/hf/batch_check.py), and MMLightningModule's default path calls it."""
+before the model runs a batch (lightning_mm/hf/batch_check.py); a fit stops before its first step. Where the check
+runs (the hook on every TransformersModel, on every calling path): tests/test_batch_check_hook.py."""
 
 from __future__ import annotations
 

@@ -7,34 +7,52 @@ tokens are missing from ``input_ids`` fail only deep in the model, or not at all
 :func:`check_batch` turns each of these into a short :class:`BatchCheckError` before the batch reaches the model.
 
 * Keys: a batch key must be an explicit parameter of the model's ``forward``, of its inner model's ``forward``
-  (``model.model``: the one that runs the vision tower), or of their ``get_image_features`` /
+  (``model.model``: the one that runs the vision tower), of its language model's ``forward`` (``get_decoder()``:
+  where a VLM's ``**kwargs`` end, e.g. ``use_cache``), or of their ``get_image_features`` /
   ``get_video_features``, or a key that a typed ``**kwargs: Unpack[TransformersKwargs]`` declares (packing's
-  ``cu_seq_lens_q``, ``num_items_in_batch``, ...). An untyped ``**kwargs`` takes nothing.
+  ``cu_seq_lens_q``, ``num_items_in_batch``, ...), or ``return_dict`` (taken by Transformers' forward wrapper).
+  An untyped ``**kwargs`` takes nothing.
 * Images and placeholders (config ``image_token_id`` / ``image_token_index``, ``video_token_id``): the tokens the
   images make must equal the placeholder tokens in ``input_ids``. Qwen-VL: ``prod(image_grid_thw) /
   spatial_merge_size**2`` per image (videos likewise with ``video_grid_thw``); LLaVA: ``(H / patch) * (W / patch)``
   per image (+1 for the ``full`` feature strategy); InternVL: ``(H / patch * downsample_ratio) * (W / patch *
   downsample_ratio)`` per tile. Other VLMs: images need at least one placeholder, placeholders need images.
+  Images that ``generate()`` has already encoded (``mm_encoder_outputs``) need at least one placeholder (the
+  model compares the features with the placeholders itself).
 * Qwen-VL (a model with ``get_rope_index`` whose forward takes ``mm_token_type_ids``): a batch with images needs
   ``mm_token_type_ids`` or 3-D ``position_ids``; ``mm_token_type_ids`` must mark exactly the image (1) and video
   (2) placeholder tokens.
 
 Only Transformers models (``PreTrainedModel``) are checked; a plain module without ``**kwargs`` already refuses an
-unknown key itself. Lightning-free: the Lightning layer calls :class:`BatchCheck` on each batch it runs, which checks
-each kind of batch (stage and key set) once and costs a set lookup afterwards.
+unknown key itself. Lightning-free.
+
+Where it runs: :func:`install_batch_check` registers :class:`BatchCheckHook` as a forward pre-hook (with kwargs) on
+a model, so every call ``model(**batch)`` (or ``model(input_ids, ...)``) is checked, whoever makes it: the seed's
+``forward_step``, an overriding module, a plain LightningModule, ``generate``. ``TransformersModel`` installs it on
+every model it builds. The first call of each kind (the model's train/eval mode, the grad or inference mode, and
+the set of keys given) is checked in full; later calls of that kind cost a set lookup. The hook survives FSDP2's
+``fully_shard`` (which keeps the module's hooks and puts its own first: a call is checked after its parameters are
+gathered, before any compute), recomputation (which replays sub-modules, never the root's hooks) and meta-device
+construction (a meta ``input_ids`` is not counted). :class:`BatchCheck` is the same check for a caller that runs it
+itself (the default ``forward_step`` of ``MMLightningModule``, for a Transformers model not built by
+``TransformersModel``).
 """
 
 from __future__ import annotations
 
 import inspect
 import typing
+import weakref
 from collections.abc import Hashable, Mapping
 from typing import Any
 
 import torch
 from torch import nn
 
-__all__ = ["BatchCheckError", "BatchCheck", "check_batch", "forward_keys", "expected_image_tokens"]
+__all__ = [
+    "BatchCheckError", "BatchCheck", "BatchCheckHook", "check_batch", "install_batch_check", "has_batch_check",
+    "forward_keys", "expected_image_tokens",
+]
 
 
 class BatchCheckError(ValueError):
@@ -75,12 +93,25 @@ def _parameters(fn: Any) -> tuple[set[str], set[str]]:
     return names, typed_keys
 
 
+def _decoder(model: nn.Module) -> nn.Module | None:
+    """The language model that a VLM's ``**kwargs`` reach last (``get_decoder()``), if the model names one."""
+    get_decoder = getattr(model, "get_decoder", None)
+    try:
+        decoder = get_decoder() if callable(get_decoder) else None
+    except Exception:  # noqa: BLE001 - Transformers raises several kinds for models without a decoder
+        return None
+    return decoder if isinstance(decoder, nn.Module) and decoder is not model else None
+
+
+# Taken by Transformers' own forward wrapper (``can_return_tuple``) on every model, so in no signature.
+_CALL_OPTIONS = frozenset({"return_dict"})
+
+
 def _model_keys(model: nn.Module) -> tuple[set[str], set[str]]:
-    explicit: set[str] = set()
+    explicit: set[str] = set(_CALL_OPTIONS)
     typed: set[str] = set()
-    for owner in (model, _inner(model)):
-        if owner is None:
-            continue
+    owners = dict.fromkeys(o for o in (model, _inner(model), _decoder(model)) if o is not None)
+    for owner in owners:
         for method in ("forward", "get_image_features", "get_video_features"):
             fn = getattr(type(owner), method, None)
             if fn is not None:
@@ -166,6 +197,13 @@ def _check_tokens(model: nn.Module, batch: Mapping[str, Any]) -> None:
             continue
         placeholders = int((ids == token).sum())
         counts[kind] = placeholders
+        if _encoded(batch, kind):  # generate() encodes the images first: the model compares the features itself
+            if not placeholders:
+                raise BatchCheckError(
+                    f"the batch has encoded {kind}s (`mm_encoder_outputs`) but input_ids holds no {kind} placeholder "
+                    f"token ({token_names[0]} {token})"
+                )
+            continue
         given = _tensor(batch, pixel_key) is not None
         if not given and placeholders:
             raise BatchCheckError(
@@ -188,12 +226,19 @@ def _check_tokens(model: nn.Module, batch: Mapping[str, Any]) -> None:
     _check_mrope(model, batch, counts)
 
 
+def _encoded(batch: Mapping[str, Any], kind: str) -> bool:
+    """Whether ``generate()``'s pre-encoded ``mm_encoder_outputs`` hold this modality (``image``, ``video``)."""
+    encoded = batch.get("mm_encoder_outputs")
+    return isinstance(encoded, Mapping) and encoded.get(kind) is not None
+
+
 def _check_mrope(model: nn.Module, batch: Mapping[str, Any], counts: dict[str, int]) -> None:
     inner = _inner(model)
     if inner is None or not hasattr(inner, "get_rope_index") or "mm_token_type_ids" not in forward_keys(model):
         return
     visual = [k for k in ("pixel_values", "pixel_values_videos", "image_grid_thw", "video_grid_thw")
               if _tensor(batch, k) is not None]
+    visual += ["mm_encoder_outputs"] if _encoded(batch, "image") or _encoded(batch, "video") else []
     if not visual:
         return
     types = _tensor(batch, "mm_token_type_ids")
@@ -243,3 +288,75 @@ class BatchCheck:
             return
         check_batch(model, batch)
         self._checked.add(key)
+
+
+def _positional_names(model: nn.Module) -> tuple[str, ...]:
+    """The names of the arguments ``model.forward`` takes by position, in order (``input_ids`` first)."""
+    try:
+        signature = inspect.signature(type(model).forward)
+    except (TypeError, ValueError):
+        return ()
+    kinds = (inspect.Parameter.POSITIONAL_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD)
+    return tuple(name for name, p in signature.parameters.items() if name != "self" and p.kind in kinds)
+
+
+class BatchCheckHook:
+    """A forward pre-hook (``register_forward_pre_hook(hook, with_kwargs=True)``) that checks each call's inputs.
+
+    The call's keyword arguments, plus positional ones under their parameter names, are checked with
+    :func:`check_batch`: in full on the first call of each kind (``module.training``, ``torch.is_grad_enabled()``,
+    ``torch.is_inference_mode_enabled()``, the set of keys given), a set lookup afterwards. So the first training
+    step, the first validation step of a fit, the first step under inference mode (``validate``, ``test``,
+    ``predict``) and the first ``generate`` step are each checked before they compute. The hook changes no input
+    and holds no reference to the model (a deep copy or a pickle of the model carries its own).
+    """
+
+    def __init__(self) -> None:
+        self._check = BatchCheck()
+        self._names: dict[type, tuple[str, ...]] = {}
+
+    def __call__(self, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+        inputs: Mapping[str, Any] = kwargs
+        if args:
+            names = self._names.get(type(module))
+            if names is None:
+                names = self._names[type(module)] = _positional_names(module)
+            inputs = {**dict(zip(names, args)), **kwargs}
+        mode = (module.training, torch.is_grad_enabled(), torch.is_inference_mode_enabled())
+        self._check(module, inputs, mode)
+
+
+_INSTALLED: weakref.WeakKeyDictionary[nn.Module, Any] = weakref.WeakKeyDictionary()
+
+
+def install_batch_check(model: nn.Module) -> Any:
+    """Check every call of ``model`` (a Transformers model) with a :class:`BatchCheckHook`; returns its handle.
+
+    Idempotent: a model that has one already keeps it (and its handle is returned). ``handle.remove()`` takes the
+    check off again.
+    """
+    handle = _INSTALLED.get(model)
+    if handle is not None:
+        return handle
+    handle = _Handle(model, model.register_forward_pre_hook(BatchCheckHook(), with_kwargs=True))
+    _INSTALLED[model] = handle
+    return handle
+
+
+def has_batch_check(model: Any) -> bool:
+    """Whether :func:`install_batch_check` put a check on ``model`` (then each of its calls is checked)."""
+    return isinstance(model, nn.Module) and model in _INSTALLED
+
+
+class _Handle:
+    """The hook's handle; removing it also forgets that ``model`` is checked."""
+
+    def __init__(self, model: nn.Module, handle: Any) -> None:
+        self._model = weakref.ref(model)
+        self._handle = handle
+
+    def remove(self) -> None:
+        self._handle.remove()
+        model = self._model()
+        if model is not None and _INSTALLED.get(model) is self:
+            del _INSTALLED[model]

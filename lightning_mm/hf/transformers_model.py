@@ -45,6 +45,7 @@ from torch import nn
 
 from lightning_mm._module_paths import enclosing
 from lightning_mm._names import did_you_mean
+from lightning_mm.hf.batch_check import install_batch_check
 from lightning_mm.hf.config_fields import checked_fields
 from lightning_mm.hf.hub import ModelHub
 from lightning_mm.hf.loading import load_into_meta_model, load_local_shards
@@ -262,6 +263,13 @@ def TransformersModel(config: Any) -> nn.Module:  # noqa: N802 - the seed's name
     Returns an instance of the adapter class registered in :class:`~lightning_mm.modules.ModelHub` (a
     ``transformers.PreTrainedModel`` subclass with ``FSDP2Mixin`` and ``WeightInitMixin``), so module paths and
     state-dict keys are the Hugging Face ones.
+
+    Every call of the returned model is checked before it computes
+    (:func:`~lightning_mm.hf.batch_check.install_batch_check`: a forward pre-hook): a batch key its ``forward`` would
+    swallow, images without as many placeholder tokens, Qwen-VL images without ``mm_token_type_ids`` or 3-D
+    ``position_ids`` raise :class:`~lightning_mm.hf.batch_check.BatchCheckError`, whichever code calls the model
+    (a seed ``forward_step``, an overridden one, a plain LightningModule, ``generate``). The first call of each kind
+    is checked in full, later ones cost a set lookup.
     """
     from transformers import PreTrainedModel
 
@@ -301,6 +309,7 @@ def TransformersModel(config: Any) -> nn.Module:  # noqa: N802 - the seed's name
         from lightning_mm.hf.lora import apply_lora
 
         apply_lora(model, cfg.lora, frozen)
+    install_batch_check(model)
     log.info("TransformersModel: %s (ModelHub key '%s')%s", model_cls.__name__, key,
              f" from {cfg.init_from_hf_path}" if cfg.init_from_hf_path else ", random init")
     return model

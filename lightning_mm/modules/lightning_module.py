@@ -15,7 +15,7 @@ from typing_extensions import override
 from lightning_mm._compat import attached_trainer, should_update_logs, throughput_meters
 from lightning_mm.core.grad_clip import total_grad_norm
 from lightning_mm.core.optimizer import group_by_sharding
-from lightning_mm.hf.batch_check import BatchCheck
+from lightning_mm.hf.batch_check import BatchCheck, has_batch_check
 from lightning_mm.modules.seed_functions import SeedFunctions, resolve_callable
 from lightning_mm.strategies.precision import MMFSDP2Precision
 
@@ -50,9 +50,11 @@ class MMLightningModule(L.LightningModule):
     * ``get_batch(batch)`` turns a DataLoader item into forward inputs.
     * ``forward_step(batch)`` runs the model (``self.model(**batch)`` for a mapping, ``self.model(batch)``
       otherwise). Returning ``(output, loss_fn)`` (the Megatron form) is accepted: the loss is ``loss_fn(output)``.
-      For a Transformers model the default first checks that it consumes the batch (every key, and as many
-      image placeholder tokens as the images make: :mod:`lightning_mm.hf.batch_check`), in full on the first batch
-      of each stage and key set; an override or the seed's ``forward_step`` can call ``check_batch`` itself.
+      A model built by ``TransformersModel`` checks each call itself, whoever makes it (a forward pre-hook:
+      :mod:`lightning_mm.hf.batch_check`), so the seed's ``forward_step`` and overrides are checked too. For any
+      other Transformers model the default ``forward_step`` runs the same check before it calls the model (every
+      key, and as many image placeholder tokens as the images make), in full on the first batch of each stage and
+      key set.
     * ``loss_func(output, batch)`` returns a loss tensor, a mapping with a ``loss`` key plus values to log, or
       ``(loss, {name: value})``.
 
@@ -142,7 +144,8 @@ class MMLightningModule(L.LightningModule):
         if self.model is None:
             raise RuntimeError(f"{type(self).__name__}.model is not built (configure_model has not run)")
         if isinstance(batch, Mapping):
-            self._batch_check(self.model, batch, self._batch_check_context())
+            if not has_batch_check(self.model):  # a TransformersModel checks its own calls
+                self._batch_check(self.model, batch, self._batch_check_context())
             return self.model(**batch)
         return self.model(batch)
 

@@ -21,7 +21,15 @@ from transformers import Qwen3VLForConditionalGeneration
 
 from lightning_mm.hf.mixins import FSDP2Mixin, WeightInitMixin
 
-__all__ = ["MMQwen3VLForConditionalGeneration"]
+__all__ = ["MMQwen3VLForConditionalGeneration", "QWEN3_VL_VISION_UNITS"]
+
+# The vision tower's units besides its blocks, shared by dense Qwen3-VL and Qwen3-VL-MoE (the same tower).
+QWEN3_VL_VISION_UNITS = (
+    "model.visual.patch_embed",
+    "model.visual.pos_embed",
+    "model.visual.merger",
+    "model.visual.deepstack_merger_list.{*}",
+)
 
 
 class MMQwen3VLForConditionalGeneration(Qwen3VLForConditionalGeneration, FSDP2Mixin, WeightInitMixin):
@@ -30,9 +38,4 @@ class MMQwen3VLForConditionalGeneration(Qwen3VLForConditionalGeneration, FSDP2Mi
     hub_keys = ("Qwen3VLForConditionalGeneration", "qwen3_vl")
 
     fsdp2_vision_towers = ("model.visual",)
-    fsdp2_extra_units = (
-        "model.visual.patch_embed",
-        "model.visual.pos_embed",
-        "model.visual.merger",
-        "model.visual.deepstack_merger_list.{*}",
-    )
+    fsdp2_extra_units = QWEN3_VL_VISION_UNITS
