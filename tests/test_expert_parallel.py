@@ -245,7 +245,9 @@ def test_optimizer_state_loads_into_parameters_grouped_differently(tmp_path):
         opt.step()
         opt.zero_grad()
         sched.step()
-    extra = {"format_version": 1, "kind": "training", "world_size": 1, "rng_point": "next_batch", "hf": []}
+    extra = {"format_version": 1, "kind": "training", "world_size": 1, "rng_point": "next_batch", "hf": [],
+             # what the strategy records beside a `torch` file's index-keyed optimizer state
+             "optimizer_param_names": store.optimizer_param_names(net, [opt])}
     state = {"epoch": 0, "global_step": 3, "state_dict": net.state_dict(),
              "optimizer_states": [store.optimizer_state(net, opt, full=True)], "lr_schedulers": [sched.state_dict()]}
     store.save(state, tmp_path / "one_group.ckpt", "torch", extra, None)
@@ -268,6 +270,7 @@ def test_optimizer_state_loads_into_parameters_grouped_differently(tmp_path):
     other, other_opt, other_sched = _regroup_run([[0, 1], [2, 3]], [0.1, 0.2])  # two learning rates: no merging
     state["optimizer_states"] = [store.optimizer_state(other, other_opt, full=True)]
     state["lr_schedulers"] = [other_sched.state_dict()]
+    extra["optimizer_param_names"] = store.optimizer_param_names(other, [other_opt])
     store.save(state, tmp_path / "two_lrs.ckpt", "torch", extra, None)
     single, single_opt, single_sched = _regroup_run([[0, 1, 2, 3]], [0.1])
     with pytest.raises(CheckpointKeyError, match="1 parameter group"):

@@ -31,6 +31,7 @@ from torch.distributed.fsdp import FSDPModule
 from torch.optim import Optimizer
 from typing_extensions import override
 
+import lightning_mm.hf  # noqa: F401 - registers the `hf` and `lora` checkpoint records (what dcp-to-hf reads)
 from lightning_mm import checkpoint
 from lightning_mm import checkpoint as ckpt  # where a Lightning parameter is named `checkpoint`
 from lightning_mm._compat import (
