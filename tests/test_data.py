@@ -374,7 +374,7 @@ def test_an_image_that_fails_to_decode_at_load_time_is_replaced_and_counted(data
 
 
 def test_images_that_all_fail_to_decode_end_in_an_error_not_a_scan(dataset_dir, monkeypatch):
-    from lightning_mm.datamodules import mm_dataset
+    from lightning_mm.datamodules import replacing
     from tests.hostile_files import write_corrupt_png
 
     write_corrupt_png(dataset_dir / "img" / "corrupt.png")
@@ -384,7 +384,7 @@ def test_images_that_all_fail_to_decode_end_in_an_error_not_a_scan(dataset_dir, 
     dataset = dm.train_dataloader().dataset
     with pytest.warns(UserWarning), pytest.raises(DataError, match="no record has an image that decodes"):
         dataset[0]
-    monkeypatch.setattr(mm_dataset, "MAX_FAILURES_IN_A_ROW", 2)
+    monkeypatch.setattr(replacing, "MAX_FAILURES_IN_A_ROW", 2)
     dataset.bad.clear()
     with pytest.warns(UserWarning), pytest.raises(DataError, match=r"2 images in a row failed.*train.jsonl:2"):
         dataset[0]

@@ -8,18 +8,16 @@ are kept; pixels are processed in ``__getitem__``.
 
 from __future__ import annotations
 
-import warnings
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from PIL import Image
-from torch.utils.data import Dataset
 
 from lightning_mm._yaml import short_repr
-from lightning_mm.datamodules.mindspeed_keys import MAX_FAILURES_IN_A_ROW
-from lightning_mm.datamodules.records import DataError, DataReport, iter_raw_records
+from lightning_mm.datamodules.records import DataReport, iter_raw_records
+from lightning_mm.datamodules.replacing import ReplacingDataset
 
 __all__ = ["ChatRecord", "ChatAttr", "ChatDataset", "read_chat_records"]
 
@@ -172,25 +170,18 @@ def read_chat_records(split: str, files: tuple[Path, ...], attr: ChatAttr, root:
 
 
 # ----------------------------------------------------------------------------------------------- dataset
-class ChatDataset(Dataset):
+class ChatDataset(ReplacingDataset):
     """Checked records, processed in ``__getitem__`` by a :class:`~lightning_mm.hf.chat_samples.ChatSampleBuilder`.
 
     A record that fails there (an image that does not decode, text the tokenizer rejects, any exception from the
-    processor) is counted once in ``report`` with ``file:line`` and warned about, and the next good record (in file
-    order, wrapping around) takes its place, so every rank keeps its number of batches; in strict mode it raises
-    :class:`DataError`. With ``num_workers > 0`` the count stays in the worker processes (the warning still shows).
+    processor) is replaced by the next good one, counted with ``file:line`` and warned about, or raises
+    :class:`DataError` in strict mode (:mod:`lightning_mm.datamodules.replacing`).
     """
 
     def __init__(self, records: list[ChatRecord], builder: Callable[..., dict], strict: bool = False,
                  report: DataReport | None = None) -> None:
-        self.records = records
+        super().__init__(records, report, strict)
         self.builder = builder
-        self.strict = strict
-        self.report = report if report is not None else DataReport("data")
-        self.bad: set[int] = set()
-
-    def __len__(self) -> int:
-        return len(self.records)
 
     def sample(self, record: ChatRecord) -> dict[str, Any]:
         images = []
@@ -199,27 +190,3 @@ class ChatDataset(Dataset):
                 images.append(img.convert("RGB"))
         messages = [{"role": role, "content": content} for role, content in record.messages]
         return self.builder(messages, record.system, images)
-
-    def __getitem__(self, index: int) -> dict[str, Any]:
-        n = len(self.records)
-        failures = 0
-        for step in range(n):
-            current = (index + step) % n
-            if current in self.bad:
-                continue
-            record = self.records[current]
-            try:
-                return self.sample(record)
-            except Exception as err:  # any failure of one record's preprocessing is that record's problem
-                problem = f"{record.file.name}:{record.line}: cannot process the record: {str(err)[:200]}"
-                if self.strict:
-                    raise DataError(f"bad record in strict mode: {problem}") from err
-                self.bad.add(current)
-                self.report.problems.append(f"{problem} (at load time; the next good record is used in its place)")
-                warnings.warn(f"data: skipped {problem}; the next good record is used in its place", stacklevel=2)
-                failures += 1
-                if failures >= MAX_FAILURES_IN_A_ROW:
-                    raise DataError(f"{self.report.split}: {failures} records in a row failed to process (the last "
-                                    f"at {record.file.name}:{record.line}); the data or the processor is broken"
-                                    ) from err
-        raise DataError(f"{self.report.split}: no record could be processed ({len(self.bad)} failed)")

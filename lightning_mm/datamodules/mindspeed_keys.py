@@ -1,4 +1,4 @@
-"""Shared pieces of the MindSpeed MM data config readers: checked sections and the bad-record policy."""
+"""Shared pieces of the MindSpeed MM data config readers: checked sections and the report of bad records."""
 
 from __future__ import annotations
 
@@ -12,10 +12,8 @@ from lightning_mm._yaml import short_repr
 from lightning_mm.datamodules.data_config import DataConfigError
 from lightning_mm.datamodules.records import DataError, DataReport
 
-__all__ = ["check_keys", "strict_or_warn", "MAX_FAILURES_IN_A_ROW"]
+__all__ = ["check_keys", "strict_or_warn"]
 
-MAX_FAILURES_IN_A_ROW = 32
-"""Records in a row that may fail in ``__getitem__`` before a dataset gives up (something systematic)."""
 
 
 def check_keys(data: Any, known: tuple[str, ...], prefix: str, source: str) -> dict[str, Any]:

@@ -25,7 +25,6 @@ gets no ``<image>`` prepended to that system text.
 from __future__ import annotations
 
 import math
-import warnings
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -38,8 +37,8 @@ from torch.utils.data import ConcatDataset, Dataset
 from lightning_mm._names import find_unknown_key
 from lightning_mm._yaml import short_repr
 from lightning_mm.datamodules.data_config import DataConfigError
-from lightning_mm.datamodules.mm_dataset import MAX_FAILURES_IN_A_ROW
 from lightning_mm.datamodules.records import DataError, DataReport, iter_raw_records
+from lightning_mm.datamodules.replacing import ReplacingDataset
 from lightning_mm.hf.internvl_conversation import (
     IGNORE_INDEX,
     IMAGE_PLACEHOLDER,
@@ -589,7 +588,7 @@ def read_chat_records(
 
 
 # ------------------------------------------------------------------------------------------------ dataset
-class InternVLChatDataset(Dataset):
+class InternVLChatDataset(ReplacingDataset):
     """Checked records as InternVL samples: ``input_ids``, ``labels`` and ``pixel_values`` (all tiles).
 
     The images are read and tiled, and the text tokenized, in ``__getitem__`` (one record at a time). A record
@@ -609,18 +608,12 @@ class InternVLChatDataset(Dataset):
         report: DataReport,
         strict: bool = False,
     ) -> None:
-        self.records = records
+        super().__init__(records, report, strict)
         self.repeat = repeat
         self.processor = processor
         self.settings = settings
         self.header_length = header_length
-        self.report = report
-        self.strict = strict
-        self.bad: set[int] = set()
         self.turn_start_id = processor.tokenizer.convert_tokens_to_ids(settings.template.turn_start)
-
-    def __len__(self) -> int:
-        return len(self.records) * self.repeat
 
     def _image(self, path: Path) -> Image.Image:
         with open(path, "rb") as handle:  # as torchvision's pil_loader
@@ -646,30 +639,14 @@ class InternVLChatDataset(Dataset):
         labels = assistant_labels(ids.tolist(), roles, self.turn_start_id, self.header_length)
         return {"input_ids": ids, "labels": torch.tensor(labels, dtype=torch.long), "pixel_values": out["pixel_values"]}
 
-    def _skip(self, index: int, err: Exception) -> None:
-        problem = f"{self.records[index].where}: {type(err).__name__}: {str(err)[:200]}"
-        if self.strict:
-            raise DataError(f"bad record in strict mode: {problem}") from err
-        self.bad.add(index)
-        self.report.problems.append(f"{problem} (at load time; the next good record is used in its place)")
-        warnings.warn(f"data: skipped {problem}; the next good record is used in its place", stacklevel=3)
+    def where(self, record: ChatRecord) -> str:
+        return record.where
 
-    def __getitem__(self, index: int) -> dict[str, torch.Tensor]:
-        n = len(self.records)
-        failures = 0
-        for step in range(n):
-            current = (index % n + step) % n
-            if current in self.bad:
-                continue
-            try:
-                return self.sample(self.records[current])
-            except Exception as err:  # any failure of one record is that record's
-                self._skip(current, err)
-                failures += 1
-                if failures >= MAX_FAILURES_IN_A_ROW:
-                    raise DataError(f"{self.report.split}: {failures} records in a row failed (the last at "
-                                    f"{self.records[current].where})") from err
-        raise DataError(f"{self.report.split}: no record could be processed ({len(self.bad)} failed)")
+    def problem(self, record: ChatRecord, err: Exception) -> str:
+        return f"{record.where}: {type(err).__name__}: {str(err)[:200]}"
+
+    def __len__(self) -> int:
+        return len(self.records) * self.repeat
 
 
 class InternVLCollator:

@@ -3,21 +3,18 @@
 from __future__ import annotations
 
 import math
-import warnings
 from typing import Any
 
 import torch
 from PIL import Image
-from torch.utils.data import Dataset
 
 from lightning_mm.datamodules.data_config import DataConfigError, PreprocessConfig
-from lightning_mm.datamodules.records import DataError, DataReport, Record
+from lightning_mm.datamodules.records import DataReport, Record
+from lightning_mm.datamodules.replacing import ReplacingDataset
 
 __all__ = ["MMDataset", "MMCollator", "load_tokenizer", "load_processor"]
 
 IGNORE_INDEX = -100
-MAX_FAILURES_IN_A_ROW = 32
-"""Decode failures one sample may run into before the dataset gives up instead of trying every record."""
 
 
 def load_tokenizer(path: Any) -> Any:
@@ -57,19 +54,17 @@ def _check_processor_normalisation(processor: Any, path: Any) -> None:
                                   "infinite after normalisation (a std must be finite and non-zero)")
 
 
-class MMDataset(Dataset):
+class MMDataset(ReplacingDataset):
     """Checked records turned into ``{image_key: CxHxW float tensor, input_ids, labels}`` samples.
 
     An image that passed the up-front check (``PIL.Image.verify``, headers and checksums) can still fail to
-    decode (a corrupt pixel stream). Then, in the default mode, the sample at that index is the next record (in
-    file order, wrapping around) whose image decodes: the dataset keeps its length, so every data-parallel rank
-    still yields the same number of batches and no collective waits on a missing one. The failed record is
-    counted once in ``report`` (the same :class:`DataReport` as the up-front problems, with file:line), warned
-    about, and never decoded again in this process; :data:`MAX_FAILURES_IN_A_ROW` failures for one sample are an
-    error (something systematic, not one bad file). With ``num_workers > 0`` that happens in the worker processes:
-    each warns, but the main process's report does not see their counts. In strict mode the failure is a
-    :class:`DataError` naming the record.
+    decode (a corrupt pixel stream): then the next record whose image decodes takes its place, counted and warned
+    about (:mod:`lightning_mm.datamodules.replacing`), or a :class:`DataError` naming the record in strict mode.
     """
+
+    failed_in_a_row = "images in a row failed to decode"
+    nothing_readable = "no record has an image that decodes"
+    broken = "the data or the image processor is broken"
 
     def __init__(
         self,
@@ -79,17 +74,11 @@ class MMDataset(Dataset):
         strict: bool = False,
         report: DataReport | None = None,
     ) -> None:
-        self.records = records
+        super().__init__(records, report, strict)
         self.pre = preprocess
         self.processor = processor
-        self.strict = strict
-        self.report = report if report is not None else DataReport("data")
-        self.bad: set[int] = set()  # indices whose image failed to decode here
         self._mean = torch.tensor(preprocess.image_mean).view(3, 1, 1)
         self._std = torch.tensor(preprocess.image_std).view(3, 1, 1)
-
-    def __len__(self) -> int:
-        return len(self.records)
 
     def _image(self, record: Record) -> torch.Tensor:
         with Image.open(record.image) as img:
@@ -101,38 +90,14 @@ class MMDataset(Dataset):
             pixels = torch.frombuffer(bytearray(img.tobytes()), dtype=torch.uint8).view(size, size, 3)
         return (pixels.permute(2, 0, 1).float() / 255.0 - self._mean) / self._std
 
-    def _skip(self, index: int, err: Exception) -> None:
-        record = self.records[index]
-        problem = f"{record.file.name}:{record.line}: cannot decode image {record.image}: {str(err)[:200]}"
-        if self.strict:
-            raise DataError(f"bad record in strict mode: {problem}") from err
-        self.bad.add(index)
-        self.report.problems.append(f"{problem} (at load time; the next good record is used in its place)")
-        warnings.warn(f"data: skipped {problem}; the next good record is used in its place", stacklevel=3)
+    def problem(self, record: Record, err: Exception) -> str:
+        return f"{self.where(record)}: cannot decode image {record.image}: {str(err)[:200]}"
 
-    def __getitem__(self, index: int) -> dict[str, Any]:
-        n = len(self.records)
-        failures = 0
-        for step in range(n):
-            current = (index + step) % n
-            if current in self.bad:
-                continue
-            record = self.records[current]
-            try:
-                image = self._image(record)
-            except Exception as err:  # PIL raises many types for a corrupt stream
-                self._skip(current, err)
-                failures += 1
-                if failures >= MAX_FAILURES_IN_A_ROW:
-                    raise DataError(
-                        f"{self.report.split}: {failures} images in a row failed to decode (the last at "
-                        f"{record.file.name}:{record.line}); the data or the image processor is broken"
-                    ) from err
-                continue
-            ids = [*record.prompt_ids, *record.target_ids]
-            labels = [IGNORE_INDEX] * len(record.prompt_ids) + list(record.target_ids)
-            return {self.pre.image_key: image, "input_ids": ids, "labels": labels}
-        raise DataError(f"{self.report.split}: no record has an image that decodes ({len(self.bad)} failed)")
+    def sample(self, record: Record) -> dict[str, Any]:
+        image = self._image(record)
+        ids = [*record.prompt_ids, *record.target_ids]
+        labels = [IGNORE_INDEX] * len(record.prompt_ids) + list(record.target_ids)
+        return {self.pre.image_key: image, "input_ids": ids, "labels": labels}
 
 
 class MMCollator:

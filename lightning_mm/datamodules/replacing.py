@@ -1,0 +1,81 @@
+"""What every record dataset does when a record fails as it is read: the next good record takes its place.
+
+Records are checked up front; reading one in ``__getitem__`` can still fail (a pixel stream that does not decode,
+text the processor rejects, any exception while preprocessing it). Then the next good record (in file order,
+wrapping around) is returned in its place: the dataset keeps its length, so every data-parallel rank yields the same
+number of batches and no collective waits on a missing one. The failed record is counted once in the split's
+:class:`~lightning_mm.datamodules.records.DataReport` with its ``file:line``, warned about, and not read again in this
+process; :data:`MAX_FAILURES_IN_A_ROW` failures for one index are a :class:`DataError` (something systematic, not one
+bad file), and so is the first failure in strict mode. With ``num_workers > 0`` this happens in the worker
+processes: each warns, but the main process's report does not see their counts.
+"""
+
+from __future__ import annotations
+
+import warnings
+from typing import Any
+
+from torch.utils.data import Dataset
+
+from lightning_mm.datamodules.records import DataError, DataReport
+
+__all__ = ["ReplacingDataset", "MAX_FAILURES_IN_A_ROW"]
+
+MAX_FAILURES_IN_A_ROW = 32
+"""Records in a row that may fail for one index before the dataset gives up instead of trying every record."""
+
+
+class ReplacingDataset(Dataset):
+    """A dataset of checked ``records`` whose :meth:`sample` may fail for one record (see the module docstring).
+
+    Subclasses give :meth:`sample`; :meth:`problem` says what failed (default: ``file:line: cannot process the
+    record: <error>``), and the class attributes word the errors.
+    """
+
+    failed_in_a_row = "records in a row failed to process"
+    nothing_readable = "no record could be processed"
+    broken = "the data or the processor is broken"
+
+    def __init__(self, records: list[Any], report: DataReport | None = None, strict: bool = False) -> None:
+        self.records = records
+        self.report = report if report is not None else DataReport("data")
+        self.strict = strict
+        self.bad: set[int] = set()  # indices of records that failed here
+
+    def __len__(self) -> int:
+        return len(self.records)
+
+    def sample(self, record: Any) -> dict[str, Any]:
+        """The sample of one record (raises when the record cannot be read)."""
+        raise NotImplementedError
+
+    def where(self, record: Any) -> str:
+        return f"{record.file.name}:{record.line}"
+
+    def problem(self, record: Any, err: Exception) -> str:
+        return f"{self.where(record)}: cannot process the record: {str(err)[:200]}"
+
+    def _skip(self, index: int, err: Exception) -> None:
+        problem = self.problem(self.records[index], err)
+        if self.strict:
+            raise DataError(f"bad record in strict mode: {problem}") from err
+        self.bad.add(index)
+        self.report.problems.append(f"{problem} (at load time; the next good record is used in its place)")
+        warnings.warn(f"data: skipped {problem}; the next good record is used in its place", stacklevel=3)
+
+    def __getitem__(self, index: int) -> dict[str, Any]:
+        n = len(self.records)
+        failures = 0
+        for step in range(n):
+            current = (index % n + step) % n
+            if current in self.bad:
+                continue
+            try:
+                return self.sample(self.records[current])
+            except Exception as err:  # any failure of one record's preprocessing is that record's problem
+                self._skip(current, err)
+                failures += 1
+                if failures >= MAX_FAILURES_IN_A_ROW:
+                    raise DataError(f"{self.report.split}: {failures} {self.failed_in_a_row} (the last at "
+                                    f"{self.where(self.records[current])}); {self.broken}") from err
+        raise DataError(f"{self.report.split}: {self.nothing_readable} ({len(self.bad)} failed)")
