@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import math
 import os
+from collections.abc import Mapping
 from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any
@@ -33,7 +34,7 @@ from typing import Any
 from lightning_mm._names import find_unknown_key
 from lightning_mm._yaml import load_mapping, short_repr
 
-__all__ = ["DataConfig", "PreprocessConfig", "LoaderConfig", "DataConfigError"]
+__all__ = ["DataConfig", "PreprocessConfig", "LoaderConfig", "DataConfigError", "check_mapping_keys"]
 
 
 class DataConfigError(ValueError):
@@ -92,7 +93,7 @@ class DataConfig:
         def fail(key: str, message: str) -> DataConfigError:
             return DataConfigError(f"{where}: `{key}`: {message}")
 
-        _check_keys(data, _TOP_KEYS, "", where)
+        check_mapping_keys(data, _TOP_KEYS, "", where)
         outside = data.get("allow_outside_data_root", False)
         if not isinstance(outside, bool):
             raise fail("allow_outside_data_root", f"expected true or false, got {short_repr(outside)}")
@@ -121,7 +122,7 @@ class DataConfig:
             raise fail("train", "no split is given (train, val or test)")
 
         pre = _section(data, "preprocess", where)
-        _check_keys(pre, [f.name for f in fields(PreprocessConfig)], "preprocess.", where)
+        check_mapping_keys(pre, [f.name for f in fields(PreprocessConfig)], "preprocess.", where)
         for key in ("tokenizer", "processor"):
             if pre.get(key) is not None:
                 directory = base / str(pre[key])
@@ -143,7 +144,7 @@ class DataConfig:
             raise fail("preprocess.tokenizer", "a local tokenizer directory is required")
 
         loader = _section(data, "loader", where)
-        _check_keys(loader, [f.name for f in fields(LoaderConfig)], "loader.", where)
+        check_mapping_keys(loader, [f.name for f in fields(LoaderConfig)], "loader.", where)
         _check_positive_ints(loader, ("batch_size",), "loader.", fail)
         if "num_workers" in loader and (not isinstance(loader["num_workers"], int) or loader["num_workers"] < 0):
             raise fail("loader.num_workers",
@@ -170,13 +171,16 @@ def _section(data: dict, key: str, where: str) -> dict:
     return dict(value)
 
 
-def _check_keys(data: Any, known: Any, prefix: str, where: str) -> None:
-    if not isinstance(data, dict):
+def check_mapping_keys(data: Any, known: Any, prefix: str, where: str) -> dict[str, Any]:
+    """``data`` as a dict; a non-mapping, or a key not in ``known`` (with the nearest suggested), is a
+    :class:`DataConfigError` naming ``where`` and the key (``prefix`` is the section's dotted path)."""
+    if not isinstance(data, Mapping):
         raise DataConfigError(f"{where}: `{prefix.rstrip('.') or '<top>'}` must be a mapping, got {short_repr(data)}")
     unknown = find_unknown_key(data, list(known), prefix)
     if unknown is not None:
         shown, hint = unknown
         raise DataConfigError(f"{where}: unknown key `{shown}`{hint}")
+    return dict(data)
 
 
 def _check_positive_ints(data: dict, keys: tuple[str, ...], prefix: str, fail: Any) -> None:
