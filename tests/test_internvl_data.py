@@ -504,7 +504,7 @@ def test_the_data_module_reads_a_multimodal_data_json(tiny, tmp_path, monkeypatc
 
     root, model = tiny
     records = [_chat("square.png", "<image>\nA?", "one"), _chat("wide.png", "<image>\nB?", "two")]
-    _write(root, records)
+    _write(root, [*records, _chat("missing.png", "<image>\nC?", "three")])
     config = _data_json(model=str(root / "model"))
     config["dataset_param"]["basic_parameters"].update(data_path=str(root / "train.jsonl"),
                                                        data_folder=str(root / "images"))
@@ -513,7 +513,8 @@ def test_the_data_module_reads_a_multimodal_data_json(tiny, tmp_path, monkeypatc
     (tmp_path / "data.json").write_text(json.dumps(config))
     monkeypatch.chdir(tmp_path)
     data = MMDataModule(data_config="data.json", batch_size=2)
-    data.setup("fit")
+    with pytest.warns(UserWarning, match=r"(?s)1 skipped.*train.jsonl:3: image not found"):  # the bad record is reported, not dropped
+        data.setup("fit")
     batch = next(iter(data.train_dataloader()))
     splits, collate, _ = _build(root, model, records)
     expected = collate([splits["train"][0], splits["train"][1]])

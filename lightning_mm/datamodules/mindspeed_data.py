@@ -25,7 +25,7 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_info
 
 from lightning_mm._yaml import load_mapping, short_repr
 from lightning_mm.datamodules.data_config import DataConfigError
-from lightning_mm.datamodules.mindspeed_keys import check_keys
+from lightning_mm.datamodules.mindspeed_keys import check_keys, strict_or_warn
 from lightning_mm.datamodules.records import DataReport
 
 __all__ = ["MindSpeedDataConfig", "read_data_file", "parse_section", "build_datasets"]
@@ -168,8 +168,11 @@ def build_datasets(config: MindSpeedDataConfig) -> tuple[dict[str, Any], Callabl
                         "not supported with dataset_type: multimodal")
         from lightning_mm.datamodules.mindspeed_multimodal import build_multimodal_datasets
 
-        return build_multimodal_datasets(config.dataset_param, config.collate_param, config.base_dir, config.source,
-                                         config.strict)
+        splits, collate, reports = build_multimodal_datasets(config.dataset_param, config.collate_param,
+                                                             config.base_dir, config.source, config.strict)
+        for report in reports.values():  # the huggingface builder reports its own; this one leaves it to us
+            strict_or_warn(report, config.strict, config.source)
+        return splits, collate, reports
     from lightning_mm.datamodules.mindspeed_hf import build_huggingface_datasets
 
     return build_huggingface_datasets(config.dataset_param, config.collate_param, config.base_dir, config.source,
