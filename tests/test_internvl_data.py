@@ -513,7 +513,8 @@ def test_the_data_module_reads_a_multimodal_data_json(tiny, tmp_path, monkeypatc
     (tmp_path / "data.json").write_text(json.dumps(config))
     monkeypatch.chdir(tmp_path)
     data = MMDataModule(data_config="data.json", batch_size=2)
-    with pytest.warns(UserWarning, match=r"(?s)1 skipped.*train.jsonl:3: image not found"):  # the bad record is reported, not dropped
+    # the bad record is reported, not dropped silently
+    with pytest.warns(UserWarning, match=r"(?s)1 skipped.*train.jsonl:3: image not found"):
         data.setup("fit")
     batch = next(iter(data.train_dataloader()))
     splits, collate, _ = _build(root, model, records)
