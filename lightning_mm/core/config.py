@@ -68,19 +68,38 @@ class FSDP2Config:
     """
 
     sharding_size: Literal["auto"] | int = 1
+    """Ranks in each shard group; ``auto`` is the world size. A size below the world size gives HSDP (parameters
+    sharded within a group, replicated across groups); it must divide the world size. 1 replicates (no sharding)."""
     param_dtype: torch.dtype | None = None
+    """The dtype parameters are gathered and computed in (``bf16``, ``fp16``, ``fp32``); unset keeps the model's
+    (bf16 under ``Trainer(precision="bf16-mixed")``; a contradicting Trainer precision is an error)."""
     reduce_dtype: torch.dtype | None = None
+    """The dtype gradients are reduced in across ranks; unset follows ``param_dtype`` (fp32 under
+    ``precision="bf16-mixed"``)."""
     output_dtype: torch.dtype | None = None
+    """The dtype each unit's floating-point outputs are cast to; unset leaves them as computed."""
     cast_forward_inputs: bool = True
+    """Cast each unit's floating-point inputs to ``param_dtype`` (and ignored modules' inputs to their own dtype)."""
     sub_modules_to_wrap: list[str] = field(default_factory=list)
+    """The modules (patterns allowed) sharded as FSDP units of their own; the root holds the rest. Unset: the
+    model's default plan, if it has one."""
     ignored_modules: list[str] = field(default_factory=list)
+    """The modules (patterns allowed) kept out of FSDP: replicated whole, their trainable gradients all-reduced."""
     recompute_modules: list[str] = field(default_factory=list)
+    """The modules (patterns allowed) whose activations are recomputed in backward instead of kept."""
     use_reentrant: bool = True
+    """Recompute with the reentrant checkpoint implementation (``true``) or the non-reentrant one."""
     reshard_after_forward: bool = True
+    """Free each unit's gathered parameters after its forward (ZeRO-3, less memory) or keep them for backward
+    (``false``: ZeRO-2, less communication)."""
     offload_to_cpu: bool = False
+    """Keep the sharded parameters, gradients and optimiser step on the CPU (FSDP2's CPU offload policy)."""
     pin_memory: bool = False
+    """Pin the offloaded CPU memory (faster copies); only with ``offload_to_cpu: true``."""
     num_to_forward_prefetch: int = 0
+    """Units whose parameters are gathered ahead in forward, in the order the units run (0: none ahead)."""
     num_to_backward_prefetch: int = 1
+    """Units whose parameters are gathered ahead in backward, in the reverse of the forward order."""
     align_fsdp_param_groups: bool = False
     """Gather the norms and routers of the wrapped units (and the final norm) into one FSDP unit of their own."""
     expert_parallel_size: int = 1
