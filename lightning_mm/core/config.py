@@ -108,6 +108,13 @@ class FSDP2Config:
     """The expert modules (patterns allowed) that expert parallelism splits."""
     reshard_local_experts: bool = True
     """With expert parallelism: FSDP-shard the local experts over the ranks that hold the same experts."""
+    compile_modules: list[str] = field(default_factory=list)
+    """The modules (patterns allowed) whose forward ``torch.compile`` compiles, each as one graph, before sharding
+    (recomputation wraps the compiled forward; FSDP2's hooks stay eager around it). None by default; the root
+    always stays eager. A module that holds FSDP units or experts cannot be compiled (an error)."""
+    compile_backend: str = "inductor"
+    """The ``torch.compile`` backend for ``compile_modules``: ``inductor`` (generated kernels), ``aot_eager``
+    (captured graphs run by eager kernels: a check of capture), or any registered backend by name."""
     source: str | None = field(default=None, compare=False, repr=False)
     """Where the config came from (a file path), used in error messages only."""
 
@@ -254,6 +261,16 @@ class FSDP2Config:
         if isinstance(size, bool) or not isinstance(size, int) or size < 1:
             raise self._error("expert_parallel_size", f"expected a positive integer, got {short_repr(size)}")
 
+        if not isinstance(self.compile_backend, str) or not self.compile_backend.strip():
+            raise self._error("compile_backend", f"expected a backend name, got {short_repr(self.compile_backend)}")
+        if self.compile_modules:
+            from lightning_mm.core.compile import check_backend
+
+            try:
+                check_backend(self.compile_backend)
+            except ValueError as err:
+                raise self._error("compile_backend", str(err)) from None
+
         if self.pin_memory and not self.offload_to_cpu:
             raise self._error("pin_memory", "only takes effect with `offload_to_cpu: true`; set both or remove it")
 
@@ -285,7 +302,7 @@ class FSDP2Config:
         return size
 
 
-_PATTERN_KEYS = ("sub_modules_to_wrap", "ignored_modules", "recompute_modules", "moe_modules")
+_PATTERN_KEYS = ("sub_modules_to_wrap", "ignored_modules", "recompute_modules", "moe_modules", "compile_modules")
 
 # Keys whose explicit ``null`` in YAML means "not set" and is kept as None.
 _NULLABLE = {"param_dtype", "reduce_dtype", "output_dtype"}
