@@ -25,8 +25,8 @@ from tests.parity import Case  # noqa: E402
 
 _RECOMPUTE = ["model.vision_model.encoder.layers.{*}", "model.text_model.layers.{*}"]
 CASES = [
-    Case("derived-idefics3-plain", "idefics3", steps=4),
-    Case("derived-mistral3-plain", "mistral3", steps=4),
+    Case("derived-idefics3-plain", "idefics3", steps=3),
+    Case("derived-mistral3-plain", "mistral3", steps=3),
     Case("derived-idefics3-recompute-reentrant", "idefics3", {"recompute_modules": _RECOMPUTE, "use_reentrant": True},
          steps=3),
     Case("derived-mistral3-frozen-tower", "mistral3", freeze=("model.vision_tower",), steps=3),
