@@ -227,12 +227,12 @@ def test_save_pretrained_directories_load_strictly(tmp_path, original):
 @pytest.fixture(scope="module")
 def trained(tmp_path_factory) -> Path:
     out = tmp_path_factory.mktemp("derived_parity")
-    derive_models.save_tiny(out / "ckpts", derive_models.PARITY)
+    derive_models.save_tiny(out / "ckpts", [*derive_models.PARITY, *LOAD_ONLY])
     run_scenario("train", out, script=ROOT / "tests" / "derive_scenarios.py", timeout=600)
     return out
 
 
-from tests.derive_scenarios import CASES  # noqa: E402
+from tests.derive_scenarios import CASES, LOAD_ONLY  # noqa: E402
 
 
 @pytest.mark.parametrize("case", CASES, ids=lambda c: c.name)
@@ -250,3 +250,13 @@ def test_derived_plan_training_matches_plain_transformers(trained, case):
     assert plan["ignored"] == ([prefix] if case.freeze else [])
     final = torch.load(trained / f"{case.name}.pt", weights_only=True)
     test_parity._check(case, global_losses(part), final, global_steps(case, part), trained / "ckpts")
+
+
+@pytest.mark.parametrize("name", list(LOAD_ONLY))
+def test_each_rank_reads_its_own_slices_of_a_save_pretrained_directory(trained, name):
+    """Original key layout (renamed keys; GLM-4.5V's per-expert tensors fused, and split over 2 EP ranks)."""
+    for rank in range(2):
+        got = json.loads((trained / f"load-{name}.rank{rank}.json").read_text())
+        assert got["wrong"] == [] and got["sharded"] > 0, got
+        assert got["model_class"] == f"MM{derive_models.ARCHITECTURES[name][0]}"
+        assert (got["split_experts"] > 0) == (name == "glm4v_moe")
