@@ -192,6 +192,24 @@ def test_models_the_derivation_cannot_decide_are_errors_naming_the_yaml_keys():
     assert derive_fsdp2_plan(tower).ignored_modules == ("model.vision_model",)
 
 
+def test_a_class_can_still_declare_its_towers_and_extra_units():
+    """What the derivation cannot know: ``fsdp2_vision_towers`` / ``fsdp2_extra_units`` on a registered class."""
+    base = transformers.Qwen2_5_VLForConditionalGeneration
+
+    class Declared(base, *derived_adapter(base).__bases__[1:]):
+        fsdp2_vision_towers = ("model.visual",)
+        fsdp2_extra_units = ("model.visual.merger",)
+
+    arch, kwargs = FAMILIES["qwen2_5_vl"]
+    with meta_parameters():
+        model = Declared(base.config_class(**kwargs))
+    derived = derive_fsdp2_plan(model)
+    assert derived.declared == ("fsdp2_vision_towers", "fsdp2_extra_units")
+    assert list(derived.sub_modules_to_wrap) == ["model.language_model.embed_tokens", "lm_head", "model.visual.merger",
+                                                 "model.visual.blocks.{*}", "model.language_model.layers.{*}"]
+    assert "fsdp2_extra_units declared by the class" in derived.describe()
+
+
 # --------------------------------------------------------------------------------------- pretrained loading
 @pytest.mark.parametrize("original", [True, False], ids=["original-layout", "transformers5-layout"])
 def test_save_pretrained_directories_load_strictly(tmp_path, original):
