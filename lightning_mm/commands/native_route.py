@@ -140,7 +140,7 @@ def migrate_native(path: Path, data: Mapping[str, Any], base_dir: Path | None = 
     _training(out)
     _data(out)
     _tools(out)
-    for section, value in data.items():
+    for section in data:
         if section in ("parallel", "model", "data", "features", "training", "tools"):
             continue
         out.refuse(str(section), "not a section of MindSpeed MM's native arguments; read only by a model plugin of "
@@ -289,8 +289,8 @@ def _features(out: _Out) -> None:
                          "TransformersModel itself")
         if "total_chunk_size" in plan:
             out.notes.append("features.chunkloss_plan.total_chunk_size: used only by enable_dynamic_chunk_loss")
-    elif plan:
-        out.notes.append("features.chunkloss_plan: enable_chunk_loss is off, the plan is not used")
+    elif plan or "enable_chunk_loss" in features:
+        out.notes.append("features.enable_chunk_loss: off" + ("; features.chunkloss_plan is not used" if plan else ""))
     if features.get("enable_dynamic_chunk_loss"):
         out.unmapped.append("features.enable_dynamic_chunk_loss: the chunk size derived from total_chunk_size and "
                             "the batch is not supported here; set chunk_loss_size")
@@ -313,7 +313,7 @@ def _features(out: _Out) -> None:
 def _switch(out: _Out, features: Mapping[str, Any], switch: str, plan: str, why: str) -> None:
     out.handled.update({f"features.{switch}", f"features.{plan}"})
     if features.get(switch):
-        out.unmapped.append(f"features.{switch}: {why}")
+        out.unmapped.append(f"features.{switch}" + (f", features.{plan}" if plan in features else "") + f": {why}")
     elif switch in features or plan in features:
         out.notes.append(f"features.{switch}: off" + (f"; features.{plan} is not used" if plan in features else ""))
 
@@ -359,8 +359,8 @@ def _training(out: _Out) -> None:
             out.note("training.lr_start", "0: warmup starts from 0, as here")
     if has("adam_beta1") or has("adam_beta2"):
         betas = [float(training.get("adam_beta1", 0.9)), float(training.get("adam_beta2", 0.999))]
-        out.map("training.adam_beta1", f"{module}.betas", betas)
-        out.handled.add("training.adam_beta2")
+        out.map("training.adam_beta1, training.adam_beta2", f"{module}.betas", betas)
+        out.handled.update({"training.adam_beta1", "training.adam_beta2"})
     if has("adam_eps"):
         eps = float(training["adam_eps"])
         if eps == 1e-8:
@@ -489,7 +489,7 @@ def _checkpointing(out: _Out, training: Mapping[str, Any]) -> None:
             checkpoint["every_n_train_steps"] = int(every)
         out.set("trainer.callbacks", [{"class_path": "lightning.pytorch.callbacks.ModelCheckpoint",
                                        "init_args": checkpoint}])
-        out.mapped.append("training.save/save_interval -> trainer.callbacks: ModelCheckpoint(dirpath, "
+        out.mapped.append("training.save, training.save_interval -> trainer.callbacks: ModelCheckpoint(dirpath, "
                           "every_n_train_steps, save_last: link)")
     fmt = training.get("save_format", "auto")
     if "save_format" in training:
@@ -512,16 +512,18 @@ def _checkpointing(out: _Out, training: Mapping[str, Any]) -> None:
     out.handled.update({"training.load", "training.load_format", "training.load_checkpoint_path", "training.resume"})
     if load:
         hf_dir = out.get("model.model_name_or_path")
-        if load_format == "hf" or (load_format == "auto" and hf_dir and out.resolve(str(load)) == out.resolve(str(hf_dir))):
-            out.mapped.append(f"training.load {load} (load_format {load_format}) -> the weights of model."
+        same_as_model = bool(hf_dir) and out.resolve(str(load)) == out.resolve(str(hf_dir))
+        if load_format == "hf" or (load_format == "auto" and same_as_model):
+            out.mapped.append(f"training.load {load}, training.load_format {load_format} -> the weights of model."
                               "init_args.transformers_model.init_from_hf_path (a Hugging Face directory)")
             if not hf_dir or out.resolve(str(load)) != out.resolve(str(hf_dir)):
                 out.set("model.init_args.transformers_model.init_from_hf_path", out.resolve(str(load)))
         elif load_format == "dcp":
-            out.map("training.load", "ckpt_path", out.resolve(str(load)), "resumes from that checkpoint")
+            out.map("training.load, training.load_format dcp", "ckpt_path", out.resolve(str(load)),
+                    "resumes from that checkpoint")
         else:
-            out.unmapped.append(f"training.load {load} (load_format auto): a DCP checkpoint resumes with ckpt_path "
-                                "(a Lightning checkpoint directory); a Hugging Face directory is "
+            out.unmapped.append(f"training.load {load}, training.load_format auto: a DCP checkpoint resumes with "
+                                "ckpt_path (a Lightning checkpoint directory); a Hugging Face directory is "
                                 "transformers_model.init_from_hf_path. Set the one it is")
     elif "load" in training:
         out.notes.append("training.load: null, nothing loaded")

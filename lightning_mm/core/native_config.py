@@ -187,19 +187,27 @@ def map_parallel(parallel: Any, features: Any = None, source: str | None = None,
         read.int_at_least(dp, "data_parallel_size")
         out.refused.append(f"{prefix}data_parallel_size: {dp}: derived here from the world size (world / "
                            "context_parallel_size), as MindSpeed MM checks it must be; remove it")
+    elif "data_parallel_size" in section:
+        mapped("data_parallel_size: null", "derived from the world size, as in MindSpeed MM")
     tp = section.get("tensor_parallel_size", 1)
     if read.int_at_least(tp, "tensor_parallel_size") != 1:
         out.refused.append(f"{prefix}tensor_parallel_size: {tp}: tensor parallelism is not supported here, and "
                            "MindSpeed MM's native route rejects it too ('Tensor parallel size not supported yet')")
+    elif "tensor_parallel_size" in section:
+        mapped("tensor_parallel_size: 1", "none: no tensor parallelism, as here")
     tp_plan = read.section(section.get("tp_plan"), "tp_plan", TP_PLAN_KEYS)
     for key, value in tp_plan.items():
         if value:
             out.refused.append(f"{prefix}tp_plan.{key}: tensor parallelism is not supported here (nor by MindSpeed "
                                "MM's native route)")
+        else:
+            mapped(f"tp_plan.{key}: empty", "nothing to set")
     ring = section.get("ring_attention_size", 1)
     if read.int_at_least(ring, "ring_attention_size") != 1:
         out.refused.append(f"{prefix}ring_attention_size: {ring}: ring attention is NPU-only in MindSpeed MM and "
                            "not supported here; use ulysses_parallel_size (Ulysses context parallelism)")
+    elif "ring_attention_size" in section:
+        mapped("ring_attention_size: 1", "none: no ring attention, as here")
     ulysses = read.int_at_least(section.get("ulysses_parallel_size", 1), "ulysses_parallel_size")
     if ulysses > 1:
         out.strategy["context_parallel_size"] = ulysses
@@ -231,8 +239,8 @@ def map_parallel(parallel: Any, features: Any = None, source: str | None = None,
     for key in ("pregather", "hook_modules"):
         if plan.get(key):
             out.without_effect.append(f"{prefix}fsdp_plan.{key}: {_WITHOUT_EFFECT['fsdp_plan.' + key]}")
-    if "pregather" in plan and not plan["pregather"]:
-        mapped("fsdp_plan.pregather: false", "nothing to set (units are gathered when they run)")
+        elif key in plan:
+            mapped(f"fsdp_plan.{key}: {plan[key]}", "off: nothing to set")
     read.prefix = prefix
 
     # expert parallelism
@@ -259,6 +267,11 @@ def map_parallel(parallel: Any, features: Any = None, source: str | None = None,
             mapped("ep_plan.apply_modules", "nothing to set: expert_parallel_size is 1 (no expert parallelism)")
     if ep_plan.get("use_npu_fused_ops"):
         out.without_effect.append(f"{prefix}ep_plan.use_npu_fused_ops: {_WITHOUT_EFFECT['ep_plan.use_npu_fused_ops']}")
+    elif "use_npu_fused_ops" in ep_plan:
+        mapped("ep_plan.use_npu_fused_ops: false", "off: nothing to set")
+    for key in ("apply_efsdp_modules", "_gradient_divide_factor"):
+        if key in ep_plan and not ep_plan[key]:
+            mapped(f"ep_plan.{key}: {ep_plan[key]}", "unset: nothing to set")
     if "dispatcher" in ep_plan:
         kind = ep_plan["dispatcher"]
         if kind not in _DISPATCHERS:
@@ -304,11 +317,11 @@ def _map_recompute(section: Mapping[str, Any], prefix: str, read: _Reader, out: 
     if on:
         known = out.fsdp2.setdefault("recompute_modules", [])
         known += [m for m in modules if m not in known]
-        out.mapped.append(f"{prefix}recompute + recompute_plan.apply_modules -> fsdp2_config.recompute_modules"
+        out.mapped.append(f"{prefix}recompute, {prefix}recompute_plan.apply_modules -> fsdp2_config.recompute_modules"
                           + ("" if modules else " (empty: nothing is recomputed, as in MindSpeed MM)"))
     elif modules or "recompute" in section:
-        out.mapped.append(f"{prefix}recompute: false -> no recompute_modules (the plan is not applied, as in "
-                          "MindSpeed MM)")
+        out.mapped.append(f"{prefix}recompute: false, {prefix}recompute_plan.apply_modules -> no recompute_modules "
+                          "(the plan is not applied, as in MindSpeed MM)")
 
 
 def fsdp2_config_from_native(data: Mapping[str, Any], source: str | None = None) -> Any:

@@ -1,0 +1,226 @@
+"""MindSpeed MM's native FSDP2 route (six-section YAML): migrate with golden reports, the parallel section given to
+MMFSDP2Strategy directly, and plans for the shipped configs' world sizes.
+
+The shipped configs are in ``tests/data/mindspeed_native`` (see its README for their source and commit). Golden
+files: ``tests/data/mindspeed_native/golden``; regenerate with ``LIGHTNING_MM_REGEN_GOLDEN=1 pytest
+tests/test_native_route.py`` and review the diff.
+"""
+
+from __future__ import annotations
+
+import os
+import warnings
+from pathlib import Path
+
+import pytest
+import yaml
+
+from lightning_mm.commands import migrate
+from lightning_mm.core.config import FSDP2Config, FSDP2ConfigError
+
+DATA = Path(__file__).resolve().parent / "data" / "mindspeed_native"
+GOLDEN = DATA / "golden"
+CONFIGS = sorted(p.name for p in DATA.glob("*.yaml"))
+REGEN = os.environ.get("LIGHTNING_MM_REGEN_GOLDEN") == "1"
+
+# NPUS_PER_NODE x NNODES of each config's launch script in MindSpeed MM (tests/st: the example's)
+WORLD_SIZES = {
+    "cosyvoice3__cosyvoice3_config.yaml": 8, "funasr__funasr_config.yaml": 8, "kimi_k3__kimik3_config.yaml": 16,
+    "kimik2_5__kimik2_5_config.yaml": 512, "ltx2__ltx2_config_t2av.yaml": 8, "ltx2__ltx2_config_t2v.yaml": 8,
+    "mimov2_5__mimov2_5_config.yaml": 16, "moss_tts__moss_tts_delay_config.yaml": 8,
+    "qwen3_5__qwen3_5_122B_config.yaml": 128, "qwen3_5__qwen3_5_27B_config.yaml": 16,
+    "qwen3_5__qwen3_5_35B_config.yaml": 16, "qwen3_5__qwen3_5_397B_config.yaml": 256,
+    "qwen3_5__qwen3_5_4B_config.yaml": 8, "qwen3_5__qwen3_5_9B_config.yaml": 8,
+    "qwen3_6__qwen3_6_27B_config.yaml": 16, "qwen3_6__qwen3_6_35B_config.yaml": 16,
+    "qwen3_asr__qwen3_asr_1.7B_config.yaml": 8, "qwen3omni__qwen3omni_config_v1.yaml": 16,
+    "qwen3tts__qwen3tts_config.yaml": 8, "qwen3vl__qwen3vl_30B_config_v1.yaml": 16,
+    "qwen3vl__qwen3vl_30B_config_v1_A5.yaml": 8, "step3_vl__step3_vl_10b_config.yaml": 4,
+    "st__finetune_kimik2_5__kimik2_5_config.yaml": 512, "st__finetune_qwen3_5_35B__qwen3_5_35B_config.yaml": 16,
+    "st__finetune_qwen3tts__qwen3tts_config.yaml": 8, "st__finetune_qwen3vl_30B__qwen3vl_30B_config_v1.yaml": 16,
+}
+# Configs whose architecture this project trains (an adapter in ModelHub); the rest are reported as not trainable.
+PLANNED = ("qwen3vl__qwen3vl_30B_config_v1.yaml", "qwen3vl__qwen3vl_30B_config_v1_A5.yaml",
+           "st__finetune_qwen3vl_30B__qwen3vl_30B_config_v1.yaml")
+
+
+def _migrate(name: str, tmp_path: Path, capsys) -> tuple[str, str]:
+    """``lightning-mm migrate NAME -o tmp/config.yaml``: (report, written config), paths made stable."""
+    out = tmp_path / "config.yaml"
+    try:
+        migrate.main([str(DATA / name), "-o", str(out), "--base-dir", str(tmp_path)])
+        written = out.read_text()
+    except migrate.MigrateError as err:
+        written = f"# migrate refused the file: {err}\n"
+    report = capsys.readouterr().err
+
+    def stable(text: str) -> str:
+        return text.replace(str(tmp_path.resolve()), "<RUN>").replace(str(DATA), "<DATA>")
+
+    return stable(report), stable(written)
+
+
+def _check_golden(path: Path, text: str) -> None:
+    if REGEN:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(text)
+    assert path.is_file(), f"no golden file {path}; run with LIGHTNING_MM_REGEN_GOLDEN=1"
+    assert text == path.read_text(), f"{path.name} differs from its golden file (LIGHTNING_MM_REGEN_GOLDEN=1)"
+
+
+def test_every_shipped_native_config_is_here():
+    assert len(CONFIGS) == 26 and set(CONFIGS) == set(WORLD_SIZES)
+
+
+@pytest.mark.parametrize("name", CONFIGS)
+def test_native_config_migrates_with_its_golden_report(name, tmp_path, capsys):
+    report, written = _migrate(name, tmp_path, capsys)
+    _check_golden(GOLDEN / f"{name[:-5]}.report.txt", report)
+    _check_golden(GOLDEN / f"{name[:-5]}.config.yaml", written)
+    if written.startswith("# migrate refused"):
+        return
+    # Every leaf key of parallel / model / features / training / tools is named in the report (mapped, a note,
+    # or not mapped), or sits under a key that is.
+    data = yaml.safe_load((DATA / name).read_text())
+    config = yaml.safe_load(written)
+    assert config["trainer"]["strategy"]["class_path"] == "lightning_mm.MMFSDP2Strategy"
+    FSDP2Config.from_dict(config["trainer"]["strategy"]["init_args"]["fsdp2_config"])  # a valid 18-key config
+    for section in ("parallel", "model", "features", "training", "tools"):
+        for leaf in _leaves(data.get(section) or {}, f"{section}."):
+            parts = leaf.split(".")
+            named = [".".join(parts[:i]) for i in range(len(parts), 1, -1)]
+            assert any(_mentions(report, n) for n in named), (name, leaf)
+
+
+def _leaves(node: dict, prefix: str) -> list[str]:
+    out = []
+    for key, value in node.items():
+        if isinstance(value, dict) and value:
+            out += _leaves(value, f"{prefix}{key}.")
+        else:
+            out.append(f"{prefix}{key}")
+    return out
+
+
+def _mentions(report: str, key: str) -> bool:
+    return any(line.strip().startswith(key) or f" {key}" in line or f"{key} " in line or f"{key}:" in line
+               or f"{key}/" in line for line in report.splitlines())
+
+
+def test_the_report_names_keys_mindspeed_cannot_use_here():
+    """Keys that change training and cannot be honoured are NOT mapped, with the reason, never dropped."""
+    text = (DATA / "qwen3vl__qwen3vl_30B_config_v1.yaml").read_text()
+    data = yaml.safe_load(text)
+    data["parallel"].update(tensor_parallel_size=2, ring_attention_size=2, ulysses_parallel_size=2,
+                            data_parallel_size=4)
+    data["features"]["enable_activation_offload"] = True
+    from lightning_mm.commands.native_route import migrate_native
+
+    result = migrate_native(DATA / "x.yaml", data)
+    unmapped = "\n".join(result.unmapped)
+    assert "parallel.tensor_parallel_size: 2" in unmapped and "rejects it too" in unmapped
+    assert "parallel.ring_attention_size: 2: ring attention is NPU-only" in unmapped
+    assert "parallel.data_parallel_size: 4" in unmapped
+    assert "features.enable_activation_offload" in unmapped
+    assert result.config["trainer"]["strategy"]["init_args"]["context_parallel_size"] == 2
+
+
+# ------------------------------------------------------------------------------ the parallel section, directly
+def _native(name: str) -> dict:
+    return yaml.safe_load((DATA / name).read_text())
+
+
+def test_parallel_section_and_whole_config_give_the_migrated_fsdp2_config(tmp_path, capsys):
+    """MMFSDP2Strategy(fsdp2_config=<parallel section | whole native config | its file>) resolves to the same
+    FSDP2Config as the 18-key config migrate writes for it."""
+    from lightning_mm import MMFSDP2Strategy
+
+    name = "st__finetune_qwen3vl_30B__qwen3vl_30B_config_v1.yaml"
+    _, written = _migrate(name, tmp_path, capsys)
+    eighteen = FSDP2Config.from_dict(yaml.safe_load(written)["trainer"]["strategy"]["init_args"]["fsdp2_config"])
+    data = _native(name)
+    whole = MMFSDP2Strategy(fsdp2_config=data).fsdp2_config
+    from_file = MMFSDP2Strategy(fsdp2_config=str(DATA / name)).fsdp2_config
+    section = FSDP2Config.load({**data["parallel"], "recompute": True,
+                                "recompute_plan": data["features"]["recompute_plan"]})
+    assert whole == from_file == section == eighteen
+    assert whole.expert_parallel_size == 8 and whole.moe_modules == ["model.language_model.layers.{*}.mlp.experts"]
+    assert whole.num_to_backward_prefetch == 0 and whole.use_reentrant is False  # MindSpeed MM's defaults
+    assert whole.recompute_modules == ["model.visual.blocks.{*}", "model.language_model.layers.{*}"]
+
+
+def test_equal_plans_from_the_native_and_the_18_key_forms(tmp_path):
+    """Both forms build the same sharding plan on a tiny Qwen3-VL-MoE (the architecture of the config)."""
+    from lightning_mm.core.plan import build_plan
+    from tests.moe_models import tiny_moe_model
+
+    model = tiny_moe_model("qwen3_vl_moe")
+    parallel = {**_native("st__finetune_qwen3vl_30B__qwen3vl_30B_config_v1.yaml")["parallel"]}
+    parallel["expert_parallel_size"] = 2
+    native = FSDP2Config.load(parallel)
+    eighteen = FSDP2Config.load({
+        "sharding_size": "auto", "sub_modules_to_wrap": parallel["fsdp_plan"]["apply_modules"],
+        "param_dtype": "bf16", "reduce_dtype": "fp32", "num_to_backward_prefetch": 0, "use_reentrant": False,
+        "expert_parallel_size": 2, "moe_modules": ["model.language_model.layers.{*}.mlp.experts"],
+    })
+    assert build_plan(native, model, 4).describe() == build_plan(eighteen, model, 4).describe()
+
+
+@pytest.mark.parametrize("section, message", [
+    ({"fsdp_plan": {"apply_modul": ["a"]}}, "unknown native FSDP2 config key `fsdp_plan.apply_modul`; did you mean "
+                                            "`fsdp_plan.apply_modules`?"),
+    ({"fsdp_plan": {"param_dtype": "bf17"}}, "`fsdp_plan.param_dtype`: unknown dtype 'bf17'"),
+    ({"fully_shard_parallel_size": 0}, "`fully_shard_parallel_size`: expected an integer >= 1, got 0"),
+    ({"tensor_parallel_size": 2}, "tensor_parallel_size: 2: tensor parallelism is not supported here"),
+    ({"ring_attention_size": 2}, "ring_attention_size: 2: ring attention is NPU-only"),
+    ({"ulysses_parallel_size": 2}, "give MMFSDP2Strategy(context_parallel_size=2)"),
+    ({"recompute": "yes"}, "`recompute`: expected true or false, got 'yes'"),
+    ({"ep_plan": {"dispatcher": "nccl"}}, "`ep_plan.dispatcher`: 'nccl' is not a MindSpeed MM dispatcher"),
+])
+def test_bad_parallel_sections_are_errors_naming_the_key(section, message):
+    with pytest.raises(FSDP2ConfigError) as err:
+        FSDP2Config.load(section)
+    assert message in str(err.value)
+
+
+def test_a_whole_native_file_names_the_file_and_section_in_errors(tmp_path):
+    path = tmp_path / "native.yaml"
+    path.write_text("parallel:\n  fsdp_plan:\n    reshard_after_forwad: true\nmodel: {}\n")
+    with pytest.raises(FSDP2ConfigError, match=r"`parallel\.fsdp_plan\.reshard_after_forwad` in .*native\.yaml; "
+                                               r"did you mean `parallel\.fsdp_plan\.reshard_after_forward`"):
+        FSDP2Config.load(str(path))
+
+
+def test_speed_only_keys_warn_by_name():
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        FSDP2Config.load({"fsdp_plan": {"pregather": True, "apply_modules": ["layers.{*}"]}})
+    assert any("fsdp_plan.pregather" in str(w.message) for w in caught)
+
+
+# ------------------------------------------------------------------------------ plans for the world sizes
+@pytest.mark.parametrize("name", PLANNED)
+def test_lightning_mm_plan_for_the_configs_world_size(name, tmp_path, capsys):
+    """``lightning-mm plan`` of the migrated config at the launch script's world size, on the meta device, with a
+    tiny Qwen3-VL-MoE stand-in of the 30B checkpoint (the same module paths)."""
+    from lightning_mm.commands.plan import plan_from_cli_config
+    from tests.moe_models import tiny_moe_model
+
+    model_dir = tmp_path / "hf"
+    tiny_moe_model("qwen3_vl_moe").save_pretrained(model_dir)
+    _, written = _migrate(name, tmp_path, capsys)
+    config = yaml.safe_load(written.replace("<RUN>", str(tmp_path.resolve())).replace("<DATA>", str(DATA)))
+    model = config["model"]["init_args"]["transformers_model"]
+    model.update(init_from_hf_path=str(model_dir), trust_remote_code=False)
+    for pending in ("enable_chunk_loss", "chunk_loss_size"):  # options being added (see native_route.PENDING_OPTIONS)
+        model.pop(pending, None)
+    (tmp_path / "plan.yaml").write_text(yaml.safe_dump(config))
+    text = plan_from_cli_config(["--config", str(tmp_path / "plan.yaml")], world_size=WORLD_SIZES[name])
+    world = WORLD_SIZES[name]
+    assert f"world size {world}, mesh (shard={world})" in text, text
+    units = text.split("units (", 1)[1].split("<root>", 1)[0]
+    for unit in ("model.visual.blocks.0", "model.visual.deepstack_merger_list.0", "model.language_model.layers.1",
+                 "model.visual.merger", "model.language_model.embed_tokens", "lm_head"):
+        assert unit in units, (unit, text)
+    assert "recomputed (non-reentrant): model.visual.blocks.0" in text
+    if name.startswith("st__"):  # expert_parallel_size 8 on 16 ranks
+        assert "expert parallel: mesh (ep_replicate=2 x ep=8)" in text, text
