@@ -188,9 +188,11 @@ def _model(out: _Out) -> None:
                 f"{NATIVE_MODEL_IDS[model_id]}")
     elif model_id is not None:
         what = _UNSUPPORTED_MODELS.get(model_id, f"model_id {model_id}")
-        out.refuse("model.model_id", f"{model_id}: {what} has no adapter in lightning-mm, so this config cannot "
-                                     "train here yet; TransformersModel picks the class from config.json's "
-                                     "architectures, and fails naming it until an adapter is registered")
+        out.refuse("model.model_id", f"{model_id}: {what} has no built-in adapter in this version of "
+                                     "lightning-mm, so this config does not train here yet; model_id is left out "
+                                     "and TransformersModel takes the class from config.json's architectures "
+                                     "(trained once derived plans for any Transformers class are merged; a "
+                                     "remote-code model also needs trust_remote_code)")
     if "model_name_or_path" in model:
         value = model["model_name_or_path"]
         out.map("model.model_name_or_path", f"{target}.init_from_hf_path", out.resolve(str(value)))
@@ -495,10 +497,10 @@ def _checkpointing(out: _Out, training: Mapping[str, Any]) -> None:
     if "save_format" in training:
         if fmt in ("dcp", "auto"):
             out.map("training.save_format", f"{strategy}.checkpoint_format", "torch_dcp")
-        else:  # hf
-            out.map("training.save_format", f"{strategy}.checkpoint_format", "hf_safetensors",
-                    "Hugging Face safetensors weights (an option being added)")
-            out.pending.add(f"{strategy}.checkpoint_format: hf_safetensors")
+        else:  # hf: weights only, as MindSpeed MM's hf format (no resume state)
+            out.map("training.save_format", f"{strategy}.checkpoint_format", "hf",
+                    "Hugging Face safetensors weights, weights-only as in MindSpeed MM")
+            out.pending.add(f"{strategy}.checkpoint_format: hf")
     if training.get("save_ckpt_dtype") is not None:
         out.map("training.save_ckpt_dtype", f"{strategy}.save_ckpt_dtype", training["save_ckpt_dtype"])
     elif "save_ckpt_dtype" in training:
@@ -519,8 +521,10 @@ def _checkpointing(out: _Out, training: Mapping[str, Any]) -> None:
             if not hf_dir or out.resolve(str(load)) != out.resolve(str(hf_dir)):
                 out.set("model.init_args.transformers_model.init_from_hf_path", out.resolve(str(load)))
         elif load_format == "dcp":
-            out.map("training.load, training.load_format dcp", "ckpt_path", out.resolve(str(load)),
-                    "resumes from that checkpoint")
+            out.unmapped.append(f"training.load {load}, training.load_format dcp: a checkpoint in MindSpeed MM's own "
+                                "DCP layout, which Lightning cannot resume; start from the Hugging Face weights "
+                                "(transformers_model.init_from_hf_path), or resume a checkpoint written here with "
+                                "ckpt_path")
         else:
             out.unmapped.append(f"training.load {load}, training.load_format auto: a DCP checkpoint resumes with "
                                 "ckpt_path (a Lightning checkpoint directory); a Hugging Face directory is "
