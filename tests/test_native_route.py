@@ -8,6 +8,7 @@ tests/test_native_route.py`` and review the diff.
 
 from __future__ import annotations
 
+import json
 import os
 import warnings
 from pathlib import Path
@@ -224,3 +225,141 @@ def test_lightning_mm_plan_for_the_configs_world_size(name, tmp_path, capsys):
     assert "recomputed (non-reentrant): model.visual.blocks.0" in text
     if name.startswith("st__"):  # expert_parallel_size 8 on 16 ranks
         assert "expert parallel: mesh (ep_replicate=2 x ep=8)" in text, text
+
+
+# ------------------------------------------------------------------------------ training, 2 ranks
+TRAINED = "qwen3vl__qwen3vl_30B_config_v1.yaml"  # the MoE VLM; see docs/migration.md for the others
+NOT_TRAINABLE_HERE = {
+    "qwen3_5": "Qwen3.5 / Qwen3.6 (dense and MoE VLMs): no adapter in this version (derived plans pending)",
+    "kimi": "Kimi-K2.5 / K3: remote-code models, no adapter",
+    "step3_vl": "Step3-VL: remote code, no adapter",
+    "qwen3omni": "Qwen3-Omni: no adapter, audio data",
+    "audio": "Qwen3-ASR, Qwen3-TTS, FunASR, CosyVoice3, MOSS-TTS: audio, not supported",
+    "ltx2": "LTX-2: a video diffusion model of MindSpeed MM's own",
+    "mimov2_5": "MiMo-V2.5: no adapter",
+}
+
+
+def _tiny_qwen3_vl_moe(directory: Path) -> Path:
+    """A tiny Qwen3-VL-MoE directory: the tiny Qwen3-VL's tokenizer, processor and chat template with the MoE
+    model of the same dimensions (8 experts, 2 per token) in place of the dense one."""
+    import torch
+    import transformers
+
+    from tests.tiny_vlms import write_tiny_vlm
+
+    write_tiny_vlm(directory, "qwen3_vl", seed=3, init_std=0.3, min_pixels=32 * 32, max_pixels=64 * 64)
+    dense = transformers.AutoConfig.from_pretrained(directory)
+    drop = ("model_type", "architectures", "transformers_version", "dtype", "torch_dtype")
+    text = {k: v for k, v in dense.text_config.to_dict().items() if k not in drop}
+    text.update(moe_intermediate_size=16, num_experts=8, num_experts_per_tok=2, norm_topk_prob=True)
+    vision = {k: v for k, v in dense.vision_config.to_dict().items() if k not in drop}
+    config = transformers.Qwen3VLMoeConfig(
+        text_config=text, vision_config=vision, tie_word_embeddings=False,
+        **{k: getattr(dense, k) for k in ("image_token_id", "video_token_id", "vision_start_token_id",
+                                          "vision_end_token_id")})
+    config.architectures = ["Qwen3VLMoeForConditionalGeneration"]
+    torch.manual_seed(5)
+    transformers.Qwen3VLMoeForConditionalGeneration(config).save_pretrained(directory)
+    return directory
+
+
+def _images_and_records(root: Path) -> Path:
+    from PIL import Image
+
+    (root / "images").mkdir(parents=True)
+    for i, size in enumerate(((32, 32), (32, 64), (64, 32), (32, 32))):
+        Image.new("RGB", size, (40 * i + 20, 200 - 30 * i, 90)).save(root / "images" / f"{i}.png")
+    answers = ["A red square.", "Two cats.", "The answer is 2.", "left", "Blue ground.", "No, it is not.", "top",
+               "One dog and two cats."]
+    lines = []
+    for i, answer in enumerate(answers):
+        image = i % 3 != 1  # some text-only records
+        user = ("<image>" if image else "") + "What is in this picture?"
+        record = {"messages": [{"role": "user", "content": user}, {"role": "assistant", "content": answer}]}
+        if image:
+            record["images"] = [f"images/{i % 4}.png"]
+        lines.append(json.dumps(record))
+    (root / "train.jsonl").write_text("\n".join(lines) + "\n")
+    return root / "train.jsonl"
+
+
+def test_migrated_moe_vlm_config_trains_like_plain_transformers(tmp_path, capsys):
+    """MindSpeed MM's Qwen3-VL-30B-A3B native config (its FSDP plan, recompute plan, frozen vision tower, loss,
+    data section), with expert parallelism 2 switched on, migrated and run by ``lightning-mm fit`` on 2 CPU ranks
+    with a tiny Qwen3-VL-MoE stand-in: each step's loss on each rank equals one process of plain Transformers
+    (same AdamW, fp32, the same batches) to relative 1e-5."""
+    import subprocess
+    import sys
+
+    import torch
+    import transformers
+
+    model_dir = _tiny_qwen3_vl_moe(tmp_path / "hf")
+    records = _images_and_records(tmp_path / "data")
+    native = _native(TRAINED)
+    native["parallel"]["fsdp_plan"].update(param_dtype="fp32", reduce_dtype="fp32")
+    native["parallel"]["expert_parallel_size"] = 2
+    data = native["data"]
+    data["dataset_param"]["preprocess_parameters"].update(model_name_or_path=str(model_dir), image_max_pixels=4096)
+    data["dataset_param"]["basic_parameters"].update(dataset_dir=str(records.parent), dataset=str(records),
+                                                     cache_dir=str(tmp_path / "cache"))
+    data["dataloader_param"].update(num_workers=0, pin_memory=False)
+    native["model"]["model_name_or_path"] = str(model_dir)
+    native["model"]["attn_implementation"] = "sdpa"
+    native["training"].update(micro_batch_size=2, lr=5.0e-3, lr_warmup_ratio=0.0, lr_decay_style="constant",
+                              train_iters=2)
+    del native["training"]["save_interval"]
+    source = tmp_path / "native.yaml"
+    source.write_text(yaml.safe_dump(native, sort_keys=False))
+    out = tmp_path / "config.yaml"
+    migrate.main([str(source), "-o", str(out), "--base-dir", str(tmp_path)])
+    report = capsys.readouterr().err
+    assert "parallel.expert_parallel_size -> fsdp2_config.expert_parallel_size: 2" in report
+    config = yaml.safe_load(out.read_text())
+    assert config["model"]["init_args"]["transformers_model"]["freeze"] == ["model.visual"]
+    config["trainer"].update(accelerator="cpu", devices=2, precision="32-true", logger=False,
+                             enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+                             num_sanity_val_steps=0, default_root_dir=str(tmp_path / "run"),
+                             callbacks=[{"class_path": "tests.native_scenarios.Recorder",
+                                         "init_args": {"outdir": str(tmp_path)}}])
+    config["model"]["init_args"].update(log_grad_norm=False)
+    config["model"]["init_args"]["transformers_model"]["trust_remote_code"] = False  # a Transformers class
+    out.write_text(yaml.safe_dump(config, sort_keys=False))
+
+    root = Path(__file__).resolve().parents[1]
+    env = {**os.environ, "PYTHONPATH": str(root), "OMP_NUM_THREADS": "1"}
+    env.pop("LOCAL_RANK", None)
+    proc = subprocess.run([sys.executable, str(root / "tests" / "native_scenarios.py"), str(out), str(tmp_path)],
+                          cwd=root, env=env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
+    ranks = [json.loads((tmp_path / f"native.rank{r}.json").read_text()) for r in range(2)]
+    batches = [torch.load(tmp_path / f"native.rank{r}.pt", weights_only=True) for r in range(2)]
+    assert ranks[0]["expert_parallel_size"] == 2
+    assert ranks[0]["recompute_modules"] == native["features"]["recompute_plan"]["apply_modules"]
+    assert "model.visual.deepstack_merger_list.0" in ranks[0]["units"]
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        model = transformers.Qwen3VLMoeForConditionalGeneration.from_pretrained(model_dir, dtype=torch.float32)
+        model.train()
+        for parameter in model.model.visual.parameters():
+            parameter.requires_grad_(False)
+        optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=5e-3,
+                                      weight_decay=0.0, betas=(0.9, 0.999), eps=1e-8)
+        expected: list[list[float]] = [[], []]
+        for step in range(2):
+            optimizer.zero_grad()
+            for rank in range(2):
+                loss = model(**batches[rank][step]).loss
+                (loss / 2).backward()  # the ranks' gradients are averaged
+                expected[rank].append(float(loss.detach()))
+            optimizer.step()
+    finally:
+        torch.set_num_threads(threads)
+    for rank in range(2):
+        got = torch.tensor(ranks[rank]["losses"], dtype=torch.float64)
+        want = torch.tensor(expected[rank], dtype=torch.float64)
+        assert torch.allclose(got, want, rtol=1e-5, atol=0), (rank, got.tolist(), want.tolist())
+    assert expected[0][0] != expected[0][1]
