@@ -21,10 +21,11 @@ no Transformers, no torch at import.
 from __future__ import annotations
 
 from collections.abc import Mapping
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-__all__ = ["is_native_route", "migrate_native", "NATIVE_MODEL_IDS", "PENDING_OPTIONS"]
+__all__ = ["is_native_route", "migrate_native", "NativeMigration", "NATIVE_MODEL_IDS", "PENDING_OPTIONS"]
 
 STRATEGY = "lightning_mm.MMFSDP2Strategy"
 MODULE = "lightning_mm.modules.transformers_module.MMTransformersModule"
@@ -125,14 +126,12 @@ def _leaves(node: Mapping[str, Any], prefix: str) -> list[str]:
     return out
 
 
-def migrate_native(path: Path, data: Mapping[str, Any], base_dir: Path | None = None) -> Any:
-    """The :class:`~lightning_mm.commands.migrate.Migration` of a native-route config read from ``path``.
+def migrate_native(path: Path, data: Mapping[str, Any], base_dir: Path | None = None) -> NativeMigration:
+    """The :class:`NativeMigration` of a native-route config read from ``path``.
 
     Relative paths (``model_name_or_path``, ``save``, ``load``) are taken from ``base_dir`` (the launch directory,
     by default the working directory), as MindSpeed MM takes them from where it runs.
     """
-    from lightning_mm.commands.migrate import Migration
-
     out = _Out(Path(path), data, Path.cwd() if base_dir is None else Path(base_dir))
     _parallel(out)
     _model(out)
@@ -154,19 +153,43 @@ def migrate_native(path: Path, data: Mapping[str, Any], base_dir: Path | None = 
                          + ", ".join(sorted(out.pending)))
     out.notes.append("trainer.devices / trainer.num_nodes: the launch script's NPUS_PER_NODE and NNODES (torchrun); "
                      "set them, or give them on the command line")
-    result = Migration(out.config, mapped=out.mapped, unmapped=out.unmapped, notes=out.notes)
-    result.run_from = out.base
-    return result
+    return NativeMigration(out.config, mapped=out.mapped, unmapped=out.unmapped, notes=out.notes, run_from=out.base)
+
+
+@dataclass
+class NativeMigration:
+    """The LightningCLI config of a native-route YAML and what became of each key (as ``migrate``'s Migration)."""
+
+    config: dict[str, Any]
+    mapped: list[str] = field(default_factory=list)
+    unmapped: list[str] = field(default_factory=list)
+    notes: list[str] = field(default_factory=list)
+    run_from: Path | None = None
+    """The launch directory (relative paths of the data section start there)."""
+    import_root: Path | None = None
+
+    def report(self) -> str:
+        lines = [f"mapped {len(self.mapped)} item(s):", *(f"  {m}" for m in self.mapped)]
+        if self.notes:
+            lines += ["notes:", *(f"  {n}" for n in self.notes)]
+        lines.append(f"NOT mapped {len(self.unmapped)} item(s) (review these by hand):")
+        lines += [f"  {u}" for u in self.unmapped] or ["  (none)"]
+        return "\n".join(lines)
 
 
 # --------------------------------------------------------------------------------------------- parallel
 def _parallel(out: _Out) -> None:
-    from lightning_mm.core.config import FSDP2Config
+    from lightning_mm.commands.launch_script import MigrateError
+    from lightning_mm.core.config import FSDP2Config, FSDP2ConfigError
     from lightning_mm.core.native_config import map_parallel
 
-    result = map_parallel(out.data["parallel"], out.data.get("features"), str(out.path), strict=False)
+    try:
+        result = map_parallel(out.data["parallel"], out.data.get("features"), str(out.path), strict=False,
+                              error=MigrateError)
+        config = FSDP2Config.from_dict(result.fsdp2, source=f"{out.path} (parallel)").to_dict()
+    except FSDP2ConfigError as err:
+        raise MigrateError(str(err)) from None
     out.handled.update({"parallel", "features.recompute", "features.recompute_plan"})
-    config = FSDP2Config.from_dict(result.fsdp2, source=f"{out.path} (parallel)").to_dict()
     out.set("trainer.strategy.init_args.fsdp2_config", config)
     out.mapped += [f"{m}" for m in result.mapped]
     for key, value in result.strategy.items():

@@ -124,7 +124,7 @@ class FSDP2Config:
         from lightning_mm.core.native_config import fsdp2_config_from_native, native_layout
 
         if native_layout(data) is not None:  # MindSpeed MM's native route: its `parallel:` section (or whole config)
-            return fsdp2_config_from_native(data, source)
+            return fsdp2_config_from_native(cls, FSDP2ConfigError, data, source)
         known = [f.name for f in fields(cls) if f.name != "source"]
         unknown = find_unknown_key(data, known)
         if unknown is not None:

@@ -154,15 +154,13 @@ def map_parallel(parallel: Any, features: Any = None, source: str | None = None,
     """Map a native ``parallel:`` section (and ``features.recompute`` / ``features.recompute_plan``, which
     MindSpeed MM's feature pass reads too) onto FSDP2 config keys.
 
-    An unknown key (with the nearest valid one) or a malformed value raises ``error`` (default
-    :class:`~lightning_mm.core.config.FSDP2ConfigError`) naming the key and ``source``; keys that cannot be honoured
+    An unknown key (with the nearest valid one) or a malformed value raises ``error`` (default ``ValueError``;
+    ``FSDP2Config`` passes its ``FSDP2ConfigError``) naming the key and ``source``; keys that cannot be honoured
     are listed in the result (``refused``, ``without_effect``), never dropped. ``strict=False`` (``lightning-mm
     migrate``) lists an unknown key in ``without_effect`` instead (MindSpeed MM accepts it and nothing reads it).
     """
     if error is None:
-        from lightning_mm.core.config import FSDP2ConfigError
-
-        error = FSDP2ConfigError
+        error = ValueError
     out = NativeParallel()
     read = _Reader(prefix, source, error, None if strict else out.without_effect)
     if not isinstance(parallel, Mapping):
@@ -324,8 +322,10 @@ def _map_recompute(section: Mapping[str, Any], prefix: str, read: _Reader, out: 
                           "(the plan is not applied, as in MindSpeed MM)")
 
 
-def fsdp2_config_from_native(data: Mapping[str, Any], source: str | None = None) -> Any:
-    """The :class:`~lightning_mm.core.config.FSDP2Config` of a native ``parallel:`` section or a whole native config.
+def fsdp2_config_from_native(config_class: type, error: type[Exception], data: Mapping[str, Any],
+                             source: str | None = None) -> Any:
+    """The ``config_class`` (:class:`~lightning_mm.core.config.FSDP2Config`) of a native ``parallel:`` section or a
+    whole native config; errors are ``error`` (its ``FSDP2ConfigError``).
 
     This is what ``FSDP2Config.load`` / ``from_dict`` / ``from_yaml`` (and so ``MMFSDP2Strategy(fsdp2_config=...)``)
     do with that layout. A key that changes what is computed and cannot be honoured here is an error naming it, as
@@ -334,33 +334,31 @@ def fsdp2_config_from_native(data: Mapping[str, Any], source: str | None = None)
     config only ``parallel`` and ``features.recompute*`` are read: the other sections are the model's, the data's and
     the Trainer's (``lightning-mm migrate`` maps them).
     """
-    from lightning_mm.core.config import FSDP2Config, FSDP2ConfigError
-
     layout = native_layout(data)
     if layout == "config":
-        result = map_parallel(data["parallel"], data.get("features"), source)
+        result = map_parallel(data["parallel"], data.get("features"), source, error=error)
     else:
-        result = map_parallel(data, None, source, prefix="")
+        result = map_parallel(data, None, source, prefix="", error=error)
     where = f" in {source}" if source else ""
     if result.refused:
-        raise FSDP2ConfigError(f"native FSDP2 config{where}: {result.refused[0]}")
+        raise error(f"native FSDP2 config{where}: {result.refused[0]}")
     if result.strategy:
         size = result.strategy["context_parallel_size"]
         key = "parallel.ulysses_parallel_size" if layout == "config" else "ulysses_parallel_size"
-        raise FSDP2ConfigError(f"native FSDP2 config key `{key}`{where}: {size} is Ulysses context parallelism, an "
+        raise error(f"native FSDP2 config key `{key}`{where}: {size} is Ulysses context parallelism, an "
                                f"argument of the strategy: give MMFSDP2Strategy(context_parallel_size={size}) and "
                                "set it to 1 here (lightning-mm migrate writes both)")
     if result.without_effect:
         warnings.warn(f"native FSDP2 config{where}: no effect here: " + "; ".join(result.without_effect),
                       stacklevel=3)
     try:
-        return FSDP2Config.from_dict(result.fsdp2, source=source)
-    except FSDP2ConfigError as err:  # name the key as the native config writes it
+        return config_class.from_dict(result.fsdp2, source=source)
+    except error as err:  # name the key as the native config writes it
         match = re.match(r"FSDP2 config key `(\w+)`(?: in .*?)?: (.*)", str(err), re.S)
         if match is None or match.group(1) not in _NATIVE_NAMES:
             raise
         prefix = "parallel." if layout == "config" else ""
-        raise FSDP2ConfigError(f"native FSDP2 config key `{prefix}{_NATIVE_NAMES[match.group(1)]}`{where}: "
+        raise error(f"native FSDP2 config key `{prefix}{_NATIVE_NAMES[match.group(1)]}`{where}: "
                                f"{match.group(2)}") from None
 
 
