@@ -199,6 +199,35 @@ def test_speed_only_keys_warn_by_name():
 
 
 # ------------------------------------------------------------------------------ plans for the world sizes
+@pytest.mark.parametrize("name", [n for n in CONFIGS if n != "moss_tts__moss_tts_delay_config.yaml"])
+def test_every_config_resolves_for_its_world_size(name):
+    """From the config alone (the models are too big to build, most have no adapter here): the migrated FSDP2
+    config's shard group and expert-parallel size fit the launch script's world size."""
+    from lightning_mm.commands.native_route import migrate_native
+
+    result = migrate_native(DATA / name, _native(name))
+    config = FSDP2Config.from_dict(result.config["trainer"]["strategy"]["init_args"]["fsdp2_config"])
+    world = WORLD_SIZES[name]
+    size = _native(name)["parallel"].get("fully_shard_parallel_size", "auto")
+    assert config.resolve_sharding_size(world) == (world if size == "auto" else size)  # 1 (FunASR): replicas only
+    config.check_expert_parallel_size(world)
+    assert config.expert_parallel_size == _native(name)["parallel"].get("expert_parallel_size", 1)
+
+
+def test_migrating_a_native_config_imports_neither_lightning_nor_transformers():
+    import subprocess
+    import sys
+
+    root = Path(__file__).resolve().parents[1]
+    proc = subprocess.run([sys.executable, "-X", "importtime", "-m", "lightning_mm.cli", "migrate",
+                           str(DATA / "qwen3vl__qwen3vl_30B_config_v1.yaml")], cwd=root, capture_output=True,
+                          text=True, timeout=120, env={**os.environ, "PYTHONPATH": str(root)})
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    imported = {line.rsplit("|", 1)[-1].strip().split(".")[0] for line in proc.stderr.splitlines()
+                if line.startswith("import time:")}
+    assert not imported & {"lightning", "pytorch_lightning", "transformers"}
+
+
 @pytest.mark.parametrize("name", PLANNED)
 def test_lightning_mm_plan_for_the_configs_world_size(name, tmp_path, capsys):
     """``lightning-mm plan`` of the migrated config at the launch script's world size, on the meta device, with a
