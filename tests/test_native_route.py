@@ -125,6 +125,35 @@ def test_the_report_names_keys_mindspeed_cannot_use_here():
     assert result.config["trainer"]["strategy"]["init_args"]["context_parallel_size"] == 2
 
 
+def test_lora_packing_async_save_and_hf_format_are_written_under_the_agreed_names(tmp_path):
+    """Keys no shipped config turns on, checked as data: the written config uses the option names agreed for
+    chunked loss, packing, async save and the HF checkpoint format (being added), and the report says so."""
+    from lightning_mm.commands.native_route import migrate_native
+
+    data = _native("qwen3_5__qwen3_5_4B_config.yaml")
+    data["training"].update(save_async=True, save_format="hf", save_ckpt_dtype="bf16",
+                            lora={"enable": True, "rank": 4, "alpha": 8, "target_modules": ["q_proj", "v_proj"],
+                                  "dropout": 0.05})
+    data["data"]["dataset_param"]["basic_parameters"].update(packing=True, cutoff_len=4096)
+    data["parallel"]["ulysses_parallel_size"] = 2
+    result = migrate_native(DATA / "x.yaml", data, base_dir=tmp_path)
+    config = result.config
+    strategy = config["trainer"]["strategy"]["init_args"]
+    assert strategy["async_save"] is True and strategy["checkpoint_format"] == "hf"
+    assert strategy["save_ckpt_dtype"] == "bf16" and strategy["context_parallel_size"] == 2
+    model = config["model"]["init_args"]["transformers_model"]
+    assert model["lora"] == {"rank": 4, "alpha": 8, "target_modules": ["q_proj", "v_proj"], "dropout": 0.05}
+    assert model["enable_chunk_loss"] is True and model["chunk_loss_size"] == 1024
+    assert config["data"]["init_args"]["packing"] is True
+    assert config["data"]["init_args"]["max_tokens_per_rank"] == 4096
+    pending = next(n for n in result.notes if n.startswith("written with options being added"))
+    for option in ("async_save", "checkpoint_format: hf", "save_ckpt_dtype", "enable_chunk_loss", "packing"):
+        assert option in pending, (option, pending)
+    from lightning_mm.hf.lora import LoRAConfig
+
+    LoRAConfig.from_any(model["lora"])  # a valid lora config here
+
+
 # ------------------------------------------------------------------------------ the parallel section, directly
 def _native(name: str) -> dict:
     return yaml.safe_load((DATA / name).read_text())
