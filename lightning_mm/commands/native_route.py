@@ -617,6 +617,9 @@ def _data(out: _Out) -> None:
     if not isinstance(data, Mapping):
         out.unmapped.append("data: missing; set data.init_args by hand")
         return
+    keys = [k for k in _leaves(data, "") if not k.startswith("val_dataset_param")]
+    out.notes.append("data keys MMDataModule reads from this file when it is built (each honoured, logged as "
+                     "without effect, or refused by name): " + ", ".join(keys))
     basic = out.get("data.dataset_param.basic_parameters") or {}
     if isinstance(basic, Mapping) and (basic.get("packing") or basic.get("neat_packing")):
         out.set("data.init_args.packing", True)
