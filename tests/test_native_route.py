@@ -134,7 +134,7 @@ def test_lora_packing_async_save_and_hf_format_are_written_under_the_agreed_name
     data["training"].update(save_async=True, save_format="hf", save_ckpt_dtype="bf16",
                             lora={"enable": True, "rank": 4, "alpha": 8, "target_modules": ["q_proj", "v_proj"],
                                   "dropout": 0.05})
-    data["data"]["dataset_param"]["basic_parameters"].update(packing=True, cutoff_len=4096)
+    data["data"]["dataset_param"]["basic_parameters"].update(neat_packing=True, cutoff_len=4096)
     data["parallel"]["ulysses_parallel_size"] = 2
     result = migrate_native(DATA / "x.yaml", data, base_dir=tmp_path)
     config = result.config
@@ -144,8 +144,9 @@ def test_lora_packing_async_save_and_hf_format_are_written_under_the_agreed_name
     model = config["model"]["init_args"]["transformers_model"]
     assert model["lora"] == {"rank": 4, "alpha": 8, "target_modules": ["q_proj", "v_proj"], "dropout": 0.05}
     assert model["enable_chunk_loss"] is True and model["chunk_loss_size"] == 1024
-    assert config["data"]["init_args"]["packing"] is True
-    assert config["data"]["init_args"]["max_tokens_per_rank"] == 4096
+    # neat_packing is read by MMDataModule from the data config (packing area); the token budget excludes batch_size
+    assert "batch_size" not in config["data"]["init_args"]
+    assert any("neat_packing, cutoff_len -> MMDataModule packing" in m for m in result.mapped)
     pending = next(n for n in result.notes if n.startswith("written with options being added"))
     for option in ("async_save", "checkpoint_format: hf", "save_ckpt_dtype", "enable_chunk_loss", "packing"):
         assert option in pending, (option, pending)

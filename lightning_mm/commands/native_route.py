@@ -8,8 +8,8 @@ This module writes the LightningCLI config that trains it here:
   :func:`lightning_mm.core.native_config.map_parallel`; ``ulysses_parallel_size`` -> ``context_parallel_size``
 * ``model`` -> ``MMTransformersModule(transformers_model={...})``; ``features`` chunked loss -> its
   ``enable_chunk_loss`` / ``chunk_loss_size``; ``training.lora`` -> its ``lora``
-* ``data`` -> ``MMDataModule(data_config=<this file>)`` (which reads the ``data:`` section), batch size and seed
-  from ``training``; ``data...basic_parameters.packing`` -> ``packing``
+* ``data`` -> ``MMDataModule(data_config=<this file>)`` (which reads the ``data:`` section, ``neat_packing`` included),
+  batch size and seed from ``training``
 * ``training`` -> the optimizer and schedule of ``MMLightningModule``, the Trainer's steps, accumulation, clipping
   and logging, a ``ModelCheckpoint`` (``save``, ``save_interval``), the checkpoint format and async save
 * ``tools`` -> the profilers, reported (Lightning's ``profiler`` is the counterpart)
@@ -50,7 +50,6 @@ _UNSUPPORTED_MODELS = {
 PENDING_OPTIONS = {
     "model.init_args.transformers_model.enable_chunk_loss": "chunked loss",
     "model.init_args.transformers_model.chunk_loss_size": "chunked loss",
-    "data.init_args.packing": "packing", "data.init_args.max_tokens_per_rank": "packing",
     "trainer.strategy.init_args.async_save": "async save",
     "trainer.strategy.init_args.save_ckpt_dtype": "HF checkpoint format",
 }
@@ -621,13 +620,18 @@ def _data(out: _Out) -> None:
     out.notes.append("data keys MMDataModule reads from this file when it is built (each honoured, logged as "
                      "without effect, or refused by name): " + ", ".join(keys))
     basic = out.get("data.dataset_param.basic_parameters") or {}
-    if isinstance(basic, Mapping) and (basic.get("packing") or basic.get("neat_packing")):
-        out.set("data.init_args.packing", True)
-        out.mapped.append("data.dataset_param.basic_parameters.packing -> data.init_args.packing")
-        if "cutoff_len" in basic:
-            out.set("data.init_args.max_tokens_per_rank", int(basic["cutoff_len"]))
-            out.mapped.append("data.dataset_param.basic_parameters.cutoff_len -> data.init_args.max_tokens_per_rank "
-                              "(the packed sequence length)")
+    if isinstance(basic, Mapping) and basic.get("neat_packing"):
+        # MMDataModule reads it from the data config itself (packing=True, max_tokens_per_rank=cutoff_len); a
+        # token budget and a batch size are exclusive, so the micro-batch size is not written.
+        out.pending.add("data.init_args.packing (from the data config's neat_packing)")
+        out.mapped.append("data.dataset_param.basic_parameters.neat_packing, cutoff_len -> MMDataModule packing with "
+                          "max_tokens_per_rank = cutoff_len (read from the data config)")
+        if out.config["data"]["init_args"].pop("batch_size", None) is not None:
+            out.notes.append("training.micro_batch_size: not written: a packed batch holds cutoff_len tokens per rank "
+                             "(MMDataModule's batch_size and max_tokens_per_rank are exclusive)")
+    elif isinstance(basic, Mapping) and basic.get("packing"):
+        out.unmapped.append("data.dataset_param.basic_parameters.packing: packing without neat_packing (samples "
+                            "attending to each other) is not supported; MMDataModule refuses it; use neat_packing")
     kind = out.get("data.dataset_param.dataset_type")
     if kind not in ("huggingface", "multimodal"):
         out.unmapped.append(f"data.dataset_param.dataset_type {kind}: not supported by MMDataModule (huggingface, "
