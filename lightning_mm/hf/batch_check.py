@@ -16,7 +16,7 @@ tokens are missing from ``input_ids`` fail only deep in the model, or not at all
   images make must equal the placeholder tokens in ``input_ids``. Qwen-VL: ``prod(image_grid_thw) /
   spatial_merge_size**2`` per image (videos likewise with ``video_grid_thw``); LLaVA: ``(H / patch) * (W / patch)``
   per image (+1 for the ``full`` feature strategy); InternVL: ``(H / patch * downsample_ratio) * (W / patch *
-  downsample_ratio)`` per tile. Other VLMs: images need at least one placeholder, placeholders need images.
+  downsample_ratio)`` per tile; Gemma 3: ``mm_tokens_per_image`` per image. Other VLMs: images need at least one placeholder, placeholders need images.
   Images that ``generate()`` has already encoded (``mm_encoder_outputs``) need at least one placeholder (the
   model compares the features with the placeholders itself).
 * Qwen-VL (a model with ``get_rope_index`` whose forward takes ``mm_token_type_ids``): a batch with images needs
@@ -160,6 +160,8 @@ def expected_image_tokens(model: nn.Module, batch: Mapping[str, Any], video: boo
         return None
     rows, cols = pixels.shape[-2] // patch[0], pixels.shape[-1] // patch[1]
     model_type = getattr(config, "model_type", None)
+    if model_type == "gemma3":  # each image pooled to mm_tokens_per_image soft tokens
+        return pixels.shape[0] * int(config.mm_tokens_per_image)
     if model_type == "llava" and batch.get("image_sizes") is None:
         strategy = batch.get("vision_feature_select_strategy") or getattr(config, "vision_feature_select_strategy",
                                                                            None)

@@ -1,0 +1,123 @@
+"""Tiny random model directories of more vision-language families, as a Hub checkpoint lays them out (tests).
+
+Families (:data:`FAMILIES`): ``gemma3`` (Gemma 3: a SigLIP tower, 32x32 images pooled to 4 soft tokens),
+``idefics3`` (Idefics3 / SmolVLM: a SigLIP tower, images split into crops plus a global image), ``mistral3``
+(Mistral 3 / Magistral: a Pixtral tower, ``[IMG]``/``[IMG_BREAK]``/``[IMG_END]`` rows), ``glm4v`` (GLM-4.1V),
+``glm4v_moe`` (GLM-4.5V) and ``qwen2_5_omni_thinker`` (Qwen2.5-Omni's thinker: text and images).
+
+:func:`write_tiny_family` writes ``config.json`` and weights (``save_pretrained``), a byte-level BPE tokenizer built
+with the ``tokenizers`` library that holds the family's real special tokens, the family's image processor
+(Transformers' PIL one, small sizes) and a chat template that renders system, user and assistant turns as the
+family's real one does (the tool-calling branches of the real templates are left out). The processor is saved by
+its own ``save_pretrained`` where Transformers can build it without torchvision, else part by part (as
+``examples/tiny_vlms.py`` does for Qwen-VL). The tokenizer's vocabulary is small and the model's ``vocab_size``
+matches it, so the ids of the special tokens are real ids of the model. No network: everything is generated here.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+__all__ = ["FAMILIES", "GEMMA3_CHAT_TEMPLATE", "write_tiny_family"]
+
+# The real Gemma 3 chat template (chat_template.json of google/gemma-3-4b-it).
+GEMMA3_CHAT_TEMPLATE = (
+    "{{ bos_token }}{%- if messages[0]['role'] == 'system' -%}{%- if messages[0]['content'] is string -%}"
+    "{%- set first_user_prefix = messages[0]['content'] + '\n\n' -%}{%- else -%}"
+    "{%- set first_user_prefix = messages[0]['content'][0]['text'] + '\n\n' -%}{%- endif -%}"
+    "{%- set loop_messages = messages[1:] -%}{%- else -%}{%- set first_user_prefix = \"\" -%}"
+    "{%- set loop_messages = messages -%}{%- endif -%}{%- for message in loop_messages -%}"
+    "{%- if (message['role'] == 'user') != (loop.index0 % 2 == 0) -%}"
+    "{{ raise_exception(\"Conversation roles must alternate user/assistant/user/assistant/...\") }}{%- endif -%}"
+    "{%- if (message['role'] == 'assistant') -%}{%- set role = \"model\" -%}{%- else -%}"
+    "{%- set role = message['role'] -%}{%- endif -%}"
+    "{{ '<start_of_turn>' + role + '\n' + (first_user_prefix if loop.first else \"\") }}"
+    "{%- if message['content'] is string -%}{{ message['content'] | trim }}"
+    "{%- elif message['content'] is iterable -%}{%- for item in message['content'] -%}"
+    "{%- if item['type'] == 'image' -%}{{ '<start_of_image>' }}{%- elif item['type'] == 'text' -%}"
+    "{{ item['text'] | trim }}{%- endif -%}{%- endfor -%}{%- else -%}{{ raise_exception(\"Invalid content type\") }}"
+    "{%- endif -%}{{ '<end_of_turn>\n' }}{%- endfor -%}{%- if add_generation_prompt -%}{{'<start_of_turn>model\n'}}"
+    "{%- endif -%}"
+)
+
+_CORPUS = [
+    "You are a helpful assistant. What is in this picture? Describe the image. A red square on a blue ground.",
+    "user assistant system model The answer is yes. No, it is not. Two cats and one dog. Think step by step.",
+    "Hello world! How many? 0 1 2 3 4 5 6 7 8 9 shapes colours left right top bottom. Be brief.",
+]
+_TEXT = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+             num_key_value_heads=2, max_position_embeddings=4096)
+_SIGLIP = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4)
+
+FAMILIES: dict[str, dict[str, Any]] = {
+    # 32x32 images, 8x8 patches: 16 patches pooled 2x2 to 4 soft tokens per image.
+    "gemma3": dict(model="Gemma3ForConditionalGeneration", processor="Gemma3Processor",
+                   chat_template=GEMMA3_CHAT_TEMPLATE,
+                   special=["<bos>", "<eos>", "<pad>", "<unk>", "<start_of_turn>", "<end_of_turn>",
+                            "<start_of_image>", "<end_of_image>", "<image_soft_token>"]),
+}
+
+
+def _tokenizer(special: list[str]) -> Any:
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=400, special_tokens=special, show_progress=False,
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    tok.train_from_iterator(_CORPUS * 4, trainer)
+    return tok
+
+
+def _gemma3(path: Path, init_std: float) -> Any:
+    import transformers
+    from transformers import Gemma3Processor, PreTrainedTokenizerFast
+    from transformers.models.gemma3.image_processing_pil_gemma3 import Gemma3ImageProcessorPil
+
+    spec = FAMILIES["gemma3"]
+    tokenizer = PreTrainedTokenizerFast(
+        tokenizer_object=_tokenizer(spec["special"]), bos_token="<bos>", eos_token="<eos>", pad_token="<pad>",
+        unk_token="<unk>", extra_special_tokens={"boi_token": "<start_of_image>", "eoi_token": "<end_of_image>",
+                                                 "image_token": "<image_soft_token>"})
+    image = Gemma3ImageProcessorPil(size={"height": 32, "width": 32}, image_mean=[0.5] * 3, image_std=[0.5] * 3)
+    Gemma3Processor(image_processor=image, tokenizer=tokenizer, image_seq_length=4,
+                    chat_template=spec["chat_template"]).save_pretrained(path)
+    ids = {name: tokenizer.convert_tokens_to_ids(token) for name, token in (
+        ("image_token_id", "<image_soft_token>"), ("boi_token_id", "<start_of_image>"),
+        ("eoi_token_id", "<end_of_image>"))}
+    text = dict(_TEXT, head_dim=8, vocab_size=len(tokenizer), sliding_window=16, pad_token_id=tokenizer.pad_token_id,
+                bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id,
+                query_pre_attn_scalar=8, initializer_range=init_std)
+    vision = dict(_SIGLIP, image_size=32, patch_size=8, vision_use_head=False)
+    return transformers.Gemma3Config(text_config=text, vision_config=vision, mm_tokens_per_image=4,
+                                     initializer_range=init_std, **ids)
+
+
+_BUILDERS = {"gemma3": _gemma3}
+
+
+def write_tiny_family(directory: str | Path, family: str, seed: int = 0, init_std: float = 0.02) -> Path:
+    """Write a tiny random ``family`` model directory (see the module docstring) into ``directory``."""
+    import torch
+    import transformers
+
+    spec = FAMILIES[family]
+    path = Path(directory)
+    path.mkdir(parents=True, exist_ok=True)
+    config = _BUILDERS[family](path, init_std)
+    config.architectures = [spec["model"]]
+    torch.manual_seed(seed)
+    model = getattr(transformers, spec["model"])(config)
+    with torch.no_grad():  # a matrix initialised to zeros (Gemma 3's projector) would cut the images off the loss
+        for param in model.parameters():
+            if param.ndim >= 2 and not param.any():
+                param.normal_(0.0, init_std)
+    model.save_pretrained(path)
+    return path
+
+
+def _write_json(path: Path, data: dict) -> None:
+    path.write_text(json.dumps(data, indent=1))

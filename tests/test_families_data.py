@@ -1,0 +1,207 @@
+"""MindSpeed MM ``dataset_type: huggingface`` data for more VLM families (``examples/tiny_families.py``).
+
+Each sample is compared, bit for bit, with what the model's own processor gives for the same conversation through
+its own ``apply_chat_template(tokenize=True, return_dict=True)`` (input ids, pixel values and every image metadata
+key); the assistant-only labels are computed independently here: the processor's token ids are decoded back to the
+expanded text (byte-level BPE decodes exactly), each assistant turn is found there by the family's turn markers, and
+a token is trained when its first character lies inside an assistant turn. Then the collated batch runs forward and
+backward through the plain Transformers model (no adapter is registered for these families yet), and the batch check
+accepts it and counts its images.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from PIL import Image
+
+from examples.tiny_families import write_tiny_family
+from lightning_mm import MMDataModule
+from lightning_mm.datamodules.data_config import DataConfigError
+from lightning_mm.hf.batch_check import BatchCheckError, check_batch, expected_image_tokens
+
+# family -> MindSpeed template (None: the model's own chat template), how an assistant turn opens and closes in the
+# rendered text, whether MindSpeed MM bounds the images before the processor, and the image token's config name.
+FAMILIES: dict[str, dict[str, Any]] = {
+    "gemma3": dict(template=None, open="<start_of_turn>model\n", close="<end_of_turn>\n", resize=True),
+}
+ATTR = {"system": None, "images": "images", "videos": None, "messages": "messages", "role_tag": "role",
+        "content_tag": "content", "user_tag": "user", "assistant_tag": "assistant", "observation_tag": None,
+        "function_tag": None, "system_tag": None}
+MAX_PIXELS = 56 * 56
+IMAGES = {"a.png": (60, 40), "b.png": (28, 84), "c.png": (90, 50), "d.png": (33, 47)}
+
+
+def _record(turns: list[tuple[str, str]], images: list[str] | None = None) -> dict:
+    record: dict[str, Any] = {"messages": [{"role": r, "content": c} for r, c in turns]}
+    if images is not None:
+        record["images"] = images
+    return record
+
+
+RECORDS = [
+    _record([("user", "<image>What is in this picture?"), ("assistant", "A red square.")], ["a.png"]),
+    _record([("user", "Two <image> and <image> shapes?"), ("assistant", "Yes, two.")], ["b.png", "c.png"]),
+    _record([("user", "<image>Describe the image."), ("assistant", "Two cats."), ("user", "How many?"),
+             ("assistant", "The answer is 2.")], ["d.png"]),
+]
+
+
+@pytest.fixture(scope="module")
+def models(tmp_path_factory) -> dict[str, Path]:
+    root = tmp_path_factory.mktemp("families")
+    return {family: write_tiny_family(root / family, family) for family in FAMILIES}
+
+
+def _config(model: Path, family: str, basic: dict | None = None) -> dict:
+    template = FAMILIES[family]["template"]
+    return {
+        "dataset_param": {
+            "dataset_type": "huggingface",
+            "preprocess_parameters": {"model_name_or_path": str(model), "use_fast_tokenizer": True,
+                                      "split_special_tokens": False, "image_max_pixels": MAX_PIXELS,
+                                      "image_min_pixels": 1024},
+            "basic_parameters": {"template": template, "dataset_dir": "./data", "dataset": "./data/train.jsonl",
+                                 "train_on_prompt": False, "mask_history": False, **(basic or {})},
+            "attr": dict(ATTR),
+        },
+        "dataloader_param": {"dataloader_mode": "sampler", "drop_last": False,
+                             "sampler_type": "BaseRandomBatchSampler",
+                             "collate_param": {"model_name": "qwen2vl", "ignore_pad_token_for_loss": True},
+                             "pin_memory": False, "shuffle": False},
+    }
+
+
+def _module(tmp: Path, monkeypatch, config: dict, **kwargs: Any) -> MMDataModule:
+    data = tmp / "data"
+    data.mkdir(exist_ok=True)
+    for i, (name, size) in enumerate(IMAGES.items()):
+        g = torch.Generator().manual_seed(i)
+        Image.fromarray(torch.randint(0, 256, (size[1], size[0], 3), generator=g, dtype=torch.uint8).numpy()
+                        ).save(data / name)
+    (data / "train.jsonl").write_text("\n".join(json.dumps(r) for r in RECORDS) + "\n")
+    (tmp / "data.json").write_text(json.dumps(config))
+    monkeypatch.chdir(tmp)
+    module = MMDataModule(data_config=tmp / "data.json", **kwargs)
+    module.setup()
+    return module
+
+
+# ----------------------------------------------------------------------------------------------- the reference
+def _bounded(image: Image.Image) -> Image.Image:
+    """MindSpeed MM's ``BasePlugin._preprocess_image`` (image_max_pixels, then image_min_pixels 1024)."""
+    for limit, beyond in ((MAX_PIXELS, lambda a: a > MAX_PIXELS), (1024, lambda a: a < 1024)):
+        area = image.width * image.height
+        if beyond(area):
+            f = math.sqrt(limit / area)
+            image = image.resize((int(image.width * f), int(image.height * f)), resample=Image.Resampling.NEAREST)
+    return image
+
+
+def _reference(model: Path, family: str, record: dict, data: Path, *, train_on_prompt: bool = False,
+               mask_history: bool = False) -> dict[str, torch.Tensor]:
+    from transformers import AutoProcessor
+
+    spec = FAMILIES[family]
+    processor = AutoProcessor.from_pretrained(model)
+    images = []
+    for name in record.get("images", []):
+        with Image.open(data / name) as img:
+            images.append(_bounded(img.convert("RGB")) if spec["resize"] else img.convert("RGB"))
+    pending = iter(images)
+    messages: list[dict[str, Any]] = []
+    assistants = []
+    for turn in record["messages"]:
+        if turn["role"] == "user":
+            parts: list[dict[str, Any]] = []
+            for i, piece in enumerate(turn["content"].split("<image>")):
+                parts += ([{"type": "image", "image": next(pending)}] if i else [])
+                parts += [{"type": "text", "text": piece}] if piece else []
+            messages.append({"role": "user", "content": parts})
+        else:
+            messages.append({"role": "assistant", "content": turn["content"]})
+            assistants.append(turn["content"])
+    out = processor.apply_chat_template(messages, tokenize=True, return_dict=True, return_tensors="pt")
+    ids = out["input_ids"][0].tolist()
+    expanded = processor.tokenizer.decode(ids, skip_special_tokens=False)
+    encoded = processor.tokenizer(expanded, add_special_tokens=False, return_offsets_mapping=True)
+    assert encoded["input_ids"] == ids, "the decoded text does not tokenize back to the processor's ids"
+    spans, cursor = [], 0
+    for content in assistants:
+        start = expanded.index(spec["open"], cursor) + len(spec["open"])
+        body = content + spec["close"]
+        assert expanded[start:start + len(body)] == body
+        spans.append((start, start + len(body)))
+        cursor = start + len(body)
+    trained = spans[-1:] if mask_history else spans
+    labels = []
+    for token, (s, _e) in zip(ids, encoded["offset_mapping"]):
+        answer = any(a <= s < b for a, b in spans)
+        keep = any(a <= s < b for a, b in trained) or (train_on_prompt and not answer)
+        labels.append(token if keep else -100)
+    sample = {k: v[0] if k in ("input_ids", "attention_mask", "token_type_ids", "mm_token_type_ids") else v
+              for k, v in out.items()}
+    sample["labels"] = torch.tensor(labels)
+    return sample
+
+
+def _assert_same(sample: dict, reference: dict) -> None:
+    assert sorted(sample) == sorted(reference)
+    for key, value in reference.items():
+        assert sample[key].dtype == value.dtype, key
+        assert torch.equal(sample[key], value), key
+
+
+# ----------------------------------------------------------------------------------------------- samples
+@pytest.mark.parametrize("family", list(FAMILIES))
+def test_samples_equal_the_model_processor_and_chat_template(family, models, tmp_path, monkeypatch):
+    module = _module(tmp_path, monkeypatch, _config(models[family], family), batch_size=3)
+    dataset = module._splits["train"]
+    for i, record in enumerate(RECORDS):
+        sample = dataset[i]
+        _assert_same(sample, _reference(models[family], family, record, tmp_path / "data"))
+        assert (sample["labels"] != -100).any() and (sample["labels"] == -100).any()
+    for flags in ({"mask_history": True}, {"train_on_prompt": True}):
+        flagged = _module(tmp_path, monkeypatch, _config(models[family], family, basic=flags))._splits["train"]
+        _assert_same(flagged[2], _reference(models[family], family, RECORDS[2], tmp_path / "data", **flags))
+
+
+@pytest.mark.parametrize("family", list(FAMILIES))
+def test_the_batch_trains_the_plain_model_and_passes_the_batch_check(family, models, tmp_path, monkeypatch):
+    import transformers
+
+    module = _module(tmp_path, monkeypatch, _config(models[family], family), batch_size=3)
+    batch = next(iter(module.train_dataloader()))
+    samples = [module._splits["train"][i] for i in range(3)]
+    for row, sample in enumerate(samples):  # right padding, vision keys in sample order
+        n = len(sample["input_ids"])
+        assert torch.equal(batch["input_ids"][row, :n], sample["input_ids"])
+        assert (batch["labels"][row, n:] == -100).all() and (batch["attention_mask"][row, n:] == 0).all()
+    config = transformers.AutoConfig.from_pretrained(models[family])
+    model = getattr(transformers, config.architectures[0]).from_pretrained(models[family]).train()
+    check_batch(model, batch)
+    images = sum(len(r.get("images", [])) for r in RECORDS)
+    expected = expected_image_tokens(model, batch)
+    assert expected is not None and expected == int((batch["input_ids"] == model.config.image_token_id).sum())
+    assert expected % images == 0 or family in ("mistral3", "idefics3")
+    loss = model(**batch).loss
+    loss.backward()
+    assert torch.isfinite(loss)
+    vision = [p for n, p in model.named_parameters() if "vision" in n or "visual" in n]
+    assert vision and sum(float(p.grad.abs().sum()) for p in vision if p.grad is not None) > 0  # images reach the loss
+    dropped = {**batch, "pixel_values": batch["pixel_values"][:-1]}  # one image (or crop) less
+    with pytest.raises(BatchCheckError, match="image"):
+        check_batch(model, dropped)
+
+
+@pytest.mark.parametrize("family", list(FAMILIES))
+def test_the_family_refuses_a_template_of_another(family, models, tmp_path, monkeypatch):
+    config = _config(models[family], family)
+    config["dataset_param"]["basic_parameters"]["template"] = "qwen2vl"
+    with pytest.raises(DataConfigError, match=f"template 'qwen2vl' is for .* but the model is '{family}'"):
+        _module(tmp_path, monkeypatch, config)
