@@ -16,7 +16,8 @@ tokens are missing from ``input_ids`` fail only deep in the model, or not at all
   images make must equal the placeholder tokens in ``input_ids``. Qwen-VL: ``prod(image_grid_thw) /
   spatial_merge_size**2`` per image (videos likewise with ``video_grid_thw``); LLaVA: ``(H / patch) * (W / patch)``
   per image (+1 for the ``full`` feature strategy); InternVL: ``(H / patch * downsample_ratio) * (W / patch *
-  downsample_ratio)`` per tile; Gemma 3: ``mm_tokens_per_image`` per image. Other VLMs: images need at least one placeholder, placeholders need images.
+  downsample_ratio)`` per tile; Gemma 3: ``mm_tokens_per_image`` per image. Other VLMs: images need at least one
+  placeholder, placeholders need images.
   Images that ``generate()`` has already encoded (``mm_encoder_outputs``) need at least one placeholder (the
   model compares the features with the placeholders itself).
 * Qwen-VL (a model with ``get_rope_index`` whose forward takes ``mm_token_type_ids``): a batch with images needs

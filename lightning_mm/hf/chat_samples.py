@@ -26,7 +26,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-__all__ = ["TEMPLATES", "OWN_TEMPLATE_FAMILIES", "MINDSPEED_TEMPLATES", "TemplateSpec", "ChatSampleBuilder", "SampleError",
+__all__ = ["TEMPLATES", "OWN_TEMPLATE_FAMILIES", "MINDSPEED_TEMPLATES",
+           "TemplateSpec", "ChatSampleBuilder", "SampleError",
            "IMAGE_PLACEHOLDER", "VIDEO_PLACEHOLDER", "IGNORE_INDEX", "template_for"]
 
 IMAGE_PLACEHOLDER = "<image>"
