@@ -42,6 +42,15 @@ GEMMA3_CHAT_TEMPLATE = (
     "{%- endif -%}"
 )
 
+# The real Idefics3 chat template (HuggingFaceM4/Idefics3-8B-Llama3); SmolVLM's is the same after its own BOS.
+IDEFICS3_CHAT_TEMPLATE = (
+    "<|begin_of_text|>{% for message in messages %}{{message['role'] | capitalize}}"
+    "{% if message['content'][0]['type'] == 'image' %}{{':'}}{% else %}{{': '}}{% endif %}"
+    "{% for line in message['content'] %}{% if line['type'] == 'text' %}{{line['text']}}"
+    "{% elif line['type'] == 'image' %}{{ '<image>' }}{% endif %}{% endfor %}<end_of_utterance>\n{% endfor %}"
+    "{% if add_generation_prompt %}{{ 'Assistant:' }}{% endif %}"
+)
+
 _CORPUS = [
     "You are a helpful assistant. What is in this picture? Describe the image. A red square on a blue ground.",
     "user assistant system model The answer is yes. No, it is not. Two cats and one dog. Think step by step.",
@@ -57,6 +66,13 @@ FAMILIES: dict[str, dict[str, Any]] = {
                    chat_template=GEMMA3_CHAT_TEMPLATE,
                    special=["<bos>", "<eos>", "<pad>", "<unk>", "<start_of_turn>", "<end_of_turn>",
                             "<start_of_image>", "<end_of_image>", "<image_soft_token>"]),
+    # 32x32 crops, 8x8 patches, pixel shuffle 2: 4 image tokens per crop; images up to 64 pixels are split into
+    # 32x32 crops plus a global image.
+    "idefics3": dict(model="Idefics3ForConditionalGeneration", processor="Idefics3Processor",
+                     chat_template=IDEFICS3_CHAT_TEMPLATE,
+                     special=["<|begin_of_text|>", "<|end_of_text|>", "<pad>", "<end_of_utterance>",
+                              "<fake_token_around_image>", "<image>", "<global-img>",
+                              *(f"<row_{i}_col_{j}>" for i in range(1, 7) for j in range(1, 7))]),
 }
 
 
@@ -96,7 +112,27 @@ def _gemma3(path: Path, init_std: float) -> Any:
                                      initializer_range=init_std, **ids)
 
 
-_BUILDERS = {"gemma3": _gemma3}
+def _idefics3(path: Path, init_std: float) -> Any:
+    import transformers
+    from transformers import Idefics3Processor, PreTrainedTokenizerFast
+    from transformers.models.idefics3.image_processing_pil_idefics3 import Idefics3ImageProcessorPil
+
+    spec = FAMILIES["idefics3"]
+    tokenizer = PreTrainedTokenizerFast(tokenizer_object=_tokenizer(spec["special"]), bos_token="<|begin_of_text|>",
+                                        eos_token="<end_of_utterance>", pad_token="<pad>")
+    image = Idefics3ImageProcessorPil(size={"longest_edge": 64}, max_image_size={"longest_edge": 32},
+                                      image_mean=[0.5] * 3, image_std=[0.5] * 3)
+    Idefics3Processor(image_processor=image, tokenizer=tokenizer, image_seq_len=4,
+                      chat_template=spec["chat_template"]).save_pretrained(path)
+    text = dict(_TEXT, model_type="llama", vocab_size=len(tokenizer), pad_token_id=tokenizer.pad_token_id,
+                bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id, initializer_range=init_std)
+    vision = dict(_SIGLIP, image_size=32, patch_size=8, initializer_range=init_std)
+    return transformers.Idefics3Config(text_config=text, vision_config=vision, scale_factor=2,
+                                       image_token_id=tokenizer.convert_tokens_to_ids("<image>"),
+                                       pad_token_id=tokenizer.pad_token_id, initializer_range=init_std)
+
+
+_BUILDERS = {"gemma3": _gemma3, "idefics3": _idefics3}
 
 
 def write_tiny_family(directory: str | Path, family: str, seed: int = 0, init_std: float = 0.02) -> Path:

@@ -29,6 +29,7 @@ from lightning_mm.hf.batch_check import BatchCheckError, check_batch, expected_i
 # rendered text, whether MindSpeed MM bounds the images before the processor, and the image token's config name.
 FAMILIES: dict[str, dict[str, Any]] = {
     "gemma3": dict(template=None, open="<start_of_turn>model\n", close="<end_of_turn>\n", resize=True),
+    "idefics3": dict(template=None, open="Assistant:", close="<end_of_utterance>\n", resize=True),
 }
 ATTR = {"system": None, "images": "images", "videos": None, "messages": "messages", "role_tag": "role",
         "content_tag": "content", "user_tag": "user", "assistant_tag": "assistant", "observation_tag": None,
@@ -124,8 +125,8 @@ def _reference(model: Path, family: str, record: dict, data: Path, *, train_on_p
                 parts += [{"type": "text", "text": piece}] if piece else []
             messages.append({"role": "user", "content": parts})
         else:
-            messages.append({"role": "assistant", "content": turn["content"]})
-            assistants.append(turn["content"])
+            messages.append({"role": "assistant", "content": [{"type": "text", "text": turn["content"]}]})
+            assistants.append((" " if family == "idefics3" else "") + turn["content"])
     out = processor.apply_chat_template(messages, tokenize=True, return_dict=True, return_tensors="pt")
     ids = out["input_ids"][0].tolist()
     expanded = processor.tokenizer.decode(ids, skip_special_tokens=False)

@@ -65,6 +65,7 @@ TEMPLATES: dict[str, TemplateSpec] = {
 
 OWN_TEMPLATE_FAMILIES: dict[str, TemplateSpec] = {
     "gemma3": TemplateSpec(("gemma3",), _QWEN_COLLATE, resize_images=True),
+    "idefics3": TemplateSpec(("idefics3", "smolvlm"), _QWEN_COLLATE, resize_images=True),
 }
 """Families MindSpeed MM registers no template for: their model's own chat template renders the conversations
 (``template: null``, or a ``chat_template`` file), nothing added."""
@@ -157,7 +158,7 @@ class ChatSampleBuilder:
         are prompt (the empty thought when thinking is off)."""
         conv: list[dict[str, Any]] = []
         if system:
-            conv.append({"role": "system", "content": system})
+            conv.append({"role": "system", "content": [{"type": "text", "text": system}]})
         untrained_prefix: list[int] = []
         empty_thought = f"{_THOUGHT[0]}\n\n{_THOUGHT[1]}\n\n"
         for message in messages:
@@ -172,7 +173,7 @@ class ChatSampleBuilder:
                 if _THOUGHT[0] not in content and _THOUGHT[1] not in content:
                     content = empty_thought + content
                     prefix = 0 if self.enable_thinking else len(empty_thought)
-            conv.append({"role": "assistant", "content": content})
+            conv.append({"role": "assistant", "content": [{"type": "text", "text": content}]})
             untrained_prefix.append(prefix)
         return conv, untrained_prefix
 
