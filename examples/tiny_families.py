@@ -51,6 +51,45 @@ IDEFICS3_CHAT_TEMPLATE = (
     "{% if add_generation_prompt %}{{ 'Assistant:' }}{% endif %}"
 )
 
+# The Mistral Small 3.1 / Magistral chat template (mistralai/Mistral-Small-3.1-24B-Instruct-2503), with a short
+# default system prompt in place of the real one's paragraph.
+MISTRAL3_CHAT_TEMPLATE = (
+    "{%- set default_system_message = 'You are a helpful assistant.' %}{{- bos_token }}"
+    "{%- if messages[0]['role'] == 'system' %}{%- if messages[0]['content'] is string %}"
+    "{%- set system_message = messages[0]['content'] %}{%- else %}"
+    "{%- set system_message = messages[0]['content'][0]['text'] %}{%- endif %}"
+    "{%- set loop_messages = messages[1:] %}{%- else %}{%- set system_message = default_system_message %}"
+    "{%- set loop_messages = messages %}{%- endif %}{{- '[SYSTEM_PROMPT]' + system_message + '[/SYSTEM_PROMPT]' }}"
+    "{%- for message in loop_messages %}{%- if message['role'] == 'user' %}{%- if message['content'] is string %}"
+    "{{- '[INST]' + message['content'] + '[/INST]' }}{%- else %}{{- '[INST]' }}"
+    "{%- for block in message['content'] %}{%- if block['type'] == 'text' %}{{- block['text'] }}"
+    "{%- elif block['type'] in ['image', 'image_url'] %}{{- '[IMG]' }}{%- else %}"
+    "{{- raise_exception('Only text and image blocks are supported in message content!') }}{%- endif %}"
+    "{%- endfor %}{{- '[/INST]' }}{%- endif %}{%- elif message['role'] == 'system' %}"
+    "{%- if message['content'] is string %}{{- '[SYSTEM_PROMPT]' + message['content'] + '[/SYSTEM_PROMPT]' }}"
+    "{%- else %}{{- '[SYSTEM_PROMPT]' + message['content'][0]['text'] + '[/SYSTEM_PROMPT]' }}{%- endif %}"
+    "{%- elif message['role'] == 'assistant' %}{%- if message['content'] is string %}"
+    "{{- message['content'] + eos_token }}{%- else %}{{- message['content'][0]['text'] + eos_token }}{%- endif %}"
+    "{%- else %}{{- raise_exception('Only user, system and assistant roles are supported!') }}{%- endif %}"
+    "{%- endfor %}"
+)
+
+# GLM-4.1V's chat template (zai-org/GLM-4.1V-9B-Thinking) for system, user and assistant turns: what MindSpeed MM's
+# `glm4.1v` / `glm4v_moe` templates write (`[gMASK]<sop>`, `<|user|>\n...<|assistant|>\n...`, no end-of-turn
+# token); GLM-4.5V's real template renders these turns alike.
+GLM4V_CHAT_TEMPLATE = (
+    "[gMASK]<sop>{%- for msg in messages %}{%- if msg.role == 'system' %}<|system|>\n{{ msg.content }}"
+    "{%- elif msg.role == 'user' %}<|user|>{{ '\n' }}{%- if msg.content is string %}{{ msg.content }}{%- else %}"
+    "{%- for item in msg.content %}{%- if item.type == 'video' or 'video' in item %}"
+    "<|begin_of_video|><|video|><|end_of_video|>{%- elif item.type == 'image' or 'image' in item %}"
+    "<|begin_of_image|><|image|><|end_of_image|>{%- elif item.type == 'text' %}{{ item.text }}{%- endif %}"
+    "{%- endfor %}{%- endif %}{%- elif msg.role == 'assistant' %}<|assistant|>\n{{ msg.content }}{%- endif %}"
+    "{%- endfor %}{% if add_generation_prompt %}<|assistant|>\n{% endif %}"
+)
+_GLM_SPECIAL = ["<|endoftext|>", "[gMASK]", "<sop>", "<|system|>", "<|user|>", "<|assistant|>", "<|observation|>",
+                "<|begin_of_image|>", "<|end_of_image|>", "<|image|>", "<|begin_of_video|>", "<|end_of_video|>",
+                "<|video|>", "<think>", "</think>"]
+
 _CORPUS = [
     "You are a helpful assistant. What is in this picture? Describe the image. A red square on a blue ground.",
     "user assistant system model The answer is yes. No, it is not. Two cats and one dog. Think step by step.",
@@ -73,6 +112,15 @@ FAMILIES: dict[str, dict[str, Any]] = {
                      special=["<|begin_of_text|>", "<|end_of_text|>", "<pad>", "<end_of_utterance>",
                               "<fake_token_around_image>", "<image>", "<global-img>",
                               *(f"<row_{i}_col_{j}>" for i in range(1, 7) for j in range(1, 7))]),
+    # A Pixtral tower with 8x8 patches merged 2x2: one [IMG] per 16x16 pixels, a row of them ended by [IMG_BREAK],
+    # the last by [IMG_END]; images up to 64 pixels on their longest edge.
+    "mistral3": dict(model="Mistral3ForConditionalGeneration", processor="PixtralProcessor",
+                     chat_template=MISTRAL3_CHAT_TEMPLATE,
+                     special=["<unk>", "<s>", "</s>", "<pad>", "[INST]", "[/INST]", "[IMG]", "[IMG_BREAK]",
+                              "[IMG_END]", "[SYSTEM_PROMPT]", "[/SYSTEM_PROMPT]"]),
+    # Qwen-VL-like patches (14 pixels, merged 2x2, two frames per patch), images within 28*28..56*56*2 pixels.
+    "glm4v": dict(model="Glm4vForConditionalGeneration", processor="Glm4vProcessor",
+                  chat_template=GLM4V_CHAT_TEMPLATE, special=_GLM_SPECIAL),
 }
 
 
@@ -132,7 +180,53 @@ def _idefics3(path: Path, init_std: float) -> Any:
                                        pad_token_id=tokenizer.pad_token_id, initializer_range=init_std)
 
 
-_BUILDERS = {"gemma3": _gemma3, "idefics3": _idefics3}
+def _mistral3(path: Path, init_std: float) -> Any:
+    import transformers
+    from transformers import PixtralProcessor, PreTrainedTokenizerFast
+    from transformers.models.pixtral.image_processing_pil_pixtral import PixtralImageProcessorPil
+
+    spec = FAMILIES["mistral3"]
+    tokenizer = PreTrainedTokenizerFast(tokenizer_object=_tokenizer(spec["special"]), bos_token="<s>",
+                                        eos_token="</s>", unk_token="<unk>", pad_token="<pad>")
+    image = PixtralImageProcessorPil(size={"longest_edge": 64}, patch_size={"height": 8, "width": 8})
+    PixtralProcessor(image_processor=image, tokenizer=tokenizer, patch_size=8, spatial_merge_size=2,
+                     chat_template=spec["chat_template"]).save_pretrained(path)
+    text = dict(_TEXT, model_type="mistral", head_dim=8, vocab_size=len(tokenizer),
+                pad_token_id=tokenizer.pad_token_id, bos_token_id=tokenizer.bos_token_id,
+                eos_token_id=tokenizer.eos_token_id, initializer_range=init_std, sliding_window=None)
+    vision = dict(_SIGLIP, model_type="pixtral", head_dim=8, image_size=64, patch_size=8, initializer_range=init_std)
+    return transformers.Mistral3Config(text_config=text, vision_config=vision, spatial_merge_size=2,
+                                       image_token_index=tokenizer.convert_tokens_to_ids("[IMG]"),
+                                       tie_word_embeddings=False)
+
+
+def _glm4v(path: Path, init_std: float, family: str = "glm4v") -> Any:
+    import transformers
+    from transformers import PreTrainedTokenizerFast
+    from transformers.models.glm4v.image_processing_pil_glm4v import Glm4vImageProcessorPil
+
+    spec = FAMILIES[family]
+    tokenizer = PreTrainedTokenizerFast(tokenizer_object=_tokenizer(spec["special"]), eos_token="<|endoftext|>",
+                                        pad_token="<|endoftext|>")
+    tokenizer.save_pretrained(path)  # the processor's video processor needs torchvision: saved part by part
+    Glm4vImageProcessorPil(patch_size=14, merge_size=2, temporal_patch_size=2,
+                           size={"shortest_edge": 28 * 28, "longest_edge": 56 * 56 * 2}).save_pretrained(path)
+    (path / "chat_template.jinja").write_text(spec["chat_template"])
+    _write_json(path / "processor_config.json", {"processor_class": spec["processor"]})
+    ids = {name: tokenizer.convert_tokens_to_ids(token) for name, token in (
+        ("image_token_id", "<|image|>"), ("video_token_id", "<|video|>"),
+        ("image_start_token_id", "<|begin_of_image|>"), ("image_end_token_id", "<|end_of_image|>"),
+        ("video_start_token_id", "<|begin_of_video|>"), ("video_end_token_id", "<|end_of_video|>"))}
+    text = dict(_TEXT, num_attention_heads=2, vocab_size=len(tokenizer), pad_token_id=tokenizer.pad_token_id,
+                eos_token_id=tokenizer.eos_token_id, initializer_range=init_std,
+                rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "mrope_section": [1, 1, 2],
+                                 "partial_rotary_factor": 0.5})
+    vision = dict(depth=2, hidden_size=32, intermediate_size=64, num_heads=4, out_hidden_size=32, patch_size=14,
+                  spatial_merge_size=2, temporal_patch_size=2, image_size=28, initializer_range=init_std)
+    return transformers.Glm4vConfig(text_config=text, vision_config=vision, tie_word_embeddings=False, **ids)
+
+
+_BUILDERS = {"gemma3": _gemma3, "idefics3": _idefics3, "mistral3": _mistral3, "glm4v": _glm4v}
 
 
 def write_tiny_family(directory: str | Path, family: str, seed: int = 0, init_std: float = 0.02) -> Path:

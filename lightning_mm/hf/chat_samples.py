@@ -53,6 +53,9 @@ class TemplateSpec:
     """Images are bounded by ``image_max_pixels`` / ``image_min_pixels`` before the processor (MindSpeed MM's
     ``BasePlugin._preprocess_image``: an area-preserving NEAREST resize), which then resizes them its own way; else
     the bounds go to the processor as its ``size`` (Qwen-VL's dynamic resolution, whose processors take them)."""
+    content_parts: bool = False
+    """System and assistant texts go to the chat template as a list of text parts (Idefics3's template reads only
+    parts), else as strings (GLM-4V's template writes the content as it is)."""
 
 
 _QWEN_COLLATE = ("qwen2vl", "qwen3vl")
@@ -60,12 +63,14 @@ TEMPLATES: dict[str, TemplateSpec] = {
     "qwen2vl": TemplateSpec(("qwen2_vl", "qwen2_5_vl"), ("qwen2vl",)),
     "qwen3_vl": TemplateSpec(("qwen3_vl", "qwen3_vl_moe"), ("qwen3vl", "qwen2vl"), reasoning=True),
     "qwen3_vl_nothink": TemplateSpec(("qwen3_vl", "qwen3_vl_moe"), ("qwen3vl", "qwen2vl")),
+    "glm4.1v": TemplateSpec(("glm4v",), ("glm4v_moe", *_QWEN_COLLATE), reasoning=True),
+    "glm4v_moe": TemplateSpec(("glm4v_moe",), ("glm4v_moe", *_QWEN_COLLATE), reasoning=True),
 }
 """The MindSpeed MM template names supported here."""
 
 OWN_TEMPLATE_FAMILIES: dict[str, TemplateSpec] = {
     "gemma3": TemplateSpec(("gemma3",), _QWEN_COLLATE, resize_images=True),
-    "idefics3": TemplateSpec(("idefics3", "smolvlm"), _QWEN_COLLATE, resize_images=True),
+    "idefics3": TemplateSpec(("idefics3", "smolvlm"), _QWEN_COLLATE, resize_images=True, content_parts=True),
 }
 """Families MindSpeed MM registers no template for: their model's own chat template renders the conversations
 (``template: null``, or a ``chat_template`` file), nothing added."""
@@ -158,7 +163,7 @@ class ChatSampleBuilder:
         are prompt (the empty thought when thinking is off)."""
         conv: list[dict[str, Any]] = []
         if system:
-            conv.append({"role": "system", "content": [{"type": "text", "text": system}]})
+            conv.append({"role": "system", "content": self._text(system)})
         untrained_prefix: list[int] = []
         empty_thought = f"{_THOUGHT[0]}\n\n{_THOUGHT[1]}\n\n"
         for message in messages:
@@ -173,9 +178,12 @@ class ChatSampleBuilder:
                 if _THOUGHT[0] not in content and _THOUGHT[1] not in content:
                     content = empty_thought + content
                     prefix = 0 if self.enable_thinking else len(empty_thought)
-            conv.append({"role": "assistant", "content": [{"type": "text", "text": content}]})
+            conv.append({"role": "assistant", "content": self._text(content)})
             untrained_prefix.append(prefix)
         return conv, untrained_prefix
+
+    def _text(self, text: str) -> str | list[dict[str, str]]:
+        return [{"type": "text", "text": text}] if self.template.content_parts else text
 
     def _render(self, conv: list[dict[str, Any]], generation_prompt: bool = False) -> str:
         extra = {} if self.chat_template is None else {"chat_template": self.chat_template}
