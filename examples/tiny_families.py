@@ -90,6 +90,29 @@ _GLM_SPECIAL = ["<|endoftext|>", "[gMASK]", "<sop>", "<|system|>", "<|user|>", "
                 "<|begin_of_image|>", "<|end_of_image|>", "<|image|>", "<|begin_of_video|>", "<|end_of_video|>",
                 "<|video|>", "<think>", "</think>"]
 
+# The real Qwen2.5-Omni chat template (Qwen/Qwen2.5-Omni-7B).
+QWEN2_5_OMNI_CHAT_TEMPLATE = (
+    "{% set audio_count = namespace(value=0) %}{% set image_count = namespace(value=0) %}"
+    "{% set video_count = namespace(value=0) %}{% for message in messages %}"
+    "{% if loop.first and message['role'] != 'system' %}<|im_start|>system\nYou are Qwen, a virtual human developed by "
+    "the Qwen Team, Alibaba Group, capable of perceiving auditory and visual inputs, as well as generating text and "
+    "speech.<|im_end|>\n{% endif %}<|im_start|>{{ message['role'] }}\n"
+    "{% if message['content'] is string %}{{ message['content'] }}<|im_end|>\n{% else %}"
+    "{% for content in message['content'] %}"
+    "{% if content['type'] == 'image' or 'image' in content or 'image_url' in content %}"
+    "{% set image_count.value = image_count.value + 1 %}{% if add_vision_id %}Picture {{ image_count.value }}: "
+    "{% endif %}<|vision_bos|><|IMAGE|><|vision_eos|>"
+    "{% elif content['type'] == 'audio' or 'audio' in content or 'audio_url' in content %}"
+    "{% set audio_count.value = audio_count.value + 1 %}{% if add_audio_id %}Audio {{ audio_count.value }}: "
+    "{% endif %}<|audio_bos|><|AUDIO|><|audio_eos|>{% elif content['type'] == 'video' or 'video' in content %}"
+    "{% set video_count.value = video_count.value + 1 %}{% if add_vision_id %}Video {{ video_count.value }}: "
+    "{% endif %}<|vision_bos|><|VIDEO|><|vision_eos|>{% elif 'text' in content %}{{ content['text'] }}{% endif %}"
+    "{% endfor %}<|im_end|>\n{% endif %}{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+_OMNI_TOKENS = {"image_token": "<|IMAGE|>", "audio_token": "<|AUDIO|>", "video_token": "<|VIDEO|>",
+                "vision_bos_token": "<|vision_bos|>", "vision_eos_token": "<|vision_eos|>",
+                "audio_bos_token": "<|audio_bos|>", "audio_eos_token": "<|audio_eos|>"}
+
 _CORPUS = [
     "You are a helpful assistant. What is in this picture? Describe the image. A red square on a blue ground.",
     "user assistant system model The answer is yes. No, it is not. Two cats and one dog. Think step by step.",
@@ -121,6 +144,11 @@ FAMILIES: dict[str, dict[str, Any]] = {
     # Qwen-VL-like patches (14 pixels, merged 2x2, two frames per patch), images within 28*28..56*56*2 pixels.
     "glm4v": dict(model="Glm4vForConditionalGeneration", processor="Glm4vProcessor",
                   chat_template=GLM4V_CHAT_TEMPLATE, special=_GLM_SPECIAL),
+    # The thinker alone (text, images; its audio tower is built but the data path takes no audio): Qwen2.5-VL's
+    # vision tower and patches.
+    "qwen2_5_omni_thinker": dict(model="Qwen2_5OmniThinkerForConditionalGeneration", processor="Qwen2_5OmniProcessor",
+                                 chat_template=QWEN2_5_OMNI_CHAT_TEMPLATE,
+                                 special=["<|endoftext|>", "<|im_start|>", "<|im_end|>", *_OMNI_TOKENS.values()]),
 }
 
 
@@ -226,7 +254,41 @@ def _glm4v(path: Path, init_std: float, family: str = "glm4v") -> Any:
     return transformers.Glm4vConfig(text_config=text, vision_config=vision, tie_word_embeddings=False, **ids)
 
 
-_BUILDERS = {"gemma3": _gemma3, "idefics3": _idefics3, "mistral3": _mistral3, "glm4v": _glm4v}
+def _qwen2_5_omni_thinker(path: Path, init_std: float) -> Any:
+    import transformers
+    from transformers import PreTrainedTokenizerFast, WhisperFeatureExtractor
+    from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
+
+    spec = FAMILIES["qwen2_5_omni_thinker"]
+    tokenizer = PreTrainedTokenizerFast(tokenizer_object=_tokenizer(spec["special"]), eos_token="<|im_end|>",
+                                        pad_token="<|endoftext|>", extra_special_tokens=dict(_OMNI_TOKENS))
+    tokenizer.save_pretrained(path)  # the processor's video processor needs torchvision: saved part by part
+    image = Qwen2VLImageProcessorPil(patch_size=14, merge_size=2, temporal_patch_size=2, min_pixels=28 * 28,
+                                     max_pixels=112 * 112)
+    audio = WhisperFeatureExtractor(feature_size=128)
+    # One preprocessor_config.json holds both, as in the Hub checkpoint.
+    _write_json(path / "preprocessor_config.json", {**audio.to_dict(), **image.to_dict()})
+    (path / "chat_template.jinja").write_text(spec["chat_template"])
+    _write_json(path / "processor_config.json", {"processor_class": spec["processor"]})
+    ids = {name: tokenizer.convert_tokens_to_ids(token) for name, token in (
+        ("image_token_index", "<|IMAGE|>"), ("video_token_index", "<|VIDEO|>"), ("audio_token_index", "<|AUDIO|>"),
+        ("vision_start_token_id", "<|vision_bos|>"), ("vision_end_token_id", "<|vision_eos|>"),
+        ("audio_start_token_id", "<|audio_bos|>"), ("audio_end_token_id", "<|audio_eos|>"),
+        ("user_token_id", "<|im_start|>"))}
+    text = dict(_TEXT, vocab_size=len(tokenizer), pad_token_id=tokenizer.pad_token_id,
+                eos_token_id=tokenizer.eos_token_id, initializer_range=init_std, tie_word_embeddings=False,
+                rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "mrope_section": [1, 1, 2]})
+    vision = dict(depth=2, hidden_size=32, intermediate_size=64, num_heads=4, out_hidden_size=32, patch_size=14,
+                  spatial_merge_size=2, temporal_patch_size=2, fullatt_block_indexes=[1], window_size=56,
+                  initializer_range=init_std)
+    audio_tower = dict(num_mel_bins=128, encoder_layers=1, encoder_attention_heads=2, encoder_ffn_dim=32, d_model=16,
+                       output_dim=32, n_window=50, initializer_range=init_std)
+    return transformers.Qwen2_5OmniThinkerConfig(text_config=text, vision_config=vision, audio_config=audio_tower,
+                                                 initializer_range=init_std, **ids)
+
+
+_BUILDERS = {"gemma3": _gemma3, "idefics3": _idefics3, "mistral3": _mistral3, "glm4v": _glm4v,
+             "qwen2_5_omni_thinker": _qwen2_5_omni_thinker}
 
 
 def write_tiny_family(directory: str | Path, family: str, seed: int = 0, init_std: float = 0.02) -> Path:

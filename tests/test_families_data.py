@@ -32,6 +32,8 @@ FAMILIES: dict[str, dict[str, Any]] = {
     "gemma3": dict(template=None, open="<start_of_turn>model\n", close="<end_of_turn>\n", resize=True),
     "idefics3": dict(template=None, open="Assistant:", close="<end_of_utterance>\n", resize=True),
     "glm4v": dict(template="glm4.1v", open="<|assistant|>\n", close="", resize=False, thought=THOUGHT),
+    "qwen2_5_omni_thinker": dict(template="qwen2_omni", open="<|im_start|>assistant\n", close="<|im_end|>\n",
+                                 resize=False),
 }
 ATTR = {"system": None, "images": "images", "videos": None, "messages": "messages", "role_tag": "role",
         "content_tag": "content", "user_tag": "user", "assistant_tag": "assistant", "observation_tag": None,
@@ -121,9 +123,11 @@ def _reference_processor(model: Path) -> Any:
         def check_argument_for_proper_class(self, name, argument):
             return None if name == "video_processor" else super().check_argument_for_proper_class(name, argument)
 
-    return ImagesOnly(image_processor=AutoImageProcessor.from_pretrained(model),
-                      tokenizer=AutoTokenizer.from_pretrained(model), video_processor=None,
-                      chat_template=(model / "chat_template.jinja").read_text())
+    parts = {"image_processor": AutoImageProcessor.from_pretrained(model),
+             "tokenizer": AutoTokenizer.from_pretrained(model), "video_processor": None}
+    if "feature_extractor" in base.get_attributes():
+        parts["feature_extractor"] = transformers.WhisperFeatureExtractor.from_pretrained(model)
+    return ImagesOnly(**parts, chat_template=(model / "chat_template.jinja").read_text())
 
 
 def _reference(model: Path, family: str, record: dict, data: Path, *, train_on_prompt: bool = False,

@@ -63,6 +63,7 @@ TEMPLATES: dict[str, TemplateSpec] = {
     "qwen2vl": TemplateSpec(("qwen2_vl", "qwen2_5_vl"), ("qwen2vl",)),
     "qwen3_vl": TemplateSpec(("qwen3_vl", "qwen3_vl_moe"), ("qwen3vl", "qwen2vl"), reasoning=True),
     "qwen3_vl_nothink": TemplateSpec(("qwen3_vl", "qwen3_vl_moe"), ("qwen3vl", "qwen2vl")),
+    "qwen2_omni": TemplateSpec(("qwen2_5_omni", "qwen2_5_omni_thinker"), (*_QWEN_COLLATE, "qwen3omni")),
     "glm4.1v": TemplateSpec(("glm4v",), ("glm4v_moe", *_QWEN_COLLATE), reasoning=True),
     "glm4v_moe": TemplateSpec(("glm4v_moe",), ("glm4v_moe", *_QWEN_COLLATE), reasoning=True),
 }
