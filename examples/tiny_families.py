@@ -144,6 +144,9 @@ FAMILIES: dict[str, dict[str, Any]] = {
     # Qwen-VL-like patches (14 pixels, merged 2x2, two frames per patch), images within 28*28..56*56*2 pixels.
     "glm4v": dict(model="Glm4vForConditionalGeneration", processor="Glm4vProcessor",
                   chat_template=GLM4V_CHAT_TEMPLATE, special=_GLM_SPECIAL),
+    # GLM-4.1V's tower and processor; the decoder's second layer is a mixture of 4 experts (top 2) and a shared one.
+    "glm4v_moe": dict(model="Glm4vMoeForConditionalGeneration", processor="Glm4vProcessor",
+                      chat_template=GLM4V_CHAT_TEMPLATE, special=_GLM_SPECIAL),
     # The thinker alone (text, images; its audio tower is built but the data path takes no audio): Qwen2.5-VL's
     # vision tower and patches.
     "qwen2_5_omni_thinker": dict(model="Qwen2_5OmniThinkerForConditionalGeneration", processor="Qwen2_5OmniProcessor",
@@ -251,6 +254,10 @@ def _glm4v(path: Path, init_std: float, family: str = "glm4v") -> Any:
                                  "partial_rotary_factor": 0.5})
     vision = dict(depth=2, hidden_size=32, intermediate_size=64, num_heads=4, out_hidden_size=32, patch_size=14,
                   spatial_merge_size=2, temporal_patch_size=2, image_size=28, initializer_range=init_std)
+    if family == "glm4v_moe":
+        text.update(moe_intermediate_size=16, n_routed_experts=4, num_experts_per_tok=2, n_shared_experts=1,
+                    first_k_dense_replace=1)
+        return transformers.Glm4vMoeConfig(text_config=text, vision_config=vision, tie_word_embeddings=False, **ids)
     return transformers.Glm4vConfig(text_config=text, vision_config=vision, tie_word_embeddings=False, **ids)
 
 
@@ -288,6 +295,7 @@ def _qwen2_5_omni_thinker(path: Path, init_std: float) -> Any:
 
 
 _BUILDERS = {"gemma3": _gemma3, "idefics3": _idefics3, "mistral3": _mistral3, "glm4v": _glm4v,
+             "glm4v_moe": lambda path, init_std: _glm4v(path, init_std, "glm4v_moe"),
              "qwen2_5_omni_thinker": _qwen2_5_omni_thinker}
 
 

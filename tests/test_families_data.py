@@ -32,6 +32,7 @@ FAMILIES: dict[str, dict[str, Any]] = {
     "gemma3": dict(template=None, open="<start_of_turn>model\n", close="<end_of_turn>\n", resize=True),
     "idefics3": dict(template=None, open="Assistant:", close="<end_of_utterance>\n", resize=True),
     "glm4v": dict(template="glm4.1v", open="<|assistant|>\n", close="", resize=False, thought=THOUGHT),
+    "glm4v_moe": dict(template="glm4v_moe", open="<|assistant|>\n", close="", resize=False, thought=THOUGHT),
     "qwen2_5_omni_thinker": dict(template="qwen2_omni", open="<|im_start|>assistant\n", close="<|im_end|>\n",
                                  resize=False),
 }
@@ -131,7 +132,7 @@ def _reference_processor(model: Path) -> Any:
 
 
 def _reference(model: Path, family: str, record: dict, data: Path, *, train_on_prompt: bool = False,
-               mask_history: bool = False) -> dict[str, torch.Tensor]:
+               mask_history: bool = False, enable_thinking: bool = True) -> dict[str, torch.Tensor]:
     spec = FAMILIES[family]
     processor = _reference_processor(model)
     images = []
@@ -165,7 +166,8 @@ def _reference(model: Path, family: str, record: dict, data: Path, *, train_on_p
         start = expanded.index(spec["open"], cursor) + len(spec["open"])
         body = content + spec["close"]
         assert expanded[start:start + len(body)] == body
-        spans.append((start, start + len(body)))
+        thought = 0 if enable_thinking else len(spec.get("thought", ""))  # the empty thought is prompt then
+        spans.append((start + thought, start + len(body)))
         cursor = start + len(body)
     trained = spans[-1:] if mask_history else spans
     labels = []
@@ -195,7 +197,9 @@ def test_samples_equal_the_model_processor_and_chat_template(family, models, tmp
         sample = dataset[i]
         _assert_same(sample, _reference(models[family], family, record, tmp_path / "data"))
         assert (sample["labels"] != -100).any() and (sample["labels"] == -100).any()
-    for flags in ({"mask_history": True}, {"train_on_prompt": True}):
+    modes = [{"mask_history": True}, {"train_on_prompt": True}]
+    modes += [{"enable_thinking": False}] if "thought" in FAMILIES[family] else []
+    for flags in modes:
         flagged = _module(tmp_path, monkeypatch, _config(models[family], family, basic=flags))._splits["train"]
         _assert_same(flagged[2], _reference(models[family], family, RECORDS[2], tmp_path / "data", **flags))
 
