@@ -155,8 +155,10 @@ FAMILIES: dict[str, dict[str, Any]] = {
 }
 
 
-def _tokenizer(special: list[str]) -> Any:
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+def _tokenizer(special: list[str], bos: str | None = None) -> Any:
+    """A byte-level BPE tokenizer holding ``special``; it adds ``bos`` in front of a text, as Gemma's and Llama 3's
+    (Idefics3's) tokenizers do."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
 
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
@@ -164,6 +166,9 @@ def _tokenizer(special: list[str]) -> Any:
     trainer = trainers.BpeTrainer(vocab_size=400, special_tokens=special, show_progress=False,
                                   initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
     tok.train_from_iterator(_CORPUS * 4, trainer)
+    if bos is not None:
+        tok.post_processor = processors.TemplateProcessing(single=f"{bos} $A", pair=f"{bos} $A {bos} $B",
+                                                           special_tokens=[(bos, tok.token_to_id(bos))])
     return tok
 
 
@@ -174,7 +179,7 @@ def _gemma3(path: Path, init_std: float) -> Any:
 
     spec = FAMILIES["gemma3"]
     tokenizer = PreTrainedTokenizerFast(
-        tokenizer_object=_tokenizer(spec["special"]), bos_token="<bos>", eos_token="<eos>", pad_token="<pad>",
+        tokenizer_object=_tokenizer(spec["special"], bos="<bos>"), bos_token="<bos>", eos_token="<eos>", pad_token="<pad>",
         unk_token="<unk>", extra_special_tokens={"boi_token": "<start_of_image>", "eoi_token": "<end_of_image>",
                                                  "image_token": "<image_soft_token>"})
     image = Gemma3ImageProcessorPil(size={"height": 32, "width": 32}, image_mean=[0.5] * 3, image_std=[0.5] * 3)
@@ -197,7 +202,8 @@ def _idefics3(path: Path, init_std: float) -> Any:
     from transformers.models.idefics3.image_processing_pil_idefics3 import Idefics3ImageProcessorPil
 
     spec = FAMILIES["idefics3"]
-    tokenizer = PreTrainedTokenizerFast(tokenizer_object=_tokenizer(spec["special"]), bos_token="<|begin_of_text|>",
+    tokenizer = PreTrainedTokenizerFast(tokenizer_object=_tokenizer(spec["special"], bos="<|begin_of_text|>"),
+                                        bos_token="<|begin_of_text|>",
                                         eos_token="<end_of_utterance>", pad_token="<pad>")
     image = Idefics3ImageProcessorPil(size={"longest_edge": 64}, max_image_size={"longest_edge": 32},
                                       image_mean=[0.5] * 3, image_std=[0.5] * 3)
@@ -213,15 +219,20 @@ def _idefics3(path: Path, init_std: float) -> Any:
 
 def _mistral3(path: Path, init_std: float) -> Any:
     import transformers
-    from transformers import PixtralProcessor, PreTrainedTokenizerFast
+    from transformers import PreTrainedTokenizerFast
     from transformers.models.pixtral.image_processing_pil_pixtral import PixtralImageProcessorPil
 
     spec = FAMILIES["mistral3"]
     tokenizer = PreTrainedTokenizerFast(tokenizer_object=_tokenizer(spec["special"]), bos_token="<s>",
                                         eos_token="</s>", unk_token="<unk>", pad_token="<pad>")
-    image = PixtralImageProcessorPil(size={"longest_edge": 64}, patch_size={"height": 8, "width": 8})
-    PixtralProcessor(image_processor=image, tokenizer=tokenizer, patch_size=8, spatial_merge_size=2,
-                     chat_template=spec["chat_template"]).save_pretrained(path)
+    # Transformers 5's PixtralProcessor cannot be imported without torchvision: saved part by part, its settings
+    # in processor_config.json as its save_pretrained writes them.
+    tokenizer.save_pretrained(path)
+    PixtralImageProcessorPil(size={"longest_edge": 64}, patch_size={"height": 8, "width": 8}).save_pretrained(path)
+    (path / "chat_template.jinja").write_text(spec["chat_template"])
+    _write_json(path / "processor_config.json", {"processor_class": spec["processor"], "patch_size": 8,
+                                                 "spatial_merge_size": 2, "image_token": "[IMG]",
+                                                 "image_break_token": "[IMG_BREAK]", "image_end_token": "[IMG_END]"})
     text = dict(_TEXT, model_type="mistral", head_dim=8, vocab_size=len(tokenizer),
                 pad_token_id=tokenizer.pad_token_id, bos_token_id=tokenizer.bos_token_id,
                 eos_token_id=tokenizer.eos_token_id, initializer_range=init_std, sliding_window=None)

@@ -239,3 +239,46 @@ def test_the_family_refuses_a_template_of_another(family, models, tmp_path, monk
     config["dataset_param"]["basic_parameters"]["template"] = "qwen2vl"
     with pytest.raises(DataConfigError, match=f"template 'qwen2vl' is for .* but the model is '{family}'"):
         _module(tmp_path, monkeypatch, config)
+
+
+# ----------------------------------------------------------------------------------------------- Mistral 3
+def test_mistral3_takes_a_pixtral_batch_and_its_processor_is_refused_by_name(tmp_path, monkeypatch):
+    """Transformers 5's PixtralProcessor cannot be imported without torchvision, so no Mistral 3 sample can be built
+    here: the data path says so by name. The model side is checked with a batch laid out as MindSpeed MM's Pixtral
+    plugin lays it out (``[IMG]`` per merged patch, rows ended by ``[IMG_BREAK]``, the last by ``[IMG_END]``), its
+    pixels from Transformers' PIL Pixtral image processor, collated by the data path's collate function."""
+    import transformers
+    from transformers import AutoTokenizer
+    from transformers.models.pixtral.image_processing_pil_pixtral import PixtralImageProcessorPil
+
+    from lightning_mm.hf.chat_collate import ChatCollator
+    from lightning_mm.hf.vlm_processor import ProcessorLoadError, load_vlm_processor
+
+    model_dir = write_tiny_family(tmp_path / "mistral3", "mistral3")
+    with pytest.raises(ProcessorLoadError, match="PixtralProcessor cannot be used without torchvision"):
+        load_vlm_processor(model_dir)
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    images = PixtralImageProcessorPil.from_pretrained(model_dir)
+    ids = tokenizer.convert_tokens_to_ids
+    samples = []
+    for size in ((60, 40), (28, 64)):
+        pixels = images(Image.new("RGB", size, (200, 10, 10)), patch_size=16, return_tensors="pt")
+        h, w = (int(v) // 16 for v in pixels["image_sizes"][0])
+        image = ([ids("[IMG]")] * w + [ids("[IMG_BREAK]")]) * h
+        image[-1] = ids("[IMG_END]")
+        prompt = [ids("<s>"), ids("[INST]"), *image, *tokenizer.encode("What is it?", add_special_tokens=False),
+                  ids("[/INST]")]
+        answer = [*tokenizer.encode("A red square.", add_special_tokens=False), ids("</s>")]
+        samples.append({"input_ids": torch.tensor(prompt + answer), "attention_mask": torch.ones(len(prompt + answer),
+                        dtype=torch.long), "labels": torch.tensor([-100] * len(prompt) + answer),
+                        "pixel_values": pixels["pixel_values"], "image_sizes": pixels["image_sizes"]})
+    batch = ChatCollator(tokenizer.pad_token_id)(samples)
+    assert batch["pixel_values"].shape[0] == 2 and batch["pixel_values"].shape[-2:] == (64, 64)  # padded to the most
+    model = transformers.Mistral3ForConditionalGeneration.from_pretrained(model_dir).train()
+    check_batch(model, batch)
+    assert expected_image_tokens(model, batch) == int((batch["input_ids"] == model.config.image_token_id).sum())
+    loss = model(**batch).loss
+    loss.backward()
+    assert torch.isfinite(loss) and model.model.vision_tower.patch_conv.weight.grad.abs().sum() > 0
+    with pytest.raises(BatchCheckError, match="image"):
+        check_batch(model, {**batch, "pixel_values": batch["pixel_values"][:1], "image_sizes": batch["image_sizes"][:1]})

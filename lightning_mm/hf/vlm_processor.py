@@ -64,6 +64,10 @@ def _without_video(path: Path, why: str) -> Any:
 
     name = _processor_class_name(path)
     base = getattr(transformers, name, None) if name else None
+    if base is not None and not (isinstance(base, type) and issubclass(base, ProcessorMixin)):
+        # Transformers' stand-in for a class whose module needs a missing backend (Mistral 3's PixtralProcessor)
+        raise ProcessorLoadError(f"{path}: Transformers' {name} cannot be used without torchvision, which is not "
+                                 "installed (its own module needs it, not only a video processor)")
     if not (isinstance(base, type) and issubclass(base, ProcessorMixin)):
         raise ProcessorLoadError(f"{path}: the processor cannot be loaded ({why}) and the directory names no "
                                  f"Transformers processor class to build without a video processor (got {name!r})")
