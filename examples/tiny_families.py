@@ -179,7 +179,8 @@ def _gemma3(path: Path, init_std: float) -> Any:
 
     spec = FAMILIES["gemma3"]
     tokenizer = PreTrainedTokenizerFast(
-        tokenizer_object=_tokenizer(spec["special"], bos="<bos>"), bos_token="<bos>", eos_token="<eos>", pad_token="<pad>",
+        tokenizer_object=_tokenizer(spec["special"], bos="<bos>"), bos_token="<bos>", eos_token="<eos>",
+        pad_token="<pad>",
         unk_token="<unk>", extra_special_tokens={"boi_token": "<start_of_image>", "eoi_token": "<end_of_image>",
                                                  "image_token": "<image_soft_token>"})
     image = Gemma3ImageProcessorPil(size={"height": 32, "width": 32}, image_mean=[0.5] * 3, image_std=[0.5] * 3)

@@ -281,4 +281,5 @@ def test_mistral3_takes_a_pixtral_batch_and_its_processor_is_refused_by_name(tmp
     loss.backward()
     assert torch.isfinite(loss) and model.model.vision_tower.patch_conv.weight.grad.abs().sum() > 0
     with pytest.raises(BatchCheckError, match="image"):
-        check_batch(model, {**batch, "pixel_values": batch["pixel_values"][:1], "image_sizes": batch["image_sizes"][:1]})
+        check_batch(model, {**batch, "pixel_values": batch["pixel_values"][:1],
+                            "image_sizes": batch["image_sizes"][:1]})
