@@ -5,8 +5,9 @@ its own ``apply_chat_template(tokenize=True, return_dict=True)`` (input ids, pix
 key); the assistant-only labels are computed independently here: the processor's token ids are decoded back to the
 expanded text (byte-level BPE decodes exactly), each assistant turn is found there by the family's turn markers, and
 a token is trained when its first character lies inside an assistant turn. Then the collated batch runs forward and
-backward through the plain Transformers model (no adapter is registered for these families yet), and the batch check
-accepts it and counts its images.
+backward through the model ``TransformersModel`` builds (no adapter: the derived one; the same loss as plain
+Transformers), and the batch check accepts it and counts its images. Last, a 2-rank FSDP2 run on such batches
+(``tests/families_scenarios.py``) is compared per step with plain Transformers in one process.
 """
 
 from __future__ import annotations
@@ -23,7 +24,9 @@ from PIL import Image
 from examples.tiny_families import write_tiny_family
 from lightning_mm import MMDataModule
 from lightning_mm.datamodules.data_config import DataConfigError
-from lightning_mm.hf.batch_check import BatchCheckError, check_batch, expected_image_tokens
+from lightning_mm.hf.batch_check import BatchCheckError, check_batch, expected_image_tokens, has_batch_check
+from lightning_mm.modules import TransformersModel
+from tests.families_scenarios import CASES as PARITY_CASES
 
 THOUGHT = "<think>\n\n</think>\n\n"  # the empty thought of MindSpeed MM's reasoning templates
 # family -> MindSpeed template (None: the model's own chat template), how an assistant turn opens and closes in the
@@ -215,14 +218,15 @@ def test_the_batch_trains_the_plain_model_and_passes_the_batch_check(family, mod
         n = len(sample["input_ids"])
         assert torch.equal(batch["input_ids"][row, :n], sample["input_ids"])
         assert (batch["labels"][row, n:] == -100).all() and (batch["attention_mask"][row, n:] == 0).all()
-    config = transformers.AutoConfig.from_pretrained(models[family])
-    model = getattr(transformers, config.architectures[0]).from_pretrained(models[family]).train()
+    model = TransformersModel({"init_from_hf_path": str(models[family])}).train()  # no adapter: the derived one
+    assert has_batch_check(model) and type(model).__name__ == "MM" + model.config.architectures[0]
+    plain = getattr(transformers, model.config.architectures[0]).from_pretrained(models[family]).train()
     check_batch(model, batch)
     expected = expected_image_tokens(model, batch)  # the images are counted, not only seen
     assert expected is not None and expected == int((batch["input_ids"] == model.config.image_token_id).sum())
     loss = model(**batch).loss
     loss.backward()
-    assert torch.isfinite(loss)
+    assert torch.isfinite(loss) and torch.allclose(loss, plain(**batch).loss, rtol=1e-6)
     vision = [p for n, p in model.named_parameters() if "vision" in n or "visual" in n]
     assert vision and sum(float(p.grad.abs().sum()) for p in vision if p.grad is not None) > 0  # images reach the loss
     dropped = {**batch, "pixel_values": batch["pixel_values"][:-1]}  # one image (or crop) less
@@ -283,3 +287,28 @@ def test_mistral3_takes_a_pixtral_batch_and_its_processor_is_refused_by_name(tmp
     with pytest.raises(BatchCheckError, match="image"):
         check_batch(model, {**batch, "pixel_values": batch["pixel_values"][:1],
                             "image_sizes": batch["image_sizes"][:1]})
+
+
+# ----------------------------------------------------------------------------------------------- 2-rank parity
+@pytest.fixture(scope="module")
+def trained(tmp_path_factory) -> Path:
+    from tests import families_scenarios
+    from tests.conftest import run_scenario
+
+    out = tmp_path_factory.mktemp("families_parity")
+    families_scenarios.prepare(out)
+    run_scenario("train", out, script=Path(__file__).parent / "families_scenarios.py", timeout=600)
+    return out
+
+
+@pytest.mark.parametrize("case", PARITY_CASES, ids=lambda c: c.name)
+def test_two_rank_training_on_data_path_batches_equals_plain_transformers(trained, case):
+    from tests import families_scenarios, test_parity
+    from tests.parity import global_losses, global_steps
+
+    families_scenarios.register(trained)
+    part = test_parity._part(test_parity._ranks(trained, case.name), 0)
+    assert part[0]["plan"]["model_class"] == "MM" + json.loads(
+        (trained / "ckpts" / case.family / "config.json").read_text())["architectures"][0]
+    final = torch.load(trained / f"{case.name}.pt", weights_only=True)
+    test_parity._check(case, global_losses(part), final, global_steps(case, part), trained / "ckpts")
