@@ -17,8 +17,8 @@ tokens are missing from ``input_ids`` fail only deep in the model, or not at all
   spatial_merge_size**2`` per image (videos likewise with ``video_grid_thw``); LLaVA: ``(H / patch) * (W / patch)``
   per image (+1 for the ``full`` feature strategy); InternVL: ``(H / patch * downsample_ratio) * (W / patch *
   downsample_ratio)`` per tile; Gemma 3: ``mm_tokens_per_image`` per image; Mistral 3:
-  ``(h / (patch * spatial_merge_size)) * (w / ...)`` per ``image_sizes`` row; Idefics3 /
-  SmolVLM: ``(image_size / patch)**2 / scale_factor**2`` per image or crop that is not all-zero padding. Other VLMs:
+  ``(h / (patch * spatial_merge_size)) * (w / ...)`` per ``image_sizes`` row; Idefics3:
+  ``(image_size / patch)**2 / scale_factor**2`` per image or crop that is not all-zero padding. Other VLMs:
   images need at least one placeholder, placeholders need images.
   Images that ``generate()`` has already encoded (``mm_encoder_outputs``) need at least one placeholder (the
   model compares the features with the placeholders itself).
@@ -157,7 +157,7 @@ def expected_image_tokens(model: nn.Module, batch: Mapping[str, Any], video: boo
         return int((grid.long().prod(-1) // merge**2).sum())
     pixels = _tensor(batch, "pixel_values_videos" if video else "pixel_values")
     model_type = getattr(config, "model_type", None)
-    if not video and pixels is not None and pixels.ndim == 5 and model_type in ("idefics3", "smolvlm"):
+    if not video and pixels is not None and pixels.ndim == 5 and model_type == "idefics3":
         # (samples, images, C, H, W), all-zero padding images dropped; pixel-shuffled patches per image (crop)
         real = int((pixels.flatten(2) != 0).any(-1).sum())
         side = int(vision.image_size) // int(vision.patch_size)

@@ -16,7 +16,7 @@ VISION_KEYS = ("pixel_values", "image_grid_thw", "image_sizes", "pixel_attention
 """Per-image keys: concatenated along their first dimension, in sample order, each zero-padded (``False`` for a
 mask) to the largest size of its other dimensions, as the families' processors batch them: Qwen-VL and GLM-4V
 take all patches of a batch as one tensor with one ``image_grid_thw`` row per image; Gemma 3 one image per row;
-Pixtral (Mistral 3) images padded to the largest height and width, with ``image_sizes``; Idefics3 / SmolVLM one
+Pixtral (Mistral 3) images padded to the largest height and width, with ``image_sizes``; Idefics3 one
 row per sample of images (crops) padded to the most images, with ``pixel_attention_mask``."""
 
 

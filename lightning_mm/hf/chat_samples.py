@@ -6,16 +6,22 @@ labels cover each assistant turn's content and its end-of-turn tokens (``<|im_en
 the prompt turns too with ``train_on_prompt``, and only the last assistant turn with ``mask_history``.
 
 How it is built here: the conversation is rendered by the processor's chat template (each ``<image>`` becomes an
-image part of the message, so the template writes the model's own vision tokens), the processor expands the image
-tokens to the model's count and returns the vision tensors, and the trained character spans are found by rendering
-the conversation turn by turn (the text up to each assistant turn, with the generation prompt, is a prefix of the
-text that includes it). A token is trained when it starts inside a trained span.
+image part of the message, so the template writes the model's own vision tokens), the processor expands the
+placeholders to each image's token count and returns the vision tensors, as the model's own
+``apply_chat_template(tokenize=True)`` calls it (no second BOS when the template writes one), and the trained
+character spans are found by rendering the conversation turn by turn (the text up to each assistant turn, with the
+generation prompt, is a prefix of the text that includes it). They are moved past the placeholders the processor
+expanded before them (its ``text_replacement_offsets``), and a token is trained when its first character (its
+offset in the processor's expanded text) lies inside a trained span: any processor that expands placeholders the
+Transformers 5 way (``replace_image_token``) fits, whatever its vision tokens look like.
 
 The MindSpeed ``template`` name is checked against the model family and selects what differs between its templates
-(:data:`TEMPLATES`): ``qwen3_vl`` adds an empty thought (``<think>\\n\\n</think>\\n\\n``) to each assistant turn that
-has none, trained with ``enable_thinking`` (the default) and part of the prompt without it (then existing thoughts
-are removed, as MindSpeed does); ``qwen3_vl_nothink`` and ``qwen2vl`` add nothing. Default system prompts come from
-the model's chat template (Qwen2.5-VL's is MindSpeed's ``qwen2vl`` default, "You are a helpful assistant.").
+(:data:`TEMPLATES`): ``qwen3_vl``, ``glm4.1v`` and ``glm4v_moe`` add an empty thought (``<think>\\n\\n</think>\\n\\n``)
+to each assistant turn that has none, trained with ``enable_thinking`` (the default) and part of the prompt without
+it (then existing thoughts are removed, as MindSpeed does); ``qwen3_vl_nothink``, ``qwen2vl`` and ``qwen2_omni``
+add nothing. Families MindSpeed MM has no template for (Gemma 3, Idefics3: :data:`OWN_TEMPLATE_FAMILIES`)
+take ``template: null``. Default system prompts come from the model's chat template (Qwen2.5-VL's is MindSpeed's
+``qwen2vl`` default, "You are a helpful assistant.").
 """
 
 from __future__ import annotations
@@ -71,7 +77,7 @@ TEMPLATES: dict[str, TemplateSpec] = {
 
 OWN_TEMPLATE_FAMILIES: dict[str, TemplateSpec] = {
     "gemma3": TemplateSpec(("gemma3",), _QWEN_COLLATE, resize_images=True),
-    "idefics3": TemplateSpec(("idefics3", "smolvlm"), _QWEN_COLLATE, resize_images=True, content_parts=True),
+    "idefics3": TemplateSpec(("idefics3",), _QWEN_COLLATE, resize_images=True, content_parts=True),
 }
 """Families MindSpeed MM registers no template for: their model's own chat template renders the conversations
 (``template: null``, or a ``chat_template`` file), nothing added."""
