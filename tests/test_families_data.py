@@ -25,6 +25,7 @@ from examples.tiny_families import write_tiny_family
 from lightning_mm import MMDataModule
 from lightning_mm.datamodules.data_config import DataConfigError
 from lightning_mm.hf.batch_check import BatchCheckError, check_batch, expected_image_tokens, has_batch_check
+from lightning_mm.hf.chat_collate import ChatCollator
 from lightning_mm.modules import TransformersModel
 from tests.families_scenarios import CASES as PARITY_CASES
 
@@ -86,14 +87,14 @@ def _config(model: Path, family: str, basic: dict | None = None) -> dict:
     }
 
 
-def _module(tmp: Path, monkeypatch, config: dict, **kwargs: Any) -> MMDataModule:
+def _module(tmp: Path, monkeypatch, config: dict, records: list[dict] | None = None, **kwargs: Any) -> MMDataModule:
     data = tmp / "data"
     data.mkdir(exist_ok=True)
     for i, (name, size) in enumerate(IMAGES.items()):
         g = torch.Generator().manual_seed(i)
         Image.fromarray(torch.randint(0, 256, (size[1], size[0], 3), generator=g, dtype=torch.uint8).numpy()
                         ).save(data / name)
-    (data / "train.jsonl").write_text("\n".join(json.dumps(r) for r in RECORDS) + "\n")
+    (data / "train.jsonl").write_text("\n".join(json.dumps(r) for r in (records or RECORDS)) + "\n")
     (tmp / "data.json").write_text(json.dumps(config))
     monkeypatch.chdir(tmp)
     module = MMDataModule(data_config=tmp / "data.json", **kwargs)
@@ -312,3 +313,23 @@ def test_two_rank_training_on_data_path_batches_equals_plain_transformers(traine
         (trained / "ckpts" / case.family / "config.json").read_text())["architectures"][0]
     final = torch.load(trained / f"{case.name}.pt", weights_only=True)
     test_parity._check(case, global_losses(part), final, global_steps(case, part), trained / "ckpts")
+
+
+@pytest.mark.parametrize("family", list(FAMILIES))
+def test_a_batch_without_images_gets_a_masked_filler_image(family, models, tmp_path, monkeypatch):
+    import transformers
+
+    text_only = [_record([("user", "What is in this picture?"), ("assistant", "A red square.")]),
+                 _record([("user", "How many?"), ("assistant", "The answer is 2.")])]
+    module = _module(tmp_path, monkeypatch, _config(models[family], family), batch_size=2, records=text_only)
+    batch = next(iter(module.train_dataloader()))
+    samples = [module._splits["train"][i] for i in range(2)]
+    assert all("pixel_values" not in s for s in samples) and "pixel_values" in batch
+    n = len(samples[0]["input_ids"])
+    assert (batch["attention_mask"][0, n:] == 0).all() and (batch["labels"][0, n:] == -100).all()
+    plain = ChatCollator(module._splits["train"].builder.tokenizer.pad_token_id)(samples)
+    model = getattr(transformers, json.loads((models[family] / "config.json").read_text())["architectures"][0]
+                    ).from_pretrained(models[family]).eval()
+    check_batch(model, batch)
+    with torch.no_grad():  # the filler runs the vision tower and changes no loss
+        assert torch.allclose(model(**batch).loss, model(**plain).loss, rtol=1e-5)
