@@ -56,14 +56,15 @@ class FSDP2Mixin:
         ``sub_modules_to_wrap``.
         """
         if _is_hf_model(self):
-            from lightning_mm.hf.default_plans import PlanDerivationError, derive_fsdp2_plan
+            from lightning_mm.hf.default_plans import PlanDerivationError, derive_fsdp2_plan, moe_module_paths
 
             explicit = explicit or {}
             try:
                 plan = derive_fsdp2_plan(self, ignored=explicit.get("ignored_modules"))  # type: ignore[arg-type]
             except PlanDerivationError:
-                if "sub_modules_to_wrap" in explicit:
-                    return {}  # the YAML names the units: nothing to derive
+                if "sub_modules_to_wrap" in explicit:  # the YAML names the units; the experts are still found
+                    experts = moe_module_paths(self)  # type: ignore[arg-type]
+                    return {"moe_modules": experts} if experts else {}
                 raise
             return plan.fsdp2_defaults()
         return {}
