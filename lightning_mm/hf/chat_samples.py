@@ -249,6 +249,9 @@ class ChatSampleBuilder:
             if self.images_kwargs:
                 kwargs["images_kwargs"] = self.images_kwargs
         out = dict(self.processor(**kwargs))
+        if "offset_mapping" not in out:
+            raise SampleError(f"{type(self.processor).__name__} returns no character offsets of its tokens "
+                              "(return_offsets_mapping), so the labels cannot be placed")
         offsets = [tuple(o) for o in out.pop("offset_mapping")[0].tolist()]
         replacements = list(out.pop("text_replacement_offsets", None) or [[]])[0]
         sample = {k: v[0] if k in _TOKEN_KEYS else v for k, v in out.items()}
