@@ -408,7 +408,7 @@ CONFIG_ERRORS = [
     ("dataloader_param.shufle", True, "unknown key `dataloader_param.shufle`; did you mean `dataloader_param.shuffle`"),
     ("dataset_param.basic_parameters.mask_histroy", True, "did you mean `dataset_param.basic_parameters.mask_history`"),
     ("dataset_param.attr.imges", "images", "did you mean `dataset_param.attr.images`"),
-    ("dataset_param.basic_parameters.template", "glm4.1v", "for a family not built in here; supported: qwen2vl"),
+    ("dataset_param.basic_parameters.template", "qwen3_omni", "for a family not built in here; supported: qwen2vl"),
     ("dataset_param.basic_parameters.template", "mistral", "supported: qwen2vl, qwen3_vl, qwen3_vl_nothink"),
     ("dataset_param.basic_parameters.template", "qwen3_vl", "for qwen2_5_vl use qwen2vl"),
     ("dataloader_param.batch_size", 4, "MMDataModule(batch_size=...)"),

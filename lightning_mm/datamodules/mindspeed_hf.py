@@ -60,7 +60,8 @@ _FIXED = {
     "crop_to_patches": (False, "cropping to patches is InternVL's (dataset_type: multimodal)"),
     "use_audio_in_video": (False, "audio is not supported here"),
     "trust_remote_code": (False, "the processor is loaded without remote code here"),
-    "fix_mistral_regex": (False, "Mistral models are not supported here"),
+    "fix_mistral_regex": (False, "Mistral 3 is not supported here (Transformers 5's PixtralProcessor needs "
+                                 "torchvision)"),
     "streaming": (False, "streaming is not supported here: records are read and checked up front"),
     "packing": (None, "packing is not supported here"), "neat_packing": (False, "packing is not supported here"),
     "async_preprocess": (False, "it only applies to streaming, which is not supported here"),

@@ -16,7 +16,10 @@ tokens are missing from ``input_ids`` fail only deep in the model, or not at all
   images make must equal the placeholder tokens in ``input_ids``. Qwen-VL: ``prod(image_grid_thw) /
   spatial_merge_size**2`` per image (videos likewise with ``video_grid_thw``); LLaVA: ``(H / patch) * (W / patch)``
   per image (+1 for the ``full`` feature strategy); InternVL: ``(H / patch * downsample_ratio) * (W / patch *
-  downsample_ratio)`` per tile. Other VLMs: images need at least one placeholder, placeholders need images.
+  downsample_ratio)`` per tile; Gemma 3: ``mm_tokens_per_image`` per image; Mistral 3:
+  ``(h / (patch * spatial_merge_size)) * (w / ...)`` per ``image_sizes`` row; Idefics3:
+  ``(image_size / patch)**2 / scale_factor**2`` per image or crop that is not all-zero padding. Other VLMs:
+  images need at least one placeholder, placeholders need images.
   Images that ``generate()`` has already encoded (``mm_encoder_outputs``) need at least one placeholder (the
   model compares the features with the placeholders itself).
 * Qwen-VL (a model with ``get_rope_index`` whose forward takes ``mm_token_type_ids``): a batch with images needs
@@ -153,13 +156,24 @@ def expected_image_tokens(model: nn.Module, batch: Mapping[str, Any], video: boo
     if grid is not None and isinstance(merge, int):  # Qwen-VL: one token per merged group of patches
         return int((grid.long().prod(-1) // merge**2).sum())
     pixels = _tensor(batch, "pixel_values_videos" if video else "pixel_values")
+    model_type = getattr(config, "model_type", None)
+    if not video and pixels is not None and pixels.ndim == 5 and model_type == "idefics3":
+        # (samples, images, C, H, W), all-zero padding images dropped; pixel-shuffled patches per image (crop)
+        real = int((pixels.flatten(2) != 0).any(-1).sum())
+        side = int(vision.image_size) // int(vision.patch_size)
+        return real * (side * side) // int(config.scale_factor) ** 2
     if video or pixels is None or pixels.ndim != 4 or vision is None:
         return None
     patch = _pair(getattr(vision, "patch_size", 0) or 0)
     if not all(patch):
         return None
     rows, cols = pixels.shape[-2] // patch[0], pixels.shape[-1] // patch[1]
-    model_type = getattr(config, "model_type", None)
+    sizes = _tensor(batch, "image_sizes")
+    if model_type == "mistral3" and sizes is not None:  # Pixtral: one token per merged patch of each image's size
+        cell = patch[0] * int(getattr(config, "spatial_merge_size", 1))
+        return int(((sizes[:, 0] // cell) * (sizes[:, 1] // cell)).sum())
+    if model_type == "gemma3":  # each image pooled to mm_tokens_per_image soft tokens
+        return pixels.shape[0] * int(config.mm_tokens_per_image)
     if model_type == "llava" and batch.get("image_sizes") is None:
         strategy = batch.get("vision_feature_select_strategy") or getattr(config, "vision_feature_select_strategy",
                                                                            None)
