@@ -23,6 +23,14 @@ tokens are missing from ``input_ids`` fail only deep in the model, or not at all
   ``mm_token_type_ids`` or 3-D ``position_ids``; ``mm_token_type_ids`` must mark exactly the image (1) and video
   (2) placeholder tokens.
 
+* Packed rows (``position_ids`` that restart within a row, :mod:`lightning_mm.core.packing`): Transformers keeps
+  the samples apart only without an ``attention_mask`` (it then derives a block-diagonal mask from the
+  positions), so a packed row with one is refused; a Qwen-VL model needs 4-D ``position_ids`` (text row first,
+  then the M-RoPE rows computed per sample: :func:`lightning_mm.hf.packing.packed_forward_inputs`), since from
+  2-D or 3-D ones its decoder would attend across samples or fall back to 1-D image positions. The varlen keys
+  ``cu_seq_lens_q/k`` and ``max_length_q/k`` are read only by flash-attention: with another attention
+  implementation they are refused (sdpa and eager would swallow them and attend across samples).
+
 Only Transformers models (``PreTrainedModel``) are checked; a plain module without ``**kwargs`` already refuses an
 unknown key itself. Lightning-free.
 
@@ -260,6 +268,37 @@ def _check_mrope(model: nn.Module, batch: Mapping[str, Any], counts: dict[str, i
             )
 
 
+_VARLEN_KEYS = ("cu_seq_lens_q", "cu_seq_lens_k", "max_length_q", "max_length_k")
+
+
+def _check_packing(model: nn.Module, batch: Mapping[str, Any]) -> None:
+    from lightning_mm.core.packing import is_packed
+
+    name = type(model).__name__.removeprefix("FSDP")
+    varlen = [k for k in _VARLEN_KEYS if batch.get(k) is not None]
+    attention = str(getattr(model.config, "_attn_implementation", None) or "")
+    if varlen and "flash" not in attention:
+        raise BatchCheckError(
+            f"batch key(s) {', '.join(varlen)} are read only by flash-attention, but {name} runs "
+            f"attn_implementation {attention!r}, which would swallow them and attend across the packed samples: "
+            "give position_ids that restart per sample instead (Transformers then masks each sample to itself)")
+    positions = _tensor(batch, "position_ids")
+    if positions is None or positions.is_meta or not is_packed(positions):
+        return
+    if batch.get("attention_mask") is not None:
+        raise BatchCheckError(
+            f"the batch is packed (position_ids restart within a row) and has an attention_mask: {name} would then "
+            "attend across the packed samples (Transformers derives the per-sample mask from position_ids only "
+            "without an attention_mask); drop attention_mask from packed batches")
+    if _inner(model) is not None and hasattr(_inner(model), "get_rope_index") and not (
+            positions.ndim == 3 and positions.shape[0] == 4):
+        raise BatchCheckError(
+            f"the batch is packed, but {name} computes M-RoPE positions and needs 4-D position_ids for a packed "
+            f"row (the text positions, then the M-RoPE positions of each sample), got shape {tuple(positions.shape)}"
+            ": TransformersModel computes them (lightning_mm.hf.packing.install_packed_inputs); for another model "
+            "call lightning_mm.hf.packing.packed_forward_inputs(model, batch)")
+
+
 def check_batch(model: nn.Module, batch: Mapping[str, Any]) -> None:
     """Raise :class:`BatchCheckError` if ``model(**batch)`` would not consume ``batch`` as given.
 
@@ -270,6 +309,7 @@ def check_batch(model: nn.Module, batch: Mapping[str, Any]) -> None:
     if hf is None or not isinstance(batch, Mapping):
         return
     _check_keys(hf, batch)
+    _check_packing(hf, batch)
     _check_tokens(hf, batch)
 
 
