@@ -21,7 +21,7 @@ from lightning_mm.datamodules.data_config import DataConfigError
 from lightning_mm.datamodules.mindspeed_keys import check_keys, strict_or_warn
 from lightning_mm.datamodules.records import DataError, DataReport
 
-__all__ = ["build_huggingface_datasets"]
+__all__ = ["build_huggingface_datasets", "packing_settings"]
 
 _PREPROCESS_KEYS = ("model_name_or_path", "use_fast_tokenizer", "split_special_tokens", "image_resolution",
                     "video_resolution", "image_max_pixels", "image_min_pixels", "video_max_pixels", "video_min_pixels",
@@ -62,7 +62,6 @@ _FIXED = {
     "trust_remote_code": (False, "the processor is loaded without remote code here"),
     "fix_mistral_regex": (False, "Mistral models are not supported here"),
     "streaming": (False, "streaming is not supported here: records are read and checked up front"),
-    "packing": (None, "packing is not supported here"), "neat_packing": (False, "packing is not supported here"),
     "async_preprocess": (False, "it only applies to streaming, which is not supported here"),
     "use_pmcc_data": (False, "PMCC data is not supported here"),
     "stage": ("sft", "only supervised fine-tuning (stage: sft) is supported here"),
@@ -78,6 +77,25 @@ _FIXED = {
 _ATTR_DEFAULTS = {"messages": "conversations", "role_tag": "from", "content_tag": "value", "user_tag": "human",
                   "assistant_tag": "gpt", "observation_tag": "observation", "function_tag": "function_call",
                   "system_tag": "system", "system": None, "images": None, "videos": None}
+
+
+def packing_settings(dataset_param: Mapping[str, Any], source: str, prefix: str = "") -> tuple[bool, int | None]:
+    """``(packing, max_tokens_per_rank)`` from ``basic_parameters``: ``neat_packing`` (packing without attention
+    across samples, MindSpeed MM's native route) packs rows of up to ``cutoff_len`` tokens."""
+    basic = dataset_param.get("basic_parameters") or {}
+    bp = f"{prefix}dataset_param.basic_parameters."
+    if not isinstance(basic, Mapping):
+        return False, None
+    neat = _flag(basic, "neat_packing", False, bp, source)
+    plain = basic.get("packing")
+    if plain is not None and not isinstance(plain, bool):
+        raise DataConfigError(f"{source}: `{bp}packing`: expected true or false, got {short_repr(plain)}")
+    if plain and not neat:
+        raise DataConfigError(f"{source}: `{bp}packing`: packing whose samples attend to each other is not supported "
+                              "here; set `neat_packing: true` (samples packed, each attending only to itself)")
+    if not neat:
+        return False, None
+    return True, _int(basic, "cutoff_len", None, bp, source, low=1)
 
 
 def _check_fixed(section: Mapping[str, Any], prefix: str, source: str) -> None:
