@@ -25,7 +25,8 @@ tokens are missing from ``input_ids`` fail only deep in the model, or not at all
 
 * Packed rows (``position_ids`` that restart within a row, :mod:`lightning_mm.core.packing`): Transformers keeps
   the samples apart only without an ``attention_mask`` (it then derives a block-diagonal mask from the
-  positions), so a packed row with one is refused; a Qwen-VL model needs 4-D ``position_ids`` (text row first,
+  positions), so a packed row with one is refused, as is one without ``use_cache=False`` (with a key/value
+  cache, created by default, Transformers assumes one sequence per row); a Qwen-VL model needs 4-D ``position_ids`` (text row first,
   then the M-RoPE rows computed per sample: :func:`lightning_mm.hf.packing.packed_forward_inputs`), since from
   2-D or 3-D ones its decoder would attend across samples or fall back to 1-D image positions. The varlen keys
   ``cu_seq_lens_q/k`` and ``max_length_q/k`` are read only by flash-attention: with another attention
@@ -290,6 +291,13 @@ def _check_packing(model: nn.Module, batch: Mapping[str, Any]) -> None:
             f"the batch is packed (position_ids restart within a row) and has an attention_mask: {name} would then "
             "attend across the packed samples (Transformers derives the per-sample mask from position_ids only "
             "without an attention_mask); drop attention_mask from packed batches")
+    text_config = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
+    caches = any(getattr(c, "use_cache", False) is not False for c in (model.config, text_config))
+    if batch.get("use_cache") is not False and caches:
+        raise BatchCheckError(
+            f"the batch is packed (position_ids restart within a row) but the call does not set use_cache=False: "
+            f"{name} would create a key/value cache, and Transformers keeps packed samples apart only without one "
+            "(TransformersModel sets it; for another model call lightning_mm.hf.packing.packed_forward_inputs)")
     if _inner(model) is not None and hasattr(_inner(model), "get_rope_index") and not (
             positions.ndim == 3 and positions.shape[0] == 4):
         raise BatchCheckError(

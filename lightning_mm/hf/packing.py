@@ -1,7 +1,8 @@
 """Packed batches (:mod:`lightning_mm.core.packing`) as the forward inputs of a Transformers model.
 
-A text model (Qwen3, Llama, ...) takes a packed row as it is: given ``position_ids`` that restart per sample and
-no ``attention_mask``, Transformers 5 builds a block-diagonal causal mask for sdpa, eager and flex attention
+A text model (Qwen3, Llama, ...) takes a packed row almost as it is: given ``position_ids`` that restart per
+sample, no ``attention_mask`` and no key/value cache (``use_cache=False``: with a cache, which Transformers
+creates by default even in training, it assumes one sequence per row), Transformers 5 builds a block-diagonal causal mask for sdpa, eager and flex attention
 (``masking_utils.find_packed_sequence_indices``) and runs flash-attention varlen with the samples' boundaries
 (``modeling_flash_attention_utils``), and its rotary positions restart per sample.
 
@@ -11,8 +12,9 @@ positions are 3-D and depend on each sample's images, and its decoder only detec
 and both fall back to 1-D positions for the images). :func:`packed_forward_inputs` computes them per sample,
 with the model's own ``get_rope_index`` on that sample's tokens and its own ``image_grid_thw`` /
 ``video_grid_thw`` rows, exactly as the model computes them for the sample alone, and stacks the text positions
-on top. :func:`install_packed_inputs` does it on every call of the model (a forward pre-hook, installed by
-``TransformersModel``). Lightning-free.
+on top. :func:`packed_forward_inputs` also sets ``use_cache=False``; :func:`install_packed_inputs` applies it to
+every call of the model with a packed row (a forward pre-hook, installed by ``TransformersModel``).
+Lightning-free.
 """
 
 from __future__ import annotations
@@ -55,15 +57,17 @@ def _take(grid: Tensor | None, cursor: int, tokens: int, merge: int) -> tuple[Te
 
 
 def packed_forward_inputs(model: nn.Module, batch: Mapping[str, Any]) -> dict[str, Any]:
-    """``batch`` with 4-D ``(text + M-RoPE, B, T)`` ``position_ids`` computed per packed sample, for a Qwen-VL
-    model given a packed row (2-D ``position_ids`` restarting per sample); any other batch or model unchanged."""
+    """For a packed row (``position_ids`` restarting per sample): ``batch`` with ``use_cache=False`` and, for a
+    Qwen-VL model given 2-D ``position_ids``, 4-D ``(text + M-RoPE, B, T)`` ones computed per packed sample. Any
+    other batch unchanged."""
     out = dict(batch)
     positions = batch.get("position_ids")
+    if not is_packed(positions):
+        return out
+    out["use_cache"] = False
     inner = _inner(model)
     ids = batch.get("input_ids")
-    if inner is None or not isinstance(positions, Tensor) or positions.ndim != 2 or not isinstance(ids, Tensor):
-        return out
-    if ids.is_meta or not is_packed(positions):
+    if inner is None or positions.ndim != 2 or not isinstance(ids, Tensor) or ids.is_meta:
         return out
     types = batch.get("mm_token_type_ids")
     if types is None:
@@ -94,8 +98,6 @@ def _hook(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> t
 
 
 def install_packed_inputs(model: nn.Module) -> Any:
-    """Give a Qwen-VL model per-sample M-RoPE positions for packed rows on every call (a forward pre-hook);
-    ``None`` for a model that needs none (a text model takes packed rows as they are)."""
-    if not needs_multimodal_positions(model):
-        return None
+    """Apply :func:`packed_forward_inputs` to every call of ``model`` with a packed row (a forward pre-hook);
+    returns the hook's handle."""
     return model.register_forward_pre_hook(_hook, with_kwargs=True)
