@@ -29,7 +29,8 @@ PATCH = 3 * 2 * 14 * 14
 VISION_START, VISION_END = 7, 8
 RTOL = 1e-5
 LORA = {"rank": 4, "alpha": 8, "target_modules": ["model.language_model.layers.{*}.self_attn.q_proj",
-                                                       "model.language_model.layers.{*}.self_attn.v_proj"], "init_lora_weights": "gaussian"}
+                                                       "model.language_model.layers.{*}.self_attn.v_proj"],
+        "init_lora_weights": "gaussian"}
 
 
 def _text_sample(g: torch.Generator, n: int) -> dict[str, torch.Tensor]:
@@ -227,7 +228,6 @@ def test_custom_model_packed_equals_its_samples_alone() -> None:
 # ------------------------------------------------------------------------------------- batch check
 def test_batch_check_refuses_packed_batches_transformers_would_get_wrong(tmp_path: Path) -> None:
     from lightning_mm.hf.batch_check import check_batch
-
     from lightning_mm.hf.packing import packed_forward_inputs
 
     text = built_model("qwen3", tmp_path / "qwen3", "sdpa")

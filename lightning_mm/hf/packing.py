@@ -2,7 +2,8 @@
 
 A text model (Qwen3, Llama, ...) takes a packed row almost as it is: given ``position_ids`` that restart per
 sample, no ``attention_mask`` and no key/value cache (``use_cache=False``: with a cache, which Transformers
-creates by default even in training, it assumes one sequence per row), Transformers 5 builds a block-diagonal causal mask for sdpa, eager and flex attention
+creates by default even in training, it assumes one sequence per row), Transformers 5 builds a block-diagonal
+causal mask for sdpa, eager and flex attention
 (``masking_utils.find_packed_sequence_indices``) and runs flash-attention varlen with the samples' boundaries
 (``modeling_flash_attention_utils``), and its rotary positions restart per sample.
 
