@@ -87,8 +87,12 @@ class TokenBudgetLoader(DataLoader):
         self._start = 0  # global batches of the epoch already consumed (set on resume)
         self._resume_epoch: int | None = None
         self._epoch = 0
-        self._steps_done = 0
+        self._steps_run = 0
+        self._steps_before_run = 0
+        self._iter_epoch: int | None = None
+        self._iter_len = 0
         self._consumed_before = 0
+        self._steps_before = 0  # steps of the epoch run before the checkpoint (Lightning counts on from there)
         self.plan(0)  # fails now, naming a sample longer than the budget
         super().__init__(_PlannedBatches(dataset), batch_size=None, collate_fn=collate_fn,
                          num_workers=num_workers, pin_memory=pin_memory)
@@ -106,23 +110,34 @@ class TokenBudgetLoader(DataLoader):
         return RankSchedule(len(self.plan(epoch)), self.world_size, self.rank, self._drop_last, start)
 
     def __len__(self) -> int:
-        return self.schedule().steps
+        """The epoch's steps on every rank: those run before a resume plus those left."""
+        epoch = self._epoch_fn()
+        if self._resume_epoch == epoch:
+            return self._steps_before + self.schedule(epoch).steps
+        if self._iter_epoch == epoch:
+            return self._iter_len
+        return self.schedule(epoch).steps
 
     def __iter__(self) -> Iterator[Any]:
-        self._epoch = self._epoch_fn()
-        schedule = self.schedule(self._epoch)
-        self.dataset.plan, self.dataset.indices = self.plan(self._epoch), schedule.batch_indices()
+        epoch = self._epoch_fn()
+        resumed = self._resume_epoch == epoch
+        schedule = self.schedule(epoch)
+        self._iter_len = len(self)
+        self.dataset.plan, self.dataset.indices = self.plan(epoch), schedule.batch_indices()
+        self._epoch, self._iter_epoch = epoch, epoch
         self._consumed_before = schedule.start
-        self._resume_epoch, self._start = None, 0
-        self._steps_done = 0
+        self._steps_before_run = self._steps_before if resumed else 0
+        self._steps_run = 0
+        self._resume_epoch, self._start, self._steps_before = None, 0, 0
         for batch in super().__iter__():
-            self._steps_done += 1
+            self._steps_run += 1
             yield batch
 
     def state_dict(self) -> dict[str, Any]:
-        consumed = self._consumed_before + self._steps_done * self.world_size
-        return {"epoch": self._epoch, "consumed_batches": consumed, "world_size": self.world_size,
-                "plan": self._fingerprint}
+        """The global position in the epoch's plan (the same on every rank, valid for any world size)."""
+        consumed = self._consumed_before + self._steps_run * self.world_size
+        return {"epoch": self._epoch, "consumed_batches": consumed, "steps": self._steps_before_run + self._steps_run,
+                "world_size": self.world_size, "plan": self._fingerprint, "world_size_independent": True}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         if state.get("plan") != self._fingerprint:
@@ -135,3 +150,4 @@ class TokenBudgetLoader(DataLoader):
         if consumed >= len(self.plan(epoch)):
             return  # the epoch was finished: the next one starts anew
         self._resume_epoch, self._start = epoch, consumed
+        self._steps_before = int(state.get("steps", 0))
