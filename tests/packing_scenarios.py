@@ -141,9 +141,47 @@ def dump(name: str, outdir: str, rank: int, data: dict[str, Any]) -> None:
     Path(outdir, f"{name}.rank{rank}.json").write_text(json.dumps(data))
 
 
+def context_parallel_step(outdir: str, model_dir: str) -> None:
+    """One step of a Transformers Qwen3 on one packed row split over 2 context-parallel ranks: rank 0 saves the
+    loss and the gathered gradients to ``OUTDIR/cp.pt`` (the test compares them with plain Transformers)."""
+    from torch.distributed.tensor import DTensor
+
+    from lightning_mm import MMLightningModule
+    from lightning_mm.core.packing import PackedCollator
+    from lightning_mm.modules import TransformersModel
+    from tests.test_packing import samples_of
+
+    result: dict[str, Any] = {}
+
+    class Module(MMLightningModule):
+        def model_provider(self) -> nn.Module:
+            return TransformersModel({"init_from_hf_path": model_dir})
+
+        def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+            loss = super().training_step(batch, batch_idx)
+            result["loss"] = loss.detach().clone()
+            return loss
+
+        def on_before_optimizer_step(self, optimizer: torch.optim.Optimizer) -> None:
+            result["grads"] = {n: (p.grad.full_tensor() if isinstance(p.grad, DTensor) else p.grad).clone()
+                               for n, p in self.model.named_parameters() if p.grad is not None}  # collectives
+
+    packed = PackedCollator()(samples_of("qwen3"))
+    trainer = L.Trainer(
+        accelerator="cpu", devices=2, max_steps=1, logger=False, enable_checkpointing=False,
+        enable_progress_bar=False, enable_model_summary=False, num_sanity_val_steps=0,
+        strategy=MMFSDP2Strategy({"sharding_size": "auto"}, context_parallel_size=2),
+    )
+    loader = torch.utils.data.DataLoader([packed], batch_size=None)
+    trainer.fit(Module(log_grad_norm=False), train_dataloaders=loader)
+    if trainer.global_rank == 0:
+        torch.save(result, Path(outdir, "cp.pt"))
+
+
 def scenario_two(outdir: str, ckptdir: str) -> None:
     rank, full = fit(2, outdir, save_dir=ckptdir)
     _, resumed = fit(2, outdir, ckpt_path=f"{ckptdir}/epoch=0-step={RESUME_STEP}.ckpt")
+    context_parallel_step(outdir, sys.argv[4])
     dump("two", outdir, rank, {"full": full, "resumed": resumed})
 
 

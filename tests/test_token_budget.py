@@ -54,8 +54,21 @@ def _steps_per_epoch(ranks: list[dict], key: str) -> list[list[int]]:
 
 
 def test_token_budget_training_on_2_and_4_ranks(tmp_path: Path) -> None:
+    """Also: a packed row split over 2 context-parallel ranks equals plain Transformers on the padded samples."""
+    import torch
+
+    from lightning_mm.hf.chat_collate import ChatCollator
+    from tests.test_packing import _assert_grads_equal, _close, _run, plain_model, samples_of
+
     ckpt = tmp_path / "ckpt"
-    run_scenario("two", tmp_path, script=SCRIPT, args=(str(ckpt),), timeout=420)
+    reference = plain_model("qwen3")
+    reference.save_pretrained(tmp_path / "qwen3")
+    run_scenario("two", tmp_path, script=SCRIPT, args=(str(ckpt), str(tmp_path / "qwen3")), timeout=420)
+    cp = torch.load(tmp_path / "cp.pt", weights_only=True)
+    ref_loss, _, ref_grads = _run(reference.train(), ChatCollator(pad_token_id=0)(samples_of("qwen3")))
+    assert _close(cp["loss"], ref_loss), (float(cp["loss"]), float(ref_loss))
+    _assert_grads_equal(cp["grads"], ref_grads)
+
     two = read_ranks("two", tmp_path, 2)
     plans = [_plan(epoch) for epoch in range(EPOCHS)]
     for epoch, plan in enumerate(plans):  # the same steps on both ranks, as the plan says, all samples seen
@@ -69,7 +82,7 @@ def test_token_budget_training_on_2_and_4_ranks(tmp_path: Path) -> None:
     for rank in two:  # mid-epoch resume: the same batches and the same losses, exactly
         assert rank["resumed"] == rank["full"][RESUME_STEP:]
 
-    run_scenario("four", tmp_path, script=SCRIPT, args=(str(ckpt),), timeout=420)
+    run_scenario("four", tmp_path, script=SCRIPT, args=(str(ckpt), str(tmp_path / "qwen3")), timeout=420)
     four = read_ranks("four", tmp_path, 4)
     assert _steps_per_epoch(four, "resumed")[1] == [math.ceil(len(plans[1]) / 4)] * 4  # a whole epoch on 4 ranks
     # The 2-rank checkpoint (3 steps: 6 global batches) resumed on 4 ranks: the next unseen batches of epoch 0.
