@@ -36,7 +36,7 @@ LORA = {"rank": 4, "alpha": 8, "target_modules": ["model.language_model.layers.{
 def _text_sample(g: torch.Generator, n: int) -> dict[str, torch.Tensor]:
     ids = torch.randint(10, VOCAB, (n,), generator=g)
     labels = ids.clone()
-    labels[: n // 3] = IGNORE_INDEX  # a prompt without targets
+    labels[1: 1 + n // 3] = IGNORE_INDEX  # a prompt without targets (the first label stays, as in plain text)
     return {"input_ids": ids, "attention_mask": torch.ones(n, dtype=torch.long), "labels": labels}
 
 
