@@ -117,10 +117,10 @@ class MMDataModule(L.LightningDataModule):
         if self.mindspeed_config is not None and self.mindspeed_config.dataset_type == "huggingface":
             from lightning_mm.datamodules.mindspeed_hf import packing_settings
 
-            ms_packing, ms_budget = packing_settings(self.mindspeed_config.dataset_param, self.mindspeed_config.source,
-                                                     self.mindspeed_config.prefix)
+            ms_packing, max_tokens_per_rank = packing_settings(
+                self.mindspeed_config.dataset_param, self.mindspeed_config.source, self.mindspeed_config.prefix,
+                max_tokens_per_rank)
             packing = packing or ms_packing
-            max_tokens_per_rank = max_tokens_per_rank if max_tokens_per_rank is not None else ms_budget
         self.packing = bool(packing)
         self.max_tokens_per_rank = max_tokens_per_rank
         self.packing_buffer_size = packing_buffer_size

@@ -79,9 +79,11 @@ _ATTR_DEFAULTS = {"messages": "conversations", "role_tag": "from", "content_tag"
                   "system_tag": "system", "system": None, "images": None, "videos": None}
 
 
-def packing_settings(dataset_param: Mapping[str, Any], source: str, prefix: str = "") -> tuple[bool, int | None]:
+def packing_settings(dataset_param: Mapping[str, Any], source: str, prefix: str = "",
+                     max_tokens_per_rank: int | None = None) -> tuple[bool, int | None]:
     """``(packing, max_tokens_per_rank)`` from ``basic_parameters``: ``neat_packing`` (packing without attention
-    across samples, MindSpeed MM's native route) packs rows of up to ``cutoff_len`` tokens."""
+    across samples, MindSpeed MM's native route) packs rows of up to ``cutoff_len`` tokens, unless
+    ``max_tokens_per_rank`` is given (it wins)."""
     basic = dataset_param.get("basic_parameters") or {}
     bp = f"{prefix}dataset_param.basic_parameters."
     if not isinstance(basic, Mapping):
@@ -94,8 +96,13 @@ def packing_settings(dataset_param: Mapping[str, Any], source: str, prefix: str 
         raise DataConfigError(f"{source}: `{bp}packing`: packing whose samples attend to each other is not supported "
                               "here; set `neat_packing: true` (samples packed, each attending only to itself)")
     if not neat:
-        return False, None
-    return True, _int(basic, "cutoff_len", None, bp, source, low=1)
+        return False, max_tokens_per_rank
+    budget = max_tokens_per_rank if max_tokens_per_rank is not None else _int(basic, "cutoff_len", None, bp, source,
+                                                                              low=1)
+    if budget is None:
+        raise DataConfigError(f"{source}: `{bp}neat_packing`: packed rows need a token budget: set `{bp}cutoff_len` "
+                              "or MMDataModule(max_tokens_per_rank=...)")
+    return True, budget
 
 
 def _check_fixed(section: Mapping[str, Any], prefix: str, source: str) -> None:
