@@ -49,9 +49,13 @@ def segment_ids(position_ids: Tensor) -> Tensor:
     """``(B, T)`` sample index of every token of packed rows, from positions that restart at each sample's start.
 
     The rule is Transformers' (``find_packed_sequence_indices``): a new sample starts wherever a position is not
-    its predecessor plus one. 3-D/4-D multimodal positions take their first (text) row.
+    its predecessor plus one. 4-D multimodal positions (Qwen-VL: text row, then 3 M-RoPE rows) take their text
+    row; 3-D M-RoPE positions alone do not delimit samples (image tokens share positions), as for Transformers:
+    one sample per row.
     """
     if position_ids.ndim == 3:
+        if position_ids.shape[0] != 4:
+            return torch.zeros_like(position_ids[0])
         position_ids = position_ids[0]
     if position_ids.ndim == 1:
         position_ids = position_ids[None]
@@ -60,7 +64,7 @@ def segment_ids(position_ids: Tensor) -> Tensor:
 
 
 def is_packed(position_ids: Any) -> bool:
-    """Whether ``position_ids`` (2-D, or 3-D/4-D multimodal with the text row first) restart within a row."""
+    """Whether ``position_ids`` (2-D, or 4-D multimodal with the text row first) restart within a row."""
     if not isinstance(position_ids, Tensor) or position_ids.numel() == 0 or position_ids.is_meta:
         return False
     return bool((segment_ids(position_ids)[:, -1] > 0).any())

@@ -27,8 +27,9 @@ tokens are missing from ``input_ids`` fail only deep in the model, or not at all
   samples apart only without an ``attention_mask`` (it then derives a block-diagonal mask from the positions), so a
   packed row with one is refused, as is one without ``use_cache=False`` (with a key/value cache, created by default,
   Transformers assumes one sequence per row); a Qwen-VL model needs 4-D ``position_ids`` (text row first, then the
-  M-RoPE rows computed per sample: :func:`lightning_mm.hf.packing.packed_forward_inputs`), since from 2-D or 3-D ones
-  its decoder would attend across samples or fall back to 1-D image positions. The varlen keys ``cu_seq_lens_q/k`` and
+  M-RoPE rows computed per sample: :func:`lightning_mm.hf.packing.packed_forward_inputs`), since from 2-D ones its
+  decoder would attend across samples or fall back to 1-D image positions (3-D M-RoPE positions alone do not mark
+  where samples start: Transformers, and this check, see one sample per row). The varlen keys ``cu_seq_lens_q/k`` and
   ``max_length_q/k`` are read only by flash-attention: with another attention implementation they are refused (sdpa
   and eager would swallow them and attend across samples).
 
