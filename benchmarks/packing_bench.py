@@ -7,9 +7,10 @@ fp32, AdamW) trains one epoch of the same samples twice per round, order rotatin
 
 * ``padded``: ``--batch`` samples per step in a seeded shuffled order, right-padded to the longest
   (``ChatCollator``, MindSpeed MM's collator);
-* ``packed``: token-budget batches (``plan_batches``, buffer 64, seed 0) of at most ``--batch x --max-len`` tokens
-  (the padded batch's worst case, so both bound a step's activations alike), packed into one row without padding
-  (``PackedCollator``; per-sample M-RoPE positions and block-diagonal attention from ``TransformersModel``).
+* ``packed``: token-budget batches (``plan_batches``, buffer 64, seed 0) of at most ``--budget`` tokens (default
+  ``--max-len``, the longest sample: a packed step then holds no more than a padded one), packed into one row
+  without padding (``PackedCollator``; per-sample M-RoPE positions and block-diagonal attention from
+  ``TransformersModel``).
 
 The samples are a long-tailed mix drawn from a seeded generator (see :func:`draw_samples`): 75 % short captions
 (one 56x56 or 112x112 image: 4 or 16 image tokens; a 6-16 token prompt and a log-normal 4-80 token answer) and 25 %
