@@ -239,6 +239,12 @@ def test_batch_check_refuses_packed_batches_transformers_would_get_wrong(tmp_pat
     check_batch(text, packed)
     with pytest.raises(BatchCheckError, match="has an attention_mask"):
         check_batch(text, {**packed, "attention_mask": torch.ones_like(packed["input_ids"])})
+    left_padded = {"input_ids": torch.tensor([[0, 0, 11, 12, 13], [21, 22, 23, 24, 25]]),
+                   "attention_mask": torch.tensor([[0, 0, 1, 1, 1], [1, 1, 1, 1, 1]])}
+    left_padded["position_ids"] = (left_padded["attention_mask"].cumsum(-1) - 1).masked_fill(
+        left_padded["attention_mask"] == 0, 1)  # as generate() computes them: not a packed row
+    check_batch(text, left_padded)
+    assert packed_forward_inputs(text, left_padded) == left_padded
     with pytest.raises(BatchCheckError, match="cu_seq_lens_q.*read only by flash-attention"):
         check_batch(text, {**packed, "cu_seq_lens_q": torch.tensor([0, 11, 16, 33])})
 

@@ -273,6 +273,22 @@ def _check_mrope(model: nn.Module, batch: Mapping[str, Any], counts: dict[str, i
 _VARLEN_KEYS = ("cu_seq_lens_q", "cu_seq_lens_k", "max_length_q", "max_length_k")
 
 
+def _restarts_among_real_tokens(positions: torch.Tensor, mask: Any) -> bool:
+    """Whether the positions of the tokens that ``mask`` keeps restart within a row (samples packed together)."""
+    from lightning_mm.core.packing import segment_ids
+
+    if not isinstance(mask, torch.Tensor) or mask.ndim != 2:
+        return True
+    segments = segment_ids(positions)
+    if segments.shape != mask.shape:
+        return True
+    for row, keep in zip(segments, mask.bool()):
+        real = row[keep]
+        if real.numel() > 1 and bool((real != real[0]).any()):
+            return True
+    return False
+
+
 def _check_packing(model: nn.Module, batch: Mapping[str, Any]) -> None:
     from lightning_mm.core.packing import is_packed
 
@@ -287,7 +303,10 @@ def _check_packing(model: nn.Module, batch: Mapping[str, Any]) -> None:
     positions = _tensor(batch, "position_ids")
     if positions is None or positions.is_meta or not is_packed(positions):
         return
-    if batch.get("attention_mask") is not None:
+    mask = batch.get("attention_mask")
+    if mask is not None:
+        if not _restarts_among_real_tokens(positions, mask):
+            return  # positions that skip padding (generate's left-padded prompts): one sample per row
         raise BatchCheckError(
             f"the batch is packed (position_ids restart within a row) and has an attention_mask: {name} would then "
             "attend across the packed samples (Transformers derives the per-sample mask from position_ids only "

@@ -58,12 +58,12 @@ def _take(grid: Tensor | None, cursor: int, tokens: int, merge: int) -> tuple[Te
 
 
 def packed_forward_inputs(model: nn.Module, batch: Mapping[str, Any]) -> dict[str, Any]:
-    """For a packed row (``position_ids`` restarting per sample): ``batch`` with ``use_cache=False`` and, for a
-    Qwen-VL model given 2-D ``position_ids``, 4-D ``(text + M-RoPE, B, T)`` ones computed per packed sample. Any
-    other batch unchanged."""
+    """For a packed row (``position_ids`` restarting per sample, no ``attention_mask``): ``batch`` with
+    ``use_cache=False`` and, for a Qwen-VL model given 2-D ``position_ids``, 4-D ``(text + M-RoPE, B, T)`` ones
+    computed per packed sample. Any other batch unchanged."""
     out = dict(batch)
     positions = batch.get("position_ids")
-    if not is_packed(positions):
+    if batch.get("attention_mask") is not None or not is_packed(positions):
         return out
     out["use_cache"] = False
     inner = _inner(model)
@@ -93,7 +93,9 @@ def packed_forward_inputs(model: nn.Module, batch: Mapping[str, Any]) -> dict[st
 
 
 def _hook(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[tuple, dict[str, Any]] | None:
-    if args or not is_packed(kwargs.get("position_ids")):
+    # A packed row has no attention_mask (Transformers' own rule): positions with one skip padding (generate's
+    # left-padded prompts), and a packed row with one is the batch check's to refuse.
+    if args or kwargs.get("attention_mask") is not None or not is_packed(kwargs.get("position_ids")):
         return None
     return args, packed_forward_inputs(module, kwargs)
 
