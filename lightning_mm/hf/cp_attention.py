@@ -183,9 +183,7 @@ def _split_decoder_inputs(decoder: nn.Module, args: tuple, kwargs: dict[str, Any
     _STATE.all_valid = mask is None or bool(mask.all())
     _STATE.key_valid = torch.cat([valid, valid.new_zeros(valid.shape[0], padded - seq)], dim=1)
     _STATE.segments = None
-    if is_packed(positions):  # the whole row's samples, before the split (the end padding is a segment of its own)
-        if mask is not None:
-            raise ContextParallelError("a packed row (position_ids restarting per sample) takes no attention_mask")
+    if mask is None and is_packed(positions):  # the row's samples (Transformers' rule: packed rows have no mask)
         segments = segment_ids(positions)
         _STATE.segments = torch.cat([segments, segments.new_full((segments.shape[0], padded - seq), -1)], dim=1)
     kwargs.update(
