@@ -249,6 +249,10 @@ class MMDataModule(L.LightningDataModule):
             raise ValueError("MMDataModule: max_tokens_per_rank needs a map-style training dataset (with len and "
                              f"indexing) to plan the batches from its lengths, got {type(data).__name__}")
         collate = self.collate_fn
+        if not self.packing and getattr(collate, "padding", None) == "max_length":
+            raise ValueError("MMDataModule: max_tokens_per_rank counts rows x longest sample, but the data config's "
+                             "`loader.padding: max_length` pads every row to max_length; use padding: longest, or "
+                             "packing=True")
         if self.packing and not isinstance(collate, PackedCollator):
             collate = PackedCollator(stack_keys=[image_key] if (image_key := getattr(collate, "image_key", None))
                                      else [], filler=getattr(collate, "filler", None))
