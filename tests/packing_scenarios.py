@@ -1,11 +1,13 @@
-"""Token-budget batches on 2 and 4 ranks: ``python tests/packing_scenarios.py SCENARIO OUTDIR [CKPTDIR]``.
+"""Token-budget batches on 2 and 4 ranks: ``python tests/packing_scenarios.py SCENARIO OUTDIR``.
 
 A custom causal LM (:class:`TinyRopeLM`, sdpa with the packed block-diagonal mask) trains with ``MMFSDP2Strategy``
 on packed token-budget batches of samples with long-tailed lengths (``MMDataModule(packing=True,
 max_tokens_per_rank=...)``) for two epochs; FSDP2 gathers parameters in every step, so a rank that ran a step
 more than the others would hang the run. Every rank writes, per step, the epoch, the global step, the samples in
 its row (each sample's first token is its id) and the loss. ``two`` also resumes from a mid-epoch checkpoint on 2
-ranks; ``four`` resumes the 2-rank checkpoint on 4 ranks (another world size) and trains the next epoch there.
+ranks (checkpoints in ``OUTDIR/ckpt``); ``four`` resumes the 2-rank checkpoint on 4 ranks (another world size) and
+trains the next epoch there. ``two`` also runs one step of ``OUTDIR/qwen3`` (a saved Transformers Qwen3) on a
+packed row under 2-rank context parallelism.
 """
 
 from __future__ import annotations
@@ -181,7 +183,7 @@ def context_parallel_step(outdir: str, model_dir: str) -> None:
 def scenario_two(outdir: str, ckptdir: str) -> None:
     rank, full = fit(2, outdir, save_dir=ckptdir)
     _, resumed = fit(2, outdir, ckpt_path=f"{ckptdir}/epoch=0-step={RESUME_STEP}.ckpt")
-    context_parallel_step(outdir, sys.argv[4])
+    context_parallel_step(outdir, str(Path(outdir, "qwen3")))
     dump("two", outdir, rank, {"full": full, "resumed": resumed})
 
 
@@ -192,10 +194,10 @@ def scenario_four(outdir: str, ckptdir: str) -> None:
 
 
 if __name__ == "__main__":
-    name, out, ckpt = sys.argv[1], sys.argv[2], sys.argv[3]
+    name, out = sys.argv[1], sys.argv[2]
     os.makedirs(out, exist_ok=True)
     torch.set_num_threads(1)
-    globals()[f"scenario_{name}"](out, ckpt)
+    globals()[f"scenario_{name}"](out, str(Path(out, "ckpt")))
     from tests.scenario_exit import exit_cleanly
 
     exit_cleanly()

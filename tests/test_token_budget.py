@@ -4,16 +4,21 @@ a change of world size."""
 
 from __future__ import annotations
 
+import json
 import math
 from pathlib import Path
 
 import pytest
 
 from lightning_mm.core.token_budget import RankSchedule, TokenBudgetError, batch_cost, plan_batches
-from tests.conftest import ROOT, read_ranks, run_scenario
+from tests.conftest import ROOT, run_scenario
 from tests.packing_scenarios import BUFFER, EPOCHS, MAX_TOKENS, RESUME_STEP, SAMPLES, SEED, skewed_lengths
 
 SCRIPT = ROOT / "tests" / "packing_scenarios.py"
+
+
+def read_ranks(name: str, outdir: Path, ranks: int) -> list[dict]:
+    return [json.loads((outdir / f"{name}.rank{r}.json").read_text()) for r in range(ranks)]
 
 
 def _plan(epoch: int) -> list[list[int]]:
@@ -60,10 +65,9 @@ def test_token_budget_training_on_2_and_4_ranks(tmp_path: Path) -> None:
     from lightning_mm.hf.chat_collate import ChatCollator
     from tests.test_packing import _assert_grads_equal, _close, _run, plain_model, samples_of
 
-    ckpt = tmp_path / "ckpt"
     reference = plain_model("qwen3")
-    reference.save_pretrained(tmp_path / "qwen3")
-    run_scenario("two", tmp_path, script=SCRIPT, args=(str(ckpt), str(tmp_path / "qwen3")), timeout=420)
+    reference.save_pretrained(tmp_path / "qwen3")  # for the context-parallel step
+    run_scenario("two", tmp_path, script=SCRIPT, timeout=420)
     cp = torch.load(tmp_path / "cp.pt", weights_only=True)
     ref_loss, _, ref_grads = _run(reference.train(), ChatCollator(pad_token_id=0)(samples_of("qwen3")))
     assert _close(cp["loss"], ref_loss), (float(cp["loss"]), float(ref_loss))
@@ -82,7 +86,7 @@ def test_token_budget_training_on_2_and_4_ranks(tmp_path: Path) -> None:
     for rank in two:  # mid-epoch resume: the same batches and the same losses, exactly
         assert rank["resumed"] == rank["full"][RESUME_STEP:]
 
-    run_scenario("four", tmp_path, script=SCRIPT, args=(str(ckpt), str(tmp_path / "qwen3")), timeout=420)
+    run_scenario("four", tmp_path, script=SCRIPT, timeout=420)  # resumes tmp_path/ckpt
     four = read_ranks("four", tmp_path, 4)
     assert _steps_per_epoch(four, "resumed")[1] == [math.ceil(len(plans[1]) / 4)] * 4  # a whole epoch on 4 ranks
     # The 2-rank checkpoint (3 steps: 6 global batches) resumed on 4 ranks: the next unseen batches of epoch 0.
