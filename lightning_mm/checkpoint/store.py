@@ -706,6 +706,12 @@ def _load_optimizers(path: Path, source: CheckpointSource, model: nn.Module, opt
     return skipped
 
 
+def _world_size_independent(loader_states: Any) -> bool:
+    """Whether every saved loader position holds for any world size (``TokenBudgetLoader``'s global position)."""
+    return bool(loader_states) and isinstance(loader_states, list) and all(
+        isinstance(state, dict) and state.get("world_size_independent") is True for state in loader_states)
+
+
 def _rank_state(path: Path, extra: dict[str, Any], checkpoint: dict[str, Any], rank: int,
                 world_size: int) -> tuple[Any, Any]:
     """This rank's dataloader positions (into ``checkpoint``) and RNG state, when the world size is the same."""
@@ -716,6 +722,13 @@ def _rank_state(path: Path, extra: dict[str, Any], checkpoint: dict[str, Any], r
             mine = ranks[rank] or {}
             put_loader_states(checkpoint, mine.get("combined_loader"))
             rng, rng_point = mine.get("rng"), extra.get("rng_point")
+        elif _world_size_independent((ranks[0] or {}).get("combined_loader")):
+            put_loader_states(checkpoint, ranks[0]["combined_loader"])
+            rank_zero_warn(
+                f"{path} was saved on {len(ranks)} rank(s) and is loaded on {world_size}: model and optimizer state "
+                "are resharded and the token-budget loader continues with the next unseen batch of the epoch; the "
+                "per-rank RNG states are not restored"
+            )
         else:
             rank_zero_warn(
                 f"{path} was saved on {len(ranks)} rank(s) and is loaded on {world_size}: model and optimizer state "
