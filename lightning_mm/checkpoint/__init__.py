@@ -10,6 +10,7 @@
   directories is in :mod:`lightning_mm.hf.convert`.
 """
 
+from lightning_mm.checkpoint import remote
 from lightning_mm.checkpoint.atomic import remove
 from lightning_mm.checkpoint.errors import CheckpointError, CheckpointIntegrityError, CheckpointWriteError
 from lightning_mm.checkpoint.layout import (
@@ -63,6 +64,7 @@ __all__ = [
     "optimizer_state",
     "outside_inference_mode",
     "register_record_provider",
+    "remote",
     "remove",
     "restore_rng",
     "save",

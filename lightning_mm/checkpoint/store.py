@@ -42,7 +42,7 @@ from torch.distributed.tensor import DTensor, distribute_tensor
 from lightning_mm._compat import unwrap_optimizer
 from lightning_mm._rank_zero import is_rank_zero, rank_zero_info, rank_zero_warn
 from lightning_mm._tied import tied_parameter_names
-from lightning_mm.checkpoint import atomic, manifest
+from lightning_mm.checkpoint import atomic, manifest, remote
 from lightning_mm.checkpoint.errors import CheckpointIntegrityError, write_error
 from lightning_mm.checkpoint.layout import (
     EXTRA_KEY,
@@ -311,6 +311,11 @@ class CheckpointSource:
     dtypes: dict[str, torch.dtype]
     is_dcp: bool
     _tensors: dict[str, torch.Tensor] | None = field(default=None, repr=False)
+    reader: Callable[[], Any] | None = field(default=None, repr=False)
+    """Makes the DCP storage reader of a checkpoint that is not a local directory (:mod:`.remote`)."""
+
+    def _storage_reader(self) -> Any:
+        return self.reader() if self.reader is not None else SafeFileSystemReader(self.path)
 
     @property
     def extra(self) -> dict[str, Any]:
@@ -322,7 +327,7 @@ class CheckpointSource:
             return
         if self.is_dcp:
             with _single_process_quiet():
-                dcp.load(dict(destinations), storage_reader=SafeFileSystemReader(self.path),
+                dcp.load(dict(destinations), storage_reader=self._storage_reader(),
                          planner=SafeLoadPlanner(), no_dist=not _distributed())
             return
         assert self._tensors is not None
@@ -337,7 +342,7 @@ class CheckpointSource:
         out = {k: torch.empty(self.shapes[k], dtype=self.dtypes[k]) for k in keys}
         if out:
             with _single_process_quiet():
-                dcp.load(out, storage_reader=SafeFileSystemReader(self.path), planner=SafeLoadPlanner(),
+                dcp.load(out, storage_reader=self._storage_reader(), planner=SafeLoadPlanner(),
                          no_dist=True)
         return out
 
@@ -359,12 +364,16 @@ def _copy_full_into(full: torch.Tensor, dest: torch.Tensor) -> None:
             dest.copy_(full)
 
 
-def open_source(path: str | Path, full_check: bool = False) -> CheckpointSource:
+def open_source(path: str | Path, full_check: bool = False,
+                storage_options: Mapping[str, Any] | None = None) -> CheckpointSource:
     """Open a checkpoint written by this project (a DCP directory or a consolidated file), safely.
 
     The files of a DCP directory are checked against its manifest first (:func:`.manifest.verify`; whole-file
-    hashes too with ``full_check``).
+    hashes too with ``full_check``). A URL (``s3://...``) is opened through fsspec with ``storage_options``
+    (:mod:`.remote`).
     """
+    if remote.is_url(path):
+        return remote.open_source(str(path), storage_options, full_check)
     path = Path(path)
     if not path.exists():
         raise FileNotFoundError(f"checkpoint not found: {path}")
@@ -628,7 +637,7 @@ def _remap_scheduler(state: Any, sources: list[int], saved_groups: int) -> Any:
 
 
 def load(
-    path: Path,
+    path: Path | str,
     model: nn.Module,
     optimizers: Sequence[Any],
     strict: bool,
@@ -638,15 +647,18 @@ def load(
     view: StateView | None = None,
     optimizer_view: StateView | None = None,
     schedulers: Sequence[Any] = (),
+    storage_options: Mapping[str, Any] | None = None,
+    source: CheckpointSource | None = None,
 ) -> Loaded:
     """Load model (and, when ``fitting``, optimiser) state in place; every rank calls this.
 
     ``view`` and ``optimizer_view`` (as in :func:`model_state` and :func:`optimizer_state`) show the model's and the
     optimisers' tensors as the checkpoint stores them: the stored tensors are read into those views, hence into
     the model's and optimisers' own storage. ``schedulers`` (Lightning's, in the order of the checkpoint's
-    ``lr_schedulers``) tell which optimiser each scheduler state belongs to.
+    ``lr_schedulers``) tell which optimiser each scheduler state belongs to. ``path`` may be a URL, opened with
+    ``storage_options``; ``source``, when given, is the checkpoint already opened (e.g. a Hugging Face one).
     """
-    source = open_source(path)
+    source = source if source is not None else open_source(path, storage_options=storage_options)
     extra = source.extra
     if int(extra.get("format_version", FORMAT_VERSION)) > FORMAT_VERSION:
         raise ValueError(f"{path} was written by a newer lightning-mm (checkpoint format "

@@ -137,6 +137,12 @@ class MMFSDP2Strategy(ParallelStrategy):
             :class:`~lightning_mm.core.finite.NonFiniteError` naming the step and the rank(s) (the loss flags ride
             in the gradient norm's reduction, which ``train/grad_norm`` and clipping reuse). ``False`` trains on
             (e.g. with your own fp16 loss scaling, whose overflowing steps have infinite gradients by design).
+        storage_options: for checkpoints at fsspec URLs (``ModelCheckpoint(dirpath="s3://bucket/run")``,
+            ``fit(ckpt_path="s3://...")``): the keyword arguments of the fsspec file system (credentials, endpoint,
+            e.g. ``{"key": ..., "secret": ..., "client_kwargs": {"endpoint_url": ...}}``), never logged or written
+            into a checkpoint. Checkpoints at URLs are ``torch_dcp``, committed by writing their manifest last
+            (``lightning_mm.checkpoint.remote``). Lightning's ``ModelCheckpoint`` lists and checks its directory
+            through fsspec's own configuration (``FSSPEC_S3_*`` environment variables, ``~/.config/fsspec``).
 
     ``Trainer(sync_batchnorm=True)`` converts the BatchNorm layers to ``torch.nn.SyncBatchNorm`` before sharding (as
     DDP and FSDP do). ``StochasticWeightAveraging`` is refused at setup: its averaging mixes DTensor and plain
@@ -167,6 +173,7 @@ class MMFSDP2Strategy(ParallelStrategy):
         context_parallel_size: int = 1,
         context_parallel_algo: str = "ulysses",
         stop_on_nonfinite: bool = True,
+        storage_options: dict[str, Any] | None = None,
     ) -> None:
         super().__init__(
             accelerator=accelerator,
@@ -201,6 +208,9 @@ class MMFSDP2Strategy(ParallelStrategy):
         if not isinstance(stop_on_nonfinite, bool):
             raise TypeError(f"stop_on_nonfinite must be True or False, got {stop_on_nonfinite!r}")
         self.stop_on_nonfinite = stop_on_nonfinite
+        if storage_options is not None and not isinstance(storage_options, Mapping):
+            raise TypeError(f"storage_options must be a dict, got {type(storage_options).__name__}")
+        self._storage_options = dict(storage_options) if storage_options is not None else None
 
     # ------------------------------------------------------------------------------------ properties
     @property
@@ -676,12 +686,14 @@ class MMFSDP2Strategy(ParallelStrategy):
     @checkpoint.outside_inference_mode
     def save_checkpoint(self, checkpoint: dict[str, Any], filepath: _PATH, storage_options: Any | None = None) -> None:
         """Write a checkpoint with every rank (``torch_dcp``) or from rank 0 (``torch``); visible once complete."""
-        if storage_options is not None:
-            raise TypeError("MMFSDP2Strategy writes its checkpoints itself; `storage_options` is not supported")
+        target = self.broadcast(str(filepath))
+        if storage_options is not None and not ckpt.remote.is_url(target):
+            raise TypeError("MMFSDP2Strategy writes its checkpoints itself; `storage_options` is only used for "
+                            "checkpoints at URLs (s3://...)")
         self._check_checkpoint_io()
         lm = self.lightning_module
         assert lm is not None
-        path = Path(self.broadcast(str(filepath)))
+        path = target if ckpt.remote.is_url(target) else Path(target)
         extra = {
             "format_version": ckpt.FORMAT_VERSION,
             "kind": ckpt.KIND_TRAINING,
@@ -692,6 +704,11 @@ class MMFSDP2Strategy(ParallelStrategy):
         }
         if self.checkpoint_format == "torch" and "optimizer_states" in checkpoint:  # what the indices stand for
             extra[ckpt.OPTIMIZER_NAMES_KEY] = ckpt.optimizer_param_names(lm, self.optimizers)
+        if isinstance(path, str):  # a URL
+            options = storage_options if storage_options is not None else self._storage_options
+            ckpt.remote.save(checkpoint, path, self.checkpoint_format, extra, ckpt.capture_rng(self.root_device),
+                             options)
+            return
         ckpt.save(checkpoint, path, self.checkpoint_format, extra, ckpt.capture_rng(self.root_device))
 
     @override
@@ -708,13 +725,15 @@ class MMFSDP2Strategy(ParallelStrategy):
         self._check_checkpoint_io()
         lm = self.lightning_module
         assert lm is not None
-        path = Path(self.broadcast(str(checkpoint_path)))
+        path = self.broadcast(str(checkpoint_path))
+        path = path if ckpt.remote.is_url(path) else Path(path)
         fitting = lm.trainer.state.fn == TrainerFn.FITTING
         strict = lm.strict_loading if self._strict_loading is None else self._strict_loading
         loaded = checkpoint.load(path, lm, self.optimizers if fitting else [], strict=strict, rank=self.global_rank,
                                  world_size=self.world_size, fitting=fitting, view=self._expert_view("model"),
                                  optimizer_view=self._expert_view("optimizer"),
-                                 schedulers=[c.scheduler for c in self.lr_scheduler_configs])
+                                 schedulers=[c.scheduler for c in self.lr_scheduler_configs],
+                                 storage_options=self._storage_options)
         self._pending_rng, self._pending_rng_point = loaded.rng, loaded.rng_point
         self._pending_rng_step = loaded.checkpoint.get("global_step")
         return loaded.checkpoint
@@ -745,7 +764,10 @@ class MMFSDP2Strategy(ParallelStrategy):
     def remove_checkpoint(self, filepath: _PATH) -> None:
         """Delete a checkpoint (rank 0): a directory is moved out of sight before it is deleted."""
         if self.is_global_zero:
-            checkpoint.remove(Path(filepath))
+            if ckpt.remote.is_url(str(filepath)):
+                ckpt.remote.remove(str(filepath), self._storage_options)
+            else:
+                checkpoint.remove(Path(filepath))
 
     @classmethod
     @override
