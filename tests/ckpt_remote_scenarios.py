@@ -1,0 +1,94 @@
+"""Checkpoints at S3 URLs: ``python tests/ckpt_remote_scenarios.py SCENARIO WORKDIR``.
+
+Real 2-rank Lightning jobs on CPU (gloo) writing to and resuming from an S3 API server on localhost (started by
+tests/test_checkpoint_remote.py, which writes its endpoint and the credentials to ``WORKDIR/s3.json``). The
+strategy gets the credentials through ``storage_options``; Lightning's ``ModelCheckpoint`` lists its directory
+through fsspec's configuration, given other (dummy) credentials here, so that the secret of ``storage_options``
+can only reach the store through the strategy. Each scenario writes ``WORKDIR/SCENARIO.rank{R}.json``.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+import warnings
+from pathlib import Path
+from typing import Any
+
+import fsspec
+import torch
+from lightning.pytorch.callbacks import ModelCheckpoint
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+import tests.ckpt_scenarios as base  # noqa: E402
+from lightning_mm import MMFSDP2Strategy  # noqa: E402
+from tests.ckpt_scenarios import FSDP, Recorder, dump, fit, kill_rank1_during_save  # noqa: E402
+
+STEPS = 6
+
+
+def _settings(work: Path) -> dict[str, Any]:
+    settings = json.loads((work / "s3.json").read_text())
+    fsspec.config.conf["s3"] = {"key": "lightning-fs-key", "secret": "lightning-fs-secret",  # ModelCheckpoint's
+                                "client_kwargs": {"endpoint_url": settings["endpoint"], "region_name": "eu-west-1"}}
+    return settings
+
+
+def _strategy(settings: dict[str, Any]) -> MMFSDP2Strategy:
+    return MMFSDP2Strategy(FSDP, storage_options=settings["storage_options"])
+
+
+def _every_two(url: str, **kwargs: Any) -> ModelCheckpoint:
+    return ModelCheckpoint(dirpath=url, filename="{step}", every_n_train_steps=2, **kwargs)
+
+
+def scenario_crash(work: Path) -> None:
+    """Rank 1 is killed in the middle of the 4th save (step 4's overwrite of last.ckpt)."""
+    settings = _settings(work)
+    kill_rank1_during_save(4)
+    fit(_strategy(settings), STEPS, callbacks=[_every_two(f"{settings['bucket']}/crash", save_top_k=-1,
+                                                           save_last=True)])
+
+
+def scenario_main(work: Path) -> None:
+    """ModelCheckpoint to S3 (all, top-1 with removals, last), exact resume from a URL, resume after the crash."""
+    settings = _settings(work)
+    bucket = settings["bucket"]
+    out: dict[str, Any] = {}
+    every = _every_two(f"{bucket}/run", save_top_k=-1, save_last=True)
+    latest = _every_two(f"{bucket}/top", save_top_k=1, monitor="step", mode="max")
+    t, rec = fit(_strategy(settings), STEPS, callbacks=[every, latest, Recorder(ref_to=work / "ref6.pt",
+                                                                                dump_at_step=STEPS)])
+    rank = t.global_rank
+    out["uninterrupted"] = rec.losses
+
+    _, rec = fit(_strategy(settings), STEPS, ckpt_path=f"{bucket}/run/step=4.ckpt",
+                 callbacks=[Recorder(ref_to=work / "resumed6.pt", dump_at_step=STEPS)])
+    out["resumed_4"] = {"start": rec.start_step, "losses": rec.losses}
+
+    # After the crash: last.ckpt is the step-2 one; the resumed run's first save removes the crash's staging.
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        _, rec = fit(_strategy(settings), 4, ckpt_path=f"{bucket}/crash/last.ckpt",
+                     callbacks=[_every_two(f"{bucket}/crash", save_top_k=-1, save_last=True)])
+    out["resumed_last_after_crash"] = {"start": rec.start_step, "losses": rec.losses}
+
+    # The torch format cannot be written to a URL: a clear error before anything is written.
+    try:
+        t = base.trainer(MMFSDP2Strategy(FSDP, checkpoint_format="torch", storage_options=settings["storage_options"]),
+                         1)
+        t.fit(base.Net(), datamodule=base.Data())
+        t.save_checkpoint(f"{bucket}/torchfmt.ckpt")
+        out["torch_format_error"] = None
+    except ValueError as error:
+        out["torch_format_error"] = str(error)
+    dump("main", work, rank, out)
+
+
+if __name__ == "__main__":
+    name, workdir = sys.argv[1], Path(sys.argv[2])
+    base.WORK = workdir
+    torch.set_num_threads(1)
+    globals()[f"scenario_{name}"](workdir)
