@@ -1,4 +1,5 @@
-"""Checkpoints at S3 URLs: ``python tests/ckpt_remote_scenarios.py SCENARIO WORKDIR``.
+"""Checkpoints at S3 URLs, and Hugging Face weights in checkpoints: ``python tests/ckpt_remote_scenarios.py SCENARIO
+WORKDIR``.
 
 Real 2-rank Lightning jobs on CPU (gloo) writing to and resuming from an S3 API server on localhost (started by
 tests/test_checkpoint_remote.py, which writes its endpoint and the credentials to ``WORKDIR/s3.json``). The
@@ -23,7 +24,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 import tests.ckpt_scenarios as base  # noqa: E402
-from lightning_mm import MMFSDP2Strategy  # noqa: E402
+from lightning_mm import MMFSDP2Strategy, MMLightningModule  # noqa: E402
 from tests.ckpt_scenarios import FSDP, Recorder, dump, fit, kill_rank1_during_save  # noqa: E402
 
 STEPS = 6
@@ -85,6 +86,55 @@ def scenario_main(work: Path) -> None:
     except ValueError as error:
         out["torch_format_error"] = str(error)
     dump("main", work, rank, out)
+
+
+# ------------------------------------------------------------------------------------ Hugging Face weights
+QWEN_FSDP = {"sharding_size": "auto", "sub_modules_to_wrap": ["model.layers.{*}"]}
+
+
+def tiny_qwen3_config() -> Any:
+    from transformers import Qwen3Config
+
+    return Qwen3Config(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+                       num_key_value_heads=2, head_dim=8, max_position_embeddings=32, tie_word_embeddings=True)
+
+
+class QwenModule(MMLightningModule):
+    def __init__(self) -> None:
+        super().__init__(lr=1e-2)
+
+    def model_provider(self) -> Any:
+        from transformers import Qwen3ForCausalLM
+
+        torch.manual_seed(7)
+        return Qwen3ForCausalLM(tiny_qwen3_config())
+
+
+def _qwen(steps: int, fmt: str, ckpt_path: str | None = None, callbacks: list | None = None,
+          **kwargs: Any) -> tuple[Any, Any]:
+    strategy = MMFSDP2Strategy(QWEN_FSDP, empty_init=False, checkpoint_format=fmt, **kwargs)
+    return fit(strategy, steps, ckpt_path=ckpt_path, callbacks=callbacks, module=QwenModule(), data=base.LlamaData())
+
+
+def scenario_hf(work: Path) -> None:
+    """checkpoint_format="hf" (ModelCheckpoint), a weights-only resume from it; "torch_dcp+hf" in bf16, an exact
+    resume from its DCP part."""
+    out: dict[str, Any] = {}
+    t, _ = _qwen(2, "hf", callbacks=[ModelCheckpoint(dirpath=work / "hf", filename="{step}", every_n_train_steps=2,
+                                                     save_top_k=-1), Recorder(ref_to=work / "hf_ref.pt",
+                                                                              dump_at_step=2)])
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        t, rec = _qwen(3, "torch_dcp+hf", ckpt_path=str(work / "hf" / "step=2.ckpt"), save_ckpt_dtype="bf16",
+                       callbacks=[Recorder(dump_to=work / "hf_loaded.pt", ref_to=work / "both_ref.pt",
+                                           dump_at_step=3)])
+    out["weights_only"] = {"start": rec.start_step, "warnings": [str(w.message) for w in caught
+                                                                 if "weights only" in str(w.message)]}
+    t.save_checkpoint(work / "both.ckpt")
+    _, rec = _qwen(4, "torch_dcp+hf", ckpt_path=str(work / "both.ckpt"),
+                   callbacks=[Recorder(dump_to=work / "both_loaded.pt")])
+    out["exact"] = {"start": rec.start_step}
+    dump("hf", work, t.global_rank, out)
 
 
 if __name__ == "__main__":

@@ -40,6 +40,7 @@ from lightning_mm._compat import (
     attached_trainer,
     set_device_mesh,
 )
+from lightning_mm.checkpoint import hf_weights
 from lightning_mm.core import apply
 from lightning_mm.core.backend import process_group_backend
 from lightning_mm.core.config import FSDP2Config
@@ -47,6 +48,7 @@ from lightning_mm.core.grad_mode import leave_inference_mode, outside_inference_
 from lightning_mm.core.init_context import meta_parameters
 from lightning_mm.core.optimizer import use_fused_steps
 from lightning_mm.core.plan import ShardingPlan, build_plan
+from lightning_mm.hf.checkpoint_format import HF_FORMATS, plan_weights
 from lightning_mm.strategies import stopping
 from lightning_mm.strategies.cp_setup import ContextParallelSetup
 from lightning_mm.strategies.launch import CheckingLauncher, CheckingSubprocessScriptLauncher
@@ -116,7 +118,12 @@ class MMFSDP2Strategy(ParallelStrategy):
             (default ``True``); ``False`` builds it eagerly on every rank.
         checkpoint_format: ``"torch_dcp"`` (default): each checkpoint is a directory written in parallel by all
             ranks with torch.distributed.checkpoint; ``"torch"``: one consolidated file written by rank 0. Both
-            load on any world size and are written atomically.
+            load on any world size and are written atomically. ``"hf"``: the directory holds the model weights as
+            Hugging Face safetensors (``save_pretrained``'s names, ``config.json``: it loads with
+            ``from_pretrained``), written sharded by every rank and consolidated (DCP's Hugging Face storage);
+            resuming from it is weights-only (fresh optimiser, schedule and loops, with a warning).
+            ``"torch_dcp+hf"``: the full ``torch_dcp`` training state plus those safetensors in the same
+            directory (resumes exactly from the DCP part). See ``lightning_mm.hf.checkpoint_format``.
         strict_loading: ``None`` (default) follows the LightningModule's ``strict_loading`` (``True`` unless set):
             a checkpoint whose keys differ from the model's fails with the list of keys. ``False`` loads the
             matching keys and warns with the list of skipped ones.
@@ -137,6 +144,9 @@ class MMFSDP2Strategy(ParallelStrategy):
             :class:`~lightning_mm.core.finite.NonFiniteError` naming the step and the rank(s) (the loss flags ride
             in the gradient norm's reduction, which ``train/grad_norm`` and clipping reuse). ``False`` trains on
             (e.g. with your own fp16 loss scaling, whose overflowing steps have infinite gradients by design).
+        save_ckpt_dtype: ``"fp32"``, ``"fp16"`` or ``"bf16"`` casts the floating weights of the Hugging Face part
+            (``checkpoint_format`` ``"hf"``/``"torch_dcp+hf"``; MindSpeed MM's ``save_ckpt_dtype``); ``None``
+            keeps the model's dtype. The DCP part is never cast.
         storage_options: for checkpoints at fsspec URLs (``ModelCheckpoint(dirpath="s3://bucket/run")``,
             ``fit(ckpt_path="s3://...")``): the keyword arguments of the fsspec file system (credentials, endpoint,
             e.g. ``{"key": ..., "secret": ..., "client_kwargs": {"endpoint_url": ...}}``), never logged or written
@@ -174,6 +184,7 @@ class MMFSDP2Strategy(ParallelStrategy):
         context_parallel_algo: str = "ulysses",
         stop_on_nonfinite: bool = True,
         storage_options: dict[str, Any] | None = None,
+        save_ckpt_dtype: str | None = None,
     ) -> None:
         super().__init__(
             accelerator=accelerator,
@@ -192,9 +203,15 @@ class MMFSDP2Strategy(ParallelStrategy):
         self._plan: ShardingPlan | None = None
         self._sharded: apply.ShardedModel | None = None
         self._gradient_sync = True
-        if checkpoint_format not in checkpoint.FORMATS:
-            raise ValueError(f"checkpoint_format must be one of {checkpoint.FORMATS}, got {checkpoint_format!r}")
+        if checkpoint_format not in (*checkpoint.FORMATS, *HF_FORMATS):
+            raise ValueError(f"checkpoint_format must be one of {(*checkpoint.FORMATS, *HF_FORMATS)}, got "
+                             f"{checkpoint_format!r}")
         self.checkpoint_format = checkpoint_format
+        self._save_dtype = hf_weights.check_dtype(save_ckpt_dtype)
+        if save_ckpt_dtype is not None and checkpoint_format not in HF_FORMATS:
+            raise ValueError(f"save_ckpt_dtype={save_ckpt_dtype!r} casts the Hugging Face weights of a checkpoint: "
+                             f"it needs checkpoint_format 'hf' or 'torch_dcp+hf', not {checkpoint_format!r}")
+        self.save_ckpt_dtype = save_ckpt_dtype
         self._strict_loading = strict_loading
         self._fused_optimizer_step = fused_optimizer_step
         self._pending_rng: dict[str, Any] | None = None
@@ -704,12 +721,29 @@ class MMFSDP2Strategy(ParallelStrategy):
         }
         if self.checkpoint_format == "torch" and "optimizer_states" in checkpoint:  # what the indices stand for
             extra[ckpt.OPTIMIZER_NAMES_KEY] = ckpt.optimizer_param_names(lm, self.optimizers)
+        if self.checkpoint_format in HF_FORMATS:
+            self._save_with_hf_weights(checkpoint, path, extra)
+            return
         if isinstance(path, str):  # a URL
             options = storage_options if storage_options is not None else self._storage_options
             ckpt.remote.save(checkpoint, path, self.checkpoint_format, extra, ckpt.capture_rng(self.root_device),
                              options)
             return
         ckpt.save(checkpoint, path, self.checkpoint_format, extra, ckpt.capture_rng(self.root_device))
+
+    def _save_with_hf_weights(self, checkpoint: dict[str, Any], path: Path | str, extra: dict[str, Any]) -> None:
+        """``checkpoint_format`` ``"hf"`` (the weights only, as safetensors) or ``"torch_dcp+hf"`` (both)."""
+        if isinstance(path, str):
+            raise ValueError(f"{path}: checkpoint_format={self.checkpoint_format!r} cannot be written to a URL; "
+                             "checkpoints at URLs are 'torch_dcp' directories")
+        state = checkpoint.get("state_dict") or {}
+        weights = plan_weights(self.lightning_module, list(state))
+        extra[hf_weights.RECORD_KEY] = weights.record(self.save_ckpt_dtype)
+        if self.checkpoint_format == "hf":
+            checkpoint = {k: v for k, v in checkpoint.items() if k not in ("state_dict", "optimizer_states")}
+            extra["kind"] = ckpt.KIND_WEIGHTS
+        ckpt.save(checkpoint, path, "torch_dcp", extra, ckpt.capture_rng(self.root_device),
+                  also_write=weights.writer(state, self._save_dtype))
 
     @override
     @checkpoint.outside_inference_mode
