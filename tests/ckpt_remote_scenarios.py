@@ -139,6 +139,7 @@ def scenario_hf(work: Path) -> None:
 
 if __name__ == "__main__":
     name, workdir = sys.argv[1], Path(sys.argv[2])
+    workdir.mkdir(parents=True, exist_ok=True)
     base.WORK = workdir
     torch.set_num_threads(1)
     globals()[f"scenario_{name}"](workdir)
