@@ -76,15 +76,6 @@ def scenario_main(work: Path) -> None:
                      callbacks=[_every_two(f"{bucket}/crash", save_top_k=-1, save_last=True)])
     out["resumed_last_after_crash"] = {"start": rec.start_step, "losses": rec.losses}
 
-    # The torch format cannot be written to a URL: a clear error before anything is written.
-    try:
-        t = base.trainer(MMFSDP2Strategy(FSDP, checkpoint_format="torch", storage_options=settings["storage_options"]),
-                         1)
-        t.fit(base.Net(), datamodule=base.Data())
-        t.save_checkpoint(f"{bucket}/torchfmt.ckpt")
-        out["torch_format_error"] = None
-    except ValueError as error:
-        out["torch_format_error"] = str(error)
     dump("main", work, rank, out)
 
 

@@ -106,10 +106,6 @@ def test_a_save_killed_midway_leaves_last_resumable_and_its_staging_is_cleaned_u
     assert left == ["last.ckpt", "step=2.ckpt", "step=4-v1.ckpt", "step=4.ckpt"]  # Lightning versions the name
 
 
-def test_the_torch_format_is_refused_for_a_url(work):
-    assert "checkpoint_format='torch' cannot be written to a URL" in work["main"][0]["torch_format_error"]
-
-
 def test_credentials_reach_no_object_and_no_log(s3, work):
     fs = s3["fs"]
     objects = fs.find(BUCKET)
@@ -205,3 +201,33 @@ def test_an_abandoned_staging_prefix_is_removed_by_the_next_save_and_live_ones_a
 def test_url_detection():
     assert remote.is_url("s3://bucket/run") and remote.is_url("memory://x") and remote.is_url("gs://b/c")
     assert not remote.is_url("/tmp/x") and not remote.is_url("file:///tmp/x") and not remote.is_url(Path("s3:/x"))
+
+
+def test_convert_reads_and_writes_urls(tmp_path):
+    from lightning_mm.commands import convert as convert_cmd
+
+    model, _, checkpoint = _trained()
+    remote.save(checkpoint, "memory://mm-convert/a.ckpt", "torch_dcp", {"kind": "training"}, None)
+    assert convert_cmd.main(["dcp-to-torch", "memory://mm-convert/a.ckpt", "memory://mm-convert/a.pt"]) == 0
+    fs = fsspec.filesystem("memory")
+    assert _names(fs, "/mm-convert") == ["a.ckpt", "a.pt"]
+    fs.get_file("/mm-convert/a.pt", str(tmp_path / "a.pt"))
+    full = torch.load(tmp_path / "a.pt", weights_only=True)
+    for name, value in model.state_dict().items():
+        assert torch.equal(full["state_dict"][name], value)
+    assert convert_cmd.main(["dcp-to-torch", "memory://mm-convert/a.ckpt", "memory://mm-convert/a.pt"]) == 1  # exists
+    options = tmp_path / "options.json"
+    options.write_text("{}")
+    assert convert_cmd.main(["dcp-to-torch", "memory://mm-convert/a.ckpt", str(tmp_path / "b.pt"),
+                             "--storage-options", str(options)]) == 0
+    assert torch.equal(torch.load(tmp_path / "b.pt", weights_only=True)["state_dict"]["0.weight"], model[0].weight)
+    fs.rm_file("/mm-convert/a.ckpt/manifest.json")
+    assert convert_cmd.main(["dcp-to-torch", "memory://mm-convert/a.ckpt", str(tmp_path / "c.pt")]) == 1
+    assert not (tmp_path / "c.pt").exists()
+
+
+def test_torch_format_to_a_url_is_refused_before_anything_is_written():
+    _, _, checkpoint = _trained()
+    with pytest.raises(ValueError, match="checkpoint_format='torch' cannot be written to a URL"):
+        remote.save(checkpoint, "memory://mm-torch/a.ckpt", "torch", {}, None)
+    assert not fsspec.filesystem("memory").exists("/mm-torch")

@@ -56,7 +56,7 @@ from lightning_mm.checkpoint.safe import (
     check_weights_only,
 )
 
-__all__ = ["is_url", "RemoteStore", "save", "open_source", "remove"]
+__all__ = ["is_url", "RemoteStore", "save", "open_source", "remove", "download", "upload"]
 
 _URL = re.compile(r"^(?P<protocol>[A-Za-z][A-Za-z0-9+.-]*)://")
 _LOCAL = ("file", "local")
@@ -401,3 +401,56 @@ def remove(url: str, storage_options: Mapping[str, Any] | None = None) -> None:
         store._delete(store.root)
     except OSError as err:
         raise CheckpointWriteError(err.errno or errno.EIO, f"removing the checkpoint failed: {err}", url) from None
+
+
+# ------------------------------------------------------------------------------------------- copying
+def download(url: str, directory: Any, storage_options: Mapping[str, Any] | None = None,
+             checkpoint: bool = True) -> None:
+    """Copy what ``url`` holds into the new local ``directory`` (the converters read it there). A ``checkpoint``
+    (``torch_dcp``) is checked against its manifest first, every object hashed whole; a Hugging Face directory
+    (``checkpoint=False``) is copied as it is, its top-level objects only."""
+    store = RemoteStore(url, storage_options)
+    if checkpoint:
+        open_source(url, storage_options, full_check=True)
+        names = [*_manifest(store)["files"], MANIFEST_FILE]
+    else:
+        if not store.fs.isdir(store.root):
+            raise CheckpointNotFoundError(f"not found: {store.url} (a directory of Hugging Face files)")
+        names = sorted(posixpath.basename(p["name"]) for p in store.fs.ls(store.root, detail=True)
+                       if p.get("type") == "file")
+    for name in names:
+        if not is_plain_file_name(name):
+            raise CheckpointIntegrityError(f"{store.url}: names {name!r}, not a plain file name")
+        store.fs.get_file(f"{store.root}/{name}", str(directory / name))
+
+
+def upload(local: Any, url: str, storage_options: Mapping[str, Any] | None = None, force: bool = False) -> None:
+    """Copy a converter's local output (a file, or a directory of files) to ``url``: staged first, then committed
+    by copying, the directory's ``manifest.json`` (else its ``config.json``) last. An existing ``url`` is refused
+    unless ``force``."""
+    store = RemoteStore(url, storage_options)
+    if store.fs.exists(store.root) and not force:
+        raise FileExistsError(f"output exists: {store.url} (add --force to replace it)")
+    store.remove_abandoned()
+    staging = store.staging()
+    try:
+        if local.is_file():
+            store.fs.put_file(str(local), staging)
+            if store.fs.exists(store.root):
+                store._delete(store.root)
+            store.fs.copy(staging, store.root)
+            store.fs.rm_file(staging)
+            return
+        names = sorted(p.name for p in local.iterdir() if p.is_file())
+        last = MANIFEST_FILE if MANIFEST_FILE in names else "config.json" if "config.json" in names else None
+        for name in names:
+            store.fs.put_file(str(local / name), f"{staging}/{name}")
+        if store.fs.exists(store.root):
+            store._delete(store.root)
+        for name in [n for n in names if n != last] + ([last] if last else []):
+            store.fs.copy(f"{staging}/{name}", f"{store.root}/{name}")
+        store._delete(staging)
+    except Exception:
+        with contextlib.suppress(Exception):
+            store._delete(staging)
+        raise
