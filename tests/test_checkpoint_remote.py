@@ -66,7 +66,8 @@ def work(s3, tmp_path_factory: pytest.TempPathFactory) -> dict:
         staged_error = str(caught.value)
     main = run_scenario("main", work, script=SCRIPT)
     fs.invalidate_cache()
-    return {"dir": work, "after_crash": after_crash, "last_step": last_step, "staged_error": staged_error, "staged_url": staged_url,
+    return {"dir": work, "after_crash": after_crash, "last_step": last_step, "staged_error": staged_error,
+            "staged_url": staged_url,
             "logs": crash.stdout + crash.stderr + main.stdout + main.stderr,
             "main": [json.loads((work / f"main.rank{r}.json").read_text()) for r in range(2)]}
 
@@ -162,7 +163,8 @@ def test_memory_url_round_trip_replace_and_remove():
     assert _load(url, fresh, fresh_optimizer).checkpoint["global_step"] == 1
     for a, b in zip(model.parameters(), fresh.parameters()):
         assert torch.equal(a, b)
-    assert torch.equal(optimizer.state_dict()["state"][0]["exp_avg"], fresh_optimizer.state_dict()["state"][0]["exp_avg"])
+    saved, loaded = optimizer.state_dict()["state"][0], fresh_optimizer.state_dict()["state"][0]
+    assert torch.equal(saved["exp_avg"], loaded["exp_avg"])
     remote.remove(url)
     assert _names(fs, "/mm-run") == []
 
