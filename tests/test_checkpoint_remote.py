@@ -149,7 +149,8 @@ def _fresh() -> tuple[nn.Module, torch.optim.Optimizer]:
 
 
 def _load(url: str, model: nn.Module, optimizer: torch.optim.Optimizer) -> store.Loaded:
-    return store.load(url, model, [optimizer], strict=True, rank=0, world_size=1, fitting=True)
+    return store.load(url, model, [optimizer], strict=True, rank=0, world_size=1, fitting=True,
+                      source=remote.open_source(url))
 
 
 def test_memory_url_round_trip_replace_and_remove():

@@ -55,6 +55,15 @@ from lightning_mm.checkpoint.safe import (
     _unpickler_reason,
     check_weights_only,
 )
+from lightning_mm.checkpoint.store import (
+    CheckpointSource,
+    _agree,
+    _broadcast,
+    _copy_loops,
+    _distributed,
+    _gather,
+    _single_process_quiet,
+)
 
 __all__ = ["is_url", "RemoteStore", "save", "open_source", "remove", "download", "upload"]
 
@@ -193,15 +202,6 @@ def save(checkpoint: dict[str, Any], url: str, fmt: str, extra: dict[str, Any], 
          storage_options: Mapping[str, Any] | None = None) -> None:
     """Write a ``torch_dcp`` checkpoint to ``url`` (see the module docstring); every rank calls this, as
     :func:`.store.save`."""
-    from lightning_mm.checkpoint.store import (
-        _agree,
-        _broadcast,
-        _copy_loops,
-        _distributed,
-        _gather,
-        _single_process_quiet,
-    )
-
     if fmt != "torch_dcp":
         raise ValueError(f"{url}: checkpoint_format={fmt!r} cannot be written to a URL; checkpoints at URLs are "
                          "'torch_dcp' directories")
@@ -361,10 +361,9 @@ def _meta(store: RemoteStore, data: bytes) -> dict[str, Any]:
     return meta
 
 
-def open_source(url: str, storage_options: Mapping[str, Any] | None = None, full_check: bool = False) -> Any:
+def open_source(url: str, storage_options: Mapping[str, Any] | None = None,
+                full_check: bool = False) -> CheckpointSource:
     """Open the checkpoint at ``url`` (checked against its manifest first) as a :class:`.store.CheckpointSource`."""
-    from lightning_mm.checkpoint.store import CheckpointSource
-
     store = RemoteStore(url, storage_options)
     manifest = _manifest(store)
     read = {name: _read(store, name) for name in (".metadata", META_FILE)}

@@ -42,7 +42,7 @@ from torch.distributed.tensor import DTensor, distribute_tensor
 from lightning_mm._compat import unwrap_optimizer
 from lightning_mm._rank_zero import is_rank_zero, rank_zero_info, rank_zero_warn
 from lightning_mm._tied import tied_parameter_names
-from lightning_mm.checkpoint import atomic, hf_weights, manifest, remote
+from lightning_mm.checkpoint import atomic, hf_weights, manifest
 from lightning_mm.checkpoint.errors import CheckpointIntegrityError, write_error
 from lightning_mm.checkpoint.layout import (
     EXTRA_KEY,
@@ -376,16 +376,12 @@ def _copy_full_into(full: torch.Tensor, dest: torch.Tensor) -> None:
             dest.copy_(full)
 
 
-def open_source(path: str | Path, full_check: bool = False,
-                storage_options: Mapping[str, Any] | None = None) -> CheckpointSource:
+def open_source(path: str | Path, full_check: bool = False) -> CheckpointSource:
     """Open a checkpoint written by this project (a DCP directory or a consolidated file), safely.
 
     The files of a DCP directory are checked against its manifest first (:func:`.manifest.verify`; whole-file
-    hashes too with ``full_check``). A URL (``s3://...``) is opened through fsspec with ``storage_options``
-    (:mod:`.remote`).
+    hashes too with ``full_check``). (A checkpoint at a URL is opened by :func:`.remote.open_source`.)
     """
-    if remote.is_url(path):
-        return remote.open_source(str(path), storage_options, full_check)
     path = Path(path)
     if not path.exists():
         raise FileNotFoundError(f"checkpoint not found: {path}")
@@ -664,7 +660,6 @@ def load(
     view: StateView | None = None,
     optimizer_view: StateView | None = None,
     schedulers: Sequence[Any] = (),
-    storage_options: Mapping[str, Any] | None = None,
     source: CheckpointSource | None = None,
 ) -> Loaded:
     """Load model (and, when ``fitting``, optimiser) state in place; every rank calls this.
@@ -672,10 +667,10 @@ def load(
     ``view`` and ``optimizer_view`` (as in :func:`model_state` and :func:`optimizer_state`) show the model's and the
     optimisers' tensors as the checkpoint stores them: the stored tensors are read into those views, hence into
     the model's and optimisers' own storage. ``schedulers`` (Lightning's, in the order of the checkpoint's
-    ``lr_schedulers``) tell which optimiser each scheduler state belongs to. ``path`` may be a URL, opened with
-    ``storage_options``; ``source``, when given, is the checkpoint already opened (e.g. a Hugging Face one).
+    ``lr_schedulers``) tell which optimiser each scheduler state belongs to. ``source``, when given, is the
+    checkpoint at ``path`` already opened (e.g. one at a URL: :func:`.remote.open_source`).
     """
-    source = source if source is not None else open_source(path, storage_options=storage_options)
+    source = source if source is not None else open_source(path)
     extra = source.extra
     if int(extra.get("format_version", FORMAT_VERSION)) > FORMAT_VERSION:
         raise ValueError(f"{path} was written by a newer lightning-mm (checkpoint format "

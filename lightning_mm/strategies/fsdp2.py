@@ -767,7 +767,8 @@ class MMFSDP2Strategy(ParallelStrategy):
                                  world_size=self.world_size, fitting=fitting, view=self._expert_view("model"),
                                  optimizer_view=self._expert_view("optimizer"),
                                  schedulers=[c.scheduler for c in self.lr_scheduler_configs],
-                                 storage_options=self._storage_options)
+                                 source=ckpt.remote.open_source(path, self._storage_options)
+                                 if isinstance(path, str) else None)
         self._pending_rng, self._pending_rng_point = loaded.rng, loaded.rng_point
         self._pending_rng_step = loaded.checkpoint.get("global_step")
         return loaded.checkpoint
