@@ -109,3 +109,24 @@ def test_save_ckpt_dtype_is_checked():
         MMFSDP2Strategy(save_ckpt_dtype="bf16")
     with pytest.raises(ValueError, match="checkpoint_format must be one of"):
         MMFSDP2Strategy(checkpoint_format="safetensors")
+
+
+def test_the_names_are_save_pretrained_ones_and_what_has_none_is_refused():
+    from torch import nn
+    from transformers import Qwen3ForCausalLM
+
+    from lightning_mm.hf.checkpoint_format import plan_weights
+    from tests.ckpt_remote_scenarios import tiny_qwen3_config
+
+    root = nn.Module()
+    root.model = Qwen3ForCausalLM(tiny_qwen3_config())
+    fqns = list(root.state_dict())
+    weights = plan_weights(root, fqns)
+    assert "model.lm_head.weight" in fqns and "model.lm_head.weight" not in weights.keys  # tied: stored once
+    assert weights.keys["model.model.embed_tokens.weight"] == "model.embed_tokens.weight"
+    assert set(weights.keys.values()) == set(root.model.state_dict()) - {"lm_head.weight"}
+    root.head = nn.Linear(2, 2)
+    with pytest.raises(ValueError, match=r"2 model tensor\(s\) are outside the Qwen3ForCausalLM model .*head.weight"):
+        plan_weights(root, list(root.state_dict()))
+    plain = nn.Sequential(nn.Linear(2, 2))
+    assert plan_weights(plain, list(plain.state_dict())).keys == {"0.weight": "0.weight", "0.bias": "0.bias"}
