@@ -97,6 +97,7 @@ class RemoteStore:
         self.protocol = _URL.match(self.url)["protocol"]  # type: ignore[index]
         self.options = dict(storage_options or {})
         self.fs, root = url_to_fs(self.url, **self.options)
+        self.fs.invalidate_cache()  # other processes (ranks, runs) write here: no listing is reused
         self.root = root.rstrip("/")
         self.parent, self.name = posixpath.split(self.root)
 
@@ -300,7 +301,7 @@ def _manifest(store: RemoteStore) -> dict[str, Any]:
 def _verify(store: RemoteStore, manifest: dict[str, Any], full: bool, read: dict[str, bytes]) -> None:
     files: dict[str, dict[str, Any]] = manifest["files"]
     present = {}
-    for info in store.fs.ls(store.root, detail=True):
+    for info in store.fs.ls(store.root, detail=True, refresh=True):
         present[posixpath.basename(info["name"].rstrip("/"))] = info
     foreign = sorted(n for n in present if n.endswith(_DCP_SUFFIX) and n not in files)
     if foreign:
