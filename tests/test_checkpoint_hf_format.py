@@ -73,6 +73,8 @@ def test_torch_dcp_plus_hf_holds_bf16_safetensors_and_resumes_exactly_from_its_d
 
     directory = work / "both.ckpt"
     assert json.loads((directory / "config.json").read_text())["dtype"] == "bfloat16"
+    with safe_open(directory / "model-00001-of-00001.safetensors", framework="pt") as f:
+        assert {f.get_slice(k).get_dtype() for k in f.keys()} == {"BF16"}  # written in bf16, not cast on load
     model = AutoModelForCausalLM.from_pretrained(directory, dtype=torch.bfloat16)
     ref = _state(work, "both_ref.pt")
     for key, value in model.state_dict().items():
