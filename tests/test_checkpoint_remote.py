@@ -238,3 +238,18 @@ def test_torch_format_to_a_url_is_refused_before_anything_is_written():
     with pytest.raises(ValueError, match="checkpoint_format='torch' cannot be written to a URL"):
         remote.save(checkpoint, "memory://mm-torch/a.ckpt", "torch", {}, None)
     assert not fsspec.filesystem("memory").exists("/mm-torch")
+
+
+def test_ckpt_path_last_with_a_modelcheckpoint_at_a_url_names_the_url_to_pass():
+    import lightning as L
+    from lightning.pytorch.callbacks import ModelCheckpoint
+
+    from lightning_mm.strategies.launch import check_ckpt_path
+
+    trainer = L.Trainer(accelerator="cpu", devices=1, logger=False, enable_progress_bar=False,
+                        callbacks=[ModelCheckpoint(dirpath="memory://mm-last/run")])
+
+    def fit_impl(model: object = None, ckpt_path: object = None) -> None: ...
+
+    with pytest.raises(ValueError, match=r'pass the URL itself, ckpt_path="memory://mm-last/run/last.ckpt"'):
+        check_ckpt_path(fit_impl, (), {"ckpt_path": "last"}, trainer)
