@@ -132,3 +132,34 @@ def test_the_names_are_save_pretrained_ones_and_what_has_none_is_refused():
         plan_weights(root, list(root.state_dict()))
     plain = nn.Sequential(nn.Linear(2, 2))
     assert plan_weights(plain, list(plain.state_dict())).keys == {"0.weight": "0.weight", "0.bias": "0.bias"}
+
+
+@pytest.mark.parametrize("family", ["qwen2_5_vl", "llava"])
+def test_a_tiny_vlm_in_the_hf_format_loads_with_from_pretrained(family, tmp_path):
+    """One process: the VLM's in-memory names (e.g. LLaVA's ``model.language_model.*``) are written under
+    ``save_pretrained``'s, and the directory (with the processor files) loads as the original."""
+    import transformers
+    from torch import nn
+
+    from lightning_mm.hf.checkpoint_format import plan_weights
+    from lightning_mm.hf.convert import side_files
+    from tests.tiny_vlms import FAMILIES, write_tiny_vlm
+
+    source = write_tiny_vlm(tmp_path / "source", family)
+    cls = getattr(transformers, FAMILIES[family]["model"])
+    root = nn.Module()
+    root.model = cls.from_pretrained(source)
+    state = root.state_dict()
+    weights = plan_weights(root, list(state))
+    out = tmp_path / "ckpt"
+    out.mkdir()
+    written = weights.writer(state, None)(out)
+    sides = {p.name for p in side_files(source) if len(p.parts) == 1}
+    assert not (out / "sharded").exists() and "tokenizer_config.json" in sides
+    assert {p.name for p in written} >= sides | {"config.json", "model.safetensors.index.json"}
+    assert _safetensors_keys(out) == _safetensors_keys(source)
+    back = cls.from_pretrained(out)
+    for key, value in root.model.state_dict().items():
+        assert torch.equal(back.state_dict()[key], value), key
+    assert transformers.AutoTokenizer.from_pretrained(out).get_vocab() == transformers.AutoTokenizer.from_pretrained(
+        source).get_vocab()
