@@ -61,8 +61,10 @@ def write(state: Mapping[str, torch.Tensor], directory: Path, keys: Mapping[str,
                                       fqn_to_index_mapping=dict.fromkeys(tensors, 1))
     dcp.save(tensors, storage_writer=writer, planner=DefaultSavePlanner(flatten_state_dict=False),
              no_dist=not distributed)
+    if distributed and torch.distributed.get_rank() != 0:
+        return []  # rank 0 consolidated every rank's shards (DCP's finish step) and lists the files
     sharded = directory / SHARDED_DIR
-    if sharded.is_dir() and (not distributed or torch.distributed.get_rank() == 0):
+    if sharded.is_dir():
         shutil.rmtree(sharded)  # consolidated: the per-rank shards are not part of the checkpoint
     return sorted(p for p in directory.iterdir() if p.suffix == ".safetensors" or p.name == INDEX_FILE)
 
