@@ -4,6 +4,8 @@
 * :mod:`.store` (doing): atomic save and strict/non-strict load of ``torch_dcp`` directories and ``torch`` files.
 * :mod:`.safe`: loading without running pickled code; :mod:`.atomic`: temporary sibling, rename into place.
 * :mod:`.manifest`: ``manifest.json`` binds every file to its checkpoint; :mod:`.errors`: the exceptions.
+* :mod:`.remote`: ``torch_dcp`` checkpoints at fsspec URLs (staging prefix, committed by the manifest last);
+  :mod:`.hf_weights`: model weights as Hugging Face safetensors inside a checkpoint (DCP's HF storage).
 * :mod:`.rng`: per-rank RNG states; :mod:`.records`: what other layers add to a checkpoint (a registry of record
   providers; the Hugging Face one, :func:`lightning_mm.hf.records.hf_records`, is registered by
   ``lightning_mm.hf`` on import); :mod:`.consolidate`: ``dcp-to-torch``. Conversion to and from Hugging Face
