@@ -93,7 +93,8 @@ class MMWanModule(MMLightningModule):
 
     # ----------------------------------------------------------------------------------------- the step
     def _generator(self) -> torch.Generator:
-        stage = str(self.trainer.state.stage) if self._trainer is not None else "none"
+        stage = getattr(self.trainer.state.stage, "value", str(self.trainer.state.stage)) if self._trainer is not None \
+            else "none"
         step = int(self.trainer.global_step) if self._trainer is not None else 0
         last_stage, last_step, count = self._draw_position
         count = count + 1 if (stage, step) == (last_stage, last_step) else 0
