@@ -21,7 +21,8 @@ def diffusers_installed() -> None:
         import diffusers  # noqa: F401
     except ImportError as err:
         raise ImportError(
-            f"diffusers models need the `diffusers` package ({err}); install it with `pip install 'lightning-mm[diffusers]'`"
+            f"diffusers models need the `diffusers` package ({err}); install it with "
+            "`pip install 'lightning-mm[diffusers]'`"
         ) from None
 
 

@@ -117,12 +117,15 @@ def build_config(cfg: DiffusersModelConfig, model_cls: type, base: dict[str, Any
             continue
         if key not in known:
             raise DiffusersModelConfigError(
-                f"DiffusersModel config `config.{key}`: {model_cls.__name__} has no such argument" + did_you_mean(key, known)
+                f"DiffusersModel config `config.{key}`: {model_cls.__name__} has no such argument"
+                + did_you_mean(key, known)
             )
         out[key] = value
     unknown = sorted(k for k in out if k not in known)
     if unknown:
-        raise DiffusersModelConfigError(f"{cfg.init_from_path}/config.json: {model_cls.__name__} has no argument(s) {unknown}")
+        raise DiffusersModelConfigError(
+            f"{cfg.init_from_path}/config.json: {model_cls.__name__} has no argument(s) {unknown}"
+        )
     return out
 
 

@@ -62,7 +62,8 @@ class WanDiffusion(nn.Module, FSDP2Mixin):
         Wan i2v pipeline builds them) and the image embeddings ``encoder_hidden_states_image``."""
         if condition is not None:
             hidden_states = torch.cat([hidden_states, condition.to(hidden_states.dtype)], dim=1)
-        out = self.predictor(hidden_states=hidden_states, timestep=timestep, encoder_hidden_states=encoder_hidden_states,
+        out = self.predictor(hidden_states=hidden_states, timestep=timestep,
+                             encoder_hidden_states=encoder_hidden_states,
                              encoder_hidden_states_image=encoder_hidden_states_image, return_dict=False)
         return out[0]
 

@@ -21,12 +21,14 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from copy import deepcopy
+from dataclasses import fields
 from typing import Any
 
 import torch
 from torch import nn
 from typing_extensions import override
 
+from lightning_mm._names import did_you_mean
 from lightning_mm.diffusers.flow_matching import FlowMatchSample, WanFlowMatchSchedule, draw, draw_generator
 from lightning_mm.diffusers.model import DiffusersModel, DiffusersModelConfig
 from lightning_mm.diffusers.wan_diffusion import WanDiffusion, mindspeed_fsdp2_config
@@ -69,10 +71,12 @@ class MMWanModule(MMLightningModule):
         if scheduler_id != "wan_flow_match_scheduler":
             raise ValueError(f"MMWanModule `schedule.model_id`: only 'wan_flow_match_scheduler' is implemented, got "
                              f"{scheduler_id!r}")
-        try:
-            self.schedule = WanFlowMatchSchedule(**schedule)
-        except TypeError as err:
-            raise ValueError(f"MMWanModule `schedule`: {err}") from None
+        known = [f.name for f in fields(WanFlowMatchSchedule) if f.init]
+        for key in schedule:
+            if key not in known:
+                raise ValueError(f"MMWanModule `schedule.{key}`: not a key of the Wan flow-matching schedule"
+                                 + did_you_mean(str(key), known))
+        self.schedule = WanFlowMatchSchedule(**schedule)
         if not isinstance(noise_seed, int) or isinstance(noise_seed, bool):
             raise ValueError(f"MMWanModule `noise_seed` must be an integer, got {noise_seed!r}")
         self.noise_seed = noise_seed
@@ -146,5 +150,5 @@ class MMWanModule(MMLightningModule):
             return super().loss_func(output, batch)
         flow = batch.get(FLOW_KEY) if isinstance(batch, Mapping) else None
         if not isinstance(flow, FlowMatchSample):
-            raise TypeError("MMWanModule.loss_func needs the batch's flow-matching draw (the `flow` key get_batch adds)")
+            raise TypeError("MMWanModule.loss_func needs the batch's flow-matching draw (the `flow` key of get_batch)")
         return self.schedule.loss(output, flow)
