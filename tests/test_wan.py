@@ -50,7 +50,8 @@ def _close(a: float, b: float, rel: float = 1e-5) -> bool:
 # ------------------------------------------------------------------------------------ the 2-rank run
 def test_two_ranks_with_recompute_and_resume_equal_the_diffusers_reference(run: Path, work: Path) -> None:
     ranks = [json.loads((run / f"wan.rank{r}.json").read_text()) for r in range(2)]
-    assert [[s for s, _ in r["losses"]] for r in ranks] == [[0, 1, 2, 3]] * 2  # steps 2, 3 after the resume
+    assert [[s for s, _, _ in r["losses"]] for r in ranks] == [[0, 1, 2, 3]] * 2  # steps 2, 3 after the resume
+    assert {tokens for r in ranks for _, _, tokens in r["losses"]} == {48}  # all video tokens on each rank
     losses = [(ranks[0]["losses"][s][1] + ranks[1]["losses"][s][1]) / 2 for s in range(4)]
     expected, weights = reference_losses(work, 4)
     assert all(_close(a, b) for a, b in zip(losses, expected)), (losses, expected)
@@ -61,6 +62,23 @@ def test_two_ranks_with_recompute_and_resume_equal_the_diffusers_reference(run: 
     # MindSpeed MM's YAML as written: the blocks and the head (diffusers' proj_out) are units, the blocks recomputed
     assert ranks[0]["plan"] == {"units": ["predictor.blocks.0", "predictor.blocks.1", "predictor.proj_out"],
                                 "recompute": ["predictor.blocks.0", "predictor.blocks.1"]}
+
+
+def test_context_parallel_2_equals_the_diffusers_reference(run: Path, work: Path) -> None:
+    """Both ranks train one sample a step, each on half of its 48 video tokens (Ulysses over the heads)."""
+    ranks = [json.loads((run / f"wan.rank{r}.json").read_text()) for r in range(2)]
+    assert ranks[0]["cp_losses"] == ranks[1]["cp_losses"]  # every rank of the group has the whole sample's loss
+    assert [(s, tokens) for s, _, tokens in ranks[0]["cp_losses"]] == [(0, 24), (1, 24), (2, 24)]
+    grads: dict[str, torch.Tensor] = {}
+    expected, weights = reference_losses(work, 3, data_ranks=1, grads=grads)
+    losses = [loss for _, loss, _ in ranks[0]["cp_losses"]]
+    assert all(_close(a, b) for a, b in zip(losses, expected)), (losses, expected)
+    got = torch.load(run / "cp_grads.pt", weights_only=True)
+    for name, ref in grads.items():  # before Adam, which would hide a scale error
+        assert torch.allclose(got[name], ref, rtol=1e-5, atol=1e-6 * ref.abs().max().item()), name
+    final = torch.load(run / "cp_final.pt", weights_only=True)
+    for name, ref in weights.items():
+        assert torch.allclose(final[name], ref, rtol=1e-5, atol=1e-5 * ref.abs().max().item()), name
 
 
 def test_the_checkpoint_converts_to_a_directory_diffusers_loads(run: Path, work: Path, tmp_path: Path) -> None:
@@ -102,6 +120,9 @@ def test_the_schedule_is_mindspeeds_wan_flow_match_scheduler() -> None:
     sample = s.sample(latents, noise, 10)
     assert torch.allclose(sample.noisy, (1 - s.sigmas[10]) * latents + s.sigmas[10] * noise)
     assert torch.equal(sample.target, noise - latents) and sample.timestep.tolist() == [float(s.timesteps[10])] * 2
+    prediction = torch.randn_like(latents)
+    mse = ((prediction - (noise - latents)) ** 2).mean()
+    assert torch.allclose(s.loss(prediction, sample), mse * s.weights[10])
     with pytest.raises(ValueError, match="must satisfy 0 <= min < max"):
         WanFlowMatchSchedule(min_timestep_boundary=0.5, max_timestep_boundary=0.4)
 

@@ -7,7 +7,9 @@ feature data (``data.json``: MindSpeed MM's ``dataset_type: feature``, ``feature
 :func:`write_workdir`. The run: one epoch (2 steps) with MindSpeed MM's ``examples/wan2.1/fsdp2_config.yaml``
 (recomputation of every block; its dtypes set to fp32 for the fp32 comparison), a checkpoint, then a new Trainer
 resumed from it for a second epoch, and a final checkpoint. Each rank writes ``OUTDIR/wan.rank{R}.json`` (its loss
-per step); rank 0 writes the gathered final weights to ``OUTDIR/final.pt``. Real gloo collectives; nothing mocked.
+per step); rank 0 writes the gathered final weights to ``OUTDIR/final.pt``. Then ``CP_STEPS`` steps with
+``context_parallel_size=2`` (both ranks on one sample, its video tokens split): ``cp_losses``, ``cp_grads.pt`` (the
+first step's gradients) and ``cp_final.pt``. Real gloo collectives; nothing mocked.
 
 :func:`reference_losses` is the one-process diffusers reference: the same model directory, AdamW, the same
 samples per rank and step, the same timesteps and noise (:func:`lightning_mm.diffusers.flow_matching.draw_generator`).
@@ -33,6 +35,7 @@ LATENT_SHAPE = (4, 3, 8, 8)  # (C, F, H, W): 3 x 4 x 4 = 48 video tokens after t
 TEXT_LEN = 5
 LR = 1e-3
 NOISE_SEED = 7
+CP_STEPS = 3
 YAML = ROOT / "tests" / "data" / "wan" / "wan2.1_fsdp2_config.yaml"
 
 
@@ -72,8 +75,11 @@ def fsdp2_config() -> dict[str, Any]:
     return {**mindspeed_fsdp2_config(YAML), "param_dtype": "fp32", "reduce_dtype": "fp32"}
 
 
-def reference_losses(work: Path, steps: int) -> tuple[list[float], dict[str, torch.Tensor]]:
-    """The one-process diffusers run: per step the mean of the two ranks' losses, and the final weights."""
+def reference_losses(work: Path, steps: int, data_ranks: int = 2, grads: dict | None = None
+                     ) -> tuple[list[float], dict[str, torch.Tensor]]:
+    """The one-process diffusers run: per step the mean of the data-parallel ranks' losses, and the final weights
+    (``data_ranks`` 1: context parallelism over both ranks, one sample a step). ``grads`` receives the first step's
+    gradients."""
     from diffusers import WanTransformer3DModel
 
     from lightning_mm.diffusers.flow_matching import WanFlowMatchSchedule, draw, draw_generator
@@ -86,21 +92,24 @@ def reference_losses(work: Path, steps: int) -> tuple[list[float], dict[str, tor
     for step in range(steps):
         total = 0.0
         optimizer.zero_grad()
-        for rank in range(2):
-            data = torch.load(work / "features" / f"{sample_of(step, rank)}.pt", weights_only=True)
+        for rank in range(data_ranks):
+            index = sample_of(step, rank) if data_ranks == 2 else step % SAMPLES
+            data = torch.load(work / "features" / f"{index}.pt", weights_only=True)
             latents = data["video"][None]
             text = (data["prompt_ids"] * data["prompt_mask"][:, None])[None]
             flow = draw(schedule, latents, draw_generator(NOISE_SEED, "train", step, 0, rank))
             out = model(flow.noisy, flow.timestep, text, return_dict=False)[0]
-            loss = schedule.loss(out, flow) / 2
+            loss = schedule.loss(out, flow) / data_ranks
             loss.backward()
             total += float(loss.detach())
+        if step == 0 and grads is not None:
+            grads.update({f"model.predictor.{k}": v.grad.clone() for k, v in model.named_parameters()})
         optimizer.step()
         losses.append(total)
     return losses, {f"model.predictor.{k}": v.detach().clone() for k, v in model.named_parameters()}
 
 
-def _fit(work: Path, outdir: Path, epochs: int, record: list, ckpt_path: str | None = None) -> Any:
+def _fit(work: Path, outdir: Path, epochs: int, record: list, ckpt_path: str | None = None, cp: int = 1) -> Any:
     import lightning as L
 
     from lightning_mm import MMFSDP2Strategy
@@ -109,16 +118,25 @@ def _fit(work: Path, outdir: Path, epochs: int, record: list, ckpt_path: str | N
 
     class Recorded(MMWanModule):
         def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+            tokens: list[int] = []
+            hook = self.model.predictor.blocks[1].register_forward_pre_hook(lambda m, a: tokens.append(a[0].shape[1]))
             loss = super().training_step(batch, batch_idx)
-            record.append([self.trainer.global_step, float(loss.detach())])
+            hook.remove()
+            record.append([self.trainer.global_step, float(loss.detach()), tokens[0]])
             return loss
+
+        def on_before_optimizer_step(self, optimizer: torch.optim.Optimizer) -> None:
+            if cp > 1 and self.trainer.global_step == 0:  # a collective: every rank
+                grads = {f"model.{n}": p.grad.full_tensor() for n, p in self.model.named_parameters()}
+                if self.trainer.global_rank == 0:
+                    torch.save(grads, outdir / "cp_grads.pt")
 
     module = Recorded({"init_from_path": str(work / "model")}, noise_seed=NOISE_SEED, fsdp2_config=fsdp2_config(),
                       lr=LR, log_grad_norm=False, log_throughput=False)
     trainer = L.Trainer(
-        accelerator="cpu", devices=2, max_epochs=epochs, logger=False, enable_checkpointing=False,
-        enable_progress_bar=False, enable_model_summary=False, num_sanity_val_steps=0, default_root_dir=outdir,
-        strategy=MMFSDP2Strategy(),
+        accelerator="cpu", devices=2, max_epochs=epochs if cp == 1 else -1, max_steps=-1 if cp == 1 else CP_STEPS,
+        logger=False, enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+        num_sanity_val_steps=0, default_root_dir=outdir, strategy=MMFSDP2Strategy(context_parallel_size=cp),
     )
     trainer.fit(module, datamodule=MMDataModule.from_config(work / "data.json", batch_size=1), ckpt_path=ckpt_path)
     return trainer, module
@@ -138,7 +156,14 @@ def main(outdir: Path, work: Path) -> None:
              for n, p in module.model.named_parameters()}
     if trainer.global_rank == 0:
         torch.save(final, outdir / "final.pt")
-    (outdir / f"wan.rank{trainer.global_rank}.json").write_text(json.dumps({"losses": record, "plan": plan}))
+    cp_record: list = []
+    trainer, module = _fit(work, outdir, 1, cp_record, cp=2)
+    cp_final = {f"model.{n}": (p.full_tensor() if isinstance(p, DTensor) else p).detach().clone()
+                for n, p in module.model.named_parameters()}
+    if trainer.global_rank == 0:
+        torch.save(cp_final, outdir / "cp_final.pt")
+    (outdir / f"wan.rank{trainer.global_rank}.json").write_text(json.dumps({"losses": record, "plan": plan,
+                                                                            "cp_losses": cp_record}))
 
 
 if __name__ == "__main__":

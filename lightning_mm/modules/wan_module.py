@@ -13,8 +13,10 @@ the text encoder ran beforehand). A step, as MindSpeed MM's ``SoraModel`` with `
 Batch keys: ``latents`` ``(B, C, F, H, W)`` and ``prompt_embeds`` ``(B, L, D)``, optionally ``prompt_mask``
 ``(B, L)`` (embeddings past the mask are zeroed, as diffusers' Wan pipeline pads them), and for image-to-video
 ``image_embeds`` (CLIP features) and ``condition_latents`` (mask and first-frame latents concatenated on the
-channels). Any other key is an error. Passing the seed's ``get_batch`` / ``forward_step`` / ``loss_func``
-replaces the matching hook, as for every ``MMLightningModule``.
+channels). Any other key is an error. With ``MMFSDP2Strategy(context_parallel_size=C)`` the video tokens are split
+over the ``C`` ranks of each group (Ulysses: :mod:`lightning_mm.diffusers.wan_context_parallel`). Passing the
+seed's ``get_batch`` / ``forward_step`` / ``loss_func`` replaces the matching hook, as for every
+``MMLightningModule``.
 """
 
 from __future__ import annotations
@@ -88,12 +90,29 @@ class MMWanModule(MMLightningModule):
             return super().model_provider()
         return WanDiffusion(DiffusersModel(deepcopy(self.diffusers_model)))
 
+    handles_context_parallel = True
+    """Under ``MMFSDP2Strategy(context_parallel_size=C)`` the video tokens are split over the ``C`` ranks of a
+    group (:func:`~lightning_mm.diffusers.wan_context_parallel.enable_wan_context_parallel`)."""
+
     @override
     def configure_model(self) -> None:
-        if int(getattr(getattr(self._trainer, "strategy", None), "context_parallel_size", 1) or 1) > 1:
-            raise ValueError("MMWanModule: context parallelism (context_parallel_size > 1) is not implemented for "
-                             "Wan models yet; use context_parallel_size 1")
         super().configure_model()
+        group = self.context_parallel_group
+        if group is not None:
+            from lightning_mm.diffusers.wan_context_parallel import enable_wan_context_parallel
+
+            predictor = getattr(self.model, "predictor", None)
+            if predictor is None:
+                raise ValueError(f"MMWanModule: context parallelism needs a model with a Wan `predictor`, got "
+                                 f"{type(self.model).__name__}")
+            enable_wan_context_parallel(predictor, group)
+
+    def _data_parallel_rank(self) -> int:
+        """This rank's data-parallel rank: the ranks of a context-parallel group draw the same noise."""
+        if self._trainer is None:
+            return 0
+        cp = int(getattr(self.trainer.strategy, "context_parallel_size", 1) or 1)
+        return int(self.global_rank) // cp
 
     # ----------------------------------------------------------------------------------------- the step
     def _generator(self) -> torch.Generator:
@@ -103,8 +122,7 @@ class MMWanModule(MMLightningModule):
         last_stage, last_step, count = self._draw_position
         count = count + 1 if (stage, step) == (last_stage, last_step) else 0
         self._draw_position = (stage, step, count)
-        rank = int(self.global_rank) if self._trainer is not None else 0
-        return draw_generator(self.noise_seed, stage, step, count, rank)
+        return draw_generator(self.noise_seed, stage, step, count, self._data_parallel_rank())
 
     @override
     def get_batch(self, batch: Any) -> dict[str, Any]:
