@@ -81,12 +81,15 @@ def test_context_parallel_2_equals_the_diffusers_reference(run: Path, work: Path
         assert torch.allclose(final[name], ref, rtol=1e-5, atol=1e-5 * ref.abs().max().item()), name
 
 
-def test_the_checkpoint_converts_to_a_directory_diffusers_loads(run: Path, work: Path, tmp_path: Path) -> None:
-    from diffusers import WanTransformer3DModel
+def test_the_checkpoint_converts_to_a_directory_diffusers_loads(run: Path, work: Path, tmp_path: Path,
+                                                                 capsys: pytest.CaptureFixture) -> None:
+    from diffusers import FlowMatchEulerDiscreteScheduler, WanTransformer3DModel
 
+    from lightning_mm.commands.convert import main as convert
     from lightning_mm.diffusers.export import dcp_to_diffusers
 
-    out = dcp_to_diffusers(run / "final.ckpt", tmp_path / "wan", config=work / "model")
+    out = tmp_path / "wan"
+    assert convert(["dcp-to-diffusers", str(run / "final.ckpt"), str(out), "--config", str(work / "model")]) == 0
     model = WanTransformer3DModel.from_pretrained(out)
     final = torch.load(run / "final.pt", weights_only=True)
     state = model.state_dict()
@@ -94,8 +97,13 @@ def test_the_checkpoint_converts_to_a_directory_diffusers_loads(run: Path, work:
     assert all(torch.equal(state[k[len("model.predictor."):]], v) for k, v in final.items())
     with pytest.raises(FileExistsError, match="output exists"):
         dcp_to_diffusers(run / "final.ckpt", out, config=work / "model")
-    x, t, text = torch.randn(1, 4, 3, 8, 8), torch.tensor([500.0]), torch.randn(1, 5, 16)
-    assert model(x, t, text, return_dict=False)[0].shape == x.shape
+    scheduler = FlowMatchEulerDiscreteScheduler(shift=5.0)  # a few denoising steps with diffusers alone
+    scheduler.set_timesteps(3)
+    latents, text = torch.randn(1, 4, 3, 8, 8), torch.randn(1, 5, 16)
+    with torch.no_grad():
+        for t in scheduler.timesteps:
+            latents = scheduler.step(model(latents, t.expand(1), text, return_dict=False)[0], t, latents)[0]
+    assert latents.shape == (1, 4, 3, 8, 8) and torch.isfinite(latents).all()
 
 
 # ------------------------------------------------------------------------------------ the schedule
@@ -214,6 +222,26 @@ def test_the_module_checks_its_batches_and_its_schedule() -> None:
         MMWanModule({"model_id": "wan", "config": TINY_WAN}, schedule={"model_id": "ddpm"})
     with pytest.raises(ValueError, match="schedule.shfit.*shift"):
         MMWanModule({"model_id": "wan", "config": TINY_WAN}, schedule={"shfit": 5})
+
+
+def test_image_to_video_inputs_reach_the_model() -> None:
+    """Wan 2.1 i2v: condition latents on the channels, CLIP image embeddings before the 512 text tokens."""
+    from lightning_mm.modules.wan_module import MMWanModule
+
+    i2v = {**TINY_WAN, "in_channels": 8, "image_dim": 16, "added_kv_proj_dim": 24}
+    torch.manual_seed(0)
+    module = MMWanModule({"model_id": "wan", "config": i2v})
+    module.configure_model()
+    batch = {"latents": torch.randn(1, 4, 1, 4, 4), "prompt_embeds": torch.randn(1, 512, 16),
+             "image_embeds": torch.randn(1, 3, 16), "condition_latents": torch.randn(1, 4, 1, 4, 4)}
+    inputs = module.get_batch(batch)
+    loss = module.loss_func(module.forward_step(inputs), inputs)
+    loss.backward()
+    assert module.model.predictor.condition_embedder.image_embedder.ff.net[0].proj.weight.grad.abs().sum() > 0
+    expected = module.model.predictor(torch.cat([inputs["hidden_states"], batch["condition_latents"]], 1),
+                                      inputs["timestep"], batch["prompt_embeds"], batch["image_embeds"],
+                                      return_dict=False)[0]
+    assert torch.allclose(loss, module.schedule.loss(expected, inputs["flow"]))
 
 
 def test_diffusers_is_imported_only_when_used() -> None:
