@@ -30,6 +30,7 @@ import torch
 from torch import nn
 from typing_extensions import override
 
+from lightning_mm._compat import attached_trainer
 from lightning_mm._names import did_you_mean
 from lightning_mm.diffusers.flow_matching import FlowMatchSample, WanFlowMatchSchedule, draw, draw_generator
 from lightning_mm.diffusers.model import DiffusersModel, DiffusersModelConfig
@@ -109,16 +110,17 @@ class MMWanModule(MMLightningModule):
 
     def _data_parallel_rank(self) -> int:
         """This rank's data-parallel rank: the ranks of a context-parallel group draw the same noise."""
-        if self._trainer is None:
+        trainer = attached_trainer(self)
+        if trainer is None:
             return 0
-        cp = int(getattr(self.trainer.strategy, "context_parallel_size", 1) or 1)
-        return int(self.global_rank) // cp
+        cp = int(getattr(trainer.strategy, "context_parallel_size", 1) or 1)
+        return int(trainer.global_rank) // cp
 
     # ----------------------------------------------------------------------------------------- the step
     def _generator(self) -> torch.Generator:
-        stage = getattr(self.trainer.state.stage, "value", str(self.trainer.state.stage)) if self._trainer is not None \
-            else "none"
-        step = int(self.trainer.global_step) if self._trainer is not None else 0
+        trainer = attached_trainer(self)
+        stage = "none" if trainer is None else getattr(trainer.state.stage, "value", str(trainer.state.stage))
+        step = 0 if trainer is None else int(trainer.global_step)
         last_stage, last_step, count = self._draw_position
         count = count + 1 if (stage, step) == (last_stage, last_step) else 0
         self._draw_position = (stage, step, count)
