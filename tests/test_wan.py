@@ -158,6 +158,14 @@ def test_meta_building_defers_loading_and_loading_is_strict(work: Path) -> None:
         DiffusersModel({"init_from_hf_path": str(work / "model")})
     fresh = DiffusersModel({"model_id": "WanTransformer3DModel", "config": TINY_WAN})
     assert sum(p.numel() for p in fresh.parameters()) == 19832
+    flf2v = {**TINY_WAN, "in_channels": 8, "image_dim": 16, "added_kv_proj_dim": 24, "pos_embed_seq_len": 6}
+    with meta_parameters():  # random init after meta-device construction, as the strategy does it
+        model = DiffusersModel({"model_id": "wan", "config": flf2v})
+    from lightning_mm.core.apply import materialize_and_init
+
+    materialize_and_init(model, model, torch.device("cpu"), torch.device("cpu"))  # every tensor filled, or an error
+    table = model.blocks[0].scale_shift_table
+    assert all(torch.isfinite(p).all() for p in model.parameters()) and 0.1 < float(table.detach().std()) * 24**0.5 < 2
 
 
 def test_mindspeed_wan_yamls_as_written(work: Path) -> None:

@@ -35,8 +35,9 @@ class WanTransformer3DModelFSDP(WanTransformer3DModel, FSDP2Mixin, WeightInitMix
 
     @torch.no_grad()
     def init_weights(self) -> None:
-        """As the constructor: torch's ``reset_parameters()`` of each layer, and the modulation tables
-        (``scale_shift_table``) ~ N(0, 1/dim). Zero-filled instead when pretrained weights follow."""
+        """As the constructor: torch's ``reset_parameters()`` of each layer, the modulation tables
+        (``scale_shift_table``) ~ N(0, 1/dim), the image position embedding (FLF2V's ``pos_embed``) zero.
+        Zero-filled instead when pretrained weights follow."""
         if getattr(self, "_pending_pretrained", None) is not None:
             for tensor in self.parameters():
                 local_tensor(tensor).zero_()
@@ -46,6 +47,9 @@ class WanTransformer3DModelFSDP(WanTransformer3DModel, FSDP2Mixin, WeightInitMix
             table = getattr(module, "scale_shift_table", None)
             if isinstance(table, nn.Parameter):
                 nn.init.normal_(table, std=table.shape[-1] ** -0.5)
+            position = getattr(module, "pos_embed", None)
+            if isinstance(position, nn.Parameter):
+                nn.init.zeros_(position)
 
 
 BUILTIN_ADAPTERS: tuple[type, ...] = (WanTransformer3DModelFSDP,)
