@@ -161,6 +161,8 @@ def test_lower_layers_load_without_lightning(package, absent):
     "lightning_mm.modules.TransformersModel",
     "lightning_mm.modules.FSDP2Mixin",
     "lightning_mm.strategies.MMFSDP2Strategy",
+    "lightning_mm.modules.wan_module.MMWanModule",
+    "lightning_mm.diffusers.export.dcp_to_diffusers",
 ])
 def test_public_paths_named_in_the_readme_still_import(path):
     import importlib
