@@ -427,7 +427,7 @@ CONFIG_ERRORS = [
     ("dataset_param.basic_parameters.streaming", True, "streaming is not supported"),
     ("dataset_param.preprocess_parameters.split_special_tokens", True, "must stay single tokens"),
     ("dataset_param.attr.audios", "audios", "audio is not supported"),
-    ("dataset_param.dataset_type", "t2v", "not supported here (supported: huggingface, multimodal)"),
+    ("dataset_param.dataset_type", "t2v", "not supported here (supported: huggingface, multimodal, feature)"),
     ("dataset_param.basic_parameters.train_on_prompt", "yes", "expected true or false"),
 ]
 

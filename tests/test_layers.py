@@ -23,6 +23,7 @@ LAYERS: list[tuple[str, int]] = [
     ("lightning_mm.core", 1),
     ("lightning_mm.checkpoint", 2),
     ("lightning_mm.hf", 3),
+    ("lightning_mm.diffusers", 3),
     ("lightning_mm.strategies", 4),
     ("lightning_mm.modules", 4),
     ("lightning_mm.datamodules", 4),
@@ -136,6 +137,7 @@ def test_the_checker_sees_a_wrong_import_and_a_cycle():
     ("lightning_mm.core", ("lightning", "lightning.pytorch", "transformers", "peft")),
     ("lightning_mm.checkpoint", ("lightning", "lightning.pytorch", "transformers", "peft")),
     ("lightning_mm.hf", ("lightning", "lightning.pytorch")),
+    ("lightning_mm.diffusers", ("lightning", "lightning.pytorch")),
 ])
 def test_lower_layers_load_without_lightning(package, absent):
     """Importing the whole layer (every module in it) leaves Lightning (and, below the HF layer, Transformers) out."""
@@ -159,6 +161,8 @@ def test_lower_layers_load_without_lightning(package, absent):
     "lightning_mm.modules.TransformersModel",
     "lightning_mm.modules.FSDP2Mixin",
     "lightning_mm.strategies.MMFSDP2Strategy",
+    "lightning_mm.modules.wan_module.MMWanModule",
+    "lightning_mm.diffusers.export.dcp_to_diffusers",
 ])
 def test_public_paths_named_in_the_readme_still_import(path):
     import importlib

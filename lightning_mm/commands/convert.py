@@ -7,6 +7,8 @@
   ``model_provider``, e.g. through TransformersModel) as ``config.json`` + safetensors, for ``from_pretrained``,
   with the tokenizer, processor, chat template and generation config files of ``--pretrained-dir`` (default: the
   ``init_from_hf_path`` the checkpoint records, when it still exists), so that AutoTokenizer / AutoProcessor load it.
+* ``dcp-to-diffusers SRC OUT_DIR --config MODEL_DIR``: the diffusers model of a checkpoint (``MMWanModule``'s
+  ``model.predictor``) as diffusers' ``save_pretrained`` writes it, with the config of ``--config``.
 * ``hf-to-dcp HF_DIR DST``: a Hugging Face model directory as a ``torch_dcp`` weights checkpoint:
   ``trainer.fit(ckpt_path=DST)`` starts training from those weights; validate/test/predict use them.
 
@@ -33,7 +35,8 @@ _FORCE_HELP = "replace {what} once the new output is complete (anything else tha
 def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="lightning-mm convert", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
-    sub = parser.add_subparsers(dest="command", required=True, metavar="{dcp-to-torch,dcp-to-hf,hf-to-dcp}")
+    sub = parser.add_subparsers(dest="command", required=True,
+                                metavar="{dcp-to-torch,dcp-to-hf,dcp-to-diffusers,hf-to-dcp}")
 
     p = sub.add_parser("dcp-to-torch", help="consolidate a checkpoint into one torch.save file")
     p.add_argument("src", help="checkpoint directory (torch_dcp) or file")
@@ -55,6 +58,17 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--pretrained-dir", default=None,
                    help="copy the tokenizer, processor, chat template and generation config files from this "
                         "Hugging Face directory (default: the init_from_hf_path the checkpoint records, if it exists)")
+    p.add_argument("--force", action="store_true",
+                   help=_FORCE_HELP.format(what="an earlier output directory (one with a config.json)"))
+
+    p = sub.add_parser("dcp-to-diffusers", help="write the diffusers model of a checkpoint (config.json + safetensors)")
+    p.add_argument("src", help="checkpoint directory (torch_dcp) or file")
+    p.add_argument("out_dir", help="output directory (must not exist)")
+    p.add_argument("--config", required=True, help="the model's diffusers directory (or its config.json)")
+    p.add_argument("--prefix", default="model.predictor.",
+                   help="key prefix of the diffusers model in the LightningModule (default `model.predictor.`)")
+    p.add_argument("--dtype", default=None, choices=["fp32", "bf16", "fp16"], help="cast floating tensors")
+    p.add_argument("--max-shard-size", default="5GB", help="largest safetensors file (default 5GB)")
     p.add_argument("--force", action="store_true",
                    help=_FORCE_HELP.format(what="an earlier output directory (one with a config.json)"))
 
@@ -107,6 +121,15 @@ def main(argv: Sequence[str] | None = None) -> int:
 
         if remote.is_url(src) or remote.is_url(dst):
             return _convert_urls(args, src, dst)
+        if args.command == "dcp-to-diffusers":
+            _check_paths(src, dst)
+            from lightning_mm.diffusers.export import dcp_to_diffusers
+            from lightning_mm.hf.convert import parse_size
+
+            out = dcp_to_diffusers(args.src, args.out_dir, config=args.config, prefix=args.prefix, dtype=args.dtype,
+                                   max_shard_size=parse_size(args.max_shard_size), force=args.force)
+            print(f"wrote {out}")
+            return 0
         _check_paths(src, dst)
         from lightning_mm.checkpoint import consolidate
         from lightning_mm.hf import convert

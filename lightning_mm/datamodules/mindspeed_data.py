@@ -99,12 +99,12 @@ def parse_section(section: dict[str, Any], source: str, prefix: str = "", base_d
         raise _fail(source, prefix + "dataset_param", "missing (MindSpeed MM requires it)")
     raw_dataset = section["dataset_param"]
     dataset_type = raw_dataset.get("dataset_type") if isinstance(raw_dataset, Mapping) else None
-    if dataset_type not in ("huggingface", "multimodal"):
+    if dataset_type not in ("huggingface", "multimodal", "feature"):
         raise _fail(source, prefix + "dataset_param.dataset_type",
-                    f"{short_repr(dataset_type)} is not supported here (supported: huggingface, multimodal)")
+                    f"{short_repr(dataset_type)} is not supported here (supported: huggingface, multimodal, feature)")
     # The huggingface type's keys are checked here; the multimodal type (InternVL) checks its own dataset_param
     # and collate_param keys (lightning_mm.datamodules.mindspeed_multimodal).
-    multimodal = dataset_type == "multimodal"
+    multimodal = dataset_type in ("multimodal", "feature")  # feature: Wan latents (datamodules.wan_data)
     dataset_param = dict(raw_dataset) if multimodal else check_keys(raw_dataset, _DATASET_KEYS,
                                                                     prefix + "dataset_param.", source)
     lp = prefix + "dataloader_param."
@@ -173,6 +173,11 @@ def build_datasets(config: MindSpeedDataConfig) -> tuple[dict[str, Any], Callabl
         for report in reports.values():  # the huggingface builder reports its own; this one leaves it to us
             strict_or_warn(report, config.strict, config.source)
         return splits, collate, reports
+    if config.dataset_type == "feature":
+        from lightning_mm.datamodules.wan_data import build_feature_datasets
+
+        return build_feature_datasets(config.dataset_param, config.collate_param, config.base_dir, config.source,
+                                      config.strict, prefix=config.prefix)
     from lightning_mm.datamodules.mindspeed_hf import build_huggingface_datasets
 
     return build_huggingface_datasets(config.dataset_param, config.collate_param, config.base_dir, config.source,

@@ -1,0 +1,135 @@
+"""MindSpeed MM's ``dataset_type: feature`` (the Wan recipes' ``feature_data.json``): precomputed video latents and
+text embeddings, one ``.pt`` file per sample.
+
+``basic_parameters.data_path`` is a JSON-lines file whose records name their feature file in ``file`` (relative to
+``basic_parameters.data_folder``, inside which it must resolve); other record keys (the caption, the source video)
+are metadata and not read. Each feature file is a ``torch.save`` dict, loaded with ``weights_only=True``, with
+MindSpeed MM's keys ``video`` (the VAE latents, ``(C, F, H, W)``), ``prompt_ids`` (the text encoder's embeddings,
+``(L, D)``) and optionally ``prompt_mask`` ``(L,)``; image-to-video features add ``image_embeds`` and
+``condition_latents``. A sample is ``{"latents", "prompt_embeds", ...}``, the batch keys of
+:class:`~lightning_mm.modules.wan_module.MMWanModule`. Another key in a feature file is an error naming it.
+
+The features were made by MindSpeed MM's feature extraction with the ``preprocess_parameters`` and
+``tokenizer_config`` of the config (frames, resolution, tokenizer); those keys are accepted and logged as not
+applied here. Raw videos are not decoded by this dataset: extract features first.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable, Mapping
+from pathlib import Path
+from typing import Any
+
+import torch
+from lightning.pytorch.utilities.rank_zero import rank_zero_info
+
+from lightning_mm.checkpoint.safe import load_weights_only
+from lightning_mm.datamodules.data_config import DataConfigError
+from lightning_mm.datamodules.mindspeed_keys import check_keys, strict_or_warn
+from lightning_mm.datamodules.records import DataError, DataReport
+
+__all__ = ["FEATURE_KEYS", "WanFeatureDataset", "build_feature_datasets", "collate_features"]
+
+FEATURE_KEYS = {"video": "latents", "prompt_ids": "prompt_embeds", "prompt_mask": "prompt_mask",
+                "latents": "latents", "prompt_embeds": "prompt_embeds", "image_embeds": "image_embeds",
+                "condition_latents": "condition_latents"}
+"""A feature file's key (MindSpeed MM's names, or the batch names) -> the sample key."""
+
+_DATASET_KEYS = ("dataset_type", "basic_parameters", "preprocess_parameters", "use_text_processer",
+                 "enable_text_preprocessing", "tokenizer_config")
+_BASIC_KEYS = ("data_path", "data_folder")
+_NOT_APPLIED = ("preprocess_parameters", "use_text_processer", "enable_text_preprocessing", "tokenizer_config")
+
+
+class WanFeatureDataset(torch.utils.data.Dataset):
+    """The feature files ``paths`` (checked to exist), read one sample at a time."""
+
+    def __init__(self, paths: list[Path]) -> None:
+        self.paths = list(paths)
+
+    def __len__(self) -> int:
+        return len(self.paths)
+
+    def __getitem__(self, index: int) -> dict[str, torch.Tensor]:
+        path = self.paths[index]
+        data = load_weights_only(path)
+        if not isinstance(data, Mapping):
+            raise DataError(f"{path}: a feature file must hold a dict, got {type(data).__name__}")
+        unknown = sorted(str(k) for k in data if k not in FEATURE_KEYS)
+        if unknown:
+            raise DataError(f"{path}: unknown feature key(s) {unknown} (known: {sorted(FEATURE_KEYS)})")
+        sample = {FEATURE_KEYS[k]: v for k, v in data.items() if v is not None}
+        for key in ("latents", "prompt_embeds"):
+            if not isinstance(sample.get(key), torch.Tensor):
+                raise DataError(f"{path}: no `{key}` tensor (MindSpeed MM's `video` / `prompt_ids`)")
+        if sample["latents"].ndim != 4 or sample["prompt_embeds"].ndim != 2:
+            raise DataError(f"{path}: latents must be (C, F, H, W) and prompt embeddings (L, D), got "
+                            f"{list(sample['latents'].shape)} and {list(sample['prompt_embeds'].shape)}")
+        return sample
+
+
+def collate_features(samples: list[dict[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
+    """Stack the samples' tensors; samples of one batch must have the same keys and shapes."""
+    keys = set(samples[0])
+    out = {}
+    for key in sorted(keys):
+        shapes = {tuple(s[key].shape) for s in samples if key in s}
+        if any(set(s) != keys for s in samples) or len(shapes) > 1:
+            raise DataError(f"a batch mixes samples with different `{key}` (shapes {sorted(shapes)}) or keys; use "
+                            "micro-batch size 1 or features of one resolution and length")
+        out[key] = torch.stack([s[key] for s in samples])
+    return out
+
+
+def _fail(source: str, key: str, message: str) -> DataConfigError:
+    return DataConfigError(f"{source}: `{key}`: {message}")
+
+
+def build_feature_datasets(dataset_param: Mapping[str, Any], collate_param: Mapping[str, Any], base_dir: Path,
+                           source: str, strict: bool, prefix: str = "") -> tuple[
+                               dict[str, Any], Callable[[list[dict]], dict], dict[str, DataReport]]:
+    """``({"train": WanFeatureDataset, ...}, collate, reports)`` for a ``dataset_type: feature`` section."""
+    dp = prefix + "dataset_param."
+    param = check_keys(dataset_param, _DATASET_KEYS, dp, source)
+    if collate_param:
+        raise _fail(source, prefix + "dataloader_param.collate_param", "not used with dataset_type: feature")
+    for key in _NOT_APPLIED:
+        if key in param:
+            rank_zero_info(f"{source}: `{dp}{key}` is not applied: the features are precomputed")
+    basic = check_keys(param.get("basic_parameters"), _BASIC_KEYS, dp + "basic_parameters.", source)
+    if not isinstance(basic.get("data_path"), str):
+        raise _fail(source, dp + "basic_parameters.data_path", "missing: the JSON-lines file of the feature records")
+    data_path = (base_dir / basic["data_path"]).resolve()
+    folder_value = basic.get("data_folder") or str(Path(basic["data_path"]).parent)
+    folder = (base_dir / folder_value).resolve()
+    if not data_path.is_file():
+        raise _fail(source, dp + "basic_parameters.data_path", f"'{data_path}' does not exist")
+    if not folder.is_dir():
+        raise _fail(source, dp + "basic_parameters.data_folder", f"'{folder}' is not a directory")
+    report = DataReport("train")
+    paths: list[Path] = []
+    for number, line in enumerate(data_path.read_text(encoding="utf-8").splitlines(), start=1):
+        if not line.strip():
+            continue
+        report.total += 1
+        try:
+            record = json.loads(line)
+        except json.JSONDecodeError as err:
+            report.problems.append(f"{data_path}:{number}: not JSON ({err.msg})")
+            continue
+        file = record.get("file") if isinstance(record, dict) else None
+        if not isinstance(file, str) or not file:
+            report.problems.append(f"{data_path}:{number}: no `file` (the feature file of the record)")
+            continue
+        path = (folder / file).resolve()
+        if not path.is_relative_to(folder):
+            report.problems.append(f"{data_path}:{number}: `file` {file!r} resolves outside {folder}")
+        elif not path.is_file():
+            report.problems.append(f"{data_path}:{number}: feature file {file!r} does not exist in {folder}")
+        else:
+            paths.append(path)
+    strict_or_warn(report, strict, source)
+    if not paths:
+        raise DataError(f"{source}: no usable feature record in {data_path}:\n{report.summary()}")
+    return {"train": WanFeatureDataset(paths), "val": None, "test": None}, collate_features, {"train": report}

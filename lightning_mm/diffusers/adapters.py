@@ -1,0 +1,55 @@
+"""The built-in diffusers adapters: diffusers model classes with the FSDP2 hooks (imports ``diffusers``).
+
+``WanTransformer3DModel`` (Wan 2.1 / 2.2, text-to-video and image-to-video: the i2v variants differ only in their
+config: ``in_channels`` 36, ``image_dim``, ``added_kv_proj_dim``) becomes :class:`WanTransformer3DModelFSDP`: its
+default plan makes each transformer block (``blocks.{*}``) an FSDP2 unit, and ``init_weights`` fills parameters
+materialised from the meta device as the constructor does. Module paths and state-dict keys stay diffusers' own.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+import torch
+from diffusers import WanTransformer3DModel
+from torch import nn
+
+from lightning_mm._dtensor import local_tensor
+from lightning_mm.core.torch_init import init_like_constructors
+from lightning_mm.hf.mixins import FSDP2Mixin, WeightInitMixin
+
+__all__ = ["BUILTIN_ADAPTERS", "WanTransformer3DModelFSDP"]
+
+
+class WanTransformer3DModelFSDP(WanTransformer3DModel, FSDP2Mixin, WeightInitMixin):
+    """diffusers' ``WanTransformer3DModel`` with a default sharding plan and meta-device initialisation."""
+
+    hub_keys = ("WanTransformer3DModel", "wan")
+    block_pattern = "blocks.{*}"
+    """The module path pattern of the transformer blocks (the FSDP2 units and the recomputed modules)."""
+
+    def default_fsdp2_config(self, explicit: Mapping[str, Any] | None = None) -> dict[str, Any]:
+        """Each transformer block is a unit; the rest (embeddings, output projection) goes with the root."""
+        return {"sub_modules_to_wrap": [self.block_pattern]}
+
+    @torch.no_grad()
+    def init_weights(self) -> None:
+        """As the constructor: torch's ``reset_parameters()`` of each layer, the modulation tables
+        (``scale_shift_table``) ~ N(0, 1/dim), the image position embedding (FLF2V's ``pos_embed``) zero.
+        Zero-filled instead when pretrained weights follow."""
+        if getattr(self, "_pending_pretrained", None) is not None:
+            for tensor in self.parameters():
+                local_tensor(tensor).zero_()
+            return
+        init_like_constructors(self)
+        for module in self.modules():
+            table = getattr(module, "scale_shift_table", None)
+            if isinstance(table, nn.Parameter):
+                nn.init.normal_(table, std=table.shape[-1] ** -0.5)
+            position = getattr(module, "pos_embed", None)
+            if isinstance(position, nn.Parameter):
+                nn.init.zeros_(position)
+
+
+BUILTIN_ADAPTERS: tuple[type, ...] = (WanTransformer3DModelFSDP,)

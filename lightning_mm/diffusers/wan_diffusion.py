@@ -1,0 +1,93 @@
+"""``WanDiffusion``: the module MindSpeed MM's Wan FSDP2 YAMLs are written against (``predictor.blocks.{*}``).
+
+MindSpeed MM's ``SoraModel`` holds the denoiser as ``predictor`` (beside ``ae`` and ``text_encoder``); its FSDP2
+YAMLs name paths under it. ``WanDiffusion`` is that container for a diffusers denoiser: ``predictor`` is the
+adapted ``WanTransformer3DModel`` (state-dict keys ``predictor.<diffusers key>``). Latents and text embeddings
+come precomputed with the data (MindSpeed MM's ``load_video_features`` / ``load_text_features`` recipes), so there
+is no ``ae`` or ``text_encoder`` here.
+
+:func:`mindspeed_fsdp2_config` reads such a YAML as written and maps the names of MindSpeed MM's own Wan DiT that
+diffusers calls otherwise: ``predictor.head`` (norm, projection and modulation table) is diffusers' ``proj_out``
+(its norm has no parameters, its modulation table ``scale_shift_table`` belongs to the predictor and stays with
+the root unit). ``ignored_modules`` naming ``ae`` / ``text_encoder``, which precomputed features leave out, are
+dropped with a logged line.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from collections.abc import Mapping
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+
+from lightning_mm.hf.mixins import FSDP2Mixin
+
+__all__ = ["MINDSPEED_WAN_PATHS", "WanDiffusion", "mindspeed_fsdp2_config"]
+
+log = logging.getLogger(__name__)
+
+MINDSPEED_WAN_PATHS: dict[str, str] = {"predictor.head": "predictor.proj_out"}
+"""MindSpeed MM's Wan DiT module paths -> the diffusers ``WanTransformer3DModel`` ones (under ``predictor``)."""
+
+_PATH_KEYS = ("sub_modules_to_wrap", "recompute_modules", "ignored_modules")
+_ABSENT_COMPONENTS = ("ae", "text_encoder")
+
+
+class WanDiffusion(nn.Module, FSDP2Mixin):
+    """The Wan denoiser as ``predictor``, and its call on noisy latents."""
+
+    def __init__(self, predictor: nn.Module) -> None:
+        super().__init__()
+        self.predictor = predictor
+
+    def default_fsdp2_config(self, explicit: Mapping[str, Any] | None = None) -> dict[str, Any]:
+        """The predictor's defaults, with paths under ``predictor``."""
+        inner = self.predictor.default_fsdp2_config(explicit) if hasattr(self.predictor, "default_fsdp2_config") else {}
+        return {k: [f"predictor.{p}" for p in v] if k in _PATH_KEYS else v for k, v in inner.items()}
+
+    @torch.no_grad()
+    def init_weights(self) -> None:
+        self.predictor.init_weights()
+
+    def load_after_sharding(self) -> None:
+        self.predictor.load_after_sharding()
+
+    def forward(self, hidden_states: Tensor, timestep: Tensor, encoder_hidden_states: Tensor,
+                encoder_hidden_states_image: Tensor | None = None, condition: Tensor | None = None) -> Tensor:
+        """The predicted velocity for ``hidden_states`` (noisy latents ``(B, C, F, H, W)``). Image-to-video models
+        take the ``condition`` latents (mask and first-frame latents, concatenated on the channels, as diffusers'
+        Wan i2v pipeline builds them) and the image embeddings ``encoder_hidden_states_image``."""
+        if condition is not None:
+            hidden_states = torch.cat([hidden_states, condition.to(hidden_states.dtype)], dim=1)
+        out = self.predictor(hidden_states=hidden_states, timestep=timestep,
+                             encoder_hidden_states=encoder_hidden_states,
+                             encoder_hidden_states_image=encoder_hidden_states_image, return_dict=False)
+        return out[0]
+
+
+def mindspeed_fsdp2_config(config: str | os.PathLike | Mapping[str, Any]) -> dict[str, Any]:
+    """A MindSpeed MM Wan ``fsdp2_config.yaml`` (a path, read safely, or its mapping) with its module paths
+    mapped onto :class:`WanDiffusion` (see the module docstring). Other keys are kept as written."""
+    from lightning_mm._yaml import load_mapping
+
+    raw = load_mapping(config) if isinstance(config, (str, os.PathLike)) else dict(config)
+    out = dict(raw)
+    for key in _PATH_KEYS:
+        value = raw.get(key)
+        if not isinstance(value, list):
+            continue
+        mapped = []
+        for pattern in value:
+            if key == "ignored_modules" and pattern in _ABSENT_COMPONENTS:
+                log.info("fsdp2_config `ignored_modules`: '%s' is not part of WanDiffusion (features are "
+                         "precomputed): dropped", pattern)
+                continue
+            new = MINDSPEED_WAN_PATHS.get(pattern, pattern) if isinstance(pattern, str) else pattern
+            if new != pattern:
+                log.info("fsdp2_config `%s`: MindSpeed MM's '%s' is diffusers' '%s'", key, pattern, new)
+            mapped.append(new)
+        out[key] = mapped
+    return out

@@ -1,0 +1,106 @@
+"""A diffusers ``save_pretrained`` directory's weights: its safetensors layout, and the strict load plan.
+
+diffusers writes ``diffusion_pytorch_model.safetensors``, or shards listed in
+``diffusion_pytorch_model.safetensors.index.json``; keys are the model's own state-dict names (no renaming). The
+plan is the project's :class:`~lightning_mm.hf.pretrained_index.LoadPlan`, read by the same sliced loading as a
+Transformers model (:mod:`lightning_mm.hf.loading`: each rank reads only the rows of its shards).
+"""
+
+from __future__ import annotations
+
+import logging
+import re
+from pathlib import Path
+
+from torch import nn
+
+from lightning_mm import _safetensors
+from lightning_mm._tied import names_by_tensor
+from lightning_mm.hf.pretrained_index import (
+    CheckpointError,
+    LoadEntry,
+    LoadPlan,
+    SafetensorsIndex,
+    TensorInfo,
+    read_safetensors_header,
+)
+
+__all__ = ["WEIGHTS_NAME", "WEIGHTS_INDEX_NAME", "read_diffusers_weights", "diffusers_load_plan"]
+
+log = logging.getLogger(__name__)
+
+WEIGHTS_NAME = "diffusion_pytorch_model.safetensors"
+WEIGHTS_INDEX_NAME = "diffusion_pytorch_model.safetensors.index.json"
+
+
+def read_diffusers_weights(directory: str | Path) -> SafetensorsIndex:
+    """The tensors of a diffusers model directory, from the safetensors headers (nothing else is read)."""
+    root = Path(directory)
+    index_file = root / WEIGHTS_INDEX_NAME
+    if index_file.is_file():
+        weight_map = _safetensors.read_weight_map(index_file, CheckpointError)
+        files = sorted(_safetensors.shard_files(weight_map))
+    elif (root / WEIGHTS_NAME).is_file():
+        weight_map, files = None, [WEIGHTS_NAME]
+    else:
+        others = sorted(p.name for p in root.iterdir() if p.suffix in (".bin", ".pt", ".pth", ".safetensors"))
+        raise CheckpointError(
+            f"{root}: no {WEIGHTS_NAME} or {WEIGHTS_INDEX_NAME} (not a diffusers model directory"
+            + (f"; found {', '.join(others)}, only diffusers' safetensors layout is read)" if others else ")")
+        )
+    tensors: dict[str, TensorInfo] = {}
+    for name in files:
+        path = root / name
+        if not path.is_file():
+            raise CheckpointError(f"{index_file}: lists '{name}', which does not exist in {root}")
+        for key, info in read_safetensors_header(path).items():
+            if key in tensors:
+                raise CheckpointError(f"{root}: tensor '{key}' is in both {tensors[key].file} and {name}")
+            if weight_map is not None and weight_map.get(key) != name:
+                raise CheckpointError(f"{index_file}: the index does not list '{key}' of {name}")
+            tensors[key] = info
+    if weight_map is not None and (absent := sorted(set(weight_map) - set(tensors))):
+        raise CheckpointError(f"{index_file}: lists {len(absent)} tensor(s) its files do not hold: {absent[:10]}")
+    return SafetensorsIndex(str(root), tensors)
+
+
+def diffusers_load_plan(model: nn.Module, index: SafetensorsIndex) -> LoadPlan:
+    """Match every checkpoint tensor to ``model``'s state dict by name, strictly: missing, unexpected (except the
+    keys the class declares ignorable, ``_keys_to_ignore_on_load_unexpected``) and misshapen tensors are one
+    error listing them all."""
+    state = model.state_dict(keep_vars=True)
+    params = {id(p) for p in model.parameters()}
+    groups = names_by_tensor(state.items())
+    owner = {name: key for key, names in groups.items() for name in names}
+    ignorable = [re.compile(p) for p in (getattr(model, "_keys_to_ignore_on_load_unexpected", None) or ())]
+    found: dict[int, list[TensorInfo]] = {}
+    unexpected, ignored, misshapen = [], [], []
+    for key, info in sorted(index.tensors.items()):
+        if key not in owner:
+            (ignored if any(p.search(key) for p in ignorable) else unexpected).append(key)
+            continue
+        if tuple(info.shape) != tuple(state[key].shape):
+            misshapen.append(f"{key}: checkpoint {list(info.shape)}, model {list(state[key].shape)}")
+            continue
+        found.setdefault(owner[key], []).append(info)
+    entries, missing, buffers_kept = [], [], []
+    for key, names in groups.items():
+        sources = found.get(key)
+        if not sources:
+            if not any(n in {m.split(":")[0] for m in misshapen} for n in names):
+                (missing if key in params else buffers_kept).append(names[0])
+            continue
+        entries.append(LoadEntry(tuple(names), sources[0], key in params, tuple(sources[1:])))
+    problems = []
+    if missing:
+        problems.append(f"{len(missing)} model weight(s) missing from the checkpoint: {missing[:10]}")
+    if unexpected:
+        problems.append(f"{len(unexpected)} checkpoint weight(s) the model does not have: {unexpected[:10]}")
+    if misshapen:
+        problems.append(f"{len(misshapen)} weight(s) with a different shape: {misshapen[:10]}")
+    if problems:
+        raise CheckpointError(f"diffusers checkpoint {index.directory} does not fit {type(model).__name__} (strict "
+                              "loading):\n  - " + "\n  - ".join(problems))
+    if ignored:
+        log.info("%s: ignoring checkpoint keys the model declares ignorable: %s", index.directory, ignored[:10])
+    return LoadPlan(index.directory, tuple(entries), tuple(ignored), tuple(buffers_kept))

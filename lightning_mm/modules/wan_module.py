@@ -1,0 +1,175 @@
+"""MMWanModule: MindSpeed MM's Wan 2.x training step (flow matching on precomputed features) as an
+``MMLightningModule``.
+
+The data gives each sample's video latents and text embeddings (MindSpeed MM's ``feature`` datasets: the VAE and
+the text encoder ran beforehand). A step, as MindSpeed MM's ``SoraModel`` with ``wan_flow_match_scheduler``:
+
+* ``get_batch``: one timestep per micro-batch and Gaussian noise (:func:`~lightning_mm.diffusers.flow_matching.draw`,
+  from a generator that depends only on ``noise_seed``, the step, the micro-batch and the data-parallel rank), the
+  noisy latents ``(1 - sigma) x0 + sigma noise``;
+* ``forward_step``: the diffusers ``WanTransformer3DModel`` (``self.model.predictor``) predicts the velocity;
+* ``loss_func``: the mean squared error to ``noise - x0``, times the timestep's weight.
+
+Batch keys: ``latents`` ``(B, C, F, H, W)`` and ``prompt_embeds`` ``(B, L, D)``, optionally ``prompt_mask``
+``(B, L)`` (embeddings past the mask are zeroed, as diffusers' Wan pipeline pads them), and for image-to-video
+``image_embeds`` (CLIP features) and ``condition_latents`` (mask and first-frame latents concatenated on the
+channels; diffusers' Wan i2v attention takes the last 512 text positions as the prompt, so its ``prompt_embeds``
+are 512 long, as Wan's pipeline pads them). Any other key is an error. With
+``MMFSDP2Strategy(context_parallel_size=C)`` the video tokens are split over the ``C`` ranks of each group
+(Ulysses: :mod:`lightning_mm.diffusers.wan_context_parallel`). Passing the seed's ``get_batch`` /
+``forward_step`` / ``loss_func`` replaces the matching hook, as for every ``MMLightningModule``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from copy import deepcopy
+from dataclasses import fields
+from typing import Any
+
+import torch
+from torch import nn
+from typing_extensions import override
+
+from lightning_mm._compat import attached_trainer
+from lightning_mm._names import did_you_mean
+from lightning_mm.diffusers.flow_matching import FlowMatchSample, WanFlowMatchSchedule, draw, draw_generator
+from lightning_mm.diffusers.model import DiffusersModel, DiffusersModelConfig
+from lightning_mm.diffusers.wan_diffusion import WanDiffusion, mindspeed_fsdp2_config
+from lightning_mm.modules.lightning_module import MMLightningModule
+
+__all__ = ["MMWanModule", "WAN_BATCH_KEYS"]
+
+WAN_BATCH_KEYS = ("latents", "prompt_embeds", "prompt_mask", "image_embeds", "condition_latents")
+_REQUIRED = ("latents", "prompt_embeds")
+FLOW_KEY = "flow"
+
+
+class MMWanModule(MMLightningModule):
+    """Train a Wan 2.x diffusers transformer with MindSpeed MM's flow-matching recipe.
+
+    Args:
+        diffusers_model: the :func:`~lightning_mm.diffusers.DiffusersModel` config (``init_from_path``, ``config``,
+            ``model_id``, ``freeze``); checked now.
+        schedule: :class:`~lightning_mm.diffusers.WanFlowMatchSchedule` keys (MindSpeed MM's ``diffusion`` section:
+            ``num_train_timesteps``, ``shift``, ``sigma_min``, ``sigma_max``, ``extra_one_step``,
+            ``min_timestep_boundary``, ``max_timestep_boundary``); a ``model_id`` other than
+            ``wan_flow_match_scheduler`` is an error.
+        noise_seed: the seed of the timesteps and noise.
+        fsdp2_config: an FSDP2 YAML path or mapping; MindSpeed MM's Wan YAMLs are read as written
+            (:func:`~lightning_mm.diffusers.wan_diffusion.mindspeed_fsdp2_config` maps their paths).
+        **kwargs: the other arguments of :class:`MMLightningModule` (``lr``, ``warmup_steps``...).
+    """
+
+    def __init__(self, diffusers_model: Mapping[str, Any], schedule: Mapping[str, Any] | None = None,
+                 noise_seed: int = 0, fsdp2_config: Any = None, **kwargs: Any) -> None:
+        if kwargs.get("model_provider") is not None:
+            raise ValueError("MMWanModule builds its model from `diffusers_model`; do not also give `model_provider`")
+        if fsdp2_config is not None and not hasattr(fsdp2_config, "sub_modules_to_wrap"):
+            fsdp2_config = mindspeed_fsdp2_config(fsdp2_config)
+        super().__init__(fsdp2_config=fsdp2_config, **kwargs)
+        DiffusersModelConfig.from_any(deepcopy(dict(diffusers_model)))  # a bad key fails now, naming it
+        self.diffusers_model = deepcopy(dict(diffusers_model))
+        schedule = dict(schedule or {})
+        scheduler_id = schedule.pop("model_id", "wan_flow_match_scheduler")
+        if scheduler_id != "wan_flow_match_scheduler":
+            raise ValueError(f"MMWanModule `schedule.model_id`: only 'wan_flow_match_scheduler' is implemented, got "
+                             f"{scheduler_id!r}")
+        known = [f.name for f in fields(WanFlowMatchSchedule) if f.init]
+        for key in schedule:
+            if key not in known:
+                raise ValueError(f"MMWanModule `schedule.{key}`: not a key of the Wan flow-matching schedule"
+                                 + did_you_mean(str(key), known))
+        self.schedule = WanFlowMatchSchedule(**schedule)
+        if not isinstance(noise_seed, int) or isinstance(noise_seed, bool):
+            raise ValueError(f"MMWanModule `noise_seed` must be an integer, got {noise_seed!r}")
+        self.noise_seed = noise_seed
+        self._draw_position: tuple[str, int, int] = ("", -1, 0)  # (stage, step, micro-batches drawn in it)
+
+    @override
+    def model_provider(self) -> nn.Module:
+        if self._seed.model_provider is not None:
+            return super().model_provider()
+        return WanDiffusion(DiffusersModel(deepcopy(self.diffusers_model)))
+
+    handles_context_parallel = True
+    """Under ``MMFSDP2Strategy(context_parallel_size=C)`` the video tokens are split over the ``C`` ranks of a
+    group (:func:`~lightning_mm.diffusers.wan_context_parallel.enable_wan_context_parallel`)."""
+
+    @override
+    def configure_model(self) -> None:
+        super().configure_model()
+        group = self.context_parallel_group
+        if group is not None:
+            from lightning_mm.diffusers.wan_context_parallel import enable_wan_context_parallel
+
+            predictor = getattr(self.model, "predictor", None)
+            if predictor is None:
+                raise ValueError(f"MMWanModule: context parallelism needs a model with a Wan `predictor`, got "
+                                 f"{type(self.model).__name__}")
+            enable_wan_context_parallel(predictor, group)
+
+    def _data_parallel_rank(self) -> int:
+        """This rank's data-parallel rank: the ranks of a context-parallel group draw the same noise."""
+        trainer = attached_trainer(self)
+        if trainer is None:
+            return 0
+        cp = int(getattr(trainer.strategy, "context_parallel_size", 1) or 1)
+        return int(trainer.global_rank) // cp
+
+    # ----------------------------------------------------------------------------------------- the step
+    def _generator(self) -> torch.Generator:
+        trainer = attached_trainer(self)
+        stage = "none" if trainer is None else getattr(trainer.state.stage, "value", str(trainer.state.stage))
+        step = 0 if trainer is None else int(trainer.global_step)
+        last_stage, last_step, count = self._draw_position
+        count = count + 1 if (stage, step) == (last_stage, last_step) else 0
+        self._draw_position = (stage, step, count)
+        return draw_generator(self.noise_seed, stage, step, count, self._data_parallel_rank())
+
+    @override
+    def get_batch(self, batch: Any) -> dict[str, Any]:
+        """The model inputs of a batch: noisy latents, timesteps, text (and image) conditions, and the draw."""
+        if self._seed.get_batch is not None:
+            batch = super().get_batch(batch)
+        if not isinstance(batch, Mapping):
+            raise TypeError(f"MMWanModule: a batch must be a mapping with keys {list(_REQUIRED)}, got "
+                            f"{type(batch).__name__}")
+        unknown = sorted(set(batch) - set(WAN_BATCH_KEYS))
+        missing = [k for k in _REQUIRED if k not in batch]
+        if unknown or missing:
+            raise KeyError(f"MMWanModule: batch keys {sorted(batch)}: " + "; ".join(
+                ([f"missing {missing}"] if missing else []) + ([f"unknown {unknown} (known: {list(WAN_BATCH_KEYS)})"]
+                                                               if unknown else [])))
+        latents = batch["latents"]
+        if not isinstance(latents, torch.Tensor) or latents.ndim != 5:
+            raise ValueError(f"MMWanModule: `latents` must be a (batch, channels, frames, height, width) tensor, got "
+                             f"{getattr(latents, 'shape', type(latents).__name__)}")
+        text = batch["prompt_embeds"]
+        if batch.get("prompt_mask") is not None:
+            text = text * batch["prompt_mask"].to(text.dtype).unsqueeze(-1)
+        flow = draw(self.schedule, latents, self._generator())
+        inputs: dict[str, Any] = {"hidden_states": flow.noisy, "timestep": flow.timestep, "encoder_hidden_states": text}
+        if batch.get("image_embeds") is not None:
+            inputs["encoder_hidden_states_image"] = batch["image_embeds"]
+        if batch.get("condition_latents") is not None:
+            inputs["condition"] = batch["condition_latents"]
+        inputs[FLOW_KEY] = flow
+        return inputs
+
+    @override
+    def forward_step(self, batch: Any) -> Any:
+        if self._seed.forward_step is not None or not isinstance(batch, Mapping):
+            return super().forward_step(batch)
+        if self.model is None:
+            raise RuntimeError("MMWanModule.model is not built (configure_model has not run)")
+        return self.model(**{k: v for k, v in batch.items() if k != FLOW_KEY})
+
+    @override
+    def loss_func(self, output: Any, batch: Any) -> Any:
+        if self._seed.loss_func is not None:
+            return super().loss_func(output, batch)
+        flow = batch.get(FLOW_KEY) if isinstance(batch, Mapping) else None
+        if not isinstance(flow, FlowMatchSample):
+            raise TypeError("MMWanModule.loss_func needs the batch's flow-matching draw (the `flow` key of get_batch)")
+        return self.schedule.loss(output, flow)

@@ -1,0 +1,260 @@
+"""Wan 2.x video diffusion transformers through diffusers (issue #30).
+
+The 2-rank run (``tests/wan_scenarios.py``: MindSpeed MM's Wan 2.1 FSDP2 YAML with recomputation, a checkpoint
+after the first epoch and a resumed second epoch) equals a one-process diffusers ``WanTransformer3DModel`` trained
+with the same samples, timesteps and noise, step by step; its checkpoint converts to a directory diffusers'
+``from_pretrained`` loads. The rest: the schedule against MindSpeed MM's formulas, meta-device building and strict
+loading, MindSpeed MM's YAMLs as written, the feature data, the batch checks.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from tests.wan_scenarios import TINY_WAN, YAML, reference_losses, write_workdir
+
+ROOT = Path(__file__).resolve().parents[1]
+WAN22_YAML = ROOT / "tests" / "data" / "wan" / "wan2.2_A14B_fsdp2_config.yaml"
+
+
+@pytest.fixture(scope="module")
+def work(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    directory = tmp_path_factory.mktemp("wan_work")
+    write_workdir(directory)
+    return directory
+
+
+@pytest.fixture(scope="module")
+def run(tmp_path_factory: pytest.TempPathFactory, work: Path) -> Path:
+    out = tmp_path_factory.mktemp("wan_run")
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
+    env.pop("LOCAL_RANK", None)
+    proc = subprocess.run([sys.executable, str(ROOT / "tests" / "wan_scenarios.py"), str(out), str(work)], cwd=ROOT,
+                          env=env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, f"wan_scenarios failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}"
+    return out
+
+
+def _close(a: float, b: float, rel: float = 1e-5) -> bool:
+    return abs(a - b) <= rel * max(abs(a), abs(b), 1e-12)
+
+
+# ------------------------------------------------------------------------------------ the 2-rank run
+def test_two_ranks_with_recompute_and_resume_equal_the_diffusers_reference(run: Path, work: Path) -> None:
+    ranks = [json.loads((run / f"wan.rank{r}.json").read_text()) for r in range(2)]
+    assert [[s for s, _, _ in r["losses"]] for r in ranks] == [[0, 1, 2, 3]] * 2  # steps 2, 3 after the resume
+    assert {tokens for r in ranks for _, _, tokens in r["losses"]} == {48}  # all video tokens on each rank
+    losses = [(ranks[0]["losses"][s][1] + ranks[1]["losses"][s][1]) / 2 for s in range(4)]
+    expected, weights = reference_losses(work, 4)
+    assert all(_close(a, b) for a, b in zip(losses, expected)), (losses, expected)
+    final = torch.load(run / "final.pt", weights_only=True)
+    assert sorted(final) == sorted(weights)
+    for name, ref in weights.items():
+        assert torch.allclose(final[name], ref, rtol=1e-5, atol=1e-6 * ref.abs().max().item()), name
+    # MindSpeed MM's YAML as written: the blocks and the head (diffusers' proj_out) are units, the blocks recomputed
+    assert ranks[0]["plan"] == {"units": ["predictor.blocks.0", "predictor.blocks.1", "predictor.proj_out"],
+                                "recompute": ["predictor.blocks.0", "predictor.blocks.1"]}
+
+
+def test_context_parallel_2_equals_the_diffusers_reference(run: Path, work: Path) -> None:
+    """Both ranks train one sample a step, each on half of its 48 video tokens (Ulysses over the heads)."""
+    ranks = [json.loads((run / f"wan.rank{r}.json").read_text()) for r in range(2)]
+    assert ranks[0]["cp_losses"] == ranks[1]["cp_losses"]  # every rank of the group has the whole sample's loss
+    assert [(s, tokens) for s, _, tokens in ranks[0]["cp_losses"]] == [(0, 24), (1, 24), (2, 24)]
+    grads: dict[str, torch.Tensor] = {}
+    expected, weights = reference_losses(work, 3, data_ranks=1, grads=grads)
+    losses = [loss for _, loss, _ in ranks[0]["cp_losses"]]
+    assert all(_close(a, b) for a, b in zip(losses, expected)), (losses, expected)
+    got = torch.load(run / "cp_grads.pt", weights_only=True)
+    for name, ref in grads.items():  # before Adam, which would hide a scale error
+        assert torch.allclose(got[name], ref, rtol=1e-5, atol=1e-6 * ref.abs().max().item()), name
+    final = torch.load(run / "cp_final.pt", weights_only=True)
+    for name, ref in weights.items():
+        assert torch.allclose(final[name], ref, rtol=1e-5, atol=1e-5 * ref.abs().max().item()), name
+
+
+def test_the_checkpoint_converts_to_a_directory_diffusers_loads(run: Path, work: Path, tmp_path: Path,
+                                                                 capsys: pytest.CaptureFixture) -> None:
+    from diffusers import FlowMatchEulerDiscreteScheduler, WanTransformer3DModel
+
+    from lightning_mm.commands.convert import main as convert
+    from lightning_mm.diffusers.export import dcp_to_diffusers
+
+    out = tmp_path / "wan"
+    assert convert(["dcp-to-diffusers", str(run / "final.ckpt"), str(out), "--config", str(work / "model")]) == 0
+    model = WanTransformer3DModel.from_pretrained(out)
+    final = torch.load(run / "final.pt", weights_only=True)
+    state = model.state_dict()
+    assert sorted(f"model.predictor.{k}" for k in state) == sorted(final)
+    assert all(torch.equal(state[k[len("model.predictor."):]], v) for k, v in final.items())
+    with pytest.raises(FileExistsError, match="output exists"):
+        dcp_to_diffusers(run / "final.ckpt", out, config=work / "model")
+    scheduler = FlowMatchEulerDiscreteScheduler(shift=5.0)  # a few denoising steps with diffusers alone
+    scheduler.set_timesteps(3)
+    latents, text = torch.randn(1, 4, 3, 8, 8), torch.randn(1, 5, 16)
+    with torch.no_grad():
+        for t in scheduler.timesteps:
+            latents = scheduler.step(model(latents, t.expand(1), text, return_dict=False)[0], t, latents)[0]
+    assert latents.shape == (1, 4, 3, 8, 8) and torch.isfinite(latents).all()
+
+
+# ------------------------------------------------------------------------------------ the schedule
+def test_the_schedule_is_mindspeeds_wan_flow_match_scheduler() -> None:
+    from lightning_mm.diffusers.flow_matching import WanFlowMatchSchedule
+
+    s = WanFlowMatchSchedule()  # the Wan recipes: 1000 steps, shift 5, sigma_min 0, extra_one_step
+    n, shift = 1000, 5.0
+    for i in (0, 1, 500, 999):  # MindSpeed MM's formulas, in float64
+        sigma = 1.0 - i / n  # linspace(1, 0, n + 1)[:-1]
+        shifted = shift * sigma / (1 + (shift - 1) * sigma)
+        assert math.isclose(float(s.sigmas[i]), shifted, rel_tol=1e-6)
+        assert math.isclose(float(s.timesteps[i]), shifted * n, rel_tol=1e-6)
+    y = [math.exp(-2 * ((float(t) - n / 2) / n) ** 2) for t in s.timesteps]
+    low = min(y)
+    weights = [(v - low) * n / sum(v - low for v in y) for v in y]
+    assert max(abs(a - float(b)) for a, b in zip(weights, s.weights)) < 1e-4
+    high = WanFlowMatchSchedule(max_timestep_boundary=0.417)  # Wan 2.2 A14B's high-noise expert
+    g = torch.Generator().manual_seed(0)
+    assert all(0 <= high.draw_index(g) < 417 for _ in range(50))
+    latents, noise = torch.randn(2, 4, 1, 2, 2), torch.randn(2, 4, 1, 2, 2)
+    sample = s.sample(latents, noise, 10)
+    assert torch.allclose(sample.noisy, (1 - s.sigmas[10]) * latents + s.sigmas[10] * noise)
+    assert torch.equal(sample.target, noise - latents) and sample.timestep.tolist() == [float(s.timesteps[10])] * 2
+    prediction = torch.randn_like(latents)
+    mse = ((prediction - (noise - latents)) ** 2).mean()
+    assert torch.allclose(s.loss(prediction, sample), mse * s.weights[10])
+    with pytest.raises(ValueError, match="must satisfy 0 <= min < max"):
+        WanFlowMatchSchedule(min_timestep_boundary=0.5, max_timestep_boundary=0.4)
+
+
+# ------------------------------------------------------------------------------------ model building
+def test_meta_building_defers_loading_and_loading_is_strict(work: Path) -> None:
+    from lightning_mm.core.init_context import meta_parameters
+    from lightning_mm.diffusers import DiffusersModel, DiffusersModelConfigError, WanDiffusion
+    from lightning_mm.hf.pretrained_index import CheckpointError
+
+    with meta_parameters():
+        model = DiffusersModel({"init_from_path": str(work / "model")})
+    assert all(p.is_meta for p in model.parameters()) and model._pending_pretrained is not None
+    assert not model.rope.freqs_cos.is_meta  # computed buffers stay real
+    with pytest.raises(RuntimeError, match="never loaded"):
+        model(torch.randn(1, 4, 1, 4, 4), torch.tensor([1.0]), torch.randn(1, 5, 16))
+    assert WanDiffusion(model).default_fsdp2_config() == {"sub_modules_to_wrap": ["predictor.blocks.{*}"]}
+    with pytest.raises(CheckpointError, match=r"missing from the checkpoint: \['blocks.2"):
+        DiffusersModel({"init_from_path": str(work / "model"), "config": {"num_layers": 3}})
+    with pytest.raises(CheckpointError, match="different shape"):
+        DiffusersModel({"init_from_path": str(work / "model"), "config": {"ffn_dim": 40}})
+    with pytest.raises(DiffusersModelConfigError, match="no such argument.*num_layers"):
+        DiffusersModel({"init_from_path": str(work / "model"), "config": {"num_layer": 3}})
+    with pytest.raises(DiffusersModelConfigError, match="unknown DiffusersModel config key"):
+        DiffusersModel({"init_from_hf_path": str(work / "model")})
+    fresh = DiffusersModel({"model_id": "WanTransformer3DModel", "config": TINY_WAN})
+    assert sum(p.numel() for p in fresh.parameters()) == 19832
+    flf2v = {**TINY_WAN, "in_channels": 8, "image_dim": 16, "added_kv_proj_dim": 24, "pos_embed_seq_len": 6}
+    with meta_parameters():  # random init after meta-device construction, as the strategy does it
+        model = DiffusersModel({"model_id": "wan", "config": flf2v})
+    from lightning_mm.core.apply import materialize_and_init
+
+    materialize_and_init(model, model, torch.device("cpu"), torch.device("cpu"))  # every tensor filled, or an error
+    table = model.blocks[0].scale_shift_table
+    assert all(torch.isfinite(p).all() for p in model.parameters()) and 0.1 < float(table.detach().std()) * 24**0.5 < 2
+
+
+def test_mindspeed_wan_yamls_as_written(work: Path) -> None:
+    from lightning_mm.core.config import FSDP2Config, FSDP2ConfigError
+    from lightning_mm.core.plan import build_plan
+    from lightning_mm.diffusers import DiffusersModel, WanDiffusion
+    from lightning_mm.diffusers.wan_diffusion import mindspeed_fsdp2_config
+
+    target = WanDiffusion(DiffusersModel({"model_id": "wan", "config": TINY_WAN}))
+    for yaml in (YAML, WAN22_YAML):
+        plan = build_plan(FSDP2Config.from_dict(mindspeed_fsdp2_config(yaml)), target, 8)
+        assert [u.modules[0] for u in plan.units] == ["predictor.blocks.0", "predictor.blocks.1", "predictor.proj_out"]
+        assert list(plan.recompute) == ["predictor.blocks.0", "predictor.blocks.1"]
+        assert plan.precision.param_dtype == torch.bfloat16
+    with pytest.raises(FSDP2ConfigError, match="'predictor.head' resolves to no module"):  # unmapped: a clear error
+        build_plan(FSDP2Config.from_yaml(YAML), target, 8)
+
+
+# ------------------------------------------------------------------------------------ data and batches
+def test_feature_data_through_the_mindspeed_data_config(work: Path, tmp_path: Path) -> None:
+    from lightning_mm.datamodules import MMDataModule
+    from lightning_mm.datamodules.data_config import DataConfigError
+    from lightning_mm.datamodules.records import DataError
+
+    dm = MMDataModule.from_config(work / "data.json", batch_size=2)
+    dm.setup("fit")
+    batch = next(iter(dm.train_dataloader()))
+    first = torch.load(work / "features" / "0.pt", weights_only=True)
+    assert sorted(batch) == ["latents", "prompt_embeds", "prompt_mask"]
+    assert batch["latents"].shape == (2, 4, 3, 8, 8) and torch.equal(batch["latents"][0], first["video"])
+    data = json.loads((work / "data.json").read_text())
+    lines = (work / "features" / "data.jsonl").read_text() + json.dumps({"file": "../model/config.json"}) + "\n"
+    (tmp_path / "data.jsonl").write_text(lines)
+    data["dataset_param"]["basic_parameters"]["data_path"] = str(tmp_path / "data.jsonl")
+    data["strict"] = True
+    (tmp_path / "data.json").write_text(json.dumps(data))
+    with pytest.raises(DataError, match=r"data.jsonl:5: `file` '../model/config.json' resolves outside"):
+        MMDataModule.from_config(tmp_path / "data.json").setup("fit")
+    data["dataset_param"]["basic_parameters"]["data_pth"] = "x"
+    (tmp_path / "data.json").write_text(json.dumps(data))
+    with pytest.raises(DataConfigError, match="data_pth"):
+        MMDataModule.from_config(tmp_path / "data.json").setup("fit")
+    torch.save({"video": torch.zeros(4, 1, 2, 2), "prompt_ids": torch.zeros(2, 16), "extra": 1}, tmp_path / "x.pt")
+    from lightning_mm.datamodules.wan_data import WanFeatureDataset
+
+    with pytest.raises(DataError, match=r"unknown feature key\(s\) \['extra'\]"):
+        WanFeatureDataset([tmp_path / "x.pt"])[0]
+
+
+def test_the_module_checks_its_batches_and_its_schedule() -> None:
+    from lightning_mm.modules.wan_module import MMWanModule
+
+    module = MMWanModule({"model_id": "wan", "config": TINY_WAN})
+    batch = {"latents": torch.randn(1, 4, 1, 4, 4), "prompt_embeds": torch.randn(1, 5, 16)}
+    inputs = module.get_batch(batch)
+    assert inputs["hidden_states"].shape == batch["latents"].shape and inputs["timestep"].shape == (1,)
+    with pytest.raises(KeyError, match=r"unknown \['input_ids'\]"):
+        module.get_batch({**batch, "input_ids": torch.zeros(1, 3)})
+    with pytest.raises(KeyError, match=r"missing \['prompt_embeds'\]"):
+        module.get_batch({"latents": batch["latents"]})
+    with pytest.raises(ValueError, match="only 'wan_flow_match_scheduler'"):
+        MMWanModule({"model_id": "wan", "config": TINY_WAN}, schedule={"model_id": "ddpm"})
+    with pytest.raises(ValueError, match="schedule.shfit.*shift"):
+        MMWanModule({"model_id": "wan", "config": TINY_WAN}, schedule={"shfit": 5})
+
+
+def test_image_to_video_inputs_reach_the_model() -> None:
+    """Wan 2.1 i2v: condition latents on the channels, CLIP image embeddings before the 512 text tokens."""
+    from lightning_mm.modules.wan_module import MMWanModule
+
+    i2v = {**TINY_WAN, "in_channels": 8, "image_dim": 16, "added_kv_proj_dim": 24}
+    torch.manual_seed(0)
+    module = MMWanModule({"model_id": "wan", "config": i2v})
+    module.configure_model()
+    batch = {"latents": torch.randn(1, 4, 1, 4, 4), "prompt_embeds": torch.randn(1, 512, 16),
+             "image_embeds": torch.randn(1, 3, 16), "condition_latents": torch.randn(1, 4, 1, 4, 4)}
+    inputs = module.get_batch(batch)
+    loss = module.loss_func(module.forward_step(inputs), inputs)
+    loss.backward()
+    assert module.model.predictor.condition_embedder.image_embedder.ff.net[0].proj.weight.grad.abs().sum() > 0
+    expected = module.model.predictor(torch.cat([inputs["hidden_states"], batch["condition_latents"]], 1),
+                                      inputs["timestep"], batch["prompt_embeds"], batch["image_embeds"],
+                                      return_dict=False)[0]
+    assert torch.allclose(loss, module.schedule.loss(expected, inputs["flow"]))
+
+
+def test_diffusers_is_imported_only_when_used() -> None:
+    code = ("import sys, lightning_mm, lightning_mm.diffusers, lightning_mm.modules.wan_module, "
+            "lightning_mm.datamodules.wan_data\nprint('diffusers' in sys.modules)")
+    out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=120,
+                         env={**os.environ, "PYTHONPATH": str(ROOT)})
+    assert out.returncode == 0 and out.stdout.strip() == "False", out.stderr[-2000:]
