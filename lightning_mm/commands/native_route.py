@@ -185,6 +185,7 @@ def _parallel(out: _Out) -> None:
     try:
         result = map_parallel(out.data["parallel"], out.data.get("features"), str(out.path), strict=False,
                               error=MigrateError)
+        _drop_absent_mtp(out, result.fsdp2)
         config = FSDP2Config.from_dict(result.fsdp2, source=f"{out.path} (parallel)").to_dict()
     except FSDP2ConfigError as err:
         raise MigrateError(str(err)) from None
@@ -194,6 +195,19 @@ def _parallel(out: _Out) -> None:
     for key, value in result.strategy.items():
         out.set(f"trainer.strategy.init_args.{key}", value)
     out.unmapped += result.refused + result.without_effect
+
+
+def _drop_absent_mtp(out: _Out, fsdp2: dict[str, Any]) -> None:
+    """``mtp`` in ``fsdp_plan.apply_modules`` names MindSpeed MM's own multi-token-prediction block, which its model
+    builds only with ``model.mtp_num_layers`` > 0 (a pattern matching no module is skipped there). Transformers'
+    models have no such module (and a pattern matching none is an error here), so without MTP it is left out, said
+    in the report."""
+    wrap = fsdp2.get("sub_modules_to_wrap")
+    if not isinstance(wrap, list) or "mtp" not in wrap or out.get("model.mtp_num_layers", 0):
+        return
+    fsdp2["sub_modules_to_wrap"] = [m for m in wrap if m != "mtp"]
+    out.notes.append("parallel.fsdp_plan.apply_modules mtp: MindSpeed MM's multi-token-prediction block, built only "
+                     "with model.mtp_num_layers > 0 (Transformers' model has no mtp module); not wrapped here")
 
 
 # --------------------------------------------------------------------------------------------- model

@@ -48,12 +48,15 @@ class TemplateSpec:
     """Empty thoughts are added to assistant turns (MindSpeed's ``ReasoningTemplate``)."""
 
 
+_QWEN3_VL_TYPES = ("qwen3_vl", "qwen3_vl_moe", "qwen3_5", "qwen3_5_moe")
+
 TEMPLATES: dict[str, TemplateSpec] = {
     "qwen2vl": TemplateSpec(("qwen2_vl", "qwen2_5_vl"), ("qwen2vl",)),
-    "qwen3_vl": TemplateSpec(("qwen3_vl", "qwen3_vl_moe"), ("qwen3vl", "qwen2vl"), reasoning=True),
-    "qwen3_vl_nothink": TemplateSpec(("qwen3_vl", "qwen3_vl_moe"), ("qwen3vl", "qwen2vl")),
+    "qwen3_vl": TemplateSpec(_QWEN3_VL_TYPES, ("qwen3vl", "qwen2vl"), reasoning=True),
+    "qwen3_vl_nothink": TemplateSpec(_QWEN3_VL_TYPES, ("qwen3vl", "qwen2vl")),
 }
-"""The MindSpeed MM template names supported here."""
+"""The MindSpeed MM template names supported here. Qwen3.5 / Qwen3.6 (``qwen3_5``, ``qwen3_5_moe``: Transformers'
+Qwen3VLProcessor and Qwen3-VL's chat tokens) use the Qwen3-VL templates, as MindSpeed MM's configs for them do."""
 
 MINDSPEED_TEMPLATES = ("qwen2vl", "qwen3_vl", "qwen3_vl_nothink", "qwen2_omni", "qwen3_omni", "qwen3_omni_nothink",
                        "glm4.1v", "glm4v_moe", "mistral", "default")
