@@ -294,7 +294,7 @@ DENSE = "qwen3_5__qwen3_5_4B_config.yaml"  # the dense VLM
 @pytest.mark.parametrize("name", [n for n in CONFIGS if n != "moss_tts__moss_tts_delay_config.yaml"])
 def test_the_report_says_which_configs_cannot_train_here(name, tmp_path):
     """An architecture without an adapter is NOT mapped, by name, and its model_id left out of the config."""
-    from lightning_mm.commands.native_route import NATIVE_MODEL_IDS, migrate_native
+    from lightning_mm.commands.native_route import DERIVED_MODEL_IDS, NATIVE_MODEL_IDS, migrate_native
 
     data = _native(name)
     result = migrate_native(DATA / name, data, base_dir=tmp_path)
@@ -302,6 +302,13 @@ def test_the_report_says_which_configs_cannot_train_here(name, tmp_path):
     written = result.config["model"]["init_args"]["transformers_model"]
     if model_id in NATIVE_MODEL_IDS:
         assert written["model_id"] == NATIVE_MODEL_IDS[model_id]
+    elif model_id in DERIVED_MODEL_IDS:  # a Transformers class, its plan derived (trained: the dense VLM test)
+        assert "model_id" not in written
+        assert any(line.startswith(f"model.model_id {model_id} -> none: ") and DERIVED_MODEL_IDS[model_id] in line
+                   for line in result.mapped), result.mapped
+        from lightning_mm.hf.derived_adapters import transformers_architecture
+
+        assert transformers_architecture(DERIVED_MODEL_IDS[model_id]) is not None
     else:
         assert "model_id" not in written
         assert any(line.startswith(f"model.model_id: {model_id}: ") and "does not train here yet" in line
@@ -502,7 +509,7 @@ def test_migrated_dense_vlm_config_trains_like_plain_transformers(tmp_path, caps
     native["features"].update(enable_chunk_loss=False, enable_activation_offload=False)
     report, config = _fit(native, tmp_path, capsys)
     assert "model_id" not in config["model"]["init_args"]["transformers_model"]
-    assert "model.model_id: qwen3_5: " in report and "derived" in report
+    assert "model.model_id qwen3_5 -> none: no ModelHub adapter needed" in report
     ranks = _assert_equals_plain_transformers(transformers.Qwen3_5ForConditionalGeneration, model_dir, tmp_path,
                                               frozen=None)
     assert ranks[0]["recompute_modules"] == native["features"]["recompute_plan"]["apply_modules"]

@@ -25,7 +25,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-__all__ = ["is_native_route", "migrate_native", "NativeMigration", "NATIVE_MODEL_IDS", "PENDING_OPTIONS"]
+__all__ = ["is_native_route", "migrate_native", "NativeMigration", "NATIVE_MODEL_IDS", "DERIVED_MODEL_IDS",
+           "PENDING_OPTIONS"]
 
 STRATEGY = "lightning_mm.MMFSDP2Strategy"
 MODULE = "lightning_mm.modules.transformers_module.MMTransformersModule"
@@ -36,9 +37,13 @@ NATIVE_MODEL_IDS: dict[str, str] = {
     "qwen2": "qwen2", "llama": "llama", "internvl": "internvl", "llava": "llava", "qwen2_5_vl": "qwen2_5_vl",
 }
 """Native ``model.model_id`` -> the ModelHub key of this project's adapter for that architecture."""
+DERIVED_MODEL_IDS: dict[str, str] = {
+    "qwen3_5": "Qwen3_5ForConditionalGeneration", "qwen3_5_moe": "Qwen3_5MoeForConditionalGeneration",
+}
+"""Native ``model.model_id`` -> the Transformers class of its checkpoints (Qwen3.5 and Qwen3.6, whose configs use
+the Qwen3.5 ids) that trains here with no ModelHub adapter: TransformersModel takes the class from config.json's
+``architectures`` and derives its default plan (:mod:`lightning_mm.hf.derived_adapters`)."""
 _UNSUPPORTED_MODELS = {
-    "qwen3_5": "Qwen3.5 (Transformers' qwen3_5, gated-delta-net layers)",
-    "qwen3_5_moe": "Qwen3.5-MoE (Transformers' qwen3_5_moe)",
     "qwen3_6": "Qwen3.6", "kimi_k25": "Kimi-K2.5 (remote code)", "kimi_k3": "Kimi-K3 (remote code)",
     "step3_vl": "Step3-VL (remote code)", "qwen3_omni_moe": "Qwen3-Omni (Transformers' qwen3_omni_moe)",
     "qwen3_asr": "Qwen3-ASR (audio)", "qwen3tts": "Qwen3-TTS (audio)", "qwen3_tts": "Qwen3-TTS (audio)",
@@ -222,6 +227,10 @@ def _model(out: _Out) -> None:
     if model_id in NATIVE_MODEL_IDS:
         out.map("model.model_id", f"{target}.model_id", NATIVE_MODEL_IDS[model_id], f"ModelHub key "
                 f"{NATIVE_MODEL_IDS[model_id]}")
+    elif model_id in DERIVED_MODEL_IDS:
+        out.mapped.append(f"model.model_id {model_id} -> none: no ModelHub adapter needed; TransformersModel takes "
+                          "the class from config.json's architectures (Transformers' "
+                          f"{DERIVED_MODEL_IDS[model_id]}) and derives its default FSDP2 plan from the model")
     elif model_id is not None:
         what = _UNSUPPORTED_MODELS.get(model_id, f"model_id {model_id}")
         out.refuse("model.model_id", f"{model_id}: {what} has no built-in adapter in this version of "
