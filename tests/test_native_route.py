@@ -516,3 +516,17 @@ def test_migrated_dense_vlm_config_trains_like_plain_transformers(tmp_path, caps
     for unit in ("model.visual.blocks.0", "model.language_model.layers.0", "model.language_model.layers.1",
                  "model.language_model.embed_tokens", "lm_head"):
         assert unit in ranks[0]["units"], (unit, ranks[0]["units"])
+
+
+def test_qwen3_5_samples_equal_its_processor_and_chat_template(tmp_path, monkeypatch):
+    """The data path of the Qwen3.5 configs (template ``qwen3_vl_nothink``, collate ``qwen3vl``) on a Qwen3.5
+    directory: each sample equals what the model's own processor and chat template give."""
+    from tests.test_hf_data import RECORDS, _assert_same, _config, _module, _reference
+
+    model_dir = _tiny_qwen3_5(tmp_path / "hf")
+    config = _config(model_dir, "qwen3_vl", template=_native(DENSE)["data"]["dataset_param"]["basic_parameters"]
+                     ["template"])
+    assert config["dataloader_param"]["collate_param"]["model_name"] == "qwen3vl"
+    dataset = _module(tmp_path, monkeypatch, config)._splits["train"]
+    for i, record in enumerate(RECORDS):
+        _assert_same(dataset[i], _reference(model_dir, record, tmp_path / "data"))
