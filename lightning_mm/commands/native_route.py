@@ -233,10 +233,10 @@ def _model(out: _Out) -> None:
                           f"{DERIVED_MODEL_IDS[model_id]}) and derives its default FSDP2 plan from the model")
     elif model_id is not None:
         what = _UNSUPPORTED_MODELS.get(model_id, f"model_id {model_id}")
-        out.refuse("model.model_id", f"{model_id}: {what} has no built-in adapter in this version of "
-                                     "lightning-mm, so this config does not train here yet; model_id is left out "
-                                     "and TransformersModel takes the class from config.json's architectures "
-                                     "(trained once derived plans for any Transformers class are merged; a "
+        out.refuse("model.model_id", f"{model_id}: {what}: this config does not train here yet (no ModelHub "
+                                     "adapter, and no Transformers class with a derived plan checked for it); "
+                                     "model_id is left out: TransformersModel takes the class from config.json's "
+                                     "architectures (a Transformers class gets a derived default plan; a "
                                      "remote-code model also needs trust_remote_code)")
     if "model_name_or_path" in model:
         value = model["model_name_or_path"]
