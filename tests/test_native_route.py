@@ -530,3 +530,37 @@ def test_qwen3_5_samples_equal_its_processor_and_chat_template(tmp_path, monkeyp
     dataset = _module(tmp_path, monkeypatch, config)._splits["train"]
     for i, record in enumerate(RECORDS):
         _assert_same(dataset[i], _reference(model_dir, record, tmp_path / "data"))
+
+
+DENSE_QWEN3_5 = ("qwen3_5__qwen3_5_4B_config.yaml", "qwen3_5__qwen3_5_9B_config.yaml",
+                 "qwen3_5__qwen3_5_27B_config.yaml", "qwen3_6__qwen3_6_27B_config.yaml")
+
+
+@pytest.fixture(scope="module")
+def tiny_qwen3_5(tmp_path_factory) -> Path:
+    return _tiny_qwen3_5(tmp_path_factory.mktemp("qwen3_5") / "hf")
+
+
+@pytest.mark.parametrize("name", DENSE_QWEN3_5)
+def test_lightning_mm_plan_for_the_dense_qwen3_5_configs(name, tiny_qwen3_5, tmp_path, capsys):
+    """``lightning-mm plan`` of the migrated dense Qwen3.5 / Qwen3.6 configs at the launch script's world size, on
+    the meta device, with the tiny Qwen3.5 stand-in (a derived class: no ModelHub adapter)."""
+    from lightning_mm.commands.plan import plan_from_cli_config
+
+    _, written = _migrate(name, tmp_path, capsys)
+    config = yaml.safe_load(written.replace("<RUN>", str(tmp_path.resolve())).replace("<DATA>", str(DATA)))
+    model = config["model"]["init_args"]["transformers_model"]
+    model.update(init_from_hf_path=str(tiny_qwen3_5), trust_remote_code=False)
+    for pending in ("enable_chunk_loss", "chunk_loss_size"):  # options being added (see native_route.PENDING_OPTIONS)
+        model.pop(pending, None)
+    (tmp_path / "plan.yaml").write_text(yaml.safe_dump(config))
+    world = WORLD_SIZES[name]
+    text = plan_from_cli_config(["--config", str(tmp_path / "plan.yaml")], world_size=world)
+    assert f"world size {world}, mesh (shard={world})" in text, text
+    units = text.split("units (", 1)[1].split("<root>", 1)[0]
+    for unit in ("model.visual.blocks.0", "model.visual", "model.language_model.layers.1", "model.language_model",
+                 "model.language_model.embed_tokens", "lm_head"):
+        assert unit in units, (unit, text)
+    assert "recomputed (non-reentrant): model.visual.blocks.0" in text
+    assert "model.language_model.layers.0" in text.split("recomputed", 1)[1]
+    assert "default plan: derived from MMQwen3_5ForConditionalGeneration's Transformers metadata" in text, text
