@@ -39,7 +39,8 @@ WORLD_SIZES = {
     "st__finetune_kimik2_5__kimik2_5_config.yaml": 512, "st__finetune_qwen3_5_35B__qwen3_5_35B_config.yaml": 16,
     "st__finetune_qwen3tts__qwen3tts_config.yaml": 8, "st__finetune_qwen3vl_30B__qwen3vl_30B_config_v1.yaml": 16,
 }
-# Configs whose architecture this project trains (an adapter in ModelHub); the rest are reported as not trainable.
+# Configs of the Qwen3-VL-MoE architecture (an adapter in ModelHub), planned with its tiny stand-in; the dense
+# Qwen3.5 / Qwen3.6 ones (a derived Transformers class) are DENSE_QWEN3_5 below.
 PLANNED = ("qwen3vl__qwen3vl_30B_config_v1.yaml", "qwen3vl__qwen3vl_30B_config_v1_A5.yaml",
            "st__finetune_qwen3vl_30B__qwen3vl_30B_config_v1.yaml")
 
@@ -293,7 +294,8 @@ DENSE = "qwen3_5__qwen3_5_4B_config.yaml"  # the dense VLM
 
 @pytest.mark.parametrize("name", [n for n in CONFIGS if n != "moss_tts__moss_tts_delay_config.yaml"])
 def test_the_report_says_which_configs_cannot_train_here(name, tmp_path):
-    """An architecture without an adapter is NOT mapped, by name, and its model_id left out of the config."""
+    """An architecture with an adapter is its ModelHub key; Qwen3.5 / Qwen3.6 (a Transformers class, its plan
+    derived) leave model_id out, said in the mapped items; any other is NOT mapped, by name, model_id left out."""
     from lightning_mm.commands.native_route import DERIVED_MODEL_IDS, NATIVE_MODEL_IDS, migrate_native
 
     data = _native(name)

@@ -45,7 +45,9 @@ the Qwen3.5 ids) that trains here with no ModelHub adapter: TransformersModel ta
 ``architectures`` and derives its default plan (:mod:`lightning_mm.hf.derived_adapters`)."""
 _UNSUPPORTED_MODELS = {
     "qwen3_6": "Qwen3.6", "kimi_k25": "Kimi-K2.5 (remote code)", "kimi_k3": "Kimi-K3 (remote code)",
-    "step3_vl": "Step3-VL (remote code)", "qwen3_omni_moe": "Qwen3-Omni (Transformers' qwen3_omni_moe)",
+    "step3_vl": "Step3-VL (remote code)",
+    "qwen3_omni_moe": "Qwen3-Omni (its module paths, `visual`, `model.layers`, are MindSpeed MM's own thinker "
+    "layout, not those of Transformers' Qwen3OmniMoe classes, and its template qwen3_omni is not built in here)",
     "qwen3_asr": "Qwen3-ASR (audio)", "qwen3tts": "Qwen3-TTS (audio)", "qwen3_tts": "Qwen3-TTS (audio)",
     "funasr": "FunASR (audio, MindSpeed MM's own model)", "cosyvoice3_lm": "CosyVoice3 (audio, MindSpeed MM's own "
     "model)", "ltx2": "LTX-2 (video diffusion, MindSpeed MM's own model)", "mimo_v2_5": "MiMo-V2.5",
