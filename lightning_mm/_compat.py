@@ -44,6 +44,7 @@ __all__ = [
     "share_experts_kernels_with_base",
     "DYNAMO_ERRORS",
     "compiled_graph_count",
+    "fsspec_storage",
     "INHERITED_PRIVATE_ATTRIBUTES",
     "LIGHTNING_NAMES",
 ]
@@ -189,6 +190,13 @@ def auto_accelerator() -> str:
 is_rng_supported_mesh = _require("torch.distributed.tensor._random", "is_rng_supported_mesh")
 #: An all-to-all with uneven splits whose backward is the inverse all-to-all (expert-parallel token dispatch).
 all_to_all_single_autograd = _require("torch.distributed._functional_collectives", "all_to_all_single_autograd")
+
+
+def fsspec_storage() -> tuple[type, type]:
+    """DCP's fsspec storage classes ``(FsspecWriter, FsspecReader)`` (checkpoints at URLs); their module is private
+    and imports fsspec, so it is looked up when first needed."""
+    module = "torch.distributed.checkpoint._fsspec_filesystem"
+    return _require(module, "FsspecWriter"), _require(module, "FsspecReader")
 
 try:
     from torch.distributed.fsdp import FSDPModule as _FSDPModule

@@ -47,6 +47,10 @@ def test_torch_private_names_behave_as_used():
 
     assert callable(FSDPModule._get_fsdp_state) and callable(_compat.is_rng_supported_mesh)
     assert callable(_compat.all_to_all_single_autograd)
+    from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
+
+    writer, reader = _compat.fsspec_storage()
+    assert issubclass(writer, FileSystemWriter) and issubclass(reader, FileSystemReader)
     attention = torch.nn.MultiheadAttention(4, 2)
     torch.nn.init.ones_(attention.in_proj_weight)
     _compat.reset_torch_layer(attention)

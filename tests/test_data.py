@@ -125,6 +125,23 @@ def test_happy_path_real_images_tokens_and_labels(dataset_dir):
     assert dm.reports["train"].skipped == 0
 
 
+def test_native_config_packed_token_budget_batches(dataset_dir):
+    """packing=True: the two samples (4 and 7 tokens) in one row of at most 11 tokens, images stacked."""
+    dm = MMDataModule.from_config(write_config(dataset_dir, GOOD), packing=True, max_tokens_per_rank=11)
+    dm.setup("fit")
+    batches = list(dm.train_dataloader())
+    assert len(batches) == 1 and "attention_mask" not in batches[0]
+    batch = batches[0]
+    assert batch["images"].shape == (2, 3, 8, 8)
+    assert batch["input_ids"].tolist() == [[8, 9, 10, 3, 5, 7, 2, 3, 4, 6, 2]]  # longest first (first-fit)
+    assert batch["labels"].tolist() == [[-100, -100, -100, 3, 5, 7, 2, -100, 4, 6, 2]]
+    assert batch["position_ids"].tolist() == [[0, 1, 2, 3, 4, 5, 6, 0, 1, 2, 3]]
+    with pytest.raises(ValueError, match="batch_size or max_tokens_per_rank"):
+        MMDataModule.from_config(write_config(dataset_dir, GOOD), batch_size=2, max_tokens_per_rank=11)
+    with pytest.raises(ValueError, match="packing=True needs max_tokens_per_rank"):
+        MMDataModule.from_config(write_config(dataset_dir, GOOD), packing=True)
+
+
 BAD = [
     ("{not json", "train.jsonl:3: not valid JSON"),
     ('["a list"]', "train.jsonl:3: a record must be a JSON object"),

@@ -408,7 +408,7 @@ CONFIG_ERRORS = [
     ("dataloader_param.shufle", True, "unknown key `dataloader_param.shufle`; did you mean `dataloader_param.shuffle`"),
     ("dataset_param.basic_parameters.mask_histroy", True, "did you mean `dataset_param.basic_parameters.mask_history`"),
     ("dataset_param.attr.imges", "images", "did you mean `dataset_param.attr.images`"),
-    ("dataset_param.basic_parameters.template", "glm4.1v", "for a family not built in here; supported: qwen2vl"),
+    ("dataset_param.basic_parameters.template", "qwen3_omni", "for a family not built in here; supported: qwen2vl"),
     ("dataset_param.basic_parameters.template", "mistral", "supported: qwen2vl, qwen3_vl, qwen3_vl_nothink"),
     ("dataset_param.basic_parameters.template", "qwen3_vl", "for qwen2_5_vl use qwen2vl"),
     ("dataloader_param.batch_size", 4, "MMDataModule(batch_size=...)"),
@@ -422,7 +422,8 @@ CONFIG_ERRORS = [
     ("dataloader_param.collate_param.collator_id", "internvl", "does not fit a qwen2_5_vl model"),
     ("dataloader_param.collate_param.pad_to_multiple_of", 0, "expected a positive integer"),
     ("dataloader_param.num_workers", -1, "expected an integer >= 0"),
-    ("dataset_param.basic_parameters.packing", True, "packing is not supported"),
+    ("dataset_param.basic_parameters.packing", True, "set `neat_packing: true`"),
+    ("dataset_param.basic_parameters.neat_packing", True, "set `dataset_param.basic_parameters.cutoff_len`"),
     ("dataset_param.basic_parameters.streaming", True, "streaming is not supported"),
     ("dataset_param.preprocess_parameters.split_special_tokens", True, "must stay single tokens"),
     ("dataset_param.attr.audios", "audios", "audio is not supported"),
@@ -438,6 +439,25 @@ def test_config_errors_name_the_file_and_key(key, value, message, models, tmp_pa
     with pytest.raises(DataConfigError) as err:
         MMDataModule(data_config=path).setup()
     assert str(path) in str(err.value) and message in str(err.value), str(err.value)
+
+
+def test_neat_packing_packs_rows_of_up_to_cutoff_len_tokens(models, tmp_path, monkeypatch):
+    """MindSpeed MM's ``neat_packing`` with ``cutoff_len`` -> MMDataModule(packing=True, max_tokens_per_rank)."""
+    from lightning_mm.core.packing import packed_lengths
+
+    config = _config(models["qwen2_5_vl"], "qwen2_5_vl", basic={"neat_packing": True, "cutoff_len": 96})
+    module = _module(tmp_path, monkeypatch, config)
+    assert module.packing and module.max_tokens_per_rank == 96
+    train = module._splits["train"]
+    samples = [train[i]["input_ids"].tolist() for i in range(len(train))]
+    rows = []
+    for batch in module.train_dataloader():
+        assert "attention_mask" not in batch and batch["input_ids"].shape[0] == 1 and batch["input_ids"].shape[1] <= 96
+        ids, start = batch["input_ids"][0].tolist(), 0
+        for n in packed_lengths(batch["position_ids"])[0]:
+            rows.append(ids[start:start + n])
+            start += n
+    assert sorted(rows) == sorted(samples) and len(rows) > len(list(module.train_dataloader()))
 
 
 def test_native_layout_is_detected_and_unchanged(tmp_path):

@@ -42,6 +42,9 @@ REPORTED = {"--fp16": "grad scaler", "--mm-model": "does not exist", "--untie-em
             "--pipeline-model-parallel-size": "pipeline parallelism", "--optimizer-selection": "only AdamW",
             "--no-load-optim": "restores the optimizer", "--no-load-rng": "RNG", "--no-save-optim": "optimizer state",
             "--no-save-rng": "RNG", "--log-tps": "ThroughputMonitor", "--mm-tool": "tool definitions",
+            "--use-txt-dynamic-batching": "needs --max-seq-len",
+            "--max-seq-len": "only with --use-txt-dynamic-batching",
+            "--dynamic-batch-buffer-size": "only with --use-txt-dynamic-batching",
             **dict.fromkeys(MEGATRON_MODEL_FLAGS, "Megatron model or kernel setting")}
 
 
@@ -72,6 +75,15 @@ def test_the_table_is_covered_and_matches_the_documentation():
     documented = set(re.findall(r"`(--[a-z0-9-]+)`", (ROOT / "docs" / "migration.md").read_text()))
     documented -= {"--keep-backend", "--force", "--base-dir", "--import-root", "--pretrained-dir"}  # our options
     assert documented <= set(FLAGS), documented - set(FLAGS)
+
+
+def test_dynamic_batching_maps_to_packed_token_budget_batches():
+    flags = ["--use-txt-dynamic-batching", "--max-seq-len", "4096", "--dynamic-batch-buffer-size", "200",
+             "--micro-batch-size", "2"]
+    result = migrate(parse_args(flags))
+    assert result.config["data"]["init_args"] == {"packing": True, "max_tokens_per_rank": 4096,
+                                                  "packing_buffer_size": 200}
+    assert not result.unmapped and any("--micro-batch-size 2: not used" in n for n in result.notes)
 
 
 def test_strategy_keys_written_by_the_table_are_strategy_arguments():

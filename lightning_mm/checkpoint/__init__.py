@@ -4,12 +4,15 @@
 * :mod:`.store` (doing): atomic save and strict/non-strict load of ``torch_dcp`` directories and ``torch`` files.
 * :mod:`.safe`: loading without running pickled code; :mod:`.atomic`: temporary sibling, rename into place.
 * :mod:`.manifest`: ``manifest.json`` binds every file to its checkpoint; :mod:`.errors`: the exceptions.
+* :mod:`.remote`: ``torch_dcp`` checkpoints at fsspec URLs (staging prefix, committed by the manifest last);
+  :mod:`.hf_weights`: model weights as Hugging Face safetensors inside a checkpoint (DCP's HF storage).
 * :mod:`.rng`: per-rank RNG states; :mod:`.records`: what other layers add to a checkpoint (a registry of record
   providers; the Hugging Face one, :func:`lightning_mm.hf.records.hf_records`, is registered by
   ``lightning_mm.hf`` on import); :mod:`.consolidate`: ``dcp-to-torch``. Conversion to and from Hugging Face
   directories is in :mod:`lightning_mm.hf.convert`.
 """
 
+from lightning_mm.checkpoint import remote
 from lightning_mm.checkpoint.atomic import remove
 from lightning_mm.checkpoint.errors import CheckpointError, CheckpointIntegrityError, CheckpointWriteError
 from lightning_mm.checkpoint.layout import (
@@ -63,6 +66,7 @@ __all__ = [
     "optimizer_state",
     "outside_inference_mode",
     "register_record_provider",
+    "remote",
     "remove",
     "restore_rng",
     "save",

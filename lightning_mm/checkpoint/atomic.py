@@ -35,7 +35,8 @@ import sys
 import uuid
 from pathlib import Path
 
-__all__ = ["partial_path", "stale_partials", "abandoned_partials", "live_writers", "commit", "remove", "fsync_dir"]
+__all__ = ["partial_path", "stale_partials", "abandoned_partials", "is_abandoned", "live_writers", "commit", "remove",
+           "fsync_dir"]
 
 _PARTIAL = ".partial-"
 _REMOVING = ".removing-"
@@ -110,6 +111,12 @@ def _abandoned(name: str) -> bool:
         return True  # ours: this process's saves run one after the other
     now = _start_time(pid)
     return now is None or (now != 0 and start != 0 and now != start)  # gone, or the id now names another process
+
+
+def is_abandoned(name: str) -> bool:
+    """Whether the partial or removal entry ``name`` (a base name, on any store) was left by this process or by a
+    process that is provably gone (the rule :func:`abandoned_partials` applies; object stores use it too)."""
+    return (_PARTIAL in name or _REMOVING in name) and _abandoned(name)
 
 
 def abandoned_partials(directory: Path) -> list[Path]:

@@ -42,7 +42,7 @@ from torch.distributed.tensor import DTensor, distribute_tensor
 from lightning_mm._compat import unwrap_optimizer
 from lightning_mm._rank_zero import is_rank_zero, rank_zero_info, rank_zero_warn
 from lightning_mm._tied import tied_parameter_names
-from lightning_mm.checkpoint import atomic, manifest
+from lightning_mm.checkpoint import atomic, hf_weights, manifest
 from lightning_mm.checkpoint.errors import CheckpointIntegrityError, write_error
 from lightning_mm.checkpoint.layout import (
     EXTRA_KEY,
@@ -222,11 +222,14 @@ def save(
     fmt: str,
     extra: dict[str, Any],
     rng: dict[str, Any] | None,
+    also_write: Callable[[Path], list[Path]] | None = None,
 ) -> None:
     """Write ``checkpoint`` (Lightning's dict) to ``path`` atomically; every rank calls this.
 
     ``extra`` (rank 0's) goes to ``meta[EXTRA_KEY]``; each rank's ``rng`` state and dataloader position are
-    gathered into ``meta[EXTRA_KEY]["ranks"]``.
+    gathered into ``meta[EXTRA_KEY]["ranks"]``. ``also_write`` (``torch_dcp``; every rank calls it with the
+    partial directory after the DCP files are written) writes more files into the checkpoint, e.g. Hugging Face
+    weights (:mod:`.hf_weights`); the files it returns are listed in the manifest.
     """
     if fmt not in FORMATS:
         raise ValueError(f"checkpoint_format must be one of {FORMATS}, got {fmt!r}")
@@ -266,6 +269,8 @@ def save(
                 dcp.save(tensors, storage_writer=writer, planner=DefaultSavePlanner(flatten_state_dict=False),
                          no_dist=not _distributed())
             hashed = manifest.file_entries(files.written)
+            if also_write is not None:
+                hashed.update(manifest.file_entries(also_write(partial)))
         elif rank0:
             full = dict(checkpoint)
             full[EXTRA_KEY] = meta[EXTRA_KEY]
@@ -311,6 +316,13 @@ class CheckpointSource:
     dtypes: dict[str, torch.dtype]
     is_dcp: bool
     _tensors: dict[str, torch.Tensor] | None = field(default=None, repr=False)
+    reader: Callable[[], Any] | None = field(default=None, repr=False)
+    """Makes the DCP storage reader of a checkpoint that is not a local directory (:mod:`.remote`)."""
+    hf_names: dict[str, str] | None = field(default=None, repr=False)
+    """The model tensors are Hugging Face safetensors: each stored key's name there (:mod:`.hf_weights`)."""
+
+    def _storage_reader(self) -> Any:
+        return self.reader() if self.reader is not None else SafeFileSystemReader(self.path)
 
     @property
     def extra(self) -> dict[str, Any]:
@@ -320,9 +332,12 @@ class CheckpointSource:
         """Fill each destination tensor (a DTensor receives its own shard) from the stored key of the same name."""
         if not destinations:
             return
+        if self.hf_names is not None:
+            hf_weights.read_into(self.path, destinations, self.hf_names, _distributed())
+            return
         if self.is_dcp:
             with _single_process_quiet():
-                dcp.load(dict(destinations), storage_reader=SafeFileSystemReader(self.path),
+                dcp.load(dict(destinations), storage_reader=self._storage_reader(),
                          planner=SafeLoadPlanner(), no_dist=not _distributed())
             return
         assert self._tensors is not None
@@ -335,9 +350,11 @@ class CheckpointSource:
             assert self._tensors is not None
             return {k: self._tensors[k] for k in keys}
         out = {k: torch.empty(self.shapes[k], dtype=self.dtypes[k]) for k in keys}
-        if out:
+        if out and self.hf_names is not None:
+            hf_weights.read_into(self.path, out, self.hf_names, distributed=False)
+        elif out:
             with _single_process_quiet():
-                dcp.load(out, storage_reader=SafeFileSystemReader(self.path), planner=SafeLoadPlanner(),
+                dcp.load(out, storage_reader=self._storage_reader(), planner=SafeLoadPlanner(),
                          no_dist=True)
         return out
 
@@ -363,7 +380,7 @@ def open_source(path: str | Path, full_check: bool = False) -> CheckpointSource:
     """Open a checkpoint written by this project (a DCP directory or a consolidated file), safely.
 
     The files of a DCP directory are checked against its manifest first (:func:`.manifest.verify`; whole-file
-    hashes too with ``full_check``).
+    hashes too with ``full_check``). (A checkpoint at a URL is opened by :func:`.remote.open_source`.)
     """
     path = Path(path)
     if not path.exists():
@@ -381,6 +398,11 @@ def open_source(path: str | Path, full_check: bool = False) -> CheckpointSource:
         for key, item in metadata.state_dict_metadata.items():
             if isinstance(item, TensorStorageMetadata):
                 shapes[key], dtypes[key] = tuple(item.size), item.properties.dtype
+        record = (meta.get(EXTRA_KEY) or {}).get(hf_weights.RECORD_KEY) if isinstance(meta, dict) else None
+        if record is not None and not any(k.startswith(model_key("")) for k in shapes):  # checkpoint_format="hf"
+            hf_shapes, hf_dtypes, names = hf_weights.weights_view(path, record, (listed or {}).get("files"))
+            return CheckpointSource(path, meta, {**shapes, **hf_shapes}, {**dtypes, **hf_dtypes}, is_dcp=True,
+                                    hf_names=names)
         return CheckpointSource(path, meta, shapes, dtypes, is_dcp=True)
     full = load_weights_only(path, mmap=True)
     if not isinstance(full, dict):
@@ -628,7 +650,7 @@ def _remap_scheduler(state: Any, sources: list[int], saved_groups: int) -> Any:
 
 
 def load(
-    path: Path,
+    path: Path | str,
     model: nn.Module,
     optimizers: Sequence[Any],
     strict: bool,
@@ -638,15 +660,17 @@ def load(
     view: StateView | None = None,
     optimizer_view: StateView | None = None,
     schedulers: Sequence[Any] = (),
+    source: CheckpointSource | None = None,
 ) -> Loaded:
     """Load model (and, when ``fitting``, optimiser) state in place; every rank calls this.
 
     ``view`` and ``optimizer_view`` (as in :func:`model_state` and :func:`optimizer_state`) show the model's and the
     optimisers' tensors as the checkpoint stores them: the stored tensors are read into those views, hence into
     the model's and optimisers' own storage. ``schedulers`` (Lightning's, in the order of the checkpoint's
-    ``lr_schedulers``) tell which optimiser each scheduler state belongs to.
+    ``lr_schedulers``) tell which optimiser each scheduler state belongs to. ``source``, when given, is the
+    checkpoint at ``path`` already opened (e.g. one at a URL: :func:`.remote.open_source`).
     """
-    source = open_source(path)
+    source = source if source is not None else open_source(path)
     extra = source.extra
     if int(extra.get("format_version", FORMAT_VERSION)) > FORMAT_VERSION:
         raise ValueError(f"{path} was written by a newer lightning-mm (checkpoint format "
@@ -706,6 +730,12 @@ def _load_optimizers(path: Path, source: CheckpointSource, model: nn.Module, opt
     return skipped
 
 
+def _world_size_independent(loader_states: Any) -> bool:
+    """Whether every saved loader position holds for any world size (``TokenBudgetLoader``'s global position)."""
+    return bool(loader_states) and isinstance(loader_states, list) and all(
+        isinstance(state, dict) and state.get("world_size_independent") is True for state in loader_states)
+
+
 def _rank_state(path: Path, extra: dict[str, Any], checkpoint: dict[str, Any], rank: int,
                 world_size: int) -> tuple[Any, Any]:
     """This rank's dataloader positions (into ``checkpoint``) and RNG state, when the world size is the same."""
@@ -716,6 +746,13 @@ def _rank_state(path: Path, extra: dict[str, Any], checkpoint: dict[str, Any], r
             mine = ranks[rank] or {}
             put_loader_states(checkpoint, mine.get("combined_loader"))
             rng, rng_point = mine.get("rng"), extra.get("rng_point")
+        elif _world_size_independent((ranks[0] or {}).get("combined_loader")):
+            put_loader_states(checkpoint, ranks[0]["combined_loader"])
+            rank_zero_warn(
+                f"{path} was saved on {len(ranks)} rank(s) and is loaded on {world_size}: model and optimizer state "
+                "are resharded and the token-budget loader continues with the next unseen batch of the epoch; the "
+                "per-rank RNG states are not restored"
+            )
         else:
             rank_zero_warn(
                 f"{path} was saved on {len(ranks)} rank(s) and is loaded on {world_size}: model and optimizer state "

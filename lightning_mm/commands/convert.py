@@ -65,6 +65,11 @@ def _parser() -> argparse.ArgumentParser:
                    help="key prefix of the model in the LightningModule (default `model.`: MMLightningModule.model)")
     p.add_argument("--force", action="store_true",
                    help=_FORCE_HELP.format(what="an earlier output checkpoint (a directory with a .metadata)"))
+    for name in ("dcp-to-torch", "dcp-to-hf", "hf-to-dcp"):
+        sub.choices[name].add_argument(
+            "--storage-options", default=None, metavar="JSON_FILE",
+            help="for a source or output given as a URL (s3://..., any fsspec protocol): a JSON file with the "
+                 "fsspec options (endpoint, credentials); without it, fsspec's own configuration is used")
     return parser
 
 
@@ -98,6 +103,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         src, dst = (args.hf_dir, args.dst) if args.command == "hf-to-dcp" else (
             args.src, args.dst if args.command == "dcp-to-torch" else args.out_dir)
+        from lightning_mm.checkpoint import remote
+
+        if remote.is_url(src) or remote.is_url(dst):
+            return _convert_urls(args, src, dst)
         _check_paths(src, dst)
         from lightning_mm.checkpoint import consolidate
         from lightning_mm.hf import convert
@@ -136,6 +145,64 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"note: {note}", file=sys.stderr)
     print(f"wrote {out}")
     return 0
+
+
+def _storage_options(path: str | None) -> dict | None:
+    import json
+
+    if path is None:
+        return None
+    try:
+        options = json.loads(Path(path).read_text())
+    except (OSError, ValueError) as err:
+        raise ValueError(f"--storage-options {path}: not a readable JSON file ({err})") from None
+    if not isinstance(options, dict):
+        raise ValueError(f"--storage-options {path}: must hold a JSON object")
+    return options
+
+
+def _convert_urls(args: argparse.Namespace, src: str, dst: str) -> int:
+    """A source or output at a URL: the source is copied into a temporary directory (a checkpoint checked against
+    its manifest first), the output written there and copied to its URL when complete."""
+    import tempfile
+
+    from lightning_mm.checkpoint import remote
+
+    options = _storage_options(args.storage_options)
+    if remote.is_url(src) and remote.is_url(dst) and (src.rstrip("/") + "/").startswith(dst.rstrip("/") + "/"):
+        raise ValueError(f"output {dst} contains or is the source {src}; write it elsewhere")
+    if remote.is_url(dst) and remote.RemoteStore(dst, options).fs.exists(remote.RemoteStore(dst, options).root) \
+            and not args.force:
+        raise FileExistsError(f"output exists: {dst} (add --force to replace it)")
+    with tempfile.TemporaryDirectory(prefix="lightning-mm-convert-") as scratch:
+        local_src, local_dst = Path(scratch) / "source", Path(scratch) / "output"
+        argv = [args.command]
+        if remote.is_url(src):
+            local_src.mkdir()
+            remote.download(src, local_src, options, checkpoint=args.command != "hf-to-dcp")
+            argv.append(str(local_src))
+        else:
+            argv.append(src)
+        argv.append(str(local_dst) if remote.is_url(dst) else dst)
+        argv += _passed_options(args)
+        status = main(argv)
+        if status == 0 and remote.is_url(dst):
+            remote.upload(local_dst, dst, options, force=args.force)
+            print(f"wrote {dst}")
+        return status
+
+
+def _passed_options(args: argparse.Namespace) -> list[str]:
+    """The conversion's own options, as given (for the local run of a URL conversion)."""
+    out: list[str] = []
+    for name in ("prefix", "dtype", "max_shard_size", "config", "pretrained_dir"):
+        value = getattr(args, name, None)
+        if value is not None:
+            out += [f"--{name.replace('_', '-')}", str(value)]
+    for name in ("model_only", "merge_lora", "force"):
+        if getattr(args, name, False):
+            out.append(f"--{name.replace('_', '-')}")
+    return out
 
 
 if __name__ == "__main__":

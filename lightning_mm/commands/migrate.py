@@ -337,6 +337,9 @@ FLAGS: dict[str, _Handler] = {
         "a model property; build untied embedding/output weights in model_provider (tied ones are grouped into one "
         "FSDP unit automatically)"),
     "--num-workers": _to("data.init_args.num_workers", int),
+    "--use-txt-dynamic-batching": _keep("dynamic_batching", None),
+    "--max-seq-len": _keep("max_seq_len", int),
+    "--dynamic-batch-buffer-size": _keep("dynamic_batch_buffer_size", int),
     "--mm-tool": _refuse("MindSpeed MM's tool definitions for its chat templates; not read by lightning-mm"),
     "--tensor-model-parallel-size": _only_one("tensor parallelism is not supported (FSDP2 and context parallelism)"),
     "--pipeline-model-parallel-size": _only_one("pipeline parallelism is not supported (FSDP2 and context "
@@ -396,6 +399,7 @@ def migrate(launch: Launch, base_dir: Path | None = None, import_root: Path | No
         except ValueError as err:
             state.out.unmapped.append(f"{shown}: {err}")
     _map_combined(state, world)
+    _map_dynamic_batching(state)
     _map_checkpointing(state)
     _map_model(state, launch, functions)
     _map_data(state, launch, functions)
@@ -578,6 +582,34 @@ def _map_combined(state: _Flags, world: int | None) -> None:
         else:
             out.unmapped.append(f"--global-batch-size {values['gbs']}: cannot derive accumulate_grad_batches "
                                 "(world size unknown or not a divisor); set trainer.accumulate_grad_batches")
+
+
+def _map_dynamic_batching(state: _Flags) -> None:
+    """MindSpeed MM's Megatron-route dynamic batching (samples concatenated up to ``--max-seq-len`` tokens, chosen
+    from a buffer of ``--dynamic-batch-buffer-size``) -> MMDataModule's packed token-budget batches."""
+    out, values = state.out, state.values
+    sizes = [f for f in ("max_seq_len", "dynamic_batch_buffer_size") if f in values]
+    if "dynamic_batching" not in values:
+        out.unmapped += [f"--{f.replace('_', '-')} {values[f]}: used only with --use-txt-dynamic-batching"
+                         for f in sizes]
+        return
+    if "max_seq_len" not in values:
+        out.unmapped.append("--use-txt-dynamic-batching: needs --max-seq-len (the tokens of one packed row); set "
+                            "data.init_args.max_tokens_per_rank by hand")
+        return
+    _set(state.cfg, "data.init_args.packing", True)
+    _set(state.cfg, "data.init_args.max_tokens_per_rank", values["max_seq_len"])
+    out.mapped += ["--use-txt-dynamic-batching -> data.init_args.packing: True",
+                   f"--max-seq-len {values['max_seq_len']} -> data.init_args.max_tokens_per_rank"]
+    if "dynamic_batch_buffer_size" in values:
+        _set(state.cfg, "data.init_args.packing_buffer_size", values["dynamic_batch_buffer_size"])
+        out.mapped.append(f"--dynamic-batch-buffer-size {values['dynamic_batch_buffer_size']} -> "
+                          "data.init_args.packing_buffer_size")
+    batch_size = state.cfg.get("data", {}).get("init_args", {}).pop("batch_size", None)
+    if batch_size is not None:
+        out.mapped = [m for m in out.mapped if not m.startswith("--micro-batch-size")]
+        out.notes.append(f"--micro-batch-size {batch_size}: not used with dynamic batching (a batch holds as many "
+                         "samples as fit in --max-seq-len tokens, as in MindSpeed MM)")
 
 
 def _map_checkpointing(state: _Flags) -> None:

@@ -33,6 +33,16 @@ class MMDataModule(L.LightningDataModule):
       line, or raise in strict mode.
 
     Lightning replaces the samplers so that every data-parallel rank sees distinct samples (FSDP and HSDP alike).
+
+    Token-budget batches (``max_tokens_per_rank``): the training batches hold at most that many tokens per rank
+    instead of ``batch_size`` samples, formed by sorting and first-fit filling within buffers of
+    ``packing_buffer_size`` samples (:mod:`lightning_mm.core.token_budget`); deterministic for ``seed``; every
+    data-parallel rank runs the same number of steps; resumable mid-epoch (also on another number of ranks).
+    ``packing=True`` packs each batch's samples into one row without padding
+    (:class:`~lightning_mm.core.packing.PackedCollator`: samples never attend to each other, positions restart
+    per sample, no target crosses a boundary); without it batches are padded as usual and the budget counts the
+    padding. Validation and test loaders keep ``batch_size``. MindSpeed MM's ``neat_packing`` (with
+    ``cutoff_len`` as the budget) maps here.
     """
 
     def __init__(
@@ -49,6 +59,9 @@ class MMDataModule(L.LightningDataModule):
         shuffle: bool | None = None,
         drop_last: bool | None = None,
         seed: int | None = None,
+        packing: bool = False,
+        max_tokens_per_rank: int | None = None,
+        packing_buffer_size: int = 512,
     ) -> None:
         super().__init__()
         sources = sum(x is not None for x in (train_valid_test_datasets_provider, data_config)) + any(
@@ -100,8 +113,39 @@ class MMDataModule(L.LightningDataModule):
         self.drop_last: bool = settings["drop_last"]
         self.seed: int = settings["seed"]
         self.collate_fn = collate_fn
+        self._user_collate = collate_fn is not None
+        if self.mindspeed_config is not None and self.mindspeed_config.dataset_type == "huggingface":
+            from lightning_mm.datamodules.mindspeed_hf import packing_settings
+
+            ms_packing, max_tokens_per_rank = packing_settings(
+                self.mindspeed_config.dataset_param, self.mindspeed_config.source, self.mindspeed_config.prefix,
+                max_tokens_per_rank)
+            packing = packing or ms_packing
+        self.packing = bool(packing)
+        self.max_tokens_per_rank = max_tokens_per_rank
+        self.packing_buffer_size = packing_buffer_size
+        self._check_token_budget(batch_size)
         self.reports: dict[str, Any] = {}
         self._check_loader_batch_size("given to MMDataModule")
+
+    def _check_token_budget(self, batch_size: int | None) -> None:
+        from lightning_mm.core.packing import PackedCollator
+
+        budget = self.max_tokens_per_rank
+        if budget is not None and (isinstance(budget, bool) or not isinstance(budget, int) or budget < 1):
+            raise ValueError(f"MMDataModule: max_tokens_per_rank must be a positive integer, got {budget!r}")
+        size = self.packing_buffer_size
+        if isinstance(size, bool) or not isinstance(size, int) or size < 1:
+            raise ValueError(f"MMDataModule: packing_buffer_size must be a positive integer, got {size!r}")
+        if self.packing and budget is None:
+            raise ValueError("MMDataModule: packing=True needs max_tokens_per_rank (the tokens of one packed row; "
+                             "MindSpeed MM: cutoff_len)")
+        if budget is not None and batch_size is not None:
+            raise ValueError("MMDataModule: give batch_size or max_tokens_per_rank, not both (token-budget batches "
+                             "hold as many samples as fit)")
+        if self.packing and self._user_collate and not isinstance(self.collate_fn, PackedCollator):
+            raise ValueError("MMDataModule: packing=True packs with lightning_mm.core.packing.PackedCollator; a "
+                             "collate_fn given with it must be one (e.g. PackedCollator(stack_keys=['images']))")
 
     @classmethod
     def from_config(cls, path: str | os.PathLike, **overrides: Any) -> MMDataModule:
@@ -182,6 +226,8 @@ class MMDataModule(L.LightningDataModule):
         if isinstance(data, DataLoader):
             return data
         iterable = isinstance(data, IterableDataset)
+        if split == "train" and self.max_tokens_per_rank is not None:
+            return self._token_budget_loader(data)
         loader_cls = DataLoader if iterable or split != "train" else ResumableDataLoader  # mid-epoch resume
         return loader_cls(
             data,
@@ -194,6 +240,30 @@ class MMDataModule(L.LightningDataModule):
             drop_last=self.drop_last and split == "train",
             generator=torch.Generator().manual_seed(self.seed) if shuffle and not iterable else None,
         )
+
+    def _token_budget_loader(self, data: Any) -> DataLoader:
+        from lightning_mm.core.packing import PackedCollator
+        from lightning_mm.datamodules.token_budget import TokenBudgetLoader, sample_lengths
+
+        if isinstance(data, IterableDataset) or not hasattr(data, "__getitem__") or not hasattr(data, "__len__"):
+            raise ValueError("MMDataModule: max_tokens_per_rank needs a map-style training dataset (with len and "
+                             f"indexing) to plan the batches from its lengths, got {type(data).__name__}")
+        collate = self.collate_fn
+        if not self.packing and getattr(collate, "padding", None) == "max_length":
+            raise ValueError("MMDataModule: max_tokens_per_rank counts rows x longest sample, but the data config's "
+                             "`loader.padding: max_length` pads every row to max_length; use padding: longest, or "
+                             "packing=True")
+        if self.packing and not isinstance(collate, PackedCollator):
+            collate = PackedCollator(stack_keys=[image_key] if (image_key := getattr(collate, "image_key", None))
+                                     else [], filler=getattr(collate, "filler", None))
+        trainer = attached_trainer(self)
+        kwargs = (trainer.strategy.distributed_sampler_kwargs or {}) if trainer is not None else {}
+        world, rank = int(kwargs.get("num_replicas", 1)), int(kwargs.get("rank", 0))
+        return TokenBudgetLoader(
+            data, sample_lengths(data), self.max_tokens_per_rank, self.packing_buffer_size, self.seed, self.shuffle,
+            self.packing, self.drop_last, world, rank, collate,
+            epoch_fn=(lambda: int(trainer.current_epoch)) if trainer is not None else (lambda: 0),
+            num_workers=self.num_workers, pin_memory=self.pin_memory)
 
     def _unshuffled_distributed_sampler(self, data: Any) -> DistributedSampler | None:
         """Lightning's training sampler with ``shuffle=False``, or ``None`` when Lightning installs none.

@@ -21,7 +21,7 @@ from lightning_mm.datamodules.data_config import DataConfigError
 from lightning_mm.datamodules.mindspeed_keys import check_keys, strict_or_warn
 from lightning_mm.datamodules.records import DataError, DataReport
 
-__all__ = ["build_huggingface_datasets"]
+__all__ = ["build_huggingface_datasets", "packing_settings"]
 
 _PREPROCESS_KEYS = ("model_name_or_path", "use_fast_tokenizer", "split_special_tokens", "image_resolution",
                     "video_resolution", "image_max_pixels", "image_min_pixels", "video_max_pixels", "video_min_pixels",
@@ -60,9 +60,9 @@ _FIXED = {
     "crop_to_patches": (False, "cropping to patches is InternVL's (dataset_type: multimodal)"),
     "use_audio_in_video": (False, "audio is not supported here"),
     "trust_remote_code": (False, "the processor is loaded without remote code here"),
-    "fix_mistral_regex": (False, "Mistral models are not supported here"),
+    "fix_mistral_regex": (False, "Mistral 3 is not supported here (Transformers 5's PixtralProcessor needs "
+                                 "torchvision)"),
     "streaming": (False, "streaming is not supported here: records are read and checked up front"),
-    "packing": (None, "packing is not supported here"), "neat_packing": (False, "packing is not supported here"),
     "async_preprocess": (False, "it only applies to streaming, which is not supported here"),
     "use_pmcc_data": (False, "PMCC data is not supported here"),
     "stage": ("sft", "only supervised fine-tuning (stage: sft) is supported here"),
@@ -78,6 +78,32 @@ _FIXED = {
 _ATTR_DEFAULTS = {"messages": "conversations", "role_tag": "from", "content_tag": "value", "user_tag": "human",
                   "assistant_tag": "gpt", "observation_tag": "observation", "function_tag": "function_call",
                   "system_tag": "system", "system": None, "images": None, "videos": None}
+
+
+def packing_settings(dataset_param: Mapping[str, Any], source: str, prefix: str = "",
+                     max_tokens_per_rank: int | None = None) -> tuple[bool, int | None]:
+    """``(packing, max_tokens_per_rank)`` from ``basic_parameters``: ``neat_packing`` (packing without attention
+    across samples, MindSpeed MM's native route) packs rows of up to ``cutoff_len`` tokens, unless
+    ``max_tokens_per_rank`` is given (it wins)."""
+    basic = dataset_param.get("basic_parameters") or {}
+    bp = f"{prefix}dataset_param.basic_parameters."
+    if not isinstance(basic, Mapping):
+        return False, None
+    neat = _flag(basic, "neat_packing", False, bp, source)
+    plain = basic.get("packing")
+    if plain is not None and not isinstance(plain, bool):
+        raise DataConfigError(f"{source}: `{bp}packing`: expected true or false, got {short_repr(plain)}")
+    if plain and not neat:
+        raise DataConfigError(f"{source}: `{bp}packing`: packing whose samples attend to each other is not supported "
+                              "here; set `neat_packing: true` (samples packed, each attending only to itself)")
+    if not neat:
+        return False, max_tokens_per_rank
+    budget = max_tokens_per_rank if max_tokens_per_rank is not None else _int(basic, "cutoff_len", None, bp, source,
+                                                                              low=1)
+    if budget is None:
+        raise DataConfigError(f"{source}: `{bp}neat_packing`: packed rows need a token budget: set `{bp}cutoff_len` "
+                              "or MMDataModule(max_tokens_per_rank=...)")
+    return True, budget
 
 
 def _check_fixed(section: Mapping[str, Any], prefix: str, source: str) -> None:

@@ -93,6 +93,10 @@ class MMDataset(ReplacingDataset):
     def problem(self, record: Record, err: Exception) -> str:
         return f"{self.where(record)}: cannot decode image {record.image}: {str(err)[:200]}"
 
+    def sample_lengths(self) -> list[int]:
+        """Every sample's token count, from its record (no image is read): token-budget batches plan with it."""
+        return [len(r.prompt_ids) + len(r.target_ids) for r in self.records]
+
     def sample(self, record: Record) -> dict[str, Any]:
         image = self._image(record)
         ids = [*record.prompt_ids, *record.target_ids]

@@ -16,12 +16,25 @@ tokens are missing from ``input_ids`` fail only deep in the model, or not at all
   images make must equal the placeholder tokens in ``input_ids``. Qwen-VL: ``prod(image_grid_thw) /
   spatial_merge_size**2`` per image (videos likewise with ``video_grid_thw``); LLaVA: ``(H / patch) * (W / patch)``
   per image (+1 for the ``full`` feature strategy); InternVL: ``(H / patch * downsample_ratio) * (W / patch *
-  downsample_ratio)`` per tile. Other VLMs: images need at least one placeholder, placeholders need images.
+  downsample_ratio)`` per tile; Gemma 3: ``mm_tokens_per_image`` per image; Mistral 3:
+  ``(h / (patch * spatial_merge_size)) * (w / ...)`` per ``image_sizes`` row; Idefics3:
+  ``(image_size / patch)**2 / scale_factor**2`` per image or crop that is not all-zero padding. Other VLMs:
+  images need at least one placeholder, placeholders need images.
   Images that ``generate()`` has already encoded (``mm_encoder_outputs``) need at least one placeholder (the
   model compares the features with the placeholders itself).
 * Qwen-VL (a model with ``get_rope_index`` whose forward takes ``mm_token_type_ids``): a batch with images needs
   ``mm_token_type_ids`` or 3-D ``position_ids``; ``mm_token_type_ids`` must mark exactly the image (1) and video
   (2) placeholder tokens.
+
+* Packed rows (``position_ids`` that restart within a row, :mod:`lightning_mm.core.packing`): Transformers keeps the
+  samples apart only without an ``attention_mask`` (it then derives a block-diagonal mask from the positions), so a
+  packed row with one is refused, as is one without ``use_cache=False`` (with a key/value cache, created by default,
+  Transformers assumes one sequence per row); a Qwen-VL model needs 4-D ``position_ids`` (text row first, then the
+  M-RoPE rows computed per sample: :func:`lightning_mm.hf.packing.packed_forward_inputs`), since from 2-D ones its
+  decoder would attend across samples or fall back to 1-D image positions (3-D M-RoPE positions alone do not mark
+  where samples start: Transformers, and this check, see one sample per row). The varlen keys ``cu_seq_lens_q/k`` and
+  ``max_length_q/k`` are read only by flash-attention: with another attention implementation they are refused (sdpa
+  and eager would swallow them and attend across samples).
 
 Only Transformers models (``PreTrainedModel``) are checked; a plain module without ``**kwargs`` already refuses an
 unknown key itself. Lightning-free.
@@ -153,13 +166,24 @@ def expected_image_tokens(model: nn.Module, batch: Mapping[str, Any], video: boo
     if grid is not None and isinstance(merge, int):  # Qwen-VL: one token per merged group of patches
         return int((grid.long().prod(-1) // merge**2).sum())
     pixels = _tensor(batch, "pixel_values_videos" if video else "pixel_values")
+    model_type = getattr(config, "model_type", None)
+    if not video and pixels is not None and pixels.ndim == 5 and model_type == "idefics3":
+        # (samples, images, C, H, W), all-zero padding images dropped; pixel-shuffled patches per image (crop)
+        real = int((pixels.flatten(2) != 0).any(-1).sum())
+        side = int(vision.image_size) // int(vision.patch_size)
+        return real * (side * side) // int(config.scale_factor) ** 2
     if video or pixels is None or pixels.ndim != 4 or vision is None:
         return None
     patch = _pair(getattr(vision, "patch_size", 0) or 0)
     if not all(patch):
         return None
     rows, cols = pixels.shape[-2] // patch[0], pixels.shape[-1] // patch[1]
-    model_type = getattr(config, "model_type", None)
+    sizes = _tensor(batch, "image_sizes")
+    if model_type == "mistral3" and sizes is not None:  # Pixtral: one token per merged patch of each image's size
+        cell = patch[0] * int(getattr(config, "spatial_merge_size", 1))
+        return int(((sizes[:, 0] // cell) * (sizes[:, 1] // cell)).sum())
+    if model_type == "gemma3":  # each image pooled to mm_tokens_per_image soft tokens
+        return pixels.shape[0] * int(config.mm_tokens_per_image)
     if model_type == "llava" and batch.get("image_sizes") is None:
         strategy = batch.get("vision_feature_select_strategy") or getattr(config, "vision_feature_select_strategy",
                                                                            None)
@@ -260,6 +284,63 @@ def _check_mrope(model: nn.Module, batch: Mapping[str, Any], counts: dict[str, i
             )
 
 
+_VARLEN_KEYS = ("cu_seq_lens_q", "cu_seq_lens_k", "max_length_q", "max_length_k")
+
+
+def _restarts_among_real_tokens(positions: torch.Tensor, mask: Any) -> bool:
+    """Whether the positions of the tokens that ``mask`` keeps restart within a row (samples packed together)."""
+    from lightning_mm.core.packing import segment_ids
+
+    if not isinstance(mask, torch.Tensor) or mask.ndim != 2:
+        return True
+    segments = segment_ids(positions)
+    if segments.shape != mask.shape:
+        return True
+    for row, keep in zip(segments, mask.bool()):
+        real = row[keep]
+        if real.numel() > 1 and bool((real != real[0]).any()):
+            return True
+    return False
+
+
+def _check_packing(model: nn.Module, batch: Mapping[str, Any]) -> None:
+    from lightning_mm.core.packing import is_packed
+
+    name = type(model).__name__.removeprefix("FSDP")
+    varlen = [k for k in _VARLEN_KEYS if batch.get(k) is not None]
+    attention = str(getattr(model.config, "_attn_implementation", None) or "")
+    if varlen and "flash" not in attention:
+        raise BatchCheckError(
+            f"batch key(s) {', '.join(varlen)} are read only by flash-attention, but {name} runs "
+            f"attn_implementation {attention!r}, which would swallow them and attend across the packed samples: "
+            "give position_ids that restart per sample instead (Transformers then masks each sample to itself)")
+    positions = _tensor(batch, "position_ids")
+    if positions is None or positions.is_meta or not is_packed(positions):
+        return
+    mask = batch.get("attention_mask")
+    if mask is not None:
+        if not _restarts_among_real_tokens(positions, mask):
+            return  # positions that skip padding (generate's left-padded prompts): one sample per row
+        raise BatchCheckError(
+            f"the batch is packed (position_ids restart within a row) and has an attention_mask: {name} would then "
+            "attend across the packed samples (Transformers derives the per-sample mask from position_ids only "
+            "without an attention_mask); drop attention_mask from packed batches")
+    text_config = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
+    caches = any(getattr(c, "use_cache", False) is not False for c in (model.config, text_config))
+    if batch.get("use_cache") is not False and caches:
+        raise BatchCheckError(
+            f"the batch is packed (position_ids restart within a row) but the call does not set use_cache=False: "
+            f"{name} would create a key/value cache, and Transformers keeps packed samples apart only without one "
+            "(TransformersModel sets it; for another model call lightning_mm.hf.packing.packed_forward_inputs)")
+    if _inner(model) is not None and hasattr(_inner(model), "get_rope_index") and not (
+            positions.ndim == 3 and positions.shape[0] == 4):
+        raise BatchCheckError(
+            f"the batch is packed, but {name} computes M-RoPE positions and needs 4-D position_ids for a packed "
+            f"row (the text positions, then the M-RoPE positions of each sample), got shape {tuple(positions.shape)}"
+            ": TransformersModel computes them (lightning_mm.hf.packing.install_packed_inputs); for another model "
+            "call lightning_mm.hf.packing.packed_forward_inputs(model, batch)")
+
+
 def check_batch(model: nn.Module, batch: Mapping[str, Any]) -> None:
     """Raise :class:`BatchCheckError` if ``model(**batch)`` would not consume ``batch`` as given.
 
@@ -270,6 +351,7 @@ def check_batch(model: nn.Module, batch: Mapping[str, Any]) -> None:
     if hf is None or not isinstance(batch, Mapping):
         return
     _check_keys(hf, batch)
+    _check_packing(hf, batch)
     _check_tokens(hf, batch)
 
 

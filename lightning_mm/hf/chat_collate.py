@@ -1,5 +1,5 @@
 """The collate function of :class:`~lightning_mm.hf.chat_samples.ChatSampleBuilder` samples (MindSpeed MM's
-``DataCollatorForQwen2vl``): right padding, vision tensors concatenated as the Qwen-VL forward takes them."""
+``DataCollatorForQwen2vl``): right padding, vision tensors concatenated as each family's forward takes them."""
 
 from __future__ import annotations
 
@@ -12,9 +12,12 @@ __all__ = ["ChatCollator", "TOKEN_KEYS", "VISION_KEYS"]
 IGNORE_INDEX = -100
 TOKEN_KEYS = ("input_ids", "attention_mask", "labels", "mm_token_type_ids", "token_type_ids")
 """Per-token keys: padded on the right to the longest sample."""
-VISION_KEYS = ("pixel_values", "image_grid_thw")
-"""Per-image keys: concatenated along their first dimension (Qwen-VL takes all patches of a batch as one tensor,
-with one ``image_grid_thw`` row per image, in sample order)."""
+VISION_KEYS = ("pixel_values", "image_grid_thw", "image_sizes", "pixel_attention_mask")
+"""Per-image keys: concatenated along their first dimension, in sample order, each zero-padded (``False`` for a
+mask) to the largest size of its other dimensions, as the families' processors batch them: Qwen-VL and GLM-4V
+take all patches of a batch as one tensor with one ``image_grid_thw`` row per image; Gemma 3 one image per row;
+Pixtral (Mistral 3) images padded to the largest height and width, with ``image_sizes``; Idefics3 one
+row per sample of images (crops) padded to the most images, with ``pixel_attention_mask``."""
 
 
 class ChatCollator:
@@ -57,7 +60,7 @@ class ChatCollator:
         for key in VISION_KEYS:
             parts = [s[key] for s in samples if key in s]
             if parts:
-                batch[key] = torch.cat(parts, dim=0)
+                batch[key] = _padded_cat(parts)
         return batch
 
     def _with_filler(self, sample: dict[str, Any]) -> dict[str, Any]:
@@ -74,3 +77,17 @@ class ChatCollator:
             if key in self.filler:
                 out[key] = self.filler[key]
         return out
+
+
+def _padded_cat(parts: list[torch.Tensor]) -> torch.Tensor:
+    if len({p.shape[1:] for p in parts}) == 1:
+        return torch.cat(parts, dim=0)
+    if len({p.ndim for p in parts}) != 1:
+        raise ValueError(f"samples' vision tensors have different ranks: {[tuple(p.shape) for p in parts]}")
+    size = [max(p.shape[d] for p in parts) for d in range(1, parts[0].ndim)]
+    out = parts[0].new_zeros((sum(p.shape[0] for p in parts), *size))
+    row = 0
+    for p in parts:
+        out[(slice(row, row + p.shape[0]), *(slice(0, n) for n in p.shape[1:]))] = p
+        row += p.shape[0]
+    return out

@@ -6,32 +6,41 @@ labels cover each assistant turn's content and its end-of-turn tokens (``<|im_en
 the prompt turns too with ``train_on_prompt``, and only the last assistant turn with ``mask_history``.
 
 How it is built here: the conversation is rendered by the processor's chat template (each ``<image>`` becomes an
-image part of the message, so the template writes the model's own vision tokens), the processor expands the image
-tokens to the model's count and returns the vision tensors, and the trained character spans are found by rendering
-the conversation turn by turn (the text up to each assistant turn, with the generation prompt, is a prefix of the
-text that includes it). A token is trained when it starts inside a trained span.
+image part of the message, so the template writes the model's own vision tokens), the processor expands the
+placeholders to each image's token count and returns the vision tensors, as the model's own
+``apply_chat_template(tokenize=True)`` calls it (no second BOS when the template writes one), and the trained
+character spans are found by rendering the conversation turn by turn (the text up to each assistant turn, with the
+generation prompt, is a prefix of the text that includes it). They are moved past the placeholders the processor
+expanded before them (its ``text_replacement_offsets``), and a token is trained when its first character (its
+offset in the processor's expanded text) lies inside a trained span: any processor that expands placeholders the
+Transformers 5 way (``replace_image_token``) fits, whatever its vision tokens look like.
 
 The MindSpeed ``template`` name is checked against the model family and selects what differs between its templates
-(:data:`TEMPLATES`): ``qwen3_vl`` adds an empty thought (``<think>\\n\\n</think>\\n\\n``) to each assistant turn that
-has none, trained with ``enable_thinking`` (the default) and part of the prompt without it (then existing thoughts
-are removed, as MindSpeed does); ``qwen3_vl_nothink`` and ``qwen2vl`` add nothing. Default system prompts come from
-the model's chat template (Qwen2.5-VL's is MindSpeed's ``qwen2vl`` default, "You are a helpful assistant.").
+(:data:`TEMPLATES`): ``qwen3_vl``, ``glm4.1v`` and ``glm4v_moe`` add an empty thought (``<think>\\n\\n</think>\\n\\n``)
+to each assistant turn that has none, trained with ``enable_thinking`` (the default) and part of the prompt without
+it (then existing thoughts are removed, as MindSpeed does); ``qwen3_vl_nothink``, ``qwen2vl`` and ``qwen2_omni``
+add nothing. Families MindSpeed MM has no template for (Gemma 3, Idefics3: :data:`OWN_TEMPLATE_FAMILIES`)
+take ``template: null``. Default system prompts come from the model's chat template (Qwen2.5-VL's is MindSpeed's
+``qwen2vl`` default, "You are a helpful assistant.").
 """
 
 from __future__ import annotations
 
+import math
 import re
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-__all__ = ["TEMPLATES", "MINDSPEED_TEMPLATES", "TemplateSpec", "ChatSampleBuilder", "SampleError",
+__all__ = ["TEMPLATES", "OWN_TEMPLATE_FAMILIES", "MINDSPEED_TEMPLATES",
+           "TemplateSpec", "ChatSampleBuilder", "SampleError",
            "IMAGE_PLACEHOLDER", "VIDEO_PLACEHOLDER", "IGNORE_INDEX", "template_for"]
 
 IMAGE_PLACEHOLDER = "<image>"
 VIDEO_PLACEHOLDER = "<video>"
 IGNORE_INDEX = -100
 _THOUGHT = ("<think>", "</think>")
+_TOKEN_KEYS = ("input_ids", "attention_mask", "mm_token_type_ids", "token_type_ids")
 
 
 class SampleError(ValueError):
@@ -46,17 +55,34 @@ class TemplateSpec:
     collate_names: tuple[str, ...]
     reasoning: bool = False
     """Empty thoughts are added to assistant turns (MindSpeed's ``ReasoningTemplate``)."""
+    resize_images: bool = False
+    """Images are bounded by ``image_max_pixels`` / ``image_min_pixels`` before the processor (MindSpeed MM's
+    ``BasePlugin._preprocess_image``: an area-preserving NEAREST resize), which then resizes them its own way; else
+    the bounds go to the processor as its ``size`` (Qwen-VL's dynamic resolution, whose processors take them)."""
+    content_parts: bool = False
+    """System and assistant texts go to the chat template as a list of text parts (Idefics3's template reads only
+    parts), else as strings (GLM-4V's template writes the content as it is)."""
 
 
+_QWEN_COLLATE = ("qwen2vl", "qwen3vl")
 _QWEN3_VL_TYPES = ("qwen3_vl", "qwen3_vl_moe", "qwen3_5", "qwen3_5_moe")
-
 TEMPLATES: dict[str, TemplateSpec] = {
     "qwen2vl": TemplateSpec(("qwen2_vl", "qwen2_5_vl"), ("qwen2vl",)),
     "qwen3_vl": TemplateSpec(_QWEN3_VL_TYPES, ("qwen3vl", "qwen2vl"), reasoning=True),
     "qwen3_vl_nothink": TemplateSpec(_QWEN3_VL_TYPES, ("qwen3vl", "qwen2vl")),
+    "qwen2_omni": TemplateSpec(("qwen2_5_omni", "qwen2_5_omni_thinker"), (*_QWEN_COLLATE, "qwen3omni")),
+    "glm4.1v": TemplateSpec(("glm4v",), ("glm4v_moe", *_QWEN_COLLATE), reasoning=True),
+    "glm4v_moe": TemplateSpec(("glm4v_moe",), ("glm4v_moe", *_QWEN_COLLATE), reasoning=True),
 }
 """The MindSpeed MM template names supported here. Qwen3.5 / Qwen3.6 (``qwen3_5``, ``qwen3_5_moe``: Transformers'
 Qwen3VLProcessor and Qwen3-VL's chat tokens) use the Qwen3-VL templates, as MindSpeed MM's configs for them do."""
+
+OWN_TEMPLATE_FAMILIES: dict[str, TemplateSpec] = {
+    "gemma3": TemplateSpec(("gemma3",), _QWEN_COLLATE, resize_images=True),
+    "idefics3": TemplateSpec(("idefics3",), _QWEN_COLLATE, resize_images=True, content_parts=True),
+}
+"""Families MindSpeed MM registers no template for: their model's own chat template renders the conversations
+(``template: null``, or a ``chat_template`` file), nothing added."""
 
 MINDSPEED_TEMPLATES = ("qwen2vl", "qwen3_vl", "qwen3_vl_nothink", "qwen2_omni", "qwen3_omni", "qwen3_omni_nothink",
                        "glm4.1v", "glm4v_moe", "mistral", "default")
@@ -67,21 +93,28 @@ def template_for(name: Any, model_type: str | None) -> TemplateSpec:
     """The spec of template ``name`` for a model of ``model_type``; ValueError (short, naming both) otherwise.
 
     ``None`` (MindSpeed MM's FSDP trainer allows it, and ignores the name when a ``chat_template`` file is given)
-    is the model's chat template as it is, with nothing added: the spec of the family's non-reasoning template.
+    is the model's chat template as it is, with nothing added: the spec of the family's non-reasoning template, or
+    of a family that has no MindSpeed MM template (:data:`OWN_TEMPLATE_FAMILIES`).
     """
     supported = ", ".join(TEMPLATES)
+    own = ", ".join(t for s in OWN_TEMPLATE_FAMILIES.values() for t in s.model_types)
     if name is None:
-        for spec in TEMPLATES.values():
+        for spec in (*TEMPLATES.values(), *OWN_TEMPLATE_FAMILIES.values()):
             if model_type in spec.model_types and not spec.reasoning:
                 return spec
-        raise ValueError(f"no template is built in here for {model_type!r} models; supported: {supported}")
+        raise ValueError(f"no template is built in here for {model_type!r} models; supported: {supported} (and "
+                         f"template: null for {own} models)")
     if name not in TEMPLATES:
         known = "a MindSpeed MM template for a family not built in here" if name in MINDSPEED_TEMPLATES else \
             "not a MindSpeed MM template"
-        raise ValueError(f"template {name!r} is {known}; supported: {supported}")
+        hint = next((f"; a {model_type} model takes template: null (its own chat template)"
+                     for s in OWN_TEMPLATE_FAMILIES.values() if model_type in s.model_types), "")
+        raise ValueError(f"template {name!r} is {known}; supported: {supported}{hint}")
     spec = TEMPLATES[name]
     if model_type not in spec.model_types:
         fits = [t for t, s in TEMPLATES.items() if model_type in s.model_types]
+        if any(model_type in s.model_types for s in OWN_TEMPLATE_FAMILIES.values()):
+            fits.append("null (its own chat template)")
         hint = f" (for {model_type} use {', '.join(fits)})" if fits else f"; supported templates: {supported}"
         raise ValueError(f"template {name!r} is for {', '.join(spec.model_types)} models, but the model is "
                          f"{model_type!r}{hint}")
@@ -125,13 +158,12 @@ class ChatSampleBuilder:
         self.train_on_prompt = train_on_prompt
         self.mask_history = mask_history
         self.enable_thinking = enable_thinking
+        self.image_min_pixels = max(int(image_min_pixels), 0)
+        self.image_max_pixels = int(image_max_pixels)
         # Transformers refuses a zero shortest_edge; the processor's resize never goes below one patch grid cell.
-        self.images_kwargs = {"size": {"shortest_edge": max(int(image_min_pixels), 1),
-                                       "longest_edge": int(image_max_pixels)}}
-        tokenizer = processor.tokenizer
-        self.tokenizer = tokenizer
-        self.image_token_id = getattr(processor, "image_token_id", None)
-        self.merge = getattr(processor.image_processor, "merge_size", 1)
+        self.images_kwargs = {} if template.resize_images else {
+            "size": {"shortest_edge": max(int(image_min_pixels), 1), "longest_edge": int(image_max_pixels)}}
+        self.tokenizer = processor.tokenizer
 
     # ------------------------------------------------------------------------------------------ rendering
     def conversation(self, messages: Sequence[dict[str, str]], system: str | None
@@ -140,7 +172,7 @@ class ChatSampleBuilder:
         are prompt (the empty thought when thinking is off)."""
         conv: list[dict[str, Any]] = []
         if system:
-            conv.append({"role": "system", "content": system})
+            conv.append({"role": "system", "content": self._text(system)})
         untrained_prefix: list[int] = []
         empty_thought = f"{_THOUGHT[0]}\n\n{_THOUGHT[1]}\n\n"
         for message in messages:
@@ -155,9 +187,12 @@ class ChatSampleBuilder:
                 if _THOUGHT[0] not in content and _THOUGHT[1] not in content:
                     content = empty_thought + content
                     prefix = 0 if self.enable_thinking else len(empty_thought)
-            conv.append({"role": "assistant", "content": content})
+            conv.append({"role": "assistant", "content": self._text(content)})
             untrained_prefix.append(prefix)
         return conv, untrained_prefix
+
+    def _text(self, text: str) -> str | list[dict[str, str]]:
+        return [{"type": "text", "text": text}] if self.template.content_parts else text
 
     def _render(self, conv: list[dict[str, Any]], generation_prompt: bool = False) -> str:
         extra = {} if self.chat_template is None else {"chat_template": self.chat_template}
@@ -186,31 +221,66 @@ class ChatSampleBuilder:
         return text, [s for s in spans if s[1] > s[0]]
 
     # ------------------------------------------------------------------------------------------ samples
+    def bound_image(self, image: Any) -> Any:
+        """``image`` within ``image_max_pixels`` / ``image_min_pixels`` as MindSpeed MM's plugins bound it (a
+        NEAREST resize keeping the aspect ratio), for a family whose processor does not take pixel bounds."""
+        from PIL import Image
+
+        if not self.template.resize_images:
+            return image
+        for limit, too_far in ((self.image_max_pixels, lambda area: area > self.image_max_pixels),
+                               (self.image_min_pixels, lambda area: area < self.image_min_pixels)):
+            area = image.width * image.height
+            if too_far(area):
+                factor = math.sqrt(limit / area)
+                size = (max(int(image.width * factor), 1), max(int(image.height * factor), 1))
+                image = image.resize(size, resample=Image.Resampling.NEAREST)
+        return image.convert("RGB") if image.mode != "RGB" else image
+
+    def process(self, text: str, images: list[Any]) -> tuple[dict[str, Any], list[tuple[int, int]], list[dict]]:
+        """The processor's sample of ``text`` and ``images`` (as the model's ``apply_chat_template(tokenize=True)``
+        calls it: no second BOS when the template writes one), each token's character offsets in the expanded
+        text, and where the processor expanded each image placeholder."""
+        kwargs: dict[str, Any] = {"text": [text], "return_tensors": "pt", "return_offsets_mapping": True,
+                                  "return_text_replacement_offsets": True}
+        bos = self.tokenizer.bos_token
+        if bos is not None and text.startswith(bos):
+            kwargs["add_special_tokens"] = False
+        if images:
+            kwargs["images"] = [self.bound_image(image) for image in images]
+            if self.images_kwargs:
+                kwargs["images_kwargs"] = self.images_kwargs
+        out = dict(self.processor(**kwargs))
+        if "offset_mapping" not in out:
+            raise SampleError(f"{type(self.processor).__name__} returns no character offsets of its tokens "
+                              "(return_offsets_mapping), so the labels cannot be placed")
+        offsets = [tuple(o) for o in out.pop("offset_mapping")[0].tolist()]
+        replacements = list(out.pop("text_replacement_offsets", None) or [[]])[0]
+        sample = {k: v[0] if k in _TOKEN_KEYS else v for k, v in out.items()}
+        return sample, offsets, replacements
+
     def __call__(self, messages: Sequence[dict[str, str]], system: str | None, images: list[Any]) -> dict[str, Any]:
         conv, untrained_prefix = self.conversation(messages, system)
         text, spans = self.trained_spans(conv, untrained_prefix)
-        kwargs: dict[str, Any] = {"text": [text], "return_tensors": "pt"}
-        if images:
-            kwargs["images"] = images
-            kwargs["images_kwargs"] = self.images_kwargs
-        out = self.processor(**kwargs)
-        sample = {k: v[0] if k in ("input_ids", "attention_mask", "mm_token_type_ids", "token_type_ids") else v
-                  for k, v in out.items()}
-        sample["labels"] = self._labels(text, spans, sample["input_ids"], out.get("image_grid_thw"))
+        sample, offsets, replacements = self.process(text, images)
+        if len(replacements) != len(images):
+            raise SampleError(f"the processor expanded {len(replacements)} image placeholders for {len(images)} "
+                              "images; the labels cannot be aligned")
+        sample["labels"] = self._labels(spans, sample["input_ids"], offsets, replacements)
         if self.cutoff_len is not None and len(sample["input_ids"]) > self.cutoff_len:
-            sample = self._cut(sample)
+            vision_end = max((i + 1 for i, (start, end) in enumerate(offsets)
+                              for r in replacements if start < r["new_span"][1] and end > r["new_span"][0]),
+                             default=0)
+            sample = self._cut(sample, vision_end)
         return sample
 
-    def _cut(self, sample: dict[str, Any]) -> dict[str, Any]:
+    def _cut(self, sample: dict[str, Any], vision_end: int) -> dict[str, Any]:
         n, cut = len(sample["input_ids"]), self.cutoff_len
         assert cut is not None
-        vision = sample.get("mm_token_type_ids")
-        beyond = vision[cut:].any() if vision is not None else (sample["input_ids"][cut:] == self.image_token_id).any()
-        if bool(beyond):
+        if vision_end > cut:
             raise SampleError(f"the sample has {n} tokens, more than cutoff_len {cut}, and the cut would split its "
                               "images' tokens")
-        out = {k: v[:cut] if k in ("input_ids", "attention_mask", "mm_token_type_ids", "token_type_ids", "labels")
-               else v for k, v in sample.items()}
+        out = {k: v[:cut] if k in (*_TOKEN_KEYS, "labels") else v for k, v in sample.items()}
         if not (out["labels"] != IGNORE_INDEX).any():
             raise SampleError(f"the sample has {n} tokens; cut to cutoff_len {cut}, no trained token is left")
         return out
@@ -219,32 +289,38 @@ class ChatSampleBuilder:
         """The tokens and pixels of one 64x64 white image (MindSpeed MM's stand-in for a batch without images)."""
         from PIL import Image
 
-        out = self.processor(text=[self.processor.image_token], images=[Image.new("RGB", (64, 64), (255, 255, 255))],
-                             images_kwargs=self.images_kwargs, return_tensors="pt")
-        return {k: v[0] if k in ("input_ids", "attention_mask", "mm_token_type_ids", "token_type_ids") else v
-                for k, v in out.items()}
+        image = self.bound_image(Image.new("RGB", (64, 64), (255, 255, 255)))
+        out = self.processor(text=[self.processor.image_token], images=[image], return_tensors="pt",
+                             **({"images_kwargs": self.images_kwargs} if self.images_kwargs else {}))
+        return {k: v[0] if k in _TOKEN_KEYS else v for k, v in out.items()}
 
-    def _labels(self, text: str, spans: list[tuple[int, int, bool]], input_ids: Any, grid: Any) -> Any:
+    def _labels(self, spans: list[tuple[int, int, bool]], input_ids: Any, offsets: list[tuple[int, int]],
+                replacements: list[dict[str, Any]]) -> Any:
+        """Each token trained when its first character lies in a trained span of the rendered text (the spans
+        shifted past the image placeholders the processor expanded before them); an image's tokens take the span
+        of its placeholder."""
         import torch
 
-        encoded = self.tokenizer(text, return_offsets_mapping=True)
-        ids, offsets = encoded["input_ids"], encoded["offset_mapping"]
-        counts = [] if grid is None else (grid.prod(-1) // (self.merge**2)).tolist()
+        shifted: list[tuple[int, int, bool]] = []
+        for start, end, trained in spans:
+            shifted.append((self._expanded(start, replacements), self._expanded(end, replacements), trained))
+        ids = input_ids.tolist()
         labels: list[int] = []
-        expanded: list[int] = []
-        image = 0
         span = 0
-        for token, (start, _end) in zip(ids, offsets):
-            while span < len(spans) - 1 and start >= spans[span][1]:
+        for token, (start, end) in zip(ids, offsets):
+            if end == start == 0 and labels:  # a special token the tokenizer added at the end (an EOS): prompt
+                labels.append(token if self.train_on_prompt else IGNORE_INDEX)
+                continue
+            while span < len(shifted) - 1 and start >= shifted[span][1]:
                 span += 1
-            trained = spans[span][2]
-            repeat = 1
-            if token == self.image_token_id and image < len(counts):
-                repeat = counts[image]
-                image += 1
-            expanded.extend([token] * repeat)
-            labels.extend([token if trained else IGNORE_INDEX] * repeat)
-        if expanded != input_ids.tolist():
-            raise SampleError("the processor's tokens differ from the rendered text's tokens with the image tokens "
-                              "expanded; the labels cannot be aligned")
+            labels.append(token if shifted[span][2] else IGNORE_INDEX)
         return torch.tensor(labels, dtype=torch.long)
+
+    @staticmethod
+    def _expanded(char: int, replacements: list[dict[str, Any]]) -> int:
+        """Character ``char`` of the rendered text, in the processor's expanded text."""
+        shift = 0
+        for r in replacements:
+            if r["span"][1] <= char:
+                shift = r["new_span"][1] - r["span"][1]
+        return char + shift

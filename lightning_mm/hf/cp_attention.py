@@ -11,6 +11,8 @@
   ``AttentionInterface``: an all-to-all to (whole sequence, ``heads / C``), the configured ``eager`` or ``sdpa``
   attention with a causal + padding mask of the whole sequence, and the inverse all-to-all. Every model whose
   decoder attention calls ``ALL_ATTENTION_FUNCTIONS`` is routed;
+* a packed row (``position_ids`` restarting per sample, :mod:`lightning_mm.core.packing`) splits like any
+  sequence: the attention's mask of the whole sequence is then also block-diagonal over its samples;
 * the model gets a pre-hook that takes ``labels`` out of the call and a hook that puts the loss of the whole
   sequences (:func:`~lightning_mm.core.context_parallel.context_parallel_loss`) into ``output.loss``.
 
@@ -37,6 +39,7 @@ from lightning_mm.core.context_parallel import (
     shift_labels,
     split_sequence,
 )
+from lightning_mm.core.packing import is_packed, segment_ids
 
 __all__ = ["ROUTABLE", "enable_context_parallel", "find_hf_model", "check_routable", "context_parallel_summary"]
 
@@ -52,6 +55,8 @@ class _State:
     all_valid: bool = True
     """No padding in the caller's attention mask (only the end padding to a multiple of ``C``)."""
     labels: Tensor | None = None
+    segments: Tensor | None = None
+    """``(B, padded S)`` sample index of every token of a packed row (``None``: not packed)."""
 
 
 _STATE = _State()
@@ -71,7 +76,7 @@ def _ulysses(inner: str) -> Any:
         q, k, v = (all_to_all(t, 1, 2, group) for t in (query, key, value))  # (B, H/C, S, D)
         causal = getattr(module, "is_causal", True)
         kwargs.pop("is_causal", None)
-        if inner == "sdpa" and causal and _STATE.all_valid:
+        if inner == "sdpa" and causal and _STATE.all_valid and _STATE.segments is None:
             # Only end padding: causal attention alone keeps real tokens off the padded keys, and sdpa can use
             # its flash kernel without an O(S^2) mask.
             mask, kwargs["is_causal"] = None, True
@@ -96,6 +101,9 @@ def _full_mask(q: Tensor, causal: bool) -> Tensor:
     allowed = allowed[None, None]
     if _STATE.key_valid is not None:
         allowed = allowed & _STATE.key_valid[:, None, None, :].to(q.device)
+    if _STATE.segments is not None:  # a packed row: each sample attends only to itself
+        segments = _STATE.segments.to(q.device)
+        allowed = allowed & (segments[:, None, :, None] == segments[:, None, None, :])
     zero = torch.zeros((), dtype=q.dtype, device=q.device)
     return torch.where(allowed, zero, torch.finfo(q.dtype).min)
 
@@ -174,6 +182,10 @@ def _split_decoder_inputs(decoder: nn.Module, args: tuple, kwargs: dict[str, Any
     padded = -(-seq // size) * size
     _STATE.all_valid = mask is None or bool(mask.all())
     _STATE.key_valid = torch.cat([valid, valid.new_zeros(valid.shape[0], padded - seq)], dim=1)
+    _STATE.segments = None
+    if mask is None and is_packed(positions):  # the row's samples (Transformers' rule: packed rows have no mask)
+        segments = segment_ids(positions)
+        _STATE.segments = torch.cat([segments, segments.new_full((segments.shape[0], padded - seq), -1)], dim=1)
     kwargs.update(
         input_ids=None,
         inputs_embeds=split_sequence(embeds, 1, group),

@@ -52,6 +52,7 @@ from lightning_mm.hf.config_fields import checked_fields
 from lightning_mm.hf.derived_adapters import resolve_model_class
 from lightning_mm.hf.loading import load_into_meta_model, load_local_shards
 from lightning_mm.hf.mixins import FSDP2Mixin, WeightInitMixin
+from lightning_mm.hf.packing import install_packed_inputs
 from lightning_mm.hf.pretrained_index import LoadPlan, SafetensorsIndex, build_load_plan
 
 __all__ = ["TransformersModel", "TransformersModelConfig", "TransformersModelConfigError", "PendingPretrained"]
@@ -312,6 +313,7 @@ def TransformersModel(config: Any) -> nn.Module:  # noqa: N802 - the seed's name
         from lightning_mm.hf.lora import apply_lora
 
         apply_lora(model, cfg.lora, frozen)
+    install_packed_inputs(model)  # before the check, which then sees a packed row's per-sample positions
     install_batch_check(model)
     log.info("TransformersModel: %s (%s)%s", model_cls.__name__, source,
              f" from {cfg.init_from_hf_path}" if cfg.init_from_hf_path else ", random init")

@@ -64,6 +64,10 @@ def _without_video(path: Path, why: str) -> Any:
 
     name = _processor_class_name(path)
     base = getattr(transformers, name, None) if name else None
+    if base is not None and not (isinstance(base, type) and issubclass(base, ProcessorMixin)):
+        # Transformers' stand-in for a class whose module needs a missing backend (Mistral 3's PixtralProcessor)
+        raise ProcessorLoadError(f"{path}: Transformers' {name} cannot be used without torchvision, which is not "
+                                 "installed (its own module needs it, not only a video processor)")
     if not (isinstance(base, type) and issubclass(base, ProcessorMixin)):
         raise ProcessorLoadError(f"{path}: the processor cannot be loaded ({why}) and the directory names no "
                                  f"Transformers processor class to build without a video processor (got {name!r})")
@@ -82,9 +86,13 @@ def _without_video(path: Path, why: str) -> Any:
     _ImagesOnly.__name__ = _ImagesOnly.__qualname__ = base.__name__
     kwargs = {"local_files_only": True, "trust_remote_code": False}
     tokenizer = AutoTokenizer.from_pretrained(str(path), **kwargs)
-    image_processor = AutoImageProcessor.from_pretrained(str(path), **kwargs)
-    return _ImagesOnly(image_processor=image_processor, tokenizer=tokenizer, video_processor=None,
-                       chat_template=_chat_template(path, tokenizer))
+    parts = {"image_processor": AutoImageProcessor.from_pretrained(str(path), **kwargs), "tokenizer": tokenizer,
+             "video_processor": None}
+    if "feature_extractor" in base.get_attributes():  # an omni-modal processor (Qwen2.5-Omni): its audio part
+        from transformers import AutoFeatureExtractor
+
+        parts["feature_extractor"] = AutoFeatureExtractor.from_pretrained(str(path), **kwargs)
+    return _ImagesOnly(**parts, chat_template=_chat_template(path, tokenizer))
 
 
 def _reload(path: str) -> Any:

@@ -40,6 +40,7 @@ from lightning_mm._compat import (
     attached_trainer,
     set_device_mesh,
 )
+from lightning_mm.checkpoint import hf_weights
 from lightning_mm.core import apply
 from lightning_mm.core.backend import process_group_backend
 from lightning_mm.core.config import FSDP2Config
@@ -47,6 +48,7 @@ from lightning_mm.core.grad_mode import leave_inference_mode, outside_inference_
 from lightning_mm.core.init_context import meta_parameters
 from lightning_mm.core.optimizer import use_fused_steps
 from lightning_mm.core.plan import ShardingPlan, build_plan
+from lightning_mm.hf.checkpoint_format import HF_FORMATS, plan_weights
 from lightning_mm.strategies import stopping
 from lightning_mm.strategies.cp_setup import ContextParallelSetup
 from lightning_mm.strategies.launch import CheckingLauncher, CheckingSubprocessScriptLauncher
@@ -116,7 +118,12 @@ class MMFSDP2Strategy(ParallelStrategy):
             (default ``True``); ``False`` builds it eagerly on every rank.
         checkpoint_format: ``"torch_dcp"`` (default): each checkpoint is a directory written in parallel by all
             ranks with torch.distributed.checkpoint; ``"torch"``: one consolidated file written by rank 0. Both
-            load on any world size and are written atomically.
+            load on any world size and are written atomically. ``"hf"``: the directory holds the model weights as
+            Hugging Face safetensors (``save_pretrained``'s names, ``config.json``: it loads with
+            ``from_pretrained``), written sharded by every rank and consolidated (DCP's Hugging Face storage);
+            resuming from it is weights-only (fresh optimiser, schedule and loops, with a warning).
+            ``"torch_dcp+hf"``: the full ``torch_dcp`` training state plus those safetensors in the same
+            directory (resumes exactly from the DCP part). See ``lightning_mm.hf.checkpoint_format``.
         strict_loading: ``None`` (default) follows the LightningModule's ``strict_loading`` (``True`` unless set):
             a checkpoint whose keys differ from the model's fails with the list of keys. ``False`` loads the
             matching keys and warns with the list of skipped ones.
@@ -137,6 +144,15 @@ class MMFSDP2Strategy(ParallelStrategy):
             :class:`~lightning_mm.core.finite.NonFiniteError` naming the step and the rank(s) (the loss flags ride
             in the gradient norm's reduction, which ``train/grad_norm`` and clipping reuse). ``False`` trains on
             (e.g. with your own fp16 loss scaling, whose overflowing steps have infinite gradients by design).
+        save_ckpt_dtype: ``"fp32"``, ``"fp16"`` or ``"bf16"`` casts the floating weights of the Hugging Face part
+            (``checkpoint_format`` ``"hf"``/``"torch_dcp+hf"``; MindSpeed MM's ``save_ckpt_dtype``); ``None``
+            keeps the model's dtype. The DCP part is never cast.
+        storage_options: for checkpoints at fsspec URLs (``ModelCheckpoint(dirpath="s3://bucket/run")``,
+            ``fit(ckpt_path="s3://...")``): the keyword arguments of the fsspec file system (credentials, endpoint,
+            e.g. ``{"key": ..., "secret": ..., "client_kwargs": {"endpoint_url": ...}}``), never logged or written
+            into a checkpoint. Checkpoints at URLs are ``torch_dcp``, committed by writing their manifest last
+            (``lightning_mm.checkpoint.remote``). Lightning's ``ModelCheckpoint`` lists and checks its directory
+            through fsspec's own configuration (``FSSPEC_S3_*`` environment variables, ``~/.config/fsspec``).
 
     ``Trainer(sync_batchnorm=True)`` converts the BatchNorm layers to ``torch.nn.SyncBatchNorm`` before sharding (as
     DDP and FSDP do). ``StochasticWeightAveraging`` is refused at setup: its averaging mixes DTensor and plain
@@ -167,6 +183,8 @@ class MMFSDP2Strategy(ParallelStrategy):
         context_parallel_size: int = 1,
         context_parallel_algo: str = "ulysses",
         stop_on_nonfinite: bool = True,
+        storage_options: dict[str, Any] | None = None,
+        save_ckpt_dtype: str | None = None,
     ) -> None:
         super().__init__(
             accelerator=accelerator,
@@ -185,9 +203,15 @@ class MMFSDP2Strategy(ParallelStrategy):
         self._plan: ShardingPlan | None = None
         self._sharded: apply.ShardedModel | None = None
         self._gradient_sync = True
-        if checkpoint_format not in checkpoint.FORMATS:
-            raise ValueError(f"checkpoint_format must be one of {checkpoint.FORMATS}, got {checkpoint_format!r}")
+        if checkpoint_format not in (*checkpoint.FORMATS, *HF_FORMATS):
+            raise ValueError(f"checkpoint_format must be one of {(*checkpoint.FORMATS, *HF_FORMATS)}, got "
+                             f"{checkpoint_format!r}")
         self.checkpoint_format = checkpoint_format
+        self._save_dtype = hf_weights.check_dtype(save_ckpt_dtype)
+        if save_ckpt_dtype is not None and checkpoint_format not in HF_FORMATS:
+            raise ValueError(f"save_ckpt_dtype={save_ckpt_dtype!r} casts the Hugging Face weights of a checkpoint: "
+                             f"it needs checkpoint_format 'hf' or 'torch_dcp+hf', not {checkpoint_format!r}")
+        self.save_ckpt_dtype = save_ckpt_dtype
         self._strict_loading = strict_loading
         self._fused_optimizer_step = fused_optimizer_step
         self._pending_rng: dict[str, Any] | None = None
@@ -201,6 +225,9 @@ class MMFSDP2Strategy(ParallelStrategy):
         if not isinstance(stop_on_nonfinite, bool):
             raise TypeError(f"stop_on_nonfinite must be True or False, got {stop_on_nonfinite!r}")
         self.stop_on_nonfinite = stop_on_nonfinite
+        if storage_options is not None and not isinstance(storage_options, Mapping):
+            raise TypeError(f"storage_options must be a dict, got {type(storage_options).__name__}")
+        self._storage_options = dict(storage_options) if storage_options is not None else None
 
     # ------------------------------------------------------------------------------------ properties
     @property
@@ -676,12 +703,14 @@ class MMFSDP2Strategy(ParallelStrategy):
     @checkpoint.outside_inference_mode
     def save_checkpoint(self, checkpoint: dict[str, Any], filepath: _PATH, storage_options: Any | None = None) -> None:
         """Write a checkpoint with every rank (``torch_dcp``) or from rank 0 (``torch``); visible once complete."""
-        if storage_options is not None:
-            raise TypeError("MMFSDP2Strategy writes its checkpoints itself; `storage_options` is not supported")
+        target = self.broadcast(str(filepath))
+        if storage_options is not None and not ckpt.remote.is_url(target):
+            raise TypeError("MMFSDP2Strategy writes its checkpoints itself; `storage_options` is only used for "
+                            "checkpoints at URLs (s3://...)")
         self._check_checkpoint_io()
         lm = self.lightning_module
         assert lm is not None
-        path = Path(self.broadcast(str(filepath)))
+        path = target if ckpt.remote.is_url(target) else Path(target)
         extra = {
             "format_version": ckpt.FORMAT_VERSION,
             "kind": ckpt.KIND_TRAINING,
@@ -692,7 +721,29 @@ class MMFSDP2Strategy(ParallelStrategy):
         }
         if self.checkpoint_format == "torch" and "optimizer_states" in checkpoint:  # what the indices stand for
             extra[ckpt.OPTIMIZER_NAMES_KEY] = ckpt.optimizer_param_names(lm, self.optimizers)
+        if self.checkpoint_format in HF_FORMATS:
+            self._save_with_hf_weights(checkpoint, path, extra)
+            return
+        if isinstance(path, str):  # a URL
+            options = storage_options if storage_options is not None else self._storage_options
+            ckpt.remote.save(checkpoint, path, self.checkpoint_format, extra, ckpt.capture_rng(self.root_device),
+                             options)
+            return
         ckpt.save(checkpoint, path, self.checkpoint_format, extra, ckpt.capture_rng(self.root_device))
+
+    def _save_with_hf_weights(self, checkpoint: dict[str, Any], path: Path | str, extra: dict[str, Any]) -> None:
+        """``checkpoint_format`` ``"hf"`` (the weights only, as safetensors) or ``"torch_dcp+hf"`` (both)."""
+        if isinstance(path, str):
+            raise ValueError(f"{path}: checkpoint_format={self.checkpoint_format!r} cannot be written to a URL; "
+                             "checkpoints at URLs are 'torch_dcp' directories")
+        state = checkpoint.get("state_dict") or {}
+        weights = plan_weights(self.lightning_module, list(state))
+        extra[hf_weights.RECORD_KEY] = weights.record(self.save_ckpt_dtype)
+        if self.checkpoint_format == "hf":
+            checkpoint = {k: v for k, v in checkpoint.items() if k not in ("state_dict", "optimizer_states")}
+            extra["kind"] = ckpt.KIND_WEIGHTS
+        ckpt.save(checkpoint, path, "torch_dcp", extra, ckpt.capture_rng(self.root_device),
+                  also_write=weights.writer(state, self._save_dtype))
 
     @override
     @checkpoint.outside_inference_mode
@@ -708,13 +759,16 @@ class MMFSDP2Strategy(ParallelStrategy):
         self._check_checkpoint_io()
         lm = self.lightning_module
         assert lm is not None
-        path = Path(self.broadcast(str(checkpoint_path)))
+        path = self.broadcast(str(checkpoint_path))
+        path = path if ckpt.remote.is_url(path) else Path(path)
         fitting = lm.trainer.state.fn == TrainerFn.FITTING
         strict = lm.strict_loading if self._strict_loading is None else self._strict_loading
         loaded = checkpoint.load(path, lm, self.optimizers if fitting else [], strict=strict, rank=self.global_rank,
                                  world_size=self.world_size, fitting=fitting, view=self._expert_view("model"),
                                  optimizer_view=self._expert_view("optimizer"),
-                                 schedulers=[c.scheduler for c in self.lr_scheduler_configs])
+                                 schedulers=[c.scheduler for c in self.lr_scheduler_configs],
+                                 source=ckpt.remote.open_source(path, self._storage_options)
+                                 if isinstance(path, str) else None)
         self._pending_rng, self._pending_rng_point = loaded.rng, loaded.rng_point
         self._pending_rng_step = loaded.checkpoint.get("global_step")
         return loaded.checkpoint
@@ -745,7 +799,10 @@ class MMFSDP2Strategy(ParallelStrategy):
     def remove_checkpoint(self, filepath: _PATH) -> None:
         """Delete a checkpoint (rank 0): a directory is moved out of sight before it is deleted."""
         if self.is_global_zero:
-            checkpoint.remove(Path(filepath))
+            if ckpt.remote.is_url(str(filepath)):
+                ckpt.remote.remove(str(filepath), self._storage_options)
+            else:
+                checkpoint.remove(Path(filepath))
 
     @classmethod
     @override

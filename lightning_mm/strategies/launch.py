@@ -28,6 +28,7 @@ from typing_extensions import override
 
 from lightning_mm._compat import _Launcher, _SubprocessScriptLauncher, last_checkpoints
 from lightning_mm.checkpoint.errors import CheckpointNotFoundError
+from lightning_mm.checkpoint.remote import is_url
 
 __all__ = ["dangling_last_link", "check_ckpt_path", "CheckingLauncher", "CheckingSubprocessScriptLauncher"]
 
@@ -59,6 +60,11 @@ def check_ckpt_path(function: Callable, args: tuple, kwargs: dict, trainer: pl.T
     except (TypeError, ValueError):
         return
     if ckpt_path == "last":
+        remote = sorted(str(cb.dirpath) for cb in trainer.checkpoint_callbacks
+                        if isinstance(cb, ModelCheckpoint) and is_url(str(cb.dirpath)))
+        if remote:
+            raise ValueError(f'ckpt_path="last" with ModelCheckpoint(dirpath={remote[0]!r}): Lightning looks for '
+                             f'"last" on local paths only; pass the URL itself, ckpt_path="{remote[0]}/last.ckpt"')
         message = dangling_last_link(trainer)
         if message is not None:
             raise CheckpointNotFoundError(message)

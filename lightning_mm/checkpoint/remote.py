@@ -1,0 +1,456 @@
+"""``torch_dcp`` checkpoints at fsspec URLs (``s3://``, ``gs://``, ``memory://``, ...), for stores without rename.
+
+Every rank writes its shards with DCP's fsspec storage under a hidden *staging* prefix next to the checkpoint,
+``<parent>/.<name>.partial-<token>/`` (the token names the writing process, as locally: :mod:`.atomic`); rank 0
+adds ``meta.pt``. The commit copies the staged objects to ``<parent>/<name>/`` (a server-side copy on S3) and
+writes ``manifest.json`` last: a checkpoint is complete exactly when its manifest is there, and a prefix without
+one is never loaded (a clear error names it). Replacing a checkpoint (``last.ckpt``) deletes the old one's
+manifest first, then its objects; removing one does the same. A save first deletes the staging and removal
+prefixes of its directory whose writer is this process or provably gone (:func:`.atomic.is_abandoned`): an
+interrupted save leaves nothing that a later save does not clean up.
+
+The manifest has the same schema as a local one (:mod:`.manifest`): each file's size, SHA-256 over the SHA-256 of
+its 16 MiB chunks, and a sample fingerprint. A load checks that every listed object is there, of its size, with
+its fingerprint, that no ``.distcp`` object is there that the manifest does not list, and the whole hashes of
+``.metadata`` and ``meta.pt`` (read in full anyway); ``full_check`` hashes every object.
+
+``storage_options`` (credentials, endpoint) go to fsspec only: they are never logged, never put in an error
+message and never written into the checkpoint.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import errno
+import hashlib
+import io
+import json
+import pickle
+import posixpath
+import re
+import uuid
+from collections.abc import Mapping
+from pathlib import PurePosixPath
+from typing import Any
+
+import torch
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
+from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
+
+from lightning_mm._compat import fsspec_storage
+from lightning_mm._files import is_plain_file_name
+from lightning_mm.checkpoint import atomic
+from lightning_mm.checkpoint.errors import (
+    CheckpointIntegrityError,
+    CheckpointNotFoundError,
+    CheckpointWriteError,
+    write_error,
+)
+from lightning_mm.checkpoint.layout import EXTRA_KEY, META_FILE, pop_loader_states, split_tensors
+from lightning_mm.checkpoint.manifest import MANIFEST_FILE
+from lightning_mm.checkpoint.safe import (
+    UnsafeCheckpointError,
+    _MetadataUnpickler,
+    _unpickler_reason,
+    check_weights_only,
+)
+from lightning_mm.checkpoint.store import (
+    CheckpointSource,
+    _agree,
+    _broadcast,
+    _copy_loops,
+    _distributed,
+    _gather,
+    _single_process_quiet,
+)
+
+__all__ = ["is_url", "RemoteStore", "save", "open_source", "remove", "download", "upload"]
+
+_URL = re.compile(r"^(?P<protocol>[A-Za-z][A-Za-z0-9+.-]*)://")
+_LOCAL = ("file", "local")
+_KIND = "lightning-mm checkpoint"
+_VERSION = 1
+_HASH = "sha256 of 16 MiB chunks"
+_CHUNK = 16 << 20
+_BLOCKS, _BLOCK_SIZE = 4, 64 * 1024
+_DCP_SUFFIX = ".distcp"
+
+
+def is_url(path: Any) -> bool:
+    """A string naming a non-local fsspec URL (``s3://bucket/run``, ``memory://x``); ``file://`` and paths are local."""
+    if not isinstance(path, str):
+        return False
+    match = _URL.match(path)
+    return match is not None and match["protocol"].lower() not in _LOCAL
+
+
+class RemoteStore:
+    """The fsspec file system of one checkpoint URL and where the checkpoint lies in it."""
+
+    def __init__(self, url: str, storage_options: Mapping[str, Any] | None = None) -> None:
+        from fsspec.core import url_to_fs
+
+        if storage_options is not None and not isinstance(storage_options, Mapping):
+            raise TypeError(f"storage_options must be a dict, got {type(storage_options).__name__}")
+        self.url = url.rstrip("/")
+        self.protocol = _URL.match(self.url)["protocol"]  # type: ignore[index]
+        self.options = dict(storage_options or {})
+        self.fs, root = url_to_fs(self.url, **self.options)
+        self.fs.invalidate_cache()  # other processes (ranks, runs) write here: no listing is reused
+        self.root = root.rstrip("/")
+        self.parent, self.name = posixpath.split(self.root)
+
+    def url_of(self, path: str) -> str:
+        """The URL of a path of this file system (for messages and DCP)."""
+        return f"{self.protocol}://{path.lstrip('/') if self.protocol != 'memory' else path}"
+
+    # ------------------------------------------------------------------------------------------ writing
+    def staging(self) -> str:
+        """A new staging prefix of this checkpoint, named after this process (:func:`.atomic.partial_path`)."""
+        return str(atomic.partial_path(PurePosixPath(self.root)))
+
+    def remove_abandoned(self) -> None:
+        """Delete the staging and removal prefixes of this directory whose writer is this process or is gone."""
+        for entry in self._children(self.parent):
+            if atomic.is_abandoned(posixpath.basename(entry)):
+                self._delete(entry)
+
+    def commit(self, staging: str, names: list[str], manifest: bytes) -> None:
+        """Copy the staged objects to the checkpoint's prefix, the manifest last; then drop the staging prefix."""
+        if self.fs.exists(self.root):
+            self._delete(self.root)  # its manifest first: from then on it is not a complete checkpoint
+        for name in names:
+            self.fs.copy(f"{staging}/{name}", f"{self.root}/{name}")
+        self.fs.pipe_file(f"{self.root}/{MANIFEST_FILE}", manifest)
+        self._delete(staging)
+
+    def _delete(self, prefix: str) -> None:
+        with contextlib.suppress(FileNotFoundError):
+            self.fs.rm_file(f"{prefix}/{MANIFEST_FILE}")
+        with contextlib.suppress(FileNotFoundError):
+            self.fs.rm(prefix, recursive=True)
+        self.fs.invalidate_cache(self.parent)
+
+    def _children(self, prefix: str) -> list[str]:
+        try:
+            return [p.rstrip("/") for p in self.fs.ls(prefix, detail=False, refresh=True)]
+        except FileNotFoundError:
+            return []
+        except TypeError:  # a file system whose ls has no refresh
+            return [p.rstrip("/") for p in self.fs.ls(prefix, detail=False)]
+
+    # ------------------------------------------------------------------------------------------ hashing
+    def entry(self, path: str) -> dict[str, Any]:
+        """Size, chunked SHA-256 and sample fingerprint of one object (the schema of :mod:`.manifest`)."""
+        size = int(self.fs.info(path)["size"])
+        digests = []
+        with self.fs.open(path, "rb") as f:
+            while chunk := f.read(_CHUNK):
+                digests.append(hashlib.sha256(chunk).digest())
+        return {"size": size, "sha256": _whole(size, digests), "sample": self.sample(path, size)}
+
+    def sample(self, path: str, size: int) -> str:
+        digest = hashlib.sha256(size.to_bytes(8, "little"))
+        whole = size <= _BLOCKS * _BLOCK_SIZE
+        with self.fs.open(path, "rb") as f:
+            for offset in _sample_offsets(size):
+                f.seek(offset)
+                digest.update(f.read(size if whole else _BLOCK_SIZE))
+        return digest.hexdigest()
+
+
+def _whole(size: int, digests: list[bytes]) -> str:
+    return hashlib.sha256(size.to_bytes(8, "little") + b"".join(digests)).hexdigest()
+
+
+def _hash_bytes(data: bytes) -> str:
+    return _whole(len(data), [hashlib.sha256(data[i:i + _CHUNK]).digest() for i in range(0, len(data), _CHUNK)])
+
+
+def _sample_offsets(size: int) -> list[int]:
+    if size <= _BLOCKS * _BLOCK_SIZE:
+        return [0]
+    last = size - _BLOCK_SIZE
+    return [last * k // (_BLOCKS - 1) for k in range(_BLOCKS)]
+
+
+def _manifest_bytes(files: Mapping[str, dict[str, Any]]) -> bytes:
+    manifest = {"manifest": _KIND, "version": _VERSION, "id": uuid.uuid4().hex, "hash": _HASH,
+                "sample": {"blocks": _BLOCKS, "block_size": _BLOCK_SIZE}, "files": dict(sorted(files.items()))}
+    return json.dumps(manifest, indent=1).encode()
+
+
+# -------------------------------------------------------------------------------------------- saving
+def _writer(url: str, options: Mapping[str, Any]) -> Any:
+    """DCP's FsspecWriter that notes the files this rank wrote."""
+    fsspec_writer, _ = fsspec_storage()
+
+    class Writer(fsspec_writer):  # type: ignore[misc, valid-type]
+        written: set[str] = set()
+
+        def write_data(self, plan: Any, planner: Any) -> Any:
+            future = super().write_data(plan, planner)
+            future.wait()
+            self.written = {r.storage_data.relative_path for r in future.value()}
+            return future
+
+    # Object stores commit each object when it is closed: no fsync (torch would call os.sync() instead).
+    return Writer(url, sync_files=False, **options)
+
+
+def save(checkpoint: dict[str, Any], url: str, fmt: str, extra: dict[str, Any], rng: dict[str, Any] | None,
+         storage_options: Mapping[str, Any] | None = None) -> None:
+    """Write a ``torch_dcp`` checkpoint to ``url`` (see the module docstring); every rank calls this, as
+    :func:`.store.save`."""
+    if fmt != "torch_dcp":
+        raise ValueError(f"{url}: checkpoint_format={fmt!r} cannot be written to a URL; checkpoints at URLs are "
+                         "'torch_dcp' directories")
+    store = RemoteStore(url, storage_options)
+    checkpoint = _copy_loops(checkpoint)
+    ranks = _gather({"rng": rng, "combined_loader": pop_loader_states(checkpoint)})
+    rank0 = ranks is not None
+    meta, tensors = split_tensors(checkpoint)
+    meta[EXTRA_KEY] = {**extra, "format": fmt, "ranks": ranks, "manifest": MANIFEST_FILE}
+    error = None
+    if rank0:
+        try:
+            check_weights_only(meta)
+        except TypeError as err:
+            error = str(err)
+    _agree(error)
+    staging = None
+    if rank0:
+        store.remove_abandoned()
+        staging = store.staging()
+    staging = _broadcast(staging)
+    failure, original, entries = None, None, {}
+    try:
+        writer = _writer(store.url_of(staging), store.options)
+        with _single_process_quiet():
+            dcp.save(tensors, storage_writer=writer, planner=DefaultSavePlanner(flatten_state_dict=False),
+                     no_dist=not _distributed())
+        entries = {name: store.entry(f"{staging}/{name}") for name in sorted(writer.written)}
+    except Exception as err:
+        failure, original = _failure(err, url), err
+    results = _gather((failure, entries))
+    if rank0:
+        failure = next((f for f, _ in results if f is not None), None)
+        if failure is None:
+            try:
+                buffer = io.BytesIO()
+                torch.save(meta, buffer)
+                store.fs.pipe_file(f"{staging}/{META_FILE}", buffer.getvalue())
+                files: dict[str, dict[str, Any]] = {}
+                for _, part in results:
+                    files.update(part)
+                for name in (".metadata", META_FILE):
+                    files[name] = store.entry(f"{staging}/{name}")
+                store.commit(staging, sorted(files), _manifest_bytes(files))
+            except Exception as err:
+                failure, original = _failure(err, url), err
+        if failure is not None:
+            with contextlib.suppress(Exception):
+                store._delete(staging)
+    failure = _broadcast(failure)
+    if failure is not None:
+        raise failure from original
+
+
+def _failure(error: BaseException, url: str) -> CheckpointWriteError:
+    failure = write_error(error, PurePosixPath(url))
+    failure.filename = url  # the URL as given (a path would fold its "//")
+    return failure
+
+
+# ------------------------------------------------------------------------------------------- loading
+def _read(store: RemoteStore, name: str) -> bytes:
+    path = f"{store.root}/{name}"
+    try:
+        return store.fs.cat_file(path)
+    except FileNotFoundError:
+        raise CheckpointIntegrityError(f"{store.url_of(path)}: missing (the checkpoint is incomplete)") from None
+
+
+def _manifest(store: RemoteStore) -> dict[str, Any]:
+    where = store.url_of(f"{store.root}/{MANIFEST_FILE}")
+    if not store.fs.exists(store.root) or not store._children(store.root):
+        raise CheckpointNotFoundError(f"checkpoint not found: {store.url}")
+    try:
+        data = store.fs.cat_file(f"{store.root}/{MANIFEST_FILE}")
+    except FileNotFoundError:
+        raise CheckpointIntegrityError(
+            f"{where}: missing, so {store.url} is not a complete checkpoint (a save that did not finish, or not a "
+            "lightning-mm checkpoint); a checkpoint at a URL is complete once its manifest is written") from None
+    try:
+        manifest = json.loads(data)
+    except (UnicodeDecodeError, json.JSONDecodeError) as err:
+        raise CheckpointIntegrityError(f"{where}: not a valid manifest ({err})") from None
+    if not isinstance(manifest, dict) or manifest.get("manifest") != _KIND or not isinstance(
+            manifest.get("files"), dict) or manifest.get("hash") != _HASH:
+        raise CheckpointIntegrityError(f"{where}: not a lightning-mm checkpoint manifest (or an unknown hash)")
+    if int(manifest.get("version", 0)) > _VERSION:
+        raise CheckpointIntegrityError(f"{where}: manifest version {manifest['version']} is newer than this "
+                                       f"lightning-mm reads ({_VERSION})")
+    for name, entry in manifest["files"].items():
+        if not is_plain_file_name(name) or not isinstance(entry, dict) or not isinstance(entry.get("size"), int):
+            raise CheckpointIntegrityError(f"{where}: malformed entry {name!r}")
+    return manifest
+
+
+def _verify(store: RemoteStore, manifest: dict[str, Any], full: bool, read: dict[str, bytes]) -> None:
+    files: dict[str, dict[str, Any]] = manifest["files"]
+    present = {}
+    for info in store.fs.ls(store.root, detail=True, refresh=True):
+        present[posixpath.basename(info["name"].rstrip("/"))] = info
+    foreign = sorted(n for n in present if n.endswith(_DCP_SUFFIX) and n not in files)
+    if foreign:
+        raise CheckpointIntegrityError(f"{store.url}/{foreign[0]}: not part of this checkpoint (its manifest does "
+                                       f"not list it{f'; nor {foreign[1:]}' if len(foreign) > 1 else ''})")
+    for name, entry in sorted(files.items()):
+        where = f"{store.url}/{name}"
+        if name not in present:
+            raise CheckpointIntegrityError(f"{where}: missing (the checkpoint is incomplete)")
+        size = int(present[name].get("size") or 0)
+        if size != entry["size"]:
+            state = "truncated" if size < entry["size"] else "longer than written"
+            raise CheckpointIntegrityError(f"{where}: {state} ({size} bytes; the checkpoint's manifest records "
+                                           f"{entry['size']})")
+        path = f"{store.root}/{name}"
+        if name in read:
+            same = _hash_bytes(read[name]) == entry.get("sha256")
+        elif full:
+            same = store.entry(path)["sha256"] == entry.get("sha256")
+        else:
+            same = store.sample(path, size) == entry.get("sample")
+        if not same:
+            raise CheckpointIntegrityError(f"{where}: its content differs from the checkpoint's manifest: the object "
+                                           "was altered or comes from another checkpoint")
+
+
+def _metadata(store: RemoteStore, data: bytes, files: Mapping[str, dict[str, Any]]) -> Metadata:
+    where = f"{store.url}/.metadata"
+    try:
+        metadata = _MetadataUnpickler(io.BytesIO(data), where).load()
+    except UnsafeCheckpointError:
+        raise
+    except (EOFError, pickle.UnpicklingError, ValueError, TypeError, AttributeError) as err:
+        raise CheckpointIntegrityError(f"{where}: truncated or corrupted ({type(err).__name__}: {err})") from err
+    if not isinstance(metadata, Metadata):
+        raise UnsafeCheckpointError(f"{where}: expected DCP Metadata, found {type(metadata).__name__}")
+    for index, info in (metadata.storage_data or {}).items():
+        name = getattr(info, "relative_path", None)
+        offset, length = getattr(info, "offset", None), getattr(info, "length", None)
+        if name not in files:
+            raise CheckpointIntegrityError(f"{where}: names {name!r}, which its manifest does not list")
+        if not (isinstance(offset, int) and isinstance(length, int) and 0 <= offset and 0 <= length
+                and offset + length <= files[name]["size"]):
+            raise CheckpointIntegrityError(f"{where}: invalid byte range for {index.fqn} in {name}")
+    return metadata
+
+
+def _meta(store: RemoteStore, data: bytes) -> dict[str, Any]:
+    where = f"{store.url}/{META_FILE}"
+    try:
+        meta = torch.load(io.BytesIO(data), map_location="cpu", weights_only=True)
+    except pickle.UnpicklingError as err:
+        raise UnsafeCheckpointError(f"{where}: not loadable weights_only ({_unpickler_reason(err)})") from None
+    except (EOFError, RuntimeError, ValueError, KeyError, IndexError, TypeError) as err:
+        raise CheckpointIntegrityError(f"{where}: corrupted, not a readable torch file ({err})") from None
+    if not isinstance(meta, dict):
+        raise CheckpointIntegrityError(f"{where}: not a checkpoint's meta dict")
+    return meta
+
+
+def open_source(url: str, storage_options: Mapping[str, Any] | None = None,
+                full_check: bool = False) -> CheckpointSource:
+    """Open the checkpoint at ``url`` (checked against its manifest first) as a :class:`.store.CheckpointSource`."""
+    store = RemoteStore(url, storage_options)
+    manifest = _manifest(store)
+    read = {name: _read(store, name) for name in (".metadata", META_FILE)}
+    for name in read:
+        if name not in manifest["files"]:
+            raise CheckpointIntegrityError(f"{store.url}/{name}: not listed in the checkpoint's {MANIFEST_FILE}")
+    _verify(store, manifest, full_check, read)
+    metadata = _metadata(store, read[".metadata"], manifest["files"])
+    meta = _meta(store, read[META_FILE])
+    shapes, dtypes = {}, {}
+    for key, item in metadata.state_dict_metadata.items():
+        if isinstance(item, TensorStorageMetadata):
+            shapes[key], dtypes[key] = tuple(item.size), item.properties.dtype
+    options = store.options
+
+    def reader() -> Any:
+        _, fsspec_reader = fsspec_storage()
+
+        class Reader(fsspec_reader):  # type: ignore[misc, valid-type]
+            def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
+                if getattr(metadata, "storage_meta", None) is not None:
+                    metadata.storage_meta.load_id = self.load_id
+                return metadata
+
+        return Reader(store.url, **options)
+
+    return CheckpointSource(url, meta, shapes, dtypes, is_dcp=True, reader=reader)
+
+
+def remove(url: str, storage_options: Mapping[str, Any] | None = None) -> None:
+    """Delete the checkpoint at ``url``: its manifest first (it stops being complete), then its objects."""
+    store = RemoteStore(url, storage_options)
+    try:
+        store._delete(store.root)
+    except OSError as err:
+        raise CheckpointWriteError(err.errno or errno.EIO, f"removing the checkpoint failed: {err}", url) from None
+
+
+# ------------------------------------------------------------------------------------------- copying
+def download(url: str, directory: Any, storage_options: Mapping[str, Any] | None = None,
+             checkpoint: bool = True) -> None:
+    """Copy what ``url`` holds into the new local ``directory`` (the converters read it there). A ``checkpoint``
+    (``torch_dcp``) is checked against its manifest first, every object hashed whole; a Hugging Face directory
+    (``checkpoint=False``) is copied as it is, its top-level objects only."""
+    store = RemoteStore(url, storage_options)
+    if checkpoint:
+        open_source(url, storage_options, full_check=True)
+        names = [*_manifest(store)["files"], MANIFEST_FILE]
+    else:
+        if not store.fs.isdir(store.root):
+            raise CheckpointNotFoundError(f"not found: {store.url} (a directory of Hugging Face files)")
+        names = sorted(posixpath.basename(p["name"]) for p in store.fs.ls(store.root, detail=True)
+                       if p.get("type") == "file")
+    for name in names:
+        if not is_plain_file_name(name):
+            raise CheckpointIntegrityError(f"{store.url}: names {name!r}, not a plain file name")
+        store.fs.get_file(f"{store.root}/{name}", str(directory / name))
+
+
+def upload(local: Any, url: str, storage_options: Mapping[str, Any] | None = None, force: bool = False) -> None:
+    """Copy a converter's local output (a file, or a directory of files) to ``url``: staged first, then committed
+    by copying, the directory's ``manifest.json`` (else its ``config.json``) last. An existing ``url`` is refused
+    unless ``force``."""
+    store = RemoteStore(url, storage_options)
+    if store.fs.exists(store.root) and not force:
+        raise FileExistsError(f"output exists: {store.url} (add --force to replace it)")
+    store.remove_abandoned()
+    staging = store.staging()
+    try:
+        if local.is_file():
+            store.fs.put_file(str(local), staging)
+            if store.fs.exists(store.root):
+                store._delete(store.root)
+            store.fs.copy(staging, store.root)
+            store.fs.rm_file(staging)
+            return
+        names = sorted(p.name for p in local.iterdir() if p.is_file())
+        last = MANIFEST_FILE if MANIFEST_FILE in names else "config.json" if "config.json" in names else None
+        for name in names:
+            store.fs.put_file(str(local / name), f"{staging}/{name}")
+        if store.fs.exists(store.root):
+            store._delete(store.root)
+        for name in [n for n in names if n != last] + ([last] if last else []):
+            store.fs.copy(f"{staging}/{name}", f"{store.root}/{name}")
+        store._delete(staging)
+    except Exception:
+        with contextlib.suppress(Exception):
+            store._delete(staging)
+        raise

@@ -1,0 +1,153 @@
+"""The training DataLoader of token-budget batches (``MMDataModule(max_tokens_per_rank=...)``).
+
+The epoch's batches come from :func:`~lightning_mm.core.token_budget.plan_batches` (the same list on every rank,
+from the samples' lengths) and are dealt to the data-parallel ranks by
+:class:`~lightning_mm.core.token_budget.RankSchedule`: every rank runs the same number of steps, known before the
+epoch, with no collective. The loader is an iterable-style one (Lightning adds no sampler to it: the plan already
+splits the data between the ranks); with workers, worker ``w`` loads steps ``w, w + workers, ...`` and the
+DataLoader returns them in order.
+
+Mid-epoch resume: the loader's state (Lightning's stateful-loader interface, saved in the checkpoint) is the
+epoch, the global batches consumed and a fingerprint of the plan; a resumed run starts at the next unseen global
+batch without loading the skipped ones, also with another number of data-parallel ranks (see
+:mod:`lightning_mm.core.token_budget`). A checkpoint whose plan differs (other lengths, seed, budget, buffer or
+packing) is refused.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator, Sequence
+from typing import Any
+
+from torch.utils.data import DataLoader, Dataset, IterableDataset, get_worker_info
+
+from lightning_mm.core.token_budget import RankSchedule, TokenBudgetError, plan_batches, plan_fingerprint
+
+__all__ = ["TokenBudgetLoader", "sample_lengths"]
+
+
+def sample_lengths(dataset: Dataset) -> list[int]:
+    """Every sample's token count: ``dataset.sample_lengths()`` when the dataset defines it, else by loading each
+    sample once and counting its ``input_ids``."""
+    own = getattr(dataset, "sample_lengths", None)
+    if callable(own):
+        lengths = [int(n) for n in own()]
+    else:
+        lengths = []
+        for index in range(len(dataset)):  # type: ignore[arg-type]
+            sample = dataset[index]
+            if not isinstance(sample, dict) or "input_ids" not in sample:
+                raise TokenBudgetError(f"token-budget batches need samples with `input_ids` (sample {index} is a "
+                                       f"{type(sample).__name__}), or a dataset with sample_lengths()")
+            lengths.append(len(sample["input_ids"]))
+    if len(lengths) != len(dataset):  # type: ignore[arg-type]
+        raise TokenBudgetError(f"sample_lengths() gave {len(lengths)} lengths for {len(dataset)} samples")  # type: ignore[arg-type]
+    return lengths
+
+
+class _PlannedBatches(IterableDataset):
+    """Yields the lists of samples of one rank's planned batches (the loader's collate function batches them)."""
+
+    def __init__(self, dataset: Dataset) -> None:
+        self.dataset = dataset
+        self.plan: list[list[int]] = []
+        self.indices: list[int] = []  # this rank's global batch indices, step by step (set for each epoch)
+
+    def __len__(self) -> int:
+        return len(self.indices)
+
+    def __iter__(self) -> Iterator[list[Any]]:
+        plan, indices = self.plan, self.indices
+        info = get_worker_info()
+        for step, batch in enumerate(indices):
+            if info is not None and step % info.num_workers != info.id:
+                continue
+            yield [self.dataset[i] for i in plan[batch]]
+
+
+class TokenBudgetLoader(DataLoader):
+    """Batches of at most ``max_tokens`` tokens (packed: their sum; padded: rows x longest) for one rank."""
+
+    def __init__(self, dataset: Dataset, lengths: Sequence[int], max_tokens: int, buffer_size: int, seed: int,
+                 shuffle: bool, packing: bool, drop_last: bool, world_size: int, rank: int,
+                 collate_fn: Callable[[list[Any]], Any], epoch_fn: Callable[[], int] = lambda: 0,
+                 num_workers: int = 0, pin_memory: bool = False) -> None:
+        self.lengths = list(lengths)
+        self.max_tokens = max_tokens
+        self.buffer_size = buffer_size
+        self.seed = seed
+        self.shuffle = shuffle
+        self.packing = packing
+        self.world_size = world_size
+        self.rank = rank
+        self._drop_last = drop_last
+        self._epoch_fn = epoch_fn
+        self._fingerprint = plan_fingerprint(self.lengths, max_tokens, buffer_size, seed, packing, shuffle)
+        self._plans: dict[int, list[list[int]]] = {}
+        self._start = 0  # global batches of the epoch already consumed (set on resume)
+        self._resume_epoch: int | None = None
+        self._epoch = 0
+        self._steps_run = 0
+        self._steps_before_run = 0
+        self._iter_epoch: int | None = None
+        self._iter_len = 0
+        self._consumed_before = 0
+        self._steps_before = 0  # steps of the epoch run before the checkpoint (Lightning counts on from there)
+        self.plan(0)  # fails now, naming a sample longer than the budget
+        super().__init__(_PlannedBatches(dataset), batch_size=None, collate_fn=collate_fn,
+                         num_workers=num_workers, pin_memory=pin_memory)
+
+    def plan(self, epoch: int) -> list[list[int]]:
+        """The epoch's global batch plan (the same on every rank)."""
+        if epoch not in self._plans:
+            self._plans = {epoch: plan_batches(self.lengths, self.max_tokens, self.buffer_size, self.seed, epoch,
+                                               self.shuffle, self.packing)}
+        return self._plans[epoch]
+
+    def schedule(self, epoch: int | None = None) -> RankSchedule:
+        epoch = self._epoch_fn() if epoch is None else epoch
+        start = self._start if self._resume_epoch == epoch else 0
+        return RankSchedule(len(self.plan(epoch)), self.world_size, self.rank, self._drop_last, start)
+
+    def __len__(self) -> int:
+        """The epoch's steps on every rank: those run before a resume plus those left."""
+        epoch = self._epoch_fn()
+        if self._resume_epoch == epoch:
+            return self._steps_before + self.schedule(epoch).steps
+        if self._iter_epoch == epoch:
+            return self._iter_len
+        return self.schedule(epoch).steps
+
+    def __iter__(self) -> Iterator[Any]:
+        epoch = self._epoch_fn()
+        resumed = self._resume_epoch == epoch
+        schedule = self.schedule(epoch)
+        self._iter_len = len(self)
+        self.dataset.plan, self.dataset.indices = self.plan(epoch), schedule.batch_indices()
+        self._epoch, self._iter_epoch = epoch, epoch
+        self._consumed_before = schedule.start
+        self._steps_before_run = self._steps_before if resumed else 0
+        self._steps_run = 0
+        self._resume_epoch, self._start, self._steps_before = None, 0, 0
+        for batch in super().__iter__():
+            self._steps_run += 1
+            yield batch
+
+    def state_dict(self) -> dict[str, Any]:
+        """The global position in the epoch's plan (the same on every rank, valid for any world size)."""
+        consumed = self._consumed_before + self._steps_run * self.world_size
+        return {"epoch": self._epoch, "consumed_batches": consumed, "steps": self._steps_before_run + self._steps_run,
+                "world_size": self.world_size, "plan": self._fingerprint, "world_size_independent": True}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        if state.get("plan") != self._fingerprint:
+            raise TokenBudgetError(
+                "the checkpoint's token-budget batch plan differs from this run's (other samples, seed, "
+                "max_tokens_per_rank, packing_buffer_size, packing or shuffle): a mid-epoch resume would not "
+                "continue the same epoch; keep them as they were, or resume at an epoch boundary")
+        consumed = int(state.get("consumed_batches", 0))
+        epoch = int(state.get("epoch", 0))
+        if consumed >= len(self.plan(epoch)):
+            return  # the epoch was finished: the next one starts anew
+        self._resume_epoch, self._start = epoch, consumed
+        self._steps_before = int(state.get("steps", 0))

@@ -1,0 +1,106 @@
+"""Packed batches (:mod:`lightning_mm.core.packing`) as the forward inputs of a Transformers model.
+
+A text model (Qwen3, Llama, ...) takes a packed row almost as it is: given ``position_ids`` that restart per
+sample, no ``attention_mask`` and no key/value cache (``use_cache=False``: with a cache, which Transformers
+creates by default even in training, it assumes one sequence per row), Transformers 5 builds a block-diagonal
+causal mask for sdpa, eager and flex attention
+(``masking_utils.find_packed_sequence_indices``) and runs flash-attention varlen with the samples' boundaries
+(``modeling_flash_attention_utils``), and its rotary positions restart per sample.
+
+A Qwen-VL model (Qwen2-VL, Qwen2.5-VL, Qwen3-VL: an inner model with ``get_rope_index``) needs more: its M-RoPE
+positions are 3-D and depend on each sample's images, and its decoder only detects a packed row from 4-D
+``position_ids`` whose first row holds the text positions (2-D ones would make Qwen2.5-VL attend across samples
+and both fall back to 1-D positions for the images). :func:`packed_forward_inputs` computes them per sample,
+with the model's own ``get_rope_index`` on that sample's tokens and its own ``image_grid_thw`` /
+``video_grid_thw`` rows, exactly as the model computes them for the sample alone, and stacks the text positions
+on top. :func:`packed_forward_inputs` also sets ``use_cache=False``; :func:`install_packed_inputs` applies it to
+every call of the model with a packed row (a forward pre-hook, installed by ``TransformersModel``).
+Lightning-free.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+
+from lightning_mm.core.packing import is_packed, segment_ids
+
+__all__ = ["packed_forward_inputs", "install_packed_inputs", "needs_multimodal_positions"]
+
+
+def _inner(model: nn.Module) -> nn.Module | None:
+    base = getattr(model, "base_model", None)
+    if base is not None and hasattr(base, "get_rope_index"):
+        return base
+    inner = getattr(model, "model", None)
+    return inner if isinstance(inner, nn.Module) and hasattr(inner, "get_rope_index") else None
+
+
+def needs_multimodal_positions(model: nn.Module) -> bool:
+    """Whether ``model`` computes M-RoPE positions (a Qwen-VL inner model with ``get_rope_index``)."""
+    return _inner(model) is not None
+
+
+def _take(grid: Tensor | None, cursor: int, tokens: int, merge: int) -> tuple[Tensor | None, int]:
+    """The grid rows whose placeholder tokens add up to ``tokens``, from row ``cursor`` on."""
+    if grid is None or tokens == 0:
+        return None, cursor
+    start, count = cursor, 0
+    while count < tokens and cursor < grid.shape[0]:
+        count += int(grid[cursor].prod()) // merge**2
+        cursor += 1
+    if count != tokens:
+        raise ValueError(f"a packed sample holds {tokens} placeholder tokens, which do not match its grid rows")
+    return grid[start:cursor], cursor
+
+
+def packed_forward_inputs(model: nn.Module, batch: Mapping[str, Any]) -> dict[str, Any]:
+    """For a packed row (``position_ids`` restarting per sample, no ``attention_mask``): ``batch`` with
+    ``use_cache=False`` and, for a Qwen-VL model given 2-D ``position_ids``, 4-D ``(text + M-RoPE, B, T)`` ones
+    computed per packed sample. Any other batch unchanged."""
+    out = dict(batch)
+    positions = batch.get("position_ids")
+    if batch.get("attention_mask") is not None or not is_packed(positions):
+        return out
+    out["use_cache"] = False
+    inner = _inner(model)
+    ids = batch.get("input_ids")
+    if inner is None or positions.ndim != 2 or not isinstance(ids, Tensor) or ids.is_meta:
+        return out
+    types = batch.get("mm_token_type_ids")
+    if types is None:
+        types = torch.zeros_like(ids)
+    merge = int(inner.config.vision_config.spatial_merge_size)
+    image_grid, video_grid = batch.get("image_grid_thw"), batch.get("video_grid_thw")
+    image_cursor = video_cursor = 0
+    segments = segment_ids(positions)
+    rope = torch.zeros(3, *ids.shape, dtype=positions.dtype, device=positions.device)
+    for row in range(ids.shape[0]):
+        for segment in torch.unique_consecutive(segments[row]).tolist():
+            where = (segments[row] == segment).nonzero().flatten()
+            lo, hi = int(where[0]), int(where[-1]) + 1
+            seg_types = types[row:row + 1, lo:hi]
+            images, image_cursor = _take(image_grid, image_cursor, int((seg_types == 1).sum()), merge)
+            videos, video_cursor = _take(video_grid, video_cursor, int((seg_types == 2).sum()), merge)
+            sample_positions, _ = inner.get_rope_index(ids[row:row + 1, lo:hi], seg_types, image_grid_thw=images,
+                                                       video_grid_thw=videos)
+            rope[:, row, lo:hi] = sample_positions[:, 0].to(rope.device)
+    out["position_ids"] = torch.cat([positions[None], rope], dim=0)
+    return out
+
+
+def _hook(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[tuple, dict[str, Any]] | None:
+    # A packed row has no attention_mask (Transformers' own rule): positions with one skip padding (generate's
+    # left-padded prompts), and a packed row with one is the batch check's to refuse.
+    if args or kwargs.get("attention_mask") is not None or not is_packed(kwargs.get("position_ids")):
+        return None
+    return args, packed_forward_inputs(module, kwargs)
+
+
+def install_packed_inputs(model: nn.Module) -> Any:
+    """Apply :func:`packed_forward_inputs` to every call of ``model`` with a packed row (a forward pre-hook);
+    returns the hook's handle."""
+    return model.register_forward_pre_hook(_hook, with_kwargs=True)

@@ -1,0 +1,257 @@
+"""Padding-free packing (issue #25): a packed row trains exactly as its samples unpacked.
+
+For Qwen3 (sdpa and eager), Qwen2.5-VL and Qwen3-VL (images of different sizes in one packed row, and a sample
+without an image), built by ``TransformersModel`` from a saved checkpoint, the packed row's loss and gradients
+equal plain Transformers' on the same samples as a padded batch (its own positions and masks), and each
+sample's loss taken from the packed logits equals that sample run alone (fp32, relative 1e-5); also with LoRA
+and recomputed layers. A custom model that keeps samples apart with
+:func:`~lightning_mm.core.packing.block_causal_mask` equals its per-sample runs. The batch check refuses packed
+batches that Transformers would get wrong.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from lightning_mm.core.packing import IGNORE_INDEX, PackedCollator, block_causal_mask, packed_lengths, segment_ids
+from lightning_mm.hf.batch_check import BatchCheckError
+from lightning_mm.hf.chat_collate import TOKEN_KEYS, ChatCollator
+from tests import qwen3_vl_family
+from tests.hf_scenarios import IMAGE_TOKEN, VOCAB, tiny_hf_model
+
+PATCH = 3 * 2 * 14 * 14
+VISION_START, VISION_END = 7, 8
+RTOL = 1e-5
+LORA = {"rank": 4, "alpha": 8, "target_modules": ["model.language_model.layers.{*}.self_attn.q_proj",
+                                                       "model.language_model.layers.{*}.self_attn.v_proj"],
+        "init_lora_weights": "gaussian"}
+
+
+def _text_sample(g: torch.Generator, n: int) -> dict[str, torch.Tensor]:
+    ids = torch.randint(10, VOCAB, (n,), generator=g)
+    labels = ids.clone()
+    labels[1: 1 + n // 3] = IGNORE_INDEX  # a prompt without targets (the first label stays, as in plain text)
+    return {"input_ids": ids, "attention_mask": torch.ones(n, dtype=torch.long), "labels": labels}
+
+
+def _vlm_sample(g: torch.Generator, n: int, grids: list[tuple[int, int, int]]) -> dict[str, torch.Tensor]:
+    sample = _text_sample(g, n)
+    ids, labels = sample["input_ids"], sample["labels"]
+    at = 1
+    for grid in grids:
+        tokens = grid[0] * grid[1] * grid[2] // 4
+        ids[at], ids[at + 1: at + 1 + tokens], ids[at + 1 + tokens] = VISION_START, IMAGE_TOKEN, VISION_END
+        at += tokens + 3
+    labels[ids == IMAGE_TOKEN] = IGNORE_INDEX
+    sample["mm_token_type_ids"] = (ids == IMAGE_TOKEN).long()
+    if grids:
+        sample["pixel_values"] = torch.randn(sum(t * h * w for t, h, w in grids), PATCH, generator=g)
+        sample["image_grid_thw"] = torch.tensor(grids)
+    return sample
+
+
+def samples_of(family: str) -> list[dict[str, torch.Tensor]]:
+    g = torch.Generator().manual_seed(11)
+    if family == "qwen3":
+        return [_text_sample(g, n) for n in (11, 5, 17)]
+    # Images of 1, 4 and 2 tokens (grids 2x2, 4x4, 2x4 patches), and a sample without one, in one row.
+    return [_vlm_sample(g, 14, [(1, 4, 4)]), _vlm_sample(g, 7, []), _vlm_sample(g, 20, [(1, 2, 4), (1, 2, 2)])]
+
+
+def plain_model(family: str) -> nn.Module:
+    if family == "qwen3_vl":
+        return qwen3_vl_family.tiny_qwen3_vl(seed=3)
+    return tiny_hf_model(family, seed=3)
+
+
+def built_model(family: str, directory: Path, attn: str, lora: bool = False) -> nn.Module:
+    from lightning_mm.hf.transformers_model import TransformersModel
+
+    plain_model(family).save_pretrained(directory)
+    config: dict[str, Any] = {"init_from_hf_path": str(directory), "hf_config": {"attn_implementation": attn}}
+    if lora:
+        config["lora"] = dict(LORA)
+    return TransformersModel(config)
+
+
+def _grads(model: nn.Module) -> dict[str, torch.Tensor]:
+    return {n: p.grad.detach().clone() for n, p in model.named_parameters() if p.grad is not None}
+
+
+def _run(model: nn.Module, batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor, dict]:
+    model.zero_grad(set_to_none=True)
+    out = model(**batch)
+    out.loss.backward()
+    return out.loss.detach(), out.logits.detach(), _grads(model)
+
+
+def _sample_losses(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    """Each sample's mean next-token loss: ``logits`` ``(1, T, V)`` of one sample."""
+    return F.cross_entropy(logits[0, :-1].float(), labels[0, 1:], ignore_index=IGNORE_INDEX)
+
+
+def _close(a: torch.Tensor, b: torch.Tensor) -> bool:
+    return float((a - b).abs().max()) <= RTOL * max(float(b.abs().max()), 1e-12)
+
+
+def _assert_grads_equal(got: dict[str, torch.Tensor], want: dict[str, torch.Tensor]) -> None:
+    assert got.keys() == want.keys() and got
+    bad = [n for n in want if not _close(got[n], want[n])]
+    assert not bad, f"gradients differ: {bad[:5]}"
+
+
+CASES = [("qwen3", "sdpa", False), ("qwen3", "eager", False), ("qwen2_5_vl", "sdpa", False),
+         ("qwen3_vl", "sdpa", False), ("qwen2_5_vl", "sdpa", True)]
+
+
+@pytest.mark.parametrize(("family", "attn", "lora_and_recompute"), CASES,
+                         ids=[f"{f}-{a}" + ("-lora-recompute" if x else "") for f, a, x in CASES])
+def test_packed_row_equals_plain_transformers_unpacked(tmp_path: Path, family: str, attn: str,
+                                                       lora_and_recompute: bool) -> None:
+    from lightning_mm.core.recompute import checkpointed_forward
+    from lightning_mm.hf.lora import apply_lora
+
+    samples = samples_of(family)
+    packed_model = built_model(family, tmp_path / family, attn, lora=lora_and_recompute).train()
+    reference = plain_model(family)
+    reference.config._attn_implementation = attn
+    if lora_and_recompute:
+        apply_lora(reference, dict(LORA))  # the same adapters (weights copied below)
+        for i, layer in enumerate(packed_model.get_decoder().layers):
+            layer.forward = checkpointed_forward(layer.forward, False, f"layers.{i}")
+    reference.load_state_dict(packed_model.state_dict())
+    reference.train()
+
+    packed = PackedCollator()(samples)
+    assert packed["input_ids"].shape == (1, sum(len(s["input_ids"]) for s in samples))
+    assert "attention_mask" not in packed and packed_lengths(packed["position_ids"]) == [
+        [len(s["input_ids"]) for s in samples]]
+    loss, logits, grads = _run(packed_model, packed)
+
+    padded = ChatCollator(pad_token_id=0)(samples)  # plain Transformers, unpacked: its own positions and masks
+    ref_loss, _, ref_grads = _run(reference, padded)
+    assert _close(loss, ref_loss), (float(loss), float(ref_loss))
+    _assert_grads_equal(grads, ref_grads)
+
+    start = 0
+    with torch.no_grad():
+        for sample in samples:  # each sample alone, in the packed model itself
+            n = len(sample["input_ids"])
+            alone = reference(**{k: v[None] if k in TOKEN_KEYS else v for k, v in sample.items()})
+            want = _sample_losses(alone.logits, sample["labels"][None])
+            got = _sample_losses(logits[:, start:start + n], sample["labels"][None])
+            assert _close(got, want), (float(got), float(want))
+            start += n
+
+
+def test_first_token_of_a_sample_is_never_a_target() -> None:
+    samples = [{"input_ids": [3, 4, 5], "labels": [3, 4, 5]}, {"input_ids": [6, 7], "labels": [6, 7]}]
+    batch = PackedCollator()(samples)
+    assert batch["labels"].tolist() == [[IGNORE_INDEX, 4, 5, IGNORE_INDEX, 7]]
+    assert batch["position_ids"].tolist() == [[0, 1, 2, 0, 1]]
+    assert segment_ids(batch["position_ids"]).tolist() == [[0, 0, 0, 1, 1]]
+
+
+def test_packing_refuses_padded_samples_and_unknown_keys() -> None:
+    from lightning_mm.core.packing import PackingError
+
+    with pytest.raises(PackingError, match="sample 0 has padding"):
+        PackedCollator()([{"input_ids": [1, 2], "labels": [1, 2], "attention_mask": [1, 0]}])
+    with pytest.raises(PackingError, match=r"\['images'\]"):
+        PackedCollator()([{"input_ids": [1, 2], "labels": [1, 2], "images": torch.zeros(3, 4, 4)}])
+    stacked = PackedCollator(stack_keys=["images"])([{"input_ids": [1], "labels": [1], "images": torch.zeros(3, 4, 4)}
+                                                     for _ in range(2)])
+    assert stacked["images"].shape == (2, 3, 4, 4)
+
+
+# ------------------------------------------------------------------------------------- custom model
+class TinyRopeLM(nn.Module):
+    """A custom causal LM: rotary positions from ``position_ids``, sdpa with the packed block-diagonal mask."""
+
+    def __init__(self, vocab: int = VOCAB, hidden: int = 32, heads: int = 4) -> None:
+        super().__init__()
+        self.heads = heads
+        self.embed = nn.Embedding(vocab, hidden)
+        self.qkv = nn.Linear(hidden, 3 * hidden)
+        self.proj = nn.Linear(hidden, hidden)
+        self.head = nn.Linear(hidden, vocab)
+        self.register_buffer("inv_freq", 1.0 / 10000 ** (torch.arange(0, hidden // heads, 2) / (hidden // heads)))
+
+    def forward(self, input_ids: torch.Tensor, labels: torch.Tensor, position_ids: torch.Tensor | None = None
+                ) -> torch.Tensor:
+        b, s = input_ids.shape
+        if position_ids is None:
+            position_ids = torch.arange(s)[None].expand(b, s)
+        x = self.embed(input_ids)
+        q, k, v = self.qkv(x).view(b, s, 3, self.heads, -1).permute(2, 0, 3, 1, 4)
+        freqs = position_ids[:, None, :, None].float() * self.inv_freq
+        cos, sin = torch.cat([freqs, freqs], -1).cos(), torch.cat([freqs, freqs], -1).sin()
+
+        def rotate(t: torch.Tensor) -> torch.Tensor:
+            t1, t2 = t.chunk(2, dim=-1)
+            return t * cos + torch.cat([-t2, t1], -1) * sin
+
+        attn = F.scaled_dot_product_attention(rotate(q), rotate(k), v, attn_mask=block_causal_mask(position_ids))
+        logits = self.head(x + self.proj(attn.transpose(1, 2).reshape(b, s, -1)))
+        return F.cross_entropy(logits[:, :-1].flatten(0, 1), labels[:, 1:].flatten(), ignore_index=IGNORE_INDEX,
+                               reduction="sum") / (labels[:, 1:] != IGNORE_INDEX).sum()
+
+
+def test_custom_model_packed_equals_its_samples_alone() -> None:
+    torch.manual_seed(0)
+    model = TinyRopeLM()
+    samples = [{k: v for k, v in s.items() if k != "attention_mask"} for s in samples_of("qwen3")]
+    targets = sum(int((s["labels"][1:] != IGNORE_INDEX).sum()) for s in samples)
+
+    batch = PackedCollator()(samples)
+    loss = model(**batch)
+    loss.backward()
+    grads = _grads(model)
+
+    model.zero_grad(set_to_none=True)
+    total = torch.zeros(())
+    for sample in samples:  # each sample alone, no mask but the causal one, summed over all targets
+        n = int((sample["labels"][1:] != IGNORE_INDEX).sum())
+        part = model(sample["input_ids"][None], sample["labels"][None]) * n / targets
+        part.backward()
+        total = total + part.detach()
+    assert _close(loss.detach(), total)
+    _assert_grads_equal(grads, _grads(model))
+
+
+# ------------------------------------------------------------------------------------- batch check
+def test_batch_check_refuses_packed_batches_transformers_would_get_wrong(tmp_path: Path) -> None:
+    from lightning_mm.hf.batch_check import check_batch
+    from lightning_mm.hf.packing import packed_forward_inputs
+
+    text = built_model("qwen3", tmp_path / "qwen3", "sdpa")
+    packed = PackedCollator()(samples_of("qwen3"))
+    with pytest.raises(BatchCheckError, match="use_cache=False"):
+        check_batch(text, packed)  # Transformers would build a cache and then ignore the packing
+    packed = packed_forward_inputs(text, packed)
+    assert packed["use_cache"] is False
+    check_batch(text, packed)
+    with pytest.raises(BatchCheckError, match="has an attention_mask"):
+        check_batch(text, {**packed, "attention_mask": torch.ones_like(packed["input_ids"])})
+    left_padded = {"input_ids": torch.tensor([[0, 0, 11, 12, 13], [21, 22, 23, 24, 25]]),
+                   "attention_mask": torch.tensor([[0, 0, 1, 1, 1], [1, 1, 1, 1, 1]])}
+    left_padded["position_ids"] = (left_padded["attention_mask"].cumsum(-1) - 1).masked_fill(
+        left_padded["attention_mask"] == 0, 1)  # as generate() computes them: not a packed row
+    check_batch(text, left_padded)
+    assert packed_forward_inputs(text, left_padded) == left_padded
+    with pytest.raises(BatchCheckError, match="cu_seq_lens_q.*read only by flash-attention"):
+        check_batch(text, {**packed, "cu_seq_lens_q": torch.tensor([0, 11, 16, 33])})
+
+    vlm = plain_model("qwen2_5_vl")  # not built by TransformersModel: 2-D packed positions reach the check
+    vlm_packed = PackedCollator()(samples_of("qwen2_5_vl"))
+    with pytest.raises(BatchCheckError, match="needs 4-D position_ids"):
+        check_batch(vlm, {**vlm_packed, "use_cache": False})
+    inputs = packed_forward_inputs(vlm, vlm_packed)
+    assert inputs["position_ids"].shape == (4, 1, vlm_packed["input_ids"].shape[1])
+    check_batch(vlm, inputs)
