@@ -58,7 +58,6 @@ PENDING_OPTIONS = {
     "model.init_args.transformers_model.enable_chunk_loss": "chunked loss",
     "model.init_args.transformers_model.chunk_loss_size": "chunked loss",
     "trainer.strategy.init_args.async_save": "async save",
-    "trainer.strategy.init_args.save_ckpt_dtype": "HF checkpoint format",
 }
 """Options this config may be written with that are being added to lightning-mm (names fixed in the interfaces
 between areas); the report says when one is written."""
@@ -547,7 +546,6 @@ def _checkpointing(out: _Out, training: Mapping[str, Any]) -> None:
         else:  # hf: weights only, as MindSpeed MM's hf format (no resume state)
             out.map("training.save_format", f"{strategy}.checkpoint_format", "hf",
                     "Hugging Face safetensors weights, weights-only as in MindSpeed MM")
-            out.pending.add(f"{strategy}.checkpoint_format: hf")
     if training.get("save_ckpt_dtype") is not None:
         out.map("training.save_ckpt_dtype", f"{strategy}.save_ckpt_dtype", training["save_ckpt_dtype"])
     elif "save_ckpt_dtype" in training:
@@ -648,7 +646,6 @@ def _data(out: _Out) -> None:
     if isinstance(basic, Mapping) and basic.get("neat_packing"):
         # MMDataModule reads it from the data config itself (packing=True, max_tokens_per_rank=cutoff_len); a
         # token budget and a batch size are exclusive, so the micro-batch size is not written.
-        out.pending.add("data.init_args.packing (from the data config's neat_packing)")
         out.mapped.append("data.dataset_param.basic_parameters.neat_packing, cutoff_len -> MMDataModule packing with "
                           "max_tokens_per_rank = cutoff_len (read from the data config)")
         if out.config["data"]["init_args"].pop("batch_size", None) is not None:
