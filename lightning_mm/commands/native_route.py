@@ -25,7 +25,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-__all__ = ["is_native_route", "migrate_native", "NativeMigration", "NATIVE_MODEL_IDS", "PENDING_OPTIONS"]
+__all__ = ["is_native_route", "migrate_native", "NativeMigration", "NATIVE_MODEL_IDS", "DERIVED_MODEL_IDS",
+           "PENDING_OPTIONS"]
 
 STRATEGY = "lightning_mm.MMFSDP2Strategy"
 MODULE = "lightning_mm.modules.transformers_module.MMTransformersModule"
@@ -36,11 +37,17 @@ NATIVE_MODEL_IDS: dict[str, str] = {
     "qwen2": "qwen2", "llama": "llama", "internvl": "internvl", "llava": "llava", "qwen2_5_vl": "qwen2_5_vl",
 }
 """Native ``model.model_id`` -> the ModelHub key of this project's adapter for that architecture."""
+DERIVED_MODEL_IDS: dict[str, str] = {
+    "qwen3_5": "Qwen3_5ForConditionalGeneration", "qwen3_5_moe": "Qwen3_5MoeForConditionalGeneration",
+}
+"""Native ``model.model_id`` -> the Transformers class of its checkpoints (Qwen3.5 and Qwen3.6, whose configs use
+the Qwen3.5 ids) that trains here with no ModelHub adapter: TransformersModel takes the class from config.json's
+``architectures`` and derives its default plan (:mod:`lightning_mm.hf.derived_adapters`)."""
 _UNSUPPORTED_MODELS = {
-    "qwen3_5": "Qwen3.5 (Transformers' qwen3_5, gated-delta-net layers)",
-    "qwen3_5_moe": "Qwen3.5-MoE (Transformers' qwen3_5_moe)",
     "qwen3_6": "Qwen3.6", "kimi_k25": "Kimi-K2.5 (remote code)", "kimi_k3": "Kimi-K3 (remote code)",
-    "step3_vl": "Step3-VL (remote code)", "qwen3_omni_moe": "Qwen3-Omni (Transformers' qwen3_omni_moe)",
+    "step3_vl": "Step3-VL (remote code)",
+    "qwen3_omni_moe": "Qwen3-Omni (its module paths, `visual`, `model.layers`, are MindSpeed MM's own thinker "
+    "layout, not those of Transformers' Qwen3OmniMoe classes, and its template qwen3_omni is not built in here)",
     "qwen3_asr": "Qwen3-ASR (audio)", "qwen3tts": "Qwen3-TTS (audio)", "qwen3_tts": "Qwen3-TTS (audio)",
     "funasr": "FunASR (audio, MindSpeed MM's own model)", "cosyvoice3_lm": "CosyVoice3 (audio, MindSpeed MM's own "
     "model)", "ltx2": "LTX-2 (video diffusion, MindSpeed MM's own model)", "mimo_v2_5": "MiMo-V2.5",
@@ -51,7 +58,6 @@ PENDING_OPTIONS = {
     "model.init_args.transformers_model.enable_chunk_loss": "chunked loss",
     "model.init_args.transformers_model.chunk_loss_size": "chunked loss",
     "trainer.strategy.init_args.async_save": "async save",
-    "trainer.strategy.init_args.save_ckpt_dtype": "HF checkpoint format",
 }
 """Options this config may be written with that are being added to lightning-mm (names fixed in the interfaces
 between areas); the report says when one is written."""
@@ -185,6 +191,7 @@ def _parallel(out: _Out) -> None:
     try:
         result = map_parallel(out.data["parallel"], out.data.get("features"), str(out.path), strict=False,
                               error=MigrateError)
+        _drop_absent_mtp(out, result.fsdp2)
         config = FSDP2Config.from_dict(result.fsdp2, source=f"{out.path} (parallel)").to_dict()
     except FSDP2ConfigError as err:
         raise MigrateError(str(err)) from None
@@ -194,6 +201,19 @@ def _parallel(out: _Out) -> None:
     for key, value in result.strategy.items():
         out.set(f"trainer.strategy.init_args.{key}", value)
     out.unmapped += result.refused + result.without_effect
+
+
+def _drop_absent_mtp(out: _Out, fsdp2: dict[str, Any]) -> None:
+    """``mtp`` in ``fsdp_plan.apply_modules`` names MindSpeed MM's own multi-token-prediction block, which its model
+    builds only with ``model.mtp_num_layers`` > 0 (a pattern matching no module is skipped there). Transformers'
+    models have no such module (and a pattern matching none is an error here), so without MTP it is left out, said
+    in the report."""
+    wrap = fsdp2.get("sub_modules_to_wrap")
+    if not isinstance(wrap, list) or "mtp" not in wrap or out.get("model.mtp_num_layers", 0):
+        return
+    fsdp2["sub_modules_to_wrap"] = [m for m in wrap if m != "mtp"]
+    out.notes.append("parallel.fsdp_plan.apply_modules mtp: MindSpeed MM's multi-token-prediction block, built only "
+                     "with model.mtp_num_layers > 0 (Transformers' model has no mtp module); not wrapped here")
 
 
 # --------------------------------------------------------------------------------------------- model
@@ -208,12 +228,16 @@ def _model(out: _Out) -> None:
     if model_id in NATIVE_MODEL_IDS:
         out.map("model.model_id", f"{target}.model_id", NATIVE_MODEL_IDS[model_id], f"ModelHub key "
                 f"{NATIVE_MODEL_IDS[model_id]}")
+    elif model_id in DERIVED_MODEL_IDS:
+        out.mapped.append(f"model.model_id {model_id} -> none: no ModelHub adapter needed; TransformersModel takes "
+                          "the class from config.json's architectures (Transformers' "
+                          f"{DERIVED_MODEL_IDS[model_id]}) and derives its default FSDP2 plan from the model")
     elif model_id is not None:
         what = _UNSUPPORTED_MODELS.get(model_id, f"model_id {model_id}")
-        out.refuse("model.model_id", f"{model_id}: {what} has no built-in adapter in this version of "
-                                     "lightning-mm, so this config does not train here yet; model_id is left out "
-                                     "and TransformersModel takes the class from config.json's architectures "
-                                     "(trained once derived plans for any Transformers class are merged; a "
+        out.refuse("model.model_id", f"{model_id}: {what}: this config does not train here yet (no ModelHub "
+                                     "adapter, and no Transformers class with a derived plan checked for it); "
+                                     "model_id is left out: TransformersModel takes the class from config.json's "
+                                     "architectures (a Transformers class gets a derived default plan; a "
                                      "remote-code model also needs trust_remote_code)")
     if "model_name_or_path" in model:
         value = model["model_name_or_path"]
@@ -522,7 +546,6 @@ def _checkpointing(out: _Out, training: Mapping[str, Any]) -> None:
         else:  # hf: weights only, as MindSpeed MM's hf format (no resume state)
             out.map("training.save_format", f"{strategy}.checkpoint_format", "hf",
                     "Hugging Face safetensors weights, weights-only as in MindSpeed MM")
-            out.pending.add(f"{strategy}.checkpoint_format: hf")
     if training.get("save_ckpt_dtype") is not None:
         out.map("training.save_ckpt_dtype", f"{strategy}.save_ckpt_dtype", training["save_ckpt_dtype"])
     elif "save_ckpt_dtype" in training:
@@ -623,7 +646,6 @@ def _data(out: _Out) -> None:
     if isinstance(basic, Mapping) and basic.get("neat_packing"):
         # MMDataModule reads it from the data config itself (packing=True, max_tokens_per_rank=cutoff_len); a
         # token budget and a batch size are exclusive, so the micro-batch size is not written.
-        out.pending.add("data.init_args.packing (from the data config's neat_packing)")
         out.mapped.append("data.dataset_param.basic_parameters.neat_packing, cutoff_len -> MMDataModule packing with "
                           "max_tokens_per_rank = cutoff_len (read from the data config)")
         if out.config["data"]["init_args"].pop("batch_size", None) is not None:

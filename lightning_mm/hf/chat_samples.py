@@ -65,15 +65,17 @@ class TemplateSpec:
 
 
 _QWEN_COLLATE = ("qwen2vl", "qwen3vl")
+_QWEN3_VL_TYPES = ("qwen3_vl", "qwen3_vl_moe", "qwen3_5", "qwen3_5_moe")
 TEMPLATES: dict[str, TemplateSpec] = {
     "qwen2vl": TemplateSpec(("qwen2_vl", "qwen2_5_vl"), ("qwen2vl",)),
-    "qwen3_vl": TemplateSpec(("qwen3_vl", "qwen3_vl_moe"), ("qwen3vl", "qwen2vl"), reasoning=True),
-    "qwen3_vl_nothink": TemplateSpec(("qwen3_vl", "qwen3_vl_moe"), ("qwen3vl", "qwen2vl")),
+    "qwen3_vl": TemplateSpec(_QWEN3_VL_TYPES, ("qwen3vl", "qwen2vl"), reasoning=True),
+    "qwen3_vl_nothink": TemplateSpec(_QWEN3_VL_TYPES, ("qwen3vl", "qwen2vl")),
     "qwen2_omni": TemplateSpec(("qwen2_5_omni", "qwen2_5_omni_thinker"), (*_QWEN_COLLATE, "qwen3omni")),
     "glm4.1v": TemplateSpec(("glm4v",), ("glm4v_moe", *_QWEN_COLLATE), reasoning=True),
     "glm4v_moe": TemplateSpec(("glm4v_moe",), ("glm4v_moe", *_QWEN_COLLATE), reasoning=True),
 }
-"""The MindSpeed MM template names supported here."""
+"""The MindSpeed MM template names supported here. Qwen3.5 / Qwen3.6 (``qwen3_5``, ``qwen3_5_moe``: Transformers'
+Qwen3VLProcessor and Qwen3-VL's chat tokens) use the Qwen3-VL templates, as MindSpeed MM's configs for them do."""
 
 OWN_TEMPLATE_FAMILIES: dict[str, TemplateSpec] = {
     "gemma3": TemplateSpec(("gemma3",), _QWEN_COLLATE, resize_images=True),
