@@ -149,6 +149,7 @@ def test_lightning_module_default_loss_is_chunked(ckpts):
     module.configure_model()
     batch = _batch("qwen3")
     loss, _ = module._run(batch)
+    assert module.forward_step(batch).logits is None  # the chunked path ran
     reference = plain()
     expected = reference(**batch).loss
     assert _rel(loss.detach(), expected.detach()) < TIGHT
