@@ -126,9 +126,9 @@ class _LinearCrossEntropy(torch.autograd.Function):
         scale = denominator.to(acc).reciprocal()
         vocab = ws[0].shape[0]
         grad_x = [torch.empty_like(x) if n else None for x, n in zip(xs, need_x)]
-        # Weight gradients accumulate over chunks in float32 (cast to the weight's dtype at the end).
-        grad_w = [torch.zeros(w.shape, dtype=acc, device=w.device) if n else None
-                  for w, n in zip(ws, need_w)]
+        # Weight gradients accumulate over chunks in the weight's dtype (each chunk's product accumulates in
+        # float32 inside the kernel): a float32 buffer would add 2 bytes per weight element for 16-bit weights.
+        grad_w = [torch.zeros_like(w) if n else None for w, n in zip(ws, need_w)]
         grad_b = torch.zeros(vocab, dtype=acc, device=bias.device) if need_b else None
         total = torch.zeros((), dtype=acc, device=targets.device)
         for start in range(0, targets.shape[0], chunk_size):
@@ -150,24 +150,23 @@ class _LinearCrossEntropy(torch.autograd.Function):
             token_loss = peak.squeeze(1) + sums.log() - picked
             total += torch.where(valid, token_loss, 0).sum()
             if not any_grad:
+                logits = None  # freed before the next chunk's product
                 continue
             # d loss / d logits = (softmax - one_hot(target)) * scale on valid rows, 0 elsewhere.
             logits.div_(sums.unsqueeze(1))
             logits.scatter_add_(1, safe, torch.full_like(safe, -1, dtype=logits.dtype))
             logits.mul_((valid.to(logits.dtype) * scale).unsqueeze(1))
-            grad = logits.to(mm_dtype)
+            if grad_b is not None:
+                grad_b.add_(logits.sum(dim=0))
+            grad = logits.to(mm_dtype)  # a 16-bit copy for 16-bit products (the float32 one is freed)
+            logits = None
             for i, (x, w) in enumerate(zip(xs, ws)):
                 if grad_x[i] is not None:
                     torch.mm(grad, w, out=grad_x[i][rows])
                 if grad_w[i] is not None:
-                    if grad.dtype == acc:
-                        grad_w[i].addmm_(grad.t(), x[rows])
-                    else:
-                        grad_w[i].add_(torch.mm(grad.t(), x[rows]))
-            if grad_b is not None:
-                grad_b.add_(logits.sum(dim=0))
-            del logits, grad
-        grads = [*grad_x, *(g.to(w.dtype) if g is not None else None for g, w in zip(grad_w, ws))]
+                    grad_w[i].addmm_(grad.t(), x[rows])
+            grad = None  # freed before the next chunk's product
+        grads = [*grad_x, *grad_w]
         if has_bias:
             grads.append(grad_b.to(bias.dtype) if grad_b is not None else None)
         # Kept on ctx (not save_for_backward: they are neither inputs nor outputs), scaled in place in backward.
