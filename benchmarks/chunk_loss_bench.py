@@ -14,8 +14,8 @@ requires grad), forward and backward of the mean token cross-entropy:
 (b) Peak memory: torch's ``MemTracker`` (``torch.distributed._tools``, as benchmarks/memory_bench.py uses it) follows
 every tensor allocated during the loss's forward and backward and reports the peak of the live bytes, less the
 inputs ``h``/``w`` themselves (their gradients count); "loss side" is that less the weight's gradient, which every
-method produces (it becomes ``w.grad``). The goal: loss side <= chunk x vocab x 4 bytes + the hidden states' bytes. At 8,192 tokens and a 151,936 vocabulary the full
-loss needs ~15-20 GB, more than this shared machine can spare, so those sizes run under ``FakeTensorMode`` (tensors
+method produces (it becomes ``w.grad``). The goal: loss side <= chunk x vocab x 4 bytes + the hidden states'
+bytes. At 8,192 tokens and a 151,936 vocabulary the full loss needs ~15-20 GB, more than this shared machine can spare, so those sizes run under ``FakeTensorMode`` (tensors
 with shapes and dtypes but no storage; the tracker counts the bytes they would take); the same tracker on real
 tensors at the timing sizes below gives the same byte counts as under ``FakeTensorMode`` (checked in this run).
 
