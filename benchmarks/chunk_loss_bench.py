@@ -15,14 +15,15 @@ requires grad), forward and backward of the mean token cross-entropy:
 every tensor allocated during the loss's forward and backward and reports the peak of the live bytes, less the
 inputs ``h``/``w`` themselves (their gradients count); "loss side" is that less the weight's gradient, which every
 method produces (it becomes ``w.grad``). The goal: loss side <= chunk x vocab x 4 bytes + the hidden states'
-bytes. At 8,192 tokens and a 151,936 vocabulary the full loss needs ~15-20 GB, more than this shared machine can spare, so those sizes run under ``FakeTensorMode`` (tensors
-with shapes and dtypes but no storage; the tracker counts the bytes they would take); the same tracker on real
-tensors at the timing sizes below gives the same byte counts as under ``FakeTensorMode`` (checked in this run).
+bytes. At 8,192 tokens and a 151,936 vocabulary the full loss needs ~14 GB, more than this shared machine can
+spare, so those sizes run under ``FakeTensorMode`` (tensors with shapes and dtypes but no storage; the tracker
+counts the bytes they would take); the same tracker on real tensors at the timing sizes below gives the same byte
+counts as under ``FakeTensorMode`` (checked in this run).
 
 (c) Step time at equal tokens (real tensors, one thread): the contenders in rounds whose order rotates, each round
 a warm-up step and ``--steps`` timed steps per contender; per contender and round the median step, ratios to
 ``full`` pair by pair within each round; reported: the median over rounds and [min, max]. Also a whole model step
-(forward + backward of a 1-layer Qwen3 with the same vocabulary, ``TransformersModel`` with and without
+(forward + backward of a 1-layer Qwen3 with the same vocabulary, with and without
 ``enable_chunk_loss``).
 """
 
