@@ -35,7 +35,21 @@ CASES = [
     # The output layer in the root unit, and two micro-batches per step.
     Case("qwen3-chunked-head-in-root", "qwen3", {"sub_modules_to_wrap": ["model.layers.{*}"]}, steps=2,
          accumulate=2),
+    Case("qwen3-chunked-lora-head", "qwen3", steps=3),  # LoRA on lm_head (and q_proj), the head a unit
 ]
+LORA = {"rank": 4, "alpha": 8, "init_lora_weights": "gaussian",
+        "target_modules": ["lm_head", "model.layers.{*}.self_attn.q_proj"]}
+"""The adapters of the ``-lora-`` case (gaussian B: the head's adapters change the loss from the first step)."""
+
+
+def model_config(case: Case, ckptdir: Path, chunked: bool = True) -> dict[str, Any]:
+    """The TransformersModel config of ``case`` (the pytest side builds its LoRA reference with ``chunked=False``)."""
+    config: dict[str, Any] = {"init_from_hf_path": str(ckptdir / case.family)}
+    if chunked:
+        config.update(enable_chunk_loss=True, chunk_loss_size=CHUNK)
+    if "-lora-" in case.name:
+        config["lora"] = LORA
+    return config
 
 
 def _full(t: torch.Tensor) -> torch.Tensor:
@@ -54,8 +68,7 @@ def _fit(case: Case, ckptdir: Path, outdir: Path) -> None:
 
     class Module(MMLightningModule):
         def model_provider(self) -> torch.nn.Module:
-            return TransformersModel({"init_from_hf_path": str(ckptdir / case.family), "enable_chunk_loss": True,
-                                      "chunk_loss_size": CHUNK})
+            return TransformersModel(model_config(case, ckptdir))
 
         def get_batch(self, batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
             batch = dict(batch)

@@ -10,7 +10,7 @@
   ``tokens x vocab`` float32 tensor with the chunked loss, and reaches it without;
 * 2 ranks (``tests/chunkloss_scenarios.py``, one launch): MMFSDP2Strategy with the chunked loss equals, step by
   step, the one-process plain Transformers reference of ``tests/parity.py`` (output layer as a unit, tied with the
-  embeddings, in the root; Qwen2.5-VL).
+  embeddings, in the root; Qwen2.5-VL), and LoRA on the head against the same adapters unchunked in one process.
 """
 
 from __future__ import annotations
@@ -218,6 +218,35 @@ def _scenario_cases():
     return CASES
 
 
+def _lora_reference(case, steps, ckpts: Path) -> tuple[list[float], dict[str, torch.Tensor]]:
+    """The LoRA case's reference: the same adapters unchunked (PEFT on plain Transformers), one process, the same
+    AdamW over the same global batches (each micro-batch: the mean of the ranks' losses)."""
+    from lightning_mm.modules import TransformersModel
+    from tests.chunkloss_scenarios import model_config
+    from tests.parity import LR
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        model = TransformersModel(model_config(case, ckpts, chunked=False)).train()
+        params = [p for p in model.parameters() if p.requires_grad]
+        optimizer = torch.optim.AdamW(params, lr=LR, weight_decay=0.0)
+        losses = []
+        for micro in steps:
+            for ranks in micro:
+                group = []
+                for indices in ranks:
+                    loss = model(**batch_of(case.family, indices)).loss
+                    (loss / (len(ranks) * case.accumulate)).backward()
+                    group.append(float(loss.detach()))
+                losses.append(sum(group) / len(group))
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
+    finally:
+        torch.set_num_threads(threads)
+    return losses, {n: p.detach() for n, p in model.named_parameters()}
+
+
 @pytest.mark.parametrize("case", _scenario_cases(), ids=lambda c: c.name)
 def test_two_ranks_chunked_equal_plain_transformers(trained, ckpts, case):
     ranks = [json.loads((trained / f"{case.name}.rank{r}.json").read_text()) for r in range(2)]
@@ -226,6 +255,12 @@ def test_two_ranks_chunked_equal_plain_transformers(trained, ckpts, case):
     part = [r["parts"][0] for r in ranks]
     assert all(all(p["no_logits"]) and p["no_logits"] for p in part), "the chunked loss did not run"
     final = torch.load(trained / f"{case.name}.pt", weights_only=True)
+    if "-lora-" in case.name:
+        losses, expected = _lora_reference(case, global_steps(case, part), ckpts)
+        assert max(relative_errors(global_losses(part), losses)) <= FP32_LOSS, (global_losses(part), losses)
+        worst = max((_rel(final[n], expected[n]), n) for n in expected if "lora_" in n)
+        assert worst[0] <= FP32_WEIGHTS, worst
+        return
     ref = reference_run(case, global_steps(case, part), ckpts / case.family)
     errors = relative_errors(global_losses(part), ref.losses)
     assert max(errors) <= FP32_LOSS, (global_losses(part), ref.losses)
