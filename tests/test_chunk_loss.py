@@ -173,6 +173,16 @@ def test_bad_chunk_loss_config_is_named(ckpts):
         model(**_batch("qwen3"), logits_to_keep=1)
 
 
+def test_context_parallelism_with_the_chunked_loss_is_refused(ckpts):
+    from lightning_mm.core.context_parallel import ContextParallelError
+    from lightning_mm.hf.cp_attention import enable_context_parallel
+    from lightning_mm.modules import TransformersModel
+
+    model = TransformersModel({"init_from_hf_path": str(ckpts / "qwen3"), "enable_chunk_loss": True})
+    with pytest.raises(ContextParallelError, match="enable_chunk_loss"):
+        enable_context_parallel(model, group=None)  # refused before any collective
+
+
 # ------------------------------------------------------------------------------------------------ memory
 def _largest_allocation(model: torch.nn.Module, batch: dict[str, torch.Tensor]) -> int:
     """The largest single CPU allocation (bytes) during the model's forward and backward (profiler events)."""
