@@ -1,8 +1,9 @@
 """The strategy's side of the chunked-loss parity checks (``tests/test_chunk_loss.py``).
 
-    python tests/chunkloss_scenarios.py all OUTDIR CKPTDIR
+    python tests/chunkloss_scenarios.py all OUTDIR
 
-Every case of :data:`CASES`, one after the other, trains a tiny Hugging Face checkpoint of ``CKPTDIR`` with
+Every case of :data:`CASES`, one after the other, trains a tiny Hugging Face checkpoint of ``OUTDIR/ckpts`` (written
+by the pytest side before the launch, so the ranks never race to write them) with
 ``MMFSDP2Strategy`` on 2 ranks (gloo, CPU) and ``TransformersModel(enable_chunk_loss=True)``; each rank writes
 ``OUTDIR/CASE.rank{R}.json`` (per micro-batch: its loss, its sample indices, the optimizer step, and whether the
 model's output had no logits, i.e. the chunked loss ran) and rank 0 the gathered final weights to
@@ -119,8 +120,8 @@ def group_all(outdir: Path, ckptdir: Path) -> None:
 
 if __name__ == "__main__":
     torch.set_num_threads(1)
-    name, out, ckpts = sys.argv[1], Path(sys.argv[2]), Path(sys.argv[3])
-    globals()[f"group_{name}"](out, ckpts)
+    name, out = sys.argv[1], Path(sys.argv[2])
+    globals()[f"group_{name}"](out, out / "ckpts")
     from tests.scenario_exit import exit_cleanly
 
     exit_cleanly()

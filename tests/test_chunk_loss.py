@@ -81,7 +81,7 @@ def test_linear_cross_entropy_without_grad_and_bad_inputs():
 # --------------------------------------------------------------------------------------- one process, real models
 @pytest.fixture(scope="module")
 def ckpts(tmp_path_factory) -> Path:
-    directory = tmp_path_factory.mktemp("chunk_ckpts")
+    directory = tmp_path_factory.mktemp("chunk") / "ckpts"  # the 2-rank scenario reads them from OUTDIR/ckpts
     save_tiny_checkpoints(directory, ["qwen3", "llama_tied", "qwen2_5_vl"])
     return directory
 
@@ -216,9 +216,9 @@ def test_no_tokens_by_vocab_tensor_in_forward_or_backward():
 
 # ------------------------------------------------------------------------------------------------ 2 ranks
 @pytest.fixture(scope="module")
-def trained(tmp_path_factory, ckpts) -> Path:
-    out = tmp_path_factory.mktemp("chunk_train")
-    run_scenario("all", out, timeout=600, script=ROOT / "tests" / "chunkloss_scenarios.py", args=(str(ckpts),))
+def trained(ckpts) -> Path:
+    out = ckpts.parent
+    run_scenario("all", out, timeout=600, script=ROOT / "tests" / "chunkloss_scenarios.py")
     return out
 
 
