@@ -1,9 +1,15 @@
-"""Benchmark 5 (GPU): tokens/s and MFU of MMFSDP2Strategy vs a plain FSDP2 training loop (torchtitan's way).
+"""Benchmark 5 (GPU): tokens/s, peak memory and MFU of MMFSDP2Strategy vs a plain FSDP2 training loop
+(torchtitan's way), eager and with per-block torch.compile.
 
-On a machine with CUDA GPUs, from the repository root, one command:
+On a machine with CUDA GPUs, from the repository root, one command (its defaults are sized to end within 8 minutes
+on one H200 by an estimate of its steps; no GPU run of it is recorded yet):
 
-    python benchmarks/gpu_throughput.py                       # every visible GPU -> results/gpu_throughput.json/.png
+    python benchmarks/gpu_throughput.py           # every visible GPU -> results/gpu_throughput.json, .md (and .png)
     python benchmarks/gpu_throughput.py --nproc 8 --batch 4 --seq 2048 --rounds 3
+    python benchmarks/gpu_throughput.py --no-compile          # eager only
+
+It first runs the smoke test (benchmarks/fsdp2_smoke.py on the same GPUs; ``--skip-smoke`` to leave it out), then
+the contenders, and writes one JSON and the Markdown rows for benchmarks/README.md. It installs nothing.
 
 A ~1.1 B-parameter Llama-style decoder (RMSNorm, rotary embedding, grouped-query attention, SwiGLU; hidden 2048,
 22 layers, 32 heads / 4 KV heads, MLP 5632, vocab 32000: the TinyLlama shape), bf16 parameters for compute and
@@ -15,6 +21,9 @@ same torchrun processes, alternating in rounds, with the same model, initialisat
 * ``mm_fsdp2``: a LightningModule whose ``configure_model`` builds the same model, trained by ``Trainer`` with
   ``MMFSDP2Strategy`` and the YAML ``{sharding_size: auto, sub_modules_to_wrap: [model.layers.{*}],
   param_dtype: bf16, reduce_dtype: fp32}``.
+* ``plain_compiled`` / ``mm_fsdp2_compiled``: the same, each block's forward compiled by ``torch.compile``
+  (``fullgraph=True``, ``--compile-backend``, default inductor) before ``fully_shard``; for the strategy that is
+  the YAML's ``compile_modules: [model.layers.{*}]``.
 
 Throughput is measured over the timed steps between two ``torch.cuda.synchronize()`` calls. MFU uses
 6 x (non-embedding parameters) + 12 x layers x hidden x sequence FLOPs per token and the GPU's dense bf16 peak
@@ -162,7 +171,8 @@ def _batches(cfg: LlamaConfig, n: int, batch: int, seq: int, seed: int) -> Any:
     return torch.randint(0, cfg.vocab_size, (n, batch, seq + 1), generator=g)
 
 
-def run_plain(cfg: LlamaConfig, args: argparse.Namespace, device: Any, data: Any) -> dict[str, Any]:
+def run_plain(cfg: LlamaConfig, args: argparse.Namespace, device: Any, data: Any,
+              compiled: bool = False) -> dict[str, Any]:
     """A torchtitan-style FSDP2 loop: shard each block (not the last after forward), then the root; init on meta."""
     import torch
     from torch.distributed.device_mesh import init_device_mesh
@@ -174,6 +184,8 @@ def run_plain(cfg: LlamaConfig, args: argparse.Namespace, device: Any, data: Any
         model = _build_model(cfg)
     mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
     for i, layer in enumerate(model.layers):
+        if compiled:
+            layer.forward = torch.compile(layer.forward, backend=args.compile_backend, fullgraph=True)
         fully_shard(layer, mesh=mesh, mp_policy=mp, reshard_after_forward=i < len(model.layers) - 1)
     fully_shard(model, mesh=mesh, mp_policy=mp)
     model.to_empty(device=device)
@@ -196,7 +208,8 @@ def run_plain(cfg: LlamaConfig, args: argparse.Namespace, device: Any, data: Any
     return out
 
 
-def run_mm(cfg: LlamaConfig, args: argparse.Namespace, device: Any, data: Any) -> dict[str, Any]:
+def run_mm(cfg: LlamaConfig, args: argparse.Namespace, device: Any, data: Any,
+           compiled: bool = False) -> dict[str, Any]:
     """The same model, data and optimiser through Trainer + MMFSDP2Strategy."""
     import lightning as L
     import torch
@@ -238,6 +251,8 @@ def run_mm(cfg: LlamaConfig, args: argparse.Namespace, device: Any, data: Any) -
     torch.manual_seed(0)
     config = {"sharding_size": "auto", "sub_modules_to_wrap": ["model.layers.{*}"], "param_dtype": "bf16",
               "reduce_dtype": "fp32"}
+    if compiled:
+        config.update(compile_modules=["model.layers.{*}"], compile_backend=args.compile_backend)
     trainer = L.Trainer(accelerator=device.type, devices=int(os.environ["LOCAL_WORLD_SIZE"]),
                         strategy=MMFSDP2Strategy(config), max_steps=len(data), logger=False,
                         enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
@@ -267,6 +282,11 @@ def _peak_mem(device: Any) -> int | None:
 
 
 # ------------------------------------------------------------------------------------------------ worker
+def contenders(args: argparse.Namespace) -> list[str]:
+    eager = ["plain", "mm_fsdp2"]
+    return eager if args.no_compile else [*eager, "plain_compiled", "mm_fsdp2_compiled"]
+
+
 def worker(args: argparse.Namespace) -> None:
     import torch
     import torch.distributed as dist
@@ -284,11 +304,13 @@ def worker(args: argparse.Namespace) -> None:
     world = dist.get_world_size()
     # Each rank its own slice of the same global stream of batches.
     data = _batches(cfg, args.warmup + args.steps, args.batch, args.seq, seed=1000 + dist.get_rank())
-    records: dict[str, list[dict[str, Any]]] = {"plain": [], "mm_fsdp2": []}
+    names = contenders(args)
+    records: dict[str, list[dict[str, Any]]] = {name: [] for name in names}
     for rnd in range(args.rounds):
-        order = ["plain", "mm_fsdp2"] if rnd % 2 == 0 else ["mm_fsdp2", "plain"]
+        order = names[rnd % len(names):] + names[: rnd % len(names)]  # rotating, so drift falls on all alike
         for name in order:
-            result = (run_plain if name == "plain" else run_mm)(cfg, args, device, data)
+            run = run_plain if name.startswith("plain") else run_mm
+            result = run(cfg, args, device, data, compiled=name.endswith("_compiled"))
             result["round"] = rnd
             records[name].append(result)
             gc.collect()
@@ -310,7 +332,7 @@ def summarize(ranks: list[dict[str, Any]], args: argparse.Namespace) -> dict[str
     out: dict[str, Any] = {"device_name": info["device_name"], "world": world, "params": cfg.num_params(),
                            "flops_per_token": flops_per_token, "peak_tflops_per_gpu": peak, "contenders": {}}
     per_round: dict[str, list[float]] = {}
-    for name in ("plain", "mm_fsdp2"):
+    for name in contenders(args):
         elapsed = [max(r["records"][name][i]["elapsed_s"] for r in ranks) for i in range(args.rounds)]
         tps = [tokens / e for e in elapsed]
         per_round[name] = tps
@@ -322,14 +344,55 @@ def summarize(ranks: list[dict[str, Any]], args: argparse.Namespace) -> dict[str
                              else None for r in ranks],
             "final_loss": ranks[0]["records"][name][-1]["final_loss"],
         }
-    ratios = [a / b for a, b in zip(per_round["mm_fsdp2"], per_round["plain"])]
-    out["ratio_mm_to_plain"] = {"median": common.median(ratios), "per_round": ratios}
+    def ratio(a: str, b: str) -> dict[str, Any]:
+        pairs = [x / y for x, y in zip(per_round[a], per_round[b])]
+        return {"median": common.median(pairs), "per_round": pairs}
+
+    out["ratio_mm_to_plain"] = ratio("mm_fsdp2", "plain")
     out["meets_target"] = out["ratio_mm_to_plain"]["median"] >= 0.98
+    if not args.no_compile:
+        out["ratio_mm_to_plain_compiled"] = ratio("mm_fsdp2_compiled", "plain_compiled")
+        out["compile_speedup_mm"] = ratio("mm_fsdp2_compiled", "mm_fsdp2")
+        out["compile_speedup_plain"] = ratio("plain_compiled", "plain")
     return out
 
 
+def markdown_rows(summary: dict[str, Any], args: argparse.Namespace) -> str:
+    """The rows benchmarks/README.md records: one per contender, then the ratios."""
+    head = (f"{summary['device_name']} x{summary['world']}, {summary['params'] / 1e9:.2f} B params, bf16, "
+            f"batch {args.batch} x seq {args.seq} per GPU, {args.rounds} rounds of {args.steps} steps")
+    rows = [f"**{head}**", "", "| contender | tokens/s/GPU (median) | MFU | peak memory, rank 0 (GiB) |",
+            "|---|---|---|---|"]
+    for name, c in summary["contenders"].items():
+        mfu = f"{c['mfu']:.1%}" if c["mfu"] is not None else "-"
+        mem = f"{c['peak_mem_gib'][0]:.1f}" if c["peak_mem_gib"][0] is not None else "-"
+        rows.append(f"| {name} | {c['tokens_per_s_per_gpu']:,.0f} | {mfu} | {mem} |")
+    rows.append("")
+    for key in ("ratio_mm_to_plain", "ratio_mm_to_plain_compiled", "compile_speedup_mm", "compile_speedup_plain"):
+        if key in summary:
+            r = summary[key]
+            rows.append(f"- {key}: {r['median']:.3f} [{min(r['per_round']):.3f}, {max(r['per_round']):.3f}]")
+    return "\n".join(rows) + "\n"
+
+
+def smoke(nproc: int, out: Path) -> None:
+    """benchmarks/fsdp2_smoke.py on the same GPUs; a failure ends the benchmark with its output."""
+    import subprocess
+
+    script = Path(__file__).resolve().parent / "fsdp2_smoke.py"
+    proc = subprocess.run([sys.executable, str(script), "--accelerator", "cuda", "--devices", str(nproc),
+                           "--out", str(out / "smoke")], capture_output=True, text=True, timeout=600)
+    print(proc.stdout[-2000:])
+    if proc.returncode != 0:
+        raise SystemExit(f"the smoke test failed (exit {proc.returncode}); not benchmarking:\n{proc.stderr[-4000:]}")
+
+
 def plot(summary: dict[str, Any], path: Path) -> None:
-    import matplotlib
+    try:
+        import matplotlib
+    except ImportError:  # the `bench` extra; the JSON and Markdown rows do not need it
+        print("matplotlib is not installed (pip install -e '.[bench]'): no plot")
+        return
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
@@ -361,6 +424,9 @@ def main() -> None:
     parser.add_argument("--peak-tflops", type=float, default=None, help="dense bf16 peak per GPU, for the MFU")
     parser.add_argument("--tiny", action="store_true", help="tiny model (a check of the script)")
     parser.add_argument("--name", default="gpu_throughput")
+    parser.add_argument("--no-compile", action="store_true", help="eager contenders only")
+    parser.add_argument("--compile-backend", default="inductor", help="torch.compile backend of the compiled ones")
+    parser.add_argument("--skip-smoke", action="store_true", help="leave out the smoke test that runs first")
     args = common.parse_or_work(parser, worker, out="/tmp/lmm_bench/gpu")
     if args is None:
         return
@@ -369,12 +435,14 @@ def main() -> None:
     if args.device == "cuda" and not torch.cuda.is_available():
         raise SystemExit("no CUDA GPU is visible; this benchmark needs one (or use --device cpu --tiny to check it)")
     nproc = args.nproc or (torch.cuda.device_count() if args.device == "cuda" else 2)
+    flags = ("tiny", "no_compile")
     passthrough = [f"--{k.replace('_', '-')}={v}" for k, v in vars(args).items()
-                   if k not in ("worker", "nproc", "name", "tiny", "peak_tflops") and v is not None]
-    if args.tiny:
-        passthrough.append("--tiny")
+                   if k not in ("worker", "nproc", "name", "peak_tflops", "skip_smoke", *flags) and v is not None]
+    passthrough += [f"--{k.replace('_', '-')}" for k in flags if getattr(args, k)]
     out = Path(args.out)
     machine = common.machine()
+    if args.device == "cuda" and not args.skip_smoke:
+        smoke(nproc, out)
     common.launch_ranks(Path(__file__), ["--worker", *passthrough], nproc=nproc, log=out / "log.txt")
     summary = summarize(common.read_rank_jsons(out, "gpu_throughput", nproc), args)
     result = {"benchmark": "gpu_throughput",
@@ -382,9 +450,12 @@ def main() -> None:
               "batch_per_gpu": args.batch, "seq": args.seq, "steps": args.steps, "warmup": args.warmup,
               "rounds": args.rounds, "summary": summary}
     path = common.save_result(args.name, result)
+    rows = markdown_rows(summary, args)
+    path.with_suffix(".md").write_text(rows)
     plot(summary, path.with_suffix(".png"))
     print(json.dumps(summary, indent=1))
-    print(f"wrote {path}")
+    print(rows)
+    print(f"wrote {path} and {path.with_suffix('.md')}")
     if not math.isfinite(summary["ratio_mm_to_plain"]["median"]):
         raise SystemExit(1)
 

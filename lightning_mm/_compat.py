@@ -42,6 +42,8 @@ __all__ = [
     "last_checkpoints",
     "unwrap_optimizer",
     "share_experts_kernels_with_base",
+    "DYNAMO_ERRORS",
+    "compiled_graph_count",
     "INHERITED_PRIVATE_ATTRIBUTES",
     "LIGHTNING_NAMES",
 ]
@@ -194,6 +196,17 @@ except ImportError:
     raise _missing("`torch.distributed.fsdp.FSDPModule`") from None
 if not callable(getattr(_FSDPModule, "_get_fsdp_state", None)):
     raise _missing("`FSDPModule._get_fsdp_state`")
+
+
+# torch.compile's capture errors (graph breaks under ``fullgraph=True``, unsupported ops, backend failures) share
+# a private base class; ``core.compile`` turns them into an error naming the module.
+DYNAMO_ERRORS: tuple[type[BaseException], ...] = (_require("torch._dynamo.exc", "TorchDynamoException"),)
+_dynamo_counters = _require("torch._dynamo.utils", "counters")
+
+
+def compiled_graph_count() -> int:
+    """How many graphs torch.compile has compiled in this process (dynamo's ``unique_graphs`` statistic)."""
+    return int(_dynamo_counters["stats"]["unique_graphs"])
 
 
 def fsdp_state(module: Any) -> Any:

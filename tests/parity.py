@@ -11,7 +11,7 @@ losses, as data parallelism averages gradients) and :func:`compare` checks losse
 from __future__ import annotations
 
 import copy
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -37,6 +37,8 @@ RECOMPUTE = {
 }
 QWEN3_VL = "qwen3_vl"  # not in hf_scenarios.FAMILIES: its batches are tests/qwen3_vl_family.py's
 TORCH_LAYERS = "torch_layers"
+EXTRA: dict[str, tuple[str, Callable[[int], torch.utils.data.Dataset]]] = {}
+"""Families other test modules add (``tests/derive_models.py``): name -> (architecture, dataset of ``n`` samples)."""
 
 
 @dataclass(frozen=True)
@@ -107,6 +109,8 @@ class IndexedData(torch.utils.data.Dataset):
     def __init__(self, family: str, n: int = SAMPLES) -> None:
         if family == QWEN3_VL:
             self.data: torch.utils.data.Dataset = qwen3_vl_family.Qwen3VLData(n)
+        elif family in EXTRA:
+            self.data = EXTRA[family][1](n)
         else:
             self.data = FamilyData("llama_tied" if family == TORCH_LAYERS else family, n)
 
@@ -146,7 +150,8 @@ def _plain_model(case: Case, ckpt: Path | None, initial: dict[str, torch.Tensor]
         import transformers
 
         assert ckpt is not None
-        arch = qwen3_vl_family.ARCH if case.family == QWEN3_VL else FAMILIES[case.family][0]
+        arch = (qwen3_vl_family.ARCH if case.family == QWEN3_VL
+                else EXTRA[case.family][0] if case.family in EXTRA else FAMILIES[case.family][0])
         model = getattr(transformers, arch).from_pretrained(str(ckpt), dtype=torch.float32)
     _freeze(model, case.freeze)
     return model.train()

@@ -4,6 +4,7 @@
     lightning-mm migrate -o config.yaml -- --use-torch-fsdp2 --fsdp2-config-path fsdp2_config.yaml --lr 1e-4 ...
     lightning-mm migrate finetune_qwen3vl_8B.sh -o config.yaml     # torchrun ... pretrain_transformers.py cfg.yaml
     lightning-mm migrate qwen3vl_full_sft_8B.yaml -o config.yaml   # MindSpeed MM's single YAML itself
+    lightning-mm migrate qwen3vl_30B_config_v1.yaml -o config.yaml # its native FSDP2 route's six-section YAML
 
 Shell scripts are read by :mod:`lightning_mm.commands.launch_script`. MindSpeed MM's single-YAML form
 (``gpt_args``, ``data``, ``model`` sections) is read with the project's safe YAML loader: ``gpt_args`` go through
@@ -738,7 +739,13 @@ def main(argv: Sequence[str]) -> int:
         if path.suffix.lower() in (".yaml", ".yml"):
             base_dir = Path(args.base_dir) if args.base_dir else Path.cwd()
             notes.append(f"relative paths are taken from {base_dir.resolve()} (the launch directory; --base-dir)")
-            result = migrate_yaml(path, base_dir=base_dir, keep_backend=args.keep_backend)
+            from lightning_mm.commands.native_route import is_native_route, migrate_native
+
+            content = _load_yaml(path)
+            if is_native_route(content):  # MindSpeed MM's native FSDP2 route: six sections, parallel first
+                result = migrate_native(path, content, base_dir=base_dir)
+            else:
+                result = migrate_yaml(path, base_dir=base_dir, keep_backend=args.keep_backend)
         else:
             launch = parse_script(read_text_file(path, "a launch script"), str(path))
             if args.base_dir:

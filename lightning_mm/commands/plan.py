@@ -104,6 +104,12 @@ def plan_from_cli_config(cli_args: Sequence[str], world_size: int | None = None,
         order = ("  prefetch order: decided at the first training step (--trace-order shows it from one batch on the "
                  "meta device; it sets up the data module)")
     text = plan.describe() + "\n" + order + "\n" + memory.describe()
+    from lightning_mm.hf.plan_source import default_plan_summary
+
+    explicit = sorted(config.explicit_keys)
+    source = default_plan_summary(target, explicit, config.ignored_modules if "ignored_modules" in explicit else None)
+    if source:
+        text += "\n" + source
     cp = strategy.context_parallel_size if isinstance(strategy, MMFSDP2Strategy) else 1
     if cp > 1 or seq_length:
         from lightning_mm.hf.cp_attention import context_parallel_summary

@@ -27,6 +27,7 @@ from lightning_mm._compat import fsdp_state, is_rng_supported_mesh
 from lightning_mm._dtensor import local_tensor as _local
 from lightning_mm._names import listing
 from lightning_mm.core import expert_parallel
+from lightning_mm.core.compile import compiled_forward, is_compiled
 from lightning_mm.core.config import FSDP2Config
 from lightning_mm.core.ignored import IgnoredModules
 from lightning_mm.core.plan import ShardingPlan, mesh_layout
@@ -39,6 +40,7 @@ __all__ = [
     "ShardedModel",
     "model_unit_sharding",
     "fsdp_kwargs",
+    "apply_compile",
     "apply_recompute",
     "apply_experts",
     "apply_fully_shard",
@@ -106,6 +108,7 @@ def apply_plan(
     ``_fully_shard``, see :func:`model_unit_sharding`); the root is sharded here either way.
     """
     ignored = IgnoredModules(target, plan)
+    apply_compile(target, plan)  # the block's own forward; recomputation wraps the compiled forward
     apply_recompute(target, plan)
     ignored.cast_inputs()
     kwargs = fsdp_kwargs(plan, mesh, ignored.parameters())
@@ -157,6 +160,14 @@ def fsdp_kwargs(plan: ShardingPlan, mesh: DeviceMesh, kept_whole: set[nn.Paramet
 
 
 # ------------------------------------------------------------------------------------------- recomputation
+def apply_compile(model: nn.Module, plan: ShardingPlan) -> None:
+    """Compile the forward of each ``compile_modules`` module as one graph (see :mod:`lightning_mm.core.compile`)."""
+    for path in plan.compile_modules:
+        module = model.get_submodule(path)
+        if not is_compiled(module.forward):
+            module.forward = compiled_forward(module.forward, plan.compile_backend, path)
+
+
 def apply_recompute(model: nn.Module, plan: ShardingPlan) -> None:
     """Recompute the activations of each ``recompute_modules`` module in backward (module names unchanged).
 

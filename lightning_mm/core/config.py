@@ -68,19 +68,38 @@ class FSDP2Config:
     """
 
     sharding_size: Literal["auto"] | int = 1
+    """Ranks in each shard group; ``auto`` is the world size. A size below the world size gives HSDP (parameters
+    sharded within a group, replicated across groups); it must divide the world size. 1 replicates (no sharding)."""
     param_dtype: torch.dtype | None = None
+    """The dtype parameters are gathered and computed in (``bf16``, ``fp16``, ``fp32``); unset keeps the model's
+    (bf16 under ``Trainer(precision="bf16-mixed")``; a contradicting Trainer precision is an error)."""
     reduce_dtype: torch.dtype | None = None
+    """The dtype gradients are reduced in across ranks; unset follows ``param_dtype`` (fp32 under
+    ``precision="bf16-mixed"``)."""
     output_dtype: torch.dtype | None = None
+    """The dtype each unit's floating-point outputs are cast to; unset leaves them as computed."""
     cast_forward_inputs: bool = True
+    """Cast each unit's floating-point inputs to ``param_dtype`` (and ignored modules' inputs to their own dtype)."""
     sub_modules_to_wrap: list[str] = field(default_factory=list)
+    """The modules (patterns allowed) sharded as FSDP units of their own; the root holds the rest. Unset: the
+    model's default plan, if it has one."""
     ignored_modules: list[str] = field(default_factory=list)
+    """The modules (patterns allowed) kept out of FSDP: replicated whole, their trainable gradients all-reduced."""
     recompute_modules: list[str] = field(default_factory=list)
+    """The modules (patterns allowed) whose activations are recomputed in backward instead of kept."""
     use_reentrant: bool = True
+    """Recompute with the reentrant checkpoint implementation (``true``) or the non-reentrant one."""
     reshard_after_forward: bool = True
+    """Free each unit's gathered parameters after its forward (ZeRO-3, less memory) or keep them for backward
+    (``false``: ZeRO-2, less communication)."""
     offload_to_cpu: bool = False
+    """Keep the sharded parameters, gradients and optimiser step on the CPU (FSDP2's CPU offload policy)."""
     pin_memory: bool = False
+    """Pin the offloaded CPU memory (faster copies); only with ``offload_to_cpu: true``."""
     num_to_forward_prefetch: int = 0
+    """Units whose parameters are gathered ahead in forward, in the order the units run (0: none ahead)."""
     num_to_backward_prefetch: int = 1
+    """Units whose parameters are gathered ahead in backward, in the reverse of the forward order."""
     align_fsdp_param_groups: bool = False
     """Gather the norms and routers of the wrapped units (and the final norm) into one FSDP unit of their own."""
     expert_parallel_size: int = 1
@@ -89,6 +108,13 @@ class FSDP2Config:
     """The expert modules (patterns allowed) that expert parallelism splits."""
     reshard_local_experts: bool = True
     """With expert parallelism: FSDP-shard the local experts over the ranks that hold the same experts."""
+    compile_modules: list[str] = field(default_factory=list)
+    """The modules (patterns allowed) whose forward ``torch.compile`` compiles, each as one graph, before sharding
+    (recomputation wraps the compiled forward; FSDP2's hooks stay eager around it). None by default; the root
+    always stays eager. A module that holds FSDP units or experts cannot be compiled (an error)."""
+    compile_backend: str = "inductor"
+    """The ``torch.compile`` backend for ``compile_modules``: ``inductor`` (generated kernels), ``aot_eager``
+    (captured graphs run by eager kernels: a check of capture), or any registered backend by name."""
     source: str | None = field(default=None, compare=False, repr=False)
     """Where the config came from (a file path), used in error messages only."""
 
@@ -111,12 +137,20 @@ class FSDP2Config:
     # ------------------------------------------------------------------ loading
     @classmethod
     def from_dict(cls, data: Mapping[str, Any], source: str | None = None) -> FSDP2Config:
-        """Build a config from a mapping; unknown keys are an error suggesting the nearest valid key."""
+        """Build a config from a mapping; unknown keys are an error suggesting the nearest valid key.
+
+        MindSpeed MM's native-route layout is accepted too: its ``parallel:`` section, or a whole six-section config
+        (see :mod:`lightning_mm.core.native_config`); both give the FSDP2Config of the same plan.
+        """
         where = f" in {source}" if source else ""
         if not isinstance(data, Mapping):
             raise FSDP2ConfigError(
                 f"FSDP2 config{where} must be a mapping of keys to values, got {type(data).__name__}"
             )
+        from lightning_mm.core.native_config import fsdp2_config_from_native, native_layout
+
+        if native_layout(data) is not None:  # MindSpeed MM's native route: its `parallel:` section (or whole config)
+            return fsdp2_config_from_native(cls, FSDP2ConfigError, data, source)
         known = [f.name for f in fields(cls) if f.name != "source"]
         unknown = find_unknown_key(data, known)
         if unknown is not None:
@@ -235,6 +269,16 @@ class FSDP2Config:
         if isinstance(size, bool) or not isinstance(size, int) or size < 1:
             raise self._error("expert_parallel_size", f"expected a positive integer, got {short_repr(size)}")
 
+        if not isinstance(self.compile_backend, str) or not self.compile_backend.strip():
+            raise self._error("compile_backend", f"expected a backend name, got {short_repr(self.compile_backend)}")
+        if self.compile_modules:
+            from lightning_mm.core.compile import check_backend
+
+            try:
+                check_backend(self.compile_backend)
+            except ValueError as err:
+                raise self._error("compile_backend", str(err)) from None
+
         if self.pin_memory and not self.offload_to_cpu:
             raise self._error("pin_memory", "only takes effect with `offload_to_cpu: true`; set both or remove it")
 
@@ -266,7 +310,7 @@ class FSDP2Config:
         return size
 
 
-_PATTERN_KEYS = ("sub_modules_to_wrap", "ignored_modules", "recompute_modules", "moe_modules")
+_PATTERN_KEYS = ("sub_modules_to_wrap", "ignored_modules", "recompute_modules", "moe_modules", "compile_modules")
 
 # Keys whose explicit ``null`` in YAML means "not set" and is kept as None.
 _NULLABLE = {"param_dtype", "reduce_dtype", "output_dtype"}

@@ -104,6 +104,10 @@ class ShardingPlan:
     notes: tuple[str, ...] = field(default=())
     experts: ExpertPlan | None = None
     """Expert parallelism, or None without it (``expert_parallel_size: 1``)."""
+    compile_modules: tuple[str, ...] = ()
+    """Modules whose forward is compiled by ``torch.compile`` (one graph each), before recomputation and sharding."""
+    compile_backend: str = "inductor"
+    """The ``torch.compile`` backend of ``compile_modules``."""
     keep_unsharded_for_backward: bool = True
     """The root and the last unit to run forward keep their parameters unsharded from forward to backward, whatever
     ``reshard_after_forward`` says: backward needs them first, so resharding them would only all-gather the same
@@ -159,6 +163,9 @@ class ShardingPlan:
         )
         reentrant = "reentrant" if self.use_reentrant else "non-reentrant"
         lines.append(f"  recomputed ({reentrant}): {', '.join(self.recompute) or '-'}")
+        if self.compile_modules:
+            lines.append(f"  compiled (torch.compile, backend {self.compile_backend}, one graph each; the rest "
+                         f"eager): {listing(self.compile_modules, 8)}")
         backward = str(self.backward_prefetch) if self.backward_prefetch else "FSDP2 default (1, implicit)"
         lines.append(
             f"  prefetch: forward {self.forward_prefetch}, backward {backward} "
@@ -452,6 +459,33 @@ def _setting_notes(model: nn.Module, config: FSDP2Config, recompute: list[str]) 
     return notes
 
 
+def _check_compiled(
+    compiled: list[str], groups: list[tuple[str, ...]], experts: ExpertPlan | None, config: FSDP2Config
+) -> None:
+    """A compiled module must not hold other FSDP units (their hooks would run inside its graph) or experts
+    split by expert parallelism (their dispatch communicates), and must not sit inside another compiled one."""
+    where = f" in {config.source}" if config.source else ""
+    for path in compiled:
+        inner = [m for g in groups for m in g if m != path and _is_under(m, path)]
+        if inner:
+            raise FSDP2ConfigError(
+                f"FSDP2 config key `compile_modules`{where}: '{path}' holds FSDP units ({listing(inner, 3)}) whose "
+                "all-gathers would run inside its graph; compile the units (or modules inside them) instead"
+            )
+        nested = [other for other in compiled if other != path and _is_under(path, other)]
+        if nested:
+            raise FSDP2ConfigError(
+                f"FSDP2 config key `compile_modules`{where}: '{path}' is inside '{nested[0]}', which is compiled "
+                "too; list one of them"
+            )
+        moe = [m for m in (experts.modules if experts is not None else ()) if _is_under(m, path)]
+        if moe:
+            raise FSDP2ConfigError(
+                f"FSDP2 config key `compile_modules`{where}: '{path}' holds expert-parallel modules "
+                f"({listing(moe, 3)}) whose token dispatch communicates; compile modules without them"
+            )
+
+
 def build_plan(
     config: FSDP2Config,
     model: nn.Module,
@@ -480,6 +514,8 @@ def build_plan(
         groups.append(aligned)
     experts = _plan_experts(model, config, world_size, wrapped, ignored) if config.expert_parallel_size > 1 else None
     notes += _setting_notes(model, config, recompute)
+    compiled = _resolve(model, config, "compile_modules")
+    _check_compiled(compiled, groups, experts, config)
     # Children before parents: a parent's fully_shard must see its children already sharded.
     groups.sort(key=lambda g: -max(m.count(".") + 1 for m in g))
     counts, root_params, ignored_params, trainable = _count_params(
@@ -509,5 +545,7 @@ def build_plan(
         use_reentrant=config.use_reentrant,
         notes=tuple(notes),
         experts=experts,
+        compile_modules=tuple(compiled),
+        compile_backend=config.compile_backend,
         keep_unsharded_for_backward=keep_unsharded_for_backward,
     )

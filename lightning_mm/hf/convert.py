@@ -407,15 +407,16 @@ class _StreamingSavePlanner(DefaultSavePlanner):
 
 
 def _checkpoint_renamer(config: dict[str, Any]) -> Any:
-    """Transformers' load-time key renaming for the model the config describes (``None`` if ModelHub has none).
+    """Transformers' load-time key renaming for the model the config describes (``None`` if no class is known).
 
     Some families (LLaVA, InternVL, Qwen2.5-VL) store keys in an older layout that Transformers renames on load;
     the renamed keys are the module's, and so the ones a resume checks against.
     """
-    from lightning_mm.hf.hub import ModelHub, ModelHubError
+    from lightning_mm.hf.derived_adapters import resolve_model_class
+    from lightning_mm.hf.hub import ModelHubError
 
     try:
-        _, model_cls = ModelHub.resolve(None, config)
+        _, model_cls, _ = resolve_model_class(None, config)
     except ModelHubError:
         return None
     from transformers import AutoConfig

@@ -1,77 +1,217 @@
-"""The default FSDP2 plan of a Hugging Face model, read from the model's own metadata (pure: no processes).
+"""The default FSDP2 plan of any Hugging Face model, derived from the model's own metadata (pure: no processes).
 
-* Units: every repeated block (a module whose class is in the model's ``_no_split_modules`` and that sits in an
-  ``nn.ModuleList``: decoder layers, vision blocks), plus the input and output embeddings. Tied embeddings share
-  a parameter, so the plan builder puts them in one unit.
-* The multimodal projector between a vision tower and the language model (``multi_modal_projector``), or the
-  paths of the class attribute ``fsdp2_extra_units`` (Qwen2.5-VL's ``model.visual.merger``; patterns such as
-  Qwen3-VL's ``model.visual.deepstack_merger_list.{*}`` allowed, a pattern matching nothing in this config is
-  left out): as a unit of its own the projector computes in ``param_dtype`` whatever dtype the (possibly
-  ignored, full-precision) tower returns, and its parameters are not left in the root unit.
-* A trainable vision tower's input embeddings (the tower's child that holds its ``get_input_embeddings()``: patch
-  and position embeddings), so that only small norms stay in the root unit.
-* A vision tower (the sub-model built from ``config.vision_config``, or the paths in the class attribute
-  ``fsdp2_vision_towers``) whose parameters are all frozen goes to ``ignored_modules`` and its blocks are not
-  wrapped: it is kept whole on every rank and never communicates.
+:func:`derive_fsdp2_plan` reads what every ``transformers.PreTrainedModel`` declares and returns a
+:class:`DerivedPlan`; :func:`hf_default_fsdp2_config` gives its FSDP2 YAML keys (what ``FSDP2Mixin`` supplies
+where the YAML leaves them unset). The rules:
 
-The result is a dict of FSDP2 YAML keys, expressed with the seed's patterns (``model.layers.{*}``).
+* **Blocks**: the outermost items of an ``nn.ModuleList`` whose class is in the model's ``_no_split_modules``
+  (decoder layers, vision and audio blocks); where a list's items are not themselves of such a class but hold one
+  (Idefics3 lists ``Idefics3VisionAttention``, the attention inside its encoder layers), the items are the blocks.
+  Each block is a unit.
+* **Embeddings and head**: ``get_input_embeddings()`` and ``get_output_embeddings()`` are units; tied ones
+  (``_tied_weights_keys``) share a parameter, so the plan builder puts them in one unit.
+* **Towers**: the sub-models built from one of the config's sub-configs other than the text model's
+  (``vision_config``, ``audio_config``: ``model.visual``, ``model.vision_tower``, ``model.audio_tower``), or the
+  paths of the class attribute ``fsdp2_vision_towers``. A tower whose parameters are all frozen goes to
+  ``ignored_modules`` (kept whole on every rank, it never communicates) and nothing inside it is a unit.
+* **The rest**: walking down from the root through every module that holds a unit or a tower, each other child
+  with parameters is a unit of its own (the items of a list: one each), except a norm, which stays in the root
+  unit. This finds the projector between a tower and the decoder (``multi_modal_projector``, Idefics3's
+  ``connector``, Qwen's ``visual.merger``), a tower's patch and position embeddings and its DeepStack mergers, so
+  that only norms stay in the root unit. As a unit of its own a projector computes in ``param_dtype`` whatever
+  dtype the (possibly ignored, full-precision) tower returns. The class attribute ``fsdp2_extra_units`` (paths
+  or patterns) replaces this part for a model that needs other units.
+* **Experts**: modules in Transformers 5's fused layout (a class named ``...Experts`` with an integer
+  ``num_experts`` and 3-D weights whose first dimension is the experts) are the ``moe_modules`` that
+  ``expert_parallel_size`` > 1 splits.
+* **Recomputation candidates**: the blocks (not applied by default: ``recompute_modules`` decides).
+
+A model the rules cannot decide for (no ``_no_split_modules``, none of its classes in the model, a trainable
+tower without blocks) is a :class:`PlanDerivationError` naming the YAML keys to set instead. The results use the
+seed's patterns (``model.layers.{*}``).
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+from dataclasses import dataclass, field
 from typing import Any
 
 from torch import nn
 
 from lightning_mm._module_paths import is_under
+from lightning_mm._names import listing
+from lightning_mm.core.config import FSDP2ConfigError
 
 __all__ = [
-    "hf_default_fsdp2_config", "block_paths", "vision_tower_paths", "frozen_vision_towers", "input_embedding_units",
-    "compress_paths", "moe_module_paths",
+    "DerivedPlan", "PlanDerivationError", "derive_fsdp2_plan", "hf_default_fsdp2_config", "block_paths",
+    "tower_paths", "vision_tower_paths", "frozen_vision_towers", "compress_paths", "moe_module_paths",
 ]
 
 
+class PlanDerivationError(FSDP2ConfigError):
+    """The model's metadata does not decide a default plan; the message names the YAML keys to set."""
+
+
+@dataclass(frozen=True)
+class DerivedPlan:
+    """What :func:`derive_fsdp2_plan` found (module paths, patterns where a list is covered)."""
+
+    model_class: str
+    sub_modules_to_wrap: tuple[str, ...]
+    ignored_modules: tuple[str, ...] = ()
+    """Frozen towers (empty when the user set ``ignored_modules``: then theirs are used)."""
+    moe_modules: tuple[str, ...] = ()
+    recompute_candidates: tuple[str, ...] = ()
+    """The blocks, as patterns: what ``recompute_modules`` would typically name."""
+    towers: tuple[str, ...] = ()
+    no_split_modules: tuple[str, ...] = ()
+    tied: tuple[str, ...] = ()
+    """``target -> source`` of the tied parameters the model declares."""
+    declared: tuple[str, ...] = field(default=())
+    """The class attributes that replaced a rule (``fsdp2_vision_towers``, ``fsdp2_extra_units``)."""
+
+    def fsdp2_defaults(self) -> dict[str, Any]:
+        """The FSDP2 YAML keys of this plan (``sub_modules_to_wrap``, ``moe_modules``, ``ignored_modules``)."""
+        config: dict[str, Any] = {"sub_modules_to_wrap": list(self.sub_modules_to_wrap)}
+        if self.moe_modules:
+            config["moe_modules"] = list(self.moe_modules)
+        if self.ignored_modules:
+            config["ignored_modules"] = list(self.ignored_modules)
+        return config
+
+    def describe(self) -> str:
+        """Where the default plan came from, for ``lightning-mm plan``."""
+        rules = "; ".join(f"{d} declared by the class" for d in self.declared)
+        lines = [
+            f"  default plan: derived from {self.model_class}'s Transformers metadata"
+            + (f" ({rules})" if rules else ""),
+            f"    _no_split_modules: {', '.join(self.no_split_modules) or '-'}; towers: {', '.join(self.towers) or '-'}"
+            f"; tied: {', '.join(self.tied) or '-'}",
+            f"    recompute candidates (for `recompute_modules`): {', '.join(self.recompute_candidates) or '-'}",
+        ]
+        return "\n".join(lines)
+
+
+# ------------------------------------------------------------------------------------------------ blocks
+def _no_split(model: nn.Module) -> set[str]:
+    return set(getattr(model, "_no_split_modules", None) or ())
+
+
 def block_paths(model: nn.Module) -> list[str]:
-    """The outermost repeated blocks: ``_no_split_modules`` classes that are items of an ``nn.ModuleList``."""
-    classes = set(getattr(model, "_no_split_modules", None) or ())
-    lists = {name for name, module in model.named_modules() if isinstance(module, nn.ModuleList)}
-    found: list[str] = []
-    for name, module in model.named_modules():
-        parent = name.rpartition(".")[0]
-        if type(module).__name__ in classes and parent in lists and not any(is_under(name, f) for f in found):
-            found.append(name)
-    return found
+    """The outermost repeated blocks: items of an ``nn.ModuleList`` whose class is in ``_no_split_modules``, or,
+    in a list with none of those inside, items that hold an instance of such a class."""
+    classes = _no_split(model)
+    modules = dict(model.named_modules())
+    lists = {name for name, module in modules.items() if isinstance(module, nn.ModuleList)}
+    items = [name for name in modules if name and name.rpartition(".")[0] in lists]
+    exact: list[str] = []
+    for name in items:
+        if type(modules[name]).__name__ in classes and not any(is_under(name, f) for f in exact):
+            exact.append(name)
+    holding: list[str] = []
+    for name in items:
+        if any(is_under(name, f) or is_under(f, name) for f in [*exact, *holding]):
+            continue
+        if any(type(m).__name__ in classes for m in modules[name].modules()):
+            holding.append(name)
+    order = {name: i for i, name in enumerate(modules)}
+    return sorted(exact + holding, key=order.__getitem__)
 
 
-def vision_tower_paths(model: nn.Module) -> list[str]:
-    """Sub-models built from ``config.vision_config``, or the class's ``fsdp2_vision_towers`` if it sets them."""
+# ------------------------------------------------------------------------------------------------ towers
+def _sub_configs(model: nn.Module) -> list[tuple[str, Any]]:
+    config = getattr(model, "config", None)
+    names = list(getattr(config, "sub_configs", None) or {}) or ["vision_config"]
+    found = [(name, getattr(config, name, None)) for name in names]
+    return [(n, c) for n, c in found if c is not None]
+
+
+def tower_paths(model: nn.Module) -> list[str]:
+    """The class's ``fsdp2_vision_towers`` if it sets them, else the outermost sub-models built from a sub-config
+    other than the text model's (the one holding the input embeddings): ``vision_config``, ``audio_config``."""
     declared = getattr(type(model), "fsdp2_vision_towers", None)
     if declared is not None:
         return list(declared)
-    vision_config = getattr(getattr(model, "config", None), "vision_config", None)
-    if vision_config is None:
-        return []
+    embeddings = _embedding_paths(model)[:1]
+    configs = [c for name, c in _sub_configs(model) if name != "text_config"]
     towers: list[str] = []
     for name, module in model.named_modules():
-        if name and getattr(module, "config", None) is vision_config and not any(is_under(name, t) for t in towers):
+        if not name or any(is_under(name, t) for t in towers):
+            continue
+        built_from = getattr(module, "config", None)
+        if any(built_from is c for c in configs) and not any(is_under(e, name) for e in embeddings):
             towers.append(name)
     return towers
 
 
+vision_tower_paths = tower_paths  # the earlier name
+
+
 def frozen_vision_towers(model: nn.Module) -> list[str]:
-    """Vision towers whose parameters are all frozen (``requires_grad=False``)."""
+    """Towers whose parameters are all frozen (``requires_grad=False``)."""
     frozen = []
-    for path in vision_tower_paths(model):
+    for path in tower_paths(model):
         params = list(model.get_submodule(path).parameters())
         if params and not any(p.requires_grad for p in params):
             frozen.append(path)
     return frozen
 
 
+# -------------------------------------------------------------------------------------- embeddings, rest
 def _module_path(model: nn.Module, target: nn.Module | None) -> str | None:
     if target is None:
         return None
     return next((name for name, module in model.named_modules() if module is target and name), None)
+
+
+def _embedding_paths(model: nn.Module) -> list[str]:
+    """The input embeddings' path, then the output embeddings' (each when the model has it)."""
+    found: list[str] = []
+    for getter in ("get_input_embeddings", "get_output_embeddings"):
+        fn = getattr(model, getter, None)
+        try:
+            module = fn() if callable(fn) else None
+        except (NotImplementedError, AttributeError):
+            module = None
+        path = _module_path(model, module)
+        if path and path not in found:
+            found.append(path)
+    return found
+
+
+def _has_parameters(module: nn.Module) -> bool:
+    return any(True for _ in module.parameters())
+
+
+_NORMS = (nn.LayerNorm, nn.GroupNorm, nn.BatchNorm1d, nn.BatchNorm2d, nn.BatchNorm3d, nn.SyncBatchNorm,
+          nn.InstanceNorm1d, nn.InstanceNorm2d, nn.InstanceNorm3d, *((nn.RMSNorm,) if hasattr(nn, "RMSNorm") else ()))
+
+
+def _is_norm(module: nn.Module) -> bool:
+    return isinstance(module, _NORMS) or type(module).__name__.endswith("Norm")
+
+
+def remaining_units(model: nn.Module, units: Sequence[str], towers: Sequence[str], ignored: Sequence[str]) -> list[str]:
+    """Walking down through each module that holds a unit or a tower: its other children with parameters (each
+    item of a list), norms left out."""
+    found: list[str] = []
+    holders = [*units, *towers]
+
+    def visit(path: str, module: nn.Module) -> None:
+        for name, child in module.named_children():
+            child_path = f"{path}.{name}" if path else name
+            if child_path in units or any(is_under(child_path, i) for i in ignored) or not _has_parameters(child):
+                continue
+            if any(is_under(h, child_path) for h in holders):
+                visit(child_path, child)
+            elif isinstance(child, (nn.ModuleList, nn.ModuleDict)):
+                visit(child_path, child)
+            elif not _is_norm(child):
+                found.append(child_path)
+
+    visit("", model)
+    return found
 
 
 def compress_paths(model: nn.Module, paths: list[str]) -> list[str]:
@@ -106,23 +246,6 @@ def compress_paths(model: nn.Module, paths: list[str]) -> list[str]:
     return result
 
 
-def input_embedding_units(model: nn.Module, towers: list[str]) -> list[str]:
-    """For each vision tower, its child that holds the tower's input (patch) embeddings, with their position
-    embeddings: ``model.visual.patch_embed``, ``model.vision_tower.embeddings``."""
-    found = []
-    for tower_path in towers:
-        tower = model.get_submodule(tower_path)
-        getter = getattr(tower, "get_input_embeddings", None)
-        try:
-            embedding = getter() if callable(getter) else None
-        except (NotImplementedError, AttributeError):
-            embedding = None
-        path = _module_path(tower, embedding)
-        if path:
-            found.append(f"{tower_path}.{path.split('.')[0]}")
-    return found
-
-
 def _resolved(model: nn.Module, patterns: list[str]) -> list[str]:
     from lightning_mm.core.patterns import PatternError, resolve_patterns
 
@@ -136,46 +259,96 @@ def _resolved(model: nn.Module, patterns: list[str]) -> list[str]:
 
 
 def moe_module_paths(model: nn.Module) -> list[str]:
-    """Transformers 5's expert modules: a class named ``...Experts`` with ``num_experts`` and parameters."""
-    return [
-        name for name, module in model.named_modules()
-        if type(module).__name__.endswith("Experts") and isinstance(getattr(module, "num_experts", None), int)
-        and any(True for _ in module.parameters(recurse=False))
-    ]
+    """Transformers 5's fused expert modules: a class named ``...Experts`` with an integer ``num_experts`` whose own
+    weights are 3-D with the experts first (``gate_up_proj``, ``down_proj``)."""
+    found = []
+    for name, module in model.named_modules():
+        experts = getattr(module, "num_experts", None)
+        own = list(module.parameters(recurse=False))
+        if (type(module).__name__.endswith("Experts") and isinstance(experts, int) and not isinstance(experts, bool)
+                and own and all(p.ndim == 3 and p.shape[0] == experts for p in own)):
+            found.append(name)
+    return found
+
+
+# -------------------------------------------------------------------------------------------- the plan
+def _list_patterns(model: nn.Module) -> list[str]:
+    """``path.{*}`` for each outermost ``nn.ModuleList`` with parameters: what ``sub_modules_to_wrap`` could name."""
+    found: list[str] = []
+    for name, module in model.named_modules():
+        if isinstance(module, nn.ModuleList) and _has_parameters(module) and not any(is_under(name, f) for f in found):
+            found.append(name)
+    return [f"{name}.{{*}}" for name in found]
+
+
+def _cannot_decide(model: nn.Module, why: str, keys: str = "`sub_modules_to_wrap`") -> PlanDerivationError:
+    lists = _list_patterns(model)
+    hint = f" (its module lists: {listing(lists, 6)})" if lists else ""
+    return PlanDerivationError(
+        f"cannot derive a default FSDP2 plan for {type(model).__name__}: {why}. Set {keys} in the FSDP2 YAML"
+        f"{hint}, or register an adapter with its own plan (ModelHub.register)"
+    )
+
+
+def derive_fsdp2_plan(model: nn.Module, ignored: Sequence[str] | None = None) -> DerivedPlan:
+    """The default plan of a Hugging Face model (see the module docstring for the rules).
+
+    ``ignored``: the ``ignored_modules`` the user set (patterns allowed); then no unit lies inside them and no
+    ``ignored_modules`` default is given. Raises :class:`PlanDerivationError` where the metadata does not decide.
+    """
+    name = type(model).__name__
+    classes = _no_split(model)
+    if not classes:
+        raise _cannot_decide(model, "it declares no `_no_split_modules` (the classes of its repeated blocks)")
+    present = {type(m).__name__ for m in model.modules()}
+    if not classes & present:
+        raise _cannot_decide(model, f"none of its `_no_split_modules` ({', '.join(sorted(classes))}) is a module "
+                                    "of this model")
+    blocks = block_paths(model)
+    if not blocks:
+        raise _cannot_decide(model, f"no item of an nn.ModuleList is or holds one of its `_no_split_modules` "
+                                    f"({', '.join(sorted(classes))})")
+    user_ignored = ignored is not None
+    towers = tower_paths(model)
+    declared = ["fsdp2_vision_towers"] if getattr(type(model), "fsdp2_vision_towers", None) is not None else []
+    ignore = _resolved(model, list(ignored)) if ignored is not None else frozen_vision_towers(model)
+    blocks = [b for b in blocks if not any(is_under(b, i) for i in ignore)]
+    for tower in towers:
+        if not any(is_under(i, tower) or is_under(tower, i) for i in ignore) and not any(is_under(b, tower)
+                                                                                      for b in blocks):
+            raise _cannot_decide(
+                model, f"its tower '{tower}' holds no block of a `_no_split_modules` class",
+                f"`sub_modules_to_wrap` (or `ignored_modules: [{tower}]` with the tower frozen through `freeze`)",
+            )
+    embeddings = [p for p in _embedding_paths(model) if not any(is_under(p, i) for i in ignore)]
+    extra_declared = getattr(type(model), "fsdp2_extra_units", None)
+    if extra_declared is not None:
+        declared.append("fsdp2_extra_units")
+        names = {n for n, _ in model.named_modules()}
+        extra = [p for p in _resolved(model, list(extra_declared)) if p in names]
+    else:
+        extra = remaining_units(model, [*embeddings, *blocks], towers, ignore)
+    extra = [p for p in dict.fromkeys(extra) if p not in embeddings and not any(is_under(p, i) for i in ignore)]
+    moe = [p for p in moe_module_paths(model) if not any(is_under(p, i) for i in ignore)]
+    tied = getattr(model, "all_tied_weights_keys", None)  # what is tied in this config
+    if tied is None:
+        tied = getattr(model, "_tied_weights_keys", None) or {}
+    tied_lines = [f"{t} -> {s}" for t, s in tied.items()] if isinstance(tied, dict) else [str(t) for t in tied]
+    return DerivedPlan(
+        model_class=name,
+        sub_modules_to_wrap=tuple(compress_paths(model, embeddings + extra + blocks)),
+        ignored_modules=tuple(ignore) if not user_ignored else (),
+        moe_modules=tuple(moe),
+        recompute_candidates=tuple(compress_paths(model, blocks)),
+        towers=tuple(towers),
+        no_split_modules=tuple(sorted(classes)),
+        tied=tuple(tied_lines),
+        declared=tuple(declared),
+    )
 
 
 def hf_default_fsdp2_config(model: nn.Module, ignored: list[str] | None = None) -> dict[str, Any]:
-    """``sub_modules_to_wrap`` (and ``ignored_modules`` for frozen vision towers) for a Hugging Face model.
+    """The FSDP2 YAML keys of :func:`derive_fsdp2_plan` (``sub_modules_to_wrap``, ``moe_modules``, and
+    ``ignored_modules`` for frozen towers)."""
+    return derive_fsdp2_plan(model, ignored).fsdp2_defaults()
 
-    ``ignored``: the ``ignored_modules`` the user set (patterns allowed); then no default unit lies inside them
-    and no ``ignored_modules`` default is given.
-    """
-    user_ignored = ignored is not None
-    ignored = _resolved(model, list(ignored)) if user_ignored else frozen_vision_towers(model)
-    wrap = [p for p in block_paths(model) if not any(is_under(p, t) for t in ignored)]
-    embeddings = []
-    for getter in ("get_input_embeddings", "get_output_embeddings"):
-        fn = getattr(model, getter, None)
-        try:
-            module = fn() if callable(fn) else None
-        except (NotImplementedError, AttributeError):
-            module = None
-        path = _module_path(model, module)
-        if path and not any(is_under(path, t) for t in ignored) and path not in embeddings:
-            embeddings.append(path)
-    names = {name for name, _ in model.named_modules()}
-    declared = getattr(type(model), "fsdp2_extra_units", None)
-    if declared is None:  # Transformers' VLMs name the module between the vision tower and the LM this way
-        declared = [n for n in names if n.rpartition(".")[2] == "multi_modal_projector"]
-    else:
-        declared = _resolved(model, list(declared))
-    towers = [t for t in vision_tower_paths(model) if t in names]
-    extra = [p for p in dict.fromkeys([*input_embedding_units(model, towers), *declared])
-             if p in names and not any(is_under(p, t) for t in ignored)]
-    config: dict[str, Any] = {"sub_modules_to_wrap": compress_paths(model, embeddings + extra + wrap)}
-    moe = [p for p in moe_module_paths(model) if not any(is_under(p, t) for t in ignored)]
-    if moe:
-        config["moe_modules"] = moe
-    if ignored and not user_ignored:
-        config["ignored_modules"] = ignored
-    return config

@@ -48,16 +48,25 @@ class FSDP2Mixin:
         """YAML defaults for this model; the user's YAML wins for every key it sets.
 
         Empty for a custom model (the user's YAML decides). A Hugging Face model gets a plan built from its own
-        metadata (:func:`lightning_mm.hf.default_plans.hf_default_fsdp2_config`): each decoder layer and vision
+        metadata (:func:`lightning_mm.hf.default_plans.derive_fsdp2_plan`): each decoder layer and vision
         block is a unit, input and output embeddings are units (grouped when tied), and a frozen vision tower is
         ignored. ``explicit`` holds the keys the user's YAML sets (see ``FSDP2Config.with_model_defaults``): the
-        default units leave out the modules it ignores.
+        default units leave out the modules it ignores. A model whose metadata does not decide a plan raises
+        :class:`~lightning_mm.hf.default_plans.PlanDerivationError` (naming the keys to set) unless the YAML sets
+        ``sub_modules_to_wrap``.
         """
         if _is_hf_model(self):
-            from lightning_mm.hf.default_plans import hf_default_fsdp2_config
+            from lightning_mm.hf.default_plans import PlanDerivationError, derive_fsdp2_plan, moe_module_paths
 
-            ignored = (explicit or {}).get("ignored_modules")
-            return hf_default_fsdp2_config(self, ignored=ignored)  # type: ignore[arg-type]
+            explicit = explicit or {}
+            try:
+                plan = derive_fsdp2_plan(self, ignored=explicit.get("ignored_modules"))  # type: ignore[arg-type]
+            except PlanDerivationError:
+                if "sub_modules_to_wrap" in explicit:  # the YAML names the units; the experts are still found
+                    experts = moe_module_paths(self)  # type: ignore[arg-type]
+                    return {"moe_modules": experts} if experts else {}
+                raise
+            return plan.fsdp2_defaults()
         return {}
 
     def expert_parallel_forward(self, path: str, module: nn.Module, ep: Any) -> Any:

@@ -4,7 +4,9 @@ The config (a dict, or an object with attributes such as the seed's ``args.mm.mo
 
 ``model_id``
     The ModelHub key of the adapter (optional: else the Hugging Face config's ``architectures[0]``, else its
-    ``model_type``).
+    ``model_type``). An architecture no adapter is registered for is built as its Transformers class plus the
+    mixins, with a default plan derived from the model's metadata (:mod:`lightning_mm.hf.derived_adapters`):
+    ``model_id`` may then name the Transformers class.
 ``init_from_hf_path``
     A local Hugging Face directory: its ``config.json`` and its safetensors weights are loaded (strictly).
 ``hf_config``
@@ -52,7 +54,7 @@ from lightning_mm._module_paths import enclosing
 from lightning_mm._names import did_you_mean
 from lightning_mm.hf.batch_check import install_batch_check
 from lightning_mm.hf.config_fields import checked_fields
-from lightning_mm.hf.hub import ModelHub
+from lightning_mm.hf.derived_adapters import resolve_model_class
 from lightning_mm.hf.loading import load_into_meta_model, load_local_shards
 from lightning_mm.hf.mixins import FSDP2Mixin, WeightInitMixin
 from lightning_mm.hf.pretrained_index import LoadPlan, SafetensorsIndex, build_load_plan
@@ -208,7 +210,7 @@ def build_hf_config(cfg: TransformersModelConfig) -> Any:
                 )
             config_cls = CONFIG_MAPPING[model_type]
         elif cfg.model_id is not None:
-            config_cls = ModelHub.get(cfg.model_id).config_class
+            config_cls = resolve_model_class(cfg.model_id)[1].config_class
         else:
             raise TransformersModelConfigError(
                 "TransformersModel config: give `init_from_hf_path` (a Hugging Face directory), or `hf_config` "
@@ -274,9 +276,10 @@ def _freeze(model: nn.Module, patterns: list[str]) -> list[str]:
 def TransformersModel(config: Any) -> nn.Module:  # noqa: N802 - the seed's name for this factory
     """Build the adapted Hugging Face model that ``config`` describes (see the module docstring for the keys).
 
-    Returns an instance of the adapter class registered in :class:`~lightning_mm.modules.ModelHub` (a
-    ``transformers.PreTrainedModel`` subclass with ``FSDP2Mixin`` and ``WeightInitMixin``), so module paths and
-    state-dict keys are the Hugging Face ones.
+    Returns an instance of the adapter class registered in :class:`~lightning_mm.modules.ModelHub`, or, for an
+    architecture without one, of its Transformers class with the mixins added
+    (:func:`~lightning_mm.hf.derived_adapters.derived_adapter`): a ``transformers.PreTrainedModel`` subclass with
+    ``FSDP2Mixin`` and ``WeightInitMixin``, so module paths and state-dict keys are the Hugging Face ones.
 
     Every call of the returned model is checked before it computes
     (:func:`~lightning_mm.hf.batch_check.install_batch_check`: a forward pre-hook): a batch key its ``forward`` would
@@ -289,7 +292,7 @@ def TransformersModel(config: Any) -> nn.Module:  # noqa: N802 - the seed's name
 
     cfg = TransformersModelConfig.from_any(config)
     hf_config = build_hf_config(cfg)
-    key, model_cls = ModelHub.resolve(cfg.model_id, hf_config)
+    key, model_cls, source = resolve_model_class(cfg.model_id, hf_config)
     if not (isinstance(model_cls, type) and issubclass(model_cls, PreTrainedModel)):
         raise TransformersModelConfigError(
             f"ModelHub key '{key}' maps to {model_cls!r}, which is not a transformers.PreTrainedModel subclass"
@@ -328,6 +331,6 @@ def TransformersModel(config: Any) -> nn.Module:  # noqa: N802 - the seed's name
         from lightning_mm.hf.chunk_loss import enable_chunk_loss
 
         enable_chunk_loss(model, cfg.chunk_loss_size)
-    log.info("TransformersModel: %s (ModelHub key '%s')%s", model_cls.__name__, key,
+    log.info("TransformersModel: %s (%s)%s", model_cls.__name__, source,
              f" from {cfg.init_from_hf_path}" if cfg.init_from_hf_path else ", random init")
     return model

@@ -3,8 +3,10 @@
 Each is the Transformers class plus ``FSDP2Mixin`` and ``WeightInitMixin`` (the seed's recipe); its ``hub_keys``
 (architecture name and ``model_type``) are the keys :class:`~lightning_mm.hf.hub.ModelHub` registers it under on
 first lookup (``BUILTIN_ADAPTERS``; the adapters do not import the hub). Their default sharding plan (no
-``sub_modules_to_wrap`` needed in the YAML) wraps every decoder layer and vision block and the embeddings, and
-ignores a frozen vision tower.
+``sub_modules_to_wrap`` needed in the YAML) is derived from the model's own metadata like any Transformers
+model's (:func:`lightning_mm.hf.default_plans.derive_fsdp2_plan`): every decoder layer and vision block, the
+embeddings, the projector, and a frozen vision tower ignored. An architecture without an adapter here gets the
+same derivation through :func:`lightning_mm.hf.derived_adapters.derived_adapter`.
 """
 
 from lightning_mm.hf.adapters.causal_lm import MMLlamaForCausalLM, MMQwen2ForCausalLM, MMQwen3ForCausalLM

@@ -1,7 +1,7 @@
 """Llama-family causal language models: Llama, Qwen2, Qwen3.
 
-Default plan: ``model.layers.{*}``, ``model.embed_tokens`` and ``lm_head`` (one unit when tied).
-"""
+Default plan (derived from the model's metadata, :mod:`lightning_mm.hf.default_plans`): ``model.layers.{*}``,
+``model.embed_tokens`` and ``lm_head`` (one unit when tied)."""
 
 from transformers import LlamaForCausalLM, Qwen2ForCausalLM, Qwen3ForCausalLM
 

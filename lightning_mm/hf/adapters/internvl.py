@@ -1,10 +1,9 @@
 """InternVL (Transformers' native implementation: ``InternVLForConditionalGeneration``), as the seed's example.
 
-Default plan: ``model.vision_tower.encoder.layer.{*}``, ``model.vision_tower.embeddings``,
-``model.language_model.layers.{*}``, the embeddings,
-``model.multi_modal_projector`` and ``lm_head`` (one unit when tied); with the vision tower frozen,
-``model.vision_tower`` is ignored instead.
-"""
+Default plan (derived from the model's metadata, :mod:`lightning_mm.hf.default_plans`):
+``model.vision_tower.encoder.layer.{*}``, ``model.vision_tower.embeddings``, ``model.language_model.layers.{*}``,
+the embeddings, ``model.multi_modal_projector`` and ``lm_head`` (one unit when tied); with the vision tower frozen,
+``model.vision_tower`` is ignored instead."""
 
 from transformers import InternVLForConditionalGeneration
 
@@ -17,5 +16,3 @@ class MMInternVLForConditionalGeneration(InternVLForConditionalGeneration, FSDP2
     """``transformers.InternVLForConditionalGeneration``, FSDP2-ready."""
 
     hub_keys = ("InternVLForConditionalGeneration", "internvl")
-
-    fsdp2_vision_towers = ("model.vision_tower",)

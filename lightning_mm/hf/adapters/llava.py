@@ -1,9 +1,8 @@
 """LLaVA (``LlavaForConditionalGeneration``: a CLIP/SigLIP-style vision tower, a projector and a decoder LM).
 
-Default plan: the vision tower's encoder layers and its ``embeddings``, ``model.language_model.layers.{*}``, the
-embeddings, ``model.multi_modal_projector`` and ``lm_head``; with the vision tower frozen, ``model.vision_tower``
-is ignored instead.
-"""
+Default plan (derived from the model's metadata, :mod:`lightning_mm.hf.default_plans`): the vision tower's encoder
+layers and its ``embeddings``, ``model.language_model.layers.{*}``, the embeddings, ``model.multi_modal_projector``
+and ``lm_head``; with the vision tower frozen, ``model.vision_tower`` is ignored instead."""
 
 from transformers import LlavaForConditionalGeneration
 
@@ -16,5 +15,3 @@ class MMLlavaForConditionalGeneration(LlavaForConditionalGeneration, FSDP2Mixin,
     """``transformers.LlavaForConditionalGeneration``, FSDP2-ready."""
 
     hub_keys = ("LlavaForConditionalGeneration", "llava")
-
-    fsdp2_vision_towers = ("model.vision_tower",)

@@ -1,8 +1,8 @@
 """Mixture-of-experts models: Qwen3-MoE and Qwen3-VL-MoE.
 
-Default plan: as for their dense relatives (decoder layers, vision blocks, embeddings; Qwen3-VL-MoE's vision
-units are dense Qwen3-VL's, :data:`~lightning_mm.hf.adapters.qwen3_vl.QWEN3_VL_VISION_UNITS`: the patch and
-position embeddings, the merger and each DeepStack merger), plus
+Default plan (derived from the model's metadata, :mod:`lightning_mm.hf.default_plans`): as for their dense
+relatives (decoder layers, vision blocks, embeddings; Qwen3-VL-MoE's vision units are dense Qwen3-VL's: the patch
+and position embeddings, the merger and each DeepStack merger), plus
 ``moe_modules``: every decoder layer's ``mlp.experts`` (Transformers 5's fused 3-D expert weights), which
 ``expert_parallel_size`` > 1 splits over the ranks of an EP group. Their expert modules share Transformers' call
 shape ``experts(hidden_states, top_k_index, top_k_weights)``, so the strategy's routed forward
@@ -11,7 +11,6 @@ shape ``experts(hidden_states, top_k_index, top_k_weights)``, so the strategy's 
 
 from transformers import Qwen3MoeForCausalLM, Qwen3VLMoeForConditionalGeneration
 
-from lightning_mm.hf.adapters.qwen3_vl import QWEN3_VL_VISION_UNITS
 from lightning_mm.hf.mixins import FSDP2Mixin, WeightInitMixin
 
 __all__ = ["MMQwen3MoeForCausalLM", "MMQwen3VLMoeForConditionalGeneration"]
@@ -27,6 +26,3 @@ class MMQwen3VLMoeForConditionalGeneration(Qwen3VLMoeForConditionalGeneration, F
     """``transformers.Qwen3VLMoeForConditionalGeneration``, FSDP2- and expert-parallel-ready."""
 
     hub_keys = ("Qwen3VLMoeForConditionalGeneration", "qwen3_vl_moe")
-
-    fsdp2_vision_towers = ("model.visual",)
-    fsdp2_extra_units = QWEN3_VL_VISION_UNITS

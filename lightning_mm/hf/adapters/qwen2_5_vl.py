@@ -1,9 +1,9 @@
 """Qwen2.5-VL (``Qwen2_5_VLForConditionalGeneration``).
 
-Default plan: ``model.visual.blocks.{*}``, ``model.visual.patch_embed``, the patch merger ``model.visual.merger``
-(the projector into the language model), ``model.language_model.layers.{*}``, the embeddings and ``lm_head``;
-with the vision tower frozen, ``model.visual`` is ignored instead.
-"""
+Default plan (derived from the model's metadata, :mod:`lightning_mm.hf.default_plans`): ``model.visual.blocks.{*}``,
+``model.visual.patch_embed``, the patch merger ``model.visual.merger`` (the projector into the language model),
+``model.language_model.layers.{*}``, the embeddings and ``lm_head``; with the vision tower frozen, ``model.visual``
+is ignored instead."""
 
 from transformers import Qwen2_5_VLForConditionalGeneration
 
@@ -16,6 +16,3 @@ class MMQwen2_5_VLForConditionalGeneration(Qwen2_5_VLForConditionalGeneration, F
     """``transformers.Qwen2_5_VLForConditionalGeneration``, FSDP2-ready."""
 
     hub_keys = ("Qwen2_5_VLForConditionalGeneration", "qwen2_5_vl")
-
-    fsdp2_vision_towers = ("model.visual",)
-    fsdp2_extra_units = ("model.visual.merger",)

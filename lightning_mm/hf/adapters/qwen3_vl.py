@@ -1,10 +1,11 @@
 """Qwen3-VL, dense (``Qwen3VLForConditionalGeneration``): MindSpeed MM's main FSDP2 example.
 
-Default plan: ``model.visual.blocks.{*}``, the vision tower's input embeddings ``model.visual.patch_embed`` and
-``model.visual.pos_embed`` (the learned position grid that every image's grid is resampled from), the patch merger
-``model.visual.merger`` (the projector into the language model), each DeepStack merger
-``model.visual.deepstack_merger_list.{*}``, ``model.language_model.layers.{*}``, the embeddings and ``lm_head``;
-with the vision tower frozen, ``model.visual`` is ignored instead (its mergers with it).
+Default plan (derived from the model's metadata, :mod:`lightning_mm.hf.default_plans`): ``model.visual.blocks.{*}``,
+the vision tower's input embeddings ``model.visual.patch_embed`` and ``model.visual.pos_embed`` (the learned
+position grid that every image's grid is resampled from), the patch merger ``model.visual.merger`` (the projector
+into the language model), each DeepStack merger ``model.visual.deepstack_merger_list.{*}``,
+``model.language_model.layers.{*}``, the embeddings and ``lm_head``; with the vision tower frozen, ``model.visual``
+is ignored instead (its mergers with it).
 
 Each DeepStack merger is a unit of its own, as in MindSpeed MM's Qwen3-VL plans: each runs right after its own
 vision block (blocks 8, 16 and 24 of the 8B model), so one unit for all of them would be gathered at the first and
@@ -21,21 +22,10 @@ from transformers import Qwen3VLForConditionalGeneration
 
 from lightning_mm.hf.mixins import FSDP2Mixin, WeightInitMixin
 
-__all__ = ["MMQwen3VLForConditionalGeneration", "QWEN3_VL_VISION_UNITS"]
-
-# The vision tower's units besides its blocks, shared by dense Qwen3-VL and Qwen3-VL-MoE (the same tower).
-QWEN3_VL_VISION_UNITS = (
-    "model.visual.patch_embed",
-    "model.visual.pos_embed",
-    "model.visual.merger",
-    "model.visual.deepstack_merger_list.{*}",
-)
+__all__ = ["MMQwen3VLForConditionalGeneration"]
 
 
 class MMQwen3VLForConditionalGeneration(Qwen3VLForConditionalGeneration, FSDP2Mixin, WeightInitMixin):
     """``transformers.Qwen3VLForConditionalGeneration``, FSDP2-ready."""
 
     hub_keys = ("Qwen3VLForConditionalGeneration", "qwen3_vl")
-
-    fsdp2_vision_towers = ("model.visual",)
-    fsdp2_extra_units = QWEN3_VL_VISION_UNITS

@@ -1,0 +1,432 @@
+"""MindSpeed MM's native FSDP2 route (six-section YAML): migrate with golden reports, the parallel section given to
+MMFSDP2Strategy directly, and plans for the shipped configs' world sizes.
+
+The shipped configs are in ``tests/data/mindspeed_native`` (see its README for their source and commit). Golden
+files: ``tests/data/mindspeed_native/golden``; regenerate with ``LIGHTNING_MM_REGEN_GOLDEN=1 pytest
+tests/test_native_route.py`` and review the diff.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import warnings
+from pathlib import Path
+
+import pytest
+import yaml
+
+from lightning_mm.commands import migrate
+from lightning_mm.core.config import FSDP2Config, FSDP2ConfigError
+
+DATA = Path(__file__).resolve().parent / "data" / "mindspeed_native"
+GOLDEN = DATA / "golden"
+CONFIGS = sorted(p.name for p in DATA.glob("*.yaml"))
+REGEN = os.environ.get("LIGHTNING_MM_REGEN_GOLDEN") == "1"
+
+# NPUS_PER_NODE x NNODES of each config's launch script in MindSpeed MM (tests/st: the example's)
+WORLD_SIZES = {
+    "cosyvoice3__cosyvoice3_config.yaml": 8, "funasr__funasr_config.yaml": 8, "kimi_k3__kimik3_config.yaml": 16,
+    "kimik2_5__kimik2_5_config.yaml": 512, "ltx2__ltx2_config_t2av.yaml": 8, "ltx2__ltx2_config_t2v.yaml": 8,
+    "mimov2_5__mimov2_5_config.yaml": 16, "moss_tts__moss_tts_delay_config.yaml": 8,
+    "qwen3_5__qwen3_5_122B_config.yaml": 128, "qwen3_5__qwen3_5_27B_config.yaml": 16,
+    "qwen3_5__qwen3_5_35B_config.yaml": 16, "qwen3_5__qwen3_5_397B_config.yaml": 256,
+    "qwen3_5__qwen3_5_4B_config.yaml": 8, "qwen3_5__qwen3_5_9B_config.yaml": 8,
+    "qwen3_6__qwen3_6_27B_config.yaml": 16, "qwen3_6__qwen3_6_35B_config.yaml": 16,
+    "qwen3_asr__qwen3_asr_1.7B_config.yaml": 8, "qwen3omni__qwen3omni_config_v1.yaml": 16,
+    "qwen3tts__qwen3tts_config.yaml": 8, "qwen3vl__qwen3vl_30B_config_v1.yaml": 16,
+    "qwen3vl__qwen3vl_30B_config_v1_A5.yaml": 8, "step3_vl__step3_vl_10b_config.yaml": 4,
+    "st__finetune_kimik2_5__kimik2_5_config.yaml": 512, "st__finetune_qwen3_5_35B__qwen3_5_35B_config.yaml": 16,
+    "st__finetune_qwen3tts__qwen3tts_config.yaml": 8, "st__finetune_qwen3vl_30B__qwen3vl_30B_config_v1.yaml": 16,
+}
+# Configs whose architecture this project trains (an adapter in ModelHub); the rest are reported as not trainable.
+PLANNED = ("qwen3vl__qwen3vl_30B_config_v1.yaml", "qwen3vl__qwen3vl_30B_config_v1_A5.yaml",
+           "st__finetune_qwen3vl_30B__qwen3vl_30B_config_v1.yaml")
+
+
+def _migrate(name: str, tmp_path: Path, capsys) -> tuple[str, str]:
+    """``lightning-mm migrate NAME -o tmp/config.yaml``: (report, written config), paths made stable."""
+    out = tmp_path / "config.yaml"
+    try:
+        migrate.main([str(DATA / name), "-o", str(out), "--base-dir", str(tmp_path)])
+        written = out.read_text()
+    except migrate.MigrateError as err:
+        written = f"# migrate refused the file: {err}\n"
+    report = capsys.readouterr().err
+
+    def stable(text: str) -> str:
+        return text.replace(str(tmp_path.resolve()), "<RUN>").replace(str(DATA), "<DATA>")
+
+    return stable(report), stable(written)
+
+
+def _check_golden(path: Path, text: str) -> None:
+    if REGEN:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(text)
+    assert path.is_file(), f"no golden file {path}; run with LIGHTNING_MM_REGEN_GOLDEN=1"
+    assert text == path.read_text(), f"{path.name} differs from its golden file (LIGHTNING_MM_REGEN_GOLDEN=1)"
+
+
+def test_every_shipped_native_config_is_here():
+    assert len(CONFIGS) == 26 and set(CONFIGS) == set(WORLD_SIZES)
+
+
+@pytest.mark.parametrize("name", CONFIGS)
+def test_native_config_migrates_with_its_golden_report(name, tmp_path, capsys):
+    report, written = _migrate(name, tmp_path, capsys)
+    _check_golden(GOLDEN / f"{name[:-5]}.report.txt", report)
+    _check_golden(GOLDEN / f"{name[:-5]}.config.yaml", written)
+    if written.startswith("# migrate refused"):
+        return
+    # Every leaf key of parallel / model / features / training / tools is named in the report (mapped, a note,
+    # or not mapped), or sits under a key that is.
+    data = yaml.safe_load((DATA / name).read_text())
+    config = yaml.safe_load(written)
+    assert config["trainer"]["strategy"]["class_path"] == "lightning_mm.MMFSDP2Strategy"
+    FSDP2Config.from_dict(config["trainer"]["strategy"]["init_args"]["fsdp2_config"])  # a valid 18-key config
+    for section in ("parallel", "model", "features", "training", "tools"):
+        for leaf in _leaves(data.get(section) or {}, f"{section}."):
+            parts = leaf.split(".")
+            named = [".".join(parts[:i]) for i in range(len(parts), 1, -1)]
+            assert any(_mentions(report, n) for n in named), (name, leaf)
+
+
+def _leaves(node: dict, prefix: str) -> list[str]:
+    out = []
+    for key, value in node.items():
+        if isinstance(value, dict) and value:
+            out += _leaves(value, f"{prefix}{key}.")
+        else:
+            out.append(f"{prefix}{key}")
+    return out
+
+
+def _mentions(report: str, key: str) -> bool:
+    return any(line.strip().startswith(key) or f" {key}" in line or f"{key} " in line or f"{key}:" in line
+               or f"{key}/" in line for line in report.splitlines())
+
+
+def test_the_report_names_keys_mindspeed_cannot_use_here():
+    """Keys that change training and cannot be honoured are NOT mapped, with the reason, never dropped."""
+    text = (DATA / "qwen3vl__qwen3vl_30B_config_v1.yaml").read_text()
+    data = yaml.safe_load(text)
+    data["parallel"].update(tensor_parallel_size=2, ring_attention_size=2, ulysses_parallel_size=2,
+                            data_parallel_size=4)
+    data["features"]["enable_activation_offload"] = True
+    from lightning_mm.commands.native_route import migrate_native
+
+    result = migrate_native(DATA / "x.yaml", data)
+    unmapped = "\n".join(result.unmapped)
+    assert "parallel.tensor_parallel_size: 2" in unmapped and "rejects it too" in unmapped
+    assert "parallel.ring_attention_size: 2: ring attention is NPU-only" in unmapped
+    assert "parallel.data_parallel_size: 4" in unmapped
+    assert "features.enable_activation_offload" in unmapped
+    assert result.config["trainer"]["strategy"]["init_args"]["context_parallel_size"] == 2
+
+
+def test_lora_packing_async_save_and_hf_format_are_written_under_the_agreed_names(tmp_path):
+    """Keys no shipped config turns on, checked as data: the written config uses the option names agreed for
+    chunked loss, packing, async save and the HF checkpoint format (being added), and the report says so."""
+    from lightning_mm.commands.native_route import migrate_native
+
+    data = _native("qwen3_5__qwen3_5_4B_config.yaml")
+    data["training"].update(save_async=True, save_format="hf", save_ckpt_dtype="bf16",
+                            lora={"enable": True, "rank": 4, "alpha": 8, "target_modules": ["q_proj", "v_proj"],
+                                  "dropout": 0.05})
+    data["data"]["dataset_param"]["basic_parameters"].update(neat_packing=True, cutoff_len=4096)
+    data["parallel"]["ulysses_parallel_size"] = 2
+    result = migrate_native(DATA / "x.yaml", data, base_dir=tmp_path)
+    config = result.config
+    strategy = config["trainer"]["strategy"]["init_args"]
+    assert strategy["async_save"] is True and strategy["checkpoint_format"] == "hf"
+    assert strategy["save_ckpt_dtype"] == "bf16" and strategy["context_parallel_size"] == 2
+    model = config["model"]["init_args"]["transformers_model"]
+    assert model["lora"] == {"rank": 4, "alpha": 8, "target_modules": ["q_proj", "v_proj"], "dropout": 0.05}
+    assert model["enable_chunk_loss"] is True and model["chunk_loss_size"] == 1024
+    # neat_packing is read by MMDataModule from the data config (packing area); the token budget excludes batch_size
+    assert "batch_size" not in config["data"]["init_args"]
+    assert any("neat_packing, cutoff_len -> MMDataModule packing" in m for m in result.mapped)
+    pending = next(n for n in result.notes if n.startswith("written with options being added"))
+    for option in ("async_save", "checkpoint_format: hf", "save_ckpt_dtype", "enable_chunk_loss", "packing"):
+        assert option in pending, (option, pending)
+    from lightning_mm.hf.lora import LoRAConfig
+
+    LoRAConfig.from_any(model["lora"])  # a valid lora config here
+
+
+# ------------------------------------------------------------------------------ the parallel section, directly
+def _native(name: str) -> dict:
+    return yaml.safe_load((DATA / name).read_text())
+
+
+def test_parallel_section_and_whole_config_give_the_migrated_fsdp2_config(tmp_path, capsys):
+    """MMFSDP2Strategy(fsdp2_config=<parallel section | whole native config | its file>) resolves to the same
+    FSDP2Config as the 18-key config migrate writes for it."""
+    from lightning_mm import MMFSDP2Strategy
+
+    name = "st__finetune_qwen3vl_30B__qwen3vl_30B_config_v1.yaml"
+    _, written = _migrate(name, tmp_path, capsys)
+    eighteen = FSDP2Config.from_dict(yaml.safe_load(written)["trainer"]["strategy"]["init_args"]["fsdp2_config"])
+    data = _native(name)
+    whole = MMFSDP2Strategy(fsdp2_config=data).fsdp2_config
+    from_file = MMFSDP2Strategy(fsdp2_config=str(DATA / name)).fsdp2_config
+    section = FSDP2Config.load({**data["parallel"], "recompute": True,
+                                "recompute_plan": data["features"]["recompute_plan"]})
+    assert whole == from_file == section == eighteen
+    assert whole.expert_parallel_size == 8 and whole.moe_modules == ["model.language_model.layers.{*}.mlp.experts"]
+    assert whole.num_to_backward_prefetch == 0 and whole.use_reentrant is False  # MindSpeed MM's defaults
+    assert whole.recompute_modules == ["model.visual.blocks.{*}", "model.language_model.layers.{*}"]
+
+
+def test_equal_plans_from_the_native_and_the_18_key_forms(tmp_path):
+    """Both forms build the same sharding plan on a tiny Qwen3-VL-MoE (the architecture of the config)."""
+    from lightning_mm.core.plan import build_plan
+    from tests.moe_models import tiny_moe_model
+
+    model = tiny_moe_model("qwen3_vl_moe")
+    parallel = {**_native("st__finetune_qwen3vl_30B__qwen3vl_30B_config_v1.yaml")["parallel"]}
+    parallel["expert_parallel_size"] = 2
+    native = FSDP2Config.load(parallel)
+    eighteen = FSDP2Config.load({
+        "sharding_size": "auto", "sub_modules_to_wrap": parallel["fsdp_plan"]["apply_modules"],
+        "param_dtype": "bf16", "reduce_dtype": "fp32", "num_to_backward_prefetch": 0, "use_reentrant": False,
+        "expert_parallel_size": 2, "moe_modules": ["model.language_model.layers.{*}.mlp.experts"],
+    })
+    assert build_plan(native, model, 4).describe() == build_plan(eighteen, model, 4).describe()
+
+
+@pytest.mark.parametrize("section, message", [
+    ({"fsdp_plan": {"apply_modul": ["a"]}}, "unknown native FSDP2 config key `fsdp_plan.apply_modul`; did you mean "
+                                            "`fsdp_plan.apply_modules`?"),
+    ({"fsdp_plan": {"param_dtype": "bf17"}}, "`fsdp_plan.param_dtype`: unknown dtype 'bf17'"),
+    ({"fully_shard_parallel_size": 0}, "`fully_shard_parallel_size`: expected an integer >= 1, got 0"),
+    ({"tensor_parallel_size": 2}, "tensor_parallel_size: 2: tensor parallelism is not supported here"),
+    ({"ring_attention_size": 2}, "ring_attention_size: 2: ring attention is NPU-only"),
+    ({"ulysses_parallel_size": 2}, "give MMFSDP2Strategy(context_parallel_size=2)"),
+    ({"recompute": "yes"}, "`recompute`: expected true or false, got 'yes'"),
+    ({"ep_plan": {"dispatcher": "nccl"}}, "`ep_plan.dispatcher`: 'nccl' is not a MindSpeed MM dispatcher"),
+])
+def test_bad_parallel_sections_are_errors_naming_the_key(section, message):
+    with pytest.raises(FSDP2ConfigError) as err:
+        FSDP2Config.load(section)
+    assert message in str(err.value)
+
+
+def test_a_whole_native_file_names_the_file_and_section_in_errors(tmp_path):
+    path = tmp_path / "native.yaml"
+    path.write_text("parallel:\n  fsdp_plan:\n    reshard_after_forwad: true\nmodel: {}\n")
+    with pytest.raises(FSDP2ConfigError, match=r"`parallel\.fsdp_plan\.reshard_after_forwad` in .*native\.yaml; "
+                                               r"did you mean `parallel\.fsdp_plan\.reshard_after_forward`"):
+        FSDP2Config.load(str(path))
+
+
+def test_speed_only_keys_warn_by_name():
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        FSDP2Config.load({"fsdp_plan": {"pregather": True, "apply_modules": ["layers.{*}"]}})
+    assert any("fsdp_plan.pregather" in str(w.message) for w in caught)
+
+
+# ------------------------------------------------------------------------------ plans for the world sizes
+@pytest.mark.parametrize("name", [n for n in CONFIGS if n != "moss_tts__moss_tts_delay_config.yaml"])
+def test_every_config_resolves_for_its_world_size(name):
+    """From the config alone (the models are too big to build, most have no adapter here): the migrated FSDP2
+    config's shard group and expert-parallel size fit the launch script's world size."""
+    from lightning_mm.commands.native_route import migrate_native
+
+    result = migrate_native(DATA / name, _native(name))
+    config = FSDP2Config.from_dict(result.config["trainer"]["strategy"]["init_args"]["fsdp2_config"])
+    world = WORLD_SIZES[name]
+    size = _native(name)["parallel"].get("fully_shard_parallel_size", "auto")
+    assert config.resolve_sharding_size(world) == (world if size == "auto" else size)  # 1 (FunASR): replicas only
+    config.check_expert_parallel_size(world)
+    assert config.expert_parallel_size == _native(name)["parallel"].get("expert_parallel_size", 1)
+
+
+def test_migrating_a_native_config_imports_neither_lightning_nor_transformers():
+    import subprocess
+    import sys
+
+    root = Path(__file__).resolve().parents[1]
+    proc = subprocess.run([sys.executable, "-X", "importtime", "-m", "lightning_mm.cli", "migrate",
+                           str(DATA / "qwen3vl__qwen3vl_30B_config_v1.yaml")], cwd=root, capture_output=True,
+                          text=True, timeout=120, env={**os.environ, "PYTHONPATH": str(root)})
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    imported = {line.rsplit("|", 1)[-1].strip().split(".")[0] for line in proc.stderr.splitlines()
+                if line.startswith("import time:")}
+    assert not imported & {"lightning", "pytorch_lightning", "transformers"}
+
+
+@pytest.mark.parametrize("name", PLANNED)
+def test_lightning_mm_plan_for_the_configs_world_size(name, tmp_path, capsys):
+    """``lightning-mm plan`` of the migrated config at the launch script's world size, on the meta device, with a
+    tiny Qwen3-VL-MoE stand-in of the 30B checkpoint (the same module paths)."""
+    from lightning_mm.commands.plan import plan_from_cli_config
+    from tests.moe_models import tiny_moe_model
+
+    model_dir = tmp_path / "hf"
+    tiny_moe_model("qwen3_vl_moe").save_pretrained(model_dir)
+    _, written = _migrate(name, tmp_path, capsys)
+    config = yaml.safe_load(written.replace("<RUN>", str(tmp_path.resolve())).replace("<DATA>", str(DATA)))
+    model = config["model"]["init_args"]["transformers_model"]
+    model.update(init_from_hf_path=str(model_dir), trust_remote_code=False)
+    for pending in ("enable_chunk_loss", "chunk_loss_size"):  # options being added (see native_route.PENDING_OPTIONS)
+        model.pop(pending, None)
+    (tmp_path / "plan.yaml").write_text(yaml.safe_dump(config))
+    text = plan_from_cli_config(["--config", str(tmp_path / "plan.yaml")], world_size=WORLD_SIZES[name])
+    world = WORLD_SIZES[name]
+    assert f"world size {world}, mesh (shard={world})" in text, text
+    units = text.split("units (", 1)[1].split("<root>", 1)[0]
+    for unit in ("model.visual.blocks.0", "model.visual.deepstack_merger_list.0", "model.language_model.layers.1",
+                 "model.visual.merger", "model.language_model.embed_tokens", "lm_head"):
+        assert unit in units, (unit, text)
+    assert "recomputed (non-reentrant): model.visual.blocks.0" in text
+    if name.startswith("st__"):  # expert_parallel_size 8 on 16 ranks
+        assert "expert parallel: mesh (ep_replicate=2 x ep=8)" in text, text
+
+
+# ------------------------------------------------------------------------------ training, 2 ranks
+TRAINED = "qwen3vl__qwen3vl_30B_config_v1.yaml"  # the MoE VLM; see docs/migration.md for the others
+
+
+@pytest.mark.parametrize("name", [n for n in CONFIGS if n != "moss_tts__moss_tts_delay_config.yaml"])
+def test_the_report_says_which_configs_cannot_train_here(name, tmp_path):
+    """An architecture without an adapter is NOT mapped, by name, and its model_id left out of the config."""
+    from lightning_mm.commands.native_route import NATIVE_MODEL_IDS, migrate_native
+
+    data = _native(name)
+    result = migrate_native(DATA / name, data, base_dir=tmp_path)
+    model_id = data["model"].get("model_id")
+    written = result.config["model"]["init_args"]["transformers_model"]
+    if model_id in NATIVE_MODEL_IDS:
+        assert written["model_id"] == NATIVE_MODEL_IDS[model_id]
+    else:
+        assert "model_id" not in written
+        assert any(line.startswith(f"model.model_id: {model_id}: ") and "does not train here yet" in line
+                   for line in result.unmapped), result.unmapped
+
+
+def _tiny_qwen3_vl_moe(directory: Path) -> Path:
+    """A tiny Qwen3-VL-MoE directory: the tiny Qwen3-VL's tokenizer, processor and chat template with the MoE
+    model of the same dimensions (8 experts, 2 per token) in place of the dense one."""
+    import torch
+    import transformers
+
+    from tests.tiny_vlms import write_tiny_vlm
+
+    write_tiny_vlm(directory, "qwen3_vl", seed=3, init_std=0.3, min_pixels=32 * 32, max_pixels=64 * 64)
+    dense = transformers.AutoConfig.from_pretrained(directory)
+    drop = ("model_type", "architectures", "transformers_version", "dtype", "torch_dtype")
+    text = {k: v for k, v in dense.text_config.to_dict().items() if k not in drop}
+    text.update(moe_intermediate_size=16, num_experts=8, num_experts_per_tok=2, norm_topk_prob=True)
+    vision = {k: v for k, v in dense.vision_config.to_dict().items() if k not in drop}
+    config = transformers.Qwen3VLMoeConfig(
+        text_config=text, vision_config=vision, tie_word_embeddings=False,
+        **{k: getattr(dense, k) for k in ("image_token_id", "video_token_id", "vision_start_token_id",
+                                          "vision_end_token_id")})
+    config.architectures = ["Qwen3VLMoeForConditionalGeneration"]
+    torch.manual_seed(5)
+    transformers.Qwen3VLMoeForConditionalGeneration(config).save_pretrained(directory)
+    return directory
+
+
+def _images_and_records(root: Path) -> Path:
+    from PIL import Image
+
+    (root / "images").mkdir(parents=True)
+    for i, size in enumerate(((32, 32), (32, 64), (64, 32), (32, 32))):
+        Image.new("RGB", size, (40 * i + 20, 200 - 30 * i, 90)).save(root / "images" / f"{i}.png")
+    answers = ["A red square.", "Two cats.", "The answer is 2.", "left", "Blue ground.", "No, it is not.", "top",
+               "One dog and two cats."]
+    lines = []
+    for i, answer in enumerate(answers):
+        image = i % 3 != 1  # some text-only records
+        user = ("<image>" if image else "") + "What is in this picture?"
+        record = {"messages": [{"role": "user", "content": user}, {"role": "assistant", "content": answer}]}
+        if image:
+            record["images"] = [f"images/{i % 4}.png"]
+        lines.append(json.dumps(record))
+    (root / "train.jsonl").write_text("\n".join(lines) + "\n")
+    return root / "train.jsonl"
+
+
+def test_migrated_moe_vlm_config_trains_like_plain_transformers(tmp_path, capsys):
+    """MindSpeed MM's Qwen3-VL-30B-A3B native config (its FSDP plan, recompute plan, frozen vision tower, loss,
+    data section), with expert parallelism 2 switched on, migrated and run by ``lightning-mm fit`` on 2 CPU ranks
+    with a tiny Qwen3-VL-MoE stand-in: each step's loss on each rank equals one process of plain Transformers
+    (same AdamW, fp32, the same batches) to relative 1e-5."""
+    import subprocess
+    import sys
+
+    import torch
+    import transformers
+
+    model_dir = _tiny_qwen3_vl_moe(tmp_path / "hf")
+    records = _images_and_records(tmp_path / "data")
+    native = _native(TRAINED)
+    native["parallel"]["fsdp_plan"].update(param_dtype="fp32", reduce_dtype="fp32")
+    native["parallel"]["expert_parallel_size"] = 2
+    data = native["data"]
+    data["dataset_param"]["preprocess_parameters"].update(model_name_or_path=str(model_dir), image_max_pixels=4096)
+    data["dataset_param"]["basic_parameters"].update(dataset_dir=str(records.parent), dataset=str(records),
+                                                     cache_dir=str(tmp_path / "cache"))
+    data["dataloader_param"].update(num_workers=0, pin_memory=False)
+    native["model"]["model_name_or_path"] = str(model_dir)
+    native["model"]["attn_implementation"] = "sdpa"
+    native["training"].update(micro_batch_size=2, lr=5.0e-3, lr_warmup_ratio=0.0, lr_decay_style="constant",
+                              train_iters=2)
+    del native["training"]["save_interval"]
+    source = tmp_path / "native.yaml"
+    source.write_text(yaml.safe_dump(native, sort_keys=False))
+    out = tmp_path / "config.yaml"
+    migrate.main([str(source), "-o", str(out), "--base-dir", str(tmp_path)])
+    report = capsys.readouterr().err
+    assert "parallel.expert_parallel_size -> fsdp2_config.expert_parallel_size: 2" in report
+    config = yaml.safe_load(out.read_text())
+    assert config["model"]["init_args"]["transformers_model"]["freeze"] == ["model.visual"]
+    config["trainer"].update(accelerator="cpu", devices=2, precision="32-true", logger=False,
+                             enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+                             num_sanity_val_steps=0, default_root_dir=str(tmp_path / "run"),
+                             callbacks=[{"class_path": "tests.native_scenarios.Recorder",
+                                         "init_args": {"outdir": str(tmp_path)}}])
+    config["model"]["init_args"].update(log_grad_norm=False)
+    config["model"]["init_args"]["transformers_model"]["trust_remote_code"] = False  # a Transformers class
+    out.write_text(yaml.safe_dump(config, sort_keys=False))
+
+    root = Path(__file__).resolve().parents[1]
+    env = {**os.environ, "PYTHONPATH": str(root), "OMP_NUM_THREADS": "1"}
+    env.pop("LOCAL_RANK", None)
+    proc = subprocess.run([sys.executable, str(root / "tests" / "native_scenarios.py"), str(out), str(tmp_path)],
+                          cwd=root, env=env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
+    ranks = [json.loads((tmp_path / f"native.rank{r}.json").read_text()) for r in range(2)]
+    batches = [torch.load(tmp_path / f"native.rank{r}.pt", weights_only=True) for r in range(2)]
+    assert ranks[0]["expert_parallel_size"] == 2
+    assert ranks[0]["recompute_modules"] == native["features"]["recompute_plan"]["apply_modules"]
+    assert "model.visual.deepstack_merger_list.0" in ranks[0]["units"]
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        model = transformers.Qwen3VLMoeForConditionalGeneration.from_pretrained(model_dir, dtype=torch.float32)
+        model.train()
+        for parameter in model.model.visual.parameters():
+            parameter.requires_grad_(False)
+        optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=5e-3,
+                                      weight_decay=0.0, betas=(0.9, 0.999), eps=1e-8)
+        expected: list[list[float]] = [[], []]
+        for step in range(2):
+            optimizer.zero_grad()
+            for rank in range(2):
+                loss = model(**batches[rank][step]).loss
+                (loss / 2).backward()  # the ranks' gradients are averaged
+                expected[rank].append(float(loss.detach()))
+            optimizer.step()
+    finally:
+        torch.set_num_threads(threads)
+    for rank in range(2):
+        got = torch.tensor(ranks[rank]["losses"], dtype=torch.float64)
+        want = torch.tensor(expected[rank], dtype=torch.float64)
+        assert torch.allclose(got, want, rtol=1e-5, atol=0), (rank, got.tolist(), want.tolist())
+    assert expected[0][0] != expected[0][1]
