@@ -93,5 +93,13 @@ if [ -f benchmarks/checkpoint_bench.py ]; then
   $PY benchmarks/report.py --plot-checkpoint
 fi
 
+# Chunked cross-entropy (issue #25, 5(b) and 5(c)): the loss's peak memory and step time against the full loss.
+wait_for_quiet "chunk_loss"
+if [ "${QUICK:-0}" = "1" ]; then
+  $PY benchmarks/chunk_loss_bench.py --rounds 1 --steps 1 --time-tokens 512
+else
+  $PY benchmarks/chunk_loss_bench.py --rounds 3 --steps 2
+fi
+
 # 5. GPU throughput needs CUDA GPUs: python benchmarks/gpu_throughput.py (see benchmarks/README.md).
 echo "done: ${LMM_BENCH_RESULTS:-benchmarks/results}/"

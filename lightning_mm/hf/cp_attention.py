@@ -148,6 +148,9 @@ def check_routable(model: nn.Module, size: int) -> nn.Module:
 
 def enable_context_parallel(model: nn.Module, group: Any) -> nn.Module:
     """Route ``model`` (a Transformers model) through Ulysses over ``group``; returns its decoder."""
+    if getattr(model, "_chunk_loss", None) is not None:  # lightning_mm.hf.chunk_loss
+        raise ContextParallelError(f"{type(model).__name__}: enable_chunk_loss is not supported with context "
+                                   "parallelism; turn one of them off")
     size = torch.distributed.get_world_size(group)
     decoder = check_routable(model, size)
     _register()

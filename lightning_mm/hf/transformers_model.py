@@ -23,6 +23,11 @@ The config (a dict, or an object with attributes such as the seed's ``args.mm.mo
 ``trust_remote_code``
     ``False`` by default; only ``true`` lets Transformers run code that comes with a checkpoint (it is always
     passed explicitly, so Transformers never stops to ask on a terminal).
+``enable_chunk_loss``, ``chunk_loss_size``
+    ``true``: a call with ``labels`` computes its cross-entropy ``chunk_loss_size`` tokens at a time (default
+    1024) from the final hidden states and the output layer's weight, with no ``[tokens, vocab]`` logits (the
+    output's ``logits`` is then ``None``); loss and gradients equal the model's own loss. MindSpeed MM's
+    ``features.enable_chunk_loss`` / ``chunkloss_plan.chunk_size``. See :mod:`lightning_mm.hf.chunk_loss`.
 
 Built inside :class:`~lightning_mm.MMFSDP2Strategy`'s ``model_provider`` context, parameters are on the meta
 device: the checkpoint is checked against the model right away (headers only), and each rank reads just its own
@@ -74,6 +79,10 @@ class TransformersModelConfig:
     freeze: list[str] = field(default_factory=list)
     trust_remote_code: bool = False
     lora: Any = None
+    enable_chunk_loss: bool = False
+    """Compute the loss in chunks of ``chunk_loss_size`` tokens, without the ``[tokens, vocab]`` logits."""
+    chunk_loss_size: int = 1024
+    """Tokens per chunk of the chunked loss (``enable_chunk_loss``)."""
 
     def __post_init__(self) -> None:
         def fail(key: str, message: str) -> TransformersModelConfigError:
@@ -102,6 +111,11 @@ class TransformersModelConfig:
         self.freeze = [p.strip() for p in self.freeze]
         if not isinstance(self.trust_remote_code, bool):
             raise fail("trust_remote_code", f"expected true or false, got {self.trust_remote_code!r}")
+        if not isinstance(self.enable_chunk_loss, bool):
+            raise fail("enable_chunk_loss", f"expected true or false, got {self.enable_chunk_loss!r}")
+        if isinstance(self.chunk_loss_size, bool) or not isinstance(self.chunk_loss_size, int) \
+                or self.chunk_loss_size <= 0:
+            raise fail("chunk_loss_size", f"expected a positive number of tokens, got {self.chunk_loss_size!r}")
         if self.lora is not None:  # checked now, before any model is built
             from lightning_mm.hf.lora import LoRAConfig
 
@@ -315,6 +329,10 @@ def TransformersModel(config: Any) -> nn.Module:  # noqa: N802 - the seed's name
         apply_lora(model, cfg.lora, frozen)
     install_packed_inputs(model)  # before the check, which then sees a packed row's per-sample positions
     install_batch_check(model)
+    if cfg.enable_chunk_loss:  # after LoRA (the head may be adapted) and the batch check (it sees the labels)
+        from lightning_mm.hf.chunk_loss import enable_chunk_loss
+
+        enable_chunk_loss(model, cfg.chunk_loss_size)
     log.info("TransformersModel: %s (%s)%s", model_cls.__name__, source,
              f" from {cfg.init_from_hf_path}" if cfg.init_from_hf_path else ", random init")
     return model

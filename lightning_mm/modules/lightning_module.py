@@ -68,6 +68,12 @@ class MMLightningModule(L.LightningModule):
         log_grad_norm: log the global gradient norm (one reduction on each step whose logs are written, shared with
             norm clipping under ``MMFSDP2Strategy``).
         log_throughput: add Lightning's ``ThroughputMonitor`` (unless the Trainer has one already).
+        enable_chunk_loss: compute the default loss (the Transformers model's own, from ``labels``) in chunks of
+            ``chunk_loss_size`` tokens from the final hidden states and the output layer's weight, without the
+            ``[tokens, vocab]`` logits; loss and gradients equal the unchunked loss
+            (:mod:`lightning_mm.hf.chunk_loss`). The model (or the outermost Transformers model in it) must
+            have an ``nn.Linear`` output layer (LoRA on it allowed).
+        chunk_loss_size: tokens per chunk of ``enable_chunk_loss``.
 
     Logged: ``train/loss`` (synchronised across ranks) and ``train/lr`` every step; ``train/grad_norm`` (over all
     ranks and shards) on the steps whose logs Lightning writes (``Trainer(log_every_n_steps)``); validation and
@@ -96,6 +102,8 @@ class MMLightningModule(L.LightningModule):
         min_lr: float = 0.0,
         log_grad_norm: bool = True,
         log_throughput: bool = True,
+        enable_chunk_loss: bool = False,
+        chunk_loss_size: int = 1024,
     ) -> None:
         super().__init__()
         if lr_decay_style not in _DECAY_STYLES:
@@ -104,6 +112,10 @@ class MMLightningModule(L.LightningModule):
             raise ValueError(f"need 0 <= min_lr <= lr and lr > 0, got lr={lr}, min_lr={min_lr}")
         if warmup_steps < 0:
             raise ValueError(f"warmup_steps must be >= 0, got {warmup_steps}")
+        if not isinstance(enable_chunk_loss, bool):
+            raise ValueError(f"enable_chunk_loss must be true or false, got {enable_chunk_loss!r}")
+        if isinstance(chunk_loss_size, bool) or not isinstance(chunk_loss_size, int) or chunk_loss_size <= 0:
+            raise ValueError(f"chunk_loss_size must be a positive number of tokens, got {chunk_loss_size!r}")
         self._seed = SeedFunctions(
             model_provider=resolve_callable(model_provider, "model_provider"),
             get_batch=resolve_callable(get_batch, "get_batch"),
@@ -119,6 +131,8 @@ class MMLightningModule(L.LightningModule):
         self.min_lr = min_lr
         self.log_grad_norm = log_grad_norm
         self.log_throughput = log_throughput
+        self.enable_chunk_loss = enable_chunk_loss
+        self.chunk_loss_size = chunk_loss_size
         self.model: nn.Module | None = None
         self._batch_check = BatchCheck()
 
@@ -195,6 +209,10 @@ class MMLightningModule(L.LightningModule):
             model = self.model_provider()
             if not isinstance(model, nn.Module):
                 raise TypeError(f"model_provider() must return an nn.Module, got {type(model).__name__}")
+            if self.enable_chunk_loss:
+                from lightning_mm.hf.chunk_loss import chunk_loss_target, enable_chunk_loss
+
+                enable_chunk_loss(chunk_loss_target(model), self.chunk_loss_size)
             self.model = model
 
     def _run(self, batch: Any) -> tuple[torch.Tensor, dict[str, Any]]:

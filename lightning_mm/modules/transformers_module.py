@@ -29,7 +29,8 @@ class MMTransformersModule(MMLightningModule):
 
     Args:
         transformers_model: the TransformersModel config (``model_id``, ``init_from_hf_path``, ``hf_config``,
-            ``freeze``, ``lora``, ``trust_remote_code``); checked when the module is constructed.
+            ``freeze``, ``lora``, ``trust_remote_code``, ``enable_chunk_loss``, ``chunk_loss_size``); checked when
+            the module is constructed.
         **kwargs: the arguments of :class:`MMLightningModule` (``lr``, ``warmup_steps``, ``forward_step``...), except
             ``model_provider``.
     """
