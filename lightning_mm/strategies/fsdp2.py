@@ -22,7 +22,7 @@ from lightning.pytorch.accelerators import Accelerator
 from lightning.pytorch.callbacks import StochasticWeightAveraging
 from lightning.pytorch.plugins.precision import Precision
 from lightning.pytorch.strategies.parallel import ParallelStrategy
-from lightning.pytorch.trainer.states import TrainerFn
+from lightning.pytorch.trainer.states import TrainerFn, TrainerStatus
 from lightning.pytorch.utilities.exceptions import MisconfigurationException, SIGTERMException
 from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_only, rank_zero_warn
 from lightning_utilities.core.rank_zero import rank_zero_only as utils_rank_zero_only
@@ -48,6 +48,7 @@ from lightning_mm.core.init_context import meta_parameters
 from lightning_mm.core.optimizer import use_fused_steps
 from lightning_mm.core.plan import ShardingPlan, build_plan
 from lightning_mm.strategies import stopping
+from lightning_mm.strategies.async_save import AsyncSaver
 from lightning_mm.strategies.cp_setup import ContextParallelSetup
 from lightning_mm.strategies.launch import CheckingLauncher, CheckingSubprocessScriptLauncher
 from lightning_mm.strategies.precision import MMFSDP2Precision, resolve_mixed_precision
@@ -132,6 +133,11 @@ class MMFSDP2Strategy(ParallelStrategy):
             samples, each holding ``seq / C`` tokens (see ``lightning_mm.core.context_parallel``).
             Parameters stay sharded over all ranks; the sampler runs over ``world / C`` data-parallel ranks.
         context_parallel_algo: ``"ulysses"`` (MindSpeed MM's ``ulysses_cp_algo`` is accepted as the same).
+        async_save: ``False`` (default): a save holds the training loop until the checkpoint is written. ``True``:
+            a save during ``fit`` stages the state (a copy; pinned memory on an accelerator) and writes it in the
+            background while training goes on (``lightning_mm.strategies.async_save``); the checkpoint becomes
+            visible, atomically as ever, once complete; a second save, a load, ``on_train_end`` and ``teardown``
+            wait for it. Saves outside ``fit`` stay synchronous. MindSpeed MM's ``training.save_async``.
         stop_on_nonfinite: ``True`` (default): a NaN or infinite loss on any rank, or a non-finite global gradient
             norm, stops training on every rank before the optimizer step applies it, with a
             :class:`~lightning_mm.core.finite.NonFiniteError` naming the step and the rank(s) (the loss flags ride
@@ -167,6 +173,7 @@ class MMFSDP2Strategy(ParallelStrategy):
         context_parallel_size: int = 1,
         context_parallel_algo: str = "ulysses",
         stop_on_nonfinite: bool = True,
+        async_save: bool = False,
     ) -> None:
         super().__init__(
             accelerator=accelerator,
@@ -201,6 +208,10 @@ class MMFSDP2Strategy(ParallelStrategy):
         if not isinstance(stop_on_nonfinite, bool):
             raise TypeError(f"stop_on_nonfinite must be True or False, got {stop_on_nonfinite!r}")
         self.stop_on_nonfinite = stop_on_nonfinite
+        if not isinstance(async_save, bool):
+            raise TypeError(f"async_save must be True or False, got {async_save!r}")
+        self.async_save = async_save
+        self._async_saver = AsyncSaver()
 
     # ------------------------------------------------------------------------------------ properties
     @property
@@ -538,6 +549,8 @@ class MMFSDP2Strategy(ParallelStrategy):
     # ----------------------------------------------------------------------------------- collectives
     @override
     def barrier(self, name: str | None = None) -> None:
+        if self.is_global_zero:  # ModelCheckpoint links `last` and then calls this: never to a pending checkpoint
+            self._async_saver.hide_links()
         if not dist.is_initialized():
             return
         if self.root_device.type != "cpu":  # nccl, hccl, xccl...: the barrier runs on this rank's own device
@@ -563,6 +576,10 @@ class MMFSDP2Strategy(ParallelStrategy):
     @override
     def on_train_start(self) -> None:
         self._install_signal_handler()
+
+    @override
+    def on_train_end(self) -> None:
+        self.wait_for_checkpoint()  # fit returns with every checkpoint it saved in place
 
     @override
     def on_validation_start(self) -> None:
@@ -599,6 +616,10 @@ class MMFSDP2Strategy(ParallelStrategy):
         """
         assert self.cluster_environment is not None
         assert self.accelerator is not None
+        if getattr(self, "_run_failed", False):
+            self._async_saver.abandon()  # its peers may be gone: the partial stays hidden; earlier checkpoints stay
+        else:
+            self.wait_for_checkpoint()
         if getattr(self, "_run_failed", False) and getattr(self, "_created_process_group", False):
             _destroy_process_group()
             self._created_process_group = False
@@ -679,6 +700,7 @@ class MMFSDP2Strategy(ParallelStrategy):
         if storage_options is not None:
             raise TypeError("MMFSDP2Strategy writes its checkpoints itself; `storage_options` is not supported")
         self._check_checkpoint_io()
+        self.wait_for_checkpoint()  # a second save waits for the first
         lm = self.lightning_module
         assert lm is not None
         path = Path(self.broadcast(str(filepath)))
@@ -692,7 +714,20 @@ class MMFSDP2Strategy(ParallelStrategy):
         }
         if self.checkpoint_format == "torch" and "optimizer_states" in checkpoint:  # what the indices stand for
             extra[ckpt.OPTIMIZER_NAMES_KEY] = ckpt.optimizer_param_names(lm, self.optimizers)
-        ckpt.save(checkpoint, path, self.checkpoint_format, extra, ckpt.capture_rng(self.root_device))
+        trainer = attached_trainer(lm)
+        fitting = (trainer is not None and trainer.state.fn == TrainerFn.FITTING
+                   and trainer.state.status == TrainerStatus.RUNNING)
+        if not (self.async_save and fitting):
+            ckpt.save(checkpoint, path, self.checkpoint_format, extra, ckpt.capture_rng(self.root_device))
+            return
+        self._async_saver.start(path, self.is_global_zero, lambda executor, group: ckpt.save(
+            checkpoint, path, self.checkpoint_format, extra, ckpt.capture_rng(self.root_device),
+            background=executor, group=group), self._timeout)
+
+    def wait_for_checkpoint(self) -> None:
+        """Wait until the checkpoint being written in the background (``async_save=True``) is in place; raise what
+        its write raised. Nothing to do without one."""
+        self._async_saver.wait()
 
     @override
     @checkpoint.outside_inference_mode
@@ -706,6 +741,7 @@ class MMFSDP2Strategy(ParallelStrategy):
             raise ValueError("MMFSDP2Strategy loads checkpoints weights_only (no pickled code is run); "
                              "weights_only=False is not supported")
         self._check_checkpoint_io()
+        self.wait_for_checkpoint()
         lm = self.lightning_module
         assert lm is not None
         path = Path(self.broadcast(str(checkpoint_path)))
@@ -738,13 +774,16 @@ class MMFSDP2Strategy(ParallelStrategy):
     @override
     def on_train_batch_start(self, batch: Any, batch_idx: int) -> None:
         """Resuming mid-epoch: restore the RNG right before the first batch after the checkpoint."""
+        self._async_saver.poll()  # a background save that completed: its links and deferred removals now
         if self._pending_rng is not None:
             self._restore_pending_rng()
 
     @override
     def remove_checkpoint(self, filepath: _PATH) -> None:
-        """Delete a checkpoint (rank 0): a directory is moved out of sight before it is deleted."""
-        if self.is_global_zero:
+        """Delete a checkpoint (rank 0): a directory is moved out of sight before it is deleted. While a save runs in
+        the background, the deletion waits until it is complete (ModelCheckpoint's ``save_top_k`` removes the worst
+        checkpoint right after starting the save of a better one), so a crash never leaves fewer checkpoints."""
+        if self.is_global_zero and not self._async_saver.defer_removal(Path(filepath)):
             checkpoint.remove(Path(filepath))
 
     @classmethod
