@@ -3,14 +3,15 @@
 Real Lightning jobs on CPU (gloo, explicit CPU mesh), run through ``tests/conftest.py::run_scenario``; each rank
 writes ``WORKDIR/SCENARIO.rank{R}.json``; tests/test_ckpt_verify.py asserts on them and on the checkpoints left.
 
-* ``main``: (1) every byte checked on load: a DCP checkpoint with 4 bytes of a weight set to 1e30 outside the
+* ``crash`` (first): ``async_save=True``; rank 1 is killed (SIGKILL) in the middle of a background write (after
+  its shard is written, before the manifest and the commit), while a ``save_top_k=1`` removal and a ``last`` link
+  wait for it.
+* ``main``: (0) after ``crash``: what it left, and ``ckpt_path="last"`` from each of its directories resumes.
+  (1) every byte checked on load: a DCP checkpoint with 4 bytes of a weight set to 1e30 outside the
   blocks a sampled fingerprint reads, in the shard rank 1 hashes, and a ``torch`` file with one float set to NaN;
   ``fit(ckpt_path=...)`` must fail on both ranks before any step. (2) ``async_save=True`` against the same run with
   synchronous saves: same losses, same checkpoints, ``last`` and every visible checkpoint complete at every step
   while a (slowed) background write runs, and an exact resume from a checkpoint saved in the background.
-* ``crash``: ``async_save=True``; rank 1 is killed (SIGKILL) in the middle of a background write (after its shard
-  is written, before the manifest and the commit), while a ``save_top_k=1`` removal and a ``last`` link wait for it.
-* ``resume``: after ``crash``: ``ckpt_path="last"`` from each directory resumes exactly.
 """
 
 from __future__ import annotations
@@ -178,7 +179,7 @@ def damage_torch_float(file: Path) -> dict[str, Any]:
 
 # ----------------------------------------------------------------------------------------- scenarios
 def scenario_main() -> None:
-    out: dict[str, Any] = {}
+    out: dict[str, Any] = {"after_crash": resume_after_crash()}
     # (1) Every byte checked on load.
     t, _ = fit(2)
     t.save_checkpoint(WORK / "dcp.ckpt")
@@ -269,13 +270,13 @@ def scenario_crash() -> None:
     fit(STEPS, callbacks=crash_callbacks(), async_save=True)
 
 
-def scenario_resume() -> None:
-    out = {"entries": {name: listing(WORK / "crash" / name) for name in ("every", "newest")}}
+def resume_after_crash() -> dict[str, Any]:
+    out: dict[str, Any] = {"entries": {name: listing(WORK / "crash" / name) for name in ("every", "newest")}}
     every, newest = crash_callbacks()
     for name, callback in (("newest", newest), ("every", every)):
         _, rec = fit(STEPS, ckpt_path="last", callbacks=[callback], async_save=True)
         out[name] = {"start": rec.start, "losses": rec.losses}
-    dump("resume", rank(), out)
+    return out
 
 
 WORK = Path(".")
