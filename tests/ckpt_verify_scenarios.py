@@ -12,6 +12,8 @@ writes ``WORKDIR/SCENARIO.rank{R}.json``; tests/test_ckpt_verify.py asserts on t
   ``fit(ckpt_path=...)`` must fail on both ranks before any step. (2) ``async_save=True`` against the same run with
   synchronous saves: same losses, same checkpoints, ``last`` and every visible checkpoint complete at every step
   while a (slowed) background write runs, and an exact resume from a checkpoint saved in the background.
+* ``sigterm`` (1 rank): SIGTERM arrives while a background write is pending (with a ``save_top_k=1`` removal and
+  a ``last`` link waiting for it); the process exits with 143 and leaves the earlier checkpoint as ``last``.
 """
 
 from __future__ import annotations
@@ -105,12 +107,12 @@ class Recorder(L.Callback):
         self.losses.append(float(outputs["loss"].detach()))
 
 
-def fit(max_steps: int, ckpt_path: str | None = None, callbacks: list | None = None, **strategy: Any
-        ) -> tuple[L.Trainer, Recorder]:
+def fit(max_steps: int, ckpt_path: str | None = None, callbacks: list | None = None, devices: int = 2,
+        **strategy: Any) -> tuple[L.Trainer, Recorder]:
     torch.manual_seed(0)
     recorder = next((c for c in callbacks or [] if isinstance(c, Recorder)), None) or Recorder()
     callbacks = [c for c in callbacks or [] if c is not recorder] + [recorder]
-    trainer = L.Trainer(accelerator="cpu", devices=2, strategy=MMFSDP2Strategy(FSDP, **strategy),
+    trainer = L.Trainer(accelerator="cpu", devices=devices, strategy=MMFSDP2Strategy(FSDP, **strategy),
                         max_steps=max_steps, logger=False, enable_progress_bar=False, enable_model_summary=False,
                         num_sanity_val_steps=0, callbacks=callbacks, default_root_dir=WORK,
                         enable_checkpointing=any(isinstance(c, ModelCheckpoint) for c in callbacks))
@@ -279,6 +281,24 @@ def resume_after_crash() -> dict[str, Any]:
     return out
 
 
+class SigtermAt(L.Callback):
+    def __init__(self, step: int) -> None:
+        self.step = step
+
+    def on_train_batch_start(self, trainer: L.Trainer, *args: Any) -> None:
+        if trainer.global_step == self.step:
+            assert trainer.strategy._async_saver.pending is not None, "the save of the step before is pending"
+            (WORK / "sigterm.pending").write_text(str(trainer.strategy._async_saver.pending))
+            os.kill(os.getpid(), signal.SIGTERM)
+
+
+def scenario_sigterm() -> None:
+    slow_background_writes(1.0)
+    newest = ModelCheckpoint(dirpath=WORK / "sigterm", filename="{step}", every_n_train_steps=2, save_top_k=1,
+                             monitor="progress", mode="max", save_last="link")
+    fit(STEPS, callbacks=[newest, SigtermAt(4)], devices=1, async_save=True)
+
+
 WORK = Path(".")
 
 if __name__ == "__main__":
@@ -288,7 +308,7 @@ if __name__ == "__main__":
     print(f"TIMING rank {rank()} start {time.time():.1f}", file=sys.stderr)
     globals()[f"scenario_{name}"]()
     print(f"TIMING rank {rank()} end {time.time():.1f}", file=sys.stderr)
-    if name != "crash":
+    if name not in ("crash", "sigterm"):
         for r in range(2):  # both ranks' results are written before either leaves
             wait_for(WORK / f"{name}.rank{r}.json")
         sys.stdout.flush()
