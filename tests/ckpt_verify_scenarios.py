@@ -276,8 +276,12 @@ def resume_after_crash() -> dict[str, Any]:
     out: dict[str, Any] = {"entries": {name: listing(WORK / "crash" / name) for name in ("every", "newest")}}
     every, newest = crash_callbacks()
     for name, callback in (("newest", newest), ("every", every)):
-        _, rec = fit(STEPS, ckpt_path="last", callbacks=[callback], async_save=True)
-        out[name] = {"start": rec.start, "losses": rec.losses}
+        recorder = Recorder()
+        try:
+            fit(STEPS, ckpt_path="last", callbacks=[callback, recorder], async_save=True)
+            out[name] = {"start": recorder.start, "losses": recorder.losses}
+        except Exception as error:  # e.g. a `last` link to a checkpoint that was never completed
+            out[name] = {"raised": f"{type(error).__name__}: {error}"}
     return out
 
 
