@@ -25,6 +25,7 @@ __all__ = ["NAME", "FIELD", "range_digest", "file_digest", "parallel", "assign"]
 NAME = "xxh3_128 of 16 MiB chunks"
 FIELD = "xxh3_128"
 _CHUNK = 16 << 20
+_DONTNEED = getattr(mmap, "MADV_DONTNEED", None)  # Linux, macOS
 
 
 def parallel(function: Callable[[Any], Any], items: Iterable[Any]) -> list[Any]:
@@ -38,17 +39,25 @@ def parallel(function: Callable[[Any], Any], items: Iterable[Any]) -> list[Any]:
 def range_digest(path: Path, offset: int, length: int) -> str:
     """The digest of ``length`` bytes of ``path`` from ``offset`` (fewer if the file ends before).
 
-    The file is memory-mapped: hashing reads the page cache in place, with no copy into a buffer."""
+    The file is memory-mapped: the page cache is hashed in place, with no copy into a buffer; each 16 MiB chunk is
+    dropped from the mapping once hashed, so that the resident set does not grow with the file."""
     with open(path, "rb") as f:
-        size = os.fstat(f.fileno()).st_size
-        end = min(offset + length, size)
+        end = min(offset + length, os.fstat(f.fileno()).st_size)
         if end <= offset:
             return _combine(length, [])
         with mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as mapped:
             view = memoryview(mapped)
+
+            def chunk(start: int) -> bytes:
+                stop = min(start + _CHUNK, end)
+                value = xxhash.xxh3_128(view[start:stop]).digest()
+                if _DONTNEED is not None:
+                    first = start - start % mmap.PAGESIZE
+                    mapped.madvise(_DONTNEED, first, stop - first)
+                return value
+
             try:
-                digests = parallel(lambda start: xxhash.xxh3_128(view[start:min(start + _CHUNK, end)]).digest(),
-                                   range(offset, end, _CHUNK))
+                digests = parallel(chunk, range(offset, end, _CHUNK))
             finally:
                 view.release()
     return _combine(length, digests)
