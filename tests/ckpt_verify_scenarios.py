@@ -309,9 +309,7 @@ if __name__ == "__main__":
     name, WORK = sys.argv[1], Path(sys.argv[2])
     WORK.mkdir(parents=True, exist_ok=True)
     torch.set_num_threads(1)
-    print(f"TIMING rank {rank()} start {time.time():.1f}", file=sys.stderr)
     globals()[f"scenario_{name}"]()
-    print(f"TIMING rank {rank()} end {time.time():.1f}", file=sys.stderr)
     if name not in ("crash", "sigterm"):
         for r in range(2):  # both ranks' results are written before either leaves
             wait_for(WORK / f"{name}.rank{r}.json")
