@@ -13,7 +13,7 @@ writes ``WORKDIR/SCENARIO.rank{R}.json``; tests/test_ckpt_verify.py asserts on t
   synchronous saves: same losses, same checkpoints, ``last`` and every visible checkpoint complete at every step
   while a (slowed) background write runs, and an exact resume from a checkpoint saved in the background.
 * ``sigterm`` (1 rank): SIGTERM arrives while a background write is pending (with a ``save_top_k=1`` removal and
-  a ``last`` link waiting for it); the process exits with 143 and leaves the earlier checkpoint as ``last``.
+  a ``last`` link waiting for it); teardown lets the write complete and the process exits with 143.
 """
 
 from __future__ import annotations

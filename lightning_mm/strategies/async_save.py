@@ -15,8 +15,8 @@ the future completes, nothing of the checkpoint is visible, and:
   linking (:meth:`AsyncSaver.hide_links`), and pointed at the checkpoint once that is in place. So ``last`` always
   names a complete checkpoint, also after a kill during the write.
 
-A failed run abandons a pending write (its partial stays hidden and is removed by a later save once this process
-is gone).
+A failed run (an error, SIGTERM) gives a pending write up to ``stop_timeout`` to complete (then finishes it) and
+otherwise abandons it: its partial stays hidden and is removed by a later save once this process is gone.
 """
 
 from __future__ import annotations
@@ -158,6 +158,16 @@ class AsyncSaver:
         for path in pending.removals:
             atomic.remove(path)
 
-    def abandon(self) -> None:
-        """Forget the pending save without waiting (a failed run)."""
-        self._pending = None
+    def settle(self, timeout: float) -> None:
+        """After a failed run (an error, SIGTERM): give the pending write up to ``timeout`` seconds to complete, and
+        finish it if it does (no data lost); otherwise, or if it failed, forget it (its partial stays hidden). A
+        write left running when the interpreter exits would end the process with an abort, not its status."""
+        pending = self._pending
+        if pending is None:
+            return
+        try:
+            pending.future.result(timeout=timeout)
+        except BaseException:  # a timeout, or the write failed too: the run's own error is the one reported
+            self._pending = None
+            return
+        self.wait()

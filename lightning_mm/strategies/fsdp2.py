@@ -617,7 +617,7 @@ class MMFSDP2Strategy(ParallelStrategy):
         assert self.cluster_environment is not None
         assert self.accelerator is not None
         if getattr(self, "_run_failed", False):
-            self._async_saver.abandon()  # its peers may be gone: the partial stays hidden; earlier checkpoints stay
+            self._async_saver.settle(self.stop_timeout)  # completes it if it can, else its partial stays hidden
         else:
             self.wait_for_checkpoint()
         if getattr(self, "_run_failed", False) and getattr(self, "_created_process_group", False):
