@@ -9,8 +9,10 @@ import subprocess
 import sys
 import textwrap
 import warnings
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
+import pytest
 import torch
 from torch import nn
 
@@ -25,15 +27,19 @@ def _token(pid: int, start: int | None = None) -> str:
     return f"{atomic._host()}-{pid}-{(atomic._start_time(pid) or 1) if start is None else start}-0123abcd"
 
 
-def _save(path: Path, fmt: str = "torch_dcp") -> list[str]:
+def _save(path: Path, fmt: str = "torch_dcp", background: bool = False) -> list[str]:
     net = nn.Linear(2, 2)
-    with warnings.catch_warnings(record=True) as caught:
+    with warnings.catch_warnings(record=True) as caught, ThreadPoolExecutor(1) as executor:
         warnings.simplefilter("always")
-        store.save({"epoch": 0, "global_step": 0, "state_dict": net.state_dict()}, path, fmt, EXTRA, None)
+        future = store.save({"epoch": 0, "global_step": 0, "state_dict": net.state_dict()}, path, fmt, EXTRA, None,
+                            background=executor if background else None)
+        if background:  # MMFSDP2Strategy(async_save=True): the write and the commit in the background
+            future.result()
     return [str(w.message) for w in caught]
 
 
-def test_same_name_partials_of_live_processes_other_hosts_and_unknown_owners_survive_a_save(tmp_path):
+@pytest.mark.parametrize("background", [False, True], ids=["sync", "async"])
+def test_same_name_partials_of_live_processes_other_hosts_and_unknown_owners_survive_a_save(tmp_path, background):
     gone = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
     alive = subprocess.Popen(["sleep", "60"])
     try:
@@ -49,7 +55,7 @@ def test_same_name_partials_of_live_processes_other_hosts_and_unknown_owners_sur
         for path in (running, reused, dead, mine, elsewhere, unknown, removing_live, removing_dead):
             path.mkdir()
             (path / "__0_0.distcp").write_bytes(b"x")
-        messages = _save(final)
+        messages = _save(final, background=background)
         left = sorted(p.name for p in tmp_path.iterdir())
         assert left == sorted([running.name, elsewhere.name, unknown.name, removing_live.name, final.name])
         assert [m for m in messages if "another run is saving" in m] == [

@@ -3,7 +3,8 @@
 * :mod:`.layout` (deciding): how Lightning's checkpoint dict splits into DCP tensors and a meta tree, key checks.
 * :mod:`.store` (doing): atomic save and strict/non-strict load of ``torch_dcp`` directories and ``torch`` files.
 * :mod:`.safe`: loading without running pickled code; :mod:`.atomic`: temporary sibling, rename into place.
-* :mod:`.manifest`: ``manifest.json`` binds every file to its checkpoint; :mod:`.errors`: the exceptions.
+* :mod:`.manifest`: ``manifest.json`` binds every file to its checkpoint (:mod:`.zip_manifest`: the same for a
+  ``torch`` file, inside it; :mod:`.digest`: the hashes, every byte checked on load); :mod:`.errors`: the exceptions.
 * :mod:`.remote`: ``torch_dcp`` checkpoints at fsspec URLs (staging prefix, committed by the manifest last);
   :mod:`.hf_weights`: model weights as Hugging Face safetensors inside a checkpoint (DCP's HF storage).
 * :mod:`.rng`: per-rank RNG states; :mod:`.records`: what other layers add to a checkpoint (a registry of record

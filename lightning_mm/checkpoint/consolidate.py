@@ -71,6 +71,6 @@ def dcp_to_torch(src: str | Path, dst: str | Path, model_only: bool = False, for
     full[EXTRA_KEY] = extra
     partial = atomic.partial_path(dst)
     with writing(partial, dst):
-        _write_file(full, partial)
+        _write_file(full, partial, with_manifest=True)
     atomic.commit(partial, dst)
     return dst

@@ -3,19 +3,21 @@
 Each rank hashes the files it wrote (:class:`RecordingFileSystem` notes them); rank 0 adds ``.metadata`` and
 ``meta.pt`` and writes the manifest just before the checkpoint is renamed into place::
 
-    {"manifest": "lightning-mm checkpoint", "version": 1, "id": "...", "hash": "sha256 of 16 MiB chunks",
-     "sample": {"blocks": 4, "block_size": 65536},
-     "files": {"__0_0.distcp": {"size": 1234, "sha256": "...", "sample": "..."}, ...}}
+    {"manifest": "lightning-mm checkpoint", "version": 2, "id": "...", "hash": "xxh3_128 of 16 MiB chunks",
+     "files": {"__0_0.distcp": {"size": 1234, "xxh3_128": "..."}, ...}}
 
-:func:`verify` checks a checkpoint before anything is unpickled from it. Always (``full=False``, every load): every
-listed file is present, a regular file inside the directory, of its recorded size, and its ``sample`` fingerprint
-(SHA-256 of the size and of ``blocks`` blocks spread over the file, at most 256 KiB read per file) matches, and
-no ``.distcp`` file is there that the manifest does not list. ``full=True`` (the converters) also compares the
-hash of every whole file (SHA-256 over the SHA-256 of its 16 MiB chunks, so that one file hashes on many cores).
-A file from another run, a missing, truncated or extended one fails, naming the file; an alteration of a few
-bytes inside a large file is only seen by ``full``. A ``.metadata`` or ``meta.pt`` that differs from its entry but
-is whole in its own format (a pickle that ends where the file ends, a zip archive with its central directory) is
-reported as a file of another checkpoint or run, not as truncated or altered.
+:func:`verify` checks a checkpoint before anything is unpickled from it, on every load: every listed file is
+present, a regular file inside the directory, of its recorded size, and no ``.distcp`` file is there that the
+manifest does not list; and the digest of every whole file (:mod:`.digest`) matches, so every byte a load reads
+has been checked. A distributed load splits the hashing over the ranks (``hashed``: the files this rank hashes)
+and the ranks agree on the outcome (``store.load``). A file from another run, a missing, truncated, extended or
+altered one fails, naming the file. A ``.metadata`` or ``meta.pt`` that differs from its entry but is whole in its
+own format (a pickle that ends where the file ends, a zip archive with its central directory) is reported as a
+file of another checkpoint or run, not as truncated or altered.
+
+Version 1 manifests (lightning-mm before full checks on load) recorded SHA-256 and a sampled fingerprint (the
+size and 4 blocks of 64 KiB): a load checks their sample only (:func:`sampled_only`; the loader warns),
+``full=True`` (the converters) the SHA-256 too.
 """
 
 from __future__ import annotations
@@ -25,9 +27,10 @@ import hashlib
 import json
 import os
 import pickletools
+import re
 import uuid
 import zipfile
-from collections.abc import Iterable, Iterator, Mapping
+from collections.abc import Container, Iterable, Iterator, Mapping
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
@@ -35,6 +38,7 @@ from typing import Any
 from torch.distributed.checkpoint.filesystem import FileSystem
 
 from lightning_mm._files import is_plain_file_name
+from lightning_mm.checkpoint import digest
 from lightning_mm.checkpoint.errors import CheckpointIntegrityError
 
 __all__ = [
@@ -46,14 +50,19 @@ __all__ = [
     "verify",
     "check_name",
     "inside",
+    "sampled_only",
+    "shard_rank",
 ]
 
 MANIFEST_FILE = "manifest.json"
 _KIND = "lightning-mm checkpoint"
-_VERSION = 1
+_VERSION = 2
 _BLOCKS, _BLOCK_SIZE = 4, 64 * 1024
 _CHUNK = 16 << 20
-_HASH = "sha256 of 16 MiB chunks"
+_HASH = digest.NAME
+_V1_HASH = "sha256 of 16 MiB chunks"  # version 1: SHA-256 and a sampled fingerprint per file
+_HASHES = {1: _V1_HASH, 2: _HASH}
+_SHARD = re.compile(r"^__(\d+)_\d+\.distcp$")
 _DCP_SUFFIX = ".distcp"
 
 
@@ -104,8 +113,7 @@ def _sha256(path: Path) -> str:
 
 
 def _entry(path: Path) -> tuple[str, dict[str, Any]]:
-    size = path.stat().st_size
-    return path.name, {"size": size, "sha256": _sha256(path), "sample": _sample(path, size)}
+    return path.name, {"size": path.stat().st_size, digest.FIELD: digest.file_digest(path)}
 
 
 def _parallel(function: Any, items: Iterable[Any]) -> list[Any]:
@@ -116,8 +124,19 @@ def _parallel(function: Any, items: Iterable[Any]) -> list[Any]:
         return list(pool.map(function, items))
 
 
+def shard_rank(name: str) -> int | None:
+    """The rank that wrote DCP shard ``__<rank>_<n>.distcp`` (and reads it back on the same world size)."""
+    match = _SHARD.match(name)
+    return int(match[1]) if match else None
+
+
+def sampled_only(manifest: Mapping[str, Any]) -> bool:
+    """True for a version 1 manifest, whose files a load checks by a sample only."""
+    return int(manifest.get("version", 1)) < 2
+
+
 def file_entries(paths: Iterable[Path]) -> dict[str, dict[str, Any]]:
-    """Size, SHA-256 and sample fingerprint of each file that exists (``.tmp`` files renamed since are skipped)."""
+    """Size and digest of each file that exists (``.tmp`` files renamed since are skipped)."""
     existing = sorted({Path(p) for p in paths if Path(p).is_file()})
     return dict(_parallel(_entry, existing))
 
@@ -129,7 +148,7 @@ def write_manifest(directory: Path, entries: Iterable[Mapping[str, dict[str, Any
         files.update(part or {})
     files.update(file_entries(directory / name for name in extra))
     manifest = {"manifest": _KIND, "version": _VERSION, "id": uuid.uuid4().hex, "hash": _HASH,
-                "sample": {"blocks": _BLOCKS, "block_size": _BLOCK_SIZE}, "files": dict(sorted(files.items()))}
+                "files": dict(sorted(files.items()))}
     with open(directory / MANIFEST_FILE, "w") as f:
         json.dump(manifest, f, indent=1)
         f.flush()
@@ -172,16 +191,20 @@ def read_manifest(directory: Path) -> dict[str, Any] | None:
     if not isinstance(manifest, dict) or manifest.get("manifest") != _KIND or not isinstance(
             manifest.get("files"), dict):
         raise CheckpointIntegrityError(f"{file}: not a lightning-mm checkpoint manifest")
-    if manifest.get("hash") != _HASH:
-        raise CheckpointIntegrityError(f"{file}: unknown hash {manifest.get('hash')!r} (this lightning-mm uses "
-                                       f"{_HASH})")
-    if int(manifest.get("version", 0)) > _VERSION:
+    version = manifest.get("version", 1)
+    if not isinstance(version, int) or version < 1:
+        raise CheckpointIntegrityError(f"{file}: invalid manifest version {version!r}")
+    if version > _VERSION:
         raise CheckpointIntegrityError(f"{file}: manifest version {manifest['version']} is newer than this "
                                        f"lightning-mm reads ({_VERSION})")
+    if manifest.get("hash") != _HASHES[version]:
+        raise CheckpointIntegrityError(f"{file}: unknown hash {manifest.get('hash')!r} (this lightning-mm uses "
+                                       f"{_HASHES[version]} in version {version} manifests)")
+    fields = ("sha256", "sample") if version == 1 else (digest.FIELD,)
     for name, entry in manifest["files"].items():
         check_name(directory, name, MANIFEST_FILE)
         if not isinstance(entry, dict) or not isinstance(entry.get("size"), int) or not all(
-                isinstance(entry.get(k), str) for k in ("sha256", "sample")):
+                isinstance(entry.get(k), str) for k in fields):
             raise CheckpointIntegrityError(f"{file}: malformed entry for {name}")
     return manifest
 
@@ -221,7 +244,17 @@ def _not_ours(path: Path, size: int, entry: dict[str, Any]) -> CheckpointIntegri
         f"{MANIFEST_FILE} records ({entry['size']} bytes, another content), i.e. the file of another checkpoint or run")
 
 
-def _check_file(directory: Path, name: str, entry: dict[str, Any], sample: dict[str, int], full: bool) -> None:
+def _differs(path: Path, size: int, entry: dict[str, Any], sample: dict[str, int] | None, full: bool) -> bool:
+    """Whether the content of ``path`` differs from its entry: its whole digest (``full``) or, for a version 1
+    entry (``sample`` given), its sampled fingerprint and (``full``) its SHA-256."""
+    if sample is None:
+        return full and digest.file_digest(path) != entry[digest.FIELD]
+    return _sample(path, size, sample["blocks"], sample["block_size"]) != entry["sample"] or (
+        full and _sha256(path) != entry["sha256"])
+
+
+def _check_file(directory: Path, name: str, entry: dict[str, Any], sample: dict[str, int] | None,
+                full: bool) -> None:
     path = inside(directory, directory / name)
     size = path.stat().st_size
     if size != entry["size"]:
@@ -231,8 +264,7 @@ def _check_file(directory: Path, name: str, entry: dict[str, Any], sample: dict[
         state = "truncated" if size < entry["size"] else "longer than written"
         raise CheckpointIntegrityError(f"{path}: {state} ({size} bytes; the checkpoint's manifest records "
                                        f"{entry['size']})")
-    if _sample(path, size, sample["blocks"], sample["block_size"]) != entry["sample"] or (
-            full and _sha256(path) != entry["sha256"]):
+    if _differs(path, size, entry, sample, full):
         foreign = _not_ours(path, size, entry)
         if foreign is not None:
             raise foreign
@@ -240,19 +272,28 @@ def _check_file(directory: Path, name: str, entry: dict[str, Any], sample: dict[
                                        "altered or comes from another checkpoint")
 
 
-def verify(directory: Path, full: bool = False) -> dict[str, Any] | None:
-    """Check the files of ``directory`` against its manifest (see the module docstring); None without one."""
+def verify(directory: Path, full: bool = False, hashed: Container[str] | None = None) -> dict[str, Any] | None:
+    """Check the files of ``directory`` against its manifest (see the module docstring); None without one.
+
+    The whole digest of every file named in ``hashed`` (every file when None) is compared; ``full`` does it for a
+    version 1 manifest too (its SHA-256), whose files are otherwise checked by sample only.
+    """
     manifest = read_manifest(directory)
     if manifest is None:
         return None
     files: dict[str, dict[str, Any]] = manifest["files"]
-    sample = manifest.get("sample") or {}
-    sample = {"blocks": int(sample.get("blocks", _BLOCKS)), "block_size": int(sample.get("block_size", _BLOCK_SIZE))}
-    if not 2 <= sample["blocks"] <= 64 or not 1 <= sample["block_size"] <= 1 << 20:
-        raise CheckpointIntegrityError(f"{directory / MANIFEST_FILE}: invalid sample settings {sample}")
+    sample = None
+    if sampled_only(manifest):
+        sample = manifest.get("sample") or {}
+        sample = {"blocks": int(sample.get("blocks", _BLOCKS)),
+                  "block_size": int(sample.get("block_size", _BLOCK_SIZE))}
+        if not 2 <= sample["blocks"] <= 64 or not 1 <= sample["block_size"] <= 1 << 20:
+            raise CheckpointIntegrityError(f"{directory / MANIFEST_FILE}: invalid sample settings {sample}")
     foreign = sorted(p.name for p in directory.iterdir() if p.name.endswith(_DCP_SUFFIX) and p.name not in files)
     if foreign:
         raise CheckpointIntegrityError(f"{directory / foreign[0]}: not part of this checkpoint (its manifest does not "
                                        f"list it{f'; nor {foreign[1:]}' if len(foreign) > 1 else ''})")
-    _parallel(lambda item: _check_file(directory, item[0], item[1], sample, full), sorted(files.items()))
+    _parallel(lambda item: _check_file(directory, item[0], item[1], sample,
+                                       full or (sample is None and (hashed is None or item[0] in hashed))),
+              sorted(files.items()))
     return manifest

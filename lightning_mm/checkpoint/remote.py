@@ -10,9 +10,10 @@ prefixes of its directory whose writer is this process or provably gone (:func:`
 interrupted save leaves nothing that a later save does not clean up.
 
 The manifest has the same schema as a local one (:mod:`.manifest`): each file's size, SHA-256 over the SHA-256 of
-its 16 MiB chunks, and a sample fingerprint. A load checks that every listed object is there, of its size, with
-its fingerprint, that no ``.distcp`` object is there that the manifest does not list, and the whole hashes of
-``.metadata`` and ``meta.pt`` (read in full anyway); ``full_check`` hashes every object.
+its 16 MiB chunks, and a sample fingerprint. A load checks that every listed object is there, of its size and
+with its whole hash (every byte, read once more for it: the price of a remote check), and that no ``.distcp``
+object is there that the manifest does not list; ``full_check=False`` checks the objects other than ``.metadata``
+and ``meta.pt`` by their sample fingerprint only.
 
 ``storage_options`` (credentials, endpoint) go to fsspec only: they are never logged, never put in an error
 message and never written into the checkpoint.
@@ -363,7 +364,7 @@ def _meta(store: RemoteStore, data: bytes) -> dict[str, Any]:
 
 
 def open_source(url: str, storage_options: Mapping[str, Any] | None = None,
-                full_check: bool = False) -> CheckpointSource:
+                full_check: bool = True) -> CheckpointSource:
     """Open the checkpoint at ``url`` (checked against its manifest first) as a :class:`.store.CheckpointSource`."""
     store = RemoteStore(url, storage_options)
     manifest = _manifest(store)

@@ -7,17 +7,22 @@ Every rank calls :func:`save` and :func:`load`. A ``torch_dcp`` checkpoint is a 
         meta.pt                                      everything else (rank 0), loadable weights_only
         manifest.json                                every file's size and hashes, written last (:mod:`.manifest`)
 
-A ``torch`` checkpoint is one file with the full (gathered) tensors in Lightning's layout, written by rank 0.
-Both are written next to their final path and renamed into place when complete (:mod:`.atomic`).
+A ``torch`` checkpoint is one file with the full (gathered) tensors in Lightning's layout, written by rank 0, its
+manifest a record of its zip archive (:mod:`.zip_manifest`). Both are written next to their final path and renamed
+into place when complete (:mod:`.atomic`). Every load checks every byte against the manifest first, the ranks of a
+distributed load sharing the hashing and agreeing on the outcome (:func:`open_agreed`).
 """
 
 from __future__ import annotations
 
 import contextlib
 import copy
+import io
 import os
+import pickle
 import warnings
 from collections.abc import Callable, Iterator, Mapping, Sequence
+from concurrent.futures import Executor, Future
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -42,7 +47,7 @@ from torch.distributed.tensor import DTensor, distribute_tensor
 from lightning_mm._compat import unwrap_optimizer
 from lightning_mm._rank_zero import is_rank_zero, rank_zero_info, rank_zero_warn
 from lightning_mm._tied import tied_parameter_names
-from lightning_mm.checkpoint import atomic, hf_weights, manifest
+from lightning_mm.checkpoint import atomic, digest, hf_weights, manifest, zip_manifest
 from lightning_mm.checkpoint.errors import CheckpointIntegrityError, write_error
 from lightning_mm.checkpoint.layout import (
     EXTRA_KEY,
@@ -80,6 +85,7 @@ __all__ = [
     "Loaded",
     "CheckpointSource",
     "open_source",
+    "open_agreed",
     "alias_groups",
     "gather_full",
     "outside_inference_mode",
@@ -100,26 +106,26 @@ def _distributed() -> bool:
     return dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
 
 
-def _broadcast(obj: Any) -> Any:
+def _broadcast(obj: Any, group: Any = None) -> Any:
     if not _distributed():
         return obj
     box = [obj]
-    dist.broadcast_object_list(box, 0)
+    dist.broadcast_object_list(box, 0, group=group)
     return box[0]
 
 
-def _gather(obj: Any) -> list[Any] | None:
+def _gather(obj: Any, group: Any = None) -> list[Any] | None:
     """``obj`` of every rank, in rank order, on rank 0 (None elsewhere)."""
     if not _distributed():
         return [obj]
     out: list[Any] = [None] * dist.get_world_size()
-    dist.all_gather_object(out, obj)  # all_gather: supported by every backend (gloo, nccl, hccl)
+    dist.all_gather_object(out, obj, group=group)  # all_gather: supported by every backend (gloo, nccl, hccl)
     return out if dist.get_rank() == 0 else None
 
 
-def _barrier() -> None:
+def _barrier(group: Any = None) -> None:
     if _distributed():
-        dist.barrier()
+        dist.barrier(group=group)
 
 
 def _agree(error: str | None) -> None:
@@ -223,13 +229,21 @@ def save(
     extra: dict[str, Any],
     rng: dict[str, Any] | None,
     also_write: Callable[[Path], list[Path]] | None = None,
-) -> None:
+    background: Executor | None = None,
+    group: Any = None,
+) -> Future | None:
     """Write ``checkpoint`` (Lightning's dict) to ``path`` atomically; every rank calls this.
 
     ``extra`` (rank 0's) goes to ``meta[EXTRA_KEY]``; each rank's ``rng`` state and dataloader position are
     gathered into ``meta[EXTRA_KEY]["ranks"]``. ``also_write`` (``torch_dcp``; every rank calls it with the
     partial directory after the DCP files are written) writes more files into the checkpoint, e.g. Hugging Face
     weights (:mod:`.hf_weights`); the files it returns are listed in the manifest.
+
+    With ``background`` (an executor running one task at a time), the state is staged (copied: DCP's stager, into
+    pinned memory where the tensors live on an accelerator; the rest serialised) and the write, the manifest and
+    the commit run there, their collectives on ``group`` (a process group of their own, so that they never
+    interleave with training's); the returned future completes once the checkpoint is in place (its ``result()``
+    raises what failed). Without, everything happens before this returns (None).
     """
     if fmt not in FORMATS:
         raise ValueError(f"checkpoint_format must be one of {FORMATS}, got {fmt!r}")
@@ -260,6 +274,45 @@ def save(
                            f"committed last replaces the other in {path.parent}")
         path.parent.mkdir(parents=True, exist_ok=True)
     _barrier()
+    if fmt == "torch_dcp":
+        payload: Any = meta
+    else:
+        payload = None
+        if rank0:
+            payload = dict(checkpoint)
+            payload[EXTRA_KEY] = meta[EXTRA_KEY]
+    if background is None:
+        _write(path, partial, fmt, tensors, payload, rank0, group, also_write)
+        return None
+    if also_write is not None:  # it reads the live model: not safe beside training
+        raise ValueError("a background save cannot also write Hugging Face weights (checkpoint_format with 'hf')")
+    tensors, payload = _stage(tensors), _serialised(payload) if rank0 else None
+    return background.submit(_write, path, partial, fmt, tensors, payload, rank0, group)
+
+
+def _stage(tensors: dict[str, Any]) -> dict[str, Any]:
+    """A copy of the tensors that training may not change meanwhile: DCP's stager, with pinned memory for tensors
+    on an accelerator; plain CPU copies otherwise."""
+    from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
+
+    accelerated = any(isinstance(t, torch.Tensor) and t.device.type != "cpu" for t in tensors.values())
+    stager = DefaultStager(StagingOptions(use_pinned_memory=accelerated, use_shared_memory=False,
+                                          use_async_staging=False, use_non_blocking_copy=accelerated))
+    try:
+        return stager.stage(tensors)
+    finally:
+        stager.close()
+
+
+def _serialised(obj: Any) -> bytes:
+    buffer = io.BytesIO()
+    torch.save(obj, buffer)
+    return buffer.getvalue()
+
+
+def _write(path: Path, partial: Path, fmt: str, tensors: dict[str, Any], payload: Any, rank0: bool,
+           group: Any, also_write: Callable[[Path], list[Path]] | None = None) -> None:
+    """The write of :func:`save`: DCP shards (every rank) or the file (rank 0), the manifest, the commit."""
     failure, original, hashed = None, None, {}
     try:
         if fmt == "torch_dcp":
@@ -267,22 +320,20 @@ def save(
             writer.fs = files = manifest.RecordingFileSystem()  # each rank hashes the files it wrote
             with _single_process_quiet():
                 dcp.save(tensors, storage_writer=writer, planner=DefaultSavePlanner(flatten_state_dict=False),
-                         no_dist=not _distributed())
+                         process_group=group, no_dist=not _distributed())
             hashed = manifest.file_entries(files.written)
             if also_write is not None:
                 hashed.update(manifest.file_entries(also_write(partial)))
         elif rank0:
-            full = dict(checkpoint)
-            full[EXTRA_KEY] = meta[EXTRA_KEY]
-            _write_file(full, partial)
+            _write_file(payload, partial, with_manifest=True)
     except (Exception, CheckpointException) as error:
         failure, original = write_error(error, path), error
-    results = _gather((failure, hashed))
+    results = _gather((failure, hashed), group)
     if rank0:
         failure = next((f for f, _ in results if f is not None), None)
         if failure is None and fmt == "torch_dcp":
             try:  # the manifest comes last: it binds every file written before it to this checkpoint
-                _write_file(meta, partial / META_FILE)
+                _write_file(payload, partial / META_FILE)
                 manifest.write_manifest(partial, [h for _, h in results], [".metadata", META_FILE])
                 atomic.fsync_dir(partial)
             except Exception as error:
@@ -290,19 +341,26 @@ def save(
         if failure is not None:
             with contextlib.suppress(OSError):
                 atomic.remove(partial)  # free the space now; the next save removes what is left
-    failure = _broadcast(failure)
+    failure = _broadcast(failure, group)
     if failure is not None:
         raise failure from original
     if rank0:
         atomic.commit(partial, path)
-    _barrier()
+    _barrier(group)
 
 
-def _write_file(obj: Any, path: Path) -> None:
+def _write_file(obj: Any, path: Path, with_manifest: bool = False) -> None:
+    """``torch.save`` to ``path`` (``obj`` already serialised when bytes), synced; ``with_manifest`` (a ``torch``
+    format checkpoint) adds its manifest."""
     with open(path, "wb") as f:
-        torch.save(obj, f)
+        if isinstance(obj, bytes):
+            f.write(obj)
+        else:
+            torch.save(obj, f)
         f.flush()
         os.fsync(f.fileno())
+    if with_manifest:
+        zip_manifest.append(path)
 
 
 # ------------------------------------------------------------------------------------------- sources
@@ -376,11 +434,15 @@ def _copy_full_into(full: torch.Tensor, dest: torch.Tensor) -> None:
             dest.copy_(full)
 
 
-def open_source(path: str | Path, full_check: bool = False) -> CheckpointSource:
+def open_source(path: str | Path, full_check: bool = False, share: tuple[int, int] | None = None
+                ) -> CheckpointSource:
     """Open a checkpoint written by this project (a DCP directory or a consolidated file), safely.
 
-    The files of a DCP directory are checked against its manifest first (:func:`.manifest.verify`; whole-file
-    hashes too with ``full_check``). (A checkpoint at a URL is opened by :func:`.remote.open_source`.)
+    Every byte is checked against the checkpoint's manifest first (:func:`.manifest.verify`,
+    :func:`.zip_manifest.verify`); ``full_check`` also checks the SHA-256 of a version 1 manifest (otherwise checked
+    by sample only). ``share=(rank, world_size)``: this rank hashes only its share of the files (or records), the
+    others the rest; the caller must then agree with them on the outcome (:func:`open_agreed` does). (A checkpoint
+    at a URL is opened by :func:`.remote.open_source`.)
     """
     path = Path(path)
     if not path.exists():
@@ -390,10 +452,15 @@ def open_source(path: str | Path, full_check: bool = False) -> CheckpointSource:
             raise FileNotFoundError(
                 f"{path} is not a complete torch_dcp checkpoint (it needs both .metadata and {META_FILE})"
             )
-        listed = manifest.verify(path, full=full_check)
+        hashed = None
+        if share is not None:
+            found = manifest.read_manifest(path)
+            sizes = {name: entry["size"] for name, entry in (found or {}).get("files", {}).items()}
+            hashed = digest.assign(sizes, *share, prefer=manifest.shard_rank)
+        listed = manifest.verify(path, full=full_check, hashed=hashed)
         metadata = read_dcp_metadata(path)
         meta = load_weights_only(manifest.inside(path, path / META_FILE))
-        _check_listed(path, listed, metadata, meta)
+        _check_listed(path, listed, metadata, meta, full_check)
         shapes, dtypes = {}, {}
         for key, item in metadata.state_dict_metadata.items():
             if isinstance(item, TensorStorageMetadata):
@@ -404,6 +471,7 @@ def open_source(path: str | Path, full_check: bool = False) -> CheckpointSource:
             return CheckpointSource(path, meta, {**shapes, **hf_shapes}, {**dtypes, **hf_dtypes}, is_dcp=True,
                                     hf_names=names)
         return CheckpointSource(path, meta, shapes, dtypes, is_dcp=True)
+    zip_manifest.verify(path, digest.assign(zip_manifest.sizes(path), *share) if share is not None else None)
     full = load_weights_only(path, mmap=True)
     if not isinstance(full, dict):
         raise ValueError(f"{path}: not a Lightning checkpoint (a {type(full).__name__}, not a dict)")
@@ -414,9 +482,38 @@ def open_source(path: str | Path, full_check: bool = False) -> CheckpointSource:
     )
 
 
-def _check_listed(path: Path, listed: dict[str, Any] | None, metadata: Any, meta: Any) -> None:
+def open_agreed(path: Path, rank: int, world_size: int) -> CheckpointSource:
+    """:func:`open_source` on every rank of a load, each hashing its share of the files: when any rank finds a
+    fault, every rank raises it (the first failing rank's error), so that none goes on into a collective alone."""
+    error: BaseException | None = None
+    source = None
+    try:
+        source = open_source(path, share=(rank, world_size) if _distributed() else None)
+    except Exception as err:  # every failure is shared, whatever it is
+        error = err
+    if not _distributed():
+        if error is not None:
+            raise error
+        return source
+    try:
+        shared = pickle.loads(pickle.dumps(error))
+    except Exception:
+        shared = CheckpointIntegrityError(str(error))
+    errors: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(errors, shared)
+    if error is not None:
+        raise error
+    first = next((e for e in errors if e is not None), None)
+    if first is not None:
+        raise first
+    assert source is not None
+    return source
+
+
+def _check_listed(path: Path, listed: dict[str, Any] | None, metadata: Any, meta: Any,
+                  full_check: bool = False) -> None:
     """Every file the DCP metadata reads is in the manifest; a checkpoint without one warns, unless it was written
-    with one (then its manifest was removed)."""
+    with one (then its manifest was removed); so does one whose manifest is checked by sample only."""
     extra = (meta.get(EXTRA_KEY) or {}) if isinstance(meta, dict) else {}
     if listed is None:
         if extra.get("manifest"):
@@ -425,6 +522,11 @@ def _check_listed(path: Path, listed: dict[str, Any] | None, metadata: Any, meta
         rank_zero_warn(f"{path} has no {manifest.MANIFEST_FILE} (written by an older lightning-mm): its files are "
                        "not checked against one another")
         return
+    if manifest.sampled_only(listed) and not full_check:
+        rank_zero_warn(f"{path}: its {manifest.MANIFEST_FILE} is of an older lightning-mm (version 1), which "
+                       "recorded sampled fingerprints for loads: its files are checked by sample only (256 KiB of "
+                       "each; `lightning-mm convert dcp-to-torch` checks their SHA-256). Save it again to have "
+                       "every byte checked on load")
     for name in (".metadata", META_FILE, *(i.relative_path for i in (metadata.storage_data or {}).values())):
         if name not in listed["files"]:
             raise CheckpointIntegrityError(f"{path / name}: not listed in the checkpoint's {manifest.MANIFEST_FILE}")
@@ -670,7 +772,7 @@ def load(
     ``lr_schedulers``) tell which optimiser each scheduler state belongs to. ``source``, when given, is the
     checkpoint at ``path`` already opened (e.g. one at a URL: :func:`.remote.open_source`).
     """
-    source = source if source is not None else open_source(path)
+    source = source if source is not None else open_agreed(path, rank, world_size)
     extra = source.extra
     if int(extra.get("format_version", FORMAT_VERSION)) > FORMAT_VERSION:
         raise ValueError(f"{path} was written by a newer lightning-mm (checkpoint format "

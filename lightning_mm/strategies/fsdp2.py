@@ -22,7 +22,7 @@ from lightning.pytorch.accelerators import Accelerator
 from lightning.pytorch.callbacks import StochasticWeightAveraging
 from lightning.pytorch.plugins.precision import Precision
 from lightning.pytorch.strategies.parallel import ParallelStrategy
-from lightning.pytorch.trainer.states import TrainerFn
+from lightning.pytorch.trainer.states import TrainerFn, TrainerStatus
 from lightning.pytorch.utilities.exceptions import MisconfigurationException, SIGTERMException
 from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_only, rank_zero_warn
 from lightning_utilities.core.rank_zero import rank_zero_only as utils_rank_zero_only
@@ -50,6 +50,7 @@ from lightning_mm.core.optimizer import use_fused_steps
 from lightning_mm.core.plan import ShardingPlan, build_plan
 from lightning_mm.hf.checkpoint_format import HF_FORMATS, plan_weights
 from lightning_mm.strategies import stopping
+from lightning_mm.strategies.async_save import AsyncSaver
 from lightning_mm.strategies.cp_setup import ContextParallelSetup
 from lightning_mm.strategies.launch import CheckingLauncher, CheckingSubprocessScriptLauncher
 from lightning_mm.strategies.precision import MMFSDP2Precision, resolve_mixed_precision
@@ -139,6 +140,11 @@ class MMFSDP2Strategy(ParallelStrategy):
             samples, each holding ``seq / C`` tokens (see ``lightning_mm.core.context_parallel``).
             Parameters stay sharded over all ranks; the sampler runs over ``world / C`` data-parallel ranks.
         context_parallel_algo: ``"ulysses"`` (MindSpeed MM's ``ulysses_cp_algo`` is accepted as the same).
+        async_save: ``False`` (default): a save holds the training loop until the checkpoint is written. ``True``:
+            a save during ``fit`` stages the state (a copy; pinned memory on an accelerator) and writes it in the
+            background while training goes on (``lightning_mm.strategies.async_save``); the checkpoint becomes
+            visible, atomically as ever, once complete; a second save, a load, ``on_train_end`` and ``teardown``
+            wait for it. Saves outside ``fit`` stay synchronous. MindSpeed MM's ``training.save_async``.
         stop_on_nonfinite: ``True`` (default): a NaN or infinite loss on any rank, or a non-finite global gradient
             norm, stops training on every rank before the optimizer step applies it, with a
             :class:`~lightning_mm.core.finite.NonFiniteError` naming the step and the rank(s) (the loss flags ride
@@ -185,6 +191,7 @@ class MMFSDP2Strategy(ParallelStrategy):
         stop_on_nonfinite: bool = True,
         storage_options: dict[str, Any] | None = None,
         save_ckpt_dtype: str | None = None,
+        async_save: bool = False,
     ) -> None:
         super().__init__(
             accelerator=accelerator,
@@ -228,6 +235,14 @@ class MMFSDP2Strategy(ParallelStrategy):
         if storage_options is not None and not isinstance(storage_options, Mapping):
             raise TypeError(f"storage_options must be a dict, got {type(storage_options).__name__}")
         self._storage_options = dict(storage_options) if storage_options is not None else None
+        if not isinstance(async_save, bool):
+            raise TypeError(f"async_save must be True or False, got {async_save!r}")
+        if async_save and checkpoint_format in HF_FORMATS:
+            raise ValueError(f"async_save=True cannot write checkpoint_format={checkpoint_format!r} in the background "
+                             "(its Hugging Face weights are read from the live model); use 'torch_dcp' or 'torch'")
+        self.async_save = async_save
+        self._async_saver = AsyncSaver()
+        self._warned_async_url = False
 
     # ------------------------------------------------------------------------------------ properties
     @property
@@ -565,6 +580,8 @@ class MMFSDP2Strategy(ParallelStrategy):
     # ----------------------------------------------------------------------------------- collectives
     @override
     def barrier(self, name: str | None = None) -> None:
+        if self.is_global_zero:  # ModelCheckpoint links `last` and then calls this: never to a pending checkpoint
+            self._async_saver.hide_links()
         if not dist.is_initialized():
             return
         if self.root_device.type != "cpu":  # nccl, hccl, xccl...: the barrier runs on this rank's own device
@@ -590,6 +607,10 @@ class MMFSDP2Strategy(ParallelStrategy):
     @override
     def on_train_start(self) -> None:
         self._install_signal_handler()
+
+    @override
+    def on_train_end(self) -> None:
+        self.wait_for_checkpoint()  # fit returns with every checkpoint it saved in place
 
     @override
     def on_validation_start(self) -> None:
@@ -626,6 +647,10 @@ class MMFSDP2Strategy(ParallelStrategy):
         """
         assert self.cluster_environment is not None
         assert self.accelerator is not None
+        if getattr(self, "_run_failed", False):
+            self._async_saver.settle(self.stop_timeout)  # completes it if it can, else its partial stays hidden
+        else:
+            self.wait_for_checkpoint()
         if getattr(self, "_run_failed", False) and getattr(self, "_created_process_group", False):
             _destroy_process_group()
             self._created_process_group = False
@@ -708,6 +733,7 @@ class MMFSDP2Strategy(ParallelStrategy):
             raise TypeError("MMFSDP2Strategy writes its checkpoints itself; `storage_options` is only used for "
                             "checkpoints at URLs (s3://...)")
         self._check_checkpoint_io()
+        self.wait_for_checkpoint()  # a second save waits for the first
         lm = self.lightning_module
         assert lm is not None
         path = target if ckpt.remote.is_url(target) else Path(target)
@@ -725,11 +751,27 @@ class MMFSDP2Strategy(ParallelStrategy):
             self._save_with_hf_weights(checkpoint, path, extra)
             return
         if isinstance(path, str):  # a URL
+            if self.async_save and not self._warned_async_url:
+                self._warned_async_url = True
+                rank_zero_warn(f"async_save: {path} is at a URL; checkpoints at URLs are written synchronously")
             options = storage_options if storage_options is not None else self._storage_options
             ckpt.remote.save(checkpoint, path, self.checkpoint_format, extra, ckpt.capture_rng(self.root_device),
                              options)
             return
-        ckpt.save(checkpoint, path, self.checkpoint_format, extra, ckpt.capture_rng(self.root_device))
+        trainer = attached_trainer(lm)
+        fitting = (trainer is not None and trainer.state.fn == TrainerFn.FITTING
+                   and trainer.state.status == TrainerStatus.RUNNING)
+        if not (self.async_save and fitting):
+            ckpt.save(checkpoint, path, self.checkpoint_format, extra, ckpt.capture_rng(self.root_device))
+            return
+        self._async_saver.start(path, self.is_global_zero, lambda executor, group: ckpt.save(
+            checkpoint, path, self.checkpoint_format, extra, ckpt.capture_rng(self.root_device),
+            background=executor, group=group), self._timeout)
+
+    def wait_for_checkpoint(self) -> None:
+        """Wait until the checkpoint being written in the background (``async_save=True``) is in place; raise what
+        its write raised. Nothing to do without one."""
+        self._async_saver.wait()
 
     def _save_with_hf_weights(self, checkpoint: dict[str, Any], path: Path | str, extra: dict[str, Any]) -> None:
         """``checkpoint_format`` ``"hf"`` (the weights only, as safetensors) or ``"torch_dcp+hf"`` (both)."""
@@ -757,6 +799,7 @@ class MMFSDP2Strategy(ParallelStrategy):
             raise ValueError("MMFSDP2Strategy loads checkpoints weights_only (no pickled code is run); "
                              "weights_only=False is not supported")
         self._check_checkpoint_io()
+        self.wait_for_checkpoint()
         lm = self.lightning_module
         assert lm is not None
         path = self.broadcast(str(checkpoint_path))
@@ -792,17 +835,21 @@ class MMFSDP2Strategy(ParallelStrategy):
     @override
     def on_train_batch_start(self, batch: Any, batch_idx: int) -> None:
         """Resuming mid-epoch: restore the RNG right before the first batch after the checkpoint."""
+        self._async_saver.poll()  # a background save that completed: its links and deferred removals now
         if self._pending_rng is not None:
             self._restore_pending_rng()
 
     @override
     def remove_checkpoint(self, filepath: _PATH) -> None:
-        """Delete a checkpoint (rank 0): a directory is moved out of sight before it is deleted."""
-        if self.is_global_zero:
-            if ckpt.remote.is_url(str(filepath)):
-                ckpt.remote.remove(str(filepath), self._storage_options)
-            else:
-                checkpoint.remove(Path(filepath))
+        """Delete a checkpoint (rank 0): a directory is moved out of sight before it is deleted. While a save runs in
+        the background, the deletion waits until it is complete (ModelCheckpoint's ``save_top_k`` removes the worst
+        checkpoint right after starting the save of a better one), so a crash never leaves fewer checkpoints."""
+        if not self.is_global_zero:
+            return
+        if ckpt.remote.is_url(str(filepath)):
+            ckpt.remote.remove(str(filepath), self._storage_options)
+        elif not self._async_saver.defer_removal(Path(filepath)):
+            checkpoint.remove(Path(filepath))
 
     @classmethod
     @override

@@ -1,0 +1,248 @@
+"""Every byte checked on load, and saves in the background (issue #27, items 1 and 2).
+
+Two 2-rank launches of tests/ckpt_verify_scenarios.py (``crash``, then ``main``) produce what the distributed
+tests assert on; the rest runs in this process.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+import struct
+import warnings
+import zipfile
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import pytest
+import torch
+from torch import nn
+
+from lightning_mm import MMFSDP2Strategy
+from lightning_mm.checkpoint import digest, manifest, store, zip_manifest
+from lightning_mm.checkpoint.errors import CheckpointIntegrityError
+from tests.conftest import ROOT, read_ranks, run_scenario
+
+SCRIPT = ROOT / "tests" / "ckpt_verify_scenarios.py"
+EXTRA = {"format_version": 1, "kind": "training", "world_size": 1, "rng_point": "next_batch", "hf": []}
+
+
+@pytest.fixture(scope="module")
+def work(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    work = tmp_path_factory.mktemp("ckpt_verify")
+    crash = run_scenario("crash", work, expect_ok=False, script=SCRIPT)
+    assert crash.returncode != 0, "rank 1 should have been killed"
+    run_scenario("main", work, script=SCRIPT)
+    return work
+
+
+# ------------------------------------------------------------------------------- 1: every byte checked
+def test_a_weight_damaged_outside_the_sampled_blocks_fails_fit_on_every_rank_before_any_step(work):
+    main = read_ranks("main", work)
+    damage = main[0]["dcp_damage"]
+    assert damage["fqn"].startswith("state_dict") and damage["file"] == "__1_0.distcp"
+    assert not any(start <= damage["position"] < end for start, end in damage["blocks"])  # a sample misses it
+    sizes = {name: entry["size"] for name, entry in
+             json.loads((work / "dcp_bad.ckpt" / manifest.MANIFEST_FILE).read_text())["files"].items()}
+    assert "__1_0.distcp" not in digest.assign(sizes, 0, 2, prefer=manifest.shard_rank)  # rank 1 hashes it
+    for rank in (0, 1):  # rank 0 learns it from rank 1: no rank goes on alone
+        assert main[rank]["dcp_bad"] == {
+            "raised": "CheckpointIntegrityError", "steps": 0,
+            "message": f"{work / 'dcp_bad.ckpt' / '__1_0.distcp'}: its content differs from the checkpoint's "
+                       "manifest: the file was altered or comes from another checkpoint"}
+        assert main[rank]["dcp_resumed"] == {"start": 2, "steps": 2}  # the undamaged original resumes
+
+
+def test_one_float_of_a_torch_file_set_to_nan_fails_fit_on_every_rank_before_any_step(work):
+    main = read_ranks("main", work)
+    record = main[0]["torch_damage"]["record"]
+    for rank in (0, 1):
+        assert main[rank]["torch_bad"] == {
+            "raised": "CheckpointIntegrityError", "steps": 0,
+            "message": f"{work / 'torch_bad.ckpt'}: record {record} differs from its manifest: the file was altered "
+                       "or damaged"}
+        assert main[rank]["torch_resumed"] == {"start": 2, "steps": 2}
+    # The file is still an ordinary torch file.
+    assert torch.load(work / "torch.ckpt", weights_only=True)["global_step"] == 2
+
+
+def _linear_checkpoint(path: Path, fmt: str = "torch_dcp", size: int = 256) -> None:
+    torch.manual_seed(0)
+    net = nn.Linear(size, size)
+    store.save({"epoch": 0, "global_step": 1, "state_dict": net.state_dict()}, path, fmt, EXTRA, None)
+
+
+def _flip(path: Path, position: int) -> None:
+    with open(path, "r+b") as f:
+        f.seek(position)
+        byte = f.read(1)
+        f.seek(position)
+        f.write(bytes([byte[0] ^ 0x01]))
+
+
+def _as_version_1(directory: Path) -> None:
+    """Rewrite the manifest as lightning-mm wrote it before full checks on load (SHA-256 and a sample)."""
+    files = {}
+    for name in json.loads((directory / manifest.MANIFEST_FILE).read_text())["files"]:
+        path = directory / name
+        size = path.stat().st_size
+        files[name] = {"size": size, "sha256": manifest._sha256(path), "sample": manifest._sample(path, size)}
+    (directory / manifest.MANIFEST_FILE).write_text(json.dumps({
+        "manifest": "lightning-mm checkpoint", "version": 1, "id": "0", "hash": "sha256 of 16 MiB chunks",
+        "sample": {"blocks": 4, "block_size": 65536}, "files": files}))
+
+
+def test_a_version_1_manifest_loads_with_a_warning_that_it_is_checked_by_sample_only(tmp_path):
+    old = tmp_path / "old.ckpt"
+    _linear_checkpoint(old)
+    _as_version_1(old)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        source = store.open_source(old)
+    assert [str(w.message) for w in caught if "checked by sample only" in str(w.message)] == [
+        f"{old}: its manifest.json is of an older lightning-mm (version 1), which recorded sampled fingerprints for "
+        "loads: its files are checked by sample only (256 KiB of each; `lightning-mm convert dcp-to-torch` checks "
+        "their SHA-256). Save it again to have every byte checked on load"]
+    assert torch.equal(source.read_full(["state_dict/weight"])["state_dict/weight"], _fresh_weight())
+    shard = next(old.glob("*.distcp"))
+    size = shard.stat().st_size
+    blocks = manifest._sample_offsets(size, 4, 64 * 1024)
+    _flip(shard, next(p for p in range(0, size, 4096) if not any(b <= p < b + 64 * 1024 for b in blocks)))
+    store.open_source(old)  # what a version 1 manifest promises: a sample
+    with pytest.raises(CheckpointIntegrityError, match=r"old\.ckpt/__0_0\.distcp: its content differs"):
+        store.open_source(old, full_check=True)  # the converters check its SHA-256
+
+
+def _fresh_weight() -> torch.Tensor:
+    torch.manual_seed(0)
+    return nn.Linear(256, 256).weight.detach()
+
+
+@pytest.mark.parametrize("where", ["start", "middle", "end"])
+def test_any_byte_of_a_shard_changed_fails_the_load_naming_the_file(tmp_path, where):
+    path = tmp_path / "c.ckpt"
+    _linear_checkpoint(path)
+    shard = path / "__0_0.distcp"
+    size = shard.stat().st_size
+    _flip(shard, {"start": 0, "middle": size // 3 + 7, "end": size - 1}[where])
+    with pytest.raises(CheckpointIntegrityError, match=r"c\.ckpt/__0_0\.distcp: its content differs"):
+        store.open_source(path)
+
+
+def test_a_torch_file_carries_its_manifest_and_any_changed_record_fails_naming_it(tmp_path):
+    path = tmp_path / "t.ckpt"
+    _linear_checkpoint(path, "torch")
+    assert torch.equal(torch.load(path, weights_only=True)["state_dict"]["weight"], _fresh_weight())
+    found = zip_manifest.records(path)
+    assert sum(name.endswith(zip_manifest.RECORD) for name in found) == 1
+    body = zip_manifest.verify(path)
+    assert body is not None and set(body["records"]) == {n for n in found if not n.endswith(zip_manifest.RECORD)}
+    for name in ("data.pkl", "data/0"):
+        damaged = tmp_path / f"damaged-{name.replace('/', '_')}.ckpt"
+        shutil.copyfile(path, damaged)
+        record = next(n for n in found if n.endswith("/" + name))
+        offset, size, _ = found[record]
+        _flip(damaged, offset + size // 2)
+        with pytest.raises(CheckpointIntegrityError, match=rf"{damaged.name}: record {record} differs from its "
+                                                           "manifest"):
+            store.open_source(damaged)
+    extended = tmp_path / "extended.ckpt"  # a record added afterwards is not the file that was written
+    shutil.copyfile(path, extended)
+    with zipfile.ZipFile(extended, "a") as z:
+        z.writestr(f"{record.split('/')[0]}/data/99", b"\0" * 64)
+    with pytest.raises(CheckpointIntegrityError, match=r"record .*/data/99 is not in the file's manifest"):
+        store.open_source(extended)
+
+
+def test_a_torch_file_without_manifest_is_checked_against_the_crc32s_torch_save_records(tmp_path):
+    plain = tmp_path / "plain.ckpt"  # e.g. another Lightning strategy's checkpoint
+    torch.save({"epoch": 0, "global_step": 1, "state_dict": {"model.w": torch.arange(4096.0)}}, plain)
+    assert zip_manifest.verify(plain) is None
+    store.open_source(plain)
+    offset, size, _ = next(v for k, v in zip_manifest.records(plain).items() if k.endswith("/data/0"))
+    with open(plain, "r+b") as f:
+        f.seek(offset + size // 2 // 4 * 4)
+        f.write(struct.pack("<f", float("nan")))
+    with pytest.raises(CheckpointIntegrityError, match=r"plain\.ckpt: record plain/data/0 differs from the CRC-32 "
+                                                       "torch.save recorded"):
+        store.open_source(plain)
+
+
+def test_ranks_share_the_hashing_one_owner_per_file_shards_to_their_writer():
+    sizes = {"__0_0.distcp": 100, "__1_0.distcp": 100, "__2_0.distcp": 100, ".metadata": 5, "meta.pt": 7}
+    shares = [digest.assign(sizes, r, 2, prefer=manifest.shard_rank) for r in range(2)]
+    assert shares[0] | shares[1] == set(sizes) and not shares[0] & shares[1]
+    assert "__0_0.distcp" in shares[0] and "__1_0.distcp" in shares[1]
+    assert digest.assign(sizes, 0, 1) == set(sizes)
+
+
+# ------------------------------------------------------------------------------- 2: saves in the background
+def test_async_save_is_a_boolean():
+    assert MMFSDP2Strategy(async_save=True).async_save is True and MMFSDP2Strategy().async_save is False
+    with pytest.raises(TypeError, match="async_save must be True or False"):
+        MMFSDP2Strategy(async_save="yes")
+
+
+def test_background_saves_train_and_checkpoint_exactly_as_synchronous_ones(work):
+    main = read_ranks("main", work)
+    for rank in (0, 1):
+        sync, background = main[rank]["runs"]["sync"], main[rank]["runs"]["async"]
+        assert background["losses"] == sync["losses"] and len(sync["losses"]) == 8
+        for key in ("top", "every", "best"):
+            assert background[key] == sync[key], key
+        assert sync["top"]["last.ckpt"]["link"] == "step=8.ckpt"
+        assert main[rank]["async_resumed_3"] == {"start": 3, "losses": sync["losses"][3:]}
+    # The background writes ran while training went on, and nothing incomplete was ever visible (rank 0 looked
+    # at every batch start: every checkpoint and `last`, links followed).
+    assert main[0]["runs"]["async"]["pending_batches"] >= 2
+    assert main[0]["runs"]["async"]["incomplete"] == []
+    for name in ("top/step=8.ckpt", "every/last.ckpt", "every/step=3.ckpt"):
+        ours, theirs = store.open_source(work / "async" / name), store.open_source(work / "sync" / name)
+        a, b = ours.read_full(list(ours.shapes)), theirs.read_full(list(theirs.shapes))
+        assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a), name
+
+
+def test_a_kill_during_a_background_write_keeps_earlier_checkpoints_and_last_resumable(work):
+    sync = read_ranks("main", work)
+    resume = [ranks["after_crash"] for ranks in sync]
+    entries = resume[0]["entries"]
+    # Killed while newest/step=4.ckpt was written: its partial is hidden; step=2 (whose removal by save_top_k=1
+    # waited for step 4) is still there, and `last` still names it.
+    newest = entries["newest"]
+    assert [n for n in newest if n.startswith(".step=4.ckpt.partial-")] and not newest[
+        next(n for n in newest if n.startswith("."))]["complete"]
+    assert {n: v for n, v in newest.items() if not n.startswith(".")} == {
+        "last.ckpt": {"link": "step=2.ckpt", "complete": True}, "step=2.ckpt": {"link": None, "complete": True}}
+    assert entries["every"] == {name: {"link": None, "complete": True}
+                                for name in ("last.ckpt", "step=2.ckpt", "step=4.ckpt")}
+    for rank in (0, 1):
+        losses = sync[rank]["runs"]["sync"]["losses"]
+        assert resume[rank]["newest"] == {"start": 2, "losses": losses[2:]}
+        assert resume[rank]["every"] == {"start": 4, "losses": losses[4:]}
+
+
+def test_a_save_in_the_background_commits_when_its_write_completes(tmp_path):
+    path = tmp_path / "bg.ckpt"
+    with ThreadPoolExecutor(1) as executor:
+        for fmt in ("torch_dcp", "torch"):
+            target = path.with_suffix(f".{fmt}")
+            state = {"w": torch.ones(8)}
+            future = store.save({"epoch": 0, "global_step": 1, "state_dict": state}, target, fmt, EXTRA, None,
+                                background=executor)
+            state["w"].fill_(2.0)  # training goes on: the staged copy is what is written
+            future.result()
+            source = store.open_source(target)
+            weights = source.read_full(["state_dict/w"])["state_dict/w"] if source.is_dcp else source._tensors[
+                "state_dict/w"]
+            assert torch.equal(weights, torch.ones(8)), fmt
+
+
+def test_sigterm_during_a_background_write_lets_it_complete_and_exits_143(tmp_path):
+    proc = run_scenario("sigterm", tmp_path, expect_ok=False, script=SCRIPT)
+    assert proc.returncode == 143, proc.stderr[-3000:]  # the status of a SIGTERM, not an abort at exit
+    assert (tmp_path / "sigterm.pending").read_text() == str(tmp_path / "sigterm" / "step=4.ckpt")
+    # The pending write completed during teardown: step 4 is in place and `last` names it; save_top_k=1's removal
+    # of step 2, which waited for it, happened; nothing is left half-written.
+    assert sorted(p.name for p in (tmp_path / "sigterm").iterdir()) == ["last.ckpt", "step=4.ckpt"]
+    last = tmp_path / "sigterm" / "last.ckpt"
+    assert last.is_symlink() and store.open_source(last).meta["global_step"] == 4
