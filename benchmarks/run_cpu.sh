@@ -101,5 +101,13 @@ else
   $PY benchmarks/chunk_loss_bench.py --rounds 3 --steps 2
 fi
 
+# Compute-bound step time (issue #29): the strategy against the same per-rank work with no communication.
+wait_for_quiet "compute_bound"
+if [ "${QUICK:-0}" = "1" ]; then
+  $PY benchmarks/compute_bound.py --rounds 1 --steps 1 --warmup 1 --contenders no_comm,mm_fsdp2
+else
+  $PY benchmarks/compute_bound.py
+fi
+
 # 5. GPU throughput needs CUDA GPUs: python benchmarks/gpu_throughput.py (see benchmarks/README.md).
 echo "done: ${LMM_BENCH_RESULTS:-benchmarks/results}/"
