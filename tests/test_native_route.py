@@ -127,8 +127,8 @@ def test_the_report_names_keys_mindspeed_cannot_use_here():
 
 
 def test_lora_packing_async_save_and_hf_format_are_written_under_the_agreed_names(tmp_path):
-    """Keys no shipped config turns on, checked as data: the written config uses the option names agreed for
-    chunked loss, packing, async save and the HF checkpoint format, and the report lists those being added."""
+    """Keys no shipped config turns on, checked as data: the written config uses the option names of the chunked
+    loss, packing, async save and the HF checkpoint format."""
     from lightning_mm.commands.native_route import migrate_native
 
     data = _native("qwen3_5__qwen3_5_4B_config.yaml")
@@ -148,11 +148,7 @@ def test_lora_packing_async_save_and_hf_format_are_written_under_the_agreed_name
     # neat_packing is read by MMDataModule from the data config (packing area); the token budget excludes batch_size
     assert "batch_size" not in config["data"]["init_args"]
     assert any("neat_packing, cutoff_len -> MMDataModule packing" in m for m in result.mapped)
-    pending = next(n for n in result.notes if n.startswith("written with options being added"))
-    for option in ("async_save", "enable_chunk_loss"):
-        assert option in pending, (option, pending)
-    for merged in ("checkpoint_format", "save_ckpt_dtype", "packing"):  # in this version: not listed as pending
-        assert merged not in pending, (merged, pending)
+    assert not any(n.startswith("written with options being added") for n in result.notes)  # all exist now
     from lightning_mm.hf.lora import LoRAConfig
 
     LoRAConfig.from_any(model["lora"])  # a valid lora config here
@@ -274,8 +270,6 @@ def test_lightning_mm_plan_for_the_configs_world_size(name, tmp_path, capsys):
     config = yaml.safe_load(written.replace("<RUN>", str(tmp_path.resolve())).replace("<DATA>", str(DATA)))
     model = config["model"]["init_args"]["transformers_model"]
     model.update(init_from_hf_path=str(model_dir), trust_remote_code=False)
-    for pending in ("enable_chunk_loss", "chunk_loss_size"):  # options being added (see native_route.PENDING_OPTIONS)
-        model.pop(pending, None)
     (tmp_path / "plan.yaml").write_text(yaml.safe_dump(config))
     text = plan_from_cli_config(["--config", str(tmp_path / "plan.yaml")], world_size=WORLD_SIZES[name])
     world = WORLD_SIZES[name]
@@ -555,8 +549,6 @@ def test_lightning_mm_plan_for_the_dense_qwen3_5_configs(name, tiny_qwen3_5, tmp
     config = yaml.safe_load(written.replace("<RUN>", str(tmp_path.resolve())).replace("<DATA>", str(DATA)))
     model = config["model"]["init_args"]["transformers_model"]
     model.update(init_from_hf_path=str(tiny_qwen3_5), trust_remote_code=False)
-    for pending in ("enable_chunk_loss", "chunk_loss_size"):  # options being added (see native_route.PENDING_OPTIONS)
-        model.pop(pending, None)
     (tmp_path / "plan.yaml").write_text(yaml.safe_dump(config))
     world = WORLD_SIZES[name]
     text = plan_from_cli_config(["--config", str(tmp_path / "plan.yaml")], world_size=world)
