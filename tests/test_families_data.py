@@ -311,6 +311,11 @@ def test_two_rank_training_on_data_path_batches_equals_plain_transformers(traine
     part = test_parity._part(test_parity._ranks(trained, case.name), 0)
     assert part[0]["plan"]["model_class"] == "MM" + json.loads(
         (trained / "ckpts" / case.family / "config.json").read_text())["architectures"][0]
+    plan = part[0]["plan"]
+    tower = families_scenarios.TOWERS[case.family]
+    assert plan["ignored"] == ([tower] if case.freeze else [])  # a frozen tower is ignored, a trainable one wrapped
+    assert any(u[0].startswith(tower + ".") for u in plan["units"]) != bool(case.freeze)
+    assert bool(plan["recompute"]) == bool(case.fsdp2.get("recompute_modules"))
     final = torch.load(trained / f"{case.name}.pt", weights_only=True)
     test_parity._check(case, global_losses(part), final, global_steps(case, part), trained / "ckpts")
 
