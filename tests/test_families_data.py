@@ -7,7 +7,9 @@ expanded text (byte-level BPE decodes exactly), each assistant turn is found the
 a token is trained when its first character lies inside an assistant turn. Then the collated batch runs forward and
 backward through the model ``TransformersModel`` builds (no adapter: the derived one; the same loss as plain
 Transformers), and the batch check accepts it and counts its images. Last, a 2-rank FSDP2 run on such batches
-(``tests/families_scenarios.py``) is compared per step with plain Transformers in one process.
+(``tests/families_scenarios.py``: Gemma 3, GLM-4.1V, GLM-4.5V and the Qwen2.5-Omni thinker plain with trainable
+towers, Gemma 3 with non-reentrant recomputation, GLM-4.1V with a frozen tower) is compared per step with plain
+Transformers in one process.
 """
 
 from __future__ import annotations
