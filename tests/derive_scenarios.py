@@ -6,7 +6,8 @@ Trains each case of ``CASES`` one after the other with the parity harness of ``t
 ``TransformersModel`` from ``OUTDIR/ckpts/<architecture>`` (a ``save_pretrained`` directory the pytest side
 writes, read sliced per rank), with the derived default plan (these architectures have no adapter). Each rank
 writes ``OUTDIR/CASE.rank{R}.json`` with its losses, sample indices and steps, and the plan it ran (units, ignored
-modules, model class); rank 0 writes the gathered final weights to ``OUTDIR/CASE.pt``. Nothing is mocked.
+modules, model class); a case with ``resume_at`` trains that many steps, saves a checkpoint and resumes from it in a
+new Trainer (two parts). Rank 0 writes the gathered final weights to ``OUTDIR/CASE.pt``. Nothing is mocked.
 """
 
 from __future__ import annotations
@@ -31,6 +32,8 @@ CASES = [
     Case("derived-idefics3-recompute-reentrant", "idefics3", {"recompute_modules": _RECOMPUTE, "use_reentrant": True},
          steps=3),
     Case("derived-mistral3-frozen-tower", "mistral3", freeze=("model.vision_tower",), steps=3),
+    # Trained 2 steps, saved, resumed by a new Trainer for the third (tower trainable: its AdamW state resumes too).
+    Case("derived-idefics3-resume", "idefics3", steps=3, resume_at=2),
 ]
 
 
@@ -91,11 +94,17 @@ def main(outdir: Path, ckptdir: Path) -> None:
     register_parity_families()
     for case in CASES:
         def run(case: Case = case) -> None:
-            record, (trainer, module) = ps._fit(case, ckptdir, outdir, case.steps)
+            parts = []
+            if case.resume_at is not None:  # as tests/parity_scenarios.py's `resume` group does
+                first, (trainer, _) = ps._fit(case, ckptdir, outdir, case.resume_at)
+                trainer.save_checkpoint(outdir / f"{case.name}.ckpt")
+                parts.append(first)
+            resume = str(outdir / f"{case.name}.ckpt") if parts else None
+            record, (trainer, module) = ps._fit(case, ckptdir, outdir, case.steps, ckpt_path=resume)
             plan = trainer.strategy.plan
             record["plan"] = {"units": [list(u.modules) for u in plan.units], "ignored": list(plan.ignored),
                               "recompute": list(plan.recompute), "model_class": type(module.model).__name__}
-            ps._finish(case, outdir, [record], trainer, module)
+            ps._finish(case, outdir, [*parts, record], trainer, module)
 
         ps._guarded(case, outdir, run)
     for name, fsdp2 in LOAD_ONLY.items():

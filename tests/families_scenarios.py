@@ -24,10 +24,19 @@ if str(ROOT) not in sys.path:
 
 from tests.parity import Case  # noqa: E402
 
-# case family -> (tiny family, MindSpeed template, padded width): data-path batches of three architectures.
+# case family -> (tiny family, MindSpeed template, padded width): data-path batches of four architectures.
 FAMILIES = {"data-gemma3": ("gemma3", None, 64), "data-glm4v": ("glm4v", "glm4.1v", 64),
+            "data-glm4v_moe": ("glm4v_moe", "glm4v_moe", 64),
             "data-qwen2_5_omni_thinker": ("qwen2_5_omni_thinker", "qwen2_omni", 192)}
-CASES = [Case(f"{name}-plain", name, steps=3) for name in FAMILIES]
+_GEMMA3_RECOMPUTE = ["model.vision_tower.encoder.layers.{*}", "model.language_model.layers.{*}"]
+CASES = [
+    *[Case(f"{name}-plain", name, steps=3) for name in FAMILIES],  # towers trainable
+    Case("data-gemma3-recompute-nonreentrant", "data-gemma3",
+         {"recompute_modules": _GEMMA3_RECOMPUTE, "use_reentrant": False}, steps=3),
+    Case("data-glm4v-frozen-tower", "data-glm4v", freeze=("model.visual",), steps=3),
+]
+TOWERS = {"data-gemma3": "model.vision_tower", "data-glm4v": "model.visual", "data-glm4v_moe": "model.visual",
+          "data-qwen2_5_omni_thinker": "model.visual"}
 _SAMPLES = 12
 _TOKEN_KEYS = ("input_ids", "attention_mask", "labels", "mm_token_type_ids", "token_type_ids")
 
@@ -104,8 +113,8 @@ def main(outdir: Path) -> None:
         def run(case: Case = case) -> None:
             record, (trainer, module) = ps._fit(case, outdir / "ckpts", outdir, case.steps)
             plan = trainer.strategy.plan
-            record["plan"] = {"units": [list(u.modules) for u in plan.units],
-                              "model_class": type(module.model).__name__}
+            record["plan"] = {"units": [list(u.modules) for u in plan.units], "ignored": list(plan.ignored),
+                              "recompute": list(plan.recompute), "model_class": type(module.model).__name__}
             ps._finish(case, outdir, [record], trainer, module)
 
         ps._guarded(case, outdir, run)

@@ -9,7 +9,8 @@
   load; and Transformers 5's own) load strictly into the same weights ``from_pretrained`` gives.
 * Models the derivation cannot decide: an error naming the YAML keys.
 * Two of them (Idefics3, Mistral 3) trained on 2 ranks with the derived plan against one-process plain
-  Transformers per step (``tests/derive_scenarios.py``, one launch; the parity harness of ``tests/parity.py``).
+  Transformers per step: plain, reentrant recomputation, frozen tower, and a checkpoint resumed by a new Trainer
+  (``tests/derive_scenarios.py``, one launch; the parity harness of ``tests/parity.py``).
 """
 
 from __future__ import annotations
@@ -260,14 +261,21 @@ def test_derived_plan_training_matches_plain_transformers(trained, case):
 
     derive_models.register_parity_families()
     ranks = test_parity._ranks(trained, case.name)
-    part = test_parity._part(ranks, 0)
+    parts = [test_parity._part(ranks, i) for i in range(len(ranks[0]["parts"]))]
+    assert len(parts) == (1 if case.resume_at is None else 2)
+    if case.resume_at is not None:
+        assert len(global_steps(case, parts[0])) == case.resume_at
+    part = parts[-1]
     plan = part[0]["plan"]
     assert plan["model_class"] == f"MM{derive_models.ARCHITECTURES[case.family][0]}"
     prefix = "model.vision_model" if case.family == "idefics3" else "model.vision_tower"
     assert any(u[0].startswith(prefix + ".") for u in plan["units"]) != bool(case.freeze)
     assert plan["ignored"] == ([prefix] if case.freeze else [])
     final = torch.load(trained / f"{case.name}.pt", weights_only=True)
-    test_parity._check(case, global_losses(part), final, global_steps(case, part), trained / "ckpts")
+    losses = [x for p in parts for x in global_losses(p)]
+    steps = [s for p in parts for s in global_steps(case, p)]
+    assert len(steps) == case.steps
+    test_parity._check(case, losses, final, steps, trained / "ckpts")
 
 
 @pytest.mark.parametrize("name", list(LOAD_ONLY))

@@ -7,7 +7,9 @@ expanded text (byte-level BPE decodes exactly), each assistant turn is found the
 a token is trained when its first character lies inside an assistant turn. Then the collated batch runs forward and
 backward through the model ``TransformersModel`` builds (no adapter: the derived one; the same loss as plain
 Transformers), and the batch check accepts it and counts its images. Last, a 2-rank FSDP2 run on such batches
-(``tests/families_scenarios.py``) is compared per step with plain Transformers in one process.
+(``tests/families_scenarios.py``: Gemma 3, GLM-4.1V, GLM-4.5V and the Qwen2.5-Omni thinker plain with trainable
+towers, Gemma 3 with non-reentrant recomputation, GLM-4.1V with a frozen tower) is compared per step with plain
+Transformers in one process.
 """
 
 from __future__ import annotations
@@ -311,6 +313,11 @@ def test_two_rank_training_on_data_path_batches_equals_plain_transformers(traine
     part = test_parity._part(test_parity._ranks(trained, case.name), 0)
     assert part[0]["plan"]["model_class"] == "MM" + json.loads(
         (trained / "ckpts" / case.family / "config.json").read_text())["architectures"][0]
+    plan = part[0]["plan"]
+    tower = families_scenarios.TOWERS[case.family]
+    assert plan["ignored"] == ([tower] if case.freeze else [])  # a frozen tower is ignored, a trainable one wrapped
+    assert any(u[0].startswith(tower + ".") for u in plan["units"]) != bool(case.freeze)
+    assert bool(plan["recompute"]) == bool(case.fsdp2.get("recompute_modules"))
     final = torch.load(trained / f"{case.name}.pt", weights_only=True)
     test_parity._check(case, global_losses(part), final, global_steps(case, part), trained / "ckpts")
 
