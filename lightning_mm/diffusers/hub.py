@@ -33,20 +33,11 @@ class DiffusersHub(ModelHub):
     _builtins_loaded: ClassVar[bool] = False
 
     @classmethod
-    def _load_builtins(cls) -> None:
-        if cls._builtins_loaded:
-            return
+    def _builtin_adapters(cls) -> tuple[type, ...]:
         diffusers_installed()
-        cls._builtins_loaded = True
-        user_entries = dict(cls.MODEL_MAPPINGS)
-        cls.MODEL_MAPPINGS.clear()
-        try:
-            from lightning_mm.diffusers.adapters import BUILTIN_ADAPTERS
+        from lightning_mm.diffusers.adapters import BUILTIN_ADAPTERS
 
-            for adapter in BUILTIN_ADAPTERS:
-                cls.register(*adapter.hub_keys)(adapter)
-        finally:
-            cls.MODEL_MAPPINGS.update(user_entries)
+        return tuple(BUILTIN_ADAPTERS)
 
     @classmethod
     def resolve_diffusers(cls, model_id: str | None, config: Mapping[str, Any]) -> tuple[str, type]:

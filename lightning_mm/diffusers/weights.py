@@ -14,7 +14,6 @@ from pathlib import Path
 
 from torch import nn
 
-from lightning_mm import _safetensors
 from lightning_mm._tied import names_by_tensor
 from lightning_mm.hf.pretrained_index import (
     CheckpointError,
@@ -22,7 +21,6 @@ from lightning_mm.hf.pretrained_index import (
     LoadPlan,
     SafetensorsIndex,
     TensorInfo,
-    read_safetensors_header,
 )
 
 __all__ = ["WEIGHTS_NAME", "WEIGHTS_INDEX_NAME", "read_diffusers_weights", "diffusers_load_plan"]
@@ -35,33 +33,7 @@ WEIGHTS_INDEX_NAME = "diffusion_pytorch_model.safetensors.index.json"
 
 def read_diffusers_weights(directory: str | Path) -> SafetensorsIndex:
     """The tensors of a diffusers model directory, from the safetensors headers (nothing else is read)."""
-    root = Path(directory)
-    index_file = root / WEIGHTS_INDEX_NAME
-    if index_file.is_file():
-        weight_map = _safetensors.read_weight_map(index_file, CheckpointError)
-        files = sorted(_safetensors.shard_files(weight_map))
-    elif (root / WEIGHTS_NAME).is_file():
-        weight_map, files = None, [WEIGHTS_NAME]
-    else:
-        others = sorted(p.name for p in root.iterdir() if p.suffix in (".bin", ".pt", ".pth", ".safetensors"))
-        raise CheckpointError(
-            f"{root}: no {WEIGHTS_NAME} or {WEIGHTS_INDEX_NAME} (not a diffusers model directory"
-            + (f"; found {', '.join(others)}, only diffusers' safetensors layout is read)" if others else ")")
-        )
-    tensors: dict[str, TensorInfo] = {}
-    for name in files:
-        path = root / name
-        if not path.is_file():
-            raise CheckpointError(f"{index_file}: lists '{name}', which does not exist in {root}")
-        for key, info in read_safetensors_header(path).items():
-            if key in tensors:
-                raise CheckpointError(f"{root}: tensor '{key}' is in both {tensors[key].file} and {name}")
-            if weight_map is not None and weight_map.get(key) != name:
-                raise CheckpointError(f"{index_file}: the index does not list '{key}' of {name}")
-            tensors[key] = info
-    if weight_map is not None and (absent := sorted(set(weight_map) - set(tensors))):
-        raise CheckpointError(f"{index_file}: lists {len(absent)} tensor(s) its files do not hold: {absent[:10]}")
-    return SafetensorsIndex(str(root), tensors)
+    return SafetensorsIndex.from_directory(directory, WEIGHTS_NAME, "diffusers' safetensors weights")
 
 
 def diffusers_load_plan(model: nn.Module, index: SafetensorsIndex) -> LoadPlan:

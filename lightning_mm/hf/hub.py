@@ -45,16 +45,22 @@ class ModelHub:
         """
         if cls._builtins_loaded:
             return
+        adapters = cls._builtin_adapters()
         cls._builtins_loaded = True
         user_entries = dict(cls.MODEL_MAPPINGS)
         cls.MODEL_MAPPINGS.clear()
         try:
-            from lightning_mm.hf.adapters import BUILTIN_ADAPTERS
-
-            for adapter in BUILTIN_ADAPTERS:
+            for adapter in adapters:
                 cls.register(*adapter.hub_keys)(adapter)
         finally:
             cls.MODEL_MAPPINGS.update(user_entries)
+
+    @classmethod
+    def _builtin_adapters(cls) -> tuple[type, ...]:
+        """The adapter classes this hub registers on first lookup (each names its keys in ``hub_keys``)."""
+        from lightning_mm.hf.adapters import BUILTIN_ADAPTERS
+
+        return tuple(BUILTIN_ADAPTERS)
 
     @classmethod
     def register(cls, *keys: str, override: bool = False) -> Callable[[type], type]:

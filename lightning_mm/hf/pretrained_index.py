@@ -107,22 +107,24 @@ class SafetensorsIndex:
     tensors: dict[str, TensorInfo]
 
     @classmethod
-    def from_directory(cls, directory: str | Path) -> SafetensorsIndex:
-        """Read ``model.safetensors.index.json`` (sharded) or ``model.safetensors`` in ``directory``."""
+    def from_directory(cls, directory: str | Path, weights_name: str = "model.safetensors",
+                       layout: str = "safetensors weights") -> SafetensorsIndex:
+        """Read ``<weights_name>.index.json`` (sharded) or ``weights_name`` (one file) in ``directory``, checking
+        that every tensor the index lists is in the file it names; ``layout`` names what is read, in errors."""
         root = Path(directory)
         if not root.is_dir():
             raise CheckpointError(f"init_from_hf_path: '{root}' is not a directory")
-        index_file = root / "model.safetensors.index.json"
+        index_file = root / f"{weights_name}.index.json"
         if index_file.is_file():
             weight_map = _safetensors.read_weight_map(index_file, CheckpointError)
             files = sorted(_safetensors.shard_files(weight_map))
-        elif (root / "model.safetensors").is_file():
-            weight_map, files = None, ["model.safetensors"]
+        elif (root / weights_name).is_file():
+            weight_map, files = None, [weights_name]
         else:
             others = sorted(p.name for p in root.iterdir() if p.suffix in (".bin", ".pt", ".pth", ".safetensors"))
             raise CheckpointError(
-                f"{root}: no model.safetensors or model.safetensors.index.json"
-                + (f" (found {', '.join(others)}; only safetensors weights are read)" if others else "")
+                f"{root}: no {weights_name} or {index_file.name}"
+                + (f" (found {', '.join(others)}; only {layout} are read)" if others else "")
             )
         tensors: dict[str, TensorInfo] = {}
         for name in files:
