@@ -43,10 +43,26 @@ _NOT_APPLIED = ("preprocess_parameters", "use_text_processer", "enable_text_prep
 
 
 class WanFeatureDataset(torch.utils.data.Dataset):
-    """The feature files ``paths`` (checked to exist), read one sample at a time."""
+    """The feature files ``paths`` (checked to exist), read one sample at a time; ``records`` are their JSON
+    records (for the batch grouping keys)."""
 
-    def __init__(self, paths: list[Path]) -> None:
+    def __init__(self, paths: list[Path], records: list[Mapping[str, Any]] | None = None) -> None:
         self.paths = list(paths)
+        self.records = list(records) if records is not None else [{} for _ in self.paths]
+
+    def group_keys(self, group_by: str) -> list[str]:
+        """Each sample's size for MindSpeed MM's ``group_data`` (``"data"``: the record's ``sample_size``, else
+        ``len(sample_frame_index)`` x ``resolution.sample_height`` x ``sample_width``) or ``group_frame``
+        (``"frame"``: ``sample_num_frames``). When some record lacks them, every sample's key is its latents' shape
+        (``group_data``) or latent frame count (``group_frame``), read from the feature files (logged)."""
+        keys = [_record_key(record, group_by) for record in self.records]
+        if all(key is not None for key in keys):
+            return [str(key) for key in keys]
+        missing = "sample_size" if group_by == "data" else "sample_num_frames"
+        rank_zero_info(f"WanFeatureDataset: a record has no {missing}"
+                       "; grouping the batches by the latents' shape read from the feature files")
+        shapes = [tuple(self[i]["latents"].shape) for i in range(len(self))]
+        return ["x".join(map(str, s[1:] if group_by == "data" else s[1:2])) for s in shapes]
 
     def __len__(self) -> int:
         return len(self.paths)
@@ -67,6 +83,18 @@ class WanFeatureDataset(torch.utils.data.Dataset):
             raise DataError(f"{path}: latents must be (C, F, H, W) and prompt embeddings (L, D), got "
                             f"{list(sample['latents'].shape)} and {list(sample['prompt_embeds'].shape)}")
         return sample
+
+
+def _record_key(record: Mapping[str, Any], group_by: str) -> Any:
+    if group_by == "frame":
+        return record.get("sample_num_frames")
+    if record.get("sample_size"):
+        return record["sample_size"]
+    frames, resolution = record.get("sample_frame_index"), record.get("resolution")
+    if isinstance(frames, list) and isinstance(resolution, Mapping) and {"sample_height", "sample_width"} <= set(
+            resolution):
+        return f"{len(frames)}x{resolution['sample_height']}x{resolution['sample_width']}"
+    return None
 
 
 def collate_features(samples: list[dict[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
@@ -109,6 +137,7 @@ def build_feature_datasets(dataset_param: Mapping[str, Any], collate_param: Mapp
         raise _fail(source, dp + "basic_parameters.data_folder", f"'{folder}' is not a directory")
     report = DataReport("train")
     paths: list[Path] = []
+    records: list[Mapping[str, Any]] = []
     for number, line in enumerate(data_path.read_text(encoding="utf-8").splitlines(), start=1):
         if not line.strip():
             continue
@@ -129,7 +158,8 @@ def build_feature_datasets(dataset_param: Mapping[str, Any], collate_param: Mapp
             report.problems.append(f"{data_path}:{number}: feature file {file!r} does not exist in {folder}")
         else:
             paths.append(path)
+            records.append(record)
     strict_or_warn(report, strict, source)
     if not paths:
         raise DataError(f"{source}: no usable feature record in {data_path}:\n{report.summary()}")
-    return {"train": WanFeatureDataset(paths), "val": None, "test": None}, collate_features, {"train": report}
+    return {"train": WanFeatureDataset(paths, records), "val": None, "test": None}, collate_features, {"train": report}
