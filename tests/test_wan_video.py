@@ -90,3 +90,93 @@ def test_the_grouping_keys_are_checked(tmp_path: Path, monkeypatch: pytest.Monke
         (tmp_path / f"{name}.json").write_text(json.dumps(data))
         with pytest.raises(DataConfigError, match=message):
             MMDataModule.from_config(tmp_path / f"{name}.json")
+
+
+# ------------------------------------------------------------------------------------ raw videos
+VAE = dict(base_dim=8, z_dim=4, dim_mult=[1, 2], num_res_blocks=1, attn_scales=[], temperal_downsample=[True],
+           latents_mean=[0.1, -0.2, 0.0, 0.3], latents_std=[0.5, 2.0, 1.0, 1.5])
+
+
+def _write_clip(path: Path, frames: int, height: int, width: int) -> None:
+    import av
+    import numpy as np
+
+    rng = np.random.default_rng(0)
+    with av.open(str(path), "w") as container:
+        stream = container.add_stream("mpeg4", rate=8)
+        stream.width, stream.height, stream.pix_fmt = width, height, "yuv420p"
+        for i in range(frames):
+            image = np.zeros((height, width, 3), np.uint8)
+            image[:, : width // 2] = (200, 40, 40)
+            image[4 * i: 4 * i + 12, 8:24] = rng.integers(0, 255, (12, 16, 3))
+            for packet in stream.encode(av.VideoFrame.from_ndarray(image, format="rgb24")):
+                container.mux(packet)
+        for packet in stream.encode():
+            container.mux(packet)
+
+
+def _video_config(tmp_path: Path, num_frames: int = 5, **basic) -> Path:
+    from diffusers import AutoencoderKLWan
+
+    folder = tmp_path / "clips"
+    folder.mkdir(exist_ok=True)
+    _write_clip(folder / "clip.mp4", 7, 48, 64)
+    torch.save({"prompt_ids": torch.randn(3, 16, generator=torch.Generator().manual_seed(1))}, folder / "text.pt")
+    (folder / "data.jsonl").write_text(json.dumps({"path": "clip.mp4", "file": "text.pt", "cap": "a clip"}) + "\n")
+    if not (tmp_path / "vae").is_dir():
+        torch.manual_seed(0)
+        AutoencoderKLWan(**VAE).save_pretrained(tmp_path / "vae")
+    data = {"dataset_param": {"dataset_type": "feature",
+                              "basic_parameters": {"data_path": str(folder / "data.jsonl"), "data_folder": str(folder),
+                                                   "vae_path": str(tmp_path / "vae"), **basic},
+                              "preprocess_parameters": {"num_frames": num_frames, "frame_interval": 1,
+                                                        "max_height": 32, "max_width": 32, "train_fps": 24}},
+            "dataloader_param": {"dataloader_mode": "sampler", "shuffle": False}}
+    path = tmp_path / f"video_{num_frames}.json"
+    path.write_text(json.dumps(data))
+    return path
+
+
+def test_a_video_record_is_decoded_resized_and_encoded_by_the_frozen_vae(tmp_path: Path) -> None:
+    import imageio.v3 as iio
+    from diffusers import AutoencoderKLWan
+
+    from lightning_mm.datamodules import MMDataModule
+    from lightning_mm.datamodules.wan_video import read_frames
+
+    dm = MMDataModule.from_config(_video_config(tmp_path), batch_size=1)
+    dm.setup("fit")
+    batch = next(iter(dm.train_dataloader()))
+    clip = tmp_path / "clips" / "clip.mp4"
+    direct = torch.from_numpy(iio.imread(clip, plugin="pyav"))  # (7, 48, 64, 3), read by imageio
+    assert direct.shape == (7, 48, 64, 3) and torch.equal(read_frames(clip, 5), direct[:5])
+    # MindSpeed MM's pipeline by hand: short side to 32 (48x64 -> 32x43), centre crop 32x32, [-1, 1]
+    video = torch.nn.functional.interpolate(direct[:5].permute(0, 3, 1, 2).float(), size=(32, 43), mode="bilinear",
+                                            antialias=True)[..., 5:37]
+    video = (video / 127.5 - 1.0).permute(1, 0, 2, 3)[None]
+    vae = AutoencoderKLWan.from_pretrained(tmp_path / "vae").eval()
+    with torch.no_grad():
+        mode = vae.encode(video).latent_dist.mode()
+    expected = (mode - torch.tensor(VAE["latents_mean"]).view(1, 4, 1, 1, 1)) / torch.tensor(
+        VAE["latents_std"]).view(1, 4, 1, 1, 1)
+    assert batch["latents"].shape == expected.shape == (1, 4, 3, 16, 16)
+    torch.testing.assert_close(batch["latents"], expected, rtol=1e-5, atol=1e-6)
+    assert torch.equal(batch["prompt_embeds"][0], torch.load(tmp_path / "clips" / "text.pt")["prompt_ids"])
+    assert not any(p.requires_grad for p in dm._splits["train"].video.vae.vae.parameters())  # frozen, not trained
+
+
+def test_video_records_are_checked(tmp_path: Path) -> None:
+    from lightning_mm.datamodules import MMDataModule
+    from lightning_mm.datamodules.data_config import DataConfigError
+    from lightning_mm.datamodules.records import DataError
+
+    path = _video_config(tmp_path)
+    data = json.loads(path.read_text())
+    del data["dataset_param"]["basic_parameters"]["vae_path"]
+    path.write_text(json.dumps(data))
+    with pytest.raises(DataConfigError, match="basic_parameters.vae_path`: missing"):
+        MMDataModule.from_config(path).setup("fit")
+    dm = MMDataModule.from_config(_video_config(tmp_path, num_frames=9), batch_size=1)
+    dm.setup("fit")
+    with pytest.raises(DataError, match="clip.mp4: 7 frame"):
+        next(iter(dm.train_dataloader()))
