@@ -229,6 +229,10 @@ class MMDataModule(L.LightningDataModule):
         if split == "train" and self.max_tokens_per_rank is not None:
             return self._token_budget_loader(data)
         loader_cls = DataLoader if iterable or split != "train" else ResumableDataLoader  # mid-epoch resume
+        group_by = getattr(self.mindspeed_config, "group_by", None)
+        if split == "train" and group_by is not None and not iterable:
+            return loader_cls(data, batch_size=self.batch_size, sampler=self._grouped_sampler(data, group_by),
+                              num_workers=self.num_workers, collate_fn=self.collate_fn, pin_memory=self.pin_memory)
         return loader_cls(
             data,
             batch_size=self.batch_size,
@@ -264,6 +268,17 @@ class MMDataModule(L.LightningDataModule):
             self.packing, self.drop_last, world, rank, collate,
             epoch_fn=(lambda: int(trainer.current_epoch)) if trainer is not None else (lambda: 0),
             num_workers=self.num_workers, pin_memory=self.pin_memory)
+
+    def _grouped_sampler(self, data: Any, group_by: str) -> DistributedSampler:
+        """MindSpeed MM's ``LengthGroupedSampler`` (``group_data`` / ``group_frame``): batches of one size."""
+        from lightning_mm.datamodules.grouped_sampler import GroupedDistributedSampler
+
+        trainer = attached_trainer(self)
+        kwargs = (trainer.strategy.distributed_sampler_kwargs or {}) if trainer is not None else {}
+        return GroupedDistributedSampler(data, data.group_keys(group_by), self.batch_size,
+                                         num_replicas=int(kwargs.get("num_replicas", 1)),
+                                         rank=int(kwargs.get("rank", 0)), shuffle=self.shuffle, seed=self.seed,
+                                         drop_last=self.drop_last)
 
     def _unshuffled_distributed_sampler(self, data: Any) -> DistributedSampler | None:
         """Lightning's training sampler with ``shuffle=False``, or ``None`` when Lightning installs none.

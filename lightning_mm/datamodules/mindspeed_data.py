@@ -33,13 +33,13 @@ __all__ = ["MindSpeedDataConfig", "read_data_file", "parse_section", "build_data
 _SECTION_KEYS = ("dataset_param", "dataloader_param", "val_dataset_param", "strict", "allow_outside_data_root")
 _DATASET_KEYS = ("dataset_type", "preprocess_parameters", "basic_parameters", "attr")
 _LOADER_KEYS = ("dataloader_mode", "drop_last", "sampler_type", "collate_param", "pin_memory", "shuffle",
-                "num_workers", "enable_preload")
+                "num_workers", "enable_preload", "group_frame", "group_resolution", "group_data",
+                "initial_global_step_for_sampler")
 _COLLATE_KEYS = ("model_name", "collator_id", "ignore_pad_token_for_loss", "pad_to_multiple_of")
 _LAUNCH_FLAGS = {"batch_size": "micro_batch_size (MMDataModule(batch_size=...))",
                  "seed": "seed (MMDataModule(seed=...))"}
-_UNSUPPORTED_LOADER = ("prefetch_factor", "persistent_workers", "data_sharding", "group_frame", "group_resolution",
-                       "group_data", "initial_global_step_for_sampler", "priority_mode")
-_SAMPLERS = ("BaseRandomBatchSampler", "stateful_distributed_sampler")
+_UNSUPPORTED_LOADER = ("prefetch_factor", "persistent_workers", "data_sharding", "priority_mode")
+_SAMPLERS = ("BaseRandomBatchSampler", "stateful_distributed_sampler", "LengthGroupedSampler")
 
 
 @dataclass(frozen=True)
@@ -61,6 +61,10 @@ class MindSpeedDataConfig:
     source: str = "data config"
     prefix: str = ""
     """``"data."`` for the ``data:`` section of a launch YAML (error messages name keys with it)."""
+    group_by: str | None = None
+    """``"data"`` (one frames x height x width per batch) or ``"frame"`` (one frame count per batch):
+    ``sampler_type: LengthGroupedSampler`` with ``group_data`` / ``group_frame``
+    (:mod:`lightning_mm.datamodules.grouped_sampler`); ``None``: Lightning's distributed sampler."""
 
 
 def read_data_file(path: str | os.PathLike) -> MindSpeedDataConfig | None:
@@ -122,10 +126,12 @@ def parse_section(section: dict[str, Any], source: str, prefix: str = "", base_d
         raise _fail(source, lp + "dataloader_mode", f"{short_repr(mode)} is not supported: Lightning installs a "
                                                     "distributed sampler over the data-parallel ranks (mode 'sampler')")
     sampler = loader.get("sampler_type", "BaseRandomBatchSampler")
-    if sampler not in _SAMPLERS:
+    if sampler not in _SAMPLERS or (sampler == "LengthGroupedSampler" and dataset_type != "feature"):
         raise _fail(source, lp + "sampler_type", f"{short_repr(sampler)} is not supported (supported: "
-                                                 f"{', '.join(_SAMPLERS)}: each rank gets distinct samples, "
-                                                 "shuffled or in order per `shuffle`)")
+                                                 f"{', '.join(_SAMPLERS[:2])}: each rank gets distinct samples, "
+                                                 "shuffled or in order per `shuffle`; LengthGroupedSampler with "
+                                                 "dataset_type: feature)")
+    group_by = _group_by(loader, sampler, dataset_type, lp, source)
     if multimodal:
         collate = loader.get("collate_param") or {}
         if not isinstance(collate, Mapping):
@@ -155,8 +161,35 @@ def parse_section(section: dict[str, Any], source: str, prefix: str = "", base_d
         num_workers=workers,
         strict=_bool(section, "strict", False, prefix, source),
         allow_outside_data_root=_bool(section, "allow_outside_data_root", False, prefix, source),
-        base_dir=(base_dir or Path.cwd()).resolve(), source=source, prefix=prefix,
+        base_dir=(base_dir or Path.cwd()).resolve(), source=source, prefix=prefix, group_by=group_by,
     )
+
+
+def _group_by(loader: Mapping, sampler: str, dataset_type: str, lp: str, source: str) -> str | None:
+    """MindSpeed MM's ``LengthGroupedSampler`` keys: which samples may share a batch."""
+    frame, resolution, data = (_bool(loader, k, False, lp, source)
+                               for k in ("group_frame", "group_resolution", "group_data"))
+    step = loader.get("initial_global_step_for_sampler", 0)
+    if isinstance(step, bool) or not isinstance(step, int) or step < 0:
+        raise _fail(source, lp + "initial_global_step_for_sampler", f"expected an integer >= 0, got {short_repr(step)}")
+    if step:
+        raise _fail(source, lp + "initial_global_step_for_sampler", "skipping steps at the start is not supported; "
+                                                                     "resume from a checkpoint (it restores the "
+                                                                     "loader's position) or set 0")
+    if resolution:
+        raise _fail(source, lp + "group_resolution", "not supported (MindSpeed MM does not implement it either: "
+                                                     "use group_data)")
+    if frame and data:
+        raise _fail(source, lp + "group_data", "cannot be true with group_frame (as in MindSpeed MM)")
+    if not (frame or data):
+        return None
+    key = "group_data" if data else "group_frame"
+    if sampler != "LengthGroupedSampler":
+        raise _fail(source, lp + key, f"groups batches with sampler_type: LengthGroupedSampler only, not "
+                                      f"{short_repr(sampler)} (MindSpeed MM ignores it there; set it false)")
+    if dataset_type != "feature":
+        raise _fail(source, lp + key, f"supported with dataset_type: feature only, not {short_repr(dataset_type)}")
+    return "data" if data else "frame"
 
 
 def build_datasets(config: MindSpeedDataConfig) -> tuple[dict[str, Any], Callable[[list[dict]], dict],

@@ -11,13 +11,17 @@ MindSpeed MM's keys ``video`` (the VAE latents, ``(C, F, H, W)``), ``prompt_ids`
 
 The features were made by MindSpeed MM's feature extraction with the ``preprocess_parameters`` and
 ``tokenizer_config`` of the config (frames, resolution, tokenizer); those keys are accepted and logged as not
-applied here. Raw videos are not decoded by this dataset: extract features first.
+applied here. A record may name a raw video in ``path`` (relative to ``data_folder``) besides its ``file``, which
+then holds the text features only: the video is decoded and encoded by the frozen ``AutoencoderKLWan`` saved at
+``basic_parameters.vae_path`` (a key of this project) with ``preprocess_parameters`` ``num_frames``,
+``frame_interval``, ``max_height`` and ``max_width`` (:mod:`lightning_mm.datamodules.wan_video`).
 """
 
 from __future__ import annotations
 
 import json
 from collections.abc import Callable, Mapping
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -38,15 +42,37 @@ FEATURE_KEYS = {"video": "latents", "prompt_ids": "prompt_embeds", "prompt_mask"
 
 _DATASET_KEYS = ("dataset_type", "basic_parameters", "preprocess_parameters", "use_text_processer",
                  "enable_text_preprocessing", "tokenizer_config")
-_BASIC_KEYS = ("data_path", "data_folder")
+_BASIC_KEYS = ("data_path", "data_folder", "vae_path")
+_VIDEO_KEYS = ("num_frames", "max_height", "max_width")
 _NOT_APPLIED = ("preprocess_parameters", "use_text_processer", "enable_text_preprocessing", "tokenizer_config")
 
 
 class WanFeatureDataset(torch.utils.data.Dataset):
-    """The feature files ``paths`` (checked to exist), read one sample at a time."""
+    """The feature files ``paths`` (checked to exist), read one sample at a time; ``records`` are their JSON
+    records (for the batch grouping keys)."""
 
-    def __init__(self, paths: list[Path]) -> None:
+    def __init__(self, paths: list[Path], records: list[Mapping[str, Any]] | None = None,
+                 videos: list[Path | None] | None = None, video: VideoSettings | None = None) -> None:
         self.paths = list(paths)
+        self.records = list(records) if records is not None else [{} for _ in self.paths]
+        self.videos = list(videos) if videos is not None else [None] * len(self.paths)
+        if video is None and any(v is not None for v in self.videos):
+            raise ValueError("video records need VideoSettings")
+        self.video = video
+
+    def group_keys(self, group_by: str) -> list[str]:
+        """Each sample's size for MindSpeed MM's ``group_data`` (``"data"``: the record's ``sample_size``, else
+        ``len(sample_frame_index)`` x ``resolution.sample_height`` x ``sample_width``) or ``group_frame``
+        (``"frame"``: ``sample_num_frames``). When some record lacks them, every sample's key is its latents' shape
+        (``group_data``) or latent frame count (``group_frame``), read from the feature files (logged)."""
+        keys = [_record_key(record, group_by) for record in self.records]
+        if all(key is not None for key in keys):
+            return [str(key) for key in keys]
+        missing = "sample_size" if group_by == "data" else "sample_num_frames"
+        rank_zero_info(f"WanFeatureDataset: a record has no {missing}"
+                       "; grouping the batches by the latents' shape read from the feature files")
+        shapes = [tuple(self[i]["latents"].shape) for i in range(len(self))]
+        return ["x".join(map(str, s[1:] if group_by == "data" else s[1:2])) for s in shapes]
 
     def __len__(self) -> int:
         return len(self.paths)
@@ -60,6 +86,12 @@ class WanFeatureDataset(torch.utils.data.Dataset):
         if unknown:
             raise DataError(f"{path}: unknown feature key(s) {unknown} (known: {sorted(FEATURE_KEYS)})")
         sample = {FEATURE_KEYS[k]: v for k, v in data.items() if v is not None}
+        video = self.videos[index]
+        if video is not None:
+            if "latents" in sample:
+                raise DataError(f"{path}: has video latents but its record names the video {video.name!r} too")
+            assert self.video is not None
+            sample["latents"] = self.video.latents(video)
         for key in ("latents", "prompt_embeds"):
             if not isinstance(sample.get(key), torch.Tensor):
                 raise DataError(f"{path}: no `{key}` tensor (MindSpeed MM's `video` / `prompt_ids`)")
@@ -67,6 +99,60 @@ class WanFeatureDataset(torch.utils.data.Dataset):
             raise DataError(f"{path}: latents must be (C, F, H, W) and prompt embeddings (L, D), got "
                             f"{list(sample['latents'].shape)} and {list(sample['prompt_embeds'].shape)}")
         return sample
+
+
+@dataclass
+class VideoSettings:
+    """How a record's video becomes latents (:mod:`lightning_mm.datamodules.wan_video`)."""
+
+    vae: Any  # FrozenWanVAE
+    num_frames: int
+    height: int
+    width: int
+    frame_interval: int = 1
+
+    def latents(self, video: Path) -> torch.Tensor:
+        from lightning_mm.datamodules.wan_video import read_frames, to_model_frames
+
+        frames = read_frames(video, self.num_frames, self.frame_interval)
+        return self.vae.encode(to_model_frames(frames, self.height, self.width))
+
+
+def _video_settings(param: Mapping[str, Any], basic: Mapping[str, Any], base_dir: Path, dp: str,
+                    source: str) -> VideoSettings:
+    from lightning_mm.datamodules.wan_video import FrozenWanVAE
+
+    if not isinstance(basic.get("vae_path"), str):
+        raise _fail(source, dp + "basic_parameters.vae_path", "missing: records name videos (`path`), which are "
+                                                              "encoded by the AutoencoderKLWan saved there")
+    pre = param.get("preprocess_parameters")
+    if not isinstance(pre, Mapping):
+        raise _fail(source, dp + "preprocess_parameters", "missing: records name videos; give num_frames, "
+                                                          "max_height, max_width")
+    values = {}
+    for key in (*_VIDEO_KEYS, "frame_interval"):
+        value = pre.get(key, 1 if key == "frame_interval" else None)
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise _fail(source, dp + f"preprocess_parameters.{key}", f"expected an integer >= 1, got {value!r}")
+        values[key] = value
+    others = sorted(k for k in pre if k not in (*_VIDEO_KEYS, "frame_interval"))
+    if others:
+        rank_zero_info(f"{source}: `{dp}preprocess_parameters` {others} are not applied (frames are taken from the "
+                       "start, short-side resized and centre-cropped)")
+    return VideoSettings(FrozenWanVAE((base_dir / basic["vae_path"]).resolve()), values["num_frames"],
+                         values["max_height"], values["max_width"], values["frame_interval"])
+
+
+def _record_key(record: Mapping[str, Any], group_by: str) -> Any:
+    if group_by == "frame":
+        return record.get("sample_num_frames")
+    if record.get("sample_size"):
+        return record["sample_size"]
+    frames, resolution = record.get("sample_frame_index"), record.get("resolution")
+    if isinstance(frames, list) and isinstance(resolution, Mapping) and {"sample_height", "sample_width"} <= set(
+            resolution):
+        return f"{len(frames)}x{resolution['sample_height']}x{resolution['sample_width']}"
+    return None
 
 
 def collate_features(samples: list[dict[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
@@ -94,9 +180,6 @@ def build_feature_datasets(dataset_param: Mapping[str, Any], collate_param: Mapp
     param = check_keys(dataset_param, _DATASET_KEYS, dp, source)
     if collate_param:
         raise _fail(source, prefix + "dataloader_param.collate_param", "not used with dataset_type: feature")
-    for key in _NOT_APPLIED:
-        if key in param:
-            rank_zero_info(f"{source}: `{dp}{key}` is not applied: the features are precomputed")
     basic = check_keys(param.get("basic_parameters"), _BASIC_KEYS, dp + "basic_parameters.", source)
     if not isinstance(basic.get("data_path"), str):
         raise _fail(source, dp + "basic_parameters.data_path", "missing: the JSON-lines file of the feature records")
@@ -109,6 +192,8 @@ def build_feature_datasets(dataset_param: Mapping[str, Any], collate_param: Mapp
         raise _fail(source, dp + "basic_parameters.data_folder", f"'{folder}' is not a directory")
     report = DataReport("train")
     paths: list[Path] = []
+    records: list[Mapping[str, Any]] = []
+    videos: list[Path | None] = []
     for number, line in enumerate(data_path.read_text(encoding="utf-8").splitlines(), start=1):
         if not line.strip():
             continue
@@ -123,13 +208,32 @@ def build_feature_datasets(dataset_param: Mapping[str, Any], collate_param: Mapp
             report.problems.append(f"{data_path}:{number}: no `file` (the feature file of the record)")
             continue
         path = (folder / file).resolve()
-        if not path.is_relative_to(folder):
+        video = record.get("path")
+        video_path = (folder / video).resolve() if isinstance(video, str) and video else None
+        if video is not None and video_path is None:
+            report.problems.append(f"{data_path}:{number}: `path` must name a video file, got {video!r}")
+        elif video_path is not None and not video_path.is_relative_to(folder):
+            report.problems.append(f"{data_path}:{number}: `path` {video!r} resolves outside {folder}")
+        elif video_path is not None and not video_path.is_file():
+            report.problems.append(f"{data_path}:{number}: video {video!r} does not exist in {folder}")
+        elif not path.is_relative_to(folder):
             report.problems.append(f"{data_path}:{number}: `file` {file!r} resolves outside {folder}")
         elif not path.is_file():
             report.problems.append(f"{data_path}:{number}: feature file {file!r} does not exist in {folder}")
         else:
             paths.append(path)
+            records.append(record)
+            videos.append(video_path)
     strict_or_warn(report, strict, source)
     if not paths:
         raise DataError(f"{source}: no usable feature record in {data_path}:\n{report.summary()}")
-    return {"train": WanFeatureDataset(paths), "val": None, "test": None}, collate_features, {"train": report}
+    settings = None
+    if any(v is not None for v in videos):
+        settings = _video_settings(param, basic, base_dir, dp, source)
+        not_applied = [k for k in _NOT_APPLIED if k in param and k != "preprocess_parameters"]
+    else:
+        not_applied = [k for k in _NOT_APPLIED if k in param]
+    for key in not_applied:
+        rank_zero_info(f"{source}: `{dp}{key}` is not applied: the text (and video) features are precomputed")
+    splits = {"train": WanFeatureDataset(paths, records, videos, settings), "val": None, "test": None}
+    return splits, collate_features, {"train": report}
