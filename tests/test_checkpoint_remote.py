@@ -253,3 +253,25 @@ def test_ckpt_path_last_with_a_modelcheckpoint_at_a_url_names_the_url_to_pass():
 
     with pytest.raises(ValueError, match=r'pass the URL itself, ckpt_path="memory://mm-last/run/last.ckpt"'):
         check_ckpt_path(fit_impl, (), {"ckpt_path": "last"}, trainer)
+
+
+def test_a_changed_byte_outside_the_sampled_blocks_of_a_remote_shard_fails_the_load():
+    """Every byte of every object is hashed on load (not only the sample fingerprint's blocks)."""
+    from lightning_mm.checkpoint.remote import _BLOCK_SIZE, _sample_offsets
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(256, 1024))  # a 1 MiB weight: a shard far larger than the sampled blocks
+    optimizer = torch.optim.AdamW(model.parameters(), lr=0.1)
+    checkpoint = {"state_dict": store.model_state(model, full=False),
+                  "optimizer_states": [store.optimizer_state(model, optimizer, full=False)], "global_step": 1}
+    url, path = "memory://mm-every-byte/a.ckpt", "/mm-every-byte/a.ckpt/__0_0.distcp"
+    remote.save(checkpoint, url, "torch_dcp", {"kind": "training"}, None)
+    fs = fsspec.filesystem("memory")
+    data = bytearray(fs.cat_file(path))
+    sampled = [range(o, o + _BLOCK_SIZE) for o in _sample_offsets(len(data))]
+    offset = next(i for i in range(len(data) // 3, len(data)) if not any(i in r for r in sampled))
+    data[offset] ^= 0x01
+    fs.pipe_file(path, bytes(data))
+    with pytest.raises(CheckpointIntegrityError, match=r"a.ckpt/__0_0.distcp: its content differs"):
+        remote.open_source(url)
+    remote.open_source(url, full_check=False)  # the sample alone does not see it: the whole hash is what does
