@@ -7,6 +7,7 @@ tests assert on; the rest runs in this process.
 from __future__ import annotations
 
 import json
+import re
 import shutil
 import struct
 import warnings
@@ -181,6 +182,13 @@ def test_async_save_is_a_boolean():
     assert MMFSDP2Strategy(async_save=True).async_save is True and MMFSDP2Strategy().async_save is False
     with pytest.raises(TypeError, match="async_save must be True or False"):
         MMFSDP2Strategy(async_save="yes")
+
+
+@pytest.mark.parametrize("fmt", ["hf", "torch_dcp+hf"])
+def test_async_save_refuses_the_formats_that_read_the_live_model(fmt):
+    with pytest.raises(ValueError, match=f"async_save=True cannot write checkpoint_format='{re.escape(fmt)}'"):
+        MMFSDP2Strategy(async_save=True, checkpoint_format=fmt)
+    assert MMFSDP2Strategy(checkpoint_format=fmt).checkpoint_format == fmt
 
 
 def test_background_saves_train_and_checkpoint_exactly_as_synchronous_ones(work):
