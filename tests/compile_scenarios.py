@@ -1,10 +1,11 @@
-"""2-rank scenario for per-block torch.compile: ``python tests/compile_scenarios.py OUTDIR MODELDIR``.
+"""2-rank scenario for per-block torch.compile: ``python tests/compile_scenarios.py OUTDIR MODELDIR MOEDIR``.
 
 A tiny Qwen3 (a Transformers ``save_pretrained`` directory, ``MODELDIR``, written by the test) trained through
 ``TransformersModel`` by ``MMFSDP2Strategy`` (Lightning's launcher re-runs this script for rank 1; gloo, real
 collectives) with its decoder layers as FSDP units compiled per block, on batches whose sequence length changes
 every step: plain, with reentrant recomputation, with Ulysses context parallelism (CP 2), and with LoRA, bf16
-parameters and an ignored (frozen) embedding, against the same run eager. Each rank also trains the model of
+parameters and an ignored (frozen) embedding, against the same run eager; and a tiny Qwen3-MoE (``MOEDIR``) with
+expert parallelism 2 and each block's attention compiled. Each rank also trains the model of
 ``MODELDIR`` in one process without sharding or compile on the global batches (the reference). The backend is
 ``aot_eager`` (dynamo's capture and AOT autograd, eager kernels), so compiled and eager runs compute the same
 numbers; tests/test_compile.py checks the inductor backend's numerics in one process. Each rank writes what it
@@ -38,9 +39,16 @@ LORA = {"target_modules": ["model.layers.{*}.self_attn.q_proj", "model.layers.{*
         "init_lora_weights": "gaussian"}
 
 
-def write_model(directory: Path) -> None:
+MOE = dict(CONFIG, moe_intermediate_size=16, num_experts=4, num_experts_per_tok=2, decoder_sparse_step=1,
+           mlp_only_layers=[], norm_topk_prob=True)
+
+
+def write_model(directory: Path, moe: bool = False) -> None:
     torch.manual_seed(0)
-    transformers.Qwen3ForCausalLM(transformers.Qwen3Config(**CONFIG)).save_pretrained(directory)
+    if moe:
+        transformers.Qwen3MoeForCausalLM(transformers.Qwen3MoeConfig(**MOE)).save_pretrained(directory)
+    else:
+        transformers.Qwen3ForCausalLM(transformers.Qwen3Config(**CONFIG)).save_pretrained(directory)
 
 
 def length(step: int) -> int:
@@ -77,12 +85,12 @@ class Module(MMLightningModule):
 
 
 def fit(model_dir: str, compiled: bool = True, reentrant: bool | None = None, cp: int = 1,
-        lora: bool = False, extra: dict[str, Any] | None = None) -> dict[str, Any]:
+        lora: bool = False, extra: dict[str, Any] | None = None, compile_modules: str = LAYERS) -> dict[str, Any]:
     config: dict[str, Any] = {"sharding_size": "auto", "sub_modules_to_wrap": [LAYERS], **(extra or {})}
     if reentrant is not None:
         config.update(recompute_modules=[LAYERS], use_reentrant=reentrant)
     if compiled:
-        config.update(compile_modules=[LAYERS], compile_backend="aot_eager")
+        config.update(compile_modules=[compile_modules], compile_backend="aot_eager")
     torch.compiler.reset()  # count this run's graphs only
     before = compiled_graph_count()
     module = Module(model_dir, lora, config)
@@ -99,7 +107,7 @@ def fit(model_dir: str, compiled: bool = True, reentrant: bool | None = None, cp
 
 
 def reference(model_dir: str) -> list[float]:
-    model = transformers.Qwen3ForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    model = transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
     optimizer = torch.optim.SGD(model.parameters(), lr=LR)
     data, losses = Varying(), []
     for step in range(STEPS):
@@ -113,7 +121,7 @@ def reference(model_dir: str) -> list[float]:
 
 
 if __name__ == "__main__":
-    out, model_dir = sys.argv[1], sys.argv[2]
+    out, model_dir, moe_dir = sys.argv[1], sys.argv[2], sys.argv[3]
     os.makedirs(out, exist_ok=True)
     torch.set_num_threads(1)
     mixed = {"param_dtype": "bf16", "reduce_dtype": "fp32", "ignored_modules": ["model.embed_tokens"]}
@@ -124,6 +132,10 @@ if __name__ == "__main__":
         "lora_bf16_compiled": fit(model_dir, lora=True, extra=mixed),
         "lora_bf16_eager": fit(model_dir, compiled=False, lora=True, extra=mixed),
         "reference": reference(model_dir),
+        # Expert parallelism: the experts' dispatch communicates, so the attention inside each block is compiled.
+        "moe_ep2_compiled_attention": fit(moe_dir, compile_modules="model.layers.{*}.self_attn", extra={
+            "expert_parallel_size": 2, "moe_modules": ["model.layers.{*}.mlp.experts"]}),
+        "moe_reference": reference(moe_dir),
     }
     rank = int(os.environ.get("LOCAL_RANK", 0))
     Path(out, f"compile.rank{rank}.json").write_text(json.dumps(results))

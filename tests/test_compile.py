@@ -123,16 +123,20 @@ def test_two_ranks_compiled_blocks_train_like_plain_transformers_with_a_bounded_
     from tests.compile_scenarios import write_model
 
     write_model(tmp_path / "qwen3")
+    write_model(tmp_path / "qwen3_moe", moe=True)
     env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
     env.pop("LOCAL_RANK", None)
     proc = subprocess.run([sys.executable, str(ROOT / "tests" / "compile_scenarios.py"), str(tmp_path / "out"),
-                           str(tmp_path / "qwen3")], cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)
+                           str(tmp_path / "qwen3"), str(tmp_path / "qwen3_moe")], cwd=ROOT, env=env,
+                          capture_output=True, text=True, timeout=900)
     assert proc.returncode == 0, proc.stderr[-6000:]
     ranks = [json.loads((tmp_path / "out" / f"compile.rank{r}.json").read_text()) for r in range(2)]
     reference = torch.tensor(ranks[0]["reference"])
-    for name in ("compiled", "compiled_reentrant"):  # data parallel: the global loss is the ranks' mean
+    for name, expected in (("compiled", reference), ("compiled_reentrant", reference),
+                           ("moe_ep2_compiled_attention", torch.tensor(ranks[0]["moe_reference"]))):
+        # data parallel: the global loss is the ranks' mean
         losses = torch.tensor([(a + b) / 2 for a, b in zip(ranks[0][name]["losses"], ranks[1][name]["losses"])])
-        torch.testing.assert_close(losses, reference, rtol=1e-5, atol=0, msg=name)
+        torch.testing.assert_close(losses, expected, rtol=1e-5, atol=0, msg=name)
     for rank in ranks:  # CP 2: both ranks hold the same samples and report the whole sequences' loss
         torch.testing.assert_close(torch.tensor(rank["compiled_cp2"]["losses"]), reference, rtol=1e-5, atol=0)
     # LoRA on bf16 parameters with an ignored embedding: the compiled blocks compute what the eager ones do (the
@@ -145,3 +149,4 @@ def test_two_ranks_compiled_blocks_train_like_plain_transformers_with_a_bounded_
     assert [r["compiled"]["graphs"] for r in ranks] == [2, 2]
     assert [r["compiled_reentrant"]["graphs"] for r in ranks] == [4, 4]
     assert [r["lora_bf16_eager"]["graphs"] for r in ranks] == [0, 0]
+    assert all(r["moe_ep2_compiled_attention"]["graphs"] >= 1 for r in ranks)

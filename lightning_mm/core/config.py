@@ -111,7 +111,8 @@ class FSDP2Config:
     compile_modules: list[str] = field(default_factory=list)
     """The modules (patterns allowed) whose forward ``torch.compile`` compiles, each as one graph, before sharding
     (recomputation wraps the compiled forward; FSDP2's hooks stay eager around it). None by default; the root
-    always stays eager. A module that holds FSDP units or experts cannot be compiled (an error)."""
+    always stays eager. A module that holds FSDP units or expert-parallel experts cannot be compiled (an error):
+    with expert parallelism, compile modules inside the blocks (``model.layers.{*}.self_attn``)."""
     compile_backend: str = "inductor"
     """The ``torch.compile`` backend for ``compile_modules``: ``inductor`` (generated kernels), ``aot_eager``
     (captured graphs run by eager kernels: a check of capture), or any registered backend by name."""
