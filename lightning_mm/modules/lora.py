@@ -1,4 +1,4 @@
-"""LoRA: the public face of :mod:`lightning_mm.hf.lora` (kept where the README names it)."""
+"""LoRA: the public face of :mod:`lightning_mm.hf.lora` (kept where docs/hf-models.md names it)."""
 
 from lightning_mm.hf.lora import *  # noqa: F403
 from lightning_mm.hf.lora import __all__  # noqa: F401

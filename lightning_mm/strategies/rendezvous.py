@@ -4,7 +4,7 @@
 launching rank's machine. When all ranks run on one machine and the main address is a loopback address (Lightning's
 default, ``127.0.0.1``), the server is created here on a socket bound to that address (TCPStore's public
 ``master_listen_fd``), so nothing outside the machine can reach it. Multi-node runs keep torch's store: the other
-nodes must reach it (README, "What a run exposes").
+nodes must reach it (docs/strategy.md, "What a run exposes").
 """
 
 from __future__ import annotations
