@@ -38,7 +38,8 @@ __all__ = ["main", "Launch", "MigrateError", "parse_script", "parse_args", "migr
 STRATEGY_ARGS = frozenset({
     "fsdp2_config", "accelerator", "parallel_devices", "cluster_environment", "checkpoint_io", "precision_plugin",
     "process_group_backend", "timeout", "empty_init", "checkpoint_format", "strict_loading", "fused_optimizer_step",
-    "stop_timeout", "context_parallel_size", "context_parallel_algo", "stop_on_nonfinite",
+    "stop_timeout", "context_parallel_size", "context_parallel_algo", "stop_on_nonfinite", "storage_options",
+    "save_ckpt_dtype", "async_save",
 })
 # The seed's functions and where each goes (MMLightningModule / MMDataModule arguments).
 SEED_FUNCTIONS = {
