@@ -40,3 +40,27 @@ def test_world_size_from_the_config():
     assert world_size_of(2, 4) == 8 and world_size_of("0,1,2", None) == 3 and world_size_of([0, 1], 1) == 2
     with pytest.raises(ConfigError, match="give --world-size"):
         world_size_of("auto", 1)
+
+
+def test_planning_a_cli_config_leaves_the_process_seed_and_environment_alone(tmp_path):
+    """A config's `seed_everything` must not leak out of `plan` (PL_GLOBAL_SEED reaches every process started
+    later, and Lightning's samplers read it)."""
+    import os
+    import random
+
+    import torch
+
+    from lightning_mm.commands.plan import _load_cli
+
+    config = hsdp_config(tmp_path, devices=8)
+    config.write_text(yaml.safe_dump({**yaml.safe_load(config.read_text()), "seed_everything": 1234}))
+    before = (os.environ.get("PL_GLOBAL_SEED"), random.random(), torch.rand(1))
+    random.seed(7)
+    torch.manual_seed(7)
+    expected = (random.random(), torch.rand(1))
+    random.seed(7)
+    torch.manual_seed(7)
+    _load_cli(["--config", str(config)])
+    assert plan_from_cli_config(["--config", str(config)])  # the whole command too
+    assert os.environ.get("PL_GLOBAL_SEED") == before[0]
+    assert (random.random(), torch.rand(1)) == expected

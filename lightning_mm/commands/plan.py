@@ -11,6 +11,8 @@ against the config's own device count when ``--world-size`` is given. The data m
 from __future__ import annotations
 
 import argparse
+import os
+import random
 import sys
 from collections.abc import Sequence
 from typing import Any
@@ -55,13 +57,28 @@ def _load_cli(cli_args: Sequence[str]) -> Any:
 
     saved_argv = sys.argv
     sys.argv = [saved_argv[0]]  # LightningCLI warns when it sees both `args` and command-line arguments
+    # The config's `seed_everything` seeds the process and sets PL_GLOBAL_SEED, which every process started later
+    # inherits (Lightning's samplers read it): planning must leave both as they were.
+    import numpy
+    import torch
+
+    saved_env = {key: os.environ.get(key) for key in ("PL_GLOBAL_SEED", "PL_SEED_WORKERS")}
+    saved_random, saved_numpy = random.getstate(), numpy.random.get_state()
     try:
-        return _PlanCLI(
-            MMLightningModule, MMDataModule, subclass_mode_model=True, subclass_mode_data=True, run=False,
-            args=list(cli_args), save_config_callback=None,
-        )
+        with torch.random.fork_rng(devices=[]):
+            return _PlanCLI(
+                MMLightningModule, MMDataModule, subclass_mode_model=True, subclass_mode_data=True, run=False,
+                args=list(cli_args), save_config_callback=None,
+            )
     finally:
         sys.argv = saved_argv
+        random.setstate(saved_random)
+        numpy.random.set_state(saved_numpy)
+        for key, value in saved_env.items():
+            if value is None:
+                os.environ.pop(key, None)
+            else:
+                os.environ[key] = value
 
 
 def plan_from_cli_config(cli_args: Sequence[str], world_size: int | None = None, optimizer_states: int = 2,
