@@ -21,6 +21,7 @@ from lightning_mm.hf.pretrained_index import (
     LoadPlan,
     SafetensorsIndex,
     TensorInfo,
+    strict_load_problems,
 )
 
 __all__ = ["WEIGHTS_NAME", "WEIGHTS_INDEX_NAME", "read_diffusers_weights", "diffusers_load_plan"]
@@ -63,13 +64,7 @@ def diffusers_load_plan(model: nn.Module, index: SafetensorsIndex) -> LoadPlan:
                 (missing if key in params else buffers_kept).append(names[0])
             continue
         entries.append(LoadEntry(tuple(names), sources[0], key in params, tuple(sources[1:])))
-    problems = []
-    if missing:
-        problems.append(f"{len(missing)} model weight(s) missing from the checkpoint: {missing[:10]}")
-    if unexpected:
-        problems.append(f"{len(unexpected)} checkpoint weight(s) the model does not have: {unexpected[:10]}")
-    if misshapen:
-        problems.append(f"{len(misshapen)} weight(s) with a different shape: {misshapen[:10]}")
+    problems = strict_load_problems(missing, unexpected, misshapen)
     if problems:
         raise CheckpointError(f"diffusers checkpoint {index.directory} does not fit {type(model).__name__} (strict "
                               "loading):\n  - " + "\n  - ".join(problems))

@@ -49,6 +49,19 @@ def _listing(names: list[str]) -> str:
     return listing(names, _SHOWN)
 
 
+def strict_load_problems(missing: list[str], unexpected: list[str], misshapen: list[str]) -> list[str]:
+    """The lines of a strict-loading error: weights missing from the checkpoint, checkpoint weights the model does
+    not have, and weights of another shape (empty when the checkpoint fits)."""
+    problems = []
+    if missing:
+        problems.append(f"{len(missing)} model weight(s) missing from the checkpoint: {_listing(missing)}")
+    if unexpected:
+        problems.append(f"{len(unexpected)} checkpoint weight(s) the model does not have: {_listing(unexpected)}")
+    if misshapen:
+        problems.append(f"{len(misshapen)} weight(s) with a different shape: {_listing(misshapen)}")
+    return problems
+
+
 @dataclass(frozen=True)
 class TensorInfo:
     """Where one checkpoint tensor lives and what it is."""
@@ -380,13 +393,7 @@ def build_load_plan(model: nn.Module, index: SafetensorsIndex) -> LoadPlan:
         entries.append(LoadEntry(tuple(names), found[0], is_parameter, tuple(found[1:]), transposed.get(i),
                                  stacked.get(i)))
 
-    problems = []
-    if missing:
-        problems.append(f"{len(missing)} model weight(s) missing from the checkpoint: {_listing(missing)}")
-    if unexpected:
-        problems.append(f"{len(unexpected)} checkpoint weight(s) the model does not have: {_listing(unexpected)}")
-    if misshapen:
-        problems.append(f"{len(misshapen)} weight(s) with a different shape: {_listing(misshapen)}")
+    problems = strict_load_problems(missing, unexpected, misshapen)
     if needs_conversion:
         problems.append(
             f"{len(needs_conversion)} weight(s) need a tensor conversion that sliced loading cannot do: "
