@@ -119,16 +119,28 @@ def measure(trainer: L.Trainer, directory: Path, fmt: str, repeat: int) -> dict[
         strategy.barrier()
         with PeakMemory() as mem:
             start = time.perf_counter()
-            checkpoint.load(path, module, strategy.optimizers, strict=True, rank=trainer.global_rank,
-                            world_size=trainer.world_size, fitting=True)
+            checkpoint.load(
+                path,
+                module,
+                strategy.optimizers,
+                strict=True,
+                rank=trainer.global_rank,
+                world_size=trainer.world_size,
+                fitting=True,
+            )
             strategy.barrier()
             elapsed = time.perf_counter() - start
         loads.append((elapsed, mem.increase))
     size = _du(path) if trainer.is_global_zero else 0
     best_save = min(saves)
     best_load = min(loads)
-    return {"save_s": best_save[0], "save_peak_mb": max(m for _, m in saves) / 2**20,
-            "load_s": best_load[0], "load_peak_mb": max(m for _, m in loads) / 2**20, "disk_mb": size / 2**20}
+    return {
+        "save_s": best_save[0],
+        "save_peak_mb": max(m for _, m in saves) / 2**20,
+        "load_s": best_load[0],
+        "load_peak_mb": max(m for _, m in loads) / 2**20,
+        "disk_mb": size / 2**20,
+    }
 
 
 @contextlib.contextmanager
@@ -162,8 +174,15 @@ def measure_check(trainer: L.Trainer, directory: Path, fmt: str, repeat: int) ->
         strategy.barrier()
         with content_check(checked):
             start = time.perf_counter()
-            checkpoint.load(path, module, strategy.optimizers, strict=True, rank=trainer.global_rank,
-                            world_size=trainer.world_size, fitting=True)
+            checkpoint.load(
+                path,
+                module,
+                strategy.optimizers,
+                strict=True,
+                rank=trainer.global_rank,
+                world_size=trainer.world_size,
+                fitting=True,
+            )
             strategy.barrier()
             elapsed = time.perf_counter() - start
         slowest = [None] * trainer.world_size
@@ -205,13 +224,23 @@ def measure_blocked(args: argparse.Namespace, directory: Path, async_save: bool)
     torch.manual_seed(0)
     module = MLP(args.hidden, args.layers)
     saves = TimedSaves(directory / f"saves-{'async' if async_save else 'sync'}", args.save_every)
-    strategy = MMFSDP2Strategy({"sharding_size": "auto", "sub_modules_to_wrap": ["layers.{*}"]}, empty_init=False,
-                               async_save=async_save)
-    trainer = L.Trainer(accelerator="cpu", devices=args.devices, strategy=strategy,
-                        max_steps=args.saves * args.save_every, logger=False, enable_checkpointing=False,
-                        enable_progress_bar=False, enable_model_summary=False, callbacks=[saves])
-    data = DataLoader(TensorDataset(torch.randn(8 * args.devices * args.saves * args.save_every, args.hidden)),
-                      batch_size=8)
+    strategy = MMFSDP2Strategy(
+        {"sharding_size": "auto", "sub_modules_to_wrap": ["layers.{*}"]}, empty_init=False, async_save=async_save
+    )
+    trainer = L.Trainer(
+        accelerator="cpu",
+        devices=args.devices,
+        strategy=strategy,
+        max_steps=args.saves * args.save_every,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        callbacks=[saves],
+    )
+    data = DataLoader(
+        TensorDataset(torch.randn(8 * args.devices * args.saves * args.save_every, args.hidden)), batch_size=8
+    )
     start = time.perf_counter()
     trainer.fit(module, train_dataloaders=data)
     fit_s = time.perf_counter() - start
@@ -220,8 +249,12 @@ def measure_blocked(args: argparse.Namespace, directory: Path, async_save: bool)
     if trainer.is_global_zero and saves.previous is not None:
         checkpoint.remove(saves.previous)
     blocked = [max(g["blocked"][i] for g in gathered) for i in range(len(saves.blocked))]
-    return {"blocked_s": blocked, "median_blocked_s": statistics.median(blocked),
-            "end_wait_s": max(g["end_wait"] for g in gathered), "fit_s": max(g["fit_s"] for g in gathered)}
+    return {
+        "blocked_s": blocked,
+        "median_blocked_s": statistics.median(blocked),
+        "end_wait_s": max(g["end_wait"] for g in gathered),
+        "fit_s": max(g["fit_s"] for g in gathered),
+    }
 
 
 def main() -> None:
@@ -242,8 +275,16 @@ def main() -> None:
     module = MLP(args.hidden, args.layers)
     params = sum(p.numel() for p in module.parameters())
     strategy = MMFSDP2Strategy({"sharding_size": "auto", "sub_modules_to_wrap": ["layers.{*}"]}, empty_init=False)
-    trainer = L.Trainer(accelerator="cpu", devices=args.devices, strategy=strategy, max_steps=1, logger=False,
-                        enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False)
+    trainer = L.Trainer(
+        accelerator="cpu",
+        devices=args.devices,
+        strategy=strategy,
+        max_steps=1,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+    )
     data = DataLoader(TensorDataset(torch.randn(8 * args.devices, args.hidden)), batch_size=8)
     trainer.fit(module, train_dataloaders=data)
 
@@ -257,29 +298,48 @@ def main() -> None:
     rows = []
     for fmt in ("torch_dcp", "torch"):
         per_rank = [g[fmt] for g in gathered]
-        rows.append({
-            "format": fmt,
-            "save_s": max(r["save_s"] for r in per_rank),
-            "load_s": max(r["load_s"] for r in per_rank),
-            "save_peak_mb": [round(r["save_peak_mb"]) for r in per_rank],
-            "load_peak_mb": [round(r["load_peak_mb"]) for r in per_rank],
-            "disk_mb": round(per_rank[0]["disk_mb"]),
-        })
+        rows.append(
+            {
+                "format": fmt,
+                "save_s": max(r["save_s"] for r in per_rank),
+                "load_s": max(r["load_s"] for r in per_rank),
+                "save_peak_mb": [round(r["save_peak_mb"]) for r in per_rank],
+                "load_peak_mb": [round(r["load_peak_mb"]) for r in per_rank],
+                "disk_mb": round(per_rank[0]["disk_mb"]),
+            }
+        )
     check_rows = []
     for fmt, times in checks.items():
         checked, unchecked = statistics.median(times["checked"]), statistics.median(times["unchecked"])
-        check_rows.append({"format": fmt, "checked_s": checked, "unchecked_s": unchecked, "ratio": checked / unchecked,
-                           "times": times})
-    report = {"params": params, "param_mb": params * 4 / 2**20, "devices": args.devices, "repeat": args.repeat,
-              "torch": torch.__version__, "rows": rows, "load_check": check_rows, "blocked_per_save": blocked,
-              "blocked_ratio": blocked["async"]["median_blocked_s"] / blocked["sync"]["median_blocked_s"]}
+        check_rows.append(
+            {
+                "format": fmt,
+                "checked_s": checked,
+                "unchecked_s": unchecked,
+                "ratio": checked / unchecked,
+                "times": times,
+            }
+        )
+    report = {
+        "params": params,
+        "param_mb": params * 4 / 2**20,
+        "devices": args.devices,
+        "repeat": args.repeat,
+        "torch": torch.__version__,
+        "rows": rows,
+        "load_check": check_rows,
+        "blocked_per_save": blocked,
+        "blocked_ratio": blocked["async"]["median_blocked_s"] / blocked["sync"]["median_blocked_s"],
+    }
     (directory / "results.json").write_text(json.dumps(report, indent=1))
     print(f"\n{params / 1e6:.1f}M parameters ({params * 4 / 2**20:.0f} MB fp32), AdamW state, {args.devices} ranks")
     print("| format | save (s) | load (s) | save peak RSS increase per rank (MB) | load peak (MB) | on disk (MB) |")
     print("|---|---|---|---|---|---|")
     for r in rows:
-        print(f"| {r['format']} | {r['save_s']:.2f} | {r['load_s']:.2f} | {r['save_peak_mb']} | "
-              f"{r['load_peak_mb']} | {r['disk_mb']} |")
+        print(
+            f"| {r['format']} | {r['save_s']:.2f} | {r['load_s']:.2f} | {r['save_peak_mb']} | "
+            f"{r['load_peak_mb']} | {r['disk_mb']} |"
+        )
     print(f"\nLoad with / without the content check (median of {args.check_repeat}, slowest rank):")
     print("| format | load, every byte checked (s) | load, sizes only (s) | ratio |")
     print("|---|---|---|---|")
@@ -289,8 +349,10 @@ def main() -> None:
     print("| save | blocked per save (s) | each save (s) | wait at the end of fit (s) | fit (s) |")
     print("|---|---|---|---|---|")
     for mode, b in blocked.items():
-        print(f"| {mode} | {b['median_blocked_s']:.3f} | {[round(x, 3) for x in b['blocked_s']]} | "
-              f"{b['end_wait_s']:.3f} | {b['fit_s']:.1f} |")
+        print(
+            f"| {mode} | {b['median_blocked_s']:.3f} | {[round(x, 3) for x in b['blocked_s']]} | "
+            f"{b['end_wait_s']:.3f} | {b['fit_s']:.1f} |"
+        )
     print(f"async / sync: {report['blocked_ratio']:.2f}")
     for fmt in ("torch_dcp", "torch"):
         checkpoint.remove(directory / f"bench-{fmt}.ckpt")

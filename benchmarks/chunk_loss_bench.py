@@ -62,8 +62,10 @@ def loss_of(name: str, h: torch.Tensor, w: torch.Tensor, t: torch.Tensor, chunk:
         def piece(hc: torch.Tensor, tc: torch.Tensor) -> torch.Tensor:
             return F.cross_entropy(F.linear(hc, w).float(), tc, reduction="sum")
 
-        total = sum(checkpoint(piece, h[i:i + chunk], t[i:i + chunk], use_reentrant=False)
-                    for i in range(0, h.shape[0], chunk))
+        total = sum(
+            checkpoint(piece, h[i : i + chunk], t[i : i + chunk], use_reentrant=False)
+            for i in range(0, h.shape[0], chunk)
+        )
         return total / (t != -100).sum()
     raise ValueError(name)
 
@@ -82,10 +84,15 @@ def tracked_peak(name: str, tokens: int, hidden: int, dtype: torch.dtype, fake: 
     from torch.distributed._tools.mem_tracker import MemTracker
 
     with FakeTensorMode() if fake else contextlib.nullcontext():
-        h, w, t = _inputs(tokens, hidden, dtype) if not fake else (
-            torch.empty(tokens, hidden, dtype=dtype, requires_grad=True),
-            torch.empty(VOCAB, hidden, dtype=dtype, requires_grad=True),
-            torch.zeros(tokens, dtype=torch.long))
+        h, w, t = (
+            _inputs(tokens, hidden, dtype)
+            if not fake
+            else (
+                torch.empty(tokens, hidden, dtype=dtype, requires_grad=True),
+                torch.empty(VOCAB, hidden, dtype=dtype, requires_grad=True),
+                torch.zeros(tokens, dtype=torch.long),
+            )
+        )
         tracker = MemTracker()
         tracker.track_external(h, w, t)  # counted from the start (else a view of them would count them later)
         with tracker:
@@ -95,11 +102,16 @@ def tracked_peak(name: str, tokens: int, hidden: int, dtype: torch.dtype, fake: 
     inputs = sum(x.numel() * x.element_size() for x in (h, w, t))
     hidden_bytes, weight_grad = tokens * hidden * dtype.itemsize, VOCAB * hidden * dtype.itemsize
     allocated = peak["Total"] - inputs
-    return {"peak_allocated": allocated, "loss_side": allocated - weight_grad, "hidden_bytes": hidden_bytes,
-            "weight_grad_bytes": weight_grad, "chunk_logits_bytes": CHUNK * VOCAB * 4,
-            "full_logits_bytes": tokens * VOCAB * 4,
-            "goal_bytes": CHUNK * VOCAB * 4 + hidden_bytes,
-            "over_goal_bytes": allocated - weight_grad - (CHUNK * VOCAB * 4 + hidden_bytes)}
+    return {
+        "peak_allocated": allocated,
+        "loss_side": allocated - weight_grad,
+        "hidden_bytes": hidden_bytes,
+        "weight_grad_bytes": weight_grad,
+        "chunk_logits_bytes": CHUNK * VOCAB * 4,
+        "full_logits_bytes": tokens * VOCAB * 4,
+        "goal_bytes": CHUNK * VOCAB * 4 + hidden_bytes,
+        "over_goal_bytes": allocated - weight_grad - (CHUNK * VOCAB * 4 + hidden_bytes),
+    }
 
 
 def _step(fn: Any) -> tuple[float, float]:
@@ -123,9 +135,16 @@ def time_model(rounds: int, steps: int, tokens: int, hidden: int) -> dict[str, A
 
     from lightning_mm.hf.chunk_loss import enable_chunk_loss
 
-    config = Qwen3Config(vocab_size=VOCAB, hidden_size=hidden, intermediate_size=2 * hidden, num_hidden_layers=1,
-                         num_attention_heads=4, num_key_value_heads=2, head_dim=hidden // 4,
-                         tie_word_embeddings=False)
+    config = Qwen3Config(
+        vocab_size=VOCAB,
+        hidden_size=hidden,
+        intermediate_size=2 * hidden,
+        num_hidden_layers=1,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=hidden // 4,
+        tie_word_embeddings=False,
+    )
     torch.manual_seed(0)
     full = Qwen3ForCausalLM(config).train()
     chunked = Qwen3ForCausalLM(config).train()
@@ -147,7 +166,7 @@ def _rounds(fns: dict[str, Any], rounds: int, steps: int) -> dict[str, Any]:
     per_round: dict[str, list[float]] = {n: [] for n in names}
     cpu_round: dict[str, list[float]] = {n: [] for n in names}
     for r in range(rounds):
-        order = names[r % len(names):] + names[:r % len(names)]
+        order = names[r % len(names) :] + names[: r % len(names)]
         for name in order:
             fns[name]()  # warm-up
             times = [_step(fns[name]) for _ in range(steps)]
@@ -158,10 +177,13 @@ def _rounds(fns: dict[str, Any], rounds: int, steps: int) -> dict[str, Any]:
     for name in names:
         ratios = [a / b for a, b in zip(per_round[name], per_round["full"])]
         cpu_ratios = [a / b for a, b in zip(cpu_round[name], cpu_round["full"])]
-        out[name] = {"median_wall_s": statistics.median(per_round[name]),
-                     "median_cpu_s": statistics.median(cpu_round[name]),
-                     "ratio_to_full": statistics.median(ratios), "ratio_range": [min(ratios), max(ratios)],
-                     "cpu_ratio_to_full": statistics.median(cpu_ratios)}
+        out[name] = {
+            "median_wall_s": statistics.median(per_round[name]),
+            "median_cpu_s": statistics.median(cpu_round[name]),
+            "ratio_to_full": statistics.median(ratios),
+            "ratio_range": [min(ratios), max(ratios)],
+            "cpu_ratio_to_full": statistics.median(cpu_ratios),
+        }
     return out
 
 
@@ -184,9 +206,13 @@ def main() -> None:
                 key = f"{name} {str(dtype).removeprefix('torch.')} T={args.tokens} H={hidden}"
                 memory[key] = tracked_peak(name, args.tokens, hidden, dtype, fake=True)
                 m = memory[key]
-                print(key, f"allocated {m['peak_allocated'] / 2**20:.1f} MiB, loss side (less the weight's "
-                      f"gradient) {m['loss_side'] / 2**20:.1f} MiB, goal {m['goal_bytes'] / 2**20:.1f} MiB "
-                      f"({m['over_goal_bytes']:+,} B)", flush=True)
+                print(
+                    key,
+                    f"allocated {m['peak_allocated'] / 2**20:.1f} MiB, loss side (less the weight's "
+                    f"gradient) {m['loss_side'] / 2**20:.1f} MiB, goal {m['goal_bytes'] / 2**20:.1f} MiB "
+                    f"({m['over_goal_bytes']:+,} B)",
+                    flush=True,
+                )
     check = {}
     for name in CONTENDERS:  # the fake-tensor byte counts against real tensors, at the timing sizes
         real = tracked_peak(name, args.time_tokens, args.time_hidden, torch.float32, fake=False)["peak_allocated"]
@@ -204,8 +230,10 @@ def main() -> None:
     for part in ("loss_step", "model_step"):
         for name, v in result[part].items():
             if isinstance(v, dict) and "ratio_to_full" in v:
-                print(f"{part} {name}: {v['median_wall_s']:.3f}s wall, ratio {v['ratio_to_full']:.3f} "
-                      f"{[round(x, 3) for x in v['ratio_range']]}, cpu ratio {v['cpu_ratio_to_full']:.3f}")
+                print(
+                    f"{part} {name}: {v['median_wall_s']:.3f}s wall, ratio {v['ratio_to_full']:.3f} "
+                    f"{[round(x, 3) for x in v['ratio_range']]}, cpu ratio {v['cpu_ratio_to_full']:.3f}"
+                )
     print(f"-> {path}")
 
 

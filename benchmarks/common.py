@@ -118,8 +118,11 @@ class CaptionData(torch.utils.data.Dataset):
     def __getitem__(self, i: int) -> dict[str, torch.Tensor]:
         g = torch.Generator().manual_seed(i)
         ids = torch.randint(0, self.vocab, (self.seq,), generator=g)
-        return {"images": torch.randn(3, self.image_size, self.image_size, generator=g), "input_ids": ids,
-                "labels": ids}
+        return {
+            "images": torch.randn(3, self.image_size, self.image_size, generator=g),
+            "input_ids": ids,
+            "labels": ids,
+        }
 
 
 # ------------------------------------------------------------------------------------------------ timing
@@ -132,9 +135,15 @@ class CommCounter:
     """
 
     # function name -> the argument whose size is the traffic (the gathered output, the scattered input)
-    FUNCTIONS = {"all_gather_single": "output_tensor", "reduce_scatter_single": "input",
-                 "all_gather_into_tensor": "output_tensor", "reduce_scatter_tensor": "input",
-                 "all_gather": "tensor_list", "all_reduce": "tensor", "broadcast": "tensor"}
+    FUNCTIONS = {
+        "all_gather_single": "output_tensor",
+        "reduce_scatter_single": "input",
+        "all_gather_into_tensor": "output_tensor",
+        "reduce_scatter_tensor": "input",
+        "all_gather": "tensor_list",
+        "all_reduce": "tensor",
+        "broadcast": "tensor",
+    }
 
     def __init__(self) -> None:
         self.calls: dict[str, int] = {}
@@ -162,7 +171,8 @@ class CommCounter:
             tensors = value if isinstance(value, (list, tuple)) else [value]
             self.calls[name] = self.calls.get(name, 0) + 1
             self.bytes[name] = self.bytes.get(name, 0) + sum(
-                t.numel() * t.element_size() for t in tensors if isinstance(t, torch.Tensor))
+                t.numel() * t.element_size() for t in tensors if isinstance(t, torch.Tensor)
+            )
             return original(*args, **kwargs)
 
         return counted
@@ -226,8 +236,16 @@ def median(xs: list[float]) -> float:
 
 
 def quiet_trainer_kwargs() -> dict[str, Any]:
-    return dict(accelerator="cpu", devices=2, logger=False, enable_checkpointing=False, enable_progress_bar=False,
-                enable_model_summary=False, num_sanity_val_steps=0, log_every_n_steps=1)
+    return dict(
+        accelerator="cpu",
+        devices=2,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        num_sanity_val_steps=0,
+        log_every_n_steps=1,
+    )
 
 
 # ------------------------------------------------------------------------------------------------ launch
@@ -236,8 +254,9 @@ def benchmark_parser(doc: str | None) -> argparse.ArgumentParser:
     return argparse.ArgumentParser(description=doc, formatter_class=argparse.RawDescriptionHelpFormatter)
 
 
-def parse_or_work(parser: argparse.ArgumentParser, worker: Callable[[argparse.Namespace], None],
-                  out: str) -> argparse.Namespace | None:
+def parse_or_work(
+    parser: argparse.ArgumentParser, worker: Callable[[argparse.Namespace], None], out: str
+) -> argparse.Namespace | None:
     """Parse the command line of a script that :func:`launch_ranks` re-runs on each rank with ``--worker``.
 
     Adds the hidden ``--worker`` and ``--out`` (default ``out``, the ranks' scratch folder). In a rank, runs
@@ -252,21 +271,33 @@ def parse_or_work(parser: argparse.ArgumentParser, worker: Callable[[argparse.Na
     return args
 
 
-def launch_ranks(script: Path, args: list[str], nproc: int = 2, timeout: int = 3600,
-                 log: Path | None = None) -> None:
+def launch_ranks(script: Path, args: list[str], nproc: int = 2, timeout: int = 3600, log: Path | None = None) -> None:
     """Run ``script args`` on ``nproc`` local ranks with torchrun (one thread each); raise with the log tail."""
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]),
-           "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
+    env = {
+        **os.environ,
+        "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]),
+        "OMP_NUM_THREADS": "1",
+        "MKL_NUM_THREADS": "1",
+        "PYTHONUNBUFFERED": "1",
+    }
     env.pop("LOCAL_RANK", None)
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
-           str(script), *args]
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        f"--nproc_per_node={nproc}",
+        str(script),
+        *args,
+    ]
     proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
     if log is not None:
         log.parent.mkdir(parents=True, exist_ok=True)
         log.write_text(proc.stdout + "\n----- stderr -----\n" + proc.stderr)
     if proc.returncode != 0:
-        raise RuntimeError(f"{script.name} {' '.join(args)} failed ({proc.returncode}):\n{proc.stdout[-2000:]}\n"
-                           f"{proc.stderr[-6000:]}")
+        raise RuntimeError(
+            f"{script.name} {' '.join(args)} failed ({proc.returncode}):\n{proc.stdout[-2000:]}\n{proc.stderr[-6000:]}"
+        )
 
 
 def pin_threads() -> None:
@@ -320,8 +351,13 @@ def machine() -> dict[str, Any]:
 
     return {
         "date": _dt.datetime.now(_dt.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
-        "nproc": os.cpu_count(), "cpu": cpu, "mem_gib": mem_gib, "loadavg": loadavg(),
-        "python": platform.python_version(), "torch": torch.__version__, "lightning": lightning.__version__,
+        "nproc": os.cpu_count(),
+        "cpu": cpu,
+        "mem_gib": mem_gib,
+        "loadavg": loadavg(),
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+        "lightning": lightning.__version__,
     }
 
 

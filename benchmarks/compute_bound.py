@@ -71,7 +71,7 @@ def run_no_comm(args: argparse.Namespace, data: list[Any]) -> list[float]:
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
     starts.append(time.perf_counter())
-    return [b - a for a, b in zip(starts[args.warmup:], starts[args.warmup + 1:])]
+    return [b - a for a, b in zip(starts[args.warmup :], starts[args.warmup + 1 :])]
 
 
 def run_mm(args: argparse.Namespace, data: list[Any], extra: dict[str, Any]) -> list[float]:
@@ -107,11 +107,16 @@ def run_mm(args: argparse.Namespace, data: list[Any], extra: dict[str, Any]) -> 
     torch.manual_seed(0)
     config = {"sharding_size": "auto", "sub_modules_to_wrap": ["model.layers.{*}"], **extra}
     kwargs = {**common.quiet_trainer_kwargs(), "devices": 2}
-    trainer = L.Trainer(strategy=MMFSDP2Strategy(config, empty_init=False), max_steps=len(data),
-                        use_distributed_sampler=False, callbacks=[Timer()], **kwargs)  # data is already per rank
+    trainer = L.Trainer(
+        strategy=MMFSDP2Strategy(config, empty_init=False),
+        max_steps=len(data),
+        use_distributed_sampler=False,
+        callbacks=[Timer()],
+        **kwargs,
+    )  # data is already per rank
     loader = torch.utils.data.DataLoader(data, batch_size=None, shuffle=False)
     trainer.fit(Task(), train_dataloaders=loader)
-    return [b - a for a, b in zip(starts[args.warmup:], starts[args.warmup + 1:])]
+    return [b - a for a, b in zip(starts[args.warmup :], starts[args.warmup + 1 :])]
 
 
 def worker(args: argparse.Namespace) -> None:
@@ -123,7 +128,7 @@ def worker(args: argparse.Namespace) -> None:
     names = [c for c in CONTENDERS if c in args.contenders.split(",")]
     records: dict[str, list[float]] = {name: [] for name in names}
     for rnd in range(args.rounds):
-        order = names[rnd % len(names):] + names[: rnd % len(names)]
+        order = names[rnd % len(names) :] + names[: rnd % len(names)]
         for name in order:
             if name == "no_comm":
                 if dist.is_initialized():
@@ -166,16 +171,31 @@ def main() -> None:
         raise SystemExit(f"--contenders: unknown {unknown}; choose from {', '.join(CONTENDERS)}")
     out = Path(args.out)
     load_before = common.loadavg()
-    passthrough = [f"--rounds={args.rounds}", f"--steps={args.steps}", f"--warmup={args.warmup}",
-                   f"--batch={args.batch}", f"--contenders={args.contenders}"]
+    passthrough = [
+        f"--rounds={args.rounds}",
+        f"--steps={args.steps}",
+        f"--warmup={args.warmup}",
+        f"--batch={args.batch}",
+        f"--contenders={args.contenders}",
+    ]
     common.launch_ranks(Path(__file__), ["--worker", *passthrough], nproc=2, log=out / "log.txt")
     ranks = common.read_rank_jsons(out, "compute_bound", 2)
     summary = summarize(ranks, args.rounds)
-    result = {"benchmark": "compute_bound", "command": "python benchmarks/compute_bound.py " + " ".join(sys.argv[1:]),
-              "machine": common.machine(), "params": CONFIG.num_params, "load_before": load_before,
-              "load_after": ranks[0]["loadavg"], "rounds": args.rounds, "steps": args.steps, "warmup": args.warmup,
-              "batch_per_rank": args.batch, "seq": CONFIG.seq_len, "per_rank": [r["records"] for r in ranks],
-              "summary": summary}
+    result = {
+        "benchmark": "compute_bound",
+        "command": "python benchmarks/compute_bound.py " + " ".join(sys.argv[1:]),
+        "machine": common.machine(),
+        "params": CONFIG.num_params,
+        "load_before": load_before,
+        "load_after": ranks[0]["loadavg"],
+        "rounds": args.rounds,
+        "steps": args.steps,
+        "warmup": args.warmup,
+        "batch_per_rank": args.batch,
+        "seq": CONFIG.seq_len,
+        "per_rank": [r["records"] for r in ranks],
+        "summary": summary,
+    }
     path = common.save_result(args.name, result)
     print(json.dumps(summary, indent=1))
     print(f"wrote {path}")

@@ -40,11 +40,11 @@ SEED_YAML = ROOT / "examples" / "custom_model" / "fsdp2_config.yaml"
 
 VLM_NOTES = {
     "hand_fsdp2": "same units, dtypes, ignored image_encoder (its gradients all-reduced in one flat collective in "
-                  "on_after_backward), reentrant checkpoint_wrapper on the decoder layers, prefetch 2/2 in the known "
-                  "execution order; the root does not cast inputs (the ignored fp32 image encoder takes them)",
+    "on_after_backward), reentrant checkpoint_wrapper on the decoder layers, prefetch 2/2 in the known "
+    "execution order; the root does not cast inputs (the ignored fp32 image encoder takes them)",
     "fsdp1": "auto-wrap of the same modules, MixedPrecision(bf16, reduce fp32, root inputs not cast), "
-             "ignored_states=image_encoder (gradients all-reduced as for hand_fsdp2), reentrant activation "
-             "checkpointing of the decoder layers, forward_prefetch=True",
+    "ignored_states=image_encoder (gradients all-reduced as for hand_fsdp2), reentrant activation "
+    "checkpointing of the decoder layers, forward_prefetch=True",
     "ddp": "no sharding: precision='bf16-mixed' (autocast) instead of bf16 parameters, no recomputation",
 }
 
@@ -61,12 +61,19 @@ class Sizes:
 
 PRESETS = {
     # Per-step Lightning and FSDP overhead dominates: the setting where a strategy's own cost shows most.
-    "tiny": lambda: Sizes(lm=LMConfig(vocab_size=512, hidden_size=64, num_layers=4, num_heads=4, seq_len=32),
-                          vlm=TinyVLMConfig(), batch_size=4, vlm_seq=12),
-    "small": lambda: Sizes(lm=LMConfig(vocab_size=2048, hidden_size=128, num_layers=4, num_heads=4, seq_len=64),
-                           vlm=TinyVLMConfig(vocab_size=1024, hidden_size=128, num_layers=4, num_heads=4)),
-    "medium": lambda: Sizes(lm=LMConfig(), vlm=TinyVLMConfig(vocab_size=2048, hidden_size=256, num_layers=4,
-                                                              num_heads=4), vlm_seq=64),
+    "tiny": lambda: Sizes(
+        lm=LMConfig(vocab_size=512, hidden_size=64, num_layers=4, num_heads=4, seq_len=32),
+        vlm=TinyVLMConfig(),
+        batch_size=4,
+        vlm_seq=12,
+    ),
+    "small": lambda: Sizes(
+        lm=LMConfig(vocab_size=2048, hidden_size=128, num_layers=4, num_heads=4, seq_len=64),
+        vlm=TinyVLMConfig(vocab_size=1024, hidden_size=128, num_layers=4, num_heads=4),
+    ),
+    "medium": lambda: Sizes(
+        lm=LMConfig(), vlm=TinyVLMConfig(vocab_size=2048, hidden_size=256, num_layers=4, num_heads=4), vlm_seq=64
+    ),
 }
 
 
@@ -206,8 +213,9 @@ class HandVLMTask(IgnoredGradSync):
             dec.decoder.layers[i] = checkpoint_wrapper(layer, checkpoint_impl=CheckpointImpl.REENTRANT)
         for module in (dec.output_layer, dec.embedding, *dec.decoder.layers):
             fully_shard(module, **kw)
-        root_mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32,
-                                       cast_forward_inputs=False)
+        root_mp = MixedPrecisionPolicy(
+            param_dtype=torch.bfloat16, reduce_dtype=torch.float32, cast_forward_inputs=False
+        )
         fully_shard(self.model, mesh=mesh, mp_policy=root_mp, ignored_params=ignored)
         order = [dec.embedding, *dec.decoder.layers, dec.output_layer]
         for i, unit in enumerate(order):
@@ -239,14 +247,21 @@ class CPUFSDPStrategy(FSDPStrategy):
         )
         from torch.distributed.fsdp import FullyShardedDataParallel
 
-        model = FullyShardedDataParallel(model, cpu_offload=self.cpu_offload,
-                                         mixed_precision=self.mixed_precision_config,
-                                         sharding_strategy=self.sharding_strategy, device_id=torch.device("cpu"),
-                                         **self.kwargs)
+        model = FullyShardedDataParallel(
+            model,
+            cpu_offload=self.cpu_offload,
+            mixed_precision=self.mixed_precision_config,
+            sharding_strategy=self.sharding_strategy,
+            device_id=torch.device("cpu"),
+            **self.kwargs,
+        )
         if self._activation_checkpointing_kwargs:
             impl = CheckpointImpl.REENTRANT if self.reentrant else CheckpointImpl.NO_REENTRANT
-            apply_activation_checkpointing(model, checkpoint_wrapper_fn=functools.partial(
-                checkpoint_wrapper, checkpoint_impl=impl), **self._activation_checkpointing_kwargs)
+            apply_activation_checkpointing(
+                model,
+                checkpoint_wrapper_fn=functools.partial(checkpoint_wrapper, checkpoint_impl=impl),
+                **self._activation_checkpointing_kwargs,
+            )
         return model
 
 
@@ -287,20 +302,32 @@ def loader_for(model: str, sizes: Sizes, steps: int, world: int = 2) -> DataLoad
     return DataLoader(data, batch_size=sizes.batch_size, shuffle=False)
 
 
-def build(model: str, contender: str, sizes: Sizes, steps: int, mm_config: dict[str, Any] | None = None,
-          mm_kwargs: dict[str, Any] | None = None) -> Setup:
+def build(
+    model: str,
+    contender: str,
+    sizes: Sizes,
+    steps: int,
+    mm_config: dict[str, Any] | None = None,
+    mm_kwargs: dict[str, Any] | None = None,
+) -> Setup:
     """One contender's strategy, LightningModule and precision for ``model`` (``lm`` or ``vlm``)."""
     loader = loader_for(model, sizes, steps)
     if contender == "mm_module":  # MMLightningModule: YAML paths are relative to its model; Lightning's log interval
         if model == "lm":
-            cfg = mm_config if mm_config is not None else {"sharding_size": "auto",
-                                                            "sub_modules_to_wrap": ["layers.{*}"]}
+            cfg = (
+                mm_config if mm_config is not None else {"sharding_size": "auto", "sub_modules_to_wrap": ["layers.{*}"]}
+            )
             module: L.LightningModule = MMLMTask(sizes.lm)
         else:
             cfg = mm_config if mm_config is not None else yaml.safe_load(SEED_YAML.read_text())
             module = MMVLMTask(sizes.vlm)
-        return Setup(MMFSDP2Strategy(cfg, **(mm_kwargs or {})), module, "32-true", loader,
-                     trainer_kwargs={"log_every_n_steps": 50})
+        return Setup(
+            MMFSDP2Strategy(cfg, **(mm_kwargs or {})),
+            module,
+            "32-true",
+            loader,
+            trainer_kwargs={"log_every_n_steps": 50},
+        )
     if model == "lm":
         if contender == "mm_fsdp2":
             cfg = mm_config if mm_config is not None else lm_fsdp2_config()
@@ -329,15 +356,21 @@ def build(model: str, contender: str, sizes: Sizes, steps: int, mm_config: dict[
             layers = set(module.model.text_decoder.decoder.layers)
             strategy = CPUFSDPStrategy(
                 auto_wrap_policy=functools.partial(lambda_auto_wrap_policy, lambda_fn=lambda m: m in units),
-                activation_checkpointing_policy=functools.partial(lambda_auto_wrap_policy,
-                                                                  lambda_fn=lambda m: m in layers),
-                mixed_precision=MixedPrecision(param_dtype=torch.bfloat16, reduce_dtype=torch.float32,
-                                               buffer_dtype=torch.float32, cast_root_forward_inputs=False),
-                ignored_states=[module.model.image_encoder], sharding_strategy="FULL_SHARD", forward_prefetch=True,
+                activation_checkpointing_policy=functools.partial(
+                    lambda_auto_wrap_policy, lambda_fn=lambda m: m in layers
+                ),
+                mixed_precision=MixedPrecision(
+                    param_dtype=torch.bfloat16,
+                    reduce_dtype=torch.float32,
+                    buffer_dtype=torch.float32,
+                    cast_root_forward_inputs=False,
+                ),
+                ignored_states=[module.model.image_encoder],
+                sharding_strategy="FULL_SHARD",
+                forward_prefetch=True,
                 reentrant=True,
             )
             return Setup(strategy, module, "32-true", loader)
         if contender == "ddp":
             return Setup(DDPStrategy(), VLMTask(sizes.vlm, eager=True), "bf16-mixed", loader)
     raise ValueError(f"unknown model/contender {model!r}/{contender!r}")
-

@@ -39,8 +39,15 @@ def tiny_qwen3() -> torch.nn.Module:
 
     torch.manual_seed(0)
     config = transformers.Qwen3Config(
-        vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=2,
-        num_key_value_heads=2, head_dim=32, max_position_embeddings=65536, tie_word_embeddings=False,
+        vocab_size=512,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        num_key_value_heads=2,
+        head_dim=32,
+        max_position_embeddings=65536,
+        tie_word_embeddings=False,
         attn_implementation="sdpa",
     )
     return transformers.Qwen3ForCausalLM(config).train()

@@ -37,9 +37,21 @@ ROUNDS = int(os.environ.get("EP_BENCH_ROUNDS", "3"))
 EXPERTS_KERNEL = os.environ.get("EP_BENCH_EXPERTS", "eager")
 WARMUP, DEVICES = 4, 4
 CONFIG = dict(
-    vocab_size=512, hidden_size=128, intermediate_size=256, moe_intermediate_size=256, num_hidden_layers=4,
-    num_attention_heads=4, num_key_value_heads=2, head_dim=32, max_position_embeddings=256, num_experts=16,
-    num_experts_per_tok=2, decoder_sparse_step=1, mlp_only_layers=[], norm_topk_prob=True, tie_word_embeddings=False,
+    vocab_size=512,
+    hidden_size=128,
+    intermediate_size=256,
+    moe_intermediate_size=256,
+    num_hidden_layers=4,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    head_dim=32,
+    max_position_embeddings=256,
+    num_experts=16,
+    num_experts_per_tok=2,
+    decoder_sparse_step=1,
+    mlp_only_layers=[],
+    norm_topk_prob=True,
+    tie_word_embeddings=False,
 )
 EXPERTS = "model.layers.{*}.mlp.experts"
 SETTINGS: dict[str, dict[str, Any]] = {
@@ -96,27 +108,47 @@ def run(setting: str, ckpt: Path) -> dict[str, Any]:
                 info["plan_bytes"] = sum(plan.bytes_per_rank())
 
     torch.manual_seed(0)
-    trainer = L.Trainer(accelerator="cpu", devices=DEVICES, max_steps=STEPS, logger=False, enable_checkpointing=False,
-                        enable_progress_bar=False, enable_model_summary=False, num_sanity_val_steps=0,
-                        strategy=MMFSDP2Strategy({"sharding_size": "auto", **SETTINGS[setting]}), callbacks=[Timer()])
-    trainer.fit(Module(lr=1e-3, log_grad_norm=False),
-                train_dataloaders=torch.utils.data.DataLoader(Tokens(), batch_size=1))
-    steps = torch.tensor([b - a for a, b in zip(starts[WARMUP:], starts[WARMUP + 1:])])
+    trainer = L.Trainer(
+        accelerator="cpu",
+        devices=DEVICES,
+        max_steps=STEPS,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        num_sanity_val_steps=0,
+        strategy=MMFSDP2Strategy({"sharding_size": "auto", **SETTINGS[setting]}),
+        callbacks=[Timer()],
+    )
+    trainer.fit(
+        Module(lr=1e-3, log_grad_norm=False), train_dataloaders=torch.utils.data.DataLoader(Tokens(), batch_size=1)
+    )
+    steps = torch.tensor([b - a for a, b in zip(starts[WARMUP:], starts[WARMUP + 1 :])])
     gathered = [None] * dist.get_world_size()
     dist.all_gather_object(gathered, {"steps": steps.tolist(), "bytes": info["bytes"]})
     slowest = [max(r["steps"][i] for r in gathered) for i in range(len(steps))]
-    return {"setting": setting, "bytes_per_rank": max(r["bytes"] for r in gathered),
-            "plan_bytes_per_rank": info.get("plan_bytes"), "steps_s": slowest}
+    return {
+        "setting": setting,
+        "bytes_per_rank": max(r["bytes"] for r in gathered),
+        "plan_bytes_per_rank": info.get("plan_bytes"),
+        "steps_s": slowest,
+    }
 
 
 def _summary(rounds: list[dict[str, Any]]) -> dict[str, Any]:
     """One setting over its rounds: the step times pooled, their median and quartiles, and each round's median."""
     pooled = [t for r in rounds for t in r["steps_s"]]
     q1, median, q3 = statistics.quantiles(pooled, n=4)
-    return {"setting": rounds[0]["setting"], "bytes_per_rank": rounds[0]["bytes_per_rank"],
-            "plan_bytes_per_rank": rounds[0]["plan_bytes_per_rank"], "step_s": median, "step_q1_s": q1,
-            "step_q3_s": q3, "round_medians_s": [statistics.median(r["steps_s"]) for r in rounds],
-            "steps_measured": len(pooled)}
+    return {
+        "setting": rounds[0]["setting"],
+        "bytes_per_rank": rounds[0]["bytes_per_rank"],
+        "plan_bytes_per_rank": rounds[0]["plan_bytes_per_rank"],
+        "step_s": median,
+        "step_q1_s": q1,
+        "step_q3_s": q3,
+        "round_medians_s": [statistics.median(r["steps_s"]) for r in rounds],
+        "steps_measured": len(pooled),
+    }
 
 
 def main() -> None:
@@ -125,8 +157,9 @@ def main() -> None:
     if os.environ.get("FH"):
         import faulthandler
 
-        faulthandler.dump_traceback_later(int(os.environ["FH"]), exit=False,
-                                          file=open(f"/tmp/fh_{os.getpid()}.txt", "w"))  # noqa: SIM115
+        faulthandler.dump_traceback_later(
+            int(os.environ["FH"]), exit=False, file=open(f"/tmp/fh_{os.getpid()}.txt", "w")
+        )  # noqa: SIM115
 
     torch.set_num_threads(1)
     out = Path(sys.argv[1]) if len(sys.argv) > 1 else ROOT / "benchmarks" / "results" / "ep_bench.json"
@@ -147,18 +180,32 @@ def main() -> None:
 
     if dist.get_rank() == 0:
         out.parent.mkdir(parents=True, exist_ok=True)
-        out.write_text(json.dumps({"experts_kernel": EXPERTS_KERNEL, "rounds": ROUNDS, "steps": STEPS,
-                                   "warmup": WARMUP, "results": results}, indent=1))
+        out.write_text(
+            json.dumps(
+                {
+                    "experts_kernel": EXPERTS_KERNEL,
+                    "rounds": ROUNDS,
+                    "steps": STEPS,
+                    "warmup": WARMUP,
+                    "results": results,
+                },
+                indent=1,
+            )
+        )
         base = results[0]
         print(f"experts kernel {EXPERTS_KERNEL}, {ROUNDS} rounds of {STEPS} steps, median of steps {WARMUP}..")
-        print("| setting | parameter bytes per rank | vs no EP | step (s), median [quartiles] | vs no EP "
-              "| round medians (s) |")
+        print(
+            "| setting | parameter bytes per rank | vs no EP | step (s), median [quartiles] | vs no EP "
+            "| round medians (s) |"
+        )
         print("|---|---:|---:|---:|---:|---|")
         for r in results:
             rounds = ", ".join(f"{m:.3f}" for m in r["round_medians_s"])
-            print(f"| {r['setting']} | {r['bytes_per_rank']:,} | {r['bytes_per_rank'] / base['bytes_per_rank']:.2f} | "
-                  f"{r['step_s']:.3f} [{r['step_q1_s']:.3f}, {r['step_q3_s']:.3f}] | "
-                  f"{r['step_s'] / base['step_s']:.2f} | {rounds} |")
+            print(
+                f"| {r['setting']} | {r['bytes_per_rank']:,} | {r['bytes_per_rank'] / base['bytes_per_rank']:.2f} | "
+                f"{r['step_s']:.3f} [{r['step_q1_s']:.3f}, {r['step_q3_s']:.3f}] | "
+                f"{r['step_s'] / base['step_s']:.2f} | {rounds} |"
+            )
     from tests.scenario_exit import exit_cleanly
 
     exit_cleanly()

@@ -48,9 +48,16 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     L.seed_everything(0)
     losses = Losses()
     trainer = L.Trainer(
-        accelerator=args.accelerator, devices=args.devices, max_steps=args.steps,
-        strategy=MMFSDP2Strategy(fsdp2_config=str(SEED_YAML)), callbacks=[losses], limit_val_batches=2,
-        logger=False, enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+        accelerator=args.accelerator,
+        devices=args.devices,
+        max_steps=args.steps,
+        strategy=MMFSDP2Strategy(fsdp2_config=str(SEED_YAML)),
+        callbacks=[losses],
+        limit_val_batches=2,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
         num_sanity_val_steps=0,
     )
     module = CaptionModule(lr=1e-2)
@@ -110,9 +117,11 @@ def main() -> int:
         verdict = "PASS" if result["passed"] else "FAIL"
         peak = result["peak_memory_bytes"]
         memory = f"peak memory {peak / 2**20:.1f} MiB" if peak is not None else "no device memory statistics on CPU"
-        print(f"{verdict}: FSDP2 on {result['world_size']} x {result['device'].split(':')[0]} "
-              f"(backend {result['backend']}), loss {result['losses'][0]:.3f} -> {result['losses'][-1]:.3f}, "
-              f"{memory}")
+        print(
+            f"{verdict}: FSDP2 on {result['world_size']} x {result['device'].split(':')[0]} "
+            f"(backend {result['backend']}), loss {result['losses'][0]:.3f} -> {result['losses'][-1]:.3f}, "
+            f"{memory}"
+        )
         for name, ok in result["checks"].items():
             print(f"  [{'ok' if ok else 'FAILED'}] {name}")
     return 0 if result["passed"] else 1

@@ -171,8 +171,9 @@ def _batches(cfg: LlamaConfig, n: int, batch: int, seq: int, seed: int) -> Any:
     return torch.randint(0, cfg.vocab_size, (n, batch, seq + 1), generator=g)
 
 
-def run_plain(cfg: LlamaConfig, args: argparse.Namespace, device: Any, data: Any,
-              compiled: bool = False) -> dict[str, Any]:
+def run_plain(
+    cfg: LlamaConfig, args: argparse.Namespace, device: Any, data: Any, compiled: bool = False
+) -> dict[str, Any]:
     """A torchtitan-style FSDP2 loop: shard each block (not the last after forward), then the root; init on meta."""
     import torch
     from torch.distributed.device_mesh import init_device_mesh
@@ -208,8 +209,9 @@ def run_plain(cfg: LlamaConfig, args: argparse.Namespace, device: Any, data: Any
     return out
 
 
-def run_mm(cfg: LlamaConfig, args: argparse.Namespace, device: Any, data: Any,
-           compiled: bool = False) -> dict[str, Any]:
+def run_mm(
+    cfg: LlamaConfig, args: argparse.Namespace, device: Any, data: Any, compiled: bool = False
+) -> dict[str, Any]:
     """The same model, data and optimiser through Trainer + MMFSDP2Strategy."""
     import lightning as L
     import torch
@@ -249,14 +251,26 @@ def run_mm(cfg: LlamaConfig, args: argparse.Namespace, device: Any, data: Any,
                 timing["loss"] = float(outputs["loss"] if isinstance(outputs, dict) else outputs)
 
     torch.manual_seed(0)
-    config = {"sharding_size": "auto", "sub_modules_to_wrap": ["model.layers.{*}"], "param_dtype": "bf16",
-              "reduce_dtype": "fp32"}
+    config = {
+        "sharding_size": "auto",
+        "sub_modules_to_wrap": ["model.layers.{*}"],
+        "param_dtype": "bf16",
+        "reduce_dtype": "fp32",
+    }
     if compiled:
         config.update(compile_modules=["model.layers.{*}"], compile_backend=args.compile_backend)
-    trainer = L.Trainer(accelerator=device.type, devices=int(os.environ["LOCAL_WORLD_SIZE"]),
-                        strategy=MMFSDP2Strategy(config), max_steps=len(data), logger=False,
-                        enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
-                        use_distributed_sampler=False, callbacks=[Timer()])  # data is already per rank
+    trainer = L.Trainer(
+        accelerator=device.type,
+        devices=int(os.environ["LOCAL_WORLD_SIZE"]),
+        strategy=MMFSDP2Strategy(config),
+        max_steps=len(data),
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        use_distributed_sampler=False,
+        callbacks=[Timer()],
+    )  # data is already per rank
     loader = torch.utils.data.DataLoader(list(data), batch_size=None, shuffle=False, pin_memory=device.type == "cuda")
     trainer.fit(LlamaTask(), train_dataloaders=loader)
     out = {"elapsed_s": timing["end"] - timing["start"], "final_loss": timing["loss"], "peak_mem": _peak_mem(device)}
@@ -298,8 +312,9 @@ def worker(args: argparse.Namespace) -> None:
     else:
         common.pin_threads()
         device = torch.device("cpu")
-    dist.init_process_group("nccl" if device.type == "cuda" else "gloo",
-                            device_id=device if device.type == "cuda" else None)
+    dist.init_process_group(
+        "nccl" if device.type == "cuda" else "gloo", device_id=device if device.type == "cuda" else None
+    )
     cfg = TINY if args.tiny else LlamaConfig()
     world = dist.get_world_size()
     # Each rank its own slice of the same global stream of batches.
@@ -307,7 +322,7 @@ def worker(args: argparse.Namespace) -> None:
     names = contenders(args)
     records: dict[str, list[dict[str, Any]]] = {name: [] for name in names}
     for rnd in range(args.rounds):
-        order = names[rnd % len(names):] + names[: rnd % len(names)]  # rotating, so drift falls on all alike
+        order = names[rnd % len(names) :] + names[: rnd % len(names)]  # rotating, so drift falls on all alike
         for name in order:
             run = run_plain if name.startswith("plain") else run_mm
             result = run(cfg, args, device, data, compiled=name.endswith("_compiled"))
@@ -317,8 +332,12 @@ def worker(args: argparse.Namespace) -> None:
             if device.type == "cuda":
                 torch.cuda.empty_cache()
             dist.barrier()
-    info = {"world": world, "device_name": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
-            "config": asdict(cfg), "records": records}
+    info = {
+        "world": world,
+        "device_name": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
+        "config": asdict(cfg),
+        "records": records,
+    }
     common.write_rank_json(Path(args.out), "gpu_throughput", info)
 
 
@@ -329,8 +348,14 @@ def summarize(ranks: list[dict[str, Any]], args: argparse.Namespace) -> dict[str
     tokens = args.steps * args.batch * args.seq * world  # global tokens in the timed steps
     flops_per_token = 6 * cfg.num_params(embedding=False) + 12 * cfg.num_layers * cfg.hidden_size * args.seq
     peak = args.peak_tflops or next((v for k, v in PEAK_BF16_TFLOPS.items() if k in info["device_name"]), None)
-    out: dict[str, Any] = {"device_name": info["device_name"], "world": world, "params": cfg.num_params(),
-                           "flops_per_token": flops_per_token, "peak_tflops_per_gpu": peak, "contenders": {}}
+    out: dict[str, Any] = {
+        "device_name": info["device_name"],
+        "world": world,
+        "params": cfg.num_params(),
+        "flops_per_token": flops_per_token,
+        "peak_tflops_per_gpu": peak,
+        "contenders": {},
+    }
     per_round: dict[str, list[float]] = {}
     for name in contenders(args):
         elapsed = [max(r["records"][name][i]["elapsed_s"] for r in ranks) for i in range(args.rounds)]
@@ -338,12 +363,17 @@ def summarize(ranks: list[dict[str, Any]], args: argparse.Namespace) -> dict[str
         per_round[name] = tps
         med = common.median(tps)
         out["contenders"][name] = {
-            "tokens_per_s": med, "tokens_per_s_per_gpu": med / world, "per_round_tokens_per_s": tps,
+            "tokens_per_s": med,
+            "tokens_per_s_per_gpu": med / world,
+            "per_round_tokens_per_s": tps,
             "mfu": (med / world * flops_per_token / (peak * 1e12)) if peak else None,
-            "peak_mem_gib": [r["records"][name][-1]["peak_mem"] / 2**30 if r["records"][name][-1]["peak_mem"]
-                             else None for r in ranks],
+            "peak_mem_gib": [
+                r["records"][name][-1]["peak_mem"] / 2**30 if r["records"][name][-1]["peak_mem"] else None
+                for r in ranks
+            ],
             "final_loss": ranks[0]["records"][name][-1]["final_loss"],
         }
+
     def ratio(a: str, b: str) -> dict[str, Any]:
         pairs = [x / y for x, y in zip(per_round[a], per_round[b])]
         return {"median": common.median(pairs), "per_round": pairs}
@@ -359,10 +389,16 @@ def summarize(ranks: list[dict[str, Any]], args: argparse.Namespace) -> dict[str
 
 def markdown_rows(summary: dict[str, Any], args: argparse.Namespace) -> str:
     """The rows benchmarks/README.md records: one per contender, then the ratios."""
-    head = (f"{summary['device_name']} x{summary['world']}, {summary['params'] / 1e9:.2f} B params, bf16, "
-            f"batch {args.batch} x seq {args.seq} per GPU, {args.rounds} rounds of {args.steps} steps")
-    rows = [f"**{head}**", "", "| contender | tokens/s/GPU (median) | MFU | peak memory, rank 0 (GiB) |",
-            "|---|---|---|---|"]
+    head = (
+        f"{summary['device_name']} x{summary['world']}, {summary['params'] / 1e9:.2f} B params, bf16, "
+        f"batch {args.batch} x seq {args.seq} per GPU, {args.rounds} rounds of {args.steps} steps"
+    )
+    rows = [
+        f"**{head}**",
+        "",
+        "| contender | tokens/s/GPU (median) | MFU | peak memory, rank 0 (GiB) |",
+        "|---|---|---|---|",
+    ]
     for name, c in summary["contenders"].items():
         mfu = f"{c['mfu']:.1%}" if c["mfu"] is not None else "-"
         mem = f"{c['peak_mem_gib'][0]:.1f}" if c["peak_mem_gib"][0] is not None else "-"
@@ -380,8 +416,12 @@ def smoke(nproc: int, out: Path) -> None:
     import subprocess
 
     script = Path(__file__).resolve().parent / "fsdp2_smoke.py"
-    proc = subprocess.run([sys.executable, str(script), "--accelerator", "cuda", "--devices", str(nproc),
-                           "--out", str(out / "smoke")], capture_output=True, text=True, timeout=600)
+    proc = subprocess.run(
+        [sys.executable, str(script), "--accelerator", "cuda", "--devices", str(nproc), "--out", str(out / "smoke")],
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     print(proc.stdout[-2000:])
     if proc.returncode != 0:
         raise SystemExit(f"the smoke test failed (exit {proc.returncode}); not benchmarking:\n{proc.stderr[-4000:]}")
@@ -436,8 +476,11 @@ def main() -> None:
         raise SystemExit("no CUDA GPU is visible; this benchmark needs one (or use --device cpu --tiny to check it)")
     nproc = args.nproc or (torch.cuda.device_count() if args.device == "cuda" else 2)
     flags = ("tiny", "no_compile")
-    passthrough = [f"--{k.replace('_', '-')}={v}" for k, v in vars(args).items()
-                   if k not in ("worker", "nproc", "name", "peak_tflops", "skip_smoke", *flags) and v is not None]
+    passthrough = [
+        f"--{k.replace('_', '-')}={v}"
+        for k, v in vars(args).items()
+        if k not in ("worker", "nproc", "name", "peak_tflops", "skip_smoke", *flags) and v is not None
+    ]
     passthrough += [f"--{k.replace('_', '-')}" for k in flags if getattr(args, k)]
     out = Path(args.out)
     machine = common.machine()
@@ -445,10 +488,17 @@ def main() -> None:
         smoke(nproc, out)
     common.launch_ranks(Path(__file__), ["--worker", *passthrough], nproc=nproc, log=out / "log.txt")
     summary = summarize(common.read_rank_jsons(out, "gpu_throughput", nproc), args)
-    result = {"benchmark": "gpu_throughput",
-              "command": "python benchmarks/gpu_throughput.py " + " ".join(sys.argv[1:]), "machine": machine,
-              "batch_per_gpu": args.batch, "seq": args.seq, "steps": args.steps, "warmup": args.warmup,
-              "rounds": args.rounds, "summary": summary}
+    result = {
+        "benchmark": "gpu_throughput",
+        "command": "python benchmarks/gpu_throughput.py " + " ".join(sys.argv[1:]),
+        "machine": machine,
+        "batch_per_gpu": args.batch,
+        "seq": args.seq,
+        "steps": args.steps,
+        "warmup": args.warmup,
+        "rounds": args.rounds,
+        "summary": summary,
+    }
     path = common.save_result(args.name, result)
     rows = markdown_rows(summary, args)
     path.with_suffix(".md").write_text(rows)

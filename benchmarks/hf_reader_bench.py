@@ -90,10 +90,12 @@ def rank_main(reader: str, directory: str, hidden: int, layers: int, out: str) -
     sampler.stop()
     peak = sampler.peak - sampler.base
     dist.barrier()
-    checksum = sum(float((p.to_local() if isinstance(p, DTensor) else p).detach().double().sum())
-                   for p in model.parameters())
+    checksum = sum(
+        float((p.to_local() if isinstance(p, DTensor) else p).detach().double().sum()) for p in model.parameters()
+    )
     Path(out, f"{reader}.rank{rank}.json").write_text(
-        json.dumps({"seconds": seconds, "peak_increase": peak, "checksum": checksum}))
+        json.dumps({"seconds": seconds, "peak_increase": peak, "checksum": checksum})
+    )
     dist.destroy_process_group()
 
 
@@ -103,11 +105,35 @@ def run_once(reader: str, args: argparse.Namespace, out: Path) -> list[dict[str,
         port = s.getsockname()[1]
     procs = []
     for rank in range(2):
-        env = {**os.environ, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "RANK": str(rank),
-               "WORLD_SIZE": "2", "LOCAL_RANK": str(rank), "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
-        procs.append(subprocess.Popen([sys.executable, __file__, "--rank-main", reader, "--dir", str(args.dir),
-                                       "--hidden", str(args.hidden), "--layers", str(args.layers), "--out", str(out)],
-                                      env=env))
+        env = {
+            **os.environ,
+            "MASTER_ADDR": "127.0.0.1",
+            "MASTER_PORT": str(port),
+            "RANK": str(rank),
+            "WORLD_SIZE": "2",
+            "LOCAL_RANK": str(rank),
+            "OMP_NUM_THREADS": "1",
+            "PYTHONPATH": str(ROOT),
+        }
+        procs.append(
+            subprocess.Popen(
+                [
+                    sys.executable,
+                    __file__,
+                    "--rank-main",
+                    reader,
+                    "--dir",
+                    str(args.dir),
+                    "--hidden",
+                    str(args.hidden),
+                    "--layers",
+                    str(args.layers),
+                    "--out",
+                    str(out),
+                ],
+                env=env,
+            )
+        )
     for proc in procs:
         if proc.wait(timeout=600) != 0:
             raise SystemExit(f"{reader}: a rank failed")
@@ -141,20 +167,24 @@ def main() -> None:
     for reader in ("ours", "dcp"):
         table[reader] = {
             "seconds": statistics.median(max(r["seconds"] for r in rd[reader]) for rd in rounds),
-            "peak_increase_mb": [statistics.median(rd[reader][k]["peak_increase"] for rd in rounds) / MB
-                                 for k in (0, 1)],
+            "peak_increase_mb": [
+                statistics.median(rd[reader][k]["peak_increase"] for rd in rounds) / MB for k in (0, 1)
+            ],
         }
     ratios = [max(r["seconds"] for r in rd["dcp"]) / max(r["seconds"] for r in rd["ours"]) for rd in rounds]
     size = path.stat().st_size / MB
-    print(f"checkpoint {size:.0f} MB ({args.layers} x Linear({args.hidden}, {args.hidden}), fp32), {args.rounds} "
-          f"rounds, load average before: {os.getloadavg()[0]:.2f}")
+    print(
+        f"checkpoint {size:.0f} MB ({args.layers} x Linear({args.hidden}, {args.hidden}), fp32), {args.rounds} "
+        f"rounds, load average before: {os.getloadavg()[0]:.2f}"
+    )
     print("| reader | load s (median, slower rank) | peak RSS increase per rank, MB (median) |")
     print("|---|---:|---|")
     for reader, row in table.items():
         print(f"| {reader} | {row['seconds']:.3f} | {[round(x) for x in row['peak_increase_mb']]} |")
     print(f"time dcp / ours per round: {[round(r, 2) for r in ratios]} (median {statistics.median(ratios):.2f})")
-    (args.dir / "results.json").write_text(json.dumps({"table": table, "ratios": ratios, "rounds": rounds,
-                                                       "checkpoint_mb": size}, indent=1))
+    (args.dir / "results.json").write_text(
+        json.dumps({"table": table, "ratios": ratios, "rounds": rounds, "checkpoint_mb": size}, indent=1)
+    )
 
 
 if __name__ == "__main__":

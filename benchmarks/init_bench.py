@@ -47,8 +47,9 @@ def worker(args: argparse.Namespace) -> None:
     from lightning_mm import MMFSDP2Strategy
 
     common.pin_threads()
-    cfg = common.LMConfig(vocab_size=args.vocab, hidden_size=args.hidden, num_layers=args.layers,
-                          num_heads=args.heads, seq_len=128)
+    cfg = common.LMConfig(
+        vocab_size=args.vocab, hidden_size=args.hidden, num_layers=args.layers, num_heads=args.heads, seq_len=128
+    )
     record: dict[str, Any] = {"mode": args.mode, "params": cfg.num_params}
 
     class Stop(L.Callback):
@@ -58,7 +59,8 @@ def worker(args: argparse.Namespace) -> None:
             record["rss_after"] = _status_kib("VmRSS") * 1024
             params = list(pl_module.parameters())
             record["local_param_bytes"] = sum(
-                (p.to_local() if isinstance(p, DTensor) else p).numel() * p.element_size() for p in params)
+                (p.to_local() if isinstance(p, DTensor) else p).numel() * p.element_size() for p in params
+            )
             record["all_sharded"] = all(isinstance(p, DTensor) for p in params)
             record["param_count"] = sum(p.numel() for p in params)
 
@@ -113,17 +115,30 @@ def main() -> None:
         return
     out = Path(args.out)
     machine = common.machine()
-    size = ["--hidden", str(args.hidden), "--layers", str(args.layers), "--heads", str(args.heads),
-            "--vocab", str(args.vocab)]
+    size = [
+        "--hidden",
+        str(args.hidden),
+        "--layers",
+        str(args.layers),
+        "--heads",
+        str(args.heads),
+        "--vocab",
+        str(args.vocab),
+    ]
     runs = {}
     for mode in args.modes.split(","):
-        common.launch_ranks(Path(__file__), ["--worker", "--mode", mode, *size, "--out", str(out)],
-                            log=out / f"log_{mode}.txt")
+        common.launch_ranks(
+            Path(__file__), ["--worker", "--mode", mode, *size, "--out", str(out)], log=out / f"log_{mode}.txt"
+        )
         runs[mode] = common.read_rank_jsons(out, f"init_{mode}")
     params = next(iter(runs.values()))[0]["params"]
     result: dict[str, Any] = {
-        "benchmark": "init", "command": "python benchmarks/init_bench.py " + " ".join(sys.argv[1:]),
-        "machine": machine, "load_after": common.loadavg(), "params": params, "fp32_bytes": params * 4,
+        "benchmark": "init",
+        "command": "python benchmarks/init_bench.py " + " ".join(sys.argv[1:]),
+        "machine": machine,
+        "load_after": common.loadavg(),
+        "params": params,
+        "fp32_bytes": params * 4,
         "config": {"hidden": args.hidden, "layers": args.layers, "heads": args.heads, "vocab": args.vocab},
         "runs": runs,
     }
@@ -132,11 +147,14 @@ def main() -> None:
         eager_peak = max(r["peak_rss"] for r in runs["eager"])
         meta_inc = max(r["peak_rss"] - r["baseline_rss"] for r in runs["meta"])
         eager_inc = max(r["peak_rss"] - r["baseline_rss"] for r in runs["eager"])
-        result.update({
-            "peak_ratio": meta_peak / eager_peak, "peak_increase_ratio": meta_inc / eager_inc,
-            "meets_target": meta_peak / eager_peak <= 0.6,
-            "setup_s": {m: max(r["setup_s"] for r in runs[m]) for m in MODES},
-        })
+        result.update(
+            {
+                "peak_ratio": meta_peak / eager_peak,
+                "peak_increase_ratio": meta_inc / eager_inc,
+                "meets_target": meta_peak / eager_peak <= 0.6,
+                "setup_s": {m: max(r["setup_s"] for r in runs[m]) for m in MODES},
+            }
+        )
     path = common.save_result(args.name, result)
     if "peak_ratio" in result:
         plot(result, path.with_suffix(".png"))

@@ -31,9 +31,18 @@ LORA = {"rank": 8, "alpha": 16, "target_modules": ["model.layers.{*}.self_attn",
 
 
 def _hf_config(args: argparse.Namespace) -> dict[str, Any]:
-    return dict(model_type="qwen3", vocab_size=4096, hidden_size=args.hidden, intermediate_size=4 * args.hidden,
-                num_hidden_layers=args.layers, num_attention_heads=8, num_key_value_heads=4,
-                head_dim=args.hidden // 8, max_position_embeddings=256, tie_word_embeddings=False)
+    return dict(
+        model_type="qwen3",
+        vocab_size=4096,
+        hidden_size=args.hidden,
+        intermediate_size=4 * args.hidden,
+        num_hidden_layers=args.layers,
+        num_attention_heads=8,
+        num_key_value_heads=4,
+        head_dim=args.hidden // 8,
+        max_position_embeddings=256,
+        tie_word_embeddings=False,
+    )
 
 
 def _local_bytes(t: Any) -> int:
@@ -71,16 +80,24 @@ def _run(kind: str, hf_dir: str, args: argparse.Namespace) -> dict[str, Any]:
             optimizer = trainer.optimizers[0]
             found["params"] = sum(_local_bytes(p) for p in model.parameters())
             found["grads"] = sum(_local_bytes(p.grad) for p in model.parameters() if p.grad is not None)
-            found["optimizer"] = sum(_local_bytes(v) for s in optimizer.state.values() for v in s.values()
-                                     if isinstance(v, torch.Tensor) and v.ndim > 0)
+            found["optimizer"] = sum(
+                _local_bytes(v)
+                for s in optimizer.state.values()
+                for v in s.values()
+                if isinstance(v, torch.Tensor) and v.ndim > 0
+            )
             found["trainable_params"] = sum(p.numel() for p in model.parameters() if p.requires_grad)
             found["planned"] = per_rank_memory(model, trainer.strategy.plan).__dict__
 
     timer = common.StepTimer()
     torch.manual_seed(0)
     data = torch.utils.data.TensorDataset(torch.randint(0, 4096, (2 * args.steps * args.batch, args.seq)))
-    trainer = L.Trainer(max_steps=args.steps, strategy=MMFSDP2Strategy({"sharding_size": "auto"}),
-                        callbacks=[timer, Bytes()], **common.quiet_trainer_kwargs())
+    trainer = L.Trainer(
+        max_steps=args.steps,
+        strategy=MMFSDP2Strategy({"sharding_size": "auto"}),
+        callbacks=[timer, Bytes()],
+        **common.quiet_trainer_kwargs(),
+    )
     trainer.fit(Module(lr=1e-4), train_dataloaders=torch.utils.data.DataLoader(data, batch_size=args.batch))
     return {**found, "step_s": common.median(timer.step_times(WARMUP)), "losses": timer.losses}
 
@@ -129,8 +146,11 @@ def main() -> None:
         flags = [f"--{k}={getattr(args, k)}" for k in ("rounds", "steps", "hidden", "layers", "batch", "seq")]
         common.launch_ranks(Path(__file__), [*flags, "--worker", f"--out={out}"])
         ranks = common.read_rank_jsons(out, "lora")
-    summary: dict[str, Any] = {"machine": common.machine(), "load_before": before,
-                               "args": {k: v for k, v in vars(args).items() if k not in ("worker", "out")}}
+    summary: dict[str, Any] = {
+        "machine": common.machine(),
+        "load_before": before,
+        "args": {k: v for k, v in vars(args).items() if k not in ("worker", "out")},
+    }
     for kind in ("full", "lora"):
         first = [r["rounds"][0][kind] for r in ranks]
         steps = [max(r["rounds"][i][kind]["step_s"] for r in ranks) for i in range(args.rounds)]
@@ -141,16 +161,19 @@ def main() -> None:
             "step_s_rounds": steps,
             "step_s_median": common.median(steps),
         }
-    summary["lora_over_full_step"] = [lo / fu for lo, fu in zip(summary["lora"]["step_s_rounds"],
-                                                                 summary["full"]["step_s_rounds"])]
+    summary["lora_over_full_step"] = [
+        lo / fu for lo, fu in zip(summary["lora"]["step_s_rounds"], summary["full"]["step_s_rounds"])
+    ]
     summary["load_after"] = common.loadavg()
     path = common.save_result("lora", summary)
     for kind in ("full", "lora"):
         s = summary[kind]
         b = s["bytes_per_rank_max"]
-        print(f"{kind:>4}: trainable {s['trainable_params']:,}  params {b['params']:,} B  grads {b['grads']:,} B  "
-              f"optimizer {b['optimizer']:,} B  (planned {s['planned']['params']:,} / {s['planned']['grads']:,} / "
-              f"{s['planned']['optimizer']:,})  step {s['step_s_median'] * 1e3:.1f} ms")
+        print(
+            f"{kind:>4}: trainable {s['trainable_params']:,}  params {b['params']:,} B  grads {b['grads']:,} B  "
+            f"optimizer {b['optimizer']:,} B  (planned {s['planned']['params']:,} / {s['planned']['grads']:,} / "
+            f"{s['planned']['optimizer']:,})  step {s['step_s_median'] * 1e3:.1f} ms"
+        )
     print(f"lora/full step ratio per round: {[round(x, 3) for x in summary['lora_over_full_step']]}; wrote {path}")
 
 

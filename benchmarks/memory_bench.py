@@ -62,8 +62,9 @@ class Measure:
             def on_before_optimizer_step(self, trainer: Any, pl_module: Any, optimizer: Any) -> None:
                 if trainer.global_step == 1:
                     outer.bytes["params"] = sum(_local_bytes(p) for p in pl_module.parameters())
-                    outer.bytes["grads"] = sum(_local_bytes(p.grad) for p in pl_module.parameters()
-                                               if p.grad is not None)
+                    outer.bytes["grads"] = sum(
+                        _local_bytes(p.grad) for p in pl_module.parameters() if p.grad is not None
+                    )
 
             def on_train_batch_start(self, trainer: Any, pl_module: Any, batch: Any, idx: int) -> None:
                 if idx in TRACKED_STEPS:
@@ -72,10 +73,8 @@ class Measure:
             def on_train_batch_end(self, trainer: Any, pl_module: Any, outputs: Any, batch: Any, idx: int) -> None:
                 if idx == 1:
                     states = [s for s in trainer.optimizers[0].state.values()]
-                    outer.bytes["optimizer"] = sum(_local_bytes(v) for s in states for k, v in s.items()
-                                                   if k != "step")
-                    outer.bytes["optimizer_step_counters"] = sum(_local_bytes(s["step"]) for s in states
-                                                                 if "step" in s)
+                    outer.bytes["optimizer"] = sum(_local_bytes(v) for s in states for k, v in s.items() if k != "step")
+                    outer.bytes["optimizer_step_counters"] = sum(_local_bytes(s["step"]) for s in states if "step" in s)
                 if idx in TRACKED_STEPS:
                     outer.stop_tracking()
 
@@ -125,11 +124,21 @@ def worker(args: argparse.Namespace) -> None:
         L.seed_everything(0, verbose=False)
         measure = Measure(fsdp=contender == "mm_fsdp2")
         with variants.behaviour(variant):
-            setup = build("lm", contender, sizes, TRACKED_STEPS[-1] + 1,
-                          mm_config={**lm_fsdp2_config(), **overrides} if contender == "mm_fsdp2" else None)
+            setup = build(
+                "lm",
+                contender,
+                sizes,
+                TRACKED_STEPS[-1] + 1,
+                mm_config={**lm_fsdp2_config(), **overrides} if contender == "mm_fsdp2" else None,
+            )
             setup.module.optimizer_step = _closure_then_step.__get__(setup.module)  # type: ignore[method-assign]
-            trainer = L.Trainer(strategy=setup.strategy, precision=setup.precision, max_steps=TRACKED_STEPS[-1] + 1,
-                                callbacks=[measure.callback], **common.quiet_trainer_kwargs())
+            trainer = L.Trainer(
+                strategy=setup.strategy,
+                precision=setup.precision,
+                max_steps=TRACKED_STEPS[-1] + 1,
+                callbacks=[measure.callback],
+                **common.quiet_trainer_kwargs(),
+            )
             trainer.fit(setup.module, train_dataloaders=setup.loader)
         out[name] = {"bytes": measure.bytes, "peak": measure.peak}
         del trainer, setup
@@ -167,9 +176,14 @@ def expected_bytes(sizes_name: str) -> dict[str, Any]:
             plan = build_plan(FSDP2Config.from_dict(cfg), holder, world)
             mem = per_rank_memory(holder, plan)
             out[f"{name}/world{world}"] = {
-                "params": mem.params, "grads": mem.grads, "optimizer": mem.optimizer, "total": mem.total,
-                "ddp_total": mem.ddp_total, "ratio_to_ddp": mem.total / mem.ddp_total,
-                "target": mem.ddp_total / world * 1.01, "meets_target": mem.total <= mem.ddp_total / world * 1.01,
+                "params": mem.params,
+                "grads": mem.grads,
+                "optimizer": mem.optimizer,
+                "total": mem.total,
+                "ddp_total": mem.ddp_total,
+                "ratio_to_ddp": mem.total / mem.ddp_total,
+                "target": mem.ddp_total / world * 1.01,
+                "meets_target": mem.total <= mem.ddp_total / world * 1.01,
             }
     return out
 
@@ -220,8 +234,11 @@ def main() -> None:
     out = Path(args.out)
     machine = common.machine()
     started = time.time()
-    common.launch_ranks(Path(__file__), ["--worker", "--sizes", args.sizes, "--configs", args.configs,
-                                         "--out", str(out)], log=out / "log.txt")
+    common.launch_ranks(
+        Path(__file__),
+        ["--worker", "--sizes", args.sizes, "--configs", args.configs, "--out", str(out)],
+        log=out / "log.txt",
+    )
     ranks = common.read_rank_jsons(out, "memory")
     names = args.configs.split(",")
     peak = {}
@@ -234,14 +251,19 @@ def main() -> None:
         if n in names:
             per_rank = [r[n]["bytes"] for r in ranks]
             measured["mm_fsdp2" if n == "zero3" else "ddp"] = {
-                k: max(p[k] for p in per_rank) for k in ("params", "grads", "optimizer", "optimizer_step_counters")}
+                k: max(p[k] for p in per_rank) for k in ("params", "grads", "optimizer", "optimizer_step_counters")
+            }
     expected = expected_bytes(args.sizes)
     result: dict[str, Any] = {
-        "benchmark": "memory", "command": "python benchmarks/memory_bench.py " + " ".join(sys.argv[1:]),
-        "machine": machine, "wall_s": round(time.time() - started, 1), "sizes": args.sizes,
-        "tracked_steps": TRACKED_STEPS, "configs": {n: {"contender": CONFIGS[n][0], "overrides": CONFIGS[n][1]}
-                                                   for n in names},
-        "expected_bytes": expected, "peak_per_rank": peak,
+        "benchmark": "memory",
+        "command": "python benchmarks/memory_bench.py " + " ".join(sys.argv[1:]),
+        "machine": machine,
+        "wall_s": round(time.time() - started, 1),
+        "sizes": args.sizes,
+        "tracked_steps": TRACKED_STEPS,
+        "configs": {n: {"contender": CONFIGS[n][0], "overrides": CONFIGS[n][1]} for n in names},
+        "expected_bytes": expected,
+        "peak_per_rank": peak,
     }
     if {"mm_fsdp2", "ddp"} <= set(measured):
         mm, ddp = measured["mm_fsdp2"], measured["ddp"]
@@ -249,7 +271,9 @@ def main() -> None:
         ddp_total = ddp["params"] + ddp["grads"] + ddp["optimizer"]
         exp = expected["lm/world2"]
         result["exact_bytes_2_ranks"] = {
-            "mm_fsdp2": mm, "ddp": ddp, "ratio_to_ddp": total / ddp_total,
+            "mm_fsdp2": mm,
+            "ddp": ddp,
+            "ratio_to_ddp": total / ddp_total,
             "meets_target": total <= ddp_total / 2 * 1.01,
             "measured_equals_computed": [total, ddp_total] == [exp["total"], exp["ddp_total"]],
         }

@@ -72,16 +72,24 @@ def main() -> None:
                 weights = [(p.full_tensor() if dtensor else p).detach() for p in model.parameters()]
                 if not reference:
                     reference = weights
-                row[f"{kind}_{impl}_max_weight_diff"] = max(float((a - b).abs().max())
-                                                            for a, b in zip(weights, reference))
+                row[f"{kind}_{impl}_max_weight_diff"] = max(
+                    float((a - b).abs().max()) for a, b in zip(weights, reference)
+                )
         for impl in ("foreach", "fused"):
             row[f"dtensor_{impl}_over_default"] = round(row[f"dtensor_{impl}_ms"] / row["dtensor_default_ms"], 3)
         rows.append(row)
         print(row, flush=True)
     dist.destroy_process_group()
-    path = common.save_result("optimizer_step", {
-        "benchmark": "optimizer_step", "command": "python benchmarks/optimizer_step.py", "machine": machine,
-        "load_after": common.loadavg(), "rows": rows})
+    path = common.save_result(
+        "optimizer_step",
+        {
+            "benchmark": "optimizer_step",
+            "command": "python benchmarks/optimizer_step.py",
+            "machine": machine,
+            "load_after": common.loadavg(),
+            "rows": rows,
+        },
+    )
     print(f"wrote {path}")
 
 

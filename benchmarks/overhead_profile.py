@@ -58,8 +58,13 @@ def worker(args: argparse.Namespace) -> None:
             profile = Profile()
             L.seed_everything(0, verbose=False)
             setup = build(model, name, sizes, PROFILED[-1] + 2)
-            trainer = L.Trainer(strategy=setup.strategy, precision=setup.precision, max_steps=PROFILED[-1] + 2,
-                                callbacks=[profile], **common.quiet_trainer_kwargs())
+            trainer = L.Trainer(
+                strategy=setup.strategy,
+                precision=setup.precision,
+                max_steps=PROFILED[-1] + 2,
+                callbacks=[profile],
+                **common.quiet_trainer_kwargs(),
+            )
             trainer.fit(setup.module, train_dataloaders=setup.loader)
             stats = pstats.Stats(profile.profiler)
             steps = len(PROFILED)
@@ -67,8 +72,10 @@ def worker(args: argparse.Namespace) -> None:
             out[f"{model}/{name}"] = {
                 "calls_per_step": stats.total_calls / steps,
                 "primitive_calls_per_step": stats.prim_calls / steps,
-                "top_by_own_time": [{"function": f"{Path(f).name}:{line}({fn})", "calls_per_step": v[1] / steps}
-                                    for (f, line, fn), v in top],
+                "top_by_own_time": [
+                    {"function": f"{Path(f).name}:{line}({fn})", "calls_per_step": v[1] / steps}
+                    for (f, line, fn), v in top
+                ],
             }
     if common.rank() == 0:
         common.write_rank_json(Path(args.out), "overhead", out)
@@ -84,12 +91,30 @@ def main() -> None:
         return
     out = Path(args.out)
     machine = common.machine()
-    common.launch_ranks(Path(__file__), ["--worker", "--models", args.models, "--contenders", args.contenders,
-                                         "--sizes", args.sizes, "--out", str(out)], log=out / "log.txt")
+    common.launch_ranks(
+        Path(__file__),
+        [
+            "--worker",
+            "--models",
+            args.models,
+            "--contenders",
+            args.contenders,
+            "--sizes",
+            args.sizes,
+            "--out",
+            str(out),
+        ],
+        log=out / "log.txt",
+    )
     data = json.loads((out / "overhead.rank0.json").read_text())
-    result = {"benchmark": "overhead_profile",
-              "command": "python benchmarks/overhead_profile.py " + " ".join(sys.argv[1:]), "machine": machine,
-              "sizes": args.sizes, "profiled_steps": [PROFILED[0], PROFILED[-1]], "rank0": data}
+    result = {
+        "benchmark": "overhead_profile",
+        "command": "python benchmarks/overhead_profile.py " + " ".join(sys.argv[1:]),
+        "machine": machine,
+        "sizes": args.sizes,
+        "profiled_steps": [PROFILED[0], PROFILED[-1]],
+        "rank0": data,
+    }
     path = common.save_result("overhead_profile", result)
     for key, v in data.items():
         print(f"{key:24} {v['calls_per_step']:10.0f} Python calls/step")

@@ -50,15 +50,36 @@ WARMUP = 2
 
 def _hf_config() -> dict[str, Any]:
     return dict(
-        model_type="qwen2_5_vl", image_token_id=IMAGE, video_token_id=6, vision_start_token_id=VISION_START,
-        vision_end_token_id=VISION_END, attn_implementation="sdpa",
-        text_config=dict(vocab_size=VOCAB, hidden_size=128, intermediate_size=256, num_hidden_layers=2,
-                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=4096,
-                         rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "mrope_section": [4, 6, 6]},
-                         pad_token_id=0, use_cache=False),
-        vision_config=dict(depth=2, hidden_size=64, intermediate_size=128, num_heads=4, out_hidden_size=128,
-                           fullatt_block_indexes=[1], window_size=112, patch_size=14, spatial_merge_size=2,
-                           temporal_patch_size=2),
+        model_type="qwen2_5_vl",
+        image_token_id=IMAGE,
+        video_token_id=6,
+        vision_start_token_id=VISION_START,
+        vision_end_token_id=VISION_END,
+        attn_implementation="sdpa",
+        text_config=dict(
+            vocab_size=VOCAB,
+            hidden_size=128,
+            intermediate_size=256,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            max_position_embeddings=4096,
+            rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "mrope_section": [4, 6, 6]},
+            pad_token_id=0,
+            use_cache=False,
+        ),
+        vision_config=dict(
+            depth=2,
+            hidden_size=64,
+            intermediate_size=128,
+            num_heads=4,
+            out_hidden_size=128,
+            fullatt_block_indexes=[1],
+            window_size=112,
+            patch_size=14,
+            spatial_merge_size=2,
+            temporal_patch_size=2,
+        ),
     )
 
 
@@ -92,8 +113,12 @@ def _sample(g: torch.Generator, parts: list[tuple[str, Any]], max_len: int) -> d
             break
     input_ids = torch.tensor(ids)
     labels = torch.where(torch.tensor(targets), input_ids, torch.full_like(input_ids, IGNORE_INDEX))
-    sample = {"input_ids": input_ids, "attention_mask": torch.ones_like(input_ids), "labels": labels,
-              "mm_token_type_ids": (input_ids == IMAGE).long()}
+    sample = {
+        "input_ids": input_ids,
+        "attention_mask": torch.ones_like(input_ids),
+        "labels": labels,
+        "mm_token_type_ids": (input_ids == IMAGE).long(),
+    }
     if grids:
         sample["pixel_values"] = torch.randn(sum(t * h * w for t, h, w in grids), PATCH, generator=g)
         sample["image_grid_thw"] = torch.tensor(grids)
@@ -106,16 +131,22 @@ def draw_samples(n: int, max_len: int, seed: int = 2026) -> list[dict[str, torch
     samples = []
     for _ in range(n):
         if float(torch.rand((), generator=g)) < 0.75:  # a short caption
-            parts = [("text", 3), ("image", _pick(g, CAPTION_GRIDS)),
-                     ("text", int(torch.randint(6, 17, (), generator=g))), ("answer", _lognormal(g, 20, 0.6, 4, 80))]
+            parts = [
+                ("text", 3),
+                ("image", _pick(g, CAPTION_GRIDS)),
+                ("text", int(torch.randint(6, 17, (), generator=g))),
+                ("answer", _lognormal(g, 20, 0.6, 4, 80)),
+            ]
         else:  # a multi-turn record with 1-3 images in its first turns
             images = int(torch.randint(1, 4, (), generator=g))
             parts = []
             for turn in range(int(torch.randint(2, 7, (), generator=g))):
                 if turn < images:
                     parts.append(("image", _pick(g, RECORD_GRIDS)))
-                parts += [("text", int(torch.randint(10, 61, (), generator=g))),
-                          ("answer", _lognormal(g, 120, 0.7, 10, 400))]
+                parts += [
+                    ("text", int(torch.randint(10, 61, (), generator=g))),
+                    ("answer", _lognormal(g, 120, 0.7, 10, 400)),
+                ]
         samples.append(_sample(g, parts, max_len))
     return samples
 
@@ -125,7 +156,7 @@ def _batches(samples: list[dict], kind: str, args: argparse.Namespace) -> list[t
     out = []
     if kind == "padded":
         order = torch.randperm(len(samples), generator=torch.Generator().manual_seed(0)).tolist()
-        groups = [order[i:i + args.batch] for i in range(0, len(order), args.batch)]
+        groups = [order[i : i + args.batch] for i in range(0, len(order), args.batch)]
         collate: Any = ChatCollator(pad_token_id=0)
     else:
         lengths = [len(s["input_ids"]) for s in samples]
@@ -180,26 +211,44 @@ def main() -> None:
         seconds = {kind: _epoch(model, optimizer, plans[kind]) for kind in order}
         rounds.append(seconds)
         print(f"round {r}: " + ", ".join(f"{k} {v:.1f} s" for k, v in seconds.items()), flush=True)
-    result: dict[str, Any] = {"machine": common.machine(), "load_before": load_before, "load_after": common.loadavg(),
-                              "args": vars(args), "samples": {
-                                  "count": len(samples), "tokens": sum(lengths), "min": min(lengths),
-                                  "median": statistics.median(lengths), "max": max(lengths),
-                                  "images": sum(len(s.get("image_grid_thw", [])) for s in samples)}}
+    result: dict[str, Any] = {
+        "machine": common.machine(),
+        "load_before": load_before,
+        "load_after": common.loadavg(),
+        "args": vars(args),
+        "samples": {
+            "count": len(samples),
+            "tokens": sum(lengths),
+            "min": min(lengths),
+            "median": statistics.median(lengths),
+            "max": max(lengths),
+            "images": sum(len(s.get("image_grid_thw", [])) for s in samples),
+        },
+    }
     for kind, batches in plans.items():
         ran, pads, targets = (sum(b[i] for b in batches) for i in (1, 2, 3))
         rates = [targets / rnd[kind] for rnd in rounds]
-        result[kind] = {"steps": len(batches), "tokens_run": ran, "pad_tokens": pads, "pad_share": pads / ran,
-                        "target_tokens": targets, "epoch_seconds": [rnd[kind] for rnd in rounds],
-                        "target_tokens_per_s": rates, "median_target_tokens_per_s": statistics.median(rates)}
+        result[kind] = {
+            "steps": len(batches),
+            "tokens_run": ran,
+            "pad_tokens": pads,
+            "pad_share": pads / ran,
+            "target_tokens": targets,
+            "epoch_seconds": [rnd[kind] for rnd in rounds],
+            "target_tokens_per_s": rates,
+            "median_target_tokens_per_s": statistics.median(rates),
+        }
     result["packed"]["budget_fill"] = result["packed"]["tokens_run"] / (len(plans["packed"]) * args.budget)
     ratios = [r["padded"] / r["packed"] for r in rounds]  # same targets: the speed-up is the time ratio
     result["speedup_per_round"] = ratios
     result["speedup_median"] = statistics.median(ratios)
     path = common.save_result("packing", result)
-    print(f"pad share: padded {result['padded']['pad_share']:.1%}, packed {result['packed']['pad_share']:.1%}; "
-          f"target tokens/s: padded {result['padded']['median_target_tokens_per_s']:.0f}, packed "
-          f"{result['packed']['median_target_tokens_per_s']:.0f}; speed-up {result['speedup_median']:.2f}x "
-          f"(rounds {', '.join(f'{x:.2f}' for x in ratios)}) -> {path}")
+    print(
+        f"pad share: padded {result['padded']['pad_share']:.1%}, packed {result['packed']['pad_share']:.1%}; "
+        f"target tokens/s: padded {result['padded']['median_target_tokens_per_s']:.0f}, packed "
+        f"{result['packed']['median_target_tokens_per_s']:.0f}; speed-up {result['speedup_median']:.2f}x "
+        f"(rounds {', '.join(f'{x:.2f}' for x in ratios)}) -> {path}"
+    )
 
 
 if __name__ == "__main__":

@@ -72,8 +72,13 @@ def make_checkpoint(path: Path, hidden: int, layers: int, vocab: int) -> int:
     if not (path / "config.json").is_file():
         torch.manual_seed(0)
         config = LlamaConfig(
-            vocab_size=vocab, hidden_size=hidden, intermediate_size=int(hidden * 2.75), num_hidden_layers=layers,
-            num_attention_heads=hidden // 128, num_key_value_heads=hidden // 128, tie_word_embeddings=False,
+            vocab_size=vocab,
+            hidden_size=hidden,
+            intermediate_size=int(hidden * 2.75),
+            num_hidden_layers=layers,
+            num_attention_heads=hidden // 128,
+            num_key_value_heads=hidden // 128,
+            tie_word_embeddings=False,
         )
         config.architectures = ["LlamaForCausalLM"]
         model = LlamaForCausalLM(config)
@@ -111,8 +116,14 @@ def run_rank(mode: str, path: Path, out: Path) -> None:
 
     config = {"sharding_size": "auto", "sub_modules_to_wrap": ["model.embed_tokens", "model.layers.{*}", "lm_head"]}
     trainer = L.Trainer(
-        accelerator="cpu", devices=2, max_steps=0, logger=False, enable_checkpointing=False,
-        enable_progress_bar=False, enable_model_summary=False, num_sanity_val_steps=0,
+        accelerator="cpu",
+        devices=2,
+        max_steps=0,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        num_sanity_val_steps=0,
         strategy=MMFSDP2Strategy(config, empty_init=(mode == "sharded")),
     )
     data = torch.utils.data.DataLoader([{"input_ids": torch.zeros(8, dtype=torch.long)}] * 2, batch_size=1)
@@ -122,8 +133,12 @@ def run_rank(mode: str, path: Path, out: Path) -> None:
         (p.to_local() if hasattr(p, "to_local") else p).numel() * p.element_size() for p in module.model.parameters()
     )
     result = {
-        "mode": mode, "rank": trainer.global_rank, "baseline": sampler.base, "peak_sampled": sampler.peak,
-        "ru_maxrss": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024, "local_param_bytes": local_bytes,
+        "mode": mode,
+        "rank": trainer.global_rank,
+        "baseline": sampler.base,
+        "peak_sampled": sampler.peak,
+        "ru_maxrss": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
+        "local_param_bytes": local_bytes,
         "seconds": timing["seconds"],
     }
     (out / f"{mode}.rank{trainer.global_rank}.json").write_text(json.dumps(result))
@@ -163,9 +178,11 @@ def main() -> None:
     print("|---|---|---|---|---|---|---|")
     for r in results["runs"]:
         peak = r["peak_sampled"]  # ru_maxrss is the whole process's peak, a cross-check
-        print(f"| {r['mode']} | {r['rank']} | {r['baseline'] / GB:.2f} GB | {r['peak_sampled'] / GB:.2f} / "
-              f"{r['ru_maxrss'] / GB:.2f} GB | {(peak - r['baseline']) / GB:.2f} GB | "
-              f"{r['local_param_bytes'] / GB:.2f} GB | {r['seconds']:.1f} s |")
+        print(
+            f"| {r['mode']} | {r['rank']} | {r['baseline'] / GB:.2f} GB | {r['peak_sampled'] / GB:.2f} / "
+            f"{r['ru_maxrss'] / GB:.2f} GB | {(peak - r['baseline']) / GB:.2f} GB | "
+            f"{r['local_param_bytes'] / GB:.2f} GB | {r['seconds']:.1f} s |"
+        )
 
 
 if __name__ == "__main__":

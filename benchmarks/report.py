@@ -1,9 +1,9 @@
 """Markdown tables from benchmarks/results/*.json (for benchmarks/README.md).
 
-    python benchmarks/report.py                       # every result present
-    python benchmarks/report.py step_time tuning      # some of them
-    python benchmarks/report.py --plot-checkpoint     # results/checkpoint.png from results/checkpoint.json
-    python benchmarks/report.py --plot [NAME ...]     # PNGs of checkpoint, optimizer_step, overhead_profile
+python benchmarks/report.py                       # every result present
+python benchmarks/report.py step_time tuning      # some of them
+python benchmarks/report.py --plot-checkpoint     # results/checkpoint.png from results/checkpoint.json
+python benchmarks/report.py --plot [NAME ...]     # PNGs of checkpoint, optimizer_step, overhead_profile
 """
 
 from __future__ import annotations
@@ -33,8 +33,10 @@ def _machine(r: dict[str, Any]) -> str:
     loads = f"load {load[0]:.2f}" if load else ""
     if after:
         loads += f" -> {after[0]:.2f} after"
-    return (f"_{m.get('date', '?')}; {m.get('nproc')} cores ({m.get('cpu')}), {m.get('mem_gib')} GiB; {loads}; "
-            f"torch {m.get('torch')}, lightning {m.get('lightning')}. Command: `{r.get('command')}`_")
+    return (
+        f"_{m.get('date', '?')}; {m.get('nproc')} cores ({m.get('cpu')}), {m.get('mem_gib')} GiB; {loads}; "
+        f"torch {m.get('torch')}, lightning {m.get('lightning')}. Command: `{r.get('command')}`_"
+    )
 
 
 def step_time(name: str = "step_time") -> str:
@@ -44,21 +46,28 @@ def step_time(name: str = "step_time") -> str:
     out = [_machine(r), ""]
     for model, s in r["summary"].items():
         comm = s.get("collectives_per_step_rank0", {})
-        out += [f"**{model}**", "",
-                "| contender | wall ms/step | CPU ms/step | all-gathers/step | MiB all-gathered/step | final loss |",
-                "|---|---:|---:|---:|---:|---:|"]
+        out += [
+            f"**{model}**",
+            "",
+            "| contender | wall ms/step | CPU ms/step | all-gathers/step | MiB all-gathered/step | final loss |",
+            "|---|---:|---:|---:|---:|---:|",
+        ]
         for n, ms in s["median_step_ms"].items():
             c = comm.get(n, {})
             gathers = c.get("all_gather_single_calls", c.get("all_gather_calls"))
             gbytes = c.get("all_gather_single_bytes", c.get("all_gather_bytes"))
-            out.append(f"| {n} | {ms:.1f} | {s['median_cpu_ms'][n]:.1f} | "
-                       f"{'-' if gathers is None else f'{gathers:g}'} | "
-                       f"{'-' if gbytes is None else _mib(gbytes)} | {s['final_loss'][n]:.4f} |")
+            out.append(
+                f"| {n} | {ms:.1f} | {s['median_cpu_ms'][n]:.1f} | "
+                f"{'-' if gathers is None else f'{gathers:g}'} | "
+                f"{'-' if gbytes is None else _mib(gbytes)} | {s['final_loss'][n]:.4f} |"
+            )
         out += ["", "| ratio (same round) | wall: median [min, max] | CPU: median [min, max] |", "|---|---|---|"]
         for pair, v in s["ratios"].items():
             c = s["cpu_ratios"][pair]
-            out.append(f"| {pair} | **{v['median']:.3f}** [{v['min']:.3f}, {v['max']:.3f}] | "
-                       f"{c['median']:.3f} [{c['min']:.3f}, {c['max']:.3f}] |")
+            out.append(
+                f"| {pair} | **{v['median']:.3f}** [{v['min']:.3f}, {v['max']:.3f}] | "
+                f"{c['median']:.3f} [{c['min']:.3f}, {c['max']:.3f}] |"
+            )
         out.append("")
     return "\n".join(out)
 
@@ -70,31 +79,50 @@ def memory() -> str:
     out = [_machine(r), ""]
     e = r.get("exact_bytes_2_ranks")
     if e:
-        out += ["| per rank, 2 ranks (measured) | params | grads | AdamW state | total | of DDP |",
-                "|---|---:|---:|---:|---:|---:|"]
+        out += [
+            "| per rank, 2 ranks (measured) | params | grads | AdamW state | total | of DDP |",
+            "|---|---:|---:|---:|---:|---:|",
+        ]
         for n in ("ddp", "mm_fsdp2"):
             b = e[n]
             total = b["params"] + b["grads"] + b["optimizer"]
             ddp = e["ddp"]["params"] + e["ddp"]["grads"] + e["ddp"]["optimizer"]
-            out.append(f"| {n} | {b['params']:,} B | {b['grads']:,} B | {b['optimizer']:,} B | {total:,} B | "
-                       f"{total / ddp:.4f} |")
-        out += ["", f"Measured equals computed (`per_rank_memory`): {e['measured_equals_computed']}; "
-                    f"target (<= 1/2 of DDP + 1%) met: {e['meets_target']}.", ""]
-    out += ["| model / world size (computed) | total per rank | DDP per rank | ratio | 1/N + 1% met |",
-            "|---|---:|---:|---:|---|"]
+            out.append(
+                f"| {n} | {b['params']:,} B | {b['grads']:,} B | {b['optimizer']:,} B | {total:,} B | "
+                f"{total / ddp:.4f} |"
+            )
+        out += [
+            "",
+            f"Measured equals computed (`per_rank_memory`): {e['measured_equals_computed']}; "
+            f"target (<= 1/2 of DDP + 1%) met: {e['meets_target']}.",
+            "",
+        ]
+    out += [
+        "| model / world size (computed) | total per rank | DDP per rank | ratio | 1/N + 1% met |",
+        "|---|---:|---:|---:|---|",
+    ]
     for k, v in r["expected_bytes"].items():
-        out.append(f"| {k} | {_mib(v['total'])} MiB | {_mib(v['ddp_total'])} MiB | {v['ratio_to_ddp']:.4f} | "
-                   f"{'yes' if v['meets_target'] else 'no'} |")
-    out += ["", "| config | YAML change | tracked peak per rank (MiB) | unsharded params at peak | activations | "
-                "optimizer state |", "|---|---|---:|---:|---:|---:|"]
+        out.append(
+            f"| {k} | {_mib(v['total'])} MiB | {_mib(v['ddp_total'])} MiB | {v['ratio_to_ddp']:.4f} | "
+            f"{'yes' if v['meets_target'] else 'no'} |"
+        )
+    out += [
+        "",
+        "| config | YAML change | tracked peak per rank (MiB) | unsharded params at peak | activations | "
+        "optimizer state |",
+        "|---|---|---:|---:|---:|---:|",
+    ]
     for n, p in r["peak_per_rank"].items():
         cats = p["by_category"]
         cfg = r["configs"][n]
         change = ", ".join(f"`{k}: {v}`" for k, v in cfg["overrides"].items()) or (
-            "(tuning undone)" if "@" in cfg["contender"] else "-")
-        out.append(f"| {n} | {change} | {_mib(max(p['total_per_rank']))} | "
-                   f"{_mib(cats.get('UNSHARDED_PARAM', cats.get('PARAM', 0)))} | {_mib(cats.get('ACT', 0))} | "
-                   f"{_mib(cats.get('OPT', 0))} |")
+            "(tuning undone)" if "@" in cfg["contender"] else "-"
+        )
+        out.append(
+            f"| {n} | {change} | {_mib(max(p['total_per_rank']))} | "
+            f"{_mib(cats.get('UNSHARDED_PARAM', cats.get('PARAM', 0)))} | {_mib(cats.get('ACT', 0))} | "
+            f"{_mib(cats.get('OPT', 0))} |"
+        )
     return "\n".join(out)
 
 
@@ -102,17 +130,26 @@ def init() -> str:
     r = _load("init")
     if r is None:
         return ""
-    out = [_machine(r), "",
-           f"{r['params']:,} parameters ({r['fp32_bytes'] / 2**30:.2f} GiB in fp32), 2 ranks.", "",
-           "| mode | peak RSS rank 0 | peak RSS rank 1 | RSS before fit | local parameter bytes | build+shard+init |",
-           "|---|---:|---:|---:|---:|---:|"]
+    out = [
+        _machine(r),
+        "",
+        f"{r['params']:,} parameters ({r['fp32_bytes'] / 2**30:.2f} GiB in fp32), 2 ranks.",
+        "",
+        "| mode | peak RSS rank 0 | peak RSS rank 1 | RSS before fit | local parameter bytes | build+shard+init |",
+        "|---|---:|---:|---:|---:|---:|",
+    ]
     for mode, runs in r["runs"].items():
-        out.append(f"| {mode} | {runs[0]['peak_rss'] / 2**30:.2f} GiB | {runs[1]['peak_rss'] / 2**30:.2f} GiB | "
-                   f"{runs[0]['baseline_rss'] / 2**30:.2f} GiB | {runs[0]['local_param_bytes'] / 2**30:.2f} GiB | "
-                   f"{max(x['setup_s'] for x in runs):.1f} s |")
+        out.append(
+            f"| {mode} | {runs[0]['peak_rss'] / 2**30:.2f} GiB | {runs[1]['peak_rss'] / 2**30:.2f} GiB | "
+            f"{runs[0]['baseline_rss'] / 2**30:.2f} GiB | {runs[0]['local_param_bytes'] / 2**30:.2f} GiB | "
+            f"{max(x['setup_s'] for x in runs):.1f} s |"
+        )
     if "peak_ratio" in r:
-        out += ["", f"Peak per rank, meta / eager: **{r['peak_ratio']:.3f}** (increase over the RSS before fit: "
-                    f"{r['peak_increase_ratio']:.3f}); target <= 0.6 met: {r['meets_target']}."]
+        out += [
+            "",
+            f"Peak per rank, meta / eager: **{r['peak_ratio']:.3f}** (increase over the RSS before fit: "
+            f"{r['peak_increase_ratio']:.3f}); target <= 0.6 met: {r['meets_target']}.",
+        ]
     return "\n".join(out)
 
 
@@ -120,15 +157,23 @@ def optimizer_step() -> str:
     r = _load("optimizer_step")
     if r is None:
         return ""
-    out = [_machine(r), "",
-           "| sizes | params | Tensor: default | foreach | fused | DTensor: default | foreach | fused | "
-           "DTensor fused/default | max weight diff, fused vs default |",
-           "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
+    out = [
+        _machine(r),
+        "",
+        "| sizes | params | Tensor: default | foreach | fused | DTensor: default | foreach | fused | "
+        "DTensor fused/default | max weight diff, fused vs default |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
+    ]
     for row in r["rows"]:
-        cells = [f"{row[f'{kind}_{impl}_ms']} ms" for kind in ("tensor", "dtensor")
-                 for impl in ("default", "foreach", "fused")]
-        out.append(f"| {row['sizes']} | {row['params']:,} | {' | '.join(cells)} | "
-                   f"**{row['dtensor_fused_over_default']}** | {row['dtensor_fused_max_weight_diff']:.1e} |")
+        cells = [
+            f"{row[f'{kind}_{impl}_ms']} ms"
+            for kind in ("tensor", "dtensor")
+            for impl in ("default", "foreach", "fused")
+        ]
+        out.append(
+            f"| {row['sizes']} | {row['params']:,} | {' | '.join(cells)} | "
+            f"**{row['dtensor_fused_over_default']}** | {row['dtensor_fused_max_weight_diff']:.1e} |"
+        )
     return "\n".join(out)
 
 
@@ -136,17 +181,24 @@ def checkpoint() -> str:
     r = _load("checkpoint")
     if r is None:
         return ""
-    out = [f"{r['params']:,} parameters ({r['param_mb']:.0f} MB fp32) with AdamW state, {r['devices']} ranks, best of "
-           f"{r['repeat']}.", "", "| format | save (s) | load (s) | save peak RSS increase per rank (MB) | "
-                                  "load peak (MB) | on disk (MB) |", "|---|---:|---:|---|---|---:|"]
+    out = [
+        f"{r['params']:,} parameters ({r['param_mb']:.0f} MB fp32) with AdamW state, {r['devices']} ranks, best of "
+        f"{r['repeat']}.",
+        "",
+        "| format | save (s) | load (s) | save peak RSS increase per rank (MB) | load peak (MB) | on disk (MB) |",
+        "|---|---:|---:|---|---|---:|",
+    ]
     for row in r["rows"]:
-        out.append(f"| {row['format']} | {row['save_s']:.2f} | {row['load_s']:.2f} | {row['save_peak_mb']} | "
-                   f"{row['load_peak_mb']} | {row['disk_mb']} |")
+        out.append(
+            f"| {row['format']} | {row['save_s']:.2f} | {row['load_s']:.2f} | {row['save_peak_mb']} | "
+            f"{row['load_peak_mb']} | {row['disk_mb']} |"
+        )
     return "\n".join(out)
 
 
-def _figure(name: str, ncols: int = 1,
-            figsize: tuple[float, float] = (10, 4.5)) -> tuple[dict[str, Any], Any, Any, Any]:
+def _figure(
+    name: str, ncols: int = 1, figsize: tuple[float, float] = (10, 4.5)
+) -> tuple[dict[str, Any], Any, Any, Any]:
     """The result ``name`` and a fresh figure for it: ``(result, plt, fig, axes)``."""
     r = _load(name)
     if r is None:
@@ -196,8 +248,13 @@ def plot_optimizer_step() -> Path:
     width = 0.8 / len(series)
     for i, (kind, impl) in enumerate(series):
         xs = [j + (i - len(series) / 2 + 0.5) * width for j in range(len(rows))]
-        ax.bar(xs, [row[f"{kind}_{impl}_ms"] for row in rows], width, label=f"{kind}, {impl}",
-               hatch="//" if kind == "dtensor" else None)
+        ax.bar(
+            xs,
+            [row[f"{kind}_{impl}_ms"] for row in rows],
+            width,
+            label=f"{kind}, {impl}",
+            hatch="//" if kind == "dtensor" else None,
+        )
     ax.set_xticks(range(len(rows)), [f"{row['sizes']}\n{row['params'] / 1e6:.1f} M params" for row in rows])
     ax.set_yscale("log")
     ax.set_ylabel("ms per AdamW step (median)")
@@ -223,14 +280,23 @@ def plot_overhead_profile() -> Path:
     return _save_figure(plt, fig, "overhead_profile")
 
 
-PLOTS = {"checkpoint": plot_checkpoint, "optimizer_step": plot_optimizer_step,
-         "overhead_profile": plot_overhead_profile}
+PLOTS = {
+    "checkpoint": plot_checkpoint,
+    "optimizer_step": plot_optimizer_step,
+    "overhead_profile": plot_overhead_profile,
+}
 
-SECTIONS = {"step_time": step_time, "step_time_vlm_pair": lambda: step_time("step_time_vlm_pair"),
-            "fsdp1_pair": lambda: step_time("fsdp1_pair"), "tuning": lambda: step_time("tuning"),
-            "tuning_module": lambda: step_time("tuning_module"),
-            "memory": memory, "init": init,
-            "optimizer_step": optimizer_step, "checkpoint": checkpoint}
+SECTIONS = {
+    "step_time": step_time,
+    "step_time_vlm_pair": lambda: step_time("step_time_vlm_pair"),
+    "fsdp1_pair": lambda: step_time("fsdp1_pair"),
+    "tuning": lambda: step_time("tuning"),
+    "tuning_module": lambda: step_time("tuning_module"),
+    "memory": memory,
+    "init": init,
+    "optimizer_step": optimizer_step,
+    "checkpoint": checkpoint,
+}
 
 
 def main() -> None:

@@ -31,8 +31,13 @@ COMMANDS: dict[str, list[str]] = {
     "lightning-mm convert --help": [*CLI, "convert", "--help"],
     "lightning-mm env": [*CLI, "env"],
     "lightning-mm plan (demo)": [*CLI, "plan", "--config", "examples/captioning/config.yaml"],
-    "lightning-mm fit --print_config (demo)": [*CLI, "fit", "--print_config", "--config",
-                                               "examples/captioning/config.yaml"],
+    "lightning-mm fit --print_config (demo)": [
+        *CLI,
+        "fit",
+        "--print_config",
+        "--config",
+        "examples/captioning/config.yaml",
+    ],
 }
 BASELINE = "python -c 'import torch'"
 
@@ -66,14 +71,21 @@ def main() -> None:
     print(f"{'command':<42} {'median s':>9} {'x import torch':>15}  [min, max] ratio")
     for name in names:
         ratios = [t / b for t, b in zip(times[name], times[BASELINE])]
-        results[name] = {"seconds": times[name], "median_s": statistics.median(times[name]),
-                         "ratio_median": statistics.median(ratios), "ratio_min": min(ratios), "ratio_max": max(ratios)}
+        results[name] = {
+            "seconds": times[name],
+            "median_s": statistics.median(times[name]),
+            "ratio_median": statistics.median(ratios),
+            "ratio_min": min(ratios),
+            "ratio_max": max(ratios),
+        }
         r = results[name]
-        print(f"{name:<42} {r['median_s']:>9.2f} {r['ratio_median']:>15.2f}  [{r['ratio_min']:.2f}, "
-              f"{r['ratio_max']:.2f}]")
+        print(
+            f"{name:<42} {r['median_s']:>9.2f} {r['ratio_median']:>15.2f}  [{r['ratio_min']:.2f}, {r['ratio_max']:.2f}]"
+        )
     if args.out:
-        Path(args.out).write_text(json.dumps({"rounds": args.rounds, "load_1min_after": load, "results": results},
-                                             indent=1))
+        Path(args.out).write_text(
+            json.dumps({"rounds": args.rounds, "load_1min_after": load, "results": results}, indent=1)
+        )
 
 
 if __name__ == "__main__":

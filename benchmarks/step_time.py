@@ -41,7 +41,7 @@ def worker(args: argparse.Namespace) -> None:
     records: dict[str, list[dict[str, Any]]] = {}
     for model in args.models.split(","):
         for rnd in range(args.rounds):
-            order = contenders[rnd % len(contenders):] + contenders[: rnd % len(contenders)]
+            order = contenders[rnd % len(contenders) :] + contenders[: rnd % len(contenders)]
             for spec in order:
                 name, variant = variants.split(spec)
                 overrides = variants.config_overrides(variant)
@@ -49,14 +49,31 @@ def worker(args: argparse.Namespace) -> None:
                 L.seed_everything(0, verbose=False)
                 timer = StepTimer(common.CommCounter())
                 with variants.behaviour(variant), timer.comm:
-                    setup = build(model, name, sizes, total, mm_config={**base, **overrides} if overrides else None,
-                                  mm_kwargs=variants.strategy_kwargs(variant))
-                    trainer = L.Trainer(strategy=setup.strategy, precision=setup.precision, max_steps=total,
-                                        callbacks=[timer], **{**common.quiet_trainer_kwargs(), **setup.trainer_kwargs})
+                    setup = build(
+                        model,
+                        name,
+                        sizes,
+                        total,
+                        mm_config={**base, **overrides} if overrides else None,
+                        mm_kwargs=variants.strategy_kwargs(variant),
+                    )
+                    trainer = L.Trainer(
+                        strategy=setup.strategy,
+                        precision=setup.precision,
+                        max_steps=total,
+                        callbacks=[timer],
+                        **{**common.quiet_trainer_kwargs(), **setup.trainer_kwargs},
+                    )
                     trainer.fit(setup.module, train_dataloaders=setup.loader)
                 records.setdefault(f"{model}/{spec}", []).append(
-                    {"round": rnd, "times": timer.step_times(args.warmup), "cpu": timer.cpu_times(args.warmup),
-                     "comm": timer.comm_per_step(args.warmup), "losses": timer.losses})
+                    {
+                        "round": rnd,
+                        "times": timer.step_times(args.warmup),
+                        "cpu": timer.cpu_times(args.warmup),
+                        "comm": timer.comm_per_step(args.warmup),
+                        "losses": timer.losses,
+                    }
+                )
                 del trainer, setup
                 gc.collect()
                 if dist.is_initialized():
@@ -116,8 +133,9 @@ def plot(summary: dict[str, Any], path: Path, title: str) -> None:
     models = list(summary)
     fig, axes = plt.subplots(2, len(models), figsize=(5.5 * len(models), 7), squeeze=False)
     for col, model in enumerate(models):
-        for row, (key, ratios, label) in enumerate([("per_round_ms", "ratios", "wall"),
-                                                    ("per_round_cpu_ms", "cpu_ratios", "CPU")]):
+        for row, (key, ratios, label) in enumerate(
+            [("per_round_ms", "ratios", "wall"), ("per_round_cpu_ms", "cpu_ratios", "CPU")]
+        ):
             ax = axes[row][col]
             data = summary[model][key]
             names = list(data)
@@ -152,8 +170,22 @@ def main() -> None:
     out = Path(args.out)
     machine = common.machine()
     started = time.time()
-    passthrough = ["--models", args.models, "--contenders", args.contenders, "--rounds", str(args.rounds),
-                   "--sizes", args.sizes, "--steps", str(args.steps), "--warmup", str(args.warmup), "--out", str(out)]
+    passthrough = [
+        "--models",
+        args.models,
+        "--contenders",
+        args.contenders,
+        "--rounds",
+        str(args.rounds),
+        "--sizes",
+        args.sizes,
+        "--steps",
+        str(args.steps),
+        "--warmup",
+        str(args.warmup),
+        "--out",
+        str(out),
+    ]
     common.launch_ranks(Path(__file__), ["--worker", *passthrough], log=out / "log.txt")
     ranks = common.read_rank_jsons(out, "step_time")
     models, contenders = args.models.split(","), args.contenders.split(",")
@@ -162,9 +194,15 @@ def main() -> None:
 
     sizes = default_sizes(args.sizes)
     result = {
-        "benchmark": "step_time", "command": "python benchmarks/step_time.py " + " ".join(sys.argv[1:]),
-        "machine": machine, "load_after": common.loadavg(), "wall_s": round(time.time() - started, 1),
-        "sizes": args.sizes, "rounds": args.rounds, "steps": args.steps, "warmup": args.warmup,
+        "benchmark": "step_time",
+        "command": "python benchmarks/step_time.py " + " ".join(sys.argv[1:]),
+        "machine": machine,
+        "load_after": common.loadavg(),
+        "wall_s": round(time.time() - started, 1),
+        "sizes": args.sizes,
+        "rounds": args.rounds,
+        "steps": args.steps,
+        "warmup": args.warmup,
         "batch_size_per_rank": sizes.batch_size,
         "lm": {"config": sizes.lm, "params": sizes.lm.num_params, "fsdp2_config": lm_fsdp2_config()},
         "vlm": {"config": sizes.vlm, "seq": sizes.vlm_seq, "fsdp2_config": seed_fsdp2_config(), "notes": VLM_NOTES},

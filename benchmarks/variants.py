@@ -18,7 +18,7 @@ from lightning_mm.strategies import fsdp2
 VARIANTS: dict[str, str] = {
     "": "the strategy as it is",
     "before_keep": "before: the root and the last unit are resharded after forward like every other unit "
-                   "(build_plan(..., keep_unsharded_for_backward=False))",
+    "(build_plan(..., keep_unsharded_for_backward=False))",
     "fwd0": "num_to_forward_prefetch: 0",
     "fwd1": "num_to_forward_prefetch: 1",
     "fwd2": "num_to_forward_prefetch: 2",
@@ -27,9 +27,9 @@ VARIANTS: dict[str, str] = {
     "nocast": "cast_forward_inputs: false",
     "nonreentrant": "use_reentrant: false (non-reentrant recomputation)",
     "before_lazylog": "before: MMLightningModule computes and synchronises its throughput and gradient-norm metrics "
-                      "every step, not only on the steps whose logs are written (mm_module only)",
+    "every step, not only on the steps whose logs are written (mm_module only)",
     "before_fused": "before: torch chooses the optimiser step's implementation (a per-parameter loop over DTensors on "
-                    "CPU): MMFSDP2Strategy(fused_optimizer_step=False)",
+    "CPU): MMFSDP2Strategy(fused_optimizer_step=False)",
 }
 
 _OVERRIDES: dict[str, dict[str, Any]] = {

@@ -38,7 +38,7 @@ def main(argv: list[str] | None = None) -> None:
         inputs = processor(text=[text], images=[image.convert("RGB")], return_tensors="pt")
     with torch.no_grad():
         out = model.generate(**inputs, max_new_tokens=args.max_new_tokens, do_sample=False)
-    answer = processor.batch_decode(out[:, inputs["input_ids"].shape[1]:], skip_special_tokens=True)[0]
+    answer = processor.batch_decode(out[:, inputs["input_ids"].shape[1] :], skip_special_tokens=True)[0]
     print(f"{QUESTION} -> {answer.strip()!r}")
 
 

@@ -74,10 +74,23 @@ LLAVA_CHAT_TEMPLATE = (
 )
 _LLAVA_SPECIAL = ["<unk>", "<s>", "</s>", "<pad>", "<image>"]
 
-_QWEN_SPECIAL = ["<|endoftext|>", "<|im_start|>", "<|im_end|>", "<|vision_start|>", "<|vision_end|>",
-                 "<|image_pad|>", "<|video_pad|>"]
-_TEXT = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
-             num_key_value_heads=2, max_position_embeddings=4096)
+_QWEN_SPECIAL = [
+    "<|endoftext|>",
+    "<|im_start|>",
+    "<|im_end|>",
+    "<|vision_start|>",
+    "<|vision_end|>",
+    "<|image_pad|>",
+    "<|video_pad|>",
+]
+_TEXT = dict(
+    hidden_size=32,
+    intermediate_size=64,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    max_position_embeddings=4096,
+)
 _CORPUS = [
     "You are a helpful assistant. What is in this picture? Describe the image. A red square on a blue ground.",
     "user assistant system The answer is yes. No, it is not. Two cats and one dog. Think step by step.",
@@ -87,20 +100,35 @@ _CORPUS = [
 # family -> (model class, processor class, image processor settings, chat template, extra special tokens)
 FAMILIES: dict[str, dict[str, Any]] = {
     "qwen2_5_vl": dict(
-        model="Qwen2_5_VLForConditionalGeneration", processor="Qwen2_5_VLProcessor",
-        image=dict(patch_size=14, merge_size=2, temporal_patch_size=2,
-                   image_mean=[0.48145466, 0.4578275, 0.40821073], image_std=[0.26862954, 0.26130258, 0.27577711]),
-        chat_template=QWEN2_5_VL_CHAT_TEMPLATE, special=[],
+        model="Qwen2_5_VLForConditionalGeneration",
+        processor="Qwen2_5_VLProcessor",
+        image=dict(
+            patch_size=14,
+            merge_size=2,
+            temporal_patch_size=2,
+            image_mean=[0.48145466, 0.4578275, 0.40821073],
+            image_std=[0.26862954, 0.26130258, 0.27577711],
+        ),
+        chat_template=QWEN2_5_VL_CHAT_TEMPLATE,
+        special=[],
     ),
     "qwen3_vl": dict(
-        model="Qwen3VLForConditionalGeneration", processor="Qwen3VLProcessor",
-        image=dict(patch_size=16, merge_size=2, temporal_patch_size=2, image_mean=[0.5, 0.5, 0.5],
-                   image_std=[0.5, 0.5, 0.5]),
-        chat_template=QWEN3_VL_CHAT_TEMPLATE, special=["<think>", "</think>"],
+        model="Qwen3VLForConditionalGeneration",
+        processor="Qwen3VLProcessor",
+        image=dict(
+            patch_size=16, merge_size=2, temporal_patch_size=2, image_mean=[0.5, 0.5, 0.5], image_std=[0.5, 0.5, 0.5]
+        ),
+        chat_template=QWEN3_VL_CHAT_TEMPLATE,
+        special=["<think>", "</think>"],
     ),
     # CLIP tower on 28x28 images, 14x14 patches: 4 image tokens (the CLS feature is dropped, strategy "default").
-    "llava": dict(model="LlavaForConditionalGeneration", processor="LlavaProcessor", image={},
-                  chat_template=LLAVA_CHAT_TEMPLATE, special=[]),
+    "llava": dict(
+        model="LlavaForConditionalGeneration",
+        processor="LlavaProcessor",
+        image={},
+        chat_template=LLAVA_CHAT_TEMPLATE,
+        special=[],
+    ),
 }
 
 
@@ -112,12 +140,19 @@ def _tokenizer(special: list[str], llava: bool = False) -> Any:
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
     tokens = _LLAVA_SPECIAL if llava else [*_QWEN_SPECIAL, *special]
-    trainer = trainers.BpeTrainer(vocab_size=400, special_tokens=tokens, show_progress=False,
-                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    trainer = trainers.BpeTrainer(
+        vocab_size=400, special_tokens=tokens, show_progress=False, initial_alphabet=pre_tokenizers.ByteLevel.alphabet()
+    )
     tok.train_from_iterator(_CORPUS * 4, trainer)
     if llava:
-        return PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<s>", eos_token="</s>", unk_token="<unk>",
-                                       pad_token="<pad>", extra_special_tokens={"image_token": "<image>"})
+        return PreTrainedTokenizerFast(
+            tokenizer_object=tok,
+            bos_token="<s>",
+            eos_token="</s>",
+            unk_token="<unk>",
+            pad_token="<pad>",
+            extra_special_tokens={"image_token": "<image>"},
+        )
     return PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<|im_end|>", pad_token="<|endoftext|>")
 
 
@@ -125,42 +160,103 @@ def _config(family: str, tokenizer: Any, init_std: float) -> Any:
     import transformers
 
     if family == "llava":
-        text = dict(_TEXT, model_type="llama", vocab_size=len(tokenizer), pad_token_id=tokenizer.pad_token_id,
-                    bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id,
-                    initializer_range=init_std)
-        vision = dict(model_type="clip_vision_model", hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                      num_attention_heads=4, image_size=28, patch_size=14, projection_dim=32)
-        config = transformers.LlavaConfig(text_config=text, vision_config=vision, initializer_range=init_std,
-                                          image_token_id=tokenizer.convert_tokens_to_ids("<image>"))
+        text = dict(
+            _TEXT,
+            model_type="llama",
+            vocab_size=len(tokenizer),
+            pad_token_id=tokenizer.pad_token_id,
+            bos_token_id=tokenizer.bos_token_id,
+            eos_token_id=tokenizer.eos_token_id,
+            initializer_range=init_std,
+        )
+        vision = dict(
+            model_type="clip_vision_model",
+            hidden_size=32,
+            intermediate_size=64,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            image_size=28,
+            patch_size=14,
+            projection_dim=32,
+        )
+        config = transformers.LlavaConfig(
+            text_config=text,
+            vision_config=vision,
+            initializer_range=init_std,
+            image_token_id=tokenizer.convert_tokens_to_ids("<image>"),
+        )
         config.architectures = [FAMILIES[family]["model"]]
         return config
 
-    ids = {name: tokenizer.convert_tokens_to_ids(token) for name, token in (
-        ("image_token_id", "<|image_pad|>"), ("video_token_id", "<|video_pad|>"),
-        ("vision_start_token_id", "<|vision_start|>"), ("vision_end_token_id", "<|vision_end|>"))}
-    text = dict(_TEXT, vocab_size=len(tokenizer), pad_token_id=tokenizer.pad_token_id,
-                eos_token_id=tokenizer.eos_token_id, bos_token_id=None, initializer_range=init_std)
+    ids = {
+        name: tokenizer.convert_tokens_to_ids(token)
+        for name, token in (
+            ("image_token_id", "<|image_pad|>"),
+            ("video_token_id", "<|video_pad|>"),
+            ("vision_start_token_id", "<|vision_start|>"),
+            ("vision_end_token_id", "<|vision_end|>"),
+        )
+    }
+    text = dict(
+        _TEXT,
+        vocab_size=len(tokenizer),
+        pad_token_id=tokenizer.pad_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+        bos_token_id=None,
+        initializer_range=init_std,
+    )
     if family == "qwen2_5_vl":
         cls = transformers.Qwen2_5_VLConfig
         text["rope_parameters"] = {"rope_type": "default", "rope_theta": 10000.0, "mrope_section": [1, 1, 2]}
-        vision = dict(depth=2, hidden_size=32, intermediate_size=64, num_heads=4, out_hidden_size=32,
-                      fullatt_block_indexes=[1], window_size=56, patch_size=14, spatial_merge_size=2,
-                      temporal_patch_size=2)
+        vision = dict(
+            depth=2,
+            hidden_size=32,
+            intermediate_size=64,
+            num_heads=4,
+            out_hidden_size=32,
+            fullatt_block_indexes=[1],
+            window_size=56,
+            patch_size=14,
+            spatial_merge_size=2,
+            temporal_patch_size=2,
+        )
     else:
         cls = transformers.Qwen3VLConfig
-        text.update(head_dim=8, rope_parameters={"rope_type": "default", "rope_theta": 10000.0,
-                                                 "mrope_section": [1, 1, 2], "mrope_interleaved": True})
-        vision = dict(depth=2, hidden_size=32, intermediate_size=64, num_heads=4, out_hidden_size=32,
-                      patch_size=16, spatial_merge_size=2, temporal_patch_size=2, num_position_embeddings=16,
-                      deepstack_visual_indexes=[0])
+        text.update(
+            head_dim=8,
+            rope_parameters={
+                "rope_type": "default",
+                "rope_theta": 10000.0,
+                "mrope_section": [1, 1, 2],
+                "mrope_interleaved": True,
+            },
+        )
+        vision = dict(
+            depth=2,
+            hidden_size=32,
+            intermediate_size=64,
+            num_heads=4,
+            out_hidden_size=32,
+            patch_size=16,
+            spatial_merge_size=2,
+            temporal_patch_size=2,
+            num_position_embeddings=16,
+            deepstack_visual_indexes=[0],
+        )
     vision["initializer_range"] = init_std
     config = cls(text_config=text, vision_config=vision, **ids, tie_word_embeddings=False, initializer_range=init_std)
     config.architectures = [FAMILIES[family]["model"]]
     return config
 
 
-def write_tiny_vlm(directory: str | Path, family: str = "qwen2_5_vl", seed: int = 0,
-                   min_pixels: int = 28 * 28, max_pixels: int = 112 * 112, init_std: float = 0.02) -> Path:
+def write_tiny_vlm(
+    directory: str | Path,
+    family: str = "qwen2_5_vl",
+    seed: int = 0,
+    min_pixels: int = 28 * 28,
+    max_pixels: int = 112 * 112,
+    init_std: float = 0.02,
+) -> Path:
     """Write a tiny random ``family`` model directory (see the module docstring) into ``directory``.
 
     ``init_std`` is the weights' initialiser range: larger than Transformers' 0.02 makes attention depend visibly
@@ -180,9 +276,14 @@ def write_tiny_vlm(directory: str | Path, family: str = "qwen2_5_vl", seed: int 
         from transformers.models.clip.image_processing_pil_clip import CLIPImageProcessorPil
 
         image = CLIPImageProcessorPil(size={"shortest_edge": 28}, crop_size={"height": 28, "width": 28})
-        LlavaProcessor(image_processor=image, tokenizer=tokenizer, patch_size=14,
-                       vision_feature_select_strategy="default", num_additional_image_tokens=1,
-                       chat_template=spec["chat_template"]).save_pretrained(path)
+        LlavaProcessor(
+            image_processor=image,
+            tokenizer=tokenizer,
+            patch_size=14,
+            vision_feature_select_strategy="default",
+            num_additional_image_tokens=1,
+            chat_template=spec["chat_template"],
+        ).save_pretrained(path)
     else:
         tokenizer.save_pretrained(path)
         config_file = path / "tokenizer_config.json"

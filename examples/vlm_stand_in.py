@@ -41,8 +41,10 @@ def _picture(color: str, shape: str, size: tuple[int, int], rng: random.Random) 
 def _records(images: list[tuple[str, str, str]], rng: random.Random) -> list[dict]:
     records = []
     for name, color, shape in images:
-        messages = [{"role": "user", "content": f"<image>{QUESTION}"},
-                    {"role": "assistant", "content": f"A {color} {shape}."}]
+        messages = [
+            {"role": "user", "content": f"<image>{QUESTION}"},
+            {"role": "assistant", "content": f"A {color} {shape}."},
+        ]
         if rng.random() < 0.3:  # a second turn, as in LLaVA-Instruct's multi-turn records
             messages += [{"role": "user", "content": "How many?"}, {"role": "assistant", "content": "1"}]
         records.append({"messages": messages, "images": [f"images/{name}"]})

@@ -25,8 +25,16 @@ from typing import TYPE_CHECKING, Any
 from lightning_mm._import_watch import call_once_imported
 
 __version__ = "0.1.0"
-__all__ = ["MMFSDP2Strategy", "FSDP2Config", "MMLightningModule", "MMDataModule", "NPUAccelerator",
-           "SingleNPUStrategy", "register", "__version__"]
+__all__ = [
+    "MMFSDP2Strategy",
+    "FSDP2Config",
+    "MMLightningModule",
+    "MMDataModule",
+    "NPUAccelerator",
+    "SingleNPUStrategy",
+    "register",
+    "__version__",
+]
 
 _HOMES = {
     "MMFSDP2Strategy": "lightning_mm.strategies",

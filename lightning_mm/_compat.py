@@ -87,8 +87,11 @@ def check_version_fence(names: tuple[str, ...] = ("torch", "lightning")) -> list
         if not Version(low) <= Version(Version(version).base_version) < Version(high):
             outside.append(f"{name} {version}")
     if outside:
-        warnings.warn(f"lightning-mm is tested with {_tested()}, found {', '.join(outside)}: its private-API uses "
-                      "are checked at import, but behaviour may differ", stacklevel=2)
+        warnings.warn(
+            f"lightning-mm is tested with {_tested()}, found {', '.join(outside)}: its private-API uses "
+            "are checked at import, but behaviour may differ",
+            stacklevel=2,
+        )
     return outside
 
 
@@ -129,10 +132,16 @@ def __getattr__(name: str) -> Any:
     value = globals()[name] = _require(LIGHTNING_NAMES[name], name)
     return value
 
+
 #: Attributes of Lightning's strategy base classes that MMFSDP2Strategy reads or that Lightning's connector sets on
 #: it (checked by tests/test_compat.py on a real instance).
-INHERITED_PRIVATE_ATTRIBUTES = ("_forward_redirection", "_layer_sync", "_launcher", "_precision_plugin",
-                                "_checkpoint_io")
+INHERITED_PRIVATE_ATTRIBUTES = (
+    "_forward_redirection",
+    "_layer_sync",
+    "_launcher",
+    "_precision_plugin",
+    "_checkpoint_io",
+)
 
 
 def should_update_logs(trainer: pl.Trainer) -> bool:
@@ -147,8 +156,11 @@ def installs_distributed_sampler(trainer: pl.Trainer) -> bool:
     """Whether Lightning would put a ``DistributedSampler`` into this run's training loader (distributed, and
     ``Trainer(use_distributed_sampler=True)``, the default)."""
     connector = getattr(trainer, "_accelerator_connector", None)
-    if connector is None or not hasattr(connector, "use_distributed_sampler") or not hasattr(connector,
-                                                                                             "is_distributed"):
+    if (
+        connector is None
+        or not hasattr(connector, "use_distributed_sampler")
+        or not hasattr(connector, "is_distributed")
+    ):
         raise _missing("`Trainer._accelerator_connector.use_distributed_sampler` / `.is_distributed`")
     return bool(connector.use_distributed_sampler and connector.is_distributed)
 
@@ -197,6 +209,7 @@ def fsspec_storage() -> tuple[type, type]:
     and imports fsspec, so it is looked up when first needed."""
     module = "torch.distributed.checkpoint._fsspec_filesystem"
     return _require(module, "FsspecWriter"), _require(module, "FsspecReader")
+
 
 try:
     from torch.distributed.fsdp import FSDPModule as _FSDPModule

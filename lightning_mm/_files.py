@@ -16,5 +16,12 @@ def is_plain_file_name(name: object) -> bool:
     Absolute paths, separators (``/`` and ``\\``), ``.``, ``..`` and NUL characters are refused: they could lead
     outside the directory.
     """
-    return (isinstance(name, str) and bool(name) and name not in (".", "..") and "/" not in name
-            and "\\" not in name and "\0" not in name and not os.path.isabs(name))
+    return (
+        isinstance(name, str)
+        and bool(name)
+        and name not in (".", "..")
+        and "/" not in name
+        and "\\" not in name
+        and "\0" not in name
+        and not os.path.isabs(name)
+    )

@@ -21,14 +21,30 @@ __all__ = ["DTYPES", "itemsize", "read_weight_map", "shard_files"]
 def _dtypes() -> dict[str, torch.dtype]:
     # The names safetensors' own torch loader maps (safetensors.torch._TYPES), as far as this torch has them.
     names = {
-        "F64": "float64", "F32": "float32", "F16": "float16", "BF16": "bfloat16", "C64": "complex64",
-        "I64": "int64", "I32": "int32", "I16": "int16", "I8": "int8",
-        "U64": "uint64", "U32": "uint32", "U16": "uint16", "U8": "uint8", "BOOL": "bool",
-        "F8_E4M3": "float8_e4m3fn", "F8_E5M2": "float8_e5m2",
-        "F8_E4M3FNUZ": "float8_e4m3fnuz", "F8_E5M2FNUZ": "float8_e5m2fnuz",
+        "F64": "float64",
+        "F32": "float32",
+        "F16": "float16",
+        "BF16": "bfloat16",
+        "C64": "complex64",
+        "I64": "int64",
+        "I32": "int32",
+        "I16": "int16",
+        "I8": "int8",
+        "U64": "uint64",
+        "U32": "uint32",
+        "U16": "uint16",
+        "U8": "uint8",
+        "BOOL": "bool",
+        "F8_E4M3": "float8_e4m3fn",
+        "F8_E5M2": "float8_e5m2",
+        "F8_E4M3FNUZ": "float8_e4m3fnuz",
+        "F8_E5M2FNUZ": "float8_e5m2fnuz",
     }
-    return {name: getattr(torch, attr) for name, attr in names.items() if isinstance(getattr(torch, attr, None),
-                                                                                     torch.dtype)}
+    return {
+        name: getattr(torch, attr)
+        for name, attr in names.items()
+        if isinstance(getattr(torch, attr, None), torch.dtype)
+    }
 
 
 DTYPES: Mapping[str, torch.dtype] = _dtypes()
@@ -57,8 +73,10 @@ def read_weight_map(index_file: Path, error: type[Exception] = ValueError) -> di
         raise error(f"{index_file}: not a safetensors index with a 'weight_map' (it is a {type(weight_map).__name__})")
     for name in weight_map.values():
         if not is_plain_file_name(name):
-            raise error(f"{index_file}: 'weight_map' names {name!r}, which is not a file of the checkpoint directory "
-                        "(an index never refers to files outside its directory)")
+            raise error(
+                f"{index_file}: 'weight_map' names {name!r}, which is not a file of the checkpoint directory "
+                "(an index never refers to files outside its directory)"
+            )
     return weight_map
 
 

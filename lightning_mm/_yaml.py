@@ -26,8 +26,16 @@ from typing import Any
 
 import yaml
 
-__all__ = ["ConfigFileError", "load_config", "load_mapping", "short_repr", "MAX_BYTES", "MAX_ALIASES",
-           "MAX_DEPTH", "MAX_NODES"]
+__all__ = [
+    "ConfigFileError",
+    "load_config",
+    "load_mapping",
+    "short_repr",
+    "MAX_BYTES",
+    "MAX_ALIASES",
+    "MAX_DEPTH",
+    "MAX_NODES",
+]
 
 MAX_BYTES = 1 << 20
 """Largest config file read (1 MiB)."""
@@ -131,8 +139,10 @@ def _check_expansion(root: yaml.Node) -> None:
         for child in children:
             total += size(child)
             if total > MAX_NODES:
-                raise _Limit(f"expands to more than {MAX_NODES} values (aliases counted each time they are used)",
-                             node.start_mark)
+                raise _Limit(
+                    f"expands to more than {MAX_NODES} values (aliases counted each time they are used)",
+                    node.start_mark,
+                )
         active.discard(key)
         sizes[key] = total
         return total
@@ -218,6 +228,7 @@ def load_mapping(path: str | os.PathLike, error: type[Exception] = ConfigFileErr
     anything else, an explicit ``null`` included, is an error naming the file."""
     data = load_config(path, error, empty={})
     if not isinstance(data, Mapping):
-        raise error(f"{path}: the top level must be a mapping of keys to values, got {type(data).__name__} "
-                    f"{short_repr(data)}")
+        raise error(
+            f"{path}: the top level must be a mapping of keys to values, got {type(data).__name__} {short_repr(data)}"
+        )
     return dict(data)

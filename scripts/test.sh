@@ -3,5 +3,6 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/install.sh
-.venv/bin/python -m ruff check lightning_mm tests examples benchmarks
+.venv/bin/python -m ruff check lightning_mm tests examples benchmarks scripts
+.venv/bin/python -m ruff format --check lightning_mm tests examples benchmarks scripts
 .venv/bin/python -m pytest -q "$@"

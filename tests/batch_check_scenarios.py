@@ -100,8 +100,9 @@ def _wrapped_model(mesh: Any, loader: Any) -> dict[str, Any]:
     expected.backward()
     seen["loss"], seen["reference_loss"] = float(loss), float(expected)
     name = "model.language_model.layers.0.self_attn.q_proj.weight"
-    seen["grad_equal"] = bool(torch.allclose(_full(model.get_parameter(name).grad), reference.get_parameter(name).grad,
-                                             rtol=1e-5, atol=1e-7))
+    seen["grad_equal"] = bool(
+        torch.allclose(_full(model.get_parameter(name).grad), reference.get_parameter(name).grad, rtol=1e-5, atol=1e-7)
+    )
     return seen
 
 
@@ -117,11 +118,21 @@ def main(outdir: str) -> None:
         return MMLightningModule(model_provider=llava, forward_step=seed_forward_step, lr=1e-2, log_throughput=False)
 
     def trainer(steps: int, callbacks: list[L.Callback] = ()) -> L.Trainer:
-        strategy = MMFSDP2Strategy({"sharding_size": "auto", "recompute_modules": ["model.language_model.layers.{*}"],
-                                    "use_reentrant": False})
-        return L.Trainer(accelerator="cpu", devices=2, max_steps=steps, logger=False, enable_checkpointing=False,
-                         enable_progress_bar=False, enable_model_summary=False, num_sanity_val_steps=0,
-                         strategy=strategy, callbacks=list(callbacks))
+        strategy = MMFSDP2Strategy(
+            {"sharding_size": "auto", "recompute_modules": ["model.language_model.layers.{*}"], "use_reentrant": False}
+        )
+        return L.Trainer(
+            accelerator="cpu",
+            devices=2,
+            max_steps=steps,
+            logger=False,
+            enable_checkpointing=False,
+            enable_progress_bar=False,
+            enable_model_summary=False,
+            num_sanity_val_steps=0,
+            strategy=strategy,
+            callbacks=list(callbacks),
+        )
 
     def loader(broken: str | None = None) -> torch.utils.data.DataLoader:
         return torch.utils.data.DataLoader(LlavaData(broken), batch_size=2)

@@ -34,12 +34,15 @@ CASES = [
     Case("llama_tied-chunked", "llama_tied", steps=3),  # tied: lm_head grouped with embed_tokens in one unit
     Case("qwen2_5_vl-chunked", "qwen2_5_vl", steps=3),  # a VLM: model (vision + decoder) + lm_head
     # The output layer in the root unit, and two micro-batches per step.
-    Case("qwen3-chunked-head-in-root", "qwen3", {"sub_modules_to_wrap": ["model.layers.{*}"]}, steps=2,
-         accumulate=2),
+    Case("qwen3-chunked-head-in-root", "qwen3", {"sub_modules_to_wrap": ["model.layers.{*}"]}, steps=2, accumulate=2),
     Case("qwen3-chunked-lora-head", "qwen3", steps=3),  # LoRA on lm_head (and q_proj), the head a unit
 ]
-LORA = {"rank": 4, "alpha": 8, "init_lora_weights": "gaussian",
-        "target_modules": ["lm_head", "model.layers.{*}.self_attn.q_proj"]}
+LORA = {
+    "rank": 4,
+    "alpha": 8,
+    "init_lora_weights": "gaussian",
+    "target_modules": ["lm_head", "model.layers.{*}.self_attn.q_proj"],
+}
 """The adapters of the ``-lora-`` case (gaussian B: the head's adapters change the loss from the first step)."""
 
 
@@ -90,9 +93,17 @@ def _fit(case: Case, ckptdir: Path, outdir: Path) -> None:
     torch.manual_seed(0)
     module = Module(lr=LR, log_grad_norm=False)
     trainer = L.Trainer(
-        accelerator="cpu", devices=2, max_steps=case.steps, accumulate_grad_batches=case.accumulate,
-        precision=case.precision, logger=False, enable_checkpointing=False, enable_progress_bar=False,
-        enable_model_summary=False, num_sanity_val_steps=0, default_root_dir=outdir,
+        accelerator="cpu",
+        devices=2,
+        max_steps=case.steps,
+        accumulate_grad_batches=case.accumulate,
+        precision=case.precision,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        num_sanity_val_steps=0,
+        default_root_dir=outdir,
         strategy=MMFSDP2Strategy({"sharding_size": "auto", **case.fsdp2}),
     )
     loader = torch.utils.data.DataLoader(IndexedData(case.family), batch_size=PER_RANK_BATCH)

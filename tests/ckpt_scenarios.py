@@ -117,9 +117,17 @@ def dump_state(module: nn.Module, trainer: L.Trainer, path: Path) -> None:
 
 
 def trainer(strategy: Any, max_steps: int, devices: int = 2, **kwargs: Any) -> L.Trainer:
-    defaults = dict(accelerator="cpu", devices=devices, max_steps=max_steps, logger=False, enable_progress_bar=False,
-                    enable_model_summary=False, num_sanity_val_steps=0, log_every_n_steps=1,
-                    enable_checkpointing=False)
+    defaults = dict(
+        accelerator="cpu",
+        devices=devices,
+        max_steps=max_steps,
+        logger=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        num_sanity_val_steps=0,
+        log_every_n_steps=1,
+        enable_checkpointing=False,
+    )
     defaults.update(kwargs)
     defaults["default_root_dir"] = WORK
     if kwargs.get("callbacks") and any(isinstance(c, ModelCheckpoint) for c in kwargs["callbacks"]):
@@ -127,8 +135,15 @@ def trainer(strategy: Any, max_steps: int, devices: int = 2, **kwargs: Any) -> L
     return L.Trainer(strategy=strategy, **defaults)
 
 
-def fit(strategy: Any, max_steps: int, ckpt_path: str | None = None, callbacks: list | None = None,
-        devices: int = 2, module: L.LightningModule | None = None, data: Any = None) -> tuple[L.Trainer, Recorder]:
+def fit(
+    strategy: Any,
+    max_steps: int,
+    ckpt_path: str | None = None,
+    callbacks: list | None = None,
+    devices: int = 2,
+    module: L.LightningModule | None = None,
+    data: Any = None,
+) -> tuple[L.Trainer, Recorder]:
     torch.manual_seed(0)
     random.seed(0)
     np.random.seed(0)
@@ -175,14 +190,20 @@ def kill_rank1_during_save(number: int) -> None:
 # ----------------------------------------------------------------------------------- scenarios
 def scenario_one_rank(work: Path) -> None:
     """1 rank: a checkpoint to reshard onto 2 ranks; strict refusal and non-strict report through trainer.fit."""
-    t, rec = fit(MMFSDP2Strategy(FSDP), max_steps=3, devices=1,
-                 callbacks=[Recorder(ref_to=work / "ref_one.pt", dump_at_step=3)])
+    t, rec = fit(
+        MMFSDP2Strategy(FSDP), max_steps=3, devices=1, callbacks=[Recorder(ref_to=work / "ref_one.pt", dump_at_step=3)]
+    )
     t.save_checkpoint(work / "one.ckpt")
     result: dict[str, Any] = {"losses": rec.losses}
 
     try:
-        fit(MMFSDP2Strategy(LAYERS_ONLY), max_steps=4, devices=1, module=Net(extra_head=True),
-            ckpt_path=str(work / "one.ckpt"))
+        fit(
+            MMFSDP2Strategy(LAYERS_ONLY),
+            max_steps=4,
+            devices=1,
+            module=Net(extra_head=True),
+            ckpt_path=str(work / "one.ckpt"),
+        )
         result["strict_error"] = None
     except Exception as error:  # the message is what the test checks
         result["strict_error"] = f"{type(error).__name__}: {error}"
@@ -190,8 +211,14 @@ def scenario_one_rank(work: Path) -> None:
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         module = Net(extra_head=True)
-        t, rec = fit(MMFSDP2Strategy(LAYERS_ONLY, strict_loading=False), max_steps=4, devices=1, module=module,
-                     ckpt_path=str(work / "one.ckpt"), callbacks=[Recorder(dump_to=work / "nonstrict.pt")])
+        t, rec = fit(
+            MMFSDP2Strategy(LAYERS_ONLY, strict_loading=False),
+            max_steps=4,
+            devices=1,
+            module=module,
+            ckpt_path=str(work / "one.ckpt"),
+            callbacks=[Recorder(dump_to=work / "nonstrict.pt")],
+        )
     result["nonstrict_warnings"] = [str(w.message) for w in caught if "Non-strict" in str(w.message)]
     result["nonstrict_start_step"] = rec.start_step
     dump("one_rank", work, 0, result)
@@ -200,8 +227,9 @@ def scenario_one_rank(work: Path) -> None:
 def scenario_crash(work: Path) -> None:
     """Rank 1 is killed in the middle of the 4th save (step 4's overwrite of last.ckpt)."""
     kill_rank1_during_save(4)
-    ckpt = ModelCheckpoint(dirpath=work / "crash", filename="{step}", every_n_train_steps=2, save_top_k=-1,
-                           save_last=True)
+    ckpt = ModelCheckpoint(
+        dirpath=work / "crash", filename="{step}", every_n_train_steps=2, save_top_k=-1, save_last=True
+    )
     fit(MMFSDP2Strategy(FSDP), max_steps=STEPS, callbacks=[ckpt])
 
 
@@ -209,12 +237,21 @@ def scenario_main(work: Path) -> None:
     """Everything else on 2 ranks, one launch: exact resume, ModelCheckpoint features, resharding, torch format."""
     out: dict[str, Any] = {}
     # 1. Uninterrupted run with two ModelCheckpoints; the full state at step 6 is the reference for resharding.
-    every3 = ModelCheckpoint(dirpath=work / "all", filename="{step}", every_n_train_steps=3, save_top_k=-1,
-                             save_last=True)
-    best = ModelCheckpoint(dirpath=work / "best", filename="best-{step}", monitor="train/loss", mode="min",
-                           save_top_k=2, every_n_train_steps=2, save_last="link")
-    t, rec = fit(MMFSDP2Strategy(FSDP), STEPS, callbacks=[every3, best,
-                                                        Recorder(ref_to=work / "ref6.pt", dump_at_step=6)])
+    every3 = ModelCheckpoint(
+        dirpath=work / "all", filename="{step}", every_n_train_steps=3, save_top_k=-1, save_last=True
+    )
+    best = ModelCheckpoint(
+        dirpath=work / "best",
+        filename="best-{step}",
+        monitor="train/loss",
+        mode="min",
+        save_top_k=2,
+        every_n_train_steps=2,
+        save_last="link",
+    )
+    t, rec = fit(
+        MMFSDP2Strategy(FSDP), STEPS, callbacks=[every3, best, Recorder(ref_to=work / "ref6.pt", dump_at_step=6)]
+    )
     rank = t.global_rank
     out["uninterrupted"] = rec.losses
     out["best_k"] = sorted(Path(p).name for p in best.best_k_models)
@@ -225,29 +262,46 @@ def scenario_main(work: Path) -> None:
     # 2. Exact resume, mid-epoch (step 3) and at the epoch boundary (step 6); the 2nd also dumps the loaded state.
     _, rec = fit(MMFSDP2Strategy(FSDP), STEPS, ckpt_path=str(work / "all" / "step=3.ckpt"))
     out["resumed_3"] = {"start": rec.start_step, "losses": rec.losses}
-    _, rec = fit(MMFSDP2Strategy(FSDP), STEPS, ckpt_path=str(work / "all" / "step=6.ckpt"),
-                 callbacks=[Recorder(dump_to=work / "loaded_fsdp.pt")])
+    _, rec = fit(
+        MMFSDP2Strategy(FSDP),
+        STEPS,
+        ckpt_path=str(work / "all" / "step=6.ckpt"),
+        callbacks=[Recorder(dump_to=work / "loaded_fsdp.pt")],
+    )
     out["resumed_6"] = {"start": rec.start_step, "losses": rec.losses}
 
     # 3. After the crash: ckpt_path="last" picks last.ckpt (step 2), never the half-written one.
-    ckpt = ModelCheckpoint(dirpath=work / "crash", filename="{step}", every_n_train_steps=2, save_top_k=-1,
-                           save_last=True)
+    ckpt = ModelCheckpoint(
+        dirpath=work / "crash", filename="{step}", every_n_train_steps=2, save_top_k=-1, save_last=True
+    )
     _, rec = fit(MMFSDP2Strategy(FSDP), STEPS, ckpt_path="last", callbacks=[ckpt])
     out["resumed_last_after_crash"] = {"start": rec.start_step, "losses": rec.losses}
     out["crash_listing_after"] = listing(work / "crash")
 
     # 4. Resharding: FSDP -> HSDP, HSDP -> FSDP, 1 rank -> 2 ranks (states compared by the test).
-    t, rec = fit(MMFSDP2Strategy(HSDP), 7, ckpt_path=str(work / "all" / "step=6.ckpt"),
-                 callbacks=[Recorder(dump_to=work / "loaded_hsdp.pt")])
+    t, rec = fit(
+        MMFSDP2Strategy(HSDP),
+        7,
+        ckpt_path=str(work / "all" / "step=6.ckpt"),
+        callbacks=[Recorder(dump_to=work / "loaded_hsdp.pt")],
+    )
     out["hsdp_mesh"] = list(t.strategy.device_mesh.shape)
     t.save_checkpoint(work / "hsdp.ckpt")
     dump_state(t.lightning_module, t, work / "ref_hsdp.pt")
-    fit(MMFSDP2Strategy(FSDP), 8, ckpt_path=str(work / "hsdp.ckpt"),
-        callbacks=[Recorder(dump_to=work / "loaded_from_hsdp.pt")])
+    fit(
+        MMFSDP2Strategy(FSDP),
+        8,
+        ckpt_path=str(work / "hsdp.ckpt"),
+        callbacks=[Recorder(dump_to=work / "loaded_from_hsdp.pt")],
+    )
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        fit(MMFSDP2Strategy(FSDP), 4, ckpt_path=str(work / "one.ckpt"),
-            callbacks=[Recorder(dump_to=work / "loaded_from_one.pt")])
+        fit(
+            MMFSDP2Strategy(FSDP),
+            4,
+            ckpt_path=str(work / "one.ckpt"),
+            callbacks=[Recorder(dump_to=work / "loaded_from_one.pt")],
+        )
     out["one_to_two_warnings"] = [str(w.message) for w in caught if "saved on" in str(w.message)]
 
     # 5. checkpoint_format="torch": same losses, one file per checkpoint, exact resume from it.
@@ -255,13 +309,16 @@ def scenario_main(work: Path) -> None:
     _, rec = fit(MMFSDP2Strategy(FSDP, checkpoint_format="torch"), STEPS, callbacks=[torch_ckpt])
     out["torch_losses"] = rec.losses
     out["torch_listing"] = listing(work / "torch")
-    _, rec = fit(MMFSDP2Strategy(FSDP, checkpoint_format="torch"), STEPS,
-                 ckpt_path=str(work / "torch" / "step=3.ckpt"))
+    _, rec = fit(MMFSDP2Strategy(FSDP, checkpoint_format="torch"), STEPS, ckpt_path=str(work / "torch" / "step=3.ckpt"))
     out["torch_resumed_3"] = {"start": rec.start_step, "losses": rec.losses}
 
     # 6. A tiny Llama (a transformers PreTrainedModel): its checkpoint records the HF config for dcp-to-hf.
-    t, _ = fit(MMFSDP2Strategy({"sharding_size": "auto", "sub_modules_to_wrap": ["model.layers.{*}"]},
-                               empty_init=False), 2, module=LlamaModule(), data=LlamaData())
+    t, _ = fit(
+        MMFSDP2Strategy({"sharding_size": "auto", "sub_modules_to_wrap": ["model.layers.{*}"]}, empty_init=False),
+        2,
+        module=LlamaModule(),
+        data=LlamaData(),
+    )
     t.save_checkpoint(work / "llama.ckpt")
     dump_state(t.lightning_module, t, work / "ref_llama.pt")
     dump("main", work, rank, out)
@@ -270,9 +327,16 @@ def scenario_main(work: Path) -> None:
 def tiny_llama_config(tie: bool = True) -> Any:
     from transformers import LlamaConfig
 
-    return LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                       num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=32,
-                       tie_word_embeddings=tie)
+    return LlamaConfig(
+        vocab_size=64,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=32,
+        tie_word_embeddings=tie,
+    )
 
 
 class LlamaModule(MMLightningModule):
@@ -305,18 +369,34 @@ def scenario_one_rank_after(work: Path) -> None:
     result: dict[str, Any] = {}
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        fit(MMFSDP2Strategy(FSDP), 7, devices=1, ckpt_path=str(work / "all" / "step=6.ckpt"),
-            callbacks=[Recorder(dump_to=work / "loaded_two_to_one.pt")])
+        fit(
+            MMFSDP2Strategy(FSDP),
+            7,
+            devices=1,
+            ckpt_path=str(work / "all" / "step=6.ckpt"),
+            callbacks=[Recorder(dump_to=work / "loaded_two_to_one.pt")],
+        )
     result["two_to_one_warnings"] = [str(w.message) for w in caught if "saved on" in str(w.message)]
     # dcp-to-torch output resumes too (a consolidated file, resharded onto 1 rank).
-    fit(MMFSDP2Strategy(FSDP), 7, devices=1, ckpt_path=str(work / "step6.pt"),
-        callbacks=[Recorder(dump_to=work / "loaded_from_torch_file.pt")])
+    fit(
+        MMFSDP2Strategy(FSDP),
+        7,
+        devices=1,
+        ckpt_path=str(work / "step6.pt"),
+        callbacks=[Recorder(dump_to=work / "loaded_from_torch_file.pt")],
+    )
     # hf-to-dcp outputs: training starts from the Hugging Face weights (fresh optimiser and loop).
     strategy = {"sharding_size": "auto", "sub_modules_to_wrap": ["model.layers.{*}"]}
     for name in ("llama_back.ckpt", "hf_saved.ckpt"):
-        _, rec = fit(MMFSDP2Strategy(strategy, empty_init=False), 1, devices=1, module=LlamaModule(),
-                     data=LlamaData(), ckpt_path=str(work / name),
-                     callbacks=[Recorder(dump_to=work / f"loaded_{name}.pt")])
+        _, rec = fit(
+            MMFSDP2Strategy(strategy, empty_init=False),
+            1,
+            devices=1,
+            module=LlamaModule(),
+            data=LlamaData(),
+            ckpt_path=str(work / name),
+            callbacks=[Recorder(dump_to=work / f"loaded_{name}.pt")],
+        )
         result[name] = {"start": rec.start_step, "losses": rec.losses}
     dump("one_rank_after", work, 0, result)
 

@@ -100,28 +100,42 @@ class Recorder(L.Callback):
                 if entry.name.startswith("."):
                     continue
                 if not (entry / manifest.MANIFEST_FILE).is_file():
-                    self.incomplete.append(f"step {trainer.global_step}: {entry.name} -> "
-                                           f"{os.readlink(entry) if entry.is_symlink() else entry.name}")
+                    self.incomplete.append(
+                        f"step {trainer.global_step}: {entry.name} -> "
+                        f"{os.readlink(entry) if entry.is_symlink() else entry.name}"
+                    )
 
     def on_train_batch_end(self, trainer: L.Trainer, pl_module: Any, outputs: Any, batch: Any, idx: int) -> None:
         self.losses.append(float(outputs["loss"].detach()))
 
 
-def fit(max_steps: int, ckpt_path: str | None = None, callbacks: list | None = None, devices: int = 2,
-        **strategy: Any) -> tuple[L.Trainer, Recorder]:
+def fit(
+    max_steps: int, ckpt_path: str | None = None, callbacks: list | None = None, devices: int = 2, **strategy: Any
+) -> tuple[L.Trainer, Recorder]:
     torch.manual_seed(0)
     recorder = next((c for c in callbacks or [] if isinstance(c, Recorder)), None) or Recorder()
     callbacks = [c for c in callbacks or [] if c is not recorder] + [recorder]
-    trainer = L.Trainer(accelerator="cpu", devices=devices, strategy=MMFSDP2Strategy(FSDP, **strategy),
-                        max_steps=max_steps, logger=False, enable_progress_bar=False, enable_model_summary=False,
-                        num_sanity_val_steps=0, callbacks=callbacks, default_root_dir=WORK,
-                        enable_checkpointing=any(isinstance(c, ModelCheckpoint) for c in callbacks))
+    trainer = L.Trainer(
+        accelerator="cpu",
+        devices=devices,
+        strategy=MMFSDP2Strategy(FSDP, **strategy),
+        max_steps=max_steps,
+        logger=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        num_sanity_val_steps=0,
+        callbacks=callbacks,
+        default_root_dir=WORK,
+        enable_checkpointing=any(isinstance(c, ModelCheckpoint) for c in callbacks),
+    )
     started = time.monotonic()
     try:
         trainer.fit(Net(), train_dataloaders=ResumableDataLoader(Rows(), batch_size=4), ckpt_path=ckpt_path)
     finally:
-        print(f"TIMING rank {rank()} fit {max_steps} {ckpt_path} {strategy}: {time.monotonic() - started:.1f}s",
-              file=sys.stderr)
+        print(
+            f"TIMING rank {rank()} fit {max_steps} {ckpt_path} {strategy}: {time.monotonic() - started:.1f}s",
+            file=sys.stderr,
+        )
     return trainer, recorder
 
 
@@ -155,8 +169,11 @@ def wait_for(path: Path, timeout: float = 120) -> None:
 def damage_dcp_weight(directory: Path) -> dict[str, Any]:
     """Set 4 bytes of the largest model weight in ``__1_0.distcp`` to 1e30, outside every sampled block."""
     shard = directory / "__1_0.distcp"
-    items = [(info.offset, info.length, index.fqn) for index, info in read_dcp_metadata(directory).storage_data.items()
-             if info.relative_path == shard.name and index.fqn.startswith("state_dict")]
+    items = [
+        (info.offset, info.length, index.fqn)
+        for index, info in read_dcp_metadata(directory).storage_data.items()
+        if info.relative_path == shard.name and index.fqn.startswith("state_dict")
+    ]
     offset, length, fqn = max(items, key=lambda item: item[1])
     size = shard.stat().st_size
     blocks = [(o, o + 64 * 1024) for o in manifest._sample_offsets(size, 4, 64 * 1024)]
@@ -203,17 +220,30 @@ def scenario_main() -> None:
     # (2) Background saves: the same run with synchronous and with asynchronous saves.
     runs = {}
     for mode in ("sync", "async"):
-        top = ModelCheckpoint(dirpath=WORK / mode / "top", filename="{step}", every_n_train_steps=2, save_top_k=2,
-                              monitor="progress", mode="max", save_last="link")
-        every = ModelCheckpoint(dirpath=WORK / mode / "every", filename="{step}", every_n_train_steps=3,
-                                save_top_k=-1, save_last=True)
+        top = ModelCheckpoint(
+            dirpath=WORK / mode / "top",
+            filename="{step}",
+            every_n_train_steps=2,
+            save_top_k=2,
+            monitor="progress",
+            mode="max",
+            save_last="link",
+        )
+        every = ModelCheckpoint(
+            dirpath=WORK / mode / "every", filename="{step}", every_n_train_steps=3, save_top_k=-1, save_last=True
+        )
         recorder = Recorder(watch=(WORK / mode / "top", WORK / mode / "every"))
         if mode == "async":
             slow_background_writes(0.15)
         _, rec = fit(STEPS, callbacks=[top, every, recorder], async_save=mode == "async")
-        runs[mode] = {"losses": rec.losses, "pending_batches": rec.pending_batches, "incomplete": rec.incomplete,
-                      "top": listing(WORK / mode / "top"), "every": listing(WORK / mode / "every"),
-                      "best": sorted(Path(p).name for p in top.best_k_models)}
+        runs[mode] = {
+            "losses": rec.losses,
+            "pending_batches": rec.pending_batches,
+            "incomplete": rec.incomplete,
+            "top": listing(WORK / mode / "top"),
+            "every": listing(WORK / mode / "every"),
+            "best": sorted(Path(p).name for p in top.best_k_models),
+        }
     out["runs"] = runs
     _, rec = fit(STEPS, ckpt_path=str(WORK / "async" / "every" / "step=3.ckpt"), async_save=True)
     out["async_resumed_3"] = {"start": rec.start, "losses": rec.losses}
@@ -238,16 +268,32 @@ def slow_background_writes(seconds: float) -> None:
 
 
 def listing(directory: Path) -> dict[str, Any]:
-    return {p.name: {"link": os.readlink(p) if p.is_symlink() else None,
-                     "complete": (p / manifest.MANIFEST_FILE).is_file()}
-            for p in sorted(directory.iterdir())} if directory.is_dir() else {}
+    return (
+        {
+            p.name: {
+                "link": os.readlink(p) if p.is_symlink() else None,
+                "complete": (p / manifest.MANIFEST_FILE).is_file(),
+            }
+            for p in sorted(directory.iterdir())
+        }
+        if directory.is_dir()
+        else {}
+    )
 
 
 def crash_callbacks() -> list[ModelCheckpoint]:
-    every = ModelCheckpoint(dirpath=WORK / "crash" / "every", filename="{step}", every_n_train_steps=2,
-                            save_top_k=-1, save_last=True)
-    newest = ModelCheckpoint(dirpath=WORK / "crash" / "newest", filename="{step}", every_n_train_steps=2,
-                             save_top_k=1, monitor="progress", mode="max", save_last="link")
+    every = ModelCheckpoint(
+        dirpath=WORK / "crash" / "every", filename="{step}", every_n_train_steps=2, save_top_k=-1, save_last=True
+    )
+    newest = ModelCheckpoint(
+        dirpath=WORK / "crash" / "newest",
+        filename="{step}",
+        every_n_train_steps=2,
+        save_top_k=1,
+        monitor="progress",
+        mode="max",
+        save_last="link",
+    )
     return [every, newest]
 
 
@@ -298,8 +344,15 @@ class SigtermAt(L.Callback):
 
 def scenario_sigterm() -> None:
     slow_background_writes(1.0)
-    newest = ModelCheckpoint(dirpath=WORK / "sigterm", filename="{step}", every_n_train_steps=2, save_top_k=1,
-                             monitor="progress", mode="max", save_last="link")
+    newest = ModelCheckpoint(
+        dirpath=WORK / "sigterm",
+        filename="{step}",
+        every_n_train_steps=2,
+        save_top_k=1,
+        monitor="progress",
+        mode="max",
+        save_last="link",
+    )
     fit(STEPS, callbacks=[newest, SigtermAt(4)], devices=1, async_save=True)
 
 

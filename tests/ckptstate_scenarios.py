@@ -141,30 +141,58 @@ class SaveAt(L.Callback):
 
 def evaluate(work: Path, ckpt_path: Path) -> float:
     """``trainer.test`` of a fresh module (one unit per layer) from ``ckpt_path``: the loss."""
-    trainer = L.Trainer(accelerator="cpu", devices=2, strategy=MMFSDP2Strategy(LAYERS, empty_init=False), logger=False,
-                        enable_progress_bar=False, enable_model_summary=False, default_root_dir=work)
+    trainer = L.Trainer(
+        accelerator="cpu",
+        devices=2,
+        strategy=MMFSDP2Strategy(LAYERS, empty_init=False),
+        logger=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        default_root_dir=work,
+    )
     trainer.test(Llava(), dataloaders=data(), ckpt_path=str(ckpt_path), verbose=False)
     return float(trainer.callback_metrics["test_loss"])
 
 
-def fit(work: Path, name: str, strategy: Any, max_steps: int, devices: int = 2, ckpt_path: str | None = None,
-        save_at_3: dict[str, Path] | None = None, batch_size: int = 2,
-        **trainer_kwargs: Any) -> tuple[L.Trainer, list[float]]:
+def fit(
+    work: Path,
+    name: str,
+    strategy: Any,
+    max_steps: int,
+    devices: int = 2,
+    ckpt_path: str | None = None,
+    save_at_3: dict[str, Path] | None = None,
+    batch_size: int = 2,
+    **trainer_kwargs: Any,
+) -> tuple[L.Trainer, list[float]]:
     torch.manual_seed(0)
     callbacks: list[L.Callback] = [Record(work, name)]
     if save_at_3:
         callbacks.append(SaveAt(work, name, SAVE_AT, save_at_3))
-    trainer = L.Trainer(accelerator="cpu", devices=devices, strategy=strategy, max_steps=max_steps, logger=False,
-                        enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
-                        num_sanity_val_steps=0, callbacks=callbacks, default_root_dir=work, **trainer_kwargs)
+    trainer = L.Trainer(
+        accelerator="cpu",
+        devices=devices,
+        strategy=strategy,
+        max_steps=max_steps,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        num_sanity_val_steps=0,
+        callbacks=callbacks,
+        default_root_dir=work,
+        **trainer_kwargs,
+    )
     trainer.fit(Llava(), train_dataloaders=data(batch_size), ckpt_path=ckpt_path)
     return trainer, callbacks[0].losses
 
 
 # One FSDP unit per layer: the vision tower's unused last layer is a unit of its own, which receives no gradient
 # at all (in a unit shared with used parameters it would receive zeros), so AdamW keeps no state for it.
-LAYERS = {"sharding_size": "auto", "sub_modules_to_wrap": ["model.model.vision_tower.encoder.layers.{*}",
-                                                          "model.model.language_model.layers.{*}"]}
+LAYERS = {
+    "sharding_size": "auto",
+    "sub_modules_to_wrap": ["model.model.vision_tower.encoder.layers.{*}", "model.model.language_model.layers.{*}"],
+}
 
 
 def mm(plan: dict[str, Any] | None = None) -> MMFSDP2Strategy:
@@ -187,15 +215,19 @@ def scenario_two(work: Path) -> None:
     """2 ranks: DDP and mm_fsdp2 uninterrupted (saving at step 3); mm_fsdp2 resumed from each checkpoint."""
     out: dict[str, Any] = {}
     t, out["ddp"] = fit(work, "ddp", ddp(), STEPS, save_at_3={"ddp": work / "ddp.ckpt"})
-    t, out["mm"] = fit(work, "mm", mm(LAYERS), STEPS,
-                       save_at_3={"torch_dcp": work / "mm.ckpt", "torch": work / "mm.pt"})
+    t, out["mm"] = fit(
+        work, "mm", mm(LAYERS), STEPS, save_at_3={"torch_dcp": work / "mm.ckpt", "torch": work / "mm.pt"}
+    )
     # Every checkpoint entry point inside a user's inference mode (state dicts of DTensors cannot be taken in it);
     # Lightning's parameter names in a keyword call.
     strategy = t.strategy
     strategy.checkpoint_format = "torch_dcp"  # SaveAt left it at "torch"
     with torch.inference_mode():
-        state = {"state_dict": strategy.lightning_module_state_dict(), "global_step": t.global_step,
-                 "optimizer_states": [strategy.optimizer_state(o) for o in t.optimizers]}
+        state = {
+            "state_dict": strategy.lightning_module_state_dict(),
+            "global_step": t.global_step,
+            "optimizer_states": [strategy.optimizer_state(o) for o in t.optimizers],
+        }
         strategy.save_checkpoint(checkpoint=state, filepath=work / "keyword.ckpt", storage_options=None)
         t.save_checkpoint(work / "inference.ckpt")
         strategy.checkpoint_format = "torch"
@@ -220,8 +252,16 @@ def scenario_two(work: Path) -> None:
 
 def scenario_pre(work: Path) -> None:
     """1 rank, before the 2-rank launch: mm_fsdp2 checkpoints at step 3 in both formats, for 1 -> 2."""
-    fit(work, "mm1", mm(LAYERS), SAVE_AT, devices=1, batch_size=4, use_distributed_sampler=False,
-        save_at_3={"torch_dcp": work / "mm1.ckpt", "torch": work / "mm1.pt"})
+    fit(
+        work,
+        "mm1",
+        mm(LAYERS),
+        SAVE_AT,
+        devices=1,
+        batch_size=4,
+        use_distributed_sampler=False,
+        save_at_3={"torch_dcp": work / "mm1.ckpt", "torch": work / "mm1.pt"},
+    )
 
 
 def scenario_one(work: Path) -> None:

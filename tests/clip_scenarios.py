@@ -111,8 +111,14 @@ def _case(case: str, rank: int, norm_type: float, max_norm: float) -> dict[str, 
         la, lb = _full(a.grad).double(), _full(b.grad).double()
         diff = max(diff, float((la - lb).abs().max()))
         rel = max(rel, float(((la - lb).abs() / la.abs().clamp(min=1e-30)).max()))
-    return {"ours": ours, "torch": float(theirs), "reference": reference, "clipped_max_abs_diff": diff,
-            "clipped_max_rel_diff": rel, "clipped_equal": diff == 0.0}
+    return {
+        "ours": ours,
+        "torch": float(theirs),
+        "reference": reference,
+        "clipped_max_abs_diff": diff,
+        "clipped_max_rel_diff": rel,
+        "clipped_equal": diff == 0.0,
+    }
 
 
 def main(outdir: str) -> None:

@@ -31,16 +31,35 @@ from lightning_mm import MMFSDP2Strategy, MMLightningModule  # noqa: E402
 from lightning_mm._compat import compiled_graph_count  # noqa: E402
 from lightning_mm.modules import TransformersModel  # noqa: E402
 
-CONFIG = dict(vocab_size=96, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
-              num_key_value_heads=2, head_dim=8, tie_word_embeddings=False, use_cache=False)
+CONFIG = dict(
+    vocab_size=96,
+    hidden_size=32,
+    intermediate_size=64,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    head_dim=8,
+    tie_word_embeddings=False,
+    use_cache=False,
+)
 BATCH, STEPS, LR = 2, 4, 0.5
 LAYERS = "model.layers.{*}"
-LORA = {"target_modules": ["model.layers.{*}.self_attn.q_proj", "model.layers.{*}.self_attn.v_proj"], "rank": 4,
-        "init_lora_weights": "gaussian"}
+LORA = {
+    "target_modules": ["model.layers.{*}.self_attn.q_proj", "model.layers.{*}.self_attn.v_proj"],
+    "rank": 4,
+    "init_lora_weights": "gaussian",
+}
 
 
-MOE = dict(CONFIG, moe_intermediate_size=16, num_experts=4, num_experts_per_tok=2, decoder_sparse_step=1,
-           mlp_only_layers=[], norm_topk_prob=True)
+MOE = dict(
+    CONFIG,
+    moe_intermediate_size=16,
+    num_experts=4,
+    num_experts_per_tok=2,
+    decoder_sparse_step=1,
+    mlp_only_layers=[],
+    norm_topk_prob=True,
+)
 
 
 def write_model(directory: Path, moe: bool = False) -> None:
@@ -84,8 +103,15 @@ class Module(MMLightningModule):
         return torch.optim.SGD([p for p in self.parameters() if p.requires_grad], lr=LR)
 
 
-def fit(model_dir: str, compiled: bool = True, reentrant: bool | None = None, cp: int = 1,
-        lora: bool = False, extra: dict[str, Any] | None = None, compile_modules: str = LAYERS) -> dict[str, Any]:
+def fit(
+    model_dir: str,
+    compiled: bool = True,
+    reentrant: bool | None = None,
+    cp: int = 1,
+    lora: bool = False,
+    extra: dict[str, Any] | None = None,
+    compile_modules: str = LAYERS,
+) -> dict[str, Any]:
     config: dict[str, Any] = {"sharding_size": "auto", "sub_modules_to_wrap": [LAYERS], **(extra or {})}
     if reentrant is not None:
         config.update(recompute_modules=[LAYERS], use_reentrant=reentrant)
@@ -94,14 +120,22 @@ def fit(model_dir: str, compiled: bool = True, reentrant: bool | None = None, cp
     torch.compiler.reset()  # count this run's graphs only
     before = compiled_graph_count()
     module = Module(model_dir, lora, config)
-    trainer = L.Trainer(accelerator="cpu", devices=2, max_steps=STEPS, logger=False, enable_checkpointing=False,
-                        enable_progress_bar=False, enable_model_summary=False,
-                        strategy=MMFSDP2Strategy(context_parallel_size=cp))
+    trainer = L.Trainer(
+        accelerator="cpu",
+        devices=2,
+        max_steps=STEPS,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        strategy=MMFSDP2Strategy(context_parallel_size=cp),
+    )
     # Lightning would shuffle a training loader's samples; these samplers keep step k's samples in step k (with
     # CP 2 both ranks read the same samples: there is one data-parallel rank).
     replicas = 2 // cp
-    sampler = torch.utils.data.DistributedSampler(Varying(), num_replicas=replicas, shuffle=False,
-                                                  rank=int(os.environ.get("LOCAL_RANK", 0)) % replicas)
+    sampler = torch.utils.data.DistributedSampler(
+        Varying(), num_replicas=replicas, shuffle=False, rank=int(os.environ.get("LOCAL_RANK", 0)) % replicas
+    )
     trainer.fit(module, torch.utils.data.DataLoader(Varying(), batch_size=BATCH * cp, sampler=sampler))
     return {"losses": module.losses, "graphs": compiled_graph_count() - before}
 
@@ -133,8 +167,11 @@ if __name__ == "__main__":
         "lora_bf16_eager": fit(model_dir, compiled=False, lora=True, extra=mixed),
         "reference": reference(model_dir),
         # Expert parallelism: the experts' dispatch communicates, so the attention inside each block is compiled.
-        "moe_ep2_compiled_attention": fit(moe_dir, compile_modules="model.layers.{*}.self_attn", extra={
-            "expert_parallel_size": 2, "moe_modules": ["model.layers.{*}.mlp.experts"]}),
+        "moe_ep2_compiled_attention": fit(
+            moe_dir,
+            compile_modules="model.layers.{*}.self_attn",
+            extra={"expert_parallel_size": 2, "moe_modules": ["model.layers.{*}.mlp.experts"]},
+        ),
         "moe_reference": reference(moe_dir),
     }
     rank = int(os.environ.get("LOCAL_RANK", 0))

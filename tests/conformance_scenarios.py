@@ -71,8 +71,17 @@ def data(n: int = 64) -> torch.utils.data.DataLoader:
 
 def trainer(max_steps: int = 4, **kwargs: Any) -> L.Trainer:
     kwargs.setdefault("strategy", MMFSDP2Strategy(FSDP))
-    return L.Trainer(accelerator="cpu", devices=2, max_steps=max_steps, logger=False, enable_checkpointing=False,
-                     enable_progress_bar=False, enable_model_summary=False, num_sanity_val_steps=0, **kwargs)
+    return L.Trainer(
+        accelerator="cpu",
+        devices=2,
+        max_steps=max_steps,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        num_sanity_val_steps=0,
+        **kwargs,
+    )
 
 
 def dump(name: str, outdir: str, rank: int, out: dict[str, Any]) -> None:

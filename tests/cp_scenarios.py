@@ -153,8 +153,9 @@ def qwen3_datasets() -> tuple[Any, None, None]:
     return CPData("qwen3", 16), None, None
 
 
-def _fit(case: CPCase, cp: int, ckptdir: Path, outdir: Path, max_steps: int, devices: int,
-         ckpt_path: str | None = None) -> tuple[dict[str, Any], Any]:
+def _fit(
+    case: CPCase, cp: int, ckptdir: Path, outdir: Path, max_steps: int, devices: int, ckpt_path: str | None = None
+) -> tuple[dict[str, Any], Any]:
     import lightning as L
 
     from lightning_mm import MMFSDP2Strategy, MMLightningModule
@@ -200,13 +201,21 @@ def _fit(case: CPCase, cp: int, ckptdir: Path, outdir: Path, max_steps: int, dev
     torch.manual_seed(0)
     module = Module(lr=LR, log_grad_norm=False)
     trainer = L.Trainer(
-        accelerator="cpu", devices=devices, max_steps=max_steps, logger=False, enable_checkpointing=False,
-        enable_progress_bar=False, enable_model_summary=False, num_sanity_val_steps=0, default_root_dir=outdir,
+        accelerator="cpu",
+        devices=devices,
+        max_steps=max_steps,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        num_sanity_val_steps=0,
+        default_root_dir=outdir,
         log_every_n_steps=1,  # the ThroughputMonitor averages over 2 batches: enough steps here to report rates
         strategy=MMFSDP2Strategy({"sharding_size": "auto", **case.fsdp2}, context_parallel_size=cp),
     )
-    loader = torch.utils.data.DataLoader(CPData(case.family, case.seq_len, left_pad=case.left_pad),
-                                         batch_size=GLOBAL_BATCH * cp // devices)
+    loader = torch.utils.data.DataLoader(
+        CPData(case.family, case.seq_len, left_pad=case.left_pad), batch_size=GLOBAL_BATCH * cp // devices
+    )
     trainer.fit(module, train_dataloaders=loader, ckpt_path=ckpt_path)
     return record, (trainer, module)
 
@@ -216,8 +225,12 @@ def _finish(case: CPCase, outdir: Path, parts: list[dict[str, Any]], trainer: An
     if trainer.global_rank == 0:
         torch.save(final, outdir / f"{case.name}.pt")
     metrics = {k: float(v) for k, v in trainer.callback_metrics.items()}
-    _dump(case, outdir, trainer.global_rank, {"parts": parts, "error": None, "metrics": metrics,
-                                              "throughput": _throughput(trainer)})
+    _dump(
+        case,
+        outdir,
+        trainer.global_rank,
+        {"parts": parts, "error": None, "metrics": metrics, "throughput": _throughput(trainer)},
+    )
 
 
 def _throughput(trainer: Any) -> dict[str, float]:
@@ -243,8 +256,9 @@ def _run(case: CPCase, outdir: Path, ckptdir: Path, devices: int) -> None:
         return
     first, (trainer, _) = _fit(case, case.cp, ckptdir, outdir, case.resume_at, devices)
     trainer.save_checkpoint(outdir / f"{case.name}.ckpt")
-    second, (trainer, module) = _fit(case, case.resume_cp, ckptdir, outdir, case.steps, devices,
-                                     ckpt_path=str(outdir / f"{case.name}.ckpt"))
+    second, (trainer, module) = _fit(
+        case, case.resume_cp, ckptdir, outdir, case.steps, devices, ckpt_path=str(outdir / f"{case.name}.ckpt")
+    )
     _finish(case, outdir, [first, second], trainer, module)
 
 
@@ -273,9 +287,15 @@ def _predict_refused(outdir: Path, ckptdir: Path) -> None:
         def model_provider(self) -> torch.nn.Module:
             return TransformersModel({"init_from_hf_path": str(ckptdir / "qwen3")})
 
-    trainer = L.Trainer(accelerator="cpu", devices=2, logger=False, enable_progress_bar=False,
-                        enable_model_summary=False, default_root_dir=outdir,
-                        strategy=MMFSDP2Strategy({"sharding_size": "auto"}, context_parallel_size=2))
+    trainer = L.Trainer(
+        accelerator="cpu",
+        devices=2,
+        logger=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        default_root_dir=outdir,
+        strategy=MMFSDP2Strategy({"sharding_size": "auto"}, context_parallel_size=2),
+    )
     try:
         trainer.predict(Module(), torch.utils.data.DataLoader(CPData("qwen3", 16), batch_size=1))
         error = None

@@ -18,46 +18,100 @@ import torch
 from tests.hf_scenarios import _TEXT, IMAGE_TOKEN, SEQ, VOCAB
 
 _VISION = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4)
-_QWEN_LIKE_VISION = dict(depth=2, hidden_size=32, intermediate_size=64, num_heads=4, out_hidden_size=32,
-                         patch_size=14, spatial_merge_size=2, temporal_patch_size=2)
+_QWEN_LIKE_VISION = dict(
+    depth=2,
+    hidden_size=32,
+    intermediate_size=64,
+    num_heads=4,
+    out_hidden_size=32,
+    patch_size=14,
+    spatial_merge_size=2,
+    temporal_patch_size=2,
+)
 _MROPE = {"rope_type": "default", "rope_theta": 10000.0, "mrope_section": [1, 1, 2]}
 
 # name -> (architecture, config kwargs)
 ARCHITECTURES: dict[str, tuple[str, dict[str, Any]]] = {
-    "gemma3": ("Gemma3ForConditionalGeneration", dict(
-        text_config={**_TEXT, "head_dim": 8, "sliding_window": 8},
-        vision_config={**_VISION, "image_size": 28, "patch_size": 14, "vision_use_head": False},
-        mm_tokens_per_image=1, image_token_id=IMAGE_TOKEN, boi_token_id=6, eoi_token_id=7,
-    )),
-    "idefics3": ("Idefics3ForConditionalGeneration", dict(
-        text_config={**_TEXT, "model_type": "llama", "tie_word_embeddings": False},
-        vision_config={**_VISION, "image_size": 28, "patch_size": 14},
-        scale_factor=2, image_token_id=IMAGE_TOKEN, tie_word_embeddings=False,
-    )),
-    "mistral3": ("Mistral3ForConditionalGeneration", dict(
-        text_config={**_TEXT, "model_type": "mistral", "head_dim": 8, "sliding_window": None},
-        vision_config={**_VISION, "model_type": "pixtral", "image_size": 28, "patch_size": 14, "head_dim": 8},
-        spatial_merge_size=2, image_token_id=IMAGE_TOKEN, tie_word_embeddings=False,
-    )),
-    "glm4v": ("Glm4vForConditionalGeneration", dict(
-        text_config={**_TEXT, "rope_parameters": _MROPE},
-        vision_config={**_QWEN_LIKE_VISION, "image_size": 28},
-        image_token_id=IMAGE_TOKEN, video_token_id=6, image_start_token_id=7, image_end_token_id=8,
-    )),
-    "glm4v_moe": ("Glm4vMoeForConditionalGeneration", dict(
-        text_config={**_TEXT, "head_dim": 8, "moe_intermediate_size": 16, "n_routed_experts": 4,
-                     "num_experts_per_tok": 2, "n_shared_experts": 1, "first_k_dense_replace": 1,
-                     "rope_parameters": {**_MROPE, "partial_rotary_factor": 0.5}},
-        vision_config={**_QWEN_LIKE_VISION, "image_size": 28},
-        image_token_id=IMAGE_TOKEN, video_token_id=6, image_start_token_id=7, image_end_token_id=8,
-    )),
-    "qwen2_5_omni_thinker": ("Qwen2_5OmniThinkerForConditionalGeneration", dict(
-        text_config={**_TEXT, "rope_parameters": _MROPE},
-        vision_config={**{k: v for k, v in _QWEN_LIKE_VISION.items() if k != "patch_size"},
-                       "fullatt_block_indexes": [1]},
-        audio_config=dict(d_model=32, encoder_layers=2, encoder_attention_heads=4, encoder_ffn_dim=64, output_dim=32,
-                          num_mel_bins=16),
-    )),
+    "gemma3": (
+        "Gemma3ForConditionalGeneration",
+        dict(
+            text_config={**_TEXT, "head_dim": 8, "sliding_window": 8},
+            vision_config={**_VISION, "image_size": 28, "patch_size": 14, "vision_use_head": False},
+            mm_tokens_per_image=1,
+            image_token_id=IMAGE_TOKEN,
+            boi_token_id=6,
+            eoi_token_id=7,
+        ),
+    ),
+    "idefics3": (
+        "Idefics3ForConditionalGeneration",
+        dict(
+            text_config={**_TEXT, "model_type": "llama", "tie_word_embeddings": False},
+            vision_config={**_VISION, "image_size": 28, "patch_size": 14},
+            scale_factor=2,
+            image_token_id=IMAGE_TOKEN,
+            tie_word_embeddings=False,
+        ),
+    ),
+    "mistral3": (
+        "Mistral3ForConditionalGeneration",
+        dict(
+            text_config={**_TEXT, "model_type": "mistral", "head_dim": 8, "sliding_window": None},
+            vision_config={**_VISION, "model_type": "pixtral", "image_size": 28, "patch_size": 14, "head_dim": 8},
+            spatial_merge_size=2,
+            image_token_id=IMAGE_TOKEN,
+            tie_word_embeddings=False,
+        ),
+    ),
+    "glm4v": (
+        "Glm4vForConditionalGeneration",
+        dict(
+            text_config={**_TEXT, "rope_parameters": _MROPE},
+            vision_config={**_QWEN_LIKE_VISION, "image_size": 28},
+            image_token_id=IMAGE_TOKEN,
+            video_token_id=6,
+            image_start_token_id=7,
+            image_end_token_id=8,
+        ),
+    ),
+    "glm4v_moe": (
+        "Glm4vMoeForConditionalGeneration",
+        dict(
+            text_config={
+                **_TEXT,
+                "head_dim": 8,
+                "moe_intermediate_size": 16,
+                "n_routed_experts": 4,
+                "num_experts_per_tok": 2,
+                "n_shared_experts": 1,
+                "first_k_dense_replace": 1,
+                "rope_parameters": {**_MROPE, "partial_rotary_factor": 0.5},
+            },
+            vision_config={**_QWEN_LIKE_VISION, "image_size": 28},
+            image_token_id=IMAGE_TOKEN,
+            video_token_id=6,
+            image_start_token_id=7,
+            image_end_token_id=8,
+        ),
+    ),
+    "qwen2_5_omni_thinker": (
+        "Qwen2_5OmniThinkerForConditionalGeneration",
+        dict(
+            text_config={**_TEXT, "rope_parameters": _MROPE},
+            vision_config={
+                **{k: v for k, v in _QWEN_LIKE_VISION.items() if k != "patch_size"},
+                "fullatt_block_indexes": [1],
+            },
+            audio_config=dict(
+                d_model=32,
+                encoder_layers=2,
+                encoder_attention_heads=4,
+                encoder_ffn_dim=64,
+                output_dim=32,
+                num_mel_bins=16,
+            ),
+        ),
+    ),
 }
 PARITY = ("idefics3", "mistral3")
 

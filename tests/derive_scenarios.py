@@ -29,8 +29,12 @@ _RECOMPUTE = ["model.vision_model.encoder.layers.{*}", "model.text_model.layers.
 CASES = [
     Case("derived-idefics3-plain", "idefics3", steps=3),
     Case("derived-mistral3-plain", "mistral3", steps=3),
-    Case("derived-idefics3-recompute-reentrant", "idefics3", {"recompute_modules": _RECOMPUTE, "use_reentrant": True},
-         steps=3),
+    Case(
+        "derived-idefics3-recompute-reentrant",
+        "idefics3",
+        {"recompute_modules": _RECOMPUTE, "use_reentrant": True},
+        steps=3,
+    ),
     Case("derived-mistral3-frozen-tower", "mistral3", freeze=("model.vision_tower",), steps=3),
     # Trained 2 steps, saved, resumed by a new Trainer for the third (tower trainable: its AdamW state resumes too).
     Case("derived-idefics3-resume", "idefics3", steps=3, resume_at=2),
@@ -65,8 +69,11 @@ def sliced_load(name: str, fsdp2: dict, outdir: Path, ckptdir: Path) -> None:
     config = FSDP2Config.from_dict({"sharding_size": "auto", **fsdp2}).with_model_defaults(model)
     plan = build_plan(config, model, world)
     apply_plan(model, model, plan, build_device_mesh(world, world, "cpu"), torch.device("cpu"))
-    ref = dict(getattr(transformers, ARCHITECTURES[name][0]).from_pretrained(str(directory), dtype=torch.float32)
-               .named_parameters())
+    ref = dict(
+        getattr(transformers, ARCHITECTURES[name][0])
+        .from_pretrained(str(directory), dtype=torch.float32)
+        .named_parameters()
+    )
     experts = plan.experts.modules if plan.experts is not None else ()
     wrong, sharded, split_experts = [], 0, 0
     for key, param in model.named_parameters():
@@ -74,7 +81,7 @@ def sliced_load(name: str, fsdp2: dict, outdir: Path, ckptdir: Path) -> None:
         expected = ref[key]
         if any(key.startswith(m + ".") for m in experts):  # this rank's experts of its EP group
             per_rank = plan.experts.experts_per_rank
-            expected = expected[rank % plan.experts.expert_parallel_size * per_rank:][:per_rank]
+            expected = expected[rank % plan.experts.expert_parallel_size * per_rank :][:per_rank]
             split_experts += 1
         if isinstance(param, DTensor):
             offsets, shape = local_offsets(param)
@@ -83,9 +90,17 @@ def sliced_load(name: str, fsdp2: dict, outdir: Path, ckptdir: Path) -> None:
             sharded += local.numel() < param.numel()
         if local.shape != expected.shape or not torch.equal(local, expected):
             wrong.append(key)
-    (outdir / f"load-{name}.rank{rank}.json").write_text(json.dumps(
-        {"wrong": wrong, "sharded": sharded, "split_experts": split_experts, "params": len(ref),
-         "model_class": model_class}))
+    (outdir / f"load-{name}.rank{rank}.json").write_text(
+        json.dumps(
+            {
+                "wrong": wrong,
+                "sharded": sharded,
+                "split_experts": split_experts,
+                "params": len(ref),
+                "model_class": model_class,
+            }
+        )
+    )
 
 
 def main(outdir: Path, ckptdir: Path) -> None:
@@ -93,6 +108,7 @@ def main(outdir: Path, ckptdir: Path) -> None:
 
     register_parity_families()
     for case in CASES:
+
         def run(case: Case = case) -> None:
             parts = []
             if case.resume_at is not None:  # as tests/parity_scenarios.py's `resume` group does
@@ -102,8 +118,12 @@ def main(outdir: Path, ckptdir: Path) -> None:
             resume = str(outdir / f"{case.name}.ckpt") if parts else None
             record, (trainer, module) = ps._fit(case, ckptdir, outdir, case.steps, ckpt_path=resume)
             plan = trainer.strategy.plan
-            record["plan"] = {"units": [list(u.modules) for u in plan.units], "ignored": list(plan.ignored),
-                              "recompute": list(plan.recompute), "model_class": type(module.model).__name__}
+            record["plan"] = {
+                "units": [list(u.modules) for u in plan.units],
+                "ignored": list(plan.ignored),
+                "recompute": list(plan.recompute),
+                "model_class": type(module.model).__name__,
+            }
             ps._finish(case, outdir, [*parts, record], trainer, module)
 
         ps._guarded(case, outdir, run)

@@ -60,8 +60,15 @@ class RegressionData(torch.utils.data.Dataset):
 
 def trainer(strategy: Any, max_steps: int, **kwargs: Any) -> L.Trainer:
     defaults = dict(
-        accelerator="cpu", devices=2, max_steps=max_steps, logger=False, enable_checkpointing=False,
-        enable_progress_bar=False, enable_model_summary=False, num_sanity_val_steps=0, log_every_n_steps=1,
+        accelerator="cpu",
+        devices=2,
+        max_steps=max_steps,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        num_sanity_val_steps=0,
+        log_every_n_steps=1,
     )
     defaults.update(kwargs)
     return L.Trainer(strategy=strategy, **defaults)
@@ -123,6 +130,7 @@ class SeedModule(MMLightningModule):
 
 def _watch_forward(block: nn.Module, log: list) -> None:
     """Record every run of ``block.qkv`` (recomputation included): input dtype, weight dtype, grad mode."""
+
     def hook(mod: nn.Module, args: tuple) -> None:
         log.append({"input": str(args[0].dtype), "weight": str(mod.weight.dtype), "grad": torch.is_grad_enabled()})
 
@@ -131,6 +139,7 @@ def _watch_forward(block: nn.Module, log: list) -> None:
 
 def _watch_reshard(layers: nn.ModuleList, log: list) -> None:
     """When layer 1's forward starts, is layer 0 (already run) resharded or still unsharded?"""
+
     def hook(*_: Any) -> None:
         if not log:
             group = layers[0]._get_fsdp_state()._fsdp_param_group
@@ -168,8 +177,12 @@ def scenario_seed_yaml(outdir: str) -> None:
     observe = Observe()
     recorder = LossRecorder()
     norms = NormCheck()
-    t = trainer(MMFSDP2Strategy(fsdp2_config=str(SEED_YAML)), max_steps=6, callbacks=[observe, recorder, norms],
-                gradient_clip_val=0.5)
+    t = trainer(
+        MMFSDP2Strategy(fsdp2_config=str(SEED_YAML)),
+        max_steps=6,
+        callbacks=[observe, recorder, norms],
+        gradient_clip_val=0.5,
+    )
     t.fit(module, datamodule=MMDataModule(train_dataset=CaptionData(), batch_size=4))
 
     model = module.model
@@ -178,22 +191,33 @@ def scenario_seed_yaml(outdir: str) -> None:
     fwd = [[units.get(id(m), "?") for m in _prefetch_modules(layers[0], "forward")]]
     bwd = [[units.get(id(m), "?") for m in _prefetch_modules(layers[1], "backward")]]
     observed_order = [t.strategy._sharded.prefetch.name(u) for u in t.strategy._sharded.prefetch.order]
-    dump("seed_yaml", outdir, t.global_rank, {
-        **observe.setup_obs,
-        "forward_calls_layer0": len(calls),
-        "forward_calls_with_grad": sum(c["grad"] for c in calls),
-        "dtypes": calls[0],
-        "losses": recorder.losses,
-        "image_encoder_weights": [float(p.detach().double().sum()) for p in model.image_encoder.parameters()],
-        "layer0_full_sum": float(full(layers[0].qkv.weight).detach().double().sum()),
-        "prefetch_forward_layer0": fwd[0],
-        "prefetch_backward_layer1": bwd[0],
-        "prefetch_order": observed_order,
-        "norms": norms.records,
-        "layer0_state_in_layer1_forward": reshard[0],
-        "optimizer_groups": [{"fused": g["fused"], "dtensor": sorted({isinstance(p, DTensor) for p in g["params"]}),
-                              "size": len(g["params"])} for g in t.optimizers[0].param_groups],
-    })
+    dump(
+        "seed_yaml",
+        outdir,
+        t.global_rank,
+        {
+            **observe.setup_obs,
+            "forward_calls_layer0": len(calls),
+            "forward_calls_with_grad": sum(c["grad"] for c in calls),
+            "dtypes": calls[0],
+            "losses": recorder.losses,
+            "image_encoder_weights": [float(p.detach().double().sum()) for p in model.image_encoder.parameters()],
+            "layer0_full_sum": float(full(layers[0].qkv.weight).detach().double().sum()),
+            "prefetch_forward_layer0": fwd[0],
+            "prefetch_backward_layer1": bwd[0],
+            "prefetch_order": observed_order,
+            "norms": norms.records,
+            "layer0_state_in_layer1_forward": reshard[0],
+            "optimizer_groups": [
+                {
+                    "fused": g["fused"],
+                    "dtensor": sorted({isinstance(p, DTensor) for p in g["params"]}),
+                    "size": len(g["params"]),
+                }
+                for g in t.optimizers[0].param_groups
+            ],
+        },
+    )
 
 
 def _halves_differ(weight: torch.Tensor) -> bool:
@@ -216,8 +240,11 @@ def scenario_hsdp_meta_init(outdir: str) -> None:
             seen["ignored_sum"] = float(model.image_encoder.patch.weight.double().sum())
             seen["norm_ones"] = bool(torch.all(local(model.text_decoder.decoder.final_norm.weight) == 1))
 
-    config = {"sharding_size": 1, "sub_modules_to_wrap": ["text_decoder.decoder.layers.{*}"],
-              "ignored_modules": ["image_encoder"]}
+    config = {
+        "sharding_size": 1,
+        "sub_modules_to_wrap": ["text_decoder.decoder.layers.{*}"],
+        "ignored_modules": ["image_encoder"],
+    }
     t = trainer(MMFSDP2Strategy(config), max_steps=1, callbacks=[Observe()])
     t.fit(SeedModule(), datamodule=MMDataModule(train_dataset=CaptionData(), batch_size=4))
     dump("hsdp_meta_init", outdir, t.global_rank, seen)
@@ -333,21 +360,32 @@ def scenario_tied(outdir: str) -> None:
     torch.manual_seed(0)
     module = TiedModule(lr=1e-2)
     recorder = LossRecorder()
-    config = {"sharding_size": "auto", "sub_modules_to_wrap": ["embed", "out", "layers.{*}"],
-              "num_to_forward_prefetch": 1, "num_to_backward_prefetch": 1}
+    config = {
+        "sharding_size": "auto",
+        "sub_modules_to_wrap": ["embed", "out", "layers.{*}"],
+        "num_to_forward_prefetch": 1,
+        "num_to_backward_prefetch": 1,
+    }
     t = trainer(MMFSDP2Strategy(config), max_steps=8, callbacks=[recorder])
     t.fit(module, train_dataloaders=torch.utils.data.DataLoader(IdsData(), batch_size=8))
     model = module.model
     names = {id(m): n for n, m in model.named_modules()}
-    dump("tied", outdir, t.global_rank, {
-        "still_tied": model.out.weight is model.embed.weight,
-        "plan_units": [list(u.modules) for u in t.strategy.plan.units],
-        "notes": list(t.strategy.plan.notes),
-        "losses": recorder.losses,
-        "order": [t.strategy._sharded.prefetch.name(u) for u in t.strategy._sharded.prefetch.order],
-        "forward_prefetch": {names.get(id(m), "?"): [names.get(id(x), "?") for x in _prefetch_modules(m, "forward")]
-                             for m in model.layers},
-    })
+    dump(
+        "tied",
+        outdir,
+        t.global_rank,
+        {
+            "still_tied": model.out.weight is model.embed.weight,
+            "plan_units": [list(u.modules) for u in t.strategy.plan.units],
+            "notes": list(t.strategy.plan.notes),
+            "losses": recorder.losses,
+            "order": [t.strategy._sharded.prefetch.name(u) for u in t.strategy._sharded.prefetch.order],
+            "forward_prefetch": {
+                names.get(id(m), "?"): [names.get(id(x), "?") for x in _prefetch_modules(m, "forward")]
+                for m in model.layers
+            },
+        },
+    )
 
 
 class CustomShardLM(TiedLM):
@@ -356,8 +394,9 @@ class CustomShardLM(TiedLM):
     def _fully_shard(self, fsdp2_kwargs: dict | None = None, fsdp2_config: Any = None) -> None:
         from torch.distributed.fsdp import fully_shard
 
-        CustomShardLM.calls.append({"config_attr": self.fsdp2_config is fsdp2_config,
-                                    "mesh": list(fsdp2_kwargs["mesh"].shape)})
+        CustomShardLM.calls.append(
+            {"config_attr": self.fsdp2_config is fsdp2_config, "mesh": list(fsdp2_kwargs["mesh"].shape)}
+        )
         fully_shard([self.embed, self.out], **fsdp2_kwargs)
         for layer in self.layers:
             fully_shard(layer, **fsdp2_kwargs)
@@ -373,11 +412,16 @@ def scenario_custom_fully_shard(outdir: str) -> None:
     t = trainer(MMFSDP2Strategy({"sharding_size": "auto"}), max_steps=2)
     t.fit(module, train_dataloaders=torch.utils.data.DataLoader(IdsData(), batch_size=8))
     model = module.model
-    dump("custom_fully_shard", outdir, t.global_rank, {
-        "calls": CustomShardLM.calls,
-        "layer_local_shape": list(local(model.layers[0].weight).shape),
-        "still_tied": model.out.weight is model.embed.weight,
-    })
+    dump(
+        "custom_fully_shard",
+        outdir,
+        t.global_rank,
+        {
+            "calls": CustomShardLM.calls,
+            "layer_local_shape": list(local(model.layers[0].weight).shape),
+            "still_tied": model.out.weight is model.embed.weight,
+        },
+    )
 
 
 # ------------------------------------------------------------------- byte accounting, measured
@@ -432,11 +476,20 @@ def scenario_memory_accounting(outdir: str) -> None:
     data = torch.utils.data.TensorDataset(torch.randint(0, 64, (32, 6), generator=g), torch.randn(32, 16, generator=g))
     t = trainer(MMFSDP2Strategy(config), max_steps=2, callbacks=[Measure()])
     t.fit(AccountedModel(), train_dataloaders=torch.utils.data.DataLoader(data, batch_size=4))
-    dump("memory_accounting", outdir, t.global_rank, {
-        "measured": measured,
-        "expected": {"params": expected.params, "grads": expected.grads, "optimizer": expected.optimizer,
-                     "ddp_total": expected.ddp_total},
-    })
+    dump(
+        "memory_accounting",
+        outdir,
+        t.global_rank,
+        {
+            "measured": measured,
+            "expected": {
+                "params": expected.params,
+                "grads": expected.grads,
+                "optimizer": expected.optimizer,
+                "ddp_total": expected.ddp_total,
+            },
+        },
+    )
 
 
 # ------------------------------------------------------------------------- precision and offload
@@ -451,25 +504,41 @@ def scenario_bf16_offload(outdir: str) -> None:
             _watch_reshard(pl_module.model.text_decoder.decoder.layers, reshard)
 
     module = SeedModule(lr=1e-3)
-    config = {"sharding_size": "auto", "sub_modules_to_wrap": ["text_decoder.decoder.layers.{*}"],
-              "recompute_modules": ["text_decoder.decoder.layers.{*}"], "use_reentrant": False,
-              "offload_to_cpu": True, "reshard_after_forward": False}
+    config = {
+        "sharding_size": "auto",
+        "sub_modules_to_wrap": ["text_decoder.decoder.layers.{*}"],
+        "recompute_modules": ["text_decoder.decoder.layers.{*}"],
+        "use_reentrant": False,
+        "offload_to_cpu": True,
+        "reshard_after_forward": False,
+    }
     t = trainer(MMFSDP2Strategy(config), max_steps=2, precision="bf16-mixed", callbacks=[Observe()])
     t.fit(module, datamodule=MMDataModule(train_dataset=CaptionData(), batch_size=4))
     layer = module.model.text_decoder.decoder.layers[0]
     group = layer._get_fsdp_state()._fsdp_param_group
-    dump("bf16_offload", outdir, t.global_rank, {
-        "dtypes": calls[0],
-        "forward_calls_with_grad": sum(c["grad"] for c in calls),
-        "reduce_dtype": str(group.mp_policy.reduce_dtype),
-        "param_dtype": str(group.mp_policy.param_dtype),
-        "offload_policy": type(group.offload_policy).__name__,
-        "shard_device": str(local(layer.qkv.weight).device),
-        "sharded_param_dtype": str(layer.qkv.weight.dtype),
-        "layer0_state_in_layer1_forward": reshard[0],
-        "optimizer_groups": [{"fused": g["fused"], "dtensor": sorted({isinstance(p, DTensor) for p in g["params"]}),
-                              "size": len(g["params"])} for g in t.optimizers[0].param_groups],
-    })
+    dump(
+        "bf16_offload",
+        outdir,
+        t.global_rank,
+        {
+            "dtypes": calls[0],
+            "forward_calls_with_grad": sum(c["grad"] for c in calls),
+            "reduce_dtype": str(group.mp_policy.reduce_dtype),
+            "param_dtype": str(group.mp_policy.param_dtype),
+            "offload_policy": type(group.offload_policy).__name__,
+            "shard_device": str(local(layer.qkv.weight).device),
+            "sharded_param_dtype": str(layer.qkv.weight.dtype),
+            "layer0_state_in_layer1_forward": reshard[0],
+            "optimizer_groups": [
+                {
+                    "fused": g["fused"],
+                    "dtensor": sorted({isinstance(p, DTensor) for p in g["params"]}),
+                    "size": len(g["params"]),
+                }
+                for g in t.optimizers[0].param_groups
+            ],
+        },
+    )
 
 
 # --------------------------------------------------------------------------------- failures
@@ -520,10 +589,15 @@ def scenario_registered_name(outdir: str) -> None:
     module = SeedModule(fsdp2_config=config)
     t = trainer("mm_fsdp2", max_steps=1)
     t.fit(module, datamodule=MMDataModule(train_dataset=CaptionData(), batch_size=4))
-    dump("registered_name", outdir, t.global_rank, {
-        "strategy": type(t.strategy).__name__,
-        "units": [list(u.modules) for u in t.strategy.plan.units],
-    })
+    dump(
+        "registered_name",
+        outdir,
+        t.global_rank,
+        {
+            "strategy": type(t.strategy).__name__,
+            "units": [list(u.modules) for u in t.strategy.plan.units],
+        },
+    )
 
 
 # ------------------------------------------------------------- MMLightningModule under Lightning's DDP
@@ -538,10 +612,16 @@ def scenario_ddp_module(outdir: str) -> None:
     module = MMLightningModule(model_provider=TiedLM, forward_step=tuple_forward_step, lr=1e-2)
     t = trainer("ddp", max_steps=8, callbacks=[recorder])
     t.fit(module, train_dataloaders=torch.utils.data.DataLoader(IdsData(), batch_size=8))
-    dump("ddp_module", outdir, t.global_rank, {
-        "losses": recorder.losses, "strategy": type(t.strategy).__name__,
-        "logged": sorted(k for k in t.callback_metrics),
-    })
+    dump(
+        "ddp_module",
+        outdir,
+        t.global_rank,
+        {
+            "losses": recorder.losses,
+            "strategy": type(t.strategy).__name__,
+            "logged": sorted(k for k in t.callback_metrics),
+        },
+    )
 
 
 # ---------------------------------------------------------------------- mid-epoch resume of MMDataModule
@@ -562,8 +642,12 @@ def scenario_resume_data(outdir: str) -> None:
         callbacks: list = [prints]
         if save:
             callbacks.append(ModelCheckpoint(dirpath=f"{outdir}/ckpt", every_n_train_steps=5, save_top_k=-1))
-        t = trainer(MMFSDP2Strategy({"sharding_size": "auto", "sub_modules_to_wrap": ["layers.{*}"]}),
-                    max_steps=max_steps, callbacks=callbacks, enable_checkpointing=save)
+        t = trainer(
+            MMFSDP2Strategy({"sharding_size": "auto", "sub_modules_to_wrap": ["layers.{*}"]}),
+            max_steps=max_steps,
+            callbacks=callbacks,
+            enable_checkpointing=save,
+        )
         data = MMDataModule(train_dataset=RegressionData(), batch_size=4, seed=7)  # 8 batches per epoch per rank
         t.fit(MLP(), datamodule=data, ckpt_path=ckpt_path)
         return [t.global_rank, prints.seen]

@@ -148,10 +148,13 @@ class CustomData(torch.utils.data.Dataset):
 
 
 CUSTOM_CASES = [
-    Case("custom_moe-ep2", "custom_moe", {"expert_parallel_size": 2, "moe_modules": ["blocks.{*}.experts"]},
-         steps=4),
-    Case("custom_moe-ep2-whole", "custom_moe", {"expert_parallel_size": 2, "moe_modules": ["blocks.{*}.experts"],
-                                                "reshard_local_experts": False}, steps=4),
+    Case("custom_moe-ep2", "custom_moe", {"expert_parallel_size": 2, "moe_modules": ["blocks.{*}.experts"]}, steps=4),
+    Case(
+        "custom_moe-ep2-whole",
+        "custom_moe",
+        {"expert_parallel_size": 2, "moe_modules": ["blocks.{*}.experts"], "reshard_local_experts": False},
+        steps=4,
+    ),
 ]
 
 
@@ -183,8 +186,15 @@ def _fit_custom(case: Case, outdir: Path) -> None:
 
     module = Module()
     trainer = L.Trainer(
-        accelerator="cpu", devices=DEVICES, max_steps=case.steps, logger=False, enable_checkpointing=False,
-        enable_progress_bar=False, enable_model_summary=False, num_sanity_val_steps=0, default_root_dir=outdir,
+        accelerator="cpu",
+        devices=DEVICES,
+        max_steps=case.steps,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        num_sanity_val_steps=0,
+        default_root_dir=outdir,
         strategy=MMFSDP2Strategy({"sharding_size": "auto", "sub_modules_to_wrap": ["blocks.{*}"], **case.fsdp2}),
     )
     trainer.fit(module, train_dataloaders=torch.utils.data.DataLoader(CustomData(), batch_size=CUSTOM_PER_RANK))
@@ -217,8 +227,12 @@ def custom_reference(steps: list[list[list[int]]]) -> list[float]:
 
 
 # ------------------------------------------------------------------- Qwen3-MoE with all routers at zero
-ZERO_ROUTER = Case("qwen3_moe-ep4-zero-router", "qwen3_moe",
-                   {"expert_parallel_size": 4, "moe_modules": ["model.layers.{*}.mlp.experts"]}, steps=3)
+ZERO_ROUTER = Case(
+    "qwen3_moe-ep4-zero-router",
+    "qwen3_moe",
+    {"expert_parallel_size": 4, "moe_modules": ["model.layers.{*}.mlp.experts"]},
+    steps=3,
+)
 
 
 def _on_rank0_first(write: Callable[[], Any]) -> None:
@@ -316,7 +330,9 @@ def _routed_kernels(outdir: Path) -> None:
             local_flat = torch.cat([g.reshape(-1) * DEVICES for g in grads])  # scaled by 1/ep in the routed forward
             diff = lambda a, b: float((a - b).abs().max()) if a.numel() else 0.0  # noqa: E731
             results[f"{impl}-{routing}"] = {
-                "out": diff(out, ref_out), "x_grad": diff(x_grad, ref_x), "w_grad": diff(w_grad, ref_w),
+                "out": diff(out, ref_out),
+                "x_grad": diff(x_grad, ref_x),
+                "w_grad": diff(w_grad, ref_w),
                 "expert_grads": diff(local_flat, summed) / max(float(summed.abs().max()), 1e-30),
                 "finite": bool(all(torch.isfinite(g).all() for g in grads)),
             }
@@ -325,11 +341,18 @@ def _routed_kernels(outdir: Path) -> None:
 
 # ------------------------------------------------------- pretrained weights stored one tensor per expert (Hub layout)
 HUB_LAYOUT_CASES = [
-    Case("qwen3_moe-hub-layout-ep2", "qwen3_moe",
-         {"expert_parallel_size": 2, "moe_modules": ["model.layers.{*}.mlp.experts"]}, steps=3),
-    Case("qwen3_moe-hub-layout-ep4-whole", "qwen3_moe",
-         {"expert_parallel_size": 4, "moe_modules": ["model.layers.{*}.mlp.experts"], "reshard_local_experts": False},
-         steps=3),
+    Case(
+        "qwen3_moe-hub-layout-ep2",
+        "qwen3_moe",
+        {"expert_parallel_size": 2, "moe_modules": ["model.layers.{*}.mlp.experts"]},
+        steps=3,
+    ),
+    Case(
+        "qwen3_moe-hub-layout-ep4-whole",
+        "qwen3_moe",
+        {"expert_parallel_size": 4, "moe_modules": ["model.layers.{*}.mlp.experts"], "reshard_local_experts": False},
+        steps=3,
+    ),
 ]
 """Qwen3-MoE saved in its original Hub layout (``mlp.experts.{e}.gate_proj.weight`` etc., which Transformers 5 fuses
 into ``gate_up_proj``/``down_proj`` on load), trained with EP through ``TransformersModel``: each rank reads only the

@@ -30,8 +30,12 @@ STEPS = 4
 
 
 def _ep(family: str, size: int, reshard: bool = True, **extra: Any) -> dict[str, Any]:
-    return {"expert_parallel_size": size, "moe_modules": [MOE_MODULES[family]], "reshard_local_experts": reshard,
-            **extra}
+    return {
+        "expert_parallel_size": size,
+        "moe_modules": [MOE_MODULES[family]],
+        "reshard_local_experts": reshard,
+        **extra,
+    }
 
 
 EP_CASES = [
@@ -41,8 +45,12 @@ EP_CASES = [
     Case("qwen3_moe-ep4", "qwen3_moe", _ep("qwen3_moe", 4), steps=STEPS),
     Case("qwen3_moe-ep4-whole", "qwen3_moe", _ep("qwen3_moe", 4, False), steps=STEPS),
     Case("qwen3_vl_moe-ep2", "qwen3_vl_moe", _ep("qwen3_vl_moe", 2), steps=STEPS),
-    Case("qwen3_vl_moe-ep4-whole-align", "qwen3_vl_moe", _ep("qwen3_vl_moe", 4, False, align_fsdp_param_groups=True),
-         steps=STEPS),
+    Case(
+        "qwen3_vl_moe-ep4-whole-align",
+        "qwen3_vl_moe",
+        _ep("qwen3_vl_moe", 4, False, align_fsdp_param_groups=True),
+        steps=STEPS,
+    ),
     # Norm clipping that acts on every step: the norm must sum the experts of every rank of an EP group.
     Case("qwen3_moe-ep2-clip", "qwen3_moe", _ep("qwen3_moe", 2), steps=STEPS, clip=0.05),
     Case("qwen3_moe-ep4-whole-clip", "qwen3_moe", _ep("qwen3_moe", 4, False), steps=STEPS, clip=0.05),
@@ -86,6 +94,7 @@ def group_train(outdir: Path, ckptdir: Path) -> None:
     for case in EP_CASES:
         if only and case.name not in only.split(","):
             continue
+
         def run(case: Case = case) -> None:
             record, (trainer, module) = _fit(case, ckptdir, outdir, case.steps, devices=DEVICES)
             record["aligned"] = _aligned_unit(trainer, module)
@@ -168,11 +177,25 @@ def _idle_rank(outdir: Path) -> None:
     local_flat = torch.cat([g.reshape(-1) for g in local_grads])
     (expected_out, expected_x, expected_w, _), (out, x_grad, w_grad, _) = results
     diff = lambda a, b: float((a - b).abs().max()) if a.numel() else 0.0  # noqa: E731
-    _dump(IDLE_RANK, outdir, rank, {"error": None, "parts": [{
-        "out": diff(out, expected_out), "x_grad": diff(x_grad, expected_x), "w_grad": diff(w_grad, expected_w),
-        "expert_grads": diff(local_flat, summed) / max(float(summed.abs().max()), 1e-30),
-        "idle_expert_grads": max(float(g.abs().max()) for g in results[1][3]) if rank == DEVICES - 1 else None,
-    }]})
+    _dump(
+        IDLE_RANK,
+        outdir,
+        rank,
+        {
+            "error": None,
+            "parts": [
+                {
+                    "out": diff(out, expected_out),
+                    "x_grad": diff(x_grad, expected_x),
+                    "w_grad": diff(w_grad, expected_w),
+                    "expert_grads": diff(local_flat, summed) / max(float(summed.abs().max()), 1e-30),
+                    "idle_expert_grads": max(float(g.abs().max()) for g in results[1][3])
+                    if rank == DEVICES - 1
+                    else None,
+                }
+            ],
+        },
+    )
 
 
 def chain_checkpoint(outdir: Path, stage: int) -> Path:
@@ -215,8 +238,13 @@ def _expert_units(module: Any) -> list[dict[str, Any]]:
             out.append({"fsdp_mesh": None, "offload": None, "device": str(next(experts.parameters()).device)})
             continue
         group = experts._get_fsdp_state()._fsdp_param_group
-        out.append({"fsdp_mesh": group.mesh_info.mesh.size(), "offload": type(group.offload_policy).__name__,
-                    "device": str(group.fsdp_params[0].sharded_param.device)})
+        out.append(
+            {
+                "fsdp_mesh": group.mesh_info.mesh.size(),
+                "offload": type(group.offload_policy).__name__,
+                "device": str(group.fsdp_params[0].sharded_param.device),
+            }
+        )
     return out
 
 

@@ -82,8 +82,10 @@ class FakeNPUModule(types.ModuleType):
 def install(device_count: int = 2) -> FakeNPUModule:
     """Make ``npu`` a device type backed by a :class:`FakeNPUModule` (see the module docstring); returns it."""
     if os.environ.get(SUBPROCESS_FLAG) != "1":
-        raise RuntimeError(f"the fake NPU backend renames PrivateUse1 for good: install it only in a subprocess "
-                           f"started with {SUBPROCESS_FLAG}=1")
+        raise RuntimeError(
+            f"the fake NPU backend renames PrivateUse1 for good: install it only in a subprocess "
+            f"started with {SUBPROCESS_FLAG}=1"
+        )
     torch.utils.rename_privateuse1_backend("npu")
     module = FakeNPUModule(device_count)
     torch._register_device_module("npu", module)

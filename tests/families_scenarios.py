@@ -25,18 +25,29 @@ if str(ROOT) not in sys.path:
 from tests.parity import Case  # noqa: E402
 
 # case family -> (tiny family, MindSpeed template, padded width): data-path batches of four architectures.
-FAMILIES = {"data-gemma3": ("gemma3", None, 64), "data-glm4v": ("glm4v", "glm4.1v", 64),
-            "data-glm4v_moe": ("glm4v_moe", "glm4v_moe", 64),
-            "data-qwen2_5_omni_thinker": ("qwen2_5_omni_thinker", "qwen2_omni", 192)}
+FAMILIES = {
+    "data-gemma3": ("gemma3", None, 64),
+    "data-glm4v": ("glm4v", "glm4.1v", 64),
+    "data-glm4v_moe": ("glm4v_moe", "glm4v_moe", 64),
+    "data-qwen2_5_omni_thinker": ("qwen2_5_omni_thinker", "qwen2_omni", 192),
+}
 _GEMMA3_RECOMPUTE = ["model.vision_tower.encoder.layers.{*}", "model.language_model.layers.{*}"]
 CASES = [
     *[Case(f"{name}-plain", name, steps=3) for name in FAMILIES],  # towers trainable
-    Case("data-gemma3-recompute-nonreentrant", "data-gemma3",
-         {"recompute_modules": _GEMMA3_RECOMPUTE, "use_reentrant": False}, steps=3),
+    Case(
+        "data-gemma3-recompute-nonreentrant",
+        "data-gemma3",
+        {"recompute_modules": _GEMMA3_RECOMPUTE, "use_reentrant": False},
+        steps=3,
+    ),
     Case("data-glm4v-frozen-tower", "data-glm4v", freeze=("model.visual",), steps=3),
 ]
-TOWERS = {"data-gemma3": "model.vision_tower", "data-glm4v": "model.visual", "data-glm4v_moe": "model.visual",
-          "data-qwen2_5_omni_thinker": "model.visual"}
+TOWERS = {
+    "data-gemma3": "model.vision_tower",
+    "data-glm4v": "model.visual",
+    "data-glm4v_moe": "model.visual",
+    "data-qwen2_5_omni_thinker": "model.visual",
+}
 _SAMPLES = 12
 _TOKEN_KEYS = ("input_ids", "attention_mask", "labels", "mm_token_type_ids", "token_type_ids")
 
@@ -57,18 +68,35 @@ def prepare(out: Path) -> None:
         g = torch.Generator().manual_seed(100 + i)
         pixels = torch.randint(0, 256, (56, 56, 3), generator=g, dtype=torch.uint8)  # one size: fixed-shape batches
         Image.fromarray(pixels.numpy()).save(data / f"{i}.png")
-        records.append({"messages": [{"role": "user", "content": questions[i % 3]},
-                                     {"role": "assistant", "content": answers[i % 4]}], "images": [f"{i}.png"]})
+        records.append(
+            {
+                "messages": [
+                    {"role": "user", "content": questions[i % 3]},
+                    {"role": "assistant", "content": answers[i % 4]},
+                ],
+                "images": [f"{i}.png"],
+            }
+        )
     (data / "train.jsonl").write_text("\n".join(json.dumps(r) for r in records) + "\n")
     for name, (family, template, width) in FAMILIES.items():
         write_tiny_family(out / "ckpts" / name, family, seed=7, init_std=0.1)  # images weigh in the loss
-        config = {"dataset_type": "huggingface",
-                  "preprocess_parameters": {"model_name_or_path": str(out / "ckpts" / name),
-                                            "image_max_pixels": 56 * 56, "image_min_pixels": 1024},
-                  "basic_parameters": {"template": template, "dataset_dir": str(data),
-                                       "dataset": str(data / "train.jsonl")},
-                  "attr": {"images": "images", "messages": "messages", "role_tag": "role", "content_tag": "content",
-                           "user_tag": "user", "assistant_tag": "assistant"}}
+        config = {
+            "dataset_type": "huggingface",
+            "preprocess_parameters": {
+                "model_name_or_path": str(out / "ckpts" / name),
+                "image_max_pixels": 56 * 56,
+                "image_min_pixels": 1024,
+            },
+            "basic_parameters": {"template": template, "dataset_dir": str(data), "dataset": str(data / "train.jsonl")},
+            "attr": {
+                "images": "images",
+                "messages": "messages",
+                "role_tag": "role",
+                "content_tag": "content",
+                "user_tag": "user",
+                "assistant_tag": "assistant",
+            },
+        }
         (data / f"{name}.json").write_text(json.dumps({"dataset_param": config, "width": width}))
 
 
@@ -82,7 +110,8 @@ class DataPathSamples(torch.utils.data.Dataset):
 
         spec = json.loads((out / "data" / f"{name}.json").read_text())
         splits, self.collate, _ = build_huggingface_datasets(
-            spec["dataset_param"], {"pad_to_multiple_of": spec["width"]}, out, f"{name}.json", strict=True)
+            spec["dataset_param"], {"pad_to_multiple_of": spec["width"]}, out, f"{name}.json", strict=True
+        )
         self.samples, self.n, self.width = splits["train"], n, spec["width"]
 
     def __len__(self) -> int:
@@ -110,11 +139,16 @@ def main(outdir: Path) -> None:
 
     register(outdir)
     for case in CASES:
+
         def run(case: Case = case) -> None:
             record, (trainer, module) = ps._fit(case, outdir / "ckpts", outdir, case.steps)
             plan = trainer.strategy.plan
-            record["plan"] = {"units": [list(u.modules) for u in plan.units], "ignored": list(plan.ignored),
-                              "recompute": list(plan.recompute), "model_class": type(module.model).__name__}
+            record["plan"] = {
+                "units": [list(u.modules) for u in plan.units],
+                "ignored": list(plan.ignored),
+                "recompute": list(plan.recompute),
+                "model_class": type(module.model).__name__,
+            }
             ps._finish(case, outdir, [record], trainer, module)
 
         ps._guarded(case, outdir, run)

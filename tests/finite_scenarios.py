@@ -93,8 +93,10 @@ class Watch(L.Callback):
     def on_train_batch_start(self, trainer: L.Trainer, module: Any, batch: Any, idx: int) -> None:
         self.before = {n: _local(p) for n, p in module.named_parameters()}
         if trainer.global_step == 3:  # the full weights before step 3 (a collective, on every rank)
-            full = {n: (p.full_tensor() if isinstance(p, DTensor) else p).detach().clone()
-                    for n, p in module.named_parameters()}
+            full = {
+                n: (p.full_tensor() if isinstance(p, DTensor) else p).detach().clone()
+                for n, p in module.named_parameters()
+            }
             if trainer.global_rank == 0:
                 torch.save(full, self.work / "before_step3.pt")
 
@@ -119,11 +121,21 @@ def _fit(work: Path, run: str, module: Net, **strategy: Any) -> dict[str, Any]:
     watch = Watch(work)
     callbacks: list[Any] = [watch]
     if run == "nan_loss":
-        callbacks.append(ModelCheckpoint(dirpath=work / "ckpt", filename="{step}", every_n_train_steps=1,
-                                         save_top_k=-1))
-    trainer = L.Trainer(accelerator="cpu", devices=2, max_steps=STEPS, logger=False, enable_progress_bar=False,
-                        enable_model_summary=False, enable_checkpointing=run == "nan_loss", callbacks=callbacks,
-                        strategy=MMFSDP2Strategy({"sharding_size": "auto"}, **strategy), default_root_dir=work)
+        callbacks.append(
+            ModelCheckpoint(dirpath=work / "ckpt", filename="{step}", every_n_train_steps=1, save_top_k=-1)
+        )
+    trainer = L.Trainer(
+        accelerator="cpu",
+        devices=2,
+        max_steps=STEPS,
+        logger=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        enable_checkpointing=run == "nan_loss",
+        callbacks=callbacks,
+        strategy=MMFSDP2Strategy({"sharding_size": "auto"}, **strategy),
+        default_root_dir=work,
+    )
     result: dict[str, Any] = {"error": None}
     try:
         trainer.fit(module, train_dataloaders=_data())

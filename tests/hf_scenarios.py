@@ -27,8 +27,16 @@ SEQ = 16
 IMAGE_TOKEN = 5
 
 _TEXT = dict(
-    vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
-    num_key_value_heads=2, max_position_embeddings=64, bos_token_id=1, eos_token_id=2, pad_token_id=0,
+    vocab_size=VOCAB,
+    hidden_size=32,
+    intermediate_size=64,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    max_position_embeddings=64,
+    bos_token_id=1,
+    eos_token_id=2,
+    pad_token_id=0,
 )
 _VISION = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4)
 
@@ -38,24 +46,54 @@ FAMILIES: dict[str, tuple[str, dict[str, Any]]] = {
     # 63 MLP rows: shards of 32 and 31 rows (FSDP2's uneven split) must be read from the right offsets.
     "qwen2": ("Qwen2ForCausalLM", {**_TEXT, "intermediate_size": 63, "tie_word_embeddings": False}),
     "qwen3": ("Qwen3ForCausalLM", {**_TEXT, "head_dim": 8, "tie_word_embeddings": False}),
-    "internvl": ("InternVLForConditionalGeneration", dict(
-        text_config={"model_type": "qwen2", **_TEXT}, image_token_id=IMAGE_TOKEN, downsample_ratio=0.5,
-        vision_config={**_VISION, "image_size": [28, 28], "patch_size": [14, 14]},
-    )),
-    "qwen2_5_vl": ("Qwen2_5_VLForConditionalGeneration", dict(
-        text_config={**_TEXT, "rope_parameters": {"rope_type": "default", "rope_theta": 10000.0,
-                                                  "mrope_section": [1, 1, 2]}},
-        vision_config=dict(depth=2, hidden_size=32, intermediate_size=64, num_heads=4, out_hidden_size=32,
-                           fullatt_block_indexes=[1], window_size=28, patch_size=14, spatial_merge_size=2,
-                           temporal_patch_size=2),
-        image_token_id=IMAGE_TOKEN, video_token_id=6, vision_start_token_id=7, vision_end_token_id=8,
-    )),
-    "llava": ("LlavaForConditionalGeneration", dict(
-        text_config={"model_type": "llama", **_TEXT},
-        vision_config={**_VISION, "model_type": "clip_vision_model", "image_size": 28, "patch_size": 14,
-                       "projection_dim": 32},
-        image_token_id=IMAGE_TOKEN,
-    )),
+    "internvl": (
+        "InternVLForConditionalGeneration",
+        dict(
+            text_config={"model_type": "qwen2", **_TEXT},
+            image_token_id=IMAGE_TOKEN,
+            downsample_ratio=0.5,
+            vision_config={**_VISION, "image_size": [28, 28], "patch_size": [14, 14]},
+        ),
+    ),
+    "qwen2_5_vl": (
+        "Qwen2_5_VLForConditionalGeneration",
+        dict(
+            text_config={
+                **_TEXT,
+                "rope_parameters": {"rope_type": "default", "rope_theta": 10000.0, "mrope_section": [1, 1, 2]},
+            },
+            vision_config=dict(
+                depth=2,
+                hidden_size=32,
+                intermediate_size=64,
+                num_heads=4,
+                out_hidden_size=32,
+                fullatt_block_indexes=[1],
+                window_size=28,
+                patch_size=14,
+                spatial_merge_size=2,
+                temporal_patch_size=2,
+            ),
+            image_token_id=IMAGE_TOKEN,
+            video_token_id=6,
+            vision_start_token_id=7,
+            vision_end_token_id=8,
+        ),
+    ),
+    "llava": (
+        "LlavaForConditionalGeneration",
+        dict(
+            text_config={"model_type": "llama", **_TEXT},
+            vision_config={
+                **_VISION,
+                "model_type": "clip_vision_model",
+                "image_size": 28,
+                "patch_size": 14,
+                "projection_dim": 32,
+            },
+            image_token_id=IMAGE_TOKEN,
+        ),
+    ),
 }
 
 
@@ -176,9 +214,7 @@ def _fit_family(
             obs["plan_ignored"] = list(trainer.strategy.plan.ignored)
             obs["n_params"] = len(params)
             obs["not_equal"] = [n for n, p in params.items() if not torch.equal(_full(p.detach()), ref_state[n])]
-            obs["buffers_not_equal"] = [
-                n for n, b in model.named_buffers() if not torch.equal(b, ref_buffers[n])
-            ]
+            obs["buffers_not_equal"] = [n for n, b in model.named_buffers() if not torch.equal(b, ref_buffers[n])]
             layer = next(n for n in params if ".layers.0." in n and n.endswith("q_proj.weight"))
             obs["layer_param"] = layer
             obs["layer_is_dtensor"] = isinstance(params[layer], DTensor)
@@ -200,9 +236,16 @@ def _fit_family(
 
     module = Module(lr=2e-2)
     trainer = L.Trainer(
-        accelerator="cpu", devices=2, max_steps=steps, logger=False, enable_checkpointing=False,
-        enable_progress_bar=False, enable_model_summary=False, num_sanity_val_steps=0,
-        strategy=MMFSDP2Strategy({"sharding_size": sharding_size}), callbacks=[Observe()],
+        accelerator="cpu",
+        devices=2,
+        max_steps=steps,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        num_sanity_val_steps=0,
+        strategy=MMFSDP2Strategy({"sharding_size": sharding_size}),
+        callbacks=[Observe()],
     )
     loader = torch.utils.data.DataLoader(FamilyData(family, n=4), batch_size=2)
     trainer.fit(module, train_dataloaders=loader)
@@ -250,8 +293,11 @@ def scenario_random_init(outdir: str, ckptdir: str) -> None:
             q = _full(model.model.layers[0].self_attn.q_proj.weight.detach())
             obs["is_dtensor"] = isinstance(model.model.layers[0].self_attn.q_proj.weight, DTensor)
             obs["any_nan"] = any(bool(torch.isnan(_full(p.detach())).any()) for p in model.parameters())
-            obs["norms_one"] = all(bool(torch.all(_full(m.weight.detach()) == 1)) for n, m in model.named_modules()
-                                   if type(m).__name__.endswith("RMSNorm"))
+            obs["norms_one"] = all(
+                bool(torch.all(_full(m.weight.detach()) == 1))
+                for n, m in model.named_modules()
+                if type(m).__name__.endswith("RMSNorm")
+            )
             obs["pad_row_zero"] = bool(torch.all(embed[0] == 0))
             obs["q_std"] = float(q.std())
             obs["inv_freq"] = model.model.rotary_emb.inv_freq.tolist()
@@ -265,9 +311,16 @@ def scenario_random_init(outdir: str, ckptdir: str) -> None:
 
     torch.manual_seed(0)
     trainer = L.Trainer(
-        accelerator="cpu", devices=2, max_steps=2, logger=False, enable_checkpointing=False,
-        enable_progress_bar=False, enable_model_summary=False, num_sanity_val_steps=0,
-        strategy=MMFSDP2Strategy({"sharding_size": "auto"}), callbacks=[Observe(), Record()],
+        accelerator="cpu",
+        devices=2,
+        max_steps=2,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        num_sanity_val_steps=0,
+        strategy=MMFSDP2Strategy({"sharding_size": "auto"}),
+        callbacks=[Observe(), Record()],
     )
     trainer.fit(Module(lr=1e-2), train_dataloaders=torch.utils.data.DataLoader(FamilyData("llama_tied"), batch_size=2))
     obs["losses"] = losses

@@ -44,9 +44,17 @@ def scenario_order(outdir: str) -> None:
     """One epoch, batch 1: each rank's sample order, its loader's sampler, and the unshuffled order expected."""
     data = MMDataModule(data_config=Path(outdir) / "data.json", batch_size=1)
     module = _Recorder()
-    trainer = L.Trainer(accelerator="cpu", devices=2, strategy=MMFSDP2Strategy(), max_epochs=1, logger=False,
-                        enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
-                        num_sanity_val_steps=0)
+    trainer = L.Trainer(
+        accelerator="cpu",
+        devices=2,
+        strategy=MMFSDP2Strategy(),
+        max_epochs=1,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        num_sanity_val_steps=0,
+    )
     trainer.fit(module, datamodule=data)
     rank = trainer.global_rank
     dataset = data._splits["train"]
@@ -55,7 +63,8 @@ def scenario_order(outdir: str) -> None:
     result: dict[str, Any] = {
         "seen": module.seen,
         "expected": [dataset[i]["input_ids"].tolist() for i in expected],
-        "sampler": type(sampler).__name__, "shuffle": getattr(sampler, "shuffle", None),
+        "sampler": type(sampler).__name__,
+        "shuffle": getattr(sampler, "shuffle", None),
     }
     with open(f"{outdir}/order.rank{rank}.json", "w") as handle:
         json.dump(result, handle)
@@ -74,18 +83,28 @@ def scenario_parity(outdir: str) -> None:
             return TransformersModel({"init_from_hf_path": str(Path(outdir) / "model")})
 
         def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
-            record["rows"].append([row[mask.bool()].tolist()
-                                   for row, mask in zip(batch["input_ids"], batch["attention_mask"])])
+            record["rows"].append(
+                [row[mask.bool()].tolist() for row, mask in zip(batch["input_ids"], batch["attention_mask"])]
+            )
             loss = super().training_step(batch, batch_idx)
             record["losses"].append(float(loss.detach()))
             return loss
 
     torch.manual_seed(0)
     data = MMDataModule(data_config=Path(outdir) / "data.json", batch_size=2)
-    trainer = L.Trainer(accelerator="cpu", devices=2, strategy=MMFSDP2Strategy({"sharding_size": "auto"}),
-                        max_steps=3, precision="32-true", logger=False, enable_checkpointing=False,
-                        enable_progress_bar=False, enable_model_summary=False, num_sanity_val_steps=0,
-                        default_root_dir=outdir)
+    trainer = L.Trainer(
+        accelerator="cpu",
+        devices=2,
+        strategy=MMFSDP2Strategy({"sharding_size": "auto"}),
+        max_steps=3,
+        precision="32-true",
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        num_sanity_val_steps=0,
+        default_root_dir=outdir,
+    )
     trainer.fit(Module(lr=5e-3, log_grad_norm=False), datamodule=data)
     with open(f"{outdir}/parity.rank{trainer.global_rank}.json", "w") as handle:
         json.dump(record, handle)

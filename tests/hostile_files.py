@@ -18,8 +18,9 @@ def write_corrupt_png(path: Path, width: int = 20, height: int = 12) -> Path:
     every row names filter type 9, which does not exist, so decoding fails."""
     rows = b"".join(b"\x09" + b"\x10" * (3 * width) for _ in range(height))
     header = struct.pack(">IIBBBBB", width, height, 8, 2, 0, 0, 0)
-    path.write_bytes(b"\x89PNG\r\n\x1a\n" + _chunk(b"IHDR", header) + _chunk(b"IDAT", zlib.compress(rows))
-                     + _chunk(b"IEND", b""))
+    path.write_bytes(
+        b"\x89PNG\r\n\x1a\n" + _chunk(b"IHDR", header) + _chunk(b"IDAT", zlib.compress(rows)) + _chunk(b"IEND", b"")
+    )
     return path
 
 
@@ -39,6 +40,8 @@ def write_captioning_data(root: Path, good: int, corrupt_line: int) -> Path:
     (root / "train.jsonl").write_text("\n".join(lines) + "\n")
     _tokenizer(root / "tokenizer")
     config = root / "data.yaml"
-    config.write_text("data_root: .\ntrain: train.jsonl\npreprocess: {tokenizer: tokenizer, image_size: 16, "
-                      "max_length: 8}\nloader: {batch_size: 2, shuffle: false}\n")
+    config.write_text(
+        "data_root: .\ntrain: train.jsonl\npreprocess: {tokenizer: tokenizer, image_size: 16, "
+        "max_length: 8}\nloader: {batch_size: 2, shuffle: false}\n"
+    )
     return config

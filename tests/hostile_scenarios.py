@@ -31,9 +31,17 @@ def scenario_corrupt_image(outdir: str) -> None:
     data = MMDataModule.from_config(Path(outdir) / "data" / "data.yaml")
     module = CaptioningModule(vocab_size=12, hidden_size=16, num_layers=1)
     strategy = MMFSDP2Strategy({"sharding_size": "auto", "sub_modules_to_wrap": ["text_decoder.decoder.layers.{*}"]})
-    trainer = L.Trainer(accelerator="cpu", devices=2, strategy=strategy, max_epochs=2, logger=False,
-                        enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
-                        num_sanity_val_steps=0)
+    trainer = L.Trainer(
+        accelerator="cpu",
+        devices=2,
+        strategy=strategy,
+        max_epochs=2,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        num_sanity_val_steps=0,
+    )
     trainer.fit(module, datamodule=data)
     report = data.reports["train"]
     result: dict[str, Any] = {"steps": trainer.global_step, "skipped": report.skipped, "problems": report.problems}
@@ -80,16 +88,25 @@ class _Hang(L.Callback):
         if self.where == "setup":
             self._hang(trainer)
 
-    def on_train_batch_start(self, trainer: L.Trainer, pl_module: L.LightningModule, batch: Any,
-                             batch_idx: int) -> None:
+    def on_train_batch_start(
+        self, trainer: L.Trainer, pl_module: L.LightningModule, batch: Any, batch_idx: int
+    ) -> None:
         if self.where == "step" and batch_idx == 2:
             self._hang(trainer)
 
 
 def _fit_hanging(outdir: str, rank: int, where: str, how: str) -> None:
-    trainer = L.Trainer(accelerator="cpu", devices=2, strategy=MMFSDP2Strategy(stop_timeout=STOP_TIMEOUT),
-                        max_steps=100_000, logger=False, enable_checkpointing=False, enable_progress_bar=False,
-                        enable_model_summary=False, callbacks=[_Hang(outdir, rank, where, how)])
+    trainer = L.Trainer(
+        accelerator="cpu",
+        devices=2,
+        strategy=MMFSDP2Strategy(stop_timeout=STOP_TIMEOUT),
+        max_steps=100_000,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        callbacks=[_Hang(outdir, rank, where, how)],
+    )
     trainer.fit(_Net(), train_dataloaders=torch.utils.data.DataLoader(torch.randn(4096, 8), batch_size=2))
 
 

@@ -69,8 +69,12 @@ def worker(rank: int, work: Path, full_disk: str | None) -> None:
         try:
             store.save(lightning_dict(model, optimizer), directory / "train.ckpt", "torch_dcp", EXTRA, None)
         except BaseException as error:  # what a user sees (DCP's CheckpointException is a BaseException)
-            record = {"raised": type(error).__name__, "message": str(error),
-                      "errno": getattr(error, "errno", None), "mro": [c.__name__ for c in type(error).__mro__]}
+            record = {
+                "raised": type(error).__name__,
+                "message": str(error),
+                "errno": getattr(error, "errno", None),
+                "mro": [c.__name__ for c in type(error).__mro__],
+            }
         dist.barrier()
         record["listing"] = sorted(p.name for p in directory.iterdir())
         (work / f"full_disk.rank{rank}.json").write_text(json.dumps(record))

@@ -30,8 +30,15 @@ BATCH = 2  # per rank
 # family -> (lora setting without target_modules' values resolved, extra TransformersModel keys, FSDP2 YAML)
 SETTINGS: dict[str, dict[str, Any]] = {
     "qwen3": dict(
-        lora={"rank": 4, "alpha": 8, "target_modules": ["model.layers.{*}.self_attn.q_proj",
-                                                        "model.layers.{*}.self_attn.v_proj", "model.layers.{1}.mlp"]},
+        lora={
+            "rank": 4,
+            "alpha": 8,
+            "target_modules": [
+                "model.layers.{*}.self_attn.q_proj",
+                "model.layers.{*}.self_attn.v_proj",
+                "model.layers.{1}.mlp",
+            ],
+        },
         extra={},  # use_cache stays on: recomputation turns the cache off itself
         fsdp2={"sharding_size": "auto", "recompute_modules": ["model.layers.{*}"], "use_reentrant": True},
     ),
@@ -64,8 +71,9 @@ def _index_of(family: str, ids: torch.Tensor) -> int:
     return next(i for i in range(len(data)) if torch.equal(data[i]["input_ids"], ids))
 
 
-def _reference(family: str, ckpt: Path, targets: list[str], setting: dict[str, Any],
-               indices: list[list[list[int]]]) -> tuple[Any, dict, list]:
+def _reference(
+    family: str, ckpt: Path, targets: list[str], setting: dict[str, Any], indices: list[list[list[int]]]
+) -> tuple[Any, dict, list]:
     """The one-process PEFT reference: its initial adapters and its per-step, per-rank losses."""
     import transformers
     from peft import LoraConfig, get_peft_model
@@ -74,8 +82,9 @@ def _reference(family: str, ckpt: Path, targets: list[str], setting: dict[str, A
     lora = setting["lora"]
     torch.manual_seed(0)
     model = get_peft_model(model, LoraConfig(r=lora["rank"], lora_alpha=lora["alpha"], target_modules=targets))
-    initial = {n.removeprefix("base_model.model."): p.detach().clone()
-               for n, p in model.named_parameters() if p.requires_grad}
+    initial = {
+        n.removeprefix("base_model.model."): p.detach().clone() for n, p in model.named_parameters() if p.requires_grad
+    }
     params = [p for p in model.parameters() if p.requires_grad]
     optimizer = torch.optim.AdamW(params, lr=LR, weight_decay=0.0, betas=(0.9, 0.999))
     losses = []
@@ -88,8 +97,16 @@ def _reference(family: str, ckpt: Path, targets: list[str], setting: dict[str, A
     return model.eval(), initial, losses
 
 
-def _run(family: str, ckpt: Path, work: Path, ckpt_path: str | None = None, save: bool = False,
-         precision: str = "32-true", lora: dict[str, Any] | None = None, steps: int = STEPS) -> tuple[Any, ...]:
+def _run(
+    family: str,
+    ckpt: Path,
+    work: Path,
+    ckpt_path: str | None = None,
+    save: bool = False,
+    precision: str = "32-true",
+    lora: dict[str, Any] | None = None,
+    steps: int = STEPS,
+) -> tuple[Any, ...]:
     import lightning as L
     from lightning.pytorch.callbacks import ModelCheckpoint
 
@@ -126,19 +143,30 @@ def _run(family: str, ckpt: Path, work: Path, ckpt_path: str | None = None, save
 
     callbacks: list[Any] = [Observe()]
     if save:
-        callbacks.append(ModelCheckpoint(dirpath=work / "ckpt", filename="{step}", every_n_train_steps=2,
-                                         save_top_k=-1))
+        callbacks.append(
+            ModelCheckpoint(dirpath=work / "ckpt", filename="{step}", every_n_train_steps=2, save_top_k=-1)
+        )
     module = Module(lr=LR)
     trainer = L.Trainer(
-        accelerator="cpu", devices=2, max_steps=steps, logger=False, enable_checkpointing=save, precision=precision,
-        enable_progress_bar=False, enable_model_summary=False, num_sanity_val_steps=0,
-        strategy=MMFSDP2Strategy(setting["fsdp2"]), callbacks=callbacks,
+        accelerator="cpu",
+        devices=2,
+        max_steps=steps,
+        logger=False,
+        enable_checkpointing=save,
+        precision=precision,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        num_sanity_val_steps=0,
+        strategy=MMFSDP2Strategy(setting["fsdp2"]),
+        callbacks=callbacks,
     )
     loader = torch.utils.data.DataLoader(FamilyData(family, n=8), batch_size=BATCH)  # 2 steps an epoch: step 2 ends one
     trainer.fit(module, train_dataloaders=loader, ckpt_path=ckpt_path)
     optimizer = trainer.optimizers[0]
     obs["optimizer_state"] = sum(
-        _full(v).numel() for state in optimizer.state.values() for v in state.values()
+        _full(v).numel()
+        for state in optimizer.state.values()
+        for v in state.values()
         if isinstance(v, torch.Tensor) and v.ndim > 0
     )
     return module, trainer, obs
@@ -174,8 +202,9 @@ def _family(family: str, ckptdir: str, outdir: str, resume: bool) -> None:
         "adapters": adapters,
         "trainable": obs["trainable"],
         "changed": sorted(n for n in final if not torch.equal(final[n], obs["initial"][n])),
-        "base_not_loaded": sorted(n for n in final if n not in adapters
-                                  and not torch.equal(obs["initial"][n], ref_start[n])),
+        "base_not_loaded": sorted(
+            n for n in final if n not in adapters and not torch.equal(obs["initial"][n], ref_start[n])
+        ),
         "initial_not_peft": sorted(n for n in adapters if not torch.equal(obs["initial"][n], ref_initial[n])),
         "plan": obs["plan"],
         "plan_ignored": obs["plan_ignored"],
@@ -212,11 +241,14 @@ def _family(family: str, ckptdir: str, outdir: str, resume: bool) -> None:
     if rank == 0:
         from lightning_mm.commands.convert import main as convert_main
 
-        result["convert_unmerged_rc"] = convert_main(["dcp-to-hf", str(work / "ckpt" / "step=4.ckpt"),
-                                                      str(work / "unmerged")])
+        result["convert_unmerged_rc"] = convert_main(
+            ["dcp-to-hf", str(work / "ckpt" / "step=4.ckpt"), str(work / "unmerged")]
+        )
         result["unmerged_written"] = (work / "unmerged").exists()
-        assert convert_main(["dcp-to-hf", str(work / "ckpt" / "step=4.ckpt"), str(work / "converted"),
-                             "--merge-lora"]) == 0
+        assert (
+            convert_main(["dcp-to-hf", str(work / "ckpt" / "step=4.ckpt"), str(work / "converted"), "--merge-lora"])
+            == 0
+        )
         converted = work / "converted"
         with torch.no_grad():
             result["converted_logits_rel"] = rel(cls.from_pretrained(str(converted)).eval()(**batch).logits)
@@ -226,8 +258,13 @@ def _family(family: str, ckptdir: str, outdir: str, resume: bool) -> None:
         from lightning_mm.hf.lora import LoRAConfigError
 
         try:
-            _run(family, ckpt, work / "changed", ckpt_path=str(work / "ckpt" / "step=2.ckpt"),
-                 lora={"alpha": 2 * SETTINGS[family]["lora"]["alpha"]})
+            _run(
+                family,
+                ckpt,
+                work / "changed",
+                ckpt_path=str(work / "ckpt" / "step=2.ckpt"),
+                lora={"alpha": 2 * SETTINGS[family]["lora"]["alpha"]},
+            )
         except LoRAConfigError as err:
             result["changed_alpha_error"] = str(err)
         _, _, again = _run(family, ckpt, work / "again", ckpt_path=str(work / "ckpt" / "step=2.ckpt"))
@@ -235,8 +272,9 @@ def _family(family: str, ckptdir: str, outdir: str, resume: bool) -> None:
         result["resumed_indices"] = again["indices"]
         result["indices"] = obs["indices"]
         # Built on the meta device from the exported adapters: they are the starting point on every shard.
-        _, _, start = _run(family, ckpt, work / "pretrained", steps=1,
-                           lora={"pretrained_lora_path": str(work / "adapters")})
+        _, _, start = _run(
+            family, ckpt, work / "pretrained", steps=1, lora={"pretrained_lora_path": str(work / "adapters")}
+        )
         result["pretrained_not_equal"] = sorted(n for n in adapters if not torch.equal(start["initial"][n], final[n]))
     _dump(family, outdir, rank, result)
 
@@ -303,16 +341,23 @@ def _custom(outdir: str) -> None:
             obs["initial"] = {n: _full(p).clone() for n, p in pl_module.model.named_parameters()}
 
         def on_train_batch_start(self, trainer: L.Trainer, pl_module: Any, batch: Any, idx: int) -> None:
-            obs["indices"].append([next(i for i in range(len(data)) if torch.equal(data[i]["x"], x))
-                                   for x in batch["x"]])
+            obs["indices"].append(
+                [next(i for i in range(len(data)) if torch.equal(data[i]["x"], x)) for x in batch["x"]]
+            )
 
         def on_train_batch_end(self, trainer: L.Trainer, pl_module: Any, outputs: Any, batch: Any, idx: int) -> None:
             obs["losses"].append(float(outputs["loss"].detach()))
 
     module = Module(lr=LR)
     trainer = L.Trainer(
-        accelerator="cpu", devices=2, max_steps=STEPS, logger=False, enable_checkpointing=False,
-        enable_progress_bar=False, enable_model_summary=False, num_sanity_val_steps=0,
+        accelerator="cpu",
+        devices=2,
+        max_steps=STEPS,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        num_sanity_val_steps=0,
         strategy=MMFSDP2Strategy({"sharding_size": "auto", "sub_modules_to_wrap": ["blocks.{*}"]}),
         callbacks=[Observe()],
     )
@@ -333,30 +378,45 @@ def _custom(outdir: str) -> None:
     optimizer = torch.optim.AdamW([p for p in reference.parameters() if p.requires_grad], lr=LR, weight_decay=0.0)
     ref_losses = []
     for step in range(STEPS):
-        per_rank = [reference(**torch.utils.data.default_collate([data[i] for i in indices[r][step]]))
-                    for r in range(2)]
+        per_rank = [
+            reference(**torch.utils.data.default_collate([data[i] for i in indices[r][step]])) for r in range(2)
+        ]
         optimizer.zero_grad()
         ((per_rank[0] + per_rank[1]) / 2).backward()
         optimizer.step()
         ref_losses.append(per_rank[trainer.global_rank].item())
     final = {n: _full(p) for n, p in module.model.named_parameters()}
-    _dump("custom", outdir, trainer.global_rank, {
-        "losses": obs["losses"], "ref_losses": ref_losses, "adapters": adapters,
-        "initial_not_peft": sorted(n for n in adapters if not torch.equal(obs["initial"][n], initial_peft[n])),
-        "changed": sorted(n for n in final if not torch.equal(final[n], obs["initial"][n])),
-    })
+    _dump(
+        "custom",
+        outdir,
+        trainer.global_rank,
+        {
+            "losses": obs["losses"],
+            "ref_losses": ref_losses,
+            "adapters": adapters,
+            "initial_not_peft": sorted(n for n in adapters if not torch.equal(obs["initial"][n], initial_peft[n])),
+            "changed": sorted(n for n in final if not torch.equal(final[n], obs["initial"][n])),
+        },
+    )
 
 
 def _mixed(ckptdir: str, outdir: str) -> None:
     """Qwen3 with LoRA under ``bf16-mixed``: bf16 compute, fp32 adapters and optimiser."""
     module, trainer, obs = _run("qwen3", Path(ckptdir) / "qwen3", Path(outdir) / "mixed", precision="bf16-mixed")
     params = dict(module.model.named_parameters())
-    _dump("mixed", outdir, trainer.global_rank, {
-        "losses": obs["losses"], "indices": obs["indices"],
-        "adapter_dtypes": sorted({str(params[n].dtype) for n in obs["trainable"]}),
-        "changed": sorted(n for n, p in params.items() if not torch.equal(_full(p), obs["initial"][n])),
-        "trainable": obs["trainable"], "plan": obs["plan"],
-    })
+    _dump(
+        "mixed",
+        outdir,
+        trainer.global_rank,
+        {
+            "losses": obs["losses"],
+            "indices": obs["indices"],
+            "adapter_dtypes": sorted({str(params[n].dtype) for n in obs["trainable"]}),
+            "changed": sorted(n for n, p in params.items() if not torch.equal(_full(p), obs["initial"][n])),
+            "trainable": obs["trainable"],
+            "plan": obs["plan"],
+        },
+    )
 
 
 def scenario_all(outdir: str, ckptdir: str) -> None:

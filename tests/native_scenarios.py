@@ -30,8 +30,9 @@ class Recorder(L.Callback):
         self.losses: list[float] = []
         self.batches: list[dict[str, torch.Tensor]] = []
 
-    def on_train_batch_end(self, trainer: L.Trainer, pl_module: L.LightningModule, outputs: Any, batch: Any,
-                           batch_idx: int) -> None:
+    def on_train_batch_end(
+        self, trainer: L.Trainer, pl_module: L.LightningModule, outputs: Any, batch: Any, batch_idx: int
+    ) -> None:
         loss = outputs["loss"] if isinstance(outputs, dict) else outputs
         self.losses.append(float(loss.detach()))
         self.batches.append({k: v.detach().cpu().clone() for k, v in batch.items() if isinstance(v, torch.Tensor)})
@@ -39,9 +40,12 @@ class Recorder(L.Callback):
     def on_train_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         rank = trainer.global_rank
         strategy = trainer.strategy
-        info = {"losses": self.losses, "expert_parallel_size": strategy.fsdp2_config.expert_parallel_size,
-                "recompute_modules": strategy.fsdp2_config.recompute_modules,
-                "units": [unit.name for unit in strategy.plan.units]}
+        info = {
+            "losses": self.losses,
+            "expert_parallel_size": strategy.fsdp2_config.expert_parallel_size,
+            "recompute_modules": strategy.fsdp2_config.recompute_modules,
+            "units": [unit.name for unit in strategy.plan.units],
+        }
         Path(self.outdir, f"native.rank{rank}.json").write_text(json.dumps(info))
         torch.save(self.batches, Path(self.outdir, f"native.rank{rank}.pt"))
 

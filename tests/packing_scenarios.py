@@ -76,8 +76,9 @@ class TinyRopeLM(nn.Module):
         self.head = nn.Linear(hidden, vocab)
         self.register_buffer("inv_freq", 1.0 / 10000 ** (torch.arange(0, hidden // heads, 2) / (hidden // heads)))
 
-    def forward(self, input_ids: torch.Tensor, labels: torch.Tensor, position_ids: torch.Tensor | None = None
-                ) -> torch.Tensor:
+    def forward(
+        self, input_ids: torch.Tensor, labels: torch.Tensor, position_ids: torch.Tensor | None = None
+    ) -> torch.Tensor:
         b, s = input_ids.shape
         if position_ids is None:
             position_ids = torch.arange(s, device=input_ids.device)[None].expand(b, s)
@@ -92,8 +93,12 @@ class TinyRopeLM(nn.Module):
 
         attn = F.scaled_dot_product_attention(rotate(q), rotate(k), v, attn_mask=block_causal_mask(position_ids))
         logits = self.head(x + self.proj(attn.transpose(1, 2).reshape(b, s, -1)))
-        return F.cross_entropy(logits[:, :-1].flatten(0, 1), labels[:, 1:].flatten(), ignore_index=IGNORE_INDEX,
-                               reduction="sum") / (labels[:, 1:] != IGNORE_INDEX).sum()
+        return (
+            F.cross_entropy(
+                logits[:, :-1].flatten(0, 1), labels[:, 1:].flatten(), ignore_index=IGNORE_INDEX, reduction="sum"
+            )
+            / (labels[:, 1:] != IGNORE_INDEX).sum()
+        )
 
 
 class PackedLM(L.LightningModule):
@@ -116,9 +121,15 @@ class Recorder(L.Callback):
     def on_train_batch_end(self, trainer: L.Trainer, pl_module: Any, outputs: Any, batch: Any, idx: int) -> None:
         ids, positions = batch["input_ids"][0], batch["position_ids"]
         starts = torch.diff(segment_ids(positions)[0], prepend=torch.tensor([-1])) != 0
-        self.steps.append({"epoch": trainer.current_epoch, "step": trainer.global_step,
-                           "samples": (ids[starts] - ID_OFFSET).tolist(), "tokens": int(ids.numel()),
-                           "loss": float(outputs["loss"].detach())})
+        self.steps.append(
+            {
+                "epoch": trainer.current_epoch,
+                "step": trainer.global_step,
+                "samples": (ids[starts] - ID_OFFSET).tolist(),
+                "tokens": int(ids.numel()),
+                "loss": float(outputs["loss"].detach()),
+            }
+        )
 
 
 def fit(devices: int, outdir: str, ckpt_path: str | None = None, save_dir: str | None = None) -> tuple[int, list]:
@@ -129,12 +140,20 @@ def fit(devices: int, outdir: str, ckpt_path: str | None = None, save_dir: str |
     if save_dir is not None:
         callbacks.append(ModelCheckpoint(dirpath=save_dir, every_n_train_steps=RESUME_STEP, save_top_k=-1))
     trainer = L.Trainer(
-        accelerator="cpu", devices=devices, max_epochs=EPOCHS, logger=False, enable_checkpointing=save_dir is not None,
-        enable_progress_bar=False, enable_model_summary=False, num_sanity_val_steps=0, callbacks=callbacks,
+        accelerator="cpu",
+        devices=devices,
+        max_epochs=EPOCHS,
+        logger=False,
+        enable_checkpointing=save_dir is not None,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        num_sanity_val_steps=0,
+        callbacks=callbacks,
         strategy=MMFSDP2Strategy({"sharding_size": "auto", "sub_modules_to_wrap": ["model.qkv", "model.head"]}),
     )
-    data = MMDataModule(train_dataset=SkewedData(), packing=True, max_tokens_per_rank=MAX_TOKENS,
-                        packing_buffer_size=BUFFER, seed=SEED)
+    data = MMDataModule(
+        train_dataset=SkewedData(), packing=True, max_tokens_per_rank=MAX_TOKENS, packing_buffer_size=BUFFER, seed=SEED
+    )
     trainer.fit(PackedLM(), datamodule=data, ckpt_path=ckpt_path)
     return trainer.global_rank, recorder.steps
 
@@ -165,13 +184,22 @@ def context_parallel_step(outdir: str, model_dir: str) -> None:
             return loss
 
         def on_before_optimizer_step(self, optimizer: torch.optim.Optimizer) -> None:
-            result["grads"] = {n: (p.grad.full_tensor() if isinstance(p.grad, DTensor) else p.grad).clone()
-                               for n, p in self.model.named_parameters() if p.grad is not None}  # collectives
+            result["grads"] = {
+                n: (p.grad.full_tensor() if isinstance(p.grad, DTensor) else p.grad).clone()
+                for n, p in self.model.named_parameters()
+                if p.grad is not None
+            }  # collectives
 
     packed = PackedCollator()(samples_of("qwen3"))
     trainer = L.Trainer(
-        accelerator="cpu", devices=2, max_steps=1, logger=False, enable_checkpointing=False,
-        enable_progress_bar=False, enable_model_summary=False, num_sanity_val_steps=0,
+        accelerator="cpu",
+        devices=2,
+        max_steps=1,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        num_sanity_val_steps=0,
         strategy=MMFSDP2Strategy({"sharding_size": "auto"}, context_parallel_size=2),
     )
     loader = torch.utils.data.DataLoader([packed], batch_size=None)

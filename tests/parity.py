@@ -65,15 +65,19 @@ TRAIN_CASES = [
     *[Case(f"{f}-plain", f) for f in RECOMPUTE if f != QWEN3_VL],  # qwen3_vl-resume trains it plain
     *[Case(f"{f}-recompute-reentrant", f, _recompute(f, True)) for f in RECOMPUTE],
     *[Case(f"{f}-recompute-nonreentrant", f, _recompute(f, False)) for f in ("qwen2_5_vl", "qwen3")],
-    Case("qwen3_vl-recompute-nonreentrant-frozen-tower", QWEN3_VL, _recompute(QWEN3_VL, False),
-         freeze=("model.visual",)),
+    Case(
+        "qwen3_vl-recompute-nonreentrant-frozen-tower", QWEN3_VL, _recompute(QWEN3_VL, False), freeze=("model.visual",)
+    ),
     Case("internvl-trainable-ignored-tower", "internvl", {"ignored_modules": ["model.vision_tower"]}),
     Case("internvl-frozen-tower", "internvl", freeze=("model.vision_tower",)),
     Case("qwen3-accumulate-2", "qwen3", steps=4, accumulate=2),
     Case("qwen2_5_vl-clip", "qwen2_5_vl", clip=0.5),
     Case("llama_tied-bf16", "llama_tied", precision="bf16-mixed"),
-    Case("torch_layers-recompute", TORCH_LAYERS,
-         {"sub_modules_to_wrap": ["encoder.layers.{*}"], "recompute_modules": ["encoder.layers.{*}"]}),
+    Case(
+        "torch_layers-recompute",
+        TORCH_LAYERS,
+        {"sub_modules_to_wrap": ["encoder.layers.{*}"], "recompute_modules": ["encoder.layers.{*}"]},
+    ),
 ]
 RESUME_CASES = [
     Case("qwen3-resume", "qwen3", resume_at=3),
@@ -150,8 +154,13 @@ def _plain_model(case: Case, ckpt: Path | None, initial: dict[str, torch.Tensor]
         import transformers
 
         assert ckpt is not None
-        arch = (qwen3_vl_family.ARCH if case.family == QWEN3_VL
-                else EXTRA[case.family][0] if case.family in EXTRA else FAMILIES[case.family][0])
+        arch = (
+            qwen3_vl_family.ARCH
+            if case.family == QWEN3_VL
+            else EXTRA[case.family][0]
+            if case.family in EXTRA
+            else FAMILIES[case.family][0]
+        )
         model = getattr(transformers, arch).from_pretrained(str(ckpt), dtype=torch.float32)
     _freeze(model, case.freeze)
     return model.train()
@@ -175,7 +184,9 @@ bias without rotary embeddings, whose exact gradient is zero (softmax ignores a 
 
 
 def reference_run(
-    case: Case, steps: list[list[list[int]]], ckpt: Path | None = None,
+    case: Case,
+    steps: list[list[list[int]]],
+    ckpt: Path | None = None,
     initial: dict[str, torch.Tensor] | None = None,
 ) -> Reference:
     """Train the plain model over ``steps`` (per micro-batch, the sample indices of each rank) in one process.

@@ -50,8 +50,9 @@ def _gathered(model: torch.nn.Module) -> dict[str, torch.Tensor]:
     return {name: _full(p) for name, p in model.named_parameters()}
 
 
-def _fit(case: Case, ckptdir: Path, outdir: Path, max_steps: int, devices: int = 2,
-         ckpt_path: str | None = None) -> tuple[dict[str, Any], Any]:
+def _fit(
+    case: Case, ckptdir: Path, outdir: Path, max_steps: int, devices: int = 2, ckpt_path: str | None = None
+) -> tuple[dict[str, Any], Any]:
     import lightning as L
 
     from lightning_mm import MMFSDP2Strategy, MMLightningModule
@@ -91,9 +92,18 @@ def _fit(case: Case, ckptdir: Path, outdir: Path, max_steps: int, devices: int =
     torch.manual_seed(0)
     module = Module(lr=LR, log_grad_norm=False)
     trainer = L.Trainer(
-        accelerator="cpu", devices=devices, max_steps=max_steps, accumulate_grad_batches=case.accumulate,
-        gradient_clip_val=case.clip, precision=case.precision, logger=False, enable_checkpointing=False,
-        enable_progress_bar=False, enable_model_summary=False, num_sanity_val_steps=0, default_root_dir=outdir,
+        accelerator="cpu",
+        devices=devices,
+        max_steps=max_steps,
+        accumulate_grad_batches=case.accumulate,
+        gradient_clip_val=case.clip,
+        precision=case.precision,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        num_sanity_val_steps=0,
+        default_root_dir=outdir,
         strategy=MMFSDP2Strategy({"sharding_size": "auto", **case.fsdp2}),
         callbacks=[*([SaveInitial()] if case.family == TORCH_LAYERS else []), *([RecordNorm()] if case.clip else [])],
     )
@@ -126,6 +136,7 @@ def _guarded(case: Case, outdir: Path, run: Any) -> None:
 
 def group_train(outdir: Path, ckptdir: Path) -> None:
     for case in TRAIN_CASES:
+
         def run(case: Case = case) -> None:
             record, (trainer, module) = _fit(case, ckptdir, outdir, case.steps)
             _finish(case, outdir, [record], trainer, module)
@@ -135,12 +146,14 @@ def group_train(outdir: Path, ckptdir: Path) -> None:
 
 def group_resume(outdir: Path, ckptdir: Path) -> None:
     for case in RESUME_CASES:
+
         def run(case: Case = case) -> None:
             assert case.resume_at is not None
             first, (trainer, _) = _fit(case, ckptdir, outdir, case.resume_at)
             trainer.save_checkpoint(outdir / f"{case.name}.ckpt")
-            second, (trainer, module) = _fit(case, ckptdir, outdir, case.steps,
-                                             ckpt_path=str(outdir / f"{case.name}.ckpt"))
+            second, (trainer, module) = _fit(
+                case, ckptdir, outdir, case.steps, ckpt_path=str(outdir / f"{case.name}.ckpt")
+            )
             _finish(case, outdir, [first, second], trainer, module)
 
         _guarded(case, outdir, run)
@@ -152,8 +165,9 @@ def group_resume_one(outdir: Path, ckptdir: Path) -> None:
     one = Case(f"{case.name}-one-rank", case.family, case.fsdp2, case.freeze, case.steps, resume_at=case.resume_at)
 
     def run() -> None:
-        second, (trainer, module) = _fit(one, ckptdir, outdir, case.steps, devices=1,
-                                         ckpt_path=str(outdir / f"{case.name}.ckpt"))
+        second, (trainer, module) = _fit(
+            one, ckptdir, outdir, case.steps, devices=1, ckpt_path=str(outdir / f"{case.name}.ckpt")
+        )
         _finish(one, outdir, [second], trainer, module)
 
     _guarded(one, outdir, run)

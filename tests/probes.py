@@ -31,7 +31,9 @@ class MemoryProbe(L.Callback):
         trainable = sum(_local_bytes(p) for p in pl_module.parameters() if p.requires_grad)
         optimizer = trainer.optimizers[0]
         states = sum(
-            _local_bytes(v) for state in optimizer.state.values() for k, v in state.items()
+            _local_bytes(v)
+            for state in optimizer.state.values()
+            for k, v in state.items()
             if isinstance(v, torch.Tensor) and k != "step"
         )
         Path(f"{self.path}.rank{trainer.global_rank}.json").write_text(

@@ -23,14 +23,33 @@ GRIDS = ((1, 4, 4), (1, 2, 4))  # a 56x56 image (4 tokens) and a 28x56 one (2 to
 SEQ = 24
 
 CONFIG: dict[str, Any] = dict(
-    text_config={**{k: v for k, v in _TEXT.items() if k not in ("bos_token_id", "eos_token_id")}, "head_dim": 8,
-                 "rope_parameters": {
-        "rope_type": "default", "rope_theta": 10000.0, "mrope_section": [1, 1, 2], "mrope_interleaved": True}},
-    vision_config=dict(depth=2, hidden_size=32, intermediate_size=64, num_heads=4, out_hidden_size=32,
-                       patch_size=14, spatial_merge_size=MERGE, temporal_patch_size=2, num_position_embeddings=16,
-                       deepstack_visual_indexes=[0, 1]),
-    image_token_id=IMAGE_TOKEN, video_token_id=VIDEO_TOKEN, vision_start_token_id=VISION_START,
-    vision_end_token_id=VISION_END, tie_word_embeddings=False,
+    text_config={
+        **{k: v for k, v in _TEXT.items() if k not in ("bos_token_id", "eos_token_id")},
+        "head_dim": 8,
+        "rope_parameters": {
+            "rope_type": "default",
+            "rope_theta": 10000.0,
+            "mrope_section": [1, 1, 2],
+            "mrope_interleaved": True,
+        },
+    },
+    vision_config=dict(
+        depth=2,
+        hidden_size=32,
+        intermediate_size=64,
+        num_heads=4,
+        out_hidden_size=32,
+        patch_size=14,
+        spatial_merge_size=MERGE,
+        temporal_patch_size=2,
+        num_position_embeddings=16,
+        deepstack_visual_indexes=[0, 1],
+    ),
+    image_token_id=IMAGE_TOKEN,
+    video_token_id=VIDEO_TOKEN,
+    vision_start_token_id=VISION_START,
+    vision_end_token_id=VISION_END,
+    tie_word_embeddings=False,
 )
 RECOMPUTE = ["model.visual.blocks.{*}", "model.language_model.layers.{*}"]
 
@@ -77,13 +96,15 @@ class Qwen3VLData(torch.utils.data.Dataset):
         at = 1 + i % 3
         for grid in GRIDS:
             n = image_tokens(grid)
-            ids[at], ids[at + 1: at + 1 + n], ids[at + 1 + n] = VISION_START, IMAGE_TOKEN, VISION_END
+            ids[at], ids[at + 1 : at + 1 + n], ids[at + 1 + n] = VISION_START, IMAGE_TOKEN, VISION_END
             at += n + 3
         labels = ids.clone()
         labels[ids == IMAGE_TOKEN] = -100
         patches = sum(t * h * w for t, h, w in GRIDS)
         return {
-            "input_ids": ids, "attention_mask": torch.ones_like(ids), "labels": labels,
+            "input_ids": ids,
+            "attention_mask": torch.ones_like(ids),
+            "labels": labels,
             "pixel_values": torch.randn(patches, PATCH, generator=g),
             "image_grid_thw": torch.tensor(GRIDS),
             "mm_token_type_ids": (ids == IMAGE_TOKEN).long(),

@@ -38,8 +38,11 @@ def test_a_key_the_model_does_not_take_is_named_with_what_it_takes(models):
     batch = _batch("llava")
     batch["images"] = batch.pop("pixel_values")
     batch["input_ids"][batch["input_ids"] == 5] = 11  # a text-only batch with a stray image key
-    with pytest.raises(BatchCheckError, match=r"batch key\(s\) 'images' are not taken by LlavaForConditionalGeneration"
-                                              r".*It takes: .*pixel_values.* \(and the keyword arguments .*\)$"):
+    with pytest.raises(
+        BatchCheckError,
+        match=r"batch key\(s\) 'images' are not taken by LlavaForConditionalGeneration"
+        r".*It takes: .*pixel_values.* \(and the keyword arguments .*\)$",
+    ):
         check_batch(models["llava"], batch)
     with torch.no_grad():  # what the check prevents: Transformers trains on the text alone, without an error
         models["llava"](**batch)
@@ -60,13 +63,17 @@ def test_images_without_their_placeholders_are_an_error(models, family):
     batch["input_ids"][batch["input_ids"] == 5] = 11
     if "mm_token_type_ids" in batch:
         batch["mm_token_type_ids"].zero_()
-    with pytest.raises(BatchCheckError, match=r"make \d+ image tokens but input_ids holds 0 image placeholder tokens "
-                                              r"\(image_token_id 5\)"):
+    with pytest.raises(
+        BatchCheckError,
+        match=r"make \d+ image tokens but input_ids holds 0 image placeholder tokens "
+        r"\(image_token_id 5\)",
+    ):
         check_batch(models[family], batch)
 
 
-@pytest.mark.parametrize("family,expected,given", [("llava", 8, 7), ("internvl", 2, 1), ("qwen2_5_vl", 2, 1),
-                                                   ("qwen3_vl", 12, 11)])
+@pytest.mark.parametrize(
+    "family,expected,given", [("llava", 8, 7), ("internvl", 2, 1), ("qwen2_5_vl", 2, 1), ("qwen3_vl", 12, 11)]
+)
 def test_placeholder_count_must_equal_the_tokens_the_images_make(models, family, expected, given):
     batch = _batch(family)
     first = int((batch["input_ids"][0] == 5).nonzero()[0])
@@ -104,13 +111,18 @@ def test_qwen_images_need_mm_token_type_ids_or_3d_positions(models, family):
         check_batch(models[family], batch)
     with pytest.raises(BatchCheckError, match="neither"):  # 1-D positions are what Qwen2.5-VL falls back to
         check_batch(models[family], {**batch, "position_ids": torch.arange(batch["input_ids"].shape[1])[None]})
-    positions, _ = models[family].model.get_rope_index(batch["input_ids"], types, batch["image_grid_thw"],
-                                                       attention_mask=batch["attention_mask"])
+    positions, _ = models[family].model.get_rope_index(
+        batch["input_ids"], types, batch["image_grid_thw"], attention_mask=batch["attention_mask"]
+    )
     check_batch(models[family], {**batch, "position_ids": positions})
     wrong = types.clone()
     wrong[0, 0] = 1
-    with pytest.raises(BatchCheckError, match="mm_token_type_ids marks 3 image tokens .* holds 2"
-                       if family == "qwen2_5_vl" else "mm_token_type_ids marks 13 image tokens .* holds 12"):
+    with pytest.raises(
+        BatchCheckError,
+        match="mm_token_type_ids marks 3 image tokens .* holds 2"
+        if family == "qwen2_5_vl"
+        else "mm_token_type_ids marks 13 image tokens .* holds 12",
+    ):
         check_batch(models[family], {**batch, "mm_token_type_ids": wrong})
 
 
@@ -168,9 +180,17 @@ def test_fit_stops_before_the_first_step_and_a_correct_batch_trains(tmp_path):
         return TransformersModel({"hf_config": {"model_type": "llava", **FAMILIES["llava"][1]}})
 
     def trainer() -> L.Trainer:
-        return L.Trainer(accelerator="cpu", devices=1, max_steps=2, logger=False, enable_checkpointing=False,
-                         enable_progress_bar=False, enable_model_summary=False, num_sanity_val_steps=0,
-                         default_root_dir=tmp_path)
+        return L.Trainer(
+            accelerator="cpu",
+            devices=1,
+            max_steps=2,
+            logger=False,
+            enable_checkpointing=False,
+            enable_progress_bar=False,
+            enable_model_summary=False,
+            num_sanity_val_steps=0,
+            default_root_dir=tmp_path,
+        )
 
     torch.manual_seed(0)
     module = MMLightningModule(model_provider=provider, lr=1e-2, log_throughput=False)

@@ -56,8 +56,7 @@ class Plain(L.LightningModule):
 def _module(path: str) -> L.LightningModule:
     torch.manual_seed(0)
     if path == "seed":
-        module = MMLightningModule(model_provider=llava, forward_step=seed_forward_step, lr=1e-2,
-                                   log_throughput=False)
+        module = MMLightningModule(model_provider=llava, forward_step=seed_forward_step, lr=1e-2, log_throughput=False)
     elif path == "override":
         module = Overriding(lr=1e-2, log_throughput=False)
     else:
@@ -67,9 +66,17 @@ def _module(path: str) -> L.LightningModule:
 
 
 def _trainer(tmp_path: Path, steps: int = 1) -> L.Trainer:
-    return L.Trainer(accelerator="cpu", devices=1, max_steps=steps, logger=False, enable_checkpointing=False,
-                     enable_progress_bar=False, enable_model_summary=False, num_sanity_val_steps=0,
-                     default_root_dir=tmp_path)
+    return L.Trainer(
+        accelerator="cpu",
+        devices=1,
+        max_steps=steps,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        num_sanity_val_steps=0,
+        default_root_dir=tmp_path,
+    )
 
 
 def _loader(broken: str | None = None) -> torch.utils.data.DataLoader:
@@ -190,8 +197,14 @@ def test_install_is_idempotent_and_its_handle_takes_the_check_off():
 def test_two_ranks_under_fsdp2_train_and_stop_before_step_one(tmp_path):
     env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
     env.pop("LOCAL_RANK", None)
-    proc = subprocess.run([sys.executable, str(ROOT / "tests" / "batch_check_scenarios.py"), str(tmp_path)],
-                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+    proc = subprocess.run(
+        [sys.executable, str(ROOT / "tests" / "batch_check_scenarios.py"), str(tmp_path)],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     assert proc.returncode == 0, f"{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}"
     ranks = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(2)]
     for rank in ranks:

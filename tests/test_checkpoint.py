@@ -58,16 +58,28 @@ def _trained(seed: int = 0, head: str = "head") -> tuple[Net, torch.optim.Optimi
 
 def _lightning_dict(net: Net, opt: torch.optim.Optimizer, full: bool = False) -> dict:
     return {
-        "epoch": 0, "global_step": 2, "pytorch-lightning_version": "2.6",
-        "state_dict": store.model_state(net, full), "optimizer_states": [store.optimizer_state(net, opt, full)],
-        "lr_schedulers": [], "loops": {"fit_loop": {"state_dict": {"combined_loader": [{"yielded": 2}]}}},
+        "epoch": 0,
+        "global_step": 2,
+        "pytorch-lightning_version": "2.6",
+        "state_dict": store.model_state(net, full),
+        "optimizer_states": [store.optimizer_state(net, opt, full)],
+        "lr_schedulers": [],
+        "loops": {"fit_loop": {"state_dict": {"combined_loader": [{"yielded": 2}]}}},
     }
 
 
 # ------------------------------------------------------------------------------------------- layout
 def test_split_and_fill_round_trip_and_per_rank_loader_state():
-    tree = {"state_dict": {"a.w": torch.ones(2)}, "optimizer_states": [{"state": {"a.w": {"step": torch.tensor(1.0),
-            "note": "x"}}, "param_groups": [{"lr": 0.1, "params": ["a.w"]}]}], "epoch": 3}
+    tree = {
+        "state_dict": {"a.w": torch.ones(2)},
+        "optimizer_states": [
+            {
+                "state": {"a.w": {"step": torch.tensor(1.0), "note": "x"}},
+                "param_groups": [{"lr": 0.1, "params": ["a.w"]}],
+            }
+        ],
+        "epoch": 3,
+    }
     meta, tensors = split_tensors(tree)
     assert set(tensors) == {"state_dict/a.w", "optimizer_states/0/state/a.w/step"}
     assert meta["state_dict"]["a.w"] == {MARKER: "state_dict/a.w"} and meta["epoch"] == 3
@@ -194,8 +206,9 @@ def test_strict_load_lists_keys_non_strict_loads_the_rest_and_reports(tmp_path):
     assert "unexpected in the checkpoint: head.weight, head.bias" in str(info.value)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        loaded = store.load(tmp_path / "c.ckpt", renamed, [renamed_opt], strict=False, rank=0, world_size=1,
-                            fitting=True)
+        loaded = store.load(
+            tmp_path / "c.ckpt", renamed, [renamed_opt], strict=False, rank=0, world_size=1, fitting=True
+        )
     messages = [str(w.message) for w in caught]
     assert any("Non-strict" in m and "out.weight" in m for m in messages)
     assert "head.weight" in loaded.skipped and "out.weight" in loaded.skipped
@@ -242,8 +255,17 @@ def _tiny_llama(tie: bool = True):
     from transformers import LlamaConfig, LlamaForCausalLM
 
     torch.manual_seed(3)
-    return LlamaForCausalLM(LlamaConfig(vocab_size=32, hidden_size=16, intermediate_size=32, num_hidden_layers=1,
-                                        num_attention_heads=2, num_key_value_heads=1, tie_word_embeddings=tie))
+    return LlamaForCausalLM(
+        LlamaConfig(
+            vocab_size=32,
+            hidden_size=16,
+            intermediate_size=32,
+            num_hidden_layers=1,
+            num_attention_heads=2,
+            num_key_value_heads=1,
+            tie_word_embeddings=tie,
+        )
+    )
 
 
 def test_hf_record_names_prefix_and_hugging_face_class_of_an_adapter():
@@ -268,8 +290,12 @@ def test_converters_round_trip_in_one_process(tmp_path):
     wrapper = nn.Module()
     wrapper.model = _tiny_llama()
     opt = torch.optim.AdamW(wrapper.parameters())
-    ckpt = {"epoch": 0, "global_step": 0, "state_dict": store.model_state(wrapper, False),
-            "optimizer_states": [store.optimizer_state(wrapper, opt, False)]}
+    ckpt = {
+        "epoch": 0,
+        "global_step": 0,
+        "state_dict": store.model_state(wrapper, False),
+        "optimizer_states": [store.optimizer_state(wrapper, opt, False)],
+    }
     store.save(ckpt, tmp_path / "c.ckpt", "torch_dcp", EXTRA | {"hf": hf_records(wrapper)}, None)
     # dcp -> torch: full tensors in Lightning's layout, loadable weights-only.
     consolidate.dcp_to_torch(tmp_path / "c.ckpt", tmp_path / "c.pt", model_only=True)
@@ -290,7 +316,7 @@ def test_converters_round_trip_in_one_process(tmp_path):
     torch.nn.init.zeros_(other.model.lm_head.weight)
     store.load(tmp_path / "back.ckpt", other, [], strict=True, rank=0, world_size=1, fitting=False)
     for key, value in other.state_dict().items():
-        assert torch.equal(value, hf[key[len("model."):]].to(value.dtype)), key
+        assert torch.equal(value, hf[key[len("model.") :]].to(value.dtype)), key
 
 
 def test_convert_cli_reports_bad_input_clearly(tmp_path, capsys):

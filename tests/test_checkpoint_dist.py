@@ -27,8 +27,9 @@ SCRIPT = ROOT / "tests" / "ckpt_scenarios.py"
 def _launch(name: str, work: Path, expect_ok: bool = True) -> subprocess.CompletedProcess:
     env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
     env.pop("LOCAL_RANK", None)
-    proc = subprocess.run([sys.executable, str(SCRIPT), name, str(work)], cwd=ROOT, env=env, capture_output=True,
-                          text=True, timeout=600)
+    proc = subprocess.run(
+        [sys.executable, str(SCRIPT), name, str(work)], cwd=ROOT, env=env, capture_output=True, text=True, timeout=600
+    )
     if expect_ok and proc.returncode != 0:
         raise AssertionError(
             f"scenario {name} failed ({proc.returncode}):\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}"
@@ -49,12 +50,19 @@ def work(tmp_path_factory: pytest.TempPathFactory) -> Path:
     crash = _launch("crash", work, expect_ok=False)
     assert crash.returncode != 0, "the crash scenario should have been killed"
     # What the crash left, before anything else touches the directory.
-    (work / "crash_state.json").write_text(json.dumps({
-        "entries": sorted(p.name for p in (work / "crash").iterdir()),
-        "last_step": open_source(work / "crash" / "last.ckpt").meta["global_step"],
-        "partials": [sorted(q.name for q in p.iterdir()) for p in (work / "crash").iterdir()
-                     if p.name.startswith(".last.ckpt.partial-")],
-    }))
+    (work / "crash_state.json").write_text(
+        json.dumps(
+            {
+                "entries": sorted(p.name for p in (work / "crash").iterdir()),
+                "last_step": open_source(work / "crash" / "last.ckpt").meta["global_step"],
+                "partials": [
+                    sorted(q.name for q in p.iterdir())
+                    for p in (work / "crash").iterdir()
+                    if p.name.startswith(".last.ckpt.partial-")
+                ],
+            }
+        )
+    )
     _launch("main", work)
 
     # Conversions, in this (single) process, through the CLI entry point.
@@ -120,7 +128,8 @@ def test_model_checkpoint_top_k_last_link_and_every_n_steps(work):
     assert best["last.ckpt"]["link"] == main["best_last_saved"]
     # every_n_train_steps=3 with save_last=True (a copy, overwritten atomically each time).
     assert main["all_listing"] == {f"step={s}.ckpt": {"link": None, "complete": True} for s in (3, 6, 9, 12)} | {
-        "last.ckpt": {"link": None, "complete": True}}
+        "last.ckpt": {"link": None, "complete": True}
+    }
     assert open_source(work / "all" / "last.ckpt").meta["global_step"] == 12
 
 
@@ -129,8 +138,11 @@ def test_kill_mid_save_keeps_previous_checkpoint_and_last_resumes_from_it(work):
     # Rank 1 was killed while step 4's last.ckpt was being written: the half-written one is hidden and incomplete,
     # last.ckpt is still step 2's, and the earlier checkpoints are complete.
     assert crash["last_step"] == 2
-    assert [name for name in crash["entries"] if not name.startswith(".")] == ["last.ckpt", "step=2.ckpt",
-                                                                              "step=4.ckpt"]
+    assert [name for name in crash["entries"] if not name.startswith(".")] == [
+        "last.ckpt",
+        "step=2.ckpt",
+        "step=4.ckpt",
+    ]
     assert len(crash["partials"]) == 1 and ".metadata" not in crash["partials"][0]
     assert "meta.pt" not in crash["partials"][0]
     for rank in (0, 1):
@@ -192,7 +204,7 @@ def test_dcp_to_hf_to_dcp_round_trips_and_trains_from_hf_weights(work):
     assert json.loads((work / "hf_out" / "config.json").read_text())["architectures"] == ["LlamaForCausalLM"]
     assert {f"model.{k}" for k in hf} == set(ref)
     for key, value in ref.items():
-        assert torch.equal(hf[key[len("model."):]], value), key
+        assert torch.equal(hf[key[len("model.") :]], value), key
     back = open_source(work / "llama_back.ckpt")
     tensors = back.read_full(list(back.shapes))
     # The tied lm_head is stored once in the HF files (as save_pretrained does): an alias of the embedding here.
@@ -215,8 +227,14 @@ def test_dcp_to_hf_to_dcp_round_trips_and_trains_from_hf_weights(work):
 
 def test_dcp_to_torch_works_on_every_kind_of_checkpoint_this_project_writes(work, tmp_path):
     """HSDP, 1-rank, weights-only (from HF), torch-format and save_last copies all consolidate."""
-    cases = {"hsdp.ckpt": "ref_hsdp.pt", "one.ckpt": "ref_one.pt", "llama_back.ckpt": None,
-             "torch/step=3.ckpt": None, "all/last.ckpt": None, "best/last.ckpt": None}
+    cases = {
+        "hsdp.ckpt": "ref_hsdp.pt",
+        "one.ckpt": "ref_one.pt",
+        "llama_back.ckpt": None,
+        "torch/step=3.ckpt": None,
+        "all/last.ckpt": None,
+        "best/last.ckpt": None,
+    }
     for name, ref in cases.items():
         out = tmp_path / (name.replace("/", "_") + ".pt")
         assert convert_cmd.main(["dcp-to-torch", str(work / name), str(out)]) == 0, name

@@ -161,5 +161,7 @@ def test_a_tiny_vlm_in_the_hf_format_loads_with_from_pretrained(family, tmp_path
     back = cls.from_pretrained(out)
     for key, value in root.model.state_dict().items():
         assert torch.equal(back.state_dict()[key], value), key
-    assert transformers.AutoTokenizer.from_pretrained(out).get_vocab() == transformers.AutoTokenizer.from_pretrained(
-        source).get_vocab()
+    assert (
+        transformers.AutoTokenizer.from_pretrained(out).get_vocab()
+        == transformers.AutoTokenizer.from_pretrained(source).get_vocab()
+    )

@@ -39,8 +39,14 @@ EXTRA = {"format_version": 1, "kind": "training", "world_size": 1, "rng_point": 
 def _tmpfs(path: Path, size: str) -> Iterator[bool]:
     """Mount a tmpfs of ``size`` at ``path`` for the block; False where mounting is not permitted."""
     path.mkdir(parents=True, exist_ok=True)
-    mounted = subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(path)],
-                             capture_output=True).returncode == 0 if shutil.which("mount") else False
+    mounted = (
+        subprocess.run(
+            ["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(path)], capture_output=True
+        ).returncode
+        == 0
+        if shutil.which("mount")
+        else False
+    )
     try:
         yield mounted
     finally:
@@ -201,8 +207,9 @@ def test_full_disk_truncated_and_corrupted_files_in_one_process_say_so(runs, tmp
 
             def full_disk_save(obj, f, *args, **kwargs):
                 if isinstance(obj, dict) and "optimizer_states" in obj:
-                    raise RuntimeError("[enforce fail at inline_container.cc:672] . unexpected pos 704 vs 598") \
-                        from OSError(errno.ENOSPC, "No space left on device")
+                    raise RuntimeError(
+                        "[enforce fail at inline_container.cc:672] . unexpected pos 704 vs 598"
+                    ) from OSError(errno.ENOSPC, "No space left on device")
                 return real_save(obj, f, *args, **kwargs)
 
             monkeypatch.setattr(torch, "save", full_disk_save)
@@ -225,7 +232,7 @@ def test_full_disk_truncated_and_corrupted_files_in_one_process_say_so(runs, tmp
     assert not isinstance(info.value, EOFError)
     bad = _copy(runs, "a", tmp_path, "bad.ckpt")
     payload = bytearray((bad / "meta.pt").read_bytes())
-    payload[len(payload) // 2: len(payload) // 2 + 64] = b"\x00" * 64
+    payload[len(payload) // 2 : len(payload) // 2 + 64] = b"\x00" * 64
     (bad / "meta.pt").write_bytes(bytes(payload))
     _forge_manifest(bad)
     with pytest.raises(CheckpointError, match=r"bad\.ckpt/meta\.pt: (corrupted|truncated)") as info:
@@ -269,8 +276,13 @@ def test_leftover_partials_of_this_run_and_of_dead_processes_go_at_the_next_save
             path.mkdir()
             (path / "__0_0.distcp").write_bytes(b"x")
         net = nn.Linear(2, 2)
-        store.save({"epoch": 0, "global_step": 0, "state_dict": net.state_dict()}, tmp_path / "last.ckpt",
-                   "torch_dcp", EXTRA, None)
+        store.save(
+            {"epoch": 0, "global_step": 0, "state_dict": net.state_dict()},
+            tmp_path / "last.ckpt",
+            "torch_dcp",
+            EXTRA,
+            None,
+        )
         left = sorted(p.name for p in tmp_path.iterdir())
         assert left == sorted([running.name, elsewhere.name, unknown.name, stranger.name, "last.ckpt"])
     finally:

@@ -62,9 +62,16 @@ class _Tiny(L.LightningModule):
 
 
 def _trainer(dirpath: Path) -> L.Trainer:
-    return L.Trainer(accelerator="cpu", devices=1, strategy=MMFSDP2Strategy(), max_steps=1, logger=False,
-                     enable_progress_bar=False, enable_model_summary=False,
-                     callbacks=[ModelCheckpoint(dirpath=dirpath, save_last="link")])
+    return L.Trainer(
+        accelerator="cpu",
+        devices=1,
+        strategy=MMFSDP2Strategy(),
+        max_steps=1,
+        logger=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        callbacks=[ModelCheckpoint(dirpath=dirpath, save_last="link")],
+    )
 
 
 def test_resuming_from_a_last_link_whose_checkpoint_is_gone_is_refused_naming_link_and_target(tmp_path):
@@ -74,8 +81,10 @@ def test_resuming_from_a_last_link_whose_checkpoint_is_gone_is_refused_naming_li
         _trainer(tmp_path).fit(_Tiny(), train_dataloaders=data, ckpt_path="last")  # before: trained from step 0
     message = str(info.value)
     assert "\n" not in message
-    assert message.startswith(f'ckpt_path="last": {tmp_path / "last.ckpt"} is a link to step=4.ckpt '
-                              f"({tmp_path / 'step=4.ckpt'}), which does not exist"), message
+    assert message.startswith(
+        f'ckpt_path="last": {tmp_path / "last.ckpt"} is a link to step=4.ckpt '
+        f"({tmp_path / 'step=4.ckpt'}), which does not exist"
+    ), message
     assert (tmp_path / "last.ckpt").is_symlink()  # nothing was written
 
 

@@ -39,8 +39,11 @@ def s3() -> dict:
     server = ThreadedMotoServer(ip_address="127.0.0.1", port=port, verbose=False)
     server.start()
     endpoint = f"http://127.0.0.1:{port}"
-    options = {"key": "AKIALIGHTNINGMMTEST", "secret": SECRET,
-               "client_kwargs": {"endpoint_url": endpoint, "region_name": "eu-west-1"}}
+    options = {
+        "key": "AKIALIGHTNINGMMTEST",
+        "secret": SECRET,
+        "client_kwargs": {"endpoint_url": endpoint, "region_name": "eu-west-1"},
+    }
     fs = fsspec.filesystem("s3", skip_instance_cache=True, **options)
     fs.mkdir(BUCKET, region_name="eu-west-1")
     yield {"endpoint": endpoint, "storage_options": options, "bucket": f"s3://{BUCKET}", "fs": fs}
@@ -66,10 +69,15 @@ def work(s3, tmp_path_factory: pytest.TempPathFactory) -> dict:
         staged_error = str(caught.value)
     main = run_scenario("main", work, script=SCRIPT)
     fs.invalidate_cache()
-    return {"dir": work, "after_crash": after_crash, "last_step": last_step, "staged_error": staged_error,
-            "staged_url": staged_url,
-            "logs": crash.stdout + crash.stderr + main.stdout + main.stderr,
-            "main": [json.loads((work / f"main.rank{r}.json").read_text()) for r in range(2)]}
+    return {
+        "dir": work,
+        "after_crash": after_crash,
+        "last_step": last_step,
+        "staged_error": staged_error,
+        "staged_url": staged_url,
+        "logs": crash.stdout + crash.stderr + main.stdout + main.stderr,
+        "main": [json.loads((work / f"main.rank{r}.json").read_text()) for r in range(2)],
+    }
 
 
 def _names(fs, prefix: str) -> list[str]:
@@ -141,8 +149,11 @@ def _trained() -> tuple[nn.Module, torch.optim.Optimizer, dict]:
     optimizer = torch.optim.AdamW(model.parameters(), lr=0.1)
     model(torch.randn(5, 4)).square().mean().backward()
     optimizer.step()
-    checkpoint = {"state_dict": store.model_state(model, full=False),
-                  "optimizer_states": [store.optimizer_state(model, optimizer, full=False)], "global_step": 1}
+    checkpoint = {
+        "state_dict": store.model_state(model, full=False),
+        "optimizer_states": [store.optimizer_state(model, optimizer, full=False)],
+        "global_step": 1,
+    }
     return model, optimizer, checkpoint
 
 
@@ -153,8 +164,9 @@ def _fresh() -> tuple[nn.Module, torch.optim.Optimizer]:
 
 
 def _load(url: str, model: nn.Module, optimizer: torch.optim.Optimizer) -> store.Loaded:
-    return store.load(url, model, [optimizer], strict=True, rank=0, world_size=1, fitting=True,
-                      source=remote.open_source(url))
+    return store.load(
+        url, model, [optimizer], strict=True, rank=0, world_size=1, fitting=True, source=remote.open_source(url)
+    )
 
 
 def test_memory_url_round_trip_replace_and_remove():
@@ -225,8 +237,12 @@ def test_convert_reads_and_writes_urls(tmp_path):
     assert convert_cmd.main(["dcp-to-torch", "memory://mm-convert/a.ckpt", "memory://mm-convert/a.pt"]) == 1  # exists
     options = tmp_path / "options.json"
     options.write_text("{}")
-    assert convert_cmd.main(["dcp-to-torch", "memory://mm-convert/a.ckpt", str(tmp_path / "b.pt"),
-                             "--storage-options", str(options)]) == 0
+    assert (
+        convert_cmd.main(
+            ["dcp-to-torch", "memory://mm-convert/a.ckpt", str(tmp_path / "b.pt"), "--storage-options", str(options)]
+        )
+        == 0
+    )
     assert torch.equal(torch.load(tmp_path / "b.pt", weights_only=True)["state_dict"]["0.weight"], model[0].weight)
     fs.rm_file("/mm-convert/a.ckpt/manifest.json")
     assert convert_cmd.main(["dcp-to-torch", "memory://mm-convert/a.ckpt", str(tmp_path / "c.pt")]) == 1
@@ -246,8 +262,13 @@ def test_ckpt_path_last_with_a_modelcheckpoint_at_a_url_names_the_url_to_pass():
 
     from lightning_mm.strategies.launch import check_ckpt_path
 
-    trainer = L.Trainer(accelerator="cpu", devices=1, logger=False, enable_progress_bar=False,
-                        callbacks=[ModelCheckpoint(dirpath="memory://mm-last/run")])
+    trainer = L.Trainer(
+        accelerator="cpu",
+        devices=1,
+        logger=False,
+        enable_progress_bar=False,
+        callbacks=[ModelCheckpoint(dirpath="memory://mm-last/run")],
+    )
 
     def fit_impl(model: object = None, ckpt_path: object = None) -> None: ...
 
@@ -262,8 +283,11 @@ def test_a_changed_byte_outside_the_sampled_blocks_of_a_remote_shard_fails_the_l
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(256, 1024))  # a 1 MiB weight: a shard far larger than the sampled blocks
     optimizer = torch.optim.AdamW(model.parameters(), lr=0.1)
-    checkpoint = {"state_dict": store.model_state(model, full=False),
-                  "optimizer_states": [store.optimizer_state(model, optimizer, full=False)], "global_step": 1}
+    checkpoint = {
+        "state_dict": store.model_state(model, full=False),
+        "optimizer_states": [store.optimizer_state(model, optimizer, full=False)],
+        "global_step": 1,
+    }
     url, path = "memory://mm-every-byte/a.ckpt", "/mm-every-byte/a.ckpt/__0_0.distcp"
     remote.save(checkpoint, url, "torch_dcp", {"kind": "training"}, None)
     fs = fsspec.filesystem("memory")

@@ -36,11 +36,13 @@ RESUMED = slice(3, 6)  # the steps after the checkpoint at step 3
 def _launch(name: str, work: Path) -> None:
     env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
     env.pop("LOCAL_RANK", None)
-    proc = subprocess.run([sys.executable, str(SCRIPT), name, str(work)], cwd=ROOT, env=env, capture_output=True,
-                          text=True, timeout=900)
+    proc = subprocess.run(
+        [sys.executable, str(SCRIPT), name, str(work)], cwd=ROOT, env=env, capture_output=True, text=True, timeout=900
+    )
     if proc.returncode != 0:
-        raise AssertionError(f"scenario {name} failed ({proc.returncode}):\n{proc.stdout[-3000:]}\n"
-                             f"{proc.stderr[-6000:]}")
+        raise AssertionError(
+            f"scenario {name} failed ({proc.returncode}):\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}"
+        )
 
 
 @pytest.fixture(scope="module")
@@ -189,9 +191,20 @@ def test_trainer_test_from_a_checkpoint_inside_inference_mode(work):
 
 
 # ----------------------------------------------------------------------------------- signatures
-@pytest.mark.parametrize("method", ["lightning_module_state_dict", "load_model_state_dict", "optimizer_state",
-                                    "load_optimizer_state_dict", "save_checkpoint", "load_checkpoint",
-                                    "remove_checkpoint", "process_dataloader", "on_train_batch_start"])
+@pytest.mark.parametrize(
+    "method",
+    [
+        "lightning_module_state_dict",
+        "load_model_state_dict",
+        "optimizer_state",
+        "load_optimizer_state_dict",
+        "save_checkpoint",
+        "load_checkpoint",
+        "remove_checkpoint",
+        "process_dataloader",
+        "on_train_batch_start",
+    ],
+)
 def test_checkpoint_methods_keep_lightnings_signature(method):
     ours, theirs = getattr(MMFSDP2Strategy, method), getattr(Strategy, method)
     assert list(inspect.signature(ours).parameters) == list(inspect.signature(theirs).parameters)
@@ -243,8 +256,9 @@ def test_dcp_to_hf_writes_what_save_pretrained_writes(family, tmp_path):
     loaded = type(model).from_pretrained(converted).eval()
     batch = torch.utils.data.default_collate([FamilyData(family)[i] for i in range(2)])
     with torch.no_grad():
-        torch.testing.assert_close(loaded(**model_inputs(batch)).logits, model.eval()(**model_inputs(batch)).logits,
-                                   rtol=0, atol=0)
+        torch.testing.assert_close(
+            loaded(**model_inputs(batch)).logits, model.eval()(**model_inputs(batch)).logits, rtol=0, atol=0
+        )
 
 
 def test_dcp_to_hf_converts_tensors_as_save_pretrained_does(tmp_path):
@@ -277,16 +291,16 @@ def test_dcp_to_hf_of_a_sharded_training_checkpoint_matches_save_pretrained(work
 # --------------------------------------------------------------------------------- in one process
 def _optimizer_states_equal(a: torch.optim.Optimizer, b: torch.optim.Optimizer) -> None:
     assert len(a.state) == len(b.state)
-    for pa, pb in zip([p for g in a.param_groups for p in g["params"]],
-                      [p for g in b.param_groups for p in g["params"]], strict=True):
+    for pa, pb in zip(
+        [p for g in a.param_groups for p in g["params"]], [p for g in b.param_groups for p in g["params"]], strict=True
+    ):
         assert (pa in a.state) == (pb in b.state)
         for key, value in a.state.get(pa, {}).items():
             assert torch.equal(b.state[pb][key], value), key
 
 
 def _lightning_file(path: Path, net: torch.nn.Module, optim_state: dict) -> None:
-    torch.save({"epoch": 0, "global_step": 2, "state_dict": net.state_dict(), "optimizer_states": [optim_state]},
-               path)
+    torch.save({"epoch": 0, "global_step": 2, "state_dict": net.state_dict(), "optimizer_states": [optim_state]}, path)
 
 
 def test_index_keyed_state_maps_by_position_and_refuses_other_group_sizes(tmp_path):
@@ -318,8 +332,13 @@ def test_old_name_keyed_torch_files_still_load(tmp_path):
     net, opt = _trained()
     by_name = get_optimizer_state_dict(net, opt, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
     assert isinstance(next(iter(by_name["state"])), str)
-    store.save({"epoch": 0, "global_step": 2, "state_dict": net.state_dict(), "optimizer_states": [by_name]},
-               tmp_path / "old.ckpt", "torch", EXTRA, None)
+    store.save(
+        {"epoch": 0, "global_step": 2, "state_dict": net.state_dict(), "optimizer_states": [by_name]},
+        tmp_path / "old.ckpt",
+        "torch",
+        EXTRA,
+        None,
+    )
     fresh = Net()
     fresh_opt = torch.optim.AdamW(fresh.parameters(), lr=0.1)
     store.load(tmp_path / "old.ckpt", fresh, [fresh_opt], strict=True, rank=0, world_size=1, fitting=True)
@@ -339,13 +358,13 @@ def test_full_optimizer_state_is_what_plain_torch_loads():
     _optimizer_states_equal(opt, fresh_opt)
 
 
-
 # ------------------------------------------------------------------ the restored state is the saved one
 def assert_same_state(a, b, where="state") -> None:
     """Equal key for key (dicts), item for item (lists), tensors bit-identical: Lightning's round-trip check."""
     if isinstance(a, dict):
-        assert isinstance(b, dict) and a.keys() == b.keys(), f"{where}: keys {sorted(map(str, a))} vs " \
-                                                             f"{sorted(map(str, b))}"
+        assert isinstance(b, dict) and a.keys() == b.keys(), (
+            f"{where}: keys {sorted(map(str, a))} vs {sorted(map(str, b))}"
+        )
         for key in a:
             assert_same_state(a[key], b[key], f"{where}[{key!r}]")
     elif isinstance(a, (list, tuple)):
@@ -401,8 +420,13 @@ def test_own_checkpoints_restore_the_saved_state_key_for_key(tmp_path, fmt, name
     net, opt = _named_trained() if named else _trained()
     before = store.optimizer_state(net, opt, full=fmt == "torch")
     extra = {**EXTRA, OPTIMIZER_NAMES_KEY: optimizer_param_names(net, [opt])} if fmt == "torch" else EXTRA
-    store.save({"epoch": 0, "global_step": 2, "state_dict": net.state_dict(), "optimizer_states": [before]},
-               tmp_path / "c.ckpt", fmt, extra, None)
+    store.save(
+        {"epoch": 0, "global_step": 2, "state_dict": net.state_dict(), "optimizer_states": [before]},
+        tmp_path / "c.ckpt",
+        fmt,
+        extra,
+        None,
+    )
     fresh = Net()
     fresh_opt = torch.optim.AdamW(fresh.named_parameters() if named else fresh.parameters(), lr=0.5)
     store.load(tmp_path / "c.ckpt", fresh, [fresh_opt], strict=True, rank=0, world_size=1, fitting=True)
@@ -418,8 +442,13 @@ def test_torch_files_from_before_the_names_record_still_map_by_their_names(tmp_p
     swap = [1, 0, 2, 3]  # index 0 holds the second parameter's state: position would mismatch, the names decide
     old = {**state, "param_groups": [{**state["param_groups"][0], "param_names": [names[i] for i in swap]}]}
     old["state"] = {i: state["state"][swap[i]] for i in range(4)}
-    store.save({"epoch": 0, "global_step": 2, "state_dict": net.state_dict(), "optimizer_states": [old]},
-               tmp_path / "old.ckpt", "torch", EXTRA, None)
+    store.save(
+        {"epoch": 0, "global_step": 2, "state_dict": net.state_dict(), "optimizer_states": [old]},
+        tmp_path / "old.ckpt",
+        "torch",
+        EXTRA,
+        None,
+    )
     fresh = Net()
     fresh_opt = torch.optim.AdamW(fresh.parameters(), lr=0.5)
     store.load(tmp_path / "old.ckpt", fresh, [fresh_opt], strict=True, rank=0, world_size=1, fitting=True)
@@ -431,14 +460,17 @@ def _optstate(work: Path, name: str, when: str, view: str, rank: int = 0) -> lis
     return torch.load(work / f"{name}.optstate.{when}.{view}.rank{rank}.pt", weights_only=True)
 
 
-@pytest.mark.parametrize(("resumed", "source", "ranks"), [
-    ("from_mm", "mm", 2),  # torch_dcp, same world size
-    ("from_mm_torch", "mm", 2),  # torch, same world size
-    ("mm_to_one", "mm", 1),  # 2 -> 1
-    ("mm_to_one_torch", "mm", 1),
-    ("one_to_two", "mm1", 2),  # 1 -> 2
-    ("one_to_two_torch", "mm1", 2),
-])
+@pytest.mark.parametrize(
+    ("resumed", "source", "ranks"),
+    [
+        ("from_mm", "mm", 2),  # torch_dcp, same world size
+        ("from_mm_torch", "mm", 2),  # torch, same world size
+        ("mm_to_one", "mm", 1),  # 2 -> 1
+        ("mm_to_one_torch", "mm", 1),
+        ("one_to_two", "mm1", 2),  # 1 -> 2
+        ("one_to_two_torch", "mm1", 2),
+    ],
+)
 def test_restored_optimizer_state_is_the_saved_one_key_for_key(work, resumed, source, ranks):
     """Lightning's round trip: ``strategy.optimizer_state`` after the restore equals it before the save, key for
     key (param_groups entries included): gathered (torch layout) always, and each rank's shards (name-keyed) when
@@ -447,12 +479,13 @@ def test_restored_optimizer_state_is_the_saved_one_key_for_key(work, resumed, so
     source_ranks = 1 if source == "mm1" else 2
     if ranks == source_ranks:
         for rank in range(ranks):
-            assert_same_state(_optstate(work, resumed, "restored", "torch_dcp", rank),
-                              _optstate(work, source, "saved", "torch_dcp", rank))
+            assert_same_state(
+                _optstate(work, resumed, "restored", "torch_dcp", rank),
+                _optstate(work, source, "saved", "torch_dcp", rank),
+            )
 
 
-@pytest.mark.parametrize(("resumed", "source"), [("from_ddp", "ddp"), ("ddp_to_one", "ddp"),
-                                                 ("from_single", "single")])
+@pytest.mark.parametrize(("resumed", "source"), [("from_ddp", "ddp"), ("ddp_to_one", "ddp"), ("from_single", "single")])
 def test_another_strategys_optimizer_state_is_restored_key_for_key(work, resumed, source):
     """A DDP or single-device checkpoint under mm_fsdp2: the gathered ``optimizer_state`` is the saving strategy's
     ``optimizer_state``, key for key, and no group gains a ``param_names`` (in either layout)."""

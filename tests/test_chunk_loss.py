@@ -58,8 +58,9 @@ def test_linear_cross_entropy_equals_the_full_computation(num_items):
     loss = linear_cross_entropy([x, x2], [w, w2], targets, bias=bias, chunk_size=8, num_items=num_items)
     grads = torch.autograd.grad(loss * 3, inputs)
     logits = x @ w.T + x2 @ w2.T + bias
-    full = torch.nn.functional.cross_entropy(logits.reshape(-1, vocab), targets.reshape(-1),
-                                             reduction="mean" if num_items is None else "sum")
+    full = torch.nn.functional.cross_entropy(
+        logits.reshape(-1, vocab), targets.reshape(-1), reduction="mean" if num_items is None else "sum"
+    )
     full = full if num_items is None else full / num_items
     expected = torch.autograd.grad(full * 3, inputs)
     assert _rel(loss.detach(), full.detach()) < TIGHT
@@ -115,8 +116,9 @@ def test_transformers_model_chunked_loss_equals_plain_transformers(ckpts, family
     from lightning_mm.modules import TransformersModel
 
     reference = getattr(transformers, FAMILIES[family][0]).from_pretrained(str(ckpts / family), dtype=torch.float32)
-    model = TransformersModel({"init_from_hf_path": str(ckpts / family), "enable_chunk_loss": True,
-                               "chunk_loss_size": 5})
+    model = TransformersModel(
+        {"init_from_hf_path": str(ckpts / family), "enable_chunk_loss": True, "chunk_loss_size": 5}
+    )
     if family == "llama_tied":
         assert model.lm_head.weight is model.model.embed_tokens.weight
     batch = _batch(family)
@@ -126,8 +128,13 @@ def test_transformers_model_chunked_loss_equals_plain_transformers(ckpts, family
 def test_lora_on_the_head_chunked_equals_unchunked(ckpts):
     from lightning_mm.modules import TransformersModel
 
-    lora = {"rank": 4, "alpha": 8, "dropout": 0.1, "init_lora_weights": "gaussian",
-            "target_modules": ["lm_head", "model.layers.{*}.self_attn.q_proj"]}
+    lora = {
+        "rank": 4,
+        "alpha": 8,
+        "dropout": 0.1,
+        "init_lora_weights": "gaussian",
+        "target_modules": ["lm_head", "model.layers.{*}.self_attn.q_proj"],
+    }
     config = {"init_from_hf_path": str(ckpts / "qwen3"), "lora": lora}
     model = TransformersModel({**config, "enable_chunk_loss": True, "chunk_loss_size": 7}).train()
     reference = TransformersModel(config).train()
@@ -199,8 +206,16 @@ def test_no_tokens_by_vocab_tensor_in_forward_or_backward():
     from lightning_mm.hf.chunk_loss import enable_chunk_loss
 
     vocab, width, seq = 2048, 16, 64
-    config = Qwen3Config(vocab_size=vocab, hidden_size=width, intermediate_size=32, num_hidden_layers=1,
-                         num_attention_heads=2, num_key_value_heads=1, head_dim=8, tie_word_embeddings=False)
+    config = Qwen3Config(
+        vocab_size=vocab,
+        hidden_size=width,
+        intermediate_size=32,
+        num_hidden_layers=1,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        head_dim=8,
+        tie_word_embeddings=False,
+    )
     torch.manual_seed(0)
     full, chunked = Qwen3ForCausalLM(config).train(), Qwen3ForCausalLM(config).train()
     chunk = 16

@@ -43,14 +43,18 @@ def test_a_weight_damaged_outside_the_sampled_blocks_fails_fit_on_every_rank_bef
     damage = main[0]["dcp_damage"]
     assert damage["fqn"].startswith("state_dict") and damage["file"] == "__1_0.distcp"
     assert not any(start <= damage["position"] < end for start, end in damage["blocks"])  # a sample misses it
-    sizes = {name: entry["size"] for name, entry in
-             json.loads((work / "dcp_bad.ckpt" / manifest.MANIFEST_FILE).read_text())["files"].items()}
+    sizes = {
+        name: entry["size"]
+        for name, entry in json.loads((work / "dcp_bad.ckpt" / manifest.MANIFEST_FILE).read_text())["files"].items()
+    }
     assert "__1_0.distcp" not in digest.assign(sizes, 0, 2, prefer=manifest.shard_rank)  # rank 1 hashes it
     for rank in (0, 1):  # rank 0 learns it from rank 1: no rank goes on alone
         assert main[rank]["dcp_bad"] == {
-            "raised": "CheckpointIntegrityError", "steps": 0,
+            "raised": "CheckpointIntegrityError",
+            "steps": 0,
             "message": f"{work / 'dcp_bad.ckpt' / '__1_0.distcp'}: its content differs from the checkpoint's "
-                       "manifest: the file was altered or comes from another checkpoint"}
+            "manifest: the file was altered or comes from another checkpoint",
+        }
         assert main[rank]["dcp_resumed"] == {"start": 2, "steps": 2}  # the undamaged original resumes
 
 
@@ -59,9 +63,11 @@ def test_one_float_of_a_torch_file_set_to_nan_fails_fit_on_every_rank_before_any
     record = main[0]["torch_damage"]["record"]
     for rank in (0, 1):
         assert main[rank]["torch_bad"] == {
-            "raised": "CheckpointIntegrityError", "steps": 0,
+            "raised": "CheckpointIntegrityError",
+            "steps": 0,
             "message": f"{work / 'torch_bad.ckpt'}: record {record} differs from its manifest: the file was altered "
-                       "or damaged"}
+            "or damaged",
+        }
         assert main[rank]["torch_resumed"] == {"start": 2, "steps": 2}
     # The file is still an ordinary torch file.
     assert torch.load(work / "torch.ckpt", weights_only=True)["global_step"] == 2
@@ -88,9 +94,18 @@ def _as_version_1(directory: Path) -> None:
         path = directory / name
         size = path.stat().st_size
         files[name] = {"size": size, "sha256": manifest._sha256(path), "sample": manifest._sample(path, size)}
-    (directory / manifest.MANIFEST_FILE).write_text(json.dumps({
-        "manifest": "lightning-mm checkpoint", "version": 1, "id": "0", "hash": "sha256 of 16 MiB chunks",
-        "sample": {"blocks": 4, "block_size": 65536}, "files": files}))
+    (directory / manifest.MANIFEST_FILE).write_text(
+        json.dumps(
+            {
+                "manifest": "lightning-mm checkpoint",
+                "version": 1,
+                "id": "0",
+                "hash": "sha256 of 16 MiB chunks",
+                "sample": {"blocks": 4, "block_size": 65536},
+                "files": files,
+            }
+        )
+    )
 
 
 def test_a_version_1_manifest_loads_with_a_warning_that_it_is_checked_by_sample_only(tmp_path):
@@ -103,7 +118,8 @@ def test_a_version_1_manifest_loads_with_a_warning_that_it_is_checked_by_sample_
     assert [str(w.message) for w in caught if "checked by sample only" in str(w.message)] == [
         f"{old}: its manifest.json is of an older lightning-mm (version 1), which recorded sampled fingerprints for "
         "loads: its files are checked by sample only (256 KiB of each; `lightning-mm convert dcp-to-torch` checks "
-        "their SHA-256). Save it again to have every byte checked on load"]
+        "their SHA-256). Save it again to have every byte checked on load"
+    ]
     assert torch.equal(source.read_full(["state_dict/weight"])["state_dict/weight"], _fresh_weight())
     shard = next(old.glob("*.distcp"))
     size = shard.stat().st_size
@@ -144,8 +160,11 @@ def test_a_torch_file_carries_its_manifest_and_any_changed_record_fails_naming_i
         record = next(n for n in found if n.endswith("/" + name))
         offset, size, _ = found[record]
         _flip(damaged, offset + size // 2)
-        with pytest.raises(CheckpointIntegrityError, match=rf"{damaged.name}: record {record} differs from its "
-                                                           "manifest"):
+        with pytest.raises(
+            CheckpointIntegrityError,
+            match=rf"{damaged.name}: record {record} differs from its "
+            "manifest",
+        ):
             store.open_source(damaged)
     extended = tmp_path / "extended.ckpt"  # a record added afterwards is not the file that was written
     shutil.copyfile(path, extended)
@@ -164,8 +183,11 @@ def test_a_torch_file_without_manifest_is_checked_against_the_crc32s_torch_save_
     with open(plain, "r+b") as f:
         f.seek(offset + size // 2 // 4 * 4)
         f.write(struct.pack("<f", float("nan")))
-    with pytest.raises(CheckpointIntegrityError, match=r"plain\.ckpt: record plain/data/0 differs from the CRC-32 "
-                                                       "torch.save recorded"):
+    with pytest.raises(
+        CheckpointIntegrityError,
+        match=r"plain\.ckpt: record plain/data/0 differs from the CRC-32 "
+        "torch.save recorded",
+    ):
         store.open_source(plain)
 
 
@@ -218,11 +240,15 @@ def test_a_kill_during_a_background_write_keeps_earlier_checkpoints_and_last_res
     # waited for step 4) is still there, and `last` still names it.
     newest = entries["newest"]
     assert [n for n in newest if n.startswith(".step=4.ckpt.partial-")] and not newest[
-        next(n for n in newest if n.startswith("."))]["complete"]
+        next(n for n in newest if n.startswith("."))
+    ]["complete"]
     assert {n: v for n, v in newest.items() if not n.startswith(".")} == {
-        "last.ckpt": {"link": "step=2.ckpt", "complete": True}, "step=2.ckpt": {"link": None, "complete": True}}
-    assert entries["every"] == {name: {"link": None, "complete": True}
-                                for name in ("last.ckpt", "step=2.ckpt", "step=4.ckpt")}
+        "last.ckpt": {"link": "step=2.ckpt", "complete": True},
+        "step=2.ckpt": {"link": None, "complete": True},
+    }
+    assert entries["every"] == {
+        name: {"link": None, "complete": True} for name in ("last.ckpt", "step=2.ckpt", "step=4.ckpt")
+    }
     for rank in (0, 1):
         losses = sync[rank]["runs"]["sync"]["losses"]
         assert resume[rank]["newest"] == {"start": 2, "losses": losses[2:]}
@@ -235,13 +261,15 @@ def test_a_save_in_the_background_commits_when_its_write_completes(tmp_path):
         for fmt in ("torch_dcp", "torch"):
             target = path.with_suffix(f".{fmt}")
             state = {"w": torch.ones(8)}
-            future = store.save({"epoch": 0, "global_step": 1, "state_dict": state}, target, fmt, EXTRA, None,
-                                background=executor)
+            future = store.save(
+                {"epoch": 0, "global_step": 1, "state_dict": state}, target, fmt, EXTRA, None, background=executor
+            )
             state["w"].fill_(2.0)  # training goes on: the staged copy is what is written
             future.result()
             source = store.open_source(target)
-            weights = source.read_full(["state_dict/w"])["state_dict/w"] if source.is_dcp else source._tensors[
-                "state_dict/w"]
+            weights = (
+                source.read_full(["state_dict/w"])["state_dict/w"] if source.is_dcp else source._tensors["state_dict/w"]
+            )
             assert torch.equal(weights, torch.ones(8)), fmt
 
 

@@ -51,11 +51,21 @@ def parse_plan_bytes(text: str) -> dict[str, int]:
 
 def test_captioning_demo_fits_from_yaml_and_plan_matches_the_sharded_model(tmp_path):
     probe = tmp_path / "memory"
-    proc = run([
-        "fit", "--config", "examples/captioning/config.yaml", "--trainer.max_steps", "30",
-        "--trainer.val_check_interval", "15", "--trainer.logger.init_args.save_dir", str(tmp_path),
-        "--trainer.callbacks+=tests.probes.MemoryProbe", f"--trainer.callbacks.path={probe}",
-    ])
+    proc = run(
+        [
+            "fit",
+            "--config",
+            "examples/captioning/config.yaml",
+            "--trainer.max_steps",
+            "30",
+            "--trainer.val_check_interval",
+            "15",
+            "--trainer.logger.init_args.save_dir",
+            str(tmp_path),
+            "--trainer.callbacks+=tests.probes.MemoryProbe",
+            f"--trainer.callbacks.path={probe}",
+        ]
+    )
     values = losses(tmp_path)
     assert values[-1] < values[0] * 0.7, values
     # The headline metric: on the progress bar, validated at the last step, in the closing summary, and plotted.
@@ -72,8 +82,10 @@ def test_captioning_demo_fits_from_yaml_and_plan_matches_the_sharded_model(tmp_p
     assert not warned, warned
     plan = run(["plan", "--config", "examples/captioning/config.yaml", "--trace-order"]).stdout
     assert "FSDP, world size 2" in plan and "text_decoder.decoder.layers.1" in plan
-    assert ("image_encoder.blocks.0 -> text_decoder.embedding -> text_decoder.decoder.layers.0 -> "
-            "text_decoder.decoder.layers.1 -> text_decoder.output_layer") in plan
+    assert (
+        "image_encoder.blocks.0 -> text_decoder.embedding -> text_decoder.decoder.layers.0 -> "
+        "text_decoder.decoder.layers.1 -> text_decoder.output_layer"
+    ) in plan
     planned = parse_plan_bytes(plan)
     real = [json.loads(Path(f"{probe}.rank{r}.json").read_text()) for r in range(2)]
     assert planned["parameters"] == max(r["params"] for r in real)
@@ -86,8 +98,19 @@ def test_captioning_demo_fits_from_yaml_and_plan_matches_the_sharded_model(tmp_p
 
 def test_migration_example_reuses_the_seed_functions_through_import_paths(tmp_path):
     # Constructor callables from YAML import paths, the Megatron (output, loss_fn) form and (loss, extras).
-    run(["fit", "--config", "examples/migration/config.yaml", "--trainer.max_steps", "20",
-         "--trainer.val_check_interval", "20", "--trainer.logger.init_args.save_dir", str(tmp_path)])
+    run(
+        [
+            "fit",
+            "--config",
+            "examples/migration/config.yaml",
+            "--trainer.max_steps",
+            "20",
+            "--trainer.val_check_interval",
+            "20",
+            "--trainer.logger.init_args.save_dir",
+            str(tmp_path),
+        ]
+    )
     values = losses(tmp_path)
     assert values[-1] < values[0] * 0.5, values
 
@@ -101,25 +124,36 @@ def test_migrate_maps_a_mindspeed_launch_and_lists_what_it_cannot(tmp_path):
     assert trainer["strategy"]["class_path"] == "lightning_mm.MMFSDP2Strategy"
     here = ROOT / "examples" / "migration"
     # Paths are absolute (taken from the script's folder), so the config works wherever it is written.
-    assert trainer["strategy"]["init_args"] == {"fsdp2_config": str(here / "fsdp2_config.yaml"),
-                                                "checkpoint_format": "torch_dcp"}  # no nccl: the accelerator decides
+    assert trainer["strategy"]["init_args"] == {
+        "fsdp2_config": str(here / "fsdp2_config.yaml"),
+        "checkpoint_format": "torch_dcp",
+    }  # no nccl: the accelerator decides
     assert trainer["max_steps"] == 100 and trainer["precision"] == "bf16-mixed"
     assert trainer["accumulate_grad_batches"] == 2  # 16 / (4 x 2 ranks)
     assert trainer["gradient_clip_val"] == 1.0
-    assert trainer["callbacks"][0]["init_args"] == {"save_last": "link", "dirpath": str(here / "ckpt"),
-                                                    "every_n_train_steps": 50}
+    assert trainer["callbacks"][0]["init_args"] == {
+        "save_last": "link",
+        "dirpath": str(here / "ckpt"),
+        "every_n_train_steps": 50,
+    }
     model = config["model"]["init_args"]
     assert model["lr"] == 1e-4 and model["min_lr"] == 1e-5 and model["warmup_steps"] == 10
     assert model["model_provider"] == "examples.migration.pretrain_custom.model_provider"
     assert model["forward_step"] == "examples.migration.pretrain_custom.forward_step"
     assert config["data"]["init_args"] == {
         "train_valid_test_datasets_provider": "examples.migration.pretrain_custom.train_valid_test_datasets_provider",
-        "batch_size": 4}
+        "batch_size": 4,
+    }
     assert config["seed_everything"] == 1234 and config["ckpt_path"] == "last"
     report = proc.stderr
     unmapped = report.split("NOT mapped")[1]
-    for flag in ("--no-load-optim", "--untie-embeddings-and-output-weights", "--master_port",
-                 "CUDA_DEVICE_MAX_CONNECTIONS", "--mm-data ./data.json"):
+    for flag in (
+        "--no-load-optim",
+        "--untie-embeddings-and-output-weights",
+        "--master_port",
+        "CUDA_DEVICE_MAX_CONNECTIONS",
+        "--mm-data ./data.json",
+    ):
         assert flag in unmapped
     assert "--distributed-backend nccl: left out" in report
     assert "--lr 1.0e-4 -> model.init_args.lr" in report

@@ -18,8 +18,14 @@ def run(args, extra_path=None, env=None, timeout=300):
     full_env = {**os.environ, "PYTHONPATH": os.pathsep.join(path), "OMP_NUM_THREADS": "1", **(env or {})}
     full_env.pop("LOCAL_RANK", None)
     full_env.pop("LIGHTNING_MM_TRACEBACK", None) if "LIGHTNING_MM_TRACEBACK" not in (env or {}) else None
-    return subprocess.run([sys.executable, "-m", "lightning_mm.cli", *args], cwd=ROOT, env=full_env,
-                          capture_output=True, text=True, timeout=timeout)
+    return subprocess.run(
+        [sys.executable, "-m", "lightning_mm.cli", *args],
+        cwd=ROOT,
+        env=full_env,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
 
 
 @pytest.fixture
@@ -49,8 +55,9 @@ def test_checkpoint_hyperparameters_are_data_compared_with_the_config(planted):
     ckpt = planted / "same_class.ckpt"
     hparams = {"_class_path": "examples.captioning.module.CaptioningModule", "model_provider": "planted_mod.provider"}
     torch.save({"hyper_parameters": hparams, "state_dict": {}}, ckpt)
-    proc = run(["validate", "--config", CAPTIONING, "--ckpt_path", str(ckpt), "--trainer.devices", "1"],
-               extra_path=planted)
+    proc = run(
+        ["validate", "--config", CAPTIONING, "--ckpt_path", str(ckpt), "--trainer.devices", "1"], extra_path=planted
+    )
     assert not (planted / "IMPORTED").exists(), "a callable named by the checkpoint was imported"
     assert "model_provider: 'planted_mod.provider' in the checkpoint, None in the config" in proc.stderr
     assert proc.returncode == 1  # the empty state dict then fails to load, as one line
@@ -80,11 +87,17 @@ def test_compare_hyperparameters_accepts_what_the_cli_saved():
     from lightning_mm.commands.train import compare_hyperparameters
 
     config = {"class_path": "a.B", "init_args": {"lr": 0.1, "fn": compare_hyperparameters, "betas": (0.9, 0.99)}}
-    saved = {"_class_path": "a.B", "_instantiator": "x.y", "lr": 0.1, "betas": [0.9, 0.99],
-             "fn": "lightning_mm.commands.train.compare_hyperparameters"}
+    saved = {
+        "_class_path": "a.B",
+        "_instantiator": "x.y",
+        "lr": 0.1,
+        "betas": [0.9, 0.99],
+        "fn": "lightning_mm.commands.train.compare_hyperparameters",
+    }
     assert compare_hyperparameters(saved, config, "c.ckpt") == []
     assert compare_hyperparameters({**saved, "lr": 0.2}, config, "c.ckpt") == [
-        "lr: 0.2 in the checkpoint, 0.1 in the config"]
+        "lr: 0.2 in the checkpoint, 0.1 in the config"
+    ]
 
 
 def test_cli_appends_the_working_directory_so_it_never_shadows_installed_modules(tmp_path, monkeypatch):
@@ -112,15 +125,19 @@ def test_a_misspelt_fsdp2_key_is_one_line(tmp_path, command):
     proc = run([command, "--config", str(_bad_fsdp2_config(tmp_path))])
     assert proc.returncode == 1
     errors = [line for line in proc.stderr.splitlines() if "error" in line.lower()]
-    assert errors == [f"lightning-mm {command}: error: unknown FSDP2 config key `sub_module_to_wrap` in "
-                      f"{tmp_path / 'fsdp2.yaml'}; did you mean `sub_modules_to_wrap`?"], proc.stderr
+    assert errors == [
+        f"lightning-mm {command}: error: unknown FSDP2 config key `sub_module_to_wrap` in "
+        f"{tmp_path / 'fsdp2.yaml'}; did you mean `sub_modules_to_wrap`?"
+    ], proc.stderr
     assert "Traceback" not in proc.stderr
 
 
 def test_traceback_on_request(tmp_path):
     config = str(_bad_fsdp2_config(tmp_path))
-    for args, env in ((["plan", "--config", config, "--traceback"], None),
-                      (["plan", "--config", config], {"LIGHTNING_MM_TRACEBACK": "1"})):
+    for args, env in (
+        (["plan", "--config", config, "--traceback"], None),
+        (["plan", "--config", config], {"LIGHTNING_MM_TRACEBACK": "1"}),
+    ):
         proc = run(args, env=env)
         assert proc.returncode != 0 and "Traceback (most recent call last)" in proc.stderr
         assert "did you mean `sub_modules_to_wrap`" in proc.stderr
@@ -134,7 +151,8 @@ def test_migrate_given_the_python_file_and_convert_with_a_missing_source_are_one
     script.write_text("export A=1\necho hello\n")
     proc = run(["migrate", str(script)])
     assert proc.returncode == 1 and proc.stderr.strip().splitlines() == [
-        "lightning-mm migrate: error: no `torchrun ... xxx.py` or `python ... xxx.py` launch line found in the script"]
+        "lightning-mm migrate: error: no `torchrun ... xxx.py` or `python ... xxx.py` launch line found in the script"
+    ]
     proc = run(["convert", "dcp-to-torch", str(tmp_path / "missing.ckpt"), str(tmp_path / "out.pt")])
     assert proc.returncode != 0 and "Traceback" not in proc.stderr
     assert len(proc.stderr.strip().splitlines()) == 1 and "missing.ckpt" in proc.stderr
@@ -168,18 +186,30 @@ def test_an_error_raised_by_lightning_mm_code_is_found_through_its_wrappers():
 # ------------------------------------------------------------------------------ light commands stay light
 def _imported_top_level_modules(stderr: str) -> set[str]:
     """Top-level module names from ``python -X importtime`` output."""
-    return {line.rsplit("|", 1)[-1].strip().split(".")[0] for line in stderr.splitlines()
-            if line.startswith("import time:")}
+    return {
+        line.rsplit("|", 1)[-1].strip().split(".")[0] for line in stderr.splitlines() if line.startswith("import time:")
+    }
 
 
-@pytest.mark.parametrize("args, allowed", [
-    (["--help"], set()), (["migrate", "examples/migration/pretrain_custom.sh"], set()), (["convert", "--help"], set()),
-    (["env"], set()),
-])
+@pytest.mark.parametrize(
+    "args, allowed",
+    [
+        (["--help"], set()),
+        (["migrate", "examples/migration/pretrain_custom.sh"], set()),
+        (["convert", "--help"], set()),
+        (["env"], set()),
+    ],
+)
 def test_commands_that_do_not_train_import_neither_lightning_nor_transformers(args, allowed):
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
-    proc = subprocess.run([sys.executable, "-X", "importtime", "-m", "lightning_mm.cli", *args], cwd=ROOT, env=env,
-                          capture_output=True, text=True, timeout=120)
+    proc = subprocess.run(
+        [sys.executable, "-X", "importtime", "-m", "lightning_mm.cli", *args],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert proc.returncode == 0, proc.stderr[-2000:]
     heavy = _imported_top_level_modules(proc.stderr) & {"lightning", "pytorch_lightning", "transformers"}
     assert heavy <= allowed, (args, heavy)

@@ -17,8 +17,14 @@ ROOT = Path(__file__).resolve().parents[1]
 def results(tmp_path_factory):
     out = tmp_path_factory.mktemp("clip")
     env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
-    proc = subprocess.run([sys.executable, str(ROOT / "tests" / "clip_scenarios.py"), str(out)], cwd=ROOT, env=env,
-                          capture_output=True, text=True, timeout=300)
+    proc = subprocess.run(
+        [sys.executable, str(ROOT / "tests" / "clip_scenarios.py"), str(out)],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert proc.returncode == 0, proc.stderr[-4000:]
     ranks = [json.loads((out / f"clip.rank{r}.json").read_text()) for r in range(2)]
     assert ranks[0] == ranks[1]  # the norms and differences are global: identical on both ranks

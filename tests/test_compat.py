@@ -60,8 +60,9 @@ def test_torch_private_names_behave_as_used():
 
 
 def test_lightning_private_attributes_used_on_instances():
-    trainer = L.Trainer(accelerator="cpu", devices=2, strategy=MMFSDP2Strategy(), sync_batchnorm=True, logger=False,
-                        log_every_n_steps=1)
+    trainer = L.Trainer(
+        accelerator="cpu", devices=2, strategy=MMFSDP2Strategy(), sync_batchnorm=True, logger=False, log_every_n_steps=1
+    )
     assert isinstance(_compat.should_update_logs(trainer), bool)
     for name in _compat.INHERITED_PRIVATE_ATTRIBUTES:
         assert hasattr(trainer.strategy, name), name
@@ -90,17 +91,23 @@ def test_installed_versions_are_inside_the_fence_and_agree_with_pyproject_and_co
     assert _compat.check_version_fence() == []
     pyproject = (ROOT / "pyproject.toml").read_text()
     for name, (low, high) in _compat.TESTED.items():  # pyproject's range is the fence's
-        assert re.search(rf'"{name}>={re.escape(low.removesuffix(".0"))}(\.0)?,<{re.escape(high.removesuffix(".0"))}"',
-                         pyproject), name
-    pins = dict(line.split("==") for line in (ROOT / "constraints.txt").read_text().splitlines()
-                if line and not line.startswith("#"))
+        assert re.search(
+            rf'"{name}>={re.escape(low.removesuffix(".0"))}(\.0)?,<{re.escape(high.removesuffix(".0"))}"', pyproject
+        ), name
+    pins = dict(
+        line.split("==")
+        for line in (ROOT / "constraints.txt").read_text().splitlines()
+        if line and not line.startswith("#")
+    )
     assert pins["torch"] == torch.__version__.split("+")[0] and pins["lightning"] == L.__version__
 
 
 _PRIVATE_IMPORT = re.compile(r"^\s*from (torch|lightning|lightning_utilities)(\.\w+)* import .*\b_[A-Za-z]", re.M)
-_PRIVATE_ACCESS = re.compile(r"\._get_fsdp_state\b|(?<!\w)_fsdp_param_groups|_logger_connector|\._trainer\b"
-                             r"|_AcceleratorConnector|lightning_module\._device_mesh|\bnn\.modules\.\w+\._"
-                             r"|\._reset_parameters\(|__create_chunk_list__")
+_PRIVATE_ACCESS = re.compile(
+    r"\._get_fsdp_state\b|(?<!\w)_fsdp_param_groups|_logger_connector|\._trainer\b"
+    r"|_AcceleratorConnector|lightning_module\._device_mesh|\bnn\.modules\.\w+\._"
+    r"|\._reset_parameters\(|__create_chunk_list__"
+)
 
 
 def test_no_module_outside_compat_reaches_for_private_names():
@@ -111,8 +118,10 @@ def test_no_module_outside_compat_reaches_for_private_names():
         text = path.read_text()
         for pattern in (_PRIVATE_IMPORT, _PRIVATE_ACCESS):
             offenders += [f"{path.relative_to(ROOT)}: {m.group(0).strip()}" for m in pattern.finditer(text)]
-        offenders += [f"{path.relative_to(ROOT)}: {m.group(0)}"
-                      for m in re.finditer(r"from (torch|lightning)(\.\w+)*\._\w+", text)]
+        offenders += [
+            f"{path.relative_to(ROOT)}: {m.group(0)}"
+            for m in re.finditer(r"from (torch|lightning)(\.\w+)*\._\w+", text)
+        ]
     assert offenders == []
 
 

@@ -55,15 +55,19 @@ def test_plan_resolves_compile_modules_and_says_what_is_compiled():
     plan = _plan(Custom(), sub_modules_to_wrap=["inner.{*}"], compile_modules=["inner.{*}"], compile_backend="eager")
     assert plan.compile_modules == ("inner.0", "inner.1") and plan.compile_backend == "eager"
     assert "compiled (torch.compile, backend eager, one graph each; the rest eager): inner.0, inner.1" in (
-        plan.describe())
+        plan.describe()
+    )
     assert "compiled" not in _plan(Custom()).describe()
 
 
-@pytest.mark.parametrize(("config", "message"), [
-    ({"sub_modules_to_wrap": ["inner.{*}"], "compile_modules": ["inner"]}, "'inner' holds FSDP units"),
-    ({"compile_modules": ["inner", "inner.0"]}, "'inner.0' is inside 'inner'"),
-    ({"compile_modules": ["inner.{0-5}"]}, "compile_modules"),
-])
+@pytest.mark.parametrize(
+    ("config", "message"),
+    [
+        ({"sub_modules_to_wrap": ["inner.{*}"], "compile_modules": ["inner"]}, "'inner' holds FSDP units"),
+        ({"compile_modules": ["inner", "inner.0"]}, "'inner.0' is inside 'inner'"),
+        ({"compile_modules": ["inner.{0-5}"]}, "compile_modules"),
+    ],
+)
 def test_compile_modules_that_cannot_work_are_errors_before_training(config, message):
     with pytest.raises((FSDP2ConfigError, ValueError), match=message):
         _plan(Custom(), **config)
@@ -99,11 +103,21 @@ def test_inductor_matches_eager_for_a_transformers_and_a_custom_model():
     enough for rounding. Recomputation wraps the compiled forward (the non-reentrant implementation here; the
     2-rank test covers both)."""
     torch.manual_seed(0)
-    cfg = transformers.Qwen3Config(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
-                                   num_attention_heads=4, num_key_value_heads=2, head_dim=8, use_cache=False)
+    cfg = transformers.Qwen3Config(
+        vocab_size=64,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=1,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=8,
+        use_cache=False,
+    )
     ids = torch.randint(0, 64, (2, 12))
-    for build, run in ((lambda: transformers.Qwen3ForCausalLM(cfg), lambda m: m(input_ids=ids, labels=ids).loss),
-                       (Custom, lambda m: m(torch.randn(3, 5, 16, generator=torch.Generator().manual_seed(1))).sum())):
+    for build, run in (
+        (lambda: transformers.Qwen3ForCausalLM(cfg), lambda m: m(input_ids=ids, labels=ids).loss),
+        (Custom, lambda m: m(torch.randn(3, 5, 16, generator=torch.Generator().manual_seed(1))).sum()),
+    ):
         torch.manual_seed(1)
         eager, compiled = build(), build()
         compiled.load_state_dict(eager.state_dict())
@@ -126,14 +140,28 @@ def test_two_ranks_compiled_blocks_train_like_plain_transformers_with_a_bounded_
     write_model(tmp_path / "qwen3_moe", moe=True)
     env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
     env.pop("LOCAL_RANK", None)
-    proc = subprocess.run([sys.executable, str(ROOT / "tests" / "compile_scenarios.py"), str(tmp_path / "out"),
-                           str(tmp_path / "qwen3"), str(tmp_path / "qwen3_moe")], cwd=ROOT, env=env,
-                          capture_output=True, text=True, timeout=900)
+    proc = subprocess.run(
+        [
+            sys.executable,
+            str(ROOT / "tests" / "compile_scenarios.py"),
+            str(tmp_path / "out"),
+            str(tmp_path / "qwen3"),
+            str(tmp_path / "qwen3_moe"),
+        ],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=900,
+    )
     assert proc.returncode == 0, proc.stderr[-6000:]
     ranks = [json.loads((tmp_path / "out" / f"compile.rank{r}.json").read_text()) for r in range(2)]
     reference = torch.tensor(ranks[0]["reference"])
-    for name, expected in (("compiled", reference), ("compiled_reentrant", reference),
-                           ("moe_ep2_compiled_attention", torch.tensor(ranks[0]["moe_reference"]))):
+    for name, expected in (
+        ("compiled", reference),
+        ("compiled_reentrant", reference),
+        ("moe_ep2_compiled_attention", torch.tensor(ranks[0]["moe_reference"])),
+    ):
         # data parallel: the global loss is the ranks' mean
         losses = torch.tensor([(a + b) / 2 for a, b in zip(ranks[0][name]["losses"], ranks[1][name]["losses"])])
         torch.testing.assert_close(losses, expected, rtol=1e-5, atol=0, msg=name)
@@ -142,8 +170,12 @@ def test_two_ranks_compiled_blocks_train_like_plain_transformers_with_a_bounded_
     # LoRA on bf16 parameters with an ignored embedding: the compiled blocks compute what the eager ones do (the
     # captured graph runs the same bf16 kernels; 1e-3 leaves room for a reordered bf16 rounding).
     for rank in ranks:
-        torch.testing.assert_close(torch.tensor(rank["lora_bf16_compiled"]["losses"]),
-                                   torch.tensor(rank["lora_bf16_eager"]["losses"]), rtol=1e-3, atol=0)
+        torch.testing.assert_close(
+            torch.tensor(rank["lora_bf16_compiled"]["losses"]),
+            torch.tensor(rank["lora_bf16_eager"]["losses"]),
+            rtol=1e-3,
+            atol=0,
+        )
     # Four sequence lengths, two layers: one static and one dynamic graph for all of them (twice that with the
     # reentrant recomputation, whose first pass runs without gradients).
     assert [r["compiled"]["graphs"] for r in ranks] == [2, 2]

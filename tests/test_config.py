@@ -15,7 +15,9 @@ def test_seed_yaml_loads_verbatim():
     config = FSDP2Config.from_yaml(SEED_YAML)
     assert config.sharding_size == "auto"
     assert config.sub_modules_to_wrap == [
-        "text_decoder.output_layer", "text_decoder.embedding", "text_decoder.rotary_pos_emb",
+        "text_decoder.output_layer",
+        "text_decoder.embedding",
+        "text_decoder.rotary_pos_emb",
         "text_decoder.decoder.layers.{*}",
     ]
     assert config.param_dtype is torch.bfloat16 and config.reduce_dtype is torch.float32
@@ -37,15 +39,27 @@ def test_seed_defaults():
 
 
 def test_dict_python_and_yaml_agree(tmp_path):
-    data = {"sharding_size": 2, "param_dtype": "bfloat16", "reduce_dtype": "torch.float32",
-            "sub_modules_to_wrap": ["layers.{0-3,7}"], "reshard_after_forward": False}
+    data = {
+        "sharding_size": 2,
+        "param_dtype": "bfloat16",
+        "reduce_dtype": "torch.float32",
+        "sub_modules_to_wrap": ["layers.{0-3,7}"],
+        "reshard_after_forward": False,
+    }
     path = tmp_path / "c.yaml"
-    path.write_text("sharding_size: 2\nparam_dtype: bfloat16\nreduce_dtype: torch.float32\n"
-                    "sub_modules_to_wrap: ['layers.{0-3,7}']\nreshard_after_forward: false\n")
+    path.write_text(
+        "sharding_size: 2\nparam_dtype: bfloat16\nreduce_dtype: torch.float32\n"
+        "sub_modules_to_wrap: ['layers.{0-3,7}']\nreshard_after_forward: false\n"
+    )
     from_dict = FSDP2Config.from_dict(data)
     from_yaml = FSDP2Config.from_yaml(path)
-    built = FSDP2Config(sharding_size=2, param_dtype=torch.bfloat16, reduce_dtype="fp32",
-                        sub_modules_to_wrap=["layers.{0-3,7}"], reshard_after_forward=False)
+    built = FSDP2Config(
+        sharding_size=2,
+        param_dtype=torch.bfloat16,
+        reduce_dtype="fp32",
+        sub_modules_to_wrap=["layers.{0-3,7}"],
+        reshard_after_forward=False,
+    )
     assert from_dict == from_yaml == built
     assert FSDP2Config.from_dict(built.to_dict()) == built
     assert FSDP2Config.load(path) == built and FSDP2Config.load(data) == built and FSDP2Config.load(built) is built
@@ -54,8 +68,11 @@ def test_dict_python_and_yaml_agree(tmp_path):
 def test_typo_is_an_error_that_suggests_the_key_and_names_the_file(tmp_path):
     path = tmp_path / "fsdp2_config.yaml"
     path.write_text("sharding_size: auto\nsub_module_to_wrap:\n  - layers.{*}\n")
-    with pytest.raises(FSDP2ConfigError, match=r"unknown FSDP2 config key `sub_module_to_wrap`.*fsdp2_config.yaml"
-                       r".*did you mean `sub_modules_to_wrap`"):
+    with pytest.raises(
+        FSDP2ConfigError,
+        match=r"unknown FSDP2 config key `sub_module_to_wrap`.*fsdp2_config.yaml"
+        r".*did you mean `sub_modules_to_wrap`",
+    ):
         FSDP2Config.from_yaml(path)
 
 

@@ -39,8 +39,13 @@ def test_docs_table_is_the_generated_one():
     rows = dict(re.findall(r"^\| `(\w+)` \| `([^`]*)` \|", table, flags=re.M))
     assert list(rows) == list(FSDP2Config().to_dict())
     # The defaults the migration guide's table states (the contract), as the page shows them.
-    seed = {"sharding_size": "1", "use_reentrant": "true", "offload_to_cpu": "false", "pin_memory": "false",
-            "num_to_backward_prefetch": "1"}
+    seed = {
+        "sharding_size": "1",
+        "use_reentrant": "true",
+        "offload_to_cpu": "false",
+        "pin_memory": "false",
+        "num_to_backward_prefetch": "1",
+    }
     assert {k: rows[k] for k in seed} == seed
 
 
@@ -51,9 +56,15 @@ def test_docs_yaml_example_loads_and_resolves_on_qwen2_5_vl(tmp_path):
     path.write_text(block.group(1))
     config = FSDP2Config.from_yaml(path)
     vision = dict(depth=2, hidden_size=32, intermediate_size=64, num_heads=4, out_hidden_size=32)
-    text = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
-                num_key_value_heads=2, vocab_size=128,
-                rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "mrope_section": [1, 1, 2]})
+    text = dict(
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        vocab_size=128,
+        rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "mrope_section": [1, 1, 2]},
+    )
     model = transformers.Qwen2_5_VLForConditionalGeneration(
         transformers.Qwen2_5_VLConfig(text_config=text, vision_config=vision)
     )

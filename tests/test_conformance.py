@@ -26,13 +26,20 @@ def _env() -> dict[str, str]:
 
 
 def test_swa_is_refused_sync_batchnorm_converts_and_the_store_listens_on_loopback(tmp_path):
-    proc = subprocess.run([sys.executable, str(SCENARIOS), "callbacks", str(tmp_path)], cwd=ROOT, env=_env(),
-                          capture_output=True, text=True, timeout=300)
+    proc = subprocess.run(
+        [sys.executable, str(SCENARIOS), "callbacks", str(tmp_path)],
+        cwd=ROOT,
+        env=_env(),
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert proc.returncode == 0, f"{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}"
     for rank, out in enumerate(read_ranks("callbacks", tmp_path)):
         # StochasticWeightAveraging: a clear error at setup, before any batch (it used to crash at swa_epoch_start).
-        assert out["swa"].startswith("MisconfigurationException: MMFSDP2Strategy does not support the "
-                                     "StochasticWeightAveraging callback")
+        assert out["swa"].startswith(
+            "MisconfigurationException: MMFSDP2Strategy does not support the StochasticWeightAveraging callback"
+        )
         assert out["swa_batches"] == 0
         # Without sync_batchnorm the BatchNorm layers stay per-rank and training runs.
         assert out["plain_norms"] == ["BatchNorm1d"] and out["plain_batches"] == 4
@@ -60,8 +67,13 @@ def _alive(pid: int) -> bool:
 @pytest.mark.parametrize("signalled", [1, 0])
 def test_sigterm_to_one_rank_stops_every_rank_within_the_bound_and_non_zero(tmp_path, signalled):
     log = (tmp_path / "log").open("w")  # a file, not a pipe that nobody reads while the ranks run
-    proc = subprocess.Popen([sys.executable, str(SCENARIOS), "sigterm", str(tmp_path)], cwd=ROOT, env=_env(),
-                            stdout=log, stderr=subprocess.STDOUT)
+    proc = subprocess.Popen(
+        [sys.executable, str(SCENARIOS), "sigterm", str(tmp_path)],
+        cwd=ROOT,
+        env=_env(),
+        stdout=log,
+        stderr=subprocess.STDOUT,
+    )
     pids: dict[int, int] = {}
     try:
         deadline = time.monotonic() + 240

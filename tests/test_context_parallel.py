@@ -49,11 +49,14 @@ def test_plan_layout_and_description() -> None:
     assert "546.1 MiB" in text and "1,024.0 MiB" in text  # 1 GiB x 8 / 15 per rank
 
 
-@pytest.mark.parametrize("world,size,algo,message", [
-    (6, 4, "ulysses", "does not divide the world size 6"),
-    (4, 2, "ring", "'ring' is not supported"),
-    (4, 0, "ulysses", "must be a positive integer"),
-])
+@pytest.mark.parametrize(
+    "world,size,algo,message",
+    [
+        (6, 4, "ulysses", "does not divide the world size 6"),
+        (4, 2, "ring", "'ring' is not supported"),
+        (4, 0, "ulysses", "must be a positive integer"),
+    ],
+)
 def test_bad_settings(world: int, size: int, algo: str, message: str) -> None:
     from lightning_mm.core.context_parallel import ContextParallelError, context_parallel_plan
 
@@ -94,8 +97,14 @@ def test_heads_and_routing_errors() -> None:
 def _launch(group: str, outdir: Path, ckptdir: Path, timeout: int = 420) -> None:
     env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
     env.pop("LOCAL_RANK", None)
-    proc = subprocess.run([sys.executable, str(ROOT / "tests" / "cp_scenarios.py"), group, str(outdir),
-                           str(ckptdir)], cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
+    proc = subprocess.run(
+        [sys.executable, str(ROOT / "tests" / "cp_scenarios.py"), group, str(outdir), str(ckptdir)],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
     assert proc.returncode == 0, f"cp_scenarios {group} failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}"
 
 
@@ -133,7 +142,7 @@ def _global_steps(ranks: list[dict[str, Any]], part: int, cp: int) -> tuple[list
     """
     records = [r["parts"][part] for r in ranks]
     for first in range(0, len(records), cp):
-        for other in records[first + 1: first + cp]:
+        for other in records[first + 1 : first + cp]:
             assert other["indices"] == records[first]["indices"]
             assert other["losses"] == records[first]["losses"]
     leaders = records[::cp]
@@ -142,8 +151,12 @@ def _global_steps(ranks: list[dict[str, Any]], part: int, cp: int) -> tuple[list
     return steps, losses
 
 
-def _reference(case: CPCase, steps: list[list[list[int]]], ckptdir: Path, initial: Path | None = None,
-               ) -> tuple[Reference, list[float], dict[str, torch.Tensor]]:
+def _reference(
+    case: CPCase,
+    steps: list[list[list[int]]],
+    ckptdir: Path,
+    initial: Path | None = None,
+) -> tuple[Reference, list[float], dict[str, torch.Tensor]]:
     """Plain Transformers in one process: per step, the mean over the data-parallel groups of their losses."""
     import transformers
 
@@ -158,7 +171,8 @@ def _reference(case: CPCase, steps: list[list[list[int]]], ckptdir: Path, initia
             model.load_state_dict(torch.load(initial))
         else:
             model = getattr(transformers, FAMILIES[case.family][0]).from_pretrained(
-                str(ckptdir / case.family), dtype=torch.float32)
+                str(ckptdir / case.family), dtype=torch.float32
+            )
         model.train()
         named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
         params = [p for _, p in named]
@@ -198,8 +212,7 @@ def _grad_errors(actual: dict[str, torch.Tensor], expected: dict[str, torch.Tens
     """Per tensor, the gradient difference relative to the step's largest gradient norm."""
     assert set(actual) == set(expected)
     scale = max(float(g.norm()) for g in expected.values())
-    return {n: float((actual[n] - expected[n]).norm()) / max(float(expected[n].norm()), 1e-3 * scale)
-            for n in expected}
+    return {n: float((actual[n] - expected[n]).norm()) / max(float(expected[n].norm()), 1e-3 * scale) for n in expected}
 
 
 def _check_against_reference(out: Path, case: CPCase, world: int, ckptdir: Path) -> None:
@@ -272,8 +285,10 @@ def test_heads_not_dividing_fail_at_setup(four: Path) -> None:
 def test_migrate_maps_the_megatron_flags() -> None:
     from lightning_mm.commands.migrate import migrate, parse_script
 
-    launch = parse_script("torchrun --nproc_per_node 8 pretrain_vlm.py --use-torch-fsdp2 --micro-batch-size 1 "
-                          "--global-batch-size 8 --context-parallel-size 2 --context-parallel-algo ulysses_cp_algo")
+    launch = parse_script(
+        "torchrun --nproc_per_node 8 pretrain_vlm.py --use-torch-fsdp2 --micro-batch-size 1 "
+        "--global-batch-size 8 --context-parallel-size 2 --context-parallel-algo ulysses_cp_algo"
+    )
     result = migrate(launch)
     args = result.config["trainer"]["strategy"]["init_args"]
     assert (args["context_parallel_size"], args["context_parallel_algo"]) == (2, "ulysses")

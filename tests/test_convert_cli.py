@@ -28,14 +28,25 @@ def _processor():
     assert _WORDS[IMAGE_TOKEN] == "<image>"
     backend = Tokenizer(models.WordLevel({w: i for i, w in enumerate(_WORDS)}, unk_token="<unk>"))
     backend.pre_tokenizer = pre_tokenizers.Whitespace()
-    tokenizer = PreTrainedTokenizerFast(tokenizer_object=backend, pad_token="<pad>", bos_token="<s>",
-                                        eos_token="</s>", unk_token="<unk>",
-                                        extra_special_tokens={"image_token": "<image>"})
+    tokenizer = PreTrainedTokenizerFast(
+        tokenizer_object=backend,
+        pad_token="<pad>",
+        bos_token="<s>",
+        eos_token="</s>",
+        unk_token="<unk>",
+        extra_special_tokens={"image_token": "<image>"},
+    )
     tokenizer.add_special_tokens({"additional_special_tokens": ["<image>"]})
     images = CLIPImageProcessorPil(size={"shortest_edge": 28}, crop_size={"height": 28, "width": 28})
     template = "{% for m in messages %}{{ m['content'] }} {% endfor %}"
-    return LlavaProcessor(image_processor=images, tokenizer=tokenizer, patch_size=14, chat_template=template,
-                          vision_feature_select_strategy="default", num_additional_image_tokens=1)
+    return LlavaProcessor(
+        image_processor=images,
+        tokenizer=tokenizer,
+        patch_size=14,
+        chat_template=template,
+        vision_feature_select_strategy="default",
+        num_additional_image_tokens=1,
+    )
 
 
 @pytest.fixture(scope="module")
@@ -76,8 +87,14 @@ def test_dcp_to_hf_output_loads_in_autoprocessor_and_generates(pretrained, tmp_p
     status, err = _convert(capsys, "dcp-to-hf", str(root / "ckpt.pt"), str(out))
     assert status == 0 and err == [], err
     names = {p.name for p in out.iterdir()}
-    assert {"tokenizer.json", "tokenizer_config.json", "processor_config.json", "config.json",
-            "generation_config.json", "model.safetensors"} <= names
+    assert {
+        "tokenizer.json",
+        "tokenizer_config.json",
+        "processor_config.json",
+        "config.json",
+        "generation_config.json",
+        "model.safetensors",
+    } <= names
     assert not {n for n in names if n.endswith((".bin", ".pt"))}
     processor = AutoProcessor.from_pretrained(out)
     assert type(processor).__name__ == "LlavaProcessor"
@@ -106,8 +123,9 @@ def test_dcp_to_hf_takes_the_side_files_from_an_option_or_says_why_not(pretraine
     status, err = _convert(capsys, "dcp-to-hf", str(tmp_path / "moved.pt"), str(tmp_path / "plain"))
     assert status == 0 and len(err) == 1 and "no longer exists" in err[0] and "--pretrained-dir" in err[0]
     assert not (tmp_path / "plain" / "tokenizer.json").exists()
-    status, err = _convert(capsys, "dcp-to-hf", str(tmp_path / "moved.pt"), str(tmp_path / "given"),
-                           "--pretrained-dir", str(hf_dir))
+    status, err = _convert(
+        capsys, "dcp-to-hf", str(tmp_path / "moved.pt"), str(tmp_path / "given"), "--pretrained-dir", str(hf_dir)
+    )
     assert status == 0 and err == []
     assert (tmp_path / "given" / "tokenizer.json").read_bytes() == (hf_dir / "tokenizer.json").read_bytes()
 
@@ -134,8 +152,11 @@ def test_no_converter_writes_into_its_source_or_over_an_output(pretrained, tmp_p
     existing = tmp_path / "existing"
     existing.mkdir()
     (existing / "keep").write_text("mine")
-    for args in (["dcp-to-torch", str(ck), str(existing)], ["dcp-to-hf", str(root / "ckpt.pt"), str(existing)],
-                 ["hf-to-dcp", str(hf_dir), str(existing)]):
+    for args in (
+        ["dcp-to-torch", str(ck), str(existing)],
+        ["dcp-to-hf", str(root / "ckpt.pt"), str(existing)],
+        ["hf-to-dcp", str(hf_dir), str(existing)],
+    ):
         assert "output exists" in _fail(capsys, *args)
     assert [p.name for p in existing.iterdir()] == ["keep"]
 
@@ -147,8 +168,11 @@ def test_force_replaces_only_an_earlier_output_of_the_same_converter(pretrained,
 
     root, hf_dir, model = pretrained
     ck, pt, hf = tmp_path / "ck", tmp_path / "ck.pt", tmp_path / "hf"
-    for args in (["hf-to-dcp", str(hf_dir), str(ck)], ["dcp-to-torch", str(ck), str(pt)],
-                 ["dcp-to-hf", str(root / "ckpt.pt"), str(hf)]):
+    for args in (
+        ["hf-to-dcp", str(hf_dir), str(ck)],
+        ["dcp-to-torch", str(ck), str(pt)],
+        ["dcp-to-hf", str(root / "ckpt.pt"), str(hf)],
+    ):
         assert _convert(capsys, *args)[0] == 0
         assert "--force" in _fail(capsys, *args)  # an existing output is refused without it
         (Path(args[-1]) / "stale" if Path(args[-1]).is_dir() else tmp_path / "unused").write_text("old")
@@ -161,9 +185,13 @@ def test_force_replaces_only_an_earlier_output_of_the_same_converter(pretrained,
     (other / "keep").write_text("mine")
     file = tmp_path / "notes.txt"
     file.write_text("mine")
-    for args in (["dcp-to-torch", str(ck), str(other)], ["dcp-to-hf", str(root / "ckpt.pt"), str(other)],
-                 ["hf-to-dcp", str(hf_dir), str(other)], ["hf-to-dcp", str(hf_dir), str(file)],
-                 ["dcp-to-hf", str(root / "ckpt.pt"), str(file)]):
+    for args in (
+        ["dcp-to-torch", str(ck), str(other)],
+        ["dcp-to-hf", str(root / "ckpt.pt"), str(other)],
+        ["hf-to-dcp", str(hf_dir), str(other)],
+        ["hf-to-dcp", str(hf_dir), str(file)],
+        ["dcp-to-hf", str(root / "ckpt.pt"), str(file)],
+    ):
         assert "replaces only an earlier output" in _fail(capsys, *args, "--force")
     assert [p.name for p in other.iterdir()] == ["keep"] and file.read_text() == "mine"
 
@@ -183,12 +211,16 @@ def test_valid_sizes_parse():
     assert parse_size("1.5 kb") == 1500 and parse_size("1e3") == 1000
 
 
-@pytest.mark.parametrize("content, message", [
-    ("{not json", ":1: not valid JSON"), ("[]", "must hold a JSON object, got list"),
-    ('{"model_type": 3}', "`model_type` must be a string"), ('{"model_type": "llama", "architectures": "Llama"}',
-                                                             "`architectures` must be a list"),
-    ('{"model_type": "llama", "hidden_size": "big", "architectures": ["LlamaForCausalLM"]}', "cannot build"),
-])
+@pytest.mark.parametrize(
+    "content, message",
+    [
+        ("{not json", ":1: not valid JSON"),
+        ("[]", "must hold a JSON object, got list"),
+        ('{"model_type": 3}', "`model_type` must be a string"),
+        ('{"model_type": "llama", "architectures": "Llama"}', "`architectures` must be a list"),
+        ('{"model_type": "llama", "hidden_size": "big", "architectures": ["LlamaForCausalLM"]}', "cannot build"),
+    ],
+)
 def test_malformed_config_json_is_one_line_naming_the_file(pretrained, tmp_path, capsys, content, message):
     root, hf_dir, _ = pretrained
     bad = tmp_path / "config.json"

@@ -19,8 +19,9 @@ def tensors(n):
 
 
 def test_provider_returning_datasets_with_a_none_split():
-    dm = MMDataModule(train_valid_test_datasets_provider=lambda: (tensors(10), tensors(4), None), batch_size=3,
-                      shuffle=False)
+    dm = MMDataModule(
+        train_valid_test_datasets_provider=lambda: (tensors(10), tensors(4), None), batch_size=3, shuffle=False
+    )
     dm.setup("fit")
     batches = list(dm.train_dataloader())
     assert [len(b[0]) for b in batches] == [3, 3, 3, 1]
@@ -74,8 +75,9 @@ def make_tokenizer(directory: Path) -> None:
     words = ["[PAD]", "[UNK]", "[EOS]", "a", "red", "blue", "square", "circle", "what", "is", "it"]
     core = Tokenizer(models.WordLevel({w: i for i, w in enumerate(words)}, unk_token="[UNK]"))
     core.pre_tokenizer = pre_tokenizers.Whitespace()
-    PreTrainedTokenizerFast(tokenizer_object=core, pad_token="[PAD]", unk_token="[UNK]",
-                            eos_token="[EOS]").save_pretrained(str(directory))
+    PreTrainedTokenizerFast(
+        tokenizer_object=core, pad_token="[PAD]", unk_token="[UNK]", eos_token="[EOS]"
+    ).save_pretrained(str(directory))
 
 
 @pytest.fixture
@@ -90,9 +92,12 @@ def dataset_dir(tmp_path):
 
 def write_config(root: Path, train_lines: list, **extra) -> Path:
     (root / "train.jsonl").write_text("\n".join(x if isinstance(x, str) else json.dumps(x) for x in train_lines))
-    config = {"data_root": ".", "train": "train.jsonl",
-              "preprocess": {"tokenizer": "tok", "image_size": 8, "max_length": 7, "truncation": False},
-              "loader": {"batch_size": 2, "shuffle": False}}
+    config = {
+        "data_root": ".",
+        "train": "train.jsonl",
+        "preprocess": {"tokenizer": "tok", "image_size": 8, "max_length": 7, "truncation": False},
+        "loader": {"batch_size": 2, "shuffle": False},
+    }
     for key, value in extra.items():
         if isinstance(value, dict) and isinstance(config.get(key), dict):
             config[key].update(value)
@@ -105,8 +110,10 @@ def write_config(root: Path, train_lines: list, **extra) -> Path:
 
 GOOD = [
     {"image": "img/r.png", "text": "a red square"},
-    {"image": "img/b.png", "conversations": [{"from": "human", "value": "<image>\nwhat is it"},
-                                              {"from": "gpt", "value": "a blue circle"}]},
+    {
+        "image": "img/b.png",
+        "conversations": [{"from": "human", "value": "<image>\nwhat is it"}, {"from": "gpt", "value": "a blue circle"}],
+    },
 ]
 
 
@@ -154,16 +161,37 @@ BAD = [
     ({"image": "img/r.png", "conversations": [{"from": "robot", "value": "x"}]}, "unknown conversation role"),
     # A lone surrogate (JSON's "\ud800" escape) crashed the tokenizer with a TypeError and no file:line.
     ({"image": "img/r.png", "text": "a red \ud800 square"}, "train.jsonl:3: text is not valid Unicode (lone surrogate"),
-    ({"image": "img/r.png", "conversations": [{"from": "human", "value": "<image>\nwhat \udfff"},
-                                              {"from": "gpt", "value": "a red square"}]},
-     "train.jsonl:3: text is not valid Unicode"),
+    (
+        {
+            "image": "img/r.png",
+            "conversations": [
+                {"from": "human", "value": "<image>\nwhat \udfff"},
+                {"from": "gpt", "value": "a red square"},
+            ],
+        },
+        "train.jsonl:3: text is not valid Unicode",
+    ),
     # One image, so at most one placeholder.
-    ({"image": "img/r.png", "conversations": [{"from": "human", "value": "<image><image><image>\nwhat is it"},
-                                              {"from": "gpt", "value": "a red square"}]},
-     "train.jsonl:3: 3 `<image>` placeholders for one image"),
-    ({"image": "img/r.png", "conversations": [{"from": "human", "value": "<image>\nwhat is it"},
-                                              {"from": "gpt", "value": "a red <image> square"}]},
-     "train.jsonl:3: 2 `<image>` placeholders for one image"),
+    (
+        {
+            "image": "img/r.png",
+            "conversations": [
+                {"from": "human", "value": "<image><image><image>\nwhat is it"},
+                {"from": "gpt", "value": "a red square"},
+            ],
+        },
+        "train.jsonl:3: 3 `<image>` placeholders for one image",
+    ),
+    (
+        {
+            "image": "img/r.png",
+            "conversations": [
+                {"from": "human", "value": "<image>\nwhat is it"},
+                {"from": "gpt", "value": "a red <image> square"},
+            ],
+        },
+        "train.jsonl:3: 2 `<image>` placeholders for one image",
+    ),
 ]
 
 
@@ -228,8 +256,9 @@ def test_config_errors_name_the_key_before_training(dataset_dir, extra, message)
 def test_a_processor_that_normalises_by_zero_is_a_config_error_naming_its_file(dataset_dir):
     from transformers.models.clip.image_processing_pil_clip import CLIPImageProcessorPil
 
-    CLIPImageProcessorPil(image_std=[0.5, 0, 0.5], size={"shortest_edge": 8},
-                          crop_size={"height": 8, "width": 8}).save_pretrained(str(dataset_dir / "proc"))
+    CLIPImageProcessorPil(
+        image_std=[0.5, 0, 0.5], size={"shortest_edge": 8}, crop_size={"height": 8, "width": 8}
+    ).save_pretrained(str(dataset_dir / "proc"))
     dm = MMDataModule.from_config(write_config(dataset_dir, GOOD, preprocess={"processor": "proc"}))
     with pytest.raises(DataConfigError, match=r"proc: image processor `image_std` is \[0.5, 0, 0.5\]"):
         dm.setup("fit")
@@ -274,10 +303,14 @@ def write_raw_lines(root: Path, lines: list[bytes], name: str = "train.jsonl", *
 
 HOSTILE_LINES = [
     (b'{"image": "img/r.png", "text": "a red \xff square"}', "train.jsonl:3: not UTF-8 text (byte 0xff"),
-    (b'{"image": "img/r.png", "text": "a", "x": ' + b"[" * 100_000 + b"]" * 100_000 + b"}",
-     "train.jsonl:3: not valid JSON: nested too deeply"),
-    (b'{"image": "img/r.png", "text": "a", "n": ' + b"9" * 5000 + b"}",
-     "train.jsonl:3: not valid JSON: Exceeds the limit"),
+    (
+        b'{"image": "img/r.png", "text": "a", "x": ' + b"[" * 100_000 + b"]" * 100_000 + b"}",
+        "train.jsonl:3: not valid JSON: nested too deeply",
+    ),
+    (
+        b'{"image": "img/r.png", "text": "a", "n": ' + b"9" * 5000 + b"}",
+        "train.jsonl:3: not valid JSON: Exceeds the limit",
+    ),
 ]
 
 
@@ -327,10 +360,12 @@ def outside(tmp_path_factory):
 def test_image_paths_outside_the_data_root_are_bad_records(dataset_dir, outside):
     (dataset_dir / "img" / "link.png").symlink_to(outside)
     relative = Path("..") / outside.parent.name / outside.name
-    escapes = [{"image": str(outside), "text": "a red square"},  # absolute
-               {"image": "img/link.png", "text": "a red square"},  # symlink leading out
-               {"image": f"img/../{relative}", "text": "a red square"},  # '..'
-               {"image": "/etc/hostname", "text": "a red square"}]
+    escapes = [
+        {"image": str(outside), "text": "a red square"},  # absolute
+        {"image": "img/link.png", "text": "a red square"},  # symlink leading out
+        {"image": f"img/../{relative}", "text": "a red square"},  # '..'
+        {"image": "/etc/hostname", "text": "a red square"},
+    ]
     dm = MMDataModule.from_config(write_config(dataset_dir, [*GOOD, *escapes]))
     with pytest.warns(UserWarning, match="4 skipped"):
         dm.setup("fit")
@@ -351,12 +386,15 @@ def test_record_files_outside_the_data_root_are_a_config_error(dataset_dir, outs
         MMDataModule.from_config(path)
 
 
-@pytest.mark.parametrize(("extra", "message"), [
-    ({"preprocess": []}, "`preprocess` must be a mapping"),
-    ({"loader": 0}, "`loader` must be a mapping"),
-    ({"loader": False}, "`loader` must be a mapping"),
-    ({"allow_outside_data_root": "yes"}, "`allow_outside_data_root`: expected true or false"),
-])
+@pytest.mark.parametrize(
+    ("extra", "message"),
+    [
+        ({"preprocess": []}, "`preprocess` must be a mapping"),
+        ({"loader": 0}, "`loader` must be a mapping"),
+        ({"loader": False}, "`loader` must be a mapping"),
+        ({"allow_outside_data_root": "yes"}, "`allow_outside_data_root`: expected true or false"),
+    ],
+)
 def test_sections_that_are_not_mappings_are_errors(dataset_dir, extra, message):
     path = write_config(dataset_dir, GOOD)
     config = json.loads(path.read_text())

@@ -39,8 +39,13 @@ from tests.moe_models import MOE_FAMILIES
 ROOT = Path(__file__).resolve().parents[1]
 EXPECTED = json.loads((ROOT / "tests" / "derived_plan_expected.json").read_text())
 BUILTIN = {**FAMILIES, **MOE_FAMILIES, "qwen3_vl": (qwen3_vl_family.ARCH, qwen3_vl_family.CONFIG)}
-TOWERS = {"internvl": "model.vision_tower", "qwen2_5_vl": "model.visual", "llava": "model.vision_tower",
-          "qwen3_vl": "model.visual", "qwen3_vl_moe": "model.visual"}
+TOWERS = {
+    "internvl": "model.vision_tower",
+    "qwen2_5_vl": "model.visual",
+    "llava": "model.vision_tower",
+    "qwen3_vl": "model.visual",
+    "qwen3_vl_moe": "model.visual",
+}
 
 
 def _plan(model: torch.nn.Module):
@@ -69,29 +74,72 @@ def test_builtin_architectures_derive_the_plans_their_adapters_declared(case):
 
 # ------------------------------------------------------------------------------- architectures without adapter
 NEW_UNITS = {
-    "gemma3": ["model.language_model.embed_tokens", "lm_head", "model.vision_tower.embeddings",
-               "model.multi_modal_projector", "model.vision_tower.encoder.layers.{*}",
-               "model.language_model.layers.{*}"],
-    "idefics3": ["model.text_model.embed_tokens", "lm_head", "model.vision_model.embeddings", "model.connector",
-                 "model.vision_model.encoder.layers.{*}", "model.text_model.layers.{*}"],
-    "mistral3": ["model.language_model.embed_tokens", "lm_head", "model.vision_tower.patch_conv",
-                 "model.multi_modal_projector", "model.vision_tower.transformer.layers.{*}",
-                 "model.language_model.layers.{*}"],
-    "glm4v": ["model.language_model.embed_tokens", "lm_head", "model.visual.embeddings", "model.visual.patch_embed",
-              "model.visual.merger", "model.visual.downsample", "model.visual.blocks.{*}",
-              "model.language_model.layers.{*}"],
-    "glm4v_moe": ["model.language_model.embed_tokens", "lm_head", "model.visual.embeddings",
-                  "model.visual.patch_embed", "model.visual.merger", "model.visual.downsample",
-                  "model.visual.blocks.{*}", "model.language_model.layers.{*}"],
-    "qwen2_5_omni_thinker": ["model.language_model.embed_tokens", "lm_head", "model.audio_tower.conv1",
-                             "model.audio_tower.conv2", "model.audio_tower.audio_bos_eos_token",
-                             "model.audio_tower.proj", "model.visual.patch_embed", "model.visual.merger",
-                             "model.audio_tower.layers.{*}", "model.visual.blocks.{*}",
-                             "model.language_model.layers.{*}"],
+    "gemma3": [
+        "model.language_model.embed_tokens",
+        "lm_head",
+        "model.vision_tower.embeddings",
+        "model.multi_modal_projector",
+        "model.vision_tower.encoder.layers.{*}",
+        "model.language_model.layers.{*}",
+    ],
+    "idefics3": [
+        "model.text_model.embed_tokens",
+        "lm_head",
+        "model.vision_model.embeddings",
+        "model.connector",
+        "model.vision_model.encoder.layers.{*}",
+        "model.text_model.layers.{*}",
+    ],
+    "mistral3": [
+        "model.language_model.embed_tokens",
+        "lm_head",
+        "model.vision_tower.patch_conv",
+        "model.multi_modal_projector",
+        "model.vision_tower.transformer.layers.{*}",
+        "model.language_model.layers.{*}",
+    ],
+    "glm4v": [
+        "model.language_model.embed_tokens",
+        "lm_head",
+        "model.visual.embeddings",
+        "model.visual.patch_embed",
+        "model.visual.merger",
+        "model.visual.downsample",
+        "model.visual.blocks.{*}",
+        "model.language_model.layers.{*}",
+    ],
+    "glm4v_moe": [
+        "model.language_model.embed_tokens",
+        "lm_head",
+        "model.visual.embeddings",
+        "model.visual.patch_embed",
+        "model.visual.merger",
+        "model.visual.downsample",
+        "model.visual.blocks.{*}",
+        "model.language_model.layers.{*}",
+    ],
+    "qwen2_5_omni_thinker": [
+        "model.language_model.embed_tokens",
+        "lm_head",
+        "model.audio_tower.conv1",
+        "model.audio_tower.conv2",
+        "model.audio_tower.audio_bos_eos_token",
+        "model.audio_tower.proj",
+        "model.visual.patch_embed",
+        "model.visual.merger",
+        "model.audio_tower.layers.{*}",
+        "model.visual.blocks.{*}",
+        "model.language_model.layers.{*}",
+    ],
 }
-NEW_TOWERS = {"gemma3": ["model.vision_tower"], "idefics3": ["model.vision_model"], "mistral3": ["model.vision_tower"],
-              "glm4v": ["model.visual"], "glm4v_moe": ["model.visual"],
-              "qwen2_5_omni_thinker": ["model.audio_tower", "model.visual"]}
+NEW_TOWERS = {
+    "gemma3": ["model.vision_tower"],
+    "idefics3": ["model.vision_model"],
+    "mistral3": ["model.vision_tower"],
+    "glm4v": ["model.visual"],
+    "glm4v_moe": ["model.visual"],
+    "qwen2_5_omni_thinker": ["model.audio_tower", "model.visual"],
+}
 
 
 def _meta(name: str) -> torch.nn.Module:
@@ -123,8 +171,9 @@ def test_architectures_without_an_adapter_get_a_derived_plan(name):
         model.get_submodule(tower).requires_grad_(False)
     frozen = derive_fsdp2_plan(model)
     assert list(frozen.ignored_modules) == NEW_TOWERS[name]
-    assert not any(p.startswith(t) for p in frozen.sub_modules_to_wrap + frozen.recompute_candidates
-                   for t in NEW_TOWERS[name])
+    assert not any(
+        p.startswith(t) for p in frozen.sub_modules_to_wrap + frozen.recompute_candidates for t in NEW_TOWERS[name]
+    )
     assert _plan(model).ignored == tuple(NEW_TOWERS[name])
 
 
@@ -146,10 +195,14 @@ def test_plan_command_prints_the_derived_plan(tmp_path):
 
     config = {
         "trainer": {"accelerator": "cpu", "devices": 2, "strategy": "mm_fsdp2", "logger": False},
-        "model": {"class_path": "lightning_mm.MMLightningModule",
-                  "init_args": {"model_provider": "tests.derive_models.gemma3_provider"}},
-        "data": {"class_path": "lightning_mm.MMDataModule",
-                 "init_args": {"train_valid_test_datasets_provider": "tests.qwen3_vl_family.datasets_provider"}},
+        "model": {
+            "class_path": "lightning_mm.MMLightningModule",
+            "init_args": {"model_provider": "tests.derive_models.gemma3_provider"},
+        },
+        "data": {
+            "class_path": "lightning_mm.MMDataModule",
+            "init_args": {"train_valid_test_datasets_provider": "tests.qwen3_vl_family.datasets_provider"},
+        },
     }
     path = tmp_path / "cfg.yaml"
     path.write_text(yaml.safe_dump(config))
@@ -178,13 +231,19 @@ def test_models_the_derivation_cannot_decide_are_errors_naming_the_yaml_keys():
     no_blocks._no_split_modules = set()
     unknown._no_split_modules = {"NoSuchDecoderLayer"}
     tower._no_split_modules = {"LlamaDecoderLayer"}  # not Idefics3VisionAttention: no vision block found
-    with pytest.raises(PlanDerivationError, match=r"declares no `_no_split_modules`.*Set `sub_modules_to_wrap`.*"
-                                                  r"model\.layers\.\{\*\}"):
+    with pytest.raises(
+        PlanDerivationError,
+        match=r"declares no `_no_split_modules`.*Set `sub_modules_to_wrap`.*"
+        r"model\.layers\.\{\*\}",
+    ):
         FSDP2Config(sharding_size="auto").with_model_defaults(no_blocks)
     with pytest.raises(PlanDerivationError, match="none of its `_no_split_modules` .NoSuchDecoderLayer."):
         derive_fsdp2_plan(unknown)
-    with pytest.raises(PlanDerivationError, match=r"tower 'model.vision_model' holds no block.*`ignored_modules: "
-                                                  r"\[model.vision_model\]`"):
+    with pytest.raises(
+        PlanDerivationError,
+        match=r"tower 'model.vision_model' holds no block.*`ignored_modules: "
+        r"\[model.vision_model\]`",
+    ):
         derive_fsdp2_plan(tower)
     # The YAML's own units: nothing to derive, no error.
     config = FSDP2Config(sharding_size="auto", sub_modules_to_wrap=["model.layers.{*}"]).with_model_defaults(no_blocks)
@@ -206,8 +265,13 @@ def test_a_class_can_still_declare_its_towers_and_extra_units():
         model = Declared(base.config_class(**kwargs))
     derived = derive_fsdp2_plan(model)
     assert derived.declared == ("fsdp2_vision_towers", "fsdp2_extra_units")
-    assert list(derived.sub_modules_to_wrap) == ["model.language_model.embed_tokens", "lm_head", "model.visual.merger",
-                                                 "model.visual.blocks.{*}", "model.language_model.layers.{*}"]
+    assert list(derived.sub_modules_to_wrap) == [
+        "model.language_model.embed_tokens",
+        "lm_head",
+        "model.visual.merger",
+        "model.visual.blocks.{*}",
+        "model.language_model.layers.{*}",
+    ]
     assert "fsdp2_extra_units declared by the class" in derived.describe()
 
 
@@ -224,8 +288,9 @@ def test_save_pretrained_directories_load_strictly(tmp_path, original):
     for name, directory in dirs.items():
         ours = TransformersModel({"init_from_hf_path": str(directory)})
         assert is_derived(type(ours))
-        ref = getattr(transformers, derive_models.ARCHITECTURES[name][0]).from_pretrained(str(directory),
-                                                                                          dtype=torch.float32)
+        ref = getattr(transformers, derive_models.ARCHITECTURES[name][0]).from_pretrained(
+            str(directory), dtype=torch.float32
+        )
         expected = ref.state_dict()
         got = ours.state_dict()
         assert got.keys() == expected.keys(), name

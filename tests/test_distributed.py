@@ -32,8 +32,11 @@ def test_seed_yaml_verbatim_trains_and_every_field_takes_effect(scenario):
     assert r0["inv_freq"] == pytest.approx(expected, rel=1e-6)
     # Prefetch 2/2 in execution order (embedding, rotary, layers, output head).
     assert r0["prefetch_order"] == [
-        "text_decoder.embedding", "text_decoder.rotary_pos_emb", "text_decoder.decoder.layers.0",
-        "text_decoder.decoder.layers.1", "text_decoder.output_layer",
+        "text_decoder.embedding",
+        "text_decoder.rotary_pos_emb",
+        "text_decoder.decoder.layers.0",
+        "text_decoder.decoder.layers.1",
+        "text_decoder.output_layer",
     ]
     assert r0["prefetch_forward_layer0"] == ["text_decoder.decoder.layers.1", "text_decoder.output_layer"]
     assert r0["prefetch_backward_layer1"] == ["text_decoder.decoder.layers.0", "text_decoder.rotary_pos_emb"]

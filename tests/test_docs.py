@@ -87,7 +87,11 @@ def _help(*command: str) -> str:
     env = {**os.environ, "PYTHONPATH": str(ROOT), "COLUMNS": "200"}
     done = subprocess.run(
         [sys.executable, "-m", "lightning_mm.cli", *command, "--help"],
-        capture_output=True, text=True, cwd=ROOT, env=env, timeout=120,
+        capture_output=True,
+        text=True,
+        cwd=ROOT,
+        env=env,
+        timeout=120,
     )
     assert done.returncode == 0, f"lightning-mm {' '.join(command)} --help failed:\n{done.stderr[-2000:]}"
     return done.stdout

@@ -37,8 +37,14 @@ def runs(tmp_path_factory) -> tuple[Path, Path]:
     env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
     env.pop("LOCAL_RANK", None)
     env.pop("EP_ONLY", None)
-    proc = subprocess.run([sys.executable, str(ROOT / "tests" / "ep_scenarios.py"), "train", str(out), str(ckpts)],
-                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+    proc = subprocess.run(
+        [sys.executable, str(ROOT / "tests" / "ep_scenarios.py"), "train", str(out), str(ckpts)],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     if proc.returncode != 0:
         raise AssertionError(f"EP scenarios failed ({proc.returncode}):\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}")
     return out, ckpts
@@ -101,9 +107,11 @@ def test_aligned_unit_holds_exactly_the_norms_and_routers(runs):
     out, _ = runs
     aligned = _ranks(out, "qwen3_moe-align")[0]["parts"][0]["aligned"]
     expected = sorted(
-        [f"model.layers.{i}.{m}.weight" for i in range(2) for m in ("input_layernorm", "post_attention_layernorm",
-                                                                      "self_attn.q_norm", "self_attn.k_norm",
-                                                                      "mlp.gate")]
+        [
+            f"model.layers.{i}.{m}.weight"
+            for i in range(2)
+            for m in ("input_layernorm", "post_attention_layernorm", "self_attn.q_norm", "self_attn.k_norm", "mlp.gate")
+        ]
         + ["model.norm.weight"]
     )
     assert aligned == expected
@@ -122,9 +130,11 @@ def chain(runs) -> tuple[list[list[dict[str, Any]]], Any, str | None]:
     return stages, ref, error
 
 
-@pytest.mark.parametrize("stage", range(len(CHAIN_STAGES)),
-                         ids=[f"{i}-{label}-from-{CHAIN_STAGES[i - 1][0] if i else 'hf'}"
-                              for i, (label, *_) in enumerate(CHAIN_STAGES)])
+@pytest.mark.parametrize(
+    "stage",
+    range(len(CHAIN_STAGES)),
+    ids=[f"{i}-{label}-from-{CHAIN_STAGES[i - 1][0] if i else 'hf'}" for i, (label, *_) in enumerate(CHAIN_STAGES)],
+)
 def test_resume_chain_losses_equal_transformers(chain, stage):
     """Each stage resumed the previous one's checkpoint (model and optimiser, strictly) with other expert-parallel
     settings (no EP -> EP 2 -> EP 4 -> EP 2 whole -> gathered `torch` file -> EP 2 sharded with CPU offload ->
@@ -134,10 +144,10 @@ def test_resume_chain_losses_equal_transformers(chain, stage):
     assert stage < len(stages), f"stage {stage} did not run: {error}"
     steps_done = CHAIN_STAGES[stage][2]
     first = CHAIN_STAGES[stage - 1][2] if stage else 0
-    assert [len(global_steps(CHAIN, s)) for s in stages[stage:stage + 1]] == [steps_done - first]
+    assert [len(global_steps(CHAIN, s)) for s in stages[stage : stage + 1]] == [steps_done - first]
     start = sum(len(global_losses(s)) for s in stages[:stage])
     losses = global_losses(stages[stage])
-    errors = relative_errors(losses, ref.losses[start:start + len(losses)])
+    errors = relative_errors(losses, ref.losses[start : start + len(losses)])
     assert max(errors) < FP32_LOSS, f"stage {stage}: per-step relative loss errors {errors}"
 
 
@@ -159,10 +169,16 @@ def test_resume_chain_final_gathered_checkpoint_equals_transformers(runs, chain)
         assert experts and all(saved[k].shape[0] == 8 for k in experts)  # all 8 experts, not a rank's share
         optim = whole["optimizer_states"][0]
         recorded = whole["lightning_mm"]["optimizer_param_names"][0]  # the names of the indices, per group
-        names = {i: n for g, fqns in zip(optim["param_groups"], recorded, strict=True)
-                 for i, n in zip(g["params"], fqns)}
-        moments = [v for i, s in optim["state"].items() if ".mlp.experts." in names[i] for k, v in s.items()
-                   if k in ("exp_avg", "exp_avg_sq")]
+        names = {
+            i: n for g, fqns in zip(optim["param_groups"], recorded, strict=True) for i, n in zip(g["params"], fqns)
+        }
+        moments = [
+            v
+            for i, s in optim["state"].items()
+            if ".mlp.experts." in names[i]
+            for k, v in s.items()
+            if k in ("exp_avg", "exp_avg_sq")
+        ]
         assert len(moments) == 2 * len(experts) and all(m.shape[0] == 8 for m in moments)
     final = {k.removeprefix("model."): v for k, v in saved.items()}
     worst = max(weight_errors(final, ref).items(), key=lambda kv: kv[1])
@@ -245,16 +261,35 @@ def test_optimizer_state_loads_into_parameters_grouped_differently(tmp_path):
         opt.step()
         opt.zero_grad()
         sched.step()
-    extra = {"format_version": 1, "kind": "training", "world_size": 1, "rng_point": "next_batch", "hf": [],
-             # what the strategy records beside a `torch` file's index-keyed optimizer state
-             "optimizer_param_names": store.optimizer_param_names(net, [opt])}
-    state = {"epoch": 0, "global_step": 3, "state_dict": net.state_dict(),
-             "optimizer_states": [store.optimizer_state(net, opt, full=True)], "lr_schedulers": [sched.state_dict()]}
+    extra = {
+        "format_version": 1,
+        "kind": "training",
+        "world_size": 1,
+        "rng_point": "next_batch",
+        "hf": [],
+        # what the strategy records beside a `torch` file's index-keyed optimizer state
+        "optimizer_param_names": store.optimizer_param_names(net, [opt]),
+    }
+    state = {
+        "epoch": 0,
+        "global_step": 3,
+        "state_dict": net.state_dict(),
+        "optimizer_states": [store.optimizer_state(net, opt, full=True)],
+        "lr_schedulers": [sched.state_dict()],
+    }
     store.save(state, tmp_path / "one_group.ckpt", "torch", extra, None)
 
     fresh, fresh_opt, fresh_sched = _regroup_run([[0, 1], [3, 2]], [0.1, 0.1])  # as an EP run might group them
-    loaded = store.load(tmp_path / "one_group.ckpt", fresh, [fresh_opt], strict=True, rank=0, world_size=1,
-                        fitting=True, schedulers=[fresh_sched])
+    loaded = store.load(
+        tmp_path / "one_group.ckpt",
+        fresh,
+        [fresh_opt],
+        strict=True,
+        rank=0,
+        world_size=1,
+        fitting=True,
+        schedulers=[fresh_sched],
+    )
     fresh_sched.load_state_dict(loaded.checkpoint["lr_schedulers"][0])
     names = dict(net.named_parameters())
     for group in fresh_opt.param_groups:
@@ -274,8 +309,16 @@ def test_optimizer_state_loads_into_parameters_grouped_differently(tmp_path):
     store.save(state, tmp_path / "two_lrs.ckpt", "torch", extra, None)
     single, single_opt, single_sched = _regroup_run([[0, 1, 2, 3]], [0.1])
     with pytest.raises(CheckpointKeyError, match="1 parameter group"):
-        store.load(tmp_path / "two_lrs.ckpt", single, [single_opt], strict=True, rank=0, world_size=1,
-                   fitting=True, schedulers=[single_sched])
+        store.load(
+            tmp_path / "two_lrs.ckpt",
+            single,
+            [single_opt],
+            strict=True,
+            rank=0,
+            world_size=1,
+            fitting=True,
+            schedulers=[single_sched],
+        )
 
 
 def test_nested_scheduler_states_are_regrouped_but_not_their_milestones():
@@ -286,7 +329,8 @@ def test_nested_scheduler_states_are_regrouped_but_not_their_milestones():
         opt = torch.optim.SGD([{"params": [torch.nn.Parameter(torch.zeros(1))]} for _ in range(groups)], lr=0.1)
         first = torch.optim.lr_scheduler.ConstantLR(opt, factor=0.5, total_iters=1)
         return torch.optim.lr_scheduler.SequentialLR(
-            opt, [first, torch.optim.lr_scheduler.ExponentialLR(opt, gamma=0.9)], milestones=[1])
+            opt, [first, torch.optim.lr_scheduler.ExponentialLR(opt, gamma=0.9)], milestones=[1]
+        )
 
     one = sequential(1)
     for _ in range(3):

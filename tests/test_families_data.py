@@ -39,12 +39,23 @@ FAMILIES: dict[str, dict[str, Any]] = {
     "idefics3": dict(template=None, open="Assistant:", close="<end_of_utterance>\n", resize=True),
     "glm4v": dict(template="glm4.1v", open="<|assistant|>\n", close="", resize=False, thought=THOUGHT),
     "glm4v_moe": dict(template="glm4v_moe", open="<|assistant|>\n", close="", resize=False, thought=THOUGHT),
-    "qwen2_5_omni_thinker": dict(template="qwen2_omni", open="<|im_start|>assistant\n", close="<|im_end|>\n",
-                                 resize=False),
+    "qwen2_5_omni_thinker": dict(
+        template="qwen2_omni", open="<|im_start|>assistant\n", close="<|im_end|>\n", resize=False
+    ),
 }
-ATTR = {"system": None, "images": "images", "videos": None, "messages": "messages", "role_tag": "role",
-        "content_tag": "content", "user_tag": "user", "assistant_tag": "assistant", "observation_tag": None,
-        "function_tag": None, "system_tag": None}
+ATTR = {
+    "system": None,
+    "images": "images",
+    "videos": None,
+    "messages": "messages",
+    "role_tag": "role",
+    "content_tag": "content",
+    "user_tag": "user",
+    "assistant_tag": "assistant",
+    "observation_tag": None,
+    "function_tag": None,
+    "system_tag": None,
+}
 MAX_PIXELS = 56 * 56
 IMAGES = {"a.png": (60, 40), "b.png": (28, 84), "c.png": (90, 50), "d.png": (33, 47)}
 
@@ -59,8 +70,15 @@ def _record(turns: list[tuple[str, str]], images: list[str] | None = None) -> di
 RECORDS = [
     _record([("user", "<image>What is in this picture?"), ("assistant", "A red square.")], ["a.png"]),
     _record([("user", "Two <image> and <image> shapes?"), ("assistant", "Yes, two.")], ["b.png", "c.png"]),
-    _record([("user", "<image>Describe the image."), ("assistant", "Two cats."), ("user", "How many?"),
-             ("assistant", "The answer is 2.")], ["d.png"]),
+    _record(
+        [
+            ("user", "<image>Describe the image."),
+            ("assistant", "Two cats."),
+            ("user", "How many?"),
+            ("assistant", "The answer is 2."),
+        ],
+        ["d.png"],
+    ),
 ]
 
 
@@ -75,17 +93,31 @@ def _config(model: Path, family: str, basic: dict | None = None) -> dict:
     return {
         "dataset_param": {
             "dataset_type": "huggingface",
-            "preprocess_parameters": {"model_name_or_path": str(model), "use_fast_tokenizer": True,
-                                      "split_special_tokens": False, "image_max_pixels": MAX_PIXELS,
-                                      "image_min_pixels": 1024},
-            "basic_parameters": {"template": template, "dataset_dir": "./data", "dataset": "./data/train.jsonl",
-                                 "train_on_prompt": False, "mask_history": False, **(basic or {})},
+            "preprocess_parameters": {
+                "model_name_or_path": str(model),
+                "use_fast_tokenizer": True,
+                "split_special_tokens": False,
+                "image_max_pixels": MAX_PIXELS,
+                "image_min_pixels": 1024,
+            },
+            "basic_parameters": {
+                "template": template,
+                "dataset_dir": "./data",
+                "dataset": "./data/train.jsonl",
+                "train_on_prompt": False,
+                "mask_history": False,
+                **(basic or {}),
+            },
             "attr": dict(ATTR),
         },
-        "dataloader_param": {"dataloader_mode": "sampler", "drop_last": False,
-                             "sampler_type": "BaseRandomBatchSampler",
-                             "collate_param": {"model_name": "qwen2vl", "ignore_pad_token_for_loss": True},
-                             "pin_memory": False, "shuffle": False},
+        "dataloader_param": {
+            "dataloader_mode": "sampler",
+            "drop_last": False,
+            "sampler_type": "BaseRandomBatchSampler",
+            "collate_param": {"model_name": "qwen2vl", "ignore_pad_token_for_loss": True},
+            "pin_memory": False,
+            "shuffle": False,
+        },
     }
 
 
@@ -94,8 +126,9 @@ def _module(tmp: Path, monkeypatch, config: dict, records: list[dict] | None = N
     data.mkdir(exist_ok=True)
     for i, (name, size) in enumerate(IMAGES.items()):
         g = torch.Generator().manual_seed(i)
-        Image.fromarray(torch.randint(0, 256, (size[1], size[0], 3), generator=g, dtype=torch.uint8).numpy()
-                        ).save(data / name)
+        Image.fromarray(torch.randint(0, 256, (size[1], size[0], 3), generator=g, dtype=torch.uint8).numpy()).save(
+            data / name
+        )
     (data / "train.jsonl").write_text("\n".join(json.dumps(r) for r in (records or RECORDS)) + "\n")
     (tmp / "data.json").write_text(json.dumps(config))
     monkeypatch.chdir(tmp)
@@ -130,15 +163,26 @@ def _reference_processor(model: Path) -> Any:
         def check_argument_for_proper_class(self, name, argument):
             return None if name == "video_processor" else super().check_argument_for_proper_class(name, argument)
 
-    parts = {"image_processor": AutoImageProcessor.from_pretrained(model),
-             "tokenizer": AutoTokenizer.from_pretrained(model), "video_processor": None}
+    parts = {
+        "image_processor": AutoImageProcessor.from_pretrained(model),
+        "tokenizer": AutoTokenizer.from_pretrained(model),
+        "video_processor": None,
+    }
     if "feature_extractor" in base.get_attributes():
         parts["feature_extractor"] = transformers.WhisperFeatureExtractor.from_pretrained(model)
     return ImagesOnly(**parts, chat_template=(model / "chat_template.jinja").read_text())
 
 
-def _reference(model: Path, family: str, record: dict, data: Path, *, train_on_prompt: bool = False,
-               mask_history: bool = False, enable_thinking: bool = True) -> dict[str, torch.Tensor]:
+def _reference(
+    model: Path,
+    family: str,
+    record: dict,
+    data: Path,
+    *,
+    train_on_prompt: bool = False,
+    mask_history: bool = False,
+    enable_thinking: bool = True,
+) -> dict[str, torch.Tensor]:
     spec = FAMILIES[family]
     processor = _reference_processor(model)
     images = []
@@ -152,17 +196,22 @@ def _reference(model: Path, family: str, record: dict, data: Path, *, train_on_p
         if turn["role"] == "user":
             parts: list[dict[str, Any]] = []
             for i, piece in enumerate(turn["content"].split("<image>")):
-                parts += ([{"type": "image", "image": next(pending)}] if i else [])
+                parts += [{"type": "image", "image": next(pending)}] if i else []
                 parts += [{"type": "text", "text": piece}] if piece else []
             messages.append({"role": "user", "content": parts})
         else:
             content = spec.get("thought", "") + turn["content"]
-            messages.append({"role": "assistant", "content": [{"type": "text", "text": content}]
-                             if family == "idefics3" else content})
+            messages.append(
+                {
+                    "role": "assistant",
+                    "content": [{"type": "text", "text": content}] if family == "idefics3" else content,
+                }
+            )
             assistants.append((" " if family == "idefics3" else "") + content)
     bounds = {} if spec["resize"] else {"images_kwargs": {"size": {"shortest_edge": 1024, "longest_edge": MAX_PIXELS}}}
-    out = processor.apply_chat_template(messages, tokenize=True, return_dict=True, return_tensors="pt",
-                                        processor_kwargs=bounds)
+    out = processor.apply_chat_template(
+        messages, tokenize=True, return_dict=True, return_tensors="pt", processor_kwargs=bounds
+    )
     ids = out["input_ids"][0].tolist()
     expanded = processor.tokenizer.decode(ids, skip_special_tokens=False)
     encoded = processor.tokenizer(expanded, add_special_tokens=False, return_offsets_mapping=True)
@@ -171,7 +220,7 @@ def _reference(model: Path, family: str, record: dict, data: Path, *, train_on_p
     for content in assistants:
         start = expanded.index(spec["open"], cursor) + len(spec["open"])
         body = content + spec["close"]
-        assert expanded[start:start + len(body)] == body
+        assert expanded[start : start + len(body)] == body
         thought = 0 if enable_thinking else len(spec.get("thought", ""))  # the empty thought is prompt then
         spans.append((start + thought, start + len(body)))
         cursor = start + len(body)
@@ -181,8 +230,10 @@ def _reference(model: Path, family: str, record: dict, data: Path, *, train_on_p
         answer = any(a <= s < b for a, b in spans)
         keep = any(a <= s < b for a, b in trained) or (train_on_prompt and not answer)
         labels.append(token if keep else -100)
-    sample = {k: v[0] if k in ("input_ids", "attention_mask", "token_type_ids", "mm_token_type_ids") else v
-              for k, v in out.items()}
+    sample = {
+        k: v[0] if k in ("input_ids", "attention_mask", "token_type_ids", "mm_token_type_ids") else v
+        for k, v in out.items()
+    }
     sample["labels"] = torch.tensor(labels)
     return sample
 
@@ -273,12 +324,23 @@ def test_mistral3_takes_a_pixtral_batch_and_its_processor_is_refused_by_name(tmp
         h, w = (int(v) // 16 for v in pixels["image_sizes"][0])
         image = ([ids("[IMG]")] * w + [ids("[IMG_BREAK]")]) * h
         image[-1] = ids("[IMG_END]")
-        prompt = [ids("<s>"), ids("[INST]"), *image, *tokenizer.encode("What is it?", add_special_tokens=False),
-                  ids("[/INST]")]
+        prompt = [
+            ids("<s>"),
+            ids("[INST]"),
+            *image,
+            *tokenizer.encode("What is it?", add_special_tokens=False),
+            ids("[/INST]"),
+        ]
         answer = [*tokenizer.encode("A red square.", add_special_tokens=False), ids("</s>")]
-        samples.append({"input_ids": torch.tensor(prompt + answer), "attention_mask": torch.ones(len(prompt + answer),
-                        dtype=torch.long), "labels": torch.tensor([-100] * len(prompt) + answer),
-                        "pixel_values": pixels["pixel_values"], "image_sizes": pixels["image_sizes"]})
+        samples.append(
+            {
+                "input_ids": torch.tensor(prompt + answer),
+                "attention_mask": torch.ones(len(prompt + answer), dtype=torch.long),
+                "labels": torch.tensor([-100] * len(prompt) + answer),
+                "pixel_values": pixels["pixel_values"],
+                "image_sizes": pixels["image_sizes"],
+            }
+        )
     batch = ChatCollator(tokenizer.pad_token_id)(samples)
     assert batch["pixel_values"].shape[0] == 2 and batch["pixel_values"].shape[-2:] == (64, 64)  # padded to the most
     model = transformers.Mistral3ForConditionalGeneration.from_pretrained(model_dir).train()
@@ -288,8 +350,9 @@ def test_mistral3_takes_a_pixtral_batch_and_its_processor_is_refused_by_name(tmp
     loss.backward()
     assert torch.isfinite(loss) and model.model.vision_tower.patch_conv.weight.grad.abs().sum() > 0
     with pytest.raises(BatchCheckError, match="image"):
-        check_batch(model, {**batch, "pixel_values": batch["pixel_values"][:1],
-                            "image_sizes": batch["image_sizes"][:1]})
+        check_batch(
+            model, {**batch, "pixel_values": batch["pixel_values"][:1], "image_sizes": batch["image_sizes"][:1]}
+        )
 
 
 # ----------------------------------------------------------------------------------------------- 2-rank parity
@@ -311,8 +374,10 @@ def test_two_rank_training_on_data_path_batches_equals_plain_transformers(traine
 
     families_scenarios.register(trained)
     part = test_parity._part(test_parity._ranks(trained, case.name), 0)
-    assert part[0]["plan"]["model_class"] == "MM" + json.loads(
-        (trained / "ckpts" / case.family / "config.json").read_text())["architectures"][0]
+    assert (
+        part[0]["plan"]["model_class"]
+        == "MM" + json.loads((trained / "ckpts" / case.family / "config.json").read_text())["architectures"][0]
+    )
     plan = part[0]["plan"]
     tower = families_scenarios.TOWERS[case.family]
     assert plan["ignored"] == ([tower] if case.freeze else [])  # a frozen tower is ignored, a trainable one wrapped
@@ -326,8 +391,10 @@ def test_two_rank_training_on_data_path_batches_equals_plain_transformers(traine
 def test_a_batch_without_images_gets_a_masked_filler_image(family, models, tmp_path, monkeypatch):
     import transformers
 
-    text_only = [_record([("user", "What is in this picture?"), ("assistant", "A red square.")]),
-                 _record([("user", "How many?"), ("assistant", "The answer is 2.")])]
+    text_only = [
+        _record([("user", "What is in this picture?"), ("assistant", "A red square.")]),
+        _record([("user", "How many?"), ("assistant", "The answer is 2.")]),
+    ]
     module = _module(tmp_path, monkeypatch, _config(models[family], family), batch_size=2, records=text_only)
     batch = next(iter(module.train_dataloader()))
     samples = [module._splits["train"][i] for i in range(2)]
@@ -335,8 +402,11 @@ def test_a_batch_without_images_gets_a_masked_filler_image(family, models, tmp_p
     n = len(samples[0]["input_ids"])
     assert (batch["attention_mask"][0, n:] == 0).all() and (batch["labels"][0, n:] == -100).all()
     plain = ChatCollator(module._splits["train"].builder.tokenizer.pad_token_id)(samples)
-    model = getattr(transformers, json.loads((models[family] / "config.json").read_text())["architectures"][0]
-                    ).from_pretrained(models[family]).eval()
+    model = (
+        getattr(transformers, json.loads((models[family] / "config.json").read_text())["architectures"][0])
+        .from_pretrained(models[family])
+        .eval()
+    )
     check_batch(model, batch)
     with torch.no_grad():  # the filler runs the vision tower and changes no loss
         assert torch.allclose(model(**batch).loss, model(**plain).loss, rtol=1e-5)

@@ -59,9 +59,19 @@ def _fit(tmp_path, module, plugin, **kwargs):
     x = torch.randn(64, 4, generator=torch.Generator().manual_seed(0))
     data = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(x, x.sum(1, keepdim=True)), batch_size=8)
     snapshot = Snapshot()
-    trainer = L.Trainer(accelerator="cpu", devices=1, max_steps=5, logger=False, enable_checkpointing=False,
-                        enable_progress_bar=False, enable_model_summary=False, default_root_dir=tmp_path,
-                        plugins=[plugin], callbacks=[snapshot], **kwargs)
+    trainer = L.Trainer(
+        accelerator="cpu",
+        devices=1,
+        max_steps=5,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        default_root_dir=tmp_path,
+        plugins=[plugin],
+        callbacks=[snapshot],
+        **kwargs,
+    )
     return trainer, snapshot, lambda: trainer.fit(module, train_dataloaders=data)
 
 
@@ -72,10 +82,13 @@ def _unchanged(module, snapshot) -> bool:
 def test_a_nan_loss_stops_before_the_step_naming_it(tmp_path):
     module = Faulty(nan_at=2)
     trainer, snapshot, fit = _fit(tmp_path, module, MMFSDP2Precision())
-    with pytest.raises(NonFiniteError, match=r"^non-finite loss at step 2, gradient norm nan: training stopped on "
-                                             r"every rank before the optimizer step applied it \(the weights stay as "
-                                             r"after 2 optimizer step\(s\)\); MMFSDP2Strategy\(stop_on_nonfinite="
-                                             r"False\) trains on instead$"):
+    with pytest.raises(
+        NonFiniteError,
+        match=r"^non-finite loss at step 2, gradient norm nan: training stopped on "
+        r"every rank before the optimizer step applied it \(the weights stay as "
+        r"after 2 optimizer step\(s\)\); MMFSDP2Strategy\(stop_on_nonfinite="
+        r"False\) trains on instead$",
+    ):
         fit()
     assert trainer.global_step == 2 and _unchanged(module, snapshot)
     assert all(torch.isfinite(p).all() for p in module.parameters())
@@ -84,8 +97,11 @@ def test_a_nan_loss_stops_before_the_step_naming_it(tmp_path):
 def test_an_infinite_gradient_stops_before_the_step_even_with_accumulation(tmp_path):
     module = Faulty(inf_grad_at=1)
     trainer, snapshot, fit = _fit(tmp_path, module, MMFSDP2Precision(), accumulate_grad_batches=2)
-    with pytest.raises(NonFiniteError, match=r"non-finite gradient norm \((inf|nan)\) at step 1, the loss being "
-                                             "finite on every rank"):
+    with pytest.raises(
+        NonFiniteError,
+        match=r"non-finite gradient norm \((inf|nan)\) at step 1, the loss being "
+        "finite on every rank",
+    ):
         fit()
     assert trainer.global_step == 1 and _unchanged(module, snapshot)
 
@@ -158,10 +174,25 @@ def two_ranks(tmp_path_factory):
         port = s.getsockname()[1]
     procs = []
     for rank in range(2):
-        env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1", "MASTER_ADDR": "127.0.0.1",
-               "MASTER_PORT": str(port), "LOCAL_RANK": str(rank), "NODE_RANK": "0"}
-        procs.append(subprocess.Popen([sys.executable, str(ROOT / "tests" / "finite_scenarios.py"), str(work)],
-                                      cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
+        env = {
+            **os.environ,
+            "PYTHONPATH": str(ROOT),
+            "OMP_NUM_THREADS": "1",
+            "MASTER_ADDR": "127.0.0.1",
+            "MASTER_PORT": str(port),
+            "LOCAL_RANK": str(rank),
+            "NODE_RANK": "0",
+        }
+        procs.append(
+            subprocess.Popen(
+                [sys.executable, str(ROOT / "tests" / "finite_scenarios.py"), str(work)],
+                cwd=ROOT,
+                env=env,
+                stdout=subprocess.PIPE,
+                stderr=subprocess.PIPE,
+                text=True,
+            )
+        )
     outputs = [p.communicate(timeout=600) for p in procs]
     return work, [p.returncode for p in procs], [err for _, err in outputs]
 

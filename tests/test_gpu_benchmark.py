@@ -19,8 +19,14 @@ SCRIPT = ROOT / "benchmarks" / "gpu_throughput.py"
 def _run(tmp_path: Path, *args: str) -> subprocess.CompletedProcess:
     env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1", "LMM_BENCH_RESULTS": str(tmp_path / "res")}
     env.pop("LOCAL_RANK", None)
-    return subprocess.run([sys.executable, str(SCRIPT), *args, "--out", str(tmp_path / "ranks")], cwd=ROOT, env=env,
-                          capture_output=True, text=True, timeout=600)
+    return subprocess.run(
+        [sys.executable, str(SCRIPT), *args, "--out", str(tmp_path / "ranks")],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="the refusal is for machines without CUDA")
@@ -37,8 +43,24 @@ def test_bad_arguments_are_refused_by_name(tmp_path):
 
 
 def test_cpu_path_runs_every_contender_and_writes_json_and_markdown(tmp_path):
-    proc = _run(tmp_path, "--device", "cpu", "--tiny", "--rounds", "1", "--steps", "2", "--warmup", "1",
-                "--batch", "2", "--seq", "16", "--compile-backend", "aot_eager")
+    proc = _run(
+        tmp_path,
+        "--device",
+        "cpu",
+        "--tiny",
+        "--rounds",
+        "1",
+        "--steps",
+        "2",
+        "--warmup",
+        "1",
+        "--batch",
+        "2",
+        "--seq",
+        "16",
+        "--compile-backend",
+        "aot_eager",
+    )
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     result = json.loads((tmp_path / "res" / "gpu_throughput.json").read_text())
     contenders = result["summary"]["contenders"]

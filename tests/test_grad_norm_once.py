@@ -46,10 +46,20 @@ def test_grad_norm_is_computed_once_per_step_and_logged_before_clipping(tmp_path
     x = torch.randn(64, 4, generator=torch.Generator().manual_seed(0))
     data = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(x, x.sum(1, keepdim=True)), batch_size=8)
     norms = Norms()
-    trainer = L.Trainer(accelerator="cpu", devices=1, max_steps=4, logger=False, enable_checkpointing=False,
-                        enable_progress_bar=False, enable_model_summary=False, default_root_dir=tmp_path,
-                        log_every_n_steps=1, gradient_clip_val=clip, plugins=[MMFSDP2Precision()],
-                        callbacks=[norms])
+    trainer = L.Trainer(
+        accelerator="cpu",
+        devices=1,
+        max_steps=4,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        default_root_dir=tmp_path,
+        log_every_n_steps=1,
+        gradient_clip_val=clip,
+        plugins=[MMFSDP2Precision()],
+        callbacks=[norms],
+    )
     trainer.fit(Module(lr=1e-2), train_dataloaders=data)
     assert len(calls) == 4  # one reduction per step, not one for the log and one for clipping
     assert logged == pytest.approx(norms.before, rel=1e-6)  # the norm before clipping

@@ -29,9 +29,19 @@ from tests.tiny_vlms import FAMILIES, write_tiny_vlm
 ROOT = Path(__file__).resolve().parents[1]
 TEMPLATE = {"qwen2_5_vl": "qwen2vl", "qwen3_vl": "qwen3_vl_nothink"}
 COLLATE = {"qwen2_5_vl": "qwen2vl", "qwen3_vl": "qwen3vl"}
-ATTR = {"system": None, "images": "images", "videos": None, "messages": "messages", "role_tag": "role",
-        "content_tag": "content", "user_tag": "user", "assistant_tag": "assistant", "observation_tag": None,
-        "function_tag": None, "system_tag": None}
+ATTR = {
+    "system": None,
+    "images": "images",
+    "videos": None,
+    "messages": "messages",
+    "role_tag": "role",
+    "content_tag": "content",
+    "user_tag": "user",
+    "assistant_tag": "assistant",
+    "observation_tag": None,
+    "function_tag": None,
+    "system_tag": None,
+}
 MAX_PIXELS = 56 * 56 * 2  # below the tiny image processors' own max_pixels (112 * 112), so the config decides
 
 
@@ -41,26 +51,54 @@ def models(tmp_path_factory) -> dict[str, Path]:
     return {family: write_tiny_vlm(root / family, family) for family in TEMPLATE}
 
 
-def _config(model: Path, family: str, template: str | None = None, basic: dict | None = None,
-            loader: dict | None = None, pre: dict | None = None, **top: Any) -> dict:
+def _config(
+    model: Path,
+    family: str,
+    template: str | None = None,
+    basic: dict | None = None,
+    loader: dict | None = None,
+    pre: dict | None = None,
+    **top: Any,
+) -> dict:
     return {
         "dataset_param": {
             "dataset_type": "huggingface",
-            "preprocess_parameters": {"model_name_or_path": str(model), "use_fast_tokenizer": True,
-                                      "split_special_tokens": False, "image_max_pixels": MAX_PIXELS,
-                                      "image_min_pixels": 0, "video_max_pixels": 16384, "video_min_pixels": 0,
-                                      "video_fps": 2.0, "video_maxlen": 64, **(pre or {})},
-            "basic_parameters": {"template": template or TEMPLATE[family], "dataset_dir": "./data",
-                                 "dataset": "./data/train.jsonl", "cache_dir": "./data/cache_dir",
-                                 "train_on_prompt": False, "mask_history": False, "preprocessing_batch_size": 1000,
-                                 "preprocessing_num_workers": 16, "max_samples": None, "tool_format": None,
-                                 **(basic or {})},
+            "preprocess_parameters": {
+                "model_name_or_path": str(model),
+                "use_fast_tokenizer": True,
+                "split_special_tokens": False,
+                "image_max_pixels": MAX_PIXELS,
+                "image_min_pixels": 0,
+                "video_max_pixels": 16384,
+                "video_min_pixels": 0,
+                "video_fps": 2.0,
+                "video_maxlen": 64,
+                **(pre or {}),
+            },
+            "basic_parameters": {
+                "template": template or TEMPLATE[family],
+                "dataset_dir": "./data",
+                "dataset": "./data/train.jsonl",
+                "cache_dir": "./data/cache_dir",
+                "train_on_prompt": False,
+                "mask_history": False,
+                "preprocessing_batch_size": 1000,
+                "preprocessing_num_workers": 16,
+                "max_samples": None,
+                "tool_format": None,
+                **(basic or {}),
+            },
             "attr": dict(ATTR),
         },
-        "dataloader_param": {"dataloader_mode": "sampler", "drop_last": False,
-                             "sampler_type": "BaseRandomBatchSampler",
-                             "collate_param": {"model_name": COLLATE[family], "ignore_pad_token_for_loss": True},
-                             "pin_memory": False, "shuffle": False, **(loader or {})},
+        "dataloader_param": {
+            "dataloader_mode": "sampler",
+            "drop_last": False,
+            "sampler_type": "BaseRandomBatchSampler",
+            "collate_param": {"model_name": COLLATE[family], "ignore_pad_token_for_loss": True},
+            "pin_memory": False,
+            "shuffle": False,
+            **(loader or {}),
+        },
         **top,
     }
 
@@ -81,8 +119,17 @@ def _record(turns: list[tuple[str, str]], images: list[str] | None = None) -> di
 RECORDS = [
     _record([("user", "<image>What is in this picture?"), ("assistant", "A red square.")], ["a.png"]),
     _record([("user", "Two <image> and <image> shapes?"), ("assistant", "Yes, two.")], ["b.png", "c.png"]),
-    _record([("user", "<image>Describe the image."), ("assistant", "Two cats."), ("user", "How many?"),
-             ("assistant", "The answer is 2."), ("user", "Left or right?"), ("assistant", "left")], ["d.png"]),
+    _record(
+        [
+            ("user", "<image>Describe the image."),
+            ("assistant", "Two cats."),
+            ("user", "How many?"),
+            ("assistant", "The answer is 2."),
+            ("user", "Left or right?"),
+            ("assistant", "left"),
+        ],
+        ["d.png"],
+    ),
     _record([("user", "<image>How many?"), ("assistant", "One dog.")], ["big.png"]),  # above the pixel limit
 ]
 
@@ -90,8 +137,9 @@ RECORDS = [
 def _write(tmp: Path, config: dict, records: list[dict] | None = None, name: str = "data.json") -> Path:
     data = tmp / "data"
     data.mkdir(exist_ok=True)
-    for i, (image, size) in enumerate({"a.png": (60, 40), "b.png": (28, 84), "c.png": (90, 50), "d.png": (33, 47),
-                                       "big.png": (300, 200)}.items()):
+    for i, (image, size) in enumerate(
+        {"a.png": (60, 40), "b.png": (28, 84), "c.png": (90, 50), "d.png": (33, 47), "big.png": (300, 200)}.items()
+    ):
         _image(data / image, size, i)
     lines = [r if isinstance(r, str) else json.dumps(r) for r in (RECORDS if records is None else records)]
     (data / "train.jsonl").write_text("\n".join(lines) + "\n")
@@ -121,14 +169,26 @@ def _reference_processor(model: Path) -> Any:
         def check_argument_for_proper_class(self, name, argument):
             return None if name == "video_processor" else super().check_argument_for_proper_class(name, argument)
 
-    return ImagesOnly(image_processor=Qwen2VLImageProcessorPil.from_pretrained(model),
-                      tokenizer=AutoTokenizer.from_pretrained(model), video_processor=None,
-                      chat_template=(model / "chat_template.jinja").read_text())
+    return ImagesOnly(
+        image_processor=Qwen2VLImageProcessorPil.from_pretrained(model),
+        tokenizer=AutoTokenizer.from_pretrained(model),
+        video_processor=None,
+        chat_template=(model / "chat_template.jinja").read_text(),
+    )
 
 
-def _reference(model: Path, record: dict, data: Path, *, train_on_prompt: bool = False, mask_history: bool = False,
-               thought: str = "", thought_trained: bool = True, system: str | None = None,
-               chat_template: str | None = None) -> dict[str, torch.Tensor]:
+def _reference(
+    model: Path,
+    record: dict,
+    data: Path,
+    *,
+    train_on_prompt: bool = False,
+    mask_history: bool = False,
+    thought: str = "",
+    thought_trained: bool = True,
+    system: str | None = None,
+    chat_template: str | None = None,
+) -> dict[str, torch.Tensor]:
     processor = _reference_processor(model)
     messages: list[dict[str, Any]] = [{"role": "system", "content": system}] if system else []
     assistants = []
@@ -146,10 +206,14 @@ def _reference(model: Path, record: dict, data: Path, *, train_on_prompt: bool =
     for name in record.get("images", []):
         with Image.open(data / name) as img:
             images.append(img.convert("RGB"))
-    out = processor(text=[text], images=images or None, return_tensors="pt",
-                    images_kwargs={"size": {"shortest_edge": 1, "longest_edge": MAX_PIXELS}})
+    out = processor(
+        text=[text],
+        images=images or None,
+        return_tensors="pt",
+        images_kwargs={"size": {"shortest_edge": 1, "longest_edge": MAX_PIXELS}},
+    )
     # Labels from character offsets: each assistant content and its "<|im_end|>\n", in the expanded text.
-    merge = processor.image_processor.merge_size ** 2
+    merge = processor.image_processor.merge_size**2
     expanded = text
     for grid in out.get("image_grid_thw", []):
         expanded = expanded.replace("<|image_pad|>", "<|placeholder|>" * int(grid.prod() // merge), 1)
@@ -158,20 +222,23 @@ def _reference(model: Path, record: dict, data: Path, *, train_on_prompt: bool =
     for content in assistants:
         start = expanded.index("<|im_start|>assistant\n", cursor) + len("<|im_start|>assistant\n")
         body = thought + content + "<|im_end|>\n"
-        assert expanded[start:start + len(body)] == body
+        assert expanded[start : start + len(body)] == body
         spans.append((start if thought_trained else start + len(thought), start + len(body)))
         cursor = start + len(body)
     if mask_history:
         spans = spans[-1:]
     encoded = processor.tokenizer(expanded, return_offsets_mapping=True)
     assert encoded["input_ids"] == out["input_ids"][0].tolist()
-    labels = [tok if train_on_prompt or any(a <= s < b for a, b in spans) else -100
-              for tok, (s, _e) in zip(encoded["input_ids"], encoded["offset_mapping"])]
+    labels = [
+        tok if train_on_prompt or any(a <= s < b for a, b in spans) else -100
+        for tok, (s, _e) in zip(encoded["input_ids"], encoded["offset_mapping"])
+    ]
     if train_on_prompt and mask_history:  # prompts trained, earlier answers not
-        labels = [tok if not any(a <= s < b for a, b in _all_spans(expanded, assistants, thought)[:-1]) else -100
-                  for tok, (s, _e) in zip(encoded["input_ids"], encoded["offset_mapping"])]
-    sample = {k: v[0] if v.dim() == 2 and k != "pixel_values" and k != "image_grid_thw" else v
-              for k, v in out.items()}
+        labels = [
+            tok if not any(a <= s < b for a, b in _all_spans(expanded, assistants, thought)[:-1]) else -100
+            for tok, (s, _e) in zip(encoded["input_ids"], encoded["offset_mapping"])
+        ]
+    sample = {k: v[0] if v.dim() == 2 and k != "pixel_values" and k != "image_grid_thw" else v for k, v in out.items()}
     sample["labels"] = torch.tensor(labels)
     return sample
 
@@ -210,8 +277,9 @@ def test_samples_equal_the_model_processor_and_chat_template(family, models, tmp
     assert int(grids[3].prod()) * patch * patch > MAX_PIXELS // 4
 
 
-@pytest.mark.parametrize("flags", [{"mask_history": True}, {"train_on_prompt": True},
-                                   {"train_on_prompt": True, "mask_history": True}])
+@pytest.mark.parametrize(
+    "flags", [{"mask_history": True}, {"train_on_prompt": True}, {"train_on_prompt": True, "mask_history": True}]
+)
 def test_multi_turn_label_modes(flags, models, tmp_path, monkeypatch):
     family = "qwen2_5_vl"
     module = _module(tmp_path, monkeypatch, _config(models[family], family, basic=flags))
@@ -225,8 +293,9 @@ def test_qwen3_vl_template_adds_an_empty_thought(thinking, models, tmp_path, mon
     config = _config(models[family], family, template="qwen3_vl", basic={"enable_thinking": thinking})
     module = _module(tmp_path, monkeypatch, config)
     for i in (0, 2):
-        reference = _reference(models[family], RECORDS[i], tmp_path / "data", thought="<think>\n\n</think>\n\n",
-                               thought_trained=thinking)
+        reference = _reference(
+            models[family], RECORDS[i], tmp_path / "data", thought="<think>\n\n</think>\n\n", thought_trained=thinking
+        )
         _assert_same(module._splits["train"][i], reference)
 
 
@@ -234,9 +303,10 @@ def test_system_column_and_system_turn(models, tmp_path, monkeypatch):
     family = "qwen2_5_vl"
     config = _config(models[family], family)
     config["dataset_param"]["attr"].update(system="sys", system_tag="system")
-    records = [{**RECORDS[0], "sys": "Be brief."},
-               {"messages": [{"role": "system", "content": "Be brief."}, *RECORDS[0]["messages"]],
-                "images": ["a.png"]}]
+    records = [
+        {**RECORDS[0], "sys": "Be brief."},
+        {"messages": [{"role": "system", "content": "Be brief."}, *RECORDS[0]["messages"]], "images": ["a.png"]},
+    ]
     module = _module(tmp_path, monkeypatch, config, records)
     reference = _reference(models[family], RECORDS[0], tmp_path / "data", system="Be brief.")
     for i in range(2):
@@ -272,8 +342,10 @@ def test_collate_pads_right_and_concatenates_images_for_the_model(models, tmp_pa
 def test_a_batch_without_images_gets_a_masked_filler_image(family, models, tmp_path, monkeypatch):
     import transformers
 
-    records = [_record([("user", "What is in this picture?"), ("assistant", "A red square.")]),
-               _record([("user", "How many?"), ("assistant", "The answer is 2.")])]
+    records = [
+        _record([("user", "What is in this picture?"), ("assistant", "A red square.")]),
+        _record([("user", "How many?"), ("assistant", "The answer is 2.")]),
+    ]
     module = _module(tmp_path, monkeypatch, _config(models[family], family), records, batch_size=2)
     batch = next(iter(module.train_dataloader()))
     samples = [module._splits["train"][i] for i in range(2)]
@@ -284,10 +356,12 @@ def test_a_batch_without_images_gets_a_masked_filler_image(family, models, tmp_p
     n = len(samples[0]["input_ids"])
     image_id = _reference_processor(models[family]).image_token_id
     extra = batch["input_ids"][0, n:][batch["attention_mask"][0, n:] == 0]
-    assert (batch["input_ids"][0, n:n + int(batch["image_grid_thw"].prod()) // 4] == image_id).all()
+    assert (batch["input_ids"][0, n : n + int(batch["image_grid_thw"].prod()) // 4] == image_id).all()
     assert (batch["attention_mask"][0, n:] == 0).all() and (batch["labels"][0, n:] == -100).all() and len(extra)
-    cls = {"qwen2_5_vl": transformers.Qwen2_5_VLForConditionalGeneration,
-           "qwen3_vl": transformers.Qwen3VLForConditionalGeneration}[family]
+    cls = {
+        "qwen2_5_vl": transformers.Qwen2_5_VLForConditionalGeneration,
+        "qwen3_vl": transformers.Qwen3VLForConditionalGeneration,
+    }[family]
     model = cls.from_pretrained(models[family]).eval()
     with torch.no_grad():
         assert torch.allclose(model(**batch).loss, model(**plain).loss, rtol=1e-6)
@@ -295,8 +369,9 @@ def test_a_batch_without_images_gets_a_masked_filler_image(family, models, tmp_p
 
 def test_ignore_pad_token_for_loss_false_pads_labels_with_the_pad_id(models, tmp_path, monkeypatch):
     family = "qwen2_5_vl"
-    config = _config(models[family], family, loader={"collate_param": {"model_name": "qwen2vl",
-                                                                       "ignore_pad_token_for_loss": False}})
+    config = _config(
+        models[family], family, loader={"collate_param": {"model_name": "qwen2vl", "ignore_pad_token_for_loss": False}}
+    )
     module = _module(tmp_path, monkeypatch, config, batch_size=2)
     batch = next(iter(module.train_dataloader()))
     n = len(module._splits["train"][1]["input_ids"])
@@ -307,8 +382,12 @@ def test_ignore_pad_token_for_loss_false_pads_labels_with_the_pad_id(models, tmp
 
 def test_loader_settings_and_max_samples(models, tmp_path, monkeypatch):
     family = "qwen2_5_vl"
-    config = _config(models[family], family, basic={"max_samples": 2},
-                     loader={"drop_last": True, "pin_memory": True, "shuffle": False})
+    config = _config(
+        models[family],
+        family,
+        basic={"max_samples": 2},
+        loader={"drop_last": True, "pin_memory": True, "shuffle": False},
+    )
     module = _module(tmp_path, monkeypatch, config)
     assert len(module._splits["train"]) == 2 and module.reports["train"].total == 2
     assert (module.shuffle, module.drop_last, module.pin_memory) == (False, True, True)
@@ -322,8 +401,13 @@ def test_the_data_section_of_a_launch_yaml(models, tmp_path, monkeypatch):
     section = _config(models[family], family)
     import yaml
 
-    text = yaml.safe_dump({"gpt_args": {"micro_batch_size": 1, "num_workers": 8, "seq_length": 1024},
-                           "data": section, "model": {"model_id": "qwen3_vl", "init_from_hf_path": "x"}})
+    text = yaml.safe_dump(
+        {
+            "gpt_args": {"micro_batch_size": 1, "num_workers": 8, "seq_length": 1024},
+            "data": section,
+            "model": {"model_id": "qwen3_vl", "init_from_hf_path": "x"},
+        }
+    )
     monkeypatch.chdir(tmp_path)
     _write(tmp_path, {})
     (tmp_path / "qwen3vl_full_sft.yaml").write_text(text)
@@ -373,8 +457,7 @@ def test_bad_records_are_counted_with_file_and_line(bad, message, models, tmp_pa
 def test_media_outside_dataset_dir_with_the_opt_out(models, tmp_path, monkeypatch):
     family = "qwen2_5_vl"
     _image(tmp_path / "outside.png", (60, 40), 0)
-    record = _record([("user", "<image>What is in this picture?"), ("assistant", "A red square.")],
-                     ["../outside.png"])
+    record = _record([("user", "<image>What is in this picture?"), ("assistant", "A red square.")], ["../outside.png"])
     config = _config(models[family], family, allow_outside_data_root=True)
     module = _module(tmp_path, monkeypatch, config, [record])
     _assert_same(module._splits["train"][0], _reference(models[family], RECORDS[0], tmp_path / "data"))
@@ -455,7 +538,7 @@ def test_neat_packing_packs_rows_of_up_to_cutoff_len_tokens(models, tmp_path, mo
         assert "attention_mask" not in batch and batch["input_ids"].shape[0] == 1 and batch["input_ids"].shape[1] <= 96
         ids, start = batch["input_ids"][0].tolist(), 0
         for n in packed_lengths(batch["position_ids"])[0]:
-            rows.append(ids[start:start + n])
+            rows.append(ids[start : start + n])
             start += n
     assert sorted(rows) == sorted(samples) and len(rows) > len(list(module.train_dataloader()))
 
@@ -471,9 +554,15 @@ def test_native_layout_is_detected_and_unchanged(tmp_path):
 def _run_scenario(name: str, outdir: Path) -> list[dict]:
     env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
     env.pop("LOCAL_RANK", None)
-    proc = subprocess.Popen([sys.executable, str(ROOT / "tests" / "hfdata_scenarios.py"), name, str(outdir)],
-                            cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                            start_new_session=True)
+    proc = subprocess.Popen(
+        [sys.executable, str(ROOT / "tests" / "hfdata_scenarios.py"), name, str(outdir)],
+        cwd=ROOT,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        start_new_session=True,
+    )
     try:
         output, _ = proc.communicate(timeout=300)
     except subprocess.TimeoutExpired:
@@ -485,16 +574,16 @@ def _run_scenario(name: str, outdir: Path) -> list[dict]:
 
 
 def _absolute(config: dict, tmp: Path) -> dict:
-    config["dataset_param"]["basic_parameters"].update(dataset_dir=str(tmp / "data"),
-                                                       dataset=str(tmp / "data" / "train.jsonl"))
+    config["dataset_param"]["basic_parameters"].update(
+        dataset_dir=str(tmp / "data"), dataset=str(tmp / "data" / "train.jsonl")
+    )
     return config
 
 
 def test_shuffle_false_reaches_lightning_distributed_sampler(models, tmp_path):
     """2 ranks, MMFSDP2Strategy: each rank sees exactly the unshuffled DistributedSampler order."""
     family = "qwen2_5_vl"
-    records = [_record([("user", f"<image>What is {i}?"), ("assistant", f"It is {i}.")], ["a.png"])
-               for i in range(6)]
+    records = [_record([("user", f"<image>What is {i}?"), ("assistant", f"It is {i}.")], ["a.png"]) for i in range(6)]
     _write(tmp_path, _absolute(_config(models[family], family), tmp_path), records)
     ranks = _run_scenario("order", tmp_path)
     for rank in ranks:
@@ -516,10 +605,14 @@ def test_the_dataset_survives_pickling_for_spawned_workers(models, tmp_path, mon
 PARITY_RECORDS = [
     _record([("user", f"<image>{q}" if image else q), ("assistant", a)], [image] if image else None)
     for q, a, image in [
-        ("What is in this picture?", "A red square.", "a.png"), ("Describe the image.", "Two cats.", None),
-        ("How many?", "The answer is 2.", "c.png"), ("Left or right?", "left", None),
-        ("What colour?", "Blue ground.", "big.png"), ("Is it a dog?", "No, it is not.", "a.png"),
-        ("Top or bottom?", "top", "c.png"), ("Shapes?", "One dog and two cats.", "b.png"),
+        ("What is in this picture?", "A red square.", "a.png"),
+        ("Describe the image.", "Two cats.", None),
+        ("How many?", "The answer is 2.", "c.png"),
+        ("Left or right?", "left", None),
+        ("What colour?", "Blue ground.", "big.png"),
+        ("Is it a dog?", "No, it is not.", "a.png"),
+        ("Top or bottom?", "top", "c.png"),
+        ("Shapes?", "One dog and two cats.", "b.png"),
     ]
 ]
 
@@ -528,8 +621,9 @@ def _collate_reference(samples: list[dict], pad: int) -> dict[str, torch.Tensor]
     width = max(len(s["input_ids"]) for s in samples)
     batch = {}
     for key, fill in (("input_ids", pad), ("attention_mask", 0), ("mm_token_type_ids", 0), ("labels", -100)):
-        batch[key] = torch.stack([torch.nn.functional.pad(s[key], (0, width - len(s[key])), value=fill)
-                                  for s in samples])
+        batch[key] = torch.stack(
+            [torch.nn.functional.pad(s[key], (0, width - len(s[key])), value=fill) for s in samples]
+        )
     if any("pixel_values" in s for s in samples):
         batch["pixel_values"] = torch.cat([s["pixel_values"] for s in samples if "pixel_values" in s])
         batch["image_grid_thw"] = torch.cat([s["image_grid_thw"] for s in samples if "pixel_values" in s])
@@ -562,9 +656,10 @@ def test_two_rank_training_equals_plain_transformers(tmp_path, family):
             optimizer.zero_grad()
             first = 2 * (step % 2)
             for rank in range(2):
-                batch = _collate_reference([samples[i] for i in order[rank][first: first + 2]], pad)
-                assert [row[m.bool()].tolist() for row, m in zip(batch["input_ids"], batch["attention_mask"])] \
-                    == ranks[rank]["rows"][step]
+                batch = _collate_reference([samples[i] for i in order[rank][first : first + 2]], pad)
+                assert [row[m.bool()].tolist() for row, m in zip(batch["input_ids"], batch["attention_mask"])] == ranks[
+                    rank
+                ]["rows"][step]
                 loss = model(**batch).loss
                 (loss / 2).backward()  # FSDP averages the ranks' gradients
                 expected[rank].append(float(loss.detach()))
@@ -688,8 +783,10 @@ def test_llava_fixture_loads_and_its_family_is_refused_by_name(tmp_path, monkeyp
 
     model = write_tiny_vlm(tmp_path / "llava", "llava")
     processor = transformers.AutoProcessor.from_pretrained(model, local_files_only=True, trust_remote_code=False)
-    messages = [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": "What is this?"}]},
-                {"role": "assistant", "content": [{"type": "text", "text": "A red square."}]}]
+    messages = [
+        {"role": "user", "content": [{"type": "image"}, {"type": "text", "text": "What is this?"}]},
+        {"role": "assistant", "content": [{"type": "text", "text": "A red square."}]},
+    ]
     text = processor.apply_chat_template(messages, tokenize=False)
     assert text == "USER: <image>\nWhat is this? ASSISTANT: A red square. "
     out = processor(text=[text], images=[Image.new("RGB", (60, 40))], return_tensors="pt")
@@ -707,10 +804,15 @@ def test_mindspeed_fsdp_trainer_keys(models, tmp_path, monkeypatch):
     """Keys of MindSpeed MM's FSDP trainer configs (e.g. examples/qwen3_5/*_config.yaml): num_workers and
     enable_preload in dataloader_param, collator_id and pad_to_multiple_of, no template (the model's own)."""
     family = "qwen2_5_vl"
-    config = _config(models[family], family, loader={"num_workers": 2, "enable_preload": False,
-                                                     "collate_param": {"collator_id": "qwen2vl",
-                                                                       "ignore_pad_token_for_loss": True,
-                                                                       "pad_to_multiple_of": 8}})
+    config = _config(
+        models[family],
+        family,
+        loader={
+            "num_workers": 2,
+            "enable_preload": False,
+            "collate_param": {"collator_id": "qwen2vl", "ignore_pad_token_for_loss": True, "pad_to_multiple_of": 8},
+        },
+    )
     del config["dataset_param"]["basic_parameters"]["template"]
     config["dataset_param"]["basic_parameters"]["stage"] = "sft"
     module = _module(tmp_path, monkeypatch, config, batch_size=2)
@@ -732,24 +834,32 @@ def test_chat_template_file_replaces_the_models(models, tmp_path, monkeypatch):
     config = _config(models[family], family, basic={"chat_template": "./custom.jinja"})
     module = _module(tmp_path, monkeypatch, config)
     for i in (0, 2):
-        _assert_same(module._splits["train"][i],
-                     _reference(models[family], RECORDS[i], tmp_path / "data", chat_template=custom))
+        _assert_same(
+            module._splits["train"][i], _reference(models[family], RECORDS[i], tmp_path / "data", chat_template=custom)
+        )
 
 
 def test_cutoff_len_cuts_text_and_refuses_to_cut_an_image(models, tmp_path, monkeypatch):
     family = "qwen2_5_vl"
     _write(tmp_path, {})
-    late_image = _record([("user", "What is in this picture? Describe the image, left or right? <image>Describe."),
-                          ("assistant", "Two cats."), ("user", "How many?"), ("assistant", "The answer is 2.")],
-                         ["d.png"])
+    late_image = _record(
+        [
+            ("user", "What is in this picture? Describe the image, left or right? <image>Describe."),
+            ("assistant", "Two cats."),
+            ("user", "How many?"),
+            ("assistant", "The answer is 2."),
+        ],
+        ["d.png"],
+    )
     full = _reference(models[family], late_image, tmp_path / "data")
     text_only = _record([("user", "Hi"), ("assistant", "No.")])
     short = _reference(models[family], text_only, tmp_path / "data")
     image_end = int(torch.nonzero(full["mm_token_type_ids"]).max())
     assert len(short["input_ids"]) <= image_end < len(full["input_ids"]) - 5
     cut = len(full["input_ids"]) - 5
-    module = _module(tmp_path, monkeypatch, _config(models[family], family, basic={"cutoff_len": cut}),
-                     [late_image, text_only])
+    module = _module(
+        tmp_path, monkeypatch, _config(models[family], family, basic={"cutoff_len": cut}), [late_image, text_only]
+    )
     sample = module._splits["train"][0]
     assert len(sample["input_ids"]) == cut
     for key in ("input_ids", "attention_mask", "mm_token_type_ids", "labels"):

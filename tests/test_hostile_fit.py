@@ -24,8 +24,15 @@ def run_hostile(name: str, outdir: Path, timeout: int = 240) -> list[dict]:
     of that session is killed (a rank left waiting in a collective must not outlive the test)."""
     env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
     env.pop("LOCAL_RANK", None)
-    proc = subprocess.Popen([sys.executable, str(SCRIPT), name, str(outdir)], cwd=ROOT, env=env,
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
+    proc = subprocess.Popen(
+        [sys.executable, str(SCRIPT), name, str(outdir)],
+        cwd=ROOT,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        start_new_session=True,
+    )
     try:
         output, _ = proc.communicate(timeout=timeout)
     except subprocess.TimeoutExpired:
@@ -57,16 +64,23 @@ def _alive(pid: int) -> bool:
     return state not in ("Z", "X")
 
 
-def _signal_a_hanging_run(name: str, outdir: Path, hung: int, target: int, signum: int
-                          ) -> tuple[int, dict[int, int], float, str]:
+def _signal_a_hanging_run(
+    name: str, outdir: Path, hung: int, target: int, signum: int
+) -> tuple[int, dict[int, int], float, str]:
     """Start ``tests/hostile_scenarios.py NAME`` (rank ``hung`` blocks for good), send ``signum`` to rank ``target``
     once rank ``hung`` blocks; returns rank 0's exit status, the ranks' pids, the seconds from the signal until
     no rank runs, and the output."""
     env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
     env.pop("LOCAL_RANK", None)
     log = (outdir / "log").open("w")  # a file, not a pipe that nobody reads while the ranks run
-    proc = subprocess.Popen([sys.executable, str(SCRIPT), name, str(outdir)], cwd=ROOT, env=env, stdout=log,
-                            stderr=subprocess.STDOUT, start_new_session=True)
+    proc = subprocess.Popen(
+        [sys.executable, str(SCRIPT), name, str(outdir)],
+        cwd=ROOT,
+        env=env,
+        stdout=log,
+        stderr=subprocess.STDOUT,
+        start_new_session=True,
+    )
     pids: dict[int, int] = {}
     elapsed = float("inf")
     try:
@@ -98,8 +112,9 @@ def _signal_a_hanging_run(name: str, outdir: Path, hung: int, target: int, signu
 
 @pytest.mark.skipif(sys.platform == "win32", reason="POSIX signals")
 def test_sigterm_to_rank_zero_blocked_in_a_collective_with_a_hung_peer_ends_every_rank_in_time(tmp_path):
-    status, pids, elapsed, output = _signal_a_hanging_run("hang_collective", tmp_path, hung=1, target=0,
-                                                          signum=signal.SIGTERM)
+    status, pids, elapsed, output = _signal_a_hanging_run(
+        "hang_collective", tmp_path, hung=1, target=0, signum=signal.SIGTERM
+    )
     # Without a watcher independent of the main thread, rank 0 sat in its gloo wait until the 30-minute timeout.
     assert elapsed <= STOP_TIMEOUT + MARGIN, f"ranks ran {STOP_TIMEOUT + MARGIN} s after SIGTERM\n{output[-3000:]}"
     assert status == 143, output[-4000:]
@@ -110,19 +125,23 @@ def test_sigterm_to_rank_zero_blocked_in_a_collective_with_a_hung_peer_ends_ever
 
 @pytest.mark.skipif(sys.platform == "win32", reason="POSIX signals")
 def test_sigterm_to_the_rank_hung_in_a_c_call_ends_every_rank_in_time(tmp_path):
-    status, pids, elapsed, output = _signal_a_hanging_run("hang_c_call", tmp_path, hung=1, target=1,
-                                                          signum=signal.SIGTERM)
+    status, pids, elapsed, output = _signal_a_hanging_run(
+        "hang_c_call", tmp_path, hung=1, target=1, signum=signal.SIGTERM
+    )
     assert elapsed <= STOP_TIMEOUT + MARGIN, f"ranks ran {STOP_TIMEOUT + MARGIN} s after SIGTERM\n{output[-3000:]}"
     # The signalled rank: 143; rank 0, whose collective lost its peer: non-zero.
-    assert f"pid {pids[1]}) did not finish its run within 3 s of SIGTERM (its main thread is blocked); it exits " \
-           "with status 143" in output, output[-4000:]
+    assert (
+        f"pid {pids[1]}) did not finish its run within 3 s of SIGTERM (its main thread is blocked); it exits "
+        "with status 143" in output
+    ), output[-4000:]
     assert status not in (0, None), output[-4000:]
 
 
 @pytest.mark.skipif(sys.platform == "win32", reason="POSIX signals")
 def test_sigint_to_rank_zero_blocked_during_setup_ends_every_rank_in_time(tmp_path):
-    status, pids, elapsed, output = _signal_a_hanging_run("hang_setup", tmp_path, hung=0, target=0,
-                                                          signum=signal.SIGINT)
+    status, pids, elapsed, output = _signal_a_hanging_run(
+        "hang_setup", tmp_path, hung=0, target=0, signum=signal.SIGINT
+    )
     assert elapsed <= STOP_TIMEOUT + MARGIN, f"ranks ran {STOP_TIMEOUT + MARGIN} s after SIGINT\n{output[-3000:]}"
     assert status == 130, output[-4000:]  # 128 + SIGINT: the KeyboardInterrupt could not be raised in time
     child = re.search(rf"the ranks it launched: pid {pids[1]} status (-?\d+)", output)

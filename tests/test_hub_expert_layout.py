@@ -20,8 +20,11 @@ from tests.moe_models import tiny_moe_model
 def hub_dir(tmp_path_factory) -> Path:
     path = tmp_path_factory.mktemp("hub_layout") / "qwen3_moe"
     tiny_moe_model("qwen3_moe", seed=3).save_pretrained(path, save_original_format=True)
-    keys = json.loads((path / "model.safetensors").read_bytes()[8:8 + int.from_bytes(
-        (path / "model.safetensors").read_bytes()[:8], "little")])
+    keys = json.loads(
+        (path / "model.safetensors").read_bytes()[
+            8 : 8 + int.from_bytes((path / "model.safetensors").read_bytes()[:8], "little")
+        ]
+    )
     assert "model.layers.0.mlp.experts.7.up_proj.weight" in keys  # the per-expert layout indeed
     return path
 

@@ -28,8 +28,13 @@ def dry_run(root: Path, path_prefix: Path | None = None, **env: str) -> subproce
         full.pop(key, None) if key not in env else None
     if path_prefix is not None:
         full["PATH"] = f"{path_prefix}{os.pathsep}{full['PATH']}"
-    return subprocess.run(["bash", str(root / "scripts" / "install.sh"), "--dry-run"], env=full, capture_output=True,
-                          text=True, timeout=60)
+    return subprocess.run(
+        ["bash", str(root / "scripts" / "install.sh"), "--dry-run"],
+        env=full,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
 
 
 @pytest.fixture

@@ -36,17 +36,28 @@ def _data_json(model: str = "model", dynamic: bool = True) -> dict:
             "basic_parameters": {"data_path": "train.jsonl", "data_folder": "images", "repeat_time": 1},
             "preprocess_parameters": {
                 "image_reader_type": "torchvision",
-                "train_pipeline": {"image": [
-                    {"trans_type": "Pad2Square", "param": {"mean": [0.485, 0.456, 0.406]}},
-                    {"trans_type": "Resize", "param": {"size": [TILE, TILE], "interpolation": "BICUBIC",
-                                                       "antialias": None}},
-                    {"trans_type": "ToTensor"},
-                    {"trans_type": "norm_fun", "param": {"mean": [0.485, 0.456, 0.406],
-                                                         "std": [0.229, 0.224, 0.225]}},
-                ]},
+                "train_pipeline": {
+                    "image": [
+                        {"trans_type": "Pad2Square", "param": {"mean": [0.485, 0.456, 0.406]}},
+                        {
+                            "trans_type": "Resize",
+                            "param": {"size": [TILE, TILE], "interpolation": "BICUBIC", "antialias": None},
+                        },
+                        {"trans_type": "ToTensor"},
+                        {
+                            "trans_type": "norm_fun",
+                            "param": {"mean": [0.485, 0.456, 0.406], "std": [0.229, 0.224, 0.225]},
+                        },
+                    ]
+                },
             },
-            "tokenizer_config": {"hub_backend": "hf", "autotokenizer_name": "AutoTokenizer", "from_pretrained": model,
-                                 "add_eos_token": False, "use_fast": False},
+            "tokenizer_config": {
+                "hub_backend": "hf",
+                "autotokenizer_name": "AutoTokenizer",
+                "from_pretrained": model,
+                "add_eos_token": False,
+                "use_fast": False,
+            },
             "use_text_processer": True,
             "template_name": "internvl2_5",
             "patch_size": 14,
@@ -75,8 +86,13 @@ def tiny(tmp_path_factory):
     root = tmp_path_factory.mktemp("internvl")
     model = build_tiny_internvl(root / "model")
     (root / "images").mkdir()
-    for name, (w, h) in {"square.png": (56, 56), "wide.png": (112, 56), "tall.png": (40, 150),
-                         "odd.png": (100, 40), "small.png": (30, 20)}.items():
+    for name, (w, h) in {
+        "square.png": (56, 56),
+        "wide.png": (112, 56),
+        "tall.png": (40, 150),
+        "odd.png": (100, 40),
+        "small.png": (30, 20),
+    }.items():
         _picture(root / "images" / name, w, h, seed=len(name) + w)
     return root, model
 
@@ -126,8 +142,9 @@ def _reference(root: Path, record: dict, max_patches: int = 6, dynamic: bool = T
     images = [Image.open(root / "images" / n).convert("RGB") for n in names]
     text = processor.apply_chat_template(_messages(record), tokenize=False)
     most = max_patches // len(images) if len(images) > 1 else max_patches
-    out = processor(text=text, images=images, return_tensors="pt", crop_to_patches=dynamic, min_patches=1,
-                    max_patches=most)
+    out = processor(
+        text=text, images=images, return_tensors="pt", crop_to_patches=dynamic, min_patches=1, max_patches=most
+    )
     return processor, text, out
 
 
@@ -156,17 +173,29 @@ def _tiles_per_image(root: Path, record: dict, max_patches: int) -> list[int]:
     processor = load_internvl_processor(root / "model")
     names = record["image"] if isinstance(record["image"], list) else [record["image"]]
     most = max_patches // len(names) if len(names) > 1 else max_patches
-    return [processor.image_processor.get_number_of_image_patches(
-        *Image.open(root / "images" / n).size[::-1], {"crop_to_patches": True, "max_patches": most, "min_patches": 1})
-        for n in names]
+    return [
+        processor.image_processor.get_number_of_image_patches(
+            *Image.open(root / "images" / n).size[::-1],
+            {"crop_to_patches": True, "max_patches": most, "min_patches": 1},
+        )
+        for n in names
+    ]
 
 
 def _mindspeed_tiles(image: Image.Image, min_num: int, max_num: int, size: int) -> torch.Tensor:
     """MindSpeed MM's dynamic_preprocess (use_thumbnail) + ToTensor + Normalize, with PIL and NumPy."""
     width, height = image.size
     aspect = width / height
-    ratios = sorted({(i, j) for n in range(min_num, max_num + 1) for i in range(1, n + 1) for j in range(1, n + 1)
-                     if min_num <= i * j <= max_num}, key=lambda r: r[0] * r[1])
+    ratios = sorted(
+        {
+            (i, j)
+            for n in range(min_num, max_num + 1)
+            for i in range(1, n + 1)
+            for j in range(1, n + 1)
+            if min_num <= i * j <= max_num
+        },
+        key=lambda r: r[0] * r[1],
+    )
     best, best_diff = (1, 1), float("inf")
     for ratio in ratios:
         diff = abs(aspect - ratio[0] / ratio[1])
@@ -175,8 +204,11 @@ def _mindspeed_tiles(image: Image.Image, min_num: int, max_num: int, size: int) 
         elif diff == best_diff and width * height > 0.5 * size * size * ratio[0] * ratio[1]:
             best = ratio
     resized = image.resize((size * best[0], size * best[1]))
-    tiles = [resized.crop((c * size, r * size, (c + 1) * size, (r + 1) * size))
-             for r in range(best[1]) for c in range(best[0])]
+    tiles = [
+        resized.crop((c * size, r * size, (c + 1) * size, (r + 1) * size))
+        for r in range(best[1])
+        for c in range(best[0])
+    ]
     if len(tiles) != 1:
         tiles.append(image.resize((size, size)))
     mean, std = np.array(MEAN).reshape(3, 1, 1), np.array(STD).reshape(3, 1, 1)
@@ -227,9 +259,14 @@ def test_multi_turn_trains_every_answer(tiny):
 
 def test_system_turn_of_the_record_replaces_the_template_one(tiny):
     root, model = tiny
-    record = {"image": "square.png", "conversations": [
-        {"from": "system", "value": "Be brief."}, {"from": "human", "value": "<image>\nName it."},
-        {"from": "gpt", "value": "cat"}]}
+    record = {
+        "image": "square.png",
+        "conversations": [
+            {"from": "system", "value": "Be brief."},
+            {"from": "human", "value": "<image>\nName it."},
+            {"from": "gpt", "value": "cat"},
+        ],
+    }
     splits, _, _ = _build(root, model, [record])
     processor = load_internvl_processor(root / "model")
     text = processor.tokenizer.decode(splits["train"][0]["input_ids"])
@@ -262,8 +299,12 @@ def test_without_tiling_pad2square_then_one_tile(tiny):
     expected = _mindspeed_tiles(square.resize((TILE, TILE), Image.Resampling.BICUBIC), 1, 1, TILE)
     torch.testing.assert_close(sample["pixel_values"], expected, atol=2e-6, rtol=0)
     processor = load_internvl_processor(root / "model")
-    ref = processor(text=processor.apply_chat_template(_messages(record), tokenize=False), images=[square],
-                    return_tensors="pt", crop_to_patches=False)
+    ref = processor(
+        text=processor.apply_chat_template(_messages(record), tokenize=False),
+        images=[square],
+        return_tensors="pt",
+        crop_to_patches=False,
+    )
     assert torch.equal(sample["pixel_values"], ref["pixel_values"])
     assert torch.equal(sample["input_ids"], ref["input_ids"][0])
 
@@ -272,8 +313,12 @@ def test_batch_of_different_tile_counts_and_a_forward_pass(tiny):
     from transformers import InternVLForConditionalGeneration
 
     root, model = tiny
-    records = [_chat("square.png", "<image>\nA?", "one"), _chat("wide.png", "<image>\nB, longer question?", "two"),
-               _chat("tall.png", "<image>\nC?", "three, the longest answer of all"), _chat("small.png", "D", "four")]
+    records = [
+        _chat("square.png", "<image>\nA?", "one"),
+        _chat("wide.png", "<image>\nB, longer question?", "two"),
+        _chat("tall.png", "<image>\nC?", "three, the longest answer of all"),
+        _chat("small.png", "D", "four"),
+    ]
     splits, collate, _ = _build(root, model, records)
     data = splits["train"]
     samples = [data[i] for i in range(len(records))]
@@ -284,13 +329,15 @@ def test_batch_of_different_tile_counts_and_a_forward_pass(tiny):
     assert torch.equal(batch["pixel_values"], torch.cat([s["pixel_values"] for s in samples]))
     for i, s in enumerate(samples):
         n = len(s["input_ids"])
-        assert torch.equal(batch["input_ids"][i, :n], s["input_ids"]) and torch.equal(batch["labels"][i, :n],
-                                                                                       s["labels"])
+        assert torch.equal(batch["input_ids"][i, :n], s["input_ids"]) and torch.equal(
+            batch["labels"][i, :n], s["labels"]
+        )
         assert (batch["input_ids"][i, n:] == model.pad_id).all() and (batch["labels"][i, n:] == -100).all()
         assert batch["attention_mask"][i].tolist() == [1] * n + [0] * (batch["input_ids"].shape[1] - n)
     net = InternVLForConditionalGeneration.from_pretrained(root / "model").eval()
-    features = net.get_image_features(pixel_values=batch["pixel_values"], vision_feature_layer=-1,
-                                      vision_feature_select_strategy="default").pooler_output
+    features = net.get_image_features(
+        pixel_values=batch["pixel_values"], vision_feature_layer=-1, vision_feature_select_strategy="default"
+    ).pooler_output
     assert features.shape[0] * features.shape[1] == int((batch["input_ids"] == model.image_token_id).sum())
     assert features.shape[:2] == (sum(tiles), TOKENS_PER_TILE)
     out = net(**batch)
@@ -321,14 +368,22 @@ BAD_RECORDS = [
     (_chat("square.png", "<image>\nA <IMG_CONTEXT>?", "b"), "special token '<IMG_CONTEXT>'"),
     (_chat("square.png", "<image>\nA?", "b <|im_end|>"), "special token '<|im_end|>'"),
     (_chat("square.png", "<image>\nA?", "b <image>"), "<image> in a gpt turn"),
-    ({"video": "clip.mp4", "conversations": [{"from": "human", "value": "<video>\nA?"}, {"from": "gpt",
-                                                                                         "value": "b"}]},
-     "video records are not supported"),
+    (
+        {
+            "video": "clip.mp4",
+            "conversations": [{"from": "human", "value": "<video>\nA?"}, {"from": "gpt", "value": "b"}],
+        },
+        "video records are not supported",
+    ),
     ({"conversations": [{"from": "human", "value": "A?"}, {"from": "gpt", "value": "b"}]}, "no `image`"),
     ({"image": "square.png", "conversations": [{"from": "human", "value": "<image>\nA?"}]}, "no gpt turn"),
-    ({"image": "square.png", "conversations": [{"from": "user", "value": "<image>\nA?"}, {"from": "gpt",
-                                                                                          "value": "b"}]},
-     "role 'user'"),
+    (
+        {
+            "image": "square.png",
+            "conversations": [{"from": "user", "value": "<image>\nA?"}, {"from": "gpt", "value": "b"}],
+        },
+        "role 'user'",
+    ),
     ([1, 2], "must be a JSON object"),
 ]
 
@@ -379,6 +434,7 @@ def _set(path: str, value):
             node[int(last)] = value
         else:
             node[last] = value
+
     return change
 
 
@@ -386,14 +442,18 @@ def _both(*changes):
     def change(config: dict) -> None:
         for one in changes:
             one(config)
+
     return change
 
 
 _DELETE = object()
 _PIPE = "dataset_param.preprocess_parameters.train_pipeline.image"
 BAD_KEYS = [
-    (_set("dataset_param.max_dynamic_patchs", 6), r"unknown key `dataset_param.max_dynamic_patchs`; did you mean "
-                                                  r"`dataset_param.max_dynamic_patch`"),
+    (
+        _set("dataset_param.max_dynamic_patchs", 6),
+        r"unknown key `dataset_param.max_dynamic_patchs`; did you mean "
+        r"`dataset_param.max_dynamic_patch`",
+    ),
     (_set("dataset_param.repeat_time", 2), r"`dataset_param.repeat_time`: set it in `basic_parameters`"),
     (_set("dataset_param.basic_parameters.val_rate", 0.1), r"basic_parameters.val_rate`: MindSpeed MM splits"),
     (_set("dataset_param.basic_parameters.data_path", "nope.jsonl"), r"data_path`: file not found"),
@@ -405,8 +465,10 @@ BAD_KEYS = [
     (_set("dataset_param.template_name", "internvl25"), r"template_name`: unknown template 'internvl25'; did you"),
     (_set("dataset_param.template_name", "internvit_qwen3"), r"template_name`: 'internvit_qwen3' writes Qwen"),
     (_set("dataset_param.image_size", 0), r"`dataset_param.image_size`: expected a positive integer"),
-    (_both(_set("dataset_param.image_size", 112), _set(f"{_PIPE}.1.param.size", [112, 112])),
-     r"`dataset_param.image_size`: 112, but the image processor makes 56x56 tiles"),
+    (
+        _both(_set("dataset_param.image_size", 112), _set(f"{_PIPE}.1.param.size", [112, 112])),
+        r"`dataset_param.image_size`: 112, but the image processor makes 56x56 tiles",
+    ),
     (_set("dataset_param.patch_size", 7), r"`dataset_param.patch_size`: 7, but the model's"),
     (_set("dataset_param.down_sample_ratio", 0), r"down_sample_ratio`: expected a number in \(0, 1\]"),
     (_set("dataset_param.down_sample_ratio", 0.25), r"down_sample_ratio`: 0.25, but the model's downsample_ratio"),
@@ -453,8 +515,11 @@ def test_bad_keys_without_tiling(tiny):
     root, model = tiny
     for change, message in [
         (_set(f"{_PIPE}.1", {"trans_type": "ToTensor"}), r"needs a Resize"),
-        (_set(f"{_PIPE}.1.param.interpolation", "BILINEAR"), r"Resize's interpolation; the image processor "
-                                                             r"resamples with BICUBIC"),
+        (
+            _set(f"{_PIPE}.1.param.interpolation", "BILINEAR"),
+            r"Resize's interpolation; the image processor "
+            r"resamples with BICUBIC",
+        ),
     ]:
         config = _data_json(dynamic=False)
         if "needs a Resize" in message:
@@ -474,8 +539,9 @@ def test_several_sources_and_paths_relative_to_base_dir(tiny, tmp_path):
     config["dataset_param"]["basic_parameters"] = [first, {"data_path": "more.jsonl", "data_folder": "more"}]
     config["dataloader_param"]["collate_param"]["pad_id"] = model.pad_id
     _write(root, [_chat("square.png", "<image>\nA?", "a")])
-    splits, _, reports = build_multimodal_datasets(config["dataset_param"], config["dataloader_param"][
-        "collate_param"], tmp_path, SOURCE, False)
+    splits, _, reports = build_multimodal_datasets(
+        config["dataset_param"], config["dataloader_param"]["collate_param"], tmp_path, SOURCE, False
+    )
     data = splits["train"]
     assert len(data) == 2 + 2 and reports["train"].total == 3
     processor = load_internvl_processor(root / "model")
@@ -483,8 +549,9 @@ def test_several_sources_and_paths_relative_to_base_dir(tiny, tmp_path):
     assert processor.tokenizer.decode(data[3]["labels"][data[3]["labels"] != -100]) == "y<|im_end|>"
     config["dataset_param"]["basic_parameters"][1]["data_folder"] = "absent"
     with pytest.raises(DataConfigError, match=r"basic_parameters.1.data_folder`: directory not found"):
-        build_multimodal_datasets(config["dataset_param"], config["dataloader_param"]["collate_param"], tmp_path,
-                                  SOURCE, False)
+        build_multimodal_datasets(
+            config["dataset_param"], config["dataloader_param"]["collate_param"], tmp_path, SOURCE, False
+        )
 
 
 def test_a_model_directory_of_another_kind_is_refused(tiny, tmp_path):
@@ -506,8 +573,9 @@ def test_the_data_module_reads_a_multimodal_data_json(tiny, tmp_path, monkeypatc
     records = [_chat("square.png", "<image>\nA?", "one"), _chat("wide.png", "<image>\nB?", "two")]
     _write(root, [*records, _chat("missing.png", "<image>\nC?", "three")])
     config = _data_json(model=str(root / "model"))
-    config["dataset_param"]["basic_parameters"].update(data_path=str(root / "train.jsonl"),
-                                                       data_folder=str(root / "images"))
+    config["dataset_param"]["basic_parameters"].update(
+        data_path=str(root / "train.jsonl"), data_folder=str(root / "images")
+    )
     config["dataloader_param"]["collate_param"]["pad_id"] = model.pad_id
     config["dataloader_param"].update(shuffle=False, drop_last=False)
     (tmp_path / "data.json").write_text(json.dumps(config))

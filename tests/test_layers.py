@@ -89,7 +89,7 @@ def _cycle(graph: dict[str, set[str]]) -> list[str] | None:
         stack.append(node)
         for nxt in sorted(graph.get(node, ())):
             if state.get(nxt) == 1:
-                return [*stack[stack.index(nxt):], nxt]
+                return [*stack[stack.index(nxt) :], nxt]
             if nxt not in state and (found := visit(nxt)):
                 return found
         stack.pop()
@@ -105,7 +105,9 @@ def _cycle(graph: dict[str, set[str]]) -> list[str] | None:
 def test_every_import_goes_down_or_across():
     wrong = [
         f"{src} (layer {layer_of(src)}) imports {dst} (layer {layer_of(dst)})"
-        for src, targets in import_edges().items() for dst in sorted(targets) if layer_of(dst) > layer_of(src)
+        for src, targets in import_edges().items()
+        for dst in sorted(targets)
+        if layer_of(dst) > layer_of(src)
     ]
     assert not wrong, "imports against the layers:\n" + "\n".join(wrong)
 
@@ -133,12 +135,15 @@ def test_the_checker_sees_a_wrong_import_and_a_cycle():
     assert _cycle({"a": {"b"}, "b": set()}) is None
 
 
-@pytest.mark.parametrize(("package", "absent"), [
-    ("lightning_mm.core", ("lightning", "lightning.pytorch", "transformers", "peft")),
-    ("lightning_mm.checkpoint", ("lightning", "lightning.pytorch", "transformers", "peft")),
-    ("lightning_mm.hf", ("lightning", "lightning.pytorch")),
-    ("lightning_mm.diffusers", ("lightning", "lightning.pytorch")),
-])
+@pytest.mark.parametrize(
+    ("package", "absent"),
+    [
+        ("lightning_mm.core", ("lightning", "lightning.pytorch", "transformers", "peft")),
+        ("lightning_mm.checkpoint", ("lightning", "lightning.pytorch", "transformers", "peft")),
+        ("lightning_mm.hf", ("lightning", "lightning.pytorch")),
+        ("lightning_mm.diffusers", ("lightning", "lightning.pytorch")),
+    ],
+)
 def test_lower_layers_load_without_lightning(package, absent):
     """Importing the whole layer (every module in it) leaves Lightning (and, below the HF layer, Transformers) out."""
     names = sorted(m for m in _modules() if m == package or m.startswith(package + "."))
@@ -152,18 +157,21 @@ def test_lower_layers_load_without_lightning(package, absent):
     assert out.stdout.strip() == "[]", f"{package} imports {out.stdout.strip()}"
 
 
-@pytest.mark.parametrize("path", [
-    "lightning_mm.strategies.expert_parallel.routed_forward",
-    "lightning_mm.strategies.context_parallel.split_sequence",
-    "lightning_mm.modules.lora.apply_lora",
-    "lightning_mm.modules.lora_export.save_lora_adapters",
-    "lightning_mm.modules.lora_export.save_merged_model",
-    "lightning_mm.modules.TransformersModel",
-    "lightning_mm.modules.FSDP2Mixin",
-    "lightning_mm.strategies.MMFSDP2Strategy",
-    "lightning_mm.modules.wan_module.MMWanModule",
-    "lightning_mm.diffusers.export.dcp_to_diffusers",
-])
+@pytest.mark.parametrize(
+    "path",
+    [
+        "lightning_mm.strategies.expert_parallel.routed_forward",
+        "lightning_mm.strategies.context_parallel.split_sequence",
+        "lightning_mm.modules.lora.apply_lora",
+        "lightning_mm.modules.lora_export.save_lora_adapters",
+        "lightning_mm.modules.lora_export.save_merged_model",
+        "lightning_mm.modules.TransformersModel",
+        "lightning_mm.modules.FSDP2Mixin",
+        "lightning_mm.strategies.MMFSDP2Strategy",
+        "lightning_mm.modules.wan_module.MMWanModule",
+        "lightning_mm.diffusers.export.dcp_to_diffusers",
+    ],
+)
 def test_public_paths_named_in_the_readme_still_import(path):
     import importlib
 

@@ -37,11 +37,16 @@ def ranks(ckpts, tmp_path_factory):
     out = tmp_path_factory.mktemp("lora_out")
     proc = subprocess.run(
         [sys.executable, str(ROOT / "tests" / "lora_scenarios.py"), "all", str(out), str(ckpts["qwen3"].parent)],
-        cwd=ROOT, env=_env(), capture_output=True, text=True, timeout=600,
+        cwd=ROOT,
+        env=_env(),
+        capture_output=True,
+        text=True,
+        timeout=600,
     )
     if proc.returncode != 0:
-        raise AssertionError(f"lora scenarios failed ({proc.returncode}):\n{proc.stdout[-3000:]}\n"
-                             f"{proc.stderr[-6000:]}")
+        raise AssertionError(
+            f"lora scenarios failed ({proc.returncode}):\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}"
+        )
     families = ("qwen3", "qwen2_5_vl", "custom", "mixed")
     return {f: [json.loads((out / f"{f}.rank{r}.json").read_text()) for r in range(2)] for f in families}
 
@@ -90,8 +95,10 @@ def test_resume_is_exact_and_pretrained_adapters_start_a_sharded_run(ranks):
         assert obs["resumed_losses"] == obs["losses"][2:]
         assert obs["pretrained_not_equal"] == []  # pretrained_lora_path on a sharded model built on meta
         # Resuming the same checkpoint with another alpha fails on every rank, before any step.
-        assert "step=2.ckpt: the checkpoint's LoRA adapters of `model` were trained with alpha 8, the model now " \
-               "has alpha 16" in obs["changed_alpha_error"]
+        assert (
+            "step=2.ckpt: the checkpoint's LoRA adapters of `model` were trained with alpha 8, the model now "
+            "has alpha 16" in obs["changed_alpha_error"]
+        )
 
 
 @pytest.mark.parametrize("family", ["qwen3", "qwen2_5_vl"])
@@ -136,15 +143,18 @@ def _build(ckpts, family="qwen3", **lora):
     return TransformersModel({"init_from_hf_path": str(ckpts[family]), "lora": {**LORA, **lora}})
 
 
-@pytest.mark.parametrize(("change", "message"), [
-    ({"rank": 0}, "`rank`: expected a positive integer, got 0"),
-    ({"rank": -2}, "`rank`: expected a positive integer, got -2"),
-    ({"alpha": 0}, "`alpha`"),
-    ({"dropout": 1.5}, "`dropout`"),
-    ({"init_lora_weights": "pissa"}, "`init_lora_weights`"),
-    ({"target_modules": []}, "`target_modules`"),
-    ({"rnak": 4}, "did you mean `rank`"),
-])
+@pytest.mark.parametrize(
+    ("change", "message"),
+    [
+        ({"rank": 0}, "`rank`: expected a positive integer, got 0"),
+        ({"rank": -2}, "`rank`: expected a positive integer, got -2"),
+        ({"alpha": 0}, "`alpha`"),
+        ({"dropout": 1.5}, "`dropout`"),
+        ({"init_lora_weights": "pissa"}, "`init_lora_weights`"),
+        ({"target_modules": []}, "`target_modules`"),
+        ({"rnak": 4}, "did you mean `rank`"),
+    ],
+)
 def test_bad_settings_fail_naming_the_key(ckpts, change, message):
     from lightning_mm.hf.lora import LoRAConfigError
 
@@ -171,8 +181,12 @@ def test_adapters_of_another_base_model_fail_before_training(ckpts, tmp_path):
         _build(ckpts, "qwen3", pretrained_lora_path=str(tmp_path / "qwen2"), **mlp)
     save_lora_adapters(_build(ckpts, "qwen3", **mlp), tmp_path / "qwen3")
     with pytest.raises(LoRAConfigError, match="pretrained_lora_path.*adapt modules"):
-        _build(ckpts, "qwen3", pretrained_lora_path=str(tmp_path / "qwen3"),
-               target_modules=["model.layers.{0}.mlp.down_proj"])
+        _build(
+            ckpts,
+            "qwen3",
+            pretrained_lora_path=str(tmp_path / "qwen3"),
+            target_modules=["model.layers.{0}.mlp.down_proj"],
+        )
     with pytest.raises(LoRAConfigError, match="pretrained_lora_path.*no adapter_config.json"):
         _build(ckpts, "qwen3", pretrained_lora_path=str(tmp_path))
 
@@ -282,8 +296,13 @@ def _save_adapted(ckpts, path, **lora):
 
     root = torch.nn.Module()
     root.model = _build(ckpts, **lora)
-    store.save({"epoch": 0, "global_step": 2, "state_dict": root.state_dict()}, path, "torch",
-               {**EXTRA, **collect_records(root)}, None)
+    store.save(
+        {"epoch": 0, "global_step": 2, "state_dict": root.state_dict()},
+        path,
+        "torch",
+        {**EXTRA, **collect_records(root)},
+        None,
+    )
     return root
 
 
@@ -296,22 +315,31 @@ def _load_adapted(ckpts, path, **lora):
     return root
 
 
-@pytest.mark.parametrize(("change", "message"), [
-    ({"alpha": 16}, r"trained with alpha 8, the model now has alpha 16.*Set lora `alpha` back to 8"),
-    ({"rank": 2}, r"trained with rank 4, the model now has rank 2"),
-    ({"target_modules": ["model.layers.{*}.self_attn.k_proj"]},
-     r"trained with target_modules \[\"model.layers.0.self_attn.q_proj\".*now has target_modules "
-     r"\[\"model.layers.0.self_attn.k_proj\""),
-])
-def test_resuming_with_changed_adapter_settings_fails_before_any_weight_is_read(ckpts, tmp_path, change, message,
-                                                                                 monkeypatch):
+@pytest.mark.parametrize(
+    ("change", "message"),
+    [
+        ({"alpha": 16}, r"trained with alpha 8, the model now has alpha 16.*Set lora `alpha` back to 8"),
+        ({"rank": 2}, r"trained with rank 4, the model now has rank 2"),
+        (
+            {"target_modules": ["model.layers.{*}.self_attn.k_proj"]},
+            r"trained with target_modules \[\"model.layers.0.self_attn.q_proj\".*now has target_modules "
+            r"\[\"model.layers.0.self_attn.k_proj\"",
+        ),
+    ],
+)
+def test_resuming_with_changed_adapter_settings_fails_before_any_weight_is_read(
+    ckpts, tmp_path, change, message, monkeypatch
+):
     from lightning_mm.checkpoint import store
     from lightning_mm.hf.lora import LoRAConfigError
 
     saved = _save_adapted(ckpts, tmp_path / "a.ckpt")
     monkeypatch.setattr(store, "_load_model", lambda *a, **k: pytest.fail("weights were read"))
-    with pytest.raises(LoRAConfigError, match=rf"{tmp_path / 'a.ckpt'}: the checkpoint's LoRA adapters of "
-                                              rf"`model` were {message}"):
+    with pytest.raises(
+        LoRAConfigError,
+        match=rf"{tmp_path / 'a.ckpt'}: the checkpoint's LoRA adapters of "
+        rf"`model` were {message}",
+    ):
         _load_adapted(ckpts, tmp_path / "a.ckpt", **change)
     monkeypatch.undo()
     # The same settings resume; so does another dropout (it changes training noise, not the function).

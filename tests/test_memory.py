@@ -15,18 +15,21 @@ from lightning_mm.core.plan import build_plan
 class Small(nn.Module):
     def __init__(self) -> None:
         super().__init__()
-        self.embed = nn.Embedding(1000, 64)            # 64,000
+        self.embed = nn.Embedding(1000, 64)  # 64,000
         self.layers = nn.ModuleList(nn.Linear(64, 64) for _ in range(3))  # 3 x (4,096 + 64)
-        self.vision = nn.Linear(64, 63)                # 4,032 + 63, ignored (kept whole)
-        self.head = nn.Linear(64, 1001, bias=False)    # 64,064: 1001 rows do not split evenly
+        self.vision = nn.Linear(64, 63)  # 4,032 + 63, ignored (kept whole)
+        self.head = nn.Linear(64, 1001, bias=False)  # 64,064: 1001 rows do not split evenly
         self.vision.requires_grad_(False)
 
 
 @pytest.mark.parametrize("world", [2, 4, 8])
 def test_exact_bytes_per_rank(world):
     model = Small()
-    plan = build_plan(FSDP2Config(sharding_size="auto", sub_modules_to_wrap=["layers.{*}", "head"],
-                                  ignored_modules=["vision"]), model, world)
+    plan = build_plan(
+        FSDP2Config(sharding_size="auto", sub_modules_to_wrap=["layers.{*}", "head"], ignored_modules=["vision"]),
+        model,
+        world,
+    )
     memory = per_rank_memory(model, plan)
     rows = lambda n: -(-n // world)  # noqa: E731  ceil
     sharded = (rows(1000) * 64 + 3 * (rows(64) * 64 + rows(64)) + rows(1001) * 64) * 4

@@ -18,8 +18,9 @@ EXAMPLE = ROOT / "examples" / "migration"
 def cli(args, cwd):
     env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
     env.pop("LOCAL_RANK", None)
-    return subprocess.run([sys.executable, "-m", "lightning_mm.cli", *args], cwd=cwd, env=env, capture_output=True,
-                          text=True, timeout=600)
+    return subprocess.run(
+        [sys.executable, "-m", "lightning_mm.cli", *args], cwd=cwd, env=env, capture_output=True, text=True, timeout=600
+    )
 
 
 def test_migrated_example_trains_without_edits(tmp_path):
@@ -35,12 +36,15 @@ def test_migrated_example_trains_without_edits(tmp_path):
     config = yaml.safe_load(out.read_text())
     assert config["trainer"]["strategy"]["init_args"]["fsdp2_config"] == str(project / "fsdp2_config.yaml")
     assert "process_group_backend" not in config["trainer"]["strategy"]["init_args"]
-    assert config["data"]["init_args"]["train_valid_test_datasets_provider"] == \
-        "pretrain_custom.train_valid_test_datasets_provider"
+    assert (
+        config["data"]["init_args"]["train_valid_test_datasets_provider"]
+        == "pretrain_custom.train_valid_test_datasets_provider"
+    )
     assert f"# Run from {project}:" in out.read_text()
     # Train from it as written (two steps instead of 100: a command-line override, not an edit).
-    proc = cli(["fit", "--config", str(out), "--trainer.max_steps", "2", "--trainer.enable_progress_bar", "false"],
-               cwd=project)
+    proc = cli(
+        ["fit", "--config", str(out), "--trainer.max_steps", "2", "--trainer.enable_progress_bar", "false"], cwd=project
+    )
     assert proc.returncode == 0, proc.stderr[-4000:]
     assert "`max_steps=2` reached" in proc.stderr + proc.stdout
     for noise in ("view tensor", "DTensor random operators", "model summary", "Tip:"):
@@ -56,8 +60,9 @@ def test_a_provider_loader_with_another_batch_size_than_the_launch_is_refused(tm
         shutil.copy(EXAMPLE / name, project / name)
     source = (EXAMPLE / "pretrain_custom.py").read_text()
     assert "DataLoader(dataset, batch_size=4," in source
-    (project / "pretrain_custom.py").write_text(source.replace("DataLoader(dataset, batch_size=4,",
-                                                              "DataLoader(dataset, batch_size=8,"))
+    (project / "pretrain_custom.py").write_text(
+        source.replace("DataLoader(dataset, batch_size=4,", "DataLoader(dataset, batch_size=8,")
+    )
     out = tmp_path / "config.yaml"
     proc = cli(["migrate", str(project / "pretrain_custom.sh"), "-o", str(out)], cwd=project)
     assert proc.returncode == 0, proc.stderr
@@ -65,11 +70,13 @@ def test_a_provider_loader_with_another_batch_size_than_the_launch_is_refused(tm
     assert config["data"]["init_args"]["batch_size"] == 4
     assert config["trainer"]["devices"] * config["trainer"]["accumulate_grad_batches"] * 4 == 16
     assert "a DataLoader it returns must have this batch size" in proc.stderr
-    proc = cli(["fit", "--config", str(out), "--trainer.max_steps", "1", "--trainer.enable_progress_bar", "false"],
-               cwd=project)
+    proc = cli(
+        ["fit", "--config", str(out), "--trainer.max_steps", "1", "--trainer.enable_progress_bar", "false"], cwd=project
+    )
     assert proc.returncode == 1, proc.stderr[-3000:]
-    assert ("batch_size=4, but the train DataLoader that train_valid_test_datasets_provider returns has batch "
-            "size 8") in proc.stderr
+    assert (
+        "batch_size=4, but the train DataLoader that train_valid_test_datasets_provider returns has batch size 8"
+    ) in proc.stderr
 
 
 def test_the_batch_size_check_of_provider_loaders():

@@ -23,14 +23,36 @@ from tests.hf_scenarios import IMAGE_TOKEN, VOCAB, tiny_hf_model
 ROOT = Path(__file__).resolve().parents[1]
 
 _QWEN3_VL_TEXT = dict(
-    vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
-    num_key_value_heads=2, head_dim=8, max_position_embeddings=64, bos_token_id=1, eos_token_id=2, pad_token_id=0,
-    rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "mrope_section": [1, 1, 2],
-                     "mrope_interleaved": True},
+    vocab_size=VOCAB,
+    hidden_size=32,
+    intermediate_size=64,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    head_dim=8,
+    max_position_embeddings=64,
+    bos_token_id=1,
+    eos_token_id=2,
+    pad_token_id=0,
+    rope_parameters={
+        "rope_type": "default",
+        "rope_theta": 10000.0,
+        "mrope_section": [1, 1, 2],
+        "mrope_interleaved": True,
+    },
 )
-_QWEN3_VL_VISION = dict(depth=2, hidden_size=32, intermediate_size=64, num_heads=4, out_hidden_size=32, patch_size=14,
-                        spatial_merge_size=2, temporal_patch_size=2, num_position_embeddings=16,
-                        deepstack_visual_indexes=[0])
+_QWEN3_VL_VISION = dict(
+    depth=2,
+    hidden_size=32,
+    intermediate_size=64,
+    num_heads=4,
+    out_hidden_size=32,
+    patch_size=14,
+    spatial_merge_size=2,
+    temporal_patch_size=2,
+    num_position_embeddings=16,
+    deepstack_visual_indexes=[0],
+)
 
 
 def _tiny(family: str) -> torch.nn.Module:
@@ -39,8 +61,12 @@ def _tiny(family: str) -> torch.nn.Module:
 
     with torch.device("meta"):
         if family == "qwen3_vl":
-            config = transformers.Qwen3VLConfig(text_config=_QWEN3_VL_TEXT, vision_config=_QWEN3_VL_VISION,
-                                                image_token_id=IMAGE_TOKEN, tie_word_embeddings=False)
+            config = transformers.Qwen3VLConfig(
+                text_config=_QWEN3_VL_TEXT,
+                vision_config=_QWEN3_VL_VISION,
+                image_token_id=IMAGE_TOKEN,
+                tie_word_embeddings=False,
+            )
             return transformers.Qwen3VLForConditionalGeneration(config)
         if family == "qwen3_vl_moe":
             from tests.moe_models import tiny_moe_model
@@ -54,36 +80,63 @@ def _tiny(family: str) -> torch.nn.Module:
 # Megatron route (vision encoder, projector, decoder with its output layer).
 def _mindspeed_frozen(family: str, towers: set[str], name: str) -> bool:
     if family in ("qwen3_vl", "qwen3_vl_moe"):
-        keys = {"vision": ["visual.patch_embed", "visual.blocks", "visual.pos_embed"], "projector": ["visual.merger"],
-                "text": ["language_model", "lm_head"]}
+        keys = {
+            "vision": ["visual.patch_embed", "visual.blocks", "visual.pos_embed"],
+            "projector": ["visual.merger"],
+            "text": ["language_model", "lm_head"],
+        }
         return any(key in name for tower in towers for key in keys[tower])
     if family == "qwen2_5_vl":
-        tower = ("projector" if name.startswith("model.visual.merger.") else
-                 "vision" if name.startswith("model.visual.") else "text")
+        tower = (
+            "projector"
+            if name.startswith("model.visual.merger.")
+            else "vision"
+            if name.startswith("model.visual.")
+            else "text"
+        )
     else:
-        tower = ("vision" if name.startswith("model.vision_tower.") else
-                 "projector" if name.startswith("model.multi_modal_projector.") else "text")
+        tower = (
+            "vision"
+            if name.startswith("model.vision_tower.")
+            else "projector"
+            if name.startswith("model.multi_modal_projector.")
+            else "text"
+        )
     return tower in towers
 
 
-_TOWER_KEYS = {"vision": "image_encoder.vision_encoder", "projector": "image_encoder.vision_projector",
-               "text": "text_decoder"}
+_TOWER_KEYS = {
+    "vision": "image_encoder.vision_encoder",
+    "projector": "image_encoder.vision_projector",
+    "text": "text_decoder",
+}
 
 
 def _model_json(model_id: str, hf_path: str, towers: set[str]) -> dict:
     return {
-        "model_id": model_id, "init_from_hf_path": hf_path,
-        "image_encoder": {"vision_encoder": {"model_id": "qwen3vit", "num_layers": 27, "freeze": "vision" in towers},
-                          "vision_projector": {"model_id": "lnmlp", "freeze": "projector" in towers}},
+        "model_id": model_id,
+        "init_from_hf_path": hf_path,
+        "image_encoder": {
+            "vision_encoder": {"model_id": "qwen3vit", "num_layers": 27, "freeze": "vision" in towers},
+            "vision_projector": {"model_id": "lnmlp", "freeze": "projector" in towers},
+        },
         "text_decoder": {"model_id": "qwen3lm", "hidden_size": 4096, "freeze": "text" in towers},
     }
 
 
-@pytest.mark.parametrize("family, model_id", [("qwen3_vl", "qwen3_vl"), ("qwen3_vl_moe", "qwen3_vl_moe"),
-                                              ("qwen2_5_vl", "qwen2_5vl"), ("internvl", "internvl"),
-                                              ("llava", "llava")])
-@pytest.mark.parametrize("towers", [{"vision"}, {"projector"}, {"text"}, {"vision", "projector"},
-                                    {"vision", "projector", "text"}])
+@pytest.mark.parametrize(
+    "family, model_id",
+    [
+        ("qwen3_vl", "qwen3_vl"),
+        ("qwen3_vl_moe", "qwen3_vl_moe"),
+        ("qwen2_5_vl", "qwen2_5vl"),
+        ("internvl", "internvl"),
+        ("llava", "llava"),
+    ],
+)
+@pytest.mark.parametrize(
+    "towers", [{"vision"}, {"projector"}, {"text"}, {"vision", "projector"}, {"vision", "projector", "text"}]
+)
 def test_freeze_flags_freeze_what_mindspeed_freezes(tmp_path, family, model_id, towers):
     from lightning_mm.hf.transformers_model import _freeze
 
@@ -119,30 +172,42 @@ def test_every_model_id_maps_to_a_builtin_modelhub_key():
 def test_unknown_and_megatron_model_configs_are_clear_errors(tmp_path):
     with pytest.raises(MindSpeedModelError, match=r"model_id: glm4v_moe` has no built-in adapter .*qwen3_vl -> "):
         transformers_model_config({"model_id": "glm4v_moe", "init_from_hf_path": "x"}, "model.json", tmp_path)
-    megatron = {"model_id": "qwen2_5vl", "image_encoder": {"vision_encoder": {"model_id": "qwen2vit"}},
-                "text_decoder": {"model_id": "qwen2_5_lm"}}
+    megatron = {
+        "model_id": "qwen2_5vl",
+        "image_encoder": {"vision_encoder": {"model_id": "qwen2vit"}},
+        "text_decoder": {"model_id": "qwen2_5_lm"},
+    }
     with pytest.raises(MindSpeedModelError, match="Megatron-route model.json .* init_from_hf_path"):
         transformers_model_config(megatron, "model_7b.json", tmp_path)
     (tmp_path / "config.json").write_text(json.dumps({"model_type": "internvl_chat"}))
     with pytest.raises(MindSpeedModelError, match="holds a `internvl_chat` model, not the `internvl`"):
         transformers_model_config({"model_id": "internvl", "init_from_hf_path": str(tmp_path)}, "m.json", tmp_path)
     with pytest.raises(MindSpeedModelError, match="freeze` must be true or false"):
-        transformers_model_config({"model_id": "llava", "init_from_hf_path": "x",
-                                   "text_decoder": {"freeze": "yes"}}, "m.json", tmp_path)
+        transformers_model_config(
+            {"model_id": "llava", "init_from_hf_path": "x", "text_decoder": {"freeze": "yes"}}, "m.json", tmp_path
+        )
 
 
 def test_loss_and_patch_keys_are_mapped_or_reported_by_name(tmp_path):
     base = {"model_id": "qwen3_vl", "init_from_hf_path": str(tmp_path)}
-    ok = transformers_model_config({**base, "loss_cfg": {"compute_mode": "default", "loss_type": "default",
-                                                         "chunk_size": 1024},
-                                    "patch": {"clip_grad_async": True, "bridge_patch": True, "muon_optimizer": True}},
-                                   "m.json", tmp_path)
+    ok = transformers_model_config(
+        {
+            **base,
+            "loss_cfg": {"compute_mode": "default", "loss_type": "default", "chunk_size": 1024},
+            "patch": {"clip_grad_async": True, "bridge_patch": True, "muon_optimizer": True},
+        },
+        "m.json",
+        tmp_path,
+    )
     assert any(m.startswith("loss_cfg (compute_mode default, loss_type default)") for m in ok.mapped)
     assert any(n.startswith("loss_cfg.chunk_size") for n in ok.not_applicable)
     assert any(n.startswith("patch.clip_grad_async") for n in ok.not_applicable)
     assert any(u.startswith("patch.muon_optimizer") for u in ok.unmapped)
-    chunked = transformers_model_config({**base, "loss_cfg": {"compute_mode": "chunk", "loss_type": "per_sample_loss",
-                                                              "router_aux_loss_coef": 0.01}}, "m.json", tmp_path)
+    chunked = transformers_model_config(
+        {**base, "loss_cfg": {"compute_mode": "chunk", "loss_type": "per_sample_loss", "router_aux_loss_coef": 0.01}},
+        "m.json",
+        tmp_path,
+    )
     assert any("compute_mode chunk: chunked loss does not exist" in u for u in chunked.unmapped)
     assert any("loss_type per_sample_loss" in u for u in chunked.unmapped)
     assert any("router_aux_loss_coef 0.01" in u for u in chunked.unmapped)
@@ -169,8 +234,10 @@ def test_the_default_loss_is_mindspeeds_default_loss():
     logits = model(input_ids=ids).logits.float()
     shift = F.pad(labels, (0, 1), value=-100)[..., 1:]
     mask = shift > -1
-    reference = F.cross_entropy(logits.view(-1, logits.shape[-1]), shift.reshape(-1), ignore_index=-100,
-                                reduction="sum") / mask.sum()
+    reference = (
+        F.cross_entropy(logits.view(-1, logits.shape[-1]), shift.reshape(-1), ignore_index=-100, reduction="sum")
+        / mask.sum()
+    )
     torch.testing.assert_close(loss, reference, rtol=1e-5, atol=0)
 
 
@@ -237,8 +304,10 @@ def _check_single_yaml(result, root: Path) -> None:
     config = result.config
     assert config["model"]["class_path"] == TRANSFORMERS_MODULE
     assert config["model"]["init_args"]["transformers_model"] == {
-        "model_id": "qwen3_vl", "init_from_hf_path": str(root / "ckpt" / "hf"),
-        "freeze": ["model.visual.patch_embed", "model.visual.blocks", "model.visual.pos_embed"]}
+        "model_id": "qwen3_vl",
+        "init_from_hf_path": str(root / "ckpt" / "hf"),
+        "freeze": ["model.visual.patch_embed", "model.visual.blocks", "model.visual.pos_embed"],
+    }
     assert config["model"]["init_args"]["lr"] == 1e-5
     assert config["data"]["init_args"] == {"batch_size": 2, "data_config": str(root / "examples" / "job.yaml")}
     assert config["trainer"]["strategy"]["init_args"]["fsdp2_config"] == str(root / "examples" / "fsdp2_config.yaml")
@@ -259,8 +328,14 @@ def test_single_yaml_given_itself(tmp_path):
 
 def _cli(args, cwd):
     env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
-    return subprocess.run([sys.executable, "-X", "importtime", "-m", "lightning_mm.cli", "migrate", *args], cwd=cwd,
-                          env=env, capture_output=True, text=True, timeout=300)
+    return subprocess.run(
+        [sys.executable, "-X", "importtime", "-m", "lightning_mm.cli", "migrate", *args],
+        cwd=cwd,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
 
 
 def test_single_yaml_launch_from_the_repository_root(tmp_path):
@@ -274,8 +349,11 @@ def test_single_yaml_launch_from_the_repository_root(tmp_path):
     assert config["model"]["init_args"]["transformers_model"]["init_from_hf_path"] == str(root / "ckpt" / "hf")
     assert "--distributed-backend nccl: after the YAML on the launch line" in proc.stderr
     assert "found from the working directory, not from the script's folder" in proc.stderr
-    imported = {line.rsplit("|", 1)[-1].strip().split(".")[0] for line in proc.stderr.splitlines()
-                if line.startswith("import time:")}
+    imported = {
+        line.rsplit("|", 1)[-1].strip().split(".")[0]
+        for line in proc.stderr.splitlines()
+        if line.startswith("import time:")
+    }
     assert not imported & {"transformers", "lightning", "pytorch_lightning"}  # the model config is read, not built
 
 
@@ -283,10 +361,16 @@ def test_mm_data_and_mm_model_flags_with_mindspeeds_entry_script(tmp_path):
     (tmp_path / "data.json").write_text(json.dumps({"dataset_param": {}, "dataloader_param": {}}))
     (tmp_path / "hf").mkdir()
     (tmp_path / "hf" / "config.json").write_text(json.dumps({"model_type": "qwen2_5_vl"}))
-    (tmp_path / "model.json").write_text(json.dumps({
-        "model_id": "qwen2_5vl", "init_from_hf_path": "./hf",
-        "image_encoder": {"vision_encoder": {"freeze": True}, "vision_projector": {"freeze": False}},
-        "text_decoder": {"freeze": False}}))
+    (tmp_path / "model.json").write_text(
+        json.dumps(
+            {
+                "model_id": "qwen2_5vl",
+                "init_from_hf_path": "./hf",
+                "image_encoder": {"vision_encoder": {"freeze": True}, "vision_projector": {"freeze": False}},
+                "text_decoder": {"freeze": False},
+            }
+        )
+    )
     launch = parse_args(["--mm-data", "data.json", "--mm-model", "model.json", "--micro-batch-size", "1"])
     launch.script = "pretrain_transformers.py"
     result = migrate(launch, base_dir=tmp_path)
@@ -294,12 +378,21 @@ def test_mm_data_and_mm_model_flags_with_mindspeeds_entry_script(tmp_path):
     model = result.config["model"]
     assert model["class_path"] == TRANSFORMERS_MODULE
     assert model["init_args"]["transformers_model"] == {
-        "model_id": "qwen2_5_vl", "init_from_hf_path": str(tmp_path / "hf"),
-        "freeze": ["model.visual.patch_embed", "model.visual.blocks"]}
+        "model_id": "qwen2_5_vl",
+        "init_from_hf_path": str(tmp_path / "hf"),
+        "freeze": ["model.visual.patch_embed", "model.visual.blocks"],
+    }
     assert "model_provider" not in model["init_args"]
     megatron = tmp_path / "model_7b.json"
-    megatron.write_text(json.dumps({"model_id": "qwen2_5vl", "image_encoder": {"vision_encoder": {
-        "model_id": "qwen2vit"}}, "text_decoder": {"model_id": "qwen2_5_lm"}}))
+    megatron.write_text(
+        json.dumps(
+            {
+                "model_id": "qwen2_5vl",
+                "image_encoder": {"vision_encoder": {"model_id": "qwen2vit"}},
+                "text_decoder": {"model_id": "qwen2_5_lm"},
+            }
+        )
+    )
     launch = parse_args(["--mm-model", "model_7b.json"])
     launch.script = "pretrain_transformers.py"
     with pytest.raises(MindSpeedModelError, match="HF-checkpoint route"):
@@ -312,13 +405,18 @@ def test_migrated_transformers_module_builds_the_model(tmp_path):
 
     model = tiny_hf_model("qwen2_5_vl")
     model.save_pretrained(tmp_path / "hf")
-    converted = transformers_model_config({"model_id": "qwen2_5vl", "init_from_hf_path": "hf",
-                                           "image_encoder": {"vision_encoder": {"freeze": True}}},
-                                          "model.json", tmp_path)
+    converted = transformers_model_config(
+        {"model_id": "qwen2_5vl", "init_from_hf_path": "hf", "image_encoder": {"vision_encoder": {"freeze": True}}},
+        "model.json",
+        tmp_path,
+    )
     module = MMTransformersModule(transformers_model=converted.config, lr=1e-3)
     module.configure_model()
     frozen = {n for n, p in module.model.named_parameters() if not p.requires_grad}
-    assert frozen == {n for n, _ in model.named_parameters()
-                      if n.startswith("model.visual.") and not n.startswith("model.visual.merger.")}
+    assert frozen == {
+        n
+        for n, _ in model.named_parameters()
+        if n.startswith("model.visual.") and not n.startswith("model.visual.merger.")
+    }
     with pytest.raises(ValueError, match="do not also give `model_provider`"):
         MMTransformersModule(transformers_model=converted.config, model_provider=lambda: model)

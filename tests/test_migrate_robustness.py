@@ -21,8 +21,9 @@ def test_never_overwrites_its_input_or_an_existing_output(tmp_path, capsys):
     script = tmp_path / "mine.sh"
     script.write_text(LAUNCH)
     status, err = _run(capsys, str(script), "-o", str(script))
-    assert status == 1 and err == [f"lightning-mm migrate: error: -o {script} is the input {script}; migrate never "
-                                   "overwrites its input"]
+    assert status == 1 and err == [
+        f"lightning-mm migrate: error: -o {script} is the input {script}; migrate never overwrites its input"
+    ]
     status, _ = _run(capsys, str(script), "-o", str(script), "--force")  # not even with --force
     assert status == 1 and script.read_text() == LAUNCH
     link = tmp_path / "link.sh"
@@ -65,7 +66,7 @@ def test_doubling_variables_stop_with_the_line(tmp_path, capsys):
     start = time.perf_counter()
     status, err = _run(capsys, str(script))
     assert time.perf_counter() - start < 2.0
-    line = 1 + next(i for i in range(40) if 2 ** i > MAX_EXPANDED_BYTES // 2)
+    line = 1 + next(i for i in range(40) if 2**i > MAX_EXPANDED_BYTES // 2)
     assert status == 1 and len(err) == 1
     assert err[0].startswith(f"lightning-mm migrate: error: {script}:{line}: variable expansion grows past 1024 KiB")
 
@@ -76,10 +77,13 @@ def test_many_small_expansions_are_bounded_too():
         parse_script(text, "s.sh")
 
 
-@pytest.mark.parametrize("content, message", [
-    (b"\x7fELF\x02\x01\x01\x00\x00", "a binary file (NUL byte)"),
-    ("A=1\nB=caf\u00e9\n".encode("latin-1") + LAUNCH.encode(), "2: not UTF-8 text (byte 0xe9)"),
-])
+@pytest.mark.parametrize(
+    "content, message",
+    [
+        (b"\x7fELF\x02\x01\x01\x00\x00", "a binary file (NUL byte)"),
+        ("A=1\nB=caf\u00e9\n".encode("latin-1") + LAUNCH.encode(), "2: not UTF-8 text (byte 0xe9)"),
+    ],
+)
 def test_binary_and_non_utf8_scripts_are_one_line(tmp_path, capsys, content, message):
     script = tmp_path / "launch.sh"
     script.write_bytes(content)
@@ -87,8 +91,13 @@ def test_binary_and_non_utf8_scripts_are_one_line(tmp_path, capsys, content, mes
     assert status == 1 and len(err) == 1 and f"{script}:" in err[0] and message in err[0], err
 
 
-@pytest.mark.parametrize("body", ["-" * 100_000 + "1",  # MemoryError from ast.parse
-                                  "1" + "+1" * 1_000_000])  # RecursionError from ast.parse
+@pytest.mark.parametrize(
+    "body",
+    [
+        "-" * 100_000 + "1",  # MemoryError from ast.parse
+        "1" + "+1" * 1_000_000,
+    ],
+)  # RecursionError from ast.parse
 def test_an_entry_script_too_deep_for_ast_is_one_line(tmp_path, capsys, body):
     (tmp_path / "train.py").write_text(f"x = {body}\n")
     script = tmp_path / "launch.sh"
@@ -107,8 +116,10 @@ def test_an_entry_script_that_is_not_utf8_is_one_line(tmp_path, capsys):
 
 
 def test_launch_lines_stop_at_pipes_and_evaluate_arithmetic():
-    text = ('N=4\nM=2\nW=$(($N*$M))\nGBS=$(($W*2))\n'
-            'torchrun --nproc_per_node $N train.py --global-batch-size $GBS 2>&1 | tee log.txt\n')
+    text = (
+        "N=4\nM=2\nW=$(($N*$M))\nGBS=$(($W*2))\n"
+        "torchrun --nproc_per_node $N train.py --global-batch-size $GBS 2>&1 | tee log.txt\n"
+    )
     launch = parse_script(text, "s.sh")
     assert launch.flags == [("--global-batch-size", "16")]
     assert launch.env["W"] == "8"

@@ -36,16 +36,27 @@ EXPECTED = {
     "--num-workers": ("8", "data.init_args.num_workers", 8),
 }
 # Flags that are only reported (never silently dropped), with a word of their reason.
-REPORTED = {"--fp16": "grad scaler", "--mm-model": "does not exist", "--untie-embeddings-and-output-weights": "model",
-            "--global-batch-size": "accumulate_grad_batches", "--lr-warmup-fraction": "--train-iters",
-            "--mm-data": "does not exist", "--tensor-model-parallel-size": "tensor parallelism",
-            "--pipeline-model-parallel-size": "pipeline parallelism", "--optimizer-selection": "only AdamW",
-            "--no-load-optim": "restores the optimizer", "--no-load-rng": "RNG", "--no-save-optim": "optimizer state",
-            "--no-save-rng": "RNG", "--log-tps": "ThroughputMonitor", "--mm-tool": "tool definitions",
-            "--use-txt-dynamic-batching": "needs --max-seq-len",
-            "--max-seq-len": "only with --use-txt-dynamic-batching",
-            "--dynamic-batch-buffer-size": "only with --use-txt-dynamic-batching",
-            **dict.fromkeys(MEGATRON_MODEL_FLAGS, "Megatron model or kernel setting")}
+REPORTED = {
+    "--fp16": "grad scaler",
+    "--mm-model": "does not exist",
+    "--untie-embeddings-and-output-weights": "model",
+    "--global-batch-size": "accumulate_grad_batches",
+    "--lr-warmup-fraction": "--train-iters",
+    "--mm-data": "does not exist",
+    "--tensor-model-parallel-size": "tensor parallelism",
+    "--pipeline-model-parallel-size": "pipeline parallelism",
+    "--optimizer-selection": "only AdamW",
+    "--no-load-optim": "restores the optimizer",
+    "--no-load-rng": "RNG",
+    "--no-save-optim": "optimizer state",
+    "--no-save-rng": "RNG",
+    "--log-tps": "ThroughputMonitor",
+    "--mm-tool": "tool definitions",
+    "--use-txt-dynamic-batching": "needs --max-seq-len",
+    "--max-seq-len": "only with --use-txt-dynamic-batching",
+    "--dynamic-batch-buffer-size": "only with --use-txt-dynamic-batching",
+    **dict.fromkeys(MEGATRON_MODEL_FLAGS, "Megatron model or kernel setting"),
+}
 
 
 def _get(config, path):
@@ -78,11 +89,21 @@ def test_the_table_is_covered_and_matches_the_documentation():
 
 
 def test_dynamic_batching_maps_to_packed_token_budget_batches():
-    flags = ["--use-txt-dynamic-batching", "--max-seq-len", "4096", "--dynamic-batch-buffer-size", "200",
-             "--micro-batch-size", "2"]
+    flags = [
+        "--use-txt-dynamic-batching",
+        "--max-seq-len",
+        "4096",
+        "--dynamic-batch-buffer-size",
+        "200",
+        "--micro-batch-size",
+        "2",
+    ]
     result = migrate(parse_args(flags))
-    assert result.config["data"]["init_args"] == {"packing": True, "max_tokens_per_rank": 4096,
-                                                  "packing_buffer_size": 200}
+    assert result.config["data"]["init_args"] == {
+        "packing": True,
+        "max_tokens_per_rank": 4096,
+        "packing_buffer_size": 200,
+    }
     assert not result.unmapped and any("--micro-batch-size 2: not used" in n for n in result.notes)
 
 

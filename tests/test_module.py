@@ -116,9 +116,17 @@ def test_single_device_fit_with_hooks_and_default_schedule(tmp_path):
     data = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(x, x.sum(1, keepdim=True)), batch_size=8)
     recorder = Recorder()
     logger = MemoryLogger()
-    trainer = L.Trainer(accelerator="cpu", devices=1, max_steps=40, logger=logger, enable_checkpointing=False,
-                        enable_progress_bar=False, callbacks=[recorder], default_root_dir=tmp_path,
-                        log_every_n_steps=10)
+    trainer = L.Trainer(
+        accelerator="cpu",
+        devices=1,
+        max_steps=40,
+        logger=logger,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        callbacks=[recorder],
+        default_root_dir=tmp_path,
+        log_every_n_steps=10,
+    )
     logger.trainer = trainer
     module = Regression(lr=3e-2, warmup_steps=5, lr_decay_style="cosine", min_lr=3e-3)
     trainer.fit(module, train_dataloaders=data)
@@ -142,9 +150,17 @@ def test_throughput_and_grad_norm_are_computed_only_on_steps_whose_logs_are_writ
     x = torch.randn(64, 4, generator=torch.Generator().manual_seed(0))
     data = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(x, x.sum(1, keepdim=True)), batch_size=8)
     logger = MemoryLogger()
-    trainer = L.Trainer(accelerator="cpu", devices=1, max_steps=6, logger=logger, enable_checkpointing=False,
-                        enable_progress_bar=False, callbacks=[Watch()], default_root_dir=tmp_path,
-                        log_every_n_steps=4)
+    trainer = L.Trainer(
+        accelerator="cpu",
+        devices=1,
+        max_steps=6,
+        logger=logger,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        callbacks=[Watch()],
+        default_root_dir=tmp_path,
+        log_every_n_steps=4,
+    )
     logger.trainer = trainer
     trainer.fit(Regression(lr=1e-2), train_dataloaders=data)
     every_step = ["train/loss", "train/lr"]

@@ -66,16 +66,23 @@ def test_mindspeed_shaped_configs_load(tmp_path, text):
 
 
 def test_round_trip_and_explicit_keys():
-    config = FSDP2Config.from_dict({"expert_parallel_size": 2, "moe_modules": EXPERTS,
-                                    "reshard_local_experts": False, "align_fsdp_param_groups": True})
+    config = FSDP2Config.from_dict(
+        {
+            "expert_parallel_size": 2,
+            "moe_modules": EXPERTS,
+            "reshard_local_experts": False,
+            "align_fsdp_param_groups": True,
+        }
+    )
     assert config.moe_modules == [EXPERTS] and config.reshard_local_experts is False
     assert {"expert_parallel_size", "moe_modules"} <= config.explicit_keys
     assert FSDP2Config.from_dict(config.to_dict()) == config
 
 
 def test_unknown_key_still_suggests():
-    with pytest.raises(FSDP2ConfigError, match="unknown FSDP2 config key `expert_parallel`.*did you mean "
-                                               "`expert_parallel_size`"):
+    with pytest.raises(
+        FSDP2ConfigError, match="unknown FSDP2 config key `expert_parallel`.*did you mean `expert_parallel_size`"
+    ):
         FSDP2Config.from_dict({"expert_parallel": 2})
 
 
@@ -102,8 +109,9 @@ def test_bad_values_name_the_key(data, key):
 
 
 def _plan(model, world=4, **keys):
-    return build_plan(FSDP2Config.from_dict({"sharding_size": "auto", "sub_modules_to_wrap": [LAYERS], **keys}),
-                      model, world)
+    return build_plan(
+        FSDP2Config.from_dict({"sharding_size": "auto", "sub_modules_to_wrap": [LAYERS], **keys}), model, world
+    )
 
 
 def test_ep_must_divide_world_size(moe):
@@ -112,8 +120,10 @@ def test_ep_must_divide_world_size(moe):
 
 
 def test_experts_must_divide_by_ep(moe):
-    with pytest.raises(FSDP2ConfigError, match="`expert_parallel_size`.*16 does not divide the 8 experts of "
-                                               "'model.layers.0.mlp.experts'"):
+    with pytest.raises(
+        FSDP2ConfigError,
+        match="`expert_parallel_size`.*16 does not divide the 8 experts of 'model.layers.0.mlp.experts'",
+    ):
         _plan(moe, world=16, expert_parallel_size=16, moe_modules=[EXPERTS])
 
 
@@ -123,8 +133,7 @@ def test_moe_modules_must_match(moe):
     with pytest.raises(FSDP2ConfigError, match="`moe_modules`.*needs the MoE expert modules"):
         _plan(moe, expert_parallel_size=2)
     with pytest.raises(FSDP2ConfigError, match="`moe_modules`.*also in `sub_modules_to_wrap`"):
-        _plan(moe, expert_parallel_size=2, moe_modules=[EXPERTS],
-              sub_modules_to_wrap=[LAYERS, EXPERTS])
+        _plan(moe, expert_parallel_size=2, moe_modules=[EXPERTS], sub_modules_to_wrap=[LAYERS, EXPERTS])
     with pytest.raises(FSDP2ConfigError, match="`moe_modules`.*'model.layers.0.self_attn.q_norm'.*leading experts"):
         _plan(moe, expert_parallel_size=2, moe_modules=["model.layers.0.self_attn.q_norm"])
 
@@ -160,8 +169,11 @@ def test_aligned_unit_holds_exactly_norms_and_routers(moe):
     plan = _plan(moe, align_fsdp_param_groups=True)
     (aligned,) = [u for u in plan.units if u.label]
     expected = sorted(
-        [f"model.layers.{i}.{m}" for i in range(2) for m in ("input_layernorm", "post_attention_layernorm",
-                                                              "self_attn.q_norm", "self_attn.k_norm", "mlp.gate")]
+        [
+            f"model.layers.{i}.{m}"
+            for i in range(2)
+            for m in ("input_layernorm", "post_attention_layernorm", "self_attn.q_norm", "self_attn.k_norm", "mlp.gate")
+        ]
         + ["model.norm"]
     )
     assert sorted(aligned.modules) == expected
@@ -170,8 +182,11 @@ def test_aligned_unit_holds_exactly_norms_and_routers(moe):
     assert aligned.keep_unsharded and plan.units[0] is aligned  # applied before the layers that contain it
     layers = {u.name: u.num_params for u in plan.units if not u.label}
     for i in range(2):
-        linear_only = sum(p.numel() for n, p in params.items() if n.startswith(f"model.layers.{i}.")
-                          and n.rpartition(".")[0] not in expected)
+        linear_only = sum(
+            p.numel()
+            for n, p in params.items()
+            if n.startswith(f"model.layers.{i}.") and n.rpartition(".")[0] not in expected
+        )
         assert layers[f"model.layers.{i}"] == linear_only
     assert plan.root_params == plain.root_params - moe.model.norm.weight.numel()
     assert "<norms and routers: 11 modules>" in plan.describe()

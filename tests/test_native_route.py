@@ -26,23 +26,40 @@ REGEN = os.environ.get("LIGHTNING_MM_REGEN_GOLDEN") == "1"
 
 # NPUS_PER_NODE x NNODES of each config's launch script in MindSpeed MM (tests/st: the example's)
 WORLD_SIZES = {
-    "cosyvoice3__cosyvoice3_config.yaml": 8, "funasr__funasr_config.yaml": 8, "kimi_k3__kimik3_config.yaml": 16,
-    "kimik2_5__kimik2_5_config.yaml": 512, "ltx2__ltx2_config_t2av.yaml": 8, "ltx2__ltx2_config_t2v.yaml": 8,
-    "mimov2_5__mimov2_5_config.yaml": 16, "moss_tts__moss_tts_delay_config.yaml": 8,
-    "qwen3_5__qwen3_5_122B_config.yaml": 128, "qwen3_5__qwen3_5_27B_config.yaml": 16,
-    "qwen3_5__qwen3_5_35B_config.yaml": 16, "qwen3_5__qwen3_5_397B_config.yaml": 256,
-    "qwen3_5__qwen3_5_4B_config.yaml": 8, "qwen3_5__qwen3_5_9B_config.yaml": 8,
-    "qwen3_6__qwen3_6_27B_config.yaml": 16, "qwen3_6__qwen3_6_35B_config.yaml": 16,
-    "qwen3_asr__qwen3_asr_1.7B_config.yaml": 8, "qwen3omni__qwen3omni_config_v1.yaml": 16,
-    "qwen3tts__qwen3tts_config.yaml": 8, "qwen3vl__qwen3vl_30B_config_v1.yaml": 16,
-    "qwen3vl__qwen3vl_30B_config_v1_A5.yaml": 8, "step3_vl__step3_vl_10b_config.yaml": 4,
-    "st__finetune_kimik2_5__kimik2_5_config.yaml": 512, "st__finetune_qwen3_5_35B__qwen3_5_35B_config.yaml": 16,
-    "st__finetune_qwen3tts__qwen3tts_config.yaml": 8, "st__finetune_qwen3vl_30B__qwen3vl_30B_config_v1.yaml": 16,
+    "cosyvoice3__cosyvoice3_config.yaml": 8,
+    "funasr__funasr_config.yaml": 8,
+    "kimi_k3__kimik3_config.yaml": 16,
+    "kimik2_5__kimik2_5_config.yaml": 512,
+    "ltx2__ltx2_config_t2av.yaml": 8,
+    "ltx2__ltx2_config_t2v.yaml": 8,
+    "mimov2_5__mimov2_5_config.yaml": 16,
+    "moss_tts__moss_tts_delay_config.yaml": 8,
+    "qwen3_5__qwen3_5_122B_config.yaml": 128,
+    "qwen3_5__qwen3_5_27B_config.yaml": 16,
+    "qwen3_5__qwen3_5_35B_config.yaml": 16,
+    "qwen3_5__qwen3_5_397B_config.yaml": 256,
+    "qwen3_5__qwen3_5_4B_config.yaml": 8,
+    "qwen3_5__qwen3_5_9B_config.yaml": 8,
+    "qwen3_6__qwen3_6_27B_config.yaml": 16,
+    "qwen3_6__qwen3_6_35B_config.yaml": 16,
+    "qwen3_asr__qwen3_asr_1.7B_config.yaml": 8,
+    "qwen3omni__qwen3omni_config_v1.yaml": 16,
+    "qwen3tts__qwen3tts_config.yaml": 8,
+    "qwen3vl__qwen3vl_30B_config_v1.yaml": 16,
+    "qwen3vl__qwen3vl_30B_config_v1_A5.yaml": 8,
+    "step3_vl__step3_vl_10b_config.yaml": 4,
+    "st__finetune_kimik2_5__kimik2_5_config.yaml": 512,
+    "st__finetune_qwen3_5_35B__qwen3_5_35B_config.yaml": 16,
+    "st__finetune_qwen3tts__qwen3tts_config.yaml": 8,
+    "st__finetune_qwen3vl_30B__qwen3vl_30B_config_v1.yaml": 16,
 }
 # Configs of the Qwen3-VL-MoE architecture (an adapter in ModelHub), planned with its tiny stand-in; the dense
 # Qwen3.5 / Qwen3.6 ones (a derived Transformers class) are DENSE_QWEN3_5 below.
-PLANNED = ("qwen3vl__qwen3vl_30B_config_v1.yaml", "qwen3vl__qwen3vl_30B_config_v1_A5.yaml",
-           "st__finetune_qwen3vl_30B__qwen3vl_30B_config_v1.yaml")
+PLANNED = (
+    "qwen3vl__qwen3vl_30B_config_v1.yaml",
+    "qwen3vl__qwen3vl_30B_config_v1_A5.yaml",
+    "st__finetune_qwen3vl_30B__qwen3vl_30B_config_v1.yaml",
+)
 
 
 def _migrate(name: str, tmp_path: Path, capsys) -> tuple[str, str]:
@@ -104,16 +121,19 @@ def _leaves(node: dict, prefix: str) -> list[str]:
 
 
 def _mentions(report: str, key: str) -> bool:
-    return any(line.strip().startswith(key) or f" {key}" in line or f"{key} " in line or f"{key}:" in line
-               or f"{key}/" in line for line in report.splitlines())
+    return any(
+        line.strip().startswith(key) or f" {key}" in line or f"{key} " in line or f"{key}:" in line or f"{key}/" in line
+        for line in report.splitlines()
+    )
 
 
 def test_the_report_names_keys_mindspeed_cannot_use_here():
     """Keys that change training and cannot be honoured are NOT mapped, with the reason, never dropped."""
     text = (DATA / "qwen3vl__qwen3vl_30B_config_v1.yaml").read_text()
     data = yaml.safe_load(text)
-    data["parallel"].update(tensor_parallel_size=2, ring_attention_size=2, ulysses_parallel_size=2,
-                            data_parallel_size=4)
+    data["parallel"].update(
+        tensor_parallel_size=2, ring_attention_size=2, ulysses_parallel_size=2, data_parallel_size=4
+    )
     data["features"]["enable_activation_offload"] = True
     from lightning_mm.commands.native_route import migrate_native
 
@@ -132,9 +152,12 @@ def test_lora_packing_async_save_and_hf_format_are_written_under_the_agreed_name
     from lightning_mm.commands.native_route import migrate_native
 
     data = _native("qwen3_5__qwen3_5_4B_config.yaml")
-    data["training"].update(save_async=True, save_format="hf", save_ckpt_dtype="bf16",
-                            lora={"enable": True, "rank": 4, "alpha": 8, "target_modules": ["q_proj", "v_proj"],
-                                  "dropout": 0.05})
+    data["training"].update(
+        save_async=True,
+        save_format="hf",
+        save_ckpt_dtype="bf16",
+        lora={"enable": True, "rank": 4, "alpha": 8, "target_modules": ["q_proj", "v_proj"], "dropout": 0.05},
+    )
     data["data"]["dataset_param"]["basic_parameters"].update(neat_packing=True, cutoff_len=4096)
     data["parallel"]["ulysses_parallel_size"] = 2
     result = migrate_native(DATA / "x.yaml", data, base_dir=tmp_path)
@@ -170,8 +193,9 @@ def test_parallel_section_and_whole_config_give_the_migrated_fsdp2_config(tmp_pa
     data = _native(name)
     whole = MMFSDP2Strategy(fsdp2_config=data).fsdp2_config
     from_file = MMFSDP2Strategy(fsdp2_config=str(DATA / name)).fsdp2_config
-    section = FSDP2Config.load({**data["parallel"], "recompute": True,
-                                "recompute_plan": data["features"]["recompute_plan"]})
+    section = FSDP2Config.load(
+        {**data["parallel"], "recompute": True, "recompute_plan": data["features"]["recompute_plan"]}
+    )
     assert whole == from_file == section == eighteen
     assert whole.expert_parallel_size == 8 and whole.moe_modules == ["model.language_model.layers.{*}.mlp.experts"]
     assert whole.num_to_backward_prefetch == 0 and whole.use_reentrant is False  # MindSpeed MM's defaults
@@ -187,25 +211,37 @@ def test_equal_plans_from_the_native_and_the_18_key_forms(tmp_path):
     parallel = {**_native("st__finetune_qwen3vl_30B__qwen3vl_30B_config_v1.yaml")["parallel"]}
     parallel["expert_parallel_size"] = 2
     native = FSDP2Config.load(parallel)
-    eighteen = FSDP2Config.load({
-        "sharding_size": "auto", "sub_modules_to_wrap": parallel["fsdp_plan"]["apply_modules"],
-        "param_dtype": "bf16", "reduce_dtype": "fp32", "num_to_backward_prefetch": 0, "use_reentrant": False,
-        "expert_parallel_size": 2, "moe_modules": ["model.language_model.layers.{*}.mlp.experts"],
-    })
+    eighteen = FSDP2Config.load(
+        {
+            "sharding_size": "auto",
+            "sub_modules_to_wrap": parallel["fsdp_plan"]["apply_modules"],
+            "param_dtype": "bf16",
+            "reduce_dtype": "fp32",
+            "num_to_backward_prefetch": 0,
+            "use_reentrant": False,
+            "expert_parallel_size": 2,
+            "moe_modules": ["model.language_model.layers.{*}.mlp.experts"],
+        }
+    )
     assert build_plan(native, model, 4).describe() == build_plan(eighteen, model, 4).describe()
 
 
-@pytest.mark.parametrize("section, message", [
-    ({"fsdp_plan": {"apply_modul": ["a"]}}, "unknown native FSDP2 config key `fsdp_plan.apply_modul`; did you mean "
-                                            "`fsdp_plan.apply_modules`?"),
-    ({"fsdp_plan": {"param_dtype": "bf17"}}, "`fsdp_plan.param_dtype`: unknown dtype 'bf17'"),
-    ({"fully_shard_parallel_size": 0}, "`fully_shard_parallel_size`: expected an integer >= 1, got 0"),
-    ({"tensor_parallel_size": 2}, "tensor_parallel_size: 2: tensor parallelism is not supported here"),
-    ({"ring_attention_size": 2}, "ring_attention_size: 2: ring attention is NPU-only"),
-    ({"ulysses_parallel_size": 2}, "give MMFSDP2Strategy(context_parallel_size=2)"),
-    ({"recompute": "yes"}, "`recompute`: expected true or false, got 'yes'"),
-    ({"ep_plan": {"dispatcher": "nccl"}}, "`ep_plan.dispatcher`: 'nccl' is not a MindSpeed MM dispatcher"),
-])
+@pytest.mark.parametrize(
+    "section, message",
+    [
+        (
+            {"fsdp_plan": {"apply_modul": ["a"]}},
+            "unknown native FSDP2 config key `fsdp_plan.apply_modul`; did you mean `fsdp_plan.apply_modules`?",
+        ),
+        ({"fsdp_plan": {"param_dtype": "bf17"}}, "`fsdp_plan.param_dtype`: unknown dtype 'bf17'"),
+        ({"fully_shard_parallel_size": 0}, "`fully_shard_parallel_size`: expected an integer >= 1, got 0"),
+        ({"tensor_parallel_size": 2}, "tensor_parallel_size: 2: tensor parallelism is not supported here"),
+        ({"ring_attention_size": 2}, "ring_attention_size: 2: ring attention is NPU-only"),
+        ({"ulysses_parallel_size": 2}, "give MMFSDP2Strategy(context_parallel_size=2)"),
+        ({"recompute": "yes"}, "`recompute`: expected true or false, got 'yes'"),
+        ({"ep_plan": {"dispatcher": "nccl"}}, "`ep_plan.dispatcher`: 'nccl' is not a MindSpeed MM dispatcher"),
+    ],
+)
 def test_bad_parallel_sections_are_errors_naming_the_key(section, message):
     with pytest.raises(FSDP2ConfigError) as err:
         FSDP2Config.load(section)
@@ -215,8 +251,11 @@ def test_bad_parallel_sections_are_errors_naming_the_key(section, message):
 def test_a_whole_native_file_names_the_file_and_section_in_errors(tmp_path):
     path = tmp_path / "native.yaml"
     path.write_text("parallel:\n  fsdp_plan:\n    reshard_after_forwad: true\nmodel: {}\n")
-    with pytest.raises(FSDP2ConfigError, match=r"`parallel\.fsdp_plan\.reshard_after_forwad` in .*native\.yaml; "
-                                               r"did you mean `parallel\.fsdp_plan\.reshard_after_forward`"):
+    with pytest.raises(
+        FSDP2ConfigError,
+        match=r"`parallel\.fsdp_plan\.reshard_after_forwad` in .*native\.yaml; "
+        r"did you mean `parallel\.fsdp_plan\.reshard_after_forward`",
+    ):
         FSDP2Config.load(str(path))
 
 
@@ -248,12 +287,28 @@ def test_migrating_a_native_config_imports_neither_lightning_nor_transformers():
     import sys
 
     root = Path(__file__).resolve().parents[1]
-    proc = subprocess.run([sys.executable, "-X", "importtime", "-m", "lightning_mm.cli", "migrate",
-                           str(DATA / "qwen3vl__qwen3vl_30B_config_v1.yaml")], cwd=root, capture_output=True,
-                          text=True, timeout=120, env={**os.environ, "PYTHONPATH": str(root)})
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-X",
+            "importtime",
+            "-m",
+            "lightning_mm.cli",
+            "migrate",
+            str(DATA / "qwen3vl__qwen3vl_30B_config_v1.yaml"),
+        ],
+        cwd=root,
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env={**os.environ, "PYTHONPATH": str(root)},
+    )
     assert proc.returncode == 0, proc.stderr[-2000:]
-    imported = {line.rsplit("|", 1)[-1].strip().split(".")[0] for line in proc.stderr.splitlines()
-                if line.startswith("import time:")}
+    imported = {
+        line.rsplit("|", 1)[-1].strip().split(".")[0]
+        for line in proc.stderr.splitlines()
+        if line.startswith("import time:")
+    }
     assert not imported & {"lightning", "pytorch_lightning", "transformers"}
 
 
@@ -275,8 +330,14 @@ def test_lightning_mm_plan_for_the_configs_world_size(name, tmp_path, capsys):
     world = WORLD_SIZES[name]
     assert f"world size {world}, mesh (shard={world})" in text, text
     units = text.split("units (", 1)[1].split("<root>", 1)[0]
-    for unit in ("model.visual.blocks.0", "model.visual.deepstack_merger_list.0", "model.language_model.layers.1",
-                 "model.visual.merger", "model.language_model.embed_tokens", "lm_head"):
+    for unit in (
+        "model.visual.blocks.0",
+        "model.visual.deepstack_merger_list.0",
+        "model.language_model.layers.1",
+        "model.visual.merger",
+        "model.language_model.embed_tokens",
+        "lm_head",
+    ):
         assert unit in units, (unit, text)
     assert "recomputed (non-reentrant): model.visual.blocks.0" in text
     if name.startswith("st__"):  # expert_parallel_size 8 on 16 ranks
@@ -302,15 +363,19 @@ def test_the_report_says_which_configs_cannot_train_here(name, tmp_path):
         assert written["model_id"] == NATIVE_MODEL_IDS[model_id]
     elif model_id in DERIVED_MODEL_IDS:  # a Transformers class, its plan derived (trained: the dense VLM test)
         assert "model_id" not in written
-        assert any(line.startswith(f"model.model_id {model_id} -> none: ") and DERIVED_MODEL_IDS[model_id] in line
-                   for line in result.mapped), result.mapped
+        assert any(
+            line.startswith(f"model.model_id {model_id} -> none: ") and DERIVED_MODEL_IDS[model_id] in line
+            for line in result.mapped
+        ), result.mapped
         from lightning_mm.hf.derived_adapters import transformers_architecture
 
         assert transformers_architecture(DERIVED_MODEL_IDS[model_id]) is not None
     else:
         assert "model_id" not in written
-        assert any(line.startswith(f"model.model_id: {model_id}: ") and "does not train here yet" in line
-                   for line in result.unmapped), result.unmapped
+        assert any(
+            line.startswith(f"model.model_id: {model_id}: ") and "does not train here yet" in line
+            for line in result.unmapped
+        ), result.unmapped
 
 
 def _tiny_qwen3_vl_moe(directory: Path) -> Path:
@@ -328,9 +393,14 @@ def _tiny_qwen3_vl_moe(directory: Path) -> Path:
     text.update(moe_intermediate_size=16, num_experts=8, num_experts_per_tok=2, norm_topk_prob=True)
     vision = {k: v for k, v in dense.vision_config.to_dict().items() if k not in drop}
     config = transformers.Qwen3VLMoeConfig(
-        text_config=text, vision_config=vision, tie_word_embeddings=False,
-        **{k: getattr(dense, k) for k in ("image_token_id", "video_token_id", "vision_start_token_id",
-                                          "vision_end_token_id")})
+        text_config=text,
+        vision_config=vision,
+        tie_word_embeddings=False,
+        **{
+            k: getattr(dense, k)
+            for k in ("image_token_id", "video_token_id", "vision_start_token_id", "vision_end_token_id")
+        },
+    )
     config.architectures = ["Qwen3VLMoeForConditionalGeneration"]
     torch.manual_seed(5)
     transformers.Qwen3VLMoeForConditionalGeneration(config).save_pretrained(directory)
@@ -343,8 +413,16 @@ def _images_and_records(root: Path) -> Path:
     (root / "images").mkdir(parents=True)
     for i, size in enumerate(((32, 32), (32, 64), (64, 32), (32, 32))):
         Image.new("RGB", size, (40 * i + 20, 200 - 30 * i, 90)).save(root / "images" / f"{i}.png")
-    answers = ["A red square.", "Two cats.", "The answer is 2.", "left", "Blue ground.", "No, it is not.", "top",
-               "One dog and two cats."]
+    answers = [
+        "A red square.",
+        "Two cats.",
+        "The answer is 2.",
+        "left",
+        "Blue ground.",
+        "No, it is not.",
+        "top",
+        "One dog and two cats.",
+    ]
     lines = []
     for i, answer in enumerate(answers):
         image = i % 3 != 1  # some text-only records
@@ -369,19 +447,52 @@ def _tiny_qwen3_5(directory: Path) -> Path:
     write_tiny_vlm(directory, "qwen3_vl", seed=3, init_std=0.3, min_pixels=32 * 32, max_pixels=64 * 64)
     dense = transformers.AutoConfig.from_pretrained(directory)
     small = dense.text_config
-    text = dict(vocab_size=small.vocab_size, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                num_attention_heads=4, num_key_value_heads=2, head_dim=8, linear_conv_kernel_dim=4,
-                linear_key_head_dim=8, linear_value_head_dim=8, linear_num_key_heads=2, linear_num_value_heads=4,
-                layer_types=["linear_attention", "full_attention"], pad_token_id=small.pad_token_id,
-                eos_token_id=small.eos_token_id, initializer_range=0.3,
-                rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "mrope_section": [1, 1, 0],
-                                 "mrope_interleaved": True, "partial_rotary_factor": 0.5})
-    vision = dict(depth=2, hidden_size=32, intermediate_size=64, num_heads=4, out_hidden_size=32, patch_size=16,
-                  spatial_merge_size=2, temporal_patch_size=2, num_position_embeddings=16, initializer_range=0.3)
+    text = dict(
+        vocab_size=small.vocab_size,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=8,
+        linear_conv_kernel_dim=4,
+        linear_key_head_dim=8,
+        linear_value_head_dim=8,
+        linear_num_key_heads=2,
+        linear_num_value_heads=4,
+        layer_types=["linear_attention", "full_attention"],
+        pad_token_id=small.pad_token_id,
+        eos_token_id=small.eos_token_id,
+        initializer_range=0.3,
+        rope_parameters={
+            "rope_type": "default",
+            "rope_theta": 10000.0,
+            "mrope_section": [1, 1, 0],
+            "mrope_interleaved": True,
+            "partial_rotary_factor": 0.5,
+        },
+    )
+    vision = dict(
+        depth=2,
+        hidden_size=32,
+        intermediate_size=64,
+        num_heads=4,
+        out_hidden_size=32,
+        patch_size=16,
+        spatial_merge_size=2,
+        temporal_patch_size=2,
+        num_position_embeddings=16,
+        initializer_range=0.3,
+    )
     config = transformers.Qwen3_5Config(
-        text_config=text, vision_config=vision, tie_word_embeddings=False,
-        **{k: getattr(dense, k) for k in ("image_token_id", "video_token_id", "vision_start_token_id",
-                                          "vision_end_token_id")})
+        text_config=text,
+        vision_config=vision,
+        tie_word_embeddings=False,
+        **{
+            k: getattr(dense, k)
+            for k in ("image_token_id", "video_token_id", "vision_start_token_id", "vision_end_token_id")
+        },
+    )
     config.architectures = ["Qwen3_5ForConditionalGeneration"]
     torch.manual_seed(5)
     transformers.Qwen3_5ForConditionalGeneration(config).save_pretrained(directory)
@@ -393,13 +504,15 @@ def _tiny_native_run(native: dict, model_dir: Path, records: Path, tmp_path: Pat
     native["parallel"]["fsdp_plan"].update(param_dtype="fp32", reduce_dtype="fp32")
     data = native["data"]
     data["dataset_param"]["preprocess_parameters"].update(model_name_or_path=str(model_dir), image_max_pixels=4096)
-    data["dataset_param"]["basic_parameters"].update(dataset_dir=str(records.parent), dataset=str(records),
-                                                     cache_dir=str(tmp_path / "cache"))
+    data["dataset_param"]["basic_parameters"].update(
+        dataset_dir=str(records.parent), dataset=str(records), cache_dir=str(tmp_path / "cache")
+    )
     data["dataloader_param"].update(num_workers=0, pin_memory=False)
     native["model"]["model_name_or_path"] = str(model_dir)
     native["model"]["attn_implementation"] = "sdpa"
-    native["training"].update(micro_batch_size=2, lr=5.0e-3, lr_warmup_ratio=0.0, lr_decay_style="constant",
-                              train_iters=2)
+    native["training"].update(
+        micro_batch_size=2, lr=5.0e-3, lr_warmup_ratio=0.0, lr_decay_style="constant", train_iters=2
+    )
     native["training"].pop("load", None)
     del native["training"]["save_interval"]
 
@@ -415,11 +528,18 @@ def _fit(native: dict, tmp_path: Path, capsys) -> tuple[str, dict]:
     migrate.main([str(source), "-o", str(out), "--base-dir", str(tmp_path)])
     report = capsys.readouterr().err
     config = yaml.safe_load(out.read_text())
-    config["trainer"].update(accelerator="cpu", devices=2, precision="32-true", logger=False,
-                             enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
-                             num_sanity_val_steps=0, default_root_dir=str(tmp_path / "run"),
-                             callbacks=[{"class_path": "tests.native_scenarios.Recorder",
-                                         "init_args": {"outdir": str(tmp_path)}}])
+    config["trainer"].update(
+        accelerator="cpu",
+        devices=2,
+        precision="32-true",
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        num_sanity_val_steps=0,
+        default_root_dir=str(tmp_path / "run"),
+        callbacks=[{"class_path": "tests.native_scenarios.Recorder", "init_args": {"outdir": str(tmp_path)}}],
+    )
     config["model"]["init_args"].update(log_grad_norm=False)
     config["model"]["init_args"]["transformers_model"]["trust_remote_code"] = False  # a Transformers class
     out.write_text(yaml.safe_dump(config, sort_keys=False))
@@ -427,8 +547,14 @@ def _fit(native: dict, tmp_path: Path, capsys) -> tuple[str, dict]:
     root = Path(__file__).resolve().parents[1]
     env = {**os.environ, "PYTHONPATH": str(root), "OMP_NUM_THREADS": "1"}
     env.pop("LOCAL_RANK", None)
-    proc = subprocess.run([sys.executable, str(root / "tests" / "native_scenarios.py"), str(out), str(tmp_path)],
-                          cwd=root, env=env, capture_output=True, text=True, timeout=300)
+    proc = subprocess.run(
+        [sys.executable, str(root / "tests" / "native_scenarios.py"), str(out), str(tmp_path)],
+        cwd=root,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
     return report, config
 
@@ -448,8 +574,9 @@ def _assert_equals_plain_transformers(cls: type, model_dir: Path, tmp_path: Path
         if frozen:
             for parameter in model.get_submodule(frozen).parameters():
                 parameter.requires_grad_(False)
-        optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=5e-3,
-                                      weight_decay=0.0, betas=(0.9, 0.999), eps=1e-8)
+        optimizer = torch.optim.AdamW(
+            [p for p in model.parameters() if p.requires_grad], lr=5e-3, weight_decay=0.0, betas=(0.9, 0.999), eps=1e-8
+        )
         expected: list[list[float]] = [[], []]
         for step in range(2):
             optimizer.zero_grad()
@@ -483,8 +610,9 @@ def test_migrated_moe_vlm_config_trains_like_plain_transformers(tmp_path, capsys
     report, config = _fit(native, tmp_path, capsys)
     assert "parallel.expert_parallel_size -> fsdp2_config.expert_parallel_size: 2" in report
     assert config["model"]["init_args"]["transformers_model"]["freeze"] == ["model.visual"]
-    ranks = _assert_equals_plain_transformers(transformers.Qwen3VLMoeForConditionalGeneration, model_dir, tmp_path,
-                                              frozen="model.visual")
+    ranks = _assert_equals_plain_transformers(
+        transformers.Qwen3VLMoeForConditionalGeneration, model_dir, tmp_path, frozen="model.visual"
+    )
     assert ranks[0]["expert_parallel_size"] == 2
     assert ranks[0]["recompute_modules"] == native["features"]["recompute_plan"]["apply_modules"]
     assert "model.visual.deepstack_merger_list.0" in ranks[0]["units"]
@@ -508,11 +636,17 @@ def test_migrated_dense_vlm_config_trains_like_plain_transformers(tmp_path, caps
     report, config = _fit(native, tmp_path, capsys)
     assert "model_id" not in config["model"]["init_args"]["transformers_model"]
     assert "model.model_id qwen3_5 -> none: no ModelHub adapter needed" in report
-    ranks = _assert_equals_plain_transformers(transformers.Qwen3_5ForConditionalGeneration, model_dir, tmp_path,
-                                              frozen=None)
+    ranks = _assert_equals_plain_transformers(
+        transformers.Qwen3_5ForConditionalGeneration, model_dir, tmp_path, frozen=None
+    )
     assert ranks[0]["recompute_modules"] == native["features"]["recompute_plan"]["apply_modules"]
-    for unit in ("model.visual.blocks.0", "model.language_model.layers.0", "model.language_model.layers.1",
-                 "model.language_model.embed_tokens", "lm_head"):
+    for unit in (
+        "model.visual.blocks.0",
+        "model.language_model.layers.0",
+        "model.language_model.layers.1",
+        "model.language_model.embed_tokens",
+        "lm_head",
+    ):
         assert unit in ranks[0]["units"], (unit, ranks[0]["units"])
 
 
@@ -522,16 +656,21 @@ def test_qwen3_5_samples_equal_its_processor_and_chat_template(tmp_path, monkeyp
     from tests.test_hf_data import RECORDS, _assert_same, _config, _module, _reference
 
     model_dir = _tiny_qwen3_5(tmp_path / "hf")
-    config = _config(model_dir, "qwen3_vl", template=_native(DENSE)["data"]["dataset_param"]["basic_parameters"]
-                     ["template"])
+    config = _config(
+        model_dir, "qwen3_vl", template=_native(DENSE)["data"]["dataset_param"]["basic_parameters"]["template"]
+    )
     assert config["dataloader_param"]["collate_param"]["model_name"] == "qwen3vl"
     dataset = _module(tmp_path, monkeypatch, config)._splits["train"]
     for i, record in enumerate(RECORDS):
         _assert_same(dataset[i], _reference(model_dir, record, tmp_path / "data"))
 
 
-DENSE_QWEN3_5 = ("qwen3_5__qwen3_5_4B_config.yaml", "qwen3_5__qwen3_5_9B_config.yaml",
-                 "qwen3_5__qwen3_5_27B_config.yaml", "qwen3_6__qwen3_6_27B_config.yaml")
+DENSE_QWEN3_5 = (
+    "qwen3_5__qwen3_5_4B_config.yaml",
+    "qwen3_5__qwen3_5_9B_config.yaml",
+    "qwen3_5__qwen3_5_27B_config.yaml",
+    "qwen3_6__qwen3_6_27B_config.yaml",
+)
 
 
 @pytest.fixture(scope="module")
@@ -554,8 +693,14 @@ def test_lightning_mm_plan_for_the_dense_qwen3_5_configs(name, tiny_qwen3_5, tmp
     text = plan_from_cli_config(["--config", str(tmp_path / "plan.yaml")], world_size=world)
     assert f"world size {world}, mesh (shard={world})" in text, text
     units = text.split("units (", 1)[1].split("<root>", 1)[0]
-    for unit in ("model.visual.blocks.0", "model.visual", "model.language_model.layers.1", "model.language_model",
-                 "model.language_model.embed_tokens", "lm_head"):
+    for unit in (
+        "model.visual.blocks.0",
+        "model.visual",
+        "model.language_model.layers.1",
+        "model.language_model",
+        "model.language_model.embed_tokens",
+        "lm_head",
+    ):
         assert unit in units, (unit, text)
     assert "recomputed (non-reentrant): model.visual.blocks.0" in text
     assert "model.language_model.layers.0" in text.split("recomputed", 1)[1]

@@ -38,20 +38,34 @@ from lightning_mm.core.backend import process_group_backend
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def _python(code: str, *, fake_npu: int | None = None, extra_path: Path | None = None,
-            timeout: int = 180) -> subprocess.CompletedProcess:
+def _python(
+    code: str, *, fake_npu: int | None = None, extra_path: Path | None = None, timeout: int = 180
+) -> subprocess.CompletedProcess:
     """Run ``code`` in a fresh interpreter (with the fake NPU backend installed first when ``fake_npu`` is set)."""
     if fake_npu is not None:
         # lightning_mm first: transformers (imported by it) probes for torch_npu once, at import, and would take
         # the double's stand-in for the real torch_npu.
-        code = (f"import lightning_mm\nfrom tests.fake_npu_backend import install\nfake = install({fake_npu})\n"
-                + textwrap.dedent(code))
+        code = (
+            f"import lightning_mm\nfrom tests.fake_npu_backend import install\nfake = install({fake_npu})\n"
+            + textwrap.dedent(code)
+        )
     path = [str(ROOT)] + ([str(extra_path)] if extra_path else [])
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join(path), "OMP_NUM_THREADS": "1",
-           "TORCH_DEVICE_BACKEND_AUTOLOAD": "0", "LIGHTNING_MM_FAKE_NPU_SUBPROCESS": "1"}
+    env = {
+        **os.environ,
+        "PYTHONPATH": os.pathsep.join(path),
+        "OMP_NUM_THREADS": "1",
+        "TORCH_DEVICE_BACKEND_AUTOLOAD": "0",
+        "LIGHTNING_MM_FAKE_NPU_SUBPROCESS": "1",
+    }
     env.pop("LOCAL_RANK", None)
-    return subprocess.run([sys.executable, "-c", textwrap.dedent(code)], cwd=ROOT, env=env, capture_output=True,
-                          text=True, timeout=timeout)
+    return subprocess.run(
+        [sys.executable, "-c", textwrap.dedent(code)],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
 
 
 def _json_result(proc: subprocess.CompletedProcess) -> dict:
@@ -160,8 +174,13 @@ def test_import_lightning_mm_never_imports_torch_npu():
         out["torch_npu_after_auto"] = "torch_npu" in sys.modules
         print(json.dumps(out))
     """)
-    assert _json_result(proc) == {"npu": True, "torch_npu": False, "at_import": [], "auto_looked": False,
-                                  "torch_npu_after_auto": False}
+    assert _json_result(proc) == {
+        "npu": True,
+        "torch_npu": False,
+        "at_import": [],
+        "auto_looked": False,
+        "torch_npu_after_auto": False,
+    }
 
 
 # --------------------------------------------------------------------------- clear errors
@@ -192,8 +211,19 @@ def test_torch_npu_that_cannot_be_imported_is_a_clear_error(broken_torch_npu):
 # ------------------------------------------------------------------------- deciding, no device
 @pytest.mark.parametrize(
     ("devices", "expected"),
-    [(1, [0]), (3, [0, 1, 2]), (-1, [0, 1, 2, 3]), ("auto", [0, 1, 2, 3]), ("-1", [0, 1, 2, 3]), ("2", [0, 1]),
-     ("1,3", [1, 3]), ("2,", [2]), (" 0, 1 ", [0, 1]), ([3, 1], [3, 1]), ((0,), [0])],
+    [
+        (1, [0]),
+        (3, [0, 1, 2]),
+        (-1, [0, 1, 2, 3]),
+        ("auto", [0, 1, 2, 3]),
+        ("-1", [0, 1, 2, 3]),
+        ("2", [0, 1]),
+        ("1,3", [1, 3]),
+        ("2,", [2]),
+        (" 0, 1 ", [0, 1]),
+        ([3, 1], [3, 1]),
+        ((0,), [0]),
+    ],
 )
 def test_device_parsing(devices, expected):
     assert parse_device_indices(devices, available=4) == expected
@@ -201,10 +231,19 @@ def test_device_parsing(devices, expected):
 
 @pytest.mark.parametrize(
     ("devices", "error", "message"),
-    [(5, ValueError, r"only 4 NPU\(s\) are visible.*not visible: \[4\]"), ([0, 4], ValueError, r"not visible: \[4\]"),
-     ([1, 1], ValueError, "same NPU twice"), (0, ValueError, "not a valid number"), (-2, ValueError, "not a valid"),
-     ("x", ValueError, "not a count"), ([], ValueError, "selects no NPU"), ([-1], ValueError, "non-negative"),
-     (True, TypeError, "bool"), ([0.5], TypeError, "ints only"), (1.0, TypeError, "float")],
+    [
+        (5, ValueError, r"only 4 NPU\(s\) are visible.*not visible: \[4\]"),
+        ([0, 4], ValueError, r"not visible: \[4\]"),
+        ([1, 1], ValueError, "same NPU twice"),
+        (0, ValueError, "not a valid number"),
+        (-2, ValueError, "not a valid"),
+        ("x", ValueError, "not a count"),
+        ([], ValueError, "selects no NPU"),
+        ([-1], ValueError, "non-negative"),
+        (True, TypeError, "bool"),
+        ([0.5], TypeError, "ints only"),
+        (1.0, TypeError, "float"),
+    ],
 )
 def test_device_parsing_errors(devices, error, message):
     with pytest.raises(error, match=message):
@@ -218,8 +257,13 @@ def test_device_parsing_without_devices_names_the_hint():
 
 @pytest.mark.parametrize(
     ("device", "offload", "backend"),
-    [("npu:0", False, "hccl"), ("npu:3", True, "npu:hccl,cpu:gloo"), ("xpu", False, "xccl"),
-     ("cpu", True, "gloo"), ("cuda:1", False, "nccl")],
+    [
+        ("npu:0", False, "hccl"),
+        ("npu:3", True, "npu:hccl,cpu:gloo"),
+        ("xpu", False, "xccl"),
+        ("cpu", True, "gloo"),
+        ("cuda:1", False, "nccl"),
+    ],
 )
 def test_process_group_backend_follows_the_device(device, offload, backend):
     assert process_group_backend(device, offload) == backend
@@ -265,7 +309,8 @@ def test_env_asks_torch_what_lightning_would_find(no_torch_npu):
 
 # ----------------------------------------------------------------------------- with the test double
 def test_npu_accelerator_and_trainer_wiring_with_the_fake_npu_backend():
-    proc = _python("""
+    proc = _python(
+        """
         import json
         import lightning as L, torch
         from lightning.pytorch.plugins.precision import MixedPrecision
@@ -342,32 +387,47 @@ def test_npu_accelerator_and_trainer_wiring_with_the_fake_npu_backend():
             out["no_device_error"] = str(err)
         out["auto_without_npu"] = type(L.Trainer(accelerator="auto", devices=1, logger=False).accelerator).__name__
         print(json.dumps(out))
-    """, fake_npu=2)
+    """,
+        fake_npu=2,
+    )
     out = _json_result(proc)
     assert out["available"] is True and out["count"] == 2
     assert out["parse"] == [[0], [0, 1], [0, 1], [0], [0, 1], [1]]
     assert out["parallel"] == ["npu:0", "npu:1"]
     assert "only 2 NPU(s) are visible" in out["parse_error"] and "ASCEND_RT_VISIBLE_DEVICES" in out["parse_error"]
 
-    assert out["single"] == {"accelerator": "NPUAccelerator", "strategy": "SingleNPUStrategy", "root": "npu:0",
-                             "precision": "MixedPrecision", "autocast_device": "npu",
-                             "autocast": [True, "torch.bfloat16", False, False]}
+    assert out["single"] == {
+        "accelerator": "NPUAccelerator",
+        "strategy": "SingleNPUStrategy",
+        "root": "npu:0",
+        "precision": "MixedPrecision",
+        "autocast_device": "npu",
+        "autocast": [True, "torch.bfloat16", False, False],
+    }
     assert out["single_16"] == ["npu:1", "npu", "npu"]
     assert out["auto"] == "CPUAccelerator"
     assert "strategy='single_npu'" in out["no_single_npu"] and "given the device cpu" in out["no_single_npu"]
     assert "runs on one NPU, but 2 devices" in out["single_npu_two"]
 
-    assert out["fsdp2"] == {"devices": ["npu:0", "npu:1"], "root": "npu:0", "backend": "npu:hccl,cpu:gloo",
-                            "backend_no_offload": "hccl", "precision": ["MMFSDP2Precision", "bf16-mixed"]}
+    assert out["fsdp2"] == {
+        "devices": ["npu:0", "npu:1"],
+        "root": "npu:0",
+        "backend": "npu:hccl,cpu:gloo",
+        "backend_no_offload": "hccl",
+        "precision": ["MMFSDP2Precision", "bf16-mixed"],
+    }
 
     assert out["stats"] == {"allocated_bytes.all.current": 1024, "allocated_bytes.all.peak": 4096}
     assert out["calls"] == [["set_device", "npu:1"], ["memory_stats", "npu:1"], ["empty_cache", None]]
     assert "NPUAccelerator was given the device cpu" in out["cpu_placement"]
     assert out["cuda_untouched"] == ["torch.cuda", False, True]  # torch.cuda is not patched onto the NPU
 
-    assert out["env"] == {"npu": {"class": "NPUAccelerator", "available": True, "devices": 2},
-                          "auto": {"accelerator": "cpu", "devices": 1}, "torch_npu": "0.0.0+fake",
-                          "torch_accelerator": "npu"}
+    assert out["env"] == {
+        "npu": {"class": "NPUAccelerator", "available": True, "devices": 2},
+        "auto": {"accelerator": "cpu", "devices": 1},
+        "torch_npu": "0.0.0+fake",
+        "torch_accelerator": "npu",
+    }
 
     assert "no NPU is visible" in out["no_device_error"] and "npu-smi info" in out["no_device_error"]
     assert out["auto_without_npu"] == "CPUAccelerator"
@@ -415,8 +475,12 @@ def test_process_group_is_destroyed_after_a_failed_run_and_kept_after_a_successf
         out["validate_same_model"] = t.validate(net, dataloaders=data, verbose=False)[0]["val"] >= 0
         print(json.dumps(out))
     """)
-    assert _json_result(proc) == {"error": "boom", "group_after_failure": False, "group_after_success": "gloo",
-                                  "validate_same_model": True}
+    assert _json_result(proc) == {
+        "error": "boom",
+        "group_after_failure": False,
+        "group_after_success": "gloo",
+        "validate_same_model": True,
+    }
 
 
 # ------------------------------------------------------------------------ the end-to-end smoke run
@@ -424,9 +488,23 @@ def test_fsdp2_smoke_script_trains_the_seed_yaml_on_two_cpu_ranks(tmp_path):
     env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
     env.pop("LOCAL_RANK", None)
     proc = subprocess.run(
-        [sys.executable, str(ROOT / "benchmarks" / "fsdp2_smoke.py"), "--accelerator", "cpu", "--devices", "2",
-         "--steps", "6", "--out", str(tmp_path)],
-        cwd=ROOT, env=env, capture_output=True, text=True, timeout=300,
+        [
+            sys.executable,
+            str(ROOT / "benchmarks" / "fsdp2_smoke.py"),
+            "--accelerator",
+            "cpu",
+            "--devices",
+            "2",
+            "--steps",
+            "6",
+            "--out",
+            str(tmp_path),
+        ],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
     )
     assert proc.returncode == 0, f"{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}"
     assert "PASS: FSDP2 on 2 x cpu (backend gloo)" in proc.stdout

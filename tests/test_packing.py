@@ -28,15 +28,21 @@ from tests.hf_scenarios import IMAGE_TOKEN, VOCAB, tiny_hf_model
 PATCH = 3 * 2 * 14 * 14
 VISION_START, VISION_END = 7, 8
 RTOL = 1e-5
-LORA = {"rank": 4, "alpha": 8, "target_modules": ["model.language_model.layers.{*}.self_attn.q_proj",
-                                                       "model.language_model.layers.{*}.self_attn.v_proj"],
-        "init_lora_weights": "gaussian"}
+LORA = {
+    "rank": 4,
+    "alpha": 8,
+    "target_modules": [
+        "model.language_model.layers.{*}.self_attn.q_proj",
+        "model.language_model.layers.{*}.self_attn.v_proj",
+    ],
+    "init_lora_weights": "gaussian",
+}
 
 
 def _text_sample(g: torch.Generator, n: int) -> dict[str, torch.Tensor]:
     ids = torch.randint(10, VOCAB, (n,), generator=g)
     labels = ids.clone()
-    labels[1: 1 + n // 3] = IGNORE_INDEX  # a prompt without targets (the first label stays, as in plain text)
+    labels[1 : 1 + n // 3] = IGNORE_INDEX  # a prompt without targets (the first label stays, as in plain text)
     return {"input_ids": ids, "attention_mask": torch.ones(n, dtype=torch.long), "labels": labels}
 
 
@@ -46,7 +52,7 @@ def _vlm_sample(g: torch.Generator, n: int, grids: list[tuple[int, int, int]]) -
     at = 1
     for grid in grids:
         tokens = grid[0] * grid[1] * grid[2] // 4
-        ids[at], ids[at + 1: at + 1 + tokens], ids[at + 1 + tokens] = VISION_START, IMAGE_TOKEN, VISION_END
+        ids[at], ids[at + 1 : at + 1 + tokens], ids[at + 1 + tokens] = VISION_START, IMAGE_TOKEN, VISION_END
         at += tokens + 3
     labels[ids == IMAGE_TOKEN] = IGNORE_INDEX
     sample["mm_token_type_ids"] = (ids == IMAGE_TOKEN).long()
@@ -106,14 +112,23 @@ def _assert_grads_equal(got: dict[str, torch.Tensor], want: dict[str, torch.Tens
     assert not bad, f"gradients differ: {bad[:5]}"
 
 
-CASES = [("qwen3", "sdpa", False), ("qwen3", "eager", False), ("qwen2_5_vl", "sdpa", False),
-         ("qwen3_vl", "sdpa", False), ("qwen2_5_vl", "sdpa", True)]
+CASES = [
+    ("qwen3", "sdpa", False),
+    ("qwen3", "eager", False),
+    ("qwen2_5_vl", "sdpa", False),
+    ("qwen3_vl", "sdpa", False),
+    ("qwen2_5_vl", "sdpa", True),
+]
 
 
-@pytest.mark.parametrize(("family", "attn", "lora_and_recompute"), CASES,
-                         ids=[f"{f}-{a}" + ("-lora-recompute" if x else "") for f, a, x in CASES])
-def test_packed_row_equals_plain_transformers_unpacked(tmp_path: Path, family: str, attn: str,
-                                                       lora_and_recompute: bool) -> None:
+@pytest.mark.parametrize(
+    ("family", "attn", "lora_and_recompute"),
+    CASES,
+    ids=[f"{f}-{a}" + ("-lora-recompute" if x else "") for f, a, x in CASES],
+)
+def test_packed_row_equals_plain_transformers_unpacked(
+    tmp_path: Path, family: str, attn: str, lora_and_recompute: bool
+) -> None:
     from lightning_mm.core.recompute import checkpointed_forward
     from lightning_mm.hf.lora import apply_lora
 
@@ -131,7 +146,8 @@ def test_packed_row_equals_plain_transformers_unpacked(tmp_path: Path, family: s
     packed = PackedCollator()(samples)
     assert packed["input_ids"].shape == (1, sum(len(s["input_ids"]) for s in samples))
     assert "attention_mask" not in packed and packed_lengths(packed["position_ids"]) == [
-        [len(s["input_ids"]) for s in samples]]
+        [len(s["input_ids"]) for s in samples]
+    ]
     loss, logits, grads = _run(packed_model, packed)
 
     padded = ChatCollator(pad_token_id=0)(samples)  # plain Transformers, unpacked: its own positions and masks
@@ -145,7 +161,7 @@ def test_packed_row_equals_plain_transformers_unpacked(tmp_path: Path, family: s
             n = len(sample["input_ids"])
             alone = reference(**{k: v[None] if k in TOKEN_KEYS else v for k, v in sample.items()})
             want = _sample_losses(alone.logits, sample["labels"][None])
-            got = _sample_losses(logits[:, start:start + n], sample["labels"][None])
+            got = _sample_losses(logits[:, start : start + n], sample["labels"][None])
             assert _close(got, want), (float(got), float(want))
             start += n
 
@@ -165,8 +181,9 @@ def test_packing_refuses_padded_samples_and_unknown_keys() -> None:
         PackedCollator()([{"input_ids": [1, 2], "labels": [1, 2], "attention_mask": [1, 0]}])
     with pytest.raises(PackingError, match=r"\['images'\]"):
         PackedCollator()([{"input_ids": [1, 2], "labels": [1, 2], "images": torch.zeros(3, 4, 4)}])
-    stacked = PackedCollator(stack_keys=["images"])([{"input_ids": [1], "labels": [1], "images": torch.zeros(3, 4, 4)}
-                                                     for _ in range(2)])
+    stacked = PackedCollator(stack_keys=["images"])(
+        [{"input_ids": [1], "labels": [1], "images": torch.zeros(3, 4, 4)} for _ in range(2)]
+    )
     assert stacked["images"].shape == (2, 3, 4, 4)
 
 
@@ -183,8 +200,9 @@ class TinyRopeLM(nn.Module):
         self.head = nn.Linear(hidden, vocab)
         self.register_buffer("inv_freq", 1.0 / 10000 ** (torch.arange(0, hidden // heads, 2) / (hidden // heads)))
 
-    def forward(self, input_ids: torch.Tensor, labels: torch.Tensor, position_ids: torch.Tensor | None = None
-                ) -> torch.Tensor:
+    def forward(
+        self, input_ids: torch.Tensor, labels: torch.Tensor, position_ids: torch.Tensor | None = None
+    ) -> torch.Tensor:
         b, s = input_ids.shape
         if position_ids is None:
             position_ids = torch.arange(s)[None].expand(b, s)
@@ -199,8 +217,12 @@ class TinyRopeLM(nn.Module):
 
         attn = F.scaled_dot_product_attention(rotate(q), rotate(k), v, attn_mask=block_causal_mask(position_ids))
         logits = self.head(x + self.proj(attn.transpose(1, 2).reshape(b, s, -1)))
-        return F.cross_entropy(logits[:, :-1].flatten(0, 1), labels[:, 1:].flatten(), ignore_index=IGNORE_INDEX,
-                               reduction="sum") / (labels[:, 1:] != IGNORE_INDEX).sum()
+        return (
+            F.cross_entropy(
+                logits[:, :-1].flatten(0, 1), labels[:, 1:].flatten(), ignore_index=IGNORE_INDEX, reduction="sum"
+            )
+            / (labels[:, 1:] != IGNORE_INDEX).sum()
+        )
 
 
 def test_custom_model_packed_equals_its_samples_alone() -> None:
@@ -239,10 +261,13 @@ def test_batch_check_refuses_packed_batches_transformers_would_get_wrong(tmp_pat
     check_batch(text, packed)
     with pytest.raises(BatchCheckError, match="has an attention_mask"):
         check_batch(text, {**packed, "attention_mask": torch.ones_like(packed["input_ids"])})
-    left_padded = {"input_ids": torch.tensor([[0, 0, 11, 12, 13], [21, 22, 23, 24, 25]]),
-                   "attention_mask": torch.tensor([[0, 0, 1, 1, 1], [1, 1, 1, 1, 1]])}
+    left_padded = {
+        "input_ids": torch.tensor([[0, 0, 11, 12, 13], [21, 22, 23, 24, 25]]),
+        "attention_mask": torch.tensor([[0, 0, 1, 1, 1], [1, 1, 1, 1, 1]]),
+    }
     left_padded["position_ids"] = (left_padded["attention_mask"].cumsum(-1) - 1).masked_fill(
-        left_padded["attention_mask"] == 0, 1)  # as generate() computes them: not a packed row
+        left_padded["attention_mask"] == 0, 1
+    )  # as generate() computes them: not a packed row
     check_batch(text, left_padded)
     assert packed_forward_inputs(text, left_padded) == left_padded
     with pytest.raises(BatchCheckError, match="cu_seq_lens_q.*read only by flash-attention"):

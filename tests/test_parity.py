@@ -58,11 +58,16 @@ def _launch(group: str, out: Path, ckpts: Path) -> None:
     env.pop("LOCAL_RANK", None)
     proc = subprocess.run(
         [sys.executable, str(ROOT / "tests" / "parity_scenarios.py"), group, str(out), str(ckpts)],
-        cwd=ROOT, env=env, capture_output=True, text=True, timeout=900,
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=900,
     )
     if proc.returncode != 0:
-        raise AssertionError(f"parity group {group} failed ({proc.returncode}):\n{proc.stdout[-3000:]}\n"
-                             f"{proc.stderr[-6000:]}")
+        raise AssertionError(
+            f"parity group {group} failed ({proc.returncode}):\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}"
+        )
 
 
 @pytest.fixture(scope="module")
@@ -100,8 +105,15 @@ def _part(ranks: list[dict[str, Any]], i: int) -> list[dict[str, Any]]:
     return [r["parts"][i] for r in ranks]
 
 
-def _check(case: Case, losses: list[float], final: dict[str, torch.Tensor], steps: list, ckpts: Path,
-           initial: dict[str, torch.Tensor] | None = None, first: int = 0) -> None:
+def _check(
+    case: Case,
+    losses: list[float],
+    final: dict[str, torch.Tensor],
+    steps: list,
+    ckpts: Path,
+    initial: dict[str, torch.Tensor] | None = None,
+    first: int = 0,
+) -> None:
     ref = reference_run(case, steps, ckpts / case.family, initial)
     loss_tol, weight_tol = (BF16_LOSS, BF16_WEIGHTS) if case.precision == "bf16-mixed" else (FP32_LOSS, FP32_WEIGHTS)
     errors = relative_errors(losses, ref.losses[first:])
@@ -176,4 +188,3 @@ def test_resume_on_one_rank_continues_exactly(resumed, ckpts):
     steps = global_steps(case, first) + global_steps(case, second)
     final = torch.load(resumed / f"{case.name}-one-rank.pt", weights_only=True)
     _check(case, global_losses(second), final, steps, ckpts, first=case.resume_at)
-

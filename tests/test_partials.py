@@ -31,8 +31,14 @@ def _save(path: Path, fmt: str = "torch_dcp", background: bool = False) -> list[
     net = nn.Linear(2, 2)
     with warnings.catch_warnings(record=True) as caught, ThreadPoolExecutor(1) as executor:
         warnings.simplefilter("always")
-        future = store.save({"epoch": 0, "global_step": 0, "state_dict": net.state_dict()}, path, fmt, EXTRA, None,
-                            background=executor if background else None)
+        future = store.save(
+            {"epoch": 0, "global_step": 0, "state_dict": net.state_dict()},
+            path,
+            fmt,
+            EXTRA,
+            None,
+            background=executor if background else None,
+        )
         if background:  # MMFSDP2Strategy(async_save=True): the write and the commit in the background
             future.result()
     return [str(w.message) for w in caught]
@@ -60,7 +66,8 @@ def test_same_name_partials_of_live_processes_other_hosts_and_unknown_owners_sur
         assert left == sorted([running.name, elsewhere.name, unknown.name, removing_live.name, final.name])
         assert [m for m in messages if "another run is saving" in m] == [
             f"another run is saving step=2.ckpt here (host {os.uname().nodename}, pid {alive.pid}): the checkpoint "
-            f"committed last replaces the other in {tmp_path}"]
+            f"committed last replaces the other in {tmp_path}"
+        ]
         assert (running / "__0_0.distcp").read_bytes() == b"x"  # untouched
         store.open_source(final)
     finally:
@@ -88,8 +95,15 @@ def test_two_processes_saving_one_checkpoint_name_into_one_directory_both_succee
 
     env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
     start = time.time() + 8  # both have imported torch by then
-    procs = [subprocess.Popen([sys.executable, "-W", "ignore", "-c", _SAVER, str(tmp_path), str(v), str(start)],
-                              env=env, stderr=subprocess.PIPE, text=True) for v in (1.0, 2.0)]
+    procs = [
+        subprocess.Popen(
+            [sys.executable, "-W", "ignore", "-c", _SAVER, str(tmp_path), str(v), str(start)],
+            env=env,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        for v in (1.0, 2.0)
+    ]
     errors = [p.communicate(timeout=240)[1] for p in procs]
     assert [p.returncode for p in procs] == [0, 0], "\n".join(e[-3000:] for e in errors)
     for name in ("step=2.ckpt", "step=2.pt"):

@@ -59,8 +59,11 @@ def test_huge_range_is_checked_against_the_model_without_being_expanded():
     with bounded(extra_bytes=512 << 20, seconds=20):
         segments = parse_pattern("model.layers.{0-999999999}")
         assert segments[-1].ranges == ((0, 999999999),)
-        with pytest.raises(PatternError, match=r"'model.layers.\{0-999999999\}' resolves to no module at "
-                                               r"'model.layers.10'"):
+        with pytest.raises(
+            PatternError,
+            match=r"'model.layers.\{0-999999999\}' resolves to no module at "
+            r"'model.layers.10'",
+        ):
             resolve_pattern(tree(), "model.layers.{0-999999999}")
         assert resolve_pattern(tree(), "model.layers.{8-9,0-1,8}") == [f"model.layers.{i}" for i in (8, 9, 0, 1)]
 

@@ -58,8 +58,9 @@ def test_tied_weight_shared_with_the_root_dissolves_the_unit():
 
 
 def test_ignored_and_recompute():
-    plan = plan_for(Net(), sub_modules_to_wrap=["blocks.{*}"], ignored_modules=["vision"],
-                    recompute_modules=["blocks.{0,2}"])
+    plan = plan_for(
+        Net(), sub_modules_to_wrap=["blocks.{*}"], ignored_modules=["vision"], recompute_modules=["blocks.{0,2}"]
+    )
     assert plan.ignored == ("vision",) and plan.ignored_params == 20
     assert plan.recompute == ("blocks.0", "blocks.2")
     assert plan.root_params == 40 + 40
@@ -86,8 +87,13 @@ def test_plan_builds_on_a_meta_model_and_describes_itself():
     with meta_parameters():
         model = Net()
     assert all(p.is_meta for p in model.parameters())
-    plan = plan_for(model, sub_modules_to_wrap=["blocks.{*}"], ignored_modules=["vision"],
-                    recompute_modules=["blocks.1"], sharding_size="auto")
+    plan = plan_for(
+        model,
+        sub_modules_to_wrap=["blocks.{*}"],
+        ignored_modules=["vision"],
+        recompute_modules=["blocks.1"],
+        sharding_size="auto",
+    )
     text = plan.describe()
     fragments = ("FSDP, world size 4", "blocks.2", "<root>", "ignored (20 params", "recomputed (reentrant): blocks.1")
     for fragment in fragments:
@@ -179,4 +185,3 @@ def test_ignored_modules_have_one_owner_that_casts_places_and_lists_them():
     ignored.place(torch.device("meta"))
     assert model.vision.weight.is_meta and not model.head.weight.is_meta
     assert not IgnoredModules(model, plan_for(model))
-

@@ -14,8 +14,9 @@ ROOT = Path(__file__).resolve().parents[1]
 def hsdp_config(tmp_path: Path, sharding_size: int = 8, devices: int = 2, accelerator: str = "cuda") -> Path:
     """The captioning config with `sharding_size: 8`, for an accelerator this machine need not have."""
     fsdp2 = tmp_path / "fsdp2.yaml"
-    fsdp2.write_text(yaml.safe_dump({"sharding_size": sharding_size,
-                                     "sub_modules_to_wrap": ["text_decoder.decoder.layers.{*}"]}))
+    fsdp2.write_text(
+        yaml.safe_dump({"sharding_size": sharding_size, "sub_modules_to_wrap": ["text_decoder.decoder.layers.{*}"]})
+    )
     config = yaml.safe_load((ROOT / "examples/captioning/config.yaml").read_text())
     config["trainer"].update(accelerator=accelerator, devices=devices, num_nodes=1)
     config["trainer"]["strategy"]["init_args"]["fsdp2_config"] = str(fsdp2)

@@ -23,8 +23,13 @@ from tests.qwen3_vl_family import ARCH, CONFIG, Qwen3VLData, hf_config, save_qwe
 CPU = torch.device("cpu")
 ROOT = Path(__file__).resolve().parents[1]
 WRAP = [
-    "model.language_model.embed_tokens", "lm_head", "model.visual.patch_embed", "model.visual.pos_embed",
-    "model.visual.merger", "model.visual.deepstack_merger_list.{*}", "model.visual.blocks.{*}",
+    "model.language_model.embed_tokens",
+    "lm_head",
+    "model.visual.patch_embed",
+    "model.visual.pos_embed",
+    "model.visual.merger",
+    "model.visual.deepstack_merger_list.{*}",
+    "model.visual.blocks.{*}",
     "model.language_model.layers.{*}",
 ]
 
@@ -53,9 +58,15 @@ def test_default_plan_wraps_tower_parts_and_each_deepstack_merger():
     plan = build_plan(FSDP2Config(sharding_size="auto").with_model_defaults(model), model, 2)
     units = [u.modules for u in plan.units]
     # Each DeepStack merger is a unit of its own (they run after different vision blocks), so is each block.
-    for path in ("model.visual.deepstack_merger_list.0", "model.visual.deepstack_merger_list.1",
-                 "model.visual.patch_embed", "model.visual.pos_embed", "model.visual.merger",
-                 "model.visual.blocks.0", "model.language_model.layers.1"):
+    for path in (
+        "model.visual.deepstack_merger_list.0",
+        "model.visual.deepstack_merger_list.1",
+        "model.visual.patch_embed",
+        "model.visual.pos_embed",
+        "model.visual.merger",
+        "model.visual.blocks.0",
+        "model.language_model.layers.1",
+    ):
         assert (path,) in units
     assert plan.root_params == 32  # the final norm, nothing else
     assert plan.ignored == ()
@@ -64,8 +75,10 @@ def test_default_plan_wraps_tower_parts_and_each_deepstack_merger():
 def test_frozen_tower_is_ignored_with_its_mergers():
     model = _meta_model(freeze=["model.visual"])
     defaults = model.default_fsdp2_config()
-    assert defaults == {"ignored_modules": ["model.visual"], "sub_modules_to_wrap": [
-        "model.language_model.embed_tokens", "lm_head", "model.language_model.layers.{*}"]}
+    assert defaults == {
+        "ignored_modules": ["model.visual"],
+        "sub_modules_to_wrap": ["model.language_model.embed_tokens", "lm_head", "model.language_model.layers.{*}"],
+    }
     plan = build_plan(FSDP2Config(sharding_size="auto").with_model_defaults(model), model, 2)
     assert plan.ignored == ("model.visual",) and plan.root_params == 32
 
@@ -77,8 +90,9 @@ def test_no_deepstack_mergers_leaves_the_pattern_out():
     assert "model.visual.deepstack_merger_list.{*}" not in model.default_fsdp2_config()["sub_modules_to_wrap"]
 
 
-def _init_rule_differences(built: dict[str, torch.Tensor], eager: dict[str, torch.Tensor],
-                           buffers: set[str]) -> list[str]:
+def _init_rule_differences(
+    built: dict[str, torch.Tensor], eager: dict[str, torch.Tensor], buffers: set[str]
+) -> list[str]:
     """Tensors that differ in their init rule: buffers (rotary tables) and constant parameters (zeros, ones) must
     be equal; random parameters must have the same zero pattern (padding rows) and std within 20% (N(0, 0.02)
     against torch's own kaiming-uniform or N(0, 1) defaults differ by 3x to 50x)."""
@@ -88,8 +102,12 @@ def _init_rule_differences(built: dict[str, torch.Tensor], eager: dict[str, torc
         if name in buffers or expected.unique().numel() <= 2:
             ok = torch.equal(got, expected)
         else:
-            ok = (torch.equal(got == 0, expected == 0) and not torch.equal(got, expected)
-                  and abs(float(got.std()) / float(expected.std()) - 1) < 0.2 and abs(float(got.mean())) < 0.01)
+            ok = (
+                torch.equal(got == 0, expected == 0)
+                and not torch.equal(got, expected)
+                and abs(float(got.std()) / float(expected.std()) - 1) < 0.2
+                and abs(float(got.mean())) < 0.01
+            )
         if not ok:
             bad.append(name)
     return bad
@@ -116,8 +134,10 @@ def test_meta_device_init_follows_the_constructor():
         wrong["model.visual.merger.linear_fc1.bias"] = torch.nn.Linear(128, 128).bias
         wrong["model.visual.rotary_pos_emb.inv_freq"] = built["model.visual.rotary_pos_emb.inv_freq"] * 0
         assert set(_init_rule_differences(wrong, eager_tensors, buffers)) == {
-            "model.visual.pos_embed.weight", "model.visual.rotary_pos_emb.inv_freq",
-            "model.visual.merger.linear_fc1.bias"}
+            "model.visual.pos_embed.weight",
+            "model.visual.rotary_pos_emb.inv_freq",
+            "model.visual.merger.linear_fc1.bias",
+        }
 
 
 def test_saved_keys_are_the_model_keys(ckpt):
@@ -156,15 +176,26 @@ def test_plan_command_prints_the_default_plan(tmp_path):
 
     config = {
         "trainer": {"accelerator": "cpu", "devices": 2, "strategy": "mm_fsdp2", "logger": False},
-        "model": {"class_path": "lightning_mm.MMLightningModule",
-                  "init_args": {"model_provider": "tests.qwen3_vl_family.tiny_model_provider"}},
-        "data": {"class_path": "lightning_mm.MMDataModule",
-                 "init_args": {"train_valid_test_datasets_provider": "tests.qwen3_vl_family.datasets_provider"}},
+        "model": {
+            "class_path": "lightning_mm.MMLightningModule",
+            "init_args": {"model_provider": "tests.qwen3_vl_family.tiny_model_provider"},
+        },
+        "data": {
+            "class_path": "lightning_mm.MMDataModule",
+            "init_args": {"train_valid_test_datasets_provider": "tests.qwen3_vl_family.datasets_provider"},
+        },
     }
     path = tmp_path / "cfg.yaml"
     path.write_text(yaml.safe_dump(config))
     text = plan_from_cli_config(["--config", str(path)], world_size=8)
-    for unit in ("model.visual.patch_embed", "model.visual.pos_embed", "model.visual.merger",
-                 "model.visual.deepstack_merger_list.0", "model.visual.deepstack_merger_list.1",
-                 "model.visual.blocks.1", "model.language_model.layers.0", "lm_head"):
+    for unit in (
+        "model.visual.patch_embed",
+        "model.visual.pos_embed",
+        "model.visual.merger",
+        "model.visual.deepstack_merger_list.0",
+        "model.visual.deepstack_merger_list.1",
+        "model.visual.blocks.1",
+        "model.language_model.layers.0",
+        "lm_head",
+    ):
         assert unit in text, text

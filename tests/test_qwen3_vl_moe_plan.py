@@ -14,8 +14,12 @@ from lightning_mm.core.plan import build_plan
 from lightning_mm.hf.adapters import MMQwen3VLForConditionalGeneration, MMQwen3VLMoeForConditionalGeneration
 from tests.moe_models import MOE_FAMILIES
 
-VISION_UNITS = ["model.visual.patch_embed", "model.visual.pos_embed", "model.visual.merger",
-                "model.visual.deepstack_merger_list.{*}"]
+VISION_UNITS = [
+    "model.visual.patch_embed",
+    "model.visual.pos_embed",
+    "model.visual.merger",
+    "model.visual.deepstack_merger_list.{*}",
+]
 
 
 def tiny_model_provider() -> torch.nn.Module:
@@ -37,13 +41,23 @@ def test_the_vision_units_are_dense_qwen3_vls():
     model = _meta_model()
     defaults = model.default_fsdp2_config()
     assert defaults["sub_modules_to_wrap"] == [
-        "model.language_model.embed_tokens", "lm_head", *VISION_UNITS, "model.visual.blocks.{*}",
-        "model.language_model.layers.{*}"]
+        "model.language_model.embed_tokens",
+        "lm_head",
+        *VISION_UNITS,
+        "model.visual.blocks.{*}",
+        "model.language_model.layers.{*}",
+    ]
     assert defaults["moe_modules"] == [f"model.language_model.layers.{i}.mlp.experts" for i in range(2)]
     plan = build_plan(FSDP2Config(sharding_size="auto").with_model_defaults(model), model, 2)
     units = [u.modules for u in plan.units]
-    for path in ("model.visual.patch_embed", "model.visual.pos_embed", "model.visual.merger",
-                 "model.visual.deepstack_merger_list.0", "model.visual.blocks.1", "model.language_model.layers.1"):
+    for path in (
+        "model.visual.patch_embed",
+        "model.visual.pos_embed",
+        "model.visual.merger",
+        "model.visual.deepstack_merger_list.0",
+        "model.visual.blocks.1",
+        "model.language_model.layers.1",
+    ):
         assert (path,) in units
     assert plan.root_params == 32  # the final norm (hidden 32), nothing of the vision tower
 
@@ -53,16 +67,25 @@ def test_plan_command_prints_the_vision_units(tmp_path):
 
     config = {
         "trainer": {"accelerator": "cpu", "devices": 2, "strategy": "mm_fsdp2", "logger": False},
-        "model": {"class_path": "lightning_mm.MMLightningModule",
-                  "init_args": {"model_provider": "tests.test_qwen3_vl_moe_plan.tiny_model_provider"}},
-        "data": {"class_path": "lightning_mm.MMDataModule",
-                 "init_args": {"train_valid_test_datasets_provider": "tests.qwen3_vl_family.datasets_provider"}},
+        "model": {
+            "class_path": "lightning_mm.MMLightningModule",
+            "init_args": {"model_provider": "tests.test_qwen3_vl_moe_plan.tiny_model_provider"},
+        },
+        "data": {
+            "class_path": "lightning_mm.MMDataModule",
+            "init_args": {"train_valid_test_datasets_provider": "tests.qwen3_vl_family.datasets_provider"},
+        },
     }
     path = tmp_path / "cfg.yaml"
     path.write_text(yaml.safe_dump(config))
     text = plan_from_cli_config(["--config", str(path)], world_size=4)
-    for unit in ("model.visual.patch_embed", "model.visual.pos_embed", "model.visual.merger",
-                 "model.visual.deepstack_merger_list.0", "model.language_model.layers.0"):
+    for unit in (
+        "model.visual.patch_embed",
+        "model.visual.pos_embed",
+        "model.visual.merger",
+        "model.visual.deepstack_merger_list.0",
+        "model.language_model.layers.0",
+    ):
         assert unit in text, text
     root = next(line for line in text.splitlines() if "<root>" in line)
     assert root.split()[1] == "32", root

@@ -38,7 +38,9 @@ def test_find_unknown_key_names_the_first_unknown_key_with_a_hint():
     assert find_unknown_key(["train", "loader"], known) is None
     assert find_unknown_key(["train", "trian", "lodaer"], known) == ("trian", "; did you mean `train`?")
     assert find_unknown_key(["batchsize"], ["batch_size"], prefix="loader.") == (
-        "loader.batchsize", "; did you mean `loader.batch_size`?")
+        "loader.batchsize",
+        "; did you mean `loader.batch_size`?",
+    )
     assert find_unknown_key(["zzzzzz"], known) == ("zzzzzz", "; valid keys: train, validation, loader")
     assert find_unknown_key([7], ["7"]) == ("7", "; did you mean `7`?")  # only strings are keys
 
@@ -136,8 +138,23 @@ def test_names_that_could_leave_the_directory(name):
 _OLD_TABLES = {  # the three tables this one replaced: sliced loading, hf_to_dcp, the header check (sizes)
     "loading": ["F64", "F32", "F16", "BF16", "I64", "I32", "I16", "I8", "U8", "BOOL"],
     "hf_to_dcp": ["F64", "F32", "F16", "BF16", "I64", "I32", "I16", "I8", "U8", "BOOL", "F8_E4M3", "F8_E5M2"],
-    "header": ["F64", "F32", "F16", "BF16", "I64", "I32", "I16", "I8", "U8", "BOOL", "F8_E4M3", "F8_E5M2", "U16",
-               "U32", "U64"],
+    "header": [
+        "F64",
+        "F32",
+        "F16",
+        "BF16",
+        "I64",
+        "I32",
+        "I16",
+        "I8",
+        "U8",
+        "BOOL",
+        "F8_E4M3",
+        "F8_E5M2",
+        "U16",
+        "U32",
+        "U64",
+    ],
 }
 
 
@@ -186,8 +203,10 @@ def _index(path: Path, weight_map: object) -> Path:
 
 
 def test_read_weight_map(tmp_path):
-    index = _index(tmp_path / "model.safetensors.index.json", {"a": "one.safetensors", "b": "two.safetensors",
-                                                               "c": "one.safetensors"})
+    index = _index(
+        tmp_path / "model.safetensors.index.json",
+        {"a": "one.safetensors", "b": "two.safetensors", "c": "one.safetensors"},
+    )
     weight_map = _safetensors.read_weight_map(index)
     assert weight_map == {"a": "one.safetensors", "b": "two.safetensors", "c": "one.safetensors"}
     assert _safetensors.shard_files(weight_map) == ["one.safetensors", "two.safetensors"]
@@ -199,12 +218,15 @@ def test_read_weight_map(tmp_path):
         _safetensors.read_weight_map(tmp_path / "none.json", KeyError)
 
 
-@pytest.mark.parametrize("weight_map, match", [
-    (["model.safetensors"], "not a safetensors index with a 'weight_map' \\(it is a list\\)"),
-    ({"w": "../other/model.safetensors"}, "not a file of the checkpoint directory"),
-    ({"w": "ABSOLUTE"}, "not a file of the checkpoint directory"),
-    ({"w": 3}, "not a file of the checkpoint directory"),
-])
+@pytest.mark.parametrize(
+    "weight_map, match",
+    [
+        (["model.safetensors"], "not a safetensors index with a 'weight_map' \\(it is a list\\)"),
+        ({"w": "../other/model.safetensors"}, "not a file of the checkpoint directory"),
+        ({"w": "ABSOLUTE"}, "not a file of the checkpoint directory"),
+        ({"w": 3}, "not a file of the checkpoint directory"),
+    ],
+)
 def test_both_index_readers_refuse_what_one_of_them_accepted(tmp_path, weight_map, match):
     """``init_from_hf_path``'s reader followed any file name of the index (an absolute path, '..') and failed with
     AttributeError on a weight_map that is not a mapping; hf_to_dcp refused both. Both refuse them now."""
@@ -334,11 +356,18 @@ def test_dcp_to_hf_key_mismatches_are_reported_by_one_check():
 
     from lightning_mm.hf.convert import _check_keys_match, _file_keys
 
-    layout = SimpleNamespace(config=SimpleNamespace(architectures=["LlamaForCausalLM"]),
-                             keys={"lm_head.weight": ["lm_head.weight", "model.embed_tokens.weight"], "b": ["b"]})
+    layout = SimpleNamespace(
+        config=SimpleNamespace(architectures=["LlamaForCausalLM"]),
+        keys={"lm_head.weight": ["lm_head.weight", "model.embed_tokens.weight"], "b": ["b"]},
+    )
     _check_keys_match("ckpt", layout, [], [])
-    with pytest.raises(ValueError, match=r"^ckpt: the checkpoint's model keys do not match LlamaForCausalLM's: "
-                                         r"1 missing \['b'\], 1 not in the model \['extra'\]$"):
+    with pytest.raises(
+        ValueError,
+        match=r"^ckpt: the checkpoint's model keys do not match LlamaForCausalLM's: "
+        r"1 missing \['b'\], 1 not in the model \['extra'\]$",
+    ):
         _file_keys({"model.embed_tokens.weight": "k1", "extra": "k2"}, layout, "ckpt")
     assert _file_keys({"model.embed_tokens.weight": "k1", "b": "k2"}, layout, "ckpt") == {
-        "lm_head.weight": "k1", "b": "k2"}
+        "lm_head.weight": "k1",
+        "b": "k2",
+    }

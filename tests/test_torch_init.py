@@ -23,14 +23,25 @@ class TorchLayers(nn.Module):
     def __init__(self) -> None:
         super().__init__()
         self.embed = nn.Embedding(11, 8, padding_idx=3)
-        self.encoder = nn.TransformerEncoder(nn.TransformerEncoderLayer(8, 2, 16, batch_first=True), 2,
-                                             enable_nested_tensor=False)
+        self.encoder = nn.TransformerEncoder(
+            nn.TransformerEncoderLayer(8, 2, 16, batch_first=True), 2, enable_nested_tensor=False
+        )
         self.decoder_layer = nn.TransformerDecoderLayer(8, 2, 16)
         self.attention = nn.MultiheadAttention(8, 2, add_bias_kv=True, kdim=6, vdim=5)
         self.transformer = nn.Transformer(8, 2, 1, 1, 16)
         self.adaptive = nn.AdaptiveLogSoftmaxWithLoss(8, 20, [5, 10])
-        self.others = nn.ModuleList([nn.PReLU(3), nn.GRU(4, 5), nn.Bilinear(3, 4, 5), nn.Conv1d(2, 3, 3),
-                                     nn.GroupNorm(2, 4), nn.RMSNorm(4), nn.BatchNorm1d(3), nn.EmbeddingBag(7, 4)])
+        self.others = nn.ModuleList(
+            [
+                nn.PReLU(3),
+                nn.GRU(4, 5),
+                nn.Bilinear(3, 4, 5),
+                nn.Conv1d(2, 3, 3),
+                nn.GroupNorm(2, 4),
+                nn.RMSNorm(4),
+                nn.BatchNorm1d(3),
+                nn.EmbeddingBag(7, 4),
+            ]
+        )
 
 
 class ZeroInitProjection(nn.Module):

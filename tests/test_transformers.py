@@ -29,8 +29,11 @@ from lightning_mm.modules import (
 from tests.hf_scenarios import FAMILIES, FamilyData, model_inputs, save_tiny_checkpoints
 
 BUILTIN = {
-    "LlamaForCausalLM": "llama", "Qwen2ForCausalLM": "qwen2", "Qwen3ForCausalLM": "qwen3",
-    "InternVLForConditionalGeneration": "internvl", "Qwen2_5_VLForConditionalGeneration": "qwen2_5_vl",
+    "LlamaForCausalLM": "llama",
+    "Qwen2ForCausalLM": "qwen2",
+    "Qwen3ForCausalLM": "qwen3",
+    "InternVLForConditionalGeneration": "internvl",
+    "Qwen2_5_VLForConditionalGeneration": "qwen2_5_vl",
     "LlavaForConditionalGeneration": "llava",
 }
 
@@ -123,16 +126,28 @@ def test_config_as_dict_namespace_or_object(ckpts):
     assert model.config.rms_norm_eps == 1e-5
 
 
-@pytest.mark.parametrize("config, match", [
-    ({"init_from_hf_pth": "x"}, "unknown TransformersModel config key `init_from_hf_pth`; did you mean `init_from_"),
-    ({"trust_remote_code": "yes", "hf_config": {"model_type": "llama"}}, "`trust_remote_code`: expected true or false"),
-    ({"init_from_hf_path": "/does/not/exist"}, "`init_from_hf_path`: '/does/not/exist' is not a directory"),
-    ({"freeze": [3], "hf_config": {"model_type": "llama"}}, "`freeze`: expected a list"),
-    ({"hf_config": "llama"}, "`hf_config`: expected a mapping"),
-    ({}, "give `init_from_hf_path`"),
-    ({"hf_config": {"model_type": "lama"}}, "unknown model_type 'lama'; did you mean 'llama'"),
-    ({"hf_config": {"model_type": "llama", "hiden_size": 8}}, r"`hf_config.hiden_size`.*did you mean 'hidden_size'"),
-])
+@pytest.mark.parametrize(
+    "config, match",
+    [
+        (
+            {"init_from_hf_pth": "x"},
+            "unknown TransformersModel config key `init_from_hf_pth`; did you mean `init_from_",
+        ),
+        (
+            {"trust_remote_code": "yes", "hf_config": {"model_type": "llama"}},
+            "`trust_remote_code`: expected true or false",
+        ),
+        ({"init_from_hf_path": "/does/not/exist"}, "`init_from_hf_path`: '/does/not/exist' is not a directory"),
+        ({"freeze": [3], "hf_config": {"model_type": "llama"}}, "`freeze`: expected a list"),
+        ({"hf_config": "llama"}, "`hf_config`: expected a mapping"),
+        ({}, "give `init_from_hf_path`"),
+        ({"hf_config": {"model_type": "lama"}}, "unknown model_type 'lama'; did you mean 'llama'"),
+        (
+            {"hf_config": {"model_type": "llama", "hiden_size": 8}},
+            r"`hf_config.hiden_size`.*did you mean 'hidden_size'",
+        ),
+    ],
+)
 def test_bad_config_is_a_clear_error(config, match):
     with pytest.raises((TransformersModelConfigError, ModelHubError), match=match):
         TransformersModel(config)
@@ -140,9 +155,12 @@ def test_bad_config_is_a_clear_error(config, match):
 
 def test_hf_config_overrides_update_the_directory_config(ckpts):
     path = str(ckpts["internvl"])
-    model = TransformersModel({
-        "init_from_hf_path": path, "hf_config": {"text_config": {"rms_norm_eps": 1e-3}, "attn_implementation": "eager"},
-    })
+    model = TransformersModel(
+        {
+            "init_from_hf_path": path,
+            "hf_config": {"text_config": {"rms_norm_eps": 1e-3}, "attn_implementation": "eager"},
+        }
+    )
     assert model.config.text_config.rms_norm_eps == 1e-3
     assert model.config.text_config.hidden_size == 32  # the rest of the sub-config is the directory's
     assert model.config._attn_implementation == "eager"
@@ -173,10 +191,15 @@ def test_trust_remote_code_is_off_unless_asked(tmp_path, monkeypatch):
         f"open({str(mark)!r}, 'w').write('ran')\n"
         "class CustomConfig(PretrainedConfig):\n    model_type = 'custom_x'\n"
     )
-    (repo / "config.json").write_text(json.dumps({
-        "model_type": "custom_x", "architectures": ["CustomXModel"],
-        "auto_map": {"AutoConfig": "configuration_custom.CustomConfig"},
-    }))
+    (repo / "config.json").write_text(
+        json.dumps(
+            {
+                "model_type": "custom_x",
+                "architectures": ["CustomXModel"],
+                "auto_map": {"AutoConfig": "configuration_custom.CustomConfig"},
+            }
+        )
+    )
     with pytest.raises(ValueError, match="trust_remote_code"):
         TransformersModel({"init_from_hf_path": str(repo)})
     assert not mark.exists()
@@ -261,8 +284,10 @@ def test_strict_load_fails_on_a_renamed_weight(ckpts, tmp_path, deferred):
 def test_strict_load_fails_on_shape_and_missing_files(ckpts, tmp_path):
     with pytest.raises(CheckpointError) as err:
         TransformersModel({"init_from_hf_path": str(ckpts["qwen2"]), "hf_config": {"intermediate_size": 48}})
-    assert "6 weight(s) with a different shape: model.layers.0.mlp.down_proj.weight: checkpoint [32, 63], " \
+    assert (
+        "6 weight(s) with a different shape: model.layers.0.mlp.down_proj.weight: checkpoint [32, 63], "
         "model [32, 48]" in str(err.value)
+    )
     assert "missing" not in str(err.value)
     empty = tmp_path / "bin_only"
     empty.mkdir()
@@ -315,14 +340,30 @@ EXPECTED_WRAP = {
     "llama_tied": ["model.embed_tokens", "lm_head", "model.layers.{*}"],
     "qwen2": ["model.embed_tokens", "lm_head", "model.layers.{*}"],
     "qwen3": ["model.embed_tokens", "lm_head", "model.layers.{*}"],
-    "internvl": ["model.language_model.embed_tokens", "lm_head", "model.vision_tower.embeddings",
-                 "model.multi_modal_projector", "model.vision_tower.encoder.layer.{*}",
-                 "model.language_model.layers.{*}"],
-    "qwen2_5_vl": ["model.language_model.embed_tokens", "lm_head", "model.visual.patch_embed", "model.visual.merger",
-                   "model.visual.blocks.{*}", "model.language_model.layers.{*}"],
-    "llava": ["model.language_model.embed_tokens", "lm_head", "model.vision_tower.embeddings",
-              "model.multi_modal_projector", "model.vision_tower.encoder.layers.{*}",
-              "model.language_model.layers.{*}"],
+    "internvl": [
+        "model.language_model.embed_tokens",
+        "lm_head",
+        "model.vision_tower.embeddings",
+        "model.multi_modal_projector",
+        "model.vision_tower.encoder.layer.{*}",
+        "model.language_model.layers.{*}",
+    ],
+    "qwen2_5_vl": [
+        "model.language_model.embed_tokens",
+        "lm_head",
+        "model.visual.patch_embed",
+        "model.visual.merger",
+        "model.visual.blocks.{*}",
+        "model.language_model.layers.{*}",
+    ],
+    "llava": [
+        "model.language_model.embed_tokens",
+        "lm_head",
+        "model.vision_tower.embeddings",
+        "model.multi_modal_projector",
+        "model.vision_tower.encoder.layers.{*}",
+        "model.language_model.layers.{*}",
+    ],
 }
 # What the default plan leaves in the root unit: norms only (a few hidden sizes), no projector or patch embedding.
 ROOT_PARAMS = {"llama_tied": 32, "qwen2": 32, "qwen3": 32, "internvl": 32, "qwen2_5_vl": 32, "llava": 32 + 2 * 64}
@@ -367,10 +408,12 @@ def test_import_lightning_mm_does_not_import_transformers_model_code():
     import subprocess
     import sys
 
-    code = ("import sys, lightning_mm; from lightning_mm.modules import ModelHub; "
-            "before = [m for m in sys.modules if m.startswith('transformers.models.llama')]; "
-            "ModelHub.get('llama'); after = [m for m in sys.modules if m.startswith('transformers.models.llama')]; "
-            "print(len(before), len(after) > 0)")
+    code = (
+        "import sys, lightning_mm; from lightning_mm.modules import ModelHub; "
+        "before = [m for m in sys.modules if m.startswith('transformers.models.llama')]; "
+        "ModelHub.get('llama'); after = [m for m in sys.modules if m.startswith('transformers.models.llama')]; "
+        "print(len(before), len(after) > 0)"
+    )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout.split()
     assert out == ["0", "True"]
 
@@ -379,8 +422,10 @@ def test_user_registration_made_before_the_first_lookup_wins_over_the_builtin():
     import subprocess
     import sys
 
-    code = ("from lightning_mm.modules import ModelHub\n"
-            "class Mine: pass\n"
-            "ModelHub.MODEL_MAPPINGS['llama'] = Mine\n"
-            "assert ModelHub.get('llama') is Mine and ModelHub.get('qwen2').__name__ == 'MMQwen2ForCausalLM'\n")
+    code = (
+        "from lightning_mm.modules import ModelHub\n"
+        "class Mine: pass\n"
+        "ModelHub.MODEL_MAPPINGS['llama'] = Mine\n"
+        "assert ModelHub.get('llama') is Mine and ModelHub.get('qwen2').__name__ == 'MMQwen2ForCausalLM'\n"
+    )
     subprocess.run([sys.executable, "-c", code], check=True)

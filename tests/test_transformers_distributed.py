@@ -33,7 +33,11 @@ def ranks(tmp_path_factory):
     save_tiny_checkpoints(ckpts)
     proc = subprocess.run(
         [sys.executable, str(ROOT / "tests" / "hf_scenarios.py"), "all", str(out), str(ckpts)],
-        cwd=ROOT, env=_env(), capture_output=True, text=True, timeout=600,
+        cwd=ROOT,
+        env=_env(),
+        capture_output=True,
+        text=True,
+        timeout=600,
     )
     if proc.returncode != 0:
         raise AssertionError(f"hf scenarios failed ({proc.returncode}):\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}")
@@ -73,8 +77,10 @@ def test_tied_embeddings_train_and_stay_tied(ranks, family):
     for r in ranks["families"]:
         obs = r[family]
         assert obs["tied_same_object"] and obs["tied_equal"]
-        assert ["model.embed_tokens", "lm_head"] in obs["plan_units"] or \
-            ["model.language_model.embed_tokens", "lm_head"] in obs["plan_units"]
+        assert ["model.embed_tokens", "lm_head"] in obs["plan_units"] or [
+            "model.language_model.embed_tokens",
+            "lm_head",
+        ] in obs["plan_units"]
         embed = next(n for n in obs["initial"] if n.endswith("embed_tokens.weight"))
         assert obs["initial"][embed] != obs["final"][embed]
     assert ranks["families"][0]["qwen2"]["tied_same_object"] is False
@@ -120,9 +126,19 @@ def test_hsdp_load_from_a_multi_file_checkpoint_with_frozen_parts_of_units(ranks
 def test_internvl_example_trains_end_to_end(tmp_path):
     """examples/internvl: tiny InternVL built locally, seed adapter + ModelHub + TransformersModel, seed YAML."""
     proc = subprocess.run(
-        [sys.executable, str(ROOT / "examples" / "internvl" / "train.py"), "--steps", "8",
-         "--hf-path", str(tmp_path / "tiny-internvl")],
-        cwd=tmp_path, env=_env(), capture_output=True, text=True, timeout=600,
+        [
+            sys.executable,
+            str(ROOT / "examples" / "internvl" / "train.py"),
+            "--steps",
+            "8",
+            "--hf-path",
+            str(tmp_path / "tiny-internvl"),
+        ],
+        cwd=tmp_path,
+        env=_env(),
+        capture_output=True,
+        text=True,
+        timeout=600,
     )
     assert proc.returncode == 0, proc.stderr[-6000:]
     assert (tmp_path / "tiny-internvl" / "model.safetensors").is_file()
@@ -131,7 +147,8 @@ def test_internvl_example_trains_end_to_end(tmp_path):
     train_loss = float(metrics.split("'train/loss': ")[1].split(",")[0])
     assert train_loss < math.log(256) - 0.5  # below chance over the 256-token vocabulary
     plan = proc.stdout + proc.stderr
-    expected = ("ignored (104,896 params, whole on every rank, trainable ones' gradients all-reduced): "
-                "model.vision_tower")
+    expected = (
+        "ignored (104,896 params, whole on every rank, trainable ones' gradients all-reduced): model.vision_tower"
+    )
     assert expected in plan
     assert "recomputed (reentrant): model.language_model.layers.0" in plan

@@ -19,8 +19,14 @@ def ranks(tmp_path_factory):
     out = tmp_path_factory.mktemp("tuning")
     env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
     env.pop("LOCAL_RANK", None)
-    proc = subprocess.run([sys.executable, str(ROOT / "tests" / "tuning_scenarios.py"), str(out)], cwd=ROOT, env=env,
-                          capture_output=True, text=True, timeout=300)
+    proc = subprocess.run(
+        [sys.executable, str(ROOT / "tests" / "tuning_scenarios.py"), str(out)],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert proc.returncode == 0, f"{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}"
     return [json.loads((out / f"tuning.rank{r}.json").read_text()) for r in range(2)]
 
@@ -28,8 +34,12 @@ def ranks(tmp_path_factory):
 def test_root_and_last_unit_keep_parameters_from_forward_to_backward(ranks):
     for r in ranks:
         # Between forward and backward: the root and the last unit to run hold full parameters; the others do not.
-        assert r["tuned"]["states"] == {"root": "UNSHARDED", "layers.0": "SHARDED", "layers.1": "SHARDED",
-                                        "layers.2": "UNSHARDED"}
+        assert r["tuned"]["states"] == {
+            "root": "UNSHARDED",
+            "layers.0": "SHARDED",
+            "layers.1": "SHARDED",
+            "layers.2": "UNSHARDED",
+        }
         assert r["tuned"]["kept"] == ["<root>", "layers.2"]
         # Without the tuning every unit is resharded after its forward.
         assert set(r["before"]["states"].values()) == {"SHARDED"} and r["before"]["kept"] == []
@@ -64,5 +74,5 @@ def test_fused_step_resumes_a_checkpoint_saved_without_it(ranks):
 def test_fused_step_skips_groups_mixing_dtensors_and_plain_trainable_parameters(ranks):
     for r in ranks:
         assert r["ignored_trainable"]["fused"] == [None]  # one fused call cannot hold both kinds
-        assert r["ignored_frozen"]["fused"] == [True]     # frozen parameters are not stepped
+        assert r["ignored_frozen"]["fused"] == [True]  # frozen parameters are not stepped
         assert len(r["ignored_trainable"]["losses"]) == len(r["ignored_frozen"]["losses"]) == 4

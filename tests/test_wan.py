@@ -37,8 +37,14 @@ def run(tmp_path_factory: pytest.TempPathFactory, work: Path) -> Path:
     out = tmp_path_factory.mktemp("wan_run")
     env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
     env.pop("LOCAL_RANK", None)
-    proc = subprocess.run([sys.executable, str(ROOT / "tests" / "wan_scenarios.py"), str(out), str(work)], cwd=ROOT,
-                          env=env, capture_output=True, text=True, timeout=300)
+    proc = subprocess.run(
+        [sys.executable, str(ROOT / "tests" / "wan_scenarios.py"), str(out), str(work)],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert proc.returncode == 0, f"wan_scenarios failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}"
     return out
 
@@ -60,8 +66,10 @@ def test_two_ranks_with_recompute_and_resume_equal_the_diffusers_reference(run: 
     for name, ref in weights.items():
         assert torch.allclose(final[name], ref, rtol=1e-5, atol=1e-6 * ref.abs().max().item()), name
     # MindSpeed MM's YAML as written: the blocks and the head (diffusers' proj_out) are units, the blocks recomputed
-    assert ranks[0]["plan"] == {"units": ["predictor.blocks.0", "predictor.blocks.1", "predictor.proj_out"],
-                                "recompute": ["predictor.blocks.0", "predictor.blocks.1"]}
+    assert ranks[0]["plan"] == {
+        "units": ["predictor.blocks.0", "predictor.blocks.1", "predictor.proj_out"],
+        "recompute": ["predictor.blocks.0", "predictor.blocks.1"],
+    }
 
 
 def test_context_parallel_2_equals_the_diffusers_reference(run: Path, work: Path) -> None:
@@ -81,8 +89,9 @@ def test_context_parallel_2_equals_the_diffusers_reference(run: Path, work: Path
         assert torch.allclose(final[name], ref, rtol=1e-5, atol=1e-5 * ref.abs().max().item()), name
 
 
-def test_the_checkpoint_converts_to_a_directory_diffusers_loads(run: Path, work: Path, tmp_path: Path,
-                                                                 capsys: pytest.CaptureFixture) -> None:
+def test_the_checkpoint_converts_to_a_directory_diffusers_loads(
+    run: Path, work: Path, tmp_path: Path, capsys: pytest.CaptureFixture
+) -> None:
     from diffusers import FlowMatchEulerDiscreteScheduler, WanTransformer3DModel
 
     from lightning_mm.commands.convert import main as convert
@@ -94,7 +103,7 @@ def test_the_checkpoint_converts_to_a_directory_diffusers_loads(run: Path, work:
     final = torch.load(run / "final.pt", weights_only=True)
     state = model.state_dict()
     assert sorted(f"model.predictor.{k}" for k in state) == sorted(final)
-    assert all(torch.equal(state[k[len("model.predictor."):]], v) for k, v in final.items())
+    assert all(torch.equal(state[k[len("model.predictor.") :]], v) for k, v in final.items())
     with pytest.raises(FileExistsError, match="output exists"):
         dcp_to_diffusers(run / "final.ckpt", out, config=work / "model")
     scheduler = FlowMatchEulerDiscreteScheduler(shift=5.0)  # a few denoising steps with diffusers alone
@@ -240,21 +249,37 @@ def test_image_to_video_inputs_reach_the_model() -> None:
     torch.manual_seed(0)
     module = MMWanModule({"model_id": "wan", "config": i2v})
     module.configure_model()
-    batch = {"latents": torch.randn(1, 4, 1, 4, 4), "prompt_embeds": torch.randn(1, 512, 16),
-             "image_embeds": torch.randn(1, 3, 16), "condition_latents": torch.randn(1, 4, 1, 4, 4)}
+    batch = {
+        "latents": torch.randn(1, 4, 1, 4, 4),
+        "prompt_embeds": torch.randn(1, 512, 16),
+        "image_embeds": torch.randn(1, 3, 16),
+        "condition_latents": torch.randn(1, 4, 1, 4, 4),
+    }
     inputs = module.get_batch(batch)
     loss = module.loss_func(module.forward_step(inputs), inputs)
     loss.backward()
     assert module.model.predictor.condition_embedder.image_embedder.ff.net[0].proj.weight.grad.abs().sum() > 0
-    expected = module.model.predictor(torch.cat([inputs["hidden_states"], batch["condition_latents"]], 1),
-                                      inputs["timestep"], batch["prompt_embeds"], batch["image_embeds"],
-                                      return_dict=False)[0]
+    expected = module.model.predictor(
+        torch.cat([inputs["hidden_states"], batch["condition_latents"]], 1),
+        inputs["timestep"],
+        batch["prompt_embeds"],
+        batch["image_embeds"],
+        return_dict=False,
+    )[0]
     assert torch.allclose(loss, module.schedule.loss(expected, inputs["flow"]))
 
 
 def test_diffusers_is_imported_only_when_used() -> None:
-    code = ("import sys, lightning_mm, lightning_mm.diffusers, lightning_mm.modules.wan_module, "
-            "lightning_mm.datamodules.wan_data\nprint('diffusers' in sys.modules)")
-    out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=120,
-                         env={**os.environ, "PYTHONPATH": str(ROOT)})
+    code = (
+        "import sys, lightning_mm, lightning_mm.diffusers, lightning_mm.modules.wan_module, "
+        "lightning_mm.datamodules.wan_data\nprint('diffusers' in sys.modules)"
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", code],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env={**os.environ, "PYTHONPATH": str(ROOT)},
+    )
     assert out.returncode == 0 and out.stdout.strip() == "False", out.stderr[-2000:]

@@ -17,8 +17,10 @@ def _write_features(folder: Path, sizes: list[tuple[int, int, int]], with_size: 
     folder.mkdir(parents=True)
     lines = []
     for i, (frames, height, width) in enumerate(sizes):
-        torch.save({"video": torch.full((4, frames, height, width), float(i)), "prompt_ids": torch.randn(3, 16)},
-                   folder / f"{i}.pt")
+        torch.save(
+            {"video": torch.full((4, frames, height, width), float(i)), "prompt_ids": torch.randn(3, 16)},
+            folder / f"{i}.pt",
+        )
         record = {"file": f"{i}.pt", "cap": "a clip"}
         if with_size:  # MindSpeed MM's feature records carry the source video's size
             record["sample_size"] = f"{4 * (frames - 1) + 1}x{8 * height}x{8 * width}"
@@ -80,10 +82,12 @@ def test_the_grouping_keys_are_checked(tmp_path: Path, monkeypatch: pytest.Monke
     dm.setup("fit")
     assert sorted(tuple(b.shape[2:]) for b in _batches(dm.train_dataloader())) == [(1, 4, 6), (2, 4, 4), (2, 4, 4)]
     base = json.loads(FEATURE_JSON.read_text())
-    cases = {"group_resolution": ({"group_resolution": True, "group_data": False}, "group_resolution"),
-             "both": ({"group_frame": True}, "group_data`: cannot be true with group_frame"),
-             "sampler": ({"sampler_type": "stateful_distributed_sampler"}, "LengthGroupedSampler only"),
-             "step": ({"initial_global_step_for_sampler": 4}, "initial_global_step_for_sampler")}
+    cases = {
+        "group_resolution": ({"group_resolution": True, "group_data": False}, "group_resolution"),
+        "both": ({"group_frame": True}, "group_data`: cannot be true with group_frame"),
+        "sampler": ({"sampler_type": "stateful_distributed_sampler"}, "LengthGroupedSampler only"),
+        "step": ({"initial_global_step_for_sampler": 4}, "initial_global_step_for_sampler"),
+    }
     for name, (change, message) in cases.items():
         data = json.loads(json.dumps(base))
         data["dataloader_param"].update(change)
@@ -93,8 +97,16 @@ def test_the_grouping_keys_are_checked(tmp_path: Path, monkeypatch: pytest.Monke
 
 
 # ------------------------------------------------------------------------------------ raw videos
-VAE = dict(base_dim=8, z_dim=4, dim_mult=[1, 2], num_res_blocks=1, attn_scales=[], temperal_downsample=[True],
-           latents_mean=[0.1, -0.2, 0.0, 0.3], latents_std=[0.5, 2.0, 1.0, 1.5])
+VAE = dict(
+    base_dim=8,
+    z_dim=4,
+    dim_mult=[1, 2],
+    num_res_blocks=1,
+    attn_scales=[],
+    temperal_downsample=[True],
+    latents_mean=[0.1, -0.2, 0.0, 0.3],
+    latents_std=[0.5, 2.0, 1.0, 1.5],
+)
 
 
 def _write_clip(path: Path, frames: int, height: int, width: int) -> None:
@@ -108,7 +120,7 @@ def _write_clip(path: Path, frames: int, height: int, width: int) -> None:
         for i in range(frames):
             image = np.zeros((height, width, 3), np.uint8)
             image[:, : width // 2] = (200, 40, 40)
-            image[4 * i: 4 * i + 12, 8:24] = rng.integers(0, 255, (12, 16, 3))
+            image[4 * i : 4 * i + 12, 8:24] = rng.integers(0, 255, (12, 16, 3))
             for packet in stream.encode(av.VideoFrame.from_ndarray(image, format="rgb24")):
                 container.mux(packet)
         for packet in stream.encode():
@@ -126,12 +138,25 @@ def _video_config(tmp_path: Path, num_frames: int = 5, **basic) -> Path:
     if not (tmp_path / "vae").is_dir():
         torch.manual_seed(0)
         AutoencoderKLWan(**VAE).save_pretrained(tmp_path / "vae")
-    data = {"dataset_param": {"dataset_type": "feature",
-                              "basic_parameters": {"data_path": str(folder / "data.jsonl"), "data_folder": str(folder),
-                                                   "vae_path": str(tmp_path / "vae"), **basic},
-                              "preprocess_parameters": {"num_frames": num_frames, "frame_interval": 1,
-                                                        "max_height": 32, "max_width": 32, "train_fps": 24}},
-            "dataloader_param": {"dataloader_mode": "sampler", "shuffle": False}}
+    data = {
+        "dataset_param": {
+            "dataset_type": "feature",
+            "basic_parameters": {
+                "data_path": str(folder / "data.jsonl"),
+                "data_folder": str(folder),
+                "vae_path": str(tmp_path / "vae"),
+                **basic,
+            },
+            "preprocess_parameters": {
+                "num_frames": num_frames,
+                "frame_interval": 1,
+                "max_height": 32,
+                "max_width": 32,
+                "train_fps": 24,
+            },
+        },
+        "dataloader_param": {"dataloader_mode": "sampler", "shuffle": False},
+    }
     path = tmp_path / f"video_{num_frames}.json"
     path.write_text(json.dumps(data))
     return path
@@ -151,14 +176,16 @@ def test_a_video_record_is_decoded_resized_and_encoded_by_the_frozen_vae(tmp_pat
     direct = torch.from_numpy(iio.imread(clip, plugin="pyav"))  # (7, 48, 64, 3), read by imageio
     assert direct.shape == (7, 48, 64, 3) and torch.equal(read_frames(clip, 5), direct[:5])
     # MindSpeed MM's pipeline by hand: short side to 32 (48x64 -> 32x43), centre crop 32x32, [-1, 1]
-    video = torch.nn.functional.interpolate(direct[:5].permute(0, 3, 1, 2).float(), size=(32, 43), mode="bilinear",
-                                            antialias=True)[..., 5:37]
+    video = torch.nn.functional.interpolate(
+        direct[:5].permute(0, 3, 1, 2).float(), size=(32, 43), mode="bilinear", antialias=True
+    )[..., 5:37]
     video = (video / 127.5 - 1.0).permute(1, 0, 2, 3)[None]
     vae = AutoencoderKLWan.from_pretrained(tmp_path / "vae").eval()
     with torch.no_grad():
         mode = vae.encode(video).latent_dist.mode()
-    expected = (mode - torch.tensor(VAE["latents_mean"]).view(1, 4, 1, 1, 1)) / torch.tensor(
-        VAE["latents_std"]).view(1, 4, 1, 1, 1)
+    expected = (mode - torch.tensor(VAE["latents_mean"]).view(1, 4, 1, 1, 1)) / torch.tensor(VAE["latents_std"]).view(
+        1, 4, 1, 1, 1
+    )
     assert batch["latents"].shape == expected.shape == (1, 4, 3, 16, 16)
     torch.testing.assert_close(batch["latents"], expected, rtol=1e-5, atol=1e-6)
     assert torch.equal(batch["prompt_embeds"][0], torch.load(tmp_path / "clips" / "text.pt")["prompt_ids"])

@@ -110,8 +110,9 @@ def test_anchors_aliases_and_merge_keys_still_work(tmp_path):
     path = write(tmp_path, "sub_modules_to_wrap: &blocks\n  - layers.{*}\n  - output\nrecompute_modules: *blocks\n")
     config = FSDP2Config.from_yaml(path)
     assert config.recompute_modules == config.sub_modules_to_wrap == ["layers.{*}", "output"]
-    merged = write(tmp_path, "base: &b {batch_size: 2, shuffle: false}\nloader:\n  <<: *b\n  batch_size: 4\n",
-                   "merge.yaml")
+    merged = write(
+        tmp_path, "base: &b {batch_size: 2, shuffle: false}\nloader:\n  <<: *b\n  batch_size: 4\n", "merge.yaml"
+    )
     assert load_mapping(merged)["loader"] == {"batch_size": 4, "shuffle": False}
 
 

@@ -23,10 +23,27 @@ TOKENS_PER_TILE = int((TILE // PATCH) ** 2 * 0.5**2)
 MEAN = [0.485, 0.456, 0.406]
 STD = [0.229, 0.224, 0.225]
 
-SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>", "<img>", "</img>", "<IMG_CONTEXT>", "<quad>",
-                  "</quad>", "<ref>", "</ref>", "<box>", "</box>", "<video>"]
-NAMED_TOKENS = {"start_image_token": "<img>", "end_image_token": "</img>", "context_image_token": "<IMG_CONTEXT>",
-                "video_token": "<video>"}
+SPECIAL_TOKENS = [
+    "<|endoftext|>",
+    "<|im_start|>",
+    "<|im_end|>",
+    "<img>",
+    "</img>",
+    "<IMG_CONTEXT>",
+    "<quad>",
+    "</quad>",
+    "<ref>",
+    "</ref>",
+    "<box>",
+    "</box>",
+    "<video>",
+]
+NAMED_TOKENS = {
+    "start_image_token": "<img>",
+    "end_image_token": "</img>",
+    "context_image_token": "<IMG_CONTEXT>",
+    "video_token": "<video>",
+}
 
 HF_CHAT_TEMPLATE = (
     "{% for message in messages %}"
@@ -74,8 +91,12 @@ def _tokenizer():
     backend.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
     backend.decoder = decoders.ByteLevel()
     backend.add_special_tokens(SPECIAL_TOKENS)
-    return PreTrainedTokenizerFast(tokenizer_object=backend, eos_token="<|im_end|>", pad_token="<|endoftext|>",
-                                   extra_special_tokens=dict(NAMED_TOKENS))
+    return PreTrainedTokenizerFast(
+        tokenizer_object=backend,
+        eos_token="<|im_end|>",
+        pad_token="<|endoftext|>",
+        extra_special_tokens=dict(NAMED_TOKENS),
+    )
 
 
 def build_tiny_internvl(directory: Path, seed: int = 0, max_patches: int = 12) -> TinyInternVL:
@@ -90,20 +111,39 @@ def build_tiny_internvl(directory: Path, seed: int = 0, max_patches: int = 12) -
     image_token_id = tokenizer.convert_tokens_to_ids("<IMG_CONTEXT>")
     pad_id = tokenizer.convert_tokens_to_ids("<|endoftext|>")
     GotOcr2ImageProcessorPil(
-        size={"height": TILE, "width": TILE}, image_mean=MEAN, image_std=STD, crop_to_patches=False,
-        min_patches=1, max_patches=max_patches,
+        size={"height": TILE, "width": TILE},
+        image_mean=MEAN,
+        image_std=STD,
+        crop_to_patches=False,
+        min_patches=1,
+        max_patches=max_patches,
     ).save_pretrained(directory)
     (directory / "processor_config.json").write_text(
-        json.dumps({"processor_class": "InternVLProcessor", "image_seq_length": TOKENS_PER_TILE}, indent=2))
+        json.dumps({"processor_class": "InternVLProcessor", "image_seq_length": TOKENS_PER_TILE}, indent=2)
+    )
     (directory / "chat_template.jinja").write_text(HF_CHAT_TEMPLATE)
-    text = dict(model_type="qwen2", vocab_size=vocab_size, hidden_size=32, intermediate_size=64,
-                num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
-                eos_token_id=tokenizer.convert_tokens_to_ids("<|im_end|>"), pad_token_id=pad_id,
-                tie_word_embeddings=False)
-    vision = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
-                  image_size=[TILE, TILE], patch_size=[PATCH, PATCH])
-    config = InternVLConfig(text_config=text, vision_config=vision, image_token_id=image_token_id,
-                            downsample_ratio=0.5)
+    text = dict(
+        model_type="qwen2",
+        vocab_size=vocab_size,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=512,
+        eos_token_id=tokenizer.convert_tokens_to_ids("<|im_end|>"),
+        pad_token_id=pad_id,
+        tie_word_embeddings=False,
+    )
+    vision = dict(
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        image_size=[TILE, TILE],
+        patch_size=[PATCH, PATCH],
+    )
+    config = InternVLConfig(text_config=text, vision_config=vision, image_token_id=image_token_id, downsample_ratio=0.5)
     config.architectures = ["InternVLForConditionalGeneration"]
     torch.manual_seed(seed)
     InternVLForConditionalGeneration(config).save_pretrained(directory)

@@ -61,16 +61,24 @@ class Observe(L.Callback):
 
     def on_before_backward(self, trainer: L.Trainer, pl_module: Any, loss: torch.Tensor) -> None:
         if trainer.global_step == 2:
-            self.states = {"root": _state(pl_module), **{f"layers.{i}": _state(m)
-                                                        for i, m in enumerate(pl_module.layers)}}
+            self.states = {
+                "root": _state(pl_module),
+                **{f"layers.{i}": _state(m) for i, m in enumerate(pl_module.layers)},
+            }
 
     def on_train_batch_end(self, trainer: L.Trainer, pl_module: Any, outputs: Any, batch: Any, idx: int) -> None:
         self.losses.append(float(outputs["loss"]))
 
 
-def run(before: bool = False, max_steps: int = 4, ckpt_path: str | None = None, save_dir: str | None = None,
-        freeze_head: bool = False, config: dict[str, Any] | None = None,
-        **strategy_kwargs: Any) -> tuple[dict[str, Any], int]:
+def run(
+    before: bool = False,
+    max_steps: int = 4,
+    ckpt_path: str | None = None,
+    save_dir: str | None = None,
+    freeze_head: bool = False,
+    config: dict[str, Any] | None = None,
+    **strategy_kwargs: Any,
+) -> tuple[dict[str, Any], int]:
     torch.manual_seed(0)
     data = torch.utils.data.TensorDataset(torch.randint(0, 32, (32, 6), generator=torch.Generator().manual_seed(1)))
     observe = Observe()
@@ -86,20 +94,31 @@ def run(before: bool = False, max_steps: int = 4, ckpt_path: str | None = None, 
         module = LM()
         module.head.requires_grad_(not freeze_head)
         plan = {"sharding_size": "auto", "sub_modules_to_wrap": ["layers.{*}"], **(config or {})}
-        trainer = L.Trainer(accelerator="cpu", devices=2, max_steps=max_steps, logger=False,
-                            enable_checkpointing=save_dir is not None, enable_progress_bar=False,
-                            enable_model_summary=False, callbacks=callbacks,
-                            strategy=MMFSDP2Strategy(plan, empty_init=False, **strategy_kwargs))
+        trainer = L.Trainer(
+            accelerator="cpu",
+            devices=2,
+            max_steps=max_steps,
+            logger=False,
+            enable_checkpointing=save_dir is not None,
+            enable_progress_bar=False,
+            enable_model_summary=False,
+            callbacks=callbacks,
+            strategy=MMFSDP2Strategy(plan, empty_init=False, **strategy_kwargs),
+        )
         trainer.fit(module, torch.utils.data.DataLoader(data, batch_size=4), ckpt_path=ckpt_path)
     finally:
         fsdp2.build_plan = plan_builder
-    weights = {n: (p.full_tensor() if isinstance(p, DTensor) else p).detach().flatten().tolist()
-               for n, p in module.named_parameters()}
+    weights = {
+        n: (p.full_tensor() if isinstance(p, DTensor) else p).detach().flatten().tolist()
+        for n, p in module.named_parameters()
+    }
     prefetch = trainer.strategy._sharded.prefetch
     kept = ["<root>" if u is prefetch.root else prefetch.name(u) for u in prefetch.kept_unsharded]
     fused = [group["fused"] for group in trainer.optimizers[0].param_groups]
-    return ({"states": observe.states, "losses": observe.losses, "weights": weights, "kept": kept, "fused": fused},
-            trainer.global_rank)
+    return (
+        {"states": observe.states, "losses": observe.losses, "weights": weights, "kept": kept, "fused": fused},
+        trainer.global_rank,
+    )
 
 
 if __name__ == "__main__":

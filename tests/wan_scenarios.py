@@ -28,8 +28,18 @@ ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
-TINY_WAN = dict(patch_size=(1, 2, 2), num_attention_heads=2, attention_head_dim=12, in_channels=4, out_channels=4,
-                text_dim=16, freq_dim=16, ffn_dim=32, num_layers=2, rope_max_seq_len=32)
+TINY_WAN = dict(
+    patch_size=(1, 2, 2),
+    num_attention_heads=2,
+    attention_head_dim=12,
+    in_channels=4,
+    out_channels=4,
+    text_dim=16,
+    freq_dim=16,
+    ffn_dim=32,
+    num_layers=2,
+    rope_max_seq_len=32,
+)
 SAMPLES = 4  # one epoch: 2 steps of 2 samples (one per rank)
 LATENT_SHAPE = (4, 3, 8, 8)  # (C, F, H, W): 3 x 4 x 4 = 48 video tokens after the (1, 2, 2) patches
 TEXT_LEN = 5
@@ -50,17 +60,22 @@ def write_workdir(work: Path) -> None:
     generator = torch.Generator().manual_seed(1)
     lines = []
     for i in range(SAMPLES):
-        sample = {"video": torch.randn(LATENT_SHAPE, generator=generator),
-                  "prompt_ids": torch.randn(TEXT_LEN, TINY_WAN["text_dim"], generator=generator),
-                  "prompt_mask": torch.tensor([1] * (TEXT_LEN - i % 2) + [0] * (i % 2))}
+        sample = {
+            "video": torch.randn(LATENT_SHAPE, generator=generator),
+            "prompt_ids": torch.randn(TEXT_LEN, TINY_WAN["text_dim"], generator=generator),
+            "prompt_mask": torch.tensor([1] * (TEXT_LEN - i % 2) + [0] * (i % 2)),
+        }
         torch.save(sample, features / f"{i}.pt")
         lines.append(json.dumps({"file": f"{i}.pt", "cap": f"clip {i}"}))
     (features / "data.jsonl").write_text("\n".join(lines) + "\n")
-    data = {"dataset_param": {"dataset_type": "feature",
-                              "basic_parameters": {"data_path": str(features / "data.jsonl"),
-                                                   "data_folder": str(features)},
-                              "preprocess_parameters": {"num_frames": 9, "max_height": 32, "max_width": 32}},
-            "dataloader_param": {"dataloader_mode": "sampler", "shuffle": False, "drop_last": True}}
+    data = {
+        "dataset_param": {
+            "dataset_type": "feature",
+            "basic_parameters": {"data_path": str(features / "data.jsonl"), "data_folder": str(features)},
+            "preprocess_parameters": {"num_frames": 9, "max_height": 32, "max_width": 32},
+        },
+        "dataloader_param": {"dataloader_mode": "sampler", "shuffle": False, "drop_last": True},
+    }
     (work / "data.json").write_text(json.dumps(data, indent=2))
 
 
@@ -75,8 +90,9 @@ def fsdp2_config() -> dict[str, Any]:
     return {**mindspeed_fsdp2_config(YAML), "param_dtype": "fp32", "reduce_dtype": "fp32"}
 
 
-def reference_losses(work: Path, steps: int, data_ranks: int = 2, grads: dict | None = None
-                     ) -> tuple[list[float], dict[str, torch.Tensor]]:
+def reference_losses(
+    work: Path, steps: int, data_ranks: int = 2, grads: dict | None = None
+) -> tuple[list[float], dict[str, torch.Tensor]]:
     """The one-process diffusers run: per step the mean of the data-parallel ranks' losses, and the final weights
     (``data_ranks`` 1: context parallelism over both ranks, one sample a step). ``grads`` receives the first step's
     gradients."""
@@ -131,12 +147,26 @@ def _fit(work: Path, outdir: Path, epochs: int, record: list, ckpt_path: str | N
                 if self.trainer.global_rank == 0:
                     torch.save(grads, outdir / "cp_grads.pt")
 
-    module = Recorded({"init_from_path": str(work / "model")}, noise_seed=NOISE_SEED, fsdp2_config=fsdp2_config(),
-                      lr=LR, log_grad_norm=False, log_throughput=False)
+    module = Recorded(
+        {"init_from_path": str(work / "model")},
+        noise_seed=NOISE_SEED,
+        fsdp2_config=fsdp2_config(),
+        lr=LR,
+        log_grad_norm=False,
+        log_throughput=False,
+    )
     trainer = L.Trainer(
-        accelerator="cpu", devices=2, max_epochs=epochs if cp == 1 else -1, max_steps=-1 if cp == 1 else CP_STEPS,
-        logger=False, enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
-        num_sanity_val_steps=0, default_root_dir=outdir, strategy=MMFSDP2Strategy(context_parallel_size=cp),
+        accelerator="cpu",
+        devices=2,
+        max_epochs=epochs if cp == 1 else -1,
+        max_steps=-1 if cp == 1 else CP_STEPS,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        num_sanity_val_steps=0,
+        default_root_dir=outdir,
+        strategy=MMFSDP2Strategy(context_parallel_size=cp),
     )
     trainer.fit(module, datamodule=MMDataModule.from_config(work / "data.json", batch_size=1), ckpt_path=ckpt_path)
     return trainer, module
@@ -147,23 +177,30 @@ def main(outdir: Path, work: Path) -> None:
 
     record: list = []
     trainer, module = _fit(work, outdir, 1, record)
-    plan = {"units": [u.modules[0] for u in trainer.strategy.plan.units],
-            "recompute": list(trainer.strategy.plan.recompute)}
+    plan = {
+        "units": [u.modules[0] for u in trainer.strategy.plan.units],
+        "recompute": list(trainer.strategy.plan.recompute),
+    }
     trainer.save_checkpoint(outdir / "half.ckpt")
     trainer, module = _fit(work, outdir, 2, record, ckpt_path=str(outdir / "half.ckpt"))
     trainer.save_checkpoint(outdir / "final.ckpt")
-    final = {f"model.{n}": (p.full_tensor() if isinstance(p, DTensor) else p).detach().clone()
-             for n, p in module.model.named_parameters()}
+    final = {
+        f"model.{n}": (p.full_tensor() if isinstance(p, DTensor) else p).detach().clone()
+        for n, p in module.model.named_parameters()
+    }
     if trainer.global_rank == 0:
         torch.save(final, outdir / "final.pt")
     cp_record: list = []
     trainer, module = _fit(work, outdir, 1, cp_record, cp=2)
-    cp_final = {f"model.{n}": (p.full_tensor() if isinstance(p, DTensor) else p).detach().clone()
-                for n, p in module.model.named_parameters()}
+    cp_final = {
+        f"model.{n}": (p.full_tensor() if isinstance(p, DTensor) else p).detach().clone()
+        for n, p in module.model.named_parameters()
+    }
     if trainer.global_rank == 0:
         torch.save(cp_final, outdir / "cp_final.pt")
-    (outdir / f"wan.rank{trainer.global_rank}.json").write_text(json.dumps({"losses": record, "plan": plan,
-                                                                            "cp_losses": cp_record}))
+    (outdir / f"wan.rank{trainer.global_rank}.json").write_text(
+        json.dumps({"losses": record, "plan": plan, "cp_losses": cp_record})
+    )
 
 
 if __name__ == "__main__":

@@ -43,8 +43,9 @@ def _tokenizer(directory: Path) -> None:
     vocab = {tok: i for i, tok in enumerate([*SPECIALS, "a", *COLORS, *SHAPES])}
     core = Tokenizer(models.WordLevel(vocab=vocab, unk_token="[UNK]"))
     core.pre_tokenizer = pre_tokenizers.Whitespace()
-    fast = PreTrainedTokenizerFast(tokenizer_object=core, pad_token="[PAD]", unk_token="[UNK]",
-                                   bos_token="[BOS]", eos_token="[EOS]")
+    fast = PreTrainedTokenizerFast(
+        tokenizer_object=core, pad_token="[PAD]", unk_token="[UNK]", bos_token="[BOS]", eos_token="[EOS]"
+    )
     fast.save_pretrained(str(directory))
 
 

@@ -28,13 +28,18 @@ class CaptioningModule(MMLightningModule):
     def __init__(self, vocab_size: int = 12, hidden_size: int = 64, num_layers: int = 2, **kwargs: Any) -> None:
         super().__init__(**kwargs)
         self.model_config = TinyVLMConfig(vocab_size=vocab_size, hidden_size=hidden_size, num_layers=num_layers)
-        self.accuracy = nn.ModuleDict({
-            stage: MetricCollection({
-                "token_acc": MulticlassAccuracy(vocab_size, average="micro", ignore_index=IGNORE),
-                "caption_acc": MulticlassExactMatch(vocab_size, ignore_index=IGNORE),
-            }, compute_groups=False)
-            for stage in ("train_acc", "val_acc", "test_acc")  # ("train" would shadow nn.Module.train)
-        })
+        self.accuracy = nn.ModuleDict(
+            {
+                stage: MetricCollection(
+                    {
+                        "token_acc": MulticlassAccuracy(vocab_size, average="micro", ignore_index=IGNORE),
+                        "caption_acc": MulticlassExactMatch(vocab_size, ignore_index=IGNORE),
+                    },
+                    compute_groups=False,
+                )
+                for stage in ("train_acc", "val_acc", "test_acc")  # ("train" would shadow nn.Module.train)
+            }
+        )
         for metric in self.accuracy["train_acc"].values():
             metric.dist_sync_on_step = True  # the step value of a logged training step covers every rank
 

@@ -40,14 +40,17 @@ class CaptioningReport(L.Callback):
         best_step, best = max(self.val, key=lambda item: item[1].get("val/caption_acc", 0.0))
         lines = [f"Summary after {trainer.global_step} steps (last validation at step {step}):"]
         if self.train:
-            lines.append(f"  train/loss       {self.train[0][1]:.3f} at step {self.train[0][0]} -> "
-                         f"{self.train[-1][1]:.3f}")
+            lines.append(
+                f"  train/loss       {self.train[0][1]:.3f} at step {self.train[0][0]} -> {self.train[-1][1]:.3f}"
+            )
         for key in ("val/loss", "val/token_acc", "val/caption_acc"):
             if key in last:
                 lines.append(f"  {key:<16} {last[key]:.3f}")
         if "val/caption_acc" in last:
-            lines.append(f"  captions right: {last['val/caption_acc']:.0%} (chance {CHANCE:.0%}); best "
-                         f"{best['val/caption_acc']:.0%} at step {best_step}")
+            lines.append(
+                f"  captions right: {last['val/caption_acc']:.0%} (chance {CHANCE:.0%}); best "
+                f"{best['val/caption_acc']:.0%} at step {best_step}"
+            )
         log_dir = getattr(trainer.logger, "log_dir", None) if trainer.logger is not None else None
         if log_dir:
             plot = Path(log_dir) / "metrics.svg"
@@ -57,14 +60,22 @@ class CaptioningReport(L.Callback):
         print("\n".join(lines), flush=True)
 
 
-def _polyline(points: list[tuple[float, float]], x0: float, x1: float, y0: float, y1: float,
-              box: tuple[int, int, int, int], colour: str) -> str:
+def _polyline(
+    points: list[tuple[float, float]],
+    x0: float,
+    x1: float,
+    y0: float,
+    y1: float,
+    box: tuple[int, int, int, int],
+    colour: str,
+) -> str:
     left, top, width, height = box
     if not points or x1 <= x0:
         return ""
     span = (y1 - y0) or 1.0
-    coords = " ".join(f"{left + (x - x0) / (x1 - x0) * width:.1f},{top + height - (y - y0) / span * height:.1f}"
-                      for x, y in points)
+    coords = " ".join(
+        f"{left + (x - x0) / (x1 - x0) * width:.1f},{top + height - (y - y0) / span * height:.1f}" for x, y in points
+    )
     return f'<polyline fill="none" stroke="{colour}" stroke-width="1.5" points="{coords}"/>'
 
 
@@ -75,16 +86,31 @@ def svg_plot(train: list[tuple[int, float]], val: list[tuple[int, dict[str, floa
     losses = [v for _, v in train] + [m["val/loss"] for _, m in val if "val/loss" in m]
     y_max = max(losses) if losses else 1.0
     width, height, pad = 640, 220, 40
-    parts = [f'<svg xmlns="http://www.w3.org/2000/svg" width="{width}" height="{2 * height + pad}" '
-             'font-family="sans-serif" font-size="11">', '<rect width="100%" height="100%" fill="white"/>']
+    parts = [
+        f'<svg xmlns="http://www.w3.org/2000/svg" width="{width}" height="{2 * height + pad}" '
+        'font-family="sans-serif" font-size="11">',
+        '<rect width="100%" height="100%" fill="white"/>',
+    ]
     panels = [
-        ("loss", 0.0, y_max, [(train, "train/loss", "#1f77b4"),
-                              ([(s, m["val/loss"]) for s, m in val if "val/loss" in m], "val/loss", "#d62728")]),
-        ("accuracy", 0.0, 1.0, [([(s, m["val/token_acc"]) for s, m in val if "val/token_acc" in m],
-                                 "val/token_acc", "#2ca02c"),
-                                ([(s, m["val/caption_acc"]) for s, m in val if "val/caption_acc" in m],
-                                 "val/caption_acc", "#9467bd"),
-                                ([(x0, CHANCE), (x1, CHANCE)], "chance (captions)", "#999999")]),
+        (
+            "loss",
+            0.0,
+            y_max,
+            [
+                (train, "train/loss", "#1f77b4"),
+                ([(s, m["val/loss"]) for s, m in val if "val/loss" in m], "val/loss", "#d62728"),
+            ],
+        ),
+        (
+            "accuracy",
+            0.0,
+            1.0,
+            [
+                ([(s, m["val/token_acc"]) for s, m in val if "val/token_acc" in m], "val/token_acc", "#2ca02c"),
+                ([(s, m["val/caption_acc"]) for s, m in val if "val/caption_acc" in m], "val/caption_acc", "#9467bd"),
+                ([(x0, CHANCE), (x1, CHANCE)], "chance (captions)", "#999999"),
+            ],
+        ),
     ]
     for i, (title, y0, y1, series) in enumerate(panels):
         box = (pad + 10, i * (height + pad // 2) + 20, width - 2 * pad - 10, height - 40)

@@ -60,8 +60,9 @@ class Block(nn.Module):
         self.norm2 = nn.LayerNorm(hidden)
         self.mlp = nn.Sequential(nn.Linear(hidden, 4 * hidden), nn.GELU(), nn.Linear(4 * hidden, hidden))
 
-    def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor] | None = None,
-                causal: bool = True) -> torch.Tensor:
+    def forward(
+        self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor] | None = None, causal: bool = True
+    ) -> torch.Tensor:
         b, s, h = x.shape
         q, k, v = self.qkv(self.norm1(x)).view(b, s, 3, self.heads, h // self.heads).permute(2, 0, 3, 1, 4)
         if rope is not None:
@@ -120,10 +121,11 @@ class TinyVLM(MultiModalModule, FSDP2Mixin, WeightInitMixin):
         self.image_encoder = ImageEncoder(config)
         self.text_decoder = TextDecoder(config)
 
-    def forward(self, images: torch.Tensor, input_ids: torch.Tensor,
-                labels: torch.Tensor | None = None) -> dict[str, torch.Tensor]:
+    def forward(
+        self, images: torch.Tensor, input_ids: torch.Tensor, labels: torch.Tensor | None = None
+    ) -> dict[str, torch.Tensor]:
         prefix = self.image_encoder(images)
-        logits = self.text_decoder(input_ids, prefix)[:, prefix.shape[1]:]
+        logits = self.text_decoder(input_ids, prefix)[:, prefix.shape[1] :]
         out = {"logits": logits}
         if labels is not None:
             out["loss"] = F.cross_entropy(

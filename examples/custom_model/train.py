@@ -65,10 +65,15 @@ def main() -> None:
     L.seed_everything(0)
     torch.set_num_threads(1)
     trainer = L.Trainer(
-        accelerator="cpu", devices=args.devices, max_steps=args.steps,
+        accelerator="cpu",
+        devices=args.devices,
+        max_steps=args.steps,
         strategy=MMFSDP2Strategy(fsdp2_config=args.config),
-        val_check_interval=20, limit_val_batches=4, log_every_n_steps=5,
-        default_root_dir=str(Path.cwd() / "runs" / "custom_model"), enable_checkpointing=False,
+        val_check_interval=20,
+        limit_val_batches=4,
+        log_every_n_steps=5,
+        default_root_dir=str(Path.cwd() / "runs" / "custom_model"),
+        enable_checkpointing=False,
     )
     module = CaptionModule(lr=3e-3, warmup_steps=5, lr_decay_style="cosine", min_lr=3e-4)
     data = MMDataModule(train_valid_test_datasets_provider=train_valid_test_datasets_provider, batch_size=8)

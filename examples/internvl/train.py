@@ -45,12 +45,30 @@ def build_tiny_internvl(path: Path) -> None:
 
     torch.manual_seed(0)
     config = InternVLConfig(
-        vision_config=dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-                           image_size=[28, 28], patch_size=[14, 14]),
-        text_config=dict(model_type="qwen2", vocab_size=VOCAB, hidden_size=64, intermediate_size=128,
-                         num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2,
-                         max_position_embeddings=128, bos_token_id=1, eos_token_id=2, pad_token_id=0),
-        image_token_id=IMAGE_TOKEN, downsample_ratio=0.5, tie_word_embeddings=False,
+        vision_config=dict(
+            hidden_size=64,
+            intermediate_size=128,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            image_size=[28, 28],
+            patch_size=[14, 14],
+        ),
+        text_config=dict(
+            model_type="qwen2",
+            vocab_size=VOCAB,
+            hidden_size=64,
+            intermediate_size=128,
+            num_hidden_layers=4,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            max_position_embeddings=128,
+            bos_token_id=1,
+            eos_token_id=2,
+            pad_token_id=0,
+        ),
+        image_token_id=IMAGE_TOKEN,
+        downsample_ratio=0.5,
+        tie_word_embeddings=False,
     )
     config.architectures = ["InternVLForConditionalGeneration"]
     InternVLForConditionalGeneration(config).save_pretrained(path)
@@ -110,17 +128,28 @@ def main() -> None:
         build_tiny_internvl(hf_path)
 
     # MindSpeed MM's `args.mm.model`: the model section of its config.
-    args = SimpleNamespace(mm=SimpleNamespace(model=SimpleNamespace(
-        model_id="internvl", init_from_hf_path=str(hf_path), freeze=["model.vision_tower"],
-    )))
+    args = SimpleNamespace(
+        mm=SimpleNamespace(
+            model=SimpleNamespace(
+                model_id="internvl",
+                init_from_hf_path=str(hf_path),
+                freeze=["model.vision_tower"],
+            )
+        )
+    )
 
     L.seed_everything(0)
     torch.set_num_threads(1)
     trainer = L.Trainer(
-        accelerator="cpu", devices=cli.devices, max_steps=cli.steps,
+        accelerator="cpu",
+        devices=cli.devices,
+        max_steps=cli.steps,
         strategy=MMFSDP2Strategy(fsdp2_config=cli.config),
-        val_check_interval=min(20, cli.steps), limit_val_batches=2, log_every_n_steps=5,
-        default_root_dir=str(Path.cwd() / "runs" / "internvl"), enable_checkpointing=False,
+        val_check_interval=min(20, cli.steps),
+        limit_val_batches=2,
+        log_every_n_steps=5,
+        default_root_dir=str(Path.cwd() / "runs" / "internvl"),
+        enable_checkpointing=False,
     )
     module = InternVLModule(args, lr=3e-3, warmup_steps=3, lr_decay_style="cosine", min_lr=3e-4)
     data = MMDataModule(train_valid_test_datasets_provider=train_valid_test_datasets_provider, batch_size=8)

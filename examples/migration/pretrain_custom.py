@@ -27,8 +27,9 @@ class ResidualMLP(nn.Module):
 
     def __init__(self, hidden: int) -> None:
         super().__init__()
-        self.mlp = nn.Sequential(nn.LayerNorm(hidden), nn.Linear(hidden, 4 * hidden), nn.GELU(),
-                                 nn.Linear(4 * hidden, hidden))
+        self.mlp = nn.Sequential(
+            nn.LayerNorm(hidden), nn.Linear(hidden, 4 * hidden), nn.GELU(), nn.Linear(4 * hidden, hidden)
+        )
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return x + self.mlp(x)

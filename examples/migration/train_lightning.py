@@ -1,6 +1,6 @@
 """The Lightning version of pretrain_custom.py, in Python: the same five functions, passed by value.
 
-    python examples/migration/train_lightning.py      (from the repository root)
+python examples/migration/train_lightning.py      (from the repository root)
 """
 
 import sys
@@ -16,7 +16,11 @@ from lightning_mm import MMDataModule, MMFSDP2Strategy, MMLightningModule  # noq
 if __name__ == "__main__":
     L.seed_everything(1234)
     trainer = L.Trainer(
-        accelerator="cpu", devices=2, max_steps=60, log_every_n_steps=5, enable_checkpointing=False,
+        accelerator="cpu",
+        devices=2,
+        max_steps=60,
+        log_every_n_steps=5,
+        enable_checkpointing=False,
         strategy=MMFSDP2Strategy(fsdp2_config=Path(__file__).with_name("fsdp2_config.yaml")),
         default_root_dir="runs/migration",
     )

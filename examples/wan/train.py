@@ -28,10 +28,28 @@ from pathlib import Path
 import torch
 
 ROOT = Path(__file__).resolve().parents[2]
-TRANSFORMER = dict(patch_size=(1, 2, 2), num_attention_heads=2, attention_head_dim=12, in_channels=4,
-                   out_channels=4, text_dim=32, freq_dim=32, ffn_dim=64, num_layers=2, rope_max_seq_len=64)
-VAE = dict(base_dim=8, z_dim=4, dim_mult=[1, 2], num_res_blocks=1, attn_scales=[], temperal_downsample=[True],
-           latents_mean=[0.0] * 4, latents_std=[1.0] * 4)
+TRANSFORMER = dict(
+    patch_size=(1, 2, 2),
+    num_attention_heads=2,
+    attention_head_dim=12,
+    in_channels=4,
+    out_channels=4,
+    text_dim=32,
+    freq_dim=32,
+    ffn_dim=64,
+    num_layers=2,
+    rope_max_seq_len=64,
+)
+VAE = dict(
+    base_dim=8,
+    z_dim=4,
+    dim_mult=[1, 2],
+    num_res_blocks=1,
+    attn_scales=[],
+    temperal_downsample=[True],
+    latents_mean=[0.0] * 4,
+    latents_std=[1.0] * 4,
+)
 COLOURS = {"red": (1.0, -1.0, -1.0), "green": (-1.0, 1.0, -1.0), "blue": (-1.0, -1.0, 1.0)}
 MOTIONS = {"right": (0, 1), "left": (0, -1), "down": (1, 0), "up": (-1, 0)}
 WORDS = [*COLOURS, *MOTIONS, "square", "moving"]
@@ -44,7 +62,7 @@ def clip(colour: str, motion: str, start: int) -> torch.Tensor:
     dy, dx = MOTIONS[motion]
     for f in range(FRAMES):
         y, x = 12 + dy * (4 * f - 8) + start, 12 + dx * (4 * f - 8) + start
-        video[:, f, max(y, 0):max(y + 8, 0), max(x, 0):max(x + 8, 0)] = torch.tensor(COLOURS[colour])[:, None, None]
+        video[:, f, max(y, 0) : max(y + 8, 0), max(x, 0) : max(x + 8, 0)] = torch.tensor(COLOURS[colour])[:, None, None]
     return video
 
 
@@ -81,10 +99,13 @@ def prepare(out: Path) -> None:
                 torch.save({"video": latents, "prompt_ids": text_embeddings(caption)}, features / name)
                 records.append({"file": name, "cap": caption})
     (features / "data.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
-    data = {"dataset_param": {"dataset_type": "feature",
-                              "basic_parameters": {"data_path": str(features / "data.jsonl"),
-                                                   "data_folder": str(features)}},
-            "dataloader_param": {"dataloader_mode": "sampler", "shuffle": True, "drop_last": True}}
+    data = {
+        "dataset_param": {
+            "dataset_type": "feature",
+            "basic_parameters": {"data_path": str(features / "data.jsonl"), "data_folder": str(features)},
+        },
+        "dataloader_param": {"dataloader_mode": "sampler", "shuffle": True, "drop_last": True},
+    }
     (out / "data.json").write_text(json.dumps(data, indent=2))
     (out / "prepared").write_text("ok\n")
 
@@ -128,11 +149,23 @@ def main() -> None:
     from lightning_mm.diffusers.export import dcp_to_diffusers
     from lightning_mm.modules.wan_module import MMWanModule
 
-    module = MMWanModule({"init_from_path": str(out / "transformer")}, noise_seed=0, lr=1e-3,
-                         fsdp2_config=ROOT / "tests" / "data" / "wan" / "wan2.1_fsdp2_config.yaml")
-    trainer = L.Trainer(accelerator="cpu", devices=args.devices, max_steps=args.steps, precision="bf16-mixed",
-                        logger=False, enable_checkpointing=False, log_every_n_steps=5, default_root_dir=out,
-                        strategy=MMFSDP2Strategy())
+    module = MMWanModule(
+        {"init_from_path": str(out / "transformer")},
+        noise_seed=0,
+        lr=1e-3,
+        fsdp2_config=ROOT / "tests" / "data" / "wan" / "wan2.1_fsdp2_config.yaml",
+    )
+    trainer = L.Trainer(
+        accelerator="cpu",
+        devices=args.devices,
+        max_steps=args.steps,
+        precision="bf16-mixed",
+        logger=False,
+        enable_checkpointing=False,
+        log_every_n_steps=5,
+        default_root_dir=out,
+        strategy=MMFSDP2Strategy(),
+    )
     trainer.fit(module, datamodule=MMDataModule.from_config(out / "data.json", batch_size=2))
     trainer.save_checkpoint(out / "last.ckpt")
     if trainer.global_rank == 0:

@@ -23,8 +23,9 @@ def npu_device(device: torch.device | str | int, needed_by: str) -> torch.device
     return device
 
 
-def parse_device_indices(devices: int | str | Sequence[int], available: int, name: str = "NPU",
-                         hint: str = "") -> list[int]:
+def parse_device_indices(
+    devices: int | str | Sequence[int], available: int, name: str = "NPU", hint: str = ""
+) -> list[int]:
     """The device indices ``devices`` asks for, checked against the ``available`` count.
 
     Raises ``TypeError`` for a value of the wrong type and ``ValueError`` for a malformed value, an empty or

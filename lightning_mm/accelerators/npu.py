@@ -27,6 +27,7 @@ if TYPE_CHECKING:
 
 __all__ = ["NPUAccelerator", "NPUUnavailableError", "npu_status", "torch_npu_version", "INSTALL_HINT"]
 
+
 class NPUUnavailableError(RuntimeError):
     """``accelerator="npu"`` was asked for where torch_npu or an NPU is missing."""
 

@@ -31,8 +31,13 @@ class SingleNPUStrategy(SingleDeviceStrategy):
 
     strategy_name = "single_npu"
 
-    def __init__(self, device: torch.device | str | int | None = None, accelerator: Any = None,
-                 checkpoint_io: Any = None, precision_plugin: Precision | None = None) -> None:
+    def __init__(
+        self,
+        device: torch.device | str | int | None = None,
+        accelerator: Any = None,
+        checkpoint_io: Any = None,
+        precision_plugin: Precision | None = None,
+    ) -> None:
         super().__init__(device="cpu", accelerator=accelerator, checkpoint_io=checkpoint_io)
         self._npu: torch.device | None = None if device is None else npu_device(device, _NEEDED_BY)
         self.precision_plugin = precision_plugin
@@ -52,8 +57,10 @@ class SingleNPUStrategy(SingleDeviceStrategy):
         if not devices:
             return
         if len(devices) != 1:
-            raise ValueError(f"strategy='single_npu' runs on one NPU, but {len(devices)} devices were asked for "
-                             f"({[str(d) for d in devices]}); use strategy='mm_fsdp2' (or 'ddp') for several")
+            raise ValueError(
+                f"strategy='single_npu' runs on one NPU, but {len(devices)} devices were asked for "
+                f"({[str(d) for d in devices]}); use strategy='mm_fsdp2' (or 'ddp') for several"
+            )
         self._npu = npu_device(devices[0], _NEEDED_BY)
 
     @property

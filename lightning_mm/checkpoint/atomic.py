@@ -35,13 +35,23 @@ import sys
 import uuid
 from pathlib import Path
 
-__all__ = ["partial_path", "stale_partials", "abandoned_partials", "is_abandoned", "live_writers", "commit", "remove",
-           "fsync_dir"]
+__all__ = [
+    "partial_path",
+    "stale_partials",
+    "abandoned_partials",
+    "is_abandoned",
+    "live_writers",
+    "commit",
+    "remove",
+    "fsync_dir",
+]
 
 _PARTIAL = ".partial-"
 _REMOVING = ".removing-"
-_OWNED = re.compile(r"^\..+\.(?:partial|removing)-(?P<host>[0-9a-f]{8})-(?P<pid>[0-9]+)-(?P<start>[0-9]+)-"
-                    r"[0-9a-f]{8}$")
+_OWNED = re.compile(
+    r"^\..+\.(?:partial|removing)-(?P<host>[0-9a-f]{8})-(?P<pid>[0-9]+)-(?P<start>[0-9]+)-"
+    r"[0-9a-f]{8}$"
+)
 _COMMIT_TRIES = 8  # each retry follows a change of the final path by another run's commit
 
 
@@ -124,8 +134,7 @@ def abandoned_partials(directory: Path) -> list[Path]:
     provably gone (see the module docstring)."""
     if not directory.is_dir():
         return []
-    return sorted(p for p in directory.iterdir() if (_PARTIAL in p.name or _REMOVING in p.name)
-                  and _abandoned(p.name))
+    return sorted(p for p in directory.iterdir() if (_PARTIAL in p.name or _REMOVING in p.name) and _abandoned(p.name))
 
 
 def live_writers(final: Path) -> list[str]:
@@ -239,8 +248,11 @@ def commit(partial: Path, final: Path) -> None:
         except _Raced:
             continue
     else:
-        raise OSError(errno.EBUSY, f"{final}: another run keeps replacing this checkpoint while this one commits "
-                                   f"its own ({partial.name} is left in place)")
+        raise OSError(
+            errno.EBUSY,
+            f"{final}: another run keeps replacing this checkpoint while this one commits "
+            f"its own ({partial.name} is left in place)",
+        )
     fsync_dir(final.parent)
 
 

@@ -39,12 +39,17 @@ def check_output(dst: Path, force: bool = False, kind: str = "file") -> None:
         if not force:
             raise FileExistsError(f"output exists: {dst} (remove it, choose another path, or pass --force)")
         markers = _OUTPUT_MARKERS[kind]
-        replaceable = (dst.is_file() and not dst.is_symlink()) if kind == "file" else (
-            dst.is_dir() and not dst.is_symlink() and all((dst / m).is_file() for m in markers))
+        replaceable = (
+            (dst.is_file() and not dst.is_symlink())
+            if kind == "file"
+            else (dst.is_dir() and not dst.is_symlink() and all((dst / m).is_file() for m in markers))
+        )
         if not replaceable:
             what = "a file" if kind == "file" else f"a directory with {', '.join(markers)}"
-            raise FileExistsError(f"output exists: {dst}, and --force replaces only an earlier output ({what}); "
-                                  "remove it or choose another path")
+            raise FileExistsError(
+                f"output exists: {dst}, and --force replaces only an earlier output ({what}); "
+                "remove it or choose another path"
+            )
     if not dst.parent.is_dir():
         raise FileNotFoundError(f"output directory does not exist: {dst.parent}")
 

@@ -71,8 +71,9 @@ def file_digest(path: Path) -> str:
     return range_digest(path, 0, path.stat().st_size)
 
 
-def assign(sizes: Mapping[str, int], rank: int, world: int,
-           prefer: Callable[[str], int | None] = lambda name: None) -> set[str]:
+def assign(
+    sizes: Mapping[str, int], rank: int, world: int, prefer: Callable[[str], int | None] = lambda name: None
+) -> set[str]:
     """The names this rank hashes: each name goes to one rank, the one ``prefer`` names where there is one (a DCP
     shard to the rank that reads it on the same world size), the others largest first to the least loaded rank.
     Every rank gets the same answer for the same ``sizes``."""

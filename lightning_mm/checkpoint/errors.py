@@ -18,8 +18,13 @@ import errno
 import os
 from pathlib import Path
 
-__all__ = ["CheckpointError", "CheckpointIntegrityError", "CheckpointWriteError", "CheckpointNotFoundError",
-           "write_error"]
+__all__ = [
+    "CheckpointError",
+    "CheckpointIntegrityError",
+    "CheckpointWriteError",
+    "CheckpointNotFoundError",
+    "write_error",
+]
 
 _FREE_SPACE_FLOOR = 1 << 20  # a write failure with less than this free is taken for a full disk
 
@@ -83,5 +88,8 @@ def write_error(error: BaseException, path: Path) -> CheckpointWriteError:
     text = " ".join(str(c) for c in causes)
     if "No space left" in text or (("unexpected pos" in text or "inline_container" in text) and _disk_full(path)):
         return CheckpointWriteError(errno.ENOSPC, os.strerror(errno.ENOSPC), str(path))
-    return CheckpointWriteError(errno.EIO, f"writing the checkpoint failed: {type(error).__name__}: "
-                                           f"{str(error).splitlines()[0] if str(error) else ''}", str(path))
+    return CheckpointWriteError(
+        errno.EIO,
+        f"writing the checkpoint failed: {type(error).__name__}: {str(error).splitlines()[0] if str(error) else ''}",
+        str(path),
+    )

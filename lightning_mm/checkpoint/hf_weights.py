@@ -45,8 +45,13 @@ def check_dtype(save_ckpt_dtype: str | None) -> torch.dtype | None:
     return DTYPES[save_ckpt_dtype]
 
 
-def write(state: Mapping[str, torch.Tensor], directory: Path, keys: Mapping[str, str], dtype: torch.dtype | None,
-          distributed: bool) -> list[Path]:
+def write(
+    state: Mapping[str, torch.Tensor],
+    directory: Path,
+    keys: Mapping[str, str],
+    dtype: torch.dtype | None,
+    distributed: bool,
+) -> list[Path]:
     """Write the model tensors ``state`` (this rank's shards, by FQN) under their names ``keys`` into
     ``directory`` (every rank calls this); returns the files left in ``directory`` (on rank 0; the others wrote
     only shards, consolidated and removed)."""
@@ -57,10 +62,12 @@ def write(state: Mapping[str, torch.Tensor], directory: Path, keys: Mapping[str,
     for fqn, name in keys.items():
         tensor = state[fqn]
         tensors[name] = tensor.to(dtype) if dtype is not None and tensor.is_floating_point() else tensor
-    writer = HuggingFaceStorageWriter(str(directory), save_distributed=True, enable_consolidation=True,
-                                      fqn_to_index_mapping=dict.fromkeys(tensors, 1))
-    dcp.save(tensors, storage_writer=writer, planner=DefaultSavePlanner(flatten_state_dict=False),
-             no_dist=not distributed)
+    writer = HuggingFaceStorageWriter(
+        str(directory), save_distributed=True, enable_consolidation=True, fqn_to_index_mapping=dict.fromkeys(tensors, 1)
+    )
+    dcp.save(
+        tensors, storage_writer=writer, planner=DefaultSavePlanner(flatten_state_dict=False), no_dist=not distributed
+    )
     if distributed and torch.distributed.get_rank() != 0:
         return []  # rank 0 consolidated every rank's shards (DCP's finish step) and lists the files
     sharded = directory / SHARDED_DIR
@@ -69,8 +76,9 @@ def write(state: Mapping[str, torch.Tensor], directory: Path, keys: Mapping[str,
     return sorted(p for p in directory.iterdir() if p.suffix == ".safetensors" or p.name == INDEX_FILE)
 
 
-def weights_view(path: Path, record: Any, listed: Mapping[str, Any] | None) -> tuple[
-        dict[str, tuple[int, ...]], dict[str, torch.dtype], dict[str, str]]:
+def weights_view(
+    path: Path, record: Any, listed: Mapping[str, Any] | None
+) -> tuple[dict[str, tuple[int, ...]], dict[str, torch.dtype], dict[str, str]]:
     """Shapes and dtypes of the stored model tensors under their checkpoint keys (``state_dict/<fqn>``), and each
     key's safetensors name; the files read must be listed in the checkpoint's manifest (``listed``)."""
     if not isinstance(record, Mapping) or not isinstance(record.get("keys"), Mapping):
@@ -80,23 +88,29 @@ def weights_view(path: Path, record: Any, listed: Mapping[str, Any] | None) -> t
     if listed is not None:
         unlisted = [f for f in files if f not in listed]
         if unlisted:
-            raise CheckpointIntegrityError(f"{path / unlisted[0]}: not part of this checkpoint (its manifest does not "
-                                           "list it)")
+            raise CheckpointIntegrityError(
+                f"{path / unlisted[0]}: not part of this checkpoint (its manifest does not list it)"
+            )
     metadata = HuggingFaceStorageReader(str(path)).read_metadata()
     stored = metadata.state_dict_metadata
     absent = sorted(n for n in names.values() if n not in stored)
     if absent:
-        raise CheckpointIntegrityError(f"{path}: its safetensors files lack {len(absent)} tensor(s) its meta lists, "
-                                       f"e.g. {absent[:3]}")
+        raise CheckpointIntegrityError(
+            f"{path}: its safetensors files lack {len(absent)} tensor(s) its meta lists, e.g. {absent[:3]}"
+        )
     shapes = {key: tuple(stored[name].size) for key, name in names.items()}
     dtypes = {key: stored[name].properties.dtype for key, name in names.items()}
     return shapes, dtypes, names
 
 
-def read_into(path: Path, destinations: Mapping[str, torch.Tensor], names: Mapping[str, str],
-              distributed: bool) -> None:
+def read_into(
+    path: Path, destinations: Mapping[str, torch.Tensor], names: Mapping[str, str], distributed: bool
+) -> None:
     """Fill each destination (by checkpoint key; a DTensor receives its own shard) from the safetensors files."""
     renamed = {names[key]: tensor for key, tensor in destinations.items()}
-    dcp.load(renamed, storage_reader=HuggingFaceStorageReader(str(path)),
-             planner=DefaultLoadPlanner(flatten_state_dict=False, flatten_sharded_tensors=False),
-             no_dist=not distributed)
+    dcp.load(
+        renamed,
+        storage_reader=HuggingFaceStorageReader(str(path)),
+        planner=DefaultLoadPlanner(flatten_state_dict=False, flatten_sharded_tensors=False),
+        no_dist=not distributed,
+    )

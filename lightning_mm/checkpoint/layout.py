@@ -121,8 +121,10 @@ class KeyPlan:
 
     def describe(self, what: str, limit: int = 40) -> str:
         parts = []
-        for title, items in (("missing from the checkpoint", self.missing),
-                             ("unexpected in the checkpoint", self.unexpected)):
+        for title, items in (
+            ("missing from the checkpoint", self.missing),
+            ("unexpected in the checkpoint", self.unexpected),
+        ):
             if items:
                 shown = listing(items, limit)
                 parts.append(f"{len(items)} {what} key(s) {title}: {shown}")

@@ -147,8 +147,13 @@ def write_manifest(directory: Path, entries: Iterable[Mapping[str, dict[str, Any
     for part in entries:
         files.update(part or {})
     files.update(file_entries(directory / name for name in extra))
-    manifest = {"manifest": _KIND, "version": _VERSION, "id": uuid.uuid4().hex, "hash": _HASH,
-                "files": dict(sorted(files.items()))}
+    manifest = {
+        "manifest": _KIND,
+        "version": _VERSION,
+        "id": uuid.uuid4().hex,
+        "hash": _HASH,
+        "files": dict(sorted(files.items())),
+    }
     with open(directory / MANIFEST_FILE, "w") as f:
         json.dump(manifest, f, indent=1)
         f.flush()
@@ -159,16 +164,20 @@ def write_manifest(directory: Path, entries: Iterable[Mapping[str, dict[str, Any
 def check_name(directory: Path, name: Any, what: str) -> Path:
     """``directory/name`` for a plain file name; anything that could lead outside ``directory`` is refused."""
     if not is_plain_file_name(name):
-        raise CheckpointIntegrityError(f"{directory}: {what} names {name!r}, which is not a file of the checkpoint "
-                                       "directory (a checkpoint never refers to files outside itself)")
+        raise CheckpointIntegrityError(
+            f"{directory}: {what} names {name!r}, which is not a file of the checkpoint "
+            "directory (a checkpoint never refers to files outside itself)"
+        )
     return directory / name
 
 
 def inside(directory: Path, path: Path) -> Path:
     """``path`` if it is a regular file (not a link) inside ``directory``; a clear error otherwise."""
     if path.is_symlink():
-        raise CheckpointIntegrityError(f"{path}: is a symbolic link (to {os.readlink(path)}); checkpoint files "
-                                       "are regular files inside the checkpoint directory")
+        raise CheckpointIntegrityError(
+            f"{path}: is a symbolic link (to {os.readlink(path)}); checkpoint files "
+            "are regular files inside the checkpoint directory"
+        )
     if not path.exists():
         raise CheckpointIntegrityError(f"{path}: missing (the checkpoint is incomplete)")
     if not path.is_file():
@@ -188,23 +197,32 @@ def read_manifest(directory: Path) -> dict[str, Any] | None:
         manifest = json.loads(file.read_text())
     except (UnicodeDecodeError, json.JSONDecodeError) as error:
         raise CheckpointIntegrityError(f"{file}: not a valid manifest ({error})") from error
-    if not isinstance(manifest, dict) or manifest.get("manifest") != _KIND or not isinstance(
-            manifest.get("files"), dict):
+    if (
+        not isinstance(manifest, dict)
+        or manifest.get("manifest") != _KIND
+        or not isinstance(manifest.get("files"), dict)
+    ):
         raise CheckpointIntegrityError(f"{file}: not a lightning-mm checkpoint manifest")
     version = manifest.get("version", 1)
     if not isinstance(version, int) or version < 1:
         raise CheckpointIntegrityError(f"{file}: invalid manifest version {version!r}")
     if version > _VERSION:
-        raise CheckpointIntegrityError(f"{file}: manifest version {manifest['version']} is newer than this "
-                                       f"lightning-mm reads ({_VERSION})")
+        raise CheckpointIntegrityError(
+            f"{file}: manifest version {manifest['version']} is newer than this lightning-mm reads ({_VERSION})"
+        )
     if manifest.get("hash") != _HASHES[version]:
-        raise CheckpointIntegrityError(f"{file}: unknown hash {manifest.get('hash')!r} (this lightning-mm uses "
-                                       f"{_HASHES[version]} in version {version} manifests)")
+        raise CheckpointIntegrityError(
+            f"{file}: unknown hash {manifest.get('hash')!r} (this lightning-mm uses "
+            f"{_HASHES[version]} in version {version} manifests)"
+        )
     fields = ("sha256", "sample") if version == 1 else (digest.FIELD,)
     for name, entry in manifest["files"].items():
         check_name(directory, name, MANIFEST_FILE)
-        if not isinstance(entry, dict) or not isinstance(entry.get("size"), int) or not all(
-                isinstance(entry.get(k), str) for k in fields):
+        if (
+            not isinstance(entry, dict)
+            or not isinstance(entry.get("size"), int)
+            or not all(isinstance(entry.get(k), str) for k in fields)
+        ):
             raise CheckpointIntegrityError(f"{file}: malformed entry for {name}")
     return manifest
 
@@ -241,7 +259,8 @@ def _not_ours(path: Path, size: int, entry: dict[str, Any]) -> CheckpointIntegri
         return None
     return CheckpointIntegrityError(
         f"{path}: does not belong to this checkpoint: a complete {kind} of {size} bytes that is not the one its "
-        f"{MANIFEST_FILE} records ({entry['size']} bytes, another content), i.e. the file of another checkpoint or run")
+        f"{MANIFEST_FILE} records ({entry['size']} bytes, another content), i.e. the file of another checkpoint or run"
+    )
 
 
 def _differs(path: Path, size: int, entry: dict[str, Any], sample: dict[str, int] | None, full: bool) -> bool:
@@ -250,11 +269,11 @@ def _differs(path: Path, size: int, entry: dict[str, Any], sample: dict[str, int
     if sample is None:
         return full and digest.file_digest(path) != entry[digest.FIELD]
     return _sample(path, size, sample["blocks"], sample["block_size"]) != entry["sample"] or (
-        full and _sha256(path) != entry["sha256"])
+        full and _sha256(path) != entry["sha256"]
+    )
 
 
-def _check_file(directory: Path, name: str, entry: dict[str, Any], sample: dict[str, int] | None,
-                full: bool) -> None:
+def _check_file(directory: Path, name: str, entry: dict[str, Any], sample: dict[str, int] | None, full: bool) -> None:
     path = inside(directory, directory / name)
     size = path.stat().st_size
     if size != entry["size"]:
@@ -262,14 +281,17 @@ def _check_file(directory: Path, name: str, entry: dict[str, Any], sample: dict[
         if foreign is not None:
             raise foreign
         state = "truncated" if size < entry["size"] else "longer than written"
-        raise CheckpointIntegrityError(f"{path}: {state} ({size} bytes; the checkpoint's manifest records "
-                                       f"{entry['size']})")
+        raise CheckpointIntegrityError(
+            f"{path}: {state} ({size} bytes; the checkpoint's manifest records {entry['size']})"
+        )
     if _differs(path, size, entry, sample, full):
         foreign = _not_ours(path, size, entry)
         if foreign is not None:
             raise foreign
-        raise CheckpointIntegrityError(f"{path}: its content differs from the checkpoint's manifest: the file was "
-                                       "altered or comes from another checkpoint")
+        raise CheckpointIntegrityError(
+            f"{path}: its content differs from the checkpoint's manifest: the file was "
+            "altered or comes from another checkpoint"
+        )
 
 
 def verify(directory: Path, full: bool = False, hashed: Container[str] | None = None) -> dict[str, Any] | None:
@@ -285,15 +307,22 @@ def verify(directory: Path, full: bool = False, hashed: Container[str] | None = 
     sample = None
     if sampled_only(manifest):
         sample = manifest.get("sample") or {}
-        sample = {"blocks": int(sample.get("blocks", _BLOCKS)),
-                  "block_size": int(sample.get("block_size", _BLOCK_SIZE))}
+        sample = {
+            "blocks": int(sample.get("blocks", _BLOCKS)),
+            "block_size": int(sample.get("block_size", _BLOCK_SIZE)),
+        }
         if not 2 <= sample["blocks"] <= 64 or not 1 <= sample["block_size"] <= 1 << 20:
             raise CheckpointIntegrityError(f"{directory / MANIFEST_FILE}: invalid sample settings {sample}")
     foreign = sorted(p.name for p in directory.iterdir() if p.name.endswith(_DCP_SUFFIX) and p.name not in files)
     if foreign:
-        raise CheckpointIntegrityError(f"{directory / foreign[0]}: not part of this checkpoint (its manifest does not "
-                                       f"list it{f'; nor {foreign[1:]}' if len(foreign) > 1 else ''})")
-    _parallel(lambda item: _check_file(directory, item[0], item[1], sample,
-                                       full or (sample is None and (hashed is None or item[0] in hashed))),
-              sorted(files.items()))
+        raise CheckpointIntegrityError(
+            f"{directory / foreign[0]}: not part of this checkpoint (its manifest does not "
+            f"list it{f'; nor {foreign[1:]}' if len(foreign) > 1 else ''})"
+        )
+    _parallel(
+        lambda item: _check_file(
+            directory, item[0], item[1], sample, full or (sample is None and (hashed is None or item[0] in hashed))
+        ),
+        sorted(files.items()),
+    )
     return manifest

@@ -66,8 +66,13 @@ def is_index_keyed(saved: Mapping[str, Any]) -> bool:
     return bool(params) and all(_is_index(p) for p in params)
 
 
-def saved_names(saved: Mapping[str, Any], current_groups: Sequence[Mapping[str, Any]], where: str,
-                recorded: Sequence[Sequence[str]] | None = None, annotated: bool = False) -> dict[str, str]:
+def saved_names(
+    saved: Mapping[str, Any],
+    current_groups: Sequence[Mapping[str, Any]],
+    where: str,
+    recorded: Sequence[Sequence[str]] | None = None,
+    annotated: bool = False,
+) -> dict[str, str]:
     """``{str(saved parameter id): parameter name}`` for every parameter of the saved groups.
 
     A name-keyed state maps each name to itself. An index-keyed state maps through ``recorded`` (the names this
@@ -85,18 +90,24 @@ def saved_names(saved: Mapping[str, Any], current_groups: Sequence[Mapping[str, 
         return {p: p for g in groups for p in g.get("params", [])}
     if recorded is not None:
         if [len(g.get("params", [])) for g in groups] != [len(names) for names in recorded]:
-            raise CheckpointKeyError(f"{where}: the recorded parameter names do not match the parameter groups "
-                                     f"(sizes {[len(n) for n in recorded]} and "
-                                     f"{[len(g.get('params', [])) for g in groups]})")
+            raise CheckpointKeyError(
+                f"{where}: the recorded parameter names do not match the parameter groups "
+                f"(sizes {[len(n) for n in recorded]} and "
+                f"{[len(g.get('params', [])) for g in groups]})"
+            )
         return {str(i): str(name) for g, names in zip(groups, recorded) for i, name in zip(g["params"], names)}
     current = {p for g in current_groups for p in g["params"]}
-    if groups and all(PARAM_NAMES in g for g in groups) and (
-            annotated or all(n in current for g in groups for n in g[PARAM_NAMES])):
+    if (
+        groups
+        and all(PARAM_NAMES in g for g in groups)
+        and (annotated or all(n in current for g in groups for n in g[PARAM_NAMES]))
+    ):
         out = {}
         for g in groups:
             if len(g[PARAM_NAMES]) != len(g["params"]):
-                raise CheckpointKeyError(f"{where}: a parameter group has {len(g['params'])} parameters and "
-                                         f"{len(g[PARAM_NAMES])} names")
+                raise CheckpointKeyError(
+                    f"{where}: a parameter group has {len(g['params'])} parameters and {len(g[PARAM_NAMES])} names"
+                )
             out.update({str(i): name for i, name in zip(g["params"], g[PARAM_NAMES])})
         return out
     saved_sizes = [len(g.get("params", [])) for g in groups]

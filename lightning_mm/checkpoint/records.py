@@ -22,8 +22,19 @@ RecordCheck = Callable[[Mapping[str, Any], nn.Module, str], None]
 """``check(records, root, where)``: the loaded checkpoint's records (every name), the module, the checkpoint path."""
 
 #: The checkpoint's own keys in the ``lightning_mm`` entry, which no provider may take.
-RESERVED = frozenset({"format_version", "format", "kind", "world_size", "mesh_shape", "rng_point", "ranks", "manifest",
-                      "optimizer_param_names"})
+RESERVED = frozenset(
+    {
+        "format_version",
+        "format",
+        "kind",
+        "world_size",
+        "mesh_shape",
+        "rng_point",
+        "ranks",
+        "manifest",
+        "optimizer_param_names",
+    }
+)
 
 _providers: dict[str, RecordProvider] = {}
 _checks: dict[str, RecordCheck] = {}

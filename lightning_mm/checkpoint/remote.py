@@ -166,7 +166,7 @@ def _whole(size: int, digests: list[bytes]) -> str:
 
 
 def _hash_bytes(data: bytes) -> str:
-    return _whole(len(data), [hashlib.sha256(data[i:i + _CHUNK]).digest() for i in range(0, len(data), _CHUNK)])
+    return _whole(len(data), [hashlib.sha256(data[i : i + _CHUNK]).digest() for i in range(0, len(data), _CHUNK)])
 
 
 def _sample_offsets(size: int) -> list[int]:
@@ -177,8 +177,14 @@ def _sample_offsets(size: int) -> list[int]:
 
 
 def _manifest_bytes(files: Mapping[str, dict[str, Any]]) -> bytes:
-    manifest = {"manifest": _KIND, "version": _VERSION, "id": uuid.uuid4().hex, "hash": _HASH,
-                "sample": {"blocks": _BLOCKS, "block_size": _BLOCK_SIZE}, "files": dict(sorted(files.items()))}
+    manifest = {
+        "manifest": _KIND,
+        "version": _VERSION,
+        "id": uuid.uuid4().hex,
+        "hash": _HASH,
+        "sample": {"blocks": _BLOCKS, "block_size": _BLOCK_SIZE},
+        "files": dict(sorted(files.items())),
+    }
     return json.dumps(manifest, indent=1).encode()
 
 
@@ -200,13 +206,21 @@ def _writer(url: str, options: Mapping[str, Any]) -> Any:
     return Writer(url, sync_files=False, **options)
 
 
-def save(checkpoint: dict[str, Any], url: str, fmt: str, extra: dict[str, Any], rng: dict[str, Any] | None,
-         storage_options: Mapping[str, Any] | None = None) -> None:
+def save(
+    checkpoint: dict[str, Any],
+    url: str,
+    fmt: str,
+    extra: dict[str, Any],
+    rng: dict[str, Any] | None,
+    storage_options: Mapping[str, Any] | None = None,
+) -> None:
     """Write a ``torch_dcp`` checkpoint to ``url`` (see the module docstring); every rank calls this, as
     :func:`.store.save`."""
     if fmt != "torch_dcp":
-        raise ValueError(f"{url}: checkpoint_format={fmt!r} cannot be written to a URL; checkpoints at URLs are "
-                         "'torch_dcp' directories")
+        raise ValueError(
+            f"{url}: checkpoint_format={fmt!r} cannot be written to a URL; checkpoints at URLs are "
+            "'torch_dcp' directories"
+        )
     store = RemoteStore(url, storage_options)
     checkpoint = _copy_loops(checkpoint)
     ranks = _gather({"rng": rng, "combined_loader": pop_loader_states(checkpoint)})
@@ -229,8 +243,12 @@ def save(checkpoint: dict[str, Any], url: str, fmt: str, extra: dict[str, Any], 
     try:
         writer = _writer(store.url_of(staging), store.options)
         with _single_process_quiet():
-            dcp.save(tensors, storage_writer=writer, planner=DefaultSavePlanner(flatten_state_dict=False),
-                     no_dist=not _distributed())
+            dcp.save(
+                tensors,
+                storage_writer=writer,
+                planner=DefaultSavePlanner(flatten_state_dict=False),
+                no_dist=not _distributed(),
+            )
         entries = {name: store.entry(f"{staging}/{name}") for name in sorted(writer.written)}
     except Exception as err:
         failure, original = _failure(err, url), err
@@ -282,17 +300,23 @@ def _manifest(store: RemoteStore) -> dict[str, Any]:
     except FileNotFoundError:
         raise CheckpointIntegrityError(
             f"{where}: missing, so {store.url} is not a complete checkpoint (a save that did not finish, or not a "
-            "lightning-mm checkpoint); a checkpoint at a URL is complete once its manifest is written") from None
+            "lightning-mm checkpoint); a checkpoint at a URL is complete once its manifest is written"
+        ) from None
     try:
         manifest = json.loads(data)
     except (UnicodeDecodeError, json.JSONDecodeError) as err:
         raise CheckpointIntegrityError(f"{where}: not a valid manifest ({err})") from None
-    if not isinstance(manifest, dict) or manifest.get("manifest") != _KIND or not isinstance(
-            manifest.get("files"), dict) or manifest.get("hash") != _HASH:
+    if (
+        not isinstance(manifest, dict)
+        or manifest.get("manifest") != _KIND
+        or not isinstance(manifest.get("files"), dict)
+        or manifest.get("hash") != _HASH
+    ):
         raise CheckpointIntegrityError(f"{where}: not a lightning-mm checkpoint manifest (or an unknown hash)")
     if int(manifest.get("version", 0)) > _VERSION:
-        raise CheckpointIntegrityError(f"{where}: manifest version {manifest['version']} is newer than this "
-                                       f"lightning-mm reads ({_VERSION})")
+        raise CheckpointIntegrityError(
+            f"{where}: manifest version {manifest['version']} is newer than this lightning-mm reads ({_VERSION})"
+        )
     for name, entry in manifest["files"].items():
         if not is_plain_file_name(name) or not isinstance(entry, dict) or not isinstance(entry.get("size"), int):
             raise CheckpointIntegrityError(f"{where}: malformed entry {name!r}")
@@ -306,8 +330,10 @@ def _verify(store: RemoteStore, manifest: dict[str, Any], full: bool, read: dict
         present[posixpath.basename(info["name"].rstrip("/"))] = info
     foreign = sorted(n for n in present if n.endswith(_DCP_SUFFIX) and n not in files)
     if foreign:
-        raise CheckpointIntegrityError(f"{store.url}/{foreign[0]}: not part of this checkpoint (its manifest does "
-                                       f"not list it{f'; nor {foreign[1:]}' if len(foreign) > 1 else ''})")
+        raise CheckpointIntegrityError(
+            f"{store.url}/{foreign[0]}: not part of this checkpoint (its manifest does "
+            f"not list it{f'; nor {foreign[1:]}' if len(foreign) > 1 else ''})"
+        )
     for name, entry in sorted(files.items()):
         where = f"{store.url}/{name}"
         if name not in present:
@@ -315,8 +341,9 @@ def _verify(store: RemoteStore, manifest: dict[str, Any], full: bool, read: dict
         size = int(present[name].get("size") or 0)
         if size != entry["size"]:
             state = "truncated" if size < entry["size"] else "longer than written"
-            raise CheckpointIntegrityError(f"{where}: {state} ({size} bytes; the checkpoint's manifest records "
-                                           f"{entry['size']})")
+            raise CheckpointIntegrityError(
+                f"{where}: {state} ({size} bytes; the checkpoint's manifest records {entry['size']})"
+            )
         path = f"{store.root}/{name}"
         if name in read:
             same = _hash_bytes(read[name]) == entry.get("sha256")
@@ -325,8 +352,10 @@ def _verify(store: RemoteStore, manifest: dict[str, Any], full: bool, read: dict
         else:
             same = store.sample(path, size) == entry.get("sample")
         if not same:
-            raise CheckpointIntegrityError(f"{where}: its content differs from the checkpoint's manifest: the object "
-                                           "was altered or comes from another checkpoint")
+            raise CheckpointIntegrityError(
+                f"{where}: its content differs from the checkpoint's manifest: the object "
+                "was altered or comes from another checkpoint"
+            )
 
 
 def _metadata(store: RemoteStore, data: bytes, files: Mapping[str, dict[str, Any]]) -> Metadata:
@@ -344,8 +373,13 @@ def _metadata(store: RemoteStore, data: bytes, files: Mapping[str, dict[str, Any
         offset, length = getattr(info, "offset", None), getattr(info, "length", None)
         if name not in files:
             raise CheckpointIntegrityError(f"{where}: names {name!r}, which its manifest does not list")
-        if not (isinstance(offset, int) and isinstance(length, int) and 0 <= offset and 0 <= length
-                and offset + length <= files[name]["size"]):
+        if not (
+            isinstance(offset, int)
+            and isinstance(length, int)
+            and 0 <= offset
+            and 0 <= length
+            and offset + length <= files[name]["size"]
+        ):
             raise CheckpointIntegrityError(f"{where}: invalid byte range for {index.fqn} in {name}")
     return metadata
 
@@ -363,8 +397,9 @@ def _meta(store: RemoteStore, data: bytes) -> dict[str, Any]:
     return meta
 
 
-def open_source(url: str, storage_options: Mapping[str, Any] | None = None,
-                full_check: bool = True) -> CheckpointSource:
+def open_source(
+    url: str, storage_options: Mapping[str, Any] | None = None, full_check: bool = True
+) -> CheckpointSource:
     """Open the checkpoint at ``url`` (checked against its manifest first) as a :class:`.store.CheckpointSource`."""
     store = RemoteStore(url, storage_options)
     manifest = _manifest(store)
@@ -405,8 +440,9 @@ def remove(url: str, storage_options: Mapping[str, Any] | None = None) -> None:
 
 
 # ------------------------------------------------------------------------------------------- copying
-def download(url: str, directory: Any, storage_options: Mapping[str, Any] | None = None,
-             checkpoint: bool = True) -> None:
+def download(
+    url: str, directory: Any, storage_options: Mapping[str, Any] | None = None, checkpoint: bool = True
+) -> None:
     """Copy what ``url`` holds into the new local ``directory`` (the converters read it there). A ``checkpoint``
     (``torch_dcp``) is checked against its manifest first, every object hashed whole; a Hugging Face directory
     (``checkpoint=False``) is copied as it is, its top-level objects only."""
@@ -417,8 +453,9 @@ def download(url: str, directory: Any, storage_options: Mapping[str, Any] | None
     else:
         if not store.fs.isdir(store.root):
             raise CheckpointNotFoundError(f"not found: {store.url} (a directory of Hugging Face files)")
-        names = sorted(posixpath.basename(p["name"]) for p in store.fs.ls(store.root, detail=True)
-                       if p.get("type") == "file")
+        names = sorted(
+            posixpath.basename(p["name"]) for p in store.fs.ls(store.root, detail=True) if p.get("type") == "file"
+        )
     for name in names:
         if not is_plain_file_name(name):
             raise CheckpointIntegrityError(f"{store.url}: names {name!r}, not a plain file name")

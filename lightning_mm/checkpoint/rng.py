@@ -27,8 +27,13 @@ def capture_rng(device: torch.device | None = None) -> dict[str, Any]:
     numpy = sys.modules.get("numpy")
     if numpy is not None:
         name, keys, pos, has_gauss, gauss = numpy.random.get_state(legacy=True)
-        state["numpy"] = {"name": str(name), "keys": torch.from_numpy(keys.astype("int64")), "pos": int(pos),
-                          "has_gauss": int(has_gauss), "gauss": float(gauss)}
+        state["numpy"] = {
+            "name": str(name),
+            "keys": torch.from_numpy(keys.astype("int64")),
+            "pos": int(pos),
+            "has_gauss": int(has_gauss),
+            "gauss": float(gauss),
+        }
     return state
 
 
@@ -44,8 +49,15 @@ def restore_rng(state: dict[str, Any], device: torch.device | None = None) -> No
         import numpy
 
         np_state = state["numpy"]
-        numpy.random.set_state((np_state["name"], np_state["keys"].numpy().astype("uint32"), np_state["pos"],
-                                np_state["has_gauss"], np_state["gauss"]))
+        numpy.random.set_state(
+            (
+                np_state["name"],
+                np_state["keys"].numpy().astype("uint32"),
+                np_state["pos"],
+                np_state["has_gauss"],
+                np_state["gauss"],
+            )
+        )
 
 
 def _as_tuples(value: Any) -> Any:

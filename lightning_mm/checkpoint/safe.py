@@ -34,8 +34,14 @@ __all__ = [
 _DCP_METADATA = "torch.distributed.checkpoint.metadata"
 _ALLOWED: dict[str, set[str]] = {
     _DCP_METADATA: {
-        "Metadata", "MetadataIndex", "ChunkStorageMetadata", "StorageMeta", "TensorProperties",
-        "TensorStorageMetadata", "BytesStorageMetadata", "_MEM_FORMAT_ENCODING",
+        "Metadata",
+        "MetadataIndex",
+        "ChunkStorageMetadata",
+        "StorageMeta",
+        "TensorProperties",
+        "TensorStorageMetadata",
+        "BytesStorageMetadata",
+        "_MEM_FORMAT_ENCODING",
     },
     "torch.distributed.checkpoint.filesystem": {"_StorageInfo"},
     "torch.serialization": {"_get_layout"},
@@ -119,8 +125,7 @@ class SafeLoadPlanner(DefaultLoadPlanner):
     """``DefaultLoadPlanner`` for flat state dicts that reads any non-tensor entry ``weights_only``."""
 
     def __init__(self, allow_partial_load: bool = False) -> None:
-        super().__init__(flatten_state_dict=False, flatten_sharded_tensors=False,
-                         allow_partial_load=allow_partial_load)
+        super().__init__(flatten_state_dict=False, flatten_sharded_tensors=False, allow_partial_load=allow_partial_load)
 
     def load_bytes(self, read_item: Any, value: io.BytesIO) -> None:
         self.state_dict[read_item.dest_index.fqn] = torch.load(value, weights_only=True)
@@ -165,8 +170,11 @@ def check_weights_only(meta: Mapping[str, Any]) -> None:
 def _unpickler_reason(error: BaseException) -> str:
     """The reason torch's weights-only unpickler gives, without its advice to load unsafely."""
     paragraphs = [p.strip().removeprefix("WeightsUnpickler error:").strip() for p in str(error).split("\n\n")]
-    kept = [p for p in paragraphs if p and not any(
-        word in p for word in ("weights_only", "Weights only", "documentation", "trusted source"))]
+    kept = [
+        p
+        for p in paragraphs
+        if p and not any(word in p for word in ("weights_only", "Weights only", "documentation", "trusted source"))
+    ]
     return " ".join(kept).replace("\n", " ") or type(error).__name__
 
 

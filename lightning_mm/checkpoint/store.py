@@ -179,8 +179,9 @@ indices of its (torch-layout) state stand for."""
 def optimizer_param_names(model: nn.Module, optimizers: Sequence[Any]) -> list[list[list[str]]]:
     """For each optimiser, its parameter names (FQNs) per group, as :func:`optimizer_state` names them (local:
     no collective)."""
-    return [group_param_names(get_optimizer_state_dict(model, _unwrap(o), options=StateDictOptions()))
-            for o in optimizers]
+    return [
+        group_param_names(get_optimizer_state_dict(model, _unwrap(o), options=StateDictOptions())) for o in optimizers
+    ]
 
 
 def gather_full(state: dict[str, Any]) -> dict[str, Any]:
@@ -270,8 +271,10 @@ def save(
             atomic.remove(stale)
         others = atomic.live_writers(path)
         if others:
-            rank_zero_warn(f"another run is saving {path.name} here ({'; '.join(others)}): the checkpoint "
-                           f"committed last replaces the other in {path.parent}")
+            rank_zero_warn(
+                f"another run is saving {path.name} here ({'; '.join(others)}): the checkpoint "
+                f"committed last replaces the other in {path.parent}"
+            )
         path.parent.mkdir(parents=True, exist_ok=True)
     _barrier()
     if fmt == "torch_dcp":
@@ -296,8 +299,14 @@ def _stage(tensors: dict[str, Any]) -> dict[str, Any]:
     from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
 
     accelerated = any(isinstance(t, torch.Tensor) and t.device.type != "cpu" for t in tensors.values())
-    stager = DefaultStager(StagingOptions(use_pinned_memory=accelerated, use_shared_memory=False,
-                                          use_async_staging=False, use_non_blocking_copy=accelerated))
+    stager = DefaultStager(
+        StagingOptions(
+            use_pinned_memory=accelerated,
+            use_shared_memory=False,
+            use_async_staging=False,
+            use_non_blocking_copy=accelerated,
+        )
+    )
     try:
         return stager.stage(tensors)
     finally:
@@ -310,8 +319,16 @@ def _serialised(obj: Any) -> bytes:
     return buffer.getvalue()
 
 
-def _write(path: Path, partial: Path, fmt: str, tensors: dict[str, Any], payload: Any, rank0: bool,
-           group: Any, also_write: Callable[[Path], list[Path]] | None = None) -> None:
+def _write(
+    path: Path,
+    partial: Path,
+    fmt: str,
+    tensors: dict[str, Any],
+    payload: Any,
+    rank0: bool,
+    group: Any,
+    also_write: Callable[[Path], list[Path]] | None = None,
+) -> None:
     """The write of :func:`save`: DCP shards (every rank) or the file (rank 0), the manifest, the commit."""
     failure, original, hashed = None, None, {}
     try:
@@ -319,8 +336,13 @@ def _write(path: Path, partial: Path, fmt: str, tensors: dict[str, Any], payload
             writer = FileSystemWriter(partial, sync_files=True)
             writer.fs = files = manifest.RecordingFileSystem()  # each rank hashes the files it wrote
             with _single_process_quiet():
-                dcp.save(tensors, storage_writer=writer, planner=DefaultSavePlanner(flatten_state_dict=False),
-                         process_group=group, no_dist=not _distributed())
+                dcp.save(
+                    tensors,
+                    storage_writer=writer,
+                    planner=DefaultSavePlanner(flatten_state_dict=False),
+                    process_group=group,
+                    no_dist=not _distributed(),
+                )
             hashed = manifest.file_entries(files.written)
             if also_write is not None:
                 hashed.update(manifest.file_entries(also_write(partial)))
@@ -395,8 +417,12 @@ class CheckpointSource:
             return
         if self.is_dcp:
             with _single_process_quiet():
-                dcp.load(dict(destinations), storage_reader=self._storage_reader(),
-                         planner=SafeLoadPlanner(), no_dist=not _distributed())
+                dcp.load(
+                    dict(destinations),
+                    storage_reader=self._storage_reader(),
+                    planner=SafeLoadPlanner(),
+                    no_dist=not _distributed(),
+                )
             return
         assert self._tensors is not None
         for key, dest in destinations.items():
@@ -412,8 +438,7 @@ class CheckpointSource:
             hf_weights.read_into(self.path, out, self.hf_names, distributed=False)
         elif out:
             with _single_process_quiet():
-                dcp.load(out, storage_reader=self._storage_reader(), planner=SafeLoadPlanner(),
-                         no_dist=True)
+                dcp.load(out, storage_reader=self._storage_reader(), planner=SafeLoadPlanner(), no_dist=True)
         return out
 
 
@@ -434,8 +459,7 @@ def _copy_full_into(full: torch.Tensor, dest: torch.Tensor) -> None:
             dest.copy_(full)
 
 
-def open_source(path: str | Path, full_check: bool = False, share: tuple[int, int] | None = None
-                ) -> CheckpointSource:
+def open_source(path: str | Path, full_check: bool = False, share: tuple[int, int] | None = None) -> CheckpointSource:
     """Open a checkpoint written by this project (a DCP directory or a consolidated file), safely.
 
     Every byte is checked against the checkpoint's manifest first (:func:`.manifest.verify`,
@@ -468,8 +492,9 @@ def open_source(path: str | Path, full_check: bool = False, share: tuple[int, in
         record = (meta.get(EXTRA_KEY) or {}).get(hf_weights.RECORD_KEY) if isinstance(meta, dict) else None
         if record is not None and not any(k.startswith(model_key("")) for k in shapes):  # checkpoint_format="hf"
             hf_shapes, hf_dtypes, names = hf_weights.weights_view(path, record, (listed or {}).get("files"))
-            return CheckpointSource(path, meta, {**shapes, **hf_shapes}, {**dtypes, **hf_dtypes}, is_dcp=True,
-                                    hf_names=names)
+            return CheckpointSource(
+                path, meta, {**shapes, **hf_shapes}, {**dtypes, **hf_dtypes}, is_dcp=True, hf_names=names
+            )
         return CheckpointSource(path, meta, shapes, dtypes, is_dcp=True)
     zip_manifest.verify(path, digest.assign(zip_manifest.sizes(path), *share) if share is not None else None)
     full = load_weights_only(path, mmap=True)
@@ -477,8 +502,12 @@ def open_source(path: str | Path, full_check: bool = False, share: tuple[int, in
         raise ValueError(f"{path}: not a Lightning checkpoint (a {type(full).__name__}, not a dict)")
     meta, tensors = split_tensors(full)
     return CheckpointSource(
-        path, meta, {k: tuple(v.shape) for k, v in tensors.items()}, {k: v.dtype for k, v in tensors.items()},
-        is_dcp=False, _tensors=tensors,
+        path,
+        meta,
+        {k: tuple(v.shape) for k, v in tensors.items()},
+        {k: v.dtype for k, v in tensors.items()},
+        is_dcp=False,
+        _tensors=tensors,
     )
 
 
@@ -510,23 +539,30 @@ def open_agreed(path: Path, rank: int, world_size: int) -> CheckpointSource:
     return source
 
 
-def _check_listed(path: Path, listed: dict[str, Any] | None, metadata: Any, meta: Any,
-                  full_check: bool = False) -> None:
+def _check_listed(
+    path: Path, listed: dict[str, Any] | None, metadata: Any, meta: Any, full_check: bool = False
+) -> None:
     """Every file the DCP metadata reads is in the manifest; a checkpoint without one warns, unless it was written
     with one (then its manifest was removed); so does one whose manifest is checked by sample only."""
     extra = (meta.get(EXTRA_KEY) or {}) if isinstance(meta, dict) else {}
     if listed is None:
         if extra.get("manifest"):
-            raise CheckpointIntegrityError(f"{path / manifest.MANIFEST_FILE}: missing; this checkpoint was written "
-                                           "with a manifest, so its files cannot be trusted without it")
-        rank_zero_warn(f"{path} has no {manifest.MANIFEST_FILE} (written by an older lightning-mm): its files are "
-                       "not checked against one another")
+            raise CheckpointIntegrityError(
+                f"{path / manifest.MANIFEST_FILE}: missing; this checkpoint was written "
+                "with a manifest, so its files cannot be trusted without it"
+            )
+        rank_zero_warn(
+            f"{path} has no {manifest.MANIFEST_FILE} (written by an older lightning-mm): its files are "
+            "not checked against one another"
+        )
         return
     if manifest.sampled_only(listed) and not full_check:
-        rank_zero_warn(f"{path}: its {manifest.MANIFEST_FILE} is of an older lightning-mm (version 1), which "
-                       "recorded sampled fingerprints for loads: its files are checked by sample only (256 KiB of "
-                       "each; `lightning-mm convert dcp-to-torch` checks their SHA-256). Save it again to have "
-                       "every byte checked on load")
+        rank_zero_warn(
+            f"{path}: its {manifest.MANIFEST_FILE} is of an older lightning-mm (version 1), which "
+            "recorded sampled fingerprints for loads: its files are checked by sample only (256 KiB of "
+            "each; `lightning-mm convert dcp-to-torch` checks their SHA-256). Save it again to have "
+            "every byte checked on load"
+        )
     for name in (".metadata", META_FILE, *(i.relative_path for i in (metadata.storage_data or {}).values())):
         if name not in listed["files"]:
             raise CheckpointIntegrityError(f"{path / name}: not listed in the checkpoint's {manifest.MANIFEST_FILE}")
@@ -547,13 +583,12 @@ def _shape(t: torch.Tensor) -> tuple[int, ...]:
     return tuple(t.shape)
 
 
-def _load_model(source: CheckpointSource, model: nn.Module, strict: bool, view: StateView | None = None
-                ) -> list[str]:
+def _load_model(source: CheckpointSource, model: nn.Module, strict: bool, view: StateView | None = None) -> list[str]:
     state = model_state(model, full=False)
     stored_as = view(state) if view is not None else state  # the same storage, seen as the checkpoint stores it
     prefix = model_key("")
     expected = {k: _shape(v) for k, v in stored_as.items()}
-    stored = {k[len(prefix):]: s for k, s in source.shapes.items() if k.startswith(prefix)}
+    stored = {k[len(prefix) :]: s for k, s in source.shapes.items() if k.startswith(prefix)}
     plan = plan_keys(expected, stored, alias_groups(model))
     if not plan.load and expected:
         raise CheckpointKeyError(
@@ -577,8 +612,14 @@ def _check(plan: KeyPlan, what: str, path: Path, strict: bool) -> None:
     rank_zero_warn(f"Non-strict load of {path} skipped these {what} keys: {plan.describe(what)}")
 
 
-def _saved_by_name(source: CheckpointSource, saved: Mapping[str, Any], current_groups: list[dict], prefix: str,
-                   where: str, index: int = 0) -> tuple[dict[str, Any], dict[str, str]]:
+def _saved_by_name(
+    source: CheckpointSource,
+    saved: Mapping[str, Any],
+    current_groups: list[dict],
+    prefix: str,
+    where: str,
+    index: int = 0,
+) -> tuple[dict[str, Any], dict[str, str]]:
     """The saved optimiser state with parameters named as today, and ``{renamed stored key: stored key}``.
 
     An index-keyed state (torch's layout: a checkpoint of DDP, of a single device, or this strategy's ``torch``
@@ -594,7 +635,7 @@ def _saved_by_name(source: CheckpointSource, saved: Mapping[str, Any], current_g
     stored: dict[str, str] = {}
     for key in source.shapes:
         if key.startswith(prefix):
-            pid, _, rest = key[len(prefix):].partition(SEP)
+            pid, _, rest = key[len(prefix) :].partition(SEP)
             stored[f"{prefix}{names.get(pid, pid)}{SEP}{rest}"] = key
     state = {names.get(str(k), str(k)): v for k, v in (saved.get("state") or {}).items()}
     groups = []
@@ -606,16 +647,23 @@ def _saved_by_name(source: CheckpointSource, saved: Mapping[str, Any], current_g
     return {"state": state, "param_groups": groups}, stored
 
 
-def _load_optimizer(source: CheckpointSource, model: nn.Module, optimizer: Any, index: int, strict: bool,
-                    view: StateView | None = None) -> tuple[list[str], list[int] | None]:
+def _load_optimizer(
+    source: CheckpointSource, model: nn.Module, optimizer: Any, index: int, strict: bool, view: StateView | None = None
+) -> tuple[list[str], list[int] | None]:
     """Load one optimiser's state in place; returns the skipped keys, and how its groups were regrouped
     (:func:`_merge_param_groups`)."""
     optim = _unwrap(optimizer)
     current = optimizer_state(model, optim, full=False)  # creates the state entries if the optimiser has none yet
     shown = view(current) if view is not None else current  # the same storage, seen as the checkpoint stores it
     prefix = f"optimizer_states{SEP}{index}{SEP}state{SEP}"
-    saved, stored_as = _saved_by_name(source, source.meta["optimizer_states"][index], current["param_groups"],
-                                      prefix, f"{source.path}: optimizer {index}", index)
+    saved, stored_as = _saved_by_name(
+        source,
+        source.meta["optimizer_states"][index],
+        current["param_groups"],
+        prefix,
+        f"{source.path}: optimizer {index}",
+        index,
+    )
     # Parameters that had no optimiser state when the checkpoint was written (they never received a gradient,
     # e.g. LLaVA's unused last vision layer) are listed in the saved groups but have no saved state: they are
     # expected to have none, and get none (as in the run that wrote the checkpoint).
@@ -642,8 +690,9 @@ def _load_optimizer(source: CheckpointSource, model: nn.Module, optimizer: Any, 
         saved_entries = saved["state"].get(fqn, {})
         state[fqn] = {n: (v if isinstance(v, torch.Tensor) else saved_entries.get(n, v)) for n, v in entries.items()}
     groups, sources = _merge_param_groups(current["param_groups"], saved["param_groups"], source.path, index, strict)
-    set_optimizer_state_dict(model, optim, {"state": state, "param_groups": groups},
-                             options=StateDictOptions(strict=False))  # keys were checked above
+    set_optimizer_state_dict(
+        model, optim, {"state": state, "param_groups": groups}, options=StateDictOptions(strict=False)
+    )  # keys were checked above
     return [*plan.missing, *plan.unexpected, *(k for k, _, _ in plan.mismatched)], sources
 
 
@@ -677,8 +726,9 @@ def _regroup(current: list[dict], saved: list[dict]) -> list[int] | None:
     return sources
 
 
-def _merge_param_groups(current: list[dict], saved: list[dict], path: Path, index: int, strict: bool
-                        ) -> tuple[list[dict], list[int] | None]:
+def _merge_param_groups(
+    current: list[dict], saved: list[dict], path: Path, index: int, strict: bool
+) -> tuple[list[dict], list[int] | None]:
     """Saved hyper-parameters (lr, betas, ...) over the current groups, whose ``params`` name today's parameters;
     and, when the same parameters were split into groups differently (:func:`_regroup`), the saved group each
     current group comes from (None when the groups correspond one to one).
@@ -686,15 +736,19 @@ def _merge_param_groups(current: list[dict], saved: list[dict], path: Path, inde
     The implementation keys (``fused``, ``foreach``) stay the current ones.
     """
     same_split = len(current) == len(saved) and all(
-        sorted(now["params"]) == sorted(then.get("params", [])) for now, then in zip(current, saved))
+        sorted(now["params"]) == sorted(then.get("params", [])) for now, then in zip(current, saved)
+    )
     sources = None if same_split else _regroup(current, saved)
     names = _NamesAlong(saved)
     if sources is not None:
-        rank_zero_info(f"{path}: optimizer {index} has its parameters in {len(current)} group(s), the checkpoint in "
-                       f"{len(saved)} with the same hyper-parameters: each group takes its checkpointed ones")
-        return [names.along({**saved[j], "params": now["params"],
-                             **{k: now[k] for k in IMPLEMENTATION_KEYS if k in now}})
-                for now, j in zip(current, sources)], sources
+        rank_zero_info(
+            f"{path}: optimizer {index} has its parameters in {len(current)} group(s), the checkpoint in "
+            f"{len(saved)} with the same hyper-parameters: each group takes its checkpointed ones"
+        )
+        return [
+            names.along({**saved[j], "params": now["params"], **{k: now[k] for k in IMPLEMENTATION_KEYS if k in now}})
+            for now, j in zip(current, sources)
+        ], sources
     if len(current) != len(saved):
         message = f"{path}: optimizer {index} has {len(current)} parameter group(s), the checkpoint {len(saved)}"
         if strict:
@@ -775,8 +829,10 @@ def load(
     source = source if source is not None else open_agreed(path, rank, world_size)
     extra = source.extra
     if int(extra.get("format_version", FORMAT_VERSION)) > FORMAT_VERSION:
-        raise ValueError(f"{path} was written by a newer lightning-mm (checkpoint format "
-                         f"{extra['format_version']}, this one reads up to {FORMAT_VERSION})")
+        raise ValueError(
+            f"{path} was written by a newer lightning-mm (checkpoint format "
+            f"{extra['format_version']}, this one reads up to {FORMAT_VERSION})"
+        )
     kind = extra.get("kind", KIND_TRAINING)
     check_records(extra, model, str(path))  # e.g. LoRA settings that change what the adapters compute
     skipped = _load_model(source, model, strict, view)
@@ -784,8 +840,10 @@ def load(
     checkpoint.setdefault("state_dict", {})
 
     if fitting and kind == KIND_WEIGHTS:
-        rank_zero_warn(f"{path} holds model weights only: training starts from them with a fresh optimiser, "
-                       "LR schedule and loop state")
+        rank_zero_warn(
+            f"{path} holds model weights only: training starts from them with a fresh optimiser, "
+            "LR schedule and loop state"
+        )
         for key in ("loops", "callbacks", "lr_schedulers"):
             checkpoint.pop(key, None)
         checkpoint["lr_schedulers"] = []
@@ -796,9 +854,16 @@ def load(
     return Loaded(checkpoint, rng, rng_point, skipped)
 
 
-def _load_optimizers(path: Path, source: CheckpointSource, model: nn.Module, optimizers: Sequence[Any],
-                     checkpoint: dict[str, Any], strict: bool, view: StateView | None,
-                     schedulers: Sequence[Any]) -> list[str]:
+def _load_optimizers(
+    path: Path,
+    source: CheckpointSource,
+    model: nn.Module,
+    optimizers: Sequence[Any],
+    checkpoint: dict[str, Any],
+    strict: bool,
+    view: StateView | None,
+    schedulers: Sequence[Any],
+) -> list[str]:
     """Every optimiser's state in place (regrouped by parameter name where its groups split differently, and the
     LR schedulers' per-group lists with it); returns the keys a non-strict load skipped."""
     skipped: list[str] = []
@@ -818,28 +883,37 @@ def _load_optimizers(path: Path, source: CheckpointSource, model: nn.Module, opt
         # Schedulers keep lists with one entry per parameter group: regrouped as the optimiser was.
         saved_groups = len(saved[i].get("param_groups", []))
         states = checkpoint.get("lr_schedulers") or []
-        owners = [next((j for j, o in enumerate(optimizers) if _unwrap(o) is getattr(s, "optimizer", None)),
-                       None) for s in schedulers]
+        owners = [
+            next((j for j, o in enumerate(optimizers) if _unwrap(o) is getattr(s, "optimizer", None)), None)
+            for s in schedulers
+        ]
         if len(owners) != len(states):
-            message = (f"{path}: optimizer {i}'s parameter groups were regrouped, and the checkpoint's "
-                       f"{len(states)} LR scheduler state(s) cannot be matched to the {len(owners)} scheduler(s)")
+            message = (
+                f"{path}: optimizer {i}'s parameter groups were regrouped, and the checkpoint's "
+                f"{len(states)} LR scheduler state(s) cannot be matched to the {len(owners)} scheduler(s)"
+            )
             if strict:
                 raise CheckpointKeyError(message)
             rank_zero_warn(f"{message}; they are restored as saved")
             continue
-        checkpoint["lr_schedulers"] = [_remap_scheduler(st, sources, saved_groups) if owner == i else st
-                                       for st, owner in zip(states, owners)]
+        checkpoint["lr_schedulers"] = [
+            _remap_scheduler(st, sources, saved_groups) if owner == i else st for st, owner in zip(states, owners)
+        ]
     return skipped
 
 
 def _world_size_independent(loader_states: Any) -> bool:
     """Whether every saved loader position holds for any world size (``TokenBudgetLoader``'s global position)."""
-    return bool(loader_states) and isinstance(loader_states, list) and all(
-        isinstance(state, dict) and state.get("world_size_independent") is True for state in loader_states)
+    return (
+        bool(loader_states)
+        and isinstance(loader_states, list)
+        and all(isinstance(state, dict) and state.get("world_size_independent") is True for state in loader_states)
+    )
 
 
-def _rank_state(path: Path, extra: dict[str, Any], checkpoint: dict[str, Any], rank: int,
-                world_size: int) -> tuple[Any, Any]:
+def _rank_state(
+    path: Path, extra: dict[str, Any], checkpoint: dict[str, Any], rank: int, world_size: int
+) -> tuple[Any, Any]:
     """This rank's dataloader positions (into ``checkpoint``) and RNG state, when the world size is the same."""
     ranks = extra.get("ranks") or []
     rng = rng_point = None

@@ -43,8 +43,9 @@ def _infos(path: Path) -> list[zipfile.ZipInfo]:
         with zipfile.ZipFile(path) as archive:
             return archive.infolist()
     except (zipfile.BadZipFile, OSError, EOFError, ValueError) as error:
-        raise CheckpointIntegrityError(f"{path}: truncated or corrupted, not a readable torch file "
-                                       f"({type(error).__name__}: {error})") from None
+        raise CheckpointIntegrityError(
+            f"{path}: truncated or corrupted, not a readable torch file ({type(error).__name__}: {error})"
+        ) from None
 
 
 def records(path: Path) -> dict[str, tuple[int, int, zipfile.ZipInfo]]:
@@ -56,8 +57,11 @@ def records(path: Path) -> dict[str, tuple[int, int, zipfile.ZipInfo]]:
             if len(header) < _LOCAL_HEADER.size or _LOCAL_HEADER.unpack(header)[0] != b"PK\x03\x04":
                 raise CheckpointIntegrityError(f"{path}: record {info.filename} has no valid header (corrupted)")
             _, name_length, extra_length = _LOCAL_HEADER.unpack(header)
-            out[info.filename] = (info.header_offset + _LOCAL_HEADER.size + name_length + extra_length,
-                                  info.file_size, info)
+            out[info.filename] = (
+                info.header_offset + _LOCAL_HEADER.size + name_length + extra_length,
+                info.file_size,
+                info,
+            )
     return out
 
 
@@ -65,8 +69,13 @@ def append(path: Path) -> None:
     """Add the manifest record to the torch file at ``path`` (just written, not yet visible)."""
     found = records(path)
     names = sorted(found)
-    entries = digest.parallel(lambda name: (name, {"size": found[name][1], digest.FIELD: digest.range_digest(
-        path, found[name][0], found[name][1])}), names)
+    entries = digest.parallel(
+        lambda name: (
+            name,
+            {"size": found[name][1], digest.FIELD: digest.range_digest(path, found[name][0], found[name][1])},
+        ),
+        names,
+    )
     archive = names[0].split("/", 1)[0] if names and "/" in names[0] else "archive"
     body = {"manifest": _KIND, "version": _VERSION, "hash": digest.NAME, "records": dict(entries)}
     with zipfile.ZipFile(path, "a") as z:
@@ -95,8 +104,10 @@ def _read_manifest(path: Path, found: dict[str, tuple[int, int, zipfile.ZipInfo]
     if not isinstance(body, dict) or body.get("manifest") != _KIND or not isinstance(body.get("records"), dict):
         raise CheckpointIntegrityError(f"{path}: {names[0]} is not a lightning-mm manifest")
     if body.get("version") != _VERSION or body.get("hash") != digest.NAME:
-        raise CheckpointIntegrityError(f"{path}: manifest version {body.get('version')!r} / hash "
-                                       f"{body.get('hash')!r} is not one this lightning-mm reads")
+        raise CheckpointIntegrityError(
+            f"{path}: manifest version {body.get('version')!r} / hash "
+            f"{body.get('hash')!r} is not one this lightning-mm reads"
+        )
     del found[names[0]]
     return body
 
@@ -115,8 +126,10 @@ def verify(path: Path, hashed: Container[str] | None = None) -> dict[str, Any] |
                 raise CheckpointIntegrityError(f"{path}: record {name} of the manifest is missing (altered)")
             entry = listed[name]
             if not isinstance(entry, dict) or entry.get("size") != found[name][1]:
-                raise CheckpointIntegrityError(f"{path}: record {name} has {found[name][1]} bytes, the manifest "
-                                               f"records {entry.get('size') if isinstance(entry, dict) else entry}")
+                raise CheckpointIntegrityError(
+                    f"{path}: record {name} has {found[name][1]} bytes, the manifest "
+                    f"records {entry.get('size') if isinstance(entry, dict) else entry}"
+                )
     todo = sorted(n for n in found if hashed is None or n in hashed)
 
     def check(name: str) -> None:
@@ -127,8 +140,9 @@ def verify(path: Path, hashed: Container[str] | None = None) -> dict[str, Any] |
             same = info.compress_type == zipfile.ZIP_STORED and _crc32(path, offset, size) == info.CRC
         if not same:
             what = "its manifest" if body is not None else "the CRC-32 torch.save recorded"
-            raise CheckpointIntegrityError(f"{path}: record {name} differs from {what}: the file was altered or "
-                                           "damaged")
+            raise CheckpointIntegrityError(
+                f"{path}: record {name} differs from {what}: the file was altered or damaged"
+            )
 
     digest.parallel(check, todo)
     return body

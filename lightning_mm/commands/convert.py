@@ -33,10 +33,12 @@ _FORCE_HELP = "replace {what} once the new output is complete (anything else tha
 
 
 def _parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="lightning-mm convert", description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
-    sub = parser.add_subparsers(dest="command", required=True,
-                                metavar="{dcp-to-torch,dcp-to-hf,dcp-to-diffusers,hf-to-dcp}")
+    parser = argparse.ArgumentParser(
+        prog="lightning-mm convert", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    sub = parser.add_subparsers(
+        dest="command", required=True, metavar="{dcp-to-torch,dcp-to-hf,dcp-to-diffusers,hf-to-dcp}"
+    )
 
     p = sub.add_parser("dcp-to-torch", help="consolidate a checkpoint into one torch.save file")
     p.add_argument("src", help="checkpoint directory (torch_dcp) or file")
@@ -47,43 +49,71 @@ def _parser() -> argparse.ArgumentParser:
     p = sub.add_parser("dcp-to-hf", help="write the Hugging Face model of a checkpoint (config.json + safetensors)")
     p.add_argument("src", help="checkpoint directory (torch_dcp) or file")
     p.add_argument("out_dir", help="output directory (must not exist)")
-    p.add_argument("--prefix", default=None,
-                   help="key prefix of the HF model in the LightningModule (default: the recorded one, `model.`)")
+    p.add_argument(
+        "--prefix",
+        default=None,
+        help="key prefix of the HF model in the LightningModule (default: the recorded one, `model.`)",
+    )
     p.add_argument("--dtype", default=None, choices=["fp32", "bf16", "fp16"], help="cast floating tensors")
     p.add_argument("--max-shard-size", default="5GB", help="largest safetensors file (default 5GB)")
-    p.add_argument("--config", default=None,
-                   help="config.json (or its directory) to use when the checkpoint records no HF config")
-    p.add_argument("--merge-lora", action="store_true",
-                   help="merge the checkpoint's LoRA adapters into the weights (PEFT's merge_and_unload)")
-    p.add_argument("--pretrained-dir", default=None,
-                   help="copy the tokenizer, processor, chat template and generation config files from this "
-                        "Hugging Face directory (default: the init_from_hf_path the checkpoint records, if it exists)")
-    p.add_argument("--force", action="store_true",
-                   help=_FORCE_HELP.format(what="an earlier output directory (one with a config.json)"))
+    p.add_argument(
+        "--config", default=None, help="config.json (or its directory) to use when the checkpoint records no HF config"
+    )
+    p.add_argument(
+        "--merge-lora",
+        action="store_true",
+        help="merge the checkpoint's LoRA adapters into the weights (PEFT's merge_and_unload)",
+    )
+    p.add_argument(
+        "--pretrained-dir",
+        default=None,
+        help="copy the tokenizer, processor, chat template and generation config files from this "
+        "Hugging Face directory (default: the init_from_hf_path the checkpoint records, if it exists)",
+    )
+    p.add_argument(
+        "--force",
+        action="store_true",
+        help=_FORCE_HELP.format(what="an earlier output directory (one with a config.json)"),
+    )
 
     p = sub.add_parser("dcp-to-diffusers", help="write the diffusers model of a checkpoint (config.json + safetensors)")
     p.add_argument("src", help="checkpoint directory (torch_dcp) or file")
     p.add_argument("out_dir", help="output directory (must not exist)")
     p.add_argument("--config", required=True, help="the model's diffusers directory (or its config.json)")
-    p.add_argument("--prefix", default="model.predictor.",
-                   help="key prefix of the diffusers model in the LightningModule (default `model.predictor.`)")
+    p.add_argument(
+        "--prefix",
+        default="model.predictor.",
+        help="key prefix of the diffusers model in the LightningModule (default `model.predictor.`)",
+    )
     p.add_argument("--dtype", default=None, choices=["fp32", "bf16", "fp16"], help="cast floating tensors")
     p.add_argument("--max-shard-size", default="5GB", help="largest safetensors file (default 5GB)")
-    p.add_argument("--force", action="store_true",
-                   help=_FORCE_HELP.format(what="an earlier output directory (one with a config.json)"))
+    p.add_argument(
+        "--force",
+        action="store_true",
+        help=_FORCE_HELP.format(what="an earlier output directory (one with a config.json)"),
+    )
 
     p = sub.add_parser("hf-to-dcp", help="a Hugging Face model directory as a torch_dcp weights checkpoint")
     p.add_argument("hf_dir", help="directory with config.json and safetensors (or pytorch_model.bin) weights")
     p.add_argument("dst", help="output checkpoint directory (must not exist)")
-    p.add_argument("--prefix", default="model.",
-                   help="key prefix of the model in the LightningModule (default `model.`: MMLightningModule.model)")
-    p.add_argument("--force", action="store_true",
-                   help=_FORCE_HELP.format(what="an earlier output checkpoint (a directory with a .metadata)"))
+    p.add_argument(
+        "--prefix",
+        default="model.",
+        help="key prefix of the model in the LightningModule (default `model.`: MMLightningModule.model)",
+    )
+    p.add_argument(
+        "--force",
+        action="store_true",
+        help=_FORCE_HELP.format(what="an earlier output checkpoint (a directory with a .metadata)"),
+    )
     for name in ("dcp-to-torch", "dcp-to-hf", "hf-to-dcp"):
         sub.choices[name].add_argument(
-            "--storage-options", default=None, metavar="JSON_FILE",
+            "--storage-options",
+            default=None,
+            metavar="JSON_FILE",
             help="for a source or output given as a URL (s3://..., any fsspec protocol): a JSON file with the "
-                 "fsspec options (endpoint, credentials); without it, fsspec's own configuration is used")
+            "fsspec options (endpoint, credentials); without it, fsspec's own configuration is used",
+        )
     return parser
 
 
@@ -115,8 +145,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     from lightning_mm.commands.failure import one_line, traceback_requested, user_error
 
     try:
-        src, dst = (args.hf_dir, args.dst) if args.command == "hf-to-dcp" else (
-            args.src, args.dst if args.command == "dcp-to-torch" else args.out_dir)
+        src, dst = (
+            (args.hf_dir, args.dst)
+            if args.command == "hf-to-dcp"
+            else (args.src, args.dst if args.command == "dcp-to-torch" else args.out_dir)
+        )
         from lightning_mm.checkpoint import remote
 
         if remote.is_url(src) or remote.is_url(dst):
@@ -126,8 +159,15 @@ def main(argv: Sequence[str] | None = None) -> int:
             from lightning_mm.diffusers.export import dcp_to_diffusers
             from lightning_mm.hf.convert import parse_size
 
-            out = dcp_to_diffusers(args.src, args.out_dir, config=args.config, prefix=args.prefix, dtype=args.dtype,
-                                   max_shard_size=parse_size(args.max_shard_size), force=args.force)
+            out = dcp_to_diffusers(
+                args.src,
+                args.out_dir,
+                config=args.config,
+                prefix=args.prefix,
+                dtype=args.dtype,
+                max_shard_size=parse_size(args.max_shard_size),
+                force=args.force,
+            )
             print(f"wrote {out}")
             return 0
         _check_paths(src, dst)
@@ -143,19 +183,37 @@ def main(argv: Sequence[str] | None = None) -> int:
                 from lightning_mm.hf.lora_export import dcp_to_hf_merged
 
                 if args.pretrained_dir is not None:
-                    raise ValueError("--pretrained-dir is not supported with --merge-lora yet; copy the tokenizer "
-                                     "and processor files by hand")
-                out = dcp_to_hf_merged(args.src, args.out_dir, prefix=args.prefix, dtype=args.dtype,
-                                       max_shard_size=max_shard_size, force=args.force)
+                    raise ValueError(
+                        "--pretrained-dir is not supported with --merge-lora yet; copy the tokenizer "
+                        "and processor files by hand"
+                    )
+                out = dcp_to_hf_merged(
+                    args.src,
+                    args.out_dir,
+                    prefix=args.prefix,
+                    dtype=args.dtype,
+                    max_shard_size=max_shard_size,
+                    force=args.force,
+                )
             else:
                 from lightning_mm.hf.lora_export import checkpoint_lora
 
                 if args.config is None and checkpoint_lora(args.src, args.prefix) is not None:
-                    raise ValueError(f"{args.src} holds LoRA adapters (keys `*.base_layer.*`, `*.lora_A.*`), which "
-                                     "Transformers cannot load as they are: add --merge-lora")
-                out = convert.dcp_to_hf(args.src, args.out_dir, prefix=args.prefix, dtype=args.dtype,
-                                        max_shard_size=max_shard_size, config=args.config,
-                                        pretrained_dir=args.pretrained_dir, notes=notes, force=args.force)
+                    raise ValueError(
+                        f"{args.src} holds LoRA adapters (keys `*.base_layer.*`, `*.lora_A.*`), which "
+                        "Transformers cannot load as they are: add --merge-lora"
+                    )
+                out = convert.dcp_to_hf(
+                    args.src,
+                    args.out_dir,
+                    prefix=args.prefix,
+                    dtype=args.dtype,
+                    max_shard_size=max_shard_size,
+                    config=args.config,
+                    pretrained_dir=args.pretrained_dir,
+                    notes=notes,
+                    force=args.force,
+                )
         else:
             out = convert.hf_to_dcp(args.hf_dir, args.dst, prefix=args.prefix, force=args.force)
     except Exception as error:  # the user's to fix: one line (see lightning_mm.commands.failure); a bug: traceback
@@ -194,8 +252,11 @@ def _convert_urls(args: argparse.Namespace, src: str, dst: str) -> int:
     options = _storage_options(args.storage_options)
     if remote.is_url(src) and remote.is_url(dst) and (src.rstrip("/") + "/").startswith(dst.rstrip("/") + "/"):
         raise ValueError(f"output {dst} contains or is the source {src}; write it elsewhere")
-    if remote.is_url(dst) and remote.RemoteStore(dst, options).fs.exists(remote.RemoteStore(dst, options).root) \
-            and not args.force:
+    if (
+        remote.is_url(dst)
+        and remote.RemoteStore(dst, options).fs.exists(remote.RemoteStore(dst, options).root)
+        and not args.force
+    ):
         raise FileExistsError(f"output exists: {dst} (add --force to replace it)")
     with tempfile.TemporaryDirectory(prefix="lightning-mm-convert-") as scratch:
         local_src, local_dst = Path(scratch) / "source", Path(scratch) / "output"

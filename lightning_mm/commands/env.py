@@ -22,8 +22,15 @@ from typing import Any
 __all__ = ["main", "collect", "format_report"]
 
 _PACKAGES = ("torch", "lightning", "transformers", "lightning-mm")
-_ENV_VARS = ("ASCEND_RT_VISIBLE_DEVICES", "ASCEND_HOME_PATH", "CUDA_VISIBLE_DEVICES", "MASTER_ADDR", "MASTER_PORT",
-             "WORLD_SIZE", "TORCH_DEVICE_BACKEND_AUTOLOAD")
+_ENV_VARS = (
+    "ASCEND_RT_VISIBLE_DEVICES",
+    "ASCEND_HOME_PATH",
+    "CUDA_VISIBLE_DEVICES",
+    "MASTER_ADDR",
+    "MASTER_PORT",
+    "WORLD_SIZE",
+    "TORCH_DEVICE_BACKEND_AUTOLOAD",
+)
 
 
 def _version(dist_name: str) -> str | None:
@@ -65,8 +72,11 @@ def _accelerators() -> dict[str, dict[str, Any]]:
         report = _lightning_accelerators()
     else:
         cuda = torch.cuda.device_count()
-        mps = (os.getenv("DISABLE_MPS", "0") != "1" and torch.backends.mps.is_available()
-               and platform.processor() in ("arm", "arm64"))
+        mps = (
+            os.getenv("DISABLE_MPS", "0") != "1"
+            and torch.backends.mps.is_available()
+            and platform.processor() in ("arm", "arm64")
+        )
         report = {
             "cpu": {"class": "CPUAccelerator", "available": True, "devices": 1},
             "cuda": {"class": "CUDAAccelerator", "available": cuda > 0, "devices": cuda},

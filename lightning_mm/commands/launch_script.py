@@ -17,8 +17,16 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
-__all__ = ["Launch", "MigrateError", "parse_script", "parse_args", "read_text_file", "MAX_SCRIPT_BYTES",
-           "MAX_EXPANDED_BYTES", "MAX_EXPANSIONS"]
+__all__ = [
+    "Launch",
+    "MigrateError",
+    "parse_script",
+    "parse_args",
+    "read_text_file",
+    "MAX_SCRIPT_BYTES",
+    "MAX_EXPANDED_BYTES",
+    "MAX_EXPANSIONS",
+]
 
 _VAR = re.compile(r"\$\{([A-Za-z_][A-Za-z0-9_]*)\}|\$([A-Za-z_][A-Za-z0-9_]*)")
 _ASSIGN = re.compile(r"^(?:export\s+)?([A-Za-z_][A-Za-z0-9_]*)=(.*)$", re.DOTALL)
@@ -66,14 +74,27 @@ class _Expander:
             if self.count > MAX_EXPANSIONS or self.produced > MAX_EXPANDED_BYTES:
                 raise MigrateError(
                     f"{self.source}:{line}: variable expansion grows past {MAX_EXPANDED_BYTES // 1024} KiB or "
-                    f"{MAX_EXPANSIONS} substitutions (variables that repeat each other?); a launch script is small")
+                    f"{MAX_EXPANSIONS} substitutions (variables that repeat each other?); a launch script is small"
+                )
             return value
 
         return _ARITHMETIC.sub(_arithmetic, _VAR.sub(substitute, text))
 
 
-_ARITHMETIC_NODES = (ast.Expression, ast.BinOp, ast.UnaryOp, ast.Constant, ast.Add, ast.Sub, ast.Mult, ast.FloorDiv,
-                     ast.Div, ast.Mod, ast.USub, ast.UAdd)
+_ARITHMETIC_NODES = (
+    ast.Expression,
+    ast.BinOp,
+    ast.UnaryOp,
+    ast.Constant,
+    ast.Add,
+    ast.Sub,
+    ast.Mult,
+    ast.FloorDiv,
+    ast.Div,
+    ast.Mod,
+    ast.USub,
+    ast.UAdd,
+)
 
 
 def _arithmetic(match: re.Match[str]) -> str:
@@ -84,7 +105,8 @@ def _arithmetic(match: re.Match[str]) -> str:
         return match.group(0)
     nodes = list(ast.walk(tree))
     if not all(isinstance(node, _ARITHMETIC_NODES) for node in nodes) or any(
-            isinstance(n, ast.Constant) and (type(n.value) is not int or n.value > 10**9) for n in nodes):
+        isinstance(n, ast.Constant) and (type(n.value) is not int or n.value > 10**9) for n in nodes
+    ):
         return match.group(0)
 
     def value(node: ast.AST) -> int:
@@ -195,7 +217,7 @@ def _logical_lines(text: str, source: str) -> list[tuple[int, str]]:
                     line_no += 1
                     i += 2
                     continue
-                current.append(text[i:i + 2])
+                current.append(text[i : i + 2])
                 i += 2
                 continue
             if ch == quote:
@@ -214,7 +236,7 @@ def _logical_lines(text: str, source: str) -> list[tuple[int, str]]:
             line_no, i = line_no + 1, i + 3
             continue
         if ch == "\\" and i + 1 < n:
-            current.append(text[i:i + 2])
+            current.append(text[i : i + 2])
             word_start, i = False, i + 2
             continue
         if ch == "#" and word_start:
@@ -258,8 +280,9 @@ def read_text_file(path: Path, what: str) -> str:
         return raw.decode("utf-8-sig")
     except UnicodeDecodeError as err:
         line = raw[: err.start].count(b"\n") + 1
-        raise MigrateError(f"{path}:{line}: not UTF-8 text (byte 0x{raw[err.start]:02x}); {what} must be "
-                           "UTF-8") from None
+        raise MigrateError(
+            f"{path}:{line}: not UTF-8 text (byte 0x{raw[err.start]:02x}); {what} must be UTF-8"
+        ) from None
 
 
 def _is_launch_line(line: str) -> bool:

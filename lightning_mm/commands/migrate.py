@@ -30,17 +30,43 @@ import yaml
 
 from lightning_mm.commands.launch_script import Launch, MigrateError, parse_args, parse_script, read_text_file
 
-__all__ = ["main", "Launch", "MigrateError", "parse_script", "parse_args", "migrate", "migrate_yaml",
-           "STRATEGY_ARGS", "SEED_FUNCTIONS"]
+__all__ = [
+    "main",
+    "Launch",
+    "MigrateError",
+    "parse_script",
+    "parse_args",
+    "migrate",
+    "migrate_yaml",
+    "STRATEGY_ARGS",
+    "SEED_FUNCTIONS",
+]
 
 # MMFSDP2Strategy's __init__ arguments, listed here so that migrating never imports Lightning
 # (tests/test_migrate.py checks the list against the class).
-STRATEGY_ARGS = frozenset({
-    "fsdp2_config", "accelerator", "parallel_devices", "cluster_environment", "checkpoint_io", "precision_plugin",
-    "process_group_backend", "timeout", "empty_init", "checkpoint_format", "strict_loading", "fused_optimizer_step",
-    "stop_timeout", "context_parallel_size", "context_parallel_algo", "stop_on_nonfinite", "storage_options",
-    "save_ckpt_dtype", "async_save",
-})
+STRATEGY_ARGS = frozenset(
+    {
+        "fsdp2_config",
+        "accelerator",
+        "parallel_devices",
+        "cluster_environment",
+        "checkpoint_io",
+        "precision_plugin",
+        "process_group_backend",
+        "timeout",
+        "empty_init",
+        "checkpoint_format",
+        "strict_loading",
+        "fused_optimizer_step",
+        "stop_timeout",
+        "context_parallel_size",
+        "context_parallel_algo",
+        "stop_on_nonfinite",
+        "storage_options",
+        "save_ckpt_dtype",
+        "async_save",
+    }
+)
 # The seed's functions and where each goes (MMLightningModule / MMDataModule arguments).
 SEED_FUNCTIONS = {
     "model_provider": "model.init_args.model_provider",
@@ -49,6 +75,7 @@ SEED_FUNCTIONS = {
     "loss_func": "model.init_args.loss_func",
     "train_valid_test_datasets_provider": "data.init_args.train_valid_test_datasets_provider",
 }
+
 
 # ------------------------------------------------------------------------------------------ mapping
 @dataclass
@@ -105,8 +132,11 @@ def _defined_functions(script: Path) -> dict[str, set[str]] | None:
     for node in tree.body:
         if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
             try:
-                names = {n.id if isinstance(n, ast.Name) else n.attr for n in ast.walk(node)
-                         if isinstance(n, (ast.Name, ast.Attribute))}
+                names = {
+                    n.id if isinstance(n, ast.Name) else n.attr
+                    for n in ast.walk(node)
+                    if isinstance(n, (ast.Name, ast.Attribute))
+                }
             except RecursionError:
                 raise MigrateError(f"{script}: nested too deeply for Python's parser; not an entry script") from None
             functions[node.name] = names
@@ -231,8 +261,10 @@ def _backend(state: _Flags, flag: str, value: str | None, shown: str) -> None:
         state.strategy("process_group_backend", value)
         state.out.mapped.append(f"{shown} -> trainer.strategy.init_args.process_group_backend (--keep-backend)")
     else:
-        state.out.notes.append(f"{shown}: left out; the backend follows the accelerator (nccl on CUDA, hccl on "
-                               "Ascend, gloo on CPU). `migrate --keep-backend` keeps it")
+        state.out.notes.append(
+            f"{shown}: left out; the backend follows the accelerator (nccl on CUDA, hccl on "
+            "Ascend, gloo on CPU). `migrate --keep-backend` keeps it"
+        )
 
 
 def _load(state: _Flags, flag: str, value: str | None, shown: str) -> None:
@@ -279,19 +311,40 @@ def _only_one(reason: str) -> _Handler:
 
 def _optimizer(state: _Flags, flag: str, value: str | None, shown: str) -> None:
     if value in ("adam", "fused_torch_adamw", "fused_adamw"):
-        state.out.notes.append(f"{shown}: MMLightningModule's AdamW (with torch's fused step under MMFSDP2Strategy's "
-                               "fused_optimizer_step, the default); nothing to set")
+        state.out.notes.append(
+            f"{shown}: MMLightningModule's AdamW (with torch's fused step under MMFSDP2Strategy's "
+            "fused_optimizer_step, the default); nothing to set"
+        )
     else:
         state.out.unmapped.append(f"{shown}: only AdamW is built in; override configure_optimizers for another")
 
 
 MEGATRON_MODEL_FLAGS = (
-    "--use-mcore-models", "--num-layers", "--hidden-size", "--ffn-hidden-size", "--num-attention-heads",
-    "--group-query-attention", "--num-query-groups", "--seq-length", "--max-position-embeddings", "--vocab-size",
-    "--make-vocab-size-divisible-by", "--tokenizer-type", "--normalization", "--swiglu", "--use-fused-rmsnorm",
-    "--use-fused-swiglu", "--use-flash-attn", "--no-masked-softmax-fusion", "--no-gradient-accumulation-fusion",
-    "--use-cpu-initialization", "--init-model-with-meta-device", "--position-embedding-type",
-    "--use-fused-rotary-pos-emb", "--use-distributed-optimizer", "--variable-seq-lengths",
+    "--use-mcore-models",
+    "--num-layers",
+    "--hidden-size",
+    "--ffn-hidden-size",
+    "--num-attention-heads",
+    "--group-query-attention",
+    "--num-query-groups",
+    "--seq-length",
+    "--max-position-embeddings",
+    "--vocab-size",
+    "--make-vocab-size-divisible-by",
+    "--tokenizer-type",
+    "--normalization",
+    "--swiglu",
+    "--use-fused-rmsnorm",
+    "--use-fused-swiglu",
+    "--use-flash-attn",
+    "--no-masked-softmax-fusion",
+    "--no-gradient-accumulation-fusion",
+    "--use-cpu-initialization",
+    "--init-model-with-meta-device",
+    "--position-embedding-type",
+    "--use-fused-rotary-pos-emb",
+    "--use-distributed-optimizer",
+    "--variable-seq-lengths",
 )
 """Megatron's model-building and kernel flags: on the Transformers route MindSpeed MM itself reads the model from
 its Hugging Face config, and here the model is what ``model_provider`` builds."""
@@ -304,8 +357,9 @@ its Hugging Face config, and here the model is what ``model_provider`` builds.""
 FLAGS: dict[str, _Handler] = {
     "--use-torch-fsdp2": _use_fsdp2,
     "--fsdp2-config-path": _fsdp2_config,
-    "--ckpt-format": _strategy_arg("checkpoint_format", choices=("torch_dcp", "torch"),
-                                   reason="only torch_dcp and torch are supported"),
+    "--ckpt-format": _strategy_arg(
+        "checkpoint_format", choices=("torch_dcp", "torch"), reason="only torch_dcp and torch are supported"
+    ),
     "--distributed-backend": _backend,
     "--micro-batch-size": _to("data.init_args.batch_size", int, keep="mbs"),
     "--global-batch-size": _keep("gbs", int),
@@ -314,15 +368,20 @@ FLAGS: dict[str, _Handler] = {
     "--weight-decay": _to("model.init_args.weight_decay"),
     "--adam-beta1": _keep(),
     "--adam-beta2": _keep(),
-    "--lr-decay-style": _choice("model.init_args.lr_decay_style", ("cosine", "linear", "constant"),
-                                "only cosine, linear and constant decay are built in"),
+    "--lr-decay-style": _choice(
+        "model.init_args.lr_decay_style",
+        ("cosine", "linear", "constant"),
+        "only cosine, linear and constant decay are built in",
+    ),
     "--lr-warmup-iters": _to("model.init_args.warmup_steps", int),
     "--lr-warmup-fraction": _keep("warmup_fraction"),
     "--train-iters": _to("trainer.max_steps", int, keep="train_iters"),
     "--clip-grad": _to("trainer.gradient_clip_val"),
     "--bf16": _const("trainer.precision", "bf16-mixed"),
-    "--fp16": _refuse("fp16 mixed precision needs a sharded grad scaler; use --bf16 (bf16-mixed) or "
-                      "param_dtype: fp16 in the FSDP2 YAML"),
+    "--fp16": _refuse(
+        "fp16 mixed precision needs a sharded grad scaler; use --bf16 (bf16-mixed) or "
+        "param_dtype: fp16 in the FSDP2 YAML"
+    ),
     "--seed": _to("seed_everything", int),
     "--log-interval": _to("trainer.log_every_n_steps", int),
     "--eval-interval": _to("trainer.val_check_interval", int, also={"trainer.check_val_every_n_epoch": None}),
@@ -336,27 +395,36 @@ FLAGS: dict[str, _Handler] = {
     "--mm-model": _mm_model,
     "--untie-embeddings-and-output-weights": _refuse(
         "a model property; build untied embedding/output weights in model_provider (tied ones are grouped into one "
-        "FSDP unit automatically)"),
+        "FSDP unit automatically)"
+    ),
     "--num-workers": _to("data.init_args.num_workers", int),
     "--use-txt-dynamic-batching": _keep("dynamic_batching", None),
     "--max-seq-len": _keep("max_seq_len", int),
     "--dynamic-batch-buffer-size": _keep("dynamic_batch_buffer_size", int),
     "--mm-tool": _refuse("MindSpeed MM's tool definitions for its chat templates; not read by lightning-mm"),
     "--tensor-model-parallel-size": _only_one("tensor parallelism is not supported (FSDP2 and context parallelism)"),
-    "--pipeline-model-parallel-size": _only_one("pipeline parallelism is not supported (FSDP2 and context "
-                                                "parallelism)"),
+    "--pipeline-model-parallel-size": _only_one(
+        "pipeline parallelism is not supported (FSDP2 and context parallelism)"
+    ),
     "--optimizer-selection": _optimizer,
-    "--no-load-optim": _refuse("a resume here restores the optimizer and RNG state with the weights; to start from "
-                               "weights alone, give TransformersModel's init_from_hf_path or a weights checkpoint "
-                               "(lightning-mm convert hf-to-dcp)"),
+    "--no-load-optim": _refuse(
+        "a resume here restores the optimizer and RNG state with the weights; to start from "
+        "weights alone, give TransformersModel's init_from_hf_path or a weights checkpoint "
+        "(lightning-mm convert hf-to-dcp)"
+    ),
     "--no-load-rng": _refuse("a resume here restores the RNG state with the weights"),
     "--no-save-optim": _refuse("checkpoints here always hold the optimizer state"),
     "--no-save-rng": _refuse("checkpoints here always hold each rank's RNG state"),
-    "--log-tps": _refuse("throughput (tokens per second) is logged by MMLightningModule's ThroughputMonitor "
-                         "(train/items_per_sec)"),
-    **dict.fromkeys(MEGATRON_MODEL_FLAGS, _refuse(
-        "a Megatron model or kernel setting; the model is the one model_provider builds (TransformersModel: from "
-        "init_from_hf_path's config.json)")),
+    "--log-tps": _refuse(
+        "throughput (tokens per second) is logged by MMLightningModule's ThroughputMonitor (train/items_per_sec)"
+    ),
+    **dict.fromkeys(
+        MEGATRON_MODEL_FLAGS,
+        _refuse(
+            "a Megatron model or kernel setting; the model is the one model_provider builds (TransformersModel: from "
+            "init_from_hf_path's config.json)"
+        ),
+    ),
 }
 
 
@@ -367,8 +435,13 @@ MINDSPEED_ENTRY_SCRIPTS = ("pretrain_transformers.py",)
 lightning-mm's built-ins (TransformersModel from --mm-model, MMDataModule(data_config) from --mm-data)."""
 
 
-def migrate(launch: Launch, base_dir: Path | None = None, import_root: Path | None = None,
-            keep_backend: bool = False, single_yaml: tuple[Path, Mapping[str, Any]] | None = None) -> Migration:
+def migrate(
+    launch: Launch,
+    base_dir: Path | None = None,
+    import_root: Path | None = None,
+    keep_backend: bool = False,
+    single_yaml: tuple[Path, Mapping[str, Any]] | None = None,
+) -> Migration:
     """Map a launch onto a LightningCLI config; everything not mapped is listed with the reason.
 
     Relative paths in the launch are taken from ``base_dir`` (the launch directory: by default the working
@@ -379,16 +452,21 @@ def migrate(launch: Launch, base_dir: Path | None = None, import_root: Path | No
     ``single_yaml`` is MindSpeed MM's single YAML (its path and content): its ``gpt_args`` replace the launch's
     training flags, as MindSpeed MM's ``read_yaml_config.py`` does, and its ``data`` / ``model`` sections are used.
     """
-    cfg: dict[str, Any] = {"trainer": {}, "model": {"class_path": "lightning_mm.MMLightningModule", "init_args": {}},
-                           "data": {"class_path": "lightning_mm.MMDataModule", "init_args": {}}}
+    cfg: dict[str, Any] = {
+        "trainer": {},
+        "model": {"class_path": "lightning_mm.MMLightningModule", "init_args": {}},
+        "data": {"class_path": "lightning_mm.MMDataModule", "init_args": {}},
+    }
     state = _Flags(cfg, Migration(cfg), {}, Path.cwd() if base_dir is None else Path(base_dir), keep_backend)
     world = _map_launcher(state, launch)
     functions = _map_entry_script(state, launch, import_root)
     flags = [(flag, value, f"{flag} {value}" if value is not None else flag) for flag, value in launch.flags]
     if single_yaml is not None:
         for _, _, shown in flags:
-            state.out.unmapped.append(f"{shown}: after the YAML on the launch line, which MindSpeed MM ignores too "
-                                      "(its read_yaml_config.py rebuilds the command line from gpt_args)")
+            state.out.unmapped.append(
+                f"{shown}: after the YAML on the launch line, which MindSpeed MM ignores too "
+                "(its read_yaml_config.py rebuilds the command line from gpt_args)"
+            )
         flags = _map_single_yaml(state, *single_yaml)
     for flag, value, shown in flags:
         handler = FLAGS.get(flag)
@@ -447,8 +525,9 @@ def _map_single_yaml(state: _Flags, path: Path, config: Mapping[str, Any]) -> li
     out = state.out
     gpt_args = config.get("gpt_args")
     if not isinstance(gpt_args, Mapping):
-        raise MigrateError(f"{path}: no `gpt_args` mapping; MindSpeed MM's single YAML has gpt_args, data and model "
-                           "sections")
+        raise MigrateError(
+            f"{path}: no `gpt_args` mapping; MindSpeed MM's single YAML has gpt_args, data and model sections"
+        )
     flags: list[tuple[str, str | None, str]] = []
     for key, value in _flatten_gpt_args(gpt_args, "gpt_args"):
         flag = "--" + key.replace("_", "-")
@@ -468,20 +547,27 @@ def _map_single_yaml(state: _Flags, path: Path, config: Mapping[str, Any]) -> li
     lora = config.get("lora_args")
     if isinstance(lora, Mapping):
         for key, value in _flatten_gpt_args(lora, "lora_args"):
-            out.unmapped.append(f"lora_args.{key}: {value}: MindSpeed MM's LoRA flags; set "
-                                "model.init_args.transformers_model.lora (rank, alpha, target_modules, ...) by hand")
+            out.unmapped.append(
+                f"lora_args.{key}: {value}: MindSpeed MM's LoRA flags; set "
+                "model.init_args.transformers_model.lora (rank, alpha, target_modules, ...) by hand"
+            )
     if "MM_TOOL_PATH" in config:
-        out.unmapped.append(f"MM_TOOL_PATH {config['MM_TOOL_PATH']} (--mm-tool): MindSpeed MM's tool definitions for "
-                            "its chat templates; not read by lightning-mm")
+        out.unmapped.append(
+            f"MM_TOOL_PATH {config['MM_TOOL_PATH']} (--mm-tool): MindSpeed MM's tool definitions for "
+            "its chat templates; not read by lightning-mm"
+        )
     for key, value in config.items():
         if key in _YAML_SECTIONS:
             continue
         if isinstance(value, (Mapping, list)):
-            out.unmapped.append(f"{path.name}: top-level section `{key}`: unknown to MindSpeed MM and to "
-                                "lightning-mm migrate")
+            out.unmapped.append(
+                f"{path.name}: top-level section `{key}`: unknown to MindSpeed MM and to lightning-mm migrate"
+            )
         else:
-            out.notes.append(f"{path.name}: top-level `{key}: {value}`: MindSpeed MM reads no such key (values like "
-                             "this one are used through YAML anchors); nothing to map")
+            out.notes.append(
+                f"{path.name}: top-level `{key}: {value}`: MindSpeed MM reads no such key (values like "
+                "this one are used through YAML anchors); nothing to map"
+            )
     return flags
 
 
@@ -523,14 +609,18 @@ def _map_entry_script(state: _Flags, launch: Launch, import_root: Path | None) -
     if Path(launch.script).name in MINDSPEED_ENTRY_SCRIPTS:
         state.values["builtin_model"] = state.values["builtin_data"] = True
         out.import_root = None
-        out.notes.append(f"{launch.script}: MindSpeed MM's own entry script; its model_provider, forward_step and "
-                         f"datasets provider become {TRANSFORMERS_MODULE.rsplit('.', 1)[1]} (TransformersModel from "
-                         "the model config) and MMDataModule(data_config)")
+        out.notes.append(
+            f"{launch.script}: MindSpeed MM's own entry script; its model_provider, forward_step and "
+            f"datasets provider become {TRANSFORMERS_MODULE.rsplit('.', 1)[1]} (TransformersModel from "
+            "the model config) and MMDataModule(data_config)"
+        )
         return set()
     if defined is None:
         out.import_root = None
-        out.unmapped.append(f"{launch.script}: entry script not found ({script}); add "
-                            "model.init_args.model_provider / forward_step by hand")
+        out.unmapped.append(
+            f"{launch.script}: entry script not found ({script}); add "
+            "model.init_args.model_provider / forward_step by hand"
+        )
         return set()
     functions = set(defined) & set(SEED_FUNCTIONS)
     if "forward_step" in functions:  # forward_step calls get_batch and returns loss_func itself
@@ -538,25 +628,32 @@ def _map_entry_script(state: _Flags, launch: Launch, import_root: Path | None) -
     if "TransformersModel" in defined.get("model_provider", set()) and "mm" in defined["model_provider"]:
         state.values["builtin_model"] = True  # TransformersModel(args.mm.model): the model config is used
         functions.discard("model_provider")
-        out.notes.append(f"{launch.script}: model_provider builds TransformersModel from --mm-model; the model "
-                         "config is written instead")
+        out.notes.append(
+            f"{launch.script}: model_provider builds TransformersModel from --mm-model; the model "
+            "config is written instead"
+        )
     provider = defined.get("train_valid_test_datasets_provider", set())
     if "build_mm_dataset" in provider:
         state.values["builtin_data"] = True  # MindSpeed MM's dataset from --mm-data: MMDataModule(data_config)
         functions.discard("train_valid_test_datasets_provider")
-        out.notes.append(f"{launch.script}: train_valid_test_datasets_provider builds MindSpeed MM's dataset from "
-                         "--mm-data; MMDataModule(data_config) reads that file instead")
+        out.notes.append(
+            f"{launch.script}: train_valid_test_datasets_provider builds MindSpeed MM's dataset from "
+            "--mm-data; MMDataModule(data_config) reads that file instead"
+        )
     for fn in sorted(functions, key=list(SEED_FUNCTIONS).index):
         _set(cfg, SEED_FUNCTIONS[fn], f"{module}.{fn}")
         out.mapped.append(f"{launch.script}: {fn} -> {SEED_FUNCTIONS[fn]} = {module}.{fn}")
     if functions:
-        out.notes.append(f"the entry script's functions are imported as `{module}`: run lightning-mm from "
-                         f"{out.import_root} (remove Megatron globals such as get_args() from them)")
+        out.notes.append(
+            f"the entry script's functions are imported as `{module}`: run lightning-mm from "
+            f"{out.import_root} (remove Megatron globals such as get_args() from them)"
+        )
     else:
         out.import_root = None
     if "model_provider" not in functions and not state.values.get("builtin_model"):
-        out.unmapped.append(f"{launch.script}: defines no `model_provider`; set {SEED_FUNCTIONS['model_provider']} "
-                            "by hand")
+        out.unmapped.append(
+            f"{launch.script}: defines no `model_provider`; set {SEED_FUNCTIONS['model_provider']} by hand"
+        )
     return functions
 
 
@@ -578,11 +675,15 @@ def _map_combined(state: _Flags, world: int | None) -> None:
             world //= values["cp"]  # the ranks of a context-parallel group share their samples
         if world and values["gbs"] % (mbs * world) == 0:
             _set(cfg, "trainer.accumulate_grad_batches", values["gbs"] // (mbs * world))
-            out.mapped.append(f"--global-batch-size {values['gbs']} -> trainer.accumulate_grad_batches "
-                              f"({values['gbs']} / ({mbs} x {world} ranks))")
+            out.mapped.append(
+                f"--global-batch-size {values['gbs']} -> trainer.accumulate_grad_batches "
+                f"({values['gbs']} / ({mbs} x {world} ranks))"
+            )
         else:
-            out.unmapped.append(f"--global-batch-size {values['gbs']}: cannot derive accumulate_grad_batches "
-                                "(world size unknown or not a divisor); set trainer.accumulate_grad_batches")
+            out.unmapped.append(
+                f"--global-batch-size {values['gbs']}: cannot derive accumulate_grad_batches "
+                "(world size unknown or not a divisor); set trainer.accumulate_grad_batches"
+            )
 
 
 def _map_dynamic_batching(state: _Flags) -> None:
@@ -591,26 +692,34 @@ def _map_dynamic_batching(state: _Flags) -> None:
     out, values = state.out, state.values
     sizes = [f for f in ("max_seq_len", "dynamic_batch_buffer_size") if f in values]
     if "dynamic_batching" not in values:
-        out.unmapped += [f"--{f.replace('_', '-')} {values[f]}: used only with --use-txt-dynamic-batching"
-                         for f in sizes]
+        out.unmapped += [
+            f"--{f.replace('_', '-')} {values[f]}: used only with --use-txt-dynamic-batching" for f in sizes
+        ]
         return
     if "max_seq_len" not in values:
-        out.unmapped.append("--use-txt-dynamic-batching: needs --max-seq-len (the tokens of one packed row); set "
-                            "data.init_args.max_tokens_per_rank by hand")
+        out.unmapped.append(
+            "--use-txt-dynamic-batching: needs --max-seq-len (the tokens of one packed row); set "
+            "data.init_args.max_tokens_per_rank by hand"
+        )
         return
     _set(state.cfg, "data.init_args.packing", True)
     _set(state.cfg, "data.init_args.max_tokens_per_rank", values["max_seq_len"])
-    out.mapped += ["--use-txt-dynamic-batching -> data.init_args.packing: True",
-                   f"--max-seq-len {values['max_seq_len']} -> data.init_args.max_tokens_per_rank"]
+    out.mapped += [
+        "--use-txt-dynamic-batching -> data.init_args.packing: True",
+        f"--max-seq-len {values['max_seq_len']} -> data.init_args.max_tokens_per_rank",
+    ]
     if "dynamic_batch_buffer_size" in values:
         _set(state.cfg, "data.init_args.packing_buffer_size", values["dynamic_batch_buffer_size"])
-        out.mapped.append(f"--dynamic-batch-buffer-size {values['dynamic_batch_buffer_size']} -> "
-                          "data.init_args.packing_buffer_size")
+        out.mapped.append(
+            f"--dynamic-batch-buffer-size {values['dynamic_batch_buffer_size']} -> data.init_args.packing_buffer_size"
+        )
     batch_size = state.cfg.get("data", {}).get("init_args", {}).pop("batch_size", None)
     if batch_size is not None:
         out.mapped = [m for m in out.mapped if not m.startswith("--micro-batch-size")]
-        out.notes.append(f"--micro-batch-size {batch_size}: not used with dynamic batching (a batch holds as many "
-                         "samples as fit in --max-seq-len tokens, as in MindSpeed MM)")
+        out.notes.append(
+            f"--micro-batch-size {batch_size}: not used with dynamic batching (a batch holds as many "
+            "samples as fit in --max-seq-len tokens, as in MindSpeed MM)"
+        )
 
 
 def _map_checkpointing(state: _Flags) -> None:
@@ -626,8 +735,9 @@ def _map_checkpointing(state: _Flags) -> None:
         checkpoint["every_n_train_steps"] = values["save_interval"]
     callback = {"class_path": "lightning.pytorch.callbacks.ModelCheckpoint", "init_args": checkpoint}
     cfg["trainer"]["callbacks"] = [callback]
-    out.mapped.append("--save/--save-interval -> trainer.callbacks: ModelCheckpoint(dirpath, every_n_train_steps, "
-                      "save_last: link)")
+    out.mapped.append(
+        "--save/--save-interval -> trainer.callbacks: ModelCheckpoint(dirpath, every_n_train_steps, save_last: link)"
+    )
     if values.get("load") and values.get("save") and state.path_of(values["load"]) != state.path_of(values["save"]):
         out.unmapped.append(f"--load {values['load']}: differs from --save; set ckpt_path to the checkpoint")
 
@@ -642,9 +752,11 @@ def _map_model(state: _Flags, launch: Launch, functions: set[str]) -> None:
         return
     shown, path, section = state.values["mm_model"]
     if "model_provider" in functions:
-        out.unmapped.append(f"{shown}: read by the entry script's model_provider, which is used instead; build "
-                            "TransformersModel in it, or drop model_provider and give the model config "
-                            "(docs/migration.md)")
+        out.unmapped.append(
+            f"{shown}: read by the entry script's model_provider, which is used instead; build "
+            "TransformersModel in it, or drop model_provider and give the model config "
+            "(docs/migration.md)"
+        )
         return
     if section is None:
         if not path.is_file():
@@ -672,26 +784,35 @@ def _map_data(state: _Flags, launch: Launch, functions: set[str]) -> None:
     if "mm_data" in state.values:
         shown, data_path = state.values["mm_data"]
         if provider:
-            out.unmapped.append(f"{shown}: read by the entry script's train_valid_test_datasets_provider, which is "
-                                "used instead; pass the file to it, or drop the provider to use the file as "
-                                "MMDataModule's data_config (docs/migration.md)")
+            out.unmapped.append(
+                f"{shown}: read by the entry script's train_valid_test_datasets_provider, which is "
+                "used instead; pass the file to it, or drop the provider to use the file as "
+                "MMDataModule's data_config (docs/migration.md)"
+            )
         elif data_path.is_file():
             _set(state.cfg, "data.init_args.data_config", str(data_path))
             out.mapped.append(f"{shown} -> data.init_args.data_config ({data_path})")
             out.run_from = state.base
-            out.notes.append(f"{shown}: relative paths inside it are taken from the directory lightning-mm runs in, "
-                             f"as MindSpeed MM takes them from its launch directory: run from {state.base}")
+            out.notes.append(
+                f"{shown}: relative paths inside it are taken from the directory lightning-mm runs in, "
+                f"as MindSpeed MM takes them from its launch directory: run from {state.base}"
+            )
         else:
-            out.unmapped.append(f"{shown}: {data_path} does not exist and the entry script defines no "
-                                "train_valid_test_datasets_provider; set data.init_args by hand")
+            out.unmapped.append(
+                f"{shown}: {data_path} does not exist and the entry script defines no "
+                "train_valid_test_datasets_provider; set data.init_args by hand"
+            )
     elif launch.script and not provider:
-        out.unmapped.append("no --mm-data and no train_valid_test_datasets_provider in the entry script; "
-                            "set data.init_args by hand")
+        out.unmapped.append(
+            "no --mm-data and no train_valid_test_datasets_provider in the entry script; set data.init_args by hand"
+        )
     if "mbs" in state.values and provider:
-        out.notes.append(f"--micro-batch-size {state.values['mbs']} -> data.init_args.batch_size: the batch size of "
-                         "the Datasets the provider returns; a DataLoader it returns must have this batch size "
-                         "(MMDataModule checks it at setup), or the global batch would differ from "
-                         "--global-batch-size")
+        out.notes.append(
+            f"--micro-batch-size {state.values['mbs']} -> data.init_args.batch_size: the batch size of "
+            "the Datasets the provider returns; a DataLoader it returns must have this batch size "
+            "(MMDataModule checks it at setup), or the global batch would differ from "
+            "--global-batch-size"
+        )
 
 
 _PATH_FLAGS = ("--mm-data", "--mm-model", "--fsdp2-config-path")
@@ -736,25 +857,35 @@ def _write_output(output: Path, text: str, inputs: list[Path], force: bool) -> N
 
 def main(argv: Sequence[str]) -> int:
     parser = argparse.ArgumentParser(prog="lightning-mm migrate", description=__doc__.splitlines()[0])
-    parser.add_argument("script", nargs="?",
-                        help="a MindSpeed MM / Megatron launch script (.sh), or MindSpeed MM's single YAML (.yaml)")
+    parser.add_argument(
+        "script", nargs="?", help="a MindSpeed MM / Megatron launch script (.sh), or MindSpeed MM's single YAML (.yaml)"
+    )
     parser.add_argument("-o", "--output", help="write the YAML here (default: standard output); never the input")
     parser.add_argument("--force", action="store_true", help="overwrite an existing output file")
-    parser.add_argument("--base-dir", default=None,
-                        help="the launch directory, where the launch's relative paths start (default: the script's "
-                             "folder, or the working directory when the files the script names are found only "
-                             "there; for a YAML or a flag list, the working directory)")
-    parser.add_argument("--import-root", default=None,
-                        help="directory lightning-mm will run from, where the entry script's import path starts "
-                             "(default: the working directory if the script lies below it, else the script's folder)")
-    parser.add_argument("--keep-backend", action="store_true",
-                        help="keep --distributed-backend instead of letting the accelerator choose it")
+    parser.add_argument(
+        "--base-dir",
+        default=None,
+        help="the launch directory, where the launch's relative paths start (default: the script's "
+        "folder, or the working directory when the files the script names are found only "
+        "there; for a YAML or a flag list, the working directory)",
+    )
+    parser.add_argument(
+        "--import-root",
+        default=None,
+        help="directory lightning-mm will run from, where the entry script's import path starts "
+        "(default: the working directory if the script lies below it, else the script's folder)",
+    )
+    parser.add_argument(
+        "--keep-backend",
+        action="store_true",
+        help="keep --distributed-backend instead of letting the accelerator choose it",
+    )
     parser.epilog = "Training flags may be given instead of a script, after `--`."
     argv = list(argv)
     flags: list[str] = []
     if "--" in argv:
         cut = argv.index("--")
-        argv, flags = argv[:cut], argv[cut + 1:]
+        argv, flags = argv[:cut], argv[cut + 1 :]
     args = parser.parse_args(argv)
     if bool(args.script) == bool(flags):
         parser.error("give a launch script, or `--` followed by the flags (one of them)")
@@ -767,8 +898,10 @@ def main(argv: Sequence[str]) -> int:
             parser.error(f"launch script not found: {path}")
         inputs.append(path)
         if path.suffix == ".py":
-            parser.error(f"{path} is the entry script; give the shell script that launches it (torchrun ... "
-                         f"{path.name} ...), or its training flags after `--`")
+            parser.error(
+                f"{path} is the entry script; give the shell script that launches it (torchrun ... "
+                f"{path.name} ...), or its training flags after `--`"
+            )
         if path.suffix.lower() in (".yaml", ".yml"):
             base_dir = Path(args.base_dir) if args.base_dir else Path.cwd()
             notes.append(f"relative paths are taken from {base_dir.resolve()} (the launch directory; --base-dir)")
@@ -790,12 +923,15 @@ def main(argv: Sequence[str]) -> int:
             if launch.config_yaml:
                 yaml_path = (base_dir / launch.config_yaml).resolve()
                 if not yaml_path.is_file():
-                    raise MigrateError(f"{path}: the launch's YAML {launch.config_yaml} is not found at {yaml_path}; "
-                                       "give the launch directory with --base-dir")
+                    raise MigrateError(
+                        f"{path}: the launch's YAML {launch.config_yaml} is not found at {yaml_path}; "
+                        "give the launch directory with --base-dir"
+                    )
                 inputs.append(yaml_path)
                 single = (yaml_path, _load_yaml(yaml_path))
-            result = migrate(launch, base_dir=base_dir, import_root=import_root, keep_backend=args.keep_backend,
-                             single_yaml=single)
+            result = migrate(
+                launch, base_dir=base_dir, import_root=import_root, keep_backend=args.keep_backend, single_yaml=single
+            )
     else:
         launch = parse_args(flags)
         base_dir = Path(args.base_dir) if args.base_dir else None
@@ -804,8 +940,10 @@ def main(argv: Sequence[str]) -> int:
     header = f"# Generated by `lightning-mm migrate` from {args.script or 'a flag list'}. Review the report.\n"
     run_from = result.import_root or result.run_from
     if run_from is not None:
-        header += (f"# Run from {Path(run_from).resolve()}: lightning-mm fit --config "
-                   f"{Path(args.output).resolve() if args.output else 'THIS_FILE'}\n")
+        header += (
+            f"# Run from {Path(run_from).resolve()}: lightning-mm fit --config "
+            f"{Path(args.output).resolve() if args.output else 'THIS_FILE'}\n"
+        )
     text = header + yaml.safe_dump(result.config, sort_keys=False)
     if args.output:
         _write_output(Path(args.output), text, inputs, args.force)

@@ -25,32 +25,52 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-__all__ = ["is_native_route", "migrate_native", "NativeMigration", "NATIVE_MODEL_IDS", "DERIVED_MODEL_IDS",
-           "PENDING_OPTIONS"]
+__all__ = [
+    "is_native_route",
+    "migrate_native",
+    "NativeMigration",
+    "NATIVE_MODEL_IDS",
+    "DERIVED_MODEL_IDS",
+    "PENDING_OPTIONS",
+]
 
 STRATEGY = "lightning_mm.MMFSDP2Strategy"
 MODULE = "lightning_mm.modules.transformers_module.MMTransformersModule"
 DATA = "lightning_mm.MMDataModule"
 
 NATIVE_MODEL_IDS: dict[str, str] = {
-    "qwen3_vl": "qwen3_vl", "qwen3_vl_moe": "qwen3_vl_moe", "qwen3": "qwen3", "qwen3_moe": "qwen3_moe",
-    "qwen2": "qwen2", "llama": "llama", "internvl": "internvl", "llava": "llava", "qwen2_5_vl": "qwen2_5_vl",
+    "qwen3_vl": "qwen3_vl",
+    "qwen3_vl_moe": "qwen3_vl_moe",
+    "qwen3": "qwen3",
+    "qwen3_moe": "qwen3_moe",
+    "qwen2": "qwen2",
+    "llama": "llama",
+    "internvl": "internvl",
+    "llava": "llava",
+    "qwen2_5_vl": "qwen2_5_vl",
 }
 """Native ``model.model_id`` -> the ModelHub key of this project's adapter for that architecture."""
 DERIVED_MODEL_IDS: dict[str, str] = {
-    "qwen3_5": "Qwen3_5ForConditionalGeneration", "qwen3_5_moe": "Qwen3_5MoeForConditionalGeneration",
+    "qwen3_5": "Qwen3_5ForConditionalGeneration",
+    "qwen3_5_moe": "Qwen3_5MoeForConditionalGeneration",
 }
 """Native ``model.model_id`` -> the Transformers class of its checkpoints (Qwen3.5 and Qwen3.6, whose configs use
 the Qwen3.5 ids) that trains here with no ModelHub adapter: TransformersModel takes the class from config.json's
 ``architectures`` and derives its default plan (:mod:`lightning_mm.hf.derived_adapters`)."""
 _UNSUPPORTED_MODELS = {
-    "qwen3_6": "Qwen3.6", "kimi_k25": "Kimi-K2.5 (remote code)", "kimi_k3": "Kimi-K3 (remote code)",
+    "qwen3_6": "Qwen3.6",
+    "kimi_k25": "Kimi-K2.5 (remote code)",
+    "kimi_k3": "Kimi-K3 (remote code)",
     "step3_vl": "Step3-VL (remote code)",
     "qwen3_omni_moe": "Qwen3-Omni (its module paths, `visual`, `model.layers`, are MindSpeed MM's own thinker "
     "layout, not those of Transformers' Qwen3OmniMoe classes, and its template qwen3_omni is not built in here)",
-    "qwen3_asr": "Qwen3-ASR (audio)", "qwen3tts": "Qwen3-TTS (audio)", "qwen3_tts": "Qwen3-TTS (audio)",
-    "funasr": "FunASR (audio, MindSpeed MM's own model)", "cosyvoice3_lm": "CosyVoice3 (audio, MindSpeed MM's own "
-    "model)", "ltx2": "LTX-2 (video diffusion, MindSpeed MM's own model)", "mimo_v2_5": "MiMo-V2.5",
+    "qwen3_asr": "Qwen3-ASR (audio)",
+    "qwen3tts": "Qwen3-TTS (audio)",
+    "qwen3_tts": "Qwen3-TTS (audio)",
+    "funasr": "FunASR (audio, MindSpeed MM's own model)",
+    "cosyvoice3_lm": "CosyVoice3 (audio, MindSpeed MM's own model)",
+    "ltx2": "LTX-2 (video diffusion, MindSpeed MM's own model)",
+    "mimo_v2_5": "MiMo-V2.5",
     "moss_tts_delay": "MOSS-TTS (audio)",
 }
 
@@ -143,17 +163,26 @@ def migrate_native(path: Path, data: Mapping[str, Any], base_dir: Path | None = 
     for section in data:
         if section in ("parallel", "model", "data", "features", "training", "tools"):
             continue
-        out.refuse(str(section), "not a section of MindSpeed MM's native arguments; read only by a model plugin of "
-                                 "MindSpeed MM (as an extra field), if at all; nothing here reads it")
+        out.refuse(
+            str(section),
+            "not a section of MindSpeed MM's native arguments; read only by a model plugin of "
+            "MindSpeed MM (as an extra field), if at all; nothing here reads it",
+        )
     for name in _leaves({k: v for k, v in data.items() if k in ("model", "features", "training", "tools")}, ""):
         if not any(name == h or name.startswith(f"{h}.") for h in out.handled):
-            out.unmapped.append(f"{name}: unknown to lightning-mm migrate (not a field of MindSpeed MM's native "
-                                "arguments; a model plugin's extra)")
+            out.unmapped.append(
+                f"{name}: unknown to lightning-mm migrate (not a field of MindSpeed MM's native "
+                "arguments; a model plugin's extra)"
+            )
     if out.pending:
-        out.notes.append("written with options being added to lightning-mm (not in this version yet): "
-                         + ", ".join(sorted(out.pending)))
-    out.notes.append("trainer.devices / trainer.num_nodes: the launch script's NPUS_PER_NODE and NNODES (torchrun); "
-                     "set them, or give them on the command line")
+        out.notes.append(
+            "written with options being added to lightning-mm (not in this version yet): "
+            + ", ".join(sorted(out.pending))
+        )
+    out.notes.append(
+        "trainer.devices / trainer.num_nodes: the launch script's NPUS_PER_NODE and NNODES (torchrun); "
+        "set them, or give them on the command line"
+    )
     return NativeMigration(out.config, mapped=out.mapped, unmapped=out.unmapped, notes=out.notes, run_from=out.base)
 
 
@@ -185,8 +214,9 @@ def _parallel(out: _Out) -> None:
     from lightning_mm.core.native_config import map_parallel
 
     try:
-        result = map_parallel(out.data["parallel"], out.data.get("features"), str(out.path), strict=False,
-                              error=MigrateError)
+        result = map_parallel(
+            out.data["parallel"], out.data.get("features"), str(out.path), strict=False, error=MigrateError
+        )
         _drop_absent_mtp(out, result.fsdp2)
         config = FSDP2Config.from_dict(result.fsdp2, source=f"{out.path} (parallel)").to_dict()
     except FSDP2ConfigError as err:
@@ -208,8 +238,10 @@ def _drop_absent_mtp(out: _Out, fsdp2: dict[str, Any]) -> None:
     if not isinstance(wrap, list) or "mtp" not in wrap or out.get("model.mtp_num_layers", 0):
         return
     fsdp2["sub_modules_to_wrap"] = [m for m in wrap if m != "mtp"]
-    out.notes.append("parallel.fsdp_plan.apply_modules mtp: MindSpeed MM's multi-token-prediction block, built only "
-                     "with model.mtp_num_layers > 0 (Transformers' model has no mtp module); not wrapped here")
+    out.notes.append(
+        "parallel.fsdp_plan.apply_modules mtp: MindSpeed MM's multi-token-prediction block, built only "
+        "with model.mtp_num_layers > 0 (Transformers' model has no mtp module); not wrapped here"
+    )
 
 
 # --------------------------------------------------------------------------------------------- model
@@ -222,19 +254,28 @@ def _model(out: _Out) -> None:
     out.handled.add("model.model_id")
     model_id = model.get("model_id")
     if model_id in NATIVE_MODEL_IDS:
-        out.map("model.model_id", f"{target}.model_id", NATIVE_MODEL_IDS[model_id], f"ModelHub key "
-                f"{NATIVE_MODEL_IDS[model_id]}")
+        out.map(
+            "model.model_id",
+            f"{target}.model_id",
+            NATIVE_MODEL_IDS[model_id],
+            f"ModelHub key {NATIVE_MODEL_IDS[model_id]}",
+        )
     elif model_id in DERIVED_MODEL_IDS:
-        out.mapped.append(f"model.model_id {model_id} -> none: no ModelHub adapter needed; TransformersModel takes "
-                          "the class from config.json's architectures (Transformers' "
-                          f"{DERIVED_MODEL_IDS[model_id]}) and derives its default FSDP2 plan from the model")
+        out.mapped.append(
+            f"model.model_id {model_id} -> none: no ModelHub adapter needed; TransformersModel takes "
+            "the class from config.json's architectures (Transformers' "
+            f"{DERIVED_MODEL_IDS[model_id]}) and derives its default FSDP2 plan from the model"
+        )
     elif model_id is not None:
         what = _UNSUPPORTED_MODELS.get(model_id, f"model_id {model_id}")
-        out.refuse("model.model_id", f"{model_id}: {what}: this config does not train here yet (no ModelHub "
-                                     "adapter, and no Transformers class with a derived plan checked for it); "
-                                     "model_id is left out: TransformersModel takes the class from config.json's "
-                                     "architectures (a Transformers class gets a derived default plan; a "
-                                     "remote-code model also needs trust_remote_code)")
+        out.refuse(
+            "model.model_id",
+            f"{model_id}: {what}: this config does not train here yet (no ModelHub "
+            "adapter, and no Transformers class with a derived plan checked for it); "
+            "model_id is left out: TransformersModel takes the class from config.json's "
+            "architectures (a Transformers class gets a derived default plan; a "
+            "remote-code model also needs trust_remote_code)",
+        )
     if "model_name_or_path" in model:
         value = model["model_name_or_path"]
         out.map("model.model_name_or_path", f"{target}.init_from_hf_path", out.resolve(str(value)))
@@ -251,17 +292,23 @@ def _model(out: _Out) -> None:
         if kind in ("eager", "sdpa"):
             out.map("model.attn_implementation", f"{target}.hf_config.attn_implementation", kind)
         else:
-            out.note("model.attn_implementation", f"{kind}: a fused attention kernel (same result); Transformers' "
-                                                  "default attention is used (set hf_config.attn_implementation: "
-                                                  f"{kind} where that kernel is installed)")
+            out.note(
+                "model.attn_implementation",
+                f"{kind}: a fused attention kernel (same result); Transformers' "
+                "default attention is used (set hf_config.attn_implementation: "
+                f"{kind} where that kernel is installed)",
+            )
     if "model_id" in model and "model_name_or_path" not in model:
-        out.unmapped.append("model.model_name_or_path: missing; set model.init_args.transformers_model."
-                            "init_from_hf_path")
+        out.unmapped.append(
+            "model.model_name_or_path: missing; set model.init_args.transformers_model.init_from_hf_path"
+        )
     mtp = model.get("mtp_num_layers", 0)
     if "mtp_num_layers" in model:
         if mtp:
-            out.refuse("model.mtp_num_layers", f"{mtp}: multi-token prediction layers are MindSpeed MM's own; not "
-                                               "supported here")
+            out.refuse(
+                "model.mtp_num_layers",
+                f"{mtp}: multi-token prediction layers are MindSpeed MM's own; not supported here",
+            )
         else:
             out.note("model.mtp_num_layers", "0: no multi-token prediction, as here")
     if "mtp_loss_scaling_factor" in model:
@@ -273,24 +320,23 @@ def _model(out: _Out) -> None:
 
 _MODEL_EXTRAS = {
     "gdn_implementation": "MindSpeed MM's gated-delta-net kernel choice (NPU ascendc / triton); Transformers' code "
-                          "runs here",
+    "runs here",
     "causal_conv1d_implementation": "MindSpeed MM's causal-conv1d kernel choice; Transformers' code runs here",
     "kda_implementation": "MindSpeed MM's KDA kernel choice; the model's own code runs here",
     "skip_gdn_recompute": "MindSpeed MM recomputes a layer except its gated-delta-net part; here a recomputed "
-                          "module is recomputed whole (same result, more compute)",
+    "module is recomputed whole (same result, more compute)",
     "skip_flash_attn_recompute": "MindSpeed MM recomputes a layer except its attention; here a recomputed module "
-                                 "is recomputed whole (same result, more compute)",
+    "is recomputed whole (same result, more compute)",
     "skip_kda_recompute": "MindSpeed MM recomputes a layer except its KDA part; here a recomputed module is "
-                          "recomputed whole (same result, more compute)",
-    "use_grouped_expert_matmul": "MindSpeed MM's grouped expert matmul kernel; the experts here run the model's "
-                                 "code",
+    "recomputed whole (same result, more compute)",
+    "use_grouped_expert_matmul": "MindSpeed MM's grouped expert matmul kernel; the experts here run the model's code",
     "loss_cfg": "read from features.loss_cfg by MindSpeed MM's trainer; this copy in model is read by no one but "
-                "the model plugin",
+    "the model plugin",
     "chunkloss_plan": "read from features.chunkloss_plan by MindSpeed MM's trainer; not read here",
     "enable_chunk_loss": "read from features.enable_chunk_loss by MindSpeed MM's trainer; not read here",
-    "recompute": "read from parallel/features by MindSpeed MM; not read here", "recompute_plan":
-    "read from parallel/features by MindSpeed MM; not read here", "activation_offload_plan":
-    "read from features by MindSpeed MM; not read here",
+    "recompute": "read from parallel/features by MindSpeed MM; not read here",
+    "recompute_plan": "read from parallel/features by MindSpeed MM; not read here",
+    "activation_offload_plan": "read from features by MindSpeed MM; not read here",
 }
 
 
@@ -305,16 +351,21 @@ def _features(out: _Out) -> None:
     out.handled.add("features.loss_cfg")
     kind = loss.get("loss_type", "raw") if isinstance(loss, Mapping) else None
     if kind in ("default", "raw"):
-        out.mapped.append(f"features.loss_cfg.loss_type {kind} -> the default loss: the token mean of each "
-                          "micro-batch, averaged over data-parallel ranks and accumulation steps (MindSpeed MM's "
-                          f"{kind} loss)")
+        out.mapped.append(
+            f"features.loss_cfg.loss_type {kind} -> the default loss: the token mean of each "
+            "micro-batch, averaged over data-parallel ranks and accumulation steps (MindSpeed MM's "
+            f"{kind} loss)"
+        )
     else:
-        out.unmapped.append(f"features.loss_cfg.loss_type {kind}: not implemented here (only default / raw, the "
-                            "token mean of each micro-batch)")
+        out.unmapped.append(
+            f"features.loss_cfg.loss_type {kind}: not implemented here (only default / raw, the "
+            "token mean of each micro-batch)"
+        )
     coef = loss.get("router_aux_loss_coef", 0.0) if isinstance(loss, Mapping) else 0.0
     if coef:
-        out.unmapped.append(f"features.loss_cfg.router_aux_loss_coef {coef}: the MoE router's auxiliary loss is not "
-                            "added here")
+        out.unmapped.append(
+            f"features.loss_cfg.router_aux_loss_coef {coef}: the MoE router's auxiliary loss is not added here"
+        )
     if isinstance(loss, Mapping) and loss.get("router_aux_loss_offload"):
         out.unmapped.append("features.loss_cfg.router_aux_loss_offload: no router auxiliary loss here")
     if isinstance(loss, Mapping):
@@ -329,27 +380,48 @@ def _features(out: _Out) -> None:
             out.set(f"{target}.chunk_loss_size", int(plan["chunk_size"]))
             out.mapped.append(f"features.chunkloss_plan.chunk_size -> {target}.chunk_loss_size")
         module = plan.get("apply_module", "lm_head")
-        out.notes.append(f"features.chunkloss_plan.apply_module {module}: the model's output layer, found by "
-                         "TransformersModel itself")
+        out.notes.append(
+            f"features.chunkloss_plan.apply_module {module}: the model's output layer, found by "
+            "TransformersModel itself"
+        )
         if "total_chunk_size" in plan:
             out.notes.append("features.chunkloss_plan.total_chunk_size: used only by enable_dynamic_chunk_loss")
     elif plan or "enable_chunk_loss" in features:
         out.notes.append("features.enable_chunk_loss: off" + ("; features.chunkloss_plan is not used" if plan else ""))
     if features.get("enable_dynamic_chunk_loss"):
-        out.unmapped.append("features.enable_dynamic_chunk_loss: the chunk size derived from total_chunk_size and "
-                            "the batch is not supported here; set chunk_loss_size")
-    _switch(out, features, "enable_activation_offload", "activation_offload_plan",
-            "activation offload (saved activations moved to host memory) is not supported here; recompute_modules "
-            "(parallel.recompute_plan) trade compute for the same memory")
-    _switch(out, features, "enable_chunk_mbs", "chunkmbs_plan",
-            "chunked micro-batches (a micro-batch split inside the listed modules) are not supported here; lower "
-            "training.micro_batch_size and raise gradient_accumulation_steps for the same memory")
-    _switch(out, features, "enable_ep_balance", "ep_balance_plan",
-            "MindSpeed MM's duplication of hot experts (speed only) is not supported here")
+        out.unmapped.append(
+            "features.enable_dynamic_chunk_loss: the chunk size derived from total_chunk_size and "
+            "the batch is not supported here; set chunk_loss_size"
+        )
+    _switch(
+        out,
+        features,
+        "enable_activation_offload",
+        "activation_offload_plan",
+        "activation offload (saved activations moved to host memory) is not supported here; recompute_modules "
+        "(parallel.recompute_plan) trade compute for the same memory",
+    )
+    _switch(
+        out,
+        features,
+        "enable_chunk_mbs",
+        "chunkmbs_plan",
+        "chunked micro-batches (a micro-batch split inside the listed modules) are not supported here; lower "
+        "training.micro_batch_size and raise gradient_accumulation_steps for the same memory",
+    )
+    _switch(
+        out,
+        features,
+        "enable_ep_balance",
+        "ep_balance_plan",
+        "MindSpeed MM's duplication of hot experts (speed only) is not supported here",
+    )
     if "skip_moe_pad_tokens" in features:
         if features["skip_moe_pad_tokens"]:
-            out.refuse("features.skip_moe_pad_tokens", "padding tokens are routed through the experts here (their "
-                                                       "loss is masked)")
+            out.refuse(
+                "features.skip_moe_pad_tokens",
+                "padding tokens are routed through the experts here (their loss is masked)",
+            )
         else:
             out.note("features.skip_moe_pad_tokens", "off, as here")
 
@@ -368,7 +440,7 @@ _NO_EFFECT_TRAINING = {
     "adam_fused": "the fused AdamW step is MMFSDP2Strategy's fused_optimizer_step (on by default)",
     "clip_grad_foreach": "torch's foreach clipping implementation (same result)",
     "init_model_with_meta_device": "MMFSDP2Strategy always builds the model on the meta device (empty_init) and "
-                                   "each rank loads its own shards",
+    "each rank loads its own shards",
     "use_deter_comp": "NPU deterministic computation; use Trainer(deterministic=True) for torch's",
     "allow_hf32": "an NPU matmul precision switch; torch.backends.*.allow_tf32 is the counterpart",
     "enable_full_determinism": "use Trainer(deterministic=True)",
@@ -410,8 +482,9 @@ def _training(out: _Out) -> None:
         if eps == 1e-8:
             out.note("training.adam_eps", "1e-8, AdamW's default here")
         else:
-            out.refuse("training.adam_eps", f"{eps}: MMLightningModule's AdamW uses eps 1e-8; override "
-                                            "configure_optimizers")
+            out.refuse(
+                "training.adam_eps", f"{eps}: MMLightningModule's AdamW uses eps 1e-8; override configure_optimizers"
+            )
     optimizer = training.get("optimizer", "adamw")
     if optimizer == "adamw":
         out.note("training.optimizer", "adamw: MMLightningModule's AdamW")
@@ -419,8 +492,9 @@ def _training(out: _Out) -> None:
         out.refuse("training.optimizer", f"{optimizer}: only AdamW is built in; override configure_optimizers")
     for key in ("mem_fraction_static", "matched_adamw_rms", "muon_momentum", "ns_steps"):
         if has(key):
-            (out.note if optimizer == "adamw" else out.refuse)(f"training.{key}", "a setting of the adamw_swap / "
-                                                                                  "muon optimizer")
+            (out.note if optimizer == "adamw" else out.refuse)(
+                f"training.{key}", "a setting of the adamw_swap / muon optimizer"
+            )
     for key in ("no_decay_modules", "no_decay_params"):
         if has(key):
             if training[key]:
@@ -429,12 +503,12 @@ def _training(out: _Out) -> None:
                 out.note(f"training.{key}", "empty, as here")
     if has("lr_scaling_plan"):
         (out.refuse if training["lr_scaling_plan"] else out.note)(
-            "training.lr_scaling_plan", "per-layer learning rates are not supported here")
+            "training.lr_scaling_plan", "per-layer learning rates are not supported here"
+        )
     if has("train_iters"):
         out.map("training.train_iters", "trainer.max_steps", int(training["train_iters"]))
     if has("max_steps") and training["max_steps"] is not None:
-        out.map("training.max_steps", "trainer.limit_train_batches", int(training["max_steps"]),
-                "steps per epoch")
+        out.map("training.max_steps", "trainer.limit_train_batches", int(training["max_steps"]), "steps per epoch")
     elif has("max_steps"):
         out.note("training.max_steps", "null: no limit per epoch")
     for key in ("train_epochs", "max_epochs"):
@@ -450,8 +524,12 @@ def _training(out: _Out) -> None:
     ratio = float(training.get("lr_warmup_ratio", 0.0) or 0.0)
     if has("lr_warmup_ratio"):
         if "train_iters" in training:
-            out.map("training.lr_warmup_ratio", f"{module}.warmup_steps",
-                    round(ratio * int(training["train_iters"])), "ratio x train_iters")
+            out.map(
+                "training.lr_warmup_ratio",
+                f"{module}.warmup_steps",
+                round(ratio * int(training["train_iters"])),
+                "ratio x train_iters",
+            )
         else:
             out.refuse("training.lr_warmup_ratio", "needs training.train_iters to become a step count")
     if has("lr_decay_ratio"):
@@ -461,8 +539,10 @@ def _training(out: _Out) -> None:
             out.refuse("training.lr_decay_ratio", "the decay here always runs to the last step")
     for key in ("scheduler", "scheduler_conf"):
         if has(key):
-            out.refuse(f"training.{key}", "a model plugin's own scheduler setting; lr_decay_style / "
-                                          "lr_warmup_ratio are read here")
+            out.refuse(
+                f"training.{key}",
+                "a model plugin's own scheduler setting; lr_decay_style / lr_warmup_ratio are read here",
+            )
     if has("clip_grad"):
         clip = float(training["clip_grad"])
         if clip > 0:
@@ -485,8 +565,11 @@ def _training(out: _Out) -> None:
     elif has("gradient_accumulation_steps"):
         out.note("training.gradient_accumulation_steps", "null: no accumulation, as here")
     if has("global_batch_size"):
-        out.refuse("training.global_batch_size", "derived by MindSpeed MM (micro_batch_size x data-parallel ranks "
-                                                 "x gradient_accumulation_steps), not read from here")
+        out.refuse(
+            "training.global_batch_size",
+            "derived by MindSpeed MM (micro_batch_size x data-parallel ranks "
+            "x gradient_accumulation_steps), not read from here",
+        )
     if has("seed"):
         out.map("training.seed", "seed_everything", int(training["seed"]))
         out.set("data.init_args.seed", int(training["seed"]))
@@ -503,8 +586,9 @@ def _training(out: _Out) -> None:
     quant = training.get("quantization_plan")
     if has("quantization_plan"):
         if isinstance(quant, Mapping) and quant.get("recipe_name"):
-            out.refuse("training.quantization_plan", f"low-precision training ({quant['recipe_name']}) is not "
-                                                     "supported here")
+            out.refuse(
+                "training.quantization_plan", f"low-precision training ({quant['recipe_name']}) is not supported here"
+            )
         else:
             out.note("training.quantization_plan", "no recipe: off")
 
@@ -531,17 +615,25 @@ def _checkpointing(out: _Out, training: Mapping[str, Any]) -> None:
             checkpoint["dirpath"] = out.resolve(str(save))
         if every:
             checkpoint["every_n_train_steps"] = int(every)
-        out.set("trainer.callbacks", [{"class_path": "lightning.pytorch.callbacks.ModelCheckpoint",
-                                       "init_args": checkpoint}])
-        out.mapped.append("training.save, training.save_interval -> trainer.callbacks: ModelCheckpoint(dirpath, "
-                          "every_n_train_steps, save_last: link)")
+        out.set(
+            "trainer.callbacks",
+            [{"class_path": "lightning.pytorch.callbacks.ModelCheckpoint", "init_args": checkpoint}],
+        )
+        out.mapped.append(
+            "training.save, training.save_interval -> trainer.callbacks: ModelCheckpoint(dirpath, "
+            "every_n_train_steps, save_last: link)"
+        )
     fmt = training.get("save_format", "auto")
     if "save_format" in training:
         if fmt in ("dcp", "auto"):
             out.map("training.save_format", f"{strategy}.checkpoint_format", "torch_dcp")
         else:  # hf: weights only, as MindSpeed MM's hf format (no resume state)
-            out.map("training.save_format", f"{strategy}.checkpoint_format", "hf",
-                    "Hugging Face safetensors weights, weights-only as in MindSpeed MM")
+            out.map(
+                "training.save_format",
+                f"{strategy}.checkpoint_format",
+                "hf",
+                "Hugging Face safetensors weights, weights-only as in MindSpeed MM",
+            )
     if training.get("save_ckpt_dtype") is not None:
         out.map("training.save_ckpt_dtype", f"{strategy}.save_ckpt_dtype", training["save_ckpt_dtype"])
     elif "save_ckpt_dtype" in training:
@@ -557,19 +649,25 @@ def _checkpointing(out: _Out, training: Mapping[str, Any]) -> None:
         hf_dir = out.get("model.model_name_or_path")
         same_as_model = bool(hf_dir) and out.resolve(str(load)) == out.resolve(str(hf_dir))
         if load_format == "hf" or (load_format == "auto" and same_as_model):
-            out.mapped.append(f"training.load {load}, training.load_format {load_format} -> the weights of model."
-                              "init_args.transformers_model.init_from_hf_path (a Hugging Face directory)")
+            out.mapped.append(
+                f"training.load {load}, training.load_format {load_format} -> the weights of model."
+                "init_args.transformers_model.init_from_hf_path (a Hugging Face directory)"
+            )
             if not hf_dir or out.resolve(str(load)) != out.resolve(str(hf_dir)):
                 out.set("model.init_args.transformers_model.init_from_hf_path", out.resolve(str(load)))
         elif load_format == "dcp":
-            out.unmapped.append(f"training.load {load}, training.load_format dcp: a checkpoint in MindSpeed MM's own "
-                                "DCP layout, which Lightning cannot resume; start from the Hugging Face weights "
-                                "(transformers_model.init_from_hf_path), or resume a checkpoint written here with "
-                                "ckpt_path")
+            out.unmapped.append(
+                f"training.load {load}, training.load_format dcp: a checkpoint in MindSpeed MM's own "
+                "DCP layout, which Lightning cannot resume; start from the Hugging Face weights "
+                "(transformers_model.init_from_hf_path), or resume a checkpoint written here with "
+                "ckpt_path"
+            )
         else:
-            out.unmapped.append(f"training.load {load}, training.load_format auto: a DCP checkpoint resumes with "
-                                "ckpt_path (a Lightning checkpoint directory); a Hugging Face directory is "
-                                "transformers_model.init_from_hf_path. Set the one it is")
+            out.unmapped.append(
+                f"training.load {load}, training.load_format auto: a DCP checkpoint resumes with "
+                "ckpt_path (a Lightning checkpoint directory); a Hugging Face directory is "
+                "transformers_model.init_from_hf_path. Set the one it is"
+            )
     elif "load" in training:
         out.notes.append("training.load: null, nothing loaded")
     if "load_format" in training and not load:
@@ -582,11 +680,16 @@ def _checkpointing(out: _Out, training: Mapping[str, Any]) -> None:
         out.notes.append("training.resume: off")
     if "load_strict" in training:
         out.map("training.load_strict", f"{strategy}.strict_loading", bool(training["load_strict"]))
-    for key, why in (("no_load_optim", "a resume here restores the optimizer state with the weights; to start from "
-                                       "weights alone use init_from_hf_path"),
-                     ("no_load_rng", "a resume here restores the RNG state with the weights"),
-                     ("no_save_optim", "checkpoints here always hold the optimizer state"),
-                     ("no_save_rng", "checkpoints here always hold each rank's RNG state")):
+    for key, why in (
+        (
+            "no_load_optim",
+            "a resume here restores the optimizer state with the weights; to start from "
+            "weights alone use init_from_hf_path",
+        ),
+        ("no_load_rng", "a resume here restores the RNG state with the weights"),
+        ("no_save_optim", "checkpoints here always hold the optimizer state"),
+        ("no_save_rng", "checkpoints here always hold each rank's RNG state"),
+    ):
         if training.get(key):
             out.refuse(f"training.{key}", why)
         elif key in training:
@@ -609,12 +712,15 @@ def _lora(out: _Out, lora: Any) -> None:
     out.mapped.append("training.lora -> model.init_args.transformers_model.lora (" + ", ".join(config) + ")")
     for key in set(lora) - set(config) - {"enable"}:
         if key == "lora_target_modules_support":
-            out.notes.append("training.lora.lora_target_modules_support: a validation list; every target is "
-                             "checked against the model here")
+            out.notes.append(
+                "training.lora.lora_target_modules_support: a validation list; every target is "
+                "checked against the model here"
+            )
         elif key == "disable_peft_moe_conversion":
             (out.notes if lora[key] else out.unmapped).append(
                 f"training.lora.disable_peft_moe_conversion {lora[key]}: LoRA here wraps the matched nn.Linear "
-                "modules only" + ("" if lora[key] else "; LoRA on routed experts' parameters is not supported"))
+                "modules only" + ("" if lora[key] else "; LoRA on routed experts' parameters is not supported")
+            )
         else:
             out.unmapped.append(f"training.lora.{key}: unknown LoRA setting")
 
@@ -630,30 +736,42 @@ def _profile(out: _Out, key: str, profile: Any) -> None:
 # --------------------------------------------------------------------------------------------- data, tools
 def _data(out: _Out) -> None:
     data = out.data.get("data")
-    out.mapped.append("data -> data.init_args.data_config (this file; MMDataModule reads its data: section and "
-                      "checks every key when it is built)")
+    out.mapped.append(
+        "data -> data.init_args.data_config (this file; MMDataModule reads its data: section and "
+        "checks every key when it is built)"
+    )
     if not isinstance(data, Mapping):
         out.unmapped.append("data: missing; set data.init_args by hand")
         return
     keys = [k for k in _leaves(data, "") if not k.startswith("val_dataset_param")]
-    out.notes.append("data keys MMDataModule reads from this file when it is built (each honoured, logged as "
-                     "without effect, or refused by name): " + ", ".join(keys))
+    out.notes.append(
+        "data keys MMDataModule reads from this file when it is built (each honoured, logged as "
+        "without effect, or refused by name): " + ", ".join(keys)
+    )
     basic = out.get("data.dataset_param.basic_parameters") or {}
     if isinstance(basic, Mapping) and basic.get("neat_packing"):
         # MMDataModule reads it from the data config itself (packing=True, max_tokens_per_rank=cutoff_len); a
         # token budget and a batch size are exclusive, so the micro-batch size is not written.
-        out.mapped.append("data.dataset_param.basic_parameters.neat_packing, cutoff_len -> MMDataModule packing with "
-                          "max_tokens_per_rank = cutoff_len (read from the data config)")
+        out.mapped.append(
+            "data.dataset_param.basic_parameters.neat_packing, cutoff_len -> MMDataModule packing with "
+            "max_tokens_per_rank = cutoff_len (read from the data config)"
+        )
         if out.config["data"]["init_args"].pop("batch_size", None) is not None:
-            out.notes.append("training.micro_batch_size: not written: a packed batch holds cutoff_len tokens per rank "
-                             "(MMDataModule's batch_size and max_tokens_per_rank are exclusive)")
+            out.notes.append(
+                "training.micro_batch_size: not written: a packed batch holds cutoff_len tokens per rank "
+                "(MMDataModule's batch_size and max_tokens_per_rank are exclusive)"
+            )
     elif isinstance(basic, Mapping) and basic.get("packing"):
-        out.unmapped.append("data.dataset_param.basic_parameters.packing: packing without neat_packing (samples "
-                            "attending to each other) is not supported; MMDataModule refuses it; use neat_packing")
+        out.unmapped.append(
+            "data.dataset_param.basic_parameters.packing: packing without neat_packing (samples "
+            "attending to each other) is not supported; MMDataModule refuses it; use neat_packing"
+        )
     kind = out.get("data.dataset_param.dataset_type")
     if kind not in ("huggingface", "multimodal"):
-        out.unmapped.append(f"data.dataset_param.dataset_type {kind}: not supported by MMDataModule (huggingface, "
-                            "multimodal); give a train_valid_test_datasets_provider")
+        out.unmapped.append(
+            f"data.dataset_param.dataset_type {kind}: not supported by MMDataModule (huggingface, "
+            "multimodal); give a train_valid_test_datasets_provider"
+        )
     mode = out.get("data.dataloader_param.dataloader_mode", "sampler")
     if mode != "sampler":
         out.unmapped.append(f"data.dataloader_param.dataloader_mode {mode}: only the sampler mode is supported")
@@ -661,8 +779,9 @@ def _data(out: _Out) -> None:
         if key not in ("dataset_param", "dataloader_param", "val_dataset_param"):
             out.unmapped.append(f"data.{key}: not read by MMDataModule (a model plugin's data setting)")
     if "val_dataset_param" in data:
-        out.unmapped.append("data.val_dataset_param: give the validation records as "
-                            "dataset_param.basic_parameters.val_dataset")
+        out.unmapped.append(
+            "data.val_dataset_param: give the validation records as dataset_param.basic_parameters.val_dataset"
+        )
     loader = out.get("data.dataloader_param") or {}
     for key in ("prefetch_factor",):
         if isinstance(loader, Mapping) and key in loader:

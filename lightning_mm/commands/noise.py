@@ -34,7 +34,14 @@ def quiet_library_noise() -> None:
         logger = logging.getLogger(name)
         if _FILTER not in logger.filters:
             logger.addFilter(_FILTER)
-    warnings.filterwarnings("ignore", message=r"`isinstance\(treespec, LeafSpec\)` is deprecated",
-                            category=FutureWarning, module=r"lightning\.pytorch\.utilities\._pytree")
-    warnings.filterwarnings("ignore", message=r"Precision .* is not supported by the model summary",
-                            module=r"lightning\.pytorch\.utilities\.model_summary")
+    warnings.filterwarnings(
+        "ignore",
+        message=r"`isinstance\(treespec, LeafSpec\)` is deprecated",
+        category=FutureWarning,
+        module=r"lightning\.pytorch\.utilities\._pytree",
+    )
+    warnings.filterwarnings(
+        "ignore",
+        message=r"Precision .* is not supported by the model summary",
+        module=r"lightning\.pytorch\.utilities\.model_summary",
+    )

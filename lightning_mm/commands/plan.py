@@ -67,8 +67,13 @@ def _load_cli(cli_args: Sequence[str]) -> Any:
     try:
         with torch.random.fork_rng(devices=[]):
             return _PlanCLI(
-                MMLightningModule, MMDataModule, subclass_mode_model=True, subclass_mode_data=True, run=False,
-                args=list(cli_args), save_config_callback=None,
+                MMLightningModule,
+                MMDataModule,
+                subclass_mode_model=True,
+                subclass_mode_data=True,
+                run=False,
+                args=list(cli_args),
+                save_config_callback=None,
             )
     finally:
         sys.argv = saved_argv
@@ -81,8 +86,13 @@ def _load_cli(cli_args: Sequence[str]) -> Any:
                 os.environ[key] = value
 
 
-def plan_from_cli_config(cli_args: Sequence[str], world_size: int | None = None, optimizer_states: int = 2,
-                         trace_order: bool = False, seq_length: int | None = None) -> str:
+def plan_from_cli_config(
+    cli_args: Sequence[str],
+    world_size: int | None = None,
+    optimizer_states: int = 2,
+    trace_order: bool = False,
+    seq_length: int | None = None,
+) -> str:
     """Build the plan for a LightningCLI argument list (``["--config", "cfg.yaml", ...]``) and describe it."""
     from lightning_mm import MMFSDP2Strategy, MMLightningModule
     from lightning_mm.core.config import FSDP2Config
@@ -118,8 +128,10 @@ def plan_from_cli_config(cli_args: Sequence[str], world_size: int | None = None,
     if trace_order:
         order = _execution_order(module, target, plan, cli.datamodule)
     else:
-        order = ("  prefetch order: decided at the first training step (--trace-order shows it from one batch on the "
-                 "meta device; it sets up the data module)")
+        order = (
+            "  prefetch order: decided at the first training step (--trace-order shows it from one batch on the "
+            "meta device; it sets up the data module)"
+        )
     text = plan.describe() + "\n" + order + "\n" + memory.describe()
     from lightning_mm.hf.plan_source import default_plan_summary
 
@@ -131,8 +143,13 @@ def plan_from_cli_config(cli_args: Sequence[str], world_size: int | None = None,
     if cp > 1 or seq_length:
         from lightning_mm.hf.cp_attention import context_parallel_summary
 
-        text += "\n" + context_parallel_summary(target, world, cp, strategy._context_parallel.algo
-                                                if isinstance(strategy, MMFSDP2Strategy) else "ulysses", seq_length)
+        text += "\n" + context_parallel_summary(
+            target,
+            world,
+            cp,
+            strategy._context_parallel.algo if isinstance(strategy, MMFSDP2Strategy) else "ulysses",
+            seq_length,
+        )
     return text
 
 
@@ -145,6 +162,7 @@ def _execution_order(module: Any, target: Any, plan: Any, datamodule: Any) -> st
     handles = []
     for unit in plan.units:
         for path in unit.modules:
+
             def record(*_: Any, name: str = unit.name) -> None:
                 if name not in order:
                     order.append(name)
@@ -167,21 +185,32 @@ def _execution_order(module: Any, target: Any, plan: Any, datamodule: Any) -> st
 
 def main(argv: Sequence[str]) -> int:
     parser = argparse.ArgumentParser(prog="lightning-mm plan", description=__doc__.splitlines()[0])
-    parser.add_argument("--world-size", type=int, default=None,
-                        help="number of ranks to plan for (default: the config's num_nodes x devices)")
-    parser.add_argument("--optimizer-states", type=int, default=2,
-                        help="optimiser tensors per parameter (2 for Adam/AdamW)")
-    parser.add_argument("--trace-order", action="store_true",
-                        help="also show the units' execution order from one batch (sets up the data module)")
-    parser.add_argument("--seq-length", type=int, default=None,
-                        help="tokens per sequence: show the tokens and decoder activation memory per rank")
+    parser.add_argument(
+        "--world-size",
+        type=int,
+        default=None,
+        help="number of ranks to plan for (default: the config's num_nodes x devices)",
+    )
+    parser.add_argument(
+        "--optimizer-states", type=int, default=2, help="optimiser tensors per parameter (2 for Adam/AdamW)"
+    )
+    parser.add_argument(
+        "--trace-order",
+        action="store_true",
+        help="also show the units' execution order from one batch (sets up the data module)",
+    )
+    parser.add_argument(
+        "--seq-length",
+        type=int,
+        default=None,
+        help="tokens per sequence: show the tokens and decoder activation memory per rank",
+    )
     args, rest = parser.parse_known_args(list(argv))
     if not rest:
         parser.error("give the LightningCLI config, e.g. --config cfg.yaml")
     if args.world_size is not None and args.world_size < 1:
         parser.error("--world-size must be positive")
-    print(plan_from_cli_config(rest, args.world_size, args.optimizer_states, args.trace_order,
-                               args.seq_length))
+    print(plan_from_cli_config(rest, args.world_size, args.optimizer_states, args.trace_order, args.seq_length))
     return 0
 
 

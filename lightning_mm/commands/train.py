@@ -126,9 +126,10 @@ class MMLightningCLI(LightningCLI):
                 from lightning.pytorch.utilities import rank_zero_warn
 
                 shown = listing(differences, _SHOWN, sep="\n  ")
-                rank_zero_warn(f"the hyperparameters of {self._held_ckpt_path} differ from the config; the config's "
-                               f"are used:\n  {shown}")
-
+                rank_zero_warn(
+                    f"the hyperparameters of {self._held_ckpt_path} differ from the config; the config's "
+                    f"are used:\n  {shown}"
+                )
 
     def instantiate_trainer(self, **kwargs: Any) -> Any:
         from lightning.pytorch.callbacks import ProgressBar

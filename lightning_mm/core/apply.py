@@ -195,8 +195,13 @@ def apply_experts(
 
 
 # ------------------------------------------------------------------------------------------------ sharding
-def apply_fully_shard(model: nn.Module, root: nn.Module, plan: ShardingPlan, kwargs: dict[str, Any],
-                      shard_units: Callable[[dict[str, Any]], None] | None = None) -> None:
+def apply_fully_shard(
+    model: nn.Module,
+    root: nn.Module,
+    plan: ShardingPlan,
+    kwargs: dict[str, Any],
+    shard_units: Callable[[dict[str, Any]], None] | None = None,
+) -> None:
     """``fully_shard`` every unit of the plan (children first, shared-parameter groups together), then the root.
 
     ``model`` is what the plan's paths are relative to; ``root`` is the module whose forward drives a step.
@@ -226,8 +231,10 @@ class Unit:
 
 def plan_units(model: nn.Module, plan: ShardingPlan) -> list[Unit]:
     """The units :func:`apply_fully_shard` and :func:`apply_experts` made from the plan (the root excepted)."""
-    units = [Unit(unit.modules[0], tuple(model.get_submodule(p) for p in unit.modules), unit.num_params > 0)
-             for unit in plan.units]
+    units = [
+        Unit(unit.modules[0], tuple(model.get_submodule(p) for p in unit.modules), unit.num_params > 0)
+        for unit in plan.units
+    ]
     if plan.experts is not None and plan.experts.reshard_local_experts:  # each MoE module sharded on its own
         units += [Unit(path, (model.get_submodule(path),), True) for path in plan.experts.modules]
     return units
@@ -243,12 +250,15 @@ def sharded_units(model: nn.Module, root: nn.Module) -> list[Unit]:
     for name, module in model.named_modules():
         if isinstance(module, FSDPModule) and module is not root:
             by_state.setdefault(id(fsdp_state(module)), []).append((name or "<root>", module))
-    return [Unit(members[0][0], tuple(m for _, m in members), _holds_sharded_parameters(m for _, m in members))
-            for members in by_state.values()]
+    return [
+        Unit(members[0][0], tuple(m for _, m in members), _holds_sharded_parameters(m for _, m in members))
+        for members in by_state.values()
+    ]
 
 
 def _holds_sharded_parameters(modules: Iterable[nn.Module]) -> bool:
     """Whether parameters of ``modules`` outside nested FSDP units are sharded (DTensors): FSDP manages them."""
+
     def own(module: nn.Module) -> Iterator[nn.Parameter]:
         yield from module.parameters(recurse=False)
         for child in module.children():
@@ -281,8 +291,12 @@ class ExecutionOrderPrefetch:
         self.kept_unsharded: list[nn.Module] = [root] if plan.keep_unsharded_for_backward else []
         self.order: list[FSDPModule] = []
         self._ran: list[Unit] = []
-        self._handles = [module.register_forward_pre_hook(self._recorder(unit))
-                         for unit in self.units for module in unit.modules if module is not root]
+        self._handles = [
+            module.register_forward_pre_hook(self._recorder(unit))
+            for unit in self.units
+            for module in unit.modules
+            if module is not root
+        ]
         self._handles.append(root.register_forward_hook(self._finish))
 
     def _recorder(self, unit: Unit) -> Callable[..., None]:
@@ -313,8 +327,10 @@ class ExecutionOrderPrefetch:
         if self.order:
             log.info("FSDP2 prefetch order (forward): %s", " -> ".join(self.name(u) for u in self.order))
         if self.kept_unsharded:
-            log.info("FSDP2 units kept unsharded from forward to backward (needed first in backward): %s",
-                     ", ".join("<root>" if u is self.root else self.name(u) for u in self.kept_unsharded))
+            log.info(
+                "FSDP2 units kept unsharded from forward to backward (needed first in backward): %s",
+                ", ".join("<root>" if u is self.root else self.name(u) for u in self.kept_unsharded),
+            )
 
     def name(self, unit: nn.Module) -> str:
         return self.names.get(id(unit), type(unit).__name__)

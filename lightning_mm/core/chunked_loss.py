@@ -97,8 +97,9 @@ def linear_cross_entropy(
     tensors = [*inputs, *weights, *([bias] if bias is not None else [])]
     grad_on = torch.is_grad_enabled()
     needs = tuple(grad_on and t.requires_grad for t in tensors)
-    return _LinearCrossEntropy.apply(flat_targets, denominator, chunk_size, ignore_index, len(inputs),
-                                     bias is not None, needs, *tensors)
+    return _LinearCrossEntropy.apply(
+        flat_targets, denominator, chunk_size, ignore_index, len(inputs), bias is not None, needs, *tensors
+    )
 
 
 def _check_plain(t: Tensor, what: str) -> None:
@@ -115,11 +116,20 @@ class _LinearCrossEntropy(torch.autograd.Function):
     """The forward computes the loss and, chunk by chunk, the gradients for a unit incoming gradient."""
 
     @staticmethod
-    def forward(ctx: Any, targets: Tensor, denominator: Tensor, chunk_size: int, ignore_index: int, terms: int,
-                has_bias: bool, needs: tuple[bool, ...], *tensors: Tensor) -> Tensor:
-        xs, ws = tensors[:terms], tensors[terms:2 * terms]
+    def forward(
+        ctx: Any,
+        targets: Tensor,
+        denominator: Tensor,
+        chunk_size: int,
+        ignore_index: int,
+        terms: int,
+        has_bias: bool,
+        needs: tuple[bool, ...],
+        *tensors: Tensor,
+    ) -> Tensor:
+        xs, ws = tensors[:terms], tensors[terms : 2 * terms]
         bias = tensors[2 * terms] if has_bias else None
-        need_x, need_w = needs[:terms], needs[terms:2 * terms]
+        need_x, need_w = needs[:terms], needs[terms : 2 * terms]
         need_b = has_bias and needs[2 * terms]
         any_grad = any(needs)
         acc = torch.promote_types(xs[0].dtype, torch.float32)  # the loss's dtype: float32, or float64 inputs' own

@@ -247,8 +247,15 @@ class FSDP2Config:
             except FSDP2ConfigError as err:
                 raise self._error(key, str(err).split(": ", 1)[1]) from None
 
-        for key in ("cast_forward_inputs", "use_reentrant", "reshard_after_forward", "offload_to_cpu", "pin_memory",
-                    "align_fsdp_param_groups", "reshard_local_experts"):
+        for key in (
+            "cast_forward_inputs",
+            "use_reentrant",
+            "reshard_after_forward",
+            "offload_to_cpu",
+            "pin_memory",
+            "align_fsdp_param_groups",
+            "reshard_local_experts",
+        ):
             value = getattr(self, key)
             if not isinstance(value, bool):
                 raise self._error(key, f"expected true or false, got {short_repr(value)}")

@@ -115,8 +115,10 @@ class ContextParallelPlan:
             lines.append(f"  sequence {seq_len} tokens -> {local} per rank" + (f" ({pad} padding)" if pad else ""))
             if activation_bytes is not None:
                 per_rank = activation_bytes * local / seq_len
-                lines.append(f"  decoder activations per rank ~ {_mib(per_rank)} (without context parallel "
-                             f"{_mib(activation_bytes)}; 1/{self.size})")
+                lines.append(
+                    f"  decoder activations per rank ~ {_mib(per_rank)} (without context parallel "
+                    f"{_mib(activation_bytes)}; 1/{self.size})"
+                )
         return "\n".join(lines)
 
 
@@ -124,8 +126,9 @@ def _mib(n: float) -> str:
     return f"{n / 2**20:,.1f} MiB"
 
 
-def activation_bytes_estimate(hidden_size: int, num_layers: int, seq_len: int, batch: int = 1,
-                              bytes_per_value: int = 2) -> int:
+def activation_bytes_estimate(
+    hidden_size: int, num_layers: int, seq_len: int, batch: int = 1, bytes_per_value: int = 2
+) -> int:
     """Activations a decoder keeps for backward, without recomputation: about ``34 x seq x batch x hidden`` 16-bit
     bytes per layer (Korthikanti et al., 2022, with attention scores not stored, as sdpa/flash attention do).
     An estimate for planning; context parallelism divides it by ``C``."""
@@ -222,8 +225,14 @@ def all_to_all(x: Tensor, scatter_dim: int, gather_dim: int, group: Any) -> Tens
 
 
 def ulysses_attention(
-    attention: Callable[..., Tensor], query: Tensor, key: Tensor, value: Tensor, group: Any,
-    head_dim: int = 1, seq_dim: int = 2, **kwargs: Any,
+    attention: Callable[..., Tensor],
+    query: Tensor,
+    key: Tensor,
+    value: Tensor,
+    group: Any,
+    head_dim: int = 1,
+    seq_dim: int = 2,
+    **kwargs: Any,
 ) -> Tensor:
     """Run ``attention(query, key, value, **kwargs)`` over whole sequences with ``heads / C`` heads per rank.
 
@@ -261,8 +270,9 @@ def context_parallel_loss(logits: Tensor, targets: Tensor, group: Any, ignore_in
     the loss of the whole sequences, equal to training without context parallelism.
     """
     flat = logits.float().reshape(-1, logits.shape[-1])
-    local = torch.nn.functional.cross_entropy(flat, targets.reshape(-1).to(flat.device), ignore_index=ignore_index,
-                                              reduction="sum")
+    local = torch.nn.functional.cross_entropy(
+        flat, targets.reshape(-1).to(flat.device), ignore_index=ignore_index, reduction="sum"
+    )
     count = (targets != ignore_index).sum().to(flat.device, torch.float32)
     dist.all_reduce(count, group=group)
     return _AllReduceSum.apply(local / count.clamp_min(1), group)

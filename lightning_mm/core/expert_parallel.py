@@ -38,8 +38,15 @@ from lightning_mm._dtensor import local_tensor
 from lightning_mm.core.plan import ShardingPlan, ep_mesh_layout
 
 __all__ = [
-    "ExpertParallelError", "ExpertGroup", "build_ep_mesh", "split_experts", "routed_forward", "apply_expert_parallel",
-    "all_reduce_expert_gradients", "expert_row_offset", "expert_norm_groups",
+    "ExpertParallelError",
+    "ExpertGroup",
+    "build_ep_mesh",
+    "split_experts",
+    "routed_forward",
+    "apply_expert_parallel",
+    "all_reduce_expert_gradients",
+    "expert_row_offset",
+    "expert_norm_groups",
 ]
 
 EXPERT_OFFSET_ATTR = "_lmm_expert_offset"
@@ -130,8 +137,9 @@ class _GradScale(torch.autograd.Function):
         return grad * ctx.scale, None
 
 
-def routed_forward(module: nn.Module, local_forward: Callable[..., torch.Tensor], ep: ExpertGroup
-                   ) -> Callable[..., torch.Tensor]:
+def routed_forward(
+    module: nn.Module, local_forward: Callable[..., torch.Tensor], ep: ExpertGroup
+) -> Callable[..., torch.Tensor]:
     """A forward with Transformers' expert call shape that runs ``local_forward`` on the experts' owners.
 
     ``local_forward(tokens, local_index, weights)`` is the module's own forward restricted to its local experts
@@ -140,8 +148,7 @@ def routed_forward(module: nn.Module, local_forward: Callable[..., torch.Tensor]
     """
     from lightning_mm._compat import all_to_all_single_autograd
 
-    def forward(hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor
-                ) -> torch.Tensor:
+    def forward(hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor) -> torch.Tensor:
         tokens, hidden = hidden_states.shape
         k = top_k_index.shape[-1]
         flat = top_k_index.reshape(-1)
@@ -192,8 +199,9 @@ def apply_expert_parallel(
     false``): the caller keeps them out of FSDP and calls :func:`all_reduce_expert_gradients` after backward."""
     experts = plan.experts
     assert experts is not None
-    ep = ExpertGroup(ep_mesh.get_group("ep"), ep_mesh.get_local_rank("ep"), experts.expert_parallel_size,
-                     experts.num_experts)
+    ep = ExpertGroup(
+        ep_mesh.get_group("ep"), ep_mesh.get_local_rank("ep"), experts.expert_parallel_size, experts.num_experts
+    )
     kept: list[nn.Parameter] = []
     # With CPU offload, whole local experts are an FSDP unit over this rank alone: FSDP keeps them (and their
     # gradients and optimiser step) on the CPU and brings them to the device for forward and backward, as it does
@@ -222,8 +230,9 @@ def own_rank_mesh(device_type: str) -> DeviceMesh:
 def all_reduce_expert_gradients(params: list[nn.Parameter], ep_mesh: DeviceMesh) -> None:
     """Average the whole local experts' gradients over ``ep_replicate`` (the routed forward scaled them by 1/ep)."""
     if ep_mesh.size(0) > 1:  # DTensors of a 1-rank mesh when offloaded: their local tensors
-        average_in_place([local_tensor(p.grad) for p in params if p.grad is not None],
-                         ep_mesh.get_group("ep_replicate"))
+        average_in_place(
+            [local_tensor(p.grad) for p in params if p.grad is not None], ep_mesh.get_group("ep_replicate")
+        )
 
 
 def broadcast_expert_replicas(params: list[nn.Parameter], ep_mesh: DeviceMesh) -> None:
@@ -277,8 +286,9 @@ class ExpertCheckpointLayout:
         """State-dict names of the expert parameters (:func:`expert_state_names`)."""
         self.ep_size = ep_mesh.size(1)
         # Every rank builds it (new process groups): an ordinary collective, once per run.
-        self.transposed = DeviceMesh(ep_mesh.device_type, ep_mesh.mesh.t().contiguous(),
-                                     mesh_dim_names=("ep", "ep_replicate"))
+        self.transposed = DeviceMesh(
+            ep_mesh.device_type, ep_mesh.mesh.t().contiguous(), mesh_dim_names=("ep", "ep_replicate")
+        )
 
     def to_global(self, tensor: torch.Tensor) -> torch.Tensor:
         """This rank's local experts (a plain tensor, or FSDP's shard of them) as its share of all experts."""
@@ -292,22 +302,33 @@ class ExpertCheckpointLayout:
             if tensor.device_mesh.size() == 1:  # a 1-rank FSDP mesh holds them whole (CPU offload; ep = world)
                 tensor = tensor.to_local()
             else:
-                return DTensor.from_local(tensor.to_local(), self.transposed, [Shard(0), Shard(0)],
-                                          run_check=False, shape=shape, stride=stride)
-        return DTensor.from_local(tensor, self.ep_mesh, [Replicate(), Shard(0)], run_check=False, shape=shape,
-                                  stride=stride)
+                return DTensor.from_local(
+                    tensor.to_local(),
+                    self.transposed,
+                    [Shard(0), Shard(0)],
+                    run_check=False,
+                    shape=shape,
+                    stride=stride,
+                )
+        return DTensor.from_local(
+            tensor, self.ep_mesh, [Replicate(), Shard(0)], run_check=False, shape=shape, stride=stride
+        )
 
     def model_state(self, state: dict[str, Any]) -> dict[str, Any]:
         """A model state dict with the expert parameters as global tensors (views)."""
-        return {k: (self.to_global(v) if k in self.names and isinstance(v, torch.Tensor) else v)
-                for k, v in state.items()}
+        return {
+            k: (self.to_global(v) if k in self.names and isinstance(v, torch.Tensor) else v) for k, v in state.items()
+        }
 
     def optimizer_state(self, state: dict[str, Any]) -> dict[str, Any]:
         """A name-keyed optimiser state dict with the experts' state tensors (not ``step``) as global tensors."""
         per_param = state.get("state", {})
         converted = {
-            key: ({k: (self.to_global(v) if isinstance(v, torch.Tensor) and v.ndim > 0 else v)
-                   for k, v in value.items()} if key in self.names and isinstance(value, dict) else value)
+            key: (
+                {k: (self.to_global(v) if isinstance(v, torch.Tensor) and v.ndim > 0 else v) for k, v in value.items()}
+                if key in self.names and isinstance(value, dict)
+                else value
+            )
             for key, value in per_param.items()
         }
         return {**state, "state": converted}

@@ -73,5 +73,7 @@ def check_step(flags: torch.Tensor, norm: torch.Tensor, step: int | None, opt_ou
     else:
         what = f"non-finite gradient norm ({norm_value}){at}, the loss being finite on every rank"
     kept = f" (the weights stay as after {step} optimizer step(s))" if step is not None else ""
-    raise NonFiniteError(f"{what}: training stopped on every rank before the optimizer step applied it{kept}; "
-                         f"{opt_out} trains on instead")
+    raise NonFiniteError(
+        f"{what}: training stopped on every rank before the optimizer step applied it{kept}; "
+        f"{opt_out} trains on instead"
+    )

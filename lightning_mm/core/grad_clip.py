@@ -34,9 +34,12 @@ def _local_term(grad: torch.Tensor, norm_type: float) -> torch.Tensor:
     return local.abs().pow(norm_type).sum()
 
 
-def total_grad_norm(parameters: Iterable[torch.Tensor], norm_type: float = 2.0,
-                    sum_over: Mapping[int, Sequence[Any]] | None = None,
-                    also_reduce: torch.Tensor | None = None) -> torch.Tensor:
+def total_grad_norm(
+    parameters: Iterable[torch.Tensor],
+    norm_type: float = 2.0,
+    sum_over: Mapping[int, Sequence[Any]] | None = None,
+    also_reduce: torch.Tensor | None = None,
+) -> torch.Tensor:
     """The global gradient norm over all ranks, as a plain scalar tensor (identical on every rank).
 
     ``sum_over`` maps ``id(parameter)`` to further process groups its term is reduced over, beyond the mesh
@@ -117,8 +120,12 @@ def clip_grads_with_norm_(parameters: Iterable[torch.Tensor], max_norm: float, t
                 param.grad.mul_(coef)
 
 
-def clip_grad_norm_(parameters: Iterable[torch.Tensor], max_norm: float, norm_type: float = 2.0,
-                    sum_over: Mapping[int, Sequence[Any]] | None = None) -> torch.Tensor:
+def clip_grad_norm_(
+    parameters: Iterable[torch.Tensor],
+    max_norm: float,
+    norm_type: float = 2.0,
+    sum_over: Mapping[int, Sequence[Any]] | None = None,
+) -> torch.Tensor:
     """Scale gradients in place so that their global norm is at most ``max_norm``; returns the norm before."""
     parameters = [p for p in parameters if p.grad is not None]
     total = total_grad_norm(parameters, norm_type, sum_over)

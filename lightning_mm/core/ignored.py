@@ -79,4 +79,3 @@ def _cast_inputs_to_own_dtype(module: nn.Module, args: tuple, kwargs: dict) -> t
         return x.to(dtype) if isinstance(x, torch.Tensor) and x.is_floating_point() else x
 
     return tuple(cast(a) for a in args), {k: cast(v) for k, v in kwargs.items()}
-

@@ -42,13 +42,15 @@ class RankMemory:
             return f"{n / 2**20:,.2f} MiB"
 
         ratio = self.total / self.ddp_total if self.ddp_total else 0.0
-        return "\n".join([
-            "  memory per rank (max over ranks; DDP for comparison):",
-            f"    parameters  {mib(self.params):>14}  ({self.params:,} B)   DDP {mib(self.ddp_params)}",
-            f"    gradients   {mib(self.grads):>14}  ({self.grads:,} B)   DDP {mib(self.ddp_grads)}",
-            f"    optimizer   {mib(self.optimizer):>14}  ({self.optimizer:,} B)   DDP {mib(self.ddp_optimizer)}",
-            f"    total       {mib(self.total):>14}  = {ratio:.3f} of DDP",
-        ])
+        return "\n".join(
+            [
+                "  memory per rank (max over ranks; DDP for comparison):",
+                f"    parameters  {mib(self.params):>14}  ({self.params:,} B)   DDP {mib(self.ddp_params)}",
+                f"    gradients   {mib(self.grads):>14}  ({self.grads:,} B)   DDP {mib(self.ddp_grads)}",
+                f"    optimizer   {mib(self.optimizer):>14}  ({self.optimizer:,} B)   DDP {mib(self.ddp_optimizer)}",
+                f"    total       {mib(self.total):>14}  = {ratio:.3f} of DDP",
+            ]
+        )
 
 
 def local_numel(shape: tuple[int, ...], shard_size: int) -> int:

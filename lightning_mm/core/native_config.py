@@ -38,19 +38,47 @@ from typing import Any
 from lightning_mm._names import find_unknown_key
 from lightning_mm._yaml import short_repr
 
-__all__ = ["NATIVE_SECTIONS", "PARALLEL_KEYS", "NativeParallel", "native_layout", "map_parallel",
-           "fsdp2_config_from_native"]
+__all__ = [
+    "NATIVE_SECTIONS",
+    "PARALLEL_KEYS",
+    "NativeParallel",
+    "native_layout",
+    "map_parallel",
+    "fsdp2_config_from_native",
+]
 
 NATIVE_SECTIONS = ("parallel", "model", "data", "features", "training", "tools")
 """The top-level sections of a native-route config (``mindspeed_mm/fsdp/params/argument.py``)."""
 
-PARALLEL_KEYS = ("data_parallel_size", "fully_shard_parallel_size", "fsdp_plan", "tensor_parallel_size", "tp_plan",
-                 "ring_attention_size", "ulysses_parallel_size", "expert_parallel_size",
-                 "expert_fully_shard_parallel_size", "ep_plan", "recompute", "recompute_plan")
+PARALLEL_KEYS = (
+    "data_parallel_size",
+    "fully_shard_parallel_size",
+    "fsdp_plan",
+    "tensor_parallel_size",
+    "tp_plan",
+    "ring_attention_size",
+    "ulysses_parallel_size",
+    "expert_parallel_size",
+    "expert_fully_shard_parallel_size",
+    "ep_plan",
+    "recompute",
+    "recompute_plan",
+)
 """``ParallelArguments``' fields."""
-FSDP_PLAN_KEYS = ("ignored_modules", "apply_modules", "param_dtype", "reduce_dtype", "output_dtype",
-                  "cast_forward_inputs", "reshard_after_forward", "num_to_forward_prefetch", "num_to_backward_prefetch",
-                  "pregather", "hook_modules", "cpu_offload")
+FSDP_PLAN_KEYS = (
+    "ignored_modules",
+    "apply_modules",
+    "param_dtype",
+    "reduce_dtype",
+    "output_dtype",
+    "cast_forward_inputs",
+    "reshard_after_forward",
+    "num_to_forward_prefetch",
+    "num_to_backward_prefetch",
+    "pregather",
+    "hook_modules",
+    "cpu_offload",
+)
 EP_PLAN_KEYS = ("apply_modules", "use_npu_fused_ops", "dispatcher", "apply_efsdp_modules", "_gradient_divide_factor")
 TP_PLAN_KEYS = ("colwise_parallel", "rowwise_parallel", "sequence_parallel")
 RECOMPUTE_PLAN_KEYS = ("apply_modules", "use_reentrant")
@@ -59,18 +87,27 @@ RECOMPUTE_PLAN_KEYS = ("apply_modules", "use_reentrant")
 # FSDP2 config key): one of them at the top level of a mapping makes it a parallel section.
 _NATIVE_ONLY = frozenset(PARALLEL_KEYS) - {"expert_parallel_size"}
 
-_SAME = ("param_dtype", "reduce_dtype", "output_dtype", "cast_forward_inputs", "reshard_after_forward",
-         "num_to_forward_prefetch", "num_to_backward_prefetch")
+_SAME = (
+    "param_dtype",
+    "reduce_dtype",
+    "output_dtype",
+    "cast_forward_inputs",
+    "reshard_after_forward",
+    "num_to_forward_prefetch",
+    "num_to_backward_prefetch",
+)
 _WITHOUT_EFFECT = {
     "fsdp_plan.pregather": "MindSpeed MM all-gathers every unit's parameters once before the first step (speed "
-                           "only); here each unit is gathered when it runs, prefetched per num_to_*_prefetch",
+    "only); here each unit is gathered when it runs, prefetched per num_to_*_prefetch",
     "fsdp_plan.hook_modules": "MindSpeed MM's hook manager moves each unit's FSDP hooks to other modules (speed "
-                              "only); here the hooks stay on the units",
+    "only); here the hooks stay on the units",
     "ep_plan.use_npu_fused_ops": "MindSpeed MM's fused NPU expert kernels; the experts here run Transformers' code",
 }
-_DISPATCHERS = {"alltoall": None,
-                "allgather": "tokens are exchanged with all-to-all here (same result as MindSpeed MM's allgather)",
-                "mc2": "MindSpeed MM's fused NPU dispatch; tokens are exchanged with all-to-all here (same result)"}
+_DISPATCHERS = {
+    "alltoall": None,
+    "allgather": "tokens are exchanged with all-to-all here (same result as MindSpeed MM's allgather)",
+    "mc2": "MindSpeed MM's fused NPU dispatch; tokens are exchanged with all-to-all here (same result)",
+}
 
 
 @dataclass
@@ -123,10 +160,14 @@ class _Reader:
             shown, hint = unknown
             if self.unknown is None:
                 where = f" in {self.source}" if self.source else ""
-                raise self.error(f"unknown native FSDP2 config key `{shown}`{where}{hint} (MindSpeed MM accepts an "
-                                 "unknown key and nothing reads it; remove it)")
-            self.unknown.append(f"{shown}: not a key of MindSpeed MM's parallel arguments{hint}; MindSpeed MM accepts "
-                                "it as an extra field and nothing reads it")
+                raise self.error(
+                    f"unknown native FSDP2 config key `{shown}`{where}{hint} (MindSpeed MM accepts an "
+                    "unknown key and nothing reads it; remove it)"
+                )
+            self.unknown.append(
+                f"{shown}: not a key of MindSpeed MM's parallel arguments{hint}; MindSpeed MM accepts "
+                "it as an extra field and nothing reads it"
+            )
         return section
 
     def int_at_least(self, value: Any, key: str, low: int = 1) -> int:
@@ -149,8 +190,14 @@ class _Reader:
         return [v.strip() for v in value]
 
 
-def map_parallel(parallel: Any, features: Any = None, source: str | None = None, prefix: str = "parallel.",
-                 error: type[Exception] | None = None, strict: bool = True) -> NativeParallel:
+def map_parallel(
+    parallel: Any,
+    features: Any = None,
+    source: str | None = None,
+    prefix: str = "parallel.",
+    error: type[Exception] | None = None,
+    strict: bool = True,
+) -> NativeParallel:
     """Map a native ``parallel:`` section (and ``features.recompute`` / ``features.recompute_plan``, which
     MindSpeed MM's feature pass reads too) onto FSDP2 config keys.
 
@@ -164,8 +211,10 @@ def map_parallel(parallel: Any, features: Any = None, source: str | None = None,
     out = NativeParallel()
     read = _Reader(prefix, source, error, None if strict else out.without_effect)
     if not isinstance(parallel, Mapping):
-        raise read.error(f"the native `parallel` section{f' in {source}' if source else ''} must be a mapping, got "
-                         f"{short_repr(parallel)}")
+        raise read.error(
+            f"the native `parallel` section{f' in {source}' if source else ''} must be a mapping, got "
+            f"{short_repr(parallel)}"
+        )
     section = read.section(parallel, "", PARALLEL_KEYS) if parallel else {}
     fsdp2 = out.fsdp2
 
@@ -178,32 +227,41 @@ def map_parallel(parallel: Any, features: Any = None, source: str | None = None,
         fsdp2["sharding_size"] = "auto"
     else:
         fsdp2["sharding_size"] = read.int_at_least(size, "fully_shard_parallel_size")
-    mapped("fully_shard_parallel_size" + ("" if "fully_shard_parallel_size" in section else " (default auto)"),
-           f"fsdp2_config.sharding_size: {fsdp2['sharding_size']}")
+    mapped(
+        "fully_shard_parallel_size" + ("" if "fully_shard_parallel_size" in section else " (default auto)"),
+        f"fsdp2_config.sharding_size: {fsdp2['sharding_size']}",
+    )
     dp = section.get("data_parallel_size")
     if dp is not None:
         read.int_at_least(dp, "data_parallel_size")
-        out.refused.append(f"{prefix}data_parallel_size: {dp}: derived here from the world size (world / "
-                           "context_parallel_size), as MindSpeed MM checks it must be; remove it")
+        out.refused.append(
+            f"{prefix}data_parallel_size: {dp}: derived here from the world size (world / "
+            "context_parallel_size), as MindSpeed MM checks it must be; remove it"
+        )
     elif "data_parallel_size" in section:
         mapped("data_parallel_size: null", "derived from the world size, as in MindSpeed MM")
     tp = section.get("tensor_parallel_size", 1)
     if read.int_at_least(tp, "tensor_parallel_size") != 1:
-        out.refused.append(f"{prefix}tensor_parallel_size: {tp}: tensor parallelism is not supported here, and "
-                           "MindSpeed MM's native route rejects it too ('Tensor parallel size not supported yet')")
+        out.refused.append(
+            f"{prefix}tensor_parallel_size: {tp}: tensor parallelism is not supported here, and "
+            "MindSpeed MM's native route rejects it too ('Tensor parallel size not supported yet')"
+        )
     elif "tensor_parallel_size" in section:
         mapped("tensor_parallel_size: 1", "none: no tensor parallelism, as here")
     tp_plan = read.section(section.get("tp_plan"), "tp_plan", TP_PLAN_KEYS)
     for key, value in tp_plan.items():
         if value:
-            out.refused.append(f"{prefix}tp_plan.{key}: tensor parallelism is not supported here (nor by MindSpeed "
-                               "MM's native route)")
+            out.refused.append(
+                f"{prefix}tp_plan.{key}: tensor parallelism is not supported here (nor by MindSpeed MM's native route)"
+            )
         else:
             mapped(f"tp_plan.{key}: empty", "nothing to set")
     ring = section.get("ring_attention_size", 1)
     if read.int_at_least(ring, "ring_attention_size") != 1:
-        out.refused.append(f"{prefix}ring_attention_size: {ring}: ring attention is NPU-only in MindSpeed MM and "
-                           "not supported here; use ulysses_parallel_size (Ulysses context parallelism)")
+        out.refused.append(
+            f"{prefix}ring_attention_size: {ring}: ring attention is NPU-only in MindSpeed MM and "
+            "not supported here; use ulysses_parallel_size (Ulysses context parallelism)"
+        )
     elif "ring_attention_size" in section:
         mapped("ring_attention_size: 1", "none: no ring attention, as here")
     ulysses = read.int_at_least(section.get("ulysses_parallel_size", 1), "ulysses_parallel_size")
@@ -250,10 +308,15 @@ def map_parallel(parallel: Any, features: Any = None, source: str | None = None,
     if efsdp is not None:
         read.int_at_least(efsdp, "expert_fully_shard_parallel_size")
         fsdp2["reshard_local_experts"] = efsdp != 1
-        mapped("expert_fully_shard_parallel_size",
-               f"fsdp2_config.reshard_local_experts: {efsdp != 1}" + (
-                   "" if efsdp == 1 else f" (the local experts are sharded over world / expert_parallel_size ranks, "
-                                         f"which must be {efsdp})"))
+        mapped(
+            "expert_fully_shard_parallel_size",
+            f"fsdp2_config.reshard_local_experts: {efsdp != 1}"
+            + (
+                ""
+                if efsdp == 1
+                else f" (the local experts are sharded over world / expert_parallel_size ranks, which must be {efsdp})"
+            ),
+        )
     ep_plan = read.section(section.get("ep_plan"), "ep_plan", EP_PLAN_KEYS)
     read.prefix = f"{prefix}ep_plan."
     if "apply_modules" in ep_plan:
@@ -273,8 +336,9 @@ def map_parallel(parallel: Any, features: Any = None, source: str | None = None,
     if "dispatcher" in ep_plan:
         kind = ep_plan["dispatcher"]
         if kind not in _DISPATCHERS:
-            raise read.fail("dispatcher", f"{short_repr(kind)} is not a MindSpeed MM dispatcher (alltoall, allgather, "
-                                          "mc2)")
+            raise read.fail(
+                "dispatcher", f"{short_repr(kind)} is not a MindSpeed MM dispatcher (alltoall, allgather, mc2)"
+            )
         if _DISPATCHERS[kind] is None:
             mapped("ep_plan.dispatcher: alltoall", "the all-to-all token exchange of expert parallelism here")
         else:
@@ -282,21 +346,26 @@ def map_parallel(parallel: Any, features: Any = None, source: str | None = None,
     if ep_plan.get("apply_efsdp_modules"):
         efsdp_modules = read.patterns(ep_plan["apply_efsdp_modules"], "apply_efsdp_modules")
         if efsdp_modules != fsdp2.get("moe_modules", efsdp_modules):
-            out.refused.append(f"{prefix}ep_plan.apply_efsdp_modules: differs from ep_plan.apply_modules; here the "
-                               "local experts of the moe_modules are the ones sharded over their replicas")
+            out.refused.append(
+                f"{prefix}ep_plan.apply_efsdp_modules: differs from ep_plan.apply_modules; here the "
+                "local experts of the moe_modules are the ones sharded over their replicas"
+            )
         else:
             mapped("ep_plan.apply_efsdp_modules", "the moe_modules (reshard_local_experts)")
     if ep_plan.get("_gradient_divide_factor") is not None:
-        out.refused.append(f"{prefix}ep_plan._gradient_divide_factor: a private MindSpeed MM scaling of the experts' "
-                           "gradients; here they are averaged over the data-parallel ranks like every gradient")
+        out.refused.append(
+            f"{prefix}ep_plan._gradient_divide_factor: a private MindSpeed MM scaling of the experts' "
+            "gradients; here they are averaged over the data-parallel ranks like every gradient"
+        )
     read.prefix = prefix
 
     # recompute (MindSpeed MM reads it from parallel and from features)
     _map_recompute(section, prefix, read, out)
     if isinstance(features, Mapping):
         read.prefix = "features."
-        _map_recompute({k: features[k] for k in ("recompute", "recompute_plan") if k in features}, "features.",
-                       read, out)
+        _map_recompute(
+            {k: features[k] for k in ("recompute", "recompute_plan") if k in features}, "features.", read, out
+        )
         read.prefix = prefix
     if "use_reentrant" not in fsdp2:
         fsdp2["use_reentrant"] = False  # MindSpeed MM's RecomputePlanConfig default
@@ -315,15 +384,20 @@ def _map_recompute(section: Mapping[str, Any], prefix: str, read: _Reader, out: 
     if on:
         known = out.fsdp2.setdefault("recompute_modules", [])
         known += [m for m in modules if m not in known]
-        out.mapped.append(f"{prefix}recompute, {prefix}recompute_plan.apply_modules -> fsdp2_config.recompute_modules"
-                          + ("" if modules else " (empty: nothing is recomputed, as in MindSpeed MM)"))
+        out.mapped.append(
+            f"{prefix}recompute, {prefix}recompute_plan.apply_modules -> fsdp2_config.recompute_modules"
+            + ("" if modules else " (empty: nothing is recomputed, as in MindSpeed MM)")
+        )
     elif modules or "recompute" in section:
-        out.mapped.append(f"{prefix}recompute: false, {prefix}recompute_plan.apply_modules -> no recompute_modules "
-                          "(the plan is not applied, as in MindSpeed MM)")
+        out.mapped.append(
+            f"{prefix}recompute: false, {prefix}recompute_plan.apply_modules -> no recompute_modules "
+            "(the plan is not applied, as in MindSpeed MM)"
+        )
 
 
-def fsdp2_config_from_native(config_class: type, error: type[Exception], data: Mapping[str, Any],
-                             source: str | None = None) -> Any:
+def fsdp2_config_from_native(
+    config_class: type, error: type[Exception], data: Mapping[str, Any], source: str | None = None
+) -> Any:
     """The ``config_class`` (:class:`~lightning_mm.core.config.FSDP2Config`) of a native ``parallel:`` section or a
     whole native config; errors are ``error`` (its ``FSDP2ConfigError``).
 
@@ -345,12 +419,13 @@ def fsdp2_config_from_native(config_class: type, error: type[Exception], data: M
     if result.strategy:
         size = result.strategy["context_parallel_size"]
         key = "parallel.ulysses_parallel_size" if layout == "config" else "ulysses_parallel_size"
-        raise error(f"native FSDP2 config key `{key}`{where}: {size} is Ulysses context parallelism, an "
-                               f"argument of the strategy: give MMFSDP2Strategy(context_parallel_size={size}) and "
-                               "set it to 1 here (lightning-mm migrate writes both)")
+        raise error(
+            f"native FSDP2 config key `{key}`{where}: {size} is Ulysses context parallelism, an "
+            f"argument of the strategy: give MMFSDP2Strategy(context_parallel_size={size}) and "
+            "set it to 1 here (lightning-mm migrate writes both)"
+        )
     if result.without_effect:
-        warnings.warn(f"native FSDP2 config{where}: no effect here: " + "; ".join(result.without_effect),
-                      stacklevel=3)
+        warnings.warn(f"native FSDP2 config{where}: no effect here: " + "; ".join(result.without_effect), stacklevel=3)
     try:
         return config_class.from_dict(result.fsdp2, source=source)
     except error as err:  # name the key as the native config writes it
@@ -358,11 +433,18 @@ def fsdp2_config_from_native(config_class: type, error: type[Exception], data: M
         if match is None or match.group(1) not in _NATIVE_NAMES:
             raise
         prefix = "parallel." if layout == "config" else ""
-        raise error(f"native FSDP2 config key `{prefix}{_NATIVE_NAMES[match.group(1)]}`{where}: "
-                               f"{match.group(2)}") from None
+        raise error(
+            f"native FSDP2 config key `{prefix}{_NATIVE_NAMES[match.group(1)]}`{where}: {match.group(2)}"
+        ) from None
 
 
-_NATIVE_NAMES = {"sharding_size": "fully_shard_parallel_size", "sub_modules_to_wrap": "fsdp_plan.apply_modules",
-                 "ignored_modules": "fsdp_plan.ignored_modules", "recompute_modules": "recompute_plan.apply_modules",
-                 "offload_to_cpu": "fsdp_plan.cpu_offload", "moe_modules": "ep_plan.apply_modules",
-                 "expert_parallel_size": "expert_parallel_size", **{k: f"fsdp_plan.{k}" for k in _SAME}}
+_NATIVE_NAMES = {
+    "sharding_size": "fully_shard_parallel_size",
+    "sub_modules_to_wrap": "fsdp_plan.apply_modules",
+    "ignored_modules": "fsdp_plan.ignored_modules",
+    "recompute_modules": "recompute_plan.apply_modules",
+    "offload_to_cpu": "fsdp_plan.cpu_offload",
+    "moe_modules": "ep_plan.apply_modules",
+    "expert_parallel_size": "expert_parallel_size",
+    **{k: f"fsdp_plan.{k}" for k in _SAME},
+}

@@ -57,8 +57,10 @@ def _why_not_fused(optimizer: torch.optim.Optimizer, group: dict) -> str:
         return f"parameters not all floating point on {'/'.join(FUSED_DEVICE_TYPES)}"
     kinds = {isinstance(p, DTensor) for p in params}
     if len(kinds) > 1:
-        return ("the group mixes sharded (DTensor) and unsharded (e.g. ignored-module) trainable parameters; "
-                "`group_by_sharding` puts them in separate groups, which can then both take the fused step")
+        return (
+            "the group mixes sharded (DTensor) and unsharded (e.g. ignored-module) trainable parameters; "
+            "`group_by_sharding` puts them in separate groups, which can then both take the fused step"
+        )
     return ""
 
 

@@ -30,7 +30,12 @@ import torch
 from torch import Tensor
 
 __all__ = [
-    "IGNORE_INDEX", "PackedCollator", "PackingError", "segment_ids", "block_causal_mask", "is_packed",
+    "IGNORE_INDEX",
+    "PackedCollator",
+    "PackingError",
+    "segment_ids",
+    "block_causal_mask",
+    "is_packed",
     "packed_lengths",
 ]
 
@@ -121,8 +126,9 @@ class PackedCollator:
         keys = set().union(*(s.keys() for s in samples))
         unknown = keys - set(TOKEN_KEYS) - set(CONCAT_KEYS) - set(self.stack_keys) - {"attention_mask"}
         if unknown:
-            raise PackingError(f"samples have keys the packing collate function does not know how to pack: "
-                               f"{sorted(unknown)}")
+            raise PackingError(
+                f"samples have keys the packing collate function does not know how to pack: {sorted(unknown)}"
+            )
         columns: dict[str, list[Tensor]] = {k: [] for k in TOKEN_KEYS if k in keys}
         positions: list[Tensor] = []
         for index, sample in enumerate(samples):
@@ -137,8 +143,7 @@ class PackedCollator:
                     raise PackingError(f"sample {index} has no `{key}` but others have")
                 value = _row(sample[key], key, index)
                 if value.numel() != ids.numel():
-                    raise PackingError(f"sample {index}: `{key}` has {value.numel()} tokens, input_ids "
-                                       f"{ids.numel()}")
+                    raise PackingError(f"sample {index}: `{key}` has {value.numel()} tokens, input_ids {ids.numel()}")
                 if key == "labels":
                     value = value.clone()
                     value[0] = IGNORE_INDEX  # the previous sample's last token must not predict this one

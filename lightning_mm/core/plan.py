@@ -21,7 +21,13 @@ from lightning_mm.core.patterns import PatternError, resolve_patterns
 from lightning_mm.core.recompute import RecomputeError, check_recomputable, uses_kv_cache
 
 __all__ = [
-    "ShardUnit", "ShardingPlan", "MixedPrecision", "ExpertPlan", "build_plan", "mesh_layout", "ep_mesh_layout",
+    "ShardUnit",
+    "ShardingPlan",
+    "MixedPrecision",
+    "ExpertPlan",
+    "build_plan",
+    "mesh_layout",
+    "ep_mesh_layout",
     "norm_and_router_modules",
 ]
 
@@ -136,6 +142,7 @@ class ShardingPlan:
 
     def describe(self) -> str:
         """A readable summary: mesh, units with their parameter counts, ignored and recomputed modules."""
+
         def dt(d: torch.dtype | None) -> str:
             return str(d).removeprefix("torch.") if d is not None else "model dtype"
 
@@ -164,8 +171,10 @@ class ShardingPlan:
         reentrant = "reentrant" if self.use_reentrant else "non-reentrant"
         lines.append(f"  recomputed ({reentrant}): {', '.join(self.recompute) or '-'}")
         if self.compile_modules:
-            lines.append(f"  compiled (torch.compile, backend {self.compile_backend}, one graph each; the rest "
-                         f"eager): {listing(self.compile_modules, 8)}")
+            lines.append(
+                f"  compiled (torch.compile, backend {self.compile_backend}, one graph each; the rest "
+                f"eager): {listing(self.compile_modules, 8)}"
+            )
         backward = str(self.backward_prefetch) if self.backward_prefetch else "FSDP2 default (1, implicit)"
         lines.append(
             f"  prefetch: forward {self.forward_prefetch}, backward {backward} "
@@ -175,8 +184,10 @@ class ShardingPlan:
             lines += self._describe_experts()
         lines += [f"  note: {n}" for n in self.notes]
         if self.sharding_size == 1 and self.world_size > 1:
-            lines.append("  note: sharding_size 1 (the seed's default): parameters are replicated, not sharded; "
-                         "set `sharding_size: auto` to shard over all ranks")
+            lines.append(
+                "  note: sharding_size 1 (the seed's default): parameters are replicated, not sharded; "
+                "set `sharding_size: auto` to shard over all ranks"
+            )
         return "\n".join(lines)
 
     @property
@@ -198,8 +209,11 @@ class ShardingPlan:
         assert ep is not None
         shape, names = ep_mesh_layout(self.world_size, ep.expert_parallel_size)
         mesh = " x ".join(f"{n}={s}" for n, s in zip(names, shape))
-        local = ("FSDP-sharded over ep_replicate" if ep.reshard_local_experts
-                 else "kept whole, gradients all-reduced over ep_replicate")
+        local = (
+            "FSDP-sharded over ep_replicate"
+            if ep.reshard_local_experts
+            else "kept whole, gradients all-reduced over ep_replicate"
+        )
         other, expert = self.bytes_per_rank()
         no_ep = -(-(ep.other_bytes + ep.expert_bytes) // self.sharding_size)
         return [
@@ -320,8 +334,18 @@ def _group_shared_parameters(
 
 
 def _is_norm(module: nn.Module) -> bool:
-    norms = (nn.LayerNorm, nn.GroupNorm, nn.RMSNorm, nn.BatchNorm1d, nn.BatchNorm2d, nn.BatchNorm3d, nn.SyncBatchNorm,
-             nn.InstanceNorm1d, nn.InstanceNorm2d, nn.InstanceNorm3d)
+    norms = (
+        nn.LayerNorm,
+        nn.GroupNorm,
+        nn.RMSNorm,
+        nn.BatchNorm1d,
+        nn.BatchNorm2d,
+        nn.BatchNorm3d,
+        nn.SyncBatchNorm,
+        nn.InstanceNorm1d,
+        nn.InstanceNorm2d,
+        nn.InstanceNorm3d,
+    )
     return isinstance(module, norms) or "Norm" in type(module).__name__
 
 
@@ -369,24 +393,33 @@ def _num_experts(path: str, module: nn.Module, config: FSDP2Config) -> int:
         return declared
     firsts = {p.shape[0] for p in module.parameters() if p.ndim >= 2}
     if len(firsts) != 1:
-        raise config._error("moe_modules", f"cannot tell how many experts '{path}' holds: it has no `num_experts` "
-                                           "and its weights do not share a leading experts dimension")
+        raise config._error(
+            "moe_modules",
+            f"cannot tell how many experts '{path}' holds: it has no `num_experts` "
+            "and its weights do not share a leading experts dimension",
+        )
     return firsts.pop()
 
 
-def _plan_experts(model: nn.Module, config: FSDP2Config, world_size: int, wrapped: list[str],
-                  ignored: list[str]) -> ExpertPlan:
+def _plan_experts(
+    model: nn.Module, config: FSDP2Config, world_size: int, wrapped: list[str], ignored: list[str]
+) -> ExpertPlan:
     size = config.expert_parallel_size
     config.check_expert_parallel_size(world_size)
     if not config.moe_modules:
-        raise config._error("moe_modules", f"`expert_parallel_size: {size}` needs the MoE expert modules "
-                                           "(e.g. `model.layers.{*}.mlp.experts`)")
+        raise config._error(
+            "moe_modules",
+            f"`expert_parallel_size: {size}` needs the MoE expert modules (e.g. `model.layers.{{*}}.mlp.experts`)",
+        )
     modules = _resolve(model, config, "moe_modules")
     counts = set()
     for path in modules:
         if path in wrapped:
-            raise config._error("moe_modules", f"'{path}' is also in `sub_modules_to_wrap`; expert modules are "
-                                               "sharded by expert parallelism, not as units of their own")
+            raise config._error(
+                "moe_modules",
+                f"'{path}' is also in `sub_modules_to_wrap`; expert modules are "
+                "sharded by expert parallelism, not as units of their own",
+            )
         if any(_is_under(path, ign) for ign in ignored):
             raise config._error("moe_modules", f"'{path}' is inside `ignored_modules`")
         if any(_is_under(other, path) for other in modules if other != path):
@@ -409,12 +442,21 @@ def _plan_experts(model: nn.Module, config: FSDP2Config, world_size: int, wrappe
             expert_bytes += param.numel() * param.element_size()
         else:
             other_bytes += param.numel() * param.element_size()
-    return ExpertPlan(size, tuple(modules), experts, experts // size, config.reshard_local_experts,
-                      expert_numel, expert_bytes, other_bytes)
+    return ExpertPlan(
+        size,
+        tuple(modules),
+        experts,
+        experts // size,
+        config.reshard_local_experts,
+        expert_numel,
+        expert_bytes,
+        other_bytes,
+    )
 
 
-def _count_params(model: nn.Module, groups: list[tuple[str, ...]], ignored: list[str],
-                  experts: tuple[str, ...] = ()) -> tuple[list[int], int, int, list[int]]:
+def _count_params(
+    model: nn.Module, groups: list[tuple[str, ...]], ignored: list[str], experts: tuple[str, ...] = ()
+) -> tuple[list[int], int, int, list[int]]:
     unit_of = {m: i for i, group in enumerate(groups) for m in group}
     flat = list(unit_of)
     counts = [0] * len(groups)
@@ -435,15 +477,19 @@ def _count_params(model: nn.Module, groups: list[tuple[str, ...]], ignored: list
     return counts, root, ignored_count, trainable
 
 
-def _aligned_group(model: nn.Module, config: FSDP2Config, groups: list[tuple[str, ...]],
-                   ignored: list[str]) -> tuple[str, ...]:
+def _aligned_group(
+    model: nn.Module, config: FSDP2Config, groups: list[tuple[str, ...]], ignored: list[str]
+) -> tuple[str, ...]:
     """``align_fsdp_param_groups``: the norms and routers inside the wrapped units, as one unit (empty when off)."""
     if not config.align_fsdp_param_groups:
         return ()
     aligned = tuple(norm_and_router_modules(model, [m for g in groups for m in g], ignored))
     if not aligned:
-        raise config._error("align_fsdp_param_groups", "found no norm or router module inside the wrapped units "
-                                                       "(`sub_modules_to_wrap`) to gather into a unit of its own")
+        raise config._error(
+            "align_fsdp_param_groups",
+            "found no norm or router module inside the wrapped units "
+            "(`sub_modules_to_wrap`) to gather into a unit of its own",
+        )
     return aligned
 
 
@@ -451,11 +497,15 @@ def _setting_notes(model: nn.Module, config: FSDP2Config, recompute: list[str]) 
     """What the plan says about settings that take effect differently than one might expect."""
     notes = []
     if config.expert_parallel_size == 1 and config.moe_modules and "moe_modules" in config.explicit_keys:
-        notes.append("`moe_modules` is not used with `expert_parallel_size: 1` (the experts are sharded like the "
-                     "rest of their unit)")
+        notes.append(
+            "`moe_modules` is not used with `expert_parallel_size: 1` (the experts are sharded like the "
+            "rest of their unit)"
+        )
     if recompute and uses_kv_cache(model):
-        notes.append("recomputed modules run without the key/value cache (`use_cache`) when gradients are on: "
-                     "a replay in backward would update it a second time")
+        notes.append(
+            "recomputed modules run without the key/value cache (`use_cache`) when gradients are on: "
+            "a replay in backward would update it a second time"
+        )
     return notes
 
 

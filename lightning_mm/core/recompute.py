@@ -62,7 +62,8 @@ def _stateful_norms(module: nn.Module) -> list[str]:
     """Submodules that update running statistics in a training forward (torch's batch/instance norms and any module
     following their ``track_running_stats`` + ``running_mean`` convention)."""
     return [
-        name or "<itself>" for name, sub in module.named_modules()
+        name or "<itself>"
+        for name, sub in module.named_modules()
         if getattr(sub, "track_running_stats", False) is True and getattr(sub, "running_mean", None) is not None
     ]
 
@@ -189,8 +190,11 @@ def checkpointed_forward(forward: Callable[..., Any], use_reentrant: bool, name:
         clean = _without_cache(name, args, kwargs)
         if clean is not kwargs and not logged:
             logged = True
-            log.info("'%s' is recomputed: it runs without the key/value cache in training (a replay would "
-                     "update the cache twice)", name)
+            log.info(
+                "'%s' is recomputed: it runs without the key/value cache in training (a replay would "
+                "update the cache twice)",
+                name,
+            )
         if use_reentrant:
             return _reentrant(forward, args, clean)
         return checkpoint(forward, *args, use_reentrant=False, **clean)

@@ -42,8 +42,15 @@ def batch_cost(lengths: Sequence[int], packing: bool) -> int:
     return sum(lengths) if packing else len(lengths) * max(lengths)
 
 
-def plan_batches(lengths: Sequence[int], max_tokens: int, buffer_size: int, seed: int, epoch: int,
-                 shuffle: bool = True, packing: bool = True) -> list[list[int]]:
+def plan_batches(
+    lengths: Sequence[int],
+    max_tokens: int,
+    buffer_size: int,
+    seed: int,
+    epoch: int,
+    shuffle: bool = True,
+    packing: bool = True,
+) -> list[list[int]]:
     """The epoch's batches (lists of sample indices) under ``max_tokens``; see the module docstring."""
     if max_tokens < 1:
         raise TokenBudgetError(f"max_tokens_per_rank must be positive, got {max_tokens}")
@@ -54,7 +61,8 @@ def plan_batches(lengths: Sequence[int], max_tokens: int, buffer_size: int, seed
         index, length = too_long[0]
         raise TokenBudgetError(
             f"{len(too_long)} sample(s) are longer than max_tokens_per_rank={max_tokens} (sample {index} has "
-            f"{length} tokens): raise the budget or cut the samples (cutoff_len / max_length)")
+            f"{length} tokens): raise the budget or cut the samples (cutoff_len / max_length)"
+        )
     empty = [i for i, n in enumerate(lengths) if n < 1]
     if empty:
         raise TokenBudgetError(f"sample {empty[0]} has no token")
@@ -62,7 +70,7 @@ def plan_batches(lengths: Sequence[int], max_tokens: int, buffer_size: int, seed
     order = torch.randperm(len(lengths), generator=generator).tolist() if shuffle else list(range(len(lengths)))
     batches: list[list[int]] = []
     for start in range(0, len(order), buffer_size):
-        buffer = sorted(order[start:start + buffer_size], key=lambda i: (-lengths[i], i))
+        buffer = sorted(order[start : start + buffer_size], key=lambda i: (-lengths[i], i))
         open_batches: list[tuple[list[int], int, int]] = []  # (indices, sum, longest)
         for index in buffer:
             n = lengths[index]
@@ -81,8 +89,9 @@ def plan_batches(lengths: Sequence[int], max_tokens: int, buffer_size: int, seed
     return batches
 
 
-def plan_fingerprint(lengths: Sequence[int], max_tokens: int, buffer_size: int, seed: int, packing: bool,
-                     shuffle: bool) -> str:
+def plan_fingerprint(
+    lengths: Sequence[int], max_tokens: int, buffer_size: int, seed: int, packing: bool, shuffle: bool
+) -> str:
     """A short digest of what the plan depends on (checked on resume: another plan would not continue exactly)."""
     import hashlib
 

@@ -79,8 +79,10 @@ def _turns(raw: dict, attr: ChatAttr) -> tuple[list[tuple[str, str]], str | None
         if role != expected[0]:
             known = {attr.user_tag, attr.assistant_tag, *tools, attr.system_tag}
             what = "unknown role" if role not in known else "role out of order"
-            raise ValueError(f"turn {i + 1}: {what} {short_repr(role)} (expected {expected[0]!r}: turns alternate "
-                             f"{attr.user_tag!r} and {attr.assistant_tag!r}, {attr.user_tag!r} first)")
+            raise ValueError(
+                f"turn {i + 1}: {what} {short_repr(role)} (expected {expected[0]!r}: turns alternate "
+                f"{attr.user_tag!r} and {attr.assistant_tag!r}, {attr.user_tag!r} first)"
+            )
         content = turn.get(attr.content_tag)
         if not isinstance(content, str):
             raise ValueError(f"turn {i + 1}: `{attr.content_tag}` must be a string")
@@ -119,8 +121,10 @@ def _image_file(name: Any, root: Path, base: Path, allow_outside: bool) -> Path:
         path = (base / name).resolve()
     else:
         why = "lies outside" if not inside.is_relative_to(root) else "is not a file in"
-        raise ValueError(f"image {short_repr(name)} {why} dataset_dir {root} (set `allow_outside_data_root: true` "
-                         "next to dataset_param to allow paths outside it)")
+        raise ValueError(
+            f"image {short_repr(name)} {why} dataset_dir {root} (set `allow_outside_data_root: true` "
+            "next to dataset_param to allow paths outside it)"
+        )
     if not path.is_file():
         raise ValueError(f"image not found: {path}")
     try:
@@ -131,8 +135,16 @@ def _image_file(name: Any, root: Path, base: Path, allow_outside: bool) -> Path:
     return path
 
 
-def read_chat_records(split: str, files: tuple[Path, ...], attr: ChatAttr, root: Path, base: Path, allow_outside: bool,
-                      max_samples: int | None, video_note: str | None) -> tuple[list[ChatRecord], DataReport]:
+def read_chat_records(
+    split: str,
+    files: tuple[Path, ...],
+    attr: ChatAttr,
+    root: Path,
+    base: Path,
+    allow_outside: bool,
+    max_samples: int | None,
+    video_note: str | None,
+) -> tuple[list[ChatRecord], DataReport]:
     """Check every record (the first ``max_samples`` across the files when given); bad ones go to the report."""
     from lightning_mm.hf.chat_samples import IMAGE_PLACEHOLDER, VIDEO_PLACEHOLDER
 
@@ -178,8 +190,13 @@ class ChatDataset(ReplacingDataset):
     :class:`DataError` in strict mode (:mod:`lightning_mm.datamodules.replacing`).
     """
 
-    def __init__(self, records: list[ChatRecord], builder: Callable[..., dict], strict: bool = False,
-                 report: DataReport | None = None) -> None:
+    def __init__(
+        self,
+        records: list[ChatRecord],
+        builder: Callable[..., dict],
+        strict: bool = False,
+        report: DataReport | None = None,
+    ) -> None:
         super().__init__(records, report, strict)
         self.builder = builder
 

@@ -112,8 +112,11 @@ class DataConfig:
             for name in files:
                 file = (root / name).resolve()
                 if not outside and not file.is_relative_to(root):
-                    raise fail(split, f"{short_repr(name)} lies outside data_root {root} "
-                                      "(set `allow_outside_data_root: true` to allow it)")
+                    raise fail(
+                        split,
+                        f"{short_repr(name)} lies outside data_root {root} "
+                        "(set `allow_outside_data_root: true` to allow it)",
+                    )
                 if not file.is_file():
                     raise fail(split, f"file not found: {file}")
                 resolved.append(file)
@@ -147,8 +150,9 @@ class DataConfig:
         check_mapping_keys(loader, [f.name for f in fields(LoaderConfig)], "loader.", where)
         _check_positive_ints(loader, ("batch_size",), "loader.", fail)
         if "num_workers" in loader and (not isinstance(loader["num_workers"], int) or loader["num_workers"] < 0):
-            raise fail("loader.num_workers",
-                       f"expected a non-negative integer, got {short_repr(loader['num_workers'])}")
+            raise fail(
+                "loader.num_workers", f"expected a non-negative integer, got {short_repr(loader['num_workers'])}"
+            )
         _check_bools(loader, ("shuffle", "drop_last", "pin_memory"), "loader.", fail)
         if loader.get("padding", "longest") not in ("longest", "max_length"):
             raise fail("loader.padding", f"expected 'longest' or 'max_length', got {short_repr(loader['padding'])}")

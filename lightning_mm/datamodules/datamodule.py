@@ -77,10 +77,22 @@ class MMDataModule(L.LightningDataModule):
         self.config = None
         # Loading settings: explicit arguments win over the data config's `loader` section, which wins over the
         # defaults (batch size 1, no workers, shuffled training data, seed 0).
-        given = {"batch_size": batch_size, "num_workers": num_workers, "pin_memory": pin_memory,
-                 "shuffle": shuffle, "drop_last": drop_last, "seed": seed}
-        settings = {"batch_size": 1, "num_workers": 0, "pin_memory": False, "shuffle": True, "drop_last": False,
-                    "seed": 0}
+        given = {
+            "batch_size": batch_size,
+            "num_workers": num_workers,
+            "pin_memory": pin_memory,
+            "shuffle": shuffle,
+            "drop_last": drop_last,
+            "seed": seed,
+        }
+        settings = {
+            "batch_size": 1,
+            "num_workers": 0,
+            "pin_memory": False,
+            "shuffle": True,
+            "drop_last": False,
+            "seed": 0,
+        }
         self.mindspeed_config = None
         if data_config is not None:
             from lightning_mm.datamodules.data_config import DataConfig
@@ -99,8 +111,9 @@ class MMDataModule(L.LightningDataModule):
         if self.config is not None and overridden:
             rank_zero_info(f"MMDataModule: {overridden} override the `loader` section of {self.config.source}")
         if self.mindspeed_config is not None and overridden:
-            rank_zero_info(f"MMDataModule: {overridden} override the `dataloader_param` of "
-                           f"{self.mindspeed_config.source}")
+            rank_zero_info(
+                f"MMDataModule: {overridden} override the `dataloader_param` of {self.mindspeed_config.source}"
+            )
         settings.update(overridden)
         self._splits: dict[str, Any] | None = None
         if self.provider is None and self.config is None and self.mindspeed_config is None:
@@ -118,8 +131,11 @@ class MMDataModule(L.LightningDataModule):
             from lightning_mm.datamodules.mindspeed_hf import packing_settings
 
             ms_packing, max_tokens_per_rank = packing_settings(
-                self.mindspeed_config.dataset_param, self.mindspeed_config.source, self.mindspeed_config.prefix,
-                max_tokens_per_rank)
+                self.mindspeed_config.dataset_param,
+                self.mindspeed_config.source,
+                self.mindspeed_config.prefix,
+                max_tokens_per_rank,
+            )
             packing = packing or ms_packing
         self.packing = bool(packing)
         self.max_tokens_per_rank = max_tokens_per_rank
@@ -138,14 +154,20 @@ class MMDataModule(L.LightningDataModule):
         if isinstance(size, bool) or not isinstance(size, int) or size < 1:
             raise ValueError(f"MMDataModule: packing_buffer_size must be a positive integer, got {size!r}")
         if self.packing and budget is None:
-            raise ValueError("MMDataModule: packing=True needs max_tokens_per_rank (the tokens of one packed row; "
-                             "MindSpeed MM: cutoff_len)")
+            raise ValueError(
+                "MMDataModule: packing=True needs max_tokens_per_rank (the tokens of one packed row; "
+                "MindSpeed MM: cutoff_len)"
+            )
         if budget is not None and batch_size is not None:
-            raise ValueError("MMDataModule: give batch_size or max_tokens_per_rank, not both (token-budget batches "
-                             "hold as many samples as fit)")
+            raise ValueError(
+                "MMDataModule: give batch_size or max_tokens_per_rank, not both (token-budget batches "
+                "hold as many samples as fit)"
+            )
         if self.packing and self._user_collate and not isinstance(self.collate_fn, PackedCollator):
-            raise ValueError("MMDataModule: packing=True packs with lightning_mm.core.packing.PackedCollator; a "
-                             "collate_fn given with it must be one (e.g. PackedCollator(stack_keys=['images']))")
+            raise ValueError(
+                "MMDataModule: packing=True packs with lightning_mm.core.packing.PackedCollator; a "
+                "collate_fn given with it must be one (e.g. PackedCollator(stack_keys=['images']))"
+            )
 
     @classmethod
     def from_config(cls, path: str | os.PathLike, **overrides: Any) -> MMDataModule:
@@ -186,7 +208,8 @@ class MMDataModule(L.LightningDataModule):
                 size = "set by its batch_sampler" if loader.batch_size is None else loader.batch_size
                 raise ValueError(
                     f"MMDataModule: batch_size={self._given_batch_size}, but the {split} DataLoader {origin} has "
-                    f"batch size {size}; a DataLoader keeps its own, so make the two agree (or drop batch_size)")
+                    f"batch size {size}; a DataLoader keeps its own, so make the two agree (or drop batch_size)"
+                )
 
     def _from_config(self) -> dict[str, Any]:
         from lightning_mm.datamodules.mm_dataset import MMCollator, MMDataset, load_processor, load_tokenizer
@@ -199,8 +222,15 @@ class MMDataModule(L.LightningDataModule):
         processor = load_processor(pre.processor) if pre.processor is not None else None
         splits: dict[str, Any] = dict.fromkeys(_SPLITS)
         for split, files in config.splits.items():
-            records, report = read_records(split, files, config.data_root, tokenizer, pre.max_length, pre.truncation,
-                                           config.allow_outside_data_root)
+            records, report = read_records(
+                split,
+                files,
+                config.data_root,
+                tokenizer,
+                pre.max_length,
+                pre.truncation,
+                config.allow_outside_data_root,
+            )
             self.reports[split] = report
             if report.problems and config.strict:
                 raise DataError(f"bad records in strict mode ({config.source}):\n{report.summary(shown=20)}")
@@ -231,8 +261,14 @@ class MMDataModule(L.LightningDataModule):
         loader_cls = DataLoader if iterable or split != "train" else ResumableDataLoader  # mid-epoch resume
         group_by = getattr(self.mindspeed_config, "group_by", None)
         if split == "train" and group_by is not None and not iterable:
-            return loader_cls(data, batch_size=self.batch_size, sampler=self._grouped_sampler(data, group_by),
-                              num_workers=self.num_workers, collate_fn=self.collate_fn, pin_memory=self.pin_memory)
+            return loader_cls(
+                data,
+                batch_size=self.batch_size,
+                sampler=self._grouped_sampler(data, group_by),
+                num_workers=self.num_workers,
+                collate_fn=self.collate_fn,
+                pin_memory=self.pin_memory,
+            )
         return loader_cls(
             data,
             batch_size=self.batch_size,
@@ -250,24 +286,41 @@ class MMDataModule(L.LightningDataModule):
         from lightning_mm.datamodules.token_budget import TokenBudgetLoader, sample_lengths
 
         if isinstance(data, IterableDataset) or not hasattr(data, "__getitem__") or not hasattr(data, "__len__"):
-            raise ValueError("MMDataModule: max_tokens_per_rank needs a map-style training dataset (with len and "
-                             f"indexing) to plan the batches from its lengths, got {type(data).__name__}")
+            raise ValueError(
+                "MMDataModule: max_tokens_per_rank needs a map-style training dataset (with len and "
+                f"indexing) to plan the batches from its lengths, got {type(data).__name__}"
+            )
         collate = self.collate_fn
         if not self.packing and getattr(collate, "padding", None) == "max_length":
-            raise ValueError("MMDataModule: max_tokens_per_rank counts rows x longest sample, but the data config's "
-                             "`loader.padding: max_length` pads every row to max_length; use padding: longest, or "
-                             "packing=True")
+            raise ValueError(
+                "MMDataModule: max_tokens_per_rank counts rows x longest sample, but the data config's "
+                "`loader.padding: max_length` pads every row to max_length; use padding: longest, or "
+                "packing=True"
+            )
         if self.packing and not isinstance(collate, PackedCollator):
-            collate = PackedCollator(stack_keys=[image_key] if (image_key := getattr(collate, "image_key", None))
-                                     else [], filler=getattr(collate, "filler", None))
+            collate = PackedCollator(
+                stack_keys=[image_key] if (image_key := getattr(collate, "image_key", None)) else [],
+                filler=getattr(collate, "filler", None),
+            )
         trainer = attached_trainer(self)
         kwargs = (trainer.strategy.distributed_sampler_kwargs or {}) if trainer is not None else {}
         world, rank = int(kwargs.get("num_replicas", 1)), int(kwargs.get("rank", 0))
         return TokenBudgetLoader(
-            data, sample_lengths(data), self.max_tokens_per_rank, self.packing_buffer_size, self.seed, self.shuffle,
-            self.packing, self.drop_last, world, rank, collate,
+            data,
+            sample_lengths(data),
+            self.max_tokens_per_rank,
+            self.packing_buffer_size,
+            self.seed,
+            self.shuffle,
+            self.packing,
+            self.drop_last,
+            world,
+            rank,
+            collate,
             epoch_fn=(lambda: int(trainer.current_epoch)) if trainer is not None else (lambda: 0),
-            num_workers=self.num_workers, pin_memory=self.pin_memory)
+            num_workers=self.num_workers,
+            pin_memory=self.pin_memory,
+        )
 
     def _grouped_sampler(self, data: Any, group_by: str) -> DistributedSampler:
         """MindSpeed MM's ``LengthGroupedSampler`` (``group_data`` / ``group_frame``): batches of one size."""
@@ -275,10 +328,16 @@ class MMDataModule(L.LightningDataModule):
 
         trainer = attached_trainer(self)
         kwargs = (trainer.strategy.distributed_sampler_kwargs or {}) if trainer is not None else {}
-        return GroupedDistributedSampler(data, data.group_keys(group_by), self.batch_size,
-                                         num_replicas=int(kwargs.get("num_replicas", 1)),
-                                         rank=int(kwargs.get("rank", 0)), shuffle=self.shuffle, seed=self.seed,
-                                         drop_last=self.drop_last)
+        return GroupedDistributedSampler(
+            data,
+            data.group_keys(group_by),
+            self.batch_size,
+            num_replicas=int(kwargs.get("num_replicas", 1)),
+            rank=int(kwargs.get("rank", 0)),
+            shuffle=self.shuffle,
+            seed=self.seed,
+            drop_last=self.drop_last,
+        )
 
     def _unshuffled_distributed_sampler(self, data: Any) -> DistributedSampler | None:
         """Lightning's training sampler with ``shuffle=False``, or ``None`` when Lightning installs none.

@@ -22,8 +22,9 @@ from torch.utils.data import Dataset, DistributedSampler
 __all__ = ["GroupedDistributedSampler", "plan_grouped_batches"]
 
 
-def plan_grouped_batches(keys: Sequence[Hashable], batch_size: int, world_size: int, seed: int, epoch: int,
-                         shuffle: bool, drop_last: bool) -> list[list[int]]:
+def plan_grouped_batches(
+    keys: Sequence[Hashable], batch_size: int, world_size: int, seed: int, epoch: int, shuffle: bool, drop_last: bool
+) -> list[list[int]]:
     """The epoch's global batches (lists of sample indices, one group key each), a multiple of ``world_size``."""
     if batch_size < 1 or world_size < 1:
         raise ValueError(f"batch_size and world_size must be >= 1, got {batch_size} and {world_size}")
@@ -36,7 +37,7 @@ def plan_grouped_batches(keys: Sequence[Hashable], batch_size: int, world_size: 
         if shuffle:
             members = [members[i] for i in torch.randperm(len(members), generator=generator).tolist()]
         for start in range(0, len(members), batch_size):
-            batch = members[start:start + batch_size]
+            batch = members[start : start + batch_size]
             if len(batch) < batch_size:
                 if drop_last:
                     continue
@@ -45,12 +46,14 @@ def plan_grouped_batches(keys: Sequence[Hashable], batch_size: int, world_size: 
     if shuffle:
         batches = [batches[i] for i in torch.randperm(len(batches), generator=generator).tolist()]
     if drop_last:
-        batches = batches[:len(batches) - len(batches) % world_size]
+        batches = batches[: len(batches) - len(batches) % world_size]
     elif batches and len(batches) % world_size:
         batches = batches + [batches[i % len(batches)] for i in range(world_size - len(batches) % world_size)]
     if not batches:
-        raise ValueError(f"no full batch of {batch_size} samples of one size for {world_size} rank(s) "
-                         f"(groups: {sorted((str(k), len(v)) for k, v in groups.items())})")
+        raise ValueError(
+            f"no full batch of {batch_size} samples of one size for {world_size} rank(s) "
+            f"(groups: {sorted((str(k), len(v)) for k, v in groups.items())})"
+        )
     return batches
 
 
@@ -58,19 +61,28 @@ class GroupedDistributedSampler(DistributedSampler):
     """This rank's indices of :func:`plan_grouped_batches`, batch after batch (the loader's ``batch_size`` must be
     ``batch_size``)."""
 
-    def __init__(self, dataset: Dataset, keys: Sequence[Hashable], batch_size: int, num_replicas: int = 1,
-                 rank: int = 0, shuffle: bool = True, seed: int = 0, drop_last: bool = False) -> None:
-        super().__init__(dataset, num_replicas=num_replicas, rank=rank, shuffle=shuffle, seed=seed,
-                         drop_last=drop_last)
+    def __init__(
+        self,
+        dataset: Dataset,
+        keys: Sequence[Hashable],
+        batch_size: int,
+        num_replicas: int = 1,
+        rank: int = 0,
+        shuffle: bool = True,
+        seed: int = 0,
+        drop_last: bool = False,
+    ) -> None:
+        super().__init__(dataset, num_replicas=num_replicas, rank=rank, shuffle=shuffle, seed=seed, drop_last=drop_last)
         if len(keys) != len(dataset):  # type: ignore[arg-type]
             raise ValueError(f"{len(keys)} group keys for {len(dataset)} samples")  # type: ignore[arg-type]
         self.keys = list(keys)
         self.batch_size = batch_size
 
     def _mine(self) -> list[list[int]]:
-        batches = plan_grouped_batches(self.keys, self.batch_size, self.num_replicas, self.seed, self.epoch,
-                                       self.shuffle, self.drop_last)
-        return batches[self.rank::self.num_replicas]
+        batches = plan_grouped_batches(
+            self.keys, self.batch_size, self.num_replicas, self.seed, self.epoch, self.shuffle, self.drop_last
+        )
+        return batches[self.rank :: self.num_replicas]
 
     def __iter__(self) -> Iterator[int]:
         return iter([i for batch in self._mine() for i in batch])

@@ -23,45 +23,109 @@ from lightning_mm.datamodules.records import DataError, DataReport
 
 __all__ = ["build_huggingface_datasets", "packing_settings"]
 
-_PREPROCESS_KEYS = ("model_name_or_path", "use_fast_tokenizer", "split_special_tokens", "image_resolution",
-                    "video_resolution", "image_max_pixels", "image_min_pixels", "video_max_pixels", "video_min_pixels",
-                    "video_fps", "video_maxlen", "image_do_pan_and_scan", "crop_to_patches", "use_audio_in_video",
-                    "audio_sampling_rate", "trust_remote_code", "fix_mistral_regex")
-_BASIC_KEYS = ("cache_dir", "template", "enable_thinking", "dataset_dir", "dataset", "cutoff_len", "train_on_prompt",
-               "mask_history", "streaming", "overwrite_cache", "preprocessing_batch_size", "preprocessing_num_workers",
-               "max_samples", "tool_format", "val_dataset", "val_max_samples", "val_rate", "packing", "neat_packing",
-               "preprocess_on_fly", "async_preprocess", "async_preprocess_buffer_size", "use_pmcc_data",
-               "chat_template", "stage")
-_ATTR_KEYS = ("packing", "ranking", "pretrain", "system", "images", "videos", "audios", "prompt", "query", "response",
-              "history", "messages", "role_tag", "content_tag", "user_tag", "assistant_tag", "observation_tag",
-              "function_tag", "system_tag", "chosen", "rejected", "formatting")
+_PREPROCESS_KEYS = (
+    "model_name_or_path",
+    "use_fast_tokenizer",
+    "split_special_tokens",
+    "image_resolution",
+    "video_resolution",
+    "image_max_pixels",
+    "image_min_pixels",
+    "video_max_pixels",
+    "video_min_pixels",
+    "video_fps",
+    "video_maxlen",
+    "image_do_pan_and_scan",
+    "crop_to_patches",
+    "use_audio_in_video",
+    "audio_sampling_rate",
+    "trust_remote_code",
+    "fix_mistral_regex",
+)
+_BASIC_KEYS = (
+    "cache_dir",
+    "template",
+    "enable_thinking",
+    "dataset_dir",
+    "dataset",
+    "cutoff_len",
+    "train_on_prompt",
+    "mask_history",
+    "streaming",
+    "overwrite_cache",
+    "preprocessing_batch_size",
+    "preprocessing_num_workers",
+    "max_samples",
+    "tool_format",
+    "val_dataset",
+    "val_max_samples",
+    "val_rate",
+    "packing",
+    "neat_packing",
+    "preprocess_on_fly",
+    "async_preprocess",
+    "async_preprocess_buffer_size",
+    "use_pmcc_data",
+    "chat_template",
+    "stage",
+)
+_ATTR_KEYS = (
+    "packing",
+    "ranking",
+    "pretrain",
+    "system",
+    "images",
+    "videos",
+    "audios",
+    "prompt",
+    "query",
+    "response",
+    "history",
+    "messages",
+    "role_tag",
+    "content_tag",
+    "user_tag",
+    "assistant_tag",
+    "observation_tag",
+    "function_tag",
+    "system_tag",
+    "chosen",
+    "rejected",
+    "formatting",
+)
 _NO_EFFECT = {
     "cache_dir": "MindSpeed MM caches its offline preprocessing there; here records are processed as they are read",
     "overwrite_cache": "it only controls MindSpeed MM's preprocessing cache; there is none here",
     "preprocessing_batch_size": "it sizes MindSpeed MM's offline preprocessing; here records are processed one "
-                                "by one in the loader (its workers are MMDataModule(num_workers=...))",
+    "by one in the loader (its workers are MMDataModule(num_workers=...))",
     "preprocessing_num_workers": "it sizes MindSpeed MM's offline preprocessing; the loader's workers are "
-                                 "MMDataModule(num_workers=...)",
+    "MMDataModule(num_workers=...)",
     "preprocess_on_fly": "records are always processed on the fly here",
     "async_preprocess_buffer_size": "it only applies to streaming, which is not supported here",
-    "video_max_pixels": "videos are not supported here", "video_min_pixels": "videos are not supported here",
-    "video_fps": "videos are not supported here", "video_maxlen": "videos are not supported here",
+    "video_max_pixels": "videos are not supported here",
+    "video_min_pixels": "videos are not supported here",
+    "video_fps": "videos are not supported here",
+    "video_maxlen": "videos are not supported here",
     "audio_sampling_rate": "audio is not supported here",
     "image_resolution": "MindSpeed MM's huggingface dataset does not read it either (images are bounded by "
-                        "image_max_pixels/image_min_pixels)",
+    "image_max_pixels/image_min_pixels)",
     "video_resolution": "MindSpeed MM's huggingface dataset does not read it either",
 }
 # key -> (the only accepted value besides null, why another value is refused)
 _FIXED = {
     "use_fast_tokenizer": (True, "the labels are placed with the fast tokenizer's character offsets"),
-    "split_special_tokens": (False, "the chat template's special tokens (<|im_start|>, <|image_pad|>, ...) must "
-                                    "stay single tokens"),
+    "split_special_tokens": (
+        False,
+        "the chat template's special tokens (<|im_start|>, <|image_pad|>, ...) must stay single tokens",
+    ),
     "image_do_pan_and_scan": (False, "pan and scan is Gemma 3's, not supported here"),
     "crop_to_patches": (False, "cropping to patches is InternVL's (dataset_type: multimodal)"),
     "use_audio_in_video": (False, "audio is not supported here"),
     "trust_remote_code": (False, "the processor is loaded without remote code here"),
-    "fix_mistral_regex": (False, "Mistral 3 is not supported here (Transformers 5's PixtralProcessor needs "
-                                 "torchvision)"),
+    "fix_mistral_regex": (
+        False,
+        "Mistral 3 is not supported here (Transformers 5's PixtralProcessor needs torchvision)",
+    ),
     "streaming": (False, "streaming is not supported here: records are read and checked up front"),
     "async_preprocess": (False, "it only applies to streaming, which is not supported here"),
     "use_pmcc_data": (False, "PMCC data is not supported here"),
@@ -72,16 +136,29 @@ _FIXED = {
     "pretrain": (False, "pretraining data is not supported here"),
     "audios": (None, "audio is not supported here"),
     "formatting": ("sharegpt", "only sharegpt records are supported here"),
-    **{k: (None, "alpaca and pairwise columns are not supported here (formatting: sharegpt)")
-       for k in ("prompt", "query", "response", "history", "chosen", "rejected")},
+    **{
+        k: (None, "alpaca and pairwise columns are not supported here (formatting: sharegpt)")
+        for k in ("prompt", "query", "response", "history", "chosen", "rejected")
+    },
 }
-_ATTR_DEFAULTS = {"messages": "conversations", "role_tag": "from", "content_tag": "value", "user_tag": "human",
-                  "assistant_tag": "gpt", "observation_tag": "observation", "function_tag": "function_call",
-                  "system_tag": "system", "system": None, "images": None, "videos": None}
+_ATTR_DEFAULTS = {
+    "messages": "conversations",
+    "role_tag": "from",
+    "content_tag": "value",
+    "user_tag": "human",
+    "assistant_tag": "gpt",
+    "observation_tag": "observation",
+    "function_tag": "function_call",
+    "system_tag": "system",
+    "system": None,
+    "images": None,
+    "videos": None,
+}
 
 
-def packing_settings(dataset_param: Mapping[str, Any], source: str, prefix: str = "",
-                     max_tokens_per_rank: int | None = None) -> tuple[bool, int | None]:
+def packing_settings(
+    dataset_param: Mapping[str, Any], source: str, prefix: str = "", max_tokens_per_rank: int | None = None
+) -> tuple[bool, int | None]:
     """``(packing, max_tokens_per_rank)`` from ``basic_parameters``: ``neat_packing`` (packing without attention
     across samples, MindSpeed MM's native route) packs rows of up to ``cutoff_len`` tokens, unless
     ``max_tokens_per_rank`` is given (it wins)."""
@@ -94,15 +171,20 @@ def packing_settings(dataset_param: Mapping[str, Any], source: str, prefix: str 
     if plain is not None and not isinstance(plain, bool):
         raise DataConfigError(f"{source}: `{bp}packing`: expected true or false, got {short_repr(plain)}")
     if plain and not neat:
-        raise DataConfigError(f"{source}: `{bp}packing`: packing whose samples attend to each other is not supported "
-                              "here; set `neat_packing: true` (samples packed, each attending only to itself)")
+        raise DataConfigError(
+            f"{source}: `{bp}packing`: packing whose samples attend to each other is not supported "
+            "here; set `neat_packing: true` (samples packed, each attending only to itself)"
+        )
     if not neat:
         return False, max_tokens_per_rank
-    budget = max_tokens_per_rank if max_tokens_per_rank is not None else _int(basic, "cutoff_len", None, bp, source,
-                                                                              low=1)
+    budget = (
+        max_tokens_per_rank if max_tokens_per_rank is not None else _int(basic, "cutoff_len", None, bp, source, low=1)
+    )
     if budget is None:
-        raise DataConfigError(f"{source}: `{bp}neat_packing`: packed rows need a token budget: set `{bp}cutoff_len` "
-                              "or MMDataModule(max_tokens_per_rank=...)")
+        raise DataConfigError(
+            f"{source}: `{bp}neat_packing`: packed rows need a token budget: set `{bp}cutoff_len` "
+            "or MMDataModule(max_tokens_per_rank=...)"
+        )
     return True, budget
 
 
@@ -132,8 +214,9 @@ def _files(base: Path, value: Any, key: str, source: str) -> tuple[Path, ...]:
     return tuple(_path(base, name.strip(), key, source, "file") for name in value.split(","))
 
 
-def _int(section: Mapping[str, Any], key: str, default: int | None, prefix: str, source: str, low: int = 0
-         ) -> int | None:
+def _int(
+    section: Mapping[str, Any], key: str, default: int | None, prefix: str, source: str, low: int = 0
+) -> int | None:
     value = section.get(key, default)
     if value is None:
         return None
@@ -180,8 +263,9 @@ def build_huggingface_datasets(
 
     dp = prefix + "dataset_param."
     base = Path(base_dir).resolve()
-    pre = check_keys(dataset_param.get("preprocess_parameters"), _PREPROCESS_KEYS, dp + "preprocess_parameters.",
-                     source)
+    pre = check_keys(
+        dataset_param.get("preprocess_parameters"), _PREPROCESS_KEYS, dp + "preprocess_parameters.", source
+    )
     basic = check_keys(dataset_param.get("basic_parameters"), _BASIC_KEYS, dp + "basic_parameters.", source)
     attr_section = check_keys(dataset_param.get("attr"), _ATTR_KEYS, dp + "attr.", source)
     pp, bp, ap = dp + "preprocess_parameters.", dp + "basic_parameters.", dp + "attr."
@@ -210,8 +294,10 @@ def build_huggingface_datasets(
         if len(raw) > 1 << 20:
             raise DataConfigError(f"{source}: `{bp}chat_template`: {chat_file} is larger than 1 MiB")
         if basic.get("template") is not None:
-            rank_zero_info(f"{source}: `{bp}template` is not used: `{bp}chat_template` {chat_file} renders the "
-                           "conversations (as in MindSpeed MM)")
+            rank_zero_info(
+                f"{source}: `{bp}template` is not used: `{bp}chat_template` {chat_file} renders the "
+                "conversations (as in MindSpeed MM)"
+            )
     try:
         template = template_for(None if chat_template is not None else basic.get("template"), model_type)
     except ValueError as err:
@@ -219,22 +305,29 @@ def build_huggingface_datasets(
     for key in ("model_name", "collator_id"):
         name = collate_param.get(key)
         if name is not None and name not in template.collate_names:
-            raise DataConfigError(f"{source}: `{prefix}dataloader_param.collate_param.{key}`: {short_repr(name)} "
-                                  f"does not fit a {model_type} model (expected {' or '.join(template.collate_names)})")
+            raise DataConfigError(
+                f"{source}: `{prefix}dataloader_param.collate_param.{key}`: {short_repr(name)} "
+                f"does not fit a {model_type} model (expected {' or '.join(template.collate_names)})"
+            )
     cutoff_len = _int(basic, "cutoff_len", None, bp, source, low=1)
     min_pixels = _int(pre, "image_min_pixels", 32 * 32, pp, source)
     max_pixels = _int(pre, "image_max_pixels", 768 * 768, pp, source, low=1)
     if min_pixels is None or max_pixels is None or min_pixels > max_pixels:
-        raise DataConfigError(f"{source}: `{pp}image_min_pixels`: {min_pixels} must be at most image_max_pixels "
-                              f"{max_pixels}")
-    flags = {k: _flag(basic, k, d, bp, source) for k, d in
-             (("train_on_prompt", False), ("mask_history", False), ("enable_thinking", True))}
+        raise DataConfigError(
+            f"{source}: `{pp}image_min_pixels`: {min_pixels} must be at most image_max_pixels {max_pixels}"
+        )
+    flags = {
+        k: _flag(basic, k, d, bp, source)
+        for k, d in (("train_on_prompt", False), ("mask_history", False), ("enable_thinking", True))
+    }
     root = _path(base, basic.get("dataset_dir", "data"), bp + "dataset_dir", source, "dir")
     splits_files = {"train": _files(base, basic.get("dataset"), bp + "dataset", source)}
     if basic.get("val_dataset") is not None:
         splits_files["val"] = _files(base, basic["val_dataset"], bp + "val_dataset", source)
-    limits = {"train": _int(basic, "max_samples", None, bp, source, low=1),
-              "val": _int(basic, "val_max_samples", None, bp, source, low=1)}
+    limits = {
+        "train": _int(basic, "max_samples", None, bp, source, low=1),
+        "val": _int(basic, "val_max_samples", None, bp, source, low=1),
+    }
     attr = _attr(attr_section, ap, source)
     try:
         loaded = load_vlm_processor(model_dir)
@@ -243,19 +336,30 @@ def build_huggingface_datasets(
     processor = loaded.processor
     if processor.tokenizer.pad_token_id is None:
         raise DataConfigError(f"{source}: `{pp}model_name_or_path`: the tokenizer in {model_dir} has no pad token")
-    builder = ChatSampleBuilder(processor, template, image_min_pixels=min_pixels, image_max_pixels=max_pixels,
-                                cutoff_len=cutoff_len, chat_template=chat_template, **flags)
+    builder = ChatSampleBuilder(
+        processor,
+        template,
+        image_min_pixels=min_pixels,
+        image_max_pixels=max_pixels,
+        cutoff_len=cutoff_len,
+        chat_template=chat_template,
+        **flags,
+    )
     splits: dict[str, Dataset | None] = dict.fromkeys(("train", "val", "test"))
     reports: dict[str, DataReport] = {}
     for split, files in splits_files.items():
-        records, report = read_chat_records(split, files, attr, root, base, allow_outside_data_root, limits[split],
-                                            loaded.video_note)
+        records, report = read_chat_records(
+            split, files, attr, root, base, allow_outside_data_root, limits[split], loaded.video_note
+        )
         reports[split] = report
         strict_or_warn(report, strict, source)
         if not records:
             raise DataError(f"{source}: split '{split}' has no usable record:\n{report.summary()}")
         splits[split] = ChatDataset(records, builder, strict=strict, report=report)
-    collate = ChatCollator(processor.tokenizer.pad_token_id,
-                           ignore_pad_token_for_loss=collate_param.get("ignore_pad_token_for_loss") is not False,
-                           filler=builder.filler(), pad_to_multiple_of=collate_param.get("pad_to_multiple_of"))
+    collate = ChatCollator(
+        processor.tokenizer.pad_token_id,
+        ignore_pad_token_for_loss=collate_param.get("ignore_pad_token_for_loss") is not False,
+        filler=builder.filler(),
+        pad_to_multiple_of=collate_param.get("pad_to_multiple_of"),
+    )
     return splits, collate, reports

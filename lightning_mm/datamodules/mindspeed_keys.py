@@ -12,7 +12,6 @@ from lightning_mm.datamodules.records import DataError, DataReport
 __all__ = ["check_keys", "strict_or_warn"]
 
 
-
 def check_keys(data: Any, known: tuple[str, ...], prefix: str, source: str) -> dict[str, Any]:
     """``data`` as a dict, ``None`` (an empty YAML section) as ``{}``; else as :func:`check_mapping_keys`."""
     return {} if data is None else check_mapping_keys(data, known, prefix, source)

@@ -52,10 +52,25 @@ __all__ = ["build_multimodal_datasets", "MultimodalSettings", "InternVLChatDatas
 
 # ------------------------------------------------------------------------------------------------ the keys
 _TOP_KEYS = (
-    "dataset_type", "basic_parameters", "preprocess_parameters", "tokenizer_config", "use_text_processer",
-    "template_name", "patch_size", "image_size", "down_sample_ratio", "group_by_length", "dynamic_image_size",
-    "use_thumbnail", "min_dynamic_patch", "max_dynamic_patch", "min_num_frame", "max_num_frame", "sampling_method",
-    "is_multimodal", "mm_use_im_start_end",
+    "dataset_type",
+    "basic_parameters",
+    "preprocess_parameters",
+    "tokenizer_config",
+    "use_text_processer",
+    "template_name",
+    "patch_size",
+    "image_size",
+    "down_sample_ratio",
+    "group_by_length",
+    "dynamic_image_size",
+    "use_thumbnail",
+    "min_dynamic_patch",
+    "max_dynamic_patch",
+    "min_num_frame",
+    "max_num_frame",
+    "sampling_method",
+    "is_multimodal",
+    "mm_use_im_start_end",
 )
 _BASIC_KEYS = ("data_path", "data_folder", "repeat_time", "data_storage_mode")
 _PREPROCESS_KEYS = ("image_reader_type", "train_pipeline")
@@ -65,21 +80,46 @@ _STEP_KEYS = ("trans_type", "param")
 _IMAGE_READERS = ("torchvision", "CLIPImageProcessor", "Image")  # all three: PIL open + convert("RGB")
 # MindSpeed MM's image transforms (IMAGE_TRANSFORM_MAPPING); the first four are reproduced.
 _SUPPORTED_STEPS = ("Pad2Square", "Resize", "ToTensor", "norm_fun")
-_OTHER_STEPS = ("Lambda", "ToTensorVideo", "CenterCropResizeVideo", "CenterCropArr", "ResizeCropToFill",
-                "RandomHorizontalFlip", "ae_norm", "DataAugment", "ResizeToFill")
-_STEP_PARAMS = {"Pad2Square": ("mean",), "Resize": ("size", "interpolation", "antialias", "max_size"),
-                "ToTensor": (), "norm_fun": ("mean", "std", "inplace")}
+_OTHER_STEPS = (
+    "Lambda",
+    "ToTensorVideo",
+    "CenterCropResizeVideo",
+    "CenterCropArr",
+    "ResizeCropToFill",
+    "RandomHorizontalFlip",
+    "ae_norm",
+    "DataAugment",
+    "ResizeToFill",
+)
+_STEP_PARAMS = {
+    "Pad2Square": ("mean",),
+    "Resize": ("size", "interpolation", "antialias", "max_size"),
+    "ToTensor": (),
+    "norm_fun": ("mean", "std", "inplace"),
+}
 # torchvision's InterpolationMode names (MindSpeed's INTERPOLATIONMODE_MAPPING) as PIL filters.
 _PIL_FILTERS = {"NEAREST": 0, "LANCZOS": 1, "BILINEAR": 2, "BICUBIC": 3, "BOX": 4, "HAMMING": 5}
 _BICUBIC = 3
 _DEFAULTS = {  # MultiModalChatDataset's defaults
-    "image_size": 224, "patch_size": 14, "down_sample_ratio": 0.5, "group_by_length": False,
-    "dynamic_image_size": False, "use_thumbnail": False, "min_dynamic_patch": 1, "max_dynamic_patch": 6,
-    "min_num_frame": 4, "max_num_frame": 12, "sampling_method": "rand", "use_text_processer": False,
-    "is_multimodal": True, "mm_use_im_start_end": True,
+    "image_size": 224,
+    "patch_size": 14,
+    "down_sample_ratio": 0.5,
+    "group_by_length": False,
+    "dynamic_image_size": False,
+    "use_thumbnail": False,
+    "min_dynamic_patch": 1,
+    "max_dynamic_patch": 6,
+    "min_num_frame": 4,
+    "max_num_frame": 12,
+    "sampling_method": "rand",
+    "use_text_processer": False,
+    "is_multimodal": True,
+    "mm_use_im_start_end": True,
 }
-_VIDEO_REFUSED = ("video records are not supported: Transformers' InternVL video processor needs torchvision, "
-                  "which this installation does not load")
+_VIDEO_REFUSED = (
+    "video records are not supported: Transformers' InternVL video processor needs torchvision, "
+    "which this installation does not load"
+)
 
 
 @dataclass(frozen=True)
@@ -114,7 +154,7 @@ class MultimodalSettings:
     @property
     def image_tokens_per_tile(self) -> int:
         """MindSpeed MM's ``num_image_token``."""
-        return int((self.image_size // self.patch_size) ** 2 * (self.down_sample_ratio ** 2))
+        return int((self.image_size // self.patch_size) ** 2 * (self.down_sample_ratio**2))
 
 
 class _Fail:
@@ -153,8 +193,11 @@ def _positive_int(data: Mapping[str, Any], key: str, fail: _Fail, prefix: str = 
 
 
 def _numbers(value: Any, key: str, fail: _Fail) -> tuple[float, float, float]:
-    if (not isinstance(value, (list, tuple)) or len(value) != 3
-            or not all(isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x) for x in value)):
+    if (
+        not isinstance(value, (list, tuple))
+        or len(value) != 3
+        or not all(isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x) for x in value)
+    ):
         raise fail(key, f"expected three finite numbers, got {short_repr(value)}")
     return float(value[0]), float(value[1]), float(value[2])
 
@@ -167,8 +210,11 @@ def parse_settings(
     fail = _Fail(source)
     data = fail.mapping(dataset_param, "dataset_param")
     if "repeat_time" in data:
-        raise fail("dataset_param.repeat_time", "set it in `basic_parameters` (MindSpeed MM replaces the top-level "
-                                                "value with that of each basic_parameters entry)")
+        raise fail(
+            "dataset_param.repeat_time",
+            "set it in `basic_parameters` (MindSpeed MM replaces the top-level "
+            "value with that of each basic_parameters entry)",
+        )
     fail.unknown(data, _TOP_KEYS, "dataset_param.")
     if data.get("dataset_type", "multimodal") != "multimodal":
         raise fail("dataset_param.dataset_type", f"expected 'multimodal', got {short_repr(data['dataset_type'])}")
@@ -192,14 +238,32 @@ def parse_settings(
     if low > high:
         raise fail("dataset_param.min_dynamic_patch", f"{low} is larger than max_dynamic_patch {high}")
     if dynamic and high > 1 and not thumbnail:
-        raise fail("dataset_param.use_thumbnail", "false is not supported with dynamic_image_size: InternVL's "
-                                                  "processor always adds the thumbnail tile to a tiled image")
+        raise fail(
+            "dataset_param.use_thumbnail",
+            "false is not supported with dynamic_image_size: InternVL's "
+            "processor always adds the thumbnail tile to a tiled image",
+        )
     _parse_video_keys(data, fail)
     pad_color, resize_filter, normalize = _parse_pipeline(data["preprocess_parameters"], image_size, dynamic, fail)
     model_dir = _parse_tokenizer_config(data["tokenizer_config"], base, fail)
     pad_id = _parse_collate(collate_param, fail)
-    return MultimodalSettings(sources, model_dir, template, image_size, patch_size, float(ratio), dynamic, thumbnail,
-                              low, high, pad_color, resize_filter, normalize, pad_id, source)
+    return MultimodalSettings(
+        sources,
+        model_dir,
+        template,
+        image_size,
+        patch_size,
+        float(ratio),
+        dynamic,
+        thumbnail,
+        low,
+        high,
+        pad_color,
+        resize_filter,
+        normalize,
+        pad_id,
+        source,
+    )
 
 
 def _parse_sources(value: Any, base: Path, fail: _Fail) -> tuple[DataSource, ...]:
@@ -211,8 +275,10 @@ def _parse_sources(value: Any, base: Path, fail: _Fail) -> tuple[DataSource, ...
         prefix = "dataset_param.basic_parameters." + (f"{i}." if isinstance(value, list) else "")
         entry = fail.mapping(entry, prefix.rstrip("."))
         if "val_rate" in entry:
-            raise fail(prefix + "val_rate", "MindSpeed MM splits off validation data only for dataset_type "
-                                            "'huggingface', not for 'multimodal'")
+            raise fail(
+                prefix + "val_rate",
+                "MindSpeed MM splits off validation data only for dataset_type 'huggingface', not for 'multimodal'",
+            )
         fail.unknown(entry, _BASIC_KEYS, prefix)
         if entry.get("data_storage_mode", "standard") != "standard":
             mode = short_repr(entry["data_storage_mode"])
@@ -235,8 +301,11 @@ def _parse_sources(value: Any, base: Path, fail: _Fail) -> tuple[DataSource, ...
         if isinstance(repeat, bool) or not isinstance(repeat, (int, float)) or not math.isfinite(repeat) or repeat <= 0:
             raise fail(prefix + "repeat_time", f"expected a positive number, got {short_repr(repeat)}")
         if repeat > 1 and repeat != int(repeat):
-            raise fail(prefix + "repeat_time", f"above 1 it must be a whole number (MindSpeed MM repeats the list "
-                                               f"of records), got {short_repr(repeat)}")
+            raise fail(
+                prefix + "repeat_time",
+                f"above 1 it must be a whole number (MindSpeed MM repeats the list "
+                f"of records), got {short_repr(repeat)}",
+            )
         sources.append(DataSource(file, folder, float(repeat)))
     return tuple(sources)
 
@@ -244,9 +313,12 @@ def _parse_sources(value: Any, base: Path, fail: _Fail) -> tuple[DataSource, ...
 def _parse_template(data: Mapping[str, Any], fail: _Fail) -> ConversationTemplate:
     name = data.get("template_name")
     if name == "internvit_qwen3":
-        raise fail("dataset_param.template_name", "'internvit_qwen3' writes Qwen's vision tokens "
-                                                  "(<|vision_start|>, <|image_pad|>), which InternVL's processor does "
-                                                  "not; use 'internvl2_5'")
+        raise fail(
+            "dataset_param.template_name",
+            "'internvit_qwen3' writes Qwen's vision tokens "
+            "(<|vision_start|>, <|image_pad|>), which InternVL's processor does "
+            "not; use 'internvl2_5'",
+        )
     if name not in TEMPLATES:
         unknown = find_unknown_key([name], list(TEMPLATES))
         hint = unknown[1] if unknown else ""
@@ -267,8 +339,10 @@ def _parse_video_keys(data: Mapping[str, Any], fail: _Fail) -> None:
         except ValueError:
             ok = False
     if not ok:
-        raise fail("dataset_param.sampling_method", f"expected 'rand', 'middle' or 'fps<frames per second>', got "
-                                                    f"{short_repr(method)}")
+        raise fail(
+            "dataset_param.sampling_method",
+            f"expected 'rand', 'middle' or 'fps<frames per second>', got {short_repr(method)}",
+        )
 
 
 def _parse_pipeline(
@@ -279,15 +353,19 @@ def _parse_pipeline(
     fail.unknown(pre, _PREPROCESS_KEYS, "dataset_param.preprocess_parameters.")
     reader = pre.get("image_reader_type", "torchvision")
     if reader not in _IMAGE_READERS:
-        raise fail("dataset_param.preprocess_parameters.image_reader_type",
-                   f"expected one of {', '.join(_IMAGE_READERS)}, got {short_repr(reader)}")
+        raise fail(
+            "dataset_param.preprocess_parameters.image_reader_type",
+            f"expected one of {', '.join(_IMAGE_READERS)}, got {short_repr(reader)}",
+        )
     where = "dataset_param.preprocess_parameters.train_pipeline"
     if "train_pipeline" not in pre:
         raise fail(where, "missing (MindSpeed MM transforms every tile with it)")
     pipeline = fail.mapping(pre["train_pipeline"], where)
     if "video" in pipeline:
-        raise fail(where + ".video", "not used by MindSpeed MM's multimodal dataset (video frames go through the "
-                                     "image pipeline)")
+        raise fail(
+            where + ".video",
+            "not used by MindSpeed MM's multimodal dataset (video frames go through the image pipeline)",
+        )
     fail.unknown(pipeline, ("image",), where + ".")
     steps = pipeline.get("image")
     if not isinstance(steps, list):
@@ -301,14 +379,18 @@ def _parse_pipeline(
         fail.unknown(step, _STEP_KEYS, key + ".")
         kind = step.get("trans_type")
         if kind in _OTHER_STEPS:
-            raise fail(key + ".trans_type", f"{kind} is not reproduced by InternVL's processor (supported: "
-                                            f"{', '.join(_SUPPORTED_STEPS)})")
+            raise fail(
+                key + ".trans_type",
+                f"{kind} is not reproduced by InternVL's processor (supported: {', '.join(_SUPPORTED_STEPS)})",
+            )
         if kind not in _SUPPORTED_STEPS:
             hint = (find_unknown_key([kind], [*_SUPPORTED_STEPS, *_OTHER_STEPS]) or ("", ""))[1]
             raise fail(key + ".trans_type", f"unknown transform {short_repr(kind)}{hint}")
         if kind in seen or (seen and order[seen[-1]] > order[kind]):
-            raise fail(key + ".trans_type", f"{kind} after {', '.join(seen)}: the order must be "
-                                            f"{', '.join(_SUPPORTED_STEPS)} (each at most once)")
+            raise fail(
+                key + ".trans_type",
+                f"{kind} after {', '.join(seen)}: the order must be {', '.join(_SUPPORTED_STEPS)} (each at most once)",
+            )
         seen.append(kind)
         param = fail.mapping(step.get("param") or {}, key + ".param")
         fail.unknown(param, _STEP_PARAMS[kind], key + ".param.")
@@ -330,29 +412,39 @@ def _parse_pipeline(
     if "ToTensor" not in seen:
         raise fail(where + ".image", "needs a ToTensor step (MindSpeed MM stacks tensors)")
     if not dynamic and "Resize" not in seen:
-        raise fail(where + ".image", f"needs a Resize to [{image_size}, {image_size}] without dynamic_image_size "
-                                     "(every image must become one tile)")
+        raise fail(
+            where + ".image",
+            f"needs a Resize to [{image_size}, {image_size}] without dynamic_image_size "
+            "(every image must become one tile)",
+        )
     return pad_color, resize_filter, normalize
 
 
-def _parse_resize(param: Mapping[str, Any], image_size: int, dynamic: bool, padded: bool, key: str,
-                  fail: _Fail) -> int:
+def _parse_resize(param: Mapping[str, Any], image_size: int, dynamic: bool, padded: bool, key: str, fail: _Fail) -> int:
     size = param.get("size")
     square = isinstance(size, list) and len(size) == 2 and size == [image_size, image_size]
     if not (square or size == image_size) or isinstance(size, bool):
-        raise fail(key + ".param.size", f"expected [{image_size}, {image_size}] (image_size), got {short_repr(size)}: "
-                                        "InternVL's processor makes tiles of image_size")
+        raise fail(
+            key + ".param.size",
+            f"expected [{image_size}, {image_size}] (image_size), got {short_repr(size)}: "
+            "InternVL's processor makes tiles of image_size",
+        )
     if isinstance(size, int) and not dynamic and not padded:
-        raise fail(key + ".param.size", f"{size} resizes the shorter side only; without dynamic_image_size or "
-                                        f"Pad2Square use [{image_size}, {image_size}]")
+        raise fail(
+            key + ".param.size",
+            f"{size} resizes the shorter side only; without dynamic_image_size or "
+            f"Pad2Square use [{image_size}, {image_size}]",
+        )
     if param.get("max_size") is not None:
         raise fail(key + ".param.max_size", "not supported (tiles are image_size squares)")
     if param.get("antialias", None) not in (None, True, False):
         raise fail(key + ".param.antialias", f"expected true, false or null, got {short_repr(param['antialias'])}")
     name = param.get("interpolation", "BILINEAR")  # torchvision's default
     if name not in _PIL_FILTERS:
-        raise fail(key + ".param.interpolation", f"expected one of {', '.join(_PIL_FILTERS)} (PIL's filters), got "
-                                                 f"{short_repr(name)}")
+        raise fail(
+            key + ".param.interpolation",
+            f"expected one of {', '.join(_PIL_FILTERS)} (PIL's filters), got {short_repr(name)}",
+        )
     return _PIL_FILTERS[name]
 
 
@@ -361,14 +453,21 @@ def _parse_tokenizer_config(value: Any, base: Path, fail: _Fail) -> Path:
     config = fail.mapping(value, where)
     fail.unknown(config, _TOKENIZER_KEYS, where + ".")
     if config.get("hub_backend", "hf") != "hf":
-        raise fail(where + ".hub_backend", f"only 'hf' (Hugging Face) is supported, got "
-                                           f"{short_repr(config['hub_backend'])}")
+        raise fail(
+            where + ".hub_backend", f"only 'hf' (Hugging Face) is supported, got {short_repr(config['hub_backend'])}"
+        )
     if config.get("autotokenizer_name", "AutoTokenizer") not in ("AutoTokenizer", "AutoProcessor"):
-        raise fail(where + ".autotokenizer_name", "expected 'AutoTokenizer': the tokenizer is the one of InternVL's "
-                                                  f"processor, got {short_repr(config['autotokenizer_name'])}")
+        raise fail(
+            where + ".autotokenizer_name",
+            "expected 'AutoTokenizer': the tokenizer is the one of InternVL's "
+            f"processor, got {short_repr(config['autotokenizer_name'])}",
+        )
     if config.get("add_eos_token", False) is not False:
-        raise fail(where + ".add_eos_token", "only false: MindSpeed MM tokenizes each turn on its own, so an EOS "
-                                             "token would end every turn; turns end with <|im_end|>")
+        raise fail(
+            where + ".add_eos_token",
+            "only false: MindSpeed MM tokenizes each turn on its own, so an EOS "
+            "token would end every turn; turns end with <|im_end|>",
+        )
     if not isinstance(config.get("use_fast", True), bool):
         raise fail(where + ".use_fast", f"expected true or false, got {short_repr(config['use_fast'])}")
     name = config.get("from_pretrained")
@@ -385,8 +484,10 @@ def _parse_collate(value: Any, fail: _Fail) -> int:
     param = fail.mapping(value, where)
     fail.unknown(param, _COLLATE_KEYS, where + ".")
     if param.get("model_name") != "internvl":
-        raise fail(where + ".model_name", f"expected 'internvl' for dataset_type multimodal, got "
-                                          f"{short_repr(param.get('model_name'))}")
+        raise fail(
+            where + ".model_name",
+            f"expected 'internvl' for dataset_type multimodal, got {short_repr(param.get('model_name'))}",
+        )
     pad_id = param.get("pad_id")
     if isinstance(pad_id, bool) or not isinstance(pad_id, int) or pad_id < 0:
         raise fail(where + ".pad_id", f"expected a token id (a non-negative integer), got {short_repr(pad_id)}")
@@ -402,77 +503,106 @@ def check_processor(settings: MultimodalSettings, processor: Any, model_config: 
     tokenizer = processor.tokenizer
     vision = model_config.vision_config
     size = getattr(image, "size", None) or {}
-    height, width = (size.get("height"), size.get("width")) if isinstance(size, Mapping) else (
-        getattr(size, "height", None), getattr(size, "width", None))
+    height, width = (
+        (size.get("height"), size.get("width"))
+        if isinstance(size, Mapping)
+        else (getattr(size, "height", None), getattr(size, "width", None))
+    )
     if (height, width) != (settings.image_size, settings.image_size):
         raise fail(pre + "image_size", f"{settings.image_size}, but the image processor makes {height}x{width} tiles")
     if tuple(vision.image_size) != (settings.image_size, settings.image_size):
-        raise fail(pre + "image_size", f"{settings.image_size}, but the model's vision_config.image_size is "
-                                       f"{list(vision.image_size)}")
+        raise fail(
+            pre + "image_size",
+            f"{settings.image_size}, but the model's vision_config.image_size is {list(vision.image_size)}",
+        )
     if tuple(vision.patch_size) != (settings.patch_size, settings.patch_size):
-        raise fail(pre + "patch_size", f"{settings.patch_size}, but the model's vision_config.patch_size is "
-                                       f"{list(vision.patch_size)}")
+        raise fail(
+            pre + "patch_size",
+            f"{settings.patch_size}, but the model's vision_config.patch_size is {list(vision.patch_size)}",
+        )
     if not math.isclose(settings.down_sample_ratio, model_config.downsample_ratio, abs_tol=1e-9):
-        raise fail(pre + "down_sample_ratio", f"{settings.down_sample_ratio}, but the model's downsample_ratio is "
-                                              f"{model_config.downsample_ratio}")
+        raise fail(
+            pre + "down_sample_ratio",
+            f"{settings.down_sample_ratio}, but the model's downsample_ratio is {model_config.downsample_ratio}",
+        )
     side = (settings.image_size // settings.patch_size) * settings.down_sample_ratio
     model_tokens = int(side * side)
     if not (settings.image_tokens_per_tile == model_tokens == processor.image_seq_length):
-        raise fail(pre + "down_sample_ratio",
-                   f"image tokens per tile: {settings.image_tokens_per_tile} from image_size, patch_size and "
-                   f"down_sample_ratio, {model_tokens} in the model, {processor.image_seq_length} in the processor "
-                   "(image_seq_length)")
+        raise fail(
+            pre + "down_sample_ratio",
+            f"image tokens per tile: {settings.image_tokens_per_tile} from image_size, patch_size and "
+            f"down_sample_ratio, {model_tokens} in the model, {processor.image_seq_length} in the processor "
+            "(image_seq_length)",
+        )
     if model_config.image_token_id != processor.image_token_id:
-        raise fail(pre + "tokenizer_config.from_pretrained",
-                   f"the model's image_token_id {model_config.image_token_id} is not the tokenizer's "
-                   f"{processor.image_token!r} ({processor.image_token_id})")
+        raise fail(
+            pre + "tokenizer_config.from_pretrained",
+            f"the model's image_token_id {model_config.image_token_id} is not the tokenizer's "
+            f"{processor.image_token!r} ({processor.image_token_id})",
+        )
     vocab = model_config.text_config.vocab_size
     if settings.pad_id >= vocab:
-        raise fail("dataloader_param.collate_param.pad_id", f"{settings.pad_id} is not below the vocabulary size "
-                                                            f"{vocab}")
+        raise fail(
+            "dataloader_param.collate_param.pad_id", f"{settings.pad_id} is not below the vocabulary size {vocab}"
+        )
     _check_normalisation(settings, image, fail)
     template = settings.template
-    for key, mine, theirs in (("image_start", template.image_start, processor.start_image_token),
-                              ("image_context", template.image_context, processor.image_token),
-                              ("image_end", template.image_end, processor.end_image_token)):
+    for key, mine, theirs in (
+        ("image_start", template.image_start, processor.start_image_token),
+        ("image_context", template.image_context, processor.image_token),
+        ("image_end", template.image_end, processor.end_image_token),
+    ):
         if mine != theirs:
             raise fail(pre + "template_name", f"{template.name} writes {mine!r} ({key}), the processor {theirs!r}")
     for token in (template.turn_start, template.turn_end):
         ids = tokenizer(token, add_special_tokens=False)["input_ids"]
         if len(ids) != 1:
-            raise fail(pre + "tokenizer_config.from_pretrained", f"{template.name} needs {token!r} as one special "
-                                                                 f"token; the tokenizer splits it into {len(ids)}")
+            raise fail(
+                pre + "tokenizer_config.from_pretrained",
+                f"{template.name} needs {token!r} as one special token; the tokenizer splits it into {len(ids)}",
+            )
     plain = tokenizer("a", add_special_tokens=False)["input_ids"]
     full = tokenizer("a")["input_ids"]
-    if full[len(full) - len(plain):] != plain:
-        raise fail(pre + "tokenizer_config.from_pretrained",
-                   "the tokenizer appends special tokens to every text; MindSpeed MM would append them to every turn")
+    if full[len(full) - len(plain) :] != plain:
+        raise fail(
+            pre + "tokenizer_config.from_pretrained",
+            "the tokenizer appends special tokens to every text; MindSpeed MM would append them to every turn",
+        )
     return len(tokenizer(template.assistant_header, add_special_tokens=False)["input_ids"])
 
 
 def _check_normalisation(settings: MultimodalSettings, image: Any, fail: _Fail) -> None:
     where = "dataset_param.preprocess_parameters.train_pipeline.image"
     if not image.do_rescale or not math.isclose(image.rescale_factor, 1 / 255, rel_tol=1e-9):
-        raise fail(where, f"ToTensor scales by 1/255; the image processor rescales by "
-                          f"{image.rescale_factor if image.do_rescale else 'nothing'}")
+        raise fail(
+            where,
+            f"ToTensor scales by 1/255; the image processor rescales by "
+            f"{image.rescale_factor if image.do_rescale else 'nothing'}",
+        )
     if settings.normalize is None:
         if image.do_normalize:
             raise fail(where, "has no norm_fun, but the image processor normalises")
     else:
         if not image.do_normalize:
             raise fail(where, "norm_fun normalises, but the image processor does not (do_normalize: false)")
-        for name, mine, theirs in (("mean", settings.normalize[0], image.image_mean),
-                                   ("std", settings.normalize[1], image.image_std)):
+        for name, mine, theirs in (
+            ("mean", settings.normalize[0], image.image_mean),
+            ("std", settings.normalize[1], image.image_std),
+        ):
             theirs = list(theirs) if isinstance(theirs, (list, tuple)) else [theirs] * 3
             if not all(math.isclose(a, b, abs_tol=1e-6) for a, b in zip(mine, theirs)):
-                raise fail(f"{where}.norm_fun.{name}", f"{list(mine)}, but the image processor's image_{name} is "
-                                                       f"{theirs}")
+                raise fail(
+                    f"{where}.norm_fun.{name}", f"{list(mine)}, but the image processor's image_{name} is {theirs}"
+                )
     wanted = _BICUBIC if settings.dynamic_image_size else settings.resize_filter
     resample = int(image.resample) if image.resample is not None else None
     if resample != wanted:
         names = {v: k for k, v in _PIL_FILTERS.items()}
-        why = ("MindSpeed MM tiles with PIL's default filter, BICUBIC" if settings.dynamic_image_size
-               else "Resize's interpolation")
+        why = (
+            "MindSpeed MM tiles with PIL's default filter, BICUBIC"
+            if settings.dynamic_image_size
+            else "Resize's interpolation"
+        )
         raise fail(where, f"{why}; the image processor resamples with {names.get(resample, resample)}")
     if not settings.dynamic_image_size and not image.do_resize:
         raise fail(where, "Resize makes one tile of every image, but the image processor does not resize")
@@ -494,8 +624,19 @@ class ChatRecord:
 
 
 def _special_tokens(template: ConversationTemplate, processor: Any) -> tuple[str, ...]:
-    return tuple(dict.fromkeys((template.turn_start, template.turn_end, template.image_start, template.image_context,
-                                template.image_end, processor.image_token, processor.video_token)))
+    return tuple(
+        dict.fromkeys(
+            (
+                template.turn_start,
+                template.turn_end,
+                template.image_start,
+                template.image_context,
+                template.image_end,
+                processor.image_token,
+                processor.video_token,
+            )
+        )
+    )
 
 
 def _check_record(raw: Any, folder: Path, specials: tuple[str, ...]) -> tuple[tuple[Path, ...], list] | str:
@@ -520,8 +661,10 @@ def _check_record(raw: Any, folder: Path, specials: tuple[str, ...]) -> tuple[tu
             return f"conversation turn {i} needs a string `value`"
         role = turn.get("from")
         if role not in ("system", "human", "gpt") or (role == "system" and i > 0):
-            return (f"conversation turn {i}: role {short_repr(role)} (expected human or gpt, and system only as the "
-                    "first turn)")
+            return (
+                f"conversation turn {i}: role {short_repr(role)} (expected human or gpt, and system only as the "
+                "first turn)"
+            )
         value = turn["value"]
         try:
             value.encode("utf-8")
@@ -567,13 +710,11 @@ def _image_file(folder: Path, name: str) -> tuple[Path, str | None]:
     return path, None
 
 
-def read_chat_records(
-    source: DataSource, specials: tuple[str, ...], report: DataReport
-) -> list[ChatRecord]:
+def read_chat_records(source: DataSource, specials: tuple[str, ...], report: DataReport) -> list[ChatRecord]:
     """The good records of one source, in file order, after ``repeat_time`` below 1 (bad ones go to ``report``)."""
     raw = list(iter_raw_records(source.data_path))
     if source.repeat_time < 1:  # MindSpeed MM keeps the first int(n * repeat_time) records of the file
-        raw = raw[:int(len(raw) * source.repeat_time)]
+        raw = raw[: int(len(raw) * source.repeat_time)]
     records = []
     for line, item, error in raw:
         report.total += 1
@@ -633,8 +774,14 @@ class InternVLChatDataset(ReplacingDataset):
         text, roles = conversation_text(record.turns, settings.template, self.processor.image_token)
         # MindSpeed MM gives each image of an n-image record max_dynamic_patch // n tiles at most.
         most = settings.max_dynamic_patch // len(images) if len(images) > 1 else settings.max_dynamic_patch
-        out = self.processor(text=text, images=images, return_tensors="pt", crop_to_patches=settings.dynamic_image_size,
-                             min_patches=settings.min_dynamic_patch, max_patches=most)
+        out = self.processor(
+            text=text,
+            images=images,
+            return_tensors="pt",
+            crop_to_patches=settings.dynamic_image_size,
+            min_patches=settings.min_dynamic_patch,
+            max_patches=most,
+        )
         ids = out["input_ids"][0]
         labels = assistant_labels(ids.tolist(), roles, self.turn_start_id, self.header_length)
         return {"input_ids": ids, "labels": torch.tensor(labels, dtype=torch.long), "pixel_values": out["pixel_values"]}

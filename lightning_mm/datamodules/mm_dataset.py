@@ -50,8 +50,10 @@ def _check_processor_normalisation(processor: Any, path: Any) -> None:
         except (TypeError, ValueError):
             bad = values
         if bad:
-            raise DataConfigError(f"{path}: image processor `{key}` is {values}: every image would be NaN or "
-                                  "infinite after normalisation (a std must be finite and non-zero)")
+            raise DataConfigError(
+                f"{path}: image processor `{key}` is {values}: every image would be NaN or "
+                "infinite after normalisation (a std must be finite and non-zero)"
+            )
 
 
 class MMDataset(ReplacingDataset):

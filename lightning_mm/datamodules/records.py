@@ -64,8 +64,10 @@ class DataReport:
         return len(self.problems)
 
     def summary(self, shown: int = 5) -> str:
-        text = (f"{self.split}: {self.total} records, {self.total - self.skipped} used, {self.skipped} skipped, "
-                f"{self.truncated} truncated")
+        text = (
+            f"{self.split}: {self.total} records, {self.total - self.skipped} used, {self.skipped} skipped, "
+            f"{self.truncated} truncated"
+        )
         if self.problems:
             text += "\n  " + listing(self.problems, shown, sep="\n  ")
         return text
@@ -130,12 +132,16 @@ def _text_problem(texts: list[str]) -> str | None:
         try:
             text.encode("utf-8")
         except UnicodeEncodeError as err:  # a lone surrogate, which no tokenizer takes
-            return (f"text is not valid Unicode (lone surrogate {short_repr(text[err.start:err.end])} at "
-                    f"character {err.start + 1})")
+            return (
+                f"text is not valid Unicode (lone surrogate {short_repr(text[err.start : err.end])} at "
+                f"character {err.start + 1})"
+            )
     placeholders = sum(text.count(IMAGE_PLACEHOLDER) for text in texts)
     if placeholders > 1:
-        return (f"{placeholders} `{IMAGE_PLACEHOLDER}` placeholders for one image (a record has one `image`, "
-                "so at most one placeholder)")
+        return (
+            f"{placeholders} `{IMAGE_PLACEHOLDER}` placeholders for one image (a record has one `image`, "
+            "so at most one placeholder)"
+        )
     return None
 
 
@@ -167,9 +173,7 @@ def _texts(record: dict) -> tuple[str, str]:
             elif role in _ASSISTANT:
                 target.append(turn["value"])
             else:
-                raise ValueError(
-                    f"unknown conversation role {short_repr(role)} (expected human/user or gpt/assistant)"
-                )
+                raise ValueError(f"unknown conversation role {short_repr(role)} (expected human/user or gpt/assistant)")
         return "\n".join(p for p in prompt if p), "\n".join(target)
     raise ValueError("record needs `text` or `conversations`")
 
@@ -181,8 +185,10 @@ def _image_path(root: Path, image: str, allow_outside: bool) -> tuple[Path | Non
     except (OSError, RuntimeError, ValueError) as err:  # a symlink loop, a NUL byte
         return None, f"bad image path {short_repr(image)}: {err}"
     if not allow_outside and not path.is_relative_to(root):
-        return None, (f"image path {short_repr(image)} lies outside the data root "
-                      "(set `allow_outside_data_root: true` in the data config to allow it)")
+        return None, (
+            f"image path {short_repr(image)} lies outside the data root "
+            "(set `allow_outside_data_root: true` in the data config to allow it)"
+        )
     return path, None
 
 

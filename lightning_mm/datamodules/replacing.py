@@ -76,6 +76,8 @@ class ReplacingDataset(Dataset):
                 self._skip(current, err)
                 failures += 1
                 if failures >= MAX_FAILURES_IN_A_ROW:
-                    raise DataError(f"{self.report.split}: {failures} {self.failed_in_a_row} (the last at "
-                                    f"{self.where(self.records[current])}); {self.broken}") from err
+                    raise DataError(
+                        f"{self.report.split}: {failures} {self.failed_in_a_row} (the last at "
+                        f"{self.where(self.records[current])}); {self.broken}"
+                    ) from err
         raise DataError(f"{self.report.split}: {self.nothing_readable} ({len(self.bad)} failed)")

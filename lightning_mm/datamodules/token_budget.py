@@ -37,8 +37,10 @@ def sample_lengths(dataset: Dataset) -> list[int]:
         for index in range(len(dataset)):  # type: ignore[arg-type]
             sample = dataset[index]
             if not isinstance(sample, dict) or "input_ids" not in sample:
-                raise TokenBudgetError(f"token-budget batches need samples with `input_ids` (sample {index} is a "
-                                       f"{type(sample).__name__}), or a dataset with sample_lengths()")
+                raise TokenBudgetError(
+                    f"token-budget batches need samples with `input_ids` (sample {index} is a "
+                    f"{type(sample).__name__}), or a dataset with sample_lengths()"
+                )
             lengths.append(len(sample["input_ids"]))
     if len(lengths) != len(dataset):  # type: ignore[arg-type]
         raise TokenBudgetError(f"sample_lengths() gave {len(lengths)} lengths for {len(dataset)} samples")  # type: ignore[arg-type]
@@ -68,10 +70,23 @@ class _PlannedBatches(IterableDataset):
 class TokenBudgetLoader(DataLoader):
     """Batches of at most ``max_tokens`` tokens (packed: their sum; padded: rows x longest) for one rank."""
 
-    def __init__(self, dataset: Dataset, lengths: Sequence[int], max_tokens: int, buffer_size: int, seed: int,
-                 shuffle: bool, packing: bool, drop_last: bool, world_size: int, rank: int,
-                 collate_fn: Callable[[list[Any]], Any], epoch_fn: Callable[[], int] = lambda: 0,
-                 num_workers: int = 0, pin_memory: bool = False) -> None:
+    def __init__(
+        self,
+        dataset: Dataset,
+        lengths: Sequence[int],
+        max_tokens: int,
+        buffer_size: int,
+        seed: int,
+        shuffle: bool,
+        packing: bool,
+        drop_last: bool,
+        world_size: int,
+        rank: int,
+        collate_fn: Callable[[list[Any]], Any],
+        epoch_fn: Callable[[], int] = lambda: 0,
+        num_workers: int = 0,
+        pin_memory: bool = False,
+    ) -> None:
         self.lengths = list(lengths)
         self.max_tokens = max_tokens
         self.buffer_size = buffer_size
@@ -94,14 +109,22 @@ class TokenBudgetLoader(DataLoader):
         self._consumed_before = 0
         self._steps_before = 0  # steps of the epoch run before the checkpoint (Lightning counts on from there)
         self.plan(0)  # fails now, naming a sample longer than the budget
-        super().__init__(_PlannedBatches(dataset), batch_size=None, collate_fn=collate_fn,
-                         num_workers=num_workers, pin_memory=pin_memory)
+        super().__init__(
+            _PlannedBatches(dataset),
+            batch_size=None,
+            collate_fn=collate_fn,
+            num_workers=num_workers,
+            pin_memory=pin_memory,
+        )
 
     def plan(self, epoch: int) -> list[list[int]]:
         """The epoch's global batch plan (the same on every rank)."""
         if epoch not in self._plans:
-            self._plans = {epoch: plan_batches(self.lengths, self.max_tokens, self.buffer_size, self.seed, epoch,
-                                               self.shuffle, self.packing)}
+            self._plans = {
+                epoch: plan_batches(
+                    self.lengths, self.max_tokens, self.buffer_size, self.seed, epoch, self.shuffle, self.packing
+                )
+            }
         return self._plans[epoch]
 
     def schedule(self, epoch: int | None = None) -> RankSchedule:
@@ -136,15 +159,22 @@ class TokenBudgetLoader(DataLoader):
     def state_dict(self) -> dict[str, Any]:
         """The global position in the epoch's plan (the same on every rank, valid for any world size)."""
         consumed = self._consumed_before + self._steps_run * self.world_size
-        return {"epoch": self._epoch, "consumed_batches": consumed, "steps": self._steps_before_run + self._steps_run,
-                "world_size": self.world_size, "plan": self._fingerprint, "world_size_independent": True}
+        return {
+            "epoch": self._epoch,
+            "consumed_batches": consumed,
+            "steps": self._steps_before_run + self._steps_run,
+            "world_size": self.world_size,
+            "plan": self._fingerprint,
+            "world_size_independent": True,
+        }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         if state.get("plan") != self._fingerprint:
             raise TokenBudgetError(
                 "the checkpoint's token-budget batch plan differs from this run's (other samples, seed, "
                 "max_tokens_per_rank, packing_buffer_size, packing or shuffle): a mid-epoch resume would not "
-                "continue the same epoch; keep them as they were, or resume at an epoch boundary")
+                "continue the same epoch; keep them as they were, or resume at an epoch boundary"
+            )
         consumed = int(state.get("consumed_batches", 0))
         epoch = int(state.get("epoch", 0))
         if consumed >= len(self.plan(epoch)):

@@ -35,13 +35,25 @@ from lightning_mm.datamodules.records import DataError, DataReport
 
 __all__ = ["FEATURE_KEYS", "WanFeatureDataset", "build_feature_datasets", "collate_features"]
 
-FEATURE_KEYS = {"video": "latents", "prompt_ids": "prompt_embeds", "prompt_mask": "prompt_mask",
-                "latents": "latents", "prompt_embeds": "prompt_embeds", "image_embeds": "image_embeds",
-                "condition_latents": "condition_latents"}
+FEATURE_KEYS = {
+    "video": "latents",
+    "prompt_ids": "prompt_embeds",
+    "prompt_mask": "prompt_mask",
+    "latents": "latents",
+    "prompt_embeds": "prompt_embeds",
+    "image_embeds": "image_embeds",
+    "condition_latents": "condition_latents",
+}
 """A feature file's key (MindSpeed MM's names, or the batch names) -> the sample key."""
 
-_DATASET_KEYS = ("dataset_type", "basic_parameters", "preprocess_parameters", "use_text_processer",
-                 "enable_text_preprocessing", "tokenizer_config")
+_DATASET_KEYS = (
+    "dataset_type",
+    "basic_parameters",
+    "preprocess_parameters",
+    "use_text_processer",
+    "enable_text_preprocessing",
+    "tokenizer_config",
+)
 _BASIC_KEYS = ("data_path", "data_folder", "vae_path")
 _VIDEO_KEYS = ("num_frames", "max_height", "max_width")
 _NOT_APPLIED = ("preprocess_parameters", "use_text_processer", "enable_text_preprocessing", "tokenizer_config")
@@ -51,8 +63,13 @@ class WanFeatureDataset(torch.utils.data.Dataset):
     """The feature files ``paths`` (checked to exist), read one sample at a time; ``records`` are their JSON
     records (for the batch grouping keys)."""
 
-    def __init__(self, paths: list[Path], records: list[Mapping[str, Any]] | None = None,
-                 videos: list[Path | None] | None = None, video: VideoSettings | None = None) -> None:
+    def __init__(
+        self,
+        paths: list[Path],
+        records: list[Mapping[str, Any]] | None = None,
+        videos: list[Path | None] | None = None,
+        video: VideoSettings | None = None,
+    ) -> None:
         self.paths = list(paths)
         self.records = list(records) if records is not None else [{} for _ in self.paths]
         self.videos = list(videos) if videos is not None else [None] * len(self.paths)
@@ -69,8 +86,10 @@ class WanFeatureDataset(torch.utils.data.Dataset):
         if all(key is not None for key in keys):
             return [str(key) for key in keys]
         missing = "sample_size" if group_by == "data" else "sample_num_frames"
-        rank_zero_info(f"WanFeatureDataset: a record has no {missing}"
-                       "; grouping the batches by the latents' shape read from the feature files")
+        rank_zero_info(
+            f"WanFeatureDataset: a record has no {missing}"
+            "; grouping the batches by the latents' shape read from the feature files"
+        )
         shapes = [tuple(self[i]["latents"].shape) for i in range(len(self))]
         return ["x".join(map(str, s[1:] if group_by == "data" else s[1:2])) for s in shapes]
 
@@ -96,8 +115,10 @@ class WanFeatureDataset(torch.utils.data.Dataset):
             if not isinstance(sample.get(key), torch.Tensor):
                 raise DataError(f"{path}: no `{key}` tensor (MindSpeed MM's `video` / `prompt_ids`)")
         if sample["latents"].ndim != 4 or sample["prompt_embeds"].ndim != 2:
-            raise DataError(f"{path}: latents must be (C, F, H, W) and prompt embeddings (L, D), got "
-                            f"{list(sample['latents'].shape)} and {list(sample['prompt_embeds'].shape)}")
+            raise DataError(
+                f"{path}: latents must be (C, F, H, W) and prompt embeddings (L, D), got "
+                f"{list(sample['latents'].shape)} and {list(sample['prompt_embeds'].shape)}"
+            )
         return sample
 
 
@@ -118,17 +139,22 @@ class VideoSettings:
         return self.vae.encode(to_model_frames(frames, self.height, self.width))
 
 
-def _video_settings(param: Mapping[str, Any], basic: Mapping[str, Any], base_dir: Path, dp: str,
-                    source: str) -> VideoSettings:
+def _video_settings(
+    param: Mapping[str, Any], basic: Mapping[str, Any], base_dir: Path, dp: str, source: str
+) -> VideoSettings:
     from lightning_mm.datamodules.wan_video import FrozenWanVAE
 
     if not isinstance(basic.get("vae_path"), str):
-        raise _fail(source, dp + "basic_parameters.vae_path", "missing: records name videos (`path`), which are "
-                                                              "encoded by the AutoencoderKLWan saved there")
+        raise _fail(
+            source,
+            dp + "basic_parameters.vae_path",
+            "missing: records name videos (`path`), which are encoded by the AutoencoderKLWan saved there",
+        )
     pre = param.get("preprocess_parameters")
     if not isinstance(pre, Mapping):
-        raise _fail(source, dp + "preprocess_parameters", "missing: records name videos; give num_frames, "
-                                                          "max_height, max_width")
+        raise _fail(
+            source, dp + "preprocess_parameters", "missing: records name videos; give num_frames, max_height, max_width"
+        )
     values = {}
     for key in (*_VIDEO_KEYS, "frame_interval"):
         value = pre.get(key, 1 if key == "frame_interval" else None)
@@ -137,10 +163,17 @@ def _video_settings(param: Mapping[str, Any], basic: Mapping[str, Any], base_dir
         values[key] = value
     others = sorted(k for k in pre if k not in (*_VIDEO_KEYS, "frame_interval"))
     if others:
-        rank_zero_info(f"{source}: `{dp}preprocess_parameters` {others} are not applied (frames are taken from the "
-                       "start, short-side resized and centre-cropped)")
-    return VideoSettings(FrozenWanVAE((base_dir / basic["vae_path"]).resolve()), values["num_frames"],
-                         values["max_height"], values["max_width"], values["frame_interval"])
+        rank_zero_info(
+            f"{source}: `{dp}preprocess_parameters` {others} are not applied (frames are taken from the "
+            "start, short-side resized and centre-cropped)"
+        )
+    return VideoSettings(
+        FrozenWanVAE((base_dir / basic["vae_path"]).resolve()),
+        values["num_frames"],
+        values["max_height"],
+        values["max_width"],
+        values["frame_interval"],
+    )
 
 
 def _record_key(record: Mapping[str, Any], group_by: str) -> Any:
@@ -149,8 +182,11 @@ def _record_key(record: Mapping[str, Any], group_by: str) -> Any:
     if record.get("sample_size"):
         return record["sample_size"]
     frames, resolution = record.get("sample_frame_index"), record.get("resolution")
-    if isinstance(frames, list) and isinstance(resolution, Mapping) and {"sample_height", "sample_width"} <= set(
-            resolution):
+    if (
+        isinstance(frames, list)
+        and isinstance(resolution, Mapping)
+        and {"sample_height", "sample_width"} <= set(resolution)
+    ):
         return f"{len(frames)}x{resolution['sample_height']}x{resolution['sample_width']}"
     return None
 
@@ -162,8 +198,10 @@ def collate_features(samples: list[dict[str, torch.Tensor]]) -> dict[str, torch.
     for key in sorted(keys):
         shapes = {tuple(s[key].shape) for s in samples if key in s}
         if any(set(s) != keys for s in samples) or len(shapes) > 1:
-            raise DataError(f"a batch mixes samples with different `{key}` (shapes {sorted(shapes)}) or keys; use "
-                            "micro-batch size 1 or features of one resolution and length")
+            raise DataError(
+                f"a batch mixes samples with different `{key}` (shapes {sorted(shapes)}) or keys; use "
+                "micro-batch size 1 or features of one resolution and length"
+            )
         out[key] = torch.stack([s[key] for s in samples])
     return out
 
@@ -172,9 +210,14 @@ def _fail(source: str, key: str, message: str) -> DataConfigError:
     return DataConfigError(f"{source}: `{key}`: {message}")
 
 
-def build_feature_datasets(dataset_param: Mapping[str, Any], collate_param: Mapping[str, Any], base_dir: Path,
-                           source: str, strict: bool, prefix: str = "") -> tuple[
-                               dict[str, Any], Callable[[list[dict]], dict], dict[str, DataReport]]:
+def build_feature_datasets(
+    dataset_param: Mapping[str, Any],
+    collate_param: Mapping[str, Any],
+    base_dir: Path,
+    source: str,
+    strict: bool,
+    prefix: str = "",
+) -> tuple[dict[str, Any], Callable[[list[dict]], dict], dict[str, DataReport]]:
     """``({"train": WanFeatureDataset, ...}, collate, reports)`` for a ``dataset_type: feature`` section."""
     dp = prefix + "dataset_param."
     param = check_keys(dataset_param, _DATASET_KEYS, dp, source)

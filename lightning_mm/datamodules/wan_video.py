@@ -54,7 +54,7 @@ def to_model_frames(frames: torch.Tensor, height: int, width: int) -> torch.Tens
     if size != (h, w):
         video = F.interpolate(video, size=size, mode="bilinear", antialias=True, align_corners=False)
     top, left = (size[0] - height) // 2, (size[1] - width) // 2
-    video = video[..., top:top + height, left:left + width]
+    video = video[..., top : top + height, left : left + width]
     video = (video / 255.0 - 0.5) / 0.5
     return video.permute(1, 0, 2, 3).contiguous()
 

@@ -11,5 +11,11 @@ from lightning_mm.diffusers.hub import DiffusersHub
 from lightning_mm.diffusers.model import DiffusersModel, DiffusersModelConfig, DiffusersModelConfigError
 from lightning_mm.diffusers.wan_diffusion import WanDiffusion
 
-__all__ = ["DiffusersHub", "DiffusersModel", "DiffusersModelConfig", "DiffusersModelConfigError",
-           "WanDiffusion", "WanFlowMatchSchedule"]
+__all__ = [
+    "DiffusersHub",
+    "DiffusersModel",
+    "DiffusersModelConfig",
+    "DiffusersModelConfigError",
+    "WanDiffusion",
+    "WanFlowMatchSchedule",
+]

@@ -29,8 +29,15 @@ DEFAULT_PREFIX = "model.predictor."
 _DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
 
-def dcp_to_diffusers(src: str | Path, out_dir: str | Path, config: str | Path, prefix: str = DEFAULT_PREFIX,
-                     dtype: str | None = None, max_shard_size: int = 5 * 10**9, force: bool = False) -> Path:
+def dcp_to_diffusers(
+    src: str | Path,
+    out_dir: str | Path,
+    config: str | Path,
+    prefix: str = DEFAULT_PREFIX,
+    dtype: str | None = None,
+    max_shard_size: int = 5 * 10**9,
+    force: bool = False,
+) -> Path:
     """Write the diffusers model under ``prefix`` of checkpoint ``src`` to ``out_dir``.
 
     ``config`` is the model's diffusers directory (its ``config.json`` is copied) or a ``config.json`` file.
@@ -39,8 +46,11 @@ def dcp_to_diffusers(src: str | Path, out_dir: str | Path, config: str | Path, p
     """
     out = Path(out_dir)
     config_path = Path(config)
-    config_dict = read_diffusers_config(config_path if config_path.is_dir() else config_path.parent) \
-        if config_path.is_dir() or config_path.name == "config.json" else None
+    config_dict = (
+        read_diffusers_config(config_path if config_path.is_dir() else config_path.parent)
+        if config_path.is_dir() or config_path.name == "config.json"
+        else None
+    )
     if config_dict is None:
         raise ValueError(f"config: {config} is neither a diffusers model directory nor its config.json")
     if dtype is not None and dtype not in _DTYPES:
@@ -49,7 +59,7 @@ def dcp_to_diffusers(src: str | Path, out_dir: str | Path, config: str | Path, p
     check_output(out, force, kind="hf")
     source = open_source(src)
     start = model_key(prefix)
-    stored = {k[len(start):]: k for k in source.shapes if k.startswith(start)}
+    stored = {k[len(start) :]: k for k in source.shapes if k.startswith(start)}
     if not stored:
         raise ValueError(f"{src}: no model weights under {prefix!r}")
     shards: list[list[str]] = [[]]
@@ -70,8 +80,11 @@ def dcp_to_diffusers(src: str | Path, out_dir: str | Path, config: str | Path, p
         weight_map: dict[str, str] = {}
         total = 0
         for i, names in enumerate(shards):
-            file = WEIGHTS_NAME if len(shards) == 1 else \
-                f"diffusion_pytorch_model-{i + 1:05d}-of-{len(shards):05d}.safetensors"
+            file = (
+                WEIGHTS_NAME
+                if len(shards) == 1
+                else f"diffusion_pytorch_model-{i + 1:05d}-of-{len(shards):05d}.safetensors"
+            )
             tensors = source.read_full([stored[n] for n in names])
             shard = {}
             for n in names:

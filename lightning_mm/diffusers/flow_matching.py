@@ -60,11 +60,15 @@ class WanFlowMatchSchedule:
         if not 0 <= self.sigma_min < self.sigma_max <= 1:
             raise ValueError(f"need 0 <= sigma_min < sigma_max <= 1, got {self.sigma_min}, {self.sigma_max}")
         if not 0 <= self.min_timestep_boundary < self.max_timestep_boundary <= 1:
-            raise ValueError("min_timestep_boundary and max_timestep_boundary must satisfy 0 <= min < max <= 1, got "
-                             f"{self.min_timestep_boundary}, {self.max_timestep_boundary}")
+            raise ValueError(
+                "min_timestep_boundary and max_timestep_boundary must satisfy 0 <= min < max <= 1, got "
+                f"{self.min_timestep_boundary}, {self.max_timestep_boundary}"
+            )
         if int(self.min_timestep_boundary * n) >= int(self.max_timestep_boundary * n):
-            raise ValueError(f"the timestep boundaries [{self.min_timestep_boundary}, {self.max_timestep_boundary}) "
-                             f"hold no timestep index of {n}")
+            raise ValueError(
+                f"the timestep boundaries [{self.min_timestep_boundary}, {self.max_timestep_boundary}) "
+                f"hold no timestep index of {n}"
+            )
         if self.extra_one_step:
             sigmas = torch.linspace(self.sigma_max, self.sigma_min, n + 1)[:-1]
         else:

@@ -157,8 +157,9 @@ def DiffusersModel(config: Any) -> nn.Module:  # noqa: N802 - a factory named li
     key, model_cls = DiffusersHub.resolve_diffusers(cfg.model_id, {**cfg.config, **base})
     missing = [m.__name__ for m in (FSDP2Mixin, WeightInitMixin) if not issubclass(model_cls, m)]
     if missing:
-        raise DiffusersModelConfigError(f"DiffusersHub key '{key}' maps to {model_cls.__name__}, which lacks "
-                                        f"{', '.join(missing)}")
+        raise DiffusersModelConfigError(
+            f"DiffusersHub key '{key}' maps to {model_cls.__name__}, which lacks {', '.join(missing)}"
+        )
     if torch.empty(0).is_meta:
         raise DiffusersModelConfigError(
             "DiffusersModel cannot be built under torch.device('meta'): it would lose computed buffers such as the "
@@ -179,6 +180,10 @@ def DiffusersModel(config: Any) -> nn.Module:  # noqa: N802 - a factory named li
         load_into_meta_model(model, diffusers_load_plan(model, index))
     if cfg.freeze:
         _freeze(model, cfg.freeze)
-    log.info("DiffusersModel: %s (key '%s')%s", model_cls.__name__, key,
-             f" from {cfg.init_from_path}" if cfg.init_from_path else ", initialised as constructed")
+    log.info(
+        "DiffusersModel: %s (key '%s')%s",
+        model_cls.__name__,
+        key,
+        f" from {cfg.init_from_path}" if cfg.init_from_path else ", initialised as constructed",
+    )
     return model

@@ -46,13 +46,21 @@ class UlyssesWanSelfAttention:
     def __init__(self, group: Any) -> None:
         self.group = group
 
-    def __call__(self, attn: nn.Module, hidden_states: Tensor, encoder_hidden_states: Tensor | None = None,
-                 attention_mask: Tensor | None = None, rotary_emb: tuple[Tensor, Tensor] | None = None) -> Tensor:
+    def __call__(
+        self,
+        attn: nn.Module,
+        hidden_states: Tensor,
+        encoder_hidden_states: Tensor | None = None,
+        attention_mask: Tensor | None = None,
+        rotary_emb: tuple[Tensor, Tensor] | None = None,
+    ) -> Tensor:
         if encoder_hidden_states is not None or attention_mask is not None:
             raise ContextParallelError("UlyssesWanSelfAttention serves self-attention without a mask only")
         if getattr(attn, "fused_projections", False):
-            raise ContextParallelError("UlyssesWanSelfAttention: fused projections (fuse_projections()) are not "
-                                       "supported under context parallelism")
+            raise ContextParallelError(
+                "UlyssesWanSelfAttention: fused projections (fuse_projections()) are not "
+                "supported under context parallelism"
+            )
         query = attn.norm_q(attn.to_q(hidden_states)).unflatten(2, (attn.heads, -1))
         key = attn.norm_k(attn.to_k(hidden_states)).unflatten(2, (attn.heads, -1))
         value = attn.to_v(hidden_states).unflatten(2, (attn.heads, -1))

@@ -55,16 +55,26 @@ class WanDiffusion(nn.Module, FSDP2Mixin):
     def load_after_sharding(self) -> None:
         self.predictor.load_after_sharding()
 
-    def forward(self, hidden_states: Tensor, timestep: Tensor, encoder_hidden_states: Tensor,
-                encoder_hidden_states_image: Tensor | None = None, condition: Tensor | None = None) -> Tensor:
+    def forward(
+        self,
+        hidden_states: Tensor,
+        timestep: Tensor,
+        encoder_hidden_states: Tensor,
+        encoder_hidden_states_image: Tensor | None = None,
+        condition: Tensor | None = None,
+    ) -> Tensor:
         """The predicted velocity for ``hidden_states`` (noisy latents ``(B, C, F, H, W)``). Image-to-video models
         take the ``condition`` latents (mask and first-frame latents, concatenated on the channels, as diffusers'
         Wan i2v pipeline builds them) and the image embeddings ``encoder_hidden_states_image``."""
         if condition is not None:
             hidden_states = torch.cat([hidden_states, condition.to(hidden_states.dtype)], dim=1)
-        out = self.predictor(hidden_states=hidden_states, timestep=timestep,
-                             encoder_hidden_states=encoder_hidden_states,
-                             encoder_hidden_states_image=encoder_hidden_states_image, return_dict=False)
+        out = self.predictor(
+            hidden_states=hidden_states,
+            timestep=timestep,
+            encoder_hidden_states=encoder_hidden_states,
+            encoder_hidden_states_image=encoder_hidden_states_image,
+            return_dict=False,
+        )
         return out[0]
 
 
@@ -82,8 +92,11 @@ def mindspeed_fsdp2_config(config: str | os.PathLike | Mapping[str, Any]) -> dic
         mapped = []
         for pattern in value:
             if key == "ignored_modules" and pattern in _ABSENT_COMPONENTS:
-                log.info("fsdp2_config `ignored_modules`: '%s' is not part of WanDiffusion (features are "
-                         "precomputed): dropped", pattern)
+                log.info(
+                    "fsdp2_config `ignored_modules`: '%s' is not part of WanDiffusion (features are "
+                    "precomputed): dropped",
+                    pattern,
+                )
                 continue
             new = MINDSPEED_WAN_PATHS.get(pattern, pattern) if isinstance(pattern, str) else pattern
             if new != pattern:

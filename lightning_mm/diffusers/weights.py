@@ -66,8 +66,10 @@ def diffusers_load_plan(model: nn.Module, index: SafetensorsIndex) -> LoadPlan:
         entries.append(LoadEntry(tuple(names), sources[0], key in params, tuple(sources[1:])))
     problems = strict_load_problems(missing, unexpected, misshapen)
     if problems:
-        raise CheckpointError(f"diffusers checkpoint {index.directory} does not fit {type(model).__name__} (strict "
-                              "loading):\n  - " + "\n  - ".join(problems))
+        raise CheckpointError(
+            f"diffusers checkpoint {index.directory} does not fit {type(model).__name__} (strict "
+            "loading):\n  - " + "\n  - ".join(problems)
+        )
     if ignored:
         log.info("%s: ignoring checkpoint keys the model declares ignorable: %s", index.directory, ignored[:10])
     return LoadPlan(index.directory, tuple(entries), tuple(ignored), tuple(buffers_kept))

@@ -63,8 +63,14 @@ import torch
 from torch import nn
 
 __all__ = [
-    "BatchCheckError", "BatchCheck", "BatchCheckHook", "check_batch", "install_batch_check", "has_batch_check",
-    "forward_keys", "expected_image_tokens",
+    "BatchCheckError",
+    "BatchCheck",
+    "BatchCheckHook",
+    "check_batch",
+    "install_batch_check",
+    "has_batch_check",
+    "forward_keys",
+    "expected_image_tokens",
 ]
 
 
@@ -185,8 +191,9 @@ def expected_image_tokens(model: nn.Module, batch: Mapping[str, Any], video: boo
     if model_type == "gemma3":  # each image pooled to mm_tokens_per_image soft tokens
         return pixels.shape[0] * int(config.mm_tokens_per_image)
     if model_type == "llava" and batch.get("image_sizes") is None:
-        strategy = batch.get("vision_feature_select_strategy") or getattr(config, "vision_feature_select_strategy",
-                                                                           None)
+        strategy = batch.get("vision_feature_select_strategy") or getattr(
+            config, "vision_feature_select_strategy", None
+        )
         return pixels.shape[0] * (rows * cols + (1 if strategy == "full" else 0))
     if model_type == "internvl":
         ratio = float(getattr(config, "downsample_ratio", 1.0))
@@ -260,8 +267,11 @@ def _check_mrope(model: nn.Module, batch: Mapping[str, Any], counts: dict[str, i
     inner = _inner(model)
     if inner is None or not hasattr(inner, "get_rope_index") or "mm_token_type_ids" not in forward_keys(model):
         return
-    visual = [k for k in ("pixel_values", "pixel_values_videos", "image_grid_thw", "video_grid_thw")
-              if _tensor(batch, k) is not None]
+    visual = [
+        k
+        for k in ("pixel_values", "pixel_values_videos", "image_grid_thw", "video_grid_thw")
+        if _tensor(batch, k) is not None
+    ]
     visual += ["mm_encoder_outputs"] if _encoded(batch, "image") or _encoded(batch, "video") else []
     if not visual:
         return
@@ -313,7 +323,8 @@ def _check_packing(model: nn.Module, batch: Mapping[str, Any]) -> None:
         raise BatchCheckError(
             f"batch key(s) {', '.join(varlen)} are read only by flash-attention, but {name} runs "
             f"attn_implementation {attention!r}, which would swallow them and attend across the packed samples: "
-            "give position_ids that restart per sample instead (Transformers then masks each sample to itself)")
+            "give position_ids that restart per sample instead (Transformers then masks each sample to itself)"
+        )
     positions = _tensor(batch, "position_ids")
     if positions is None or positions.is_meta or not is_packed(positions):
         return
@@ -324,21 +335,27 @@ def _check_packing(model: nn.Module, batch: Mapping[str, Any]) -> None:
         raise BatchCheckError(
             f"the batch is packed (position_ids restart within a row) and has an attention_mask: {name} would then "
             "attend across the packed samples (Transformers derives the per-sample mask from position_ids only "
-            "without an attention_mask); drop attention_mask from packed batches")
+            "without an attention_mask); drop attention_mask from packed batches"
+        )
     text_config = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
     caches = any(getattr(c, "use_cache", False) is not False for c in (model.config, text_config))
     if batch.get("use_cache") is not False and caches:
         raise BatchCheckError(
             f"the batch is packed (position_ids restart within a row) but the call does not set use_cache=False: "
             f"{name} would create a key/value cache, and Transformers keeps packed samples apart only without one "
-            "(TransformersModel sets it; for another model call lightning_mm.hf.packing.packed_forward_inputs)")
-    if _inner(model) is not None and hasattr(_inner(model), "get_rope_index") and not (
-            positions.ndim == 3 and positions.shape[0] == 4):
+            "(TransformersModel sets it; for another model call lightning_mm.hf.packing.packed_forward_inputs)"
+        )
+    if (
+        _inner(model) is not None
+        and hasattr(_inner(model), "get_rope_index")
+        and not (positions.ndim == 3 and positions.shape[0] == 4)
+    ):
         raise BatchCheckError(
             f"the batch is packed, but {name} computes M-RoPE positions and needs 4-D position_ids for a packed "
             f"row (the text positions, then the M-RoPE positions of each sample), got shape {tuple(positions.shape)}"
             ": TransformersModel computes them (lightning_mm.hf.packing.install_packed_inputs); for another model "
-            "call lightning_mm.hf.packing.packed_forward_inputs(model, batch)")
+            "call lightning_mm.hf.packing.packed_forward_inputs(model, batch)"
+        )
 
 
 def check_batch(model: nn.Module, batch: Mapping[str, Any]) -> None:

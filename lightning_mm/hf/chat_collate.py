@@ -31,12 +31,22 @@ class ChatCollator:
     ``pad_to_multiple_of`` rounds the padded width up to a multiple (MindSpeed MM's FSDP collator, 8 there).
     """
 
-    def __init__(self, pad_token_id: int, ignore_pad_token_for_loss: bool = True,
-                 filler: dict[str, torch.Tensor] | None = None, pad_to_multiple_of: int | None = None) -> None:
+    def __init__(
+        self,
+        pad_token_id: int,
+        ignore_pad_token_for_loss: bool = True,
+        filler: dict[str, torch.Tensor] | None = None,
+        pad_to_multiple_of: int | None = None,
+    ) -> None:
         self.filler = filler
         self.multiple = pad_to_multiple_of
-        self.pad = {"input_ids": pad_token_id, "attention_mask": 0, "mm_token_type_ids": 0, "token_type_ids": 0,
-                    "labels": IGNORE_INDEX if ignore_pad_token_for_loss else pad_token_id}
+        self.pad = {
+            "input_ids": pad_token_id,
+            "attention_mask": 0,
+            "mm_token_type_ids": 0,
+            "token_type_ids": 0,
+            "labels": IGNORE_INDEX if ignore_pad_token_for_loss else pad_token_id,
+        }
 
     def __call__(self, samples: list[dict[str, Any]]) -> dict[str, torch.Tensor]:
         if self.filler is not None and not any("pixel_values" in s for s in samples):

@@ -32,9 +32,18 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-__all__ = ["TEMPLATES", "OWN_TEMPLATE_FAMILIES", "MINDSPEED_TEMPLATES",
-           "TemplateSpec", "ChatSampleBuilder", "SampleError",
-           "IMAGE_PLACEHOLDER", "VIDEO_PLACEHOLDER", "IGNORE_INDEX", "template_for"]
+__all__ = [
+    "TEMPLATES",
+    "OWN_TEMPLATE_FAMILIES",
+    "MINDSPEED_TEMPLATES",
+    "TemplateSpec",
+    "ChatSampleBuilder",
+    "SampleError",
+    "IMAGE_PLACEHOLDER",
+    "VIDEO_PLACEHOLDER",
+    "IGNORE_INDEX",
+    "template_for",
+]
 
 IMAGE_PLACEHOLDER = "<image>"
 VIDEO_PLACEHOLDER = "<video>"
@@ -84,8 +93,18 @@ OWN_TEMPLATE_FAMILIES: dict[str, TemplateSpec] = {
 """Families MindSpeed MM registers no template for: their model's own chat template renders the conversations
 (``template: null``, or a ``chat_template`` file), nothing added."""
 
-MINDSPEED_TEMPLATES = ("qwen2vl", "qwen3_vl", "qwen3_vl_nothink", "qwen2_omni", "qwen3_omni", "qwen3_omni_nothink",
-                       "glm4.1v", "glm4v_moe", "mistral", "default")
+MINDSPEED_TEMPLATES = (
+    "qwen2vl",
+    "qwen3_vl",
+    "qwen3_vl_nothink",
+    "qwen2_omni",
+    "qwen3_omni",
+    "qwen3_omni_nothink",
+    "glm4.1v",
+    "glm4v_moe",
+    "mistral",
+    "default",
+)
 """Every template name MindSpeed MM's ``template.py`` registers."""
 
 
@@ -102,13 +121,24 @@ def template_for(name: Any, model_type: str | None) -> TemplateSpec:
         for spec in (*TEMPLATES.values(), *OWN_TEMPLATE_FAMILIES.values()):
             if model_type in spec.model_types and not spec.reasoning:
                 return spec
-        raise ValueError(f"no template is built in here for {model_type!r} models; supported: {supported} (and "
-                         f"template: null for {own} models)")
+        raise ValueError(
+            f"no template is built in here for {model_type!r} models; supported: {supported} (and "
+            f"template: null for {own} models)"
+        )
     if name not in TEMPLATES:
-        known = "a MindSpeed MM template for a family not built in here" if name in MINDSPEED_TEMPLATES else \
-            "not a MindSpeed MM template"
-        hint = next((f"; a {model_type} model takes template: null (its own chat template)"
-                     for s in OWN_TEMPLATE_FAMILIES.values() if model_type in s.model_types), "")
+        known = (
+            "a MindSpeed MM template for a family not built in here"
+            if name in MINDSPEED_TEMPLATES
+            else "not a MindSpeed MM template"
+        )
+        hint = next(
+            (
+                f"; a {model_type} model takes template: null (its own chat template)"
+                for s in OWN_TEMPLATE_FAMILIES.values()
+                if model_type in s.model_types
+            ),
+            "",
+        )
         raise ValueError(f"template {name!r} is {known}; supported: {supported}{hint}")
     spec = TEMPLATES[name]
     if model_type not in spec.model_types:
@@ -116,8 +146,9 @@ def template_for(name: Any, model_type: str | None) -> TemplateSpec:
         if any(model_type in s.model_types for s in OWN_TEMPLATE_FAMILIES.values()):
             fits.append("null (its own chat template)")
         hint = f" (for {model_type} use {', '.join(fits)})" if fits else f"; supported templates: {supported}"
-        raise ValueError(f"template {name!r} is for {', '.join(spec.model_types)} models, but the model is "
-                         f"{model_type!r}{hint}")
+        raise ValueError(
+            f"template {name!r} is for {', '.join(spec.model_types)} models, but the model is {model_type!r}{hint}"
+        )
     return spec
 
 
@@ -147,10 +178,19 @@ class ChatSampleBuilder:
     through an image would break the model's image-token count), and is a :class:`SampleError` otherwise.
     """
 
-    def __init__(self, processor: Any, template: TemplateSpec, *, train_on_prompt: bool = False,
-                 mask_history: bool = False, enable_thinking: bool = True, image_min_pixels: int = 32 * 32,
-                 image_max_pixels: int = 768 * 768, cutoff_len: int | None = None,
-                 chat_template: str | None = None) -> None:
+    def __init__(
+        self,
+        processor: Any,
+        template: TemplateSpec,
+        *,
+        train_on_prompt: bool = False,
+        mask_history: bool = False,
+        enable_thinking: bool = True,
+        image_min_pixels: int = 32 * 32,
+        image_max_pixels: int = 768 * 768,
+        cutoff_len: int | None = None,
+        chat_template: str | None = None,
+    ) -> None:
         self.processor = processor
         self.cutoff_len = cutoff_len
         self.chat_template = chat_template
@@ -161,13 +201,17 @@ class ChatSampleBuilder:
         self.image_min_pixels = max(int(image_min_pixels), 0)
         self.image_max_pixels = int(image_max_pixels)
         # Transformers refuses a zero shortest_edge; the processor's resize never goes below one patch grid cell.
-        self.images_kwargs = {} if template.resize_images else {
-            "size": {"shortest_edge": max(int(image_min_pixels), 1), "longest_edge": int(image_max_pixels)}}
+        self.images_kwargs = (
+            {}
+            if template.resize_images
+            else {"size": {"shortest_edge": max(int(image_min_pixels), 1), "longest_edge": int(image_max_pixels)}}
+        )
         self.tokenizer = processor.tokenizer
 
     # ------------------------------------------------------------------------------------------ rendering
-    def conversation(self, messages: Sequence[dict[str, str]], system: str | None
-                     ) -> tuple[list[dict[str, Any]], list[int]]:
+    def conversation(
+        self, messages: Sequence[dict[str, str]], system: str | None
+    ) -> tuple[list[dict[str, Any]], list[int]]:
         """The chat-template conversation and, per assistant message, how many leading characters of its content
         are prompt (the empty thought when thinking is off)."""
         conv: list[dict[str, Any]] = []
@@ -196,8 +240,9 @@ class ChatSampleBuilder:
 
     def _render(self, conv: list[dict[str, Any]], generation_prompt: bool = False) -> str:
         extra = {} if self.chat_template is None else {"chat_template": self.chat_template}
-        return self.processor.apply_chat_template(conv, tokenize=False, add_generation_prompt=generation_prompt,
-                                                  **extra)
+        return self.processor.apply_chat_template(
+            conv, tokenize=False, add_generation_prompt=generation_prompt, **extra
+        )
 
     def trained_spans(self, conv: list[dict[str, Any]], untrained_prefix: list[int]) -> tuple[str, list[tuple]]:
         """The rendered text and its ``(start, end, trained)`` character spans covering it."""
@@ -209,9 +254,11 @@ class ChatSampleBuilder:
             before = self._render(conv[:index], generation_prompt=True)
             upto = self._render(conv[: index + 1])
             if not (upto.startswith(before) and text.startswith(upto)):
-                raise SampleError("the model's chat template does not render the conversation turn by turn (the "
-                                  "text up to an assistant turn is not a prefix of the whole), so its labels "
-                                  "cannot be placed")
+                raise SampleError(
+                    "the model's chat template does not render the conversation turn by turn (the "
+                    "text up to an assistant turn is not a prefix of the whole), so its labels "
+                    "cannot be placed"
+                )
             start = len(before) + untrained_prefix[turn]
             last = turn == len(assistant) - 1
             spans.append((cursor, start, self.train_on_prompt))
@@ -228,8 +275,10 @@ class ChatSampleBuilder:
 
         if not self.template.resize_images:
             return image
-        for limit, too_far in ((self.image_max_pixels, lambda area: area > self.image_max_pixels),
-                               (self.image_min_pixels, lambda area: area < self.image_min_pixels)):
+        for limit, too_far in (
+            (self.image_max_pixels, lambda area: area > self.image_max_pixels),
+            (self.image_min_pixels, lambda area: area < self.image_min_pixels),
+        ):
             area = image.width * image.height
             if too_far(area):
                 factor = math.sqrt(limit / area)
@@ -241,8 +290,12 @@ class ChatSampleBuilder:
         """The processor's sample of ``text`` and ``images`` (as the model's ``apply_chat_template(tokenize=True)``
         calls it: no second BOS when the template writes one), each token's character offsets in the expanded
         text, and where the processor expanded each image placeholder."""
-        kwargs: dict[str, Any] = {"text": [text], "return_tensors": "pt", "return_offsets_mapping": True,
-                                  "return_text_replacement_offsets": True}
+        kwargs: dict[str, Any] = {
+            "text": [text],
+            "return_tensors": "pt",
+            "return_offsets_mapping": True,
+            "return_text_replacement_offsets": True,
+        }
         bos = self.tokenizer.bos_token
         if bos is not None and text.startswith(bos):
             kwargs["add_special_tokens"] = False
@@ -252,8 +305,10 @@ class ChatSampleBuilder:
                 kwargs["images_kwargs"] = self.images_kwargs
         out = dict(self.processor(**kwargs))
         if "offset_mapping" not in out:
-            raise SampleError(f"{type(self.processor).__name__} returns no character offsets of its tokens "
-                              "(return_offsets_mapping), so the labels cannot be placed")
+            raise SampleError(
+                f"{type(self.processor).__name__} returns no character offsets of its tokens "
+                "(return_offsets_mapping), so the labels cannot be placed"
+            )
         offsets = [tuple(o) for o in out.pop("offset_mapping")[0].tolist()]
         replacements = list(out.pop("text_replacement_offsets", None) or [[]])[0]
         sample = {k: v[0] if k in _TOKEN_KEYS else v for k, v in out.items()}
@@ -264,13 +319,21 @@ class ChatSampleBuilder:
         text, spans = self.trained_spans(conv, untrained_prefix)
         sample, offsets, replacements = self.process(text, images)
         if len(replacements) != len(images):
-            raise SampleError(f"the processor expanded {len(replacements)} image placeholders for {len(images)} "
-                              "images; the labels cannot be aligned")
+            raise SampleError(
+                f"the processor expanded {len(replacements)} image placeholders for {len(images)} "
+                "images; the labels cannot be aligned"
+            )
         sample["labels"] = self._labels(spans, sample["input_ids"], offsets, replacements)
         if self.cutoff_len is not None and len(sample["input_ids"]) > self.cutoff_len:
-            vision_end = max((i + 1 for i, (start, end) in enumerate(offsets)
-                              for r in replacements if start < r["new_span"][1] and end > r["new_span"][0]),
-                             default=0)
+            vision_end = max(
+                (
+                    i + 1
+                    for i, (start, end) in enumerate(offsets)
+                    for r in replacements
+                    if start < r["new_span"][1] and end > r["new_span"][0]
+                ),
+                default=0,
+            )
             sample = self._cut(sample, vision_end)
         return sample
 
@@ -278,8 +341,9 @@ class ChatSampleBuilder:
         n, cut = len(sample["input_ids"]), self.cutoff_len
         assert cut is not None
         if vision_end > cut:
-            raise SampleError(f"the sample has {n} tokens, more than cutoff_len {cut}, and the cut would split its "
-                              "images' tokens")
+            raise SampleError(
+                f"the sample has {n} tokens, more than cutoff_len {cut}, and the cut would split its images' tokens"
+            )
         out = {k: v[:cut] if k in (*_TOKEN_KEYS, "labels") else v for k, v in sample.items()}
         if not (out["labels"] != IGNORE_INDEX).any():
             raise SampleError(f"the sample has {n} tokens; cut to cutoff_len {cut}, no trained token is left")
@@ -290,12 +354,21 @@ class ChatSampleBuilder:
         from PIL import Image
 
         image = self.bound_image(Image.new("RGB", (64, 64), (255, 255, 255)))
-        out = self.processor(text=[self.processor.image_token], images=[image], return_tensors="pt",
-                             **({"images_kwargs": self.images_kwargs} if self.images_kwargs else {}))
+        out = self.processor(
+            text=[self.processor.image_token],
+            images=[image],
+            return_tensors="pt",
+            **({"images_kwargs": self.images_kwargs} if self.images_kwargs else {}),
+        )
         return {k: v[0] if k in _TOKEN_KEYS else v for k, v in out.items()}
 
-    def _labels(self, spans: list[tuple[int, int, bool]], input_ids: Any, offsets: list[tuple[int, int]],
-                replacements: list[dict[str, Any]]) -> Any:
+    def _labels(
+        self,
+        spans: list[tuple[int, int, bool]],
+        input_ids: Any,
+        offsets: list[tuple[int, int]],
+        replacements: list[dict[str, Any]],
+    ) -> Any:
         """Each token trained when its first character lies in a trained span of the rendered text (the spans
         shifted past the image placeholders the processor expanded before them); an image's tokens take the span
         of its placeholder."""

@@ -58,8 +58,10 @@ class HFWeights:
             if (not distributed or dist.get_rank() == 0) and self.layout is not None:
                 saved = dtype or next((t.dtype for t in state.values() if t.is_floating_point()), None)
                 self.layout.save_side_files(directory, saved)
-                files += [directory / "config.json", *([directory / "generation_config.json"]
-                                                       if self.layout.generation_config is not None else [])]
+                files += [
+                    directory / "config.json",
+                    *([directory / "generation_config.json"] if self.layout.generation_config is not None else []),
+                ]
                 files += _copy_side_files(self.pretrained, directory)
             return files
 
@@ -86,23 +88,31 @@ def plan_weights(root: nn.Module, fqns: Sequence[str]) -> HFWeights:
     if not records:
         return HFWeights({fqn: fqn for fqn in fqns})
     if len(records) > 1:
-        raise ValueError("checkpoint_format='hf' saves one Transformers model; this module holds "
-                         f"{len(records)} ({', '.join(r['architecture'] for r in records)})")
+        raise ValueError(
+            "checkpoint_format='hf' saves one Transformers model; this module holds "
+            f"{len(records)} ({', '.join(r['architecture'] for r in records)})"
+        )
     record = records[0]
     if "lora" in record:
-        raise ValueError("checkpoint_format='hf' does not save LoRA adapters; use 'torch_dcp' and export with "
-                         "`lightning-mm convert dcp-to-hf --merge-lora`")
+        raise ValueError(
+            "checkpoint_format='hf' does not save LoRA adapters; use 'torch_dcp' and export with "
+            "`lightning-mm convert dcp-to-hf --merge-lora`"
+        )
     layout = hf_layout(json.loads(record["config"]), f"the {record['architecture']} model")
     if layout.converted:
-        raise ValueError(f"checkpoint_format='hf': save_pretrained converts the tensors of {record['architecture']} "
-                         "(e.g. fused experts); use 'torch_dcp' and export with `lightning-mm convert dcp-to-hf`")
+        raise ValueError(
+            f"checkpoint_format='hf': save_pretrained converts the tensors of {record['architecture']} "
+            "(e.g. fused experts); use 'torch_dcp' and export with `lightning-mm convert dcp-to-hf`"
+        )
     prefix = record["prefix"]
     name_of = {f"{prefix}{name}": key for key, names in layout.keys.items() for name in names}
     outside = [fqn for fqn in fqns if fqn not in name_of]
     if outside:
-        raise ValueError(f"checkpoint_format='hf': {len(outside)} model tensor(s) are outside the "
-                         f"{record['architecture']} model (prefix {prefix!r}) and have no Hugging Face name: "
-                         f"{listing(outside, 10)}; use 'torch_dcp'")
+        raise ValueError(
+            f"checkpoint_format='hf': {len(outside)} model tensor(s) are outside the "
+            f"{record['architecture']} model (prefix {prefix!r}) and have no Hugging Face name: "
+            f"{listing(outside, 10)}; use 'torch_dcp'"
+        )
     keys: dict[str, str] = {}
     taken: set[str] = set()
     for fqn in fqns:
@@ -111,6 +121,8 @@ def plan_weights(root: nn.Module, fqns: Sequence[str]) -> HFWeights:
             taken.add(name_of[fqn])
     absent = sorted(set(layout.keys) - taken)
     if absent:
-        raise ValueError(f"checkpoint_format='hf': the model state lacks {len(absent)} tensor(s) that save_pretrained "
-                         f"writes: {listing(absent, 10)}")
+        raise ValueError(
+            f"checkpoint_format='hf': the model state lacks {len(absent)} tensor(s) that save_pretrained "
+            f"writes: {listing(absent, 10)}"
+        )
     return HFWeights(keys, layout, record.get("pretrained"))

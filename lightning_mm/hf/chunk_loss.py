@@ -73,11 +73,14 @@ class _ChunkLoss:
             return args, kwargs
         keep = kwargs.get("logits_to_keep")
         if keep is not None and not (isinstance(keep, int) and keep == 0):
-            raise ChunkedLossError(f"{self.model_name}: `logits_to_keep={keep!r}` with `labels`: the chunked loss "
-                                   "(enable_chunk_loss) needs the hidden states of every position")
+            raise ChunkedLossError(
+                f"{self.model_name}: `logits_to_keep={keep!r}` with `labels`: the chunked loss "
+                "(enable_chunk_loss) needs the hidden states of every position"
+            )
         ignore_index = kwargs.pop("ignore_index", IGNORE_INDEX)
-        self.call = _Call(labels, kwargs.pop("shift_labels", None), kwargs.pop("num_items_in_batch", None),
-                          int(ignore_index))
+        self.call = _Call(
+            labels, kwargs.pop("shift_labels", None), kwargs.pop("num_items_in_batch", None), int(ignore_index)
+        )
         return args, kwargs
 
     def keep_hidden(self, head: nn.Module, args: tuple) -> tuple | None:
@@ -92,8 +95,7 @@ class _ChunkLoss:
         if call is None or call.hidden is None or call.loss is not None:
             return None
         hidden = call.hidden
-        targets = call.shift_labels if call.shift_labels is not None else shift_labels(call.labels,
-                                                                                       call.ignore_index)
+        targets = call.shift_labels if call.shift_labels is not None else shift_labels(call.labels, call.ignore_index)
         targets = targets.to(hidden.device)
         if tuple(hidden.shape[:-1]) != tuple(targets.shape):
             raise ChunkedLossError(
@@ -102,8 +104,15 @@ class _ChunkLoss:
                 "and models that drop positions before the head are not supported with it)"
             )
         xs, ws, bias = head_terms(head, hidden)
-        call.loss = linear_cross_entropy(xs, ws, targets, bias=bias, chunk_size=self.chunk_size,
-                                         ignore_index=call.ignore_index, num_items=call.num_items)
+        call.loss = linear_cross_entropy(
+            xs,
+            ws,
+            targets,
+            bias=bias,
+            chunk_size=self.chunk_size,
+            ignore_index=call.ignore_index,
+            num_items=call.num_items,
+        )
         return call.loss
 
     def put_loss(self, model: nn.Module, args: tuple, output: Any) -> Any:
@@ -111,8 +120,10 @@ class _ChunkLoss:
         if call is None:
             return None
         if call.loss is None:
-            raise ChunkedLossError(f"{self.model_name}'s forward did not call its output layer "
-                                   "(get_output_embeddings()); enable_chunk_loss cannot compute its loss")
+            raise ChunkedLossError(
+                f"{self.model_name}'s forward did not call its output layer "
+                "(get_output_embeddings()); enable_chunk_loss cannot compute its loss"
+            )
         logits = output.get("logits") if isinstance(output, dict) else None
         if logits is not call.loss:
             raise ChunkedLossError(
@@ -133,8 +144,11 @@ def _is_plain_linear(head: nn.Module) -> bool:
 def _is_lora_linear(head: nn.Module) -> bool:
     """PEFT's LoRA ``Linear`` around an ``nn.Linear`` (``base_layer``, ``lora_A``, ``lora_B``, ``scaling``)."""
     base = getattr(head, "base_layer", None)
-    return (base is not None and _is_plain_linear(base)
-            and all(hasattr(head, a) for a in ("lora_A", "lora_B", "lora_dropout", "scaling", "active_adapters")))
+    return (
+        base is not None
+        and _is_plain_linear(base)
+        and all(hasattr(head, a) for a in ("lora_A", "lora_B", "lora_dropout", "scaling", "active_adapters"))
+    )
 
 
 def _check_head(head: nn.Module) -> None:
@@ -148,8 +162,10 @@ def _check_head(head: nn.Module) -> None:
     variants = getattr(head, "lora_variant", None) or {}
     used = [a for a in head.active_adapters if a in variants]
     if used and not (head.disable_adapters or head.merged):
-        raise ChunkedLossError(f"enable_chunk_loss: the output layer's LoRA adapter(s) {used} use a variant (DoRA or "
-                               "another); only plain LoRA on the head is supported")
+        raise ChunkedLossError(
+            f"enable_chunk_loss: the output layer's LoRA adapter(s) {used} use a variant (DoRA or "
+            "another); only plain LoRA on the head is supported"
+        )
 
 
 def head_terms(head: nn.Module, hidden: Tensor) -> tuple[list[Tensor], list[Tensor], Tensor | None]:
@@ -186,8 +202,10 @@ def enable_chunk_loss(model: nn.Module, chunk_size: int = 1024) -> None:
     existing = getattr(model, "_chunk_loss", None)
     if existing is not None:
         if existing.chunk_size != chunk_size:
-            raise ChunkedLossError(f"{type(model).__name__} computes its loss in chunks of {existing.chunk_size} "
-                                   f"tokens already; cannot also use {chunk_size}")
+            raise ChunkedLossError(
+                f"{type(model).__name__} computes its loss in chunks of {existing.chunk_size} "
+                f"tokens already; cannot also use {chunk_size}"
+            )
         return
     getter = getattr(model, "get_output_embeddings", None)
     head = getter() if callable(getter) else None
@@ -201,8 +219,10 @@ def enable_chunk_loss(model: nn.Module, chunk_size: int = 1024) -> None:
     text = config.get_text_config() if hasattr(config, "get_text_config") else config
     for key in ("final_logit_softcapping", "logit_scale", "logits_scaling"):
         if getattr(text, key, None) not in (None, 1, 1.0):
-            raise ChunkedLossError(f"enable_chunk_loss: {type(model).__name__} transforms its logits "
-                                   f"(`{key}`={getattr(text, key)!r}); the chunked loss is the plain cross-entropy")
+            raise ChunkedLossError(
+                f"enable_chunk_loss: {type(model).__name__} transforms its logits "
+                f"(`{key}`={getattr(text, key)!r}); the chunked loss is the plain cross-entropy"
+            )
     _check_head(head)  # an unsupported head fails now, not at the first step
     model._chunk_loss = _ChunkLoss(model, head, chunk_size)
 
@@ -223,8 +243,7 @@ def chunk_loss_target(root: nn.Module) -> nn.Module:
         from transformers import PreTrainedModel
     except ImportError:  # pragma: no cover - transformers is an optional extra
         PreTrainedModel = None  # noqa: N806
-    found = next((m for m in root.modules() if PreTrainedModel is not None and isinstance(m, PreTrainedModel)),
-                 None)
+    found = next((m for m in root.modules() if PreTrainedModel is not None and isinstance(m, PreTrainedModel)), None)
     if found is None:
         raise ChunkedLossError(
             f"enable_chunk_loss: {type(root).__name__} is not a Transformers model and has no output layer "

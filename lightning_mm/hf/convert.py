@@ -48,8 +48,14 @@ from lightning_mm.hf.records import choose_record
 
 __all__ = ["dcp_to_hf", "hf_to_dcp", "parse_size", "read_config_json", "side_files", "ConvertError"]
 
-_DTYPES = {"fp32": torch.float32, "float32": torch.float32, "bf16": torch.bfloat16, "bfloat16": torch.bfloat16,
-           "fp16": torch.float16, "float16": torch.float16}
+_DTYPES = {
+    "fp32": torch.float32,
+    "float32": torch.float32,
+    "bf16": torch.bfloat16,
+    "bfloat16": torch.bfloat16,
+    "fp16": torch.float16,
+    "float16": torch.float16,
+}
 
 
 class ConvertError(ValueError):
@@ -57,8 +63,17 @@ class ConvertError(ValueError):
 
 
 _SIZE = re.compile(r"^\s*(\d+(?:\.\d*)?(?:e[+-]?\d+)?)\s*(B|KB|MB|GB|TB|KIB|MIB|GIB|TIB)?\s*$", re.IGNORECASE)
-_UNITS = {"B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12, "KIB": 2**10, "MIB": 2**20, "GIB": 2**30,
-          "TIB": 2**40}
+_UNITS = {
+    "B": 1,
+    "KB": 10**3,
+    "MB": 10**6,
+    "GB": 10**9,
+    "TB": 10**12,
+    "KIB": 2**10,
+    "MIB": 2**20,
+    "GIB": 2**30,
+    "TIB": 2**40,
+}
 
 
 def parse_size(text: str) -> int:
@@ -66,8 +81,10 @@ def parse_size(text: str) -> int:
     (``inf``, ``nan``, ``0``, ``-1``, ``5XB`` and ``1e400GB`` are refused)."""
     match = _SIZE.match(str(text))
     if match is None:
-        raise ConvertError(f"--max-shard-size {text!r}: expected a positive size such as 5GB, 500MB, 2GiB or 1048576 "
-                           f"(units {', '.join(_UNITS)})")
+        raise ConvertError(
+            f"--max-shard-size {text!r}: expected a positive size such as 5GB, 500MB, 2GiB or 1048576 "
+            f"(units {', '.join(_UNITS)})"
+        )
     number = float(match.group(1)) * _UNITS[(match.group(2) or "B").upper()]
     if not math.isfinite(number) or number < 1:
         raise ConvertError(f"--max-shard-size {text!r}: must be a finite size of at least 1 byte")
@@ -83,8 +100,9 @@ def read_config_json(path: Path) -> dict[str, Any]:
     if "model_type" in config and not isinstance(config["model_type"], str):
         raise ConvertError(f"{path}: `model_type` must be a string, got {config['model_type']!r}")
     architectures = config.get("architectures")
-    if architectures is not None and (not isinstance(architectures, list)
-                                      or not all(isinstance(a, str) for a in architectures)):
+    if architectures is not None and (
+        not isinstance(architectures, list) or not all(isinstance(a, str) for a in architectures)
+    ):
         raise ConvertError(f"{path}: `architectures` must be a list of class names, got {architectures!r}")
     return config
 
@@ -108,7 +126,8 @@ def _json_mapping(path: Path) -> dict[str, Any]:
 _SIDE_FILE = re.compile(
     r"^(tokenizer(_config)?\.json|tokenizer\.model|special_tokens_map\.json|added_tokens\.json|vocab\.(json|txt)|"
     r"merges\.txt|spiece\.model|sentencepiece\.bpe\.model|.*\.tiktoken|(.+_)?preprocessor_config\.json|"
-    r"processor_config\.json|chat_template\.(json|jinja)|generation_config\.json)$")
+    r"processor_config\.json|chat_template\.(json|jinja)|generation_config\.json)$"
+)
 _SIDE_DIRS = ("additional_chat_templates",)
 
 
@@ -129,8 +148,9 @@ def _copy_side_files(pretrained: Path, directory: Path) -> None:
         shutil.copyfile(pretrained / relative, directory / relative)  # a new file: the umask's mode
 
 
-def _pretrained_source(record: dict[str, Any], hf_config: dict[str, Any], explicit: str | Path | None,
-                       notes: list[str] | None) -> Path | None:
+def _pretrained_source(
+    record: dict[str, Any], hf_config: dict[str, Any], explicit: str | Path | None, notes: list[str] | None
+) -> Path | None:
     """Where the side files come from: ``explicit`` (must be a directory), else the pretrained directory the
     checkpoint records, when it still exists."""
     if explicit is not None:
@@ -142,16 +162,22 @@ def _pretrained_source(record: dict[str, Any], hf_config: dict[str, Any], explic
     if recorded and Path(recorded).is_absolute() and Path(recorded).is_dir():
         return Path(recorded)
     if notes is not None:
-        notes.append(f"the checkpoint's pretrained directory {recorded} no longer exists" if recorded else
-                     "the checkpoint records no pretrained directory")
-        notes[-1] += ("; no tokenizer, processor or chat template files were copied (give --pretrained-dir for "
-                      "AutoTokenizer / AutoProcessor to load the output)")
+        notes.append(
+            f"the checkpoint's pretrained directory {recorded} no longer exists"
+            if recorded
+            else "the checkpoint records no pretrained directory"
+        )
+        notes[-1] += (
+            "; no tokenizer, processor or chat template files were copied (give --pretrained-dir for "
+            "AutoTokenizer / AutoProcessor to load the output)"
+        )
     return None
 
 
 # --------------------------------------------------------------------------------------------- to HF
-def _hf_config(source_meta: dict[str, Any], source: str, prefix: str | None, config: str | Path | None) -> tuple[
-        str, dict[str, Any], dict[str, Any], str]:
+def _hf_config(
+    source_meta: dict[str, Any], source: str, prefix: str | None, config: str | Path | None
+) -> tuple[str, dict[str, Any], dict[str, Any], str]:
     """The prefix, HF config, record and the name of the config's origin (for messages)."""
     if config is not None:
         path = Path(config)
@@ -227,7 +253,7 @@ def dcp_to_hf(
     prefix, hf_config, record, origin = _hf_config(source.meta, str(src), prefix, config)
     pretrained = _pretrained_source(record, hf_config, pretrained_dir, notes)
     start = model_key(prefix)
-    stored = {k[len(start):]: k for k in source.shapes if k.startswith(start)}
+    stored = {k[len(start) :]: k for k in source.shapes if k.startswith(start)}
     if not stored:
         available = sorted({k.split(SEP, 1)[1].split(".", 1)[0] for k in source.shapes if k.startswith("state_dict")})
         raise ValueError(f"{src}: no model key starts with {prefix!r} (top-level modules: {available})")
@@ -285,8 +311,16 @@ def _write_shards(directory: Path, shards: Iterable[dict[str, torch.Tensor]], co
         (directory / "model.safetensors.index.json").write_text(json.dumps(index, indent=2))
 
 
-def _write_converted(source: Any, stored: dict[str, str], layout: HFLayout, src: str | Path, out: Path,
-                     cast: torch.dtype | None, max_shard_size: int, pretrained: Path | None) -> Path:
+def _write_converted(
+    source: Any,
+    stored: dict[str, str],
+    layout: HFLayout,
+    src: str | Path,
+    out: Path,
+    cast: torch.dtype | None,
+    max_shard_size: int,
+    pretrained: Path | None,
+) -> Path:
     """``dcp_to_hf`` for a model whose ``save_pretrained`` converts tensors (e.g. Qwen3-MoE's fused experts are
     saved one tensor per expert): the model's tensors are read whole, converted by Transformers' own save-time
     steps, then written. Needs the model's size in memory, unlike the streaming path."""
@@ -331,8 +365,7 @@ def _safetensors_header(file: Path) -> list[tuple[str, str, tuple[int, ...]]]:
 
     try:
         with safe_open(str(file), framework="pt") as f:
-            return [(name, (p := f.get_slice(name)).get_dtype(), tuple(p.get_shape()))
-                    for name in f.keys()]  # noqa: SIM118 - safe_open has no __iter__
+            return [(name, (p := f.get_slice(name)).get_dtype(), tuple(p.get_shape())) for name in f.keys()]  # noqa: SIM118 - safe_open has no __iter__
     except Exception as error:  # safetensors raises its own SafetensorError
         if isinstance(error, OSError) and not file.is_file():
             raise
@@ -451,8 +484,10 @@ def hf_to_dcp(hf_dir: str | Path, dst: str | Path, prefix: str = "model.", force
     for name in hf.shapes:
         target, converter = rename(name) if rename is not None else (name, None)
         if converter is not None:
-            raise ValueError(f"{hf_dir}: weight {name} needs a tensor conversion ({converter}) on load, which "
-                             "hf-to-dcp does not do; load this model with TransformersModel(init_from_hf_path=...)")
+            raise ValueError(
+                f"{hf_dir}: weight {name} needs a tensor conversion ({converter}) on load, which "
+                "hf-to-dcp does not do; load this model with TransformersModel(init_from_hf_path=...)"
+            )
         keys[model_key(prefix + target)] = name
     planned = {k: torch.empty(hf.shapes[n], dtype=hf.dtypes[n], device="meta") for k, n in keys.items()}
     architectures = config.get("architectures") or []
@@ -462,11 +497,21 @@ def hf_to_dcp(hf_dir: str | Path, dst: str | Path, prefix: str = "model.", force
         "pytorch-lightning_version": lightning.__version__,
         "state_dict": {prefix + name: {MARKER: key} for key, name in keys.items()},
         EXTRA_KEY: {
-            "format_version": FORMAT_VERSION, "format": "torch_dcp", "kind": KIND_WEIGHTS, "world_size": 1,
+            "format_version": FORMAT_VERSION,
+            "format": "torch_dcp",
+            "kind": KIND_WEIGHTS,
+            "world_size": 1,
             "manifest": MANIFEST_FILE,
-            "ranks": [], "source": str(hf_dir),
-            "hf": [{"prefix": prefix, "architecture": architectures[0] if architectures else None,
-                    "config": json.dumps(config), "pretrained": str(hf_dir.resolve())}],
+            "ranks": [],
+            "source": str(hf_dir),
+            "hf": [
+                {
+                    "prefix": prefix,
+                    "architecture": architectures[0] if architectures else None,
+                    "config": json.dumps(config),
+                    "pretrained": str(hf_dir.resolve()),
+                }
+            ],
         },
     }
     check_weights_only(meta)

@@ -63,8 +63,9 @@ _STATE = _State()
 
 
 def _ulysses(inner: str) -> Any:
-    def attention(module: nn.Module, query: Tensor, key: Tensor, value: Tensor, attention_mask: Tensor | None,
-                  **kwargs: Any) -> tuple[Tensor, None]:
+    def attention(
+        module: nn.Module, query: Tensor, key: Tensor, value: Tensor, attention_mask: Tensor | None, **kwargs: Any
+    ) -> tuple[Tensor, None]:
         import sys
 
         from transformers.integrations.sdpa_attention import sdpa_attention_forward
@@ -149,13 +150,13 @@ def check_routable(model: nn.Module, size: int) -> nn.Module:
 def enable_context_parallel(model: nn.Module, group: Any) -> nn.Module:
     """Route ``model`` (a Transformers model) through Ulysses over ``group``; returns its decoder."""
     if getattr(model, "_chunk_loss", None) is not None:  # lightning_mm.hf.chunk_loss
-        raise ContextParallelError(f"{type(model).__name__}: enable_chunk_loss is not supported with context "
-                                   "parallelism; turn one of them off")
+        raise ContextParallelError(
+            f"{type(model).__name__}: enable_chunk_loss is not supported with context parallelism; turn one of them off"
+        )
     size = torch.distributed.get_world_size(group)
     decoder = check_routable(model, size)
     _register()
-    decoder.config._attn_implementation = PREFIX + (decoder.config._attn_implementation or "eager").removeprefix(
-        PREFIX)
+    decoder.config._attn_implementation = PREFIX + (decoder.config._attn_implementation or "eager").removeprefix(PREFIX)
     _STATE.group = group
     decoder.register_forward_pre_hook(_split_decoder_inputs, with_kwargs=True)
     model.register_forward_pre_hook(_take_labels, with_kwargs=True)
@@ -217,8 +218,9 @@ def _put_loss(model: nn.Module, args: tuple, output: Any) -> Any:
     return output
 
 
-def context_parallel_summary(target: nn.Module, world_size: int, size: int, algo: str = "ulysses",
-                             seq_len: int | None = None) -> str:
+def context_parallel_summary(
+    target: nn.Module, world_size: int, size: int, algo: str = "ulysses", seq_len: int | None = None
+) -> str:
     """The context-parallel part of ``lightning-mm plan``: the mesh, the checks of :func:`check_routable`, and
     with ``seq_len`` the tokens and (estimated, 16-bit) decoder activation memory per rank for one sequence."""
     plan = context_parallel_plan(world_size, size, algo)
@@ -230,6 +232,8 @@ def context_parallel_summary(target: nn.Module, world_size: int, size: int, algo
         if seq_len and getattr(config, "hidden_size", None) and getattr(config, "num_hidden_layers", None):
             activations = activation_bytes_estimate(config.hidden_size, config.num_hidden_layers, seq_len)
     elif plan.enabled:
-        raise ContextParallelError(f"context_parallel_size {size}: {type(target).__name__} is not a Transformers "
-                                   "model; its LightningModule must set `handles_context_parallel = True`")
+        raise ContextParallelError(
+            f"context_parallel_size {size}: {type(target).__name__} is not a Transformers "
+            "model; its LightningModule must set `handles_context_parallel = True`"
+        )
     return plan.describe(seq_len, activations)

@@ -44,8 +44,16 @@ from lightning_mm._names import listing
 from lightning_mm.core.config import FSDP2ConfigError
 
 __all__ = [
-    "DerivedPlan", "PlanDerivationError", "derive_fsdp2_plan", "hf_default_fsdp2_config", "block_paths",
-    "tower_paths", "vision_tower_paths", "frozen_vision_towers", "compress_paths", "moe_module_paths",
+    "DerivedPlan",
+    "PlanDerivationError",
+    "derive_fsdp2_plan",
+    "hf_default_fsdp2_config",
+    "block_paths",
+    "tower_paths",
+    "vision_tower_paths",
+    "frozen_vision_towers",
+    "compress_paths",
+    "moe_module_paths",
 ]
 
 
@@ -184,8 +192,18 @@ def _has_parameters(module: nn.Module) -> bool:
     return any(True for _ in module.parameters())
 
 
-_NORMS = (nn.LayerNorm, nn.GroupNorm, nn.BatchNorm1d, nn.BatchNorm2d, nn.BatchNorm3d, nn.SyncBatchNorm,
-          nn.InstanceNorm1d, nn.InstanceNorm2d, nn.InstanceNorm3d, *((nn.RMSNorm,) if hasattr(nn, "RMSNorm") else ()))
+_NORMS = (
+    nn.LayerNorm,
+    nn.GroupNorm,
+    nn.BatchNorm1d,
+    nn.BatchNorm2d,
+    nn.BatchNorm3d,
+    nn.SyncBatchNorm,
+    nn.InstanceNorm1d,
+    nn.InstanceNorm2d,
+    nn.InstanceNorm3d,
+    *((nn.RMSNorm,) if hasattr(nn, "RMSNorm") else ()),
+)
 
 
 def _is_norm(module: nn.Module) -> bool:
@@ -265,8 +283,13 @@ def moe_module_paths(model: nn.Module) -> list[str]:
     for name, module in model.named_modules():
         experts = getattr(module, "num_experts", None)
         own = list(module.parameters(recurse=False))
-        if (type(module).__name__.endswith("Experts") and isinstance(experts, int) and not isinstance(experts, bool)
-                and own and all(p.ndim == 3 and p.shape[0] == experts for p in own)):
+        if (
+            type(module).__name__.endswith("Experts")
+            and isinstance(experts, int)
+            and not isinstance(experts, bool)
+            and own
+            and all(p.ndim == 3 and p.shape[0] == experts for p in own)
+        ):
             found.append(name)
     return found
 
@@ -302,22 +325,27 @@ def derive_fsdp2_plan(model: nn.Module, ignored: Sequence[str] | None = None) ->
         raise _cannot_decide(model, "it declares no `_no_split_modules` (the classes of its repeated blocks)")
     present = {type(m).__name__ for m in model.modules()}
     if not classes & present:
-        raise _cannot_decide(model, f"none of its `_no_split_modules` ({', '.join(sorted(classes))}) is a module "
-                                    "of this model")
+        raise _cannot_decide(
+            model, f"none of its `_no_split_modules` ({', '.join(sorted(classes))}) is a module of this model"
+        )
     blocks = block_paths(model)
     if not blocks:
-        raise _cannot_decide(model, f"no item of an nn.ModuleList is or holds one of its `_no_split_modules` "
-                                    f"({', '.join(sorted(classes))})")
+        raise _cannot_decide(
+            model,
+            f"no item of an nn.ModuleList is or holds one of its `_no_split_modules` ({', '.join(sorted(classes))})",
+        )
     user_ignored = ignored is not None
     towers = tower_paths(model)
     declared = ["fsdp2_vision_towers"] if getattr(type(model), "fsdp2_vision_towers", None) is not None else []
     ignore = _resolved(model, list(ignored)) if ignored is not None else frozen_vision_towers(model)
     blocks = [b for b in blocks if not any(is_under(b, i) for i in ignore)]
     for tower in towers:
-        if not any(is_under(i, tower) or is_under(tower, i) for i in ignore) and not any(is_under(b, tower)
-                                                                                      for b in blocks):
+        if not any(is_under(i, tower) or is_under(tower, i) for i in ignore) and not any(
+            is_under(b, tower) for b in blocks
+        ):
             raise _cannot_decide(
-                model, f"its tower '{tower}' holds no block of a `_no_split_modules` class",
+                model,
+                f"its tower '{tower}' holds no block of a `_no_split_modules` class",
                 f"`sub_modules_to_wrap` (or `ignored_modules: [{tower}]` with the tower frozen through `freeze`)",
             )
     embeddings = [p for p in _embedding_paths(model) if not any(is_under(p, i) for i in ignore)]
@@ -351,4 +379,3 @@ def hf_default_fsdp2_config(model: nn.Module, ignored: list[str] | None = None) 
     """The FSDP2 YAML keys of :func:`derive_fsdp2_plan` (``sub_modules_to_wrap``, ``moe_modules``, and
     ``ignored_modules`` for frozen towers)."""
     return derive_fsdp2_plan(model, ignored).fsdp2_defaults()
-

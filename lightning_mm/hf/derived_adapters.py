@@ -51,10 +51,18 @@ def derived_adapter(base: type) -> type:
     cls = _CACHE.get(base)
     if cls is None:
         name = f"MM{base.__name__}"
-        cls = type(name, (base, FSDP2Mixin, WeightInitMixin), {
-            "__module__": __name__, "__qualname__": name, "hub_keys": (base.__name__,),
-            "__doc__": f"``transformers.{base.__name__}``, FSDP2-ready; its default plan is derived from its metadata.",
-        })
+        cls = type(
+            name,
+            (base, FSDP2Mixin, WeightInitMixin),
+            {
+                "__module__": __name__,
+                "__qualname__": name,
+                "hub_keys": (base.__name__,),
+                "__doc__": (
+                    f"``transformers.{base.__name__}``, FSDP2-ready; its default plan is derived from its metadata."
+                ),
+            },
+        )
         _CACHE[base] = cls
         globals()[name] = cls
     return cls

@@ -94,8 +94,10 @@ def hf_layout(config: dict[str, Any], where: str) -> HFLayout:
             model = cls(hf_config)
     except Exception as err:  # Transformers validates fields in its own ways (e.g. huggingface_hub's strict fields)
         message = " ".join(str(err).split())
-        raise ValueError(f"{where}: cannot build {cls.__name__} from this config ({type(err).__name__}: "
-                         f"{message[:300]}); check its fields' types") from err
+        raise ValueError(
+            f"{where}: cannot build {cls.__name__} from this config ({type(err).__name__}: "
+            f"{message[:300]}); check its fields' types"
+        ) from err
     hf_config.architectures = list(config.get("architectures") or [cls.__name__])
     state = model.state_dict(keep_vars=True)  # tied names share one Parameter object
     names = names_by_tensor(state.items())

@@ -126,9 +126,8 @@ class ModelHub:
                 f"`model_type`. Registered keys: {', '.join(cls.available()) or '(none)'}"
             )
         what = " or ".join(
-            f"{label} '{value}'" for label, value in zip(
-                ["architectures[0]", "model_type"] if architectures else ["model_type"], tried
-            )
+            f"{label} '{value}'"
+            for label, value in zip(["architectures[0]", "model_type"] if architectures else ["model_type"], tried)
         )
         raise ModelHubError(cls._unknown(what, tried))
 

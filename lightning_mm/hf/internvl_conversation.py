@@ -17,8 +17,15 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-__all__ = ["ConversationTemplate", "TEMPLATES", "IMAGE_PLACEHOLDER", "IGNORE_INDEX", "conversation_text",
-           "assistant_labels", "ROLE_NAMES"]
+__all__ = [
+    "ConversationTemplate",
+    "TEMPLATES",
+    "IMAGE_PLACEHOLDER",
+    "IGNORE_INDEX",
+    "conversation_text",
+    "assistant_labels",
+    "ROLE_NAMES",
+]
 
 IMAGE_PLACEHOLDER = "<image>"
 IGNORE_INDEX = -100

@@ -109,8 +109,9 @@ def load_internvl_processor(directory: str | Path) -> InternVLImageTextProcessor
     for name in ("chat_template.jinja", "chat_template.json"):
         file = directory / name
         if file.is_file():
-            template = file.read_text(encoding="utf-8") if name.endswith(".jinja") else _read_json(file).get(
-                "chat_template")
+            template = (
+                file.read_text(encoding="utf-8") if name.endswith(".jinja") else _read_json(file).get("chat_template")
+            )
             break
     if isinstance(config.get("chat_template"), str):
         template = config["chat_template"]

@@ -34,6 +34,7 @@ __all__ = ["load_local_shards", "load_into_meta_model", "local_region", "read_re
 
 log = logging.getLogger(__name__)
 
+
 def local_region(tensor: torch.Tensor) -> tuple[tuple[int, ...], tuple[int, ...]]:
     """``(offsets, sizes)`` of the part of the global tensor this rank holds (all of it for a plain tensor)."""
     if isinstance(tensor, DTensor):
@@ -53,8 +54,12 @@ def _readinto(f: BinaryIO, start: int, out: torch.Tensor) -> None:
 
 
 def read_region(
-    directory: str | Path, files: dict[str, BinaryIO], info: TensorInfo, offsets: tuple[int, ...],
-    sizes: tuple[int, ...], out: torch.Tensor,
+    directory: str | Path,
+    files: dict[str, BinaryIO],
+    info: TensorInfo,
+    offsets: tuple[int, ...],
+    sizes: tuple[int, ...],
+    out: torch.Tensor,
 ) -> None:
     """Fill ``out`` (shape ``sizes``) with the region ``offsets``/``sizes`` of the checkpoint tensor ``info``."""
     dtype = DTYPES.get(info.dtype)
@@ -84,8 +89,9 @@ def _open_files(plan: LoadPlan) -> Iterator[dict[str, BinaryIO]]:
         yield {name: stack.enter_context(open(Path(plan.directory) / name, "rb")) for name in plan.files}
 
 
-def _fill(plan: LoadPlan, files: dict[str, BinaryIO], entry: LoadEntry, tensor: torch.Tensor,
-          first_row: int = 0) -> None:
+def _fill(
+    plan: LoadPlan, files: dict[str, BinaryIO], entry: LoadEntry, tensor: torch.Tensor, first_row: int = 0
+) -> None:
     offsets, sizes = local_region(tensor)
     if first_row:  # the local experts of an expert-parallel module: rows from `first_row` on
         offsets = (offsets[0] + first_row, *offsets[1:])
@@ -118,8 +124,14 @@ def _fill(plan: LoadPlan, files: dict[str, BinaryIO], entry: LoadEntry, tensor: 
                 )
 
 
-def _fill_stacked(plan: LoadPlan, files: dict[str, BinaryIO], stacked: tuple[tuple[TensorInfo, ...], ...],
-                  offsets: tuple[int, ...], sizes: tuple[int, ...], local: torch.Tensor) -> None:
+def _fill_stacked(
+    plan: LoadPlan,
+    files: dict[str, BinaryIO],
+    stacked: tuple[tuple[TensorInfo, ...], ...],
+    offsets: tuple[int, ...],
+    sizes: tuple[int, ...],
+    local: torch.Tensor,
+) -> None:
     """The region ``offsets``/``sizes`` of a 3-D experts tensor stored as 2-D pieces: for each expert in the region,
     the rows of its pieces (in row order) that fall inside it."""
     first_row, rows = offsets[1], sizes[1]

@@ -92,17 +92,24 @@ class LoRAConfig:
     def __post_init__(self) -> None:
         if isinstance(self.target_modules, str):
             self.target_modules = [self.target_modules]
-        if (not isinstance(self.target_modules, (list, tuple)) or not self.target_modules
-                or not all(isinstance(p, str) and p.strip() for p in self.target_modules)):
-            raise _fail("target_modules", f"expected a non-empty list of module path patterns, got "
-                        f"{self.target_modules!r}")
+        if (
+            not isinstance(self.target_modules, (list, tuple))
+            or not self.target_modules
+            or not all(isinstance(p, str) and p.strip() for p in self.target_modules)
+        ):
+            raise _fail(
+                "target_modules", f"expected a non-empty list of module path patterns, got {self.target_modules!r}"
+            )
         self.target_modules = [p.strip() for p in self.target_modules]
         if isinstance(self.rank, bool) or not isinstance(self.rank, int) or self.rank <= 0:
             raise _fail("rank", f"expected a positive integer, got {self.rank!r}")
         if isinstance(self.alpha, bool) or not isinstance(self.alpha, (int, float)) or not self.alpha > 0:
             raise _fail("alpha", f"expected a positive number, got {self.alpha!r}")
-        if (isinstance(self.dropout, bool) or not isinstance(self.dropout, (int, float))
-                or not 0.0 <= self.dropout < 1.0):
+        if (
+            isinstance(self.dropout, bool)
+            or not isinstance(self.dropout, (int, float))
+            or not 0.0 <= self.dropout < 1.0
+        ):
             raise _fail("dropout", f"expected a probability in [0, 1), got {self.dropout!r}")
         init = self.init_lora_weights
         if isinstance(init, str) and init.lower() in ("true", "false"):
@@ -115,8 +122,9 @@ class LoRAConfig:
         if self.pretrained_lora_path is not None:
             path = Path(str(self.pretrained_lora_path)).expanduser()
             if not (path / "adapter_config.json").is_file():
-                raise _fail("pretrained_lora_path", f"'{path}' has no adapter_config.json (not a PEFT adapter "
-                            "directory)")
+                raise _fail(
+                    "pretrained_lora_path", f"'{path}' has no adapter_config.json (not a PEFT adapter directory)"
+                )
             if not (path / "adapter_model.safetensors").is_file():
                 raise _fail("pretrained_lora_path", f"'{path}' has no adapter_model.safetensors")
             self.pretrained_lora_path = str(path)
@@ -137,8 +145,14 @@ class LoRAConfig:
         """PEFT's ``LoraConfig`` for the resolved target paths."""
         from peft import LoraConfig
 
-        return LoraConfig(r=self.rank, lora_alpha=self.alpha, lora_dropout=float(self.dropout),
-                          target_modules=list(targets), init_lora_weights=self.init_lora_weights, bias="none")
+        return LoraConfig(
+            r=self.rank,
+            lora_alpha=self.alpha,
+            lora_dropout=float(self.dropout),
+            target_modules=list(targets),
+            init_lora_weights=self.init_lora_weights,
+            bias="none",
+        )
 
 
 # -------------------------------------------------------------------------------------- deciding
@@ -153,18 +167,27 @@ def resolve_targets(model: nn.Module, config: LoRAConfig, frozen: list[str] = ()
     targets: dict[str, None] = {}
     for path in paths:
         module = model.get_submodule(path)
-        found = [path] if isinstance(module, nn.Linear) else [
-            f"{path}.{name}" if path else name for name, m in module.named_modules()
-            if isinstance(m, nn.Linear) and name
-        ]
+        found = (
+            [path]
+            if isinstance(module, nn.Linear)
+            else [
+                f"{path}.{name}" if path else name
+                for name, m in module.named_modules()
+                if isinstance(m, nn.Linear) and name
+            ]
+        )
         if not found:
-            raise _fail("target_modules", f"'{path}' ({type(module).__name__}) is not an nn.Linear and holds none; "
-                        "LoRA adapts linear layers")
+            raise _fail(
+                "target_modules",
+                f"'{path}' ({type(module).__name__}) is not an nn.Linear and holds none; LoRA adapts linear layers",
+            )
         for target in found:
             under = enclosing(target, frozen)
             if under is not None:
-                raise _fail("target_modules", f"'{target}' lies under '{under}', which `freeze` freezes; "
-                            "remove it from one of the two")
+                raise _fail(
+                    "target_modules",
+                    f"'{target}' lies under '{under}', which `freeze` freezes; remove it from one of the two",
+                )
             targets[target] = None
     # In the model's module order, the order PEFT visits them in (and so draws their random values in).
     order = {name: i for i, (name, _) in enumerate(model.named_modules())}
@@ -210,8 +233,7 @@ def _skeleton(targets: list[_Target]) -> nn.Module:
         shell = nn.Linear(1, 1, bias=False, device="meta")
         shell.in_features, shell.out_features = target.in_features, target.out_features
         # A real CPU weight (so PEFT keeps its adapters on the CPU) that owns one element of memory.
-        shell.weight = nn.Parameter(torch.zeros(1, dtype=target.dtype).expand(target.out_features,
-                                                                               target.in_features))
+        shell.weight = nn.Parameter(torch.zeros(1, dtype=target.dtype).expand(target.out_features, target.in_features))
         parent.add_module(parts[-1], shell)
     return root
 
@@ -235,8 +257,9 @@ def initial_adapters(config: LoRAConfig, targets: list[_Target]) -> dict[str, to
     return values
 
 
-def read_pretrained_adapters(path: str, expected: Mapping[str, tuple[tuple[int, ...], torch.dtype]],
-                             config: LoRAConfig) -> dict[str, torch.Tensor]:
+def read_pretrained_adapters(
+    path: str, expected: Mapping[str, tuple[tuple[int, ...], torch.dtype]], config: LoRAConfig
+) -> dict[str, torch.Tensor]:
     """The adapters saved in PEFT's format at ``path``, checked against the ``(shape, dtype)`` of the model's."""
     from safetensors.torch import load_file
 
@@ -260,17 +283,22 @@ def read_pretrained_adapters(path: str, expected: Mapping[str, tuple[tuple[int, 
             continue
         shape, dtype = expected[name]
         if tuple(value.shape) != tuple(shape):
-            raise LoRAConfigError(f"{where}: '{key}' has shape {list(value.shape)}, this model's adapter needs "
-                                  f"{list(shape)}; the adapters were trained on another base model")
+            raise LoRAConfigError(
+                f"{where}: '{key}' has shape {list(value.shape)}, this model's adapter needs "
+                f"{list(shape)}; the adapters were trained on another base model"
+            )
         out[name] = value.to(dtype)
     if unknown:
-        raise LoRAConfigError(f"{where}: {len(unknown)} saved adapter(s) adapt modules that this model lacks or "
-                              f"`target_modules` does not name, e.g. {unknown[:3]}; the adapters were trained on "
-                              "another base model or with other target_modules")
+        raise LoRAConfigError(
+            f"{where}: {len(unknown)} saved adapter(s) adapt modules that this model lacks or "
+            f"`target_modules` does not name, e.g. {unknown[:3]}; the adapters were trained on "
+            "another base model or with other target_modules"
+        )
     missing = [n for n in expected if n not in out]
     if missing:
-        raise LoRAConfigError(f"{where}: no saved values for {len(missing)} adapter(s) of `target_modules`, "
-                              f"e.g. {missing[:3]}")
+        raise LoRAConfigError(
+            f"{where}: no saved values for {len(missing)} adapter(s) of `target_modules`, e.g. {missing[:3]}"
+        )
     return out
 
 
@@ -278,7 +306,6 @@ def _copy_into(model: nn.Module, values: Mapping[str, torch.Tensor]) -> None:
     """Write full ``values`` into ``model``'s parameters (each rank only its own region of a DTensor)."""
 
     from lightning_mm.hf.loading import local_region
-
 
     params = dict(model.named_parameters())
     with torch.no_grad():
@@ -316,7 +343,7 @@ def _rename_pending_plan(model: nn.Module, targets: list[str]) -> None:
     def rename(name: str) -> str:
         for prefix in prefixes:
             if name.startswith(prefix) and not name.startswith(prefix + "base_layer."):
-                return prefix + "base_layer." + name[len(prefix):]
+                return prefix + "base_layer." + name[len(prefix) :]
         return name
 
     entries = tuple(dataclasses.replace(e, names=tuple(rename(n) for n in e.names)) for e in pending.plan.entries)
@@ -427,8 +454,12 @@ def _hf_lora(records: Mapping[str, Any]) -> dict[str, dict[str, Any]]:
 
 def _same_setting(saved: Any, now: Any) -> bool:
     numbers = (int, float)
-    if isinstance(saved, numbers) and isinstance(now, numbers) and not isinstance(saved, bool) \
-            and not isinstance(now, bool):
+    if (
+        isinstance(saved, numbers)
+        and isinstance(now, numbers)
+        and not isinstance(saved, bool)
+        and not isinstance(now, bool)
+    ):
         return float(saved) == float(now)
     if isinstance(saved, (list, tuple)) and isinstance(now, (list, tuple)):
         return len(saved) == len(now) and all(_same_setting(a, b) for a, b in zip(saved, now))

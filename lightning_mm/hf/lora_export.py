@@ -28,8 +28,14 @@ from lightning_mm._transformers_class import transformers_class
 from lightning_mm.hf.lora import ADAPTER_NAME
 from lightning_mm.hf.records import lora_record  # what checkpoints record of the adapters
 
-__all__ = ["lora_record", "save_lora_adapters", "save_merged_model", "merge_lora_state_dict", "dcp_to_hf_merged",
-           "checkpoint_lora"]
+__all__ = [
+    "lora_record",
+    "save_lora_adapters",
+    "save_merged_model",
+    "merge_lora_state_dict",
+    "dcp_to_hf_merged",
+    "checkpoint_lora",
+]
 
 _PEFT_PREFIX = "base_model.model."
 
@@ -80,8 +86,11 @@ def save_lora_adapters(model: nn.Module, directory: str | Path, base_model_name_
     out = Path(directory)
     if is_rank_zero():
         out.mkdir(parents=True, exist_ok=True)
-        save_file({_peft_key(k): v.contiguous() for k, v in adapters.items()}, str(out / "adapter_model.safetensors"),
-                  metadata={"format": "pt"})
+        save_file(
+            {_peft_key(k): v.contiguous() for k, v in adapters.items()},
+            str(out / "adapter_model.safetensors"),
+            metadata={"format": "pt"},
+        )
         if base_model_name_or_path is not None:
             config.base_model_name_or_path = base_model_name_or_path
         config.save_pretrained(str(out))
@@ -97,9 +106,15 @@ def _hf_class(model: nn.Module) -> type:
     return cls
 
 
-def merge_lora_state_dict(state: Mapping[str, torch.Tensor], hf_config: Any, lora_config: Mapping[str, Any],
-                          model_class: type, directory: str | Path, dtype: torch.dtype | None = None,
-                          max_shard_size: int | str = "5GB") -> Path:
+def merge_lora_state_dict(
+    state: Mapping[str, torch.Tensor],
+    hf_config: Any,
+    lora_config: Mapping[str, Any],
+    model_class: type,
+    directory: str | Path,
+    dtype: torch.dtype | None = None,
+    max_shard_size: int | str = "5GB",
+) -> Path:
     """Build ``model_class`` from ``hf_config`` with ``state`` (a LoRA model's keys), merge with PEFT's
     ``merge_and_unload`` and ``save_pretrained`` the result into ``directory`` (cast to ``dtype`` after the
     merge, if given)."""
@@ -113,8 +128,10 @@ def merge_lora_state_dict(state: Mapping[str, torch.Tensor], hf_config: Any, lor
     wrapped = LoraModel(base, peft_config, ADAPTER_NAME)
     result = wrapped.model.load_state_dict(dict(state), strict=False, assign=True)
     if result.unexpected_keys:
-        raise ValueError(f"the checkpoint has weights {result.unexpected_keys[:5]} that "
-                         f"{model_class.__name__} with these adapters lacks")
+        raise ValueError(
+            f"the checkpoint has weights {result.unexpected_keys[:5]} that "
+            f"{model_class.__name__} with these adapters lacks"
+        )
     left = [n for n, p in wrapped.model.named_parameters() if p.is_meta]
     if left:  # a tied weight stored once
         wrapped.model.tie_weights()
@@ -123,7 +140,8 @@ def merge_lora_state_dict(state: Mapping[str, torch.Tensor], hf_config: Any, lor
         raise ValueError(f"the checkpoint has no values for {left[:5]}")
     merged = wrapped.merge_and_unload()
     if getattr(hf_config, "tie_word_embeddings", False) or getattr(
-            getattr(hf_config, "get_text_config", lambda: None)(), "tie_word_embeddings", False):
+        getattr(hf_config, "get_text_config", lambda: None)(), "tie_word_embeddings", False
+    ):
         merged.tie_weights()
     if dtype is not None:
         merged = merged.to(dtype)
@@ -157,8 +175,14 @@ def checkpoint_lora(src: str | Path, prefix: str | None = None) -> dict[str, Any
     return record.get("lora") or None
 
 
-def dcp_to_hf_merged(src: str | Path, out_dir: str | Path, prefix: str | None = None, dtype: str | None = None,
-                     max_shard_size: int = 5 * 10**9, force: bool = False) -> Path:
+def dcp_to_hf_merged(
+    src: str | Path,
+    out_dir: str | Path,
+    prefix: str | None = None,
+    dtype: str | None = None,
+    max_shard_size: int = 5 * 10**9,
+    force: bool = False,
+) -> Path:
     """``dcp-to-hf --merge-lora``: a LoRA checkpoint as a Transformers directory with the adapters merged.
 
     The model's tensors are read straight from the checkpoint under their module keys (``...base_layer.weight``,
@@ -185,7 +209,7 @@ def dcp_to_hf_merged(src: str | Path, out_dir: str | Path, prefix: str | None = 
         raise ValueError(f"{src}: the checkpoint's model has no LoRA adapters; convert it without --merge-lora")
     start = model_key(record["prefix"])
     keys = [k for k in source.shapes if k.startswith(start)]
-    state = {k[len(start):]: t for k, t in source.read_full(keys).items()}
+    state = {k[len(start) :]: t for k, t in source.read_full(keys).items()}
     config_dict = json.loads(record["config"])
     architecture = record.get("architecture") or (config_dict.get("architectures") or [None])[0]
     model_class = getattr(transformers, str(architecture), None)
@@ -195,7 +219,14 @@ def dcp_to_hf_merged(src: str | Path, out_dir: str | Path, prefix: str | None = 
     hf_config = transformers.AutoConfig.for_model(config_dict["model_type"], **fields)
     with tempfile.TemporaryDirectory(dir=out.parent, prefix=f".{out.name}.partial-") as tmp:
         staged = Path(tmp) / "merged"
-        merge_lora_state_dict(state, hf_config, record["lora"], model_class, staged,
-                              dtype=casts[dtype] if dtype else None, max_shard_size=max_shard_size)
+        merge_lora_state_dict(
+            state,
+            hf_config,
+            record["lora"],
+            model_class,
+            staged,
+            dtype=casts[dtype] if dtype else None,
+            max_shard_size=max_shard_size,
+        )
         atomic.commit(staged, out)
     return out

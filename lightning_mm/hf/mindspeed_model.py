@@ -45,67 +45,133 @@ MODEL_IDS: dict[str, str] = {
 }
 """MindSpeed MM ``model_id`` -> this project's ModelHub key (each key is also accepted as written)."""
 
-_MODEL_TYPES = {"qwen3_vl": "qwen3_vl", "qwen3_vl_moe": "qwen3_vl_moe", "internvl": "internvl",
-                "qwen2_5_vl": "qwen2_5_vl", "llava": "llava"}
+_MODEL_TYPES = {
+    "qwen3_vl": "qwen3_vl",
+    "qwen3_vl_moe": "qwen3_vl_moe",
+    "internvl": "internvl",
+    "qwen2_5_vl": "qwen2_5_vl",
+    "llava": "llava",
+}
 """ModelHub key -> the ``model_type`` its ``config.json`` must have."""
 
 _VISION, _PROJECTOR, _TEXT = "image_encoder.vision_encoder", "image_encoder.vision_projector", "text_decoder"
 
 FREEZE_PATHS: dict[str, dict[str, tuple[str, ...]]] = {
     # Qwen3VLFSDP2Mixin.freeze (mindspeed_mm/models/transformers/qwen3vl/qwen3vl.py), for both Qwen3-VL models
-    "qwen3_vl": {_VISION: ("model.visual.patch_embed", "model.visual.blocks", "model.visual.pos_embed"),
-                 _PROJECTOR: ("model.visual.merger",), _TEXT: ("model.language_model", "lm_head")},
-    "qwen3_vl_moe": {_VISION: ("model.visual.patch_embed", "model.visual.blocks", "model.visual.pos_embed"),
-                     _PROJECTOR: ("model.visual.merger",), _TEXT: ("model.language_model", "lm_head")},
+    "qwen3_vl": {
+        _VISION: ("model.visual.patch_embed", "model.visual.blocks", "model.visual.pos_embed"),
+        _PROJECTOR: ("model.visual.merger",),
+        _TEXT: ("model.language_model", "lm_head"),
+    },
+    "qwen3_vl_moe": {
+        _VISION: ("model.visual.patch_embed", "model.visual.blocks", "model.visual.pos_embed"),
+        _PROJECTOR: ("model.visual.merger",),
+        _TEXT: ("model.language_model", "lm_head"),
+    },
     # The towers of MindSpeed MM's Megatron route (qwen2vit, the lnmlp merger, the decoder), in Transformers' names
-    "qwen2_5_vl": {_VISION: ("model.visual.patch_embed", "model.visual.blocks"), _PROJECTOR: ("model.visual.merger",),
-                   _TEXT: ("model.language_model", "lm_head")},
-    "internvl": {_VISION: ("model.vision_tower",), _PROJECTOR: ("model.multi_modal_projector",),
-                 _TEXT: ("model.language_model", "lm_head")},
-    "llava": {_VISION: ("model.vision_tower",), _PROJECTOR: ("model.multi_modal_projector",),
-              _TEXT: ("model.language_model", "lm_head")},
+    "qwen2_5_vl": {
+        _VISION: ("model.visual.patch_embed", "model.visual.blocks"),
+        _PROJECTOR: ("model.visual.merger",),
+        _TEXT: ("model.language_model", "lm_head"),
+    },
+    "internvl": {
+        _VISION: ("model.vision_tower",),
+        _PROJECTOR: ("model.multi_modal_projector",),
+        _TEXT: ("model.language_model", "lm_head"),
+    },
+    "llava": {
+        _VISION: ("model.vision_tower",),
+        _PROJECTOR: ("model.multi_modal_projector",),
+        _TEXT: ("model.language_model", "lm_head"),
+    },
 }
 """ModelHub key -> tower (``image_encoder.vision_encoder`` ...) -> the module paths its ``freeze: true`` freezes."""
 
 _FREEZE_SOURCE = {
-    "qwen3_vl": "MindSpeed MM's Qwen3VLFSDP2Mixin.freeze", "qwen3_vl_moe": "MindSpeed MM's Qwen3VLFSDP2Mixin.freeze",
+    "qwen3_vl": "MindSpeed MM's Qwen3VLFSDP2Mixin.freeze",
+    "qwen3_vl_moe": "MindSpeed MM's Qwen3VLFSDP2Mixin.freeze",
 }
-_MEGATRON_TOWER_IDS = {"qwen2vit", "qwen2lm", "qwen2_5_lm", "qwen3vit", "qwen3lm", "lnmlp", "internvit", "internlm",
-                       "clip", "llava_lm", "qwen2_5_omni_thinker"}
+_MEGATRON_TOWER_IDS = {
+    "qwen2vit",
+    "qwen2lm",
+    "qwen2_5_lm",
+    "qwen3vit",
+    "qwen3lm",
+    "lnmlp",
+    "internvit",
+    "internlm",
+    "clip",
+    "llava_lm",
+    "qwen2_5_omni_thinker",
+}
 
 # Keys MindSpeed MM reads only on its Megatron route (its example YAMLs mark them "megatron validation parameter,
 # not in effect at run time"): the model's shape comes from init_from_hf_path's config.json.
 _MEGATRON_KEYS = {
-    "num_layers", "hidden_size", "num_attention_heads", "max_position_embeddings", "ffn_hidden_size",
-    "llm_hidden_size", "gated_linear_unit", "bias_activation_fusion", "hidden_dropout", "attention_dropout",
-    "in_channels", "patch_size", "spatial_merge_size", "temporal_patch_size", "layernorm_epsilon", "normalization",
-    "fp16", "bf16", "params_dtype", "activation_func", "use_fused_rotary_pos_emb", "post_layer_norm",
-    "pipeline_num_layers", "intermediate_size", "tokens_per_second", "window_attn_size", "fullatt_block_indexes",
-    "attention_mask_type", "add_bias_linear", "input_size", "seq_length", "vocab_size", "rope_theta",
-    "untie_embeddings_and_output_weights", "disable_bias_linear", "init_method_std", "position_embedding_type",
-    "attention_softmax_in_fp32", "num_query_groups", "group_query_attention", "kv_channels", "rotary_base",
+    "num_layers",
+    "hidden_size",
+    "num_attention_heads",
+    "max_position_embeddings",
+    "ffn_hidden_size",
+    "llm_hidden_size",
+    "gated_linear_unit",
+    "bias_activation_fusion",
+    "hidden_dropout",
+    "attention_dropout",
+    "in_channels",
+    "patch_size",
+    "spatial_merge_size",
+    "temporal_patch_size",
+    "layernorm_epsilon",
+    "normalization",
+    "fp16",
+    "bf16",
+    "params_dtype",
+    "activation_func",
+    "use_fused_rotary_pos_emb",
+    "post_layer_norm",
+    "pipeline_num_layers",
+    "intermediate_size",
+    "tokens_per_second",
+    "window_attn_size",
+    "fullatt_block_indexes",
+    "attention_mask_type",
+    "add_bias_linear",
+    "input_size",
+    "seq_length",
+    "vocab_size",
+    "rope_theta",
+    "untie_embeddings_and_output_weights",
+    "disable_bias_linear",
+    "init_method_std",
+    "position_embedding_type",
+    "attention_softmax_in_fp32",
+    "num_query_groups",
+    "group_query_attention",
+    "kv_channels",
+    "rotary_base",
 }
 # Settings of MindSpeed MM's own NPU kernels and runtime (overwrite_transformer_config); Transformers' models here
 # use Transformers' attention (hf_config.attn_implementation) and this project's FSDP2 plan.
 _RUNTIME_KEYS = {
     "attn_implementation": "MindSpeed MM's per-tower NPU attention kernel; set hf_config.attn_implementation "
-                           "(Transformers' name) for the whole model if you need another kernel",
+    "(Transformers' name) for the whole model if you need another kernel",
     "attn_layout": "the layout of MindSpeed MM's NPU attention kernel",
     "synchronize_per_layer": "an NPU stream synchronisation of MindSpeed MM's modeling code",
     "activation_offload": "MindSpeed MM's activation offload; use recompute_modules in the FSDP2 YAML",
     "is_causal": "read by MindSpeed MM's own attention kernels only (Transformers' models here are causal)",
     "use_npu_fused_moe": "MindSpeed MM's fused NPU MoE kernel",
     "img_context_token_id": "a placeholder token id; Transformers' model reads its own from init_from_hf_path's "
-                            "config.json (image_token_id)",
+    "config.json (image_token_id)",
     "vision_start_token_id": "a token id Transformers' model reads from init_from_hf_path's config.json",
     "video_token_id": "a token id Transformers' model reads from init_from_hf_path's config.json",
     "image_token_id": "a token id Transformers' model reads from init_from_hf_path's config.json",
 }
 _PATCHES_WITHOUT_EFFECT = {
     "clip_grad_async": "an asynchronous form of Megatron's gradient-norm clipping (same result); "
-                       "trainer.gradient_clip_val clips here",
+    "trainer.gradient_clip_val clips here",
     "bridge_patch": "Megatron's get_model patch that builds MindSpeed MM's model; TransformersModel loads "
-                    "init_from_hf_path itself",
+    "init_from_hf_path itself",
     "scale_grad": "rescales gradients for MindSpeed MM's per-token loss only",
     "infer_fa": "an inference-only attention patch",
 }
@@ -115,8 +181,10 @@ _LOSS_TYPES_OTHER = {
     "token_loss": "token sums divided by the ranks' mean token count",
     "square_loss": "tokens weighted by 1/sqrt(sample length)",
 }
-_DEFAULT_LOSS = ("the token mean of each micro-batch, averaged over data-parallel ranks and accumulation steps "
-                 "(MindSpeed MM's loss_type default)")
+_DEFAULT_LOSS = (
+    "the token mean of each micro-batch, averaged over data-parallel ranks and accumulation steps "
+    "(MindSpeed MM's loss_type default)"
+)
 
 
 @dataclass
@@ -147,9 +215,11 @@ def _model_key(model_id: Any, source: str) -> str:
     key = MODEL_IDS.get(model_id, model_id if model_id in MODEL_IDS.values() else None)
     if key is None:
         known = ", ".join(f"{m} -> {k}" for m, k in MODEL_IDS.items())
-        raise MindSpeedModelError(f"{source}: `model_id: {model_id}` has no built-in adapter in lightning-mm "
-                                  f"(known: {known}); register an adapter in ModelHub and build it with "
-                                  "TransformersModel in model_provider")
+        raise MindSpeedModelError(
+            f"{source}: `model_id: {model_id}` has no built-in adapter in lightning-mm "
+            f"(known: {known}); register an adapter in ModelHub and build it with "
+            "TransformersModel in model_provider"
+        )
     return key
 
 
@@ -187,8 +257,10 @@ def transformers_model_config(model: Mapping[str, Any], source: str, base_dir: P
         tower_ids = {v for path, v in _walk(model) if path.endswith(".model_id")}
         if any(isinstance(t, Mapping) for t in towers) or tower_ids & _MEGATRON_TOWER_IDS:
             raise _megatron_error(source)
-        raise MindSpeedModelError(f"{source}: no `init_from_hf_path`: a Transformers-route model config names the "
-                                  "Hugging Face directory to start from")
+        raise MindSpeedModelError(
+            f"{source}: no `init_from_hf_path`: a Transformers-route model config names the "
+            "Hugging Face directory to start from"
+        )
     out = ModelMigration(config={})
     handled: set[str] = set()
 
@@ -209,13 +281,16 @@ def transformers_model_config(model: Mapping[str, Any], source: str, base_dir: P
     handled.add("init_from_hf_path")
     found_type = _pretrained_type(path)
     if found_type is None:
-        out.unmapped.append(f"init_from_hf_path: {path} has no readable config.json yet; it must be a Hugging Face "
-                            "model directory before training")
+        out.unmapped.append(
+            f"init_from_hf_path: {path} has no readable config.json yet; it must be a Hugging Face "
+            "model directory before training"
+        )
     elif key is not None and found_type != _MODEL_TYPES[key]:
         raise MindSpeedModelError(
             f"{source}: init_from_hf_path {path} holds a `{found_type}` model, not the `{_MODEL_TYPES[key]}` that "
             f"model_id {model['model_id']} builds (a remote-code checkpoint such as InternVLChatModel needs its "
-            "Transformers-format conversion, e.g. the '-HF' release)")
+            "Transformers-format conversion, e.g. the '-HF' release)"
+        )
     if key is None:
         key = next((k for k, t in _MODEL_TYPES.items() if t == found_type), None)
 
@@ -231,12 +306,16 @@ def transformers_model_config(model: Mapping[str, Any], source: str, base_dir: P
             continue
         leaf = name.rsplit(".", 1)[-1]
         if leaf in _MEGATRON_KEYS:
-            out.not_applicable.append(f"{name}: a Megatron validation key, not in effect on MindSpeed MM's "
-                                      "Transformers route; the model's shape comes from init_from_hf_path's "
-                                      "config.json")
+            out.not_applicable.append(
+                f"{name}: a Megatron validation key, not in effect on MindSpeed MM's "
+                "Transformers route; the model's shape comes from init_from_hf_path's "
+                "config.json"
+            )
         elif leaf == "model_id":
-            out.not_applicable.append(f"{name} {value}: the name of MindSpeed MM's Megatron component for this "
-                                      "tower, unused on the Transformers route")
+            out.not_applicable.append(
+                f"{name} {value}: the name of MindSpeed MM's Megatron component for this "
+                "tower, unused on the Transformers route"
+            )
         elif leaf in _RUNTIME_KEYS:
             out.not_applicable.append(f"{name}: {_RUNTIME_KEYS[leaf]}")
         else:
@@ -254,19 +333,21 @@ def _flag(model: Mapping[str, Any], tower: str, source: str) -> bool:
     return value
 
 
-def _map_freeze(model: Mapping[str, Any], key: str | None, source: str, out: ModelMigration,
-                handled: set[str]) -> None:
+def _map_freeze(model: Mapping[str, Any], key: str | None, source: str, out: ModelMigration, handled: set[str]) -> None:
     towers = [t for t in (_VISION, _PROJECTOR, _TEXT) if _flag(model, t, source)]
     handled.update(f"{t}.freeze" for t in (_VISION, _PROJECTOR, _TEXT))
     if not towers:
         return
     if key is None:
-        raise MindSpeedModelError(f"{source}: the freeze flags of {', '.join(towers)} need the model's family: give "
-                                  f"`model_id` (one of {', '.join(MODEL_IDS)})")
+        raise MindSpeedModelError(
+            f"{source}: the freeze flags of {', '.join(towers)} need the model's family: give "
+            f"`model_id` (one of {', '.join(MODEL_IDS)})"
+        )
     paths = [p for t in towers for p in FREEZE_PATHS[key][t]]
     out.config["freeze"] = paths
-    why = _FREEZE_SOURCE.get(key, "the towers of MindSpeed MM's Megatron route (its Transformers route has no "
-                                  "freeze for this class)")
+    why = _FREEZE_SOURCE.get(
+        key, "the towers of MindSpeed MM's Megatron route (its Transformers route has no freeze for this class)"
+    )
     for tower in towers:
         out.mapped.append(f"{tower}.freeze -> freeze {list(FREEZE_PATHS[key][tower])} (as {why})")
 
@@ -281,21 +362,27 @@ def _map_loss(loss: Any, out: ModelMigration, handled: set[str]) -> None:
     known = {"compute_mode", "chunk_size", "loss_type", "router_aux_loss_coef"}
     mode, kind = loss.get("compute_mode", "default"), loss.get("loss_type", "default")
     if mode != "default":
-        out.unmapped.append(f"loss_cfg.compute_mode {mode}: chunked loss does not exist in lightning-mm yet; the "
-                            f"loss here is computed from the full logits ({_DEFAULT_LOSS})")
+        out.unmapped.append(
+            f"loss_cfg.compute_mode {mode}: chunked loss does not exist in lightning-mm yet; the "
+            f"loss here is computed from the full logits ({_DEFAULT_LOSS})"
+        )
     elif "chunk_size" in loss:
         out.not_applicable.append("loss_cfg.chunk_size: used only by compute_mode chunk / dynamic_chunk")
     if kind in _LOSS_TYPES_OTHER:
-        out.unmapped.append(f"loss_cfg.loss_type {kind} ({_LOSS_TYPES_OTHER[kind]}): not implemented in "
-                            f"lightning-mm, whose loss is {_DEFAULT_LOSS}")
+        out.unmapped.append(
+            f"loss_cfg.loss_type {kind} ({_LOSS_TYPES_OTHER[kind]}): not implemented in "
+            f"lightning-mm, whose loss is {_DEFAULT_LOSS}"
+        )
     elif kind != "default":
         out.unmapped.append(f"loss_cfg.loss_type {kind}: not a MindSpeed MM loss type")
     elif mode == "default":
         out.mapped.append(f"loss_cfg (compute_mode default, loss_type default) -> the default loss: {_DEFAULT_LOSS}")
     coef = loss.get("router_aux_loss_coef", 0.0)
     if coef not in (0, 0.0, None):
-        out.unmapped.append(f"loss_cfg.router_aux_loss_coef {coef}: the MoE router's auxiliary loss is not added "
-                            "here; set hf_config output_router_logits/router_aux_loss_coef by hand and check it")
+        out.unmapped.append(
+            f"loss_cfg.router_aux_loss_coef {coef}: the MoE router's auxiliary loss is not added "
+            "here; set hf_config output_router_logits/router_aux_loss_coef by hand and check it"
+        )
     for name in sorted(set(loss) - known):
         out.unmapped.append(f"loss_cfg.{name}: unknown to lightning-mm migrate")
 
@@ -311,8 +398,11 @@ def _map_patch(patch: Any, out: ModelMigration, handled: set[str]) -> None:
         if not on:
             out.not_applicable.append(f"patch.{name}: off")
         elif name in _PATCHES_WITHOUT_EFFECT:
-            out.not_applicable.append(f"patch.{name}: a MindSpeed MM patch of Megatron, not applicable: "
-                                      f"{_PATCHES_WITHOUT_EFFECT[name]}")
+            out.not_applicable.append(
+                f"patch.{name}: a MindSpeed MM patch of Megatron, not applicable: {_PATCHES_WITHOUT_EFFECT[name]}"
+            )
         else:
-            out.unmapped.append(f"patch.{name}: a MindSpeed MM patch of Megatron internals "
-                                "(mindspeed_mm/patchs/patch_manager.py) with no counterpart here")
+            out.unmapped.append(
+                f"patch.{name}: a MindSpeed MM patch of Megatron internals "
+                "(mindspeed_mm/patchs/patch_manager.py) with no counterpart here"
+            )

@@ -119,8 +119,17 @@ class FSDP2Mixin:
     _fully_shard.shards_plan_units = True  # type: ignore[attr-defined]
 
 
-_NORMS = (nn.LayerNorm, nn.GroupNorm, nn.BatchNorm1d, nn.BatchNorm2d, nn.BatchNorm3d, nn.SyncBatchNorm,
-          nn.InstanceNorm1d, nn.InstanceNorm2d, nn.InstanceNorm3d)
+_NORMS = (
+    nn.LayerNorm,
+    nn.GroupNorm,
+    nn.BatchNorm1d,
+    nn.BatchNorm2d,
+    nn.BatchNorm3d,
+    nn.SyncBatchNorm,
+    nn.InstanceNorm1d,
+    nn.InstanceNorm2d,
+    nn.InstanceNorm3d,
+)
 if hasattr(nn, "RMSNorm"):
     _NORMS = (*_NORMS, nn.RMSNorm)
 
@@ -199,7 +208,8 @@ def _tie_hf_weights(model: nn.Module) -> None:
     """Tie what the Hugging Face model declares tied (``all_tied_weights_keys``), unless it already is."""
     tied = getattr(model, "all_tied_weights_keys", None) or {}
     untied = [
-        (target, source) for target, source in tied.items()
+        (target, source)
+        for target, source in tied.items()
         if model.get_parameter(target) is not model.get_parameter(source)
     ]
     if not untied:
@@ -217,8 +227,9 @@ def _tie_hf_weights(model: nn.Module) -> None:
 @torch.no_grad()
 def init_module(module: nn.Module, std: float = 0.02) -> None:
     """Initialise the parameters ``module`` owns directly (not those of its children)."""
-    if isinstance(module, (nn.Linear, nn.Conv1d, nn.Conv2d, nn.Conv3d, nn.ConvTranspose1d, nn.ConvTranspose2d,
-                           nn.ConvTranspose3d)):
+    if isinstance(
+        module, (nn.Linear, nn.Conv1d, nn.Conv2d, nn.Conv3d, nn.ConvTranspose1d, nn.ConvTranspose2d, nn.ConvTranspose3d)
+    ):
         nn.init.normal_(module.weight, mean=0.0, std=std)
         if module.bias is not None:
             nn.init.zeros_(module.bias)

@@ -82,11 +82,12 @@ def packed_forward_inputs(model: nn.Module, batch: Mapping[str, Any]) -> dict[st
         for segment in torch.unique_consecutive(segments[row]).tolist():
             where = (segments[row] == segment).nonzero().flatten()
             lo, hi = int(where[0]), int(where[-1]) + 1
-            seg_types = types[row:row + 1, lo:hi]
+            seg_types = types[row : row + 1, lo:hi]
             images, image_cursor = _take(image_grid, image_cursor, int((seg_types == 1).sum()), merge)
             videos, video_cursor = _take(video_grid, video_cursor, int((seg_types == 2).sum()), merge)
-            sample_positions, _ = inner.get_rope_index(ids[row:row + 1, lo:hi], seg_types, image_grid_thw=images,
-                                                       video_grid_thw=videos)
+            sample_positions, _ = inner.get_rope_index(
+                ids[row : row + 1, lo:hi], seg_types, image_grid_thw=images, video_grid_thw=videos
+            )
             rope[:, row, lo:hi] = sample_positions[:, 0].to(rope.device)
     out["position_ids"] = torch.cat([positions[None], rope], dim=0)
     return out

@@ -14,8 +14,9 @@ from lightning_mm.hf.mixins import FSDP2Mixin, _is_hf_model
 __all__ = ["default_plan_summary"]
 
 
-def default_plan_summary(model: nn.Module, explicit: Sequence[str] = (),
-                         ignored: Sequence[str] | None = None) -> str | None:
+def default_plan_summary(
+    model: nn.Module, explicit: Sequence[str] = (), ignored: Sequence[str] | None = None
+) -> str | None:
     """Where the model's default FSDP2 keys come from, for ``lightning-mm plan`` (``None``: not a Hugging Face
     model with FSDP2Mixin's derived defaults). ``explicit``: the keys the user's YAML sets; ``ignored``: its
     ``ignored_modules`` when it sets them."""
@@ -24,8 +25,7 @@ def default_plan_summary(model: nn.Module, explicit: Sequence[str] = (),
     if type(model).default_fsdp2_config is not FSDP2Mixin.default_fsdp2_config:
         return f"  default plan: {type(model).__name__}.default_fsdp2_config() (the class's own)"
     cls = type(model)
-    origin = ("no ModelHub adapter registered" if is_derived(cls)
-              else f"adapter {cls.__module__}.{cls.__qualname__}")
+    origin = "no ModelHub adapter registered" if is_derived(cls) else f"adapter {cls.__module__}.{cls.__qualname__}"
     keys = ", ".join(k for k in ("sub_modules_to_wrap", "ignored_modules", "moe_modules") if k in explicit)
     try:
         plan = derive_fsdp2_plan(model, ignored=ignored)

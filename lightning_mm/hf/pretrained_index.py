@@ -106,8 +106,10 @@ def read_safetensors_header(path: Path) -> dict[str, TensorInfo]:
         size_of = _safetensors.itemsize(dtype)
         expected = numel * size_of if size_of is not None else end - begin
         if not (0 <= begin <= end and data_start + end <= size and end - begin == expected):
-            raise CheckpointError(f"{path}: tensor '{key}' has data offsets {[begin, end]} that do not fit its "
-                                  f"{dtype} shape {list(shape)} or the file size")
+            raise CheckpointError(
+                f"{path}: tensor '{key}' has data offsets {[begin, end]} that do not fit its "
+                f"{dtype} shape {list(shape)} or the file size"
+            )
         tensors[key] = TensorInfo(path.name, key, shape, dtype, data_start + begin)
     return tensors
 
@@ -120,8 +122,9 @@ class SafetensorsIndex:
     tensors: dict[str, TensorInfo]
 
     @classmethod
-    def from_directory(cls, directory: str | Path, weights_name: str = "model.safetensors",
-                       layout: str = "safetensors weights") -> SafetensorsIndex:
+    def from_directory(
+        cls, directory: str | Path, weights_name: str = "model.safetensors", layout: str = "safetensors weights"
+    ) -> SafetensorsIndex:
         """Read ``<weights_name>.index.json`` (sharded) or ``weights_name`` (one file) in ``directory``, checking
         that every tensor the index lists is in the file it names; ``layout`` names what is read, in errors."""
         root = Path(directory)
@@ -193,8 +196,11 @@ class LoadPlan:
 
     @property
     def files(self) -> list[str]:
-        return sorted({e.source.file for e in self.entries} | {d.file for e in self.entries for d in e.duplicates}
-                      | {p.file for e in self.entries for pieces in (e.stacked or ()) for p in pieces})
+        return sorted(
+            {e.source.file for e in self.entries}
+            | {d.file for e in self.entries for d in e.duplicates}
+            | {p.file for e in self.entries for pieces in (e.stacked or ()) for p in pieces}
+        )
 
 
 @contextmanager
@@ -278,7 +284,10 @@ def _expert_of(key: str, pattern: str) -> int | None:
 
 
 def _stack_pieces(
-    name: str, shape: tuple[int, ...], sources: list[str], pieces: dict[tuple[int, int], TensorInfo],
+    name: str,
+    shape: tuple[int, ...],
+    sources: list[str],
+    pieces: dict[tuple[int, int], TensorInfo],
 ) -> tuple[tuple[tuple[TensorInfo, ...], ...] | None, list[str], list[str]]:
     """Per expert, its pieces in row order; or the missing pieces and the misshapen ones."""
     missing, misshapen = [], []
@@ -295,8 +304,9 @@ def _stack_pieces(
         if len(present) == len(found):
             flat = all(len(f.shape) == 2 and f.shape[1] == cols for f in present)
             if not flat or sum(f.shape[0] for f in present) != rows:
-                misshapen.append(f"{name}, expert {e}: checkpoint pieces {[list(f.shape) for f in present]}, model "
-                                 f"{list(shape)}")
+                misshapen.append(
+                    f"{name}, expert {e}: checkpoint pieces {[list(f.shape) for f in present]}, model {list(shape)}"
+                )
             stacked.append(tuple(present))
     beyond = sorted(f"{p.key}" for (_, e), p in pieces.items() if e >= experts)
     if beyond:
@@ -390,8 +400,9 @@ def build_load_plan(model: nn.Module, index: SafetensorsIndex) -> LoadPlan:
         if not found:
             (missing if is_parameter else buffers_kept).extend(names[:1])
             continue
-        entries.append(LoadEntry(tuple(names), found[0], is_parameter, tuple(found[1:]), transposed.get(i),
-                                 stacked.get(i)))
+        entries.append(
+            LoadEntry(tuple(names), found[0], is_parameter, tuple(found[1:]), transposed.get(i), stacked.get(i))
+        )
 
     problems = strict_load_problems(missing, unexpected, misshapen)
     if needs_conversion:
@@ -407,6 +418,9 @@ def build_load_plan(model: nn.Module, index: SafetensorsIndex) -> LoadPlan:
     if ignored:
         log.info("%s: ignoring checkpoint keys the model declares ignorable: %s", index.directory, _listing(ignored))
     if buffers_kept:
-        log.info("%s: buffers not in the checkpoint keep their constructed values: %s", index.directory,
-                 _listing(buffers_kept))
+        log.info(
+            "%s: buffers not in the checkpoint keep their constructed values: %s",
+            index.directory,
+            _listing(buffers_kept),
+        )
     return LoadPlan(index.directory, tuple(entries), tuple(ignored), tuple(buffers_kept), renamed)

@@ -44,8 +44,12 @@ def hf_records(root: nn.Module) -> list[dict[str, Any]]:
         architecture = _architecture(module)
         config = json.loads(module.config.to_json_string(use_diff=False))
         config["architectures"] = [architecture]
-        record = {"prefix": prefix, "architecture": architecture, "config": json.dumps(config),
-                  "pretrained": _pretrained_directory(module)}
+        record = {
+            "prefix": prefix,
+            "architecture": architecture,
+            "config": json.dumps(config),
+            "pretrained": _pretrained_directory(module),
+        }
         lora = lora_record(module)
         if lora is not None:
             record["lora"] = lora
@@ -82,11 +86,14 @@ def choose_record(records: list[dict[str, Any]], prefix: str | None, source: str
         )
     if prefix is None:
         if len(records) > 1:
-            raise ValueError(f"{source} holds {len(records)} Hugging Face models; choose one with --prefix "
-                             f"({', '.join(r['prefix'] for r in records)})")
+            raise ValueError(
+                f"{source} holds {len(records)} Hugging Face models; choose one with --prefix "
+                f"({', '.join(r['prefix'] for r in records)})"
+            )
         return records[0]
     for record in records:
         if record["prefix"] == prefix:
             return record
-    raise ValueError(f"{source} has no Hugging Face model at prefix {prefix!r} "
-                     f"(recorded: {', '.join(r['prefix'] for r in records)})")
+    raise ValueError(
+        f"{source} has no Hugging Face model at prefix {prefix!r} (recorded: {', '.join(r['prefix'] for r in records)})"
+    )

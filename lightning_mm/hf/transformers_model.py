@@ -113,8 +113,11 @@ class TransformersModelConfig:
             raise fail("trust_remote_code", f"expected true or false, got {self.trust_remote_code!r}")
         if not isinstance(self.enable_chunk_loss, bool):
             raise fail("enable_chunk_loss", f"expected true or false, got {self.enable_chunk_loss!r}")
-        if isinstance(self.chunk_loss_size, bool) or not isinstance(self.chunk_loss_size, int) \
-                or self.chunk_loss_size <= 0:
+        if (
+            isinstance(self.chunk_loss_size, bool)
+            or not isinstance(self.chunk_loss_size, int)
+            or self.chunk_loss_size <= 0
+        ):
             raise fail("chunk_loss_size", f"expected a positive number of tokens, got {self.chunk_loss_size!r}")
         if self.lora is not None:  # checked now, before any model is built
             from lightning_mm.hf.lora import LoRAConfig
@@ -177,7 +180,8 @@ def _merge(base: dict[str, Any], overrides: Mapping[str, Any]) -> dict[str, Any]
     for key, value in overrides.items():
         current = out.get(key)
         if (
-            isinstance(current, Mapping) and isinstance(value, Mapping)
+            isinstance(current, Mapping)
+            and isinstance(value, Mapping)
             and value.get("model_type", current.get("model_type")) == current.get("model_type")
         ):
             out[key] = _merge(current, value)
@@ -333,6 +337,10 @@ def TransformersModel(config: Any) -> nn.Module:  # noqa: N802 - the seed's name
         from lightning_mm.hf.chunk_loss import enable_chunk_loss
 
         enable_chunk_loss(model, cfg.chunk_loss_size)
-    log.info("TransformersModel: %s (%s)%s", model_cls.__name__, source,
-             f" from {cfg.init_from_hf_path}" if cfg.init_from_hf_path else ", random init")
+    log.info(
+        "TransformersModel: %s (%s)%s",
+        model_cls.__name__,
+        source,
+        f" from {cfg.init_from_hf_path}" if cfg.init_from_hf_path else ", random init",
+    )
     return model

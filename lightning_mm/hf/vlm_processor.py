@@ -66,11 +66,15 @@ def _without_video(path: Path, why: str) -> Any:
     base = getattr(transformers, name, None) if name else None
     if base is not None and not (isinstance(base, type) and issubclass(base, ProcessorMixin)):
         # Transformers' stand-in for a class whose module needs a missing backend (Mistral 3's PixtralProcessor)
-        raise ProcessorLoadError(f"{path}: Transformers' {name} cannot be used without torchvision, which is not "
-                                 "installed (its own module needs it, not only a video processor)")
+        raise ProcessorLoadError(
+            f"{path}: Transformers' {name} cannot be used without torchvision, which is not "
+            "installed (its own module needs it, not only a video processor)"
+        )
     if not (isinstance(base, type) and issubclass(base, ProcessorMixin)):
-        raise ProcessorLoadError(f"{path}: the processor cannot be loaded ({why}) and the directory names no "
-                                 f"Transformers processor class to build without a video processor (got {name!r})")
+        raise ProcessorLoadError(
+            f"{path}: the processor cannot be loaded ({why}) and the directory names no "
+            f"Transformers processor class to build without a video processor (got {name!r})"
+        )
 
     class _ImagesOnly(base):  # type: ignore[misc, valid-type]
         """The processor without its video processor (``video_processor`` is ``None``)."""
@@ -86,8 +90,11 @@ def _without_video(path: Path, why: str) -> Any:
     _ImagesOnly.__name__ = _ImagesOnly.__qualname__ = base.__name__
     kwargs = {"local_files_only": True, "trust_remote_code": False}
     tokenizer = AutoTokenizer.from_pretrained(str(path), **kwargs)
-    parts = {"image_processor": AutoImageProcessor.from_pretrained(str(path), **kwargs), "tokenizer": tokenizer,
-             "video_processor": None}
+    parts = {
+        "image_processor": AutoImageProcessor.from_pretrained(str(path), **kwargs),
+        "tokenizer": tokenizer,
+        "video_processor": None,
+    }
     if "feature_extractor" in base.get_attributes():  # an omni-modal processor (Qwen2.5-Omni): its audio part
         from transformers import AutoFeatureExtractor
 
@@ -111,13 +118,19 @@ def load_vlm_processor(path: str | Path) -> LoadedProcessor:
             raise ProcessorLoadError(f"{path}: cannot load the processor: {str(err).strip()[:300]}") from err
         why = "its video processor needs torchvision, which is not installed"
         processor = _without_video(path, why)
-        log.info("%s: %s; loaded %s without a video processor (records with videos are refused)", path, why,
-                 type(processor).__name__)
+        log.info(
+            "%s: %s; loaded %s without a video processor (records with videos are refused)",
+            path,
+            why,
+            type(processor).__name__,
+        )
         return LoadedProcessor(processor, "the model's video processor needs torchvision, which is not installed")
     except (OSError, ValueError) as err:
         raise ProcessorLoadError(f"{path}: cannot load the processor: {str(err).strip()[:300]}") from err
     if not hasattr(processor, "image_processor") or not hasattr(processor, "tokenizer"):
-        raise ProcessorLoadError(f"{path}: {type(processor).__name__} is not a vision-language processor "
-                                 "(it has no image processor and tokenizer)")
+        raise ProcessorLoadError(
+            f"{path}: {type(processor).__name__} is not a vision-language processor "
+            "(it has no image processor and tokenizer)"
+        )
     note = None if getattr(processor, "video_processor", None) is not None else "the model has no video processor"
     return LoadedProcessor(processor, note)

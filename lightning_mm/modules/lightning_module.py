@@ -232,13 +232,19 @@ class MMLightningModule(L.LightningModule):
     def _log_step(self, stage: str, loss: torch.Tensor, extras: Mapping[str, Any], batch: Any) -> None:
         size = _batch_size(batch)
         on_step = stage == "train"
-        self.log(f"{stage}/loss", loss.detach().float(), prog_bar=True, sync_dist=True, batch_size=size,
-                 on_step=on_step, on_epoch=not on_step)
+        self.log(
+            f"{stage}/loss",
+            loss.detach().float(),
+            prog_bar=True,
+            sync_dist=True,
+            batch_size=size,
+            on_step=on_step,
+            on_epoch=not on_step,
+        )
         for key, value in extras.items():
             if isinstance(value, torch.Tensor):
                 value = value.detach().float()
-            self.log(f"{stage}/{key}", value, sync_dist=True, batch_size=size, on_step=on_step,
-                     on_epoch=not on_step)
+            self.log(f"{stage}/{key}", value, sync_dist=True, batch_size=size, on_step=on_step, on_epoch=not on_step)
 
     def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
         loss, extras = self._run(batch)
@@ -283,8 +289,12 @@ class MMLightningModule(L.LightningModule):
     def on_train_batch_end(self, outputs: Any, batch: Any, batch_idx: int) -> None:
         optimizers = self.trainer.optimizers
         if optimizers:  # no collective: every step
-            self.log("train/lr", float(optimizers[0].param_groups[0]["lr"]), batch_size=_batch_size(batch),
-                     rank_zero_only=True)
+            self.log(
+                "train/lr",
+                float(optimizers[0].param_groups[0]["lr"]),
+                batch_size=_batch_size(batch),
+                rank_zero_only=True,
+            )
 
     def on_before_optimizer_step(self, optimizer: torch.optim.Optimizer) -> None:
         if self.log_grad_norm and self._writes_step_logs():
@@ -301,8 +311,9 @@ class MMLightningModule(L.LightningModule):
         if not params:
             raise ValueError(f"{type(self).__name__} has no trainable parameters")
         # Sharded and unsharded (ignored-module) parameters in groups of their own: each group can take the fused step.
-        optimizer = torch.optim.AdamW(group_by_sharding(params), lr=self.lr, weight_decay=self.weight_decay,
-                                      betas=self.betas)
+        optimizer = torch.optim.AdamW(
+            group_by_sharding(params), lr=self.lr, weight_decay=self.weight_decay, betas=self.betas
+        )
         if self.warmup_steps == 0 and self.lr_decay_style == "constant":
             return optimizer
         scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, self._lr_factor)

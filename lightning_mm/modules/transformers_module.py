@@ -37,8 +37,9 @@ class MMTransformersModule(MMLightningModule):
 
     def __init__(self, transformers_model: dict[str, Any], **kwargs: Any) -> None:
         if kwargs.get("model_provider") is not None:
-            raise ValueError("MMTransformersModule builds its model from `transformers_model`; do not also give "
-                             "`model_provider`")
+            raise ValueError(
+                "MMTransformersModule builds its model from `transformers_model`; do not also give `model_provider`"
+            )
         super().__init__(**kwargs)
         TransformersModelConfig.from_any(deepcopy(transformers_model))  # a bad key fails now, naming it
         self.transformers_model = deepcopy(transformers_model)

@@ -61,8 +61,14 @@ class MMWanModule(MMLightningModule):
         **kwargs: the other arguments of :class:`MMLightningModule` (``lr``, ``warmup_steps``...).
     """
 
-    def __init__(self, diffusers_model: Mapping[str, Any], schedule: Mapping[str, Any] | None = None,
-                 noise_seed: int = 0, fsdp2_config: Any = None, **kwargs: Any) -> None:
+    def __init__(
+        self,
+        diffusers_model: Mapping[str, Any],
+        schedule: Mapping[str, Any] | None = None,
+        noise_seed: int = 0,
+        fsdp2_config: Any = None,
+        **kwargs: Any,
+    ) -> None:
         if kwargs.get("model_provider") is not None:
             raise ValueError("MMWanModule builds its model from `diffusers_model`; do not also give `model_provider`")
         if fsdp2_config is not None and not hasattr(fsdp2_config, "sub_modules_to_wrap"):
@@ -73,13 +79,16 @@ class MMWanModule(MMLightningModule):
         schedule = dict(schedule or {})
         scheduler_id = schedule.pop("model_id", "wan_flow_match_scheduler")
         if scheduler_id != "wan_flow_match_scheduler":
-            raise ValueError(f"MMWanModule `schedule.model_id`: only 'wan_flow_match_scheduler' is implemented, got "
-                             f"{scheduler_id!r}")
+            raise ValueError(
+                f"MMWanModule `schedule.model_id`: only 'wan_flow_match_scheduler' is implemented, got {scheduler_id!r}"
+            )
         known = [f.name for f in fields(WanFlowMatchSchedule) if f.init]
         for key in schedule:
             if key not in known:
-                raise ValueError(f"MMWanModule `schedule.{key}`: not a key of the Wan flow-matching schedule"
-                                 + did_you_mean(str(key), known))
+                raise ValueError(
+                    f"MMWanModule `schedule.{key}`: not a key of the Wan flow-matching schedule"
+                    + did_you_mean(str(key), known)
+                )
         self.schedule = WanFlowMatchSchedule(**schedule)
         if not isinstance(noise_seed, int) or isinstance(noise_seed, bool):
             raise ValueError(f"MMWanModule `noise_seed` must be an integer, got {noise_seed!r}")
@@ -105,8 +114,10 @@ class MMWanModule(MMLightningModule):
 
             predictor = getattr(self.model, "predictor", None)
             if predictor is None:
-                raise ValueError(f"MMWanModule: context parallelism needs a model with a Wan `predictor`, got "
-                                 f"{type(self.model).__name__}")
+                raise ValueError(
+                    f"MMWanModule: context parallelism needs a model with a Wan `predictor`, got "
+                    f"{type(self.model).__name__}"
+                )
             enable_wan_context_parallel(predictor, group)
 
     def _data_parallel_rank(self) -> int:
@@ -133,18 +144,25 @@ class MMWanModule(MMLightningModule):
         if self._seed.get_batch is not None:
             batch = super().get_batch(batch)
         if not isinstance(batch, Mapping):
-            raise TypeError(f"MMWanModule: a batch must be a mapping with keys {list(_REQUIRED)}, got "
-                            f"{type(batch).__name__}")
+            raise TypeError(
+                f"MMWanModule: a batch must be a mapping with keys {list(_REQUIRED)}, got {type(batch).__name__}"
+            )
         unknown = sorted(set(batch) - set(WAN_BATCH_KEYS))
         missing = [k for k in _REQUIRED if k not in batch]
         if unknown or missing:
-            raise KeyError(f"MMWanModule: batch keys {sorted(batch)}: " + "; ".join(
-                ([f"missing {missing}"] if missing else []) + ([f"unknown {unknown} (known: {list(WAN_BATCH_KEYS)})"]
-                                                               if unknown else [])))
+            raise KeyError(
+                f"MMWanModule: batch keys {sorted(batch)}: "
+                + "; ".join(
+                    ([f"missing {missing}"] if missing else [])
+                    + ([f"unknown {unknown} (known: {list(WAN_BATCH_KEYS)})"] if unknown else [])
+                )
+            )
         latents = batch["latents"]
         if not isinstance(latents, torch.Tensor) or latents.ndim != 5:
-            raise ValueError(f"MMWanModule: `latents` must be a (batch, channels, frames, height, width) tensor, got "
-                             f"{getattr(latents, 'shape', type(latents).__name__)}")
+            raise ValueError(
+                f"MMWanModule: `latents` must be a (batch, channels, frames, height, width) tensor, got "
+                f"{getattr(latents, 'shape', type(latents).__name__)}"
+            )
         text = batch["prompt_embeds"]
         if batch.get("prompt_mask") is not None:
             text = text * batch["prompt_mask"].to(text.dtype).unsqueeze(-1)

@@ -95,8 +95,9 @@ class AsyncSaver:
     def pending(self) -> Path | None:
         return self._pending.path if self._pending is not None else None
 
-    def start(self, path: Path, rank0: bool, save: Callable[[Executor, Any], Future | None],
-              timeout: timedelta | None) -> None:
+    def start(
+        self, path: Path, rank0: bool, save: Callable[[Executor, Any], Future | None], timeout: timedelta | None
+    ) -> None:
         """Start ``save(executor, group)`` (every rank, after :meth:`wait`): the state is staged when it returns."""
         assert self._pending is None, "wait() for the previous save first"
         if self._group is None and dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
@@ -119,8 +120,11 @@ class AsyncSaver:
             if not _same(link.parent / target, pending.path):
                 continue
             previous = pending.links_before.get(link.name)
-            if previous is not None and not _same(link.parent / previous, pending.path) and (
-                    link.parent / previous).exists():
+            if (
+                previous is not None
+                and not _same(link.parent / previous, pending.path)
+                and (link.parent / previous).exists()
+            ):
                 _relink(link, previous)
             else:
                 link.unlink()

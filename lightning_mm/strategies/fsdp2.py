@@ -211,13 +211,16 @@ class MMFSDP2Strategy(ParallelStrategy):
         self._sharded: apply.ShardedModel | None = None
         self._gradient_sync = True
         if checkpoint_format not in (*checkpoint.FORMATS, *HF_FORMATS):
-            raise ValueError(f"checkpoint_format must be one of {(*checkpoint.FORMATS, *HF_FORMATS)}, got "
-                             f"{checkpoint_format!r}")
+            raise ValueError(
+                f"checkpoint_format must be one of {(*checkpoint.FORMATS, *HF_FORMATS)}, got {checkpoint_format!r}"
+            )
         self.checkpoint_format = checkpoint_format
         self._save_dtype = hf_weights.check_dtype(save_ckpt_dtype)
         if save_ckpt_dtype is not None and checkpoint_format not in HF_FORMATS:
-            raise ValueError(f"save_ckpt_dtype={save_ckpt_dtype!r} casts the Hugging Face weights of a checkpoint: "
-                             f"it needs checkpoint_format 'hf' or 'torch_dcp+hf', not {checkpoint_format!r}")
+            raise ValueError(
+                f"save_ckpt_dtype={save_ckpt_dtype!r} casts the Hugging Face weights of a checkpoint: "
+                f"it needs checkpoint_format 'hf' or 'torch_dcp+hf', not {checkpoint_format!r}"
+            )
         self.save_ckpt_dtype = save_ckpt_dtype
         self._strict_loading = strict_loading
         self._fused_optimizer_step = fused_optimizer_step
@@ -238,8 +241,10 @@ class MMFSDP2Strategy(ParallelStrategy):
         if not isinstance(async_save, bool):
             raise TypeError(f"async_save must be True or False, got {async_save!r}")
         if async_save and checkpoint_format in HF_FORMATS:
-            raise ValueError(f"async_save=True cannot write checkpoint_format={checkpoint_format!r} in the background "
-                             "(its Hugging Face weights are read from the live model); use 'torch_dcp' or 'torch'")
+            raise ValueError(
+                f"async_save=True cannot write checkpoint_format={checkpoint_format!r} in the background "
+                "(its Hugging Face weights are read from the live model); use 'torch_dcp' or 'torch'"
+            )
         self.async_save = async_save
         self._async_saver = AsyncSaver()
         self._warned_async_url = False
@@ -350,8 +355,9 @@ class MMFSDP2Strategy(ParallelStrategy):
             self._given_config.resolve_sharding_size(self.num_nodes * self.num_processes)  # fail before launching
         # Both check ckpt_path="last" first (lightning_mm.strategies.launch).
         if not self.cluster_environment.creates_processes_externally:
-            self._launcher = CheckingSubprocessScriptLauncher(self.cluster_environment, self.num_processes,
-                                                              self.num_nodes)
+            self._launcher = CheckingSubprocessScriptLauncher(
+                self.cluster_environment, self.num_processes, self.num_nodes
+            )
         else:
             self._launcher = CheckingLauncher()
 
@@ -416,10 +422,12 @@ class MMFSDP2Strategy(ParallelStrategy):
         if type(env) is LightningEnvironment and self.num_nodes == 1 and is_loopback(env.main_address):
             # A single-node run started by Lightning: the rendezvous store listens on the loopback interface only.
             # (torchrun's agent owns the store of the runs it starts.)
-            kwargs["store"] = loopback_store(env.main_address, env.main_port, self.global_rank, self.world_size,
-                                             self._timeout)
-        dist.init_process_group(self._process_group_backend, rank=self.global_rank, world_size=self.world_size,
-                                **kwargs)
+            kwargs["store"] = loopback_store(
+                env.main_address, env.main_port, self.global_rank, self.world_size, self._timeout
+            )
+        dist.init_process_group(
+            self._process_group_backend, rank=self.global_rank, world_size=self.world_size, **kwargs
+        )
         # Ours to destroy: after a failed run (teardown) and at interpreter exit. Not after a successful run: the
         # sharded model keeps using this group if the same Trainer goes on to validate, test or predict.
         self._created_process_group = True
@@ -488,8 +496,10 @@ class MMFSDP2Strategy(ParallelStrategy):
         assert self._layer_sync is not None
         converted = self._layer_sync.apply(root)
         if converted is not root:
-            raise TypeError(f"{type(self._layer_sync).__name__} replaced the LightningModule itself; MMFSDP2Strategy "
-                            "can only convert layers inside it")
+            raise TypeError(
+                f"{type(self._layer_sync).__name__} replaced the LightningModule itself; MMFSDP2Strategy "
+                "can only convert layers inside it"
+            )
         count = sum(isinstance(m, nn.SyncBatchNorm) for m in root.modules())
         rank_zero_info(f"Trainer(sync_batchnorm=True): {count} SyncBatchNorm layer(s), synchronised over all ranks")
         if count and self.root_device.type == "cpu":
@@ -504,8 +514,10 @@ class MMFSDP2Strategy(ParallelStrategy):
         fused = [d for d in decisions if d.fused]
         kept = [d for d in decisions if not d.fused]
         if fused:
-            rank_zero_info(f"Optimizer step: torch's fused Adam/AdamW for {len(fused)} parameter group(s) that left "
-                           "`fused`/`foreach` unset (MMFSDP2Strategy(fused_optimizer_step=False) keeps torch's choice)")
+            rank_zero_info(
+                f"Optimizer step: torch's fused Adam/AdamW for {len(fused)} parameter group(s) that left "
+                "`fused`/`foreach` unset (MMFSDP2Strategy(fused_optimizer_step=False) keeps torch's choice)"
+            )
         for d in kept:
             rank_zero_info(f"Optimizer step: {d.describe()}")
 
@@ -519,8 +531,9 @@ class MMFSDP2Strategy(ParallelStrategy):
         self._plan = plan = build_plan(config, target, self.world_size, precision)
         rank_zero_info(plan.describe())
         self._context_parallel.apply(root, target)
-        self._sharded = apply.apply_plan(root, target, plan, self.device_mesh, self.root_device,
-                                         apply.model_unit_sharding(target, config))
+        self._sharded = apply.apply_plan(
+            root, target, plan, self.device_mesh, self.root_device, apply.model_unit_sharding(target, config)
+        )
         if isinstance(self.precision_plugin, MMFSDP2Precision):  # gradient norms: local experts summed over EP
             self.precision_plugin.norm_groups = self._sharded.norm_groups
 
@@ -598,8 +611,9 @@ class MMFSDP2Strategy(ParallelStrategy):
         return box[0]
 
     @override
-    def reduce(self, tensor: Tensor | Any, group: Any | None = None,
-               reduce_op: ReduceOp | str | None = "mean") -> Tensor | Any:
+    def reduce(
+        self, tensor: Tensor | Any, group: Any | None = None, reduce_op: ReduceOp | str | None = "mean"
+    ) -> Tensor | Any:
         if isinstance(tensor, Tensor):
             return _sync_ddp_if_available(tensor, group, reduce_op=reduce_op)
         return tensor
@@ -685,8 +699,9 @@ class MMFSDP2Strategy(ParallelStrategy):
         layout, keyed by parameter index with the names alongside (``torch``)."""
         assert self.lightning_module is not None
         full = self.checkpoint_format == "torch"
-        return checkpoint.optimizer_state(self.lightning_module, optimizer, full=full,
-                                          view=self._expert_view("optimizer"))
+        return checkpoint.optimizer_state(
+            self.lightning_module, optimizer, full=full, view=self._expert_view("optimizer")
+        )
 
     def _expert_view(self, kind: str) -> Any:
         """With expert parallelism, how checkpoints see the local experts: as their share of the global
@@ -713,9 +728,11 @@ class MMFSDP2Strategy(ParallelStrategy):
         from lightning.fabric.plugins import TorchCheckpointIO
 
         if self._checkpoint_io is not None and type(self._checkpoint_io) is not TorchCheckpointIO:
-            raise TypeError(f"MMFSDP2Strategy writes its checkpoints itself (checkpoint_format="
-                            f"{self.checkpoint_format!r}); the {type(self._checkpoint_io).__name__} plugin cannot be "
-                            "used with it")
+            raise TypeError(
+                f"MMFSDP2Strategy writes its checkpoints itself (checkpoint_format="
+                f"{self.checkpoint_format!r}); the {type(self._checkpoint_io).__name__} plugin cannot be "
+                "used with it"
+            )
 
     def _rng_point(self) -> str:
         """Where a resumed run restores the RNG: before the next batch, or before the next epoch's data iterator."""
@@ -730,8 +747,10 @@ class MMFSDP2Strategy(ParallelStrategy):
         """Write a checkpoint with every rank (``torch_dcp``) or from rank 0 (``torch``); visible once complete."""
         target = self.broadcast(str(filepath))
         if storage_options is not None and not ckpt.remote.is_url(target):
-            raise TypeError("MMFSDP2Strategy writes its checkpoints itself; `storage_options` is only used for "
-                            "checkpoints at URLs (s3://...)")
+            raise TypeError(
+                "MMFSDP2Strategy writes its checkpoints itself; `storage_options` is only used for "
+                "checkpoints at URLs (s3://...)"
+            )
         self._check_checkpoint_io()
         self.wait_for_checkpoint()  # a second save waits for the first
         lm = self.lightning_module
@@ -755,18 +774,33 @@ class MMFSDP2Strategy(ParallelStrategy):
                 self._warned_async_url = True
                 rank_zero_warn(f"async_save: {path} is at a URL; checkpoints at URLs are written synchronously")
             options = storage_options if storage_options is not None else self._storage_options
-            ckpt.remote.save(checkpoint, path, self.checkpoint_format, extra, ckpt.capture_rng(self.root_device),
-                             options)
+            ckpt.remote.save(
+                checkpoint, path, self.checkpoint_format, extra, ckpt.capture_rng(self.root_device), options
+            )
             return
         trainer = attached_trainer(lm)
-        fitting = (trainer is not None and trainer.state.fn == TrainerFn.FITTING
-                   and trainer.state.status == TrainerStatus.RUNNING)
+        fitting = (
+            trainer is not None
+            and trainer.state.fn == TrainerFn.FITTING
+            and trainer.state.status == TrainerStatus.RUNNING
+        )
         if not (self.async_save and fitting):
             ckpt.save(checkpoint, path, self.checkpoint_format, extra, ckpt.capture_rng(self.root_device))
             return
-        self._async_saver.start(path, self.is_global_zero, lambda executor, group: ckpt.save(
-            checkpoint, path, self.checkpoint_format, extra, ckpt.capture_rng(self.root_device),
-            background=executor, group=group), self._timeout)
+        self._async_saver.start(
+            path,
+            self.is_global_zero,
+            lambda executor, group: ckpt.save(
+                checkpoint,
+                path,
+                self.checkpoint_format,
+                extra,
+                ckpt.capture_rng(self.root_device),
+                background=executor,
+                group=group,
+            ),
+            self._timeout,
+        )
 
     def wait_for_checkpoint(self) -> None:
         """Wait until the checkpoint being written in the background (``async_save=True``) is in place; raise what
@@ -776,16 +810,24 @@ class MMFSDP2Strategy(ParallelStrategy):
     def _save_with_hf_weights(self, checkpoint: dict[str, Any], path: Path | str, extra: dict[str, Any]) -> None:
         """``checkpoint_format`` ``"hf"`` (the weights only, as safetensors) or ``"torch_dcp+hf"`` (both)."""
         if isinstance(path, str):
-            raise ValueError(f"{path}: checkpoint_format={self.checkpoint_format!r} cannot be written to a URL; "
-                             "checkpoints at URLs are 'torch_dcp' directories")
+            raise ValueError(
+                f"{path}: checkpoint_format={self.checkpoint_format!r} cannot be written to a URL; "
+                "checkpoints at URLs are 'torch_dcp' directories"
+            )
         state = checkpoint.get("state_dict") or {}
         weights = plan_weights(self.lightning_module, list(state))
         extra[hf_weights.RECORD_KEY] = weights.record(self.save_ckpt_dtype)
         if self.checkpoint_format == "hf":
             checkpoint = {k: v for k, v in checkpoint.items() if k not in ("state_dict", "optimizer_states")}
             extra["kind"] = ckpt.KIND_WEIGHTS
-        ckpt.save(checkpoint, path, "torch_dcp", extra, ckpt.capture_rng(self.root_device),
-                  also_write=weights.writer(state, self._save_dtype))
+        ckpt.save(
+            checkpoint,
+            path,
+            "torch_dcp",
+            extra,
+            ckpt.capture_rng(self.root_device),
+            also_write=weights.writer(state, self._save_dtype),
+        )
 
     @override
     @checkpoint.outside_inference_mode
@@ -796,8 +838,10 @@ class MMFSDP2Strategy(ParallelStrategy):
         position through Lightning's loop, the RNG right before training continues.
         """
         if weights_only is False:
-            raise ValueError("MMFSDP2Strategy loads checkpoints weights_only (no pickled code is run); "
-                             "weights_only=False is not supported")
+            raise ValueError(
+                "MMFSDP2Strategy loads checkpoints weights_only (no pickled code is run); "
+                "weights_only=False is not supported"
+            )
         self._check_checkpoint_io()
         self.wait_for_checkpoint()
         lm = self.lightning_module
@@ -806,12 +850,19 @@ class MMFSDP2Strategy(ParallelStrategy):
         path = path if ckpt.remote.is_url(path) else Path(path)
         fitting = lm.trainer.state.fn == TrainerFn.FITTING
         strict = lm.strict_loading if self._strict_loading is None else self._strict_loading
-        loaded = checkpoint.load(path, lm, self.optimizers if fitting else [], strict=strict, rank=self.global_rank,
-                                 world_size=self.world_size, fitting=fitting, view=self._expert_view("model"),
-                                 optimizer_view=self._expert_view("optimizer"),
-                                 schedulers=[c.scheduler for c in self.lr_scheduler_configs],
-                                 source=ckpt.remote.open_source(path, self._storage_options)
-                                 if isinstance(path, str) else None)
+        loaded = checkpoint.load(
+            path,
+            lm,
+            self.optimizers if fitting else [],
+            strict=strict,
+            rank=self.global_rank,
+            world_size=self.world_size,
+            fitting=fitting,
+            view=self._expert_view("model"),
+            optimizer_view=self._expert_view("optimizer"),
+            schedulers=[c.scheduler for c in self.lr_scheduler_configs],
+            source=ckpt.remote.open_source(path, self._storage_options) if isinstance(path, str) else None,
+        )
         self._pending_rng, self._pending_rng_point = loaded.rng, loaded.rng_point
         self._pending_rng_step = loaded.checkpoint.get("global_step")
         return loaded.checkpoint
@@ -827,8 +878,13 @@ class MMFSDP2Strategy(ParallelStrategy):
     def process_dataloader(self, dataloader: object) -> object:
         """Resuming at an epoch boundary: restore the RNG before the new epoch's training iterator is created."""
         trainer = attached_trainer(self.lightning_module)
-        if (self._pending_rng is not None and self._pending_rng_point == "next_epoch" and trainer is not None
-                and trainer.training and not trainer.sanity_checking):
+        if (
+            self._pending_rng is not None
+            and self._pending_rng_point == "next_epoch"
+            and trainer is not None
+            and trainer.training
+            and not trainer.sanity_checking
+        ):
             self._restore_pending_rng()
         return dataloader
 
@@ -858,4 +914,3 @@ class MMFSDP2Strategy(ParallelStrategy):
             strategy_registry.register(
                 cls.strategy_name, cls, description="FSDP2 driven by a MindSpeed MM fsdp2_config.yaml"
             )
-

@@ -35,8 +35,11 @@ __all__ = ["dangling_last_link", "check_ckpt_path", "CheckingLauncher", "Checkin
 
 def dangling_last_link(trainer: pl.Trainer) -> str | None:
     """The one-line refusal for ``ckpt_path="last"`` when a ``last`` candidate is a link whose target is gone."""
-    candidates: set[str] = {str(cb.ckpt_path) for cb in trainer.callbacks
-                            if isinstance(cb, OnExceptionCheckpoint) and getattr(cb, "ckpt_path", None)}
+    candidates: set[str] = {
+        str(cb.ckpt_path)
+        for cb in trainer.callbacks
+        if isinstance(cb, OnExceptionCheckpoint) and getattr(cb, "ckpt_path", None)
+    }
     for callback in trainer.checkpoint_callbacks:
         if isinstance(callback, ModelCheckpoint):
             candidates |= last_checkpoints(callback, trainer)
@@ -45,9 +48,11 @@ def dangling_last_link(trainer: pl.Trainer) -> str | None:
         if link.is_symlink() and not link.exists():
             target = os.readlink(link)
             resolved = link.parent / target
-            return (f'ckpt_path="last": {link} is a link to {target} ({resolved}), which does not exist (deleted?); '
-                    "restore that checkpoint, delete the link to start from scratch, or pass "
-                    "ckpt_path=<a checkpoint path>")
+            return (
+                f'ckpt_path="last": {link} is a link to {target} ({resolved}), which does not exist (deleted?); '
+                "restore that checkpoint, delete the link to start from scratch, or pass "
+                "ckpt_path=<a checkpoint path>"
+            )
     return None
 
 
@@ -60,11 +65,16 @@ def check_ckpt_path(function: Callable, args: tuple, kwargs: dict, trainer: pl.T
     except (TypeError, ValueError):
         return
     if ckpt_path == "last":
-        remote = sorted(str(cb.dirpath) for cb in trainer.checkpoint_callbacks
-                        if isinstance(cb, ModelCheckpoint) and is_url(str(cb.dirpath)))
+        remote = sorted(
+            str(cb.dirpath)
+            for cb in trainer.checkpoint_callbacks
+            if isinstance(cb, ModelCheckpoint) and is_url(str(cb.dirpath))
+        )
         if remote:
-            raise ValueError(f'ckpt_path="last" with ModelCheckpoint(dirpath={remote[0]!r}): Lightning looks for '
-                             f'"last" on local paths only; pass the URL itself, ckpt_path="{remote[0]}/last.ckpt"')
+            raise ValueError(
+                f'ckpt_path="last" with ModelCheckpoint(dirpath={remote[0]!r}): Lightning looks for '
+                f'"last" on local paths only; pass the URL itself, ckpt_path="{remote[0]}/last.ckpt"'
+            )
         message = dangling_last_link(trainer)
         if message is not None:
             raise CheckpointNotFoundError(message)

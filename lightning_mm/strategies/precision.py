@@ -155,14 +155,20 @@ class MMFSDP2Precision(Precision):
         """
         bad_loss, self._bad_loss = self._bad_loss, None
         params = _params(optimizer)
-        device = next((p.grad.device for p in params if p.grad is not None),
-                      bad_loss.device if bad_loss is not None else torch.device("cpu"))
+        device = next(
+            (p.grad.device for p in params if p.grad is not None),
+            bad_loss.device if bad_loss is not None else torch.device("cpu"),
+        )
         flags = finite.rank_flags(bad_loss, device)
         norm = total_grad_norm(params, sum_over=self.norm_groups, also_reduce=flags)
         self._step_norm = (id(optimizer), norm)
         trainer = attached_trainer(model)
-        finite.check_step(flags, norm, trainer.global_step if trainer is not None else None,
-                          "MMFSDP2Strategy(stop_on_nonfinite=False)")
+        finite.check_step(
+            flags,
+            norm,
+            trainer.global_step if trainer is not None else None,
+            "MMFSDP2Strategy(stop_on_nonfinite=False)",
+        )
 
 
 def _params(optimizer: Any) -> list[torch.Tensor]:

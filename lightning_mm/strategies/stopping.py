@@ -76,8 +76,10 @@ def check_stop_timeout(value: Any) -> float:
         raise TypeError(f"stop_timeout must be a number of seconds, got {value!r}")
     seconds = float(value)
     if not (math.isfinite(seconds) and 0 < seconds <= threading.TIMEOUT_MAX):
-        raise ValueError(f"stop_timeout must be a positive, finite number of seconds (at most "
-                         f"{threading.TIMEOUT_MAX:g}), got {value!r}")
+        raise ValueError(
+            f"stop_timeout must be a positive, finite number of seconds (at most "
+            f"{threading.TIMEOUT_MAX:g}), got {value!r}"
+        )
     return seconds
 
 
@@ -173,8 +175,12 @@ class RunGuard:
         watch_parent: this rank was launched by another rank and stops when that one is gone.
     """
 
-    def __init__(self, stop_timeout: float, children: Callable[[], list[subprocess.Popen]] | None = None,
-                 watch_parent: bool = False) -> None:
+    def __init__(
+        self,
+        stop_timeout: float,
+        children: Callable[[], list[subprocess.Popen]] | None = None,
+        watch_parent: bool = False,
+    ) -> None:
         self.stop_timeout = check_stop_timeout(stop_timeout)
         self._children = children or (lambda: [])
         self._parent = os.getppid() if watch_parent else None
@@ -286,8 +292,12 @@ class RunGuard:
             if self._deadline is None and self._watch_peers:
                 reason = self._peer_lost()
                 if reason is not None:
-                    print(f"lightning-mm: this rank (pid {os.getpid()}) stops because {reason}; it exits within "
-                          f"{self.stop_timeout:g} s (MMFSDP2Strategy(stop_timeout=...))", file=sys.stderr, flush=True)
+                    print(
+                        f"lightning-mm: this rank (pid {os.getpid()}) stops because {reason}; it exits within "
+                        f"{self.stop_timeout:g} s (MMFSDP2Strategy(stop_timeout=...))",
+                        file=sys.stderr,
+                        flush=True,
+                    )
                     self._arm(PEER_LOST_EXIT_STATUS, reason)
                     self._forward_once(signal.SIGTERM)
                     # A KeyboardInterrupt in the main thread: Lightning's graceful-shutdown path (hooks, teardown,
@@ -309,9 +319,14 @@ class RunGuard:
                     ends.append(f"pid {proc.pid} status {proc.wait(timeout=1)}")
                 except (subprocess.TimeoutExpired, OSError):
                     ends.append(f"pid {proc.pid} still running")
-            os.write(2, (f"lightning-mm: this rank (pid {os.getpid()}) did not finish its run within "
-                         f"{self.stop_timeout:g} s of {self._reason} (its main thread is blocked); it exits with "
-                         f"status {self._exit_status} without further cleanup (MMFSDP2Strategy(stop_timeout=...))"
-                         f"{'; the ranks it launched: ' + ', '.join(ends) if ends else ''}\n").encode())
+            os.write(
+                2,
+                (
+                    f"lightning-mm: this rank (pid {os.getpid()}) did not finish its run within "
+                    f"{self.stop_timeout:g} s of {self._reason} (its main thread is blocked); it exits with "
+                    f"status {self._exit_status} without further cleanup (MMFSDP2Strategy(stop_timeout=...))"
+                    f"{'; the ranks it launched: ' + ', '.join(ends) if ends else ''}\n"
+                ).encode(),
+            )
         finally:
             os._exit(self._exit_status)

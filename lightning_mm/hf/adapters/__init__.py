@@ -30,7 +30,13 @@ __all__ = [
 ]
 
 BUILTIN_ADAPTERS: tuple[type, ...] = (
-    MMLlamaForCausalLM, MMQwen2ForCausalLM, MMQwen3ForCausalLM, MMInternVLForConditionalGeneration,
-    MMQwen2_5_VLForConditionalGeneration, MMLlavaForConditionalGeneration, MMQwen3MoeForCausalLM,
-    MMQwen3VLMoeForConditionalGeneration, MMQwen3VLForConditionalGeneration,
+    MMLlamaForCausalLM,
+    MMQwen2ForCausalLM,
+    MMQwen3ForCausalLM,
+    MMInternVLForConditionalGeneration,
+    MMQwen2_5_VLForConditionalGeneration,
+    MMLlavaForConditionalGeneration,
+    MMQwen3MoeForCausalLM,
+    MMQwen3VLMoeForConditionalGeneration,
+    MMQwen3VLForConditionalGeneration,
 )
