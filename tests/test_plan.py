@@ -8,7 +8,8 @@ from lightning_mm import FSDP2Config
 from lightning_mm.core.config import FSDP2ConfigError
 from lightning_mm.core.init_context import meta_parameters
 from lightning_mm.core.plan import build_plan
-from lightning_mm.strategies.precision import MMFSDP2Precision, resolve_mixed_precision
+from lightning_mm.core.precision_policy import resolve_precision_policy
+from lightning_mm.strategies.precision import MMFSDP2Precision
 
 
 class Net(nn.Module):
@@ -129,22 +130,22 @@ def test_meta_parameters_keep_buffers_and_ties():
     ],
 )
 def test_precision_resolution(precision, yaml, expected):
-    mp = resolve_mixed_precision(FSDP2Config.from_dict(yaml), precision)
+    mp = resolve_precision_policy(FSDP2Config.from_dict(yaml), precision)
     assert (mp.param_dtype, mp.reduce_dtype) == expected
 
 
 def test_contradictory_precision_is_an_error():
     with pytest.raises(FSDP2ConfigError, match="`param_dtype`.*contradicts.*bf16-mixed"):
-        resolve_mixed_precision(FSDP2Config(param_dtype="fp16"), "bf16-mixed")
+        resolve_precision_policy(FSDP2Config(param_dtype="fp16"), "bf16-mixed")
     with pytest.raises(FSDP2ConfigError, match="contradicts"):
-        resolve_mixed_precision(FSDP2Config(param_dtype="fp32"), "bf16-true")
+        resolve_precision_policy(FSDP2Config(param_dtype="fp32"), "bf16-true")
 
 
 def test_fp16_mixed_is_rejected_clearly():
     with pytest.raises(ValueError, match="16-mixed.*sharded gradient scaler"):
         MMFSDP2Precision("16-mixed")
     with pytest.raises(ValueError, match="does not support precision='64-true'"):
-        resolve_mixed_precision(FSDP2Config(), "64-true")
+        resolve_precision_policy(FSDP2Config(), "64-true")
 
 
 def test_seed_default_sharding_size_replicates_and_says_so():
@@ -170,12 +171,12 @@ def test_the_plan_says_which_paths_are_ignored():
 
 def test_ignored_modules_have_one_owner_that_casts_places_and_lists_them():
     from lightning_mm.core.ignored import IgnoredModules
-    from lightning_mm.core.plan import MixedPrecision
+    from lightning_mm.core.precision_policy import PrecisionPolicy
 
     model = Net()
     model.vision.bias.requires_grad_(False)
     config = FSDP2Config(sub_modules_to_wrap=["blocks.{*}"], ignored_modules=["vision"])
-    plan = build_plan(config, model, 4, MixedPrecision(param_dtype=torch.bfloat16))
+    plan = build_plan(config, model, 4, PrecisionPolicy(param_dtype=torch.bfloat16))
     ignored = IgnoredModules(model, plan)
     assert ignored and ignored.modules == [model.vision]
     assert ignored.parameters() == {model.vision.weight, model.vision.bias}

@@ -21,9 +21,6 @@ from lightning_mm.errors import ConfigError
 
 __all__ = ["main", "plan_from_cli_config", "world_size_of"]
 
-# Lightning's short precision names and their full ones (what the strategy's precision resolution expects).
-_PRECISION_ALIASES = {"32": "32-true", "64": "64-true", "16": "16-mixed", "bf16": "bf16-mixed", "None": "32-true"}
-
 
 def world_size_of(devices: Any, num_nodes: Any) -> int:
     """The world size a Trainer would get from ``devices`` x ``num_nodes`` when that is fixed by the config."""
@@ -99,7 +96,7 @@ def plan_from_cli_config(
     from lightning_mm.core.init_context import meta_parameters
     from lightning_mm.core.memory import per_rank_memory
     from lightning_mm.core.plan import build_plan
-    from lightning_mm.strategies.precision import resolve_mixed_precision
+    from lightning_mm.core.precision_policy import resolve_precision_policy
 
     cli = _load_cli(cli_args)
     trainer_config = cli.config_init["trainer"]
@@ -122,7 +119,7 @@ def plan_from_cli_config(
         config = FSDP2Config.load(from_module) if from_module is not None else FSDP2Config(sharding_size="auto")
     config = config.with_model_defaults(target)
     precision_name = str(trainer_config.get("precision"))
-    precision = resolve_mixed_precision(config, _PRECISION_ALIASES.get(precision_name, precision_name))
+    precision = resolve_precision_policy(config, precision_name)
     plan = build_plan(config, target, world, precision)
     memory = per_rank_memory(target, plan, optimizer_states)
     if trace_order:

@@ -18,12 +18,12 @@ from lightning_mm._names import listing
 from lightning_mm._tied import parameter_names_by_tensor
 from lightning_mm.core.config import FSDP2Config, FSDP2ConfigError
 from lightning_mm.core.patterns import PatternError, resolve_patterns
+from lightning_mm.core.precision_policy import PrecisionPolicy
 from lightning_mm.core.recompute import RecomputeError, check_recomputable, uses_kv_cache
 
 __all__ = [
     "ShardUnit",
     "ShardingPlan",
-    "MixedPrecision",
     "ExpertPlan",
     "build_plan",
     "mesh_layout",
@@ -79,16 +79,6 @@ class ExpertPlan:
 
 
 @dataclass(frozen=True)
-class MixedPrecision:
-    """The dtypes FSDP2 uses, already reconciled with the Trainer's ``precision``."""
-
-    param_dtype: torch.dtype | None = None
-    reduce_dtype: torch.dtype | None = None
-    output_dtype: torch.dtype | None = None
-    cast_forward_inputs: bool = True
-
-
-@dataclass(frozen=True)
 class ShardingPlan:
     """What the strategy will do to the model, in the order it does it."""
 
@@ -102,7 +92,7 @@ class ShardingPlan:
     recompute: tuple[str, ...]
     forward_prefetch: int
     backward_prefetch: int
-    precision: MixedPrecision
+    precision: PrecisionPolicy
     reshard_after_forward: bool
     offload_to_cpu: bool
     pin_memory: bool
@@ -540,7 +530,7 @@ def build_plan(
     config: FSDP2Config,
     model: nn.Module,
     world_size: int,
-    precision: MixedPrecision | None = None,
+    precision: PrecisionPolicy | None = None,
     keep_unsharded_for_backward: bool = True,
 ) -> ShardingPlan:
     """Resolve ``config`` against ``model`` for ``world_size`` ranks; every problem is a clear error here.
@@ -572,9 +562,7 @@ def build_plan(
         model, groups, ignored, experts.modules if experts is not None else ()
     )
     if precision is None:
-        precision = MixedPrecision(
-            config.param_dtype, config.reduce_dtype, config.output_dtype, config.cast_forward_inputs
-        )
+        precision = PrecisionPolicy.from_config(config)
     return ShardingPlan(
         world_size=world_size,
         sharding_size=sharding_size,

@@ -48,12 +48,13 @@ from lightning_mm.core.grad_mode import leave_inference_mode, outside_inference_
 from lightning_mm.core.init_context import meta_parameters
 from lightning_mm.core.optimizer import use_fused_steps
 from lightning_mm.core.plan import ShardingPlan, build_plan
+from lightning_mm.core.precision_policy import resolve_precision_policy
 from lightning_mm.hf.checkpoint_format import HF_FORMATS, plan_weights
 from lightning_mm.strategies import stopping
 from lightning_mm.strategies.async_save import AsyncSaver
 from lightning_mm.strategies.cp_setup import ContextParallelSetup
 from lightning_mm.strategies.launch import CheckingLauncher, CheckingSubprocessScriptLauncher
-from lightning_mm.strategies.precision import MMFSDP2Precision, resolve_mixed_precision
+from lightning_mm.strategies.precision import MMFSDP2Precision
 from lightning_mm.strategies.rendezvous import is_loopback, loopback_store
 from lightning_mm.strategies.stopping import SIGNAL_EXIT_STATUS, RunGuard
 
@@ -525,7 +526,7 @@ class MMFSDP2Strategy(ParallelStrategy):
         """Resolve the config and the precision, build the plan and log it, apply it (``apply.apply_plan``)."""
         target = self._sharding_target()
         config = self._config = self.fsdp2_config.with_model_defaults(target)
-        precision = resolve_mixed_precision(config, str(self.precision_plugin.precision))
+        precision = resolve_precision_policy(config, str(self.precision_plugin.precision))
         root_converted = self.precision_plugin.convert_module(root)
         assert root_converted is root
         self._plan = plan = build_plan(config, target, self.world_size, precision)

@@ -21,57 +21,19 @@ from typing_extensions import override
 
 from lightning_mm._compat import attached_trainer
 from lightning_mm.core import finite
-from lightning_mm.core.config import FSDP2Config, FSDP2ConfigError
 from lightning_mm.core.grad_clip import clip_grads_with_norm_, total_grad_norm
-from lightning_mm.core.plan import MixedPrecision
+from lightning_mm.core.precision_policy import SUPPORTED_PRECISION, TRUE_DTYPES, check_supported_precision
 
-__all__ = ["MMFSDP2Precision", "resolve_mixed_precision", "SUPPORTED_PRECISION"]
-
-SUPPORTED_PRECISION = ("32-true", "bf16-mixed", "bf16-true", "16-true")
-_TRUE_DTYPES = {"bf16-true": torch.bfloat16, "16-true": torch.float16}
-
-
-def _check_supported(precision: str) -> None:
-    if precision == "16-mixed":
-        raise ValueError(
-            "MMFSDP2Strategy does not support precision='16-mixed': fp16 autocast needs a sharded gradient scaler, "
-            "which this strategy does not provide. Use precision='bf16-mixed' (bf16 parameters, fp32 reduction), "
-            "or set `param_dtype: fp16` in the FSDP2 YAML if you handle loss scaling yourself."
-        )
-    if precision not in SUPPORTED_PRECISION:
-        raise ValueError(
-            f"MMFSDP2Strategy does not support precision={precision!r}; supported: {', '.join(SUPPORTED_PRECISION)}"
-        )
-
-
-def resolve_mixed_precision(config: FSDP2Config, precision: str = "32-true") -> MixedPrecision:
-    """Reconcile the Trainer ``precision`` with the YAML dtypes; explicit YAML dtypes win, contradictions fail.
-
-    ``bf16-mixed`` with no dtypes in the YAML means bf16 parameters and fp32 gradient reduction. A ``bf16-*`` or
-    ``16-*`` precision next to a different ``param_dtype`` in the YAML is a contradiction and an error.
-    """
-    _check_supported(precision)
-    param, reduce = config.param_dtype, config.reduce_dtype
-    wanted = {"bf16-mixed": torch.bfloat16, **_TRUE_DTYPES}.get(precision)
-    if wanted is not None and param is not None and param != wanted:
-        where = f" in {config.source}" if config.source else ""
-        raise FSDP2ConfigError(
-            f"FSDP2 config key `param_dtype`{where} is {str(param).removeprefix('torch.')}, which contradicts "
-            f"Trainer(precision={precision!r}); remove one of them or make them agree"
-        )
-    if precision == "bf16-mixed" and param is None:
-        param = torch.bfloat16
-        reduce = reduce if reduce is not None else torch.float32
-    return MixedPrecision(param, reduce, config.output_dtype, config.cast_forward_inputs)
+__all__ = ["MMFSDP2Precision", "SUPPORTED_PRECISION"]
 
 
 class MMFSDP2Precision(Precision):
     """Precision plugin for :class:`~lightning_mm.MMFSDP2Strategy`: no autocast, DTensor-aware clipping."""
 
     def __init__(self, precision: str = "32-true", stop_on_nonfinite: bool = True) -> None:
-        _check_supported(precision)
+        check_supported_precision(precision)
         self.precision = precision  # type: ignore[assignment]
-        self._true_dtype = _TRUE_DTYPES.get(precision)
+        self._true_dtype = TRUE_DTYPES.get(precision)
         self._step_norm: tuple[int, torch.Tensor] | None = None  # (id(optimizer), norm) of the step under way
         self.stop_on_nonfinite = stop_on_nonfinite
         """Before each optimizer step: a non-finite loss on any rank (any micro-batch since the last step) or a
