@@ -102,7 +102,7 @@ def run(setting: str, ckpt: Path) -> dict[str, Any]:
             starts.append(time.perf_counter())
 
         def on_train_start(self, trainer: L.Trainer, pl_module: Any) -> None:
-            plan = trainer.strategy._plan
+            plan = trainer.strategy.plan
             info["bytes"] = _local_bytes(pl_module.model)
             if plan.experts is not None:
                 info["plan_bytes"] = sum(plan.bytes_per_rank())

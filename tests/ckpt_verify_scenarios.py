@@ -93,7 +93,7 @@ class Recorder(L.Callback):
     def on_train_batch_start(self, trainer: L.Trainer, pl_module: Any, batch: Any, idx: int) -> None:
         if trainer.global_rank != 0 or not self.watch:
             return
-        if trainer.strategy._async_saver.pending is not None:
+        if trainer.strategy.checkpoints.saver.pending is not None:
             self.pending_batches += 1
         for directory in self.watch:
             for entry in directory.iterdir() if directory.is_dir() else []:
@@ -337,8 +337,8 @@ class SigtermAt(L.Callback):
 
     def on_train_batch_start(self, trainer: L.Trainer, *args: Any) -> None:
         if trainer.global_step == self.step:
-            assert trainer.strategy._async_saver.pending is not None, "the save of the step before is pending"
-            (WORK / "sigterm.pending").write_text(str(trainer.strategy._async_saver.pending))
+            assert trainer.strategy.checkpoints.saver.pending is not None, "the save of the step before is pending"
+            (WORK / "sigterm.pending").write_text(str(trainer.strategy.checkpoints.saver.pending))
             os.kill(os.getpid(), signal.SIGTERM)
 
 

@@ -190,7 +190,9 @@ def scenario_seed_yaml(outdir: str) -> None:
     layers = model.text_decoder.decoder.layers
     fwd = [[units.get(id(m), "?") for m in _prefetch_modules(layers[0], "forward")]]
     bwd = [[units.get(id(m), "?") for m in _prefetch_modules(layers[1], "backward")]]
-    observed_order = [t.strategy._sharded.prefetch.name(u) for u in t.strategy._sharded.prefetch.order]
+    observed_order = [
+        t.strategy.sharded_run.sharded.prefetch.name(u) for u in t.strategy.sharded_run.sharded.prefetch.order
+    ]
     dump(
         "seed_yaml",
         outdir,
@@ -379,7 +381,9 @@ def scenario_tied(outdir: str) -> None:
             "plan_units": [list(u.modules) for u in t.strategy.plan.units],
             "notes": list(t.strategy.plan.notes),
             "losses": recorder.losses,
-            "order": [t.strategy._sharded.prefetch.name(u) for u in t.strategy._sharded.prefetch.order],
+            "order": [
+                t.strategy.sharded_run.sharded.prefetch.name(u) for u in t.strategy.sharded_run.sharded.prefetch.order
+            ],
             "forward_prefetch": {
                 names.get(id(m), "?"): [names.get(id(x), "?") for x in _prefetch_modules(m, "forward")]
                 for m in model.layers

@@ -250,7 +250,7 @@ def _expert_units(module: Any) -> list[dict[str, Any]]:
 
 def _aligned_unit(trainer: Any, module: Any) -> list[str] | None:
     """The parameter names FSDP manages in the aligned unit (the unit whose first module is a norm or router)."""
-    plan = trainer.strategy._plan
+    plan = trainer.strategy.plan
     labelled = [u for u in plan.units if u.label]
     if not labelled:
         return None

@@ -39,3 +39,20 @@ class MemoryProbe(L.Callback):
         Path(f"{self.path}.rank{trainer.global_rank}.json").write_text(
             json.dumps({"params": params, "grads": trainable, "optimizer": states})
         )
+
+
+def plan_record(plan: Any) -> Any:
+    """A sharding plan as JSON data (every field, dtypes as their names): equal records, equal plans."""
+    import dataclasses
+
+    return json.loads(json.dumps(dataclasses.asdict(plan), default=str))
+
+
+class PlanProbe(L.Callback):
+    """Writes each rank's applied sharding plan (``trainer.strategy.plan``) once the model is sharded."""
+
+    def __init__(self, path: str) -> None:
+        self.path = path
+
+    def on_fit_start(self, trainer: L.Trainer, pl_module: Any) -> None:
+        Path(f"{self.path}.rank{trainer.global_rank}.json").write_text(json.dumps(plan_record(trainer.strategy.plan)))

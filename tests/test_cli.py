@@ -49,6 +49,21 @@ def parse_plan_bytes(text: str) -> dict[str, int]:
     return found
 
 
+def assert_plan_command_matches_the_run(config: str, probe: Path) -> None:
+    """The plan ``lightning-mm plan --config CONFIG`` builds equals the plan each rank of the run applied."""
+    from lightning_mm.commands.plan import planned_cli_config
+    from tests.probes import plan_record
+
+    here = os.getcwd()
+    os.chdir(ROOT)  # the config's own paths are relative to the repository root, as in `run`
+    try:
+        planned = plan_record(planned_cli_config(["--config", config])[2].plan)
+    finally:
+        os.chdir(here)
+    applied = [json.loads(Path(f"{probe}.rank{r}.json").read_text()) for r in range(2)]
+    assert applied[0] == applied[1] == planned
+
+
 def test_captioning_demo_fits_from_yaml_and_plan_matches_the_sharded_model(tmp_path):
     probe = tmp_path / "memory"
     proc = run(
@@ -64,6 +79,8 @@ def test_captioning_demo_fits_from_yaml_and_plan_matches_the_sharded_model(tmp_p
             str(tmp_path),
             "--trainer.callbacks+=tests.probes.MemoryProbe",
             f"--trainer.callbacks.path={probe}",
+            "--trainer.callbacks+=tests.probes.PlanProbe",
+            f"--trainer.callbacks.path={tmp_path / 'plan'}",
         ]
     )
     values = losses(tmp_path)
@@ -91,6 +108,8 @@ def test_captioning_demo_fits_from_yaml_and_plan_matches_the_sharded_model(tmp_p
     assert planned["parameters"] == max(r["params"] for r in real)
     assert planned["gradients"] == max(r["grads"] for r in real)
     assert planned["optimizer"] == max(r["optimizer"] for r in real)
+    # `lightning-mm plan` prints the plan the strategy applied: the same plan, field by field, on every rank.
+    assert_plan_command_matches_the_run("examples/captioning/config.yaml", tmp_path / "plan")
     # A bigger world: the plan shrinks accordingly without starting processes.
     plan8 = parse_plan_bytes(run(["plan", "--config", "examples/captioning/config.yaml", "--world-size", "8"]).stdout)
     assert plan8["parameters"] < planned["parameters"] / 3
@@ -109,10 +128,13 @@ def test_migration_example_reuses_the_seed_functions_through_import_paths(tmp_pa
             "20",
             "--trainer.logger.init_args.save_dir",
             str(tmp_path),
+            "--trainer.callbacks+=tests.probes.PlanProbe",
+            f"--trainer.callbacks.path={tmp_path / 'plan'}",
         ]
     )
     values = losses(tmp_path)
     assert values[-1] < values[0] * 0.5, values
+    assert_plan_command_matches_the_run("examples/migration/config.yaml", tmp_path / "plan")
 
 
 def test_migrate_maps_a_mindspeed_launch_and_lists_what_it_cannot(tmp_path):

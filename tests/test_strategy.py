@@ -7,6 +7,7 @@ import lightning_mm
 from lightning_mm import FSDP2Config, MMFSDP2Strategy
 from lightning_mm.core.backend import process_group_backend
 from lightning_mm.core.config import FSDP2ConfigError
+from lightning_mm.core.sharded_run import sharding_target
 from lightning_mm.strategies.precision import MMFSDP2Precision
 
 
@@ -131,14 +132,14 @@ def test_the_sharding_target_comes_from_the_module_protocol():
     for module, expected in ((Plain(), None), (WithTarget(), "inner")):
         strategy = MMFSDP2Strategy()
         strategy.connect(module)
-        assert strategy._sharding_target() is (module if expected is None else getattr(module, expected))
+        assert sharding_target(strategy.lightning_module) is (module if expected is None else getattr(module, expected))
     strategy = MMFSDP2Strategy()
     mm = MMLightningModule(model_provider=lambda: nn.Linear(2, 2))
     strategy.connect(mm)
     with pytest.raises(RuntimeError, match="did not build a model"):
-        strategy._sharding_target()
+        sharding_target(strategy.lightning_module)
     mm.configure_model()
-    assert strategy._sharding_target() is mm.model
+    assert sharding_target(strategy.lightning_module) is mm.model
 
 
 def test_only_an_overridden_fully_shard_replaces_the_plan_units():

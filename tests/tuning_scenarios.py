@@ -112,7 +112,7 @@ def run(
         n: (p.full_tensor() if isinstance(p, DTensor) else p).detach().flatten().tolist()
         for n, p in module.named_parameters()
     }
-    prefetch = trainer.strategy._sharded.prefetch
+    prefetch = trainer.strategy.sharded_run.sharded.prefetch
     kept = ["<root>" if u is prefetch.root else prefetch.name(u) for u in prefetch.kept_unsharded]
     fused = [group["fused"] for group in trainer.optimizers[0].param_groups]
     return (

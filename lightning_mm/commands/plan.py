@@ -19,7 +19,7 @@ from typing import Any
 
 from lightning_mm.errors import ConfigError
 
-__all__ = ["main", "plan_from_cli_config", "world_size_of"]
+__all__ = ["main", "plan_from_cli_config", "planned_cli_config", "world_size_of"]
 
 
 def world_size_of(devices: Any, num_nodes: Any) -> int:
@@ -91,39 +91,13 @@ def plan_from_cli_config(
     seq_length: int | None = None,
 ) -> str:
     """Build the plan for a LightningCLI argument list (``["--config", "cfg.yaml", ...]``) and describe it."""
-    from lightning_mm import MMFSDP2Strategy, MMLightningModule
-    from lightning_mm.core.config import FSDP2Config
-    from lightning_mm.core.init_context import meta_parameters
+    strategy, module, planned, world, datamodule = planned_cli_config(cli_args, world_size)
     from lightning_mm.core.memory import per_rank_memory
-    from lightning_mm.core.plan import build_plan
-    from lightning_mm.core.precision_policy import resolve_precision_policy
 
-    cli = _load_cli(cli_args)
-    trainer_config = cli.config_init["trainer"]
-    strategy = trainer_config.get("strategy")
-    module = cli.model
-    if isinstance(strategy, MMFSDP2Strategy):
-        given = strategy._given_config
-    elif strategy == MMFSDP2Strategy.strategy_name:
-        given = None
-    else:
-        shown = type(strategy).__name__ if not isinstance(strategy, str) else repr(strategy)
-        raise ConfigError(f"trainer.strategy is {shown}, not MMFSDP2Strategy (mm_fsdp2): nothing to plan")
-    world = world_size or world_size_of(trainer_config.get("devices"), trainer_config.get("num_nodes"))
-    with meta_parameters():
-        module.configure_model()
-    target = module.model if isinstance(module, MMLightningModule) else module
-    config = given
-    if config is None:
-        from_module = getattr(module, "fsdp2_config", None)
-        config = FSDP2Config.load(from_module) if from_module is not None else FSDP2Config(sharding_size="auto")
-    config = config.with_model_defaults(target)
-    precision_name = str(trainer_config.get("precision"))
-    precision = resolve_precision_policy(config, precision_name)
-    plan = build_plan(config, target, world, precision)
+    target, plan, config = planned.target, planned.plan, planned.config
     memory = per_rank_memory(target, plan, optimizer_states)
     if trace_order:
-        order = _execution_order(module, target, plan, cli.datamodule)
+        order = _execution_order(module, target, plan, datamodule)
     else:
         order = (
             "  prefetch order: decided at the first training step (--trace-order shows it from one batch on the "
@@ -136,18 +110,38 @@ def plan_from_cli_config(
     source = default_plan_summary(target, explicit, config.ignored_modules if "ignored_modules" in explicit else None)
     if source:
         text += "\n" + source
-    cp = strategy.context_parallel_size if isinstance(strategy, MMFSDP2Strategy) else 1
-    if cp > 1 or seq_length:
+    if strategy.context_parallel_size > 1 or seq_length:
         from lightning_mm.hf.cp_attention import context_parallel_summary
 
         text += "\n" + context_parallel_summary(
-            target,
-            world,
-            cp,
-            strategy._context_parallel.algo if isinstance(strategy, MMFSDP2Strategy) else "ulysses",
-            seq_length,
+            target, world, strategy.context_parallel_size, strategy.context_parallel_algo, seq_length
         )
     return text
+
+
+def planned_cli_config(cli_args: Sequence[str], world_size: int | None = None) -> tuple[Any, Any, Any, int, Any]:
+    """``(strategy, module, planned, world_size, datamodule)`` for a LightningCLI config: the model built on the
+    meta device and planned by the config's own strategy (:meth:`MMFSDP2Strategy.plan_for`, what its ``setup``
+    applies), with the config's ``precision``."""
+    from lightning_mm import MMFSDP2Strategy
+    from lightning_mm.core.init_context import meta_parameters
+    from lightning_mm.core.precision_policy import check_supported_precision
+    from lightning_mm.strategies.precision import MMFSDP2Precision
+
+    cli = _load_cli(cli_args)
+    trainer_config = cli.config_init["trainer"]
+    strategy = trainer_config.get("strategy")
+    if strategy == MMFSDP2Strategy.strategy_name:
+        strategy = MMFSDP2Strategy()
+    if not isinstance(strategy, MMFSDP2Strategy):
+        shown = type(strategy).__name__ if not isinstance(strategy, str) else repr(strategy)
+        raise ConfigError(f"trainer.strategy is {shown}, not MMFSDP2Strategy (mm_fsdp2): nothing to plan")
+    world = world_size or world_size_of(trainer_config.get("devices"), trainer_config.get("num_nodes"))
+    strategy.precision_plugin = MMFSDP2Precision(check_supported_precision(str(trainer_config.get("precision"))))
+    module = cli.model
+    with strategy.precision_plugin.tensor_init_context(), meta_parameters():  # the strategy's, always on meta
+        module.configure_model()
+    return strategy, module, strategy.plan_for(module, world), world, cli.datamodule
 
 
 def _execution_order(module: Any, target: Any, plan: Any, datamodule: Any) -> str:

@@ -1,10 +1,14 @@
-"""MMFSDP2Strategy: MindSpeed MM's YAML-driven FSDP2 as a Lightning strategy (the lifecycle)."""
+"""MMFSDP2Strategy: MindSpeed MM's YAML-driven FSDP2 as a Lightning strategy (the lifecycle).
+
+The strategy is Lightning's lifecycle around helpers that each own one concern: the run's config, plan and applied
+sharding (:class:`~lightning_mm.core.sharded_run.ShardedRun`, Lightning-free), the process group
+(:mod:`~lightning_mm.strategies.process_group`), checkpoints (:mod:`~lightning_mm.strategies.checkpoints`),
+stopping on signals and lost peers (:mod:`~lightning_mm.strategies.stopping`), context parallelism
+(:mod:`~lightning_mm.strategies.cp_setup`), precision (:mod:`~lightning_mm.strategies.precision`).
+"""
 
 from __future__ import annotations
 
-import atexit
-import logging
-import os
 from collections.abc import Generator, Mapping
 from contextlib import contextmanager
 from datetime import timedelta
@@ -15,47 +19,35 @@ import torch
 import torch.distributed as dist
 from lightning.fabric.plugins import CheckpointIO, ClusterEnvironment
 from lightning.fabric.plugins.collectives.torch_collective import default_pg_timeout
-from lightning.fabric.plugins.environments import LightningEnvironment
 from lightning.fabric.utilities.seed import reset_seed
 from lightning.fabric.utilities.types import ReduceOp
 from lightning.pytorch.accelerators import Accelerator
-from lightning.pytorch.callbacks import StochasticWeightAveraging
 from lightning.pytorch.plugins.precision import Precision
 from lightning.pytorch.strategies.parallel import ParallelStrategy
-from lightning.pytorch.trainer.states import TrainerFn, TrainerStatus
-from lightning.pytorch.utilities.exceptions import MisconfigurationException, SIGTERMException
-from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_only, rank_zero_warn
+from lightning.pytorch.trainer.states import TrainerFn
+from lightning.pytorch.utilities.exceptions import SIGTERMException
+from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_only
 from lightning_utilities.core.rank_zero import rank_zero_only as utils_rank_zero_only
 from torch import Tensor, nn
 from torch.distributed.fsdp import FSDPModule
 from torch.optim import Optimizer
 from typing_extensions import override
 
-import lightning_mm.hf  # noqa: F401 - registers the `hf` and `lora` checkpoint records (what dcp-to-hf reads)
 from lightning_mm import checkpoint
-from lightning_mm import checkpoint as ckpt  # where a Lightning parameter is named `checkpoint`
-from lightning_mm._compat import (
-    _PATH,
-    _sync_ddp_if_available,
-    attached_trainer,
-    set_device_mesh,
-)
-from lightning_mm.checkpoint import hf_weights
+from lightning_mm._compat import _PATH, _sync_ddp_if_available, attached_trainer, set_device_mesh
 from lightning_mm.core import apply
 from lightning_mm.core.backend import process_group_backend
 from lightning_mm.core.config import FSDP2Config
 from lightning_mm.core.grad_mode import leave_inference_mode, outside_inference_mode
 from lightning_mm.core.init_context import meta_parameters
-from lightning_mm.core.optimizer import use_fused_steps
-from lightning_mm.core.plan import ShardingPlan, build_plan
-from lightning_mm.core.precision_policy import resolve_precision_policy
-from lightning_mm.hf.checkpoint_format import HF_FORMATS, plan_weights
-from lightning_mm.strategies import stopping
-from lightning_mm.strategies.async_save import AsyncSaver
+from lightning_mm.core.plan import ShardingPlan
+from lightning_mm.core.sharded_run import PlannedRun, ShardedRun, plan_run
+from lightning_mm.strategies import setup_checks, stopping
+from lightning_mm.strategies.checkpoints import StrategyCheckpoints
 from lightning_mm.strategies.cp_setup import ContextParallelSetup
 from lightning_mm.strategies.launch import CheckingLauncher, CheckingSubprocessScriptLauncher
 from lightning_mm.strategies.precision import MMFSDP2Precision
-from lightning_mm.strategies.rendezvous import is_loopback, loopback_store
+from lightning_mm.strategies.process_group import ProcessGroupOwner
 from lightning_mm.strategies.stopping import SIGNAL_EXIT_STATUS, RunGuard
 
 if TYPE_CHECKING:
@@ -64,46 +56,10 @@ if TYPE_CHECKING:
 
 __all__ = ["MMFSDP2Strategy"]
 
-log = logging.getLogger(__name__)
-
 # The plugins Lightning's connector makes from ``Trainer(precision=...)``: replaced by MMFSDP2Precision of the same
 # precision, which refuses the ones it does not support by name (``DoublePrecision``, i.e. "64-true", is refused
 # there with the list of supported values, rather than as an unknown plugin).
 _STOCK_PRECISION = ("Precision", "MixedPrecision", "HalfPrecision", "DoublePrecision", "MMFSDP2Precision")
-
-
-def _destroy_process_group() -> None:
-    if dist.is_available() and dist.is_initialized():
-        dist.destroy_process_group()
-
-
-def _drain_gloo_workers() -> None:
-    """Barrier on the default gloo group, so that its worker threads release their finished collectives now.
-
-    A gloo worker thread drops its reference to a collective it has run just after the caller's ``wait()`` has
-    returned. When that reference is the last one and the work holds a Python object (a collective issued during
-    backward keeps the ``contextvars`` context that backward stashes in thread-local state), the release needs the
-    GIL; a thread that asks for it once the interpreter is finalizing is ended by ``pthread_exit`` inside a
-    ``noexcept`` destructor: ``terminate called without an active exception``, SIGABRT, after a successful run.
-    Queuing the barrier takes the workers' queue lock and waiting for it lets go of the GIL, so a pending release
-    finishes here, while the interpreter is still whole; the barrier's own work holds no Python object.
-
-    The exit of each rank therefore waits until every rank has finished (up to the process-group timeout for a
-    peer that hangs): destroying a gloo group waits for its queued work anyway, so a shorter bound would not help.
-    """
-    if dist.get_backend() != "gloo":
-        return
-    try:
-        dist.barrier()
-    except RuntimeError as err:  # a peer already gone: nothing left to wait for, destroy the group anyway
-        log.debug("MMFSDP2Strategy: barrier before destroying the process group at exit failed: %s", err)
-
-
-def _destroy_process_group_at_exit() -> None:
-    """The ``atexit`` handler: let the gloo workers go idle, then destroy the process group."""
-    if dist.is_available() and dist.is_initialized():
-        _drain_gloo_workers()
-    _destroy_process_group()
 
 
 class MMFSDP2Strategy(ParallelStrategy):
@@ -201,80 +157,56 @@ class MMFSDP2Strategy(ParallelStrategy):
             checkpoint_io=checkpoint_io,
             precision_plugin=precision_plugin,
         )
-        self._given_config = FSDP2Config.load(fsdp2_config) if fsdp2_config is not None else None
-        self._config: FSDP2Config | None = self._given_config
+        self.sharded_run = ShardedRun(FSDP2Config.load(fsdp2_config) if fsdp2_config is not None else None)
+        """The run's config, plan and applied sharding (Lightning-free)."""
+        self.checkpoints = StrategyCheckpoints(
+            checkpoint_format, save_ckpt_dtype, storage_options, async_save, strict_loading
+        )
+        """Checkpoint options and the state between saves and loads."""
         self._process_group_backend = process_group_backend
-        self._timeout = timeout
+        self.timeout = timeout
+        """The process-group timeout."""
+        self._process_group = ProcessGroupOwner(timeout)
         self._empty_init = empty_init
         self.num_nodes = 1
         self._device_mesh: DeviceMesh | None = None
-        self._plan: ShardingPlan | None = None
-        self._sharded: apply.ShardedModel | None = None
         self._gradient_sync = True
-        if checkpoint_format not in (*checkpoint.FORMATS, *HF_FORMATS):
-            raise ValueError(
-                f"checkpoint_format must be one of {(*checkpoint.FORMATS, *HF_FORMATS)}, got {checkpoint_format!r}"
-            )
-        self.checkpoint_format = checkpoint_format
-        self._save_dtype = hf_weights.check_dtype(save_ckpt_dtype)
-        if save_ckpt_dtype is not None and checkpoint_format not in HF_FORMATS:
-            raise ValueError(
-                f"save_ckpt_dtype={save_ckpt_dtype!r} casts the Hugging Face weights of a checkpoint: "
-                f"it needs checkpoint_format 'hf' or 'torch_dcp+hf', not {checkpoint_format!r}"
-            )
-        self.save_ckpt_dtype = save_ckpt_dtype
-        self._strict_loading = strict_loading
         self._fused_optimizer_step = fused_optimizer_step
-        self._pending_rng: dict[str, Any] | None = None
-        self._pending_rng_point: str | None = None
-        self._pending_rng_step: int | None = None
-        # Expert parallelism: how checkpoints see the local experts.
-        self._expert_layout: Any = None  # built on the first checkpoint save or load
         self.stop_timeout = stopping.check_stop_timeout(stop_timeout)
         self._guard: RunGuard | None = None
+        self._run_failed = False
         self._context_parallel = ContextParallelSetup(context_parallel_size, context_parallel_algo)
         if not isinstance(stop_on_nonfinite, bool):
             raise TypeError(f"stop_on_nonfinite must be True or False, got {stop_on_nonfinite!r}")
         self.stop_on_nonfinite = stop_on_nonfinite
-        if storage_options is not None and not isinstance(storage_options, Mapping):
-            raise TypeError(f"storage_options must be a dict, got {type(storage_options).__name__}")
-        self._storage_options = dict(storage_options) if storage_options is not None else None
-        if not isinstance(async_save, bool):
-            raise TypeError(f"async_save must be True or False, got {async_save!r}")
-        if async_save and checkpoint_format in HF_FORMATS:
-            raise ValueError(
-                f"async_save=True cannot write checkpoint_format={checkpoint_format!r} in the background "
-                "(its Hugging Face weights are read from the live model); use 'torch_dcp' or 'torch'"
-            )
-        self.async_save = async_save
-        self._async_saver = AsyncSaver()
-        self._warned_async_url = False
 
     # ------------------------------------------------------------------------------------ properties
     @property
     def fsdp2_config(self) -> FSDP2Config:
         """The config in force (known once the LightningModule is attached)."""
-        if self._config is None:
-            self._config = self._config_from_module()
-        elif self._config is self._given_config:
-            self._check_single_config()
-        return self._config
+        return self.sharded_run.config_for(self.lightning_module)
 
-    def _check_single_config(self) -> None:
-        """A config on both the strategy and the LightningModule must agree: neither is silently dropped."""
-        module_config = getattr(self.lightning_module, "fsdp2_config", None)
-        if module_config is not None and FSDP2Config.load(module_config) != self._given_config:
-            raise ValueError(
-                "MMFSDP2Strategy was given an fsdp2_config and the LightningModule has a different one "
-                f"({type(self.lightning_module).__name__}.fsdp2_config); give it in one place"
-            )
+    @property
+    def given_config(self) -> FSDP2Config | None:
+        """The config given to the strategy itself (``None``: the LightningModule's or the default is used)."""
+        return self.sharded_run.given
 
     @property
     def plan(self) -> ShardingPlan:
         """The sharding plan applied at setup."""
-        if self._plan is None:
-            raise RuntimeError("The sharding plan is built in `setup()`; it is not available yet.")
-        return self._plan
+        return self.sharded_run.plan
+
+    @property
+    def checkpoint_format(self) -> str:
+        return self.checkpoints.checkpoint_format
+
+    @property
+    def save_ckpt_dtype(self) -> str | None:
+        return self.checkpoints.save_ckpt_dtype
+
+    @property
+    def async_save(self) -> bool:
+        return self.checkpoints.async_save
 
     @property
     def context_parallel_group(self) -> Any:
@@ -284,6 +216,10 @@ class MMFSDP2Strategy(ParallelStrategy):
     @property
     def context_parallel_size(self) -> int:
         return self._context_parallel.size
+
+    @property
+    def context_parallel_algo(self) -> str:
+        return self._context_parallel.algo
 
     @property
     def device_mesh(self) -> DeviceMesh:
@@ -352,8 +288,8 @@ class MMFSDP2Strategy(ParallelStrategy):
     @override
     def _configure_launcher(self) -> None:
         assert self.cluster_environment is not None
-        if self._given_config is not None:
-            self._given_config.resolve_sharding_size(self.num_nodes * self.num_processes)  # fail before launching
+        if self.given_config is not None:
+            self.given_config.resolve_sharding_size(self.num_nodes * self.num_processes)  # fail before launching
         # Both check ckpt_path="last" first (lightning_mm.strategies.launch).
         if not self.cluster_environment.creates_processes_externally:
             self._launcher = CheckingSubprocessScriptLauncher(
@@ -370,77 +306,28 @@ class MMFSDP2Strategy(ParallelStrategy):
 
     @override
     def setup_environment(self) -> None:
-        self._check_callbacks()
-        self._start_guard()
+        setup_checks.refuse_unsupported_callbacks(attached_trainer(self.lightning_module))
+        self._guard = stopping.start_run_guard(self._guard, self.cluster_environment, self._launcher, self.stop_timeout)
         super().setup_environment()
         reset_seed()
         self.set_world_ranks()
         config = self.fsdp2_config
         if self._process_group_backend is None:
             self._process_group_backend = process_group_backend(self.root_device, config.offload_to_cpu)
-        self._init_process_group()
+        assert self.cluster_environment is not None
+        self._process_group.start(
+            self.cluster_environment,
+            self._process_group_backend,
+            self.global_rank,
+            self.world_size,
+            self.root_device,
+            self.num_nodes,
+        )
         sharding = config.resolve_sharding_size(self.world_size)
         self._device_mesh = apply.build_device_mesh(self.world_size, sharding, self.root_device.type)
         assert self.lightning_module is not None
         set_device_mesh(self.lightning_module, self._device_mesh)
         self._context_parallel.setup(self.world_size, self.root_device.type)
-
-    def _check_callbacks(self) -> None:
-        """Refuse, before any process group or epoch, the callbacks that cannot work on sharded parameters."""
-        trainer = attached_trainer(self.lightning_module)
-        if trainer is None or trainer.state.fn != TrainerFn.FITTING:
-            return
-        swa = [type(c).__name__ for c in trainer.callbacks if isinstance(c, StochasticWeightAveraging)]
-        if swa:
-            raise MisconfigurationException(
-                f"MMFSDP2Strategy does not support the {swa[0]} callback: it averages a copy of the unsharded "
-                "module into the sharded (DTensor) parameters, which fails once `swa_epoch_start` is reached. "
-                "Remove the callback, or average the weights yourself, e.g. with torch.optim.swa_utils.AveragedModel "
-                "over the sharded module after `fully_shard`."
-            )
-
-    def _start_guard(self) -> None:
-        """Watch the other rank processes for this run (see ``lightning_mm.strategies.stopping``)."""
-        if self._guard is not None:
-            self._guard.stop()
-        env = self.cluster_environment
-        stopping.remember_children(list(getattr(self._launcher, "procs", None) or []))
-        # A rank that Lightning's launcher started (a LightningEnvironment rank > 0) watches its launcher.
-        launched = type(env) is LightningEnvironment and env.creates_processes_externally and env.local_rank() > 0
-        self._guard = RunGuard(self.stop_timeout, children=stopping.launched_children, watch_parent=launched)
-        self._guard.start()
-
-    def _init_process_group(self) -> None:
-        if dist.is_initialized():
-            return
-        env = self.cluster_environment
-        assert env is not None
-        os.environ["MASTER_ADDR"] = env.main_address
-        os.environ["MASTER_PORT"] = str(env.main_port)
-        kwargs: dict[str, Any] = {"timeout": self._timeout}
-        if self.root_device.type != "cpu":
-            kwargs["device_id"] = self.root_device
-        if type(env) is LightningEnvironment and self.num_nodes == 1 and is_loopback(env.main_address):
-            # A single-node run started by Lightning: the rendezvous store listens on the loopback interface only.
-            # (torchrun's agent owns the store of the runs it starts.)
-            kwargs["store"] = loopback_store(
-                env.main_address, env.main_port, self.global_rank, self.world_size, self._timeout
-            )
-        dist.init_process_group(
-            self._process_group_backend, rank=self.global_rank, world_size=self.world_size, **kwargs
-        )
-        # Ours to destroy: after a failed run (teardown) and at interpreter exit. Not after a successful run: the
-        # sharded model keeps using this group if the same Trainer goes on to validate, test or predict.
-        self._created_process_group = True
-        atexit.unregister(_destroy_process_group_at_exit)
-        atexit.register(_destroy_process_group_at_exit)
-        rank_zero_info(f"MMFSDP2Strategy: {self.world_size} processes, backend {self._process_group_backend}")
-
-    def _config_from_module(self) -> FSDP2Config:
-        module_config = getattr(self.lightning_module, "fsdp2_config", None)
-        if module_config is not None:
-            return FSDP2Config.load(module_config)
-        return FSDP2Config(sharding_size="auto")
 
     # ------------------------------------------------------------------------------- model building
     @contextmanager
@@ -459,13 +346,13 @@ class MMFSDP2Strategy(ParallelStrategy):
             else:
                 yield
 
-    def _sharding_target(self) -> nn.Module:
-        """The module the config's paths are relative to: the LightningModule's ``sharding_target()`` (for
-        ``MMLightningModule``, its ``model``) when it has one, else the LightningModule itself."""
-        lm = self.lightning_module
-        assert lm is not None
-        sharding_target = getattr(lm, "sharding_target", None)
-        return sharding_target() if callable(sharding_target) else lm
+    def plan_for(self, root: nn.Module, world_size: int) -> PlannedRun:
+        """What :meth:`setup` decides for ``root`` on ``world_size`` ranks: the precision plugin's conversion of
+        the module (``*-true``), then the config in force, the precision policy and the plan. ``lightning-mm plan``
+        calls this: the plan it prints is the plan the strategy applies."""
+        converted = self.precision_plugin.convert_module(root)
+        assert converted is root
+        return plan_run(self.given_config, root, world_size, str(self.precision_plugin.precision))
 
     @override
     @outside_inference_mode
@@ -480,63 +367,26 @@ class MMFSDP2Strategy(ParallelStrategy):
             self._context_parallel.refuse_prediction(root)
         if not isinstance(root, FSDPModule):
             if trainer.state.fn == TrainerFn.FITTING and self._layer_sync is not None:
-                self._apply_layer_sync(root)
+                setup_checks.convert_sync_batchnorm(self._layer_sync, root, self.root_device)
             self._shard(root)
         self.barrier()
         if trainer.state.fn == TrainerFn.FITTING:
             self._reset_optimizers_and_schedulers()
             self.setup_optimizers(trainer)
             if self._fused_optimizer_step:
-                self._use_fused_optimizer_steps()
+                setup_checks.use_fused_optimizer_steps(self.optimizers)
         if isinstance(self.precision_plugin, MMFSDP2Precision):
             self.precision_plugin.stop_on_nonfinite = self.stop_on_nonfinite
         self.setup_precision_plugin()
 
-    def _apply_layer_sync(self, root: pl.LightningModule) -> None:
-        """``Trainer(sync_batchnorm=True)``: convert the BatchNorm layers before sharding, as DDP and FSDP do."""
-        assert self._layer_sync is not None
-        converted = self._layer_sync.apply(root)
-        if converted is not root:
-            raise TypeError(
-                f"{type(self._layer_sync).__name__} replaced the LightningModule itself; MMFSDP2Strategy "
-                "can only convert layers inside it"
-            )
-        count = sum(isinstance(m, nn.SyncBatchNorm) for m in root.modules())
-        rank_zero_info(f"Trainer(sync_batchnorm=True): {count} SyncBatchNorm layer(s), synchronised over all ranks")
-        if count and self.root_device.type == "cpu":
-            rank_zero_warn(
-                f"Trainer(sync_batchnorm=True) on CPU: torch's SyncBatchNorm synchronises only on GPU/NPU-class "
-                f"devices, so a training forward through the {count} converted layer(s) will fail on CPU "
-                "(evaluation, which uses the running statistics, works)."
-            )
-
-    def _use_fused_optimizer_steps(self) -> None:
-        decisions = use_fused_steps(self.optimizers)
-        fused = [d for d in decisions if d.fused]
-        kept = [d for d in decisions if not d.fused]
-        if fused:
-            rank_zero_info(
-                f"Optimizer step: torch's fused Adam/AdamW for {len(fused)} parameter group(s) that left "
-                "`fused`/`foreach` unset (MMFSDP2Strategy(fused_optimizer_step=False) keeps torch's choice)"
-            )
-        for d in kept:
-            rank_zero_info(f"Optimizer step: {d.describe()}")
-
     def _shard(self, root: pl.LightningModule) -> None:
-        """Resolve the config and the precision, build the plan and log it, apply it (``apply.apply_plan``)."""
-        target = self._sharding_target()
-        config = self._config = self.fsdp2_config.with_model_defaults(target)
-        precision = resolve_precision_policy(config, str(self.precision_plugin.precision))
-        root_converted = self.precision_plugin.convert_module(root)
-        assert root_converted is root
-        self._plan = plan = build_plan(config, target, self.world_size, precision)
-        rank_zero_info(plan.describe())
-        self._context_parallel.apply(root, target)
-        self._sharded = apply.apply_plan(
-            root, target, plan, self.device_mesh, self.root_device, apply.model_unit_sharding(target, config)
-        )
+        """Plan (:meth:`plan_for`), log the plan, route context parallelism, apply the plan."""
+        planned = self.plan_for(root, self.world_size)
+        rank_zero_info(planned.plan.describe())
+        self._context_parallel.apply(root, planned.target)
+        self.sharded_run.apply(root, planned, self.device_mesh, self.root_device)
         if isinstance(self.precision_plugin, MMFSDP2Precision):  # gradient norms: local experts summed over EP
-            self.precision_plugin.norm_groups = self._sharded.norm_groups
+            self.precision_plugin.norm_groups = self.sharded_run.norm_groups
 
     # ---------------------------------------------------------------------------------------- steps
     def _through_root(self, method: str, *args: Any, **kwargs: Any) -> Any:
@@ -584,8 +434,8 @@ class MMFSDP2Strategy(ParallelStrategy):
 
     @override
     def post_backward(self, closure_loss: Tensor) -> None:
-        if self._gradient_sync and self._sharded is not None:  # FSDP reduces the rest in its own backward hooks
-            self._sharded.reduce_unsharded_gradients()
+        if self._gradient_sync:  # FSDP reduces the rest in its own backward hooks
+            self.sharded_run.reduce_unsharded_gradients()
 
     @override
     def model_to_device(self) -> None:
@@ -595,7 +445,7 @@ class MMFSDP2Strategy(ParallelStrategy):
     @override
     def barrier(self, name: str | None = None) -> None:
         if self.is_global_zero:  # ModelCheckpoint links `last` and then calls this: never to a pending checkpoint
-            self._async_saver.hide_links()
+            self.checkpoints.saver.hide_links()
         if not dist.is_initialized():
             return
         if self.root_device.type != "cpu":  # nccl, hccl, xccl...: the barrier runs on this rank's own device
@@ -619,6 +469,7 @@ class MMFSDP2Strategy(ParallelStrategy):
             return _sync_ddp_if_available(tensor, group, reduce_op=reduce_op)
         return tensor
 
+    # ----------------------------------------------------------------------------------- lifecycle
     @override
     def on_train_start(self) -> None:
         self._install_signal_handler()
@@ -654,21 +505,13 @@ class MMFSDP2Strategy(ParallelStrategy):
 
     @override
     def teardown(self) -> None:
-        """Release the accelerator; after a failed run, also destroy the process group this strategy created.
-
-        A failed run frees its communicators here (peers blocked in a collective then fail instead of waiting for
-        the timeout, and a later Trainer in this process starts a fresh group). After a successful run the group
-        stays, because the sharded model is bound to it; it is destroyed at interpreter exit.
-        """
+        """Release the accelerator; after a failed run, also destroy the process group this strategy created
+        (``lightning_mm.strategies.process_group``)."""
         assert self.cluster_environment is not None
         assert self.accelerator is not None
-        if getattr(self, "_run_failed", False):
-            self._async_saver.settle(self.stop_timeout)  # completes it if it can, else its partial stays hidden
-        else:
-            self.wait_for_checkpoint()
-        if getattr(self, "_run_failed", False) and getattr(self, "_created_process_group", False):
-            _destroy_process_group()
-            self._created_process_group = False
+        self.checkpoints.end(self._run_failed, self.stop_timeout)
+        if self._run_failed:
+            self._process_group.end_failed_run()
         self._run_failed = False
         if self._guard is not None:
             self._guard.stop()
@@ -678,16 +521,15 @@ class MMFSDP2Strategy(ParallelStrategy):
         self.accelerator.teardown()
 
     # ----------------------------------------------------------------------------------- checkpoints
-    # See lightning_mm/checkpoint/: torch_dcp directories or consolidated torch files, written atomically,
-    # loaded strictly (keys listed) and safely (weights_only), resharded to any world size.
-    # Every entry point leaves inference mode: DTensor state dicts cannot be taken or loaded under it.
+    # lightning_mm.strategies.checkpoints. Every entry point leaves inference mode: DTensor state dicts cannot be
+    # taken or loaded under it.
     @override
     @checkpoint.outside_inference_mode
     def lightning_module_state_dict(self) -> dict[str, Any]:
         """This rank's shards (``torch_dcp``), or the gathered state on rank 0 (``torch``)."""
-        assert self.lightning_module is not None
-        full = self.checkpoint_format == "torch"
-        return checkpoint.model_state(self.lightning_module, full=full, view=self._expert_view("model"))
+        lm = self.lightning_module
+        assert lm is not None
+        return checkpoint.model_state(lm, full=self.checkpoints.full, view=self.sharded_run.expert_view(lm, "model"))
 
     @override
     def load_model_state_dict(self, checkpoint: Mapping[str, Any], strict: bool = True) -> None:
@@ -698,137 +540,27 @@ class MMFSDP2Strategy(ParallelStrategy):
     def optimizer_state(self, optimizer: Optimizer) -> dict[str, Any]:
         """This rank's shards keyed by parameter name (``torch_dcp``), or the gathered state on rank 0 in torch's
         layout, keyed by parameter index with the names alongside (``torch``)."""
-        assert self.lightning_module is not None
-        full = self.checkpoint_format == "torch"
-        return checkpoint.optimizer_state(
-            self.lightning_module, optimizer, full=full, view=self._expert_view("optimizer")
-        )
-
-    def _expert_view(self, kind: str) -> Any:
-        """With expert parallelism, how checkpoints see the local experts: as their share of the global
-        (all-experts) tensors, in both formats and both directions (any ``expert_parallel_size`` reads any)."""
-        plan = self._plan
-        if plan is None or plan.experts is None:
-            return None
-        from lightning_mm.core import expert_parallel
-
-        if self._expert_layout is None:
-            assert self._sharded is not None and self._sharded.ep_mesh is not None
-            names = expert_parallel.expert_state_names(self.lightning_module, plan, self._sharding_target())
-            self._expert_layout = expert_parallel.ExpertCheckpointLayout(
-                self._sharded.ep_mesh, plan.experts.num_experts, names
-            )
-        layout = self._expert_layout
-        return layout.model_state if kind == "model" else layout.optimizer_state
+        lm = self.lightning_module
+        assert lm is not None
+        view = self.sharded_run.expert_view(lm, "optimizer")
+        return checkpoint.optimizer_state(lm, optimizer, full=self.checkpoints.full, view=view)
 
     @override
     def load_optimizer_state_dict(self, checkpoint: Mapping[str, Any]) -> None:
         pass  # loaded in place by load_checkpoint
-
-    def _check_checkpoint_io(self) -> None:
-        from lightning.fabric.plugins import TorchCheckpointIO
-
-        if self._checkpoint_io is not None and type(self._checkpoint_io) is not TorchCheckpointIO:
-            raise TypeError(
-                f"MMFSDP2Strategy writes its checkpoints itself (checkpoint_format="
-                f"{self.checkpoint_format!r}); the {type(self._checkpoint_io).__name__} plugin cannot be "
-                "used with it"
-            )
-
-    def _rng_point(self) -> str:
-        """Where a resumed run restores the RNG: before the next batch, or before the next epoch's data iterator."""
-        trainer = attached_trainer(self.lightning_module)
-        if trainer is None:
-            return "next_batch"
-        return "next_epoch" if trainer.fit_loop.epoch_loop.batch_progress.is_last_batch else "next_batch"
 
     @override
     @checkpoint.outside_inference_mode
     def save_checkpoint(self, checkpoint: dict[str, Any], filepath: _PATH, storage_options: Any | None = None) -> None:
         """Write a checkpoint with every rank (``torch_dcp``) or from rank 0 (``torch``); visible once complete."""
         target = self.broadcast(str(filepath))
-        if storage_options is not None and not ckpt.remote.is_url(target):
-            raise TypeError(
-                "MMFSDP2Strategy writes its checkpoints itself; `storage_options` is only used for "
-                "checkpoints at URLs (s3://...)"
-            )
-        self._check_checkpoint_io()
-        self.wait_for_checkpoint()  # a second save waits for the first
-        lm = self.lightning_module
-        assert lm is not None
-        path = target if ckpt.remote.is_url(target) else Path(target)
-        extra = {
-            "format_version": ckpt.FORMAT_VERSION,
-            "kind": ckpt.KIND_TRAINING,
-            "world_size": self.world_size,
-            "mesh_shape": list(self.device_mesh.shape),
-            "rng_point": self._rng_point(),
-            **ckpt.collect_records(lm),  # what other layers record (registered record providers)
-        }
-        if self.checkpoint_format == "torch" and "optimizer_states" in checkpoint:  # what the indices stand for
-            extra[ckpt.OPTIMIZER_NAMES_KEY] = ckpt.optimizer_param_names(lm, self.optimizers)
-        if self.checkpoint_format in HF_FORMATS:
-            self._save_with_hf_weights(checkpoint, path, extra)
-            return
-        if isinstance(path, str):  # a URL
-            if self.async_save and not self._warned_async_url:
-                self._warned_async_url = True
-                rank_zero_warn(f"async_save: {path} is at a URL; checkpoints at URLs are written synchronously")
-            options = storage_options if storage_options is not None else self._storage_options
-            ckpt.remote.save(
-                checkpoint, path, self.checkpoint_format, extra, ckpt.capture_rng(self.root_device), options
-            )
-            return
-        trainer = attached_trainer(lm)
-        fitting = (
-            trainer is not None
-            and trainer.state.fn == TrainerFn.FITTING
-            and trainer.state.status == TrainerStatus.RUNNING
-        )
-        if not (self.async_save and fitting):
-            ckpt.save(checkpoint, path, self.checkpoint_format, extra, ckpt.capture_rng(self.root_device))
-            return
-        self._async_saver.start(
-            path,
-            self.is_global_zero,
-            lambda executor, group: ckpt.save(
-                checkpoint,
-                path,
-                self.checkpoint_format,
-                extra,
-                ckpt.capture_rng(self.root_device),
-                background=executor,
-                group=group,
-            ),
-            self._timeout,
-        )
+        self.checkpoints.check_io(self._checkpoint_io)
+        self.checkpoints.save(self, checkpoint, target, storage_options)
 
     def wait_for_checkpoint(self) -> None:
         """Wait until the checkpoint being written in the background (``async_save=True``) is in place; raise what
         its write raised. Nothing to do without one."""
-        self._async_saver.wait()
-
-    def _save_with_hf_weights(self, checkpoint: dict[str, Any], path: Path | str, extra: dict[str, Any]) -> None:
-        """``checkpoint_format`` ``"hf"`` (the weights only, as safetensors) or ``"torch_dcp+hf"`` (both)."""
-        if isinstance(path, str):
-            raise ValueError(
-                f"{path}: checkpoint_format={self.checkpoint_format!r} cannot be written to a URL; "
-                "checkpoints at URLs are 'torch_dcp' directories"
-            )
-        state = checkpoint.get("state_dict") or {}
-        weights = plan_weights(self.lightning_module, list(state))
-        extra[hf_weights.RECORD_KEY] = weights.record(self.save_ckpt_dtype)
-        if self.checkpoint_format == "hf":
-            checkpoint = {k: v for k, v in checkpoint.items() if k not in ("state_dict", "optimizer_states")}
-            extra["kind"] = ckpt.KIND_WEIGHTS
-        ckpt.save(
-            checkpoint,
-            path,
-            "torch_dcp",
-            extra,
-            ckpt.capture_rng(self.root_device),
-            also_write=weights.writer(state, self._save_dtype),
-        )
+        self.checkpoints.wait()
 
     @override
     @checkpoint.outside_inference_mode
@@ -843,70 +575,28 @@ class MMFSDP2Strategy(ParallelStrategy):
                 "MMFSDP2Strategy loads checkpoints weights_only (no pickled code is run); "
                 "weights_only=False is not supported"
             )
-        self._check_checkpoint_io()
-        self.wait_for_checkpoint()
-        lm = self.lightning_module
-        assert lm is not None
-        path = self.broadcast(str(checkpoint_path))
-        path = path if ckpt.remote.is_url(path) else Path(path)
-        fitting = lm.trainer.state.fn == TrainerFn.FITTING
-        strict = lm.strict_loading if self._strict_loading is None else self._strict_loading
-        loaded = checkpoint.load(
-            path,
-            lm,
-            self.optimizers if fitting else [],
-            strict=strict,
-            rank=self.global_rank,
-            world_size=self.world_size,
-            fitting=fitting,
-            view=self._expert_view("model"),
-            optimizer_view=self._expert_view("optimizer"),
-            schedulers=[c.scheduler for c in self.lr_scheduler_configs],
-            source=ckpt.remote.open_source(path, self._storage_options) if isinstance(path, str) else None,
-        )
-        self._pending_rng, self._pending_rng_point = loaded.rng, loaded.rng_point
-        self._pending_rng_step = loaded.checkpoint.get("global_step")
-        return loaded.checkpoint
-
-    def _restore_pending_rng(self) -> None:
-        trainer = attached_trainer(self.lightning_module)
-        # Only for the step right after the checkpoint: never into a later, unrelated run of this strategy.
-        if self._pending_rng is not None and (trainer is None or trainer.global_step == self._pending_rng_step):
-            checkpoint.restore_rng(self._pending_rng, self.root_device)
-        self._pending_rng = self._pending_rng_point = None
+        self.checkpoints.check_io(self._checkpoint_io)
+        return self.checkpoints.load(self, self.broadcast(str(checkpoint_path)))
 
     @override
     def process_dataloader(self, dataloader: object) -> object:
         """Resuming at an epoch boundary: restore the RNG before the new epoch's training iterator is created."""
-        trainer = attached_trainer(self.lightning_module)
-        if (
-            self._pending_rng is not None
-            and self._pending_rng_point == "next_epoch"
-            and trainer is not None
-            and trainer.training
-            and not trainer.sanity_checking
-        ):
-            self._restore_pending_rng()
+        self.checkpoints.restore_rng_before_epoch(self.lightning_module, self.root_device)
         return dataloader
 
     @override
     def on_train_batch_start(self, batch: Any, batch_idx: int) -> None:
         """Resuming mid-epoch: restore the RNG right before the first batch after the checkpoint."""
-        self._async_saver.poll()  # a background save that completed: its links and deferred removals now
-        if self._pending_rng is not None:
-            self._restore_pending_rng()
+        self.checkpoints.saver.poll()  # a background save that completed: its links and deferred removals now
+        self.checkpoints.restore_rng_before_batch(self.lightning_module, self.root_device)
 
     @override
     def remove_checkpoint(self, filepath: _PATH) -> None:
         """Delete a checkpoint (rank 0): a directory is moved out of sight before it is deleted. While a save runs in
         the background, the deletion waits until it is complete (ModelCheckpoint's ``save_top_k`` removes the worst
         checkpoint right after starting the save of a better one), so a crash never leaves fewer checkpoints."""
-        if not self.is_global_zero:
-            return
-        if ckpt.remote.is_url(str(filepath)):
-            ckpt.remote.remove(str(filepath), self._storage_options)
-        elif not self._async_saver.defer_removal(Path(filepath)):
-            checkpoint.remove(Path(filepath))
+        if self.is_global_zero:
+            self.checkpoints.remove(str(filepath))
 
     @classmethod
     @override

@@ -50,6 +50,7 @@ from collections.abc import Callable
 from types import FrameType
 from typing import Any
 
+from lightning.fabric.plugins.environments import LightningEnvironment
 from lightning.pytorch.utilities.exceptions import SIGTERMException
 
 __all__ = [
@@ -60,6 +61,7 @@ __all__ = [
     "check_stop_timeout",
     "remember_children",
     "launched_children",
+    "start_run_guard",
 ]
 
 SIGNAL_EXIT_STATUS = 128 + int(signal.SIGTERM)  # 143, what a shell reports for a process ended by SIGTERM
@@ -330,3 +332,15 @@ class RunGuard:
             )
         finally:
             os._exit(self._exit_status)
+
+
+def start_run_guard(previous: RunGuard | None, env: Any, launcher: Any, stop_timeout: float) -> RunGuard:
+    """Stop ``previous`` and watch the other rank processes of this run: the children ``launcher`` started, and,
+    on a rank that Lightning's launcher started (a ``LightningEnvironment`` rank > 0), that launcher."""
+    if previous is not None:
+        previous.stop()
+    remember_children(list(getattr(launcher, "procs", None) or []))
+    launched = type(env) is LightningEnvironment and env.creates_processes_externally and env.local_rank() > 0
+    guard = RunGuard(stop_timeout, children=launched_children, watch_parent=launched)
+    guard.start()
+    return guard

@@ -1,0 +1,145 @@
+"""One sharded run, Lightning-free: config in force -> plan -> applied model -> its step and checkpoint views.
+
+:class:`ShardedRun` owns what a run decides and what applying it leaves behind: which FSDP2 config is in force (the
+strategy's, the LightningModule's, or the default), the model's own defaults merged in, the precision policy, the
+:class:`~lightning_mm.core.plan.ShardingPlan`, the applied sharding (ignored modules, experts, norm groups,
+prefetch) and the views checkpoints take of local experts. ``MMFSDP2Strategy`` is the Lightning lifecycle around
+one ``ShardedRun``; ``lightning-mm plan`` calls the same :func:`plan_run`, so the plan it prints is the plan the
+strategy builds.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+import torch
+from torch import nn
+
+from lightning_mm.core import apply
+from lightning_mm.core.config import FSDP2Config
+from lightning_mm.core.plan import ShardingPlan, build_plan
+from lightning_mm.core.precision_policy import PrecisionPolicy, resolve_precision_policy
+
+if TYPE_CHECKING:
+    from torch.distributed.device_mesh import DeviceMesh
+
+    from lightning_mm.core.expert_parallel import ExpertCheckpointLayout
+
+__all__ = ["PlannedRun", "ShardedRun", "plan_run", "resolve_config", "sharding_target"]
+
+
+def sharding_target(module: nn.Module) -> nn.Module:
+    """The module a config's paths are relative to: ``module.sharding_target()`` when it has that method (for
+    ``MMLightningModule``, its ``model``), else ``module`` itself."""
+    method = getattr(module, "sharding_target", None)
+    return method() if callable(method) else module
+
+
+def resolve_config(given: FSDP2Config | None, module: nn.Module | None) -> FSDP2Config:
+    """The config in force: ``given`` (the strategy's), else the module's ``fsdp2_config`` attribute, else every
+    parameter sharded at the root over all ranks (``sharding_size: auto``).
+
+    A config in both places must be the same one: neither is silently dropped.
+    """
+    module_config = getattr(module, "fsdp2_config", None)
+    if given is None:
+        return FSDP2Config.load(module_config) if module_config is not None else FSDP2Config(sharding_size="auto")
+    if module_config is not None and FSDP2Config.load(module_config) != given:
+        raise ValueError(
+            "MMFSDP2Strategy was given an fsdp2_config and the LightningModule has a different one "
+            f"({type(module).__name__}.fsdp2_config); give it in one place"
+        )
+    return given
+
+
+@dataclass(frozen=True)
+class PlannedRun:
+    """What :func:`plan_run` decides: the config with the model's defaults, the precision policy, the plan."""
+
+    config: FSDP2Config
+    """The config in force, the model's own defaults (``FSDP2Mixin.default_fsdp2_config``) merged in."""
+    policy: PrecisionPolicy
+    """The Trainer ``precision`` reconciled with the YAML dtypes."""
+    plan: ShardingPlan
+    """The sharding plan (pure data; what ``lightning-mm plan`` prints)."""
+    target: nn.Module
+    """The module the plan's paths are relative to (:func:`sharding_target`)."""
+
+
+def plan_run(given: FSDP2Config | None, root: nn.Module, world_size: int, precision: str) -> PlannedRun:
+    """Decide a run of ``root`` (the LightningModule, or any module) on ``world_size`` ranks: no process, no torch
+    collective; a meta-device model is enough. ``precision`` is the Trainer's (``"bf16-mixed"``, ...)."""
+    target = sharding_target(root)
+    config = resolve_config(given, root).with_model_defaults(target)
+    policy = resolve_precision_policy(config, precision)
+    return PlannedRun(config, policy, build_plan(config, target, world_size, policy), target)
+
+
+class ShardedRun:
+    """One run's config, plan and applied sharding (see the module docstring).
+
+    Args:
+        given: the config given to the strategy (``None``: the LightningModule's, or the default).
+    """
+
+    def __init__(self, given: FSDP2Config | None) -> None:
+        self.given = given
+        """The config given to the strategy itself, as loaded (``None`` when it was given none)."""
+        self.planned: PlannedRun | None = None
+        """The decisions applied by :meth:`apply` (``None`` before)."""
+        self.sharded: apply.ShardedModel | None = None
+        """What applying the plan left: ignored modules, whole experts, norm groups, prefetch."""
+        self._expert_layout: ExpertCheckpointLayout | None = None
+
+    def config_for(self, root: nn.Module | None) -> FSDP2Config:
+        """The config in force for ``root`` before sharding (the processes need its ``sharding_size`` and
+        ``offload_to_cpu``); after :meth:`apply`, the config the plan was built from."""
+        if self.planned is not None:
+            return self.planned.config
+        return resolve_config(self.given, root)
+
+    @property
+    def plan(self) -> ShardingPlan:
+        """The plan applied by :meth:`apply`."""
+        if self.planned is None:
+            raise RuntimeError("The sharding plan is built in `setup()`; it is not available yet.")
+        return self.planned.plan
+
+    def apply(self, root: nn.Module, planned: PlannedRun, mesh: DeviceMesh, device: torch.device) -> None:
+        """Apply a :func:`plan_run` decision to ``root`` on ``mesh`` (``apply.apply_plan``); ``device`` is the
+        compute device. The model's own ``_fully_shard`` shards the units when it has one."""
+        self.planned, self._expert_layout = planned, None
+        custom_units = apply.model_unit_sharding(planned.target, planned.config)
+        self.sharded = apply.apply_plan(root, planned.target, planned.plan, mesh, device, custom_units)
+
+    @property
+    def norm_groups(self) -> dict[int, tuple[Any, ...]]:
+        """``id(parameter)`` -> the further process groups its gradient-norm term is summed over (local experts)."""
+        return self.sharded.norm_groups if self.sharded is not None else {}
+
+    def reduce_unsharded_gradients(self) -> None:
+        """After the last micro-batch's backward: average the gradients FSDP does not reduce (ignored modules,
+        local experts kept whole)."""
+        if self.sharded is not None:
+            self.sharded.reduce_unsharded_gradients()
+
+    def expert_view(self, root: nn.Module, kind: str) -> Callable[[dict[str, Any]], dict[str, Any]] | None:
+        """With expert parallelism, how checkpoints see the local experts (``kind``: ``"model"`` or
+        ``"optimizer"``): as their share of the global, all-experts tensors, in both formats and directions (any
+        ``expert_parallel_size`` reads any other). ``None`` without expert parallelism."""
+        if self.planned is None or self.planned.plan.experts is None:
+            return None
+        if self._expert_layout is None:
+            from lightning_mm.core import expert_parallel
+
+            assert self.sharded is not None and self.sharded.ep_mesh is not None
+            plan = self.planned.plan
+            assert plan.experts is not None
+            names = expert_parallel.expert_state_names(root, plan, self.planned.target)
+            self._expert_layout = expert_parallel.ExpertCheckpointLayout(
+                self.sharded.ep_mesh, plan.experts.num_experts, names
+            )
+        layout = self._expert_layout
+        return layout.model_state if kind == "model" else layout.optimizer_state
