@@ -15,6 +15,9 @@ Contenders, inside the same two torchrun processes, in rounds of rotating order 
 * ``no_comm``: each rank trains the same model unsharded on its own batches in a plain loop (forward, loss,
   backward, AdamW step), with no collective at all: the limit (1.0) for the same per-rank work (it steps all the
   parameters, where a sharded rank steps half).
+* ``comm_only``: the collectives of an ``mm_fsdp2`` step (all-gathers and reduce-scatters at its units' sizes) with
+  no compute: ``no_comm + comm_only - mm_fsdp2`` over ``comm_only`` is the share of communication hidden behind
+  compute (``comm_hidden`` in the summary).
 * ``mm_fsdp2``: Trainer + MMFSDP2Strategy, every block an FSDP unit, defaults (forward prefetch 0, backward 1).
 * ``mm_prefetch``: the same with ``num_to_forward_prefetch: 1``, ``num_to_backward_prefetch: 2``.
 * ``mm_zero2``: the same with ``reshard_after_forward: false`` (no all-gather in backward).
@@ -41,7 +44,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import common  # noqa: E402
 
 CONFIG = common.LMConfig(vocab_size=8192, hidden_size=512, num_layers=8, num_heads=8, seq_len=256)
-CONTENDERS = ("no_comm", "mm_fsdp2", "mm_prefetch", "mm_zero2", "mm_compiled")
+CONTENDERS = ("no_comm", "comm_only", "mm_fsdp2", "mm_prefetch", "mm_zero2", "mm_compiled")
 YAML = {
     "mm_fsdp2": {},
     "mm_prefetch": {"num_to_forward_prefetch": 1, "num_to_backward_prefetch": 2},
@@ -70,6 +73,34 @@ def run_no_comm(args: argparse.Namespace, data: list[Any]) -> list[float]:
         common.lm_loss(model, ids).backward()
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
+    starts.append(time.perf_counter())
+    return [b - a for a, b in zip(starts[args.warmup :], starts[args.warmup + 1 :])]
+
+
+def run_comm_only(args: argparse.Namespace, data: list[Any]) -> list[float]:
+    """The collectives of one ``mm_fsdp2`` step with no compute: per FSDP unit (the root's embedding and head, each
+    block) an all-gather of its fp32 parameters in forward, again in backward for the blocks resharded after
+    forward (all but the last), and a reduce-scatter of its gradients, at the units' own sizes."""
+    import torch
+    import torch.distributed as dist
+
+    if not dist.is_initialized():
+        dist.init_process_group("gloo")
+    world = dist.get_world_size()
+    model = common.DecoderLM(CONFIG)
+    blocks = [sum(p.numel() for p in layer.parameters()) for layer in model.layers]
+    sizes = [sum(p.numel() for p in model.parameters()) - sum(blocks), *blocks]
+    buffers = [(torch.zeros(-(-n // world)), torch.zeros(-(-n // world) * world)) for n in sizes]
+    starts = []
+    for _ in data:
+        starts.append(time.perf_counter())
+        for shard, full in buffers:
+            dist.all_gather_into_tensor(full, shard)
+        for shard, full in reversed(buffers[1:-1]):
+            dist.all_gather_into_tensor(full, shard)
+        for shard, full in reversed(buffers):
+            dist.reduce_scatter_tensor(shard, full)
+    dist.barrier()
     starts.append(time.perf_counter())
     return [b - a for a, b in zip(starts[args.warmup :], starts[args.warmup + 1 :])]
 
@@ -134,6 +165,8 @@ def worker(args: argparse.Namespace) -> None:
                 if dist.is_initialized():
                     dist.barrier()  # both ranks start together, then nothing is exchanged
                 times = run_no_comm(args, data)
+            elif name == "comm_only":
+                times = run_comm_only(args, data)
             else:
                 times = run_mm(args, data, YAML[name])
             records[name].append(common.median(times))
@@ -149,6 +182,11 @@ def summarize(ranks: list[dict[str, Any]], rounds: int) -> dict[str, Any]:
         if name != "no_comm" and "no_comm" in per_round:
             pairs = [a / b for a, b in zip(per_round[name], per_round["no_comm"])]
             out["ratios"][f"{name}/no_comm"] = {"median": common.median(pairs), "min": min(pairs), "max": max(pairs)}
+    if {"no_comm", "comm_only", "mm_fsdp2"} <= set(per_round):  # the share of communication hidden behind compute
+        hidden = [
+            (a + c - m) / c for a, c, m in zip(per_round["no_comm"], per_round["comm_only"], per_round["mm_fsdp2"])
+        ]
+        out["ratios"]["comm_hidden"] = {"median": common.median(hidden), "min": min(hidden), "max": max(hidden)}
     if "mm_compiled" in per_round and "mm_fsdp2" in per_round:
         pairs = [a / b for a, b in zip(per_round["mm_fsdp2"], per_round["mm_compiled"])]
         out["ratios"]["compile_speedup"] = {"median": common.median(pairs), "min": min(pairs), "max": max(pairs)}

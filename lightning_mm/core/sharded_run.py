@@ -27,7 +27,7 @@ if TYPE_CHECKING:
 
     from lightning_mm.core.expert_parallel import ExpertCheckpointLayout
 
-__all__ = ["PlannedRun", "ShardedRun", "plan_run", "resolve_config", "sharding_target"]
+__all__ = ["PlannedRun", "data_parallel_sampler_kwargs", "ShardedRun", "plan_run", "resolve_config", "sharding_target"]
 
 
 def sharding_target(module: nn.Module) -> nn.Module:
@@ -52,6 +52,15 @@ def resolve_config(given: FSDP2Config | None, module: nn.Module | None) -> FSDP2
             f"({type(module).__name__}.fsdp2_config); give it in one place"
         )
     return given
+
+
+def data_parallel_sampler_kwargs(mesh: DeviceMesh) -> dict[str, int]:
+    """FSDP and HSDP are both data parallel over every rank: the sampler's rank is the flat index in the
+    ``(shard,)`` or ``(replicate, shard)`` mesh."""
+    if mesh.ndim == 1:
+        return {"num_replicas": mesh.size(), "rank": mesh.get_local_rank()}
+    rank = mesh.get_local_rank("replicate") * mesh["shard"].size() + mesh.get_local_rank("shard")
+    return {"num_replicas": mesh.size(), "rank": rank}
 
 
 @dataclass(frozen=True)

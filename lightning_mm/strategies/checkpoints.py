@@ -102,8 +102,6 @@ class StrategyCheckpoints:
         async_save: bool,
         strict_loading: bool | None,
     ) -> None:
-        if checkpoint_format not in CHECKPOINT_FORMATS:
-            raise ValueError(f"checkpoint_format must be one of {CHECKPOINT_FORMATS}, got {checkpoint_format!r}")
         self.checkpoint_format = checkpoint_format
         self.save_dtype = hf_weights.check_dtype(save_ckpt_dtype)
         if save_ckpt_dtype is not None and checkpoint_format not in HF_FORMATS:
@@ -128,6 +126,17 @@ class StrategyCheckpoints:
         """The save being written in the background (``async_save=True``)."""
         self.resume_rng = ResumeRNG()
         self._warned_async_url = False
+
+    @property
+    def checkpoint_format(self) -> str:
+        """The format of the next save (one of :data:`CHECKPOINT_FORMATS`)."""
+        return self._format
+
+    @checkpoint_format.setter
+    def checkpoint_format(self, value: str) -> None:
+        if value not in CHECKPOINT_FORMATS:
+            raise ValueError(f"checkpoint_format must be one of {CHECKPOINT_FORMATS}, got {value!r}")
+        self._format = value
 
     @property
     def full(self) -> bool:

@@ -41,7 +41,7 @@ from lightning_mm.core.config import FSDP2Config
 from lightning_mm.core.grad_mode import leave_inference_mode, outside_inference_mode
 from lightning_mm.core.init_context import meta_parameters
 from lightning_mm.core.plan import ShardingPlan
-from lightning_mm.core.sharded_run import PlannedRun, ShardedRun, plan_run
+from lightning_mm.core.sharded_run import PlannedRun, ShardedRun, data_parallel_sampler_kwargs, plan_run
 from lightning_mm.strategies import setup_checks, stopping
 from lightning_mm.strategies.checkpoints import StrategyCheckpoints
 from lightning_mm.strategies.cp_setup import ContextParallelSetup
@@ -198,7 +198,12 @@ class MMFSDP2Strategy(ParallelStrategy):
 
     @property
     def checkpoint_format(self) -> str:
+        """``MMFSDP2Strategy(checkpoint_format=...)``; may be changed between saves."""
         return self.checkpoints.checkpoint_format
+
+    @checkpoint_format.setter
+    def checkpoint_format(self, value: str) -> None:
+        self.checkpoints.checkpoint_format = value
 
     @property
     def save_ckpt_dtype(self) -> str | None:
@@ -251,12 +256,7 @@ class MMFSDP2Strategy(ParallelStrategy):
     def distributed_sampler_kwargs(self) -> dict[str, Any]:
         if self._context_parallel.enabled:  # the ranks of a context-parallel group read the same samples
             return self._context_parallel.sampler_kwargs(self.global_rank)
-        # FSDP and HSDP are both data parallel over every rank: the data-parallel rank is the flat mesh index.
-        mesh = self.device_mesh
-        if mesh.ndim == 1:
-            return {"num_replicas": mesh.size(), "rank": mesh.get_local_rank()}
-        rank = mesh.get_local_rank("replicate") * mesh["shard"].size() + mesh.get_local_rank("shard")
-        return {"num_replicas": mesh.size(), "rank": rank}
+        return data_parallel_sampler_kwargs(self.device_mesh)
 
     @property
     @override
