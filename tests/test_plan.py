@@ -62,8 +62,8 @@ def test_ignored_and_recompute():
     plan = plan_for(
         Net(), sub_modules_to_wrap=["blocks.{*}"], ignored_modules=["vision"], recompute_modules=["blocks.{0,2}"]
     )
-    assert plan.ignored == ("vision",) and plan.ignored_params == 20
-    assert plan.recompute == ("blocks.0", "blocks.2")
+    assert plan.ignored_modules == ("vision",) and plan.ignored_params == 20
+    assert plan.recompute_modules == ("blocks.0", "blocks.2")
     assert plan.root_params == 40 + 40
 
 

@@ -174,7 +174,7 @@ def apply_recompute(model: nn.Module, plan: ShardingPlan) -> None:
     The gradients equal those without recomputation for either ``use_reentrant`` value; see
     :mod:`lightning_mm.core.recompute` (a key/value cache is not used in recomputed calls).
     """
-    for path in plan.recompute:
+    for path in plan.recompute_modules:
         module = model.get_submodule(path)
         if is_recomputed(module):
             continue
@@ -236,7 +236,7 @@ def plan_units(model: nn.Module, plan: ShardingPlan) -> list[Unit]:
         for unit in plan.units
     ]
     if plan.experts is not None and plan.experts.reshard_local_experts:  # each MoE module sharded on its own
-        units += [Unit(path, (model.get_submodule(path),), True) for path in plan.experts.modules]
+        units += [Unit(path, (model.get_submodule(path),), True) for path in plan.experts.moe_modules]
     return units
 
 
@@ -273,17 +273,17 @@ class ExecutionOrderPrefetch:
     """Sets explicit FSDP2 prefetching from the order in which units actually run.
 
     Each unit records itself when its forward starts during the first forward pass through ``root``; when that
-    pass ends, unit *i* prefetches the next ``plan.forward_prefetch`` units in forward and the previous
-    ``plan.backward_prefetch`` units in backward. (Registration order, which the replaced system uses, is often not
-    execution order.)
+    pass ends, unit *i* prefetches the next ``plan.num_to_forward_prefetch`` units in forward and the previous
+    ``plan.num_to_backward_prefetch`` units in backward. (Registration order, which the replaced system uses, is
+    often not execution order.)
 
     With ``plan.keep_unsharded_for_backward`` the last unit to run forward (that has parameters) keeps them
     unsharded from its forward to its backward, as the root does (:func:`apply_fully_shard`).
     """
 
     def __init__(self, root: nn.Module, units: Iterable[Unit], plan: ShardingPlan) -> None:
-        self.forward = plan.forward_prefetch
-        self.backward = plan.backward_prefetch
+        self.forward = plan.num_to_forward_prefetch
+        self.backward = plan.num_to_backward_prefetch
         self.keep_unsharded_for_backward = plan.keep_unsharded_for_backward
         self.root = root
         self.units = list(units)
@@ -446,7 +446,7 @@ def materialize(
     whole: list[nn.Parameter] = []
     if ep_mesh is not None:  # local experts differ along `ep`: equal only within an ep_replicate column
         assert plan.experts is not None
-        whole = [p for m in plan.experts.modules for p in target.get_submodule(m).parameters()]
+        whole = [p for m in plan.experts.moe_modules for p in target.get_submodule(m).parameters()]
         ids = {id(p) for p in whole}
         names = dict(root.named_parameters())
         materialized = [n for n in materialized if id(names.get(n)) not in ids]

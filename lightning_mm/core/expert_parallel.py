@@ -208,7 +208,7 @@ def apply_expert_parallel(
     # for every other unit; their gradients are still averaged over ep_replicate by all_reduce_expert_gradients.
     offloaded = isinstance(fsdp_kwargs.get("offload_policy"), CPUOffloadPolicy)
     alone = own_rank_mesh(ep_mesh.device_type) if offloaded and not experts.reshard_local_experts else None
-    for path in experts.modules:
+    for path in experts.moe_modules:
         module = model.get_submodule(path)
         split_experts(module, path, ep)
         module.forward = _forward_of(model, path, module, ep)
@@ -253,14 +253,14 @@ def expert_norm_groups(target: nn.Module, plan: ShardingPlan, ep_mesh: DeviceMes
     if ep_mesh.size(1) == 1:
         return {}
     group = ep_mesh.get_group("ep")
-    return {id(p): (group,) for path in plan.experts.modules for p in target.get_submodule(path).parameters()}
+    return {id(p): (group,) for path in plan.experts.moe_modules for p in target.get_submodule(path).parameters()}
 
 
 # ---------------------------------------------------------------------------------------------- checkpoints
 def expert_state_names(root: nn.Module, plan: ShardingPlan, target: nn.Module) -> set[str]:
     """Fully qualified names (relative to ``root``) of the expert parameters, as state dicts key them."""
     assert plan.experts is not None
-    experts = {id(target.get_submodule(path)) for path in plan.experts.modules}
+    experts = {id(target.get_submodule(path)) for path in plan.experts.moe_modules}
     names = set()
     for prefix, module in root.named_modules():
         if id(module) in experts:

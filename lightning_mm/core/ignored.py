@@ -10,7 +10,7 @@ is here, and every other place asks :class:`IgnoredModules` rather than working 
 * the averaging of their trainable parameters' gradients over the ranks (:meth:`IgnoredModules.all_reduce_gradients`).
 
 Which paths are ignored (and so whole on every rank, in the memory estimate too) is the plan's data:
-``plan.ignored`` and :meth:`~lightning_mm.core.plan.ShardingPlan.is_ignored`. Rank 0's initial values reach
+``plan.ignored_modules`` and :meth:`~lightning_mm.core.plan.ShardingPlan.is_ignored`. Rank 0's initial values reach
 the other ranks with every other plain tensor that was materialised
 (:func:`~lightning_mm.core.apply.broadcast_replicated`). Lightning-free.
 """
@@ -35,8 +35,8 @@ class IgnoredModules:
     """
 
     def __init__(self, target: nn.Module, plan: ShardingPlan) -> None:
-        self.paths = plan.ignored
-        self.modules = [target.get_submodule(path) for path in plan.ignored]
+        self.paths = plan.ignored_modules
+        self.modules = [target.get_submodule(path) for path in plan.ignored_modules]
         self._cast = plan.precision.cast_forward_inputs and plan.precision.param_dtype is not None
 
     def __bool__(self) -> bool:

@@ -49,7 +49,10 @@ class ShardUnit:
     """One ``fully_shard`` call: usually one module, several when they share parameters (tied weights)."""
 
     modules: tuple[str, ...]
+    """The module paths sharded by this call (from ``sub_modules_to_wrap``, or the ``align_fsdp_param_groups``
+    modules); several only when they share parameters."""
     num_params: int
+    """Parameters this unit owns (those of nested units, ignored modules and experts not counted)."""
     trainable_params: int | None = None
     """Of ``num_params``, those with ``requires_grad`` (``None``: not counted)."""
     label: str = ""
@@ -59,6 +62,7 @@ class ShardUnit:
 
     @property
     def name(self) -> str:
+        """The unit's name in logs: its label, or its modules joined by ``+``."""
         return self.label or " + ".join(self.modules)
 
 
@@ -67,13 +71,20 @@ class ExpertPlan:
     """Expert parallelism: each MoE module's experts split over the ``ep`` ranks of an EP group."""
 
     expert_parallel_size: int
-    modules: tuple[str, ...]
+    """The config's ``expert_parallel_size``: ranks of one EP group, which together hold every expert."""
+    moe_modules: tuple[str, ...]
+    """The config's ``moe_modules``, resolved to module paths."""
     num_experts: int
+    """Experts of each MoE module (all modules hold the same number)."""
     experts_per_rank: int
+    """Experts each rank of an EP group holds (``num_experts / expert_parallel_size``)."""
     reshard_local_experts: bool
+    """The config's ``reshard_local_experts``: FSDP-shard the local experts over ``ep_replicate`` (or keep them
+    whole and all-reduce their gradients)."""
     expert_params: int
     """Expert parameters of all MoE modules (all experts, before splitting)."""
     expert_bytes: int
+    """Bytes of the expert parameters of all MoE modules (before splitting)."""
     other_bytes: int
     """Bytes of every parameter that is not an expert's (before sharding)."""
 
@@ -83,21 +94,37 @@ class ShardingPlan:
     """What the strategy will do to the model, in the order it does it."""
 
     world_size: int
+    """Ranks of the run the plan is for."""
     sharding_size: int
+    """The config's ``sharding_size`` resolved for ``world_size`` (``auto``: the world size): ranks per shard group."""
     units: tuple[ShardUnit, ...]
-    """Sub-module units in application order (children before parents); the root unit comes after them."""
+    """Sub-module units in application order (children before parents); the root unit comes after them. Built from
+    the config's ``sub_modules_to_wrap`` (modules sharing parameters grouped) and ``align_fsdp_param_groups``."""
     root_params: int
-    ignored: tuple[str, ...]
+    """Parameters the root unit owns: those in no unit, no ignored module and no MoE module."""
+    ignored_modules: tuple[str, ...]
+    """The config's ``ignored_modules``, resolved to module paths: kept whole on every rank, outside FSDP."""
     ignored_params: int
-    recompute: tuple[str, ...]
-    forward_prefetch: int
-    backward_prefetch: int
+    """Parameters inside ``ignored_modules``."""
+    recompute_modules: tuple[str, ...]
+    """The config's ``recompute_modules``, resolved to module paths: activations recomputed in backward."""
+    num_to_forward_prefetch: int
+    """The config's ``num_to_forward_prefetch``: units gathered ahead in forward, in execution order."""
+    num_to_backward_prefetch: int
+    """The config's ``num_to_backward_prefetch``: units gathered ahead in backward (0: FSDP2's implicit one)."""
     precision: PrecisionPolicy
+    """The resolved ``param_dtype``, ``reduce_dtype``, ``output_dtype`` and ``cast_forward_inputs`` (with the
+    Trainer's precision)."""
     reshard_after_forward: bool
+    """The config's ``reshard_after_forward``."""
     offload_to_cpu: bool
+    """The config's ``offload_to_cpu``."""
     pin_memory: bool
+    """The config's ``pin_memory``."""
     use_reentrant: bool
+    """The config's ``use_reentrant`` (for ``recompute_modules``)."""
     notes: tuple[str, ...] = field(default=())
+    """What the plan says about the config beyond its data (units grouped or dropped, settings not used)."""
     experts: ExpertPlan | None = None
     """Expert parallelism, or None without it (``expert_parallel_size: 1``)."""
     compile_modules: tuple[str, ...] = ()
@@ -112,23 +139,27 @@ class ShardingPlan:
 
     @property
     def mesh_shape(self) -> tuple[int, ...]:
+        """The device mesh's shape: ``(world_size,)``, or ``(replicate, shard)`` for HSDP."""
         return mesh_layout(self.world_size, self.sharding_size)[0]
 
     @property
     def mesh_dim_names(self) -> tuple[str, ...]:
+        """The device mesh's dimension names: ``("shard",)`` or ``("replicate", "shard")``."""
         return mesh_layout(self.world_size, self.sharding_size)[1]
 
     @property
     def is_hsdp(self) -> bool:
+        """Whether parameters are sharded within groups and replicated across them (``sharding_size`` < world)."""
         return len(self.mesh_shape) == 2
 
     @property
     def unit_modules(self) -> tuple[str, ...]:
+        """Every module path of every unit, in unit order."""
         return tuple(m for unit in self.units for m in unit.modules)
 
     def is_ignored(self, path: str) -> bool:
         """Whether the module or parameter at ``path`` is inside an ``ignored_modules`` module (whole on every rank)."""
-        return any(_is_under(path, ignored) for ignored in self.ignored)
+        return any(_is_under(path, ignored) for ignored in self.ignored_modules)
 
     def describe(self) -> str:
         """A readable summary: mesh, units with their parameter counts, ignored and recomputed modules."""
@@ -156,18 +187,20 @@ class ShardingPlan:
         lines.append(f"    {'<root>':<60} {self.root_params:>14,} params")
         lines.append(
             f"  ignored ({self.ignored_params:,} params, whole on every rank, trainable ones' gradients all-reduced): "
-            f"{', '.join(self.ignored) or '-'}"
+            f"{', '.join(self.ignored_modules) or '-'}"
         )
         reentrant = "reentrant" if self.use_reentrant else "non-reentrant"
-        lines.append(f"  recomputed ({reentrant}): {', '.join(self.recompute) or '-'}")
+        lines.append(f"  recomputed ({reentrant}): {', '.join(self.recompute_modules) or '-'}")
         if self.compile_modules:
             lines.append(
                 f"  compiled (torch.compile, backend {self.compile_backend}, one graph each; the rest "
                 f"eager): {listing(self.compile_modules, 8)}"
             )
-        backward = str(self.backward_prefetch) if self.backward_prefetch else "FSDP2 default (1, implicit)"
+        backward = (
+            str(self.num_to_backward_prefetch) if self.num_to_backward_prefetch else "FSDP2 default (1, implicit)"
+        )
         lines.append(
-            f"  prefetch: forward {self.forward_prefetch}, backward {backward} "
+            f"  prefetch: forward {self.num_to_forward_prefetch}, backward {backward} "
             "(units in execution order, taken from the first forward pass)"
         )
         if self.experts is not None:
@@ -182,6 +215,7 @@ class ShardingPlan:
 
     @property
     def ep_mesh_shape(self) -> tuple[int, int] | None:
+        """The expert mesh's ``(ep_replicate, ep)`` shape, or ``None`` without expert parallelism."""
         return None if self.experts is None else ep_mesh_layout(self.world_size, self.experts.expert_parallel_size)[0]
 
     def bytes_per_rank(self) -> tuple[int, int]:
@@ -207,9 +241,9 @@ class ShardingPlan:
         other, expert = self.bytes_per_rank()
         no_ep = -(-(ep.other_bytes + ep.expert_bytes) // self.sharding_size)
         return [
-            f"  expert parallel: mesh ({mesh}), {len(ep.modules)} MoE module(s), {ep.num_experts} experts each, "
+            f"  expert parallel: mesh ({mesh}), {len(ep.moe_modules)} MoE module(s), {ep.num_experts} experts each, "
             f"{ep.experts_per_rank} per rank; local experts {local}",
-            f"    moe_modules: {', '.join(ep.modules)}",
+            f"    moe_modules: {', '.join(ep.moe_modules)}",
             f"    parameter bytes per rank: {other + expert:,} ({other:,} non-expert + {expert:,} expert; "
             f"{no_ep:,} without expert parallelism)",
         ]
@@ -433,14 +467,14 @@ def _plan_experts(
         else:
             other_bytes += param.numel() * param.element_size()
     return ExpertPlan(
-        size,
-        tuple(modules),
-        experts,
-        experts // size,
-        config.reshard_local_experts,
-        expert_numel,
-        expert_bytes,
-        other_bytes,
+        expert_parallel_size=size,
+        moe_modules=tuple(modules),
+        num_experts=experts,
+        experts_per_rank=experts // size,
+        reshard_local_experts=config.reshard_local_experts,
+        expert_params=expert_numel,
+        expert_bytes=expert_bytes,
+        other_bytes=other_bytes,
     )
 
 
@@ -518,7 +552,7 @@ def _check_compiled(
                 f"FSDP2 config key `compile_modules`{where}: '{path}' is inside '{nested[0]}', which is compiled "
                 "too; list one of them"
             )
-        moe = [m for m in (experts.modules if experts is not None else ()) if _is_under(m, path)]
+        moe = [m for m in (experts.moe_modules if experts is not None else ()) if _is_under(m, path)]
         if moe:
             raise FSDP2ConfigError(
                 f"FSDP2 config key `compile_modules`{where}: '{path}' holds expert-parallel modules "
@@ -559,7 +593,7 @@ def build_plan(
     # Children before parents: a parent's fully_shard must see its children already sharded.
     groups.sort(key=lambda g: -max(m.count(".") + 1 for m in g))
     counts, root_params, ignored_params, trainable = _count_params(
-        model, groups, ignored, experts.modules if experts is not None else ()
+        model, groups, ignored, experts.moe_modules if experts is not None else ()
     )
     if precision is None:
         precision = PrecisionPolicy.from_config(config)
@@ -571,11 +605,11 @@ def build_plan(
             for g, n, t in zip(groups, counts, trainable)
         ),
         root_params=root_params,
-        ignored=tuple(ignored),
+        ignored_modules=tuple(ignored),
         ignored_params=ignored_params,
-        recompute=tuple(recompute),
-        forward_prefetch=config.num_to_forward_prefetch,
-        backward_prefetch=config.num_to_backward_prefetch,
+        recompute_modules=tuple(recompute),
+        num_to_forward_prefetch=config.num_to_forward_prefetch,
+        num_to_backward_prefetch=config.num_to_backward_prefetch,
         precision=precision,
         reshard_after_forward=config.reshard_after_forward,
         offload_to_cpu=config.offload_to_cpu,
