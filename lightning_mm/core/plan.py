@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
-from lightning_mm._module_paths import ROOT
+from lightning_mm._module_paths import ROOT, enclosing, is_under_any
 from lightning_mm._module_paths import is_under as _is_under
 from lightning_mm._names import listing
 from lightning_mm._tied import parameter_names_by_tensor
@@ -159,7 +159,7 @@ class ShardingPlan:
 
     def is_ignored(self, path: str) -> bool:
         """Whether the module or parameter at ``path`` is inside an ``ignored_modules`` module (whole on every rank)."""
-        return any(_is_under(path, ignored) for ignored in self.ignored_modules)
+        return is_under_any(path, self.ignored_modules)
 
     def describe(self) -> str:
         """A readable summary: mesh, units with their parameter counts, ignored and recomputed modules."""
@@ -284,12 +284,12 @@ def _resolve(model: nn.Module, config: FSDP2Config, key: str) -> list[str]:
 def _check_overlaps(wrapped: list[str], ignored: list[str], config: FSDP2Config) -> None:
     where = f" in {config.source}" if config.source else ""
     for unit in wrapped:
-        for ign in ignored:
-            if _is_under(unit, ign):
-                raise FSDP2ConfigError(
-                    f"FSDP2 config{where}: `sub_modules_to_wrap` module '{unit}' is inside `ignored_modules` "
-                    f"module '{ign}'; a module cannot be both sharded and ignored"
-                )
+        ign = enclosing(unit, ignored)
+        if ign is not None:
+            raise FSDP2ConfigError(
+                f"FSDP2 config{where}: `sub_modules_to_wrap` module '{unit}' is inside `ignored_modules` "
+                f"module '{ign}'; a module cannot be both sharded and ignored"
+            )
 
 
 class _UnionFind:
@@ -313,7 +313,7 @@ def _group_shared_parameters(
     """Group units that own the same parameter object; a unit nested in its partner dissolves into it."""
     shared: list[list[str]] = []
     for paths in parameter_names_by_tensor(model).values():
-        in_ignored = [any(_is_under(p, ign) for ign in ignored) for p in paths]
+        in_ignored = [is_under_any(p, ignored) for p in paths]
         if any(in_ignored) and not all(in_ignored):
             where = f" in {config.source}" if config.source else ""
             raise FSDP2ConfigError(
@@ -396,7 +396,7 @@ def norm_and_router_modules(model: nn.Module, units: list[str], ignored: list[st
             stacks.add(parent.rpartition(".")[0])
     found: list[str] = []
     for path, module in model.named_modules():
-        if not path or any(_is_under(path, f) for f in found) or any(_is_under(path, ign) for ign in ignored):
+        if not path or is_under_any(path, found) or is_under_any(path, ignored):
             continue
         if not any(True for _ in module.parameters()):
             continue
@@ -444,7 +444,7 @@ def _plan_experts(
                 f"'{path}' is also in `sub_modules_to_wrap`; expert modules are "
                 "sharded by expert parallelism, not as units of their own",
             )
-        if any(_is_under(path, ign) for ign in ignored):
+        if is_under_any(path, ignored):
             raise config._error("moe_modules", f"'{path}' is inside `ignored_modules`")
         if any(_is_under(other, path) for other in modules if other != path):
             raise config._error("moe_modules", f"'{path}' contains another MoE module")
@@ -487,9 +487,9 @@ def _count_params(
     trainable = [0] * len(groups)
     root = ignored_count = 0
     for path, param in model.named_parameters():  # each parameter object once
-        if any(_is_under(path, e) for e in experts):
+        if is_under_any(path, experts):
             continue
-        if any(_is_under(path, ign) for ign in ignored):
+        if is_under_any(path, ignored):
             ignored_count += param.numel()
             continue
         owner = _owner(_module_of(path), flat)
