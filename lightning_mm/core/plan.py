@@ -277,18 +277,17 @@ def _resolve(model: nn.Module, config: FSDP2Config, key: str) -> list[str]:
     try:
         return resolve_patterns(model, getattr(config, key), key)
     except PatternError as err:
-        where = f" in {config.source}" if config.source else ""
-        raise FSDP2ConfigError(f"FSDP2 config{where}: {err}") from None
+        raise config.key_error(None, str(err)) from None
 
 
 def _check_overlaps(wrapped: list[str], ignored: list[str], config: FSDP2Config) -> None:
-    where = f" in {config.source}" if config.source else ""
     for unit in wrapped:
         ign = enclosing(unit, ignored)
         if ign is not None:
-            raise FSDP2ConfigError(
-                f"FSDP2 config{where}: `sub_modules_to_wrap` module '{unit}' is inside `ignored_modules` "
-                f"module '{ign}'; a module cannot be both sharded and ignored"
+            raise config.key_error(
+                None,
+                f"`sub_modules_to_wrap` module '{unit}' is inside `ignored_modules` "
+                f"module '{ign}'; a module cannot be both sharded and ignored",
             )
 
 
@@ -315,10 +314,10 @@ def _group_shared_parameters(
     for paths in parameter_names_by_tensor(model).values():
         in_ignored = [is_under_any(p, ignored) for p in paths]
         if any(in_ignored) and not all(in_ignored):
-            where = f" in {config.source}" if config.source else ""
-            raise FSDP2ConfigError(
-                f"FSDP2 config{where}: parameter shared by {sorted(paths)} is partly in `ignored_modules`; "
-                "ignore every module that uses it or none"
+            raise config.key_error(
+                None,
+                f"parameter shared by {sorted(paths)} is partly in `ignored_modules`; "
+                "ignore every module that uses it or none",
             )
         if len(paths) > 1 and not any(in_ignored):
             shared.append(paths)
@@ -417,7 +416,7 @@ def _num_experts(path: str, module: nn.Module, config: FSDP2Config) -> int:
         return declared
     firsts = {p.shape[0] for p in module.parameters() if p.ndim >= 2}
     if len(firsts) != 1:
-        raise config._error(
+        raise config.key_error(
             "moe_modules",
             f"cannot tell how many experts '{path}' holds: it has no `num_experts` "
             "and its weights do not share a leading experts dimension",
@@ -431,7 +430,7 @@ def _plan_experts(
     size = config.expert_parallel_size
     config.check_expert_parallel_size(world_size)
     if not config.moe_modules:
-        raise config._error(
+        raise config.key_error(
             "moe_modules",
             f"`expert_parallel_size: {size}` needs the MoE expert modules (e.g. `model.layers.{{*}}.mlp.experts`)",
         )
@@ -439,24 +438,24 @@ def _plan_experts(
     counts = set()
     for path in modules:
         if path in wrapped:
-            raise config._error(
+            raise config.key_error(
                 "moe_modules",
                 f"'{path}' is also in `sub_modules_to_wrap`; expert modules are "
                 "sharded by expert parallelism, not as units of their own",
             )
         if is_under_any(path, ignored):
-            raise config._error("moe_modules", f"'{path}' is inside `ignored_modules`")
+            raise config.key_error("moe_modules", f"'{path}' is inside `ignored_modules`")
         if any(_is_under(other, path) for other in modules if other != path):
-            raise config._error("moe_modules", f"'{path}' contains another MoE module")
+            raise config.key_error("moe_modules", f"'{path}' contains another MoE module")
         module = model.get_submodule(path)
         if not any(True for _ in module.parameters()):
-            raise config._error("moe_modules", f"'{path}' has no parameters")
+            raise config.key_error("moe_modules", f"'{path}' has no parameters")
         experts = _num_experts(path, module, config)
         if experts % size:
-            raise config._error("expert_parallel_size", f"{size} does not divide the {experts} experts of '{path}'")
+            raise config.key_error("expert_parallel_size", f"{size} does not divide the {experts} experts of '{path}'")
         counts.add(experts)
     if len(counts) != 1:
-        raise config._error("moe_modules", f"the MoE modules hold different numbers of experts: {sorted(counts)}")
+        raise config.key_error("moe_modules", f"the MoE modules hold different numbers of experts: {sorted(counts)}")
     experts = counts.pop()
     expert_ids = {id(p) for path in modules for p in model.get_submodule(path).parameters()}
     expert_numel = expert_bytes = other_bytes = 0
@@ -509,7 +508,7 @@ def _aligned_group(
         return ()
     aligned = tuple(norm_and_router_modules(model, [m for g in groups for m in g], ignored))
     if not aligned:
-        raise config._error(
+        raise config.key_error(
             "align_fsdp_param_groups",
             "found no norm or router module inside the wrapped units "
             "(`sub_modules_to_wrap`) to gather into a unit of its own",
@@ -538,25 +537,25 @@ def _check_compiled(
 ) -> None:
     """A compiled module must not hold other FSDP units (their hooks would run inside its graph) or experts
     split by expert parallelism (their dispatch communicates), and must not sit inside another compiled one."""
-    where = f" in {config.source}" if config.source else ""
     for path in compiled:
         inner = [m for g in groups for m in g if m != path and _is_under(m, path)]
         if inner:
-            raise FSDP2ConfigError(
-                f"FSDP2 config key `compile_modules`{where}: '{path}' holds FSDP units ({listing(inner, 3)}) whose "
-                "all-gathers would run inside its graph; compile the units (or modules inside them) instead"
+            raise config.key_error(
+                "compile_modules",
+                f"'{path}' holds FSDP units ({listing(inner, 3)}) whose "
+                "all-gathers would run inside its graph; compile the units (or modules inside them) instead",
             )
         nested = [other for other in compiled if other != path and _is_under(path, other)]
         if nested:
-            raise FSDP2ConfigError(
-                f"FSDP2 config key `compile_modules`{where}: '{path}' is inside '{nested[0]}', which is compiled "
-                "too; list one of them"
+            raise config.key_error(
+                "compile_modules", f"'{path}' is inside '{nested[0]}', which is compiled too; list one of them"
             )
         moe = [m for m in (experts.moe_modules if experts is not None else ()) if _is_under(m, path)]
         if moe:
-            raise FSDP2ConfigError(
-                f"FSDP2 config key `compile_modules`{where}: '{path}' holds expert-parallel modules "
-                f"({listing(moe, 3)}) whose token dispatch communicates; compile modules without them"
+            raise config.key_error(
+                "compile_modules",
+                f"'{path}' holds expert-parallel modules "
+                f"({listing(moe, 3)}) whose token dispatch communicates; compile modules without them",
             )
 
 
