@@ -30,7 +30,8 @@ from lightning_mm.core import expert_parallel
 from lightning_mm.core.compile import compiled_forward, is_compiled
 from lightning_mm.core.config import FSDP2Config
 from lightning_mm.core.ignored import IgnoredModules
-from lightning_mm.core.plan import ShardingPlan, mesh_layout
+from lightning_mm.core.module_state import describe_module_changes, move_buffer, replace_forward, set_fsdp2_config
+from lightning_mm.core.plan import ShardingPlan, mesh_layout, plan_in_use
 from lightning_mm.core.recompute import checkpointed_forward, is_recomputed
 from lightning_mm.core.torch_init import init_like_constructors
 
@@ -123,20 +124,29 @@ def apply_plan(
     units = plan_units(target, plan) if shard_units is None else sharded_units(target, root)
     prefetch = ExecutionOrderPrefetch(root, units, plan)
     norm_groups = expert_parallel.expert_norm_groups(target, plan, ep_mesh) if ep_mesh is not None else {}
+    changes = describe_module_changes(target)
+    if changes:
+        log.info(changes)
     return ShardedModel(ignored, prefetch, ep_mesh, whole, norm_groups)
 
 
-def model_unit_sharding(target: nn.Module, config: FSDP2Config) -> Callable[[dict[str, Any]], None] | None:
+def model_unit_sharding(
+    target: nn.Module, config: FSDP2Config, plan: ShardingPlan | None = None
+) -> Callable[[dict[str, Any]], None] | None:
     """The model's own wrapping of its sub-modules (the seed's ``_fully_shard(fsdp2_kwargs, fsdp2_config)``), or
     ``None`` when it has none or keeps ``FSDP2Mixin``'s default (which shards the plan's units, as
-    :func:`apply_fully_shard` does). ``target.fsdp2_config`` is set before the call, as in MindSpeed MM."""
+    :func:`apply_fully_shard` does). ``target.fsdp2_config`` is set before the call, as in MindSpeed MM
+    (:func:`~lightning_mm.core.module_state.set_fsdp2_config`). With ``plan`` (built from ``config`` for
+    ``target``), a ``build_plan`` inside the call (``FSDP2Mixin._fully_shard`` through ``super()``) returns that
+    plan rather than resolving the patterns again (:func:`~lightning_mm.core.plan.plan_in_use`)."""
     custom = getattr(target, "_fully_shard", None)
     if not callable(custom) or getattr(custom, "shards_plan_units", False):
         return None
 
     def shard_units(kwargs: dict[str, Any]) -> None:
-        target.fsdp2_config = config
-        custom(fsdp2_kwargs=kwargs, fsdp2_config=config)
+        set_fsdp2_config(target, config)
+        with plan_in_use(config, target, plan) if plan is not None else contextlib.nullcontext():
+            custom(fsdp2_kwargs=kwargs, fsdp2_config=config)
 
     return shard_units
 
@@ -165,7 +175,7 @@ def apply_compile(model: nn.Module, plan: ShardingPlan) -> None:
     for path in plan.compile_modules:
         module = model.get_submodule(path)
         if not is_compiled(module.forward):
-            module.forward = compiled_forward(module.forward, plan.compile_backend, path)
+            replace_forward(module, compiled_forward(module.forward, plan.compile_backend, path), "compile_modules")
 
 
 def apply_recompute(model: nn.Module, plan: ShardingPlan) -> None:
@@ -178,7 +188,7 @@ def apply_recompute(model: nn.Module, plan: ShardingPlan) -> None:
         module = model.get_submodule(path)
         if is_recomputed(module):
             continue
-        module.forward = checkpointed_forward(module.forward, plan.use_reentrant, path)
+        replace_forward(module, checkpointed_forward(module.forward, plan.use_reentrant, path), "recompute_modules")
 
 
 # ------------------------------------------------------------------------------------- expert parallelism
@@ -377,7 +387,7 @@ def _move_buffers(root: nn.Module, device: torch.device) -> None:
     for module in root.modules():
         for name, buf in list(module.named_buffers(recurse=False, remove_duplicate=False)):
             if buf is not None and buf.device != device:
-                setattr(module, name, buf.to(device))  # an existing buffer: stays a buffer, keeps its persistence
+                move_buffer(module, name, buf.to(device))
 
 
 def materialize_and_init(

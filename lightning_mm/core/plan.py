@@ -7,6 +7,9 @@ be printed, tested and checked before any cluster time is spent. :mod:`lightning
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
+from contextvars import ContextVar
 from dataclasses import dataclass, field
 
 import torch
@@ -26,6 +29,7 @@ __all__ = [
     "ShardingPlan",
     "ExpertPlan",
     "build_plan",
+    "plan_in_use",
     "mesh_layout",
     "ep_mesh_layout",
     "norm_and_router_modules",
@@ -559,6 +563,35 @@ def _check_compiled(
             )
 
 
+_IN_USE: ContextVar[tuple[FSDP2Config, nn.Module, ShardingPlan] | None] = ContextVar("plan_in_use", default=None)
+
+
+@contextlib.contextmanager
+def plan_in_use(config: FSDP2Config, model: nn.Module, plan: ShardingPlan) -> Iterator[None]:
+    """While ``plan`` (built from ``config`` for ``model``) is applied, :func:`build_plan` for the same config object
+    and model returns it instead of resolving the config's patterns again.
+
+    A model's own ``_fully_shard(fsdp2_kwargs, fsdp2_config)`` that plans its units itself (``FSDP2Mixin``'s,
+    through ``super()``) gets the plan being applied: the user's patterns are resolved once per run.
+    """
+    token = _IN_USE.set((config, model, plan))
+    try:
+        yield
+    finally:
+        _IN_USE.reset(token)
+
+
+def _plan_in_use(
+    config: FSDP2Config, model: nn.Module, world_size: int, precision: PrecisionPolicy | None, keep: bool
+) -> ShardingPlan | None:
+    in_use = _IN_USE.get()
+    if in_use is None or in_use[0] is not config or in_use[1] is not model:
+        return None
+    plan = in_use[2]
+    same = plan.world_size == world_size and keep == plan.keep_unsharded_for_backward
+    return plan if same and (precision is None or precision == plan.precision) else None
+
+
 def build_plan(
     config: FSDP2Config,
     model: nn.Module,
@@ -569,8 +602,12 @@ def build_plan(
     """Resolve ``config`` against ``model`` for ``world_size`` ranks; every problem is a clear error here.
 
     ``keep_unsharded_for_backward=False`` reshards the root and the last unit after forward like every other unit
-    (no YAML key: the measurements of benchmarks/README.md compare against it).
+    (no YAML key: the measurements of benchmarks/README.md compare against it). Each pattern key is resolved once
+    here; inside :func:`plan_in_use` the plan being applied is returned for its own config and model.
     """
+    in_use = _plan_in_use(config, model, world_size, precision, keep_unsharded_for_backward)
+    if in_use is not None:  # the plan being applied (plan_in_use): resolved once
+        return in_use
     sharding_size = config.resolve_sharding_size(world_size)
     wrapped = _resolve(model, config, "sub_modules_to_wrap")
     ignored = _resolve(model, config, "ignored_modules")
