@@ -32,6 +32,8 @@ from typing import Any
 import torch
 from torch import nn
 
+from lightning_mm._names import listing
+
 __all__ = [
     "ModuleChange",
     "replace_forward",
@@ -133,11 +135,13 @@ def module_changes(model: nn.Module) -> dict[str, tuple[ModuleChange, ...]]:
 
 
 def describe_module_changes(model: nn.Module) -> str:
-    """A readable listing of :func:`module_changes` (empty when nothing was written)."""
-    lines = []
+    """A readable listing of :func:`module_changes`, one line per attribute and reason with the modules it was set
+    on (empty when nothing was written)."""
+    grouped: dict[tuple[str, str], list[str]] = {}
     for path, changes in module_changes(model).items():
         for change in changes:
-            lines.append(f"  {path or '<model>'}.{change.attribute}: {change.reason}")
-    if not lines:
+            grouped.setdefault((change.attribute, change.reason), []).append(path or "<model>")
+    if not grouped:
         return ""
+    lines = [f"  {attribute} ({reason}): {listing(paths, 6)}" for (attribute, reason), paths in grouped.items()]
     return "\n".join(["attributes set on the model's modules (lightning_mm.core.module_state):", *lines])
