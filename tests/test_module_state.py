@@ -277,3 +277,16 @@ def test_a_models_own_fully_shard_gets_the_config_and_the_plan_being_applied():
         assert build_plan(FSDP2Config(sub_modules_to_wrap=["layers.{*}"]), model, 2) is not plan
         assert build_plan(config, Net(), 2) is not plan
         assert build_plan(config, model, 1) is not plan
+
+
+def test_the_ignored_modules_input_cast_is_listed():
+    from lightning_mm.core.ignored import IgnoredModules
+
+    model = Net()
+    config = FSDP2Config(sub_modules_to_wrap=["layers.{0,1}"], ignored_modules=["layers.2"], param_dtype="bf16")
+    IgnoredModules(model, build_plan(config, model, 1)).cast_inputs()
+    assert {path: [c.attribute for c in cs] for path, cs in module_state.module_changes(model).items()} == {
+        "layers.2": ["forward pre-hook"]
+    }
+    out = model.layers[2](torch.randn(2, 4, dtype=torch.bfloat16))  # cast to the module's own (fp32) dtype
+    assert out.dtype == torch.float32

@@ -23,6 +23,7 @@ import torch
 from torch import nn
 
 from lightning_mm._collectives import average_in_place
+from lightning_mm.core.module_state import add_input_hook
 from lightning_mm.core.plan import ShardingPlan
 
 __all__ = ["IgnoredModules"]
@@ -58,7 +59,7 @@ class IgnoredModules:
         """
         if self._cast:
             for module in self.modules:
-                module.register_forward_pre_hook(_cast_inputs_to_own_dtype, with_kwargs=True)
+                add_input_hook(module, _cast_inputs_to_own_dtype, "ignored_modules: inputs cast to its own dtype")
 
     def place(self, device: torch.device) -> None:
         """Move the ignored modules to the compute device (FSDP moves only what it shards)."""

@@ -16,6 +16,8 @@ scans the sources for it). Every write is recorded, and :func:`describe_module_c
 * :func:`keep_local_experts`: a MoE module's parameters replaced by this rank's rows of the experts dimension, and
   its ``num_experts`` (when it has one: Transformers' expert loop reads it) set to the local count. The global
   index of its first local expert is kept here, not on the module (:func:`expert_row_offset`).
+* :func:`add_input_hook`: a forward pre-hook kept for the run (the ignored modules' input cast); the hooks that
+  only watch the first forward (prefetch order) remove themselves and are not listed.
 * :func:`move_buffer`: an existing buffer replaced by its copy on the compute device (FSDP2 moves only what it
   shards), its name and persistence unchanged.
 
@@ -40,6 +42,7 @@ __all__ = [
     "set_fsdp2_config",
     "keep_local_experts",
     "expert_row_offset",
+    "add_input_hook",
     "move_buffer",
     "module_changes",
     "describe_module_changes",
@@ -114,6 +117,13 @@ def expert_row_offset(module: nn.Module) -> int:
     """The global index of ``module``'s first local expert (0 for a module that :func:`keep_local_experts` did not
     split)."""
     return _EXPERT_OFFSETS.get(module, 0)
+
+
+def add_input_hook(module: nn.Module, hook: Callable[..., Any], reason: str) -> None:
+    """Register ``hook`` as a forward pre-hook of ``module`` (``with_kwargs=True``) for the rest of the run, for
+    ``reason``; listed as ``forward pre-hook``."""
+    module.register_forward_pre_hook(hook, with_kwargs=True)
+    _record(module, "forward pre-hook", reason)
 
 
 def move_buffer(module: nn.Module, name: str, tensor: torch.Tensor) -> None:
