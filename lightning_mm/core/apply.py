@@ -292,8 +292,8 @@ class ExecutionOrderPrefetch:
     """
 
     def __init__(self, root: nn.Module, units: Iterable[Unit], plan: ShardingPlan) -> None:
-        self.forward = plan.num_to_forward_prefetch
-        self.backward = plan.num_to_backward_prefetch
+        self.num_to_forward_prefetch = plan.num_to_forward_prefetch
+        self.num_to_backward_prefetch = plan.num_to_backward_prefetch
         self.keep_unsharded_for_backward = plan.keep_unsharded_for_backward
         self.root = root
         self.units = list(units)
@@ -323,12 +323,12 @@ class ExecutionOrderPrefetch:
         self._handles = []
         order = [self.root, *self.order]
         for i, unit in enumerate(order):
-            if self.forward:
-                unit.set_modules_to_forward_prefetch(order[i + 1 : i + 1 + self.forward])
+            if self.num_to_forward_prefetch:
+                unit.set_modules_to_forward_prefetch(order[i + 1 : i + 1 + self.num_to_forward_prefetch])
         reverse = order[::-1]
         for i, unit in enumerate(reverse):
-            if self.backward:  # 0 keeps FSDP2's implicit prefetch of the previous unit
-                unit.set_modules_to_backward_prefetch(reverse[i + 1 : i + 1 + self.backward])
+            if self.num_to_backward_prefetch:  # 0 keeps FSDP2's implicit prefetch of the previous unit
+                unit.set_modules_to_backward_prefetch(reverse[i + 1 : i + 1 + self.num_to_backward_prefetch])
         if self.keep_unsharded_for_backward:
             last = next((u.modules[0] for u in reversed(self._ran) if u.manages_parameters), None)
             if last is not None:
