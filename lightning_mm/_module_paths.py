@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 
-__all__ = ["ROOT", "is_under", "enclosing"]
+__all__ = ["ROOT", "is_under", "is_under_any", "enclosing"]
 
 ROOT = ""
 """The path of the root module."""
@@ -18,6 +18,11 @@ ROOT = ""
 def is_under(path: str, ancestor: str) -> bool:
     """Whether module ``path`` is ``ancestor`` or lies inside it (always, when ``ancestor`` is the root ``""``)."""
     return ancestor == ROOT or path == ancestor or path.startswith(ancestor + ".")
+
+
+def is_under_any(path: str, ancestors: Iterable[str]) -> bool:
+    """Whether ``path`` is under one of ``ancestors`` (the one test of "inside an ignored module", and the like)."""
+    return any(is_under(path, a) for a in ancestors)
 
 
 def enclosing(path: str, ancestors: Iterable[str]) -> str | None:

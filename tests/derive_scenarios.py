@@ -74,7 +74,7 @@ def sliced_load(name: str, fsdp2: dict, outdir: Path, ckptdir: Path) -> None:
         .from_pretrained(str(directory), dtype=torch.float32)
         .named_parameters()
     )
-    experts = plan.experts.modules if plan.experts is not None else ()
+    experts = plan.experts.moe_modules if plan.experts is not None else ()
     wrong, sharded, split_experts = [], 0, 0
     for key, param in model.named_parameters():
         local = param.to_local() if isinstance(param, DTensor) else param.detach()
@@ -120,8 +120,8 @@ def main(outdir: Path, ckptdir: Path) -> None:
             plan = trainer.strategy.plan
             record["plan"] = {
                 "units": [list(u.modules) for u in plan.units],
-                "ignored": list(plan.ignored),
-                "recompute": list(plan.recompute),
+                "ignored": list(plan.ignored_modules),
+                "recompute": list(plan.recompute_modules),
                 "model_class": type(module.model).__name__,
             }
             ps._finish(case, outdir, [*parts, record], trainer, module)

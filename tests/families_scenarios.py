@@ -145,8 +145,8 @@ def main(outdir: Path) -> None:
             plan = trainer.strategy.plan
             record["plan"] = {
                 "units": [list(u.modules) for u in plan.units],
-                "ignored": list(plan.ignored),
-                "recompute": list(plan.recompute),
+                "ignored": list(plan.ignored_modules),
+                "recompute": list(plan.recompute_modules),
                 "model_class": type(module.model).__name__,
             }
             ps._finish(case, outdir, [record], trainer, module)

@@ -211,7 +211,7 @@ def _fit_family(
             params = dict(model.named_parameters())
             obs["model_class"] = type(model).__name__
             obs["plan_units"] = [list(u.modules) for u in trainer.strategy.plan.units]
-            obs["plan_ignored"] = list(trainer.strategy.plan.ignored)
+            obs["plan_ignored"] = list(trainer.strategy.plan.ignored_modules)
             obs["n_params"] = len(params)
             obs["not_equal"] = [n for n, p in params.items() if not torch.equal(_full(p.detach()), ref_state[n])]
             obs["buffers_not_equal"] = [n for n, b in model.named_buffers() if not torch.equal(b, ref_buffers[n])]

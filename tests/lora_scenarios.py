@@ -131,7 +131,7 @@ def _run(
             obs["initial"] = {n: _full(p).clone() for n, p in model.named_parameters()}
             obs["trainable"] = sorted(n for n, p in model.named_parameters() if p.requires_grad)
             obs["plan"] = trainer.strategy.plan.describe()
-            obs["plan_ignored"] = list(trainer.strategy.plan.ignored)
+            obs["plan_ignored"] = list(trainer.strategy.plan.ignored_modules)
             optimizer = trainer.optimizers[0]
             obs["optimizer_params"] = sum(p.numel() for g in optimizer.param_groups for p in g["params"])
 

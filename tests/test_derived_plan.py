@@ -68,7 +68,7 @@ def test_builtin_architectures_derive_the_plans_their_adapters_declared(case):
         plan = _plan(model)
         expected = EXPECTED[case]
         assert [list(u.modules) for u in plan.units] == expected["units"], cls
-        assert list(plan.ignored) == expected["ignored"] and plan.root_params == expected["root_params"]
+        assert list(plan.ignored_modules) == expected["ignored"] and plan.root_params == expected["root_params"]
         assert model.default_fsdp2_config().get("moe_modules", []) == expected["moe_modules"]
 
 
@@ -174,7 +174,7 @@ def test_architectures_without_an_adapter_get_a_derived_plan(name):
     assert not any(
         p.startswith(t) for p in frozen.sub_modules_to_wrap + frozen.recompute_candidates for t in NEW_TOWERS[name]
     )
-    assert _plan(model).ignored == tuple(NEW_TOWERS[name])
+    assert _plan(model).ignored_modules == tuple(NEW_TOWERS[name])
 
 
 def test_the_plan_summary_says_where_the_default_plan_came_from():

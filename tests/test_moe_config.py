@@ -141,7 +141,7 @@ def test_moe_modules_must_match(moe):
 def test_plan_shows_ep_mesh_experts_and_bytes(moe):
     plan = _plan(moe, expert_parallel_size=2, moe_modules=[EXPERTS])
     ep = plan.experts
-    assert ep.modules == ("model.layers.0.mlp.experts", "model.layers.1.mlp.experts")
+    assert ep.moe_modules == ("model.layers.0.mlp.experts", "model.layers.1.mlp.experts")
     assert ep.num_experts == 8 and ep.experts_per_rank == 4 and ep.reshard_local_experts
     assert plan.ep_mesh_shape == (2, 2)
     expert_numel = sum(p.numel() for n, p in moe.named_parameters() if ".mlp.experts." in n)

@@ -62,8 +62,8 @@ def test_ignored_and_recompute():
     plan = plan_for(
         Net(), sub_modules_to_wrap=["blocks.{*}"], ignored_modules=["vision"], recompute_modules=["blocks.{0,2}"]
     )
-    assert plan.ignored == ("vision",) and plan.ignored_params == 20
-    assert plan.recompute == ("blocks.0", "blocks.2")
+    assert plan.ignored_modules == ("vision",) and plan.ignored_params == 20
+    assert plan.recompute_modules == ("blocks.0", "blocks.2")
     assert plan.root_params == 40 + 40
 
 
@@ -186,3 +186,13 @@ def test_ignored_modules_have_one_owner_that_casts_places_and_lists_them():
     ignored.place(torch.device("meta"))
     assert model.vision.weight.is_meta and not model.head.weight.is_meta
     assert not IgnoredModules(model, plan_for(model))
+
+
+def test_key_error_words_a_config_error_with_its_key_and_file():
+
+    in_file = FSDP2Config.from_dict({}, source="fsdp2.yaml")
+    err = in_file.key_error("moe_modules", "'x' has no parameters")
+    assert isinstance(err, FSDP2ConfigError)
+    assert str(err) == "FSDP2 config key `moe_modules` in fsdp2.yaml: 'x' has no parameters"
+    assert str(in_file.key_error(None, "a problem")) == "FSDP2 config in fsdp2.yaml: a problem"
+    assert str(FSDP2Config().key_error("sharding_size", "bad")) == "FSDP2 config key `sharding_size`: bad"

@@ -69,7 +69,7 @@ def test_default_plan_wraps_tower_parts_and_each_deepstack_merger():
     ):
         assert (path,) in units
     assert plan.root_params == 32  # the final norm, nothing else
-    assert plan.ignored == ()
+    assert plan.ignored_modules == ()
 
 
 def test_frozen_tower_is_ignored_with_its_mergers():
@@ -80,7 +80,7 @@ def test_frozen_tower_is_ignored_with_its_mergers():
         "sub_modules_to_wrap": ["model.language_model.embed_tokens", "lm_head", "model.language_model.layers.{*}"],
     }
     plan = build_plan(FSDP2Config(sharding_size="auto").with_model_defaults(model), model, 2)
-    assert plan.ignored == ("model.visual",) and plan.root_params == 32
+    assert plan.ignored_modules == ("model.visual",) and plan.root_params == 32
 
 
 def test_no_deepstack_mergers_leaves_the_pattern_out():

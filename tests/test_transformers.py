@@ -388,7 +388,7 @@ def test_default_plan_wraps_blocks_and_embeddings_and_ignores_frozen_towers(fami
         assert defaults["ignored_modules"] == [TOWER[family]]
         assert not any(p.startswith(TOWER[family]) for p in defaults["sub_modules_to_wrap"])
         plan = build_plan(FSDP2Config(sharding_size="auto").with_model_defaults(frozen), frozen, 2)
-        assert plan.ignored == (TOWER[family],)
+        assert plan.ignored_modules == (TOWER[family],)
         # Keys the YAML sets win over the defaults.
         config = FSDP2Config(sharding_size="auto", sub_modules_to_wrap=["model.language_model.layers.{0}"])
         assert config.with_model_defaults(frozen).sub_modules_to_wrap == ["model.language_model.layers.{0}"]
@@ -399,7 +399,7 @@ def test_default_plan_wraps_blocks_and_embeddings_and_ignores_frozen_towers(fami
         # A trainable tower the YAML ignores gets no default units inside it.
         config = FSDP2Config(sharding_size="auto", ignored_modules=[TOWER[family]]).with_model_defaults(model)
         assert not any(p.startswith(TOWER[family]) for p in config.sub_modules_to_wrap)
-        assert build_plan(config, model, 2).ignored == (TOWER[family],)
+        assert build_plan(config, model, 2).ignored_modules == (TOWER[family],)
 
 
 def test_import_lightning_mm_does_not_import_transformers_model_code():

@@ -187,7 +187,7 @@ def test_mindspeed_wan_yamls_as_written(work: Path) -> None:
     for yaml in (YAML, WAN22_YAML):
         plan = build_plan(FSDP2Config.from_dict(mindspeed_fsdp2_config(yaml)), target, 8)
         assert [u.modules[0] for u in plan.units] == ["predictor.blocks.0", "predictor.blocks.1", "predictor.proj_out"]
-        assert list(plan.recompute) == ["predictor.blocks.0", "predictor.blocks.1"]
+        assert list(plan.recompute_modules) == ["predictor.blocks.0", "predictor.blocks.1"]
         assert plan.precision.param_dtype == torch.bfloat16
     with pytest.raises(FSDP2ConfigError, match="'predictor.head' resolves to no module"):  # unmapped: a clear error
         build_plan(FSDP2Config.from_yaml(YAML), target, 8)

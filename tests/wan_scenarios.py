@@ -179,7 +179,7 @@ def main(outdir: Path, work: Path) -> None:
     trainer, module = _fit(work, outdir, 1, record)
     plan = {
         "units": [u.modules[0] for u in trainer.strategy.plan.units],
-        "recompute": list(trainer.strategy.plan.recompute),
+        "recompute": list(trainer.strategy.plan.recompute_modules),
     }
     trainer.save_checkpoint(outdir / "half.ckpt")
     trainer, module = _fit(work, outdir, 2, record, ckpt_path=str(outdir / "half.ckpt"))

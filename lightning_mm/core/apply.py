@@ -30,7 +30,8 @@ from lightning_mm.core import expert_parallel
 from lightning_mm.core.compile import compiled_forward, is_compiled
 from lightning_mm.core.config import FSDP2Config
 from lightning_mm.core.ignored import IgnoredModules
-from lightning_mm.core.plan import ShardingPlan, mesh_layout
+from lightning_mm.core.module_state import describe_module_changes, move_buffer, replace_forward, set_fsdp2_config
+from lightning_mm.core.plan import ShardingPlan, mesh_layout, plan_in_use
 from lightning_mm.core.recompute import checkpointed_forward, is_recomputed
 from lightning_mm.core.torch_init import init_like_constructors
 
@@ -123,20 +124,29 @@ def apply_plan(
     units = plan_units(target, plan) if shard_units is None else sharded_units(target, root)
     prefetch = ExecutionOrderPrefetch(root, units, plan)
     norm_groups = expert_parallel.expert_norm_groups(target, plan, ep_mesh) if ep_mesh is not None else {}
+    changes = describe_module_changes(target)
+    if changes:
+        log.info(changes)
     return ShardedModel(ignored, prefetch, ep_mesh, whole, norm_groups)
 
 
-def model_unit_sharding(target: nn.Module, config: FSDP2Config) -> Callable[[dict[str, Any]], None] | None:
+def model_unit_sharding(
+    target: nn.Module, config: FSDP2Config, plan: ShardingPlan | None = None
+) -> Callable[[dict[str, Any]], None] | None:
     """The model's own wrapping of its sub-modules (the seed's ``_fully_shard(fsdp2_kwargs, fsdp2_config)``), or
     ``None`` when it has none or keeps ``FSDP2Mixin``'s default (which shards the plan's units, as
-    :func:`apply_fully_shard` does). ``target.fsdp2_config`` is set before the call, as in MindSpeed MM."""
+    :func:`apply_fully_shard` does). ``target.fsdp2_config`` is set before the call, as in MindSpeed MM
+    (:func:`~lightning_mm.core.module_state.set_fsdp2_config`). With ``plan`` (built from ``config`` for
+    ``target``), a ``build_plan`` inside the call (``FSDP2Mixin._fully_shard`` through ``super()``) returns that
+    plan rather than resolving the patterns again (:func:`~lightning_mm.core.plan.plan_in_use`)."""
     custom = getattr(target, "_fully_shard", None)
     if not callable(custom) or getattr(custom, "shards_plan_units", False):
         return None
 
     def shard_units(kwargs: dict[str, Any]) -> None:
-        target.fsdp2_config = config
-        custom(fsdp2_kwargs=kwargs, fsdp2_config=config)
+        set_fsdp2_config(target, config)
+        with plan_in_use(config, target, plan) if plan is not None else contextlib.nullcontext():
+            custom(fsdp2_kwargs=kwargs, fsdp2_config=config)
 
     return shard_units
 
@@ -165,7 +175,7 @@ def apply_compile(model: nn.Module, plan: ShardingPlan) -> None:
     for path in plan.compile_modules:
         module = model.get_submodule(path)
         if not is_compiled(module.forward):
-            module.forward = compiled_forward(module.forward, plan.compile_backend, path)
+            replace_forward(module, compiled_forward(module.forward, plan.compile_backend, path), "compile_modules")
 
 
 def apply_recompute(model: nn.Module, plan: ShardingPlan) -> None:
@@ -174,11 +184,11 @@ def apply_recompute(model: nn.Module, plan: ShardingPlan) -> None:
     The gradients equal those without recomputation for either ``use_reentrant`` value; see
     :mod:`lightning_mm.core.recompute` (a key/value cache is not used in recomputed calls).
     """
-    for path in plan.recompute:
+    for path in plan.recompute_modules:
         module = model.get_submodule(path)
         if is_recomputed(module):
             continue
-        module.forward = checkpointed_forward(module.forward, plan.use_reentrant, path)
+        replace_forward(module, checkpointed_forward(module.forward, plan.use_reentrant, path), "recompute_modules")
 
 
 # ------------------------------------------------------------------------------------- expert parallelism
@@ -236,7 +246,7 @@ def plan_units(model: nn.Module, plan: ShardingPlan) -> list[Unit]:
         for unit in plan.units
     ]
     if plan.experts is not None and plan.experts.reshard_local_experts:  # each MoE module sharded on its own
-        units += [Unit(path, (model.get_submodule(path),), True) for path in plan.experts.modules]
+        units += [Unit(path, (model.get_submodule(path),), True) for path in plan.experts.moe_modules]
     return units
 
 
@@ -273,17 +283,17 @@ class ExecutionOrderPrefetch:
     """Sets explicit FSDP2 prefetching from the order in which units actually run.
 
     Each unit records itself when its forward starts during the first forward pass through ``root``; when that
-    pass ends, unit *i* prefetches the next ``plan.forward_prefetch`` units in forward and the previous
-    ``plan.backward_prefetch`` units in backward. (Registration order, which the replaced system uses, is often not
-    execution order.)
+    pass ends, unit *i* prefetches the next ``plan.num_to_forward_prefetch`` units in forward and the previous
+    ``plan.num_to_backward_prefetch`` units in backward. (Registration order, which the replaced system uses, is
+    often not execution order.)
 
     With ``plan.keep_unsharded_for_backward`` the last unit to run forward (that has parameters) keeps them
     unsharded from its forward to its backward, as the root does (:func:`apply_fully_shard`).
     """
 
     def __init__(self, root: nn.Module, units: Iterable[Unit], plan: ShardingPlan) -> None:
-        self.forward = plan.forward_prefetch
-        self.backward = plan.backward_prefetch
+        self.num_to_forward_prefetch = plan.num_to_forward_prefetch
+        self.num_to_backward_prefetch = plan.num_to_backward_prefetch
         self.keep_unsharded_for_backward = plan.keep_unsharded_for_backward
         self.root = root
         self.units = list(units)
@@ -313,12 +323,12 @@ class ExecutionOrderPrefetch:
         self._handles = []
         order = [self.root, *self.order]
         for i, unit in enumerate(order):
-            if self.forward:
-                unit.set_modules_to_forward_prefetch(order[i + 1 : i + 1 + self.forward])
+            if self.num_to_forward_prefetch:
+                unit.set_modules_to_forward_prefetch(order[i + 1 : i + 1 + self.num_to_forward_prefetch])
         reverse = order[::-1]
         for i, unit in enumerate(reverse):
-            if self.backward:  # 0 keeps FSDP2's implicit prefetch of the previous unit
-                unit.set_modules_to_backward_prefetch(reverse[i + 1 : i + 1 + self.backward])
+            if self.num_to_backward_prefetch:  # 0 keeps FSDP2's implicit prefetch of the previous unit
+                unit.set_modules_to_backward_prefetch(reverse[i + 1 : i + 1 + self.num_to_backward_prefetch])
         if self.keep_unsharded_for_backward:
             last = next((u.modules[0] for u in reversed(self._ran) if u.manages_parameters), None)
             if last is not None:
@@ -377,7 +387,7 @@ def _move_buffers(root: nn.Module, device: torch.device) -> None:
     for module in root.modules():
         for name, buf in list(module.named_buffers(recurse=False, remove_duplicate=False)):
             if buf is not None and buf.device != device:
-                setattr(module, name, buf.to(device))  # an existing buffer: stays a buffer, keeps its persistence
+                move_buffer(module, name, buf.to(device))
 
 
 def materialize_and_init(
@@ -446,7 +456,7 @@ def materialize(
     whole: list[nn.Parameter] = []
     if ep_mesh is not None:  # local experts differ along `ep`: equal only within an ep_replicate column
         assert plan.experts is not None
-        whole = [p for m in plan.experts.modules for p in target.get_submodule(m).parameters()]
+        whole = [p for m in plan.experts.moe_modules for p in target.get_submodule(m).parameters()]
         ids = {id(p) for p in whole}
         names = dict(root.named_parameters())
         materialized = [n for n in materialized if id(names.get(n)) not in ids]

@@ -226,26 +226,34 @@ class FSDP2Config:
         return filled
 
     # --------------------------------------------------------------- validation
-    def _error(self, key: str, message: str) -> FSDP2ConfigError:
+    def key_error(self, key: str | None, message: str) -> FSDP2ConfigError:
+        """The error to raise for this config's ``key`` (``None``: the config as a whole), naming its file.
+
+        ``FSDP2 config key `KEY` in FILE: MESSAGE`` (``FSDP2 config in FILE: MESSAGE`` without a key; no ``in FILE``
+        for a config built in Python). Validation here and planning (:func:`lightning_mm.core.plan.build_plan`) word
+        every config error so.
+        """
         where = f" in {self.source}" if self.source else ""
+        if key is None:
+            return FSDP2ConfigError(f"FSDP2 config{where}: {message}")
         return FSDP2ConfigError(f"FSDP2 config key `{key}`{where}: {message}")
 
     def _validate(self) -> None:
         bad_size = f"expected 'auto' or a positive integer, got {short_repr(self.sharding_size)}"
         if isinstance(self.sharding_size, str):
             if self.sharding_size.strip().lower() != "auto":
-                raise self._error("sharding_size", bad_size)
+                raise self.key_error("sharding_size", bad_size)
             self.sharding_size = "auto"
         elif isinstance(self.sharding_size, bool) or not isinstance(self.sharding_size, int):
-            raise self._error("sharding_size", bad_size)
+            raise self.key_error("sharding_size", bad_size)
         elif self.sharding_size <= 0:
-            raise self._error("sharding_size", f"must be positive, got {self.sharding_size}")
+            raise self.key_error("sharding_size", f"must be positive, got {self.sharding_size}")
 
         for key in ("param_dtype", "reduce_dtype", "output_dtype"):
             try:
                 setattr(self, key, parse_dtype(getattr(self, key), key))
             except FSDP2ConfigError as err:
-                raise self._error(key, str(err).split(": ", 1)[1]) from None
+                raise self.key_error(key, str(err).split(": ", 1)[1]) from None
 
         for key in (
             "cast_forward_inputs",
@@ -258,37 +266,37 @@ class FSDP2Config:
         ):
             value = getattr(self, key)
             if not isinstance(value, bool):
-                raise self._error(key, f"expected true or false, got {short_repr(value)}")
+                raise self.key_error(key, f"expected true or false, got {short_repr(value)}")
 
         for key in _PATTERN_KEYS:
             value = getattr(self, key)
             if isinstance(value, str):
                 value = [value]
             if not isinstance(value, (list, tuple)) or not all(isinstance(v, str) and v.strip() for v in value):
-                raise self._error(key, f"expected a list of module path strings, got {short_repr(value)}")
+                raise self.key_error(key, f"expected a list of module path strings, got {short_repr(value)}")
             setattr(self, key, [v.strip() for v in value])
 
         for key in ("num_to_forward_prefetch", "num_to_backward_prefetch"):
             value = getattr(self, key)
             if isinstance(value, bool) or not isinstance(value, int) or value < 0:
-                raise self._error(key, f"expected a non-negative integer, got {short_repr(value)}")
+                raise self.key_error(key, f"expected a non-negative integer, got {short_repr(value)}")
 
         size = self.expert_parallel_size
         if isinstance(size, bool) or not isinstance(size, int) or size < 1:
-            raise self._error("expert_parallel_size", f"expected a positive integer, got {short_repr(size)}")
+            raise self.key_error("expert_parallel_size", f"expected a positive integer, got {short_repr(size)}")
 
         if not isinstance(self.compile_backend, str) or not self.compile_backend.strip():
-            raise self._error("compile_backend", f"expected a backend name, got {short_repr(self.compile_backend)}")
+            raise self.key_error("compile_backend", f"expected a backend name, got {short_repr(self.compile_backend)}")
         if self.compile_modules:
             from lightning_mm.core.compile import check_backend
 
             try:
                 check_backend(self.compile_backend)
             except ValueError as err:
-                raise self._error("compile_backend", str(err)) from None
+                raise self.key_error("compile_backend", str(err)) from None
 
         if self.pin_memory and not self.offload_to_cpu:
-            raise self._error("pin_memory", "only takes effect with `offload_to_cpu: true`; set both or remove it")
+            raise self.key_error("pin_memory", "only takes effect with `offload_to_cpu: true`; set both or remove it")
 
         # Imported here: the pattern grammar lives with the resolver, and a malformed pattern fails at load time.
         from lightning_mm.core.patterns import parse_pattern
@@ -298,12 +306,12 @@ class FSDP2Config:
                 try:
                     parse_pattern(pattern)
                 except ValueError as err:
-                    raise self._error(key, str(err)) from None
+                    raise self.key_error(key, str(err)) from None
 
     def check_expert_parallel_size(self, world_size: int) -> None:
         """``expert_parallel_size`` must divide the world size."""
         if world_size % self.expert_parallel_size != 0:
-            raise self._error(
+            raise self.key_error(
                 "expert_parallel_size",
                 f"{self.expert_parallel_size} does not divide the world size {world_size}",
             )
@@ -312,7 +320,7 @@ class FSDP2Config:
         """The shard group size for ``world_size`` ranks; it must divide the world size."""
         size = world_size if self.sharding_size == "auto" else self.sharding_size
         if size > world_size or world_size % size != 0:
-            raise self._error(
+            raise self.key_error(
                 "sharding_size", f"{size} does not divide the world size {world_size} (use 'auto' or a divisor)"
             )
         return size

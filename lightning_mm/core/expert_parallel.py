@@ -35,6 +35,7 @@ from torch.distributed.fsdp import CPUOffloadPolicy, fully_shard
 
 from lightning_mm._collectives import average_in_place
 from lightning_mm._dtensor import local_tensor
+from lightning_mm.core.module_state import expert_row_offset, keep_local_experts, replace_forward
 from lightning_mm.core.plan import ShardingPlan, ep_mesh_layout
 
 __all__ = [
@@ -48,9 +49,6 @@ __all__ = [
     "expert_row_offset",
     "expert_norm_groups",
 ]
-
-EXPERT_OFFSET_ATTR = "_lmm_expert_offset"
-"""Set on a split MoE module: the global index of its first local expert (loading and saving read it)."""
 
 
 class ExpertParallelError(RuntimeError):
@@ -82,27 +80,19 @@ def build_ep_mesh(world_size: int, expert_parallel_size: int, device_type: str) 
     return init_device_mesh(device_type, shape, mesh_dim_names=names)
 
 
-def expert_row_offset(module: nn.Module) -> int:
-    """The global index of ``module``'s first local expert (0 for a module that was not split)."""
-    return int(getattr(module, EXPERT_OFFSET_ATTR, 0))
-
-
 def split_experts(module: nn.Module, path: str, ep: ExpertGroup) -> None:
     """Keep only this rank's experts: rows ``[first, first + per_rank)`` of every parameter's experts dimension."""
     first, count = ep.first_expert, ep.experts_per_rank
+    local = {}
     for name, param in list(module.named_parameters()):
         if param.ndim == 0 or param.shape[0] != ep.num_experts:
             raise ExpertParallelError(
                 f"`moe_modules` '{path}': parameter '{name}' of shape {list(param.shape)} has no leading experts "
                 f"dimension of {ep.num_experts}; give the model its own `expert_parallel_forward` and layout"
             )
-        owner_path, _, leaf = name.rpartition(".")
-        owner = module.get_submodule(owner_path) if owner_path else module
-        local = param.detach()[first : first + count].clone()
-        owner._parameters[leaf] = nn.Parameter(local, requires_grad=param.requires_grad)
-    if isinstance(getattr(module, "num_experts", None), int):
-        module.num_experts = count  # the module's own forward loops over its local experts
-    setattr(module, EXPERT_OFFSET_ATTR, first)
+        rows = param.detach()[first : first + count].clone()
+        local[name] = nn.Parameter(rows, requires_grad=param.requires_grad)
+    keep_local_experts(module, local, first, count)  # and `num_experts`: its own forward loops over them
 
 
 def _touch(module: nn.Module, received: torch.Tensor) -> torch.Tensor:
@@ -208,10 +198,10 @@ def apply_expert_parallel(
     # for every other unit; their gradients are still averaged over ep_replicate by all_reduce_expert_gradients.
     offloaded = isinstance(fsdp_kwargs.get("offload_policy"), CPUOffloadPolicy)
     alone = own_rank_mesh(ep_mesh.device_type) if offloaded and not experts.reshard_local_experts else None
-    for path in experts.modules:
+    for path in experts.moe_modules:
         module = model.get_submodule(path)
         split_experts(module, path, ep)
-        module.forward = _forward_of(model, path, module, ep)
+        replace_forward(module, _forward_of(model, path, module, ep), "expert parallelism (token routing)")
         if experts.reshard_local_experts or alone is not None:
             kwargs = copy.copy(fsdp_kwargs)
             # averages over ep_replicate (the routed forward did the 1/ep), or over this rank alone (kept whole)
@@ -253,14 +243,14 @@ def expert_norm_groups(target: nn.Module, plan: ShardingPlan, ep_mesh: DeviceMes
     if ep_mesh.size(1) == 1:
         return {}
     group = ep_mesh.get_group("ep")
-    return {id(p): (group,) for path in plan.experts.modules for p in target.get_submodule(path).parameters()}
+    return {id(p): (group,) for path in plan.experts.moe_modules for p in target.get_submodule(path).parameters()}
 
 
 # ---------------------------------------------------------------------------------------------- checkpoints
 def expert_state_names(root: nn.Module, plan: ShardingPlan, target: nn.Module) -> set[str]:
     """Fully qualified names (relative to ``root``) of the expert parameters, as state dicts key them."""
     assert plan.experts is not None
-    experts = {id(target.get_submodule(path)) for path in plan.experts.modules}
+    experts = {id(target.get_submodule(path)) for path in plan.experts.moe_modules}
     names = set()
     for prefix, module in root.named_modules():
         if id(module) in experts:

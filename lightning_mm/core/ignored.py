@@ -10,7 +10,7 @@ is here, and every other place asks :class:`IgnoredModules` rather than working 
 * the averaging of their trainable parameters' gradients over the ranks (:meth:`IgnoredModules.all_reduce_gradients`).
 
 Which paths are ignored (and so whole on every rank, in the memory estimate too) is the plan's data:
-``plan.ignored`` and :meth:`~lightning_mm.core.plan.ShardingPlan.is_ignored`. Rank 0's initial values reach
+``plan.ignored_modules`` and :meth:`~lightning_mm.core.plan.ShardingPlan.is_ignored`. Rank 0's initial values reach
 the other ranks with every other plain tensor that was materialised
 (:func:`~lightning_mm.core.apply.broadcast_replicated`). Lightning-free.
 """
@@ -23,6 +23,7 @@ import torch
 from torch import nn
 
 from lightning_mm._collectives import average_in_place
+from lightning_mm.core.module_state import add_input_hook
 from lightning_mm.core.plan import ShardingPlan
 
 __all__ = ["IgnoredModules"]
@@ -35,8 +36,8 @@ class IgnoredModules:
     """
 
     def __init__(self, target: nn.Module, plan: ShardingPlan) -> None:
-        self.paths = plan.ignored
-        self.modules = [target.get_submodule(path) for path in plan.ignored]
+        self.paths = plan.ignored_modules
+        self.modules = [target.get_submodule(path) for path in plan.ignored_modules]
         self._cast = plan.precision.cast_forward_inputs and plan.precision.param_dtype is not None
 
     def __bool__(self) -> bool:
@@ -58,7 +59,7 @@ class IgnoredModules:
         """
         if self._cast:
             for module in self.modules:
-                module.register_forward_pre_hook(_cast_inputs_to_own_dtype, with_kwargs=True)
+                add_input_hook(module, _cast_inputs_to_own_dtype, "ignored_modules: inputs cast to its own dtype")
 
     def place(self, device: torch.device) -> None:
         """Move the ignored modules to the compute device (FSDP moves only what it shards)."""

@@ -7,6 +7,7 @@ shows the closest existing paths, because a silent miss leaves a model unsharded
 
 from __future__ import annotations
 
+import functools
 import re
 from dataclasses import dataclass
 
@@ -70,9 +71,18 @@ def _parse_braces(body: str, pattern: str) -> Segment:
 
 
 def parse_pattern(pattern: str) -> tuple[Segment, ...]:
-    """Split a pattern into segments, rejecting malformed braces and empty segments."""
+    """Split a pattern into segments, rejecting malformed braces and empty segments.
+
+    Each distinct pattern is parsed once: the config's validation parses it (a malformed pattern fails when the
+    YAML is loaded) and every later resolution reuses that parse (the segments are immutable).
+    """
     if not isinstance(pattern, str) or not pattern.strip():
         raise PatternError(f"empty module path pattern: {short(repr(pattern))}")
+    return _parse(pattern)
+
+
+@functools.lru_cache(maxsize=4096)
+def _parse(pattern: str) -> tuple[Segment, ...]:
     segments = []
     for raw in pattern.strip().split("."):
         if raw.startswith("{") and raw.endswith("}") and raw.count("{") == 1 and raw.count("}") == 1:

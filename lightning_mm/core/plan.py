@@ -7,12 +7,15 @@ be printed, tested and checked before any cluster time is spent. :mod:`lightning
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
+from contextvars import ContextVar
 from dataclasses import dataclass, field
 
 import torch
 from torch import nn
 
-from lightning_mm._module_paths import ROOT
+from lightning_mm._module_paths import ROOT, enclosing, is_under_any
 from lightning_mm._module_paths import is_under as _is_under
 from lightning_mm._names import listing
 from lightning_mm._tied import parameter_names_by_tensor
@@ -26,6 +29,7 @@ __all__ = [
     "ShardingPlan",
     "ExpertPlan",
     "build_plan",
+    "plan_in_use",
     "mesh_layout",
     "ep_mesh_layout",
     "norm_and_router_modules",
@@ -49,7 +53,10 @@ class ShardUnit:
     """One ``fully_shard`` call: usually one module, several when they share parameters (tied weights)."""
 
     modules: tuple[str, ...]
+    """The module paths sharded by this call (from ``sub_modules_to_wrap``, or the ``align_fsdp_param_groups``
+    modules); several only when they share parameters."""
     num_params: int
+    """Parameters this unit owns (those of nested units, ignored modules and experts not counted)."""
     trainable_params: int | None = None
     """Of ``num_params``, those with ``requires_grad`` (``None``: not counted)."""
     label: str = ""
@@ -59,6 +66,7 @@ class ShardUnit:
 
     @property
     def name(self) -> str:
+        """The unit's name in logs: its label, or its modules joined by ``+``."""
         return self.label or " + ".join(self.modules)
 
 
@@ -67,13 +75,20 @@ class ExpertPlan:
     """Expert parallelism: each MoE module's experts split over the ``ep`` ranks of an EP group."""
 
     expert_parallel_size: int
-    modules: tuple[str, ...]
+    """The config's ``expert_parallel_size``: ranks of one EP group, which together hold every expert."""
+    moe_modules: tuple[str, ...]
+    """The config's ``moe_modules``, resolved to module paths."""
     num_experts: int
+    """Experts of each MoE module (all modules hold the same number)."""
     experts_per_rank: int
+    """Experts each rank of an EP group holds (``num_experts / expert_parallel_size``)."""
     reshard_local_experts: bool
+    """The config's ``reshard_local_experts``: FSDP-shard the local experts over ``ep_replicate`` (or keep them
+    whole and all-reduce their gradients)."""
     expert_params: int
     """Expert parameters of all MoE modules (all experts, before splitting)."""
     expert_bytes: int
+    """Bytes of the expert parameters of all MoE modules (before splitting)."""
     other_bytes: int
     """Bytes of every parameter that is not an expert's (before sharding)."""
 
@@ -83,21 +98,37 @@ class ShardingPlan:
     """What the strategy will do to the model, in the order it does it."""
 
     world_size: int
+    """Ranks of the run the plan is for."""
     sharding_size: int
+    """The config's ``sharding_size`` resolved for ``world_size`` (``auto``: the world size): ranks per shard group."""
     units: tuple[ShardUnit, ...]
-    """Sub-module units in application order (children before parents); the root unit comes after them."""
+    """Sub-module units in application order (children before parents); the root unit comes after them. Built from
+    the config's ``sub_modules_to_wrap`` (modules sharing parameters grouped) and ``align_fsdp_param_groups``."""
     root_params: int
-    ignored: tuple[str, ...]
+    """Parameters the root unit owns: those in no unit, no ignored module and no MoE module."""
+    ignored_modules: tuple[str, ...]
+    """The config's ``ignored_modules``, resolved to module paths: kept whole on every rank, outside FSDP."""
     ignored_params: int
-    recompute: tuple[str, ...]
-    forward_prefetch: int
-    backward_prefetch: int
+    """Parameters inside ``ignored_modules``."""
+    recompute_modules: tuple[str, ...]
+    """The config's ``recompute_modules``, resolved to module paths: activations recomputed in backward."""
+    num_to_forward_prefetch: int
+    """The config's ``num_to_forward_prefetch``: units gathered ahead in forward, in execution order."""
+    num_to_backward_prefetch: int
+    """The config's ``num_to_backward_prefetch``: units gathered ahead in backward (0: FSDP2's implicit one)."""
     precision: PrecisionPolicy
+    """The resolved ``param_dtype``, ``reduce_dtype``, ``output_dtype`` and ``cast_forward_inputs`` (with the
+    Trainer's precision)."""
     reshard_after_forward: bool
+    """The config's ``reshard_after_forward``."""
     offload_to_cpu: bool
+    """The config's ``offload_to_cpu``."""
     pin_memory: bool
+    """The config's ``pin_memory``."""
     use_reentrant: bool
+    """The config's ``use_reentrant`` (for ``recompute_modules``)."""
     notes: tuple[str, ...] = field(default=())
+    """What the plan says about the config beyond its data (units grouped or dropped, settings not used)."""
     experts: ExpertPlan | None = None
     """Expert parallelism, or None without it (``expert_parallel_size: 1``)."""
     compile_modules: tuple[str, ...] = ()
@@ -112,23 +143,27 @@ class ShardingPlan:
 
     @property
     def mesh_shape(self) -> tuple[int, ...]:
+        """The device mesh's shape: ``(world_size,)``, or ``(replicate, shard)`` for HSDP."""
         return mesh_layout(self.world_size, self.sharding_size)[0]
 
     @property
     def mesh_dim_names(self) -> tuple[str, ...]:
+        """The device mesh's dimension names: ``("shard",)`` or ``("replicate", "shard")``."""
         return mesh_layout(self.world_size, self.sharding_size)[1]
 
     @property
     def is_hsdp(self) -> bool:
+        """Whether parameters are sharded within groups and replicated across them (``sharding_size`` < world)."""
         return len(self.mesh_shape) == 2
 
     @property
     def unit_modules(self) -> tuple[str, ...]:
+        """Every module path of every unit, in unit order."""
         return tuple(m for unit in self.units for m in unit.modules)
 
     def is_ignored(self, path: str) -> bool:
         """Whether the module or parameter at ``path`` is inside an ``ignored_modules`` module (whole on every rank)."""
-        return any(_is_under(path, ignored) for ignored in self.ignored)
+        return is_under_any(path, self.ignored_modules)
 
     def describe(self) -> str:
         """A readable summary: mesh, units with their parameter counts, ignored and recomputed modules."""
@@ -156,18 +191,20 @@ class ShardingPlan:
         lines.append(f"    {'<root>':<60} {self.root_params:>14,} params")
         lines.append(
             f"  ignored ({self.ignored_params:,} params, whole on every rank, trainable ones' gradients all-reduced): "
-            f"{', '.join(self.ignored) or '-'}"
+            f"{', '.join(self.ignored_modules) or '-'}"
         )
         reentrant = "reentrant" if self.use_reentrant else "non-reentrant"
-        lines.append(f"  recomputed ({reentrant}): {', '.join(self.recompute) or '-'}")
+        lines.append(f"  recomputed ({reentrant}): {', '.join(self.recompute_modules) or '-'}")
         if self.compile_modules:
             lines.append(
                 f"  compiled (torch.compile, backend {self.compile_backend}, one graph each; the rest "
                 f"eager): {listing(self.compile_modules, 8)}"
             )
-        backward = str(self.backward_prefetch) if self.backward_prefetch else "FSDP2 default (1, implicit)"
+        backward = (
+            str(self.num_to_backward_prefetch) if self.num_to_backward_prefetch else "FSDP2 default (1, implicit)"
+        )
         lines.append(
-            f"  prefetch: forward {self.forward_prefetch}, backward {backward} "
+            f"  prefetch: forward {self.num_to_forward_prefetch}, backward {backward} "
             "(units in execution order, taken from the first forward pass)"
         )
         if self.experts is not None:
@@ -182,6 +219,7 @@ class ShardingPlan:
 
     @property
     def ep_mesh_shape(self) -> tuple[int, int] | None:
+        """The expert mesh's ``(ep_replicate, ep)`` shape, or ``None`` without expert parallelism."""
         return None if self.experts is None else ep_mesh_layout(self.world_size, self.experts.expert_parallel_size)[0]
 
     def bytes_per_rank(self) -> tuple[int, int]:
@@ -207,9 +245,9 @@ class ShardingPlan:
         other, expert = self.bytes_per_rank()
         no_ep = -(-(ep.other_bytes + ep.expert_bytes) // self.sharding_size)
         return [
-            f"  expert parallel: mesh ({mesh}), {len(ep.modules)} MoE module(s), {ep.num_experts} experts each, "
+            f"  expert parallel: mesh ({mesh}), {len(ep.moe_modules)} MoE module(s), {ep.num_experts} experts each, "
             f"{ep.experts_per_rank} per rank; local experts {local}",
-            f"    moe_modules: {', '.join(ep.modules)}",
+            f"    moe_modules: {', '.join(ep.moe_modules)}",
             f"    parameter bytes per rank: {other + expert:,} ({other:,} non-expert + {expert:,} expert; "
             f"{no_ep:,} without expert parallelism)",
         ]
@@ -243,19 +281,18 @@ def _resolve(model: nn.Module, config: FSDP2Config, key: str) -> list[str]:
     try:
         return resolve_patterns(model, getattr(config, key), key)
     except PatternError as err:
-        where = f" in {config.source}" if config.source else ""
-        raise FSDP2ConfigError(f"FSDP2 config{where}: {err}") from None
+        raise config.key_error(None, str(err)) from None
 
 
 def _check_overlaps(wrapped: list[str], ignored: list[str], config: FSDP2Config) -> None:
-    where = f" in {config.source}" if config.source else ""
     for unit in wrapped:
-        for ign in ignored:
-            if _is_under(unit, ign):
-                raise FSDP2ConfigError(
-                    f"FSDP2 config{where}: `sub_modules_to_wrap` module '{unit}' is inside `ignored_modules` "
-                    f"module '{ign}'; a module cannot be both sharded and ignored"
-                )
+        ign = enclosing(unit, ignored)
+        if ign is not None:
+            raise config.key_error(
+                None,
+                f"`sub_modules_to_wrap` module '{unit}' is inside `ignored_modules` "
+                f"module '{ign}'; a module cannot be both sharded and ignored",
+            )
 
 
 class _UnionFind:
@@ -279,12 +316,12 @@ def _group_shared_parameters(
     """Group units that own the same parameter object; a unit nested in its partner dissolves into it."""
     shared: list[list[str]] = []
     for paths in parameter_names_by_tensor(model).values():
-        in_ignored = [any(_is_under(p, ign) for ign in ignored) for p in paths]
+        in_ignored = [is_under_any(p, ignored) for p in paths]
         if any(in_ignored) and not all(in_ignored):
-            where = f" in {config.source}" if config.source else ""
-            raise FSDP2ConfigError(
-                f"FSDP2 config{where}: parameter shared by {sorted(paths)} is partly in `ignored_modules`; "
-                "ignore every module that uses it or none"
+            raise config.key_error(
+                None,
+                f"parameter shared by {sorted(paths)} is partly in `ignored_modules`; "
+                "ignore every module that uses it or none",
             )
         if len(paths) > 1 and not any(in_ignored):
             shared.append(paths)
@@ -362,7 +399,7 @@ def norm_and_router_modules(model: nn.Module, units: list[str], ignored: list[st
             stacks.add(parent.rpartition(".")[0])
     found: list[str] = []
     for path, module in model.named_modules():
-        if not path or any(_is_under(path, f) for f in found) or any(_is_under(path, ign) for ign in ignored):
+        if not path or is_under_any(path, found) or is_under_any(path, ignored):
             continue
         if not any(True for _ in module.parameters()):
             continue
@@ -383,7 +420,7 @@ def _num_experts(path: str, module: nn.Module, config: FSDP2Config) -> int:
         return declared
     firsts = {p.shape[0] for p in module.parameters() if p.ndim >= 2}
     if len(firsts) != 1:
-        raise config._error(
+        raise config.key_error(
             "moe_modules",
             f"cannot tell how many experts '{path}' holds: it has no `num_experts` "
             "and its weights do not share a leading experts dimension",
@@ -397,7 +434,7 @@ def _plan_experts(
     size = config.expert_parallel_size
     config.check_expert_parallel_size(world_size)
     if not config.moe_modules:
-        raise config._error(
+        raise config.key_error(
             "moe_modules",
             f"`expert_parallel_size: {size}` needs the MoE expert modules (e.g. `model.layers.{{*}}.mlp.experts`)",
         )
@@ -405,24 +442,24 @@ def _plan_experts(
     counts = set()
     for path in modules:
         if path in wrapped:
-            raise config._error(
+            raise config.key_error(
                 "moe_modules",
                 f"'{path}' is also in `sub_modules_to_wrap`; expert modules are "
                 "sharded by expert parallelism, not as units of their own",
             )
-        if any(_is_under(path, ign) for ign in ignored):
-            raise config._error("moe_modules", f"'{path}' is inside `ignored_modules`")
+        if is_under_any(path, ignored):
+            raise config.key_error("moe_modules", f"'{path}' is inside `ignored_modules`")
         if any(_is_under(other, path) for other in modules if other != path):
-            raise config._error("moe_modules", f"'{path}' contains another MoE module")
+            raise config.key_error("moe_modules", f"'{path}' contains another MoE module")
         module = model.get_submodule(path)
         if not any(True for _ in module.parameters()):
-            raise config._error("moe_modules", f"'{path}' has no parameters")
+            raise config.key_error("moe_modules", f"'{path}' has no parameters")
         experts = _num_experts(path, module, config)
         if experts % size:
-            raise config._error("expert_parallel_size", f"{size} does not divide the {experts} experts of '{path}'")
+            raise config.key_error("expert_parallel_size", f"{size} does not divide the {experts} experts of '{path}'")
         counts.add(experts)
     if len(counts) != 1:
-        raise config._error("moe_modules", f"the MoE modules hold different numbers of experts: {sorted(counts)}")
+        raise config.key_error("moe_modules", f"the MoE modules hold different numbers of experts: {sorted(counts)}")
     experts = counts.pop()
     expert_ids = {id(p) for path in modules for p in model.get_submodule(path).parameters()}
     expert_numel = expert_bytes = other_bytes = 0
@@ -433,14 +470,14 @@ def _plan_experts(
         else:
             other_bytes += param.numel() * param.element_size()
     return ExpertPlan(
-        size,
-        tuple(modules),
-        experts,
-        experts // size,
-        config.reshard_local_experts,
-        expert_numel,
-        expert_bytes,
-        other_bytes,
+        expert_parallel_size=size,
+        moe_modules=tuple(modules),
+        num_experts=experts,
+        experts_per_rank=experts // size,
+        reshard_local_experts=config.reshard_local_experts,
+        expert_params=expert_numel,
+        expert_bytes=expert_bytes,
+        other_bytes=other_bytes,
     )
 
 
@@ -453,9 +490,9 @@ def _count_params(
     trainable = [0] * len(groups)
     root = ignored_count = 0
     for path, param in model.named_parameters():  # each parameter object once
-        if any(_is_under(path, e) for e in experts):
+        if is_under_any(path, experts):
             continue
-        if any(_is_under(path, ign) for ign in ignored):
+        if is_under_any(path, ignored):
             ignored_count += param.numel()
             continue
         owner = _owner(_module_of(path), flat)
@@ -475,7 +512,7 @@ def _aligned_group(
         return ()
     aligned = tuple(norm_and_router_modules(model, [m for g in groups for m in g], ignored))
     if not aligned:
-        raise config._error(
+        raise config.key_error(
             "align_fsdp_param_groups",
             "found no norm or router module inside the wrapped units "
             "(`sub_modules_to_wrap`) to gather into a unit of its own",
@@ -504,26 +541,55 @@ def _check_compiled(
 ) -> None:
     """A compiled module must not hold other FSDP units (their hooks would run inside its graph) or experts
     split by expert parallelism (their dispatch communicates), and must not sit inside another compiled one."""
-    where = f" in {config.source}" if config.source else ""
     for path in compiled:
         inner = [m for g in groups for m in g if m != path and _is_under(m, path)]
         if inner:
-            raise FSDP2ConfigError(
-                f"FSDP2 config key `compile_modules`{where}: '{path}' holds FSDP units ({listing(inner, 3)}) whose "
-                "all-gathers would run inside its graph; compile the units (or modules inside them) instead"
+            raise config.key_error(
+                "compile_modules",
+                f"'{path}' holds FSDP units ({listing(inner, 3)}) whose "
+                "all-gathers would run inside its graph; compile the units (or modules inside them) instead",
             )
         nested = [other for other in compiled if other != path and _is_under(path, other)]
         if nested:
-            raise FSDP2ConfigError(
-                f"FSDP2 config key `compile_modules`{where}: '{path}' is inside '{nested[0]}', which is compiled "
-                "too; list one of them"
+            raise config.key_error(
+                "compile_modules", f"'{path}' is inside '{nested[0]}', which is compiled too; list one of them"
             )
-        moe = [m for m in (experts.modules if experts is not None else ()) if _is_under(m, path)]
+        moe = [m for m in (experts.moe_modules if experts is not None else ()) if _is_under(m, path)]
         if moe:
-            raise FSDP2ConfigError(
-                f"FSDP2 config key `compile_modules`{where}: '{path}' holds expert-parallel modules "
-                f"({listing(moe, 3)}) whose token dispatch communicates; compile modules without them"
+            raise config.key_error(
+                "compile_modules",
+                f"'{path}' holds expert-parallel modules "
+                f"({listing(moe, 3)}) whose token dispatch communicates; compile modules without them",
             )
+
+
+_IN_USE: ContextVar[tuple[FSDP2Config, nn.Module, ShardingPlan] | None] = ContextVar("plan_in_use", default=None)
+
+
+@contextlib.contextmanager
+def plan_in_use(config: FSDP2Config, model: nn.Module, plan: ShardingPlan) -> Iterator[None]:
+    """While ``plan`` (built from ``config`` for ``model``) is applied, :func:`build_plan` for the same config object
+    and model returns it instead of resolving the config's patterns again.
+
+    A model's own ``_fully_shard(fsdp2_kwargs, fsdp2_config)`` that plans its units itself (``FSDP2Mixin``'s,
+    through ``super()``) gets the plan being applied: the user's patterns are resolved once per run.
+    """
+    token = _IN_USE.set((config, model, plan))
+    try:
+        yield
+    finally:
+        _IN_USE.reset(token)
+
+
+def _plan_in_use(
+    config: FSDP2Config, model: nn.Module, world_size: int, precision: PrecisionPolicy | None, keep: bool
+) -> ShardingPlan | None:
+    in_use = _IN_USE.get()
+    if in_use is None or in_use[0] is not config or in_use[1] is not model:
+        return None
+    plan = in_use[2]
+    same = plan.world_size == world_size and keep == plan.keep_unsharded_for_backward
+    return plan if same and (precision is None or precision == plan.precision) else None
 
 
 def build_plan(
@@ -536,8 +602,12 @@ def build_plan(
     """Resolve ``config`` against ``model`` for ``world_size`` ranks; every problem is a clear error here.
 
     ``keep_unsharded_for_backward=False`` reshards the root and the last unit after forward like every other unit
-    (no YAML key: the measurements of benchmarks/README.md compare against it).
+    (no YAML key: the measurements of benchmarks/README.md compare against it). Each pattern key is resolved once
+    here; inside :func:`plan_in_use` the plan being applied is returned for its own config and model.
     """
+    in_use = _plan_in_use(config, model, world_size, precision, keep_unsharded_for_backward)
+    if in_use is not None:  # the plan being applied (plan_in_use): resolved once
+        return in_use
     sharding_size = config.resolve_sharding_size(world_size)
     wrapped = _resolve(model, config, "sub_modules_to_wrap")
     ignored = _resolve(model, config, "ignored_modules")
@@ -559,7 +629,7 @@ def build_plan(
     # Children before parents: a parent's fully_shard must see its children already sharded.
     groups.sort(key=lambda g: -max(m.count(".") + 1 for m in g))
     counts, root_params, ignored_params, trainable = _count_params(
-        model, groups, ignored, experts.modules if experts is not None else ()
+        model, groups, ignored, experts.moe_modules if experts is not None else ()
     )
     if precision is None:
         precision = PrecisionPolicy.from_config(config)
@@ -571,11 +641,11 @@ def build_plan(
             for g, n, t in zip(groups, counts, trainable)
         ),
         root_params=root_params,
-        ignored=tuple(ignored),
+        ignored_modules=tuple(ignored),
         ignored_params=ignored_params,
-        recompute=tuple(recompute),
-        forward_prefetch=config.num_to_forward_prefetch,
-        backward_prefetch=config.num_to_backward_prefetch,
+        recompute_modules=tuple(recompute),
+        num_to_forward_prefetch=config.num_to_forward_prefetch,
+        num_to_backward_prefetch=config.num_to_backward_prefetch,
         precision=precision,
         reshard_after_forward=config.reshard_after_forward,
         offload_to_cpu=config.offload_to_cpu,

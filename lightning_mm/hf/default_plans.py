@@ -39,7 +39,7 @@ from typing import Any
 
 from torch import nn
 
-from lightning_mm._module_paths import is_under
+from lightning_mm._module_paths import is_under, is_under_any
 from lightning_mm._names import listing
 from lightning_mm.core.config import FSDP2ConfigError
 
@@ -115,7 +115,7 @@ def block_paths(model: nn.Module) -> list[str]:
     items = [name for name in modules if name and name.rpartition(".")[0] in lists]
     exact: list[str] = []
     for name in items:
-        if type(modules[name]).__name__ in classes and not any(is_under(name, f) for f in exact):
+        if type(modules[name]).__name__ in classes and not is_under_any(name, exact):
             exact.append(name)
     holding: list[str] = []
     for name in items:
@@ -145,7 +145,7 @@ def tower_paths(model: nn.Module) -> list[str]:
     configs = [c for name, c in _sub_configs(model) if name != "text_config"]
     towers: list[str] = []
     for name, module in model.named_modules():
-        if not name or any(is_under(name, t) for t in towers):
+        if not name or is_under_any(name, towers):
             continue
         built_from = getattr(module, "config", None)
         if any(built_from is c for c in configs) and not any(is_under(e, name) for e in embeddings):
@@ -219,7 +219,7 @@ def remaining_units(model: nn.Module, units: Sequence[str], towers: Sequence[str
     def visit(path: str, module: nn.Module) -> None:
         for name, child in module.named_children():
             child_path = f"{path}.{name}" if path else name
-            if child_path in units or any(is_under(child_path, i) for i in ignored) or not _has_parameters(child):
+            if child_path in units or is_under_any(child_path, ignored) or not _has_parameters(child):
                 continue
             if any(is_under(h, child_path) for h in holders):
                 visit(child_path, child)
@@ -299,7 +299,7 @@ def _list_patterns(model: nn.Module) -> list[str]:
     """``path.{*}`` for each outermost ``nn.ModuleList`` with parameters: what ``sub_modules_to_wrap`` could name."""
     found: list[str] = []
     for name, module in model.named_modules():
-        if isinstance(module, nn.ModuleList) and _has_parameters(module) and not any(is_under(name, f) for f in found):
+        if isinstance(module, nn.ModuleList) and _has_parameters(module) and not is_under_any(name, found):
             found.append(name)
     return [f"{name}.{{*}}" for name in found]
 
@@ -338,7 +338,7 @@ def derive_fsdp2_plan(model: nn.Module, ignored: Sequence[str] | None = None) ->
     towers = tower_paths(model)
     declared = ["fsdp2_vision_towers"] if getattr(type(model), "fsdp2_vision_towers", None) is not None else []
     ignore = _resolved(model, list(ignored)) if ignored is not None else frozen_vision_towers(model)
-    blocks = [b for b in blocks if not any(is_under(b, i) for i in ignore)]
+    blocks = [b for b in blocks if not is_under_any(b, ignore)]
     for tower in towers:
         if not any(is_under(i, tower) or is_under(tower, i) for i in ignore) and not any(
             is_under(b, tower) for b in blocks
@@ -348,7 +348,7 @@ def derive_fsdp2_plan(model: nn.Module, ignored: Sequence[str] | None = None) ->
                 f"its tower '{tower}' holds no block of a `_no_split_modules` class",
                 f"`sub_modules_to_wrap` (or `ignored_modules: [{tower}]` with the tower frozen through `freeze`)",
             )
-    embeddings = [p for p in _embedding_paths(model) if not any(is_under(p, i) for i in ignore)]
+    embeddings = [p for p in _embedding_paths(model) if not is_under_any(p, ignore)]
     extra_declared = getattr(type(model), "fsdp2_extra_units", None)
     if extra_declared is not None:
         declared.append("fsdp2_extra_units")
@@ -356,8 +356,8 @@ def derive_fsdp2_plan(model: nn.Module, ignored: Sequence[str] | None = None) ->
         extra = [p for p in _resolved(model, list(extra_declared)) if p in names]
     else:
         extra = remaining_units(model, [*embeddings, *blocks], towers, ignore)
-    extra = [p for p in dict.fromkeys(extra) if p not in embeddings and not any(is_under(p, i) for i in ignore)]
-    moe = [p for p in moe_module_paths(model) if not any(is_under(p, i) for i in ignore)]
+    extra = [p for p in dict.fromkeys(extra) if p not in embeddings and not is_under_any(p, ignore)]
+    moe = [p for p in moe_module_paths(model) if not is_under_any(p, ignore)]
     tied = getattr(model, "all_tied_weights_keys", None)  # what is tied in this config
     if tied is None:
         tied = getattr(model, "_tied_weights_keys", None) or {}
