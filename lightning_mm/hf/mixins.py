@@ -17,7 +17,7 @@ from lightning_mm._compat import share_experts_kernels_with_base
 from lightning_mm._dtensor import local_tensor
 from lightning_mm.core.torch_init import init_module_like_constructor, zero_row
 
-__all__ = ["MultiModalModule", "FSDP2Mixin", "WeightInitMixin"]
+__all__ = ["MultiModalModule", "FSDP2Mixin", "WeightInitMixin", "is_hf_model"]
 
 
 class MultiModalModule(nn.Module):
@@ -55,7 +55,7 @@ class FSDP2Mixin:
         :class:`~lightning_mm.hf.default_plans.PlanDerivationError` (naming the keys to set) unless the YAML sets
         ``sub_modules_to_wrap``.
         """
-        if _is_hf_model(self):
+        if is_hf_model(self):
             from lightning_mm.hf.default_plans import PlanDerivationError, derive_fsdp2_plan, moe_module_paths
 
             explicit = explicit or {}
@@ -170,7 +170,7 @@ class WeightInitMixin:
                 local_tensor(tensor).zero_()  # overwritten by load_after_sharding(); no point drawing random numbers
             _tie_hf_weights(self)
             return
-        if _is_hf_model(self):
+        if is_hf_model(self):
             _clear_hf_init_flags(self)
             self.initialize_weights()  # type: ignore[attr-defined]
             for module in self.modules():  # Hugging Face zeroes them through an index, a copy for a DTensor
@@ -187,7 +187,9 @@ class WeightInitMixin:
                 init_module(module, std)
 
 
-def _is_hf_model(module: Any) -> bool:
+def is_hf_model(module: Any) -> bool:
+    """Whether ``module`` is a Transformers ``PreTrainedModel`` (checked without importing Transformers for a module
+    that has no ``initialize_weights``)."""
     if not isinstance(module, nn.Module) or not hasattr(module, "initialize_weights"):
         return False
     from transformers import PreTrainedModel
