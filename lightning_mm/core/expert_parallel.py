@@ -99,7 +99,7 @@ def split_experts(module: nn.Module, path: str, ep: ExpertGroup) -> None:
         owner_path, _, leaf = name.rpartition(".")
         owner = module.get_submodule(owner_path) if owner_path else module
         local = param.detach()[first : first + count].clone()
-        owner._parameters[leaf] = nn.Parameter(local, requires_grad=param.requires_grad)
+        owner.register_parameter(leaf, nn.Parameter(local, requires_grad=param.requires_grad))
     if isinstance(getattr(module, "num_experts", None), int):
         module.num_experts = count  # the module's own forward loops over its local experts
     setattr(module, EXPERT_OFFSET_ATTR, first)

@@ -13,7 +13,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from lightning_mm._compat import share_experts_kernels_with_base
+from lightning_mm._compat import clear_hf_init_flags, share_experts_kernels_with_base
 from lightning_mm._dtensor import local_tensor
 from lightning_mm.core.torch_init import init_module_like_constructor, zero_row
 
@@ -171,7 +171,7 @@ class WeightInitMixin:
             _tie_hf_weights(self)
             return
         if is_hf_model(self):
-            _clear_hf_init_flags(self)
+            clear_hf_init_flags(self)
             self.initialize_weights()  # type: ignore[attr-defined]
             for module in self.modules():  # Hugging Face zeroes them through an index, a copy for a DTensor
                 if isinstance(module, nn.Embedding) and module.padding_idx is not None:
@@ -195,15 +195,6 @@ def is_hf_model(module: Any) -> bool:
     from transformers import PreTrainedModel
 
     return isinstance(module, PreTrainedModel)
-
-
-def _clear_hf_init_flags(model: nn.Module) -> None:
-    """Forget Hugging Face's "already initialised" marks (set at construction, when the tensors were empty)."""
-    for module in model.modules():
-        module.__dict__.pop("_is_hf_initialized", None)
-        for tensor in [*module.parameters(recurse=False), *module.buffers(recurse=False)]:
-            if getattr(tensor, "_is_hf_initialized", False):
-                del tensor._is_hf_initialized
 
 
 def _tie_hf_weights(model: nn.Module) -> None:

@@ -50,6 +50,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from lightning_mm._compat import set_attn_implementation
 from lightning_mm._module_paths import enclosing
 from lightning_mm._names import did_you_mean
 from lightning_mm.hf.batch_check import install_batch_check
@@ -224,7 +225,7 @@ def build_hf_config(cfg: TransformersModelConfig) -> Any:
         _check_keys(config_cls(), overrides, "hf_config")
         config = config_cls(**overrides)
     if attn is not None:
-        config._attn_implementation = attn
+        set_attn_implementation(config, attn)
     return config
 
 
