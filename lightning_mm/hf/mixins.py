@@ -16,6 +16,7 @@ from torch import nn
 from lightning_mm._compat import clear_hf_init_flags, share_experts_kernels_with_base
 from lightning_mm._dtensor import local_tensor
 from lightning_mm.core.torch_init import init_module_like_constructor, zero_row
+from lightning_mm.hf.pending_weights import pending_lora, pending_pretrained
 
 __all__ = ["MultiModalModule", "FSDP2Mixin", "WeightInitMixin", "is_hf_model"]
 
@@ -92,12 +93,12 @@ class FSDP2Mixin:
         values of LoRA adapters added on the meta device (:func:`~lightning_mm.hf.lora.apply_lora`), and does
         nothing otherwise. Overrides should call ``super().load_after_sharding()``.
         """
-        pending = getattr(self, "_pending_pretrained", None)
+        pending = pending_pretrained(self)  # lightning_mm.hf.pending_weights: what was deferred, kept beside the model
         if pending is not None:
-            pending.load_after_sharding(self)
-        pending_lora = getattr(self, "_pending_lora", None)  # lightning_mm.hf.lora: the adapters' values
-        if pending_lora is not None:
-            pending_lora.load_after_sharding(self)
+            pending.load_after_sharding(self)  # type: ignore[arg-type]
+        adapters = pending_lora(self)  # lightning_mm.hf.lora: the adapters' values
+        if adapters is not None:
+            adapters.load_after_sharding(self)  # type: ignore[arg-type]
 
     def _fully_shard(self, fsdp2_kwargs: dict[str, Any] | None = None, fsdp2_config: Any = None) -> None:
         """Shard the sub-modules named by ``fsdp2_config.sub_modules_to_wrap`` (what the strategy does itself).
@@ -165,7 +166,7 @@ class WeightInitMixin:
     @torch.no_grad()
     def init_weights(self) -> None:
         assert isinstance(self, nn.Module)
-        if getattr(self, "_pending_pretrained", None) is not None:
+        if pending_pretrained(self) is not None:
             for tensor in self.parameters():
                 local_tensor(tensor).zero_()  # overwritten by load_after_sharding(); no point drawing random numbers
             _tie_hf_weights(self)

@@ -59,6 +59,7 @@ from lightning_mm.hf.derived_adapters import resolve_model_class
 from lightning_mm.hf.loading import load_into_meta_model, load_local_shards
 from lightning_mm.hf.mixins import FSDP2Mixin, WeightInitMixin
 from lightning_mm.hf.packing import install_packed_inputs
+from lightning_mm.hf.pending_weights import set_pending_pretrained
 from lightning_mm.hf.pretrained_index import LoadPlan, SafetensorsIndex, build_load_plan
 
 __all__ = ["TransformersModel", "TransformersModelConfig", "TransformersModelConfigError", "PendingPretrained"]
@@ -258,7 +259,7 @@ class PendingPretrained:
     def load_after_sharding(self, model: nn.Module) -> None:
         count = load_local_shards(model, self.plan)
         self._guard.remove()
-        model._pending_pretrained = None
+        set_pending_pretrained(model, None)
         log.info("loaded %d tensors from %s into the local shards", count, self.plan.directory)
 
 
@@ -320,7 +321,7 @@ def TransformersModel(config: Any) -> nn.Module:  # noqa: N802 - the seed's name
         model = model_cls(hf_config)
     elif _meta_parameters_active():
         model = model_cls(hf_config)
-        model._pending_pretrained = PendingPretrained(model, build_load_plan(model, index))
+        set_pending_pretrained(model, PendingPretrained(model, build_load_plan(model, index)))
     else:
         from lightning_mm.core.init_context import meta_parameters
 
