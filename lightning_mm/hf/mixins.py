@@ -95,10 +95,10 @@ class FSDP2Mixin:
         """
         pending = pending_pretrained(self)  # lightning_mm.hf.pending_weights: what was deferred, kept beside the model
         if pending is not None:
-            pending.load_after_sharding(self)  # type: ignore[arg-type]
+            pending.load_after_sharding(self)
         adapters = pending_lora(self)  # lightning_mm.hf.lora: the adapters' values
         if adapters is not None:
-            adapters.load_after_sharding(self)  # type: ignore[arg-type]
+            adapters.load_after_sharding(self)
 
     def _fully_shard(self, fsdp2_kwargs: dict[str, Any] | None = None, fsdp2_config: Any = None) -> None:
         """Shard the sub-modules named by ``fsdp2_config.sub_modules_to_wrap`` (what the strategy does itself).

@@ -12,19 +12,15 @@ its ``repr``.
   once loaded). ``WeightInitMixin.init_weights`` zero-fills instead of drawing random values while one is pending.
 * ``pending_lora(model)`` / ``set_pending_lora(model, pending)``: the deferred adapter values.
 
-Setting ``None`` clears an entry.
+Setting ``None`` clears an entry. The entries' classes are not imported here (this module sits below both).
 """
 
 from __future__ import annotations
 
 import weakref
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from torch import nn
-
-if TYPE_CHECKING:
-    from lightning_mm.hf.lora import PendingLoRA
-    from lightning_mm.hf.transformers_model import PendingPretrained
 
 __all__ = ["pending_pretrained", "set_pending_pretrained", "pending_lora", "set_pending_lora"]
 
@@ -39,21 +35,21 @@ def _put(table: weakref.WeakKeyDictionary[nn.Module, Any], model: nn.Module, val
         table[model] = value
 
 
-def pending_pretrained(model: Any) -> PendingPretrained | None:
+def pending_pretrained(model: Any) -> Any:
     """The pretrained weights ``model`` reads after sharding, or ``None`` (none deferred, or already loaded)."""
     return _PRETRAINED.get(model) if isinstance(model, nn.Module) else None
 
 
-def set_pending_pretrained(model: nn.Module, pending: PendingPretrained | None) -> None:
+def set_pending_pretrained(model: nn.Module, pending: Any) -> None:
     """Record (or, with ``None``, clear) the pretrained weights ``model`` reads after sharding."""
     _put(_PRETRAINED, model, pending)
 
 
-def pending_lora(model: Any) -> PendingLoRA | None:
+def pending_lora(model: Any) -> Any:
     """The LoRA adapter values written into ``model`` after sharding, or ``None``."""
     return _LORA.get(model) if isinstance(model, nn.Module) else None
 
 
-def set_pending_lora(model: nn.Module, pending: PendingLoRA | None) -> None:
+def set_pending_lora(model: nn.Module, pending: Any) -> None:
     """Record (or, with ``None``, clear) the LoRA adapter values written into ``model`` after sharding."""
     _put(_LORA, model, pending)
