@@ -167,6 +167,7 @@ _PRIVATE_ACCESS = re.compile(
     r"|\._reset_parameters\(|__create_chunk_list__"
     # Transformers (and nn.Module's own dict of parameters)
     r"|\._attn_implementation\b|_is_hf_initialized|\._parameters\[|\btransformers(\.[A-Za-z]\w*)*\._[A-Za-z]"
+    r"|[\"'](_attn_implementation|_parameters)[\"']"  # the same through getattr/setattr
 )
 
 
@@ -259,6 +260,9 @@ def test_no_module_outside_compat_reaches_for_private_names():
         "impl = decoder.config._attn_implementation",
         "module.__dict__.pop('_is_hf_initialized', None)",
         "owner._parameters[leaf] = p",
+        "attention = getattr(model.config, '_attn_implementation', None)",
+        'setattr(config, "_attn_implementation", "sdpa")',
+        "params = getattr(owner, '_parameters')",
         "module._get_fsdp_state()",
         "from lightning_mm.checkpoint.store import _write_file, open_source",
         "from lightning_mm.hf.mixins import (\n    FSDP2Mixin,\n    _is_hf_model,\n)",

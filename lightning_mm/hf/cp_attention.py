@@ -41,6 +41,7 @@ from lightning_mm.core.context_parallel import (
     split_sequence,
 )
 from lightning_mm.core.packing import is_packed, segment_ids
+from lightning_mm.hf.chunk_loss import chunk_loss_size
 
 __all__ = ["ROUTABLE", "enable_context_parallel", "find_hf_model", "check_routable", "context_parallel_summary"]
 
@@ -150,7 +151,7 @@ def check_routable(model: nn.Module, size: int) -> nn.Module:
 
 def enable_context_parallel(model: nn.Module, group: Any) -> nn.Module:
     """Route ``model`` (a Transformers model) through Ulysses over ``group``; returns its decoder."""
-    if getattr(model, "_chunk_loss", None) is not None:  # lightning_mm.hf.chunk_loss
+    if chunk_loss_size(model) is not None:  # lightning_mm.hf.chunk_loss
         raise ContextParallelError(
             f"{type(model).__name__}: enable_chunk_loss is not supported with context parallelism; turn one of them off"
         )
