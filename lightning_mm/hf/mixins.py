@@ -139,9 +139,11 @@ class WeightInitMixin:
     """``init_weights()``: what fills a model's parameters after meta-device materialisation.
 
     A Hugging Face model is initialised by its own ``_init_weights`` rules, dispatched per sub-model as
-    ``from_pretrained`` does (composite models such as InternVL have one per tower); its tied weights are tied
-    if they are not already. A model whose pretrained weights will be loaded after sharding (see
-    ``FSDP2Mixin.load_after_sharding``) skips the random init and is zero-filled instead, which is cheaper.
+    ``from_pretrained`` does (Transformers' public ``initialize_weights()``; composite models such as InternVL have
+    one per tower); its tied weights are tied if they are not already. A model whose pretrained weights will be
+    loaded after sharding (see ``FSDP2Mixin.load_after_sharding``; recorded in :mod:`lightning_mm.hf.pending_weights`,
+    not on the model) skips the random init and is zero-filled instead, which is cheaper. Another model that
+    defines its own ``_init_weights(module)`` (MindSpeed MM's convention) has it called on every module.
     Otherwise: Linear, Conv and Embedding weights ~ N(0, std) (``config.initializer_range`` or 0.02), biases zero,
     norm weights one, and any other module is initialised as its constructor does (``reset_parameters()``, or
     torch's ``_reset_parameters()`` for ``nn.MultiheadAttention``).
