@@ -1,19 +1,23 @@
-"""Every private name of Lightning and torch that lightning-mm uses, in one place, behind a version fence.
+"""Every private name of Lightning, torch and Transformers that lightning-mm uses, in one place, behind a version fence.
 
-Where torch 2.13 / Lightning 2.6 offer a public API, the package uses it. What is left has none and is reached only
-through this module: each name is looked up when this module is imported (or, for attributes of objects, when it
-is read) and a missing one raises :class:`PrivateAPIError` naming it and the versions this package was tested
-with; nothing falls back to a default that would let a renamed attribute pass silently. ``tests/test_compat.py``
-exercises every entry, so a release that moves one fails there first.
+Where torch 2.13 / Lightning 2.6 / Transformers 5 offer a public API, the package uses it. What is left has none and
+is reached only through this module: each name is looked up when this module is imported (or, for attributes of
+objects, when it is read) and a missing one raises :class:`PrivateAPIError` naming it and the versions this package
+was tested with; nothing falls back to a default that would let a renamed attribute pass silently.
+``tests/test_compat.py`` exercises every entry, so a release that moves one fails there first.
 
 Versions outside the tested range (``TESTED``, kept in step with pyproject.toml and constraints.txt) warn once.
 The torch names are resolved when this module is imported; the Lightning ones when first imported from here
-(module ``__getattr__``), so the FSDP2 core (``lightning_mm.core.apply``) stays free of Lightning.
+(module ``__getattr__``), so the FSDP2 core (``lightning_mm.core.apply``) stays free of Lightning; the Transformers
+ones when an accessor is first called (Transformers is imported only by the Hugging Face layer).
+
+The package's own modules import each other's public names only (``tests/test_compat.py`` scans for both).
 """
 
 from __future__ import annotations
 
 import importlib
+import inspect
 import sys
 import warnings
 from typing import TYPE_CHECKING, Any
@@ -46,24 +50,36 @@ __all__ = [
     "compiled_graph_count",
     "fsspec_storage",
     "INHERITED_PRIVATE_ATTRIBUTES",
+    "INHERITED_PRIVATE_METHODS",
     "LIGHTNING_NAMES",
+    "attn_implementation",
+    "set_attn_implementation",
+    "clear_hf_init_flags",
+    "HF_INIT_FLAG",
+    "TRANSFORMERS_MODEL_ATTRIBUTES",
+    "no_split_modules",
+    "keys_to_ignore_on_load_unexpected",
+    "tied_weights_keys",
 ]
 
 # [lowest tested, first untested) per distribution.
-TESTED = {"torch": ("2.13.0", "2.14.0"), "lightning": ("2.5.0", "2.7.0")}
+TESTED = {"torch": ("2.13.0", "2.14.0"), "lightning": ("2.5.0", "2.7.0"), "transformers": ("5.0", "6")}
 
 
 class PrivateAPIError(ImportError):
-    """A private Lightning or torch name that lightning-mm relies on is missing or has changed."""
+    """A private Lightning, torch or Transformers name that lightning-mm relies on is missing or has changed."""
 
 
-def _lightning_version() -> str:
-    module = sys.modules.get("lightning")
+def _imported_version(name: str) -> str:
+    module = sys.modules.get(name)
     return str(module.__version__) if module is not None else "not imported"
 
 
 def _versions() -> str:
-    return f"torch {torch.__version__}, lightning {_lightning_version()}"
+    return (
+        f"torch {torch.__version__}, lightning {_imported_version('lightning')}, "
+        f"transformers {_imported_version('transformers')}"
+    )
 
 
 def _tested() -> str:
@@ -78,7 +94,7 @@ def _missing(what: str) -> PrivateAPIError:
     )
 
 
-def check_version_fence(names: tuple[str, ...] = ("torch", "lightning")) -> list[str]:
+def check_version_fence(names: tuple[str, ...] = ("torch", "lightning", "transformers")) -> list[str]:
     """The installed distributions among ``names`` outside the tested range (each also warned about)."""
     outside = []
     for name in names:
@@ -142,6 +158,14 @@ INHERITED_PRIVATE_ATTRIBUTES = (
     "_precision_plugin",
     "_checkpoint_io",
 )
+
+#: Methods of Lightning's ``Strategy`` that MMFSDP2Strategy overrides (``_configure_launcher``, which the connector
+#: calls to set ``_launcher``) or calls (``_reset_optimizers_and_schedulers``, before re-creating the optimizers after
+#: sharding), with their signatures (checked by tests/test_compat.py against Lightning's ``ParallelStrategy``).
+INHERITED_PRIVATE_METHODS = {
+    "_configure_launcher": "(self) -> None",
+    "_reset_optimizers_and_schedulers": "(self) -> None",
+}
 
 
 def should_update_logs(trainer: pl.Trainer) -> bool:
@@ -275,6 +299,106 @@ def unwrap_optimizer(optimizer: Any) -> torch.optim.Optimizer:
 
 
 # ------------------------------------------------------------------------------------------------- Transformers
+_fenced_transformers = False
+
+
+def _fence_transformers() -> Any:
+    """Transformers, its version checked against ``TESTED`` once per process."""
+    global _fenced_transformers
+    import transformers
+
+    if not _fenced_transformers:
+        _fenced_transformers = True
+        check_version_fence(("transformers",))
+    return transformers
+
+
+def _config_property(config: Any, name: str) -> None:
+    _fence_transformers()
+    if not hasattr(type(config), name):
+        raise _missing(f"`{type(config).__name__}.{name}` (a property of Transformers' PretrainedConfig)")
+
+
+def attn_implementation(config: Any) -> str | None:
+    """The attention implementation a Transformers config selects (``config._attn_implementation``: ``"sdpa"``,
+    ``"eager"``, a registered name, or ``None`` before a model chose one)."""
+    _config_property(config, "_attn_implementation")
+    return config._attn_implementation  # type: ignore[no-any-return]
+
+
+def set_attn_implementation(config: Any, name: str) -> None:
+    """Select attention implementation ``name`` on a Transformers config and its sub-configs (what
+    ``from_pretrained(attn_implementation=...)`` sets; the model's public ``set_attn_implementation`` needs a built
+    model and accepts only names Transformers knows at that point)."""
+    _config_property(config, "_attn_implementation")
+    config._attn_implementation = name
+
+
+#: Transformers' mark of a module or tensor that its ``initialize_weights`` must skip (set at construction and by
+#: ``from_pretrained`` for what it loaded).
+HF_INIT_FLAG = "_is_hf_initialized"
+_checked_init_flag = False
+
+
+def clear_hf_init_flags(model: torch.nn.Module) -> None:
+    """Forget Transformers' "already initialised" marks on ``model``'s modules, parameters and buffers (set at
+    construction, when the tensors were empty), so that ``initialize_weights()`` fills every tensor.
+
+    The mark's name is checked once against Transformers' own ``PreTrainedModel._initialize_weights`` and
+    ``transformers.initialization``: a renamed mark would make the clearing a silent no-op, leaving weights empty.
+    """
+    global _checked_init_flag
+    if not _checked_init_flag:
+        transformers = _fence_transformers()
+        try:
+            from transformers import initialization
+
+            sources = inspect.getsource(transformers.PreTrainedModel._initialize_weights) + inspect.getsource(
+                initialization.normal_
+            )
+        except (ImportError, AttributeError, OSError, TypeError):
+            sources = ""
+        if sources.count(HF_INIT_FLAG) < 2:
+            raise _missing(f"initialisation mark `{HF_INIT_FLAG}` of Transformers' `initialize_weights`")
+        _checked_init_flag = True
+    for module in model.modules():
+        module.__dict__.pop(HF_INIT_FLAG, None)
+        for tensor in [*module.parameters(recurse=False), *module.buffers(recurse=False)]:
+            if getattr(tensor, HF_INIT_FLAG, False):
+                delattr(tensor, HF_INIT_FLAG)
+
+
+#: Class attributes by which a Transformers ``PreTrainedModel`` declares its structure to its loaders and to us.
+TRANSFORMERS_MODEL_ATTRIBUTES = ("_no_split_modules", "_keys_to_ignore_on_load_unexpected", "_tied_weights_keys")
+
+
+def _declared(model: Any, name: str) -> Any:
+    """``model``'s class declaration ``name``, ``None`` where it declares none (a model that is not a Transformers
+    one may declare it too, as diffusers' do); an error if Transformers' ``PreTrainedModel`` no longer has it."""
+    transformers = sys.modules.get("transformers")
+    if transformers is not None and isinstance(model, transformers.PreTrainedModel):
+        _fence_transformers()
+        if not hasattr(transformers.PreTrainedModel, name):
+            raise _missing(f"`PreTrainedModel.{name}`")
+    return getattr(model, name, None)
+
+
+def no_split_modules(model: Any) -> set[str]:
+    """The class names of the model's repeated blocks (``_no_split_modules``), empty where it declares none."""
+    return set(_declared(model, "_no_split_modules") or ())
+
+
+def keys_to_ignore_on_load_unexpected(model: Any) -> list[str]:
+    """Regular expressions of checkpoint keys the model's class declares ignorable when unexpected."""
+    return list(_declared(model, "_keys_to_ignore_on_load_unexpected") or ())
+
+
+def tied_weights_keys(model: Any) -> Any:
+    """The model class's tied-weights declaration (``_tied_weights_keys``: a mapping target -> source in
+    Transformers 5), or ``None``."""
+    return _declared(model, "_tied_weights_keys")
+
+
 def share_experts_kernels_with_base(cls: type) -> None:
     """Let a subclass of a Transformers model, defined outside Transformers, use the experts kernels its base uses.
 

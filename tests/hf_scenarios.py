@@ -187,6 +187,7 @@ def _fit_family(
     from torch.distributed.tensor import DTensor
 
     from lightning_mm import MMFSDP2Strategy, MMLightningModule
+    from lightning_mm.hf.pending_weights import pending_pretrained
     from lightning_mm.modules import TransformersModel
 
     model_config = {"init_from_hf_path": str(ckpt), **extra}
@@ -223,7 +224,7 @@ def _fit_family(
             obs["layer_placements"] = [str(p) for p in params[layer].placements]
             obs["mesh"] = list(trainer.strategy.device_mesh.shape)
             obs["sharded"] = sorted(n for n, p in params.items() if isinstance(p, DTensor))
-            obs["pending_cleared"] = getattr(model, "_pending_pretrained", None) is None
+            obs["pending_cleared"] = pending_pretrained(model) is None
             obs["initial"] = {n: float(_full(p.detach()).double().sum()) for n, p in params.items()}
 
         def on_train_batch_start(self, trainer: L.Trainer, pl_module: Any, batch: Any, idx: int) -> None:

@@ -29,6 +29,7 @@ from lightning_mm.core.plan import build_plan
 from lightning_mm.hf.default_plans import PlanDerivationError, derive_fsdp2_plan
 from lightning_mm.hf.derived_adapters import derived_adapter, is_derived, resolve_model_class
 from lightning_mm.hf.hub import ModelHub, ModelHubError
+from lightning_mm.hf.pending_weights import pending_pretrained
 from lightning_mm.hf.plan_source import default_plan_summary
 from lightning_mm.modules import TransformersModel
 from tests import derive_models, qwen3_vl_family
@@ -297,7 +298,7 @@ def test_save_pretrained_directories_load_strictly(tmp_path, original):
         assert [k for k in expected if not torch.equal(got[k], expected[k])] == [], name
         with meta_parameters():
             pending = TransformersModel({"init_from_hf_path": str(directory)})
-        assert len(pending._pending_pretrained.plan.entries) > 0
+        assert len(pending_pretrained(pending).plan.entries) > 0
     if original:  # per-expert checkpoint tensors (GLM-4.5V's original layout) fused into the 3-D experts
         keys = load_file(dirs["glm4v_moe"] / "model.safetensors")
         assert "model.language_model.layers.1.mlp.experts.3.down_proj.weight" in keys

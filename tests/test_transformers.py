@@ -17,6 +17,7 @@ from torch import nn
 from lightning_mm.core.config import FSDP2Config
 from lightning_mm.core.init_context import meta_parameters
 from lightning_mm.core.plan import build_plan
+from lightning_mm.hf.pending_weights import pending_pretrained
 from lightning_mm.hf.pretrained_index import CheckpointError
 from lightning_mm.modules import (
     FSDP2Mixin,
@@ -247,7 +248,7 @@ def test_meta_build_checks_the_checkpoint_and_defers_loading(ckpts):
         model = TransformersModel({"init_from_hf_path": str(ckpts["llava"])})
     assert all(p.is_meta for p in model.parameters())
     assert not model.model.language_model.rotary_emb.inv_freq.is_meta  # buffers are real
-    plan = model._pending_pretrained.plan
+    plan = pending_pretrained(model).plan
     names = {n for e in plan.entries for n in e.names}
     assert {n for n, _ in model.named_parameters(remove_duplicate=False)} <= names
     assert plan.renamed["language_model.model.embed_tokens.weight"] == "model.language_model.embed_tokens.weight"
@@ -332,7 +333,7 @@ def test_sharded_safetensors_index_is_read(ckpts):
     assert (ckpts["qwen3"] / "model.safetensors.index.json").is_file()
     with meta_parameters():
         model = TransformersModel({"init_from_hf_path": str(ckpts["qwen3"])})
-    assert len(model._pending_pretrained.plan.files) > 1
+    assert len(pending_pretrained(model).plan.files) > 1
 
 
 # ------------------------------------------------------------------------------------ default FSDP2 plans

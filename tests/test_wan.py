@@ -148,11 +148,12 @@ def test_the_schedule_is_mindspeeds_wan_flow_match_scheduler() -> None:
 def test_meta_building_defers_loading_and_loading_is_strict(work: Path) -> None:
     from lightning_mm.core.init_context import meta_parameters
     from lightning_mm.diffusers import DiffusersModel, DiffusersModelConfigError, WanDiffusion
+    from lightning_mm.hf.pending_weights import pending_pretrained
     from lightning_mm.hf.pretrained_index import CheckpointError
 
     with meta_parameters():
         model = DiffusersModel({"init_from_path": str(work / "model")})
-    assert all(p.is_meta for p in model.parameters()) and model._pending_pretrained is not None
+    assert all(p.is_meta for p in model.parameters()) and pending_pretrained(model) is not None
     assert not model.rope.freqs_cos.is_meta  # computed buffers stay real
     with pytest.raises(RuntimeError, match="never loaded"):
         model(torch.randn(1, 4, 1, 4, 4), torch.tensor([1.0]), torch.randn(1, 5, 16))

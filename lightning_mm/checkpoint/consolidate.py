@@ -11,7 +11,7 @@ from torch.distributed.checkpoint.api import CheckpointException
 from lightning_mm.checkpoint import atomic
 from lightning_mm.checkpoint.errors import write_error
 from lightning_mm.checkpoint.layout import EXTRA_KEY, SEP, fill_tensors
-from lightning_mm.checkpoint.store import _write_file, open_source
+from lightning_mm.checkpoint.store import open_source, write_file
 
 __all__ = ["dcp_to_torch", "writing", "check_output"]
 
@@ -76,6 +76,6 @@ def dcp_to_torch(src: str | Path, dst: str | Path, model_only: bool = False, for
     full[EXTRA_KEY] = extra
     partial = atomic.partial_path(dst)
     with writing(partial, dst):
-        _write_file(full, partial, with_manifest=True)
+        write_file(full, partial, with_manifest=True)
     atomic.commit(partial, dst)
     return dst

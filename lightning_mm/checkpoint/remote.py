@@ -51,19 +51,19 @@ from lightning_mm.checkpoint.errors import (
 from lightning_mm.checkpoint.layout import EXTRA_KEY, META_FILE, pop_loader_states, split_tensors
 from lightning_mm.checkpoint.manifest import MANIFEST_FILE
 from lightning_mm.checkpoint.safe import (
+    MetadataUnpickler,
     UnsafeCheckpointError,
-    _MetadataUnpickler,
-    _unpickler_reason,
     check_weights_only,
+    unpickler_reason,
 )
 from lightning_mm.checkpoint.store import (
     CheckpointSource,
-    _agree,
-    _broadcast,
-    _copy_loops,
-    _distributed,
-    _gather,
-    _single_process_quiet,
+    broadcast_from_rank_zero,
+    copy_loops,
+    gather_to_rank_zero,
+    is_distributed,
+    raise_on_every_rank,
+    single_process_quiet,
 )
 
 __all__ = ["is_url", "RemoteStore", "save", "open_source", "remove", "download", "upload"]
@@ -113,27 +113,29 @@ class RemoteStore:
 
     def remove_abandoned(self) -> None:
         """Delete the staging and removal prefixes of this directory whose writer is this process or is gone."""
-        for entry in self._children(self.parent):
+        for entry in self.children(self.parent):
             if atomic.is_abandoned(posixpath.basename(entry)):
-                self._delete(entry)
+                self.delete(entry)
 
     def commit(self, staging: str, names: list[str], manifest: bytes) -> None:
         """Copy the staged objects to the checkpoint's prefix, the manifest last; then drop the staging prefix."""
         if self.fs.exists(self.root):
-            self._delete(self.root)  # its manifest first: from then on it is not a complete checkpoint
+            self.delete(self.root)  # its manifest first: from then on it is not a complete checkpoint
         for name in names:
             self.fs.copy(f"{staging}/{name}", f"{self.root}/{name}")
         self.fs.pipe_file(f"{self.root}/{MANIFEST_FILE}", manifest)
-        self._delete(staging)
+        self.delete(staging)
 
-    def _delete(self, prefix: str) -> None:
+    def delete(self, prefix: str) -> None:
+        """Delete the objects under ``prefix``, its manifest first (a half-deleted checkpoint is never complete)."""
         with contextlib.suppress(FileNotFoundError):
             self.fs.rm_file(f"{prefix}/{MANIFEST_FILE}")
         with contextlib.suppress(FileNotFoundError):
             self.fs.rm(prefix, recursive=True)
         self.fs.invalidate_cache(self.parent)
 
-    def _children(self, prefix: str) -> list[str]:
+    def children(self, prefix: str) -> list[str]:
+        """The entries directly under ``prefix`` (none if it does not exist), listed afresh."""
         try:
             return [p.rstrip("/") for p in self.fs.ls(prefix, detail=False, refresh=True)]
         except FileNotFoundError:
@@ -222,8 +224,8 @@ def save(
             "'torch_dcp' directories"
         )
     store = RemoteStore(url, storage_options)
-    checkpoint = _copy_loops(checkpoint)
-    ranks = _gather({"rng": rng, "combined_loader": pop_loader_states(checkpoint)})
+    checkpoint = copy_loops(checkpoint)
+    ranks = gather_to_rank_zero({"rng": rng, "combined_loader": pop_loader_states(checkpoint)})
     rank0 = ranks is not None
     meta, tensors = split_tensors(checkpoint)
     meta[EXTRA_KEY] = {**extra, "format": fmt, "ranks": ranks, "manifest": MANIFEST_FILE}
@@ -233,26 +235,26 @@ def save(
             check_weights_only(meta)
         except TypeError as err:
             error = str(err)
-    _agree(error)
+    raise_on_every_rank(error)
     staging = None
     if rank0:
         store.remove_abandoned()
         staging = store.staging()
-    staging = _broadcast(staging)
+    staging = broadcast_from_rank_zero(staging)
     failure, original, entries = None, None, {}
     try:
         writer = _writer(store.url_of(staging), store.options)
-        with _single_process_quiet():
+        with single_process_quiet():
             dcp.save(
                 tensors,
                 storage_writer=writer,
                 planner=DefaultSavePlanner(flatten_state_dict=False),
-                no_dist=not _distributed(),
+                no_dist=not is_distributed(),
             )
         entries = {name: store.entry(f"{staging}/{name}") for name in sorted(writer.written)}
     except Exception as err:
         failure, original = _failure(err, url), err
-    results = _gather((failure, entries))
+    results = gather_to_rank_zero((failure, entries))
     if rank0:
         failure = next((f for f, _ in results if f is not None), None)
         if failure is None:
@@ -270,8 +272,8 @@ def save(
                 failure, original = _failure(err, url), err
         if failure is not None:
             with contextlib.suppress(Exception):
-                store._delete(staging)
-    failure = _broadcast(failure)
+                store.delete(staging)
+    failure = broadcast_from_rank_zero(failure)
     if failure is not None:
         raise failure from original
 
@@ -293,7 +295,7 @@ def _read(store: RemoteStore, name: str) -> bytes:
 
 def _manifest(store: RemoteStore) -> dict[str, Any]:
     where = store.url_of(f"{store.root}/{MANIFEST_FILE}")
-    if not store.fs.exists(store.root) or not store._children(store.root):
+    if not store.fs.exists(store.root) or not store.children(store.root):
         raise CheckpointNotFoundError(f"checkpoint not found: {store.url}")
     try:
         data = store.fs.cat_file(f"{store.root}/{MANIFEST_FILE}")
@@ -361,7 +363,7 @@ def _verify(store: RemoteStore, manifest: dict[str, Any], full: bool, read: dict
 def _metadata(store: RemoteStore, data: bytes, files: Mapping[str, dict[str, Any]]) -> Metadata:
     where = f"{store.url}/.metadata"
     try:
-        metadata = _MetadataUnpickler(io.BytesIO(data), where).load()
+        metadata = MetadataUnpickler(io.BytesIO(data), where).load()
     except UnsafeCheckpointError:
         raise
     except (EOFError, pickle.UnpicklingError, ValueError, TypeError, AttributeError) as err:
@@ -389,7 +391,7 @@ def _meta(store: RemoteStore, data: bytes) -> dict[str, Any]:
     try:
         meta = torch.load(io.BytesIO(data), map_location="cpu", weights_only=True)
     except pickle.UnpicklingError as err:
-        raise UnsafeCheckpointError(f"{where}: not loadable weights_only ({_unpickler_reason(err)})") from None
+        raise UnsafeCheckpointError(f"{where}: not loadable weights_only ({unpickler_reason(err)})") from None
     except (EOFError, RuntimeError, ValueError, KeyError, IndexError, TypeError) as err:
         raise CheckpointIntegrityError(f"{where}: corrupted, not a readable torch file ({err})") from None
     if not isinstance(meta, dict):
@@ -434,7 +436,7 @@ def remove(url: str, storage_options: Mapping[str, Any] | None = None) -> None:
     """Delete the checkpoint at ``url``: its manifest first (it stops being complete), then its objects."""
     store = RemoteStore(url, storage_options)
     try:
-        store._delete(store.root)
+        store.delete(store.root)
     except OSError as err:
         raise CheckpointWriteError(err.errno or errno.EIO, f"removing the checkpoint failed: {err}", url) from None
 
@@ -475,7 +477,7 @@ def upload(local: Any, url: str, storage_options: Mapping[str, Any] | None = Non
         if local.is_file():
             store.fs.put_file(str(local), staging)
             if store.fs.exists(store.root):
-                store._delete(store.root)
+                store.delete(store.root)
             store.fs.copy(staging, store.root)
             store.fs.rm_file(staging)
             return
@@ -484,11 +486,11 @@ def upload(local: Any, url: str, storage_options: Mapping[str, Any] | None = Non
         for name in names:
             store.fs.put_file(str(local / name), f"{staging}/{name}")
         if store.fs.exists(store.root):
-            store._delete(store.root)
+            store.delete(store.root)
         for name in [n for n in names if n != last] + ([last] if last else []):
             store.fs.copy(f"{staging}/{name}", f"{store.root}/{name}")
-        store._delete(staging)
+        store.delete(staging)
     except Exception:
         with contextlib.suppress(Exception):
-            store._delete(staging)
+            store.delete(staging)
         raise

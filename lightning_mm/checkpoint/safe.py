@@ -29,6 +29,8 @@ __all__ = [
     "SafeLoadPlanner",
     "check_weights_only",
     "load_weights_only",
+    "MetadataUnpickler",
+    "unpickler_reason",
 ]
 
 _DCP_METADATA = "torch.distributed.checkpoint.metadata"
@@ -55,7 +57,10 @@ class UnsafeCheckpointError(CheckpointError, pickle.UnpicklingError):
     """A checkpoint file references code that a safe load refuses to run."""
 
 
-class _MetadataUnpickler(pickle.Unpickler):
+class MetadataUnpickler(pickle.Unpickler):
+    """An unpickler for DCP's ``.metadata`` file that builds only DCP's own metadata classes and torch dtypes; any
+    other reference raises :class:`UnsafeCheckpointError` naming ``source``."""
+
     def __init__(self, file: Any, source: str) -> None:
         super().__init__(file)
         self._source = source
@@ -83,7 +88,7 @@ def read_dcp_metadata(path: str | Path) -> Metadata:
     inside(directory, file)
     try:
         with file.open("rb") as stream:
-            metadata = _MetadataUnpickler(stream, str(file)).load()
+            metadata = MetadataUnpickler(stream, str(file)).load()
     except (EOFError, pickle.UnpicklingError, ValueError, TypeError, AttributeError) as error:
         if isinstance(error, UnsafeCheckpointError):
             raise
@@ -167,7 +172,7 @@ def check_weights_only(meta: Mapping[str, Any]) -> None:
         )
 
 
-def _unpickler_reason(error: BaseException) -> str:
+def unpickler_reason(error: BaseException) -> str:
     """The reason torch's weights-only unpickler gives, without its advice to load unsafely."""
     paragraphs = [p.strip().removeprefix("WeightsUnpickler error:").strip() for p in str(error).split("\n\n")]
     kept = [
@@ -192,7 +197,7 @@ def load_weights_only(path: str | Path, mmap: bool = False) -> Any:
     except FileNotFoundError:
         raise
     except pickle.UnpicklingError as error:
-        reason = _unpickler_reason(error)
+        reason = unpickler_reason(error)
         if any(word in reason.lower() for word in ("global", "unsupported class", "blocked")):
             raise UnsafeCheckpointError(
                 f"{path}: not loadable weights_only, it references code ({reason}); a checkpoint holds plain data"

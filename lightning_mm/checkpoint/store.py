@@ -92,6 +92,13 @@ __all__ = [
     "StateView",
     "OPTIMIZER_NAMES_KEY",
     "optimizer_param_names",
+    "is_distributed",
+    "broadcast_from_rank_zero",
+    "gather_to_rank_zero",
+    "raise_on_every_rank",
+    "copy_loops",
+    "write_file",
+    "single_process_quiet",
 ]
 
 FORMATS = ("torch_dcp", "torch")
@@ -102,21 +109,23 @@ def _unwrap(optimizer: Any) -> torch.optim.Optimizer:
 
 
 # --------------------------------------------------------------------------------------- collectives
-def _distributed() -> bool:
+def is_distributed() -> bool:
+    """Whether a process group of more than one rank is running (the collectives below are no-ops otherwise)."""
     return dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
 
 
-def _broadcast(obj: Any, group: Any = None) -> Any:
-    if not _distributed():
+def broadcast_from_rank_zero(obj: Any, group: Any = None) -> Any:
+    """Rank 0's ``obj`` on every rank of ``group`` (``obj`` itself without a process group)."""
+    if not is_distributed():
         return obj
     box = [obj]
     dist.broadcast_object_list(box, 0, group=group)
     return box[0]
 
 
-def _gather(obj: Any, group: Any = None) -> list[Any] | None:
+def gather_to_rank_zero(obj: Any, group: Any = None) -> list[Any] | None:
     """``obj`` of every rank, in rank order, on rank 0 (None elsewhere)."""
-    if not _distributed():
+    if not is_distributed():
         return [obj]
     out: list[Any] = [None] * dist.get_world_size()
     dist.all_gather_object(out, obj, group=group)  # all_gather: supported by every backend (gloo, nccl, hccl)
@@ -124,13 +133,13 @@ def _gather(obj: Any, group: Any = None) -> list[Any] | None:
 
 
 def _barrier(group: Any = None) -> None:
-    if _distributed():
+    if is_distributed():
         dist.barrier(group=group)
 
 
-def _agree(error: str | None) -> None:
+def raise_on_every_rank(error: str | None) -> None:
     """Raise on every rank the error rank 0 found (so that no rank waits in a collective for the others)."""
-    error = _broadcast(error)
+    error = broadcast_from_rank_zero(error)
     if error:
         raise ValueError(error)
 
@@ -215,7 +224,7 @@ def alias_groups(model: nn.Module) -> list[list[str]]:
 
 
 # -------------------------------------------------------------------------------------------- saving
-def _copy_loops(checkpoint: dict[str, Any]) -> dict[str, Any]:
+def copy_loops(checkpoint: dict[str, Any]) -> dict[str, Any]:
     """A copy of the dict in which the loop state may be modified (per-rank entries are taken out of it)."""
     checkpoint = dict(checkpoint)
     if "loops" in checkpoint:
@@ -248,8 +257,8 @@ def save(
     """
     if fmt not in FORMATS:
         raise ValueError(f"checkpoint_format must be one of {FORMATS}, got {fmt!r}")
-    checkpoint = _copy_loops(checkpoint)
-    ranks = _gather({"rng": rng, "combined_loader": pop_loader_states(checkpoint)})
+    checkpoint = copy_loops(checkpoint)
+    ranks = gather_to_rank_zero({"rng": rng, "combined_loader": pop_loader_states(checkpoint)})
     rank0 = ranks is not None
     error = None
     if rank0 and path.exists() and not path.is_symlink() and (path.is_dir() != (fmt == "torch_dcp")):
@@ -264,8 +273,8 @@ def save(
             check_weights_only(meta)
         except TypeError as err:
             error = str(err)
-    _agree(error)
-    partial = Path(_broadcast(str(atomic.partial_path(path))))
+    raise_on_every_rank(error)
+    partial = Path(broadcast_from_rank_zero(str(atomic.partial_path(path))))
     if rank0:
         for stale in atomic.abandoned_partials(path.parent):  # only partials whose writer is gone, or ours
             atomic.remove(stale)
@@ -335,27 +344,27 @@ def _write(
         if fmt == "torch_dcp":
             writer = FileSystemWriter(partial, sync_files=True)
             writer.fs = files = manifest.RecordingFileSystem()  # each rank hashes the files it wrote
-            with _single_process_quiet():
+            with single_process_quiet():
                 dcp.save(
                     tensors,
                     storage_writer=writer,
                     planner=DefaultSavePlanner(flatten_state_dict=False),
                     process_group=group,
-                    no_dist=not _distributed(),
+                    no_dist=not is_distributed(),
                 )
             hashed = manifest.file_entries(files.written)
             if also_write is not None:
                 hashed.update(manifest.file_entries(also_write(partial)))
         elif rank0:
-            _write_file(payload, partial, with_manifest=True)
+            write_file(payload, partial, with_manifest=True)
     except (Exception, CheckpointException) as error:
         failure, original = write_error(error, path), error
-    results = _gather((failure, hashed), group)
+    results = gather_to_rank_zero((failure, hashed), group)
     if rank0:
         failure = next((f for f, _ in results if f is not None), None)
         if failure is None and fmt == "torch_dcp":
             try:  # the manifest comes last: it binds every file written before it to this checkpoint
-                _write_file(payload, partial / META_FILE)
+                write_file(payload, partial / META_FILE)
                 manifest.write_manifest(partial, [h for _, h in results], [".metadata", META_FILE])
                 atomic.fsync_dir(partial)
             except Exception as error:
@@ -363,7 +372,7 @@ def _write(
         if failure is not None:
             with contextlib.suppress(OSError):
                 atomic.remove(partial)  # free the space now; the next save removes what is left
-    failure = _broadcast(failure, group)
+    failure = broadcast_from_rank_zero(failure, group)
     if failure is not None:
         raise failure from original
     if rank0:
@@ -371,7 +380,7 @@ def _write(
     _barrier(group)
 
 
-def _write_file(obj: Any, path: Path, with_manifest: bool = False) -> None:
+def write_file(obj: Any, path: Path, with_manifest: bool = False) -> None:
     """``torch.save`` to ``path`` (``obj`` already serialised when bytes), synced; ``with_manifest`` (a ``torch``
     format checkpoint) adds its manifest."""
     with open(path, "wb") as f:
@@ -413,15 +422,15 @@ class CheckpointSource:
         if not destinations:
             return
         if self.hf_names is not None:
-            hf_weights.read_into(self.path, destinations, self.hf_names, _distributed())
+            hf_weights.read_into(self.path, destinations, self.hf_names, is_distributed())
             return
         if self.is_dcp:
-            with _single_process_quiet():
+            with single_process_quiet():
                 dcp.load(
                     dict(destinations),
                     storage_reader=self._storage_reader(),
                     planner=SafeLoadPlanner(),
-                    no_dist=not _distributed(),
+                    no_dist=not is_distributed(),
                 )
             return
         assert self._tensors is not None
@@ -437,13 +446,13 @@ class CheckpointSource:
         if out and self.hf_names is not None:
             hf_weights.read_into(self.path, out, self.hf_names, distributed=False)
         elif out:
-            with _single_process_quiet():
+            with single_process_quiet():
                 dcp.load(out, storage_reader=self._storage_reader(), planner=SafeLoadPlanner(), no_dist=True)
         return out
 
 
 @contextlib.contextmanager
-def _single_process_quiet() -> Iterator[None]:
+def single_process_quiet() -> Iterator[None]:
     """DCP warns on every single-process call that it assumes a single process; that is the intent here."""
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message="torch.distributed is disabled")
@@ -517,10 +526,10 @@ def open_agreed(path: Path, rank: int, world_size: int) -> CheckpointSource:
     error: BaseException | None = None
     source = None
     try:
-        source = open_source(path, share=(rank, world_size) if _distributed() else None)
+        source = open_source(path, share=(rank, world_size) if is_distributed() else None)
     except Exception as err:  # every failure is shared, whatever it is
         error = err
-    if not _distributed():
+    if not is_distributed():
         if error is not None:
             raise error
         return source

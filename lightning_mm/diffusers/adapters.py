@@ -18,6 +18,7 @@ from torch import nn
 from lightning_mm._dtensor import local_tensor
 from lightning_mm.core.torch_init import init_like_constructors
 from lightning_mm.hf.mixins import FSDP2Mixin, WeightInitMixin
+from lightning_mm.hf.pending_weights import pending_pretrained
 
 __all__ = ["BUILTIN_ADAPTERS", "WanTransformer3DModelFSDP"]
 
@@ -38,7 +39,7 @@ class WanTransformer3DModelFSDP(WanTransformer3DModel, FSDP2Mixin, WeightInitMix
         """As the constructor: torch's ``reset_parameters()`` of each layer, the modulation tables
         (``scale_shift_table``) ~ N(0, 1/dim), the image position embedding (FLF2V's ``pos_embed``) zero.
         Zero-filled instead when pretrained weights follow."""
-        if getattr(self, "_pending_pretrained", None) is not None:
+        if pending_pretrained(self) is not None:
             for tensor in self.parameters():
                 local_tensor(tensor).zero_()
             return

@@ -39,6 +39,7 @@ from lightning_mm.diffusers.weights import diffusers_load_plan, read_diffusers_w
 from lightning_mm.hf.config_fields import checked_fields
 from lightning_mm.hf.loading import load_into_meta_model
 from lightning_mm.hf.mixins import FSDP2Mixin, WeightInitMixin
+from lightning_mm.hf.pending_weights import set_pending_pretrained
 from lightning_mm.hf.transformers_model import PendingPretrained
 
 __all__ = ["DiffusersModel", "DiffusersModelConfig", "DiffusersModelConfigError", "read_diffusers_config"]
@@ -171,7 +172,7 @@ def DiffusersModel(config: Any) -> nn.Module:  # noqa: N802 - a factory named li
         model = model_cls(**kwargs)
     elif _meta_parameters_active():
         model = model_cls(**kwargs)
-        model._pending_pretrained = PendingPretrained(model, diffusers_load_plan(model, index))
+        set_pending_pretrained(model, PendingPretrained(model, diffusers_load_plan(model, index)))
     else:
         from lightning_mm.core.init_context import meta_parameters
 

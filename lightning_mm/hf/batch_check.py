@@ -62,6 +62,8 @@ from typing import Any
 import torch
 from torch import nn
 
+from lightning_mm._compat import attn_implementation
+
 __all__ = [
     "BatchCheckError",
     "BatchCheck",
@@ -318,7 +320,7 @@ def _check_packing(model: nn.Module, batch: Mapping[str, Any]) -> None:
 
     name = type(model).__name__.removeprefix("FSDP")
     varlen = [k for k in _VARLEN_KEYS if batch.get(k) is not None]
-    attention = str(getattr(model.config, "_attn_implementation", None) or "")
+    attention = str(attn_implementation(model.config) or "")
     if varlen and "flash" not in attention:
         raise BatchCheckError(
             f"batch key(s) {', '.join(varlen)} are read only by flash-attention, but {name} runs "

@@ -26,6 +26,7 @@ call. Across data-parallel ranks the gradients are averaged as before, so traini
 
 from __future__ import annotations
 
+import weakref
 from dataclasses import dataclass
 from typing import Any
 
@@ -51,7 +52,14 @@ class _Call:
     loss: Tensor | None = None
 
 
+#: The models whose loss is chunked, and their hooks: kept here, not written on the user's model
+#: (``chunk_loss_size`` reads it).
+_ENABLED: weakref.WeakKeyDictionary[nn.Module, _ChunkLoss] = weakref.WeakKeyDictionary()
+
+
 class _ChunkLoss:
+    """The hooks that chunk one model's loss; kept in ``_ENABLED`` (holds no reference to the model)."""
+
     def __init__(self, model: nn.Module, head: nn.Module, chunk_size: int) -> None:
         self.model_name = type(model).__name__
         self.chunk_size = chunk_size
@@ -199,7 +207,7 @@ def enable_chunk_loss(model: nn.Module, chunk_size: int = 1024) -> None:
     do); a second call with the same size does nothing, another size is an error.
     """
     chunk_size = check_chunk_size(chunk_size)
-    existing = getattr(model, "_chunk_loss", None)
+    existing = _ENABLED.get(model)
     if existing is not None:
         if existing.chunk_size != chunk_size:
             raise ChunkedLossError(
@@ -224,12 +232,12 @@ def enable_chunk_loss(model: nn.Module, chunk_size: int = 1024) -> None:
                 f"(`{key}`={getattr(text, key)!r}); the chunked loss is the plain cross-entropy"
             )
     _check_head(head)  # an unsupported head fails now, not at the first step
-    model._chunk_loss = _ChunkLoss(model, head, chunk_size)
+    _ENABLED[model] = _ChunkLoss(model, head, chunk_size)
 
 
 def chunk_loss_size(model: nn.Module) -> int | None:
     """The chunk size ``model`` computes its loss with, or ``None`` when :func:`enable_chunk_loss` was not called."""
-    existing = getattr(model, "_chunk_loss", None)
+    existing = _ENABLED.get(model)
     return existing.chunk_size if existing is not None else None
 
 

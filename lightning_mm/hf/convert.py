@@ -42,7 +42,7 @@ from lightning_mm.checkpoint.manifest import (
     write_manifest,
 )
 from lightning_mm.checkpoint.safe import check_weights_only, load_weights_only
-from lightning_mm.checkpoint.store import _single_process_quiet, _write_file, open_source
+from lightning_mm.checkpoint.store import open_source, single_process_quiet, write_file
 from lightning_mm.hf.export import HFLayout, hf_layout
 from lightning_mm.hf.records import choose_record
 
@@ -523,9 +523,9 @@ def hf_to_dcp(hf_dir: str | Path, dst: str | Path, prefix: str = "model.", force
     writer = FileSystemWriter(partial, thread_count=1, sync_files=True)
     writer.fs = files = RecordingFileSystem()
     with writing(partial, dst):
-        with _single_process_quiet():
+        with single_process_quiet():
             dcp.save(planned, storage_writer=writer, planner=_StreamingSavePlanner(read), no_dist=True)
-        _write_file(meta, partial / META_FILE)
+        write_file(meta, partial / META_FILE)
         write_manifest(partial, [file_entries(files.written)], [".metadata", META_FILE])
         atomic.fsync_dir(partial)
     atomic.commit(partial, dst)

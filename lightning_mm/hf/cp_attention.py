@@ -7,7 +7,7 @@
   which a VLM has already placed its image/video features; position ids, including Qwen2.5-VL's 3-D multimodal
   RoPE positions, which the model computed for the whole sequence) and keeps this rank's slice of them. The
   sequence is padded at its end to a multiple of ``C``; padded keys are masked, padded targets ignored;
-* the decoder's ``config._attn_implementation`` becomes ``ulysses_<inner>``, registered in Transformers'
+* the decoder config's attention implementation becomes ``ulysses_<inner>``, registered in Transformers'
   ``AttentionInterface``: an all-to-all to (whole sequence, ``heads / C``), the configured ``eager`` or ``sdpa``
   attention with a causal + padding mask of the whole sequence, and the inverse all-to-all. Every model whose
   decoder attention calls ``ALL_ATTENTION_FUNCTIONS`` is routed;
@@ -28,6 +28,7 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
+from lightning_mm._compat import attn_implementation, set_attn_implementation
 from lightning_mm.core.context_parallel import (
     IGNORE_INDEX,
     ContextParallelError,
@@ -40,6 +41,7 @@ from lightning_mm.core.context_parallel import (
     split_sequence,
 )
 from lightning_mm.core.packing import is_packed, segment_ids
+from lightning_mm.hf.chunk_loss import chunk_loss_size
 
 __all__ = ["ROUTABLE", "enable_context_parallel", "find_hf_model", "check_routable", "context_parallel_summary"]
 
@@ -133,7 +135,7 @@ def check_routable(model: nn.Module, size: int) -> nn.Module:
     except Exception as err:  # noqa: BLE001 - Transformers raises several kinds for models without a decoder
         raise ContextParallelError(f"{name}: no text decoder to run context-parallel ({err})") from None
     config = decoder.config
-    impl = config._attn_implementation or "eager"
+    impl = attn_implementation(config) or "eager"
     inner = impl.removeprefix(PREFIX)
     if inner not in ROUTABLE:
         raise ContextParallelError(
@@ -149,14 +151,16 @@ def check_routable(model: nn.Module, size: int) -> nn.Module:
 
 def enable_context_parallel(model: nn.Module, group: Any) -> nn.Module:
     """Route ``model`` (a Transformers model) through Ulysses over ``group``; returns its decoder."""
-    if getattr(model, "_chunk_loss", None) is not None:  # lightning_mm.hf.chunk_loss
+    if chunk_loss_size(model) is not None:  # lightning_mm.hf.chunk_loss
         raise ContextParallelError(
             f"{type(model).__name__}: enable_chunk_loss is not supported with context parallelism; turn one of them off"
         )
     size = torch.distributed.get_world_size(group)
     decoder = check_routable(model, size)
     _register()
-    decoder.config._attn_implementation = PREFIX + (decoder.config._attn_implementation or "eager").removeprefix(PREFIX)
+    set_attn_implementation(
+        decoder.config, PREFIX + (attn_implementation(decoder.config) or "eager").removeprefix(PREFIX)
+    )
     _STATE.group = group
     decoder.register_forward_pre_hook(_split_decoder_inputs, with_kwargs=True)
     model.register_forward_pre_hook(_take_labels, with_kwargs=True)

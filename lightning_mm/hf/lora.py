@@ -52,6 +52,7 @@ from torch import nn
 from lightning_mm._dtensor import local_tensor
 from lightning_mm._module_paths import enclosing
 from lightning_mm.hf.config_fields import checked_fields
+from lightning_mm.hf.pending_weights import pending_pretrained, set_pending_lora
 
 __all__ = [
     "LoRAConfig",
@@ -330,12 +331,12 @@ class PendingLoRA:
     def load_after_sharding(self, model: nn.Module) -> None:
         values = self.values if self.values is not None else initial_adapters(self.config, self.targets)
         _copy_into(model, values)
-        model._pending_lora = None
+        set_pending_lora(model, None)
 
 
 def _rename_pending_plan(model: nn.Module, targets: list[str]) -> None:
     """A deferred pretrained load names a target's weight ``<t>.weight``; it is ``<t>.base_layer.<...>`` now."""
-    pending = getattr(model, "_pending_pretrained", None)
+    pending = pending_pretrained(model)
     if pending is None:
         return
     prefixes = tuple(t + "." for t in targets)
@@ -382,10 +383,9 @@ def apply_lora(model: nn.Module, config: Any, frozen: list[str] = ()) -> nn.Modu
                 f"{type(model).__name__} is built on the meta device, so its adapters get their values after "
                 "sharding in `load_after_sharding()`: declare it with lightning_mm.modules.FSDP2Mixin"
             )
-        model._pending_lora = pending
+        set_pending_lora(model, pending)
     else:
         pending.load_after_sharding(model)
-    model._lora_config = cfg
     return model
 
 

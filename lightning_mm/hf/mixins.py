@@ -13,11 +13,12 @@ from typing import Any
 import torch
 from torch import nn
 
-from lightning_mm._compat import share_experts_kernels_with_base
+from lightning_mm._compat import clear_hf_init_flags, share_experts_kernels_with_base
 from lightning_mm._dtensor import local_tensor
 from lightning_mm.core.torch_init import init_module_like_constructor, zero_row
+from lightning_mm.hf.pending_weights import pending_lora, pending_pretrained
 
-__all__ = ["MultiModalModule", "FSDP2Mixin", "WeightInitMixin"]
+__all__ = ["MultiModalModule", "FSDP2Mixin", "WeightInitMixin", "is_hf_model"]
 
 
 class MultiModalModule(nn.Module):
@@ -55,7 +56,7 @@ class FSDP2Mixin:
         :class:`~lightning_mm.hf.default_plans.PlanDerivationError` (naming the keys to set) unless the YAML sets
         ``sub_modules_to_wrap``.
         """
-        if _is_hf_model(self):
+        if is_hf_model(self):
             from lightning_mm.hf.default_plans import PlanDerivationError, derive_fsdp2_plan, moe_module_paths
 
             explicit = explicit or {}
@@ -92,12 +93,12 @@ class FSDP2Mixin:
         values of LoRA adapters added on the meta device (:func:`~lightning_mm.hf.lora.apply_lora`), and does
         nothing otherwise. Overrides should call ``super().load_after_sharding()``.
         """
-        pending = getattr(self, "_pending_pretrained", None)
+        pending = pending_pretrained(self)  # lightning_mm.hf.pending_weights: what was deferred, kept beside the model
         if pending is not None:
             pending.load_after_sharding(self)
-        pending_lora = getattr(self, "_pending_lora", None)  # lightning_mm.hf.lora: the adapters' values
-        if pending_lora is not None:
-            pending_lora.load_after_sharding(self)
+        adapters = pending_lora(self)  # lightning_mm.hf.lora: the adapters' values
+        if adapters is not None:
+            adapters.load_after_sharding(self)
 
     def _fully_shard(self, fsdp2_kwargs: dict[str, Any] | None = None, fsdp2_config: Any = None) -> None:
         """Shard the sub-modules named by ``fsdp2_config.sub_modules_to_wrap`` (what the strategy does itself).
@@ -138,9 +139,11 @@ class WeightInitMixin:
     """``init_weights()``: what fills a model's parameters after meta-device materialisation.
 
     A Hugging Face model is initialised by its own ``_init_weights`` rules, dispatched per sub-model as
-    ``from_pretrained`` does (composite models such as InternVL have one per tower); its tied weights are tied
-    if they are not already. A model whose pretrained weights will be loaded after sharding (see
-    ``FSDP2Mixin.load_after_sharding``) skips the random init and is zero-filled instead, which is cheaper.
+    ``from_pretrained`` does (Transformers' public ``initialize_weights()``; composite models such as InternVL have
+    one per tower); its tied weights are tied if they are not already. A model whose pretrained weights will be
+    loaded after sharding (see ``FSDP2Mixin.load_after_sharding``; recorded in :mod:`lightning_mm.hf.pending_weights`,
+    not on the model) skips the random init and is zero-filled instead, which is cheaper. Another model that
+    defines its own ``_init_weights(module)`` (MindSpeed MM's convention) has it called on every module.
     Otherwise: Linear, Conv and Embedding weights ~ N(0, std) (``config.initializer_range`` or 0.02), biases zero,
     norm weights one, and any other module is initialised as its constructor does (``reset_parameters()``, or
     torch's ``_reset_parameters()`` for ``nn.MultiheadAttention``).
@@ -165,13 +168,13 @@ class WeightInitMixin:
     @torch.no_grad()
     def init_weights(self) -> None:
         assert isinstance(self, nn.Module)
-        if getattr(self, "_pending_pretrained", None) is not None:
+        if pending_pretrained(self) is not None:
             for tensor in self.parameters():
                 local_tensor(tensor).zero_()  # overwritten by load_after_sharding(); no point drawing random numbers
             _tie_hf_weights(self)
             return
-        if _is_hf_model(self):
-            _clear_hf_init_flags(self)
+        if is_hf_model(self):
+            clear_hf_init_flags(self)
             self.initialize_weights()  # type: ignore[attr-defined]
             for module in self.modules():  # Hugging Face zeroes them through an index, a copy for a DTensor
                 if isinstance(module, nn.Embedding) and module.padding_idx is not None:
@@ -187,21 +190,14 @@ class WeightInitMixin:
                 init_module(module, std)
 
 
-def _is_hf_model(module: Any) -> bool:
+def is_hf_model(module: Any) -> bool:
+    """Whether ``module`` is a Transformers ``PreTrainedModel`` (checked without importing Transformers for a module
+    that has no ``initialize_weights``)."""
     if not isinstance(module, nn.Module) or not hasattr(module, "initialize_weights"):
         return False
     from transformers import PreTrainedModel
 
     return isinstance(module, PreTrainedModel)
-
-
-def _clear_hf_init_flags(model: nn.Module) -> None:
-    """Forget Hugging Face's "already initialised" marks (set at construction, when the tensors were empty)."""
-    for module in model.modules():
-        module.__dict__.pop("_is_hf_initialized", None)
-        for tensor in [*module.parameters(recurse=False), *module.buffers(recurse=False)]:
-            if getattr(tensor, "_is_hf_initialized", False):
-                del tensor._is_hf_initialized
 
 
 def _tie_hf_weights(model: nn.Module) -> None:

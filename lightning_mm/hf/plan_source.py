@@ -9,7 +9,8 @@ from torch import nn
 
 from lightning_mm.hf.default_plans import PlanDerivationError, derive_fsdp2_plan
 from lightning_mm.hf.derived_adapters import is_derived
-from lightning_mm.hf.mixins import FSDP2Mixin, _is_hf_model
+from lightning_mm.hf.mixins import FSDP2Mixin
+from lightning_mm.hf.mixins import is_hf_model as _is_hf_model
 
 __all__ = ["default_plan_summary"]
 

@@ -22,6 +22,7 @@ from typing import Any
 from torch import nn
 
 from lightning_mm import _safetensors
+from lightning_mm._compat import keys_to_ignore_on_load_unexpected
 from lightning_mm._names import listing
 from lightning_mm._tied import names_by_tensor
 from lightning_mm._transformers_class import transformers_class
@@ -329,7 +330,7 @@ def build_load_plan(model: nn.Module, index: SafetensorsIndex) -> LoadPlan:
     rename = checkpoint_key_renamer(model)
     groups, shapes = _model_tensors(model)
     owner = {name: i for i, (names, _) in enumerate(groups) for name in names}
-    ignore_unexpected = [re.compile(p) for p in (getattr(model, "_keys_to_ignore_on_load_unexpected", None) or ())]
+    ignore_unexpected = [re.compile(p) for p in keys_to_ignore_on_load_unexpected(model)]
 
     sources: dict[int, list[TensorInfo]] = {}
     unexpected, ignored, needs_conversion, misshapen = [], [], [], []

@@ -50,6 +50,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from lightning_mm._compat import set_attn_implementation
 from lightning_mm._module_paths import enclosing
 from lightning_mm._names import did_you_mean
 from lightning_mm.hf.batch_check import install_batch_check
@@ -58,6 +59,7 @@ from lightning_mm.hf.derived_adapters import resolve_model_class
 from lightning_mm.hf.loading import load_into_meta_model, load_local_shards
 from lightning_mm.hf.mixins import FSDP2Mixin, WeightInitMixin
 from lightning_mm.hf.packing import install_packed_inputs
+from lightning_mm.hf.pending_weights import set_pending_pretrained
 from lightning_mm.hf.pretrained_index import LoadPlan, SafetensorsIndex, build_load_plan
 
 __all__ = ["TransformersModel", "TransformersModelConfig", "TransformersModelConfigError", "PendingPretrained"]
@@ -224,7 +226,7 @@ def build_hf_config(cfg: TransformersModelConfig) -> Any:
         _check_keys(config_cls(), overrides, "hf_config")
         config = config_cls(**overrides)
     if attn is not None:
-        config._attn_implementation = attn
+        set_attn_implementation(config, attn)
     return config
 
 
@@ -257,7 +259,7 @@ class PendingPretrained:
     def load_after_sharding(self, model: nn.Module) -> None:
         count = load_local_shards(model, self.plan)
         self._guard.remove()
-        model._pending_pretrained = None
+        set_pending_pretrained(model, None)
         log.info("loaded %d tensors from %s into the local shards", count, self.plan.directory)
 
 
@@ -319,7 +321,7 @@ def TransformersModel(config: Any) -> nn.Module:  # noqa: N802 - the seed's name
         model = model_cls(hf_config)
     elif _meta_parameters_active():
         model = model_cls(hf_config)
-        model._pending_pretrained = PendingPretrained(model, build_load_plan(model, index))
+        set_pending_pretrained(model, PendingPretrained(model, build_load_plan(model, index)))
     else:
         from lightning_mm.core.init_context import meta_parameters
 

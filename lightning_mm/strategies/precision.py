@@ -34,7 +34,9 @@ class MMFSDP2Precision(Precision):
         check_supported_precision(precision)
         self.precision = precision  # type: ignore[assignment]
         self._true_dtype = TRUE_DTYPES.get(precision)
-        self._step_norm: tuple[int, torch.Tensor] | None = None  # (id(optimizer), norm) of the step under way
+        # (id(optimizer), norm) of the step under way: this plugin's own cache, computed once per step and read by
+        # others only through the public ``grad_norm(optimizer)`` (MMLightningModule's ``train/grad_norm``)
+        self._step_norm: tuple[int, torch.Tensor] | None = None
         self.stop_on_nonfinite = stop_on_nonfinite
         """Before each optimizer step: a non-finite loss on any rank (any micro-batch since the last step) or a
         non-finite gradient norm raises :class:`~lightning_mm.core.finite.NonFiniteError` on every rank, before the
