@@ -120,7 +120,7 @@ class ShardedRun:
         """Apply a :func:`plan_run` decision to ``root`` on ``mesh`` (``apply.apply_plan``); ``device`` is the
         compute device. The model's own ``_fully_shard`` shards the units when it has one."""
         self.planned, self._expert_layout = planned, None
-        custom_units = apply.model_unit_sharding(planned.target, planned.config)
+        custom_units = apply.model_unit_sharding(planned.target, planned.config, planned.plan)
         self.sharded = apply.apply_plan(root, planned.target, planned.plan, mesh, device, custom_units)
 
     @property
