@@ -114,8 +114,9 @@ class _TrackingLoader:
     def exec_module(self, module: ModuleType) -> None:
         # The module keeps the real loader, as if it had been imported without this finder.
         module.__loader__ = self._loader
-        if getattr(module, "__spec__", None) is not None and module.__spec__.loader is self:
-            module.__spec__.loader = self._loader
+        spec = getattr(module, "__spec__", None)
+        if spec is not None and spec.loader is self:
+            spec.loader = self._loader
         self._finder.started()
         try:
             self._loader.exec_module(module)

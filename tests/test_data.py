@@ -149,6 +149,19 @@ def test_native_config_packed_token_budget_batches(dataset_dir):
         MMDataModule.from_config(write_config(dataset_dir, GOOD), packing=True)
 
 
+def test_token_budget_batches_under_a_single_device_trainer(dataset_dir):
+    """A single-device strategy has no distributed_sampler_kwargs: the loader plans for one rank."""
+    import lightning as L
+
+    dm = MMDataModule.from_config(write_config(dataset_dir, GOOD), packing=True, max_tokens_per_rank=11)
+    trainer = L.Trainer(accelerator="cpu", devices=1, logger=False, enable_checkpointing=False)
+    trainer.datamodule = dm
+    dm.trainer = trainer
+    dm.setup("fit")
+    loader = dm.train_dataloader()
+    assert (loader.world_size, loader.rank) == (1, 0) and len(loader) == 1
+
+
 BAD = [
     ("{not json", "train.jsonl:3: not valid JSON"),
     ('["a list"]', "train.jsonl:3: a record must be a JSON object"),

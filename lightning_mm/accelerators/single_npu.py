@@ -73,7 +73,8 @@ class SingleNPUStrategy(SingleDeviceStrategy):
     def precision_plugin(self, precision_plugin: Precision | None) -> None:
         # Lightning builds MixedPrecision(..., "cuda") for every accelerator but CPU and MPS: autocast on the NPU.
         if type(precision_plugin) is MixedPrecision and precision_plugin.device != "npu":
-            precision_plugin = MixedPrecision(precision_plugin.precision, "npu")
+            # MixedPrecision's precision is one its constructor took; Precision's annotation is the wider union.
+            precision_plugin = MixedPrecision(precision_plugin.precision, "npu")  # type: ignore[arg-type]
         SingleDeviceStrategy.precision_plugin.fset(self, precision_plugin)  # type: ignore[attr-defined]
 
     @classmethod

@@ -54,7 +54,7 @@ class CheckpointNotFoundError(CheckpointError, FileNotFoundError):
 def _causes(error: BaseException) -> list[BaseException]:
     """``error``, its causes and contexts, and the per-rank failures of a DCP ``CheckpointException``."""
     seen: list[BaseException] = []
-    todo = [error]
+    todo: list[BaseException | None] = [error]
     while todo:
         current = todo.pop()
         if current is None or any(current is s for s in seen):

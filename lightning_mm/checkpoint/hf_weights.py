@@ -23,6 +23,7 @@ import torch
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint import HuggingFaceStorageReader, HuggingFaceStorageWriter
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner, DefaultSavePlanner
+from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
 from lightning_mm.checkpoint.errors import CheckpointIntegrityError
 from lightning_mm.checkpoint.layout import model_key
@@ -92,7 +93,7 @@ def weights_view(
                 f"{path / unlisted[0]}: not part of this checkpoint (its manifest does not list it)"
             )
     metadata = HuggingFaceStorageReader(str(path)).read_metadata()
-    stored = metadata.state_dict_metadata
+    stored = {k: v for k, v in metadata.state_dict_metadata.items() if isinstance(v, TensorStorageMetadata)}
     absent = sorted(n for n in names.values() if n not in stored)
     if absent:
         raise CheckpointIntegrityError(

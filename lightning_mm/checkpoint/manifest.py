@@ -237,7 +237,7 @@ def _complete_file(path: Path) -> str | None:
                 data = f.read()
             end = None
             for opcode, _, position in pickletools.genops(data):
-                if opcode.name == "STOP":
+                if opcode.name == "STOP" and position is not None:  # always an offset when reading bytes
                     end = position + 1
         except (OSError, ValueError, EOFError):
             return None

@@ -9,6 +9,7 @@ is checked at save time to be loadable ``weights_only`` (so a checkpoint never n
 from __future__ import annotations
 
 import io
+import os
 import pickle
 from collections.abc import Mapping
 from pathlib import Path
@@ -75,7 +76,7 @@ class MetadataUnpickler(pickle.Unpickler):
         )
 
 
-def read_dcp_metadata(path: str | Path) -> Metadata:
+def read_dcp_metadata(path: str | os.PathLike[str]) -> Metadata:
     """Read ``<path>/.metadata`` of a DCP checkpoint with the restricted unpickler, and check what it refers to.
 
     Every shard file it names must be a regular file inside the checkpoint directory (no absolute path, ``..`` or
@@ -104,8 +105,10 @@ def _check_storage(directory: Path, metadata: Metadata) -> None:
     sizes: dict[str, int] = {}
     for index, info in (getattr(metadata, "storage_data", None) or {}).items():
         name = getattr(info, "relative_path", None)
-        if name not in sizes:
-            sizes[name] = inside(directory, check_name(directory, name, ".metadata")).stat().st_size
+        if not isinstance(name, str) or name not in sizes:
+            file = check_name(directory, name, ".metadata")  # refuses anything but a plain file name
+            name = file.name
+            sizes[name] = inside(directory, file).stat().st_size
         offset, length = getattr(info, "offset", None), getattr(info, "length", None)
         if not (isinstance(offset, int) and isinstance(length, int) and offset >= 0 and length >= 0):
             raise CheckpointIntegrityError(f"{directory / '.metadata'}: invalid byte range for {index.fqn}")
@@ -121,8 +124,9 @@ class SafeFileSystemReader(FileSystemReader):
 
     def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
         metadata = read_dcp_metadata(self.path)
-        if getattr(metadata, "storage_meta", None) is not None:
-            metadata.storage_meta.load_id = self.load_id
+        storage_meta = getattr(metadata, "storage_meta", None)
+        if storage_meta is not None:
+            storage_meta.load_id = self.load_id
         return metadata
 
 

@@ -72,7 +72,7 @@ def _swallowed(error: BaseException) -> Iterator[BaseException]:
 
 def user_error(error: BaseException) -> BaseException | None:
     """The outermost exception in ``error``'s chain that is ours to report, or ``None`` (a bug: show it all)."""
-    queue, seen = [error], set()
+    queue, seen = [error], set[int]()
     while queue and len(seen) < _MAX_SEARCHED:
         current = queue.pop(0)
         if id(current) in seen:

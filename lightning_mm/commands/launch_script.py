@@ -113,7 +113,8 @@ def _arithmetic(match: re.Match[str]) -> str:
         if isinstance(node, ast.Expression):
             return value(node.body)
         if isinstance(node, ast.Constant):
-            return int(node.value)
+            assert type(node.value) is int  # checked for every constant above
+            return node.value
         if isinstance(node, ast.UnaryOp):
             return -value(node.operand) if isinstance(node.op, ast.USub) else value(node.operand)
         assert isinstance(node, ast.BinOp)

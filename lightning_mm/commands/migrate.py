@@ -24,11 +24,14 @@ import tempfile
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import yaml
 
 from lightning_mm.commands.launch_script import Launch, MigrateError, parse_args, parse_script, read_text_file
+
+if TYPE_CHECKING:
+    from lightning_mm.commands.native_route import NativeMigration
 
 __all__ = [
     "main",
@@ -892,6 +895,8 @@ def main(argv: Sequence[str]) -> int:
     import_root = Path(args.import_root) if args.import_root else None
     inputs: list[Path] = []
     notes: list[str] = []
+    result: Migration | NativeMigration
+    base_dir: Path | None
     if args.script:
         path = Path(args.script)
         if not path.is_file():

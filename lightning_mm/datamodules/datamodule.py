@@ -85,7 +85,7 @@ class MMDataModule(L.LightningDataModule):
             "drop_last": drop_last,
             "seed": seed,
         }
-        settings = {
+        settings: dict[str, Any] = {
             "batch_size": 1,
             "num_workers": 0,
             "pin_memory": False,
@@ -257,7 +257,7 @@ class MMDataModule(L.LightningDataModule):
             return data
         iterable = isinstance(data, IterableDataset)
         if split == "train" and self.max_tokens_per_rank is not None:
-            return self._token_budget_loader(data)
+            return self._token_budget_loader(data, self.max_tokens_per_rank)
         loader_cls = DataLoader if iterable or split != "train" else ResumableDataLoader  # mid-epoch resume
         group_by = getattr(self.mindspeed_config, "group_by", None)
         if split == "train" and group_by is not None and not iterable:
@@ -281,7 +281,7 @@ class MMDataModule(L.LightningDataModule):
             generator=torch.Generator().manual_seed(self.seed) if shuffle and not iterable else None,
         )
 
-    def _token_budget_loader(self, data: Any) -> DataLoader:
+    def _token_budget_loader(self, data: Any, max_tokens: int) -> DataLoader:
         from lightning_mm.core.packing import PackedCollator
         from lightning_mm.datamodules.token_budget import TokenBudgetLoader, sample_lengths
 
@@ -303,12 +303,12 @@ class MMDataModule(L.LightningDataModule):
                 filler=getattr(collate, "filler", None),
             )
         trainer = attached_trainer(self)
-        kwargs = (trainer.strategy.distributed_sampler_kwargs or {}) if trainer is not None else {}
+        kwargs = (trainer.distributed_sampler_kwargs or {}) if trainer is not None else {}
         world, rank = int(kwargs.get("num_replicas", 1)), int(kwargs.get("rank", 0))
         return TokenBudgetLoader(
             data,
             sample_lengths(data),
-            self.max_tokens_per_rank,
+            max_tokens,
             self.packing_buffer_size,
             self.seed,
             self.shuffle,
@@ -327,7 +327,7 @@ class MMDataModule(L.LightningDataModule):
         from lightning_mm.datamodules.grouped_sampler import GroupedDistributedSampler
 
         trainer = attached_trainer(self)
-        kwargs = (trainer.strategy.distributed_sampler_kwargs or {}) if trainer is not None else {}
+        kwargs = (trainer.distributed_sampler_kwargs or {}) if trainer is not None else {}
         return GroupedDistributedSampler(
             data,
             data.group_keys(group_by),
@@ -349,7 +349,7 @@ class MMDataModule(L.LightningDataModule):
         trainer = attached_trainer(self)
         if trainer is None or isinstance(data, IterableDataset) or not installs_distributed_sampler(trainer):
             return None
-        kwargs = trainer.strategy.distributed_sampler_kwargs or {}
+        kwargs = trainer.distributed_sampler_kwargs or {}
         return DistributedSampler(data, shuffle=False, **kwargs)
 
     def train_dataloader(self) -> DataLoader | list:

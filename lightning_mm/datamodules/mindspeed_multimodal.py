@@ -372,7 +372,9 @@ def _parse_pipeline(
         raise fail(where + ".image", f"expected a list of transforms, got {short_repr(steps)}")
     order = {name: i for i, name in enumerate(_SUPPORTED_STEPS)}
     seen: list[str] = []
-    pad_color = resize_filter = normalize = None
+    pad_color: tuple[int, int, int] | None = None
+    resize_filter: int | None = None
+    normalize: tuple[tuple[float, ...], tuple[float, ...]] | None = None
     for i, step in enumerate(steps):
         key = f"{where}.image.{i}"
         step = fail.mapping(step, key)
@@ -398,7 +400,7 @@ def _parse_pipeline(
             mean = _numbers(param.get("mean"), key + ".param.mean", fail)
             if not all(0 <= x <= 1 for x in mean):
                 raise fail(key + ".param.mean", f"expected values in [0, 1], got {short_repr(param.get('mean'))}")
-            pad_color = tuple(int(x * 255) for x in mean)
+            pad_color = (int(mean[0] * 255), int(mean[1] * 255), int(mean[2] * 255))
         elif kind == "Resize":
             resize_filter = _parse_resize(param, image_size, dynamic, pad_color is not None, key, fail)
         elif kind == "norm_fun":
@@ -597,7 +599,7 @@ def _check_normalisation(settings: MultimodalSettings, image: Any, fail: _Fail) 
     wanted = _BICUBIC if settings.dynamic_image_size else settings.resize_filter
     resample = int(image.resample) if image.resample is not None else None
     if resample != wanted:
-        names = {v: k for k, v in _PIL_FILTERS.items()}
+        names: dict[int | None, str] = {v: k for k, v in _PIL_FILTERS.items()}
         why = (
             "MindSpeed MM tiles with PIL's default filter, BICUBIC"
             if settings.dynamic_image_size

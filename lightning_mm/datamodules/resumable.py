@@ -23,7 +23,8 @@ class ResumableDataLoader(DataLoader):
         self._yielded = 0
         self._skip = 0
 
-    def __iter__(self) -> Iterator[Any]:
+    # A generator rather than DataLoader's _BaseDataLoaderIter: its callers (Lightning, a for loop) only iterate.
+    def __iter__(self) -> Iterator[Any]:  # type: ignore[override]
         skip, self._skip = self._skip, 0
         iterator = super().__iter__()
         for _ in range(skip):

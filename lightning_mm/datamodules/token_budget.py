@@ -17,7 +17,7 @@ packing) is refused.
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator, Sequence
-from typing import Any
+from typing import Any, cast
 
 from torch.utils.data import DataLoader, Dataset, IterableDataset, get_worker_info
 
@@ -82,7 +82,7 @@ class TokenBudgetLoader(DataLoader):
         drop_last: bool,
         world_size: int,
         rank: int,
-        collate_fn: Callable[[list[Any]], Any],
+        collate_fn: Callable[[list[Any]], Any] | None,
         epoch_fn: Callable[[], int] = lambda: 0,
         num_workers: int = 0,
         pin_memory: bool = False,
@@ -141,12 +141,14 @@ class TokenBudgetLoader(DataLoader):
             return self._iter_len
         return self.schedule(epoch).steps
 
-    def __iter__(self) -> Iterator[Any]:
+    # A generator rather than DataLoader's _BaseDataLoaderIter: its callers (Lightning, a for loop) only iterate.
+    def __iter__(self) -> Iterator[Any]:  # type: ignore[override]
         epoch = self._epoch_fn()
         resumed = self._resume_epoch == epoch
         schedule = self.schedule(epoch)
         self._iter_len = len(self)
-        self.dataset.plan, self.dataset.indices = self.plan(epoch), schedule.batch_indices()
+        batches = cast(_PlannedBatches, self.dataset)  # set in __init__; DataLoader forbids replacing it
+        batches.plan, batches.indices = self.plan(epoch), schedule.batch_indices()
         self._epoch, self._iter_epoch = epoch, epoch
         self._consumed_before = schedule.start
         self._steps_before_run = self._steps_before if resumed else 0

@@ -22,13 +22,16 @@ are not.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 
 from lightning_mm.core.context_parallel import ContextParallelError, all_to_all, check_heads, split_sequence
+
+if TYPE_CHECKING:
+    from diffusers.models.transformers.transformer_wan import WanAttention
 
 __all__ = ["UlyssesWanSelfAttention", "enable_wan_context_parallel"]
 
@@ -48,7 +51,7 @@ class UlyssesWanSelfAttention:
 
     def __call__(
         self,
-        attn: nn.Module,
+        attn: WanAttention,
         hidden_states: Tensor,
         encoder_hidden_states: Tensor | None = None,
         attention_mask: Tensor | None = None,
@@ -93,10 +96,13 @@ class _GatherTokens(torch.autograd.Function):
 def enable_wan_context_parallel(predictor: nn.Module, group: Any) -> None:
     """Route ``predictor`` (a ``WanTransformer3DModel``) through Ulysses over ``group`` (see the module docstring)."""
     size = dist.get_world_size(group)
+    # Read by attribute (config.num_attention_heads, rope, blocks' attn1): diffusers types `config` as a dict and
+    # set_processor's argument as its own processors' union, so the WanTransformer3DModel is not typed as one here.
+    wan: Any = predictor
     blocks = getattr(predictor, "blocks", None)
     if not isinstance(blocks, nn.ModuleList) or not len(blocks):
         raise ContextParallelError(f"{type(predictor).__name__} has no `blocks` to run context-parallel")
-    check_heads(int(predictor.config.num_attention_heads), None, size, type(predictor).__name__)
+    check_heads(int(wan.config.num_attention_heads), None, size, type(predictor).__name__)
     if getattr(predictor, "_wan_context_parallel", None) is not None:
         return
 
@@ -110,16 +116,18 @@ def enable_wan_context_parallel(predictor: nn.Module, group: Any) -> None:
         return (split_sequence(hidden, 1, group), *args[1:]), kwargs
 
     def split_rotary(module: nn.Module, args: tuple, output: tuple[Tensor, Tensor]) -> tuple[Tensor, Tensor]:
-        return tuple(split_sequence(t, 1, group) for t in output)  # (1, S, 1, D) tables
+        cos, sin = output  # (1, S, 1, D) tables
+        return split_sequence(cos, 1, group), split_sequence(sin, 1, group)
 
     def gather_output(module: nn.Module, args: tuple, output: Tensor) -> Tensor:
         return _GatherTokens.apply(output, group)
 
     handles = [
         blocks[0].register_forward_pre_hook(split_inputs, with_kwargs=True),
-        predictor.rope.register_forward_hook(split_rotary),
+        wan.rope.register_forward_hook(split_rotary),
         blocks[-1].register_forward_hook(gather_output),
     ]
     for block in blocks:
-        block.attn1.set_processor(UlyssesWanSelfAttention(group))
-    predictor._wan_context_parallel = handles
+        wan_block: Any = block
+        wan_block.attn1.set_processor(UlyssesWanSelfAttention(group))
+    wan._wan_context_parallel = handles

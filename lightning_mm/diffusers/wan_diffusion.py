@@ -41,7 +41,9 @@ class WanDiffusion(nn.Module, FSDP2Mixin):
 
     def __init__(self, predictor: nn.Module) -> None:
         super().__init__()
-        self.predictor = predictor
+        # An adapted diffusers model: its init_weights / load_after_sharding / default_fsdp2_config are called by
+        # name (nn.Module's attribute type, Tensor | Module, would not allow the calls).
+        self.predictor: Any = predictor
 
     def default_fsdp2_config(self, explicit: Mapping[str, Any] | None = None) -> dict[str, Any]:
         """The predictor's defaults, with paths under ``predictor``."""

@@ -47,7 +47,9 @@ def diffusers_load_plan(model: nn.Module, index: SafetensorsIndex) -> LoadPlan:
     owner = {name: key for key, names in groups.items() for name in names}
     ignorable = [re.compile(p) for p in (getattr(model, "_keys_to_ignore_on_load_unexpected", None) or ())]
     found: dict[int, list[TensorInfo]] = {}
-    unexpected, ignored, misshapen = [], [], []
+    unexpected: list[str] = []
+    ignored: list[str] = []
+    misshapen: list[str] = []
     for key, info in sorted(index.tensors.items()):
         if key not in owner:
             (ignored if any(p.search(key) for p in ignorable) else unexpected).append(key)
@@ -56,14 +58,16 @@ def diffusers_load_plan(model: nn.Module, index: SafetensorsIndex) -> LoadPlan:
             misshapen.append(f"{key}: checkpoint {list(info.shape)}, model {list(state[key].shape)}")
             continue
         found.setdefault(owner[key], []).append(info)
-    entries, missing, buffers_kept = [], [], []
-    for key, names in groups.items():
-        sources = found.get(key)
+    entries: list[LoadEntry] = []
+    missing: list[str] = []
+    buffers_kept: list[str] = []
+    for tensor_id, names in groups.items():
+        sources = found.get(tensor_id)
         if not sources:
             if not any(n in {m.split(":")[0] for m in misshapen} for n in names):
-                (missing if key in params else buffers_kept).append(names[0])
+                (missing if tensor_id in params else buffers_kept).append(names[0])
             continue
-        entries.append(LoadEntry(tuple(names), sources[0], key in params, tuple(sources[1:])))
+        entries.append(LoadEntry(tuple(names), sources[0], tensor_id in params, tuple(sources[1:])))
     problems = strict_load_problems(missing, unexpected, misshapen)
     if problems:
         raise CheckpointError(
