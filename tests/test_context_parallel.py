@@ -29,10 +29,14 @@ from tests.parity import LR, NOISE, Reference, weight_errors
 
 ROOT = Path(__file__).resolve().parents[1]
 TOL = 1e-5
-WEIGHT_TOL = 1e-4
+WEIGHT_TOL = 2e-4
 """Weights after several AdamW steps: Adam divides each gradient element by its own running size, which magnifies
 the rounding of small elements. The one-process reference itself, fed the same samples one at a time instead of
-two at a time (the same sums in another order), moves Qwen2.5-VL's key biases and LM head by up to 2.7e-5."""
+two at a time (the same sums in another order), moves Qwen2.5-VL's key biases and LM head by up to 2.7e-5. On an
+AMD EPYC host the 4-rank HSDP case measured 1.42e-4 on the vision tower's first ``mlp.up_proj.bias``, all but
+1.1e-5 of it from one element whose first gradient is 5.6e-6 of the step's largest (its weight differs by 8.5e-6
+of 8.2e-3); losses and gradients, compared before Adam, stay within ``TOL``. A wrong optimiser state or gradient
+scale moves weights by 1e-2 and more."""
 
 
 # ------------------------------------------------------------------------------------- in-process: deciding

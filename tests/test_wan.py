@@ -82,8 +82,12 @@ def test_context_parallel_2_equals_the_diffusers_reference(run: Path, work: Path
     losses = [loss for _, loss, _ in ranks[0]["cp_losses"]]
     assert all(_close(a, b) for a, b in zip(losses, expected)), (losses, expected)
     got = torch.load(run / "cp_grads.pt", weights_only=True)
-    for name, ref in grads.items():  # before Adam, which would hide a scale error
-        assert torch.allclose(got[name], ref, rtol=1e-5, atol=1e-6 * ref.abs().max().item()), name
+    # Before Adam, which would hide a scale error. The absolute part is relative to the step's largest gradient, as
+    # everywhere in the suite: a key bias's exact gradient is zero (softmax ignores a shift shared by all keys), so
+    # its elements are rounding noise (1.2e-4 here, differing in the fifth digit with the summation order).
+    scale = max(ref.abs().max().item() for ref in grads.values())
+    for name, ref in grads.items():
+        assert torch.allclose(got[name], ref, rtol=1e-5, atol=1e-6 * scale), name
     final = torch.load(run / "cp_final.pt", weights_only=True)
     for name, ref in weights.items():
         assert torch.allclose(final[name], ref, rtol=1e-5, atol=1e-5 * ref.abs().max().item()), name
