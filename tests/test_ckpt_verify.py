@@ -201,7 +201,8 @@ def test_ranks_share_the_hashing_one_owner_per_file_shards_to_their_writer():
 
 # ------------------------------------------------------------------------------- 2: saves in the background
 def test_async_save_is_a_boolean():
-    assert MMFSDP2Strategy(async_save=True).async_save is True and MMFSDP2Strategy().async_save is False
+    assert MMFSDP2Strategy(async_save=True).checkpoints.async_save is True
+    assert MMFSDP2Strategy().checkpoints.async_save is False
     with pytest.raises(TypeError, match="async_save must be True or False"):
         MMFSDP2Strategy(async_save="yes")
 

@@ -206,14 +206,6 @@ class MMFSDP2Strategy(ParallelStrategy):
         self.checkpoints.checkpoint_format = value
 
     @property
-    def save_ckpt_dtype(self) -> str | None:
-        return self.checkpoints.save_ckpt_dtype
-
-    @property
-    def async_save(self) -> bool:
-        return self.checkpoints.async_save
-
-    @property
     def context_parallel_group(self) -> Any:
         """The context-parallel process group of this rank (``None`` when ``context_parallel_size`` is 1)."""
         return self._context_parallel.group
