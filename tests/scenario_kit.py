@@ -104,7 +104,7 @@ def main(argv: list[str] | None = None, module: str = "__main__") -> None:
         exit_cleanly()
 
 
-def rank() -> int:
+def current_rank() -> int:
     """This process's global rank: the process group's where there is one, else the launcher's environment."""
     import torch.distributed as dist
 
@@ -113,9 +113,9 @@ def rank() -> int:
     return int(os.environ.get("RANK", os.environ.get("LOCAL_RANK", 0)))
 
 
-def write_result(workdir: str | Path, name: str, payload: Any, rank_: int | None = None) -> Path:
-    """Write ``payload`` as JSON to ``WORKDIR/NAME.rank{R}.json`` (``R``: ``rank_``, else :func:`rank`)."""
-    path = Path(workdir) / f"{name}.rank{rank() if rank_ is None else rank_}.json"
+def write_result(workdir: str | Path, name: str, payload: Any, rank: int | None = None) -> Path:
+    """Write ``payload`` as JSON to ``WORKDIR/NAME.rank{R}.json`` (``R``: ``rank``, else :func:`current_rank`)."""
+    path = Path(workdir) / f"{name}.rank{current_rank() if rank is None else rank}.json"
     path.write_text(json.dumps(payload))
     return path
 
