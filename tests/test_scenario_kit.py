@@ -25,47 +25,57 @@ def _main_block(tree: ast.Module) -> list[ast.stmt] | None:
     return None
 
 
-@pytest.mark.parametrize("path", SCRIPTS, ids=lambda p: p.name)
-def test_every_scenario_script_dispatches_through_the_kit_and_reads_no_argv_itself(path: Path) -> None:
+def _script_problems(path: Path) -> list[str]:
     source = path.read_text()
     tree = ast.parse(source)
     block = _main_block(tree)
     if path.name in HELPERS:
-        assert block is None, f"{path.name} has a command line: register its scenarios and call scenario_kit.main()"
-        return
-    assert block is not None and [ast.unparse(s) for s in block] == ["scenario_kit.main()"], path.name
+        return [] if block is None else [f"{path.name} has a command line of its own: register @scenario functions"]
+    problems = []
+    if block is None or [ast.unparse(s) for s in block] != ["scenario_kit.main()"]:
+        problems.append(f"{path.name}: its __main__ block is not exactly scenario_kit.main()")
     decorated = [
         node.name
         for node in tree.body
         if isinstance(node, ast.FunctionDef)
         and any(ast.unparse(d).split("(")[0] == "scenario" for d in node.decorator_list)
     ]
-    assert decorated, f"{path.name} registers no @scenario"
+    if not decorated:
+        problems.append(f"{path.name} registers no @scenario")
     for name in ("sys.argv", "mp.spawn", "multiprocessing", "globals()["):
-        assert name not in source, f"{path.name} uses {name}: the kit parses the command line and starts the ranks"
+        if name in source:
+            problems.append(f"{path.name} uses {name}: the kit parses the command line and starts the ranks")
+    return problems
 
 
-def _calls(tree: ast.AST) -> list[ast.Call]:
-    return [node for node in ast.walk(tree) if isinstance(node, ast.Call)]
+def test_every_scenario_script_dispatches_through_the_kit_and_reads_no_argv_itself() -> None:
+    assert len(SCRIPTS) > 20
+    assert [problem for path in SCRIPTS for problem in _script_problems(path)] == []
 
 
-@pytest.mark.parametrize(
-    "path", sorted(p for p in TESTS.glob("test_*.py") if p.name != Path(__file__).name), ids=lambda p: p.name
-)
-def test_no_test_starts_a_scenario_script_except_through_the_launcher(path: Path) -> None:
-    """A subprocess started by a test file never names a ``*_scenarios.py`` script, ``torch.distributed.run`` or
-    ``mp.spawn``: multi-rank jobs go through ``scenario_kit.run``/``start``."""
+def _launch_problems(path: Path) -> list[str]:
     tree = ast.parse(path.read_text())
-    for call in _calls(tree):
+    problems = []
+    for call in (node for node in ast.walk(tree) if isinstance(node, ast.Call)):
         name = ast.unparse(call.func)
-        assert name not in ("mp.spawn", "torch.multiprocessing.spawn"), f"{path.name}:{call.lineno}"
+        if name in ("mp.spawn", "torch.multiprocessing.spawn"):
+            problems.append(f"{path.name}:{call.lineno} calls {name}")
         if name.startswith("subprocess.") or name in ("Popen", "check_output"):
             text = ast.unparse(call)
             for needle in ("_scenarios.py", "_scenarios'", "torch.distributed.run", "torchrun"):
-                assert needle not in text, f"{path.name}:{call.lineno} starts a scenario without the launcher: {text}"
+                if needle in text:
+                    problems.append(f"{path.name}:{call.lineno} starts a scenario without the launcher: {text}")
     for node in ast.walk(tree):
         if isinstance(node, ast.Constant) and isinstance(node.value, str) and node.value.endswith("_scenarios.py"):
-            raise AssertionError(f"{path.name}:{node.lineno} names a scenario script by path: pass the function")
+            problems.append(f"{path.name}:{node.lineno} names a scenario script by path: pass the function")
+    return problems
+
+
+def test_no_test_starts_a_scenario_script_except_through_the_launcher() -> None:
+    """A subprocess started by a test file never names a ``*_scenarios.py`` script, ``torch.distributed.run`` or
+    ``mp.spawn``: multi-rank jobs go through ``scenario_kit.run``/``start``."""
+    files = [p for p in sorted(TESTS.glob("test_*.py")) if p.name != Path(__file__).name]
+    assert [problem for path in files for problem in _launch_problems(path)] == []
 
 
 def test_argv_is_scenario_workdir_and_key_value_args() -> None:
