@@ -1,17 +1,16 @@
 """2-rank fits of a ``TransformersModel`` LLaVA under ``MMFSDP2Strategy``, driven by a seed-style ``forward_step``:
 
-    python tests/batch_check_scenarios.py OUTDIR
+    python tests/batch_check_scenarios.py fits OUTDIR     (tests/scenario_kit.py)
 
 A fit on correct batches trains two steps with recomputation, the model built on the meta device and wrapped by
 ``fully_shard``, checked in full once; then a fit on batches whose image key is misnamed must stop at the first
 forward on every rank with ``BatchCheckError``. In between, the model itself wrapped by ``fully_shard`` is called
-directly (see :func:`_wrapped_model`). Each rank writes what it saw to ``OUTDIR/rank{R}.json``. Also the
+directly (see :func:`_wrapped_model`). Each rank writes what it saw to ``OUTDIR/fits.rank{R}.json``. Also the
 helpers of tests/test_batch_check_hook.py.
 """
 
 from __future__ import annotations
 
-import json
 import sys
 from pathlib import Path
 from typing import Any
@@ -22,7 +21,9 @@ ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
+from tests import scenario_kit  # noqa: E402
 from tests.hf_scenarios import FAMILIES, FamilyData  # noqa: E402
+from tests.scenario_kit import scenario, write_result  # noqa: E402
 
 VISION = "model.vision_tower.encoder.layers.0.self_attn.q_proj.weight"
 BROKEN = {
@@ -106,7 +107,8 @@ def _wrapped_model(mesh: Any, loader: Any) -> dict[str, Any]:
     return seen
 
 
-def main(outdir: str) -> None:
+@scenario
+def fits(outdir: Path) -> None:
     import lightning as L
 
     from lightning_mm import MMFSDP2Strategy, MMLightningModule
@@ -174,12 +176,8 @@ def main(outdir: str) -> None:
         results["images_key"] = {"error": None, "global_step": bad.global_step}
     except batch_check.BatchCheckError as err:
         results["images_key"] = {"error": type(err).__name__, "message": str(err), "global_step": bad.global_step}
-    Path(outdir, f"rank{run.global_rank}.json").write_text(json.dumps(results, indent=1))
+    write_result(outdir, "fits", results, run.global_rank)
 
 
 if __name__ == "__main__":
-    torch.set_num_threads(1)
-    main(sys.argv[1])
-    from tests.scenario_exit import exit_cleanly
-
-    exit_cleanly()
+    scenario_kit.main()

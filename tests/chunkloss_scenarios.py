@@ -1,6 +1,6 @@
 """The strategy's side of the chunked-loss parity checks (``tests/test_chunk_loss.py``).
 
-    python tests/chunkloss_scenarios.py all OUTDIR
+    python tests/chunkloss_scenarios.py all_cases OUTDIR     (tests/scenario_kit.py)
 
 Every case of :data:`CASES`, one after the other, trains a tiny Hugging Face checkpoint of ``OUTDIR/ckpts`` (written
 by the pytest side before the launch, so the ranks never race to write them) with
@@ -25,8 +25,10 @@ ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
+from tests import scenario_kit  # noqa: E402
 from tests.hf_scenarios import model_inputs  # noqa: E402
 from tests.parity import LR, PER_RANK_BATCH, Case, IndexedData  # noqa: E402
+from tests.scenario_kit import scenario  # noqa: E402
 
 CHUNK = 5  # tokens per chunk: 32 tokens per rank and micro-batch make 6 full chunks and a remainder of 2
 CASES = [
@@ -118,7 +120,9 @@ def _dump(case: Case, outdir: Path, rank: int, data: dict[str, Any]) -> None:
     (outdir / f"{case.name}.rank{rank}.json").write_text(json.dumps(data))
 
 
-def group_all(outdir: Path, ckptdir: Path) -> None:
+@scenario
+def all_cases(outdir: Path) -> None:
+    ckptdir = outdir / "ckpts"
     for case in CASES:
         try:
             _fit(case, ckptdir, outdir)
@@ -130,9 +134,4 @@ def group_all(outdir: Path, ckptdir: Path) -> None:
 
 
 if __name__ == "__main__":
-    torch.set_num_threads(1)
-    name, out = sys.argv[1], Path(sys.argv[2])
-    globals()[f"group_{name}"](out, out / "ckpts")
-    from tests.scenario_exit import exit_cleanly
-
-    exit_cleanly()
+    scenario_kit.main()

@@ -1,5 +1,5 @@
 """Checkpoints at S3 URLs, and Hugging Face weights in checkpoints: ``python tests/ckpt_remote_scenarios.py SCENARIO
-WORKDIR``.
+WORKDIR`` (tests/scenario_kit.py).
 
 Real 2-rank Lightning jobs on CPU (gloo) writing to and resuming from an S3 API server on localhost (started by
 tests/test_checkpoint_remote.py, which writes its endpoint and the credentials to ``WORKDIR/s3.json``). The
@@ -25,7 +25,9 @@ sys.path.insert(0, str(ROOT))
 
 import tests.ckpt_scenarios as base  # noqa: E402
 from lightning_mm import MMFSDP2Strategy, MMLightningModule  # noqa: E402
+from tests import scenario_kit  # noqa: E402
 from tests.ckpt_scenarios import FSDP, Recorder, dump, fit, kill_rank1_during_save  # noqa: E402
+from tests.scenario_kit import scenario  # noqa: E402
 
 STEPS = 4
 
@@ -48,8 +50,10 @@ def _every_two(url: str, **kwargs: Any) -> ModelCheckpoint:
     return ModelCheckpoint(dirpath=url, filename="{step}", every_n_train_steps=2, **kwargs)
 
 
-def scenario_crash(work: Path) -> None:
+@scenario(exit_cleanly=False)
+def crash(work: Path) -> None:
     """Rank 1 is killed in the middle of the 4th save (step 4's overwrite of last.ckpt)."""
+    base.use_workdir(work)
     settings = _settings(work)
     kill_rank1_during_save(4)
     fit(
@@ -57,8 +61,10 @@ def scenario_crash(work: Path) -> None:
     )
 
 
-def scenario_main(work: Path) -> None:
+@scenario(exit_cleanly=False)
+def main(work: Path) -> None:
     """ModelCheckpoint to S3 (all, top-1 with removals, last), exact resume from a URL, resume after the crash."""
+    base.use_workdir(work)
     settings = _settings(work)
     bucket = settings["bucket"]
     out: dict[str, Any] = {}
@@ -130,9 +136,11 @@ def _qwen(
     return fit(strategy, steps, ckpt_path=ckpt_path, callbacks=callbacks, module=QwenModule(), data=base.LlamaData())
 
 
-def scenario_hf(work: Path) -> None:
+@scenario(exit_cleanly=False)
+def hf(work: Path) -> None:
     """checkpoint_format="hf" (ModelCheckpoint), a weights-only resume from it; "torch_dcp+hf" in bf16, an exact
     resume from its DCP part."""
+    base.use_workdir(work)
     out: dict[str, Any] = {}
     t, _ = _qwen(
         2,
@@ -164,8 +172,4 @@ def scenario_hf(work: Path) -> None:
 
 
 if __name__ == "__main__":
-    name, workdir = sys.argv[1], Path(sys.argv[2])
-    workdir.mkdir(parents=True, exist_ok=True)
-    base.WORK = workdir
-    torch.set_num_threads(1)
-    globals()[f"scenario_{name}"](workdir)
+    scenario_kit.main()

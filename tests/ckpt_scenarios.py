@@ -1,4 +1,4 @@
-"""Checkpoint scenarios: ``python tests/ckpt_scenarios.py SCENARIO WORKDIR``.
+"""Checkpoint scenarios: ``python tests/ckpt_scenarios.py SCENARIO WORKDIR`` (tests/scenario_kit.py).
 
 Run as real Lightning jobs on CPU (gloo, explicit CPU mesh) in a fresh process, on 1 or 2 ranks (Lightning's
 launcher re-runs this script for rank 1). Each writes ``WORKDIR/SCENARIO.rank{R}.json`` and, for state
@@ -8,7 +8,6 @@ them. Nothing is mocked; the crash scenario kills rank 1 with SIGKILL in the mid
 
 from __future__ import annotations
 
-import json
 import os
 import random
 import signal
@@ -32,6 +31,8 @@ sys.path.insert(0, str(ROOT))
 from lightning_mm import MMFSDP2Strategy, MMLightningModule  # noqa: E402
 from lightning_mm.datamodules.resumable import ResumableDataLoader  # noqa: E402
 from lightning_mm.modules import FSDP2Mixin, MultiModalModule, WeightInitMixin  # noqa: E402
+from tests import scenario_kit  # noqa: E402
+from tests.scenario_kit import scenario, write_result  # noqa: E402
 
 FSDP = {"sharding_size": "auto", "sub_modules_to_wrap": ["layers.{*}", "head"]}
 LAYERS_ONLY = {"sharding_size": "auto", "sub_modules_to_wrap": ["layers.{*}"]}
@@ -154,8 +155,14 @@ def fit(
     return t, recorder
 
 
+def use_workdir(work: Path) -> None:
+    """The Trainers' ``default_root_dir`` from now on (also for tests/ckpt_remote_scenarios.py)."""
+    global WORK
+    WORK = work
+
+
 def dump(name: str, workdir: Path, rank: int, data: dict[str, Any]) -> None:
-    (workdir / f"{name}.rank{rank}.json").write_text(json.dumps(data, indent=1))
+    write_result(workdir, name, data, rank)
 
 
 def listing(directory: Path) -> dict[str, Any]:
@@ -188,8 +195,10 @@ def kill_rank1_during_save(number: int) -> None:
 
 
 # ----------------------------------------------------------------------------------- scenarios
-def scenario_one_rank(work: Path) -> None:
+@scenario(exit_cleanly=False)
+def one_rank(work: Path) -> None:
     """1 rank: a checkpoint to reshard onto 2 ranks; strict refusal and non-strict report through trainer.fit."""
+    use_workdir(work)
     t, rec = fit(
         MMFSDP2Strategy(FSDP), max_steps=3, devices=1, callbacks=[Recorder(ref_to=work / "ref_one.pt", dump_at_step=3)]
     )
@@ -224,8 +233,10 @@ def scenario_one_rank(work: Path) -> None:
     dump("one_rank", work, 0, result)
 
 
-def scenario_crash(work: Path) -> None:
+@scenario(exit_cleanly=False)
+def crash(work: Path) -> None:
     """Rank 1 is killed in the middle of the 4th save (step 4's overwrite of last.ckpt)."""
+    use_workdir(work)
     kill_rank1_during_save(4)
     ckpt = ModelCheckpoint(
         dirpath=work / "crash", filename="{step}", every_n_train_steps=2, save_top_k=-1, save_last=True
@@ -233,8 +244,10 @@ def scenario_crash(work: Path) -> None:
     fit(MMFSDP2Strategy(FSDP), max_steps=STEPS, callbacks=[ckpt])
 
 
-def scenario_main(work: Path) -> None:
+@scenario(exit_cleanly=False)
+def main(work: Path) -> None:
     """Everything else on 2 ranks, one launch: exact resume, ModelCheckpoint features, resharding, torch format."""
+    use_workdir(work)
     out: dict[str, Any] = {}
     # 1. Uninterrupted run with two ModelCheckpoints; the full state at step 6 is the reference for resharding.
     every3 = ModelCheckpoint(
@@ -364,8 +377,10 @@ class LlamaData(L.LightningDataModule):
         return DataLoader(Tokens(), batch_size=4)
 
 
-def scenario_one_rank_after(work: Path) -> None:
+@scenario(exit_cleanly=False)
+def one_rank_after(work: Path) -> None:
     """1 rank, after the 2-rank runs and the conversions: 2 -> 1 resharding, and training from converted files."""
+    use_workdir(work)
     result: dict[str, Any] = {}
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
@@ -402,8 +417,4 @@ def scenario_one_rank_after(work: Path) -> None:
 
 
 if __name__ == "__main__":
-    name, workdir = sys.argv[1], Path(sys.argv[2])
-    workdir.mkdir(parents=True, exist_ok=True)
-    WORK = workdir
-    torch.set_num_threads(1)
-    globals()[f"scenario_{name}"](workdir)
+    scenario_kit.main()

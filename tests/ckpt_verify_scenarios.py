@@ -1,6 +1,6 @@
 """Checks on load and background saves on 2 ranks: ``python tests/ckpt_verify_scenarios.py SCENARIO WORKDIR``.
 
-Real Lightning jobs on CPU (gloo, explicit CPU mesh), run through ``tests/conftest.py::run_scenario``; each rank
+Real Lightning jobs on CPU (gloo, explicit CPU mesh), run through ``tests/scenario_kit.py::run``; each rank
 writes ``WORKDIR/SCENARIO.rank{R}.json``; tests/test_ckpt_verify.py asserts on them and on the checkpoints left.
 
 * ``crash`` (first): ``async_save=True``; rank 1 is killed (SIGKILL) in the middle of a background write (after
@@ -41,6 +41,8 @@ from lightning_mm import MMFSDP2Strategy  # noqa: E402
 from lightning_mm.checkpoint import manifest, zip_manifest  # noqa: E402
 from lightning_mm.checkpoint.safe import read_dcp_metadata  # noqa: E402
 from lightning_mm.datamodules.resumable import ResumableDataLoader  # noqa: E402
+from tests import scenario_kit  # noqa: E402
+from tests.scenario_kit import scenario  # noqa: E402
 
 FSDP = {"sharding_size": "auto", "sub_modules_to_wrap": ["layers.{*}"]}
 STEPS = 8
@@ -149,6 +151,24 @@ def failure(ckpt_path: Path, **strategy: Any) -> dict[str, Any]:
         return {"raised": type(error).__name__, "message": str(error), "steps": len(recorder.losses)}
 
 
+WORK = Path(".")
+
+
+def use_workdir(work: Path) -> None:
+    global WORK
+    WORK = work
+
+
+def leave_when_both_wrote(name: str) -> None:
+    """Both ranks' results are written before either leaves; then no interpreter teardown (as
+    tests/scenario_exit.py)."""
+    for r in range(2):
+        wait_for(WORK / f"{name}.rank{r}.json")
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
+
+
 def dump(name: str, rank: int, data: dict[str, Any]) -> None:
     (WORK / f"{name}.rank{rank}.json").write_text(json.dumps(data, indent=1))
 
@@ -197,7 +217,9 @@ def damage_torch_float(file: Path) -> dict[str, Any]:
 
 
 # ----------------------------------------------------------------------------------------- scenarios
-def scenario_main() -> None:
+@scenario(exit_cleanly=False)
+def main(work: Path) -> None:
+    use_workdir(work)
     out: dict[str, Any] = {"after_crash": resume_after_crash()}
     # (1) Every byte checked on load.
     t, _ = fit(2)
@@ -252,6 +274,7 @@ def scenario_main() -> None:
     out["dcp_bad"] = failure(WORK / "dcp_bad.ckpt")
     out["torch_bad"] = failure(WORK / "torch_bad.ckpt", checkpoint_format="torch")
     dump("main", rank(), out)
+    leave_when_both_wrote("main")
 
 
 def slow_background_writes(seconds: float) -> None:
@@ -297,10 +320,12 @@ def crash_callbacks() -> list[ModelCheckpoint]:
     return [every, newest]
 
 
-def scenario_crash() -> None:
+@scenario(exit_cleanly=False)
+def crash(work: Path) -> None:
     """Saves at step 2: every/step=2, every/last, newest/step=2 (+ link); at step 4: every/step=4, every/last,
     newest/step=4, during whose background write rank 1 is killed (the removal of newest/step=2 and the `last`
     link to newest/step=4 wait for it)."""
+    use_workdir(work)
     from torch.distributed.checkpoint import FileSystemWriter
 
     original = FileSystemWriter.write_data
@@ -342,7 +367,9 @@ class SigtermAt(L.Callback):
             os.kill(os.getpid(), signal.SIGTERM)
 
 
-def scenario_sigterm() -> None:
+@scenario(exit_cleanly=False)
+def sigterm(work: Path) -> None:
+    use_workdir(work)
     slow_background_writes(1.0)
     newest = ModelCheckpoint(
         dirpath=WORK / "sigterm",
@@ -356,16 +383,5 @@ def scenario_sigterm() -> None:
     fit(STEPS, callbacks=[newest, SigtermAt(4)], devices=1, async_save=True)
 
 
-WORK = Path(".")
-
 if __name__ == "__main__":
-    name, WORK = sys.argv[1], Path(sys.argv[2])
-    WORK.mkdir(parents=True, exist_ok=True)
-    torch.set_num_threads(1)
-    globals()[f"scenario_{name}"]()
-    if name not in ("crash", "sigterm"):
-        for r in range(2):  # both ranks' results are written before either leaves
-            wait_for(WORK / f"{name}.rank{r}.json")
-        sys.stdout.flush()
-        sys.stderr.flush()
-        os._exit(0)  # as tests/scenario_exit.py: no interpreter teardown after the results are complete
+    scenario_kit.main()

@@ -1,4 +1,5 @@
-"""Optimiser-state checkpoint scenarios: ``python tests/ckptstate_scenarios.py SCENARIO WORKDIR``.
+"""Optimiser-state checkpoint scenarios: ``python tests/ckptstate_scenarios.py SCENARIO WORKDIR``
+(tests/scenario_kit.py).
 
 A tiny LLaVA (a real Transformers class, random weights): its default ``vision_feature_layer=-2`` leaves the vision
 tower's last layer without gradients, so AdamW has no state for it. Real Lightning jobs on CPU (gloo) on 2 or 1
@@ -24,7 +25,9 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from lightning_mm import MMFSDP2Strategy  # noqa: E402
+from tests import scenario_kit  # noqa: E402
 from tests.hf_scenarios import FamilyData, model_inputs, tiny_hf_model  # noqa: E402
+from tests.scenario_kit import scenario  # noqa: E402
 
 STEPS = 6  # two epochs of 3 batches per rank on 2 ranks (12 samples, batch 2)
 SAVE_AT = 3  # the epoch boundary: every strategy restarts the data of the next epoch identically
@@ -211,7 +214,8 @@ def dump(work: Path, name: str, rank: int, data: dict[str, Any]) -> None:
     (work / f"{name}.rank{rank}.json").write_text(json.dumps(data, indent=1))
 
 
-def scenario_two(work: Path) -> None:
+@scenario
+def two(work: Path) -> None:
     """2 ranks: DDP and mm_fsdp2 uninterrupted (saving at step 3); mm_fsdp2 resumed from each checkpoint."""
     out: dict[str, Any] = {}
     t, out["ddp"] = fit(work, "ddp", ddp(), STEPS, save_at_3={"ddp": work / "ddp.ckpt"})
@@ -250,7 +254,8 @@ def scenario_two(work: Path) -> None:
     dump(work, "two", t.global_rank, out)
 
 
-def scenario_pre(work: Path) -> None:
+@scenario
+def pre(work: Path) -> None:
     """1 rank, before the 2-rank launch: mm_fsdp2 checkpoints at step 3 in both formats, for 1 -> 2."""
     fit(
         work,
@@ -264,7 +269,8 @@ def scenario_pre(work: Path) -> None:
     )
 
 
-def scenario_one(work: Path) -> None:
+@scenario
+def one(work: Path) -> None:
     """1 rank: a single-device Lightning checkpoint resumes under mm_fsdp2; the 2-rank DDP and mm_fsdp2 checkpoints
     reshard onto one rank."""
     out: dict[str, Any] = {}
@@ -280,10 +286,4 @@ def scenario_one(work: Path) -> None:
 
 
 if __name__ == "__main__":
-    name, workdir = sys.argv[1], Path(sys.argv[2])
-    workdir.mkdir(parents=True, exist_ok=True)
-    torch.set_num_threads(1)
-    globals()[f"scenario_{name}"](workdir)
-    from tests.scenario_exit import exit_cleanly
-
-    exit_cleanly()
+    scenario_kit.main()

@@ -1,5 +1,6 @@
 """Gradient clipping over DTensors: torch's public ``get_total_norm`` / ``clip_grads_with_norm_`` against
-``lightning_mm.core.grad_clip``, on 2 real gloo ranks: ``python tests/clip_scenarios.py OUTDIR``.
+``lightning_mm.core.grad_clip``, on 2 real gloo ranks:
+``torchrun --nproc-per-node 2 tests/clip_scenarios.py clip OUTDIR`` (tests/scenario_kit.py, ``launcher="torchrun"``).
 
 Cases: FSDP (1-D mesh) gradients, the same plus plain (ignored-module) gradients, HSDP (2 x 1 and 1 x 2
 replicate x shard meshes), DTensors on two different meshes, and bf16 gradients. Each rank writes
@@ -11,7 +12,6 @@ from __future__ import annotations
 
 import json
 import math
-import os
 import sys
 from pathlib import Path
 from typing import Any
@@ -28,7 +28,8 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from lightning_mm.core.grad_clip import clip_grad_norm_, total_grad_norm  # noqa: E402
-from tests.scenario_exit import exit_cleanly  # noqa: E402
+from tests import scenario_kit  # noqa: E402
+from tests.scenario_kit import scenario  # noqa: E402
 
 
 def torch_total_grad_norm(params: list[nn.Parameter], norm_type: float) -> torch.Tensor:
@@ -121,29 +122,16 @@ def _case(case: str, rank: int, norm_type: float, max_norm: float) -> dict[str, 
     }
 
 
-def main(outdir: str) -> None:
-    dist.init_process_group("gloo")
+@scenario
+def clip(outdir: Path) -> None:
+    dist.init_process_group("gloo")  # RANK, WORLD_SIZE, MASTER_ADDR/MASTER_PORT from torchrun
     rank = dist.get_rank()
     results: dict[str, Any] = {}
     for case in ("fsdp", "mixed", "hsdp_2x1", "hsdp_1x2", "two_meshes", "bf16"):
         for norm_type in (2.0, 1.0, math.inf):
             results[f"{case}/{norm_type}"] = _case(case, rank, norm_type, max_norm=0.05)
     Path(outdir, f"clip.rank{rank}.json").write_text(json.dumps(results, indent=1))
-    exit_cleanly()
-
-
-def _spawned(rank: int, world: int, port: int, outdir: str) -> None:
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world))
-    torch.set_num_threads(1)
-    main(outdir)
 
 
 if __name__ == "__main__":
-    import socket
-
-    import torch.multiprocessing as mp
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        free = s.getsockname()[1]
-    mp.spawn(_spawned, args=(2, free, sys.argv[1]), nprocs=2)
+    scenario_kit.main()

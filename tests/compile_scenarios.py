@@ -1,4 +1,5 @@
-"""2-rank scenario for per-block torch.compile: ``python tests/compile_scenarios.py OUTDIR MODELDIR MOEDIR``.
+"""2-rank scenario for per-block torch.compile (tests/scenario_kit.py):
+``python tests/compile_scenarios.py compile_runs OUTDIR --arg model_dir=MODELDIR --arg moe_dir=MOEDIR``.
 
 A tiny Qwen3 (a Transformers ``save_pretrained`` directory, ``MODELDIR``, written by the test) trained through
 ``TransformersModel`` by ``MMFSDP2Strategy`` (Lightning's launcher re-runs this script for rank 1; gloo, real
@@ -14,7 +15,6 @@ saw to ``OUTDIR/compile.rank{R}.json``.
 
 from __future__ import annotations
 
-import json
 import os
 import sys
 from pathlib import Path
@@ -30,6 +30,8 @@ sys.path.insert(0, str(ROOT))
 from lightning_mm import MMFSDP2Strategy, MMLightningModule  # noqa: E402
 from lightning_mm._compat import compiled_graph_count  # noqa: E402
 from lightning_mm.modules import TransformersModel  # noqa: E402
+from tests import scenario_kit  # noqa: E402
+from tests.scenario_kit import scenario, write_result  # noqa: E402
 
 CONFIG = dict(
     vocab_size=96,
@@ -154,10 +156,9 @@ def reference(model_dir: str) -> list[float]:
     return losses
 
 
-if __name__ == "__main__":
-    out, model_dir, moe_dir = sys.argv[1], sys.argv[2], sys.argv[3]
-    os.makedirs(out, exist_ok=True)
-    torch.set_num_threads(1)
+@scenario
+def compile_runs(outdir: Path, model_dir: str, moe_dir: str) -> None:
+    """Every run of the module docstring, one after the other, in one launch."""
     mixed = {"param_dtype": "bf16", "reduce_dtype": "fp32", "ignored_modules": ["model.embed_tokens"]}
     results: dict[str, Any] = {
         "compiled": fit(model_dir),
@@ -174,8 +175,8 @@ if __name__ == "__main__":
         ),
         "moe_reference": reference(moe_dir),
     }
-    rank = int(os.environ.get("LOCAL_RANK", 0))
-    Path(out, f"compile.rank{rank}.json").write_text(json.dumps(results))
-    from tests.scenario_exit import exit_cleanly
+    write_result(outdir, "compile", results, int(os.environ.get("LOCAL_RANK", 0)))
 
-    exit_cleanly()
+
+if __name__ == "__main__":
+    scenario_kit.main()

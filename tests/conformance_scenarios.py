@@ -1,4 +1,4 @@
-"""Lightning-conformance scenarios: ``python tests/conformance_scenarios.py SCENARIO OUTDIR``.
+"""Lightning-conformance scenarios: ``python tests/conformance_scenarios.py SCENARIO OUTDIR`` (scenario_kit).
 
 Real 2-rank Lightning jobs on CPU (gloo, explicit CPU mesh); Lightning's launcher re-runs this script for rank 1.
 Each rank writes what it saw to ``OUTDIR/SCENARIO.rank{R}.json``; tests/test_conformance.py asserts on it.
@@ -31,6 +31,8 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from lightning_mm import MMFSDP2Strategy  # noqa: E402
+from tests import scenario_kit  # noqa: E402
+from tests.scenario_kit import scenario  # noqa: E402
 
 FSDP = {"sharding_size": "auto"}
 
@@ -108,7 +110,8 @@ class StoreSockets(L.Callback):
             self.addresses = _listening(int(os.environ["MASTER_PORT"]))
 
 
-def scenario_callbacks(outdir: str) -> None:
+@scenario(exit_cleanly=False)
+def callbacks(outdir: str) -> None:
     out: dict[str, Any] = {}
     # 1. StochasticWeightAveraging: refused at setup, before any batch.
     seen = Seen()
@@ -153,7 +156,8 @@ class Pids(L.Callback):
         Path(self.outdir, f"pid.rank{trainer.global_rank}").write_text(str(os.getpid()))
 
 
-def scenario_sigterm(outdir: str) -> None:
+@scenario(exit_cleanly=False)
+def sigterm(outdir: str) -> None:
     rank = os.environ.get("LOCAL_RANK", "0")  # set by Lightning's launcher for the rank it starts
     # A SIGTERM handler of the user's own, installed before the run: it must still be called.
     signal.signal(signal.SIGTERM, lambda *_: Path(outdir, f"user_handler.rank{rank}").write_text("called"))
@@ -171,4 +175,4 @@ def scenario_sigterm(outdir: str) -> None:
 
 
 if __name__ == "__main__":
-    globals()[f"scenario_{sys.argv[1]}"](sys.argv[2])
+    scenario_kit.main()

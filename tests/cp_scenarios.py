@@ -1,6 +1,6 @@
 """The strategy's side of the context-parallel tests (``tests/test_context_parallel.py``).
 
-    python tests/cp_scenarios.py GROUP OUTDIR CKPTDIR
+    python tests/cp_scenarios.py GROUP OUTDIR --arg ckptdir=CKPTDIR     (tests/scenario_kit.py)
 
 ``GROUP`` is ``two`` (the cases of :data:`TWO_RANK_CASES` on 2 ranks, then a checkpoint written with context
 parallelism resumed without it) or ``four`` (:data:`FOUR_RANK_CASES` on 4 ranks: 2 data parallel x 2 context
@@ -23,9 +23,11 @@ ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
+from tests import scenario_kit  # noqa: E402
 from tests.hf_scenarios import model_inputs  # noqa: E402
 from tests.parity import LR, RECOMPUTE, IndexedData  # noqa: E402
 from tests.parity_scenarios import _dump, _full, _gathered  # noqa: E402
+from tests.scenario_kit import scenario  # noqa: E402
 
 SAMPLES = 8
 GLOBAL_BATCH = 2
@@ -304,22 +306,21 @@ def _predict_refused(outdir: Path, ckptdir: Path) -> None:
     (outdir / f"predict-cp2.rank{os.environ.get('LOCAL_RANK', 0)}.json").write_text(json.dumps({"error": error}))
 
 
-def group_two(outdir: Path, ckptdir: Path) -> None:
+@scenario
+def two(outdir: Path, ckptdir: str) -> None:
+    ckptdir = Path(ckptdir)
     for case in [*TWO_RANK_CASES, *RESUME_CASES]:
         _run(case, outdir, ckptdir, 2)
     _predict_refused(outdir, ckptdir)
 
 
-def group_four(outdir: Path, ckptdir: Path) -> None:
+@scenario
+def four(outdir: Path, ckptdir: str) -> None:
+    ckptdir = Path(ckptdir)
     for case in FOUR_RANK_CASES:
         _run(case, outdir, ckptdir, 4)
     _error_case(BAD_CASE, outdir, ckptdir, 4)
 
 
 if __name__ == "__main__":
-    torch.set_num_threads(1)
-    name, out, ckpts = sys.argv[1], Path(sys.argv[2]), Path(sys.argv[3])
-    globals()[f"group_{name}"](out, ckpts)
-    from tests.scenario_exit import exit_cleanly
-
-    exit_cleanly()
+    scenario_kit.main()

@@ -1,6 +1,6 @@
 """The strategy's side of the derived-plan parity run (``tests/test_derived_plan.py``), on 2 ranks.
 
-    python tests/derive_scenarios.py train OUTDIR
+    python tests/derive_scenarios.py train OUTDIR     (tests/scenario_kit.py)
 
 Trains each case of ``CASES`` one after the other with the parity harness of ``tests/parity_scenarios.py``:
 ``TransformersModel`` from ``OUTDIR/ckpts/<architecture>`` (a ``save_pretrained`` directory the pytest side
@@ -22,8 +22,10 @@ ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
+from tests import scenario_kit  # noqa: E402
 from tests.derive_models import register_parity_families  # noqa: E402
 from tests.parity import Case  # noqa: E402
+from tests.scenario_kit import scenario  # noqa: E402
 
 _RECOMPUTE = ["model.vision_model.encoder.layers.{*}", "model.text_model.layers.{*}"]
 CASES = [
@@ -103,8 +105,11 @@ def sliced_load(name: str, fsdp2: dict, outdir: Path, ckptdir: Path) -> None:
     )
 
 
-def main(outdir: Path, ckptdir: Path) -> None:
+@scenario
+def train(outdir: Path) -> None:
     from tests import parity_scenarios as ps
+
+    ckptdir = outdir / "ckpts"
 
     register_parity_families()
     for case in CASES:
@@ -132,9 +137,4 @@ def main(outdir: Path, ckptdir: Path) -> None:
 
 
 if __name__ == "__main__":
-    torch.set_num_threads(1)
-    assert sys.argv[1] == "train", sys.argv[1]
-    main(Path(sys.argv[2]), Path(sys.argv[2]) / "ckpts")
-    from tests.scenario_exit import exit_cleanly
-
-    exit_cleanly()
+    scenario_kit.main()

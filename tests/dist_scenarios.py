@@ -1,4 +1,4 @@
-"""Multi-process scenarios for the tests: ``python tests/dist_scenarios.py SCENARIO OUTDIR``.
+"""Multi-process scenarios for the tests: ``python tests/dist_scenarios.py SCENARIO OUTDIR`` (tests/scenario_kit.py).
 
 Each scenario trains with ``Trainer(accelerator="cpu", devices=2)``; Lightning's launcher re-runs this script
 for rank 1, so collectives are real (gloo, explicit CPU mesh). Every rank writes what it observed to
@@ -7,9 +7,7 @@ for rank 1, so collectives are real (gloo, explicit CPU mesh). Every rank writes
 
 from __future__ import annotations
 
-import json
 import os
-import sys
 from pathlib import Path
 from typing import Any
 
@@ -20,12 +18,12 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT / "examples" / "custom_model"))
 
-from model import TinyVLM, TinyVLMConfig  # noqa: E402
-
+from examples.custom_model.model import TinyVLM, TinyVLMConfig  # noqa: E402
 from lightning_mm import MMDataModule, MMFSDP2Strategy, MMLightningModule  # noqa: E402
 from lightning_mm.modules import FSDP2Mixin, MultiModalModule, WeightInitMixin  # noqa: E402
+from tests import scenario_kit  # noqa: E402
+from tests.scenario_kit import scenario, write_result  # noqa: E402
 
 SEED_YAML = ROOT / "examples" / "custom_model" / "fsdp2_config.yaml"
 
@@ -119,7 +117,7 @@ def full(t: torch.Tensor) -> torch.Tensor:
 
 
 def dump(name: str, outdir: str, rank: int, data: dict[str, Any]) -> None:
-    Path(outdir, f"{name}.rank{rank}.json").write_text(json.dumps(data, indent=1))
+    write_result(outdir, name, data, rank)
 
 
 # --------------------------------------------------------------------------- seed YAML on TinyVLM
@@ -148,7 +146,8 @@ def _watch_reshard(layers: nn.ModuleList, log: list) -> None:
     layers[1].register_forward_pre_hook(hook)
 
 
-def scenario_seed_yaml(outdir: str) -> None:
+@scenario
+def seed_yaml(outdir: str) -> None:
     """The seed's fsdp2_config.yaml verbatim: shard shapes, dtypes, recompute, ignored sync, prefetch, buffers."""
     torch.manual_seed(0)
     module = SeedModule(lr=1e-2)
@@ -229,7 +228,8 @@ def _halves_differ(weight: torch.Tensor) -> bool:
     return not torch.equal(whole[:half], whole[half:])
 
 
-def scenario_hsdp_meta_init(outdir: str) -> None:
+@scenario
+def hsdp_meta_init(outdir: str) -> None:
     """HSDP replicas get identical initial weights even when the ranks' RNGs differ; ignored modules too."""
     torch.manual_seed(100 + int(os.environ.get("LOCAL_RANK", "0")))  # deliberately different per rank
     seen: dict[str, Any] = {}
@@ -282,7 +282,8 @@ class MLP(L.LightningModule):
         return torch.optim.SGD(self.parameters(), lr=self.lr, momentum=0.9)
 
 
-def scenario_parity(outdir: str) -> None:
+@scenario
+def parity(outdir: str) -> None:
     """Same model, seed and data under DDP and MMFSDP2 (FSDP, then HSDP); with clipping and accumulation."""
     results: dict[str, Any] = {}
     common = dict(gradient_clip_val=0.05, accumulate_grad_batches=2)
@@ -311,7 +312,8 @@ def scenario_parity(outdir: str) -> None:
 
 
 # ---------------------------------------------------------------- accumulation skips reduce-scatter
-def scenario_accumulation(outdir: str) -> None:
+@scenario
+def accumulation(outdir: str) -> None:
     observed: list[dict[str, Any]] = []
 
     class GradState(L.Callback):
@@ -358,7 +360,8 @@ class IdsData(torch.utils.data.Dataset):
         return torch.randint(0, 64, (8,), generator=torch.Generator().manual_seed(i))
 
 
-def scenario_tied(outdir: str) -> None:
+@scenario
+def tied(outdir: str) -> None:
     torch.manual_seed(0)
     module = TiedModule(lr=1e-2)
     recorder = LossRecorder()
@@ -411,7 +414,8 @@ class CustomModule(MMLightningModule):
         return CustomShardLM()
 
 
-def scenario_custom_fully_shard(outdir: str) -> None:
+@scenario
+def custom_fully_shard(outdir: str) -> None:
     module = CustomModule(lr=1e-2)
     t = trainer(MMFSDP2Strategy({"sharding_size": "auto"}), max_steps=2)
     t.fit(module, train_dataloaders=torch.utils.data.DataLoader(IdsData(), batch_size=8))
@@ -456,7 +460,8 @@ def _bytes(tensors: Any) -> int:
     return sum(local(t).numel() * local(t).element_size() for t in tensors)
 
 
-def scenario_memory_accounting(outdir: str) -> None:
+@scenario
+def memory_accounting(outdir: str) -> None:
     """Bytes of parameters, gradients and AdamW state each rank really holds, next to ``per_rank_memory``."""
     from lightning_mm import FSDP2Config
     from lightning_mm.core.memory import per_rank_memory
@@ -497,7 +502,8 @@ def scenario_memory_accounting(outdir: str) -> None:
 
 
 # ------------------------------------------------------------------------- precision and offload
-def scenario_bf16_offload(outdir: str) -> None:
+@scenario
+def bf16_offload(outdir: str) -> None:
     """precision='bf16-mixed' with no dtypes in the YAML, and CPU offload with the non-reentrant recompute."""
     calls: list = []
     reshard: list = []
@@ -569,25 +575,29 @@ class Marker(L.Callback):
         Path(self.outdir, "trained.marker").write_text("a training step ran")
 
 
-def scenario_uninitialised(outdir: str) -> None:
+@scenario
+def uninitialised(outdir: str) -> None:
     t = trainer(MMFSDP2Strategy({"sharding_size": "auto"}), max_steps=1, callbacks=[Marker(outdir)])
     data = torch.utils.data.DataLoader(torch.randn(8, 4), batch_size=2)
     t.fit(NoInitModule(), train_dataloaders=data)
 
 
-def scenario_bad_pattern(outdir: str) -> None:
+@scenario
+def bad_pattern(outdir: str) -> None:
     config = {"sharding_size": "auto", "sub_modules_to_wrap": ["text_decoder.decoder.layer.{*}"]}
     t = trainer(MMFSDP2Strategy(config), max_steps=1, callbacks=[Marker(outdir)])
     t.fit(SeedModule(), datamodule=MMDataModule(train_dataset=CaptionData(), batch_size=4))
 
 
-def scenario_bad_index(outdir: str) -> None:
+@scenario
+def bad_index(outdir: str) -> None:
     config = {"sharding_size": "auto", "recompute_modules": ["text_decoder.decoder.layers.{0-5}"]}
     t = trainer(MMFSDP2Strategy(config), max_steps=1, callbacks=[Marker(outdir)])
     t.fit(SeedModule(), datamodule=MMDataModule(train_dataset=CaptionData(), batch_size=4))
 
 
-def scenario_registered_name(outdir: str) -> None:
+@scenario
+def registered_name(outdir: str) -> None:
     """strategy='mm_fsdp2' takes its config from the LightningModule."""
     config = {"sharding_size": "auto", "sub_modules_to_wrap": ["text_decoder.decoder.layers.{*}"]}
     module = SeedModule(fsdp2_config=config)
@@ -610,7 +620,8 @@ def tuple_forward_step(data_iterator: Any, model: nn.Module) -> tuple[torch.Tens
     return model(batch), lambda out: (out, {"doubled": 2 * out.detach()})
 
 
-def scenario_ddp_module(outdir: str) -> None:
+@scenario
+def ddp_module(outdir: str) -> None:
     """The seed's functions passed as callables (Megatron tuple form) train under plain DDP too."""
     recorder = LossRecorder()
     module = MMLightningModule(model_provider=TiedLM, forward_step=tuple_forward_step, lr=1e-2)
@@ -637,7 +648,8 @@ class Fingerprints(L.Callback):
         self.seen.append((trainer.global_step, float(batch[0].sum()), float(outputs["loss"].detach())))
 
 
-def scenario_resume_data(outdir: str) -> None:
+@scenario
+def resume_data(outdir: str) -> None:
     """MMDataModule's train loader is stateful: a mid-epoch resume continues with the next unseen batch."""
     from lightning.pytorch.callbacks import ModelCheckpoint
 
@@ -663,10 +675,4 @@ def scenario_resume_data(outdir: str) -> None:
 
 
 if __name__ == "__main__":
-    name, out = sys.argv[1], sys.argv[2]
-    os.makedirs(out, exist_ok=True)
-    torch.set_num_threads(1)
-    globals()[f"scenario_{name}"](out)
-    from tests.scenario_exit import exit_cleanly
-
-    exit_cleanly()
+    scenario_kit.main()

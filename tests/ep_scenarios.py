@@ -1,6 +1,6 @@
 """The strategy's side of the expert-parallel tests: every case on 4 ranks, in one launch.
 
-    python tests/ep_scenarios.py GROUP OUTDIR CKPTDIR
+    python tests/ep_scenarios.py train OUTDIR --arg ckptdir=CKPTDIR     (tests/scenario_kit.py)
 
 Each case of :data:`EP_CASES` trains a tiny Qwen3-MoE or Qwen3-VL-MoE (``tests/moe_models.py``) through
 ``TransformersModel`` with ``Trainer(accelerator="cpu", devices=4)`` (real gloo collectives) and records, per rank
@@ -22,8 +22,10 @@ ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
+from tests import scenario_kit  # noqa: E402
 from tests.moe_models import MOE_MODULES, register_moe_families  # noqa: E402
 from tests.parity import Case  # noqa: E402
+from tests.scenario_kit import scenario  # noqa: E402
 
 DEVICES = 4
 STEPS = 4
@@ -87,7 +89,10 @@ EP_CP_CASES = _ep_cp_cases()
 ``tests/cp_scenarios.py``'s harness and checked like its cases (losses, first-step gradients)."""
 
 
-def group_train(outdir: Path, ckptdir: Path) -> None:
+@scenario
+def train(outdir: Path, ckptdir: str) -> None:
+    ckptdir = Path(ckptdir)
+    register_moe_families()
     from tests.parity_scenarios import _finish, _fit, _guarded
 
     only = os.environ.get("EP_ONLY")
@@ -262,10 +267,4 @@ def _aligned_unit(trainer: Any, module: Any) -> list[str] | None:
 
 
 if __name__ == "__main__":
-    torch.set_num_threads(1)
-    register_moe_families()
-    name, out, ckpts = sys.argv[1], Path(sys.argv[2]), Path(sys.argv[3])
-    globals()[f"group_{name}"](out, ckpts)
-    from tests.scenario_exit import exit_cleanly
-
-    exit_cleanly()
+    scenario_kit.main()

@@ -1,6 +1,6 @@
 """The strategy's side of the data-path parity run (``tests/test_families_data.py``), on 2 ranks.
 
-    python tests/families_scenarios.py train OUTDIR
+    python tests/families_scenarios.py train OUTDIR     (tests/scenario_kit.py)
 
 Trains each case of ``CASES`` with the parity harness of ``tests/parity_scenarios.py``: ``TransformersModel`` from
 ``OUTDIR/ckpts/<case family>`` (a tiny ``examples/tiny_families.py`` directory; no adapter: the derived default
@@ -22,7 +22,9 @@ ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
+from tests import scenario_kit  # noqa: E402
 from tests.parity import Case  # noqa: E402
+from tests.scenario_kit import scenario  # noqa: E402
 
 # case family -> (tiny family, MindSpeed template, padded width): data-path batches of four architectures.
 FAMILIES = {
@@ -134,7 +136,8 @@ def register(out: Path) -> None:
         parity.EXTRA[name] = (arch, partial(DataPathSamples, name, out))
 
 
-def main(outdir: Path) -> None:
+@scenario
+def train(outdir: Path) -> None:
     from tests import parity_scenarios as ps
 
     register(outdir)
@@ -155,9 +158,4 @@ def main(outdir: Path) -> None:
 
 
 if __name__ == "__main__":
-    torch.set_num_threads(1)
-    assert sys.argv[1] == "train", sys.argv[1]
-    main(Path(sys.argv[2]))
-    from tests.scenario_exit import exit_cleanly
-
-    exit_cleanly()
+    scenario_kit.main()

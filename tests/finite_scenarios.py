@@ -1,7 +1,8 @@
-"""Non-finite loss / gradient scenarios on 2 CPU ranks: ``python tests/finite_scenarios.py WORKDIR``.
+"""Non-finite loss / gradient scenarios on 2 CPU ranks: ``python tests/finite_scenarios.py three_runs WORKDIR``.
 
-tests/test_finite.py starts the two rank processes itself (``LOCAL_RANK`` 0 and 1, as an external launcher does),
-so that it sees each rank's exit status. In one process per rank, three runs in turn:
+tests/test_finite.py starts the two rank processes through ``tests/scenario_kit.py::run(..., launcher="per_rank")``
+(``LOCAL_RANK`` 0 and 1, as an external launcher does), so that it sees each rank's exit status. In one process per
+rank, three runs in turn:
 
 1. ``opt_out``: ``MMFSDP2Strategy(stop_on_nonfinite=False)``, rank 1's loss NaN at step 3: trains on to the end.
 2. ``inf_grad``: default; a backward hook makes rank 0's gradients infinite at step 2 (its loss stays finite).
@@ -30,6 +31,8 @@ sys.path.insert(0, str(ROOT))
 
 from lightning_mm import MMFSDP2Strategy  # noqa: E402
 from lightning_mm.core.finite import NonFiniteError  # noqa: E402
+from tests import scenario_kit  # noqa: E402
+from tests.scenario_kit import scenario  # noqa: E402
 
 STEPS = 5
 
@@ -157,7 +160,8 @@ def _fit(work: Path, run: str, module: Net, **strategy: Any) -> dict[str, Any]:
     return result
 
 
-def main(work: Path) -> None:
+@scenario(exit_cleanly=False)
+def three_runs(work: Path) -> None:
     torch.set_num_threads(1)
     _fit(work, "opt_out", Net(nan_at=(3, 1)), stop_on_nonfinite=False)
     try:
@@ -168,6 +172,4 @@ def main(work: Path) -> None:
 
 
 if __name__ == "__main__":
-    directory = Path(sys.argv[1])
-    directory.mkdir(parents=True, exist_ok=True)
-    main(directory)
+    scenario_kit.main()

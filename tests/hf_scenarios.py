@@ -1,6 +1,6 @@
 """Tiny Hugging Face models for the Transformers-integration tests, and their 2-rank scenarios.
 
-    python tests/hf_scenarios.py SCENARIO OUTDIR CKPTDIR
+    python tests/hf_scenarios.py SCENARIO OUTDIR --arg ckptdir=CKPTDIR     (tests/scenario_kit.py)
 
 ``CKPTDIR`` holds the tiny checkpoints that :func:`save_tiny_checkpoints` wrote (the pytest side writes them
 before launching, so the two ranks never race to write files). Each scenario trains with
@@ -21,6 +21,9 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
+
+from tests import scenario_kit  # noqa: E402
+from tests.scenario_kit import scenario  # noqa: E402
 
 VOCAB = 128
 SEQ = 16
@@ -263,7 +266,8 @@ def _fit_family(
     return obs, trainer.global_rank
 
 
-def scenario_families(outdir: str, ckptdir: str) -> None:
+@scenario
+def families(outdir: Path, ckptdir: str) -> None:
     """Every built-in family: sharded load, first-batch loss parity, training; tied LM; frozen vision tower."""
     results: dict[str, Any] = {}
     rank = 0
@@ -273,7 +277,8 @@ def scenario_families(outdir: str, ckptdir: str) -> None:
     _dump("families", outdir, rank, results)
 
 
-def scenario_random_init(outdir: str, ckptdir: str) -> None:
+@scenario
+def random_init(outdir: Path, ckptdir: str) -> None:
     """No checkpoint: a Llama built from ``hf_config`` alone on the meta device, initialised after sharding."""
     import lightning as L
     from torch.distributed.tensor import DTensor
@@ -328,7 +333,8 @@ def scenario_random_init(outdir: str, ckptdir: str) -> None:
     _dump("random_init", outdir, trainer.global_rank, obs)
 
 
-def scenario_hsdp_freeze(outdir: str, ckptdir: str) -> None:
+@scenario
+def hsdp_freeze(outdir: Path, ckptdir: str) -> None:
     """HSDP (``sharding_size: 1``: every rank holds whole tensors) from a multi-file checkpoint, with a frozen
     decoder layer (a whole unit) and a frozen attention block (part of a unit)."""
     freeze = {"freeze": ["model.layers.{0}", "model.layers.1.self_attn"]}
@@ -336,17 +342,13 @@ def scenario_hsdp_freeze(outdir: str, ckptdir: str) -> None:
     _dump("hsdp_freeze", outdir, rank, obs)
 
 
-def scenario_all(outdir: str, ckptdir: str) -> None:
+@scenario
+def all_scenarios(outdir: Path, ckptdir: str) -> None:
     """Every scenario above in one launch (each launch costs seconds of process start-up)."""
-    scenario_families(outdir, ckptdir)
-    scenario_random_init(outdir, ckptdir)
-    scenario_hsdp_freeze(outdir, ckptdir)
+    families(outdir, ckptdir)
+    random_init(outdir, ckptdir)
+    hsdp_freeze(outdir, ckptdir)
 
 
 if __name__ == "__main__":
-    torch.set_num_threads(1)
-    name, out, ckpts = sys.argv[1], sys.argv[2], sys.argv[3]
-    globals()[f"scenario_{name}"](out, ckpts)
-    from tests.scenario_exit import exit_cleanly
-
-    exit_cleanly()
+    scenario_kit.main()

@@ -1,4 +1,4 @@
-"""2-rank fits fed by a MindSpeed MM data config: ``python tests/hfdata_scenarios.py SCENARIO OUTDIR``.
+"""2-rank fits fed by a MindSpeed MM data config: ``python tests/hfdata_scenarios.py SCENARIO OUTDIR`` (scenario_kit).
 
 ``OUTDIR/data.json`` (written by the test) names a tiny Qwen2.5-VL directory and its records with absolute paths.
 ``Trainer(accelerator="cpu", devices=2)`` with ``MMFSDP2Strategy``; Lightning's launcher re-runs this script for
@@ -8,7 +8,6 @@ rank 1, and every rank writes what it saw to ``OUTDIR/SCENARIO.rank{R}.json``.
 from __future__ import annotations
 
 import json
-import os
 import sys
 from pathlib import Path
 from typing import Any
@@ -20,6 +19,8 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from lightning_mm import MMDataModule, MMFSDP2Strategy  # noqa: E402
+from tests import scenario_kit  # noqa: E402
+from tests.scenario_kit import scenario  # noqa: E402
 
 
 class _Recorder(L.LightningModule):
@@ -40,7 +41,8 @@ class _Recorder(L.LightningModule):
         return torch.optim.SGD(self.parameters(), lr=0.0)
 
 
-def scenario_order(outdir: str) -> None:
+@scenario
+def order(outdir: str) -> None:
     """One epoch, batch 1: each rank's sample order, its loader's sampler, and the unshuffled order expected."""
     data = MMDataModule(data_config=Path(outdir) / "data.json", batch_size=1)
     module = _Recorder()
@@ -70,7 +72,8 @@ def scenario_order(outdir: str) -> None:
         json.dump(result, handle)
 
 
-def scenario_parity(outdir: str) -> None:
+@scenario
+def parity(outdir: str) -> None:
     """``TransformersModel`` (the tiny VLM at ``OUTDIR/model``: Qwen2.5-VL or Qwen3-VL) under MMFSDP2Strategy,
     fp32, batch 2 per rank, fed by ``OUTDIR/data.json``: each rank's loss per step and its batches' ``input_ids``."""
     from lightning_mm import MMLightningModule
@@ -111,10 +114,4 @@ def scenario_parity(outdir: str) -> None:
 
 
 if __name__ == "__main__":
-    name, out = sys.argv[1], sys.argv[2]
-    os.makedirs(out, exist_ok=True)
-    torch.set_num_threads(1)
-    globals()[f"scenario_{name}"](out)
-    from tests.scenario_exit import exit_cleanly
-
-    exit_cleanly()
+    scenario_kit.main()

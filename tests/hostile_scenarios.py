@@ -24,9 +24,12 @@ sys.path.insert(0, str(ROOT))
 
 from examples.captioning.module import CaptioningModule  # noqa: E402
 from lightning_mm import MMDataModule, MMFSDP2Strategy  # noqa: E402
+from tests import scenario_kit  # noqa: E402
+from tests.scenario_kit import scenario  # noqa: E402
 
 
-def scenario_corrupt_image(outdir: str) -> None:
+@scenario
+def corrupt_image(outdir: str) -> None:
     """``OUTDIR/data/data.yaml`` (written by the test: 8 records, one corrupt), 2 ranks, batch 2, 2 epochs."""
     data = MMDataModule.from_config(Path(outdir) / "data" / "data.yaml")
     module = CaptioningModule(vocab_size=12, hidden_size=16, num_layers=1)
@@ -110,26 +113,23 @@ def _fit_hanging(outdir: str, rank: int, where: str, how: str) -> None:
     trainer.fit(_Net(), train_dataloaders=torch.utils.data.DataLoader(torch.randn(4096, 8), batch_size=2))
 
 
-def scenario_hang_collective(outdir: str) -> None:
+@scenario
+def hang_collective(outdir: str) -> None:
     """Rank 1 waits at its third batch in a collective rank 0 never joins; rank 0 blocks in its next one."""
     _fit_hanging(outdir, rank=1, where="step", how="collective")
 
 
-def scenario_hang_c_call(outdir: str) -> None:
+@scenario
+def hang_c_call(outdir: str) -> None:
     """Rank 1 blocks at its third batch in a C++ wait that never ends; rank 0 blocks in its next collective."""
     _fit_hanging(outdir, rank=1, where="step", how="c_call")
 
 
-def scenario_hang_setup(outdir: str) -> None:
+@scenario
+def hang_setup(outdir: str) -> None:
     """Rank 0 blocks in a C++ wait during setup (``Callback.setup``, after the process group started)."""
     _fit_hanging(outdir, rank=0, where="setup", how="c_call")
 
 
 if __name__ == "__main__":
-    name, out = sys.argv[1], sys.argv[2]
-    os.makedirs(out, exist_ok=True)
-    torch.set_num_threads(1)
-    globals()[f"scenario_{name}"](out)
-    from tests.scenario_exit import exit_cleanly
-
-    exit_cleanly()
+    scenario_kit.main()

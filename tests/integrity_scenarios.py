@@ -1,4 +1,5 @@
-"""Checkpoint integrity on 2 ranks: ``python tests/integrity_scenarios.py WORKDIR [FULL_DISK_DIR]``.
+"""Checkpoint integrity on 2 ranks (``tests/scenario_kit.py``, ``launcher="torchrun"``):
+``torchrun --nproc-per-node 2 tests/integrity_scenarios.py save WORKDIR [--arg full_disk=FULL_DISK_DIR]``.
 
 Two processes (gloo, explicit CPU mesh) shard a small model with FSDP2 and save it through
 ``lightning_mm.checkpoint.store.save``, each rank writing and hashing its own shard files:
@@ -19,14 +20,14 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 from torch import nn
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from lightning_mm.checkpoint import store  # noqa: E402
-from tests.scenario_exit import exit_cleanly  # noqa: E402
+from tests import scenario_kit  # noqa: E402
+from tests.scenario_kit import scenario  # noqa: E402
 
 EXTRA = {"format_version": 1, "kind": "training", "world_size": 2, "rng_point": "next_batch", "hf": []}
 
@@ -57,7 +58,9 @@ def lightning_dict(model: nn.Module, optimizer: torch.optim.Optimizer | None) ->
     return ckpt
 
 
-def worker(rank: int, work: Path, full_disk: str | None) -> None:
+@scenario
+def save(work: Path, full_disk: str | None = None) -> None:
+    rank = int(os.environ["RANK"])
     dist.init_process_group("gloo", init_method=f"file://{work / 'rendezvous'}", rank=rank, world_size=2)
     for name, seed in (("a", 1), ("b", 2)):
         model, optimizer = build(seed)
@@ -78,10 +81,7 @@ def worker(rank: int, work: Path, full_disk: str | None) -> None:
         dist.barrier()
         record["listing"] = sorted(p.name for p in directory.iterdir())
         (work / f"full_disk.rank{rank}.json").write_text(json.dumps(record))
-    exit_cleanly()
 
 
 if __name__ == "__main__":
-    os.environ.setdefault("OMP_NUM_THREADS", "1")
-    workdir = Path(sys.argv[1])
-    mp.spawn(worker, args=(workdir, sys.argv[2] if len(sys.argv) > 2 else None), nprocs=2, join=True)
+    scenario_kit.main()

@@ -1,6 +1,6 @@
 """LoRA fine-tuning on 2 CPU ranks (gloo) against a one-process PEFT reference.
 
-    python tests/lora_scenarios.py all OUTDIR CKPTDIR
+    python tests/lora_scenarios.py all_runs OUTDIR --arg ckptdir=CKPTDIR     (tests/scenario_kit.py)
 
 ``CKPTDIR`` holds tiny Qwen3 and Qwen2.5-VL checkpoints written by the pytest side
 (:func:`tests.hf_scenarios.save_tiny_checkpoints`). Each run trains with ``Trainer(accelerator="cpu", devices=2)``
@@ -22,7 +22,9 @@ ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
+from tests import scenario_kit  # noqa: E402
 from tests.hf_scenarios import FAMILIES, FamilyData, model_inputs  # noqa: E402
+from tests.scenario_kit import scenario  # noqa: E402
 
 LR = 5e-2
 STEPS = 4
@@ -419,7 +421,8 @@ def _mixed(ckptdir: str, outdir: str) -> None:
     )
 
 
-def scenario_all(outdir: str, ckptdir: str) -> None:
+@scenario
+def all_runs(outdir: Path, ckptdir: str) -> None:
     """Qwen3 (recomputation, checkpoints, resume, convert), Qwen2.5-VL (frozen vision tower), a custom model and
     Qwen3 under bf16-mixed, in one launch."""
     _family("qwen3", ckptdir, outdir, resume=True)
@@ -429,9 +432,4 @@ def scenario_all(outdir: str, ckptdir: str) -> None:
 
 
 if __name__ == "__main__":
-    torch.set_num_threads(1)
-    name, out, ckpts = sys.argv[1], sys.argv[2], sys.argv[3]
-    globals()[f"scenario_{name}"](out, ckpts)
-    from tests.scenario_exit import exit_cleanly
-
-    exit_cleanly()
+    scenario_kit.main()

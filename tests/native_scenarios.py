@@ -1,4 +1,5 @@
-"""2-rank fits of migrated native-route configs: ``python tests/native_scenarios.py CONFIG OUTDIR``.
+"""2-rank fits of migrated native-route configs (tests/scenario_kit.py):
+``python tests/native_scenarios.py fit_config OUTDIR --arg config=CONFIG``.
 
 ``CONFIG`` is the LightningCLI config ``lightning-mm migrate`` wrote for a MindSpeed MM native-route YAML (with the
 tiny stand-ins' paths); it is run as ``lightning-mm fit --config CONFIG`` does. The :class:`Recorder` callback the
@@ -9,7 +10,6 @@ config names writes, per rank, each step's loss to ``OUTDIR/native.rank{R}.json`
 from __future__ import annotations
 
 import json
-import os
 import sys
 from pathlib import Path
 from typing import Any
@@ -20,6 +20,9 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
+
+from tests import scenario_kit  # noqa: E402
+from tests.scenario_kit import scenario  # noqa: E402
 
 
 class Recorder(L.Callback):
@@ -50,13 +53,13 @@ class Recorder(L.Callback):
         torch.save(self.batches, Path(self.outdir, f"native.rank{rank}.pt"))
 
 
-if __name__ == "__main__":
-    config, out = sys.argv[1], sys.argv[2]
-    os.makedirs(out, exist_ok=True)
-    torch.set_num_threads(1)
+@scenario
+def fit_config(outdir: Path, config: str) -> None:
+    """``lightning-mm fit --config CONFIG`` (the config's :class:`Recorder` writes to ``OUTDIR``)."""
     from lightning_mm.commands.train import run_lightning_cli
 
     run_lightning_cli(["fit", "--config", config])
-    from tests.scenario_exit import exit_cleanly
 
-    exit_cleanly()
+
+if __name__ == "__main__":
+    scenario_kit.main()

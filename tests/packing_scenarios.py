@@ -1,4 +1,4 @@
-"""Token-budget batches on 2 and 4 ranks: ``python tests/packing_scenarios.py SCENARIO OUTDIR``.
+"""Token-budget batches on 2 and 4 ranks: ``python tests/packing_scenarios.py SCENARIO OUTDIR`` (scenario_kit).
 
 A custom causal LM (:class:`TinyRopeLM`, sdpa with the packed block-diagonal mask) trains with ``MMFSDP2Strategy``
 on packed token-budget batches of samples with long-tailed lengths (``MMDataModule(packing=True,
@@ -13,7 +13,6 @@ packed row under 2-rank context parallelism.
 from __future__ import annotations
 
 import json
-import os
 import sys
 from pathlib import Path
 from typing import Any
@@ -28,6 +27,8 @@ sys.path.insert(0, str(ROOT))
 
 from lightning_mm import MMDataModule, MMFSDP2Strategy  # noqa: E402
 from lightning_mm.core.packing import IGNORE_INDEX, block_causal_mask, segment_ids  # noqa: E402
+from tests import scenario_kit  # noqa: E402
+from tests.scenario_kit import scenario  # noqa: E402
 
 VOCAB = 128
 SAMPLES = 39  # 11 batches an epoch: not a multiple of 2 or 4 ranks (the last step repeats the first batches)
@@ -208,24 +209,22 @@ def context_parallel_step(outdir: str, model_dir: str) -> None:
         torch.save(result, Path(outdir, "cp.pt"))
 
 
-def scenario_two(outdir: str, ckptdir: str) -> None:
+@scenario
+def two(outdir: Path) -> None:
+    ckptdir = str(Path(outdir, "ckpt"))
     rank, full = fit(2, outdir, save_dir=ckptdir)
     _, resumed = fit(2, outdir, ckpt_path=f"{ckptdir}/epoch=0-step={RESUME_STEP}.ckpt")
     context_parallel_step(outdir, str(Path(outdir, "qwen3")))
     dump("two", outdir, rank, {"full": full, "resumed": resumed})
 
 
-def scenario_four(outdir: str, ckptdir: str) -> None:
+@scenario
+def four(outdir: Path) -> None:
+    ckptdir = str(Path(outdir, "ckpt"))  # the checkpoints of ``two``
     # Saved on 2 ranks: the rest of epoch 0, then a whole epoch, on 4.
     rank, resumed = fit(4, outdir, ckpt_path=f"{ckptdir}/epoch=0-step={RESUME_STEP}.ckpt")
     dump("four", outdir, rank, {"resumed": resumed})
 
 
 if __name__ == "__main__":
-    name, out = sys.argv[1], sys.argv[2]
-    os.makedirs(out, exist_ok=True)
-    torch.set_num_threads(1)
-    globals()[f"scenario_{name}"](out, str(Path(out, "ckpt")))
-    from tests.scenario_exit import exit_cleanly
-
-    exit_cleanly()
+    scenario_kit.main()

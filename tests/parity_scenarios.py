@@ -1,6 +1,6 @@
 """The strategy's side of the parity suite (see ``tests/parity.py``).
 
-    python tests/parity_scenarios.py GROUP OUTDIR CKPTDIR
+    python tests/parity_scenarios.py GROUP OUTDIR --arg ckptdir=CKPTDIR     (tests/scenario_kit.py)
 
 ``GROUP`` is ``train`` (every case of ``TRAIN_CASES``, one after the other, on 2 ranks), ``resume`` (each case
 of ``RESUME_CASES``: train, save a checkpoint, resume from it in a new Trainer, on 2 ranks) or ``resume_one``
@@ -25,6 +25,7 @@ ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
+from tests import scenario_kit  # noqa: E402
 from tests.hf_scenarios import model_inputs  # noqa: E402
 from tests.parity import (  # noqa: E402
     CASES,
@@ -37,6 +38,7 @@ from tests.parity import (  # noqa: E402
     IndexedData,
     TorchLayersLM,
 )
+from tests.scenario_kit import scenario  # noqa: E402
 
 
 def _full(t: torch.Tensor) -> torch.Tensor:
@@ -134,7 +136,9 @@ def _guarded(case: Case, outdir: Path, run: Any) -> None:
         _dump(case, outdir, rank, {"parts": [], "error": traceback.format_exc()[-4000:]})
 
 
-def group_train(outdir: Path, ckptdir: Path) -> None:
+@scenario
+def train(outdir: Path, ckptdir: str) -> None:
+    ckptdir = Path(ckptdir)
     for case in TRAIN_CASES:
 
         def run(case: Case = case) -> None:
@@ -144,7 +148,9 @@ def group_train(outdir: Path, ckptdir: Path) -> None:
         _guarded(case, outdir, run)
 
 
-def group_resume(outdir: Path, ckptdir: Path) -> None:
+@scenario
+def resume(outdir: Path, ckptdir: str) -> None:
+    ckptdir = Path(ckptdir)
     for case in RESUME_CASES:
 
         def run(case: Case = case) -> None:
@@ -159,8 +165,10 @@ def group_resume(outdir: Path, ckptdir: Path) -> None:
         _guarded(case, outdir, run)
 
 
-def group_resume_one(outdir: Path, ckptdir: Path) -> None:
+@scenario
+def resume_one(outdir: Path, ckptdir: str) -> None:
     """The 2-rank ``qwen3-resume`` checkpoint (step 3) resumed by one process (the global batch unchanged)."""
+    ckptdir = Path(ckptdir)
     case = CASES["qwen3-resume"]
     one = Case(f"{case.name}-one-rank", case.family, case.fsdp2, case.freeze, case.steps, resume_at=case.resume_at)
 
@@ -174,9 +182,4 @@ def group_resume_one(outdir: Path, ckptdir: Path) -> None:
 
 
 if __name__ == "__main__":
-    torch.set_num_threads(1)
-    name, out, ckpts = sys.argv[1], Path(sys.argv[2]), Path(sys.argv[3])
-    globals()[f"group_{name}"](out, ckpts)
-    from tests.scenario_exit import exit_cleanly
-
-    exit_cleanly()
+    scenario_kit.main()

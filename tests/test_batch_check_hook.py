@@ -5,12 +5,8 @@ model: the seed's ``forward_step=``, an overriding ``forward_step``, a plain Lig
 
 from __future__ import annotations
 
-import json
 import math
-import os
 import re
-import subprocess
-import sys
 from pathlib import Path
 from typing import Any
 
@@ -22,8 +18,10 @@ from lightning_mm import MMLightningModule
 from lightning_mm.hf import batch_check
 from lightning_mm.hf.batch_check import BatchCheckError, has_batch_check, install_batch_check
 from lightning_mm.modules import TransformersModel
+from tests import batch_check_scenarios
 from tests.batch_check_scenarios import BROKEN, VISION, LlavaData, llava, seed_forward_step
 from tests.hf_scenarios import IMAGE_TOKEN, FamilyData, model_inputs, tiny_hf_model
+from tests.scenario_kit import read_results, run
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -195,18 +193,8 @@ def test_install_is_idempotent_and_its_handle_takes_the_check_off():
 
 # ------------------------------------------------------------------------------ 2 ranks, MMFSDP2Strategy
 def test_two_ranks_under_fsdp2_train_and_stop_before_step_one(tmp_path):
-    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
-    env.pop("LOCAL_RANK", None)
-    proc = subprocess.run(
-        [sys.executable, str(ROOT / "tests" / "batch_check_scenarios.py"), str(tmp_path)],
-        cwd=ROOT,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=600,
-    )
-    assert proc.returncode == 0, f"{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}"
-    ranks = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(2)]
+    run(batch_check_scenarios.fits, tmp_path, timeout=600)
+    ranks = read_results(tmp_path, "fits")
     for rank in ranks:
         seen = rank["images_key"]
         assert seen["error"] == "BatchCheckError" and seen["global_step"] == 0, seen

@@ -9,9 +9,6 @@ training from converted files).
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -19,22 +16,8 @@ import torch
 
 from lightning_mm.checkpoint import open_source
 from lightning_mm.commands import convert as convert_cmd
-
-ROOT = Path(__file__).resolve().parents[1]
-SCRIPT = ROOT / "tests" / "ckpt_scenarios.py"
-
-
-def _launch(name: str, work: Path, expect_ok: bool = True) -> subprocess.CompletedProcess:
-    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
-    env.pop("LOCAL_RANK", None)
-    proc = subprocess.run(
-        [sys.executable, str(SCRIPT), name, str(work)], cwd=ROOT, env=env, capture_output=True, text=True, timeout=600
-    )
-    if expect_ok and proc.returncode != 0:
-        raise AssertionError(
-            f"scenario {name} failed ({proc.returncode}):\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}"
-        )
-    return proc
+from tests import ckpt_scenarios
+from tests.scenario_kit import run
 
 
 def _json(work: Path, name: str, rank: int = 0) -> dict:
@@ -46,8 +29,8 @@ def work(tmp_path_factory: pytest.TempPathFactory) -> Path:
     from transformers import LlamaForCausalLM
 
     work = tmp_path_factory.mktemp("ckpt")
-    _launch("one_rank", work)
-    crash = _launch("crash", work, expect_ok=False)
+    run(ckpt_scenarios.one_rank, work, timeout=600)
+    crash = run(ckpt_scenarios.crash, work, expect_ok=False, timeout=600)
     assert crash.returncode != 0, "the crash scenario should have been killed"
     # What the crash left, before anything else touches the directory.
     (work / "crash_state.json").write_text(
@@ -63,7 +46,7 @@ def work(tmp_path_factory: pytest.TempPathFactory) -> Path:
             }
         )
     )
-    _launch("main", work)
+    run(ckpt_scenarios.main, work, timeout=600)
 
     # Conversions, in this (single) process, through the CLI entry point.
     assert convert_cmd.main(["dcp-to-torch", str(work / "all" / "step=6.ckpt"), str(work / "step6.pt")]) == 0
@@ -77,7 +60,7 @@ def work(tmp_path_factory: pytest.TempPathFactory) -> Path:
     torch.save(hf_model.state_dict(), work / "hf_saved_ref.pt")
     assert convert_cmd.main(["hf-to-dcp", str(work / "hf_saved"), str(work / "hf_saved.ckpt")]) == 0
 
-    _launch("one_rank_after", work)
+    run(ckpt_scenarios.one_rank_after, work, timeout=600)
     return work
 
 

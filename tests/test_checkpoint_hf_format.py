@@ -18,15 +18,14 @@ from safetensors import safe_open
 
 from lightning_mm import MMFSDP2Strategy
 from lightning_mm.checkpoint import CheckpointIntegrityError, open_source
-from tests.conftest import ROOT, run_scenario
-
-SCRIPT = ROOT / "tests" / "ckpt_remote_scenarios.py"
+from tests import ckpt_remote_scenarios
+from tests.scenario_kit import run
 
 
 @pytest.fixture(scope="module")
 def work(tmp_path_factory: pytest.TempPathFactory) -> Path:
     work = tmp_path_factory.mktemp("hf_format")
-    run_scenario("hf", work, script=SCRIPT)
+    run(ckpt_remote_scenarios.hf, work)
     return work
 
 

@@ -29,9 +29,10 @@ from lightning_mm.checkpoint import atomic, manifest, store
 from lightning_mm.checkpoint.errors import CheckpointError, CheckpointIntegrityError, CheckpointWriteError
 from lightning_mm.commands import convert as convert_cmd
 from lightning_mm.hf import convert
+from tests import integrity_scenarios
+from tests.scenario_kit import run
 
 ROOT = Path(__file__).resolve().parents[1]
-SCRIPT = ROOT / "tests" / "integrity_scenarios.py"
 EXTRA = {"format_version": 1, "kind": "training", "world_size": 1, "rng_point": "next_batch", "hf": []}
 
 
@@ -58,10 +59,8 @@ def _tmpfs(path: Path, size: str) -> Iterator[bool]:
 def runs(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Path, bool]]:
     work = tmp_path_factory.mktemp("integrity")
     with _tmpfs(work / "full_disk", "1m") as mounted:
-        env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
-        command = [sys.executable, str(SCRIPT), str(work), *([str(work / "full_disk")] if mounted else [])]
-        proc = subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
-        assert proc.returncode == 0, f"{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}"
+        args = {"full_disk": work / "full_disk"} if mounted else {}
+        run(integrity_scenarios.save, work, args=args, launcher="torchrun")
         yield work, mounted
 
 

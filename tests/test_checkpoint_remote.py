@@ -18,9 +18,9 @@ from torch import nn
 
 from lightning_mm.checkpoint import CheckpointIntegrityError, remote, store
 from lightning_mm.checkpoint.errors import CheckpointNotFoundError
-from tests.conftest import ROOT, run_scenario
+from tests import ckpt_remote_scenarios
+from tests.scenario_kit import run
 
-SCRIPT = ROOT / "tests" / "ckpt_remote_scenarios.py"
 SECRET = "sEcReT-lightning-mm-remote-7f3a9c"  # must never reach an object or a log
 BUCKET = "ckpts"
 
@@ -54,7 +54,7 @@ def s3() -> dict:
 def work(s3, tmp_path_factory: pytest.TempPathFactory) -> dict:
     work = tmp_path_factory.mktemp("remote")
     (work / "s3.json").write_text(json.dumps({k: s3[k] for k in ("endpoint", "storage_options", "bucket")}))
-    crash = run_scenario("crash", work, expect_ok=False, script=SCRIPT)
+    crash = run(ckpt_remote_scenarios.crash, work, expect_ok=False)
     assert crash.returncode != 0, "the crash scenario should have been killed"
     fs = s3["fs"]
     fs.invalidate_cache()
@@ -67,7 +67,7 @@ def work(s3, tmp_path_factory: pytest.TempPathFactory) -> dict:
         with pytest.raises(CheckpointIntegrityError) as caught:
             remote.open_source(staged_url, s3["storage_options"])
         staged_error = str(caught.value)
-    main = run_scenario("main", work, script=SCRIPT)
+    main = run(ckpt_remote_scenarios.main, work)
     fs.invalidate_cache()
     return {
         "dir": work,

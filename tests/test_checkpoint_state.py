@@ -12,8 +12,6 @@ import json
 import math
 import os
 import stat
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -25,32 +23,20 @@ from lightning_mm import MMFSDP2Strategy
 from lightning_mm.checkpoint import CheckpointKeyError, open_source, store
 from lightning_mm.hf.convert import dcp_to_hf
 from lightning_mm.hf.records import hf_records
+from tests import ckptstate_scenarios
 from tests.hf_scenarios import FamilyData, model_inputs, tiny_hf_model
+from tests.scenario_kit import run
 from tests.test_checkpoint import EXTRA, Net, _trained
 
-ROOT = Path(__file__).resolve().parents[1]
-SCRIPT = ROOT / "tests" / "ckptstate_scenarios.py"
 RESUMED = slice(3, 6)  # the steps after the checkpoint at step 3
-
-
-def _launch(name: str, work: Path) -> None:
-    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
-    env.pop("LOCAL_RANK", None)
-    proc = subprocess.run(
-        [sys.executable, str(SCRIPT), name, str(work)], cwd=ROOT, env=env, capture_output=True, text=True, timeout=900
-    )
-    if proc.returncode != 0:
-        raise AssertionError(
-            f"scenario {name} failed ({proc.returncode}):\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}"
-        )
 
 
 @pytest.fixture(scope="module")
 def work(tmp_path_factory: pytest.TempPathFactory) -> Path:
     work = tmp_path_factory.mktemp("ckptstate")
-    _launch("pre", work)  # 1 rank: the checkpoints resumed on 2 ranks (1 -> 2)
-    _launch("two", work)
-    _launch("one", work)
+    run(ckptstate_scenarios.pre, work, timeout=900)  # 1 rank: the checkpoints resumed on 2 ranks (1 -> 2)
+    run(ckptstate_scenarios.two, work, timeout=900)
+    run(ckptstate_scenarios.one, work, timeout=900)
     return work
 
 

@@ -22,7 +22,7 @@ import pytest
 import torch
 
 from lightning_mm.core.chunked_loss import ChunkedLossError, linear_cross_entropy
-from tests.conftest import ROOT, run_scenario
+from tests import chunkloss_scenarios
 from tests.hf_scenarios import FAMILIES, save_tiny_checkpoints
 from tests.parity import (
     batch_of,
@@ -33,6 +33,7 @@ from tests.parity import (
     relative_errors,
     weight_errors,
 )
+from tests.scenario_kit import run
 
 TIGHT = 1e-6
 FP32_LOSS, FP32_WEIGHTS, NOISE_SHARE = 1e-5, 3e-4, 1e-2  # tests/test_parity.py's fp32 tolerances
@@ -233,7 +234,7 @@ def test_no_tokens_by_vocab_tensor_in_forward_or_backward():
 @pytest.fixture(scope="module")
 def trained(ckpts) -> Path:
     out = ckpts.parent
-    run_scenario("all", out, timeout=600, script=ROOT / "tests" / "chunkloss_scenarios.py")
+    run(chunkloss_scenarios.all_cases, out, timeout=600)
     return out
 
 

@@ -22,24 +22,24 @@ from torch import nn
 from lightning_mm import MMFSDP2Strategy
 from lightning_mm.checkpoint import digest, manifest, store, zip_manifest
 from lightning_mm.checkpoint.errors import CheckpointIntegrityError
-from tests.conftest import ROOT, read_ranks, run_scenario
+from tests import ckpt_verify_scenarios
+from tests.scenario_kit import read_results, run
 
-SCRIPT = ROOT / "tests" / "ckpt_verify_scenarios.py"
 EXTRA = {"format_version": 1, "kind": "training", "world_size": 1, "rng_point": "next_batch", "hf": []}
 
 
 @pytest.fixture(scope="module")
 def work(tmp_path_factory: pytest.TempPathFactory) -> Path:
     work = tmp_path_factory.mktemp("ckpt_verify")
-    crash = run_scenario("crash", work, expect_ok=False, script=SCRIPT)
+    crash = run(ckpt_verify_scenarios.crash, work, expect_ok=False)
     assert crash.returncode != 0, "rank 1 should have been killed"
-    run_scenario("main", work, script=SCRIPT)
+    run(ckpt_verify_scenarios.main, work)
     return work
 
 
 # ------------------------------------------------------------------------------- 1: every byte checked
 def test_a_weight_damaged_outside_the_sampled_blocks_fails_fit_on_every_rank_before_any_step(work):
-    main = read_ranks("main", work)
+    main = read_results(work, "main")
     damage = main[0]["dcp_damage"]
     assert damage["fqn"].startswith("state_dict") and damage["file"] == "__1_0.distcp"
     assert not any(start <= damage["position"] < end for start, end in damage["blocks"])  # a sample misses it
@@ -59,7 +59,7 @@ def test_a_weight_damaged_outside_the_sampled_blocks_fails_fit_on_every_rank_bef
 
 
 def test_one_float_of_a_torch_file_set_to_nan_fails_fit_on_every_rank_before_any_step(work):
-    main = read_ranks("main", work)
+    main = read_results(work, "main")
     record = main[0]["torch_damage"]["record"]
     for rank in (0, 1):
         assert main[rank]["torch_bad"] == {
@@ -215,7 +215,7 @@ def test_async_save_refuses_the_formats_that_read_the_live_model(fmt):
 
 
 def test_background_saves_train_and_checkpoint_exactly_as_synchronous_ones(work):
-    main = read_ranks("main", work)
+    main = read_results(work, "main")
     for rank in (0, 1):
         sync, background = main[rank]["runs"]["sync"], main[rank]["runs"]["async"]
         assert background["losses"] == sync["losses"] and len(sync["losses"]) == 8
@@ -234,7 +234,7 @@ def test_background_saves_train_and_checkpoint_exactly_as_synchronous_ones(work)
 
 
 def test_a_kill_during_a_background_write_keeps_earlier_checkpoints_and_last_resumable(work):
-    sync = read_ranks("main", work)
+    sync = read_results(work, "main")
     resume = [ranks["after_crash"] for ranks in sync]
     entries = resume[0]["entries"]
     # Killed while newest/step=4.ckpt was written: its partial is hidden; step=2 (whose removal by save_top_k=1
@@ -275,7 +275,7 @@ def test_a_save_in_the_background_commits_when_its_write_completes(tmp_path):
 
 
 def test_sigterm_during_a_background_write_lets_it_complete_and_exits_143(tmp_path):
-    proc = run_scenario("sigterm", tmp_path, expect_ok=False, script=SCRIPT)
+    proc = run(ckpt_verify_scenarios.sigterm, tmp_path, expect_ok=False)
     assert proc.returncode == 143, proc.stderr[-3000:]  # the status of a SIGTERM, not an abort at exit
     assert (tmp_path / "sigterm.pending").read_text() == str(tmp_path / "sigterm" / "step=4.ckpt")
     # The pending write completed during teardown: step 4 is in place and `last` names it; save_top_k=1's removal

@@ -2,13 +2,12 @@
 ranks, ``tests/clip_scenarios.py``). torch's functions are used there per mesh group, since they refuse mixed
 lists; the figures behind keeping this project's arithmetic are in benchmarks/README.md."""
 
-import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
+
+from tests import clip_scenarios
+from tests.scenario_kit import read_results, run
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -16,17 +15,8 @@ ROOT = Path(__file__).resolve().parents[1]
 @pytest.fixture(scope="module")
 def results(tmp_path_factory):
     out = tmp_path_factory.mktemp("clip")
-    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
-    proc = subprocess.run(
-        [sys.executable, str(ROOT / "tests" / "clip_scenarios.py"), str(out)],
-        cwd=ROOT,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
-    assert proc.returncode == 0, proc.stderr[-4000:]
-    ranks = [json.loads((out / f"clip.rank{r}.json").read_text()) for r in range(2)]
+    run(clip_scenarios.clip, out, launcher="torchrun")
+    ranks = read_results(out, "clip")
     assert ranks[0] == ranks[1]  # the norms and differences are global: identical on both ranks
     return ranks[0]
 

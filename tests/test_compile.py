@@ -2,9 +2,6 @@
 
 from __future__ import annotations
 
-import json
-import os
-import subprocess
 import sys
 from pathlib import Path
 
@@ -134,28 +131,14 @@ def test_inductor_matches_eager_for_a_transformers_and_a_custom_model():
 
 def test_two_ranks_compiled_blocks_train_like_plain_transformers_with_a_bounded_number_of_graphs(tmp_path):
     sys.path.insert(0, str(ROOT))
+    from tests import compile_scenarios, scenario_kit
     from tests.compile_scenarios import write_model
 
     write_model(tmp_path / "qwen3")
     write_model(tmp_path / "qwen3_moe", moe=True)
-    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
-    env.pop("LOCAL_RANK", None)
-    proc = subprocess.run(
-        [
-            sys.executable,
-            str(ROOT / "tests" / "compile_scenarios.py"),
-            str(tmp_path / "out"),
-            str(tmp_path / "qwen3"),
-            str(tmp_path / "qwen3_moe"),
-        ],
-        cwd=ROOT,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=900,
-    )
-    assert proc.returncode == 0, proc.stderr[-6000:]
-    ranks = [json.loads((tmp_path / "out" / f"compile.rank{r}.json").read_text()) for r in range(2)]
+    args = {"model_dir": tmp_path / "qwen3", "moe_dir": tmp_path / "qwen3_moe"}
+    scenario_kit.run(compile_scenarios.compile_runs, tmp_path / "out", args=args, timeout=900)
+    ranks = scenario_kit.read_results(tmp_path / "out", "compile")
     reference = torch.tensor(ranks[0]["reference"])
     for name, expected in (
         ("compiled", reference),

@@ -12,30 +12,16 @@ from pathlib import Path
 
 import pytest
 
-from tests.conftest import ROOT, read_ranks
+from tests import conformance_scenarios
+from tests.scenario_kit import read_results, run, start
 
-SCENARIOS = ROOT / "tests" / "conformance_scenarios.py"
 STOP_TIMEOUT = 5  # MMFSDP2Strategy(stop_timeout=5) in the sigterm scenario
 MARGIN = 25  # process start-up and teardown on a loaded 2-core machine
 
 
-def _env() -> dict[str, str]:
-    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
-    env.pop("LOCAL_RANK", None)
-    return env
-
-
 def test_swa_is_refused_sync_batchnorm_converts_and_the_store_listens_on_loopback(tmp_path):
-    proc = subprocess.run(
-        [sys.executable, str(SCENARIOS), "callbacks", str(tmp_path)],
-        cwd=ROOT,
-        env=_env(),
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
-    assert proc.returncode == 0, f"{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}"
-    for rank, out in enumerate(read_ranks("callbacks", tmp_path)):
+    run(conformance_scenarios.callbacks, tmp_path)
+    for rank, out in enumerate(read_results(tmp_path, "callbacks")):
         # StochasticWeightAveraging: a clear error at setup, before any batch (it used to crash at swa_epoch_start).
         assert out["swa"].startswith(
             "MisconfigurationException: MMFSDP2Strategy does not support the StochasticWeightAveraging callback"
@@ -67,13 +53,7 @@ def _alive(pid: int) -> bool:
 @pytest.mark.parametrize("signalled", [1, 0])
 def test_sigterm_to_one_rank_stops_every_rank_within_the_bound_and_non_zero(tmp_path, signalled):
     log = (tmp_path / "log").open("w")  # a file, not a pipe that nobody reads while the ranks run
-    proc = subprocess.Popen(
-        [sys.executable, str(SCENARIOS), "sigterm", str(tmp_path)],
-        cwd=ROOT,
-        env=_env(),
-        stdout=log,
-        stderr=subprocess.STDOUT,
-    )
+    proc = start(conformance_scenarios.sigterm, tmp_path, stdout=log, stderr=subprocess.STDOUT)
     pids: dict[int, int] = {}
     try:
         deadline = time.monotonic() + 240

@@ -5,15 +5,13 @@ same model without context parallelism and against a one-process Transformers mo
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
 
+from tests import cp_scenarios
 from tests.cp_scenarios import (
     BAD_CASE,
     CASES,
@@ -26,6 +24,7 @@ from tests.cp_scenarios import (
 )
 from tests.hf_scenarios import save_tiny_checkpoints, tiny_hf_model
 from tests.parity import LR, NOISE, Reference, weight_errors
+from tests.scenario_kit import run
 
 ROOT = Path(__file__).resolve().parents[1]
 TOL = 1e-5
@@ -98,18 +97,6 @@ def test_heads_and_routing_errors() -> None:
 
 
 # --------------------------------------------------------------------------------------- distributed runs
-def _launch(group: str, outdir: Path, ckptdir: Path, timeout: int = 420) -> None:
-    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
-    env.pop("LOCAL_RANK", None)
-    proc = subprocess.run(
-        [sys.executable, str(ROOT / "tests" / "cp_scenarios.py"), group, str(outdir), str(ckptdir)],
-        cwd=ROOT,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=timeout,
-    )
-    assert proc.returncode == 0, f"cp_scenarios {group} failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}"
 
 
 @pytest.fixture(scope="module")
@@ -122,14 +109,14 @@ def ckptdir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 @pytest.fixture(scope="module")
 def two(tmp_path_factory: pytest.TempPathFactory, ckptdir: Path) -> Path:
     out = tmp_path_factory.mktemp("cp_two")
-    _launch("two", out, ckptdir)
+    run(cp_scenarios.two, out, args={"ckptdir": ckptdir}, timeout=420)
     return out
 
 
 @pytest.fixture(scope="module")
 def four(tmp_path_factory: pytest.TempPathFactory, ckptdir: Path) -> Path:
     out = tmp_path_factory.mktemp("cp_four")
-    _launch("four", out, ckptdir)
+    run(cp_scenarios.four, out, args={"ckptdir": ckptdir}, timeout=420)
     return out
 
 

@@ -32,10 +32,10 @@ from lightning_mm.hf.hub import ModelHub, ModelHubError
 from lightning_mm.hf.pending_weights import pending_pretrained
 from lightning_mm.hf.plan_source import default_plan_summary
 from lightning_mm.modules import TransformersModel
-from tests import derive_models, qwen3_vl_family
-from tests.conftest import run_scenario
+from tests import derive_models, derive_scenarios, qwen3_vl_family
 from tests.hf_scenarios import FAMILIES
 from tests.moe_models import MOE_FAMILIES
+from tests.scenario_kit import run
 
 ROOT = Path(__file__).resolve().parents[1]
 EXPECTED = json.loads((ROOT / "tests" / "derived_plan_expected.json").read_text())
@@ -313,7 +313,7 @@ def test_save_pretrained_directories_load_strictly(tmp_path, original):
 def trained(tmp_path_factory) -> Path:
     out = tmp_path_factory.mktemp("derived_parity")
     derive_models.save_tiny(out / "ckpts", [*derive_models.PARITY, *LOAD_ONLY])
-    run_scenario("train", out, script=ROOT / "tests" / "derive_scenarios.py", timeout=600)
+    run(derive_scenarios.train, out, timeout=600)
     return out
 
 

@@ -4,11 +4,12 @@ import math
 
 import pytest
 
-from tests.conftest import run_scenario
+from tests import dist_scenarios
+from tests.scenario_kit import run
 
 
 def test_seed_yaml_verbatim_trains_and_every_field_takes_effect(scenario):
-    r0, r1 = scenario("seed_yaml")
+    r0, r1 = scenario(dist_scenarios.seed_yaml)
     # sharding_size: auto -> 1-D mesh over both ranks; decoder layers are sharded on dim 0.
     assert r0["mesh"] == [2]
     assert r0["qkv_global_shape"] == [192, 64] and r0["qkv_local_shape"] == [96, 64]
@@ -59,7 +60,7 @@ def test_seed_yaml_verbatim_trains_and_every_field_takes_effect(scenario):
 
 
 def test_loss_parity_with_ddp_for_fsdp_and_hsdp_with_clipping_and_accumulation(scenario):
-    ranks = scenario("parity")
+    ranks = scenario(dist_scenarios.parity)
     for r in ranks:
         ddp = r["ddp"]
         for name in ("fsdp", "hsdp"):
@@ -82,14 +83,14 @@ def test_loss_parity_with_ddp_for_fsdp_and_hsdp_with_clipping_and_accumulation(s
 
 
 def test_gradient_accumulation_skips_reduce_scatter_until_last_micro_batch(scenario):
-    r0, _ = scenario("accumulation")
+    r0, _ = scenario(dist_scenarios.accumulation)
     seen = [o["sharded_grad"] for o in r0["observed"]]
     # accumulate_grad_batches=3: gradients reach the sharded parameters only on every third micro-batch.
     assert seen == [False, False, True, False, False, True]
 
 
 def test_tied_weights_are_grouped_into_one_unit_and_stay_tied(scenario):
-    r0, _ = scenario("tied")
+    r0, _ = scenario(dist_scenarios.tied)
     assert r0["still_tied"]
     assert ["embed", "out"] in r0["plan_units"]
     assert any("tied" in n for n in r0["notes"])
@@ -101,14 +102,14 @@ def test_tied_weights_are_grouped_into_one_unit_and_stay_tied(scenario):
 
 
 def test_custom_fully_shard_hook_takes_over_wrapping(scenario):
-    r0, _ = scenario("custom_fully_shard")
+    r0, _ = scenario(dist_scenarios.custom_fully_shard)
     assert r0["calls"] == [{"config_attr": True, "mesh": [2]}]
     assert r0["layer_local_shape"] == [16, 32]
     assert r0["still_tied"]
 
 
 def test_bf16_mixed_precision_and_cpu_offload_with_non_reentrant_recompute(scenario):
-    r0, _ = scenario("bf16_offload")
+    r0, _ = scenario(dist_scenarios.bf16_offload)
     assert r0["param_dtype"] == "torch.bfloat16" and r0["reduce_dtype"] == "torch.float32"
     assert r0["dtypes"]["weight"] == "torch.bfloat16" and r0["dtypes"]["input"] == "torch.bfloat16"
     assert r0["sharded_param_dtype"] == "torch.float32"  # master weights stay fp32
@@ -118,7 +119,7 @@ def test_bf16_mixed_precision_and_cpu_offload_with_non_reentrant_recompute(scena
 
 
 def test_registered_name_takes_config_from_the_module(scenario):
-    r0, _ = scenario("registered_name")
+    r0, _ = scenario(dist_scenarios.registered_name)
     assert r0["strategy"] == "MMFSDP2Strategy"
     assert r0["units"] == [["text_decoder.decoder.layers.0"], ["text_decoder.decoder.layers.1"]]
 
@@ -132,14 +133,14 @@ def test_registered_name_takes_config_from_the_module(scenario):
     ],
 )
 def test_bad_setups_fail_before_any_training_step(tmp_path, name, message):
-    proc = run_scenario(name, tmp_path, expect_ok=False)
+    proc = run(getattr(dist_scenarios, name), tmp_path, expect_ok=False)
     assert proc.returncode != 0
     assert message in proc.stderr
     assert not (tmp_path / "trained.marker").exists()
 
 
 def test_mmdatamodule_resumes_mid_epoch_with_the_next_unseen_batch(scenario):
-    for r in scenario("resume_data"):
+    for r in scenario(dist_scenarios.resume_data):
         full, resumed = r["full"], r["resumed"]
         assert len(full) == 12 and len(resumed) == 7
         # Steps 6..12 of the resumed run see the same batches (and losses) as the uninterrupted run.
@@ -147,7 +148,7 @@ def test_mmdatamodule_resumes_mid_epoch_with_the_next_unseen_batch(scenario):
 
 
 def test_meta_init_replicas_and_ignored_modules_agree_across_ranks_with_different_seeds(scenario):
-    r0, r1 = scenario("hsdp_meta_init")
+    r0, r1 = scenario(dist_scenarios.hsdp_meta_init)
     assert r0["mesh"] == [2, 1]
     assert r0["layer_sum"] == r1["layer_sum"]  # HSDP replicas start from the same weights
     assert r0["ignored_sum"] == r1["ignored_sum"]  # and so do modules kept whole on every rank

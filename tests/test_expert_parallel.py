@@ -9,18 +9,17 @@ same AdamW over the same global batches (``tests/parity.py``). fp32: relative 1e
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
 
+from tests import ep_scenarios
 from tests.ep_scenarios import CHAIN, CHAIN_STAGES, DEVICES, EP_CASES, EP_CP_CASES, chain_checkpoint
 from tests.moe_models import register_moe_families, save_moe_checkpoints
 from tests.parity import global_losses, global_steps, reference_run, relative_errors, weight_errors
+from tests.scenario_kit import run
 
 ROOT = Path(__file__).resolve().parents[1]
 FP32_LOSS = 1e-5
@@ -34,19 +33,7 @@ def runs(tmp_path_factory) -> tuple[Path, Path]:
     ckpts = tmp_path_factory.mktemp("moe_ckpts")
     save_moe_checkpoints(ckpts)
     out = tmp_path_factory.mktemp("ep_runs")
-    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
-    env.pop("LOCAL_RANK", None)
-    env.pop("EP_ONLY", None)
-    proc = subprocess.run(
-        [sys.executable, str(ROOT / "tests" / "ep_scenarios.py"), "train", str(out), str(ckpts)],
-        cwd=ROOT,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=600,
-    )
-    if proc.returncode != 0:
-        raise AssertionError(f"EP scenarios failed ({proc.returncode}):\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}")
+    run(ep_scenarios.train, out, args={"ckptdir": ckpts}, env={"EP_ONLY": None}, timeout=600)  # every case
     return out, ckpts
 
 

@@ -359,11 +359,11 @@ def test_mistral3_takes_a_pixtral_batch_and_its_processor_is_refused_by_name(tmp
 @pytest.fixture(scope="module")
 def trained(tmp_path_factory) -> Path:
     from tests import families_scenarios
-    from tests.conftest import run_scenario
+    from tests.scenario_kit import run
 
     out = tmp_path_factory.mktemp("families_parity")
     families_scenarios.prepare(out)
-    run_scenario("train", out, script=Path(__file__).parent / "families_scenarios.py", timeout=600)
+    run(families_scenarios.train, out, timeout=600)
     return out
 
 

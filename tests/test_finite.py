@@ -8,10 +8,6 @@ from __future__ import annotations
 
 import json
 import math
-import os
-import socket
-import subprocess
-import sys
 from pathlib import Path
 
 import lightning as L
@@ -23,6 +19,8 @@ from lightning_mm.checkpoint import open_source
 from lightning_mm.core.finite import NonFiniteError, check_step, rank_flags
 from lightning_mm.core.grad_clip import total_grad_norm
 from lightning_mm.strategies.precision import MMFSDP2Precision
+from tests import finite_scenarios
+from tests.scenario_kit import run
 from tests.test_module import Regression
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -169,32 +167,8 @@ def test_also_reduce_is_left_as_is_on_one_process_and_the_norm_unchanged():
 @pytest.fixture(scope="module")
 def two_ranks(tmp_path_factory):
     work = tmp_path_factory.mktemp("finite")
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    procs = []
-    for rank in range(2):
-        env = {
-            **os.environ,
-            "PYTHONPATH": str(ROOT),
-            "OMP_NUM_THREADS": "1",
-            "MASTER_ADDR": "127.0.0.1",
-            "MASTER_PORT": str(port),
-            "LOCAL_RANK": str(rank),
-            "NODE_RANK": "0",
-        }
-        procs.append(
-            subprocess.Popen(
-                [sys.executable, str(ROOT / "tests" / "finite_scenarios.py"), str(work)],
-                cwd=ROOT,
-                env=env,
-                stdout=subprocess.PIPE,
-                stderr=subprocess.PIPE,
-                text=True,
-            )
-        )
-    outputs = [p.communicate(timeout=600) for p in procs]
-    return work, [p.returncode for p in procs], [err for _, err in outputs]
+    procs = run(finite_scenarios.three_runs, work, launcher="per_rank", expect_ok=False, timeout=600)
+    return work, [p.returncode for p in procs], [p.stderr for p in procs]
 
 
 def _ranks(work: Path, run: str) -> list[dict]:

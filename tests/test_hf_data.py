@@ -10,10 +10,7 @@ from __future__ import annotations
 
 import json
 import logging
-import os
-import signal
-import subprocess
-import sys
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -24,6 +21,8 @@ from PIL import Image
 from lightning_mm import MMDataModule
 from lightning_mm.datamodules.data_config import DataConfigError
 from lightning_mm.datamodules.records import DataError
+from tests import hfdata_scenarios
+from tests.scenario_kit import read_results, run
 from tests.tiny_vlms import FAMILIES, write_tiny_vlm
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -551,26 +550,9 @@ def test_native_layout_is_detected_and_unchanged(tmp_path):
 
 
 # ----------------------------------------------------------------------------------------------- 2 ranks
-def _run_scenario(name: str, outdir: Path) -> list[dict]:
-    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
-    env.pop("LOCAL_RANK", None)
-    proc = subprocess.Popen(
-        [sys.executable, str(ROOT / "tests" / "hfdata_scenarios.py"), name, str(outdir)],
-        cwd=ROOT,
-        env=env,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        text=True,
-        start_new_session=True,
-    )
-    try:
-        output, _ = proc.communicate(timeout=300)
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
-        output, _ = proc.communicate()
-        raise AssertionError(f"scenario {name} did not finish:\n{output[-4000:]}") from None
-    assert proc.returncode == 0, output[-6000:]
-    return [json.loads((outdir / f"{name}.rank{r}.json").read_text()) for r in range(2)]
+def _run_scenario(fn: Callable[[Path], None], outdir: Path) -> list[dict]:
+    run(fn, outdir)
+    return read_results(outdir, fn.scenario_name)
 
 
 def _absolute(config: dict, tmp: Path) -> dict:
@@ -585,7 +567,7 @@ def test_shuffle_false_reaches_lightning_distributed_sampler(models, tmp_path):
     family = "qwen2_5_vl"
     records = [_record([("user", f"<image>What is {i}?"), ("assistant", f"It is {i}.")], ["a.png"]) for i in range(6)]
     _write(tmp_path, _absolute(_config(models[family], family), tmp_path), records)
-    ranks = _run_scenario("order", tmp_path)
+    ranks = _run_scenario(hfdata_scenarios.order, tmp_path)
     for rank in ranks:
         assert rank["sampler"] == "DistributedSampler" and rank["shuffle"] is False
         assert rank["seen"] == rank["expected"] and len(rank["seen"]) == 3
@@ -639,7 +621,7 @@ def test_two_rank_training_equals_plain_transformers(tmp_path, family):
 
     model_dir = write_tiny_vlm(tmp_path / "model", family, seed=3, init_std=0.3)  # positions matter
     _write(tmp_path, _absolute(_config(model_dir, family), tmp_path), PARITY_RECORDS)
-    ranks = _run_scenario("parity", tmp_path)
+    ranks = _run_scenario(hfdata_scenarios.parity, tmp_path)
 
     threads = torch.get_num_threads()
     torch.set_num_threads(1)

@@ -2,50 +2,26 @@
 2-rank runs with a rank that hangs, stopped by a signal within ``stop_timeout`` (tests/hostile_scenarios.py)."""
 
 import contextlib
-import json
 import os
 import re
 import signal
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
 
+from tests import hostile_scenarios
 from tests.hostile_files import write_captioning_data
-
-ROOT = Path(__file__).resolve().parents[1]
-SCRIPT = ROOT / "tests" / "hostile_scenarios.py"
-
-
-def run_hostile(name: str, outdir: Path, timeout: int = 240) -> list[dict]:
-    """``tests/hostile_scenarios.py NAME OUTDIR`` as a 2-rank job in its own session; on a timeout every process
-    of that session is killed (a rank left waiting in a collective must not outlive the test)."""
-    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
-    env.pop("LOCAL_RANK", None)
-    proc = subprocess.Popen(
-        [sys.executable, str(SCRIPT), name, str(outdir)],
-        cwd=ROOT,
-        env=env,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        text=True,
-        start_new_session=True,
-    )
-    try:
-        output, _ = proc.communicate(timeout=timeout)
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
-        output, _ = proc.communicate()
-        raise AssertionError(f"scenario {name} did not finish in {timeout} s:\n{output[-4000:]}") from None
-    assert proc.returncode == 0, f"scenario {name} failed ({proc.returncode}):\n{output[-6000:]}"
-    return [json.loads((outdir / f"{name}.rank{r}.json").read_text()) for r in range(2)]
+from tests.scenario_kit import kill_job, read_results, run, start
 
 
 def test_a_corrupt_pixel_stream_is_skipped_and_counted_in_a_two_rank_fit(tmp_path):
     write_captioning_data(tmp_path / "data", good=7, corrupt_line=3)
-    ranks = run_hostile("corrupt_image", tmp_path)
+    run(hostile_scenarios.corrupt_image, tmp_path, timeout=240)
+    ranks = read_results(tmp_path, "corrupt_image")
     assert [r["steps"] for r in ranks] == [4, 4]  # 8 records / 2 ranks / batch 2, 2 epochs: nothing lost, no hang
     problems = [p for r in ranks for p in r["problems"]]
     assert len(problems) == 1 and "train.jsonl:3: cannot decode image" in problems[0], problems
@@ -65,22 +41,13 @@ def _alive(pid: int) -> bool:
 
 
 def _signal_a_hanging_run(
-    name: str, outdir: Path, hung: int, target: int, signum: int
+    fn: Callable[[Path], None], outdir: Path, hung: int, target: int, signum: int
 ) -> tuple[int, dict[int, int], float, str]:
-    """Start ``tests/hostile_scenarios.py NAME`` (rank ``hung`` blocks for good), send ``signum`` to rank ``target``
+    """Start the scenario ``fn`` (rank ``hung`` blocks for good) in its own session, send ``signum`` to rank ``target``
     once rank ``hung`` blocks; returns rank 0's exit status, the ranks' pids, the seconds from the signal until
     no rank runs, and the output."""
-    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
-    env.pop("LOCAL_RANK", None)
     log = (outdir / "log").open("w")  # a file, not a pipe that nobody reads while the ranks run
-    proc = subprocess.Popen(
-        [sys.executable, str(SCRIPT), name, str(outdir)],
-        cwd=ROOT,
-        env=env,
-        stdout=log,
-        stderr=subprocess.STDOUT,
-        start_new_session=True,
-    )
+    proc = start(fn, outdir, stdout=log, stderr=subprocess.STDOUT)
     pids: dict[int, int] = {}
     elapsed = float("inf")
     try:
@@ -103,8 +70,7 @@ def _signal_a_hanging_run(
         if not any(_alive(p) for p in pids.values()) and proc.poll() is not None:
             elapsed = time.monotonic() - sent
     finally:
-        with contextlib.suppress(ProcessLookupError):
-            os.killpg(proc.pid, signal.SIGKILL)  # whatever is left of that session
+        kill_job(proc)  # whatever is left of that session
         proc.wait()
         log.close()
     return proc.returncode, pids, elapsed, (outdir / "log").read_text()
@@ -113,7 +79,7 @@ def _signal_a_hanging_run(
 @pytest.mark.skipif(sys.platform == "win32", reason="POSIX signals")
 def test_sigterm_to_rank_zero_blocked_in_a_collective_with_a_hung_peer_ends_every_rank_in_time(tmp_path):
     status, pids, elapsed, output = _signal_a_hanging_run(
-        "hang_collective", tmp_path, hung=1, target=0, signum=signal.SIGTERM
+        hostile_scenarios.hang_collective, tmp_path, hung=1, target=0, signum=signal.SIGTERM
     )
     # Without a watcher independent of the main thread, rank 0 sat in its gloo wait until the 30-minute timeout.
     assert elapsed <= STOP_TIMEOUT + MARGIN, f"ranks ran {STOP_TIMEOUT + MARGIN} s after SIGTERM\n{output[-3000:]}"
@@ -126,7 +92,7 @@ def test_sigterm_to_rank_zero_blocked_in_a_collective_with_a_hung_peer_ends_ever
 @pytest.mark.skipif(sys.platform == "win32", reason="POSIX signals")
 def test_sigterm_to_the_rank_hung_in_a_c_call_ends_every_rank_in_time(tmp_path):
     status, pids, elapsed, output = _signal_a_hanging_run(
-        "hang_c_call", tmp_path, hung=1, target=1, signum=signal.SIGTERM
+        hostile_scenarios.hang_c_call, tmp_path, hung=1, target=1, signum=signal.SIGTERM
     )
     assert elapsed <= STOP_TIMEOUT + MARGIN, f"ranks ran {STOP_TIMEOUT + MARGIN} s after SIGTERM\n{output[-3000:]}"
     # The signalled rank: 143; rank 0, whose collective lost its peer: non-zero.
@@ -140,7 +106,7 @@ def test_sigterm_to_the_rank_hung_in_a_c_call_ends_every_rank_in_time(tmp_path):
 @pytest.mark.skipif(sys.platform == "win32", reason="POSIX signals")
 def test_sigint_to_rank_zero_blocked_during_setup_ends_every_rank_in_time(tmp_path):
     status, pids, elapsed, output = _signal_a_hanging_run(
-        "hang_setup", tmp_path, hung=0, target=0, signum=signal.SIGINT
+        hostile_scenarios.hang_setup, tmp_path, hung=0, target=0, signum=signal.SIGINT
     )
     assert elapsed <= STOP_TIMEOUT + MARGIN, f"ranks ran {STOP_TIMEOUT + MARGIN} s after SIGINT\n{output[-3000:]}"
     assert status == 130, output[-4000:]  # 128 + SIGINT: the KeyboardInterrupt could not be raised in time

@@ -1,12 +1,10 @@
 """LoRA fine-tuning with PEFT: settings checked before training, and 2-rank training against a PEFT reference.
 
-The 2-rank checks run in one launch of tests/lora_scenarios.py (see ``scenario_all``).
+The 2-rank checks run in one launch of tests/lora_scenarios.py (see ``all_runs``).
 """
 
 from __future__ import annotations
 
-import json
-import os
 import subprocess
 import sys
 from pathlib import Path
@@ -14,16 +12,16 @@ from pathlib import Path
 import pytest
 import torch
 
+from tests import lora_scenarios
 from tests.hf_scenarios import save_tiny_checkpoints
+from tests.scenario_kit import read_results, run, scenario_env
 
 ROOT = Path(__file__).resolve().parents[1]
 LORA = {"rank": 4, "alpha": 8, "target_modules": ["model.layers.{*}.self_attn.q_proj"]}
 
 
 def _env() -> dict[str, str]:
-    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
-    env.pop("LOCAL_RANK", None)
-    return env
+    return scenario_env()
 
 
 @pytest.fixture(scope="module")
@@ -35,20 +33,9 @@ def ckpts(tmp_path_factory):
 @pytest.fixture(scope="module")
 def ranks(ckpts, tmp_path_factory):
     out = tmp_path_factory.mktemp("lora_out")
-    proc = subprocess.run(
-        [sys.executable, str(ROOT / "tests" / "lora_scenarios.py"), "all", str(out), str(ckpts["qwen3"].parent)],
-        cwd=ROOT,
-        env=_env(),
-        capture_output=True,
-        text=True,
-        timeout=600,
-    )
-    if proc.returncode != 0:
-        raise AssertionError(
-            f"lora scenarios failed ({proc.returncode}):\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}"
-        )
+    run(lora_scenarios.all_runs, out, args={"ckptdir": ckpts["qwen3"].parent}, timeout=600)
     families = ("qwen3", "qwen2_5_vl", "custom", "mixed")
-    return {f: [json.loads((out / f"{f}.rank{r}.json").read_text()) for r in range(2)] for f in families}
+    return {f: read_results(out, f) for f in families}
 
 
 # ------------------------------------------------------------------------------------------ 2 ranks

@@ -57,7 +57,9 @@ def test_half_precision_storage_halves_bytes():
 
 def test_bytes_two_ranks_hold_equal_the_accounting(scenario):
     """A regression in sharding (a unit left whole, an ignored module sharded, a lost optimiser state) shows here."""
-    for r in scenario("memory_accounting"):
+    from tests import dist_scenarios
+
+    for r in scenario(dist_scenarios.memory_accounting):
         assert r["measured"] == {k: r["expected"][k] for k in ("params", "grads", "optimizer")}
         # embed + 3 layers + head sharded in halves, the ignored encoder (16x32 + 32 = 544 floats) whole.
         sharded = (64 * 32 + 3 * (32 * 32 + 32) + 64 * 32 + 64) // 2

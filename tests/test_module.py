@@ -193,7 +193,9 @@ def test_throughput_monitor_is_lightnings_and_the_users_own_wins(tmp_path):
 
 
 def test_ddp_fit_with_seed_callables_in_megatron_form(scenario):
-    r0, r1 = scenario("ddp_module")
+    from tests import dist_scenarios
+
+    r0, r1 = scenario(dist_scenarios.ddp_module)
     assert r0["strategy"] == "DDPStrategy"
     assert r0["losses"][-1] < r0["losses"][0]
     assert "train/doubled" in r0["logged"] and "train/grad_norm" in r0["logged"]

@@ -519,8 +519,8 @@ def _tiny_native_run(native: dict, model_dir: Path, records: Path, tmp_path: Pat
 
 def _fit(native: dict, tmp_path: Path, capsys) -> tuple[str, dict]:
     """``lightning-mm migrate`` the native config, then ``lightning-mm fit`` it on 2 CPU ranks: (report, config)."""
-    import subprocess
-    import sys
+    from tests import native_scenarios
+    from tests.scenario_kit import run
 
     source = tmp_path / "native.yaml"
     source.write_text(yaml.safe_dump(native, sort_keys=False))
@@ -544,18 +544,7 @@ def _fit(native: dict, tmp_path: Path, capsys) -> tuple[str, dict]:
     config["model"]["init_args"]["transformers_model"]["trust_remote_code"] = False  # a Transformers class
     out.write_text(yaml.safe_dump(config, sort_keys=False))
 
-    root = Path(__file__).resolve().parents[1]
-    env = {**os.environ, "PYTHONPATH": str(root), "OMP_NUM_THREADS": "1"}
-    env.pop("LOCAL_RANK", None)
-    proc = subprocess.run(
-        [sys.executable, str(root / "tests" / "native_scenarios.py"), str(out), str(tmp_path)],
-        cwd=root,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
+    run(native_scenarios.fit_config, tmp_path, args={"config": out})
     return report, config
 
 

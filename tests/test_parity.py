@@ -10,15 +10,13 @@ per final weight tensor.
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
 
+from tests import parity_scenarios
 from tests.hf_scenarios import save_tiny_checkpoints
 from tests.parity import (
     CASES,
@@ -35,6 +33,7 @@ from tests.parity import (
     weight_errors,
 )
 from tests.qwen3_vl_family import save_qwen3_vl
+from tests.scenario_kit import run
 
 ROOT = Path(__file__).resolve().parents[1]
 FP32_LOSS = 1e-5
@@ -53,23 +52,6 @@ NOISE_SHARE = 1e-2
 BF16_LOSS, BF16_WEIGHTS = 1e-4, 1e-3
 
 
-def _launch(group: str, out: Path, ckpts: Path) -> None:
-    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
-    env.pop("LOCAL_RANK", None)
-    proc = subprocess.run(
-        [sys.executable, str(ROOT / "tests" / "parity_scenarios.py"), group, str(out), str(ckpts)],
-        cwd=ROOT,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=900,
-    )
-    if proc.returncode != 0:
-        raise AssertionError(
-            f"parity group {group} failed ({proc.returncode}):\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}"
-        )
-
-
 @pytest.fixture(scope="module")
 def ckpts(tmp_path_factory) -> Path:
     directory = tmp_path_factory.mktemp("parity_ckpts")
@@ -81,15 +63,15 @@ def ckpts(tmp_path_factory) -> Path:
 @pytest.fixture(scope="module")
 def trained(tmp_path_factory, ckpts) -> Path:
     out = tmp_path_factory.mktemp("parity_train")
-    _launch("train", out, ckpts)
+    run(parity_scenarios.train, out, args={"ckptdir": ckpts}, timeout=900)
     return out
 
 
 @pytest.fixture(scope="module")
 def resumed(tmp_path_factory, ckpts) -> Path:
     out = tmp_path_factory.mktemp("parity_resume")
-    _launch("resume", out, ckpts)
-    _launch("resume_one", out, ckpts)
+    run(parity_scenarios.resume, out, args={"ckptdir": ckpts}, timeout=900)
+    run(parity_scenarios.resume_one, out, args={"ckptdir": ckpts}, timeout=900)
     return out
 
 

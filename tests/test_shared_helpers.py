@@ -285,26 +285,13 @@ def test_local_tensor_of_a_plain_tensor_is_the_tensor():
     assert local_tensor(t) is t
 
 
-def test_local_tensor_of_a_dtensor_is_its_local_shard():
+def test_local_tensor_of_a_dtensor_is_its_local_shard(tmp_path):
     """On a real 1-rank gloo mesh, in a subprocess (no process group inside the test process)."""
-    import subprocess
-    import sys
+    from tests import dtensor_scenarios
+    from tests.scenario_kit import read_results, run
 
-    code = (
-        "import torch, torch.distributed as dist\n"
-        "from torch.distributed.device_mesh import init_device_mesh\n"
-        "from torch.distributed.tensor import Shard, distribute_tensor\n"
-        "from lightning_mm._dtensor import local_tensor\n"
-        "dist.init_process_group('gloo', init_method='tcp://127.0.0.1:0', rank=0, world_size=1)\n"
-        "full = torch.arange(6.0).reshape(3, 2)\n"
-        "local = local_tensor(distribute_tensor(full, init_device_mesh('cpu', (1,)), [Shard(0)]))\n"
-        "assert type(local) is torch.Tensor and torch.equal(local, full)\n"
-        "dist.destroy_process_group()\n"
-        "print('ok')\n"
-    )
-    root = Path(__file__).resolve().parents[1]
-    proc = subprocess.run([sys.executable, "-c", code], cwd=root, capture_output=True, text=True, timeout=120)
-    assert proc.returncode == 0 and proc.stdout.strip() == "ok", proc.stderr[-3000:]
+    run(dtensor_scenarios.local_tensor_of_a_dtensor, tmp_path, timeout=120)
+    assert read_results(tmp_path, "local_tensor_of_a_dtensor", ranks=1) == [{"plain_tensor": True, "equal": True}]
 
 
 # ---------------------------------------------------------------------------------- _transformers_class

@@ -4,21 +4,15 @@ a change of world size."""
 
 from __future__ import annotations
 
-import json
 import math
 from pathlib import Path
 
 import pytest
 
 from lightning_mm.core.token_budget import RankSchedule, TokenBudgetError, batch_cost, plan_batches
-from tests.conftest import ROOT, run_scenario
+from tests import packing_scenarios
 from tests.packing_scenarios import BUFFER, EPOCHS, MAX_TOKENS, RESUME_STEP, SAMPLES, SEED, skewed_lengths
-
-SCRIPT = ROOT / "tests" / "packing_scenarios.py"
-
-
-def read_ranks(name: str, outdir: Path, ranks: int) -> list[dict]:
-    return [json.loads((outdir / f"{name}.rank{r}.json").read_text()) for r in range(ranks)]
+from tests.scenario_kit import read_results, run
 
 
 def _plan(epoch: int) -> list[list[int]]:
@@ -67,13 +61,13 @@ def test_token_budget_training_on_2_and_4_ranks(tmp_path: Path) -> None:
 
     reference = plain_model("qwen3")
     reference.save_pretrained(tmp_path / "qwen3")  # for the context-parallel step
-    run_scenario("two", tmp_path, script=SCRIPT, timeout=420)
+    run(packing_scenarios.two, tmp_path, timeout=420)
     cp = torch.load(tmp_path / "cp.pt", weights_only=True)
     ref_loss, _, ref_grads = _run(reference.train(), ChatCollator(pad_token_id=0)(samples_of("qwen3")))
     assert _close(cp["loss"], ref_loss), (float(cp["loss"]), float(ref_loss))
     _assert_grads_equal(cp["grads"], ref_grads)
 
-    two = read_ranks("two", tmp_path, 2)
+    two = read_results(tmp_path, "two", 2)
     plans = [_plan(epoch) for epoch in range(EPOCHS)]
     for epoch, plan in enumerate(plans):  # the same steps on both ranks, as the plan says, all samples seen
         assert _steps_per_epoch(two, "full")[epoch] == [math.ceil(len(plan) / 2)] * 2
@@ -86,8 +80,8 @@ def test_token_budget_training_on_2_and_4_ranks(tmp_path: Path) -> None:
     for rank in two:  # mid-epoch resume: the same batches and the same losses, exactly
         assert rank["resumed"] == rank["full"][RESUME_STEP:]
 
-    run_scenario("four", tmp_path, script=SCRIPT, timeout=420)  # resumes tmp_path/ckpt
-    four = read_ranks("four", tmp_path, 4)
+    run(packing_scenarios.four, tmp_path, timeout=420)  # resumes tmp_path/ckpt
+    four = read_results(tmp_path, "four", 4)
     assert _steps_per_epoch(four, "resumed")[1] == [math.ceil(len(plans[1]) / 4)] * 4  # a whole epoch on 4 ranks
     # The 2-rank checkpoint (3 steps: 6 global batches) resumed on 4 ranks: the next unseen batches of epoch 0.
     for r, rank in enumerate(four):

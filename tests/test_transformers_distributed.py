@@ -6,24 +6,22 @@ each rank recorded. The InternVL example runs in a second launch.
 
 from __future__ import annotations
 
-import json
 import math
-import os
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 
+from tests import hf_scenarios
 from tests.hf_scenarios import FAMILIES, save_tiny_checkpoints
+from tests.scenario_kit import read_results, run, scenario_env
 
 ROOT = Path(__file__).resolve().parents[1]
 
 
 def _env() -> dict[str, str]:
-    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
-    env.pop("LOCAL_RANK", None)
-    return env
+    return scenario_env()
 
 
 @pytest.fixture(scope="module")
@@ -31,20 +29,8 @@ def ranks(tmp_path_factory):
     ckpts = tmp_path_factory.mktemp("hf_ckpts")
     out = tmp_path_factory.mktemp("hf_out")
     save_tiny_checkpoints(ckpts)
-    proc = subprocess.run(
-        [sys.executable, str(ROOT / "tests" / "hf_scenarios.py"), "all", str(out), str(ckpts)],
-        cwd=ROOT,
-        env=_env(),
-        capture_output=True,
-        text=True,
-        timeout=600,
-    )
-    if proc.returncode != 0:
-        raise AssertionError(f"hf scenarios failed ({proc.returncode}):\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}")
-    return {
-        name: [json.loads((out / f"{name}.rank{r}.json").read_text()) for r in range(2)]
-        for name in ("families", "random_init", "hsdp_freeze")
-    }
+    run(hf_scenarios.all_scenarios, out, args={"ckptdir": ckpts}, timeout=600)
+    return {name: read_results(out, name) for name in ("families", "random_init", "hsdp_freeze")}
 
 
 @pytest.mark.parametrize("family", list(FAMILIES))

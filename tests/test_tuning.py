@@ -3,13 +3,12 @@
 One 2-rank launch of tests/tuning_scenarios.py; no timing is asserted anywhere.
 """
 
-import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
+
+from tests import tuning_scenarios
+from tests.scenario_kit import read_results, run
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -17,18 +16,8 @@ ROOT = Path(__file__).resolve().parents[1]
 @pytest.fixture(scope="module")
 def ranks(tmp_path_factory):
     out = tmp_path_factory.mktemp("tuning")
-    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
-    env.pop("LOCAL_RANK", None)
-    proc = subprocess.run(
-        [sys.executable, str(ROOT / "tests" / "tuning_scenarios.py"), str(out)],
-        cwd=ROOT,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
-    assert proc.returncode == 0, f"{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}"
-    return [json.loads((out / f"tuning.rank{r}.json").read_text()) for r in range(2)]
+    run(tuning_scenarios.tuning, out)
+    return read_results(out, "tuning")
 
 
 def test_root_and_last_unit_keep_parameters_from_forward_to_backward(ranks):

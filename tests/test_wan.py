@@ -19,6 +19,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from tests import scenario_kit, wan_scenarios
 from tests.wan_scenarios import TINY_WAN, YAML, reference_losses, write_workdir
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -35,17 +36,7 @@ def work(tmp_path_factory: pytest.TempPathFactory) -> Path:
 @pytest.fixture(scope="module")
 def run(tmp_path_factory: pytest.TempPathFactory, work: Path) -> Path:
     out = tmp_path_factory.mktemp("wan_run")
-    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
-    env.pop("LOCAL_RANK", None)
-    proc = subprocess.run(
-        [sys.executable, str(ROOT / "tests" / "wan_scenarios.py"), str(out), str(work)],
-        cwd=ROOT,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
-    assert proc.returncode == 0, f"wan_scenarios failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}"
+    scenario_kit.run(wan_scenarios.fit_resume_cp, out, args={"work": work})
     return out
 
 

@@ -1,4 +1,4 @@
-"""2-rank scenario for the strategy's tuned defaults: ``python tests/tuning_scenarios.py OUTDIR``.
+"""2-rank scenario for the strategy's tuned defaults: ``python tests/tuning_scenarios.py tuning OUTDIR``.
 
 Runs of the same model, seed and data (Lightning's launcher re-runs this script for rank 1; gloo, real
 collectives): the strategy as it is, the strategy with the reshard tuning undone (every unit resharded after
@@ -9,8 +9,6 @@ Each rank writes what it saw to ``OUTDIR/tuning.rank{R}.json``; tests/test_tunin
 from __future__ import annotations
 
 import functools
-import json
-import os
 import sys
 from pathlib import Path
 from typing import Any
@@ -25,6 +23,8 @@ sys.path.insert(0, str(ROOT))
 
 from lightning_mm import MMFSDP2Strategy  # noqa: E402
 from lightning_mm.strategies import fsdp2  # noqa: E402
+from tests import scenario_kit  # noqa: E402
+from tests.scenario_kit import scenario, write_result  # noqa: E402
 
 
 class LM(L.LightningModule):
@@ -121,10 +121,10 @@ def run(
     )
 
 
-if __name__ == "__main__":
-    out = sys.argv[1]
-    os.makedirs(out, exist_ok=True)
-    torch.set_num_threads(1)
+@scenario
+def tuning(outdir: Path) -> None:
+    """Every run above, one after the other, in one launch."""
+    out = str(outdir)
     tuned, rank = run()
     results = {"tuned": tuned, "before": run(before=True)[0]}
     # The fused optimiser step: torch's choice for comparison, a checkpoint of that run resumed with the fused step,
@@ -133,7 +133,8 @@ if __name__ == "__main__":
     results["resumed_fused"] = run(max_steps=6, ckpt_path=f"{out}/ckpt/epoch=0-step=4.ckpt")[0]
     results["ignored_trainable"] = run(config={"ignored_modules": ["head"]})[0]
     results["ignored_frozen"] = run(config={"ignored_modules": ["head"]}, freeze_head=True)[0]
-    Path(out, f"tuning.rank{rank}.json").write_text(json.dumps(results))
-    from tests.scenario_exit import exit_cleanly
+    write_result(outdir, "tuning", results, rank)
 
-    exit_cleanly()
+
+if __name__ == "__main__":
+    scenario_kit.main()

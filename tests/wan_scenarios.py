@@ -1,6 +1,6 @@
 """Wan 2.x through diffusers on 2 ranks (``tests/test_wan.py``): training, resuming, and what the tests compare.
 
-    python tests/wan_scenarios.py OUTDIR WORKDIR
+    python tests/wan_scenarios.py fit_resume_cp OUTDIR --arg work=WORKDIR     (tests/scenario_kit.py)
 
 ``WORKDIR`` holds the tiny diffusers ``WanTransformer3DModel`` (``model/``, from ``save_pretrained``) and the
 feature data (``data.json``: MindSpeed MM's ``dataset_type: feature``, ``features/``) written by
@@ -27,6 +27,9 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
+
+from tests import scenario_kit  # noqa: E402
+from tests.scenario_kit import scenario  # noqa: E402
 
 TINY_WAN = dict(
     patch_size=(1, 2, 2),
@@ -172,8 +175,11 @@ def _fit(work: Path, outdir: Path, epochs: int, record: list, ckpt_path: str | N
     return trainer, module
 
 
-def main(outdir: Path, work: Path) -> None:
+@scenario(exit_cleanly=False)
+def fit_resume_cp(outdir: Path, work: str) -> None:
     from torch.distributed.tensor import DTensor
+
+    work = Path(work)
 
     record: list = []
     trainer, module = _fit(work, outdir, 1, record)
@@ -204,4 +210,4 @@ def main(outdir: Path, work: Path) -> None:
 
 
 if __name__ == "__main__":
-    main(Path(sys.argv[1]), Path(sys.argv[2]))
+    scenario_kit.main()
