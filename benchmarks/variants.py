@@ -7,13 +7,12 @@ a tuning change, restored for that run only (a patch of the benchmark process, n
 
 from __future__ import annotations
 
-import functools
 from collections.abc import Generator
 from contextlib import contextmanager
 from typing import Any
 
 from lightning_mm import MMLightningModule
-from lightning_mm.strategies import fsdp2
+from lightning_mm.core.sharded_run import ShardedRun
 
 VARIANTS: dict[str, str] = {
     "": "the strategy as it is",
@@ -70,8 +69,7 @@ def strategy_kwargs(variant: str) -> dict[str, Any]:
 def behaviour(variant: str) -> Generator[None, None, None]:
     """Restore a pre-tuning behaviour of the strategy or module for the duration of one run."""
     if variant == "before_keep":
-        owner, attr = fsdp2, "build_plan"
-        replacement: Any = functools.partial(fsdp2.build_plan, keep_unsharded_for_backward=False)
+        owner, attr, replacement = ShardedRun, "keep_unsharded_for_backward", False
     elif variant == "before_lazylog":
         owner, attr = MMLightningModule, "_writes_step_logs"
         replacement = lambda self: True  # noqa: E731

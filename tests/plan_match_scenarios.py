@@ -8,7 +8,6 @@ tests/test_plan_matches_strategy.py compares it with the plan ``MMFSDP2Strategy.
 
 from __future__ import annotations
 
-import json
 import sys
 from pathlib import Path
 from typing import Any
@@ -21,7 +20,9 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from lightning_mm import MMFSDP2Strategy  # noqa: E402
+from tests import scenario_kit  # noqa: E402
 from tests.probes import plan_record  # noqa: E402
+from tests.scenario_kit import scenario, write_result  # noqa: E402
 
 # Paths relative to the sharding target (the backbone), not to the LightningModule.
 CONFIG = {
@@ -70,11 +71,13 @@ class PlainWithTarget(L.LightningModule):
         return torch.utils.data.DataLoader(data, batch_size=2)
 
 
+@scenario
 def plain_target(out: Path) -> None:
+    """Fit one step; each rank writes the plan its strategy applied."""
+
     class Record(L.Callback):
         def on_fit_start(self, trainer: L.Trainer, pl_module: Any) -> None:
-            record = plan_record(trainer.strategy.plan)
-            (out / f"plain_target.rank{trainer.global_rank}.json").write_text(json.dumps(record))
+            write_result(out, "plain_target", plan_record(trainer.strategy.plan), rank=trainer.global_rank)
 
     trainer = L.Trainer(
         accelerator="cpu",
@@ -92,5 +95,4 @@ def plain_target(out: Path) -> None:
 
 
 if __name__ == "__main__":
-    assert sys.argv[1] == "plain_target", sys.argv[1]
-    plain_target(Path(sys.argv[2]))
+    scenario_kit.main()

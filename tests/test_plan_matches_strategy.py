@@ -4,17 +4,16 @@ The example configs are compared in tests/test_cli.py, inside their real fits (`
 plain LightningModule whose config paths are relative to its ``sharding_target()``.
 """
 
-import json
-
 import pytest
 import torch
 
 from lightning_mm import MMFSDP2Strategy
 from lightning_mm.core.init_context import meta_parameters
 from lightning_mm.strategies.precision import MMFSDP2Precision
-from tests.conftest import ROOT, run_scenario
+from tests import plan_match_scenarios
 from tests.plan_match_scenarios import CONFIG, PRECISION, PlainWithTarget
 from tests.probes import plan_record
+from tests.scenario_kit import read_results, run
 
 
 def planned_offline() -> dict:
@@ -27,8 +26,8 @@ def planned_offline() -> dict:
 
 
 def test_the_plan_of_a_plain_lightning_module_with_a_sharding_target_is_the_plan_its_run_applies(tmp_path):
-    run_scenario("plain_target", tmp_path, script=ROOT / "tests" / "plan_match_scenarios.py")
-    applied = [json.loads((tmp_path / f"plain_target.rank{r}.json").read_text()) for r in range(2)]
+    run(plan_match_scenarios.plain_target, tmp_path)
+    applied = read_results(tmp_path, "plain_target")
     planned = planned_offline()
     assert applied[0] == applied[1] == planned
     # The paths are the target's (the backbone's) and the policy is the Trainer's precision reconciled.

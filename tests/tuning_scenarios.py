@@ -8,7 +8,6 @@ Each rank writes what it saw to ``OUTDIR/tuning.rank{R}.json``; tests/test_tunin
 
 from __future__ import annotations
 
-import functools
 import sys
 from pathlib import Path
 from typing import Any
@@ -22,7 +21,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from lightning_mm import MMFSDP2Strategy  # noqa: E402
-from lightning_mm.strategies import fsdp2  # noqa: E402
+from lightning_mm.core.sharded_run import ShardedRun  # noqa: E402
 from tests import scenario_kit  # noqa: E402
 from tests.scenario_kit import scenario, write_result  # noqa: E402
 
@@ -87,9 +86,8 @@ def run(
         from lightning.pytorch.callbacks import ModelCheckpoint
 
         callbacks.append(ModelCheckpoint(dirpath=save_dir, every_n_train_steps=4, save_top_k=-1))
-    plan_builder = fsdp2.build_plan
-    if before:
-        fsdp2.build_plan = functools.partial(plan_builder, keep_unsharded_for_backward=False)
+    if before:  # the strategy before the change: every unit, the root and the last one too, resharded
+        ShardedRun.keep_unsharded_for_backward = False
     try:
         module = LM()
         module.head.requires_grad_(not freeze_head)
@@ -107,7 +105,7 @@ def run(
         )
         trainer.fit(module, torch.utils.data.DataLoader(data, batch_size=4), ckpt_path=ckpt_path)
     finally:
-        fsdp2.build_plan = plan_builder
+        ShardedRun.keep_unsharded_for_backward = True
     weights = {
         n: (p.full_tensor() if isinstance(p, DTensor) else p).detach().flatten().tolist()
         for n, p in module.named_parameters()

@@ -77,13 +77,21 @@ class PlannedRun:
     """The module the plan's paths are relative to (:func:`sharding_target`)."""
 
 
-def plan_run(given: FSDP2Config | None, root: nn.Module, world_size: int, precision: str) -> PlannedRun:
+def plan_run(
+    given: FSDP2Config | None,
+    root: nn.Module,
+    world_size: int,
+    precision: str,
+    keep_unsharded_for_backward: bool = True,
+) -> PlannedRun:
     """Decide a run of ``root`` (the LightningModule, or any module) on ``world_size`` ranks: no process, no torch
-    collective; a meta-device model is enough. ``precision`` is the Trainer's (``"bf16-mixed"``, ...)."""
+    collective; a meta-device model is enough. ``precision`` is the Trainer's (``"bf16-mixed"``, ...);
+    ``keep_unsharded_for_backward``: see :attr:`ShardedRun.keep_unsharded_for_backward`."""
     target = sharding_target(root)
     config = resolve_config(given, root).with_model_defaults(target)
     policy = resolve_precision_policy(config, precision)
-    return PlannedRun(config, policy, build_plan(config, target, world_size, policy), target)
+    plan = build_plan(config, target, world_size, policy, keep_unsharded_for_backward)
+    return PlannedRun(config, policy, plan, target)
 
 
 class ShardedRun:
@@ -92,6 +100,10 @@ class ShardedRun:
     Args:
         given: the config given to the strategy (``None``: the LightningModule's, or the default).
     """
+
+    keep_unsharded_for_backward: bool = True
+    """``False`` reshards the root and the last unit after forward like every other unit (no YAML key: the
+    measurements of benchmarks/README.md compare the default against it)."""
 
     def __init__(self, given: FSDP2Config | None) -> None:
         self.given = given

@@ -345,7 +345,9 @@ class MMFSDP2Strategy(ParallelStrategy):
         calls this: the plan it prints is the plan the strategy applies."""
         converted = self.precision_plugin.convert_module(root)
         assert converted is root
-        return plan_run(self.given_config, root, world_size, str(self.precision_plugin.precision))
+        precision = str(self.precision_plugin.precision)
+        keep = self.sharded_run.keep_unsharded_for_backward
+        return plan_run(self.given_config, root, world_size, precision, keep_unsharded_for_backward=keep)
 
     @override
     @outside_inference_mode
