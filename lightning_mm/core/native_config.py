@@ -33,10 +33,13 @@ import re
 import warnings
 from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from lightning_mm._names import find_unknown_key
 from lightning_mm._yaml import short_repr
+
+if TYPE_CHECKING:  # config.py imports this module (lazily): no import cycle at run time
+    from lightning_mm.core.config import FSDP2Config
 
 __all__ = [
     "NATIVE_SECTIONS",
@@ -396,8 +399,8 @@ def _map_recompute(section: Mapping[str, Any], prefix: str, read: _Reader, out: 
 
 
 def fsdp2_config_from_native(
-    config_class: type, error: type[Exception], data: Mapping[str, Any], source: str | None = None
-) -> Any:
+    config_class: type[FSDP2Config], error: type[Exception], data: Mapping[str, Any], source: str | None = None
+) -> FSDP2Config:
     """The ``config_class`` (:class:`~lightning_mm.core.config.FSDP2Config`) of a native ``parallel:`` section or a
     whole native config; errors are ``error`` (its ``FSDP2ConfigError``).
 
