@@ -323,7 +323,7 @@ def attn_implementation(config: Any) -> str | None:
     """The attention implementation a Transformers config selects (``config._attn_implementation``: ``"sdpa"``,
     ``"eager"``, a registered name, or ``None`` before a model chose one)."""
     _config_property(config, "_attn_implementation")
-    return config._attn_implementation  # type: ignore[no-any-return]
+    return config._attn_implementation
 
 
 def set_attn_implementation(config: Any, name: str) -> None:

@@ -33,7 +33,8 @@ import shutil
 import socket
 import sys
 import uuid
-from pathlib import Path
+from pathlib import Path, PurePath
+from typing import TypeVar
 
 __all__ = [
     "partial_path",
@@ -89,7 +90,10 @@ def _owner() -> str:
     return f"{_host()}-{pid}-{_start_time(pid) or 0}"
 
 
-def partial_path(final: Path, token: str | None = None) -> Path:
+_P = TypeVar("_P", bound=PurePath)  # a local path, or a remote store's (PurePosixPath)
+
+
+def partial_path(final: _P, token: str | None = None) -> _P:
     """The hidden sibling a checkpoint is written to before :func:`commit` (its token names this process)."""
     return final.parent / f".{final.name}{_PARTIAL}{token or _token()}"
 

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import errno
 import os
-from pathlib import Path
+from pathlib import PurePath
 
 __all__ = [
     "CheckpointError",
@@ -68,7 +68,7 @@ def _causes(error: BaseException) -> list[BaseException]:
     return [s for s in seen if isinstance(s, BaseException)]
 
 
-def _disk_full(path: Path) -> bool:
+def _disk_full(path: PurePath) -> bool:
     """True when the file system holding ``path`` (or its nearest existing parent) has (almost) no space left."""
     for candidate in (path, *path.parents):
         try:
@@ -79,7 +79,7 @@ def _disk_full(path: Path) -> bool:
     return False
 
 
-def write_error(error: BaseException, path: Path) -> CheckpointWriteError:
+def write_error(error: BaseException, path: PurePath) -> CheckpointWriteError:
     """What failed while writing the checkpoint at ``path`` (its final path), as a :class:`CheckpointWriteError`."""
     causes = _causes(error)
     for cause in causes:

@@ -105,7 +105,7 @@ def weights_view(
 
 
 def read_into(
-    path: Path, destinations: Mapping[str, torch.Tensor], names: Mapping[str, str], distributed: bool
+    path: Path | str, destinations: Mapping[str, torch.Tensor], names: Mapping[str, str], distributed: bool
 ) -> None:
     """Fill each destination (by checkpoint key; a DTensor receives its own shard) from the safetensors files."""
     renamed = {names[key]: tensor for key, tensor in destinations.items()}

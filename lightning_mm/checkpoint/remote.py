@@ -256,6 +256,7 @@ def save(
         failure, original = _failure(err, url), err
     results = gather_to_rank_zero((failure, entries))
     if rank0:
+        assert results is not None  # rank 0 holds every rank's result
         failure = next((f for f, _ in results if f is not None), None)
         if failure is None:
             try:
@@ -373,7 +374,7 @@ def _metadata(store: RemoteStore, data: bytes, files: Mapping[str, dict[str, Any
     for index, info in (metadata.storage_data or {}).items():
         name = getattr(info, "relative_path", None)
         offset, length = getattr(info, "offset", None), getattr(info, "length", None)
-        if name not in files:
+        if not isinstance(name, str) or name not in files:
             raise CheckpointIntegrityError(f"{where}: names {name!r}, which its manifest does not list")
         if not (
             isinstance(offset, int)
@@ -423,8 +424,9 @@ def open_source(
 
         class Reader(fsspec_reader):  # type: ignore[misc, valid-type]
             def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
-                if getattr(metadata, "storage_meta", None) is not None:
-                    metadata.storage_meta.load_id = self.load_id
+                storage_meta = getattr(metadata, "storage_meta", None)
+                if storage_meta is not None:
+                    storage_meta.load_id = self.load_id
                 return metadata
 
         return Reader(store.url, **options)

@@ -25,7 +25,7 @@ from collections.abc import Callable, Iterator, Mapping, Sequence
 from concurrent.futures import Executor, Future
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import torch
 import torch.distributed as dist
@@ -317,7 +317,8 @@ def _stage(tensors: dict[str, Any]) -> dict[str, Any]:
         )
     )
     try:
-        return stager.stage(tensors)
+        # Synchronous staging (use_async_staging=False) returns the staged dict itself, never a Future.
+        return cast("dict[str, Any]", stager.stage(tensors))
     finally:
         stager.close()
 
@@ -361,6 +362,7 @@ def _write(
         failure, original = write_error(error, path), error
     results = gather_to_rank_zero((failure, hashed), group)
     if rank0:
+        assert results is not None  # rank 0 holds every rank's result
         failure = next((f for f, _ in results if f is not None), None)
         if failure is None and fmt == "torch_dcp":
             try:  # the manifest comes last: it binds every file written before it to this checkpoint
@@ -399,7 +401,8 @@ def write_file(obj: Any, path: Path, with_manifest: bool = False) -> None:
 class CheckpointSource:
     """A checkpoint on disk: its meta tree and the shapes of its stored tensors, and a way to read them."""
 
-    path: Path
+    path: Path | str
+    """The local directory or file, or the URL of a remote checkpoint (:mod:`.remote`)."""
     meta: dict[str, Any]
     shapes: dict[str, tuple[int, ...]]
     dtypes: dict[str, torch.dtype]
@@ -520,7 +523,7 @@ def open_source(path: str | Path, full_check: bool = False, share: tuple[int, in
     )
 
 
-def open_agreed(path: Path, rank: int, world_size: int) -> CheckpointSource:
+def open_agreed(path: Path | str, rank: int, world_size: int) -> CheckpointSource:
     """:func:`open_source` on every rank of a load, each hashing its share of the files: when any rank finds a
     fault, every rank raises it (the first failing rank's error), so that none goes on into a collective alone."""
     error: BaseException | None = None
@@ -532,6 +535,7 @@ def open_agreed(path: Path, rank: int, world_size: int) -> CheckpointSource:
     if not is_distributed():
         if error is not None:
             raise error
+        assert source is not None
         return source
     try:
         shared = pickle.loads(pickle.dumps(error))
@@ -610,7 +614,7 @@ def _load_model(source: CheckpointSource, model: nn.Module, strict: bool, view: 
     return [*plan.missing, *plan.unexpected, *(k for k, _, _ in plan.mismatched)]
 
 
-def _check(plan: KeyPlan, what: str, path: Path, strict: bool) -> None:
+def _check(plan: KeyPlan, what: str, path: Path | str, strict: bool) -> None:
     if plan.clean:
         return
     if strict:
@@ -691,7 +695,7 @@ def _load_optimizer(
     source.read_into({stored_as[k]: dest[k] for k in plan.load})
 
     loaded = set(plan.load)
-    state: dict[str, dict[str, Any]] = {}
+    state: dict[str, Any] = {}  # per parameter: its optimiser state (set_optimizer_state_dict's value type)
     for fqn, entries in current["state"].items():
         keys = [f"{prefix}{fqn}{SEP}{n}" for n, v in entries.items() if isinstance(v, torch.Tensor)]
         if fqn in stateless or not all(k in loaded for k in keys):
@@ -736,7 +740,7 @@ def _regroup(current: list[dict], saved: list[dict]) -> list[int] | None:
 
 
 def _merge_param_groups(
-    current: list[dict], saved: list[dict], path: Path, index: int, strict: bool
+    current: list[dict], saved: list[dict], path: Path | str, index: int, strict: bool
 ) -> tuple[list[dict], list[int] | None]:
     """Saved hyper-parameters (lr, betas, ...) over the current groups, whose ``params`` name today's parameters;
     and, when the same parameters were split into groups differently (:func:`_regroup`), the saved group each
@@ -864,7 +868,7 @@ def load(
 
 
 def _load_optimizers(
-    path: Path,
+    path: Path | str,
     source: CheckpointSource,
     model: nn.Module,
     optimizers: Sequence[Any],
@@ -921,7 +925,7 @@ def _world_size_independent(loader_states: Any) -> bool:
 
 
 def _rank_state(
-    path: Path, extra: dict[str, Any], checkpoint: dict[str, Any], rank: int, world_size: int
+    path: Path | str, extra: dict[str, Any], checkpoint: dict[str, Any], rank: int, world_size: int
 ) -> tuple[Any, Any]:
     """This rank's dataloader positions (into ``checkpoint``) and RNG state, when the world size is the same."""
     ranks = extra.get("ranks") or []

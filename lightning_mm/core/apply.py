@@ -14,7 +14,7 @@ import math
 import warnings
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, cast
 
 import torch
 import torch.distributed as dist
@@ -258,12 +258,17 @@ def sharded_units(model: nn.Module, root: nn.Module) -> list[Unit]:
     """
     by_state: dict[int, list[tuple[str, nn.Module]]] = {}
     for name, module in model.named_modules():
-        if isinstance(module, FSDPModule) and module is not root:
+        if _is_fsdp_module(module) and module is not root:
             by_state.setdefault(id(fsdp_state(module)), []).append((name or "<root>", module))
     return [
         Unit(members[0][0], tuple(m for _, m in members), _holds_sharded_parameters(m for _, m in members))
         for members in by_state.values()
     ]
+
+
+def _is_fsdp_module(module: nn.Module) -> bool:
+    # Not an isinstance check inline: mypy narrows the module to FSDPModule (a mixin), dropping nn.Module.
+    return isinstance(module, FSDPModule)
 
 
 def _holds_sharded_parameters(modules: Iterable[nn.Module]) -> bool:
@@ -321,7 +326,8 @@ class ExecutionOrderPrefetch:
         for handle in self._handles:
             handle.remove()
         self._handles = []
-        order = [self.root, *self.order]
+        # The root is fully_shard-ed (an FSDPModule) before this hook runs; nn.Module is its declared type.
+        order: list[FSDPModule] = [cast(FSDPModule, self.root), *self.order]
         for i, unit in enumerate(order):
             if self.num_to_forward_prefetch:
                 unit.set_modules_to_forward_prefetch(order[i + 1 : i + 1 + self.num_to_forward_prefetch])
@@ -342,7 +348,7 @@ class ExecutionOrderPrefetch:
                 ", ".join("<root>" if u is self.root else self.name(u) for u in self.kept_unsharded),
             )
 
-    def name(self, unit: nn.Module) -> str:
+    def name(self, unit: nn.Module | FSDPModule) -> str:
         return self.names.get(id(unit), type(unit).__name__)
 
 

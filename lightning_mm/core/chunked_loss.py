@@ -130,7 +130,7 @@ class _LinearCrossEntropy(torch.autograd.Function):
         xs, ws = tensors[:terms], tensors[terms : 2 * terms]
         bias = tensors[2 * terms] if has_bias else None
         need_x, need_w = needs[:terms], needs[terms : 2 * terms]
-        need_b = has_bias and needs[2 * terms]
+        need_b = bias is not None and needs[2 * terms]
         any_grad = any(needs)
         acc = torch.promote_types(xs[0].dtype, torch.float32)  # the loss's dtype: float32, or float64 inputs' own
         scale = denominator.to(acc).reciprocal()
@@ -139,7 +139,7 @@ class _LinearCrossEntropy(torch.autograd.Function):
         # Weight gradients accumulate over chunks in the weight's dtype (each chunk's product accumulates in
         # float32 inside the kernel): a float32 buffer would add 2 bytes per weight element for 16-bit weights.
         grad_w = [torch.zeros_like(w) if n else None for w, n in zip(ws, need_w)]
-        grad_b = torch.zeros(vocab, dtype=acc, device=bias.device) if need_b else None
+        grad_b = torch.zeros(vocab, dtype=acc, device=bias.device) if need_b and bias is not None else None
         total = torch.zeros((), dtype=acc, device=targets.device)
         for start in range(0, targets.shape[0], chunk_size):
             rows = slice(start, start + chunk_size)
@@ -160,7 +160,7 @@ class _LinearCrossEntropy(torch.autograd.Function):
             token_loss = peak.squeeze(1) + sums.log() - picked
             total += torch.where(valid, token_loss, 0).sum()
             if not any_grad:
-                logits = None  # freed before the next chunk's product
+                del logits  # freed before the next chunk's product
                 continue
             # d loss / d logits = (softmax - one_hot(target)) * scale on valid rows, 0 elsewhere.
             logits.div_(sums.unsqueeze(1))
@@ -169,15 +169,15 @@ class _LinearCrossEntropy(torch.autograd.Function):
             if grad_b is not None:
                 grad_b.add_(logits.sum(dim=0))
             grad = logits.to(mm_dtype)  # a 16-bit copy for 16-bit products (the float32 one is freed)
-            logits = None
-            for i, (x, w) in enumerate(zip(xs, ws)):
-                if grad_x[i] is not None:
-                    torch.mm(grad, w, out=grad_x[i][rows])
-                if grad_w[i] is not None:
-                    grad_w[i].addmm_(grad.t(), x[rows])
-            grad = None  # freed before the next chunk's product
+            del logits
+            for x, w, gx, gw in zip(xs, ws, grad_x, grad_w):
+                if gx is not None:
+                    torch.mm(grad, w, out=gx[rows])
+                if gw is not None:
+                    gw.addmm_(grad.t(), x[rows])
+            del grad  # freed before the next chunk's product
         grads = [*grad_x, *grad_w]
-        if has_bias:
+        if bias is not None:
             grads.append(grad_b.to(bias.dtype) if grad_b is not None else None)
         # Kept on ctx (not save_for_backward: they are neither inputs nor outputs), scaled in place in backward.
         ctx.grads = grads

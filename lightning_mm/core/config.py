@@ -55,8 +55,14 @@ def _dtype_name(dtype: torch.dtype | None) -> str | None:
     return None if dtype is None else {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32"}[dtype]
 
 
+class _ExplicitKeys:
+    # The attribute FSDP2Config.__new__ sets, declared outside the dataclass: an annotation in its body would be a
+    # field (compared, copied by dataclasses.replace, listed by fields()).
+    _explicit: frozenset[str]
+
+
 @dataclass
-class FSDP2Config:
+class FSDP2Config(_ExplicitKeys):
     """MindSpeed MM's FSDP2 sharding config.
 
     Module paths in ``sub_modules_to_wrap``, ``ignored_modules`` and ``recompute_modules`` are relative to the

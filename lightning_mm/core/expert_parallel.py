@@ -251,7 +251,7 @@ def expert_state_names(root: nn.Module, plan: ShardingPlan, target: nn.Module) -
     """Fully qualified names (relative to ``root``) of the expert parameters, as state dicts key them."""
     assert plan.experts is not None
     experts = {id(target.get_submodule(path)) for path in plan.experts.moe_modules}
-    names = set()
+    names: set[str] = set()
     for prefix, module in root.named_modules():
         if id(module) in experts:
             names.update(f"{prefix}.{name}" if prefix else name for name, _ in module.named_parameters())

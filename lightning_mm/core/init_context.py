@@ -26,7 +26,9 @@ def _to_meta(module: nn.Module, name: str, param: nn.Parameter | None) -> nn.Par
 @contextmanager
 def meta_parameters() -> Generator[None, None, None]:
     """Inside this context every newly registered parameter is replaced by a meta-device parameter."""
-    handle = register_module_parameter_registration_hook(_to_meta)
+    # torch's annotation says the hook returns None; its docstring and register_parameter take a returned
+    # parameter as the replacement, which is what _to_meta relies on.
+    handle = register_module_parameter_registration_hook(_to_meta)  # type: ignore[arg-type]
     try:
         yield
     finally:

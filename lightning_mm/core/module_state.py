@@ -79,7 +79,7 @@ def replace_forward(module: nn.Module, forward: Callable[..., Any], reason: str)
     ``nn.Module.__call__`` runs it with the module's hooks (FSDP2's included) around it, so the module keeps its
     name, its parameters and its place in the tree; ``del module.forward`` gives back the class's method.
     """
-    module.forward = forward  # type: ignore[method-assign]
+    module.forward = forward
     _record(module, "forward", reason)
 
 
@@ -108,7 +108,8 @@ def keep_local_experts(module: nn.Module, local: dict[str, nn.Parameter], first:
     _record(module, "parameters", f"expert parallelism: experts {first}..{first + count - 1} of {shown}")
     declared = getattr(module, "num_experts", None)
     if isinstance(declared, int) and not isinstance(declared, bool):
-        module.num_experts = count
+        # nn.Module.__setattr__'s annotation takes tensors and modules; any other value is a plain attribute
+        module.num_experts = count  # type: ignore[assignment]
         _record(module, "num_experts", f"expert parallelism: {count} local experts of {declared}")
     _EXPERT_OFFSETS[module] = first
 

@@ -33,7 +33,7 @@ import re
 import warnings
 from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Protocol, TypeVar
 
 from lightning_mm._names import find_unknown_key
 from lightning_mm._yaml import short_repr
@@ -395,9 +395,18 @@ def _map_recompute(section: Mapping[str, Any], prefix: str, read: _Reader, out: 
         )
 
 
+_Config = TypeVar("_Config", covariant=True)
+
+
+class _FromDict(Protocol[_Config]):
+    """A config class (FSDP2Config, which imports this module: not imported here)."""
+
+    def from_dict(self, data: Mapping[str, Any], source: str | None = None) -> _Config: ...
+
+
 def fsdp2_config_from_native(
-    config_class: type, error: type[Exception], data: Mapping[str, Any], source: str | None = None
-) -> Any:
+    config_class: _FromDict[_Config], error: type[Exception], data: Mapping[str, Any], source: str | None = None
+) -> _Config:
     """The ``config_class`` (:class:`~lightning_mm.core.config.FSDP2Config`) of a native ``parallel:`` section or a
     whole native config; errors are ``error`` (its ``FSDP2ConfigError``).
 

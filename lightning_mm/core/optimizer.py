@@ -70,7 +70,7 @@ def group_by_sharding(params: Iterable[torch.nn.Parameter]) -> list[dict[str, li
     One group when all parameters are of one kind. Groups of one kind each can take the fused step.
     """
     params = list(params)
-    sharded = [p for p in params if isinstance(p, DTensor)]
+    sharded: list[torch.nn.Parameter] = [p for p in params if isinstance(p, DTensor)]
     unsharded = [p for p in params if not isinstance(p, DTensor)]
     return [{"params": group} for group in (sharded, unsharded) if group]
 

@@ -346,9 +346,9 @@ def _group_shared_parameters(
 
     uf = _UnionFind()
     for paths in shared:
-        owners = sorted({_owner(_module_of(p), units) for p in paths})
-        for other in owners[1:]:
-            uf.union(owners[0], other)
+        ordered = sorted({_owner(_module_of(p), units) for p in paths})
+        for other in ordered[1:]:
+            uf.union(ordered[0], other)
     groups: dict[str, list[str]] = {}
     for unit in units:
         groups.setdefault(uf.find(unit), []).append(unit)
@@ -394,8 +394,8 @@ def norm_and_router_modules(model: nn.Module, units: list[str], ignored: list[st
     stacks = set()
     for unit in units:
         parent = unit.rpartition(".")[0]
-        owner = model.get_submodule(parent) if parent else model
-        if isinstance(owner, nn.ModuleList):
+        container = model.get_submodule(parent) if parent else model
+        if isinstance(container, nn.ModuleList):
             stacks.add(parent.rpartition(".")[0])
     found: list[str] = []
     for path, module in model.named_modules():

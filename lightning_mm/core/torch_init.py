@@ -17,6 +17,9 @@ gives exactly the numbers of the eager constructors; sharded, the same constants
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from typing import cast
+
 import torch
 from torch import nn
 from torch.distributed.tensor import DTensor
@@ -59,7 +62,8 @@ def init_module_like_constructor(module: nn.Module) -> None:
         reset_torch_layer(module)
     elif _is_torch_method(module, "reset_parameters"):
         if next(module.parameters(recurse=False), None) is not None:
-            module.reset_parameters()
+            # nn.Module's stub types unknown attributes as tensors or modules; this one is a torch method
+            cast("Callable[[], None]", module.reset_parameters)()
     else:
         reset = getattr(module, "reset_parameters", None)
         if callable(reset):
@@ -69,7 +73,7 @@ def init_module_like_constructor(module: nn.Module) -> None:
 def _same_layout(a: torch.Tensor, b: torch.Tensor) -> bool:
     if isinstance(a, DTensor) != isinstance(b, DTensor) or a.shape != b.shape or a.dtype != b.dtype:
         return False
-    if isinstance(a, DTensor):
+    if isinstance(a, DTensor) and isinstance(b, DTensor):  # both or neither (checked above)
         return a.device_mesh == b.device_mesh and a.placements == b.placements
     return True
 

@@ -101,8 +101,7 @@ class AsyncSaver:
         """Start ``save(executor, group)`` (every rank, after :meth:`wait`): the state is staged when it returns."""
         assert self._pending is None, "wait() for the previous save first"
         if self._group is None and dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
-            kwargs = {"timeout": timeout} if timeout is not None else {}
-            self._group = dist.new_group(backend="gloo", **kwargs)
+            self._group = dist.new_group(backend="gloo", timeout=timeout)  # None: the default timeout
         links = _links(path.parent) if rank0 else {}
         future = save(self._executor, self._group)
         assert future is not None

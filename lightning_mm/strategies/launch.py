@@ -37,7 +37,8 @@ def dangling_last_link(trainer: pl.Trainer) -> str | None:
     """The one-line refusal for ``ckpt_path="last"`` when a ``last`` candidate is a link whose target is gone."""
     candidates: set[str] = {
         str(cb.ckpt_path)
-        for cb in trainer.callbacks
+        # Lightning's callback connector sets Trainer.callbacks; the Trainer class does not declare it
+        for cb in trainer.callbacks  # type: ignore[attr-defined]
         if isinstance(cb, OnExceptionCheckpoint) and getattr(cb, "ckpt_path", None)
     }
     for callback in trainer.checkpoint_callbacks:

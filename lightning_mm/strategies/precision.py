@@ -96,7 +96,10 @@ class MMFSDP2Precision(Precision):
         return super().post_backward(tensor, module)
 
     @override
-    def optimizer_step(self, optimizer: Any, model: Any, closure: Callable[[], Any], **kwargs: Any) -> Any:
+    # Lightning's own Precision.optimizer_step adds `model` and `closure` to Fabric's signature (ignoring the same)
+    def optimizer_step(  # type: ignore[override]
+        self, optimizer: Any, model: Any, closure: Callable[[], Any], **kwargs: Any
+    ) -> Any:
         self._step_norm = None  # a norm from before this step's backward is stale
         if self.stop_on_nonfinite:
             inner = closure
