@@ -167,7 +167,10 @@ _PRIVATE_ACCESS = re.compile(
     r"|\._reset_parameters\(|__create_chunk_list__"
     # Transformers (and nn.Module's own dict of parameters)
     r"|\._attn_implementation\b|_is_hf_initialized|\._parameters\[|\btransformers(\.[A-Za-z]\w*)*\._[A-Za-z]"
-    r"|[\"'](_attn_implementation|_parameters)[\"']"  # the same through getattr/setattr
+    # Transformers' (and diffusers') private class declarations, read through the _compat accessors
+    r"|\.(_no_split_modules|_tied_weights_keys|_keys_to_ignore_on_load_unexpected)\b"
+    r"|[\"'](_attn_implementation|_parameters|_no_split_modules|_tied_weights_keys|_keys_to_ignore_on_load_unexpected)"
+    r"[\"']"  # the same through getattr/setattr
 )
 
 
@@ -264,6 +267,12 @@ def test_no_module_outside_compat_reaches_for_private_names():
         'setattr(config, "_attn_implementation", "sdpa")',
         "params = getattr(owner, '_parameters')",
         "module._get_fsdp_state()",
+        "classes = set(getattr(model, '_no_split_modules', None) or ())",
+        "blocks = model._no_split_modules",
+        'tied = getattr(model, "_tied_weights_keys", None) or {}',
+        "tied = type(model)._tied_weights_keys",
+        'ignorable = getattr(model, "_keys_to_ignore_on_load_unexpected", None) or ()',
+        "ignorable = model._keys_to_ignore_on_load_unexpected",
         "from lightning_mm.checkpoint.store import _write_file, open_source",
         "from lightning_mm.hf.mixins import (\n    FSDP2Mixin,\n    _is_hf_model,\n)",
         "from ..checkpoint.store import _write_file",
@@ -284,6 +293,9 @@ def test_the_scan_finds_each_kind_of_leak(leak):
         "from lightning_mm.checkpoint.store import write_file",
         "from lightning_mm.modules.lora import __all__",
         "self._step_norm = None",
+        "classes = plan.no_split_modules",  # a public field of the same name
+        'tied = getattr(model, "all_tied_weights_keys", None)',  # Transformers' public property
+        "raise ValueError('it declares no `_no_split_modules`')",  # named in a message
     ],
 )
 def test_the_scan_lets_public_names_and_private_modules_pass(fine):

@@ -12,7 +12,9 @@ from collections.abc import Mapping
 from typing import Any
 
 import torch
-from diffusers import WanTransformer3DModel
+
+# diffusers.models, not diffusers: the top-level package's type-checking imports give its no-torch placeholder.
+from diffusers.models import WanTransformer3DModel
 from torch import nn
 
 from lightning_mm._dtensor import local_tensor
@@ -23,7 +25,8 @@ from lightning_mm.hf.pending_weights import pending_pretrained
 __all__ = ["BUILTIN_ADAPTERS", "WanTransformer3DModelFSDP"]
 
 
-class WanTransformer3DModelFSDP(WanTransformer3DModel, FSDP2Mixin, WeightInitMixin):
+# diffusers' own bases disagree on `config_name` (ModelMixin: str, ConfigMixin: None); not this class's doing.
+class WanTransformer3DModelFSDP(WanTransformer3DModel, FSDP2Mixin, WeightInitMixin):  # type: ignore[misc]
     """diffusers' ``WanTransformer3DModel`` with a default sharding plan and meta-device initialisation."""
 
     hub_keys = ("WanTransformer3DModel", "wan")

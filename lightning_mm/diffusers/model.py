@@ -104,7 +104,7 @@ def read_diffusers_config(directory: str | Path) -> dict[str, Any]:
     return data
 
 
-def _init_keys(model_cls: type) -> list[str]:
+def _init_keys(model_cls: type[Any]) -> list[str]:
     return [n for n in inspect.signature(model_cls.__init__).parameters if n not in ("self", "args", "kwargs")]
 
 
@@ -133,7 +133,7 @@ def build_config(cfg: DiffusersModelConfig, model_cls: type, base: dict[str, Any
 def _meta_parameters_active() -> bool:
     probe = nn.Module()
     probe.register_parameter("probe", nn.Parameter(torch.empty(0)))
-    return probe.probe.is_meta
+    return probe.get_parameter("probe").is_meta
 
 
 def _freeze(model: nn.Module, patterns: list[str]) -> None:

@@ -22,11 +22,13 @@ are not.
 
 from __future__ import annotations
 
+import weakref
 from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
 from torch import Tensor, nn
+from torch.utils.hooks import RemovableHandle
 
 from lightning_mm.core.context_parallel import ContextParallelError, all_to_all, check_heads, split_sequence
 
@@ -34,6 +36,10 @@ if TYPE_CHECKING:
     from diffusers.models.transformers.transformer_wan import WanAttention
 
 __all__ = ["UlyssesWanSelfAttention", "enable_wan_context_parallel"]
+
+#: The models routed through Ulysses, and the handles of their hooks: kept here, not written on the user's model
+#: (a second :func:`enable_wan_context_parallel` of the same model does nothing); weak: it dies with the model.
+_ENABLED: weakref.WeakKeyDictionary[nn.Module, list[RemovableHandle]] = weakref.WeakKeyDictionary()
 
 
 def _rotate(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
@@ -103,7 +109,7 @@ def enable_wan_context_parallel(predictor: nn.Module, group: Any) -> None:
     if not isinstance(blocks, nn.ModuleList) or not len(blocks):
         raise ContextParallelError(f"{type(predictor).__name__} has no `blocks` to run context-parallel")
     check_heads(int(wan.config.num_attention_heads), None, size, type(predictor).__name__)
-    if getattr(predictor, "_wan_context_parallel", None) is not None:
+    if predictor in _ENABLED:
         return
 
     def split_inputs(module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
@@ -130,4 +136,4 @@ def enable_wan_context_parallel(predictor: nn.Module, group: Any) -> None:
     for block in blocks:
         wan_block: Any = block
         wan_block.attn1.set_processor(UlyssesWanSelfAttention(group))
-    wan._wan_context_parallel = handles
+    _ENABLED[predictor] = handles

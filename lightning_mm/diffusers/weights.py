@@ -14,6 +14,7 @@ from pathlib import Path
 
 from torch import nn
 
+from lightning_mm._compat import keys_to_ignore_on_load_unexpected
 from lightning_mm._tied import names_by_tensor
 from lightning_mm.hf.pretrained_index import (
     CheckpointError,
@@ -45,7 +46,7 @@ def diffusers_load_plan(model: nn.Module, index: SafetensorsIndex) -> LoadPlan:
     params = {id(p) for p in model.parameters()}
     groups = names_by_tensor(state.items())
     owner = {name: key for key, names in groups.items() for name in names}
-    ignorable = [re.compile(p) for p in (getattr(model, "_keys_to_ignore_on_load_unexpected", None) or ())]
+    ignorable = [re.compile(p) for p in keys_to_ignore_on_load_unexpected(model)]
     found: dict[int, list[TensorInfo]] = {}
     unexpected: list[str] = []
     ignored: list[str] = []

@@ -167,8 +167,8 @@ def _pair(value: Any) -> tuple[int, int]:
 
 def expected_image_tokens(model: nn.Module, batch: Mapping[str, Any], video: bool = False) -> int | None:
     """The placeholder tokens that the batch's images (or videos) fill, or ``None`` if this model's rule is unknown."""
-    config = model.config
-    vision = getattr(config, "vision_config", None)
+    config: Any = model.config  # a Transformers config: its fields differ per model type
+    vision: Any = getattr(config, "vision_config", None)
     grid = _tensor(batch, "video_grid_thw" if video else "image_grid_thw")
     merge = getattr(vision, "spatial_merge_size", None)
     if grid is not None and isinstance(merge, int):  # Qwen-VL: one token per merged group of patches
@@ -339,8 +339,9 @@ def _check_packing(model: nn.Module, batch: Mapping[str, Any]) -> None:
             "attend across the packed samples (Transformers derives the per-sample mask from position_ids only "
             "without an attention_mask); drop attention_mask from packed batches"
         )
-    text_config = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
-    caches = any(getattr(c, "use_cache", False) is not False for c in (model.config, text_config))
+    config: Any = model.config  # a Transformers config
+    text_config = config.get_text_config() if hasattr(config, "get_text_config") else config
+    caches = any(getattr(c, "use_cache", False) is not False for c in (config, text_config))
     if batch.get("use_cache") is not False and caches:
         raise BatchCheckError(
             f"the batch is packed (position_ids restart within a row) but the call does not set use_cache=False: "

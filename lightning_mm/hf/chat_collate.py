@@ -98,6 +98,7 @@ def _padded_cat(parts: list[torch.Tensor]) -> torch.Tensor:
     out = parts[0].new_zeros((sum(p.shape[0] for p in parts), *size))
     row = 0
     for p in parts:
-        out[(slice(row, row + p.shape[0]), *(slice(0, n) for n in p.shape[1:]))] = p
+        region = (slice(row, row + p.shape[0]), *(slice(0, n) for n in p.shape[1:]))
+        out[region] = p
         row += p.shape[0]
     return out

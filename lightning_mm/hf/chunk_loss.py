@@ -27,8 +27,9 @@ call. Across data-parallel ranks the gradients are averaged as before, so traini
 from __future__ import annotations
 
 import weakref
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Protocol, cast
 
 from torch import Tensor, nn
 
@@ -144,6 +145,19 @@ class _ChunkLoss:
         return output
 
 
+class _LoraLinear(Protocol):
+    """What the chunked loss reads of PEFT's LoRA ``Linear`` (:func:`_is_lora_linear` checks that it is one)."""
+
+    base_layer: nn.Linear
+    lora_A: Mapping[str, nn.Linear]  # noqa: N815 - PEFT's names
+    lora_B: Mapping[str, nn.Linear]  # noqa: N815
+    lora_dropout: Mapping[str, Callable[[Tensor], Tensor]]
+    scaling: Mapping[str, float]
+    active_adapters: Sequence[str]
+    disable_adapters: bool
+    merged: bool
+
+
 def _is_plain_linear(head: nn.Module) -> bool:
     """An ``nn.Linear`` computing ``x @ weight.T + bias`` (FSDP2 makes it an ``FSDPLinear`` with the same forward)."""
     return isinstance(head, nn.Linear) and type(head).forward is nn.Linear.forward
@@ -167,9 +181,10 @@ def _check_head(head: nn.Module) -> None:
             f"enable_chunk_loss: the output layer is a {type(head).__name__}; the chunked loss needs an nn.Linear "
             "(or PEFT's LoRA Linear around one)"
         )
+    lora = cast(_LoraLinear, head)
     variants = getattr(head, "lora_variant", None) or {}
-    used = [a for a in head.active_adapters if a in variants]
-    if used and not (head.disable_adapters or head.merged):
+    used = [a for a in lora.active_adapters if a in variants]
+    if used and not (lora.disable_adapters or lora.merged):
         raise ChunkedLossError(
             f"enable_chunk_loss: the output layer's LoRA adapter(s) {used} use a variant (DoRA or "
             "another); only plain LoRA on the head is supported"
@@ -181,17 +196,21 @@ def head_terms(head: nn.Module, hidden: Tensor) -> tuple[list[Tensor], list[Tens
     (one more term per active adapter: ``scaling * lora_A(dropout(hidden))`` with ``lora_B.weight``)."""
     _check_head(head)
     if _is_plain_linear(head):
-        return [hidden], [head.weight], head.bias
-    base = head.base_layer
-    xs, ws, bias = [hidden], [base.weight], base.bias
-    if head.disable_adapters or head.merged:
+        linear = cast(nn.Linear, head)
+        return [hidden], [linear.weight], linear.bias
+    lora = cast(_LoraLinear, head)  # _check_head: PEFT's LoRA Linear around an nn.Linear
+    base = lora.base_layer
+    xs: list[Tensor] = [hidden]
+    ws: list[Tensor] = [base.weight]
+    bias: Tensor | None = base.bias
+    if lora.disable_adapters or lora.merged:
         return xs, ws, bias
-    for name in head.active_adapters:
-        if name not in head.lora_A:
+    for name in lora.active_adapters:
+        if name not in lora.lora_A:
             continue
-        lora_a, lora_b = head.lora_A[name], head.lora_B[name]
-        scaling = head.scaling[name]
-        xs.append(lora_a(head.lora_dropout[name](hidden.to(lora_a.weight.dtype))) * scaling)
+        lora_a, lora_b = lora.lora_A[name], lora.lora_B[name]
+        scaling = lora.scaling[name]
+        xs.append(lora_a(lora.lora_dropout[name](hidden.to(lora_a.weight.dtype))) * scaling)
         ws.append(lora_b.weight)
         if lora_b.bias is not None:
             extra = lora_b.bias * scaling
@@ -223,7 +242,7 @@ def enable_chunk_loss(model: nn.Module, chunk_size: int = 1024) -> None:
             f"{type(head).__name__}); a custom model computes its loss with "
             "lightning_mm.core.chunked_loss.linear_cross_entropy itself"
         )
-    config = getattr(model, "config", None)
+    config: Any = getattr(model, "config", None)
     text = config.get_text_config() if hasattr(config, "get_text_config") else config
     for key in ("final_logit_softcapping", "logit_scale", "logits_scaling"):
         if getattr(text, key, None) not in (None, 1, 1.0):
@@ -247,11 +266,14 @@ def chunk_loss_target(root: nn.Module) -> nn.Module:
     getter = getattr(root, "get_output_embeddings", None)
     if callable(getter) and isinstance(getter(), nn.Module):
         return root
+    pretrained: type[nn.Module] | None
     try:
         from transformers import PreTrainedModel
+
+        pretrained = PreTrainedModel
     except ImportError:  # pragma: no cover - transformers is an optional extra
-        PreTrainedModel = None  # noqa: N806
-    found = next((m for m in root.modules() if PreTrainedModel is not None and isinstance(m, PreTrainedModel)), None)
+        pretrained = None
+    found = next((m for m in root.modules() if pretrained is not None and isinstance(m, pretrained)), None)
     if found is None:
         raise ChunkedLossError(
             f"enable_chunk_loss: {type(root).__name__} is not a Transformers model and has no output layer "

@@ -130,8 +130,9 @@ def find_hf_model(root: nn.Module) -> nn.Module | None:
 def check_routable(model: nn.Module, size: int) -> nn.Module:
     """The decoder of ``model`` if its attention can run under Ulysses with ``size`` ranks; else a clear error."""
     name = type(model).__name__
+    hf: Any = model  # a Transformers model: get_decoder() is Transformers' own, untyped
     try:
-        decoder = model.get_decoder()
+        decoder: nn.Module = hf.get_decoder()
     except Exception as err:  # noqa: BLE001 - Transformers raises several kinds for models without a decoder
         raise ContextParallelError(f"{name}: no text decoder to run context-parallel ({err})") from None
     config = decoder.config
@@ -177,7 +178,8 @@ def _split_decoder_inputs(decoder: nn.Module, args: tuple, kwargs: dict[str, Any
         raise ContextParallelError("generation with a key/value cache is not supported under context parallelism")
     embeds = kwargs.get("inputs_embeds")
     if embeds is None:
-        embeds = decoder.get_input_embeddings()(kwargs["input_ids"])
+        hf: Any = decoder  # a Transformers decoder: get_input_embeddings() is Transformers' own
+        embeds = hf.get_input_embeddings()(kwargs["input_ids"])
     batch, seq = embeds.shape[:2]
     positions = kwargs.get("position_ids")
     if positions is None:
@@ -231,8 +233,9 @@ def context_parallel_summary(
     model = find_hf_model(target)
     activations = None
     if model is not None:
-        decoder = check_routable(model, size) if plan.enabled else model.get_decoder()
-        config = decoder.config
+        hf: Any = model  # a Transformers model: get_decoder() and the config are Transformers' own
+        decoder = check_routable(model, size) if plan.enabled else hf.get_decoder()
+        config: Any = decoder.config
         if seq_len and getattr(config, "hidden_size", None) and getattr(config, "num_hidden_layers", None):
             activations = activation_bytes_estimate(config.hidden_size, config.num_hidden_layers, seq_len)
     elif plan.enabled:

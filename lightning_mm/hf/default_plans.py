@@ -35,10 +35,11 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, cast
 
 from torch import nn
 
+from lightning_mm._compat import no_split_modules, tied_weights_keys
 from lightning_mm._module_paths import is_under, is_under_any
 from lightning_mm._names import listing
 from lightning_mm.core.config import FSDP2ConfigError
@@ -103,7 +104,7 @@ class DerivedPlan:
 
 # ------------------------------------------------------------------------------------------------ blocks
 def _no_split(model: nn.Module) -> set[str]:
-    return set(getattr(model, "_no_split_modules", None) or ())
+    return no_split_modules(model)
 
 
 def block_paths(model: nn.Module) -> list[str]:
@@ -252,10 +253,11 @@ def compress_paths(model: nn.Module, paths: list[str]) -> list[str]:
             result.append(item)
             continue
         indices = sorted(set(by_parent[item]))
-        if indices == list(range(len(model.get_submodule(item)))):
+        if indices == list(range(len(cast(nn.ModuleList, model.get_submodule(item))))):  # by_parent: ModuleLists
             result.append(f"{item}.{{*}}")
             continue
-        ranges, start = [], indices[0]
+        ranges: list[str] = []
+        start: int | None = indices[0]
         for prev, cur in zip(indices, [*indices[1:], None]):
             if cur != prev + 1:
                 ranges.append(str(start) if start == prev else f"{start}-{prev}")
@@ -360,7 +362,7 @@ def derive_fsdp2_plan(model: nn.Module, ignored: Sequence[str] | None = None) ->
     moe = [p for p in moe_module_paths(model) if not is_under_any(p, ignore)]
     tied = getattr(model, "all_tied_weights_keys", None)  # what is tied in this config
     if tied is None:
-        tied = getattr(model, "_tied_weights_keys", None) or {}
+        tied = tied_weights_keys(model) or {}
     tied_lines = [f"{t} -> {s}" for t, s in tied.items()] if isinstance(tied, dict) else [str(t) for t in tied]
     return DerivedPlan(
         model_class=name,

@@ -16,7 +16,7 @@ Register an adapter with the decorator or by writing to the table directly, as t
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any, ClassVar
+from typing import Any, ClassVar, cast
 
 from lightning_mm._names import nearest
 
@@ -51,7 +51,7 @@ class ModelHub:
         cls.MODEL_MAPPINGS.clear()
         try:
             for adapter in adapters:
-                cls.register(*adapter.hub_keys)(adapter)
+                cls.register(*cast(Any, adapter).hub_keys)(adapter)  # each adapter class declares hub_keys
         finally:
             cls.MODEL_MAPPINGS.update(user_entries)
 

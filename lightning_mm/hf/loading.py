@@ -18,8 +18,8 @@ from __future__ import annotations
 import logging
 from collections.abc import Iterator
 from contextlib import ExitStack, contextmanager
+from io import BufferedReader
 from pathlib import Path
-from typing import BinaryIO
 
 import torch
 from torch import nn
@@ -42,8 +42,8 @@ def local_region(tensor: torch.Tensor) -> tuple[tuple[int, ...], tuple[int, ...]
     return (0,) * tensor.ndim, tuple(tensor.shape)
 
 
-def _readinto(f: BinaryIO, start: int, out: torch.Tensor) -> None:
-    view = memoryview(out.reshape(-1).view(torch.uint8).numpy())
+def _readinto(f: BufferedReader, start: int, out: torch.Tensor) -> None:
+    view = out.reshape(-1).view(torch.uint8).numpy().data  # the tensor's bytes, as a memoryview
     f.seek(start)
     done = 0
     while done < len(view):
@@ -55,7 +55,7 @@ def _readinto(f: BinaryIO, start: int, out: torch.Tensor) -> None:
 
 def read_region(
     directory: str | Path,
-    files: dict[str, BinaryIO],
+    files: dict[str, BufferedReader],
     info: TensorInfo,
     offsets: tuple[int, ...],
     sizes: tuple[int, ...],
@@ -84,13 +84,13 @@ def read_region(
 
 
 @contextmanager
-def _open_files(plan: LoadPlan) -> Iterator[dict[str, BinaryIO]]:
+def _open_files(plan: LoadPlan) -> Iterator[dict[str, BufferedReader]]:
     with ExitStack() as stack:
         yield {name: stack.enter_context(open(Path(plan.directory) / name, "rb")) for name in plan.files}
 
 
 def _fill(
-    plan: LoadPlan, files: dict[str, BinaryIO], entry: LoadEntry, tensor: torch.Tensor, first_row: int = 0
+    plan: LoadPlan, files: dict[str, BufferedReader], entry: LoadEntry, tensor: torch.Tensor, first_row: int = 0
 ) -> None:
     offsets, sizes = local_region(tensor)
     if first_row:  # the local experts of an expert-parallel module: rows from `first_row` on
@@ -126,7 +126,7 @@ def _fill(
 
 def _fill_stacked(
     plan: LoadPlan,
-    files: dict[str, BinaryIO],
+    files: dict[str, BufferedReader],
     stacked: tuple[tuple[TensorInfo, ...], ...],
     offsets: tuple[int, ...],
     sizes: tuple[int, ...],

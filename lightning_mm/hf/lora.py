@@ -41,10 +41,10 @@ from __future__ import annotations
 
 import dataclasses
 import json
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal, cast
 
 import torch
 from torch import nn
@@ -148,16 +148,17 @@ class LoRAConfig:
 
         return LoraConfig(
             r=self.rank,
-            lora_alpha=self.alpha,
+            # PEFT annotates `lora_alpha` as an int; it only divides it by the rank, so a float alpha works.
+            lora_alpha=self.alpha,  # type: ignore[arg-type]
             lora_dropout=float(self.dropout),
             target_modules=list(targets),
-            init_lora_weights=self.init_lora_weights,
+            init_lora_weights=cast("bool | Literal['gaussian']", self.init_lora_weights),  # one of _INITS
             bias="none",
         )
 
 
 # -------------------------------------------------------------------------------------- deciding
-def resolve_targets(model: nn.Module, config: LoRAConfig, frozen: list[str] = ()) -> list[str]:
+def resolve_targets(model: nn.Module, config: LoRAConfig, frozen: Sequence[str] = ()) -> list[str]:
     """The paths of the ``nn.Linear`` modules that get adapters; every problem is a :class:`LoRAConfigError`."""
     from lightning_mm.core.patterns import PatternError, resolve_patterns
 
@@ -214,7 +215,7 @@ class _Target:
 def _describe_targets(model: nn.Module, targets: list[str]) -> list[_Target]:
     out = []
     for path in targets:
-        linear = model.get_submodule(path)
+        linear = cast(nn.Linear, model.get_submodule(path))  # resolve_targets: nn.Linear modules
         weight = getattr(linear, "weight", None)
         dtype = weight.dtype if weight is not None and weight.is_floating_point() else torch.get_default_dtype()
         out.append(_Target(path, linear.in_features, linear.out_features, dtype))
@@ -351,7 +352,7 @@ def _rename_pending_plan(model: nn.Module, targets: list[str]) -> None:
     pending.plan = dataclasses.replace(pending.plan, entries=entries)
 
 
-def apply_lora(model: nn.Module, config: Any, frozen: list[str] = ()) -> nn.Module:
+def apply_lora(model: nn.Module, config: Any, frozen: Sequence[str] = ()) -> nn.Module:
     """Add LoRA adapters to ``model`` in place (PEFT's ``inject_adapter_in_model``) and freeze everything else.
 
     ``config`` is a :class:`LoRAConfig` or its mapping; ``frozen`` lists module paths that ``freeze`` froze (an

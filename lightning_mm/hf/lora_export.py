@@ -138,7 +138,8 @@ def merge_lora_state_dict(
         left = [n for n, p in wrapped.model.named_parameters() if p.is_meta]
     if left:
         raise ValueError(f"the checkpoint has no values for {left[:5]}")
-    merged = wrapped.merge_and_unload()
+    # The base model, a model_class (PEFT annotates it nn.Module): Transformers' tie_weights / save_pretrained.
+    merged: Any = wrapped.merge_and_unload()
     if getattr(hf_config, "tie_word_embeddings", False) or getattr(
         getattr(hf_config, "get_text_config", lambda: None)(), "tie_word_embeddings", False
     ):

@@ -8,7 +8,7 @@ construction.
 from __future__ import annotations
 
 from collections.abc import Mapping
-from typing import Any
+from typing import TYPE_CHECKING, Any, cast
 
 import torch
 from torch import nn
@@ -17,6 +17,9 @@ from lightning_mm._compat import clear_hf_init_flags, share_experts_kernels_with
 from lightning_mm._dtensor import local_tensor
 from lightning_mm.core.torch_init import init_module_like_constructor, zero_row
 from lightning_mm.hf.pending_weights import pending_lora, pending_pretrained
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedModel
 
 __all__ = ["MultiModalModule", "FSDP2Mixin", "WeightInitMixin", "is_hf_model"]
 
@@ -120,7 +123,7 @@ class FSDP2Mixin:
     _fully_shard.shards_plan_units = True  # type: ignore[attr-defined]
 
 
-_NORMS = (
+_NORMS: tuple[type[nn.Module], ...] = (
     nn.LayerNorm,
     nn.GroupNorm,
     nn.BatchNorm1d,
@@ -175,7 +178,7 @@ class WeightInitMixin:
             return
         if is_hf_model(self):
             clear_hf_init_flags(self)
-            self.initialize_weights()  # type: ignore[attr-defined]
+            cast("PreTrainedModel", self).initialize_weights()  # is_hf_model: a Transformers PreTrainedModel
             for module in self.modules():  # Hugging Face zeroes them through an index, a copy for a DTensor
                 if isinstance(module, nn.Embedding) and module.padding_idx is not None:
                     zero_row(module.weight, module.padding_idx)
@@ -234,9 +237,10 @@ def init_module(module: nn.Module, std: float = 0.02) -> None:
         if module.padding_idx is not None:
             zero_row(module.weight, module.padding_idx)
     elif isinstance(module, _NORMS):
-        if getattr(module, "weight", None) is not None:
-            nn.init.ones_(module.weight)
-        if getattr(module, "bias", None) is not None:
-            nn.init.zeros_(module.bias)
+        weight, bias = getattr(module, "weight", None), getattr(module, "bias", None)
+        if weight is not None:
+            nn.init.ones_(weight)
+        if bias is not None:
+            nn.init.zeros_(bias)
     else:  # e.g. nn.MultiheadAttention's in_proj_weight (torch's `_reset_parameters()`), PReLU, RNNs
         init_module_like_constructor(module)

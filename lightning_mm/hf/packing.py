@@ -62,11 +62,12 @@ def packed_forward_inputs(model: nn.Module, batch: Mapping[str, Any]) -> dict[st
     ``use_cache=False`` and, for a Qwen-VL model given 2-D ``position_ids``, 4-D ``(text + M-RoPE, B, T)`` ones
     computed per packed sample. Any other batch unchanged."""
     out = dict(batch)
-    positions = batch.get("position_ids")
-    if batch.get("attention_mask") is not None or not is_packed(positions):
+    if batch.get("attention_mask") is not None or not is_packed(batch.get("position_ids")):
         return out
+    positions: Tensor = batch["position_ids"]  # is_packed: a tensor
     out["use_cache"] = False
-    inner = _inner(model)
+    # A Qwen-VL inner model: its config and get_rope_index are Transformers' own, untyped here.
+    inner: Any = _inner(model)
     ids = batch.get("input_ids")
     if inner is None or positions.ndim != 2 or not isinstance(ids, Tensor) or ids.is_meta:
         return out

@@ -17,9 +17,12 @@ from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any, cast
 
 from torch import nn
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedModel
 
 from lightning_mm import _safetensors
 from lightning_mm._compat import keys_to_ignore_on_load_unexpected
@@ -230,7 +233,7 @@ def checkpoint_key_renamer(model: nn.Module) -> Callable[[str], tuple[str, str |
     from transformers.core_model_loading import WeightConverter, WeightRenaming, rename_source_key
 
     with _as_class(model, transformers_class(type(model))):
-        conversions = get_model_conversion_mapping(model)
+        conversions = get_model_conversion_mapping(cast("PreTrainedModel", model))  # a Transformers model
     renamings = [c for c in conversions if isinstance(c, WeightRenaming)]
     converters = [c for c in conversions if isinstance(c, WeightConverter)]
     model_keys = dict.fromkeys(model.state_dict(keep_vars=True), True)
@@ -291,7 +294,8 @@ def _stack_pieces(
     pieces: dict[tuple[int, int], TensorInfo],
 ) -> tuple[tuple[tuple[TensorInfo, ...], ...] | None, list[str], list[str]]:
     """Per expert, its pieces in row order; or the missing pieces and the misshapen ones."""
-    missing, misshapen = [], []
+    missing: list[str] = []
+    misshapen: list[str] = []
     if len(shape) != 3:
         return None, [], [f"{name}: model {list(shape)} is not a 3-D experts tensor, the checkpoint stores pieces"]
     experts, rows, cols = shape
@@ -380,7 +384,9 @@ def build_load_plan(model: nn.Module, index: SafetensorsIndex) -> LoadPlan:
             continue
         sources.setdefault(owner[target], []).append(info)
 
-    missing, buffers_kept, entries = [], [], []
+    missing: list[str] = []
+    buffers_kept: list[str] = []
+    entries: list[LoadEntry] = []
     stacked: dict[int, tuple[tuple[TensorInfo, ...], ...]] = {}
     for i, (target, stacking, parts) in pieces.items():
         if i in sources:  # also stored whole: two sources for one tensor

@@ -44,7 +44,7 @@ def hf_records(root: nn.Module) -> list[dict[str, Any]]:
         architecture = _architecture(module)
         config = json.loads(module.config.to_json_string(use_diff=False))
         config["architectures"] = [architecture]
-        record = {
+        record: dict[str, Any] = {
             "prefix": prefix,
             "architecture": architecture,
             "config": json.dumps(config),

@@ -176,7 +176,7 @@ def _check_keys(config: Any, overrides: Mapping[str, Any], where: str) -> None:
             _check_keys(sub, {k: v for k, v in value.items() if k != "model_type"}, f"{where}.{key}")
 
 
-def _merge(base: dict[str, Any], overrides: Mapping[str, Any]) -> dict[str, Any]:
+def _merge(base: Mapping[str, Any], overrides: Mapping[str, Any]) -> dict[str, Any]:
     """``base`` updated by ``overrides``; a nested dict updates a sub-config of the same ``model_type``."""
     out = dict(base)
     for key, value in overrides.items():
@@ -217,7 +217,8 @@ def build_hf_config(cfg: TransformersModelConfig) -> Any:
                 )
             config_cls = CONFIG_MAPPING[model_type]
         elif cfg.model_id is not None:
-            config_cls = resolve_model_class(cfg.model_id)[1].config_class
+            model_cls: Any = resolve_model_class(cfg.model_id)[1]  # a PreTrainedModel subclass
+            config_cls = model_cls.config_class
         else:
             raise TransformersModelConfigError(
                 "TransformersModel config: give `init_from_hf_path` (a Hugging Face directory), or `hf_config` "
@@ -235,7 +236,7 @@ def _meta_parameters_active() -> bool:
     """Whether parameters registered now go to the meta device (MMFSDP2Strategy's model-building context)."""
     probe = nn.Module()
     probe.register_parameter("probe", nn.Parameter(torch.empty(0)))
-    return probe.probe.is_meta
+    return probe.get_parameter("probe").is_meta
 
 
 class PendingPretrained:

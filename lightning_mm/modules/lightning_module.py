@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable, Mapping
-from typing import Any
+from typing import Any, cast
 
 import lightning as L
 import torch
@@ -125,7 +125,7 @@ class MMLightningModule(L.LightningModule):
         self.fsdp2_config = fsdp2_config
         self.lr = lr
         self.weight_decay = weight_decay
-        self.betas = tuple(betas)
+        self.betas = cast("tuple[float, float]", tuple(betas))  # the annotation's pair; a config's list as a tuple
         self.warmup_steps = warmup_steps
         self.lr_decay_style = lr_decay_style
         self.min_lr = min_lr
@@ -269,9 +269,11 @@ class MMLightningModule(L.LightningModule):
     # ------------------------------------------------------------------------ metrics
     def configure_callbacks(self) -> list[L.Callback]:
         """Lightning's ``ThroughputMonitor``, averaging over the steps between two written logs."""
-        trainer = attached_trainer(self)
-        if not self.log_throughput or trainer is None:
+        attached = attached_trainer(self)
+        if not self.log_throughput or attached is None:
             return []
+        # Lightning's connectors set `callbacks` and `log_every_n_steps` on the Trainer, which declares neither.
+        trainer: Any = attached
         if any(isinstance(callback, ThroughputMonitor) for callback in trainer.callbacks):
             return []  # the user's own
         window = max(2, int(trainer.log_every_n_steps) * int(trainer.accumulate_grad_batches))  # batches, not steps
