@@ -5,4 +5,5 @@ cd "$(dirname "$0")/.."
 bash scripts/install.sh
 .venv/bin/python -m ruff check lightning_mm tests examples benchmarks scripts
 .venv/bin/python -m ruff format --check lightning_mm tests examples benchmarks scripts
+.venv/bin/python -m mypy  # the package, configured in pyproject.toml
 .venv/bin/python -m pytest -q "$@"
