@@ -156,7 +156,7 @@ def test_lightning_module_default_loss_is_chunked(ckpts):
     module = MMLightningModule(model_provider=plain, enable_chunk_loss=True, chunk_loss_size=6, log_throughput=False)
     module.configure_model()
     batch = _batch("qwen3")
-    loss, _ = module._run(batch)
+    loss, _ = module.compute_loss(batch)
     assert module.forward_step(batch).logits is None  # the chunked path ran
     reference = plain()
     expected = reference(**batch).loss

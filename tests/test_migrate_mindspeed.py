@@ -230,7 +230,7 @@ def test_the_default_loss_is_mindspeeds_default_loss():
     batch = {"input_ids": ids, "labels": labels}
     module = MMLightningModule(model_provider=lambda: model)
     module.configure_model()
-    loss, _ = module._run(batch)
+    loss, _ = module.compute_loss(batch)
     logits = model(input_ids=ids).logits.float()
     shift = F.pad(labels, (0, 1), value=-100)[..., 1:]
     mask = shift > -1

@@ -165,7 +165,7 @@ def _execution_order(module: Any, target: Any, plan: Any, datamodule: Any) -> st
         batch = apply_to_collection(batch, torch.Tensor, lambda t: t.to("meta"))
         target.to("meta")  # buffers too: this throwaway model only runs to reveal the order
         with torch.no_grad():
-            module._run(batch) if hasattr(module, "_run") else module.training_step(batch, 0)
+            module.compute_loss(batch) if hasattr(module, "compute_loss") else module.training_step(batch, 0)
     except Exception as err:  # the order is then taken at the first training step, as always
         return f"  prefetch order: decided at the first training step (a meta-device forward failed: {err})"
     finally:

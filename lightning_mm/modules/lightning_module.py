@@ -215,8 +215,9 @@ class MMLightningModule(L.LightningModule):
                 enable_chunk_loss(chunk_loss_target(model), self.chunk_loss_size)
             self.model = model
 
-    def _run(self, batch: Any) -> tuple[torch.Tensor, dict[str, Any]]:
-        """get_batch -> forward_step -> loss (either form): the loss tensor and extra values to log."""
+    def compute_loss(self, batch: Any) -> tuple[torch.Tensor, dict[str, Any]]:
+        """get_batch -> forward_step -> loss (either form): the loss tensor and extra values to log (what each
+        training, validation and test step runs)."""
         if self._seed.forward_step is not None:
             inputs = batch  # the seed's forward_step calls its own get_batch on the iterator
         else:
@@ -247,17 +248,17 @@ class MMLightningModule(L.LightningModule):
             self.log(f"{stage}/{key}", value, sync_dist=True, batch_size=size, on_step=on_step, on_epoch=not on_step)
 
     def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
-        loss, extras = self._run(batch)
+        loss, extras = self.compute_loss(batch)
         self._log_step("train", loss, extras, batch)
         return loss
 
     def validation_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
-        loss, extras = self._run(batch)
+        loss, extras = self.compute_loss(batch)
         self._log_step("val", loss, extras, batch)
         return loss
 
     def test_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
-        loss, extras = self._run(batch)
+        loss, extras = self.compute_loss(batch)
         self._log_step("test", loss, extras, batch)
         return loss
 
