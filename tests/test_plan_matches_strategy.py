@@ -31,7 +31,7 @@ def test_the_plan_of_a_plain_lightning_module_with_a_sharding_target_is_the_plan
     planned = planned_offline()
     assert applied[0] == applied[1] == planned
     # The paths are the target's (the backbone's) and the policy is the Trainer's precision reconciled.
-    assert planned["ignored_modules" if "ignored_modules" in planned else "ignored"] == ["embed"]
+    assert planned["ignored_modules"] == ["embed"]
     assert planned["precision"]["param_dtype"] == str(torch.bfloat16)
     assert [u["modules"] for u in planned["units"]] == [["blocks.0"], ["blocks.1"], ["blocks.2"]]
 
