@@ -352,3 +352,31 @@ def test_each_rank_reads_its_own_slices_of_a_save_pretrained_directory(trained, 
         assert got["wrong"] == [] and got["sharded"] > 0, got
         assert got["model_class"] == f"MM{derive_models.ARCHITECTURES[name][0]}"
         assert (got["split_experts"] > 0) == (name == "glm4v_moe")
+
+
+def test_the_users_ignored_modules_are_resolved_once_when_planning(monkeypatch):
+    # derive_fsdp2_plan leaves the units inside the user's ignored_modules out by reading the patterns; the plan
+    # resolves them once (and reports what they miss). Reverting to resolving them in the derivation shows here.
+    from lightning_mm.core import patterns
+
+    arch, kwargs = BUILTIN["qwen2_5_vl"]
+    config = getattr(transformers, arch).config_class(**kwargs)
+    config.architectures = [arch]
+    with meta_parameters():
+        model = derived_adapter(getattr(transformers, arch))(config)
+    ignored = ["model.visual.blocks.{1-1}", "model.visual.merger"]
+    calls: list[str] = []
+    real = patterns.resolve_pattern
+
+    def counting(root: torch.nn.Module, pattern: str) -> list[str]:
+        calls.append(pattern)
+        return real(root, pattern)
+
+    monkeypatch.setattr(patterns, "resolve_pattern", counting)
+    yaml = FSDP2Config(sharding_size="auto", ignored_modules=ignored).with_model_defaults(model)
+    plan = build_plan(yaml, model, 2)
+    assert [calls.count(p) for p in ignored] == [1, 1]
+    assert plan.ignored_modules == ("model.visual.blocks.1", "model.visual.merger")
+    wrapped = {m for u in plan.units for m in u.modules}
+    assert "model.visual.blocks.0" in wrapped  # the vision block the user did not ignore is still a unit
+    assert not any(m.startswith(("model.visual.blocks.1", "model.visual.merger")) for m in wrapped), wrapped

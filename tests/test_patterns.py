@@ -74,3 +74,44 @@ def test_pattern_errors_stay_short():
     assert len(str(err.value)) < 400
     with pytest.raises(PatternError, match="more than 18 digits"):
         parse_pattern("a.{" + "9" * 5000 + "}")
+
+
+def _paths(root: nn.Module) -> list[str]:
+    return [name for name, _ in root.named_modules()]
+
+
+@pytest.mark.parametrize(
+    "pattern",
+    [
+        "model",
+        "model.norm",
+        "model.layers",
+        "model.layers.{*}",
+        "model.layers.{0-3}",
+        "model.layers.{1,3,5}",
+        "model.layers.{2}.0",
+        "model.layers.{*}.{*}",
+        "model.layers.{*}.1",
+    ],
+)
+def test_reading_a_pattern_agrees_with_resolving_it(pattern):
+    # The default plan of a Hugging Face model filters its units by the user's ignored_modules without resolving
+    # them a second time: what the strings say must be what resolution gives, for every module of the model.
+    from lightning_mm._module_paths import is_under, is_under_any
+    from lightning_mm.core.patterns import names_inside, names_or_contains
+
+    root = tree()
+    resolved = resolve_pattern(root, pattern)
+    for path in _paths(root):
+        assert names_or_contains(pattern, path) == is_under_any(path, resolved), path
+        assert names_inside(pattern, path) == any(is_under(r, path) for r in resolved), path
+
+
+def test_reading_an_index_pattern_names_only_the_items_resolution_names():
+    from lightning_mm.core.patterns import names_or_contains
+
+    root = nn.Module()
+    root.blocks = nn.ModuleDict({"03": nn.Linear(1, 1), "3": nn.Linear(1, 1), "x": nn.Linear(1, 1)})
+    assert resolve_pattern(root, "blocks.{3}") == ["blocks.3"]
+    assert [p for p in _paths(root) if names_or_contains("blocks.{3}", p)] == ["blocks.3"]
+    assert not names_or_contains("blocks.{", "blocks.3")  # malformed: no match (the plan reports it)

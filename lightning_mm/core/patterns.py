@@ -16,7 +16,15 @@ from torch import nn
 from lightning_mm._module_paths import is_under
 from lightning_mm._names import nearest
 
-__all__ = ["PatternError", "Segment", "parse_pattern", "resolve_pattern", "resolve_patterns"]
+__all__ = [
+    "PatternError",
+    "Segment",
+    "parse_pattern",
+    "resolve_pattern",
+    "resolve_patterns",
+    "names_or_contains",
+    "names_inside",
+]
 
 
 class PatternError(ValueError):
@@ -172,3 +180,44 @@ def resolve_patterns(root: nn.Module, patterns: list[str], key: str = "patterns"
         except PatternError as err:
             raise PatternError(f"`{key}`: {err}") from None
     return list(out)
+
+
+def _segment_names(segment: Segment, name: str) -> bool:
+    """Whether one path segment ``name`` is what ``segment`` asks for (as :func:`resolve_pattern` would take it)."""
+    if segment.is_wildcard:
+        return True
+    if segment.name is not None:
+        return segment.name == name
+    if not name.isdigit() or name != str(int(name)):  # resolution names items "3", never "03"
+        return False
+    index = int(name)
+    return any(start <= index <= stop for start, stop in segment.ranges or ())
+
+
+def _matching_prefix(pattern: str, path: str) -> tuple[int, int] | None:
+    """(segments of ``pattern``, segments of ``path``) when the shorter one's segments all match, else ``None``."""
+    try:
+        segments = parse_pattern(pattern)
+    except PatternError:
+        return None  # the plan reports a malformed pattern, with the key it came from
+    names = path.split(".") if path else []
+    if all(_segment_names(segment, name) for segment, name in zip(segments, names)):
+        return len(segments), len(names)
+    return None
+
+
+def names_or_contains(pattern: str, path: str) -> bool:
+    """Whether module ``path`` is one that ``pattern`` names, or lies inside one, read from the two strings alone.
+
+    For the modules a model has, the same as ``is_under_any(path, resolve_pattern(model, pattern))`` when the
+    pattern resolves, without walking the model again: a caller that only filters paths by the user's patterns
+    (the default plan of a Hugging Face model) leaves their one strict resolution, and its errors, to the plan.
+    """
+    lengths = _matching_prefix(pattern, path)
+    return lengths is not None and lengths[1] >= lengths[0]
+
+
+def names_inside(pattern: str, path: str) -> bool:
+    """Whether ``pattern`` names module ``path`` itself or modules inside it (read from the two strings alone)."""
+    lengths = _matching_prefix(pattern, path)
+    return lengths is not None and lengths[0] >= lengths[1]

@@ -10,12 +10,14 @@ strategy builds.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Generator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
+from torch.distributed.fsdp import FSDPModule
 
 from lightning_mm.core import apply
 from lightning_mm.core.config import FSDP2Config
@@ -112,7 +114,18 @@ class ShardedRun:
         """The decisions applied by :meth:`apply` (``None`` before)."""
         self.sharded: apply.ShardedModel | None = None
         """What applying the plan left: ignored modules, whole experts, norm groups, prefetch."""
+        self.mesh: DeviceMesh | None = None
+        """The device mesh of :meth:`build_mesh` (``None`` before)."""
+        self.gradient_sync = True
+        """``False`` inside :meth:`no_gradient_sync` (the micro-batches of gradient accumulation but the last)."""
         self._expert_layout: ExpertCheckpointLayout | None = None
+
+    def build_mesh(self, root: nn.Module | None, world_size: int, device_type: str) -> DeviceMesh:
+        """The run's device mesh over ``world_size`` ranks: the config in force's ``sharding_size`` (HSDP when it is
+        smaller than the world), on ``device_type`` devices; kept as :attr:`mesh`."""
+        sharding = self.config_for(root).resolve_sharding_size(world_size)
+        self.mesh = apply.build_device_mesh(world_size, sharding, device_type)
+        return self.mesh
 
     def config_for(self, root: nn.Module | None) -> FSDP2Config:
         """The config in force for ``root`` before sharding (the processes need its ``sharding_size`` and
@@ -145,6 +158,27 @@ class ShardedRun:
         local experts kept whole)."""
         if self.sharded is not None:
             self.sharded.reduce_unsharded_gradients()
+
+    def after_backward(self) -> None:
+        """After each backward: :meth:`reduce_unsharded_gradients` unless inside :meth:`no_gradient_sync` (FSDP
+        reduces the sharded parameters' gradients in its own backward hooks)."""
+        if self.gradient_sync:
+            self.reduce_unsharded_gradients()
+
+    @contextmanager
+    def no_gradient_sync(self, root: nn.Module) -> Generator[None, None, None]:
+        """Gradient accumulation: no reduce-scatter (and no all-reduce of the unsharded gradients) until the last
+        micro-batch. Nothing changes for a ``root`` that is not sharded yet."""
+        if not isinstance(root, FSDPModule):
+            yield
+            return
+        root.set_requires_gradient_sync(False)
+        self.gradient_sync = False
+        try:
+            yield
+        finally:
+            root.set_requires_gradient_sync(True)
+            self.gradient_sync = True
 
     def expert_view(self, root: nn.Module, kind: str) -> Callable[[dict[str, Any]], dict[str, Any]] | None:
         """With expert parallelism, how checkpoints see the local experts (``kind``: ``"model"`` or

@@ -43,6 +43,7 @@ from lightning_mm._compat import no_split_modules, tied_weights_keys
 from lightning_mm._module_paths import is_under, is_under_any
 from lightning_mm._names import listing
 from lightning_mm.core.config import FSDP2ConfigError
+from lightning_mm.core.patterns import PatternError, names_inside, names_or_contains, resolve_patterns
 
 __all__ = [
     "DerivedPlan",
@@ -213,14 +214,14 @@ def _is_norm(module: nn.Module) -> bool:
 
 def remaining_units(model: nn.Module, units: Sequence[str], towers: Sequence[str], ignored: Sequence[str]) -> list[str]:
     """Walking down through each module that holds a unit or a tower: its other children with parameters (each
-    item of a list), norms left out."""
+    item of a list), norms left out; nothing inside the ``ignored`` patterns."""
     found: list[str] = []
     holders = [*units, *towers]
 
     def visit(path: str, module: nn.Module) -> None:
         for name, child in module.named_children():
             child_path = f"{path}.{name}" if path else name
-            if child_path in units or is_under_any(child_path, ignored) or not _has_parameters(child):
+            if child_path in units or _inside(child_path, ignored) or not _has_parameters(child):
                 continue
             if any(is_under(h, child_path) for h in holders):
                 visit(child_path, child)
@@ -267,15 +268,20 @@ def compress_paths(model: nn.Module, paths: list[str]) -> list[str]:
 
 
 def _resolved(model: nn.Module, patterns: list[str]) -> list[str]:
-    from lightning_mm.core.patterns import PatternError, resolve_patterns
-
+    """The modules a model class's own ``fsdp2_extra_units`` patterns name (one that names none: skipped)."""
     paths = []
     for pattern in patterns:
         try:
-            paths += resolve_patterns(model, [pattern], "ignored_modules")
+            paths += resolve_patterns(model, [pattern], "fsdp2_extra_units")
         except PatternError:
-            pass  # build_plan reports it, with the file it came from
+            pass
     return paths
+
+
+def _inside(path: str, patterns: Sequence[str]) -> bool:
+    """Whether module ``path`` is or lies inside a module one of ``patterns`` names (the user's ``ignored_modules``,
+    read without resolving them: the plan resolves them, once, and reports what they miss)."""
+    return any(names_or_contains(pattern, path) for pattern in patterns)
 
 
 def moe_module_paths(model: nn.Module) -> list[str]:
@@ -339,10 +345,10 @@ def derive_fsdp2_plan(model: nn.Module, ignored: Sequence[str] | None = None) ->
     user_ignored = ignored is not None
     towers = tower_paths(model)
     declared = ["fsdp2_vision_towers"] if getattr(type(model), "fsdp2_vision_towers", None) is not None else []
-    ignore = _resolved(model, list(ignored)) if ignored is not None else frozen_vision_towers(model)
-    blocks = [b for b in blocks if not is_under_any(b, ignore)]
+    ignore = list(ignored) if ignored is not None else frozen_vision_towers(model)  # patterns, or paths
+    blocks = [b for b in blocks if not _inside(b, ignore)]
     for tower in towers:
-        if not any(is_under(i, tower) or is_under(tower, i) for i in ignore) and not any(
+        if not any(names_inside(i, tower) or names_or_contains(i, tower) for i in ignore) and not any(
             is_under(b, tower) for b in blocks
         ):
             raise _cannot_decide(
@@ -350,7 +356,7 @@ def derive_fsdp2_plan(model: nn.Module, ignored: Sequence[str] | None = None) ->
                 f"its tower '{tower}' holds no block of a `_no_split_modules` class",
                 f"`sub_modules_to_wrap` (or `ignored_modules: [{tower}]` with the tower frozen through `freeze`)",
             )
-    embeddings = [p for p in _embedding_paths(model) if not is_under_any(p, ignore)]
+    embeddings = [p for p in _embedding_paths(model) if not _inside(p, ignore)]
     extra_declared = getattr(type(model), "fsdp2_extra_units", None)
     if extra_declared is not None:
         declared.append("fsdp2_extra_units")
@@ -358,8 +364,8 @@ def derive_fsdp2_plan(model: nn.Module, ignored: Sequence[str] | None = None) ->
         extra = [p for p in _resolved(model, list(extra_declared)) if p in names]
     else:
         extra = remaining_units(model, [*embeddings, *blocks], towers, ignore)
-    extra = [p for p in dict.fromkeys(extra) if p not in embeddings and not is_under_any(p, ignore)]
-    moe = [p for p in moe_module_paths(model) if not is_under_any(p, ignore)]
+    extra = [p for p in dict.fromkeys(extra) if p not in embeddings and not _inside(p, ignore)]
+    moe = [p for p in moe_module_paths(model) if not _inside(p, ignore)]
     tied = getattr(model, "all_tied_weights_keys", None)  # what is tied in this config
     if tied is None:
         tied = tied_weights_keys(model) or {}

@@ -143,13 +143,18 @@ class StrategyCheckpoints:
         """Whether state dicts are gathered on rank 0 (``torch``) rather than kept as each rank's shards."""
         return self.checkpoint_format == "torch"
 
-    def check_io(self, io: CheckpointIO | None) -> None:
-        """The strategy writes its checkpoints itself: a CheckpointIO plugin other than Lightning's default cannot
-        take part."""
+    def check_call(self, io: CheckpointIO | None, weights_only: bool | None = None) -> None:
+        """Before a save or load: the strategy writes its checkpoints itself (a CheckpointIO plugin other than
+        Lightning's default cannot take part) and loads them ``weights_only``."""
         if io is not None and type(io) is not TorchCheckpointIO:
             raise TypeError(
                 f"MMFSDP2Strategy writes its checkpoints itself (checkpoint_format={self.checkpoint_format!r}); the "
                 f"{type(io).__name__} plugin cannot be used with it"
+            )
+        if weights_only is False:
+            raise ValueError(
+                "MMFSDP2Strategy loads checkpoints weights_only (no pickled code is run); "
+                "weights_only=False is not supported"
             )
 
     # ---------------------------------------------------------------------------------------------- save

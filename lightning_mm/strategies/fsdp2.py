@@ -16,7 +16,6 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import torch
-import torch.distributed as dist
 from lightning.fabric.plugins import CheckpointIO, ClusterEnvironment
 from lightning.fabric.plugins.collectives.torch_collective import default_pg_timeout
 from lightning.fabric.utilities.seed import reset_seed
@@ -25,7 +24,6 @@ from lightning.pytorch.accelerators import Accelerator
 from lightning.pytorch.plugins.precision import Precision
 from lightning.pytorch.strategies.parallel import ParallelStrategy
 from lightning.pytorch.trainer.states import TrainerFn
-from lightning.pytorch.utilities.exceptions import SIGTERMException
 from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_only
 from lightning_utilities.core.rank_zero import rank_zero_only as utils_rank_zero_only
 from torch import Tensor, nn
@@ -35,8 +33,6 @@ from typing_extensions import override
 
 from lightning_mm import checkpoint
 from lightning_mm._compat import _PATH, _sync_ddp_if_available, attached_trainer, set_device_mesh
-from lightning_mm.core import apply
-from lightning_mm.core.backend import process_group_backend
 from lightning_mm.core.config import FSDP2Config
 from lightning_mm.core.grad_mode import leave_inference_mode, outside_inference_mode
 from lightning_mm.core.init_context import meta_parameters
@@ -45,21 +41,15 @@ from lightning_mm.core.sharded_run import PlannedRun, ShardedRun, data_parallel_
 from lightning_mm.strategies import setup_checks, stopping
 from lightning_mm.strategies.checkpoints import StrategyCheckpoints
 from lightning_mm.strategies.cp_setup import ContextParallelSetup
-from lightning_mm.strategies.launch import CheckingLauncher, CheckingSubprocessScriptLauncher
-from lightning_mm.strategies.precision import MMFSDP2Precision
+from lightning_mm.strategies.launch import checking_launcher
+from lightning_mm.strategies.precision import MMFSDP2Precision, as_mm_precision
 from lightning_mm.strategies.process_group import ProcessGroupOwner
-from lightning_mm.strategies.stopping import SIGNAL_EXIT_STATUS, RunGuard
 
 if TYPE_CHECKING:
     import lightning.pytorch as pl
     from torch.distributed.device_mesh import DeviceMesh
 
 __all__ = ["MMFSDP2Strategy"]
-
-# The plugins Lightning's connector makes from ``Trainer(precision=...)``: replaced by MMFSDP2Precision of the same
-# precision, which refuses the ones it does not support by name (``DoublePrecision``, i.e. "64-true", is refused
-# there with the list of supported values, rather than as an unknown plugin).
-_STOCK_PRECISION = ("Precision", "MixedPrecision", "HalfPrecision", "DoublePrecision", "MMFSDP2Precision")
 
 
 class MMFSDP2Strategy(ParallelStrategy):
@@ -163,18 +153,13 @@ class MMFSDP2Strategy(ParallelStrategy):
             checkpoint_format, save_ckpt_dtype, storage_options, async_save, strict_loading
         )
         """Checkpoint options and the state between saves and loads."""
-        self._process_group_backend = process_group_backend
         self.timeout = timeout
         """The process-group timeout."""
-        self._process_group = ProcessGroupOwner(timeout)
+        self._process_group = ProcessGroupOwner(timeout, process_group_backend)
         self._empty_init = empty_init
         self.num_nodes = 1
-        self._device_mesh: DeviceMesh | None = None
-        self._gradient_sync = True
         self._fused_optimizer_step = fused_optimizer_step
-        self.stop_timeout = stopping.check_stop_timeout(stop_timeout)
-        self._guard: RunGuard | None = None
-        self._run_failed = False
+        self._runs = stopping.StrategyRuns(stop_timeout)
         self._context_parallel = ContextParallelSetup(context_parallel_size, context_parallel_algo)
         if not isinstance(stop_on_nonfinite, bool):
             raise TypeError(f"stop_on_nonfinite must be True or False, got {stop_on_nonfinite!r}")
@@ -220,9 +205,14 @@ class MMFSDP2Strategy(ParallelStrategy):
 
     @property
     def device_mesh(self) -> DeviceMesh:
-        if self._device_mesh is None:
+        if self.sharded_run.mesh is None:
             raise RuntimeError("The device mesh exists once the processes are initialised (`setup_environment`).")
-        return self._device_mesh
+        return self.sharded_run.mesh
+
+    @property
+    def stop_timeout(self) -> float:
+        """``MMFSDP2Strategy(stop_timeout=...)`` in seconds."""
+        return self._runs.stop_timeout
 
     @property
     @override
@@ -241,7 +231,7 @@ class MMFSDP2Strategy(ParallelStrategy):
 
     @property
     def process_group_backend(self) -> str | None:
-        return self._process_group_backend
+        return self._process_group.backend
 
     @property
     @override
@@ -267,14 +257,7 @@ class MMFSDP2Strategy(ParallelStrategy):
 
     @precision_plugin.setter
     def precision_plugin(self, plugin: Precision | None) -> None:
-        if plugin is not None and not isinstance(plugin, MMFSDP2Precision):
-            if type(plugin).__name__ not in _STOCK_PRECISION:
-                raise TypeError(
-                    f"MMFSDP2Strategy handles precision itself and cannot use {type(plugin).__name__}; pass "
-                    "Trainer(precision=...) or MMFSDP2Precision"
-                )
-            plugin = MMFSDP2Precision(str(plugin.precision))
-        self._precision_plugin = plugin
+        self._precision_plugin = as_mm_precision(plugin)
 
     # ------------------------------------------------------------------------------------- launching
     @override
@@ -282,13 +265,8 @@ class MMFSDP2Strategy(ParallelStrategy):
         assert self.cluster_environment is not None
         if self.given_config is not None:
             self.given_config.resolve_sharding_size(self.num_nodes * self.num_processes)  # fail before launching
-        # Both check ckpt_path="last" first (lightning_mm.strategies.launch).
-        if not self.cluster_environment.creates_processes_externally:
-            self._launcher = CheckingSubprocessScriptLauncher(
-                self.cluster_environment, self.num_processes, self.num_nodes
-            )
-        else:
-            self._launcher = CheckingLauncher()
+        # Both kinds check ckpt_path="last" first (lightning_mm.strategies.launch).
+        self._launcher = checking_launcher(self.cluster_environment, self.num_processes, self.num_nodes)
 
     def set_world_ranks(self) -> None:
         if self.cluster_environment is not None:
@@ -300,26 +278,16 @@ class MMFSDP2Strategy(ParallelStrategy):
     @override
     def setup_environment(self) -> None:
         setup_checks.refuse_unsupported_callbacks(attached_trainer(self.lightning_module))
-        self._guard = stopping.start_run_guard(self._guard, self.cluster_environment, self._launcher, self.stop_timeout)
+        self._runs.start(self.cluster_environment, self._launcher)
         super().setup_environment()
         reset_seed()
         self.set_world_ranks()
-        config = self.fsdp2_config
-        if self._process_group_backend is None:
-            self._process_group_backend = process_group_backend(self.root_device, config.offload_to_cpu)
-        assert self.cluster_environment is not None
-        self._process_group.start(
-            self.cluster_environment,
-            self._process_group_backend,
-            self.global_rank,
-            self.world_size,
-            self.root_device,
-            self.num_nodes,
-        )
-        sharding = config.resolve_sharding_size(self.world_size)
-        self._device_mesh = apply.build_device_mesh(self.world_size, sharding, self.root_device.type)
-        assert self.lightning_module is not None
-        set_device_mesh(self.lightning_module, self._device_mesh)
+        root = self.lightning_module
+        assert self.cluster_environment is not None and root is not None
+        offload = self.fsdp2_config.offload_to_cpu
+        env, rank, world, device = self.cluster_environment, self.global_rank, self.world_size, self.root_device
+        self._process_group.start(env, rank, world, device, self.num_nodes, offload)
+        set_device_mesh(root, self.sharded_run.build_mesh(root, world, device.type))
         self._context_parallel.setup(self.world_size, self.root_device.type)
 
     # ------------------------------------------------------------------------------- model building
@@ -415,22 +383,13 @@ class MMFSDP2Strategy(ParallelStrategy):
     @override
     def block_backward_sync(self) -> Generator[None, None, None]:
         """Gradient accumulation: no reduce-scatter (and no ignored-gradient all-reduce) until the last micro-batch."""
-        root = self.lightning_module
-        if not isinstance(root, FSDPModule):
+        assert self.lightning_module is not None
+        with self.sharded_run.no_gradient_sync(self.lightning_module):
             yield
-            return
-        root.set_requires_gradient_sync(False)
-        self._gradient_sync = False
-        try:
-            yield
-        finally:
-            root.set_requires_gradient_sync(True)
-            self._gradient_sync = True
 
     @override
     def post_backward(self, closure_loss: Tensor) -> None:
-        if self._gradient_sync:  # FSDP reduces the rest in its own backward hooks
-            self.sharded_run.reduce_unsharded_gradients()
+        self.sharded_run.after_backward()
 
     @override
     def model_to_device(self) -> None:
@@ -441,20 +400,11 @@ class MMFSDP2Strategy(ParallelStrategy):
     def barrier(self, name: str | None = None) -> None:
         if self.is_global_zero:  # ModelCheckpoint links `last` and then calls this: never to a pending checkpoint
             self.checkpoints.saver.hide_links()
-        if not dist.is_initialized():
-            return
-        if self.root_device.type != "cpu":  # nccl, hccl, xccl...: the barrier runs on this rank's own device
-            dist.barrier(device_ids=[self.root_device.index])
-        else:
-            dist.barrier()
+        self._process_group.barrier(self.root_device)
 
     @override
     def broadcast(self, obj: Any, src: int = 0) -> Any:
-        if not dist.is_initialized():
-            return obj
-        box = [obj]
-        dist.broadcast_object_list(box, src)
-        return box[0]
+        return self._process_group.broadcast(obj, src)
 
     @override
     def reduce(
@@ -487,16 +437,11 @@ class MMFSDP2Strategy(ParallelStrategy):
 
     def _install_signal_handler(self) -> None:
         """After Lightning's own: SIGTERM ends this rank without a collective (``lightning_mm.strategies.stopping``)."""
-        if self._guard is not None:
-            self._guard.install_signal_handler()
+        self._runs.install_signal_handler()
 
     @override
     def on_exception(self, exception: BaseException) -> None:
-        self._run_failed = True
-        if self._guard is not None:  # this rank is failing on its own: its error, not a peer's loss, is reported
-            self._guard.failed()
-        if isinstance(exception, SIGTERMException) and not exception.code:
-            exception.code = SIGNAL_EXIT_STATUS  # a run stopped by a signal must not exit with status 0
+        self._runs.fail(exception)
 
     @override
     def teardown(self) -> None:
@@ -504,13 +449,10 @@ class MMFSDP2Strategy(ParallelStrategy):
         (``lightning_mm.strategies.process_group``)."""
         assert self.cluster_environment is not None
         assert self.accelerator is not None
-        self.checkpoints.end(self._run_failed, self.stop_timeout)
-        if self._run_failed:
+        self.checkpoints.end(self._runs.failed, self.stop_timeout)
+        if self._runs.failed:
             self._process_group.end_failed_run()
-        self._run_failed = False
-        if self._guard is not None:
-            self._guard.stop()
-            self._guard = None
+        self._runs.end()
         self.cluster_environment.teardown()
         self.precision_plugin.teardown()
         self.accelerator.teardown()
@@ -549,7 +491,7 @@ class MMFSDP2Strategy(ParallelStrategy):
     def save_checkpoint(self, checkpoint: dict[str, Any], filepath: _PATH, storage_options: Any | None = None) -> None:
         """Write a checkpoint with every rank (``torch_dcp``) or from rank 0 (``torch``); visible once complete."""
         target = self.broadcast(str(filepath))
-        self.checkpoints.check_io(self._checkpoint_io)
+        self.checkpoints.check_call(self._checkpoint_io)
         self.checkpoints.save(self, checkpoint, target, storage_options)
 
     def wait_for_checkpoint(self) -> None:
@@ -565,12 +507,7 @@ class MMFSDP2Strategy(ParallelStrategy):
         Per-rank state (RNG, dataloader position) is restored when the world size is unchanged: the dataloader
         position through Lightning's loop, the RNG right before training continues.
         """
-        if weights_only is False:
-            raise ValueError(
-                "MMFSDP2Strategy loads checkpoints weights_only (no pickled code is run); "
-                "weights_only=False is not supported"
-            )
-        self.checkpoints.check_io(self._checkpoint_io)
+        self.checkpoints.check_call(self._checkpoint_io, weights_only)
         return self.checkpoints.load(self, self.broadcast(str(checkpoint_path)))
 
     @override

@@ -23,6 +23,7 @@ from pathlib import Path
 from typing import Any
 
 import lightning.pytorch as pl
+from lightning.fabric.plugins import ClusterEnvironment
 from lightning.pytorch.callbacks import ModelCheckpoint, OnExceptionCheckpoint
 from typing_extensions import override
 
@@ -30,7 +31,13 @@ from lightning_mm._compat import _Launcher, _SubprocessScriptLauncher, last_chec
 from lightning_mm.checkpoint.errors import CheckpointNotFoundError
 from lightning_mm.checkpoint.remote import is_url
 
-__all__ = ["dangling_last_link", "check_ckpt_path", "CheckingLauncher", "CheckingSubprocessScriptLauncher"]
+__all__ = [
+    "dangling_last_link",
+    "check_ckpt_path",
+    "CheckingLauncher",
+    "CheckingSubprocessScriptLauncher",
+    "checking_launcher",
+]
 
 
 def dangling_last_link(trainer: pl.Trainer) -> str | None:
@@ -106,3 +113,11 @@ class CheckingLauncher(_Launcher):
     @override
     def kill(self, signum: Any) -> None:
         """No processes of its own to signal."""
+
+
+def checking_launcher(env: ClusterEnvironment, num_processes: int, num_nodes: int) -> _Launcher:
+    """The launcher of a strategy on ``env``: Lightning's subprocess launcher with the ``ckpt_path`` check in front
+    when this process starts the other ranks, else :class:`CheckingLauncher`."""
+    if not env.creates_processes_externally:
+        return CheckingSubprocessScriptLauncher(env, num_processes, num_nodes)
+    return CheckingLauncher()

@@ -24,7 +24,12 @@ from lightning_mm.core import finite
 from lightning_mm.core.grad_clip import clip_grads_with_norm_, total_grad_norm
 from lightning_mm.core.precision_policy import SUPPORTED_PRECISION, TRUE_DTYPES, check_supported_precision
 
-__all__ = ["MMFSDP2Precision", "SUPPORTED_PRECISION"]
+__all__ = ["MMFSDP2Precision", "SUPPORTED_PRECISION", "as_mm_precision"]
+
+# The plugins Lightning's connector makes from ``Trainer(precision=...)``: replaced by MMFSDP2Precision of the same
+# precision, which refuses the ones it does not support by name (``DoublePrecision``, i.e. "64-true", is refused
+# there with the list of supported values, rather than as an unknown plugin).
+_STOCK_PRECISION = ("Precision", "MixedPrecision", "HalfPrecision", "DoublePrecision", "MMFSDP2Precision")
 
 
 class MMFSDP2Precision(Precision):
@@ -136,6 +141,19 @@ class MMFSDP2Precision(Precision):
             trainer.global_step if trainer is not None else None,
             "MMFSDP2Strategy(stop_on_nonfinite=False)",
         )
+
+
+def as_mm_precision(plugin: Precision | None) -> MMFSDP2Precision | None:
+    """The plugin ``MMFSDP2Strategy`` uses for ``plugin``: an :class:`MMFSDP2Precision` as it is, one of the same
+    precision for Lightning's stock plugins (what ``Trainer(precision=...)`` makes), a ``TypeError`` for any other."""
+    if plugin is None or isinstance(plugin, MMFSDP2Precision):
+        return plugin
+    if type(plugin).__name__ not in _STOCK_PRECISION:
+        raise TypeError(
+            f"MMFSDP2Strategy handles precision itself and cannot use {type(plugin).__name__}; pass "
+            "Trainer(precision=...) or MMFSDP2Precision"
+        )
+    return MMFSDP2Precision(str(plugin.precision))
 
 
 def _params(optimizer: Any) -> list[torch.Tensor]:

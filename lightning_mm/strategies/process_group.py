@@ -13,6 +13,7 @@ import atexit
 import logging
 import os
 from datetime import timedelta
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -20,6 +21,7 @@ from lightning.fabric.plugins import ClusterEnvironment
 from lightning.fabric.plugins.environments import LightningEnvironment
 from lightning.pytorch.utilities.rank_zero import rank_zero_info
 
+from lightning_mm.core.backend import process_group_backend
 from lightning_mm.strategies.rendezvous import is_loopback, loopback_store
 
 __all__ = ["ProcessGroupOwner", "destroy_process_group", "drain_gloo_workers"]
@@ -65,21 +67,26 @@ def _destroy_at_exit() -> None:
 class ProcessGroupOwner:
     """Creates the default process group for a strategy (when none exists) and destroys what it created."""
 
-    def __init__(self, timeout: timedelta | None) -> None:
+    def __init__(self, timeout: timedelta | None, backend: str | None = None) -> None:
         self.timeout = timeout
+        self.backend = backend
+        """The backend given, or the one :meth:`start` chose from the device (``None`` before)."""
         self.created = False
         """Whether this owner created the default process group (and so may destroy it)."""
 
     def start(
         self,
         env: ClusterEnvironment,
-        backend: str | None,
         global_rank: int,
         world_size: int,
         device: torch.device,
         num_nodes: int,
+        offload_to_cpu: bool,
     ) -> None:
-        """Initialise the default process group unless one exists; ``device`` is this rank's device."""
+        """Initialise the default process group unless one exists; ``device`` is this rank's device. Without a
+        given backend, the device's (``cpu:gloo`` mixed in when ``offload_to_cpu``)."""
+        if self.backend is None:
+            self.backend = process_group_backend(device, offload_to_cpu)
         if dist.is_initialized():
             return
         os.environ["MASTER_ADDR"] = env.main_address
@@ -90,11 +97,29 @@ class ProcessGroupOwner:
         if type(env) is LightningEnvironment and num_nodes == 1 and is_loopback(env.main_address):
             # A single-node run started by Lightning: the rendezvous store listens on the loopback interface only.
             kwargs["store"] = loopback_store(env.main_address, env.main_port, global_rank, world_size, self.timeout)
-        dist.init_process_group(backend, rank=global_rank, world_size=world_size, **kwargs)  # type: ignore[arg-type]
+        dist.init_process_group(self.backend, rank=global_rank, world_size=world_size, **kwargs)  # type: ignore[arg-type]
         self.created = True
         atexit.unregister(_destroy_at_exit)
         atexit.register(_destroy_at_exit)
-        rank_zero_info(f"MMFSDP2Strategy: {world_size} processes, backend {backend}")
+        rank_zero_info(f"MMFSDP2Strategy: {world_size} processes, backend {self.backend}")
+
+    def barrier(self, device: torch.device) -> None:
+        """A barrier on the default group, on this rank's own ``device`` for nccl, hccl, xccl... (none outside a
+        process group)."""
+        if not dist.is_initialized():
+            return
+        if device.type != "cpu":
+            dist.barrier(device_ids=[device.index])
+        else:
+            dist.barrier()
+
+    def broadcast(self, obj: Any, src: int = 0) -> Any:
+        """``obj`` of rank ``src`` on every rank (pickled; ``obj`` itself outside a process group)."""
+        if not dist.is_initialized():
+            return obj
+        box = [obj]
+        dist.broadcast_object_list(box, src)
+        return box[0]
 
     def end_failed_run(self) -> None:
         """After a failed run: destroy the group this owner created (the communicators are freed now)."""

@@ -62,6 +62,7 @@ __all__ = [
     "remember_children",
     "launched_children",
     "start_run_guard",
+    "StrategyRuns",
 ]
 
 SIGNAL_EXIT_STATUS = 128 + int(signal.SIGTERM)  # 143, what a shell reports for a process ended by SIGTERM
@@ -344,3 +345,43 @@ def start_run_guard(previous: RunGuard | None, env: Any, launcher: Any, stop_tim
     guard = RunGuard(stop_timeout, children=launched_children, watch_parent=launched)
     guard.start()
     return guard
+
+
+class StrategyRuns:
+    """A strategy's runs, one at a time (``setup_environment`` to ``teardown``): the :class:`RunGuard` of the run
+    under way and whether that run failed.
+
+    Args:
+        stop_timeout: see :class:`RunGuard` (:func:`check_stop_timeout`).
+    """
+
+    def __init__(self, stop_timeout: Any) -> None:
+        self.stop_timeout = check_stop_timeout(stop_timeout)
+        self.guard: RunGuard | None = None
+        self.failed = False
+        """Whether the run under way failed (``on_exception``); reset by :meth:`end`."""
+
+    def start(self, env: Any, launcher: Any) -> None:
+        """A run starts: stop the previous run's guard and watch this one's peers (:func:`start_run_guard`)."""
+        self.guard = start_run_guard(self.guard, env, launcher, self.stop_timeout)
+
+    def install_signal_handler(self) -> None:
+        """When a stage starts, after Lightning's handler: SIGTERM ends this rank without a collective."""
+        if self.guard is not None:
+            self.guard.install_signal_handler()
+
+    def fail(self, exception: BaseException) -> None:
+        """The run fails on this rank: its own error, not a peer's loss, is reported; a signal's exit status is
+        never 0."""
+        self.failed = True
+        if self.guard is not None:
+            self.guard.failed()
+        if isinstance(exception, SIGTERMException) and not exception.code:
+            exception.code = SIGNAL_EXIT_STATUS
+
+    def end(self) -> None:
+        """The run's teardown has finished: stop watching."""
+        self.failed = False
+        if self.guard is not None:
+            self.guard.stop()
+            self.guard = None
