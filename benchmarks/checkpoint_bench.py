@@ -46,7 +46,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from lightning_mm import MMFSDP2Strategy, checkpoint  # noqa: E402
-from lightning_mm.checkpoint import manifest, store, zip_manifest  # noqa: E402
+from lightning_mm.checkpoint import manifest, zip_manifest  # noqa: E402
 
 
 class MLP(L.LightningModule):
@@ -151,11 +151,11 @@ def content_check(enabled: bool) -> Any:
         return
     differs, verify = manifest._differs, zip_manifest.verify
     manifest._differs = lambda *args, **kwargs: False
-    store.zip_manifest.verify = lambda *args, **kwargs: None
+    zip_manifest.verify = lambda *args, **kwargs: None
     try:
         yield
     finally:
-        manifest._differs, store.zip_manifest.verify = differs, verify
+        manifest._differs, zip_manifest.verify = differs, verify
 
 
 def measure_check(trainer: L.Trainer, directory: Path, fmt: str, repeat: int) -> dict[str, list[float]]:

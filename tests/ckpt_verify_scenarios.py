@@ -279,15 +279,13 @@ def main(work: Path) -> None:
 
 def slow_background_writes(seconds: float) -> None:
     """Each background write takes ``seconds`` longer (after the shards, before the manifest): several steps."""
-    from lightning_mm.checkpoint import store
-
-    original = store.manifest.file_entries
+    original = manifest.file_entries
 
     def slow(paths: Any) -> Any:
         time.sleep(seconds)
         return original(paths)
 
-    store.manifest.file_entries = slow
+    manifest.file_entries = slow
 
 
 def listing(directory: Path) -> dict[str, Any]:

@@ -310,7 +310,7 @@ def test_optimizer_state_loads_into_parameters_grouped_differently(tmp_path):
 
 def test_nested_scheduler_states_are_regrouped_but_not_their_milestones():
     """SequentialLR keeps its schedulers' states (with per-group lists) and its milestones (not per group)."""
-    from lightning_mm.checkpoint.store import _remap_scheduler
+    from lightning_mm.checkpoint.regroup import remap_scheduler
 
     def sequential(groups: int) -> Any:
         opt = torch.optim.SGD([{"params": [torch.nn.Parameter(torch.zeros(1))]} for _ in range(groups)], lr=0.1)
@@ -323,7 +323,7 @@ def test_nested_scheduler_states_are_regrouped_but_not_their_milestones():
     for _ in range(3):
         one.optimizer.step()
         one.step()
-    state = _remap_scheduler(one.state_dict(), [0, 0], 1)
+    state = remap_scheduler(one.state_dict(), [0, 0], 1)
     assert state["_milestones"] == [1] and all(len(s["base_lrs"]) == 2 for s in state["_schedulers"])
     two = sequential(2)
     two.load_state_dict(state)

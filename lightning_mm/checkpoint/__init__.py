@@ -1,7 +1,10 @@
 """Checkpoints of :class:`~lightning_mm.MMFSDP2Strategy` (the seed's ``--ckpt-format torch_dcp``).
 
 * :mod:`.layout` (deciding): how Lightning's checkpoint dict splits into DCP tensors and a meta tree, key checks.
-* :mod:`.store` (doing): atomic save and strict/non-strict load of ``torch_dcp`` directories and ``torch`` files.
+* :mod:`.store` (doing): the entry point, strict/non-strict load of ``torch_dcp`` directories and ``torch`` files,
+  re-exporting the pieces it is made of: :mod:`.writer` (atomic save), :mod:`.source` (opening and reading a
+  checkpoint), :mod:`.state` (taking model and optimiser state), :mod:`.regroup` (optimiser groups and LR schedulers
+  regrouped on load), :mod:`.rank_agreement` (the collectives by which the ranks agree).
 * :mod:`.safe`: loading without running pickled code; :mod:`.atomic`: temporary sibling, rename into place.
 * :mod:`.manifest`: ``manifest.json`` binds every file to its checkpoint (:mod:`.zip_manifest`: the same for a
   ``torch`` file, inside it; :mod:`.digest`: the hashes, every byte checked on load); :mod:`.errors`: the exceptions.
@@ -28,19 +31,11 @@ from lightning_mm.checkpoint.manifest import MANIFEST_FILE
 from lightning_mm.checkpoint.records import collect_records, register_record_provider
 from lightning_mm.checkpoint.rng import capture_rng, restore_rng
 from lightning_mm.checkpoint.safe import UnsafeCheckpointError
-from lightning_mm.checkpoint.store import (
-    FORMATS,
-    OPTIMIZER_NAMES_KEY,
-    CheckpointSource,
-    Loaded,
-    load,
-    model_state,
-    open_source,
-    optimizer_param_names,
-    optimizer_state,
-    outside_inference_mode,
-    save,
-)
+from lightning_mm.checkpoint.source import CheckpointSource, open_source
+from lightning_mm.checkpoint.state import OPTIMIZER_NAMES_KEY, model_state, optimizer_param_names, optimizer_state
+from lightning_mm.checkpoint.store import Loaded, load
+from lightning_mm.checkpoint.writer import FORMATS, save
+from lightning_mm.core.grad_mode import outside_inference_mode
 
 __all__ = [
     "EXTRA_KEY",

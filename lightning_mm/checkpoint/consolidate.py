@@ -11,7 +11,8 @@ from torch.distributed.checkpoint.api import CheckpointException
 from lightning_mm.checkpoint import atomic
 from lightning_mm.checkpoint.errors import write_error
 from lightning_mm.checkpoint.layout import EXTRA_KEY, SEP, fill_tensors
-from lightning_mm.checkpoint.store import open_source, write_file
+from lightning_mm.checkpoint.source import open_source
+from lightning_mm.checkpoint.writer import write_file
 
 __all__ = ["dcp_to_torch", "writing", "check_output"]
 

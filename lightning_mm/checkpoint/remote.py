@@ -50,21 +50,20 @@ from lightning_mm.checkpoint.errors import (
 )
 from lightning_mm.checkpoint.layout import EXTRA_KEY, META_FILE, pop_loader_states, split_tensors
 from lightning_mm.checkpoint.manifest import MANIFEST_FILE
+from lightning_mm.checkpoint.rank_agreement import (
+    broadcast_from_rank_zero,
+    gather_to_rank_zero,
+    is_distributed,
+    raise_on_every_rank,
+)
 from lightning_mm.checkpoint.safe import (
     MetadataUnpickler,
     UnsafeCheckpointError,
     check_weights_only,
     unpickler_reason,
 )
-from lightning_mm.checkpoint.store import (
-    CheckpointSource,
-    broadcast_from_rank_zero,
-    copy_loops,
-    gather_to_rank_zero,
-    is_distributed,
-    raise_on_every_rank,
-    single_process_quiet,
-)
+from lightning_mm.checkpoint.source import CheckpointSource, single_process_quiet
+from lightning_mm.checkpoint.state import copy_loops
 
 __all__ = ["is_url", "RemoteStore", "save", "open_source", "remove", "download", "upload"]
 
@@ -217,7 +216,7 @@ def save(
     storage_options: Mapping[str, Any] | None = None,
 ) -> None:
     """Write a ``torch_dcp`` checkpoint to ``url`` (see the module docstring); every rank calls this, as
-    :func:`.store.save`."""
+    :func:`.writer.save`."""
     if fmt != "torch_dcp":
         raise ValueError(
             f"{url}: checkpoint_format={fmt!r} cannot be written to a URL; checkpoints at URLs are "
@@ -403,7 +402,7 @@ def _meta(store: RemoteStore, data: bytes) -> dict[str, Any]:
 def open_source(
     url: str, storage_options: Mapping[str, Any] | None = None, full_check: bool = True
 ) -> CheckpointSource:
-    """Open the checkpoint at ``url`` (checked against its manifest first) as a :class:`.store.CheckpointSource`."""
+    """Open the checkpoint at ``url`` (checked against its manifest first) as a :class:`.source.CheckpointSource`."""
     store = RemoteStore(url, storage_options)
     manifest = _manifest(store)
     read = {name: _read(store, name) for name in (".metadata", META_FILE)}

@@ -50,7 +50,7 @@ class HFWeights:
         return {"keys": dict(self.keys), "dtype": dtype}
 
     def writer(self, state: Mapping[str, torch.Tensor], dtype: torch.dtype | None) -> Callable[[Path], list[Path]]:
-        """The ``also_write`` step of :func:`lightning_mm.checkpoint.store.save` (every rank calls it)."""
+        """The ``also_write`` step of :func:`lightning_mm.checkpoint.writer.save` (every rank calls it)."""
 
         def write(directory: Path) -> list[Path]:
             distributed = dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1

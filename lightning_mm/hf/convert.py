@@ -42,7 +42,8 @@ from lightning_mm.checkpoint.manifest import (
     write_manifest,
 )
 from lightning_mm.checkpoint.safe import check_weights_only, load_weights_only
-from lightning_mm.checkpoint.store import open_source, single_process_quiet, write_file
+from lightning_mm.checkpoint.source import open_source, single_process_quiet
+from lightning_mm.checkpoint.writer import write_file
 from lightning_mm.hf.export import HFLayout, hf_layout
 from lightning_mm.hf.records import choose_record
 

@@ -166,7 +166,7 @@ def save_merged_model(model: nn.Module, directory: str | Path) -> Path:
 def checkpoint_lora(src: str | Path, prefix: str | None = None) -> dict[str, Any] | None:
     """The ``LoraConfig`` a checkpoint recorded for its Hugging Face model, or ``None`` (no adapters, no record)."""
     from lightning_mm.checkpoint.layout import EXTRA_KEY
-    from lightning_mm.checkpoint.store import open_source
+    from lightning_mm.checkpoint.source import open_source
     from lightning_mm.hf.records import choose_record
 
     try:
@@ -196,7 +196,7 @@ def dcp_to_hf_merged(
     from lightning_mm.checkpoint import atomic
     from lightning_mm.checkpoint.consolidate import check_output
     from lightning_mm.checkpoint.layout import EXTRA_KEY, model_key
-    from lightning_mm.checkpoint.store import open_source
+    from lightning_mm.checkpoint.source import open_source
     from lightning_mm.hf.records import choose_record
 
     out = Path(out_dir)

@@ -1,7 +1,7 @@
 """Saving in the background (``MMFSDP2Strategy(async_save=True)``): what the strategy keeps between a save's start
 and its completion.
 
-``lightning_mm.checkpoint.store.save(..., background=...)`` stages the state and returns a future; the write, the
+``lightning_mm.checkpoint.writer.save(..., background=...)`` stages the state and returns a future; the write, the
 manifest and the atomic commit run in a daemon thread, their collectives on a gloo process group of their own
 (created once, by every rank at its first background save) so that they never interleave with training's. Until
 the future completes, nothing of the checkpoint is visible, and:
