@@ -120,10 +120,10 @@ class ShardedRun:
         """``False`` inside :meth:`no_gradient_sync` (the micro-batches of gradient accumulation but the last)."""
         self._expert_layout: ExpertCheckpointLayout | None = None
 
-    def build_mesh(self, root: nn.Module | None, world_size: int, device_type: str) -> DeviceMesh:
-        """The run's device mesh over ``world_size`` ranks: the config in force's ``sharding_size`` (HSDP when it is
-        smaller than the world), on ``device_type`` devices; kept as :attr:`mesh`."""
-        sharding = self.config_for(root).resolve_sharding_size(world_size)
+    def build_mesh(self, config: FSDP2Config, world_size: int, device_type: str) -> DeviceMesh:
+        """The run's device mesh over ``world_size`` ranks: ``config``'s ``sharding_size`` (HSDP when it is smaller
+        than the world; the config in force, :meth:`config_for`), on ``device_type`` devices; kept as :attr:`mesh`."""
+        sharding = config.resolve_sharding_size(world_size)
         self.mesh = apply.build_device_mesh(world_size, sharding, device_type)
         return self.mesh
 

@@ -284,10 +284,10 @@ class MMFSDP2Strategy(ParallelStrategy):
         self.set_world_ranks()
         root = self.lightning_module
         assert self.cluster_environment is not None and root is not None
-        offload = self.fsdp2_config.offload_to_cpu
+        config = self.fsdp2_config
         env, rank, world, device = self.cluster_environment, self.global_rank, self.world_size, self.root_device
-        self._process_group.start(env, rank, world, device, self.num_nodes, offload)
-        set_device_mesh(root, self.sharded_run.build_mesh(root, world, device.type))
+        self._process_group.start(env, rank, world, device, self.num_nodes, config.offload_to_cpu)
+        set_device_mesh(root, self.sharded_run.build_mesh(config, world, device.type))
         self._context_parallel.setup(self.world_size, self.root_device.type)
 
     # ------------------------------------------------------------------------------- model building
