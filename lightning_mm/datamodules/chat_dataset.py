@@ -52,7 +52,8 @@ class ChatAttr:
 
 # ----------------------------------------------------------------------------------------------- records
 def _turns(raw: dict, attr: ChatAttr) -> tuple[list[tuple[str, str]], str | None]:
-    """MindSpeed MM's sharegpt conversion: a leading system turn, then user/assistant turns alternating."""
+    """MindSpeed MM's sharegpt conversion (``SharegptDatasetConverter``): a leading system turn, then user/assistant
+    turns alternating; the turns' and the system turn's texts stripped of surrounding white space."""
     messages = raw.get(attr.messages)
     if not isinstance(messages, list) or not messages:
         raise ValueError(f"`{attr.messages}` must be a non-empty list of turns")
@@ -68,6 +69,7 @@ def _turns(raw: dict, attr: ChatAttr) -> tuple[list[tuple[str, str]], str | None
         system = messages[0].get(attr.content_tag)
         if not isinstance(system, str):
             raise ValueError(f"the system turn's `{attr.content_tag}` must be a string")
+        system = system.strip()  # as MindSpeed MM's SharegptDatasetConverter
         messages = messages[1:]
     tools = {t for t in (attr.observation_tag, attr.function_tag) if t}
     turns: list[tuple[str, str]] = []
@@ -87,7 +89,7 @@ def _turns(raw: dict, attr: ChatAttr) -> tuple[list[tuple[str, str]], str | None
         if not isinstance(content, str):
             raise ValueError(f"turn {i + 1}: `{attr.content_tag}` must be a string")
         _encodable(content, f"turn {i + 1}")
-        turns.append((expected[1], content))
+        turns.append((expected[1], content.strip()))  # MindSpeed MM's SharegptDatasetConverter strips each turn
     if not turns or turns[-1][0] != "assistant":
         raise ValueError(f"no {attr.assistant_tag!r} turn ends the conversation")
     if system is not None:
@@ -203,7 +205,7 @@ class ChatDataset(ReplacingDataset):
     def sample(self, record: ChatRecord) -> dict[str, Any]:
         images = []
         for path in record.images:
-            with Image.open(path) as img:
-                images.append(img.convert("RGB"))
+            with Image.open(path) as img:  # decoded as it is: the builder bounds it, then makes it RGB (MindSpeed MM)
+                images.append(img.copy())
         messages = [{"role": role, "content": content} for role, content in record.messages]
         return self.builder(messages, record.system, images)

@@ -259,6 +259,7 @@ def build_huggingface_datasets(
     """``({"train", "val", "test"}, collate_fn, reports)`` of a ``dataset_type: huggingface`` dataset_param."""
     from lightning_mm.hf.chat_collate import ChatCollator
     from lightning_mm.hf.chat_samples import ChatSampleBuilder, template_for
+    from lightning_mm.hf.mindspeed_samples import MINDSPEED_FORMATS, MindSpeedSampleBuilder
     from lightning_mm.hf.vlm_processor import ProcessorLoadError, load_vlm_processor
 
     dp = prefix + "dataset_param."
@@ -309,7 +310,7 @@ def build_huggingface_datasets(
                 f"{source}: `{prefix}dataloader_param.collate_param.{key}`: {short_repr(name)} "
                 f"does not fit a {model_type} model (expected {' or '.join(template.collate_names)})"
             )
-    cutoff_len = _int(basic, "cutoff_len", None, bp, source, low=1)
+    cutoff_len = _int(basic, "cutoff_len", 1024, bp, source, low=1)  # MindSpeed MM's DataArguments default
     min_pixels = _int(pre, "image_min_pixels", 32 * 32, pp, source)
     max_pixels = _int(pre, "image_max_pixels", 768 * 768, pp, source, low=1)
     if min_pixels is None or max_pixels is None or min_pixels > max_pixels:
@@ -336,15 +337,13 @@ def build_huggingface_datasets(
     processor = loaded.processor
     if processor.tokenizer.pad_token_id is None:
         raise DataConfigError(f"{source}: `{pp}model_name_or_path`: the tokenizer in {model_dir} has no pad token")
-    builder = ChatSampleBuilder(
-        processor,
-        template,
-        image_min_pixels=min_pixels,
-        image_max_pixels=max_pixels,
-        cutoff_len=cutoff_len,
-        chat_template=chat_template,
-        **flags,
-    )
+    name = None if chat_template is not None else basic.get("template")
+    settings: dict[str, Any] = dict(image_min_pixels=min_pixels, image_max_pixels=max_pixels, cutoff_len=cutoff_len)
+    builder: ChatSampleBuilder | MindSpeedSampleBuilder
+    if name in MINDSPEED_FORMATS:  # MindSpeed MM's own template: its samples, built as it builds them
+        builder = MindSpeedSampleBuilder(processor, MINDSPEED_FORMATS[name], **settings, **flags)
+    else:  # the model's own chat template (template: null, or a chat_template file)
+        builder = ChatSampleBuilder(processor, template, chat_template=chat_template, **settings, **flags)
     splits: dict[str, Dataset | None] = dict.fromkeys(("train", "val", "test"))
     reports: dict[str, DataReport] = {}
     for split, files in splits_files.items():

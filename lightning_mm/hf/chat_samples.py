@@ -1,9 +1,19 @@
 """Training samples of a conversation with images, built by the model's own processor and chat template.
 
-The semantics are MindSpeed MM's ``huggingface`` dataset (``mindspeed_mm/data/data_utils/func_utils/template.py``,
-``mm_plugin.py``, ``convert.py``): ``<image>`` placeholders in the user turns stand for the record's images in order;
-labels cover each assistant turn's content and its end-of-turn tokens (``<|im_end|>\\n`` for the Qwen templates),
-the prompt turns too with ``train_on_prompt``, and only the last assistant turn with ``mask_history``.
+MindSpeed MM's named templates (``template: qwen2vl``, ``qwen3_vl``, ...) are built as MindSpeed MM builds them, by
+:class:`~lightning_mm.hf.mindspeed_samples.MindSpeedSampleBuilder`. This module holds the template names (checked
+against the model family: :data:`TEMPLATES`, :func:`template_for`) and :class:`ChatSampleBuilder`, which renders a
+conversation with the model's OWN chat template: for ``template: null`` (Gemma 3, Idefics3, which MindSpeed MM has
+no template for: :data:`OWN_TEMPLATE_FAMILIES`; or any family, its chat template as it is) and for a
+``chat_template`` file. MindSpeed MM's FSDP route parses such a chat template into slots with its ``BasePlugin``,
+which expands no image placeholder, so images cannot train that way there; here the model's processor expands them.
+
+The semantics follow MindSpeed MM's ``huggingface`` dataset (``mindspeed_mm/fsdp/data/data_utils/func_utils/
+template.py``, ``mm_plugin.py``, ``convert.py``): ``<image>`` placeholders in the user turns stand for the record's
+images in order; images are bounded as its ``BasePlugin`` bounds them (a NEAREST area-preserving resize into
+``image_min_pixels`` / ``image_max_pixels``) and the processor then runs with its own settings; labels cover each
+assistant turn's content and its end-of-turn tokens, the prompt turns too with ``train_on_prompt``, and only the last
+assistant turn with ``mask_history``.
 
 How it is built here: the conversation is rendered by the processor's chat template (each ``<image>`` becomes an
 image part of the message, so the template writes the model's own vision tokens), the processor expands the
@@ -13,15 +23,8 @@ character spans are found by rendering the conversation turn by turn (the text u
 generation prompt, is a prefix of the text that includes it). They are moved past the placeholders the processor
 expanded before them (its ``text_replacement_offsets``), and a token is trained when its first character (its
 offset in the processor's expanded text) lies inside a trained span: any processor that expands placeholders the
-Transformers 5 way (``replace_image_token``) fits, whatever its vision tokens look like.
-
-The MindSpeed ``template`` name is checked against the model family and selects what differs between its templates
-(:data:`TEMPLATES`): ``qwen3_vl``, ``glm4.1v`` and ``glm4v_moe`` add an empty thought (``<think>\\n\\n</think>\\n\\n``)
-to each assistant turn that has none, trained with ``enable_thinking`` (the default) and part of the prompt without
-it (then existing thoughts are removed, as MindSpeed does); ``qwen3_vl_nothink``, ``qwen2vl`` and ``qwen2_omni``
-add nothing. Families MindSpeed MM has no template for (Gemma 3, Idefics3: :data:`OWN_TEMPLATE_FAMILIES`)
-take ``template: null``. Default system prompts come from the model's chat template (Qwen2.5-VL's is MindSpeed's
-``qwen2vl`` default, "You are a helpful assistant.").
+Transformers 5 way (``replace_image_token``) fits, whatever its vision tokens look like. A sample longer than
+``cutoff_len`` is cut at its end (there is no MindSpeed MM template to cut by turn).
 """
 
 from __future__ import annotations
@@ -64,10 +67,6 @@ class TemplateSpec:
     collate_names: tuple[str, ...]
     reasoning: bool = False
     """Empty thoughts are added to assistant turns (MindSpeed's ``ReasoningTemplate``)."""
-    resize_images: bool = False
-    """Images are bounded by ``image_max_pixels`` / ``image_min_pixels`` before the processor (MindSpeed MM's
-    ``BasePlugin._preprocess_image``: an area-preserving NEAREST resize), which then resizes them its own way; else
-    the bounds go to the processor as its ``size`` (Qwen-VL's dynamic resolution, whose processors take them)."""
     content_parts: bool = False
     """System and assistant texts go to the chat template as a list of text parts (Idefics3's template reads only
     parts), else as strings (GLM-4V's template writes the content as it is)."""
@@ -79,6 +78,7 @@ TEMPLATES: dict[str, TemplateSpec] = {
     "qwen2vl": TemplateSpec(("qwen2_vl", "qwen2_5_vl"), ("qwen2vl",)),
     "qwen3_vl": TemplateSpec(_QWEN3_VL_TYPES, ("qwen3vl", "qwen2vl"), reasoning=True),
     "qwen3_vl_nothink": TemplateSpec(_QWEN3_VL_TYPES, ("qwen3vl", "qwen2vl")),
+    "qwen3_6": TemplateSpec(("qwen3_5", "qwen3_5_moe"), ("qwen3vl", "qwen2vl"), reasoning=True),
     "qwen2_omni": TemplateSpec(("qwen2_5_omni", "qwen2_5_omni_thinker"), (*_QWEN_COLLATE, "qwen3omni")),
     "glm4.1v": TemplateSpec(("glm4v",), ("glm4v_moe", *_QWEN_COLLATE), reasoning=True),
     "glm4v_moe": TemplateSpec(("glm4v_moe",), ("glm4v_moe", *_QWEN_COLLATE), reasoning=True),
@@ -87,8 +87,8 @@ TEMPLATES: dict[str, TemplateSpec] = {
 Qwen3VLProcessor and Qwen3-VL's chat tokens) use the Qwen3-VL templates, as MindSpeed MM's configs for them do."""
 
 OWN_TEMPLATE_FAMILIES: dict[str, TemplateSpec] = {
-    "gemma3": TemplateSpec(("gemma3",), _QWEN_COLLATE, resize_images=True),
-    "idefics3": TemplateSpec(("idefics3",), _QWEN_COLLATE, resize_images=True, content_parts=True),
+    "gemma3": TemplateSpec(("gemma3",), _QWEN_COLLATE),
+    "idefics3": TemplateSpec(("idefics3",), _QWEN_COLLATE, content_parts=True),
 }
 """Families MindSpeed MM registers no template for: their model's own chat template renders the conversations
 (``template: null``, or a ``chat_template`` file), nothing added."""
@@ -97,15 +97,22 @@ MINDSPEED_TEMPLATES = (
     "qwen2vl",
     "qwen3_vl",
     "qwen3_vl_nothink",
+    "qwen3_6",
+    "qwen3_6_nothink",
+    "step3_vl",
     "qwen2_omni",
     "qwen3_omni",
     "qwen3_omni_nothink",
+    "kimi_k25",
+    "kimi_k3",
+    "qwen3_asr",
     "glm4.1v",
     "glm4v_moe",
-    "mistral",
     "default",
+    "empty",
 )
-"""Every template name MindSpeed MM's ``template.py`` registers."""
+"""Every template name the FSDP2 route of MindSpeed MM registers (``mindspeed_mm/fsdp/data/data_utils/func_utils/
+template.py``). ``qwen3_6_nothink`` is text only there (its plugin expands no image placeholder)."""
 
 
 def template_for(name: Any, model_type: str | None) -> TemplateSpec:
@@ -171,11 +178,10 @@ class ChatSampleBuilder:
     """Turns ``(messages, system, images)`` into the keys the model's forward takes, plus ``labels``.
 
     ``messages`` alternate ``{"role": "user" | "assistant", "content": str}``, user first, assistant last.
-    ``image_min_pixels`` / ``image_max_pixels`` go to the image processor as its ``size`` (``shortest_edge`` /
-    ``longest_edge``, Transformers' names for the pixel bounds of Qwen's dynamic resolution). ``chat_template``
-    (a Jinja text) replaces the processor's own. A sample longer than ``cutoff_len`` tokens is cut at its end when no
-    vision token lies past the cut (MindSpeed MM cuts each turn's prompt and answer in proportion instead; a cut
-    through an image would break the model's image-token count), and is a :class:`SampleError` otherwise.
+    Images are bounded by ``image_min_pixels`` / ``image_max_pixels`` (:meth:`bound_image`), then the processor
+    resizes them with its own settings. ``chat_template`` (a Jinja text) replaces the processor's own. A sample
+    longer than ``cutoff_len`` tokens is cut at its end when no vision token lies past the cut (a cut through an
+    image would break the model's image-token count), and is a :class:`SampleError` otherwise.
     """
 
     def __init__(
@@ -200,12 +206,6 @@ class ChatSampleBuilder:
         self.enable_thinking = enable_thinking
         self.image_min_pixels = max(int(image_min_pixels), 0)
         self.image_max_pixels = int(image_max_pixels)
-        # Transformers refuses a zero shortest_edge; the processor's resize never goes below one patch grid cell.
-        self.images_kwargs = (
-            {}
-            if template.resize_images
-            else {"size": {"shortest_edge": max(int(image_min_pixels), 1), "longest_edge": int(image_max_pixels)}}
-        )
         self.tokenizer = processor.tokenizer
 
     # ------------------------------------------------------------------------------------------ rendering
@@ -269,12 +269,11 @@ class ChatSampleBuilder:
 
     # ------------------------------------------------------------------------------------------ samples
     def bound_image(self, image: Any) -> Any:
-        """``image`` within ``image_max_pixels`` / ``image_min_pixels`` as MindSpeed MM's plugins bound it (a
-        NEAREST resize keeping the aspect ratio), for a family whose processor does not take pixel bounds."""
+        """``image`` within ``image_max_pixels`` / ``image_min_pixels`` as MindSpeed MM's ``BasePlugin`` bounds it
+        (``_preprocess_image``: a NEAREST resize keeping the area's bound), in RGB; the processor then resizes it
+        with its own settings."""
         from PIL import Image
 
-        if not self.template.resize_images:
-            return image
         for limit, too_far in (
             (self.image_max_pixels, lambda area: area > self.image_max_pixels),
             (self.image_min_pixels, lambda area: area < self.image_min_pixels),
@@ -301,8 +300,6 @@ class ChatSampleBuilder:
             kwargs["add_special_tokens"] = False
         if images:
             kwargs["images"] = [self.bound_image(image) for image in images]
-            if self.images_kwargs:
-                kwargs["images_kwargs"] = self.images_kwargs
         out = dict(self.processor(**kwargs))
         if "offset_mapping" not in out:
             raise SampleError(
@@ -354,12 +351,7 @@ class ChatSampleBuilder:
         from PIL import Image
 
         image = self.bound_image(Image.new("RGB", (64, 64), (255, 255, 255)))
-        out = self.processor(
-            text=[self.processor.image_token],
-            images=[image],
-            return_tensors="pt",
-            **({"images_kwargs": self.images_kwargs} if self.images_kwargs else {}),
-        )
+        out = self.processor(text=[self.processor.image_token], images=[image], return_tensors="pt")
         return {k: v[0] if k in _TOKEN_KEYS else v for k, v in out.items()}
 
     def _labels(
