@@ -1,8 +1,11 @@
 """MindSpeed MM ``dataset_type: huggingface`` data for more VLM families (``examples/tiny_families.py``).
 
-Each sample is compared, bit for bit, with what the model's own processor gives for the same conversation through
-its own ``apply_chat_template(tokenize=True, return_dict=True)`` (input ids, pixel values and every image metadata
-key); the assistant-only labels are computed independently here: the processor's token ids are decoded back to the
+Each sample of a family with a MindSpeed MM template (GLM-4.1V, GLM-4.5V, Qwen2.5-Omni) is compared, bit for bit,
+with MindSpeed MM's sample (``tests/mindspeed_reference.py``, a re-telling of its code). Each sample of a family
+with its own chat template (Gemma 3, Idefics3: ``template: null``) is compared with what the model's own processor
+gives for the same conversation through its own ``apply_chat_template(tokenize=True, return_dict=True)`` (input
+ids, pixel values and every image metadata key), the images bounded as MindSpeed MM's ``BasePlugin`` bounds them;
+the assistant-only labels are computed independently here: the processor's token ids are decoded back to the
 expanded text (byte-level BPE decodes exactly), each assistant turn is found there by the family's turn markers, and
 a token is trained when its first character lies inside an assistant turn. Then the collated batch runs forward and
 backward through the model ``TransformersModel`` builds (no adapter: the derived one; the same loss as plain
@@ -30,18 +33,17 @@ from lightning_mm.hf.batch_check import BatchCheckError, check_batch, expected_i
 from lightning_mm.hf.chat_collate import ChatCollator
 from lightning_mm.modules import TransformersModel
 from tests.families_scenarios import CASES as PARITY_CASES
+from tests.mindspeed_reference import reference as mindspeed_reference
 
 THOUGHT = "<think>\n\n</think>\n\n"  # the empty thought of MindSpeed MM's reasoning templates
 # family -> MindSpeed template (None: the model's own chat template), how an assistant turn opens and closes in the
-# rendered text, whether MindSpeed MM bounds the images before the processor, and the image token's config name.
+# rendered text (for the families with their own chat template).
 FAMILIES: dict[str, dict[str, Any]] = {
-    "gemma3": dict(template=None, open="<start_of_turn>model\n", close="<end_of_turn>\n", resize=True),
-    "idefics3": dict(template=None, open="Assistant:", close="<end_of_utterance>\n", resize=True),
-    "glm4v": dict(template="glm4.1v", open="<|assistant|>\n", close="", resize=False, thought=THOUGHT),
-    "glm4v_moe": dict(template="glm4v_moe", open="<|assistant|>\n", close="", resize=False, thought=THOUGHT),
-    "qwen2_5_omni_thinker": dict(
-        template="qwen2_omni", open="<|im_start|>assistant\n", close="<|im_end|>\n", resize=False
-    ),
+    "gemma3": dict(template=None, open="<start_of_turn>model\n", close="<end_of_turn>\n"),
+    "idefics3": dict(template=None, open="Assistant:", close="<end_of_utterance>\n"),
+    "glm4v": dict(template="glm4.1v", open="<|assistant|>\n", close="", thought=THOUGHT),
+    "glm4v_moe": dict(template="glm4v_moe", open="<|assistant|>\n", close="", thought=THOUGHT),
+    "qwen2_5_omni_thinker": dict(template="qwen2_omni", open="<|im_start|>assistant\n", close="<|im_end|>\n"),
 }
 ATTR = {
     "system": None,
@@ -184,11 +186,14 @@ def _reference(
     enable_thinking: bool = True,
 ) -> dict[str, torch.Tensor]:
     spec = FAMILIES[family]
+    if spec["template"] is not None:  # a MindSpeed MM template: its own sample (tests/mindspeed_reference.py)
+        flags = dict(train_on_prompt=train_on_prompt, mask_history=mask_history, enable_thinking=enable_thinking)
+        return mindspeed_reference(model, spec["template"], record, data, MAX_PIXELS, 1024, **flags)
     processor = _reference_processor(model)
     images = []
     for name in record.get("images", []):
         with Image.open(data / name) as img:
-            images.append(_bounded(img.convert("RGB")) if spec["resize"] else img.convert("RGB"))
+            images.append(_bounded(img.convert("RGB")))
     pending = iter(images)
     messages: list[dict[str, Any]] = []
     assistants = []
@@ -208,10 +213,7 @@ def _reference(
                 }
             )
             assistants.append((" " if family == "idefics3" else "") + content)
-    bounds = {} if spec["resize"] else {"images_kwargs": {"size": {"shortest_edge": 1024, "longest_edge": MAX_PIXELS}}}
-    out = processor.apply_chat_template(
-        messages, tokenize=True, return_dict=True, return_tensors="pt", processor_kwargs=bounds
-    )
+    out = processor.apply_chat_template(messages, tokenize=True, return_dict=True, return_tensors="pt")
     ids = out["input_ids"][0].tolist()
     expanded = processor.tokenizer.decode(ids, skip_special_tokens=False)
     encoded = processor.tokenizer(expanded, add_special_tokens=False, return_offsets_mapping=True)

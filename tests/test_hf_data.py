@@ -1,9 +1,10 @@
 """MindSpeed MM ``dataset_type: huggingface`` data configs through ``MMDataModule(data_config=...)``.
 
-Each sample is compared, bit for bit, with what the model's own processor and chat template give for the same
-conversation (``apply_chat_template`` then ``processor(text=..., images=...)``), on tiny Qwen2.5-VL and Qwen3-VL
-directories (``tests/tiny_vlms.py``); the assistant-only labels are computed independently here, from the character
-offsets of the assistant contents in the processor's (expanded) text.
+Each sample is compared, bit for bit, with MindSpeed MM's sample of the same record (``tests/mindspeed_reference.py``,
+a re-telling of its code; more cases in ``tests/test_mindspeed_samples.py``) on tiny Qwen2.5-VL and Qwen3-VL
+directories (``tests/tiny_vlms.py``); a ``chat_template`` file's samples with what the model's processor gives for
+that template (``apply_chat_template`` then ``processor(text=..., images=...)``), the assistant-only labels computed
+independently here from the character offsets of the assistant contents in the processor's (expanded) text.
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ from lightning_mm import MMDataModule
 from lightning_mm.datamodules.data_config import DataConfigError
 from lightning_mm.datamodules.records import DataError
 from tests import hfdata_scenarios
+from tests.mindspeed_reference import reference as mindspeed_reference
 from tests.scenario_kit import read_results, run
 from tests.tiny_vlms import FAMILIES, write_tiny_vlm
 
@@ -180,6 +182,22 @@ def _reference(
     model: Path,
     record: dict,
     data: Path,
+    template: str | None = None,
+    *,
+    system: str | None = None,
+    **flags: Any,
+) -> dict[str, torch.Tensor]:
+    """MindSpeed MM's sample (``tests/mindspeed_reference.py``, a re-telling of its code) for the family's template
+    (:data:`TEMPLATE`, by the model's ``model_type``) or ``template``."""
+    name = template or TEMPLATE[json.loads((model / "config.json").read_text())["model_type"]]
+    record = dict(record, system=system) if system else record
+    return mindspeed_reference(model, name, record, data, MAX_PIXELS, 0, **flags)
+
+
+def _chat_template_reference(
+    model: Path,
+    record: dict,
+    data: Path,
     *,
     train_on_prompt: bool = False,
     mask_history: bool = False,
@@ -205,12 +223,10 @@ def _reference(
     for name in record.get("images", []):
         with Image.open(data / name) as img:
             images.append(img.convert("RGB"))
-    out = processor(
-        text=[text],
-        images=images or None,
-        return_tensors="pt",
-        images_kwargs={"size": {"shortest_edge": 1, "longest_edge": MAX_PIXELS}},
-    )
+    # The images of these records lie within the pixel bounds (MindSpeed MM's BasePlugin leaves them as they are);
+    # the processor resizes them with its own settings.
+    assert all(img.width * img.height <= MAX_PIXELS for img in images)
+    out = processor(text=[text], images=images or None, return_tensors="pt")
     # Labels from character offsets: each assistant content and its "<|im_end|>\n", in the expanded text.
     merge = processor.image_processor.merge_size**2
     expanded = text
@@ -292,9 +308,7 @@ def test_qwen3_vl_template_adds_an_empty_thought(thinking, models, tmp_path, mon
     config = _config(models[family], family, template="qwen3_vl", basic={"enable_thinking": thinking})
     module = _module(tmp_path, monkeypatch, config)
     for i in (0, 2):
-        reference = _reference(
-            models[family], RECORDS[i], tmp_path / "data", thought="<think>\n\n</think>\n\n", thought_trained=thinking
-        )
+        reference = _reference(models[family], RECORDS[i], tmp_path / "data", "qwen3_vl", enable_thinking=thinking)
         _assert_same(module._splits["train"][i], reference)
 
 
@@ -355,7 +369,8 @@ def test_a_batch_without_images_gets_a_masked_filler_image(family, models, tmp_p
     n = len(samples[0]["input_ids"])
     image_id = _reference_processor(models[family]).image_token_id
     extra = batch["input_ids"][0, n:][batch["attention_mask"][0, n:] == 0]
-    assert (batch["input_ids"][0, n : n + int(batch["image_grid_thw"].prod()) // 4] == image_id).all()
+    # MindSpeed MM's filler: <|vision_start|>, the image tokens, <|vision_end|> (tests/test_mindspeed_samples.py)
+    assert (batch["input_ids"][0, n + 1 : n + 1 + int(batch["image_grid_thw"].prod()) // 4] == image_id).all()
     assert (batch["attention_mask"][0, n:] == 0).all() and (batch["labels"][0, n:] == -100).all() and len(extra)
     cls = {
         "qwen2_5_vl": transformers.Qwen2_5_VLForConditionalGeneration,
@@ -817,11 +832,14 @@ def test_chat_template_file_replaces_the_models(models, tmp_path, monkeypatch):
     module = _module(tmp_path, monkeypatch, config)
     for i in (0, 2):
         _assert_same(
-            module._splits["train"][i], _reference(models[family], RECORDS[i], tmp_path / "data", chat_template=custom)
+            module._splits["train"][i],
+            _chat_template_reference(models[family], RECORDS[i], tmp_path / "data", chat_template=custom),
         )
 
 
-def test_cutoff_len_cuts_text_and_refuses_to_cut_an_image(models, tmp_path, monkeypatch):
+def test_cutoff_len_cuts_each_turn_and_refuses_to_cut_an_image(models, tmp_path, monkeypatch):
+    """MindSpeed MM cuts each turn's prompt and answer in proportion (infer_seqlen), not the sample at its end; a cut
+    through an image's tokens is refused here (MindSpeed MM would build a sample the model rejects)."""
     family = "qwen2_5_vl"
     _write(tmp_path, {})
     late_image = _record(
@@ -843,13 +861,11 @@ def test_cutoff_len_cuts_text_and_refuses_to_cut_an_image(models, tmp_path, monk
         tmp_path, monkeypatch, _config(models[family], family, basic={"cutoff_len": cut}), [late_image, text_only]
     )
     sample = module._splits["train"][0]
-    assert len(sample["input_ids"]) == cut
-    for key in ("input_ids", "attention_mask", "mm_token_type_ids", "labels"):
-        assert torch.equal(sample[key], full[key][:cut]), key
-    assert torch.equal(sample["pixel_values"], full["pixel_values"])
+    _assert_same(sample, _reference(models[family], late_image, tmp_path / "data", cutoff_len=cut))
+    assert not torch.equal(sample["labels"], full["labels"][: len(sample["labels"])])  # not cut at its end
     config = _config(models[family], family, basic={"cutoff_len": image_end})
     module = _module(tmp_path, monkeypatch, config, [late_image, text_only])
-    with pytest.warns(UserWarning, match="train.jsonl:1: .*cut would split its images' tokens"):
+    with pytest.warns(UserWarning, match="train.jsonl:1: .*cuts the sample through its images' tokens"):
         replaced = module._splits["train"][0]
     _assert_same(replaced, short)  # the next good record takes its place
 
