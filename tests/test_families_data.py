@@ -249,7 +249,7 @@ def _assert_same(sample: dict, reference: dict) -> None:
 
 # ----------------------------------------------------------------------------------------------- samples
 @pytest.mark.parametrize("family", list(FAMILIES))
-def test_samples_equal_the_model_processor_and_chat_template(family, models, tmp_path, monkeypatch):
+def test_samples_equal_mindspeed_mms_or_the_model_chat_templates(family, models, tmp_path, monkeypatch):
     module = _module(tmp_path, monkeypatch, _config(models[family], family), batch_size=3)
     dataset = module._splits["train"]
     for i, record in enumerate(RECORDS):

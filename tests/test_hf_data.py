@@ -276,7 +276,7 @@ def _assert_same(sample: dict, reference: dict) -> None:
 
 # ----------------------------------------------------------------------------------------------- samples
 @pytest.mark.parametrize("family", list(TEMPLATE))
-def test_samples_equal_the_model_processor_and_chat_template(family, models, tmp_path, monkeypatch):
+def test_samples_equal_mindspeed_mms(family, models, tmp_path, monkeypatch):
     module = _module(tmp_path, monkeypatch, _config(models[family], family))
     dataset = module._splits["train"]
     assert len(dataset) == len(RECORDS)
