@@ -189,7 +189,8 @@ def _reference(
 ) -> dict[str, torch.Tensor]:
     """MindSpeed MM's sample (``tests/mindspeed_reference.py``, a re-telling of its code) for the family's template
     (:data:`TEMPLATE`, by the model's ``model_type``) or ``template``."""
-    name = template or TEMPLATE[json.loads((model / "config.json").read_text())["model_type"]]
+    model_type = json.loads((model / "config.json").read_text())["model_type"]
+    name = template or {**TEMPLATE, "qwen3_5": "qwen3_vl_nothink"}[model_type]
     record = dict(record, system=system) if system else record
     return mindspeed_reference(model, name, record, data, MAX_PIXELS, 0, **flags)
 
