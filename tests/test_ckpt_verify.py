@@ -397,6 +397,63 @@ def test_a_save_in_the_background_commits_when_its_write_completes(tmp_path):
             assert torch.equal(weights, torch.ones(8)), fmt
 
 
+class _Recording(ThreadPoolExecutor):
+    """One worker; keeps the staged tensors each background write was handed."""
+
+    def __init__(self) -> None:
+        super().__init__(1)
+        self.staged: list[dict[str, torch.Tensor]] = []
+
+    def submit(self, fn, /, *args, **kwargs):  # noqa: ANN001, ANN002, ANN003, ANN201
+        self.staged.append(dict(args[3]))  # _write(path, partial, fmt, tensors, ...)
+        return super().submit(fn, *args, **kwargs)
+
+
+@pytest.mark.parametrize("fmt", ["torch_dcp", "torch"])
+def test_background_saves_refill_their_staging_buffers_and_each_loads_back_exactly(tmp_path, fmt):
+    """Issue #38 (8): the second save stages into the first one's buffers (no new allocation), and neither
+    checkpoint holds the other's state; each is byte for byte what a synchronous save of its state writes."""
+    from lightning_mm.checkpoint.writer import Staging
+
+    torch.manual_seed(0)
+    net = nn.Sequential(nn.Linear(64, 64), nn.Linear(64, 8))
+    optimizer = torch.optim.AdamW(net.parameters(), lr=0.1)
+
+    def checkpoint(step: int) -> dict:
+        net(torch.randn(4, 64)).square().mean().backward()
+        optimizer.step()
+        return {
+            "epoch": 0,
+            "global_step": step,
+            "state_dict": store.model_state(net, full=False),
+            "optimizer_states": [store.optimizer_state(net, optimizer, full=False)],
+        }
+
+    staging, expected = Staging(), []
+    with _Recording() as executor:
+        for step in (1, 2, 3):
+            state = checkpoint(step)
+            expected.append({k: v.clone() for k, v in net.state_dict().items()})
+            future = store.save(
+                state, tmp_path / f"a{step}.ckpt", fmt, EXTRA, None, background=executor, staging=staging
+            )
+            future.result()  # what the strategy waits for before the next save
+            store.save(state, tmp_path / f"s{step}.ckpt", fmt, EXTRA, None)  # the same state, synchronously
+    pointers = [sorted(t.untyped_storage().data_ptr() for t in staged.values()) for staged in executor.staged]
+    assert pointers[0] == pointers[1] == pointers[2]  # the buffers of the first save, refilled
+    for step in (1, 2, 3):
+        source = store.open_source(tmp_path / f"a{step}.ckpt")
+        keys = [f"state_dict/{k}" for k in expected[step - 1]]
+        found = source.read_full(keys) if source.is_dcp else {k: source._tensors[k] for k in keys}
+        assert source.meta["global_step"] == step
+        for name, value in expected[step - 1].items():
+            assert torch.equal(found[f"state_dict/{name}"], value), (step, name)
+        if fmt == "torch_dcp":
+            ours, theirs = tmp_path / f"a{step}.ckpt", tmp_path / f"s{step}.ckpt"
+            assert (ours / "__0_0.distcp").read_bytes() == (theirs / "__0_0.distcp").read_bytes()
+    assert not torch.equal(expected[0]["0.weight"], expected[1]["0.weight"])
+
+
 def test_sigterm_during_a_background_write_lets_it_complete_and_exits_143(tmp_path):
     proc = run(ckpt_verify_scenarios.sigterm, tmp_path, expect_ok=False)
     assert proc.returncode == 143, proc.stderr[-3000:]  # the status of a SIGTERM, not an abort at exit
