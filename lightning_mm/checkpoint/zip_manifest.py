@@ -75,7 +75,8 @@ def _directory(path: Path, size: int) -> tuple[int, int, int]:
             found = tail.rfind(b"PK\x05\x06")
             if found < 0 or len(tail) - found < _END.size:
                 raise CheckpointIntegrityError(
-                    f"{path}: does not end with a zip end record: truncated, or bytes were appended (altered)"
+                    f"{path}: truncated or corrupted, not a readable torch file (it does not end with a zip end "
+                    "record; or bytes were appended after it)"
                 )
             archive_end = size - len(tail) + found + _END.size + _END.unpack(tail[found : found + _END.size])[-1]
             raise CheckpointIntegrityError(
