@@ -284,10 +284,11 @@ def _failure(error: BaseException, url: str) -> CheckpointWriteError:
 
 
 # ------------------------------------------------------------------------------------------- loading
-def _read(store: RemoteStore, name: str) -> bytes:
+def _read(store: RemoteStore, name: str, size: int) -> bytes:
+    """The object ``name`` (its first ``size`` + 1 bytes at most: an object longer than listed fails its check)."""
     path = f"{store.root}/{name}"
     try:
-        return store.fs.cat_file(path)
+        return store.fs.cat_file(path, start=0, end=size + 1)
     except FileNotFoundError:
         raise CheckpointIntegrityError(f"{store.url_of(path)}: missing (the checkpoint is incomplete)") from None
 
@@ -307,7 +308,8 @@ def _manifest(store: RemoteStore) -> dict[str, Any]:
     return manifests.parse(data, where)
 
 
-def _verify(store: RemoteStore, manifest: dict[str, Any], full: bool, read: dict[str, bytes]) -> None:
+def _check_present(store: RemoteStore, manifest: dict[str, Any]) -> None:
+    """Every listed object is there, of its size, and no ``.distcp`` object is there unlisted (nothing is read)."""
     files: dict[str, dict[str, Any]] = manifest["files"]
     present = {}
     for info in store.fs.ls(store.root, detail=True, refresh=True):
@@ -329,6 +331,12 @@ def _verify(store: RemoteStore, manifest: dict[str, Any], full: bool, read: dict
             raise CheckpointIntegrityError(
                 f"{where}: {state} ({size} bytes; the checkpoint's manifest records {entry['size']})"
             )
+
+
+def _check_content(store: RemoteStore, manifest: dict[str, Any], full: bool, read: dict[str, bytes]) -> None:
+    """The digest of every object (``read``: the objects already read) matches its entry; the first that does not
+    ends the check."""
+    files: dict[str, dict[str, Any]] = manifest["files"]
     version_1 = manifests.sampled_only(manifest)
     for name, entry in sorted(files.items()):
         path = f"{store.root}/{name}"
@@ -393,11 +401,12 @@ def open_source(
     """Open the checkpoint at ``url`` (checked against its manifest first) as a :class:`.source.CheckpointSource`."""
     store = RemoteStore(url, storage_options)
     manifest = _manifest(store)
-    read = {name: _read(store, name) for name in (".metadata", META_FILE)}
-    for name in read:
+    for name in (".metadata", META_FILE):
         if name not in manifest["files"]:
             raise CheckpointIntegrityError(f"{store.url}/{name}: not listed in the checkpoint's {MANIFEST_FILE}")
-    _verify(store, manifest, full_check, read)
+    _check_present(store, manifest)  # before anything is read: the sizes read are the sizes listed
+    read = {name: _read(store, name, manifest["files"][name]["size"]) for name in (".metadata", META_FILE)}
+    _check_content(store, manifest, full_check, read)
     metadata = _metadata(store, read[".metadata"], manifest["files"])
     meta = _meta(store, read[META_FILE])
     shapes, dtypes = {}, {}
