@@ -350,6 +350,11 @@ def test_background_saves_train_and_checkpoint_exactly_as_synchronous_ones(work)
     # at every batch start: every checkpoint and `last`, links followed).
     assert main[0]["runs"]["async"]["pending_batches"] >= 2
     assert main[0]["runs"]["async"]["incomplete"] == []
+    # Issue #38 (8): every background save of the run staged into the same buffers (the first save's, refilled),
+    # on both ranks; the checkpoints above equal the synchronous run's, so no save kept an earlier save's state.
+    for rank in (0, 1):
+        assert main[rank]["runs"]["async"]["staged_saves"] >= 6
+        assert main[rank]["runs"]["async"]["staging_buffers"] == 1
     for name in ("top/step=8.ckpt", "every/last.ckpt", "every/step=3.ckpt"):
         ours, theirs = store.open_source(work / "async" / name), store.open_source(work / "sync" / name)
         a, b = ours.read_full(list(ours.shapes)), theirs.read_full(list(theirs.shapes))
