@@ -260,6 +260,16 @@ def test_a_manifest_above_its_documented_size_is_refused_before_it_is_read(tmp_p
     assert parsed == []
 
 
+@pytest.mark.parametrize("body", ["deep", "long_int"])
+def test_a_manifest_nested_too_deep_or_with_a_huge_number_is_a_clear_error(tmp_path, body):
+    path = tmp_path / "c.ckpt"
+    _linear_checkpoint(path)
+    text = "[" * 200_000 + "]" * 200_000 if body == "deep" else '{"size": ' + "9" * 100_000 + "}"
+    (path / manifest.MANIFEST_FILE).write_text(text)
+    with pytest.raises(CheckpointIntegrityError, match=r"c\.ckpt/manifest\.json: not a valid manifest"):
+        store.open_source(path)
+
+
 def test_a_manifest_listing_more_files_than_a_checkpoint_may_have_is_refused_before_any_is_checked(
     tmp_path, monkeypatch
 ):
