@@ -32,6 +32,7 @@ import lightning as L
 import torch
 from lightning.pytorch.callbacks import ModelCheckpoint
 from torch import nn
+from torch.distributed.tensor import DTensor
 from torch.utils.data import Dataset
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -255,10 +256,14 @@ def main(work: Path) -> None:
             dirpath=WORK / mode / "every", filename="{step}", every_n_train_steps=3, save_top_k=-1, save_last=True
         )
         recorder = Recorder(watch=(WORK / mode / "top", WORK / mode / "every"))
+        staged: list[list[int]] = []
         if mode == "async":
             slow_background_writes(0.15)
+            record_staging(staged)
         _, rec = fit(STEPS, callbacks=[top, every, recorder], async_save=mode == "async")
         runs[mode] = {
+            "staged_saves": len(staged),
+            "staging_buffers": len({tuple(pointers) for pointers in staged}),
             "losses": rec.losses,
             "pending_batches": rec.pending_batches,
             "incomplete": rec.incomplete,
@@ -275,6 +280,24 @@ def main(work: Path) -> None:
     out["torch_bad"] = failure(WORK / "torch_bad.ckpt", checkpoint_format="torch")
     dump("main", rank(), out)
     leave_when_both_wrote("main")
+
+
+def record_staging(staged: list[list[int]]) -> None:
+    """Note where each background save staged its tensors (the addresses of the CPU copies' storages). The staged
+    tensors are kept alive, so that a save staging into new buffers cannot get the same addresses again."""
+    from lightning_mm.checkpoint import writer
+
+    original = writer.Staging.stage
+    kept: list[dict[str, Any]] = []
+
+    def stage(self: Any, tensors: dict[str, Any]) -> dict[str, Any]:
+        out = original(self, tensors)
+        kept.append(out)
+        local = [t.to_local() if isinstance(t, DTensor) else t for t in out.values()]
+        staged.append(sorted(t.untyped_storage().data_ptr() for t in local))
+        return out
+
+    writer.Staging.stage = stage  # type: ignore[method-assign]
 
 
 def slow_background_writes(seconds: float) -> None:

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import socket
+import warnings
 from pathlib import Path
 
 import fsspec
@@ -276,26 +277,101 @@ def test_ckpt_path_last_with_a_modelcheckpoint_at_a_url_names_the_url_to_pass():
         check_ckpt_path(fit_impl, (), {"ckpt_path": "last"}, trainer)
 
 
-def test_a_changed_byte_outside_the_sampled_blocks_of_a_remote_shard_fails_the_load():
-    """Every byte of every object is hashed on load (not only the sample fingerprint's blocks)."""
-    from lightning_mm.checkpoint.remote import _BLOCK_SIZE, _sample_offsets
-
+def _one_mib_checkpoint() -> dict:
     torch.manual_seed(0)
-    model = nn.Sequential(nn.Linear(256, 1024))  # a 1 MiB weight: a shard far larger than the sampled blocks
+    model = nn.Sequential(nn.Linear(256, 1024))  # a 1 MiB weight: a shard far larger than a sample's blocks
     optimizer = torch.optim.AdamW(model.parameters(), lr=0.1)
-    checkpoint = {
+    return {
         "state_dict": store.model_state(model, full=False),
         "optimizer_states": [store.optimizer_state(model, optimizer, full=False)],
         "global_step": 1,
     }
-    url, path = "memory://mm-every-byte/a.ckpt", "/mm-every-byte/a.ckpt/__0_0.distcp"
-    remote.save(checkpoint, url, "torch_dcp", {"kind": "training"}, None)
-    fs = fsspec.filesystem("memory")
+
+
+def _flip_outside_the_sample(fs, path: str) -> None:
+    from lightning_mm.checkpoint.remote import _BLOCK_SIZE, _sample_offsets
+
     data = bytearray(fs.cat_file(path))
     sampled = [range(o, o + _BLOCK_SIZE) for o in _sample_offsets(len(data))]
     offset = next(i for i in range(len(data) // 3, len(data)) if not any(i in r for r in sampled))
     data[offset] ^= 0x01
     fs.pipe_file(path, bytes(data))
+
+
+def test_a_remote_checkpoint_carries_a_version_2_manifest_and_any_changed_byte_fails_the_load(tmp_path):
+    """Issue #38 (7): every object's whole digest is recorded and checked on every load (also full_check=False),
+    so that a converter reading it gives no "checked by sample only" warning."""
+    from lightning_mm.checkpoint import digest
+    from lightning_mm.commands import convert as convert_cmd
+
+    url, path = "memory://mm-every-byte/a.ckpt", "/mm-every-byte/a.ckpt/__0_0.distcp"
+    remote.save(_one_mib_checkpoint(), url, "torch_dcp", {"kind": "training"}, None)
+    fs = fsspec.filesystem("memory")
+    written = json.loads(fs.cat_file("/mm-every-byte/a.ckpt/manifest.json"))
+    assert written["version"] == 2 and written["hash"] == digest.NAME
+    local = tmp_path / "a.ckpt"
+    local.mkdir()
+    for name in written["files"]:
+        fs.get_file(f"/mm-every-byte/a.ckpt/{name}", str(local / name))
+        assert written["files"][name] == {
+            "size": (local / name).stat().st_size,
+            "xxh3_128": digest.file_digest(local / name),
+        }
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # no "checked by sample only"
+        assert convert_cmd.main(["dcp-to-torch", url, str(tmp_path / "a.pt")]) == 0
+    _flip_outside_the_sample(fs, path)
+    for full_check in (True, False):
+        with pytest.raises(CheckpointIntegrityError, match=r"a.ckpt/__0_0.distcp: its content differs"):
+            remote.open_source(url, full_check=full_check)
+
+
+def test_a_remote_version_1_manifest_still_loads_and_is_checked_by_its_sha256():
+    """Checkpoints written at URLs by earlier versions (SHA-256 and a sample fingerprint per object)."""
+    url, root = "memory://mm-version-1/a.ckpt", "/mm-version-1/a.ckpt"
+    remote.save(_one_mib_checkpoint(), url, "torch_dcp", {"kind": "training"}, None)
+    fs, where = fsspec.filesystem("memory"), remote.RemoteStore(url)
+    files = json.loads(fs.cat_file(f"{root}/manifest.json"))["files"]
+    old = {
+        name: {
+            "size": e["size"],
+            "sha256": where.sha256(f"{root}/{name}"),
+            "sample": where.sample(f"{root}/{name}", e["size"]),
+        }
+        for name, e in files.items()
+    }
+    body = {
+        "manifest": "lightning-mm checkpoint",
+        "version": 1,
+        "id": "0",
+        "hash": "sha256 of 16 MiB chunks",
+        "files": old,
+    }
+    fs.pipe_file(f"{root}/manifest.json", json.dumps(body).encode())
+    assert remote.open_source(url).meta["global_step"] == 1
+    _flip_outside_the_sample(fs, f"{root}/__0_0.distcp")
     with pytest.raises(CheckpointIntegrityError, match=r"a.ckpt/__0_0.distcp: its content differs"):
         remote.open_source(url)
-    remote.open_source(url, full_check=False)  # the sample alone does not see it: the whole hash is what does
+    remote.open_source(url, full_check=False)  # what a version 1 manifest offers without its SHA-256: a sample
+
+
+def test_a_remote_manifest_is_bounded_before_it_is_read():
+    """Issue #38 (2), at a URL: refused from its listed size; too many entries refused before any is checked."""
+    from lightning_mm.checkpoint import manifest
+
+    url, root = "memory://mm-bounded/a.ckpt", "/mm-bounded/a.ckpt"
+    remote.save(_one_mib_checkpoint(), url, "torch_dcp", {"kind": "training"}, None)
+    fs = fsspec.filesystem("memory")
+    fs.pipe_file(f"{root}/manifest.json", b" " * (manifest.MAX_BYTES + 1))
+    with pytest.raises(
+        CheckpointIntegrityError, match=rf"a.ckpt/manifest.json: {manifest.MAX_BYTES + 1} bytes, more than"
+    ):
+        remote.open_source(url)
+    body = json.loads(
+        json.dumps(
+            manifest.manifest_body({f"x{i}": {"size": 0, "xxh3_128": ""} for i in range(manifest.MAX_FILES + 1)})
+        )
+    )
+    fs.pipe_file(f"{root}/manifest.json", json.dumps(body).encode())
+    with pytest.raises(CheckpointIntegrityError, match=rf"a.ckpt/manifest.json: lists {manifest.MAX_FILES + 1} files"):
+        remote.open_source(url)

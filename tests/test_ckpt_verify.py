@@ -10,6 +10,7 @@ import json
 import re
 import shutil
 import struct
+import time
 import warnings
 import zipfile
 from concurrent.futures import ThreadPoolExecutor
@@ -174,6 +175,53 @@ def test_a_torch_file_carries_its_manifest_and_any_changed_record_fails_naming_i
         store.open_source(extended)
 
 
+@pytest.mark.parametrize("manifest_record", [True, False])
+def test_a_torch_file_with_bytes_appended_inserted_or_prepended_fails_naming_the_file(tmp_path, manifest_record):
+    """Issue #38 (7): every record is whole and checked, but the file is longer than was written; torch.load itself
+    reads an appended file as if nothing had happened."""
+    path = tmp_path / "t.ckpt"
+    if manifest_record:
+        _linear_checkpoint(path, "torch", size=16)
+    else:  # another Lightning strategy's file
+        torch.save({"epoch": 0, "global_step": 1, "state_dict": {"model.w": torch.arange(64.0)}}, path)
+    data = path.read_bytes()
+    store.open_source(path)
+    first_record_end = min(o + s for o, s, _ in zip_manifest.records(path).values())
+    for name, altered in {
+        "appended-1": data + b"\0",
+        "appended-4096": data + b"\0" * 4096,
+        "appended-1M": data + b"\0" * (1 << 20),
+        "prepended": b"\0" * 64 + data,
+        "inserted": data[:first_record_end] + b"\0" * 64 + data[first_record_end:],
+    }.items():
+        damaged = tmp_path / f"{name}.ckpt"
+        damaged.write_bytes(altered)
+        if name.startswith("appended-1") and name != "appended-1M":
+            assert torch.load(damaged, weights_only=True)["global_step"] == 1  # what the check is for
+        with pytest.raises(CheckpointIntegrityError, match=rf"{name}\.ckpt: .*(appended|inserted)"):
+            store.open_source(damaged)
+
+
+def test_a_torch_file_is_bounded_before_its_archive_and_its_manifest_record_are_read(tmp_path):
+    plain = tmp_path / "plain.ckpt"
+    torch.save({"state_dict": {"w": torch.ones(4)}}, plain)
+    data = bytearray(plain.read_bytes())
+    end64 = data.rfind(b"PK\x06\x06")  # torch.save writes zip64 end records: entries at bytes 32-40
+    data[end64 + 32 : end64 + 40] = (10**9).to_bytes(8, "little")
+    plain.write_bytes(bytes(data))
+    with pytest.raises(CheckpointIntegrityError, match=r"plain\.ckpt: 1000000000 records .* more than a torch file"):
+        store.open_source(plain)
+    path = tmp_path / "t.ckpt"
+    torch.save({"state_dict": {"w": torch.ones(4)}}, path)
+    archive = next(iter(zip_manifest.records(path))).split("/")[0]
+    with zipfile.ZipFile(path, "a") as z:
+        z.writestr(f"{archive}/{zip_manifest.RECORD}", b" " * (48 << 20 + 1))
+    with pytest.raises(
+        CheckpointIntegrityError, match=r"t\.ckpt: its manifest record .* more than a manifest may have"
+    ):
+        store.open_source(path)
+
+
 def test_a_torch_file_without_manifest_is_checked_against_the_crc32s_torch_save_records(tmp_path):
     plain = tmp_path / "plain.ckpt"  # e.g. another Lightning strategy's checkpoint
     torch.save({"epoch": 0, "global_step": 1, "state_dict": {"model.w": torch.arange(4096.0)}}, plain)
@@ -189,6 +237,91 @@ def test_a_torch_file_without_manifest_is_checked_against_the_crc32s_torch_save_
         "torch.save recorded",
     ):
         store.open_source(plain)
+
+
+def _v2_body(files: dict) -> dict:
+    return {"manifest": "lightning-mm checkpoint", "version": 2, "id": "0", "hash": digest.NAME, "files": files}
+
+
+def test_a_manifest_above_its_documented_size_is_refused_before_it_is_read(tmp_path, monkeypatch):
+    """Issue #38 (2): a manifest of 200 MB took 95 s and 5 GB before a MemoryError; now its size alone refuses it."""
+    path = tmp_path / "c.ckpt"
+    _linear_checkpoint(path)
+    with open(path / manifest.MANIFEST_FILE, "r+b") as f:
+        f.truncate(200 << 20)  # sparse: 200 MB of zeros after the real manifest
+    parsed = []
+    monkeypatch.setattr(manifest.json, "loads", lambda data: parsed.append(len(data)))
+    with pytest.raises(
+        CheckpointIntegrityError,
+        match=rf"c\.ckpt/manifest\.json: {200 << 20} bytes, more than a manifest may have \(33554432 bytes: "
+        r"at most 65536 files of at most 512 bytes each\); refused without reading",
+    ):
+        store.open_source(path)
+    assert parsed == []
+
+
+@pytest.mark.parametrize("body", ["deep", "long_int"])
+def test_a_manifest_nested_too_deep_or_with_a_huge_number_is_a_clear_error(tmp_path, body):
+    path = tmp_path / "c.ckpt"
+    _linear_checkpoint(path)
+    text = "[" * 200_000 + "]" * 200_000 if body == "deep" else '{"size": ' + "9" * 100_000 + "}"
+    (path / manifest.MANIFEST_FILE).write_text(text)
+    with pytest.raises(CheckpointIntegrityError, match=r"c\.ckpt/manifest\.json: not a valid manifest"):
+        store.open_source(path)
+
+
+def test_a_manifest_listing_more_files_than_a_checkpoint_may_have_is_refused_before_any_is_checked(
+    tmp_path, monkeypatch
+):
+    path = tmp_path / "c.ckpt"
+    _linear_checkpoint(path)
+    files = {f"__{i}_0.distcp": {"size": 1, "xxh3_128": "0"} for i in range(65_536 + 1)}  # MAX_FILES + 1
+    (path / manifest.MANIFEST_FILE).write_text(json.dumps(_v2_body(files)))
+    assert (path / manifest.MANIFEST_FILE).stat().st_size < 32 << 20
+    looked_at = []
+    monkeypatch.setattr(manifest, "inside", lambda directory, file: looked_at.append(file.name) or file)
+    with pytest.raises(
+        CheckpointIntegrityError,
+        match=r"c\.ckpt/manifest\.json: lists 65537 files, more than a checkpoint may have \(65536\)",
+    ):
+        store.open_source(path)
+    assert looked_at == [manifest.MANIFEST_FILE]
+
+
+def test_the_check_of_a_manifest_stops_at_the_first_mismatch(tmp_path, monkeypatch):
+    """A missing (or resized) file ends the check before any other file is looked at or hashed; a content mismatch
+    ends the hashing (the files not yet started are not hashed)."""
+    path = tmp_path / "c.ckpt"
+    _linear_checkpoint(path)
+    body = json.loads((path / manifest.MANIFEST_FILE).read_text())
+    missing = {f"missing-{i:04d}": {"size": 1, "xxh3_128": "0"} for i in range(2000)}
+    (path / manifest.MANIFEST_FILE).write_text(json.dumps(_v2_body({**body["files"], **missing})))
+    looked_at, inside = [], manifest.inside
+    monkeypatch.setattr(
+        manifest, "inside", lambda directory, file: looked_at.append(file.name) or inside(directory, file)
+    )
+    hashed, file_digest = [], digest.file_digest
+    monkeypatch.setattr(digest, "file_digest", lambda file: hashed.append(file.name) or file_digest(file))
+    with pytest.raises(CheckpointIntegrityError, match=r"c\.ckpt/missing-0000: missing"):
+        store.open_source(path)
+    assert looked_at == [manifest.MANIFEST_FILE, *sorted(body["files"]), "missing-0000"] and hashed == []
+
+    others = {f"other-{i:02d}": b"x" for i in range(64)}
+    for name, data in others.items():
+        (path / name).write_bytes(data)
+    wrong = {name: {"size": 1, "xxh3_128": "0" * 32} for name in others}  # every one differs
+    (path / manifest.MANIFEST_FILE).write_text(json.dumps(_v2_body({**body["files"], **wrong})))
+    hashed.clear()
+
+    def slow_digest(file: Path) -> str:
+        hashed.append(file.name)
+        time.sleep(0.02)
+        return file_digest(file)
+
+    monkeypatch.setattr(digest, "file_digest", slow_digest)
+    with pytest.raises(CheckpointIntegrityError, match=r"c\.ckpt/other-\d\d: its content differs"):
+        store.open_source(path)
+    assert len(hashed) <= 2 * 8  # the calls already running when the first mismatch came (at most 8 threads)
 
 
 def test_ranks_share_the_hashing_one_owner_per_file_shards_to_their_writer():
@@ -227,6 +360,11 @@ def test_background_saves_train_and_checkpoint_exactly_as_synchronous_ones(work)
     # at every batch start: every checkpoint and `last`, links followed).
     assert main[0]["runs"]["async"]["pending_batches"] >= 2
     assert main[0]["runs"]["async"]["incomplete"] == []
+    # Issue #38 (8): every background save of the run staged into the same buffers (the first save's, refilled),
+    # on both ranks; the checkpoints above equal the synchronous run's, so no save kept an earlier save's state.
+    for rank in (0, 1):
+        assert main[rank]["runs"]["async"]["staged_saves"] >= 6
+        assert main[rank]["runs"]["async"]["staging_buffers"] == 1
     for name in ("top/step=8.ckpt", "every/last.ckpt", "every/step=3.ckpt"):
         ours, theirs = store.open_source(work / "async" / name), store.open_source(work / "sync" / name)
         a, b = ours.read_full(list(ours.shapes)), theirs.read_full(list(theirs.shapes))
@@ -272,6 +410,63 @@ def test_a_save_in_the_background_commits_when_its_write_completes(tmp_path):
                 source.read_full(["state_dict/w"])["state_dict/w"] if source.is_dcp else source._tensors["state_dict/w"]
             )
             assert torch.equal(weights, torch.ones(8)), fmt
+
+
+class _Recording(ThreadPoolExecutor):
+    """One worker; keeps the staged tensors each background write was handed."""
+
+    def __init__(self) -> None:
+        super().__init__(1)
+        self.staged: list[dict[str, torch.Tensor]] = []
+
+    def submit(self, fn, /, *args, **kwargs):  # noqa: ANN001, ANN002, ANN003, ANN201
+        self.staged.append(dict(args[3]))  # _write(path, partial, fmt, tensors, ...)
+        return super().submit(fn, *args, **kwargs)
+
+
+@pytest.mark.parametrize("fmt", ["torch_dcp", "torch"])
+def test_background_saves_refill_their_staging_buffers_and_each_loads_back_exactly(tmp_path, fmt):
+    """Issue #38 (8): the second save stages into the first one's buffers (no new allocation), and neither
+    checkpoint holds the other's state; each is byte for byte what a synchronous save of its state writes."""
+    from lightning_mm.checkpoint.writer import Staging
+
+    torch.manual_seed(0)
+    net = nn.Sequential(nn.Linear(64, 64), nn.Linear(64, 8))
+    optimizer = torch.optim.AdamW(net.parameters(), lr=0.1)
+
+    def checkpoint(step: int) -> dict:
+        net(torch.randn(4, 64)).square().mean().backward()
+        optimizer.step()
+        return {
+            "epoch": 0,
+            "global_step": step,
+            "state_dict": store.model_state(net, full=False),
+            "optimizer_states": [store.optimizer_state(net, optimizer, full=False)],
+        }
+
+    staging, expected = Staging(), []
+    with _Recording() as executor:
+        for step in (1, 2, 3):
+            state = checkpoint(step)
+            expected.append({k: v.clone() for k, v in net.state_dict().items()})
+            future = store.save(
+                state, tmp_path / f"a{step}.ckpt", fmt, EXTRA, None, background=executor, staging=staging
+            )
+            future.result()  # what the strategy waits for before the next save
+            store.save(state, tmp_path / f"s{step}.ckpt", fmt, EXTRA, None)  # the same state, synchronously
+    pointers = [sorted(t.untyped_storage().data_ptr() for t in staged.values()) for staged in executor.staged]
+    assert pointers[0] == pointers[1] == pointers[2]  # the buffers of the first save, refilled
+    for step in (1, 2, 3):
+        source = store.open_source(tmp_path / f"a{step}.ckpt")
+        keys = [f"state_dict/{k}" for k in expected[step - 1]]
+        found = source.read_full(keys) if source.is_dcp else {k: source._tensors[k] for k in keys}
+        assert source.meta["global_step"] == step
+        for name, value in expected[step - 1].items():
+            assert torch.equal(found[f"state_dict/{name}"], value), (step, name)
+        if fmt == "torch_dcp":
+            ours, theirs = tmp_path / f"a{step}.ckpt", tmp_path / f"s{step}.ckpt"
+            assert (ours / "__0_0.distcp").read_bytes() == (theirs / "__0_0.distcp").read_bytes()
+    assert not torch.equal(expected[0]["0.weight"], expected[1]["0.weight"])
 
 
 def test_sigterm_during_a_background_write_lets_it_complete_and_exits_143(tmp_path):

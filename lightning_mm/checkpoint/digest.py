@@ -6,7 +6,10 @@ GB/s here), so that checking a whole checkpoint costs a fraction of reading it (
 a check against damage (bit rot, half-copied files, a file of another run), not against a forger who can rewrite
 the manifest too.
 
-:func:`assign` splits the files to hash over the ranks of a distributed load, so that each byte is hashed once.
+:func:`parallel` stops at the first failure: the items not yet started are cancelled, so that one bad file does
+not cost the hashing of all the others. :class:`StreamDigest` gives the same digest for bytes read in pieces (an
+object of a remote store). :func:`assign` splits the files to hash over the ranks of a distributed load, so that
+each byte is hashed once.
 """
 
 from __future__ import annotations
@@ -14,13 +17,13 @@ from __future__ import annotations
 import mmap
 import os
 from collections.abc import Callable, Iterable, Mapping
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import FIRST_EXCEPTION, ThreadPoolExecutor, wait
 from pathlib import Path
 from typing import Any
 
 import xxhash
 
-__all__ = ["NAME", "FIELD", "range_digest", "file_digest", "parallel", "assign"]
+__all__ = ["NAME", "FIELD", "range_digest", "file_digest", "StreamDigest", "bytes_digest", "parallel", "assign"]
 
 NAME = "xxh3_128 of 16 MiB chunks"
 FIELD = "xxh3_128"
@@ -29,11 +32,23 @@ _DONTNEED = getattr(mmap, "MADV_DONTNEED", None)  # Linux, macOS
 
 
 def parallel(function: Callable[[Any], Any], items: Iterable[Any]) -> list[Any]:
+    """``[function(item) for item in items]`` in up to 8 threads; the first exception is raised once the calls
+    already running have returned, and the calls not yet started are cancelled (never run)."""
     items = list(items)
     if len(items) <= 1:
         return [function(item) for item in items]
-    with ThreadPoolExecutor(max_workers=min(8, len(items), os.cpu_count() or 1)) as pool:
-        return list(pool.map(function, items))
+    pool = ThreadPoolExecutor(max_workers=min(8, len(items), os.cpu_count() or 1))
+    try:
+        futures = [pool.submit(function, item) for item in items]
+        done, _ = wait(futures, return_when=FIRST_EXCEPTION)
+        error = next((f.exception() for f in futures if f in done and f.exception() is not None), None)
+        if error is not None:
+            for future in futures:
+                future.cancel()
+            raise error
+        return [future.result() for future in futures]
+    finally:
+        pool.shutdown(wait=True, cancel_futures=True)
 
 
 def range_digest(path: Path, offset: int, length: int) -> str:
@@ -69,6 +84,39 @@ def _combine(length: int, digests: list[bytes]) -> str:
 
 def file_digest(path: Path) -> str:
     return range_digest(path, 0, path.stat().st_size)
+
+
+class StreamDigest:
+    """The digest of bytes given in pieces of any size (:meth:`update`): equal to :func:`range_digest` of the
+    same bytes in a file. For objects read from a store as a stream."""
+
+    def __init__(self) -> None:
+        self._digests: list[bytes] = []
+        self._chunk = xxhash.xxh3_128()
+        self._filled = 0
+        self.length = 0
+
+    def update(self, data: bytes) -> None:
+        view = memoryview(data)
+        while len(view):
+            take = min(len(view), _CHUNK - self._filled)
+            self._chunk.update(view[:take])
+            self._filled += take
+            self.length += take
+            view = view[take:]
+            if self._filled == _CHUNK:
+                self._digests.append(self._chunk.digest())
+                self._chunk, self._filled = xxhash.xxh3_128(), 0
+
+    def hexdigest(self) -> str:
+        return _combine(self.length, self._digests + ([self._chunk.digest()] if self._filled else []))
+
+
+def bytes_digest(data: bytes) -> str:
+    """The digest of ``data`` (as :func:`range_digest` of a file holding it)."""
+    stream = StreamDigest()
+    stream.update(data)
+    return stream.hexdigest()
 
 
 def assign(

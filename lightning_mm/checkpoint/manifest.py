@@ -18,6 +18,13 @@ file of another checkpoint or run, not as truncated or altered.
 Version 1 manifests (lightning-mm before full checks on load) recorded SHA-256 and a sampled fingerprint (the
 size and 4 blocks of 64 KiB): a load checks their sample only (:func:`sampled_only`; the loader warns),
 ``full=True`` (the converters) the SHA-256 too.
+
+Reading a manifest is bounded before anything is parsed (:func:`parse`): a checkpoint lists at most
+:data:`MAX_FILES` files (DCP writes one shard per rank and writer thread, plus a few files of rank 0), and one
+entry takes at most :data:`ENTRY_BYTES` bytes as written (a file name of at most 255 bytes, its size and its
+digests), so a manifest of more than :data:`MAX_BYTES` (32 MiB) is refused from its size alone, and one listing
+more files is refused before any of them is checked. :func:`verify` then checks the names and sizes of every
+file, in order, and stops at the first mismatch, before hashing any; the hashing stops at its first mismatch too.
 """
 
 from __future__ import annotations
@@ -31,7 +38,6 @@ import re
 import uuid
 import zipfile
 from collections.abc import Container, Iterable, Iterator, Mapping
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -43,6 +49,12 @@ from lightning_mm.checkpoint.errors import CheckpointIntegrityError
 
 __all__ = [
     "MANIFEST_FILE",
+    "MAX_FILES",
+    "ENTRY_BYTES",
+    "MAX_BYTES",
+    "check_size",
+    "parse",
+    "manifest_body",
     "RecordingFileSystem",
     "file_entries",
     "write_manifest",
@@ -64,6 +76,16 @@ _V1_HASH = "sha256 of 16 MiB chunks"  # version 1: SHA-256 and a sampled fingerp
 _HASHES = {1: _V1_HASH, 2: _HASH}
 _SHARD = re.compile(r"^__(\d+)_\d+\.distcp$")
 _DCP_SUFFIX = ".distcp"
+_NAME_MAX = 255  # bytes in a file name (NAME_MAX of Linux and macOS file systems)
+
+MAX_FILES = 1 << 16
+"""The most files a checkpoint's manifest may list: DCP writes one shard per rank (and writer thread), so 65,536
+covers a run of tens of thousands of ranks."""
+ENTRY_BYTES = 512
+"""The most bytes one entry of a manifest takes as written: a file name of at most 255 bytes, its size and its
+digests (version 1: a SHA-256 and a sample fingerprint), indented."""
+MAX_BYTES = MAX_FILES * ENTRY_BYTES
+"""The largest manifest read (32 MiB): a larger one is refused before it is read."""
 
 
 class RecordingFileSystem(FileSystem):
@@ -108,20 +130,12 @@ def _chunk_digest(path: Path, offset: int) -> bytes:
 def _sha256(path: Path) -> str:
     """SHA-256 over the size and the SHA-256 of each 16 MiB chunk (chunks hash in parallel threads)."""
     size = path.stat().st_size
-    digests = _parallel(lambda offset: _chunk_digest(path, offset), range(0, size, _CHUNK))
+    digests = digest.parallel(lambda offset: _chunk_digest(path, offset), range(0, size, _CHUNK))
     return hashlib.sha256(size.to_bytes(8, "little") + b"".join(digests)).hexdigest()
 
 
 def _entry(path: Path) -> tuple[str, dict[str, Any]]:
     return path.name, {"size": path.stat().st_size, digest.FIELD: digest.file_digest(path)}
-
-
-def _parallel(function: Any, items: Iterable[Any]) -> list[Any]:
-    items = list(items)
-    if len(items) <= 1:
-        return [function(item) for item in items]
-    with ThreadPoolExecutor(max_workers=min(8, len(items), os.cpu_count() or 1)) as pool:
-        return list(pool.map(function, items))
 
 
 def shard_rank(name: str) -> int | None:
@@ -138,7 +152,18 @@ def sampled_only(manifest: Mapping[str, Any]) -> bool:
 def file_entries(paths: Iterable[Path]) -> dict[str, dict[str, Any]]:
     """Size and digest of each file that exists (``.tmp`` files renamed since are skipped)."""
     existing = sorted({Path(p) for p in paths if Path(p).is_file()})
-    return dict(_parallel(_entry, existing))
+    return dict(digest.parallel(_entry, existing))
+
+
+def manifest_body(files: Mapping[str, dict[str, Any]]) -> dict[str, Any]:
+    """The manifest (version 2) of ``files`` (each name's size and digest), as written (also at a URL)."""
+    return {
+        "manifest": _KIND,
+        "version": _VERSION,
+        "id": uuid.uuid4().hex,
+        "hash": _HASH,
+        "files": dict(sorted(files.items())),
+    }
 
 
 def write_manifest(directory: Path, entries: Iterable[Mapping[str, dict[str, Any]]], extra: Iterable[str]) -> None:
@@ -147,15 +172,8 @@ def write_manifest(directory: Path, entries: Iterable[Mapping[str, dict[str, Any
     for part in entries:
         files.update(part or {})
     files.update(file_entries(directory / name for name in extra))
-    manifest = {
-        "manifest": _KIND,
-        "version": _VERSION,
-        "id": uuid.uuid4().hex,
-        "hash": _HASH,
-        "files": dict(sorted(files.items())),
-    }
     with open(directory / MANIFEST_FILE, "w") as f:
-        json.dump(manifest, f, indent=1)
+        json.dump(manifest_body(files), f, indent=1)
         f.flush()
         os.fsync(f.fileno())
 
@@ -187,44 +205,74 @@ def inside(directory: Path, path: Path) -> Path:
     return path
 
 
-def read_manifest(directory: Path) -> dict[str, Any] | None:
-    """The parsed manifest of ``directory``, or None for a checkpoint written without one."""
-    file = directory / MANIFEST_FILE
-    if not file.exists() and not file.is_symlink():
-        return None
-    inside(directory, file)
+def check_size(size: int, where: str) -> None:
+    """Refuse a manifest of ``size`` bytes above :data:`MAX_BYTES` (before it is read)."""
+    if size > MAX_BYTES:
+        raise CheckpointIntegrityError(
+            f"{where}: {size} bytes, more than a manifest may have ({MAX_BYTES} bytes: at most {MAX_FILES} files of "
+            f"at most {ENTRY_BYTES} bytes each); refused without reading it"
+        )
+
+
+def parse(data: bytes, where: str) -> dict[str, Any]:
+    """The manifest in ``data`` (read from ``where``, named in every error), checked: its kind, version and hash,
+    at most :data:`MAX_FILES` entries, each a plain file name with its size and digests."""
+    check_size(len(data), where)
     try:
-        manifest = json.loads(file.read_text())
-    except (UnicodeDecodeError, json.JSONDecodeError) as error:
-        raise CheckpointIntegrityError(f"{file}: not a valid manifest ({error})") from error
+        manifest = json.loads(data)
+    except (UnicodeDecodeError, ValueError, RecursionError) as error:  # ValueError: JSON, or an int too long
+        raise CheckpointIntegrityError(f"{where}: not a valid manifest ({type(error).__name__}: {error})") from None
     if (
         not isinstance(manifest, dict)
         or manifest.get("manifest") != _KIND
         or not isinstance(manifest.get("files"), dict)
     ):
-        raise CheckpointIntegrityError(f"{file}: not a lightning-mm checkpoint manifest")
+        raise CheckpointIntegrityError(f"{where}: not a lightning-mm checkpoint manifest")
     version = manifest.get("version", 1)
     if not isinstance(version, int) or version < 1:
-        raise CheckpointIntegrityError(f"{file}: invalid manifest version {version!r}")
+        raise CheckpointIntegrityError(f"{where}: invalid manifest version {version!r}")
     if version > _VERSION:
         raise CheckpointIntegrityError(
-            f"{file}: manifest version {manifest['version']} is newer than this lightning-mm reads ({_VERSION})"
+            f"{where}: manifest version {manifest['version']} is newer than this lightning-mm reads ({_VERSION})"
         )
     if manifest.get("hash") != _HASHES[version]:
         raise CheckpointIntegrityError(
-            f"{file}: unknown hash {manifest.get('hash')!r} (this lightning-mm uses "
+            f"{where}: unknown hash {manifest.get('hash')!r} (this lightning-mm uses "
             f"{_HASHES[version]} in version {version} manifests)"
         )
+    files = manifest["files"]
+    if len(files) > MAX_FILES:
+        raise CheckpointIntegrityError(
+            f"{where}: lists {len(files)} files, more than a checkpoint may have ({MAX_FILES})"
+        )
     fields = ("sha256", "sample") if version == 1 else (digest.FIELD,)
-    for name, entry in manifest["files"].items():
-        check_name(directory, name, MANIFEST_FILE)
+    for name, entry in files.items():
+        if not is_plain_file_name(name) or len(name.encode("utf-8", "surrogatepass")) > _NAME_MAX:
+            raise CheckpointIntegrityError(
+                f"{where}: names {name[:300]!r}, which is not a file of the checkpoint directory (a checkpoint "
+                "never refers to files outside itself)"
+            )
         if (
             not isinstance(entry, dict)
             or not isinstance(entry.get("size"), int)
+            or entry["size"] < 0
             or not all(isinstance(entry.get(k), str) for k in fields)
         ):
-            raise CheckpointIntegrityError(f"{file}: malformed entry for {name}")
+            raise CheckpointIntegrityError(f"{where}: malformed entry for {name}")
     return manifest
+
+
+def read_manifest(directory: Path) -> dict[str, Any] | None:
+    """The parsed manifest of ``directory``, or None for a checkpoint written without one; one larger than
+    :data:`MAX_BYTES` is refused from its size, before it is read."""
+    file = directory / MANIFEST_FILE
+    if not file.exists() and not file.is_symlink():
+        return None
+    inside(directory, file)
+    with file.open("rb") as f:
+        check_size(os.fstat(f.fileno()).st_size, str(file))
+        data = f.read(MAX_BYTES + 1)  # bounded, should it grow meanwhile
+    return parse(data, str(file))
 
 
 def _complete_file(path: Path) -> str | None:
@@ -273,7 +321,8 @@ def _differs(path: Path, size: int, entry: dict[str, Any], sample: dict[str, int
     )
 
 
-def _check_file(directory: Path, name: str, entry: dict[str, Any], sample: dict[str, int] | None, full: bool) -> None:
+def _check_present(directory: Path, name: str, entry: dict[str, Any]) -> int:
+    """The size of file ``name``: a regular file inside ``directory`` of the size its entry records."""
     path = inside(directory, directory / name)
     size = path.stat().st_size
     if size != entry["size"]:
@@ -284,6 +333,13 @@ def _check_file(directory: Path, name: str, entry: dict[str, Any], sample: dict[
         raise CheckpointIntegrityError(
             f"{path}: {state} ({size} bytes; the checkpoint's manifest records {entry['size']})"
         )
+    return size
+
+
+def _check_content(
+    directory: Path, name: str, entry: dict[str, Any], size: int, sample: dict[str, int] | None, full: bool
+) -> None:
+    path = directory / name
     if _differs(path, size, entry, sample, full):
         foreign = _not_ours(path, size, entry)
         if foreign is not None:
@@ -306,23 +362,31 @@ def verify(directory: Path, full: bool = False, hashed: Container[str] | None = 
     files: dict[str, dict[str, Any]] = manifest["files"]
     sample = None
     if sampled_only(manifest):
-        sample = manifest.get("sample") or {}
-        sample = {
-            "blocks": int(sample.get("blocks", _BLOCKS)),
-            "block_size": int(sample.get("block_size", _BLOCK_SIZE)),
-        }
+        raw = manifest.get("sample") or {}
+        try:
+            sample = {"blocks": int(raw.get("blocks", _BLOCKS)), "block_size": int(raw.get("block_size", _BLOCK_SIZE))}
+        except (AttributeError, TypeError, ValueError):
+            sample = {"blocks": 0, "block_size": 0}
         if not 2 <= sample["blocks"] <= 64 or not 1 <= sample["block_size"] <= 1 << 20:
-            raise CheckpointIntegrityError(f"{directory / MANIFEST_FILE}: invalid sample settings {sample}")
+            raise CheckpointIntegrityError(f"{directory / MANIFEST_FILE}: invalid sample settings {raw!r:.200}")
     foreign = sorted(p.name for p in directory.iterdir() if p.name.endswith(_DCP_SUFFIX) and p.name not in files)
     if foreign:
+        more = f"; nor {foreign[1:6]}{f' and {len(foreign) - 6} more' if len(foreign) > 6 else ''}"
         raise CheckpointIntegrityError(
             f"{directory / foreign[0]}: not part of this checkpoint (its manifest does not "
-            f"list it{f'; nor {foreign[1:]}' if len(foreign) > 1 else ''})"
+            f"list it{more if len(foreign) > 1 else ''})"
         )
-    _parallel(
-        lambda item: _check_file(
-            directory, item[0], item[1], sample, full or (sample is None and (hashed is None or item[0] in hashed))
+    entries = sorted(files.items())
+    sizes = [_check_present(directory, name, entry) for name, entry in entries]  # stops at the first mismatch
+    digest.parallel(
+        lambda item: _check_content(
+            directory,
+            item[0][0],
+            item[0][1],
+            item[1],
+            sample,
+            full or (sample is None and (hashed is None or item[0][0] in hashed)),
         ),
-        sorted(files.items()),
+        list(zip(entries, sizes)),
     )
     return manifest

@@ -9,11 +9,14 @@ manifest first, then its objects; removing one does the same. A save first delet
 prefixes of its directory whose writer is this process or provably gone (:func:`.atomic.is_abandoned`): an
 interrupted save leaves nothing that a later save does not clean up.
 
-The manifest has the same schema as a local one (:mod:`.manifest`): each file's size, SHA-256 over the SHA-256 of
-its 16 MiB chunks, and a sample fingerprint. A load checks that every listed object is there, of its size and
-with its whole hash (every byte, read once more for it: the price of a remote check), and that no ``.distcp``
-object is there that the manifest does not list; ``full_check=False`` checks the objects other than ``.metadata``
-and ``meta.pt`` by their sample fingerprint only.
+The manifest is a local one's (:mod:`.manifest`, version 2): each object's size and XXH3-128 digest
+(:mod:`.digest`), bounded and parsed as locally (:func:`.manifest.parse`: one above :data:`.manifest.MAX_BYTES` is
+refused from its listed size, before it is read). A load checks that every listed object is there and of its size
+(stopping at the first that is not), then the digest of each (every byte, read once more for it: the price of a
+remote check; stopping at the first mismatch), and that no ``.distcp`` object is there that the manifest does not
+list. Checkpoints written at URLs by earlier lightning-mm versions carry a version 1 manifest (a SHA-256 over the
+SHA-256 of 16 MiB chunks, and a sample fingerprint): their SHA-256 is checked, or with ``full_check=False`` the
+sample of the objects other than ``.metadata`` and ``meta.pt``.
 
 ``storage_options`` (credentials, endpoint) go to fsspec only: they are never logged, never put in an error
 message and never written into the checkpoint.
@@ -29,7 +32,6 @@ import json
 import pickle
 import posixpath
 import re
-import uuid
 from collections.abc import Mapping
 from pathlib import PurePosixPath
 from typing import Any
@@ -41,7 +43,8 @@ from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadat
 
 from lightning_mm._compat import fsspec_storage
 from lightning_mm._files import is_plain_file_name
-from lightning_mm.checkpoint import atomic
+from lightning_mm.checkpoint import atomic, digest
+from lightning_mm.checkpoint import manifest as manifests
 from lightning_mm.checkpoint.errors import (
     CheckpointIntegrityError,
     CheckpointNotFoundError,
@@ -69,9 +72,6 @@ __all__ = ["is_url", "RemoteStore", "save", "open_source", "remove", "download",
 
 _URL = re.compile(r"^(?P<protocol>[A-Za-z][A-Za-z0-9+.-]*)://")
 _LOCAL = ("file", "local")
-_KIND = "lightning-mm checkpoint"
-_VERSION = 1
-_HASH = "sha256 of 16 MiB chunks"
 _CHUNK = 16 << 20
 _BLOCKS, _BLOCK_SIZE = 4, 64 * 1024
 _DCP_SUFFIX = ".distcp"
@@ -144,13 +144,20 @@ class RemoteStore:
 
     # ------------------------------------------------------------------------------------------ hashing
     def entry(self, path: str) -> dict[str, Any]:
-        """Size, chunked SHA-256 and sample fingerprint of one object (the schema of :mod:`.manifest`)."""
-        size = int(self.fs.info(path)["size"])
+        """Size and digest of one object (a version 2 entry of :mod:`.manifest`)."""
+        stream = digest.StreamDigest()
+        with self.fs.open(path, "rb") as f:
+            while chunk := f.read(_CHUNK):
+                stream.update(chunk)
+        return {"size": stream.length, digest.FIELD: stream.hexdigest()}
+
+    def sha256(self, path: str) -> str:
+        """The SHA-256 over the SHA-256 of each 16 MiB chunk of one object (what version 1 manifests record)."""
         digests = []
         with self.fs.open(path, "rb") as f:
             while chunk := f.read(_CHUNK):
                 digests.append(hashlib.sha256(chunk).digest())
-        return {"size": size, "sha256": _whole(size, digests), "sample": self.sample(path, size)}
+        return _whole(int(self.fs.info(path)["size"]), digests)
 
     def sample(self, path: str, size: int) -> str:
         digest = hashlib.sha256(size.to_bytes(8, "little"))
@@ -178,15 +185,7 @@ def _sample_offsets(size: int) -> list[int]:
 
 
 def _manifest_bytes(files: Mapping[str, dict[str, Any]]) -> bytes:
-    manifest = {
-        "manifest": _KIND,
-        "version": _VERSION,
-        "id": uuid.uuid4().hex,
-        "hash": _HASH,
-        "sample": {"blocks": _BLOCKS, "block_size": _BLOCK_SIZE},
-        "files": dict(sorted(files.items())),
-    }
-    return json.dumps(manifest, indent=1).encode()
+    return json.dumps(manifests.manifest_body(files), indent=1).encode()
 
 
 # -------------------------------------------------------------------------------------------- saving
@@ -285,10 +284,11 @@ def _failure(error: BaseException, url: str) -> CheckpointWriteError:
 
 
 # ------------------------------------------------------------------------------------------- loading
-def _read(store: RemoteStore, name: str) -> bytes:
+def _read(store: RemoteStore, name: str, size: int) -> bytes:
+    """The object ``name`` (its first ``size`` + 1 bytes at most: an object longer than listed fails its check)."""
     path = f"{store.root}/{name}"
     try:
-        return store.fs.cat_file(path)
+        return store.fs.cat_file(path, start=0, end=size + 1)
     except FileNotFoundError:
         raise CheckpointIntegrityError(f"{store.url_of(path)}: missing (the checkpoint is incomplete)") from None
 
@@ -298,45 +298,30 @@ def _manifest(store: RemoteStore) -> dict[str, Any]:
     if not store.fs.exists(store.root) or not store.children(store.root):
         raise CheckpointNotFoundError(f"checkpoint not found: {store.url}")
     try:
-        data = store.fs.cat_file(f"{store.root}/{MANIFEST_FILE}")
+        manifests.check_size(int(store.fs.info(f"{store.root}/{MANIFEST_FILE}")["size"]), where)
+        data = store.fs.cat_file(f"{store.root}/{MANIFEST_FILE}", start=0, end=manifests.MAX_BYTES + 1)
     except FileNotFoundError:
         raise CheckpointIntegrityError(
             f"{where}: missing, so {store.url} is not a complete checkpoint (a save that did not finish, or not a "
             "lightning-mm checkpoint); a checkpoint at a URL is complete once its manifest is written"
         ) from None
-    try:
-        manifest = json.loads(data)
-    except (UnicodeDecodeError, json.JSONDecodeError) as err:
-        raise CheckpointIntegrityError(f"{where}: not a valid manifest ({err})") from None
-    if (
-        not isinstance(manifest, dict)
-        or manifest.get("manifest") != _KIND
-        or not isinstance(manifest.get("files"), dict)
-        or manifest.get("hash") != _HASH
-    ):
-        raise CheckpointIntegrityError(f"{where}: not a lightning-mm checkpoint manifest (or an unknown hash)")
-    if int(manifest.get("version", 0)) > _VERSION:
-        raise CheckpointIntegrityError(
-            f"{where}: manifest version {manifest['version']} is newer than this lightning-mm reads ({_VERSION})"
-        )
-    for name, entry in manifest["files"].items():
-        if not is_plain_file_name(name) or not isinstance(entry, dict) or not isinstance(entry.get("size"), int):
-            raise CheckpointIntegrityError(f"{where}: malformed entry {name!r}")
-    return manifest
+    return manifests.parse(data, where)
 
 
-def _verify(store: RemoteStore, manifest: dict[str, Any], full: bool, read: dict[str, bytes]) -> None:
+def _check_present(store: RemoteStore, manifest: dict[str, Any]) -> None:
+    """Every listed object is there, of its size, and no ``.distcp`` object is there unlisted (nothing is read)."""
     files: dict[str, dict[str, Any]] = manifest["files"]
     present = {}
     for info in store.fs.ls(store.root, detail=True, refresh=True):
         present[posixpath.basename(info["name"].rstrip("/"))] = info
     foreign = sorted(n for n in present if n.endswith(_DCP_SUFFIX) and n not in files)
     if foreign:
+        more = f"; nor {foreign[1:6]}{f' and {len(foreign) - 6} more' if len(foreign) > 6 else ''}"
         raise CheckpointIntegrityError(
             f"{store.url}/{foreign[0]}: not part of this checkpoint (its manifest does "
-            f"not list it{f'; nor {foreign[1:]}' if len(foreign) > 1 else ''})"
+            f"not list it{more if len(foreign) > 1 else ''})"
         )
-    for name, entry in sorted(files.items()):
+    for name, entry in sorted(files.items()):  # names and sizes first: the first mismatch ends the check
         where = f"{store.url}/{name}"
         if name not in present:
             raise CheckpointIntegrityError(f"{where}: missing (the checkpoint is incomplete)")
@@ -346,16 +331,27 @@ def _verify(store: RemoteStore, manifest: dict[str, Any], full: bool, read: dict
             raise CheckpointIntegrityError(
                 f"{where}: {state} ({size} bytes; the checkpoint's manifest records {entry['size']})"
             )
+
+
+def _check_content(store: RemoteStore, manifest: dict[str, Any], full: bool, read: dict[str, bytes]) -> None:
+    """The digest of every object (``read``: the objects already read) matches its entry; the first that does not
+    ends the check."""
+    files: dict[str, dict[str, Any]] = manifest["files"]
+    version_1 = manifests.sampled_only(manifest)
+    for name, entry in sorted(files.items()):
         path = f"{store.root}/{name}"
-        if name in read:
-            same = _hash_bytes(read[name]) == entry.get("sha256")
+        if not version_1:  # every byte, always
+            found = digest.bytes_digest(read[name]) if name in read else store.entry(path)[digest.FIELD]
+            same = found == entry[digest.FIELD]
+        elif name in read:
+            same = _hash_bytes(read[name]) == entry["sha256"]
         elif full:
-            same = store.entry(path)["sha256"] == entry.get("sha256")
+            same = store.sha256(path) == entry["sha256"]
         else:
-            same = store.sample(path, size) == entry.get("sample")
+            same = store.sample(path, entry["size"]) == entry["sample"]
         if not same:
             raise CheckpointIntegrityError(
-                f"{where}: its content differs from the checkpoint's manifest: the object "
+                f"{store.url}/{name}: its content differs from the checkpoint's manifest: the object "
                 "was altered or comes from another checkpoint"
             )
 
@@ -405,11 +401,12 @@ def open_source(
     """Open the checkpoint at ``url`` (checked against its manifest first) as a :class:`.source.CheckpointSource`."""
     store = RemoteStore(url, storage_options)
     manifest = _manifest(store)
-    read = {name: _read(store, name) for name in (".metadata", META_FILE)}
-    for name in read:
+    for name in (".metadata", META_FILE):
         if name not in manifest["files"]:
             raise CheckpointIntegrityError(f"{store.url}/{name}: not listed in the checkpoint's {MANIFEST_FILE}")
-    _verify(store, manifest, full_check, read)
+    _check_present(store, manifest)  # before anything is read: the sizes read are the sizes listed
+    read = {name: _read(store, name, manifest["files"][name]["size"]) for name in (".metadata", META_FILE)}
+    _check_content(store, manifest, full_check, read)
     metadata = _metadata(store, read[".metadata"], manifest["files"])
     meta = _meta(store, read[META_FILE])
     shapes, dtypes = {}, {}

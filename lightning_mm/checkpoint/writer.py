@@ -1,7 +1,7 @@
 """Writing a checkpoint (:func:`save`): a ``torch_dcp`` directory (DCP shards from every rank, ``meta.pt`` and
 ``manifest.json`` from rank 0) or a ``torch`` file (rank 0), next to its final path and renamed into place when
-complete; in the background when an executor is given (the state staged first). :func:`write_file` writes one
-synced ``torch.save`` file."""
+complete; in the background when an executor is given (the state staged first, into the buffers of a
+:class:`Staging` kept between saves). :func:`write_file` writes one synced ``torch.save`` file."""
 
 from __future__ import annotations
 
@@ -34,7 +34,7 @@ from lightning_mm.checkpoint.safe import check_weights_only
 from lightning_mm.checkpoint.source import single_process_quiet
 from lightning_mm.checkpoint.state import copy_loops
 
-__all__ = ["FORMATS", "save", "write_file"]
+__all__ = ["FORMATS", "Staging", "save", "write_file"]
 
 FORMATS = ("torch_dcp", "torch")
 
@@ -48,6 +48,7 @@ def save(
     also_write: Callable[[Path], list[Path]] | None = None,
     background: Executor | None = None,
     group: Any = None,
+    staging: Staging | None = None,
 ) -> Future | None:
     """Write ``checkpoint`` (Lightning's dict) to ``path`` atomically; every rank calls this.
 
@@ -60,7 +61,10 @@ def save(
     pinned memory where the tensors live on an accelerator; the rest serialised) and the write, the manifest and
     the commit run there, their collectives on ``group`` (a process group of their own, so that they never
     interleave with training's); the returned future completes once the checkpoint is in place (its ``result()``
-    raises what failed). Without, everything happens before this returns (None).
+    raises what failed). Without, everything happens before this returns (None). ``staging`` (with ``background``)
+    holds the staging buffers between saves, so that a save refills the previous save's buffers instead of
+    allocating new ones; its previous write must be complete (the caller waits for it first). Without, each save
+    stages into new buffers.
     """
     if fmt not in FORMATS:
         raise ValueError(f"checkpoint_format must be one of {FORMATS}, got {fmt!r}")
@@ -105,29 +109,58 @@ def save(
         return None
     if also_write is not None:  # it reads the live model: not safe beside training
         raise ValueError("a background save cannot also write Hugging Face weights (checkpoint_format with 'hf')")
-    tensors, payload = _stage(tensors), _serialised(payload) if rank0 else None
+    if staging is None:
+        with Staging() as once:
+            tensors = once.stage(tensors)
+    else:
+        tensors = staging.stage(tensors)
+    payload = _serialised(payload) if rank0 else None
     return background.submit(_write, path, partial, fmt, tensors, payload, rank0, group)
 
 
-def _stage(tensors: dict[str, Any]) -> dict[str, Any]:
-    """A copy of the tensors that training may not change meanwhile: DCP's stager, with pinned memory for tensors
-    on an accelerator; plain CPU copies otherwise."""
-    from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
+class Staging:
+    """The CPU copies a background save writes from, kept from one save to the next.
 
-    accelerated = any(isinstance(t, torch.Tensor) and t.device.type != "cpu" for t in tensors.values())
-    stager = DefaultStager(
-        StagingOptions(
-            use_pinned_memory=accelerated,
-            use_shared_memory=False,
-            use_async_staging=False,
-            use_non_blocking_copy=accelerated,
-        )
-    )
-    try:
+    :meth:`stage` copies the tensors (DTensors: their local shards) with DCP's ``DefaultStager`` (synchronous;
+    pinned memory and non-blocking copies where the tensors live on an accelerator). The stager keeps one CPU
+    storage per source storage (weakly keyed: it goes with the parameter or optimiser state it copies) and refills
+    it at the next :meth:`stage`, so that a save after the first allocates nothing: the loop waits for the copy
+    only, not for fresh memory (and its page faults). The buffers are overwritten by the next :meth:`stage`: the
+    write of the previous one must be complete by then. :meth:`close` frees them.
+    """
+
+    def __init__(self) -> None:
+        self._stager: Any = None
+        self._accelerated: bool | None = None
+
+    def stage(self, tensors: dict[str, Any]) -> dict[str, Any]:
+        from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
+
+        accelerated = any(isinstance(t, torch.Tensor) and t.device.type != "cpu" for t in tensors.values())
+        if self._stager is None or accelerated != self._accelerated:
+            self.close()
+            self._accelerated = accelerated
+            self._stager = DefaultStager(
+                StagingOptions(
+                    use_pinned_memory=accelerated,
+                    use_shared_memory=False,
+                    use_async_staging=False,
+                    use_non_blocking_copy=accelerated,
+                )
+            )
         # Synchronous staging (use_async_staging=False) returns the staged dict itself, never a Future.
-        return cast("dict[str, Any]", stager.stage(tensors))
-    finally:
-        stager.close()
+        return cast("dict[str, Any]", self._stager.stage(tensors))
+
+    def close(self) -> None:
+        if self._stager is not None:
+            self._stager.close()
+            self._stager = None
+
+    def __enter__(self) -> Staging:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
 
 
 def _serialised(obj: Any) -> bytes:

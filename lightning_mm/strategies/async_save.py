@@ -15,6 +15,10 @@ the future completes, nothing of the checkpoint is visible, and:
   linking (:meth:`AsyncSaver.hide_links`), and pointed at the checkpoint once that is in place. So ``last`` always
   names a complete checkpoint, also after a kill during the write.
 
+The state is staged into buffers kept from one save to the next (:class:`.writer.Staging`): a save refills the
+copies the previous one wrote from (complete by then: each save waits for the one before) instead of allocating
+new ones. They live as long as the parameters and optimiser state they copy.
+
 A failed run (an error, SIGTERM) gives a pending write up to ``stop_timeout`` to complete (then finishes it) and
 otherwise abandons it: its partial stays hidden and is removed by a later save once this process is gone.
 """
@@ -34,6 +38,7 @@ from typing import Any
 import torch.distributed as dist
 
 from lightning_mm.checkpoint import atomic
+from lightning_mm.checkpoint.writer import Staging
 
 __all__ = ["AsyncSaver"]
 
@@ -90,20 +95,26 @@ class AsyncSaver:
         self._executor = _DaemonThreads()
         self._group: Any = None
         self._pending: _Pending | None = None
+        self._staging = Staging()
 
     @property
     def pending(self) -> Path | None:
         return self._pending.path if self._pending is not None else None
 
     def start(
-        self, path: Path, rank0: bool, save: Callable[[Executor, Any], Future | None], timeout: timedelta | None
+        self,
+        path: Path,
+        rank0: bool,
+        save: Callable[[Executor, Any, Staging], Future | None],
+        timeout: timedelta | None,
     ) -> None:
-        """Start ``save(executor, group)`` (every rank, after :meth:`wait`): the state is staged when it returns."""
+        """Start ``save(executor, group, staging)`` (every rank, after :meth:`wait`): the state is staged (into
+        ``staging``'s buffers, reused from the previous save) when it returns."""
         assert self._pending is None, "wait() for the previous save first"
         if self._group is None and dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
             self._group = dist.new_group(backend="gloo", timeout=timeout)  # None: the default timeout
         links = _links(path.parent) if rank0 else {}
-        future = save(self._executor, self._group)
+        future = save(self._executor, self._group, self._staging)
         assert future is not None
         self._pending = _Pending(path, future, rank0, links)
 
@@ -172,5 +183,6 @@ class AsyncSaver:
             pending.future.result(timeout=timeout)
         except BaseException:  # a timeout, or the write failed too: the run's own error is the one reported
             self._pending = None
+            self._staging = Staging()  # the forgotten write may still read the old buffers: never refill them
             return
         self.wait()

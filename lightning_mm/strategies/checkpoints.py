@@ -195,8 +195,15 @@ class StrategyCheckpoints:
             self.saver.start(
                 path,
                 strategy.is_global_zero,
-                lambda executor, group: ckpt.save(
-                    checkpoint, path, self.checkpoint_format, extra, rng, background=executor, group=group
+                lambda executor, group, staging: ckpt.save(
+                    checkpoint,
+                    path,
+                    self.checkpoint_format,
+                    extra,
+                    rng,
+                    background=executor,
+                    group=group,
+                    staging=staging,
                 ),
                 strategy.timeout,
             )
