@@ -283,7 +283,11 @@ class MMFSDP2Strategy(ParallelStrategy):
 
     @override
     def setup_environment(self) -> None:
-        setup_checks.refuse_unsupported_callbacks(attached_trainer(self.lightning_module))
+        trainer = attached_trainer(self.lightning_module)
+        setup_checks.refuse_unsupported_callbacks(trainer)
+        if trainer is not None and trainer.state.fn == TrainerFn.FITTING:  # what a save would refuse, refused now
+            logger_dir = trainer.loggers[0].save_dir if trainer.loggers else None
+            self.checkpoints.refuse_at_urls(trainer.checkpoint_callbacks, logger_dir or trainer.default_root_dir)
         self._runs.start(self.cluster_environment, self._launcher)
         super().setup_environment()
         reset_seed()
@@ -335,10 +339,14 @@ class MMFSDP2Strategy(ParallelStrategy):
         fitting = trainer.state.fn == TrainerFn.FITTING
         if trainer.state.fn == TrainerFn.PREDICTING:
             self._context_parallel.refuse_prediction(root)
+        if fitting:  # as in setup_environment, with the directories ModelCheckpoint.setup has resolved
+            self.checkpoints.refuse_at_urls(trainer.checkpoint_callbacks)
         if not isinstance(root, FSDPModule):
             if fitting and self._layer_sync is not None:
                 setup_checks.convert_sync_batchnorm(self._layer_sync, root, self.root_device)
             self._shard(root)
+        if fitting:
+            self.checkpoints.refuse_unsavable_model(self)
         self.barrier()
         if fitting:
             self._reset_optimizers_and_schedulers()
