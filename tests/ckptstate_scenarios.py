@@ -16,6 +16,7 @@ from typing import Any
 
 import lightning as L
 import torch
+from lightning.pytorch.demos.boring_classes import BoringModel, RandomDataset
 from lightning.pytorch.strategies import DDPStrategy
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict, get_optimizer_state_dict
 from torch.distributed.tensor import DTensor
@@ -283,6 +284,91 @@ def one(work: Path) -> None:
     _, out["mm_to_one"] = fit(work, "mm_to_one", mm(LAYERS), SAVE_AT + 1, devices=1, ckpt_path=str(work / "mm.ckpt"))
     fit(work, "mm_to_one_torch", mm(LAYERS), SAVE_AT + 1, devices=1, ckpt_path=str(work / "mm.pt"))
     dump(work, "one", 0, out)
+
+
+# ------------------------------------------------------------------ Lightning's own round-trip tests, adapted
+# Lightning's tests_pytorch/strategies/test_fsdp.py::test_strategy_load_optimizer_states and
+# test_model_parallel_integration.py::test_load_standard_checkpoint_into_distributed_model, on CPU (gloo), with
+# MMFSDP2Strategy in its defaults (the fused optimizer step on) and checkpoint_format="torch" (the gathered state
+# on rank 0, as Lightning's full state dicts): a DDP checkpoint restored under it gives back the DDP run's model and
+# optimizer state. Written as .pt files (rank 0 the state, other ranks what they got: nothing); the test compares
+# them with torch.testing.assert_close(atol=0, rtol=0) as Lightning's tests do.
+class RoundTripBoring(BoringModel):
+    """test_fsdp.py's TestBoringModel: Linear(32, 32), ReLU, Linear(32, 2), AdamW(lr=0.1)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.layer = torch.nn.Sequential(torch.nn.Linear(32, 32), torch.nn.ReLU(), torch.nn.Linear(32, 2))
+
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        return torch.optim.AdamW(self.parameters(), lr=0.1)
+
+
+class FeedForward(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.w1, self.w2, self.w3 = torch.nn.Linear(32, 64), torch.nn.Linear(32, 64), torch.nn.Linear(64, 32)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.w3(torch.nn.functional.silu(self.w1(x)) * self.w2(x))
+
+
+class RoundTripTemplate(L.LightningModule):
+    """test_model_parallel_integration.py's TemplateModel: a SwiGLU feed-forward, AdamW's defaults."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.model = FeedForward()
+
+    def training_step(self, batch: torch.Tensor) -> torch.Tensor:
+        return self.model(batch).sum()
+
+    def train_dataloader(self) -> DataLoader:
+        return DataLoader(RandomDataset(32, 8), batch_size=2)
+
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        return torch.optim.AdamW(self.model.parameters())
+
+
+def _round_trip(work: Path, name: str, module: type[L.LightningModule], strategy: MMFSDP2Strategy) -> None:
+    kwargs: dict[str, Any] = dict(accelerator="cpu", devices=2, max_epochs=1, default_root_dir=work / name)
+    kwargs.update(logger=False, enable_progress_bar=False, enable_model_summary=False)
+    model = module()
+    trainer = L.Trainer(strategy=DDPStrategy(process_group_backend="gloo"), **kwargs)
+    trainer.fit(model)
+    path = trainer.strategy.broadcast(str(work / f"{name}.last.ckpt"))
+    trainer.save_checkpoint(path)
+    saved = {
+        "model": trainer.strategy.lightning_module_state_dict(),
+        "optimizer": trainer.strategy.optimizer_state(model.optimizers()),
+    }
+    model = module()
+    trainer = L.Trainer(strategy=strategy, barebones=True, **{k: v for k, v in kwargs.items() if k in _BAREBONES})
+    trainer.fit(model, ckpt_path=path)
+    restored = {
+        "model": trainer.strategy.lightning_module_state_dict(),
+        "optimizer": trainer.strategy.optimizer_state(model.optimizers()),
+        "groups_now": [{k: v for k, v in g.items() if k != "params"} for g in trainer.optimizers[0].param_groups],
+        "fused_groups": list(trainer.strategy.fused_steps.groups(trainer.optimizers[0])),
+    }
+    rank = trainer.global_rank
+    torch.save({"saved": saved, "restored": restored}, work / f"{name}.roundtrip.rank{rank}.pt")
+    trainer.strategy.barrier()
+
+
+_BAREBONES = ("accelerator", "devices", "max_epochs", "default_root_dir")
+
+
+@scenario
+def lightning_round_trips(work: Path) -> None:
+    """A DDP checkpoint restored under MMFSDP2Strategy: Lightning's two tests (see above), FSDP units per layer,
+    per first layer only, and the root alone (test_fsdp.py's wrap_min_params 2, 1024 and 1e8)."""
+    units = {"all": ["layer.0", "layer.2"], "half": ["layer.0"], "root": []}
+    for name, wrap in units.items():
+        plan = {"sharding_size": "auto", "sub_modules_to_wrap": wrap}
+        _round_trip(work, f"boring_{name}", RoundTripBoring, MMFSDP2Strategy(plan, checkpoint_format="torch"))
+    plan = {"sharding_size": "auto", "sub_modules_to_wrap": ["model.w1", "model.w2", "model.w3"]}
+    _round_trip(work, "template", RoundTripTemplate, MMFSDP2Strategy(plan, checkpoint_format="torch"))
 
 
 if __name__ == "__main__":

@@ -211,11 +211,11 @@ def seed_yaml(outdir: str) -> None:
             "layer0_state_in_layer1_forward": reshard[0],
             "optimizer_groups": [
                 {
-                    "fused": g["fused"],
+                    "fused": j in t.strategy.fused_steps.groups(t.optimizers[0]),  # chosen (not written into g)
                     "dtensor": sorted({isinstance(p, DTensor) for p in g["params"]}),
                     "size": len(g["params"]),
                 }
-                for g in t.optimizers[0].param_groups
+                for j, g in enumerate(t.optimizers[0].param_groups)
             ],
         },
     )
@@ -541,11 +541,11 @@ def bf16_offload(outdir: str) -> None:
             "layer0_state_in_layer1_forward": reshard[0],
             "optimizer_groups": [
                 {
-                    "fused": g["fused"],
+                    "fused": j in t.strategy.fused_steps.groups(t.optimizers[0]),  # chosen (not written into g)
                     "dtensor": sorted({isinstance(p, DTensor) for p in g["params"]}),
                     "size": len(g["params"]),
                 }
-                for g in t.optimizers[0].param_groups
+                for j, g in enumerate(t.optimizers[0].param_groups)
             ],
         },
     )

@@ -482,3 +482,30 @@ def test_another_strategys_optimizer_state_is_restored_key_for_key(work, resumed
     for now, then in zip(sharded[0]["param_groups"], saved[0]["param_groups"], strict=True):
         assert now.keys() == then.keys()  # the same entries; params are names in this layout
         assert {k: v for k, v in now.items() if k != "params"} == {k: v for k, v in then.items() if k != "params"}
+
+
+# ---------------------------------------------------------------- Lightning's own round-trip tests, adapted
+@pytest.fixture(scope="module")
+def round_trips(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    work = tmp_path_factory.mktemp("roundtrip")
+    run(ckptstate_scenarios.lightning_round_trips, work, timeout=600)
+    return work
+
+
+@pytest.mark.parametrize("name", ["boring_all", "boring_half", "boring_root", "template"])
+def test_lightnings_load_optimizer_states_and_standard_checkpoint_tests_pass(round_trips, name):
+    """Lightning's ``test_strategy_load_optimizer_states`` (test_fsdp.py, the three wrappings) and
+    ``test_load_standard_checkpoint_into_distributed_model`` (the template model), with MMFSDP2Strategy in its
+    defaults (the fused optimizer step on): the restored model and optimizer state is the DDP run's, exactly
+    (``fused`` stays unset in the groups, although the step is fused)."""
+    rank0 = torch.load(round_trips / f"{name}.roundtrip.rank0.pt", weights_only=True)
+    rank1 = torch.load(round_trips / f"{name}.roundtrip.rank1.pt", weights_only=True)
+    assert len(rank1["restored"]["model"]) == 0 and len(rank1["restored"]["optimizer"]) == 0  # full state: rank 0
+    saved, restored = rank0["saved"], rank0["restored"]
+    assert len(saved["model"]) == len(restored["model"])
+    assert len(saved["optimizer"]) == len(restored["optimizer"])
+    torch.testing.assert_close(saved["model"], restored["model"], atol=0, rtol=0)
+    torch.testing.assert_close(saved["optimizer"], restored["optimizer"], atol=0, rtol=0)
+    assert saved["optimizer"]["param_groups"] == restored["optimizer"]["param_groups"]  # key for key, incl. None
+    assert restored["fused_groups"] == [0]  # the fused step is chosen for the group ...
+    assert all(g["fused"] is None for g in restored["groups_now"])  # ... and not written into it

@@ -44,7 +44,8 @@ def test_tuning_leaves_losses_and_weights_bit_identical(ranks):
 
 def test_fused_optimizer_step_is_chosen_and_matches_torchs_default(ranks):
     for r in ranks:
-        assert r["tuned"]["fused"] == [True]
+        assert r["tuned"]["fused"] == [True]  # what the update read
+        assert r["tuned"]["fused_after"] == [None]  # never left in the user's group
         assert r["unfused"]["fused"] == [None]
         # Same update to rounding: the fused kernel is not bit-identical to torch's per-parameter loop.
         assert r["tuned"]["losses"] == pytest.approx(r["unfused"]["losses"][:4], rel=1e-5)

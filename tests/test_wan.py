@@ -217,7 +217,7 @@ def test_feature_data_through_the_mindspeed_data_config(work: Path, tmp_path: Pa
     from lightning_mm.datamodules.wan_data import WanFeatureDataset
 
     with pytest.raises(DataError, match=r"unknown feature key\(s\) \['extra'\]"):
-        WanFeatureDataset([tmp_path / "x.pt"])[0]
+        WanFeatureDataset([tmp_path / "x.pt"], strict=True)[0]
 
 
 def test_the_module_checks_its_batches_and_its_schedule() -> None:

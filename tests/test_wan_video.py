@@ -203,7 +203,125 @@ def test_video_records_are_checked(tmp_path: Path) -> None:
     path.write_text(json.dumps(data))
     with pytest.raises(DataConfigError, match="basic_parameters.vae_path`: missing"):
         MMDataModule.from_config(path).setup("fit")
-    dm = MMDataModule.from_config(_video_config(tmp_path, num_frames=9), batch_size=1)
+    # Too short for num_frames: a bad record when the dataset is set up (here the only one), not mid-epoch.
+    with pytest.raises(DataError, match=r"data.jsonl:1: video 'clip.mp4': 7 frame\(s\), num_frames 9 .* needs 9"):
+        MMDataModule.from_config(_video_config(tmp_path, num_frames=9), batch_size=1).setup("fit")
+
+
+def _bad_video_config(tmp_path: Path, strict: bool = False) -> Path:
+    """Five video records: good, empty, not a video, too short (3 frames for num_frames 5), good."""
+    path = _video_config(tmp_path)
+    folder = tmp_path / "clips"
+    (folder / "empty.mp4").write_bytes(b"")
+    (folder / "noise.mp4").write_bytes(bytes(range(256)) * 64)
+    _write_clip(folder / "short.mp4", 3, 48, 64)
+    lines = [
+        json.dumps({"path": name, "file": "text.pt"})
+        for name in ("clip.mp4", "empty.mp4", "noise.mp4", "short.mp4", "clip.mp4")
+    ]
+    (folder / "data.jsonl").write_text("\n".join(lines) + "\n")
+    data = json.loads(path.read_text())
+    data["strict"] = strict
+    path.write_text(json.dumps(data))
+    return path
+
+
+def test_bad_video_records_are_counted_and_skipped_when_the_dataset_is_set_up(tmp_path: Path) -> None:
+    """Empty, undecodable and too-short clips are found by the probe at setup, with file and line; the epoch then
+    reads only good records. In strict mode they are an error at setup."""
+    from lightning_mm.datamodules import MMDataModule
+    from lightning_mm.datamodules.records import DataError
+
+    dm = MMDataModule.from_config(_bad_video_config(tmp_path), batch_size=1)
+    with pytest.warns(UserWarning, match="3 skipped"):
+        dm.setup("fit")
+    jsonl = tmp_path / "clips" / "data.jsonl"
+    problems = dm.reports["train"].problems
+    assert [p.split(": ")[0] for p in problems] == [f"{jsonl}:2", f"{jsonl}:3", f"{jsonl}:4"]
+    assert "video 'empty.mp4': not a readable video" in problems[0]
+    assert "video 'noise.mp4': not a readable video" in problems[1]
+    assert "video 'short.mp4': 3 frame(s), num_frames 5 at frame_interval 1 needs 5" in problems[2]
+    assert len(dm._splits["train"]) == 2 and len(list(dm.train_dataloader())) == 2
+    with pytest.raises(DataError, match=r"(?s)bad records in strict mode .*data.jsonl:2: video 'empty.mp4'"):
+        MMDataModule.from_config(_bad_video_config(tmp_path, strict=True), batch_size=1).setup("fit")
+
+
+def test_a_video_that_fails_when_read_is_replaced_and_counted(tmp_path: Path) -> None:
+    """A clip that passed the probe but fails when read (here: replaced by noise after setup) does not end the
+    epoch: the next good record takes its place, and the report names its file and line."""
+    from lightning_mm.datamodules import MMDataModule
+
+    path = _video_config(tmp_path)
+    folder = tmp_path / "clips"
+    _write_clip(folder / "later.mp4", 7, 48, 64)
+    lines = [json.dumps({"path": name, "file": "text.pt"}) for name in ("later.mp4", "clip.mp4")]
+    (folder / "data.jsonl").write_text("\n".join(lines) + "\n")
+    dm = MMDataModule.from_config(path, batch_size=1)
     dm.setup("fit")
-    with pytest.raises(DataError, match="clip.mp4: 7 frame"):
-        next(iter(dm.train_dataloader()))
+    (folder / "later.mp4").write_bytes(bytes(range(256)) * 64)
+    with pytest.warns(UserWarning, match="data.jsonl:1: cannot process the record: .*later.mp4: not a readable"):
+        batches = list(dm.train_dataloader())
+    assert len(batches) == 2 and torch.equal(batches[0]["latents"], batches[1]["latents"])  # clip.mp4 twice
+    assert dm.reports["train"].skipped == 1
+
+
+def test_resizing_frame_by_frame_is_the_whole_clip_resize_bit_for_bit() -> None:
+    """The banded, per-frame resize equals MindSpeed MM's whole-clip ``interpolate`` (bilinear, antialiased)."""
+    from lightning_mm.datamodules.wan_video import to_model_frames
+
+    torch.manual_seed(0)
+    for frames, height, width in (((3, 48, 64, 3), 32, 32), ((2, 217, 301, 3), 40, 56), ((2, 20, 30, 3), 32, 48)):
+        clip = torch.randint(0, 256, frames, dtype=torch.uint8)
+        h, w = frames[1:3]
+        scale = max(height / h, width / w)
+        size = (max(height, round(h * scale)), max(width, round(w * scale)))
+        whole = torch.nn.functional.interpolate(
+            clip.permute(0, 3, 1, 2).float(), size=size, mode="bilinear", antialias=True, align_corners=False
+        )
+        top, left = (size[0] - height) // 2, (size[1] - width) // 2
+        expected = ((whole[..., top : top + height, left : left + width] / 255.0 - 0.5) / 0.5).permute(1, 0, 2, 3)
+        assert torch.equal(to_model_frames(clip, height, width), expected)
+
+
+_PEAK = """
+import resource, sys, torch
+from lightning_mm.datamodules.wan_video import decode_model_frames
+decode_model_frames(sys.argv[2], 2, 1, 16, 16)  # codecs and allocator warmed up on a small clip
+before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+out = decode_model_frames(sys.argv[1], 4, 1, 32, 32)
+assert out.shape == (3, 4, 32, 32)
+print((resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - before) // 1024)
+"""
+
+
+def test_a_4k_clip_read_into_a_small_sample_stays_within_a_frames_memory(tmp_path: Path) -> None:
+    """Four 3840x2160 frames into a 32x32 sample: the peak grows by about one frame's uint8 pixels (25 MB), not
+    by the clip at full resolution in float32 (4 x 99.5 MB, and more for the resize), measured as the process's
+    peak resident memory in a fresh process."""
+    import subprocess
+    import sys
+
+    _write_clip(tmp_path / "uhd.mp4", 4, 2160, 3840)
+    _write_clip(tmp_path / "small.mp4", 3, 48, 64)
+    result = subprocess.run(
+        [sys.executable, "-c", _PEAK, str(tmp_path / "uhd.mp4"), str(tmp_path / "small.mp4")],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env={**__import__("os").environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"},
+    )
+    assert result.returncode == 0, result.stderr[-2000:]
+    grown_mb = int(result.stdout.split()[-1])
+    assert grown_mb < 150, grown_mb
+
+
+def test_frames_larger_than_the_documented_limit_are_refused(tmp_path: Path) -> None:
+    from lightning_mm.datamodules.wan_video import MAX_SOURCE_SIDE, _too_large, probe_video
+
+    assert MAX_SOURCE_SIDE == 8192
+    assert _too_large(3840, 2160) is None
+    assert "8200x16 frames; the largest source side is 8192 pixels" in str(_too_large(8200, 16))
+    _write_clip(tmp_path / "ok.mp4", 3, 48, 64)
+    assert probe_video(tmp_path / "ok.mp4", 3) is None
+    assert probe_video(tmp_path / "ok.mp4", 2, frame_interval=2) is None  # frames 0 and 2 of 3
+    assert "3 frame(s), num_frames 2 at frame_interval 3 needs 4" in str(probe_video(tmp_path / "ok.mp4", 2, 3))

@@ -57,6 +57,7 @@ class Observe(L.Callback):
     def __init__(self) -> None:
         self.states: dict[str, str] = {}
         self.losses: list[float] = []
+        self.fused: list[Any] = []
 
     def on_before_backward(self, trainer: L.Trainer, pl_module: Any, loss: torch.Tensor) -> None:
         if trainer.global_step == 2:
@@ -64,6 +65,9 @@ class Observe(L.Callback):
                 "root": _state(pl_module),
                 **{f"layers.{i}": _state(m) for i, m in enumerate(pl_module.layers)},
             }
+
+    def on_before_optimizer_step(self, trainer: L.Trainer, pl_module: Any, optimizer: Any) -> None:
+        self.fused = [group.get("fused") for group in optimizer.param_groups]  # what the update reads
 
     def on_train_batch_end(self, trainer: L.Trainer, pl_module: Any, outputs: Any, batch: Any, idx: int) -> None:
         self.losses.append(float(outputs["loss"]))
@@ -112,9 +116,16 @@ def run(
     }
     prefetch = trainer.strategy.sharded_run.sharded.prefetch
     kept = ["<root>" if u is prefetch.root else prefetch.name(u) for u in prefetch.kept_unsharded]
-    fused = [group["fused"] for group in trainer.optimizers[0].param_groups]
+    after = [group["fused"] for group in trainer.optimizers[0].param_groups]  # the user's values, given back
     return (
-        {"states": observe.states, "losses": observe.losses, "weights": weights, "kept": kept, "fused": fused},
+        {
+            "states": observe.states,
+            "losses": observe.losses,
+            "weights": weights,
+            "kept": kept,
+            "fused": observe.fused,
+            "fused_after": after,
+        },
         trainer.global_rank,
     )
 

@@ -9,12 +9,19 @@ groups whose trainable parameters mix DTensors with plain tensors (a trainable i
 call cannot hold. Frozen parameters do not count: the step skips them. (A group whose frozen plain parameters are
 unfrozen later in the run then fails in its step with DTensor's "mixed torch.Tensor and DTensor" error; pass
 ``fused=False`` to such an optimiser, or ``fused_optimizer_step=False`` to the strategy.)
+
+The choice never shows in the user's parameter groups: :class:`FusedSteps` sets ``fused=True`` only while a step
+computes its update (after the forward and backward) and gives the group its own value back when the step ends,
+so ``optimizer.state_dict()``, the strategy's ``optimizer_state`` and every checkpoint hold the values the user
+gave (a checkpoint restored under another strategy, or this one, gives back the saved groups key for key).
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable, Iterator, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 from torch.distributed.tensor import DTensor
@@ -85,10 +92,69 @@ def decide_fused_steps(optimizers: Iterable[torch.optim.Optimizer]) -> list[Grou
     return decisions
 
 
-def use_fused_steps(optimizers: list[torch.optim.Optimizer]) -> list[GroupDecision]:
-    """Switch the groups :func:`decide_fused_steps` allows to ``fused=True``; returns every decision."""
-    decisions = decide_fused_steps(optimizers)
-    for d in decisions:
-        if d.fused:
-            optimizers[d.optimizer].param_groups[d.group]["fused"] = True
-    return decisions
+class FusedSteps:
+    """Torch's fused Adam/AdamW step for the groups :func:`decide_fused_steps` allows, without writing into them.
+
+    :meth:`choose` decides once (before the first step); :meth:`step` wraps one optimizer step's closure so that,
+    once the closure has run (forward and backward), the chosen groups that still leave ``fused``/``foreach``
+    unset read ``fused=True`` for the update, and get their own value back when the step ends, also when it
+    raises. Groups are found by index at each step (a checkpoint load replaces the group dicts).
+    """
+
+    def __init__(self) -> None:
+        self._chosen: list[tuple[torch.optim.Optimizer, tuple[int, ...]]] = []
+
+    def choose(self, optimizers: Sequence[torch.optim.Optimizer]) -> list[GroupDecision]:
+        """Decide for every group of ``optimizers`` (nothing is written into them); returns every decision."""
+        decisions = decide_fused_steps(optimizers)
+        self._chosen = []
+        for i, optimizer in enumerate(optimizers):
+            groups = tuple(d.group for d in decisions if d.optimizer == i and d.fused)
+            if groups:
+                self._chosen.append((optimizer, groups))
+        return decisions
+
+    def groups(self, optimizer: Any) -> tuple[int, ...]:
+        """The indices of ``optimizer``'s groups that take the fused step (empty: none, or not chosen here)."""
+        return next((groups for o, groups in self._chosen if o is optimizer), ())
+
+    @contextmanager
+    def step(self, optimizer: Any, closure: Callable[[], Any]) -> Iterator[Callable[[], Any]]:
+        """Yield ``closure`` wrapped for one step of ``optimizer`` (see the class docstring)."""
+        chosen = self.groups(optimizer)
+        if not chosen:
+            yield closure
+            return
+        switched: list[tuple[dict[str, Any], bool, Any]] = []
+
+        def then_fused() -> Any:
+            result = closure()
+            for j in chosen:
+                if j >= len(optimizer.param_groups):
+                    continue
+                group = optimizer.param_groups[j]
+                if group.get("fused") is None and group.get("foreach") is None:
+                    switched.append((group, "fused" in group, group.get("fused")))
+                    group["fused"] = True
+                    _fused_step_counts(optimizer, group)
+            return result
+
+        try:
+            yield then_fused
+        finally:
+            for group, had, value in switched:
+                if had:
+                    group["fused"] = value
+                else:
+                    del group["fused"]
+
+
+def _fused_step_counts(optimizer: Any, group: dict[str, Any]) -> None:
+    """The fused kernel takes each parameter's ``step`` count as float32 on the parameter's device (as torch's
+    ``load_state_dict`` puts it for a fused group); a count restored or created for another implementation (a
+    CPU scalar beside accelerator parameters) is moved there once."""
+    for param in group["params"]:
+        state = optimizer.state.get(param)
+        step = state.get("step") if state else None
+        if isinstance(step, torch.Tensor) and (step.device != param.device or step.dtype != torch.float32):
+            state["step"] = step.to(dtype=torch.float32, device=param.device)

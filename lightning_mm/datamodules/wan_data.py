@@ -15,6 +15,14 @@ applied here. A record may name a raw video in ``path`` (relative to ``data_fold
 then holds the text features only: the video is decoded and encoded by the frozen ``AutoencoderKLWan`` saved at
 ``basic_parameters.vae_path`` (a key of this project) with ``preprocess_parameters`` ``num_frames``,
 ``frame_interval``, ``max_height`` and ``max_width`` (:mod:`lightning_mm.datamodules.wan_video`).
+
+Bad records are found when the dataset is set up and skipped with their ``file:line`` in the split's
+:class:`~lightning_mm.datamodules.records.DataReport` (an error in strict mode), as on the other data paths: a line
+that is not JSON, a feature file or video that is missing or outside ``data_folder``, and a video that the probe
+of :func:`~lightning_mm.datamodules.wan_video.probe_video` refuses (empty, undecodable, fewer frames than
+``num_frames`` needs, frames larger than ``MAX_SOURCE_SIDE``). A record that still fails when it is read (a stream
+corrupt past its first frame, a feature file changed since) is replaced by the next good one and counted
+(:class:`~lightning_mm.datamodules.replacing.ReplacingDataset`), so every rank keeps its number of batches.
 """
 
 from __future__ import annotations
@@ -32,6 +40,7 @@ from lightning_mm.checkpoint.safe import load_weights_only
 from lightning_mm.datamodules.data_config import DataConfigError
 from lightning_mm.datamodules.mindspeed_keys import check_keys, strict_or_warn
 from lightning_mm.datamodules.records import DataError, DataReport
+from lightning_mm.datamodules.replacing import ReplacingDataset
 
 __all__ = ["FEATURE_KEYS", "WanFeatureDataset", "build_feature_datasets", "collate_features"]
 
@@ -59,9 +68,14 @@ _VIDEO_KEYS = ("num_frames", "max_height", "max_width")
 _NOT_APPLIED = ("preprocess_parameters", "use_text_processer", "enable_text_preprocessing", "tokenizer_config")
 
 
-class WanFeatureDataset(torch.utils.data.Dataset):
+class WanFeatureDataset(ReplacingDataset):
     """The feature files ``paths`` (checked to exist), read one sample at a time; ``records`` are their JSON
-    records (for the batch grouping keys)."""
+    records (for the batch grouping keys), ``where`` their ``file:line`` (for the report of a record that fails
+    when it is read: the next good one takes its place, see :class:`ReplacingDataset`)."""
+
+    failed_in_a_row = "feature records in a row failed to read"
+    nothing_readable = "no feature record could be read"
+    broken = "the feature files or the videos are broken"
 
     def __init__(
         self,
@@ -69,20 +83,28 @@ class WanFeatureDataset(torch.utils.data.Dataset):
         records: list[Mapping[str, Any]] | None = None,
         videos: list[Path | None] | None = None,
         video: VideoSettings | None = None,
+        where: list[str] | None = None,
+        report: DataReport | None = None,
+        strict: bool = False,
     ) -> None:
         self.paths = list(paths)
-        self.records = list(records) if records is not None else [{} for _ in self.paths]
+        super().__init__(list(range(len(self.paths))), report if report is not None else DataReport("train"), strict)
+        self.json_records = list(records) if records is not None else [{} for _ in self.paths]
         self.videos = list(videos) if videos is not None else [None] * len(self.paths)
+        self.wheres = list(where) if where is not None else [str(p) for p in self.paths]
         if video is None and any(v is not None for v in self.videos):
             raise ValueError("video records need VideoSettings")
         self.video = video
+
+    def where(self, record: Any) -> str:
+        return self.wheres[record]
 
     def group_keys(self, group_by: str) -> list[str]:
         """Each sample's size for MindSpeed MM's ``group_data`` (``"data"``: the record's ``sample_size``, else
         ``len(sample_frame_index)`` x ``resolution.sample_height`` x ``sample_width``) or ``group_frame``
         (``"frame"``: ``sample_num_frames``). When some record lacks them, every sample's key is its latents' shape
         (``group_data``) or latent frame count (``group_frame``), read from the feature files (logged)."""
-        keys = [_record_key(record, group_by) for record in self.records]
+        keys = [_record_key(record, group_by) for record in self.json_records]
         if all(key is not None for key in keys):
             return [str(key) for key in keys]
         missing = "sample_size" if group_by == "data" else "sample_num_frames"
@@ -93,11 +115,9 @@ class WanFeatureDataset(torch.utils.data.Dataset):
         shapes = [tuple(self[i]["latents"].shape) for i in range(len(self))]
         return ["x".join(map(str, s[1:] if group_by == "data" else s[1:2])) for s in shapes]
 
-    def __len__(self) -> int:
-        return len(self.paths)
-
-    def __getitem__(self, index: int) -> dict[str, torch.Tensor]:
-        path = self.paths[index]
+    def sample(self, record: Any) -> dict[str, torch.Tensor]:
+        """The sample of the record at index ``record``; raises :class:`DataError` naming the file."""
+        path = self.paths[record]
         data = load_weights_only(path)
         if not isinstance(data, Mapping):
             raise DataError(f"{path}: a feature file must hold a dict, got {type(data).__name__}")
@@ -105,7 +125,7 @@ class WanFeatureDataset(torch.utils.data.Dataset):
         if unknown:
             raise DataError(f"{path}: unknown feature key(s) {unknown} (known: {sorted(FEATURE_KEYS)})")
         sample = {FEATURE_KEYS[k]: v for k, v in data.items() if v is not None}
-        video = self.videos[index]
+        video = self.videos[record]
         if video is not None:
             if "latents" in sample:
                 raise DataError(f"{path}: has video latents but its record names the video {video.name!r} too")
@@ -132,11 +152,17 @@ class VideoSettings:
     width: int
     frame_interval: int = 1
 
-    def latents(self, video: Path) -> torch.Tensor:
-        from lightning_mm.datamodules.wan_video import read_frames, to_model_frames
+    def probe(self, video: Path) -> str | None:
+        """Why ``video`` cannot give the frames (``None``: it can), :func:`~.wan_video.probe_video`."""
+        from lightning_mm.datamodules.wan_video import probe_video
 
-        frames = read_frames(video, self.num_frames, self.frame_interval)
-        return self.vae.encode(to_model_frames(frames, self.height, self.width))
+        return probe_video(video, self.num_frames, self.frame_interval)
+
+    def latents(self, video: Path) -> torch.Tensor:
+        from lightning_mm.datamodules.wan_video import decode_model_frames
+
+        frames = decode_model_frames(video, self.num_frames, self.frame_interval, self.height, self.width)
+        return self.vae.encode(frames)
 
 
 def _video_settings(
@@ -174,6 +200,14 @@ def _video_settings(
         values["max_width"],
         values["frame_interval"],
     )
+
+
+def _probed(settings: VideoSettings, video: Path, where: str, report: DataReport) -> bool:
+    """Whether ``video`` passes the probe; if not, its record is a problem of ``report``."""
+    problem = settings.probe(video)
+    if problem is not None:
+        report.problems.append(f"{where}: video {video.name!r}: {problem}")
+    return problem is None
 
 
 def _record_key(record: Mapping[str, Any], group_by: str) -> Any:
@@ -237,6 +271,7 @@ def build_feature_datasets(
     paths: list[Path] = []
     records: list[Mapping[str, Any]] = []
     videos: list[Path | None] = []
+    where: list[str] = []
     for number, line in enumerate(data_path.read_text(encoding="utf-8").splitlines(), start=1):
         if not line.strip():
             continue
@@ -267,16 +302,21 @@ def build_feature_datasets(
             paths.append(path)
             records.append(record)
             videos.append(video_path)
-    strict_or_warn(report, strict, source)
-    if not paths:
-        raise DataError(f"{source}: no usable feature record in {data_path}:\n{report.summary()}")
+            where.append(f"{data_path}:{number}")
     settings = None
     if any(v is not None for v in videos):
         settings = _video_settings(param, basic, base_dir, dp, source)
+        kept = [i for i, video in enumerate(videos) if video is None or _probed(settings, video, where[i], report)]
+        paths, records = [paths[i] for i in kept], [records[i] for i in kept]
+        videos, where = [videos[i] for i in kept], [where[i] for i in kept]
         not_applied = [k for k in _NOT_APPLIED if k in param and k != "preprocess_parameters"]
     else:
         not_applied = [k for k in _NOT_APPLIED if k in param]
+    strict_or_warn(report, strict, source)
+    if not paths:
+        raise DataError(f"{source}: no usable feature record in {data_path}:\n{report.summary()}")
     for key in not_applied:
         rank_zero_info(f"{source}: `{dp}{key}` is not applied: the text (and video) features are precomputed")
-    splits = {"train": WanFeatureDataset(paths, records, videos, settings), "val": None, "test": None}
+    dataset = WanFeatureDataset(paths, records, videos, settings, where, report, strict)
+    splits = {"train": dataset, "val": None, "test": None}
     return splits, collate_features, {"train": report}

@@ -11,7 +11,7 @@ loaded strictly (keys listed) and safely (``weights_only``), resharded to any wo
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol
 
@@ -61,6 +61,7 @@ class ShardedStrategy(Protocol):
     def optimizers(self) -> list[Optimizer]: ...
     @property
     def lr_scheduler_configs(self) -> list[LRSchedulerConfig]: ...
+    def lightning_module_state_dict(self) -> dict[str, Any]: ...
 
     timeout: timedelta | None
     sharded_run: ShardedRun
@@ -156,6 +157,33 @@ class StrategyCheckpoints:
                 "MMFSDP2Strategy loads checkpoints weights_only (no pickled code is run); "
                 "weights_only=False is not supported"
             )
+
+    # ------------------------------------------------------------------------------------------ at setup
+    def refuse_at_urls(self, callbacks: Sequence[Any], default_dir: Any = None) -> None:
+        """At the start of a fit, before any process group or step: a checkpoint callback whose directory is a URL,
+        with a ``checkpoint_format`` other than ``torch_dcp``, is refused, as its first save would refuse it. A
+        callback without a ``dirpath`` has the one Lightning gives it under ``default_dir`` (the first logger's
+        ``save_dir``, else the Trainer's ``default_root_dir``). (``save_last="link"`` at a URL is refused by
+        Lightning's ``ModelCheckpoint.setup``, also before the first step.)"""
+        for callback in callbacks:
+            dirpath = getattr(callback, "dirpath", None)
+            where = dirpath if dirpath is not None else default_dir
+            if not ckpt.remote.is_url(where):
+                continue
+            shown = f"dirpath={dirpath!r}" if dirpath is not None else f"under {where!r}"
+            if self.checkpoint_format != "torch_dcp":
+                raise ValueError(
+                    f"ModelCheckpoint({shown}): checkpoint_format={self.checkpoint_format!r} cannot be written to "
+                    "a URL; checkpoints at URLs are 'torch_dcp' directories"
+                )
+
+    def refuse_unsavable_model(self, strategy: ShardedStrategy) -> None:
+        """At the setup of a fit, once the model is sharded: with Hugging Face weights in the format, a model they
+        cannot be written for (LoRA adapters, several Transformers models, tensors outside the model, tensors that
+        ``save_pretrained`` converts) is refused now, with the error its first save would raise. A format
+        changed later, between saves, is checked when it is saved."""
+        if self.checkpoint_format in HF_FORMATS:
+            plan_weights(strategy.lightning_module, list(strategy.lightning_module_state_dict()))
 
     # ---------------------------------------------------------------------------------------------- save
     def save(

@@ -9,7 +9,7 @@ stopping on signals and lost peers (:mod:`~lightning_mm.strategies.stopping`), c
 
 from __future__ import annotations
 
-from collections.abc import Generator, Mapping
+from collections.abc import Callable, Generator, Mapping
 from contextlib import contextmanager
 from datetime import timedelta
 from pathlib import Path
@@ -36,6 +36,7 @@ from lightning_mm._compat import _PATH, _sync_ddp_if_available, attached_trainer
 from lightning_mm.core.config import FSDP2Config
 from lightning_mm.core.grad_mode import leave_inference_mode, outside_inference_mode
 from lightning_mm.core.init_context import meta_parameters
+from lightning_mm.core.optimizer import FusedSteps
 from lightning_mm.core.plan import ShardingPlan
 from lightning_mm.core.sharded_run import PlannedRun, ShardedRun, data_parallel_sampler_kwargs, plan_run
 from lightning_mm.strategies import setup_checks, stopping
@@ -77,8 +78,10 @@ class MMFSDP2Strategy(ParallelStrategy):
             matching keys and warns with the list of skipped ones.
         fused_optimizer_step: ``True`` (default): Adam/AdamW parameter groups that set neither ``fused`` nor
             ``foreach`` use torch's fused step on CPU and CUDA (torch's own CPU default loops over the sharded
-            DTensor parameters one by one; see ``lightning_mm.core.optimizer``). The choice is logged.
-            ``False`` leaves the implementation to torch.
+            DTensor parameters one by one; see ``lightning_mm.core.optimizer``). The choice is logged, and applied
+            only while each step computes its update: the groups, ``optimizer.state_dict()``, ``optimizer_state``
+            and checkpoints keep the values given (``fused`` stays unset). ``False`` leaves the implementation
+            to torch.
         stop_timeout: seconds within which a signalled rank (SIGTERM, SIGINT) ends, whatever its main thread is
             doing, and the other ranks stop when one rank process is gone (a SIGTERM, a crash, a kill), see
             ``lightning_mm.strategies.stopping``; a positive finite number. A rank stopped by SIGTERM exits with
@@ -159,6 +162,9 @@ class MMFSDP2Strategy(ParallelStrategy):
         self._empty_init = empty_init
         self.num_nodes = 1
         self._fused_optimizer_step = fused_optimizer_step
+        self.fused_steps = FusedSteps()
+        """Which optimizer groups take torch's fused step (``fused_optimizer_step``), applied in
+        :meth:`optimizer_step` without writing into the groups (``lightning_mm.core.optimizer``)."""
         self._runs = stopping.StrategyRuns(stop_timeout)
         self._context_parallel = ContextParallelSetup(context_parallel_size, context_parallel_algo)
         if not isinstance(stop_on_nonfinite, bool):
@@ -277,7 +283,11 @@ class MMFSDP2Strategy(ParallelStrategy):
 
     @override
     def setup_environment(self) -> None:
-        setup_checks.refuse_unsupported_callbacks(attached_trainer(self.lightning_module))
+        trainer = attached_trainer(self.lightning_module)
+        setup_checks.refuse_unsupported_callbacks(trainer)
+        if trainer is not None and trainer.state.fn == TrainerFn.FITTING:  # what a save would refuse, refused now
+            logger_dir = trainer.loggers[0].save_dir if trainer.loggers else None
+            self.checkpoints.refuse_at_urls(trainer.checkpoint_callbacks, logger_dir or trainer.default_root_dir)
         self._runs.start(self.cluster_environment, self._launcher)
         super().setup_environment()
         reset_seed()
@@ -326,18 +336,24 @@ class MMFSDP2Strategy(ParallelStrategy):
         self.accelerator.setup(trainer)
         root = self.lightning_module
         assert root is not None
+        fitting = trainer.state.fn == TrainerFn.FITTING
         if trainer.state.fn == TrainerFn.PREDICTING:
             self._context_parallel.refuse_prediction(root)
+        if fitting:  # as in setup_environment, with the directories ModelCheckpoint.setup has resolved
+            self.checkpoints.refuse_at_urls(trainer.checkpoint_callbacks)
         if not isinstance(root, FSDPModule):
-            if trainer.state.fn == TrainerFn.FITTING and self._layer_sync is not None:
+            if fitting and self._layer_sync is not None:
                 setup_checks.convert_sync_batchnorm(self._layer_sync, root, self.root_device)
             self._shard(root)
+        if fitting:
+            self.checkpoints.refuse_unsavable_model(self)
         self.barrier()
-        if trainer.state.fn == TrainerFn.FITTING:
+        if fitting:
             self._reset_optimizers_and_schedulers()
             self.setup_optimizers(trainer)
+            self.fused_steps = FusedSteps()
             if self._fused_optimizer_step:
-                setup_checks.use_fused_optimizer_steps(self.optimizers)
+                setup_checks.choose_fused_optimizer_steps(self.fused_steps, self.optimizers)
         if isinstance(self.precision_plugin, MMFSDP2Precision):
             self.precision_plugin.stop_on_nonfinite = self.stop_on_nonfinite
         self.setup_precision_plugin()
@@ -378,6 +394,14 @@ class MMFSDP2Strategy(ParallelStrategy):
     def predict_step(self, *args: Any, **kwargs: Any) -> Any:
         with leave_inference_mode(), self.precision_plugin.predict_step_context():
             return self._through_root("predict_step", *args, **kwargs)
+
+    @override
+    def optimizer_step(
+        self, optimizer: Optimizer, closure: Callable[[], Any], model: Any | None = None, **kwargs: Any
+    ) -> Any:
+        """Lightning's step; the groups chosen for torch's fused step read ``fused=True`` for the update only."""
+        with self.fused_steps.step(optimizer, closure) as step_closure:
+            return super().optimizer_step(optimizer, step_closure, model, **kwargs)
 
     @contextmanager
     @override

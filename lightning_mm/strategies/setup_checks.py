@@ -13,9 +13,9 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 from torch import nn
 from torch.optim import Optimizer
 
-from lightning_mm.core.optimizer import use_fused_steps
+from lightning_mm.core.optimizer import FusedSteps
 
-__all__ = ["convert_sync_batchnorm", "refuse_unsupported_callbacks", "use_fused_optimizer_steps"]
+__all__ = ["convert_sync_batchnorm", "refuse_unsupported_callbacks", "choose_fused_optimizer_steps"]
 
 
 def refuse_unsupported_callbacks(trainer: Any) -> None:
@@ -50,9 +50,10 @@ def convert_sync_batchnorm(layer_sync: Any, root: nn.Module, device: torch.devic
         )
 
 
-def use_fused_optimizer_steps(optimizers: list[Optimizer]) -> None:
-    """Torch's fused Adam/AdamW step for the parameter groups that left ``fused``/``foreach`` unset; logged."""
-    decisions = use_fused_steps(optimizers)
+def choose_fused_optimizer_steps(fused_steps: FusedSteps, optimizers: list[Optimizer]) -> None:
+    """Torch's fused Adam/AdamW step for the parameter groups that left ``fused``/``foreach`` unset (applied by
+    ``fused_steps`` during each step, never written into the groups); logged."""
+    decisions = fused_steps.choose(optimizers)
     fused = [d for d in decisions if d.fused]
     if fused:
         rank_zero_info(
