@@ -22,7 +22,7 @@ from torch import nn
 from lightning_mm.core.packing import IGNORE_INDEX, PackedCollator, block_causal_mask, packed_lengths, segment_ids
 from lightning_mm.hf.batch_check import BatchCheckError
 from lightning_mm.hf.chat_collate import TOKEN_KEYS, ChatCollator
-from tests import qwen3_vl_family
+from tests import packing_families, qwen3_vl_family
 from tests.hf_scenarios import IMAGE_TOKEN, VOCAB, tiny_hf_model
 
 PATCH = 3 * 2 * 14 * 14
@@ -36,6 +36,15 @@ LORA = {
         "model.language_model.layers.{*}.self_attn.v_proj",
     ],
     "init_lora_weights": "gaussian",
+}
+LORA_OF = {  # Qwen3.5: layer 0 is linear attention (adapters on its projections too), layer 1 full attention
+    "qwen3_5": {
+        **LORA,
+        "target_modules": [
+            "model.language_model.layers.1.self_attn.q_proj",
+            "model.language_model.layers.0.linear_attn.in_proj_qkv",
+        ],
+    }
 }
 
 
@@ -62,9 +71,12 @@ def _vlm_sample(g: torch.Generator, n: int, grids: list[tuple[int, int, int]]) -
     return sample
 
 
+TEXT_FAMILIES = ("qwen3", "mistral_sliding", "qwen3_moe", "qwen3_next")
+
+
 def samples_of(family: str) -> list[dict[str, torch.Tensor]]:
     g = torch.Generator().manual_seed(11)
-    if family == "qwen3":
+    if family in TEXT_FAMILIES:
         return [_text_sample(g, n) for n in (11, 5, 17)]
     # Images of 1, 4 and 2 tokens (grids 2x2, 4x4, 2x4 patches), and a sample without one, in one row.
     return [_vlm_sample(g, 14, [(1, 4, 4)]), _vlm_sample(g, 7, []), _vlm_sample(g, 20, [(1, 2, 4), (1, 2, 2)])]
@@ -73,6 +85,8 @@ def samples_of(family: str) -> list[dict[str, torch.Tensor]]:
 def plain_model(family: str) -> nn.Module:
     if family == "qwen3_vl":
         return qwen3_vl_family.tiny_qwen3_vl(seed=3)
+    if family in packing_families.FAMILIES:
+        return packing_families.tiny_packing_model(family, seed=3)
     return tiny_hf_model(family, seed=3)
 
 
@@ -82,7 +96,7 @@ def built_model(family: str, directory: Path, attn: str, lora: bool = False) -> 
     plain_model(family).save_pretrained(directory)
     config: dict[str, Any] = {"init_from_hf_path": str(directory), "hf_config": {"attn_implementation": attn}}
     if lora:
-        config["lora"] = dict(LORA)
+        config["lora"] = dict(LORA_OF.get(family, LORA))
     return TransformersModel(config)
 
 
@@ -113,11 +127,16 @@ def _assert_grads_equal(got: dict[str, torch.Tensor], want: dict[str, torch.Tens
 
 
 CASES = [
-    ("qwen3", "sdpa", False),
+    ("qwen3", "sdpa", False),  # dense attention
     ("qwen3", "eager", False),
+    ("mistral_sliding", "sdpa", False),  # sliding-window attention
+    ("qwen3_moe", "sdpa", False),  # MoE
+    ("qwen3_next", "sdpa", False),  # Gated DeltaNet (linear attention, causal conv1d) + MoE, run once per sample
     ("qwen2_5_vl", "sdpa", False),
     ("qwen3_vl", "sdpa", False),
+    ("qwen3_5", "sdpa", False),  # Gated DeltaNet in a VLM, images in the packed row
     ("qwen2_5_vl", "sdpa", True),
+    ("qwen3_5", "sdpa", True),
 ]
 
 
@@ -137,7 +156,7 @@ def test_packed_row_equals_plain_transformers_unpacked(
     reference = plain_model(family)
     reference.config._attn_implementation = attn
     if lora_and_recompute:
-        apply_lora(reference, dict(LORA))  # the same adapters (weights copied below)
+        apply_lora(reference, dict(LORA_OF.get(family, LORA)))  # the same adapters (weights copied below)
         for i, layer in enumerate(packed_model.get_decoder().layers):
             layer.forward = checkpointed_forward(layer.forward, False, f"layers.{i}")
     reference.load_state_dict(packed_model.state_dict())
@@ -280,3 +299,60 @@ def test_batch_check_refuses_packed_batches_transformers_would_get_wrong(tmp_pat
     inputs = packed_forward_inputs(vlm, vlm_packed)
     assert inputs["position_ids"].shape == (4, 1, vlm_packed["input_ids"].shape[1])
     check_batch(vlm, inputs)
+
+
+# ------------------------------------------------------------------------------------- layers with sequence state
+class RunningMean(nn.Module):
+    """A token mixer of a kind the allow-list does not know: a running mean along the sequence (state)."""
+
+    def __init__(self, inner: nn.Module) -> None:
+        super().__init__()
+        self.inner = inner
+
+    def forward(self, hidden_states: torch.Tensor, **kwargs: Any) -> tuple[torch.Tensor, None]:
+        steps = torch.arange(1, hidden_states.shape[1] + 1, dtype=hidden_states.dtype)[None, :, None]
+        return hidden_states.cumsum(1) / steps, None
+
+
+def _meta(arch: str, **config: Any) -> nn.Module:
+    import transformers
+
+    cls = getattr(transformers, arch)
+    with torch.device("meta"):
+        return cls(cls.config_class(**config))
+
+
+def test_packing_is_refused_by_layer_class_and_path_for_layers_with_sequence_state() -> None:
+    """The batch check's allow-list: Mamba, a short convolution, a Gated DeltaNet without its per-sample path and
+    an unknown mixer are refused by class and module path before the model computes; installed, Qwen3.5 passes."""
+    from lightning_mm.hf.batch_check import check_batch
+    from lightning_mm.hf.packing import install_packed_inputs, packed_forward_inputs
+
+    small = dict(vocab_size=VOCAB, hidden_size=32, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2)
+    small["intermediate_size"] = 64
+    text: dict[str, Any] = {**PackedCollator()(samples_of("qwen3")), "use_cache": False}
+    cases = [
+        (
+            _meta("JambaForCausalLM", **small, attn_layer_period=2, attn_layer_offset=1),
+            r"model\.layers\.0\.mamba \(JambaMambaMixer\) carries state",
+        ),
+        (
+            _meta("Lfm2ForCausalLM", **small, layer_types=["conv", "full_attention"]),
+            r"model\.layers\.0 \(Lfm2DecoderLayer\) is of kind 'conv'",
+        ),
+        (plain_model("qwen3_next"), r"model\.layers\.0\.linear_attn \(Qwen3NextGatedDeltaNet\).*per-sample path"),
+    ]
+    unknown = plain_model("qwen3")
+    unknown.model.layers[1].self_attn = RunningMean(unknown.model.layers[1].self_attn)
+    cases.append((unknown, r"model\.layers\.1\.self_attn \(RunningMean\) is of a kind not proven"))
+    for model, message in cases:
+        with pytest.raises(BatchCheckError, match=message):
+            check_batch(model, text)
+        check_batch(model, {k: v for k, v in text.items() if k != "position_ids"})  # unpacked: trains
+
+    qwen3_5 = plain_model("qwen3_5")
+    vlm_packed = PackedCollator()(samples_of("qwen3_5"))
+    with pytest.raises(BatchCheckError, match=r"language_model\.layers\.0\.linear_attn \(Qwen3_5GatedDeltaNet\)"):
+        check_batch(qwen3_5, packed_forward_inputs(qwen3_5, vlm_packed))
+    install_packed_inputs(qwen3_5)
+    check_batch(qwen3_5, packed_forward_inputs(qwen3_5, vlm_packed))

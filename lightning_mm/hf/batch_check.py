@@ -34,7 +34,11 @@ tokens are missing from ``input_ids`` fail only deep in the model, or not at all
   decoder would attend across samples or fall back to 1-D image positions (3-D M-RoPE positions alone do not mark
   where samples start: Transformers, and this check, see one sample per row). The varlen keys ``cu_seq_lens_q/k`` and
   ``max_length_q/k`` are read only by flash-attention: with another attention implementation they are refused (sdpa
-  and eager would swallow them and attend across samples).
+  and eager would swallow them and attend across samples). Every layer of the language model must be of a kind that
+  keeps packed samples apart (:func:`lightning_mm.hf.packing_layers.packing_refusal`, an allow-list: softmax
+  attention with full or sliding-window masks, per-token parts such as MLPs, norms and MoE blocks, and Gated
+  DeltaNet run once per sample); any other layer (Mamba, a causal convolution, an unknown kind) is refused by
+  class and module path.
 
 Only Transformers models (``PreTrainedModel``) are checked; a plain module without ``**kwargs`` already refuses an
 unknown key itself. Lightning-free.
@@ -358,6 +362,13 @@ def _check_packing(model: nn.Module, batch: Mapping[str, Any]) -> None:
             f"row (the text positions, then the M-RoPE positions of each sample), got shape {tuple(positions.shape)}"
             ": TransformersModel computes them (lightning_mm.hf.packing.install_packed_inputs); for another model "
             "call lightning_mm.hf.packing.packed_forward_inputs(model, batch)"
+        )
+    from lightning_mm.hf.packing_layers import packing_refusal
+
+    refusal = packing_refusal(model)
+    if refusal is not None:
+        raise BatchCheckError(
+            f"the batch is packed, but {name} cannot train it exactly as its samples unpacked: {refusal}"
         )
 
 

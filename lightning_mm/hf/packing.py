@@ -14,7 +14,8 @@ and both fall back to 1-D positions for the images). :func:`packed_forward_input
 with the model's own ``get_rope_index`` on that sample's tokens and its own ``image_grid_thw`` /
 ``video_grid_thw`` rows, exactly as the model computes them for the sample alone, and stacks the text positions
 on top. :func:`packed_forward_inputs` also sets ``use_cache=False``; :func:`install_packed_inputs` applies it to
-every call of the model with a packed row (a forward pre-hook, installed by ``TransformersModel``).
+every call of the model with a packed row (a forward pre-hook, installed by ``TransformersModel``) and gives the
+layers with sequence state (Gated DeltaNet) their per-sample path (:mod:`lightning_mm.hf.packing_layers`).
 Lightning-free.
 """
 
@@ -103,6 +104,10 @@ def _hook(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> t
 
 
 def install_packed_inputs(model: nn.Module) -> Any:
-    """Apply :func:`packed_forward_inputs` to every call of ``model`` with a packed row (a forward pre-hook);
-    returns the hook's handle."""
+    """Apply :func:`packed_forward_inputs` to every call of ``model`` with a packed row (a forward pre-hook), and
+    run its layers with sequence state once per packed sample
+    (:func:`~lightning_mm.hf.packing_layers.install_per_sample_layers`); returns the pre-hook's handle."""
+    from lightning_mm.hf.packing_layers import install_per_sample_layers
+
+    install_per_sample_layers(model)
     return model.register_forward_pre_hook(_hook, with_kwargs=True)
