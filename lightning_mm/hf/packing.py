@@ -13,9 +13,11 @@ positions are 3-D and depend on each sample's images, and its decoder only detec
 and both fall back to 1-D positions for the images). :func:`packed_forward_inputs` computes them per sample,
 with the model's own ``get_rope_index`` on that sample's tokens and its own ``image_grid_thw`` /
 ``video_grid_thw`` rows, exactly as the model computes them for the sample alone, and stacks the text positions
-on top. :func:`packed_forward_inputs` also sets ``use_cache=False``; :func:`install_packed_inputs` applies it to
-every call of the model with a packed row (a forward pre-hook, installed by ``TransformersModel``) and gives the
-layers with sequence state (Gated DeltaNet) their per-sample path (:mod:`lightning_mm.hf.packing_layers`).
+on top. Gemma 3 (``token_type_ids``: each image's tokens see each other both ways) gets its per-sample masks as one
+``attention_mask`` dict (:func:`packed_block_masks`: Transformers' own sliding-window mask mixes up the samples'
+images in a packed row). :func:`packed_forward_inputs` also sets ``use_cache=False``; :func:`install_packed_inputs`
+applies it to every call of the model with a packed row (a forward pre-hook, installed by ``TransformersModel``) and
+gives the layers with sequence state (Gated DeltaNet) their per-sample path (:mod:`lightning_mm.hf.packing_layers`).
 Lightning-free.
 """
 
@@ -27,9 +29,69 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
+from lightning_mm._compat import attn_implementation
 from lightning_mm.core.packing import is_packed, segment_ids
 
-__all__ = ["packed_forward_inputs", "install_packed_inputs", "needs_multimodal_positions"]
+__all__ = [
+    "PackedMasks",
+    "packed_forward_inputs",
+    "install_packed_inputs",
+    "needs_multimodal_positions",
+    "packed_block_masks",
+]
+
+BLOCK_MASK_MODELS = frozenset({"gemma3"})
+"""Model types whose forward turns ``token_type_ids`` into a bidirectional mask over each image's tokens, and whose
+packed rows get their per-layer-type masks from :func:`packed_block_masks`."""
+
+
+class PackedMasks(dict):
+    """Layer type (``full_attention``, ``sliding_attention``) -> the 4-D attention mask of a packed row, made by
+    :func:`packed_block_masks`: the model's forward takes a dict ``attention_mask`` as its masks as they are."""
+
+
+def _image_blocks(token_type_ids: Tensor) -> Tensor:
+    """``(B, T)`` the index of the image each token belongs to (a run of ``token_type_ids`` 1), -1 for text."""
+    image = token_type_ids == 1
+    starts = image & ~torch.nn.functional.pad(image, (1, 0))[:, :-1]
+    return torch.where(image, starts.long().cumsum(-1) - 1, -1)
+
+
+def packed_block_masks(model: nn.Module, batch: Mapping[str, Any]) -> PackedMasks:
+    """The masks Gemma 3 means for each packed sample, as one packed row's (``(B, 1, T, T)``).
+
+    Per sample, as Gemma 3 builds them for a sample alone (``create_masks_for_vision_model``): full attention is
+    causal or within one image (its tokens see each other both ways); sliding attention is that and at most
+    ``sliding_window - 1`` positions back. No token sees another sample. Transformers' own masks cannot be used for
+    a packed row: its sliding-window mask looks the image blocks up by each token's position in its sample instead
+    of its place in the row, so every sample after the first would see the wrong tokens. Booleans (``True``: may
+    attend) for sdpa, additive floats (0 or the dtype's minimum) for eager; other attention implementations are
+    refused.
+    """
+    config: Any = model.config  # a Transformers config
+    text: Any = config.get_text_config()
+    attention = str(attn_implementation(text) or attn_implementation(config) or "")
+    if attention not in ("sdpa", "eager"):
+        raise ValueError(
+            f"{type(model).__name__}: packed rows with images need attn_implementation 'sdpa' or 'eager' here, got "
+            f"{attention!r}"
+        )
+    positions: Tensor = batch["position_ids"]
+    segments = segment_ids(positions)
+    blocks = _image_blocks(batch["token_type_ids"].to(positions.device))
+    q, k = positions[:, :, None], positions[:, None, :]
+    same_sample = segments[:, :, None] == segments[:, None, :]
+    same_image = (blocks[:, :, None] == blocks[:, None, :]) & (blocks[:, :, None] >= 0)
+    full = ((k <= q) | same_image) & same_sample
+    masks = {"full_attention": full, "sliding_attention": full & (k > q - int(text.sliding_window))}
+    out = PackedMasks()
+    for kind in dict.fromkeys(getattr(text, "layer_types", None) or ["full_attention"]):
+        mask = masks[kind][:, None]
+        if attention == "eager":
+            low = torch.finfo(torch.float32).min
+            mask = torch.zeros(mask.shape, dtype=torch.float32, device=mask.device).masked_fill(~mask, low)
+        out[kind] = mask
+    return out
 
 
 def _inner(model: nn.Module) -> nn.Module | None:
@@ -67,6 +129,10 @@ def packed_forward_inputs(model: nn.Module, batch: Mapping[str, Any]) -> dict[st
         return out
     positions: Tensor = batch["position_ids"]  # is_packed: a tensor
     out["use_cache"] = False
+    config: Any = getattr(model, "config", None)
+    if getattr(config, "model_type", None) in BLOCK_MASK_MODELS and isinstance(batch.get("token_type_ids"), Tensor):
+        out["attention_mask"] = packed_block_masks(model, batch)
+        return out
     # A Qwen-VL inner model: its config and get_rope_index are Transformers' own, untyped here.
     inner: Any = _inner(model)
     ids = batch.get("input_ids")
