@@ -23,6 +23,7 @@ Lightning-free.
 
 from __future__ import annotations
 
+import inspect
 from collections.abc import Mapping
 from typing import Any
 
@@ -139,9 +140,17 @@ def packed_forward_inputs(model: nn.Module, batch: Mapping[str, Any]) -> dict[st
     if inner is None or positions.ndim != 2 or not isinstance(ids, Tensor) or ids.is_meta:
         return out
     types = batch.get("mm_token_type_ids")
-    if types is None:
+    if types is None:  # Qwen2.5-Omni's thinker takes none: its placeholders mark the images (1) and videos (2)
         types = torch.zeros_like(ids)
+        for value, names in (
+            (1, ("image_token_id", "image_token_index")),
+            (2, ("video_token_id", "video_token_index")),
+        ):
+            token = next((t for t in (getattr(inner.config, n, None) for n in names) if isinstance(t, int)), None)
+            if token is not None:
+                types = types.masked_fill(ids == token, value)
     merge = int(inner.config.vision_config.spatial_merge_size)
+    by_types = "mm_token_type_ids" in inspect.signature(inner.get_rope_index).parameters
     image_grid, video_grid = batch.get("image_grid_thw"), batch.get("video_grid_thw")
     image_cursor = video_cursor = 0
     segments = segment_ids(positions)
@@ -153,8 +162,12 @@ def packed_forward_inputs(model: nn.Module, batch: Mapping[str, Any]) -> dict[st
             seg_types = types[row : row + 1, lo:hi]
             images, image_cursor = _take(image_grid, image_cursor, int((seg_types == 1).sum()), merge)
             videos, video_cursor = _take(video_grid, video_cursor, int((seg_types == 2).sum()), merge)
+            sample_ids = ids[row : row + 1, lo:hi]
+            extra: dict[str, Tensor] = {"mm_token_type_ids": seg_types} if by_types else {}
+            if not by_types:  # Qwen2.5-Omni's thinker: the placeholders are read from the ids, the mask is required
+                extra["attention_mask"] = torch.ones_like(sample_ids)
             sample_positions, _ = inner.get_rope_index(
-                ids[row : row + 1, lo:hi], seg_types, image_grid_thw=images, video_grid_thw=videos
+                sample_ids, image_grid_thw=images, video_grid_thw=videos, **extra
             )
             rope[:, row, lo:hi] = sample_positions[:, 0].to(rope.device)
     out["position_ids"] = torch.cat([positions[None], rope], dim=0)
