@@ -11,6 +11,7 @@ batches that Transformers would get wrong.
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 from typing import Any
 
@@ -382,3 +383,27 @@ def test_packing_is_refused_by_layer_class_and_path_for_layers_with_sequence_sta
         check_batch(qwen3_5, packed_forward_inputs(qwen3_5, vlm_packed))
     install_packed_inputs(qwen3_5)
     check_batch(qwen3_5, packed_forward_inputs(qwen3_5, vlm_packed))
+
+
+STATEFUL = {  # architecture -> the layer the refusal names (Transformers' default config, built on the meta device)
+    "MambaForCausalLM": r"backbone\.layers\.0 \(MambaBlock\)",
+    "BambaForCausalLM": r"model\.layers\.0\.mamba \(BambaMixer\)",
+    "Zamba2ForCausalLM": r"model\.layers\.0\.mamba \(Zamba2MambaMixer\)",
+    "FalconH1ForCausalLM": r"model\.layers\.0 \(FalconH1DecoderLayer\) is of kind 'hybrid'",
+    "GraniteMoeHybridForCausalLM": r"model\.layers\.0\.mamba \(GraniteMoeHybridMambaLayer\)",
+    "NemotronHForCausalLM": r"model\.layers\.0 \(NemotronHBlock\) is of a kind not proven",
+    "MiniMaxForCausalLM": r"model\.layers\.1\.self_attn \(MiniMaxLightningAttention\)",
+    "KimiLinearForCausalLM": r"model\.layers\.0\.self_attn \(KimiLinearDeltaAttention\)",
+    "RwkvForCausalLM": r"rwkv\.blocks\.0 \(RwkvBlock\)",
+    "RecurrentGemmaForCausalLM": r"model\.layers\.0\.temporal_block \(RecurrentGemmaRecurrentBlock\)",
+    "Llama4ForCausalLM": r"model\.layers\.0 \(Llama4TextDecoderLayer\) is of kind 'chunked_attention'",
+}
+
+
+def test_packing_refusal_names_each_listed_stateful_architecture() -> None:
+    """The architectures docs/data.md lists as refused are refused, each naming the layer that carries state."""
+    from lightning_mm.hf.packing_layers import packing_refusal
+
+    for arch, message in STATEFUL.items():
+        refusal = packing_refusal(_meta(arch))
+        assert refusal is not None and re.search(message, refusal), (arch, refusal)
