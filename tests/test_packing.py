@@ -407,3 +407,18 @@ def test_packing_refusal_names_each_listed_stateful_architecture() -> None:
     for arch, message in STATEFUL.items():
         refusal = packing_refusal(_meta(arch))
         assert refusal is not None and re.search(message, refusal), (arch, refusal)
+
+
+def test_two_rank_fsdp2_packed_qwen3_5_equals_plain_transformers(tmp_path: Path) -> None:
+    """The per-sample Gated DeltaNet path under FSDP2 (sharded linear-attention units, recomputed decoder layers) on
+    2 gloo ranks: the step's loss and gathered gradients equal plain Transformers on the padded samples."""
+    from tests import packing_scenarios
+    from tests.scenario_kit import run
+
+    reference = plain_model("qwen3_5")
+    reference.save_pretrained(tmp_path / "qwen3_5")
+    run(packing_scenarios.stateful, tmp_path, timeout=300)
+    got = torch.load(tmp_path / "qwen3_5.pt", weights_only=True)
+    ref_loss, _, ref_grads = _run(reference.train(), ChatCollator(pad_token_id=0)(samples_of("qwen3_5")))
+    assert _close(got["loss"], ref_loss), (float(got["loss"]), float(ref_loss))
+    _assert_grads_equal(got["grads"], ref_grads)
