@@ -385,6 +385,20 @@ def test_packing_is_refused_by_layer_class_and_path_for_layers_with_sequence_sta
     check_batch(qwen3_5, packed_forward_inputs(qwen3_5, vlm_packed))
 
 
+def test_per_sample_path_leaves_left_padded_generation_alone() -> None:
+    """Positions that skip a left-padded prompt's padding (as ``generate`` computes them) restart within a row but
+    are one sample: Qwen3-Next with its per-sample path generates as plain Transformers does."""
+    from lightning_mm.hf.packing import install_packed_inputs
+
+    ids = torch.tensor([[0, 0, 11, 12, 13], [21, 22, 23, 24, 25]])
+    mask = torch.tensor([[0, 0, 1, 1, 1], [1, 1, 1, 1, 1]])
+    settings: dict[str, Any] = dict(attention_mask=mask, max_new_tokens=3, do_sample=False, pad_token_id=0)
+    want = plain_model("qwen3_next").generate(input_ids=ids, **settings)
+    model = plain_model("qwen3_next")
+    install_packed_inputs(model)
+    assert torch.equal(model.generate(input_ids=ids, **settings), want)
+
+
 STATEFUL = {  # architecture -> the layer the refusal names (Transformers' default config, built on the meta device)
     "MambaForCausalLM": r"backbone\.layers\.0 \(MambaBlock\)",
     "BambaForCausalLM": r"model\.layers\.0\.mamba \(BambaMixer\)",

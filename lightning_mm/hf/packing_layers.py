@@ -90,6 +90,8 @@ def _boundaries_hook(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str,
     positions = kwargs.get("position_ids")
     if kwargs.get("cu_seq_lens_q") is not None or not isinstance(positions, Tensor) or not is_packed(positions):
         return None
+    if any(kwargs.get(k) is not None for k in ("attention_mask", "cache", "past_key_values")):
+        return None  # positions that skip padding (generate's left-padded prompts) or a cached decode: one sample
     if positions.ndim != 2 or positions.shape[0] != 1:
         raise ValueError(
             f"{type(module).__name__}: a packed batch must be one row of 2-D text position_ids here, got shape "
