@@ -1,7 +1,7 @@
 """Tiny random models of the layer kinds packing must keep exact (tests/test_packing.py), real Transformers classes.
 
 * ``mistral_sliding``: Mistral with a 4-token sliding window (shorter than the samples, so the window is active);
-* ``qwen3_moe``: Qwen3-MoE, 4 experts, 2 per token;
+* ``qwen3_moe``: Qwen3-MoE, 4 experts, 2 per token, with its load-balancing loss in the loss;
 * ``qwen3_5``: Qwen3.5 (``Qwen3_5ForConditionalGeneration``): a Gated DeltaNet (linear attention, with its causal
   convolution) layer and a full-attention layer, the tiny Qwen3-VL's vision tower and token ids;
 * ``qwen3_next``: Qwen3-Next (text): Gated DeltaNet and full attention, MoE MLPs.
@@ -52,8 +52,14 @@ def _configs() -> dict[str, tuple[str, Any]]:
         ),
         "qwen3_moe": (
             "Qwen3MoeForCausalLM",
-            transformers.Qwen3MoeConfig(
-                **_TEXT, head_dim=8, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=16
+            transformers.Qwen3MoeConfig(  # with the load-balancing loss: it averages over the real tokens
+                **_TEXT,
+                head_dim=8,
+                num_experts=4,
+                num_experts_per_tok=2,
+                moe_intermediate_size=16,
+                output_router_logits=True,
+                router_aux_loss_coef=0.5,
             ),
         ),
         "qwen3_5": ("Qwen3_5ForConditionalGeneration", _qwen3_5()),
