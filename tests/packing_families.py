@@ -4,6 +4,7 @@
 * ``qwen3_moe``: Qwen3-MoE, 4 experts, 2 per token, with its load-balancing loss in the loss;
 * ``qwen3_5``: Qwen3.5 (``Qwen3_5ForConditionalGeneration``): a Gated DeltaNet (linear attention, with its causal
   convolution) layer and a full-attention layer, the tiny Qwen3-VL's vision tower and token ids;
+* ``qwen3_5_moe``: Qwen3.5-MoE (``Qwen3_5MoeForConditionalGeneration``): the same with MoE MLPs;
 * ``qwen3_next``: Qwen3-Next (text): Gated DeltaNet and full attention, MoE MLPs.
 
 ``initializer_range`` 0.3 makes the carried state large enough that a leak across samples shows at fp32.
@@ -42,6 +43,19 @@ def _qwen3_5() -> Any:
     return transformers.Qwen3_5Config(text_config=text, vision_config=vision, **{k: QWEN3_VL[k] for k in tokens})
 
 
+def _qwen3_5_moe() -> Any:
+    import transformers
+
+    dense = _qwen3_5()
+    text = {**dense.text_config.to_dict(), "num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 16}
+    text["shared_expert_intermediate_size"] = 16
+    for key in ("model_type", "architectures", "intermediate_size"):
+        text.pop(key, None)
+    tokens = ("image_token_id", "video_token_id", "vision_start_token_id", "vision_end_token_id", "tie_word_embeddings")
+    vision = {k: v for k, v in QWEN3_VL["vision_config"].items() if k != "deepstack_visual_indexes"}
+    return transformers.Qwen3_5MoeConfig(text_config=text, vision_config=vision, **{k: QWEN3_VL[k] for k in tokens})
+
+
 def _configs() -> dict[str, tuple[str, Any]]:
     import transformers
 
@@ -63,6 +77,7 @@ def _configs() -> dict[str, tuple[str, Any]]:
             ),
         ),
         "qwen3_5": ("Qwen3_5ForConditionalGeneration", _qwen3_5()),
+        "qwen3_5_moe": ("Qwen3_5MoeForConditionalGeneration", _qwen3_5_moe()),
         "qwen3_next": (
             "Qwen3NextForCausalLM",
             transformers.Qwen3NextConfig(
@@ -72,7 +87,7 @@ def _configs() -> dict[str, tuple[str, Any]]:
     }
 
 
-FAMILIES = ("mistral_sliding", "qwen3_moe", "qwen3_5", "qwen3_next")
+FAMILIES = ("mistral_sliding", "qwen3_moe", "qwen3_5", "qwen3_5_moe", "qwen3_next")
 
 
 def tiny_packing_model(family: str, seed: int = 0) -> nn.Module:

@@ -25,6 +25,7 @@ from lightning_mm.hf.batch_check import BatchCheckError
 from lightning_mm.hf.chat_collate import TOKEN_KEYS, ChatCollator
 from tests import packing_families, qwen3_vl_family
 from tests.hf_scenarios import IMAGE_TOKEN, VOCAB, tiny_hf_model
+from tests.moe_models import tiny_moe_model
 
 PATCH = 3 * 2 * 14 * 14
 VISION_START, VISION_END = 7, 8
@@ -102,6 +103,8 @@ def plain_model(family: str) -> nn.Module:
         return qwen3_vl_family.tiny_qwen3_vl(seed=3)
     if family in packing_families.FAMILIES:
         return packing_families.tiny_packing_model(family, seed=3)
+    if family == "qwen3_vl_moe":
+        return tiny_moe_model(family, seed=3)
     return tiny_hf_model(family, seed=3)
 
 
@@ -160,6 +163,8 @@ CASES = [
     ("qwen2_5_vl", "sdpa", False),
     ("qwen3_vl", "sdpa", False),
     ("qwen3_5", "sdpa", False),  # Gated DeltaNet in a VLM, images in the packed row
+    ("qwen3_5_moe", "sdpa", False),
+    ("qwen3_vl_moe", "sdpa", False),
     ("llava", "sdpa", False),
     ("internvl", "sdpa", False),
     ("qwen2_5_vl", "sdpa", True),
