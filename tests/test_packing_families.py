@@ -151,3 +151,22 @@ def test_batch_check_refuses_a_packed_gemma3_row_without_its_per_sample_masks(tm
     check_batch(plain, inputs)
     with pytest.raises(BatchCheckError, match="token_type_ids"):
         check_batch(plain, {**inputs, "attention_mask": dict(inputs["attention_mask"])})
+
+
+@pytest.mark.parametrize("family", ["gemma3", "idefics3"])
+def test_neat_packing_data_config_trains_these_families(family: str, tmp_path: Path, monkeypatch: Any) -> None:
+    """MindSpeed MM's ``neat_packing`` for these families: the data module packs the three records into one row
+    (Idefics3: one row of all their images and crops) that the model ``TransformersModel`` builds trains."""
+    from lightning_mm.modules import TransformersModel
+
+    model_dir = write_tiny_family(tmp_path / family, family)
+    config = family_data._config(model_dir, family, basic={"neat_packing": True, "cutoff_len": 512})
+    module = family_data._module(tmp_path, monkeypatch, config)
+    (batch,) = list(module.train_dataloader())
+    samples = [module._splits["train"][i] for i in range(3)]
+    assert sorted(packed_lengths(batch["position_ids"])[0]) == sorted(len(s["input_ids"]) for s in samples)
+    images = sum(s["pixel_values"].shape[1 if family == "idefics3" else 0] for s in samples)
+    assert batch["pixel_values"].shape[1 if family == "idefics3" else 0] == images
+    model = TransformersModel({"init_from_hf_path": str(model_dir)}).train()
+    loss = model(**batch).loss  # the batch check accepts the row, and counts its images
+    assert torch.isfinite(loss)
