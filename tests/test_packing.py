@@ -28,7 +28,7 @@ from tests.hf_scenarios import IMAGE_TOKEN, VOCAB, tiny_hf_model
 from tests.moe_models import tiny_moe_model
 
 PATCH = 3 * 2 * 14 * 14
-VISION_START, VISION_END = 7, 8
+VISION_START, VISION_END, VIDEO_TOKEN = 7, 8, 6
 RTOL = 1e-5
 LORA = {
     "rank": 4,
@@ -331,6 +331,47 @@ def test_batch_check_refuses_packed_batches_transformers_would_get_wrong(tmp_pat
     inputs = packed_forward_inputs(vlm, vlm_packed)
     assert inputs["position_ids"].shape == (4, 1, vlm_packed["input_ids"].shape[1])
     check_batch(vlm, inputs)
+
+
+# ------------------------------------------------------------------------------------- videos
+VIDEO_KEYS = ("pixel_values_videos", "video_grid_thw", "second_per_grid_ts")
+
+
+def _video_sample(g: torch.Generator, n: int, grid: tuple[int, int, int], seconds: float) -> dict[str, torch.Tensor]:
+    """A Qwen2.5-VL sample with one video of ``grid`` (its tokens in start/end, ``mm_token_type_ids`` 2)."""
+    sample = _text_sample(g, n)
+    ids, labels = sample["input_ids"], sample["labels"]
+    tokens = grid[0] * grid[1] * grid[2] // 4
+    ids[1], ids[2 : 2 + tokens], ids[2 + tokens] = VISION_START, VIDEO_TOKEN, VISION_END
+    labels[ids == VIDEO_TOKEN] = IGNORE_INDEX
+    sample["mm_token_type_ids"] = (ids == VIDEO_TOKEN).long() * 2
+    sample["pixel_values_videos"] = torch.randn(grid[0] * grid[1] * grid[2], PATCH, generator=g)
+    sample["video_grid_thw"] = torch.tensor([grid])
+    sample["second_per_grid_ts"] = torch.tensor([seconds])
+    return sample
+
+
+def test_packed_videos_take_each_sample_seconds_per_grid_step(tmp_path: Path) -> None:
+    """Qwen2.5-VL videos (2 and 3 temporal steps, 0.5 and 2 seconds per step) around a sample with an image: the
+    packed row's M-RoPE positions use each sample's own ``second_per_grid_ts``, so the row trains exactly as plain
+    Transformers on the padded samples."""
+    g = torch.Generator().manual_seed(5)
+    samples = [
+        _video_sample(g, 16, (2, 2, 2), 0.5),
+        _vlm_sample(g, 9, [(1, 2, 2)]),
+        _video_sample(g, 15, (3, 2, 2), 2.0),
+    ]
+    model = built_model("qwen2_5_vl", tmp_path / "qwen2_5_vl", "sdpa").train()
+    reference = plain_model("qwen2_5_vl")
+    reference.load_state_dict(model.state_dict())
+    reference.train()
+    loss, _, grads = _run(model, PackedCollator()(samples))
+    padded = ChatCollator(pad_token_id=0)([{k: v for k, v in s.items() if k not in VIDEO_KEYS} for s in samples])
+    for key in VIDEO_KEYS:
+        padded[key] = torch.cat([s[key] for s in samples if key in s])
+    ref_loss, _, ref_grads = _run(reference, padded)
+    assert _close(loss, ref_loss), (float(loss), float(ref_loss))
+    _assert_grads_equal(grads, ref_grads)
 
 
 # ------------------------------------------------------------------------------------- layers with sequence state

@@ -13,7 +13,8 @@ padding, with:
 * no ``attention_mask``: Transformers derives the packed mask from ``position_ids`` only without one.
 
 Per-image tensors are concatenated in sample order, as the padded collators do and as each family's forward takes
-them: Qwen-VL ``pixel_values`` patches and ``image_grid_thw`` rows, Gemma 3 images ``(N, C, H, W)``, Pixtral
+them: Qwen-VL ``pixel_values`` patches and ``image_grid_thw`` rows (videos: ``pixel_values_videos``,
+``video_grid_thw``, Qwen2.5-VL's ``second_per_grid_ts``), Gemma 3 images ``(N, C, H, W)``, Pixtral
 (Mistral 3) images zero-padded to the largest height and width with their ``image_sizes`` rows (the vision tower
 crops each image back to its size); Idefics3's one row of images per sample (``pixel_values`` ``(1, N, C, H, W)``
 with ``pixel_attention_mask`` ``(1, N, H, W)``) becomes the packed row's one row of all the samples' images
@@ -48,7 +49,14 @@ __all__ = [
 IGNORE_INDEX = -100
 TOKEN_KEYS = ("input_ids", "labels", "mm_token_type_ids", "token_type_ids")
 """Per-token keys: concatenated along the row."""
-CONCAT_KEYS = ("pixel_values", "image_grid_thw", "pixel_values_videos", "video_grid_thw", "image_sizes")
+CONCAT_KEYS = (
+    "pixel_values",
+    "image_grid_thw",
+    "pixel_values_videos",
+    "video_grid_thw",
+    "second_per_grid_ts",
+    "image_sizes",
+)
 """Per-image keys: concatenated along their first dimension (the Qwen-VL forward takes all patches as one),
 zero-padded to the largest size of their other dimensions (Pixtral images of different sizes)."""
 ROW_KEYS = ("pixel_values", "pixel_attention_mask")
