@@ -7,7 +7,8 @@ more than the others would hang the run. Every rank writes, per step, the epoch,
 its row (each sample's first token is its id) and the loss. ``two`` also resumes from a mid-epoch checkpoint on 2
 ranks (checkpoints in ``OUTDIR/ckpt``); ``four`` resumes the 2-rank checkpoint on 4 ranks (another world size) and
 trains the next epoch there. ``two`` also runs one step of ``OUTDIR/qwen3`` (a saved Transformers Qwen3) on a
-packed row under 2-rank context parallelism.
+packed row under 2-rank context parallelism. ``stateful`` runs one FSDP2 step of ``OUTDIR/qwen3_5`` (Qwen3.5: Gated
+DeltaNet) on a packed row.
 """
 
 from __future__ import annotations
@@ -207,6 +208,64 @@ def context_parallel_step(outdir: str, model_dir: str) -> None:
     trainer.fit(Module(log_grad_norm=False), train_dataloaders=loader)
     if trainer.global_rank == 0:
         torch.save(result, Path(outdir, "cp.pt"))
+
+
+def fsdp2_step(outdir: str, model_dir: str, name: str, wrap: list[str], recompute: list[str]) -> None:
+    """One FSDP2 step (2 ranks, both on the same packed row of ``tests.test_packing.samples_of(name)``) of the
+    saved Transformers model in ``model_dir``: rank 0 saves the loss and the gathered gradients to
+    ``OUTDIR/<name>.pt`` (the test compares them with plain Transformers on the padded samples)."""
+    from torch.distributed.tensor import DTensor
+
+    from lightning_mm import MMLightningModule
+    from lightning_mm.core.packing import PackedCollator
+    from lightning_mm.modules import TransformersModel
+    from tests.test_packing import samples_of
+
+    result: dict[str, Any] = {}
+
+    class Module(MMLightningModule):
+        def model_provider(self) -> nn.Module:
+            return TransformersModel({"init_from_hf_path": model_dir})
+
+        def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+            loss = super().training_step(batch, batch_idx)
+            result["loss"] = loss.detach().clone()
+            return loss
+
+        def on_before_optimizer_step(self, optimizer: torch.optim.Optimizer) -> None:
+            result["grads"] = {
+                n: (p.grad.full_tensor() if isinstance(p.grad, DTensor) else p.grad).clone()
+                for n, p in self.model.named_parameters()
+                if p.grad is not None
+            }  # collectives
+
+    packed = PackedCollator()(samples_of(name))
+    trainer = L.Trainer(
+        accelerator="cpu",
+        devices=2,
+        max_steps=1,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        num_sanity_val_steps=0,
+        strategy=MMFSDP2Strategy(
+            {"sharding_size": "auto", "sub_modules_to_wrap": wrap, "recompute_modules": recompute}
+        ),
+    )
+    loader = torch.utils.data.DataLoader([packed], batch_size=None)
+    trainer.fit(Module(log_grad_norm=False), train_dataloaders=loader)
+    if trainer.global_rank == 0:
+        torch.save(result, Path(outdir, f"{name}.pt"))
+
+
+@scenario
+def stateful(outdir: Path) -> None:
+    """Qwen3.5 (Gated DeltaNet run once per packed sample, images in the row) under FSDP2 on 2 ranks: decoder
+    layers and the linear-attention layer sharded as units of their own, decoder layers recomputed."""
+    layers = "model.language_model.layers.{*}"
+    wrap = ["model.language_model.layers.0.linear_attn", layers]
+    fsdp2_step(str(outdir), str(Path(outdir, "qwen3_5")), "qwen3_5", wrap, [layers])
 
 
 @scenario

@@ -12,8 +12,15 @@ padding, with:
   sample's first label is never a target unpacked either, so the loss is exactly the unpacked one.)
 * no ``attention_mask``: Transformers derives the packed mask from ``position_ids`` only without one.
 
-Per-image tensors (Qwen-VL ``pixel_values`` patches, ``image_grid_thw`` rows) are concatenated in sample order,
-as the padded collators do; fixed-size images (``images`` ``(C, H, W)`` per sample) are stacked.
+Per-image tensors are concatenated in sample order, as the padded collators do and as each family's forward takes
+them: Qwen-VL ``pixel_values`` patches and ``image_grid_thw`` rows (videos: ``pixel_values_videos``,
+``video_grid_thw``, Qwen2.5-VL's ``second_per_grid_ts``), Gemma 3 images ``(N, C, H, W)``, Pixtral
+(Mistral 3) images zero-padded to the largest height and width with their ``image_sizes`` rows (the vision tower
+crops each image back to its size); Idefics3's one row of images per sample (``pixel_values`` ``(1, N, C, H, W)``
+with ``pixel_attention_mask`` ``(1, N, H, W)``) becomes the packed row's one row of all the samples' images
+(concatenated along the images, zero-padded to the largest height and width; the model drops all-zero images and
+masks the padded pixels, as in a padded batch). Fixed-size images (``images`` ``(C, H, W)`` per sample) are
+stacked.
 
 :func:`segment_ids` and :func:`block_causal_mask` are the same rule for a custom model: the mask a custom
 attention (``scaled_dot_product_attention(attn_mask=...)`` or eager) needs to keep samples apart.
@@ -42,8 +49,19 @@ __all__ = [
 IGNORE_INDEX = -100
 TOKEN_KEYS = ("input_ids", "labels", "mm_token_type_ids", "token_type_ids")
 """Per-token keys: concatenated along the row."""
-CONCAT_KEYS = ("pixel_values", "image_grid_thw", "pixel_values_videos", "video_grid_thw")
-"""Per-image keys: concatenated along their first dimension (the Qwen-VL forward takes all patches as one)."""
+CONCAT_KEYS = (
+    "pixel_values",
+    "image_grid_thw",
+    "pixel_values_videos",
+    "video_grid_thw",
+    "second_per_grid_ts",
+    "image_sizes",
+)
+"""Per-image keys: concatenated along their first dimension (the Qwen-VL forward takes all patches as one),
+zero-padded to the largest size of their other dimensions (Pixtral images of different sizes)."""
+ROW_KEYS = ("pixel_values", "pixel_attention_mask")
+"""Per-sample rows of images (Idefics3: ``(1, N, ...)``, with ``pixel_attention_mask``): concatenated along the
+images (dimension 1), zero-padded to the largest size of the others."""
 
 
 class PackingError(ValueError):
@@ -100,11 +118,30 @@ def _row(value: Any, key: str, index: int) -> Tensor:
     return tensor.long()
 
 
+def _padded_cat(parts: list[Tensor], key: str, dim: int) -> Tensor:
+    """``parts`` concatenated along ``dim``, each zero-padded (``False``) at the end of the dimensions after it."""
+    if len({p.ndim for p in parts}) != 1 or parts[0].ndim <= dim:
+        raise PackingError(f"samples' `{key}` have different or too few dimensions: {[tuple(p.shape) for p in parts]}")
+    if dim and any(p.shape[:dim] != (1,) * dim for p in parts):
+        raise PackingError(f"`{key}`: each sample must hold one row of images, got {[tuple(p.shape) for p in parts]}")
+    size = [max(p.shape[d] for p in parts) for d in range(parts[0].ndim)]
+    size[dim] = sum(p.shape[dim] for p in parts)
+    out = parts[0].new_zeros(size)
+    at = 0
+    for p in parts:
+        region = [slice(0, n) for n in p.shape]
+        region[dim] = slice(at, at + p.shape[dim])
+        out[tuple(region)] = p
+        at += p.shape[dim]
+    return out
+
+
 class PackedCollator:
     """Packs a batch's samples into one row (see the module docstring).
 
-    Samples have ``input_ids`` and ``labels`` (lists or 1-D tensors), optionally ``mm_token_type_ids``, Qwen-VL
-    vision tensors (:data:`CONCAT_KEYS`, concatenated) and ``stack_keys`` (fixed-size images, stacked). An
+    Samples have ``input_ids`` and ``labels`` (lists or 1-D tensors), optionally ``mm_token_type_ids`` /
+    ``token_type_ids``, per-image tensors (:data:`CONCAT_KEYS`, :data:`ROW_KEYS`: concatenated) and ``stack_keys``
+    (fixed-size images, stacked). An
     ``attention_mask`` must be all ones (a padded sample cannot be packed) and is dropped. ``filler`` (a
     sample's worth of tokens and vision tensors, as :class:`~lightning_mm.hf.chat_collate.ChatCollator` takes it)
     is appended as a sample of its own, without targets, to a row that has no image, so every rank runs the
@@ -124,7 +161,8 @@ class PackedCollator:
             filler["labels"] = torch.full((len(filler["input_ids"]),), IGNORE_INDEX, dtype=torch.long)
             samples.append(filler)
         keys = set().union(*(s.keys() for s in samples))
-        unknown = keys - set(TOKEN_KEYS) - set(CONCAT_KEYS) - set(self.stack_keys) - {"attention_mask"}
+        rows = "pixel_attention_mask" in keys  # Idefics3: one row of images per sample
+        unknown = keys - set(TOKEN_KEYS) - set(CONCAT_KEYS) - set(ROW_KEYS) - set(self.stack_keys) - {"attention_mask"}
         if unknown:
             raise PackingError(
                 f"samples have keys the packing collate function does not know how to pack: {sorted(unknown)}"
@@ -151,10 +189,10 @@ class PackedCollator:
             positions.append(torch.arange(ids.numel()))
         batch = {key: torch.cat(parts)[None] for key, parts in columns.items()}
         batch["position_ids"] = torch.cat(positions)[None]
-        for key in CONCAT_KEYS:
+        for key in dict.fromkeys((*ROW_KEYS, *CONCAT_KEYS) if rows else CONCAT_KEYS):
             parts = [torch.as_tensor(s[key]) for s in samples if key in s]
             if parts:
-                batch[key] = torch.cat(parts, dim=0)
+                batch[key] = _padded_cat(parts, key, 1 if rows and key in ROW_KEYS else 0)
         for key in self.stack_keys:
             parts = [torch.as_tensor(s[key]) for s in samples if key in s]
             if parts:

@@ -32,9 +32,16 @@ tokens are missing from ``input_ids`` fail only deep in the model, or not at all
   Transformers assumes one sequence per row); a Qwen-VL model needs 4-D ``position_ids`` (text row first, then the
   M-RoPE rows computed per sample: :func:`lightning_mm.hf.packing.packed_forward_inputs`), since from 2-D ones its
   decoder would attend across samples or fall back to 1-D image positions (3-D M-RoPE positions alone do not mark
-  where samples start: Transformers, and this check, see one sample per row). The varlen keys ``cu_seq_lens_q/k`` and
+  where samples start: Transformers, and this check, see one sample per row). A packed row with ``token_type_ids``
+  (Gemma 3's bidirectional image masks) needs the per-sample masks of
+  :func:`lightning_mm.hf.packing.packed_block_masks` as its ``attention_mask``, and is refused for other models.
+  The varlen keys ``cu_seq_lens_q/k`` and
   ``max_length_q/k`` are read only by flash-attention: with another attention implementation they are refused (sdpa
-  and eager would swallow them and attend across samples).
+  and eager would swallow them and attend across samples). Every layer of the language model must be of a kind that
+  keeps packed samples apart (:func:`lightning_mm.hf.packing_layers.packing_refusal`, an allow-list: softmax
+  attention with full or sliding-window masks, per-token parts such as MLPs, norms and MoE blocks, and Gated
+  DeltaNet run once per sample); any other layer (Mamba, a causal convolution, an unknown kind) is refused by
+  class and module path.
 
 Only Transformers models (``PreTrainedModel``) are checked; a plain module without ``**kwargs`` already refuses an
 unknown key itself. Lightning-free.
@@ -330,8 +337,24 @@ def _check_packing(model: nn.Module, batch: Mapping[str, Any]) -> None:
     positions = _tensor(batch, "position_ids")
     if positions is None or positions.is_meta or not is_packed(positions):
         return
+    from lightning_mm.hf.packing import BLOCK_MASK_MODELS, PackedMasks
+
     mask = batch.get("attention_mask")
-    if mask is not None:
+    config: Any = model.config  # a Transformers config
+    block_masks = getattr(config, "model_type", None) in BLOCK_MASK_MODELS
+    if batch.get("token_type_ids") is not None and not (block_masks and isinstance(mask, PackedMasks)):
+        raise BatchCheckError(
+            f"the batch is packed and has token_type_ids, from which {name} builds masks over a whole row (e.g. "
+            "each image's tokens seeing each other) that are not proven to keep packed samples apart"
+            + (
+                ": TransformersModel computes its per-sample masks (lightning_mm.hf.packing.packed_forward_inputs)"
+                if block_masks
+                else ": train this model unpacked"
+            )
+        )
+    if isinstance(mask, PackedMasks):
+        pass  # the per-sample masks of lightning_mm.hf.packing.packed_block_masks
+    elif mask is not None:
         if not _restarts_among_real_tokens(positions, mask):
             return  # positions that skip padding (generate's left-padded prompts): one sample per row
         raise BatchCheckError(
@@ -339,7 +362,6 @@ def _check_packing(model: nn.Module, batch: Mapping[str, Any]) -> None:
             "attend across the packed samples (Transformers derives the per-sample mask from position_ids only "
             "without an attention_mask); drop attention_mask from packed batches"
         )
-    config: Any = model.config  # a Transformers config
     text_config = config.get_text_config() if hasattr(config, "get_text_config") else config
     caches = any(getattr(c, "use_cache", False) is not False for c in (config, text_config))
     if batch.get("use_cache") is not False and caches:
@@ -358,6 +380,13 @@ def _check_packing(model: nn.Module, batch: Mapping[str, Any]) -> None:
             f"row (the text positions, then the M-RoPE positions of each sample), got shape {tuple(positions.shape)}"
             ": TransformersModel computes them (lightning_mm.hf.packing.install_packed_inputs); for another model "
             "call lightning_mm.hf.packing.packed_forward_inputs(model, batch)"
+        )
+    from lightning_mm.hf.packing_layers import packing_refusal
+
+    refusal = packing_refusal(model)
+    if refusal is not None:
+        raise BatchCheckError(
+            f"the batch is packed, but {name} cannot train it exactly as its samples unpacked: {refusal}"
         )
 
 

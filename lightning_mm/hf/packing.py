@@ -7,28 +7,93 @@ causal mask for sdpa, eager and flex attention
 (``masking_utils.find_packed_sequence_indices``) and runs flash-attention varlen with the samples' boundaries
 (``modeling_flash_attention_utils``), and its rotary positions restart per sample.
 
-A Qwen-VL model (Qwen2-VL, Qwen2.5-VL, Qwen3-VL: an inner model with ``get_rope_index``) needs more: its M-RoPE
-positions are 3-D and depend on each sample's images, and its decoder only detects a packed row from 4-D
-``position_ids`` whose first row holds the text positions (2-D ones would make Qwen2.5-VL attend across samples
-and both fall back to 1-D positions for the images). :func:`packed_forward_inputs` computes them per sample,
-with the model's own ``get_rope_index`` on that sample's tokens and its own ``image_grid_thw`` /
-``video_grid_thw`` rows, exactly as the model computes them for the sample alone, and stacks the text positions
-on top. :func:`packed_forward_inputs` also sets ``use_cache=False``; :func:`install_packed_inputs` applies it to
-every call of the model with a packed row (a forward pre-hook, installed by ``TransformersModel``).
+A Qwen-VL model (Qwen2-VL, Qwen2.5-VL, Qwen3-VL, Qwen3.5, GLM-4V, the Qwen2.5-Omni thinker: a model with
+``get_rope_index``) needs more: its M-RoPE positions are 3-D and depend on each sample's images, and its decoder only
+detects a packed row from 4-D ``position_ids`` whose first row holds the text positions (2-D ones would make
+Qwen2.5-VL attend across samples and both fall back to 1-D positions for the images). :func:`packed_forward_inputs`
+computes them per sample, with the model's own ``get_rope_index`` on that sample's tokens and its own
+``image_grid_thw`` / ``video_grid_thw`` rows (and ``second_per_grid_ts`` entries), exactly as the model computes them
+for the sample alone, and stacks the text positions on top. Gemma 3 (``token_type_ids``: each image's tokens see
+each other both ways) gets its per-sample masks as one ``attention_mask`` dict (:func:`packed_block_masks`:
+Transformers' own sliding-window mask mixes up the samples' images in a packed row). :func:`packed_forward_inputs`
+also sets ``use_cache=False``; :func:`install_packed_inputs` applies it to every call of the model with a packed row
+(a forward pre-hook, installed by ``TransformersModel``) and gives the layers with sequence state (Gated DeltaNet)
+their per-sample path (:mod:`lightning_mm.hf.packing_layers`).
 Lightning-free.
 """
 
 from __future__ import annotations
 
+import inspect
 from collections.abc import Mapping
 from typing import Any
 
 import torch
 from torch import Tensor, nn
 
+from lightning_mm._compat import attn_implementation
 from lightning_mm.core.packing import is_packed, segment_ids
 
-__all__ = ["packed_forward_inputs", "install_packed_inputs", "needs_multimodal_positions"]
+__all__ = [
+    "PackedMasks",
+    "packed_forward_inputs",
+    "install_packed_inputs",
+    "needs_multimodal_positions",
+    "packed_block_masks",
+]
+
+BLOCK_MASK_MODELS = frozenset({"gemma3"})
+"""Model types whose forward turns ``token_type_ids`` into a bidirectional mask over each image's tokens, and whose
+packed rows get their per-layer-type masks from :func:`packed_block_masks`."""
+
+
+class PackedMasks(dict):
+    """Layer type (``full_attention``, ``sliding_attention``) -> the 4-D attention mask of a packed row, made by
+    :func:`packed_block_masks`: the model's forward takes a dict ``attention_mask`` as its masks as they are."""
+
+
+def _image_blocks(token_type_ids: Tensor) -> Tensor:
+    """``(B, T)`` the index of the image each token belongs to (a run of ``token_type_ids`` 1), -1 for text."""
+    image = token_type_ids == 1
+    starts = image & ~torch.nn.functional.pad(image, (1, 0))[:, :-1]
+    return torch.where(image, starts.long().cumsum(-1) - 1, -1)
+
+
+def packed_block_masks(model: nn.Module, batch: Mapping[str, Any]) -> PackedMasks:
+    """The masks Gemma 3 means for each packed sample, as one packed row's (``(B, 1, T, T)``).
+
+    Per sample, as Gemma 3 builds them for a sample alone (``create_masks_for_vision_model``): full attention is
+    causal or within one image (its tokens see each other both ways); sliding attention is that and at most
+    ``sliding_window - 1`` positions back. No token sees another sample. Transformers' own masks cannot be used for
+    a packed row: its sliding-window mask looks the image blocks up by each token's position in its sample instead
+    of its place in the row, so every sample after the first would see the wrong tokens. Booleans (``True``: may
+    attend) for sdpa, additive floats (0 or the dtype's minimum) for eager; other attention implementations are
+    refused.
+    """
+    config: Any = model.config  # a Transformers config
+    text: Any = config.get_text_config()
+    attention = str(attn_implementation(text) or attn_implementation(config) or "")
+    if attention not in ("sdpa", "eager"):
+        raise ValueError(
+            f"{type(model).__name__}: packed rows with images need attn_implementation 'sdpa' or 'eager' here, got "
+            f"{attention!r}"
+        )
+    positions: Tensor = batch["position_ids"]
+    segments = segment_ids(positions)
+    blocks = _image_blocks(batch["token_type_ids"].to(positions.device))
+    q, k = positions[:, :, None], positions[:, None, :]
+    same_sample = segments[:, :, None] == segments[:, None, :]
+    same_image = (blocks[:, :, None] == blocks[:, None, :]) & (blocks[:, :, None] >= 0)
+    full = ((k <= q) | same_image) & same_sample
+    masks = {"full_attention": full, "sliding_attention": full & (k > q - int(text.sliding_window))}
+    out = PackedMasks()
+    for kind in dict.fromkeys(getattr(text, "layer_types", None) or ["full_attention"]):
+        mask = masks[kind][:, None]
+        if attention == "eager":
+            low = torch.finfo(torch.float32).min
+            mask = torch.zeros(mask.shape, dtype=torch.float32, device=mask.device).masked_fill(~mask, low)
+        out[kind] = mask
+    return out
 
 
 def _inner(model: nn.Module) -> nn.Module | None:
@@ -66,16 +131,29 @@ def packed_forward_inputs(model: nn.Module, batch: Mapping[str, Any]) -> dict[st
         return out
     positions: Tensor = batch["position_ids"]  # is_packed: a tensor
     out["use_cache"] = False
+    config: Any = getattr(model, "config", None)
+    if getattr(config, "model_type", None) in BLOCK_MASK_MODELS and isinstance(batch.get("token_type_ids"), Tensor):
+        out["attention_mask"] = packed_block_masks(model, batch)
+        return out
     # A Qwen-VL inner model: its config and get_rope_index are Transformers' own, untyped here.
     inner: Any = _inner(model)
     ids = batch.get("input_ids")
     if inner is None or positions.ndim != 2 or not isinstance(ids, Tensor) or ids.is_meta:
         return out
     types = batch.get("mm_token_type_ids")
-    if types is None:
+    if types is None:  # Qwen2.5-Omni's thinker takes none: its placeholders mark the images (1) and videos (2)
         types = torch.zeros_like(ids)
+        for value, names in (
+            (1, ("image_token_id", "image_token_index")),
+            (2, ("video_token_id", "video_token_index")),
+        ):
+            token = next((t for t in (getattr(inner.config, n, None) for n in names) if isinstance(t, int)), None)
+            if token is not None:
+                types = types.masked_fill(ids == token, value)
     merge = int(inner.config.vision_config.spatial_merge_size)
+    by_types = "mm_token_type_ids" in inspect.signature(inner.get_rope_index).parameters
     image_grid, video_grid = batch.get("image_grid_thw"), batch.get("video_grid_thw")
+    seconds = batch.get("second_per_grid_ts")
     image_cursor = video_cursor = 0
     segments = segment_ids(positions)
     rope = torch.zeros(3, *ids.shape, dtype=positions.dtype, device=positions.device)
@@ -85,9 +163,16 @@ def packed_forward_inputs(model: nn.Module, batch: Mapping[str, Any]) -> dict[st
             lo, hi = int(where[0]), int(where[-1]) + 1
             seg_types = types[row : row + 1, lo:hi]
             images, image_cursor = _take(image_grid, image_cursor, int((seg_types == 1).sum()), merge)
+            first_video = video_cursor
             videos, video_cursor = _take(video_grid, video_cursor, int((seg_types == 2).sum()), merge)
+            sample_ids = ids[row : row + 1, lo:hi]
+            extra: dict[str, Tensor] = {"mm_token_type_ids": seg_types} if by_types else {}
+            if not by_types:  # Qwen2.5-Omni's thinker: the placeholders are read from the ids, the mask is required
+                extra["attention_mask"] = torch.ones_like(sample_ids)
+            if isinstance(seconds, Tensor) and videos is not None:  # Qwen2.5-VL: its videos' seconds per grid step
+                extra["second_per_grid_ts"] = seconds[first_video:video_cursor]
             sample_positions, _ = inner.get_rope_index(
-                ids[row : row + 1, lo:hi], seg_types, image_grid_thw=images, video_grid_thw=videos
+                sample_ids, image_grid_thw=images, video_grid_thw=videos, **extra
             )
             rope[:, row, lo:hi] = sample_positions[:, 0].to(rope.device)
     out["position_ids"] = torch.cat([positions[None], rope], dim=0)
@@ -103,6 +188,10 @@ def _hook(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> t
 
 
 def install_packed_inputs(model: nn.Module) -> Any:
-    """Apply :func:`packed_forward_inputs` to every call of ``model`` with a packed row (a forward pre-hook);
-    returns the hook's handle."""
+    """Apply :func:`packed_forward_inputs` to every call of ``model`` with a packed row (a forward pre-hook), and
+    run its layers with sequence state once per packed sample
+    (:func:`~lightning_mm.hf.packing_layers.install_per_sample_layers`); returns the pre-hook's handle."""
+    from lightning_mm.hf.packing_layers import install_per_sample_layers
+
+    install_per_sample_layers(model)
     return model.register_forward_pre_hook(_hook, with_kwargs=True)
