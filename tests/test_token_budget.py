@@ -79,7 +79,7 @@ def test_an_empty_dataset_or_no_step_is_an_error() -> None:
 )
 def test_token_ids_must_be_integers_in_the_vocabulary(ids: object, vocab: int | None, message: str) -> None:
     data = _Ids([[4, 5], ids, [6]])
-    loader = _loader(data, vocab_size=vocab)
+    loader = _loader(data, **({"vocab_size": vocab} if vocab else {}))
     with pytest.raises(TokenBudgetError, match=message.replace("(", r"\(")):
         list(loader)
     assert list(_loader(_Ids([[4, 5], [31, 0], [6]]), vocab_size=32))  # in range: fine
