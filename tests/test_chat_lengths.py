@@ -1,6 +1,7 @@
 """Token counts of MindSpeed MM chat samples for token-budget batches, without processing their images
 (``lightning_mm.hf.chat_lengths``): each equals the length of the sample the model's own processor builds, on tiny
-Qwen2.5-VL and Qwen3-VL directories (one and two images, multi-turn, an image above the pixel bound, a cut)."""
+Qwen2.5-VL, Qwen3-VL and GLM-4.1V directories (one and two images, multi-turn, an image above the pixel bound, a cut);
+families whose processor adds text around the image tokens build their samples to count them."""
 
 from __future__ import annotations
 
@@ -10,6 +11,8 @@ from typing import Any
 import pytest
 
 from lightning_mm.datamodules.token_budget import sample_lengths
+from lightning_mm.hf.chat_lengths import counts_lengths
+from tests import test_families_data as families
 from tests.test_hf_data import RECORDS, TEMPLATE, _config, _module, _record
 from tests.tiny_vlms import write_tiny_vlm
 
@@ -38,6 +41,25 @@ def test_lengths_equal_the_built_samples_and_process_no_image(
     if cut:
         cutoff = max(len(dataset[i]["input_ids"]) for i in range(len(dataset))) - 3
         dataset = _dataset(models, family, tmp_path, monkeypatch, cutoff_len=cutoff)
+    _assert_lengths_without_images(dataset, monkeypatch, RECORDS_AND_TEXT)
+    if cutoff is not None:
+        assert max(len(dataset[i]["input_ids"]) for i in range(len(dataset))) == cutoff
+
+
+@pytest.mark.parametrize("family", ["glm4v", "gemma3"])
+def test_lengths_of_other_families(family: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """GLM-4.1V counts without images (its bounds go to the processor as ``size``); Gemma 3 builds its samples."""
+    model = families.write_tiny_family(tmp_path / family, family)
+    records = [*families.RECORDS, _record([("user", "Hi there, no image."), ("assistant", "Hello.")])]
+    dataset = families._module(tmp_path, monkeypatch, families._config(model, family), records)._splits["train"]
+    assert counts_lengths(dataset.builder) == (family == "glm4v")
+    if family == "glm4v":
+        _assert_lengths_without_images(dataset, monkeypatch, records)
+    else:
+        assert sample_lengths(dataset) == [len(dataset[i]["input_ids"]) for i in range(len(dataset))]
+
+
+def _assert_lengths_without_images(dataset: Any, monkeypatch: pytest.MonkeyPatch, records: list[dict]) -> None:
     image_processor = dataset.builder.processor.image_processor
     calls: list[Any] = []
     original = type(image_processor).__call__
@@ -50,8 +72,6 @@ def test_lengths_equal_the_built_samples_and_process_no_image(
     lengths = sample_lengths(dataset)  # what the token-budget loader plans with
     assert calls == []  # no image was processed
     built = [len(dataset[i]["input_ids"]) for i in range(len(dataset))]
-    assert len(calls) == sum(len(r["images"]) > 0 for r in RECORDS_AND_TEXT if "images" in r)  # they are when built
+    assert len(calls) == sum("images" in r for r in records)  # they are when the samples are built
     assert lengths == built
     assert len(set(built)) > 2  # the records differ in length
-    if cutoff is not None:
-        assert max(built) == cutoff

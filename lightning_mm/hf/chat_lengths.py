@@ -2,8 +2,8 @@
 
 Token-budget batches plan with every sample's length. For the processors that expand each image placeholder into
 ``image_token * (grid_t * grid_h * grid_w) / merge_size**2`` (:data:`COUNTING_PROCESSORS`: Qwen2-VL, Qwen2.5-VL,
-Qwen3-VL and the families that take Qwen3-VL's processor), the length is found as the sample is built, without
-the pixels:
+Qwen3-VL and the families that take Qwen3-VL's processor, GLM-4.1V and GLM-4.5V), the length is found as the
+sample is built, without the pixels:
 
 1. the conversation is rendered by the :class:`~lightning_mm.hf.chat_samples.ChatSampleBuilder` (its chat template);
 2. each image's size (read from the file header by the caller) is bounded as the builder bounds the image, on a
@@ -25,7 +25,7 @@ from typing import Any
 
 __all__ = ["COUNTING_PROCESSORS", "SizeOnly", "counts_lengths", "chat_sample_length", "image_token_count"]
 
-COUNTING_PROCESSORS = ("Qwen2VLProcessor", "Qwen2_5_VLProcessor", "Qwen3VLProcessor")
+COUNTING_PROCESSORS = ("Qwen2VLProcessor", "Qwen2_5_VLProcessor", "Qwen3VLProcessor", "Glm4vProcessor")
 """Processors whose image placeholder expands to ``image_token`` repeated ``grid.prod() // merge_size**2``
 times (their ``replace_image_token``)."""
 
@@ -63,10 +63,10 @@ def counts_lengths(builder: Any) -> bool:
 
 
 def _images_kwargs(builder: Any) -> dict[str, Any]:
-    """The builder's image-processor settings, with its ``size`` pixel bounds under the names the patch-count
-    helper reads (``min_pixels`` / ``max_pixels``)."""
+    """The builder's image-processor settings, its ``size`` pixel bounds also under the names Qwen-VL's patch-count
+    helper reads first (``min_pixels`` / ``max_pixels``; GLM-4V's reads ``size``)."""
     kwargs = dict(getattr(builder, "images_kwargs", None) or {})
-    size = kwargs.pop("size", None)
+    size = kwargs.get("size")
     if isinstance(size, dict):
         if "shortest_edge" in size:
             kwargs["min_pixels"] = size["shortest_edge"]
