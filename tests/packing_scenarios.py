@@ -7,8 +7,8 @@ more than the others would hang the run. Every rank writes, per step, the epoch,
 its row (each sample's first token is its id) and the loss. ``two`` also resumes from a mid-epoch checkpoint on 2
 ranks (checkpoints in ``OUTDIR/ckpt``); ``four`` resumes the 2-rank checkpoint on 4 ranks (another world size) and
 trains the next epoch there. ``two`` also runs one step of ``OUTDIR/qwen3`` (a saved Transformers Qwen3) on a
-packed row under 2-rank context parallelism. ``mismatch``: rank 1's dataset has one sample fewer; every rank writes
-the error it got and how long after the fit's start.
+packed row under 2-rank context parallelism. ``mismatch``: rank 1's dataset has one sample fewer (``fewer``), then
+none (``empty``); every rank writes the error each fit ended with and how long after its start.
 """
 
 from __future__ import annotations
@@ -232,17 +232,21 @@ def two(outdir: Path) -> None:
 
 @scenario
 def mismatch(outdir: Path) -> None:
-    """Rank 1 loads one sample fewer (another plan): the ranks must fail before their first step, within seconds."""
+    """Rank 1 loads one sample fewer (another plan), then none (its plan fails): the ranks must all fail before
+    their first step, within seconds."""
     import time
 
     from lightning_mm.core.token_budget import TokenBudgetError
 
-    start, error = time.monotonic(), None
-    try:
-        fit(2, str(outdir), samples_of_rank=lambda rank: SAMPLES - rank, max_epochs=1)
-    except TokenBudgetError as err:
-        error = str(err)
-    scenario_kit.write_result(outdir, "mismatch", {"error": error, "seconds": time.monotonic() - start})
+    results: dict[str, Any] = {}
+    for name, samples in (("fewer", lambda rank: SAMPLES - rank), ("empty", lambda rank: SAMPLES * (1 - rank))):
+        start, error = time.monotonic(), None
+        try:
+            fit(2, str(outdir), samples_of_rank=samples, max_epochs=1)
+        except TokenBudgetError as err:
+            error = str(err)
+        results[name] = {"error": error, "seconds": time.monotonic() - start}
+    scenario_kit.write_result(outdir, "mismatch", results)
 
 
 @scenario

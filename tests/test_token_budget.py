@@ -153,16 +153,19 @@ def test_every_rank_runs_the_same_steps_and_a_resume_continues_on_any_world_size
 
 
 def test_ranks_whose_plans_differ_fail_before_the_first_step(tmp_path: Path) -> None:
-    """Rank 1's dataset has one sample fewer: both ranks get the error naming each rank's counts at once (not a
-    collective that waits out the process-group timeout, nor ranks running different numbers of steps)."""
-    run(packing_scenarios.mismatch, tmp_path, timeout=240)
+    """Rank 1's dataset has one sample fewer, then none: both ranks get the error naming each rank's counts (or rank
+    1's planning error) before any step (not a collective that waits out the process-group timeout, nor ranks
+    running different numbers of steps)."""
+    run(packing_scenarios.mismatch, tmp_path, timeout=300)
     ranks = read_results(tmp_path, "mismatch", 2)
     short = plan_batches(skewed_lengths(SAMPLES - 1), MAX_TOKENS, BUFFER, SEED, 0)
     for rank in ranks:
-        assert rank["error"] is not None, rank
-        assert f"rank 0: {len(_plan(0))} batches from {SAMPLES} samples" in rank["error"]
-        assert f"rank 1: {len(short)} batches from {SAMPLES - 1} samples" in rank["error"]
-        assert rank["seconds"] < 120
+        fewer, empty = rank["fewer"], rank["empty"]
+        assert fewer["error"] is not None and empty["error"] is not None, rank
+        assert f"rank 0: {len(_plan(0))} batches from {SAMPLES} samples" in fewer["error"]
+        assert f"rank 1: {len(short)} batches from {SAMPLES - 1} samples" in fewer["error"]
+        assert "rank 1: the training dataset has no sample" in empty["error"]
+        assert fewer["seconds"] < 120 and empty["seconds"] < 120
 
 
 def _steps_per_epoch(ranks: list[dict], key: str) -> list[list[int]]:

@@ -87,6 +87,10 @@ def sample_lengths(dataset: Dataset) -> list[int]:
     return lengths
 
 
+def _distributed() -> bool:
+    return dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
+
+
 class _PlannedBatches(IterableDataset):
     """Yields the lists of samples of one rank's planned batches (the loader's collate function batches them),
     each checked against the plan and the budget as it is built."""
@@ -171,12 +175,15 @@ class TokenBudgetLoader(DataLoader):
         self._iter_len = 0
         self._consumed_before = 0
         self._steps_before = 0  # steps of the epoch run before the checkpoint (Lightning counts on from there)
-        self.plan(0)  # fails now, naming a sample longer than the budget, or an empty dataset
-        if self.schedule(0).steps == 0:
-            raise TokenBudgetError(
-                f"the training data make {len(self.plan(0))} token-budget batch(es), fewer than the {world_size} "
-                "data-parallel ranks: with drop_last no step would run"
-            )
+        self._plan_error: str | None = None
+        try:
+            self._check_plan(0)  # fails now, naming a sample longer than the budget, or an empty dataset
+        except TokenBudgetError as err:
+            if not _distributed():
+                raise
+            # Raised on every rank at the epoch's start (_check_ranks_agree): raised here, on this rank only, it
+            # would leave the others waiting in the next collective (Lightning's, on the loaders' lengths).
+            self._plan_error = str(err)
         limit = getattr(dataset, "limit_replacements", None)
         if callable(limit):
             limit(self.lengths)  # a record that fails to load is replaced by one no longer than it
@@ -187,6 +194,13 @@ class TokenBudgetLoader(DataLoader):
             num_workers=num_workers,
             pin_memory=pin_memory,
         )
+
+    def _check_plan(self, epoch: int) -> None:
+        if self.schedule(epoch).steps == 0:
+            raise TokenBudgetError(
+                f"the training data make {len(self.plan(epoch))} token-budget batch(es), fewer than the "
+                f"{self.world_size} data-parallel ranks: with drop_last no step would run"
+            )
 
     def plan(self, epoch: int) -> list[list[int]]:
         """The epoch's global batch plan (the same on every rank)."""
@@ -205,6 +219,8 @@ class TokenBudgetLoader(DataLoader):
 
     def __len__(self) -> int:
         """The epoch's steps on every rank: those run before a resume plus those left."""
+        if self._plan_error is not None:
+            return 1  # not 0 (Lightning would fail this rank alone): the error comes on every rank at the epoch's start
         epoch = self._epoch_fn()
         if self._resume_epoch == epoch:
             return self._steps_before + self.schedule(epoch).steps
@@ -215,9 +231,9 @@ class TokenBudgetLoader(DataLoader):
     # A generator rather than DataLoader's _BaseDataLoaderIter: its callers (Lightning, a for loop) only iterate.
     def __iter__(self) -> Iterator[Any]:  # type: ignore[override]
         epoch = self._epoch_fn()
+        self._check_ranks_agree(epoch)
         resumed = self._resume_epoch == epoch
         schedule = self.schedule(epoch)
-        self._check_ranks_agree(epoch, schedule)
         self._iter_len = len(self)
         batches = cast(_PlannedBatches, self.dataset)  # set in __init__; DataLoader forbids replacing it
         batches.plan, batches.indices = self.plan(epoch), schedule.batch_indices()
@@ -230,15 +246,28 @@ class TokenBudgetLoader(DataLoader):
             self._steps_run += 1
             yield batch
 
-    def _check_ranks_agree(self, epoch: int, schedule: RankSchedule) -> None:
+    def _check_ranks_agree(self, epoch: int) -> None:
         """One all-gather at the epoch's start: every rank planned the same batches from the same lengths, and runs
-        the same steps from the same position; else TokenBudgetError on every rank, naming each rank's counts."""
-        if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() < 2:
+        the same steps from the same position; else TokenBudgetError on every rank, naming each rank's counts (or
+        the error a rank's plan met)."""
+        mine: Any
+        try:
+            if self._plan_error is not None:
+                raise TokenBudgetError(self._plan_error)
+            self._check_plan(epoch)
+            plan, schedule = self.plan(epoch), self.schedule(epoch)
+            mine = (len(plan), schedule.steps, schedule.start, len(self.lengths), plan_digest(plan, self._fingerprint))
+        except TokenBudgetError as err:
+            if not _distributed():
+                raise
+            mine = str(err)
+        if not _distributed():
             return
-        plan = self.plan(epoch)
-        mine = (len(plan), schedule.steps, schedule.start, len(self.lengths), plan_digest(plan, self._fingerprint))
         everyone: list[Any] = [None] * dist.get_world_size()
         dist.all_gather_object(everyone, mine)
+        failed = [f"rank {r}: {theirs}" for r, theirs in enumerate(everyone) if isinstance(theirs, str)]
+        if failed:
+            raise TokenBudgetError(f"token-budget batches cannot be planned on every rank ({'; '.join(failed)})")
         if all(tuple(theirs) == mine for theirs in everyone):
             return
         counts = "; ".join(
