@@ -86,15 +86,21 @@ def test_token_ids_must_be_integers_in_the_vocabulary(ids: object, vocab: int | 
 
 
 def test_the_vocabulary_is_the_model_input_embeddings() -> None:
-    class Holder(torch.nn.Module):
-        def __init__(self) -> None:
-            super().__init__()
-            self.model = torch.nn.Module()
-            self.model.embed = torch.nn.Embedding(77, 4)  # type: ignore[assignment]
-            self.model.get_input_embeddings = lambda: self.model.embed  # type: ignore[assignment, method-assign]
+    """A LightningModule's Transformers model (a tiny Qwen3): its input embeddings' rows."""
+    from tests.test_packing import plain_model
 
-    assert vocab_size_of(_Ids([[1]]), Holder()) == 77
+    module = torch.nn.Module()
+    module.model = plain_model("qwen3")
+    assert vocab_size_of(_Ids([[1]]), module) == module.model.config.vocab_size
     assert vocab_size_of(_Ids([[1]]), None) is None
+
+
+@pytest.mark.parametrize("bad", [2.5, -1.0, "3", True])
+def test_sample_lengths_must_be_token_counts(bad: object) -> None:
+    from lightning_mm.datamodules.token_budget import sample_lengths
+
+    with pytest.raises(TokenBudgetError, match=r"sample_lengths\(\) gave .* for sample 1"):
+        sample_lengths(_Ids([[1], [2, 3]], reported=[1, bad]))  # type: ignore[list-item]
 
 
 def test_an_under_reported_length_is_an_error_naming_the_sample() -> None:

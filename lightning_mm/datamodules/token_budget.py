@@ -30,6 +30,8 @@ from __future__ import annotations
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any, cast
 
+import numpy as np
+import torch
 import torch.distributed as dist
 from torch.utils.data import DataLoader, Dataset, IterableDataset, get_worker_info
 
@@ -42,6 +44,7 @@ from lightning_mm.core.token_budget import (
     plan_digest,
     plan_fingerprint,
 )
+from lightning_mm.datamodules.replacing import ReplacingDataset
 
 __all__ = ["TokenBudgetLoader", "sample_lengths", "vocab_size_of"]
 
@@ -71,7 +74,11 @@ def sample_lengths(dataset: Dataset) -> list[int]:
     sample once and counting its ``input_ids``."""
     own = getattr(dataset, "sample_lengths", None)
     if callable(own):
-        lengths = [int(n) for n in own()]
+        lengths = []
+        for index, n in enumerate(own()):
+            if isinstance(n, bool) or not isinstance(n, (int, torch.Tensor, np.integer)) or int(n) != n:
+                raise TokenBudgetError(f"sample_lengths() gave {n!r} for sample {index}: lengths are token counts")
+            lengths.append(int(n))
     else:
         lengths = []
         for index in range(len(dataset)):  # type: ignore[arg-type]
@@ -127,7 +134,7 @@ class _PlannedBatches(IterableDataset):
                     f"sample {index}: token-budget batches need samples with `input_ids`, got {type(sample).__name__}"
                 )
             actual.append(check_token_ids(sample["input_ids"], index, self.vocab_size))
-        replaced = [i for i in indices if i in getattr(self.dataset, "bad", ())]
+        replaced = [i for i in indices if i in self.dataset.bad] if isinstance(self.dataset, ReplacingDataset) else []
         planned = [self.lengths[i] for i in indices]
         check_batch(indices, planned, actual, self.max_tokens, self.packing, replaced)
         return samples
