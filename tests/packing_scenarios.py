@@ -8,7 +8,9 @@ its row (each sample's first token is its id) and the loss. ``two`` also resumes
 ranks (checkpoints in ``OUTDIR/ckpt``); ``four`` resumes the 2-rank checkpoint on 4 ranks (another world size) and
 trains the next epoch there. ``two`` also runs one step of ``OUTDIR/qwen3`` (a saved Transformers Qwen3) on a
 packed row under 2-rank context parallelism. ``stateful`` runs one FSDP2 step of ``OUTDIR/qwen3_5`` (Qwen3.5: Gated
-DeltaNet) on a packed row.
+DeltaNet) on a packed row. ``mismatch --arg case=fewer``: rank 1's dataset has one sample fewer (``case=empty``:
+none); every rank writes the error the fit ended with and how long after its start (one failed fit a launch: the
+strategy destroys the process group after a failed run).
 """
 
 from __future__ import annotations
@@ -50,8 +52,8 @@ def skewed_lengths(n: int = SAMPLES) -> list[int]:
 class SkewedData(torch.utils.data.Dataset):
     """Sample ``i``: ``lengths[i]`` tokens, the first one ``ID_OFFSET + i`` (its id), every token a target."""
 
-    def __init__(self) -> None:
-        self.lengths = skewed_lengths()
+    def __init__(self, n: int = SAMPLES) -> None:
+        self.lengths = skewed_lengths(n)
 
     def __len__(self) -> int:
         return len(self.lengths)
@@ -134,7 +136,14 @@ class Recorder(L.Callback):
         )
 
 
-def fit(devices: int, outdir: str, ckpt_path: str | None = None, save_dir: str | None = None) -> tuple[int, list]:
+def fit(
+    devices: int,
+    outdir: str,
+    ckpt_path: str | None = None,
+    save_dir: str | None = None,
+    samples_of_rank: Any = lambda rank: SAMPLES,
+    max_epochs: int = EPOCHS,
+) -> tuple[int, list]:
     from lightning.pytorch.callbacks import ModelCheckpoint
 
     recorder = Recorder()
@@ -144,7 +153,7 @@ def fit(devices: int, outdir: str, ckpt_path: str | None = None, save_dir: str |
     trainer = L.Trainer(
         accelerator="cpu",
         devices=devices,
-        max_epochs=EPOCHS,
+        max_epochs=max_epochs,
         logger=False,
         enable_checkpointing=save_dir is not None,
         enable_progress_bar=False,
@@ -154,7 +163,11 @@ def fit(devices: int, outdir: str, ckpt_path: str | None = None, save_dir: str |
         strategy=MMFSDP2Strategy({"sharding_size": "auto", "sub_modules_to_wrap": ["model.qkv", "model.head"]}),
     )
     data = MMDataModule(
-        train_dataset=SkewedData(), packing=True, max_tokens_per_rank=MAX_TOKENS, packing_buffer_size=BUFFER, seed=SEED
+        train_dataset=SkewedData(samples_of_rank(trainer.global_rank)),
+        packing=True,
+        max_tokens_per_rank=MAX_TOKENS,
+        packing_buffer_size=BUFFER,
+        seed=SEED,
     )
     trainer.fit(PackedLM(), datamodule=data, ckpt_path=ckpt_path)
     return trainer.global_rank, recorder.steps
@@ -275,6 +288,23 @@ def two(outdir: Path) -> None:
     _, resumed = fit(2, outdir, ckpt_path=f"{ckptdir}/epoch=0-step={RESUME_STEP}.ckpt")
     context_parallel_step(outdir, str(Path(outdir, "qwen3")))
     dump("two", outdir, rank, {"full": full, "resumed": resumed})
+
+
+@scenario
+def mismatch(outdir: Path, case: str) -> None:
+    """Rank 1 loads one sample fewer (``fewer``: another plan) or none (``empty``: its plan fails): the ranks must
+    all fail before their first step, within seconds."""
+    import time
+
+    from lightning_mm.core.token_budget import TokenBudgetError
+
+    samples = {"fewer": lambda rank: SAMPLES - rank, "empty": lambda rank: SAMPLES * (1 - rank)}[case]
+    start, error = time.monotonic(), None
+    try:
+        fit(2, str(outdir), samples_of_rank=samples, max_epochs=1)
+    except TokenBudgetError as err:
+        error = str(err)
+    scenario_kit.write_result(outdir, "mismatch", {"error": error, "seconds": time.monotonic() - start})
 
 
 @scenario

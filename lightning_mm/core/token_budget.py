@@ -11,11 +11,15 @@ rank (it depends on the lengths, the seed, the epoch and the budget, never on th
 
 :class:`RankSchedule` deals that list to the data-parallel ranks, ``W`` batches a step: step ``s`` gives rank
 ``r`` batch ``s * W + r``. Every rank therefore runs ``ceil(batches / W)`` steps (``floor`` with
-``drop_last``), computed from the plan alone, without a collective; the last short step is filled with the
-epoch's first batches again (as ``DistributedSampler`` repeats samples). Resuming after ``consumed`` global
+``drop_last``), computed from the plan alone; the last short step is filled with the epoch's first batches again
+(as ``DistributedSampler`` repeats samples). :func:`plan_digest` summarises a plan so that the ranks can check, with
+one small collective at the epoch's start, that they planned alike (the loader does). Resuming after ``consumed`` global
 batches continues with batch ``consumed`` whatever the new world size, so a resume is exact across a change of
 world size as long as the plan is the same (same lengths, seed, budget, buffer and packing); only the repeated
 batches of the epoch's last step depend on the world size.
+
+When a batch is built, :func:`check_token_ids` checks each sample's ``input_ids`` (integers in ``[0, vocab)``) and
+:func:`check_batch` checks the samples' real lengths against the plan's and the batch against the budget.
 
 Lightning-free.
 """
@@ -28,7 +32,16 @@ from dataclasses import dataclass
 
 import torch
 
-__all__ = ["TokenBudgetError", "plan_batches", "batch_cost", "RankSchedule", "plan_fingerprint"]
+__all__ = [
+    "TokenBudgetError",
+    "plan_batches",
+    "batch_cost",
+    "RankSchedule",
+    "plan_fingerprint",
+    "plan_digest",
+    "check_token_ids",
+    "check_batch",
+]
 
 
 class TokenBudgetError(ValueError):
@@ -56,6 +69,8 @@ def plan_batches(
         raise TokenBudgetError(f"max_tokens_per_rank must be positive, got {max_tokens}")
     if buffer_size < 1:
         raise TokenBudgetError(f"packing_buffer_size must be positive, got {buffer_size}")
+    if not lengths:
+        raise TokenBudgetError("the training dataset has no sample: token-budget batches need at least one")
     too_long = [(i, n) for i, n in enumerate(lengths) if n > max_tokens]
     if too_long:
         index, length = too_long[0]
@@ -97,6 +112,68 @@ def plan_fingerprint(
 
     digest = hashlib.sha256(repr((list(lengths), max_tokens, buffer_size, seed, packing, shuffle)).encode())
     return digest.hexdigest()[:16]
+
+
+def plan_digest(plan: Sequence[Sequence[int]], fingerprint: str = "") -> int:
+    """A 63-bit digest of an epoch's batches (and of ``fingerprint``: what they were planned from), to compare
+    the ranks' plans with one small collective."""
+    import hashlib
+
+    digest = hashlib.sha256(repr((fingerprint, [list(batch) for batch in plan])).encode()).digest()
+    return int.from_bytes(digest[:8], "little") >> 1
+
+
+def check_token_ids(input_ids: object, index: int, vocab_size: int | None = None) -> int:
+    """The length of sample ``index``'s ``input_ids`` after checking them: a 1-D sequence of integers (not floats or
+    booleans) in ``[0, vocab_size)`` (only ``>= 0`` when the vocabulary is unknown); TokenBudgetError naming the
+    sample otherwise."""
+    try:
+        ids = torch.as_tensor(input_ids)
+    except (TypeError, ValueError, RuntimeError) as err:
+        raise TokenBudgetError(f"sample {index}: input_ids are not a sequence of integer token ids ({err})") from None
+    if ids.dtype == torch.bool or ids.dtype.is_floating_point or ids.dtype.is_complex:
+        raise TokenBudgetError(
+            f"sample {index}: input_ids must be integer token ids, got {ids.dtype} (a float id would be truncated)"
+        )
+    if ids.ndim != 1:
+        raise TokenBudgetError(f"sample {index}: input_ids must be one sequence (1-D), got shape {tuple(ids.shape)}")
+    if ids.numel():
+        low, high = int(ids.min()), int(ids.max())
+        if low < 0:
+            raise TokenBudgetError(f"sample {index}: token id {low} is negative")
+        if vocab_size is not None and high >= vocab_size:
+            raise TokenBudgetError(f"sample {index}: token id {high} is outside the vocabulary of {vocab_size}")
+    return int(ids.numel())
+
+
+def check_batch(
+    indices: Sequence[int],
+    planned: Sequence[int],
+    actual: Sequence[int],
+    max_tokens: int,
+    packing: bool,
+    replaced: Sequence[int] = (),
+) -> None:
+    """Check one batch as it is built: samples ``indices`` were planned with lengths ``planned`` and have ``actual``.
+
+    A sample longer than planned is a TokenBudgetError naming it (its ``sample_lengths()`` under-reports), unless it
+    is a replacement (``replaced``: its record failed to load and another took its place); then the batch must
+    still fit ``max_tokens``, else the error names that sample and the batch's cost.
+    """
+    for index, want, have in zip(indices, planned, actual):
+        if have > want and index not in replaced:
+            raise TokenBudgetError(
+                f"sample {index} has {have} tokens but its length was given as {want} (sample_lengths() must "
+                "give each sample's exact token count): the batch plan cannot keep max_tokens_per_rank"
+            )
+    cost = batch_cost(list(actual), packing)
+    if cost > max_tokens:
+        grown = [i for i, want, have in zip(indices, planned, actual) if have > want]
+        why = f"sample {grown[0]} was replaced by a longer record (its own failed to load): " if grown else ""
+        raise TokenBudgetError(
+            f"{why}the batch of samples {list(indices)} would hold {cost} tokens, more than max_tokens_per_rank="
+            f"{max_tokens}"
+        )
 
 
 @dataclass(frozen=True)

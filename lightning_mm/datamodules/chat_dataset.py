@@ -202,6 +202,28 @@ class ChatDataset(ReplacingDataset):
         super().__init__(records, report, strict)
         self.builder = builder
 
+    def sample_lengths(self) -> list[int]:
+        """Every sample's token count for token-budget batches: from the rendered text and the images' sizes (read
+        from the file headers) where the processor allows it (:mod:`lightning_mm.hf.chat_lengths`), no image is
+        processed; else by building the sample."""
+        from lightning_mm.hf.chat_lengths import chat_sample_length
+
+        lengths = []
+        for index, record in enumerate(self.records):
+            length = None
+            if index not in self.bad:
+                try:
+                    sizes = []
+                    for path in record.images:
+                        with Image.open(path) as img:
+                            sizes.append(img.size)
+                    messages = [{"role": role, "content": content} for role, content in record.messages]
+                    length = chat_sample_length(self.builder, messages, record.system, sizes)
+                except Exception:  # noqa: BLE001 - the record's own problem: building it reports (and replaces) it
+                    length = None
+            lengths.append(len(self[index]["input_ids"]) if length is None else length)
+        return lengths
+
     def sample(self, record: ChatRecord) -> dict[str, Any]:
         images = []
         for path in record.images:

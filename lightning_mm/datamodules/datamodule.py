@@ -283,7 +283,7 @@ class MMDataModule(L.LightningDataModule):
 
     def _token_budget_loader(self, data: Any, max_tokens: int) -> DataLoader:
         from lightning_mm.core.packing import PackedCollator
-        from lightning_mm.datamodules.token_budget import TokenBudgetLoader, sample_lengths
+        from lightning_mm.datamodules.token_budget import TokenBudgetLoader, sample_lengths, vocab_size_of
 
         if isinstance(data, IterableDataset) or not hasattr(data, "__getitem__") or not hasattr(data, "__len__"):
             raise ValueError(
@@ -320,6 +320,7 @@ class MMDataModule(L.LightningDataModule):
             epoch_fn=(lambda: int(trainer.current_epoch)) if trainer is not None else (lambda: 0),
             num_workers=self.num_workers,
             pin_memory=self.pin_memory,
+            vocab_size=vocab_size_of(data, trainer.lightning_module if trainer is not None else None),
         )
 
     def _grouped_sampler(self, data: Any, group_by: str) -> DistributedSampler:

@@ -3,7 +3,10 @@
 Records are checked up front; reading one in ``__getitem__`` can still fail (a pixel stream that does not decode,
 text the processor rejects, any exception while preprocessing it). Then the next good record (in file order,
 wrapping around) is returned in its place: the dataset keeps its length, so every data-parallel rank yields the same
-number of batches and no collective waits on a missing one. The failed record is counted once in the split's
+number of batches and no collective waits on a missing one. Token-budget batches plan with the samples' lengths; the
+loader then calls :meth:`ReplacingDataset.limit_replacements` so that a replacement is taken among the records no
+longer than the one it replaces (by those lengths; any good record only when none is), and the batch keeps its budget.
+The failed record is counted once in the split's
 :class:`~lightning_mm.datamodules.records.DataReport` with its ``file:line``, warned about, and not read again in this
 process; :data:`MAX_FAILURES_IN_A_ROW` failures for one index are a :class:`DataError` (something systematic, not one
 bad file), and so is the first failure in strict mode. With ``num_workers > 0`` this happens in the worker
@@ -13,6 +16,7 @@ processes: each warns, but the main process's report does not see their counts.
 from __future__ import annotations
 
 import warnings
+from collections.abc import Iterator
 from typing import Any
 
 from torch.utils.data import Dataset
@@ -41,6 +45,7 @@ class ReplacingDataset(Dataset):
         self.report = report if report is not None else DataReport("data")
         self.strict = strict
         self.bad: set[int] = set()  # indices of records that failed here
+        self.replacement_lengths: list[int] | None = None  # see limit_replacements
 
     def __len__(self) -> int:
         return len(self.records)
@@ -63,11 +68,29 @@ class ReplacingDataset(Dataset):
         self.report.problems.append(f"{problem} (at load time; the next good record is used in its place)")
         warnings.warn(f"data: skipped {problem}; the next good record is used in its place", stacklevel=3)
 
-    def __getitem__(self, index: int) -> dict[str, Any]:
+    def limit_replacements(self, lengths: list[int]) -> None:
+        """Replace a failed record by the next good one no longer than it (by ``lengths``, one per record), and
+        only when there is none by any good one: token-budget batches keep their budget."""
+        if len(lengths) != len(self.records):
+            raise ValueError(f"{len(lengths)} lengths for {len(self.records)} records")
+        self.replacement_lengths = list(lengths)
+
+    def _candidates(self, index: int) -> Iterator[int]:
+        """The record of ``index``, then its possible replacements in file order (wrapping around)."""
         n = len(self.records)
+        start = index % n
+        yield start
+        lengths = self.replacement_lengths
+        if lengths is None:
+            yield from ((start + step) % n for step in range(1, n))
+            return
+        cap = lengths[start]
+        yield from ((start + step) % n for step in range(1, n) if lengths[(start + step) % n] <= cap)
+        yield from ((start + step) % n for step in range(1, n) if lengths[(start + step) % n] > cap)
+
+    def __getitem__(self, index: int) -> dict[str, Any]:
         failures = 0
-        for step in range(n):
-            current = (index % n + step) % n
+        for current in self._candidates(index):
             if current in self.bad:
                 continue
             try:
