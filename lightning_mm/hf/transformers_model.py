@@ -51,6 +51,7 @@ import torch
 from torch import nn
 
 from lightning_mm._compat import set_attn_implementation
+from lightning_mm._files import model_file
 from lightning_mm._module_paths import enclosing
 from lightning_mm._names import did_you_mean
 from lightning_mm.hf.batch_check import install_batch_check
@@ -98,8 +99,12 @@ class TransformersModelConfig:
             path = Path(self.init_from_hf_path).expanduser()
             if not path.is_dir():
                 raise fail("init_from_hf_path", f"'{path}' is not a directory")
-            if not (path / "config.json").is_file():
+            if not (path / "config.json").is_file() and not (path / "config.json").is_symlink():
                 raise fail("init_from_hf_path", f"'{path}' has no config.json (not a Hugging Face model directory)")
+            try:
+                model_file(path, "config.json")
+            except ValueError as err:
+                raise fail("init_from_hf_path", str(err)) from None
             self.init_from_hf_path = str(path)
         self.hf_config = _plain(self.hf_config) if self.hf_config is not None else {}
         if not isinstance(self.hf_config, Mapping):
