@@ -1,0 +1,124 @@
+"""`plan` and `fit` never allocate a parameter of the model they plan (issue #38, item 4).
+
+* Transformers' own meta path (``lightning_mm.hf.meta_build``) gives the same model as building with parameters
+  moved to the meta device one by one: the same parameters (meta), the same buffers, value for value, for every
+  family the tests train.
+* ``lightning-mm plan`` of a Llama config of 1.5 TB (vocab 2,000,000 x hidden 65,536) runs in a process whose
+  address space is capped at 4 GiB.
+* ``lightning-mm fit`` of that config refuses it in one line naming the size, under the same cap, before anything is
+  materialised.
+"""
+
+from __future__ import annotations
+
+import os
+import resource
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+import transformers
+import yaml
+
+from lightning_mm.core.init_context import meta_parameters
+from lightning_mm.hf.derived_adapters import resolve_model_class
+from lightning_mm.hf.meta_build import build_on_meta
+from tests.derive_models import ARCHITECTURES, hf_config
+from tests.hf_scenarios import FAMILIES
+from tests.moe_models import MOE_FAMILIES
+
+ROOT = Path(__file__).resolve().parents[1]
+CAP = 4 * 2**30  # bytes of address space for the planning process (the model is 1.5 TB)
+HUGE = {
+    "model_type": "llama",
+    "vocab_size": 2_000_000,
+    "hidden_size": 65_536,
+    "intermediate_size": 131_072,
+    "num_hidden_layers": 4,
+    "num_attention_heads": 64,
+    "num_key_value_heads": 8,
+}
+
+
+def _configs() -> dict[str, object]:
+    out = {}
+    for family, (arch, kwargs) in {**FAMILIES, **MOE_FAMILIES}.items():
+        config = getattr(transformers, arch).config_class(**kwargs)
+        config.architectures = [arch]
+        out[family] = config
+    out.update({name: hf_config(name) for name in ARCHITECTURES})
+    return out
+
+
+CONFIGS = _configs()
+
+
+@pytest.mark.parametrize("name", list(CONFIGS))
+def test_transformers_meta_path_equals_the_per_parameter_meta_build(name):
+    config = CONFIGS[name]
+    cls = resolve_model_class(None, config)[1]
+    model = build_on_meta(cls, config)
+    with meta_parameters():
+        reference = cls(config)
+    params = [(n, p.shape, p.dtype, p.requires_grad) for n, p in model.named_parameters()]
+    assert params == [(n, p.shape, p.dtype, p.requires_grad) for n, p in reference.named_parameters()]
+    assert all(p.is_meta for p in model.parameters())
+    buffers, expected = dict(model.named_buffers()), dict(reference.named_buffers())
+    assert buffers.keys() == expected.keys() and buffers
+    for key, value in expected.items():
+        assert not buffers[key].is_meta and buffers[key].dtype == value.dtype, key
+        assert torch.equal(buffers[key], value), key
+
+
+def _config(tmp_path: Path, trainer: dict) -> Path:
+    config = {
+        "trainer": {"accelerator": "cpu", "strategy": "mm_fsdp2", "logger": False, **trainer},
+        "model": {
+            "class_path": "lightning_mm.modules.transformers_module.MMTransformersModule",
+            "init_args": {"transformers_model": {"hf_config": HUGE}},
+        },
+        "data": {
+            "class_path": "lightning_mm.MMDataModule",
+            "init_args": {"train_valid_test_datasets_provider": "tests.qwen3_vl_family.datasets_provider"},
+        },
+    }
+    path = tmp_path / "cfg.yaml"
+    path.write_text(yaml.safe_dump(config))
+    return path
+
+
+def _capped(cwd: Path, *args: str) -> subprocess.CompletedProcess[str]:
+    """``lightning-mm <args>`` run in ``cwd``, in a process whose address space is capped at :data:`CAP`."""
+
+    def cap() -> None:
+        resource.setrlimit(resource.RLIMIT_AS, (CAP, CAP))
+
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
+    return subprocess.run(
+        [sys.executable, "-m", "lightning_mm.cli", *args],
+        cwd=cwd,
+        env=env,
+        preexec_fn=cap,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+
+
+def test_plan_of_a_terabyte_config_runs_in_bounded_memory(tmp_path):
+    proc = _capped(tmp_path, "plan", "--config", str(_config(tmp_path, {"devices": 2})), "--world-size", "64")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "model.embed_tokens" in proc.stdout and "131,072,000,000 params" in proc.stdout
+    assert "parameters   24,073.04 MiB" in proc.stdout  # 1.5 TB over 64 ranks
+
+
+def test_fit_refuses_a_model_the_machine_cannot_hold_in_one_line(tmp_path):
+    trainer = {"devices": 1, "max_steps": 1, "enable_checkpointing": False, "enable_progress_bar": False}
+    proc = _capped(tmp_path, "fit", "--config", str(_config(tmp_path, trainer)))
+    assert proc.returncode == 1, proc.stderr[-3000:]
+    errors = [line for line in proc.stderr.splitlines() if "error:" in line]
+    assert len(errors) == 1 and "Traceback" not in proc.stderr, proc.stderr[-3000:]
+    assert "the model does not fit: each rank's parameter shards need 1,504.6 GiB (1,615,514,042,368 B)" in errors[0]
+    assert "is free there" in errors[0]
