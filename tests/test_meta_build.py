@@ -122,3 +122,55 @@ def test_fit_refuses_a_model_the_machine_cannot_hold_in_one_line(tmp_path):
     assert len(errors) == 1 and "Traceback" not in proc.stderr, proc.stderr[-3000:]
     assert "the model does not fit: each rank's parameter shards need 1,504.6 GiB (1,615,514,042,368 B)" in errors[0]
     assert "is free there" in errors[0]
+
+
+_OTHER_SOURCES = """
+import torch
+from torch import nn
+from lightning_mm.core.init_context import meta_parameters
+from lightning_mm.diffusers.model import DiffusersModel
+from tests.wan_scenarios import TINY_WAN
+
+
+class Custom(nn.Module):  # a model_provider's own module: one 512 GB embedding, a computed buffer
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(2_000_000, 65_536)
+        self.proj = nn.Linear(65_536, 65_536)
+        self.norm = nn.LayerNorm(65_536)
+        self.register_buffer("table", torch.arange(4096.0) / 7, persistent=False)
+
+
+with meta_parameters():
+    custom = Custom()
+    wan = DiffusersModel(
+        {"model_id": "wan", "config": {**TINY_WAN, "num_attention_heads": 64, "attention_head_dim": 128,
+                                       "ffn_dim": 131_072, "text_dim": 65_536, "num_layers": 2}}
+    )
+for model in (custom, wan):
+    assert all(p.is_meta for p in model.parameters())
+    assert list(model.buffers()) and not any(b.is_meta for b in model.buffers())
+assert torch.equal(custom.table, torch.arange(4096.0) / 7)
+print("params", sum(p.numel() for p in custom.parameters()) + sum(p.numel() for p in wan.parameters()))
+"""
+
+
+def test_other_model_sources_build_in_bounded_memory_with_their_buffers(tmp_path):
+    """Custom modules and DiffusersModel under ``meta_parameters()``: tensors above LARGE_TENSOR_BYTES are created
+    on the meta device, so a model of terabytes builds in a 4 GiB address space, buffers computed as before."""
+
+    def cap() -> None:
+        resource.setrlimit(resource.RLIMIT_AS, (CAP, CAP))
+
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
+    proc = subprocess.run(
+        [sys.executable, "-c", _OTHER_SOURCES],
+        cwd=tmp_path,
+        env=env,
+        preexec_fn=cap,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert int(proc.stdout.split()[-1]) > 1.4 * 10**11  # parameters: more than 0.5 TB in fp32
