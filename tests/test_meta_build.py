@@ -174,3 +174,19 @@ def test_other_model_sources_build_in_bounded_memory_with_their_buffers(tmp_path
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert int(proc.stdout.split()[-1]) > 1.4 * 10**11  # parameters: more than 0.5 TB in fp32
+
+
+def test_a_constructor_that_needs_real_values_falls_back_to_meta_parameters():
+    """A constructor that reads a value (``.item()``) fails on the meta device; the model is then built as before,
+    under ``meta_parameters()``: meta parameters, real buffers."""
+    config = CONFIGS["llama_tied"]
+    base = resolve_model_class(None, config)[1]
+
+    class ReadsAValue(base):  # type: ignore[misc, valid-type]
+        def __init__(self, config):
+            super().__init__(config)
+            self.rate = torch.linspace(0, 0.1, 3)[1].item()  # a drop-path schedule
+
+    model = build_on_meta(ReadsAValue, config)
+    assert model.rate == pytest.approx(0.05) and all(p.is_meta for p in model.parameters())
+    assert not any(b.is_meta for b in model.buffers())

@@ -8,8 +8,9 @@ nothing else is touched. The result is what building under :func:`lightning_mm.c
 gives (meta parameters, real buffers), without the parameters' allocations: a 2,000,000 x 65,536 embedding costs
 nothing.
 
-A buffer the model's init rules do not compute (a constructor-only value) cannot be recovered this way: the model is
-then built again under ``meta_parameters()`` (whose allocations are bounded: see there), and the debug log says so.
+A buffer the model's init rules do not compute (a constructor-only value) cannot be recovered this way, and a
+constructor that needs real values (``.item()`` of a drop-path schedule) fails on the meta device: the model is then
+built again under ``meta_parameters()`` (whose allocations are bounded: see there), and the debug log says why.
 """
 
 from __future__ import annotations
@@ -73,25 +74,23 @@ def unfilled_meta_buffers(model: nn.Module) -> list[str]:
             if getattr(param, HF_INIT_FLAG, False):
                 delattr(param, HF_INIT_FLAG)
     return [
-        f"{prefix}.{name}" if prefix else name
-        for prefix, module, name, _ in owners
-        if _unfilled(module._buffers[name])
+        f"{prefix}.{name}" if prefix else name for prefix, module, name, _ in owners if _unfilled(module._buffers[name])
     ]
 
 
 def build_on_meta(model_cls: Any, config: Any) -> nn.Module:
     """``model_cls(config)`` with meta-device parameters and real buffers, no parameter ever allocated (see the
     module docstring)."""
-    with torch.device("meta"):
-        model = model_cls(config)
-    unfilled = unfilled_meta_buffers(model)
+    try:
+        with torch.device("meta"):
+            model = model_cls(config)
+        unfilled = unfilled_meta_buffers(model)
+        why = f"buffers {unfilled} are computed only by its constructor"
+    except Exception as err:  # a constructor that needs real values (``.item()`` of a drop-path schedule)
+        unfilled, why = ["?"], f"its constructor needs real tensors ({type(err).__name__}: {err})"
     if not unfilled:
         return model
-    log.debug(
-        "%s: buffers %s are computed only by the constructor; building it with meta_parameters() instead",
-        model_cls.__name__,
-        unfilled,
-    )
+    log.debug("%s: %s; building it with meta_parameters() instead", model_cls.__name__, why)
     from lightning_mm.core.init_context import meta_parameters
 
     with meta_parameters():
