@@ -33,13 +33,16 @@ def link_root(directory: Path) -> Path:
     """The folder that the files of a Hugging Face model ``directory`` may be symbolic links into.
 
     A hub-cache snapshot (``<cache>/models--org--name/snapshots/<revision>/``, as ``huggingface_hub`` downloads it)
-    keeps its files as links to ``../../blobs/<hash>``: its root is the repository's cache folder
-    ``models--org--name``. Any other directory is its own root. The directory is taken with links resolved.
+    keeps its files as links to ``../../blobs/<hash>``: its root, and that of any folder in it (a diffusers
+    pipeline's ``transformer/``), is the repository's cache folder ``models--org--name``. Any other directory is its
+    own root. The directory is taken with links resolved.
     """
     real = directory.resolve()
-    repo = real.parent.parent
-    if real.parent.name == "snapshots" and repo.name.startswith("models--") and (repo / "blobs").is_dir():
-        return repo
+    for revision in (real, *real.parents):
+        snapshots = revision.parent
+        repo = snapshots.parent
+        if snapshots.name == "snapshots" and repo.name.startswith("models--") and (repo / "blobs").is_dir():
+            return repo
     return real
 
 

@@ -31,18 +31,20 @@ LLAMA = {
 }
 
 
-def _snapshot(plain: Path, cache: Path, revision: str = "0123abcd") -> Path:
-    """``plain``'s files as a hub-cache snapshot: every file a relative link into the repository's ``blobs/``."""
+def _snapshot(plain: Path, cache: Path, revision: str = "0123abcd", folder: str = "") -> Path:
+    """``plain``'s files as a hub-cache snapshot (in ``folder`` of it, as a diffusers pipeline keeps its
+    ``transformer/``): every file a relative link into the repository's ``blobs/``."""
     repo = cache / "models--org--tiny"
     (repo / "blobs").mkdir(parents=True)
     (repo / "refs").mkdir()
     (repo / "refs" / "main").write_text(revision)
-    snapshot = repo / "snapshots" / revision
+    snapshot = repo / "snapshots" / revision / folder
     snapshot.mkdir(parents=True)
+    up = Path(*[".."] * (3 if folder else 2))
     for file in sorted(plain.iterdir()):
         digest = hashlib.sha256(file.read_bytes()).hexdigest()
         (repo / "blobs" / digest).write_bytes(file.read_bytes())
-        (snapshot / file.name).symlink_to(Path("..") / ".." / "blobs" / digest)
+        (snapshot / file.name).symlink_to(up / "blobs" / digest)
     return snapshot
 
 
@@ -61,8 +63,9 @@ def _convert(capsys, *args: str) -> tuple[int, str]:
     return status, capsys.readouterr().err.strip()
 
 
-def test_a_hub_cache_snapshot_loads_in_both(plain, tmp_path, capsys):
-    snapshot = _snapshot(plain, tmp_path / "hub")
+@pytest.mark.parametrize("folder", ["", "transformer"])
+def test_a_hub_cache_snapshot_loads_in_both(plain, tmp_path, capsys, folder):
+    snapshot = _snapshot(plain, tmp_path / "hub", folder=folder)
     assert all(f.is_symlink() for f in snapshot.iterdir())
     reference = transformers.LlamaForCausalLM.from_pretrained(plain).state_dict()
 
