@@ -6,7 +6,8 @@ prints) and compares them with the memory free where the parameters will live: t
 (``torch.<device type>.mem_get_info``), or the host's available memory (``MemAvailable`` in ``/proc/meminfo``) for
 CPU runs and ``offload_to_cpu``. Only the parameters are counted, which every stage allocates: a refusal is never
 wrong, and a run that passes may still need more (gradients, optimiser state, activations; the message gives the
-figures). Where free memory cannot be read, nothing is checked.
+figures). Where free memory cannot be read, or the model was built with real parameters (they exist already),
+nothing is checked.
 """
 
 from __future__ import annotations
@@ -60,6 +61,8 @@ def _gib(n: int) -> str:
 def check_parameters_fit(model: nn.Module, plan: ShardingPlan, device: torch.device) -> None:
     """Raise :class:`ModelTooLargeError` when this rank's parameter shards of ``model`` under ``plan`` exceed the
     free memory of the device they go to (``device``, or the CPU with ``offload_to_cpu``)."""
+    if not any(p.is_meta for p in model.parameters()):
+        return  # built with real parameters (empty_init=False): allocated already, by choice
     where = torch.device("cpu") if plan.offload_to_cpu else device
     memory = per_rank_memory(model, plan)
     available = available_bytes(where)
