@@ -190,3 +190,37 @@ def test_a_constructor_that_needs_real_values_falls_back_to_meta_parameters():
     model = build_on_meta(ReadsAValue, config)
     assert model.rate == pytest.approx(0.05) and all(p.is_meta for p in model.parameters())
     assert not any(b.is_meta for b in model.buffers())
+
+
+def test_the_memory_check_compares_a_ranks_shards_with_the_free_memory_of_their_device(monkeypatch):
+    from lightning_mm.core import memory_check
+    from lightning_mm.core.config import FSDP2Config
+    from lightning_mm.core.memory import per_rank_memory
+    from lightning_mm.core.plan import build_plan
+
+    config = CONFIGS["llama_tied"]
+    model = build_on_meta(resolve_model_class(None, config)[1], config)
+    plans = {
+        offload: build_plan(
+            FSDP2Config(sharding_size="auto", offload_to_cpu=offload).with_model_defaults(model), model, 2
+        )
+        for offload in (False, True)
+    }
+    need = per_rank_memory(model, plans[False]).params
+    seen = []
+
+    def free(device: torch.device) -> int:
+        seen.append(device)
+        return need - 1
+
+    monkeypatch.setattr(memory_check, "available_bytes", free)
+    with pytest.raises(memory_check.ModelTooLargeError, match=rf"need .*\({need:,} B\) on cuda:0 .*\({need - 1:,} B\)"):
+        memory_check.check_parameters_fit(model, plans[False], torch.device("cuda", 0))
+    with pytest.raises(memory_check.ModelTooLargeError, match=r"on cpu \(sharded over 2 rank"):
+        memory_check.check_parameters_fit(model, plans[True], torch.device("cuda", 0))  # offloaded: host memory
+    assert seen == [torch.device("cuda", 0), torch.device("cpu")]
+    monkeypatch.setattr(memory_check, "available_bytes", lambda device: need)
+    memory_check.check_parameters_fit(model, plans[False], torch.device("cuda", 0))  # fits exactly
+    monkeypatch.setattr(memory_check, "available_bytes", lambda device: 0)
+    eager = resolve_model_class(None, config)[1](config)  # real parameters: nothing left to allocate, no check
+    memory_check.check_parameters_fit(eager, plans[False], torch.device("cuda", 0))
