@@ -146,7 +146,7 @@ class ModelHub:
         """Whether ``adapter`` builds the class ``architecture`` names: the adapter itself, or a Transformers class it
         derives from. An adapter over no Transformers class (a user's own model) serves any name."""
         models = [k for k in adapter.__mro__ if k.__module__.startswith("transformers.models.")]
-        if not models and transformers_class(adapter) is None:
+        if not models:
             return True
         return architecture in {adapter.__name__, *(k.__name__ for k in models)}
 
