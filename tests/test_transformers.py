@@ -68,7 +68,7 @@ def test_modelhub_lookup_order_model_id_then_architecture_then_model_type():
     cfg = {"architectures": ["Qwen2ForCausalLM"], "model_type": "llama"}
     assert ModelHub.resolve("qwen3", cfg) == ("qwen3", ModelHub.get("Qwen3ForCausalLM"))
     assert ModelHub.resolve(None, cfg) == ("Qwen2ForCausalLM", ModelHub.get("qwen2"))
-    assert ModelHub.resolve(None, {"architectures": ["Unknown"], "model_type": "llama"})[0] == "llama"
+    assert ModelHub.resolve(None, {"model_type": "llama"})[0] == "llama"
     assert ModelHub.resolve(None, SimpleNamespace(architectures=None, model_type="llava"))[0] == "llava"
 
 

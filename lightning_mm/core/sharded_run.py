@@ -21,6 +21,7 @@ from torch.distributed.fsdp import FSDPModule
 
 from lightning_mm.core import apply
 from lightning_mm.core.config import FSDP2Config
+from lightning_mm.core.memory_check import check_parameters_fit
 from lightning_mm.core.plan import ShardingPlan, build_plan
 from lightning_mm.core.precision_policy import PrecisionPolicy, resolve_precision_policy
 
@@ -145,6 +146,7 @@ class ShardedRun:
         """Apply a :func:`plan_run` decision to ``root`` on ``mesh`` (``apply.apply_plan``); ``device`` is the
         compute device. The model's own ``_fully_shard`` shards the units when it has one."""
         self.planned, self._expert_layout = planned, None
+        check_parameters_fit(planned.target, planned.plan, device)  # before anything is materialised
         custom_units = apply.model_unit_sharding(planned.target, planned.config, planned.plan)
         self.sharded = apply.apply_plan(root, planned.target, planned.plan, mesh, device, custom_units)
 

@@ -21,6 +21,7 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint import FileSystemWriter
 from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
 
+from lightning_mm._files import model_file
 from lightning_mm._safetensors import DTYPES, read_weight_map, shard_files
 from lightning_mm.checkpoint import atomic
 from lightning_mm.checkpoint.consolidate import check_output, writing
@@ -38,7 +39,6 @@ from lightning_mm.checkpoint.manifest import (
     MANIFEST_FILE,
     RecordingFileSystem,
     file_entries,
-    inside,
     write_manifest,
 )
 from lightning_mm.checkpoint.safe import check_weights_only, load_weights_only
@@ -405,16 +405,17 @@ class _HFTensors:
     def _weight_files(self) -> list[Path]:
         for index_name in ("model.safetensors.index.json", "pytorch_model.bin.index.json"):
             index = self.dir / index_name
-            if index.is_file():
+            if index.is_file() or index.is_symlink():
+                model_file(self.dir, index_name, CheckpointIntegrityError)
                 weight_map = read_weight_map(index, CheckpointIntegrityError)
                 files = [self.dir / f for f in shard_files(weight_map)]
                 missing = [str(f) for f in files if not f.is_file() and not f.is_symlink()]
                 if missing:
                     raise FileNotFoundError(f"{index} names missing files: {missing}")
-                return [inside(self.dir, f) for f in files]
+                return [model_file(self.dir, f.name, CheckpointIntegrityError) for f in files]
         for name in ("model.safetensors", "pytorch_model.bin"):
-            if (self.dir / name).is_file():
-                return [inside(self.dir, self.dir / name)]
+            if (self.dir / name).is_file() or (self.dir / name).is_symlink():
+                return [model_file(self.dir, name, CheckpointIntegrityError)]
         raise FileNotFoundError(
             f"{self.dir}: no Hugging Face weights (model.safetensors, its index, or pytorch_model.bin)"
         )
@@ -476,8 +477,9 @@ def hf_to_dcp(hf_dir: str | Path, dst: str | Path, prefix: str = "model.", force
     hf_dir, dst = Path(hf_dir), Path(dst)
     check_output(dst, force, kind="dcp")
     config_file = hf_dir / "config.json"
-    if not config_file.is_file():
+    if not config_file.is_file() and not config_file.is_symlink():
         raise FileNotFoundError(f"{hf_dir}: no config.json (is this a Hugging Face model directory?)")
+    model_file(hf_dir, "config.json", CheckpointIntegrityError)
     config = read_config_json(config_file)
     hf = _HFTensors(hf_dir)
     rename = _checkpoint_renamer(config) if config.get("model_type") else None

@@ -5,8 +5,11 @@ WeightInitMixin)``, the recipe of the built-in adapters, whose default plan is d
 (:func:`lightning_mm.hf.default_plans.derive_fsdp2_plan`). :func:`resolve_model_class` is how
 :func:`~lightning_mm.modules.TransformersModel` picks a class: a registered adapter first (registration stays the
 way to give a custom class or plan), else the Transformers class the config names (``architectures[0]``, or
-``model_id`` when it is a Transformers class name, or the class Transformers' auto mappings give for the config's
-``model_type``). Only classes of the ``transformers`` package itself are used: nothing else is imported.
+``model_id`` when it is a Transformers class name, or, for a config without ``architectures``, the class
+Transformers' auto mappings give for its ``model_type``). An adapter registered for the ``model_type`` serves only
+the classes it was written for (:meth:`ModelHub.serves`): another Transformers class named by ``architectures[0]``
+is built as that class, and a name that is no Transformers class is an error naming ``architectures[0]``. Only
+classes of the ``transformers`` package itself are used: nothing else is imported.
 
 A derived class lives in this module under its name (``lightning_mm.hf.derived_adapters.MMGemma3ForConditional
 Generation``), so that pickling by reference works in any process.
@@ -112,7 +115,7 @@ def resolve_model_class(model_id: str | None = None, hf_config: Any = None) -> t
             base = transformers_architecture(name)
             if base is not None:
                 return name, derived_adapter(base), DERIVED
-        if model_id is None and hf_config is not None:
+        if model_id is None and hf_config is not None and not names:  # a named class is never replaced by another
             base = _auto_class(get("model_type"))
             if base is not None:
                 return base.__name__, derived_adapter(base), DERIVED

@@ -5,6 +5,12 @@ your choosing (``internvl``). :meth:`ModelHub.resolve` looks a model up by an ex
 by the Hugging Face config's ``architectures[0]``, then by its ``model_type``; a miss is an error that lists what
 is registered.
 
+An adapter found by ``model_type`` applies only to the classes it was written for: when the config's
+``architectures[0]`` names a class, it must be the Transformers class the adapter subclasses (or the adapter itself).
+``LlamaForSequenceClassification`` with ``model_type: llama`` is not built as the causal-LM adapter registered for
+``llama``; :func:`~lightning_mm.hf.derived_adapters.resolve_model_class` then builds the class
+``architectures[0]`` names, or refuses a name that is no Transformers class.
+
 Register an adapter with the decorator or by writing to the table directly, as the seed does::
 
     @ModelHub.register("internvl_chat")
@@ -19,6 +25,7 @@ from collections.abc import Callable
 from typing import Any, ClassVar, cast
 
 from lightning_mm._names import nearest
+from lightning_mm._transformers_class import transformers_class
 
 __all__ = ["ModelHub", "ModelHubError"]
 
@@ -119,7 +126,10 @@ class ModelHub:
         if model_type:
             tried.append(model_type)
             if model_type in cls.MODEL_MAPPINGS:
-                return model_type, cls.MODEL_MAPPINGS[model_type]
+                adapter = cls.MODEL_MAPPINGS[model_type]
+                if not architectures or cls.serves(adapter, architectures[0]):
+                    return model_type, adapter
+                raise ModelHubError(cls._other_class(architectures[0], model_type, adapter))
         if not tried:
             raise ModelHubError(
                 "cannot choose a model: give `model_id`, or a Hugging Face config with `architectures` or "
@@ -130,6 +140,25 @@ class ModelHub:
             for label, value in zip(["architectures[0]", "model_type"] if architectures else ["model_type"], tried)
         )
         raise ModelHubError(cls._unknown(what, tried))
+
+    @staticmethod
+    def serves(adapter: type, architecture: Any) -> bool:
+        """Whether ``adapter`` builds the class ``architecture`` names: the adapter itself, or a Transformers class it
+        derives from. An adapter over no Transformers class (a user's own model) serves any name."""
+        models = [k for k in adapter.__mro__ if k.__module__.startswith("transformers.models.")]
+        if not models:
+            return True
+        return architecture in {adapter.__name__, *(k.__name__ for k in models)}
+
+    @classmethod
+    def _other_class(cls, architecture: Any, model_type: str, adapter: type) -> str:
+        base = transformers_class(adapter)
+        built = f"{adapter.__name__}, a {base.__name__}" if base is not None else adapter.__name__
+        return (
+            f"architectures[0] '{architecture}' is not the class that the adapter registered for model_type "
+            f"'{model_type}' builds ({built}). Give `model_id: {model_type}` to build that adapter anyway, or register "
+            f"an adapter for '{architecture}'."
+        )
 
     @classmethod
     def _unknown(cls, what: str, tried: list[str]) -> str:

@@ -26,6 +26,7 @@ if TYPE_CHECKING:
 
 from lightning_mm import _safetensors
 from lightning_mm._compat import keys_to_ignore_on_load_unexpected
+from lightning_mm._files import model_file
 from lightning_mm._names import listing
 from lightning_mm._tied import names_by_tensor
 from lightning_mm._transformers_class import transformers_class
@@ -135,10 +136,11 @@ class SafetensorsIndex:
         if not root.is_dir():
             raise CheckpointError(f"init_from_hf_path: '{root}' is not a directory")
         index_file = root / f"{weights_name}.index.json"
-        if index_file.is_file():
+        if index_file.is_file() or index_file.is_symlink():
+            model_file(root, index_file.name, CheckpointError)
             weight_map = _safetensors.read_weight_map(index_file, CheckpointError)
             files = sorted(_safetensors.shard_files(weight_map))
-        elif (root / weights_name).is_file():
+        elif (root / weights_name).is_file() or (root / weights_name).is_symlink():
             weight_map, files = None, [weights_name]
         else:
             others = sorted(p.name for p in root.iterdir() if p.suffix in (".bin", ".pt", ".pth", ".safetensors"))
@@ -149,8 +151,9 @@ class SafetensorsIndex:
         tensors: dict[str, TensorInfo] = {}
         for name in files:
             path = root / name
-            if not path.is_file():
+            if not path.is_file() and not path.is_symlink():
                 raise CheckpointError(f"{index_file}: lists '{name}', which does not exist in {root}")
+            model_file(root, name, CheckpointError)  # a link only into the directory, or a hub snapshot's blobs
             for key, info in read_safetensors_header(path).items():
                 if key in tensors:
                     raise CheckpointError(f"{root}: tensor '{key}' is in both {tensors[key].file} and {name}")

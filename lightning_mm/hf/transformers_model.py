@@ -29,10 +29,13 @@ The config (a dict, or an object with attributes such as the seed's ``args.mm.mo
     output's ``logits`` is then ``None``); loss and gradients equal the model's own loss. MindSpeed MM's
     ``features.enable_chunk_loss`` / ``chunkloss_plan.chunk_size``. See :mod:`lightning_mm.hf.chunk_loss`.
 
-Built inside :class:`~lightning_mm.MMFSDP2Strategy`'s ``model_provider`` context, parameters are on the meta
-device: the checkpoint is checked against the model right away (headers only), and each rank reads just its own
-shards once the strategy has sharded the model (``FSDP2Mixin.load_after_sharding``). Built anywhere else, the
-weights are read straight into the model. Parameters take the default dtype (fp32 unless the Trainer's
+Built inside :class:`~lightning_mm.MMFSDP2Strategy`'s ``model_provider`` context (or ``lightning-mm plan``'s),
+parameters are on the meta device, and none is ever allocated: the model is built under ``torch.device("meta")``
+and its buffers are then computed by its own init rules, as ``from_pretrained`` does
+(:mod:`lightning_mm.hf.meta_build`). The checkpoint is checked against the model right away (headers only), and
+each rank reads just its own shards once the strategy has sharded the model (``FSDP2Mixin.load_after_sharding``).
+Built anywhere else, the weights are read straight into the model (built the same way, so no parameter is
+allocated twice). Parameters take the default dtype (fp32 unless the Trainer's
 precision says otherwise), whatever dtype the checkpoint or its config names; mixed precision is FSDP2's job.
 """
 
@@ -51,12 +54,14 @@ import torch
 from torch import nn
 
 from lightning_mm._compat import set_attn_implementation
+from lightning_mm._files import model_file
 from lightning_mm._module_paths import enclosing
 from lightning_mm._names import did_you_mean
 from lightning_mm.hf.batch_check import install_batch_check
 from lightning_mm.hf.config_fields import checked_fields
 from lightning_mm.hf.derived_adapters import resolve_model_class
 from lightning_mm.hf.loading import load_into_meta_model, load_local_shards
+from lightning_mm.hf.meta_build import build_on_meta
 from lightning_mm.hf.mixins import FSDP2Mixin, WeightInitMixin
 from lightning_mm.hf.packing import install_packed_inputs
 from lightning_mm.hf.pending_weights import set_pending_pretrained
@@ -98,8 +103,12 @@ class TransformersModelConfig:
             path = Path(self.init_from_hf_path).expanduser()
             if not path.is_dir():
                 raise fail("init_from_hf_path", f"'{path}' is not a directory")
-            if not (path / "config.json").is_file():
+            if not (path / "config.json").is_file() and not (path / "config.json").is_symlink():
                 raise fail("init_from_hf_path", f"'{path}' has no config.json (not a Hugging Face model directory)")
+            try:
+                model_file(path, "config.json")
+            except ValueError as err:
+                raise fail("init_from_hf_path", str(err)) from None
             self.init_from_hf_path = str(path)
         self.hf_config = _plain(self.hf_config) if self.hf_config is not None else {}
         if not isinstance(self.hf_config, Mapping):
@@ -318,16 +327,14 @@ def TransformersModel(config: Any) -> nn.Module:  # noqa: N802 - the seed's name
         )
 
     index = SafetensorsIndex.from_directory(cfg.init_from_hf_path) if cfg.init_from_hf_path else None
-    if index is None:
+    if _meta_parameters_active():  # no parameter is allocated, whatever its size (plan, the strategy)
+        model = build_on_meta(model_cls, hf_config)
+        if index is not None:
+            set_pending_pretrained(model, PendingPretrained(model, build_load_plan(model, index)))
+    elif index is None:
         model = model_cls(hf_config)
-    elif _meta_parameters_active():
-        model = model_cls(hf_config)
-        set_pending_pretrained(model, PendingPretrained(model, build_load_plan(model, index)))
     else:
-        from lightning_mm.core.init_context import meta_parameters
-
-        with meta_parameters():
-            model = model_cls(hf_config)
+        model = build_on_meta(model_cls, hf_config)
         load_into_meta_model(model, build_load_plan(model, index))
     frozen = _freeze(model, cfg.freeze) if cfg.freeze else []
     if cfg.lora is not None:
