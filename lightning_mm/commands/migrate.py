@@ -416,8 +416,8 @@ FLAGS: dict[str, _Handler] = {
         "--fsdp2-config-path or the model's default plan)"
     ),
     "--layerzero-config": _refuse(
-        "MindSpeed's LayerZero config (zero3_size, transformer_layers, ...); FSDP2 shards the model here: give an FSDP2 "
-        "YAML (--fsdp2-config-path) for the units"
+        "MindSpeed's LayerZero config (zero3_size, transformer_layers, ...); FSDP2 shards the model here: give an "
+        "FSDP2 YAML (--fsdp2-config-path) for the units"
     ),
     "--mm-tool": _refuse("MindSpeed MM's tool definitions for its chat templates; not read by lightning-mm"),
     "--tensor-model-parallel-size": _only_one("tensor parallelism is not supported (FSDP2 and context parallelism)"),
@@ -1054,6 +1054,7 @@ def _migrate_script(
         refuse_script_text,
     )
     from lightning_mm.commands.native_route import is_native_route, migrate_native
+    from lightning_mm.commands.refusals import Refused
 
     source = str(path)
     text = read_text_file(path, "a launch script")
@@ -1078,7 +1079,10 @@ def _migrate_script(
                 "give the launch directory with --base-dir"
             )
         read.append(yaml_path)
-        content = _load_config_file(yaml_path)
+        try:
+            content = _load_config_file(yaml_path)
+        except Refused as err:
+            raise Refused(f"{source} ({launch.config_yaml})", err.code, err.detail) from None
         if is_native_route(content) or (launch.script and NATIVE_TRAINER.search(launch.script)):
             refuse_model_ids(content, f"{source} ({launch.config_yaml})", ("model",))
             if not is_native_route(content):
@@ -1100,7 +1104,10 @@ def _migrate_script(
                 hf_path=hf_path,
             )
     else:
-        result = migrate(launch, base_dir=base, import_root=import_root, keep_backend=keep_backend, hf_path=hf_path)
+        try:
+            result = migrate(launch, base_dir=base, import_root=import_root, keep_backend=keep_backend, hf_path=hf_path)
+        except Refused as err:  # a refusal of a file the script names: the script is refused, naming both
+            raise Refused(source, err.code, f"{err.source}: {err.detail}" if err.detail else err.source) from None
     result.notes.insert(0, note)
     _report_shell(result, launch)
     return result, read

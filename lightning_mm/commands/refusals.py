@@ -27,7 +27,7 @@ REASONS: dict[str, str] = {
     "parallelism rather than FSDP2",
     "not-implemented": "a training feature with no counterpart here yet that changes what is trained (LoRA on a "
     "diffusers model, Wan VACE's control-video conditioning)",
-    "invalid": "the file is not valid YAML / JSON as MindSpeed MM ships it (its own loader fails on it too)",
+    "invalid": "the file is not valid YAML / JSON as MindSpeed MM ships it",
     "feature-extraction": "MindSpeed MM's feature extraction (VAE and text-encoder features written to disk "
     "before training): lightning-mm reads those features, it does not write them",
 }
@@ -40,7 +40,7 @@ class Refused(MigrateError):
     def __init__(self, source: str, code: str, detail: str = "") -> None:
         if code not in REASONS:
             raise ValueError(f"unknown refusal code {code!r}")
-        self.source, self.code = source, code
+        self.source, self.code, self.detail = source, code, detail
         super().__init__(f"{source}: refused ({code}): {REASONS[code]}" + (f"; {detail}" if detail else ""))
 
 
