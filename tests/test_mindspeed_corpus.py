@@ -143,6 +143,7 @@ def test_shell_the_reader_cannot_run_is_named_and_keeps_the_rest(results):
     launch = parse_script((CORPUS / "examples/qwen3omni/finetune_qwen3omni.sh").read_text())
     assert launch.script == "pretrain_transformers.py" and len(launch.flags) > 40
     assert launch.launcher["master_addr"] == "<master_ip_address>"
+    assert launch.flags[-1] == ("--distributed-backend", "nccl")  # the command ends at `2>&1 | tee ...`
 
 
 def test_native_route_scripts_take_the_native_route(results, tree):
@@ -237,3 +238,34 @@ def test_the_cli_migrates_a_corpus_script_from_the_checkout(tree, capsys):
         assert main(["migrate", "examples/verl_examples/qwen3vl/train_qwen3_vl_8b_grpo_full.sh"]) == 1
     error = capsys.readouterr().err
     assert "examples/verl_examples/qwen3vl/train_qwen3_vl_8b_grpo_full.sh: refused (rl)" in error
+
+
+def test_newer_upstream_keys_are_named_with_what_they_would_need(tree):
+    """Keys of newer MindSpeed MM versions (most are not in 57069cd5: ``git grep`` finds no swap_plan,
+    op_replay_scopes, enable_grad_norm_overlap or KV-all-gather size there) added to a shipped native config."""
+    from lightning_mm.commands.migrate import _load_yaml
+    from lightning_mm.commands.native_route import migrate_native
+
+    path = tree / "examples/qwen3vl/qwen3vl_30B_config_v1.yaml"
+    data = _load_yaml(path)
+    data["parallel"]["kv_allgather_cp_size"] = 2
+    data["parallel"].setdefault("recompute_plan", {})["op_replay_scopes"] = ["self_attn"]
+    data["features"]["swap_plan"] = {"apply_modules": ["model.language_model.layers.{*}"]}
+    data["features"]["enable_activation_offload"] = True
+    data["training"]["enable_grad_norm_overlap"] = True
+    data["training"]["quantization_plan"] = {"recipe_name": "mxfp8", "apply_modules": ["model.language_model"]}
+    data["training"]["plugin"] = ["my_plugins/my_model"]
+    result = migrate_native(path, data, base_dir=tree)
+    for key in (
+        "parallel.kv_allgather_cp_size",
+        "parallel.recompute_plan.op_replay_scopes",
+        "features.swap_plan",
+        "features.enable_activation_offload, features.activation_offload_plan",
+        "training.enable_grad_norm_overlap",
+        "training.quantization_plan",
+        "training.plugin",
+    ):
+        entries = [u for u in result.unmapped if u.startswith(f"{key}: not supported here: ")]
+        assert len(entries) == 1 and "would need" in entries[0], (key, result.unmapped)
+    report = result.report()
+    assert "unknown to lightning-mm migrate" not in report and "not a key of MindSpeed MM" not in report
