@@ -209,6 +209,31 @@ def test_megatron_route_vlm_and_derived_families_become_transformers_models(resu
         assert model["freeze"]  # the frozen towers, in Transformers' module names
 
 
+def test_lora_flags_and_lora_args_become_transformers_models_lora(results):
+    from lightning_mm.hf.lora import LoRAConfig
+
+    expected = {
+        "examples/magistral-2509/finetune_magistral_2509_lora.sh": {
+            "rank": 8,
+            "alpha": 16.0,
+            "dropout": 0.0,
+            "target_modules": ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"],
+        },
+        "examples/qwen3vl/finetune_lora_qwen3vl_30B.sh": {  # lora_args of its single YAML
+            "rank": 8,
+            "alpha": 16.0,
+            "dropout": 0.0,
+            "target_modules": ["v_proj", "o_proj", "k_proj", "q_proj"],
+        },
+    }
+    for name, lora in expected.items():
+        outcome, report, result = results[name]
+        assert outcome == "migrates", report
+        assert result.config["model"]["init_args"]["transformers_model"]["lora"] == lora
+        LoRAConfig.from_any(lora)  # TransformersModel accepts it
+        assert not [u for u in result.unmapped if u.startswith(("--lora", "lora_args"))]
+
+
 def test_the_cli_migrates_a_corpus_script_from_the_checkout(tree, capsys):
     out = tree / "qwen2_5_vl_7b.yaml"
     env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}

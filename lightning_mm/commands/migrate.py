@@ -411,6 +411,11 @@ FLAGS: dict[str, _Handler] = {
     "--use-txt-dynamic-batching": _keep("dynamic_batching", None),
     "--max-seq-len": _keep("max_seq_len", int),
     "--dynamic-batch-buffer-size": _keep("dynamic_batch_buffer_size", int),
+    "--lora-r": _keep("lora_rank", int),
+    "--lora-alpha": _keep("lora_alpha", float),
+    "--lora-dropout": _keep("lora_dropout", float),
+    "--lora-target-modules": _keep("lora_target_modules", None),
+    "--lora-register-forward-hook": _keep("lora_hook", None),
     "--layerzero": _refuse(
         "MindSpeed's LayerZero (ZeRO-3 over its own units); FSDP2 shards the model here (MMFSDP2Strategy, units from "
         "--fsdp2-config-path or the model's default plan)"
@@ -489,6 +494,7 @@ def migrate(
                 "(its read_yaml_config.py rebuilds the command line from gpt_args)"
             )
         flags = _map_single_yaml(state, *single_yaml)
+    flags = _join_list_values(flags)
     for flag, value, shown in flags:
         handler = FLAGS.get(flag)
         if value is not None and UNEVALUATED in value:
@@ -507,6 +513,7 @@ def migrate(
     _map_dynamic_batching(state)
     _map_checkpointing(state)
     _map_model(state, launch, functions)
+    _map_lora(state)
     _map_data(state, launch, functions)
     for name in launch.env:
         if name in ("CUDA_DEVICE_MAX_CONNECTIONS",):
@@ -571,12 +578,19 @@ def _map_single_yaml(state: _Flags, path: Path, config: Mapping[str, Any]) -> li
     if "model" in config:
         state.values["mm_model"] = (f"{path.name} model:", path, config["model"])
     lora = config.get("lora_args")
-    if isinstance(lora, Mapping):
+    if isinstance(lora, Mapping):  # MindSpeed MM's LoRA flags, as gpt_args are
         for key, value in _flatten_gpt_args(lora, "lora_args"):
-            out.unmapped.append(
-                f"lora_args.{key}: {value}: MindSpeed MM's LoRA flags; set "
-                "model.init_args.transformers_model.lora (rank, alpha, target_modules, ...) by hand"
-            )
+            if value is None or value is False:
+                out.notes.append(f"lora_args.{key}: {value}: off / unset, nothing to map")
+            else:
+                flag = "--" + str(key).replace("_", "-")
+                flags.append(
+                    (
+                        flag,
+                        ",".join(map(str, value)) if isinstance(value, list) else str(value),
+                        f"lora_args.{key}: {value}",
+                    )
+                )
     if "MM_TOOL_PATH" in config:
         out.unmapped.append(
             f"MM_TOOL_PATH {config['MM_TOOL_PATH']} (--mm-tool): MindSpeed MM's tool definitions for "
@@ -838,6 +852,51 @@ def _map_model(state: _Flags, launch: Launch, functions: set[str]) -> None:
     out.mapped += [f"  {shown} {item}" for item in converted.mapped]
     out.notes += [f"{shown} {item} (not applicable)" for item in converted.not_applicable]
     out.unmapped += [f"{shown} {item}" for item in converted.unmapped]
+
+
+_LIST_FLAGS = ("--lora-target-modules",)
+"""Flags that take several values (``--lora-target-modules q_proj k_proj v_proj``)."""
+
+
+def _join_list_values(flags: list[tuple[str, str | None, str]]) -> list[tuple[str, str | None, str]]:
+    """The words after a list flag, up to the next ``--flag``, as one comma-separated value."""
+    out: list[tuple[str, str | None, str]] = []
+    for flag, value, shown in flags:
+        if out and out[-1][0] in _LIST_FLAGS and value is None and not flag.startswith("--"):
+            last, values, _ = out[-1]
+            joined = f"{values},{flag}" if values else flag
+            out[-1] = (last, joined, f"{last} {joined.replace(',', ' ')}")
+            continue
+        out.append((flag, value, shown))
+    return out
+
+
+def _map_lora(state: _Flags) -> None:
+    """MindSpeed MM's LoRA flags (``--lora-r``, ``--lora-alpha``, ``--lora-dropout``, ``--lora-target-modules``,
+    or the single YAML's ``lora_args``) -> TransformersModel's ``lora`` (PEFT)."""
+    values, out = state.values, state.out
+    keys = {"lora_rank": "rank", "lora_alpha": "alpha", "lora_dropout": "dropout"}
+    given = [k for k in (*keys, "lora_target_modules") if k in values]
+    if "lora_hook" in values:
+        out.notes.append(
+            f"--lora-register-forward-hook {values['lora_hook']}: MindSpeed MM's hook that makes the frozen "
+            "embedding's output require gradients for reentrant recomputation; with the FSDP2 config's "
+            "use_reentrant: false (the default) none is needed"
+        )
+    if not given:
+        return
+    shown = ", ".join(f"--{k.replace('_', '-').replace('lora-rank', 'lora-r')}" for k in given)
+    model = state.cfg["model"]
+    if model.get("class_path") != TRANSFORMERS_MODULE:
+        out.unmapped.append(f"{shown}: LoRA is mapped onto TransformersModel's lora only; set it in your model")
+        return
+    lora: dict[str, Any] = {new: values[old] for old, new in keys.items() if old in values}
+    if "lora_target_modules" in values:
+        lora["target_modules"] = [m for m in str(values["lora_target_modules"]).split(",") if m.strip()]
+    else:
+        lora["target_modules"] = ["q_proj", "k_proj", "v_proj"]  # MindSpeed MM's default
+    model["init_args"]["transformers_model"]["lora"] = lora
+    out.mapped.append(f"{shown} -> model.init_args.transformers_model.lora ({', '.join(lora)})")
 
 
 def _hf_dir(state: _Flags) -> tuple[str | None, str]:
