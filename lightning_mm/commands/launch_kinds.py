@@ -65,14 +65,17 @@ MODEL_ID_REFUSALS: dict[str, tuple[str, str]] = {
     "moss_tts_delay": ("audio", "MOSS-TTS"),
     # MindSpeed MM's own models (or remote code) with no Transformers / diffusers twin here
     "bagel": ("no-twin", "Bagel"),
-    "FLUX": ("no-twin", "FLUX (DanceGRPO)"),
-    "ltx2": ("no-twin", "LTX-2"),
+    "FLUX": ("not-implemented", "FLUX (diffusers' FluxTransformer2DModel; no recipe here)"),
+    "ltx2": ("not-implemented", "LTX-2 (diffusers' LTX2 classes; its audio-video recipe is not built here)"),
     "kimi_k25": ("no-twin", "Kimi-K2.5 (remote code)"),
     "kimi_k3": ("no-twin", "Kimi-K3 (remote code)"),
     "step3_vl": ("no-twin", "Step3-VL (remote code)"),
     "mimo_v25": ("no-twin", "MiMo-V2.5"),
     "mimo_v2_5": ("no-twin", "MiMo-V2.5"),
-    "hunyuanvideo15dit": ("no-twin", "HunyuanVideo 1.5 (MindSpeed MM's own DiT and VAE)"),
+    "hunyuanvideo15dit": (
+        "not-implemented",
+        "HunyuanVideo 1.5 (diffusers' HunyuanVideo15Transformer3DModel; its training recipe is not built here)",
+    ),
     "vace": ("not-implemented", "Wan VACE (control-video conditioning)"),
 }
 """A ``model_id`` (top level or of a tower) -> (reason code, the model's name)."""
@@ -139,7 +142,7 @@ def refuse_yaml(config: Mapping[str, Any], source: str) -> None:
     if "generator_ckpt" in config or "real_score_fsdp_wrap_strategy" in config:
         raise Refused(source, "rl", "Self-Forcing DMD distillation (generator, real and fake score models)")
     if config and all(isinstance(v, Mapping) and "template" in v for v in config.values()):
-        raise Refused(source, "no-twin", "HunyuanVideo 1.5's prompt templates (template)")
+        raise Refused(source, "not-implemented", "HunyuanVideo 1.5's prompt templates (template)")
 
 
 def refuse_list(data: Any, source: str) -> None:

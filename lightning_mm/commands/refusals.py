@@ -21,12 +21,13 @@ REASONS: dict[str, str] = {
     "Self-Forcing DMD): a rollout or reward loop, not supervised training",
     "inference": "an inference, evaluation or sampling script or config: nothing is trained",
     "not-training": "a helper script that starts no training (install, patch, data preprocessing, Ray cluster start)",
-    "no-twin": "a model built from MindSpeed MM's own modeling code, with no Transformers or diffusers class here "
-    "(Bagel, LTX-2, HunyuanVideo 1.5, DeepSeek-OCR 2, FLUX, Kimi-K2.5/K3, Step3-VL, MiMo-V2.5)",
+    "no-twin": "a model with no Transformers or diffusers class (MindSpeed MM's own modeling code, or a checkpoint's "
+    "remote code): Bagel, DeepSeek-OCR 2, Kimi-K2.5/K3, Step3-VL, MiMo-V2.5",
     "megatron-model": "a model trained with MindSpeed MM's own Megatron (mcore) modules and tensor/pipeline "
     "parallelism rather than FSDP2",
-    "not-implemented": "a training feature with no counterpart here yet that changes what is trained (LoRA on a "
-    "diffusers model, Wan VACE's control-video conditioning)",
+    "not-implemented": "a model or training feature whose library class exists (diffusers) but whose training "
+    "recipe is not built here: HunyuanVideo 1.5, LTX-2, Wan VACE's control-video conditioning, LoRA on a diffusers "
+    "model",
     "invalid": "the file is not valid YAML / JSON as MindSpeed MM ships it",
     "feature-extraction": "MindSpeed MM's feature extraction (VAE and text-encoder features written to disk "
     "before training): lightning-mm reads those features, it does not write them",
