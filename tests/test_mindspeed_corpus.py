@@ -294,3 +294,23 @@ def test_newer_upstream_keys_are_named_with_what_they_would_need(tree):
         assert len(entries) == 1 and "would need" in entries[0], (key, result.unmapped)
     report = result.report()
     assert "unknown to lightning-mm migrate" not in report and "not a key of MindSpeed MM" not in report
+
+
+def test_a_migrated_megatron_route_qwen2_5_vl_job_builds_its_transformers_twin(tree):
+    """Qwen2.5-VL's Megatron-route model.json (MindSpeed MM's qwen2vit / lnmlp / qwen2_5_lm towers) migrated with
+    ``--hf-path``: the model section builds Transformers' Qwen2.5-VL class from that directory, with the towers the
+    model.json freezes frozen (its vision encoder and projector: every ``model.visual.*`` parameter)."""
+    from lightning_mm.modules.transformers_module import MMTransformersModule
+    from tests.hf_scenarios import tiny_hf_model
+
+    reference = tiny_hf_model("qwen2_5_vl")
+    reference.save_pretrained(tree / "tiny_qwen2_5_vl")
+    with _cwd(tree):
+        result, _ = migrate_file(Path("examples/qwen2.5vl/finetune_qwen2_5_vl_7b.sh"), hf_path=tree / "tiny_qwen2_5_vl")
+    transformers_model = result.config["model"]["init_args"]["transformers_model"]
+    assert transformers_model["init_from_hf_path"] == str(tree / "tiny_qwen2_5_vl")
+    module = MMTransformersModule(transformers_model=transformers_model, lr=1e-5)
+    module.configure_model()
+    assert type(reference).__name__ in [c.__name__ for c in type(module.model).__mro__]
+    frozen = {n for n, p in module.model.named_parameters() if not p.requires_grad}
+    assert frozen == {n for n, _ in reference.named_parameters() if n.startswith("model.visual.")}
