@@ -6,12 +6,21 @@
     lightning-mm migrate qwen3vl_full_sft_8B.yaml -o config.yaml   # MindSpeed MM's single YAML itself
     lightning-mm migrate qwen3vl_30B_config_v1.yaml -o config.yaml # its native FSDP2 route's six-section YAML
 
-Shell scripts are read by :mod:`lightning_mm.commands.launch_script`. MindSpeed MM's single-YAML form
-(``gpt_args``, ``data``, ``model`` sections) is read with the project's safe YAML loader: ``gpt_args`` go through
-the same flag table as the flags of a script, ``data`` becomes ``MMDataModule(data_config=<that YAML>)`` and
-``model`` a TransformersModel config (:mod:`lightning_mm.hf.mindspeed_model`). Every flag and key is either
-mapped or listed in the report with the reason; nothing is dropped silently. An existing output file is never
-overwritten without ``--force``, and the input never.
+    lightning-mm migrate finetune_qwen3_5_35B.sh -o config.yaml  # torchrun ... mindspeed_mm/fsdp/train/trainer.py cfg
+    lightning-mm migrate model_7b.json -o config.yaml              # one component (model.json, data config, FSDP2)
+
+A file of a kind this project does not train (audio models, DeepSpeed or MindSpore launches, RL post-training,
+inference scripts, ...) is refused with a reason of :mod:`lightning_mm.commands.refusals`, decided from its content
+(:mod:`lightning_mm.commands.launch_kinds`). Shell scripts are read by :mod:`lightning_mm.commands.launch_script`;
+a Wan model.json becomes MMWanModule (:mod:`lightning_mm.commands.mindspeed_diffusion`), and a Megatron-route VLM
+model.json its Transformers twin (``--hf-path``, or the data config's ``model_name_or_path``).
+
+MindSpeed MM's single-YAML form (``gpt_args``, ``data``, ``model`` sections) is read with the project's safe YAML
+loader: ``gpt_args`` go through the same flag table as the flags of a script, ``data`` becomes
+``MMDataModule(data_config=<that YAML>)`` and ``model`` a TransformersModel config
+(:mod:`lightning_mm.hf.mindspeed_model`). Every flag and key is either mapped or listed in the report with the
+reason; nothing is dropped silently. An existing output file is never overwritten without ``--force``, and the input
+never.
 """
 
 from __future__ import annotations
