@@ -151,7 +151,8 @@ def test_migrate_given_the_python_file_and_convert_with_a_missing_source_are_one
     script.write_text("export A=1\necho hello\n")
     proc = run(["migrate", str(script)])
     assert proc.returncode == 1 and proc.stderr.strip().splitlines() == [
-        "lightning-mm migrate: error: no `torchrun ... xxx.py` or `python ... xxx.py` launch line found in the script"
+        f"lightning-mm migrate: error: {script}: refused (not-training): a helper script that starts no training "
+        "(install, patch, data preprocessing, Ray cluster start); no torchrun / python launch line"
     ]
     proc = run(["convert", "dcp-to-torch", str(tmp_path / "missing.ckpt"), str(tmp_path / "out.pt")])
     assert proc.returncode != 0 and "Traceback" not in proc.stderr

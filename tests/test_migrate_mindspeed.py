@@ -17,7 +17,13 @@ import torch
 import yaml
 
 from lightning_mm.commands.migrate import TRANSFORMERS_MODULE, migrate, migrate_yaml, parse_args
-from lightning_mm.hf.mindspeed_model import FREEZE_PATHS, MODEL_IDS, MindSpeedModelError, transformers_model_config
+from lightning_mm.hf.mindspeed_model import (
+    DERIVED_MODEL_IDS,
+    FREEZE_PATHS,
+    MODEL_IDS,
+    MindSpeedModelError,
+    transformers_model_config,
+)
 from tests.hf_scenarios import IMAGE_TOKEN, VOCAB, tiny_hf_model
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -161,7 +167,7 @@ def test_freeze_flags_freeze_what_mindspeed_freezes(tmp_path, family, model_id, 
 def test_every_model_id_maps_to_a_builtin_modelhub_key():
     from lightning_mm.hf.hub import ModelHub
 
-    assert set(FREEZE_PATHS) == set(MODEL_IDS.values())
+    assert set(FREEZE_PATHS) == set(MODEL_IDS.values()) | set(DERIVED_MODEL_IDS)
     available = set(ModelHub.available())
     missing = set(MODEL_IDS.values()) - available
     if missing == {"qwen3_vl"}:
@@ -170,12 +176,12 @@ def test_every_model_id_maps_to_a_builtin_modelhub_key():
 
 
 def test_unknown_and_megatron_model_configs_are_clear_errors(tmp_path):
-    with pytest.raises(MindSpeedModelError, match=r"model_id: glm4v_moe` has no built-in adapter .*qwen3_vl -> "):
-        transformers_model_config({"model_id": "glm4v_moe", "init_from_hf_path": "x"}, "model.json", tmp_path)
+    with pytest.raises(MindSpeedModelError, match=r"model_id: bagel` has no built-in adapter .*qwen3_vl -> "):
+        transformers_model_config({"model_id": "bagel", "init_from_hf_path": "x"}, "model.json", tmp_path)
     megatron = {
-        "model_id": "qwen2_5vl",
-        "image_encoder": {"vision_encoder": {"model_id": "qwen2vit"}},
-        "text_decoder": {"model_id": "qwen2_5_lm"},
+        "model_id": "internvl",
+        "image_encoder": {"vision_encoder": {"model_id": "internvit"}},
+        "text_decoder": {"model_id": "internlm"},
     }
     with pytest.raises(MindSpeedModelError, match="Megatron-route model.json .* init_from_hf_path"):
         transformers_model_config(megatron, "model_7b.json", tmp_path)
@@ -393,10 +399,21 @@ def test_mm_data_and_mm_model_flags_with_mindspeeds_entry_script(tmp_path):
             }
         )
     )
-    launch = parse_args(["--mm-model", "model_7b.json"])
-    launch.script = "pretrain_transformers.py"
-    with pytest.raises(MindSpeedModelError, match="HF-checkpoint route"):
-        migrate(launch, base_dir=tmp_path)
+    # a Megatron-route model.json of a family with a Transformers twin: that class, weights from the data config's
+    # model_name_or_path (the Hugging Face directory the job names)
+    (tmp_path / "data.json").write_text(
+        json.dumps({"dataset_param": {"preprocess_parameters": {"model_name_or_path": "./hf"}}, "dataloader_param": {}})
+    )
+    launch = parse_args(["--mm-data", "data.json", "--mm-model", "model_7b.json"])
+    launch.script = "pretrain_vlm.py"
+    result = migrate(launch, base_dir=tmp_path)
+    assert result.config["model"]["init_args"]["transformers_model"] == {"init_from_hf_path": str(tmp_path / "hf")}
+    assert any("image_encoder.vision_encoder.model_id qwen2vit" in n for n in result.notes)
+    (tmp_path / "data.json").write_text(json.dumps({"dataset_param": {}, "dataloader_param": {}}))
+    result = migrate(launch, base_dir=tmp_path)  # no directory named: said, by name
+    assert any("init_from_hf_path: a Megatron-route model.json names no" in u for u in result.unmapped)
+    result = migrate(launch, base_dir=tmp_path, hf_path=tmp_path / "hf")  # or `migrate --hf-path`
+    assert result.config["model"]["init_args"]["transformers_model"] == {"init_from_hf_path": str(tmp_path / "hf")}
 
 
 def test_migrated_transformers_module_builds_the_model(tmp_path):

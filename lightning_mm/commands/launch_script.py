@@ -31,8 +31,6 @@ __all__ = [
 _VAR = re.compile(r"\$\{([A-Za-z_][A-Za-z0-9_]*)\}|\$([A-Za-z_][A-Za-z0-9_]*)")
 _ASSIGN = re.compile(r"^(?:export\s+)?([A-Za-z_][A-Za-z0-9_]*)=(.*)$", re.DOTALL)
 _ARITHMETIC = re.compile(r"\$\(\(([0-9+\-*/%() \t]{1,200})\)\)")
-# Shell operators that end the launch command (`torchrun ... 2>&1 | tee log`).
-_COMMAND_END = re.compile(r"^(\||\|\||&&|;|&|\d*>.*|\d*<.*|&>.*)$")
 
 MAX_SCRIPT_BYTES = 4 << 20
 """Largest launch script, YAML or entry script read (4 MiB)."""
@@ -40,6 +38,10 @@ MAX_EXPANDED_BYTES = 1 << 20
 """Most characters that variable expansion may produce over a whole script (1 MiB)."""
 MAX_EXPANSIONS = 100_000
 """Most ``$VAR`` substitutions in one script."""
+UNEVALUATED = "{unevaluated:"
+"""How a value that comes from shell the reader does not run reads after expansion: ``{unevaluated:NNODES}``."""
+_SHELL_KEYWORD = re.compile(r"^(source|\.|for|while|until|if|case|select|function)\s|^[A-Za-z_][\w-]*\s*\(\)\s*\{?")
+_FLAG_WORD = re.compile(r"(?<![\w-])--[A-Za-z][\w-]*")
 
 
 class MigrateError(ValueError):
@@ -56,6 +58,11 @@ class Launch:
     env: dict[str, str] = field(default_factory=dict)
     config_yaml: str | None = None
     """The YAML given to the entry script as its first argument (MindSpeed MM's single-YAML form)."""
+    unevaluated: list[str] = field(default_factory=list)
+    """Shell the reader does not evaluate (command substitution, arithmetic on such values, ``source``, loops and
+    conditionals), each as ``line N: text``; a value that depends on it reads :data:`UNEVALUATED` ``NAME``."""
+    unused: list[str] = field(default_factory=list)
+    """Flags written in a variable that never reaches the launch line, as ``--flag (in NAME, line N)``."""
 
 
 class _Expander:
@@ -141,6 +148,64 @@ def _arithmetic(match: re.Match[str]) -> str:
 # anything else (group 2: an unterminated quote or a trailing backslash). Each alternative is linear: no backtracking.
 _PIECE = re.compile(r"""[^\s'"\\]+|'[^']*'|"(?:[^"\\]|\\.)*"|\\.|(\s+)|(.)""", re.DOTALL)
 _DOUBLE_QUOTED_ESCAPE = re.compile(r'\\([\\"$`\n])')
+
+
+def _substitution_end(text: str, start: int) -> int:
+    """The index after the ``)`` closing the ``$(`` (or ``$((``) at ``start``, quotes respected; -1 if unclosed."""
+    depth, i, quote = 0, start, ""
+    while i < len(text):
+        ch = text[i]
+        if quote:
+            if ch == "\\" and quote == '"':
+                i += 2
+                continue
+            if ch == quote:
+                quote = ""
+        elif ch in "'\"":
+            quote = ch
+        elif ch == "(":
+            depth += 1
+        elif ch == ")":
+            depth -= 1
+            if depth == 0:
+                return i + 1
+        i += 1
+    return -1
+
+
+def _command_substitutions(text: str) -> list[str]:
+    """The ``$(command)`` and backquoted commands of ``text`` (not ``$((arithmetic))``), outside single quotes."""
+    found: list[str] = []
+    i, quote = 0, ""
+    while i < len(text):
+        ch = text[i]
+        if quote == "'":
+            quote = "" if ch == "'" else quote
+        elif ch == "'" and not quote:
+            quote = "'"
+        elif ch == "`":
+            end = text.find("`", i + 1)
+            found.append(text[i : (end + 1) if end >= 0 else len(text)])
+            i = len(text) if end < 0 else end + 1
+            continue
+        elif text.startswith("$(", i) and not text.startswith("$((", i):
+            end = _substitution_end(text, i + 1)
+            found.append(text[i : end if end >= 0 else len(text)])
+            i = len(text) if end < 0 else end
+            continue
+        i += 1
+    return found
+
+
+def _arithmetic_left(text: str) -> list[str]:
+    """The ``$((...))`` that expansion could not compute (they use unevaluated values or shell syntax)."""
+    found: list[str] = []
+    i = text.find("$((")
+    while i >= 0:
+        end = _substitution_end(text, i + 1)
+        found.append(text[i : end if end >= 0 else len(text)])
+        i = -1 if end < 0 else text.find("$((", end)
+    return found
 
 
 def split_words(text: str) -> list[str]:
@@ -286,39 +351,92 @@ def read_text_file(path: Path, what: str) -> str:
         ) from None
 
 
+def _cut_command(line: str) -> str:
+    """The launch line up to its first unquoted pipe, list operator or redirection (``2>&1 | tee log``), found
+    before expansion: as in the shell, a ``<`` or ``|`` that a variable expands to is a word, not an operator."""
+    quote, depth, i = "", 0, 0
+    while i < len(line):
+        ch = line[i]
+        if quote:
+            if ch == "\\" and quote == '"':
+                i += 2
+                continue
+            if ch == quote:
+                quote = ""
+        elif ch == "\\":
+            i += 2
+            continue
+        elif ch in "'\"`":
+            quote = ch
+        elif line.startswith("$(", i):
+            depth += 1
+            i += 2
+            continue
+        elif ch == ")" and depth:
+            depth -= 1
+        elif ch in "|;&<>" and not depth:
+            start = i
+            while start > 0 and line[start - 1].isdigit():
+                start -= 1
+            if start == 0 or line[start - 1] in " \t":
+                return line[:start]
+        i += 1
+    return line
+
+
 def _is_launch_line(line: str) -> bool:
     return bool(re.search(r"(^|\s)(torchrun|python3?)\s", line)) and ".py" in line
 
 
 def parse_script(text: str, source: str = "the launch script") -> Launch:
-    """A launch given as a shell script (``source`` names it in messages)."""
+    """A launch given as a shell script (``source`` names it in messages).
+
+    Shell the reader does not run is named in :attr:`Launch.unevaluated` and never hides the rest: a variable set
+    by command substitution (``NNODES=$(cat $HOSTFILE | wc -l)``) or by arithmetic on such a value reads
+    ``{unevaluated:NNODES}`` wherever it is used, so the flags around it are kept.
+    """
     env: dict[str, str] = {}
     expand = _Expander(source)
     launch_line = None
     launch_no = 0
+    unevaluated: list[str] = []
+    written: list[tuple[str, str, int]] = []  # (flag, variable, line) of every flag written in an assignment
     for number, line in _logical_lines(text, source):
         is_launch = _is_launch_line(line)
         assign = _ASSIGN.match(line)
         if assign and not is_launch:
-            value = expand(assign.group(2).strip(), env, number)
+            name, raw = assign.group(1), assign.group(2).strip()
+            written += [(flag, name, number) for flag in _FLAG_WORD.findall(raw)]
+            commands = _command_substitutions(raw)
+            if commands:
+                unevaluated.append(f"line {number}: {name}={raw} (command substitution)")
+                env[name] = f"{UNEVALUATED}{name}}}"
+                continue
+            value = expand(raw, env, number)
+            left = _arithmetic_left(value)
+            if left:
+                unevaluated.append(f"line {number}: {name}={raw} (arithmetic on values not evaluated)")
+                for expression in left:
+                    value = value.replace(expression, f"{UNEVALUATED}{name}}}")
             try:
                 value = " ".join(split_words(value))
             except ValueError:
                 value = value.strip("\"'")
-            env[assign.group(1)] = value
+            env[name] = value
             continue
         if is_launch:
-            launch_line, launch_no = expand(line, env, number), number
+            launch_line, launch_no = expand(_cut_command(line), env, number), number
+            for command in _command_substitutions(launch_line):
+                unevaluated.append(f"line {number}: {command} on the launch line (command substitution)")
+                launch_line = launch_line.replace(command, f"{UNEVALUATED}line {number}}}")
+        elif _SHELL_KEYWORD.match(line):
+            unevaluated.append(f"line {number}: {line[:120]} (not run: only assignments and the launch line are read)")
     if launch_line is None:
         raise MigrateError("no `torchrun ... xxx.py` or `python ... xxx.py` launch line found in the script")
     try:
         tokens = split_words(launch_line)
     except ValueError as err:
         raise MigrateError(f"{source}:{launch_no}: cannot split the launch line: {err}") from None
-    for i, token in enumerate(tokens):
-        if _COMMAND_END.match(token):
-            tokens = tokens[:i]  # a pipe or a redirection ends the command
-            break
     while tokens and not re.search(r"(^|/)(torchrun|python3?)$", tokens[0]):
         tokens.pop(0)  # e.g. `nohup`, environment prefixes
     if not tokens:
@@ -339,7 +457,24 @@ def parse_script(text: str, source: str = "the launch script") -> Launch:
             if not value and tokens and not tokens[0].startswith("-") and not tokens[0].endswith(".py"):
                 value = tokens.pop(0)
             launcher[name.lstrip("-").replace("-", "_")] = value
+    if script is None:
+        raise MigrateError(f"{source}:{launch_no}: no entry script (`xxx.py`) on the launch line")
     config_yaml = None
     if tokens and tokens[0].endswith((".yaml", ".yml")):  # MindSpeed MM: `pretrain_transformers.py cfg.yaml`
         config_yaml = tokens.pop(0)
-    return Launch(launcher=launcher, script=script, flags=_split_flags(tokens), env=env, config_yaml=config_yaml)
+    flags = _split_flags(tokens)
+    passed = (
+        {flag for flag, _ in flags}
+        | {f"--{key}" for key in launcher}
+        | {f"--{key.replace('_', '-')}" for key in launcher}
+    )
+    unused = [f"{flag} (in {name}, line {line})" for flag, name, line in written if flag not in passed]
+    return Launch(
+        launcher=launcher,
+        script=script,
+        flags=flags,
+        env=env,
+        config_yaml=config_yaml,
+        unevaluated=unevaluated,
+        unused=unused,
+    )

@@ -6,12 +6,21 @@
     lightning-mm migrate qwen3vl_full_sft_8B.yaml -o config.yaml   # MindSpeed MM's single YAML itself
     lightning-mm migrate qwen3vl_30B_config_v1.yaml -o config.yaml # its native FSDP2 route's six-section YAML
 
-Shell scripts are read by :mod:`lightning_mm.commands.launch_script`. MindSpeed MM's single-YAML form
-(``gpt_args``, ``data``, ``model`` sections) is read with the project's safe YAML loader: ``gpt_args`` go through
-the same flag table as the flags of a script, ``data`` becomes ``MMDataModule(data_config=<that YAML>)`` and
-``model`` a TransformersModel config (:mod:`lightning_mm.hf.mindspeed_model`). Every flag and key is either
-mapped or listed in the report with the reason; nothing is dropped silently. An existing output file is never
-overwritten without ``--force``, and the input never.
+    lightning-mm migrate finetune_qwen3_5_35B.sh -o config.yaml  # torchrun ... mindspeed_mm/fsdp/train/trainer.py cfg
+    lightning-mm migrate model_7b.json -o config.yaml              # one component (model.json, data config, FSDP2)
+
+A file of a kind this project does not train (audio models, DeepSpeed or MindSpore launches, RL post-training,
+inference scripts, ...) is refused with a reason of :mod:`lightning_mm.commands.refusals`, decided from its content
+(:mod:`lightning_mm.commands.launch_kinds`). Shell scripts are read by :mod:`lightning_mm.commands.launch_script`;
+a Wan model.json becomes MMWanModule (:mod:`lightning_mm.commands.mindspeed_diffusion`), and a Megatron-route VLM
+model.json its Transformers twin (``--hf-path``, or the data config's ``model_name_or_path``).
+
+MindSpeed MM's single-YAML form (``gpt_args``, ``data``, ``model`` sections) is read with the project's safe YAML
+loader: ``gpt_args`` go through the same flag table as the flags of a script, ``data`` becomes
+``MMDataModule(data_config=<that YAML>)`` and ``model`` a TransformersModel config
+(:mod:`lightning_mm.hf.mindspeed_model`). Every flag and key is either mapped or listed in the report with the
+reason; nothing is dropped silently. An existing output file is never overwritten without ``--force``, and the input
+never.
 """
 
 from __future__ import annotations
@@ -28,7 +37,14 @@ from typing import TYPE_CHECKING, Any
 
 import yaml
 
-from lightning_mm.commands.launch_script import Launch, MigrateError, parse_args, parse_script, read_text_file
+from lightning_mm.commands.launch_script import (
+    UNEVALUATED,
+    Launch,
+    MigrateError,
+    parse_args,
+    parse_script,
+    read_text_file,
+)
 
 if TYPE_CHECKING:
     from lightning_mm.commands.native_route import NativeMigration
@@ -404,6 +420,19 @@ FLAGS: dict[str, _Handler] = {
     "--use-txt-dynamic-batching": _keep("dynamic_batching", None),
     "--max-seq-len": _keep("max_seq_len", int),
     "--dynamic-batch-buffer-size": _keep("dynamic_batch_buffer_size", int),
+    "--lora-r": _keep("lora_rank", int),
+    "--lora-alpha": _keep("lora_alpha", float),
+    "--lora-dropout": _keep("lora_dropout", float),
+    "--lora-target-modules": _keep("lora_target_modules", None),
+    "--lora-register-forward-hook": _keep("lora_hook", None),
+    "--layerzero": _refuse(
+        "MindSpeed's LayerZero (ZeRO-3 over its own units); FSDP2 shards the model here (MMFSDP2Strategy, units from "
+        "--fsdp2-config-path or the model's default plan)"
+    ),
+    "--layerzero-config": _refuse(
+        "MindSpeed's LayerZero config (zero3_size, transformer_layers, ...); FSDP2 shards the model here: give an "
+        "FSDP2 YAML (--fsdp2-config-path) for the units"
+    ),
     "--mm-tool": _refuse("MindSpeed MM's tool definitions for its chat templates; not read by lightning-mm"),
     "--tensor-model-parallel-size": _only_one("tensor parallelism is not supported (FSDP2 and context parallelism)"),
     "--pipeline-model-parallel-size": _only_one(
@@ -433,7 +462,7 @@ FLAGS: dict[str, _Handler] = {
 
 TRANSFORMERS_MODULE = "lightning_mm.modules.transformers_module.MMTransformersModule"
 """The LightningModule a TransformersModel config is written for (MindSpeed MM's pretrain_transformers.py)."""
-MINDSPEED_ENTRY_SCRIPTS = ("pretrain_transformers.py",)
+MINDSPEED_ENTRY_SCRIPTS = ("pretrain_transformers.py", "pretrain_vlm.py", "pretrain_sora.py")
 """MindSpeed MM's own entry scripts of the Transformers route: their functions read Megatron's globals and become
 lightning-mm's built-ins (TransformersModel from --mm-model, MMDataModule(data_config) from --mm-data)."""
 
@@ -444,6 +473,7 @@ def migrate(
     import_root: Path | None = None,
     keep_backend: bool = False,
     single_yaml: tuple[Path, Mapping[str, Any]] | None = None,
+    hf_path: Path | None = None,
 ) -> Migration:
     """Map a launch onto a LightningCLI config; everything not mapped is listed with the reason.
 
@@ -461,6 +491,8 @@ def migrate(
         "data": {"class_path": "lightning_mm.MMDataModule", "init_args": {}},
     }
     state = _Flags(cfg, Migration(cfg), {}, Path.cwd() if base_dir is None else Path(base_dir), keep_backend)
+    if hf_path is not None:
+        state.values["hf_path"] = Path(hf_path).resolve()
     world = _map_launcher(state, launch)
     functions = _map_entry_script(state, launch, import_root)
     flags = [(flag, value, f"{flag} {value}" if value is not None else flag) for flag, value in launch.flags]
@@ -471,8 +503,14 @@ def migrate(
                 "(its read_yaml_config.py rebuilds the command line from gpt_args)"
             )
         flags = _map_single_yaml(state, *single_yaml)
+    flags = _join_list_values(flags)
     for flag, value, shown in flags:
         handler = FLAGS.get(flag)
+        if value is not None and UNEVALUATED in value:
+            state.out.unmapped.append(
+                f"{shown}: its value comes from shell that migrate does not run (see the notes); set it by hand"
+            )
+            continue
         if handler is None:
             state.out.unmapped.append(f"{shown}: unknown to lightning-mm migrate")
             continue
@@ -484,6 +522,7 @@ def migrate(
     _map_dynamic_batching(state)
     _map_checkpointing(state)
     _map_model(state, launch, functions)
+    _map_lora(state)
     _map_data(state, launch, functions)
     for name in launch.env:
         if name in ("CUDA_DEVICE_MAX_CONNECTIONS",):
@@ -548,12 +587,19 @@ def _map_single_yaml(state: _Flags, path: Path, config: Mapping[str, Any]) -> li
     if "model" in config:
         state.values["mm_model"] = (f"{path.name} model:", path, config["model"])
     lora = config.get("lora_args")
-    if isinstance(lora, Mapping):
+    if isinstance(lora, Mapping):  # MindSpeed MM's LoRA flags, as gpt_args are
         for key, value in _flatten_gpt_args(lora, "lora_args"):
-            out.unmapped.append(
-                f"lora_args.{key}: {value}: MindSpeed MM's LoRA flags; set "
-                "model.init_args.transformers_model.lora (rank, alpha, target_modules, ...) by hand"
-            )
+            if value is None or value is False:
+                out.notes.append(f"lora_args.{key}: {value}: off / unset, nothing to map")
+            else:
+                flag = "--" + str(key).replace("_", "-")
+                flags.append(
+                    (
+                        flag,
+                        ",".join(map(str, value)) if isinstance(value, list) else str(value),
+                        f"lora_args.{key}: {value}",
+                    )
+                )
     if "MM_TOOL_PATH" in config:
         out.unmapped.append(
             f"MM_TOOL_PATH {config['MM_TOOL_PATH']} (--mm-tool): MindSpeed MM's tool definitions for "
@@ -587,6 +633,14 @@ def _map_launcher(state: _Flags, launch: Launch) -> int | None:
     if nnodes and nnodes.isdigit():
         _set(cfg, "trainer.num_nodes", int(nnodes))
         out.mapped.append(f"torchrun --nnodes {nnodes} -> trainer.num_nodes")
+    for key in ("nproc_per_node", "nnodes"):
+        value = launch.launcher.get(key)
+        if value is not None and not value.isdigit():
+            target = "trainer.devices" if key == "nproc_per_node" else "trainer.num_nodes"
+            why = (
+                "comes from shell that migrate does not run (see the notes)" if UNEVALUATED in value else "not a number"
+            )
+            out.unmapped.append(f"torchrun --{key} {value}: {why}; set {target}")
     for key in launch.launcher:
         if key not in ("nproc_per_node", "nnodes"):
             out.unmapped.append(f"torchrun --{key}: set by the launcher / cluster environment, not in the YAML")
@@ -614,8 +668,8 @@ def _map_entry_script(state: _Flags, launch: Launch, import_root: Path | None) -
         out.import_root = None
         out.notes.append(
             f"{launch.script}: MindSpeed MM's own entry script; its model_provider, forward_step and "
-            f"datasets provider become {TRANSFORMERS_MODULE.rsplit('.', 1)[1]} (TransformersModel from "
-            "the model config) and MMDataModule(data_config)"
+            "datasets provider become lightning-mm's module for the model config (MMTransformersModule, or "
+            "MMWanModule for a Wan model.json) and MMDataModule(data_config)"
         )
         return set()
     if defined is None:
@@ -765,11 +819,41 @@ def _map_model(state: _Flags, launch: Launch, functions: set[str]) -> None:
         if not path.is_file():
             out.unmapped.append(f"{shown}: {path} does not exist; set model.init_args.transformers_model by hand")
             return
-        section = _load_yaml(path)
-    from lightning_mm.hf.mindspeed_model import transformers_model_config
+        section = _load_config_file(path)
+    from lightning_mm.commands.mindspeed_diffusion import is_diffusion_model
+    from lightning_mm.hf.mindspeed_model import MindSpeedModelError, transformers_model_config
 
     source = f"{path} (model)" if path.suffix.lower() in (".yaml", ".yml") else str(path)
-    converted = transformers_model_config(section, source, state.base)
+    if is_diffusion_model(section):
+        lora = sorted({flag for flag, _ in launch.flags if flag.startswith("--lora")})
+        if lora:
+            from lightning_mm.commands.refusals import Refused
+
+            raise Refused(source, "not-implemented", f"LoRA on a diffusers model ({', '.join(lora)})")
+        _map_diffusion_model(state, shown, section, source)
+        return
+    hf_dir, origin = _hf_dir(state)
+    try:
+        converted = transformers_model_config(
+            section, source, state.base, hf_dir=hf_dir, hf_dir_origin=origin, hf_dir_overrides=origin == "--hf-path"
+        )
+    except MindSpeedModelError as err:
+        if not err.megatron:
+            raise
+        from lightning_mm.commands.refusals import Refused
+
+        raise Refused(source, "megatron-model", "its towers are MindSpeed MM's own Megatron modules") from None
+    if "init_from_hf_path" not in section and state.values.get("load"):
+        # a Megatron-route model.json: --load names MindSpeed MM's converted (Megatron-format) weights, which the
+        # Transformers twin cannot read; it starts from the Hugging Face directory they were converted from
+        state.cfg.pop("ckpt_path", None)
+        out.mapped = [m for m in out.mapped if not m.startswith("--load ")]
+        out.unmapped = [u for u in out.unmapped if not u.startswith("--load ")]
+        out.notes.append(
+            f"--load {state.values['load']}: MindSpeed MM's Megatron-format weights of its own towers; not read "
+            "here: the Transformers twin starts from init_from_hf_path (the Hugging Face directory they were "
+            "converted from); ckpt_path is not set (a resume is a checkpoint written here)"
+        )
     model = state.cfg["model"]
     model["class_path"] = TRANSFORMERS_MODULE
     model["init_args"] = {"transformers_model": converted.config, **model["init_args"]}
@@ -777,6 +861,109 @@ def _map_model(state: _Flags, launch: Launch, functions: set[str]) -> None:
     out.mapped += [f"  {shown} {item}" for item in converted.mapped]
     out.notes += [f"{shown} {item} (not applicable)" for item in converted.not_applicable]
     out.unmapped += [f"{shown} {item}" for item in converted.unmapped]
+
+
+_LIST_FLAGS = ("--lora-target-modules",)
+"""Flags that take several values (``--lora-target-modules q_proj k_proj v_proj``)."""
+
+
+def _join_list_values(flags: list[tuple[str, str | None, str]]) -> list[tuple[str, str | None, str]]:
+    """The words after a list flag, up to the next ``--flag``, as one comma-separated value."""
+    out: list[tuple[str, str | None, str]] = []
+    for flag, value, shown in flags:
+        if out and out[-1][0] in _LIST_FLAGS and value is None and not flag.startswith("--"):
+            last, values, _ = out[-1]
+            joined = f"{values},{flag}" if values else flag
+            out[-1] = (last, joined, f"{last} {joined.replace(',', ' ')}")
+            continue
+        out.append((flag, value, shown))
+    return out
+
+
+def _map_lora(state: _Flags) -> None:
+    """MindSpeed MM's LoRA flags (``--lora-r``, ``--lora-alpha``, ``--lora-dropout``, ``--lora-target-modules``,
+    or the single YAML's ``lora_args``) -> TransformersModel's ``lora`` (PEFT)."""
+    values, out = state.values, state.out
+    keys = {"lora_rank": "rank", "lora_alpha": "alpha", "lora_dropout": "dropout"}
+    given = [k for k in (*keys, "lora_target_modules") if k in values]
+    if "lora_hook" in values:
+        out.notes.append(
+            f"--lora-register-forward-hook {values['lora_hook']}: MindSpeed MM's hook that makes the frozen "
+            "embedding's output require gradients for reentrant recomputation; with the FSDP2 config's "
+            "use_reentrant: false (the default) none is needed"
+        )
+    if not given:
+        return
+    shown = ", ".join(f"--{k.replace('_', '-').replace('lora-rank', 'lora-r')}" for k in given)
+    model = state.cfg["model"]
+    if model.get("class_path") != TRANSFORMERS_MODULE:
+        out.unmapped.append(f"{shown}: LoRA is mapped onto TransformersModel's lora only; set it in your model")
+        return
+    lora: dict[str, Any] = {new: values[old] for old, new in keys.items() if old in values}
+    if "lora_target_modules" in values:
+        lora["target_modules"] = [m for m in str(values["lora_target_modules"]).split(",") if m.strip()]
+    else:
+        lora["target_modules"] = ["q_proj", "k_proj", "v_proj"]  # MindSpeed MM's default
+    model["init_args"]["transformers_model"]["lora"] = lora
+    out.mapped.append(f"{shown} -> model.init_args.transformers_model.lora ({', '.join(lora)})")
+
+
+def _hf_dir(state: _Flags) -> tuple[str | None, str]:
+    """The Hugging Face directory the job names: ``migrate --hf-path``, else its data config's
+    ``dataset_param.preprocess_parameters.model_name_or_path`` (the processor's directory, the model's too)."""
+    if state.values.get("hf_path"):
+        return str(state.values["hf_path"]), "--hf-path"
+    data = state.values.get("mm_data")
+    if data is None or not data[1].is_file():
+        return None, ""
+    try:
+        content: Mapping[str, Any] = _load_config_file(data[1])
+    except MigrateError:
+        return None, ""
+    if "data" in content and "dataset_param" not in content:
+        content = content["data"] if isinstance(content["data"], Mapping) else {}
+    params = (content.get("dataset_param") or {}).get("preprocess_parameters") or {}
+    value = params.get("model_name_or_path") if isinstance(params, Mapping) else None
+    if not isinstance(value, str) or not value.strip():
+        return None, ""
+    return value, f"{data[0]} dataset_param.preprocess_parameters.model_name_or_path {value}"
+
+
+def _map_diffusion_model(state: _Flags, shown: str, section: Mapping[str, Any], source: str) -> None:
+    """A Wan model.json: MMWanModule (the diffusers path) with the weights of ``--load`` / ``--hf-path``."""
+    from lightning_mm.commands.mindspeed_diffusion import wan_module_config
+
+    out, cfg = state.out, state.cfg
+    weights, origin = None, ""
+    if state.values.get("hf_path"):
+        weights, origin = str(Path(state.values["hf_path"]).resolve()), "--hf-path"
+    elif state.values.get("load"):
+        weights, origin = str(state.path_of(state.values["load"])), f"--load {state.values['load']}"
+        cfg.pop("ckpt_path", None)  # on this route --load names the weights to start from, not a resume
+        out.mapped = [m for m in out.mapped if not m.startswith("--load ")]
+        out.unmapped = [u for u in out.unmapped if not u.startswith("--load ")]
+    try:
+        converted = wan_module_config(section, source, weights, origin)
+    except ValueError as err:
+        raise MigrateError(str(err)) from None
+    init_args = {**cfg["model"].get("init_args", {}), **converted.model["init_args"]}
+    strategy_args = cfg["trainer"].get("strategy", {}).get("init_args", {})
+    if "fsdp2_config" in strategy_args:  # MindSpeed MM's Wan YAMLs are read by MMWanModule (their paths mapped)
+        init_args["fsdp2_config"] = strategy_args.pop("fsdp2_config")
+        out.mapped = [
+            m.replace("-> trainer.strategy.init_args.fsdp2_config", "-> model.init_args.fsdp2_config")
+            if m.startswith("--fsdp2-config-path")
+            else m
+            for m in out.mapped
+        ]
+        out.notes.append(
+            "--fsdp2-config-path: given to MMWanModule(fsdp2_config=...), which reads MindSpeed MM's Wan YAMLs "
+            "as written (predictor.* paths mapped to diffusers' names)"
+        )
+    cfg["model"] = {"class_path": converted.model["class_path"], "init_args": init_args}
+    out.mapped += [f"{shown} {m}" for m in converted.mapped]
+    out.notes += [f"{shown} {n}" for n in converted.notes]
+    out.unmapped += [f"{shown} {u}" for u in converted.unmapped]
 
 
 def _map_data(state: _Flags, launch: Launch, functions: set[str]) -> None:
@@ -836,6 +1023,188 @@ def _launch_dir(script: Path, launch: Launch) -> tuple[Path, str]:
     return folder, "the script's folder"
 
 
+_DATA_KEYS = ("dataset_param", "dataloader_param")
+_MODEL_KEYS = (
+    "model_id",
+    "init_from_hf_path",
+    "predictor",
+    "ae",
+    "text_encoder",
+    "image_encoder",
+    "text_decoder",
+    "diffusion",
+)
+_FSDP2_KEYS = ("sub_modules_to_wrap", "sharding_size", "param_dtype", "reduce_dtype", "recompute_modules")
+_LAYERZERO_KEYS = ("zero3_size", "transformer_layers")
+
+
+def _load_config_file(path: Path) -> dict[str, Any]:
+    """A YAML or JSON config (JSON read as JSON: YAML refuses the tabs JSON allows)."""
+    if path.suffix.lower() != ".json":
+        try:
+            return _load_yaml(path)
+        except MigrateError as err:
+            if "not valid YAML" not in str(err):
+                raise
+            from lightning_mm.commands.refusals import Refused
+
+            raise Refused(str(path), "invalid", str(err)) from None
+    import json
+
+    try:
+        data = json.loads(read_text_file(path, "a JSON config"))
+    except ValueError as err:
+        raise MigrateError(f"{path}: not valid JSON: {err}") from None
+    if not isinstance(data, dict):
+        from lightning_mm.commands.launch_kinds import refuse_list
+
+        refuse_list(data, str(path))
+        raise MigrateError(f"{path}: the top level must be a mapping of keys to values, got {type(data).__name__}")
+    return data
+
+
+def migrate_file(
+    path: Path,
+    base_dir: Path | None = None,
+    import_root: Path | None = None,
+    keep_backend: bool = False,
+    hf_path: Path | None = None,
+) -> tuple[Migration | NativeMigration, list[Path]]:
+    """``lightning-mm migrate FILE``: the migration of a launch script, a single or native-route YAML, or one of
+    MindSpeed MM's component configs given by itself (a model.json, a data config, an FSDP2 YAML), and the files it
+    read. A file of a kind this project does not train is a :class:`~lightning_mm.commands.refusals.Refused`
+    error naming the file and the reason (:data:`~lightning_mm.commands.refusals.REASONS`)."""
+    from lightning_mm.commands.launch_kinds import refuse_model_ids, refuse_yaml
+    from lightning_mm.commands.native_route import is_native_route, migrate_native
+
+    path = Path(path)
+    source = str(path)
+    inputs = [path]
+    result: Migration | NativeMigration
+    if path.suffix.lower() in (".yaml", ".yml", ".json"):
+        base = Path(base_dir) if base_dir else Path.cwd()
+        content = _load_config_file(path)
+        refuse_yaml(content, source)
+        absolute = str(path.resolve())
+        if is_native_route(content):  # MindSpeed MM's native FSDP2 route: six sections, parallel first
+            refuse_model_ids(content, source, ("model",))
+            result = migrate_native(path, content, base_dir=base)
+        elif "gpt_args" in content:
+            refuse_model_ids(content, source, ("model",))
+            result = migrate_yaml(path, base_dir=base, keep_backend=keep_backend)
+        elif any(k in content for k in _DATA_KEYS):
+            result = migrate(Launch(flags=[("--mm-data", absolute)]), base_dir=base)
+        elif any(k in content for k in _MODEL_KEYS):
+            refuse_model_ids(content, source)
+            result = migrate(Launch(flags=[("--mm-model", absolute)]), base_dir=base, hf_path=hf_path)
+        elif any(k in content for k in _FSDP2_KEYS) or any(k in content for k in _LAYERZERO_KEYS):
+            flag = "--layerzero-config" if any(k in content for k in _LAYERZERO_KEYS) else "--fsdp2-config-path"
+            result = migrate(Launch(flags=[("--use-torch-fsdp2", None), (flag, absolute)]), base_dir=base)
+        else:
+            raise MigrateError(
+                f"{path}: not a MindSpeed MM launch script, single YAML, native-route YAML, model config, data "
+                "config or FSDP2 config (none of their keys: gpt_args, parallel, model_id, dataset_param, "
+                "sub_modules_to_wrap, ...)"
+            )
+        result.notes.insert(0, f"relative paths are taken from {base.resolve()} (the launch directory; --base-dir)")
+        return result, inputs
+    result, read = _migrate_script(path, base_dir, import_root, keep_backend, hf_path)
+    return result, inputs + read
+
+
+def _migrate_script(
+    path: Path, base_dir: Path | None, import_root: Path | None, keep_backend: bool, hf_path: Path | None
+) -> tuple[Migration | NativeMigration, list[Path]]:
+    from lightning_mm.commands.launch_kinds import (
+        NATIVE_TRAINER,
+        refuse_entry_script,
+        refuse_model_ids,
+        refuse_script_text,
+    )
+    from lightning_mm.commands.native_route import is_native_route, migrate_native
+    from lightning_mm.commands.refusals import Refused
+
+    source = str(path)
+    text = read_text_file(path, "a launch script")
+    refuse_script_text(text, source)
+    launch = parse_script(text, source)
+    refuse_entry_script(launch.script, source)
+    if base_dir is not None:
+        base, why = Path(base_dir), "--base-dir"
+    else:
+        base, why = _launch_dir(path, launch)
+    note = f"relative paths are taken from {base.resolve()} ({why})"
+    read: list[Path] = []
+    result: Migration | NativeMigration
+    for flag, value in launch.flags:
+        if flag == "--mm-model" and value and (base / value).is_file():
+            refuse_model_ids(_load_config_file(base / value), f"{source} (--mm-model {value})")
+    if launch.config_yaml:
+        yaml_path = (base / launch.config_yaml).resolve()
+        if not yaml_path.is_file():
+            raise MigrateError(
+                f"{path}: the launch's YAML {launch.config_yaml} is not found at {yaml_path}; "
+                "give the launch directory with --base-dir"
+            )
+        read.append(yaml_path)
+        try:
+            content = _load_config_file(yaml_path)
+        except Refused as err:
+            raise Refused(f"{source} ({launch.config_yaml})", err.code, err.detail) from None
+        if is_native_route(content) or (launch.script and NATIVE_TRAINER.search(launch.script)):
+            refuse_model_ids(content, f"{source} ({launch.config_yaml})", ("model",))
+            if not is_native_route(content):
+                raise MigrateError(
+                    f"{path}: {launch.script} is MindSpeed MM's native trainer, but {launch.config_yaml} has no "
+                    "`parallel` section"
+                )
+            native = migrate_native(yaml_path, content, base_dir=base)
+            _map_native_launch(native, launch)
+            result = native
+        else:
+            refuse_model_ids(content, f"{source} ({launch.config_yaml})", ("model",))
+            result = migrate(
+                launch,
+                base_dir=base,
+                import_root=import_root,
+                keep_backend=keep_backend,
+                single_yaml=(yaml_path, content),
+                hf_path=hf_path,
+            )
+    else:
+        try:
+            result = migrate(launch, base_dir=base, import_root=import_root, keep_backend=keep_backend, hf_path=hf_path)
+        except Refused as err:  # a refusal of a file the script names: the script is refused, naming both
+            raise Refused(source, err.code, f"{err.source}: {err.detail}" if err.detail else err.source) from None
+    result.notes.insert(0, note)
+    _report_shell(result, launch)
+    return result, read
+
+
+def _map_native_launch(result: NativeMigration, launch: Launch) -> None:
+    """The torchrun line of a native-route launch: process counts to the Trainer, every other option named."""
+    state = _Flags(result.config, Migration(result.config), {}, Path.cwd(), False)
+    _map_launcher(state, launch)
+    result.mapped += state.out.mapped
+    result.unmapped += state.out.unmapped
+    if "devices" in result.config.get("trainer", {}):  # the note asking for them is answered
+        result.notes[:] = [n for n in result.notes if not n.startswith("trainer.devices / trainer.num_nodes")]
+    for flag, value in launch.flags:
+        shown = f"{flag} {value}" if value is not None else flag
+        result.unmapped.append(
+            f"{shown}: after the YAML on the launch line; MindSpeed MM's native trainer reads only the YAML"
+        )
+
+
+def _report_shell(result: Migration | NativeMigration, launch: Launch) -> None:
+    """Name the shell the reader could not evaluate (``$(...)``, loops, ``source``...) and the flags written in
+    variables that never reach the launch line."""
+    for item in launch.unevaluated:
+        result.notes.append(f"shell not evaluated: {item}")
+    for item in launch.unused:
+        result.notes.append(f"{item}: written, but not passed on the launch line; nothing to map")
+
+
 def _write_output(output: Path, text: str, inputs: list[Path], force: bool) -> None:
     """Write ``text`` to ``output`` atomically; never over an input, nor over an existing file without ``force``."""
     target = output.resolve()
@@ -879,6 +1248,13 @@ def main(argv: Sequence[str]) -> int:
         "(default: the working directory if the script lies below it, else the script's folder)",
     )
     parser.add_argument(
+        "--hf-path",
+        default=None,
+        help="the Hugging Face (or diffusers transformer) directory the weights start from, for a model.json that "
+        "names none: a Megatron-route VLM model.json (default: its data config's model_name_or_path) or a Wan "
+        "model.json (default: --load)",
+    )
+    parser.add_argument(
         "--keep-backend",
         action="store_true",
         help="keep --distributed-backend instead of letting the accelerator choose it",
@@ -893,55 +1269,33 @@ def main(argv: Sequence[str]) -> int:
     if bool(args.script) == bool(flags):
         parser.error("give a launch script, or `--` followed by the flags (one of them)")
     import_root = Path(args.import_root) if args.import_root else None
-    inputs: list[Path] = []
-    notes: list[str] = []
-    result: Migration | NativeMigration
-    base_dir: Path | None
     if args.script:
         path = Path(args.script)
         if not path.is_file():
             parser.error(f"launch script not found: {path}")
-        inputs.append(path)
         if path.suffix == ".py":
             parser.error(
                 f"{path} is the entry script; give the shell script that launches it (torchrun ... "
                 f"{path.name} ...), or its training flags after `--`"
             )
-        if path.suffix.lower() in (".yaml", ".yml"):
-            base_dir = Path(args.base_dir) if args.base_dir else Path.cwd()
-            notes.append(f"relative paths are taken from {base_dir.resolve()} (the launch directory; --base-dir)")
-            from lightning_mm.commands.native_route import is_native_route, migrate_native
-
-            content = _load_yaml(path)
-            if is_native_route(content):  # MindSpeed MM's native FSDP2 route: six sections, parallel first
-                result = migrate_native(path, content, base_dir=base_dir)
-            else:
-                result = migrate_yaml(path, base_dir=base_dir, keep_backend=args.keep_backend)
-        else:
-            launch = parse_script(read_text_file(path, "a launch script"), str(path))
-            if args.base_dir:
-                base_dir, why = Path(args.base_dir), "--base-dir"
-            else:
-                base_dir, why = _launch_dir(path, launch)
-            notes.append(f"relative paths are taken from {base_dir.resolve()} ({why})")
-            single = None
-            if launch.config_yaml:
-                yaml_path = (base_dir / launch.config_yaml).resolve()
-                if not yaml_path.is_file():
-                    raise MigrateError(
-                        f"{path}: the launch's YAML {launch.config_yaml} is not found at {yaml_path}; "
-                        "give the launch directory with --base-dir"
-                    )
-                inputs.append(yaml_path)
-                single = (yaml_path, _load_yaml(yaml_path))
-            result = migrate(
-                launch, base_dir=base_dir, import_root=import_root, keep_backend=args.keep_backend, single_yaml=single
-            )
+        result, inputs = migrate_file(
+            path,
+            base_dir=Path(args.base_dir) if args.base_dir else None,
+            import_root=import_root,
+            keep_backend=args.keep_backend,
+            hf_path=Path(args.hf_path) if args.hf_path else None,
+        )
     else:
+        inputs = []
         launch = parse_args(flags)
         base_dir = Path(args.base_dir) if args.base_dir else None
-        result = migrate(launch, base_dir=base_dir, import_root=import_root, keep_backend=args.keep_backend)
-    result.notes[:0] = notes
+        result = migrate(
+            launch,
+            base_dir=base_dir,
+            import_root=import_root,
+            keep_backend=args.keep_backend,
+            hf_path=Path(args.hf_path) if args.hf_path else None,
+        )
     header = f"# Generated by `lightning-mm migrate` from {args.script or 'a flag list'}. Review the report.\n"
     run_from = result.import_root or result.run_from
     if run_from is not None:

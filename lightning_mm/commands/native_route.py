@@ -174,6 +174,9 @@ def migrate_native(path: Path, data: Mapping[str, Any], base_dir: Path | None = 
                 f"{name}: unknown to lightning-mm migrate (not a field of MindSpeed MM's native "
                 "arguments; a model plugin's extra)"
             )
+    from lightning_mm.commands.newer_keys import name_newer_keys
+
+    name_newer_keys(data, out.mapped, out.notes, out.unmapped)  # keys of newer MindSpeed MM versions, by name
     if out.pending:
         out.notes.append(
             "written with options being added to lightning-mm (not in this version yet): "

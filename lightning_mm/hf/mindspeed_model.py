@@ -16,8 +16,12 @@ Read, never imported: this module imports neither torch nor Transformers, so ``l
 * Every other key is reported: Megatron validation keys (``num_layers``, ``hidden_size``... which MindSpeed MM's
   own comments say do not take effect on this route), NPU kernel settings, ``patch`` entries. None is dropped.
 
-A Megatron-route model.json (towers with ``model_id: qwen2vit`` / ``qwen2lm``..., no ``init_from_hf_path``) is an
-error: those models are MindSpeed MM's own Megatron modules, not a Hugging Face checkpoint.
+A Megatron-route model.json (towers with ``model_id: qwen2vit`` / ``qwen2lm``..., no ``init_from_hf_path``) of a
+family with a Transformers twin (:data:`MEGATRON_ROUTE_IDS`: Qwen2.5-VL, Qwen3-VL) becomes that Transformers class,
+with the weights of the Hugging Face directory the job names (``migrate`` passes the data config's
+``model_name_or_path``, or ``--hf-path``); the towers' Megatron settings are reported as not applicable. Any other
+Megatron-route family is an error naming it. ``mistral3`` and ``glm4v_moe`` (:data:`DERIVED_MODEL_IDS`) train through
+derived adapters: no ModelHub key is written.
 """
 
 from __future__ import annotations
@@ -28,11 +32,22 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-__all__ = ["MindSpeedModelError", "ModelMigration", "MODEL_IDS", "FREEZE_PATHS", "transformers_model_config"]
+__all__ = [
+    "MindSpeedModelError",
+    "ModelMigration",
+    "MODEL_IDS",
+    "DERIVED_MODEL_IDS",
+    "MEGATRON_ROUTE_IDS",
+    "FREEZE_PATHS",
+    "transformers_model_config",
+]
 
 
 class MindSpeedModelError(ValueError):
-    """A MindSpeed MM model config that cannot become a TransformersModel config."""
+    """A MindSpeed MM model config that cannot become a TransformersModel config; ``megatron`` is True when it is
+    a Megatron-route model.json of a family with no Transformers twin here."""
+
+    megatron: bool = False
 
 
 MODEL_IDS: dict[str, str] = {
@@ -45,6 +60,18 @@ MODEL_IDS: dict[str, str] = {
 }
 """MindSpeed MM ``model_id`` -> this project's ModelHub key (each key is also accepted as written)."""
 
+DERIVED_MODEL_IDS: dict[str, tuple[str, str]] = {
+    "mistral3": ("Mistral3ForConditionalGeneration", "mistral3"),
+    "glm4v_moe": ("Glm4vMoeForConditionalGeneration", "glm4v_moe"),
+}
+"""MindSpeed MM ``model_id`` -> (the Transformers class, its ``model_type``) of a family that trains here through a
+derived adapter (:mod:`lightning_mm.hf.derived_adapters`): no ModelHub key is written, TransformersModel takes the
+class from ``config.json``'s ``architectures``."""
+
+MEGATRON_ROUTE_IDS: dict[str, str] = {"qwen2_5vl": "qwen2_5_vl", "qwen3_vl": "qwen3_vl", "qwen3_vl_moe": "qwen3_vl"}
+"""A Megatron-route model.json's top ``model_id`` (MindSpeed MM's own towers) -> the built-in family whose
+Transformers class is its twin (Qwen3-VL and its MoE share the freeze paths; the class comes from config.json)."""
+
 _MODEL_TYPES = {
     "qwen3_vl": "qwen3_vl",
     "qwen3_vl_moe": "qwen3_vl_moe",
@@ -55,6 +82,9 @@ _MODEL_TYPES = {
 """ModelHub key -> the ``model_type`` its ``config.json`` must have."""
 
 _VISION, _PROJECTOR, _TEXT = "image_encoder.vision_encoder", "image_encoder.vision_projector", "text_decoder"
+_TOWERS = ("image_encoder", "text_decoder", "vision_encoder", "vision_projector", "text_encoder", "video_encoder")
+_TOP_LEVEL_TOWER = {_VISION: "vision_encoder", _PROJECTOR: "vision_projector"}
+"""Magistral's model.json writes its vision towers at the top level."""
 
 FREEZE_PATHS: dict[str, dict[str, tuple[str, ...]]] = {
     # Qwen3VLFSDP2Mixin.freeze (mindspeed_mm/models/transformers/qwen3vl/qwen3vl.py), for both Qwen3-VL models
@@ -82,6 +112,23 @@ FREEZE_PATHS: dict[str, dict[str, tuple[str, ...]]] = {
     "llava": {
         _VISION: ("model.vision_tower",),
         _PROJECTOR: ("model.multi_modal_projector",),
+        _TEXT: ("model.language_model", "lm_head"),
+    },
+    "mistral3": {
+        _VISION: ("model.vision_tower",),
+        _PROJECTOR: ("model.multi_modal_projector",),
+        _TEXT: ("model.language_model", "lm_head"),
+    },
+    "glm4v_moe": {
+        _VISION: (
+            "model.visual.embeddings",
+            "model.visual.patch_embed",
+            "model.visual.blocks",
+            "model.visual.post_conv_layernorm",
+            "model.visual.downsample",
+            "model.visual.post_layernorm",
+        ),
+        _PROJECTOR: ("model.visual.merger",),
         _TEXT: ("model.language_model", "lm_head"),
     },
 }
@@ -201,9 +248,16 @@ class ModelMigration:
 
 
 def _megatron_error(source: str) -> MindSpeedModelError:
+    error = _megatron_message(source)
+    error.megatron = True
+    return error
+
+
+def _megatron_message(source: str) -> MindSpeedModelError:
     return MindSpeedModelError(
         f"{source}: a Megatron-route model.json (MindSpeed MM's own towers, e.g. image_encoder.vision_encoder.model_id "
-        "qwen2vit, and no init_from_hf_path): lightning-mm trains Hugging Face models. Use the HF-checkpoint route: "
+        "qwen2vit, and no init_from_hf_path) of a family with no Transformers twin here (those with one: "
+        f"{', '.join(MEGATRON_ROUTE_IDS)}): lightning-mm trains Hugging Face models. Use the HF-checkpoint route: "
         "a Transformers-route model.json with `model_id` (e.g. qwen2_5_vl) and `init_from_hf_path` (the Hugging Face "
         "directory the Megatron weights were converted from), as MindSpeed MM's pretrain_transformers.py takes"
     )
@@ -213,14 +267,23 @@ def _model_key(model_id: Any, source: str) -> str:
     if not isinstance(model_id, str) or not model_id.strip():
         raise MindSpeedModelError(f"{source}: `model_id` must be a non-empty string, got {model_id!r}")
     key = MODEL_IDS.get(model_id, model_id if model_id in MODEL_IDS.values() else None)
+    if key is None and model_id in DERIVED_MODEL_IDS:
+        return model_id
     if key is None:
-        known = ", ".join(f"{m} -> {k}" for m, k in MODEL_IDS.items())
+        known = ", ".join([f"{m} -> {k}" for m, k in MODEL_IDS.items()] + [f"{m} (derived)" for m in DERIVED_MODEL_IDS])
         raise MindSpeedModelError(
             f"{source}: `model_id: {model_id}` has no built-in adapter in lightning-mm "
             f"(known: {known}); register an adapter in ModelHub and build it with "
             "TransformersModel in model_provider"
         )
     return key
+
+
+def _family_types(key: str) -> set[str]:
+    """The config.json ``model_type`` values a family accepts (a Megatron-route Qwen3-VL may be the MoE one)."""
+    if key in DERIVED_MODEL_IDS:
+        return {DERIVED_MODEL_IDS[key][1]}
+    return {"qwen3_vl", "qwen3_vl_moe"} if key == "qwen3_vl" else {_MODEL_TYPES[key]}
 
 
 def _pretrained_type(path: Path) -> str | None:
@@ -243,7 +306,14 @@ def _walk(node: Mapping[str, Any], prefix: str = "") -> list[tuple[str, Any]]:
     return out
 
 
-def transformers_model_config(model: Mapping[str, Any], source: str, base_dir: Path) -> ModelMigration:
+def transformers_model_config(
+    model: Mapping[str, Any],
+    source: str,
+    base_dir: Path,
+    hf_dir: str | None = None,
+    hf_dir_origin: str = "",
+    hf_dir_overrides: bool = False,
+) -> ModelMigration:
     """The TransformersModel config of a MindSpeed MM Transformers-route model config (``model.json`` content).
 
     ``source`` names the file (and section) in messages; relative ``init_from_hf_path`` values are taken from
@@ -253,26 +323,75 @@ def transformers_model_config(model: Mapping[str, Any], source: str, base_dir: P
     if not isinstance(model, Mapping):
         raise MindSpeedModelError(f"{source}: the model config must be a mapping, got {type(model).__name__}")
     towers = [model.get(t) for t in ("image_encoder", "text_decoder", "audio_encoder")]
-    if "init_from_hf_path" not in model:
-        tower_ids = {v for path, v in _walk(model) if path.endswith(".model_id")}
-        if any(isinstance(t, Mapping) for t in towers) or tower_ids & _MEGATRON_TOWER_IDS:
-            raise _megatron_error(source)
-        raise MindSpeedModelError(
-            f"{source}: no `init_from_hf_path`: a Transformers-route model config names the "
-            "Hugging Face directory to start from"
-        )
     out = ModelMigration(config={})
     handled: set[str] = set()
-
-    if "model_id" in model:
+    megatron = "init_from_hf_path" not in model
+    if megatron:
+        tower_ids = {v for path, v in _walk(model) if path.endswith(".model_id")}
+        if not (any(isinstance(t, Mapping) for t in towers) or tower_ids & _MEGATRON_TOWER_IDS):
+            raise MindSpeedModelError(
+                f"{source}: no `init_from_hf_path`: a Transformers-route model config names the "
+                "Hugging Face directory to start from"
+            )
+        family = MEGATRON_ROUTE_IDS.get(model.get("model_id"))  # type: ignore[arg-type]
+        if family is None:
+            raise _megatron_error(source)
+        key: str | None = family
+        out.mapped.append(
+            f"model_id {model['model_id']} (MindSpeed MM's Megatron towers) -> its Transformers twin through "
+            "TransformersModel: the class comes from the Hugging Face directory's config.json (architectures)"
+        )
+        if hf_dir is None:
+            out.unmapped.append(
+                "init_from_hf_path: a Megatron-route model.json names no Hugging Face directory, and none was "
+                "found (the data config's preprocess_parameters.model_name_or_path, or `migrate --hf-path`); "
+                "set model.init_args.transformers_model.init_from_hf_path"
+            )
+    elif "model_id" in model:
         key = _model_key(model["model_id"], source)
-        out.config["model_id"] = key
-        out.mapped.append(f"model_id {model['model_id']} -> ModelHub key {key}")
+        if key in DERIVED_MODEL_IDS:
+            out.mapped.append(
+                f"model_id {key} -> none: no ModelHub adapter needed; TransformersModel takes the class from "
+                f"config.json's architectures (Transformers' {DERIVED_MODEL_IDS[key][0]}) and derives its default "
+                "FSDP2 plan from the model"
+            )
+        else:
+            out.config["model_id"] = key
+            out.mapped.append(f"model_id {model['model_id']} -> ModelHub key {key}")
     else:
         key = None
     handled.add("model_id")
 
-    hf_path = model["init_from_hf_path"]
+    if megatron and hf_dir is None:
+        hf_path: Any = None
+    elif megatron or (hf_dir is not None and hf_dir_overrides):
+        hf_path = hf_dir
+        out.mapped.append(f"init_from_hf_path <- {hf_dir_origin}")
+    else:
+        hf_path = model["init_from_hf_path"]
+    if hf_path is not None:
+        _map_hf_path(out, model, key, hf_path, source, base_dir, handled)
+    if key is None and hf_path is not None:
+        found = _pretrained_type((base_dir / str(hf_path)).resolve())
+        key = next((k for k, t in _MODEL_TYPES.items() if t == found), None)
+
+    _map_freeze(model, key, source, out, handled)
+    _map_loss(model.get("loss_cfg"), out, handled)
+    _map_patch(model.get("patch"), out, handled)
+    _map_rest(model, out, handled, megatron)
+    return out
+
+
+def _map_hf_path(
+    out: ModelMigration,
+    model: Mapping[str, Any],
+    key: str | None,
+    hf_path: Any,
+    source: str,
+    base_dir: Path,
+    handled: set[str],
+) -> None:
+    """``init_from_hf_path`` (or the directory given for it), checked against the family when it is readable."""
     if not isinstance(hf_path, str) or not hf_path.strip():
         raise MindSpeedModelError(f"{source}: `init_from_hf_path` must be a directory path, got {hf_path!r}")
     path = (base_dir / hf_path).resolve()
@@ -285,18 +404,15 @@ def transformers_model_config(model: Mapping[str, Any], source: str, base_dir: P
             f"init_from_hf_path: {path} has no readable config.json yet; it must be a Hugging Face "
             "model directory before training"
         )
-    elif key is not None and found_type != _MODEL_TYPES[key]:
+    elif key is not None and found_type not in _family_types(key):
         raise MindSpeedModelError(
-            f"{source}: init_from_hf_path {path} holds a `{found_type}` model, not the `{_MODEL_TYPES[key]}` that "
-            f"model_id {model['model_id']} builds (a remote-code checkpoint such as InternVLChatModel needs its "
+            f"{source}: init_from_hf_path {path} holds a `{found_type}` model, not the `{_MODEL_TYPES.get(key, key)}` "
+            f"that model_id {model['model_id']} builds (a remote-code checkpoint such as InternVLChatModel needs its "
             "Transformers-format conversion, e.g. the '-HF' release)"
         )
-    if key is None:
-        key = next((k for k, t in _MODEL_TYPES.items() if t == found_type), None)
 
-    _map_freeze(model, key, source, out, handled)
-    _map_loss(model.get("loss_cfg"), out, handled)
-    _map_patch(model.get("patch"), out, handled)
+
+def _map_rest(model: Mapping[str, Any], out: ModelMigration, handled: set[str], megatron: bool = False) -> None:
     if "trust_remote_code" in model:
         out.config["trust_remote_code"] = bool(model["trust_remote_code"])
         out.mapped.append(f"trust_remote_code -> {bool(model['trust_remote_code'])}")
@@ -305,7 +421,12 @@ def transformers_model_config(model: Mapping[str, Any], source: str, base_dir: P
         if name in handled or any(name.startswith(f"{h}.") for h in handled):
             continue
         leaf = name.rsplit(".", 1)[-1]
-        if leaf in _MEGATRON_KEYS:
+        if megatron and name.split(".", 1)[0] in _TOWERS and leaf != "model_id":
+            out.not_applicable.append(
+                f"{name}: a setting of MindSpeed MM's own Megatron tower; the Transformers twin's shape comes "
+                "from the Hugging Face directory's config.json"
+            )
+        elif leaf in _MEGATRON_KEYS:
             out.not_applicable.append(
                 f"{name}: a Megatron validation key, not in effect on MindSpeed MM's "
                 "Transformers route; the model's shape comes from init_from_hf_path's "
@@ -320,13 +441,14 @@ def transformers_model_config(model: Mapping[str, Any], source: str, base_dir: P
             out.not_applicable.append(f"{name}: {_RUNTIME_KEYS[leaf]}")
         else:
             out.unmapped.append(f"{name}: unknown to lightning-mm migrate")
-    return out
 
 
 def _flag(model: Mapping[str, Any], tower: str, source: str) -> bool:
     node: Any = model
     for part in tower.split("."):
         node = node.get(part) if isinstance(node, Mapping) else None
+    if not isinstance(node, Mapping) and tower in _TOP_LEVEL_TOWER:
+        node = model.get(_TOP_LEVEL_TOWER[tower])
     value = node.get("freeze", False) if isinstance(node, Mapping) else False
     if not isinstance(value, bool):
         raise MindSpeedModelError(f"{source}: `{tower}.freeze` must be true or false, got {value!r}")
@@ -335,7 +457,7 @@ def _flag(model: Mapping[str, Any], tower: str, source: str) -> bool:
 
 def _map_freeze(model: Mapping[str, Any], key: str | None, source: str, out: ModelMigration, handled: set[str]) -> None:
     towers = [t for t in (_VISION, _PROJECTOR, _TEXT) if _flag(model, t, source)]
-    handled.update(f"{t}.freeze" for t in (_VISION, _PROJECTOR, _TEXT))
+    handled.update(f"{t}.freeze" for t in (_VISION, _PROJECTOR, _TEXT, *_TOP_LEVEL_TOWER.values()))
     if not towers:
         return
     if key is None:

@@ -1,0 +1,174 @@
+"""MindSpeed MM's diffusion ``model.json`` (Wan 2.1 / 2.2: ``predictor``, ``diffusion``, ``ae``, ``text_encoder``) as
+an :class:`~lightning_mm.modules.wan_module.MMWanModule` config, the diffusers path of this project.
+
+Read, never imported: no torch, no diffusers. ``predictor`` (MindSpeed MM's ``wandit``) becomes diffusers'
+``WanTransformer3DModel`` loaded from a ``save_pretrained`` directory (the job's ``--load``, or ``migrate
+--hf-path``); its Megatron-style shape keys are reported as not applicable (the shape comes from that directory's
+``config.json``). ``diffusion`` (``wan_flow_match_scheduler``) becomes ``MMWanModule``'s ``schedule``. ``ae`` and
+``text_encoder`` are the frozen encoders of online feature extraction: with ``load_video_features`` /
+``load_text_features`` true the features are precomputed and they are not used; otherwise the report says what
+the data path here needs.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+__all__ = ["WAN_MODULE", "DiffusionMigration", "is_diffusion_model", "wan_module_config"]
+
+WAN_MODULE = "lightning_mm.modules.wan_module.MMWanModule"
+_SCHEDULE_KEYS = (
+    "num_train_timesteps",
+    "shift",
+    "sigma_min",
+    "sigma_max",
+    "extra_one_step",
+    "min_timestep_boundary",
+    "max_timestep_boundary",
+)
+_PREDICTOR_IDS = ("wandit",)
+_SHAPE_KEYS = (
+    "patch_size",
+    "text_len",
+    "in_dim",
+    "hidden_size",
+    "ffn_dim",
+    "freq_dim",
+    "text_dim",
+    "img_dim",
+    "out_dim",
+    "num_heads",
+    "num_layers",
+    "qk_norm",
+    "qk_norm_type",
+    "cross_attn_norm",
+    "eps",
+    "max_seq_len",
+)
+_RUNTIME = {
+    "pipeline_num_layers": "Megatron pipeline stages; not used with FSDP2",
+    "attention_async_offload": "an NPU attention offload of MindSpeed MM's DiT",
+    "use_fused_rmsnorm": "an NPU fused RMSNorm kernel (same result)",
+    "dtype": "the weights' dtype; mixed precision comes from the FSDP2 YAML's param_dtype / trainer.precision",
+    "FPDT": "MindSpeed MM's fully pipelined distributed transformer (sequence chunks); not implemented here",
+    "FPDT_chunk_number": "used only with FPDT",
+    "FPDT_with_offload": "used only with FPDT",
+}
+
+
+@dataclass
+class DiffusionMigration:
+    """The ``model:`` section for MMWanModule and what became of each key."""
+
+    model: dict[str, Any]
+    mapped: list[str] = field(default_factory=list)
+    notes: list[str] = field(default_factory=list)
+    unmapped: list[str] = field(default_factory=list)
+
+
+def is_diffusion_model(config: Mapping[str, Any]) -> bool:
+    """A MindSpeed MM diffusion model.json: a ``predictor`` section (the DiT)."""
+    return isinstance(config.get("predictor"), Mapping)
+
+
+def _walk(node: Mapping[str, Any], prefix: str) -> list[tuple[str, Any]]:
+    out: list[tuple[str, Any]] = []
+    for key, value in node.items():
+        name = f"{prefix}{key}"
+        if isinstance(value, Mapping) and value:
+            out += _walk(value, f"{name}.")
+        else:
+            out.append((name, value))
+    return out
+
+
+def wan_module_config(config: Mapping[str, Any], source: str, weights: str | None, origin: str) -> DiffusionMigration:
+    """The MMWanModule config of a Wan model.json; ``weights`` is the diffusers transformer directory (from
+    ``origin``: ``--load`` or ``--hf-path``), or None when the job names none."""
+    out = DiffusionMigration(model={"class_path": WAN_MODULE, "init_args": {"diffusers_model": {}}})
+    args = out.model["init_args"]
+    predictor = config["predictor"]
+    model_id = predictor.get("model_id")
+    if model_id not in _PREDICTOR_IDS:
+        raise ValueError(f"{source}: predictor.model_id {model_id!r}: only Wan's `wandit` is built in here")
+    out.mapped.append(
+        f"predictor.model_id {model_id} -> {WAN_MODULE} with diffusers' WanTransformer3DModel (DiffusersModel)"
+    )
+    if weights:
+        args["diffusers_model"]["init_from_path"] = weights
+        out.mapped.append(
+            f"{origin} -> model.init_args.diffusers_model.init_from_path ({weights}): it must be the diffusers "
+            "`transformer` directory (WanTransformer3DModel.save_pretrained), not MindSpeed MM's converted weights"
+        )
+    else:
+        out.unmapped.append(
+            "predictor: no weights directory (no --load, no `migrate --hf-path`); set "
+            "model.init_args.diffusers_model.init_from_path"
+        )
+    for key, value in predictor.items():
+        name = f"predictor.{key}"
+        if key == "model_id":
+            continue
+        if key == "model_type":
+            out.notes.append(f"{name} {value}: t2v / i2v differ here only in the checkpoint's config and batch keys")
+        elif key == "from_pretrained":
+            out.notes.append(f"{name} {value}: MindSpeed MM's own weights file; the diffusers directory is used")
+        elif key in _SHAPE_KEYS:
+            out.notes.append(f"{name}: a shape key; the shape comes from the diffusers directory's config.json")
+        elif key in _RUNTIME:
+            (out.unmapped if key == "FPDT" and value else out.notes).append(f"{name}: {_RUNTIME[key]}")
+        else:
+            out.unmapped.append(f"{name}: unknown to lightning-mm migrate")
+    diffusion = config.get("diffusion") or {}
+    schedule: dict[str, Any] = {}
+    if isinstance(diffusion, Mapping):
+        scheduler = diffusion.get("model_id", "wan_flow_match_scheduler")
+        if scheduler != "wan_flow_match_scheduler":
+            out.unmapped.append(f"diffusion.model_id {scheduler}: only wan_flow_match_scheduler is built in")
+        else:
+            out.mapped.append("diffusion.model_id wan_flow_match_scheduler -> MMWanModule's flow-matching schedule")
+        for key, value in diffusion.items():
+            if key in _SCHEDULE_KEYS:
+                schedule[key] = value
+                out.mapped.append(f"diffusion.{key} -> model.init_args.schedule.{key}")
+            elif key != "model_id":
+                out.unmapped.append(f"diffusion.{key}: not a key of the Wan flow-matching schedule")
+    if schedule:
+        args["schedule"] = schedule
+    for key in ("load_video_features", "load_text_features"):
+        if key not in config:
+            continue
+        if config[key]:
+            out.notes.append(f"{key}: true: the data config names precomputed features (dataset_type feature)")
+        elif key == "load_video_features":
+            out.notes.append(
+                f"{key}: false: raw videos are encoded by the frozen VAE at the data config's "
+                "basic_parameters.vae_path (a key of this project; set it to the `ae` directory)"
+            )
+        else:
+            out.unmapped.append(
+                f"{key}: false: text prompts are not encoded here; precompute prompt_ids (MindSpeed MM's "
+                "feature extraction) and name them in the data records"
+            )
+    for section in ("ae", "text_encoder"):
+        if isinstance(config.get(section), Mapping):
+            out.notes += [
+                f"{name}: the frozen encoder of online feature extraction; not part of the trained model here"
+                for name, _ in _walk(config[section], f"{section}.")
+            ]
+    task = config.get("task")
+    if task is not None:
+        out.notes.append(f"task {task}: the task follows the checkpoint and the batch keys (i2v: image_embeds)")
+    known = {"predictor", "diffusion", "load_video_features", "load_text_features", "ae", "text_encoder", "task"}
+    for key, value in config.items():
+        if key in known:
+            continue
+        if key == "patch" and isinstance(value, Mapping):
+            out.notes += [f"patch.{name}: a MindSpeed MM patch of Megatron internals; not applicable" for name in value]
+        elif key == "encoder_offload_interval":
+            out.notes.append(f"{key}: offloads the online encoders; they are not part of the model here")
+        else:
+            out.unmapped.append(f"{key}: unknown to lightning-mm migrate")
+    return out

@@ -1,0 +1,63 @@
+#!/bin/bash
+# 根据实际情况修改 ascend-toolkit 路径
+source /usr/local/Ascend/cann/set_env.sh
+
+# 该变量只用于规避megatron对其校验，对npu无效
+export CUDA_DEVICE_MAX_CONNECTIONS=1
+export ASCEND_SLOG_PRINT_TO_STDOUT=0
+export ASCEND_GLOBAL_LOG_LEVEL=3
+export TASK_QUEUE_ENABLE=2
+export COMBINED_ENABLE=1
+export CPU_AFFINITY_CONF=1
+export HCCL_CONNECT_TIMEOUT=1200
+export PYTORCH_NPU_ALLOC_CONF=expandable_segments:True
+export MULTI_STREAM_MEMORY_REUSE=2
+
+MASTER_ADDR=localhost
+MASTER_PORT=6222
+NNODES=1
+NODE_RANK=0
+NPUS_PER_NODE=8
+WORLD_SIZE=$(($NPUS_PER_NODE * $NNODES))
+
+TP=1
+PP=1
+CP=8
+MBS=1
+GBS=$(($WORLD_SIZE*$MBS/$CP/$TP))
+
+MM_MODEL="examples/hunyuanvideo_1.5/i2v/inference_model_15.json"
+
+DISTRIBUTED_ARGS="
+    --nproc_per_node $NPUS_PER_NODE \
+    --nnodes $NNODES \
+    --node_rank $NODE_RANK \
+    --master_addr $MASTER_ADDR \
+    --master_port $MASTER_PORT
+"
+MM_ARGS="
+ --mm-model $MM_MODEL
+"
+
+GPT_ARGS="
+    --tensor-model-parallel-size ${TP} \
+    --pipeline-model-parallel-size ${PP} \
+    --context-parallel-size ${CP} \
+    --micro-batch-size ${MBS} \
+    --global-batch-size ${GBS} \
+    --lr 5e-6 \
+    --min-lr 5e-6 \
+    --train-iters 5010 \
+    --weight-decay 0 \
+    --clip-grad 0.0 \
+    --adam-beta1 0.9 \
+    --adam-beta2 0.999 \
+    --no-gradient-accumulation-fusion \
+    --no-load-optim \
+    --no-load-rng \
+    --no-save-optim \
+    --no-save-rng \
+    --seed 42 \
+"
+
+torchrun $DISTRIBUTED_ARGS inference_sora.py $MM_ARGS $GPT_ARGS 2>&1 | tee ./infer_i2v_hunyuanvideo_15.log

@@ -1,0 +1,316 @@
+"""MindSpeed MM's shipped examples (tests/data/mindspeed_corpus, commit 57069cd5) through ``lightning-mm migrate``.
+
+Each file is migrated from the root of a copy of the tree, as a user runs ``migrate`` in a MindSpeed MM checkout
+(in-process; one real CLI call at the end). Checked: the outcome of every file equals ``expected.yaml`` (migrates,
+or refused with a documented reason naming the file); every flag a migrated script writes outside comments is
+named in its report (an independent scan of the script text); shell the reader cannot run is named and keeps the
+rest; and the routes the corpus needs (native-route scripts, Wan model.json, Megatron-route VLM model.json, derived
+families) give the configs they should.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import shutil
+import subprocess
+import sys
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+
+import pytest
+import yaml
+
+from lightning_mm.commands.migrate import migrate_file
+from lightning_mm.commands.refusals import REASONS, Refused
+
+ROOT = Path(__file__).resolve().parents[1]
+CORPUS = ROOT / "tests" / "data" / "mindspeed_corpus"
+EXPECTED: dict[str, str] = yaml.safe_load((CORPUS / "expected.yaml").read_text())
+
+
+@contextmanager
+def _cwd(path: Path) -> Iterator[None]:
+    before = Path.cwd()
+    os.chdir(path)
+    try:
+        yield
+    finally:
+        os.chdir(before)
+
+
+@pytest.fixture(scope="module")
+def tree(tmp_path_factory) -> Path:
+    """A copy of the corpus, as a MindSpeed MM checkout (files under examples/)."""
+    root = tmp_path_factory.mktemp("mindspeed_mm")
+    shutil.copytree(CORPUS / "examples", root / "examples")
+    return root
+
+
+@pytest.fixture(scope="module")
+def results(tree) -> dict[str, tuple[str, str, object]]:
+    """file -> (outcome, report or refusal message, migration or None), every file migrated from the tree's root."""
+    out: dict[str, tuple[str, str, object]] = {}
+    with _cwd(tree):
+        for path in sorted((tree / "examples").rglob("*")):
+            if not path.is_file():
+                continue
+            name = path.relative_to(tree).as_posix()
+            try:
+                result, _ = migrate_file(Path(name))
+            except Refused as err:
+                out[name] = (f"refused:{err.code}", str(err), None)
+            except Exception as err:  # noqa: BLE001 - any other failure is an outcome the test reports by file
+                out[name] = (f"error:{type(err).__name__}", str(err), None)
+            else:
+                out[name] = ("migrates", result.report(), result)
+    return out
+
+
+def test_the_corpus_is_upstreams_examples_with_a_readme():
+    readme = (CORPUS / "README.md").read_text()
+    assert "57069cd55a8ab16d5affe379a2e2c5f0a4d962b9" in readme and "Ascend/MindSpeed-MM" in readme
+    files = {p.relative_to(CORPUS).as_posix() for p in (CORPUS / "examples").rglob("*") if p.is_file()}
+    assert files == set(EXPECTED), "expected.yaml and the vendored files differ"
+    assert all(name.endswith((".sh", ".json", ".yaml", ".yml")) for name in files)
+    assert len([f for f in files if f.endswith(".sh")]) == 129
+
+
+def test_every_file_migrates_or_is_refused_as_expected(results):
+    changed = {name: (EXPECTED[name], got[0]) for name, got in results.items() if got[0] != EXPECTED[name]}
+    assert not changed, "outcome changed (expected, got): " + "\n".join(
+        f"{name}: {was} -> {now}: {results[name][1][:300]}" for name, (was, now) in sorted(changed.items())
+    )
+
+
+def test_each_refusal_names_its_file_and_a_documented_reason(results):
+    docs = (ROOT / "docs" / "migration.md").read_text()
+    for code in REASONS:
+        assert f"`{code}`" in docs, f"reason {code} is not listed in docs/migration.md"
+    for name, (outcome, message, _) in results.items():
+        if outcome.startswith("refused:"):
+            code = outcome.split(":", 1)[1]
+            assert code in REASONS
+            assert message.startswith(name), message
+            assert f"refused ({code}): {REASONS[code]}" in message
+
+
+def _flags_written(text: str) -> set[str]:
+    """Every ``--flag`` in a shell script outside comments: an independent scan (a ``#`` at a word start begins a
+    comment, unless it is inside quotes)."""
+    flags: set[str] = set()
+    for line in text.splitlines():
+        kept, quote = [], ""
+        for i, ch in enumerate(line):
+            if quote:
+                quote = "" if ch == quote else quote
+            elif ch in "'\"":
+                quote = ch
+            elif ch == "#" and (i == 0 or line[i - 1] in " \t"):
+                break
+            kept.append(ch)
+        flags |= set(re.findall(r"(?<![\w-])--[A-Za-z][\w-]*", "".join(kept)))
+    return flags
+
+
+def test_every_flag_a_migrated_script_writes_is_named_in_its_report(results):
+    checked = 0
+    for name, (outcome, report, _) in results.items():
+        if outcome != "migrates" or not name.endswith(".sh"):
+            continue
+        named = set(re.findall(r"(?<![\w-])--[A-Za-z][\w-]*", report))
+        missing = _flags_written((CORPUS / name).read_text()) - named
+        assert not missing, f"{name}: flags written but not named in the report: {sorted(missing)}"
+        checked += 1
+    assert checked == 36
+
+
+def test_shell_the_reader_cannot_run_is_named_and_keeps_the_rest(results):
+    outcome, report, result = results["examples/qwen2.5vl/finetune_qwen2_5_vl_72b.sh"]
+    assert outcome == "migrates"
+    assert "shell not evaluated: line 24: NNODES=$(cat $HOSTFILE | wc -l) (command substitution)" in report
+    assert "shell not evaluated: line 25: WORLD_SIZE=$(($NPUS_PER_NODE*$NNODES))" in report
+    assert "torchrun --nnodes {unevaluated:NNODES}: comes from shell that migrate does not run" in report
+    assert "--global-batch-size {unevaluated:GBS}: its value comes from shell" in report
+    config = result.config  # the flags around the hostfile lines are all kept
+    assert config["trainer"]["devices"] == 16 and config["trainer"]["max_steps"] == 10000
+    assert config["data"]["init_args"]["data_config"].endswith("examples/qwen2.5vl/data_72b.json")
+    assert config["model"]["init_args"]["lr"] == 1e-5
+    # a `<placeholder>` value (MASTER_ADDR=<master_ip_address>) is a word, not a redirection ending the command
+    from lightning_mm.commands.launch_script import parse_script
+
+    launch = parse_script((CORPUS / "examples/qwen3omni/finetune_qwen3omni.sh").read_text())
+    assert launch.script == "pretrain_transformers.py" and len(launch.flags) > 40
+    assert launch.launcher["master_addr"] == "<master_ip_address>"
+    assert launch.flags[-1] == ("--distributed-backend", "nccl")  # the command ends at `2>&1 | tee ...`
+
+
+def test_native_route_scripts_take_the_native_route(results, tree):
+    from lightning_mm.commands.migrate import _load_yaml
+    from lightning_mm.commands.native_route import migrate_native
+
+    outcome, report, result = results["examples/qwen3_5/finetune_qwen3_5_35B.sh"]
+    assert outcome == "migrates"
+    yaml_path = tree / "examples/qwen3_5/qwen3_5_35B_config.yaml"
+    with _cwd(tree):
+        direct = migrate_native(yaml_path, _load_yaml(yaml_path), base_dir=tree)
+    strategy = result.config["trainer"]["strategy"]["init_args"]
+    assert strategy["fsdp2_config"] == direct.config["trainer"]["strategy"]["init_args"]["fsdp2_config"]
+    assert result.config["model"] == direct.config["model"]
+    assert (result.config["trainer"]["devices"], result.config["trainer"]["num_nodes"]) == (16, 1)
+    assert "torchrun --nproc_per_node 16 -> trainer.devices" in report
+
+
+def test_wan_model_json_takes_the_diffusers_path(results, tree):
+    import inspect
+
+    from lightning_mm.diffusers.flow_matching import WanFlowMatchSchedule
+    from lightning_mm.modules.wan_module import MMWanModule
+
+    outcome, report, result = results["examples/wan2.2/A14B/t2v/pretrain_high.sh"]
+    assert outcome == "migrates"
+    model = result.config["model"]
+    assert model["class_path"] == "lightning_mm.modules.wan_module.MMWanModule"
+    args = model["init_args"]
+    assert set(args) <= set(inspect.signature(MMWanModule.__init__).parameters) | set(
+        inspect.signature(MMWanModule.__mro__[1].__init__).parameters
+    )
+    assert args["diffusers_model"] == {
+        "init_from_path": str(tree / "weights/Wan-AI/Wan2.2-T2V-A14B-Diffusers/transformer")
+    }
+    assert args["schedule"] == {
+        "num_train_timesteps": 1000,
+        "shift": 5,
+        "sigma_min": 0.0,
+        "extra_one_step": True,
+        "max_timestep_boundary": 0.417,
+        "min_timestep_boundary": 0.0,
+    }
+    WanFlowMatchSchedule(**args["schedule"])  # every key is one of the schedule's
+    assert args["fsdp2_config"] == str(tree / "examples/wan2.2/A14B/fsdp2_config.yaml")
+    assert "ckpt_path" not in result.config  # --load names the weights to start from here, not a resume
+    assert results["examples/wan2.1/1.3b/t2v/finetune_lora.sh"][0] == "refused:not-implemented"
+
+
+def test_megatron_route_vlm_and_derived_families_become_transformers_models(results, tree):
+    outcome, _, result = results["examples/qwen2.5vl/finetune_qwen2_5_vl_7b.sh"]
+    assert outcome == "migrates"
+    model = result.config["model"]["init_args"]["transformers_model"]
+    # the weights of the Hugging Face directory the job names: its data config's model_name_or_path
+    assert model["init_from_hf_path"] == str(tree / "ckpt/hf_path/Qwen2.5-VL-7B-Instruct")
+    assert "model_id" not in model  # the class comes from that directory's config.json
+    assert "ckpt_path" not in result.config  # --load (MindSpeed MM's Megatron weights) is not a resume here
+    for name in ("examples/magistral-2509/finetune_magistral_2509.sh", "examples/glm4.5v/finetune_glm4_5v_106B.sh"):
+        outcome, report, result = results[name]
+        assert outcome == "migrates", report
+        model = result.config["model"]["init_args"]["transformers_model"]
+        assert "model_id" not in model and "no ModelHub adapter needed" in report
+        assert model["freeze"]  # the frozen towers, in Transformers' module names
+
+
+def test_lora_flags_and_lora_args_become_transformers_models_lora(results):
+    from lightning_mm.hf.lora import LoRAConfig
+
+    expected = {
+        "examples/magistral-2509/finetune_magistral_2509_lora.sh": {
+            "rank": 8,
+            "alpha": 16.0,
+            "dropout": 0.0,
+            "target_modules": ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"],
+        },
+        "examples/qwen3vl/finetune_lora_qwen3vl_30B.sh": {  # lora_args of its single YAML
+            "rank": 8,
+            "alpha": 16.0,
+            "dropout": 0.0,
+            "target_modules": ["v_proj", "o_proj", "k_proj", "q_proj"],
+        },
+    }
+    for name, lora in expected.items():
+        outcome, report, result = results[name]
+        assert outcome == "migrates", report
+        assert result.config["model"]["init_args"]["transformers_model"]["lora"] == lora
+        LoRAConfig.from_any(lora)  # TransformersModel accepts it
+        assert not [u for u in result.unmapped if u.startswith(("--lora", "lora_args"))]
+
+
+def test_the_cli_migrates_a_corpus_script_from_the_checkout(tree, capsys):
+    out = tree / "qwen2_5_vl_7b.yaml"
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "lightning_mm.cli",
+            "migrate",
+            "examples/qwen2.5vl/finetune_qwen2_5_vl_7b.sh",
+            "-o",
+            str(out),
+        ],
+        cwd=tree,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    config = yaml.safe_load(out.read_text())
+    assert config["model"]["class_path"].endswith("MMTransformersModule")
+    assert "NOT mapped" in proc.stderr and "--tensor-model-parallel-size 1" in proc.stderr
+    from lightning_mm.cli import main
+
+    with _cwd(tree):
+        assert main(["migrate", "examples/verl_examples/qwen3vl/train_qwen3_vl_8b_grpo_full.sh"]) == 1
+    error = capsys.readouterr().err
+    assert "examples/verl_examples/qwen3vl/train_qwen3_vl_8b_grpo_full.sh: refused (rl)" in error
+
+
+def test_newer_upstream_keys_are_named_with_what_they_would_need(tree):
+    """Keys of newer MindSpeed MM versions (most are not in 57069cd5: ``git grep`` finds no swap_plan,
+    op_replay_scopes, enable_grad_norm_overlap or KV-all-gather size there) added to a shipped native config."""
+    from lightning_mm.commands.migrate import _load_yaml
+    from lightning_mm.commands.native_route import migrate_native
+
+    path = tree / "examples/qwen3vl/qwen3vl_30B_config_v1.yaml"
+    data = _load_yaml(path)
+    data["parallel"]["kv_allgather_cp_size"] = 2
+    data["parallel"].setdefault("recompute_plan", {})["op_replay_scopes"] = ["self_attn"]
+    data["features"]["swap_plan"] = {"apply_modules": ["model.language_model.layers.{*}"]}
+    data["features"]["enable_activation_offload"] = True
+    data["training"]["enable_grad_norm_overlap"] = True
+    data["training"]["quantization_plan"] = {"recipe_name": "mxfp8", "apply_modules": ["model.language_model"]}
+    data["training"]["plugin"] = ["my_plugins/my_model"]
+    result = migrate_native(path, data, base_dir=tree)
+    for key in (
+        "parallel.kv_allgather_cp_size",
+        "parallel.recompute_plan.op_replay_scopes",
+        "features.swap_plan",
+        "features.enable_activation_offload, features.activation_offload_plan",
+        "training.enable_grad_norm_overlap",
+        "training.quantization_plan",
+        "training.plugin",
+    ):
+        entries = [u for u in result.unmapped if u.startswith(f"{key}: not supported here: ")]
+        assert len(entries) == 1 and "would need" in entries[0], (key, result.unmapped)
+    report = result.report()
+    assert "unknown to lightning-mm migrate" not in report and "not a key of MindSpeed MM" not in report
+
+
+def test_a_migrated_megatron_route_qwen2_5_vl_job_builds_its_transformers_twin(tree):
+    """Qwen2.5-VL's Megatron-route model.json (MindSpeed MM's qwen2vit / lnmlp / qwen2_5_lm towers) migrated with
+    ``--hf-path``: the model section builds Transformers' Qwen2.5-VL class from that directory, with the towers the
+    model.json freezes frozen (its vision encoder and projector: every ``model.visual.*`` parameter)."""
+    from lightning_mm.modules.transformers_module import MMTransformersModule
+    from tests.hf_scenarios import tiny_hf_model
+
+    reference = tiny_hf_model("qwen2_5_vl")
+    reference.save_pretrained(tree / "tiny_qwen2_5_vl")
+    with _cwd(tree):
+        result, _ = migrate_file(Path("examples/qwen2.5vl/finetune_qwen2_5_vl_7b.sh"), hf_path=tree / "tiny_qwen2_5_vl")
+    transformers_model = result.config["model"]["init_args"]["transformers_model"]
+    assert transformers_model["init_from_hf_path"] == str(tree / "tiny_qwen2_5_vl")
+    module = MMTransformersModule(transformers_model=transformers_model, lr=1e-5)
+    module.configure_model()
+    assert type(reference).__name__ in [c.__name__ for c in type(module.model).__mro__]
+    frozen = {n for n, p in module.model.named_parameters() if not p.requires_grad}
+    assert frozen == {n for n, _ in reference.named_parameters() if n.startswith("model.visual.")}
