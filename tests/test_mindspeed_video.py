@@ -260,19 +260,25 @@ def _loss_and_step(model: Any, batch: dict, lr: float = 0.5) -> tuple[float, flo
     return float(loss.detach()), float(after)
 
 
-def test_qwen2_5_vl_trains_a_step_on_a_video_as_plain_transformers(models, tmp_path, monkeypatch):
+@pytest.mark.parametrize(
+    "name,cls",
+    [("qwen2vl", "Qwen2_5_VLForConditionalGeneration"), ("qwen3_vl", "Qwen3VLForConditionalGeneration")],
+)
+def test_a_training_step_on_a_video_equals_plain_transformers(name, cls, models, tmp_path, monkeypatch):
     """One SGD step on a video batch through ``TransformersModel`` equals plain Transformers on the same
-    ``pixel_values_videos`` / ``video_grid_thw`` / ``second_per_grid_ts``, and the video changes the loss."""
+    ``pixel_values_videos`` / ``video_grid_thw`` (/ ``second_per_grid_ts``, Qwen2.5-VL; ``mm_token_type_ids``),
+    and the video changes the loss."""
     import transformers
 
     from lightning_mm.modules import TransformersModel
 
-    model_dir = models["qwen2_5_vl"]
-    module, _ = _dataset(tmp_path, monkeypatch, model_dir, "qwen2vl", [RECORDS["large clip"]], VIDEO)
+    model_dir = models[FAMILY_OF[name]]
+    module, _ = _dataset(tmp_path, monkeypatch, model_dir, name, [RECORDS["small clip"]], VIDEO)
     batch = module.train_dataloader().collate_fn([module._splits["train"][0]])
-    assert {"pixel_values_videos", "video_grid_thw", "second_per_grid_ts"} <= set(batch)
+    assert {"pixel_values_videos", "video_grid_thw", "mm_token_type_ids"} <= set(batch)
+    assert ("second_per_grid_ts" in batch) == (name == "qwen2vl")
     ours = TransformersModel({"init_from_hf_path": str(model_dir)}).train()
-    plain = transformers.Qwen2_5_VLForConditionalGeneration.from_pretrained(str(model_dir), dtype=torch.float32)
+    plain = getattr(transformers, cls).from_pretrained(str(model_dir), dtype=torch.float32)
     got, expected = _loss_and_step(ours, batch), _loss_and_step(plain.train(), batch)
     for a, b in zip(got, expected):
         assert abs(a - b) <= 1e-5 * abs(b), (got, expected)

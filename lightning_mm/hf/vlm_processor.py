@@ -128,7 +128,7 @@ def load_vlm_processor(path: str | Path) -> LoadedProcessor:
             type(processor).__name__,
         )
         return LoadedProcessor(processor, "the model's video processor needs torchvision, which is not installed")
-    except (OSError, ValueError) as err:
+    except OSError as err:
         raise ProcessorLoadError(f"{path}: cannot load the processor: {str(err).strip()[:300]}") from err
     if not hasattr(processor, "image_processor") or not hasattr(processor, "tokenizer"):
         raise ProcessorLoadError(
