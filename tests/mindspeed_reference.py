@@ -276,7 +276,7 @@ def reference(
     out = {"input_ids": ids, "attention_mask": torch.ones_like(ids), "labels": torch.tensor(labels)}
     if template["plugin"] != "qwen2_omni":  # collator.py: where get_rope_index takes them (not Qwen2.5-Omni's)
         image_token_id = tokenizer.convert_tokens_to_ids(REF_PLUGINS[template["plugin"]][1])
-        video_token_id = tokenizer.convert_tokens_to_ids(REF_VIDEO_TOKENS.get(template["plugin"], "<|video_pad|>"))
+        video_token_id = tokenizer.convert_tokens_to_ids(REF_VIDEO_TOKENS[template["plugin"]])
         out["mm_token_type_ids"] = (ids == image_token_id).long() + 2 * (ids == video_token_id).long()
     keys = ("pixel_values", "image_grid_thw", "pixel_values_videos", "video_grid_thw")
     out.update({k: mm_inputs[k] for k in (*keys, "second_per_grid_ts", "video_second_per_grid") if k in mm_inputs})
@@ -286,7 +286,12 @@ def reference(
 # ================================================================================ videos (MindSpeed MM's code)
 VIDEO_PLACEHOLDER = "<video>"
 # template.py: the video token each template's plugin is registered with; mm_plugin.py: how it lays videos out
-REF_VIDEO_TOKENS = {"qwen2_vl": "<|video_pad|>", "qwen3_vl": "<|video_pad|>", "qwen2_omni": "<|VIDEO|>"}
+REF_VIDEO_TOKENS = {
+    "qwen2_vl": "<|video_pad|>",
+    "qwen3_vl": "<|video_pad|>",
+    "qwen2_omni": "<|VIDEO|>",
+    "glm4.1v": "<|video|>",
+}
 
 
 def ref_get_video_sample_indices(video_stream: Any, video_fps: float, video_maxlen: int, **kwargs: Any) -> Any:
