@@ -89,7 +89,7 @@ def models(tmp_path_factory) -> dict[str, Path]:
     out["qwen2_5_omni_thinker"] = write_tiny_family(root / "omni", "qwen2_5_omni_thinker")
     # A video processor config as real checkpoints ship it (Qwen3-VL: video_preprocessor_config.json).
     (out["qwen3_vl"] / "video_preprocessor_config.json").write_text(
-        json.dumps({"size": {"shortest_edge": 32 * 32, "longest_edge": 64 * 64 * 4}, "fps": 2, "min_frames": 2})
+        json.dumps({"size": {"shortest_edge": 32 * 32, "longest_edge": 64 * 64 * 2}, "fps": 2, "min_frames": 2})
     )
     return out
 
@@ -146,8 +146,11 @@ def test_video_samples_equal_mindspeed_mm(name, video, models, tmp_path, monkeyp
             raise AssertionError(f"{name}, {what}: {err}") from None
     if name == "qwen2vl":  # Qwen2.5-VL takes the seconds per temporal patch (mRoPE's time axis)
         assert "second_per_grid_ts" in dataset[0]
-    batch = module.train_dataloader().collate_fn([dataset[0], dataset[3]])
-    assert batch["video_grid_thw"].shape == (2, 3) and "pixel_values" in batch  # no filler: the sample's image
+    collate = module.train_dataloader().collate_fn
+    batch = collate([dataset[0], dataset[3]])
+    assert batch["video_grid_thw"].shape == (2, 3) and torch.equal(batch["pixel_values"], dataset[3]["pixel_values"])
+    # MindSpeed MM's collator adds its filler image only to a batch with neither images nor videos
+    assert "pixel_values" not in collate([dataset[0]]) and "pixel_values_videos" in collate([dataset[0]])
 
 
 @pytest.mark.parametrize(
