@@ -25,6 +25,7 @@ import torch
 
 from tests.mindspeed_reference import ref_get_video_sample_indices
 from tests.mindspeed_reference import reference as _ms_reference
+from tests.test_native_route import _tiny_qwen3_5
 from tests.tiny_vlms import write_tiny_vlm
 
 MAX_PIXELS = 64 * 64
@@ -45,6 +46,7 @@ FAMILY_OF = {
     "qwen3_vl": "qwen3_vl",
     "qwen3_vl_nothink": "qwen3_vl",
     "qwen2_omni": "qwen2_5_omni_thinker",
+    "qwen3_6": "qwen3_5",
 }
 
 
@@ -87,10 +89,11 @@ def models(tmp_path_factory) -> dict[str, Path]:
 
     out = {f: write_tiny_vlm(root / f, f) for f in ("qwen2_5_vl", "qwen3_vl")}
     out["qwen2_5_omni_thinker"] = write_tiny_family(root / "omni", "qwen2_5_omni_thinker")
-    # A video processor config as real checkpoints ship it (Qwen3-VL: video_preprocessor_config.json).
-    (out["qwen3_vl"] / "video_preprocessor_config.json").write_text(
-        json.dumps({"size": {"shortest_edge": 32 * 32, "longest_edge": 64 * 64 * 2}, "fps": 2, "min_frames": 2})
-    )
+    out["qwen3_5"] = _tiny_qwen3_5(root / "qwen3_5")  # Qwen3-VL's processor, a Qwen3.5 model (Gated DeltaNet)
+    for family in ("qwen3_vl", "qwen3_5"):  # a video processor config as the real checkpoints ship it
+        (out[family] / "video_preprocessor_config.json").write_text(
+            json.dumps({"size": {"shortest_edge": 32 * 32, "longest_edge": 64 * 64 * 2}, "fps": 2, "min_frames": 2})
+        )
     return out
 
 
@@ -265,7 +268,11 @@ def _loss_and_step(model: Any, batch: dict, lr: float = 0.5) -> tuple[float, flo
 
 @pytest.mark.parametrize(
     "name,cls",
-    [("qwen2vl", "Qwen2_5_VLForConditionalGeneration"), ("qwen3_vl", "Qwen3VLForConditionalGeneration")],
+    [
+        ("qwen2vl", "Qwen2_5_VLForConditionalGeneration"),
+        ("qwen3_vl", "Qwen3VLForConditionalGeneration"),
+        ("qwen3_6", "Qwen3_5ForConditionalGeneration"),
+    ],
 )
 def test_a_training_step_on_a_video_equals_plain_transformers(name, cls, models, tmp_path, monkeypatch):
     """One SGD step on a video batch through ``TransformersModel`` equals plain Transformers on the same
