@@ -249,6 +249,11 @@ def test_bad_video_records_and_keys_are_named(models, tmp_path, monkeypatch):
         )
     with pytest.raises(DataConfigError, match="video_fps"):
         _dataset(tmp_path, monkeypatch, model, "qwen2vl", [RECORDS["small clip"]], dict(VIDEO, video_fps=0))
+    (tmp_path / "data").mkdir(exist_ok=True)
+    (tmp_path / "data" / "broken.mp4").write_bytes(b"not a video")
+    broken = _record([("user", "<video>"), ("assistant", "x")], ["broken.mp4"])
+    with pytest.raises(DataError, match="broken.mp4: cannot open the video"):
+        _dataset(tmp_path, monkeypatch, model, "qwen2vl", [broken], VIDEO)
     module, data = _dataset(tmp_path, monkeypatch, model, "qwen2vl", [RECORDS["small clip"]], VIDEO)
     (data / "small.mp4").write_bytes(b"not a video")
     with pytest.raises(DataError, match="cannot decode the video"):

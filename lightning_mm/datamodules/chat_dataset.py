@@ -135,7 +135,13 @@ def _image_file(name: Any, root: Path, base: Path, allow_outside: bool, what: st
         )
     if not path.is_file():
         raise ValueError(f"{what} not found: {path}")
-    if what == "video":
+    if what == "video":  # its container and a video stream, read up front; frames are decoded in __getitem__
+        from lightning_mm.hf.video_frames import VideoError, probe_video
+
+        try:
+            probe_video(path)
+        except VideoError as err:
+            raise ValueError(str(err)) from None
         return path
     try:
         with Image.open(path) as img:

@@ -20,7 +20,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-__all__ = ["DecodedVideo", "VideoError", "sample_indices", "decode_video"]
+__all__ = ["DecodedVideo", "VideoError", "sample_indices", "probe_video", "decode_video"]
 
 
 class VideoError(ValueError):
@@ -47,6 +47,20 @@ def sample_indices(total_frames: int, duration_s: float | None, video_fps: float
     count = max(1, math.floor(duration_s * video_fps))
     count = min(total_frames, video_maxlen, count)
     return [int(i) for i in np.linspace(0, total_frames - 1, count).astype(np.int32)]
+
+
+def probe_video(path: str | Path) -> None:
+    """Check that ``path`` opens as a media container with a video stream (no frame is decoded)."""
+    import av
+
+    try:
+        with av.open(str(path), "r") as container:
+            if not any(s.type == "video" for s in container.streams):
+                raise VideoError(f"{path}: no video stream")
+    except VideoError:
+        raise
+    except Exception as err:  # PyAV raises its own error types for broken files
+        raise VideoError(f"{path}: cannot open the video: {str(err)[:200]}") from None
 
 
 def decode_video(path: str | Path, video_fps: float, video_maxlen: int, even: bool = True) -> DecodedVideo:
