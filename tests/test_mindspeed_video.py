@@ -301,3 +301,44 @@ def test_a_training_step_on_a_video_equals_plain_transformers(name, cls, models,
     other = dict(batch, pixel_values_videos=torch.zeros_like(batch["pixel_values_videos"]))
     with torch.no_grad():
         assert float(plain(**other).loss) != pytest.approx(float(plain(**batch).loss), rel=1e-6)
+
+
+def _torchvision_loads() -> bool:
+    try:
+        import torchvision  # noqa: F401
+    except Exception:  # the PyPI wheel with the CPU torch: "operator torchvision::nms does not exist"
+        return False
+    return True
+
+
+@pytest.mark.skipif(not _torchvision_loads(), reason="torchvision does not load with this torch build")
+@pytest.mark.parametrize("kind", ["qwen2_vl", "qwen3_vl"])
+def test_video_processing_equals_transformers_video_processor_where_torchvision_loads(kind):
+    """Where torchvision loads, Transformers' own video processor on the same frames and metadata."""
+    import dataclasses
+
+    import transformers
+    from PIL import Image
+
+    from lightning_mm.hf.qwen_video import QwenVideoProcessor, QwenVideoSettings
+
+    rng = np.random.default_rng(3)
+    frames = [Image.fromarray(rng.integers(0, 256, (50, 70, 3), dtype=np.uint8)) for _ in range(6)]
+    size = {"shortest_edge": 32 * 32, "longest_edge": 64 * 64 * 2}
+    if kind == "qwen2_vl":
+        theirs = transformers.Qwen2VLVideoProcessor(size=size, cap_pixels_per_frame=False)
+        expected = theirs(videos=[frames], return_tensors="pt")
+        settings = QwenVideoSettings(kind, size["shortest_edge"], size["longest_edge"], 14)
+    else:
+        theirs = transformers.Qwen3VLVideoProcessor(size=size, fps=2, min_frames=2, cap_pixels_per_frame=False)
+        metadata = [{"fps": 4.0, "duration": 6, "total_num_frames": 6}]
+        expected = theirs(videos=[frames], video_metadata=metadata, return_metadata=True)
+        settings = QwenVideoSettings(
+            kind, size["shortest_edge"], size["longest_edge"], 16, image_mean=(0.5,) * 3, image_std=(0.5,) * 3
+        )
+        settings = dataclasses.replace(settings, do_sample_frames=True, fps=2, min_frames=2)
+    got = QwenVideoProcessor(settings)([frames], metadata_fps=4.0)
+    assert torch.equal(got["video_grid_thw"], expected["video_grid_thw"])
+    assert torch.equal(got["pixel_values_videos"], expected["pixel_values_videos"])
+    if kind == "qwen3_vl":
+        assert list(got["frames_indices"][0]) == list(expected["video_metadata"][0].frames_indices)
