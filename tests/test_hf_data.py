@@ -436,7 +436,7 @@ def test_no_effect_keys_are_logged(models, tmp_path, monkeypatch, caplog):
     with caplog.at_level(logging.INFO, logger="lightning.pytorch.utilities.rank_zero"):
         _module(tmp_path, monkeypatch, _config(models[family], family))
     text = caplog.text
-    for key in ("cache_dir", "preprocessing_batch_size", "preprocessing_num_workers", "video_fps"):
+    for key in ("cache_dir", "preprocessing_batch_size", "preprocessing_num_workers"):
         assert f"{key}` has no effect here" in text, key
 
 
@@ -449,7 +449,7 @@ BAD = [
     (_record([("user", "<image><image>What?"), ("assistant", "A.")], ["a.png"]), "2 <image> placeholders for 1"),
     (_record([("user", "What?"), ("assistant", "A.")], ["a.png"]), "0 <image> placeholders for 1"),
     (_record([("user", "<image>What\ud800?"), ("assistant", "A.")], ["a.png"]), "not valid Unicode"),
-    (_record([("user", "<video>What?"), ("assistant", "A.")]), "videos are not supported"),
+    (_record([("user", "<video>What?"), ("assistant", "A.")]), "1 <video> placeholders for 0 videos"),
     (_record([("user", "<image>What?"), ("assistant", "A.")], ["../outside.png"]), "lies outside dataset_dir"),
     (_record([("assistant", "A."), ("user", "<image>What?")], ["a.png"]), "role out of order"),
 ]

@@ -31,6 +31,7 @@ class ChatRecord:
     messages: tuple[tuple[str, str], ...]
     system: str | None
     images: tuple[Path, ...]
+    videos: tuple[Path, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -113,9 +114,14 @@ def _media(raw: dict, column: str | None) -> list[Any]:
     return value if isinstance(value, list) else [value]
 
 
-def _image_file(name: Any, root: Path, base: Path, allow_outside: bool) -> Path:
+def _video_file(name: Any, root: Path, base: Path, allow_outside: bool) -> Path:
+    """A video's path, checked as images are (inside ``dataset_dir``, a file); decoded in ``__getitem__``."""
+    return _image_file(name, root, base, allow_outside, what="video")
+
+
+def _image_file(name: Any, root: Path, base: Path, allow_outside: bool, what: str = "image") -> Path:
     if not isinstance(name, str) or not name:
-        raise ValueError(f"an image must be a path, got {short_repr(name)}")
+        raise ValueError(f"an {what} must be a path, got {short_repr(name)}")
     inside = (root / name).resolve()
     if inside.is_file() and (allow_outside or inside.is_relative_to(root)):
         path = inside
@@ -124,11 +130,19 @@ def _image_file(name: Any, root: Path, base: Path, allow_outside: bool) -> Path:
     else:
         why = "lies outside" if not inside.is_relative_to(root) else "is not a file in"
         raise ValueError(
-            f"image {short_repr(name)} {why} dataset_dir {root} (set `allow_outside_data_root: true` "
+            f"{what} {short_repr(name)} {why} dataset_dir {root} (set `allow_outside_data_root: true` "
             "next to dataset_param to allow paths outside it)"
         )
     if not path.is_file():
-        raise ValueError(f"image not found: {path}")
+        raise ValueError(f"{what} not found: {path}")
+    if what == "video":  # its container and a video stream, read up front; frames are decoded in __getitem__
+        from lightning_mm.hf.video_frames import VideoError, probe_video
+
+        try:
+            probe_video(path)
+        except VideoError as err:
+            raise ValueError(str(err)) from None
+        return path
     try:
         with Image.open(path) as img:
             img.verify()
@@ -147,7 +161,8 @@ def read_chat_records(
     max_samples: int | None,
     video_note: str | None,
 ) -> tuple[list[ChatRecord], DataReport]:
-    """Check every record (the first ``max_samples`` across the files when given); bad ones go to the report."""
+    """Check every record (the first ``max_samples`` across the files when given); bad ones go to the report.
+    ``video_note`` says why records with videos are refused (``None``: videos are built)."""
     from lightning_mm.hf.chat_samples import IMAGE_PLACEHOLDER, VIDEO_PLACEHOLDER
 
     records: list[ChatRecord] = []
@@ -165,8 +180,14 @@ def read_chat_records(
                     turns, system = _turns(raw, attr)
                     videos = _media(raw, attr.videos)
                     text = "".join(c for _, c in turns)
-                    if videos or VIDEO_PLACEHOLDER in text:
-                        raise ValueError(f"videos are not supported here ({video_note or 'not implemented'})")
+                    if (videos or VIDEO_PLACEHOLDER in text) and video_note is not None:
+                        raise ValueError(f"videos are not supported here ({video_note})")
+                    clips = sum(c.count(VIDEO_PLACEHOLDER) for r, c in turns if r == "user")
+                    if any(VIDEO_PLACEHOLDER in c for r, c in turns if r == "assistant"):
+                        raise ValueError(f"an assistant turn holds {VIDEO_PLACEHOLDER}; videos go in user turns")
+                    if clips != len(videos):
+                        raise ValueError(f"{clips} {VIDEO_PLACEHOLDER} placeholders for {len(videos)} videos")
+                    video_paths = tuple(_video_file(name, root, base, allow_outside) for name in videos)
                     images = _media(raw, attr.images)
                     placeholders = sum(c.count(IMAGE_PLACEHOLDER) for r, c in turns if r == "user")
                     if any(IMAGE_PLACEHOLDER in c for r, c in turns if r == "assistant"):
@@ -179,7 +200,7 @@ def read_chat_records(
             if error is not None:
                 report.problems.append(f"{where}: {error}")
                 continue
-            records.append(ChatRecord(file, line, tuple(turns), system, paths))
+            records.append(ChatRecord(file, line, tuple(turns), system, paths, video_paths))
     return records, report
 
 
@@ -230,4 +251,6 @@ class ChatDataset(ReplacingDataset):
             with Image.open(path) as img:  # decoded as it is: the builder bounds it, then makes it RGB (MindSpeed MM)
                 images.append(img.copy())
         messages = [{"role": role, "content": content} for role, content in record.messages]
+        if record.videos:  # decoded and sampled by the builder (it knows video_fps / video_maxlen)
+            return self.builder(messages, record.system, images, record.videos)
         return self.builder(messages, record.system, images)

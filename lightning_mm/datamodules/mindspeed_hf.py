@@ -102,10 +102,6 @@ _NO_EFFECT = {
     "MMDataModule(num_workers=...)",
     "preprocess_on_fly": "records are always processed on the fly here",
     "async_preprocess_buffer_size": "it only applies to streaming, which is not supported here",
-    "video_max_pixels": "videos are not supported here",
-    "video_min_pixels": "videos are not supported here",
-    "video_fps": "videos are not supported here",
-    "video_maxlen": "videos are not supported here",
     "audio_sampling_rate": "audio is not supported here",
     "image_resolution": "MindSpeed MM's huggingface dataset does not read it either (images are bounded by "
     "image_max_pixels/image_min_pixels)",
@@ -245,6 +241,42 @@ def _attr(section: Mapping[str, Any], prefix: str, source: str) -> ChatAttr:
     return ChatAttr(**values)
 
 
+def _video_settings(pre: Mapping[str, Any], pp: str, source: str) -> dict[str, Any]:
+    """``video_fps``, ``video_maxlen``, ``video_max_pixels``, ``video_min_pixels`` (MindSpeed MM's defaults)."""
+    fps = pre.get("video_fps", 2.0)
+    fps = 2.0 if fps is None else fps
+    if isinstance(fps, bool) or not isinstance(fps, (int, float)) or not 0 < fps < float("inf"):
+        raise DataConfigError(f"{source}: `{pp}video_fps`: expected a number > 0, got {short_repr(fps)}")
+    maxlen = _int(pre, "video_maxlen", 128, pp, source, low=1) or 128
+    max_pixels = _int(pre, "video_max_pixels", 256 * 256, pp, source, low=1) or 256 * 256
+    min_pixels = _int(pre, "video_min_pixels", 16 * 16, pp, source) or 0
+    if min_pixels > max_pixels:
+        raise DataConfigError(
+            f"{source}: `{pp}video_min_pixels`: {min_pixels} must be at most video_max_pixels {max_pixels}"
+        )
+    return {
+        "video_fps": float(fps),
+        "video_maxlen": maxlen,
+        "video_max_pixels": max_pixels,
+        "video_min_pixels": min_pixels,
+    }
+
+
+def _video_processor(template: Any, model_dir: Path, model_type: str) -> tuple[Any, str | None]:
+    """(the video processor or ``None``, why videos are refused or ``None``) for a MindSpeed MM template."""
+    from lightning_mm.hf.qwen_video import VIDEO_FAMILIES, QwenVideoProcessor, load_video_settings
+
+    if template.video is None:
+        return None, template.no_video
+    if model_type not in VIDEO_FAMILIES:
+        return None, f"model_type {model_type!r} has no Qwen-VL video processor here"
+    try:
+        settings = load_video_settings(model_dir, model_type)
+    except (OSError, ValueError) as err:
+        return None, f"the video processor's settings in {model_dir}: {err}"
+    return QwenVideoProcessor(settings), None
+
+
 # ----------------------------------------------------------------------------------------------- builder
 def build_huggingface_datasets(
     dataset_param: Mapping[str, Any],
@@ -340,15 +372,28 @@ def build_huggingface_datasets(
     name = None if chat_template is not None else basic.get("template")
     settings: dict[str, Any] = dict(image_min_pixels=min_pixels, image_max_pixels=max_pixels, cutoff_len=cutoff_len)
     builder: ChatSampleBuilder | MindSpeedSampleBuilder
+    video_note: str | None
     if name in MINDSPEED_FORMATS:  # MindSpeed MM's own template: its samples, built as it builds them
-        builder = MindSpeedSampleBuilder(processor, MINDSPEED_FORMATS[name], **settings, **flags)
+        video, video_note = _video_processor(MINDSPEED_FORMATS[name], model_dir, str(model_type))
+        builder = MindSpeedSampleBuilder(
+            processor,
+            MINDSPEED_FORMATS[name],
+            **settings,
+            **flags,
+            **_video_settings(pre, pp, source),
+            video_processor=video,
+        )
     else:  # the model's own chat template (template: null, or a chat_template file)
         builder = ChatSampleBuilder(processor, template, chat_template=chat_template, **settings, **flags)
+        video_note = (
+            "videos are built only with MindSpeed MM's templates here (basic_parameters.template: qwen2vl, "
+            "qwen3_vl, qwen3_vl_nothink, qwen3_6 or qwen2_omni), not with the model's own chat template"
+        )
     splits: dict[str, Dataset | None] = dict.fromkeys(("train", "val", "test"))
     reports: dict[str, DataReport] = {}
     for split, files in splits_files.items():
         records, report = read_chat_records(
-            split, files, attr, root, base, allow_outside_data_root, limits[split], loaded.video_note
+            split, files, attr, root, base, allow_outside_data_root, limits[split], video_note
         )
         reports[split] = report
         strict_or_warn(report, strict, source)

@@ -12,22 +12,33 @@ __all__ = ["ChatCollator", "TOKEN_KEYS", "VISION_KEYS"]
 IGNORE_INDEX = -100
 TOKEN_KEYS = ("input_ids", "attention_mask", "labels", "mm_token_type_ids", "token_type_ids")
 """Per-token keys: padded on the right to the longest sample."""
-VISION_KEYS = ("pixel_values", "image_grid_thw", "image_sizes", "pixel_attention_mask")
+VISION_KEYS = (
+    "pixel_values",
+    "image_grid_thw",
+    "image_sizes",
+    "pixel_attention_mask",
+    "pixel_values_videos",
+    "video_grid_thw",
+    "second_per_grid_ts",
+    "video_second_per_grid",
+)
 """Per-image keys: concatenated along their first dimension, in sample order, each zero-padded (``False`` for a
 mask) to the largest size of its other dimensions, as the families' processors batch them: Qwen-VL and GLM-4V
 take all patches of a batch as one tensor with one ``image_grid_thw`` row per image; Gemma 3 one image per row;
 Pixtral (Mistral 3) images padded to the largest height and width, with ``image_sizes``; Idefics3 one
-row per sample of images (crops) padded to the most images, with ``pixel_attention_mask``."""
+row per sample of images (crops) padded to the most images, with ``pixel_attention_mask``. Videos (Qwen-VL): all
+patches as one tensor, one ``video_grid_thw`` row and one seconds-per-temporal-patch value per video."""
 
 
 class ChatCollator:
     """Pads ``input_ids`` with ``pad_token_id``, ``attention_mask`` and ``mm_token_type_ids`` with 0, and ``labels``
     with -100 (``ignore_pad_token_for_loss``, the default) or else ``pad_token_id``, as MindSpeed MM does.
 
-    A batch in which no sample has an image gets ``filler`` (one small image's tokens and pixels) appended to its
-    first sample, with attention mask 0 and labels -100, as MindSpeed MM's collator does: every rank then runs the
-    vision tower, so the sharded vision blocks' collectives happen on all ranks (a rank that skipped them would
-    leave the others waiting), and the filler changes no loss (its tokens are masked and come after the text).
+    A batch in which no sample has an image or a video gets ``filler`` (one small image's tokens and pixels)
+    appended to its first sample, with attention mask 0 and labels -100, as MindSpeed MM's collator does: every
+    rank then runs the vision tower, so the sharded vision blocks' collectives happen on all ranks (a rank that
+    skipped them would leave the others waiting), and the filler changes no loss (its tokens are masked and come
+    after the text).
     ``pad_to_multiple_of`` rounds the padded width up to a multiple (MindSpeed MM's FSDP collator, 8 there).
     """
 
@@ -49,7 +60,7 @@ class ChatCollator:
         }
 
     def __call__(self, samples: list[dict[str, Any]]) -> dict[str, torch.Tensor]:
-        if self.filler is not None and not any("pixel_values" in s for s in samples):
+        if self.filler is not None and not any("pixel_values" in s or "pixel_values_videos" in s for s in samples):
             samples = [self._with_filler(samples[0]), *samples[1:]]
         keys = set().union(*(s.keys() for s in samples))
         unknown = keys - set(TOKEN_KEYS) - set(VISION_KEYS)

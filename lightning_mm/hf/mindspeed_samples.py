@@ -30,11 +30,15 @@ import math
 import re
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from lightning_mm.hf.qwen_video import QwenVideoProcessor
 
 __all__ = ["MindSpeedTemplate", "MINDSPEED_FORMATS", "MindSpeedSampleBuilder", "infer_seqlen"]
 
 _IMAGE = "<image>"
+_VIDEO = "<video>"
 _IGNORE = -100
 _QWEN_USER = "<|im_start|>user\n{{content}}<|im_end|>\n<|im_start|>assistant\n"
 _QWEN_ASSISTANT = "{{content}}<|im_end|>\n"
@@ -59,6 +63,13 @@ class MindSpeedTemplate:
     vision_bos: str = "<|vision_start|>"
     vision_eos: str = "<|vision_end|>"
     thought: tuple[str, str] = ("<think>", "</think>")
+    video: str | None = None
+    """How the plugin lays out a video's tokens: ``qwen2_vl`` (``Qwen2VLPlugin``: one run of video tokens),
+    ``qwen3_vl`` (``Qwen3VLPlugin``: ``<t seconds>`` and a run per temporal patch), ``qwen2_omni``
+    (``Qwen2OmniPlugin``: one run, ``video_second_per_grid``); ``None``: videos are refused (:attr:`no_video`)."""
+    video_token: str = "<|video_pad|>"
+    no_video: str = ""
+    """Why the template refuses videos here."""
 
 
 def _qwen(**kwargs: Any) -> MindSpeedTemplate:
@@ -75,20 +86,27 @@ _GLM = dict(
     image_token="<|image|>",
     vision_bos="<|begin_of_image|>",
     vision_eos="<|end_of_image|>",
+    video_token="<|video|>",
+)
+_GLM_NO_VIDEO = (
+    "MindSpeed MM's GLM4VPlugin hands Transformers 5's video processor metadata it does not take "
+    "(`total_frames`), so MindSpeed MM itself cannot build GLM-4.1V video samples to compare with"
 )
 MINDSPEED_FORMATS: dict[str, MindSpeedTemplate] = {
-    "qwen2vl": _qwen(default_system="You are a helpful assistant.", nearest=True),
-    "qwen3_vl": _qwen(reasoning=True),
-    "qwen3_vl_nothink": _qwen(),
-    "qwen3_6": _qwen(reasoning=True),
+    "qwen2vl": _qwen(default_system="You are a helpful assistant.", nearest=True, video="qwen2_vl"),
+    "qwen3_vl": _qwen(reasoning=True, video="qwen3_vl"),
+    "qwen3_vl_nothink": _qwen(video="qwen3_vl"),
+    "qwen3_6": _qwen(reasoning=True, video="qwen3_vl"),
     "qwen2_omni": _qwen(
         default_system="You are a helpful assistant.",
         image_token="<|IMAGE|>",
         vision_bos="<|vision_bos|>",
         vision_eos="<|vision_eos|>",
+        video="qwen2_omni",
+        video_token="<|VIDEO|>",
     ),
-    "glm4.1v": MindSpeedTemplate(**_GLM),  # type: ignore[arg-type]
-    "glm4v_moe": MindSpeedTemplate(**_GLM),  # type: ignore[arg-type]
+    "glm4.1v": MindSpeedTemplate(**_GLM, no_video=_GLM_NO_VIDEO),  # type: ignore[arg-type]
+    "glm4v_moe": MindSpeedTemplate(**_GLM, no_video=_GLM_NO_VIDEO),  # type: ignore[arg-type]
 }
 """MindSpeed MM's templates (``mindspeed_mm/fsdp/data/data_utils/func_utils/template.py``) for the families that
 train here, for text and images (the tool slots of ``qwen3_6`` are not used: tool turns are refused)."""
@@ -127,6 +145,11 @@ class MindSpeedSampleBuilder:
         image_min_pixels: int = 32 * 32,
         image_max_pixels: int = 768 * 768,
         cutoff_len: int | None = None,
+        video_processor: QwenVideoProcessor | None = None,
+        video_fps: float = 2.0,
+        video_maxlen: int = 128,
+        video_max_pixels: int = 256 * 256,
+        video_min_pixels: int = 16 * 16,
     ) -> None:
         self.processor = processor
         self.tokenizer = processor.tokenizer
@@ -138,6 +161,12 @@ class MindSpeedSampleBuilder:
         self.image_max_pixels = int(image_max_pixels)
         self.cutoff_len = cutoff_len
         self.image_token_id = self.tokenizer.convert_tokens_to_ids(template.image_token)
+        self.video_processor = video_processor
+        self.video_fps = float(video_fps)
+        self.video_maxlen = int(video_maxlen)
+        self.video_max_pixels = int(video_max_pixels)
+        self.video_min_pixels = int(video_min_pixels)
+        self.video_token_id = self.tokenizer.convert_tokens_to_ids(template.video_token)
         if self.tokenizer.eos_token_id is None and template.efficient_eos:
             raise ValueError("the tokenizer has no EOS token, which the template's labels need")
 
@@ -146,23 +175,41 @@ class MindSpeedSampleBuilder:
         """The plugin's ``_preprocess_image``: an area-preserving resize into ``[image_min_pixels,
         image_max_pixels]`` (NEAREST for ``Qwen2VLPlugin``, PIL's default otherwise), RGB, then at least 28
         pixels a side and an aspect ratio of at most 200 (``Qwen2VLPlugin`` and the plugins derived from it)."""
-        from PIL import Image
+        return _bound(image, self.image_max_pixels, self.image_min_pixels, self.template.nearest)
 
-        nearest = {"resample": Image.Resampling.NEAREST} if self.template.nearest else {}
-        for limit, beyond in ((self.image_max_pixels, 1), (self.image_min_pixels, -1)):
-            area = image.width * image.height
-            if (area - limit) * beyond > 0:
-                factor = math.sqrt(limit / area)
-                image = image.resize((int(image.width * factor), int(image.height * factor)), **nearest)
-        if image.mode != "RGB":
-            image = image.convert("RGB")
-        if min(image.width, image.height) < 28:
-            image = image.resize((max(image.width, 28), max(image.height, 28)))
-        if image.width / image.height > 200:
-            image = image.resize((image.height * 180, image.height))
-        if image.height / image.width > 200:
-            image = image.resize((image.width, image.width * 180))
-        return image
+    def bound_frame(self, image: Any) -> Any:
+        """A video frame: ``_preprocess_image`` with the video bounds, NEAREST for every plugin (their
+        ``_regularize_videos`` leave ``resample`` at its default)."""
+        return _bound(image, self.video_max_pixels, self.video_min_pixels, True)
+
+    def video_inputs(self, paths: Sequence[Any]) -> tuple[dict[str, Any], list[list[float]]]:
+        """The videos' tensors (``pixel_values_videos``, ``video_grid_thw`` and the model's seconds per temporal
+        patch) and, for ``Qwen3VLPlugin``, each video's timestamps per temporal patch."""
+        import torch
+
+        from lightning_mm.hf.video_frames import decode_video
+
+        t = self.template
+        if t.video is None or self.video_processor is None:
+            raise ValueError(f"videos are not supported here with this template ({t.no_video or 'no video processor'})")
+        decoded = [decode_video(p, self.video_fps, self.video_maxlen) for p in paths]
+        frames = [[self.bound_frame(f) for f in d.frames] for d in decoded]
+        out = self.video_processor(frames, metadata_fps=self.video_fps if t.video == "qwen3_vl" else None)
+        kept = out.pop("frames_indices")
+        temporal = int(getattr(self.processor.image_processor, "temporal_patch_size", 2))
+        seconds = [temporal / d.fps for d in decoded]
+        if t.video == "qwen2_omni":
+            out["video_second_per_grid"] = torch.tensor(seconds)
+        elif t.video == "qwen2_vl" and "second_per_grid_ts" in self.processor.model_input_names:
+            out["second_per_grid_ts"] = torch.tensor(seconds)
+        stamps: list[list[float]] = []
+        if t.video == "qwen3_vl":  # processor._calculate_timestamps(frames_indices, video_fps, merge_size)
+            group = self.video_processor.merge_size
+            for indices in kept:
+                indices = list(indices) + [indices[-1]] * (-len(indices) % group)
+                times = [i / self.video_fps for i in indices]
+                stamps.append([(times[i] + times[i + group - 1]) / 2 for i in range(0, len(times), group)])
+        return out, stamps
 
     def vision_inputs(self, images: list[Any]) -> dict[str, Any]:
         """The image processor's tensors of the bounded images, with its own settings."""
@@ -176,6 +223,28 @@ class MindSpeedSampleBuilder:
             while _IMAGE in content:
                 count = int(grids[index].prod()) // merge
                 content = content.replace(_IMAGE, f"{t.vision_bos}{t.image_token * count}{t.vision_eos}", 1)
+                index += 1
+            out.append(content)
+        return out
+
+    def _expand_videos(self, contents: list[str], grids: Any, stamps: list[list[float]]) -> list[str]:
+        """The plugin's ``process_messages`` for ``<video>``: Qwen2-VL and Qwen2.5-Omni one run of
+        ``grid.prod() // merge**2`` video tokens; Qwen3-VL ``<t seconds>`` and ``h * w // merge**2`` tokens per
+        temporal patch (each video its own frame count and timestamps: see docs/data.md)."""
+        t = self.template
+        out, index = [], 0
+        for content in contents:
+            while _VIDEO in content:
+                grid = [int(v) for v in grids[index]]
+                if t.video == "qwen3_vl":
+                    assert self.video_processor is not None
+                    count = grid[1] * grid[2] // self.video_processor.merge_size**2
+                    run = f"{t.vision_bos}{t.video_token * count}{t.vision_eos}"
+                    text = "".join(f"<{stamps[index][f]:.1f} seconds>{run}" for f in range(grid[0]))
+                else:
+                    count = grid[0] * grid[1] * grid[2] // int(self.processor.image_processor.merge_size) ** 2
+                    text = f"{t.vision_bos}{t.video_token * count}{t.vision_eos}"
+                content = content.replace(_VIDEO, text, 1)
                 index += 1
             out.append(content)
         return out
@@ -249,7 +318,14 @@ class MindSpeedSampleBuilder:
         return input_ids, labels
 
     # ------------------------------------------------------------------------------------------ samples
-    def __call__(self, messages: Sequence[dict[str, str]], system: str | None, images: list[Any]) -> dict[str, Any]:
+    def __call__(
+        self,
+        messages: Sequence[dict[str, str]],
+        system: str | None,
+        images: list[Any],
+        videos: Sequence[Any] = (),
+    ) -> dict[str, Any]:
+        """The sample; ``videos`` are video file paths, one per ``<video>``."""
         import torch
 
         from lightning_mm.hf.chat_samples import SampleError
@@ -258,6 +334,10 @@ class MindSpeedSampleBuilder:
         vision = self.vision_inputs(images) if images else {}
         if images:
             contents = self._expand(contents, vision["image_grid_thw"])
+        if videos:
+            video, stamps = self.video_inputs(videos)
+            contents = self._expand_videos(contents, video["video_grid_thw"], stamps)
+            vision.update(video)
         input_ids, labels = self.ids_and_labels(self.encode_pairs(contents, system))
         n = len(input_ids)
         if images:
@@ -269,6 +349,15 @@ class MindSpeedSampleBuilder:
                 raise SampleError(
                     f"cutoff_len {self.cutoff_len} cuts the sample through its images' tokens ({found} of {expected} "
                     "kept): raise cutoff_len or shrink the images (image_max_pixels)"
+                )
+        if videos:
+            merge = self.video_processor.merge_size if self.video_processor is not None else 2
+            expected = int(vision["video_grid_thw"].prod(-1).sum()) // merge**2
+            found = sum(1 for i in input_ids if i == self.video_token_id)
+            if found != expected:
+                raise SampleError(
+                    f"cutoff_len {self.cutoff_len} cuts the sample through its videos' tokens ({found} of {expected} "
+                    "kept): raise cutoff_len or shrink the videos (video_max_pixels, video_maxlen)"
                 )
         if all(label == _IGNORE for label in labels):
             raise SampleError(f"the sample cut to cutoff_len {self.cutoff_len} ({n} tokens) has no trained token left")
@@ -296,3 +385,24 @@ class MindSpeedSampleBuilder:
             out["mm_token_type_ids"] = torch.tensor(self.processor.create_mm_token_type_ids([ids])[0])
         out.update(vision)
         return out
+
+
+def _bound(image: Any, max_pixels: int, min_pixels: int, nearest: bool) -> Any:
+    """``MMPluginMixin._preprocess_image`` then ``Qwen2VLPlugin._preprocess_image`` (see ``bound_image``)."""
+    from PIL import Image
+
+    resample = {"resample": Image.Resampling.NEAREST} if nearest else {}
+    for limit, beyond in ((max_pixels, 1), (min_pixels, -1)):
+        area = image.width * image.height
+        if (area - limit) * beyond > 0:
+            factor = math.sqrt(limit / area)
+            image = image.resize((int(image.width * factor), int(image.height * factor)), **resample)
+    if image.mode != "RGB":
+        image = image.convert("RGB")
+    if min(image.width, image.height) < 28:
+        image = image.resize((max(image.width, 28), max(image.height, 28)))
+    if image.width / image.height > 200:
+        image = image.resize((image.height * 180, image.height))
+    if image.height / image.width > 200:
+        image = image.resize((image.width, image.width * 180))
+    return image

@@ -6,7 +6,8 @@ whole load fails, images included. Then the processor class the directory names 
 ``processor_config.json`` or ``preprocessor_config.json``; it must be one of Transformers' own processor classes,
 never code from the directory) is built from its tokenizer (``AutoTokenizer``), its image processor
 (``AutoImageProcessor``, which falls back to Transformers' PIL implementation) and its chat template, without a
-video processor. This is logged, and such a processor refuses videos (:attr:`LoadedProcessor.video_note`).
+video processor. This is logged; videos are then processed by :mod:`lightning_mm.hf.qwen_video` for the Qwen-VL
+families with MindSpeed MM's templates, and refused otherwise (:attr:`LoadedProcessor.video_note`).
 """
 
 from __future__ import annotations
@@ -113,19 +114,21 @@ def load_vlm_processor(path: str | Path) -> LoadedProcessor:
     path = Path(path)
     try:
         processor = AutoProcessor.from_pretrained(str(path), local_files_only=True, trust_remote_code=False)
-    except ImportError as err:
+    except (ImportError, ValueError) as err:
+        # A missing torchvision is an ImportError, or a ValueError where the directory has a video processor
+        # config (video_preprocessor_config.json: AutoVideoProcessor "requires `torchvision`").
         if "torchvision" not in str(err).lower():
             raise ProcessorLoadError(f"{path}: cannot load the processor: {str(err).strip()[:300]}") from err
         why = "its video processor needs torchvision, which is not installed"
         processor = _without_video(path, why)
         log.info(
-            "%s: %s; loaded %s without a video processor (records with videos are refused)",
+            "%s: %s; loaded %s without a video processor (videos: lightning_mm.hf.qwen_video)",
             path,
             why,
             type(processor).__name__,
         )
         return LoadedProcessor(processor, "the model's video processor needs torchvision, which is not installed")
-    except (OSError, ValueError) as err:
+    except OSError as err:
         raise ProcessorLoadError(f"{path}: cannot load the processor: {str(err).strip()[:300]}") from err
     if not hasattr(processor, "image_processor") or not hasattr(processor, "tokenizer"):
         raise ProcessorLoadError(
