@@ -284,3 +284,67 @@ def test_unsupported_model_is_an_error() -> None:
     config = transformers.LlavaConfig(text_config=dict(TEXT, model_type="llama"))
     with pytest.raises(UnsupportedFlopsModel, match="llava"):
         FlopCounter(config)
+
+
+# ------------------------------------------------------------------------------------------ the logged meter
+class _Tokens(torch.utils.data.Dataset):
+    def __init__(self, n: int, seq: int) -> None:
+        generator = torch.Generator().manual_seed(0)
+        self.ids = torch.randint(IMAGE + 1, 256, (n, seq), generator=generator)
+
+    def __len__(self) -> int:
+        return len(self.ids)
+
+    def __getitem__(self, i: int) -> dict[str, torch.Tensor]:
+        labels = self.ids[i].clone()
+        labels[: len(labels) // 4] = -100  # a prompt
+        return dict(input_ids=self.ids[i], labels=labels)
+
+
+def _fit(tmp_path: Any, peak: float | None) -> tuple[list[dict[str, float]], int]:
+    import csv
+
+    import lightning as L
+    from lightning.pytorch.loggers import CSVLogger
+
+    from lightning_mm import MMLightningModule
+
+    module = MMLightningModule(model_provider=lambda: _lm(transformers.Qwen3Config), lr=1e-3, peak_tflops=peak)
+    data = torch.utils.data.DataLoader(_Tokens(16, 24), batch_size=2)
+    trainer = L.Trainer(
+        accelerator="cpu",
+        devices=1,
+        max_steps=6,
+        logger=CSVLogger(tmp_path),
+        log_every_n_steps=2,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        default_root_dir=tmp_path,
+    )
+    trainer.fit(module, train_dataloaders=data)
+    assert module.model is not None
+    per_batch = FlopCounter.from_model(module.model)(next(iter(data))).model
+    with open(trainer.logger.log_dir + "/metrics.csv") as f:  # type: ignore[union-attr]
+        rows = [{k: float(v) for k, v in row.items() if v != ""} for row in csv.DictReader(f)]
+    return [row for row in rows if "train/tflops_per_device" in row], per_batch
+
+
+@pytest.mark.parametrize("peak", [None, 50.0])
+def test_fit_logs_tokens_tflops_and_mfu_from_the_counter(tmp_path: Any, peak: float | None) -> None:
+    """A real 1-rank fit: the logged TFLOP/s are the counter's FLOPs per batch over the measured batch time."""
+    rows, per_batch = _fit(tmp_path, peak)
+    assert len(rows) == 3  # steps 2, 4, 6
+    for row in rows:
+        batches_per_sec = row["train/device/batches_per_sec"]  # Lightning's, over the same window
+        assert row["train/tflops_per_device"] * 1e12 == pytest.approx(per_batch * batches_per_sec, rel=1e-6)
+        assert row["train/hardware_tflops_per_device"] == row["train/tflops_per_device"]  # no recomputation
+        assert row["train/device/flops_per_sec"] == pytest.approx(per_batch * batches_per_sec, rel=1e-6)
+        assert row["train/device/tokens_per_sec"] == pytest.approx(2 * 24 * batches_per_sec, rel=1e-6)
+        assert row["train/device/target_tokens_per_sec"] == pytest.approx(2 * 18 * batches_per_sec, rel=1e-6)
+        assert row["train/tokens_per_sec"] == pytest.approx(row["train/device/tokens_per_sec"], rel=1e-6)
+        if peak is None:  # CPU: no peak known, so no MFU
+            assert "train/mfu" not in row and "train/device/mfu" not in row
+        else:
+            assert row["train/mfu"] == pytest.approx(row["train/tflops_per_device"] / peak, rel=1e-6)
+            assert row["train/hfu"] == pytest.approx(row["train/mfu"], rel=1e-6)
