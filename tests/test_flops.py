@@ -74,10 +74,11 @@ def test_dense_lm_matches_flop_counter_mode(cls: type) -> None:
     _assert_close(FlopCounter.from_model(model)(batch, backward=False).model, _measured(model, batch, False))
 
 
-def test_moe_counts_active_experts_and_router() -> None:
-    model = _lm(
-        transformers.Qwen3MoeConfig, num_experts=8, num_experts_per_tok=2, moe_intermediate_size=32, mlp_only_layers=[1]
-    )
+@pytest.mark.parametrize("cls", [transformers.Qwen3MoeConfig, transformers.Qwen2MoeConfig])
+def test_moe_counts_active_experts_and_router(cls: type) -> None:
+    """Top-k experts per token, the router, Qwen2-MoE's gated shared expert; a dense layer among them."""
+    extra = dict(shared_expert_intermediate_size=48) if cls is transformers.Qwen2MoeConfig else {}
+    model = _lm(cls, num_experts=8, num_experts_per_tok=2, moe_intermediate_size=32, mlp_only_layers=[1], **extra)
     batch = _text_batch()
     _assert_close(FlopCounter.from_model(model)(batch).model, _measured(model, batch))
 
@@ -137,7 +138,7 @@ def _qwen2_5_vl() -> torch.nn.Module:
     return transformers.Qwen2_5_VLForConditionalGeneration(_eager(config)).train()
 
 
-def _qwen3_vl() -> torch.nn.Module:
+def _qwen3_vl(moe: bool = False) -> torch.nn.Module:
     vision = dict(
         depth=2,
         hidden_size=32,
@@ -151,9 +152,13 @@ def _qwen3_vl() -> torch.nn.Module:
         deepstack_visual_indexes=[0, 1],
     )
     rope = {"rope_type": "default", "rope_theta": 10000.0, "mrope_section": [2, 3, 3], "mrope_interleaved": True}
-    config = transformers.Qwen3VLConfig(
-        text_config=dict(TEXT, rope_parameters=rope), vision_config=vision, image_token_id=IMAGE
-    )
+    text = dict(TEXT, rope_parameters=rope)
+    if moe:
+        text.update(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32)
+        config = transformers.Qwen3VLMoeConfig(text_config=text, vision_config=vision, image_token_id=IMAGE)
+        torch.manual_seed(0)
+        return transformers.Qwen3VLMoeForConditionalGeneration(_eager(config)).train()
+    config = transformers.Qwen3VLConfig(text_config=text, vision_config=vision, image_token_id=IMAGE)
     torch.manual_seed(0)
     return transformers.Qwen3VLForConditionalGeneration(_eager(config)).train()
 
@@ -178,8 +183,9 @@ def test_qwen2_5_vl_window_attention_matches_flop_counter_mode() -> None:
         full.config.vision_config.fullatt_block_indexes = [1]
 
 
-def test_qwen3_vl_with_deepstack_matches_flop_counter_mode() -> None:
-    model = _qwen3_vl()
+@pytest.mark.parametrize("moe", [False, True])
+def test_qwen3_vl_with_deepstack_matches_flop_counter_mode(moe: bool) -> None:
+    model = _qwen3_vl(moe)
     batch = _vlm_batch([(1, 4, 6), (1, 2, 4)], 14, mm_types=True)
     _assert_close(FlopCounter.from_model(model)(batch).model, _measured(model, batch))
 
@@ -284,6 +290,8 @@ def test_unsupported_model_is_an_error() -> None:
     config = transformers.LlavaConfig(text_config=dict(TEXT, model_type="llama"))
     with pytest.raises(UnsupportedFlopsModel, match="llava"):
         FlopCounter(config)
+    with pytest.raises(UnsupportedFlopsModel, match="gpt2"):  # a non-gated MLP: no silent wrong count
+        FlopCounter(transformers.GPT2Config())
 
 
 # ------------------------------------------------------------------------------------------ the logged meter
