@@ -325,16 +325,22 @@ def _fit(tmp_path: Any, peak: float | None) -> tuple[list[dict[str, float]], int
         max_steps=6,
         logger=CSVLogger(tmp_path),
         log_every_n_steps=2,
+        val_check_interval=3,
+        num_sanity_val_steps=0,
         enable_checkpointing=False,
         enable_progress_bar=False,
         enable_model_summary=False,
         default_root_dir=tmp_path,
     )
-    trainer.fit(module, train_dataloaders=data)
+    trainer.fit(
+        module, train_dataloaders=data, val_dataloaders=torch.utils.data.DataLoader(_Tokens(6, 24), batch_size=2)
+    )
     assert module.model is not None
     per_batch = FlopCounter.from_model(module.model)(next(iter(data))).model
     with open(trainer.logger.log_dir + "/metrics.csv") as f:  # type: ignore[union-attr]
         rows = [{k: float(v) for k, v in row.items() if v != ""} for row in csv.DictReader(f)]
+    assert any("validate/device/samples_per_sec" in row for row in rows)
+    assert not any(key.startswith("validate/") and "tokens" in key for row in rows for key in row)  # training only
     return [row for row in rows if "train/tflops_per_device" in row], per_batch
 
 

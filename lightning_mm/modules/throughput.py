@@ -59,8 +59,8 @@ class TokenThroughput(Throughput):
         super().__init__(window_size=window_size, **kwargs)
         self.context_parallel = context_parallel
         self._times: deque[float] = deque(maxlen=window_size)
-        self._counts: deque[tuple[int, int | None, int | None, int | None]] = deque(maxlen=window_size)
-        self._pending: tuple[int, int | None, int | None, int | None] = (0, None, None, None)
+        self._counts: deque[tuple[int | None, ...]] = deque(maxlen=window_size)
+        self._pending: tuple[int | None, ...] = (None, None, None, None)  # batches without add(): not counted
 
     def add(self, tokens: int, targets: int | None, flops: StepFlops | None) -> None:
         """One batch's tokens, target tokens and FLOPs (``None``: unknown)."""
@@ -75,7 +75,7 @@ class TokenThroughput(Throughput):
         super().update(time=time, batches=batches, samples=samples, lengths=lengths, flops=flops)
         self._times.append(time)
         self._counts.append(self._pending)
-        self._pending = (0, None, None, None)
+        self._pending = (None, None, None, None)
 
     @override
     def compute(self) -> dict[str, int | float]:
