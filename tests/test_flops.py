@@ -362,3 +362,28 @@ def test_fit_logs_tokens_tflops_and_mfu_from_the_counter(tmp_path: Any, peak: fl
         else:
             assert row["train/mfu"] == pytest.approx(row["train/tflops_per_device"] / peak, rel=1e-6)
             assert row["train/hfu"] == pytest.approx(row["train/mfu"], rel=1e-6)
+
+
+def test_module_counts_transformers_models_and_leaves_the_users_flops_alone() -> None:
+    from lightning_mm import MMLightningModule
+
+    batch = _text_batch()
+    module = MMLightningModule(model_provider=lambda: _lm(transformers.Qwen3Config))
+    module.configure_model()
+    assert module.model is not None
+    flops = module.step_flops(batch)
+    assert flops is not None and flops.model == FlopCounter.from_model(module.model)(batch).model
+    assert module.flops_per_batch == flops.model  # what Lightning's own device/flops_per_sec and mfu read
+    assert module.step_flops({"pixel_values": torch.ones(1)}) is None  # no input_ids: not counted
+
+    class Own(MMLightningModule):
+        flops_per_batch = 123
+
+    own = Own(model_provider=lambda: _lm(transformers.Qwen3Config))
+    own.configure_model()
+    assert own.step_flops(batch) is None and own.flops_per_batch == 123
+    other = MMLightningModule(model_provider=lambda: torch.nn.Linear(2, 2))  # not a Transformers model
+    other.configure_model()
+    assert other.step_flops(batch) is None
+    with pytest.raises(ValueError, match="peak_tflops"):
+        MMLightningModule(peak_tflops=0)
