@@ -25,9 +25,12 @@ same torchrun processes, alternating in rounds, with the same model, initialisat
   (``fullgraph=True``, ``--compile-backend``, default inductor) before ``fully_shard``; for the strategy that is
   the YAML's ``compile_modules: [model.layers.{*}]``.
 
-Throughput is measured over the timed steps between two ``torch.cuda.synchronize()`` calls. MFU uses
-6 x (non-embedding parameters) + 12 x layers x hidden x sequence FLOPs per token and the GPU's dense bf16 peak
-(``--peak-tflops``, or looked up from the device name for H100/H200/A100). Target: mm_fsdp2 >= 0.98 x plain.
+Throughput is measured over the timed steps between two ``torch.cuda.synchronize()`` calls. MFU comes from the
+FLOP counter that ``MMLightningModule`` logs ``train/mfu`` with (``lightning_mm.hf.flops.FlopCounter`` on the
+Transformers ``LlamaConfig`` of the same shape: every matmul of forward and backward, the output layer included,
+attention over the whole sequence without halving for causality, as torchtitan counts it) and the dense bf16 peak
+of ``lightning_mm.core.flops.PEAK_TFLOPS`` for the device name (H100, H200, B200, A100; ``--peak-tflops`` to
+override, and for any other device). Target: mm_fsdp2 >= 0.98 x plain.
 
 ``--device cpu --tiny`` runs the same code on 2 CPU processes with a tiny model (a check of the script only; its
 numbers mean nothing).
@@ -50,8 +53,6 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import common  # noqa: E402
 
-PEAK_BF16_TFLOPS = {"H200": 989.0, "H100": 989.0, "A100": 312.0, "L40S": 362.0, "A10G": 125.0}
-
 
 # -------------------------------------------------------------------------------------------------- model
 @dataclass
@@ -70,6 +71,27 @@ class LlamaConfig:
         block = 2 * h + h * h + 2 * h * kv + h * h + 3 * h * self.intermediate_size
         emb = 2 * self.vocab_size * h if embedding else 0
         return self.num_layers * block + h + emb
+
+
+def flops_per_step(cfg: LlamaConfig, batch: int, seq: int) -> int:
+    """Model FLOPs of one training step of one GPU (``batch`` sequences of ``seq`` tokens), from the project's
+    counter on the Transformers config of this model's shape (untied output layer, SwiGLU, grouped-query heads)."""
+    import torch
+    import transformers
+
+    from lightning_mm.hf.flops import FlopCounter
+
+    config = transformers.LlamaConfig(
+        vocab_size=cfg.vocab_size,
+        hidden_size=cfg.hidden_size,
+        intermediate_size=cfg.intermediate_size,
+        num_hidden_layers=cfg.num_layers,
+        num_attention_heads=cfg.num_heads,
+        num_key_value_heads=cfg.num_kv_heads,
+        head_dim=cfg.hidden_size // cfg.num_heads,
+        tie_word_embeddings=False,
+    )
+    return FlopCounter(config)({"input_ids": torch.zeros(batch, seq, dtype=torch.long)}).model
 
 
 TINY = LlamaConfig(vocab_size=512, hidden_size=64, intermediate_size=160, num_layers=2, num_heads=4, num_kv_heads=2)
@@ -346,12 +368,16 @@ def summarize(ranks: list[dict[str, Any]], args: argparse.Namespace) -> dict[str
     cfg = LlamaConfig(**info["config"])
     world = info["world"]
     tokens = args.steps * args.batch * args.seq * world  # global tokens in the timed steps
-    flops_per_token = 6 * cfg.num_params(embedding=False) + 12 * cfg.num_layers * cfg.hidden_size * args.seq
-    peak = args.peak_tflops or next((v for k, v in PEAK_BF16_TFLOPS.items() if k in info["device_name"]), None)
+    from lightning_mm.core.flops import peak_tflops
+
+    step_flops = flops_per_step(cfg, args.batch, args.seq)  # per GPU
+    flops_per_token = step_flops / (args.batch * args.seq)
+    peak = args.peak_tflops or peak_tflops(info["device_name"])
     out: dict[str, Any] = {
         "device_name": info["device_name"],
         "world": world,
         "params": cfg.num_params(),
+        "flops_per_step_per_gpu": step_flops,
         "flops_per_token": flops_per_token,
         "peak_tflops_per_gpu": peak,
         "contenders": {},
@@ -366,6 +392,7 @@ def summarize(ranks: list[dict[str, Any]], args: argparse.Namespace) -> dict[str
             "tokens_per_s": med,
             "tokens_per_s_per_gpu": med / world,
             "per_round_tokens_per_s": tps,
+            "tflops_per_gpu": med / world * flops_per_token / 1e12,
             "mfu": (med / world * flops_per_token / (peak * 1e12)) if peak else None,
             "peak_mem_gib": [
                 r["records"][name][-1]["peak_mem"] / 2**30 if r["records"][name][-1]["peak_mem"] else None
@@ -396,13 +423,14 @@ def markdown_rows(summary: dict[str, Any], args: argparse.Namespace) -> str:
     rows = [
         f"**{head}**",
         "",
-        "| contender | tokens/s/GPU (median) | MFU | peak memory, rank 0 (GiB) |",
-        "|---|---|---|---|",
+        "| contender | tokens/s/GPU (median) | TFLOP/s/GPU | MFU | peak memory, rank 0 (GiB) |",
+        "|---|---|---|---|---|",
     ]
     for name, c in summary["contenders"].items():
         mfu = f"{c['mfu']:.1%}" if c["mfu"] is not None else "-"
         mem = f"{c['peak_mem_gib'][0]:.1f}" if c["peak_mem_gib"][0] is not None else "-"
-        rows.append(f"| {name} | {c['tokens_per_s_per_gpu']:,.0f} | {mfu} | {mem} |")
+        tflops = f"{c['tflops_per_gpu']:.1f}"
+        rows.append(f"| {name} | {c['tokens_per_s_per_gpu']:,.0f} | {tflops} | {mfu} | {mem} |")
     rows.append("")
     for key in ("ratio_mm_to_plain", "ratio_mm_to_plain_compiled", "compile_speedup_mm", "compile_speedup_plain"):
         if key in summary:

@@ -261,6 +261,10 @@ def test_throughput_counts_each_sample_once(four: Path) -> None:
     rates = _ranks(four, "qwen3-dp2xcp2-len15-recompute", 4)[0]["throughput"]
     assert rates["samples_per_sec"] == pytest.approx(2 * rates["device/samples_per_sec"])
     assert rates["items_per_sec"] == pytest.approx(2 * rates["device/items_per_sec"])
+    # The FLOP meter (tests/test_flops.py): each rank of a group is counted half of its group's batch, so the global
+    # token rate is the per-device one times the world size 4; the recomputed layers add hardware FLOPs only.
+    assert rates["tokens_per_sec"] == pytest.approx(4 * rates["device/tokens_per_sec"])
+    assert rates["hardware_tflops_per_device"] > rates["tflops_per_device"] > 0
 
 
 @pytest.mark.parametrize("name", [c.name for c in FOUR_RANK_CASES])

@@ -60,6 +60,8 @@ def test_cpu_path_runs_every_contender_and_writes_json_and_markdown(tmp_path):
         "16",
         "--compile-backend",
         "aot_eager",
+        "--peak-tflops",
+        "0.5",
     )
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     result = json.loads((tmp_path / "res" / "gpu_throughput.json").read_text())
@@ -69,5 +71,27 @@ def test_cpu_path_runs_every_contender_and_writes_json_and_markdown(tmp_path):
     assert all(loss == loss and loss > 0 for loss in losses)  # finite and positive
     # Same model, data and optimiser: every contender ends at the same loss (bf16 compute, aot_eager graphs).
     assert max(losses) - min(losses) < 1e-2 * max(losses)
+    # MFU through the project's FLOP counter (the one MMLightningModule logs with), against the peak given
+    from transformers import LlamaConfig
+
+    from lightning_mm.hf.flops import FlopCounter
+
+    tiny = LlamaConfig(
+        vocab_size=512,
+        hidden_size=64,
+        intermediate_size=160,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        tie_word_embeddings=False,
+    )
+    assert (
+        result["summary"]["flops_per_step_per_gpu"] == FlopCounter(tiny)({"input_ids": torch.ones(2, 16).long()}).model
+    )
+    for c in contenders.values():
+        assert c["tflops_per_gpu"] * 1e12 == pytest.approx(
+            c["tokens_per_s_per_gpu"] * result["summary"]["flops_per_token"]
+        )
+        assert c["mfu"] == pytest.approx(c["tflops_per_gpu"] / 0.5)
     rows = (tmp_path / "res" / "gpu_throughput.md").read_text()
     assert "| mm_fsdp2_compiled |" in rows and "compile_speedup_mm" in rows

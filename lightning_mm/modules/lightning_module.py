@@ -9,14 +9,18 @@ from typing import Any, cast
 import lightning as L
 import torch
 from lightning.pytorch.callbacks import ThroughputMonitor
+from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 from torch import nn
-from typing_extensions import override
 
-from lightning_mm._compat import attached_trainer, should_update_logs, throughput_meters
+from lightning_mm._compat import attached_trainer, should_update_logs
+from lightning_mm.core.flops import StepFlops
 from lightning_mm.core.grad_clip import total_grad_norm
 from lightning_mm.core.optimizer import group_by_sharding
+from lightning_mm.core.recompute import is_recomputed
 from lightning_mm.hf.batch_check import BatchCheck, has_batch_check
+from lightning_mm.hf.flops import FlopCounter, UnsupportedFlopsModel
 from lightning_mm.modules.seed_functions import SeedFunctions, resolve_callable
+from lightning_mm.modules.throughput import MMThroughputMonitor
 from lightning_mm.strategies.precision import MMFSDP2Precision
 
 __all__ = ["MMLightningModule"]
@@ -68,6 +72,8 @@ class MMLightningModule(L.LightningModule):
         log_grad_norm: log the global gradient norm (one reduction on each step whose logs are written, shared with
             norm clipping under ``MMFSDP2Strategy``).
         log_throughput: add Lightning's ``ThroughputMonitor`` (unless the Trainer has one already).
+        peak_tflops: the device's peak in TFLOP/s for ``train/mfu`` (``None``: the dense bf16 peak of the table in
+            :mod:`lightning_mm.core.flops` for an H100, H200, B200, A100 or Ascend 910B/910C; no MFU on CPU).
         enable_chunk_loss: compute the default loss (the Transformers model's own, from ``labels``) in chunks of
             ``chunk_loss_size`` tokens from the final hidden states and the output layer's weight, without the
             ``[tokens, vocab]`` logits; loss and gradients equal the unchunked loss
@@ -82,7 +88,11 @@ class MMLightningModule(L.LightningModule):
     ``log_every_n_steps`` steps measured on rank 0: ``train/device/samples_per_sec``, ``train/device/items_per_sec``
     (tokens: the non-padding ``input_ids`` when the batch has them, else one per sample) and, with more than one
     rank, the global ``train/samples_per_sec`` and ``train/items_per_sec`` (the device rates times the world size).
-    Set ``flops_per_batch`` (e.g. with ``lightning.fabric.utilities.throughput.measure_flops``) to get MFU too.
+    For a Transformers model the monitor also logs ``train/tokens_per_sec`` and ``train/target_tokens_per_sec``
+    (and per device), ``train/tflops_per_device``, ``train/hardware_tflops_per_device`` and, where a peak is known,
+    ``train/mfu`` and ``train/hfu``, from the FLOPs :class:`~lightning_mm.hf.flops.FlopCounter` counts for each batch
+    (:mod:`lightning_mm.modules.throughput`; docs/hf-models.md). Set ``flops_per_batch`` yourself (e.g. with
+    ``lightning.fabric.utilities.throughput.measure_flops``) for another model; it then wins.
     """
 
     flops_per_batch: int | None = None  # read by ThroughputMonitor on every step; None: no FLOPs or MFU
@@ -102,6 +112,7 @@ class MMLightningModule(L.LightningModule):
         min_lr: float = 0.0,
         log_grad_norm: bool = True,
         log_throughput: bool = True,
+        peak_tflops: float | None = None,
         enable_chunk_loss: bool = False,
         chunk_loss_size: int = 1024,
     ) -> None:
@@ -131,6 +142,10 @@ class MMLightningModule(L.LightningModule):
         self.min_lr = min_lr
         self.log_grad_norm = log_grad_norm
         self.log_throughput = log_throughput
+        if peak_tflops is not None and (isinstance(peak_tflops, bool) or not float(peak_tflops) > 0):
+            raise ValueError(f"peak_tflops must be a positive number of TFLOP/s per device, got {peak_tflops!r}")
+        self.peak_tflops = None if peak_tflops is None else float(peak_tflops)
+        self._flop_counter: FlopCounter | bool | None = None  # None: not looked for yet; False: none
         self.enable_chunk_loss = enable_chunk_loss
         self.chunk_loss_size = chunk_loss_size
         self.model: nn.Module | None = None
@@ -278,7 +293,51 @@ class MMLightningModule(L.LightningModule):
         if any(isinstance(callback, ThroughputMonitor) for callback in trainer.callbacks):
             return []  # the user's own
         window = max(2, int(trainer.log_every_n_steps) * int(trainer.accumulate_grad_batches))  # batches, not steps
-        return [_DataParallelThroughputMonitor(batch_size_fn=_samples, length_fn=_items, window_size=window)]
+        return [
+            MMThroughputMonitor(
+                batch_size_fn=_samples, length_fn=_items, window_size=window, peak_tflops=self.peak_tflops
+            )
+        ]
+
+    def step_flops(self, batch: Any) -> StepFlops | None:
+        """The FLOPs of a training step over ``batch`` (:class:`~lightning_mm.hf.flops.FlopCounter`), ``None``
+        for a model without a formula or a batch without ``input_ids``; sets ``flops_per_batch`` to its model FLOPs
+        unless it was set otherwise."""
+        counter = self._counter()
+        if counter is None or not isinstance(batch, Mapping) or not isinstance(batch.get("input_ids"), torch.Tensor):
+            return None
+        flops = counter(batch)
+        self.flops_per_batch = flops.model
+        return flops
+
+    def _counter(self) -> FlopCounter | None:
+        if self._flop_counter is None:
+            self._flop_counter = False
+            owners = [c for c in type(self).__mro__ if "flops_per_batch" in vars(c)]
+            if "flops_per_batch" in self.__dict__ or owners[0] is not MMLightningModule:  # the user's own
+                return None
+            model = self.model
+            if model is not None and getattr(model, "config", None) is not None:
+                try:
+                    self._flop_counter = FlopCounter.from_model(model, *self._recomputed(model))
+                except UnsupportedFlopsModel as error:
+                    rank_zero_warn(f"no FLOPs, TFLOP/s or MFU are logged: {error}")
+        return self._flop_counter if isinstance(self._flop_counter, FlopCounter) else None
+
+    def _recomputed(self, model: nn.Module) -> tuple[bool, bool, bool]:
+        """Whether the language and vision blocks recompute (:func:`~lightning_mm.core.recompute.is_recomputed`,
+        or Transformers' gradient checkpointing), and whether reentrantly (the strategy's ``use_reentrant``)."""
+        language = vision = bool(getattr(model, "is_gradient_checkpointing", False))
+        for name, module in model.named_modules():
+            if is_recomputed(module):
+                if ".visual." in f".{name}." or ".vision_" in f".{name}":
+                    vision = True
+                else:
+                    language = True
+        trainer = attached_trainer(self)
+        config = getattr(getattr(trainer, "strategy", None), "fsdp2_config", None) if trainer is not None else None
+        reentrant = bool(getattr(config, "use_reentrant", False)) if (language or vision) else False
+        return language, vision, reentrant
 
     def _writes_step_logs(self) -> bool:
         """Whether Lightning writes this training step's logs (every ``Trainer(log_every_n_steps)`` steps).
@@ -378,20 +437,3 @@ def _items(batch: Any) -> int:
     (The monitor needs at least one item per sample: a batch of empty sequences still counts its samples.)
     """
     return max(_token_count(batch) or 0, _samples(batch))
-
-
-class _DataParallelThroughputMonitor(ThroughputMonitor):
-    """Lightning's ``ThroughputMonitor`` with global rates over the data-parallel ranks.
-
-    Lightning multiplies rank 0's rates by the world size; under context parallelism the C ranks of a group share
-    their samples, so the global rates count each sample once by multiplying by ``world_size / C`` instead. (A
-    ``ThroughputMonitor`` of the user's own, which takes precedence, counts them C times.)
-    """
-
-    @override
-    def setup(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
-        super().setup(trainer, pl_module, stage)
-        cp = int(getattr(trainer.strategy, "context_parallel_size", 1))
-        if cp > 1:
-            for meter in throughput_meters(self).values():
-                meter.world_size = trainer.world_size // cp

@@ -1,0 +1,315 @@
+"""FLOPs of one training step of a Transformers model, from its config and the batch (Lightning-free).
+
+:class:`FlopCounter` reads a model's config (decoder LMs: Llama, Mistral, Qwen2, Qwen3; Qwen2-MoE, Qwen3-MoE; the
+Qwen2.5-VL and Qwen3-VL (-MoE) VLMs), which of its weights train (all, a frozen tower, LoRA adapters from PEFT) and
+whether its blocks recompute, and counts each batch with the formulas of :mod:`lightning_mm.core.flops`:
+
+Counted ``model_type`` s: :data:`COUNTED_MODEL_TYPES`; any other is an :class:`UnsupportedFlopsModel` error.
+
+* language model: per layer the ``q``/``k``/``v``/``o`` projections, attention over each sample's real length
+  (a packed row's samples from its restarting ``position_ids``, a padded row's from ``attention_mask``; sliding
+  window layers from ``layer_types``), the gated MLP, or for a MoE layer the router, ``top_k`` experts per token
+  (``num_experts_per_tok``) and any shared expert; then the output layer over every token;
+* vision tower: the patch embedding, per block ``qkv``, attention per image frame (Qwen2.5-VL: over each window of
+  ``window_size`` pixels in the layers outside ``fullatt_block_indexes``, the edge windows clipped as the model
+  clips them), ``proj`` and the MLP, then the merger (and Qwen3-VL's DeepStack mergers);
+* LoRA: each adapted layer's ``A`` and ``B`` (trained, 3x forward) beside its frozen base (2x: only the gradient of
+  its input; 1x while no gradient flows yet, e.g. a frozen tower);
+* recomputation: each recomputed block's forward once more, in ``StepFlops.hardware`` only.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+
+from lightning_mm.core.flops import Block, Op, StepFlops, attention, linear, lora_ops, training_flops, window_lengths
+from lightning_mm.core.packing import is_packed, segment_ids
+
+__all__ = [
+    "COUNTED_MODEL_TYPES",
+    "FlopCounter",
+    "TowerTraining",
+    "UnsupportedFlopsModel",
+    "sample_lengths",
+    "target_tokens",
+]
+
+_VLM_TYPES = ("qwen2_5_vl", "qwen3_vl", "qwen3_vl_moe")
+# Decoders whose layers are q/k/v/o attention and a gated MLP (or Qwen-style MoE): the formula below is theirs.
+_TEXT_TYPES = ("llama", "mistral", "qwen2", "qwen3", "qwen2_moe", "qwen3_moe")
+_VISION_PREFIXES = ("visual.", "vision_tower.", "vision_model.")
+
+COUNTED_MODEL_TYPES = _TEXT_TYPES + _VLM_TYPES
+
+
+class UnsupportedFlopsModel(ValueError):
+    """The counter has no formula for this model's architecture."""
+
+
+@dataclass(frozen=True)
+class TowerTraining:
+    """How one tower trains: its base weights, its LoRA adapters (leaf module name -> rank), recomputation of its
+    blocks (``reentrant``: with ``checkpoint(use_reentrant=True)``, which replays the whole block)."""
+
+    base: bool = True
+    lora: Mapping[str, int] = field(default_factory=dict)
+    recompute: bool = False
+    reentrant: bool = False
+
+    def block(self, stages: Sequence[tuple[Op, ...]], exact_tail: bool = True) -> Block:
+        """A block of this tower (recomputed as the tower is)."""
+        return Block(tuple(stages), self.recompute, self.reentrant, exact_tail)
+
+    def linear(self, name: str, tokens: int, d_in: int, d_out: int) -> tuple[tuple[Op, ...], ...]:
+        """The stages of one linear layer (its LoRA ``B`` as a stage of its own after it)."""
+        base = linear(tokens, d_in, d_out, self.base)
+        rank = self.lora.get(name)
+        if rank is None:
+            return ((base,),)
+        a, b = lora_ops(tokens, d_in, d_out, rank)
+        return ((base, a), (b,))
+
+    def parallel(self, layers: Sequence[tuple[str, int, int]], tokens: int) -> tuple[tuple[Op, ...], ...]:
+        """Linear layers reading the same input (``q``/``k``/``v``; ``gate``/``up``), then their LoRA ``B`` s."""
+        first: list[Op] = []
+        second: list[Op] = []
+        for name, d_in, d_out in layers:
+            stages = self.linear(name, tokens, d_in, d_out)
+            first.extend(stages[0])
+            if len(stages) > 1:
+                second.extend(stages[1])
+        return (tuple(first), tuple(second)) if second else (tuple(first),)
+
+
+def _get(config: Any, *names: str, default: Any = None) -> Any:
+    for name in names:
+        value = getattr(config, name, None)
+        if value is not None:
+            return value
+    if default is not None:
+        return default
+    raise UnsupportedFlopsModel(f"{type(config).__name__} has none of {list(names)}: no FLOP formula for it")
+
+
+def _call(model: nn.Module, method: str) -> Any:
+    function = getattr(model, method, None)
+    return function() if callable(function) else None
+
+
+def sample_lengths(batch: Mapping[str, Any]) -> list[int]:
+    """The real lengths of the sequences of a batch's ``input_ids``: packed samples, unpadded rows."""
+    ids = batch.get("input_ids")
+    if not isinstance(ids, Tensor) or ids.ndim != 2:
+        raise ValueError("a FLOP count needs the batch's 2-D `input_ids`")
+    mask = batch.get("attention_mask")
+    if isinstance(mask, Tensor):
+        return [int(n) for n in mask.reshape(ids.shape[0], -1).sum(-1).tolist()]
+    positions = batch.get("position_ids")
+    if isinstance(positions, Tensor) and is_packed(positions):
+        segments = segment_ids(positions).reshape(ids.shape[0], -1)
+        return [int(n) for row in segments for n in torch.bincount(row).tolist() if n > 0]
+    return [int(ids.shape[1])] * int(ids.shape[0])
+
+
+def target_tokens(batch: Any) -> int | None:
+    """The tokens a batch trains on (``labels != -100``), ``None`` without ``labels``."""
+    labels = batch.get("labels") if isinstance(batch, Mapping) else None
+    return int((labels != -100).sum()) if isinstance(labels, Tensor) else None
+
+
+def _grids(batch: Mapping[str, Any]) -> list[tuple[int, int, int]]:
+    grids: list[tuple[int, int, int]] = []
+    for key in ("image_grid_thw", "video_grid_thw"):
+        value = batch.get(key)
+        if isinstance(value, Tensor):
+            grids.extend((int(t), int(h), int(w)) for t, h, w in value.reshape(-1, 3).tolist())
+    return grids
+
+
+@dataclass(frozen=True)
+class FlopCounter:
+    """Model and hardware FLOPs of a training step of one model, per batch (``counter(batch)``).
+
+    Build it with :meth:`from_model` (reads what trains from the model's parameters and PEFT's LoRA layers), or
+    directly from a config and :class:`TowerTraining` s. ``embed_trains``: the input embedding takes a gradient
+    (so everything after it does); ``head_trains``: the output layer's weight does.
+    """
+
+    config: Any
+    language: TowerTraining = field(default_factory=TowerTraining)
+    vision: TowerTraining = field(default_factory=TowerTraining)
+    embed_trains: bool = True
+    head_trains: bool = True
+
+    def __post_init__(self) -> None:
+        self._text_config()  # unsupported architectures fail here, before training
+
+    @classmethod
+    def from_model(
+        cls,
+        model: nn.Module,
+        recompute: bool = False,
+        recompute_vision: bool | None = None,
+        reentrant: bool = False,
+    ) -> FlopCounter:
+        """The counter of ``model`` (a Transformers model, PEFT-wrapped or not) as it trains now.
+
+        ``recompute`` (``recompute_vision``, the same unless given): the language (vision) blocks recompute,
+        ``reentrant``: with the reentrant checkpoint.
+        """
+        config = getattr(model, "config", None)
+        if config is None:
+            raise UnsupportedFlopsModel(f"{type(model).__name__} has no Transformers `config`")
+        language_base = vision_base = False
+        lora: dict[str, dict[str, int]] = {"language": {}, "vision": {}}
+        embed = head = False
+        inputs = _call(model, "get_input_embeddings")
+        outputs = _call(model, "get_output_embeddings")
+        for name, module in model.named_modules():
+            tower = "vision" if any(f".{p}" in f".{name}" for p in _VISION_PREFIXES) else "language"
+            ranks = getattr(module, "r", None)
+            if hasattr(module, "lora_A") and isinstance(ranks, Mapping) and ranks:
+                lora[tower][name.rsplit(".", 1)[-1]] = int(next(iter(ranks.values())))
+        for name, param in model.named_parameters():
+            if not param.requires_grad or "lora_" in name:
+                continue
+            if any(f".{p}" in f".{name}" for p in _VISION_PREFIXES):
+                vision_base = True
+            else:
+                language_base = True
+        if isinstance(inputs, nn.Module):
+            embed = any(p.requires_grad for p in inputs.parameters())
+        if isinstance(outputs, nn.Module):
+            head = any(p.requires_grad for n, p in outputs.named_parameters() if "lora_" not in n)
+        recompute_vision = recompute if recompute_vision is None else recompute_vision
+        return cls(
+            config,
+            TowerTraining(language_base, lora["language"], recompute, reentrant),
+            TowerTraining(vision_base, lora["vision"], recompute_vision, reentrant),
+            embed_trains=embed,
+            head_trains=head,
+        )
+
+    # ----------------------------------------------------------------------------------------------- configs
+    def _text_config(self) -> Any:
+        config = self.config
+        model_type = getattr(config, "model_type", "")
+        if model_type in _VLM_TYPES:
+            return config.text_config
+        if model_type not in _TEXT_TYPES:
+            raise UnsupportedFlopsModel(
+                f"no FLOP formula for model_type {model_type!r} (counted: {list(_TEXT_TYPES + _VLM_TYPES)})"
+            )
+        return config
+
+    # ----------------------------------------------------------------------------------------------- counting
+    def __call__(self, batch: Mapping[str, Any], backward: bool = True) -> StepFlops:
+        """FLOPs of forward (and backward) over ``batch`` (a mapping with ``input_ids``, as the model takes)."""
+        lengths = sample_lengths(batch)
+        vision_blocks = self._vision_blocks(_grids(batch)) if self.config.model_type in _VLM_TYPES else []
+        vision = training_flops(vision_blocks, inputs_need_grad=False, backward=backward)
+        vision_flows = self.vision.base or bool(self.vision.lora)
+        language = training_flops(
+            self._language_blocks(lengths), inputs_need_grad=self.embed_trains or vision_flows, backward=backward
+        )
+        parts = {"language": language.model, "vision": vision.model}
+        return StepFlops(
+            vision.model + language.model, vision.hardware + language.hardware, vision.forward + language.forward, parts
+        )
+
+    def _language_blocks(self, lengths: Sequence[int]) -> list[Block]:
+        c = self._text_config()
+        tower = self.language
+        tokens = sum(lengths)
+        hidden = int(c.hidden_size)
+        heads = int(c.num_attention_heads)
+        kv_heads = int(_get(c, "num_key_value_heads", default=heads))
+        head_dim = int(_get(c, "head_dim", default=hidden // heads))
+        layer_types = getattr(c, "layer_types", None)
+        experts = int(_get(c, "num_experts", "num_local_experts", default=0) or 0)
+        sparse_step = int(_get(c, "decoder_sparse_step", default=1))
+        dense_layers = set(getattr(c, "mlp_only_layers", None) or [])
+        blocks: list[Block] = []
+        for index in range(int(c.num_hidden_layers)):
+            window = None
+            if layer_types is not None and layer_types[index] == "sliding_attention":
+                window = getattr(c, "sliding_window", None)
+            stages: list[tuple[Op, ...]] = []
+            stages += tower.parallel(
+                [("q_proj", hidden, heads * head_dim), ("k_proj", hidden, kv_heads * head_dim)]
+                + [("v_proj", hidden, kv_heads * head_dim)],
+                tokens,
+            )
+            stages.append((attention(lengths, heads, head_dim, window=window),))
+            stages += tower.linear("o_proj", tokens, heads * head_dim, hidden)
+            moe = experts > 0 and index not in dense_layers and (index + 1) % sparse_step == 0
+            if moe:
+                stages += self._moe_stages(c, tokens, hidden, experts)
+            else:
+                inner = int(c.intermediate_size)
+                stages += tower.parallel([("gate_proj", hidden, inner), ("up_proj", hidden, inner)], tokens)
+                stages += tower.linear("down_proj", tokens, inner, hidden)
+            blocks.append(tower.block(stages, exact_tail=not moe))
+        head = TowerTraining(self.head_trains, self.language.lora)
+        blocks.append(Block(head.linear("lm_head", tokens, hidden, int(c.vocab_size))))
+        return blocks
+
+    def _moe_stages(self, c: Any, tokens: int, hidden: int, experts: int) -> list[tuple[Op, ...]]:
+        top_k = int(_get(c, "num_experts_per_tok"))
+        inner = int(_get(c, "moe_intermediate_size"))
+        trains = self.language.base
+        first = [linear(tokens, hidden, experts, trains), linear(tokens * top_k, hidden, 2 * inner, trains)]
+        second = [linear(tokens * top_k, inner, hidden, trains)]
+        shared = getattr(c, "shared_expert_intermediate_size", None)
+        if shared:  # Qwen2-MoE: a gated shared expert beside the routed ones
+            first += [linear(tokens, hidden, 2 * int(shared), trains), linear(tokens, hidden, 1, trains)]
+            second.append(linear(tokens, int(shared), hidden, trains))
+        return [tuple(first), tuple(second)]
+
+    def _vision_blocks(self, grids: Sequence[tuple[int, int, int]]) -> list[Block]:
+        if not grids:
+            return []
+        v = self.config.vision_config
+        tower = self.vision
+        hidden = int(v.hidden_size)
+        heads = int(v.num_heads)
+        merge = int(v.spatial_merge_size)
+        patches = sum(t * h * w for t, h, w in grids)
+        frames = [h * w for t, h, w in grids for _ in range(t)]
+        patch_in = int(v.in_channels) * int(v.temporal_patch_size) * int(v.patch_size) ** 2
+        qwen25 = self.config.model_type == "qwen2_5_vl"
+        windows: list[int] = []
+        if qwen25:
+            cells = int(v.window_size) // merge // int(v.patch_size)
+            for t, h, w in grids:
+                windows += [n * merge * merge for n in window_lengths(h // merge, w // merge, cells) * t]
+        blocks = [Block(((linear(patches, patch_in, hidden, tower.base),),))]
+        full = set(getattr(v, "fullatt_block_indexes", None) or [])
+        inner = int(v.intermediate_size)
+        merged = patches // merge**2
+        merger_in = hidden * merge**2
+        out = int(v.out_hidden_size)
+        for index in range(int(v.depth)):
+            stages: list[tuple[Op, ...]] = list(tower.linear("qkv", patches, hidden, 3 * hidden))
+            seqs = windows if qwen25 and index not in full else frames
+            stages.append((attention(seqs, heads, hidden // heads),))
+            stages += tower.linear("proj", patches, hidden, hidden)
+            if qwen25:
+                stages += tower.parallel([("gate_proj", hidden, inner), ("up_proj", hidden, inner)], patches)
+                stages += tower.linear("down_proj", patches, inner, hidden)
+            else:
+                stages += tower.linear("linear_fc1", patches, hidden, inner)
+                stages += tower.linear("linear_fc2", patches, inner, hidden)
+            blocks.append(tower.block(stages))
+        mergers = 1 + len(getattr(v, "deepstack_visual_indexes", None) or [])
+        names = ("0", "2") if qwen25 else ("linear_fc1", "linear_fc2")
+        for _ in range(mergers):
+            stages = list(tower.linear(names[0], merged, merger_in, merger_in))
+            stages += tower.linear(names[1], merged, merger_in, out)
+            blocks.append(Block(tuple(stages)))
+        return blocks
