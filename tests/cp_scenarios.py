@@ -151,6 +151,13 @@ def qwen3_provider() -> torch.nn.Module:
     return tiny_hf_model("qwen3")
 
 
+def qwen3_5_provider() -> torch.nn.Module:
+    """The tiny Qwen3.5 (a Gated DeltaNet layer, then full attention), for ``lightning-mm plan`` in the tests."""
+    from tests.packing_families import tiny_packing_model
+
+    return tiny_packing_model("qwen3_5")
+
+
 def qwen3_datasets() -> tuple[Any, None, None]:
     return CPData("qwen3", 16), None, None
 

@@ -292,8 +292,8 @@ def test_migrate_maps_the_megatron_flags() -> None:
     assert any("only Ulysses" in line for line in ring.unmapped)
 
 
-def _plan_config(tmp_path: Path, cp: int) -> Path:
-    path = tmp_path / f"cp{cp}.yaml"
+def _plan_config(tmp_path: Path, cp: int, provider: str = "qwen3_provider") -> Path:
+    path = tmp_path / f"cp{cp}-{provider}.yaml"
     path.write_text(f"""
 trainer:
   accelerator: cpu
@@ -305,7 +305,7 @@ trainer:
 model:
   class_path: lightning_mm.MMLightningModule
   init_args:
-    model_provider: tests.cp_scenarios.qwen3_provider
+    model_provider: tests.cp_scenarios.{provider}
 data:
   class_path: lightning_mm.MMDataModule
   init_args:
@@ -326,3 +326,34 @@ def test_lightning_mm_plan_shows_the_cp_mesh_and_activations_per_rank(tmp_path: 
     assert "decoder activations per rank ~ 4.2 MiB (without context parallel 8.5 MiB; 1/2)" in text
     with pytest.raises(ContextParallelError, match="2 key/value heads do not divide by context_parallel_size 4"):
         plan_from_cli_config(["--config", str(_plan_config(tmp_path, 4))])
+
+
+def test_gated_deltanet_models_are_refused_at_plan_and_setup(tmp_path: Path) -> None:
+    """Each rank would run Qwen3.5's Gated DeltaNet on its slice of the sequence, restarting the recurrent state:
+    ``lightning-mm plan`` and the strategy's setup refuse it by layer class and path before any step (also with
+    packing's per-sample path installed, which keeps samples apart but not slices); a dense model is accepted."""
+    from lightning_mm.commands.plan import plan_from_cli_config
+    from lightning_mm.core.context_parallel import ContextParallelError, context_parallel_plan
+    from lightning_mm.hf.cp_attention import check_routable
+    from lightning_mm.hf.packing import install_packed_inputs
+    from lightning_mm.strategies.cp_setup import ContextParallelSetup
+    from tests.packing_families import tiny_packing_model
+
+    refused = r"layers\.0\.linear_attn \((Qwen3_5|Qwen3Next)GatedDeltaNet\) carries state along the sequence"
+    with pytest.raises(ContextParallelError, match=r"model\.language_model\." + refused):
+        plan_from_cli_config(["--config", str(_plan_config(tmp_path, 2, "qwen3_5_provider"))])
+    assert "context parallel" not in plan_from_cli_config(
+        ["--config", str(_plan_config(tmp_path, 1, "qwen3_5_provider"))]
+    )
+    setup = ContextParallelSetup(2, "ulysses")
+    setup.plan = context_parallel_plan(2, 2)  # what setup() decides; its mesh needs processes
+    for family in ("qwen3_5", "qwen3_next"):
+        model = tiny_packing_model(family)
+        install_packed_inputs(model)
+        with pytest.raises(ContextParallelError, match=refused):
+            setup.apply(torch.nn.Module(), model)
+        with pytest.raises(ContextParallelError, match=refused):
+            check_routable(model, 2)
+    dense = tiny_hf_model("qwen3")
+    assert check_routable(dense, 2) is dense.model
+    assert "mesh (dp=2 x cp=2)" in plan_from_cli_config(["--config", str(_plan_config(tmp_path, 2))])

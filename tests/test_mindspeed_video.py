@@ -342,3 +342,40 @@ def test_video_processing_equals_transformers_video_processor_where_torchvision_
     assert torch.equal(got["pixel_values_videos"], expected["pixel_values_videos"])
     if kind == "qwen3_vl":
         assert list(got["frames_indices"][0]) == list(expected["video_metadata"][0].frames_indices)
+
+
+@pytest.mark.parametrize(
+    "name,cls",
+    [
+        ("qwen2vl", "Qwen2_5_VLForConditionalGeneration"),
+        ("qwen3_vl", "Qwen3VLForConditionalGeneration"),
+        ("qwen2_omni", "Qwen2_5OmniThinkerForConditionalGeneration"),
+    ],
+)
+def test_packed_video_rows_equal_plain_transformers_unpacked(name, cls, models, tmp_path, monkeypatch):
+    """Video samples from the sample builder (``neat_packing``), packed by the data module's own collate function:
+    a row of videos only (no filler image: MindSpeed MM adds it only to a batch with neither images nor videos)
+    and a row of a video-and-image sample with a video sample train exactly as plain Transformers on the samples
+    padded (``tests/test_packing.py``'s harness; each video's seconds per temporal patch, where the model takes
+    them, reach its own sample's M-RoPE positions)."""
+    import transformers
+
+    from lightning_mm.modules import TransformersModel
+    from tests.test_packing import assert_packed_equals_unpacked
+
+    model_dir = models[FAMILY_OF[name]]
+    records = [RECORDS[k] for k in ("small clip", "two clips", "video and image", "large clip")]
+    basic = {"neat_packing": True, "cutoff_len": 4096}
+    module, _ = _dataset(tmp_path, monkeypatch, model_dir, name, records, VIDEO, basic=basic)
+    collate = module.train_dataloader().collate_fn
+    assert collate.filler is not None and "pixel_values" in collate.filler
+    samples = [module._splits["train"][i] for i in range(len(records))]
+    ours = TransformersModel({"init_from_hf_path": str(model_dir)}).train()
+    plain = getattr(transformers, cls).from_pretrained(str(model_dir), dtype=torch.float32).train()
+    for row in (samples[:2], samples[2:]):
+        assert_packed_equals_unpacked(ours, plain, row, collate)
+    assert "pixel_values" not in collate(samples[:2])
+    if name == "qwen2vl":
+        assert "second_per_grid_ts" in samples[0]
+    elif name == "qwen2_omni":
+        assert "video_second_per_grid" in samples[0]

@@ -192,9 +192,16 @@ def test_packed_row_equals_plain_transformers_unpacked(
         for i, layer in enumerate(packed_model.get_decoder().layers):
             layer.forward = checkpointed_forward(layer.forward, False, f"layers.{i}")
     reference.load_state_dict(packed_model.state_dict())
-    reference.train()
+    assert_packed_equals_unpacked(packed_model, reference.train(), samples)
 
-    packed = PackedCollator()(samples)
+
+def assert_packed_equals_unpacked(
+    packed_model: nn.Module, reference: nn.Module, samples: list[dict[str, Any]], collate: Any = None
+) -> None:
+    """``samples`` packed into one row (by ``collate``, a :class:`PackedCollator`) train ``packed_model`` exactly as
+    plain Transformers (``reference``, the same weights) trains them as a padded batch: loss and every gradient;
+    and each sample's loss from the packed logits equals that sample run alone (fp32, relative 1e-5)."""
+    packed = (collate or PackedCollator())(samples)
     assert packed["input_ids"].shape == (1, sum(len(s["input_ids"]) for s in samples))
     assert "attention_mask" not in packed and packed_lengths(packed["position_ids"]) == [
         [len(s["input_ids"]) for s in samples]

@@ -14,7 +14,8 @@ padding, with:
 
 Per-image tensors are concatenated in sample order, as the padded collators do and as each family's forward takes
 them: Qwen-VL ``pixel_values`` patches and ``image_grid_thw`` rows (videos: ``pixel_values_videos``,
-``video_grid_thw``, Qwen2.5-VL's ``second_per_grid_ts``), Gemma 3 images ``(N, C, H, W)``, Pixtral
+``video_grid_thw``, Qwen2.5-VL's ``second_per_grid_ts``, the Qwen2.5-Omni thinker's ``video_second_per_grid``),
+Gemma 3 images ``(N, C, H, W)``, Pixtral
 (Mistral 3) images zero-padded to the largest height and width with their ``image_sizes`` rows (the vision tower
 crops each image back to its size); Idefics3's one row of images per sample (``pixel_values`` ``(1, N, C, H, W)``
 with ``pixel_attention_mask`` ``(1, N, H, W)``) becomes the packed row's one row of all the samples' images
@@ -55,10 +56,14 @@ CONCAT_KEYS = (
     "pixel_values_videos",
     "video_grid_thw",
     "second_per_grid_ts",
+    "video_second_per_grid",
     "image_sizes",
 )
 """Per-image keys: concatenated along their first dimension (the Qwen-VL forward takes all patches as one),
 zero-padded to the largest size of their other dimensions (Pixtral images of different sizes)."""
+VISUAL_KEYS = ("pixel_values", "pixel_values_videos")
+"""A sample with one of these has an image or a video: a row with none of them gets the filler image (MindSpeed
+MM's rule, as :class:`~lightning_mm.hf.chat_collate.ChatCollator` applies it to padded batches)."""
 ROW_KEYS = ("pixel_values", "pixel_attention_mask")
 """Per-sample rows of images (Idefics3: ``(1, N, ...)``, with ``pixel_attention_mask``): concatenated along the
 images (dimension 1), zero-padded to the largest size of the others."""
@@ -144,8 +149,8 @@ class PackedCollator:
     (fixed-size images, stacked). An
     ``attention_mask`` must be all ones (a padded sample cannot be packed) and is dropped. ``filler`` (a
     sample's worth of tokens and vision tensors, as :class:`~lightning_mm.hf.chat_collate.ChatCollator` takes it)
-    is appended as a sample of its own, without targets, to a row that has no image, so every rank runs the
-    vision tower. Any other key is an error.
+    is appended as a sample of its own, without targets, to a row that has neither an image nor a video
+    (:data:`VISUAL_KEYS`), so every rank runs the vision tower. Any other key is an error.
     """
 
     def __init__(self, stack_keys: Sequence[str] = (), filler: dict[str, Tensor] | None = None) -> None:
@@ -156,7 +161,7 @@ class PackedCollator:
         if not samples:
             raise PackingError("no sample to pack")
         samples = list(samples)
-        if self.filler is not None and not any("pixel_values" in s for s in samples):
+        if self.filler is not None and not any(k in s for s in samples for k in VISUAL_KEYS):
             filler = {k: v for k, v in self.filler.items() if k != "attention_mask"}
             filler["labels"] = torch.full((len(filler["input_ids"]),), IGNORE_INDEX, dtype=torch.long)
             samples.append(filler)

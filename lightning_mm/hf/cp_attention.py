@@ -42,6 +42,7 @@ from lightning_mm.core.context_parallel import (
 )
 from lightning_mm.core.packing import is_packed, segment_ids
 from lightning_mm.hf.chunk_loss import chunk_loss_size
+from lightning_mm.hf.packing_layers import context_parallel_refusal
 
 __all__ = ["ROUTABLE", "enable_context_parallel", "find_hf_model", "check_routable", "context_parallel_summary"]
 
@@ -127,14 +128,24 @@ def find_hf_model(root: nn.Module) -> nn.Module | None:
     return next((m for m in root.modules() if isinstance(m, PreTrainedModel)), None)
 
 
+def _check_layers(model: nn.Module) -> None:
+    """Refuse a language model with a layer that carries state along the sequence (Gated DeltaNet, Mamba, ...)."""
+    refusal = context_parallel_refusal(model)
+    if refusal is not None:
+        raise ContextParallelError(f"{type(model).__name__}: {refusal}")
+
+
 def check_routable(model: nn.Module, size: int) -> nn.Module:
-    """The decoder of ``model`` if its attention can run under Ulysses with ``size`` ranks; else a clear error."""
+    """The decoder of ``model`` if it can run under Ulysses with ``size`` ranks; else a clear error: a layer that
+    carries state along the sequence (:func:`~lightning_mm.hf.packing_layers.context_parallel_refusal`), attention
+    that cannot be routed, heads that do not divide by ``size``."""
     name = type(model).__name__
     hf: Any = model  # a Transformers model: get_decoder() is Transformers' own, untyped
     try:
         decoder: nn.Module = hf.get_decoder()
     except Exception as err:  # noqa: BLE001 - Transformers raises several kinds for models without a decoder
         raise ContextParallelError(f"{name}: no text decoder to run context-parallel ({err})") from None
+    _check_layers(model)
     config = decoder.config
     impl = attn_implementation(config) or "eager"
     inner = impl.removeprefix(PREFIX)
@@ -156,6 +167,7 @@ def enable_context_parallel(model: nn.Module, group: Any) -> nn.Module:
         raise ContextParallelError(
             f"{type(model).__name__}: enable_chunk_loss is not supported with context parallelism; turn one of them off"
         )
+    _check_layers(model)  # before anything touches the group
     size = torch.distributed.get_world_size(group)
     decoder = check_routable(model, size)
     _register()

@@ -12,13 +12,13 @@ A Qwen-VL model (Qwen2-VL, Qwen2.5-VL, Qwen3-VL, Qwen3.5, GLM-4V, the Qwen2.5-Om
 detects a packed row from 4-D ``position_ids`` whose first row holds the text positions (2-D ones would make
 Qwen2.5-VL attend across samples and both fall back to 1-D positions for the images). :func:`packed_forward_inputs`
 computes them per sample, with the model's own ``get_rope_index`` on that sample's tokens and its own
-``image_grid_thw`` / ``video_grid_thw`` rows (and ``second_per_grid_ts`` entries), exactly as the model computes them
-for the sample alone, and stacks the text positions on top. Gemma 3 (``token_type_ids``: each image's tokens see
-each other both ways) gets its per-sample masks as one ``attention_mask`` dict (:func:`packed_block_masks`:
-Transformers' own sliding-window mask mixes up the samples' images in a packed row). :func:`packed_forward_inputs`
-also sets ``use_cache=False``; :func:`install_packed_inputs` applies it to every call of the model with a packed row
-(a forward pre-hook, installed by ``TransformersModel``) and gives the layers with sequence state (Gated DeltaNet)
-their per-sample path (:mod:`lightning_mm.hf.packing_layers`).
+``image_grid_thw`` / ``video_grid_thw`` rows (and ``second_per_grid_ts`` / ``video_second_per_grid`` entries),
+exactly as the model computes them for the sample alone, and stacks the text positions on top. Gemma 3
+(``token_type_ids``: each image's tokens see each other both ways) gets its per-sample masks as one
+``attention_mask`` dict (:func:`packed_block_masks`: Transformers' own sliding-window mask mixes up the samples'
+images in a packed row). :func:`packed_forward_inputs` also sets ``use_cache=False``; :func:`install_packed_inputs`
+applies it to every call of the model with a packed row (a forward pre-hook, installed by ``TransformersModel``) and
+gives the layers with sequence state (Gated DeltaNet) their per-sample path (:mod:`lightning_mm.hf.packing_layers`).
 Lightning-free.
 """
 
@@ -151,9 +151,13 @@ def packed_forward_inputs(model: nn.Module, batch: Mapping[str, Any]) -> dict[st
             if token is not None:
                 types = types.masked_fill(ids == token, value)
     merge = int(inner.config.vision_config.spatial_merge_size)
-    by_types = "mm_token_type_ids" in inspect.signature(inner.get_rope_index).parameters
+    rope_parameters = inspect.signature(inner.get_rope_index).parameters
+    by_types = "mm_token_type_ids" in rope_parameters
     image_grid, video_grid = batch.get("image_grid_thw"), batch.get("video_grid_thw")
-    seconds = batch.get("second_per_grid_ts")
+    # Seconds per temporal patch of each video: Qwen2.5-VL's ``second_per_grid_ts``; the Qwen2.5-Omni thinker's
+    # ``video_second_per_grid``, which its forward passes to get_rope_index as ``second_per_grids``.
+    seconds_key = "second_per_grid_ts" if "second_per_grid_ts" in rope_parameters else "second_per_grids"
+    seconds = batch.get("second_per_grid_ts", batch.get("video_second_per_grid"))
     image_cursor = video_cursor = 0
     segments = segment_ids(positions)
     rope = torch.zeros(3, *ids.shape, dtype=positions.dtype, device=positions.device)
@@ -169,8 +173,8 @@ def packed_forward_inputs(model: nn.Module, batch: Mapping[str, Any]) -> dict[st
             extra: dict[str, Tensor] = {"mm_token_type_ids": seg_types} if by_types else {}
             if not by_types:  # Qwen2.5-Omni's thinker: the placeholders are read from the ids, the mask is required
                 extra["attention_mask"] = torch.ones_like(sample_ids)
-            if isinstance(seconds, Tensor) and videos is not None:  # Qwen2.5-VL: its videos' seconds per grid step
-                extra["second_per_grid_ts"] = seconds[first_video:video_cursor]
+            if isinstance(seconds, Tensor) and videos is not None:  # its videos' seconds per grid step
+                extra[seconds_key] = seconds[first_video:video_cursor]
             sample_positions, _ = inner.get_rope_index(
                 sample_ids, image_grid_thw=images, video_grid_thw=videos, **extra
             )

@@ -26,7 +26,9 @@ the optional flash-linear-attention kernel reads it, and its convolution does no
   ``chunked_attention``, ``hybrid``, ...) or a class of none of these kinds is refused, naming its class and path.
 
 The batch check (:mod:`lightning_mm.hf.batch_check`) refuses a packed batch with :func:`packing_refusal` before the
-model computes anything. Lightning-free.
+model computes anything. Context parallelism (:func:`~lightning_mm.hf.cp_attention.check_routable`, at ``plan`` and
+at setup) refuses a model with :func:`context_parallel_refusal`, the same allow-list without the per-sample path:
+each rank runs every layer but softmax attention on its slice of the sequence. Lightning-free.
 """
 
 from __future__ import annotations
@@ -34,7 +36,7 @@ from __future__ import annotations
 import re
 import weakref
 from collections.abc import Callable
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 from torch import Tensor, nn
@@ -44,6 +46,7 @@ from lightning_mm.core.packing import is_packed, segment_ids
 
 __all__ = [
     "PER_SAMPLE_CLASSES",
+    "context_parallel_refusal",
     "SAFE_LAYER_TYPES",
     "install_per_sample_layers",
     "packing_refusal",
@@ -168,9 +171,20 @@ def _layer_types(model: nn.Module) -> list[str] | None:
     return [str(t) for t in types] if isinstance(types, (list, tuple)) else None
 
 
-def packing_refusal(model: nn.Module) -> str | None:
-    """Why ``model`` cannot train a packed row exactly as its samples unpacked, naming the layer's class and module
-    path, or ``None`` when every layer of its language model is of a kind that keeps packed samples apart."""
+class _Layer(NamedTuple):
+    """A layer of the language model that does not keep a sequence's parts apart by itself."""
+
+    kind: str
+    """``layer_type`` (a ``config.layer_types`` entry outside the proven ones), ``per_sample`` (one of
+    :data:`PER_SAMPLE_CLASSES`), ``state`` (sequence state by its class) or ``unknown`` (a kind not proven)."""
+    path: str
+    name: str
+    layer_type: str | None
+
+
+def _unproven_layer(model: nn.Module, per_sample_ok: bool) -> _Layer | None:
+    """The first layer of ``model``'s language model not proven to keep packed samples apart; with
+    ``per_sample_ok``, a :data:`PER_SAMPLE_CLASSES` layer whose per-sample path is installed counts as proven."""
     prefix, decoder = _decoder(model)
     layer_types = _layer_types(model)
     where = f"{prefix}." if prefix else ""
@@ -185,22 +199,14 @@ def packing_refusal(model: nn.Module) -> str | None:
         index = int(match.group(1)) if match else -1
         layer_type = layer_types[index] if layer_types and 0 <= index < len(layer_types) else None
         if layer_type is not None and layer_type not in SAFE_LAYER_TYPES | PER_SAMPLE_LAYER_TYPES:
-            return (
-                f"layer {full} ({name}) is of kind {layer_type!r} (config.layer_types), which packing does not "
-                f"keep apart per sample here (proven kinds: {', '.join(sorted(SAFE_LAYER_TYPES))}, and "
-                f"{', '.join(sorted(PER_SAMPLE_CLASSES))} for linear_attention)"
-            )
+            return _Layer("layer_type", full, name, layer_type)
         if name in PER_SAMPLE_CLASSES:
-            if module not in _INSTALLED:
-                return (
-                    f"layer {full} ({name}) carries state along the sequence, and its per-sample path is not "
-                    "installed: build the model with TransformersModel, or call "
-                    "lightning_mm.hf.packing.install_packed_inputs(model)"
-                )
+            if not per_sample_ok or module not in _INSTALLED:
+                return _Layer("per_sample", full, name, layer_type)
             inside.append(path)
             continue
         if isinstance(module, _TORCH_SEQUENCE_STATE):
-            return _state_refusal(full, name)
+            return _Layer("state", full, name, layer_type)
         if owner.startswith(("torch.", "peft.", "transformers.activations")):
             continue  # PyTorch's and Transformers' per-token modules, PEFT's adapter wrappers (and their base layers)
         if _CONTAINER.search(name):
@@ -208,14 +214,62 @@ def packing_refusal(model: nn.Module) -> str | None:
         if _PER_TOKEN.search(name):
             continue
         if _SEQUENCE_STATE.search(name):
-            return _state_refusal(full, name)
+            return _Layer("state", full, name, layer_type)
         if _SOFTMAX_ATTENTION.search(name) and (layer_type is None or layer_type in SAFE_LAYER_TYPES):
             continue
-        return (
-            f"layer {full} ({name}) is of a kind not proven to keep packed samples apart (a layer with state "
-            "along the sequence would carry it from one packed sample into the next): train this model unpacked"
-        )
+        return _Layer("unknown", full, name, layer_type)
     return None
+
+
+def packing_refusal(model: nn.Module) -> str | None:
+    """Why ``model`` cannot train a packed row exactly as its samples unpacked, naming the layer's class and module
+    path, or ``None`` when every layer of its language model is of a kind that keeps packed samples apart."""
+    layer = _unproven_layer(model, per_sample_ok=True)
+    if layer is None:
+        return None
+    full, name = layer.path, layer.name
+    if layer.kind == "layer_type":
+        return (
+            f"layer {full} ({name}) is of kind {layer.layer_type!r} (config.layer_types), which packing does not "
+            f"keep apart per sample here (proven kinds: {', '.join(sorted(SAFE_LAYER_TYPES))}, and "
+            f"{', '.join(sorted(PER_SAMPLE_CLASSES))} for linear_attention)"
+        )
+    if layer.kind == "per_sample":
+        return (
+            f"layer {full} ({name}) carries state along the sequence, and its per-sample path is not "
+            "installed: build the model with TransformersModel, or call "
+            "lightning_mm.hf.packing.install_packed_inputs(model)"
+        )
+    if layer.kind == "state":
+        return _state_refusal(full, name)
+    return (
+        f"layer {full} ({name}) is of a kind not proven to keep packed samples apart (a layer with state "
+        "along the sequence would carry it from one packed sample into the next): train this model unpacked"
+    )
+
+
+def context_parallel_refusal(model: nn.Module) -> str | None:
+    """Why ``model``'s language model cannot run under Ulysses context parallelism, naming the layer's class and
+    module path, or ``None``. Ulysses gathers the whole sequence only inside softmax attention; every other layer
+    runs on its rank's slice, so a layer with state along the sequence (Gated DeltaNet, Mamba, a causal
+    convolution, ...) would restart it at each slice's start and train wrong with no error. The same allow-list as
+    packing (:func:`packing_refusal`), except that Gated DeltaNet's per-sample path does not help here."""
+    layer = _unproven_layer(model, per_sample_ok=False)
+    if layer is None:
+        return None
+    kind = f"of kind {layer.layer_type!r} (config.layer_types)" if layer.kind == "layer_type" else ""
+    what = {
+        "per_sample": "carries state along the sequence (its recurrent state and causal convolution)",
+        "state": "carries state along the sequence",
+        "layer_type": f"is {kind}, not softmax attention",
+        "unknown": "is of a kind not proven to run on a slice of the sequence (a layer with state along it would "
+        "restart that state at the slice)",
+    }[layer.kind]
+    return (
+        f"layer {layer.path} ({layer.name}) {what}: under context parallelism each rank runs it on its own slice "
+        "of the sequence, which would restart its state at every slice and train wrong; train this model with "
+        "context_parallel_size 1"
+    )
 
 
 def _state_refusal(path: str, name: str) -> str:
