@@ -134,6 +134,7 @@ def train(model: nn.Module) -> tuple[list[float], dict[str, torch.Tensor], list[
                     "spread": load_spread(route.loads()),
                     "unbalanced_spread": load_spread(route.unbalanced_loads()),
                     "cost": [state.calibration.cost().linear, state.calibration.cost().quadratic],
+                    "fitted": state.calibration.fitted is not None,
                 }
             )
     weights = {name: _full(p.detach()).clone() for name, p in model.named_parameters()}

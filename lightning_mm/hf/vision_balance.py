@@ -249,7 +249,8 @@ def _send_back(out: Any, route: ImageRoute, order: list[int], encoded: bool, mer
     start = 0
     for key, index, trailing in layout:  # each field a new tensor (not a view): FSDP2 hooks its outputs
         width = trailing.numel()
-        columns = torch.cat([piece[:, start : start + width] for piece in in_order])
+        pieces = [piece[:, start : start + width] for piece in in_order] or [back[:, start : start + width]]
+        columns = torch.cat(pieces)
         start += width
         tensor = columns if len(trailing) == 1 else columns.reshape(columns.shape[0], *trailing)
         if index is None:
