@@ -129,10 +129,14 @@ def test_a_model_without_a_grid_tower_is_refused_naming_the_key():
 
 
 # ------------------------------------------------------------------------------------------------ multi-rank
+launch_dirs: dict[int, object] = {}
+
+
 @pytest.fixture(scope="module", params=[2, 4], ids=["2ranks", "4ranks"])
 def launch(request, tmp_path_factory):
     out = tmp_path_factory.mktemp(f"vision_balance{request.param}")
     run(vision_balance_scenarios.exactness, out, launcher="torchrun", nproc=request.param, timeout=600)
+    launch_dirs[request.param] = out
     return request.param, read_results(out, "exactness", request.param), read_results(out, "empty_share", 2)
 
 
@@ -173,3 +177,14 @@ def test_a_rank_with_nothing_to_encode_still_matches_the_plain_tower(launch):
     assert [e["rows"] for e in empty] == ([1, 0] if world == 2 else [1, 1])  # 4 ranks: rank 3 holds none
     assert empty[0]["feature_error"] == 0.0
     assert all(e["grad_rel_error"] < REL for e in empty)
+    assert all("output `hidden_states` is not one of the merged per-image features" in e["refused"] for e in empty)
+
+
+def test_the_strategy_balances_from_the_yaml_key_and_composes_with_context_parallelism(launch):
+    world, _, _ = launch
+    strategy = read_results(launch_dirs[world], "strategy", world)
+    for r in strategy:
+        assert r["cp"] == (2 if world == 4 else 1)  # 4 ranks: 2-way data x 2-way context parallelism
+        assert r["balanced"]["balanced"] and r["balanced"]["moved"] and not r["unbalanced"]["balanced"]
+        assert max(map(_rel, r["balanced"]["losses"], r["unbalanced"]["losses"])) < REL
+        assert r["weight_rel_error"] < REL

@@ -12,6 +12,11 @@ tower, and a cost model calibrated on the first calls. Every rank writes, per ca
 of both runs, the largest relative weight difference after the last step, the images each rank encoded and the
 estimated load spread (max/mean) with and without balancing.
 
+Then Qwen2.5-VL (saved with ``save_pretrained``, loaded by ``TransformersModel``) trains through
+``MMFSDP2Strategy`` with and without the ``encoder_dp_balance`` YAML keys (SGD): on 4 ranks under 2-way context
+parallelism (the tower runs on whole sequences on each rank of a context-parallel pair; balancing deals the images
+over all 4 ranks).
+
 ``empty_share`` calls a balanced tower directly with no images on the last rank (its share is empty: it encodes a
 dummy image added as zero) and compares the features and gradients with the plain tower's.
 """
@@ -35,7 +40,7 @@ sys.path.insert(0, str(ROOT))
 from lightning_mm.core.module_state import replace_forward  # noqa: E402
 from lightning_mm.core.recompute import checkpointed_forward  # noqa: E402
 from lightning_mm.core.vision_balance import VisionCost, load_spread  # noqa: E402
-from lightning_mm.hf.vision_balance import balance_state, enable_vision_balance  # noqa: E402
+from lightning_mm.hf.vision_balance import VisionBalanceError, balance_state, enable_vision_balance  # noqa: E402
 from tests import scenario_kit  # noqa: E402
 from tests.hf_scenarios import IMAGE_TOKEN, VOCAB, tiny_hf_model  # noqa: E402
 from tests.qwen3_vl_family import VISION_END, VISION_START, tiny_qwen3_vl  # noqa: E402
@@ -178,6 +183,13 @@ def exactness(outdir: Path) -> None:
         }
     scenario_kit.write_result(outdir, "exactness", results)
     empty_share(outdir)
+    world = dist.get_world_size()
+    cp = 2 if world == 4 else 1
+    fits = {balance: fit_with_strategy(outdir, balance, cp) for balance in (False, True)}
+    ref, got = fits[False].pop("weights"), fits[True].pop("weights")
+    rel = max(float((got[k] - w).abs().max()) / (float(w.abs().max()) or 1.0) for k, w in ref.items())
+    result = {"cp": cp, "weight_rel_error": rel, "unbalanced": fits[False], "balanced": fits[True]}
+    scenario_kit.write_result(outdir, "strategy", result)
 
 
 _INITIAL: dict[str, dict[str, torch.Tensor]] = {}
@@ -219,7 +231,81 @@ def empty_share(outdir: Path) -> None:
         grad = _full(p.grad) * world
         errors.append(float((grad - ref_grads[k]).abs().max()) / (float(ref_grads[k].abs().max()) or 1.0))
     result["grad_rel_error"] = max(errors)
+    try:  # every rank raises after the same collectives: the tower's per-layer hidden states are not features
+        tower(x, grid_thw=grid, output_hidden_states=True)
+    except VisionBalanceError as err:
+        result["refused"] = str(err)
     scenario_kit.write_result(outdir, "empty_share", result)
+
+
+class _PerRankBatches(torch.utils.data.Dataset):
+    """Item ``i``: the batch of rank ``i % ranks`` at step ``i // ranks`` (already collated: ``batch_size=None``)."""
+
+    def __init__(self, ranks: int) -> None:
+        self.ranks = ranks
+
+    def __len__(self) -> int:
+        return self.ranks * STEPS
+
+    def __getitem__(self, i: int) -> dict[str, torch.Tensor]:
+        return batch(i % self.ranks, i // self.ranks)
+
+
+def fit_with_strategy(outdir: Path, balance: bool, cp: int) -> dict[str, Any]:
+    """``MMFSDP2Strategy`` with ``encoder_dp_balance`` from the YAML keys (Qwen2.5-VL loaded from a saved
+    checkpoint), under ``cp``-way context parallelism: the tower runs on whole sequences, outside the split."""
+    import lightning as L
+
+    from lightning_mm import MMFSDP2Strategy, MMLightningModule
+    from lightning_mm.modules import TransformersModel
+
+    ckpt = outdir / "qwen2_5_vl"
+    if dist.get_rank() == 0 and not ckpt.exists():
+        build("qwen2_5_vl").save_pretrained(ckpt)
+    dist.barrier()
+
+    class Module(MMLightningModule):
+        def model_provider(self) -> nn.Module:
+            return TransformersModel({"init_from_hf_path": str(ckpt)})
+
+        def configure_optimizers(self) -> Any:  # SGD: Adam's first step is sign(g), noise where g is ~0
+            return torch.optim.SGD(self.parameters(), lr=0.5)
+
+    losses: list[float] = []
+
+    class Observe(L.Callback):
+        def on_train_batch_end(self, trainer: L.Trainer, pl_module: Any, outputs: Any, batch: Any, i: int) -> None:
+            losses.append(float((outputs["loss"] if isinstance(outputs, dict) else outputs).detach()))
+
+    keys: dict[str, Any] = {"sharding_size": "auto"}
+    if balance:
+        keys.update(encoder_dp_balance=True, encoder_dp_balance_cost=[1.0, 0.05])
+    module = Module(lr=1e-2)
+    trainer = L.Trainer(
+        accelerator="cpu",
+        devices=dist.get_world_size(),
+        max_steps=STEPS,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        num_sanity_val_steps=0,
+        strategy=MMFSDP2Strategy(keys, context_parallel_size=cp),
+        callbacks=[Observe()],
+    )
+    loader = torch.utils.data.DataLoader(_PerRankBatches(dist.get_world_size() // cp), batch_size=None)
+    trainer.fit(module, train_dataloaders=loader)
+    model: Any = module.model
+    state = balance_state(model.model.visual)
+    weights = {n: _full(p.detach()) for n, p in model.named_parameters()}
+    return {
+        "losses": losses,
+        "weights": weights,
+        "balanced": state is not None and state.calls == STEPS,
+        "moved": state is not None
+        and state.last_route is not None
+        and state.last_route.encoders != state.last_route.owners,
+    }
 
 
 if __name__ == "__main__":

@@ -55,6 +55,10 @@ __all__ = [
 ]
 
 
+MERGED_OUTPUTS = ("pooler_output", "deepstack_features")
+"""The tower outputs sent back to the owning ranks: one row per merged group of each image."""
+
+
 class VisionBalanceError(ValueError):
     """``encoder_dp_balance`` cannot be used with this model or this call."""
 
@@ -220,10 +224,10 @@ def _send_back(out: Any, route: ImageRoute, order: list[int], encoded: bool, mer
             items = [(None, value)]
         elif isinstance(value, (list, tuple)) and all(isinstance(v, torch.Tensor) for v in value):
             items = [(i, v) for i, v in enumerate(value)]
-        if items is None:
+        if items is None or key not in MERGED_OUTPUTS:
             raise VisionBalanceError(
-                f"encoder_dp_balance: the vision tower's output `{key}` ({type(value).__name__}) is not per-image "
-                "features; turn off output_hidden_states / output_attentions for the tower"
+                f"encoder_dp_balance: the vision tower's output `{key}` is not one of the merged per-image features "
+                f"{MERGED_OUTPUTS} that balancing returns; turn off output_hidden_states / output_attentions"
             )
         if isinstance(value, (list, tuple)):
             fields[key] = [None] * len(value)
