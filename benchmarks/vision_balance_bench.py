@@ -55,6 +55,9 @@ def build_model() -> torch.nn.Module:
         num_key_value_heads=2,
         max_position_embeddings=8192,
         rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "mrope_section": [2, 3, 3]},
+        bos_token_id=None,
+        eos_token_id=None,
+        pad_token_id=0,
     )
     vision = dict(
         depth=4,

@@ -40,7 +40,7 @@ sys.path.insert(0, str(ROOT))
 from lightning_mm.core.module_state import replace_forward  # noqa: E402
 from lightning_mm.core.recompute import checkpointed_forward  # noqa: E402
 from lightning_mm.core.vision_balance import VisionCost, load_spread  # noqa: E402
-from lightning_mm.hf.vision_balance import VisionBalanceError, balance_state, enable_vision_balance  # noqa: E402
+from lightning_mm.hf.vision_balance import balance_state, enable_vision_balance  # noqa: E402
 from tests import scenario_kit  # noqa: E402
 from tests.hf_scenarios import IMAGE_TOKEN, VOCAB, tiny_hf_model  # noqa: E402
 from tests.qwen3_vl_family import VISION_END, VISION_START, tiny_qwen3_vl  # noqa: E402
@@ -231,10 +231,6 @@ def empty_share(outdir: Path) -> None:
         grad = _full(p.grad) * world
         errors.append(float((grad - ref_grads[k]).abs().max()) / (float(ref_grads[k].abs().max()) or 1.0))
     result["grad_rel_error"] = max(errors)
-    try:  # every rank raises after the same collectives: the tower's per-layer hidden states are not features
-        tower(x, grid_thw=grid, output_hidden_states=True)
-    except VisionBalanceError as err:
-        result["refused"] = str(err)
     scenario_kit.write_result(outdir, "empty_share", result)
 
 
