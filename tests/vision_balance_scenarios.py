@@ -18,7 +18,7 @@ parallelism (the tower runs on whole sequences on each rank of a context-paralle
 over all 4 ranks).
 
 ``empty_share`` calls a balanced tower directly with no images on the last rank (its share is empty: it encodes a
-dummy image added as zero) and compares the features and gradients with the plain tower's.
+dummy image) and compares the features and gradients with the plain tower's.
 """
 
 from __future__ import annotations

@@ -9,7 +9,7 @@ the tower with this rank's ``pixel_values`` and ``grid_thw`` then:
    (:func:`~lightning_mm.core.vision_balance.plan_route`);
 2. sends each image's patches (whole images) to the rank that encodes it (one all-to-all);
 3. runs the tower's own forward once on the images this rank received (a rank that received none encodes a
-   one-merge-group dummy image whose result is added as zero, so every rank calls the (possibly FSDP-sharded)
+   one-merge-group dummy image and sends none of its result, so every rank calls the (possibly FSDP-sharded)
    tower once and runs its backward);
 4. sends the merged features (``pooler_output``, and Qwen3-VL's ``deepstack_features``) back to the owning rank
    in one all-to-all, in the owner's image order: the model places them at its image tokens as without
@@ -237,13 +237,9 @@ def _send_back(out: Any, route: ImageRoute, order: list[int], encoded: bool, mer
     if not flat:
         raise VisionBalanceError("encoder_dp_balance: the vision tower returned no features")
     joined = torch.cat(flat, dim=1)
-    anchor = None
-    if not encoded:  # the dummy image: nothing to send; its result joins the graph as zero
-        anchor = joined.sum() * 0
+    if not encoded:  # the dummy image: nothing to send; the empty slice keeps the tower in this rank's backward
         joined = joined[:0]
     back = exchange_rows(joined, route.recv_counts(unit), route.send_counts(unit), group)
-    if anchor is not None:
-        back = back + anchor
     # the rows arrive grouped by encoder (rank order), each group in global order: this rank's send order
     mine = route.mine()
     sizes = [route.patches[mine[k]] // unit for k in order]
