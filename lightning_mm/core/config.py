@@ -122,6 +122,16 @@ class FSDP2Config(_ExplicitKeys):
     compile_backend: str = "inductor"
     """The ``torch.compile`` backend for ``compile_modules``: ``inductor`` (generated kernels), ``aot_eager``
     (captured graphs run by eager kernels: a check of capture), or any registered backend by name."""
+    encoder_dp_balance: bool = False
+    """Deal the vision tower's images out over all ranks before it runs, evening out the estimated cost (MindSpeed
+    MM's ``--encoder-dp-balance``): each rank encodes whole images and the features return to their owners' image
+    tokens (all-to-all; exact gradients). For towers that take ``grid_thw`` (Qwen2-VL, Qwen2.5-VL, Qwen3-VL)."""
+    encoder_dp_balance_cost: list[float] | None = None
+    """The cost model ``[linear, quadratic]`` of one image: ``linear * patches + quadratic * attention`` (attention:
+    the squared attention spans, per window for window layers). Unset: calibrated by timing the tower on the first
+    ``encoder_dp_balance_calibration_steps`` calls (patches alone until then)."""
+    encoder_dp_balance_calibration_steps: int = 4
+    """Tower calls timed on every rank to fit the cost model when ``encoder_dp_balance_cost`` is unset."""
     source: str | None = field(default=None, compare=False, repr=False)
     """Where the config came from (a file path), used in error messages only."""
 
@@ -300,6 +310,26 @@ class FSDP2Config(_ExplicitKeys):
                 check_backend(self.compile_backend)
             except ValueError as err:
                 raise self.key_error("compile_backend", str(err)) from None
+
+        if not isinstance(self.encoder_dp_balance, bool):
+            raise self.key_error(
+                "encoder_dp_balance", f"expected true or false, got {short_repr(self.encoder_dp_balance)}"
+            )
+        cost = self.encoder_dp_balance_cost
+        if cost is not None:
+            numbers = isinstance(cost, (list, tuple)) and len(cost) == 2
+            numbers = numbers and all(isinstance(v, (int, float)) and not isinstance(v, bool) for v in cost)
+            if not numbers or min(cost) < 0 or max(cost) <= 0:
+                raise self.key_error(
+                    "encoder_dp_balance_cost",
+                    f"expected [linear, quadratic]: two non-negative numbers, not both 0, got {short_repr(cost)}",
+                )
+            self.encoder_dp_balance_cost = [float(v) for v in cost]
+        steps = self.encoder_dp_balance_calibration_steps
+        if isinstance(steps, bool) or not isinstance(steps, int) or steps < 1:
+            raise self.key_error(
+                "encoder_dp_balance_calibration_steps", f"expected a positive integer, got {short_repr(steps)}"
+            )
 
         if self.pin_memory and not self.offload_to_cpu:
             raise self.key_error("pin_memory", "only takes effect with `offload_to_cpu: true`; set both or remove it")

@@ -364,6 +364,10 @@ class MMFSDP2Strategy(ParallelStrategy):
         rank_zero_info(planned.plan.describe())
         self._context_parallel.apply(root, planned.target)
         self.sharded_run.apply(root, planned, self.device_mesh, self.root_device)
+        if planned.config.encoder_dp_balance:  # after recomputation and sharding: the outermost tower forward
+            from lightning_mm.hf.vision_balance import enable_from_config
+
+            enable_from_config(planned.target, planned.config)
         if isinstance(self.precision_plugin, MMFSDP2Precision):  # gradient norms: local experts summed over EP
             self.precision_plugin.norm_groups = self.sharded_run.norm_groups
 
