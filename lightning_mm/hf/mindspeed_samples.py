@@ -168,13 +168,19 @@ class MindSpeedSampleBuilder:
         """The image processor's tensors of the bounded images, with its own settings."""
         return dict(self.processor.image_processor([self.bound_image(i) for i in images], return_tensors="pt"))
 
-    def _expand(self, contents: list[str], grids: Any) -> list[str]:
+    def image_token_counts(self, grids: Any) -> list[int]:
+        """Each image's number of image tokens from its grid (``image_grid_thw``): ``grid.prod() // merge_size**2``
+        (the plugins' ``process_messages``)."""
         merge = int(self.processor.image_processor.merge_size) ** 2
+        return [int(grid.prod()) // merge for grid in grids]
+
+    def _expand(self, contents: list[str], counts: Sequence[int]) -> list[str]:
+        """Each ``<image>`` in turn becomes the vision markers around ``counts[i]`` image tokens."""
         out, index = [], 0
         t = self.template
         for content in contents:
             while _IMAGE in content:
-                count = int(grids[index].prod()) // merge
+                count = counts[index]
                 content = content.replace(_IMAGE, f"{t.vision_bos}{t.image_token * count}{t.vision_eos}", 1)
                 index += 1
             out.append(content)
@@ -249,21 +255,20 @@ class MindSpeedSampleBuilder:
         return input_ids, labels
 
     # ------------------------------------------------------------------------------------------ samples
-    def __call__(self, messages: Sequence[dict[str, str]], system: str | None, images: list[Any]) -> dict[str, Any]:
-        import torch
-
+    def tokens(
+        self, messages: Sequence[dict[str, str]], system: str | None, counts: Sequence[int]
+    ) -> tuple[list[int], list[int]]:
+        """The sample's input ids and labels when its images have ``counts`` image tokens (no pixel needed);
+        :class:`~lightning_mm.hf.chat_samples.SampleError` when the cut splits the images' tokens or leaves no
+        trained token."""
         from lightning_mm.hf.chat_samples import SampleError
 
         contents = [m["content"] for m in messages]
-        vision = self.vision_inputs(images) if images else {}
-        if images:
-            contents = self._expand(contents, vision["image_grid_thw"])
+        if counts:
+            contents = self._expand(contents, counts)
         input_ids, labels = self.ids_and_labels(self.encode_pairs(contents, system))
-        n = len(input_ids)
-        if images:
-            expected = (
-                int(vision["image_grid_thw"].prod(-1).sum()) // int(self.processor.image_processor.merge_size) ** 2
-            )
+        if counts:
+            expected = sum(counts)
             found = sum(1 for i in input_ids if i == self.image_token_id)
             if found != expected:
                 raise SampleError(
@@ -271,7 +276,17 @@ class MindSpeedSampleBuilder:
                     "kept): raise cutoff_len or shrink the images (image_max_pixels)"
                 )
         if all(label == _IGNORE for label in labels):
+            n = len(input_ids)
             raise SampleError(f"the sample cut to cutoff_len {self.cutoff_len} ({n} tokens) has no trained token left")
+        return input_ids, labels
+
+    def __call__(self, messages: Sequence[dict[str, str]], system: str | None, images: list[Any]) -> dict[str, Any]:
+        import torch
+
+        vision = self.vision_inputs(images) if images else {}
+        counts = self.image_token_counts(vision["image_grid_thw"]) if images else []
+        input_ids, labels = self.tokens(messages, system, counts)
+        n = len(input_ids)
         sample: dict[str, Any] = {
             "input_ids": torch.tensor(input_ids, dtype=torch.long),
             "attention_mask": torch.ones(n, dtype=torch.long),
@@ -290,7 +305,7 @@ class MindSpeedSampleBuilder:
         from PIL import Image
 
         vision = self.vision_inputs([Image.new("RGB", (64, 64), (255, 255, 255))])
-        ids = self._ids(self._expand([_IMAGE], vision["image_grid_thw"])[0])
+        ids = self._ids(self._expand([_IMAGE], self.image_token_counts(vision["image_grid_thw"]))[0])
         out: dict[str, Any] = {"input_ids": torch.tensor(ids, dtype=torch.long)}
         if getattr(self.processor, "return_mm_token_type_ids", False):
             out["mm_token_type_ids"] = torch.tensor(self.processor.create_mm_token_type_ids([ids])[0])
