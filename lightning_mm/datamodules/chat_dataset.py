@@ -224,15 +224,16 @@ class ChatDataset(ReplacingDataset):
         self.builder = builder
 
     def sample_lengths(self) -> list[int]:
-        """Every sample's token count for token-budget batches: from the rendered text and the images' sizes (read
-        from the file headers) where the processor allows it (:mod:`lightning_mm.hf.chat_lengths`), no image is
-        processed; else by building the sample."""
+        """Every sample's token count for token-budget batches: from the text and the images' sizes (read from the
+        file headers) where the image processor allows it (:mod:`lightning_mm.hf.chat_lengths`), no image is
+        processed; else, and for a record the builder refuses, by building the sample (a refused record is then
+        reported and its replacement's length is used)."""
         from lightning_mm.hf.chat_lengths import chat_sample_length
 
         lengths = []
         for index, record in enumerate(self.records):
             length = None
-            if index not in self.bad:
+            if index not in self.bad and not record.videos:
                 try:
                     sizes = []
                     for path in record.images:
