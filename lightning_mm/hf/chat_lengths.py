@@ -20,6 +20,11 @@ with image token counts in place of the pixels:
      the placeholders expanded is tokenized as the processor tokenizes it, labelled and cut at its end by the
      builder's ``finish``.
 
+Videos (MindSpeed MM's Qwen-VL templates) likewise, no frame decoded (:func:`video_layout`): the container's frame
+count, duration and size give the frames the decoder samples, bounded as the builder bounds a frame, then the video
+processor's own frame sampling, resize and temporal padding give the grid (and the Qwen3-VL timestamps), and
+``tokens`` expands each ``<video>`` from that layout. A stream that reports no frame count is built to be counted.
+
 A record the builder refuses (a cut through an image's tokens, no trained token left, a side bounded to nothing)
 gives ``None``, as any other family does: its sample is built to be counted (it fails there, is reported and
 replaced). The token-budget loader checks each built sample against the length planned here, so a difference is
@@ -38,6 +43,7 @@ __all__ = [
     "counts_lengths",
     "chat_sample_length",
     "image_token_count",
+    "video_layout",
 ]
 
 COUNTING_PROCESSORS = ("Qwen2VLProcessor", "Qwen2_5_VLProcessor", "Qwen3VLProcessor", "Glm4vProcessor")
@@ -108,12 +114,35 @@ def image_token_count(builder: Any, width: int, height: int) -> int:
     return int(patches) // int(image_processor.merge_size) ** 2
 
 
+def video_layout(builder: Any, path: Any) -> Any:
+    """The :class:`~lightning_mm.hf.mindspeed_samples.VideoLayout` that
+    :meth:`~lightning_mm.hf.mindspeed_samples.MindSpeedSampleBuilder.video_inputs` gives the video at ``path``,
+    no frame decoded: the frame count and size from the container's metadata (the same sampling as the decoder,
+    :func:`~lightning_mm.hf.video_frames.sampled_frames`), each frame bounded as the builder bounds it (on a
+    :class:`SizeOnly`), then the video processor's own frame sampling, resize and grid, and the timestamps of the
+    frames it keeps. ``ValueError`` where the builder takes no videos or the stream reports no frame count."""
+    from lightning_mm.hf.video_frames import sampled_frames
+
+    t = builder.template
+    processor = builder.video_processor
+    if t.video is None or processor is None:
+        raise ValueError("the builder takes no videos")
+    count, width, height = sampled_frames(path, builder.video_fps, builder.video_maxlen)
+    bounded = builder.bound_frame(SizeOnly(width, height))
+    kept = processor.kept_frames(count, builder.metadata_fps)
+    return builder.video_layout(processor.grid(len(kept), bounded.height, bounded.width), kept)
+
+
 def chat_sample_length(
-    builder: Any, messages: Sequence[dict[str, str]], system: str | None, image_sizes: Sequence[tuple[int, int]]
+    builder: Any,
+    messages: Sequence[dict[str, str]],
+    system: str | None,
+    image_sizes: Sequence[tuple[int, int]],
+    videos: Sequence[Any] = (),
 ) -> int | None:
-    """The length of ``builder(messages, system, images)`` for images of ``image_sizes`` (``(width, height)``, as
-    PIL gives them), or ``None`` when it cannot be counted without the images or the builder refuses the record
-    (then build the sample)."""
+    """The length of ``builder(messages, system, images, videos)`` for images of ``image_sizes`` (``(width,
+    height)``, as PIL gives them) and the video files ``videos`` (:func:`video_layout`), or ``None`` when it cannot
+    be counted without the images and videos or the builder refuses the record (then build the sample)."""
     from lightning_mm.hf.chat_samples import SampleError
     from lightning_mm.hf.mindspeed_samples import MindSpeedSampleBuilder
 
@@ -122,9 +151,12 @@ def chat_sample_length(
     try:
         counts = [image_token_count(builder, width, height) for width, height in image_sizes]
         if isinstance(builder, MindSpeedSampleBuilder):
-            return len(builder.tokens(messages, system, counts)[0])
+            layouts = [video_layout(builder, path) for path in videos]
+            return len(builder.tokens(messages, system, counts, layouts)[0])
+        if videos:
+            return None  # the model's own chat template takes no videos here: building the record says so
         return _own_template_length(builder, messages, system, counts)
-    except (SampleError, ValueError):  # the builder refuses the record, or the processor its image size
+    except (SampleError, ValueError):  # the builder refuses the record, or the processor its image or video size
         return None
 
 

@@ -203,7 +203,7 @@ class MindSpeedSampleBuilder:
             raise ValueError(f"videos are not supported here with this template ({t.no_video or 'no video processor'})")
         decoded = [decode_video(p, self.video_fps, self.video_maxlen) for p in paths]
         frames = [[self.bound_frame(f) for f in d.frames] for d in decoded]
-        out = self.video_processor(frames, metadata_fps=self.video_fps if t.video == "qwen3_vl" else None)
+        out = self.video_processor(frames, metadata_fps=self.metadata_fps)
         kept = out.pop("frames_indices")
         temporal = int(getattr(self.processor.image_processor, "temporal_patch_size", 2))
         seconds = [temporal / d.fps for d in decoded]
@@ -213,6 +213,12 @@ class MindSpeedSampleBuilder:
             out["second_per_grid_ts"] = torch.tensor(seconds)
         grids = [(int(g[0]), int(g[1]), int(g[2])) for g in out["video_grid_thw"]]
         return out, [self.video_layout(grid, indices) for grid, indices in zip(grids, kept)]
+
+    @property
+    def metadata_fps(self) -> float | None:
+        """The frame rate the plugin hands the video processor's ``sample_frames`` (``Qwen3VLPlugin``: ``video_fps``;
+        the others none)."""
+        return self.video_fps if self.template.video == "qwen3_vl" else None
 
     def video_layout(self, grid: tuple[int, int, int], kept: Sequence[int]) -> VideoLayout:
         """A video's layout from its grid and the frame indices the video processor kept: for ``Qwen3VLPlugin``
