@@ -379,3 +379,51 @@ def test_packed_video_rows_equal_plain_transformers_unpacked(name, cls, models, 
         assert "second_per_grid_ts" in samples[0]
     elif name == "qwen2_omni":
         assert "video_second_per_grid" in samples[0]
+
+
+LONG = _record(
+    [
+        ("user", "<video>What happens in this clip?"),
+        ("assistant", "Random noise, frame after frame."),
+        ("user", "And then? Tell me about every frame, one by one, in order."),
+        ("assistant", "Still noise: the first frame, the second frame, and so on to the end."),
+    ],
+    ["big.mp4"],
+)
+
+
+@pytest.mark.parametrize("name", list(FAMILY_OF))
+@pytest.mark.parametrize("video", [VIDEO, dict(VIDEO, video_fps=4.0, video_maxlen=5)], ids=["2fps", "4fps"])
+def test_video_lengths_equal_the_built_samples_and_decode_no_frame(name, video, models, tmp_path, monkeypatch):
+    """Token-budget lengths of video records (``lightning_mm.hf.chat_lengths.video_layout``: the container's frame
+    count and size, no frame decoded) equal the built samples' (which equal MindSpeed MM's re-told samples, above):
+    one and two clips, odd frame counts, a clip with an image, several turns; uncut, and cut by ``cutoff_len`` in the
+    last turns (``infer_seqlen``) of the longest record."""
+    import lightning_mm.hf.video_frames as video_frames
+    from lightning_mm.datamodules.token_budget import sample_lengths
+
+    records = [*RECORDS.values(), LONG]
+    model = models[FAMILY_OF[name]]
+    full = None
+    for cut in (None, 5):
+        basic = None if full is None else {"cutoff_len": max(full) - cut}
+        module, _ = _dataset(tmp_path, monkeypatch, model, name, records, video, basic)
+        dataset = module._splits["train"]
+        decoded: list[Any] = []
+
+        def counting(*args: Any, _seen: list[Any] = decoded, _decode: Any = video_frames.decode_video) -> Any:
+            _seen.append(args)
+            return _decode(*args)
+
+        monkeypatch.setattr(video_frames, "decode_video", counting)
+        lengths = sample_lengths(dataset)
+        assert decoded == []  # no frame decoded to plan
+        built = [len(dataset[i]["input_ids"]) for i in range(len(dataset))]
+        assert decoded  # building decodes them
+        assert lengths == built, (name, cut)
+        if full is None:
+            full = built
+            assert max(full) == full[-1] and len(set(full)) > 3
+        else:
+            assert built[-1] == max(full) - cut and built[:-1] == full[:-1]
+        monkeypatch.undo()

@@ -224,9 +224,11 @@ class ChatDataset(ReplacingDataset):
         self.builder = builder
 
     def sample_lengths(self) -> list[int]:
-        """Every sample's token count for token-budget batches: from the rendered text and the images' sizes (read
-        from the file headers) where the processor allows it (:mod:`lightning_mm.hf.chat_lengths`), no image is
-        processed; else by building the sample."""
+        """Every sample's token count for token-budget batches: from the text, the images' sizes (read from the
+        file headers) and the videos' frame counts and sizes (container metadata) where the image processor allows
+        it (:mod:`lightning_mm.hf.chat_lengths`), no image is processed nor frame decoded; else, and for a record
+        the builder refuses, by building the sample (a refused record is then reported and its replacement's length
+        is used)."""
         from lightning_mm.hf.chat_lengths import chat_sample_length
 
         lengths = []
@@ -239,7 +241,7 @@ class ChatDataset(ReplacingDataset):
                         with Image.open(path) as img:
                             sizes.append(img.size)
                     messages = [{"role": role, "content": content} for role, content in record.messages]
-                    length = chat_sample_length(self.builder, messages, record.system, sizes)
+                    length = chat_sample_length(self.builder, messages, record.system, sizes, record.videos)
                 except Exception:  # noqa: BLE001 - the record's own problem: building it reports (and replaces) it
                     length = None
             lengths.append(len(self[index]["input_ids"]) if length is None else length)

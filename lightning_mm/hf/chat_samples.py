@@ -320,6 +320,16 @@ class ChatSampleBuilder:
                 f"the processor expanded {len(replacements)} image placeholders for {len(images)} "
                 "images; the labels cannot be aligned"
             )
+        return self.finish(sample, spans, offsets, replacements)
+
+    def finish(
+        self,
+        sample: dict[str, Any],
+        spans: list[tuple[int, int, bool]],
+        offsets: list[tuple[int, int]],
+        replacements: list[dict[str, Any]],
+    ) -> dict[str, Any]:
+        """``sample`` (the processor's keys) with its labels, cut to ``cutoff_len`` (:meth:`_cut`)."""
         sample["labels"] = self._labels(spans, sample["input_ids"], offsets, replacements)
         if self.cutoff_len is not None and len(sample["input_ids"]) > self.cutoff_len:
             vision_end = max(

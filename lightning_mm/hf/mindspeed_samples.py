@@ -35,7 +35,7 @@ from typing import TYPE_CHECKING, Any
 if TYPE_CHECKING:
     from lightning_mm.hf.qwen_video import QwenVideoProcessor
 
-__all__ = ["MindSpeedTemplate", "MINDSPEED_FORMATS", "MindSpeedSampleBuilder", "infer_seqlen"]
+__all__ = ["MindSpeedTemplate", "MINDSPEED_FORMATS", "MindSpeedSampleBuilder", "VideoLayout", "infer_seqlen"]
 
 _IMAGE = "<image>"
 _VIDEO = "<video>"
@@ -112,6 +112,15 @@ MINDSPEED_FORMATS: dict[str, MindSpeedTemplate] = {
 train here, for text and images (the tool slots of ``qwen3_6`` are not used: tool turns are refused)."""
 
 
+@dataclass(frozen=True)
+class VideoLayout:
+    """What a video's ``<video>`` expands to: its grid ``(t, h, w)`` (``video_grid_thw``) and, for
+    ``Qwen3VLPlugin``, the timestamp (seconds) of each temporal patch."""
+
+    grid: tuple[int, int, int]
+    stamps: tuple[float, ...] = ()
+
+
 def infer_seqlen(source_len: int, target_len: int, cutoff_len: int) -> tuple[int, int]:
     """How many prompt and answer tokens of one pair fit in ``cutoff_len`` (MindSpeed MM's ``infer_seqlen``)."""
     if target_len * 2 < cutoff_len:
@@ -182,9 +191,9 @@ class MindSpeedSampleBuilder:
         ``_regularize_videos`` leave ``resample`` at its default)."""
         return _bound(image, self.video_max_pixels, self.video_min_pixels, True)
 
-    def video_inputs(self, paths: Sequence[Any]) -> tuple[dict[str, Any], list[list[float]]]:
+    def video_inputs(self, paths: Sequence[Any]) -> tuple[dict[str, Any], list[VideoLayout]]:
         """The videos' tensors (``pixel_values_videos``, ``video_grid_thw`` and the model's seconds per temporal
-        patch) and, for ``Qwen3VLPlugin``, each video's timestamps per temporal patch."""
+        patch) and each video's :class:`VideoLayout` (its grid and, for ``Qwen3VLPlugin``, its timestamps)."""
         import torch
 
         from lightning_mm.hf.video_frames import decode_video
@@ -194,7 +203,7 @@ class MindSpeedSampleBuilder:
             raise ValueError(f"videos are not supported here with this template ({t.no_video or 'no video processor'})")
         decoded = [decode_video(p, self.video_fps, self.video_maxlen) for p in paths]
         frames = [[self.bound_frame(f) for f in d.frames] for d in decoded]
-        out = self.video_processor(frames, metadata_fps=self.video_fps if t.video == "qwen3_vl" else None)
+        out = self.video_processor(frames, metadata_fps=self.metadata_fps)
         kept = out.pop("frames_indices")
         temporal = int(getattr(self.processor.image_processor, "temporal_patch_size", 2))
         seconds = [temporal / d.fps for d in decoded]
@@ -202,32 +211,57 @@ class MindSpeedSampleBuilder:
             out["video_second_per_grid"] = torch.tensor(seconds)
         elif t.video == "qwen2_vl" and "second_per_grid_ts" in self.processor.model_input_names:
             out["second_per_grid_ts"] = torch.tensor(seconds)
-        stamps: list[list[float]] = []
-        if t.video == "qwen3_vl":  # processor._calculate_timestamps(frames_indices, video_fps, merge_size)
-            group = self.video_processor.merge_size
-            for indices in kept:
-                indices = list(indices) + [indices[-1]] * (-len(indices) % group)
-                times = [i / self.video_fps for i in indices]
-                stamps.append([(times[i] + times[i + group - 1]) / 2 for i in range(0, len(times), group)])
-        return out, stamps
+        grids = [(int(g[0]), int(g[1]), int(g[2])) for g in out["video_grid_thw"]]
+        return out, [self.video_layout(grid, indices) for grid, indices in zip(grids, kept)]
+
+    @property
+    def metadata_fps(self) -> float | None:
+        """The frame rate the plugin hands the video processor's ``sample_frames`` (``Qwen3VLPlugin``: ``video_fps``;
+        the others none)."""
+        return self.video_fps if self.template.video == "qwen3_vl" else None
+
+    def video_layout(self, grid: tuple[int, int, int], kept: Sequence[int]) -> VideoLayout:
+        """A video's layout from its grid and the frame indices the video processor kept: for ``Qwen3VLPlugin``
+        the timestamps per temporal patch (the processor's ``_calculate_timestamps(frames_indices, video_fps,
+        merge_size)``: the mean time of each group of ``merge_size`` frames, the last index repeated to fill)."""
+        if self.template.video != "qwen3_vl" or self.video_processor is None:
+            return VideoLayout(grid)
+        group = self.video_processor.merge_size
+        indices = list(kept) + [kept[-1]] * (-len(kept) % group)
+        times = [i / self.video_fps for i in indices]
+        return VideoLayout(grid, tuple((times[i] + times[i + group - 1]) / 2 for i in range(0, len(times), group)))
 
     def vision_inputs(self, images: list[Any]) -> dict[str, Any]:
         """The image processor's tensors of the bounded images, with its own settings."""
         return dict(self.processor.image_processor([self.bound_image(i) for i in images], return_tensors="pt"))
 
-    def _expand(self, contents: list[str], grids: Any) -> list[str]:
+    def image_token_counts(self, grids: Any) -> list[int]:
+        """Each image's number of image tokens from its grid (``image_grid_thw``): ``grid.prod() // merge_size**2``
+        (the plugins' ``process_messages``)."""
         merge = int(self.processor.image_processor.merge_size) ** 2
+        return [int(grid.prod()) // merge for grid in grids]
+
+    def _expand(self, contents: list[str], counts: Sequence[int]) -> list[str]:
+        """Each ``<image>`` in turn becomes the vision markers around ``counts[i]`` image tokens."""
         out, index = [], 0
         t = self.template
         for content in contents:
             while _IMAGE in content:
-                count = int(grids[index].prod()) // merge
+                count = counts[index]
                 content = content.replace(_IMAGE, f"{t.vision_bos}{t.image_token * count}{t.vision_eos}", 1)
                 index += 1
             out.append(content)
         return out
 
-    def _expand_videos(self, contents: list[str], grids: Any, stamps: list[list[float]]) -> list[str]:
+    def video_token_count(self, layout: VideoLayout) -> int:
+        """A video's number of video tokens: ``grid.prod() // merge**2``."""
+        t_, h, w = layout.grid
+        if self.template.video == "qwen3_vl":
+            assert self.video_processor is not None
+            return t_ * (h * w // self.video_processor.merge_size**2)
+        return t_ * h * w // int(self.processor.image_processor.merge_size) ** 2
+
+    def _expand_videos(self, contents: list[str], layouts: Sequence[VideoLayout]) -> list[str]:
         """The plugin's ``process_messages`` for ``<video>``: Qwen2-VL and Qwen2.5-Omni one run of
         ``grid.prod() // merge**2`` video tokens; Qwen3-VL ``<t seconds>`` and ``h * w // merge**2`` tokens per
         temporal patch (each video its own frame count and timestamps: see docs/data.md)."""
@@ -235,15 +269,13 @@ class MindSpeedSampleBuilder:
         out, index = [], 0
         for content in contents:
             while _VIDEO in content:
-                grid = [int(v) for v in grids[index]]
+                layout = layouts[index]
+                frames = layout.grid[0]
                 if t.video == "qwen3_vl":
-                    assert self.video_processor is not None
-                    count = grid[1] * grid[2] // self.video_processor.merge_size**2
-                    run = f"{t.vision_bos}{t.video_token * count}{t.vision_eos}"
-                    text = "".join(f"<{stamps[index][f]:.1f} seconds>{run}" for f in range(grid[0]))
+                    run = f"{t.vision_bos}{t.video_token * (self.video_token_count(layout) // frames)}{t.vision_eos}"
+                    text = "".join(f"<{layout.stamps[f]:.1f} seconds>{run}" for f in range(frames))
                 else:
-                    count = grid[0] * grid[1] * grid[2] // int(self.processor.image_processor.merge_size) ** 2
-                    text = f"{t.vision_bos}{t.video_token * count}{t.vision_eos}"
+                    text = f"{t.vision_bos}{t.video_token * self.video_token_count(layout)}{t.vision_eos}"
                 content = content.replace(_VIDEO, text, 1)
                 index += 1
             out.append(content)
@@ -318,6 +350,45 @@ class MindSpeedSampleBuilder:
         return input_ids, labels
 
     # ------------------------------------------------------------------------------------------ samples
+    def tokens(
+        self,
+        messages: Sequence[dict[str, str]],
+        system: str | None,
+        counts: Sequence[int],
+        videos: Sequence[VideoLayout] = (),
+    ) -> tuple[list[int], list[int]]:
+        """The sample's input ids and labels when its images have ``counts`` image tokens and its videos the
+        ``videos`` layouts (no pixel needed); :class:`~lightning_mm.hf.chat_samples.SampleError` when the cut
+        splits the images' or videos' tokens or leaves no trained token."""
+        from lightning_mm.hf.chat_samples import SampleError
+
+        contents = [m["content"] for m in messages]
+        if counts:
+            contents = self._expand(contents, counts)
+        if videos:
+            contents = self._expand_videos(contents, videos)
+        input_ids, labels = self.ids_and_labels(self.encode_pairs(contents, system))
+        if counts:
+            expected = sum(counts)
+            found = sum(1 for i in input_ids if i == self.image_token_id)
+            if found != expected:
+                raise SampleError(
+                    f"cutoff_len {self.cutoff_len} cuts the sample through its images' tokens ({found} of {expected} "
+                    "kept): raise cutoff_len or shrink the images (image_max_pixels)"
+                )
+        if videos:
+            expected = sum(self.video_token_count(layout) for layout in videos)
+            found = sum(1 for i in input_ids if i == self.video_token_id)
+            if found != expected:
+                raise SampleError(
+                    f"cutoff_len {self.cutoff_len} cuts the sample through its videos' tokens ({found} of {expected} "
+                    "kept): raise cutoff_len or shrink the videos (video_max_pixels, video_maxlen)"
+                )
+        if all(label == _IGNORE for label in labels):
+            n = len(input_ids)
+            raise SampleError(f"the sample cut to cutoff_len {self.cutoff_len} ({n} tokens) has no trained token left")
+        return input_ids, labels
+
     def __call__(
         self,
         messages: Sequence[dict[str, str]],
@@ -328,39 +399,14 @@ class MindSpeedSampleBuilder:
         """The sample; ``videos`` are video file paths, one per ``<video>``."""
         import torch
 
-        from lightning_mm.hf.chat_samples import SampleError
-
-        contents = [m["content"] for m in messages]
         vision = self.vision_inputs(images) if images else {}
-        if images:
-            contents = self._expand(contents, vision["image_grid_thw"])
+        counts = self.image_token_counts(vision["image_grid_thw"]) if images else []
+        layouts: list[VideoLayout] = []
         if videos:
-            video, stamps = self.video_inputs(videos)
-            contents = self._expand_videos(contents, video["video_grid_thw"], stamps)
+            video, layouts = self.video_inputs(videos)
             vision.update(video)
-        input_ids, labels = self.ids_and_labels(self.encode_pairs(contents, system))
+        input_ids, labels = self.tokens(messages, system, counts, layouts)
         n = len(input_ids)
-        if images:
-            expected = (
-                int(vision["image_grid_thw"].prod(-1).sum()) // int(self.processor.image_processor.merge_size) ** 2
-            )
-            found = sum(1 for i in input_ids if i == self.image_token_id)
-            if found != expected:
-                raise SampleError(
-                    f"cutoff_len {self.cutoff_len} cuts the sample through its images' tokens ({found} of {expected} "
-                    "kept): raise cutoff_len or shrink the images (image_max_pixels)"
-                )
-        if videos:
-            merge = self.video_processor.merge_size if self.video_processor is not None else 2
-            expected = int(vision["video_grid_thw"].prod(-1).sum()) // merge**2
-            found = sum(1 for i in input_ids if i == self.video_token_id)
-            if found != expected:
-                raise SampleError(
-                    f"cutoff_len {self.cutoff_len} cuts the sample through its videos' tokens ({found} of {expected} "
-                    "kept): raise cutoff_len or shrink the videos (video_max_pixels, video_maxlen)"
-                )
-        if all(label == _IGNORE for label in labels):
-            raise SampleError(f"the sample cut to cutoff_len {self.cutoff_len} ({n} tokens) has no trained token left")
         sample: dict[str, Any] = {
             "input_ids": torch.tensor(input_ids, dtype=torch.long),
             "attention_mask": torch.ones(n, dtype=torch.long),
@@ -379,7 +425,7 @@ class MindSpeedSampleBuilder:
         from PIL import Image
 
         vision = self.vision_inputs([Image.new("RGB", (64, 64), (255, 255, 255))])
-        ids = self._ids(self._expand([_IMAGE], vision["image_grid_thw"])[0])
+        ids = self._ids(self._expand([_IMAGE], self.image_token_counts(vision["image_grid_thw"]))[0])
         out: dict[str, Any] = {"input_ids": torch.tensor(ids, dtype=torch.long)}
         if getattr(self.processor, "return_mm_token_type_ids", False):
             out["mm_token_type_ids"] = torch.tensor(self.processor.create_mm_token_type_ids([ids])[0])

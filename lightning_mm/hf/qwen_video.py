@@ -219,25 +219,45 @@ class QwenVideoProcessor:
             num_frames = min(max(total, s.min_frames), s.max_frames)
         return [int(i) for i in np.linspace(0, total - 1, num_frames).round().astype(int)]
 
-    def _resize(self, video: Any) -> Any:
-        import torch.nn.functional as F
+    def kept_frames(self, total: int, metadata_fps: float | None) -> list[int]:
+        """The indices of the frames of a ``total``-frame video that the processor keeps (all of them unless
+        ``do_sample_frames``)."""
+        return self.sample_frames(total, metadata_fps) if self.settings.do_sample_frames else list(range(total))
 
+    def resized_size(self, frames: int, height: int, width: int) -> tuple[int, int]:
+        """The ``(height, width)`` that ``resize`` gives ``frames`` frames of ``height`` x ``width`` (``smart_resize``
+        with the settings' bounds; the size itself where ``do_resize`` is off)."""
         s = self.settings
+        if not s.do_resize:
+            return height, width
         factor = s.patch_size * s.merge_size
-        frames, _, height, width = video.shape
         max_pixels = s.longest_edge
         if s.kind == "qwen2_vl":
             if s.cap_pixels_per_frame:
                 total = int(s.max_video_tokens * factor * factor * 0.9)
                 max_pixels = max(min(max_pixels, total * s.temporal_patch_size // frames), int(s.shortest_edge * 1.05))
-            new = smart_resize_qwen2(height, width, factor, s.shortest_edge, max_pixels)
-        else:
-            if s.cap_pixels_per_frame:
-                per_frame = max(
-                    min(s.max_video_tokens * factor * factor, s.longest_edge // frames), int(s.shortest_edge * 1.05)
-                )
-                max_pixels = per_frame * frames
-            new = smart_resize_qwen3(frames, height, width, s.temporal_patch_size, factor, s.shortest_edge, max_pixels)
+            return smart_resize_qwen2(height, width, factor, s.shortest_edge, max_pixels)
+        if s.cap_pixels_per_frame:
+            per_frame = max(
+                min(s.max_video_tokens * factor * factor, s.longest_edge // frames), int(s.shortest_edge * 1.05)
+            )
+            max_pixels = per_frame * frames
+        return smart_resize_qwen3(frames, height, width, s.temporal_patch_size, factor, s.shortest_edge, max_pixels)
+
+    def grid(self, frames: int, height: int, width: int) -> tuple[int, int, int]:
+        """``video_grid_thw`` of ``frames`` frames of ``height`` x ``width`` as they are sampled (``sample_frames``
+        done): ``resize`` then ``patchify`` (the frames padded to the temporal patch)."""
+        s = self.settings
+        height, width = self.resized_size(frames, height, width)
+        if height % (s.patch_size * s.merge_size) or width % (s.patch_size * s.merge_size):
+            raise ValueError(f"frames of {height}x{width} do not split into merged patches of {s.patch_size}")
+        return -(-frames // s.temporal_patch_size), height // s.patch_size, width // s.patch_size
+
+    def _resize(self, video: Any) -> Any:
+        import torch.nn.functional as F
+
+        frames, _, height, width = video.shape
+        new = self.resized_size(frames, height, width)
         if new == (height, width):
             return video
         return F.interpolate(video, size=list(new), mode="bicubic", align_corners=False, antialias=True)
@@ -278,16 +298,11 @@ class QwenVideoProcessor:
         import numpy as np
         import torch
 
-        s = self.settings
         pixels, grids, kept = [], [], []
         for frames in videos:
-            indices = list(range(len(frames)))
-            if s.do_sample_frames:
-                indices = self.sample_frames(len(frames), metadata_fps)
+            indices = self.kept_frames(len(frames), metadata_fps)
             array = np.stack([np.asarray(frames[i].convert("RGB")) for i in indices])
-            video = torch.from_numpy(array).permute(0, 3, 1, 2).contiguous()
-            if s.do_resize:
-                video = self._resize(video)
+            video = self._resize(torch.from_numpy(array).permute(0, 3, 1, 2).contiguous())
             patches, grid = self._patchify(self._normalize(video))
             pixels.append(patches)
             grids.append(grid)

@@ -20,7 +20,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-__all__ = ["DecodedVideo", "VideoError", "sample_indices", "probe_video", "decode_video"]
+__all__ = ["DecodedVideo", "VideoError", "sample_indices", "probe_video", "sampled_frames", "decode_video"]
 
 
 class VideoError(ValueError):
@@ -63,6 +63,34 @@ def probe_video(path: str | Path) -> None:
         raise VideoError(f"{path}: cannot open the video: {str(err)[:200]}") from None
 
 
+def _duration(stream: Any) -> float | None:
+    return None if stream.duration is None else float(stream.duration * stream.time_base)
+
+
+def sampled_frames(path: str | Path, video_fps: float, video_maxlen: int, even: bool = True) -> tuple[int, int, int]:
+    """How many frames :func:`decode_video` gives for ``path`` and their ``(width, height)``, from the container's
+    metadata (the stream's frame count, duration and coded size), no frame decoded. :class:`VideoError` where the
+    stream does not report its frame count (then only decoding says how many frames it has)."""
+    import av
+
+    try:
+        with av.open(str(path), "r") as container:
+            streams = [s for s in container.streams if s.type == "video"]
+            if not streams:
+                raise VideoError(f"{path}: no video stream")
+            stream = streams[0]
+            total, width, height = int(stream.frames or 0), int(stream.width or 0), int(stream.height or 0)
+            duration = _duration(stream)
+    except VideoError:
+        raise
+    except Exception as err:  # PyAV raises its own error types for broken files
+        raise VideoError(f"{path}: cannot open the video: {str(err)[:200]}") from None
+    if total <= 0 or width <= 0 or height <= 0:
+        raise VideoError(f"{path}: the video stream reports no frame count or size")
+    count = len(sample_indices(total, duration, video_fps, video_maxlen))
+    return count + (count % 2 if even else 0), width, height
+
+
 def decode_video(path: str | Path, video_fps: float, video_maxlen: int, even: bool = True) -> DecodedVideo:
     """The sampled frames of the first video stream of ``path`` and its sampling rate (see the module's notes)."""
     import av
@@ -73,7 +101,7 @@ def decode_video(path: str | Path, video_fps: float, video_maxlen: int, even: bo
             if not streams:
                 raise VideoError(f"{path}: no video stream")
             stream = streams[0]
-            duration = None if stream.duration is None else float(stream.duration * stream.time_base)
+            duration = _duration(stream)
             indices = sample_indices(int(stream.frames or 0), duration, video_fps, video_maxlen)
             wanted = set(indices)
             last = max(indices)
