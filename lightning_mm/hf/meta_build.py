@@ -23,6 +23,7 @@ import torch
 from torch import nn
 
 from lightning_mm._compat import HF_INIT_FLAG, clear_hf_init_flags
+from lightning_mm.core.module_state import move_buffer
 
 __all__ = ["build_on_meta", "unfilled_meta_buffers"]
 
@@ -60,7 +61,7 @@ def unfilled_meta_buffers(model: nn.Module) -> list[str]:
     for _, module, name, buf in owners:
         real = torch.empty_like(buf, device="cpu")
         _sentinel(real)
-        module._buffers[name] = real  # same slot: persistence (``_non_persistent_buffers_set``) is kept
+        move_buffer(module, name, real)  # same buffer: its persistence is kept
     clear_hf_init_flags(model)  # the construction's marks: every module is visited again
     params = list(model.parameters())
     for param in params:
@@ -74,7 +75,9 @@ def unfilled_meta_buffers(model: nn.Module) -> list[str]:
             if getattr(param, HF_INIT_FLAG, False):
                 delattr(param, HF_INIT_FLAG)
     return [
-        f"{prefix}.{name}" if prefix else name for prefix, module, name, _ in owners if _unfilled(module._buffers[name])
+        f"{prefix}.{name}" if prefix else name
+        for prefix, module, name, _ in owners
+        if _unfilled(module.get_buffer(name))
     ]
 
 
