@@ -142,6 +142,9 @@ def test_the_checkpoint_converts_to_a_directory_diffusers_loads(
     assert all(torch.equal(state[k[len("model.predictor.") :]], v) for k, v in final.items())
     with pytest.raises(FileExistsError, match="output exists"):
         dcp_to_diffusers(run / "final.ckpt", out, config=work / "model")
+    with pytest.raises(ValueError, match=r"holds LoRA adapters \(40, e\.g\. 'blocks\.0\.attn1\.to_k\.lora_A"):
+        dcp_to_diffusers(run / "lora.ckpt", tmp_path / "lora", config=work / "model")
+    assert not (tmp_path / "lora").exists()  # refused before anything is written
     scheduler = FlowMatchEulerDiscreteScheduler(shift=5.0)  # a few denoising steps with diffusers alone
     scheduler.set_timesteps(3)
     latents, text = torch.randn(1, 4, 3, 8, 8), torch.randn(1, 5, 16)

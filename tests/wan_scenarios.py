@@ -11,8 +11,8 @@ per step); rank 0 writes the gathered final weights to ``OUTDIR/final.pt``. Then
 ``context_parallel_size=2`` (both ranks on one sample, its video tokens split): ``cp_losses``, ``cp_grads.pt`` (the
 first step's gradients) and ``cp_final.pt``. Then 2 epochs with LoRA (:data:`LORA`, PEFT adapters on the blocks'
 attention and feed-forward linears, what ``migrate`` makes of MindSpeed MM's Wan ``finetune_lora*.sh``):
-``lora_losses``, ``lora_grads.pt`` (the first step's gradients) and ``lora_final.pt``. Real gloo collectives;
-nothing mocked.
+``lora_losses``, ``lora_grads.pt`` (the first step's gradients), ``lora_final.pt`` and ``lora.ckpt``. Real gloo
+collectives; nothing mocked.
 
 :func:`reference_losses` is the one-process diffusers reference: the same model directory, AdamW, the same
 samples per rank and step, the same timesteps and noise (:func:`lightning_mm.diffusers.flow_matching.draw_generator`).
@@ -246,6 +246,7 @@ def fit_resume_cp(outdir: Path, work: str) -> None:
         for n, p in module.model.named_parameters()
     }
     trainable = sorted(f"model.{n}" for n, p in module.model.named_parameters() if p.requires_grad)
+    trainer.save_checkpoint(outdir / "lora.ckpt")
     if trainer.global_rank == 0:
         torch.save(lora_final, outdir / "lora_final.pt")
     (outdir / f"wan.rank{trainer.global_rank}.json").write_text(
