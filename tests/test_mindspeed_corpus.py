@@ -123,7 +123,7 @@ def test_every_flag_a_migrated_script_writes_is_named_in_its_report(results):
         missing = _flags_written((CORPUS / name).read_text()) - named
         assert not missing, f"{name}: flags written but not named in the report: {sorted(missing)}"
         checked += 1
-    assert checked == 36
+    assert checked == 41
 
 
 def test_shell_the_reader_cannot_run_is_named_and_keeps_the_rest(results):
@@ -190,7 +190,6 @@ def test_wan_model_json_takes_the_diffusers_path(results, tree):
     WanFlowMatchSchedule(**args["schedule"])  # every key is one of the schedule's
     assert args["fsdp2_config"] == str(tree / "examples/wan2.2/A14B/fsdp2_config.yaml")
     assert "ckpt_path" not in result.config  # --load names the weights to start from here, not a resume
-    assert results["examples/wan2.1/1.3b/t2v/finetune_lora.sh"][0] == "refused:not-implemented"
 
 
 def test_megatron_route_vlm_and_derived_families_become_transformers_models(results, tree):
@@ -232,6 +231,46 @@ def test_lora_flags_and_lora_args_become_transformers_models_lora(results):
         assert result.config["model"]["init_args"]["transformers_model"]["lora"] == lora
         LoRAConfig.from_any(lora)  # TransformersModel accepts it
         assert not [u for u in result.unmapped if u.startswith(("--lora", "lora_args"))]
+
+
+def test_wan_lora_scripts_become_mmwanmodules_diffusers_lora(results, tree):
+    """MindSpeed MM's wandit targets (PEFT suffixes: self_attn and cross_attn both have proj_q...) become the same
+    linears of diffusers' WanTransformer3DModel blocks, and the config builds a LoRA-adapted tiny Wan model."""
+    import torch
+    from diffusers import WanTransformer3DModel
+
+    from lightning_mm.diffusers import DiffusersModel
+    from tests.wan_scenarios import TINY_WAN
+
+    every = [
+        f"blocks.{{*}}.{m}"
+        for m in ("attn1.to_q", "attn2.to_q", "attn1.to_k", "attn2.to_k", "attn1.to_v", "attn2.to_v")
+        + ("attn1.to_out.0", "attn2.to_out.0", "ffn.net.0.proj", "ffn.net.2")
+    ]
+    scripts = {
+        "examples/wan2.1/1.3b/t2v/finetune_lora.sh": 16,  # ffn.2 ffn.0 proj_q proj_k proj_v proj_out
+        "examples/wan2.1/14b/t2v/finetune_lora.sh": None,
+        "examples/wan2.1/14b/i2v/finetune_lora.sh": None,
+        "examples/wan2.2/A14B/t2v/finetune_lora_high.sh": 32,  # "proj_q,proj_k,proj_v,proj_out,ffn.0,ffn.2"
+        "examples/wan2.2/A14B/t2v/finetune_lora_low.sh": 32,
+    }
+    for name, rank in scripts.items():
+        outcome, report, result = results[name]
+        assert outcome == "migrates", report
+        lora = result.config["model"]["init_args"]["diffusers_model"]["lora"]
+        assert sorted(lora["target_modules"]) == sorted(every), name
+        if rank is not None:
+            assert (lora["rank"], lora["alpha"]) == (rank, rank)
+        assert not [u for u in result.unmapped if u.startswith("--lora")], name
+    lora = results["examples/wan2.1/1.3b/t2v/finetune_lora.sh"][2].config["model"]["init_args"]["diffusers_model"]
+    model = DiffusersModel({"config": {**TINY_WAN, "_class_name": "WanTransformer3DModel"}, "lora": lora["lora"]})
+    adapted = sorted({n.split(".lora_")[0] for n, p in model.named_parameters() if p.requires_grad})
+    linears = [
+        n
+        for n, m in WanTransformer3DModel(**TINY_WAN).named_modules()
+        if isinstance(m, torch.nn.Linear) and n.startswith("blocks.")
+    ]
+    assert adapted == sorted(linears)  # the tiny t2v model's block linears, all of them (t2v has no k_img / v_img)
 
 
 def test_the_cli_migrates_a_corpus_script_from_the_checkout(tree, capsys):

@@ -84,6 +84,47 @@ def test_context_parallel_2_equals_the_diffusers_reference(run: Path, work: Path
         assert torch.allclose(final[name], ref, rtol=1e-5, atol=1e-5 * ref.abs().max().item()), name
 
 
+def test_lora_on_two_ranks_equals_a_one_process_peft_reference(run: Path, work: Path) -> None:
+    """PEFT adapters on the tiny real WanTransformer3DModel under FSDP2 (2 gloo ranks, MindSpeed MM's YAML) train
+    as PEFT's ``inject_adapter_in_model`` on the one-process diffusers model does; only the adapters change."""
+    from diffusers import WanTransformer3DModel
+
+    ranks = [json.loads((run / f"wan.rank{r}.json").read_text()) for r in range(2)]
+    steps = wan_scenarios.LORA_STEPS
+    assert [[s for s, _, _ in r["lora_losses"]] for r in ranks] == [list(range(steps))] * 2
+    losses = [(ranks[0]["lora_losses"][s][1] + ranks[1]["lora_losses"][s][1]) / 2 for s in range(steps)]
+    grads: dict[str, torch.Tensor] = {}
+    expected, weights = reference_losses(work, steps, grads=grads, lora=True)
+    assert all(_close(a, b) for a, b in zip(losses, expected)), (losses, expected)
+    adapters = sorted(n for n in weights if ".lora_A." in n or ".lora_B." in n)
+    assert ranks[0]["lora_trainable"] == adapters and len(adapters) == 2 * 2 * 10  # A, B x 2 blocks x 10 linears
+    got = torch.load(run / "lora_grads.pt", weights_only=True)  # before Adam, which would hide a scale error
+    assert sorted(got) == sorted(grads) == adapters
+    scale = max(ref.abs().max().item() for ref in grads.values())
+    assert scale > 0 and all(grads[n].abs().max() > 0 for n in adapters if ".lora_B." in n)
+    for name, ref in grads.items():  # A's are zero at the first step (B starts at zero), B's are not
+        assert torch.allclose(got[name], ref, rtol=1e-5, atol=1e-6 * scale), name
+    final = torch.load(run / "lora_final.pt", weights_only=True)
+    assert sorted(final) == sorted(weights)
+    # The frozen weights as the reference's (unchanged, below); the adapters after 4 Adam steps per tensor relative
+    # to their norm, 1e-3: Adam's first update is lr * g / (|g| + eps), about lr * sign(g), so a gradient element
+    # near zero carries its rounding into the update (blocks.1.attn2.to_q's B: 3.6e-4 from the 2-rank reduction's
+    # summation order; the one-process reference alone differs by 3e-5 between fp32 and fp64).
+    for name, ref in weights.items():
+        if name in adapters:
+            error = ((final[name] - ref).norm() / ref.norm().clamp_min(1e-12)).item()
+            assert error <= 1e-3, (name, error)
+        else:
+            assert torch.equal(final[name], ref), name
+    base = WanTransformer3DModel.from_pretrained(work / "model").state_dict()
+    for name, value in final.items():
+        if name in adapters:
+            continue
+        key = name.removeprefix("model.predictor.").replace(".base_layer.", ".")
+        assert torch.equal(value, base[key]), name  # the frozen weights are unchanged
+    assert all(final[n].abs().max() > 0 for n in adapters if ".lora_B." in n)  # B trained from zero
+
+
 def test_the_checkpoint_converts_to_a_directory_diffusers_loads(
     run: Path, work: Path, tmp_path: Path, capsys: pytest.CaptureFixture
 ) -> None:
@@ -101,6 +142,9 @@ def test_the_checkpoint_converts_to_a_directory_diffusers_loads(
     assert all(torch.equal(state[k[len("model.predictor.") :]], v) for k, v in final.items())
     with pytest.raises(FileExistsError, match="output exists"):
         dcp_to_diffusers(run / "final.ckpt", out, config=work / "model")
+    with pytest.raises(ValueError, match=r"holds LoRA adapters \(40, e\.g\. 'blocks\.0\.attn1\.to_k\.lora_A"):
+        dcp_to_diffusers(run / "lora.ckpt", tmp_path / "lora", config=work / "model")
+    assert not (tmp_path / "lora").exists()  # refused before anything is written
     scheduler = FlowMatchEulerDiscreteScheduler(shift=5.0)  # a few denoising steps with diffusers alone
     scheduler.set_timesteps(3)
     latents, text = torch.randn(1, 4, 3, 8, 8), torch.randn(1, 5, 16)

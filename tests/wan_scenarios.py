@@ -9,7 +9,10 @@ feature data (``data.json``: MindSpeed MM's ``dataset_type: feature``, ``feature
 resumed from it for a second epoch, and a final checkpoint. Each rank writes ``OUTDIR/wan.rank{R}.json`` (its loss
 per step); rank 0 writes the gathered final weights to ``OUTDIR/final.pt``. Then ``CP_STEPS`` steps with
 ``context_parallel_size=2`` (both ranks on one sample, its video tokens split): ``cp_losses``, ``cp_grads.pt`` (the
-first step's gradients) and ``cp_final.pt``. Real gloo collectives; nothing mocked.
+first step's gradients) and ``cp_final.pt``. Then 2 epochs with LoRA (:data:`LORA`, PEFT adapters on the blocks'
+attention and feed-forward linears, what ``migrate`` makes of MindSpeed MM's Wan ``finetune_lora*.sh``):
+``lora_losses``, ``lora_grads.pt`` (the first step's gradients), ``lora_final.pt`` and ``lora.ckpt``. Real gloo
+collectives; nothing mocked.
 
 :func:`reference_losses` is the one-process diffusers reference: the same model directory, AdamW, the same
 samples per rank and step, the same timesteps and noise (:func:`lightning_mm.diffusers.flow_matching.draw_generator`).
@@ -50,6 +53,18 @@ LR = 1e-3
 NOISE_SEED = 7
 CP_STEPS = 3
 YAML = ROOT / "tests" / "data" / "wan" / "wan2.1_fsdp2_config.yaml"
+LORA = {
+    "rank": 4,
+    "alpha": 8,  # not the rank: the scaling alpha / rank is checked too
+    "target_modules": [
+        f"blocks.{{*}}.{m}"
+        for m in ("attn1.to_q", "attn1.to_k", "attn1.to_v", "attn1.to_out.0")
+        + ("attn2.to_q", "attn2.to_k", "attn2.to_v", "attn2.to_out.0", "ffn.net.0.proj", "ffn.net.2")
+    ],
+}
+LORA_STEPS = 4
+# The reference's own PEFT target (a regex over diffusers' module names), written independently of LORA's patterns.
+LORA_REFERENCE_TARGETS = r"blocks\.\d+\.(attn1|attn2)\.(to_q|to_k|to_v|to_out\.0)|blocks\.\d+\.ffn\.net\.(0\.proj|2)"
 
 
 def write_workdir(work: Path) -> None:
@@ -94,18 +109,26 @@ def fsdp2_config() -> dict[str, Any]:
 
 
 def reference_losses(
-    work: Path, steps: int, data_ranks: int = 2, grads: dict | None = None
+    work: Path, steps: int, data_ranks: int = 2, grads: dict | None = None, lora: bool = False
 ) -> tuple[list[float], dict[str, torch.Tensor]]:
     """The one-process diffusers run: per step the mean of the data-parallel ranks' losses, and the final weights
     (``data_ranks`` 1: context parallelism over both ranks, one sample a step). ``grads`` receives the first step's
-    gradients."""
+    gradients. ``lora``: PEFT's adapters (``LORA``'s rank and alpha, seed 0) on the transformer, the rest frozen."""
     from diffusers import WanTransformer3DModel
 
     from lightning_mm.diffusers.flow_matching import WanFlowMatchSchedule, draw, draw_generator
 
     model = WanTransformer3DModel.from_pretrained(work / "model")
+    if lora:
+        from peft import LoraConfig, inject_adapter_in_model
+
+        model.requires_grad_(False)
+        torch.manual_seed(0)
+        config = LoraConfig(r=LORA["rank"], lora_alpha=LORA["alpha"], target_modules=LORA_REFERENCE_TARGETS)
+        inject_adapter_in_model(config, model)
     model.train()
-    optimizer = torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=0.0)
+    trained = [p for p in model.parameters() if p.requires_grad]
+    optimizer = torch.optim.AdamW(trained, lr=LR, weight_decay=0.0)
     schedule = WanFlowMatchSchedule()
     losses = []
     for step in range(steps):
@@ -122,13 +145,23 @@ def reference_losses(
             loss.backward()
             total += float(loss.detach())
         if step == 0 and grads is not None:
-            grads.update({f"model.predictor.{k}": v.grad.clone() for k, v in model.named_parameters()})
+            grads.update(
+                {f"model.predictor.{k}": v.grad.clone() for k, v in model.named_parameters() if v.grad is not None}
+            )
         optimizer.step()
         losses.append(total)
     return losses, {f"model.predictor.{k}": v.detach().clone() for k, v in model.named_parameters()}
 
 
-def _fit(work: Path, outdir: Path, epochs: int, record: list, ckpt_path: str | None = None, cp: int = 1) -> Any:
+def _fit(
+    work: Path,
+    outdir: Path,
+    epochs: int,
+    record: list,
+    ckpt_path: str | None = None,
+    cp: int = 1,
+    lora: dict[str, Any] | None = None,
+) -> Any:
     import lightning as L
 
     from lightning_mm import MMFSDP2Strategy
@@ -145,13 +178,15 @@ def _fit(work: Path, outdir: Path, epochs: int, record: list, ckpt_path: str | N
             return loss
 
         def on_before_optimizer_step(self, optimizer: torch.optim.Optimizer) -> None:
-            if cp > 1 and self.trainer.global_step == 0:  # a collective: every rank
-                grads = {f"model.{n}": p.grad.full_tensor() for n, p in self.model.named_parameters()}
+            if (cp > 1 or lora) and self.trainer.global_step == 0:  # a collective: every rank
+                grads = {
+                    f"model.{n}": p.grad.full_tensor() for n, p in self.model.named_parameters() if p.grad is not None
+                }
                 if self.trainer.global_rank == 0:
-                    torch.save(grads, outdir / "cp_grads.pt")
+                    torch.save(grads, outdir / ("lora_grads.pt" if lora else "cp_grads.pt"))
 
     module = Recorded(
-        {"init_from_path": str(work / "model")},
+        {"init_from_path": str(work / "model"), **({"lora": lora} if lora else {})},
         noise_seed=NOISE_SEED,
         fsdp2_config=fsdp2_config(),
         lr=LR,
@@ -204,8 +239,26 @@ def fit_resume_cp(outdir: Path, work: str) -> None:
     }
     if trainer.global_rank == 0:
         torch.save(cp_final, outdir / "cp_final.pt")
+    lora_record: list = []
+    trainer, module = _fit(work, outdir, LORA_STEPS // 2, lora_record, lora=LORA)
+    lora_final = {
+        f"model.{n}": (p.full_tensor() if isinstance(p, DTensor) else p).detach().clone()
+        for n, p in module.model.named_parameters()
+    }
+    trainable = sorted(f"model.{n}" for n, p in module.model.named_parameters() if p.requires_grad)
+    trainer.save_checkpoint(outdir / "lora.ckpt")
+    if trainer.global_rank == 0:
+        torch.save(lora_final, outdir / "lora_final.pt")
     (outdir / f"wan.rank{trainer.global_rank}.json").write_text(
-        json.dumps({"losses": record, "plan": plan, "cp_losses": cp_record})
+        json.dumps(
+            {
+                "losses": record,
+                "plan": plan,
+                "cp_losses": cp_record,
+                "lora_losses": lora_record,
+                "lora_trainable": trainable,
+            }
+        )
     )
 
 

@@ -824,12 +824,7 @@ def _map_model(state: _Flags, launch: Launch, functions: set[str]) -> None:
     from lightning_mm.hf.mindspeed_model import MindSpeedModelError, transformers_model_config
 
     source = f"{path} (model)" if path.suffix.lower() in (".yaml", ".yml") else str(path)
-    if is_diffusion_model(section):
-        lora = sorted({flag for flag, _ in launch.flags if flag.startswith("--lora")})
-        if lora:
-            from lightning_mm.commands.refusals import Refused
-
-            raise Refused(source, "not-implemented", f"LoRA on a diffusers model ({', '.join(lora)})")
+    if is_diffusion_model(section):  # LoRA flags: _map_lora
         _map_diffusion_model(state, shown, section, source)
         return
     hf_dir, origin = _hf_dir(state)
@@ -896,6 +891,11 @@ def _map_lora(state: _Flags) -> None:
         return
     shown = ", ".join(f"--{k.replace('_', '-').replace('lora-rank', 'lora-r')}" for k in given)
     model = state.cfg["model"]
+    from lightning_mm.commands.mindspeed_diffusion import WAN_MODULE
+
+    if model.get("class_path") == WAN_MODULE:
+        _map_wan_lora(state, shown)
+        return
     if model.get("class_path") != TRANSFORMERS_MODULE:
         out.unmapped.append(f"{shown}: LoRA is mapped onto TransformersModel's lora only; set it in your model")
         return
@@ -906,6 +906,37 @@ def _map_lora(state: _Flags) -> None:
         lora["target_modules"] = ["q_proj", "k_proj", "v_proj"]  # MindSpeed MM's default
     model["init_args"]["transformers_model"]["lora"] = lora
     out.mapped.append(f"{shown} -> model.init_args.transformers_model.lora ({', '.join(lora)})")
+
+
+def _map_wan_lora(state: _Flags, shown: str) -> None:
+    """MindSpeed MM's LoRA flags on a Wan job -> MMWanModule's ``diffusers_model.lora`` (PEFT on diffusers'
+    WanTransformer3DModel), the targets renamed to diffusers' modules."""
+    from lightning_mm.commands.mindspeed_diffusion import wan_lora_targets
+
+    values, out = state.values, state.out
+    names = [m for m in str(values.get("lora_target_modules", "")).split(",") if m.strip()]
+    if not names:  # MindSpeed MM enables LoRA only with target modules
+        out.unmapped.append(f"{shown}: no --lora-target-modules, so MindSpeed MM trains no LoRA; nothing mapped")
+        return
+    patterns, unknown = wan_lora_targets(names)
+    if unknown:
+        out.unmapped.append(
+            f"--lora-target-modules {' '.join(unknown)}: not a linear of MindSpeed MM's wandit with a diffusers "
+            "counterpart (known: proj_q, proj_k, proj_v, proj_out, k_img, v_img, ffn.0, ffn.2); add its "
+            "diffusers path to model.init_args.diffusers_model.lora.target_modules by hand"
+        )
+    if not patterns:
+        return
+    keys = {"lora_rank": "rank", "lora_alpha": "alpha", "lora_dropout": "dropout"}
+    lora: dict[str, Any] = {new: values[old] for old, new in keys.items() if old in values}
+    lora.setdefault("rank", 8)  # MindSpeed MM's defaults (mindspeed_mm/arguments.py)
+    lora.setdefault("alpha", 16)
+    lora["target_modules"] = patterns
+    state.cfg["model"]["init_args"]["diffusers_model"]["lora"] = lora
+    out.mapped.append(
+        f"{shown} -> model.init_args.diffusers_model.lora (PEFT on WanTransformer3DModel; targets "
+        f"{', '.join(names)} -> {', '.join(patterns)}); every other weight is frozen, as MindSpeed MM's PEFT model"
+    )
 
 
 def _hf_dir(state: _Flags) -> tuple[str | None, str]:

@@ -8,6 +8,10 @@ Read, never imported: no torch, no diffusers. ``predictor`` (MindSpeed MM's ``wa
 ``text_encoder`` are the frozen encoders of online feature extraction: with ``load_video_features`` /
 ``load_text_features`` true the features are precomputed and they are not used; otherwise the report says what
 the data path here needs.
+
+MindSpeed MM's LoRA flags on a Wan job (``finetune_lora*.sh``: ``--lora-target-modules proj_q proj_k proj_v proj_out
+ffn.0 ffn.2``, PEFT suffix names of its ``wandit`` modules) become ``diffusers_model.lora`` with the same linears
+under diffusers' names (:func:`wan_lora_targets`).
 """
 
 from __future__ import annotations
@@ -16,7 +20,14 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-__all__ = ["WAN_MODULE", "DiffusionMigration", "is_diffusion_model", "wan_module_config"]
+__all__ = [
+    "WAN_MODULE",
+    "WAN_LORA_TARGETS",
+    "DiffusionMigration",
+    "is_diffusion_model",
+    "wan_lora_targets",
+    "wan_module_config",
+]
 
 WAN_MODULE = "lightning_mm.modules.wan_module.MMWanModule"
 _SCHEDULE_KEYS = (
@@ -56,6 +67,38 @@ _RUNTIME = {
     "FPDT_chunk_number": "used only with FPDT",
     "FPDT_with_offload": "used only with FPDT",
 }
+
+
+WAN_LORA_TARGETS: dict[str, tuple[str, ...]] = {
+    "proj_q": ("attn1.to_q", "attn2.to_q"),
+    "proj_k": ("attn1.to_k", "attn2.to_k"),
+    "proj_v": ("attn1.to_v", "attn2.to_v"),
+    "proj_out": ("attn1.to_out.0", "attn2.to_out.0"),
+    "k_img": ("attn2.add_k_proj",),
+    "v_img": ("attn2.add_v_proj",),
+    "ffn.0": ("ffn.net.0.proj",),
+    "ffn.2": ("ffn.net.2",),
+}
+"""A MindSpeed MM ``wandit`` LoRA target (PEFT matches it as a module-name suffix: in each block, ``self_attn`` and
+``cross_attn`` both have ``proj_q``...; ``k_img`` / ``v_img`` are i2v's image keys and values) -> the same linears in
+each of diffusers' ``WanTransformer3DModel.blocks`` (``attn1`` self-attention, ``attn2`` cross-attention)."""
+
+
+def wan_lora_targets(names: list[str]) -> tuple[list[str], list[str]]:
+    """The diffusers module-path patterns of MindSpeed MM's Wan LoRA targets, and the names with no counterpart."""
+    patterns: dict[str, None] = {}
+    unknown = []
+    for name in names:
+        found = WAN_LORA_TARGETS.get(name.strip().removeprefix("self_attn.").removeprefix("cross_attn."))
+        if found is None:
+            unknown.append(name)
+            continue
+        if name.startswith("self_attn."):
+            found = tuple(f for f in found if f.startswith("attn1."))
+        elif name.startswith("cross_attn."):
+            found = tuple(f for f in found if f.startswith("attn2."))
+        patterns.update({f"blocks.{{*}}.{f}": None for f in found})
+    return list(patterns), unknown
 
 
 @dataclass

@@ -26,11 +26,12 @@ REASONS: dict[str, str] = {
     "megatron-model": "a model trained with MindSpeed MM's own Megatron (mcore) modules and tensor/pipeline "
     "parallelism rather than FSDP2",
     "not-implemented": "a model or training feature whose library class exists (diffusers) but whose training "
-    "recipe is not built here: HunyuanVideo 1.5, LTX-2, Wan VACE's control-video conditioning, LoRA on a diffusers "
-    "model",
+    "recipe is not built here: HunyuanVideo 1.5, LTX-2, Wan VACE's control-video conditioning",
     "invalid": "the file is not valid YAML / JSON as MindSpeed MM ships it",
-    "feature-extraction": "MindSpeed MM's feature extraction (VAE and text-encoder features written to disk "
-    "before training): lightning-mm reads those features, it does not write them",
+    "feature-extraction": "MindSpeed MM's feature extraction (VAE latents and text-encoder embeddings written to disk "
+    "before training): lightning-mm reads those features (dataset_type feature) and encodes raw videos with a frozen "
+    "VAE while training (basic_parameters.vae_path), but has no command that writes them; it would need the job's "
+    "text encoder (UMT5) and tokenizer and a writer of MindSpeed MM's .pt / data.jsonl layout",
 }
 """Reason code -> what it covers. Kept short on purpose: anything else either migrates or is a bug."""
 

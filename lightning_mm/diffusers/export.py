@@ -62,6 +62,12 @@ def dcp_to_diffusers(
     stored = {k[len(start) :]: k for k in source.shapes if k.startswith(start)}
     if not stored:
         raise ValueError(f"{src}: no model weights under {prefix!r}")
+    adapters = sorted(n for n in stored if ".lora_A." in n or ".lora_B." in n)
+    if adapters:  # PEFT's layout (`<t>.base_layer.weight`, `<t>.lora_A.default.weight`): not a diffusers model's
+        raise ValueError(
+            f"{src}: holds LoRA adapters ({len(adapters)}, e.g. {adapters[0]!r}); writing them as a diffusers model "
+            "directory (merged or as a PEFT adapter) is not implemented; train without `lora` to export here"
+        )
     shards: list[list[str]] = [[]]
     size = 0
     for name in sorted(stored):

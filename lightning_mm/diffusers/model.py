@@ -12,6 +12,11 @@ The config (a dict, or an object whose attributes are the keys) has these keys:
     ``model_id``); without a path the weights are initialised as the constructor does.
 ``freeze``
     Module paths (FSDP2 YAML pattern syntax) whose parameters get ``requires_grad=False``.
+``lora``
+    LoRA fine-tuning with PEFT, the keys of :mod:`lightning_mm.hf.lora` (``rank``, ``alpha``, ``target_modules``
+    as diffusers module paths such as ``blocks.{*}.attn1.to_q``, ``dropout``, ``init_lora_weights``,
+    ``pretrained_lora_path``, ``seed``): adapters are added after ``freeze`` (PEFT's ``inject_adapter_in_model``)
+    and every other parameter is frozen, as for a Transformers model.
 
 Built inside :class:`~lightning_mm.MMFSDP2Strategy`'s model-building context, parameters are on the meta device:
 the checkpoint is checked against the model right away (headers only) and each rank reads just its own shards
@@ -59,6 +64,7 @@ class DiffusersModelConfig:
     init_from_path: str | None = None
     config: dict[str, Any] = field(default_factory=dict)
     freeze: list[str] = field(default_factory=list)
+    lora: Any = None
 
     def __post_init__(self) -> None:
         def fail(key: str, message: str) -> DiffusersModelConfigError:
@@ -82,6 +88,10 @@ class DiffusersModelConfig:
             self.freeze = [self.freeze]
         if not isinstance(self.freeze, (list, tuple)) or not all(isinstance(p, str) and p.strip() for p in self.freeze):
             raise fail("freeze", f"expected a list of module path patterns, got {self.freeze!r}")
+        if self.lora is not None:  # checked now, before any model is built
+            from lightning_mm.hf.lora import LoRAConfig
+
+            self.lora = LoRAConfig.from_any(self.lora)  # a LoRAConfigError names the `lora` key
         if self.init_from_path is None and self.model_id is None and not self.config.get("_class_name"):
             raise fail("model_id", "give `init_from_path` (a diffusers model directory), or `config` with `model_id`")
 
@@ -181,6 +191,10 @@ def DiffusersModel(config: Any) -> nn.Module:  # noqa: N802 - a factory named li
         load_into_meta_model(model, diffusers_load_plan(model, index))
     if cfg.freeze:
         _freeze(model, cfg.freeze)
+    if cfg.lora is not None:
+        from lightning_mm.hf.lora import apply_lora
+
+        apply_lora(model, cfg.lora, cfg.freeze)
     log.info(
         "DiffusersModel: %s (key '%s')%s",
         model_cls.__name__,

@@ -50,7 +50,7 @@ class MMWanModule(MMLightningModule):
 
     Args:
         diffusers_model: the :func:`~lightning_mm.diffusers.DiffusersModel` config (``init_from_path``, ``config``,
-            ``model_id``, ``freeze``); checked now.
+            ``model_id``, ``freeze``, ``lora``: PEFT adapters, see :mod:`lightning_mm.hf.lora`); checked now.
         schedule: :class:`~lightning_mm.diffusers.WanFlowMatchSchedule` keys (MindSpeed MM's ``diffusion`` section:
             ``num_train_timesteps``, ``shift``, ``sigma_min``, ``sigma_max``, ``extra_one_step``,
             ``min_timestep_boundary``, ``max_timestep_boundary``); a ``model_id`` other than
