@@ -85,7 +85,8 @@ RECOMPUTE_PLAN_KEYS = ("apply_modules", "use_reentrant")
 
 # Keys of the parallel section that exist only in MindSpeed MM's native layout (expert_parallel_size is also an
 # FSDP2 config key): one of them at the top level of a mapping makes it a parallel section.
-_NATIVE_ONLY = frozenset(PARALLEL_KEYS) - {"expert_parallel_size"}
+# Keys the FSDP2 config has too do not tell the native layout.
+_NATIVE_ONLY = frozenset(PARALLEL_KEYS) - {"expert_parallel_size", "tensor_parallel_size", "tp_plan"}
 
 _SAME = (
     "param_dtype",

@@ -20,6 +20,7 @@ from lightning_mm._module_paths import is_under as _is_under
 from lightning_mm._names import listing
 from lightning_mm._tied import parameter_names_by_tensor
 from lightning_mm.core.config import FSDP2Config, FSDP2ConfigError
+from lightning_mm.core.layout import ParallelLayout, config_layout, data_parallel_mesh_layout, ep_mesh_layout
 from lightning_mm.core.patterns import PatternError, resolve_patterns
 from lightning_mm.core.precision_policy import PrecisionPolicy
 from lightning_mm.core.recompute import RecomputeError, check_recomputable, uses_kv_cache
@@ -36,16 +37,9 @@ __all__ = [
 ]
 
 
-def mesh_layout(world_size: int, sharding_size: int) -> tuple[tuple[int, ...], tuple[str, ...]]:
-    """Mesh shape and dimension names: ``(shard,)`` for FSDP, ``(replicate, shard)`` for HSDP."""
-    if sharding_size == world_size:
-        return (world_size,), ("shard",)
-    return (world_size // sharding_size, sharding_size), ("replicate", "shard")
-
-
-def ep_mesh_layout(world_size: int, expert_parallel_size: int) -> tuple[tuple[int, int], tuple[str, str]]:
-    """The expert mesh: ``(ep_replicate, ep)``; ranks ``r`` with the same ``r // ep`` form one EP group."""
-    return (world_size // expert_parallel_size, expert_parallel_size), ("ep_replicate", "ep")
+mesh_layout = data_parallel_mesh_layout
+"""Mesh shape and dimension names: ``(shard,)`` for FSDP, ``(replicate, shard)`` for HSDP (see
+:mod:`lightning_mm.core.layout`)."""
 
 
 @dataclass(frozen=True)
@@ -140,21 +134,32 @@ class ShardingPlan:
     ``reshard_after_forward`` says: backward needs them first, so resharding them would only all-gather the same
     parameters again at once (two all-gathers per step saved; see benchmarks/README.md). The root is sharded so;
     the last unit is known once the first forward has run (``apply.ExecutionOrderPrefetch``)."""
+    tensor_parallel_size: int = 1
+    """The config's ``tensor_parallel_size``: FSDP2 shards over ``world_size / tensor_parallel_size`` ranks."""
+    context_parallel_size: int = 1
+    """The config's ``context_parallel_size`` (the strategy's argument of that name is applied by the strategy)."""
+
+    @property
+    def layout(self) -> ParallelLayout:
+        """The parallel layout the plan was checked against (:mod:`lightning_mm.core.layout`)."""
+        ep = self.experts.expert_parallel_size if self.experts is not None else 1
+        tp, cp = self.tensor_parallel_size, self.context_parallel_size
+        return ParallelLayout(self.world_size, self.sharding_size, tp, cp, ep)
 
     @property
     def mesh_shape(self) -> tuple[int, ...]:
         """The device mesh's shape: ``(world_size,)``, or ``(replicate, shard)`` for HSDP."""
-        return mesh_layout(self.world_size, self.sharding_size)[0]
+        return self.layout.world_mesh_shape
 
     @property
     def mesh_dim_names(self) -> tuple[str, ...]:
         """The device mesh's dimension names: ``("shard",)`` or ``("replicate", "shard")``."""
-        return mesh_layout(self.world_size, self.sharding_size)[1]
+        return self.layout.world_mesh_dim_names
 
     @property
     def is_hsdp(self) -> bool:
         """Whether parameters are sharded within groups and replicated across them (``sharding_size`` < world)."""
-        return len(self.mesh_shape) == 2
+        return self.layout.dp_replicate > 1
 
     @property
     def unit_modules(self) -> tuple[str, ...]:
@@ -608,7 +613,7 @@ def build_plan(
     in_use = _plan_in_use(config, model, world_size, precision, keep_unsharded_for_backward)
     if in_use is not None:  # the plan being applied (plan_in_use): resolved once
         return in_use
-    sharding_size = config.resolve_sharding_size(world_size)
+    layout = config_layout(config, world_size)
     wrapped = _resolve(model, config, "sub_modules_to_wrap")
     ignored = _resolve(model, config, "ignored_modules")
     recompute = _resolve(model, config, "recompute_modules")
@@ -635,7 +640,7 @@ def build_plan(
         precision = PrecisionPolicy.from_config(config)
     return ShardingPlan(
         world_size=world_size,
-        sharding_size=sharding_size,
+        sharding_size=layout.dp_shard,
         units=tuple(
             ShardUnit(g, n, t, f"<norms and routers: {len(g)} modules>", True) if g == aligned else ShardUnit(g, n, t)
             for g, n, t in zip(groups, counts, trainable)
@@ -656,4 +661,6 @@ def build_plan(
         compile_modules=tuple(compiled),
         compile_backend=config.compile_backend,
         keep_unsharded_for_backward=keep_unsharded_for_backward,
+        tensor_parallel_size=layout.tp,
+        context_parallel_size=layout.cp,
     )
