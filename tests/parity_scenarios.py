@@ -33,6 +33,7 @@ from tests.parity import (  # noqa: E402
     PER_RANK_BATCH,
     RESUME_CASES,
     TORCH_LAYERS,
+    TP_CASES,
     TRAIN_CASES,
     Case,
     IndexedData,
@@ -161,6 +162,25 @@ def resume(outdir: Path, ckptdir: str) -> None:
                 case, ckptdir, outdir, case.steps, ckpt_path=str(outdir / f"{case.name}.ckpt")
             )
             _finish(case, outdir, [first, second], trainer, module)
+
+        _guarded(case, outdir, run)
+
+
+@scenario
+def tensor_parallel(outdir: Path, ckptdir: str) -> None:
+    """``TP_CASES`` on 4 ranks (TP 2 x FSDP 2); each rank also records how its q_proj and o_proj weights are laid
+    out (mesh dimension names, placements, local shape)."""
+    ckptdir = Path(ckptdir)
+    for case in TP_CASES:
+
+        def run(case: Case = case) -> None:
+            record, (trainer, module) = _fit(case, ckptdir, outdir, case.steps, devices=4)
+            attn = module.model.model.layers[0].self_attn
+            record["layout"] = {
+                name: [list(p.device_mesh.mesh_dim_names), [str(x) for x in p.placements], list(p.to_local().shape)]
+                for name, p in (("q_proj", attn.q_proj.weight), ("o_proj", attn.o_proj.weight))
+            }
+            _finish(case, outdir, [record], trainer, module)
 
         _guarded(case, outdir, run)
 

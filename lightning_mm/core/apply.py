@@ -34,6 +34,7 @@ from lightning_mm.core.layout import LayoutMeshes, device_mesh
 from lightning_mm.core.module_state import describe_module_changes, move_buffer, replace_forward, set_fsdp2_config
 from lightning_mm.core.plan import ShardingPlan, mesh_layout, plan_in_use
 from lightning_mm.core.recompute import checkpointed_forward, is_recomputed
+from lightning_mm.core.tensor_parallel import apply_tensor_parallel
 from lightning_mm.core.torch_init import init_like_constructors
 
 __all__ = [
@@ -117,6 +118,8 @@ def apply_plan(
     apply_compile(target, plan)  # the block's own forward; recomputation wraps the compiled forward
     apply_recompute(target, plan)
     ignored.cast_inputs()
+    if plan.tp_plan:  # DTensors over tp first; fully_shard then shards them over the data-parallel mesh (2-D)
+        apply_tensor_parallel(target, dict(plan.tp_plan), meshes.tensor_parallel)
     kwargs = fsdp_kwargs(plan, mesh, ignored.parameters())
     ep_mesh, whole = apply_experts(target, plan, meshes, kwargs)  # before the units containing experts
     if whole:  # kept whole: out of FSDP, reduced after backward

@@ -24,6 +24,7 @@ from lightning_mm.core.layout import ParallelLayout, config_layout, data_paralle
 from lightning_mm.core.patterns import PatternError, resolve_patterns
 from lightning_mm.core.precision_policy import PrecisionPolicy
 from lightning_mm.core.recompute import RecomputeError, check_recomputable, uses_kv_cache
+from lightning_mm.core.tensor_parallel import plan_tensor_parallel
 
 __all__ = [
     "ShardUnit",
@@ -138,6 +139,8 @@ class ShardingPlan:
     """The config's ``tensor_parallel_size``: FSDP2 shards over ``world_size / tensor_parallel_size`` ranks."""
     context_parallel_size: int = 1
     """The config's ``context_parallel_size`` (the strategy's argument of that name is applied by the strategy)."""
+    tp_plan: tuple[tuple[str, str], ...] = ()
+    """Module path -> tensor-parallel style (Transformers' notation), applied before ``fully_shard``."""
 
     @property
     def layout(self) -> ParallelLayout:
@@ -214,6 +217,10 @@ class ShardingPlan:
         )
         if self.experts is not None:
             lines += self._describe_experts()
+        if self.tp_plan:
+            lines.append(f"  {self.layout.describe()}")
+            styles = ", ".join(f"{p}: {s}" for p, s in self.tp_plan[:6]) + (" ..." if len(self.tp_plan) > 6 else "")
+            lines.append(f"  tensor parallel ({len(self.tp_plan)} modules, before fully_shard): {styles}")
         lines += [f"  note: {n}" for n in self.notes]
         if self.sharding_size == 1 and self.world_size > 1:
             lines.append(
@@ -631,6 +638,7 @@ def build_plan(
     notes += _setting_notes(model, config, recompute)
     compiled = _resolve(model, config, "compile_modules")
     _check_compiled(compiled, groups, experts, config)
+    tp_plan = plan_tensor_parallel(config, model, layout, recompute, compiled)
     # Children before parents: a parent's fully_shard must see its children already sharded.
     groups.sort(key=lambda g: -max(m.count(".") + 1 for m in g))
     counts, root_params, ignored_params, trainable = _count_params(
@@ -663,4 +671,5 @@ def build_plan(
         keep_unsharded_for_backward=keep_unsharded_for_backward,
         tensor_parallel_size=layout.tp,
         context_parallel_size=layout.cp,
+        tp_plan=tp_plan,
     )
