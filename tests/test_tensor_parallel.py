@@ -10,9 +10,9 @@ import torch
 from transformers import Qwen3Config, Qwen3ForCausalLM
 
 from lightning_mm.core.config import FSDP2Config, FSDP2ConfigError
-from lightning_mm.core.plan import build_plan
+from lightning_mm.core.plan import build_plan, describe_rank_shapes, rank_shapes
 from tests import parity_scenarios
-from tests.hf_scenarios import FAMILIES, save_tiny_checkpoints
+from tests.hf_scenarios import FAMILIES, VOCAB, save_tiny_checkpoints
 from tests.parity import TP_CASES, global_losses, global_steps, reference_run, relative_errors, weight_errors
 from tests.scenario_kit import run
 from tests.test_parity import FP32_LOSS, FP32_WEIGHTS, _part, _ranks
@@ -35,8 +35,10 @@ def test_tp2_fsdp2_trains_as_plain_transformers(trained):
     indices = [r["parts"][0]["indices"] for r in ranks]
     assert indices[0] == indices[1] and indices[2] == indices[3] and indices[0] != indices[2]
     layout = ranks[0]["parts"][0]["layout"]
-    assert layout["q_proj"][0] == ["shard", "tp"] and layout["q_proj"][1] == ["Shard(dim=0)", "Shard(dim=0)"]
-    assert layout["o_proj"][1] == ["Shard(dim=0)", "Shard(dim=1)"]
+    # 2-D DTensors on (shard, tp): q_proj's rows split over tp then over FSDP2's shard dimension, o_proj's columns
+    # over tp and its rows over shard.
+    assert layout["q_proj"][0] == layout["o_proj"][0] == ["shard", "tp"]
+    assert layout["q_proj"][2] == [8, 32] and layout["o_proj"][2] == [16, 16]
     part = _part(ranks, 0)
     steps = global_steps(case, part)
     ref = reference_run(case, steps, ckpts / case.family)
@@ -63,6 +65,17 @@ def test_plan_takes_the_models_own_tp_plan():
     assert styles["model.layers.0.self_attn.k_norm"] == "replicated_with_grad_allreduce"
     assert "lm_head" not in styles and plan.mesh_dim_names == ("shard", "tp") and plan.sharding_size == 2
     assert "tensor parallel (18 modules" in plan.describe()
+
+
+def test_per_rank_shapes():
+    model = _qwen3()
+    plan = build_plan(FSDP2Config(sharding_size="auto", tensor_parallel_size=2), model, 4)
+    shapes = {key: (whole, local) for key, whole, local in rank_shapes(model, plan)}
+    assert shapes["model.layers.*.self_attn.q_proj.weight"] == ((32, 32), (8, 32))  # rows / tp 2, then / shard 2
+    assert shapes["model.layers.*.self_attn.o_proj.weight"] == ((32, 32), (16, 16))  # columns / tp 2, rows / 2
+    assert shapes["model.layers.*.mlp.down_proj.weight"] == ((32, 64), (16, 32))
+    assert shapes["lm_head.weight"] == ((VOCAB, 32), (-(-VOCAB // 2), 32))  # replicated over tp
+    assert "tp=2" in describe_rank_shapes(model, plan)
 
 
 @pytest.mark.parametrize(

@@ -35,6 +35,8 @@ __all__ = [
     "mesh_layout",
     "ep_mesh_layout",
     "norm_and_router_modules",
+    "rank_shapes",
+    "describe_rank_shapes",
 ]
 
 
@@ -263,6 +265,45 @@ class ShardingPlan:
             f"    parameter bytes per rank: {other + expert:,} ({other:,} non-expert + {expert:,} expert; "
             f"{no_ep:,} without expert parallelism)",
         ]
+
+
+def rank_shapes(target: nn.Module, plan: ShardingPlan) -> list[tuple[str, tuple[int, ...], tuple[int, ...]]]:
+    """``(name, whole shape, shape on one rank)`` of every parameter of ``target`` under ``plan``: split over the
+    ``tp`` ranks by its module's style (``colwise``: rows, ``rowwise``: columns of a weight), then its rows over
+    FSDP2's shard group (rank 0's share, rounded up); local experts split over ``ep`` first; ignored modules whole.
+    Layers that differ only by their index are listed once (``layers.*``)."""
+    styles = dict(plan.tp_plan)
+    ep = plan.experts
+    experts = set(ep.moe_modules) if ep is not None else set()
+    seen: dict[str, tuple[str, tuple[int, ...], tuple[int, ...]]] = {}
+    for name, param in target.named_parameters():
+        module, _, leaf = name.rpartition(".")
+        shape = list(param.shape)
+        style = styles.get(module)
+        if style == "colwise" and shape:
+            shape[0] = -(-shape[0] // plan.tensor_parallel_size)
+        elif style == "rowwise" and len(shape) == 2 and leaf == "weight":
+            shape[1] = -(-shape[1] // plan.tensor_parallel_size)
+        shard = plan.sharding_size
+        if ep is not None and is_under_any(name, tuple(experts)) and shape:
+            shape[0] //= ep.expert_parallel_size
+            shard = plan.world_size // ep.expert_parallel_size if ep.reshard_local_experts else 1
+        if not plan.is_ignored(name) and shape:
+            shape[0] = -(-shape[0] // shard)
+        key = ".".join("*" if part.isdigit() else part for part in name.split("."))
+        seen.setdefault(key, (key, tuple(param.shape), tuple(shape)))
+    return list(seen.values())
+
+
+def describe_rank_shapes(target: nn.Module, plan: ShardingPlan, limit: int = 40) -> str:
+    """:func:`rank_shapes` as lines (at most ``limit``)."""
+    rows = rank_shapes(target, plan)
+    lines = [f"  per-rank parameter shapes ({plan.layout.describe()}):"]
+    for key, whole, local in rows[:limit]:
+        lines.append(f"    {key:<60} {str(list(whole)):>14} -> {list(local)}")
+    if len(rows) > limit:
+        lines.append(f"    ... {len(rows) - limit} more")
+    return "\n".join(lines)
 
 
 def _split(unit: ShardUnit) -> str:
