@@ -109,3 +109,16 @@ def test_refuses_a_fused_projection():
     )
     with pytest.raises(FSDP2ConfigError, match="fused projection"):
         build_plan(config, model, 4)
+
+
+def test_refuses_the_chunked_loss():
+    from lightning_mm import MMFSDP2Strategy
+    from lightning_mm.hf.chunk_loss import enable_chunk_loss
+    from lightning_mm.strategies.precision import MMFSDP2Precision
+
+    model = _qwen3()
+    enable_chunk_loss(model, 16)
+    strategy = MMFSDP2Strategy({"sharding_size": "auto", "tensor_parallel_size": 2})
+    strategy.precision_plugin = MMFSDP2Precision("32-true")
+    with pytest.raises(FSDP2ConfigError, match="`tensor_parallel_size`: 2 with the chunked loss"):
+        strategy.plan_for(model, 4)

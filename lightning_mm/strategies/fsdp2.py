@@ -319,7 +319,17 @@ class MMFSDP2Strategy(ParallelStrategy):
         assert converted is root
         precision = str(self.precision_plugin.precision)
         keep = self.sharded_run.keep_unsharded_for_backward
-        return plan_run(self.given_config, root, world_size, precision, keep_unsharded_for_backward=keep)
+        planned = plan_run(self.given_config, root, world_size, precision, keep_unsharded_for_backward=keep)
+        if planned.plan.tensor_parallel_size > 1:
+            from lightning_mm.hf.chunk_loss import chunk_loss_size
+
+            if any(chunk_loss_size(m) is not None for m in planned.target.modules()):
+                raise planned.config.key_error(
+                    "tensor_parallel_size",
+                    f"{planned.plan.tensor_parallel_size} with the chunked loss (enable_chunk_loss) is not "
+                    "supported yet; turn one of them off",
+                )
+        return planned
 
     @override
     @outside_inference_mode
