@@ -34,6 +34,7 @@ from tests.parity import (  # noqa: E402
     RESUME_CASES,
     TORCH_LAYERS,
     TP_CASES,
+    TP_RESUME,
     TRAIN_CASES,
     Case,
     IndexedData,
@@ -54,7 +55,13 @@ def _gathered(model: torch.nn.Module) -> dict[str, torch.Tensor]:
 
 
 def _fit(
-    case: Case, ckptdir: Path, outdir: Path, max_steps: int, devices: int = 2, ckpt_path: str | None = None
+    case: Case,
+    ckptdir: Path,
+    outdir: Path,
+    max_steps: int,
+    devices: int = 2,
+    ckpt_path: str | None = None,
+    batch_size: int | None = None,
 ) -> tuple[dict[str, Any], Any]:
     import lightning as L
 
@@ -110,7 +117,8 @@ def _fit(
         strategy=MMFSDP2Strategy({"sharding_size": "auto", **case.fsdp2}),
         callbacks=[*([SaveInitial()] if case.family == TORCH_LAYERS else []), *([RecordNorm()] if case.clip else [])],
     )
-    loader = torch.utils.data.DataLoader(IndexedData(case.family), batch_size=PER_RANK_BATCH * 2 // devices)
+    per_rank = batch_size if batch_size is not None else PER_RANK_BATCH * 2 // devices
+    loader = torch.utils.data.DataLoader(IndexedData(case.family), batch_size=per_rank)
     trainer.fit(module, train_dataloaders=loader, ckpt_path=ckpt_path)
     return record, (trainer, module)
 
@@ -183,6 +191,18 @@ def tensor_parallel(outdir: Path, ckptdir: str) -> None:
             _finish(case, outdir, [record], trainer, module)
 
         _guarded(case, outdir, run)
+
+    def resume_across_layouts(case: Case = TP_RESUME) -> None:
+        # A global batch of 4 in both layouts: 2 per data-parallel rank at TP 2 (2 groups), 1 at TP 1 (4 ranks).
+        assert case.resume_at is not None
+        first, (trainer, _) = _fit(case, ckptdir, outdir, case.resume_at, devices=4, batch_size=2)
+        trainer.save_checkpoint(outdir / f"{case.name}.ckpt")
+        tp1 = Case(case.name, case.family, {}, clip=case.clip, steps=case.steps)
+        ckpt = str(outdir / f"{case.name}.ckpt")
+        second, (trainer, module) = _fit(tp1, ckptdir, outdir, case.steps, devices=4, ckpt_path=ckpt, batch_size=1)
+        _finish(case, outdir, [first, second], trainer, module)
+
+    _guarded(TP_RESUME, outdir, resume_across_layouts)
 
 
 @scenario

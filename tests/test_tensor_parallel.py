@@ -13,7 +13,7 @@ from lightning_mm.core.config import FSDP2Config, FSDP2ConfigError
 from lightning_mm.core.plan import build_plan, describe_rank_shapes, rank_shapes
 from tests import parity_scenarios
 from tests.hf_scenarios import FAMILIES, VOCAB, save_tiny_checkpoints
-from tests.parity import TP_CASES, global_losses, global_steps, reference_run, relative_errors, weight_errors
+from tests.parity import TP_CASES, TP_RESUME, global_losses, global_steps, reference_run, relative_errors, weight_errors
 from tests.scenario_kit import run
 from tests.test_parity import FP32_LOSS, FP32_WEIGHTS, _part, _ranks
 
@@ -47,6 +47,24 @@ def test_tp2_fsdp2_trains_as_plain_transformers(trained):
     norms = part[0]["norms"]
     assert max(relative_errors(norms, ref.norms)) <= FP32_LOSS, (norms, ref.norms)
     assert min(ref.norms) > case.clip, "every step should clip"
+    final = torch.load(out / f"{case.name}.pt", weights_only=True)
+    worst = sorted(weight_errors(final, ref).items(), key=lambda kv: -kv[1])[:3]
+    assert worst[0][1] <= FP32_WEIGHTS, f"final weights differ from the reference: {worst}"
+
+
+def test_checkpoint_saved_at_tp2_resumes_at_tp1_exactly(trained):
+    """DCP reshards the 2-D (shard, tp) model and optimiser state into the 1-D FSDP2 layout of 4 ranks."""
+    out, ckpts = trained
+    case = TP_RESUME
+    ranks = _ranks(out, case.name, 4)
+    first, second = _part(ranks, 0), _part(ranks, 1)
+    steps = global_steps(case, first) + global_steps(case, second)
+    assert len(global_steps(case, first)) == case.resume_at and len(steps) == case.steps
+    assert all(len(s[0]) == 4 and sum(len(i) for i in s[0]) == 8 for s in global_steps(case, first))  # TP: 2 x 2
+    assert len({tuple(i) for i in second[0]["indices"][:1] + second[1]["indices"][:1]}) == 2  # 4 data ranks
+    ref = reference_run(case, steps, ckpts / case.family)
+    errors = relative_errors(global_losses(first) + global_losses(second), ref.losses)
+    assert max(errors) <= FP32_LOSS, errors
     final = torch.load(out / f"{case.name}.pt", weights_only=True)
     worst = sorted(weight_errors(final, ref).items(), key=lambda kv: -kv[1])[:3]
     assert worst[0][1] <= FP32_WEIGHTS, f"final weights differ from the reference: {worst}"

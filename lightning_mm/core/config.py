@@ -330,13 +330,13 @@ class FSDP2Config(_ExplicitKeys):
         plan = self.tp_plan
         if plan is None:
             return
-        from lightning_mm.core.tensor_parallel import STYLES
-
         if not isinstance(plan, Mapping) or not all(isinstance(k, str) and k.strip() for k in plan):
             raise self.key_error("tp_plan", f"expected a mapping of module patterns to styles, got {short_repr(plan)}")
         for pattern, style in plan.items():
-            if style not in STYLES:
-                raise self.key_error("tp_plan", f"'{pattern}': unknown style {short_repr(style)}; use one of {STYLES}")
+            if style not in TP_STYLES:
+                raise self.key_error(
+                    "tp_plan", f"'{pattern}': unknown style {short_repr(style)}; use one of {TP_STYLES}"
+                )
         if self.tensor_parallel_size == 1:
             raise self.key_error("tp_plan", "only takes effect with `tensor_parallel_size` > 1; set both or remove it")
         self.tp_plan = {k.strip(): v for k, v in plan.items()}
@@ -358,6 +358,9 @@ class FSDP2Config(_ExplicitKeys):
             )
         return size
 
+
+TP_STYLES = ("colwise", "rowwise", "replicated_with_grad_allreduce")
+"""The styles of Transformers' tensor-parallel plan notation that ``tp_plan`` takes (:mod:`~.tensor_parallel`)."""
 
 _PATTERN_KEYS = ("sub_modules_to_wrap", "ignored_modules", "recompute_modules", "moe_modules", "compile_modules")
 

@@ -14,7 +14,7 @@ from typing import Any
 
 from torch import nn
 
-from lightning_mm.core.config import FSDP2Config, FSDP2ConfigError
+from lightning_mm.core.config import TP_STYLES, FSDP2Config, FSDP2ConfigError
 from lightning_mm.core.layout import ParallelLayout
 
 __all__ = [
@@ -26,7 +26,7 @@ __all__ = [
     "apply_tensor_parallel",
 ]
 
-STYLES = ("colwise", "rowwise", "replicated_with_grad_allreduce")
+STYLES = TP_STYLES
 """The styles of Transformers' plan notation that are supported."""
 
 _FUSED = re.compile(r"(^|[._])(qkv|gate_up|w13|query_key_value|in_proj)([._]|$)")
