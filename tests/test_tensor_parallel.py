@@ -15,7 +15,11 @@ from tests import parity_scenarios
 from tests.hf_scenarios import FAMILIES, VOCAB, save_tiny_checkpoints
 from tests.parity import TP_CASES, TP_RESUME, global_losses, global_steps, reference_run, relative_errors, weight_errors
 from tests.scenario_kit import run
-from tests.test_parity import FP32_LOSS, FP32_WEIGHTS, _part, _ranks
+from tests.test_parity import FP32_LOSS, _part, _ranks
+
+# Final weights within relative 1e-5 per tensor (measured: 3e-6): 6 steps, too few for AdamW to amplify the rounding
+# of near-cancelling gradient elements as it does over the longer 2-rank parity cases (test_parity.FP32_WEIGHTS).
+TP_WEIGHTS = 1e-5
 
 
 @pytest.fixture(scope="module")
@@ -49,7 +53,7 @@ def test_tp2_fsdp2_trains_as_plain_transformers(trained):
     assert min(ref.norms) > case.clip, "every step should clip"
     final = torch.load(out / f"{case.name}.pt", weights_only=True)
     worst = sorted(weight_errors(final, ref).items(), key=lambda kv: -kv[1])[:3]
-    assert worst[0][1] <= FP32_WEIGHTS, f"final weights differ from the reference: {worst}"
+    assert worst[0][1] <= TP_WEIGHTS, f"final weights differ from the reference: {worst}"
 
 
 def test_checkpoint_saved_at_tp2_resumes_at_tp1_exactly(trained):
@@ -60,14 +64,16 @@ def test_checkpoint_saved_at_tp2_resumes_at_tp1_exactly(trained):
     first, second = _part(ranks, 0), _part(ranks, 1)
     steps = global_steps(case, first) + global_steps(case, second)
     assert len(global_steps(case, first)) == case.resume_at and len(steps) == case.steps
-    assert all(len(s[0]) == 4 and sum(len(i) for i in s[0]) == 8 for s in global_steps(case, first))  # TP: 2 x 2
+    assert first[0]["layout"]["q_proj"][0] == ["shard", "tp"] and second[0]["layout"]["q_proj"][0] == ["shard"]
+    assert first[0]["indices"] == first[1]["indices"] != first[2]["indices"]  # TP 2: ranks 0 and 1 share samples
+    assert all(len(s[0]) == 4 and sum(len(i) for i in s[0]) == 8 for s in global_steps(case, first))
     assert len({tuple(i) for i in second[0]["indices"][:1] + second[1]["indices"][:1]}) == 2  # 4 data ranks
     ref = reference_run(case, steps, ckpts / case.family)
     errors = relative_errors(global_losses(first) + global_losses(second), ref.losses)
     assert max(errors) <= FP32_LOSS, errors
     final = torch.load(out / f"{case.name}.pt", weights_only=True)
     worst = sorted(weight_errors(final, ref).items(), key=lambda kv: -kv[1])[:3]
-    assert worst[0][1] <= FP32_WEIGHTS, f"final weights differ from the reference: {worst}"
+    assert worst[0][1] <= TP_WEIGHTS, f"final weights differ from the reference: {worst}"
 
 
 def _qwen3(**overrides) -> Qwen3ForCausalLM:
