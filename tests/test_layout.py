@@ -64,3 +64,16 @@ def test_yaml_keys_and_the_strategy_alias(tmp_path):
         config_layout(cp, 4, 4)
     with pytest.raises(FSDP2ConfigError, match="`tp_plan`: only takes effect with `tensor_parallel_size` > 1"):
         FSDP2Config(tp_plan={"model.layers.*.mlp.up_proj": "colwise"})
+
+
+def test_every_device_mesh_is_built_by_the_layout():
+    """One mesh builder: no module but core/layout.py calls init_device_mesh or constructs a DeviceMesh."""
+    from pathlib import Path
+
+    package = Path(__file__).resolve().parents[1] / "lightning_mm"
+    builders = [
+        str(path.relative_to(package))
+        for path in sorted(package.rglob("*.py"))
+        if any(call in path.read_text(encoding="utf-8") for call in ("init_device_mesh(", "DeviceMesh("))
+    ]
+    assert builders == ["core/layout.py"]

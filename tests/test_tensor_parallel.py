@@ -146,3 +146,11 @@ def test_refuses_the_chunked_loss():
     strategy.precision_plugin = MMFSDP2Precision("32-true")
     with pytest.raises(FSDP2ConfigError, match="`tensor_parallel_size`: 2 with the chunked loss"):
         strategy.plan_for(model, 4)
+
+
+def test_refuses_lora_adapters():
+    model = _qwen3()
+    q_proj = model.model.layers[0].self_attn.q_proj
+    q_proj.register_parameter("lora_A", torch.nn.Parameter(torch.empty(2, 32, device="meta")))
+    with pytest.raises(FSDP2ConfigError, match="`tensor_parallel_size`: 2 with LoRA adapters"):
+        build_plan(FSDP2Config(sharding_size="auto", tensor_parallel_size=2), model, 4)
