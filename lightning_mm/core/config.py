@@ -117,7 +117,7 @@ class FSDP2Config(_ExplicitKeys):
     tensor_parallel_size: int = 1
     """Split each layer of the language model's tensor-parallel plan (``tp_plan``) over this many consecutive
     ranks with DTensor (1: none); FSDP2 then shards over the ``world / tensor_parallel_size`` data-parallel ranks
-    (2-D). Each must divide the world size; the model's heads, key/value heads and vocabulary must divide by it."""
+    (2-D). It must divide the world size, and the model's attention heads, key/value heads and MLP width."""
     tp_plan: dict[str, str] | None = None
     """The tensor-parallel plan (module pattern -> ``colwise``, ``rowwise``, ...; Transformers' notation); unset:
     the model's own ``base_model_tp_plan``. Only with ``tensor_parallel_size`` > 1."""

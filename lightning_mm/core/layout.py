@@ -123,10 +123,11 @@ class ParallelLayout:
 
     def check_model(self, model_config: Any, where: str = "the model") -> None:
         """What tensor parallelism needs of the model's config (``num_attention_heads``, ``num_key_value_heads``,
-        ``vocab_size``, ``intermediate_size`` when it has them): each divisible by ``tensor_parallel_size``."""
+        ``intermediate_size`` when it has them): each divisible by ``tensor_parallel_size``. The vocabulary is not
+        split (embeddings and the output layer stay replicated over the ``tp`` ranks), so it need not divide."""
         if self.tp == 1 or model_config is None:
             return
-        for attr in ("num_attention_heads", "num_key_value_heads", "intermediate_size", "vocab_size"):
+        for attr in ("num_attention_heads", "num_key_value_heads", "intermediate_size"):
             value = getattr(model_config, attr, None)
             if isinstance(value, int) and value % self.tp:
                 raise LayoutError(
