@@ -57,6 +57,7 @@ def test_yaml_keys_and_the_strategy_alias(tmp_path):
         config_layout(FSDP2Config.from_dict({"tensor_parallel_size": 3}, source=str(path)), 4)
     with pytest.raises(FSDP2ConfigError, match="`context_parallel_size`: expected a positive integer"):
         FSDP2Config(context_parallel_size=0)
+    assert FSDP2Config.load({"tensor_parallel_size": 2, "tp_plan": {"a.b": "rowwise"}}).tensor_parallel_size == 2
     cp = FSDP2Config(sharding_size="auto", context_parallel_size=2)
     assert config_layout(cp, 4).cp == 2 and config_layout(cp, 4, 2).cp == 2
     assert config_layout(FSDP2Config(sharding_size="auto"), 4, 2).cp == 2  # the strategy's argument alone
