@@ -35,6 +35,7 @@ __all__ = [
     "check_version_fence",
     "is_rng_supported_mesh",
     "all_to_all_single_autograd",
+    "shards_along",
     "reset_torch_layer",
     "local_offsets",
     "fsdp_state",
@@ -226,6 +227,16 @@ def auto_accelerator() -> str:
 is_rng_supported_mesh = _require("torch.distributed.tensor._random", "is_rng_supported_mesh")
 #: An all-to-all with uneven splits whose backward is the inverse all-to-all (expert-parallel token dispatch).
 all_to_all_single_autograd = _require("torch.distributed._functional_collectives", "all_to_all_single_autograd")
+#: The placement FSDP2 gives a dimension that tensor parallelism already shards (not a ``Shard`` subclass).
+_StridedShard = _require("torch.distributed.tensor.placement_types", "_StridedShard")
+
+
+def shards_along(placement: Any) -> bool:
+    """Whether a DTensor ``placement`` splits the tensor over its mesh dimension: ``Shard``, or the
+    ``_StridedShard`` of FSDP2 over tensor parallelism (each rank then holds a different part)."""
+    from torch.distributed.tensor import Shard
+
+    return isinstance(placement, (Shard, _StridedShard))
 
 
 def fsspec_storage() -> tuple[type, type]:

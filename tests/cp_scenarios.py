@@ -303,7 +303,7 @@ def _predict_refused(outdir: Path, ckptdir: Path) -> None:
         enable_progress_bar=False,
         enable_model_summary=False,
         default_root_dir=outdir,
-        strategy=MMFSDP2Strategy({"sharding_size": "auto"}, context_parallel_size=2),
+        strategy=MMFSDP2Strategy({"sharding_size": "auto", "context_parallel_size": 2}),  # the YAML key
     )
     try:
         trainer.predict(Module(), torch.utils.data.DataLoader(CPData("qwen3", 16), batch_size=1))

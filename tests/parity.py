@@ -85,7 +85,12 @@ RESUME_CASES = [
     Case("llava-trainable-tower-resume", "llava", resume_at=3),
     Case("qwen3_vl-resume", QWEN3_VL, resume_at=3),
 ]
-CASES = {c.name: c for c in [*TRAIN_CASES, *RESUME_CASES]}
+# On 4 ranks (tests/test_tensor_parallel.py): TP 2 inside, FSDP2 over the 2 data-parallel ranks; clipping on (a
+# norm below the gradients' own, so that every step clips).
+TP_CASES = [Case("qwen3-tp2-fsdp2-clip", "qwen3", {"tensor_parallel_size": 2}, clip=0.05)]
+# Saved at TP 2 x FSDP2 2 after 3 steps, resumed at TP 1 x FSDP2 4 (the same 4 ranks; DCP reshards).
+TP_RESUME = Case("qwen3-tp2-resume-tp1", "qwen3", {"tensor_parallel_size": 2}, clip=0.05, resume_at=3)
+CASES = {c.name: c for c in [*TRAIN_CASES, *RESUME_CASES, *TP_CASES, TP_RESUME]}
 
 
 # ------------------------------------------------------------------------------------------- models and data

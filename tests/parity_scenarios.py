@@ -33,6 +33,8 @@ from tests.parity import (  # noqa: E402
     PER_RANK_BATCH,
     RESUME_CASES,
     TORCH_LAYERS,
+    TP_CASES,
+    TP_RESUME,
     TRAIN_CASES,
     Case,
     IndexedData,
@@ -53,7 +55,13 @@ def _gathered(model: torch.nn.Module) -> dict[str, torch.Tensor]:
 
 
 def _fit(
-    case: Case, ckptdir: Path, outdir: Path, max_steps: int, devices: int = 2, ckpt_path: str | None = None
+    case: Case,
+    ckptdir: Path,
+    outdir: Path,
+    max_steps: int,
+    devices: int = 2,
+    ckpt_path: str | None = None,
+    batch_size: int | None = None,
 ) -> tuple[dict[str, Any], Any]:
     import lightning as L
 
@@ -109,7 +117,8 @@ def _fit(
         strategy=MMFSDP2Strategy({"sharding_size": "auto", **case.fsdp2}),
         callbacks=[*([SaveInitial()] if case.family == TORCH_LAYERS else []), *([RecordNorm()] if case.clip else [])],
     )
-    loader = torch.utils.data.DataLoader(IndexedData(case.family), batch_size=PER_RANK_BATCH * 2 // devices)
+    per_rank = batch_size if batch_size is not None else PER_RANK_BATCH * 2 // devices
+    loader = torch.utils.data.DataLoader(IndexedData(case.family), batch_size=per_rank)
     trainer.fit(module, train_dataloaders=loader, ckpt_path=ckpt_path)
     return record, (trainer, module)
 
@@ -163,6 +172,44 @@ def resume(outdir: Path, ckptdir: str) -> None:
             _finish(case, outdir, [first, second], trainer, module)
 
         _guarded(case, outdir, run)
+
+
+def _attention_layout(module: Any) -> dict[str, list[Any]]:
+    """How the first layer's q_proj and o_proj weights are laid out: mesh dimension names, placements, local shape."""
+    attn = module.model.model.layers[0].self_attn
+    return {
+        name: [list(p.device_mesh.mesh_dim_names), [str(x) for x in p.placements], list(p.to_local().shape)]
+        for name, p in (("q_proj", attn.q_proj.weight), ("o_proj", attn.o_proj.weight))
+    }
+
+
+@scenario
+def tensor_parallel(outdir: Path, ckptdir: str) -> None:
+    """``TP_CASES`` on 4 ranks (TP 2 x FSDP 2); each rank also records how its q_proj and o_proj weights are laid
+    out (mesh dimension names, placements, local shape)."""
+    ckptdir = Path(ckptdir)
+    for case in TP_CASES:
+
+        def run(case: Case = case) -> None:
+            record, (trainer, module) = _fit(case, ckptdir, outdir, case.steps, devices=4)
+            record["layout"] = _attention_layout(module)
+            _finish(case, outdir, [record], trainer, module)
+
+        _guarded(case, outdir, run)
+
+    def resume_across_layouts(case: Case = TP_RESUME) -> None:
+        # A global batch of 4 in both layouts: 2 per data-parallel rank at TP 2 (2 groups), 1 at TP 1 (4 ranks).
+        assert case.resume_at is not None
+        first, (trainer, module) = _fit(case, ckptdir, outdir, case.resume_at, devices=4, batch_size=2)
+        first["layout"] = _attention_layout(module)
+        trainer.save_checkpoint(outdir / f"{case.name}.ckpt")
+        tp1 = Case(case.name, case.family, {}, clip=case.clip, steps=case.steps)
+        ckpt = str(outdir / f"{case.name}.ckpt")
+        second, (trainer, module) = _fit(tp1, ckptdir, outdir, case.steps, devices=4, ckpt_path=ckpt, batch_size=1)
+        second["layout"] = _attention_layout(module)
+        _finish(case, outdir, [first, second], trainer, module)
+
+    _guarded(TP_RESUME, outdir, resume_across_layouts)
 
 
 @scenario

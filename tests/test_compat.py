@@ -50,6 +50,11 @@ def test_torch_private_names_behave_as_used():
 
     assert callable(FSDPModule._get_fsdp_state) and callable(_compat.is_rng_supported_mesh)
     assert callable(_compat.all_to_all_single_autograd)
+    from torch.distributed.tensor import Replicate, Shard
+
+    strided = _compat._StridedShard(0, split_factor=2)  # FSDP2's placement over a TP-sharded dimension
+    assert not isinstance(strided, Shard) and _compat.shards_along(strided) and _compat.shards_along(Shard(1))
+    assert not _compat.shards_along(Replicate())
     from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
 
     writer, reader = _compat.fsspec_storage()

@@ -235,7 +235,12 @@ def test_equal_plans_from_the_native_and_the_18_key_forms(tmp_path):
         ),
         ({"fsdp_plan": {"param_dtype": "bf17"}}, "`fsdp_plan.param_dtype`: unknown dtype 'bf17'"),
         ({"fully_shard_parallel_size": 0}, "`fully_shard_parallel_size`: expected an integer >= 1, got 0"),
-        ({"tensor_parallel_size": 2}, "tensor_parallel_size: 2: tensor parallelism is not supported here"),
+        # tensor_parallel_size alone is an FSDP2 config key too (tests/test_layout.py); in a native section it is
+        # read as MindSpeed MM's.
+        (
+            {"fully_shard_parallel_size": 1, "tensor_parallel_size": 2},
+            "tensor_parallel_size: 2: tensor parallelism is not supported here",
+        ),
         ({"ring_attention_size": 2}, "ring_attention_size: 2: ring attention is NPU-only"),
         ({"ulysses_parallel_size": 2}, "give MMFSDP2Strategy(context_parallel_size=2)"),
         ({"recompute": "yes"}, "`recompute`: expected true or false, got 'yes'"),

@@ -28,6 +28,7 @@ def hsdp_config(tmp_path: Path, sharding_size: int = 8, devices: int = 2, accele
 def test_plan_hsdp_for_64_ranks_from_a_config_with_2_devices(tmp_path):
     text = plan_from_cli_config(["--config", str(hsdp_config(tmp_path))], world_size=64)
     assert "FSDP2 sharding plan: HSDP, world size 64, mesh (replicate=8 x shard=8)" in text
+    assert "per-rank parameter shapes (parallel layout: world 64 = mesh (replicate=8 x shard=8); " in text
 
 
 def test_plan_without_world_size_checks_the_config_devices(tmp_path):

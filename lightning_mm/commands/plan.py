@@ -103,19 +103,21 @@ def plan_from_cli_config(
             "  prefetch order: decided at the first training step (--trace-order shows it from one batch on the "
             "meta device; it sets up the data module)"
         )
-    text = plan.describe() + "\n" + order + "\n" + memory.describe()
+    from lightning_mm.core.layout import config_layout
+    from lightning_mm.core.plan import describe_rank_shapes
+
+    layout = config_layout(config, world, strategy.context_parallel_size)
+    text = plan.describe() + "\n" + order + "\n" + memory.describe() + "\n" + describe_rank_shapes(target, plan)
     from lightning_mm.hf.plan_source import default_plan_summary
 
     explicit = sorted(config.explicit_keys)
     source = default_plan_summary(target, explicit, config.ignored_modules if "ignored_modules" in explicit else None)
     if source:
         text += "\n" + source
-    if strategy.context_parallel_size > 1 or seq_length:
+    if layout.cp > 1 or seq_length:
         from lightning_mm.hf.cp_attention import context_parallel_summary
 
-        text += "\n" + context_parallel_summary(
-            target, world, strategy.context_parallel_size, strategy.context_parallel_algo, seq_length
-        )
+        text += "\n" + context_parallel_summary(target, world, layout.cp, strategy.context_parallel_algo, seq_length)
     return text
 
 

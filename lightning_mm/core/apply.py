@@ -19,7 +19,7 @@ from typing import Any, cast
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionPolicy, OffloadPolicy, fully_shard
 from torch.distributed.tensor import DTensor
 
@@ -30,9 +30,11 @@ from lightning_mm.core import expert_parallel
 from lightning_mm.core.compile import compiled_forward, is_compiled
 from lightning_mm.core.config import FSDP2Config
 from lightning_mm.core.ignored import IgnoredModules
+from lightning_mm.core.layout import LayoutMeshes, device_mesh
 from lightning_mm.core.module_state import describe_module_changes, move_buffer, replace_forward, set_fsdp2_config
 from lightning_mm.core.plan import ShardingPlan, mesh_layout, plan_in_use
 from lightning_mm.core.recompute import checkpointed_forward, is_recomputed
+from lightning_mm.core.tensor_parallel import apply_tensor_parallel
 from lightning_mm.core.torch_init import init_like_constructors
 
 __all__ = [
@@ -70,7 +72,7 @@ def build_device_mesh(world_size: int, sharding_size: int, device_type: str) -> 
     The mesh is always explicit, CPU included (a gloo run without one picks the wrong device).
     """
     shape, names = mesh_layout(world_size, sharding_size)
-    return init_device_mesh(device_type, shape, mesh_dim_names=names)
+    return device_mesh(device_type, shape, names)
 
 
 # ------------------------------------------------------------------------------------------ the sequence
@@ -102,18 +104,24 @@ def apply_plan(
     mesh: DeviceMesh,
     device: torch.device,
     shard_units: Callable[[dict[str, Any]], None] | None = None,
+    meshes: LayoutMeshes | None = None,
 ) -> ShardedModel:
     """Apply ``plan`` to ``target`` (the module its paths are relative to) inside ``root`` (the FSDP root).
 
     ``device`` is the compute device. ``shard_units`` replaces the sharding of the plan's units (a model's own
-    ``_fully_shard``, see :func:`model_unit_sharding`); the root is sharded here either way.
+    ``_fully_shard``, see :func:`model_unit_sharding`); the root is sharded here either way. ``meshes``: the run's
+    mesh builder (``mesh`` is its data-parallel mesh); without it, one for the plan's layout.
     """
+    if meshes is None:
+        meshes = LayoutMeshes(plan.layout, mesh.device_type)
     ignored = IgnoredModules(target, plan)
     apply_compile(target, plan)  # the block's own forward; recomputation wraps the compiled forward
     apply_recompute(target, plan)
     ignored.cast_inputs()
+    if plan.tp_plan:  # DTensors over tp first; fully_shard then shards them over the data-parallel mesh (2-D)
+        apply_tensor_parallel(target, dict(plan.tp_plan), meshes.tensor_parallel)
     kwargs = fsdp_kwargs(plan, mesh, ignored.parameters())
-    ep_mesh, whole = apply_experts(target, plan, mesh.device_type, kwargs)  # before the units containing experts
+    ep_mesh, whole = apply_experts(target, plan, meshes, kwargs)  # before the units containing experts
     if whole:  # kept whole: out of FSDP, reduced after backward
         kwargs = fsdp_kwargs(plan, mesh, ignored.parameters() | set(whole))
     apply_fully_shard(target, root, plan, kwargs, shard_units)
@@ -193,14 +201,14 @@ def apply_recompute(model: nn.Module, plan: ShardingPlan) -> None:
 
 # ------------------------------------------------------------------------------------- expert parallelism
 def apply_experts(
-    model: nn.Module, plan: ShardingPlan, device_type: str, kwargs: dict[str, Any]
+    model: nn.Module, plan: ShardingPlan, meshes: LayoutMeshes, kwargs: dict[str, Any]
 ) -> tuple[DeviceMesh | None, list[nn.Parameter]]:
     """Split and route the plan's MoE modules over the expert mesh (before the units that contain them are
     sharded): the expert mesh and the expert parameters kept whole (:mod:`~lightning_mm.core.expert_parallel`).
     """
     if plan.experts is None:
         return None, []
-    ep_mesh = expert_parallel.build_ep_mesh(plan.world_size, plan.experts.expert_parallel_size, device_type)
+    ep_mesh = meshes.expert_parallel
     return ep_mesh, expert_parallel.apply_expert_parallel(model, plan, ep_mesh, kwargs)
 
 

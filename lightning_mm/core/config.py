@@ -114,6 +114,16 @@ class FSDP2Config(_ExplicitKeys):
     """The expert modules (patterns allowed) that expert parallelism splits."""
     reshard_local_experts: bool = True
     """With expert parallelism: FSDP-shard the local experts over the ranks that hold the same experts."""
+    tensor_parallel_size: int = 1
+    """Split each layer of the language model's tensor-parallel plan (``tp_plan``) over this many consecutive
+    ranks with DTensor (1: none); FSDP2 then shards over the ``world / tensor_parallel_size`` data-parallel ranks
+    (2-D). It must divide the world size, and the model's attention heads, key/value heads and MLP width."""
+    tp_plan: dict[str, str] | None = None
+    """The tensor-parallel plan (module pattern -> ``colwise``, ``rowwise``, ...; Transformers' notation); unset:
+    the model's own ``base_model_tp_plan``. Only with ``tensor_parallel_size`` > 1."""
+    context_parallel_size: int = 1
+    """Split each sequence over this many consecutive ranks (Ulysses context parallelism; 1: none). The strategy's
+    ``context_parallel_size`` argument is the same setting (conflicting values are an error)."""
     compile_modules: list[str] = field(default_factory=list)
     """The modules (patterns allowed) whose forward ``torch.compile`` compiles, each as one graph, before sharding
     (recomputation wraps the compiled forward; FSDP2's hooks stay eager around it). None by default; the root
@@ -297,9 +307,11 @@ class FSDP2Config(_ExplicitKeys):
             if isinstance(value, bool) or not isinstance(value, int) or value < 0:
                 raise self.key_error(key, f"expected a non-negative integer, got {short_repr(value)}")
 
-        size = self.expert_parallel_size
-        if isinstance(size, bool) or not isinstance(size, int) or size < 1:
-            raise self.key_error("expert_parallel_size", f"expected a positive integer, got {short_repr(size)}")
+        for key in ("expert_parallel_size", "tensor_parallel_size", "context_parallel_size"):
+            size = getattr(self, key)
+            if isinstance(size, bool) or not isinstance(size, int) or size < 1:
+                raise self.key_error(key, f"expected a positive integer, got {short_repr(size)}")
+        self._validate_tp_plan()
 
         if not isinstance(self.compile_backend, str) or not self.compile_backend.strip():
             raise self.key_error("compile_backend", f"expected a backend name, got {short_repr(self.compile_backend)}")
@@ -344,6 +356,21 @@ class FSDP2Config(_ExplicitKeys):
                 except ValueError as err:
                     raise self.key_error(key, str(err)) from None
 
+    def _validate_tp_plan(self) -> None:
+        plan = self.tp_plan
+        if plan is None:
+            return
+        if not isinstance(plan, Mapping) or not all(isinstance(k, str) and k.strip() for k in plan):
+            raise self.key_error("tp_plan", f"expected a mapping of module patterns to styles, got {short_repr(plan)}")
+        for pattern, style in plan.items():
+            if style not in TP_STYLES:
+                raise self.key_error(
+                    "tp_plan", f"'{pattern}': unknown style {short_repr(style)}; use one of {TP_STYLES}"
+                )
+        if self.tensor_parallel_size == 1:
+            raise self.key_error("tp_plan", "only takes effect with `tensor_parallel_size` > 1; set both or remove it")
+        self.tp_plan = {k.strip(): v for k, v in plan.items()}
+
     def check_expert_parallel_size(self, world_size: int) -> None:
         """``expert_parallel_size`` must divide the world size."""
         if world_size % self.expert_parallel_size != 0:
@@ -361,6 +388,9 @@ class FSDP2Config(_ExplicitKeys):
             )
         return size
 
+
+TP_STYLES = ("colwise", "rowwise", "replicated_with_grad_allreduce")
+"""The styles of Transformers' tensor-parallel plan notation that ``tp_plan`` takes (:mod:`~.tensor_parallel`)."""
 
 _PATTERN_KEYS = ("sub_modules_to_wrap", "ignored_modules", "recompute_modules", "moe_modules", "compile_modules")
 

@@ -173,9 +173,9 @@ def shift_labels(labels: Tensor, ignore_index: int = IGNORE_INDEX) -> Tensor:
 # ---------------------------------------------------------------------------------------------------- doing
 def build_context_parallel_mesh(plan: ContextParallelPlan, device_type: str) -> Any:
     """The ``(dp, cp)`` device mesh of ``plan`` (an explicit mesh on ``device_type``, CPU included)."""
-    from torch.distributed.device_mesh import init_device_mesh
+    from lightning_mm.core.layout import device_mesh
 
-    return init_device_mesh(device_type, plan.mesh_shape, mesh_dim_names=plan.mesh_dim_names)
+    return device_mesh(device_type, plan.mesh_shape, plan.mesh_dim_names)
 
 
 def _rank_size(group: Any) -> tuple[int, int]:

@@ -30,11 +30,12 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import CPUOffloadPolicy, fully_shard
 
 from lightning_mm._collectives import average_in_place
 from lightning_mm._dtensor import local_tensor
+from lightning_mm.core import layout
 from lightning_mm.core.module_state import expert_row_offset, keep_local_experts, replace_forward
 from lightning_mm.core.plan import ShardingPlan, ep_mesh_layout
 
@@ -77,7 +78,7 @@ class ExpertGroup:
 def build_ep_mesh(world_size: int, expert_parallel_size: int, device_type: str) -> DeviceMesh:
     """The explicit ``(ep_replicate, ep)`` mesh (CPU included)."""
     shape, names = ep_mesh_layout(world_size, expert_parallel_size)
-    return init_device_mesh(device_type, shape, mesh_dim_names=names)
+    return layout.device_mesh(device_type, shape, names)
 
 
 def split_experts(module: nn.Module, path: str, ep: ExpertGroup) -> None:
@@ -214,7 +215,7 @@ def apply_expert_parallel(
 
 def own_rank_mesh(device_type: str) -> DeviceMesh:
     """A 1-rank mesh of this rank alone (every rank calls this: it creates one process group per rank)."""
-    return init_device_mesh(device_type, (dist.get_world_size(), 1), mesh_dim_names=("world", "alone"))["alone"]
+    return layout.own_rank_mesh(device_type)
 
 
 def all_reduce_expert_gradients(params: list[nn.Parameter], ep_mesh: DeviceMesh) -> None:
@@ -276,9 +277,7 @@ class ExpertCheckpointLayout:
         """State-dict names of the expert parameters (:func:`expert_state_names`)."""
         self.ep_size = ep_mesh.size(1)
         # Every rank builds it (new process groups): an ordinary collective, once per run.
-        self.transposed = DeviceMesh(
-            ep_mesh.device_type, ep_mesh.mesh.t().contiguous(), mesh_dim_names=("ep", "ep_replicate")
-        )
+        self.transposed = layout.transposed_mesh(ep_mesh, ("ep", "ep_replicate"))
 
     def to_global(self, tensor: torch.Tensor) -> torch.Tensor:
         """This rank's local experts (a plain tensor, or FSDP's shard of them) as its share of all experts."""

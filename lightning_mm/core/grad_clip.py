@@ -20,7 +20,9 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-from torch.distributed.tensor import DTensor, Shard
+from torch.distributed.tensor import DTensor
+
+from lightning_mm._compat import shards_along
 
 __all__ = ["clip_grad_norm_", "clip_grads_with_norm_", "total_grad_norm"]
 
@@ -65,7 +67,7 @@ def total_grad_norm(
         extra = tuple(sum_over.get(id(param), ()))
         if isinstance(grad, DTensor):
             mesh = grad.device_mesh
-            dims = tuple(i for i, p in enumerate(grad.placements) if isinstance(p, Shard))
+            dims = tuple(i for i, p in enumerate(grad.placements) if shards_along(p))
             key: tuple = (id(mesh), dims, *map(id, extra))
             groups.setdefault(key, [*(mesh.get_group(i) for i in dims), *extra])
             term = _local_term(grad.to_local(), norm_type)

@@ -83,9 +83,10 @@ EP_PLAN_KEYS = ("apply_modules", "use_npu_fused_ops", "dispatcher", "apply_efsdp
 TP_PLAN_KEYS = ("colwise_parallel", "rowwise_parallel", "sequence_parallel")
 RECOMPUTE_PLAN_KEYS = ("apply_modules", "use_reentrant")
 
-# Keys of the parallel section that exist only in MindSpeed MM's native layout (expert_parallel_size is also an
-# FSDP2 config key): one of them at the top level of a mapping makes it a parallel section.
-_NATIVE_ONLY = frozenset(PARALLEL_KEYS) - {"expert_parallel_size"}
+# Keys of the parallel section that exist only in MindSpeed MM's native layout (expert_parallel_size,
+# tensor_parallel_size and tp_plan are also FSDP2 config keys): one of them at the top level of a mapping makes it a
+# parallel section.
+_NATIVE_ONLY = frozenset(PARALLEL_KEYS) - {"expert_parallel_size", "tensor_parallel_size", "tp_plan"}
 
 _SAME = (
     "param_dtype",

@@ -20,9 +20,11 @@ from lightning_mm._module_paths import is_under as _is_under
 from lightning_mm._names import listing
 from lightning_mm._tied import parameter_names_by_tensor
 from lightning_mm.core.config import FSDP2Config, FSDP2ConfigError
+from lightning_mm.core.layout import ParallelLayout, config_layout, data_parallel_mesh_layout, ep_mesh_layout
 from lightning_mm.core.patterns import PatternError, resolve_patterns
 from lightning_mm.core.precision_policy import PrecisionPolicy
 from lightning_mm.core.recompute import RecomputeError, check_recomputable, uses_kv_cache
+from lightning_mm.core.tensor_parallel import plan_tensor_parallel
 
 __all__ = [
     "ShardUnit",
@@ -33,19 +35,14 @@ __all__ = [
     "mesh_layout",
     "ep_mesh_layout",
     "norm_and_router_modules",
+    "rank_shapes",
+    "describe_rank_shapes",
 ]
 
 
-def mesh_layout(world_size: int, sharding_size: int) -> tuple[tuple[int, ...], tuple[str, ...]]:
-    """Mesh shape and dimension names: ``(shard,)`` for FSDP, ``(replicate, shard)`` for HSDP."""
-    if sharding_size == world_size:
-        return (world_size,), ("shard",)
-    return (world_size // sharding_size, sharding_size), ("replicate", "shard")
-
-
-def ep_mesh_layout(world_size: int, expert_parallel_size: int) -> tuple[tuple[int, int], tuple[str, str]]:
-    """The expert mesh: ``(ep_replicate, ep)``; ranks ``r`` with the same ``r // ep`` form one EP group."""
-    return (world_size // expert_parallel_size, expert_parallel_size), ("ep_replicate", "ep")
+mesh_layout = data_parallel_mesh_layout
+"""Mesh shape and dimension names: ``(shard,)`` for FSDP, ``(replicate, shard)`` for HSDP (see
+:mod:`lightning_mm.core.layout`)."""
 
 
 @dataclass(frozen=True)
@@ -140,21 +137,34 @@ class ShardingPlan:
     ``reshard_after_forward`` says: backward needs them first, so resharding them would only all-gather the same
     parameters again at once (two all-gathers per step saved; see benchmarks/README.md). The root is sharded so;
     the last unit is known once the first forward has run (``apply.ExecutionOrderPrefetch``)."""
+    tensor_parallel_size: int = 1
+    """The config's ``tensor_parallel_size``: FSDP2 shards over ``world_size / tensor_parallel_size`` ranks."""
+    context_parallel_size: int = 1
+    """The config's ``context_parallel_size`` (the strategy's argument of that name is applied by the strategy)."""
+    tp_plan: tuple[tuple[str, str], ...] = ()
+    """Module path -> tensor-parallel style (Transformers' notation), applied before ``fully_shard``."""
+
+    @property
+    def layout(self) -> ParallelLayout:
+        """The parallel layout the plan was checked against (:mod:`lightning_mm.core.layout`)."""
+        ep = self.experts.expert_parallel_size if self.experts is not None else 1
+        tp, cp = self.tensor_parallel_size, self.context_parallel_size
+        return ParallelLayout(self.world_size, self.sharding_size, tp, cp, ep)
 
     @property
     def mesh_shape(self) -> tuple[int, ...]:
         """The device mesh's shape: ``(world_size,)``, or ``(replicate, shard)`` for HSDP."""
-        return mesh_layout(self.world_size, self.sharding_size)[0]
+        return self.layout.world_mesh_shape
 
     @property
     def mesh_dim_names(self) -> tuple[str, ...]:
         """The device mesh's dimension names: ``("shard",)`` or ``("replicate", "shard")``."""
-        return mesh_layout(self.world_size, self.sharding_size)[1]
+        return self.layout.world_mesh_dim_names
 
     @property
     def is_hsdp(self) -> bool:
         """Whether parameters are sharded within groups and replicated across them (``sharding_size`` < world)."""
-        return len(self.mesh_shape) == 2
+        return self.layout.dp_replicate > 1
 
     @property
     def unit_modules(self) -> tuple[str, ...]:
@@ -209,6 +219,10 @@ class ShardingPlan:
         )
         if self.experts is not None:
             lines += self._describe_experts()
+        if self.tp_plan:
+            lines.append(f"  {self.layout.describe()}")
+            styles = ", ".join(f"{p}: {s}" for p, s in self.tp_plan[:6]) + (" ..." if len(self.tp_plan) > 6 else "")
+            lines.append(f"  tensor parallel ({len(self.tp_plan)} modules, before fully_shard): {styles}")
         lines += [f"  note: {n}" for n in self.notes]
         if self.sharding_size == 1 and self.world_size > 1:
             lines.append(
@@ -251,6 +265,45 @@ class ShardingPlan:
             f"    parameter bytes per rank: {other + expert:,} ({other:,} non-expert + {expert:,} expert; "
             f"{no_ep:,} without expert parallelism)",
         ]
+
+
+def rank_shapes(target: nn.Module, plan: ShardingPlan) -> list[tuple[str, tuple[int, ...], tuple[int, ...]]]:
+    """``(name, whole shape, shape on one rank)`` of every parameter of ``target`` under ``plan``: split over the
+    ``tp`` ranks by its module's style (``colwise``: rows, ``rowwise``: columns of a weight), then its rows over
+    FSDP2's shard group (rank 0's share, rounded up); local experts split over ``ep`` first; ignored modules whole.
+    Layers that differ only by their index are listed once (``layers.*``)."""
+    styles = dict(plan.tp_plan)
+    ep = plan.experts
+    experts = set(ep.moe_modules) if ep is not None else set()
+    seen: dict[str, tuple[str, tuple[int, ...], tuple[int, ...]]] = {}
+    for name, param in target.named_parameters():
+        module, _, leaf = name.rpartition(".")
+        shape = list(param.shape)
+        style = styles.get(module)
+        if style == "colwise" and shape:
+            shape[0] = -(-shape[0] // plan.tensor_parallel_size)
+        elif style == "rowwise" and len(shape) == 2 and leaf == "weight":
+            shape[1] = -(-shape[1] // plan.tensor_parallel_size)
+        shard = plan.sharding_size
+        if ep is not None and is_under_any(name, tuple(experts)) and shape:
+            shape[0] //= ep.expert_parallel_size
+            shard = plan.world_size // ep.expert_parallel_size if ep.reshard_local_experts else 1
+        if not plan.is_ignored(name) and shape:
+            shape[0] = -(-shape[0] // shard)
+        key = ".".join("*" if part.isdigit() else part for part in name.split("."))
+        seen.setdefault(key, (key, tuple(param.shape), tuple(shape)))
+    return list(seen.values())
+
+
+def describe_rank_shapes(target: nn.Module, plan: ShardingPlan, limit: int = 40) -> str:
+    """:func:`rank_shapes` as lines (at most ``limit``)."""
+    rows = rank_shapes(target, plan)
+    lines = [f"  per-rank parameter shapes ({plan.layout.describe()}):"]
+    for key, whole, local in rows[:limit]:
+        lines.append(f"    {key:<60} {str(list(whole)):>14} -> {list(local)}")
+    if len(rows) > limit:
+        lines.append(f"    ... {len(rows) - limit} more")
+    return "\n".join(lines)
 
 
 def _split(unit: ShardUnit) -> str:
@@ -608,7 +661,7 @@ def build_plan(
     in_use = _plan_in_use(config, model, world_size, precision, keep_unsharded_for_backward)
     if in_use is not None:  # the plan being applied (plan_in_use): resolved once
         return in_use
-    sharding_size = config.resolve_sharding_size(world_size)
+    layout = config_layout(config, world_size)
     wrapped = _resolve(model, config, "sub_modules_to_wrap")
     ignored = _resolve(model, config, "ignored_modules")
     recompute = _resolve(model, config, "recompute_modules")
@@ -626,6 +679,7 @@ def build_plan(
     notes += _setting_notes(model, config, recompute)
     compiled = _resolve(model, config, "compile_modules")
     _check_compiled(compiled, groups, experts, config)
+    tp_plan = plan_tensor_parallel(config, model, layout, recompute, compiled)
     # Children before parents: a parent's fully_shard must see its children already sharded.
     groups.sort(key=lambda g: -max(m.count(".") + 1 for m in g))
     counts, root_params, ignored_params, trainable = _count_params(
@@ -635,7 +689,7 @@ def build_plan(
         precision = PrecisionPolicy.from_config(config)
     return ShardingPlan(
         world_size=world_size,
-        sharding_size=sharding_size,
+        sharding_size=layout.dp_shard,
         units=tuple(
             ShardUnit(g, n, t, f"<norms and routers: {len(g)} modules>", True) if g == aligned else ShardUnit(g, n, t)
             for g, n, t in zip(groups, counts, trainable)
@@ -656,4 +710,7 @@ def build_plan(
         compile_modules=tuple(compiled),
         compile_backend=config.compile_backend,
         keep_unsharded_for_backward=keep_unsharded_for_backward,
+        tensor_parallel_size=layout.tp,
+        context_parallel_size=layout.cp,
+        tp_plan=tp_plan,
     )

@@ -22,6 +22,7 @@ from torch.distributed.fsdp import FSDPModule
 from lightning_mm.core import apply
 from lightning_mm.core.config import FSDP2Config
 from lightning_mm.core.memory_check import check_parameters_fit
+from lightning_mm.core.layout import LayoutMeshes, config_layout
 from lightning_mm.core.plan import ShardingPlan, build_plan
 from lightning_mm.core.precision_policy import PrecisionPolicy, resolve_precision_policy
 
@@ -116,16 +117,23 @@ class ShardedRun:
         self.sharded: apply.ShardedModel | None = None
         """What applying the plan left: ignored modules, whole experts, norm groups, prefetch."""
         self.mesh: DeviceMesh | None = None
-        """The device mesh of :meth:`build_mesh` (``None`` before)."""
+        """The FSDP2 device mesh of :meth:`build_mesh` (``None`` before)."""
+        self.meshes: LayoutMeshes | None = None
+        """The run's mesh builder (:meth:`build_mesh`; ``None`` before)."""
         self.gradient_sync = True
         """``False`` inside :meth:`no_gradient_sync` (the micro-batches of gradient accumulation but the last)."""
         self._expert_layout: ExpertCheckpointLayout | None = None
 
-    def build_mesh(self, config: FSDP2Config, world_size: int, device_type: str) -> DeviceMesh:
-        """The run's device mesh over ``world_size`` ranks: ``config``'s ``sharding_size`` (HSDP when it is smaller
-        than the world; the config in force, :meth:`config_for`), on ``device_type`` devices; kept as :attr:`mesh`."""
-        sharding = config.resolve_sharding_size(world_size)
-        self.mesh = apply.build_device_mesh(world_size, sharding, device_type)
+    def build_mesh(
+        self, config: FSDP2Config, world_size: int, device_type: str, context_parallel_size: int | None = None
+    ) -> DeviceMesh:
+        """The run's FSDP2 mesh over ``world_size`` ranks: ``config``'s ``sharding_size`` (HSDP when it is smaller
+        than the data-parallel ranks; the config in force, :meth:`config_for`) over the ranks that
+        ``tensor_parallel_size`` leaves, on ``device_type`` devices; kept as :attr:`mesh`. The layout is checked
+        here (:func:`~lightning_mm.core.layout.config_layout`; ``context_parallel_size``: the strategy's alias)
+        and its mesh builder kept as :attr:`meshes`, which every feature takes its mesh from."""
+        self.meshes = LayoutMeshes(config_layout(config, world_size, context_parallel_size), device_type)
+        self.mesh = self.meshes.data_parallel
         return self.mesh
 
     def config_for(self, root: nn.Module | None) -> FSDP2Config:
@@ -148,7 +156,8 @@ class ShardedRun:
         self.planned, self._expert_layout = planned, None
         check_parameters_fit(planned.target, planned.plan, device)  # before anything is materialised
         custom_units = apply.model_unit_sharding(planned.target, planned.config, planned.plan)
-        self.sharded = apply.apply_plan(root, planned.target, planned.plan, mesh, device, custom_units)
+        meshes = self.meshes if self.meshes is not None and self.mesh is mesh else None
+        self.sharded = apply.apply_plan(root, planned.target, planned.plan, mesh, device, custom_units, meshes)
 
     @property
     def norm_groups(self) -> dict[int, tuple[Any, ...]]:

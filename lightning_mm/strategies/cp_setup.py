@@ -14,9 +14,9 @@ from torch import nn
 from lightning_mm.core.context_parallel import (
     ContextParallelError,
     ContextParallelPlan,
-    build_context_parallel_mesh,
     context_parallel_plan,
 )
+from lightning_mm.core.layout import LayoutMeshes
 
 __all__ = ["ContextParallelSetup"]
 
@@ -35,11 +35,13 @@ class ContextParallelSetup:
     def enabled(self) -> bool:
         return self.size > 1
 
-    def setup(self, world_size: int, device_type: str) -> None:
-        """Check ``C`` against the world size and build the ``(dp, cp)`` mesh (every rank calls this)."""
-        self.plan = context_parallel_plan(world_size, self.size, self.algo)
+    def setup(self, meshes: LayoutMeshes) -> None:
+        """Take ``C`` from the run's layout (the YAML key ``context_parallel_size``, or this strategy argument,
+        its alias) and its ``(dp, cp)`` mesh from the layout's mesh builder (every rank calls this)."""
+        self.size = meshes.layout.cp
+        self.plan = context_parallel_plan(meshes.layout.world_size, self.size, self.algo)
         if self.enabled:
-            self.mesh = build_context_parallel_mesh(self.plan, device_type)
+            self.mesh = meshes.context_parallel
             self.group = self.mesh.get_group("cp")
 
     def sampler_kwargs(self, global_rank: int) -> dict[str, Any]:

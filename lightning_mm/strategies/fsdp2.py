@@ -37,6 +37,7 @@ from lightning_mm.core.config import FSDP2Config
 from lightning_mm.core.grad_mode import leave_inference_mode, outside_inference_mode
 from lightning_mm.core.init_context import meta_parameters
 from lightning_mm.core.optimizer import FusedSteps
+from lightning_mm.core.layout import config_layout
 from lightning_mm.core.plan import ShardingPlan
 from lightning_mm.core.sharded_run import PlannedRun, ShardedRun, data_parallel_sampler_kwargs, plan_run
 from lightning_mm.strategies import setup_checks, stopping
@@ -270,7 +271,8 @@ class MMFSDP2Strategy(ParallelStrategy):
     def _configure_launcher(self) -> None:
         assert self.cluster_environment is not None
         if self.given_config is not None:
-            self.given_config.resolve_sharding_size(self.num_nodes * self.num_processes)  # fail before launching
+            world = self.num_nodes * self.num_processes
+            config_layout(self.given_config, world, self._context_parallel.size)  # fail before launching
         # Both kinds check ckpt_path="last" first (lightning_mm.strategies.launch).
         self._launcher = checking_launcher(self.cluster_environment, self.num_processes, self.num_nodes)
 
@@ -297,8 +299,10 @@ class MMFSDP2Strategy(ParallelStrategy):
         config = self.fsdp2_config
         env, rank, world, device = self.cluster_environment, self.global_rank, self.world_size, self.root_device
         self._process_group.start(env, rank, world, device, self.num_nodes, config.offload_to_cpu)
-        set_device_mesh(root, self.sharded_run.build_mesh(config, world, device.type))
-        self._context_parallel.setup(self.world_size, self.root_device.type)
+        cp_argument = self._context_parallel.size
+        set_device_mesh(root, self.sharded_run.build_mesh(config, world, device.type, cp_argument))
+        assert self.sharded_run.meshes is not None
+        self._context_parallel.setup(self.sharded_run.meshes)
 
     # ------------------------------------------------------------------------------- model building
     @contextmanager
@@ -325,7 +329,17 @@ class MMFSDP2Strategy(ParallelStrategy):
         assert converted is root
         precision = str(self.precision_plugin.precision)
         keep = self.sharded_run.keep_unsharded_for_backward
-        return plan_run(self.given_config, root, world_size, precision, keep_unsharded_for_backward=keep)
+        planned = plan_run(self.given_config, root, world_size, precision, keep_unsharded_for_backward=keep)
+        if planned.plan.tensor_parallel_size > 1:
+            from lightning_mm.hf.chunk_loss import chunk_loss_size
+
+            if any(chunk_loss_size(m) is not None for m in planned.target.modules()):
+                raise planned.config.key_error(
+                    "tensor_parallel_size",
+                    f"{planned.plan.tensor_parallel_size} with the chunked loss (enable_chunk_loss) is not "
+                    "supported yet; turn one of them off",
+                )
+        return planned
 
     @override
     @outside_inference_mode
