@@ -21,8 +21,8 @@ from torch.distributed.fsdp import FSDPModule
 
 from lightning_mm.core import apply
 from lightning_mm.core.config import FSDP2Config
-from lightning_mm.core.memory_check import check_parameters_fit
 from lightning_mm.core.layout import LayoutMeshes, config_layout
+from lightning_mm.core.memory_check import check_parameters_fit
 from lightning_mm.core.plan import ShardingPlan, build_plan
 from lightning_mm.core.precision_policy import PrecisionPolicy, resolve_precision_policy
 

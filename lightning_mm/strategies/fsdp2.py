@@ -36,8 +36,8 @@ from lightning_mm._compat import _PATH, _sync_ddp_if_available, attached_trainer
 from lightning_mm.core.config import FSDP2Config
 from lightning_mm.core.grad_mode import leave_inference_mode, outside_inference_mode
 from lightning_mm.core.init_context import meta_parameters
-from lightning_mm.core.optimizer import FusedSteps
 from lightning_mm.core.layout import config_layout
+from lightning_mm.core.optimizer import FusedSteps
 from lightning_mm.core.plan import ShardingPlan
 from lightning_mm.core.sharded_run import PlannedRun, ShardedRun, data_parallel_sampler_kwargs, plan_run
 from lightning_mm.strategies import setup_checks, stopping
