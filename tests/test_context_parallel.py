@@ -328,32 +328,33 @@ def test_lightning_mm_plan_shows_the_cp_mesh_and_activations_per_rank(tmp_path: 
         plan_from_cli_config(["--config", str(_plan_config(tmp_path, 4))])
 
 
-def test_gated_deltanet_models_are_refused_at_plan_and_setup(tmp_path: Path) -> None:
-    """Each rank would run Qwen3.5's Gated DeltaNet on its slice of the sequence, restarting the recurrent state:
-    ``lightning-mm plan`` and the strategy's setup refuse it by layer class and path before any step (also with
-    packing's per-sample path installed, which keeps samples apart but not slices); a dense model is accepted."""
+def test_gated_deltanet_models_are_accepted_other_stateful_layers_refused(tmp_path: Path) -> None:
+    """Qwen3.5's / Qwen3-Next's Gated DeltaNet runs on the whole sequence gathered over the group (exactness:
+    tests/test_packing.py::test_two_rank_fsdp2_packed_qwen3_5_equals_plain_transformers): ``lightning-mm plan`` and
+    the routing check accept them; layers with other sequence state (Mamba, ...) are still refused by class and
+    path before any step."""
     from lightning_mm.commands.plan import plan_from_cli_config
-    from lightning_mm.core.context_parallel import ContextParallelError, context_parallel_plan
+    from lightning_mm.core.context_parallel import ContextParallelError
     from lightning_mm.hf.cp_attention import check_routable
     from lightning_mm.hf.packing import install_packed_inputs
-    from lightning_mm.strategies.cp_setup import ContextParallelSetup
     from tests.packing_families import tiny_packing_model
+    from tests.test_packing import _meta
 
-    refused = r"layers\.0\.linear_attn \((Qwen3_5|Qwen3Next)GatedDeltaNet\) carries state along the sequence"
-    with pytest.raises(ContextParallelError, match=r"model\.language_model\." + refused):
-        plan_from_cli_config(["--config", str(_plan_config(tmp_path, 2, "qwen3_5_provider"))])
-    assert "context parallel" not in plan_from_cli_config(
-        ["--config", str(_plan_config(tmp_path, 1, "qwen3_5_provider"))]
+    assert "mesh (dp=2 x cp=2)" in plan_from_cli_config(
+        ["--config", str(_plan_config(tmp_path, 2, "qwen3_5_provider"))]
     )
-    setup = ContextParallelSetup(2, "ulysses")
-    setup.plan = context_parallel_plan(2, 2)  # what setup() decides; its mesh needs processes
-    for family in ("qwen3_5", "qwen3_next"):
+    for family in ("qwen3_5", "qwen3_5_moe", "qwen3_next"):
         model = tiny_packing_model(family)
         install_packed_inputs(model)
-        with pytest.raises(ContextParallelError, match=refused):
-            setup.apply(torch.nn.Module(), model)
-        with pytest.raises(ContextParallelError, match=refused):
-            check_routable(model, 2)
+        assert check_routable(model, 2) is model.get_decoder()
+    refused = {
+        "BambaForCausalLM": r"model\.layers\.0\.mamba \(BambaMixer\) carries state along the sequence",
+        "FalconH1ForCausalLM": r"model\.layers\.0 \(FalconH1DecoderLayer\) is of kind 'hybrid'",
+        "MiniMaxForCausalLM": r"model\.layers\.1\.self_attn \(MiniMaxLightningAttention\) carries state",
+    }
+    for arch, message in refused.items():
+        with pytest.raises(ContextParallelError, match=message + ".*context_parallel_size 1"):
+            check_routable(_meta(arch), 2)
     dense = tiny_hf_model("qwen3")
     assert check_routable(dense, 2) is dense.model
     assert "mesh (dp=2 x cp=2)" in plan_from_cli_config(["--config", str(_plan_config(tmp_path, 2))])
