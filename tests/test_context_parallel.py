@@ -23,6 +23,7 @@ from tests.cp_scenarios import (
     batch_of,
 )
 from tests.hf_scenarios import save_tiny_checkpoints, tiny_hf_model
+from tests.packing_families import tiny_packing_model
 from tests.parity import LR, NOISE, Reference, weight_errors
 from tests.scenario_kit import run
 
@@ -103,6 +104,7 @@ def test_heads_and_routing_errors() -> None:
 def ckptdir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     directory = tmp_path_factory.mktemp("cp_ckpt")
     save_tiny_checkpoints(directory, ["qwen3", "qwen2_5_vl", "internvl"])
+    tiny_packing_model("qwen3_5", seed=3).save_pretrained(directory / "qwen3_5")
     return directory
 
 
@@ -142,6 +144,13 @@ def _global_steps(ranks: list[dict[str, Any]], part: int, cp: int) -> tuple[list
     return steps, losses
 
 
+def tiny_packing_model_arch(family: str) -> str | None:
+    """The architecture of a ``tests/packing_families.py`` family, or ``None``."""
+    from tests.packing_families import FAMILIES as PACKING
+
+    return type(tiny_packing_model(family)).__name__ if family in PACKING else None
+
+
 def _reference(
     case: CPCase,
     steps: list[list[list[int]]],
@@ -161,7 +170,8 @@ def _reference(
             model = TinyAttentionLM()
             model.load_state_dict(torch.load(initial))
         else:
-            model = getattr(transformers, FAMILIES[case.family][0]).from_pretrained(
+            arch = tiny_packing_model_arch(case.family) or FAMILIES[case.family][0]
+            model = getattr(transformers, arch).from_pretrained(
                 str(ckptdir / case.family), dtype=torch.float32
             )
         model.train()
@@ -337,7 +347,6 @@ def test_gated_deltanet_models_are_accepted_other_stateful_layers_refused(tmp_pa
     from lightning_mm.core.context_parallel import ContextParallelError
     from lightning_mm.hf.cp_attention import check_routable
     from lightning_mm.hf.packing import install_packed_inputs
-    from tests.packing_families import tiny_packing_model
     from tests.test_packing import _meta
 
     assert "mesh (dp=2 x cp=2)" in plan_from_cli_config(
