@@ -171,9 +171,7 @@ def _reference(
             model.load_state_dict(torch.load(initial))
         else:
             arch = tiny_packing_model_arch(case.family) or FAMILIES[case.family][0]
-            model = getattr(transformers, arch).from_pretrained(
-                str(ckptdir / case.family), dtype=torch.float32
-            )
+            model = getattr(transformers, arch).from_pretrained(str(ckptdir / case.family), dtype=torch.float32)
         model.train()
         named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
         params = [p for _, p in named]

@@ -26,7 +26,8 @@
   sequences (:func:`~lightning_mm.core.context_parallel.context_parallel_loss`) into ``output.loss``.
 
 The vision tower and the embeddings run on whole sequences on each rank of the group (their activations are
-small next to the decoder's); the decoder layers, the final norm and the LM head see ``seq / C`` tokens.
+small next to the decoder's); the decoder layers, the final norm and the LM head see ``seq / C`` tokens (a Gated
+DeltaNet layer computes on the whole sequence, as above).
 Generation (a key/value cache) is not supported under context parallelism.
 """
 
