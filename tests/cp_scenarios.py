@@ -50,6 +50,12 @@ class CPCase:
     resume_at: int | None = None
     resume_cp: int = 1
     """With ``resume_at``: train ``resume_at`` steps with ``cp``, save, resume with ``resume_cp`` to ``steps``."""
+    data: str = ""
+    """The family whose samples it trains on (default: ``family``)."""
+
+    @property
+    def data_family(self) -> str:
+        return self.data or self.family
 
 
 def _recompute(family: str, reentrant: bool) -> dict[str, Any]:
@@ -65,6 +71,8 @@ TWO_RANK_CASES = [
     CPCase("internvl-cp2-len15", "internvl", 15),
     CPCase("custom-cp2-len15", "qwen3", 15, custom=True),
     CPCase("qwen2_5_vl-cp2-len16-recompute", "qwen2_5_vl", 16, fsdp2=_recompute("qwen2_5_vl", False)),
+    # Qwen3.5 (tests/packing_families.py): a Gated DeltaNet layer, run on the sequence gathered over the group.
+    CPCase("qwen3_5-cp2-len15-padding-mask", "qwen3_5", 15, left_pad=3, data="qwen3"),
 ]
 RESUME_CASES = [CPCase("qwen3-cp2-resume-nocp", "qwen3", 15, steps=4, resume_at=2)]
 FOUR_RANK_CASES = [
@@ -96,7 +104,7 @@ class CPData(torch.utils.data.Dataset):
 
 
 def batch_of(case: CPCase, indices: list[int]) -> dict[str, torch.Tensor]:
-    data = CPData(case.family, case.seq_len, left_pad=case.left_pad)
+    data = CPData(case.data_family, case.seq_len, left_pad=case.left_pad)
     batch = torch.utils.data.default_collate([data[i] for i in indices])
     batch.pop("index")
     return model_inputs(batch)
@@ -223,7 +231,7 @@ def _fit(
         strategy=MMFSDP2Strategy({"sharding_size": "auto", **case.fsdp2}, context_parallel_size=cp),
     )
     loader = torch.utils.data.DataLoader(
-        CPData(case.family, case.seq_len, left_pad=case.left_pad), batch_size=GLOBAL_BATCH * cp // devices
+        CPData(case.data_family, case.seq_len, left_pad=case.left_pad), batch_size=GLOBAL_BATCH * cp // devices
     )
     trainer.fit(module, train_dataloaders=loader, ckpt_path=ckpt_path)
     return record, (trainer, module)

@@ -223,7 +223,16 @@ def context_parallel_step(outdir: str, model_dir: str) -> None:
         torch.save(result, Path(outdir, "cp.pt"))
 
 
-def fsdp2_step(outdir: str, model_dir: str, name: str, wrap: list[str], recompute: list[str]) -> None:
+def fsdp2_step(
+    outdir: str,
+    model_dir: str,
+    name: str,
+    wrap: list[str],
+    recompute: list[str],
+    context_parallel_size: int = 1,
+    packed: bool = True,
+    tag: str = "",
+) -> None:
     """One FSDP2 step (2 ranks, both on the same packed row of ``tests.test_packing.samples_of(name)``) of the
     saved Transformers model in ``model_dir``: rank 0 saves the loss and the gathered gradients to
     ``OUTDIR/<name>.pt`` (the test compares them with plain Transformers on the padded samples)."""
@@ -252,7 +261,9 @@ def fsdp2_step(outdir: str, model_dir: str, name: str, wrap: list[str], recomput
                 if p.grad is not None
             }  # collectives
 
-    packed = PackedCollator()(samples_of(name))
+    from lightning_mm.hf.chat_collate import ChatCollator
+
+    batch = (PackedCollator() if packed else ChatCollator(pad_token_id=0))(samples_of(name))
     trainer = L.Trainer(
         accelerator="cpu",
         devices=2,
@@ -263,22 +274,27 @@ def fsdp2_step(outdir: str, model_dir: str, name: str, wrap: list[str], recomput
         enable_model_summary=False,
         num_sanity_val_steps=0,
         strategy=MMFSDP2Strategy(
-            {"sharding_size": "auto", "sub_modules_to_wrap": wrap, "recompute_modules": recompute}
+            {"sharding_size": "auto", "sub_modules_to_wrap": wrap, "recompute_modules": recompute},
+            context_parallel_size=context_parallel_size,
         ),
     )
-    loader = torch.utils.data.DataLoader([packed], batch_size=None)
+    loader = torch.utils.data.DataLoader([batch], batch_size=None)
     trainer.fit(Module(log_grad_norm=False), train_dataloaders=loader)
     if trainer.global_rank == 0:
-        torch.save(result, Path(outdir, f"{name}.pt"))
+        torch.save(result, Path(outdir, f"{name}{tag}.pt"))
 
 
 @scenario
 def stateful(outdir: Path) -> None:
     """Qwen3.5 (Gated DeltaNet run once per packed sample, images in the row) under FSDP2 on 2 ranks: decoder
-    layers and the linear-attention layer sharded as units of their own, decoder layers recomputed."""
+    layers and the linear-attention layer sharded as units of their own, decoder layers recomputed; then the same
+    under context parallel 2, on the packed row and on the padded batch of its samples."""
     layers = "model.language_model.layers.{*}"
     wrap = ["model.language_model.layers.0.linear_attn", layers]
     fsdp2_step(str(outdir), str(Path(outdir, "qwen3_5")), "qwen3_5", wrap, [layers])
+    # Context parallel 2: the Gated DeltaNet layer on the whole sequence gathered over the group.
+    for packed, tag in ((True, ".cp2"), (False, ".cp2-padded")):
+        fsdp2_step(str(outdir), str(Path(outdir, "qwen3_5")), "qwen3_5", wrap, [layers], 2, packed, tag)
 
 
 @scenario

@@ -23,6 +23,7 @@ from tests.cp_scenarios import (
     batch_of,
 )
 from tests.hf_scenarios import save_tiny_checkpoints, tiny_hf_model
+from tests.packing_families import tiny_packing_model
 from tests.parity import LR, NOISE, Reference, weight_errors
 from tests.scenario_kit import run
 
@@ -103,6 +104,7 @@ def test_heads_and_routing_errors() -> None:
 def ckptdir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     directory = tmp_path_factory.mktemp("cp_ckpt")
     save_tiny_checkpoints(directory, ["qwen3", "qwen2_5_vl", "internvl"])
+    tiny_packing_model("qwen3_5", seed=3).save_pretrained(directory / "qwen3_5")
     return directory
 
 
@@ -142,6 +144,13 @@ def _global_steps(ranks: list[dict[str, Any]], part: int, cp: int) -> tuple[list
     return steps, losses
 
 
+def tiny_packing_model_arch(family: str) -> str | None:
+    """The architecture of a ``tests/packing_families.py`` family, or ``None``."""
+    from tests.packing_families import FAMILIES as PACKING
+
+    return type(tiny_packing_model(family)).__name__ if family in PACKING else None
+
+
 def _reference(
     case: CPCase,
     steps: list[list[list[int]]],
@@ -161,9 +170,8 @@ def _reference(
             model = TinyAttentionLM()
             model.load_state_dict(torch.load(initial))
         else:
-            model = getattr(transformers, FAMILIES[case.family][0]).from_pretrained(
-                str(ckptdir / case.family), dtype=torch.float32
-            )
+            arch = tiny_packing_model_arch(case.family) or FAMILIES[case.family][0]
+            model = getattr(transformers, arch).from_pretrained(str(ckptdir / case.family), dtype=torch.float32)
         model.train()
         named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
         params = [p for _, p in named]
@@ -328,32 +336,32 @@ def test_lightning_mm_plan_shows_the_cp_mesh_and_activations_per_rank(tmp_path: 
         plan_from_cli_config(["--config", str(_plan_config(tmp_path, 4))])
 
 
-def test_gated_deltanet_models_are_refused_at_plan_and_setup(tmp_path: Path) -> None:
-    """Each rank would run Qwen3.5's Gated DeltaNet on its slice of the sequence, restarting the recurrent state:
-    ``lightning-mm plan`` and the strategy's setup refuse it by layer class and path before any step (also with
-    packing's per-sample path installed, which keeps samples apart but not slices); a dense model is accepted."""
+def test_gated_deltanet_models_are_accepted_other_stateful_layers_refused(tmp_path: Path) -> None:
+    """Qwen3.5's / Qwen3-Next's Gated DeltaNet runs on the whole sequence gathered over the group (exactness:
+    tests/test_packing.py::test_two_rank_fsdp2_packed_qwen3_5_equals_plain_transformers): ``lightning-mm plan`` and
+    the routing check accept them; layers with other sequence state (Mamba, ...) are still refused by class and
+    path before any step."""
     from lightning_mm.commands.plan import plan_from_cli_config
-    from lightning_mm.core.context_parallel import ContextParallelError, context_parallel_plan
+    from lightning_mm.core.context_parallel import ContextParallelError
     from lightning_mm.hf.cp_attention import check_routable
     from lightning_mm.hf.packing import install_packed_inputs
-    from lightning_mm.strategies.cp_setup import ContextParallelSetup
-    from tests.packing_families import tiny_packing_model
+    from tests.test_packing import _meta
 
-    refused = r"layers\.0\.linear_attn \((Qwen3_5|Qwen3Next)GatedDeltaNet\) carries state along the sequence"
-    with pytest.raises(ContextParallelError, match=r"model\.language_model\." + refused):
-        plan_from_cli_config(["--config", str(_plan_config(tmp_path, 2, "qwen3_5_provider"))])
-    assert "context parallel" not in plan_from_cli_config(
-        ["--config", str(_plan_config(tmp_path, 1, "qwen3_5_provider"))]
+    assert "mesh (dp=2 x cp=2)" in plan_from_cli_config(
+        ["--config", str(_plan_config(tmp_path, 2, "qwen3_5_provider"))]
     )
-    setup = ContextParallelSetup(2, "ulysses")
-    setup.plan = context_parallel_plan(2, 2)  # what setup() decides; its mesh needs processes
-    for family in ("qwen3_5", "qwen3_next"):
+    for family in ("qwen3_5", "qwen3_5_moe", "qwen3_next"):
         model = tiny_packing_model(family)
         install_packed_inputs(model)
-        with pytest.raises(ContextParallelError, match=refused):
-            setup.apply(torch.nn.Module(), model)
-        with pytest.raises(ContextParallelError, match=refused):
-            check_routable(model, 2)
+        assert check_routable(model, 2) is model.get_decoder()
+    refused = {
+        "BambaForCausalLM": r"model\.layers\.0\.mamba \(BambaMixer\) carries state along the sequence",
+        "FalconH1ForCausalLM": r"model\.layers\.0 \(FalconH1DecoderLayer\) is of kind 'hybrid'",
+        "MiniMaxForCausalLM": r"model\.layers\.1\.self_attn \(MiniMaxLightningAttention\) carries state",
+    }
+    for arch, message in refused.items():
+        with pytest.raises(ContextParallelError, match=message + ".*context_parallel_size 1"):
+            check_routable(_meta(arch), 2)
     dense = tiny_hf_model("qwen3")
     assert check_routable(dense, 2) is dense.model
     assert "mesh (dp=2 x cp=2)" in plan_from_cli_config(["--config", str(_plan_config(tmp_path, 2))])

@@ -478,7 +478,8 @@ def test_packing_refusal_names_each_listed_stateful_architecture() -> None:
 
 def test_two_rank_fsdp2_packed_qwen3_5_equals_plain_transformers(tmp_path: Path) -> None:
     """The per-sample Gated DeltaNet path under FSDP2 (sharded linear-attention units, recomputed decoder layers) on
-    2 gloo ranks: the step's loss and gathered gradients equal plain Transformers on the padded samples."""
+    2 gloo ranks: the step's loss and gathered gradients equal plain Transformers on the padded samples; also under
+    context parallel 2 (the layer on the whole sequence gathered over the group), packed and padded."""
     from tests import packing_scenarios
     from tests.scenario_kit import run
 
@@ -489,3 +490,7 @@ def test_two_rank_fsdp2_packed_qwen3_5_equals_plain_transformers(tmp_path: Path)
     ref_loss, _, ref_grads = _run(reference.train(), ChatCollator(pad_token_id=0)(samples_of("qwen3_5")))
     assert _close(got["loss"], ref_loss), (float(got["loss"]), float(ref_loss))
     _assert_grads_equal(got["grads"], ref_grads)
+    for tag in (".cp2", ".cp2-padded"):  # context parallel 2: Gated DeltaNet on the gathered whole sequence
+        got = torch.load(tmp_path / f"qwen3_5{tag}.pt", weights_only=True)
+        assert _close(got["loss"], ref_loss), (tag, float(got["loss"]), float(ref_loss))
+        _assert_grads_equal(got["grads"], ref_grads)

@@ -38,6 +38,7 @@ __all__ = [
     "check_heads",
     "context_parallel_loss",
     "context_parallel_plan",
+    "gather_sequence",
     "shift_labels",
     "split_sequence",
     "ulysses_attention",
@@ -222,6 +223,34 @@ def all_to_all(x: Tensor, scatter_dim: int, gather_dim: int, group: Any) -> Tens
     if dist.get_world_size(group) == 1:
         return x
     return _AllToAll.apply(x, scatter_dim, gather_dim, group)
+
+
+class _GatherSequence(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx: Any, x: Tensor, dim: int, group: Any) -> Tensor:
+        ctx.dim, ctx.group = dim, group
+        parts = [torch.empty_like(x) for _ in range(dist.get_world_size(group))]
+        dist.all_gather(parts, x.contiguous(), group=group)
+        return torch.cat(parts, dim=dim)
+
+    @staticmethod
+    def backward(ctx: Any, grad: Tensor) -> tuple[Tensor, None, None]:
+        # Reduce-scatter (as an all-reduce and this rank's slice: gloo has no reduce-scatter): each rank's
+        # gradient of the whole sequence holds what its own outputs contribute; their sum is the input's gradient.
+        rank, size = _rank_size(ctx.group)
+        grad = grad.contiguous().clone()
+        dist.all_reduce(grad, group=ctx.group)
+        local = grad.shape[ctx.dim] // size
+        return grad.narrow(ctx.dim, rank * local, local).contiguous(), None, None
+
+
+def gather_sequence(x: Tensor, dim: int, group: Any) -> Tensor:
+    """The whole (padded) sequence from every rank's slice of it along ``dim`` (the inverse of
+    :func:`split_sequence`, in rank order); differentiable: the backward sums the group's gradients of the whole
+    sequence and keeps this rank's slice (a reduce-scatter)."""
+    if dist.get_world_size(group) == 1:
+        return x
+    return _GatherSequence.apply(x, dim, group)
 
 
 def ulysses_attention(

@@ -13,11 +13,21 @@
   decoder attention calls ``ALL_ATTENTION_FUNCTIONS`` is routed;
 * a packed row (``position_ids`` restarting per sample, :mod:`lightning_mm.core.packing`) splits like any
   sequence: the attention's mask of the whole sequence is then also block-diagonal over its samples;
+* a layer with state along the sequence of :data:`~lightning_mm.hf.packing_layers.PER_SAMPLE_CLASSES` (Gated
+  DeltaNet: Qwen3.5, Qwen3.5-MoE, Qwen3-Next) gets a wrapped ``forward``
+  (:func:`~lightning_mm.core.module_state.replace_forward`): its input is gathered over the group
+  (:func:`~lightning_mm.core.context_parallel.gather_sequence`, whose backward is a reduce-scatter), the layer runs
+  on the whole padded sequence (once per sample of a packed row, its state starting from zero at each; the
+  caller's padding mask of the whole sequence), and the rank keeps its slice of the output. Every rank computes
+  the whole layer; each rank's parameter gradients hold what its own slice of the output contributes, and the
+  group's gradient reduction (FSDP2 over ``dp x cp`` with the loss scaled by ``C``, as for every other layer)
+  sums them once;
 * the model gets a pre-hook that takes ``labels`` out of the call and a hook that puts the loss of the whole
   sequences (:func:`~lightning_mm.core.context_parallel.context_parallel_loss`) into ``output.loss``.
 
 The vision tower and the embeddings run on whole sequences on each rank of the group (their activations are
-small next to the decoder's); the decoder layers, the final norm and the LM head see ``seq / C`` tokens.
+small next to the decoder's); the decoder layers, the final norm and the LM head see ``seq / C`` tokens (a Gated
+DeltaNet layer computes on the whole sequence, as above).
 Generation (a key/value cache) is not supported under context parallelism.
 """
 
@@ -37,12 +47,14 @@ from lightning_mm.core.context_parallel import (
     check_heads,
     context_parallel_loss,
     context_parallel_plan,
+    gather_sequence,
     shift_labels,
     split_sequence,
 )
+from lightning_mm.core.module_state import replace_forward
 from lightning_mm.core.packing import is_packed, segment_ids
 from lightning_mm.hf.chunk_loss import chunk_loss_size
-from lightning_mm.hf.packing_layers import context_parallel_refusal
+from lightning_mm.hf.packing_layers import PER_SAMPLE_CLASSES, context_parallel_refusal, mark_sequence_gathered
 
 __all__ = ["ROUTABLE", "enable_context_parallel", "find_hf_model", "check_routable", "context_parallel_summary"]
 
@@ -175,10 +187,51 @@ def enable_context_parallel(model: nn.Module, group: Any) -> nn.Module:
         decoder.config, PREFIX + (attn_implementation(decoder.config) or "eager").removeprefix(PREFIX)
     )
     _STATE.group = group
+    for module in decoder.modules():
+        if type(module).__name__.removeprefix("FSDP") in PER_SAMPLE_CLASSES:
+            reason = "context parallelism: runs on the whole sequence gathered over the group"
+            replace_forward(module, _whole_sequence(module, module.forward), reason)
+            mark_sequence_gathered(module)
     decoder.register_forward_pre_hook(_split_decoder_inputs, with_kwargs=True)
     model.register_forward_pre_hook(_take_labels, with_kwargs=True)
     model.register_forward_hook(_put_loss)
     return decoder
+
+
+_VARLEN_KEYS = ("cu_seq_lens_q", "cu_seq_lens_k", "max_length_q", "max_length_k")
+
+
+def _whole_sequence(module: nn.Module, forward: Any) -> Any:
+    """``forward`` of a layer with state along the sequence, run on the whole sequence of the group (see the
+    module docstring); ``hidden_states`` is this rank's ``(B, S / C, ...)`` slice, and so is the result."""
+    name = type(module).__name__
+
+    def whole_sequence_forward(hidden_states: Tensor, *args: Any, **kwargs: Any) -> Any:
+        group = _STATE.group
+        if args or kwargs.get("cache") is not None or kwargs.get("cache_params") is not None:
+            raise ContextParallelError(f"{name}: runs without a cache under context parallelism")
+        for key in _VARLEN_KEYS:  # boundaries from a rank's slice of the positions: the whole row's are below
+            kwargs.pop(key, None)
+        full = gather_sequence(hidden_states, 1, group)  # (B, padded S, ...)
+        segments = _STATE.segments
+        if segments is None:
+            valid = _STATE.key_valid
+            kwargs["attention_mask"] = None if _STATE.all_valid or valid is None else valid.to(full.device)
+            out = forward(full, **kwargs)
+        else:  # a packed row: one call per sample (the end padding to a multiple of C is a last one)
+            if full.shape[0] != 1 or segments.shape != full.shape[:2]:
+                raise ContextParallelError(
+                    f"{name}: a packed row must be one row of the whole sequence, got {tuple(full.shape[:2])} "
+                    f"for samples of shape {tuple(segments.shape)}"
+                )
+            row = segments[0].to(full.device)
+            starts = [0, *(torch.nonzero(row[1:] != row[:-1]).flatten() + 1).tolist(), row.shape[0]]
+            kwargs["attention_mask"] = None
+            out = torch.cat([forward(full[:, lo:hi], **kwargs) for lo, hi in zip(starts, starts[1:])], dim=1)
+        local = hidden_states.shape[1]
+        return out.narrow(1, torch.distributed.get_rank(group) * local, local).clone()
+
+    return whole_sequence_forward
 
 
 def _split_decoder_inputs(decoder: nn.Module, args: tuple, kwargs: dict[str, Any]) -> tuple[tuple, dict[str, Any]]:

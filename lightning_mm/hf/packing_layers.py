@@ -27,8 +27,10 @@ the optional flash-linear-attention kernel reads it, and its convolution does no
 
 The batch check (:mod:`lightning_mm.hf.batch_check`) refuses a packed batch with :func:`packing_refusal` before the
 model computes anything. Context parallelism (:func:`~lightning_mm.hf.cp_attention.check_routable`, at ``plan`` and
-at setup) refuses a model with :func:`context_parallel_refusal`, the same allow-list without the per-sample path:
-each rank runs every layer but softmax attention on its slice of the sequence. Lightning-free.
+at setup) refuses a model with :func:`context_parallel_refusal`, the same allow-list: each rank runs every layer but
+softmax attention and :data:`PER_SAMPLE_CLASSES` on its slice of the sequence; a Gated DeltaNet layer runs on the
+whole sequence gathered over the group (:func:`~lightning_mm.hf.cp_attention.enable_context_parallel`, which then
+also keeps a packed row's samples apart: :func:`mark_sequence_gathered`). Lightning-free.
 """
 
 from __future__ import annotations
@@ -49,6 +51,7 @@ __all__ = [
     "context_parallel_refusal",
     "SAFE_LAYER_TYPES",
     "install_per_sample_layers",
+    "mark_sequence_gathered",
     "packing_refusal",
     "sample_boundaries",
 ]
@@ -78,6 +81,15 @@ _LAYER_INDEX = re.compile(r"(?:^|\.)layers\.(\d+)(?:\.|$)")
 _VARLEN_KEYS = ("cu_seq_lens_q", "cu_seq_lens_k", "max_length_q", "max_length_k")
 
 _INSTALLED: weakref.WeakSet[nn.Module] = weakref.WeakSet()
+_GATHERED: weakref.WeakSet[nn.Module] = weakref.WeakSet()
+
+
+def mark_sequence_gathered(module: nn.Module) -> None:
+    """``module`` (one of :data:`PER_SAMPLE_CLASSES`) runs on the whole sequence gathered over a context-parallel
+    group and splits a packed row into its samples there: :func:`install_per_sample_layers` leaves it alone (its
+    boundaries from a rank's slice of ``position_ids`` would be wrong) and packing accepts it."""
+    _GATHERED.add(module)
+    _INSTALLED.add(module)
 
 
 def sample_boundaries(position_ids: Tensor) -> Tensor:
@@ -90,6 +102,8 @@ def sample_boundaries(position_ids: Tensor) -> Tensor:
 
 def _boundaries_hook(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[tuple, dict] | None:
     """A decoder layer's pre-hook: its text ``position_ids`` of a packed row -> ``cu_seq_lens_q`` for its mixer."""
+    if any(child in _GATHERED for child in module.children()):
+        return None  # context parallelism: its mixer takes the whole row's boundaries (a slice's would be wrong)
     positions = kwargs.get("position_ids")
     if kwargs.get("cu_seq_lens_q") is not None or not isinstance(positions, Tensor) or not is_packed(positions):
         return None
@@ -137,7 +151,7 @@ def install_per_sample_layers(model: nn.Module) -> list[str]:
         if _class_name(module) not in PER_SAMPLE_CLASSES or not path:
             continue
         paths.append(path)
-        if module in _INSTALLED:
+        if module in _INSTALLED or module in _GATHERED:
             continue
         reason = "packing: one call per packed sample (sequence state restarts at each sample)"
         replace_forward(module, _per_sample(module, module.forward), reason)
@@ -182,9 +196,10 @@ class _Layer(NamedTuple):
     layer_type: str | None
 
 
-def _unproven_layer(model: nn.Module, per_sample_ok: bool) -> _Layer | None:
+def _unproven_layer(model: nn.Module, per_sample_ok: bool, gathered_ok: bool = False) -> _Layer | None:
     """The first layer of ``model``'s language model not proven to keep packed samples apart; with
-    ``per_sample_ok``, a :data:`PER_SAMPLE_CLASSES` layer whose per-sample path is installed counts as proven."""
+    ``per_sample_ok``, a :data:`PER_SAMPLE_CLASSES` layer whose per-sample path is installed counts as proven; with
+    ``gathered_ok`` (context parallelism), every :data:`PER_SAMPLE_CLASSES` layer (it runs on the whole sequence)."""
     prefix, decoder = _decoder(model)
     layer_types = _layer_types(model)
     where = f"{prefix}." if prefix else ""
@@ -201,7 +216,7 @@ def _unproven_layer(model: nn.Module, per_sample_ok: bool) -> _Layer | None:
         if layer_type is not None and layer_type not in SAFE_LAYER_TYPES | PER_SAMPLE_LAYER_TYPES:
             return _Layer("layer_type", full, name, layer_type)
         if name in PER_SAMPLE_CLASSES:
-            if not per_sample_ok or module not in _INSTALLED:
+            if not gathered_ok and (not per_sample_ok or module not in _INSTALLED):
                 return _Layer("per_sample", full, name, layer_type)
             inside.append(path)
             continue
@@ -250,16 +265,16 @@ def packing_refusal(model: nn.Module) -> str | None:
 
 def context_parallel_refusal(model: nn.Module) -> str | None:
     """Why ``model``'s language model cannot run under Ulysses context parallelism, naming the layer's class and
-    module path, or ``None``. Ulysses gathers the whole sequence only inside softmax attention; every other layer
-    runs on its rank's slice, so a layer with state along the sequence (Gated DeltaNet, Mamba, a causal
-    convolution, ...) would restart it at each slice's start and train wrong with no error. The same allow-list as
-    packing (:func:`packing_refusal`), except that Gated DeltaNet's per-sample path does not help here."""
-    layer = _unproven_layer(model, per_sample_ok=False)
+    module path, or ``None``. Ulysses gathers the whole sequence inside softmax attention, and
+    :func:`~lightning_mm.hf.cp_attention.enable_context_parallel` runs each :data:`PER_SAMPLE_CLASSES` layer (Gated
+    DeltaNet) on the whole sequence gathered over the group; every other layer runs on its rank's slice, so another
+    layer with state along the sequence (Mamba, a causal convolution, ...) would restart it at each slice's start
+    and train wrong with no error. The same allow-list as packing (:func:`packing_refusal`)."""
+    layer = _unproven_layer(model, per_sample_ok=False, gathered_ok=True)
     if layer is None:
         return None
     kind = f"of kind {layer.layer_type!r} (config.layer_types)" if layer.kind == "layer_type" else ""
     what = {
-        "per_sample": "carries state along the sequence (its recurrent state and causal convolution)",
         "state": "carries state along the sequence",
         "layer_type": f"is {kind}, not softmax attention",
         "unknown": "is of a kind not proven to run on a slice of the sequence (a layer with state along it would "
