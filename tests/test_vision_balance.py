@@ -118,6 +118,19 @@ def test_config_keys_default_off_and_validate():
             FSDP2Config.from_dict({key: value}, source="job.yaml")
 
 
+def test_the_plan_shows_whether_the_vision_tower_is_balanced():
+    from lightning_mm.core.plan import build_plan
+
+    def line(**keys: object) -> str:
+        text = build_plan(FSDP2Config.from_dict(keys), torch.nn.Sequential(torch.nn.Linear(2, 2)), 2).describe()
+        return next(x for x in text.splitlines() if "encoder_dp_balance" in x)
+
+    assert line() == "  encoder_dp_balance: off (each rank encodes its own images)"
+    assert line(encoder_dp_balance=True).endswith("by estimated cost: calibrated on the first 4 tower calls)")
+    given = line(encoder_dp_balance=True, encoder_dp_balance_cost=[1, 0.5])
+    assert given.startswith("  encoder_dp_balance: on (") and given.endswith(": 1 * patches + 0.5 * attention)")
+
+
 def test_a_model_without_a_grid_tower_is_refused_naming_the_key():
     from lightning_mm.hf.vision_balance import enable_from_config, find_vision_towers
     from tests.hf_scenarios import tiny_hf_model

@@ -140,6 +140,12 @@ class ShardingPlan:
     ``reshard_after_forward`` says: backward needs them first, so resharding them would only all-gather the same
     parameters again at once (two all-gathers per step saved; see benchmarks/README.md). The root is sharded so;
     the last unit is known once the first forward has run (``apply.ExecutionOrderPrefetch``)."""
+    encoder_dp_balance: bool = False
+    """The config's ``encoder_dp_balance``: the vision tower's images dealt out over the ranks by estimated cost."""
+    encoder_dp_balance_cost: tuple[float, float] | None = None
+    """The config's ``encoder_dp_balance_cost`` (``None``: calibrated on the first tower calls)."""
+    encoder_dp_balance_calibration_steps: int = 4
+    """The config's ``encoder_dp_balance_calibration_steps``."""
 
     @property
     def mesh_shape(self) -> tuple[int, ...]:
@@ -195,6 +201,7 @@ class ShardingPlan:
         )
         reentrant = "reentrant" if self.use_reentrant else "non-reentrant"
         lines.append(f"  recomputed ({reentrant}): {', '.join(self.recompute_modules) or '-'}")
+        lines.append(f"  encoder_dp_balance: {self._describe_balance()}")
         if self.compile_modules:
             lines.append(
                 f"  compiled (torch.compile, backend {self.compile_backend}, one graph each; the rest "
@@ -231,6 +238,16 @@ class ShardingPlan:
         if ep.reshard_local_experts:
             expert = -(-expert // replicate)
         return -(-ep.other_bytes // self.sharding_size), expert
+
+    def _describe_balance(self) -> str:
+        if not self.encoder_dp_balance:
+            return "off (each rank encodes its own images)"
+        if self.encoder_dp_balance_cost is None:
+            how = f"calibrated on the first {self.encoder_dp_balance_calibration_steps} tower calls"
+        else:
+            linear, quadratic = self.encoder_dp_balance_cost
+            how = f"{linear:g} * patches + {quadratic:g} * attention"
+        return f"on (the vision tower's images dealt out over the ranks by estimated cost: {how})"
 
     def _describe_experts(self) -> list[str]:
         ep = self.experts
@@ -633,6 +650,7 @@ def build_plan(
     )
     if precision is None:
         precision = PrecisionPolicy.from_config(config)
+    cost = config.encoder_dp_balance_cost
     return ShardingPlan(
         world_size=world_size,
         sharding_size=sharding_size,
@@ -656,4 +674,7 @@ def build_plan(
         compile_modules=tuple(compiled),
         compile_backend=config.compile_backend,
         keep_unsharded_for_backward=keep_unsharded_for_backward,
+        encoder_dp_balance=config.encoder_dp_balance,
+        encoder_dp_balance_cost=None if cost is None else (float(cost[0]), float(cost[1])),
+        encoder_dp_balance_calibration_steps=config.encoder_dp_balance_calibration_steps,
     )
