@@ -34,6 +34,7 @@ EXPECTED = {
     "--context-parallel-size": ("2", "trainer.strategy.init_args.context_parallel_size", 2),
     "--context-parallel-algo": ("ulysses_cp_algo", "trainer.strategy.init_args.context_parallel_algo", "ulysses"),
     "--num-workers": ("8", "data.init_args.num_workers", 8),
+    "--encoder-dp-balance": (None, "trainer.strategy.init_args.fsdp2_config.encoder_dp_balance", True),
 }
 # Flags that are only reported (never silently dropped), with a word of their reason.
 REPORTED = {
@@ -146,3 +147,22 @@ def test_a_new_flag_is_one_table_line(monkeypatch):
     assert result.config["trainer"]["strategy"]["init_args"] == {"stop_timeout": 30.0}
     assert result.config["trainer"]["max_epochs"] == 2
     assert result.unmapped == ["--use-mcore-models: Megatron core models are Megatron's"]
+
+
+def test_encoder_dp_balance_is_added_to_the_fsdp2_yaml_inline_and_the_file_is_left_alone(tmp_path):
+    from lightning_mm.core.config import FSDP2Config
+
+    fsdp2 = tmp_path / "fsdp2_config.yaml"
+    fsdp2.write_text('sharding_size: auto\nrecompute_modules: ["model.layers.{*}"]\n')
+    before = fsdp2.read_text()
+    flags = ["--use-torch-fsdp2", "--fsdp2-config-path", str(fsdp2), "--encoder-dp-balance"]
+    result = migrate(parse_args(flags))
+    config = result.config["trainer"]["strategy"]["init_args"]["fsdp2_config"]
+    assert config == {"sharding_size": "auto", "recompute_modules": ["model.layers.{*}"], "encoder_dp_balance": True}
+    assert FSDP2Config.load(config).encoder_dp_balance and fsdp2.read_text() == before
+    assert not result.unmapped and any(m.startswith("--encoder-dp-balance ->") for m in result.mapped)
+    fsdp2.write_text("encoder_dp_balance: true\n")  # already set: the path stays
+    result = migrate(parse_args(flags))
+    assert result.config["trainer"]["strategy"]["init_args"]["fsdp2_config"] == str(fsdp2)
+    missing = migrate(parse_args(["--fsdp2-config-path", str(tmp_path / "no.yaml"), "--encoder-dp-balance"]))
+    assert any(u.startswith("--encoder-dp-balance: add `encoder_dp_balance: true`") for u in missing.unmapped)

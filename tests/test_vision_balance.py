@@ -118,6 +118,19 @@ def test_config_keys_default_off_and_validate():
             FSDP2Config.from_dict({key: value}, source="job.yaml")
 
 
+def test_the_plan_shows_whether_the_vision_tower_is_balanced():
+    from lightning_mm.core.plan import build_plan
+
+    def line(**keys: object) -> str:
+        text = build_plan(FSDP2Config.from_dict(keys), torch.nn.Sequential(torch.nn.Linear(2, 2)), 2).describe()
+        return next(x for x in text.splitlines() if "encoder_dp_balance" in x)
+
+    assert line() == "  encoder_dp_balance: off (each rank encodes its own images)"
+    assert line(encoder_dp_balance=True).endswith("by estimated cost: calibrated on the first 4 tower calls)")
+    given = line(encoder_dp_balance=True, encoder_dp_balance_cost=[1, 0.5])
+    assert given.startswith("  encoder_dp_balance: on (") and given.endswith(": 1 * patches + 0.5 * attention)")
+
+
 def test_a_model_without_a_grid_tower_is_refused_naming_the_key():
     from lightning_mm.hf.vision_balance import enable_from_config, find_vision_towers
     from tests.hf_scenarios import tiny_hf_model
@@ -187,3 +200,26 @@ def test_the_strategy_balances_from_the_yaml_key_and_composes_with_context_paral
         assert r["balanced"]["balanced"] and r["balanced"]["moved"] and not r["unbalanced"]["balanced"]
         assert max(map(_rel, r["balanced"]["losses"], r["unbalanced"]["losses"])) < REL
         assert r["weight_rel_error"] < REL
+
+
+def test_packed_rows_and_an_image_free_rank_train_as_the_unbalanced_run(launch):
+    """2 ranks, Qwen2.5-VL, rows packed by PackedCollator with per-sample M-RoPE positions: images on both ranks
+    (3 and 2); a text-only row with the filler image; a text-only row without it (the rank's model call has no
+    images: the balanced tower is still called and its empty features join the loss, or the other rank would
+    wait in the exchanges; the launch's process group times out instead of hanging)."""
+    world, _, _ = launch
+    if world != 2:
+        pytest.skip("the packed cases run in the 2-rank launch")
+    packed = read_results(launch_dirs[2], "packed", 2)
+    assert [(r["images"]["images"], r["filler"]["images"], r["text"]["images"]) for r in packed] == [
+        (3, 3, 3),
+        (2, 1, 0),
+    ]
+    assert [r["images"]["samples"] for r in packed] == [2, 3] and packed[1]["filler"]["samples"] == 3
+    for variant, case in packed[0].items():
+        assert all(r[variant]["losses"] == case["losses"] for r in packed), variant
+        assert max(map(_rel, case["losses"], case["reference_losses"])) < REL, variant
+        assert case["weight_rel_error"] < REL, variant
+        assert all(route["encoders"] != route["owners"] for route in case["routes"]), variant
+    for route in packed[0]["text"]["routes"]:  # the text-only rank encodes some of rank 0's images
+        assert 1 in route["encoders"] and 1 not in route["owners"]

@@ -24,6 +24,8 @@ dummy image) and compares the features and gradients with the plain tower's.
 from __future__ import annotations
 
 import sys
+from collections.abc import Callable
+from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
@@ -38,8 +40,10 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from lightning_mm.core.module_state import replace_forward  # noqa: E402
+from lightning_mm.core.packing import PackedCollator  # noqa: E402
 from lightning_mm.core.recompute import checkpointed_forward  # noqa: E402
 from lightning_mm.core.vision_balance import VisionCost, load_spread  # noqa: E402
+from lightning_mm.hf.packing import install_packed_inputs  # noqa: E402
 from lightning_mm.hf.vision_balance import balance_state, enable_vision_balance  # noqa: E402
 from tests import scenario_kit  # noqa: E402
 from tests.hf_scenarios import IMAGE_TOKEN, VOCAB, tiny_hf_model  # noqa: E402
@@ -116,14 +120,24 @@ def _full(t: torch.Tensor) -> torch.Tensor:
     return t.full_tensor() if isinstance(t, DTensor) else t
 
 
-def train(model: nn.Module) -> tuple[list[float], dict[str, torch.Tensor], list[dict[str, Any]]]:
+def train(
+    model: nn.Module, make: Callable[[int, int], dict[str, torch.Tensor]] = batch, replicated: bool = False
+) -> tuple[list[float], dict[str, torch.Tensor], list[dict[str, Any]]]:
+    """``STEPS`` SGD steps on ``make(rank, step)``; ``replicated``: a model whole on every rank (no FSDP), its
+    gradients averaged over the ranks here (the reference for a step FSDP2 cannot take unbalanced)."""
     params = [p for p in model.parameters() if p.requires_grad]
     opt = torch.optim.SGD(params, lr=0.5)
     losses, routes = [], []
     rank = dist.get_rank()
     for step in range(STEPS):
-        loss = model(**batch(rank, step)).loss
+        loss = model(**make(rank, step)).loss
         loss.backward()
+        if replicated:
+            for p in params:
+                if p.grad is None:
+                    p.grad = torch.zeros_like(p)
+                dist.all_reduce(p.grad)
+                p.grad /= dist.get_world_size()
         opt.step()
         opt.zero_grad()
         total = loss.detach().clone()
@@ -156,9 +170,98 @@ CASES = [
 ]
 
 
+# Packed rows (PackedCollator, as MMDataModule(packing=True, max_tokens_per_rank=...) builds them): rank -> samples
+# -> image grids; a sample without grids is text only. "images": 3 images in rank 0's row, 2 in rank 1's (with a
+# text-only sample between); "filler" and "text": rank 1's row holds text only, with or without the filler image.
+PACKED: dict[str, list[list[list[tuple[int, int, int]]]]] = {
+    "images": [[[(1, 8, 8), (1, 4, 6)], [(1, 6, 8)]], [[(1, 2, 2)], [], [(1, 2, 4)]]],
+    "filler": [[[(1, 8, 8), (1, 4, 6)], [(1, 6, 8)]], [[], []]],
+    "text": [[[(1, 8, 8), (1, 4, 6)], [(1, 6, 8)]], [[], []]],
+}
+FILLER_GRID = (1, 2, 2)
+
+
+def _sample(g: torch.Generator, images: list[tuple[int, int, int]]) -> dict[str, torch.Tensor]:
+    """One unpadded sample: text, then each image (start, tokens, end) and text; image tokens carry no label."""
+    ids = torch.randint(10, VOCAB, (3,), generator=g).tolist()
+    pixels = []
+    for t, h, w in images:
+        ids += [VISION_START] + [IMAGE_TOKEN] * (t * h * w // 4) + [VISION_END]
+        ids += torch.randint(10, VOCAB, (2,), generator=g).tolist()
+        pixels.append(torch.randn(t * h * w, PATCH, generator=g))
+    row = torch.tensor(ids)
+    sample = {
+        "input_ids": row,
+        "labels": row.masked_fill(row == IMAGE_TOKEN, -100),
+        "mm_token_type_ids": (row == IMAGE_TOKEN).long(),
+    }
+    if images:
+        sample["pixel_values"] = torch.cat(pixels)
+        sample["image_grid_thw"] = torch.tensor(images)
+    return sample
+
+
+def _filler() -> dict[str, torch.Tensor]:
+    """A filler image's sample as the chat builders make it (their ``filler()``: the image's tokens and pixels)."""
+    t, h, w = FILLER_GRID
+    ids = torch.tensor([VISION_START] + [IMAGE_TOKEN] * (t * h * w // 4) + [VISION_END])
+    return {
+        "input_ids": ids,
+        "attention_mask": torch.ones_like(ids),
+        "mm_token_type_ids": (ids == IMAGE_TOKEN).long(),
+        "pixel_values": torch.randn(t * h * w, PATCH, generator=torch.Generator().manual_seed(7)),
+        "image_grid_thw": torch.tensor([FILLER_GRID]),
+    }
+
+
+def packed_batch(variant: str) -> Callable[[int, int], dict[str, torch.Tensor]]:
+    """Rank ``rank``'s packed row of ``step``: :class:`PackedCollator` over its samples (``position_ids``
+    restarting per sample, no ``attention_mask``; the model's packed-input hook adds the M-RoPE positions)."""
+    collate = PackedCollator(filler=_filler() if variant == "filler" else None)
+
+    def make(rank: int, step: int) -> dict[str, torch.Tensor]:
+        g = torch.Generator().manual_seed(1000 + 100 * step + rank)
+        return collate([_sample(g, images) for images in PACKED[variant][rank]])
+
+    return make
+
+
+def packed_cases(outdir: Path) -> None:
+    """Qwen2.5-VL on packed rows (2 ranks): balanced against unbalanced FSDP2 with images on both ranks and with
+    a text-only row plus the filler image; a text-only row without the filler (the tower is never called there
+    unbalanced, so FSDP2 cannot take that step) against the model replicated on each rank."""
+    results: dict[str, Any] = {}
+    for variant in PACKED:
+        make = packed_batch(variant)
+        runs = {}
+        for balance in (False, True):
+            torch.manual_seed(0)
+            if variant == "text" and not balance:
+                model = build("qwen2_5_vl")
+                model.train()
+            else:
+                model = prepare("qwen2_5_vl", False, False, balance, VisionCost(1.0, 0.05))
+            install_packed_inputs(model)
+            runs[balance] = train(model, make, replicated=variant == "text" and not balance)
+        (ref_losses, ref_weights, _), (losses, weights, routes) = runs[False], runs[True]
+        rel = max(float((weights[k] - w).abs().max()) / (float(w.abs().max()) or 1.0) for k, w in ref_weights.items())
+        first = make(dist.get_rank(), 0)
+        results[variant] = {
+            "reference_losses": ref_losses,
+            "losses": losses,
+            "weight_rel_error": rel,
+            "routes": routes,
+            "images": int(first["image_grid_thw"].shape[0]) if "image_grid_thw" in first else 0,
+            "samples": int((first["position_ids"] == 0).sum()),
+        }
+    scenario_kit.write_result(outdir, "packed", results)
+
+
 @scenario
 def exactness(outdir: Path) -> None:
-    dist.init_process_group("gloo")
+    dist.init_process_group("gloo", timeout=timedelta(seconds=240))  # a rank left waiting fails, not hangs
+    if dist.get_world_size() == 2:
+        packed_cases(outdir)
     results: dict[str, Any] = {}
     for family, recompute, freeze, cost in CASES:
         name = f"{family}{'-recompute' if recompute else ''}{'-frozen' if freeze else ''}"

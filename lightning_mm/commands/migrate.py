@@ -275,6 +275,40 @@ def _fsdp2_config(state: _Flags, flag: str, value: str | None, shown: str) -> No
         state.out.unmapped.append(f"{shown}: {path} does not exist; write it before training")
 
 
+def _encoder_dp_balance(state: _Flags, flag: str, value: str | None, shown: str) -> None:
+    state.values["encoder_dp_balance"] = shown  # into the FSDP2 config once --fsdp2-config-path is known
+
+
+def _map_encoder_dp_balance(state: _Flags) -> None:
+    """``--encoder-dp-balance`` -> ``encoder_dp_balance: true`` in the strategy's FSDP2 config: a dict with the
+    key when no FSDP2 YAML is given, else that YAML's keys inlined with it added (migrate never edits the file)."""
+    shown = state.values.get("encoder_dp_balance")
+    if shown is None:
+        return
+    state.cfg["trainer"].setdefault("strategy", {"class_path": "lightning_mm.MMFSDP2Strategy", "init_args": {}})
+    init_args = state.cfg["trainer"]["strategy"]["init_args"]
+    given = init_args.get("fsdp2_config")
+    target = "trainer.strategy.init_args.fsdp2_config.encoder_dp_balance: true"
+    if given is None:
+        init_args["fsdp2_config"] = {"encoder_dp_balance": True}
+        state.out.mapped.append(f"{shown} -> {target}")
+        return
+    path = Path(given)
+    if not path.is_file():
+        state.out.unmapped.append(f"{shown}: add `encoder_dp_balance: true` to {path} when you write it")
+        return
+    try:
+        keys = _load_yaml(path)
+    except MigrateError as err:
+        state.out.unmapped.append(f"{shown}: {err}")
+        return
+    if keys.get("encoder_dp_balance") is True:
+        state.out.mapped.append(f"{shown} -> encoder_dp_balance: true, already in {path}")
+        return
+    init_args["fsdp2_config"] = {**keys, "encoder_dp_balance": True}
+    state.out.mapped.append(f"{shown} -> {target} (the keys of {path} written inline with it; the file is unchanged)")
+
+
 def _backend(state: _Flags, flag: str, value: str | None, shown: str) -> None:
     if state.keep_backend:
         state.strategy("process_group_backend", value)
@@ -380,6 +414,7 @@ FLAGS: dict[str, _Handler] = {
         "checkpoint_format", choices=("torch_dcp", "torch"), reason="only torch_dcp and torch are supported"
     ),
     "--distributed-backend": _backend,
+    "--encoder-dp-balance": _encoder_dp_balance,
     "--micro-batch-size": _to("data.init_args.batch_size", int, keep="mbs"),
     "--global-batch-size": _keep("gbs", int),
     "--lr": _to("model.init_args.lr"),
@@ -519,6 +554,7 @@ def migrate(
         except ValueError as err:
             state.out.unmapped.append(f"{shown}: {err}")
     _map_combined(state, world)
+    _map_encoder_dp_balance(state)
     _map_dynamic_batching(state)
     _map_checkpointing(state)
     _map_model(state, launch, functions)

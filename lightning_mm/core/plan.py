@@ -143,6 +143,12 @@ class ShardingPlan:
     """The config's ``context_parallel_size`` (the strategy's argument of that name is applied by the strategy)."""
     tp_plan: tuple[tuple[str, str], ...] = ()
     """Module path -> tensor-parallel style (Transformers' notation), applied before ``fully_shard``."""
+    encoder_dp_balance: bool = False
+    """The config's ``encoder_dp_balance``: the vision tower's images dealt out over the ranks by estimated cost."""
+    encoder_dp_balance_cost: tuple[float, float] | None = None
+    """The config's ``encoder_dp_balance_cost`` (``None``: calibrated on the first tower calls)."""
+    encoder_dp_balance_calibration_steps: int = 4
+    """The config's ``encoder_dp_balance_calibration_steps``."""
 
     @property
     def layout(self) -> ParallelLayout:
@@ -205,6 +211,7 @@ class ShardingPlan:
         )
         reentrant = "reentrant" if self.use_reentrant else "non-reentrant"
         lines.append(f"  recomputed ({reentrant}): {', '.join(self.recompute_modules) or '-'}")
+        lines.append(f"  encoder_dp_balance: {self._describe_balance()}")
         if self.compile_modules:
             lines.append(
                 f"  compiled (torch.compile, backend {self.compile_backend}, one graph each; the rest "
@@ -245,6 +252,16 @@ class ShardingPlan:
         if ep.reshard_local_experts:
             expert = -(-expert // replicate)
         return -(-ep.other_bytes // self.sharding_size), expert
+
+    def _describe_balance(self) -> str:
+        if not self.encoder_dp_balance:
+            return "off (each rank encodes its own images)"
+        if self.encoder_dp_balance_cost is None:
+            how = f"calibrated on the first {self.encoder_dp_balance_calibration_steps} tower calls"
+        else:
+            linear, quadratic = self.encoder_dp_balance_cost
+            how = f"{linear:g} * patches + {quadratic:g} * attention"
+        return f"on (the vision tower's images dealt out over the ranks by estimated cost: {how})"
 
     def _describe_experts(self) -> list[str]:
         ep = self.experts
@@ -687,6 +704,7 @@ def build_plan(
     )
     if precision is None:
         precision = PrecisionPolicy.from_config(config)
+    cost = config.encoder_dp_balance_cost
     return ShardingPlan(
         world_size=world_size,
         sharding_size=layout.dp_shard,
@@ -713,4 +731,7 @@ def build_plan(
         tensor_parallel_size=layout.tp,
         context_parallel_size=layout.cp,
         tp_plan=tp_plan,
+        encoder_dp_balance=config.encoder_dp_balance,
+        encoder_dp_balance_cost=None if cost is None else (float(cost[0]), float(cost[1])),
+        encoder_dp_balance_calibration_steps=config.encoder_dp_balance_calibration_steps,
     )

@@ -17,8 +17,11 @@ the tower with this rank's ``pixel_values`` and ``grid_thw`` then:
 
 The pre-merger ``last_hidden_state`` is not sent back (the language model reads only the merged features): under
 balancing it is ``None``. Every rank of the group must call the tower the same number of times in a step, as
-FSDP2 requires of a sharded tower anyway (a step with images on some ranks and none on others waits, as it would
-without balancing). Lightning-free.
+FSDP2 requires of a sharded tower anyway. A training call of the model without images or videos (a text-only row
+without the filler image; the model never calls its tower then) calls each balanced tower with no image from a
+forward pre-hook of the model, and a forward hook adds the empty features' sum (exactly 0) to the output's loss (or
+logits): the rank takes part in both all-to-alls, forward and backward, instead of leaving the others waiting.
+Lightning-free.
 """
 
 from __future__ import annotations
@@ -77,6 +80,8 @@ class BalanceState:
     """This rank's time in the tower's own forward in the last call."""
     calls: int = 0
     history: list[tuple[float, float]] = field(default_factory=list)
+    patch_width: int = 0
+    """Values per patch row of ``pixel_values`` (channels x temporal patch x patch side squared)."""
 
 
 _STATES: weakref.WeakKeyDictionary[nn.Module, BalanceState] = weakref.WeakKeyDictionary()
@@ -138,10 +143,79 @@ def enable_vision_balance(
         window, full_fraction = _window_layout(tower)
         calibration = CostCalibration(0 if cost is not None else calibration_calls, cost or VisionCost())
         merge: Any = tower.spatial_merge_size  # an int (find_vision_towers checked it)
-        state = BalanceState(group, calibration, int(merge), window, full_fraction)
+        state = BalanceState(group, calibration, int(merge), window, full_fraction, patch_width=_patch_width(tower))
         _STATES[tower] = state
         replace_forward(tower, _balanced(tower.forward, state), "encoder_dp_balance")
+    inner = [tower for name, tower in towers if name]
+    if inner and model not in _IMAGE_FREE:
+        _IMAGE_FREE[model] = (
+            model.register_forward_pre_hook(_image_free_call(inner), with_kwargs=True),
+            model.register_forward_hook(_tie_empty_features, with_kwargs=True),
+        )
     return [name for name, _ in towers]
+
+
+_IMAGE_FREE: weakref.WeakKeyDictionary[nn.Module, tuple[Any, Any]] = weakref.WeakKeyDictionary()
+_PENDING: weakref.WeakKeyDictionary[nn.Module, list[torch.Tensor]] = weakref.WeakKeyDictionary()
+VISUAL_INPUTS = ("pixel_values", "pixel_values_videos")
+"""A model call with neither of these does not call its vision tower: the image-free call's hooks do."""
+
+
+def _patch_width(tower: nn.Module) -> int:
+    embed = getattr(tower, "patch_embed", None)
+    sizes = [getattr(embed, k, None) for k in ("in_channels", "temporal_patch_size", "patch_size")]
+    if not all(isinstance(v, int) for v in sizes):
+        raise VisionBalanceError(
+            f"encoder_dp_balance: {type(tower).__name__}.patch_embed has no in_channels / temporal_patch_size / "
+            "patch_size to size an image-free rank's empty call"
+        )
+    channels, temporal, side = (int(v) for v in sizes if isinstance(v, int))
+    return channels * temporal * side * side
+
+
+def _image_free_call(towers: list[nn.Module]) -> Callable[..., None]:
+    """A training call of the model without images or videos (a text-only batch without the filler image) calls
+    each balanced tower with no image: the rank takes part in the group's exchanges (it may encode other ranks'
+    images), and :func:`_tie_empty_features` joins the empty features to the output so the backward exchange runs
+    on this rank too. Without it the other ranks would wait in the tower's collectives for ever."""
+
+    def pre_hook(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+        if not module.training or any(kwargs.get(k) is not None for k in VISUAL_INPUTS):
+            return
+        if kwargs.get("input_ids") is None and kwargs.get("inputs_embeds") is None:
+            return
+        pending: list[torch.Tensor] = []
+        for tower in towers:
+            state = _STATES[tower]
+            weight = next(tower.parameters())
+            device = weight.device if weight.device.type != "meta" else torch.device("cpu")
+            pixels = torch.zeros((0, state.patch_width), dtype=weight.dtype, device=device)
+            out = tower(pixels, grid_thw=torch.zeros((0, 3), dtype=torch.long, device=device))
+            for value in out.values():
+                pending += [value] if isinstance(value, torch.Tensor) else [v for v in value if v is not None]
+        _PENDING[module] = pending
+
+    return pre_hook
+
+
+def _tie_empty_features(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any], output: Any) -> Any:
+    """Add the image-free call's empty features (a sum of nothing: exactly 0) to the loss, or else the logits."""
+    pending = _PENDING.pop(module, None)
+    if not pending:
+        return None
+    grads = [t.sum() for t in pending if t.requires_grad]
+    if not grads:  # a frozen tower: no backward exchange on any rank
+        return None
+    zero = torch.stack(grads).sum()
+    for key in ("loss", "logits"):
+        value = getattr(output, key, None)
+        if isinstance(value, torch.Tensor):
+            setattr(output, key, value + zero.to(value.dtype))
+            return output
+    raise VisionBalanceError(
+        f"encoder_dp_balance: {type(module).__name__} returned neither `loss` nor `logits` to join an image-free "
+        "rank's empty vision features to (its backward exchange would be skipped)"
+    )
 
 
 def _synchronize(device: torch.device) -> None:
