@@ -242,6 +242,75 @@ def test_recompute_is_hardware_flops_only(family: str, reentrant: bool) -> None:
     assert counted.recompute > 0
 
 
+# ------------------------------------------------------------------------------ ViT VLMs (N, C, H, W) images
+VIT = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=3, num_attention_heads=4, patch_size=14)
+
+
+def _vit_batch(images: int, side: int, tokens_per_image: int, text: int = 12) -> dict[str, Any]:
+    pieces = []
+    for _ in range(images):  # each image's placeholders, then a text token
+        pieces += [torch.full((tokens_per_image,), IMAGE), torch.randint(IMAGE + 1, 256, (1,))]
+    ids = torch.cat([*pieces, torch.randint(IMAGE + 1, 256, (text,))])[None]
+    labels = ids.clone()
+    labels[ids == IMAGE] = -100
+    return dict(input_ids=ids, labels=labels, pixel_values=torch.randn(images, 3, side, side))
+
+
+def _vit_vlm(family: str) -> tuple[torch.nn.Module, dict[str, Any]]:
+    """A tiny real model of the family and a batch of two 56x56 images (4x4 patches of 14)."""
+    torch.manual_seed(0)
+    if family == "internvl":  # a Qwen2 LM; class token dropped, 0.5 pixel shuffle: 4 tokens per image
+        vision = dict(VIT, image_size=[56, 56], patch_size=[14, 14])
+        text = dict(TEXT, model_type="qwen2")
+        config: Any = transformers.InternVLConfig(text_config=text, vision_config=vision, image_token_id=IMAGE)
+        model = transformers.InternVLForConditionalGeneration(_eager(config))
+        return model.train(), _vit_batch(2, 56, 4)
+    if family == "llava":  # a Llama LM over CLIP's second-to-last layer (the last one runs forward only)
+        vision = dict(VIT, image_size=56, projection_dim=32, model_type="clip_vision_model")
+        config = transformers.LlavaConfig(
+            text_config=dict(TEXT, model_type="llama"), vision_config=vision, image_token_id=IMAGE, image_seq_length=16
+        )
+        model = transformers.LlavaForConditionalGeneration(_eager(config))
+        return model.train(), _vit_batch(2, 56, 16)
+    # Gemma 3: SigLIP without its pooling head (as the released checkpoints), 4 pooled tokens per image; the
+    # sliding window covers the whole sample (eager attention computes every key; the window is checked by hand)
+    vision = dict(VIT, image_size=56, vision_use_head=False)
+    text = dict(TEXT, sliding_window=512, layer_types=["sliding_attention", "full_attention"])
+    config = transformers.Gemma3Config(
+        text_config=text, vision_config=vision, image_token_index=IMAGE, mm_tokens_per_image=4
+    )
+    model = transformers.Gemma3ForConditionalGeneration(_eager(config))
+    batch = _vit_batch(2, 56, 4)
+    batch["token_type_ids"] = (batch["input_ids"] == IMAGE).long()
+    return model.train(), batch
+
+
+@pytest.mark.parametrize("family", ["internvl", "llava", "gemma3"])
+def test_vit_vlm_matches_flop_counter_mode(family: str) -> None:
+    model, batch = _vit_vlm(family)
+    counted = FlopCounter.from_model(model)(batch)
+    _assert_close(counted.model, _measured(model, batch))
+    assert counted.parts["vision"] > 0 and counted.parts["projector"] > 0
+    _assert_close(FlopCounter.from_model(model)(batch, backward=False).model, _measured(model, batch, False))
+
+
+@pytest.mark.parametrize("family", ["internvl", "llava"])
+def test_vit_vlm_frozen_tower_trained_projector(family: str) -> None:
+    """LLaVA's first stage: tower and LM frozen, the projector trains (its input takes no gradient)."""
+    model, batch = _vit_vlm(family)
+    for name, param in model.named_parameters():
+        param.requires_grad_("multi_modal_projector" in name)
+    counter = FlopCounter.from_model(model)
+    assert counter.projector.base and not counter.vision.base and not counter.language.base
+    _assert_close(counter(batch).model, _measured(model, batch))
+
+
+def test_gemma3_text_matches_flop_counter_mode() -> None:
+    model = _lm(transformers.Gemma3TextConfig, sliding_window=512)
+    batch = _text_batch()
+    _assert_close(FlopCounter.from_model(model)(batch).model, _measured(model, batch))
+
+
 def test_formulas_by_hand() -> None:
     # one trained linear: 3x forward; frozen with a flowing gradient: 2x; frozen with none: 1x
     op = linear(10, 4, 8)
@@ -287,8 +356,13 @@ def test_peak_table() -> None:
 
 
 def test_unsupported_model_is_an_error() -> None:
-    config = transformers.LlavaConfig(text_config=dict(TEXT, model_type="llama"))
-    with pytest.raises(UnsupportedFlopsModel, match="llava"):
+    config = transformers.LlavaConfig(text_config=dict(TEXT, model_type="gpt2"))
+    with pytest.raises(UnsupportedFlopsModel, match="llava"):  # a counted VLM around an uncounted LM
+        FlopCounter(config)
+    config = transformers.LlavaConfig(
+        text_config=dict(TEXT, model_type="llama"), vision_config={"model_type": "pixtral"}
+    )
+    with pytest.raises(UnsupportedFlopsModel, match="pixtral"):
         FlopCounter(config)
     with pytest.raises(UnsupportedFlopsModel, match="gpt2"):  # a non-gated MLP: no silent wrong count
         FlopCounter(transformers.GPT2Config())

@@ -1,8 +1,9 @@
 """FLOPs of one training step of a Transformers model, from its config and the batch (Lightning-free).
 
-:class:`FlopCounter` reads a model's config (decoder LMs: Llama, Mistral, Qwen2, Qwen3; Qwen2-MoE, Qwen3-MoE; the
-Qwen2.5-VL and Qwen3-VL (-MoE) VLMs), which of its weights train (all, a frozen tower, LoRA adapters from PEFT) and
-whether its blocks recompute, and counts each batch with the formulas of :mod:`lightning_mm.core.flops`:
+:class:`FlopCounter` reads a model's config (decoder LMs: Llama, Mistral, Qwen2, Qwen3, Gemma 3; Qwen2-MoE,
+Qwen3-MoE; the Qwen2.5-VL and Qwen3-VL (-MoE) VLMs; InternVL, LLaVA and Gemma 3 over their ViT towers), which of
+its weights train (all, a frozen tower, LoRA adapters from PEFT) and whether its blocks recompute, and
+counts each batch with the formulas of :mod:`lightning_mm.core.flops`:
 
 Counted ``model_type`` s: :data:`COUNTED_MODEL_TYPES`; any other is an :class:`UnsupportedFlopsModel` error.
 
@@ -12,7 +13,10 @@ Counted ``model_type`` s: :data:`COUNTED_MODEL_TYPES`; any other is an :class:`U
   (``num_experts_per_tok``) and any shared expert; then the output layer over every token;
 * vision tower: the patch embedding, per block ``qkv``, attention per image frame (Qwen2.5-VL: over each window of
   ``window_size`` pixels in the layers outside ``fullatt_block_indexes``, the edge windows clipped as the model
-  clips them), ``proj`` and the MLP, then the merger (and Qwen3-VL's DeepStack mergers);
+  clips them), ``proj`` and the MLP, then the merger (and Qwen3-VL's DeepStack mergers); a ViT tower (InternViT,
+  CLIP, SigLIP) over ``(N, C, H, W)`` images: the patch embedding, per layer ``q``/``k``/``v``/``out``, attention
+  per image (its class token included) and the MLP, the layers after ``vision_feature_layer`` forward only (no
+  gradient reaches them); then the projector (its own trained or frozen part, ``multi_modal_projector``);
 * LoRA: each adapted layer's ``A`` and ``B`` (trained, 3x forward) beside its frozen base (2x: only the gradient of
   its input; 1x while no gradient flows yet, e.g. a frozen tower);
 * recomputation: each recomputed block's forward once more, in ``StepFlops.hardware`` only.
@@ -39,10 +43,16 @@ __all__ = [
     "target_tokens",
 ]
 
-_VLM_TYPES = ("qwen2_5_vl", "qwen3_vl", "qwen3_vl_moe")
+_QWEN_VLM_TYPES = ("qwen2_5_vl", "qwen3_vl", "qwen3_vl_moe")
+# VLMs of a ViT tower (a class token or none) over square images ``(N, C, H, W)`` and a projector into the LM.
+_VIT_VLM_TYPES = ("internvl", "llava", "gemma3")
+_VLM_TYPES = _QWEN_VLM_TYPES + _VIT_VLM_TYPES
 # Decoders whose layers are q/k/v/o attention and a gated MLP (or Qwen-style MoE): the formula below is theirs.
-_TEXT_TYPES = ("llama", "mistral", "qwen2", "qwen3", "qwen2_moe", "qwen3_moe")
+_TEXT_TYPES = ("llama", "mistral", "qwen2", "qwen3", "qwen2_moe", "qwen3_moe", "gemma3_text")
+# ViT towers: whether they put a class token before the patches.
+_VIT_CLASS_TOKEN = {"internvl_vision": True, "clip_vision_model": True, "siglip_vision_model": False}
 _VISION_PREFIXES = ("visual.", "vision_tower.", "vision_model.")
+_PROJECTOR_PREFIXES = ("multi_modal_projector.",)
 
 COUNTED_MODEL_TYPES = _TEXT_TYPES + _VLM_TYPES
 
@@ -145,6 +155,7 @@ class FlopCounter:
     vision: TowerTraining = field(default_factory=TowerTraining)
     embed_trains: bool = True
     head_trains: bool = True
+    projector: TowerTraining = field(default_factory=TowerTraining)
 
     def __post_init__(self) -> None:
         self._text_config()  # unsupported architectures fail here, before training
@@ -165,23 +176,18 @@ class FlopCounter:
         config = getattr(model, "config", None)
         if config is None:
             raise UnsupportedFlopsModel(f"{type(model).__name__} has no Transformers `config`")
-        language_base = vision_base = False
-        lora: dict[str, dict[str, int]] = {"language": {}, "vision": {}}
+        trains = {"language": False, "vision": False, "projector": False}
+        lora: dict[str, dict[str, int]] = {"language": {}, "vision": {}, "projector": {}}
         embed = head = False
         inputs = _call(model, "get_input_embeddings")
         outputs = _call(model, "get_output_embeddings")
         for name, module in model.named_modules():
-            tower = "vision" if any(f".{p}" in f".{name}" for p in _VISION_PREFIXES) else "language"
             ranks = getattr(module, "r", None)
             if hasattr(module, "lora_A") and isinstance(ranks, Mapping) and ranks:
-                lora[tower][name.rsplit(".", 1)[-1]] = int(next(iter(ranks.values())))
+                lora[_tower_of(name)][name.rsplit(".", 1)[-1]] = int(next(iter(ranks.values())))
         for name, param in model.named_parameters():
-            if not param.requires_grad or "lora_" in name:
-                continue
-            if any(f".{p}" in f".{name}" for p in _VISION_PREFIXES):
-                vision_base = True
-            else:
-                language_base = True
+            if param.requires_grad and "lora_" not in name:
+                trains[_tower_of(name)] = True
         if isinstance(inputs, nn.Module):
             embed = any(p.requires_grad for p in inputs.parameters())
         if isinstance(outputs, nn.Module):
@@ -189,10 +195,11 @@ class FlopCounter:
         recompute_vision = recompute if recompute_vision is None else recompute_vision
         return cls(
             config,
-            TowerTraining(language_base, lora["language"], recompute, reentrant),
-            TowerTraining(vision_base, lora["vision"], recompute_vision, reentrant),
+            TowerTraining(trains["language"], lora["language"], recompute, reentrant),
+            TowerTraining(trains["vision"], lora["vision"], recompute_vision, reentrant),
             embed_trains=embed,
             head_trains=head,
+            projector=TowerTraining(trains["projector"], lora["projector"]),
         )
 
     # ----------------------------------------------------------------------------------------------- configs
@@ -200,7 +207,14 @@ class FlopCounter:
         config = self.config
         model_type = getattr(config, "model_type", "")
         if model_type in _VLM_TYPES:
-            return config.text_config
+            text = config.text_config
+            if model_type in _VIT_VLM_TYPES:  # a LM of its own choice (the Qwen VLMs' are theirs)
+                if getattr(text, "model_type", "") not in _TEXT_TYPES:
+                    raise UnsupportedFlopsModel(
+                        f"no FLOP formula for the {model_type!r} language model {text.model_type!r}"
+                    )
+                self._vit_spec()
+            return text
         if model_type not in _TEXT_TYPES:
             raise UnsupportedFlopsModel(
                 f"no FLOP formula for model_type {model_type!r} (counted: {list(_TEXT_TYPES + _VLM_TYPES)})"
@@ -211,16 +225,27 @@ class FlopCounter:
     def __call__(self, batch: Mapping[str, Any], backward: bool = True) -> StepFlops:
         """FLOPs of forward (and backward) over ``batch`` (a mapping with ``input_ids``, as the model takes)."""
         lengths = sample_lengths(batch)
-        vision_blocks = self._vision_blocks(_grids(batch)) if self.config.model_type in _VLM_TYPES else []
+        model_type = self.config.model_type
+        vision_blocks: list[Block] = []
+        unused: list[Block] = []  # tower layers after the one whose features are used: no gradient reaches them
+        projector_blocks: list[Block] = []
+        if model_type in _QWEN_VLM_TYPES:
+            vision_blocks = self._vision_blocks(_grids(batch))
+        elif model_type in _VIT_VLM_TYPES:
+            vision_blocks, unused, projector_blocks = self._vit_blocks(batch.get("pixel_values"))
         vision = training_flops(vision_blocks, inputs_need_grad=False, backward=backward)
+        vision += training_flops(unused, inputs_need_grad=False, backward=False)
         vision_flows = self.vision.base or bool(self.vision.lora)
+        # InternVL's projector starts with a LayerNorm: when it trains, its first linear layer's input takes a gradient
+        norm_trains = model_type == "internvl" and self.projector.base
+        projector = training_flops(projector_blocks, inputs_need_grad=vision_flows or norm_trains, backward=backward)
+        projector_flows = vision_flows or self.projector.base or bool(self.projector.lora)
         language = training_flops(
-            self._language_blocks(lengths), inputs_need_grad=self.embed_trains or vision_flows, backward=backward
+            self._language_blocks(lengths), inputs_need_grad=self.embed_trains or projector_flows, backward=backward
         )
-        parts = {"language": language.model, "vision": vision.model}
-        return StepFlops(
-            vision.model + language.model, vision.hardware + language.hardware, vision.forward + language.forward, parts
-        )
+        total = vision + projector + language
+        parts = {"language": language.model, "vision": vision.model, "projector": projector.model}
+        return StepFlops(total.model, total.hardware, total.forward, parts)
 
     def _language_blocks(self, lengths: Sequence[int]) -> list[Block]:
         c = self._text_config()
@@ -313,3 +338,77 @@ class FlopCounter:
             stages += tower.linear(names[1], merged, merger_in, out)
             blocks.append(Block(tuple(stages)))
         return blocks
+
+    # ----------------------------------------------------------------------------------------------- ViT VLMs
+    def _vit_spec(self) -> tuple[Any, bool, int]:
+        """The tower's config, whether it has a class token, and the hidden state whose features are used."""
+        c = self.config
+        v = c.vision_config
+        vision_type = getattr(v, "model_type", "")
+        if vision_type not in _VIT_CLASS_TOKEN:
+            raise UnsupportedFlopsModel(f"no FLOP formula for the {c.model_type!r} vision tower {vision_type!r}")
+        if c.model_type == "gemma3" and getattr(v, "vision_use_head", False):
+            raise UnsupportedFlopsModel("no FLOP formula for a Gemma 3 SigLIP tower with its pooling head")
+        depth = int(v.num_hidden_layers)
+        layer = getattr(c, "vision_feature_layer", -1)
+        layers = [layer] if isinstance(layer, int) else list(layer)
+        used = max(index if index >= 0 else depth + 1 + index for index in layers)  # hidden_states[0]: embeddings
+        return v, _VIT_CLASS_TOKEN[vision_type], used
+
+    def _vit_blocks(self, pixels: Any) -> tuple[list[Block], list[Block], list[Block]]:
+        if not isinstance(pixels, Tensor) or pixels.numel() == 0:
+            return [], [], []
+        if pixels.ndim != 4:
+            raise ValueError(
+                f"a FLOP count of {self.config.model_type!r} needs 4-D `pixel_values`, got {pixels.ndim}-D"
+            )
+        c = self.config
+        v, class_token, used = self._vit_spec()
+        tower = self.vision
+        size = v.patch_size
+        patch = int(size[0] if isinstance(size, (list, tuple)) else size)
+        images, channels = int(pixels.shape[0]), int(pixels.shape[1])
+        grid = (int(pixels.shape[2]) // patch) * (int(pixels.shape[3]) // patch)
+        sequence = grid + int(class_token)
+        tokens = images * sequence
+        hidden = int(v.hidden_size)
+        heads = int(v.num_attention_heads)
+        inner = int(v.intermediate_size)
+        out_name = "projection_layer" if c.model_type == "internvl" else "out_proj"
+        blocks = [Block(((linear(images * grid, channels * patch * patch, hidden, tower.base),),))]
+        for _ in range(int(v.num_hidden_layers)):
+            stages = list(tower.parallel([(n, hidden, hidden) for n in ("q_proj", "k_proj", "v_proj")], tokens))
+            stages.append((attention([sequence] * images, heads, hidden // heads),))
+            stages += tower.linear(out_name, tokens, hidden, hidden)
+            stages += tower.linear("fc1", tokens, hidden, inner)
+            stages += tower.linear("fc2", tokens, inner, hidden)
+            blocks.append(tower.block(stages))
+        text_hidden = int(c.text_config.hidden_size)
+        projector = self.projector
+        stages = []
+        if c.model_type == "internvl":
+            if getattr(c, "vision_feature_select_strategy", "default") != "default":
+                raise UnsupportedFlopsModel("InternVL's FLOPs are counted for vision_feature_select_strategy 'default'")
+            ratio = int(round(1 / float(c.downsample_ratio)))
+            merged = images * grid // ratio**2
+            stages += projector.linear("linear_1", merged, hidden * ratio**2, text_hidden)
+            stages += projector.linear("linear_2", merged, text_hidden, text_hidden)
+        elif c.model_type == "llava":
+            layer = c.vision_feature_layer
+            width = hidden * (1 if isinstance(layer, int) else len(layer))
+            selected = images * (grid if c.vision_feature_select_strategy == "default" else sequence)
+            stages += projector.linear("linear_1", selected, width, text_hidden)
+            stages += projector.linear("linear_2", selected, text_hidden, text_hidden)
+        else:  # Gemma 3: average-pooled to mm_tokens_per_image, then one projection matrix
+            stages.append((linear(images * int(c.mm_tokens_per_image), hidden, text_hidden, projector.base),))
+        return blocks[: used + 1], blocks[used + 1 :], [Block(tuple(stages))]
+
+
+def _tower_of(name: str) -> str:
+    """The tower a module or parameter of this name belongs to: vision, projector or language."""
+    dotted = f".{name}"
+    if any(f".{p}" in dotted for p in _VISION_PREFIXES):
+        return "vision"
+    if any(f".{p}" in dotted for p in _PROJECTOR_PREFIXES):
+        return "projector"
+    return "language"
