@@ -272,6 +272,20 @@ def _vit_vlm(family: str) -> tuple[torch.nn.Module, dict[str, Any]]:
         )
         model = transformers.LlavaForConditionalGeneration(_eager(config))
         return model.train(), _vit_batch(2, 56, 16)
+    if family in ("idefics3", "smolvlm"):  # (batch, images, C, H, W), an all-zero padding image the model drops
+        vision = dict(VIT, image_size=56)
+        cls = transformers.Idefics3Config if family == "idefics3" else transformers.SmolVLMConfig
+        config = cls(
+            text_config=dict(TEXT, model_type="llama"), vision_config=vision, image_token_id=IMAGE, scale_factor=2
+        )
+        model_cls = (
+            transformers.Idefics3ForConditionalGeneration
+            if family == "idefics3"
+            else transformers.SmolVLMForConditionalGeneration
+        )
+        batch = _vit_batch(2, 56, 4)
+        batch["pixel_values"] = torch.cat([batch["pixel_values"], torch.zeros(1, 3, 56, 56)])[None]
+        return model_cls(_eager(config)).train(), batch
     # Gemma 3: SigLIP without its pooling head (as the released checkpoints), 4 pooled tokens per image; the
     # sliding window covers the whole sample (eager attention computes every key; the window is checked by hand)
     vision = dict(VIT, image_size=56, vision_use_head=False)
@@ -285,7 +299,7 @@ def _vit_vlm(family: str) -> tuple[torch.nn.Module, dict[str, Any]]:
     return model.train(), batch
 
 
-@pytest.mark.parametrize("family", ["internvl", "llava", "gemma3"])
+@pytest.mark.parametrize("family", ["internvl", "llava", "gemma3", "idefics3", "smolvlm"])
 def test_vit_vlm_matches_flop_counter_mode(family: str) -> None:
     model, batch = _vit_vlm(family)
     counted = FlopCounter.from_model(model)(batch)
@@ -294,12 +308,12 @@ def test_vit_vlm_matches_flop_counter_mode(family: str) -> None:
     _assert_close(FlopCounter.from_model(model)(batch, backward=False).model, _measured(model, batch, False))
 
 
-@pytest.mark.parametrize("family", ["internvl", "llava"])
+@pytest.mark.parametrize("family", ["internvl", "llava", "idefics3"])
 def test_vit_vlm_frozen_tower_trained_projector(family: str) -> None:
     """LLaVA's first stage: tower and LM frozen, the projector trains (its input takes no gradient)."""
     model, batch = _vit_vlm(family)
     for name, param in model.named_parameters():
-        param.requires_grad_("multi_modal_projector" in name)
+        param.requires_grad_("multi_modal_projector" in name or "connector" in name)
     counter = FlopCounter.from_model(model)
     assert counter.projector.base and not counter.vision.base and not counter.language.base
     _assert_close(counter(batch).model, _measured(model, batch))

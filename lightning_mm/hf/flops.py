@@ -1,9 +1,9 @@
 """FLOPs of one training step of a Transformers model, from its config and the batch (Lightning-free).
 
 :class:`FlopCounter` reads a model's config (decoder LMs: Llama, Mistral, Qwen2, Qwen3, Gemma 3; Qwen2-MoE,
-Qwen3-MoE; the Qwen2.5-VL and Qwen3-VL (-MoE) VLMs; InternVL, LLaVA and Gemma 3 over their ViT towers), which of
-its weights train (all, a frozen tower, LoRA adapters from PEFT) and whether its blocks recompute, and
-counts each batch with the formulas of :mod:`lightning_mm.core.flops`:
+Qwen3-MoE; the Qwen2.5-VL and Qwen3-VL (-MoE) VLMs; InternVL, LLaVA, Gemma 3, Idefics3, SmolVLM over their ViT
+towers), which of its weights train (all, a frozen tower, LoRA adapters from PEFT) and whether its blocks recompute,
+and counts each batch with the formulas of :mod:`lightning_mm.core.flops`:
 
 Counted ``model_type`` s: :data:`COUNTED_MODEL_TYPES`; any other is an :class:`UnsupportedFlopsModel` error.
 
@@ -45,14 +45,20 @@ __all__ = [
 
 _QWEN_VLM_TYPES = ("qwen2_5_vl", "qwen3_vl", "qwen3_vl_moe")
 # VLMs of a ViT tower (a class token or none) over square images ``(N, C, H, W)`` and a projector into the LM.
-_VIT_VLM_TYPES = ("internvl", "llava", "gemma3")
+_VIT_VLM_TYPES = ("internvl", "llava", "gemma3", "idefics3", "smolvlm")
 _VLM_TYPES = _QWEN_VLM_TYPES + _VIT_VLM_TYPES
 # Decoders whose layers are q/k/v/o attention and a gated MLP (or Qwen-style MoE): the formula below is theirs.
 _TEXT_TYPES = ("llama", "mistral", "qwen2", "qwen3", "qwen2_moe", "qwen3_moe", "gemma3_text")
 # ViT towers: whether they put a class token before the patches.
-_VIT_CLASS_TOKEN = {"internvl_vision": True, "clip_vision_model": True, "siglip_vision_model": False}
+_VIT_CLASS_TOKEN = {
+    "internvl_vision": True,
+    "clip_vision_model": True,
+    "siglip_vision_model": False,
+    "idefics3_vision": False,
+    "smolvlm_vision": False,
+}
 _VISION_PREFIXES = ("visual.", "vision_tower.", "vision_model.")
-_PROJECTOR_PREFIXES = ("multi_modal_projector.",)
+_PROJECTOR_PREFIXES = ("multi_modal_projector.", "connector.")
 
 COUNTED_MODEL_TYPES = _TEXT_TYPES + _VLM_TYPES
 
@@ -358,11 +364,14 @@ class FlopCounter:
     def _vit_blocks(self, pixels: Any) -> tuple[list[Block], list[Block], list[Block]]:
         if not isinstance(pixels, Tensor) or pixels.numel() == 0:
             return [], [], []
+        c = self.config
+        if c.model_type in ("idefics3", "smolvlm") and pixels.ndim == 5:  # (batch, images, C, H, W), zero padding
+            pixels = pixels.flatten(0, 1)
+            pixels = pixels[pixels.flatten(1).ne(0).any(-1)]  # the model drops the all-zero padding images
         if pixels.ndim != 4:
             raise ValueError(
                 f"a FLOP count of {self.config.model_type!r} needs 4-D `pixel_values`, got {pixels.ndim}-D"
             )
-        c = self.config
         v, class_token, used = self._vit_spec()
         tower = self.vision
         size = v.patch_size
@@ -399,6 +408,10 @@ class FlopCounter:
             selected = images * (grid if c.vision_feature_select_strategy == "default" else sequence)
             stages += projector.linear("linear_1", selected, width, text_hidden)
             stages += projector.linear("linear_2", selected, text_hidden, text_hidden)
+        elif c.model_type in ("idefics3", "smolvlm"):  # pixel shuffle by scale_factor, then one linear layer
+            scale = int(c.scale_factor)
+            merged = images * grid // scale**2
+            stages += projector.linear("proj", merged, hidden * scale**2, text_hidden)
         else:  # Gemma 3: average-pooled to mm_tokens_per_image, then one projection matrix
             stages.append((linear(images * int(c.mm_tokens_per_image), hidden, text_hidden, projector.base),))
         return blocks[: used + 1], blocks[used + 1 :], [Block(tuple(stages))]
