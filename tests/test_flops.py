@@ -286,6 +286,14 @@ def _vit_vlm(family: str) -> tuple[torch.nn.Module, dict[str, Any]]:
         batch = _vit_batch(2, 56, 4)
         batch["pixel_values"] = torch.cat([batch["pixel_values"], torch.zeros(1, 3, 56, 56)])[None]
         return model_cls(_eager(config)).train(), batch
+    if family == "mistral3":  # Pixtral over one 56x28 image padded to 56x56 (eager attention masks a concatenation)
+        vision = dict(VIT, image_size=56, head_dim=8, model_type="pixtral")
+        config = transformers.Mistral3Config(
+            text_config=dict(TEXT, model_type="mistral"), vision_config=vision, image_token_index=IMAGE
+        )
+        batch = _vit_batch(1, 56, 2)  # 4x2 patches, 2x1 merged
+        batch["image_sizes"] = torch.tensor([[56, 28]])
+        return transformers.Mistral3ForConditionalGeneration(_eager(config)).train(), batch
     # Gemma 3: SigLIP without its pooling head (as the released checkpoints), 4 pooled tokens per image; the
     # sliding window covers the whole sample (eager attention computes every key; the window is checked by hand)
     vision = dict(VIT, image_size=56, vision_use_head=False)
@@ -299,7 +307,7 @@ def _vit_vlm(family: str) -> tuple[torch.nn.Module, dict[str, Any]]:
     return model.train(), batch
 
 
-@pytest.mark.parametrize("family", ["internvl", "llava", "gemma3", "idefics3", "smolvlm"])
+@pytest.mark.parametrize("family", ["internvl", "llava", "gemma3", "idefics3", "smolvlm", "mistral3"])
 def test_vit_vlm_matches_flop_counter_mode(family: str) -> None:
     model, batch = _vit_vlm(family)
     counted = FlopCounter.from_model(model)(batch)
@@ -308,7 +316,7 @@ def test_vit_vlm_matches_flop_counter_mode(family: str) -> None:
     _assert_close(FlopCounter.from_model(model)(batch, backward=False).model, _measured(model, batch, False))
 
 
-@pytest.mark.parametrize("family", ["internvl", "llava", "idefics3"])
+@pytest.mark.parametrize("family", ["internvl", "llava", "idefics3", "gemma3", "mistral3"])
 def test_vit_vlm_frozen_tower_trained_projector(family: str) -> None:
     """LLaVA's first stage: tower and LM frozen, the projector trains (its input takes no gradient)."""
     model, batch = _vit_vlm(family)
@@ -376,7 +384,11 @@ def test_unsupported_model_is_an_error() -> None:
     config = transformers.LlavaConfig(
         text_config=dict(TEXT, model_type="llama"), vision_config={"model_type": "pixtral"}
     )
-    with pytest.raises(UnsupportedFlopsModel, match="pixtral"):
+    with pytest.raises(UnsupportedFlopsModel, match="pixtral"):  # a Pixtral tower is counted in Mistral 3 only
+        FlopCounter(config)
+    vision = dict(VIT, model_type="clip_vision_model")
+    config = transformers.Mistral3Config(text_config=dict(TEXT, model_type="mistral"), vision_config=vision)
+    with pytest.raises(UnsupportedFlopsModel, match="clip_vision_model"):
         FlopCounter(config)
     with pytest.raises(UnsupportedFlopsModel, match="gpt2"):  # a non-gated MLP: no silent wrong count
         FlopCounter(transformers.GPT2Config())

@@ -1,9 +1,9 @@
 """FLOPs of one training step of a Transformers model, from its config and the batch (Lightning-free).
 
 :class:`FlopCounter` reads a model's config (decoder LMs: Llama, Mistral, Qwen2, Qwen3, Gemma 3; Qwen2-MoE,
-Qwen3-MoE; the Qwen2.5-VL and Qwen3-VL (-MoE) VLMs; InternVL, LLaVA, Gemma 3, Idefics3, SmolVLM over their ViT
-towers), which of its weights train (all, a frozen tower, LoRA adapters from PEFT) and whether its blocks recompute,
-and counts each batch with the formulas of :mod:`lightning_mm.core.flops`:
+Qwen3-MoE; the Qwen2.5-VL and Qwen3-VL (-MoE) VLMs; InternVL, LLaVA, Gemma 3, Idefics3, SmolVLM, Mistral 3 over
+their ViT towers), which of its weights train (all, a frozen tower, LoRA adapters from PEFT) and whether its blocks
+recompute, and counts each batch with the formulas of :mod:`lightning_mm.core.flops`:
 
 Counted ``model_type`` s: :data:`COUNTED_MODEL_TYPES`; any other is an :class:`UnsupportedFlopsModel` error.
 
@@ -45,7 +45,7 @@ __all__ = [
 
 _QWEN_VLM_TYPES = ("qwen2_5_vl", "qwen3_vl", "qwen3_vl_moe")
 # VLMs of a ViT tower (a class token or none) over square images ``(N, C, H, W)`` and a projector into the LM.
-_VIT_VLM_TYPES = ("internvl", "llava", "gemma3", "idefics3", "smolvlm")
+_VIT_VLM_TYPES = ("internvl", "llava", "gemma3", "idefics3", "smolvlm", "mistral3")
 _VLM_TYPES = _QWEN_VLM_TYPES + _VIT_VLM_TYPES
 # Decoders whose layers are q/k/v/o attention and a gated MLP (or Qwen-style MoE): the formula below is theirs.
 _TEXT_TYPES = ("llama", "mistral", "qwen2", "qwen3", "qwen2_moe", "qwen3_moe", "gemma3_text")
@@ -56,7 +56,10 @@ _VIT_CLASS_TOKEN = {
     "siglip_vision_model": False,
     "idefics3_vision": False,
     "smolvlm_vision": False,
+    "pixtral": False,
 }
+# Projectors that start with a norm of their own: when they train, their first linear layer's input takes a gradient.
+_NORMED_PROJECTORS = ("internvl", "gemma3", "mistral3")
 _VISION_PREFIXES = ("visual.", "vision_tower.", "vision_model.")
 _PROJECTOR_PREFIXES = ("multi_modal_projector.", "connector.")
 
@@ -237,13 +240,14 @@ class FlopCounter:
         projector_blocks: list[Block] = []
         if model_type in _QWEN_VLM_TYPES:
             vision_blocks = self._vision_blocks(_grids(batch))
+        elif model_type == "mistral3":
+            vision_blocks, unused, projector_blocks = self._pixtral_blocks(batch.get("pixel_values"), batch)
         elif model_type in _VIT_VLM_TYPES:
             vision_blocks, unused, projector_blocks = self._vit_blocks(batch.get("pixel_values"))
         vision = training_flops(vision_blocks, inputs_need_grad=False, backward=backward)
         vision += training_flops(unused, inputs_need_grad=False, backward=False)
         vision_flows = self.vision.base or bool(self.vision.lora)
-        # InternVL's projector starts with a LayerNorm: when it trains, its first linear layer's input takes a gradient
-        norm_trains = model_type == "internvl" and self.projector.base
+        norm_trains = model_type in _NORMED_PROJECTORS and self.projector.base
         projector = training_flops(projector_blocks, inputs_need_grad=vision_flows or norm_trains, backward=backward)
         projector_flows = vision_flows or self.projector.base or bool(self.projector.lora)
         language = training_flops(
@@ -351,7 +355,7 @@ class FlopCounter:
         c = self.config
         v = c.vision_config
         vision_type = getattr(v, "model_type", "")
-        if vision_type not in _VIT_CLASS_TOKEN:
+        if vision_type not in _VIT_CLASS_TOKEN or (vision_type == "pixtral") != (c.model_type == "mistral3"):
             raise UnsupportedFlopsModel(f"no FLOP formula for the {c.model_type!r} vision tower {vision_type!r}")
         if c.model_type == "gemma3" and getattr(v, "vision_use_head", False):
             raise UnsupportedFlopsModel("no FLOP formula for a Gemma 3 SigLIP tower with its pooling head")
@@ -414,6 +418,48 @@ class FlopCounter:
             stages += projector.linear("proj", merged, hidden * scale**2, text_hidden)
         else:  # Gemma 3: average-pooled to mm_tokens_per_image, then one projection matrix
             stages.append((linear(images * int(c.mm_tokens_per_image), hidden, text_hidden, projector.base),))
+        return blocks[: used + 1], blocks[used + 1 :], [Block(tuple(stages))]
+
+    def _pixtral_blocks(self, pixels: Any, batch: Mapping[str, Any]) -> tuple[list[Block], list[Block], list[Block]]:
+        """Mistral 3: Pixtral over each image's ``image_sizes`` (its patch convolution over the padded tensor),
+        attention per image (as its flash path computes it: eager attention masks the images' concatenation), a
+        gated MLP; the patch merger and two linear layers."""
+        if not isinstance(pixels, Tensor) or pixels.numel() == 0:
+            return [], [], []
+        sizes = batch.get("image_sizes")
+        if pixels.ndim != 4 or not isinstance(sizes, Tensor):
+            raise ValueError("a FLOP count of 'mistral3' needs 4-D `pixel_values` and `image_sizes`")
+        c = self.config
+        v, _, used = self._vit_spec()
+        tower = self.vision
+        patch = int(v.patch_size)
+        merge = int(c.spatial_merge_size)
+        grids = [(int(h) // patch, int(w) // patch) for h, w in sizes.reshape(-1, 2).tolist()]
+        lengths = [h * w for h, w in grids]
+        tokens = sum(lengths)
+        hidden = int(v.hidden_size)
+        heads = int(v.num_attention_heads)
+        head_dim = int(_get(v, "head_dim", default=hidden // heads))
+        inner = int(v.intermediate_size)
+        padded = int(pixels.shape[0]) * (int(pixels.shape[2]) // patch) * (int(pixels.shape[3]) // patch)
+        blocks = [Block(((linear(padded, int(pixels.shape[1]) * patch * patch, hidden, tower.base),),))]
+        for _ in range(int(v.num_hidden_layers)):
+            stages = list(
+                tower.parallel([(n, hidden, heads * head_dim) for n in ("q_proj", "k_proj", "v_proj")], tokens)
+            )
+            stages.append((attention(lengths, heads, head_dim),))
+            stages += tower.linear("o_proj", tokens, heads * head_dim, hidden)
+            stages += tower.parallel([("gate_proj", hidden, inner), ("up_proj", hidden, inner)], tokens)
+            stages += tower.linear("down_proj", tokens, inner, hidden)
+            blocks.append(tower.block(stages))
+        projector = self.projector
+        layer = c.vision_feature_layer
+        width = hidden * (1 if isinstance(layer, int) else len(layer))
+        merged = sum((h // merge) * (w // merge) for h, w in grids)
+        text_hidden = int(c.text_config.hidden_size)
+        stages = list(projector.linear("merging_layer", merged, width * merge**2, width))
+        stages += projector.linear("linear_1", merged, width, text_hidden)
+        stages += projector.linear("linear_2", merged, text_hidden, text_hidden)
         return blocks[: used + 1], blocks[used + 1 :], [Block(tuple(stages))]
 
 
