@@ -163,6 +163,44 @@ def _qwen3_vl(moe: bool = False) -> torch.nn.Module:
     return transformers.Qwen3VLForConditionalGeneration(_eager(config)).train()
 
 
+def _glm4v(moe: bool = False) -> torch.nn.Module:
+    vision = dict(
+        depth=2,
+        hidden_size=32,
+        intermediate_size=48,
+        num_heads=4,
+        out_hidden_size=64,
+        patch_size=14,
+        image_size=56,
+        spatial_merge_size=2,
+        temporal_patch_size=2,
+    )
+    rope = {"rope_type": "default", "rope_theta": 10000.0, "mrope_section": [1, 1, 2], "partial_rotary_factor": 0.5}
+    text = dict(TEXT, rope_parameters=rope)
+    torch.manual_seed(0)
+    if moe:  # a dense first layer, then routed and shared experts
+        text.update(
+            n_routed_experts=4,
+            num_experts_per_tok=2,
+            moe_intermediate_size=32,
+            n_shared_experts=1,
+            first_k_dense_replace=1,
+            n_group=1,
+            topk_group=1,
+        )
+        config: Any = transformers.Glm4vMoeConfig(text_config=text, vision_config=vision, image_token_id=IMAGE)
+        return transformers.Glm4vMoeForConditionalGeneration(_eager(config)).train()
+    config = transformers.Glm4vConfig(text_config=text, vision_config=vision, image_token_id=IMAGE)
+    return transformers.Glm4vForConditionalGeneration(_eager(config)).train()
+
+
+@pytest.mark.parametrize("moe", [False, True])
+def test_glm4v_matches_flop_counter_mode(moe: bool) -> None:
+    model = _glm4v(moe)
+    batch = _vlm_batch([(1, 4, 6), (1, 2, 4)], 14, mm_types=True)
+    _assert_close(FlopCounter.from_model(model)(batch).model, _measured(model, batch))
+
+
 # Qwen2.5-VL: a 6x10-patch image (3x5 merged cells: windows of 2x2, 2x1, 1x2, 1x1 cells, clipped at the edges),
 # a 2-frame video-like image and a 4x4 one (exactly one window).
 GRIDS = [(1, 6, 10), (2, 4, 6), (1, 4, 4)]

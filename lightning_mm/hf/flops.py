@@ -1,9 +1,9 @@
 """FLOPs of one training step of a Transformers model, from its config and the batch (Lightning-free).
 
 :class:`FlopCounter` reads a model's config (decoder LMs: Llama, Mistral, Qwen2, Qwen3, Gemma 3; Qwen2-MoE,
-Qwen3-MoE; the Qwen2.5-VL and Qwen3-VL (-MoE) VLMs; InternVL, LLaVA, Gemma 3, Idefics3, SmolVLM, Mistral 3 over
-their ViT towers), which of its weights train (all, a frozen tower, LoRA adapters from PEFT) and whether its blocks
-recompute, and counts each batch with the formulas of :mod:`lightning_mm.core.flops`:
+Qwen3-MoE; the Qwen2.5-VL, Qwen3-VL (-MoE), GLM-4.1V and GLM-4.5V VLMs; InternVL, LLaVA, Gemma 3, Idefics3, SmolVLM,
+Mistral 3 over their ViT towers), which of its weights train (all, a frozen tower, LoRA adapters from PEFT) and
+whether its blocks recompute, and counts each batch with the formulas of :mod:`lightning_mm.core.flops`:
 
 Counted ``model_type`` s: :data:`COUNTED_MODEL_TYPES`; any other is an :class:`UnsupportedFlopsModel` error.
 
@@ -43,7 +43,8 @@ __all__ = [
     "target_tokens",
 ]
 
-_QWEN_VLM_TYPES = ("qwen2_5_vl", "qwen3_vl", "qwen3_vl_moe")
+# VLMs of a Qwen2-VL-style tower over flattened patches and ``image_grid_thw`` (GLM-4.1V/4.5V's too).
+_QWEN_VLM_TYPES = ("qwen2_5_vl", "qwen3_vl", "qwen3_vl_moe", "glm4v", "glm4v_moe")
 # VLMs of a ViT tower (a class token or none) over square images ``(N, C, H, W)`` and a projector into the LM.
 _VIT_VLM_TYPES = ("internvl", "llava", "gemma3", "idefics3", "smolvlm", "mistral3")
 _VLM_TYPES = _QWEN_VLM_TYPES + _VIT_VLM_TYPES
@@ -266,9 +267,11 @@ class FlopCounter:
         kv_heads = int(_get(c, "num_key_value_heads", default=heads))
         head_dim = int(_get(c, "head_dim", default=hidden // heads))
         layer_types = getattr(c, "layer_types", None)
-        experts = int(_get(c, "num_experts", "num_local_experts", default=0) or 0)
+        experts = int(_get(c, "num_experts", "num_local_experts", "n_routed_experts", default=0) or 0)
         sparse_step = int(_get(c, "decoder_sparse_step", default=1))
         dense_layers = set(getattr(c, "mlp_only_layers", None) or [])
+        dense_layers |= set(range(int(getattr(c, "first_k_dense_replace", None) or 0)))  # GLM-4.5V
+        fused_mlp = getattr(c, "model_type", "") == "glm4v_text"  # one gate_up_proj
         blocks: list[Block] = []
         for index in range(int(c.num_hidden_layers)):
             window = None
@@ -287,7 +290,10 @@ class FlopCounter:
                 stages += self._moe_stages(c, tokens, hidden, experts)
             else:
                 inner = int(c.intermediate_size)
-                stages += tower.parallel([("gate_proj", hidden, inner), ("up_proj", hidden, inner)], tokens)
+                if fused_mlp:
+                    stages += tower.linear("gate_up_proj", tokens, hidden, 2 * inner)
+                else:
+                    stages += tower.parallel([("gate_proj", hidden, inner), ("up_proj", hidden, inner)], tokens)
                 stages += tower.linear("down_proj", tokens, inner, hidden)
             blocks.append(tower.block(stages, exact_tail=not moe))
         head = TowerTraining(self.head_trains, self.language.lora)
@@ -304,6 +310,10 @@ class FlopCounter:
         if shared:  # Qwen2-MoE: a gated shared expert beside the routed ones
             first += [linear(tokens, hidden, 2 * int(shared), trains), linear(tokens, hidden, 1, trains)]
             second.append(linear(tokens, int(shared), hidden, trains))
+        shared_experts = int(getattr(c, "n_shared_experts", None) or 0)
+        if shared_experts:  # GLM-4.5V (DeepSeek-style): ungated shared experts beside the routed ones
+            first.append(linear(tokens, hidden, 2 * inner * shared_experts, trains))
+            second.append(linear(tokens, inner * shared_experts, hidden, trains))
         return [tuple(first), tuple(second)]
 
     def _vision_blocks(self, grids: Sequence[tuple[int, int, int]]) -> list[Block]:
@@ -318,6 +328,7 @@ class FlopCounter:
         frames = [h * w for t, h, w in grids for _ in range(t)]
         patch_in = int(v.in_channels) * int(v.temporal_patch_size) * int(v.patch_size) ** 2
         qwen25 = self.config.model_type == "qwen2_5_vl"
+        glm = self.config.model_type in ("glm4v", "glm4v_moe")
         windows: list[int] = []
         if qwen25:
             cells = int(v.window_size) // merge // int(v.patch_size)
@@ -334,13 +345,20 @@ class FlopCounter:
             seqs = windows if qwen25 and index not in full else frames
             stages.append((attention(seqs, heads, hidden // heads),))
             stages += tower.linear("proj", patches, hidden, hidden)
-            if qwen25:
-                stages += tower.parallel([("gate_proj", hidden, inner), ("up_proj", hidden, inner)], patches)
-                stages += tower.linear("down_proj", patches, inner, hidden)
+            if qwen25 or glm:
+                width = int(v.out_hidden_size) if glm else inner  # GLM's block MLP is out_hidden_size wide
+                stages += tower.parallel([("gate_proj", hidden, width), ("up_proj", hidden, width)], patches)
+                stages += tower.linear("down_proj", patches, width, hidden)
             else:
                 stages += tower.linear("linear_fc1", patches, hidden, inner)
                 stages += tower.linear("linear_fc2", patches, inner, hidden)
             blocks.append(tower.block(stages))
+        if glm:  # a merge_size-strided convolution, then a projection and a gated MLP
+            stages = list(tower.linear("downsample", merged, merger_in, out))
+            stages += tower.linear("proj", merged, out, out)
+            stages += tower.parallel([("gate_proj", out, inner), ("up_proj", out, inner)], merged)
+            stages += tower.linear("down_proj", merged, inner, out)
+            return blocks + [Block(tuple(stages))]
         mergers = 1 + len(getattr(v, "deepstack_visual_indexes", None) or [])
         names = ("0", "2") if qwen25 else ("linear_fc1", "linear_fc2")
         for _ in range(mergers):
