@@ -201,6 +201,55 @@ def test_glm4v_matches_flop_counter_mode(moe: bool) -> None:
     _assert_close(FlopCounter.from_model(model)(batch).model, _measured(model, batch))
 
 
+AUDIO = 4
+
+
+def _omni_thinker() -> torch.nn.Module:
+    vision = dict(
+        depth=2,
+        hidden_size=32,
+        intermediate_size=64,
+        num_heads=4,
+        out_hidden_size=64,
+        fullatt_block_indexes=[1],
+        window_size=56,
+        patch_size=14,
+        spatial_merge_size=2,
+        temporal_patch_size=2,
+    )
+    audio = dict(
+        d_model=32, encoder_layers=2, encoder_attention_heads=4, encoder_ffn_dim=64, output_dim=64, num_mel_bins=16
+    )
+    audio["n_window"] = 4  # chunks of 8 frames
+    text = dict(TEXT, rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "mrope_section": [2, 3, 3]})
+    config = transformers.Qwen2_5OmniThinkerConfig(
+        text_config=text, vision_config=vision, audio_config=audio, image_token_id=IMAGE, audio_token_id=AUDIO
+    )
+    torch.manual_seed(0)
+    return transformers.Qwen2_5OmniThinkerForConditionalGeneration(_eager(config)).train()
+
+
+@pytest.mark.parametrize("frozen_audio", [False, True])
+def test_qwen2_5_omni_thinker_with_audio_matches_flop_counter_mode(frozen_audio: bool) -> None:
+    """Two audio clips of 20 and 13 frames (chunks 8, 8, 4 and 8, 5; 5 and 3 pooled tokens) and two images."""
+    model = _omni_thinker()
+    if frozen_audio:
+        for param in model.model.audio_tower.parameters():
+            param.requires_grad_(False)
+    batch = _vlm_batch([(1, 6, 10), (1, 4, 4)], 14)
+    ids = torch.cat([torch.full((1, 8), AUDIO), batch["input_ids"]], dim=1)
+    labels = torch.cat([torch.full((1, 8), -100), batch["labels"]], dim=1)
+    mask = torch.zeros(2, 20, dtype=torch.long)
+    mask[0, :20] = 1
+    mask[1, :13] = 1
+    batch.update(input_ids=ids, labels=labels, input_features=torch.randn(2, 16, 20), feature_attention_mask=mask)
+    counter = FlopCounter.from_model(model)
+    assert counter.audio.base != frozen_audio
+    counted = counter(batch)
+    _assert_close(counted.model, _measured(model, batch))
+    assert counted.parts["audio"] > 0 and counted.parts["vision"] > 0
+
+
 # Qwen2.5-VL: a 6x10-patch image (3x5 merged cells: windows of 2x2, 2x1, 1x2, 1x1 cells, clipped at the edges),
 # a 2-frame video-like image and a 4x4 one (exactly one window).
 GRIDS = [(1, 6, 10), (2, 4, 6), (1, 4, 4)]

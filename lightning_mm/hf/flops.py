@@ -1,9 +1,10 @@
 """FLOPs of one training step of a Transformers model, from its config and the batch (Lightning-free).
 
 :class:`FlopCounter` reads a model's config (decoder LMs: Llama, Mistral, Qwen2, Qwen3, Gemma 3; Qwen2-MoE,
-Qwen3-MoE; the Qwen2.5-VL, Qwen3-VL (-MoE), GLM-4.1V and GLM-4.5V VLMs; InternVL, LLaVA, Gemma 3, Idefics3, SmolVLM,
-Mistral 3 over their ViT towers), which of its weights train (all, a frozen tower, LoRA adapters from PEFT) and
-whether its blocks recompute, and counts each batch with the formulas of :mod:`lightning_mm.core.flops`:
+Qwen3-MoE; the Qwen2.5-VL, Qwen3-VL (-MoE), GLM-4.1V and GLM-4.5V VLMs and the Qwen2.5-Omni thinker (with its audio
+tower); InternVL, LLaVA, Gemma 3, Idefics3, SmolVLM, Mistral 3 over their ViT towers), which of its weights train
+(all, a frozen tower, LoRA adapters from PEFT) and whether its blocks recompute,
+and counts each batch with the formulas of :mod:`lightning_mm.core.flops`:
 
 Counted ``model_type`` s: :data:`COUNTED_MODEL_TYPES`; any other is an :class:`UnsupportedFlopsModel` error.
 
@@ -44,12 +45,13 @@ __all__ = [
 ]
 
 # VLMs of a Qwen2-VL-style tower over flattened patches and ``image_grid_thw`` (GLM-4.1V/4.5V's too).
-_QWEN_VLM_TYPES = ("qwen2_5_vl", "qwen3_vl", "qwen3_vl_moe", "glm4v", "glm4v_moe")
+_QWEN_VLM_TYPES = ("qwen2_5_vl", "qwen3_vl", "qwen3_vl_moe", "glm4v", "glm4v_moe", "qwen2_5_omni_thinker")
 # VLMs of a ViT tower (a class token or none) over square images ``(N, C, H, W)`` and a projector into the LM.
 _VIT_VLM_TYPES = ("internvl", "llava", "gemma3", "idefics3", "smolvlm", "mistral3")
 _VLM_TYPES = _QWEN_VLM_TYPES + _VIT_VLM_TYPES
 # Decoders whose layers are q/k/v/o attention and a gated MLP (or Qwen-style MoE): the formula below is theirs.
 _TEXT_TYPES = ("llama", "mistral", "qwen2", "qwen3", "qwen2_moe", "qwen3_moe", "gemma3_text")
+_AUDIO_PREFIXES = ("audio_tower.",)
 # ViT towers: whether they put a class token before the patches.
 _VIT_CLASS_TOKEN = {
     "internvl_vision": True,
@@ -166,6 +168,7 @@ class FlopCounter:
     embed_trains: bool = True
     head_trains: bool = True
     projector: TowerTraining = field(default_factory=TowerTraining)
+    audio: TowerTraining = field(default_factory=TowerTraining)
 
     def __post_init__(self) -> None:
         self._text_config()  # unsupported architectures fail here, before training
@@ -186,8 +189,8 @@ class FlopCounter:
         config = getattr(model, "config", None)
         if config is None:
             raise UnsupportedFlopsModel(f"{type(model).__name__} has no Transformers `config`")
-        trains = {"language": False, "vision": False, "projector": False}
-        lora: dict[str, dict[str, int]] = {"language": {}, "vision": {}, "projector": {}}
+        trains = {"language": False, "vision": False, "projector": False, "audio": False}
+        lora: dict[str, dict[str, int]] = {"language": {}, "vision": {}, "projector": {}, "audio": {}}
         embed = head = False
         inputs = _call(model, "get_input_embeddings")
         outputs = _call(model, "get_output_embeddings")
@@ -210,6 +213,7 @@ class FlopCounter:
             embed_trains=embed,
             head_trains=head,
             projector=TowerTraining(trains["projector"], lora["projector"]),
+            audio=TowerTraining(trains["audio"], lora["audio"], recompute_vision, reentrant),
         )
 
     # ----------------------------------------------------------------------------------------------- configs
@@ -250,12 +254,16 @@ class FlopCounter:
         vision_flows = self.vision.base or bool(self.vision.lora)
         norm_trains = model_type in _NORMED_PROJECTORS and self.projector.base
         projector = training_flops(projector_blocks, inputs_need_grad=vision_flows or norm_trains, backward=backward)
-        projector_flows = vision_flows or self.projector.base or bool(self.projector.lora)
+        audio = training_flops(self._audio_blocks(batch), inputs_need_grad=False, backward=backward)
+        vision += audio
+        audio_flows = model_type == "qwen2_5_omni_thinker" and (self.audio.base or bool(self.audio.lora))
+        projector_flows = vision_flows or audio_flows or self.projector.base or bool(self.projector.lora)
         language = training_flops(
             self._language_blocks(lengths), inputs_need_grad=self.embed_trains or projector_flows, backward=backward
         )
         total = vision + projector + language
-        parts = {"language": language.model, "vision": vision.model, "projector": projector.model}
+        parts = {"language": language.model, "vision": vision.model - audio.model, "projector": projector.model}
+        parts["audio"] = audio.model
         return StepFlops(total.model, total.hardware, total.forward, parts)
 
     def _language_blocks(self, lengths: Sequence[int]) -> list[Block]:
@@ -327,7 +335,8 @@ class FlopCounter:
         patches = sum(t * h * w for t, h, w in grids)
         frames = [h * w for t, h, w in grids for _ in range(t)]
         patch_in = int(v.in_channels) * int(v.temporal_patch_size) * int(v.patch_size) ** 2
-        qwen25 = self.config.model_type == "qwen2_5_vl"
+        omni = self.config.model_type == "qwen2_5_omni_thinker"  # Qwen2.5-VL's tower with q, k, v apart
+        qwen25 = self.config.model_type == "qwen2_5_vl" or omni
         glm = self.config.model_type in ("glm4v", "glm4v_moe")
         windows: list[int] = []
         if qwen25:
@@ -341,7 +350,11 @@ class FlopCounter:
         merger_in = hidden * merge**2
         out = int(v.out_hidden_size)
         for index in range(int(v.depth)):
-            stages: list[tuple[Op, ...]] = list(tower.linear("qkv", patches, hidden, 3 * hidden))
+            stages: list[tuple[Op, ...]]
+            if omni:
+                stages = list(tower.parallel([(n, hidden, hidden) for n in ("q", "k", "v")], patches))
+            else:
+                stages = list(tower.linear("qkv", patches, hidden, 3 * hidden))
             seqs = windows if qwen25 and index not in full else frames
             stages.append((attention(seqs, heads, hidden // heads),))
             stages += tower.linear("proj", patches, hidden, hidden)
@@ -365,6 +378,48 @@ class FlopCounter:
             stages = list(tower.linear(names[0], merged, merger_in, merger_in))
             stages += tower.linear(names[1], merged, merger_in, out)
             blocks.append(Block(tuple(stages)))
+        return blocks
+
+    def _audio_blocks(self, batch: Mapping[str, Any]) -> list[Block]:
+        """Qwen2.5-Omni's Whisper-like audio tower: each sample cut into chunks of ``2 * n_window`` frames, padded to
+        the longest; two convolutions (the second of stride 2), per layer ``q``/``k``/``v``/``out``, attention per
+        chunk and the MLP, then the projection of the stride-2 pooled frames."""
+        features = batch.get("input_features")
+        if self.config.model_type != "qwen2_5_omni_thinker" or not isinstance(features, Tensor):
+            return []
+        mask = batch.get("feature_attention_mask")
+        lens = batch.get("audio_feature_lengths")
+        if isinstance(lens, Tensor):
+            lengths = [int(n) for n in lens.reshape(-1).tolist()]
+        elif isinstance(mask, Tensor):
+            lengths = [int(n) for n in mask.sum(-1).reshape(-1).tolist()]
+        else:
+            lengths = [int(features.shape[-1])] * int(features.shape[0])
+        a = self.config.audio_config
+        tower = self.audio
+        window = 2 * int(a.n_window)
+        chunks = [min(window, n - start) for n in lengths for start in range(0, n, window)]
+        if not chunks:
+            return []
+        d, mel = int(a.d_model), int(a.num_mel_bins)
+        longest = max(chunks)
+        after = [(n - 1) // 2 + 1 for n in chunks]
+        tokens = sum(after)
+        inner = int(a.encoder_ffn_dim)
+        heads = int(a.encoder_attention_heads)
+        blocks = [
+            Block(((linear(len(chunks) * longest, 3 * mel, d, tower.base),),)),
+            Block(((linear(len(chunks) * ((longest - 1) // 2 + 1), 3 * d, d, tower.base),),)),
+        ]
+        for _ in range(int(a.encoder_layers)):
+            stages = list(tower.parallel([(n, d, d) for n in ("q_proj", "k_proj", "v_proj")], tokens))
+            stages.append((attention(after, heads, d // heads),))
+            stages += tower.linear("out_proj", tokens, d, d)
+            stages += tower.linear("fc1", tokens, d, inner)
+            stages += tower.linear("fc2", tokens, inner, d)
+            blocks.append(tower.block(stages))
+        pooled = sum(((n - 1) // 2 + 1 - 2) // 2 + 1 for n in lengths)
+        blocks.append(Block(tower.linear("proj", pooled, d, int(a.output_dim))))
         return blocks
 
     # ----------------------------------------------------------------------------------------------- ViT VLMs
@@ -482,8 +537,10 @@ class FlopCounter:
 
 
 def _tower_of(name: str) -> str:
-    """The tower a module or parameter of this name belongs to: vision, projector or language."""
+    """The tower a module or parameter of this name belongs to: vision, audio, projector or language."""
     dotted = f".{name}"
+    if any(f".{p}" in dotted for p in _AUDIO_PREFIXES):
+        return "audio"
     if any(f".{p}" in dotted for p in _VISION_PREFIXES):
         return "vision"
     if any(f".{p}" in dotted for p in _PROJECTOR_PREFIXES):
