@@ -420,6 +420,35 @@ def test_gemma3_text_matches_flop_counter_mode() -> None:
     _assert_close(FlopCounter.from_model(model)(batch).model, _measured(model, batch))
 
 
+def test_qwen3_next_gated_delta_net_matches_flop_counter_mode() -> None:
+    """Gated DeltaNet layers as the chunked torch fallback computes them (1 and 3 chunks of 64), a gated-query
+    attention layer, MoE with a gated shared expert. FlopCounterMode counts the depthwise convolution's backward as
+    if it were not grouped (its weight gradient ``channels`` times over): the reference takes 2x the convolution's
+    forward for it, as for any trained layer whose input takes a gradient."""
+    extra = dict(
+        layer_types=["linear_attention", "full_attention"],
+        linear_num_key_heads=2,
+        linear_num_value_heads=4,
+        linear_key_head_dim=8,
+        linear_value_head_dim=8,
+        linear_conv_kernel_dim=4,
+        num_experts=4,
+        num_experts_per_tok=2,
+        moe_intermediate_size=32,
+        shared_expert_intermediate_size=48,
+    )
+    model = _lm(transformers.Qwen3NextConfig, **extra)
+    for seq in (40, 130):
+        batch = _text_batch(2, seq)
+        with FlopCounterMode(display=False) as mode:
+            model(**batch).loss.backward()
+        counts = {str(op): n for op, n in mode.get_flop_counts()["Global"].items()}
+        assert counts["aten.convolution_backward"] > 10 * counts["aten.convolution"]  # the ungrouped count
+        reference = mode.get_total_flops() - counts["aten.convolution_backward"] + 2 * counts["aten.convolution"]
+        _assert_close(FlopCounter.from_model(model)(batch).model, reference)
+        _assert_close(FlopCounter.from_model(model)(batch, backward=False).model, _measured(model, batch, False))
+
+
 def test_formulas_by_hand() -> None:
     # one trained linear: 3x forward; frozen with a flowing gradient: 2x; frozen with none: 1x
     op = linear(10, 4, 8)

@@ -1,10 +1,10 @@
 """FLOPs of one training step of a Transformers model, from its config and the batch (Lightning-free).
 
 :class:`FlopCounter` reads a model's config (decoder LMs: Llama, Mistral, Qwen2, Qwen3, Gemma 3; Qwen2-MoE,
-Qwen3-MoE; the Qwen2.5-VL, Qwen3-VL (-MoE), GLM-4.1V and GLM-4.5V VLMs and the Qwen2.5-Omni thinker (with its audio
-tower); InternVL, LLaVA, Gemma 3, Idefics3, SmolVLM, Mistral 3 over their ViT towers), which of its weights train
-(all, a frozen tower, LoRA adapters from PEFT) and whether its blocks recompute,
-and counts each batch with the formulas of :mod:`lightning_mm.core.flops`:
+Qwen3-MoE, Qwen3-Next; the Qwen2.5-VL, Qwen3-VL (-MoE), GLM-4.1V and GLM-4.5V VLMs and the Qwen2.5-Omni thinker
+(with its audio tower); InternVL, LLaVA, Gemma 3, Idefics3, SmolVLM, Mistral 3 over their ViT towers), which of its
+weights train (all, a frozen tower, LoRA adapters from PEFT) and whether its blocks recompute, and counts each batch
+with the formulas of :mod:`lightning_mm.core.flops`:
 
 Counted ``model_type`` s: :data:`COUNTED_MODEL_TYPES`; any other is an :class:`UnsupportedFlopsModel` error.
 
@@ -50,7 +50,7 @@ _QWEN_VLM_TYPES = ("qwen2_5_vl", "qwen3_vl", "qwen3_vl_moe", "glm4v", "glm4v_moe
 _VIT_VLM_TYPES = ("internvl", "llava", "gemma3", "idefics3", "smolvlm", "mistral3")
 _VLM_TYPES = _QWEN_VLM_TYPES + _VIT_VLM_TYPES
 # Decoders whose layers are q/k/v/o attention and a gated MLP (or Qwen-style MoE): the formula below is theirs.
-_TEXT_TYPES = ("llama", "mistral", "qwen2", "qwen3", "qwen2_moe", "qwen3_moe", "gemma3_text")
+_TEXT_TYPES = ("llama", "mistral", "qwen2", "qwen3", "qwen2_moe", "qwen3_moe", "gemma3_text", "qwen3_next")
 _AUDIO_PREFIXES = ("audio_tower.",)
 # ViT towers: whether they put a class token before the patches.
 _VIT_CLASS_TOKEN = {
@@ -136,6 +136,11 @@ def sample_lengths(batch: Mapping[str, Any]) -> list[int]:
         segments = segment_ids(positions).reshape(ids.shape[0], -1)
         return [int(n) for row in segments for n in torch.bincount(row).tolist() if n > 0]
     return [int(ids.shape[1])] * int(ids.shape[0])
+
+
+def _rows(batch: Mapping[str, Any]) -> tuple[int, int]:
+    ids = batch["input_ids"]
+    return int(ids.shape[0]), int(ids.shape[1])
 
 
 def target_tokens(batch: Any) -> int | None:
@@ -259,14 +264,16 @@ class FlopCounter:
         audio_flows = model_type == "qwen2_5_omni_thinker" and (self.audio.base or bool(self.audio.lora))
         projector_flows = vision_flows or audio_flows or self.projector.base or bool(self.projector.lora)
         language = training_flops(
-            self._language_blocks(lengths), inputs_need_grad=self.embed_trains or projector_flows, backward=backward
+            self._language_blocks(lengths, _rows(batch)),
+            inputs_need_grad=self.embed_trains or projector_flows,
+            backward=backward,
         )
         total = vision + projector + language
         parts = {"language": language.model, "vision": vision.model - audio.model, "projector": projector.model}
         parts["audio"] = audio.model
         return StepFlops(total.model, total.hardware, total.forward, parts)
 
-    def _language_blocks(self, lengths: Sequence[int]) -> list[Block]:
+    def _language_blocks(self, lengths: Sequence[int], rows: tuple[int, int]) -> list[Block]:
         c = self._text_config()
         tower = self.language
         tokens = sum(lengths)
@@ -280,19 +287,24 @@ class FlopCounter:
         dense_layers = set(getattr(c, "mlp_only_layers", None) or [])
         dense_layers |= set(range(int(getattr(c, "first_k_dense_replace", None) or 0)))  # GLM-4.5V
         fused_mlp = getattr(c, "model_type", "") == "glm4v_text"  # one gate_up_proj
+        gated_query = getattr(c, "model_type", "") == "qwen3_next"  # q_proj also gives the output gate
         blocks: list[Block] = []
         for index in range(int(c.num_hidden_layers)):
             window = None
             if layer_types is not None and layer_types[index] == "sliding_attention":
                 window = getattr(c, "sliding_window", None)
             stages: list[tuple[Op, ...]] = []
-            stages += tower.parallel(
-                [("q_proj", hidden, heads * head_dim), ("k_proj", hidden, kv_heads * head_dim)]
-                + [("v_proj", hidden, kv_heads * head_dim)],
-                tokens,
-            )
-            stages.append((attention(lengths, heads, head_dim, window=window),))
-            stages += tower.linear("o_proj", tokens, heads * head_dim, hidden)
+            if layer_types is not None and layer_types[index] == "linear_attention":
+                stages += self._gated_delta_net(c, rows, hidden)
+            else:
+                query = heads * head_dim * (2 if gated_query else 1)
+                stages += tower.parallel(
+                    [("q_proj", hidden, query), ("k_proj", hidden, kv_heads * head_dim)]
+                    + [("v_proj", hidden, kv_heads * head_dim)],
+                    tokens,
+                )
+                stages.append((attention(lengths, heads, head_dim, window=window),))
+                stages += tower.linear("o_proj", tokens, heads * head_dim, hidden)
             moe = experts > 0 and index not in dense_layers and (index + 1) % sparse_step == 0
             if moe:
                 stages += self._moe_stages(c, tokens, hidden, experts)
@@ -307,6 +319,36 @@ class FlopCounter:
         head = TowerTraining(self.head_trains, self.language.lora)
         blocks.append(Block(head.linear("lm_head", tokens, hidden, int(c.vocab_size))))
         return blocks
+
+    def _gated_delta_net(self, c: Any, rows: tuple[int, int], hidden: int) -> list[tuple[Op, ...]]:
+        """Qwen3-Next's Gated DeltaNet over whole rows (it does not restart at packed samples), its products as the
+        chunked torch fallback computes them: the projections, the causal depthwise convolution, per row and value
+        head the in-chunk products over chunks of 64 and the scan over the chunks (whose first state is zero and
+        whose last is dropped), the gated output projection."""
+        tower = self.language
+        count, length = rows
+        tokens = count * length
+        k_heads, v_heads = int(c.linear_num_key_heads), int(c.linear_num_value_heads)
+        dk, dv = int(c.linear_key_head_dim), int(c.linear_value_head_dim)
+        key_dim, value_dim = k_heads * dk, v_heads * dv
+        channels, kernel = 2 * key_dim + value_dim, int(c.linear_conv_kernel_dim)
+        size = 64
+        chunks = -(-length // size)
+        stages = list(
+            tower.parallel(
+                [("in_proj_qkvz", hidden, 2 * key_dim + 2 * value_dim), ("in_proj_ba", hidden, 2 * v_heads)], tokens
+            )
+        )
+        stages.append((Op(2 * count * (length + kernel - 1) * channels * kernel, tower.base),))
+        per_chunk = 2 * size * size * (2 * dk + dv) + 2 * size * dk * dv * 3
+        scan = 2 * size * dk * dv  # one product of the scan over one chunk
+        backward = 2 * chunks * 2 * size * size * (2 * dk + dv)  # k_beta k^T, q k^T, the in-chunk attention
+        backward += chunks * 2 * size * size * (dv + dk)  # the triangular solves' gradients of their matrix
+        backward += (2 * 2 * (chunks - 1) + 2) * scan  # the state reads (the first state takes no gradient)
+        backward += 2 * (chunks - 1) * scan  # the state updates (the last one is dropped)
+        stages.append((Op(count * v_heads * chunks * per_chunk, None, backward=count * v_heads * backward),))
+        stages += tower.linear("out_proj", tokens, value_dim, hidden)
+        return stages
 
     def _moe_stages(self, c: Any, tokens: int, hidden: int, experts: int) -> list[tuple[Op, ...]]:
         top_k = int(_get(c, "num_experts_per_tok"))
