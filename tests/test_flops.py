@@ -420,18 +420,71 @@ def test_gemma3_text_matches_flop_counter_mode() -> None:
     _assert_close(FlopCounter.from_model(model)(batch).model, _measured(model, batch))
 
 
+GDN = dict(
+    layer_types=["linear_attention", "full_attention"],
+    linear_num_key_heads=2,
+    linear_num_value_heads=4,
+    linear_key_head_dim=8,
+    linear_value_head_dim=8,
+    linear_conv_kernel_dim=4,
+)
+
+
+def _conv_fixed(model: torch.nn.Module, batch: dict[str, Any]) -> int:
+    """FlopCounterMode's count with the convolutions' backward counted as it is computed: the depthwise ones of the
+    Gated DeltaNet layers 2x their forward (FlopCounterMode counts their weight gradient as if ungrouped), a vision
+    tower's patch embedding 1x (its weight gradient: the pixels take none)."""
+    with FlopCounterMode(display=False) as mode:
+        model(**batch).loss.backward()
+    counts = mode.get_flop_counts()
+    by_op = {str(op): n for op, n in counts["Global"].items()}
+    patches = sum(
+        n
+        for name, ops in counts.items()
+        if name.endswith(".visual")
+        for op, n in ops.items()
+        if str(op) == "aten.convolution"
+    )
+    depthwise = by_op["aten.convolution"] - patches
+    assert by_op["aten.convolution_backward"] > 10 * depthwise > 0  # the ungrouped count
+    return int(mode.get_total_flops() - by_op["aten.convolution_backward"] + patches + 2 * depthwise)
+
+
+@pytest.mark.parametrize("moe", [False, True])
+def test_qwen3_5_matches_flop_counter_mode(moe: bool) -> None:
+    """Qwen3.5 (-MoE): Gated DeltaNet and gated attention layers under a Qwen3-VL-like tower, one image of 4x6."""
+    vision = dict(
+        depth=2,
+        hidden_size=32,
+        intermediate_size=64,
+        num_heads=4,
+        out_hidden_size=64,
+        patch_size=14,
+        spatial_merge_size=2,
+        temporal_patch_size=2,
+        num_position_embeddings=16,
+    )
+    rope = {"rope_type": "default", "rope_theta": 10000.0, "mrope_section": [1, 1, 2], "mrope_interleaved": True}
+    text = dict(TEXT, **GDN, rope_parameters=rope)
+    torch.manual_seed(0)
+    if moe:
+        text.update(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32, shared_expert_intermediate_size=48)
+        config: Any = transformers.Qwen3_5MoeConfig(text_config=text, vision_config=vision, image_token_id=IMAGE)
+        model = transformers.Qwen3_5MoeForConditionalGeneration(_eager(config)).train()
+    else:
+        config = transformers.Qwen3_5Config(text_config=text, vision_config=vision, image_token_id=IMAGE)
+        model = transformers.Qwen3_5ForConditionalGeneration(_eager(config)).train()
+    batch = _vlm_batch([(1, 4, 6)], 14, mm_types=True)
+    _assert_close(FlopCounter.from_model(model)(batch).model, _conv_fixed(model, batch))
+
+
 def test_qwen3_next_gated_delta_net_matches_flop_counter_mode() -> None:
     """Gated DeltaNet layers as the chunked torch fallback computes them (1 and 3 chunks of 64), a gated-query
     attention layer, MoE with a gated shared expert. FlopCounterMode counts the depthwise convolution's backward as
     if it were not grouped (its weight gradient ``channels`` times over): the reference takes 2x the convolution's
     forward for it, as for any trained layer whose input takes a gradient."""
     extra = dict(
-        layer_types=["linear_attention", "full_attention"],
-        linear_num_key_heads=2,
-        linear_num_value_heads=4,
-        linear_key_head_dim=8,
-        linear_value_head_dim=8,
-        linear_conv_kernel_dim=4,
+        GDN,
         num_experts=4,
         num_experts_per_tok=2,
         moe_intermediate_size=32,
@@ -440,12 +493,7 @@ def test_qwen3_next_gated_delta_net_matches_flop_counter_mode() -> None:
     model = _lm(transformers.Qwen3NextConfig, **extra)
     for seq in (40, 130):
         batch = _text_batch(2, seq)
-        with FlopCounterMode(display=False) as mode:
-            model(**batch).loss.backward()
-        counts = {str(op): n for op, n in mode.get_flop_counts()["Global"].items()}
-        assert counts["aten.convolution_backward"] > 10 * counts["aten.convolution"]  # the ungrouped count
-        reference = mode.get_total_flops() - counts["aten.convolution_backward"] + 2 * counts["aten.convolution"]
-        _assert_close(FlopCounter.from_model(model)(batch).model, reference)
+        _assert_close(FlopCounter.from_model(model)(batch).model, _conv_fixed(model, batch))
         _assert_close(FlopCounter.from_model(model)(batch, backward=False).model, _measured(model, batch, False))
 
 

@@ -1,10 +1,10 @@
 """FLOPs of one training step of a Transformers model, from its config and the batch (Lightning-free).
 
 :class:`FlopCounter` reads a model's config (decoder LMs: Llama, Mistral, Qwen2, Qwen3, Gemma 3; Qwen2-MoE,
-Qwen3-MoE, Qwen3-Next; the Qwen2.5-VL, Qwen3-VL (-MoE), GLM-4.1V and GLM-4.5V VLMs and the Qwen2.5-Omni thinker
-(with its audio tower); InternVL, LLaVA, Gemma 3, Idefics3, SmolVLM, Mistral 3 over their ViT towers), which of its
-weights train (all, a frozen tower, LoRA adapters from PEFT) and whether its blocks recompute, and counts each batch
-with the formulas of :mod:`lightning_mm.core.flops`:
+Qwen3-MoE, Qwen3-Next; the Qwen2.5-VL, Qwen3-VL (-MoE), Qwen3.5 (-MoE), GLM-4.1V and GLM-4.5V VLMs and the
+Qwen2.5-Omni thinker (with its audio tower); InternVL, LLaVA, Gemma 3, Idefics3, SmolVLM, Mistral 3 over their ViT
+towers), which of its weights train (all, a frozen tower, LoRA adapters from PEFT) and whether its blocks recompute,
+and counts each batch with the formulas of :mod:`lightning_mm.core.flops`:
 
 Counted ``model_type`` s: :data:`COUNTED_MODEL_TYPES`; any other is an :class:`UnsupportedFlopsModel` error.
 
@@ -45,12 +45,34 @@ __all__ = [
 ]
 
 # VLMs of a Qwen2-VL-style tower over flattened patches and ``image_grid_thw`` (GLM-4.1V/4.5V's too).
-_QWEN_VLM_TYPES = ("qwen2_5_vl", "qwen3_vl", "qwen3_vl_moe", "glm4v", "glm4v_moe", "qwen2_5_omni_thinker")
+_QWEN_VLM_TYPES = (
+    "qwen2_5_vl",
+    "qwen3_vl",
+    "qwen3_vl_moe",
+    "glm4v",
+    "glm4v_moe",
+    "qwen2_5_omni_thinker",
+    "qwen3_5",
+    "qwen3_5_moe",
+)
 # VLMs of a ViT tower (a class token or none) over square images ``(N, C, H, W)`` and a projector into the LM.
 _VIT_VLM_TYPES = ("internvl", "llava", "gemma3", "idefics3", "smolvlm", "mistral3")
 _VLM_TYPES = _QWEN_VLM_TYPES + _VIT_VLM_TYPES
 # Decoders whose layers are q/k/v/o attention and a gated MLP (or Qwen-style MoE): the formula below is theirs.
-_TEXT_TYPES = ("llama", "mistral", "qwen2", "qwen3", "qwen2_moe", "qwen3_moe", "gemma3_text", "qwen3_next")
+_TEXT_TYPES = (
+    "llama",
+    "mistral",
+    "qwen2",
+    "qwen3",
+    "qwen2_moe",
+    "qwen3_moe",
+    "gemma3_text",
+    "qwen3_next",
+    "qwen3_5_text",
+    "qwen3_5_moe_text",
+)
+# Decoders of Gated DeltaNet and gated-query attention layers.
+_HYBRID_TYPES = ("qwen3_next", "qwen3_5_text", "qwen3_5_moe_text")
 _AUDIO_PREFIXES = ("audio_tower.",)
 # ViT towers: whether they put a class token before the patches.
 _VIT_CLASS_TOKEN = {
@@ -287,7 +309,7 @@ class FlopCounter:
         dense_layers = set(getattr(c, "mlp_only_layers", None) or [])
         dense_layers |= set(range(int(getattr(c, "first_k_dense_replace", None) or 0)))  # GLM-4.5V
         fused_mlp = getattr(c, "model_type", "") == "glm4v_text"  # one gate_up_proj
-        gated_query = getattr(c, "model_type", "") == "qwen3_next"  # q_proj also gives the output gate
+        gated_query = getattr(c, "model_type", "") in _HYBRID_TYPES  # q_proj also gives the output gate
         blocks: list[Block] = []
         for index in range(int(c.num_hidden_layers)):
             window = None
@@ -321,10 +343,10 @@ class FlopCounter:
         return blocks
 
     def _gated_delta_net(self, c: Any, rows: tuple[int, int], hidden: int) -> list[tuple[Op, ...]]:
-        """Qwen3-Next's Gated DeltaNet over whole rows (it does not restart at packed samples), its products as the
-        chunked torch fallback computes them: the projections, the causal depthwise convolution, per row and value
-        head the in-chunk products over chunks of 64 and the scan over the chunks (whose first state is zero and
-        whose last is dropped), the gated output projection."""
+        """Qwen3-Next's (Qwen3.5's) Gated DeltaNet over whole rows (it does not restart at packed samples), its
+        products as the chunked torch fallback computes them: the projections, the causal depthwise convolution, per
+        row and value head the in-chunk products over chunks of 64 and the scan over the chunks (whose first state is
+        zero and whose last is dropped), the gated output projection."""
         tower = self.language
         count, length = rows
         tokens = count * length
@@ -334,11 +356,12 @@ class FlopCounter:
         channels, kernel = 2 * key_dim + value_dim, int(c.linear_conv_kernel_dim)
         size = 64
         chunks = -(-length // size)
-        stages = list(
-            tower.parallel(
-                [("in_proj_qkvz", hidden, 2 * key_dim + 2 * value_dim), ("in_proj_ba", hidden, 2 * v_heads)], tokens
-            )
-        )
+        if c.model_type == "qwen3_next":
+            projections = [("in_proj_qkvz", hidden, 2 * key_dim + 2 * value_dim), ("in_proj_ba", hidden, 2 * v_heads)]
+        else:  # Qwen3.5: the same products, apart
+            projections = [("in_proj_qkv", hidden, 2 * key_dim + value_dim), ("in_proj_z", hidden, value_dim)]
+            projections += [("in_proj_b", hidden, v_heads), ("in_proj_a", hidden, v_heads)]
+        stages = list(tower.parallel(projections, tokens))
         stages.append((Op(2 * count * (length + kernel - 1) * channels * kernel, tower.base),))
         per_chunk = 2 * size * size * (2 * dk + dv) + 2 * size * dk * dv * 3
         scan = 2 * size * dk * dv  # one product of the scan over one chunk
