@@ -163,6 +163,93 @@ def _qwen3_vl(moe: bool = False) -> torch.nn.Module:
     return transformers.Qwen3VLForConditionalGeneration(_eager(config)).train()
 
 
+def _glm4v(moe: bool = False) -> torch.nn.Module:
+    vision = dict(
+        depth=2,
+        hidden_size=32,
+        intermediate_size=48,
+        num_heads=4,
+        out_hidden_size=64,
+        patch_size=14,
+        image_size=56,
+        spatial_merge_size=2,
+        temporal_patch_size=2,
+    )
+    rope = {"rope_type": "default", "rope_theta": 10000.0, "mrope_section": [1, 1, 2], "partial_rotary_factor": 0.5}
+    text = dict(TEXT, rope_parameters=rope)
+    torch.manual_seed(0)
+    if moe:  # a dense first layer, then routed and shared experts
+        text.update(
+            n_routed_experts=4,
+            num_experts_per_tok=2,
+            moe_intermediate_size=32,
+            n_shared_experts=1,
+            first_k_dense_replace=1,
+            n_group=1,
+            topk_group=1,
+        )
+        config: Any = transformers.Glm4vMoeConfig(text_config=text, vision_config=vision, image_token_id=IMAGE)
+        return transformers.Glm4vMoeForConditionalGeneration(_eager(config)).train()
+    config = transformers.Glm4vConfig(text_config=text, vision_config=vision, image_token_id=IMAGE)
+    return transformers.Glm4vForConditionalGeneration(_eager(config)).train()
+
+
+@pytest.mark.parametrize("moe", [False, True])
+def test_glm4v_matches_flop_counter_mode(moe: bool) -> None:
+    model = _glm4v(moe)
+    batch = _vlm_batch([(1, 4, 6), (1, 2, 4)], 14, mm_types=True)
+    _assert_close(FlopCounter.from_model(model)(batch).model, _measured(model, batch))
+
+
+AUDIO = 4
+
+
+def _omni_thinker() -> torch.nn.Module:
+    vision = dict(
+        depth=2,
+        hidden_size=32,
+        intermediate_size=64,
+        num_heads=4,
+        out_hidden_size=64,
+        fullatt_block_indexes=[1],
+        window_size=56,
+        patch_size=14,
+        spatial_merge_size=2,
+        temporal_patch_size=2,
+    )
+    audio = dict(
+        d_model=32, encoder_layers=2, encoder_attention_heads=4, encoder_ffn_dim=64, output_dim=64, num_mel_bins=16
+    )
+    audio["n_window"] = 4  # chunks of 8 frames
+    text = dict(TEXT, rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "mrope_section": [2, 3, 3]})
+    config = transformers.Qwen2_5OmniThinkerConfig(
+        text_config=text, vision_config=vision, audio_config=audio, image_token_id=IMAGE, audio_token_id=AUDIO
+    )
+    torch.manual_seed(0)
+    return transformers.Qwen2_5OmniThinkerForConditionalGeneration(_eager(config)).train()
+
+
+@pytest.mark.parametrize("frozen_audio", [False, True])
+def test_qwen2_5_omni_thinker_with_audio_matches_flop_counter_mode(frozen_audio: bool) -> None:
+    """Two audio clips of 20 and 13 frames (chunks 8, 8, 4 and 8, 5; 5 and 3 pooled tokens) and two images."""
+    model = _omni_thinker()
+    if frozen_audio:
+        for param in model.model.audio_tower.parameters():
+            param.requires_grad_(False)
+    batch = _vlm_batch([(1, 6, 10), (1, 4, 4)], 14)
+    ids = torch.cat([torch.full((1, 8), AUDIO), batch["input_ids"]], dim=1)
+    labels = torch.cat([torch.full((1, 8), -100), batch["labels"]], dim=1)
+    mask = torch.zeros(2, 20, dtype=torch.long)
+    mask[0, :20] = 1
+    mask[1, :13] = 1
+    batch.update(input_ids=ids, labels=labels, input_features=torch.randn(2, 16, 20), feature_attention_mask=mask)
+    counter = FlopCounter.from_model(model)
+    assert counter.audio.base != frozen_audio
+    counted = counter(batch)
+    _assert_close(counted.model, _measured(model, batch))
+    assert counted.parts["audio"] > 0 and counted.parts["vision"] > 0
+
+
 # Qwen2.5-VL: a 6x10-patch image (3x5 merged cells: windows of 2x2, 2x1, 1x2, 1x1 cells, clipped at the edges),
 # a 2-frame video-like image and a 4x4 one (exactly one window).
 GRIDS = [(1, 6, 10), (2, 4, 6), (1, 4, 4)]
@@ -242,6 +329,174 @@ def test_recompute_is_hardware_flops_only(family: str, reentrant: bool) -> None:
     assert counted.recompute > 0
 
 
+# ------------------------------------------------------------------------------ ViT VLMs (N, C, H, W) images
+VIT = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=3, num_attention_heads=4, patch_size=14)
+
+
+def _vit_batch(images: int, side: int, tokens_per_image: int, text: int = 12) -> dict[str, Any]:
+    pieces = []
+    for _ in range(images):  # each image's placeholders, then a text token
+        pieces += [torch.full((tokens_per_image,), IMAGE), torch.randint(IMAGE + 1, 256, (1,))]
+    ids = torch.cat([*pieces, torch.randint(IMAGE + 1, 256, (text,))])[None]
+    labels = ids.clone()
+    labels[ids == IMAGE] = -100
+    return dict(input_ids=ids, labels=labels, pixel_values=torch.randn(images, 3, side, side))
+
+
+def _vit_vlm(family: str) -> tuple[torch.nn.Module, dict[str, Any]]:
+    """A tiny real model of the family and a batch of two 56x56 images (4x4 patches of 14)."""
+    torch.manual_seed(0)
+    if family == "internvl":  # a Qwen2 LM; class token dropped, 0.5 pixel shuffle: 4 tokens per image
+        vision = dict(VIT, image_size=[56, 56], patch_size=[14, 14])
+        text = dict(TEXT, model_type="qwen2")
+        config: Any = transformers.InternVLConfig(text_config=text, vision_config=vision, image_token_id=IMAGE)
+        model = transformers.InternVLForConditionalGeneration(_eager(config))
+        return model.train(), _vit_batch(2, 56, 4)
+    if family == "llava":  # a Llama LM over CLIP's second-to-last layer (the last one runs forward only)
+        vision = dict(VIT, image_size=56, projection_dim=32, model_type="clip_vision_model")
+        config = transformers.LlavaConfig(
+            text_config=dict(TEXT, model_type="llama"), vision_config=vision, image_token_id=IMAGE, image_seq_length=16
+        )
+        model = transformers.LlavaForConditionalGeneration(_eager(config))
+        return model.train(), _vit_batch(2, 56, 16)
+    if family in ("idefics3", "smolvlm"):  # (batch, images, C, H, W), an all-zero padding image the model drops
+        vision = dict(VIT, image_size=56)
+        cls = transformers.Idefics3Config if family == "idefics3" else transformers.SmolVLMConfig
+        config = cls(
+            text_config=dict(TEXT, model_type="llama"), vision_config=vision, image_token_id=IMAGE, scale_factor=2
+        )
+        model_cls = (
+            transformers.Idefics3ForConditionalGeneration
+            if family == "idefics3"
+            else transformers.SmolVLMForConditionalGeneration
+        )
+        batch = _vit_batch(2, 56, 4)
+        batch["pixel_values"] = torch.cat([batch["pixel_values"], torch.zeros(1, 3, 56, 56)])[None]
+        return model_cls(_eager(config)).train(), batch
+    if family == "mistral3":  # Pixtral over one 56x28 image padded to 56x56 (eager attention masks a concatenation)
+        vision = dict(VIT, image_size=56, head_dim=8, model_type="pixtral")
+        config = transformers.Mistral3Config(
+            text_config=dict(TEXT, model_type="mistral"), vision_config=vision, image_token_index=IMAGE
+        )
+        batch = _vit_batch(1, 56, 2)  # 4x2 patches, 2x1 merged
+        batch["image_sizes"] = torch.tensor([[56, 28]])
+        return transformers.Mistral3ForConditionalGeneration(_eager(config)).train(), batch
+    # Gemma 3: SigLIP without its pooling head (as the released checkpoints), 4 pooled tokens per image; the
+    # sliding window covers the whole sample (eager attention computes every key; the window is checked by hand)
+    vision = dict(VIT, image_size=56, vision_use_head=False)
+    text = dict(TEXT, sliding_window=512, layer_types=["sliding_attention", "full_attention"])
+    config = transformers.Gemma3Config(
+        text_config=text, vision_config=vision, image_token_index=IMAGE, mm_tokens_per_image=4
+    )
+    model = transformers.Gemma3ForConditionalGeneration(_eager(config))
+    batch = _vit_batch(2, 56, 4)
+    batch["token_type_ids"] = (batch["input_ids"] == IMAGE).long()
+    return model.train(), batch
+
+
+@pytest.mark.parametrize("family", ["internvl", "llava", "gemma3", "idefics3", "smolvlm", "mistral3"])
+def test_vit_vlm_matches_flop_counter_mode(family: str) -> None:
+    model, batch = _vit_vlm(family)
+    counted = FlopCounter.from_model(model)(batch)
+    _assert_close(counted.model, _measured(model, batch))
+    assert counted.parts["vision"] > 0 and counted.parts["projector"] > 0
+    _assert_close(FlopCounter.from_model(model)(batch, backward=False).model, _measured(model, batch, False))
+
+
+@pytest.mark.parametrize("family", ["internvl", "llava", "idefics3", "gemma3", "mistral3"])
+def test_vit_vlm_frozen_tower_trained_projector(family: str) -> None:
+    """LLaVA's first stage: tower and LM frozen, the projector trains (its input takes no gradient)."""
+    model, batch = _vit_vlm(family)
+    for name, param in model.named_parameters():
+        param.requires_grad_("multi_modal_projector" in name or "connector" in name)
+    counter = FlopCounter.from_model(model)
+    assert counter.projector.base and not counter.vision.base and not counter.language.base
+    _assert_close(counter(batch).model, _measured(model, batch))
+
+
+def test_gemma3_text_matches_flop_counter_mode() -> None:
+    model = _lm(transformers.Gemma3TextConfig, sliding_window=512)
+    batch = _text_batch()
+    _assert_close(FlopCounter.from_model(model)(batch).model, _measured(model, batch))
+
+
+GDN = dict(
+    layer_types=["linear_attention", "full_attention"],
+    linear_num_key_heads=2,
+    linear_num_value_heads=4,
+    linear_key_head_dim=8,
+    linear_value_head_dim=8,
+    linear_conv_kernel_dim=4,
+)
+
+
+def _conv_fixed(model: torch.nn.Module, batch: dict[str, Any]) -> int:
+    """FlopCounterMode's count with the convolutions' backward counted as it is computed: the depthwise ones of the
+    Gated DeltaNet layers 2x their forward (FlopCounterMode counts their weight gradient as if ungrouped), a vision
+    tower's patch embedding 1x (its weight gradient: the pixels take none)."""
+    with FlopCounterMode(display=False) as mode:
+        model(**batch).loss.backward()
+    counts = mode.get_flop_counts()
+    by_op = {str(op): n for op, n in counts["Global"].items()}
+    patches = sum(
+        n
+        for name, ops in counts.items()
+        if name.endswith(".visual")
+        for op, n in ops.items()
+        if str(op) == "aten.convolution"
+    )
+    depthwise = by_op["aten.convolution"] - patches
+    assert by_op["aten.convolution_backward"] > 10 * depthwise > 0  # the ungrouped count
+    return int(mode.get_total_flops() - by_op["aten.convolution_backward"] + patches + 2 * depthwise)
+
+
+@pytest.mark.parametrize("moe", [False, True])
+def test_qwen3_5_matches_flop_counter_mode(moe: bool) -> None:
+    """Qwen3.5 (-MoE): Gated DeltaNet and gated attention layers under a Qwen3-VL-like tower, one image of 4x6."""
+    vision = dict(
+        depth=2,
+        hidden_size=32,
+        intermediate_size=64,
+        num_heads=4,
+        out_hidden_size=64,
+        patch_size=14,
+        spatial_merge_size=2,
+        temporal_patch_size=2,
+        num_position_embeddings=16,
+    )
+    rope = {"rope_type": "default", "rope_theta": 10000.0, "mrope_section": [1, 1, 2], "mrope_interleaved": True}
+    text = dict(TEXT, **GDN, rope_parameters=rope)
+    torch.manual_seed(0)
+    if moe:
+        text.update(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32, shared_expert_intermediate_size=48)
+        config: Any = transformers.Qwen3_5MoeConfig(text_config=text, vision_config=vision, image_token_id=IMAGE)
+        model = transformers.Qwen3_5MoeForConditionalGeneration(_eager(config)).train()
+    else:
+        config = transformers.Qwen3_5Config(text_config=text, vision_config=vision, image_token_id=IMAGE)
+        model = transformers.Qwen3_5ForConditionalGeneration(_eager(config)).train()
+    batch = _vlm_batch([(1, 4, 6)], 14, mm_types=True)
+    _assert_close(FlopCounter.from_model(model)(batch).model, _conv_fixed(model, batch))
+
+
+def test_qwen3_next_gated_delta_net_matches_flop_counter_mode() -> None:
+    """Gated DeltaNet layers as the chunked torch fallback computes them (1 and 3 chunks of 64), a gated-query
+    attention layer, MoE with a gated shared expert. FlopCounterMode counts the depthwise convolution's backward as
+    if it were not grouped (its weight gradient ``channels`` times over): the reference takes 2x the convolution's
+    forward for it, as for any trained layer whose input takes a gradient."""
+    extra = dict(
+        GDN,
+        num_experts=4,
+        num_experts_per_tok=2,
+        moe_intermediate_size=32,
+        shared_expert_intermediate_size=48,
+    )
+    model = _lm(transformers.Qwen3NextConfig, **extra)
+    for seq in (40, 130):
+        batch = _text_batch(2, seq)
+        _assert_close(FlopCounter.from_model(model)(batch).model, _conv_fixed(model, batch))
+        _assert_close(FlopCounter.from_model(model)(batch, backward=False).model, _measured(model, batch, False))
+
+
 def test_formulas_by_hand() -> None:
     # one trained linear: 3x forward; frozen with a flowing gradient: 2x; frozen with none: 1x
     op = linear(10, 4, 8)
@@ -287,8 +542,17 @@ def test_peak_table() -> None:
 
 
 def test_unsupported_model_is_an_error() -> None:
-    config = transformers.LlavaConfig(text_config=dict(TEXT, model_type="llama"))
-    with pytest.raises(UnsupportedFlopsModel, match="llava"):
+    config = transformers.LlavaConfig(text_config=dict(TEXT, model_type="gpt2"))
+    with pytest.raises(UnsupportedFlopsModel, match="llava"):  # a counted VLM around an uncounted LM
+        FlopCounter(config)
+    config = transformers.LlavaConfig(
+        text_config=dict(TEXT, model_type="llama"), vision_config={"model_type": "pixtral"}
+    )
+    with pytest.raises(UnsupportedFlopsModel, match="pixtral"):  # a Pixtral tower is counted in Mistral 3 only
+        FlopCounter(config)
+    vision = dict(VIT, model_type="clip_vision_model")
+    config = transformers.Mistral3Config(text_config=dict(TEXT, model_type="mistral"), vision_config=vision)
+    with pytest.raises(UnsupportedFlopsModel, match="clip_vision_model"):
         FlopCounter(config)
     with pytest.raises(UnsupportedFlopsModel, match="gpt2"):  # a non-gated MLP: no silent wrong count
         FlopCounter(transformers.GPT2Config())

@@ -48,12 +48,15 @@ class Op:
 
     ``trainable``: the weight takes a gradient; ``None`` for a product without weights (attention), whose backward
     is 2x forward when the gradient flows. ``input_grad``: ``True`` when the op's input always needs its gradient
-    (a LoRA ``B`` after its trained ``A``), ``None`` to follow the flow of the stream.
+    (a LoRA ``B`` after its trained ``A``), ``None`` to follow the flow of the stream. ``backward``: the FLOPs of a
+    product without weights whose backward is not 2x its forward (a linear attention's chunked scan), counted while
+    the gradient flows.
     """
 
     forward: int
     trainable: bool | None = False
     input_grad: bool | None = None
+    backward: int | None = None
 
 
 @dataclass(frozen=True)
@@ -134,7 +137,9 @@ def training_flops(blocks: Sequence[Block], inputs_need_grad: bool, *, backward:
             for op in stage:
                 block_forward += op.forward
                 input_grad = flowing if op.input_grad is None else op.input_grad
-                if op.trainable is None:
+                if op.backward is not None:
+                    block_backward += op.backward if input_grad else 0
+                elif op.trainable is None:
                     block_backward += 2 * op.forward if input_grad else 0
                 else:
                     block_backward += op.forward * (int(bool(op.trainable)) + int(input_grad))
