@@ -77,7 +77,8 @@ def test_each_flag_maps_to_its_documented_key(flag):
 
 @pytest.mark.parametrize("flag", sorted(REPORTED))
 def test_flags_that_cannot_map_alone_are_reported_with_the_reason(flag):
-    result = migrate(parse_args([flag, "7"] if flag != "--fp16" else [flag]))
+    value = "0.1" if flag == "--lr-warmup-fraction" else "7"  # a fraction is in [0, 1]
+    result = migrate(parse_args([flag, value] if flag != "--fp16" else [flag]))
     assert any(u.startswith(flag) and REPORTED[flag] in u for u in result.unmapped), result.unmapped
 
 

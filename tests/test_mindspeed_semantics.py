@@ -4,8 +4,10 @@ reads the data section."""
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 
+import pytest
 import yaml
 
 from lightning_mm.commands import migrate
@@ -90,3 +92,114 @@ def test_shipped_qwen3_5_122b_config_plans_at_its_world_size(tmp_path):
         assert (f"model.language_model.layers.{i}.linear_attn " in units) == (i in linear), (i, units)
         assert f"model.language_model.layers.{i}.mlp.experts" not in units  # sharded by expert parallelism
         assert f"model.language_model.layers.{i} " in units
+
+
+# ------------------------------------------------------------------------------ values, checked by key
+@pytest.mark.parametrize(
+    ("key", "value", "message"),
+    [
+        ("train_iters", -5, "`training.train_iters`: expected an integer >= 1, got -5"),
+        ("micro_batch_size", 0, "`training.micro_batch_size`: expected an integer >= 1, got 0"),
+        ("lr_warmup_ratio", 1.5, "`training.lr_warmup_ratio`: expected a number >= 0 and <= 1, got 1.5"),
+        ("lr", "abc", "`training.lr`: expected a number >= 0, got 'abc'"),
+        ("gradient_accumulation_steps", 2.5, "`training.gradient_accumulation_steps`: expected an integer >= 1"),
+        ("clip_grad", -1.0, "`training.clip_grad`: expected a number >= 0, got -1.0"),
+        ("adam_beta2", 1.0, "`training.adam_beta2`: expected a number >= 0 and < 1, got 1.0"),
+        ("seed", -1, "`training.seed`: expected an integer >= 0 and <= 4294967295, got -1"),
+    ],
+)
+def test_native_values_out_of_range_are_refused_naming_the_key(key, value, message, tmp_path):
+    from lightning_mm.commands.launch_script import MigrateError
+    from lightning_mm.commands.native_route import migrate_native
+
+    native = yaml.safe_load((DATA / QWEN3_5_122B).read_text())
+    native["training"][key] = value
+    with pytest.raises(MigrateError) as err:
+        migrate_native(DATA / QWEN3_5_122B, native, base_dir=tmp_path)
+    assert message in str(err.value) and QWEN3_5_122B in str(err.value)
+
+
+def test_native_numbers_written_as_strings_are_read_as_mindspeed_mm_reads_them(tmp_path):
+    from lightning_mm.commands.native_route import migrate_native
+
+    native = yaml.safe_load((DATA / QWEN3_5_122B).read_text())
+    native["training"].update(lr="1e-5", train_iters=100, lr_warmup_ratio=0.25)  # YAML reads 1e-5 as a string
+    config = migrate_native(DATA / QWEN3_5_122B, native, base_dir=tmp_path).config
+    assert config["model"]["init_args"]["lr"] == 1e-5 and config["model"]["init_args"]["warmup_steps"] == 25
+
+
+@pytest.mark.parametrize(
+    ("flag", "value", "message"),
+    [
+        ("--train-iters", "-5", "--train-iters needs an integer >= 1, got '-5'"),
+        ("--micro-batch-size", "0", "--micro-batch-size needs an integer >= 1, got '0'"),
+        ("--lr-warmup-fraction", "1.5", "--lr-warmup-fraction needs a number >= 0 and <= 1, got '1.5'"),
+        ("--global-batch-size", "3.5", "--global-batch-size needs an integer >= 1"),
+    ],
+)
+def test_launch_flags_out_of_range_are_refused_naming_the_flag(flag, value, message):
+    from lightning_mm.commands.launch_script import Launch, MigrateError
+    from lightning_mm.commands.migrate import migrate as migrate_launch
+
+    with pytest.raises(MigrateError, match=re.escape(message)):
+        migrate_launch(Launch(flags=[("--lr", "1e-5"), (flag, value)]))
+
+
+# ------------------------------------------------------------------------------ LoRA
+_LORA_YAML = """\
+gpt_args:
+  micro_batch_size: 1
+  lr: 1.0e-4
+  train_iters: 10
+lora_args:
+  lora_r: 4
+  lora_alpha: 8
+  lora_dropout: 0.0
+  lora_target_modules: v_proj,o_proj,k_proj,q_proj
+  lora_register_forward_hook: embed_tokens
+model:
+  model_id: qwen3_vl
+  init_from_hf_path: {hf}
+"""
+
+
+def test_lora_args_of_the_megatron_route_become_the_lora_block(tmp_path):
+    """MindSpeed MM's ``lora_args`` (examples/qwen3vl/qwen3vl_lora_sft_30B.yaml: a comma-separated target list,
+    PEFT's LoraConfig built from lora_r / lora_alpha / lora_dropout) -> TransformersModel's ``lora``."""
+    from lightning_mm.commands.launch_script import MigrateError
+    from lightning_mm.commands.migrate import migrate_yaml
+    from lightning_mm.hf.lora import LoRAConfig
+
+    (tmp_path / "hf").mkdir()
+    (tmp_path / "hf" / "config.json").write_text('{"model_type": "qwen3_vl"}')
+    path = tmp_path / "job.yaml"
+    path.write_text(_LORA_YAML.format(hf=tmp_path / "hf"))
+    result = migrate_yaml(path, base_dir=tmp_path)
+    lora = result.config["model"]["init_args"]["transformers_model"]["lora"]
+    assert lora == {"rank": 4, "alpha": 8, "dropout": 0.0, "target_modules": ["v_proj", "o_proj", "k_proj", "q_proj"]}
+    LoRAConfig.from_any(lora)
+    assert any(n.startswith("lora_args.lora_register_forward_hook") for n in result.notes)
+    assert not any("lora_args" in u for u in result.unmapped)
+    path.write_text(_LORA_YAML.format(hf=tmp_path / "hf").replace("lora_r: 4", "lora_r: 0"))
+    with pytest.raises(MigrateError, match=r"job.yaml: `lora_args.lora_r`: expected an integer >= 1, got 0"):
+        migrate_yaml(path, base_dir=tmp_path)
+
+
+def test_a_bare_lora_target_names_every_module_ending_with_it_as_mindspeed_mm_does():
+    """MindSpeed MM's ``lora_utils.is_pattern_match`` (and PEFT's target list): ``q_proj`` names every module
+    whose path is ``q_proj`` or ends with ``.q_proj``; targets under ``freeze`` are left out (its Megatron route's
+    lora_patch skips frozen targets); a name that matches nothing stays an error."""
+    from lightning_mm.hf.lora import LoRAConfig, LoRAConfigError, resolve_targets
+    from tests.hf_scenarios import tiny_hf_model
+
+    model = tiny_hf_model("qwen2")
+    config = LoRAConfig(target_modules=["q_proj", "self_attn.o_proj"])
+    expected = [
+        name
+        for name, _ in model.named_modules()
+        if any(name == p or name.endswith("." + p) for p in ("q_proj", "self_attn.o_proj"))
+    ]
+    assert resolve_targets(model, config) == expected and len(expected) == 2 * model.config.num_hidden_layers
+    assert resolve_targets(model, config, frozen=["model.layers.0"]) == [e for e in expected if ".layers.0." not in e]
+    with pytest.raises(LoRAConfigError, match="q_projj"):
+        resolve_targets(model, LoRAConfig(target_modules=["q_projj"]))

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import ast
+import math
 import os
 import sys
 import tempfile
@@ -110,11 +111,54 @@ def _set(config: dict[str, Any], path: str, value: Any) -> None:
     node[parts[-1]] = value
 
 
+# The range of each numeric flag, as (low, high, integer): a value outside it is an error naming the flag, before
+# anything is written (a warmup fraction of 1.5 would be a warmup longer than the run).
+_RANGES: dict[str, tuple[float | None, float | None, bool]] = {
+    "--micro-batch-size": (1, None, True),
+    "--global-batch-size": (1, None, True),
+    "--train-iters": (1, None, True),
+    "--lr": (0, None, False),
+    "--min-lr": (0, None, False),
+    "--weight-decay": (0, None, False),
+    "--adam-beta1": (0, 1, False),
+    "--adam-beta2": (0, 1, False),
+    "--lr-warmup-iters": (0, None, True),
+    "--lr-warmup-fraction": (0, 1, False),
+    "--clip-grad": (0, None, False),
+    "--seed": (0, 2**32 - 1, True),
+    "--log-interval": (1, None, True),
+    "--eval-interval": (1, None, True),
+    "--eval-iters": (0, None, True),
+    "--save-interval": (1, None, True),
+    "--num-workers": (0, None, True),
+    "--max-seq-len": (1, None, True),
+    "--dynamic-batch-buffer-size": (1, None, True),
+}
+
+
+def _shown_bound(bound: float) -> str:
+    """A range bound as a message shows it: ``4294967295``, ``0.5``."""
+    return str(int(bound)) if bound == int(bound) else f"{bound:g}"
+
+
 def _number(value: str | None, flag: str) -> float:
     try:
-        return float(value)  # type: ignore[arg-type]
+        number = float(value)  # type: ignore[arg-type]
     except (TypeError, ValueError):
         raise ValueError(f"{flag} needs a number, got {value!r}") from None
+    low, high, integer = _RANGES.get(flag, (None, None, False))
+    if (
+        not math.isfinite(number)
+        or (integer and number != int(number))
+        or (low is not None and number < low)
+        or (high is not None and number > high)
+    ):
+        bounds = " and ".join(
+            f"{sign} {_shown_bound(bound)}" for sign, bound in ((">=", low), ("<=", high)) if bound is not None
+        )
+        want = ("an integer" if integer else "a number") + (f" {bounds}" if bounds else "")
+        raise MigrateError(f"{flag} needs {want}, got {value!r}")  # refused, not merely left out
+    return number
 
 
 def _defined_functions(script: Path) -> dict[str, set[str]] | None:
@@ -478,12 +522,15 @@ def migrate(
             continue
         try:
             handler(state, flag, value, shown)
-        except ValueError as err:
+        except MigrateError as err:  # a value out of its range: the job cannot run as written
+            raise MigrateError(f"{shown}: {err}") from None
+        except ValueError as err:  # not a number (e.g. a shell variable the reader could not evaluate)
             state.out.unmapped.append(f"{shown}: {err}")
     _map_combined(state, world)
     _map_dynamic_batching(state)
     _map_checkpointing(state)
     _map_model(state, launch, functions)
+    _map_lora(state)
     _map_data(state, launch, functions)
     for name in launch.env:
         if name in ("CUDA_DEVICE_MAX_CONNECTIONS",):
@@ -547,13 +594,8 @@ def _map_single_yaml(state: _Flags, path: Path, config: Mapping[str, Any]) -> li
         state.values["mm_data"] = (f"{path.name} data:", path)
     if "model" in config:
         state.values["mm_model"] = (f"{path.name} model:", path, config["model"])
-    lora = config.get("lora_args")
-    if isinstance(lora, Mapping):
-        for key, value in _flatten_gpt_args(lora, "lora_args"):
-            out.unmapped.append(
-                f"lora_args.{key}: {value}: MindSpeed MM's LoRA flags; set "
-                "model.init_args.transformers_model.lora (rank, alpha, target_modules, ...) by hand"
-            )
+    if "lora_args" in config:
+        _read_lora_args(state, path, config["lora_args"])
     if "MM_TOOL_PATH" in config:
         out.unmapped.append(
             f"MM_TOOL_PATH {config['MM_TOOL_PATH']} (--mm-tool): MindSpeed MM's tool definitions for "
@@ -572,6 +614,100 @@ def _map_single_yaml(state: _Flags, path: Path, config: Mapping[str, Any]) -> li
                 "this one are used through YAML anchors); nothing to map"
             )
     return flags
+
+
+# MindSpeed MM's Megatron-route LoRA (mindspeed_mm/arguments.py `_add_lora_args`, tasks/finetune/lora/lora_patch.py:
+# PEFT's LoraConfig(r, lora_alpha, target_modules, lora_dropout, bias="none")) -> the lora block of TransformersModel.
+_LORA_ARGS = {
+    "lora_r": "rank",
+    "lora_alpha": "alpha",
+    "lora_dropout": "dropout",
+    "lora_target_modules": "target_modules",
+}
+_LORA_DEFAULTS = {"rank": 8, "alpha": 16, "dropout": 0.0}  # MindSpeed MM's argument defaults
+_LORA_REFUSED = {
+    "lora_target_parameters": "LoRA on raw parameters (routed experts' 3-D weights) is not supported here",
+    "lora_apply_modules": "lora_mixed_training's module filter is not supported here",
+    "lora_mixed_training": "training LoRA adapters together with unfrozen base weights is not supported here",
+    "load_base_model": "a Megatron base checkpoint; the base weights here come from init_from_hf_path",
+}
+
+
+def _read_lora_args(state: _Flags, path: Path, lora: Any) -> None:
+    """``lora_args`` of a single YAML: checked (each value in its range, naming the key) and kept for
+    :func:`_map_lora`, which writes them once the model config exists."""
+    out = state.out
+    if not isinstance(lora, Mapping):
+        raise MigrateError(f"{path}: `lora_args`: expected a mapping, got {type(lora).__name__}")
+    config: dict[str, Any] = dict(_LORA_DEFAULTS)
+    for key, value in lora.items():
+        shown = f"lora_args.{key}"
+        if key in _LORA_ARGS:
+            if key == "lora_target_modules":
+                items = value if isinstance(value, list) else str(value).split(",")
+                targets = [str(t).strip() for t in items if str(t).strip()]
+                if not targets:
+                    raise MigrateError(f"{path}: `{shown}`: expected module names, got {value!r}")
+                config["target_modules"] = targets
+            else:
+                low, integer = (1, True) if key == "lora_r" else (0, False)
+                number = _number_key(value, f"{path}: `{shown}`", low, 1 if key == "lora_dropout" else None, integer)
+                if key == "lora_dropout" and number >= 1:
+                    raise MigrateError(f"{path}: `{shown}`: expected a probability below 1, got {value!r}")
+                if key == "lora_alpha" and number <= 0:
+                    raise MigrateError(f"{path}: `{shown}`: expected a number > 0, got {value!r}")
+                config[_LORA_ARGS[key]] = int(number) if integer else number
+        elif key == "lora_register_forward_hook":
+            out.notes.append(
+                f"{shown} {value}: MindSpeed MM marks these modules' outputs as needing gradients so that "
+                "reentrant recomputation reaches the adapters; not needed here (recompute is non-reentrant "
+                "unless use_reentrant is set)"
+            )
+        elif key in _LORA_REFUSED:
+            (out.unmapped if value not in (None, False, [], "") else out.notes).append(
+                f"{shown} {value}: {_LORA_REFUSED[key]}" if value not in (None, False, [], "") else f"{shown}: off"
+            )
+        else:
+            out.unmapped.append(f"{shown}: not one of MindSpeed MM's LoRA arguments")
+    if "target_modules" not in config:
+        raise MigrateError(f"{path}: `lora_args.lora_target_modules`: LoRA needs its target modules")
+    state.values["lora"] = config
+
+
+def _number_key(value: Any, where: str, low: float | None, high: float | None, integer: bool) -> float:
+    """A number written in a YAML, in its range; an error naming ``where`` (file and key) otherwise."""
+    try:
+        number = float(value) if not isinstance(value, bool) else math.nan
+    except (TypeError, ValueError):
+        number = math.nan
+    if (
+        not math.isfinite(number)
+        or (integer and number != int(number))
+        or (low is not None and number < low)
+        or (high is not None and number > high)
+    ):
+        bounds = " and ".join(f"{sign} {_shown_bound(b)}" for sign, b in ((">=", low), ("<=", high)) if b is not None)
+        raise MigrateError(f"{where}: expected {'an integer' if integer else 'a number'} {bounds}, got {value!r}")
+    return number
+
+
+def _map_lora(state: _Flags) -> None:
+    """The ``lora_args`` kept by :func:`_read_lora_args` -> ``model.init_args.transformers_model.lora``."""
+    lora = state.values.get("lora")
+    if lora is None:
+        return
+    model = state.cfg["model"]["init_args"].get("transformers_model")
+    if not isinstance(model, dict):
+        state.out.unmapped.append(
+            "lora_args: LoRA here adapts a TransformersModel; set the model's lora (rank, alpha, target_modules, "
+            f"dropout) by hand: {lora}"
+        )
+        return
+    model["lora"] = lora
+    state.out.mapped.append(
+        "lora_args (lora_r, lora_alpha, lora_dropout, lora_target_modules) -> model.init_args.transformers_model.lora "
+        f"{lora} (a bare module name adapts every module whose path ends with it, as in MindSpeed MM)"
+    )
 
 
 def _map_launcher(state: _Flags, launch: Launch) -> int | None:
