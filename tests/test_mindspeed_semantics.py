@@ -203,3 +203,41 @@ def test_a_bare_lora_target_names_every_module_ending_with_it_as_mindspeed_mm_do
     assert resolve_targets(model, config, frozen=["model.layers.0"]) == [e for e in expected if ".layers.0." not in e]
     with pytest.raises(LoRAConfigError, match="q_projj"):
         resolve_targets(model, LoRAConfig(target_modules=["q_projj"]))
+
+
+# ------------------------------------------------------------------------------ packing
+_PACKED_YAML = """\
+gpt_args:
+  micro_batch_size: 2
+  lr: 1.0e-5
+data:
+  dataset_param:
+    dataset_type: huggingface
+    preprocess_parameters:
+      model_name_or_path: {hf}
+    basic_parameters:
+      template: qwen2vl
+      dataset: {records}
+      cutoff_len: 64
+      neat_packing: true
+  dataloader_param:
+    shuffle: false
+"""
+
+
+def test_a_neat_packing_data_config_migrates_to_a_config_the_data_module_accepts(tmp_path):
+    """A data config with ``neat_packing`` is a token budget of cutoff_len per packed row: the micro-batch size
+    is not written beside it (MMDataModule refuses a batch_size with a token budget)."""
+    from lightning_mm import MMDataModule
+    from lightning_mm.commands.migrate import migrate_yaml
+
+    (tmp_path / "records.jsonl").write_text("")
+    path = tmp_path / "job.yaml"
+    path.write_text(_PACKED_YAML.format(hf=tmp_path, records=tmp_path / "records.jsonl"))
+    result = migrate_yaml(path, base_dir=tmp_path)
+    init_args = result.config["data"]["init_args"]
+    assert init_args == {"data_config": str(path)}
+    assert any("neat_packing, cutoff_len -> MMDataModule packing" in m for m in result.mapped)
+    assert any(n.startswith("--micro-batch-size 2: not written") for n in result.notes)
+    data = MMDataModule(**init_args)
+    assert data.max_tokens_per_rank == 64

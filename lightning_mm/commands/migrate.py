@@ -931,6 +931,7 @@ def _map_data(state: _Flags, launch: Launch, functions: set[str]) -> None:
         elif data_path.is_file():
             _set(state.cfg, "data.init_args.data_config", str(data_path))
             out.mapped.append(f"{shown} -> data.init_args.data_config ({data_path})")
+            _map_neat_packing(state, shown, data_path)
             out.run_from = state.base
             out.notes.append(
                 f"{shown}: relative paths inside it are taken from the directory lightning-mm runs in, "
@@ -951,6 +952,32 @@ def _map_data(state: _Flags, launch: Launch, functions: set[str]) -> None:
             "the Datasets the provider returns; a DataLoader it returns must have this batch size "
             "(MMDataModule checks it at setup), or the global batch would differ from "
             "--global-batch-size"
+        )
+
+
+def _map_neat_packing(state: _Flags, shown: str, data_path: Path) -> None:
+    """``neat_packing`` in the data config: MMDataModule packs rows of ``cutoff_len`` tokens (a token budget), which
+    excludes a batch size, so ``--micro-batch-size`` is not written (MindSpeed MM packs to cutoff_len too)."""
+    try:
+        data = _load_yaml(data_path)
+    except MigrateError:
+        return  # MMDataModule reads the file and names what is wrong with it
+    if isinstance(data.get("data"), Mapping):  # a single YAML's data: section
+        data = data["data"]
+    dataset = data.get("dataset_param")
+    basic = dataset.get("basic_parameters") if isinstance(dataset, Mapping) else None
+    if not (isinstance(basic, Mapping) and basic.get("neat_packing") is True):
+        return
+    state.out.mapped.append(
+        f"{shown} dataset_param.basic_parameters.neat_packing, cutoff_len -> MMDataModule packing with "
+        "max_tokens_per_rank = cutoff_len (read from the data config)"
+    )
+    batch_size = state.cfg["data"]["init_args"].pop("batch_size", None)
+    if batch_size is not None:
+        state.out.mapped = [m for m in state.out.mapped if not m.endswith("-> data.init_args.batch_size")]
+        state.out.notes.append(
+            f"--micro-batch-size {batch_size}: not written: a packed batch holds cutoff_len tokens per rank "
+            "(MMDataModule's batch_size and max_tokens_per_rank are exclusive)"
         )
 
 
