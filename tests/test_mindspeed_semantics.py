@@ -4,6 +4,8 @@ reads the data section."""
 
 from __future__ import annotations
 
+import json
+import os
 import re
 from pathlib import Path
 
@@ -241,3 +243,111 @@ def test_a_neat_packing_data_config_migrates_to_a_config_the_data_module_accepts
     assert any(n.startswith("--micro-batch-size 2: not written") for n in result.notes)
     data = MMDataModule(**init_args)
     assert data.max_tokens_per_rank == 64
+
+
+# ------------------------------------------------------------------------------ the job keeps its identity
+def _qwen3vl_job(tmp_path: Path) -> tuple[Path, Path]:
+    """MindSpeed MM's Qwen3-VL single-YAML launch (examples/qwen3vl: 2 NPUs x 1 node, micro batch 2, global batch
+    8) with its tiny stand-in, in a copy of the tree: (launch script, repository root)."""
+    import shutil
+
+    from examples.vlm_stand_in import write_job_inputs
+
+    root = tmp_path / "repo"
+    shutil.copytree(Path(__file__).resolve().parents[1] / "examples" / "qwen3vl", root / "examples" / "qwen3vl")
+    write_job_inputs(root / "runs" / "qwen3vl", "qwen3_vl", "Qwen3-VL-tiny", count=24)
+    job = root / "examples" / "qwen3vl" / "qwen3vl_full_sft_8B.yaml"  # the data section's paths: from any directory
+    job.write_text(job.read_text().replace("./runs/qwen3vl", str(root / "runs" / "qwen3vl")))
+    return root / "examples" / "qwen3vl" / "finetune_qwen3vl_8B.sh", root
+
+
+def test_migrated_job_runs_as_2_nodes_x_2_processes_keeping_its_global_batch(tmp_path, capsys):
+    """The migrated Qwen3-VL job (written for 2 processes on 1 node: global batch 8 = micro batch 2 x 2 ranks x
+    accumulation 2), run as 2 nodes x 2 processes on this machine (torchrun --nnodes 2, twice): Lightning sees 4
+    ranks on 2 nodes, and the accumulation is recomputed to 1 so that each step still trains on 8 samples. The
+    launch lines migrate prints for a 2-node config name both counts."""
+    from tests import native_scenarios
+    from tests.scenario_kit import run
+
+    script, root = _qwen3vl_job(tmp_path)
+    out = tmp_path / "config.yaml"
+    migrate.main([str(script), "-o", str(out), "--base-dir", str(root)])
+    report = capsys.readouterr().err
+    assert "--global-batch-size 8 -> trainer.callbacks: GlobalBatchSize(8)" in report
+    config = yaml.safe_load(out.read_text())
+    assert config["trainer"]["accumulate_grad_batches"] == 2 and config["trainer"]["devices"] == 2
+    config["trainer"].update(
+        accelerator="cpu",
+        num_nodes=2,
+        max_steps=2,
+        precision="32-true",
+        logger=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        num_sanity_val_steps=0,
+        limit_val_batches=0,
+    )
+    for callback in config["trainer"]["callbacks"]:
+        if "ModelCheckpoint" in callback["class_path"]:
+            callback["init_args"].update(dirpath=str(tmp_path / "save"), every_n_train_steps=2)
+    config["trainer"]["callbacks"].append(
+        {"class_path": "tests.native_scenarios.JobShape", "init_args": {"outdir": str(tmp_path)}}
+    )
+    config["trainer"]["strategy"]["init_args"].pop("process_group_backend", None)
+    out.write_text(yaml.safe_dump(config, sort_keys=False))
+    from lightning_mm.commands.migrate import launch_lines
+
+    lines = "\n".join(launch_lines(config, str(out)))
+    assert "torchrun --nnodes 2 --nproc_per_node 2 --node_rank $NODE_RANK" in lines
+    assert "srun --nodes 2 --ntasks-per-node 2" in lines
+
+    run(native_scenarios.fit_config, tmp_path, args={"config": out}, launcher="torchrun", nnodes=2, timeout=600)
+    ranks = [json.loads((tmp_path / f"job.rank{r}.json").read_text()) for r in range(4)]
+    assert {r["world_size"] for r in ranks} == {4} and {r["num_nodes"] for r in ranks} == {2}
+    assert sorted(r["node_rank"] for r in ranks) == [0, 0, 1, 1]
+    for shape in ranks:  # 8 = 2 x 4 data-parallel ranks x 1
+        assert shape["accumulate_grad_batches"] == 1 and shape["batch_size"] == 2
+        assert shape["global_step"] == 2 and shape["micro_batches"] == 2
+    _check_a_resume_of_another_model_is_refused(config, out, tmp_path)
+
+
+def _check_a_resume_of_another_model_is_refused(config: dict, out: Path, tmp_path: Path) -> None:
+    """The checkpoint of the 2-node run records its model; ``fit`` of another model (its config.json has another
+    depth) that would resume it (``ckpt_path: last`` over the same save directory, as two jobs sharing a ``--save``
+    would) is refused before any weight is read, with a sentence naming both models."""
+    import shutil
+    import subprocess
+    import sys
+
+    from lightning_mm.commands.train import IDENTITY_KEY, checkpoint_metadata, model_identity, resolve_ckpt_path
+
+    last = resolve_ckpt_path("last", config["trainer"])
+    assert last is not None, list((tmp_path / "save").iterdir())
+    recorded = checkpoint_metadata(last)[IDENTITY_KEY]
+    assert recorded == model_identity(config["model"]) and recorded["class"] == "Qwen3VLForConditionalGeneration"
+
+    hf = Path(config["model"]["init_args"]["transformers_model"]["init_from_hf_path"])
+    other = tmp_path / "other_model"
+    shutil.copytree(hf, other)
+    text = json.loads((other / "config.json").read_text())
+    text["text_config"]["num_hidden_layers"] += 1
+    (other / "config.json").write_text(json.dumps(text))
+    config["model"]["init_args"]["transformers_model"]["init_from_hf_path"] = str(other)
+    config["ckpt_path"] = "last"
+    config["trainer"].update(num_nodes=1, max_steps=3)
+    second = tmp_path / "other.yaml"
+    second.write_text(yaml.safe_dump(config, sort_keys=False))
+    root = Path(__file__).resolve().parents[1]
+    proc = subprocess.run(
+        [sys.executable, "-m", "lightning_mm.cli", "fit", "--config", str(second)],
+        cwd=root,
+        env={**os.environ, "PYTHONPATH": str(root), "OMP_NUM_THREADS": "1"},
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert proc.returncode != 0
+    depth = text["text_config"]["num_hidden_layers"]
+    assert "holds the weights of Qwen3VLForConditionalGeneration (" in proc.stderr, proc.stderr[-3000:]
+    assert f"text.num_hidden_layers {depth - 1}" in proc.stderr and f"text.num_hidden_layers {depth}" in proc.stderr
+    assert "a run never resumes another model's checkpoint" in proc.stderr

@@ -315,9 +315,52 @@ def _backend(state: _Flags, flag: str, value: str | None, shown: str) -> None:
 
 
 def _load(state: _Flags, flag: str, value: str | None, shown: str) -> None:
-    state.cfg["ckpt_path"] = "last"
-    state.values["load"] = value
-    state.out.mapped.append(f"{shown} -> ckpt_path: last (resumes from the ModelCheckpoint directory)")
+    state.values["load"] = value  # pretrained weights or a resume: decided by _map_load from what it names
+
+
+def _map_load(state: _Flags) -> None:
+    """``--load``: pretrained weights and resuming are kept apart. Only ``--load`` equal to ``--save`` resumes this
+    job's own checkpoints (``ckpt_path: last``); a Hugging Face directory is the model's starting weights
+    (``init_from_hf_path``); a checkpoint written here is resumed by its path (its model is checked at ``fit``).
+    Anything else is named, never turned into a resume from ``--save`` (two jobs sharing a save directory would
+    resume each other)."""
+    value, out = state.values.get("load"), state.out
+    if not value:
+        return
+    load = state.path_of(value)
+    save = state.path_of(state.values["save"]) if state.values.get("save") else None
+    model = state.cfg["model"]["init_args"].get("transformers_model")
+    if save is not None and load == save:
+        state.cfg["ckpt_path"] = "last"
+        out.mapped.append(f"--load {value} (= --save) -> ckpt_path: last (resumes this job's own checkpoints)")
+    elif (load / "config.json").is_file():
+        if not isinstance(model, dict):
+            out.unmapped.append(
+                f"--load {value}: a Hugging Face model directory (pretrained weights); load it in model_provider"
+            )
+        elif model.get("init_from_hf_path") in (None, str(load)):
+            model["init_from_hf_path"] = str(load)
+            out.mapped.append(
+                f"--load {value} -> model.init_args.transformers_model.init_from_hf_path (pretrained weights, "
+                "not a resume)"
+            )
+        else:
+            out.unmapped.append(
+                f"--load {value}: pretrained weights other than the model config's init_from_hf_path "
+                f"{model['init_from_hf_path']}; set the one to start from"
+            )
+    elif (load / "meta.pt").is_file() or load.suffix == ".ckpt":
+        state.cfg["ckpt_path"] = str(load)
+        out.mapped.append(f"--load {value} -> ckpt_path (a checkpoint written by lightning-mm, resumed)")
+    elif load.exists():
+        out.unmapped.append(
+            f"--load {value}: not a Hugging Face directory nor a lightning-mm checkpoint (a MindSpeed MM / Megatron "
+            "checkpoint?); start from the Hugging Face weights it was converted from (init_from_hf_path)"
+        )
+    else:
+        out.unmapped.append(
+            f"--load {value}: does not exist; give pretrained weights as init_from_hf_path, or resume with ckpt_path"
+        )
 
 
 def _mm_data(state: _Flags, flag: str, value: str | None, shown: str) -> None:
@@ -475,6 +518,8 @@ FLAGS: dict[str, _Handler] = {
 }
 
 
+GLOBAL_BATCH = "lightning_mm.commands.global_batch.GlobalBatchSize"
+"""The callback that keeps MindSpeed MM's global batch size on any world size."""
 TRANSFORMERS_MODULE = "lightning_mm.modules.transformers_module.MMTransformersModule"
 """The LightningModule a TransformersModel config is written for (MindSpeed MM's pretrain_transformers.py)."""
 MINDSPEED_ENTRY_SCRIPTS = ("pretrain_transformers.py",)
@@ -531,6 +576,7 @@ def migrate(
     _map_checkpointing(state)
     _map_model(state, launch, functions)
     _map_lora(state)
+    _map_load(state)
     _map_data(state, launch, functions)
     for name in launch.env:
         if name in ("CUDA_DEVICE_MAX_CONNECTIONS",):
@@ -810,19 +856,45 @@ def _map_combined(state: _Flags, world: int | None) -> None:
             out.unmapped.append("--lr-warmup-fraction: needs --train-iters to become a step count")
     if "gbs" in values:
         mbs = values.get("mbs", 1)
-        if world and values.get("cp", 1) > 1 and world % values["cp"] == 0:
-            world //= values["cp"]  # the ranks of a context-parallel group share their samples
-        if world and values["gbs"] % (mbs * world) == 0:
-            _set(cfg, "trainer.accumulate_grad_batches", values["gbs"] // (mbs * world))
+        gbs = values["gbs"]
+        _add_callback(cfg, {"class_path": GLOBAL_BATCH, "init_args": {"global_batch_size": gbs}})
+        out.mapped.append(
+            f"--global-batch-size {gbs} -> trainer.callbacks: GlobalBatchSize({gbs}) (the accumulation is derived "
+            "from it at fit for the world size the run has: gbs / (micro batch x data-parallel ranks))"
+        )
+        cp = values.get("cp", 1)
+        if world:
+            from lightning_mm._global_batch import accumulation_for
+            from lightning_mm.errors import ConfigError
+
+            try:
+                accumulate = accumulation_for(gbs, mbs, world, cp if world % cp == 0 else 1)
+            except ConfigError as err:  # MindSpeed MM refuses the launch too
+                raise MigrateError(f"--global-batch-size {gbs}: {err}") from None
+            _set(cfg, "trainer.accumulate_grad_batches", accumulate)
             out.mapped.append(
-                f"--global-batch-size {values['gbs']} -> trainer.accumulate_grad_batches "
-                f"({values['gbs']} / ({mbs} x {world} ranks))"
+                f"--global-batch-size {gbs} -> trainer.accumulate_grad_batches {accumulate} at the launch's "
+                f"{world} ranks ({gbs} / ({mbs} x {world // (cp if world % cp == 0 else 1)} data-parallel ranks))"
             )
-        else:
-            out.unmapped.append(
-                f"--global-batch-size {values['gbs']}: cannot derive accumulate_grad_batches "
-                "(world size unknown or not a divisor); set trainer.accumulate_grad_batches"
-            )
+
+
+def _add_callback(cfg: dict[str, Any], callback: dict[str, Any]) -> None:
+    cfg.setdefault("trainer", {}).setdefault("callbacks", []).append(callback)
+
+
+def _drop_global_batch(state: _Flags, why: str) -> None:
+    """Token-budget batches have no fixed sample count: the global batch size cannot be kept; say so."""
+    callbacks = state.cfg["trainer"].get("callbacks") or []
+    kept = [c for c in callbacks if c.get("class_path") != GLOBAL_BATCH]
+    if len(kept) == len(callbacks):
+        return
+    state.cfg["trainer"]["callbacks"] = kept
+    state.cfg["trainer"].pop("accumulate_grad_batches", None)
+    state.out.mapped = [m for m in state.out.mapped if not m.startswith("--global-batch-size")]
+    state.out.unmapped.append(
+        f"--global-batch-size {state.values['gbs']}: {why}: a batch holds a token budget, not a number of samples; "
+        "set trainer.accumulate_grad_batches"
+    )
 
 
 def _map_dynamic_batching(state: _Flags) -> None:
@@ -852,6 +924,7 @@ def _map_dynamic_batching(state: _Flags) -> None:
         out.mapped.append(
             f"--dynamic-batch-buffer-size {values['dynamic_batch_buffer_size']} -> data.init_args.packing_buffer_size"
         )
+    _drop_global_batch(state, "with dynamic batching")
     batch_size = state.cfg.get("data", {}).get("init_args", {}).pop("batch_size", None)
     if batch_size is not None:
         out.mapped = [m for m in out.mapped if not m.startswith("--micro-batch-size")]
@@ -873,12 +946,10 @@ def _map_checkpointing(state: _Flags) -> None:
     if values.get("save_interval"):
         checkpoint["every_n_train_steps"] = values["save_interval"]
     callback = {"class_path": "lightning.pytorch.callbacks.ModelCheckpoint", "init_args": checkpoint}
-    cfg["trainer"]["callbacks"] = [callback]
+    _add_callback(cfg, callback)
     out.mapped.append(
         "--save/--save-interval -> trainer.callbacks: ModelCheckpoint(dirpath, every_n_train_steps, save_last: link)"
     )
-    if values.get("load") and values.get("save") and state.path_of(values["load"]) != state.path_of(values["save"]):
-        out.unmapped.append(f"--load {values['load']}: differs from --save; set ckpt_path to the checkpoint")
 
 
 def _map_model(state: _Flags, launch: Launch, functions: set[str]) -> None:
@@ -972,6 +1043,7 @@ def _map_neat_packing(state: _Flags, shown: str, data_path: Path) -> None:
         f"{shown} dataset_param.basic_parameters.neat_packing, cutoff_len -> MMDataModule packing with "
         "max_tokens_per_rank = cutoff_len (read from the data config)"
     )
+    _drop_global_batch(state, "with neat_packing")
     batch_size = state.cfg["data"]["init_args"].pop("batch_size", None)
     if batch_size is not None:
         state.out.mapped = [m for m in state.out.mapped if not m.endswith("-> data.init_args.batch_size")]
@@ -1112,6 +1184,8 @@ def main(argv: Sequence[str]) -> int:
             f"# Run from {Path(run_from).resolve()}: lightning-mm fit --config "
             f"{Path(args.output).resolve() if args.output else 'THIS_FILE'}\n"
         )
+    launch_text = launch_lines(result.config, str(Path(args.output).resolve()) if args.output else "THIS_FILE")
+    header += "".join(f"# {line}\n" for line in launch_text)
     text = header + yaml.safe_dump(result.config, sort_keys=False)
     if args.output:
         _write_output(Path(args.output), text, inputs, args.force)
@@ -1119,7 +1193,26 @@ def main(argv: Sequence[str]) -> int:
     else:
         print(text)
     print(result.report(), file=sys.stderr)
+    if launch_text:
+        print("\n".join(launch_text), file=sys.stderr)
     return 0
+
+
+def launch_lines(config: Mapping[str, Any], config_path: str) -> list[str]:
+    """The command lines that start the migrated job on ``trainer.num_nodes`` nodes x ``trainer.devices`` processes,
+    with torchrun (run on every node; Lightning reads torchrun's environment) and with SLURM (Lightning reads
+    SLURM's; ``--ntasks-per-node`` must equal ``trainer.devices``). Empty when the counts are not in the config."""
+    trainer = config.get("trainer") or {}
+    devices, nodes = trainer.get("devices"), trainer.get("num_nodes", 1)
+    if not isinstance(devices, int) or not isinstance(nodes, int) or nodes < 2:
+        return []
+    fit = f"-m lightning_mm.cli fit --config {config_path}"
+    return [
+        f"launch on {nodes} nodes x {devices} processes (trainer.num_nodes {nodes}, trainer.devices {devices}):",
+        f"  torchrun (on each node, NODE_RANK 0..{nodes - 1}): torchrun --nnodes {nodes} --nproc_per_node {devices} "
+        f"--node_rank $NODE_RANK --master_addr $MASTER_ADDR --master_port $MASTER_PORT {fit}",
+        f"  SLURM: srun --nodes {nodes} --ntasks-per-node {devices} python {fit}",
+    ]
 
 
 if __name__ == "__main__":
