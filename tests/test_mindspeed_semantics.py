@@ -348,6 +348,33 @@ def _check_a_resume_of_another_model_is_refused(config: dict, out: Path, tmp_pat
     )
     assert proc.returncode != 0
     depth = text["text_config"]["num_hidden_layers"]
-    assert "holds the weights of Qwen3VLForConditionalGeneration (" in proc.stderr, proc.stderr[-3000:]
-    assert f"text.num_hidden_layers {depth - 1}" in proc.stderr and f"text.num_hidden_layers {depth}" in proc.stderr
-    assert "a run never resumes another model's checkpoint" in proc.stderr
+    assert (
+        f"holds the weights of Qwen3VLForConditionalGeneration (text.num_hidden_layers {depth - 1}), but the config "
+        f"trains Qwen3VLForConditionalGeneration (text.num_hidden_layers {depth}); a run never resumes another "
+        "model's checkpoint"
+    ) in proc.stderr, proc.stderr[-3000:]
+    assert "strict loading" not in proc.stderr  # refused before any weight is read
+
+
+def test_load_of_pretrained_weights_is_not_a_resume(tmp_path):
+    """``--load`` of a Hugging Face directory (a converted model) is the starting weights, not "resume from
+    --save" (two jobs sharing a save directory would resume each other); only ``--load`` equal to ``--save``
+    resumes the job's own checkpoints."""
+    from lightning_mm.commands.migrate import migrate_yaml
+
+    (tmp_path / "hf").mkdir()
+    (tmp_path / "hf" / "config.json").write_text('{"model_type": "qwen3_vl"}')
+    path = tmp_path / "job.yaml"
+    text = _LORA_YAML.format(hf=tmp_path / "hf")
+    text = text.split("lora_args:")[0] + "model:" + text.split("model:")[1]  # no LoRA here
+    path.write_text(
+        text.replace("  train_iters: 10\n", f"  train_iters: 10\n  load: {tmp_path / 'hf'}\n  save: save\n")
+    )
+    result = migrate_yaml(path, base_dir=tmp_path)
+    assert "ckpt_path" not in result.config
+    assert result.config["model"]["init_args"]["transformers_model"]["init_from_hf_path"] == str(tmp_path / "hf")
+    assert any("(pretrained weights, not a resume)" in m for m in result.mapped)
+    path.write_text(text.replace("  train_iters: 10\n", "  train_iters: 10\n  load: save\n  save: save\n"))
+    result = migrate_yaml(path, base_dir=tmp_path)
+    assert result.config["ckpt_path"] == "last"
+    assert any("(= --save) -> ckpt_path: last" in m for m in result.mapped)

@@ -121,9 +121,11 @@ def model_identity(model_config: Any) -> dict[str, Any] | None:
     return identity
 
 
-def describe_identity(identity: Mapping[str, Any]) -> str:
-    """One model as a sentence names it: ``Qwen2ForCausalLM (hidden_size 32, num_hidden_layers 2, ...)``."""
-    sizes = ", ".join(f"{k} {v}" for k, v in identity.items() if k not in ("class", "model_type"))
+def describe_identity(identity: Mapping[str, Any], keys: Sequence[str] | None = None) -> str:
+    """One model as a sentence names it: ``Qwen2ForCausalLM (num_hidden_layers 2, ...)``, with ``keys`` (default:
+    every size) shown."""
+    shown = [k for k in (keys if keys is not None else identity) if k not in ("class", "model_type")]
+    sizes = ", ".join(f"{k} {identity.get(k, '-')}" for k in shown)
     return f"{identity.get('class')} ({sizes})" if sizes else str(identity.get("class"))
 
 
@@ -137,9 +139,10 @@ def check_model_identity(ckpt_path: str, checkpoint: Mapping[str, Any], model_co
         saved = model_identity(hparams) if isinstance(hparams, Mapping) else None
     if current is None or saved is None or dict(saved) == current:
         return
+    differ = [k for k in {**saved, **current} if saved.get(k) != current.get(k)]
     raise ConfigError(
-        f"checkpoint {ckpt_path} holds the weights of {describe_identity(saved)}, but the config trains "
-        f"{describe_identity(current)}; a run never resumes another model's checkpoint: give this run its own "
+        f"checkpoint {ckpt_path} holds the weights of {describe_identity(saved, differ)}, but the config trains "
+        f"{describe_identity(current, differ)}; a run never resumes another model's checkpoint: give this run its own "
         "checkpoint directory (ModelCheckpoint dirpath) or the checkpoint of this model"
     )
 
@@ -149,7 +152,8 @@ def resolve_ckpt_path(ckpt_path: str, trainer_config: Any) -> str | None:
     directories (as Lightning resolves it), a path is itself; ``None`` when there is none yet."""
     if ckpt_path != "last":
         return ckpt_path
-    callbacks = _plain(trainer_config.get("callbacks") if isinstance(trainer_config, Mapping) else None) or []
+    trainer_config = _plain(trainer_config)  # a jsonargparse Namespace in the CLI
+    callbacks = (trainer_config.get("callbacks") if isinstance(trainer_config, Mapping) else None) or []
     found: list[Path] = []
     for callback in callbacks if isinstance(callbacks, list) else [callbacks]:
         args = callback.get("init_args") if isinstance(callback, Mapping) else None
