@@ -378,3 +378,59 @@ def test_load_of_pretrained_weights_is_not_a_resume(tmp_path):
     result = migrate_yaml(path, base_dir=tmp_path)
     assert result.config["ckpt_path"] == "last"
     assert any("(= --save) -> ckpt_path: last" in m for m in result.mapped)
+
+
+# ------------------------------------------------------------------------------ LoRA + chunked loss, trained
+def test_migrated_lora_and_chunked_loss_config_trains_like_peft(tmp_path, capsys):
+    """MindSpeed MM's Qwen3.5-4B native config with its ``training.lora`` block (MindSpeed MM's default kind of
+    targets: bare names, ``q_proj`` / ``v_proj``) and its chunked loss (``features.enable_chunk_loss``, chunks of 16
+    tokens), migrated and run by ``lightning-mm fit`` on 2 CPU ranks with the tiny dense Qwen3.5: each step's loss
+    on each rank equals one process of PEFT's LoRA over plain Transformers (same initial adapters, AdamW, fp32, the
+    same batches, the full-logits loss) to relative 1e-5."""
+    import torch
+    import transformers
+    from peft import LoraConfig, get_peft_model
+
+    from tests.test_native_route import DENSE, _fit, _images_and_records, _native, _tiny_native_run, _tiny_qwen3_5
+
+    model_dir = _tiny_qwen3_5(tmp_path / "hf")
+    records = _images_and_records(tmp_path / "data")
+    native = _native(DENSE)
+    _tiny_native_run(native, model_dir, records, tmp_path)
+    native["features"].update(enable_chunk_loss=True, enable_activation_offload=False)
+    native["features"]["chunkloss_plan"] = {"apply_module": "lm_head", "chunk_size": 16}
+    native["training"]["lora"] = {"enable": True, "rank": 4, "alpha": 8, "target_modules": ["q_proj", "v_proj"]}
+    report, config = _fit(native, tmp_path, capsys)
+    written = config["model"]["init_args"]["transformers_model"]
+    assert written["lora"]["target_modules"] == ["q_proj", "v_proj"] and written["chunk_loss_size"] == 16
+    assert "training.lora -> model.init_args.transformers_model.lora" in report
+
+    ranks = [json.loads((tmp_path / f"native.rank{r}.json").read_text()) for r in range(2)]
+    batches = [torch.load(tmp_path / f"native.rank{r}.pt", weights_only=True) for r in range(2)]
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        model = transformers.Qwen3_5ForConditionalGeneration.from_pretrained(model_dir, dtype=torch.float32)
+        targets = [n for n, _ in model.named_modules() if n.endswith((".q_proj", ".v_proj"))]
+        assert targets  # MindSpeed MM's is_pattern_match: every module whose path ends with the name
+        torch.manual_seed(0)  # LoRAConfig's seed: the adapters PEFT creates after it
+        model = get_peft_model(model, LoraConfig(r=4, lora_alpha=8, target_modules=targets))
+        model.train()
+        optimizer = torch.optim.AdamW(
+            [p for p in model.parameters() if p.requires_grad], lr=5e-3, weight_decay=0.0, betas=(0.9, 0.999), eps=1e-8
+        )
+        expected: list[list[float]] = [[], []]
+        for step in range(2):
+            optimizer.zero_grad()
+            for rank in range(2):
+                loss = model(**batches[rank][step]).loss
+                (loss / 2).backward()
+                expected[rank].append(float(loss.detach()))
+            optimizer.step()
+    finally:
+        torch.set_num_threads(threads)
+    for rank in range(2):
+        got = torch.tensor(ranks[rank]["losses"], dtype=torch.float64)
+        want = torch.tensor(expected[rank], dtype=torch.float64)
+        assert torch.allclose(got, want, rtol=1e-5, atol=0), (rank, got.tolist(), want.tolist())
+    assert expected[0][0] != expected[0][1]
