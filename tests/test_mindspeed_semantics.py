@@ -286,6 +286,7 @@ def test_migrated_job_runs_as_2_nodes_x_2_processes_keeping_its_global_batch(tmp
         enable_model_summary=False,
         num_sanity_val_steps=0,
         limit_val_batches=0,
+        default_root_dir=str(tmp_path / "run"),  # LightningCLI writes its config.yaml there
     )
     for callback in config["trainer"]["callbacks"]:
         if "ModelCheckpoint" in callback["class_path"]:
