@@ -435,3 +435,27 @@ def test_migrated_lora_and_chunked_loss_config_trains_like_peft(tmp_path, capsys
         want = torch.tensor(expected[rank], dtype=torch.float64)
         assert torch.allclose(got, want, rtol=1e-5, atol=0), (rank, got.tolist(), want.tolist())
     assert expected[0][0] != expected[0][1]
+
+
+def test_a_native_config_at_its_launch_world_size_records_mindspeeds_global_batch(tmp_path):
+    """Given the launch's world size (16 NPUs for the Qwen3-VL-30B config), the native route records MindSpeed MM's
+    global batch there: micro_batch_size x data-parallel ranks x gradient_accumulation_steps."""
+    from lightning_mm.commands.native_route import migrate_native
+
+    name = "qwen3vl__qwen3vl_30B_config_v1.yaml"
+    native = yaml.safe_load((DATA / name).read_text())
+    native["training"].update(micro_batch_size=2, gradient_accumulation_steps=3)
+    config = migrate_native(DATA / name, native, base_dir=tmp_path, world_size=16).config
+    recorded = [c for c in config["trainer"]["callbacks"] if c["class_path"].endswith("GlobalBatchSize")]
+    assert recorded == [
+        {"class_path": "lightning_mm.commands.global_batch.GlobalBatchSize", "init_args": {"global_batch_size": 96}}
+    ]
+
+
+def test_a_global_batch_that_another_world_size_cannot_keep_is_refused_with_the_arithmetic():
+    from lightning_mm._global_batch import accumulation_for
+    from lightning_mm.errors import ConfigError
+
+    assert accumulation_for(8, 2, 2) == 2 and accumulation_for(8, 2, 4) == 1 and accumulation_for(8, 1, 4, 2) == 4
+    with pytest.raises(ConfigError, match=r"global batch size 8 cannot be kept on 3 ranks: micro batch 2 x 3 "):
+        accumulation_for(8, 2, 3)

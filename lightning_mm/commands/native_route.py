@@ -188,11 +188,15 @@ def _leaves(node: Mapping[str, Any], prefix: str) -> list[str]:
     return out
 
 
-def migrate_native(path: Path, data: Mapping[str, Any], base_dir: Path | None = None) -> NativeMigration:
+def migrate_native(
+    path: Path, data: Mapping[str, Any], base_dir: Path | None = None, world_size: int | None = None
+) -> NativeMigration:
     """The :class:`NativeMigration` of a native-route config read from ``path``.
 
     Relative paths (``model_name_or_path``, ``save``, ``load``) are taken from ``base_dir`` (the launch directory,
-    by default the working directory), as MindSpeed MM takes them from where it runs.
+    by default the working directory), as MindSpeed MM takes them from where it runs. ``world_size`` (the launch
+    script's NPUs x nodes, when known) fixes the job's global batch size: MindSpeed MM's micro batch x
+    data-parallel ranks x accumulation there, kept on any other world size (``GlobalBatchSize``).
     """
     out = _Out(Path(path), data, Path.cwd() if base_dir is None else Path(base_dir))
     _parallel(out)
@@ -200,6 +204,8 @@ def migrate_native(path: Path, data: Mapping[str, Any], base_dir: Path | None = 
     _features(out)
     _training(out)
     _refuse_impossible_checkpoints(out)
+    if world_size is not None:
+        _global_batch(out, world_size)
     _data(out)
     _tools(out)
     for section in data:
@@ -748,6 +754,26 @@ def _checkpointing(out: _Out, training: Mapping[str, Any]) -> None:
             out.note(f"training.{key}", "off, as here")
 
 
+def _global_batch(out: _Out, world_size: int) -> None:
+    """MindSpeed MM's global batch at the launch's world size (``micro_batch_size x world / ulysses x
+    gradient_accumulation_steps``) -> the GlobalBatchSize callback, which keeps it on another world size."""
+    micro = out.number("training.micro_batch_size", int, low=1, default=1)
+    accumulate = out.number("training.gradient_accumulation_steps", int, low=1, default=1)
+    ulysses = out.config["trainer"]["strategy"]["init_args"].get("context_parallel_size", 1)
+    if world_size < 1 or world_size % ulysses:
+        return
+    total = micro * (world_size // ulysses) * accumulate
+    callbacks = out.config["trainer"].setdefault("callbacks", [])
+    callbacks.append(
+        {"class_path": "lightning_mm.commands.global_batch.GlobalBatchSize", "init_args": {"global_batch_size": total}}
+    )
+    out.mapped.append(
+        f"training.micro_batch_size {micro} x {world_size // ulysses} data-parallel ranks x "
+        f"gradient_accumulation_steps {accumulate} (the launch's {world_size} ranks) -> trainer.callbacks: "
+        f"GlobalBatchSize({total}) (the accumulation is derived from it at fit for the world size the run has)"
+    )
+
+
 def _refuse_impossible_checkpoints(out: _Out) -> None:
     """Combinations that would fail only at the first save are refused before any compute: the Hugging Face
     format with LoRA (it holds the model's weights, a LoRA run checkpoints its adapters) and at a URL (it is
@@ -830,6 +856,12 @@ def _data(out: _Out) -> None:
             "data.dataset_param.basic_parameters.neat_packing, cutoff_len -> MMDataModule packing with "
             "max_tokens_per_rank = cutoff_len (read from the data config)"
         )
+        callbacks = out.config["trainer"].get("callbacks") or []
+        kept = [c for c in callbacks if not str(c.get("class_path")).endswith("GlobalBatchSize")]
+        if len(kept) != len(callbacks):
+            out.config["trainer"]["callbacks"] = kept
+            out.mapped = [m for m in out.mapped if "GlobalBatchSize(" not in m]
+            out.notes.append("the global batch size is not kept with neat_packing: a batch holds a token budget")
         if out.config["data"]["init_args"].pop("batch_size", None) is not None:
             out.notes.append(
                 "training.micro_batch_size: not written: a packed batch holds cutoff_len tokens per rank "
