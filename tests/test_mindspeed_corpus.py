@@ -314,3 +314,50 @@ def test_a_migrated_megatron_route_qwen2_5_vl_job_builds_its_transformers_twin(t
     assert type(reference).__name__ in [c.__name__ for c in type(module.model).__mro__]
     frozen = {n for n, p in module.model.named_parameters() if not p.requires_grad}
     assert frozen == {n for n, _ in reference.named_parameters() if n.startswith("model.visual.")}
+
+
+def _mindspeed_global_batch(native: dict, world: int) -> int:
+    """MindSpeed MM's global batch of a native-route YAML at ``world`` ranks, as its own code computes it
+    (mindspeed_mm/fsdp/params/parallel_args.py: dp = world // (tensor x ring_attention x ulysses);
+    training_args.py compute_distributed_training: micro_batch_size x dp x gradient_accumulation_steps, None -> 1)."""
+    parallel, training = native.get("parallel") or {}, native.get("training") or {}
+    sizes = [
+        int(parallel.get(k) or 1) for k in ("tensor_parallel_size", "ring_attention_size", "ulysses_parallel_size")
+    ]
+    dp = world // (sizes[0] * sizes[1] * sizes[2])
+    return int(training.get("micro_batch_size") or 1) * dp * int(training.get("gradient_accumulation_steps") or 1)
+
+
+def test_native_route_scripts_record_mindspeeds_global_batch_at_their_world_size(results, tree):
+    from lightning_mm.commands.launch_script import parse_script
+    from lightning_mm.commands.migrate import _load_yaml
+    from lightning_mm.commands.native_route import NativeMigration
+
+    checked = 0
+    for name, (outcome, _report, result) in results.items():
+        if outcome != "migrates" or not name.endswith(".sh") or not isinstance(result, NativeMigration):
+            continue
+        launch = parse_script((CORPUS / name).read_text())
+        nproc, nnodes = launch.launcher.get("nproc_per_node", ""), launch.launcher.get("nnodes", "1")
+        assert nproc.isdigit() and nnodes.isdigit(), f"{name}: the corpus' native scripts give literal counts"
+        native = _load_yaml(tree / launch.config_yaml)
+        recorded = [
+            c["init_args"]["global_batch_size"]
+            for c in result.config["trainer"].get("callbacks", [])
+            if c["class_path"].endswith("GlobalBatchSize")
+        ]
+        assert recorded == [_mindspeed_global_batch(native, int(nproc) * int(nnodes))], name
+        checked += 1
+    assert checked >= 10, checked
+
+
+def test_world_size_is_refused_where_migrate_would_ignore_or_contradict_it(tree):
+    from lightning_mm.commands.launch_script import MigrateError
+
+    with _cwd(tree):
+        with pytest.raises(MigrateError, match="--world-size is read for a native-route config only"):
+            migrate_file(Path("examples/qwen2.5vl/finetune_qwen2_5_vl_3b.sh"), world_size=8)
+        with pytest.raises(MigrateError, match=r"--world-size 8, but the launch line starts 16 processes"):
+            migrate_file(Path("examples/qwen3_5/finetune_qwen3_5_35B.sh"), world_size=8)
+        result, _ = migrate_file(Path("examples/qwen3_5/qwen3_5_35B_config.yaml"), world_size=16)
+    assert any("GlobalBatchSize(" in m for m in result.mapped)

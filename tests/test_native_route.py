@@ -67,7 +67,10 @@ def _migrate(name: str, tmp_path: Path, capsys) -> tuple[str, str]:
     """``lightning-mm migrate NAME -o tmp/config.yaml``: (report, written config), paths made stable."""
     out = tmp_path / "config.yaml"
     try:
-        migrate.main([str(DATA / name), "-o", str(out), "--base-dir", str(tmp_path)])
+        # at its launch's world size, so MindSpeed MM's global batch size is recorded (GlobalBatchSize)
+        migrate.main(
+            [str(DATA / name), "-o", str(out), "--base-dir", str(tmp_path), "--world-size", str(WORLD_SIZES[name])]
+        )
         written = out.read_text()
     except migrate.MigrateError as err:
         written = f"# migrate refused the file: {err}\n"

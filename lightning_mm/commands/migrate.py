@@ -1297,11 +1297,15 @@ def migrate_file(
     import_root: Path | None = None,
     keep_backend: bool = False,
     hf_path: Path | None = None,
+    world_size: int | None = None,
 ) -> tuple[Migration | NativeMigration, list[Path]]:
     """``lightning-mm migrate FILE``: the migration of a launch script, a single or native-route YAML, or one of
     MindSpeed MM's component configs given by itself (a model.json, a data config, an FSDP2 YAML), and the files it
     read. A file of a kind this project does not train is a :class:`~lightning_mm.commands.refusals.Refused`
-    error naming the file and the reason (:data:`~lightning_mm.commands.refusals.REASONS`)."""
+    error naming the file and the reason (:data:`~lightning_mm.commands.refusals.REASONS`).
+
+    ``world_size`` (``--world-size``: the launch's NPUs x nodes) records a native-route config's global batch
+    size when the launch line does not give it (a YAML given by itself, or a script whose counts are shell)."""
     from lightning_mm.commands.launch_kinds import refuse_model_ids, refuse_yaml
     from lightning_mm.commands.native_route import is_native_route, migrate_native
 
@@ -1316,7 +1320,7 @@ def migrate_file(
         absolute = str(path.resolve())
         if is_native_route(content):  # MindSpeed MM's native FSDP2 route: six sections, parallel first
             refuse_model_ids(content, source, ("model",))
-            result = migrate_native(path, content, base_dir=base)
+            result = migrate_native(path, content, base_dir=base, world_size=world_size)
         elif "gpt_args" in content:
             refuse_model_ids(content, source, ("model",))
             result = migrate_yaml(path, base_dir=base, keep_backend=keep_backend)
@@ -1335,13 +1339,38 @@ def migrate_file(
                 "sub_modules_to_wrap, ...)"
             )
         result.notes.insert(0, f"relative paths are taken from {base.resolve()} (the launch directory; --base-dir)")
+        _world_size_used(result, world_size, path)
         return result, inputs
-    result, read = _migrate_script(path, base_dir, import_root, keep_backend, hf_path)
+    result, read = _migrate_script(path, base_dir, import_root, keep_backend, hf_path, world_size)
+    _world_size_used(result, world_size, path)
     return result, inputs + read
 
 
+def _world_size_used(result: Migration | NativeMigration, world_size: int | None, path: Path) -> None:
+    """``--world-size`` is for the native route; elsewhere it would be ignored, so it is refused."""
+    if world_size is not None and isinstance(result, Migration):
+        raise MigrateError(
+            f"{path}: --world-size is read for a native-route config only; a Megatron-route launch's process "
+            "counts come from its torchrun line (trainer.devices, trainer.num_nodes)"
+        )
+
+
+def _launch_world(launch: Launch) -> int | None:
+    """torchrun's ``--nproc_per_node`` x ``--nnodes`` when both are literal numbers (one node when no
+    ``--nnodes``); None when either comes from shell the reader did not evaluate."""
+    nproc, nnodes = launch.launcher.get("nproc_per_node"), launch.launcher.get("nnodes", "1")
+    if nproc and nproc.isdigit() and nnodes and nnodes.isdigit():
+        return int(nproc) * int(nnodes)
+    return None
+
+
 def _migrate_script(
-    path: Path, base_dir: Path | None, import_root: Path | None, keep_backend: bool, hf_path: Path | None
+    path: Path,
+    base_dir: Path | None,
+    import_root: Path | None,
+    keep_backend: bool,
+    hf_path: Path | None,
+    world_size: int | None = None,
 ) -> tuple[Migration | NativeMigration, list[Path]]:
     from lightning_mm.commands.launch_kinds import (
         NATIVE_TRAINER,
@@ -1386,7 +1415,13 @@ def _migrate_script(
                     f"{path}: {launch.script} is MindSpeed MM's native trainer, but {launch.config_yaml} has no "
                     "`parallel` section"
                 )
-            native = migrate_native(yaml_path, content, base_dir=base)
+            world = _launch_world(launch)
+            if world is not None and world_size is not None and world != world_size:
+                raise MigrateError(
+                    f"{path}: --world-size {world_size}, but the launch line starts {world} processes "
+                    "(--nproc_per_node x --nnodes); give one"
+                )
+            native = migrate_native(yaml_path, content, base_dir=base, world_size=world or world_size)
             _map_native_launch(native, launch)
             result = native
         else:
@@ -1483,6 +1518,13 @@ def main(argv: Sequence[str]) -> int:
         "model.json (default: --load)",
     )
     parser.add_argument(
+        "--world-size",
+        type=int,
+        default=None,
+        help="the launch's process count (NPUs per node x nodes) for a native-route YAML given by itself, or a "
+        "script whose counts are shell: records MindSpeed MM's global batch size (GlobalBatchSize)",
+    )
+    parser.add_argument(
         "--keep-backend",
         action="store_true",
         help="keep --distributed-backend instead of letting the accelerator choose it",
@@ -1496,6 +1538,8 @@ def main(argv: Sequence[str]) -> int:
     args = parser.parse_args(argv)
     if bool(args.script) == bool(flags):
         parser.error("give a launch script, or `--` followed by the flags (one of them)")
+    if args.world_size is not None and (args.world_size < 1 or flags):
+        parser.error("--world-size: a process count >= 1, for a launch script or a native-route YAML")
     import_root = Path(args.import_root) if args.import_root else None
     if args.script:
         path = Path(args.script)
@@ -1512,6 +1556,7 @@ def main(argv: Sequence[str]) -> int:
             import_root=import_root,
             keep_backend=args.keep_backend,
             hf_path=Path(args.hf_path) if args.hf_path else None,
+            world_size=args.world_size,
         )
     else:
         inputs = []
