@@ -361,3 +361,28 @@ def test_world_size_is_refused_where_migrate_would_ignore_or_contradict_it(tree)
             migrate_file(Path("examples/qwen3_5/finetune_qwen3_5_35B.sh"), world_size=8)
         result, _ = migrate_file(Path("examples/qwen3_5/qwen3_5_35B_config.yaml"), world_size=16)
     assert any("GlobalBatchSize(" in m for m in result.mapped)
+
+
+def test_multi_node_launch_values_reach_the_launch_lines_or_are_named_not_mapped(results):
+    """GLM-4.5V's script (NNODES=8, NODE_RANK=0, MASTER_ADDR=localhost, MASTER_PORT=6000, all literal): the node
+    count is trainer.num_nodes and the address and port are in the printed torchrun line. Qwen2.5-VL-72B's hostfile
+    block ($(...)): each of the four is named NOT mapped, as shell migrate does not run, and no line is printed."""
+    from lightning_mm.commands.migrate import launch_lines
+
+    outcome, report, result = results["examples/glm4.5v/finetune_glm4_5v_106B.sh"]
+    assert outcome == "migrates" and result.config["trainer"]["num_nodes"] == 8
+    lines = "\n".join(launch_lines(result.config, "cfg.yaml", result.rendezvous))
+    assert "torchrun --nnodes 8 --nproc_per_node 16 --node_rank $NODE_RANK --master_addr localhost " in lines
+    assert "--master_port 6000 -m lightning_mm.cli fit --config cfg.yaml" in lines
+    assert "srun --nodes 8 --ntasks-per-node 16" in lines
+    for item in ("--master_addr localhost", "--master_port 6000", "--node_rank 0"):
+        assert f"torchrun {item} -> the printed torchrun line" in report, (item, report)
+
+    outcome, report, result = results["examples/qwen2.5vl/finetune_qwen2_5_vl_72b.sh"]
+    assert outcome == "migrates" and "num_nodes" not in result.config["trainer"]
+    assert not launch_lines(result.config, "cfg.yaml", result.rendezvous)
+    unmapped = report.split("NOT mapped", 1)[1]
+    for key in ("nnodes", "node_rank", "master_addr"):
+        assert f"torchrun --{key} {{unevaluated:" in unmapped and "shell that migrate does not run" in unmapped, key
+    assert "line 24: NNODES=$(cat $HOSTFILE | wc -l) (command substitution)" in report
+    assert "torchrun --master_port 6000: the node count is not known" in unmapped

@@ -108,6 +108,8 @@ class Migration:
     """Where the entry script's functions import from (lightning-mm must run there)."""
     run_from: Path | None = None
     """The launch directory, where a MindSpeed MM data config's relative paths start (lightning-mm must run there)."""
+    rendezvous: dict[str, str] = field(default_factory=dict)
+    """torchrun's literal ``master_addr`` / ``master_port`` of a multi-node launch, for :func:`launch_lines`."""
 
     def report(self) -> str:
         lines = [f"mapped {len(self.mapped)} item(s):", *(f"  {m}" for m in self.mapped)]
@@ -844,10 +846,50 @@ def _map_launcher(state: _Flags, launch: Launch) -> int | None:
                 "comes from shell that migrate does not run (see the notes)" if UNEVALUATED in value else "not a number"
             )
             out.unmapped.append(f"torchrun --{key} {value}: {why}; set {target}")
-    for key in launch.launcher:
-        if key not in ("nproc_per_node", "nnodes"):
-            out.unmapped.append(f"torchrun --{key}: set by the launcher / cluster environment, not in the YAML")
+    _map_rendezvous(state, launch, int(nnodes) if nnodes and nnodes.isdigit() else None)
     return world
+
+
+_RENDEZVOUS = ("node_rank", "master_addr", "master_port")
+"""torchrun's per-launch options: the printed launch lines carry them, the YAML does not."""
+
+
+def _map_rendezvous(state: _Flags, launch: Launch, nnodes: int | None) -> None:
+    """``--node_rank`` / ``--master_addr`` / ``--master_port``: on several nodes, a literal address and port go
+    into the printed torchrun line (:func:`launch_lines`) and the node rank is each node's own; a value from shell
+    migrate does not run, or a placeholder, is NOT mapped with that reason. On one node torchrun's local
+    rendezvous needs none of them."""
+    out = state.out
+    for key in launch.launcher:
+        if key in ("nproc_per_node", "nnodes"):
+            continue
+        value = launch.launcher[key]
+        shown = f"torchrun --{key} {value}" if value is not None else f"torchrun --{key}"
+        if key not in _RENDEZVOUS:
+            out.unmapped.append(f"{shown}: a torchrun option lightning-mm's launch lines do not take; set it by hand")
+        elif value is None or UNEVALUATED in value:
+            out.unmapped.append(
+                f"{shown}: comes from shell that migrate does not run (see the notes); give it on the torchrun "
+                "line of each node"
+            )
+        elif not _literal(value):
+            out.unmapped.append(f"{shown}: not a literal value (a placeholder); give it on the torchrun line")
+        elif nnodes == 1:
+            out.notes.append(f"{shown}: one node: torchrun's local rendezvous, nothing to set")
+        elif nnodes is None:
+            out.unmapped.append(f"{shown}: the node count is not known (see --nnodes); give it on the torchrun line")
+        elif key == "node_rank":
+            out.mapped.append(
+                f"{shown} -> the printed torchrun line's --node_rank $NODE_RANK (each node its own, 0..{nnodes - 1})"
+            )
+        else:
+            out.rendezvous[key] = value
+            out.mapped.append(f"{shown} -> the printed torchrun line (--{key} {value})")
+
+
+def _literal(value: str) -> bool:
+    """A value written out (an address, a port), not a placeholder such as ``<master_ip_address>``."""
+    return bool(value) and not any(c in value for c in "<>$`{} ")
 
 
 def _map_entry_script(state: _Flags, launch: Launch, import_root: Path | None) -> set[str]:
@@ -1450,6 +1492,8 @@ def _map_native_launch(result: NativeMigration, launch: Launch) -> None:
     _map_launcher(state, launch)
     result.mapped += state.out.mapped
     result.unmapped += state.out.unmapped
+    result.notes += state.out.notes
+    result.rendezvous.update(state.out.rendezvous)
     if "devices" in result.config.get("trainer", {}):  # the note asking for them is answered
         result.notes[:] = [n for n in result.notes if not n.startswith("trainer.devices / trainer.num_nodes")]
     for flag, value in launch.flags:
@@ -1576,7 +1620,9 @@ def main(argv: Sequence[str]) -> int:
             f"# Run from {Path(run_from).resolve()}: lightning-mm fit --config "
             f"{Path(args.output).resolve() if args.output else 'THIS_FILE'}\n"
         )
-    launch_text = launch_lines(result.config, str(Path(args.output).resolve()) if args.output else "THIS_FILE")
+    launch_text = launch_lines(
+        result.config, str(Path(args.output).resolve()) if args.output else "THIS_FILE", result.rendezvous
+    )
     header += "".join(f"# {line}\n" for line in launch_text)
     text = header + yaml.safe_dump(result.config, sort_keys=False)
     if args.output:
@@ -1590,10 +1636,12 @@ def main(argv: Sequence[str]) -> int:
     return 0
 
 
-def launch_lines(config: Mapping[str, Any], config_path: str) -> list[str]:
+def launch_lines(config: Mapping[str, Any], config_path: str, rendezvous: Mapping[str, str] | None = None) -> list[str]:
     """The command lines that start the migrated job on ``trainer.num_nodes`` nodes x ``trainer.devices`` processes,
     with torchrun (run on every node; Lightning reads torchrun's environment) and with SLURM (Lightning reads
-    SLURM's; ``--ntasks-per-node`` must equal ``trainer.devices``). Empty when the counts are not in the config."""
+    SLURM's; ``--ntasks-per-node`` must equal ``trainer.devices``). Empty when the counts are not in the config.
+    ``rendezvous``: the launch script's literal ``master_addr`` / ``master_port`` (else ``$MASTER_ADDR`` ...)."""
+    given = rendezvous or {}
     trainer = config.get("trainer") or {}
     devices, nodes = trainer.get("devices"), trainer.get("num_nodes", 1)
     if not isinstance(devices, int) or not isinstance(nodes, int) or nodes < 2:
@@ -1602,7 +1650,8 @@ def launch_lines(config: Mapping[str, Any], config_path: str) -> list[str]:
     return [
         f"launch on {nodes} nodes x {devices} processes (trainer.num_nodes {nodes}, trainer.devices {devices}):",
         f"  torchrun (on each node, NODE_RANK 0..{nodes - 1}): torchrun --nnodes {nodes} --nproc_per_node {devices} "
-        f"--node_rank $NODE_RANK --master_addr $MASTER_ADDR --master_port $MASTER_PORT {fit}",
+        f"--node_rank $NODE_RANK --master_addr {given.get('master_addr', '$MASTER_ADDR')} "
+        f"--master_port {given.get('master_port', '$MASTER_PORT')} {fit}",
         f"  SLURM: srun --nodes {nodes} --ntasks-per-node {devices} python {fit}",
     ]
 

@@ -248,6 +248,8 @@ class NativeMigration:
     run_from: Path | None = None
     """The launch directory (relative paths of the data section start there)."""
     import_root: Path | None = None
+    rendezvous: dict[str, str] = field(default_factory=dict)
+    """torchrun's literal ``master_addr`` / ``master_port`` of a multi-node launch (the printed launch line)."""
 
     def report(self) -> str:
         lines = [f"mapped {len(self.mapped)} item(s):", *(f"  {m}" for m in self.mapped)]
