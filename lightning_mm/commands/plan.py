@@ -127,7 +127,12 @@ def plan_from_cli_config(
         from lightning_mm.hf.cp_attention import context_parallel_summary
 
         text += "\n" + context_parallel_summary(
-            target, world, strategy.context_parallel_size, strategy.context_parallel_algo, seq_length
+            target,
+            world,
+            strategy.context_parallel_size,
+            strategy.context_parallel_algo,
+            seq_length,
+            handled=bool(getattr(module, "handles_context_parallel", False)),
         )
     return text
 
