@@ -53,6 +53,33 @@ class Recorder(L.Callback):
         torch.save(self.batches, Path(self.outdir, f"native.rank{rank}.pt"))
 
 
+class JobShape(L.Callback):
+    """What the job ran as, per rank: world size, nodes, accumulation and optimizer steps (``OUTDIR/job.rank{R}``)."""
+
+    def __init__(self, outdir: str) -> None:
+        self.outdir = outdir
+        self.batches = 0
+
+    def on_train_batch_end(
+        self, trainer: L.Trainer, pl_module: L.LightningModule, outputs: Any, batch: Any, batch_idx: int
+    ) -> None:
+        self.batches += 1
+
+    def on_train_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        import os
+
+        info = {
+            "world_size": trainer.world_size,
+            "num_nodes": trainer.num_nodes,
+            "node_rank": int(os.environ.get("NODE_RANK", os.environ.get("GROUP_RANK", "-1"))),
+            "accumulate_grad_batches": trainer.accumulate_grad_batches,
+            "global_step": trainer.global_step,
+            "micro_batches": self.batches,
+            "batch_size": trainer.datamodule.batch_size,
+        }
+        Path(self.outdir, f"job.rank{trainer.global_rank}.json").write_text(json.dumps(info))
+
+
 @scenario
 def fit_config(outdir: Path, config: str) -> None:
     """``lightning-mm fit --config CONFIG`` (the config's :class:`Recorder` writes to ``OUTDIR``)."""

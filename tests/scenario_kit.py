@@ -215,15 +215,22 @@ def run(
     timeout: float = 300,
     script: str | Path | None = None,
     env: Mapping[str, str | None] | None = None,
+    nnodes: int = 1,
 ) -> subprocess.CompletedProcess:
     """Run the scenario to its end: ``target`` is a function registered with :func:`scenario` (or its name, with
     ``script=``), started by ``launcher`` on ``nproc`` ranks with ``args`` as ``--arg key=value``.
 
     Raises AssertionError with the tail of stdout and stderr when it fails (with ``expect_ok``) or runs past
     ``timeout`` seconds (every rank is then killed); returns the finished process, output captured as text (with
-    ``launcher="per_rank"``: a list, one per rank)."""
+    ``launcher="per_rank"``: a list, one per rank). ``nnodes`` > 1 (with ``launcher="torchrun"``) starts one torchrun
+    per node on this machine (``--nnodes``, ``--node-rank``, a local rendezvous), as a multi-node job is started, and
+    returns a list, one per node."""
     if launcher == "per_rank":
         return _run_per_rank(target, workdir, args, nproc, expect_ok, timeout, script, env)
+    if nnodes > 1:
+        if launcher != "torchrun":
+            raise ValueError("nnodes > 1 needs launcher='torchrun' (one torchrun per node)")
+        return _run_nodes(target, workdir, args, nproc, nnodes, expect_ok, timeout, script, env)
     cmd = command(target, workdir, args=args, launcher=launcher, nproc=nproc, script=script)
     proc = start(target, workdir, args=args, launcher=launcher, nproc=nproc, script=script, env=env)
     try:
@@ -239,6 +246,65 @@ def run(
         raise AssertionError(
             f"scenario {' '.join(cmd[1:])} failed ({done.returncode}):\n{stdout[-3000:]}\n{stderr[-6000:]}"
         )
+    return done
+
+
+def _run_nodes(
+    target: Callable[..., Any] | str,
+    workdir: str | Path,
+    args: Mapping[str, Any] | None,
+    nproc: int,
+    nnodes: int,
+    expect_ok: bool,
+    timeout: float,
+    script: str | Path | None,
+    env: Mapping[str, str | None] | None,
+) -> list[subprocess.CompletedProcess]:
+    """``nnodes`` torchrun processes on this machine, each a node of ``nproc`` ranks (``--node-rank`` 0..N-1)."""
+    import time
+
+    argv = command(target, workdir, args=args, script=script)[1:]
+    port = str(_free_port())
+    procs, cmds = [], []
+    for node in range(nnodes):
+        cmd = [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            f"--nnodes={nnodes}",
+            f"--nproc-per-node={nproc}",
+            f"--node-rank={node}",
+            "--master-addr=127.0.0.1",
+            f"--master-port={port}",
+            *argv,
+        ]
+        cmds.append(cmd)
+        procs.append(
+            subprocess.Popen(
+                cmd,
+                cwd=ROOT,
+                env=scenario_env(env),
+                stdout=subprocess.PIPE,
+                stderr=subprocess.PIPE,
+                text=True,
+                start_new_session=True,
+            )
+        )
+    deadline = time.monotonic() + timeout
+    done: list[subprocess.CompletedProcess] = []
+    try:
+        for cmd, proc in zip(cmds, procs):
+            stdout, stderr = proc.communicate(timeout=max(deadline - time.monotonic(), 0.1))
+            done.append(subprocess.CompletedProcess(cmd, proc.returncode, stdout, stderr))
+    except subprocess.TimeoutExpired:
+        for proc in procs:
+            kill_job(proc)
+        tails = [proc.communicate()[1][-3000:] for proc in procs[len(done) :]]
+        raise AssertionError(f"scenario {' '.join(argv)} ran past {timeout} s:\n" + "\n".join(tails)) from None
+    failed = [n for n, proc in enumerate(done) if proc.returncode != 0]
+    if expect_ok and failed:
+        tails = "\n".join(f"node {n} ({done[n].returncode}):\n{done[n].stderr[-4000:]}" for n in failed)
+        raise AssertionError(f"scenario {' '.join(argv)} failed on node(s) {failed}:\n{tails}")
     return done
 
 

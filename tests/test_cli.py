@@ -153,7 +153,11 @@ def test_migrate_maps_a_mindspeed_launch_and_lists_what_it_cannot(tmp_path):
     assert trainer["max_steps"] == 100 and trainer["precision"] == "bf16-mixed"
     assert trainer["accumulate_grad_batches"] == 2  # 16 / (4 x 2 ranks)
     assert trainer["gradient_clip_val"] == 1.0
-    assert trainer["callbacks"][0]["init_args"] == {
+    assert trainer["callbacks"][0] == {
+        "class_path": "lightning_mm.commands.global_batch.GlobalBatchSize",
+        "init_args": {"global_batch_size": 16},
+    }  # kept on any world size
+    assert trainer["callbacks"][1]["init_args"] == {
         "save_last": "link",
         "dirpath": str(here / "ckpt"),
         "every_n_train_steps": 50,
@@ -172,13 +176,14 @@ def test_migrate_maps_a_mindspeed_launch_and_lists_what_it_cannot(tmp_path):
     for flag in (
         "--no-load-optim",
         "--untie-embeddings-and-output-weights",
-        "--master_port",
         "CUDA_DEVICE_MAX_CONNECTIONS",
         "--mm-data ./data.json",
     ):
         assert flag in unmapped
     assert "--distributed-backend nccl: left out" in report
     assert "--lr 1.0e-4 -> model.init_args.lr" in report
+    # one node: torchrun's rendezvous options are named as not needed (several nodes: the printed launch line)
+    assert re.search(r"torchrun --master_port \S+: one node: torchrun's local rendezvous", report), report
 
 
 def test_migrate_from_a_flag_list_reports_unknown_flags():

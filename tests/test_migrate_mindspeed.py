@@ -214,10 +214,20 @@ def test_loss_and_patch_keys_are_mapped_or_reported_by_name(tmp_path):
         "m.json",
         tmp_path,
     )
-    assert any("compute_mode chunk: chunked loss does not exist" in u for u in chunked.unmapped)
+    # MindSpeed MM's chunk mode (models/transformers_model.py: chunk_size 1024 by default) is the chunked loss here
+    assert chunked.config["enable_chunk_loss"] is True and chunked.config["chunk_loss_size"] == 1024
+    assert any(
+        m.startswith("loss_cfg.compute_mode chunk, chunk_size 1024 -> enable_chunk_loss") for m in chunked.mapped
+    )
     assert any("loss_type per_sample_loss" in u for u in chunked.unmapped)
     assert any("router_aux_loss_coef 0.01" in u for u in chunked.unmapped)
     assert "loss_cfg" not in json.dumps(chunked.config)
+    dynamic = transformers_model_config({**base, "loss_cfg": {"compute_mode": "dynamic_chunk"}}, "m.json", tmp_path)
+    assert dynamic.config["chunk_loss_size"] == 4096  # MindSpeed MM's dynamic_chunk default
+    with pytest.raises(MindSpeedModelError, match=r"m.json: `loss_cfg.chunk_size`: expected an integer >= 1, got 0"):
+        transformers_model_config({**base, "loss_cfg": {"compute_mode": "chunk", "chunk_size": 0}}, "m.json", tmp_path)
+    with pytest.raises(MindSpeedModelError, match=r"m.json: `loss_cfg.compute_mode`: 'chunky' is not"):
+        transformers_model_config({**base, "loss_cfg": {"compute_mode": "chunky"}}, "m.json", tmp_path)
 
 
 def test_the_default_loss_is_mindspeeds_default_loss():
@@ -329,7 +339,8 @@ def test_single_yaml_given_itself(tmp_path):
     result = migrate_yaml(root / "examples" / "job.yaml", base_dir=root)
     _check_single_yaml(result, root)
     assert "trainer.accumulate_grad_batches" not in json.dumps(result.config)  # the world size is unknown here
-    assert any(u.startswith("--global-batch-size 16") for u in result.unmapped)
+    # the global batch size is kept for the world size the run has (the accumulation is derived at fit)
+    assert result.config["trainer"]["callbacks"][0]["init_args"] == {"global_batch_size": 16}
 
 
 def _cli(args, cwd):

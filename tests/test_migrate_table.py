@@ -30,7 +30,7 @@ EXPECTED = {
     "--eval-iters": ("2", "trainer.limit_val_batches", 2),
     "--save": ("ckpts", "trainer.callbacks.0.init_args.save_last", "link"),
     "--save-interval": ("20", "trainer.callbacks.0.init_args.every_n_train_steps", 20),
-    "--load": ("ckpts", "ckpt_path", "last"),
+    "--global-batch-size": ("16", "trainer.callbacks.0.init_args.global_batch_size", 16),
     "--context-parallel-size": ("2", "trainer.strategy.init_args.context_parallel_size", 2),
     "--context-parallel-algo": ("ulysses_cp_algo", "trainer.strategy.init_args.context_parallel_algo", "ulysses"),
     "--num-workers": ("8", "data.init_args.num_workers", 8),
@@ -41,7 +41,7 @@ REPORTED = {
     "--fp16": "grad scaler",
     "--mm-model": "does not exist",
     "--untie-embeddings-and-output-weights": "model",
-    "--global-batch-size": "accumulate_grad_batches",
+    "--load": "does not exist; give pretrained weights as init_from_hf_path, or resume with ckpt_path",
     "--lr-warmup-fraction": "--train-iters",
     "--mm-data": "does not exist",
     "--tensor-model-parallel-size": "tensor parallelism",
@@ -83,7 +83,8 @@ def test_each_flag_maps_to_its_documented_key(flag):
 
 @pytest.mark.parametrize("flag", sorted(REPORTED))
 def test_flags_that_cannot_map_alone_are_reported_with_the_reason(flag):
-    result = migrate(parse_args([flag, "7"] if flag != "--fp16" else [flag]))
+    value = "0.1" if flag == "--lr-warmup-fraction" else "7"  # a fraction is in [0, 1]
+    result = migrate(parse_args([flag, value] if flag != "--fp16" else [flag]))
     assert any(u.startswith(flag) and REPORTED[flag] in u for u in result.unmapped), result.unmapped
 
 

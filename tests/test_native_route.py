@@ -8,6 +8,7 @@ tests/test_native_route.py`` and review the diff.
 
 from __future__ import annotations
 
+import copy
 import json
 import os
 import warnings
@@ -66,7 +67,10 @@ def _migrate(name: str, tmp_path: Path, capsys) -> tuple[str, str]:
     """``lightning-mm migrate NAME -o tmp/config.yaml``: (report, written config), paths made stable."""
     out = tmp_path / "config.yaml"
     try:
-        migrate.main([str(DATA / name), "-o", str(out), "--base-dir", str(tmp_path)])
+        # at its launch's world size, so MindSpeed MM's global batch size is recorded (GlobalBatchSize)
+        migrate.main(
+            [str(DATA / name), "-o", str(out), "--base-dir", str(tmp_path), "--world-size", str(WORLD_SIZES[name])]
+        )
         written = out.read_text()
     except migrate.MigrateError as err:
         written = f"# migrate refused the file: {err}\n"
@@ -160,10 +164,22 @@ def test_lora_packing_async_save_and_hf_format_are_written_under_the_agreed_name
     )
     data["data"]["dataset_param"]["basic_parameters"].update(neat_packing=True, cutoff_len=4096)
     data["parallel"]["ulysses_parallel_size"] = 2
+    from lightning_mm.commands.launch_script import MigrateError
+
+    with pytest.raises(MigrateError, match=r"`training.save_format: hf` with `training.lora`: .* use save_format dcp"):
+        migrate_native(DATA / "x.yaml", data, base_dir=tmp_path)  # fails before compute, not at the first save
+    hf_only = copy.deepcopy(data)
+    del hf_only["training"]["lora"]
+    hf = migrate_native(DATA / "x.yaml", hf_only, base_dir=tmp_path).config["trainer"]["strategy"]["init_args"]
+    assert hf["checkpoint_format"] == "hf"
+    hf_only["training"]["save"] = "s3://bucket/run"
+    with pytest.raises(MigrateError, match=r"`training.save_format: hf` with `training.save: s3://bucket/run`"):
+        migrate_native(DATA / "x.yaml", hf_only, base_dir=tmp_path)
+    data["training"]["save_format"] = "dcp"
     result = migrate_native(DATA / "x.yaml", data, base_dir=tmp_path)
     config = result.config
     strategy = config["trainer"]["strategy"]["init_args"]
-    assert strategy["async_save"] is True and strategy["checkpoint_format"] == "hf"
+    assert strategy["async_save"] is True and strategy["checkpoint_format"] == "torch_dcp"
     assert strategy["save_ckpt_dtype"] == "bf16" and strategy["context_parallel_size"] == 2
     model = config["model"]["init_args"]["transformers_model"]
     assert model["lora"] == {"rank": 4, "alpha": 8, "target_modules": ["q_proj", "v_proj"], "dropout": 0.05}

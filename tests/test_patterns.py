@@ -115,3 +115,44 @@ def test_reading_an_index_pattern_names_only_the_items_resolution_names():
     assert resolve_pattern(root, "blocks.{3}") == ["blocks.3"]
     assert [p for p in _paths(root) if names_or_contains("blocks.{3}", p)] == ["blocks.3"]
     assert not names_or_contains("blocks.{", "blocks.3")  # malformed: no match (the plan reports it)
+
+
+def mixed_tree() -> nn.Module:
+    """Qwen3.5's layout: gated-delta-net layers (``linear_attn``) between full-attention layers (``self_attn``)."""
+    root = nn.Module()
+    root.layers = nn.ModuleList()
+    for kind in ("linear_attn", "linear_attn", "self_attn", "linear_attn"):
+        layer = nn.Module()
+        setattr(layer, kind, nn.Linear(2, 2))
+        layer.mlp = nn.Linear(2, 2)
+        root.layers.append(layer)
+    return root
+
+
+def test_a_suffix_present_in_some_layers_names_those_layers_as_mindspeed_mm_does():
+    """MindSpeed MM matches a pattern against ``named_modules()`` (``fully_shard_parallel.get_fsdp_modules``): a
+    ``{*}`` pattern whose suffix exists in only some layers names the modules of those layers."""
+    root = mixed_tree()
+    # the re-telling: every named module whose dotted name matches the pattern segment by segment
+    expected = [
+        name
+        for name, _ in root.named_modules()
+        if len(name.split(".")) == 3 and name.startswith("layers.") and name.endswith(".linear_attn")
+    ]
+    assert (
+        resolve_pattern(root, "layers.{*}.linear_attn")
+        == expected
+        == [
+            "layers.0.linear_attn",
+            "layers.1.linear_attn",
+            "layers.3.linear_attn",
+        ]
+    )
+    assert resolve_pattern(root, "layers.{1-2}.self_attn") == ["layers.2.self_attn"]
+
+
+def test_a_pattern_that_names_nothing_at_all_stays_an_error():
+    with pytest.raises(PatternError, match=r"'layers.0.cross_attn'; closest existing paths"):
+        resolve_pattern(mixed_tree(), "layers.{*}.cross_attn")
+    with pytest.raises(PatternError, match="no submodules"):
+        resolve_pattern(mixed_tree(), "layers.{*}.mlp.{*}")

@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import argparse
 import ast
+import math
 import os
 import sys
 import tempfile
@@ -107,6 +108,8 @@ class Migration:
     """Where the entry script's functions import from (lightning-mm must run there)."""
     run_from: Path | None = None
     """The launch directory, where a MindSpeed MM data config's relative paths start (lightning-mm must run there)."""
+    rendezvous: dict[str, str] = field(default_factory=dict)
+    """torchrun's literal ``master_addr`` / ``master_port`` of a multi-node launch, for :func:`launch_lines`."""
 
     def report(self) -> str:
         lines = [f"mapped {len(self.mapped)} item(s):", *(f"  {m}" for m in self.mapped)]
@@ -126,11 +129,54 @@ def _set(config: dict[str, Any], path: str, value: Any) -> None:
     node[parts[-1]] = value
 
 
+# The range of each numeric flag, as (low, high, integer): a value outside it is an error naming the flag, before
+# anything is written (a warmup fraction of 1.5 would be a warmup longer than the run).
+_RANGES: dict[str, tuple[float | None, float | None, bool]] = {
+    "--micro-batch-size": (1, None, True),
+    "--global-batch-size": (1, None, True),
+    "--train-iters": (1, None, True),
+    "--lr": (0, None, False),
+    "--min-lr": (0, None, False),
+    "--weight-decay": (0, None, False),
+    "--adam-beta1": (0, 1, False),
+    "--adam-beta2": (0, 1, False),
+    "--lr-warmup-iters": (0, None, True),
+    "--lr-warmup-fraction": (0, 1, False),
+    "--clip-grad": (0, None, False),
+    "--seed": (0, 2**32 - 1, True),
+    "--log-interval": (1, None, True),
+    "--eval-interval": (1, None, True),
+    "--eval-iters": (0, None, True),
+    "--save-interval": (1, None, True),
+    "--num-workers": (0, None, True),
+    "--max-seq-len": (1, None, True),
+    "--dynamic-batch-buffer-size": (1, None, True),
+}
+
+
+def _shown_bound(bound: float) -> str:
+    """A range bound as a message shows it: ``4294967295``, ``0.5``."""
+    return str(int(bound)) if bound == int(bound) else f"{bound:g}"
+
+
 def _number(value: str | None, flag: str) -> float:
     try:
-        return float(value)  # type: ignore[arg-type]
+        number = float(value)  # type: ignore[arg-type]
     except (TypeError, ValueError):
         raise ValueError(f"{flag} needs a number, got {value!r}") from None
+    low, high, integer = _RANGES.get(flag, (None, None, False))
+    if (
+        not math.isfinite(number)
+        or (integer and number != int(number))
+        or (low is not None and number < low)
+        or (high is not None and number > high)
+    ):
+        bounds = " and ".join(
+            f"{sign} {_shown_bound(bound)}" for sign, bound in ((">=", low), ("<=", high)) if bound is not None
+        )
+        want = ("an integer" if integer else "a number") + (f" {bounds}" if bounds else "")
+        raise MigrateError(f"{flag} needs {want}, got {value!r}")  # refused, not merely left out
+    return number
 
 
 def _defined_functions(script: Path) -> dict[str, set[str]] | None:
@@ -321,9 +367,52 @@ def _backend(state: _Flags, flag: str, value: str | None, shown: str) -> None:
 
 
 def _load(state: _Flags, flag: str, value: str | None, shown: str) -> None:
-    state.cfg["ckpt_path"] = "last"
-    state.values["load"] = value
-    state.out.mapped.append(f"{shown} -> ckpt_path: last (resumes from the ModelCheckpoint directory)")
+    state.values["load"] = value  # pretrained weights or a resume: decided by _map_load from what it names
+
+
+def _map_load(state: _Flags) -> None:
+    """``--load``: pretrained weights and resuming are kept apart. Only ``--load`` equal to ``--save`` resumes this
+    job's own checkpoints (``ckpt_path: last``); a Hugging Face directory is the model's starting weights
+    (``init_from_hf_path``); a checkpoint written here is resumed by its path (its model is checked at ``fit``).
+    Anything else is named, never turned into a resume from ``--save`` (two jobs sharing a save directory would
+    resume each other)."""
+    value, out = state.values.get("load"), state.out
+    if not value:
+        return
+    load = state.path_of(value)
+    save = state.path_of(state.values["save"]) if state.values.get("save") else None
+    model = state.cfg["model"]["init_args"].get("transformers_model")
+    if save is not None and load == save:
+        state.cfg["ckpt_path"] = "last"
+        out.mapped.append(f"--load {value} (= --save) -> ckpt_path: last (resumes this job's own checkpoints)")
+    elif (load / "config.json").is_file():
+        if not isinstance(model, dict):
+            out.unmapped.append(
+                f"--load {value}: a Hugging Face model directory (pretrained weights); load it in model_provider"
+            )
+        elif model.get("init_from_hf_path") in (None, str(load)):
+            model["init_from_hf_path"] = str(load)
+            out.mapped.append(
+                f"--load {value} -> model.init_args.transformers_model.init_from_hf_path (pretrained weights, "
+                "not a resume)"
+            )
+        else:
+            out.unmapped.append(
+                f"--load {value}: pretrained weights other than the model config's init_from_hf_path "
+                f"{model['init_from_hf_path']}; set the one to start from"
+            )
+    elif (load / "meta.pt").is_file() or load.suffix == ".ckpt":
+        state.cfg["ckpt_path"] = str(load)
+        out.mapped.append(f"--load {value} -> ckpt_path (a checkpoint written by lightning-mm, resumed)")
+    elif load.exists():
+        out.unmapped.append(
+            f"--load {value}: not a Hugging Face directory nor a lightning-mm checkpoint (a MindSpeed MM / Megatron "
+            "checkpoint?); start from the Hugging Face weights it was converted from (init_from_hf_path)"
+        )
+    else:
+        out.unmapped.append(
+            f"--load {value}: does not exist; give pretrained weights as init_from_hf_path, or resume with ckpt_path"
+        )
 
 
 def _mm_data(state: _Flags, flag: str, value: str | None, shown: str) -> None:
@@ -455,11 +544,12 @@ FLAGS: dict[str, _Handler] = {
     "--use-txt-dynamic-batching": _keep("dynamic_batching", None),
     "--max-seq-len": _keep("max_seq_len", int),
     "--dynamic-batch-buffer-size": _keep("dynamic_batch_buffer_size", int),
-    "--lora-r": _keep("lora_rank", int),
-    "--lora-alpha": _keep("lora_alpha", float),
-    "--lora-dropout": _keep("lora_dropout", float),
+    # kept as written; _map_lora range-checks them as it does the single YAML's lora_args
+    "--lora-r": _keep("lora_r", None),
+    "--lora-alpha": _keep("lora_alpha", None),
+    "--lora-dropout": _keep("lora_dropout", None),
     "--lora-target-modules": _keep("lora_target_modules", None),
-    "--lora-register-forward-hook": _keep("lora_hook", None),
+    "--lora-register-forward-hook": _keep("lora_register_forward_hook", None),
     "--layerzero": _refuse(
         "MindSpeed's LayerZero (ZeRO-3 over its own units); FSDP2 shards the model here (MMFSDP2Strategy, units from "
         "--fsdp2-config-path or the model's default plan)"
@@ -495,6 +585,8 @@ FLAGS: dict[str, _Handler] = {
 }
 
 
+GLOBAL_BATCH = "lightning_mm.commands.global_batch.GlobalBatchSize"
+"""The callback that keeps MindSpeed MM's global batch size on any world size."""
 TRANSFORMERS_MODULE = "lightning_mm.modules.transformers_module.MMTransformersModule"
 """The LightningModule a TransformersModel config is written for (MindSpeed MM's pretrain_transformers.py)."""
 MINDSPEED_ENTRY_SCRIPTS = ("pretrain_transformers.py", "pretrain_vlm.py", "pretrain_sora.py")
@@ -551,7 +643,9 @@ def migrate(
             continue
         try:
             handler(state, flag, value, shown)
-        except ValueError as err:
+        except MigrateError as err:  # a value out of its range: the job cannot run as written
+            raise MigrateError(f"{shown}: {err}") from None
+        except ValueError as err:  # not a number (e.g. a shell variable the reader could not evaluate)
             state.out.unmapped.append(f"{shown}: {err}")
     _map_combined(state, world)
     _map_encoder_dp_balance(state)
@@ -559,6 +653,7 @@ def migrate(
     _map_checkpointing(state)
     _map_model(state, launch, functions)
     _map_lora(state)
+    _map_load(state)
     _map_data(state, launch, functions)
     for name in launch.env:
         if name in ("CUDA_DEVICE_MAX_CONNECTIONS",):
@@ -622,20 +717,8 @@ def _map_single_yaml(state: _Flags, path: Path, config: Mapping[str, Any]) -> li
         state.values["mm_data"] = (f"{path.name} data:", path)
     if "model" in config:
         state.values["mm_model"] = (f"{path.name} model:", path, config["model"])
-    lora = config.get("lora_args")
-    if isinstance(lora, Mapping):  # MindSpeed MM's LoRA flags, as gpt_args are
-        for key, value in _flatten_gpt_args(lora, "lora_args"):
-            if value is None or value is False:
-                out.notes.append(f"lora_args.{key}: {value}: off / unset, nothing to map")
-            else:
-                flag = "--" + str(key).replace("_", "-")
-                flags.append(
-                    (
-                        flag,
-                        ",".join(map(str, value)) if isinstance(value, list) else str(value),
-                        f"lora_args.{key}: {value}",
-                    )
-                )
+    if "lora_args" in config:
+        _read_lora_args(state, f"{path}: ", config["lora_args"])
     if "MM_TOOL_PATH" in config:
         out.unmapped.append(
             f"MM_TOOL_PATH {config['MM_TOOL_PATH']} (--mm-tool): MindSpeed MM's tool definitions for "
@@ -654,6 +737,136 @@ def _map_single_yaml(state: _Flags, path: Path, config: Mapping[str, Any]) -> li
                 "this one are used through YAML anchors); nothing to map"
             )
     return flags
+
+
+# MindSpeed MM's Megatron-route LoRA (mindspeed_mm/arguments.py `_add_lora_args`, tasks/finetune/lora/lora_patch.py:
+# PEFT's LoraConfig(r, lora_alpha, target_modules, lora_dropout, bias="none")) -> the lora block of TransformersModel.
+_LORA_ARGS = {
+    "lora_r": "rank",
+    "lora_alpha": "alpha",
+    "lora_dropout": "dropout",
+    "lora_target_modules": "target_modules",
+}
+_LORA_DEFAULTS = {"rank": 8, "alpha": 16, "dropout": 0.0}  # MindSpeed MM's argument defaults
+_LORA_REFUSED = {
+    "lora_target_parameters": "LoRA on raw parameters (routed experts' 3-D weights) is not supported here",
+    "lora_apply_modules": "lora_mixed_training's module filter is not supported here",
+    "lora_mixed_training": "training LoRA adapters together with unfrozen base weights is not supported here",
+    "load_base_model": "a Megatron base checkpoint; the base weights here come from init_from_hf_path",
+}
+
+
+_LORA_FLAGS = ("lora_r", "lora_alpha", "lora_dropout", "lora_target_modules", "lora_register_forward_hook")
+"""The launch flags' names (``--lora-r`` ...) as :data:`FLAGS` keeps them; the same keys as ``lora_args``."""
+
+
+def _lora_shown(key: str, where: str) -> str:
+    """``lora_args.KEY`` of a single YAML (``where`` names the file), or the launch flag ``--lora-...``."""
+    return f"lora_args.{key}" if where else "--" + key.replace("_", "-")
+
+
+def _read_lora_args(state: _Flags, where: str, lora: Any) -> None:
+    """MindSpeed MM's LoRA arguments, from a single YAML's ``lora_args`` (``where`` is ``"FILE: "``) or the
+    launch flags (``where`` is ``""``): checked (each value in its range, naming the key or flag) and kept
+    for :func:`_map_lora`, which writes them once the model config exists."""
+    out = state.out
+    if not isinstance(lora, Mapping):
+        raise MigrateError(f"{where}`lora_args`: expected a mapping, got {type(lora).__name__}")
+    config: dict[str, Any] = dict(_LORA_DEFAULTS)
+    for key, value in lora.items():
+        shown = _lora_shown(key, where)
+        if key in _LORA_ARGS:
+            if key == "lora_target_modules":
+                items = value if isinstance(value, list) else str(value).split(",")
+                targets = [str(t).strip() for t in items if str(t).strip()]
+                if not targets:
+                    raise MigrateError(f"{where}`{shown}`: expected module names, got {value!r}")
+                config["target_modules"] = targets
+            else:
+                low, integer = (1, True) if key == "lora_r" else (0, False)
+                number = _number_key(value, f"{where}`{shown}`", low, 1 if key == "lora_dropout" else None, integer)
+                if key == "lora_dropout" and number >= 1:
+                    raise MigrateError(f"{where}`{shown}`: expected a probability below 1, got {value!r}")
+                if key == "lora_alpha" and number <= 0:
+                    raise MigrateError(f"{where}`{shown}`: expected a number > 0, got {value!r}")
+                config[_LORA_ARGS[key]] = int(number) if integer else number
+        elif key == "lora_register_forward_hook":
+            out.notes.append(
+                f"{shown} {value}: MindSpeed MM marks these modules' outputs as needing gradients so that "
+                "reentrant recomputation reaches the adapters; not needed here (recompute is non-reentrant "
+                "unless use_reentrant is set)"
+            )
+        elif key in _LORA_REFUSED:
+            (out.unmapped if value not in (None, False, [], "") else out.notes).append(
+                f"{shown} {value}: {_LORA_REFUSED[key]}" if value not in (None, False, [], "") else f"{shown}: off"
+            )
+        else:
+            out.unmapped.append(f"{shown}: not one of MindSpeed MM's LoRA arguments")
+    if set(config) == set(_LORA_DEFAULTS) and not where and "lora_target_modules" not in lora:
+        if any(k in lora for k in _LORA_ARGS):  # --lora-r without targets: MindSpeed MM's default [] is no LoRA
+            raise MigrateError(
+                "`--lora-target-modules`: LoRA needs its target modules (MindSpeed MM's default is none)"
+            )
+        return  # only --lora-register-forward-hook: nothing to adapt
+    if "target_modules" not in config:
+        raise MigrateError(f"{where}`{_lora_shown('lora_target_modules', where)}`: LoRA needs its target modules")
+    state.values["lora"] = config
+
+
+def _number_key(value: Any, where: str, low: float | None, high: float | None, integer: bool) -> float:
+    """A number written in a YAML, in its range; an error naming ``where`` (file and key) otherwise."""
+    try:
+        number = float(value) if not isinstance(value, bool) else math.nan
+    except (TypeError, ValueError):
+        number = math.nan
+    if (
+        not math.isfinite(number)
+        or (integer and number != int(number))
+        or (low is not None and number < low)
+        or (high is not None and number > high)
+    ):
+        bounds = " and ".join(f"{sign} {_shown_bound(b)}" for sign, b in ((">=", low), ("<=", high)) if b is not None)
+        raise MigrateError(f"{where}: expected {'an integer' if integer else 'a number'} {bounds}, got {value!r}")
+    return number
+
+
+def _map_lora(state: _Flags) -> None:
+    """MindSpeed MM's LoRA (the single YAML's ``lora_args``, kept by :func:`_read_lora_args`, or the launch
+    flags ``--lora-r``, ``--lora-alpha``, ``--lora-dropout``, ``--lora-target-modules``) ->
+    ``model.init_args.transformers_model.lora`` (PEFT)."""
+    flags = {key: state.values[key] for key in _LORA_FLAGS if key in state.values}
+    if flags and "lora" in state.values:
+        raise MigrateError("LoRA is given both as launch flags (--lora-*) and as lora_args; keep one")
+    shown = ", ".join(_lora_shown(key, "") for key in flags if key != "lora_register_forward_hook")
+    source = shown or "lora_args (lora_r, lora_alpha, lora_dropout, lora_target_modules)"
+    model = state.cfg["model"].get("init_args", {}).get("transformers_model")
+    from lightning_mm.commands.mindspeed_diffusion import WAN_MODULE
+
+    if state.cfg["model"].get("class_path") == WAN_MODULE and (shown or "lora" in state.values):
+        if flags:
+            _read_lora_args(state, "", flags)
+        if state.values.get("lora") is not None:
+            _map_wan_lora(state, state.values["lora"], source)
+        return
+    if not isinstance(model, dict):
+        if shown or "lora" in state.values:
+            state.out.unmapped.append(
+                f"{source}: LoRA is mapped onto TransformersModel's lora only; set the model's lora (rank, alpha, "
+                f"target_modules, dropout) by hand: {state.values.get('lora', flags)}"
+            )
+        elif flags:  # --lora-register-forward-hook alone: only its note
+            _read_lora_args(state, "", flags)
+        return
+    if flags:
+        _read_lora_args(state, "", flags)
+    lora = state.values.get("lora")
+    if lora is None:
+        return
+    model["lora"] = lora
+    state.out.mapped.append(
+        f"{source} -> model.init_args.transformers_model.lora "
+        f"{lora} (a bare module name adapts every module whose path ends with it, as in MindSpeed MM)"
+    )
 
 
 def _map_launcher(state: _Flags, launch: Launch) -> int | None:
@@ -677,10 +890,50 @@ def _map_launcher(state: _Flags, launch: Launch) -> int | None:
                 "comes from shell that migrate does not run (see the notes)" if UNEVALUATED in value else "not a number"
             )
             out.unmapped.append(f"torchrun --{key} {value}: {why}; set {target}")
-    for key in launch.launcher:
-        if key not in ("nproc_per_node", "nnodes"):
-            out.unmapped.append(f"torchrun --{key}: set by the launcher / cluster environment, not in the YAML")
+    _map_rendezvous(state, launch, int(nnodes) if nnodes and nnodes.isdigit() else None)
     return world
+
+
+_RENDEZVOUS = ("node_rank", "master_addr", "master_port")
+"""torchrun's per-launch options: the printed launch lines carry them, the YAML does not."""
+
+
+def _map_rendezvous(state: _Flags, launch: Launch, nnodes: int | None) -> None:
+    """``--node_rank`` / ``--master_addr`` / ``--master_port``: on several nodes, a literal address and port go
+    into the printed torchrun line (:func:`launch_lines`) and the node rank is each node's own; a value from shell
+    migrate does not run, or a placeholder, is NOT mapped with that reason. On one node torchrun's local
+    rendezvous needs none of them."""
+    out = state.out
+    for key in launch.launcher:
+        if key in ("nproc_per_node", "nnodes"):
+            continue
+        value = launch.launcher[key]
+        shown = f"torchrun --{key} {value}" if value is not None else f"torchrun --{key}"
+        if key not in _RENDEZVOUS:
+            out.unmapped.append(f"{shown}: a torchrun option lightning-mm's launch lines do not take; set it by hand")
+        elif value is None or UNEVALUATED in value:
+            out.unmapped.append(
+                f"{shown}: comes from shell that migrate does not run (see the notes); give it on the torchrun "
+                "line of each node"
+            )
+        elif not _literal(value):
+            out.unmapped.append(f"{shown}: not a literal value (a placeholder); give it on the torchrun line")
+        elif nnodes == 1:
+            out.notes.append(f"{shown}: one node: torchrun's local rendezvous, nothing to set")
+        elif nnodes is None:
+            out.unmapped.append(f"{shown}: the node count is not known (see --nnodes); give it on the torchrun line")
+        elif key == "node_rank":
+            out.mapped.append(
+                f"{shown} -> the printed torchrun line's --node_rank $NODE_RANK (each node its own, 0..{nnodes - 1})"
+            )
+        else:
+            out.rendezvous[key] = value
+            out.mapped.append(f"{shown} -> the printed torchrun line (--{key} {value})")
+
+
+def _literal(value: str) -> bool:
+    """A value written out (an address, a port), not a placeholder such as ``<master_ip_address>``."""
+    return bool(value) and not any(c in value for c in "<>$`{} ")
 
 
 def _map_entry_script(state: _Flags, launch: Launch, import_root: Path | None) -> set[str]:
@@ -764,19 +1017,45 @@ def _map_combined(state: _Flags, world: int | None) -> None:
             out.unmapped.append("--lr-warmup-fraction: needs --train-iters to become a step count")
     if "gbs" in values:
         mbs = values.get("mbs", 1)
-        if world and values.get("cp", 1) > 1 and world % values["cp"] == 0:
-            world //= values["cp"]  # the ranks of a context-parallel group share their samples
-        if world and values["gbs"] % (mbs * world) == 0:
-            _set(cfg, "trainer.accumulate_grad_batches", values["gbs"] // (mbs * world))
+        gbs = values["gbs"]
+        _add_callback(cfg, {"class_path": GLOBAL_BATCH, "init_args": {"global_batch_size": gbs}})
+        out.mapped.append(
+            f"--global-batch-size {gbs} -> trainer.callbacks: GlobalBatchSize({gbs}) (the accumulation is derived "
+            "from it at fit for the world size the run has: gbs / (micro batch x data-parallel ranks))"
+        )
+        cp = values.get("cp", 1)
+        if world:
+            from lightning_mm._global_batch import accumulation_for
+            from lightning_mm.errors import ConfigError
+
+            try:
+                accumulate = accumulation_for(gbs, mbs, world, cp if world % cp == 0 else 1)
+            except ConfigError as err:  # MindSpeed MM refuses the launch too
+                raise MigrateError(f"--global-batch-size {gbs}: {err}") from None
+            _set(cfg, "trainer.accumulate_grad_batches", accumulate)
             out.mapped.append(
-                f"--global-batch-size {values['gbs']} -> trainer.accumulate_grad_batches "
-                f"({values['gbs']} / ({mbs} x {world} ranks))"
+                f"--global-batch-size {gbs} -> trainer.accumulate_grad_batches {accumulate} at the launch's "
+                f"{world} ranks ({gbs} / ({mbs} x {world // (cp if world % cp == 0 else 1)} data-parallel ranks))"
             )
-        else:
-            out.unmapped.append(
-                f"--global-batch-size {values['gbs']}: cannot derive accumulate_grad_batches "
-                "(world size unknown or not a divisor); set trainer.accumulate_grad_batches"
-            )
+
+
+def _add_callback(cfg: dict[str, Any], callback: dict[str, Any]) -> None:
+    cfg.setdefault("trainer", {}).setdefault("callbacks", []).append(callback)
+
+
+def _drop_global_batch(state: _Flags, why: str) -> None:
+    """Token-budget batches have no fixed sample count: the global batch size cannot be kept; say so."""
+    callbacks = state.cfg["trainer"].get("callbacks") or []
+    kept = [c for c in callbacks if c.get("class_path") != GLOBAL_BATCH]
+    if len(kept) == len(callbacks):
+        return
+    state.cfg["trainer"]["callbacks"] = kept
+    state.cfg["trainer"].pop("accumulate_grad_batches", None)
+    state.out.mapped = [m for m in state.out.mapped if not m.startswith("--global-batch-size")]
+    state.out.unmapped.append(
+        f"--global-batch-size {state.values['gbs']}: {why}: a batch holds a token budget, not a number of samples; "
+        "set trainer.accumulate_grad_batches"
+    )
 
 
 def _map_dynamic_batching(state: _Flags) -> None:
@@ -806,6 +1085,7 @@ def _map_dynamic_batching(state: _Flags) -> None:
         out.mapped.append(
             f"--dynamic-batch-buffer-size {values['dynamic_batch_buffer_size']} -> data.init_args.packing_buffer_size"
         )
+    _drop_global_batch(state, "with dynamic batching")
     batch_size = state.cfg.get("data", {}).get("init_args", {}).pop("batch_size", None)
     if batch_size is not None:
         out.mapped = [m for m in out.mapped if not m.startswith("--micro-batch-size")]
@@ -827,12 +1107,10 @@ def _map_checkpointing(state: _Flags) -> None:
     if values.get("save_interval"):
         checkpoint["every_n_train_steps"] = values["save_interval"]
     callback = {"class_path": "lightning.pytorch.callbacks.ModelCheckpoint", "init_args": checkpoint}
-    cfg["trainer"]["callbacks"] = [callback]
+    _add_callback(cfg, callback)
     out.mapped.append(
         "--save/--save-interval -> trainer.callbacks: ModelCheckpoint(dirpath, every_n_train_steps, save_last: link)"
     )
-    if values.get("load") and values.get("save") and state.path_of(values["load"]) != state.path_of(values["save"]):
-        out.unmapped.append(f"--load {values['load']}: differs from --save; set ckpt_path to the checkpoint")
 
 
 def _map_model(state: _Flags, launch: Launch, functions: set[str]) -> None:
@@ -911,49 +1189,14 @@ def _join_list_values(flags: list[tuple[str, str | None, str]]) -> list[tuple[st
     return out
 
 
-def _map_lora(state: _Flags) -> None:
-    """MindSpeed MM's LoRA flags (``--lora-r``, ``--lora-alpha``, ``--lora-dropout``, ``--lora-target-modules``,
-    or the single YAML's ``lora_args``) -> TransformersModel's ``lora`` (PEFT)."""
-    values, out = state.values, state.out
-    keys = {"lora_rank": "rank", "lora_alpha": "alpha", "lora_dropout": "dropout"}
-    given = [k for k in (*keys, "lora_target_modules") if k in values]
-    if "lora_hook" in values:
-        out.notes.append(
-            f"--lora-register-forward-hook {values['lora_hook']}: MindSpeed MM's hook that makes the frozen "
-            "embedding's output require gradients for reentrant recomputation; with the FSDP2 config's "
-            "use_reentrant: false (the default) none is needed"
-        )
-    if not given:
-        return
-    shown = ", ".join(f"--{k.replace('_', '-').replace('lora-rank', 'lora-r')}" for k in given)
-    model = state.cfg["model"]
-    from lightning_mm.commands.mindspeed_diffusion import WAN_MODULE
-
-    if model.get("class_path") == WAN_MODULE:
-        _map_wan_lora(state, shown)
-        return
-    if model.get("class_path") != TRANSFORMERS_MODULE:
-        out.unmapped.append(f"{shown}: LoRA is mapped onto TransformersModel's lora only; set it in your model")
-        return
-    lora: dict[str, Any] = {new: values[old] for old, new in keys.items() if old in values}
-    if "lora_target_modules" in values:
-        lora["target_modules"] = [m for m in str(values["lora_target_modules"]).split(",") if m.strip()]
-    else:
-        lora["target_modules"] = ["q_proj", "k_proj", "v_proj"]  # MindSpeed MM's default
-    model["init_args"]["transformers_model"]["lora"] = lora
-    out.mapped.append(f"{shown} -> model.init_args.transformers_model.lora ({', '.join(lora)})")
-
-
-def _map_wan_lora(state: _Flags, shown: str) -> None:
-    """MindSpeed MM's LoRA flags on a Wan job -> MMWanModule's ``diffusers_model.lora`` (PEFT on diffusers'
-    WanTransformer3DModel), the targets renamed to diffusers' modules."""
+def _map_wan_lora(state: _Flags, lora: Mapping[str, Any], source: str) -> None:
+    """MindSpeed MM's LoRA (range-checked by :func:`_read_lora_args`) on a Wan job -> MMWanModule's
+    ``diffusers_model.lora`` (PEFT on diffusers' WanTransformer3DModel), the targets renamed to diffusers' modules."""
     from lightning_mm.commands.mindspeed_diffusion import wan_lora_targets
 
-    values, out = state.values, state.out
-    names = [m for m in str(values.get("lora_target_modules", "")).split(",") if m.strip()]
-    if not names:  # MindSpeed MM enables LoRA only with target modules
-        out.unmapped.append(f"{shown}: no --lora-target-modules, so MindSpeed MM trains no LoRA; nothing mapped")
-        return
+    out = state.out
+    targets = lora.get("target_modules") or []
+    names = [str(m) for m in (targets.split(",") if isinstance(targets, str) else targets) if str(m).strip()]
     patterns, unknown = wan_lora_targets(names)
     if unknown:
         out.unmapped.append(
@@ -963,14 +1206,13 @@ def _map_wan_lora(state: _Flags, shown: str) -> None:
         )
     if not patterns:
         return
-    keys = {"lora_rank": "rank", "lora_alpha": "alpha", "lora_dropout": "dropout"}
-    lora: dict[str, Any] = {new: values[old] for old, new in keys.items() if old in values}
-    lora.setdefault("rank", 8)  # MindSpeed MM's defaults (mindspeed_mm/arguments.py)
-    lora.setdefault("alpha", 16)
-    lora["target_modules"] = patterns
-    state.cfg["model"]["init_args"]["diffusers_model"]["lora"] = lora
+    mapped: dict[str, Any] = {k: v for k, v in lora.items() if k != "target_modules"}
+    mapped.setdefault("rank", 8)  # MindSpeed MM's defaults (mindspeed_mm/arguments.py)
+    mapped.setdefault("alpha", 16)
+    mapped["target_modules"] = patterns
+    state.cfg["model"]["init_args"]["diffusers_model"]["lora"] = mapped
     out.mapped.append(
-        f"{shown} -> model.init_args.diffusers_model.lora (PEFT on WanTransformer3DModel; targets "
+        f"{source} -> model.init_args.diffusers_model.lora (PEFT on WanTransformer3DModel; targets "
         f"{', '.join(names)} -> {', '.join(patterns)}); every other weight is frozen, as MindSpeed MM's PEFT model"
     )
 
@@ -1049,6 +1291,7 @@ def _map_data(state: _Flags, launch: Launch, functions: set[str]) -> None:
         elif data_path.is_file():
             _set(state.cfg, "data.init_args.data_config", str(data_path))
             out.mapped.append(f"{shown} -> data.init_args.data_config ({data_path})")
+            _map_neat_packing(state, shown, data_path)
             out.run_from = state.base
             out.notes.append(
                 f"{shown}: relative paths inside it are taken from the directory lightning-mm runs in, "
@@ -1069,6 +1312,33 @@ def _map_data(state: _Flags, launch: Launch, functions: set[str]) -> None:
             "the Datasets the provider returns; a DataLoader it returns must have this batch size "
             "(MMDataModule checks it at setup), or the global batch would differ from "
             "--global-batch-size"
+        )
+
+
+def _map_neat_packing(state: _Flags, shown: str, data_path: Path) -> None:
+    """``neat_packing`` in the data config: MMDataModule packs rows of ``cutoff_len`` tokens (a token budget), which
+    excludes a batch size, so ``--micro-batch-size`` is not written (MindSpeed MM packs to cutoff_len too)."""
+    try:
+        data = _load_yaml(data_path)
+    except MigrateError:
+        return  # MMDataModule reads the file and names what is wrong with it
+    if isinstance(data.get("data"), Mapping):  # a single YAML's data: section
+        data = data["data"]
+    dataset = data.get("dataset_param")
+    basic = dataset.get("basic_parameters") if isinstance(dataset, Mapping) else None
+    if not (isinstance(basic, Mapping) and basic.get("neat_packing") is True):
+        return
+    state.out.mapped.append(
+        f"{shown} dataset_param.basic_parameters.neat_packing, cutoff_len -> MMDataModule packing with "
+        "max_tokens_per_rank = cutoff_len (read from the data config)"
+    )
+    _drop_global_batch(state, "with neat_packing")
+    batch_size = state.cfg["data"]["init_args"].pop("batch_size", None)
+    if batch_size is not None:
+        state.out.mapped = [m for m in state.out.mapped if not m.endswith("-> data.init_args.batch_size")]
+        state.out.notes.append(
+            f"--micro-batch-size {batch_size}: not written: a packed batch holds cutoff_len tokens per rank "
+            "(MMDataModule's batch_size and max_tokens_per_rank are exclusive)"
         )
 
 
@@ -1136,11 +1406,15 @@ def migrate_file(
     import_root: Path | None = None,
     keep_backend: bool = False,
     hf_path: Path | None = None,
+    world_size: int | None = None,
 ) -> tuple[Migration | NativeMigration, list[Path]]:
     """``lightning-mm migrate FILE``: the migration of a launch script, a single or native-route YAML, or one of
     MindSpeed MM's component configs given by itself (a model.json, a data config, an FSDP2 YAML), and the files it
     read. A file of a kind this project does not train is a :class:`~lightning_mm.commands.refusals.Refused`
-    error naming the file and the reason (:data:`~lightning_mm.commands.refusals.REASONS`)."""
+    error naming the file and the reason (:data:`~lightning_mm.commands.refusals.REASONS`).
+
+    ``world_size`` (``--world-size``: the launch's NPUs x nodes) records a native-route config's global batch
+    size when the launch line does not give it (a YAML given by itself, or a script whose counts are shell)."""
     from lightning_mm.commands.launch_kinds import refuse_model_ids, refuse_yaml
     from lightning_mm.commands.native_route import is_native_route, migrate_native
 
@@ -1155,7 +1429,7 @@ def migrate_file(
         absolute = str(path.resolve())
         if is_native_route(content):  # MindSpeed MM's native FSDP2 route: six sections, parallel first
             refuse_model_ids(content, source, ("model",))
-            result = migrate_native(path, content, base_dir=base)
+            result = migrate_native(path, content, base_dir=base, world_size=world_size)
         elif "gpt_args" in content:
             refuse_model_ids(content, source, ("model",))
             result = migrate_yaml(path, base_dir=base, keep_backend=keep_backend)
@@ -1174,13 +1448,38 @@ def migrate_file(
                 "sub_modules_to_wrap, ...)"
             )
         result.notes.insert(0, f"relative paths are taken from {base.resolve()} (the launch directory; --base-dir)")
+        _world_size_used(result, world_size, path)
         return result, inputs
-    result, read = _migrate_script(path, base_dir, import_root, keep_backend, hf_path)
+    result, read = _migrate_script(path, base_dir, import_root, keep_backend, hf_path, world_size)
+    _world_size_used(result, world_size, path)
     return result, inputs + read
 
 
+def _world_size_used(result: Migration | NativeMigration, world_size: int | None, path: Path) -> None:
+    """``--world-size`` is for the native route; elsewhere it would be ignored, so it is refused."""
+    if world_size is not None and isinstance(result, Migration):
+        raise MigrateError(
+            f"{path}: --world-size is read for a native-route config only; a Megatron-route launch's process "
+            "counts come from its torchrun line (trainer.devices, trainer.num_nodes)"
+        )
+
+
+def _launch_world(launch: Launch) -> int | None:
+    """torchrun's ``--nproc_per_node`` x ``--nnodes`` when both are literal numbers (one node when no
+    ``--nnodes``); None when either comes from shell the reader did not evaluate."""
+    nproc, nnodes = launch.launcher.get("nproc_per_node"), launch.launcher.get("nnodes", "1")
+    if nproc and nproc.isdigit() and nnodes and nnodes.isdigit():
+        return int(nproc) * int(nnodes)
+    return None
+
+
 def _migrate_script(
-    path: Path, base_dir: Path | None, import_root: Path | None, keep_backend: bool, hf_path: Path | None
+    path: Path,
+    base_dir: Path | None,
+    import_root: Path | None,
+    keep_backend: bool,
+    hf_path: Path | None,
+    world_size: int | None = None,
 ) -> tuple[Migration | NativeMigration, list[Path]]:
     from lightning_mm.commands.launch_kinds import (
         NATIVE_TRAINER,
@@ -1225,7 +1524,13 @@ def _migrate_script(
                     f"{path}: {launch.script} is MindSpeed MM's native trainer, but {launch.config_yaml} has no "
                     "`parallel` section"
                 )
-            native = migrate_native(yaml_path, content, base_dir=base)
+            world = _launch_world(launch)
+            if world is not None and world_size is not None and world != world_size:
+                raise MigrateError(
+                    f"{path}: --world-size {world_size}, but the launch line starts {world} processes "
+                    "(--nproc_per_node x --nnodes); give one"
+                )
+            native = migrate_native(yaml_path, content, base_dir=base, world_size=world or world_size)
             _map_native_launch(native, launch)
             result = native
         else:
@@ -1254,6 +1559,8 @@ def _map_native_launch(result: NativeMigration, launch: Launch) -> None:
     _map_launcher(state, launch)
     result.mapped += state.out.mapped
     result.unmapped += state.out.unmapped
+    result.notes += state.out.notes
+    result.rendezvous.update(state.out.rendezvous)
     if "devices" in result.config.get("trainer", {}):  # the note asking for them is answered
         result.notes[:] = [n for n in result.notes if not n.startswith("trainer.devices / trainer.num_nodes")]
     for flag, value in launch.flags:
@@ -1322,6 +1629,13 @@ def main(argv: Sequence[str]) -> int:
         "model.json (default: --load)",
     )
     parser.add_argument(
+        "--world-size",
+        type=int,
+        default=None,
+        help="the launch's process count (NPUs per node x nodes) for a native-route YAML given by itself, or a "
+        "script whose counts are shell: records MindSpeed MM's global batch size (GlobalBatchSize)",
+    )
+    parser.add_argument(
         "--keep-backend",
         action="store_true",
         help="keep --distributed-backend instead of letting the accelerator choose it",
@@ -1335,6 +1649,8 @@ def main(argv: Sequence[str]) -> int:
     args = parser.parse_args(argv)
     if bool(args.script) == bool(flags):
         parser.error("give a launch script, or `--` followed by the flags (one of them)")
+    if args.world_size is not None and (args.world_size < 1 or flags):
+        parser.error("--world-size: a process count >= 1, for a launch script or a native-route YAML")
     import_root = Path(args.import_root) if args.import_root else None
     if args.script:
         path = Path(args.script)
@@ -1351,6 +1667,7 @@ def main(argv: Sequence[str]) -> int:
             import_root=import_root,
             keep_backend=args.keep_backend,
             hf_path=Path(args.hf_path) if args.hf_path else None,
+            world_size=args.world_size,
         )
     else:
         inputs = []
@@ -1370,6 +1687,10 @@ def main(argv: Sequence[str]) -> int:
             f"# Run from {Path(run_from).resolve()}: lightning-mm fit --config "
             f"{Path(args.output).resolve() if args.output else 'THIS_FILE'}\n"
         )
+    launch_text = launch_lines(
+        result.config, str(Path(args.output).resolve()) if args.output else "THIS_FILE", result.rendezvous
+    )
+    header += "".join(f"# {line}\n" for line in launch_text)
     text = header + yaml.safe_dump(result.config, sort_keys=False)
     if args.output:
         _write_output(Path(args.output), text, inputs, args.force)
@@ -1377,7 +1698,29 @@ def main(argv: Sequence[str]) -> int:
     else:
         print(text)
     print(result.report(), file=sys.stderr)
+    if launch_text:
+        print("\n".join(launch_text), file=sys.stderr)
     return 0
+
+
+def launch_lines(config: Mapping[str, Any], config_path: str, rendezvous: Mapping[str, str] | None = None) -> list[str]:
+    """The command lines that start the migrated job on ``trainer.num_nodes`` nodes x ``trainer.devices`` processes,
+    with torchrun (run on every node; Lightning reads torchrun's environment) and with SLURM (Lightning reads
+    SLURM's; ``--ntasks-per-node`` must equal ``trainer.devices``). Empty when the counts are not in the config.
+    ``rendezvous``: the launch script's literal ``master_addr`` / ``master_port`` (else ``$MASTER_ADDR`` ...)."""
+    given = rendezvous or {}
+    trainer = config.get("trainer") or {}
+    devices, nodes = trainer.get("devices"), trainer.get("num_nodes", 1)
+    if not isinstance(devices, int) or not isinstance(nodes, int) or nodes < 2:
+        return []
+    fit = f"-m lightning_mm.cli fit --config {config_path}"
+    return [
+        f"launch on {nodes} nodes x {devices} processes (trainer.num_nodes {nodes}, trainer.devices {devices}):",
+        f"  torchrun (on each node, NODE_RANK 0..{nodes - 1}): torchrun --nnodes {nodes} --nproc_per_node {devices} "
+        f"--node_rank $NODE_RANK --master_addr {given.get('master_addr', '$MASTER_ADDR')} "
+        f"--master_port {given.get('master_port', '$MASTER_PORT')} {fit}",
+        f"  SLURM: srun --nodes {nodes} --ntasks-per-node {devices} python {fit}",
+    ]
 
 
 if __name__ == "__main__":

@@ -20,6 +20,7 @@ no Transformers, no torch at import.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -135,6 +136,46 @@ class _Out:
     def resolve(self, value: str) -> str:
         return str((self.base / value).resolve())
 
+    def number(
+        self,
+        key: str,
+        kind: type = float,
+        low: float | None = None,
+        high: float | None = None,
+        low_open: bool = False,
+        high_open: bool = False,
+        default: Any = None,
+    ) -> Any:
+        """The number at dotted ``key`` (``default`` when absent), checked against its range; an error naming the
+        key and file otherwise (MindSpeed MM's dataclasses parse numbers written as strings, such as ``1e-5``)."""
+        from lightning_mm.commands.launch_script import MigrateError
+
+        value = self.get(key, default)
+        if value is None:
+            return None
+        number: float | int | None = None
+        if not isinstance(value, bool):
+            try:
+                parsed = float(value)
+            except (TypeError, ValueError):
+                parsed = None
+            if parsed is not None and math.isfinite(parsed):
+                number = parsed
+                if kind is int:
+                    number = int(parsed) if parsed == int(parsed) else None
+        low_ok = number is None or low is None or (number > low if low_open else number >= low)
+        high_ok = number is None or high is None or (number < high if high_open else number <= high)
+        if number is None or not (low_ok and high_ok):
+            want = "an integer" if kind is int else "a number"
+            bounds = []
+            if low is not None:
+                bounds.append(f"{'>' if low_open else '>='} {_shown_bound(low)}")
+            if high is not None:
+                bounds.append(f"{'<' if high_open else '<='} {_shown_bound(high)}")
+            shown = f"{want} {' and '.join(bounds)}" if bounds else want
+            raise MigrateError(f"{self.path}: `{key}`: expected {shown}, got {value!r}")
+        return number
+
 
 def _leaves(node: Mapping[str, Any], prefix: str) -> list[str]:
     out: list[str] = []
@@ -147,17 +188,24 @@ def _leaves(node: Mapping[str, Any], prefix: str) -> list[str]:
     return out
 
 
-def migrate_native(path: Path, data: Mapping[str, Any], base_dir: Path | None = None) -> NativeMigration:
+def migrate_native(
+    path: Path, data: Mapping[str, Any], base_dir: Path | None = None, world_size: int | None = None
+) -> NativeMigration:
     """The :class:`NativeMigration` of a native-route config read from ``path``.
 
     Relative paths (``model_name_or_path``, ``save``, ``load``) are taken from ``base_dir`` (the launch directory,
-    by default the working directory), as MindSpeed MM takes them from where it runs.
+    by default the working directory), as MindSpeed MM takes them from where it runs. ``world_size`` (the launch
+    script's NPUs x nodes, when known) fixes the job's global batch size: MindSpeed MM's micro batch x
+    data-parallel ranks x accumulation there, kept on any other world size (``GlobalBatchSize``).
     """
     out = _Out(Path(path), data, Path.cwd() if base_dir is None else Path(base_dir))
     _parallel(out)
     _model(out)
     _features(out)
     _training(out)
+    _refuse_impossible_checkpoints(out)
+    if world_size is not None:
+        _global_batch(out, world_size)
     _data(out)
     _tools(out)
     for section in data:
@@ -200,6 +248,8 @@ class NativeMigration:
     run_from: Path | None = None
     """The launch directory (relative paths of the data section start there)."""
     import_root: Path | None = None
+    rendezvous: dict[str, str] = field(default_factory=dict)
+    """torchrun's literal ``master_addr`` / ``master_port`` of a multi-node launch (the printed launch line)."""
 
     def report(self) -> str:
         lines = [f"mapped {len(self.mapped)} item(s):", *(f"  {m}" for m in self.mapped)]
@@ -380,7 +430,7 @@ def _features(out: _Out) -> None:
         out.set(f"{target}.enable_chunk_loss", True)
         out.mapped.append(f"features.enable_chunk_loss -> {target}.enable_chunk_loss")
         if "chunk_size" in plan:
-            out.set(f"{target}.chunk_loss_size", int(plan["chunk_size"]))
+            out.set(f"{target}.chunk_loss_size", out.number("features.chunkloss_plan.chunk_size", int, low=1))
             out.mapped.append(f"features.chunkloss_plan.chunk_size -> {target}.chunk_loss_size")
         module = plan.get("apply_module", "lm_head")
         out.notes.append(
@@ -467,21 +517,24 @@ def _training(out: _Out) -> None:
 
     for key in ("lr", "weight_decay"):
         if has(key):
-            out.map(f"training.{key}", f"{module}.{key}", float(training[key]))
+            out.map(f"training.{key}", f"{module}.{key}", out.number(f"training.{key}", low=0))
     if has("lr_min"):
-        out.map("training.lr_min", f"{module}.min_lr", float(training["lr_min"]))
+        out.map("training.lr_min", f"{module}.min_lr", out.number("training.lr_min", low=0))
     if has("lr_start"):
-        start = float(training["lr_start"])
+        start = out.number("training.lr_start", low=0)
         if start:
             out.refuse("training.lr_start", f"{start}: warmup here starts from 0")
         else:
             out.note("training.lr_start", "0: warmup starts from 0, as here")
     if has("adam_beta1") or has("adam_beta2"):
-        betas = [float(training.get("adam_beta1", 0.9)), float(training.get("adam_beta2", 0.999))]
+        betas = [
+            out.number(f"training.adam_beta{i}", low=0, high=1, high_open=True, default=d)
+            for i, d in ((1, 0.9), (2, 0.999))
+        ]
         out.map("training.adam_beta1, training.adam_beta2", f"{module}.betas", betas)
         out.handled.update({"training.adam_beta1", "training.adam_beta2"})
     if has("adam_eps"):
-        eps = float(training["adam_eps"])
+        eps = out.number("training.adam_eps", low=0, low_open=True)
         if eps == 1e-8:
             out.note("training.adam_eps", "1e-8, AdamW's default here")
         else:
@@ -509,14 +562,15 @@ def _training(out: _Out) -> None:
             "training.lr_scaling_plan", "per-layer learning rates are not supported here"
         )
     if has("train_iters"):
-        out.map("training.train_iters", "trainer.max_steps", int(training["train_iters"]))
+        out.map("training.train_iters", "trainer.max_steps", out.number("training.train_iters", int, low=1))
     if has("max_steps") and training["max_steps"] is not None:
-        out.map("training.max_steps", "trainer.limit_train_batches", int(training["max_steps"]), "steps per epoch")
+        steps_per_epoch = out.number("training.max_steps", int, low=1)
+        out.map("training.max_steps", "trainer.limit_train_batches", steps_per_epoch, "steps per epoch")
     elif has("max_steps"):
         out.note("training.max_steps", "null: no limit per epoch")
     for key in ("train_epochs", "max_epochs"):
         if has(key) and training[key] is not None:
-            out.map(f"training.{key}", "trainer.max_epochs", int(training[key]))
+            out.map(f"training.{key}", "trainer.max_epochs", out.number(f"training.{key}", int, low=1))
         elif has(key):
             out.note(f"training.{key}", "null")
     decay = training.get("lr_decay_style", "constant")
@@ -524,19 +578,19 @@ def _training(out: _Out) -> None:
         out.map("training.lr_decay_style", f"{module}.lr_decay_style", _DECAY[decay])
     else:
         out.refuse("training.lr_decay_style", f"{decay}: only constant, cosine and linear are built in")
-    ratio = float(training.get("lr_warmup_ratio", 0.0) or 0.0)
+    ratio = out.number("training.lr_warmup_ratio", low=0, high=1, default=0.0)
     if has("lr_warmup_ratio"):
         if "train_iters" in training:
             out.map(
                 "training.lr_warmup_ratio",
                 f"{module}.warmup_steps",
-                round(ratio * int(training["train_iters"])),
+                round(ratio * out.number("training.train_iters", int, low=1)),
                 "ratio x train_iters",
             )
         else:
             out.refuse("training.lr_warmup_ratio", "needs training.train_iters to become a step count")
     if has("lr_decay_ratio"):
-        if float(training["lr_decay_ratio"]) == 1.0:
+        if out.number("training.lr_decay_ratio", low=0, high=1, low_open=True) == 1.0:
             out.note("training.lr_decay_ratio", "1.0: the decay runs to the last step, as here")
         else:
             out.refuse("training.lr_decay_ratio", "the decay here always runs to the last step")
@@ -547,24 +601,28 @@ def _training(out: _Out) -> None:
                 "a model plugin's own scheduler setting; lr_decay_style / lr_warmup_ratio are read here",
             )
     if has("clip_grad"):
-        clip = float(training["clip_grad"])
+        clip = out.number("training.clip_grad", low=0)
         if clip > 0:
             out.map("training.clip_grad", "trainer.gradient_clip_val", clip)
         else:
             out.note("training.clip_grad", "0: no clipping (trainer.gradient_clip_val unset)")
     if has("clip_norm_type"):
-        norm = float(training["clip_norm_type"])
+        norm = out.number("training.clip_norm_type", low=0, low_open=True)
         if norm == 2.0:
             out.note("training.clip_norm_type", "2.0: the L2 norm, as here")
         else:
             out.refuse("training.clip_norm_type", f"{norm}: gradients are clipped by their L2 norm here")
     if has("micro_batch_size"):
-        out.map("training.micro_batch_size", "data.init_args.batch_size", int(training["micro_batch_size"]))
+        out.map(
+            "training.micro_batch_size",
+            "data.init_args.batch_size",
+            out.number("training.micro_batch_size", int, low=1),
+        )
     if has("val_micro_batch_size"):
         out.refuse("training.val_micro_batch_size", "validation uses data.init_args.batch_size here")
-    steps = training.get("gradient_accumulation_steps")
+    steps = out.number("training.gradient_accumulation_steps", int, low=1)
     if steps is not None:
-        out.map("training.gradient_accumulation_steps", "trainer.accumulate_grad_batches", int(steps))
+        out.map("training.gradient_accumulation_steps", "trainer.accumulate_grad_batches", steps)
     elif has("gradient_accumulation_steps"):
         out.note("training.gradient_accumulation_steps", "null: no accumulation, as here")
     if has("global_batch_size"):
@@ -574,10 +632,11 @@ def _training(out: _Out) -> None:
             "x gradient_accumulation_steps), not read from here",
         )
     if has("seed"):
-        out.map("training.seed", "seed_everything", int(training["seed"]))
-        out.set("data.init_args.seed", int(training["seed"]))
+        seed = out.number("training.seed", int, low=0, high=2**32 - 1)  # Lightning's seed range
+        out.map("training.seed", "seed_everything", seed)
+        out.set("data.init_args.seed", seed)
     if has("log_interval"):
-        out.map("training.log_interval", "trainer.log_every_n_steps", int(training["log_interval"]))
+        out.map("training.log_interval", "trainer.log_every_n_steps", out.number("training.log_interval", int, low=1))
     for key, why in _NO_EFFECT_TRAINING.items():
         if has(key) and why:
             out.note(f"training.{key}", why)
@@ -600,7 +659,7 @@ def _validation(out: _Out, training: Mapping[str, Any]) -> None:
     for key in ("val_interval", "validate_interval"):
         if key not in training:
             continue
-        every = int(training[key] or 0)
+        every = out.number(f"training.{key}", int, low=0) or 0
         if every > 0:
             out.map(f"training.{key}", "trainer.val_check_interval", every)
             out.set("trainer.check_val_every_n_epoch", None)
@@ -610,14 +669,15 @@ def _validation(out: _Out, training: Mapping[str, Any]) -> None:
 
 def _checkpointing(out: _Out, training: Mapping[str, Any]) -> None:
     strategy = "trainer.strategy.init_args"
-    save, every = training.get("save"), training.get("save_interval", training.get("save_steps"))
+    save = training.get("save")
+    every = out.number("training.save_interval" if "save_interval" in training else "training.save_steps", int, low=0)
     out.handled.update({"training.save", "training.save_interval", "training.save_steps"})
     if save or "save_interval" in training or "save_steps" in training:
         checkpoint: dict[str, Any] = {"save_last": "link"}
         if save:
-            checkpoint["dirpath"] = out.resolve(str(save))
+            checkpoint["dirpath"] = str(save) if "://" in str(save) else out.resolve(str(save))  # a URL stays one
         if every:
-            checkpoint["every_n_train_steps"] = int(every)
+            checkpoint["every_n_train_steps"] = every
         out.set(
             "trainer.callbacks",
             [{"class_path": "lightning.pytorch.callbacks.ModelCheckpoint", "init_args": checkpoint}],
@@ -699,6 +759,48 @@ def _checkpointing(out: _Out, training: Mapping[str, Any]) -> None:
             out.note(f"training.{key}", "off, as here")
 
 
+def _global_batch(out: _Out, world_size: int) -> None:
+    """MindSpeed MM's global batch at the launch's world size (``micro_batch_size x world / ulysses x
+    gradient_accumulation_steps``) -> the GlobalBatchSize callback, which keeps it on another world size."""
+    micro = out.number("training.micro_batch_size", int, low=1, default=1)
+    accumulate = out.number("training.gradient_accumulation_steps", int, low=1, default=1)
+    ulysses = out.config["trainer"]["strategy"]["init_args"].get("context_parallel_size", 1)
+    if world_size < 1 or world_size % ulysses:
+        return
+    total = micro * (world_size // ulysses) * accumulate
+    callbacks = out.config["trainer"].setdefault("callbacks", [])
+    callbacks.append(
+        {"class_path": "lightning_mm.commands.global_batch.GlobalBatchSize", "init_args": {"global_batch_size": total}}
+    )
+    out.mapped.append(
+        f"training.micro_batch_size {micro} x {world_size // ulysses} data-parallel ranks x "
+        f"gradient_accumulation_steps {accumulate} (the launch's {world_size} ranks) -> trainer.callbacks: "
+        f"GlobalBatchSize({total}) (the accumulation is derived from it at fit for the world size the run has)"
+    )
+
+
+def _refuse_impossible_checkpoints(out: _Out) -> None:
+    """Combinations that would fail only at the first save are refused before any compute: the Hugging Face
+    format with LoRA (it holds the model's weights, a LoRA run checkpoints its adapters) and at a URL (it is
+    written with local file I/O)."""
+    from lightning_mm.commands.launch_script import MigrateError
+
+    strategy = out.config["trainer"]["strategy"]["init_args"]
+    if strategy.get("checkpoint_format") != "hf":
+        return
+    if out.config["model"]["init_args"]["transformers_model"].get("lora") is not None:
+        raise MigrateError(
+            f"{out.path}: `training.save_format: hf` with `training.lora`: the Hugging Face format holds the "
+            "model's weights only, and a LoRA run checkpoints its adapters; use save_format dcp"
+        )
+    save = out.get("training.save")
+    if isinstance(save, str) and "://" in save:
+        raise MigrateError(
+            f"{out.path}: `training.save_format: hf` with `training.save: {save}`: the Hugging Face format is "
+            "written to a local directory, not to a URL; use save_format dcp for a remote checkpoint directory"
+        )
+
+
 def _lora(out: _Out, lora: Any) -> None:
     out.handled.add("training.lora")
     if not isinstance(lora, Mapping):
@@ -759,6 +861,12 @@ def _data(out: _Out) -> None:
             "data.dataset_param.basic_parameters.neat_packing, cutoff_len -> MMDataModule packing with "
             "max_tokens_per_rank = cutoff_len (read from the data config)"
         )
+        callbacks = out.config["trainer"].get("callbacks") or []
+        kept = [c for c in callbacks if not str(c.get("class_path")).endswith("GlobalBatchSize")]
+        if len(kept) != len(callbacks):
+            out.config["trainer"]["callbacks"] = kept
+            out.mapped = [m for m in out.mapped if "GlobalBatchSize(" not in m]
+            out.notes.append("the global batch size is not kept with neat_packing: a batch holds a token budget")
         if out.config["data"]["init_args"].pop("batch_size", None) is not None:
             out.notes.append(
                 "training.micro_batch_size: not written: a packed batch holds cutoff_len tokens per rank "
@@ -801,3 +909,8 @@ def _tools(out: _Out) -> None:
             _profile(out, f"tools.{key}", value)
         else:
             out.unmapped.append(f"tools.{key}: unknown tool")
+
+
+def _shown_bound(bound: float) -> str:
+    """A range bound as a message shows it: ``4294967295``, ``0.5``."""
+    return str(int(bound)) if bound == int(bound) else f"{bound:g}"

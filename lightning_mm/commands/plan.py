@@ -4,7 +4,7 @@ The model of a LightningCLI config is built with its parameters on the meta devi
 the FSDP2 config is resolved against it exactly as the strategy does at setup, and the plan is printed with the
 per-rank bytes of parameters, gradients and optimiser state. No Trainer is built: the config's accelerator and
 devices need not exist here (plan a 64-NPU run on a laptop with ``--world-size 64``), and nothing is checked
-against the config's own device count when ``--world-size`` is given. The data module is left alone unless
+against the config's own device count when ``--world-size`` is given. The data section is not read unless
 ``--trace-order`` asks for the units' execution order (it then sets the data module up and takes one batch).
 """
 
@@ -39,8 +39,13 @@ def world_size_of(devices: Any, num_nodes: Any) -> int:
     return count * nodes
 
 
-def _load_cli(cli_args: Sequence[str]) -> Any:
-    """The LightningCLI of a config with model, data and strategy instantiated, and no Trainer."""
+def _load_cli(cli_args: Sequence[str], with_data: bool = False) -> Any:
+    """The LightningCLI of a config with model and strategy instantiated, and no Trainer.
+
+    The data module is instantiated only ``with_data`` (``--trace-order``): planning needs the model and the
+    strategy alone, so a data section that cannot be read on this machine never stops a plan. ``ckpt_path`` (a key
+    of ``lightning-mm fit`` configs, which ``migrate`` writes) is accepted and not used.
+    """
     from lightning.pytorch.cli import LightningCLI
 
     import lightning_mm
@@ -51,6 +56,14 @@ def _load_cli(cli_args: Sequence[str]) -> Any:
     class _PlanCLI(LightningCLI):
         def instantiate_trainer(self, **kwargs: Any) -> Any:
             return None  # a Trainer would resolve accelerator and devices on this machine
+
+        def add_arguments_to_parser(self, parser: Any) -> None:
+            parser.add_argument("--ckpt_path", type=str | None, default=None, help="not used by plan")
+
+        def instantiate_classes(self) -> None:
+            if not with_data:
+                self.config["data"] = None
+            super().instantiate_classes()
 
     saved_argv = sys.argv
     sys.argv = [saved_argv[0]]  # LightningCLI warns when it sees both `args` and command-line arguments
@@ -65,7 +78,7 @@ def _load_cli(cli_args: Sequence[str]) -> Any:
         with torch.random.fork_rng(devices=[]):
             return _PlanCLI(
                 MMLightningModule,
-                MMDataModule,
+                MMDataModule if with_data else None,  # None: any data module, or none, is accepted
                 subclass_mode_model=True,
                 subclass_mode_data=True,
                 run=False,
@@ -91,7 +104,7 @@ def plan_from_cli_config(
     seq_length: int | None = None,
 ) -> str:
     """Build the plan for a LightningCLI argument list (``["--config", "cfg.yaml", ...]``) and describe it."""
-    strategy, module, planned, world, datamodule = planned_cli_config(cli_args, world_size)
+    strategy, module, planned, world, datamodule = planned_cli_config(cli_args, world_size, with_data=trace_order)
     from lightning_mm.core.memory import per_rank_memory
 
     target, plan, config = planned.target, planned.plan, planned.config
@@ -117,20 +130,29 @@ def plan_from_cli_config(
     if layout.cp > 1 or seq_length:
         from lightning_mm.hf.cp_attention import context_parallel_summary
 
-        text += "\n" + context_parallel_summary(target, world, layout.cp, strategy.context_parallel_algo, seq_length)
+        text += "\n" + context_parallel_summary(
+            target,
+            world,
+            layout.cp,
+            strategy.context_parallel_algo,
+            seq_length,
+            handled=bool(getattr(module, "handles_context_parallel", False)),
+        )
     return text
 
 
-def planned_cli_config(cli_args: Sequence[str], world_size: int | None = None) -> tuple[Any, Any, Any, int, Any]:
+def planned_cli_config(
+    cli_args: Sequence[str], world_size: int | None = None, with_data: bool = False
+) -> tuple[Any, Any, Any, int, Any]:
     """``(strategy, module, planned, world_size, datamodule)`` for a LightningCLI config: the model built on the
     meta device and planned by the config's own strategy (:meth:`MMFSDP2Strategy.plan_for`, what its ``setup``
-    applies), with the config's ``precision``."""
+    applies), with the config's ``precision``. The data module is built only ``with_data`` (else ``None``)."""
     from lightning_mm import MMFSDP2Strategy
     from lightning_mm.core.init_context import meta_parameters
     from lightning_mm.core.precision_policy import check_supported_precision
     from lightning_mm.strategies.precision import MMFSDP2Precision
 
-    cli = _load_cli(cli_args)
+    cli = _load_cli(cli_args, with_data)
     trainer_config = cli.config_init["trainer"]
     strategy = trainer_config.get("strategy")
     if strategy == MMFSDP2Strategy.strategy_name:

@@ -14,12 +14,22 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
+from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.cli import LightningCLI
 
 from lightning_mm._names import listing
 from lightning_mm.errors import ConfigError
 
-__all__ = ["MMLightningCLI", "run_lightning_cli", "checkpoint_hyperparameters", "compare_hyperparameters"]
+__all__ = [
+    "MMLightningCLI",
+    "RecordModelIdentity",
+    "run_lightning_cli",
+    "checkpoint_hyperparameters",
+    "checkpoint_metadata",
+    "check_model_identity",
+    "compare_hyperparameters",
+    "model_identity",
+]
 
 _META_FILE = "meta.pt"  # a torch_dcp checkpoint directory keeps its hyperparameters here
 _SHOWN = 8
@@ -30,6 +40,14 @@ def checkpoint_hyperparameters(ckpt_path: str | Path) -> dict[str, Any] | None:
 
     ``None`` when there is nothing to read (no such file: the Trainer reports a missing checkpoint itself).
     """
+    checkpoint = checkpoint_metadata(ckpt_path)
+    hparams = checkpoint.get("hyper_parameters") if isinstance(checkpoint, Mapping) else None
+    return dict(hparams) if isinstance(hparams, Mapping) else None
+
+
+def checkpoint_metadata(ckpt_path: str | Path) -> Mapping[str, Any] | None:
+    """The non-tensor entries of a checkpoint file or torch_dcp directory (its ``meta.pt``), read ``weights_only``
+    and memory-mapped (no import, no tensor read); ``None`` when there is no such file."""
     import torch
 
     path = Path(ckpt_path)
@@ -50,8 +68,98 @@ def checkpoint_hyperparameters(ckpt_path: str | Path) -> dict[str, Any] | None:
             reason = reason.split("WeightsUnpickler error:", 1)[-1]
             text = " ".join(reason.split()) or text
         raise ConfigError(f"cannot read checkpoint {target} safely (weights_only): {text}") from error
-    hparams = checkpoint.get("hyper_parameters") if isinstance(checkpoint, Mapping) else None
-    return dict(hparams) if isinstance(hparams, Mapping) else None
+    return checkpoint if isinstance(checkpoint, Mapping) else None
+
+
+IDENTITY_KEY = "lightning_mm_model"
+"""The checkpoint entry that records which model was trained (:func:`model_identity`)."""
+_IDENTITY_SIZES = (
+    "hidden_size",
+    "num_hidden_layers",
+    "num_attention_heads",
+    "num_key_value_heads",
+    "intermediate_size",
+    "vocab_size",
+    "num_experts",
+    "n_routed_experts",
+    "num_local_experts",
+)
+
+
+def model_identity(model_config: Any) -> dict[str, Any] | None:
+    """What makes a model this model, from its config alone (no import, no build): for a TransformersModel, the
+    class and sizes of its ``init_from_hf_path`` config.json (``hf_config`` applied); ``None`` when the config does
+    not say (a ``model_provider`` builds the model)."""
+    import json
+
+    model = _plain(model_config)
+    if not isinstance(model, Mapping):
+        return None
+    args = model.get("init_args", model)
+    transformers_model = args.get("transformers_model") if isinstance(args, Mapping) else None
+    if not isinstance(transformers_model, Mapping) or not transformers_model.get("init_from_hf_path"):
+        return None
+    path = Path(str(transformers_model["init_from_hf_path"])) / "config.json"
+    try:
+        config = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return None
+    if not isinstance(config, dict):
+        return None
+    overrides = transformers_model.get("hf_config")
+    if isinstance(overrides, Mapping):
+        config.update(overrides)
+    architectures = config.get("architectures") or [config.get("model_type")]
+    identity: dict[str, Any] = {"class": str(architectures[0]), "model_type": config.get("model_type")}
+    for section, prefix in (
+        (config, ""),
+        (config.get("text_config"), "text."),
+        (config.get("vision_config"), "vision."),
+    ):
+        if isinstance(section, Mapping):
+            identity.update({prefix + k: section[k] for k in _IDENTITY_SIZES if k in section})
+    return identity
+
+
+def describe_identity(identity: Mapping[str, Any], keys: Sequence[str] | None = None) -> str:
+    """One model as a sentence names it: ``Qwen2ForCausalLM (num_hidden_layers 2, ...)``, with ``keys`` (default:
+    every size) shown."""
+    shown = [k for k in (keys if keys is not None else identity) if k not in ("class", "model_type")]
+    sizes = ", ".join(f"{k} {identity.get(k, '-')}" for k in shown)
+    return f"{identity.get('class')} ({sizes})" if sizes else str(identity.get("class"))
+
+
+def check_model_identity(ckpt_path: str, checkpoint: Mapping[str, Any], model_config: Any) -> None:
+    """A run never resumes another model's checkpoint: a :class:`ConfigError` naming both models when the identity
+    recorded in the checkpoint (or read from its hyperparameters) differs from the config's model."""
+    current = model_identity(model_config)
+    saved = checkpoint.get(IDENTITY_KEY)
+    if not isinstance(saved, Mapping):
+        hparams = checkpoint.get("hyper_parameters")
+        saved = model_identity(hparams) if isinstance(hparams, Mapping) else None
+    if current is None or saved is None or dict(saved) == current:
+        return
+    differ = [k for k in {**saved, **current} if saved.get(k) != current.get(k)]
+    raise ConfigError(
+        f"checkpoint {ckpt_path} holds the weights of {describe_identity(saved, differ)}, but the config trains "
+        f"{describe_identity(current, differ)}; a run never resumes another model's checkpoint: give this run its own "
+        "checkpoint directory (ModelCheckpoint dirpath) or the checkpoint of this model"
+    )
+
+
+def resolve_ckpt_path(ckpt_path: str, trainer_config: Any) -> str | None:
+    """The checkpoint ``ckpt_path`` names: ``last`` is the newest ``last*.ckpt`` of the config's ModelCheckpoint
+    directories (as Lightning resolves it), a path is itself; ``None`` when there is none yet."""
+    if ckpt_path != "last":
+        return ckpt_path
+    trainer_config = _plain(trainer_config)  # a jsonargparse Namespace in the CLI
+    callbacks = (trainer_config.get("callbacks") if isinstance(trainer_config, Mapping) else None) or []
+    found: list[Path] = []
+    for callback in callbacks if isinstance(callbacks, list) else [callbacks]:
+        args = callback.get("init_args") if isinstance(callback, Mapping) else None
+        if isinstance(args, Mapping) and args.get("dirpath") and "ModelCheckpoint" in str(callback.get("class_path")):
+            found += [p for p in Path(str(args["dirpath"])).glob("last*.ckpt") if p.exists()]
+    return str(max(found, key=lambda p: p.stat().st_mtime)) if found else None
 
 
 def _plain(value: Any) -> Any:
@@ -96,6 +204,17 @@ def compare_hyperparameters(hparams: Mapping[str, Any], model_config: Mapping[st
     return lines
 
 
+class RecordModelIdentity(Callback):
+    """Writes the run's :func:`model_identity` under :data:`IDENTITY_KEY` in each checkpoint it saves, so that a
+    resume can tell which model a checkpoint holds before any weight is read (``MMLightningCLI`` adds it)."""
+
+    def __init__(self, identity: Mapping[str, Any]) -> None:
+        self.identity = dict(identity)
+
+    def on_save_checkpoint(self, trainer: Any, pl_module: Any, checkpoint: dict[str, Any]) -> None:
+        checkpoint[IDENTITY_KEY] = dict(self.identity)
+
+
 class MMLightningCLI(LightningCLI):
     """LightningCLI that reads a checkpoint's hyperparameters as data instead of parsing (and importing) them.
 
@@ -119,6 +238,10 @@ class MMLightningCLI(LightningCLI):
         if not subcommand or self._held_ckpt_path is None:
             return
         self.config[subcommand]["ckpt_path"] = self._held_ckpt_path
+        resolved = resolve_ckpt_path(self._held_ckpt_path, self.config[subcommand].get("trainer"))
+        metadata = checkpoint_metadata(resolved) if resolved else None
+        if metadata is not None and resolved is not None:  # before any weight is read
+            check_model_identity(resolved, metadata, self.config[subcommand]["model"])
         hparams = checkpoint_hyperparameters(self._held_ckpt_path)
         if hparams:
             differences = compare_hyperparameters(hparams, self.config[subcommand]["model"], self._held_ckpt_path)
@@ -139,6 +262,10 @@ class MMLightningCLI(LightningCLI):
         config = self.config_init[self.subcommand] if self.subcommand else self.config_init
         trainer_config = config.get("trainer") or {}
         callbacks = list(kwargs.get("callbacks", trainer_config.get("callbacks") or []))
+        identity = model_identity((self.config[self.subcommand] if self.subcommand else self.config).get("model"))
+        if identity is not None:
+            callbacks.append(RecordModelIdentity(identity))
+            kwargs["callbacks"] = callbacks
         if trainer_config.get("enable_progress_bar") is not False and not any(
             isinstance(c, ProgressBar) for c in callbacks
         ):

@@ -325,6 +325,19 @@ def map_parallel(
         if ep > 1:
             fsdp2["moe_modules"] = modules
             mapped("ep_plan.apply_modules", "fsdp2_config.moe_modules")
+            # MindSpeed MM (distributed/torch_parallelize.py, ParallelApplier.apply_ep_modules) shards the EP
+            # modules over the expert-FSDP mesh, then removes them from fsdp_plan.apply_modules (the same strings)
+            # so that they are not fully_shard-ed twice: here the moe_modules are sharded by expert parallelism.
+            efsdp_modules = read.patterns(ep_plan.get("apply_efsdp_modules"), "apply_efsdp_modules") or modules
+            wrapped = fsdp2.get("sub_modules_to_wrap", [])
+            both = [m for m in wrapped if m in efsdp_modules]
+            if both:
+                fsdp2["sub_modules_to_wrap"] = [m for m in wrapped if m not in efsdp_modules]
+                mapped(
+                    "fsdp_plan.apply_modules " + ", ".join(both),
+                    "left out of fsdp2_config.sub_modules_to_wrap: also in ep_plan, so sharded by expert "
+                    "parallelism (moe_modules), as MindSpeed MM removes them from the FSDP plan",
+                )
         else:
             mapped("ep_plan.apply_modules", "nothing to set: expert_parallel_size is 1 (no expert parallelism)")
     if ep_plan.get("use_npu_fused_ops"):

@@ -1,8 +1,9 @@
 """The seed's module-path patterns: ``layers.{*}``, ``layers.{0-23}``, ``layers.{1,3,5}``, ``layers.{0-3,7}``.
 
 A pattern is a dotted path whose segments are either a literal child name or a brace group covering the whole
-segment. Resolving a pattern against a module tree is strict: anything that names no module is an error that
-shows the closest existing paths, because a silent miss leaves a model unsharded.
+segment. Resolving a pattern against a module tree follows MindSpeed MM (a ``{*}`` followed by a name keeps the
+branches that have it), and is stricter where a silent miss would leave a model unsharded: a pattern that names no
+module at all is an error that shows the closest existing paths.
 """
 
 from __future__ import annotations
@@ -141,8 +142,16 @@ def _wanted(segment: Segment, children: dict[str, nn.Module]) -> list[str]:
 
 
 def resolve_pattern(root: nn.Module, pattern: str) -> list[str]:
-    """All module paths under ``root`` that ``pattern`` names, in module order; an error if any part misses."""
+    """All module paths under ``root`` that ``pattern`` names, in module order.
+
+    As in MindSpeed MM, which matches each pattern against ``named_modules()``, a ``{*}`` (or index range) followed
+    by a name keeps the branches that have that name: ``layers.{*}.linear_attn`` names the ``linear_attn`` of the
+    layers that have one (Qwen3.5 mixes gated-delta-net and full-attention layers). Stricter than MindSpeed MM,
+    which only warns: a pattern that names no module at all, or an index range past the children that exist, is an
+    error showing the closest existing paths.
+    """
     frontier: list[tuple[str, nn.Module]] = [("", root)]
+    first_miss: str | None = None
     for segment in parse_pattern(pattern):
         nxt: list[tuple[str, nn.Module]] = []
         for prefix, module in frontier:
@@ -152,21 +161,28 @@ def resolve_pattern(root: nn.Module, pattern: str) -> list[str]:
                 return f"{p}.{name}" if p else name
 
             if segment.is_wildcard:
-                if not children:
-                    raise PatternError(
+                if children:
+                    nxt.extend((join(name), child) for name, child in children.items())
+                elif first_miss is None:
+                    first_miss = (
                         f"pattern '{short(pattern)}': '{prefix or '<model>'}' has no submodules for '{{*}}' to match; "
                         f"closest paths: {_closest(root, prefix)}"
                     )
-                nxt.extend((join(name), child) for name, child in children.items())
                 continue
             for name in _wanted(segment, children):
-                if name not in children:
-                    raise PatternError(
-                        f"pattern '{short(pattern)}' resolves to no module at '{join(name)}'; "
-                        f"closest existing paths: {_closest(root, join(name))}"
-                    )
-                nxt.append((join(name), children[name]))
+                if name in children:
+                    nxt.append((join(name), children[name]))
+                    continue
+                message = (
+                    f"pattern '{short(pattern)}' resolves to no module at '{join(name)}'; "
+                    f"closest existing paths: {_closest(root, join(name))}"
+                )
+                if segment.ranges is not None:  # an index past the children that exist: never a partial match
+                    raise PatternError(message)
+                first_miss = first_miss or message
         frontier = nxt
+        if not frontier:
+            raise PatternError(first_miss or f"pattern '{short(pattern)}' names no module")
     return [path for path, _ in frontier]
 
 

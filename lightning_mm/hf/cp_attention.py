@@ -290,10 +290,17 @@ def _put_loss(model: nn.Module, args: tuple, output: Any) -> Any:
 
 
 def context_parallel_summary(
-    target: nn.Module, world_size: int, size: int, algo: str = "ulysses", seq_len: int | None = None
+    target: nn.Module,
+    world_size: int,
+    size: int,
+    algo: str = "ulysses",
+    seq_len: int | None = None,
+    handled: bool = False,
 ) -> str:
     """The context-parallel part of ``lightning-mm plan``: the mesh, the checks of :func:`check_routable`, and
-    with ``seq_len`` the tokens and (estimated, 16-bit) decoder activation memory per rank for one sequence."""
+    with ``seq_len`` the tokens and (estimated, 16-bit) decoder activation memory per rank for one sequence.
+    ``handled``: the LightningModule runs its own context-parallel attention (``handles_context_parallel``, e.g.
+    MMWanModule), so a model that is not a Transformers one is no error."""
     plan = context_parallel_plan(world_size, size, algo)
     model = find_hf_model(target)
     activations = None
@@ -303,7 +310,7 @@ def context_parallel_summary(
         config: Any = decoder.config
         if seq_len and getattr(config, "hidden_size", None) and getattr(config, "num_hidden_layers", None):
             activations = activation_bytes_estimate(config.hidden_size, config.num_hidden_layers, seq_len)
-    elif plan.enabled:
+    elif plan.enabled and not handled:
         raise ContextParallelError(
             f"context_parallel_size {size}: {type(target).__name__} is not a Transformers "
             "model; its LightningModule must set `handles_context_parallel = True`"

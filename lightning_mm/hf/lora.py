@@ -9,7 +9,10 @@ The settings are MindSpeed MM's ``lora`` block:
 ``target_modules``
     Module paths in the FSDP2 YAML's pattern syntax (``model.layers.{*}.self_attn.q_proj``). A path to an
     ``nn.Linear`` adapts it; a path to any other module adapts every ``nn.Linear`` under it. A pattern that matches
-    nothing, or a module with no ``nn.Linear``, is an error naming it.
+    nothing, or a module with no ``nn.Linear``, is an error naming it. As in MindSpeed MM (``lora_utils.
+    is_pattern_match``, and PEFT's ``target_modules`` list), a name without braces that is not a path from the
+    root (``q_proj``, ``self_attn.o_proj``) names every module whose path ends with it; those that lie under
+    ``freeze`` are left out, as MindSpeed MM's Megatron route leaves out frozen targets.
 ``dropout``
     Dropout on the adapters' input (0 by default).
 ``init_lora_weights``
@@ -162,12 +165,20 @@ def resolve_targets(model: nn.Module, config: LoRAConfig, frozen: Sequence[str] 
     """The paths of the ``nn.Linear`` modules that get adapters; every problem is a :class:`LoRAConfigError`."""
     from lightning_mm.core.patterns import PatternError, resolve_patterns
 
-    try:
-        paths = resolve_patterns(model, config.target_modules, "lora.target_modules")
-    except PatternError as err:
-        raise LoRAConfigError(f"lora config {err}") from None
+    paths: list[str] = []
+    for pattern in config.target_modules:
+        try:
+            paths += resolve_patterns(model, [pattern], "lora.target_modules")
+        except PatternError as err:
+            found = _suffix_matches(model, pattern)
+            if not found:
+                raise LoRAConfigError(f"lora config {err}") from None
+            found = [p for p in found if enclosing(p, frozen) is None]
+            if not found:
+                raise _fail("target_modules", f"every module named '{pattern}' lies under `freeze`") from None
+            paths += found
     targets: dict[str, None] = {}
-    for path in paths:
+    for path in dict.fromkeys(paths):
         module = model.get_submodule(path)
         found = (
             [path]
@@ -194,6 +205,13 @@ def resolve_targets(model: nn.Module, config: LoRAConfig, frozen: Sequence[str] 
     # In the model's module order, the order PEFT visits them in (and so draws their random values in).
     order = {name: i for i, (name, _) in enumerate(model.named_modules())}
     return sorted(targets, key=order.__getitem__)
+
+
+def _suffix_matches(model: nn.Module, pattern: str) -> list[str]:
+    """MindSpeed MM's rule for a target without braces: every module whose path is ``pattern`` or ends with it."""
+    if "{" in pattern or "}" in pattern:
+        return []
+    return [name for name, _ in model.named_modules() if name and (name == pattern or name.endswith("." + pattern))]
 
 
 def lora_parameter_names(model: nn.Module) -> list[str]:

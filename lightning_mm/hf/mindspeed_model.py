@@ -376,7 +376,7 @@ def transformers_model_config(
         key = next((k for k, t in _MODEL_TYPES.items() if t == found), None)
 
     _map_freeze(model, key, source, out, handled)
-    _map_loss(model.get("loss_cfg"), out, handled)
+    _map_loss(model.get("loss_cfg"), out, handled, source)
     _map_patch(model.get("patch"), out, handled)
     _map_rest(model, out, handled, megatron)
     return out
@@ -474,7 +474,7 @@ def _map_freeze(model: Mapping[str, Any], key: str | None, source: str, out: Mod
         out.mapped.append(f"{tower}.freeze -> freeze {list(FREEZE_PATHS[key][tower])} (as {why})")
 
 
-def _map_loss(loss: Any, out: ModelMigration, handled: set[str]) -> None:
+def _map_loss(loss: Any, out: ModelMigration, handled: set[str], source: str = "model") -> None:
     handled.add("loss_cfg")
     if loss is None:
         return
@@ -483,10 +483,22 @@ def _map_loss(loss: Any, out: ModelMigration, handled: set[str]) -> None:
         return
     known = {"compute_mode", "chunk_size", "loss_type", "router_aux_loss_coef"}
     mode, kind = loss.get("compute_mode", "default"), loss.get("loss_type", "default")
-    if mode != "default":
-        out.unmapped.append(
-            f"loss_cfg.compute_mode {mode}: chunked loss does not exist in lightning-mm yet; the "
-            f"loss here is computed from the full logits ({_DEFAULT_LOSS})"
+    if mode in ("chunk", "dynamic_chunk"):
+        # MindSpeed MM (models/transformers_model.py, _set_loss_cfg): chunk_size defaults to 1024 (chunk) or 4096
+        # (dynamic_chunk, where it bounds the tokens of a chunk); the loss is the same, only memory differs.
+        size = loss.get("chunk_size", 1024 if mode == "chunk" else 4096)
+        if isinstance(size, bool) or not isinstance(size, int) or size < 1:
+            raise MindSpeedModelError(f"{source}: `loss_cfg.chunk_size`: expected an integer >= 1, got {size!r}")
+        out.config["enable_chunk_loss"] = True
+        out.config["chunk_loss_size"] = size
+        out.mapped.append(
+            f"loss_cfg.compute_mode {mode}, chunk_size {size} -> enable_chunk_loss: true, chunk_loss_size: {size} "
+            "(the loss and its gradients computed chunk by chunk, without the [tokens, vocab] logits)"
+        )
+    elif mode != "default":
+        raise MindSpeedModelError(
+            f"{source}: `loss_cfg.compute_mode`: {mode!r} is not a MindSpeed MM compute mode "
+            "(default, chunk, dynamic_chunk)"
         )
     elif "chunk_size" in loss:
         out.not_applicable.append("loss_cfg.chunk_size: used only by compute_mode chunk / dynamic_chunk")
