@@ -35,6 +35,7 @@ __all__ = [
     "check_version_fence",
     "is_rng_supported_mesh",
     "all_to_all_single_autograd",
+    "clear_sharding_prop_cache",
     "reset_torch_layer",
     "local_offsets",
     "fsdp_state",
@@ -226,6 +227,9 @@ def auto_accelerator() -> str:
 is_rng_supported_mesh = _require("torch.distributed.tensor._random", "is_rng_supported_mesh")
 #: An all-to-all with uneven splits whose backward is the inverse all-to-all (expert-parallel token dispatch).
 all_to_all_single_autograd = _require("torch.distributed._functional_collectives", "all_to_all_single_autograd")
+#: Empties DTensor's sharding-propagation caches (Python and C++). They keep the device mesh of every op they have
+#: seen, and a mesh keeps its process groups: a destroyed group would stay alive (its gloo connections open).
+clear_sharding_prop_cache = _require("torch.distributed.tensor.debug", "_clear_sharding_prop_cache")
 
 
 def fsspec_storage() -> tuple[type, type]:
