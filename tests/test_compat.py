@@ -50,6 +50,7 @@ def test_torch_private_names_behave_as_used():
 
     assert callable(FSDPModule._get_fsdp_state) and callable(_compat.is_rng_supported_mesh)
     assert callable(_compat.all_to_all_single_autograd)
+    assert _compat.clear_sharding_prop_cache() is None  # empties DTensor's caches (process_group.release_ended_groups)
     from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
 
     writer, reader = _compat.fsspec_storage()
