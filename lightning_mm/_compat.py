@@ -36,6 +36,7 @@ __all__ = [
     "is_rng_supported_mesh",
     "all_to_all_single_autograd",
     "shards_along",
+    "clear_sharding_prop_cache",
     "reset_torch_layer",
     "local_offsets",
     "fsdp_state",
@@ -237,6 +238,11 @@ def shards_along(placement: Any) -> bool:
     from torch.distributed.tensor import Shard
 
     return isinstance(placement, (Shard, _StridedShard))
+
+
+#: Empties DTensor's sharding-propagation caches (Python and C++). They keep the device mesh of every op they have
+#: seen, and a mesh keeps its process groups: a destroyed group would stay alive (its gloo connections open).
+clear_sharding_prop_cache = _require("torch.distributed.tensor.debug", "_clear_sharding_prop_cache")
 
 
 def fsspec_storage() -> tuple[type, type]:

@@ -55,6 +55,7 @@ def test_torch_private_names_behave_as_used():
     strided = _compat._StridedShard(0, split_factor=2)  # FSDP2's placement over a TP-sharded dimension
     assert not isinstance(strided, Shard) and _compat.shards_along(strided) and _compat.shards_along(Shard(1))
     assert not _compat.shards_along(Replicate())
+    assert _compat.clear_sharding_prop_cache() is None  # empties DTensor's caches (process_group.release_ended_groups)
     from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
 
     writer, reader = _compat.fsspec_storage()

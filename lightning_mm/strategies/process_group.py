@@ -1,17 +1,30 @@
-"""The strategy's process group: created once per process, destroyed after a failed run and at interpreter exit.
+"""The strategy's process group: created when a run needs one, destroyed after a failed run and at interpreter exit.
 
-:class:`ProcessGroupOwner` starts the default group (a loopback-only rendezvous store for a single-node run that
-Lightning launched; torchrun's agent owns the store of the runs it starts), remembers whether it created it, and
-destroys it only when it did: after a failed run (peers blocked in a collective then fail instead of waiting for the
-timeout, and a later Trainer in this process starts a fresh group) and at interpreter exit. After a successful
-run the group stays, because the sharded model is bound to it.
+:class:`ProcessGroupOwner` starts the default group when there is none (a loopback-only rendezvous store for a
+single-node run that Lightning launched; torchrun's agent owns the store of the runs it starts). A group that a
+strategy of this process created is destroyed after any failed run on it, whichever Trainer created it (a peer may
+have been left in a collective: the group cannot be trusted again; peers blocked in a collective then fail instead
+of waiting for the timeout, and a later Trainer in this process starts a fresh group), and at interpreter exit. A
+group the user created is never destroyed. After a successful run the group stays, because the sharded model is
+bound to it, and a later Trainer of this process uses it too.
+
+A ``fit`` after a failed one creates a new group (its keys in the rendezvous store are its own:
+:func:`~lightning_mm.strategies.rendezvous.group_store`). Destroying a group does not close its gloo connections
+while Python still holds it (the failed run's sharded model does): a peer rank still blocked in a collective of the
+failed run (the run failed on this rank only) is released only when the group is freed, and would otherwise wait for
+the process-group timeout while this rank waits for it in the new group's rendezvous. So before it creates a new
+group, :meth:`ProcessGroupOwner.start` collects the garbage (the failed run's model and Trainer are usually cycles
+nobody holds any more) and warns, on the ranks concerned, when a destroyed group is still held.
 """
 
 from __future__ import annotations
 
 import atexit
+import gc
 import logging
 import os
+import warnings
+import weakref
 from datetime import timedelta
 from typing import Any
 
@@ -21,12 +34,41 @@ from lightning.fabric.plugins import ClusterEnvironment
 from lightning.fabric.plugins.environments import LightningEnvironment
 from lightning.pytorch.utilities.rank_zero import rank_zero_info
 
+from lightning_mm._compat import clear_sharding_prop_cache
 from lightning_mm.core.backend import process_group_backend
-from lightning_mm.strategies.rendezvous import is_loopback, loopback_store
+from lightning_mm.strategies.rendezvous import group_store, is_loopback, loopback_store
 
-__all__ = ["ProcessGroupOwner", "destroy_process_group", "drain_gloo_workers"]
+__all__ = ["ProcessGroupOwner", "created_here", "destroy_process_group", "drain_gloo_workers", "release_ended_groups"]
 
 log = logging.getLogger(__name__)
+_ENDED: list[weakref.ref] = []  # the groups destroyed after a failed run, until they are freed
+_CREATED: list[weakref.ref] = []  # the default group that a strategy of this process created, while it lives
+
+
+def created_here() -> bool:
+    """Whether the default group is one that a strategy of this process created (and so may destroy)."""
+    if not (dist.is_available() and dist.is_initialized()):
+        return False
+    return any(ref() is dist.group.WORLD for ref in _CREATED)
+
+
+def release_ended_groups(timeout: timedelta | None) -> None:
+    """Free the groups destroyed after failed runs of this process (their gloo connections close, so a peer blocked
+    in a collective with this rank fails now); warn when one is still held (see the module's docstring)."""
+    if not _ENDED:
+        return
+    clear_sharding_prop_cache()  # its cached meshes hold their groups
+    gc.collect()
+    _ENDED[:] = [ref for ref in _ENDED if ref() is not None]
+    if _ENDED:
+        _ENDED.clear()  # warned once; the next failed run's group is watched afresh
+        warnings.warn(
+            "MMFSDP2Strategy: the process group of an earlier failed run is still referenced on this rank (by that "
+            "run's model or Trainer, say), so its connections stay open: a rank still blocked in a collective of "
+            f"that run joins this one only after the process-group timeout ({timeout}). Delete the failed run's "
+            "model and Trainer before fitting again.",
+            stacklevel=2,
+        )
 
 
 def destroy_process_group() -> None:
@@ -65,14 +107,19 @@ def _destroy_at_exit() -> None:
 
 
 class ProcessGroupOwner:
-    """Creates the default process group for a strategy (when none exists) and destroys what it created."""
+    """Creates the default process group for a strategy (when none exists); destroys it after a failed run when a
+    strategy of this process created it."""
 
     def __init__(self, timeout: timedelta | None, backend: str | None = None) -> None:
         self.timeout = timeout
         self.backend = backend
         """The backend given, or the one :meth:`start` chose from the device (``None`` before)."""
-        self.created = False
-        """Whether this owner created the default process group (and so may destroy it)."""
+
+    @property
+    def created(self) -> bool:
+        """Whether the default process group is one that a strategy of this process created (this owner or an
+        earlier Trainer's), and so may be destroyed after a failed run."""
+        return created_here()
 
     def start(
         self,
@@ -89,6 +136,7 @@ class ProcessGroupOwner:
             self.backend = process_group_backend(device, offload_to_cpu)
         if dist.is_initialized():
             return
+        release_ended_groups(self.timeout)
         os.environ["MASTER_ADDR"] = env.main_address
         os.environ["MASTER_PORT"] = str(env.main_port)
         kwargs: dict[str, object] = {"timeout": self.timeout}
@@ -96,9 +144,13 @@ class ProcessGroupOwner:
             kwargs["device_id"] = device
         if type(env) is LightningEnvironment and num_nodes == 1 and is_loopback(env.main_address):
             # A single-node run started by Lightning: the rendezvous store listens on the loopback interface only.
-            kwargs["store"] = loopback_store(env.main_address, env.main_port, global_rank, world_size, self.timeout)
+            store = loopback_store(env.main_address, env.main_port, global_rank, world_size, self.timeout)
+        else:  # torch's env:// rendezvous, as init_process_group's own
+            rendezvous_kwargs = {"timeout": self.timeout} if self.timeout is not None else {}
+            store, _, _ = next(dist.rendezvous("env://", global_rank, world_size, **rendezvous_kwargs))
+        kwargs["store"] = group_store(store)  # keys of its own, never an earlier group's (rendezvous.group_store)
         dist.init_process_group(self.backend, rank=global_rank, world_size=world_size, **kwargs)  # type: ignore[arg-type]
-        self.created = True
+        _CREATED[:] = [weakref.ref(dist.group.WORLD)]
         atexit.unregister(_destroy_at_exit)
         atexit.register(_destroy_at_exit)
         rank_zero_info(f"MMFSDP2Strategy: {world_size} processes, backend {self.backend}")
@@ -122,7 +174,9 @@ class ProcessGroupOwner:
         return box[0]
 
     def end_failed_run(self) -> None:
-        """After a failed run: destroy the group this owner created (the communicators are freed now)."""
-        if self.created:
+        """After a failed run: destroy the default group if a strategy of this process created it (a peer may be
+        left in a collective of it); it is freed before the next group is created (:func:`release_ended_groups`)."""
+        if created_here():
+            _ENDED.append(weakref.ref(dist.group.WORLD))
+            _CREATED.clear()
             destroy_process_group()
-            self.created = False

@@ -5,18 +5,34 @@ launching rank's machine. When all ranks run on one machine and the main address
 default, ``127.0.0.1``), the server is created here on a socket bound to that address (TCPStore's public
 ``master_listen_fd``), so nothing outside the machine can reach it. Multi-node runs keep torch's store: the other
 nodes must reach it (docs/strategy.md, "What a run exposes").
+
+A process that creates its default group again (a ``fit`` after a failed one destroyed the group) may meet the same
+store again: rank 0's server lives as long as one of its stores does (the first is kept until exit), and torch's
+agent store outlives the processes. torch names the new default group as it named the old one and so would read
+the old group's keys (the old gloo addresses: both ranks then wait for connections that never come). Each group
+therefore sees the store through a prefix of its own (:func:`group_store`), numbered by the groups this process has
+created: every rank creates the same sequence of groups, as it must for their collectives to match.
 """
 
 from __future__ import annotations
 
 import errno
 import ipaddress
+import itertools
 import socket
 from datetime import timedelta
 
 import torch.distributed as dist
 
-__all__ = ["is_loopback", "loopback_store"]
+__all__ = ["group_store", "is_loopback", "loopback_store"]
+
+_GROUPS = itertools.count()  # the default groups this process has created
+_SERVERS: dict[tuple[str, int], dist.Store] = {}  # rank 0: the first store of each address and port, kept until exit
+
+
+def group_store(store: dist.Store) -> dist.Store:
+    """``store`` under a prefix of its own for the next default group of this process (see the module's docstring)."""
+    return dist.PrefixStore(f"lightning_mm/group{next(_GROUPS)}/", store)
 
 
 def is_loopback(address: str) -> bool:
@@ -47,5 +63,8 @@ def loopback_store(address: str, port: int, rank: int, world_size: int, timeout:
         # Our earlier server on this port, still alive in this process: TCPStore shares it (it listens on loopback).
         # If another process holds the port instead, TCPStore fails as torch's rendezvous would.
         return dist.TCPStore(address, port, world_size, True, **kwargs)
-    # The store owns the descriptor from here on (detach: Python will not close it a second time).
-    return dist.TCPStore(address, port, world_size, True, master_listen_fd=listener.detach(), **kwargs)
+    # The store owns the descriptor from here on (detach: Python will not close it a second time). It is kept, so the
+    # server stays up for a later group: a peer never meets a server that goes away under it.
+    store = dist.TCPStore(address, port, world_size, True, master_listen_fd=listener.detach(), **kwargs)
+    _SERVERS.setdefault((address, port), store)
+    return store
