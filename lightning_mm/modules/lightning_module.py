@@ -9,7 +9,7 @@ from typing import Any, cast
 import lightning as L
 import torch
 from lightning.pytorch.callbacks import ThroughputMonitor
-from lightning.pytorch.utilities.rank_zero import rank_zero_warn
+from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 from torch import nn
 
 from lightning_mm._compat import attached_trainer, should_update_logs
@@ -321,7 +321,9 @@ class MMLightningModule(L.LightningModule):
                 try:
                     self._flop_counter = FlopCounter.from_model(model, *self._recomputed(model))
                 except UnsupportedFlopsModel as error:
-                    rank_zero_warn(f"no FLOPs, TFLOP/s or MFU are logged: {error}")
+                    # a Transformers family without a formula is worth a warning; a model of the user's own is not
+                    is_hf = isinstance(getattr(model.config, "model_type", None), str)
+                    (rank_zero_warn if is_hf else rank_zero_info)(f"no FLOPs, TFLOP/s or MFU are logged: {error}")
         return self._flop_counter if isinstance(self._flop_counter, FlopCounter) else None
 
     def _recomputed(self, model: nn.Module) -> tuple[bool, bool, bool]:
