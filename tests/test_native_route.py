@@ -135,15 +135,14 @@ def test_the_report_names_keys_mindspeed_cannot_use_here():
     """Keys that change training and cannot be honoured are NOT mapped, with the reason, never dropped."""
     text = (DATA / "qwen3vl__qwen3vl_30B_config_v1.yaml").read_text()
     data = yaml.safe_load(text)
-    data["parallel"].update(
-        tensor_parallel_size=2, ring_attention_size=2, ulysses_parallel_size=2, data_parallel_size=4
-    )
+    data["parallel"].update(ring_attention_size=2, ulysses_parallel_size=2, data_parallel_size=4)
+    data["parallel"]["tp_plan"] = {"sequence_parallel": ["model.language_model.norm"]}
     data["features"]["enable_activation_offload"] = True
     from lightning_mm.commands.native_route import migrate_native
 
     result = migrate_native(DATA / "x.yaml", data)
     unmapped = "\n".join(result.unmapped)
-    assert "parallel.tensor_parallel_size: 2" in unmapped and "rejects it too" in unmapped
+    assert "parallel.tp_plan.sequence_parallel: sequence-parallel regions are not supported" in unmapped
     assert "parallel.ring_attention_size: 2: ring attention is NPU-only" in unmapped
     assert "parallel.data_parallel_size: 4" in unmapped
     assert "features.enable_activation_offload" in unmapped
@@ -252,10 +251,18 @@ def test_equal_plans_from_the_native_and_the_18_key_forms(tmp_path):
         ({"fsdp_plan": {"param_dtype": "bf17"}}, "`fsdp_plan.param_dtype`: unknown dtype 'bf17'"),
         ({"fully_shard_parallel_size": 0}, "`fully_shard_parallel_size`: expected an integer >= 1, got 0"),
         # tensor_parallel_size alone is an FSDP2 config key too (tests/test_layout.py); in a native section it is
-        # read as MindSpeed MM's.
+        # read as MindSpeed MM's, range-checked under its name.
         (
-            {"fully_shard_parallel_size": 1, "tensor_parallel_size": 2},
-            "tensor_parallel_size: 2: tensor parallelism is not supported here",
+            {"fully_shard_parallel_size": 1, "tensor_parallel_size": 0},
+            "`tensor_parallel_size`: expected an integer >= 1, got 0",
+        ),
+        (
+            {"fully_shard_parallel_size": 1, "tensor_parallel_size": 2, "tp_plan": {"colwise_parallel": ["a.{0-3}"]}},
+            "`tp_plan.colwise_parallel`: 'a.{0-3}': only whole-segment `{*}` wildcards",
+        ),
+        (
+            {"fully_shard_parallel_size": 1, "tensor_parallel_size": 2, "tp_plan": {"sequence_parallel": ["norm"]}},
+            "tp_plan.sequence_parallel: sequence-parallel regions are not supported here",
         ),
         ({"ring_attention_size": 2}, "ring_attention_size: 2: ring attention is NPU-only"),
         ({"ulysses_parallel_size": 2}, "give MMFSDP2Strategy(context_parallel_size=2)"),
@@ -715,3 +722,38 @@ def test_lightning_mm_plan_for_the_dense_qwen3_5_configs(name, tiny_qwen3_5, tmp
     assert "recomputed (non-reentrant): model.visual.blocks.0" in text
     assert "model.language_model.layers.0" in text.split("recomputed", 1)[1]
     assert "default plan: derived from MMQwen3_5ForConditionalGeneration's Transformers metadata" in text, text
+
+
+def test_native_tensor_parallel_size_and_tp_plan_migrate_onto_the_fsdp2_keys():
+    """MindSpeed MM's ``parallel.tensor_parallel_size`` / ``tp_plan`` (``mindspeed_mm/fsdp/params/parallel_args.py``
+    ``TPPlanConfig``: module-pattern lists per style) become ``tensor_parallel_size`` and a Transformers-notation
+    ``tp_plan``; the section given to the strategy directly reads the same."""
+    from lightning_mm.commands.native_route import migrate_native
+
+    data = yaml.safe_load((DATA / "qwen3vl__qwen3vl_30B_config_v1.yaml").read_text())
+    layers = "model.language_model.layers.{*}"
+    data["parallel"].update(
+        tensor_parallel_size=2,
+        tp_plan={
+            "colwise_parallel": [f"{layers}.self_attn.q_proj", f"{layers}.mlp.up_proj"],
+            "rowwise_parallel": [f"{layers}.self_attn.o_proj"],
+            "sequence_parallel": [],
+        },
+    )
+    result = migrate_native(DATA / "x.yaml", data)
+    fsdp2 = result.config["trainer"]["strategy"]["init_args"]["fsdp2_config"]
+    plan = {
+        "model.language_model.layers.*.self_attn.q_proj": "colwise",
+        "model.language_model.layers.*.mlp.up_proj": "colwise",
+        "model.language_model.layers.*.self_attn.o_proj": "rowwise",
+    }
+    assert fsdp2["tensor_parallel_size"] == 2 and fsdp2["tp_plan"] == plan
+    assert not any("tensor_parallel" in line or "tp_plan" in line for line in result.unmapped), result.unmapped
+    assert "parallel.tensor_parallel_size -> fsdp2_config.tensor_parallel_size: 2" in "\n".join(result.mapped)
+    config = FSDP2Config.from_dict(fsdp2)
+    assert (config.tensor_parallel_size, config.tp_plan) == (2, plan)
+    direct = FSDP2Config.load(data)  # the whole native config given to MMFSDP2Strategy(fsdp2_config=...)
+    assert (direct.tensor_parallel_size, direct.tp_plan) == (2, plan)
+    # a plan without tensor parallelism is not applied, as in MindSpeed MM (apply_tp_modules returns at size 1)
+    data["parallel"]["tensor_parallel_size"] = 1
+    assert FSDP2Config.load(data).tp_plan is None

@@ -76,6 +76,27 @@ def test_checkpoint_saved_at_tp2_resumes_at_tp1_exactly(trained):
     assert worst[0][1] <= TP_WEIGHTS, f"final weights differ from the reference: {worst}"
 
 
+def test_hf_export_of_the_tp2_checkpoint_equals_the_unsharded_weights(trained, tmp_path):
+    """``lightning-mm convert dcp-to-hf`` (one process) of the DCP checkpoint saved at TP 2 x FSDP 2 (2-D DTensors)
+    writes the weights the one-process reference has after the same steps, under Transformers' names."""
+    from safetensors.torch import load_file
+
+    from lightning_mm.commands.convert import main as convert_main
+
+    out, ckpts = trained
+    case = TP_RESUME
+    first = _part(_ranks(out, case.name, 4), 0)
+    assert first[0]["layout"]["q_proj"][0] == ["shard", "tp"]
+    assert convert_main(["dcp-to-hf", str(out / f"{case.name}.ckpt"), str(tmp_path / "hf")]) in (0, None)
+    exported: dict[str, torch.Tensor] = {}
+    for shard in sorted((tmp_path / "hf").glob("*.safetensors")):
+        exported.update(load_file(shard))
+    ref = reference_run(case, global_steps(case, first), ckpts / case.family)
+    assert set(exported) <= set(ref.final), sorted(set(exported) - set(ref.final))[:5]
+    worst = sorted(weight_errors(exported, ref).items(), key=lambda kv: -kv[1])[:3]
+    assert worst[0][1] <= TP_WEIGHTS, f"exported weights differ from the reference: {worst}"
+
+
 def _qwen3(**overrides) -> Qwen3ForCausalLM:
     with torch.device("meta"):
         return Qwen3ForCausalLM(Qwen3Config(**{**FAMILIES["qwen3"][1], **overrides}))

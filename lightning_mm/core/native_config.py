@@ -15,12 +15,16 @@ recompute switch and plan that its ``features`` section may carry too, maps onto
   are sharded over the ranks that hold the same experts, MindSpeed MM's default ``world / expert_parallel_size``)
 * ``recompute`` + ``recompute_plan.apply_modules`` (in ``parallel`` or ``features``) -> ``recompute_modules``;
   ``recompute_plan.use_reentrant`` -> ``use_reentrant``
+* ``tensor_parallel_size`` / ``tp_plan.colwise_parallel`` + ``rowwise_parallel`` -> ``tensor_parallel_size`` /
+  ``tp_plan`` (Transformers' notation: pattern -> ``colwise`` / ``rowwise``, ``{*}`` -> ``*``); MindSpeed MM itself
+  rejects sizes above 1, here they run (what tensor parallelism does not compose with is refused when the model is
+  set up, by name)
 * ``ulysses_parallel_size`` -> ``MMFSDP2Strategy(context_parallel_size=...)``, not a key of the FSDP2 config
 
 MindSpeed MM's defaults are kept where they differ from this project's: ``fully_shard_parallel_size: auto``,
 ``num_to_backward_prefetch: 0`` and ``use_reentrant: false`` are written when the section leaves them out.
-Keys that change what is computed and that this project cannot honour (``tensor_parallel_size`` > 1, which
-MindSpeed MM itself rejects; ``ring_attention_size`` > 1, NPU-only there; a fixed ``data_parallel_size``...) are
+Keys that change what is computed and that this project cannot honour (``tp_plan.sequence_parallel``;
+``ring_attention_size`` > 1, NPU-only there; a fixed ``data_parallel_size``...) are
 ``refused``; keys that only tune speed or NPU kernels and have no counterpart (``pregather``, ``hook_modules``,
 ``ep_plan.dispatcher``...) are ``without_effect``. Both lists carry the reason. Nothing is dropped silently.
 
@@ -241,22 +245,11 @@ def map_parallel(
         )
     elif "data_parallel_size" in section:
         mapped("data_parallel_size: null", "derived from the world size, as in MindSpeed MM")
-    tp = section.get("tensor_parallel_size", 1)
-    if read.int_at_least(tp, "tensor_parallel_size") != 1:
-        out.refused.append(
-            f"{prefix}tensor_parallel_size: {tp}: tensor parallelism is not supported here, and "
-            "MindSpeed MM's native route rejects it too ('Tensor parallel size not supported yet')"
-        )
-    elif "tensor_parallel_size" in section:
-        mapped("tensor_parallel_size: 1", "none: no tensor parallelism, as here")
-    tp_plan = read.section(section.get("tp_plan"), "tp_plan", TP_PLAN_KEYS)
-    for key, value in tp_plan.items():
-        if value:
-            out.refused.append(
-                f"{prefix}tp_plan.{key}: tensor parallelism is not supported here (nor by MindSpeed MM's native route)"
-            )
-        else:
-            mapped(f"tp_plan.{key}: empty", "nothing to set")
+    tp = read.int_at_least(section.get("tensor_parallel_size", 1), "tensor_parallel_size")
+    if tp > 1 or "tensor_parallel_size" in section:
+        fsdp2["tensor_parallel_size"] = tp
+        mapped("tensor_parallel_size", f"fsdp2_config.tensor_parallel_size: {tp}")
+    _map_tp_plan(read.section(section.get("tp_plan"), "tp_plan", TP_PLAN_KEYS), tp, prefix, read, out)
     ring = section.get("ring_attention_size", 1)
     if read.int_at_least(ring, "ring_attention_size") != 1:
         out.refused.append(
@@ -386,6 +379,44 @@ def map_parallel(
     return out
 
 
+def _map_tp_plan(plan: Mapping[str, Any], tp: int, prefix: str, read: _Reader, out: NativeParallel) -> None:
+    """``tp_plan.colwise_parallel`` / ``rowwise_parallel`` (module patterns) -> ``tp_plan`` in Transformers'
+    notation (pattern -> ``colwise`` / ``rowwise``; MindSpeed MM's ``{*}`` segment is ``*`` there)."""
+    read.prefix = f"{prefix}tp_plan."
+    styles: dict[str, str] = {}
+    for key, style in (("colwise_parallel", "colwise"), ("rowwise_parallel", "rowwise")):
+        for pattern in read.patterns(plan.get(key), key):
+            parts = ["*" if part == "{*}" else part for part in pattern.split(".")]
+            if any("{" in part or "}" in part or not part for part in parts):
+                raise read.fail(
+                    key, f"'{pattern}': only whole-segment `{{*}}` wildcards can be mapped onto a tensor-parallel plan"
+                )
+            tp_pattern = ".".join(parts)
+            if styles.get(tp_pattern, style) != style:
+                raise read.fail(key, f"'{pattern}' is also in tp_plan.colwise_parallel; a module has one style")
+            styles[tp_pattern] = style
+        if key in plan and not plan[key]:
+            out.mapped.append(f"{prefix}tp_plan.{key}: empty -> nothing to set")
+    read.prefix = prefix
+    if plan.get("sequence_parallel"):
+        read.patterns(plan["sequence_parallel"], "tp_plan.sequence_parallel")
+        out.refused.append(
+            f"{prefix}tp_plan.sequence_parallel: sequence-parallel regions are not supported here (the row-parallel "
+            "outputs are all-reduced to whole sequences); remove it"
+        )
+    elif "sequence_parallel" in plan:
+        out.mapped.append(f"{prefix}tp_plan.sequence_parallel: empty -> nothing to set")
+    if not styles:
+        return
+    if tp == 1:
+        out.mapped.append(
+            f"{prefix}tp_plan -> nothing to set: tensor_parallel_size is 1 (no tensor parallelism, as in MindSpeed MM)"
+        )
+        return
+    out.fsdp2["tp_plan"] = styles
+    out.mapped.append(f"{prefix}tp_plan.colwise_parallel, {prefix}tp_plan.rowwise_parallel -> fsdp2_config.tp_plan")
+
+
 def _map_recompute(section: Mapping[str, Any], prefix: str, read: _Reader, out: NativeParallel) -> None:
     if "recompute" not in section and "recompute_plan" not in section:
         return
@@ -469,5 +500,7 @@ _NATIVE_NAMES = {
     "offload_to_cpu": "fsdp_plan.cpu_offload",
     "moe_modules": "ep_plan.apply_modules",
     "expert_parallel_size": "expert_parallel_size",
+    "tensor_parallel_size": "tensor_parallel_size",
+    "tp_plan": "tp_plan",
     **{k: f"fsdp_plan.{k}" for k in _SAME},
 }
