@@ -714,3 +714,25 @@ def test_wan_matches_flop_counter_mode(variant: str) -> None:
     counted = counter(latents.shape, text, image)
     _assert_close(counted.model, _wan_measured(model, latents, text, image))
     assert counted.hardware == counted.model
+
+
+@pytest.mark.parametrize("i2v", [False, True])
+def test_wan_module_counts_its_batches(i2v: bool) -> None:
+    """``MMWanModule.step_flops`` (what ``train/tflops_per_device`` logs) equals FlopCounterMode over its step."""
+    from lightning_mm.modules.wan_module import MMWanModule
+
+    config = {**WAN, "in_channels": 8, "image_dim": 20, "added_kv_proj_dim": 24} if i2v else WAN
+    torch.manual_seed(0)
+    module = MMWanModule({"model_id": "wan", "config": config})
+    module.configure_model()
+    module.model.predictor.set_attention_backend("_native_math")
+    text = 512 if i2v else 6
+    batch = {"latents": torch.randn(2, 4, 2, 4, 6), "prompt_embeds": torch.randn(2, text, WAN["text_dim"])}
+    if i2v:
+        batch |= {"image_embeds": torch.randn(2, 3, 20), "condition_latents": torch.randn(2, 4, 2, 4, 6)}
+    with FlopCounterMode(display=False) as mode:
+        inputs = module.get_batch(batch)
+        module.loss_func(module.forward_step(inputs), inputs).backward()
+    counted = module.step_flops(batch)
+    assert counted is not None and module.flops_per_batch == counted.model
+    _assert_close(counted.model, int(mode.get_total_flops()))

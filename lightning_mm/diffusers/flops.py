@@ -27,6 +27,7 @@ from typing import Any
 from torch import nn
 
 from lightning_mm.core.flops import Block, Op, StepFlops, attention, linear, training_flops
+from lightning_mm.core.recompute import is_recomputed
 from lightning_mm.hf.flops import TowerTraining, UnsupportedFlopsModel
 
 __all__ = ["WAN_CLASS_NAMES", "WanFlopCounter"]
@@ -59,13 +60,15 @@ class WanFlopCounter:
     trains: frozenset[str] = frozenset(_EMBEDDERS)
 
     @classmethod
-    def from_model(cls, model: nn.Module) -> WanFlopCounter:
-        """Read what trains (and LoRA ranks, recomputation) from a ``WanTransformer3DModel`` (PEFT-wrapped or not)."""
+    def from_model(cls, model: nn.Module, reentrant: bool = False) -> WanFlopCounter:
+        """Read what trains (and LoRA ranks, recomputation: diffusers' gradient checkpointing or the strategy's
+        ``recompute_modules``; ``reentrant``: the strategy's ``use_reentrant``) from a ``WanTransformer3DModel``
+        (PEFT-wrapped or not)."""
         base = model
         for attribute in ("get_base_model",):
             if callable(getattr(base, attribute, None)):
                 base = base.get_base_model()  # type: ignore[operator]
-        if type(base).__name__ not in WAN_CLASS_NAMES:
+        if not any(k.__name__ in WAN_CLASS_NAMES for k in type(base).__mro__):  # the FSDP-adapted class too
             raise UnsupportedFlopsModel(f"{type(base).__name__} is not a Wan transformer: no FLOP formula for it")
         lora: dict[str, int] = {}
         blocks_train = False
@@ -90,7 +93,8 @@ class WanFlopCounter:
             elif name.startswith("proj_out."):
                 trains.add("proj_out")
         recompute = bool(getattr(base, "gradient_checkpointing", False))
-        return cls(base.config, TowerTraining(blocks_train, lora, recompute), frozenset(trains))
+        recompute = recompute or any(is_recomputed(block) for block in getattr(base, "blocks", ()))
+        return cls(base.config, TowerTraining(blocks_train, lora, recompute, reentrant), frozenset(trains))
 
     def video_tokens(self, latent_shape: Sequence[int]) -> tuple[int, int]:
         """``(samples, video tokens per sample)`` of a latent batch ``(B, C, F, H, W)``."""
