@@ -714,6 +714,11 @@ def test_wan_matches_flop_counter_mode(variant: str) -> None:
     counted = counter(latents.shape, text, image)
     _assert_close(counted.model, _wan_measured(model, latents, text, image))
     assert counted.hardware == counted.model
+    if variant == "t2v":  # diffusers' (non-reentrant) gradient checkpointing: the replay is hardware FLOPs only
+        model.enable_gradient_checkpointing()
+        recomputed = WanFlopCounter.from_model(model)(latents.shape, text, image)
+        assert recomputed.model == counted.model and recomputed.recompute > 0
+        _assert_close(recomputed.hardware, _wan_measured(model, latents, text, image))
 
 
 @pytest.mark.parametrize("i2v", [False, True])

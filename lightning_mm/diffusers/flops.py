@@ -157,7 +157,8 @@ class WanFlopCounter:
             stages += t.linear("attn2.to_out.0", video, dim, dim)
             stages += t.linear("ffn.net.0.proj", video, dim, int(c.ffn_dim))
             stages += t.linear("ffn.net.2", video, int(c.ffn_dim), dim)
-            blocks.append(t.block(stages))
+            # the FFN output is gated by the timestep modulation: the backward needs it, so the replay runs it too
+            blocks.append(t.block(stages, exact_tail=False))
         out = int(c.out_channels or c.in_channels) * prod(c.patch_size)
         blocks.append(Block(((linear(video, dim, out, "proj_out" in self.trains),),)))
         return conditions + embedded + training_flops(blocks, inputs_need_grad=flows, backward=backward)
