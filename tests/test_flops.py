@@ -651,3 +651,93 @@ def test_module_counts_transformers_models_and_leaves_the_users_flops_alone() ->
     assert other.step_flops(batch) is None
     with pytest.raises(ValueError, match="peak_tflops"):
         MMLightningModule(peak_tflops=0)
+
+
+WAN = dict(
+    patch_size=(1, 2, 2),
+    num_attention_heads=2,
+    attention_head_dim=12,
+    in_channels=4,
+    out_channels=4,
+    text_dim=16,
+    freq_dim=16,
+    ffn_dim=32,
+    num_layers=2,
+    rope_max_seq_len=32,
+)
+
+
+def _wan_measured(model: torch.nn.Module, latents: torch.Tensor, text: int, image: int = 0) -> int:
+    batch = latents.shape[0]
+    context = torch.randn(batch, image + text, WAN["text_dim"])
+    extra: dict[str, Any] = {}
+    if image:
+        context = torch.randn(batch, text, WAN["text_dim"])
+        extra["encoder_hidden_states_image"] = torch.randn(batch, image, 20)
+    with FlopCounterMode(display=False) as mode:
+        out = model(
+            hidden_states=latents,
+            timestep=torch.tensor([3, 500] * batch)[:batch],
+            encoder_hidden_states=context,
+            return_dict=False,
+            **extra,
+        )[0]
+        out.float().pow(2).mean().backward()
+    return int(mode.get_total_flops())
+
+
+@pytest.mark.parametrize("variant", ["t2v", "t2v_lora", "t2v_frozen_text", "i2v"])
+def test_wan_matches_flop_counter_mode(variant: str) -> None:
+    """Wan 2.x: patch embedding, condition embedders, self/cross-attention blocks, FFN and ``proj_out``, forward and
+    backward, fully trained, with LoRA on the blocks, with a frozen text projection, and image-to-video."""
+    import peft
+    from diffusers import WanTransformer3DModel
+
+    from lightning_mm.diffusers.flops import WanFlopCounter
+
+    torch.manual_seed(0)
+    extra = dict(added_kv_proj_dim=24, image_dim=20) if variant == "i2v" else {}
+    model: torch.nn.Module = WanTransformer3DModel(**WAN, **extra).train()
+    model.set_attention_backend("_native_math")  # CPU's fused kernel is not counted by FlopCounterMode; this one is
+    if variant == "t2v_lora":
+        # q, k and v all take a gradient in every attention, as a fused kernel's backward computes them all
+        targets = [f"attn{i}.to_{x}" for i in (1, 2) for x in "qkv"] + ["attn2.to_out.0", "ffn.net.2"]
+        model = peft.get_peft_model(model, peft.LoraConfig(r=4, lora_alpha=8, target_modules=targets))
+    if variant == "t2v_frozen_text":
+        model.condition_embedder.text_embedder.requires_grad_(False)
+    latents = torch.randn(2, 4, 3, 8, 6)
+    text = 512 if variant == "i2v" else 7  # diffusers' i2v attention takes the last 512 context tokens as the text
+    image = 5 if variant == "i2v" else 0
+    counter = WanFlopCounter.from_model(model)
+    if variant == "t2v_lora":
+        assert not counter.blocks.base and counter.blocks.lora == dict.fromkeys(targets, 4)
+    counted = counter(latents.shape, text, image)
+    _assert_close(counted.model, _wan_measured(model, latents, text, image))
+    assert counted.hardware == counted.model
+    if variant == "t2v":  # diffusers' (non-reentrant) gradient checkpointing: the replay is hardware FLOPs only
+        model.enable_gradient_checkpointing()
+        recomputed = WanFlopCounter.from_model(model)(latents.shape, text, image)
+        assert recomputed.model == counted.model and recomputed.recompute > 0
+        _assert_close(recomputed.hardware, _wan_measured(model, latents, text, image))
+
+
+@pytest.mark.parametrize("i2v", [False, True])
+def test_wan_module_counts_its_batches(i2v: bool) -> None:
+    """``MMWanModule.step_flops`` (what ``train/tflops_per_device`` logs) equals FlopCounterMode over its step."""
+    from lightning_mm.modules.wan_module import MMWanModule
+
+    config = {**WAN, "in_channels": 8, "image_dim": 20, "added_kv_proj_dim": 24} if i2v else WAN
+    torch.manual_seed(0)
+    module = MMWanModule({"model_id": "wan", "config": config})
+    module.configure_model()
+    module.model.predictor.set_attention_backend("_native_math")
+    text = 512 if i2v else 6
+    batch = {"latents": torch.randn(2, 4, 2, 4, 6), "prompt_embeds": torch.randn(2, text, WAN["text_dim"])}
+    if i2v:
+        batch |= {"image_embeds": torch.randn(2, 3, 20), "condition_latents": torch.randn(2, 4, 2, 4, 6)}
+    with FlopCounterMode(display=False) as mode:
+        inputs = module.get_batch(batch)
+        module.loss_func(module.forward_step(inputs), inputs).backward()
+    counted = module.step_flops(batch)
+    assert counted is not None and module.flops_per_batch == counted.model
+    _assert_close(counted.model, int(mode.get_total_flops()))

@@ -28,14 +28,18 @@ from dataclasses import fields
 from typing import Any
 
 import torch
+from lightning.pytorch.utilities.rank_zero import rank_zero_info
 from torch import nn
 from typing_extensions import override
 
 from lightning_mm._compat import attached_trainer
 from lightning_mm._names import did_you_mean
+from lightning_mm.core.flops import StepFlops
+from lightning_mm.diffusers.flops import WanFlopCounter
 from lightning_mm.diffusers.flow_matching import FlowMatchSample, WanFlowMatchSchedule, draw, draw_generator
 from lightning_mm.diffusers.model import DiffusersModel, DiffusersModelConfig
 from lightning_mm.diffusers.wan_diffusion import WanDiffusion, mindspeed_fsdp2_config
+from lightning_mm.hf.flops import UnsupportedFlopsModel
 from lightning_mm.modules.lightning_module import MMLightningModule
 
 __all__ = ["MMWanModule", "WAN_BATCH_KEYS"]
@@ -94,6 +98,7 @@ class MMWanModule(MMLightningModule):
             raise ValueError(f"MMWanModule `noise_seed` must be an integer, got {noise_seed!r}")
         self.noise_seed = noise_seed
         self._draw_position: tuple[str, int, int] = ("", -1, 0)  # (stage, step, micro-batches drawn in it)
+        self._wan_flops: WanFlopCounter | bool | None = None  # None: not looked for yet; False: none
 
     @override
     def model_provider(self) -> nn.Module:
@@ -127,6 +132,38 @@ class MMWanModule(MMLightningModule):
             return 0
         cp = int(getattr(trainer.strategy, "context_parallel_size", 1) or 1)
         return int(trainer.global_rank) // cp
+
+    # ----------------------------------------------------------------------------------------- FLOPs
+    @override
+    def step_flops(self, batch: Any) -> StepFlops | None:
+        """The FLOPs of a training step over ``batch`` (:class:`~lightning_mm.diffusers.flops.WanFlopCounter`:
+        its ``latents`` shape and ``prompt_embeds`` / ``image_embeds`` lengths), ``None`` for a model without a Wan
+        ``predictor`` or when ``flops_per_batch`` is the user's own; sets ``flops_per_batch`` to its model FLOPs."""
+        counter = self._wan_counter()
+        if counter is None or not isinstance(batch, Mapping) or not isinstance(batch.get("latents"), torch.Tensor):
+            return None
+        text, image = batch.get("prompt_embeds"), batch.get("image_embeds")
+        if not isinstance(text, torch.Tensor):
+            return None
+        flops = counter(
+            batch["latents"].shape, int(text.shape[1]), int(image.shape[1]) if isinstance(image, torch.Tensor) else 0
+        )
+        self.flops_per_batch = flops.model
+        return flops
+
+    def _wan_counter(self) -> WanFlopCounter | None:
+        if self._wan_flops is None:
+            self._wan_flops = False
+            owners = [c for c in type(self).__mro__ if "flops_per_batch" in vars(c)]
+            if "flops_per_batch" in self.__dict__ or owners[0] is not MMLightningModule:  # the user's own
+                return None
+            predictor = getattr(self.model, "predictor", None)
+            if isinstance(predictor, nn.Module):
+                try:
+                    self._wan_flops = WanFlopCounter.from_model(predictor, self._recomputed(predictor)[2])
+                except UnsupportedFlopsModel as error:
+                    rank_zero_info(f"no FLOPs, TFLOP/s or MFU are logged: {error}")
+        return self._wan_flops if isinstance(self._wan_flops, WanFlopCounter) else None
 
     # ----------------------------------------------------------------------------------------- the step
     def _generator(self) -> torch.Generator:
