@@ -323,3 +323,53 @@ def test_diffusers_is_imported_only_when_used() -> None:
         env={**os.environ, "PYTHONPATH": str(ROOT)},
     )
     assert out.returncode == 0 and out.stdout.strip() == "False", out.stderr[-2000:]
+
+
+def test_the_loss_is_logged_per_step_to_a_csv_logger(work: Path, tmp_path: Path) -> None:
+    """The Wan path logs as every MMLightningModule does: ``train/loss`` each step into the Trainer's loggers
+    (``metrics.csv`` of a CSVLogger), equal to the one-process diffusers reference's loss of that step."""
+    import csv
+
+    import lightning as L
+    from lightning.pytorch.loggers import CSVLogger
+
+    from lightning_mm.datamodules import MMDataModule
+    from lightning_mm.modules.wan_module import MMWanModule
+    from tests.wan_scenarios import LR, NOISE_SEED
+
+    steps = 3
+    module = MMWanModule({"init_from_path": str(work / "model")}, noise_seed=NOISE_SEED, lr=LR, log_grad_norm=False)
+    logger = CSVLogger(tmp_path, name="wan", version=0)
+    trainer = L.Trainer(
+        accelerator="cpu",
+        devices=1,
+        max_steps=steps,
+        logger=logger,
+        log_every_n_steps=1,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        default_root_dir=tmp_path,
+    )
+    trainer.fit(module, datamodule=MMDataModule.from_config(work / "data.json", batch_size=1))
+    with open(tmp_path / "wan" / "version_0" / "metrics.csv") as f:
+        rows = [r for r in csv.DictReader(f) if r.get("train/loss")]
+    assert [int(r["step"]) for r in rows] == list(range(steps))
+    assert all(r["train/lr"] for r in rows)
+    expected, _ = reference_losses(work, steps, data_ranks=1)
+    for row, loss in zip(rows, expected, strict=True):
+        assert _close(float(row["train/loss"]), loss), (row["train/loss"], loss)
+
+
+def test_the_wan_example_logs_like_the_others(tmp_path: Path) -> None:
+    """The example's Trainer writes Lightning's CSV log every step and shows ``lightning-mm fit``'s bar ("Epoch 0 ·
+    step 0/3"; Lightning's Rich bar read "Epoch 3/-2" under ``max_steps``)."""
+    from lightning.pytorch.loggers import CSVLogger
+
+    from examples.wan.train import make_trainer
+    from lightning_mm.commands.progress import MMProgressBar, MMTQDMProgressBar, step_description
+
+    trainer = make_trainer(tmp_path, 3, 1)
+    assert isinstance(trainer.logger, CSVLogger) and trainer.log_every_n_steps == 1
+    assert isinstance(trainer.progress_bar_callback, (MMProgressBar, MMTQDMProgressBar))
+    assert step_description(trainer) == "Epoch 0 · step 0/3"

@@ -11,6 +11,8 @@
    ``MMWanModule`` under ``MMFSDP2Strategy`` with MindSpeed MM's own ``examples/wan2.1/fsdp2_config.yaml``
    (a copy: ``tests/data/wan``; blocks and head as FSDP2 units, blocks recomputed, bf16 parameters) on 2 CPU
    processes, MindSpeed MM's flow-matching recipe (shift 5, 1000 timesteps).
+   The loss is logged every step, as for the other examples: on the progress bar ("Epoch 0 · step 12/30") and in
+   Lightning's CSV log (``out/lightning_logs/version_N/metrics.csv``: ``train/loss``, ``train/lr``...).
 4. The checkpoint is converted to a diffusers directory (``out/diffusers``), loaded with
    ``WanTransformer3DModel.from_pretrained``, and a clip is generated from a caption with diffusers' flow-matching
    Euler scheduler and decoded by the VAE (``out/sample.gif``).
@@ -24,6 +26,7 @@ from __future__ import annotations
 import argparse
 import json
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -133,6 +136,29 @@ def generate(out: Path, caption: str, steps: int = 20) -> Path:
     return path
 
 
+def make_trainer(out: Path, steps: int, devices: int) -> Any:
+    """The example's Trainer: ``MMFSDP2Strategy``, bf16, ``steps`` steps; the loss every step on the progress bar
+    (``lightning-mm fit``'s bar: "Epoch 0 · step 12/30", not Rich's "Epoch 0/-2") and in Lightning's CSV log."""
+    import lightning as L
+    from lightning.pytorch.loggers import CSVLogger
+
+    from lightning_mm import MMFSDP2Strategy
+    from lightning_mm.commands.progress import default_progress_bar
+
+    return L.Trainer(
+        accelerator="cpu",
+        devices=devices,
+        max_steps=steps,
+        precision="bf16-mixed",
+        logger=CSVLogger(out),
+        callbacks=[default_progress_bar()],
+        enable_checkpointing=False,
+        log_every_n_steps=1,
+        default_root_dir=out,
+        strategy=MMFSDP2Strategy(),
+    )
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--out", type=Path, default=Path("runs/wan"))
@@ -142,9 +168,6 @@ def main() -> None:
     out = args.out.resolve()
     prepare(out)
 
-    import lightning as L
-
-    from lightning_mm import MMFSDP2Strategy
     from lightning_mm.datamodules import MMDataModule
     from lightning_mm.diffusers.export import dcp_to_diffusers
     from lightning_mm.modules.wan_module import MMWanModule
@@ -155,20 +178,11 @@ def main() -> None:
         lr=1e-3,
         fsdp2_config=ROOT / "tests" / "data" / "wan" / "wan2.1_fsdp2_config.yaml",
     )
-    trainer = L.Trainer(
-        accelerator="cpu",
-        devices=args.devices,
-        max_steps=args.steps,
-        precision="bf16-mixed",
-        logger=False,
-        enable_checkpointing=False,
-        log_every_n_steps=5,
-        default_root_dir=out,
-        strategy=MMFSDP2Strategy(),
-    )
+    trainer = make_trainer(out, args.steps, args.devices)
     trainer.fit(module, datamodule=MMDataModule.from_config(out / "data.json", batch_size=2))
     trainer.save_checkpoint(out / "last.ckpt")
     if trainer.global_rank == 0:
+        print(f"metrics: {Path(trainer.logger.log_dir) / 'metrics.csv'}")
         dcp_to_diffusers(out / "last.ckpt", out / "diffusers", config=out / "transformer", force=True)
         print(f"diffusers model: {out / 'diffusers'}; sample: {generate(out, 'red square moving right')}")
 
