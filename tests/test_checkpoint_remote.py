@@ -375,3 +375,72 @@ def test_a_remote_manifest_is_bounded_before_it_is_read():
     fs.pipe_file(f"{root}/manifest.json", json.dumps(body).encode())
     with pytest.raises(CheckpointIntegrityError, match=rf"a.ckpt/manifest.json: lists {manifest.MAX_FILES + 1} files"):
         remote.open_source(url)
+
+
+def test_save_last_link_at_an_s3_dirpath_is_one_line_from_the_cli(s3, tmp_path):
+    """docs/checkpoints.md: ``save_last="link"`` needs a local directory. ``lightning-mm fit`` says so in one line
+    naming the key, before Lightning's ``ModelCheckpoint.setup`` would raise it with a traceback."""
+    import os
+    import subprocess
+    import sys
+
+    import yaml
+
+    root = Path(__file__).resolve().parents[1]
+    config = {
+        "trainer": {
+            "accelerator": "cpu",
+            "devices": 1,
+            "max_steps": 2,
+            "logger": False,
+            "enable_progress_bar": False,
+            "strategy": {"class_path": "lightning_mm.MMFSDP2Strategy"},
+            "callbacks": [
+                {
+                    "class_path": "lightning.pytorch.callbacks.ModelCheckpoint",
+                    "init_args": {"dirpath": f"{s3['bucket']}/link", "save_last": "link", "every_n_train_steps": 1},
+                }
+            ],
+        },
+        "model": {
+            "class_path": "lightning_mm.MMLightningModule",
+            "init_args": {
+                "model_provider": "examples.migration.pretrain_custom.model_provider",
+                "forward_step": "examples.migration.pretrain_custom.forward_step",
+            },
+        },
+        "data": {
+            "class_path": "lightning_mm.MMDataModule",
+            "init_args": {
+                "train_valid_test_datasets_provider": "examples.migration.pretrain_custom."
+                "train_valid_test_datasets_provider"
+            },
+        },
+    }
+    (tmp_path / "cfg.yaml").write_text(yaml.safe_dump(config))
+    options = s3["storage_options"]
+    env = {
+        **os.environ,
+        "PYTHONPATH": str(root),
+        "OMP_NUM_THREADS": "1",
+        "FSSPEC_S3_KEY": options["key"],
+        "FSSPEC_S3_SECRET": options["secret"],
+        "FSSPEC_S3_ENDPOINT_URL": s3["endpoint"],
+    }
+    env.pop("LOCAL_RANK", None)
+    proc = subprocess.run(
+        [sys.executable, "-m", "lightning_mm.cli", "fit", "--config", str(tmp_path / "cfg.yaml")],
+        cwd=root,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert proc.returncode != 0
+    errors = [line for line in proc.stderr.splitlines() if "error:" in line]
+    assert errors == [
+        f"lightning-mm fit: error: ModelCheckpoint(dirpath='{s3['bucket']}/link'): save_last='link' needs a local "
+        "directory (an object store has no symbolic links); use save_last: true"
+    ], proc.stderr[-3000:]
+    assert "Traceback" not in proc.stderr
+    assert not s3["fs"].exists(f"{BUCKET}/link")

@@ -23,6 +23,7 @@ import lightning_mm.hf  # noqa: F401 - registers the `hf` and `lora` checkpoint 
 from lightning_mm import checkpoint as ckpt
 from lightning_mm._compat import attached_trainer
 from lightning_mm.checkpoint import hf_weights
+from lightning_mm.errors import ConfigError
 from lightning_mm.hf.checkpoint_format import HF_FORMATS, plan_weights
 from lightning_mm.strategies.async_save import AsyncSaver
 
@@ -163,14 +164,20 @@ class StrategyCheckpoints:
         """At the start of a fit, before any process group or step: a checkpoint callback whose directory is a URL,
         with a ``checkpoint_format`` other than ``torch_dcp``, is refused, as its first save would refuse it. A
         callback without a ``dirpath`` has the one Lightning gives it under ``default_dir`` (the first logger's
-        ``save_dir``, else the Trainer's ``default_root_dir``). (``save_last="link"`` at a URL is refused by
-        Lightning's ``ModelCheckpoint.setup``, also before the first step.)"""
+        ``save_dir``, else the Trainer's ``default_root_dir``). ``save_last="link"`` at a URL is refused too (a
+        :class:`~lightning_mm.errors.ConfigError` naming the key; object stores have no symbolic links), before
+        Lightning's own ``ModelCheckpoint.setup`` would raise it with a traceback."""
         for callback in callbacks:
             dirpath = getattr(callback, "dirpath", None)
             where = dirpath if dirpath is not None else default_dir
             if not ckpt.remote.is_url(where):
                 continue
             shown = f"dirpath={dirpath!r}" if dirpath is not None else f"under {where!r}"
+            if getattr(callback, "save_last", None) == "link":
+                raise ConfigError(
+                    f"ModelCheckpoint({shown}): save_last='link' needs a local directory (an object store has no "
+                    "symbolic links); use save_last: true"
+                )
             if self.checkpoint_format != "torch_dcp":
                 raise ValueError(
                     f"ModelCheckpoint({shown}): checkpoint_format={self.checkpoint_format!r} cannot be written to "
