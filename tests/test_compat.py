@@ -297,7 +297,7 @@ def test_the_scan_finds_each_kind_of_leak(leak):
         "from lightning_mm._dtensor import local_tensor as _local",  # a public name under a private alias
         "from lightning_mm._compat import _PATH, _SubprocessScriptLauncher",  # the fence's re-exported names
         "from lightning_mm.checkpoint.store import write_file",
-        "from lightning_mm.modules.lora import __all__",
+        "from lightning_mm.hf.lora import __all__",
         "self._step_norm = None",
         "classes = plan.no_split_modules",  # a public field of the same name
         'tied = getattr(model, "all_tied_weights_keys", None)',  # Transformers' public property

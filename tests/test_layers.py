@@ -160,11 +160,11 @@ def test_lower_layers_load_without_lightning(package, absent):
 @pytest.mark.parametrize(
     "path",
     [
-        "lightning_mm.strategies.expert_parallel.routed_forward",
-        "lightning_mm.strategies.context_parallel.split_sequence",
-        "lightning_mm.modules.lora.apply_lora",
-        "lightning_mm.modules.lora_export.save_lora_adapters",
-        "lightning_mm.modules.lora_export.save_merged_model",
+        "lightning_mm.core.expert_parallel.routed_forward",
+        "lightning_mm.core.context_parallel.split_sequence",
+        "lightning_mm.hf.lora.apply_lora",
+        "lightning_mm.hf.lora_export.save_lora_adapters",
+        "lightning_mm.hf.lora_export.save_merged_model",
         "lightning_mm.modules.TransformersModel",
         "lightning_mm.modules.FSDP2Mixin",
         "lightning_mm.strategies.MMFSDP2Strategy",

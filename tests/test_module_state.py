@@ -148,8 +148,8 @@ def test_only_module_state_writes_onto_modules():
         # The feature state the Hugging Face / diffusers layers keep in weak side tables now.
         ("hf/transformers_model.py", "model._pending_pretrained = pending", "model._pending_pretrained"),
         ("diffusers/model.py", "model._pending_pretrained = pending", "model._pending_pretrained"),
-        ("modules/lora.py", "model._pending_lora = pending", "model._pending_lora"),
-        ("modules/lora.py", "model._lora_config = config", "model._lora_config"),
+        ("modules/transformers_module.py", "model._pending_lora = pending", "model._pending_lora"),
+        ("modules/transformers_module.py", "model._lora_config = config", "model._lora_config"),
         ("hf/chunk_loss.py", "model._chunk_loss = state", "model._chunk_loss"),
         ("hf/cp_attention.py", "decoder.config._attn_implementation = impl", "decoder.config._attn_implementation"),
         ("diffusers/wan_context_parallel.py", "wan._wan_context_parallel = handles", "wan._wan_context_parallel"),

@@ -1,4 +1,0 @@
-"""Context parallelism: the public face of :mod:`lightning_mm.core.context_parallel` (named in docs/parallelism.md)."""
-
-from lightning_mm.core.context_parallel import *  # noqa: F403
-from lightning_mm.core.context_parallel import __all__  # noqa: F401
