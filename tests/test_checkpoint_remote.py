@@ -393,6 +393,7 @@ def test_save_last_link_at_an_s3_dirpath_is_one_line_from_the_cli(s3, tmp_path):
             "devices": 1,
             "max_steps": 2,
             "logger": False,
+            "default_root_dir": str(tmp_path),  # where LightningCLI writes config.yaml
             "enable_progress_bar": False,
             "strategy": {"class_path": "lightning_mm.MMFSDP2Strategy"},
             "callbacks": [
