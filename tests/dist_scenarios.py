@@ -148,7 +148,7 @@ def _watch_reshard(layers: nn.ModuleList, log: list) -> None:
 
 @scenario
 def seed_yaml(outdir: str) -> None:
-    """The seed's fsdp2_config.yaml verbatim: shard shapes, dtypes, recompute, ignored sync, prefetch, buffers."""
+    """MindSpeed MM's fsdp2_config.yaml verbatim: shard shapes, dtypes, recompute, ignored sync, prefetch, buffers."""
     torch.manual_seed(0)
     module = SeedModule(lr=1e-2)
     calls: list = []
@@ -622,7 +622,7 @@ def tuple_forward_step(data_iterator: Any, model: nn.Module) -> tuple[torch.Tens
 
 @scenario
 def ddp_module(outdir: str) -> None:
-    """The seed's functions passed as callables (Megatron tuple form) train under plain DDP too."""
+    """MindSpeed MM's functions passed as callables (Megatron tuple form) train under plain DDP too."""
     recorder = LossRecorder()
     module = MMLightningModule(model_provider=TiedLM, forward_step=tuple_forward_step, lr=1e-2)
     t = trainer("ddp", max_steps=8, callbacks=[recorder])

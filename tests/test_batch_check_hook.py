@@ -1,7 +1,8 @@
 """A model built by ``TransformersModel`` checks every call itself (a forward pre-hook, lightning_mm/hf/batch_check.py):
 a VLM batch with a misnamed image key or too few image placeholders stops before step 1 whichever code calls the
-model: the seed's ``forward_step=``, an overriding ``forward_step``, a plain LightningModule, ``generate``. The 2-rank
-``MMFSDP2Strategy`` run (the hook after ``fully_shard``, with recomputation and meta-device init) is at the end."""
+model: MindSpeed MM's ``forward_step=``, an overriding ``forward_step``, a plain LightningModule, ``generate``. The
+2-rank ``MMFSDP2Strategy`` run (the hook after ``fully_shard``, with recomputation and meta-device init) is at the
+end."""
 
 from __future__ import annotations
 

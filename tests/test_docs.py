@@ -9,7 +9,7 @@ For README.md and each ``docs/*.md``:
   placeholder (e.g. ``<model dir>``) is an excerpt, not a file, and is skipped (none is today), and
   the test fails if every block were skipped;
 - every ```python block is valid Python (``ast.parse``) and its imports run; the README's example trains as
-  written (2 CPU ranks, the seed's custom model and provider in place of its placeholders); the other pages'
+  written (2 CPU ranks, MindSpeed MM's custom model and provider in place of its placeholders); the other pages'
   examples name a user's model, data or 8 devices and are not run;
 - every ``lightning-mm <command> [<subcommand>] ... --flag`` in a ```bash block names a command (and, where the
   command has subcommands, a subcommand) and flags that ``lightning-mm <command> [<subcommand>] --help`` lists
@@ -223,7 +223,7 @@ config = TinyVLMConfig()
 
 
 def test_the_readme_example_trains(tmp_path):
-    """The README's Python example runs as written, on 2 CPU ranks, with the seed's custom model and provider."""
+    """The README's Python example runs as written, on 2 CPU ranks, with MindSpeed MM's custom model and provider."""
     (body, line), *_ = _python_blocks(ROOT / "README.md")
     custom = ROOT / "examples" / "custom_model"
     (tmp_path / "fsdp2_config.yaml").write_text((custom / "fsdp2_config.yaml").read_text())

@@ -1,4 +1,4 @@
-"""The seed's module-path pattern syntax, resolved strictly against a module tree."""
+"""MindSpeed MM's module-path pattern syntax, resolved strictly against a module tree."""
 
 import pytest
 from torch import nn

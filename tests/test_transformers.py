@@ -90,7 +90,7 @@ def test_modelhub_register_decorator_and_table():
         assert ModelHub.get("mine_alias") is Mine
         with pytest.raises(ModelHubError, match="already registered.*override=True"):
             ModelHub.register("llama")(Mine)
-        ModelHub.MODEL_MAPPINGS["mine_table"] = Mine  # the seed's way
+        ModelHub.MODEL_MAPPINGS["mine_table"] = Mine  # MindSpeed MM's way
         assert ModelHub.resolve("mine_table")[1] is Mine
     finally:
         for key in ("mine_test", "mine_alias", "mine_table"):

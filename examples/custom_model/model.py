@@ -1,7 +1,7 @@
-"""A small vision-encoder + text-decoder model whose module names match the seed's ``fsdp2_config.yaml``.
+"""A small vision-encoder + text-decoder model whose module names match MindSpeed MM's ``fsdp2_config.yaml``.
 
 ``text_decoder.embedding``, ``text_decoder.rotary_pos_emb``, ``text_decoder.decoder.layers.{*}``,
-``text_decoder.output_layer`` and ``image_encoder`` are exactly the paths the seed's YAML names.
+``text_decoder.output_layer`` and ``image_encoder`` are exactly the paths MindSpeed MM's YAML names.
 """
 
 from __future__ import annotations

@@ -1,9 +1,9 @@
-"""Train the seed's custom model with the seed's fsdp2_config.yaml on 2 CPU processes.
+"""Train MindSpeed MM's custom model with MindSpeed MM's fsdp2_config.yaml on 2 CPU processes.
 
     python examples/custom_model/train.py [--steps 40] [--devices 2]
 
 The model (model.py) is declared ``class TinyVLM(MultiModalModule, FSDP2Mixin, WeightInitMixin)`` exactly as the
-migration guide asks; the LightningModule keeps the seed's hook names. Data is synthetic: images with captions
+migration guide asks; the LightningModule keeps MindSpeed MM's hook names. Data is synthetic: images with captions
 made of four token patterns, so the loss visibly falls within a few dozen steps.
 """
 
@@ -43,7 +43,7 @@ class Captions(torch.utils.data.Dataset):
 
 
 def train_valid_test_datasets_provider():
-    """The seed's provider: (train, valid, test)."""
+    """MindSpeed MM's provider: (train, valid, test)."""
     return Captions(512), Captions(64), None
 
 

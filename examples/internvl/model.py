@@ -1,4 +1,4 @@
-"""Steps 1 and 2 of the seed's third-party model recipe, for Transformers' InternVL.
+"""Steps 1 and 2 of MindSpeed MM's third-party model recipe, for Transformers' InternVL.
 
 (1) An adapter class: the Transformers model plus ``FSDP2Mixin`` and ``WeightInitMixin``; the model body is not
 changed. (2) Its registration in ``ModelHub.MODEL_MAPPINGS``. Step 3 (``TransformersModel(config)`` in

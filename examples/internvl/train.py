@@ -1,4 +1,4 @@
-"""Train Transformers' InternVL the MindSpeed MM way, on 2 CPU processes (the seed's InternVL 3.5 workflow).
+"""Train Transformers' InternVL the MindSpeed MM way, on 2 CPU processes (MindSpeed MM's InternVL 3.5 workflow).
 
     python examples/internvl/train.py [--steps 30] [--devices 2] [--hf-path DIR]
 
@@ -6,7 +6,7 @@
    WeightInitMixin)``, registered in ``ModelHub.MODEL_MAPPINGS['internvl']``.
 2. ``model_provider`` returns ``TransformersModel(deepcopy(args.mm.model))``; ``args.mm.model`` names the ModelHub
    key, the Hugging Face directory to start from and the modules to freeze.
-3. ``MMFSDP2Strategy`` shards it with the seed-style ``fsdp2_config.yaml`` beside this file; each rank reads only
+3. ``MMFSDP2Strategy`` shards it with MindSpeed MM-style ``fsdp2_config.yaml`` beside this file; each rank reads only
    its own shards of the checkpoint's weights.
 
 No hub download: a small InternVL configuration is built here and saved with ``save_pretrained`` (standing in for
@@ -95,12 +95,12 @@ class Captions(torch.utils.data.Dataset):
 
 
 def train_valid_test_datasets_provider():
-    """The seed's provider: (train, valid, test)."""
+    """MindSpeed MM's provider: (train, valid, test)."""
     return Captions(512), Captions(64), None
 
 
 class InternVLModule(MMLightningModule):
-    """The seed's ``pretrain_internvl.py`` hooks."""
+    """MindSpeed MM's ``pretrain_internvl.py`` hooks."""
 
     def __init__(self, args: Any, **kwargs: Any) -> None:
         super().__init__(**kwargs)

@@ -1,4 +1,4 @@
-"""Checkpoints of :class:`~lightning_mm.MMFSDP2Strategy` (the seed's ``--ckpt-format torch_dcp``).
+"""Checkpoints of :class:`~lightning_mm.MMFSDP2Strategy` (MindSpeed MM's ``--ckpt-format torch_dcp``).
 
 * :mod:`.layout` (deciding): how Lightning's checkpoint dict splits into DCP tensors and a meta tree, key checks.
 * :mod:`.store` (doing): the entry point, strict/non-strict load of ``torch_dcp`` directories and ``torch`` files,

@@ -141,7 +141,7 @@ def apply_plan(
 def model_unit_sharding(
     target: nn.Module, config: FSDP2Config, plan: ShardingPlan | None = None
 ) -> Callable[[dict[str, Any]], None] | None:
-    """The model's own wrapping of its sub-modules (the seed's ``_fully_shard(fsdp2_kwargs, fsdp2_config)``), or
+    """The model's own wrapping of its sub-modules (MindSpeed MM's ``_fully_shard(fsdp2_kwargs, fsdp2_config)``), or
     ``None`` when it has none or keeps ``FSDP2Mixin``'s default (which shards the plan's units, as
     :func:`apply_fully_shard` does). ``target.fsdp2_config`` is set before the call, as in MindSpeed MM
     (:func:`~lightning_mm.core.module_state.set_fsdp2_config`). With ``plan`` (built from ``config`` for

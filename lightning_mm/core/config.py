@@ -1,6 +1,6 @@
 """The FSDP2 YAML config of MindSpeed MM, typed and strictly validated.
 
-The field names, values and defaults follow the seed's table (see ``docs/``). Unlike the system this replaces,
+The field names, values and defaults follow MindSpeed MM's table (see ``docs/``). Unlike the system this replaces,
 an unknown key, a wrong type or an unknown dtype is an error that names the key (and the file it came from).
 """
 
@@ -66,7 +66,7 @@ class FSDP2Config(_ExplicitKeys):
     """MindSpeed MM's FSDP2 sharding config.
 
     Module paths in ``sub_modules_to_wrap``, ``ignored_modules`` and ``recompute_modules`` are relative to the
-    model (``MMLightningModule.model``, or the LightningModule itself for a plain one) and may use the seed's
+    model (``MMLightningModule.model``, or the LightningModule itself for a plain one) and may use MindSpeed MM's
     pattern syntax: ``layers.{*}`` (every child), ``layers.{0-23}`` (a range), ``layers.{1,3,5}`` (a list) and
     mixtures such as ``layers.{0-3,7}``.
 

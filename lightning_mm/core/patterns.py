@@ -1,4 +1,4 @@
-"""The seed's module-path patterns: ``layers.{*}``, ``layers.{0-23}``, ``layers.{1,3,5}``, ``layers.{0-3,7}``.
+"""MindSpeed MM's module-path patterns: ``layers.{*}``, ``layers.{0-23}``, ``layers.{1,3,5}``, ``layers.{0-3,7}``.
 
 A pattern is a dotted path whose segments are either a literal child name or a brace group covering the whole
 segment. Resolving a pattern against a module tree follows MindSpeed MM (a ``{*}`` followed by a name keeps the

@@ -233,7 +233,7 @@ class ShardingPlan:
         lines += [f"  note: {n}" for n in self.notes]
         if self.sharding_size == 1 and self.world_size > 1:
             lines.append(
-                "  note: sharding_size 1 (the seed's default): parameters are replicated, not sharded; "
+                "  note: sharding_size 1 (MindSpeed MM's default): parameters are replicated, not sharded; "
                 "set `sharding_size: auto` to shard over all ranks"
             )
         return "\n".join(lines)

@@ -1,4 +1,4 @@
-"""MMDataModule: the seed's ``train_valid_test_datasets_provider`` (or a data config) as a LightningDataModule."""
+"""MMDataModule: MindSpeed MM's ``train_valid_test_datasets_provider`` (or a data config) as a LightningDataModule."""
 
 from __future__ import annotations
 

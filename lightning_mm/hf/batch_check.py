@@ -47,7 +47,7 @@ Only Transformers models (``PreTrainedModel``) are checked; a plain module witho
 unknown key itself. Lightning-free.
 
 Where it runs: :func:`install_batch_check` registers :class:`BatchCheckHook` as a forward pre-hook (with kwargs) on
-a model, so every call ``model(**batch)`` (or ``model(input_ids, ...)``) is checked, whoever makes it: the seed's
+a model, so every call ``model(**batch)`` (or ``model(input_ids, ...)``) is checked, whoever makes it: MindSpeed MM's
 ``forward_step``, an overriding module, a plain LightningModule, ``generate``. ``TransformersModel`` installs it on
 every model it builds. The first call of each kind (the model's train/eval mode, the grad or inference mode, and
 the set of keys given) is checked in full; later calls of that kind cost a set lookup. The hook survives FSDP2's

@@ -12,7 +12,7 @@ __all__ = ["checked_fields"]
 
 
 def checked_fields(config: Any, cls: type, what: str, error: type[Exception]) -> dict[str, Any]:
-    """The keys of ``config`` (a mapping, or an object whose attributes are the keys: the seed's namespaces) for the
+    """The keys of ``config`` (a mapping, or an object whose attributes are the keys: MindSpeed MM's namespaces) for the
     dataclass ``cls``; a key ``cls`` does not have is ``error`` naming it, with the nearest valid key."""
     if isinstance(config, Mapping):
         data = dict(config)

@@ -27,8 +27,8 @@ where the YAML leaves them unset). The rules:
 * **Recomputation candidates**: the blocks (not applied by default: ``recompute_modules`` decides).
 
 A model the rules cannot decide for (no ``_no_split_modules``, none of its classes in the model, a trainable
-tower without blocks) is a :class:`PlanDerivationError` naming the YAML keys to set instead. The results use the
-seed's patterns (``model.layers.{*}``).
+tower without blocks) is a :class:`PlanDerivationError` naming the YAML keys to set instead. The results use
+MindSpeed MM's patterns (``model.layers.{*}``).
 """
 
 from __future__ import annotations

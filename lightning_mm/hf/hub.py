@@ -11,7 +11,7 @@ An adapter found by ``model_type`` applies only to the classes it was written fo
 ``llama``; :func:`~lightning_mm.hf.derived_adapters.resolve_model_class` then builds the class
 ``architectures[0]`` names, or refuses a name that is no Transformers class.
 
-Register an adapter with the decorator or by writing to the table directly, as the seed does::
+Register an adapter with the decorator or by writing to the table directly, as MindSpeed MM does::
 
     @ModelHub.register("internvl_chat")
     class InternVLChatModelGeneration(InternVLForConditionalGeneration, FSDP2Mixin, WeightInitMixin): ...

@@ -137,7 +137,7 @@ class LoRAConfig:
 
     @classmethod
     def from_any(cls, config: Any) -> LoRAConfig:
-        """Accept a LoRAConfig, a mapping, or an object whose attributes are the keys (the seed's namespaces)."""
+        """Accept a LoRAConfig, a mapping, or an object whose attributes are the keys (MindSpeed MM's namespaces)."""
         if isinstance(config, cls):
             return config
         data = checked_fields(config, cls, "lora", LoRAConfigError)

@@ -1,4 +1,4 @@
-"""The seed's model mixins: ``MultiModalModule``, ``FSDP2Mixin`` and ``WeightInitMixin``.
+"""MindSpeed MM's model mixins: ``MultiModalModule``, ``FSDP2Mixin`` and ``WeightInitMixin``.
 
 A MindSpeed MM model is declared ``class CustomModel(MultiModalModule, FSDP2Mixin, WeightInitMixin)`` and needs
 no other change to be sharded by :class:`~lightning_mm.MMFSDP2Strategy` and initialised after meta-device
@@ -33,7 +33,7 @@ class MultiModalModule(nn.Module):
 
 
 class FSDP2Mixin:
-    """Gives a model a default sharding plan and the seed's ``_fully_shard`` escape hatch.
+    """Gives a model a default sharding plan and MindSpeed MM's ``_fully_shard`` escape hatch.
 
     * ``default_fsdp2_config()`` returns YAML keys (``sub_modules_to_wrap``, ``recompute_modules``, ...) that the
       strategy uses where the user's YAML leaves them empty.
@@ -152,7 +152,7 @@ class WeightInitMixin:
     torch's ``_reset_parameters()`` for ``nn.MultiheadAttention``).
 
     The mixin's ``init_weights`` takes precedence over a base class's (``class X(LlamaForCausalLM, FSDP2Mixin,
-    WeightInitMixin)`` as the seed writes it): Hugging Face's own version skips every module it initialised at
+    WeightInitMixin)`` as MindSpeed MM writes it): Hugging Face's own version skips every module it initialised at
     construction, which after meta-device materialisation would leave them empty.
     """
 

@@ -1,6 +1,6 @@
 """``TransformersModel(config)``: build an adapted Hugging Face model, as MindSpeed MM's ``model_provider`` does.
 
-The config (a dict, or an object with attributes such as the seed's ``args.mm.model``) has these keys:
+The config (a dict, or an object with attributes such as MindSpeed MM's ``args.mm.model``) has these keys:
 
 ``model_id``
     The ModelHub key of the adapter (optional: else the Hugging Face config's ``architectures[0]``, else its
@@ -290,7 +290,7 @@ def _freeze(model: nn.Module, patterns: list[str]) -> list[str]:
     return paths
 
 
-def TransformersModel(config: Any) -> nn.Module:  # noqa: N802 - the seed's name for this factory
+def TransformersModel(config: Any) -> nn.Module:  # noqa: N802 - MindSpeed MM's name for this factory
     """Build the adapted Hugging Face model that ``config`` describes (see the module docstring for the keys).
 
     Returns an instance of the adapter class registered in :class:`~lightning_mm.modules.ModelHub`, or, for an

@@ -1,4 +1,4 @@
-"""Model-side building blocks: the LightningModule with the seed's hooks and the seed's model mixins.
+"""Model-side building blocks: the LightningModule with MindSpeed MM's hooks and MindSpeed MM's model mixins.
 
 The model API itself (hub, mixins, ``TransformersModel``, LoRA) lives in :mod:`lightning_mm.hf`; this is its face.
 """

@@ -1,4 +1,4 @@
-"""MMLightningModule: the seed's ``pretrain_xxx.py`` hooks as a LightningModule."""
+"""MMLightningModule: MindSpeed MM's ``pretrain_xxx.py`` hooks as a LightningModule."""
 
 from __future__ import annotations
 
@@ -44,8 +44,8 @@ def lr_factor(step: int, warmup_steps: int, total_steps: int, decay_style: str, 
 class MMLightningModule(L.LightningModule):
     """A LightningModule whose hooks keep MindSpeed MM's names.
 
-    Override the hooks, or pass the seed's functions (callables or import paths such as
-    ``"pretrain_custom.forward_step"``) to the constructor; those are called with the seed's own signatures:
+    Override the hooks, or pass MindSpeed MM's functions (callables or import paths such as
+    ``"pretrain_custom.forward_step"``) to the constructor; those are called with MindSpeed MM's own signatures:
     ``model_provider()``, ``get_batch(data_iterator)``, ``forward_step(data_iterator, model)`` and
     ``loss_func(output)``.
 
@@ -55,7 +55,7 @@ class MMLightningModule(L.LightningModule):
     * ``forward_step(batch)`` runs the model (``self.model(**batch)`` for a mapping, ``self.model(batch)``
       otherwise). Returning ``(output, loss_fn)`` (the Megatron form) is accepted: the loss is ``loss_fn(output)``.
       A model built by ``TransformersModel`` checks each call itself, whoever makes it (a forward pre-hook:
-      :mod:`lightning_mm.hf.batch_check`), so the seed's ``forward_step`` and overrides are checked too. For any
+      :mod:`lightning_mm.hf.batch_check`), so MindSpeed MM's ``forward_step`` and overrides are checked too. For any
       other Transformers model the default ``forward_step`` runs the same check before it calls the model (every
       key, and as many image placeholder tokens as the images make), in full on the first batch of each stage and
       key set.
@@ -63,7 +63,7 @@ class MMLightningModule(L.LightningModule):
       ``(loss, {name: value})``.
 
     Args:
-        model_provider, get_batch, forward_step, loss_func: the seed's functions, instead of overriding.
+        model_provider, get_batch, forward_step, loss_func: MindSpeed MM's functions, instead of overriding.
         fsdp2_config: the FSDP2 config the ``mm_fsdp2`` strategy uses when it is given none itself.
         lr, weight_decay, betas: AdamW settings of the default optimiser.
         warmup_steps: linear warmup length in optimizer steps.
@@ -151,7 +151,7 @@ class MMLightningModule(L.LightningModule):
         self.model: nn.Module | None = None
         self._batch_check = BatchCheck()
 
-    # ------------------------------------------------------------------------ the seed's hooks
+    # ------------------------------------------------------------------------ MindSpeed MM's hooks
     def model_provider(self) -> nn.Module:
         """Build and return the model."""
         if self._seed.model_provider is not None:
@@ -234,7 +234,7 @@ class MMLightningModule(L.LightningModule):
         """get_batch -> forward_step -> loss (either form): the loss tensor and extra values to log (what each
         training, validation and test step runs)."""
         if self._seed.forward_step is not None:
-            inputs = batch  # the seed's forward_step calls its own get_batch on the iterator
+            inputs = batch  # MindSpeed MM's forward_step calls its own get_batch on the iterator
         else:
             inputs = self.get_batch(batch)
         output = self.forward_step(inputs)

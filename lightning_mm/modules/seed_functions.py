@@ -1,4 +1,4 @@
-"""The seed's entry functions given by value or by import path (``"pretrain_custom.forward_step"``)."""
+"""MindSpeed MM's entry functions given by value or by import path (``"pretrain_custom.forward_step"``)."""
 
 from __future__ import annotations
 

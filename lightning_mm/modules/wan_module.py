@@ -16,7 +16,7 @@ Batch keys: ``latents`` ``(B, C, F, H, W)`` and ``prompt_embeds`` ``(B, L, D)``,
 channels; diffusers' Wan i2v attention takes the last 512 text positions as the prompt, so its ``prompt_embeds``
 are 512 long, as Wan's pipeline pads them). Any other key is an error. With
 ``MMFSDP2Strategy(context_parallel_size=C)`` the video tokens are split over the ``C`` ranks of each group
-(Ulysses: :mod:`lightning_mm.diffusers.wan_context_parallel`). Passing the seed's ``get_batch`` /
+(Ulysses: :mod:`lightning_mm.diffusers.wan_context_parallel`). Passing MindSpeed MM's ``get_batch`` /
 ``forward_step`` / ``loss_func`` replaces the matching hook, as for every ``MMLightningModule``.
 """
 

@@ -1,4 +1,4 @@
-"""InternVL (Transformers' native implementation: ``InternVLForConditionalGeneration``), as the seed's example.
+"""InternVL (Transformers' native implementation: ``InternVLForConditionalGeneration``), as MindSpeed MM's example.
 
 Default plan (derived from the model's metadata, :mod:`lightning_mm.hf.default_plans`):
 ``model.vision_tower.encoder.layer.{*}``, ``model.vision_tower.embeddings``, ``model.language_model.layers.{*}``,
