@@ -352,6 +352,26 @@ REFUSALS: list[tuple[str, str, list[str]]] = [
         "`bf16-mixed` with `param_dtype: fp16`) is an error",
         ["tests/test_plan.py::test_contradictory_precision_is_an_error"],
     ),
+    (
+        "migration.md",
+        "A parameter that nothing initialises is an error naming it",
+        ["tests/test_doc_refusals.py::test_a_meta_tensor_nothing_initialises_is_an_error_naming_it"],
+    ),
+    (
+        "strategy.md",
+        "anything left uninitialised is an error naming it",
+        ["tests/test_doc_refusals.py::test_a_meta_tensor_nothing_initialises_is_an_error_naming_it"],
+    ),
+    (
+        "migration.md",
+        "`lightning-mm fit` refuses, before any weight is read, to resume a checkpoint of another model",
+        ["tests/test_doc_refusals.py::test_resuming_another_models_checkpoint_is_refused_naming_both"],
+    ),
+    (
+        "data.md",
+        "Another plan (other lengths, seed, budget, buffer or packing) is refused",
+        ["tests/test_doc_refusals.py::test_a_resume_under_another_token_budget_plan_is_refused"],
+    ),
 ]
 
 GAPS: list[tuple[str, str, str]] = [
@@ -362,30 +382,9 @@ GAPS: list[tuple[str, str, str]] = [
         "qwen3_6 tool turns and the qwen3_6_nothink template refused: no test found that checks either refusal",
     ),
     (
-        "data.md",
-        "Another plan (other lengths, seed, budget, buffer or packing) is refused",
-        "a resume under another token-budget plan is refused: only ranks whose plans differ are tested "
-        "(tests/test_token_budget.py::test_ranks_whose_plans_differ_fail_before_the_first_step)",
-    ),
-    (
-        "migration.md",
-        "A parameter that nothing initialises is an error naming it",
-        "a meta-built parameter nothing initialises is an error naming it (core/apply.py): no test found",
-    ),
-    (
-        "migration.md",
-        "`lightning-mm fit` refuses, before any weight is read, to resume a checkpoint of another model",
-        "resuming another model's checkpoint (commands/train.py check_model_identity): no test of the refusal found",
-    ),
-    (
         "parallelism.md",
         "is refused at the call",
         "a balanced vision tower called with tensor keyword arguments or other outputs is refused: no test found",
-    ),
-    (
-        "strategy.md",
-        "anything left uninitialised is an error naming it",
-        "the same promise as migration.md's 'A parameter that nothing initialises': no test found",
     ),
 ]
 
@@ -440,4 +439,62 @@ def test_every_named_test_exists() -> None:
 
 
 def test_the_gaps_only_shrink() -> None:
-    assert len(GAPS) <= 6
+    assert len(GAPS) <= 2
+
+
+# ------------------------------------------------------------------------- small checks for promises without a test
+def test_a_meta_tensor_nothing_initialises_is_an_error_naming_it() -> None:
+    import torch
+    from torch import nn
+
+    from lightning_mm.core.apply import MaterializationError, materialize_and_init
+
+    class Scale(nn.Module):  # no reset_parameters: nothing initialises `gain`
+        def __init__(self) -> None:
+            super().__init__()
+            self.gain = nn.Parameter(torch.empty(3))
+
+    with torch.device("meta"):
+        model = nn.Sequential(nn.Linear(2, 3), Scale())
+    cpu = torch.device("cpu")
+    with pytest.raises(
+        MaterializationError, match=r"1 tensor\(s\) built on the meta device were not initialised: 1.gain"
+    ):
+        materialize_and_init(model, model, cpu, cpu)
+
+
+def test_resuming_another_models_checkpoint_is_refused_naming_both(tmp_path: Path) -> None:
+    import json
+
+    from lightning_mm.commands.train import IDENTITY_KEY, check_model_identity, model_identity
+    from lightning_mm.errors import ConfigError
+
+    def config(layers: int) -> dict:
+        directory = tmp_path / f"m{layers}"
+        directory.mkdir()
+        (directory / "config.json").write_text(
+            json.dumps({"architectures": ["Qwen2ForCausalLM"], "model_type": "qwen2", "num_hidden_layers": layers})
+        )
+        return {"init_args": {"transformers_model": {"init_from_hf_path": str(directory)}}}
+
+    saved, current = config(2), config(4)
+    checkpoint = {IDENTITY_KEY: model_identity(saved)}
+    check_model_identity("c.ckpt", checkpoint, saved)  # the same model resumes
+    with pytest.raises(ConfigError, match=r"num_hidden_layers 2.*num_hidden_layers 4.*another model's checkpoint"):
+        check_model_identity("c.ckpt", checkpoint, current)
+
+
+def test_a_resume_under_another_token_budget_plan_is_refused() -> None:
+    from lightning_mm.core.token_budget import TokenBudgetError
+    from lightning_mm.datamodules.token_budget import TokenBudgetLoader
+
+    def loader(seed: int = 0, max_tokens: int = 8) -> TokenBudgetLoader:
+        lengths = [3, 5, 2, 4, 6, 1]
+        options = dict(buffer_size=4, shuffle=True, packing=True, drop_last=False, world_size=1, rank=0)
+        return TokenBudgetLoader(list(range(6)), lengths, max_tokens, seed=seed, collate_fn=list, **options)
+
+    state = loader().state_dict()
+    loader().load_state_dict(state)  # the same plan resumes
+    for other in (loader(seed=1), loader(max_tokens=9)):
+        with pytest.raises(TokenBudgetError, match="token-budget batch plan differs from this run's"):
+            other.load_state_dict(state)
