@@ -21,6 +21,7 @@ from lightning_mm._names import listing
 from lightning_mm._tied import parameter_names_by_tensor
 from lightning_mm.core.config import FSDP2Config, FSDP2ConfigError
 from lightning_mm.core.layout import ParallelLayout, config_layout, data_parallel_mesh_layout, ep_mesh_layout
+from lightning_mm.core.norms import is_norm
 from lightning_mm.core.patterns import PatternError, resolve_patterns
 from lightning_mm.core.precision_policy import PrecisionPolicy
 from lightning_mm.core.recompute import RecomputeError, check_recomputable, uses_kv_cache
@@ -430,22 +431,6 @@ def _group_shared_parameters(
     return result, notes
 
 
-def _is_norm(module: nn.Module) -> bool:
-    norms = (
-        nn.LayerNorm,
-        nn.GroupNorm,
-        nn.RMSNorm,
-        nn.BatchNorm1d,
-        nn.BatchNorm2d,
-        nn.BatchNorm3d,
-        nn.SyncBatchNorm,
-        nn.InstanceNorm1d,
-        nn.InstanceNorm2d,
-        nn.InstanceNorm3d,
-    )
-    return isinstance(module, norms) or "Norm" in type(module).__name__
-
-
 def _is_router(path: str, module: nn.Module, model: nn.Module) -> bool:
     if "Router" in type(module).__name__:
         return True
@@ -473,7 +458,7 @@ def norm_and_router_modules(model: nn.Module, units: list[str], ignored: list[st
             continue
         if not any(True for _ in module.parameters()):
             continue
-        if not (_is_norm(module) or _is_router(path, module, model)):
+        if not (is_norm(module) or _is_router(path, module, model)):
             continue
         owner = _owner(path, units)
         inside = owner != ROOT and owner != path

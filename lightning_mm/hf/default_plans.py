@@ -43,6 +43,7 @@ from lightning_mm._compat import no_split_modules, tied_weights_keys
 from lightning_mm._module_paths import is_under, is_under_any
 from lightning_mm._names import listing
 from lightning_mm.core.config import FSDP2ConfigError
+from lightning_mm.core.norms import is_norm
 from lightning_mm.core.patterns import PatternError, names_inside, names_or_contains, resolve_patterns
 
 __all__ = [
@@ -194,24 +195,6 @@ def _has_parameters(module: nn.Module) -> bool:
     return any(True for _ in module.parameters())
 
 
-_NORMS = (
-    nn.LayerNorm,
-    nn.GroupNorm,
-    nn.BatchNorm1d,
-    nn.BatchNorm2d,
-    nn.BatchNorm3d,
-    nn.SyncBatchNorm,
-    nn.InstanceNorm1d,
-    nn.InstanceNorm2d,
-    nn.InstanceNorm3d,
-    *((nn.RMSNorm,) if hasattr(nn, "RMSNorm") else ()),
-)
-
-
-def _is_norm(module: nn.Module) -> bool:
-    return isinstance(module, _NORMS) or type(module).__name__.endswith("Norm")
-
-
 def remaining_units(model: nn.Module, units: Sequence[str], towers: Sequence[str], ignored: Sequence[str]) -> list[str]:
     """Walking down through each module that holds a unit or a tower: its other children with parameters (each
     item of a list), norms left out; nothing inside the ``ignored`` patterns."""
@@ -227,7 +210,7 @@ def remaining_units(model: nn.Module, units: Sequence[str], towers: Sequence[str
                 visit(child_path, child)
             elif isinstance(child, (nn.ModuleList, nn.ModuleDict)):
                 visit(child_path, child)
-            elif not _is_norm(child):
+            elif not is_norm(child):
                 found.append(child_path)
 
     visit("", model)

@@ -15,6 +15,7 @@ from torch import nn
 
 from lightning_mm._compat import clear_hf_init_flags, share_experts_kernels_with_base
 from lightning_mm._dtensor import local_tensor
+from lightning_mm.core.norms import is_norm
 from lightning_mm.core.torch_init import init_module_like_constructor, zero_row
 from lightning_mm.hf.pending_weights import pending_lora, pending_pretrained
 
@@ -123,21 +124,6 @@ class FSDP2Mixin:
     _fully_shard.shards_plan_units = True  # type: ignore[attr-defined]
 
 
-_NORMS: tuple[type[nn.Module], ...] = (
-    nn.LayerNorm,
-    nn.GroupNorm,
-    nn.BatchNorm1d,
-    nn.BatchNorm2d,
-    nn.BatchNorm3d,
-    nn.SyncBatchNorm,
-    nn.InstanceNorm1d,
-    nn.InstanceNorm2d,
-    nn.InstanceNorm3d,
-)
-if hasattr(nn, "RMSNorm"):
-    _NORMS = (*_NORMS, nn.RMSNorm)
-
-
 class WeightInitMixin:
     """``init_weights()``: what fills a model's parameters after meta-device materialisation.
 
@@ -236,7 +222,7 @@ def init_module(module: nn.Module, std: float = 0.02) -> None:
         nn.init.normal_(module.weight, mean=0.0, std=std)
         if module.padding_idx is not None:
             zero_row(module.weight, module.padding_idx)
-    elif isinstance(module, _NORMS):
+    elif is_norm(module, by_name=False):  # torch's; a model's own norms: as their constructor does
         weight, bias = getattr(module, "weight", None), getattr(module, "bias", None)
         if weight is not None:
             nn.init.ones_(weight)
