@@ -759,3 +759,31 @@ def test_native_tensor_parallel_size_and_tp_plan_migrate_onto_the_fsdp2_keys():
     # a plan without tensor parallelism is not applied, as in MindSpeed MM (apply_tp_modules returns at size 1)
     data["parallel"]["tensor_parallel_size"] = 1
     assert load_fsdp2_config(data).tp_plan is None
+
+
+def test_the_core_config_knows_only_its_own_keys_and_the_entry_reads_the_native_form():
+    """issue #36: FSDP2Config is this project's schema alone; MindSpeed MM's `parallel:` section is read by the
+    translation layer's entry, which MMFSDP2Strategy(fsdp2_config=...) calls."""
+    section = {"fully_shard_parallel_size": "auto", "fsdp_plan": {"apply_modules": ["layers.{*}"]}}
+    with pytest.raises(FSDP2ConfigError, match="unknown FSDP2 config key `fully_shard_parallel_size`"):
+        FSDP2Config.from_dict(section)
+    assert load_fsdp2_config(section).sub_modules_to_wrap == ["layers.{*}"]
+
+
+@pytest.mark.parametrize(
+    ("content", "kind"),
+    [
+        ({"trainer": {}, "model": {}, "data": {}}, "lightning-mm"),
+        ({"parallel": {}, "model": {}, "data": {}}, "native"),
+        ({"fsdp_plan": {}}, "native-parallel"),
+        ({"gpt_args": {}, "parallel": {}}, "single-yaml"),
+        ({"dataset_param": {}}, "data"),
+        ({"model_id": "qwen2_5vl"}, "model"),
+        ({"zero3_size": 8, "param_dtype": "bf16"}, "layerzero"),
+        ({"sub_modules_to_wrap": []}, "fsdp2"),
+    ],
+)
+def test_one_entry_tells_each_format(content, kind):
+    from lightning_mm.mindspeed.load import detect
+
+    assert detect(content) == kind

@@ -39,6 +39,8 @@ from lightning_mm.mindspeed.keys import MindSpeedConfigError
 from lightning_mm.mindspeed.load import migrate_file, migrate_flags
 from lightning_mm.mindspeed.report import MigrationReport
 
+__all__ = ["main", "launch_lines"]
+
 
 def _write_output(output: Path, text: str, inputs: list[Path], force: bool) -> None:
     """Write ``text`` to ``output`` atomically; never over an input, nor over an existing file without ``force``."""

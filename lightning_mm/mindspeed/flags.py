@@ -15,6 +15,15 @@ from lightning_mm.mindspeed.keys import MindSpeedConfigError, expected_number, r
 from lightning_mm.mindspeed.launch_script import read_text_file
 from lightning_mm.mindspeed.report import MigrationReport
 
+__all__ = [
+    "FLAGS",
+    "FlagState",
+    "MEGATRON_MODEL_FLAGS",
+    "SEED_FUNCTIONS",
+    "STRATEGY_ARGS",
+    "TRANSFORMERS_MODULE",
+]
+
 # MMFSDP2Strategy's __init__ arguments, listed here so that migrating never imports Lightning
 # (tests/test_migrate.py checks the list against the class).
 STRATEGY_ARGS = frozenset(

@@ -10,7 +10,8 @@ from lightning_mm.mindspeed.files import load_config_file
 from lightning_mm.mindspeed.flags import FlagState
 from lightning_mm.mindspeed.keys import MindSpeedConfigError
 from lightning_mm.mindspeed.launch_script import Launch, parse_script, read_text_file
-from lightning_mm.mindspeed.megatron_route import map_launcher, migrate
+from lightning_mm.mindspeed.megatron_launcher import map_launcher
+from lightning_mm.mindspeed.megatron_route import migrate
 from lightning_mm.mindspeed.report import MigrationReport
 
 __all__ = ["migrate_script"]
