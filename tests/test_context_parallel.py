@@ -286,7 +286,8 @@ def test_heads_not_dividing_fail_at_setup(four: Path) -> None:
 
 
 def test_migrate_maps_the_megatron_flags() -> None:
-    from lightning_mm.commands.migrate import migrate, parse_script
+    from lightning_mm.mindspeed.launch_script import parse_script
+    from lightning_mm.mindspeed.megatron_route import migrate
 
     launch = parse_script(
         "torchrun --nproc_per_node 8 pretrain_vlm.py --use-torch-fsdp2 --micro-batch-size 1 "

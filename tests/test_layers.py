@@ -2,8 +2,9 @@
 
 Every ``import`` in ``lightning_mm`` (module level and inside functions) is read from the source. From the bottom:
 0. leaf helpers (``lightning_mm._*``, ``errors``, ``npu_probe``), 1. the FSDP2 core (``core``), 2. checkpoint I/O
-(``checkpoint``), 3. the Hugging Face integration (``hf``), 4. the Lightning layer (``strategies``, ``modules``,
-``datamodules``, ``accelerators``), 5. commands, the CLI and the package root. A module may import its own layer
+(``checkpoint``), 3. the Hugging Face integration (``hf``, ``diffusers``), 4. the MindSpeed MM translation layer
+(``mindspeed``, issue #36), 5. the Lightning layer (``strategies``, ``modules``, ``datamodules``, ``accelerators``),
+6. commands, the CLI and the package root. A module may import its own layer
 and those below; no module takes part in an import cycle, and neither does any sub-package.
 """
 
@@ -24,12 +25,13 @@ LAYERS: list[tuple[str, int]] = [
     ("lightning_mm.checkpoint", 2),
     ("lightning_mm.hf", 3),
     ("lightning_mm.diffusers", 3),
-    ("lightning_mm.strategies", 4),
-    ("lightning_mm.modules", 4),
-    ("lightning_mm.datamodules", 4),
-    ("lightning_mm.accelerators", 4),
-    ("lightning_mm.commands", 5),
-    ("lightning_mm.cli", 5),
+    ("lightning_mm.mindspeed", 4),
+    ("lightning_mm.strategies", 5),
+    ("lightning_mm.modules", 5),
+    ("lightning_mm.datamodules", 5),
+    ("lightning_mm.accelerators", 5),
+    ("lightning_mm.commands", 6),
+    ("lightning_mm.cli", 6),
 ]
 LEAVES = ("lightning_mm.errors", "lightning_mm.npu_probe")
 
@@ -47,7 +49,7 @@ def _modules() -> dict[str, Path]:
 
 def layer_of(module: str) -> int:
     if module == "lightning_mm":
-        return 5
+        return 6
     for prefix, layer in LAYERS:
         if module == prefix or module.startswith(prefix + "."):
             return layer
@@ -142,6 +144,7 @@ def test_the_checker_sees_a_wrong_import_and_a_cycle():
         ("lightning_mm.checkpoint", ("lightning", "lightning.pytorch", "transformers", "peft")),
         ("lightning_mm.hf", ("lightning", "lightning.pytorch")),
         ("lightning_mm.diffusers", ("lightning", "lightning.pytorch")),
+        ("lightning_mm.mindspeed", ("lightning", "lightning.pytorch")),
     ],
 )
 def test_lower_layers_load_without_lightning(package, absent):
@@ -177,3 +180,90 @@ def test_public_paths_named_in_the_readme_still_import(path):
 
     module, _, attr = path.rpartition(".")
     assert getattr(importlib.import_module(module), attr) is not None
+
+
+# MindSpeed MM's own names, chosen so that none of them is also a lightning-mm key or a word of ordinary code: its
+# Megatron flags (``--mm-data``...), its single YAML's sections (``gpt_args``, ``lora_args``), its model.json's
+# towers (``image_encoder``, ``text_decoder``), its native route's ``parallel:`` keys (``fully_shard_parallel_size``,
+# ``ulysses_parallel_size``, ``fsdp_plan``, ``ep_plan``, ``recompute_plan``) and entry scripts. Keys that lightning-mm
+# shares (``init_from_hf_path``, ``sub_modules_to_wrap``, ``model_id``) are left out, and so are the data config's
+# (``dataset_param``, ``basic_parameters``...): the DataModule's MindSpeed MM datasets are still built in
+# ``lightning_mm/datamodules/mindspeed_*.py`` and ``wan_data.py``, whose readers use this layer's key reader.
+MINDSPEED_NAMES = (
+    "gpt_args",
+    "lora_args",
+    "MM_TOOL_PATH",
+    "--mm-data",
+    "--mm-model",
+    "--use-torch-fsdp2",
+    "--fsdp2-config-path",
+    "--micro-batch-size",
+    "--global-batch-size",
+    "--tensor-model-parallel-size",
+    "image_encoder",
+    "text_decoder",
+    "fully_shard_parallel_size",
+    "ulysses_parallel_size",
+    "ring_attention_size",
+    "fsdp_plan",
+    "ep_plan",
+    "recompute_plan",
+    "pretrain_transformers.py",
+    "pretrain_vlm.py",
+)
+TRANSLATION = "lightning_mm.mindspeed"
+# Modules outside the translation layer that still name one of MINDSPEED_NAMES, each with why (issue #36: none may
+# be added; remove an entry when its module stops naming them).
+STILL_NAMING: dict[str, str] = {}
+
+
+def _string_literals(path: Path) -> list[str]:
+    """The string constants of a module (f-string parts included), docstrings left out: a docstring may say what
+    MindSpeed MM calls a thing; code that reads or writes its keys may not live outside the translation layer."""
+    tree = ast.parse(path.read_text(), str(path))
+    docstrings = set()
+    for node in ast.walk(tree):
+        if isinstance(node, (ast.Module, ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef)) and node.body:
+            first = node.body[0]
+            if isinstance(first, ast.Expr) and isinstance(first.value, ast.Constant):
+                docstrings.add(id(first.value))
+    return [
+        node.value
+        for node in ast.walk(tree)
+        if isinstance(node, ast.Constant) and isinstance(node.value, str) and id(node) not in docstrings
+    ]
+
+
+def _names_in(text: str) -> set[str]:
+    import re
+
+    return {n for n in MINDSPEED_NAMES if re.search(rf"(?<![\w-]){re.escape(n)}(?![\w-])", text)}
+
+
+def test_only_the_translation_layer_names_mindspeed_keys():
+    """Only ``lightning_mm/mindspeed/`` names MindSpeed MM's keys and flags (DESIGN.md: one translation layer)."""
+    found = {
+        name: sorted(set().union(*(_names_in(s) for s in _string_literals(path))))
+        for name, path in _modules().items()
+        if not (name == TRANSLATION or name.startswith(TRANSLATION + "."))
+    }
+    wrong = {name: keys for name, keys in found.items() if keys and name not in STILL_NAMING}
+    assert not wrong, "MindSpeed MM names outside lightning_mm/mindspeed/: " + repr(wrong)
+    assert not [name for name in STILL_NAMING if not found.get(name)], "stale STILL_NAMING entries"
+
+
+def test_the_key_check_sees_a_mindspeed_key():
+    assert _names_in("`gpt_args.lr`") == {"gpt_args"} and _names_in("--mm-data-x gpt_argsx") == set()
+    assert any("gpt_args" in s for s in _string_literals(PACKAGE / "mindspeed" / "load.py"))
+
+
+def test_the_translation_layer_imports_no_lightning_layer():
+    """``lightning_mm/mindspeed/`` imports only the core, checkpoint, Hugging Face and diffusers layers below it."""
+    wrong = [
+        f"{src} imports {dst}"
+        for src, targets in import_edges().items()
+        if src == TRANSLATION or src.startswith(TRANSLATION + ".")
+        for dst in targets
+        if layer_of(dst) > layer_of(TRANSLATION)
+    ]
+    assert not wrong, wrong

@@ -9,7 +9,9 @@ from pathlib import Path
 
 import yaml
 
-from lightning_mm.commands.migrate import STRATEGY_ARGS, migrate, parse_args
+from lightning_mm.mindspeed.flags import STRATEGY_ARGS
+from lightning_mm.mindspeed.launch_script import parse_args
+from lightning_mm.mindspeed.megatron_route import migrate
 
 ROOT = Path(__file__).resolve().parents[1]
 EXAMPLE = ROOT / "examples" / "migration"

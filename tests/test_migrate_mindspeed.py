@@ -16,8 +16,10 @@ import pytest
 import torch
 import yaml
 
-from lightning_mm.commands.migrate import TRANSFORMERS_MODULE, migrate, migrate_yaml, parse_args
-from lightning_mm.hf.mindspeed_model import (
+from lightning_mm.mindspeed.flags import TRANSFORMERS_MODULE
+from lightning_mm.mindspeed.launch_script import parse_args
+from lightning_mm.mindspeed.megatron_route import migrate, migrate_yaml
+from lightning_mm.mindspeed.model_config import (
     DERIVED_MODEL_IDS,
     FREEZE_PATHS,
     MODEL_IDS,

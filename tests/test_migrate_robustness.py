@@ -7,7 +7,8 @@ import time
 import pytest
 
 from lightning_mm.cli import main as cli_main
-from lightning_mm.commands.launch_script import MAX_EXPANDED_BYTES, MigrateError, parse_script
+from lightning_mm.mindspeed.keys import MindSpeedConfigError as MigrateError
+from lightning_mm.mindspeed.launch_script import MAX_EXPANDED_BYTES, parse_script
 
 LAUNCH = "torchrun --nproc_per_node 2 train.py --lr 1e-4\n"
 

@@ -5,7 +5,9 @@ from pathlib import Path
 
 import pytest
 
-from lightning_mm.commands.migrate import FLAGS, MEGATRON_MODEL_FLAGS, STRATEGY_ARGS, migrate, parse_args
+from lightning_mm.mindspeed.flags import FLAGS, MEGATRON_MODEL_FLAGS, STRATEGY_ARGS
+from lightning_mm.mindspeed.launch_script import parse_args
+from lightning_mm.mindspeed.megatron_route import migrate
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -137,7 +139,7 @@ def test_a_bad_number_is_reported_not_raised():
 
 
 def test_a_new_flag_is_one_table_line(monkeypatch):
-    from lightning_mm.commands.migrate import _refuse, _strategy_arg, _to
+    from lightning_mm.mindspeed.flags import _refuse, _strategy_arg, _to
 
     with pytest.raises(ValueError, match="no `stop_timeoutt` argument"):
         _strategy_arg("stop_timeoutt", float)  # checked against the class's argument list when the table is built

@@ -22,8 +22,8 @@ from pathlib import Path
 import pytest
 import yaml
 
-from lightning_mm.commands.migrate import migrate_file
-from lightning_mm.commands.refusals import REASONS, Refused
+from lightning_mm.mindspeed.load import migrate_file
+from lightning_mm.mindspeed.refusals import REASONS, Refused
 
 ROOT = Path(__file__).resolve().parents[1]
 CORPUS = ROOT / "tests" / "data" / "mindspeed_corpus"
@@ -138,7 +138,7 @@ def test_shell_the_reader_cannot_run_is_named_and_keeps_the_rest(results):
     assert config["data"]["init_args"]["data_config"].endswith("examples/qwen2.5vl/data_72b.json")
     assert config["model"]["init_args"]["lr"] == 1e-5
     # a `<placeholder>` value (MASTER_ADDR=<master_ip_address>) is a word, not a redirection ending the command
-    from lightning_mm.commands.launch_script import parse_script
+    from lightning_mm.mindspeed.launch_script import parse_script
 
     launch = parse_script((CORPUS / "examples/qwen3omni/finetune_qwen3omni.sh").read_text())
     assert launch.script == "pretrain_transformers.py" and len(launch.flags) > 40
@@ -147,8 +147,8 @@ def test_shell_the_reader_cannot_run_is_named_and_keeps_the_rest(results):
 
 
 def test_native_route_scripts_take_the_native_route(results, tree):
-    from lightning_mm.commands.migrate import _load_yaml
-    from lightning_mm.commands.native_route import migrate_native
+    from lightning_mm.mindspeed.files import load_yaml as _load_yaml
+    from lightning_mm.mindspeed.native_route import migrate_native
 
     outcome, report, result = results["examples/qwen3_5/finetune_qwen3_5_35B.sh"]
     assert outcome == "migrates"
@@ -307,8 +307,8 @@ def test_the_cli_migrates_a_corpus_script_from_the_checkout(tree, capsys):
 def test_newer_upstream_keys_are_named_with_what_they_would_need(tree):
     """Keys of newer MindSpeed MM versions (most are not in 57069cd5: ``git grep`` finds no swap_plan,
     op_replay_scopes, enable_grad_norm_overlap or KV-all-gather size there) added to a shipped native config."""
-    from lightning_mm.commands.migrate import _load_yaml
-    from lightning_mm.commands.native_route import migrate_native
+    from lightning_mm.mindspeed.files import load_yaml as _load_yaml
+    from lightning_mm.mindspeed.native_route import migrate_native
 
     path = tree / "examples/qwen3vl/qwen3vl_30B_config_v1.yaml"
     data = _load_yaml(path)
@@ -368,13 +368,12 @@ def _mindspeed_global_batch(native: dict, world: int) -> int:
 
 
 def test_native_route_scripts_record_mindspeeds_global_batch_at_their_world_size(results, tree):
-    from lightning_mm.commands.launch_script import parse_script
-    from lightning_mm.commands.migrate import _load_yaml
-    from lightning_mm.commands.native_route import NativeMigration
+    from lightning_mm.mindspeed.files import load_yaml as _load_yaml
+    from lightning_mm.mindspeed.launch_script import parse_script
 
     checked = 0
     for name, (outcome, _report, result) in results.items():
-        if outcome != "migrates" or not name.endswith(".sh") or not isinstance(result, NativeMigration):
+        if outcome != "migrates" or not name.endswith(".sh") or result.route != "native":
             continue
         launch = parse_script((CORPUS / name).read_text())
         nproc, nnodes = launch.launcher.get("nproc_per_node", ""), launch.launcher.get("nnodes", "1")
@@ -391,7 +390,7 @@ def test_native_route_scripts_record_mindspeeds_global_batch_at_their_world_size
 
 
 def test_world_size_is_refused_where_migrate_would_ignore_or_contradict_it(tree):
-    from lightning_mm.commands.launch_script import MigrateError
+    from lightning_mm.mindspeed.keys import MindSpeedConfigError as MigrateError
 
     with _cwd(tree):
         with pytest.raises(MigrateError, match="--world-size is read for a native-route config only"):

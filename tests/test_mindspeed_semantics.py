@@ -111,8 +111,8 @@ def test_shipped_qwen3_5_122b_config_plans_at_its_world_size(tmp_path):
     ],
 )
 def test_native_values_out_of_range_are_refused_naming_the_key(key, value, message, tmp_path):
-    from lightning_mm.commands.launch_script import MigrateError
-    from lightning_mm.commands.native_route import migrate_native
+    from lightning_mm.mindspeed.keys import MindSpeedConfigError as MigrateError
+    from lightning_mm.mindspeed.native_route import migrate_native
 
     native = yaml.safe_load((DATA / QWEN3_5_122B).read_text())
     native["training"][key] = value
@@ -122,7 +122,7 @@ def test_native_values_out_of_range_are_refused_naming_the_key(key, value, messa
 
 
 def test_native_numbers_written_as_strings_are_read_as_mindspeed_mm_reads_them(tmp_path):
-    from lightning_mm.commands.native_route import migrate_native
+    from lightning_mm.mindspeed.native_route import migrate_native
 
     native = yaml.safe_load((DATA / QWEN3_5_122B).read_text())
     native["training"].update(lr="1e-5", train_iters=100, lr_warmup_ratio=0.25)  # YAML reads 1e-5 as a string
@@ -140,8 +140,9 @@ def test_native_numbers_written_as_strings_are_read_as_mindspeed_mm_reads_them(t
     ],
 )
 def test_launch_flags_out_of_range_are_refused_naming_the_flag(flag, value, message):
-    from lightning_mm.commands.launch_script import Launch, MigrateError
-    from lightning_mm.commands.migrate import migrate as migrate_launch
+    from lightning_mm.mindspeed.keys import MindSpeedConfigError as MigrateError
+    from lightning_mm.mindspeed.launch_script import Launch
+    from lightning_mm.mindspeed.megatron_route import migrate as migrate_launch
 
     with pytest.raises(MigrateError, match=re.escape(message)):
         migrate_launch(Launch(flags=[("--lr", "1e-5"), (flag, value)]))
@@ -168,9 +169,9 @@ model:
 def test_lora_args_of_the_megatron_route_become_the_lora_block(tmp_path):
     """MindSpeed MM's ``lora_args`` (examples/qwen3vl/qwen3vl_lora_sft_30B.yaml: a comma-separated target list,
     PEFT's LoraConfig built from lora_r / lora_alpha / lora_dropout) -> TransformersModel's ``lora``."""
-    from lightning_mm.commands.launch_script import MigrateError
-    from lightning_mm.commands.migrate import migrate_yaml
     from lightning_mm.hf.lora import LoRAConfig
+    from lightning_mm.mindspeed.keys import MindSpeedConfigError as MigrateError
+    from lightning_mm.mindspeed.megatron_route import migrate_yaml
 
     (tmp_path / "hf").mkdir()
     (tmp_path / "hf" / "config.json").write_text('{"model_type": "qwen3_vl"}')
@@ -231,7 +232,7 @@ def test_a_neat_packing_data_config_migrates_to_a_config_the_data_module_accepts
     """A data config with ``neat_packing`` is a token budget of cutoff_len per packed row: the micro-batch size
     is not written beside it (MMDataModule refuses a batch_size with a token budget)."""
     from lightning_mm import MMDataModule
-    from lightning_mm.commands.migrate import migrate_yaml
+    from lightning_mm.mindspeed.megatron_route import migrate_yaml
 
     (tmp_path / "records.jsonl").write_text("")
     path = tmp_path / "job.yaml"
@@ -361,7 +362,7 @@ def test_load_of_pretrained_weights_is_not_a_resume(tmp_path):
     """``--load`` of a Hugging Face directory (a converted model) is the starting weights, not "resume from
     --save" (two jobs sharing a save directory would resume each other); only ``--load`` equal to ``--save``
     resumes the job's own checkpoints."""
-    from lightning_mm.commands.migrate import migrate_yaml
+    from lightning_mm.mindspeed.megatron_route import migrate_yaml
 
     (tmp_path / "hf").mkdir()
     (tmp_path / "hf" / "config.json").write_text('{"model_type": "qwen3_vl"}')
@@ -440,7 +441,7 @@ def test_migrated_lora_and_chunked_loss_config_trains_like_peft(tmp_path, capsys
 def test_a_native_config_at_its_launch_world_size_records_mindspeeds_global_batch(tmp_path):
     """Given the launch's world size (16 NPUs for the Qwen3-VL-30B config), the native route records MindSpeed MM's
     global batch there: micro_batch_size x data-parallel ranks x gradient_accumulation_steps."""
-    from lightning_mm.commands.native_route import migrate_native
+    from lightning_mm.mindspeed.native_route import migrate_native
 
     name = "qwen3vl__qwen3vl_30B_config_v1.yaml"
     native = yaml.safe_load((DATA / name).read_text())

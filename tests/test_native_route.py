@@ -19,6 +19,8 @@ import yaml
 
 from lightning_mm.commands import migrate
 from lightning_mm.core.config import FSDP2Config, FSDP2ConfigError
+from lightning_mm.mindspeed.keys import MindSpeedConfigError
+from lightning_mm.mindspeed.load import fsdp2_config as load_fsdp2_config
 
 DATA = Path(__file__).resolve().parent / "data" / "mindspeed_native"
 GOLDEN = DATA / "golden"
@@ -72,7 +74,7 @@ def _migrate(name: str, tmp_path: Path, capsys) -> tuple[str, str]:
             [str(DATA / name), "-o", str(out), "--base-dir", str(tmp_path), "--world-size", str(WORLD_SIZES[name])]
         )
         written = out.read_text()
-    except migrate.MigrateError as err:
+    except MindSpeedConfigError as err:
         written = f"# migrate refused the file: {err}\n"
     report = capsys.readouterr().err
 
@@ -138,7 +140,7 @@ def test_the_report_names_keys_mindspeed_cannot_use_here():
     data["parallel"].update(ring_attention_size=2, ulysses_parallel_size=2, data_parallel_size=4)
     data["parallel"]["tp_plan"] = {"sequence_parallel": ["model.language_model.norm"]}
     data["features"]["enable_activation_offload"] = True
-    from lightning_mm.commands.native_route import migrate_native
+    from lightning_mm.mindspeed.native_route import migrate_native
 
     result = migrate_native(DATA / "x.yaml", data)
     unmapped = "\n".join(result.unmapped)
@@ -152,7 +154,7 @@ def test_the_report_names_keys_mindspeed_cannot_use_here():
 def test_lora_packing_async_save_and_hf_format_are_written_under_the_agreed_names(tmp_path):
     """Keys no shipped config turns on, checked as data: the written config uses the option names of the chunked
     loss, packing, async save and the HF checkpoint format."""
-    from lightning_mm.commands.native_route import migrate_native
+    from lightning_mm.mindspeed.native_route import migrate_native
 
     data = _native("qwen3_5__qwen3_5_4B_config.yaml")
     data["training"].update(
@@ -163,7 +165,7 @@ def test_lora_packing_async_save_and_hf_format_are_written_under_the_agreed_name
     )
     data["data"]["dataset_param"]["basic_parameters"].update(neat_packing=True, cutoff_len=4096)
     data["parallel"]["ulysses_parallel_size"] = 2
-    from lightning_mm.commands.launch_script import MigrateError
+    from lightning_mm.mindspeed.keys import MindSpeedConfigError as MigrateError
 
     with pytest.raises(MigrateError, match=r"`training.save_format: hf` with `training.lora`: .* use save_format dcp"):
         migrate_native(DATA / "x.yaml", data, base_dir=tmp_path)  # fails before compute, not at the first save
@@ -208,7 +210,7 @@ def test_parallel_section_and_whole_config_give_the_migrated_fsdp2_config(tmp_pa
     data = _native(name)
     whole = MMFSDP2Strategy(fsdp2_config=data).fsdp2_config
     from_file = MMFSDP2Strategy(fsdp2_config=str(DATA / name)).fsdp2_config
-    section = FSDP2Config.load(
+    section = load_fsdp2_config(
         {**data["parallel"], "recompute": True, "recompute_plan": data["features"]["recompute_plan"]}
     )
     assert whole == from_file == section == eighteen
@@ -225,8 +227,8 @@ def test_equal_plans_from_the_native_and_the_18_key_forms(tmp_path):
     model = tiny_moe_model("qwen3_vl_moe")
     parallel = {**_native("st__finetune_qwen3vl_30B__qwen3vl_30B_config_v1.yaml")["parallel"]}
     parallel["expert_parallel_size"] = 2
-    native = FSDP2Config.load(parallel)
-    eighteen = FSDP2Config.load(
+    native = load_fsdp2_config(parallel)
+    eighteen = load_fsdp2_config(
         {
             "sharding_size": "auto",
             "sub_modules_to_wrap": parallel["fsdp_plan"]["apply_modules"],
@@ -272,7 +274,7 @@ def test_equal_plans_from_the_native_and_the_18_key_forms(tmp_path):
 )
 def test_bad_parallel_sections_are_errors_naming_the_key(section, message):
     with pytest.raises(FSDP2ConfigError) as err:
-        FSDP2Config.load(section)
+        load_fsdp2_config(section)
     assert message in str(err.value)
 
 
@@ -284,13 +286,13 @@ def test_a_whole_native_file_names_the_file_and_section_in_errors(tmp_path):
         match=r"`parallel\.fsdp_plan\.reshard_after_forwad` in .*native\.yaml; "
         r"did you mean `parallel\.fsdp_plan\.reshard_after_forward`",
     ):
-        FSDP2Config.load(str(path))
+        load_fsdp2_config(str(path))
 
 
 def test_speed_only_keys_warn_by_name():
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        FSDP2Config.load({"fsdp_plan": {"pregather": True, "apply_modules": ["layers.{*}"]}})
+        load_fsdp2_config({"fsdp_plan": {"pregather": True, "apply_modules": ["layers.{*}"]}})
     assert any("fsdp_plan.pregather" in str(w.message) for w in caught)
 
 
@@ -299,7 +301,7 @@ def test_speed_only_keys_warn_by_name():
 def test_every_config_resolves_for_its_world_size(name):
     """From the config alone (the models are too big to build, most have no adapter here): the migrated FSDP2
     config's shard group and expert-parallel size fit the launch script's world size."""
-    from lightning_mm.commands.native_route import migrate_native
+    from lightning_mm.mindspeed.native_route import migrate_native
 
     result = migrate_native(DATA / name, _native(name))
     config = FSDP2Config.from_dict(result.config["trainer"]["strategy"]["init_args"]["fsdp2_config"])
@@ -381,7 +383,7 @@ DENSE = "qwen3_5__qwen3_5_4B_config.yaml"  # the dense VLM
 def test_the_report_says_which_configs_cannot_train_here(name, tmp_path):
     """An architecture with an adapter is its ModelHub key; Qwen3.5 / Qwen3.6 (a Transformers class, its plan
     derived) leave model_id out, said in the mapped items; any other is NOT mapped, by name, model_id left out."""
-    from lightning_mm.commands.native_route import DERIVED_MODEL_IDS, NATIVE_MODEL_IDS, migrate_native
+    from lightning_mm.mindspeed.native_route import DERIVED_MODEL_IDS, NATIVE_MODEL_IDS, migrate_native
 
     data = _native(name)
     result = migrate_native(DATA / name, data, base_dir=tmp_path)
@@ -728,7 +730,7 @@ def test_native_tensor_parallel_size_and_tp_plan_migrate_onto_the_fsdp2_keys():
     """MindSpeed MM's ``parallel.tensor_parallel_size`` / ``tp_plan`` (``mindspeed_mm/fsdp/params/parallel_args.py``
     ``TPPlanConfig``: module-pattern lists per style) become ``tensor_parallel_size`` and a Transformers-notation
     ``tp_plan``; the section given to the strategy directly reads the same."""
-    from lightning_mm.commands.native_route import migrate_native
+    from lightning_mm.mindspeed.native_route import migrate_native
 
     data = yaml.safe_load((DATA / "qwen3vl__qwen3vl_30B_config_v1.yaml").read_text())
     layers = "model.language_model.layers.{*}"
@@ -752,8 +754,36 @@ def test_native_tensor_parallel_size_and_tp_plan_migrate_onto_the_fsdp2_keys():
     assert "parallel.tensor_parallel_size -> fsdp2_config.tensor_parallel_size: 2" in "\n".join(result.mapped)
     config = FSDP2Config.from_dict(fsdp2)
     assert (config.tensor_parallel_size, config.tp_plan) == (2, plan)
-    direct = FSDP2Config.load(data)  # the whole native config given to MMFSDP2Strategy(fsdp2_config=...)
+    direct = load_fsdp2_config(data)  # the whole native config given to MMFSDP2Strategy(fsdp2_config=...)
     assert (direct.tensor_parallel_size, direct.tp_plan) == (2, plan)
     # a plan without tensor parallelism is not applied, as in MindSpeed MM (apply_tp_modules returns at size 1)
     data["parallel"]["tensor_parallel_size"] = 1
-    assert FSDP2Config.load(data).tp_plan is None
+    assert load_fsdp2_config(data).tp_plan is None
+
+
+def test_the_core_config_knows_only_its_own_keys_and_the_entry_reads_the_native_form():
+    """issue #36: FSDP2Config is this project's schema alone; MindSpeed MM's `parallel:` section is read by the
+    translation layer's entry, which MMFSDP2Strategy(fsdp2_config=...) calls."""
+    section = {"fully_shard_parallel_size": "auto", "fsdp_plan": {"apply_modules": ["layers.{*}"]}}
+    with pytest.raises(FSDP2ConfigError, match="unknown FSDP2 config key `fully_shard_parallel_size`"):
+        FSDP2Config.from_dict(section)
+    assert load_fsdp2_config(section).sub_modules_to_wrap == ["layers.{*}"]
+
+
+@pytest.mark.parametrize(
+    ("content", "kind"),
+    [
+        ({"trainer": {}, "model": {}, "data": {}}, "lightning-mm"),
+        ({"parallel": {}, "model": {}, "data": {}}, "native"),
+        ({"fsdp_plan": {}}, "native-parallel"),
+        ({"gpt_args": {}, "parallel": {}}, "single-yaml"),
+        ({"dataset_param": {}}, "data"),
+        ({"model_id": "qwen2_5vl"}, "model"),
+        ({"zero3_size": 8, "param_dtype": "bf16"}, "layerzero"),
+        ({"sub_modules_to_wrap": []}, "fsdp2"),
+    ],
+)
+def test_one_entry_tells_each_format(content, kind):
+    from lightning_mm.mindspeed.load import detect
+
+    assert detect(content) == kind

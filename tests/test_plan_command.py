@@ -66,3 +66,24 @@ def test_planning_a_cli_config_leaves_the_process_seed_and_environment_alone(tmp
     assert plan_from_cli_config(["--config", str(config)])  # the whole command too
     assert os.environ.get("PL_GLOBAL_SEED") == before[0]
     assert (random.random(), torch.rand(1)) == expected
+
+
+@pytest.mark.parametrize(
+    ("name", "text", "kind"),
+    [
+        ("native.yaml", "parallel:\n  fully_shard_parallel_size: auto\nmodel: {}\n", "native"),
+        ("single.yaml", "gpt_args:\n  lr: 1.0e-5\n", "single-yaml"),
+        ("model.json", '{"model_id": "qwen2_5vl"}', "model"),
+        ("run.sh", "torchrun pretrain_vlm.py --mm-data data.json\n", "launch script"),
+    ],
+)
+def test_plan_refuses_a_mindspeed_file_and_says_to_migrate_it(tmp_path, name, text, kind):
+    """The format is told by lightning_mm.mindspeed.load (issue #36): a MindSpeed MM file given to `plan --config`
+    is one sentence naming it and the `migrate` command, before anything is built."""
+    from lightning_mm.commands.plan import main
+    from lightning_mm.mindspeed.keys import MindSpeedConfigError
+
+    path = tmp_path / name
+    path.write_text(text)
+    with pytest.raises(MindSpeedConfigError, match=rf"is a MindSpeed MM {kind} file.*lightning-mm migrate {path}"):
+        main(["--config", str(path), "--world-size", "2"])

@@ -225,6 +225,13 @@ def main(argv: Sequence[str]) -> int:
         parser.error("give the LightningCLI config, e.g. --config cfg.yaml")
     if args.world_size is not None and args.world_size < 1:
         parser.error("--world-size must be positive")
+    from lightning_mm.mindspeed.load import require_lightning_mm_config
+
+    for i, arg in enumerate(rest):  # MindSpeed MM's own files are migrated first, with a sentence saying so
+        if arg.startswith("--config="):
+            require_lightning_mm_config(arg.split("=", 1)[1], "plan")
+        elif arg in ("--config", "-c") and i + 1 < len(rest):
+            require_lightning_mm_config(rest[i + 1], "plan")
     print(plan_from_cli_config(rest, args.world_size, args.optimizer_states, args.trace_order, args.seq_length))
     return 0
 

@@ -166,18 +166,14 @@ class FSDP2Config(_ExplicitKeys):
     def from_dict(cls, data: Mapping[str, Any], source: str | None = None) -> FSDP2Config:
         """Build a config from a mapping; unknown keys are an error suggesting the nearest valid key.
 
-        MindSpeed MM's native-route layout is accepted too: its ``parallel:`` section, or a whole six-section config
-        (see :mod:`lightning_mm.core.native_config`); both give the FSDP2Config of the same plan.
+        Only this project's keys: MindSpeed MM's native ``parallel:`` section (or a whole native config) is read by
+        :func:`lightning_mm.mindspeed.load.fsdp2_config`, which ``MMFSDP2Strategy(fsdp2_config=...)`` calls.
         """
         where = f" in {source}" if source else ""
         if not isinstance(data, Mapping):
             raise FSDP2ConfigError(
                 f"FSDP2 config{where} must be a mapping of keys to values, got {type(data).__name__}"
             )
-        from lightning_mm.core.native_config import fsdp2_config_from_native, native_layout
-
-        if native_layout(data) is not None:  # MindSpeed MM's native route: its `parallel:` section (or whole config)
-            return fsdp2_config_from_native(cls, FSDP2ConfigError, data, source)
         known = [f.name for f in fields(cls) if f.name != "source"]
         unknown = find_unknown_key(data, known)
         if unknown is not None:

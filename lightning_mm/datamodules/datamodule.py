@@ -95,15 +95,19 @@ class MMDataModule(L.LightningDataModule):
         }
         self.mindspeed_config = None
         if data_config is not None:
-            from lightning_mm.datamodules.data_config import DataConfig
-            from lightning_mm.datamodules.mindspeed_data import read_data_file
+            from lightning_mm.datamodules.data_config import DataConfig, DataConfigError
+            from lightning_mm.mindspeed.load import data_file_format
 
-            # A MindSpeed MM data config (dataset_param/dataloader_param, at the top or under `data:`), else native.
-            self.mindspeed_config = read_data_file(data_config)  # fails now, naming the key, if the file is wrong
-            if self.mindspeed_config is None:
+            # One entry tells the format: a MindSpeed MM data config (dataset_param/dataloader_param, at the top or
+            # under `data:`), else this project's. Either fails now, naming the key, if the file is wrong.
+            if data_file_format(data_config, DataConfigError) == "lightning-mm":
                 self.config = DataConfig.from_file(data_config)
                 settings.update({k: getattr(self.config.loader, k) for k in settings})
             else:
+                from lightning_mm.datamodules.mindspeed_data import read_data_file
+
+                self.mindspeed_config = read_data_file(data_config)
+                assert self.mindspeed_config is not None  # the format was told above
                 settings.update({k: getattr(self.mindspeed_config, k) for k in ("shuffle", "drop_last", "pin_memory")})
                 if self.mindspeed_config.num_workers is not None:
                     settings["num_workers"] = self.mindspeed_config.num_workers

@@ -27,6 +27,7 @@ from lightning_mm._yaml import load_mapping, short_repr
 from lightning_mm.datamodules.data_config import DataConfigError
 from lightning_mm.datamodules.mindspeed_keys import check_keys, strict_or_warn
 from lightning_mm.datamodules.records import DataReport
+from lightning_mm.mindspeed.keys import KeyReader
 
 __all__ = ["MindSpeedDataConfig", "read_data_file", "parse_section", "build_datasets"]
 
@@ -81,31 +82,26 @@ class MindSpeedDataConfig:
 
 
 def read_data_file(path: str | os.PathLike) -> MindSpeedDataConfig | None:
-    """The MindSpeed MM data config in ``path``, or ``None`` when the file has the native layout."""
+    """The MindSpeed MM data config in ``path``, or ``None`` when the file is this project's own data config (the
+    format is told by :func:`lightning_mm.mindspeed.load.data_section`)."""
+    from lightning_mm.mindspeed.load import data_section
+
     path = Path(path)
     if not path.is_file():
         raise FileNotFoundError(f"data config not found: {path}")
-    data = load_mapping(path, error=DataConfigError)
-    section, prefix = data, ""
-    if "dataset_param" not in data and "dataloader_param" not in data:
-        inner = data.get("data")
-        if not (isinstance(inner, Mapping) and ("dataset_param" in inner or "dataloader_param" in inner)):
-            return None
-        section, prefix = dict(inner), "data."
-    return parse_section(section, source=str(path), prefix=prefix, base_dir=Path.cwd())
+    found = data_section(load_mapping(path, error=DataConfigError))
+    if found is None:
+        return None
+    section, prefix = found
+    return parse_section(dict(section), source=str(path), prefix=prefix, base_dir=Path.cwd())
 
 
-def _fail(source: str, key: str, message: str) -> DataConfigError:
-    return DataConfigError(f"{source}: `{key}`: {message}")
+def _fail(source: str, key: str, message: str) -> Exception:
+    return KeyReader(source, error=DataConfigError).fail(key, message)
 
 
 def _bool(data: Mapping, key: str, default: bool, prefix: str, source: str) -> bool:
-    value = data.get(key, default)
-    if value is None:
-        return default
-    if not isinstance(value, bool):
-        raise _fail(source, prefix + key, f"expected true or false, got {short_repr(value)}")
-    return value
+    return KeyReader(source, prefix, DataConfigError).flag(data.get(key, default), key, default)
 
 
 def parse_section(

@@ -20,6 +20,7 @@ from lightning_mm.datamodules.chat_dataset import ChatAttr, ChatDataset, read_ch
 from lightning_mm.datamodules.data_config import DataConfigError
 from lightning_mm.datamodules.mindspeed_keys import check_keys, strict_or_warn
 from lightning_mm.datamodules.records import DataError, DataReport
+from lightning_mm.mindspeed.keys import KeyReader
 
 __all__ = ["build_huggingface_datasets", "packing_settings"]
 
@@ -214,20 +215,11 @@ def _int(
     section: Mapping[str, Any], key: str, default: int | None, prefix: str, source: str, low: int = 0
 ) -> int | None:
     value = section.get(key, default)
-    if value is None:
-        return None
-    if isinstance(value, bool) or not isinstance(value, int) or value < low:
-        raise DataConfigError(f"{source}: `{prefix}{key}`: expected an integer >= {low}, got {short_repr(value)}")
-    return value
+    return None if value is None else KeyReader(source, prefix, DataConfigError).int_at_least(value, key, low)
 
 
 def _flag(section: Mapping[str, Any], key: str, default: bool, prefix: str, source: str) -> bool:
-    value = section.get(key, default)
-    if value is None:
-        return default
-    if not isinstance(value, bool):
-        raise DataConfigError(f"{source}: `{prefix}{key}`: expected true or false, got {short_repr(value)}")
-    return value
+    return KeyReader(source, prefix, DataConfigError).flag(section.get(key, default), key, default)
 
 
 def _attr(section: Mapping[str, Any], prefix: str, source: str) -> ChatAttr:
@@ -278,6 +270,56 @@ def _video_processor(template: Any, model_dir: Path, model_type: str) -> tuple[A
 
 
 # ----------------------------------------------------------------------------------------------- builder
+def _chat_template(base: Path, basic: Mapping[str, Any], bp: str, source: str) -> str | None:
+    """``basic_parameters.chat_template``: a Jinja file (at most 1 MiB of UTF-8) that MindSpeed MM's FSDP trainer
+    renders the conversations with, before ``template``."""
+    if basic.get("chat_template") is None:
+        return None
+    chat_file = _path(base, basic["chat_template"], bp + "chat_template", source, "file")
+    with open(chat_file, "rb") as handle:
+        raw = handle.read((1 << 20) + 1)
+    try:
+        chat_template = raw.decode("utf-8")
+    except UnicodeDecodeError:
+        raise DataConfigError(f"{source}: `{bp}chat_template`: {chat_file} is not UTF-8 text") from None
+    if len(raw) > 1 << 20:
+        raise DataConfigError(f"{source}: `{bp}chat_template`: {chat_file} is larger than 1 MiB")
+    if basic.get("template") is not None:
+        rank_zero_info(
+            f"{source}: `{bp}template` is not used: `{bp}chat_template` {chat_file} renders the "
+            "conversations (as in MindSpeed MM)"
+        )
+    return chat_template
+
+
+def _sample_builder(
+    processor: Any,
+    name: Any,
+    template: Any,
+    chat_template: str | None,
+    settings: dict[str, Any],
+    preprocess: tuple[Mapping[str, Any], str, str],
+    model_dir: Path,
+    model_type: str,
+) -> tuple[Any, str | None]:
+    """The sample builder of the dataset and the note on videos: MindSpeed MM's own template (its samples, built as
+    it builds them) or the model's own chat template (``template: null``, or a ``chat_template`` file)."""
+    from lightning_mm.hf.chat_samples import ChatSampleBuilder
+    from lightning_mm.hf.mindspeed_samples import MINDSPEED_FORMATS, MindSpeedSampleBuilder
+
+    if name in MINDSPEED_FORMATS:
+        video, video_note = _video_processor(MINDSPEED_FORMATS[name], model_dir, model_type)
+        builder = MindSpeedSampleBuilder(
+            processor, MINDSPEED_FORMATS[name], **settings, **_video_settings(*preprocess), video_processor=video
+        )
+        return builder, video_note
+    note = (
+        "videos are built only with MindSpeed MM's templates here (basic_parameters.template: qwen2vl, "
+        "qwen3_vl, qwen3_vl_nothink, qwen3_6 or qwen2_omni), not with the model's own chat template"
+    )
+    return ChatSampleBuilder(processor, template, chat_template=chat_template, **settings), note
+
+
 def build_huggingface_datasets(
     dataset_param: Mapping[str, Any],
     collate_param: Mapping[str, Any],
@@ -290,8 +332,7 @@ def build_huggingface_datasets(
 ) -> tuple[dict[str, Dataset | None], Callable[[list[dict]], dict], dict[str, DataReport]]:
     """``({"train", "val", "test"}, collate_fn, reports)`` of a ``dataset_type: huggingface`` dataset_param."""
     from lightning_mm.hf.chat_collate import ChatCollator
-    from lightning_mm.hf.chat_samples import ChatSampleBuilder, template_for
-    from lightning_mm.hf.mindspeed_samples import MINDSPEED_FORMATS, MindSpeedSampleBuilder
+    from lightning_mm.hf.chat_samples import template_for
     from lightning_mm.hf.vlm_processor import ProcessorLoadError, load_vlm_processor
 
     dp = prefix + "dataset_param."
@@ -315,22 +356,7 @@ def build_huggingface_datasets(
     if not config_file.is_file():
         raise DataConfigError(f"{source}: `{pp}model_name_or_path`: no config.json in {model_dir}")
     model_type = load_mapping(config_file, error=DataConfigError).get("model_type")
-    chat_template = None
-    if basic.get("chat_template") is not None:  # MindSpeed MM's FSDP trainer: a file, before `template`
-        chat_file = _path(base, basic["chat_template"], bp + "chat_template", source, "file")
-        with open(chat_file, "rb") as handle:
-            raw = handle.read((1 << 20) + 1)
-        try:
-            chat_template = raw.decode("utf-8")
-        except UnicodeDecodeError:
-            raise DataConfigError(f"{source}: `{bp}chat_template`: {chat_file} is not UTF-8 text") from None
-        if len(raw) > 1 << 20:
-            raise DataConfigError(f"{source}: `{bp}chat_template`: {chat_file} is larger than 1 MiB")
-        if basic.get("template") is not None:
-            rank_zero_info(
-                f"{source}: `{bp}template` is not used: `{bp}chat_template` {chat_file} renders the "
-                "conversations (as in MindSpeed MM)"
-            )
+    chat_template = _chat_template(base, basic, bp, source)
     try:
         template = template_for(None if chat_template is not None else basic.get("template"), model_type)
     except ValueError as err:
@@ -371,24 +397,10 @@ def build_huggingface_datasets(
         raise DataConfigError(f"{source}: `{pp}model_name_or_path`: the tokenizer in {model_dir} has no pad token")
     name = None if chat_template is not None else basic.get("template")
     settings: dict[str, Any] = dict(image_min_pixels=min_pixels, image_max_pixels=max_pixels, cutoff_len=cutoff_len)
-    builder: ChatSampleBuilder | MindSpeedSampleBuilder
-    video_note: str | None
-    if name in MINDSPEED_FORMATS:  # MindSpeed MM's own template: its samples, built as it builds them
-        video, video_note = _video_processor(MINDSPEED_FORMATS[name], model_dir, str(model_type))
-        builder = MindSpeedSampleBuilder(
-            processor,
-            MINDSPEED_FORMATS[name],
-            **settings,
-            **flags,
-            **_video_settings(pre, pp, source),
-            video_processor=video,
-        )
-    else:  # the model's own chat template (template: null, or a chat_template file)
-        builder = ChatSampleBuilder(processor, template, chat_template=chat_template, **settings, **flags)
-        video_note = (
-            "videos are built only with MindSpeed MM's templates here (basic_parameters.template: qwen2vl, "
-            "qwen3_vl, qwen3_vl_nothink, qwen3_6 or qwen2_omni), not with the model's own chat template"
-        )
+    settings.update(flags)
+    builder, video_note = _sample_builder(
+        processor, name, template, chat_template, settings, (pre, pp, source), model_dir, str(model_type)
+    )
     splits: dict[str, Dataset | None] = dict.fromkeys(("train", "val", "test"))
     reports: dict[str, DataReport] = {}
     for split, files in splits_files.items():

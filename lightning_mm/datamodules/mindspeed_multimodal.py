@@ -47,6 +47,7 @@ from lightning_mm.hf.internvl_conversation import (
     assistant_labels,
     conversation_text,
 )
+from lightning_mm.mindspeed.keys import KeyReader
 
 __all__ = ["build_multimodal_datasets", "MultimodalSettings", "InternVLChatDataset", "InternVLCollator"]
 
@@ -157,32 +158,28 @@ class MultimodalSettings:
         return int((self.image_size // self.patch_size) ** 2 * (self.down_sample_ratio**2))
 
 
-class _Fail:
-    """Builds ``DataConfigError('<source>: `key`: message')``."""
+class _Fail(KeyReader):
+    """The key reader of a multimodal data config: ``fail(key, message)`` is ``DataConfigError('<source>: `key`:
+    message')``."""
 
     def __init__(self, source: str) -> None:
-        self.source = source
+        super().__init__(source, error=DataConfigError)
 
-    def __call__(self, key: str, message: str) -> DataConfigError:
-        return DataConfigError(f"{self.source}: `{key}`: {message}")
+    def __call__(self, key: str, message: str) -> Exception:
+        return self.fail(key, message)
 
-    def unknown(self, data: Mapping[str, Any], known: Sequence[str], prefix: str) -> None:
-        unknown = find_unknown_key(data, list(known), prefix)
+    def refuse_unknown(self, data: Mapping[str, Any], known: Sequence[str], prefix: str) -> None:
+        unknown = KeyReader(self.source, prefix).unknown(data, known)
         if unknown is not None:
             shown, hint = unknown
             raise DataConfigError(f"{self.source}: unknown key `{shown}`{hint}")
 
     def mapping(self, value: Any, key: str) -> dict[str, Any]:
-        if not isinstance(value, Mapping):
-            raise self(key, f"expected a mapping, got {short_repr(value)}")
-        return dict(value)
+        return dict(super().mapping(value, key))
 
 
 def _bool(data: Mapping[str, Any], key: str, fail: _Fail, prefix: str = "") -> bool:
-    value = data.get(key, _DEFAULTS.get(key, False))
-    if not isinstance(value, bool):
-        raise fail(prefix + key, f"expected true or false, got {short_repr(value)}")
-    return value
+    return fail.flag(data.get(key, _DEFAULTS.get(key, False)), prefix + key)
 
 
 def _positive_int(data: Mapping[str, Any], key: str, fail: _Fail, prefix: str = "") -> int:
@@ -215,7 +212,7 @@ def parse_settings(
             "set it in `basic_parameters` (MindSpeed MM replaces the top-level "
             "value with that of each basic_parameters entry)",
         )
-    fail.unknown(data, _TOP_KEYS, "dataset_param.")
+    fail.refuse_unknown(data, _TOP_KEYS, "dataset_param.")
     if data.get("dataset_type", "multimodal") != "multimodal":
         raise fail("dataset_param.dataset_type", f"expected 'multimodal', got {short_repr(data['dataset_type'])}")
     base = Path(base_dir).resolve()
@@ -279,7 +276,7 @@ def _parse_sources(value: Any, base: Path, fail: _Fail) -> tuple[DataSource, ...
                 prefix + "val_rate",
                 "MindSpeed MM splits off validation data only for dataset_type 'huggingface', not for 'multimodal'",
             )
-        fail.unknown(entry, _BASIC_KEYS, prefix)
+        fail.refuse_unknown(entry, _BASIC_KEYS, prefix)
         if entry.get("data_storage_mode", "standard") != "standard":
             mode = short_repr(entry["data_storage_mode"])
             raise fail(prefix + "data_storage_mode", f"only 'standard' is used by the multimodal dataset, got {mode}")
@@ -350,7 +347,7 @@ def _parse_pipeline(
 ) -> tuple[tuple[int, int, int] | None, int | None, tuple[tuple[float, ...], tuple[float, ...]] | None]:
     """(Pad2Square colour or None, Resize filter or None, (mean, std) or None) of ``train_pipeline.image``."""
     pre = fail.mapping(value, "dataset_param.preprocess_parameters")
-    fail.unknown(pre, _PREPROCESS_KEYS, "dataset_param.preprocess_parameters.")
+    fail.refuse_unknown(pre, _PREPROCESS_KEYS, "dataset_param.preprocess_parameters.")
     reader = pre.get("image_reader_type", "torchvision")
     if reader not in _IMAGE_READERS:
         raise fail(
@@ -366,7 +363,7 @@ def _parse_pipeline(
             where + ".video",
             "not used by MindSpeed MM's multimodal dataset (video frames go through the image pipeline)",
         )
-    fail.unknown(pipeline, ("image",), where + ".")
+    fail.refuse_unknown(pipeline, ("image",), where + ".")
     steps = pipeline.get("image")
     if not isinstance(steps, list):
         raise fail(where + ".image", f"expected a list of transforms, got {short_repr(steps)}")
@@ -378,7 +375,7 @@ def _parse_pipeline(
     for i, step in enumerate(steps):
         key = f"{where}.image.{i}"
         step = fail.mapping(step, key)
-        fail.unknown(step, _STEP_KEYS, key + ".")
+        fail.refuse_unknown(step, _STEP_KEYS, key + ".")
         kind = step.get("trans_type")
         if kind in _OTHER_STEPS:
             raise fail(
@@ -395,7 +392,7 @@ def _parse_pipeline(
             )
         seen.append(kind)
         param = fail.mapping(step.get("param") or {}, key + ".param")
-        fail.unknown(param, _STEP_PARAMS[kind], key + ".param.")
+        fail.refuse_unknown(param, _STEP_PARAMS[kind], key + ".param.")
         if kind == "Pad2Square":
             mean = _numbers(param.get("mean"), key + ".param.mean", fail)
             if not all(0 <= x <= 1 for x in mean):
@@ -453,7 +450,7 @@ def _parse_resize(param: Mapping[str, Any], image_size: int, dynamic: bool, padd
 def _parse_tokenizer_config(value: Any, base: Path, fail: _Fail) -> Path:
     where = "dataset_param.tokenizer_config"
     config = fail.mapping(value, where)
-    fail.unknown(config, _TOKENIZER_KEYS, where + ".")
+    fail.refuse_unknown(config, _TOKENIZER_KEYS, where + ".")
     if config.get("hub_backend", "hf") != "hf":
         raise fail(
             where + ".hub_backend", f"only 'hf' (Hugging Face) is supported, got {short_repr(config['hub_backend'])}"
@@ -484,7 +481,7 @@ def _parse_tokenizer_config(value: Any, base: Path, fail: _Fail) -> Path:
 def _parse_collate(value: Any, fail: _Fail) -> int:
     where = "dataloader_param.collate_param"
     param = fail.mapping(value, where)
-    fail.unknown(param, _COLLATE_KEYS, where + ".")
+    fail.refuse_unknown(param, _COLLATE_KEYS, where + ".")
     if param.get("model_name") != "internvl":
         raise fail(
             where + ".model_name",

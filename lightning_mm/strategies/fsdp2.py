@@ -151,7 +151,9 @@ class MMFSDP2Strategy(ParallelStrategy):
             checkpoint_io=checkpoint_io,
             precision_plugin=precision_plugin,
         )
-        self.sharded_run = ShardedRun(FSDP2Config.load(fsdp2_config) if fsdp2_config is not None else None)
+        from lightning_mm.mindspeed.load import fsdp2_config as read_fsdp2_config  # also MindSpeed MM's native form
+
+        self.sharded_run = ShardedRun(read_fsdp2_config(fsdp2_config) if fsdp2_config is not None else None)
         """The run's config, plan and applied sharding (Lightning-free)."""
         self.checkpoints = StrategyCheckpoints(
             checkpoint_format, save_ckpt_dtype, storage_options, async_save, strict_loading

@@ -6,7 +6,7 @@ Scripts are read the way Megatron launch scripts are written: ``VAR=value`` / ``
 
 Everything is bounded: the text is read once (linear time, whatever the quoting), expansion stops at
 :data:`MAX_EXPANDED_BYTES` / :data:`MAX_EXPANSIONS`, and binary or non-UTF-8 files are refused, each a one-line
-:class:`MigrateError` naming the file and line.
+:class:`MindSpeedConfigError` naming the file and line.
 """
 
 from __future__ import annotations
@@ -17,9 +17,11 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from lightning_mm.mindspeed.keys import MindSpeedConfigError
+
 __all__ = [
     "Launch",
-    "MigrateError",
+    "MindSpeedConfigError",
     "parse_script",
     "parse_args",
     "read_text_file",
@@ -42,10 +44,6 @@ UNEVALUATED = "{unevaluated:"
 """How a value that comes from shell the reader does not run reads after expansion: ``{unevaluated:NNODES}``."""
 _SHELL_KEYWORD = re.compile(r"^(source|\.|for|while|until|if|case|select|function)\s|^[A-Za-z_][\w-]*\s*\(\)\s*\{?")
 _FLAG_WORD = re.compile(r"(?<![\w-])--[A-Za-z][\w-]*")
-
-
-class MigrateError(ValueError):
-    """A launch, YAML or model config that ``lightning-mm migrate`` cannot read; the message names file and line."""
 
 
 @dataclass
@@ -79,7 +77,7 @@ class _Expander:
             value = env.get(match.group(1) or match.group(2), "")
             self.produced += len(value)
             if self.count > MAX_EXPANSIONS or self.produced > MAX_EXPANDED_BYTES:
-                raise MigrateError(
+                raise MindSpeedConfigError(
                     f"{self.source}:{line}: variable expansion grows past {MAX_EXPANDED_BYTES // 1024} KiB or "
                     f"{MAX_EXPANSIONS} substitutions (variables that repeat each other?); a launch script is small"
                 )
@@ -323,7 +321,7 @@ def _logical_lines(text: str, source: str) -> list[tuple[int, str]]:
         word_start = ch in " \t;|&("
         i += 1
     if quote:
-        raise MigrateError(f"{source}:{quote_line}: unterminated {quote} quote")
+        raise MindSpeedConfigError(f"{source}:{quote_line}: unterminated {quote} quote")
     joined = "".join(current).strip()
     if joined:
         lines.append((start, joined))
@@ -336,17 +334,17 @@ def read_text_file(path: Path, what: str) -> str:
         with open(path, "rb") as handle:
             raw = handle.read(MAX_SCRIPT_BYTES + 1)
     except OSError as err:
-        raise MigrateError(f"cannot read {what} {path}: {err.strerror or err}") from None
+        raise MindSpeedConfigError(f"cannot read {what} {path}: {err.strerror or err}") from None
     if len(raw) > MAX_SCRIPT_BYTES:
-        raise MigrateError(f"{path}: larger than {MAX_SCRIPT_BYTES >> 20} MiB; {what} is expected to be small")
+        raise MindSpeedConfigError(f"{path}: larger than {MAX_SCRIPT_BYTES >> 20} MiB; {what} is expected to be small")
     if b"\x00" in raw:
         line = raw[: raw.index(b"\x00")].count(b"\n") + 1
-        raise MigrateError(f"{path}:{line}: a binary file (NUL byte), not {what}")
+        raise MindSpeedConfigError(f"{path}:{line}: a binary file (NUL byte), not {what}")
     try:
         return raw.decode("utf-8-sig")
     except UnicodeDecodeError as err:
         line = raw[: err.start].count(b"\n") + 1
-        raise MigrateError(
+        raise MindSpeedConfigError(
             f"{path}:{line}: not UTF-8 text (byte 0x{raw[err.start]:02x}); {what} must be UTF-8"
         ) from None
 
@@ -432,15 +430,15 @@ def parse_script(text: str, source: str = "the launch script") -> Launch:
         elif _SHELL_KEYWORD.match(line):
             unevaluated.append(f"line {number}: {line[:120]} (not run: only assignments and the launch line are read)")
     if launch_line is None:
-        raise MigrateError("no `torchrun ... xxx.py` or `python ... xxx.py` launch line found in the script")
+        raise MindSpeedConfigError("no `torchrun ... xxx.py` or `python ... xxx.py` launch line found in the script")
     try:
         tokens = split_words(launch_line)
     except ValueError as err:
-        raise MigrateError(f"{source}:{launch_no}: cannot split the launch line: {err}") from None
+        raise MindSpeedConfigError(f"{source}:{launch_no}: cannot split the launch line: {err}") from None
     while tokens and not re.search(r"(^|/)(torchrun|python3?)$", tokens[0]):
         tokens.pop(0)  # e.g. `nohup`, environment prefixes
     if not tokens:
-        raise MigrateError(f"{source}:{launch_no}: no torchrun / python command on the launch line")
+        raise MindSpeedConfigError(f"{source}:{launch_no}: no torchrun / python command on the launch line")
     tokens.pop(0)
     launcher: dict[str, str] = {}
     script = None
@@ -458,7 +456,7 @@ def parse_script(text: str, source: str = "the launch script") -> Launch:
                 value = tokens.pop(0)
             launcher[name.lstrip("-").replace("-", "_")] = value
     if script is None:
-        raise MigrateError(f"{source}:{launch_no}: no entry script (`xxx.py`) on the launch line")
+        raise MindSpeedConfigError(f"{source}:{launch_no}: no entry script (`xxx.py`) on the launch line")
     config_yaml = None
     if tokens and tokens[0].endswith((".yaml", ".yml")):  # MindSpeed MM: `pretrain_transformers.py cfg.yaml`
         config_yaml = tokens.pop(0)

@@ -32,6 +32,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from lightning_mm.mindspeed.keys import MindSpeedConfigError
+
 __all__ = [
     "MindSpeedModelError",
     "ModelMigration",
@@ -43,7 +45,7 @@ __all__ = [
 ]
 
 
-class MindSpeedModelError(ValueError):
+class MindSpeedModelError(MindSpeedConfigError):
     """A MindSpeed MM model config that cannot become a TransformersModel config; ``megatron`` is True when it is
     a Megatron-route model.json of a family with no Transformers twin here."""
 

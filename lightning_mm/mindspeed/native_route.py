@@ -5,7 +5,7 @@ MindSpeed MM's recommended FSDP2 trainer (``mindspeed_mm/fsdp/train/trainer.py``
 This module writes the LightningCLI config that trains it here:
 
 * ``parallel`` (and ``features.recompute*``) -> ``MMFSDP2Strategy(fsdp2_config={...})`` through
-  :func:`lightning_mm.core.native_config.map_parallel`; ``ulysses_parallel_size`` -> ``context_parallel_size``
+  :func:`lightning_mm.mindspeed.native_parallel.map_parallel`; ``ulysses_parallel_size`` -> ``context_parallel_size``
 * ``model`` -> ``MMTransformersModule(transformers_model={...})``; ``features`` chunked loss -> its
   ``enable_chunk_loss`` / ``chunk_loss_size``; ``training.lora`` -> its ``lora``
 * ``data`` -> ``MMDataModule(data_config=<this file>)`` (which reads the ``data:`` section, ``neat_packing`` included),
@@ -20,16 +20,16 @@ no Transformers, no torch at import.
 
 from __future__ import annotations
 
-import math
 from collections.abc import Mapping
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
+
+from lightning_mm.mindspeed.keys import KeyReader
+from lightning_mm.mindspeed.report import MigrationReport
 
 __all__ = [
     "is_native_route",
     "migrate_native",
-    "NativeMigration",
     "NATIVE_MODEL_IDS",
     "DERIVED_MODEL_IDS",
     "PENDING_OPTIONS",
@@ -148,33 +148,10 @@ class _Out:
     ) -> Any:
         """The number at dotted ``key`` (``default`` when absent), checked against its range; an error naming the
         key and file otherwise (MindSpeed MM's dataclasses parse numbers written as strings, such as ``1e-5``)."""
-        from lightning_mm.commands.launch_script import MigrateError
-
-        value = self.get(key, default)
-        if value is None:
-            return None
-        number: float | int | None = None
-        if not isinstance(value, bool):
-            try:
-                parsed = float(value)
-            except (TypeError, ValueError):
-                parsed = None
-            if parsed is not None and math.isfinite(parsed):
-                number = parsed
-                if kind is int:
-                    number = int(parsed) if parsed == int(parsed) else None
-        low_ok = number is None or low is None or (number > low if low_open else number >= low)
-        high_ok = number is None or high is None or (number < high if high_open else number <= high)
-        if number is None or not (low_ok and high_ok):
-            want = "an integer" if kind is int else "a number"
-            bounds = []
-            if low is not None:
-                bounds.append(f"{'>' if low_open else '>='} {_shown_bound(low)}")
-            if high is not None:
-                bounds.append(f"{'<' if high_open else '<='} {_shown_bound(high)}")
-            shown = f"{want} {' and '.join(bounds)}" if bounds else want
-            raise MigrateError(f"{self.path}: `{key}`: expected {shown}, got {value!r}")
-        return number
+        number = KeyReader(str(self.path)).number(
+            self.get(key, default), key, kind is int, low, high, low_open, high_open
+        )
+        return None if number is None else kind(number)
 
 
 def _leaves(node: Mapping[str, Any], prefix: str) -> list[str]:
@@ -190,8 +167,8 @@ def _leaves(node: Mapping[str, Any], prefix: str) -> list[str]:
 
 def migrate_native(
     path: Path, data: Mapping[str, Any], base_dir: Path | None = None, world_size: int | None = None
-) -> NativeMigration:
-    """The :class:`NativeMigration` of a native-route config read from ``path``.
+) -> MigrationReport:
+    """The :class:`MigrationReport` of a native-route config read from ``path``.
 
     Relative paths (``model_name_or_path``, ``save``, ``load``) are taken from ``base_dir`` (the launch directory,
     by default the working directory), as MindSpeed MM takes them from where it runs. ``world_size`` (the launch
@@ -222,7 +199,7 @@ def migrate_native(
                 f"{name}: unknown to lightning-mm migrate (not a field of MindSpeed MM's native "
                 "arguments; a model plugin's extra)"
             )
-    from lightning_mm.commands.newer_keys import name_newer_keys
+    from lightning_mm.mindspeed.newer_keys import name_newer_keys
 
     name_newer_keys(data, out.mapped, out.notes, out.unmapped)  # keys of newer MindSpeed MM versions, by name
     if out.pending:
@@ -234,46 +211,25 @@ def migrate_native(
         "trainer.devices / trainer.num_nodes: the launch script's NPUS_PER_NODE and NNODES (torchrun); "
         "set them, or give them on the command line"
     )
-    return NativeMigration(out.config, mapped=out.mapped, unmapped=out.unmapped, notes=out.notes, run_from=out.base)
-
-
-@dataclass
-class NativeMigration:
-    """The LightningCLI config of a native-route YAML and what became of each key (as ``migrate``'s Migration)."""
-
-    config: dict[str, Any]
-    mapped: list[str] = field(default_factory=list)
-    unmapped: list[str] = field(default_factory=list)
-    notes: list[str] = field(default_factory=list)
-    run_from: Path | None = None
-    """The launch directory (relative paths of the data section start there)."""
-    import_root: Path | None = None
-    rendezvous: dict[str, str] = field(default_factory=dict)
-    """torchrun's literal ``master_addr`` / ``master_port`` of a multi-node launch (the printed launch line)."""
-
-    def report(self) -> str:
-        lines = [f"mapped {len(self.mapped)} item(s):", *(f"  {m}" for m in self.mapped)]
-        if self.notes:
-            lines += ["notes:", *(f"  {n}" for n in self.notes)]
-        lines.append(f"NOT mapped {len(self.unmapped)} item(s) (review these by hand):")
-        lines += [f"  {u}" for u in self.unmapped] or ["  (none)"]
-        return "\n".join(lines)
+    return MigrationReport(
+        out.config, mapped=out.mapped, unmapped=out.unmapped, notes=out.notes, run_from=out.base, route="native"
+    )
 
 
 # --------------------------------------------------------------------------------------------- parallel
 def _parallel(out: _Out) -> None:
-    from lightning_mm.commands.launch_script import MigrateError
     from lightning_mm.core.config import FSDP2Config, FSDP2ConfigError
-    from lightning_mm.core.native_config import map_parallel
+    from lightning_mm.mindspeed.keys import MindSpeedConfigError
+    from lightning_mm.mindspeed.native_parallel import map_parallel
 
     try:
         result = map_parallel(
-            out.data["parallel"], out.data.get("features"), str(out.path), strict=False, error=MigrateError
+            out.data["parallel"], out.data.get("features"), str(out.path), strict=False, error=MindSpeedConfigError
         )
         _drop_absent_mtp(out, result.fsdp2)
         config = FSDP2Config.from_dict(result.fsdp2, source=f"{out.path} (parallel)").to_dict()
     except FSDP2ConfigError as err:
-        raise MigrateError(str(err)) from None
+        raise MindSpeedConfigError(str(err)) from None
     out.handled.update({"parallel", "features.recompute", "features.recompute_plan"})
     out.set("trainer.strategy.init_args.fsdp2_config", config)
     out.mapped += [f"{m}" for m in result.mapped]
@@ -510,6 +466,33 @@ def _training(out: _Out) -> None:
     if not isinstance(training, Mapping):
         out.refuse("training", f"expected a mapping, got {type(training).__name__}")
         return
+
+    def has(key: str) -> bool:
+        return key in training
+
+    _optimizer(out, training)
+    _schedule(out, training)
+    _step(out, training)
+    for key, why in _NO_EFFECT_TRAINING.items():
+        if has(key) and why:
+            out.note(f"training.{key}", why)
+    _validation(out, training)
+    _checkpointing(out, training)
+    _lora(out, training.get("lora"))
+    if has("profile"):
+        _profile(out, "training.profile", training["profile"])
+    quant = training.get("quantization_plan")
+    if has("quantization_plan"):
+        if isinstance(quant, Mapping) and quant.get("recipe_name"):
+            out.refuse(
+                "training.quantization_plan", f"low-precision training ({quant['recipe_name']}) is not supported here"
+            )
+        else:
+            out.note("training.quantization_plan", "no recipe: off")
+
+
+def _optimizer(out: _Out, training: Mapping[str, Any]) -> None:
+    """``training``'s optimizer keys: learning rate, weight decay, AdamW's betas and eps."""
     module = "model.init_args"
 
     def has(key: str) -> bool:
@@ -561,6 +544,15 @@ def _training(out: _Out) -> None:
         (out.refuse if training["lr_scaling_plan"] else out.note)(
             "training.lr_scaling_plan", "per-layer learning rates are not supported here"
         )
+
+
+def _schedule(out: _Out, training: Mapping[str, Any]) -> None:
+    """``training``'s run length and learning-rate schedule."""
+    module = "model.init_args"
+
+    def has(key: str) -> bool:
+        return key in training
+
     if has("train_iters"):
         out.map("training.train_iters", "trainer.max_steps", out.number("training.train_iters", int, low=1))
     if has("max_steps") and training["max_steps"] is not None:
@@ -600,6 +592,14 @@ def _training(out: _Out) -> None:
                 f"training.{key}",
                 "a model plugin's own scheduler setting; lr_decay_style / lr_warmup_ratio are read here",
             )
+
+
+def _step(out: _Out, training: Mapping[str, Any]) -> None:
+    """``training``'s clipping, batch sizes, accumulation, seed and logging."""
+
+    def has(key: str) -> bool:
+        return key in training
+
     if has("clip_grad"):
         clip = out.number("training.clip_grad", low=0)
         if clip > 0:
@@ -637,22 +637,6 @@ def _training(out: _Out) -> None:
         out.set("data.init_args.seed", seed)
     if has("log_interval"):
         out.map("training.log_interval", "trainer.log_every_n_steps", out.number("training.log_interval", int, low=1))
-    for key, why in _NO_EFFECT_TRAINING.items():
-        if has(key) and why:
-            out.note(f"training.{key}", why)
-    _validation(out, training)
-    _checkpointing(out, training)
-    _lora(out, training.get("lora"))
-    if has("profile"):
-        _profile(out, "training.profile", training["profile"])
-    quant = training.get("quantization_plan")
-    if has("quantization_plan"):
-        if isinstance(quant, Mapping) and quant.get("recipe_name"):
-            out.refuse(
-                "training.quantization_plan", f"low-precision training ({quant['recipe_name']}) is not supported here"
-            )
-        else:
-            out.note("training.quantization_plan", "no recipe: off")
 
 
 def _validation(out: _Out, training: Mapping[str, Any]) -> None:
@@ -783,19 +767,19 @@ def _refuse_impossible_checkpoints(out: _Out) -> None:
     """Combinations that would fail only at the first save are refused before any compute: the Hugging Face
     format with LoRA (it holds the model's weights, a LoRA run checkpoints its adapters) and at a URL (it is
     written with local file I/O)."""
-    from lightning_mm.commands.launch_script import MigrateError
+    from lightning_mm.mindspeed.keys import MindSpeedConfigError
 
     strategy = out.config["trainer"]["strategy"]["init_args"]
     if strategy.get("checkpoint_format") != "hf":
         return
     if out.config["model"]["init_args"]["transformers_model"].get("lora") is not None:
-        raise MigrateError(
+        raise MindSpeedConfigError(
             f"{out.path}: `training.save_format: hf` with `training.lora`: the Hugging Face format holds the "
             "model's weights only, and a LoRA run checkpoints its adapters; use save_format dcp"
         )
     save = out.get("training.save")
     if isinstance(save, str) and "://" in save:
-        raise MigrateError(
+        raise MindSpeedConfigError(
             f"{out.path}: `training.save_format: hf` with `training.save: {save}`: the Hugging Face format is "
             "written to a local directory, not to a URL; use save_format dcp for a remote checkpoint directory"
         )
@@ -909,8 +893,3 @@ def _tools(out: _Out) -> None:
             _profile(out, f"tools.{key}", value)
         else:
             out.unmapped.append(f"tools.{key}: unknown tool")
-
-
-def _shown_bound(bound: float) -> str:
-    """A range bound as a message shows it: ``4294967295``, ``0.5``."""
-    return str(int(bound)) if bound == int(bound) else f"{bound:g}"

@@ -11,7 +11,7 @@ import re
 from collections.abc import Mapping
 from typing import Any
 
-from lightning_mm.commands.refusals import Refused
+from lightning_mm.mindspeed.refusals import Refused
 
 __all__ = [
     "refuse_script_text",

@@ -37,10 +37,12 @@ import re
 import warnings
 from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import Any, Protocol, TypeVar
+from typing import Any
 
 from lightning_mm._names import find_unknown_key
 from lightning_mm._yaml import short_repr
+from lightning_mm.core.config import FSDP2Config, FSDP2ConfigError
+from lightning_mm.mindspeed.keys import KeyReader
 
 __all__ = [
     "NATIVE_SECTIONS",
@@ -142,13 +144,13 @@ def native_layout(data: Any) -> str | None:
     return None
 
 
-class _Reader:
-    def __init__(self, prefix: str, source: str | None, error: type[Exception], unknown: list[str] | None) -> None:
-        self.prefix, self.source, self.error, self.unknown = prefix, source, error, unknown
+class _Reader(KeyReader):
+    """The key reader of a native ``parallel:`` section; unknown keys are errors, or collected in ``unknown_keys``
+    (``lightning-mm migrate`` reports them)."""
 
-    def fail(self, key: str, message: str) -> Exception:
-        where = f" in {self.source}" if self.source else ""
-        return self.error(f"native FSDP2 config key `{self.prefix}{key}`{where}: {message}")
+    def __init__(self, prefix: str, source: str | None, error: type[Exception], unknown: list[str] | None) -> None:
+        super().__init__(source, prefix, error, "native FSDP2 config key `{key}`{in_source}")
+        self.unknown_keys = unknown
 
     def section(self, data: Any, key: str, known: tuple[str, ...]) -> dict[str, Any]:
         if data is None:
@@ -163,27 +165,17 @@ class _Reader:
                 section[name] = value
                 continue
             shown, hint = unknown
-            if self.unknown is None:
+            if self.unknown_keys is None:
                 where = f" in {self.source}" if self.source else ""
                 raise self.error(
                     f"unknown native FSDP2 config key `{shown}`{where}{hint} (MindSpeed MM accepts an "
                     "unknown key and nothing reads it; remove it)"
                 )
-            self.unknown.append(
+            self.unknown_keys.append(
                 f"{shown}: not a key of MindSpeed MM's parallel arguments{hint}; MindSpeed MM accepts "
                 "it as an extra field and nothing reads it"
             )
         return section
-
-    def int_at_least(self, value: Any, key: str, low: int = 1) -> int:
-        if isinstance(value, bool) or not isinstance(value, int) or value < low:
-            raise self.fail(key, f"expected an integer >= {low}, got {short_repr(value)}")
-        return value
-
-    def flag(self, value: Any, key: str) -> bool:
-        if not isinstance(value, bool):
-            raise self.fail(key, f"expected true or false, got {short_repr(value)}")
-        return value
 
     def patterns(self, value: Any, key: str) -> list[str]:
         if value is None:
@@ -221,12 +213,29 @@ def map_parallel(
             f"{short_repr(parallel)}"
         )
     section = read.section(parallel, "", PARALLEL_KEYS) if parallel else {}
+    _map_sizes(section, prefix, read, out)
+    _map_fsdp_plan(section, prefix, read, out)
+    _map_experts(section, prefix, read, out)
+    # recompute (MindSpeed MM reads it from parallel and from features)
+    _map_recompute(section, prefix, read, out)
+    if isinstance(features, Mapping):
+        read.prefix = "features."
+        _map_recompute(
+            {k: features[k] for k in ("recompute", "recompute_plan") if k in features}, "features.", read, out
+        )
+        read.prefix = prefix
+    if "use_reentrant" not in out.fsdp2:
+        out.fsdp2["use_reentrant"] = False  # MindSpeed MM's RecomputePlanConfig default
+    return out
+
+
+def _map_sizes(section: Mapping[str, Any], prefix: str, read: _Reader, out: NativeParallel) -> None:
+    """The sizes: ``fully_shard_parallel_size``, ``data_parallel_size``, tensor, ring and Ulysses sizes."""
     fsdp2 = out.fsdp2
 
     def mapped(key: str, target: str) -> None:
         out.mapped.append(f"{prefix}{key} -> {target}")
 
-    # sizes
     size = section.get("fully_shard_parallel_size", "auto")
     if isinstance(size, str) and size.strip().lower() == "auto":
         fsdp2["sharding_size"] = "auto"
@@ -265,7 +274,14 @@ def map_parallel(
     elif "ulysses_parallel_size" in section:
         mapped("ulysses_parallel_size", "none (1): MMFSDP2Strategy(context_parallel_size=1), the default")
 
-    # the FSDP plan
+
+def _map_fsdp_plan(section: Mapping[str, Any], prefix: str, read: _Reader, out: NativeParallel) -> None:
+    """``fsdp_plan``: the FSDP units and their options."""
+    fsdp2 = out.fsdp2
+
+    def mapped(key: str, target: str) -> None:
+        out.mapped.append(f"{prefix}{key} -> {target}")
+
     plan = read.section(section.get("fsdp_plan"), "fsdp_plan", FSDP_PLAN_KEYS)
     read.prefix = f"{prefix}fsdp_plan."
     if "apply_modules" in plan:
@@ -293,7 +309,14 @@ def map_parallel(
             mapped(f"fsdp_plan.{key}: {plan[key]}", "off: nothing to set")
     read.prefix = prefix
 
-    # expert parallelism
+
+def _map_experts(section: Mapping[str, Any], prefix: str, read: _Reader, out: NativeParallel) -> None:
+    """``expert_parallel_size``, ``expert_fully_shard_parallel_size`` and ``ep_plan``."""
+    fsdp2 = out.fsdp2
+
+    def mapped(key: str, target: str) -> None:
+        out.mapped.append(f"{prefix}{key} -> {target}")
+
     ep = read.int_at_least(section.get("expert_parallel_size", 1), "expert_parallel_size")
     fsdp2["expert_parallel_size"] = ep
     if "expert_parallel_size" in section:
@@ -366,18 +389,6 @@ def map_parallel(
         )
     read.prefix = prefix
 
-    # recompute (MindSpeed MM reads it from parallel and from features)
-    _map_recompute(section, prefix, read, out)
-    if isinstance(features, Mapping):
-        read.prefix = "features."
-        _map_recompute(
-            {k: features[k] for k in ("recompute", "recompute_plan") if k in features}, "features.", read, out
-        )
-        read.prefix = prefix
-    if "use_reentrant" not in fsdp2:
-        fsdp2["use_reentrant"] = False  # MindSpeed MM's RecomputePlanConfig default
-    return out
-
 
 def _map_tp_plan(plan: Mapping[str, Any], tp: int, prefix: str, read: _Reader, out: NativeParallel) -> None:
     """``tp_plan.colwise_parallel`` / ``rowwise_parallel`` (module patterns) -> ``tp_plan`` in Transformers'
@@ -440,28 +451,18 @@ def _map_recompute(section: Mapping[str, Any], prefix: str, read: _Reader, out: 
         )
 
 
-_Config = TypeVar("_Config", covariant=True)
+def fsdp2_config_from_native(data: Mapping[str, Any], source: str | None = None) -> FSDP2Config:
+    """The :class:`~lightning_mm.core.config.FSDP2Config` of a native ``parallel:`` section or a whole native config;
+    errors are :class:`~lightning_mm.core.config.FSDP2ConfigError` naming the native key.
 
-
-class _FromDict(Protocol[_Config]):
-    """A config class (FSDP2Config, which imports this module: not imported here)."""
-
-    def from_dict(self, data: Mapping[str, Any], source: str | None = None) -> _Config: ...
-
-
-def fsdp2_config_from_native(
-    config_class: _FromDict[_Config], error: type[Exception], data: Mapping[str, Any], source: str | None = None
-) -> _Config:
-    """The ``config_class`` (:class:`~lightning_mm.core.config.FSDP2Config`) of a native ``parallel:`` section or a
-    whole native config; errors are ``error`` (its ``FSDP2ConfigError``).
-
-    This is what ``FSDP2Config.load`` / ``from_dict`` / ``from_yaml`` (and so ``MMFSDP2Strategy(fsdp2_config=...)``)
-    do with that layout. A key that changes what is computed and cannot be honoured here is an error naming it, as
+    This is what :func:`lightning_mm.mindspeed.load.fsdp2_config` (and so ``MMFSDP2Strategy(fsdp2_config=...)``)
+    does with that layout. A key that changes what is computed and cannot be honoured here is an error naming it, as
     is ``ulysses_parallel_size`` > 1, which is ``MMFSDP2Strategy(context_parallel_size=...)`` (``lightning-mm
     migrate`` writes it there). Keys that only tune speed are accepted with one warning naming them. Of a whole
     config only ``parallel`` and ``features.recompute*`` are read: the other sections are the model's, the data's and
     the Trainer's (``lightning-mm migrate`` maps them).
     """
+    error = FSDP2ConfigError
     layout = native_layout(data)
     if layout == "config":
         result = map_parallel(data["parallel"], data.get("features"), source, error=error)
@@ -481,7 +482,7 @@ def fsdp2_config_from_native(
     if result.without_effect:
         warnings.warn(f"native FSDP2 config{where}: no effect here: " + "; ".join(result.without_effect), stacklevel=3)
     try:
-        return config_class.from_dict(result.fsdp2, source=source)
+        return FSDP2Config.from_dict(result.fsdp2, source=source)
     except error as err:  # name the key as the native config writes it
         match = re.match(r"FSDP2 config key `(\w+)`(?: in .*?)?: (.*)", str(err), re.S)
         if match is None or match.group(1) not in _NATIVE_NAMES:

@@ -7,7 +7,7 @@ outcome of every file MindSpeed MM ships in ``examples/``.
 
 from __future__ import annotations
 
-from lightning_mm.commands.launch_script import MigrateError
+from lightning_mm.mindspeed.keys import MindSpeedConfigError
 
 __all__ = ["REASONS", "Refused", "refuse"]
 
@@ -36,7 +36,7 @@ REASONS: dict[str, str] = {
 """Reason code -> what it covers. Kept short on purpose: anything else either migrates or is a bug."""
 
 
-class Refused(MigrateError):
+class Refused(MindSpeedConfigError):
     """A file ``migrate`` refuses for one of :data:`REASONS`; ``code`` is the reason code."""
 
     def __init__(self, source: str, code: str, detail: str = "") -> None:
