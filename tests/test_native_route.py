@@ -177,6 +177,10 @@ def test_lora_packing_async_save_and_hf_format_are_written_under_the_agreed_name
     with pytest.raises(MigrateError, match=r"`training.save_format: hf` with `training.save: s3://bucket/run`"):
         migrate_native(DATA / "x.yaml", hf_only, base_dir=tmp_path)
     data["training"]["save_format"] = "dcp"
+    remote = copy.deepcopy(data)
+    remote["training"]["save"] = "s3://bucket/run"
+    callbacks = migrate_native(DATA / "x.yaml", remote, base_dir=tmp_path).config["trainer"]["callbacks"]
+    assert callbacks[0]["init_args"]["save_last"] is True  # a link cannot live in an object store
     result = migrate_native(DATA / "x.yaml", data, base_dir=tmp_path)
     config = result.config
     strategy = config["trainer"]["strategy"]["init_args"]

@@ -657,9 +657,11 @@ def _checkpointing(out: _Out, training: Mapping[str, Any]) -> None:
     every = out.number("training.save_interval" if "save_interval" in training else "training.save_steps", int, low=0)
     out.handled.update({"training.save", "training.save_interval", "training.save_steps"})
     if save or "save_interval" in training or "save_steps" in training:
-        checkpoint: dict[str, Any] = {"save_last": "link"}
+        remote = bool(save) and "://" in str(save)
+        # a link cannot point into an object store: a URL keeps a copied last checkpoint instead
+        checkpoint: dict[str, Any] = {"save_last": True if remote else "link"}
         if save:
-            checkpoint["dirpath"] = str(save) if "://" in str(save) else out.resolve(str(save))  # a URL stays one
+            checkpoint["dirpath"] = str(save) if remote else out.resolve(str(save))  # a URL stays one
         if every:
             checkpoint["every_n_train_steps"] = every
         out.set(
@@ -668,7 +670,7 @@ def _checkpointing(out: _Out, training: Mapping[str, Any]) -> None:
         )
         out.mapped.append(
             "training.save, training.save_interval -> trainer.callbacks: ModelCheckpoint(dirpath, "
-            "every_n_train_steps, save_last: link)"
+            f"every_n_train_steps, save_last: {'true (a URL cannot hold a link)' if remote else 'link'})"
         )
     fmt = training.get("save_format", "auto")
     if "save_format" in training:
