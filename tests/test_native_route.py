@@ -774,6 +774,24 @@ def test_the_core_config_knows_only_its_own_keys_and_the_entry_reads_the_native_
     assert load_fsdp2_config(section).sub_modules_to_wrap == ["layers.{*}"]
 
 
+def test_a_lightning_modules_own_native_fsdp2_config_is_read_through_the_entry():
+    """A LightningModule's ``fsdp2_config`` attribute may be MindSpeed MM's native form too: the strategy reads it
+    through the same entry as its own argument (FSDP2Config.load alone refuses it)."""
+    from lightning.pytorch import LightningModule
+
+    from lightning_mm.strategies import MMFSDP2Strategy
+
+    section = {"fully_shard_parallel_size": "auto", "fsdp_plan": {"apply_modules": ["layers.{*}"]}}
+    module = LightningModule()
+    module.fsdp2_config = section
+    strategy = MMFSDP2Strategy()
+    strategy.connect(module)
+    assert strategy.fsdp2_config == load_fsdp2_config(section)
+    given = MMFSDP2Strategy(fsdp2_config=section)
+    given.connect(module)
+    assert given.fsdp2_config == load_fsdp2_config(section)  # the same config in both places is one config
+
+
 @pytest.mark.parametrize(
     ("content", "kind"),
     [

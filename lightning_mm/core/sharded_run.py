@@ -41,16 +41,23 @@ def sharding_target(module: nn.Module) -> nn.Module:
     return method() if callable(method) else module
 
 
-def resolve_config(given: FSDP2Config | None, module: nn.Module | None) -> FSDP2Config:
-    """The config in force: ``given`` (the strategy's), else the module's ``fsdp2_config`` attribute, else every
-    parameter sharded at the root over all ranks (``sharding_size: auto``).
+ConfigReader = Callable[[Any], FSDP2Config]
+"""What reads a config given as a path, a dict or a config (:meth:`FSDP2Config.load`; the strategy passes the
+translation layer's entry, which also reads MindSpeed MM's native form)."""
+
+
+def resolve_config(
+    given: FSDP2Config | None, module: nn.Module | None, read: ConfigReader = FSDP2Config.load
+) -> FSDP2Config:
+    """The config in force: ``given`` (the strategy's), else the module's ``fsdp2_config`` attribute (read by
+    ``read``), else every parameter sharded at the root over all ranks (``sharding_size: auto``).
 
     A config in both places must be the same one: neither is silently dropped.
     """
     module_config = getattr(module, "fsdp2_config", None)
     if given is None:
-        return FSDP2Config.load(module_config) if module_config is not None else FSDP2Config(sharding_size="auto")
-    if module_config is not None and FSDP2Config.load(module_config) != given:
+        return read(module_config) if module_config is not None else FSDP2Config(sharding_size="auto")
+    if module_config is not None and read(module_config) != given:
         raise ValueError(
             "MMFSDP2Strategy was given an fsdp2_config and the LightningModule has a different one "
             f"({type(module).__name__}.fsdp2_config); give it in one place"
@@ -87,12 +94,14 @@ def plan_run(
     world_size: int,
     precision: str,
     keep_unsharded_for_backward: bool = True,
+    read: ConfigReader = FSDP2Config.load,
 ) -> PlannedRun:
     """Decide a run of ``root`` (the LightningModule, or any module) on ``world_size`` ranks: no process, no torch
     collective; a meta-device model is enough. ``precision`` is the Trainer's (``"bf16-mixed"``, ...);
-    ``keep_unsharded_for_backward``: see :attr:`ShardedRun.keep_unsharded_for_backward`."""
+    ``keep_unsharded_for_backward``: see :attr:`ShardedRun.keep_unsharded_for_backward`; ``read``: see
+    :func:`resolve_config`."""
     target = sharding_target(root)
-    config = resolve_config(given, root).with_model_defaults(target)
+    config = resolve_config(given, root, read).with_model_defaults(target)
     policy = resolve_precision_policy(config, precision)
     plan = build_plan(config, target, world_size, policy, keep_unsharded_for_backward)
     return PlannedRun(config, policy, plan, target)
@@ -103,15 +112,18 @@ class ShardedRun:
 
     Args:
         given: the config given to the strategy (``None``: the LightningModule's, or the default).
+        read: reads the LightningModule's ``fsdp2_config`` attribute (see :func:`resolve_config`).
     """
 
     keep_unsharded_for_backward: bool = True
     """``False`` reshards the root and the last unit after forward like every other unit (no YAML key: the
     measurements of benchmarks/README.md compare the default against it)."""
 
-    def __init__(self, given: FSDP2Config | None) -> None:
+    def __init__(self, given: FSDP2Config | None, read: ConfigReader = FSDP2Config.load) -> None:
         self.given = given
         """The config given to the strategy itself, as loaded (``None`` when it was given none)."""
+        self.read = read
+        """Reads the LightningModule's ``fsdp2_config`` attribute (:func:`resolve_config`)."""
         self.planned: PlannedRun | None = None
         """The decisions applied by :meth:`apply` (``None`` before)."""
         self.sharded: apply.ShardedModel | None = None
@@ -141,7 +153,7 @@ class ShardedRun:
         ``offload_to_cpu``); after :meth:`apply`, the config the plan was built from."""
         if self.planned is not None:
             return self.planned.config
-        return resolve_config(self.given, root)
+        return resolve_config(self.given, root, self.read)
 
     @property
     def plan(self) -> ShardingPlan:

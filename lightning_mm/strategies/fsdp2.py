@@ -153,7 +153,9 @@ class MMFSDP2Strategy(ParallelStrategy):
         )
         from lightning_mm.mindspeed.load import fsdp2_config as read_fsdp2_config  # also MindSpeed MM's native form
 
-        self.sharded_run = ShardedRun(read_fsdp2_config(fsdp2_config) if fsdp2_config is not None else None)
+        self.sharded_run = ShardedRun(
+            read_fsdp2_config(fsdp2_config) if fsdp2_config is not None else None, read=read_fsdp2_config
+        )
         """The run's config, plan and applied sharding (Lightning-free)."""
         self.checkpoints = StrategyCheckpoints(
             checkpoint_format, save_ckpt_dtype, storage_options, async_save, strict_loading
@@ -331,7 +333,9 @@ class MMFSDP2Strategy(ParallelStrategy):
         assert converted is root
         precision = str(self.precision_plugin.precision)
         keep = self.sharded_run.keep_unsharded_for_backward
-        planned = plan_run(self.given_config, root, world_size, precision, keep_unsharded_for_backward=keep)
+        planned = plan_run(
+            self.given_config, root, world_size, precision, keep_unsharded_for_backward=keep, read=self.sharded_run.read
+        )
         if planned.plan.tensor_parallel_size > 1:
             from lightning_mm.hf.chunk_loss import chunk_loss_size
 
