@@ -87,7 +87,11 @@ RESUME_CASES = [
 ]
 # On 4 ranks (tests/test_tensor_parallel.py): TP 2 inside, FSDP2 over the 2 data-parallel ranks; clipping on (a
 # norm below the gradients' own, so that every step clips).
-TP_CASES = [Case("qwen3-tp2-fsdp2-clip", "qwen3", {"tensor_parallel_size": 2}, clip=0.05)]
+# Qwen2.5-VL: its language model split by its text config's own plan, the vision tower replicated over tp.
+TP_CASES = [
+    Case("qwen3-tp2-fsdp2-clip", "qwen3", {"tensor_parallel_size": 2}, clip=0.05),
+    Case("qwen2_5_vl-tp2-fsdp2-clip", "qwen2_5_vl", {"tensor_parallel_size": 2}, clip=0.05),
+]
 # Saved at TP 2 x FSDP2 2 after 3 steps, resumed at TP 1 x FSDP2 4 (the same 4 ranks; DCP reshards).
 TP_RESUME = Case("qwen3-tp2-resume-tp1", "qwen3", {"tensor_parallel_size": 2}, clip=0.05, resume_at=3)
 CASES = {c.name: c for c in [*TRAIN_CASES, *RESUME_CASES, *TP_CASES, TP_RESUME]}

@@ -175,11 +175,17 @@ def resume(outdir: Path, ckptdir: str) -> None:
 
 
 def _attention_layout(module: Any) -> dict[str, list[Any]]:
-    """How the first layer's q_proj and o_proj weights are laid out: mesh dimension names, placements, local shape."""
-    attn = module.model.model.layers[0].self_attn
+    """How the first decoder layer's q_proj and o_proj weights are laid out (mesh dimension names, placements,
+    local shape), and the first vision block's qkv weight where the model has a vision tower."""
+    modules = dict(module.model.named_modules())
+    attn = next(m for name, m in modules.items() if name.endswith("layers.0.self_attn"))
+    weights = {"q_proj": attn.q_proj.weight, "o_proj": attn.o_proj.weight}
+    block = next((m for name, m in modules.items() if name.endswith("visual.blocks.0.attn")), None)
+    if block is not None:
+        weights["vision_qkv"] = block.qkv.weight
     return {
         name: [list(p.device_mesh.mesh_dim_names), [str(x) for x in p.placements], list(p.to_local().shape)]
-        for name, p in (("q_proj", attn.q_proj.weight), ("o_proj", attn.o_proj.weight))
+        for name, p in weights.items()
     }
 
 

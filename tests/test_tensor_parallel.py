@@ -15,25 +15,30 @@ from tests import parity_scenarios
 from tests.hf_scenarios import FAMILIES, VOCAB, save_tiny_checkpoints
 from tests.parity import TP_CASES, TP_RESUME, global_losses, global_steps, reference_run, relative_errors, weight_errors
 from tests.scenario_kit import run
-from tests.test_parity import FP32_LOSS, _part, _ranks
+from tests.test_parity import FP32_LOSS, FP32_WEIGHTS, _part, _ranks
 
 # Final weights within relative 1e-5 per tensor (measured: 3e-6): 6 steps, too few for AdamW to amplify the rounding
 # of near-cancelling gradient elements as it does over the longer 2-rank parity cases (test_parity.FP32_WEIGHTS).
 TP_WEIGHTS = 1e-5
+# Qwen2.5-VL's key biases have near-cancelling gradient elements (measured 2e-5 over 6 steps): its bound of the
+# 2-rank parity suite (the losses and norms still agree to 1e-5 per step).
+WEIGHTS = {"qwen2_5_vl": FP32_WEIGHTS}
 
 
 @pytest.fixture(scope="module")
 def trained(tmp_path_factory) -> tuple[Path, Path]:
     ckpts = tmp_path_factory.mktemp("tp_ckpts")
-    save_tiny_checkpoints(ckpts, ["qwen3"])
+    save_tiny_checkpoints(ckpts, ["qwen3", "qwen2_5_vl"])
     out = tmp_path_factory.mktemp("tp_train")
     run(parity_scenarios.tensor_parallel, out, args={"ckptdir": ckpts}, timeout=900)
     return out, ckpts
 
 
-def test_tp2_fsdp2_trains_as_plain_transformers(trained):
+@pytest.mark.parametrize("case", TP_CASES, ids=[c.family for c in TP_CASES])
+def test_tp2_fsdp2_trains_as_plain_transformers(trained, case):
+    """Qwen3, and Qwen2.5-VL (its language model split by its text config's ``base_model_tp_plan``, the vision
+    tower replicated over ``tp`` and sharded by FSDP2 over the data-parallel ranks only)."""
     out, ckpts = trained
-    case = TP_CASES[0]
     ranks = _ranks(out, case.name, 4)
     # TP ranks (0, 1) and (2, 3) read the same samples; the two data-parallel groups different ones.
     indices = [r["parts"][0]["indices"] for r in ranks]
@@ -43,6 +48,8 @@ def test_tp2_fsdp2_trains_as_plain_transformers(trained):
     # over tp and its rows over shard.
     assert layout["q_proj"][0] == layout["o_proj"][0] == ["shard", "tp"]
     assert layout["q_proj"][2] == [8, 32] and layout["o_proj"][2] == [16, 16]
+    if "vision_qkv" in layout:  # replicated over tp: only FSDP2's shard dimension, half of 96 rows
+        assert layout["vision_qkv"][0] == ["shard"] and layout["vision_qkv"][2] == [48, 32]
     part = _part(ranks, 0)
     steps = global_steps(case, part)
     ref = reference_run(case, steps, ckpts / case.family)
@@ -53,7 +60,7 @@ def test_tp2_fsdp2_trains_as_plain_transformers(trained):
     assert min(ref.norms) > case.clip, "every step should clip"
     final = torch.load(out / f"{case.name}.pt", weights_only=True)
     worst = sorted(weight_errors(final, ref).items(), key=lambda kv: -kv[1])[:3]
-    assert worst[0][1] <= TP_WEIGHTS, f"final weights differ from the reference: {worst}"
+    assert worst[0][1] <= WEIGHTS.get(case.family, TP_WEIGHTS), f"final weights differ from the reference: {worst}"
 
 
 def test_checkpoint_saved_at_tp2_resumes_at_tp1_exactly(trained):
