@@ -21,6 +21,7 @@ from torch import nn
 
 from tests import qwen3_vl_family
 from tests.hf_scenarios import FAMILIES, VOCAB, FamilyData, model_inputs
+from tests.moe_models import MOE_MODULES
 
 LR = 5e-3
 PER_RANK_BATCH = 2
@@ -91,6 +92,14 @@ RESUME_CASES = [
 TP_CASES = [
     Case("qwen3-tp2-fsdp2-clip", "qwen3", {"tensor_parallel_size": 2}, clip=0.05),
     Case("qwen2_5_vl-tp2-fsdp2-clip", "qwen2_5_vl", {"tensor_parallel_size": 2}, clip=0.05),
+    # Qwen3-MoE: attention TP 2 from its own plan, the experts split by EP 2 on their own (ep_replicate, ep) mesh
+    # (the plan's expert entries left out), routers and norms replicated.
+    Case(
+        "qwen3_moe-tp2-ep2-clip",
+        "qwen3_moe",
+        {"tensor_parallel_size": 2, "expert_parallel_size": 2, "moe_modules": [MOE_MODULES["qwen3_moe"]]},
+        clip=0.05,
+    ),
 ]
 # Saved at TP 2 x FSDP2 2 after 3 steps, resumed at TP 1 x FSDP2 4 (the same 4 ranks; DCP reshards).
 TP_RESUME = Case("qwen3-tp2-resume-tp1", "qwen3", {"tensor_parallel_size": 2}, clip=0.05, resume_at=3)

@@ -183,23 +183,45 @@ def _attention_layout(module: Any) -> dict[str, list[Any]]:
     block = next((m for name, m in modules.items() if name.endswith("visual.blocks.0.attn")), None)
     if block is not None:
         weights["vision_qkv"] = block.qkv.weight
+    experts = next((m for name, m in modules.items() if name.endswith("layers.0.mlp.experts")), None)
+    if experts is not None:
+        weights["experts"] = next(experts.parameters())
     return {
         name: [list(p.device_mesh.mesh_dim_names), [str(x) for x in p.placements], list(p.to_local().shape)]
         for name, p in weights.items()
     }
 
 
+def _save_every_expert(case: Case, outdir: Path, module: Any, ep: int) -> None:
+    """Rewrite ``OUTDIR/CASE.pt`` with every expert: the ranks of the first EP group (ranks ``0..ep-1``, which hold
+    consecutive shares of the experts) send rank 0 their local experts (a collective: every rank calls it)."""
+    import torch.distributed as dist
+
+    final = _gathered(module.model)
+    local = {name: t for name, t in final.items() if ".mlp.experts." in name}
+    shares: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(shares, local)
+    if dist.get_rank() == 0:
+        final.update({name: torch.cat([shares[r][name] for r in range(ep)]) for name in local})
+        torch.save(final, outdir / f"{case.name}.pt")
+
+
 @scenario
 def tensor_parallel(outdir: Path, ckptdir: str) -> None:
     """``TP_CASES`` on 4 ranks (TP 2 x FSDP 2); each rank also records how its q_proj and o_proj weights are laid
     out (mesh dimension names, placements, local shape)."""
+    from tests.moe_models import register_moe_families
+
     ckptdir = Path(ckptdir)
+    register_moe_families()
     for case in TP_CASES:
 
         def run(case: Case = case) -> None:
             record, (trainer, module) = _fit(case, ckptdir, outdir, case.steps, devices=4)
             record["layout"] = _attention_layout(module)
             _finish(case, outdir, [record], trainer, module)
+            if case.fsdp2.get("expert_parallel_size", 1) > 1:
+                _save_every_expert(case, outdir, module, case.fsdp2["expert_parallel_size"])
 
         _guarded(case, outdir, run)
 

@@ -13,6 +13,7 @@ from lightning_mm.core.config import FSDP2Config, FSDP2ConfigError
 from lightning_mm.core.plan import build_plan, describe_rank_shapes, rank_shapes
 from tests import parity_scenarios
 from tests.hf_scenarios import FAMILIES, VOCAB, save_tiny_checkpoints
+from tests.moe_models import MOE_MODULES, register_moe_families, tiny_moe_model
 from tests.parity import TP_CASES, TP_RESUME, global_losses, global_steps, reference_run, relative_errors, weight_errors
 from tests.scenario_kit import run
 from tests.test_parity import FP32_LOSS, FP32_WEIGHTS, _part, _ranks
@@ -22,13 +23,16 @@ from tests.test_parity import FP32_LOSS, FP32_WEIGHTS, _part, _ranks
 TP_WEIGHTS = 1e-5
 # Qwen2.5-VL's key biases have near-cancelling gradient elements (measured 2e-5 over 6 steps): its bound of the
 # 2-rank parity suite (the losses and norms still agree to 1e-5 per step).
-WEIGHTS = {"qwen2_5_vl": FP32_WEIGHTS}
+# Qwen3-MoE's: that of the expert-parallel suite (tests/test_expert_parallel.py).
+WEIGHTS = {"qwen2_5_vl": FP32_WEIGHTS, "qwen3_moe": FP32_WEIGHTS}
 
 
 @pytest.fixture(scope="module")
 def trained(tmp_path_factory) -> tuple[Path, Path]:
     ckpts = tmp_path_factory.mktemp("tp_ckpts")
     save_tiny_checkpoints(ckpts, ["qwen3", "qwen2_5_vl"])
+    register_moe_families()
+    tiny_moe_model("qwen3_moe", seed=10).save_pretrained(ckpts / "qwen3_moe")
     out = tmp_path_factory.mktemp("tp_train")
     run(parity_scenarios.tensor_parallel, out, args={"ckptdir": ckpts}, timeout=900)
     return out, ckpts
@@ -50,6 +54,8 @@ def test_tp2_fsdp2_trains_as_plain_transformers(trained, case):
     assert layout["q_proj"][2] == [8, 32] and layout["o_proj"][2] == [16, 16]
     if "vision_qkv" in layout:  # replicated over tp: only FSDP2's shard dimension, half of 96 rows
         assert layout["vision_qkv"][0] == ["shard"] and layout["vision_qkv"][2] == [48, 32]
+    if "experts" in layout:  # 4 of 8 experts per EP rank, sharded by FSDP2 over ep_replicate: 2 rows each
+        assert layout["experts"][0] == ["ep_replicate"] and layout["experts"][2][0] == 2
     part = _part(ranks, 0)
     steps = global_steps(case, part)
     ref = reference_run(case, steps, ckpts / case.family)
@@ -139,12 +145,31 @@ def test_per_rank_shapes():
         ),
         ({"tp_plan": {"model.layers.*.input_layernorm": "colwise"}}, "is a Qwen3RMSNorm, not an nn.Linear"),
         ({"recompute_modules": ["model.layers.{*}"]}, "`recompute_modules`: not supported with tensor_parallel_size"),
-        ({"expert_parallel_size": 2}, "`expert_parallel_size`: 2 with tensor_parallel_size 2 is not supported"),
     ],
 )
 def test_refused_before_compute(keys, match):
     with pytest.raises(FSDP2ConfigError, match=match):
         build_plan(FSDP2Config(sharding_size="auto", tensor_parallel_size=2, **keys), _qwen3(), 4)
+
+
+def test_plan_with_expert_parallelism_leaves_the_experts_to_it():
+    """Qwen3-MoE's own plan names its experts (``packed_colwise``, ``moe_tp_experts``) and dense MLP layers it does
+    not have: with EP the expert entries are left out (EP splits them), the absent dense layers skipped."""
+    config = FSDP2Config(
+        sharding_size="auto", tensor_parallel_size=2, expert_parallel_size=2, moe_modules=[MOE_MODULES["qwen3_moe"]]
+    )
+    plan = build_plan(config, tiny_moe_model("qwen3_moe"), 4)
+    styles = dict(plan.tp_plan)
+    assert styles["model.layers.1.self_attn.o_proj"] == "rowwise" and len(styles) == 12
+    assert not [path for path in styles if ".mlp." in path]
+    assert plan.experts is not None and plan.experts.experts_per_rank == 4
+
+
+def test_refuses_moe_experts_without_expert_parallelism():
+    with pytest.raises(
+        FSDP2ConfigError, match="`tensor_parallel_size`: Qwen3MoeForCausalLM's base_model_tp_plan .*packed_colwise"
+    ):
+        build_plan(FSDP2Config(sharding_size="auto", tensor_parallel_size=2), tiny_moe_model("qwen3_moe"), 4)
 
 
 def test_refuses_heads_that_do_not_divide():

@@ -63,26 +63,53 @@ def _pattern(pattern: str) -> re.Pattern[str]:
     return re.compile("\\.".join("[^.]+" if part == "*" else re.escape(part) for part in pattern.split(".")) + "$")
 
 
-def resolve_tp_plan(target: nn.Module, plan: Mapping[str, str], source: str | None = None) -> dict[str, str]:
+def resolve_tp_plan(
+    target: nn.Module,
+    plan: Mapping[str, str],
+    source: str | None = None,
+    own: bool = False,
+    experts: tuple[str, ...] = (),
+) -> dict[str, str]:
     """``plan`` (pattern -> style, ``*`` one path component) resolved to module paths of ``target``; refused:
     a pattern that matches nothing, an unknown style, a style on a module it cannot split (``colwise`` and
     ``rowwise`` need an ``nn.Linear``) and a fused projection (q/k/v or gate/up in one weight: an even column split
-    would mix its parts)."""
+    would mix its parts).
+
+    ``own``: ``plan`` is the model's own ``base_model_tp_plan`` (not the YAML's): a pattern of it that matches
+    nothing is skipped (a MoE model's plan also names the dense MLP of layers it may not have). ``experts``: the
+    MoE modules of expert parallelism, which split the experts themselves: the plan's entries for them (and for
+    modules inside them) are left out."""
     where = f" in {source}" if source else ""
 
     def fail(pattern: str, message: str) -> TensorParallelError:
+        if own:  # not the user's key: the model's plan, taken for `tensor_parallel_size`
+            return TensorParallelError(
+                f"FSDP2 config key `tensor_parallel_size`{where}: {type(target).__name__}'s base_model_tp_plan entry "
+                f"'{pattern}': {message} (or give a `tp_plan`, or split MoE experts with `expert_parallel_size`)"
+            )
         return TensorParallelError(f"FSDP2 config key `tp_plan`{where}: '{pattern}': {message}")
 
+    def expert(path: str) -> bool:
+        return any(path == e or path.startswith(e + ".") for e in experts)
+
     modules = dict(target.named_modules())
+    tensors = [n for n, _ in target.named_parameters()] if experts else []  # entries such as `experts.down_proj`
     resolved: dict[str, str] = {}
     for pattern, style in plan.items():
-        if style not in STYLES:
-            raise fail(pattern, f"style {style!r} is not supported with tensor parallelism here; use one of {STYLES}")
         regex = _pattern(pattern)
         paths = [p for p in modules if p and regex.match(p)]
+        named = paths or [n for n in tensors if regex.match(n)]
+        if named and all(expert(p) for p in named):
+            continue  # split by expert parallelism
+        if style not in STYLES:
+            raise fail(pattern, f"style {style!r} is not supported with tensor parallelism here; use one of {STYLES}")
         if not paths:
+            if own:
+                continue
             raise fail(pattern, f"matches no module of {type(target).__name__}")
         for path in paths:
+            if expert(path):
+                continue
             module = modules[path]
             if style in ("colwise", "rowwise") and type(module) is not nn.Linear:
                 raise fail(pattern, f"'{path}' is a {type(module).__name__}, not an nn.Linear; {style} cannot split it")
@@ -121,11 +148,18 @@ def apply_tensor_parallel(target: nn.Module, resolved: Mapping[str, str], tp_mes
 
 
 def plan_tensor_parallel(
-    config: FSDP2Config, model: nn.Module, layout: ParallelLayout, recompute: list[str], compiled: list[str]
+    config: FSDP2Config,
+    model: nn.Module,
+    layout: ParallelLayout,
+    recompute: list[str],
+    compiled: list[str],
+    experts: tuple[str, ...] = (),
 ) -> tuple[tuple[str, str], ...]:
     """The resolved tensor-parallel plan of a run (``()`` without tensor parallelism): the YAML ``tp_plan`` or the
     model's own ``base_model_tp_plan``, checked against the model (:meth:`ParallelLayout.check_model`); what does
-    not compose with tensor parallelism yet is refused here, by name."""
+    not compose with tensor parallelism yet is refused here, by name. ``experts``: the MoE modules that expert
+    parallelism splits over its own ``ep`` mesh (left out of the plan: attention and dense layers are TP'd, the
+    experts EP'd, the routers replicated)."""
     if layout.tp == 1:
         return ()
     where = f" in {config.source}" if config.source else ""
@@ -157,4 +191,5 @@ def plan_tensor_parallel(
             f"FSDP2 config key `tensor_parallel_size`{where}: {layout.tp} with LoRA adapters ('{lora}') is not "
             "supported yet; train LoRA with tensor_parallel_size: 1"
         )
-    return tuple(resolve_tp_plan(model, plan, config.source).items())
+    own = config.tp_plan is None
+    return tuple(resolve_tp_plan(model, plan, config.source, own=own, experts=experts).items())
