@@ -248,6 +248,23 @@ def test_refuses_an_incomplete_sequence_parallel_plan(change, match):
         build_plan(config, _qwen3(), 4)
 
 
+def test_refuses_sequence_parallelism_with_experts_or_lora():
+    """Under sequence parallelism each TP rank holds other tokens: a router or adapter replicated over the ranks
+    would see only its rank's tokens."""
+    experts = FSDP2Config(
+        sharding_size="auto",
+        tensor_parallel_size=2,
+        expert_parallel_size=2,
+        moe_modules=[MOE_MODULES["qwen3_moe"]],
+        tp_plan={k: v for k, v in SP_PLAN.items() if ".mlp." not in k},
+    )
+    with pytest.raises(FSDP2ConfigError, match=r"sequence_parallel: 'model.layers.0.mlp.experts' holds parameters"):
+        build_plan(experts, tiny_moe_model("qwen3_moe"), 4)
+    lora = FSDP2Config(sharding_size="auto", tensor_parallel_size=2, tp_plan=SP_PLAN)
+    with pytest.raises(FSDP2ConfigError, match=r"sequence_parallel: '.*q_proj.lora_A.default' is a LoRA adapter"):
+        build_plan(lora, _lora_qwen3(), 4)
+
+
 def test_refuses_heads_that_do_not_divide():
     with pytest.raises(FSDP2ConfigError, match="`tensor_parallel_size`: 4 does not divide .*num_key_value_heads 2"):
         build_plan(FSDP2Config(sharding_size="auto", tensor_parallel_size=4), _qwen3(), 4)
