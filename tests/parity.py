@@ -21,6 +21,7 @@ from torch import nn
 
 from tests import qwen3_vl_family
 from tests.hf_scenarios import FAMILIES, VOCAB, FamilyData, model_inputs
+from tests.moe_models import MOE_MODULES
 
 LR = 5e-3
 PER_RANK_BATCH = 2
@@ -37,7 +38,9 @@ RECOMPUTE = {
 }
 QWEN3_VL = "qwen3_vl"  # not in hf_scenarios.FAMILIES: its batches are tests/qwen3_vl_family.py's
 TORCH_LAYERS = "torch_layers"
-EXTRA: dict[str, tuple[str, Callable[[int], torch.utils.data.Dataset]]] = {}
+EXTRA: dict[str, tuple[str, Callable[[int], torch.utils.data.Dataset]]] = {
+    "qwen3_kv4": ("Qwen3ForCausalLM", lambda n: FamilyData("qwen3", n)),
+}
 """Families other test modules add (``tests/derive_models.py``): name -> (architecture, dataset of ``n`` samples)."""
 
 
@@ -55,6 +58,9 @@ class Case:
     precision: str = "32-true"
     resume_at: int | None = None
     """Stop after this many optimizer steps, save a checkpoint, and resume from it for the rest."""
+    lora: dict[str, Any] | None = None
+    """``TransformersModel``'s ``lora`` block (targets: ``nn.Linear`` paths); the reference adapts the same layers
+    with PEFT's ``get_peft_model`` after ``torch.manual_seed(0)``."""
 
 
 def _recompute(family: str, reentrant: bool) -> dict[str, Any]:
@@ -87,9 +93,68 @@ RESUME_CASES = [
 ]
 # On 4 ranks (tests/test_tensor_parallel.py): TP 2 inside, FSDP2 over the 2 data-parallel ranks; clipping on (a
 # norm below the gradients' own, so that every step clips).
-TP_CASES = [Case("qwen3-tp2-fsdp2-clip", "qwen3", {"tensor_parallel_size": 2}, clip=0.05)]
+SP_PLAN = {
+    **{f"model.layers.*.self_attn.{p}_proj": "colwise" for p in "qkv"},
+    "model.layers.*.self_attn.o_proj": "rowwise",
+    "model.layers.*.self_attn.q_norm": "replicated_with_grad_allreduce",
+    "model.layers.*.self_attn.k_norm": "replicated_with_grad_allreduce",
+    "model.layers.*.mlp.gate_proj": "colwise",
+    "model.layers.*.mlp.up_proj": "colwise",
+    "model.layers.*.mlp.down_proj": "rowwise",
+    "model.layers.*.input_layernorm": "sequence_parallel",
+    "model.layers.*.post_attention_layernorm": "sequence_parallel",
+}
+# Qwen2.5-VL: its language model split by its text config's own plan, the vision tower replicated over tp.
+TP_CASES = [
+    Case("qwen3-tp2-fsdp2-clip", "qwen3", {"tensor_parallel_size": 2}, clip=0.05),
+    Case("qwen2_5_vl-tp2-fsdp2-clip", "qwen2_5_vl", {"tensor_parallel_size": 2}, clip=0.05),
+    # Qwen3-MoE: attention TP 2 from its own plan, the experts split by EP 2 on their own (ep_replicate, ep) mesh
+    # (the plan's expert entries left out), routers and norms replicated.
+    Case(
+        "qwen3_moe-tp2-ep2-clip",
+        "qwen3_moe",
+        {"tensor_parallel_size": 2, "expert_parallel_size": 2, "moe_modules": [MOE_MODULES["qwen3_moe"]]},
+        clip=0.05,
+    ),
+    # Recomputed decoder layers: their TP'd linears' hooks run again in the recomputation.
+    Case(
+        "qwen3-tp2-recompute",
+        "qwen3",
+        {"tensor_parallel_size": 2, "recompute_modules": ["model.layers.{*}"], "use_reentrant": False},
+        clip=0.05,
+    ),
+    # Sequence parallelism: the decoder layers' norms split along the sequence (a YAML tp_plan in Transformers'
+    # notation: Qwen3's own plan plus `sequence_parallel` norms).
+    Case(
+        "qwen3-tp2-sequence-parallel",
+        "qwen3",
+        {"tensor_parallel_size": 2, "tp_plan": SP_PLAN},
+        clip=0.05,
+    ),
+    # LoRA on column-parallel (q, v, up) and row-parallel (o, down) layers: the adapters follow their base layer.
+    Case(
+        "qwen3-tp2-lora-recompute",
+        "qwen3",
+        {"tensor_parallel_size": 2, "recompute_modules": ["model.layers.{*}"], "use_reentrant": True},
+        clip=0.01,
+        lora={
+            "rank": 4,
+            "alpha": 8,
+            "target_modules": [
+                "model.layers.{*}.self_attn.q_proj",
+                "model.layers.{*}.self_attn.v_proj",
+                "model.layers.{*}.self_attn.o_proj",
+                "model.layers.{1}.mlp.up_proj",
+                "model.layers.{1}.mlp.down_proj",
+            ],
+        },
+    ),
+]
 # Saved at TP 2 x FSDP2 2 after 3 steps, resumed at TP 1 x FSDP2 4 (the same 4 ranks; DCP reshards).
-TP_RESUME = Case("qwen3-tp2-resume-tp1", "qwen3", {"tensor_parallel_size": 2}, clip=0.05, resume_at=3)
+# The same checkpoint also resumed at TP 4 x FSDP2 1: a Qwen3 with 4 key/value heads (TP 4 must divide them).
+TP_RESUME = Case("qwen3-tp2-resume-tp1", "qwen3_kv4", {"tensor_parallel_size": 2}, clip=0.05, resume_at=3)
+QWEN3_KV4 = {**FAMILIES["qwen3"][1], "num_key_value_heads": 4}
+"""The config of ``TP_RESUME``'s family (``tests/test_tensor_parallel.py`` saves it)."""
 CASES = {c.name: c for c in [*TRAIN_CASES, *RESUME_CASES, *TP_CASES, TP_RESUME]}
 
 
@@ -168,6 +233,15 @@ def _plain_model(case: Case, ckpt: Path | None, initial: dict[str, torch.Tensor]
         )
         model = getattr(transformers, arch).from_pretrained(str(ckpt), dtype=torch.float32)
     _freeze(model, case.freeze)
+    if case.lora is not None:
+        from peft import LoraConfig, get_peft_model
+
+        from lightning_mm.core.patterns import resolve_patterns
+
+        targets = resolve_patterns(model, list(case.lora["target_modules"]), "lora")
+        torch.manual_seed(0)
+        config = LoraConfig(r=case.lora["rank"], lora_alpha=case.lora["alpha"], target_modules=targets)
+        model = get_peft_model(model, config)
     return model.train()
 
 
@@ -254,8 +328,9 @@ def _train_reference(
             norms.append(float(torch.nn.utils.clip_grad_norm_(params, case.clip)))
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
-    final = {k: v.detach().clone() for k, v in master.named_parameters()}
-    noise = {n: small[n] & moved[n] for n in small}  # an element with no gradient at all must not move either
+    peft = "base_model.model."  # PEFT's prefix (LoRA cases); the strategy's names are the model's own
+    final = {k.removeprefix(peft): v.detach().clone() for k, v in master.named_parameters()}
+    noise = {n.removeprefix(peft): small[n] & moved[n] for n in small}  # no gradient at all: must not move either
     return Reference(losses, final, {n: m for n, m in noise.items() if m.any()}, norms)
 
 

@@ -30,7 +30,6 @@ def test_layout_sizes_and_mesh_names():
         (dict(tensor_parallel_size=0), "tensor_parallel_size"),
         (dict(sharding_size=4, tensor_parallel_size=2), "sharding_size"),  # 4 data-parallel ranks... of 2
         (dict(tensor_parallel_size=2, context_parallel_size=2), "context_parallel_size"),
-        (dict(tensor_parallel_size=2, expert_parallel_size=2), "expert_parallel_size"),
     ],
 )
 def test_layout_errors_name_the_key(kwargs, key):

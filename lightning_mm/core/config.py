@@ -385,7 +385,7 @@ class FSDP2Config(_ExplicitKeys):
         return size
 
 
-TP_STYLES = ("colwise", "rowwise", "replicated_with_grad_allreduce")
+TP_STYLES = ("colwise", "rowwise", "replicated_with_grad_allreduce", "sequence_parallel")
 """The styles of Transformers' tensor-parallel plan notation that ``tp_plan`` takes (:mod:`~.tensor_parallel`)."""
 
 _PATTERN_KEYS = ("sub_modules_to_wrap", "ignored_modules", "recompute_modules", "moe_modules", "compile_modules")

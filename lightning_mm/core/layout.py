@@ -168,13 +168,11 @@ def parallel_layout(
             f"FSDP2 config key `sharding_size`{where}: {shard} does not divide the world size {world_size}{per} "
             "(use 'auto' or a divisor)"
         )
-    if tp > 1:
-        for key, size in (("context_parallel_size", cp), ("expert_parallel_size", ep)):
-            if size > 1:
-                raise LayoutError(
-                    f"FSDP2 config key `{key}`{where}: {size} with tensor_parallel_size {tp} is not supported yet "
-                    f"(tensor parallelism composes with FSDP2 and HSDP only); set one of them to 1"
-                )
+    if tp > 1 and cp > 1:
+        raise LayoutError(
+            f"FSDP2 config key `context_parallel_size`{where}: {cp} with tensor_parallel_size {tp} is not supported "
+            "yet (tensor parallelism composes with FSDP2, HSDP and expert parallelism); set one of them to 1"
+        )
     return ParallelLayout(world_size, shard, tp, cp, ep)
 
 
