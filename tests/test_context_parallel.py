@@ -105,6 +105,7 @@ def ckptdir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     directory = tmp_path_factory.mktemp("cp_ckpt")
     save_tiny_checkpoints(directory, ["qwen3", "qwen2_5_vl", "internvl"])
     tiny_packing_model("qwen3_5", seed=3).save_pretrained(directory / "qwen3_5")
+    cp_scenarios.tiny_qwen3_3heads().save_pretrained(directory / cp_scenarios.QWEN3_3HEADS)
     return directory
 
 
@@ -169,6 +170,8 @@ def _reference(
         if case.custom:  # the strategy's initial weights, in one plain process
             model = TinyAttentionLM()
             model.load_state_dict(torch.load(initial))
+        elif case.family == cp_scenarios.QWEN3_3HEADS:
+            model = transformers.Qwen3ForCausalLM.from_pretrained(str(ckptdir / case.family), dtype=torch.float32)
         else:
             arch = tiny_packing_model_arch(case.family) or FAMILIES[case.family][0]
             model = getattr(transformers, arch).from_pretrained(str(ckptdir / case.family), dtype=torch.float32)
@@ -183,8 +186,11 @@ def _reference(
         for groups in steps:
             values = []
             for indices in groups:
-                out = model(**batch_of(case, indices))
-                loss = out if isinstance(out, torch.Tensor) else out.loss
+                if case.packed:  # the packed row's loss: its samples run alone, token losses summed
+                    loss = _unpacked_loss(model, case, indices)
+                else:
+                    out = model(**batch_of(case, indices))
+                    loss = out if isinstance(out, torch.Tensor) else out.loss
                 grads = torch.autograd.grad(loss / len(groups), params, allow_unused=True)
                 values.append(float(loss.detach()))
                 for p, g in zip(params, grads):
@@ -205,6 +211,19 @@ def _reference(
         return Reference(losses, final, {n: m for n, m in noise.items() if m.any()}), losses, first_grads
     finally:
         torch.set_num_threads(threads)
+
+
+def _unpacked_loss(model: torch.nn.Module, case: CPCase, indices: list[int]) -> torch.Tensor:
+    """The mean token loss over ``indices``' samples, each run alone (no packing, no mask): the loss a packed row of
+    them must have."""
+    total, count = torch.zeros(()), 0
+    for i in indices:
+        sample = batch_of(case, [i])
+        sample.pop("attention_mask", None)
+        n = int((sample["labels"][:, 1:] != -100).sum())
+        total = total + model(**sample).loss * n
+        count += n
+    return total / count
 
 
 def _grad_errors(actual: dict[str, torch.Tensor], expected: dict[str, torch.Tensor]) -> dict[str, float]:

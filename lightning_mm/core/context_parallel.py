@@ -30,6 +30,8 @@ from torch import Tensor
 
 __all__ = [
     "ALGORITHMS",
+    "ALGORITHM_NAMES",
+    "canonical_algorithm",
     "ContextParallelError",
     "ContextParallelPlan",
     "activation_bytes_estimate",
@@ -44,7 +46,15 @@ __all__ = [
     "ulysses_attention",
 ]
 
-ALGORITHMS = ("ulysses",)
+ALGORITHMS = ("ulysses", "kv_allgather")
+ALGORITHM_NAMES = {
+    "ulysses_cp_algo": "ulysses",
+    "megatron_cp_algo": "kv_allgather",
+    "kvallgather_cp_algo": "kv_allgather",
+}
+"""MindSpeed MM's names (``--context-parallel-algo``; ``kvallgather_cp_algo`` is MindSpeed's) -> this project's.
+``megatron_cp_algo`` is ring attention there: the same attention and the same load-balanced layout, computed here by
+gathering keys and values instead of passing them around the ring (:mod:`~lightning_mm.core.ring_attention`)."""
 IGNORE_INDEX = -100
 
 
@@ -60,6 +70,7 @@ class ContextParallelPlan:
     world_size: int
     size: int
     algo: str = "ulysses"
+    """``ulysses`` (heads scattered) or ``kv_allgather`` (keys/values gathered, zig-zag chunks)."""
 
     @property
     def enabled(self) -> bool:
@@ -84,8 +95,13 @@ class ContextParallelPlan:
     def data_parallel_rank(self, rank: int) -> int:
         return rank // self.size
 
+    @property
+    def multiple(self) -> int:
+        """Sequences are padded to a multiple of this: ``C`` (Ulysses) or ``2 C`` (the zig-zag chunks)."""
+        return self.size * (2 if self.algo == "kv_allgather" else 1)
+
     def padded_length(self, seq_len: int) -> int:
-        return math.ceil(seq_len / self.size) * self.size
+        return math.ceil(seq_len / self.multiple) * self.multiple
 
     def local_length(self, seq_len: int) -> int:
         return self.padded_length(seq_len) // self.size
@@ -107,9 +123,20 @@ class ContextParallelPlan:
             f"context parallel: {self.algo}, mesh ({mesh}); groups sharing samples: {groups}{more}",
             f"  FSDP shards parameters over dp x cp = {self.world_size} ranks; the sampler runs over "
             f"{self.data_parallel_size} data-parallel rank(s)",
-            "  attention: all-to-all to (whole sequence, heads / C), attend, all-to-all back; lengths not "
-            f"divisible by {self.size} are padded at the end and masked",
         ]
+        if self.algo == "kv_allgather":
+            c = self.size
+            lines.append(
+                f"  attention: KV all-gather (MindSpeed MM's megatron_cp_algo): the sequence is cut into {2 * c} "
+                f"chunks, rank r holds chunks r and {2 * c - 1}-r (causal load balance); each rank keeps its queries "
+                "and all-gathers keys/values (backward: reduce-scatter); any head count; lengths not divisible by "
+                f"{2 * c} are padded at the end and masked"
+            )
+        else:
+            lines.append(
+                "  attention: all-to-all to (whole sequence, heads / C), attend, all-to-all back; lengths not "
+                f"divisible by {self.size} are padded at the end and masked"
+            )
         if seq_len is not None:
             local = self.local_length(seq_len)
             pad = self.padded_length(seq_len) - seq_len
@@ -140,18 +167,30 @@ def context_parallel_plan(world_size: int, size: int, algo: str = "ulysses") -> 
     """Check ``size`` and ``algo`` against ``world_size``; every problem is a :class:`ContextParallelError`."""
     if not isinstance(size, int) or size < 1:
         raise ContextParallelError(f"context_parallel_size must be a positive integer, got {size!r}")
-    algo = {"ulysses_cp_algo": "ulysses"}.get(algo, algo)
-    if algo not in ALGORITHMS:
-        raise ContextParallelError(
-            f"context_parallel_algo {algo!r} is not supported; choose one of {ALGORITHMS} "
-            "(MindSpeed MM's 'ulysses_cp_algo' is accepted as 'ulysses'; ring attention is not implemented)"
-        )
+    algo = canonical_algorithm(algo)
     if world_size % size:
         raise ContextParallelError(
             f"context_parallel_size {size} does not divide the world size {world_size}: each context-parallel "
             f"group needs {size} ranks"
         )
     return ContextParallelPlan(world_size, size, algo)
+
+
+def canonical_algorithm(algo: Any) -> str:
+    """``algo`` as this project names it (MindSpeed MM's names accepted, :data:`ALGORITHM_NAMES`); an unknown or
+    unsupported name is a :class:`ContextParallelError` naming the key."""
+    name = ALGORITHM_NAMES.get(algo, algo) if isinstance(algo, str) else algo
+    if name == "hybrid_cp_algo":
+        raise ContextParallelError(
+            "context_parallel_algo 'hybrid_cp_algo' (Ulysses inside ring attention) is not supported; choose "
+            "'ulysses_cp_algo' (heads divisible by the size) or 'megatron_cp_algo' (any head count)"
+        )
+    if name not in ALGORITHMS:
+        raise ContextParallelError(
+            f"context_parallel_algo {algo!r} is not supported; choose one of {ALGORITHMS} (MindSpeed MM's "
+            f"{tuple(ALGORITHM_NAMES)} are accepted as {tuple(ALGORITHM_NAMES.values())})"
+        )
+    return str(name)
 
 
 def check_heads(num_heads: int, num_kv_heads: int | None, size: int, where: str) -> None:
