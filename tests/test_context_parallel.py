@@ -77,6 +77,81 @@ def test_strategy_refuses_a_bad_algorithm_at_construction() -> None:
     assert MMFSDP2Strategy(context_parallel_size=2).context_parallel_size == 2
 
 
+def test_zigzag_layout_balances_causal_work() -> None:
+    """Rank ``r`` holds chunks ``r`` and ``2C-1-r`` of ``2C`` (MindSpeed MM's load_balanced_split,
+    mindspeed_mm/fsdp/distributed/context_parallel/communication.py): together the ranks hold every position once,
+    each the same number of tokens and of causal (query, key) pairs."""
+    from lightning_mm.core.ring_attention import zigzag_causal_mask, zigzag_index, zigzag_padded_length
+
+    assert zigzag_index(16, 2, 0).tolist() == [0, 1, 2, 3, 12, 13, 14, 15]
+    assert zigzag_index(16, 2, 1).tolist() == [4, 5, 6, 7, 8, 9, 10, 11]
+    for size in (2, 3, 4):
+        padded = zigzag_padded_length(15, size)
+        assert padded % (2 * size) == 0 and padded - 15 < 2 * size
+        held = [zigzag_index(padded, size, r) for r in range(size)]
+        assert sorted(torch.cat(held).tolist()) == list(range(padded))
+        assert len({len(h) for h in held}) == 1
+        pairs = [int(zigzag_causal_mask(h, padded).sum()) for h in held]
+        assert len(set(pairs)) == 1, pairs  # the contiguous split would give rank 0 the fewest pairs
+    segments = torch.tensor([[0] * 5 + [1] * 3])  # a packed row: block-diagonal and causal
+    mask = zigzag_causal_mask(zigzag_index(8, 2, 0), 8, segments=segments)[0, 0]
+    assert zigzag_index(8, 2, 0).tolist() == [0, 1, 6, 7]
+    assert mask[1].tolist() == [True] * 2 + [False] * 6  # position 1 (sample 0) sees positions 0 and 1
+    assert mask[2].tolist() == [False] * 5 + [True, True, False]  # position 6 (sample 1) sees 5 and 6
+    assert mask[3].tolist() == [False] * 5 + [True] * 3
+
+
+def test_algorithm_names_and_the_yaml_key() -> None:
+    """MindSpeed MM's names (``--context-parallel-algo``; mindspeed_mm/models/common/mm_gpt_model.py) select the
+    algorithm; the FSDP2 YAML key ``context_parallel_algo`` and the strategy argument are one setting."""
+    from lightning_mm.core.config import FSDP2Config, FSDP2ConfigError
+    from lightning_mm.core.context_parallel import ContextParallelError, context_parallel_plan
+    from lightning_mm.core.layout import config_layout
+
+    plan = context_parallel_plan(4, 2, "megatron_cp_algo")
+    assert plan.algo == "kv_allgather" and (plan.padded_length(15), plan.local_length(15)) == (16, 8)
+    assert context_parallel_plan(4, 2, "kvallgather_cp_algo").algo == "kv_allgather"
+    assert "rank r holds chunks r and 3-r" in plan.describe(seq_len=15)
+    with pytest.raises(ContextParallelError, match="'hybrid_cp_algo' .Ulysses inside ring attention. is not"):
+        context_parallel_plan(4, 2, "hybrid_cp_algo")
+    config = FSDP2Config.from_dict({"context_parallel_size": 2, "context_parallel_algo": "megatron_cp_algo"})
+    assert config.context_parallel_algo == "kv_allgather"
+    layout = config_layout(config, 4)
+    assert (layout.cp, layout.cp_algo) == (2, "kv_allgather") and "context_parallel_size 2 (kv_allgather)" in (
+        layout.describe()
+    )
+    assert config_layout(config, 4, None, "megatron_cp_algo").cp_algo == "kv_allgather"
+    with pytest.raises(FSDP2ConfigError, match="`context_parallel_algo`: kv_allgather, but the strategy was given"):
+        config_layout(config, 4, None, "ulysses")
+    assert config_layout(FSDP2Config.from_dict({"context_parallel_size": 2}), 4, None, "kv_allgather").cp_algo == (
+        "kv_allgather"
+    )
+    with pytest.raises(FSDP2ConfigError, match="`context_parallel_algo`: 'ring' is not supported"):
+        FSDP2Config.from_dict({"context_parallel_algo": "ring"})
+
+
+def test_kv_allgather_takes_any_head_count_and_refuses_what_it_cannot_mask() -> None:
+    from lightning_mm.core.context_parallel import ContextParallelError
+    from lightning_mm.hf.cp_attention import check_routable
+
+    model = cp_scenarios.tiny_qwen3_3heads()
+    with pytest.raises(ContextParallelError, match="3 attention heads do not divide by context_parallel_size 2"):
+        check_routable(model, 2)
+    assert check_routable(model, 2, "kv_allgather") is model.model
+    assert check_routable(model, 3, "kv_allgather") is model.model
+    model.config._attn_implementation = "flash_attention_2"
+    with pytest.raises(
+        ContextParallelError, match="'flash_attention_2' cannot be routed through context_parallel_algo"
+    ):
+        check_routable(model, 2, "kv_allgather")
+    model.config._attn_implementation = "sdpa"
+    model.config.layer_types = ["sliding_attention", "full_attention"]
+    with pytest.raises(
+        ContextParallelError, match=r"kv_allgather masks full causal attention only.*'sliding_attention'"
+    ):
+        check_routable(model, 2, "kv_allgather")
+
+
 def test_heads_and_routing_errors() -> None:
     from lightning_mm.core.context_parallel import ContextParallelError
     from lightning_mm.hf.cp_attention import check_routable
@@ -316,7 +391,22 @@ def test_migrate_maps_the_megatron_flags() -> None:
     assert (args["context_parallel_size"], args["context_parallel_algo"]) == (2, "ulysses")
     assert result.config["trainer"]["accumulate_grad_batches"] == 2  # 8 / (1 x 4 data-parallel ranks)
     ring = migrate(parse_script("torchrun pretrain_vlm.py --context-parallel-algo megatron_cp_algo"))
-    assert any("only Ulysses" in line for line in ring.unmapped)
+    assert ring.config["trainer"]["strategy"]["init_args"]["context_parallel_algo"] == "kv_allgather"
+    hybrid = migrate(parse_script("torchrun pretrain_vlm.py --context-parallel-algo hybrid_cp_algo"))
+    assert any("'hybrid_cp_algo' (Ulysses inside ring attention) is not supported" in u for u in hybrid.unmapped)
+    assert "context_parallel_algo" not in str(hybrid.config)
+
+
+def test_native_ring_attention_size_maps_to_kv_allgather() -> None:
+    """MindSpeed MM's native ``parallel.ring_attention_size`` (ring attention, NPU-only there;
+    mindspeed_mm/fsdp/params/parallel_args.py) is context parallelism with ``kv_allgather`` here; together with
+    ``ulysses_parallel_size`` (hybrid) it is refused naming both keys."""
+    from lightning_mm.core.config import FSDP2Config, FSDP2ConfigError
+
+    config = FSDP2Config.load({"fully_shard_parallel_size": "auto", "ring_attention_size": 2})
+    assert (config.context_parallel_size, config.context_parallel_algo) == (2, "kv_allgather")
+    with pytest.raises(FSDP2ConfigError, match="ring_attention_size: 2 with ulysses_parallel_size 2: hybrid"):
+        FSDP2Config.load({"ring_attention_size": 2, "ulysses_parallel_size": 2})
 
 
 def _plan_config(tmp_path: Path, cp: int, provider: str = "qwen3_provider") -> Path:
@@ -339,6 +429,23 @@ data:
     train_valid_test_datasets_provider: tests.cp_scenarios.qwen3_datasets
 """)
     return path
+
+
+def test_lightning_mm_plan_shows_the_kv_allgather_layout(tmp_path: Path) -> None:
+    """``lightning-mm plan`` with ``context_parallel_algo: megatron_cp_algo`` in the FSDP2 YAML: a model with 3 heads
+    plans at CP 2 and CP 4 (Ulysses refuses both), the zig-zag layout and the padding to ``2C`` are shown."""
+    from lightning_mm.commands.plan import plan_from_cli_config
+
+    path = _plan_config(tmp_path, 4, "qwen3_3heads_provider")
+    text = path.read_text().replace(
+        "      context_parallel_size: 4\n",
+        "      fsdp2_config: {sharding_size: auto, context_parallel_size: 4, "
+        "context_parallel_algo: megatron_cp_algo}\n",
+    )
+    path.write_text(text)
+    text = plan_from_cli_config(["--config", str(path)], seq_length=4095)
+    assert "context parallel: kv_allgather, mesh (dp=1 x cp=4)" in text
+    assert "rank r holds chunks r and 7-r" in text and "sequence 4095 tokens -> 1024 per rank (1 padding)" in text
 
 
 def test_lightning_mm_plan_shows_the_cp_mesh_and_activations_per_rank(tmp_path: Path) -> None:

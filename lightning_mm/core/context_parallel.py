@@ -28,6 +28,8 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
+from lightning_mm.core.cp_algorithms import ALGORITHM_NAMES, ALGORITHMS, ContextParallelError, canonical_algorithm
+
 __all__ = [
     "ALGORITHMS",
     "ALGORITHM_NAMES",
@@ -46,20 +48,7 @@ __all__ = [
     "ulysses_attention",
 ]
 
-ALGORITHMS = ("ulysses", "kv_allgather")
-ALGORITHM_NAMES = {
-    "ulysses_cp_algo": "ulysses",
-    "megatron_cp_algo": "kv_allgather",
-    "kvallgather_cp_algo": "kv_allgather",
-}
-"""MindSpeed MM's names (``--context-parallel-algo``; ``kvallgather_cp_algo`` is MindSpeed's) -> this project's.
-``megatron_cp_algo`` is ring attention there: the same attention and the same load-balanced layout, computed here by
-gathering keys and values instead of passing them around the ring (:mod:`~lightning_mm.core.ring_attention`)."""
 IGNORE_INDEX = -100
-
-
-class ContextParallelError(ValueError):
-    """A context-parallel setting that cannot work (raised at setup)."""
 
 
 # ------------------------------------------------------------------------------------------------- deciding
@@ -174,23 +163,6 @@ def context_parallel_plan(world_size: int, size: int, algo: str = "ulysses") -> 
             f"group needs {size} ranks"
         )
     return ContextParallelPlan(world_size, size, algo)
-
-
-def canonical_algorithm(algo: Any) -> str:
-    """``algo`` as this project names it (MindSpeed MM's names accepted, :data:`ALGORITHM_NAMES`); an unknown or
-    unsupported name is a :class:`ContextParallelError` naming the key."""
-    name = ALGORITHM_NAMES.get(algo, algo) if isinstance(algo, str) else algo
-    if name == "hybrid_cp_algo":
-        raise ContextParallelError(
-            "context_parallel_algo 'hybrid_cp_algo' (Ulysses inside ring attention) is not supported; choose "
-            "'ulysses_cp_algo' (heads divisible by the size) or 'megatron_cp_algo' (any head count)"
-        )
-    if name not in ALGORITHMS:
-        raise ContextParallelError(
-            f"context_parallel_algo {algo!r} is not supported; choose one of {ALGORITHMS} (MindSpeed MM's "
-            f"{tuple(ALGORITHM_NAMES)} are accepted as {tuple(ALGORITHM_NAMES.values())})"
-        )
-    return str(name)
 
 
 def check_heads(num_heads: int, num_kv_heads: int | None, size: int, where: str) -> None:

@@ -184,7 +184,7 @@ def parallel_layout(
 def context_parallel_algorithm(config: FSDP2Config, argument: str | None = None) -> str:
     """The config's ``context_parallel_algo``, or the strategy's argument of that name (an alias; ``None``: unset),
     refused when both are set and differ."""
-    from lightning_mm.core.context_parallel import canonical_algorithm
+    from lightning_mm.core.cp_algorithms import canonical_algorithm
 
     algo = config.context_parallel_algo
     if argument is None:
