@@ -331,6 +331,30 @@ def test_two_ranks_match_reference(two: Path, ckptdir: Path, name: str) -> None:
     _check_against_reference(two, CASES[name], 2, ckptdir)
 
 
+def test_kv_allgather_ranks_hold_their_zigzag_chunks(two: Path) -> None:
+    """Each rank's decoder sees the positions of chunks ``r`` and ``2C-1-r`` (MindSpeed MM's load-balanced split),
+    as many tokens on every rank, every step; the end padding (position 0) falls in rank 0's last chunk."""
+    expected = {
+        # 15 tokens -> 16, chunks of 4: rank 0 chunks 0 and 3, rank 1 chunks 1 and 2 (both rows of the batch)
+        "qwen3h3-ring-cp2-len15-padding-mask": ([0, 1, 2, 3, 12, 13, 14, 0], [4, 5, 6, 7, 8, 9, 10, 11]),
+        # two packed samples of 15 (positions restart) -> 32, chunks of 8
+        "qwen3h3-ring-cp2-packed": (
+            [0, 1, 2, 3, 4, 5, 6, 7, 9, 10, 11, 12, 13, 14, 0, 0],
+            [8, 9, 10, 11, 12, 13, 14, 0, 1, 2, 3, 4, 5, 6, 7, 8],
+        ),
+        # 13 tokens -> 16; M-RoPE's 3 rows of positions split alike
+        "qwen2_5_vl-ring-cp2-len13": ([0, 1, 2, 3, 12, 0, 0, 0], [4, 5, 6, 7, 8, 9, 10, 11]),
+    }
+    for name, per_rank in expected.items():
+        ranks = _ranks(two, name, 2)
+        for rank, want in zip(ranks, per_rank):
+            seen = [torch.tensor(p) for p in rank["parts"][0]["positions"]]
+            assert len(seen) == CASES[name].steps
+            for positions in seen:
+                rows = positions.reshape(-1, positions.shape[-1])
+                assert all(row.tolist() == want for row in rows), (name, rows.tolist(), want)
+
+
 def test_context_parallel_equals_no_context_parallel(two: Path) -> None:
     cp, plain = "qwen3-cp2-len16", "qwen3-nocp-len16"
     _, cp_losses = _global_steps(_ranks(two, cp, 2), 0, 2)
