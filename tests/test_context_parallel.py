@@ -101,6 +101,32 @@ def test_zigzag_layout_balances_causal_work() -> None:
     assert mask[3].tolist() == [False] * 5 + [True] * 3
 
 
+def test_zigzag_chunks_attend_without_a_dense_mask() -> None:
+    """Each zig-zag chunk over its prefix of the keys, lower-right causal (no dense mask), equals the rank's rows of
+    whole-sequence causal attention, values and gradients (grouped-query heads repeated), for every rank."""
+    from lightning_mm.core.ring_attention import zigzag_causal_sdpa, zigzag_index
+
+    g = torch.Generator().manual_seed(0)
+    size, local = 3, 4
+    padded = 2 * size * local
+    q = torch.randn(2, 4, padded, 8, generator=g, requires_grad=True)
+    k, v = (torch.randn(2, 2, padded, 8, generator=g, requires_grad=True) for _ in range(2))
+    whole = torch.nn.functional.scaled_dot_product_attention(
+        q, k.repeat_interleave(2, 1), v.repeat_interleave(2, 1), is_causal=True, scale=0.3
+    )
+    weights = torch.randn(whole.shape, generator=g)
+    expected = torch.autograd.grad((whole * weights).sum(), (q, k, v))
+    got = [torch.zeros_like(t) for t in (q, k, v)]
+    for rank in range(size):
+        index = zigzag_index(padded, size, rank)
+        out = zigzag_causal_sdpa(q[:, :, index], k, v, rank, size, scale=0.3)
+        torch.testing.assert_close(out, whole[:, :, index], rtol=1e-5, atol=1e-6)
+        for acc, grad in zip(got, torch.autograd.grad((out * weights[:, :, index]).sum(), (q, k, v))):
+            acc += grad
+    for a, e in zip(got, expected):
+        torch.testing.assert_close(a, e, rtol=1e-5, atol=1e-6)
+
+
 def test_algorithm_names_and_the_yaml_key() -> None:
     """MindSpeed MM's names (``--context-parallel-algo``; mindspeed_mm/models/common/mm_gpt_model.py) select the
     algorithm; the FSDP2 YAML key ``context_parallel_algo`` and the strategy argument are one setting."""

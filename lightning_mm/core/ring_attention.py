@@ -33,6 +33,7 @@ from lightning_mm.core.context_parallel import gather_sequence
 
 __all__ = [
     "kv_allgather_attention",
+    "zigzag_causal_sdpa",
     "zigzag_causal_mask",
     "zigzag_gather",
     "zigzag_index",
@@ -108,6 +109,36 @@ def zigzag_causal_mask(
         own = segments.index_select(1, query_positions)  # (B, local)
         allowed = allowed & (own[:, None, :, None] == segments[:, None, None, :])
     return allowed
+
+
+def zigzag_causal_sdpa(
+    query: Tensor, key: Tensor, value: Tensor, rank: int, size: int, scale: float | None = None, dropout: float = 0.0
+) -> Tensor:
+    """Causal attention of this rank's two zig-zag query chunks over the whole sequence's keys/values, without a
+    dense mask: chunk ``c`` (positions ``[c L, (c + 1) L)``) sees exactly the keys ``[0, (c + 1) L)`` under a
+    lower-right causal mask (``torch.nn.attention.bias.causal_lower_right``, which sdpa's fused kernels take without
+    materialising it on CUDA), so each rank computes ``(2 C + 1) L^2`` scores, the same on every rank.
+
+    ``query`` ``(B, H, 2 L, D)`` (this rank's chunks, in its order), ``key``/``value`` ``(B, H_kv, 2 C L, D)`` (natural
+    order; grouped-query heads are repeated); returns ``(B, H, 2 L, D)``. Only for causal attention with no padding
+    but the end padding (real queries never see the padded keys that follow them) and no packed row."""
+    from torch.nn.attention.bias import causal_lower_right
+
+    local = query.shape[2] // 2
+    groups = query.shape[1] // key.shape[1]
+    if groups > 1:
+        key, value = key.repeat_interleave(groups, dim=1), value.repeat_interleave(groups, dim=1)
+    outs = []
+    for i, chunk in enumerate((rank, 2 * size - 1 - rank)):
+        end = (chunk + 1) * local
+        q = query[:, :, i * local : (i + 1) * local]
+        bias = causal_lower_right(local, end)
+        outs.append(
+            torch.nn.functional.scaled_dot_product_attention(
+                q, key[:, :, :end], value[:, :, :end], attn_mask=bias, dropout_p=dropout, scale=scale
+            )
+        )
+    return torch.cat(outs, dim=2)
 
 
 def kv_allgather_attention(

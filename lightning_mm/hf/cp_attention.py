@@ -64,6 +64,7 @@ from lightning_mm.core.packing import is_packed, segment_ids
 from lightning_mm.core.ring_attention import (
     kv_allgather_attention,
     zigzag_causal_mask,
+    zigzag_causal_sdpa,
     zigzag_gather,
     zigzag_index,
     zigzag_padded_length,
@@ -100,6 +101,8 @@ class _State:
     algo: str = "ulysses"
     query_index: Tensor | None = None
     """``kv_allgather``: the global positions of this rank's tokens (its zig-zag chunks)."""
+    masks: dict[Any, Tensor] = {}
+    """``kv_allgather``: the masks of the current forward (see :func:`_kv_mask`)."""
 
 
 def _split(t: Tensor, dim: int, pad_value: float | int = 0) -> Tensor:
@@ -174,17 +177,17 @@ def _kv_allgather(inner: str) -> Any:
         assert _STATE.query_index is not None and _STATE.key_valid is not None
         causal = getattr(module, "is_causal", True)
         kwargs.pop("is_causal", None)
-        padded = _STATE.key_valid.shape[1]
-        allowed = zigzag_causal_mask(
-            _STATE.query_index.to(query.device),
-            padded,
-            causal,
-            _STATE.key_valid,  # the end padding too: a non-causal layer would see it
-            _STATE.segments,
-        )
-        mask = torch.where(
-            allowed, torch.zeros((), dtype=query.dtype, device=query.device), torch.finfo(query.dtype).min
-        )
+        group = _STATE.group
+        if inner == "sdpa" and causal and _STATE.all_valid and _STATE.segments is None:
+            # Only end padding: each chunk attends to a prefix of the keys, lower-right causal; no dense mask.
+            rank, size = torch.distributed.get_rank(group), torch.distributed.get_world_size(group)
+            scale, dropout = kwargs.get("scaling"), float(kwargs.get("dropout", 0.0) or 0.0)
+
+            def chunks(q: Tensor, k: Tensor, v: Tensor) -> Tensor:
+                return zigzag_causal_sdpa(q, k, v, rank, size, scale, dropout).transpose(1, 2).contiguous()
+
+            return kv_allgather_attention(chunks, query, key, value, group), None
+        mask = _kv_mask(query, causal, inner == "sdpa")
         eager = getattr(sys.modules.get(type(module).__module__), "eager_attention_forward", eager_attention_forward)
         fn = eager if inner == "eager" else sdpa_attention_forward
 
@@ -192,10 +195,31 @@ def _kv_allgather(inner: str) -> Any:
             out, _ = fn(module, q, k, v, mask, **kwargs)  # (B, local, H, D)
             return out
 
-        return kv_allgather_attention(attend, query, key, value, _STATE.group), None
+        return kv_allgather_attention(attend, query, key, value, group), None
 
     attention.__name__ = f"{KV_PREFIX}{inner}"
     return attention
+
+
+def _kv_mask(query: Tensor, causal: bool, boolean: bool) -> Tensor:
+    """The ``(B or 1, 1, local, padded)`` mask of this rank's queries over the whole sequence (causal, padding,
+    packed samples): boolean for sdpa, additive for eager; built once per forward and shared by the layers (one
+    storage saved for backward, not one per layer)."""
+    assert _STATE.query_index is not None and _STATE.key_valid is not None
+    key = (causal, boolean, query.dtype, query.device)
+    cached = _STATE.masks.get(key)
+    if cached is None:
+        allowed = zigzag_causal_mask(
+            _STATE.query_index.to(query.device),
+            _STATE.key_valid.shape[1],
+            causal,
+            _STATE.key_valid,  # the end padding too: a non-causal layer would see it
+            _STATE.segments,
+        )
+        zero = torch.zeros((), dtype=query.dtype, device=query.device)
+        cached = allowed if boolean else torch.where(allowed, zero, torch.finfo(query.dtype).min)
+        _STATE.masks[key] = cached
+    return cached
 
 
 def _full_mask(q: Tensor, causal: bool) -> Tensor:
@@ -363,6 +387,7 @@ def _split_decoder_inputs(decoder: nn.Module, args: tuple, kwargs: dict[str, Any
     padded = zigzag_padded_length(seq, size) if _STATE.algo == "kv_allgather" else -(-seq // size) * size
     rank = torch.distributed.get_rank(group)
     _STATE.query_index = zigzag_index(padded, size, rank, embeds.device) if _STATE.algo == "kv_allgather" else None
+    _STATE.masks = {}
     _STATE.all_valid = mask is None or bool(mask.all())
     _STATE.key_valid = torch.cat([valid, valid.new_zeros(valid.shape[0], padded - seq)], dim=1)
     _STATE.segments = None
