@@ -112,7 +112,14 @@ def zigzag_causal_mask(
 
 
 def zigzag_causal_sdpa(
-    query: Tensor, key: Tensor, value: Tensor, rank: int, size: int, scale: float | None = None, dropout: float = 0.0
+    query: Tensor,
+    key: Tensor,
+    value: Tensor,
+    rank: int,
+    size: int,
+    scale: float | None = None,
+    dropout: float = 0.0,
+    masks: dict[Any, Tensor] | None = None,
 ) -> Tensor:
     """Causal attention of this rank's two zig-zag query chunks over the whole sequence's keys/values, without a
     dense mask: chunk ``c`` (positions ``[c L, (c + 1) L)``) sees exactly the keys ``[0, (c + 1) L)`` under a
@@ -121,7 +128,11 @@ def zigzag_causal_sdpa(
 
     ``query`` ``(B, H, 2 L, D)`` (this rank's chunks, in its order), ``key``/``value`` ``(B, H_kv, 2 C L, D)`` (natural
     order; grouped-query heads are repeated); returns ``(B, H, 2 L, D)``. Only for causal attention with no padding
-    but the end padding (real queries never see the padded keys that follow them) and no packed row."""
+    but the end padding (real queries never see the padded keys that follow them) and no packed row.
+
+    On devices other than CUDA sdpa would materialise the lower-right bias in every call (and keep it for backward,
+    per layer): there the two boolean masks are built once and kept in ``masks`` (a dict the caller holds for one
+    forward), so that every layer shares them."""
     from torch.nn.attention.bias import causal_lower_right
 
     local = query.shape[2] // 2
@@ -132,7 +143,17 @@ def zigzag_causal_sdpa(
     for i, chunk in enumerate((rank, 2 * size - 1 - rank)):
         end = (chunk + 1) * local
         q = query[:, :, i * local : (i + 1) * local]
-        bias = causal_lower_right(local, end)
+        bias: Any = causal_lower_right(local, end)
+        if query.device.type != "cuda":
+            cache_key = ("lower_right", local, end, query.dtype, query.device)
+            if masks is None or cache_key not in (masks or {}):
+                allowed = torch.ones(local, end, dtype=torch.bool, device=query.device).tril(end - local)
+                zero = torch.zeros((), dtype=query.dtype, device=query.device)
+                dense = torch.where(allowed, zero, float("-inf"))  # additive: sdpa keeps it as given
+                if masks is None:
+                    masks = {}
+                masks[cache_key] = dense
+            bias = masks[cache_key]
         outs.append(
             torch.nn.functional.scaled_dot_product_attention(
                 q, key[:, :, :end], value[:, :, :end], attn_mask=bias, dropout_p=dropout, scale=scale

@@ -184,7 +184,8 @@ def _kv_allgather(inner: str) -> Any:
             scale, dropout = kwargs.get("scaling"), float(kwargs.get("dropout", 0.0) or 0.0)
 
             def chunks(q: Tensor, k: Tensor, v: Tensor) -> Tensor:
-                return zigzag_causal_sdpa(q, k, v, rank, size, scale, dropout).transpose(1, 2).contiguous()
+                out = zigzag_causal_sdpa(q, k, v, rank, size, scale, dropout, _STATE.masks)
+                return out.transpose(1, 2).contiguous()
 
             return kv_allgather_attention(chunks, query, key, value, group), None
         mask = _kv_mask(query, causal, inner == "sdpa")
