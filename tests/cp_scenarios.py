@@ -84,6 +84,8 @@ RING_CASES = [
     CPCase("qwen3h3-ring-cp2-len15-padding-mask", QWEN3_3HEADS, 15, fsdp2=RING, left_pad=3, data="qwen3"),
     CPCase("qwen3h3-ring-cp2-packed", QWEN3_3HEADS, 15, fsdp2=RING, data="qwen3", packed=True),
     CPCase("qwen2_5_vl-ring-cp2-len13", "qwen2_5_vl", 13, fsdp2=RING),
+    # Gated DeltaNet: the layer runs on the whole sequence gathered in natural order, each rank keeps its chunks
+    CPCase("qwen3_5-ring-cp2-len15-padding-mask", "qwen3_5", 15, fsdp2=RING, left_pad=3, data="qwen3"),
 ]
 TWO_RANK_CASES += RING_CASES
 RESUME_CASES = [CPCase("qwen3-cp2-resume-nocp", "qwen3", 15, steps=4, resume_at=2)]

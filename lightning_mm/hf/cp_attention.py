@@ -266,7 +266,8 @@ def _check_layers(model: nn.Module) -> None:
 def _check_full_attention(name: str, config: Any) -> None:
     """KV all-gather masks full (causal) attention only: refuse sliding-window and chunked attention by config."""
     kinds = set(getattr(config, "layer_types", None) or ())
-    other = sorted(k for k in kinds if k != "full_attention")
+    # linear attention (Gated DeltaNet) runs on the gathered sequence; _check_layers vets those layers
+    other = sorted(k for k in kinds if k not in ("full_attention", "linear_attention"))
     sliding = getattr(config, "sliding_window", None) is not None and getattr(config, "use_sliding_window", True)
     chunked = getattr(config, "attention_chunk_size", None) is not None
     if other or (not kinds and sliding) or chunked:
