@@ -1,5 +1,8 @@
 """Ulysses context parallelism (DeepSpeed-Ulysses, MindSpeed MM's ``ulysses_cp_algo``): deciding and doing.
 
+The plan covers both algorithms of ``context_parallel_algo``; the KV all-gather one (MindSpeed MM's
+``megatron_cp_algo``: zig-zag chunks, keys and values gathered) is in :mod:`lightning_mm.core.ring_attention`.
+
 ``C = context_parallel_size`` consecutive ranks form a context-parallel group: they work on the same samples, each
 holding ``ceil(S / C)`` tokens of every sequence (the sequence is padded at its end to a multiple of ``C``; padded
 positions are masked out of attention and of the loss). Inside attention an all-to-all gathers the whole sequence
