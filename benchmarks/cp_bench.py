@@ -1,11 +1,14 @@
-"""Ulysses context parallelism on CPU: activation memory per rank and step time against sequence length.
+"""Context parallelism on CPU (Ulysses and KV all-gather): activation memory per rank and step time against sequence
+length.
 
     torchrun --nproc_per_node 2 benchmarks/cp_bench.py [--lengths 2048,4096,...] [--out results/cp_bench.json]
 
 A small Qwen3 (hidden 64, 2 layers, 2 heads of 32, 2 key/value heads, vocab 512, sdpa attention), one sequence per
 rank. ``none``: each rank runs a whole sequence of its own (data parallel). ``cp2``: the two ranks form one
 context-parallel group (``lightning_mm.hf.cp_attention.enable_context_parallel``) and share one sequence,
-``seq / 2`` tokens each. Measured per rank, the larger of the two ranks:
+``seq / 2`` tokens each (Ulysses); ``kv2``: the same with ``context_parallel_algo`` ``kv_allgather`` (zig-zag chunks,
+keys and values all-gathered). ``--modes`` picks them (default all three). Measured per rank, the larger of the
+two ranks:
 
 * activation memory: the bytes autograd keeps for backward during the forward pass (every tensor saved by an
   operation, each storage once, through ``torch.autograd.graph.saved_tensors_hooks``). This is what the decoder's
@@ -93,6 +96,7 @@ def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--lengths", default="2048,4096,8192,16384,32768")
     parser.add_argument("--out", default=str(ROOT / "benchmarks" / "results" / "cp_bench.json"))
+    parser.add_argument("--modes", default="none,cp2,kv2")
     args = parser.parse_args()
     torch.set_num_threads(1)
     dist.init_process_group("gloo")
@@ -102,15 +106,18 @@ def main() -> None:
     for seq in [int(x) for x in args.lengths.split(",")]:
         repeats = 2 if seq <= 8192 else 1
         row: dict[str, float] = {"seq": seq}
-        for mode in ("none", "cp2"):
+        modes = args.modes.split(",")
+        for mode in modes:
             model = tiny_qwen3()
-            if mode == "cp2":
-                enable_context_parallel(model, dist.group.WORLD)
+            if mode in ("cp2", "kv2"):
+                enable_context_parallel(model, dist.group.WORLD, "ulysses" if mode == "cp2" else "kv_allgather")
                 model._cp = True
             figures = measure(model, seq, repeats)
             row.update({f"{mode}_{k}": v for k, v in figures.items()})
-        row["activation_ratio"] = row["cp2_activation_bytes"] / row["none_activation_bytes"]
-        row["step_ratio"] = row["cp2_step_s"] / row["none_step_s"]
+        for mode in modes[1:]:
+            prefix = "" if mode == "cp2" else f"{mode}_"
+            row[f"{prefix}activation_ratio"] = row[f"{mode}_activation_bytes"] / row[f"{modes[0]}_activation_bytes"]
+            row[f"{prefix}step_ratio"] = row[f"{mode}_step_s"] / row[f"{modes[0]}_step_s"]
         rows.append(row)
         if dist.get_rank() == 0:
             print(json.dumps(row), flush=True)

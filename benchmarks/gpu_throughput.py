@@ -25,6 +25,17 @@ same torchrun processes, alternating in rounds, with the same model, initialisat
   (``fullgraph=True``, ``--compile-backend``, default inductor) before ``fully_shard``; for the strategy that is
   the YAML's ``compile_modules: [model.layers.{*}]``.
 
+With 2 or more processes (an even number), two more contenders (``--no-cp`` leaves them out), the Transformers
+``LlamaForCausalLM`` of the same shape (sdpa attention) built by ``MMTransformersModule`` (meta device, the project's
+init) with the same mixed precision and wrapping:
+
+* ``mm_hf``: each rank trains its own ``batch`` sequences of ``seq`` tokens (as the others);
+* ``mm_hf_ring_cp2``: ``context_parallel_size: 2, context_parallel_algo: kv_allgather`` (MindSpeed MM's
+  ``megatron_cp_algo``): each pair of ranks shares ``batch`` sequences of ``2 x seq`` tokens (zig-zag chunks, keys
+  and values all-gathered over the pair). Tokens per GPU and step are the same as every other contender's, over
+  sequences twice as long: ``ratio_ring_cp2_to_hf`` is what context parallelism costs for them (more attention per
+  token, the key/value all-gather and its reduce-scatter). Its MFU counts the FLOPs of ``2 x seq`` sequences.
+
 Throughput is measured over the timed steps between two ``torch.cuda.synchronize()`` calls. MFU comes from the
 FLOP counter that ``MMLightningModule`` logs ``train/mfu`` with (``lightning_mm.hf.flops.FlopCounter`` on the
 Transformers ``LlamaConfig`` of the same shape: every matmul of forward and backward, the output layer included,
@@ -300,6 +311,75 @@ def run_mm(
     return out
 
 
+def run_mm_hf(
+    cfg: LlamaConfig, args: argparse.Namespace, device: Any, data: Any, compiled: bool = False, cp: int = 1
+) -> dict[str, Any]:
+    """The Transformers Llama of the same shape through MMTransformersModule + MMFSDP2Strategy; ``cp`` 2: ring
+    (KV all-gather) context parallelism over rank pairs, ``data`` then the pair's sequences of twice the length."""
+    import lightning as L
+    import torch
+
+    from lightning_mm import MMFSDP2Strategy
+    from lightning_mm.modules.transformers_module import MMTransformersModule
+
+    hf_config = {
+        "model_type": "llama",
+        "vocab_size": cfg.vocab_size,
+        "hidden_size": cfg.hidden_size,
+        "intermediate_size": cfg.intermediate_size,
+        "num_hidden_layers": cfg.num_layers,
+        "num_attention_heads": cfg.num_heads,
+        "num_key_value_heads": cfg.num_kv_heads,
+        "rope_parameters": {"rope_type": "default", "rope_theta": cfg.rope_theta},
+        "rms_norm_eps": cfg.norm_eps,
+        "max_position_embeddings": max(4096, 2 * args.seq + 2),
+        "tie_word_embeddings": False,
+        "attn_implementation": "sdpa",
+    }
+    timing: dict[str, float] = {}
+
+    class Timer(L.Callback):
+        def on_train_batch_start(self, trainer: Any, pl_module: Any, batch: Any, idx: int) -> None:
+            if idx == args.warmup:
+                _sync(device)
+                timing["start"] = time.perf_counter()
+
+        def on_train_batch_end(self, trainer: Any, pl_module: Any, outputs: Any, batch: Any, idx: int) -> None:
+            if idx == len(data) - 1:
+                _sync(device)
+                timing["end"] = time.perf_counter()
+                timing["loss"] = float(outputs["loss"] if isinstance(outputs, dict) else outputs)
+
+    torch.manual_seed(0)
+    config: dict[str, Any] = {
+        "sharding_size": "auto",
+        "sub_modules_to_wrap": ["model.layers.{*}"],
+        "param_dtype": "bf16",
+        "reduce_dtype": "fp32",
+    }
+    if cp > 1:
+        config.update(context_parallel_size=cp, context_parallel_algo="kv_allgather")
+    module = MMTransformersModule({"hf_config": hf_config}, lr=3e-4, log_grad_norm=False)
+    trainer = L.Trainer(
+        accelerator=device.type,
+        devices=int(os.environ["LOCAL_WORLD_SIZE"]),
+        strategy=MMFSDP2Strategy(config),
+        max_steps=len(data),
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        use_distributed_sampler=False,
+        callbacks=[Timer()],
+    )  # data is already per rank (the same on both ranks of a context-parallel pair)
+    batches = [{"input_ids": ids[:, :-1].clone(), "labels": ids[:, :-1].clone()} for ids in data]
+    loader = torch.utils.data.DataLoader(batches, batch_size=None, shuffle=False, pin_memory=device.type == "cuda")
+    trainer.fit(module, train_dataloaders=loader)
+    out = {"elapsed_s": timing["end"] - timing["start"], "final_loss": timing["loss"], "peak_mem": _peak_mem(device)}
+    del trainer, module
+    return out
+
+
 def _sync(device: Any) -> None:
     import torch
 
@@ -318,9 +398,17 @@ def _peak_mem(device: Any) -> int | None:
 
 
 # ------------------------------------------------------------------------------------------------ worker
-def contenders(args: argparse.Namespace) -> list[str]:
+def contenders(args: argparse.Namespace, world: int) -> list[str]:
     eager = ["plain", "mm_fsdp2"]
-    return eager if args.no_compile else [*eager, "plain_compiled", "mm_fsdp2_compiled"]
+    names = eager if args.no_compile else [*eager, "plain_compiled", "mm_fsdp2_compiled"]
+    if not args.no_cp and world >= 2 and world % 2 == 0:
+        names += ["mm_hf", "mm_hf_ring_cp2"]
+    return names
+
+
+def tokens_per_sequence(name: str, seq: int) -> int:
+    """The length of the sequences a contender trains: twice ``seq`` for the context-parallel pair."""
+    return 2 * seq if name == "mm_hf_ring_cp2" else seq
 
 
 def worker(args: argparse.Namespace) -> None:
@@ -341,13 +429,20 @@ def worker(args: argparse.Namespace) -> None:
     world = dist.get_world_size()
     # Each rank its own slice of the same global stream of batches.
     data = _batches(cfg, args.warmup + args.steps, args.batch, args.seq, seed=1000 + dist.get_rank())
-    names = contenders(args)
+    # The ring contender: the two ranks of a pair share their sequences, twice as long.
+    ring_data = _batches(cfg, args.warmup + args.steps, args.batch, 2 * args.seq, seed=2000 + dist.get_rank() // 2)
+    names = contenders(args, world)
     records: dict[str, list[dict[str, Any]]] = {name: [] for name in names}
     for rnd in range(args.rounds):
         order = names[rnd % len(names) :] + names[: rnd % len(names)]  # rotating, so drift falls on all alike
         for name in order:
-            run = run_plain if name.startswith("plain") else run_mm
-            result = run(cfg, args, device, data, compiled=name.endswith("_compiled"))
+            if name == "mm_hf":
+                result = run_mm_hf(cfg, args, device, data)
+            elif name == "mm_hf_ring_cp2":
+                result = run_mm_hf(cfg, args, device, ring_data, cp=2)
+            else:
+                run = run_plain if name.startswith("plain") else run_mm
+                result = run(cfg, args, device, data, compiled=name.endswith("_compiled"))
             result["round"] = rnd
             records[name].append(result)
             gc.collect()
@@ -383,7 +478,11 @@ def summarize(ranks: list[dict[str, Any]], args: argparse.Namespace) -> dict[str
         "contenders": {},
     }
     per_round: dict[str, list[float]] = {}
-    for name in contenders(args):
+    for name in contenders(args, world):
+        length = tokens_per_sequence(name, args.seq)
+        per_token = (
+            flops_per_token if length == args.seq else flops_per_step(cfg, args.batch, length) / (args.batch * length)
+        )
         elapsed = [max(r["records"][name][i]["elapsed_s"] for r in ranks) for i in range(args.rounds)]
         tps = [tokens / e for e in elapsed]
         per_round[name] = tps
@@ -392,8 +491,10 @@ def summarize(ranks: list[dict[str, Any]], args: argparse.Namespace) -> dict[str
             "tokens_per_s": med,
             "tokens_per_s_per_gpu": med / world,
             "per_round_tokens_per_s": tps,
-            "tflops_per_gpu": med / world * flops_per_token / 1e12,
-            "mfu": (med / world * flops_per_token / (peak * 1e12)) if peak else None,
+            "seq": length,
+            "flops_per_token": per_token,
+            "tflops_per_gpu": med / world * per_token / 1e12,
+            "mfu": (med / world * per_token / (peak * 1e12)) if peak else None,
             "peak_mem_gib": [
                 r["records"][name][-1]["peak_mem"] / 2**30 if r["records"][name][-1]["peak_mem"] else None
                 for r in ranks
@@ -411,6 +512,8 @@ def summarize(ranks: list[dict[str, Any]], args: argparse.Namespace) -> dict[str
         out["ratio_mm_to_plain_compiled"] = ratio("mm_fsdp2_compiled", "plain_compiled")
         out["compile_speedup_mm"] = ratio("mm_fsdp2_compiled", "mm_fsdp2")
         out["compile_speedup_plain"] = ratio("plain_compiled", "plain")
+    if "mm_hf_ring_cp2" in per_round:
+        out["ratio_ring_cp2_to_hf"] = ratio("mm_hf_ring_cp2", "mm_hf")
     return out
 
 
@@ -432,7 +535,8 @@ def markdown_rows(summary: dict[str, Any], args: argparse.Namespace) -> str:
         tflops = f"{c['tflops_per_gpu']:.1f}"
         rows.append(f"| {name} | {c['tokens_per_s_per_gpu']:,.0f} | {tflops} | {mfu} | {mem} |")
     rows.append("")
-    for key in ("ratio_mm_to_plain", "ratio_mm_to_plain_compiled", "compile_speedup_mm", "compile_speedup_plain"):
+    keys = ("ratio_mm_to_plain", "ratio_mm_to_plain_compiled", "compile_speedup_mm", "compile_speedup_plain")
+    for key in (*keys, "ratio_ring_cp2_to_hf"):
         if key in summary:
             r = summary[key]
             rows.append(f"- {key}: {r['median']:.3f} [{min(r['per_round']):.3f}, {max(r['per_round']):.3f}]")
@@ -495,6 +599,7 @@ def main() -> None:
     parser.add_argument("--no-compile", action="store_true", help="eager contenders only")
     parser.add_argument("--compile-backend", default="inductor", help="torch.compile backend of the compiled ones")
     parser.add_argument("--skip-smoke", action="store_true", help="leave out the smoke test that runs first")
+    parser.add_argument("--no-cp", action="store_true", help="leave out the Transformers and ring-CP contenders")
     args = common.parse_or_work(parser, worker, out="/tmp/lmm_bench/gpu")
     if args is None:
         return
@@ -503,7 +608,7 @@ def main() -> None:
     if args.device == "cuda" and not torch.cuda.is_available():
         raise SystemExit("no CUDA GPU is visible; this benchmark needs one (or use --device cpu --tiny to check it)")
     nproc = args.nproc or (torch.cuda.device_count() if args.device == "cuda" else 2)
-    flags = ("tiny", "no_compile")
+    flags = ("tiny", "no_compile", "no_cp")
     passthrough = [
         f"--{k.replace('_', '-')}={v}"
         for k, v in vars(args).items()

@@ -52,6 +52,8 @@ class CPCase:
     """With ``resume_at``: train ``resume_at`` steps with ``cp``, save, resume with ``resume_cp`` to ``steps``."""
     data: str = ""
     """The family whose samples it trains on (default: ``family``)."""
+    packed: bool = False
+    """The samples of a micro-batch packed into one row (``PackedCollator``: position ids restart, no mask)."""
 
     @property
     def data_family(self) -> str:
@@ -74,6 +76,18 @@ TWO_RANK_CASES = [
     # Qwen3.5 (tests/packing_families.py): a Gated DeltaNet layer, run on the sequence gathered over the group.
     CPCase("qwen3_5-cp2-len15-padding-mask", "qwen3_5", 15, left_pad=3, data="qwen3"),
 ]
+# KV all-gather (MindSpeed MM's megatron_cp_algo, the YAML key): 3 query heads and 1 key/value head, which Ulysses
+# refuses at context_parallel_size 2; the zig-zag layout of the tokens; padding, packed rows, M-RoPE positions.
+QWEN3_3HEADS = "qwen3_3heads"
+RING = {"context_parallel_algo": "megatron_cp_algo"}
+RING_CASES = [
+    CPCase("qwen3h3-ring-cp2-len15-padding-mask", QWEN3_3HEADS, 15, fsdp2=RING, left_pad=3, data="qwen3"),
+    CPCase("qwen3h3-ring-cp2-packed", QWEN3_3HEADS, 15, fsdp2=RING, data="qwen3", packed=True),
+    CPCase("qwen2_5_vl-ring-cp2-len13", "qwen2_5_vl", 13, fsdp2=RING),
+    # Gated DeltaNet: the layer runs on the whole sequence gathered in natural order, each rank keeps its chunks
+    CPCase("qwen3_5-ring-cp2-len15-padding-mask", "qwen3_5", 15, fsdp2=RING, left_pad=3, data="qwen3"),
+]
+TWO_RANK_CASES += RING_CASES
 RESUME_CASES = [CPCase("qwen3-cp2-resume-nocp", "qwen3", 15, steps=4, resume_at=2)]
 FOUR_RANK_CASES = [
     CPCase("qwen3-dp2xcp2-len15-recompute", "qwen3", 15, fsdp2=_recompute("qwen3", True), steps=2),
@@ -101,6 +115,32 @@ class CPData(torch.utils.data.Dataset):
             sample["attention_mask"][: self.left_pad] = 0
             sample["labels"][: self.left_pad + 1] = -100
         return sample
+
+
+def tiny_qwen3_3heads(seed: int = 7) -> torch.nn.Module:
+    """The tiny Qwen3 with 3 attention heads and 1 key/value head (neither divides by 2)."""
+    import transformers
+
+    from tests.hf_scenarios import FAMILIES
+
+    torch.manual_seed(seed)
+    config = transformers.Qwen3Config(**{**FAMILIES["qwen3"][1], "num_attention_heads": 3, "num_key_value_heads": 1})
+    config.architectures = ["Qwen3ForCausalLM"]
+    return transformers.Qwen3ForCausalLM(config).eval()
+
+
+def qwen3_3heads_provider() -> torch.nn.Module:
+    """:func:`tiny_qwen3_3heads`, for ``lightning-mm plan`` in the tests."""
+    return tiny_qwen3_3heads()
+
+
+def packed_collate(samples: list[dict[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
+    """The samples packed into one row by the project's ``PackedCollator``, with their indices."""
+    from lightning_mm.core.packing import PackedCollator
+
+    indices = torch.stack([s["index"] for s in samples])
+    batch = PackedCollator()([{k: v for k, v in s.items() if k != "index"} for s in samples])
+    return {**batch, "index": indices}
 
 
 def batch_of(case: CPCase, indices: list[int]) -> dict[str, torch.Tensor]:
@@ -178,7 +218,7 @@ def _fit(
     from lightning_mm import MMFSDP2Strategy, MMLightningModule
     from lightning_mm.modules import TransformersModel
 
-    record: dict[str, Any] = {"losses": [], "indices": [], "steps": []}
+    record: dict[str, Any] = {"losses": [], "indices": [], "steps": [], "positions": []}
 
     class Module(MMLightningModule):
         handles_context_parallel = case.custom
@@ -205,6 +245,16 @@ def _fit(
             return loss
 
         def on_fit_start(self) -> None:
+            if not case.custom:  # the positions (and so the tokens) each rank's decoder layers see
+                from lightning_mm.hf.cp_attention import find_hf_model
+
+                hf: Any = find_hf_model(self.model)
+
+                def seen(_: torch.nn.Module, args: tuple, kwargs: dict[str, Any]) -> None:
+                    positions = kwargs.get("position_ids", args[1] if len(args) > 1 else None)
+                    record["positions"].append(positions.tolist())
+
+                hf.get_decoder().rotary_emb.register_forward_pre_hook(seen, with_kwargs=True)
             initial = _gathered(self.model)  # a collective
             if self.trainer.global_rank == 0 and ckpt_path is None:
                 torch.save(initial, outdir / f"{case.name}.init.pt")
@@ -231,7 +281,9 @@ def _fit(
         strategy=MMFSDP2Strategy({"sharding_size": "auto", **case.fsdp2}, context_parallel_size=cp),
     )
     loader = torch.utils.data.DataLoader(
-        CPData(case.data_family, case.seq_len, left_pad=case.left_pad), batch_size=GLOBAL_BATCH * cp // devices
+        CPData(case.data_family, case.seq_len, left_pad=case.left_pad),
+        batch_size=GLOBAL_BATCH * cp // devices,
+        collate_fn=packed_collate if case.packed else None,
     )
     trainer.fit(module, train_dataloaders=loader, ckpt_path=ckpt_path)
     return record, (trainer, module)

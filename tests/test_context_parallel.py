@@ -77,6 +77,107 @@ def test_strategy_refuses_a_bad_algorithm_at_construction() -> None:
     assert MMFSDP2Strategy(context_parallel_size=2).context_parallel_size == 2
 
 
+def test_zigzag_layout_balances_causal_work() -> None:
+    """Rank ``r`` holds chunks ``r`` and ``2C-1-r`` of ``2C`` (MindSpeed MM's load_balanced_split,
+    mindspeed_mm/fsdp/distributed/context_parallel/communication.py): together the ranks hold every position once,
+    each the same number of tokens and of causal (query, key) pairs."""
+    from lightning_mm.core.ring_attention import zigzag_causal_mask, zigzag_index, zigzag_padded_length
+
+    assert zigzag_index(16, 2, 0).tolist() == [0, 1, 2, 3, 12, 13, 14, 15]
+    assert zigzag_index(16, 2, 1).tolist() == [4, 5, 6, 7, 8, 9, 10, 11]
+    for size in (2, 3, 4):
+        padded = zigzag_padded_length(15, size)
+        assert padded % (2 * size) == 0 and padded - 15 < 2 * size
+        held = [zigzag_index(padded, size, r) for r in range(size)]
+        assert sorted(torch.cat(held).tolist()) == list(range(padded))
+        assert len({len(h) for h in held}) == 1
+        pairs = [int(zigzag_causal_mask(h, padded).sum()) for h in held]
+        assert len(set(pairs)) == 1, pairs  # the contiguous split would give rank 0 the fewest pairs
+    segments = torch.tensor([[0] * 5 + [1] * 3])  # a packed row: block-diagonal and causal
+    mask = zigzag_causal_mask(zigzag_index(8, 2, 0), 8, segments=segments)[0, 0]
+    assert zigzag_index(8, 2, 0).tolist() == [0, 1, 6, 7]
+    assert mask[1].tolist() == [True] * 2 + [False] * 6  # position 1 (sample 0) sees positions 0 and 1
+    assert mask[2].tolist() == [False] * 5 + [True, True, False]  # position 6 (sample 1) sees 5 and 6
+    assert mask[3].tolist() == [False] * 5 + [True] * 3
+
+
+def test_zigzag_chunks_attend_without_a_dense_mask() -> None:
+    """Each zig-zag chunk over its prefix of the keys, lower-right causal (no dense mask), equals the rank's rows of
+    whole-sequence causal attention, values and gradients (grouped-query heads repeated), for every rank."""
+    from lightning_mm.core.ring_attention import zigzag_causal_sdpa, zigzag_index
+
+    g = torch.Generator().manual_seed(0)
+    size, local = 3, 4
+    padded = 2 * size * local
+    q = torch.randn(2, 4, padded, 8, generator=g, requires_grad=True)
+    k, v = (torch.randn(2, 2, padded, 8, generator=g, requires_grad=True) for _ in range(2))
+    whole = torch.nn.functional.scaled_dot_product_attention(
+        q, k.repeat_interleave(2, 1), v.repeat_interleave(2, 1), is_causal=True, scale=0.3
+    )
+    weights = torch.randn(whole.shape, generator=g)
+    expected = torch.autograd.grad((whole * weights).sum(), (q, k, v))
+    got = [torch.zeros_like(t) for t in (q, k, v)]
+    for rank in range(size):
+        index = zigzag_index(padded, size, rank)
+        out = zigzag_causal_sdpa(q[:, :, index], k, v, rank, size, scale=0.3)
+        torch.testing.assert_close(out, whole[:, :, index], rtol=1e-5, atol=1e-6)
+        for acc, grad in zip(got, torch.autograd.grad((out * weights[:, :, index]).sum(), (q, k, v))):
+            acc += grad
+    for a, e in zip(got, expected):
+        torch.testing.assert_close(a, e, rtol=1e-5, atol=1e-6)
+
+
+def test_algorithm_names_and_the_yaml_key() -> None:
+    """MindSpeed MM's names (``--context-parallel-algo``; mindspeed_mm/models/common/mm_gpt_model.py) select the
+    algorithm; the FSDP2 YAML key ``context_parallel_algo`` and the strategy argument are one setting."""
+    from lightning_mm.core.config import FSDP2Config, FSDP2ConfigError
+    from lightning_mm.core.context_parallel import ContextParallelError, context_parallel_plan
+    from lightning_mm.core.layout import config_layout
+
+    plan = context_parallel_plan(4, 2, "megatron_cp_algo")
+    assert plan.algo == "kv_allgather" and (plan.padded_length(15), plan.local_length(15)) == (16, 8)
+    assert context_parallel_plan(4, 2, "kvallgather_cp_algo").algo == "kv_allgather"
+    assert "rank r holds chunks r and 3-r" in plan.describe(seq_len=15)
+    with pytest.raises(ContextParallelError, match="'hybrid_cp_algo' .Ulysses inside ring attention. is not"):
+        context_parallel_plan(4, 2, "hybrid_cp_algo")
+    config = FSDP2Config.from_dict({"context_parallel_size": 2, "context_parallel_algo": "megatron_cp_algo"})
+    assert config.context_parallel_algo == "kv_allgather"
+    layout = config_layout(config, 4)
+    assert (layout.cp, layout.cp_algo) == (2, "kv_allgather") and "context_parallel_size 2 (kv_allgather)" in (
+        layout.describe()
+    )
+    assert config_layout(config, 4, None, "megatron_cp_algo").cp_algo == "kv_allgather"
+    with pytest.raises(FSDP2ConfigError, match="`context_parallel_algo`: kv_allgather, but the strategy was given"):
+        config_layout(config, 4, None, "ulysses")
+    assert config_layout(FSDP2Config.from_dict({"context_parallel_size": 2}), 4, None, "kv_allgather").cp_algo == (
+        "kv_allgather"
+    )
+    with pytest.raises(FSDP2ConfigError, match="`context_parallel_algo`: 'ring' is not supported"):
+        FSDP2Config.from_dict({"context_parallel_algo": "ring"})
+
+
+def test_kv_allgather_takes_any_head_count_and_refuses_what_it_cannot_mask() -> None:
+    from lightning_mm.core.context_parallel import ContextParallelError
+    from lightning_mm.hf.cp_attention import check_routable
+
+    model = cp_scenarios.tiny_qwen3_3heads()
+    with pytest.raises(ContextParallelError, match="3 attention heads do not divide by context_parallel_size 2"):
+        check_routable(model, 2)
+    assert check_routable(model, 2, "kv_allgather") is model.model
+    assert check_routable(model, 3, "kv_allgather") is model.model
+    model.config._attn_implementation = "flash_attention_2"
+    with pytest.raises(
+        ContextParallelError, match="'flash_attention_2' cannot be routed through context_parallel_algo"
+    ):
+        check_routable(model, 2, "kv_allgather")
+    model.config._attn_implementation = "sdpa"
+    model.config.layer_types = ["sliding_attention", "full_attention"]
+    with pytest.raises(
+        ContextParallelError, match=r"kv_allgather masks full causal attention only.*'sliding_attention'"
+    ):
+        check_routable(model, 2, "kv_allgather")
+
+
 def test_heads_and_routing_errors() -> None:
     from lightning_mm.core.context_parallel import ContextParallelError
     from lightning_mm.hf.cp_attention import check_routable
@@ -105,6 +206,7 @@ def ckptdir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     directory = tmp_path_factory.mktemp("cp_ckpt")
     save_tiny_checkpoints(directory, ["qwen3", "qwen2_5_vl", "internvl"])
     tiny_packing_model("qwen3_5", seed=3).save_pretrained(directory / "qwen3_5")
+    cp_scenarios.tiny_qwen3_3heads().save_pretrained(directory / cp_scenarios.QWEN3_3HEADS)
     return directory
 
 
@@ -169,6 +271,8 @@ def _reference(
         if case.custom:  # the strategy's initial weights, in one plain process
             model = TinyAttentionLM()
             model.load_state_dict(torch.load(initial))
+        elif case.family == cp_scenarios.QWEN3_3HEADS:
+            model = transformers.Qwen3ForCausalLM.from_pretrained(str(ckptdir / case.family), dtype=torch.float32)
         else:
             arch = tiny_packing_model_arch(case.family) or FAMILIES[case.family][0]
             model = getattr(transformers, arch).from_pretrained(str(ckptdir / case.family), dtype=torch.float32)
@@ -183,8 +287,11 @@ def _reference(
         for groups in steps:
             values = []
             for indices in groups:
-                out = model(**batch_of(case, indices))
-                loss = out if isinstance(out, torch.Tensor) else out.loss
+                if case.packed:  # the packed row's loss: its samples run alone, token losses summed
+                    loss = _unpacked_loss(model, case, indices)
+                else:
+                    out = model(**batch_of(case, indices))
+                    loss = out if isinstance(out, torch.Tensor) else out.loss
                 grads = torch.autograd.grad(loss / len(groups), params, allow_unused=True)
                 values.append(float(loss.detach()))
                 for p, g in zip(params, grads):
@@ -205,6 +312,19 @@ def _reference(
         return Reference(losses, final, {n: m for n, m in noise.items() if m.any()}), losses, first_grads
     finally:
         torch.set_num_threads(threads)
+
+
+def _unpacked_loss(model: torch.nn.Module, case: CPCase, indices: list[int]) -> torch.Tensor:
+    """The mean token loss over ``indices``' samples, each run alone (no packing, no mask): the loss a packed row of
+    them must have."""
+    total, count = torch.zeros(()), 0
+    for i in indices:
+        sample = batch_of(case, [i])
+        sample.pop("attention_mask", None)
+        n = int((sample["labels"][:, 1:] != -100).sum())
+        total = total + model(**sample).loss * n
+        count += n
+    return total / count
 
 
 def _grad_errors(actual: dict[str, torch.Tensor], expected: dict[str, torch.Tensor]) -> dict[str, float]:
@@ -235,6 +355,30 @@ def _check_against_reference(out: Path, case: CPCase, world: int, ckptdir: Path)
 @pytest.mark.parametrize("name", [c.name for c in [*TWO_RANK_CASES, *RESUME_CASES]])
 def test_two_ranks_match_reference(two: Path, ckptdir: Path, name: str) -> None:
     _check_against_reference(two, CASES[name], 2, ckptdir)
+
+
+def test_kv_allgather_ranks_hold_their_zigzag_chunks(two: Path) -> None:
+    """Each rank's decoder sees the positions of chunks ``r`` and ``2C-1-r`` (MindSpeed MM's load-balanced split),
+    as many tokens on every rank, every step; the end padding (position 0) falls in rank 0's last chunk."""
+    expected = {
+        # 15 tokens -> 16, chunks of 4: rank 0 chunks 0 and 3, rank 1 chunks 1 and 2 (both rows of the batch)
+        "qwen3h3-ring-cp2-len15-padding-mask": ([0, 1, 2, 3, 12, 13, 14, 0], [4, 5, 6, 7, 8, 9, 10, 11]),
+        # two packed samples of 15 (positions restart) -> 32, chunks of 8
+        "qwen3h3-ring-cp2-packed": (
+            [0, 1, 2, 3, 4, 5, 6, 7, 9, 10, 11, 12, 13, 14, 0, 0],
+            [8, 9, 10, 11, 12, 13, 14, 0, 1, 2, 3, 4, 5, 6, 7, 8],
+        ),
+        # 13 tokens -> 16; M-RoPE's 3 rows of positions split alike
+        "qwen2_5_vl-ring-cp2-len13": ([0, 1, 2, 3, 12, 0, 0, 0], [4, 5, 6, 7, 8, 9, 10, 11]),
+    }
+    for name, per_rank in expected.items():
+        ranks = _ranks(two, name, 2)
+        for rank, want in zip(ranks, per_rank):
+            seen = [torch.tensor(p) for p in rank["parts"][0]["positions"]]
+            assert len(seen) == CASES[name].steps
+            for positions in seen:
+                rows = positions.reshape(-1, positions.shape[-1])
+                assert all(row.tolist() == want for row in rows), (name, rows.tolist(), want)
 
 
 def test_context_parallel_equals_no_context_parallel(two: Path) -> None:
@@ -298,7 +442,22 @@ def test_migrate_maps_the_megatron_flags() -> None:
     assert (args["context_parallel_size"], args["context_parallel_algo"]) == (2, "ulysses")
     assert result.config["trainer"]["accumulate_grad_batches"] == 2  # 8 / (1 x 4 data-parallel ranks)
     ring = migrate(parse_script("torchrun pretrain_vlm.py --context-parallel-algo megatron_cp_algo"))
-    assert any("only Ulysses" in line for line in ring.unmapped)
+    assert ring.config["trainer"]["strategy"]["init_args"]["context_parallel_algo"] == "kv_allgather"
+    hybrid = migrate(parse_script("torchrun pretrain_vlm.py --context-parallel-algo hybrid_cp_algo"))
+    assert any("'hybrid_cp_algo' (Ulysses inside ring attention) is not supported" in u for u in hybrid.unmapped)
+    assert "context_parallel_algo" not in str(hybrid.config)
+
+
+def test_native_ring_attention_size_maps_to_kv_allgather() -> None:
+    """MindSpeed MM's native ``parallel.ring_attention_size`` (ring attention, NPU-only there;
+    mindspeed_mm/fsdp/params/parallel_args.py) is context parallelism with ``kv_allgather`` here; together with
+    ``ulysses_parallel_size`` (hybrid) it is refused naming both keys."""
+    from lightning_mm.core.config import FSDP2Config, FSDP2ConfigError
+
+    config = FSDP2Config.load({"fully_shard_parallel_size": "auto", "ring_attention_size": 2})
+    assert (config.context_parallel_size, config.context_parallel_algo) == (2, "kv_allgather")
+    with pytest.raises(FSDP2ConfigError, match="ring_attention_size: 2 with ulysses_parallel_size 2: hybrid"):
+        FSDP2Config.load({"ring_attention_size": 2, "ulysses_parallel_size": 2})
 
 
 def _plan_config(tmp_path: Path, cp: int, provider: str = "qwen3_provider") -> Path:
@@ -321,6 +480,23 @@ data:
     train_valid_test_datasets_provider: tests.cp_scenarios.qwen3_datasets
 """)
     return path
+
+
+def test_lightning_mm_plan_shows_the_kv_allgather_layout(tmp_path: Path) -> None:
+    """``lightning-mm plan`` with ``context_parallel_algo: megatron_cp_algo`` in the FSDP2 YAML: a model with 3 heads
+    plans at CP 2 and CP 4 (Ulysses refuses both), the zig-zag layout and the padding to ``2C`` are shown."""
+    from lightning_mm.commands.plan import plan_from_cli_config
+
+    path = _plan_config(tmp_path, 4, "qwen3_3heads_provider")
+    text = path.read_text().replace(
+        "      context_parallel_size: 4\n",
+        "      fsdp2_config: {sharding_size: auto, context_parallel_size: 4, "
+        "context_parallel_algo: megatron_cp_algo}\n",
+    )
+    path.write_text(text)
+    text = plan_from_cli_config(["--config", str(path)], seq_length=4095)
+    assert "context parallel: kv_allgather, mesh (dp=1 x cp=4)" in text
+    assert "rank r holds chunks r and 7-r" in text and "sequence 4095 tokens -> 1024 per rank (1 padding)" in text
 
 
 def test_lightning_mm_plan_shows_the_cp_mesh_and_activations_per_rank(tmp_path: Path) -> None:

@@ -66,7 +66,19 @@ def test_cpu_path_runs_every_contender_and_writes_json_and_markdown(tmp_path):
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     result = json.loads((tmp_path / "res" / "gpu_throughput.json").read_text())
     contenders = result["summary"]["contenders"]
-    assert list(contenders) == ["plain", "mm_fsdp2", "plain_compiled", "mm_fsdp2_compiled"]
+    assert list(contenders) == [
+        "plain",
+        "mm_fsdp2",
+        "plain_compiled",
+        "mm_fsdp2_compiled",
+        "mm_hf",  # the Transformers Llama of the same shape, and with ring (KV all-gather) CP 2 on 2 ranks
+        "mm_hf_ring_cp2",
+    ]
+    hf = [contenders.pop(name) for name in ("mm_hf", "mm_hf_ring_cp2")]
+    assert all(c["final_loss"] == c["final_loss"] and c["final_loss"] > 0 for c in hf)
+    assert [c["seq"] for c in hf] == [16, 32]  # the pair shares sequences twice as long
+    assert hf[1]["flops_per_token"] > hf[0]["flops_per_token"]  # more attention per token
+    assert "ratio_ring_cp2_to_hf" in result["summary"]
     losses = [c["final_loss"] for c in contenders.values()]
     assert all(loss == loss and loss > 0 for loss in losses)  # finite and positive
     # Same model, data and optimiser: every contender ends at the same loss (bf16 compute, aot_eager graphs).

@@ -145,7 +145,7 @@ def test_the_report_names_keys_mindspeed_cannot_use_here():
     result = migrate_native(DATA / "x.yaml", data)
     unmapped = "\n".join(result.unmapped)
     assert "parallel.tp_plan.sequence_parallel: sequence-parallel regions are not supported" in unmapped
-    assert "parallel.ring_attention_size: 2: ring attention is NPU-only" in unmapped
+    assert "parallel.ring_attention_size: 2 with ulysses_parallel_size 2: hybrid context parallelism" in unmapped
     assert "parallel.data_parallel_size: 4" in unmapped
     assert "features.enable_activation_offload" in unmapped
     assert result.config["trainer"]["strategy"]["init_args"]["context_parallel_size"] == 2
@@ -270,7 +270,10 @@ def test_equal_plans_from_the_native_and_the_18_key_forms(tmp_path):
             {"fully_shard_parallel_size": 1, "tensor_parallel_size": 2, "tp_plan": {"sequence_parallel": ["norm"]}},
             "tp_plan.sequence_parallel: sequence-parallel regions are not supported here",
         ),
-        ({"ring_attention_size": 2}, "ring_attention_size: 2: ring attention is NPU-only"),
+        (
+            {"ring_attention_size": 2, "ulysses_parallel_size": 2},
+            "ring_attention_size: 2 with ulysses_parallel_size 2: hybrid context parallelism",
+        ),
         ({"ulysses_parallel_size": 2}, "give MMFSDP2Strategy(context_parallel_size=2)"),
         ({"recompute": "yes"}, "`recompute`: expected true or false, got 'yes'"),
         ({"ep_plan": {"dispatcher": "nccl"}}, "`ep_plan.dispatcher`: 'nccl' is not a MindSpeed MM dispatcher"),

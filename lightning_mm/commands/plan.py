@@ -119,7 +119,7 @@ def plan_from_cli_config(
     from lightning_mm.core.layout import config_layout
     from lightning_mm.core.plan import describe_rank_shapes
 
-    layout = config_layout(config, world, strategy.context_parallel_size)
+    layout = config_layout(config, world, strategy.context_parallel_size, strategy._context_parallel.algo_argument)
     text = plan.describe() + "\n" + order + "\n" + memory.describe() + "\n" + describe_rank_shapes(target, plan)
     from lightning_mm.hf.plan_source import default_plan_summary
 
@@ -134,7 +134,7 @@ def plan_from_cli_config(
             target,
             world,
             layout.cp,
-            strategy.context_parallel_algo,
+            layout.cp_algo,
             seq_length,
             handled=bool(getattr(module, "handles_context_parallel", False)),
         )

@@ -122,8 +122,15 @@ class FSDP2Config(_ExplicitKeys):
     """The tensor-parallel plan (module pattern -> ``colwise``, ``rowwise``, ...; Transformers' notation); unset:
     the model's own ``base_model_tp_plan``. Only with ``tensor_parallel_size`` > 1."""
     context_parallel_size: int = 1
-    """Split each sequence over this many consecutive ranks (Ulysses context parallelism; 1: none). The strategy's
-    ``context_parallel_size`` argument is the same setting (conflicting values are an error)."""
+    """Split each sequence over this many consecutive ranks (context parallelism, see ``context_parallel_algo``;
+    1: none). The strategy's ``context_parallel_size`` argument is the same setting (conflicting values are an
+    error)."""
+    context_parallel_algo: str = "ulysses"
+    """How attention runs over the ``context_parallel_size`` ranks: ``ulysses`` (all-to-all over the heads; the heads
+    must divide by the size) or ``kv_allgather`` (each rank keeps its zig-zag query chunks and gathers keys and
+    values: any head count, load-balanced for causal masks). MindSpeed MM's ``ulysses_cp_algo`` and
+    ``megatron_cp_algo`` (ring attention) are accepted as these. The strategy's ``context_parallel_algo`` argument
+    is the same setting."""
     compile_modules: list[str] = field(default_factory=list)
     """The modules (patterns allowed) whose forward ``torch.compile`` compiles, each as one graph, before sharding
     (recomputation wraps the compiled forward; FSDP2's hooks stay eager around it). None by default; the root
@@ -308,6 +315,12 @@ class FSDP2Config(_ExplicitKeys):
             if isinstance(size, bool) or not isinstance(size, int) or size < 1:
                 raise self.key_error(key, f"expected a positive integer, got {short_repr(size)}")
         self._validate_tp_plan()
+        from lightning_mm.core.cp_algorithms import ContextParallelError, canonical_algorithm
+
+        try:
+            self.context_parallel_algo = canonical_algorithm(self.context_parallel_algo)
+        except ContextParallelError as err:
+            raise self.key_error("context_parallel_algo", str(err).removeprefix("context_parallel_algo ")) from None
 
         if not isinstance(self.compile_backend, str) or not self.compile_backend.strip():
             raise self.key_error("compile_backend", f"expected a backend name, got {short_repr(self.compile_backend)}")

@@ -1,5 +1,8 @@
 """Ulysses context parallelism (DeepSpeed-Ulysses, MindSpeed MM's ``ulysses_cp_algo``): deciding and doing.
 
+The plan covers both algorithms of ``context_parallel_algo``; the KV all-gather one (MindSpeed MM's
+``megatron_cp_algo``: zig-zag chunks, keys and values gathered) is in :mod:`lightning_mm.core.ring_attention`.
+
 ``C = context_parallel_size`` consecutive ranks form a context-parallel group: they work on the same samples, each
 holding ``ceil(S / C)`` tokens of every sequence (the sequence is padded at its end to a multiple of ``C``; padded
 positions are masked out of attention and of the loss). Inside attention an all-to-all gathers the whole sequence
@@ -28,8 +31,12 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
+from lightning_mm.core.cp_algorithms import ALGORITHM_NAMES, ALGORITHMS, ContextParallelError, canonical_algorithm
+
 __all__ = [
     "ALGORITHMS",
+    "ALGORITHM_NAMES",
+    "canonical_algorithm",
     "ContextParallelError",
     "ContextParallelPlan",
     "activation_bytes_estimate",
@@ -44,12 +51,7 @@ __all__ = [
     "ulysses_attention",
 ]
 
-ALGORITHMS = ("ulysses",)
 IGNORE_INDEX = -100
-
-
-class ContextParallelError(ValueError):
-    """A context-parallel setting that cannot work (raised at setup)."""
 
 
 # ------------------------------------------------------------------------------------------------- deciding
@@ -60,6 +62,7 @@ class ContextParallelPlan:
     world_size: int
     size: int
     algo: str = "ulysses"
+    """``ulysses`` (heads scattered) or ``kv_allgather`` (keys/values gathered, zig-zag chunks)."""
 
     @property
     def enabled(self) -> bool:
@@ -84,8 +87,13 @@ class ContextParallelPlan:
     def data_parallel_rank(self, rank: int) -> int:
         return rank // self.size
 
+    @property
+    def multiple(self) -> int:
+        """Sequences are padded to a multiple of this: ``C`` (Ulysses) or ``2 C`` (the zig-zag chunks)."""
+        return self.size * (2 if self.algo == "kv_allgather" else 1)
+
     def padded_length(self, seq_len: int) -> int:
-        return math.ceil(seq_len / self.size) * self.size
+        return math.ceil(seq_len / self.multiple) * self.multiple
 
     def local_length(self, seq_len: int) -> int:
         return self.padded_length(seq_len) // self.size
@@ -107,9 +115,20 @@ class ContextParallelPlan:
             f"context parallel: {self.algo}, mesh ({mesh}); groups sharing samples: {groups}{more}",
             f"  FSDP shards parameters over dp x cp = {self.world_size} ranks; the sampler runs over "
             f"{self.data_parallel_size} data-parallel rank(s)",
-            "  attention: all-to-all to (whole sequence, heads / C), attend, all-to-all back; lengths not "
-            f"divisible by {self.size} are padded at the end and masked",
         ]
+        if self.algo == "kv_allgather":
+            c = self.size
+            lines.append(
+                f"  attention: KV all-gather (MindSpeed MM's megatron_cp_algo): the sequence is cut into {2 * c} "
+                f"chunks, rank r holds chunks r and {2 * c - 1}-r (causal load balance); each rank keeps its queries "
+                "and all-gathers keys/values (backward: reduce-scatter); any head count; lengths not divisible by "
+                f"{2 * c} are padded at the end and masked"
+            )
+        else:
+            lines.append(
+                "  attention: all-to-all to (whole sequence, heads / C), attend, all-to-all back; lengths not "
+                f"divisible by {self.size} are padded at the end and masked"
+            )
         if seq_len is not None:
             local = self.local_length(seq_len)
             pad = self.padded_length(seq_len) - seq_len
@@ -140,12 +159,7 @@ def context_parallel_plan(world_size: int, size: int, algo: str = "ulysses") -> 
     """Check ``size`` and ``algo`` against ``world_size``; every problem is a :class:`ContextParallelError`."""
     if not isinstance(size, int) or size < 1:
         raise ContextParallelError(f"context_parallel_size must be a positive integer, got {size!r}")
-    algo = {"ulysses_cp_algo": "ulysses"}.get(algo, algo)
-    if algo not in ALGORITHMS:
-        raise ContextParallelError(
-            f"context_parallel_algo {algo!r} is not supported; choose one of {ALGORITHMS} "
-            "(MindSpeed MM's 'ulysses_cp_algo' is accepted as 'ulysses'; ring attention is not implemented)"
-        )
+    algo = canonical_algorithm(algo)
     if world_size % size:
         raise ContextParallelError(
             f"context_parallel_size {size} does not divide the world size {world_size}: each context-parallel "

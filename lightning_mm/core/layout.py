@@ -19,7 +19,7 @@ Lightning-free.
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import torch.distributed as dist
@@ -33,6 +33,7 @@ __all__ = [
     "LayoutMeshes",
     "parallel_layout",
     "config_layout",
+    "context_parallel_algorithm",
     "device_mesh",
     "transposed_mesh",
     "own_rank_mesh",
@@ -78,6 +79,8 @@ class ParallelLayout:
     """``context_parallel_size``: ranks that split each sequence (consecutive ranks)."""
     ep: int = 1
     """``expert_parallel_size``: ranks that together hold every expert (consecutive ranks)."""
+    cp_algo: str = "ulysses"
+    """``context_parallel_algo``: ``ulysses`` or ``kv_allgather`` (:mod:`~lightning_mm.core.context_parallel`)."""
 
     @property
     def dp(self) -> int:
@@ -116,7 +119,7 @@ class ParallelLayout:
         mesh = " x ".join(f"{n}={s}" for n, s in zip(self.world_mesh_dim_names, self.world_mesh_shape))
         parts = [f"parallel layout: world {self.world_size} = mesh ({mesh})"]
         parts.append(f"tensor_parallel_size {self.tp}")
-        parts.append(f"context_parallel_size {self.cp}")
+        parts.append(f"context_parallel_size {self.cp}" + (f" ({self.cp_algo})" if self.cp > 1 else ""))
         parts.append(f"expert_parallel_size {self.ep}")
         parts.append(f"{self.samplers} data-parallel sampler rank(s)")
         return "; ".join(parts)
@@ -176,9 +179,32 @@ def parallel_layout(
     return ParallelLayout(world_size, shard, tp, cp, ep)
 
 
-def config_layout(config: FSDP2Config, world_size: int, context_parallel_size: int | None = None) -> ParallelLayout:
-    """The layout of ``config`` over ``world_size`` ranks; ``context_parallel_size``: the strategy's argument of
-    that name (an alias of the key; ``None`` or 1: the key's value), refused when both are set and differ."""
+def context_parallel_algorithm(config: FSDP2Config, argument: str | None = None) -> str:
+    """The config's ``context_parallel_algo``, or the strategy's argument of that name (an alias; ``None``: unset),
+    refused when both are set and differ."""
+    from lightning_mm.core.cp_algorithms import canonical_algorithm
+
+    algo = config.context_parallel_algo
+    if argument is None:
+        return algo
+    given = canonical_algorithm(argument)
+    if "context_parallel_algo" in config.explicit_keys and given != algo:
+        raise config.key_error(
+            "context_parallel_algo",
+            f"{algo}, but the strategy was given context_parallel_algo={argument!r}; set it in one place",
+        )
+    return given
+
+
+def config_layout(
+    config: FSDP2Config,
+    world_size: int,
+    context_parallel_size: int | None = None,
+    context_parallel_algo: str | None = None,
+) -> ParallelLayout:
+    """The layout of ``config`` over ``world_size`` ranks; ``context_parallel_size`` / ``context_parallel_algo``: the
+    strategy's arguments of those names (aliases of the keys; ``None`` or size 1: the key's value), refused when
+    both are set and differ."""
     cp = config.context_parallel_size
     if context_parallel_size is not None and context_parallel_size != 1:
         if cp not in (1, context_parallel_size):
@@ -187,7 +213,7 @@ def config_layout(config: FSDP2Config, world_size: int, context_parallel_size: i
                 f"{cp}, but the strategy was given context_parallel_size={context_parallel_size}; set it in one place",
             )
         cp = context_parallel_size
-    return parallel_layout(
+    layout = parallel_layout(
         world_size,
         config.sharding_size,
         config.tensor_parallel_size,
@@ -195,6 +221,7 @@ def config_layout(config: FSDP2Config, world_size: int, context_parallel_size: i
         config.expert_parallel_size,
         config.source,
     )
+    return replace(layout, cp_algo=context_parallel_algorithm(config, context_parallel_algo))
 
 
 # --------------------------------------------------------------------------------------------------- meshes

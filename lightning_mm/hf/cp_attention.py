@@ -1,4 +1,4 @@
-"""Ulysses context parallelism for Hugging Face models, without user code.
+"""Ulysses and KV all-gather context parallelism for Hugging Face models, without user code.
 
 :func:`enable_context_parallel` prepares a Transformers model for a context-parallel group:
 
@@ -29,6 +29,14 @@ The vision tower and the embeddings run on whole sequences on each rank of the g
 small next to the decoder's); the decoder layers, the final norm and the LM head see ``seq / C`` tokens (a Gated
 DeltaNet layer computes on the whole sequence, as above).
 Generation (a key/value cache) is not supported under context parallelism.
+
+With ``context_parallel_algo: kv_allgather`` (MindSpeed MM's ``megatron_cp_algo``,
+:mod:`lightning_mm.core.ring_attention`) the pre-hook keeps the rank's zig-zag chunks (``r`` and ``2 C - 1 - r`` of
+``2 C``; the sequence is padded to a multiple of ``2 C``) of the embeddings, the position ids (M-RoPE's too) and the
+targets, and the attention implementation is ``kv_allgather_<inner>``: the rank's queries attend to the keys and
+values of the whole sequence gathered over the group, under a mask built from the queries' global positions
+(causal, padding, and a packed row's samples). No head is scattered: any head count works. Sliding-window and
+chunked attention are refused before any step.
 """
 
 from __future__ import annotations
@@ -53,6 +61,15 @@ from lightning_mm.core.context_parallel import (
 )
 from lightning_mm.core.module_state import replace_forward
 from lightning_mm.core.packing import is_packed, segment_ids
+from lightning_mm.core.ring_attention import (
+    kv_allgather_attention,
+    zigzag_causal_mask,
+    zigzag_causal_sdpa,
+    zigzag_gather,
+    zigzag_index,
+    zigzag_padded_length,
+    zigzag_split,
+)
 from lightning_mm.hf.chunk_loss import chunk_loss_size
 from lightning_mm.hf.packing_layers import PER_SAMPLE_CLASSES, context_parallel_refusal, mark_sequence_gathered
 
@@ -60,6 +77,15 @@ __all__ = ["ROUTABLE", "enable_context_parallel", "find_hf_model", "check_routab
 
 ROUTABLE = ("eager", "sdpa")
 PREFIX = "ulysses_"
+KV_PREFIX = "kv_allgather_"
+_PREFIXES = {"ulysses": PREFIX, "kv_allgather": KV_PREFIX}
+
+
+def _inner(impl: str) -> str:
+    """The attention implementation under a routing prefix (``ulysses_sdpa`` -> ``sdpa``)."""
+    for prefix in _PREFIXES.values():
+        impl = impl.removeprefix(prefix)
+    return impl
 
 
 class _State:
@@ -72,6 +98,35 @@ class _State:
     labels: Tensor | None = None
     segments: Tensor | None = None
     """``(B, padded S)`` sample index of every token of a packed row (``None``: not packed)."""
+    algo: str = "ulysses"
+    query_index: Tensor | None = None
+    """``kv_allgather``: the global positions of this rank's tokens (its zig-zag chunks)."""
+    masks: dict[Any, Tensor] = {}
+    """``kv_allgather``: the masks of the current forward (see :func:`_kv_mask`)."""
+
+
+def _split(t: Tensor, dim: int, pad_value: float | int = 0) -> Tensor:
+    """This rank's tokens of a whole-sequence tensor: a contiguous slice (Ulysses) or the zig-zag chunks."""
+    if _STATE.algo == "kv_allgather":
+        return zigzag_split(t, dim, _STATE.group, pad_value)
+    return split_sequence(t, dim, _STATE.group, pad_value)
+
+
+def _gather(t: Tensor, dim: int) -> Tensor:
+    """The whole padded sequence (natural order) from every rank's tokens (the inverse of :func:`_split`)."""
+    if _STATE.algo == "kv_allgather":
+        return zigzag_gather(t, dim, _STATE.group)
+    return gather_sequence(t, dim, _STATE.group)
+
+
+def _local(full: Tensor, dim: int) -> Tensor:
+    """This rank's tokens of an already padded whole sequence (no collective)."""
+    if _STATE.algo == "kv_allgather":
+        assert _STATE.query_index is not None
+        return full.index_select(dim, _STATE.query_index.to(full.device))
+    size, rank = torch.distributed.get_world_size(_STATE.group), torch.distributed.get_rank(_STATE.group)
+    local = full.shape[dim] // size
+    return full.narrow(dim, rank * local, local).clone()
 
 
 _STATE = _State()
@@ -108,6 +163,66 @@ def _ulysses(inner: str) -> Any:
     return attention
 
 
+def _kv_allgather(inner: str) -> Any:
+    def attention(
+        module: nn.Module, query: Tensor, key: Tensor, value: Tensor, attention_mask: Tensor | None, **kwargs: Any
+    ) -> tuple[Tensor, None]:
+        import sys
+
+        from transformers.integrations.sdpa_attention import sdpa_attention_forward
+        from transformers.models.llama.modeling_llama import eager_attention_forward
+
+        if kwargs.get("sliding_window") is not None:
+            raise ContextParallelError("sliding-window attention is not supported under context parallelism")
+        assert _STATE.query_index is not None and _STATE.key_valid is not None
+        causal = getattr(module, "is_causal", True)
+        kwargs.pop("is_causal", None)
+        group = _STATE.group
+        if inner == "sdpa" and causal and _STATE.all_valid and _STATE.segments is None:
+            # Only end padding: each chunk attends to a prefix of the keys, lower-right causal; no dense mask.
+            rank, size = torch.distributed.get_rank(group), torch.distributed.get_world_size(group)
+            scale, dropout = kwargs.get("scaling"), float(kwargs.get("dropout", 0.0) or 0.0)
+
+            def chunks(q: Tensor, k: Tensor, v: Tensor) -> Tensor:
+                out = zigzag_causal_sdpa(q, k, v, rank, size, scale, dropout, _STATE.masks)
+                return out.transpose(1, 2).contiguous()
+
+            return kv_allgather_attention(chunks, query, key, value, group), None
+        mask = _kv_mask(query, causal, inner == "sdpa")
+        eager = getattr(sys.modules.get(type(module).__module__), "eager_attention_forward", eager_attention_forward)
+        fn = eager if inner == "eager" else sdpa_attention_forward
+
+        def attend(q: Tensor, k: Tensor, v: Tensor) -> Tensor:
+            out, _ = fn(module, q, k, v, mask, **kwargs)  # (B, local, H, D)
+            return out
+
+        return kv_allgather_attention(attend, query, key, value, group), None
+
+    attention.__name__ = f"{KV_PREFIX}{inner}"
+    return attention
+
+
+def _kv_mask(query: Tensor, causal: bool, boolean: bool) -> Tensor:
+    """The ``(B or 1, 1, local, padded)`` mask of this rank's queries over the whole sequence (causal, padding,
+    packed samples): boolean for sdpa, additive for eager; built once per forward and shared by the layers (one
+    storage saved for backward, not one per layer)."""
+    assert _STATE.query_index is not None and _STATE.key_valid is not None
+    key = (causal, boolean, query.dtype, query.device)
+    cached = _STATE.masks.get(key)
+    if cached is None:
+        allowed = zigzag_causal_mask(
+            _STATE.query_index.to(query.device),
+            _STATE.key_valid.shape[1],
+            causal,
+            _STATE.key_valid,  # the end padding too: a non-causal layer would see it
+            _STATE.segments,
+        )
+        zero = torch.zeros((), dtype=query.dtype, device=query.device)
+        cached = allowed if boolean else torch.where(allowed, zero, torch.finfo(query.dtype).min)
+        _STATE.masks[key] = cached
+    return cached
+
+
 def _full_mask(q: Tensor, causal: bool) -> Tensor:
     """An additive ``(B, 1, S, S)`` mask of the whole padded sequence: causal, padded keys masked."""
     s = q.shape[2]
@@ -129,6 +244,7 @@ def _register() -> None:
 
     for inner in ROUTABLE:
         AttentionInterface.register(f"{PREFIX}{inner}", _ulysses(inner))
+        AttentionInterface.register(f"{KV_PREFIX}{inner}", _kv_allgather(inner))
 
 
 def find_hf_model(root: nn.Module) -> nn.Module | None:
@@ -147,10 +263,26 @@ def _check_layers(model: nn.Module) -> None:
         raise ContextParallelError(f"{type(model).__name__}: {refusal}")
 
 
-def check_routable(model: nn.Module, size: int) -> nn.Module:
-    """The decoder of ``model`` if it can run under Ulysses with ``size`` ranks; else a clear error: a layer that
-    carries state along the sequence (:func:`~lightning_mm.hf.packing_layers.context_parallel_refusal`), attention
-    that cannot be routed, heads that do not divide by ``size``."""
+def _check_full_attention(name: str, config: Any) -> None:
+    """KV all-gather masks full (causal) attention only: refuse sliding-window and chunked attention by config."""
+    kinds = set(getattr(config, "layer_types", None) or ())
+    # linear attention (Gated DeltaNet) runs on the gathered sequence; _check_layers vets those layers
+    other = sorted(k for k in kinds if k not in ("full_attention", "linear_attention"))
+    sliding = getattr(config, "sliding_window", None) is not None and getattr(config, "use_sliding_window", True)
+    chunked = getattr(config, "attention_chunk_size", None) is not None
+    if other or (not kinds and sliding) or chunked:
+        what = f"layer types {other}" if other else ("chunked attention" if chunked else "sliding-window attention")
+        raise ContextParallelError(
+            f"{name}: context_parallel_algo kv_allgather masks full causal attention only; this decoder has {what}; "
+            "use context_parallel_algo ulysses or context_parallel_size 1"
+        )
+
+
+def check_routable(model: nn.Module, size: int, algo: str = "ulysses") -> nn.Module:
+    """The decoder of ``model`` if it can run context-parallel with ``size`` ranks under ``algo``; else a clear
+    error: a layer that carries state along the sequence
+    (:func:`~lightning_mm.hf.packing_layers.context_parallel_refusal`), attention that cannot be routed, for Ulysses
+    heads that do not divide by ``size``, for KV all-gather sliding-window or chunked attention."""
     name = type(model).__name__
     hf: Any = model  # a Transformers model: get_decoder() is Transformers' own, untyped
     try:
@@ -160,12 +292,15 @@ def check_routable(model: nn.Module, size: int) -> nn.Module:
     _check_layers(model)
     config = decoder.config
     impl = attn_implementation(config) or "eager"
-    inner = impl.removeprefix(PREFIX)
+    inner = _inner(impl)
     if inner not in ROUTABLE:
         raise ContextParallelError(
-            f"{name}: attention implementation {impl!r} cannot be routed through Ulysses context parallelism "
+            f"{name}: attention implementation {impl!r} cannot be routed through context_parallel_algo {algo} "
             f"(supported: {ROUTABLE}); load the model with attn_implementation='sdpa' or 'eager'"
         )
+    if algo == "kv_allgather":
+        _check_full_attention(name, config)
+        return decoder
     heads = getattr(config, "num_attention_heads", None)
     if heads is None:
         raise ContextParallelError(f"{name}: its decoder config has no num_attention_heads; cannot split heads")
@@ -173,20 +308,19 @@ def check_routable(model: nn.Module, size: int) -> nn.Module:
     return decoder
 
 
-def enable_context_parallel(model: nn.Module, group: Any) -> nn.Module:
-    """Route ``model`` (a Transformers model) through Ulysses over ``group``; returns its decoder."""
+def enable_context_parallel(model: nn.Module, group: Any, algo: str = "ulysses") -> nn.Module:
+    """Route ``model`` (a Transformers model) through ``algo`` (``ulysses`` or ``kv_allgather``) over ``group``;
+    returns its decoder."""
     if chunk_loss_size(model) is not None:  # lightning_mm.hf.chunk_loss
         raise ContextParallelError(
             f"{type(model).__name__}: enable_chunk_loss is not supported with context parallelism; turn one of them off"
         )
     _check_layers(model)  # before anything touches the group
     size = torch.distributed.get_world_size(group)
-    decoder = check_routable(model, size)
+    decoder = check_routable(model, size, algo)
     _register()
-    set_attn_implementation(
-        decoder.config, PREFIX + (attn_implementation(decoder.config) or "eager").removeprefix(PREFIX)
-    )
-    _STATE.group = group
+    set_attn_implementation(decoder.config, _PREFIXES[algo] + _inner(attn_implementation(decoder.config) or "eager"))
+    _STATE.group, _STATE.algo = group, algo
     for module in decoder.modules():
         if type(module).__name__.removeprefix("FSDP") in PER_SAMPLE_CLASSES:
             reason = "context parallelism: runs on the whole sequence gathered over the group"
@@ -207,12 +341,11 @@ def _whole_sequence(module: nn.Module, forward: Any) -> Any:
     name = type(module).__name__
 
     def whole_sequence_forward(hidden_states: Tensor, *args: Any, **kwargs: Any) -> Any:
-        group = _STATE.group
         if args or kwargs.get("cache") is not None or kwargs.get("cache_params") is not None:
             raise ContextParallelError(f"{name}: runs without a cache under context parallelism")
         for key in _VARLEN_KEYS:  # boundaries from a rank's slice of the positions: the whole row's are below
             kwargs.pop(key, None)
-        full = gather_sequence(hidden_states, 1, group)  # (B, padded S, ...)
+        full = _gather(hidden_states, 1)  # (B, padded S, ...), natural order
         segments = _STATE.segments
         if segments is None:
             valid = _STATE.key_valid
@@ -228,8 +361,7 @@ def _whole_sequence(module: nn.Module, forward: Any) -> Any:
             starts = [0, *(torch.nonzero(row[1:] != row[:-1]).flatten() + 1).tolist(), row.shape[0]]
             kwargs["attention_mask"] = None
             out = torch.cat([forward(full[:, lo:hi], **kwargs) for lo, hi in zip(starts, starts[1:])], dim=1)
-        local = hidden_states.shape[1]
-        return out.narrow(1, torch.distributed.get_rank(group) * local, local).clone()
+        return _local(out, 1)
 
     return whole_sequence_forward
 
@@ -254,7 +386,10 @@ def _split_decoder_inputs(decoder: nn.Module, args: tuple, kwargs: dict[str, Any
         raise ContextParallelError("context parallelism takes a 2-D (batch, seq) padding attention_mask or none")
     valid = mask.bool() if mask is not None else torch.ones(1, seq, dtype=torch.bool, device=embeds.device)
     size = torch.distributed.get_world_size(group)
-    padded = -(-seq // size) * size
+    padded = zigzag_padded_length(seq, size) if _STATE.algo == "kv_allgather" else -(-seq // size) * size
+    rank = torch.distributed.get_rank(group)
+    _STATE.query_index = zigzag_index(padded, size, rank, embeds.device) if _STATE.algo == "kv_allgather" else None
+    _STATE.masks = {}
     _STATE.all_valid = mask is None or bool(mask.all())
     _STATE.key_valid = torch.cat([valid, valid.new_zeros(valid.shape[0], padded - seq)], dim=1)
     _STATE.segments = None
@@ -263,8 +398,8 @@ def _split_decoder_inputs(decoder: nn.Module, args: tuple, kwargs: dict[str, Any
         _STATE.segments = torch.cat([segments, segments.new_full((segments.shape[0], padded - seq), -1)], dim=1)
     kwargs.update(
         input_ids=None,
-        inputs_embeds=split_sequence(embeds, 1, group),
-        position_ids=split_sequence(positions, positions.ndim - 1, group),
+        inputs_embeds=_split(embeds, 1),
+        position_ids=_split(positions, positions.ndim - 1),
         attention_mask=None,
         use_cache=False,
     )
@@ -280,7 +415,7 @@ def _put_loss(model: nn.Module, args: tuple, output: Any) -> Any:
     labels, _STATE.labels = _STATE.labels, None
     if labels is None:
         return output
-    targets = split_sequence(shift_labels(labels), labels.ndim - 1, _STATE.group, pad_value=IGNORE_INDEX)
+    targets = _split(shift_labels(labels), labels.ndim - 1, pad_value=IGNORE_INDEX)
     loss = context_parallel_loss(output.logits, targets, _STATE.group)
     if isinstance(output, dict):  # a ModelOutput: key and attribute
         output["loss"] = loss
@@ -306,7 +441,7 @@ def context_parallel_summary(
     activations = None
     if model is not None:
         hf: Any = model  # a Transformers model: get_decoder() and the config are Transformers' own
-        decoder = check_routable(model, size) if plan.enabled else hf.get_decoder()
+        decoder = check_routable(model, size, plan.algo) if plan.enabled else hf.get_decoder()
         config: Any = decoder.config
         if seq_len and getattr(config, "hidden_size", None) and getattr(config, "num_hidden_layers", None):
             activations = activation_bytes_estimate(config.hidden_size, config.num_hidden_layers, seq_len)

@@ -359,11 +359,15 @@ _CP_SIZE = _strategy_arg("context_parallel_size", int)
 
 
 def _context_parallel_algo(state: FlagState, flag: str, value: str | None, shown: str) -> None:
-    if value not in ("ulysses_cp_algo", "ulysses"):
-        state.out.unmapped.append(f"{shown}: only Ulysses context parallelism (ulysses_cp_algo) is supported")
+    from lightning_mm.core.context_parallel import ContextParallelError, canonical_algorithm
+
+    try:
+        algo = canonical_algorithm(value)
+    except ContextParallelError as err:
+        state.out.unmapped.append(f"{shown}: {err}")
         return
-    state.strategy("context_parallel_algo", "ulysses")
-    state.out.mapped.append(f"{shown} -> trainer.strategy.init_args.context_parallel_algo: ulysses")
+    state.strategy("context_parallel_algo", algo)
+    state.out.mapped.append(f"{shown} -> trainer.strategy.init_args.context_parallel_algo: {algo}")
 
 
 def _only_one(reason: str) -> _Handler:

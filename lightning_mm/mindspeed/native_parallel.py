@@ -20,11 +20,13 @@ recompute switch and plan that its ``features`` section may carry too, maps onto
   rejects sizes above 1, here they run (what tensor parallelism does not compose with is refused when the model is
   set up, by name)
 * ``ulysses_parallel_size`` -> ``MMFSDP2Strategy(context_parallel_size=...)``, not a key of the FSDP2 config
+* ``ring_attention_size`` -> ``context_parallel_size`` with ``context_parallel_algo: kv_allgather`` (ring
+  attention's zig-zag layout and results; keys and values all-gathered; NPU-only in MindSpeed MM, any device here)
 
 MindSpeed MM's defaults are kept where they differ from this project's: ``fully_shard_parallel_size: auto``,
 ``num_to_backward_prefetch: 0`` and ``use_reentrant: false`` are written when the section leaves them out.
 Keys that change what is computed and that this project cannot honour (``tp_plan.sequence_parallel``;
-``ring_attention_size`` > 1, NPU-only there; a fixed ``data_parallel_size``...) are
+``ring_attention_size`` together with ``ulysses_parallel_size``; a fixed ``data_parallel_size``...) are
 ``refused``; keys that only tune speed or NPU kernels and have no counterpart (``pregather``, ``hook_modules``,
 ``ep_plan.dispatcher``...) are ``without_effect``. Both lists carry the reason. Nothing is dropped silently.
 
@@ -259,15 +261,22 @@ def _map_sizes(section: Mapping[str, Any], prefix: str, read: _Reader, out: Nati
         fsdp2["tensor_parallel_size"] = tp
         mapped("tensor_parallel_size", f"fsdp2_config.tensor_parallel_size: {tp}")
     _map_tp_plan(read.section(section.get("tp_plan"), "tp_plan", TP_PLAN_KEYS), tp, prefix, read, out)
-    ring = section.get("ring_attention_size", 1)
-    if read.int_at_least(ring, "ring_attention_size") != 1:
+    ring = read.int_at_least(section.get("ring_attention_size", 1), "ring_attention_size")
+    ulysses = read.int_at_least(section.get("ulysses_parallel_size", 1), "ulysses_parallel_size")
+    if ring > 1 and ulysses > 1:
         out.refused.append(
-            f"{prefix}ring_attention_size: {ring}: ring attention is NPU-only in MindSpeed MM and "
-            "not supported here; use ulysses_parallel_size (Ulysses context parallelism)"
+            f"{prefix}ring_attention_size: {ring} with ulysses_parallel_size {ulysses}: hybrid context parallelism "
+            "(Ulysses inside ring) is not supported here; set one of them to 1"
+        )
+    elif ring > 1:  # the same attention, computed by gathering keys/values (NPU-only in MindSpeed MM)
+        fsdp2.update(context_parallel_size=ring, context_parallel_algo="kv_allgather")
+        mapped(
+            "ring_attention_size",
+            f"fsdp2_config.context_parallel_size: {ring}, context_parallel_algo: kv_allgather (ring attention's "
+            "zig-zag layout and results, keys/values all-gathered)",
         )
     elif "ring_attention_size" in section:
         mapped("ring_attention_size: 1", "none: no ring attention, as here")
-    ulysses = read.int_at_least(section.get("ulysses_parallel_size", 1), "ulysses_parallel_size")
     if ulysses > 1:
         out.strategy["context_parallel_size"] = ulysses
         mapped("ulysses_parallel_size", f"MMFSDP2Strategy(context_parallel_size={ulysses})")

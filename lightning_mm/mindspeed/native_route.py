@@ -750,7 +750,10 @@ def _global_batch(out: _Out, world_size: int) -> None:
     gradient_accumulation_steps``) -> the GlobalBatchSize callback, which keeps it on another world size."""
     micro = out.number("training.micro_batch_size", int, low=1, default=1)
     accumulate = out.number("training.gradient_accumulation_steps", int, low=1, default=1)
-    ulysses = out.config["trainer"]["strategy"]["init_args"].get("context_parallel_size", 1)
+    init_args = out.config["trainer"]["strategy"]["init_args"]
+    fsdp2 = init_args.get("fsdp2_config")
+    ring = fsdp2.get("context_parallel_size", 1) if isinstance(fsdp2, dict) else 1  # ring_attention_size
+    ulysses = init_args.get("context_parallel_size", 1) * ring
     if world_size < 1 or world_size % ulysses:
         return
     total = micro * (world_size // ulysses) * accumulate

@@ -28,8 +28,9 @@ NEWER_KEYS: dict[str, str] = {
     "computed per FSDP unit in a post-backward hook; here the norm is computed once after the backward (same value)",
     "quantization_plan": "low-precision (FP8 / MXFP8) training of the listed modules: would need a quantised linear "
     "(torchao's float8 training) applied before fully_shard and checkpoints that keep the high-precision weights",
-    "kv_all_gather": "context parallelism that all-gathers keys and values across the group: would need an "
-    "all-gather attention algorithm next to Ulysses (context_parallel_algo); only Ulysses is built in",
+    "kv_all_gather": "context parallelism that all-gathers keys and values across the group, in a MindSpeed MM newer "
+    "than the pinned commit: would need that version's meaning of the key pinned before mapping it; the algorithm is "
+    "here as the FSDP2 config's context_parallel_size with context_parallel_algo: kv_allgather",
     "plugin": "MindSpeed MM's plugin modules (its own model / dataset classes, imported by path): would need the "
     "plugin's classes as a model_provider / train_valid_test_datasets_provider here; they are not imported",
 }

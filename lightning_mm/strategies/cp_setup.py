@@ -11,12 +11,14 @@ from typing import Any
 from lightning.pytorch.utilities.rank_zero import rank_zero_info
 from torch import nn
 
+from lightning_mm.core.config import FSDP2Config
 from lightning_mm.core.context_parallel import (
     ContextParallelError,
     ContextParallelPlan,
+    canonical_algorithm,
     context_parallel_plan,
 )
-from lightning_mm.core.layout import LayoutMeshes
+from lightning_mm.core.layout import LayoutMeshes, context_parallel_algorithm
 
 __all__ = ["ContextParallelSetup"]
 
@@ -24,9 +26,10 @@ __all__ = ["ContextParallelSetup"]
 class ContextParallelSetup:
     """``MMFSDP2Strategy(context_parallel_size=C, context_parallel_algo=...)`` from arguments to a routed model."""
 
-    def __init__(self, size: int, algo: str) -> None:
-        context_parallel_plan(size if isinstance(size, int) and size > 0 else 1, size, algo)  # argument errors now
-        self.size, self.algo = size, algo
+    def __init__(self, size: int, algo: str | None) -> None:
+        context_parallel_plan(size if isinstance(size, int) and size > 0 else 1, size, algo or "ulysses")  # errors now
+        self.size, self.algo_argument = size, algo
+        self.algo = canonical_algorithm(algo or "ulysses")
         self.plan: ContextParallelPlan | None = None
         self.mesh: Any = None
         self.group: Any = None
@@ -35,10 +38,12 @@ class ContextParallelSetup:
     def enabled(self) -> bool:
         return self.size > 1
 
-    def setup(self, meshes: LayoutMeshes) -> None:
+    def setup(self, meshes: LayoutMeshes, config: FSDP2Config) -> None:
         """Take ``C`` from the run's layout (the YAML key ``context_parallel_size``, or this strategy argument,
-        its alias) and its ``(dp, cp)`` mesh from the layout's mesh builder (every rank calls this)."""
+        its alias), the algorithm from ``context_parallel_algo`` (key or argument) and the ``(dp, cp)`` mesh from
+        the layout's mesh builder (every rank calls this)."""
         self.size = meshes.layout.cp
+        self.algo = context_parallel_algorithm(config, self.algo_argument)
         self.plan = context_parallel_plan(meshes.layout.world_size, self.size, self.algo)
         if self.enabled:
             self.mesh = meshes.context_parallel
@@ -70,6 +75,11 @@ class ContextParallelSetup:
         assert self.plan is not None
         rank_zero_info(self.plan.describe())
         if getattr(root, "handles_context_parallel", False):
+            if self.algo != "ulysses":
+                raise ContextParallelError(
+                    f"context_parallel_algo {self.algo}: {type(root).__name__} runs its own (Ulysses) context-parallel "
+                    "attention (handles_context_parallel); use context_parallel_algo ulysses"
+                )
             return
         from lightning_mm.hf.cp_attention import enable_context_parallel, find_hf_model
 
@@ -82,4 +92,4 @@ class ContextParallelSetup:
                 "compute the loss with context_parallel_loss, and set `handles_context_parallel = True` on the "
                 "LightningModule"
             )
-        enable_context_parallel(model, self.group)
+        enable_context_parallel(model, self.group, self.algo)

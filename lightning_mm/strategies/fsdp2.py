@@ -90,7 +90,9 @@ class MMFSDP2Strategy(ParallelStrategy):
         context_parallel_size: ``C`` > 1 turns on Ulysses context parallelism: ``C`` consecutive ranks share
             samples, each holding ``seq / C`` tokens (see ``lightning_mm.core.context_parallel``).
             Parameters stay sharded over all ranks; the sampler runs over ``world / C`` data-parallel ranks.
-        context_parallel_algo: ``"ulysses"`` (MindSpeed MM's ``ulysses_cp_algo`` is accepted as the same).
+        context_parallel_algo: ``"ulysses"`` (the default) or ``"kv_allgather"`` (any head count, zig-zag causal
+            load balance; ``lightning_mm.core.ring_attention``); MindSpeed MM's ``ulysses_cp_algo`` and
+            ``megatron_cp_algo`` are accepted as these. An alias of the FSDP2 config key of that name.
         async_save: ``False`` (default): a save holds the training loop until the checkpoint is written. ``True``:
             a save during ``fit`` stages the state (a copy; pinned memory on an accelerator) and writes it in the
             background while training goes on (``lightning_mm.strategies.async_save``); the checkpoint becomes
@@ -138,7 +140,7 @@ class MMFSDP2Strategy(ParallelStrategy):
         fused_optimizer_step: bool = True,
         stop_timeout: float = 30.0,
         context_parallel_size: int = 1,
-        context_parallel_algo: str = "ulysses",
+        context_parallel_algo: str | None = None,
         stop_on_nonfinite: bool = True,
         storage_options: dict[str, Any] | None = None,
         save_ckpt_dtype: str | None = None,
@@ -276,7 +278,8 @@ class MMFSDP2Strategy(ParallelStrategy):
         assert self.cluster_environment is not None
         if self.given_config is not None:
             world = self.num_nodes * self.num_processes
-            config_layout(self.given_config, world, self._context_parallel.size)  # fail before launching
+            cp = self._context_parallel  # fail before launching
+            config_layout(self.given_config, world, cp.size, cp.algo_argument)
         # Both kinds check ckpt_path="last" first (lightning_mm.strategies.launch).
         self._launcher = checking_launcher(self.cluster_environment, self.num_processes, self.num_nodes)
 
@@ -306,7 +309,7 @@ class MMFSDP2Strategy(ParallelStrategy):
         cp_argument = self._context_parallel.size
         set_device_mesh(root, self.sharded_run.build_mesh(config, world, device.type, cp_argument))
         assert self.sharded_run.meshes is not None
-        self._context_parallel.setup(self.sharded_run.meshes)
+        self._context_parallel.setup(self.sharded_run.meshes, config)
 
     # ------------------------------------------------------------------------------- model building
     @contextmanager
