@@ -146,7 +146,7 @@ def test_the_report_names_keys_mindspeed_cannot_use_here():
     assert "parallel.ring_attention_size: 2: ring attention is NPU-only" in unmapped
     assert "parallel.data_parallel_size: 4" in unmapped
     assert "features.enable_activation_offload" in unmapped
-    assert result.config["trainer"]["strategy"]["init_args"]["context_parallel_size"] == 2
+    assert result.config["trainer"]["strategy"]["init_args"]["fsdp2_config"]["context_parallel_size"] == 2
 
 
 def test_lora_packing_async_save_and_hf_format_are_written_under_the_agreed_names(tmp_path):
@@ -179,7 +179,7 @@ def test_lora_packing_async_save_and_hf_format_are_written_under_the_agreed_name
     config = result.config
     strategy = config["trainer"]["strategy"]["init_args"]
     assert strategy["async_save"] is True and strategy["checkpoint_format"] == "torch_dcp"
-    assert strategy["save_ckpt_dtype"] == "bf16" and strategy["context_parallel_size"] == 2
+    assert strategy["save_ckpt_dtype"] == "bf16" and strategy["fsdp2_config"]["context_parallel_size"] == 2
     model = config["model"]["init_args"]["transformers_model"]
     assert model["lora"] == {"rank": 4, "alpha": 8, "target_modules": ["q_proj", "v_proj"], "dropout": 0.05}
     assert model["enable_chunk_loss"] is True and model["chunk_loss_size"] == 1024
@@ -265,7 +265,7 @@ def test_equal_plans_from_the_native_and_the_18_key_forms(tmp_path):
             "tp_plan.sequence_parallel: sequence-parallel regions are not supported here",
         ),
         ({"ring_attention_size": 2}, "ring_attention_size: 2: ring attention is NPU-only"),
-        ({"ulysses_parallel_size": 2}, "give MMFSDP2Strategy(context_parallel_size=2)"),
+        ({"ulysses_parallel_size": 0}, "`ulysses_parallel_size`: expected an integer >= 1, got 0"),
         ({"recompute": "yes"}, "`recompute`: expected true or false, got 'yes'"),
         ({"ep_plan": {"dispatcher": "nccl"}}, "`ep_plan.dispatcher`: 'nccl' is not a MindSpeed MM dispatcher"),
     ],
@@ -757,3 +757,39 @@ def test_native_tensor_parallel_size_and_tp_plan_migrate_onto_the_fsdp2_keys():
     # a plan without tensor parallelism is not applied, as in MindSpeed MM (apply_tp_modules returns at size 1)
     data["parallel"]["tensor_parallel_size"] = 1
     assert FSDP2Config.load(data).tp_plan is None
+
+
+def test_native_ulysses_parallel_size_is_the_fsdp2_key_context_parallel_size(tmp_path):
+    """``parallel.ulysses_parallel_size`` becomes the FSDP2 config key ``context_parallel_size`` (the strategy
+    argument of that name is only its alias): migrate writes it into ``fsdp2_config`` and no strategy argument, the
+    section given to the strategy directly reads the same, MindSpeed MM's global batch divides the world by it, and
+    the GlobalBatchSize callback derives the accumulation from it before the strategy is set up."""
+    import lightning as L
+
+    from lightning_mm import MMFSDP2Strategy
+    from lightning_mm.commands.global_batch import GlobalBatchSize
+    from lightning_mm.commands.native_route import migrate_native
+
+    data = _native(DENSE)
+    data["parallel"]["ulysses_parallel_size"] = 2
+    data["training"].update(micro_batch_size=2, gradient_accumulation_steps=3)
+    result = migrate_native(DATA / "x.yaml", data, world_size=8)
+    strategy_args = result.config["trainer"]["strategy"]["init_args"]
+    assert strategy_args["fsdp2_config"]["context_parallel_size"] == 2 and "context_parallel_size" not in strategy_args
+    assert "parallel.ulysses_parallel_size -> fsdp2_config.context_parallel_size: 2" in result.mapped
+    assert FSDP2Config.load(data).context_parallel_size == 2
+    callbacks = [c for c in result.config["trainer"]["callbacks"] if c["class_path"].endswith("GlobalBatchSize")]
+    assert callbacks[0]["init_args"] == {"global_batch_size": 2 * (8 // 2) * 3}
+
+    class Data:
+        batch_size, max_tokens_per_rank = 2, None
+
+    class Trainer:  # what GlobalBatchSize.setup reads, before the strategy's setup (the layout is not built yet)
+        def __init__(self, strategy: MMFSDP2Strategy) -> None:
+            self.strategy, self.world_size, self.accumulate_grad_batches, self.datamodule = strategy, 4, 1, Data()
+
+    strategy = MMFSDP2Strategy(fsdp2_config={"context_parallel_size": 2})
+    strategy.connect(L.LightningModule())
+    trainer = Trainer(strategy)
+    GlobalBatchSize(24).setup(trainer, strategy.lightning_module, "fit")  # type: ignore[arg-type]
+    assert trainer.accumulate_grad_batches == 24 // (2 * (4 // 2))  # 6: the 2 ranks of a CP group share samples
