@@ -789,7 +789,6 @@ def test_native_ulysses_parallel_size_is_the_fsdp2_key_context_parallel_size(tmp
             self.strategy, self.world_size, self.accumulate_grad_batches, self.datamodule = strategy, 4, 1, Data()
 
     strategy = MMFSDP2Strategy(fsdp2_config={"context_parallel_size": 2})
-    strategy.connect(L.LightningModule())
     trainer = Trainer(strategy)
-    GlobalBatchSize(24).setup(trainer, strategy.lightning_module, "fit")  # type: ignore[arg-type]
+    GlobalBatchSize(24).setup(trainer, L.LightningModule(), "fit")  # type: ignore[arg-type]
     assert trainer.accumulate_grad_batches == 24 // (2 * (4 // 2))  # 6: the 2 ranks of a CP group share samples

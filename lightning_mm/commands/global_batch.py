@@ -60,10 +60,9 @@ class GlobalBatchSize(Callback):
 
 
 def _context_parallel(strategy: Any) -> int:
-    """The run's context-parallel size before the strategy is set up: its argument, else the FSDP2 config's
-    ``context_parallel_size`` (the key the argument is an alias of; the layout refuses two different sizes)."""
+    """The run's context-parallel size before the strategy is set up: its argument, else the ``context_parallel_size``
+    of the FSDP2 config given to it (the key the argument is an alias of; the layout refuses two different sizes)."""
     size = int(getattr(strategy, "context_parallel_size", 1) or 1)
-    if size == 1 and getattr(strategy, "lightning_module", None) is not None:
-        config = getattr(strategy, "fsdp2_config", None)
-        size = int(getattr(config, "context_parallel_size", 1) or 1)
+    if size == 1:
+        size = int(getattr(getattr(strategy, "given_config", None), "context_parallel_size", 1) or 1)
     return size
