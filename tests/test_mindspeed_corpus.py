@@ -541,16 +541,18 @@ def test_every_migrated_launch_script_plans_at_its_world_size(results, tmp_path)
 
 def test_module_path_rules_name_modules_of_the_transformers_class(tmp_path):
     """Each rule of lightning_mm/mindspeed/module_paths.py (MindSpeed MM's paths of InternVL's remote code,
-    Magistral's Transformers 4.57 properties and Qwen2.5-VL's Megatron towers, read from the upstream files the
-    module names) points at a module of the tiny Transformers model of that family; a pattern no rule covers is
-    kept as written, and a translated pattern that names no module is still refused by plan, naming it."""
+    Magistral's Transformers 4.57 properties and Qwen2.5-VL's / Qwen3-VL's Megatron towers, read from the upstream
+    files the module names) points at a module of the tiny Transformers model of that family; a pattern no rule
+    covers is kept as written, and a translated pattern that names no module is still refused by plan, naming it."""
     from lightning_mm.commands.plan import plan_from_cli_config
     from lightning_mm.mindspeed.module_paths import FAMILIES, translate
     from tests.derive_models import tiny_model
     from tests.hf_scenarios import tiny_hf_model
+    from tests.qwen3_vl_family import tiny_qwen3_vl
 
     models = {"mistral3": tiny_model("mistral3"), "internvl": tiny_hf_model("internvl")}
     models["qwen2_5_vl"] = tiny_hf_model("qwen2_5_vl")
+    models["qwen3_vl"] = tiny_qwen3_vl()
     for (family, _megatron), paths in FAMILIES.items():
         names = {n for n, _ in models[family].named_modules()}
         for source, target in paths.rules:

@@ -88,6 +88,31 @@ _VB = "image_encoder.encoder.blocks.layers.#"
 _TB = "model.visual.blocks.#"
 _TD = "text_decoder.decoder.layers.#"
 _TL = "model.language_model.layers.#"
+_MEGATRON_TOWERS = (  # MindSpeed MM's Megatron towers, the same in its Qwen2.5-VL and Qwen3-VL
+    ("image_encoder", "model.visual"),
+    ("image_encoder.encoder.patch_embed", "model.visual.patch_embed"),
+    ("image_encoder.encoder.rotary_pos_emb", "model.visual.rotary_pos_emb"),
+    ("image_encoder.encoder.blocks.layers", "model.visual.blocks"),
+    (f"{_VB}.self_attention", f"{_TB}.attn"),
+    (f"{_VB}.self_attention.linear_qkv", f"{_TB}.attn.qkv"),
+    (f"{_VB}.self_attention.linear_proj", f"{_TB}.attn.proj"),
+    (f"{_VB}.input_layernorm", f"{_TB}.norm1"),
+    (f"{_VB}.pre_mlp_layernorm", f"{_TB}.norm2"),
+    (f"{_VB}.mlp", f"{_TB}.mlp"),
+    ("image_encoder.projector", "model.visual.merger"),
+    ("text_decoder.embedding", "model.language_model.embed_tokens"),
+    ("text_decoder.embedding.word_embeddings", "model.language_model.embed_tokens"),
+    ("text_decoder.rotary_pos_emb", "model.language_model.rotary_emb"),
+    ("text_decoder.decoder.layers", "model.language_model.layers"),
+    (f"{_TD}.self_attention", f"{_TL}.self_attn"),
+    (f"{_TD}.self_attention.linear_proj", f"{_TL}.self_attn.o_proj"),
+    (f"{_TD}.input_layernorm", f"{_TL}.input_layernorm"),
+    (f"{_TD}.pre_mlp_layernorm", f"{_TL}.post_attention_layernorm"),
+    (f"{_TD}.mlp", f"{_TL}.mlp"),
+    (f"{_TD}.mlp.linear_fc2", f"{_TL}.mlp.down_proj"),
+    ("text_decoder.decoder.final_layernorm", "model.language_model.norm"),
+    ("text_decoder.output_layer", "lm_head"),
+)
 _MEGATRON_QWEN2_5_VL = PathMap(
     "Qwen2.5-VL (MindSpeed MM's Megatron towers)",
     # mindspeed_mm/models/vlm_model.py (VLMModel: image_encoder = encoder + projector, text_decoder = Megatron's
@@ -97,33 +122,26 @@ _MEGATRON_QWEN2_5_VL = PathMap(
     # model -> model.language_model).
     "mindspeed_mm/models/vlm_model.py, checkpoint/vlm_model/converters/qwen2vl.py",
     (
-        ("image_encoder", "model.visual"),
-        ("image_encoder.encoder.patch_embed", "model.visual.patch_embed"),
-        ("image_encoder.encoder.rotary_pos_emb", "model.visual.rotary_pos_emb"),
-        ("image_encoder.encoder.blocks.layers", "model.visual.blocks"),
-        (f"{_VB}.self_attention", f"{_TB}.attn"),
-        (f"{_VB}.self_attention.linear_qkv", f"{_TB}.attn.qkv"),
-        (f"{_VB}.self_attention.linear_proj", f"{_TB}.attn.proj"),
-        (f"{_VB}.input_layernorm", f"{_TB}.norm1"),
-        (f"{_VB}.pre_mlp_layernorm", f"{_TB}.norm2"),
-        (f"{_VB}.mlp", f"{_TB}.mlp"),
+        *_MEGATRON_TOWERS,
         (f"{_VB}.mlp.linear_fc2", f"{_TB}.mlp.down_proj"),
-        ("image_encoder.projector", "model.visual.merger"),
         ("image_encoder.projector.layernorm", "model.visual.merger.ln_q"),
         ("image_encoder.projector.encoder.linear_fc1", "model.visual.merger.mlp.0"),
         ("image_encoder.projector.encoder.linear_fc2", "model.visual.merger.mlp.2"),
-        ("text_decoder.embedding", "model.language_model.embed_tokens"),
-        ("text_decoder.embedding.word_embeddings", "model.language_model.embed_tokens"),
-        ("text_decoder.rotary_pos_emb", "model.language_model.rotary_emb"),
-        ("text_decoder.decoder.layers", "model.language_model.layers"),
-        (f"{_TD}.self_attention", f"{_TL}.self_attn"),
-        (f"{_TD}.self_attention.linear_proj", f"{_TL}.self_attn.o_proj"),
-        (f"{_TD}.input_layernorm", f"{_TL}.input_layernorm"),
-        (f"{_TD}.pre_mlp_layernorm", f"{_TL}.post_attention_layernorm"),
-        (f"{_TD}.mlp", f"{_TL}.mlp"),
-        (f"{_TD}.mlp.linear_fc2", f"{_TL}.mlp.down_proj"),
-        ("text_decoder.decoder.final_layernorm", "model.language_model.norm"),
-        ("text_decoder.output_layer", "lm_head"),
+    ),
+)
+_MEGATRON_QWEN3_VL = PathMap(
+    "Qwen3-VL (MindSpeed MM's Megatron towers)",
+    # The same towers; checkpoint/vlm_model/converters/qwen3vl_megatron.py names the Transformers modules directly
+    # (model.visual.pos_embed, merger.norm / linear_fc*, self_attn.q_norm / k_norm ...).
+    "mindspeed_mm/models/vlm_model.py, checkpoint/vlm_model/converters/qwen3vl_megatron.py",
+    (
+        *_MEGATRON_TOWERS,
+        ("image_encoder.encoder.pos_embed", "model.visual.pos_embed"),
+        ("image_encoder.projector.layernorm", "model.visual.merger.norm"),
+        ("image_encoder.projector.encoder.linear_fc1", "model.visual.merger.linear_fc1"),
+        ("image_encoder.projector.encoder.linear_fc2", "model.visual.merger.linear_fc2"),
+        (f"{_TD}.self_attention.q_layernorm", f"{_TL}.self_attn.q_norm"),
+        (f"{_TD}.self_attention.k_layernorm", f"{_TL}.self_attn.k_norm"),
     ),
 )
 
@@ -131,6 +149,7 @@ FAMILIES: dict[tuple[str, bool], PathMap] = {
     ("mistral3", False): _MISTRAL3,
     ("internvl", False): _INTERNVL,
     ("qwen2_5_vl", True): _MEGATRON_QWEN2_5_VL,
+    ("qwen3_vl", True): _MEGATRON_QWEN3_VL,  # Qwen3-VL and its MoE (MEGATRON_ROUTE_IDS)
 }
 """(family key of :mod:`lightning_mm.hf.mindspeed_model`, Megatron route?) -> its path map. Families absent here
 are MindSpeed MM subclasses of the Transformers class laid out as Transformers 5 lays it out."""
