@@ -82,10 +82,14 @@ class JobShape(L.Callback):
 
 @scenario
 def fit_config(outdir: Path, config: str) -> None:
-    """``lightning-mm fit --config CONFIG`` (the config's :class:`Recorder` writes to ``OUTDIR``)."""
+    """``lightning-mm fit --config CONFIG`` (the config's :class:`Recorder` writes where it names); several configs
+    joined by ``os.pathsep`` are fitted one after the other in the same processes."""
+    import os
+
     from lightning_mm.commands.train import run_lightning_cli
 
-    run_lightning_cli(["fit", "--config", config])
+    for path in config.split(os.pathsep):
+        run_lightning_cli(["fit", "--config", path])
 
 
 if __name__ == "__main__":

@@ -46,7 +46,7 @@ REPORTED = {
     "--load": "does not exist; give pretrained weights as init_from_hf_path, or resume with ckpt_path",
     "--lr-warmup-fraction": "--train-iters",
     "--mm-data": "does not exist",
-    "--tensor-model-parallel-size": "tensor parallelism",
+    "--tensor-model-parallel-size": "tensor parallelism here splits that class (the FSDP2 YAML's tensor_parallel_size",
     "--pipeline-model-parallel-size": "pipeline parallelism",
     "--optimizer-selection": "only AdamW",
     "--no-load-optim": "restores the optimizer",

@@ -481,22 +481,13 @@ def _save_stand_in(family: str, directory: Path) -> Path:
     return directory
 
 
-# Scripts whose migrated config does NOT plan yet (issue #36 item 4, open): their FSDP2 YAML names the module paths of
-# MindSpeed MM's own model code, which the Transformers twin lays out differently; migrate copies them unchanged.
-_DOES_NOT_PLAN = {
-    "examples/internvl3.5/finetune_internvl3_5.sh": "'vision_model.embeddings' resolves to no module",  # remote code
-    "examples/magistral-2509/finetune_magistral_2509.sh": "'language_model.embed_tokens' resolves to no module",
-    "examples/magistral-2509/finetune_magistral_2509_lora.sh": "'language_model.embed_tokens' resolves to no module",
-    # Megatron module names
-    "examples/qwen2.5vl/finetune_qwen2_5_vl_72b_fsdp.sh": "'text_decoder.output_layer' resolves to no module",
-}
-
-
 def test_every_migrated_launch_script_plans_at_its_world_size(results, tmp_path):
     """Each launch script that migrates to a fit config passes ``lightning-mm plan --config`` (in-process, on the
     meta device) at its own world size (trainer.devices x trainer.num_nodes as migrated; a hostfile script's node
     count is shell migrate does not run, so it is planned on its one-node device count), with the tiny stand-in of
-    its model in place of the directory it names. The scripts of ``_DOES_NOT_PLAN`` fail as listed there."""
+    its model in place of the directory it names. The FSDP2 YAMLs of InternVL 3.5 (remote-code names), Magistral
+    (``language_model.embed_tokens``) and Qwen2.5-VL-72B (Megatron names) plan through migrate's module-path
+    translation (lightning_mm/mindspeed/module_paths.py)."""
     from lightning_mm.commands.plan import plan_from_cli_config
 
     stand_ins: dict[str, Path] = {}
@@ -543,7 +534,75 @@ def test_every_migrated_launch_script_plans_at_its_world_size(results, tmp_path)
             continue
         assert f"world size {world}" in text, (name, text)
         planned.append(name)
-    unexpected = {k: v for k, v in failed.items() if _DOES_NOT_PLAN.get(k, "\0") not in v}
-    assert not unexpected, "\n".join(f"{k}: {v}" for k, v in unexpected.items())
-    assert set(failed) == set(_DOES_NOT_PLAN), sorted(set(_DOES_NOT_PLAN) - set(failed))  # fixed: update the list
-    assert len(planned) == 37, planned  # of the 41 migrated launch scripts (docs/migration.md)
+    assert not failed, "\n".join(f"{k}: {v}" for k, v in failed.items())
+    assert len(planned) == 41, planned  # every migrated launch script (docs/migration.md)
+
+
+def test_module_path_rules_name_modules_of_the_transformers_class(tmp_path):
+    """Each rule of lightning_mm/mindspeed/module_paths.py (MindSpeed MM's paths of InternVL's remote code,
+    Magistral's Transformers 4.57 properties and Qwen2.5-VL's / Qwen3-VL's Megatron towers, read from the upstream
+    files the module names) points at a module of the tiny Transformers model of that family; a pattern no rule
+    covers is kept as written, and a translated pattern that names no module is still refused by plan, naming it."""
+    from lightning_mm.commands.plan import plan_from_cli_config
+    from lightning_mm.mindspeed.module_paths import FAMILIES, translate
+    from tests.derive_models import tiny_model
+    from tests.hf_scenarios import tiny_hf_model
+    from tests.qwen3_vl_family import tiny_qwen3_vl
+
+    models = {"mistral3": tiny_model("mistral3"), "internvl": tiny_hf_model("internvl")}
+    models["qwen2_5_vl"] = tiny_hf_model("qwen2_5_vl")
+    models["qwen3_vl"] = tiny_qwen3_vl()
+    for (family, _megatron), paths in FAMILIES.items():
+        names = {n for n, _ in models[family].named_modules()}
+        for source, target in paths.rules:
+            concrete = source.replace("#", "0")
+            assert translate(concrete, paths) == target.replace("#", "0"), (family, source)
+            assert target.replace("#", "0") in names, (family, target)
+    qwen = FAMILIES[("qwen2_5_vl", True)]
+    assert translate("text_decoder.decoder.layers.{0-3,7}.mlp", qwen) == "model.language_model.layers.{0-3,7}.mlp"
+    assert translate("text_decoder", qwen) is None  # the language model plus lm_head: no one module
+    assert translate("language_model.embed_tokens", FAMILIES[("mistral3", False)]) == (
+        "model.language_model.embed_tokens"
+    )
+
+    wrong = translate("text_decoder.decoder.layers.{*}.self_attention.linear_qkv", qwen)
+    assert wrong == "model.language_model.layers.{*}.self_attn.linear_qkv"  # Transformers has q/k/v_proj
+    hf = tmp_path / "qwen"
+    models["qwen2_5_vl"].save_pretrained(hf)
+    config = tmp_path / "cfg.yaml"
+    config.write_text(
+        yaml.safe_dump(
+            {
+                "trainer": {
+                    "devices": 2,
+                    "strategy": {
+                        "class_path": "lightning_mm.MMFSDP2Strategy",
+                        "init_args": {"fsdp2_config": {"sub_modules_to_wrap": [wrong]}},
+                    },
+                },
+                "model": {
+                    "class_path": "lightning_mm.modules.transformers_module.MMTransformersModule",
+                    "init_args": {"transformers_model": {"init_from_hf_path": str(hf)}},
+                },
+            }
+        )
+    )
+    with pytest.raises(Exception, match=r"model\.language_model\.layers\.\{\*\}\.self_attn\.linear_qkv"):
+        plan_from_cli_config(["--config", str(config)], world_size=2)
+
+
+def test_migrate_names_each_translated_module_path(results):
+    """The report names each rewritten pattern and the upstream file the rule comes from; the YAML's keys are
+    written inline (the file is unchanged) with MindSpeed MM's `ignored_modules` default (none)."""
+    _, report, result = results["examples/magistral-2509/finetune_magistral_2509.sh"]
+    fsdp2 = result.config["trainer"]["strategy"]["init_args"]["fsdp2_config"]
+    assert fsdp2["sub_modules_to_wrap"][0] == "model.language_model.embed_tokens" and fsdp2["ignored_modules"] == []
+    assert "sub_modules_to_wrap: language_model.embed_tokens -> model.language_model.embed_tokens" in report
+    assert "mindspeed_mm/models/transformers/mistral3/mistral3.py" in report
+    _, report, result = results["examples/qwen2.5vl/finetune_qwen2_5_vl_72b_fsdp.sh"]
+    fsdp2 = result.config["trainer"]["strategy"]["init_args"]["fsdp2_config"]
+    assert fsdp2["ignored_modules"] == ["model.visual"] and "lm_head" in fsdp2["sub_modules_to_wrap"]
+    assert "checkpoint/vlm_model/converters/qwen2vl.py" in report
+    _, report, result = results["examples/internvl3.5/finetune_internvl3_5.sh"]
+    fsdp2 = result.config["trainer"]["strategy"]["init_args"]["fsdp2_config"]
+    assert "model.vision_tower.encoder.layer.{*}" in fsdp2["recompute_modules"]

@@ -148,7 +148,7 @@ def test_the_report_names_keys_mindspeed_cannot_use_here():
     assert "parallel.ring_attention_size: 2 with ulysses_parallel_size 2: hybrid context parallelism" in unmapped
     assert "parallel.data_parallel_size: 4" in unmapped
     assert "features.enable_activation_offload" in unmapped
-    assert result.config["trainer"]["strategy"]["init_args"]["context_parallel_size"] == 2
+    assert result.config["trainer"]["strategy"]["init_args"]["fsdp2_config"]["context_parallel_size"] == 2
 
 
 def test_lora_packing_async_save_and_hf_format_are_written_under_the_agreed_names(tmp_path):
@@ -185,7 +185,7 @@ def test_lora_packing_async_save_and_hf_format_are_written_under_the_agreed_name
     config = result.config
     strategy = config["trainer"]["strategy"]["init_args"]
     assert strategy["async_save"] is True and strategy["checkpoint_format"] == "torch_dcp"
-    assert strategy["save_ckpt_dtype"] == "bf16" and strategy["context_parallel_size"] == 2
+    assert strategy["save_ckpt_dtype"] == "bf16" and strategy["fsdp2_config"]["context_parallel_size"] == 2
     model = config["model"]["init_args"]["transformers_model"]
     assert model["lora"] == {"rank": 4, "alpha": 8, "target_modules": ["q_proj", "v_proj"], "dropout": 0.05}
     assert model["enable_chunk_loss"] is True and model["chunk_loss_size"] == 1024
@@ -274,7 +274,7 @@ def test_equal_plans_from_the_native_and_the_18_key_forms(tmp_path):
             {"ring_attention_size": 2, "ulysses_parallel_size": 2},
             "ring_attention_size: 2 with ulysses_parallel_size 2: hybrid context parallelism",
         ),
-        ({"ulysses_parallel_size": 2}, "give MMFSDP2Strategy(context_parallel_size=2)"),
+        ({"ulysses_parallel_size": 0}, "`ulysses_parallel_size`: expected an integer >= 1, got 0"),
         ({"recompute": "yes"}, "`recompute`: expected true or false, got 'yes'"),
         ({"ep_plan": {"dispatcher": "nccl"}}, "`ep_plan.dispatcher`: 'nccl' is not a MindSpeed MM dispatcher"),
     ],
@@ -554,11 +554,22 @@ def _tiny_native_run(native: dict, model_dir: Path, records: Path, tmp_path: Pat
     del native["training"]["save_interval"]
 
 
-def _fit(native: dict, tmp_path: Path, capsys) -> tuple[str, dict]:
-    """``lightning-mm migrate`` the native config, then ``lightning-mm fit`` it on 2 CPU ranks: (report, config)."""
+def _fit(native: dict, tmp_path: Path, capsys, also: tuple[tuple[dict, Path], ...] = ()) -> tuple[str, dict]:
+    """``lightning-mm migrate`` the native config, then ``lightning-mm fit`` it on 2 CPU ranks: (report, config).
+    ``also``: more native configs, each migrated into and recording to its folder, fitted after it in the same
+    launch (one model shared by several checks)."""
     from tests import native_scenarios
     from tests.scenario_kit import run
 
+    written = [_migrated(native, tmp_path, capsys)] + [_migrated(n, folder, capsys) for n, folder in also]
+    run(native_scenarios.fit_config, tmp_path, args={"config": os.pathsep.join(str(out) for _, _, out in written)})
+    return written[0][0], written[0][1]
+
+
+def _migrated(native: dict, tmp_path: Path, capsys) -> tuple[str, dict, Path]:
+    """The config ``lightning-mm migrate`` writes for ``native`` in ``tmp_path``, set up for a 2-rank CPU fit that
+    records to ``tmp_path``: (report, config, its file)."""
+    tmp_path.mkdir(parents=True, exist_ok=True)
     source = tmp_path / "native.yaml"
     source.write_text(yaml.safe_dump(native, sort_keys=False))
     out = tmp_path / "config.yaml"
@@ -580,9 +591,7 @@ def _fit(native: dict, tmp_path: Path, capsys) -> tuple[str, dict]:
     config["model"]["init_args"].update(log_grad_norm=False)
     config["model"]["init_args"]["transformers_model"]["trust_remote_code"] = False  # a Transformers class
     out.write_text(yaml.safe_dump(config, sort_keys=False))
-
-    run(native_scenarios.fit_config, tmp_path, args={"config": out})
-    return report, config
+    return report, config, out
 
 
 def _assert_equals_plain_transformers(cls: type, model_dir: Path, tmp_path: Path, frozen: str | None) -> list[dict]:
@@ -621,6 +630,97 @@ def _assert_equals_plain_transformers(cls: type, model_dir: Path, tmp_path: Path
     return ranks
 
 
+def _text_records(root: Path, count: int = 24) -> Path:
+    root.mkdir(parents=True)
+    words = ["red", "two cats", "the answer is 2", "left", "blue ground", "no, it is not", "top", "one dog"]
+    lines = []
+    for i in range(count):
+        user = f"Question {i}: what is {words[i % 8]}?"
+        answer = " ".join(words[(i + k) % 8] for k in range(1 + i % 3)) + "."
+        record = {"messages": [{"role": "user", "content": user}, {"role": "assistant", "content": answer}]}
+        lines.append(json.dumps(record))
+    (root / "train.jsonl").write_text("\n".join(lines) + "\n")
+    return root / "train.jsonl"
+
+
+def _segments(position_ids):  # noqa: ANN001, ANN202 - tensors
+    """The (start, stop) of each sample in a packed row: a sample starts where its positions restart at 0."""
+    starts = [i for i, p in enumerate(position_ids.tolist()) if p == 0]
+    return list(zip(starts, starts[1:] + [len(position_ids)]))
+
+
+def _packed_reference(model_dir: Path, batches: list[list[dict]]) -> list[list[float]]:
+    """Each rank's losses by plain Transformers' Qwen3_5ForConditionalGeneration, one process: every sample of a
+    packed row run by itself (no packing), the row's loss the sum of its samples' next-token losses over their
+    count; the ranks' gradients averaged, AdamW as migrated."""
+    import torch
+    import torch.nn.functional as F
+    import transformers
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        model = transformers.Qwen3_5ForConditionalGeneration.from_pretrained(model_dir, dtype=torch.float32)
+        model.train()
+        optimizer = torch.optim.AdamW(model.parameters(), lr=5e-3, weight_decay=0.0, betas=(0.9, 0.999), eps=1e-8)
+        expected: list[list[float]] = [[], []]
+        for step in range(2):
+            optimizer.zero_grad()
+            for rank in range(2):
+                batch = batches[rank][step]
+                assert batch["input_ids"].shape[0] == 1 and "attention_mask" not in batch  # one packed row
+                total, count = 0.0, 0
+                length = batch["input_ids"].shape[1]
+                pieces = _segments(batch["position_ids"].reshape(-1, length)[0])  # text positions (M-RoPE: row 0)
+                assert len(pieces) >= 2, pieces  # packed: several samples in the row
+                for start, stop in pieces:
+                    ids = batch["input_ids"][:, start:stop]
+                    labels = batch["labels"][:, start:stop]
+                    logits = model(input_ids=ids).logits
+                    target = labels[:, 1:]
+                    total = total + F.cross_entropy(
+                        logits[:, :-1].reshape(-1, logits.shape[-1]),
+                        target.reshape(-1),
+                        ignore_index=-100,
+                        reduction="sum",
+                    )
+                    count += int((target != -100).sum())
+                loss = total / count
+                (loss / 2).backward()
+                expected[rank].append(float(loss.detach()))
+            optimizer.step()
+    finally:
+        torch.set_num_threads(threads)
+    return expected
+
+
+def _packed_native(model_dir: Path, folder: Path) -> dict:
+    """The dense Qwen3.5 config for a 2-step fit (:func:`_tiny_native_run`) on text records, with MindSpeed MM's
+    ``neat_packing`` and ``cutoff_len: 96``."""
+    native = _native(DENSE)
+    _tiny_native_run(native, model_dir, _text_records(folder / "data"), folder)
+    native["features"].update(enable_chunk_loss=False, enable_activation_offload=False)
+    native["data"]["dataset_param"]["basic_parameters"].update(neat_packing=True, cutoff_len=96)
+    return native
+
+
+def _assert_packed_equals_plain_transformers(model_dir: Path, folder: Path) -> None:
+    """The packed run recorded in ``folder``: no batch_size (a token budget of cutoff_len per row), several samples a
+    row, each rank's losses equal to :func:`_packed_reference` to relative 1e-5."""
+    import torch
+
+    config = yaml.safe_load((folder / "config.yaml").read_text())
+    assert "batch_size" not in config["data"]["init_args"], config["data"]["init_args"]
+    ranks = [json.loads((folder / f"native.rank{r}.json").read_text()) for r in range(2)]
+    batches = [torch.load(folder / f"native.rank{r}.pt", weights_only=True) for r in range(2)]
+    expected = _packed_reference(model_dir, batches)
+    for rank in range(2):
+        got = torch.tensor(ranks[rank]["losses"], dtype=torch.float64)
+        want = torch.tensor(expected[rank], dtype=torch.float64)
+        assert torch.allclose(got, want, rtol=1e-5, atol=0), (rank, got.tolist(), want.tolist())
+    assert expected[0][0] != expected[0][1]
+
+
 def test_migrated_moe_vlm_config_trains_like_plain_transformers(tmp_path, capsys):
     """MindSpeed MM's Qwen3-VL-30B-A3B native config (its FSDP plan, recompute plan, frozen vision tower, loss,
     data section), with expert parallelism 2 switched on, migrated and run by ``lightning-mm fit`` on 2 CPU ranks
@@ -649,7 +749,12 @@ def test_migrated_dense_vlm_config_trains_like_plain_transformers(tmp_path, caps
     ``qwen3_vl_nothink``, data section), migrated and run by ``lightning-mm fit`` on 2 CPU ranks with a tiny dense
     Qwen3.5 stand-in (gated-delta-net and full-attention layers, no ModelHub adapter: the class and its plan are
     derived from config.json's architectures): each step's loss on each rank equals one process of plain
-    Transformers' Qwen3_5ForConditionalGeneration (same AdamW, fp32, the same batches) to relative 1e-5."""
+    Transformers' Qwen3_5ForConditionalGeneration (same AdamW, fp32, the same batches) to relative 1e-5.
+
+    In the same launch, the config with MindSpeed MM's ``neat_packing: true`` and ``cutoff_len: 96`` in its data
+    section (the corpus' configs leave it off) on text records: each rank's packed rows hold several samples, and
+    each step's loss equals plain Transformers run sample by sample (a packed row's loss is its token mean over all
+    the samples in it)."""
     import transformers
 
     model_dir = _tiny_qwen3_5(tmp_path / "hf")
@@ -659,7 +764,9 @@ def test_migrated_dense_vlm_config_trains_like_plain_transformers(tmp_path, caps
     # The chunked loss and activation offload of the shipped file: chunked loss is an option being added (its
     # value is checked in the golden report); activation offload is refused by name (golden report). Off here.
     native["features"].update(enable_chunk_loss=False, enable_activation_offload=False)
-    report, config = _fit(native, tmp_path, capsys)
+    packed = _packed_native(model_dir, tmp_path / "packed")  # the same config with neat_packing, same launch
+    report, config = _fit(native, tmp_path, capsys, also=((packed, tmp_path / "packed"),))
+    _assert_packed_equals_plain_transformers(model_dir, tmp_path / "packed")
     assert "model_id" not in config["model"]["init_args"]["transformers_model"]
     assert "model.model_id qwen3_5 -> none: no ModelHub adapter needed" in report
     ranks = _assert_equals_plain_transformers(
@@ -812,3 +919,38 @@ def test_one_entry_tells_each_format(content, kind):
     from lightning_mm.mindspeed.load import detect
 
     assert detect(content) == kind
+
+
+def test_native_ulysses_parallel_size_is_the_fsdp2_key_context_parallel_size(tmp_path):
+    """``parallel.ulysses_parallel_size`` becomes the FSDP2 config key ``context_parallel_size`` (the strategy
+    argument of that name is only its alias): migrate writes it into ``fsdp2_config`` and no strategy argument, the
+    section given to the strategy directly reads the same, MindSpeed MM's global batch divides the world by it, and
+    the GlobalBatchSize callback derives the accumulation from it before the strategy is set up."""
+    import lightning as L
+
+    from lightning_mm import MMFSDP2Strategy
+    from lightning_mm.commands.global_batch import GlobalBatchSize
+    from lightning_mm.mindspeed.native_route import migrate_native
+
+    data = _native(DENSE)
+    data["parallel"]["ulysses_parallel_size"] = 2
+    data["training"].update(micro_batch_size=2, gradient_accumulation_steps=3)
+    result = migrate_native(DATA / "x.yaml", data, world_size=8)
+    strategy_args = result.config["trainer"]["strategy"]["init_args"]
+    assert strategy_args["fsdp2_config"]["context_parallel_size"] == 2 and "context_parallel_size" not in strategy_args
+    assert "parallel.ulysses_parallel_size -> fsdp2_config.context_parallel_size: 2" in result.mapped
+    assert load_fsdp2_config(data).context_parallel_size == 2
+    callbacks = [c for c in result.config["trainer"]["callbacks"] if c["class_path"].endswith("GlobalBatchSize")]
+    assert callbacks[0]["init_args"] == {"global_batch_size": 2 * (8 // 2) * 3}
+
+    class Data:
+        batch_size, max_tokens_per_rank = 2, None
+
+    class Trainer:  # what GlobalBatchSize.setup reads, before the strategy's setup (the layout is not built yet)
+        def __init__(self, strategy: MMFSDP2Strategy) -> None:
+            self.strategy, self.world_size, self.accumulate_grad_batches, self.datamodule = strategy, 4, 1, Data()
+
+    strategy = MMFSDP2Strategy(fsdp2_config={"context_parallel_size": 2})
+    trainer = Trainer(strategy)
+    GlobalBatchSize(24).setup(trainer, L.LightningModule(), "fit")  # type: ignore[arg-type]
+    assert trainer.accumulate_grad_batches == 24 // (2 * (4 // 2))  # 6: the 2 ranks of a CP group share samples

@@ -35,7 +35,12 @@ def work(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 @pytest.fixture(scope="module")
 def run(tmp_path_factory: pytest.TempPathFactory, work: Path) -> Path:
+    import shutil
+
     out = tmp_path_factory.mktemp("wan_run")
+    tree = tmp_path_factory.mktemp("mindspeed_mm")  # a MindSpeed MM checkout: the corpus' examples/
+    shutil.copytree(ROOT / "tests" / "data" / "mindspeed_corpus" / "examples", tree / "examples")
+    wan_scenarios.write_migrated(work, tree, out)
     scenario_kit.run(wan_scenarios.fit_resume_cp, out, args={"work": work})
     return out
 
@@ -123,6 +128,35 @@ def test_lora_on_two_ranks_equals_a_one_process_peft_reference(run: Path, work: 
         key = name.removeprefix("model.predictor.").replace(".base_layer.", ".")
         assert torch.equal(value, base[key]), name  # the frozen weights are unchanged
     assert all(final[n].abs().max() > 0 for n in adapters if ".lora_B." in n)  # B trained from zero
+
+
+@pytest.mark.parametrize("name", sorted(wan_scenarios.MIGRATED))
+def test_migrated_wan_configs_train_like_the_diffusers_reference(run: Path, work: Path, name: str) -> None:
+    """The corpus' Wan 2.1 t2v launch scripts, migrated (``pretrain_fsdp2.sh``: full weights with MindSpeed MM's
+    FSDP2 YAML; ``finetune_lora.sh``: ``--lora-r 16 --lora-alpha 16`` on the blocks' attention and feed-forward
+    linears) and run by ``lightning-mm fit --config`` on 2 gloo ranks with the tiny model and features: the losses
+    and the first step's gradients equal the one-process diffusers reference (PEFT's adapters for LoRA) to
+    relative 1e-5, and LoRA trains the adapters only."""
+    ranks = [json.loads((run / f"migrated_{name}.rank{r}.json").read_text()) for r in range(2)]
+    steps = wan_scenarios.MIGRATED_STEPS
+    losses = [(ranks[0]["losses"][s] + ranks[1]["losses"][s]) / 2 for s in range(steps)]
+    grads: dict[str, torch.Tensor] = {}
+    lora = name == "lora"
+    expected, weights = reference_losses(work, steps, grads=grads, lora=lora, lora_shape=(16, 16.0), noise_seed=0)
+    assert all(_close(a, b) for a, b in zip(losses, expected)), (losses, expected)
+    got = torch.load(run / f"migrated_{name}_grads.pt", weights_only=True)
+    assert sorted(got) == sorted(grads)
+    scale = max(ref.abs().max().item() for ref in grads.values())
+    for key, ref in grads.items():  # before Adam, which would hide a scale error
+        assert torch.allclose(got[key], ref, rtol=1e-5, atol=1e-6 * scale), key
+    adapters = sorted(n for n in weights if ".lora_A." in n or ".lora_B." in n)
+    assert ranks[0]["trainable"] == (adapters if lora else sorted(weights))
+    assert len(adapters) == (2 * 2 * 10 if lora else 0)  # A, B x 2 blocks x 10 linears
+    final = torch.load(run / f"migrated_{name}_final.pt", weights_only=True)
+    assert sorted(final) == sorted(weights)
+    for key, ref in weights.items():  # Adam's sign-like first step: 1e-3 of each tensor's norm (see the LoRA test)
+        error = ((final[key] - ref).norm() / ref.norm().clamp_min(1e-12)).item()
+        assert error <= 1e-3, (key, error)
 
 
 def test_the_checkpoint_converts_to_a_directory_diffusers_loads(

@@ -11,8 +11,10 @@ per step); rank 0 writes the gathered final weights to ``OUTDIR/final.pt``. Then
 ``context_parallel_size=2`` (both ranks on one sample, its video tokens split): ``cp_losses``, ``cp_grads.pt`` (the
 first step's gradients) and ``cp_final.pt``. Then 2 epochs with LoRA (:data:`LORA`, PEFT adapters on the blocks'
 attention and feed-forward linears, what ``migrate`` makes of MindSpeed MM's Wan ``finetune_lora*.sh``):
-``lora_losses``, ``lora_grads.pt`` (the first step's gradients), ``lora_final.pt`` and ``lora.ckpt``. Real gloo
-collectives; nothing mocked.
+``lora_losses``, ``lora_grads.pt`` (the first step's gradients), ``lora_final.pt`` and ``lora.ckpt``. Last, the
+configs ``migrate`` wrote for the corpus' Wan t2v scripts (:data:`MIGRATED`, :func:`write_migrated`: full weights
+with MindSpeed MM's FSDP2 YAML, and LoRA), each run as ``lightning-mm fit --config`` does (:class:`MigratedRecorder`).
+Real gloo collectives; nothing mocked.
 
 :func:`reference_losses` is the one-process diffusers reference: the same model directory, AdamW, the same
 samples per rank and step, the same timesteps and noise (:func:`lightning_mm.diffusers.flow_matching.draw_generator`).
@@ -25,6 +27,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
+import lightning as L
 import torch
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -109,11 +112,18 @@ def fsdp2_config() -> dict[str, Any]:
 
 
 def reference_losses(
-    work: Path, steps: int, data_ranks: int = 2, grads: dict | None = None, lora: bool = False
+    work: Path,
+    steps: int,
+    data_ranks: int = 2,
+    grads: dict | None = None,
+    lora: bool = False,
+    lora_shape: tuple[int, float] = (LORA["rank"], LORA["alpha"]),  # type: ignore[assignment]
+    noise_seed: int = NOISE_SEED,
 ) -> tuple[list[float], dict[str, torch.Tensor]]:
     """The one-process diffusers run: per step the mean of the data-parallel ranks' losses, and the final weights
     (``data_ranks`` 1: context parallelism over both ranks, one sample a step). ``grads`` receives the first step's
-    gradients. ``lora``: PEFT's adapters (``LORA``'s rank and alpha, seed 0) on the transformer, the rest frozen."""
+    gradients. ``lora``: PEFT's adapters (``lora_shape``: rank and alpha, seed 0) on the transformer, the rest
+    frozen. ``noise_seed``: the run's seed of timesteps and noise."""
     from diffusers import WanTransformer3DModel
 
     from lightning_mm.diffusers.flow_matching import WanFlowMatchSchedule, draw, draw_generator
@@ -124,7 +134,7 @@ def reference_losses(
 
         model.requires_grad_(False)
         torch.manual_seed(0)
-        config = LoraConfig(r=LORA["rank"], lora_alpha=LORA["alpha"], target_modules=LORA_REFERENCE_TARGETS)
+        config = LoraConfig(r=lora_shape[0], lora_alpha=lora_shape[1], target_modules=LORA_REFERENCE_TARGETS)
         inject_adapter_in_model(config, model)
     model.train()
     trained = [p for p in model.parameters() if p.requires_grad]
@@ -139,7 +149,7 @@ def reference_losses(
             data = torch.load(work / "features" / f"{index}.pt", weights_only=True)
             latents = data["video"][None]
             text = (data["prompt_ids"] * data["prompt_mask"][:, None])[None]
-            flow = draw(schedule, latents, draw_generator(NOISE_SEED, "train", step, 0, rank))
+            flow = draw(schedule, latents, draw_generator(noise_seed, "train", step, 0, rank))
             out = model(flow.noisy, flow.timestep, text, return_dict=False)[0]
             loss = schedule.loss(out, flow) / data_ranks
             loss.backward()
@@ -210,6 +220,112 @@ def _fit(
     return trainer, module
 
 
+MIGRATED = {
+    "t2v": "examples/wan2.1/14b/t2v/pretrain_fsdp2.sh",  # MindSpeed MM's Wan FSDP2 YAML, full weights
+    "lora": "examples/wan2.1/1.3b/t2v/finetune_lora.sh",  # --lora-r 16 --lora-alpha 16, ffn.*, proj_*
+}
+"""The corpus' Wan launch scripts (tests/data/mindspeed_corpus) whose migrated configs the run trains."""
+MIGRATED_STEPS = 2
+
+
+def write_migrated(work: Path, tree: Path, outdir: Path) -> None:
+    """``lightning-mm migrate`` each :data:`MIGRATED` script from ``tree`` (a copy of the corpus, as a MindSpeed MM
+    checkout), written to ``WORKDIR/migrated_<name>.yaml`` with the tiny stand-ins: the model directory, the feature
+    data, 2 CPU ranks, fp32, :data:`MIGRATED_STEPS` steps, the reference's lr and no weight decay or clipping (the
+    diffusers reference has neither), the recording callback in place of the job's. Everything else (the model
+    section, LoRA, schedule, FSDP2 YAML, strategy) is as migrated."""
+    import os
+
+    import yaml
+
+    from lightning_mm.commands.migrate import migrate_file
+    from lightning_mm.diffusers.wan_diffusion import mindspeed_fsdp2_config
+
+    before = Path.cwd()
+    os.chdir(tree)
+    try:
+        results = {name: migrate_file(Path(script))[0] for name, script in MIGRATED.items()}
+    finally:
+        os.chdir(before)
+    for name, result in results.items():
+        config = yaml.safe_load(yaml.safe_dump(result.config))
+        init = config["model"]["init_args"]
+        init["diffusers_model"]["init_from_path"] = str(work / "model")
+        init.update(lr=LR, min_lr=LR, weight_decay=0.0, log_grad_norm=False, log_throughput=False)
+        if "fsdp2_config" in init:
+            init["fsdp2_config"] = {
+                **mindspeed_fsdp2_config(init["fsdp2_config"]),
+                "param_dtype": "fp32",
+                "reduce_dtype": "fp32",
+            }
+        config["trainer"].update(
+            accelerator="cpu",
+            devices=2,
+            num_nodes=1,
+            precision="32-true",
+            max_steps=MIGRATED_STEPS,
+            gradient_clip_val=None,
+            logger=False,
+            enable_checkpointing=False,
+            enable_progress_bar=False,
+            enable_model_summary=False,
+            num_sanity_val_steps=0,
+            default_root_dir=str(work / f"run_{name}"),
+            callbacks=[
+                {
+                    "class_path": "tests.wan_scenarios.MigratedRecorder",
+                    "init_args": {"outdir": str(outdir), "name": name},
+                }
+            ],
+        )
+        config["data"]["init_args"].update(data_config=str(work / "data.json"), num_workers=0)
+        (work / f"migrated_{name}.yaml").write_text(yaml.safe_dump(config, sort_keys=False))
+
+
+def _full(module: torch.nn.Module, trainable_only: bool = False) -> dict[str, torch.Tensor]:
+    from torch.distributed.tensor import DTensor
+
+    return {
+        f"model.{n}": (p.full_tensor() if isinstance(p, DTensor) else p).detach().clone()
+        for n, p in module.named_parameters()
+        if p.requires_grad or not trainable_only
+    }
+
+
+class MigratedRecorder(L.Callback):
+    """For the migrated runs: each rank's loss per step (``OUTDIR/migrated_<name>.rank{R}.json``, with the names of
+    the trained parameters), and on rank 0 the first step's gradients and the final weights
+    (``migrated_<name>_grads.pt`` / ``migrated_<name>_final.pt``)."""
+
+    def __init__(self, outdir: str, name: str) -> None:
+        self.outdir, self.name = Path(outdir), name
+        self.losses: list[float] = []
+
+    def on_train_batch_end(self, trainer: Any, pl_module: Any, outputs: Any, batch: Any, batch_idx: int) -> None:
+        loss = outputs["loss"] if isinstance(outputs, dict) else outputs
+        self.losses.append(float(loss.detach()))
+
+    def on_before_optimizer_step(self, trainer: Any, pl_module: Any, optimizer: Any) -> None:
+        if trainer.global_step == 0:  # full_tensor is a collective: every rank
+            from torch.distributed.tensor import DTensor
+
+            grads = {
+                f"model.{n}": (p.grad.full_tensor() if isinstance(p.grad, DTensor) else p.grad)
+                for n, p in pl_module.model.named_parameters()
+                if p.grad is not None
+            }
+            if trainer.global_rank == 0:
+                torch.save(grads, self.outdir / f"migrated_{self.name}_grads.pt")
+
+    def on_train_end(self, trainer: Any, pl_module: Any) -> None:
+        final = _full(pl_module.model)
+        trainable = sorted(f"model.{n}" for n, p in pl_module.model.named_parameters() if p.requires_grad)
+        info = {"losses": self.losses, "trainable": trainable}
+        (self.outdir / f"migrated_{self.name}.rank{trainer.global_rank}.json").write_text(json.dumps(info))
+        if trainer.global_rank == 0:
+            torch.save(final, self.outdir / f"migrated_{self.name}_final.pt")
+
+
 @scenario(exit_cleanly=False)
 def fit_resume_cp(outdir: Path, work: str) -> None:
     from torch.distributed.tensor import DTensor
@@ -249,6 +365,10 @@ def fit_resume_cp(outdir: Path, work: str) -> None:
     trainer.save_checkpoint(outdir / "lora.ckpt")
     if trainer.global_rank == 0:
         torch.save(lora_final, outdir / "lora_final.pt")
+    from lightning_mm.commands.train import run_lightning_cli
+
+    for name in MIGRATED:  # the migrated corpus configs, as `lightning-mm fit --config` runs them
+        run_lightning_cli(["fit", "--config", str(work / f"migrated_{name}.yaml")])
     (outdir / f"wan.rank{trainer.global_rank}.json").write_text(
         json.dumps(
             {

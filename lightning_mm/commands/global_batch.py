@@ -48,7 +48,7 @@ class GlobalBatchSize(Callback):
                 f"GlobalBatchSize({self.global_batch_size}): the data module has no batch_size to derive the "
                 "accumulation from; give trainer.accumulate_grad_batches instead"
             )
-        context_parallel = int(getattr(trainer.strategy, "context_parallel_size", 1) or 1)
+        context_parallel = _context_parallel(trainer.strategy)
         accumulate = accumulation_for(self.global_batch_size, micro, trainer.world_size, context_parallel)
         if trainer.accumulate_grad_batches != accumulate:
             rank_zero_info(
@@ -57,3 +57,12 @@ class GlobalBatchSize(Callback):
                 f"({micro} x {trainer.world_size // context_parallel} data-parallel ranks x {accumulate})"
             )
         trainer.accumulate_grad_batches = accumulate
+
+
+def _context_parallel(strategy: Any) -> int:
+    """The run's context-parallel size before the strategy is set up: its argument, else the ``context_parallel_size``
+    of the FSDP2 config given to it (the key the argument is an alias of; the layout refuses two different sizes)."""
+    size = int(getattr(strategy, "context_parallel_size", 1) or 1)
+    if size == 1:
+        size = int(getattr(getattr(strategy, "given_config", None), "context_parallel_size", 1) or 1)
+    return size

@@ -490,7 +490,12 @@ FLAGS: dict[str, _Handler] = {
         "FSDP2 YAML (--fsdp2-config-path) for the units"
     ),
     "--mm-tool": _refuse("MindSpeed MM's tool definitions for its chat templates; not read by lightning-mm"),
-    "--tensor-model-parallel-size": _only_one("tensor parallelism is not supported (FSDP2 and context parallelism)"),
+    "--tensor-model-parallel-size": _only_one(
+        "Megatron's tensor parallelism of MindSpeed MM's own Megatron layers (its converted checkpoints split per "
+        "TP rank) has no counterpart in the migrated job, which trains the Transformers class; tensor parallelism "
+        "here splits that class (the FSDP2 YAML's tensor_parallel_size with tp_plan or the model's "
+        "base_model_tp_plan, docs/parallelism.md): set it there by hand"
+    ),
     "--pipeline-model-parallel-size": _only_one(
         "pipeline parallelism is not supported (FSDP2 and context parallelism)"
     ),

@@ -408,6 +408,19 @@ def _map_model(state: FlagState, launch: Launch, functions: set[str]) -> None:
     out.mapped += [f"  {shown} {item}" for item in converted.mapped]
     out.notes += [f"{shown} {item} (not applicable)" for item in converted.not_applicable]
     out.unmapped += [f"{shown} {item}" for item in converted.unmapped]
+    _map_module_paths(state, converted.family, converted.megatron)
+
+
+def _map_module_paths(state: FlagState, family: str | None, megatron: bool) -> None:
+    """The FSDP2 YAML's MindSpeed MM module paths in the Transformers class's names (:mod:`.module_paths`)."""
+    from lightning_mm.mindspeed.module_paths import translate_fsdp2_config
+
+    init_args = state.cfg["trainer"].get("strategy", {}).get("init_args", {})
+    keys, mapped, unmapped = translate_fsdp2_config(init_args.get("fsdp2_config"), family, megatron)
+    if keys is not None:
+        init_args["fsdp2_config"] = keys
+    state.out.mapped += mapped
+    state.out.unmapped += unmapped
 
 
 _LIST_FLAGS = ("--lora-target-modules",)

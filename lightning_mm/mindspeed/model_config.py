@@ -247,6 +247,10 @@ class ModelMigration:
     """Keys with no effect here, each with the reason."""
     unmapped: list[str] = field(default_factory=list)
     """Keys that change training and have no counterpart here, each with the reason: review them."""
+    family: str | None = None
+    """The family key (``internvl``, ``mistral3``, ``qwen2_5_vl``...), when known."""
+    megatron: bool = False
+    """Whether the config is a Megatron-route model.json (MindSpeed MM's own towers)."""
 
 
 def _megatron_error(source: str) -> MindSpeedModelError:
@@ -377,6 +381,7 @@ def transformers_model_config(
         found = _pretrained_type((base_dir / str(hf_path)).resolve())
         key = next((k for k, t in _MODEL_TYPES.items() if t == found), None)
 
+    out.family, out.megatron = key, megatron
     _map_freeze(model, key, source, out, handled)
     _map_loss(model.get("loss_cfg"), out, handled, source)
     _map_patch(model.get("patch"), out, handled)

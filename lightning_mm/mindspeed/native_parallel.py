@@ -19,7 +19,8 @@ recompute switch and plan that its ``features`` section may carry too, maps onto
   ``tp_plan`` (Transformers' notation: pattern -> ``colwise`` / ``rowwise``, ``{*}`` -> ``*``); MindSpeed MM itself
   rejects sizes above 1, here they run (what tensor parallelism does not compose with is refused when the model is
   set up, by name)
-* ``ulysses_parallel_size`` -> ``MMFSDP2Strategy(context_parallel_size=...)``, not a key of the FSDP2 config
+* ``ulysses_parallel_size`` -> ``context_parallel_size`` (Ulysses context parallelism; the strategy argument of
+  the same name is its alias)
 * ``ring_attention_size`` -> ``context_parallel_size`` with ``context_parallel_algo: kv_allgather`` (ring
   attention's zig-zag layout and results; keys and values all-gathered; NPU-only in MindSpeed MM, any device here)
 
@@ -125,8 +126,6 @@ class NativeParallel:
 
     fsdp2: dict[str, Any] = field(default_factory=dict)
     """The FSDP2 config keys (:class:`~lightning_mm.core.config.FSDP2Config`)."""
-    strategy: dict[str, Any] = field(default_factory=dict)
-    """``MMFSDP2Strategy`` arguments (``context_parallel_size``)."""
     mapped: list[str] = field(default_factory=list)
     without_effect: list[str] = field(default_factory=list)
     """Keys with no counterpart that do not change what is computed, each with the reason."""
@@ -277,11 +276,11 @@ def _map_sizes(section: Mapping[str, Any], prefix: str, read: _Reader, out: Nati
         )
     elif "ring_attention_size" in section:
         mapped("ring_attention_size: 1", "none: no ring attention, as here")
-    if ulysses > 1:
-        out.strategy["context_parallel_size"] = ulysses
-        mapped("ulysses_parallel_size", f"MMFSDP2Strategy(context_parallel_size={ulysses})")
+    if ulysses > 1:  # the FSDP2 config's key (MMFSDP2Strategy(context_parallel_size=...) is its alias)
+        fsdp2["context_parallel_size"] = ulysses
+        mapped("ulysses_parallel_size", f"fsdp2_config.context_parallel_size: {ulysses}")
     elif "ulysses_parallel_size" in section:
-        mapped("ulysses_parallel_size", "none (1): MMFSDP2Strategy(context_parallel_size=1), the default")
+        mapped("ulysses_parallel_size", "none (1): fsdp2_config.context_parallel_size 1, the default")
 
 
 def _map_fsdp_plan(section: Mapping[str, Any], prefix: str, read: _Reader, out: NativeParallel) -> None:
@@ -465,9 +464,8 @@ def fsdp2_config_from_native(data: Mapping[str, Any], source: str | None = None)
     errors are :class:`~lightning_mm.core.config.FSDP2ConfigError` naming the native key.
 
     This is what :func:`lightning_mm.mindspeed.load.fsdp2_config` (and so ``MMFSDP2Strategy(fsdp2_config=...)``)
-    does with that layout. A key that changes what is computed and cannot be honoured here is an error naming it, as
-    is ``ulysses_parallel_size`` > 1, which is ``MMFSDP2Strategy(context_parallel_size=...)`` (``lightning-mm
-    migrate`` writes it there). Keys that only tune speed are accepted with one warning naming them. Of a whole
+    does with that layout. A key that changes what is computed and cannot be honoured here is an error naming it.
+    Keys that only tune speed are accepted with one warning naming them. Of a whole
     config only ``parallel`` and ``features.recompute*`` are read: the other sections are the model's, the data's and
     the Trainer's (``lightning-mm migrate`` maps them).
     """
@@ -480,14 +478,6 @@ def fsdp2_config_from_native(data: Mapping[str, Any], source: str | None = None)
     where = f" in {source}" if source else ""
     if result.refused:
         raise error(f"native FSDP2 config{where}: {result.refused[0]}")
-    if result.strategy:
-        size = result.strategy["context_parallel_size"]
-        key = "parallel.ulysses_parallel_size" if layout == "config" else "ulysses_parallel_size"
-        raise error(
-            f"native FSDP2 config key `{key}`{where}: {size} is Ulysses context parallelism, an "
-            f"argument of the strategy: give MMFSDP2Strategy(context_parallel_size={size}) and "
-            "set it to 1 here (lightning-mm migrate writes both)"
-        )
     if result.without_effect:
         warnings.warn(f"native FSDP2 config{where}: no effect here: " + "; ".join(result.without_effect), stacklevel=3)
     try:

@@ -233,8 +233,6 @@ def _parallel(out: _Out) -> None:
     out.handled.update({"parallel", "features.recompute", "features.recompute_plan"})
     out.set("trainer.strategy.init_args.fsdp2_config", config)
     out.mapped += [f"{m}" for m in result.mapped]
-    for key, value in result.strategy.items():
-        out.set(f"trainer.strategy.init_args.{key}", value)
     out.unmapped += result.refused + result.without_effect
 
 
@@ -750,10 +748,8 @@ def _global_batch(out: _Out, world_size: int) -> None:
     gradient_accumulation_steps``) -> the GlobalBatchSize callback, which keeps it on another world size."""
     micro = out.number("training.micro_batch_size", int, low=1, default=1)
     accumulate = out.number("training.gradient_accumulation_steps", int, low=1, default=1)
-    init_args = out.config["trainer"]["strategy"]["init_args"]
-    fsdp2 = init_args.get("fsdp2_config")
-    ring = fsdp2.get("context_parallel_size", 1) if isinstance(fsdp2, dict) else 1  # ring_attention_size
-    ulysses = init_args.get("context_parallel_size", 1) * ring
+    fsdp2 = out.config["trainer"]["strategy"]["init_args"].get("fsdp2_config")
+    ulysses = fsdp2.get("context_parallel_size", 1) if isinstance(fsdp2, dict) else 1  # Ulysses or ring
     if world_size < 1 or world_size % ulysses:
         return
     total = micro * (world_size // ulysses) * accumulate
