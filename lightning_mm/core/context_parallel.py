@@ -28,6 +28,8 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
+from lightning_mm.errors import ConfigError
+
 __all__ = [
     "ALGORITHMS",
     "ContextParallelError",
@@ -48,7 +50,7 @@ ALGORITHMS = ("ulysses",)
 IGNORE_INDEX = -100
 
 
-class ContextParallelError(ValueError):
+class ContextParallelError(ConfigError):
     """A context-parallel setting that cannot work (raised at setup)."""
 
 
