@@ -16,6 +16,7 @@ from torch import nn
 from lightning_mm._compat import clear_hf_init_flags, share_experts_kernels_with_base
 from lightning_mm._dtensor import local_tensor
 from lightning_mm.core.torch_init import init_module_like_constructor, zero_row
+from lightning_mm.errors import StateError
 from lightning_mm.hf.pending_weights import pending_lora, pending_pretrained
 
 if TYPE_CHECKING:
@@ -216,7 +217,7 @@ def _tie_hf_weights(model: nn.Module) -> None:
     from torch.distributed.tensor import DTensor
 
     if any(isinstance(p, DTensor) for p in model.parameters()):
-        raise RuntimeError(
+        raise StateError(
             f"{type(model).__name__}: tied weights {untied} are not tied after sharding; tie them before "
             "sharding (they must share one parameter object)"
         )
