@@ -22,7 +22,7 @@ from PIL import Image
 
 from lightning_mm._names import listing
 from lightning_mm._yaml import short_repr
-from lightning_mm.errors import DataError, InputTypeError
+from lightning_mm.errors import DataError
 
 __all__ = ["Record", "DataReport", "DataError", "read_records", "iter_raw_records", "MAX_LINE_BYTES"]
 
@@ -145,7 +145,7 @@ def _text_problem(texts: list[str]) -> str | None:
 def _token_ids(tokenizer: Any, text: str) -> list[int]:
     ids = tokenizer(text, add_special_tokens=False)["input_ids"]
     if not isinstance(ids, list) or not all(isinstance(i, int) and not isinstance(i, bool) for i in ids):
-        raise InputTypeError(f"the tokenizer returned {type(ids).__name__}, not a list of token ids")
+        raise TypeError(f"the tokenizer returned {type(ids).__name__}, not a list of token ids")
     return ids
 
 
