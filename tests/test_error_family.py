@@ -210,3 +210,15 @@ def test_the_cli_recognises_its_errors_by_type() -> None:
         assign_images([1.0], [0, 1], 2)
     assert not isinstance(bug.value, LightningMMError)
     assert user_error(bug.value) is None
+
+
+def test_the_cli_keeps_the_pending_translation_layers_errors_until_they_join(tmp_path: Path) -> None:
+    from lightning_mm._yaml import load_mapping
+    from lightning_mm.commands.failure import user_error
+    from lightning_mm.commands.launch_script import MigrateError
+
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("a: [\n")
+    with pytest.raises(MigrateError) as caught:  # a class of a pending file, raised by a helper outside it
+        load_mapping(bad, MigrateError)
+    assert user_error(caught.value) is caught.value

@@ -7,7 +7,8 @@ by class path fails that way: the message of the error from our ``__init__`` end
 jsonargparse's). Anything else is a bug and keeps its traceback.
 
 Until the MindSpeed MM translation layer (``_TRANSLATION_LAYER_PENDING``) raises the error family too, a
-``ValueError`` / ``LookupError`` / ``OSError`` / ``TypeError`` raised in one of its files is also taken for ours.
+``ValueError`` / ``LookupError`` / ``OSError`` / ``TypeError`` raised in one of its files, or an exception class
+defined in one of them, is also taken for ours.
 
 Imports nothing heavy: it runs before Lightning is imported.
 """
@@ -74,8 +75,15 @@ def _raised_in_pending_file(error: BaseException) -> bool:
         return False
 
 
+def _defined_in_pending_file(kind: type) -> bool:
+    module = kind.__module__.split(".")
+    return module[0] == "lightning_mm" and "/".join(module[1:]) + ".py" in _TRANSLATION_LAYER_PENDING
+
+
 def _is_ours(error: BaseException) -> bool:
     if isinstance(error, LightningMMError):
+        return True
+    if any(_defined_in_pending_file(kind) for kind in type(error).__mro__):  # e.g. MigrateError raised by _yaml.py
         return True
     return isinstance(error, _PENDING_BUILTINS) and _raised_in_pending_file(error)
 
