@@ -25,6 +25,8 @@ from typing import TYPE_CHECKING, Any
 import torch
 from packaging.version import Version
 
+from lightning_mm.errors import LightningMMError
+
 if TYPE_CHECKING:
     import lightning.pytorch as pl
     from torch.distributed.device_mesh import DeviceMesh
@@ -68,7 +70,7 @@ __all__ = [
 TESTED = {"torch": ("2.13.0", "2.14.0"), "lightning": ("2.5.0", "2.7.0"), "transformers": ("5.0", "6")}
 
 
-class PrivateAPIError(ImportError):
+class PrivateAPIError(LightningMMError, ImportError):
     """A private Lightning, torch or Transformers name that lightning-mm relies on is missing or has changed."""
 
 

@@ -9,6 +9,8 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
+from lightning_mm.errors import ConfigError
+
 __all__ = ["is_plain_file_name", "link_root", "model_file"]
 
 
@@ -46,7 +48,7 @@ def link_root(directory: Path) -> Path:
     return real
 
 
-def model_file(directory: Path, name: str, error: type[Exception] = ValueError) -> Path:
+def model_file(directory: Path, name: str, error: type[Exception] = ConfigError) -> Path:
     """``directory / name``, a regular file of a Hugging Face model directory, or ``error`` naming it.
 
     The same rule for every reader (``TransformersModel``'s ``init_from_hf_path``, ``convert hf-to-dcp``): the name

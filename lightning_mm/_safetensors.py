@@ -14,6 +14,7 @@ from pathlib import Path
 import torch
 
 from lightning_mm._files import is_plain_file_name
+from lightning_mm.errors import ConfigError
 
 __all__ = ["DTYPES", "itemsize", "read_weight_map", "shard_files"]
 
@@ -57,7 +58,7 @@ def itemsize(name: str) -> int | None:
     return None if dtype is None else dtype.itemsize
 
 
-def read_weight_map(index_file: Path, error: type[Exception] = ValueError) -> dict[str, str]:
+def read_weight_map(index_file: Path, error: type[Exception] = ConfigError) -> dict[str, str]:
     """The ``weight_map`` of a Hugging Face index (``model.safetensors.index.json``, ``pytorch_model.bin.index.json``):
     tensor name -> the file that holds it.
 

@@ -26,6 +26,8 @@ from typing import Any
 
 import yaml
 
+from lightning_mm.errors import ConfigError, MissingFileError
+
 __all__ = [
     "ConfigFileError",
     "load_config",
@@ -58,7 +60,7 @@ def short_repr(value: Any) -> str:
     return _REPR.repr(value)
 
 
-class ConfigFileError(ValueError):
+class ConfigFileError(ConfigError):
     """A config file that cannot be read as written (callers may ask for their own subclass instead)."""
 
 
@@ -152,7 +154,7 @@ def _check_expansion(root: yaml.Node) -> None:
 
 def _read_text(path: Path, error: type[Exception]) -> str:
     if not path.is_file():
-        raise FileNotFoundError(f"config file not found: {path}")
+        raise MissingFileError(f"config file not found: {path}")
     with open(path, "rb") as handle:
         raw = handle.read(MAX_BYTES + 1)
     if len(raw) > MAX_BYTES:

@@ -11,6 +11,8 @@ from collections.abc import Sequence
 
 import torch
 
+from lightning_mm.errors import ConfigError, InputTypeError
+
 __all__ = ["parse_device_indices", "npu_device"]
 
 
@@ -19,7 +21,7 @@ def npu_device(device: torch.device | str | int, needed_by: str) -> torch.device
     is a ``ValueError`` saying that ``needed_by`` needs an npu device."""
     device = torch.device("npu", device) if isinstance(device, int) else torch.device(device)
     if device.type != "npu":
-        raise ValueError(f"{needed_by} needs an npu device, got {device}")
+        raise ConfigError(f"{needed_by} needs an npu device, got {device}")
     return device
 
 
@@ -33,17 +35,17 @@ def parse_device_indices(
     """
     requested = _requested(devices, available, name)
     if not requested:
-        raise ValueError(f"`devices={devices!r}` selects no {name}; ask for at least one")
+        raise ConfigError(f"`devices={devices!r}` selects no {name}; ask for at least one")
     if len(set(requested)) != len(requested):
-        raise ValueError(f"`devices={devices!r}` names the same {name} twice; each index must be unique")
+        raise ConfigError(f"`devices={devices!r}` names the same {name} twice; each index must be unique")
     if any(i < 0 for i in requested):
-        raise ValueError(f"`devices={devices!r}`: {name} indices must be non-negative")
+        raise ConfigError(f"`devices={devices!r}`: {name} indices must be non-negative")
     missing = [i for i in requested if i >= available]
     if missing:
         suffix = f" {hint}" if hint else ""
         if not available:
-            raise ValueError(f"`devices={devices!r}` asks for {name}s but none is visible.{suffix}")
-        raise ValueError(
+            raise ConfigError(f"`devices={devices!r}` asks for {name}s but none is visible.{suffix}")
+        raise ConfigError(
             f"`devices={devices!r}` asks for {name} {requested}, but only {available} {name}(s) are visible "
             f"(indices 0..{available - 1}; not visible: {missing}).{suffix}"
         )
@@ -52,7 +54,7 @@ def parse_device_indices(
 
 def _requested(devices: object, available: int, name: str) -> list[int]:
     if isinstance(devices, bool):
-        raise TypeError(f"`devices` must be an int, a string or a sequence of ints, got the bool {devices!r}")
+        raise InputTypeError(f"`devices` must be an int, a string or a sequence of ints, got the bool {devices!r}")
     if isinstance(devices, int):
         return _from_int(devices, available, name)
     if isinstance(devices, str):
@@ -64,19 +66,19 @@ def _requested(devices: object, available: int, name: str) -> list[int]:
                 return [int(piece) for piece in text.split(",") if piece.strip()]
             return _from_int(int(text), available, name)
         except ValueError:
-            raise ValueError(
+            raise ConfigError(
                 f"`devices={devices!r}` is not a count, an index list such as '0,1', 'auto' or '-1'"
             ) from None
     if isinstance(devices, Sequence):
         if not all(type(i) is int for i in devices):
-            raise TypeError(f"`devices={devices!r}`: a sequence of devices must hold ints only")
+            raise InputTypeError(f"`devices={devices!r}`: a sequence of devices must hold ints only")
         return list(devices)
-    raise TypeError(f"`devices` must be an int, a string or a sequence of ints, got {type(devices).__name__}")
+    raise InputTypeError(f"`devices` must be an int, a string or a sequence of ints, got {type(devices).__name__}")
 
 
 def _from_int(count: int, available: int, name: str) -> list[int]:
     if count == -1:
         return list(range(available))
     if count <= 0:
-        raise ValueError(f"`devices={count}` is not a valid number of {name}s: use a positive count or -1 for all")
+        raise ConfigError(f"`devices={count}` is not a valid number of {name}s: use a positive count or -1 for all")
     return list(range(count))

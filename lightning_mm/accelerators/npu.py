@@ -20,6 +20,7 @@ from typing_extensions import override
 from lightning_mm._compat import _AcceleratorRegistry
 from lightning_mm.accelerators import runtime
 from lightning_mm.accelerators.device_parsing import npu_device, parse_device_indices
+from lightning_mm.errors import LightningMMError
 from lightning_mm.npu_probe import INSTALL_HINT, VISIBLE_DEVICES, npu_status, torch_npu_version
 
 if TYPE_CHECKING:
@@ -28,7 +29,7 @@ if TYPE_CHECKING:
 __all__ = ["NPUAccelerator", "NPUUnavailableError", "npu_status", "torch_npu_version", "INSTALL_HINT"]
 
 
-class NPUUnavailableError(RuntimeError):
+class NPUUnavailableError(LightningMMError, RuntimeError):
     """``accelerator="npu"`` was asked for where torch_npu or an NPU is missing."""
 
 

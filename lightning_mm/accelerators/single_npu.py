@@ -20,6 +20,7 @@ from lightning.pytorch.strategies import SingleDeviceStrategy
 from typing_extensions import override
 
 from lightning_mm.accelerators.device_parsing import npu_device
+from lightning_mm.errors import ConfigError
 
 __all__ = ["SingleNPUStrategy"]
 
@@ -57,7 +58,7 @@ class SingleNPUStrategy(SingleDeviceStrategy):
         if not devices:
             return
         if len(devices) != 1:
-            raise ValueError(
+            raise ConfigError(
                 f"strategy='single_npu' runs on one NPU, but {len(devices)} devices were asked for "
                 f"({[str(d) for d in devices]}); use strategy='mm_fsdp2' (or 'ddp') for several"
             )

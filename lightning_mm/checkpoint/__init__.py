@@ -18,7 +18,13 @@
 
 from lightning_mm.checkpoint import remote
 from lightning_mm.checkpoint.atomic import remove
-from lightning_mm.checkpoint.errors import CheckpointError, CheckpointIntegrityError, CheckpointWriteError
+from lightning_mm.checkpoint.errors import (
+    CheckpointError,
+    CheckpointIntegrityError,
+    CheckpointMismatchError,
+    CheckpointNotFoundError,
+    CheckpointWriteError,
+)
 from lightning_mm.checkpoint.layout import (
     EXTRA_KEY,
     FORMAT_VERSION,
@@ -48,6 +54,8 @@ __all__ = [
     "CheckpointError",
     "CheckpointIntegrityError",
     "CheckpointKeyError",
+    "CheckpointMismatchError",
+    "CheckpointNotFoundError",
     "CheckpointWriteError",
     "CheckpointSource",
     "Loaded",

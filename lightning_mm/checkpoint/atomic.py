@@ -36,6 +36,8 @@ import uuid
 from pathlib import Path, PurePath
 from typing import TypeVar
 
+from lightning_mm.checkpoint.errors import CheckpointWriteError
+
 __all__ = [
     "partial_path",
     "stale_partials",
@@ -252,7 +254,7 @@ def commit(partial: Path, final: Path) -> None:
         except _Raced:
             continue
     else:
-        raise OSError(
+        raise CheckpointWriteError(
             errno.EBUSY,
             f"{final}: another run keeps replacing this checkpoint while this one commits "
             f"its own ({partial.name} is left in place)",

@@ -13,6 +13,7 @@ from lightning_mm.checkpoint.errors import write_error
 from lightning_mm.checkpoint.layout import EXTRA_KEY, SEP, fill_tensors
 from lightning_mm.checkpoint.source import open_source
 from lightning_mm.checkpoint.writer import write_file
+from lightning_mm.errors import MissingFileError, OutputExistsError
 
 __all__ = ["dcp_to_torch", "writing", "check_output"]
 
@@ -38,7 +39,7 @@ def check_output(dst: Path, force: bool = False, kind: str = "file") -> None:
     (:data:`_OUTPUT_MARKERS`): then it is replaced only once the new output is complete (``atomic.commit``)."""
     if dst.exists() or dst.is_symlink():
         if not force:
-            raise FileExistsError(f"output exists: {dst} (remove it, choose another path, or pass --force)")
+            raise OutputExistsError(f"output exists: {dst} (remove it, choose another path, or pass --force)")
         markers = _OUTPUT_MARKERS[kind]
         replaceable = (
             (dst.is_file() and not dst.is_symlink())
@@ -47,12 +48,12 @@ def check_output(dst: Path, force: bool = False, kind: str = "file") -> None:
         )
         if not replaceable:
             what = "a file" if kind == "file" else f"a directory with {', '.join(markers)}"
-            raise FileExistsError(
+            raise OutputExistsError(
                 f"output exists: {dst}, and --force replaces only an earlier output ({what}); "
                 "remove it or choose another path"
             )
     if not dst.parent.is_dir():
-        raise FileNotFoundError(f"output directory does not exist: {dst.parent}")
+        raise MissingFileError(f"output directory does not exist: {dst.parent}")
 
 
 def dcp_to_torch(src: str | Path, dst: str | Path, model_only: bool = False, force: bool = False) -> Path:

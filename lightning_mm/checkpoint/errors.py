@@ -1,8 +1,11 @@
 """The exceptions of checkpoint I/O: short messages that name the file, instead of torch's internals.
 
-* :class:`CheckpointError`: the base; every message starts with the file (or directory) concerned.
+* :class:`CheckpointError`: the base (a :class:`~lightning_mm.errors.LightningMMError`); every message starts with
+  the file (or directory) concerned.
 * :class:`CheckpointIntegrityError`: a checkpoint whose files are missing, truncated, altered, foreign (from
   another checkpoint) or outside its directory.
+* :class:`CheckpointMismatchError`: a readable checkpoint that does not fit what loads it (missing, unexpected or
+  misshapen weights, another number of optimizers, a newer format).
 * :class:`CheckpointWriteError`: a save that failed on the disk (``errno`` and ``filename`` as in ``OSError``).
 * :class:`CheckpointNotFoundError`: the checkpoint asked for is not there (e.g. ``ckpt_path="last"`` whose ``last``
   link points at a deleted checkpoint), a ``FileNotFoundError``.
@@ -18,9 +21,12 @@ import errno
 import os
 from pathlib import PurePath
 
+from lightning_mm.errors import LightningMMError
+
 __all__ = [
     "CheckpointError",
     "CheckpointIntegrityError",
+    "CheckpointMismatchError",
     "CheckpointWriteError",
     "CheckpointNotFoundError",
     "write_error",
@@ -29,12 +35,16 @@ __all__ = [
 _FREE_SPACE_FLOOR = 1 << 20  # a write failure with less than this free is taken for a full disk
 
 
-class CheckpointError(Exception):
+class CheckpointError(LightningMMError):
     """A checkpoint that cannot be read or written; the message names the file."""
 
 
 class CheckpointIntegrityError(CheckpointError, ValueError):
     """A checkpoint file is missing, truncated, altered, from another checkpoint, or outside the checkpoint."""
+
+
+class CheckpointMismatchError(CheckpointError, ValueError):
+    """A readable checkpoint that does not fit the model, module or program that loads it (the message lists what)."""
 
 
 class CheckpointWriteError(CheckpointError, OSError):

@@ -25,8 +25,9 @@ from torch.distributed.checkpoint import HuggingFaceStorageReader, HuggingFaceSt
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner, DefaultSavePlanner
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
-from lightning_mm.checkpoint.errors import CheckpointIntegrityError
+from lightning_mm.checkpoint.errors import CheckpointIntegrityError, CheckpointMismatchError
 from lightning_mm.checkpoint.layout import model_key
+from lightning_mm.errors import ConfigError
 
 __all__ = ["RECORD_KEY", "DTYPES", "SHARDED_DIR", "INDEX_FILE", "check_dtype", "write", "weights_view", "read_into"]
 
@@ -42,7 +43,7 @@ def check_dtype(save_ckpt_dtype: str | None) -> torch.dtype | None:
     if save_ckpt_dtype is None:
         return None
     if save_ckpt_dtype not in DTYPES:
-        raise ValueError(f"save_ckpt_dtype must be one of {sorted(DTYPES)} or None, got {save_ckpt_dtype!r}")
+        raise ConfigError(f"save_ckpt_dtype must be one of {sorted(DTYPES)} or None, got {save_ckpt_dtype!r}")
     return DTYPES[save_ckpt_dtype]
 
 
@@ -58,7 +59,9 @@ def write(
     only shards, consolidated and removed)."""
     missing = sorted(set(keys) - set(state))
     if missing:
-        raise ValueError(f"the Hugging Face weights name {len(missing)} tensor(s) the model state lacks: {missing[:5]}")
+        raise CheckpointMismatchError(
+            f"the Hugging Face weights name {len(missing)} tensor(s) the model state lacks: {missing[:5]}"
+        )
     tensors = {}
     for fqn, name in keys.items():
         tensor = state[fqn]

@@ -20,6 +20,7 @@ from typing import Any
 import torch
 
 from lightning_mm._names import listing
+from lightning_mm.checkpoint.errors import CheckpointError, CheckpointMismatchError
 
 __all__ = [
     "MARKER",
@@ -58,7 +59,7 @@ def _split(node: Any, path: tuple[str, ...], tensors: dict[str, torch.Tensor]) -
     if isinstance(node, torch.Tensor):
         key = SEP.join(path)
         if key in tensors:
-            raise ValueError(f"two tensors of the checkpoint map to the stored key {key!r}")
+            raise CheckpointMismatchError(f"two tensors of the checkpoint map to the stored key {key!r}")
         tensors[key] = node
         return {MARKER: key}
     if isinstance(node, Mapping):
@@ -94,7 +95,7 @@ def fill_tensors(meta: Any, lookup: Callable[[str], Any]) -> Any:
 
 
 # ----------------------------------------------------------------------------------------- key checks
-class CheckpointKeyError(KeyError):
+class CheckpointKeyError(CheckpointError, KeyError):
     """The checkpoint and the model (or optimiser) do not hold the same keys; the message lists them."""
 
     def __str__(self) -> str:  # KeyError would show the repr of the message

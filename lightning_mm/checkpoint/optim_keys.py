@@ -16,6 +16,7 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from typing import Any
 
+from lightning_mm.checkpoint.errors import CheckpointMismatchError
 from lightning_mm.checkpoint.layout import CheckpointKeyError
 
 __all__ = ["PARAM_NAMES", "to_index_keyed", "is_index_keyed", "saved_names", "group_param_names"]
@@ -51,7 +52,7 @@ def to_index_keyed(state: Mapping[str, Any]) -> dict[str, Any]:
         new_groups.append({**group, "params": ids})
     unknown = sorted(str(k) for k in state.get("state", {}) if k not in index)
     if unknown:
-        raise ValueError(f"optimizer state for parameters in no parameter group: {unknown}")
+        raise CheckpointMismatchError(f"optimizer state for parameters in no parameter group: {unknown}")
     new_state = {index[name]: entries for name, entries in state.get("state", {}).items()}
     return {**state, "state": new_state, "param_groups": new_groups}
 

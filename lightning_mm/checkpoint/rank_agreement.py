@@ -7,6 +7,8 @@ from typing import Any
 
 import torch.distributed as dist
 
+from lightning_mm.errors import ConfigError
+
 __all__ = ["is_distributed", "broadcast_from_rank_zero", "gather_to_rank_zero", "barrier", "raise_on_every_rank"]
 
 
@@ -43,4 +45,4 @@ def raise_on_every_rank(error: str | None) -> None:
     """Raise on every rank the error rank 0 found (so that no rank waits in a collective for the others)."""
     error = broadcast_from_rank_zero(error)
     if error:
-        raise ValueError(error)
+        raise ConfigError(error)

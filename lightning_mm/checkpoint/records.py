@@ -15,6 +15,8 @@ from typing import Any
 
 from torch import nn
 
+from lightning_mm.errors import ConfigError
+
 __all__ = ["RecordProvider", "RecordCheck", "register_record_provider", "collect_records", "check_records"]
 
 RecordProvider = Callable[[nn.Module], Any]
@@ -44,10 +46,10 @@ def register_record_provider(name: str, provider: RecordProvider, check: RecordC
     """Record ``provider(root)`` under ``name`` in every training checkpoint saved from now on (idempotent for the
     same provider; another provider under a taken name is an error); ``check`` runs on every load."""
     if name in RESERVED:
-        raise ValueError(f"checkpoint record name {name!r} is one of the checkpoint's own keys ({sorted(RESERVED)})")
+        raise ConfigError(f"checkpoint record name {name!r} is one of the checkpoint's own keys ({sorted(RESERVED)})")
     known = _providers.get(name)
     if known is not None and known is not provider:
-        raise ValueError(f"a checkpoint record provider is already registered under {name!r} ({known!r})")
+        raise ConfigError(f"a checkpoint record provider is already registered under {name!r} ({known!r})")
     _providers[name] = provider
     if check is not None:
         _checks[name] = check

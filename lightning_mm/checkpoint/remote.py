@@ -67,6 +67,7 @@ from lightning_mm.checkpoint.safe import (
 )
 from lightning_mm.checkpoint.source import CheckpointSource, single_process_quiet
 from lightning_mm.checkpoint.state import copy_loops
+from lightning_mm.errors import ConfigError, InputTypeError, OutputExistsError
 
 __all__ = ["is_url", "RemoteStore", "save", "open_source", "remove", "download", "upload"]
 
@@ -92,7 +93,7 @@ class RemoteStore:
         from fsspec.core import url_to_fs
 
         if storage_options is not None and not isinstance(storage_options, Mapping):
-            raise TypeError(f"storage_options must be a dict, got {type(storage_options).__name__}")
+            raise InputTypeError(f"storage_options must be a dict, got {type(storage_options).__name__}")
         self.url = url.rstrip("/")
         self.protocol = _URL.match(self.url)["protocol"]  # type: ignore[index]
         self.options = dict(storage_options or {})
@@ -217,7 +218,7 @@ def save(
     """Write a ``torch_dcp`` checkpoint to ``url`` (see the module docstring); every rank calls this, as
     :func:`.writer.save`."""
     if fmt != "torch_dcp":
-        raise ValueError(
+        raise ConfigError(
             f"{url}: checkpoint_format={fmt!r} cannot be written to a URL; checkpoints at URLs are "
             "'torch_dcp' directories"
         )
@@ -468,7 +469,7 @@ def upload(local: Any, url: str, storage_options: Mapping[str, Any] | None = Non
     unless ``force``."""
     store = RemoteStore(url, storage_options)
     if store.fs.exists(store.root) and not force:
-        raise FileExistsError(f"output exists: {store.url} (add --force to replace it)")
+        raise OutputExistsError(f"output exists: {store.url} (add --force to replace it)")
     store.remove_abandoned()
     staging = store.staging()
     try:

@@ -20,8 +20,9 @@ from torch.distributed.checkpoint import FileSystemReader
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
 from torch.distributed.checkpoint.metadata import Metadata
 
-from lightning_mm.checkpoint.errors import CheckpointError, CheckpointIntegrityError
+from lightning_mm.checkpoint.errors import CheckpointError, CheckpointIntegrityError, CheckpointNotFoundError
 from lightning_mm.checkpoint.manifest import check_name, inside
+from lightning_mm.errors import InputTypeError
 
 __all__ = [
     "UnsafeCheckpointError",
@@ -85,7 +86,7 @@ def read_dcp_metadata(path: str | os.PathLike[str]) -> Metadata:
     directory = Path(path)
     file = directory / ".metadata"
     if not file.is_file():
-        raise FileNotFoundError(f"not a complete DCP checkpoint (no .metadata): {path}")
+        raise CheckpointNotFoundError(f"not a complete DCP checkpoint (no .metadata): {path}")
     inside(directory, file)
     try:
         with file.open("rb") as stream:
@@ -170,7 +171,7 @@ def check_weights_only(meta: Mapping[str, Any]) -> None:
     """
     found = _find_unsafe(dict(meta), "")
     if found:
-        raise TypeError(
+        raise InputTypeError(
             f"This checkpoint could not be loaded safely (weights_only): {found}. Store plain values "
             "(numbers, strings, lists, dicts, tensors) there"
         )

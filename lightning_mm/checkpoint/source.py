@@ -21,7 +21,7 @@ from torch.distributed.tensor import DTensor, distribute_tensor
 
 from lightning_mm._rank_zero import rank_zero_warn
 from lightning_mm.checkpoint import digest, hf_weights, manifest, zip_manifest
-from lightning_mm.checkpoint.errors import CheckpointIntegrityError
+from lightning_mm.checkpoint.errors import CheckpointIntegrityError, CheckpointNotFoundError
 from lightning_mm.checkpoint.layout import EXTRA_KEY, META_FILE, model_key, split_tensors
 from lightning_mm.checkpoint.rank_agreement import is_distributed
 from lightning_mm.checkpoint.safe import SafeFileSystemReader, SafeLoadPlanner, load_weights_only, read_dcp_metadata
@@ -114,10 +114,10 @@ def open_source(path: str | Path, full_check: bool = False, share: tuple[int, in
     """
     path = Path(path)
     if not path.exists():
-        raise FileNotFoundError(f"checkpoint not found: {path}")
+        raise CheckpointNotFoundError(f"checkpoint not found: {path}")
     if path.is_dir():
         if not (path / META_FILE).is_file() or not (path / ".metadata").is_file():
-            raise FileNotFoundError(
+            raise CheckpointNotFoundError(
                 f"{path} is not a complete torch_dcp checkpoint (it needs both .metadata and {META_FILE})"
             )
         hashed = None
@@ -143,7 +143,7 @@ def open_source(path: str | Path, full_check: bool = False, share: tuple[int, in
     zip_manifest.verify(path, digest.assign(zip_manifest.sizes(path), *share) if share is not None else None)
     full = load_weights_only(path, mmap=True)
     if not isinstance(full, dict):
-        raise ValueError(f"{path}: not a Lightning checkpoint (a {type(full).__name__}, not a dict)")
+        raise CheckpointIntegrityError(f"{path}: not a Lightning checkpoint (a {type(full).__name__}, not a dict)")
     meta, tensors = split_tensors(full)
     return CheckpointSource(
         path,

@@ -40,6 +40,7 @@ from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_
 
 from lightning_mm._compat import unwrap_optimizer
 from lightning_mm._rank_zero import rank_zero_warn
+from lightning_mm.checkpoint.errors import CheckpointMismatchError
 from lightning_mm.checkpoint.layout import (
     EXTRA_KEY,
     FORMAT_VERSION,
@@ -252,7 +253,7 @@ def load(
     source = source if source is not None else open_agreed(path, rank, world_size)
     extra = source.extra
     if int(extra.get("format_version", FORMAT_VERSION)) > FORMAT_VERSION:
-        raise ValueError(
+        raise CheckpointMismatchError(
             f"{path} was written by a newer lightning-mm (checkpoint format "
             f"{extra['format_version']}, this one reads up to {FORMAT_VERSION})"
         )
@@ -292,12 +293,14 @@ def _load_optimizers(
     skipped: list[str] = []
     saved = source.meta.get("optimizer_states")
     if saved is None:
-        raise ValueError(
+        raise CheckpointMismatchError(
             f"{path} holds no optimizer state (saved with `save_weights_only=True`?): it cannot resume training. "
             "Use it with validate/test/predict, or convert it to a weights checkpoint"
         )
     if len(saved) != len(optimizers):
-        raise ValueError(f"{path} holds state for {len(saved)} optimizer(s); the module has {len(optimizers)}")
+        raise CheckpointMismatchError(
+            f"{path} holds state for {len(saved)} optimizer(s); the module has {len(optimizers)}"
+        )
     for i, optimizer in enumerate(optimizers):
         missed, sources = _load_optimizer(source, model, optimizer, i, strict, view)
         skipped += missed

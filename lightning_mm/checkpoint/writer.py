@@ -33,6 +33,7 @@ from lightning_mm.checkpoint.rank_agreement import (
 from lightning_mm.checkpoint.safe import check_weights_only
 from lightning_mm.checkpoint.source import single_process_quiet
 from lightning_mm.checkpoint.state import copy_loops
+from lightning_mm.errors import ConfigError
 
 __all__ = ["FORMATS", "Staging", "save", "write_file"]
 
@@ -67,7 +68,7 @@ def save(
     stages into new buffers.
     """
     if fmt not in FORMATS:
-        raise ValueError(f"checkpoint_format must be one of {FORMATS}, got {fmt!r}")
+        raise ConfigError(f"checkpoint_format must be one of {FORMATS}, got {fmt!r}")
     checkpoint = copy_loops(checkpoint)
     ranks = gather_to_rank_zero({"rng": rng, "combined_loader": pop_loader_states(checkpoint)})
     rank0 = ranks is not None
@@ -108,7 +109,7 @@ def save(
         _write(path, partial, fmt, tensors, payload, rank0, group, also_write)
         return None
     if also_write is not None:  # it reads the live model: not safe beside training
-        raise ValueError("a background save cannot also write Hugging Face weights (checkpoint_format with 'hf')")
+        raise ConfigError("a background save cannot also write Hugging Face weights (checkpoint_format with 'hf')")
     if staging is None:
         with Staging() as once:
             tensors = once.stage(tensors)

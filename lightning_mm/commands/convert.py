@@ -26,6 +26,8 @@ import sys
 from collections.abc import Sequence
 from pathlib import Path
 
+from lightning_mm.errors import ConfigError, OutputExistsError
+
 __all__ = ["main"]
 
 
@@ -125,11 +127,11 @@ def _check_paths(src: str, dst: str) -> None:
     """An output may not be (or lie inside) the source, nor contain it: a converter never writes into what it reads."""
     source, target = Path(src).resolve(), Path(dst).resolve()
     if target == source:
-        raise FileExistsError(f"output exists: {dst} (it is the source; write the output elsewhere)")
+        raise OutputExistsError(f"output exists: {dst} (it is the source; write the output elsewhere)")
     if _inside(target, source):
-        raise ValueError(f"output {dst} is inside the source {src}; write it elsewhere")
+        raise ConfigError(f"output {dst} is inside the source {src}; write it elsewhere")
     if _inside(source, target):
-        raise ValueError(f"output {dst} contains the source {src}; write it elsewhere")
+        raise ConfigError(f"output {dst} contains the source {src}; write it elsewhere")
 
 
 def _one_line(error: BaseException, message: str) -> str:
@@ -183,7 +185,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                 from lightning_mm.hf.lora_export import dcp_to_hf_merged
 
                 if args.pretrained_dir is not None:
-                    raise ValueError(
+                    raise ConfigError(
                         "--pretrained-dir is not supported with --merge-lora yet; copy the tokenizer "
                         "and processor files by hand"
                     )
@@ -199,7 +201,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                 from lightning_mm.hf.lora_export import checkpoint_lora
 
                 if args.config is None and checkpoint_lora(args.src, args.prefix) is not None:
-                    raise ValueError(
+                    raise ConfigError(
                         f"{args.src} holds LoRA adapters (keys `*.base_layer.*`, `*.lora_A.*`), which "
                         "Transformers cannot load as they are: add --merge-lora"
                     )
@@ -236,9 +238,9 @@ def _storage_options(path: str | None) -> dict | None:
     try:
         options = json.loads(Path(path).read_text())
     except (OSError, ValueError) as err:
-        raise ValueError(f"--storage-options {path}: not a readable JSON file ({err})") from None
+        raise ConfigError(f"--storage-options {path}: not a readable JSON file ({err})") from None
     if not isinstance(options, dict):
-        raise ValueError(f"--storage-options {path}: must hold a JSON object")
+        raise ConfigError(f"--storage-options {path}: must hold a JSON object")
     return options
 
 
@@ -251,13 +253,13 @@ def _convert_urls(args: argparse.Namespace, src: str, dst: str) -> int:
 
     options = _storage_options(args.storage_options)
     if remote.is_url(src) and remote.is_url(dst) and (src.rstrip("/") + "/").startswith(dst.rstrip("/") + "/"):
-        raise ValueError(f"output {dst} contains or is the source {src}; write it elsewhere")
+        raise ConfigError(f"output {dst} contains or is the source {src}; write it elsewhere")
     if (
         remote.is_url(dst)
         and remote.RemoteStore(dst, options).fs.exists(remote.RemoteStore(dst, options).root)
         and not args.force
     ):
-        raise FileExistsError(f"output exists: {dst} (add --force to replace it)")
+        raise OutputExistsError(f"output exists: {dst} (add --force to replace it)")
     with tempfile.TemporaryDirectory(prefix="lightning-mm-convert-") as scratch:
         local_src, local_dst = Path(scratch) / "source", Path(scratch) / "output"
         argv = [args.command]

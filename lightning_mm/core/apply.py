@@ -36,6 +36,7 @@ from lightning_mm.core.plan import ShardingPlan, mesh_layout, plan_in_use
 from lightning_mm.core.recompute import checkpointed_forward, is_recomputed
 from lightning_mm.core.tensor_parallel import apply_tensor_parallel
 from lightning_mm.core.torch_init import init_like_constructors
+from lightning_mm.errors import LightningMMError
 
 __all__ = [
     "build_device_mesh",
@@ -61,7 +62,7 @@ __all__ = [
 log = logging.getLogger(__name__)
 
 
-class MaterializationError(RuntimeError):
+class MaterializationError(LightningMMError, RuntimeError):
     """Meta-device parameters or buffers that no init function filled."""
 
 

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import torch
 
+from lightning_mm.errors import ConfigError
+
 __all__ = ["process_group_backend"]
 
 _BACKENDS = {"cpu": "gloo", "cuda": "nccl", "npu": "hccl", "xpu": "xccl"}
@@ -21,7 +23,7 @@ def process_group_backend(device: torch.device | str, offload_to_cpu: bool = Fal
     if backend is None and torch.distributed.is_available():
         backend = torch.distributed.Backend.default_device_backend_map.get(device_type)
     if backend is None:
-        raise ValueError(
+        raise ConfigError(
             f"no known process-group backend for device type '{device_type}'; pass `process_group_backend=` "
             "to MMFSDP2Strategy"
         )

@@ -28,13 +28,14 @@ import torch
 from torch import Tensor
 
 from lightning_mm.core.context_parallel import shift_labels
+from lightning_mm.errors import ConfigError, StateError
 
 __all__ = ["IGNORE_INDEX", "ChunkedLossError", "linear_cross_entropy", "shift_labels", "check_chunk_size"]
 
 IGNORE_INDEX = -100
 
 
-class ChunkedLossError(ValueError):
+class ChunkedLossError(ConfigError):
     """Inputs the chunked loss cannot compute with."""
 
 
@@ -187,7 +188,7 @@ class _LinearCrossEntropy(torch.autograd.Function):
     def backward(ctx: Any, grad_output: Tensor) -> tuple[Tensor | None, ...]:
         grads, ctx.grads = ctx.grads, None
         if grads is None:
-            raise RuntimeError("the chunked loss's gradients were used already: it supports one backward pass")
+            raise StateError("the chunked loss's gradients were used already: it supports one backward pass")
         for g in grads:
             if g is not None:
                 g.mul_(grad_output)

@@ -26,13 +26,14 @@ from typing import Any
 import torch
 
 from lightning_mm._compat import DYNAMO_ERRORS
+from lightning_mm.errors import ConfigError, LightningMMError
 
 __all__ = ["CompileError", "compiled_forward", "is_compiled", "check_backend"]
 
 _MARK = "__lightning_mm_compiled__"
 
 
-class CompileError(RuntimeError):
+class CompileError(LightningMMError, RuntimeError):
     """A ``compile_modules`` module whose forward torch.compile cannot capture as one graph."""
 
 
@@ -40,7 +41,7 @@ def check_backend(backend: str) -> None:
     """Raise ``ValueError`` unless ``backend`` is a registered torch.compile backend."""
     known = torch.compiler.list_backends(exclude_tags=())
     if backend not in known:
-        raise ValueError(f"unknown torch.compile backend {backend!r}; registered: {', '.join(sorted(known))}")
+        raise ConfigError(f"unknown torch.compile backend {backend!r}; registered: {', '.join(sorted(known))}")
 
 
 def is_compiled(forward: Callable[..., Any]) -> bool:

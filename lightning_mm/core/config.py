@@ -18,11 +18,12 @@ import torch
 
 from lightning_mm._names import find_unknown_key
 from lightning_mm._yaml import load_mapping, short_repr
+from lightning_mm.errors import ConfigError, MissingFileError
 
 __all__ = ["FSDP2Config", "FSDP2ConfigError", "parse_dtype"]
 
 
-class FSDP2ConfigError(ValueError):
+class FSDP2ConfigError(ConfigError):
     """An FSDP2 config that cannot be used as written."""
 
 
@@ -199,7 +200,7 @@ class FSDP2Config(_ExplicitKeys):
         """
         path = Path(path)
         if not path.is_file():
-            raise FileNotFoundError(f"FSDP2 config file not found: {path}")
+            raise MissingFileError(f"FSDP2 config file not found: {path}")
         return cls.from_dict(load_mapping(path, error=FSDP2ConfigError), source=str(path))
 
     @classmethod

@@ -5,12 +5,12 @@ from __future__ import annotations
 
 from typing import Any
 
-from lightning_mm.errors import LightningMMError
+from lightning_mm.errors import ConfigError
 
 __all__ = ["ALGORITHMS", "ALGORITHM_NAMES", "ContextParallelError", "canonical_algorithm"]
 
 
-class ContextParallelError(LightningMMError, ValueError):
+class ContextParallelError(ConfigError):
     """A context-parallel setting that cannot work (raised at setup)."""
 
 

@@ -38,6 +38,7 @@ from lightning_mm._dtensor import local_tensor
 from lightning_mm.core import layout
 from lightning_mm.core.module_state import expert_row_offset, keep_local_experts, replace_forward
 from lightning_mm.core.plan import ShardingPlan, ep_mesh_layout
+from lightning_mm.errors import LightningMMError
 
 __all__ = [
     "ExpertParallelError",
@@ -52,7 +53,7 @@ __all__ = [
 ]
 
 
-class ExpertParallelError(RuntimeError):
+class ExpertParallelError(LightningMMError, RuntimeError):
     """A MoE module that cannot be split or routed as the plan asks."""
 
 

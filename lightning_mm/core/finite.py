@@ -17,10 +17,12 @@ from collections.abc import Sequence
 import torch
 import torch.distributed as dist
 
+from lightning_mm.errors import LightningMMError
+
 __all__ = ["NonFiniteError", "nonfinite", "rank_flags", "check_step"]
 
 
-class NonFiniteError(RuntimeError):
+class NonFiniteError(LightningMMError, RuntimeError):
     """A NaN or infinite loss or gradient norm; raised on every rank at the same step, before the optimizer step."""
 
 

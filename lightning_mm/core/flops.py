@@ -28,6 +28,8 @@ from __future__ import annotations
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 
+from lightning_mm.errors import ConfigError
+
 __all__ = [
     "Op",
     "Block",
@@ -116,7 +118,7 @@ def attention(
     pairs = 0
     for length in lengths:
         if length < 0:
-            raise ValueError(f"a sequence length must be >= 0, got {length}")
+            raise ConfigError(f"a sequence length must be >= 0, got {length}")
         pairs += length * (length if window is None else min(length, window))
     return Op(2 * pairs * heads * (head_dim + value_dim), None)
 
@@ -159,7 +161,7 @@ def training_flops(blocks: Sequence[Block], inputs_need_grad: bool, *, backward:
 def window_lengths(height: int, width: int, window: int) -> list[int]:
     """Sizes (in cells) of the ``window x window`` tiles of a ``height x width`` grid, the edge ones clipped."""
     if window <= 0:
-        raise ValueError(f"window must be > 0, got {window}")
+        raise ConfigError(f"window must be > 0, got {window}")
     rows = [min(window, height - start) for start in range(0, height, window)]
     cols = [min(window, width - start) for start in range(0, width, window)]
     return [r * c for r in rows for c in cols]

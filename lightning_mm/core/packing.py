@@ -37,6 +37,8 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from lightning_mm.errors import DataError
+
 __all__ = [
     "IGNORE_INDEX",
     "PackedCollator",
@@ -69,7 +71,7 @@ ROW_KEYS = ("pixel_values", "pixel_attention_mask")
 images (dimension 1), zero-padded to the largest size of the others."""
 
 
-class PackingError(ValueError):
+class PackingError(DataError):
     """Samples that cannot be packed as given."""
 
 

@@ -16,6 +16,7 @@ from torch import nn
 
 from lightning_mm._module_paths import is_under
 from lightning_mm._names import nearest
+from lightning_mm.errors import ConfigError
 
 __all__ = [
     "PatternError",
@@ -28,7 +29,7 @@ __all__ = [
 ]
 
 
-class PatternError(ValueError):
+class PatternError(ConfigError):
     """A module-path pattern that is malformed or resolves to nothing."""
 
 

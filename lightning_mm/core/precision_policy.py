@@ -12,6 +12,7 @@ from dataclasses import dataclass
 import torch
 
 from lightning_mm.core.config import FSDP2Config, FSDP2ConfigError
+from lightning_mm.errors import ConfigError
 
 __all__ = [
     "PrecisionPolicy",
@@ -55,13 +56,13 @@ def check_supported_precision(precision: str) -> str:
     """The full name of a supported Trainer ``precision`` (``"bf16"`` -> ``"bf16-mixed"``), or a ValueError."""
     precision = _PRECISION_ALIASES.get(str(precision), str(precision))
     if precision == "16-mixed":
-        raise ValueError(
+        raise ConfigError(
             "MMFSDP2Strategy does not support precision='16-mixed': fp16 autocast needs a sharded gradient scaler, "
             "which this strategy does not provide. Use precision='bf16-mixed' (bf16 parameters, fp32 reduction), "
             "or set `param_dtype: fp16` in the FSDP2 YAML if you handle loss scaling yourself."
         )
     if precision not in SUPPORTED_PRECISION:
-        raise ValueError(
+        raise ConfigError(
             f"MMFSDP2Strategy does not support precision={precision!r}; supported: {', '.join(SUPPORTED_PRECISION)}"
         )
     return precision

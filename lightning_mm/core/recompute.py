@@ -35,6 +35,8 @@ import torch
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
+from lightning_mm.errors import ConfigError
+
 __all__ = ["checkpointed_forward", "check_recomputable", "is_recomputed", "RecomputeError", "uses_kv_cache"]
 
 log = logging.getLogger(__name__)
@@ -42,7 +44,7 @@ log = logging.getLogger(__name__)
 _MARK = "__lightning_mm_recompute__"
 
 
-class RecomputeError(ValueError):
+class RecomputeError(ConfigError):
     """A module that cannot be recomputed exactly."""
 
 

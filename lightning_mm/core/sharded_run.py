@@ -25,6 +25,7 @@ from lightning_mm.core.layout import LayoutMeshes, config_layout
 from lightning_mm.core.memory_check import check_parameters_fit
 from lightning_mm.core.plan import ShardingPlan, build_plan
 from lightning_mm.core.precision_policy import PrecisionPolicy, resolve_precision_policy
+from lightning_mm.errors import ConfigError, StateError
 
 if TYPE_CHECKING:
     from torch.distributed.device_mesh import DeviceMesh
@@ -58,7 +59,7 @@ def resolve_config(
     if given is None:
         return read(module_config) if module_config is not None else FSDP2Config(sharding_size="auto")
     if module_config is not None and read(module_config) != given:
-        raise ValueError(
+        raise ConfigError(
             "MMFSDP2Strategy was given an fsdp2_config and the LightningModule has a different one "
             f"({type(module).__name__}.fsdp2_config); give it in one place"
         )
@@ -159,7 +160,7 @@ class ShardedRun:
     def plan(self) -> ShardingPlan:
         """The plan applied by :meth:`apply`."""
         if self.planned is None:
-            raise RuntimeError("The sharding plan is built in `setup()`; it is not available yet.")
+            raise StateError("The sharding plan is built in `setup()`; it is not available yet.")
         return self.planned.plan
 
     def apply(self, root: nn.Module, planned: PlannedRun, mesh: DeviceMesh, device: torch.device) -> None:

@@ -32,6 +32,8 @@ from dataclasses import dataclass
 
 import torch
 
+from lightning_mm.errors import ConfigError
+
 __all__ = [
     "TokenBudgetError",
     "plan_batches",
@@ -44,7 +46,7 @@ __all__ = [
 ]
 
 
-class TokenBudgetError(ValueError):
+class TokenBudgetError(ConfigError):
     """A token budget that the samples cannot be batched under."""
 
 

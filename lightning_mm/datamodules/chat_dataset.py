@@ -18,6 +18,7 @@ from PIL import Image
 from lightning_mm._yaml import short_repr
 from lightning_mm.datamodules.records import DataReport, iter_raw_records
 from lightning_mm.datamodules.replacing import ReplacingDataset
+from lightning_mm.errors import DataError
 
 __all__ = ["ChatRecord", "ChatAttr", "ChatDataset", "read_chat_records"]
 
@@ -57,19 +58,19 @@ def _turns(raw: dict, attr: ChatAttr) -> tuple[list[tuple[str, str]], str | None
     turns alternating; the turns' and the system turn's texts stripped of surrounding white space."""
     messages = raw.get(attr.messages)
     if not isinstance(messages, list) or not messages:
-        raise ValueError(f"`{attr.messages}` must be a non-empty list of turns")
+        raise DataError(f"`{attr.messages}` must be a non-empty list of turns")
     for turn in messages:
         if not isinstance(turn, dict):
-            raise ValueError(f"each turn of `{attr.messages}` must be an object, got {type(turn).__name__}")
+            raise DataError(f"each turn of `{attr.messages}` must be an object, got {type(turn).__name__}")
     system = None
     if attr.system:
         system = raw.get(attr.system)
         if system is not None and not isinstance(system, str):
-            raise ValueError(f"`{attr.system}` must be a string")
+            raise DataError(f"`{attr.system}` must be a string")
     if attr.system_tag and messages[0].get(attr.role_tag) == attr.system_tag:
         system = messages[0].get(attr.content_tag)
         if not isinstance(system, str):
-            raise ValueError(f"the system turn's `{attr.content_tag}` must be a string")
+            raise DataError(f"the system turn's `{attr.content_tag}` must be a string")
         system = system.strip()  # as MindSpeed MM's SharegptDatasetConverter
         messages = messages[1:]
     tools = {t for t in (attr.observation_tag, attr.function_tag) if t}
@@ -77,22 +78,22 @@ def _turns(raw: dict, attr: ChatAttr) -> tuple[list[tuple[str, str]], str | None
     for i, turn in enumerate(messages):
         role = turn.get(attr.role_tag)
         if role in tools:
-            raise ValueError(f"turn {i + 1}: role {short_repr(role)} (a tool turn) is not supported here")
+            raise DataError(f"turn {i + 1}: role {short_repr(role)} (a tool turn) is not supported here")
         expected = (attr.user_tag, "user") if i % 2 == 0 else (attr.assistant_tag, "assistant")
         if role != expected[0]:
             known = {attr.user_tag, attr.assistant_tag, *tools, attr.system_tag}
             what = "unknown role" if role not in known else "role out of order"
-            raise ValueError(
+            raise DataError(
                 f"turn {i + 1}: {what} {short_repr(role)} (expected {expected[0]!r}: turns alternate "
                 f"{attr.user_tag!r} and {attr.assistant_tag!r}, {attr.user_tag!r} first)"
             )
         content = turn.get(attr.content_tag)
         if not isinstance(content, str):
-            raise ValueError(f"turn {i + 1}: `{attr.content_tag}` must be a string")
+            raise DataError(f"turn {i + 1}: `{attr.content_tag}` must be a string")
         _encodable(content, f"turn {i + 1}")
         turns.append((expected[1], content.strip()))  # MindSpeed MM's SharegptDatasetConverter strips each turn
     if not turns or turns[-1][0] != "assistant":
-        raise ValueError(f"no {attr.assistant_tag!r} turn ends the conversation")
+        raise DataError(f"no {attr.assistant_tag!r} turn ends the conversation")
     if system is not None:
         _encodable(system, "the system prompt")
     return turns, system
@@ -102,7 +103,7 @@ def _encodable(text: str, what: str) -> None:
     try:
         text.encode("utf-8")
     except UnicodeEncodeError as err:  # a lone surrogate ("\ud800"): no tokenizer takes it
-        raise ValueError(f"{what}: not valid Unicode text ({err.reason} at character {err.start})") from None
+        raise DataError(f"{what}: not valid Unicode text ({err.reason} at character {err.start})") from None
 
 
 def _media(raw: dict, column: str | None) -> list[Any]:
@@ -121,7 +122,7 @@ def _video_file(name: Any, root: Path, base: Path, allow_outside: bool) -> Path:
 
 def _image_file(name: Any, root: Path, base: Path, allow_outside: bool, what: str = "image") -> Path:
     if not isinstance(name, str) or not name:
-        raise ValueError(f"an {what} must be a path, got {short_repr(name)}")
+        raise DataError(f"an {what} must be a path, got {short_repr(name)}")
     inside = (root / name).resolve()
     if inside.is_file() and (allow_outside or inside.is_relative_to(root)):
         path = inside
@@ -129,25 +130,25 @@ def _image_file(name: Any, root: Path, base: Path, allow_outside: bool, what: st
         path = (base / name).resolve()
     else:
         why = "lies outside" if not inside.is_relative_to(root) else "is not a file in"
-        raise ValueError(
+        raise DataError(
             f"{what} {short_repr(name)} {why} dataset_dir {root} (set `allow_outside_data_root: true` "
             "next to dataset_param to allow paths outside it)"
         )
     if not path.is_file():
-        raise ValueError(f"{what} not found: {path}")
+        raise DataError(f"{what} not found: {path}")
     if what == "video":  # its container and a video stream, read up front; frames are decoded in __getitem__
         from lightning_mm.hf.video_frames import VideoError, probe_video
 
         try:
             probe_video(path)
         except VideoError as err:
-            raise ValueError(str(err)) from None
+            raise DataError(str(err)) from None
         return path
     try:
         with Image.open(path) as img:
             img.verify()
     except Exception as err:  # PIL raises many types for broken files
-        raise ValueError(f"cannot read image {path}: {str(err)[:200]}") from None
+        raise DataError(f"cannot read image {path}: {str(err)[:200]}") from None
     return path
 
 
@@ -181,19 +182,19 @@ def read_chat_records(
                     videos = _media(raw, attr.videos)
                     text = "".join(c for _, c in turns)
                     if (videos or VIDEO_PLACEHOLDER in text) and video_note is not None:
-                        raise ValueError(f"videos are not supported here ({video_note})")
+                        raise DataError(f"videos are not supported here ({video_note})")
                     clips = sum(c.count(VIDEO_PLACEHOLDER) for r, c in turns if r == "user")
                     if any(VIDEO_PLACEHOLDER in c for r, c in turns if r == "assistant"):
-                        raise ValueError(f"an assistant turn holds {VIDEO_PLACEHOLDER}; videos go in user turns")
+                        raise DataError(f"an assistant turn holds {VIDEO_PLACEHOLDER}; videos go in user turns")
                     if clips != len(videos):
-                        raise ValueError(f"{clips} {VIDEO_PLACEHOLDER} placeholders for {len(videos)} videos")
+                        raise DataError(f"{clips} {VIDEO_PLACEHOLDER} placeholders for {len(videos)} videos")
                     video_paths = tuple(_video_file(name, root, base, allow_outside) for name in videos)
                     images = _media(raw, attr.images)
                     placeholders = sum(c.count(IMAGE_PLACEHOLDER) for r, c in turns if r == "user")
                     if any(IMAGE_PLACEHOLDER in c for r, c in turns if r == "assistant"):
-                        raise ValueError(f"an assistant turn holds {IMAGE_PLACEHOLDER}; images go in user turns")
+                        raise DataError(f"an assistant turn holds {IMAGE_PLACEHOLDER}; images go in user turns")
                     if placeholders != len(images):
-                        raise ValueError(f"{placeholders} {IMAGE_PLACEHOLDER} placeholders for {len(images)} images")
+                        raise DataError(f"{placeholders} {IMAGE_PLACEHOLDER} placeholders for {len(images)} images")
                     paths = tuple(_image_file(name, root, base, allow_outside) for name in images)
                 except ValueError as err:
                     error = str(err)

@@ -33,11 +33,12 @@ from typing import Any
 
 from lightning_mm._names import find_unknown_key
 from lightning_mm._yaml import load_mapping, short_repr
+from lightning_mm.errors import ConfigError, MissingFileError
 
 __all__ = ["DataConfig", "PreprocessConfig", "LoaderConfig", "DataConfigError", "check_mapping_keys"]
 
 
-class DataConfigError(ValueError):
+class DataConfigError(ConfigError):
     """A data config that cannot be used as written."""
 
 
@@ -81,7 +82,7 @@ class DataConfig:
         """Read ``data.json`` or a YAML file (safe loader) and validate it."""
         path = Path(path)
         if not path.is_file():
-            raise FileNotFoundError(f"data config not found: {path}")
+            raise MissingFileError(f"data config not found: {path}")
         data = load_mapping(path, error=DataConfigError)
         return cls.from_dict(data, base_dir=path.parent, source=str(path))
 

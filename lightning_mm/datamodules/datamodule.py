@@ -13,6 +13,7 @@ from torch.utils.data import DataLoader, Dataset, DistributedSampler, IterableDa
 
 from lightning_mm._compat import attached_trainer, installs_distributed_sampler
 from lightning_mm.datamodules.resumable import ResumableDataLoader
+from lightning_mm.errors import ConfigError, InputTypeError
 from lightning_mm.modules.seed_functions import resolve_callable
 
 __all__ = ["MMDataModule"]
@@ -68,11 +69,11 @@ class MMDataModule(L.LightningDataModule):
             d is not None for d in (train_dataset, val_dataset, test_dataset)
         )
         if sources != 1:
-            raise ValueError(
+            raise ConfigError(
                 "MMDataModule: give exactly one of train_valid_test_datasets_provider, data_config, or datasets"
             )
         if batch_size is not None and batch_size < 1:
-            raise ValueError(f"MMDataModule: batch_size must be positive, got {batch_size}")
+            raise ConfigError(f"MMDataModule: batch_size must be positive, got {batch_size}")
         self.provider = resolve_callable(train_valid_test_datasets_provider, "train_valid_test_datasets_provider")
         self.config = None
         # Loading settings: explicit arguments win over the data config's `loader` section, which wins over the
@@ -153,22 +154,22 @@ class MMDataModule(L.LightningDataModule):
 
         budget = self.max_tokens_per_rank
         if budget is not None and (isinstance(budget, bool) or not isinstance(budget, int) or budget < 1):
-            raise ValueError(f"MMDataModule: max_tokens_per_rank must be a positive integer, got {budget!r}")
+            raise ConfigError(f"MMDataModule: max_tokens_per_rank must be a positive integer, got {budget!r}")
         size = self.packing_buffer_size
         if isinstance(size, bool) or not isinstance(size, int) or size < 1:
-            raise ValueError(f"MMDataModule: packing_buffer_size must be a positive integer, got {size!r}")
+            raise ConfigError(f"MMDataModule: packing_buffer_size must be a positive integer, got {size!r}")
         if self.packing and budget is None:
-            raise ValueError(
+            raise ConfigError(
                 "MMDataModule: packing=True needs max_tokens_per_rank (the tokens of one packed row; "
                 "MindSpeed MM: cutoff_len)"
             )
         if budget is not None and batch_size is not None:
-            raise ValueError(
+            raise ConfigError(
                 "MMDataModule: give batch_size or max_tokens_per_rank, not both (token-budget batches "
                 "hold as many samples as fit)"
             )
         if self.packing and self._user_collate and not isinstance(self.collate_fn, PackedCollator):
-            raise ValueError(
+            raise ConfigError(
                 "MMDataModule: packing=True packs with lightning_mm.core.packing.PackedCollator; a "
                 "collate_fn given with it must be one (e.g. PackedCollator(stack_keys=['images']))"
             )
@@ -195,7 +196,7 @@ class MMDataModule(L.LightningDataModule):
         assert self.provider is not None
         result = self.provider()
         if not isinstance(result, (tuple, list)) or len(result) != 3:
-            raise TypeError(
+            raise InputTypeError(
                 "train_valid_test_datasets_provider must return (train, valid, test) with None for absent splits, "
                 f"got {type(result).__name__}"
             )
@@ -210,7 +211,7 @@ class MMDataModule(L.LightningDataModule):
         for split, loader in self._splits.items():
             if isinstance(loader, DataLoader) and loader.batch_size != self._given_batch_size:
                 size = "set by its batch_sampler" if loader.batch_size is None else loader.batch_size
-                raise ValueError(
+                raise ConfigError(
                     f"MMDataModule: batch_size={self._given_batch_size}, but the {split} DataLoader {origin} has "
                     f"batch size {size}; a DataLoader keeps its own, so make the two agree (or drop batch_size)"
                 )
@@ -290,13 +291,13 @@ class MMDataModule(L.LightningDataModule):
         from lightning_mm.datamodules.token_budget import TokenBudgetLoader, sample_lengths, vocab_size_of
 
         if isinstance(data, IterableDataset) or not hasattr(data, "__getitem__") or not hasattr(data, "__len__"):
-            raise ValueError(
+            raise ConfigError(
                 "MMDataModule: max_tokens_per_rank needs a map-style training dataset (with len and "
                 f"indexing) to plan the batches from its lengths, got {type(data).__name__}"
             )
         collate = self.collate_fn
         if not self.packing and getattr(collate, "padding", None) == "max_length":
-            raise ValueError(
+            raise ConfigError(
                 "MMDataModule: max_tokens_per_rank counts rows x longest sample, but the data config's "
                 "`loader.padding: max_length` pads every row to max_length; use padding: longest, or "
                 "packing=True"
@@ -361,7 +362,7 @@ class MMDataModule(L.LightningDataModule):
         if self._splits is None:
             self.setup()
         if self._splits is not None and self._splits["train"] is None:
-            raise ValueError("MMDataModule: there is no training split (train is None)")
+            raise ConfigError("MMDataModule: there is no training split (train is None)")
         return self._loader("train", self.shuffle)
 
     def val_dataloader(self) -> DataLoader | list:

@@ -19,6 +19,8 @@ from collections.abc import Hashable, Iterator, Sequence
 import torch
 from torch.utils.data import Dataset, DistributedSampler
 
+from lightning_mm.errors import ConfigError, DataError
+
 __all__ = ["GroupedDistributedSampler", "plan_grouped_batches"]
 
 
@@ -27,7 +29,7 @@ def plan_grouped_batches(
 ) -> list[list[int]]:
     """The epoch's global batches (lists of sample indices, one group key each), a multiple of ``world_size``."""
     if batch_size < 1 or world_size < 1:
-        raise ValueError(f"batch_size and world_size must be >= 1, got {batch_size} and {world_size}")
+        raise ConfigError(f"batch_size and world_size must be >= 1, got {batch_size} and {world_size}")
     generator = torch.Generator().manual_seed(seed + epoch)
     groups: dict[Hashable, list[int]] = {}
     for index, key in enumerate(keys):
@@ -50,7 +52,7 @@ def plan_grouped_batches(
     elif batches and len(batches) % world_size:
         batches = batches + [batches[i % len(batches)] for i in range(world_size - len(batches) % world_size)]
     if not batches:
-        raise ValueError(
+        raise ConfigError(
             f"no full batch of {batch_size} samples of one size for {world_size} rank(s) "
             f"(groups: {sorted((str(k), len(v)) for k, v in groups.items())})"
         )
@@ -74,7 +76,7 @@ class GroupedDistributedSampler(DistributedSampler):
     ) -> None:
         super().__init__(dataset, num_replicas=num_replicas, rank=rank, shuffle=shuffle, seed=seed, drop_last=drop_last)
         if len(keys) != len(dataset):  # type: ignore[arg-type]
-            raise ValueError(f"{len(keys)} group keys for {len(dataset)} samples")  # type: ignore[arg-type]
+            raise DataError(f"{len(keys)} group keys for {len(dataset)} samples")  # type: ignore[arg-type]
         self.keys = list(keys)
         self.batch_size = batch_size
 

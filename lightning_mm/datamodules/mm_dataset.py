@@ -11,6 +11,7 @@ from PIL import Image
 from lightning_mm.datamodules.data_config import DataConfigError, PreprocessConfig
 from lightning_mm.datamodules.records import DataReport, Record
 from lightning_mm.datamodules.replacing import ReplacingDataset
+from lightning_mm.errors import ConfigError
 
 __all__ = ["MMDataset", "MMCollator", "load_tokenizer", "load_processor"]
 
@@ -23,7 +24,7 @@ def load_tokenizer(path: Any) -> Any:
 
     tokenizer = AutoTokenizer.from_pretrained(str(path), local_files_only=True, trust_remote_code=False)
     if tokenizer.pad_token_id is None:
-        raise ValueError(f"the tokenizer in {path} has no pad token; set `pad_token` in its tokenizer config")
+        raise ConfigError(f"the tokenizer in {path} has no pad token; set `pad_token` in its tokenizer config")
     return tokenizer
 
 

@@ -22,6 +22,7 @@ from PIL import Image
 
 from lightning_mm._names import listing
 from lightning_mm._yaml import short_repr
+from lightning_mm.errors import DataError
 
 __all__ = ["Record", "DataReport", "DataError", "read_records", "iter_raw_records", "MAX_LINE_BYTES"]
 
@@ -33,10 +34,6 @@ IMAGE_PLACEHOLDER = "<image>"
 
 _USER = ("human", "user")
 _ASSISTANT = ("gpt", "assistant")
-
-
-class DataError(ValueError):
-    """Bad data in strict mode (or no usable record at all)."""
 
 
 @dataclass(frozen=True)
@@ -157,25 +154,25 @@ def _texts(record: dict) -> tuple[str, str]:
     if "text" in record:
         text = record["text"]
         if not isinstance(text, str):
-            raise ValueError(f"`text` must be a string, got {type(text).__name__}")
+            raise DataError(f"`text` must be a string, got {type(text).__name__}")
         return "", text
     if "conversations" in record:
         turns = record["conversations"]
         if not isinstance(turns, list) or not turns:
-            raise ValueError("`conversations` must be a non-empty list")
+            raise DataError("`conversations` must be a non-empty list")
         prompt, target = [], []
         for turn in turns:
             if not isinstance(turn, dict) or not isinstance(turn.get("value"), str):
-                raise ValueError("each conversation turn needs a string `value`")
+                raise DataError("each conversation turn needs a string `value`")
             role = turn.get("from", turn.get("role"))
             if role in _USER:
                 prompt.append(turn["value"].replace("<image>", "").strip())
             elif role in _ASSISTANT:
                 target.append(turn["value"])
             else:
-                raise ValueError(f"unknown conversation role {short_repr(role)} (expected human/user or gpt/assistant)")
+                raise DataError(f"unknown conversation role {short_repr(role)} (expected human/user or gpt/assistant)")
         return "\n".join(p for p in prompt if p), "\n".join(target)
-    raise ValueError("record needs `text` or `conversations`")
+    raise DataError("record needs `text` or `conversations`")
 
 
 def _image_path(root: Path, image: str, allow_outside: bool) -> tuple[Path | None, str | None]:

@@ -41,6 +41,7 @@ from lightning_mm.datamodules.data_config import DataConfigError
 from lightning_mm.datamodules.mindspeed_keys import check_keys, strict_or_warn
 from lightning_mm.datamodules.records import DataError, DataReport
 from lightning_mm.datamodules.replacing import ReplacingDataset
+from lightning_mm.errors import ConfigError
 
 __all__ = ["FEATURE_KEYS", "WanFeatureDataset", "build_feature_datasets", "collate_features"]
 
@@ -93,7 +94,7 @@ class WanFeatureDataset(ReplacingDataset):
         self.videos = list(videos) if videos is not None else [None] * len(self.paths)
         self.wheres = list(where) if where is not None else [str(p) for p in self.paths]
         if video is None and any(v is not None for v in self.videos):
-            raise ValueError("video records need VideoSettings")
+            raise ConfigError("video records need VideoSettings")
         self.video = video
 
     def where(self, record: Any) -> str:

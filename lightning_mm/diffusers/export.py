@@ -20,6 +20,7 @@ from lightning_mm.checkpoint.layout import model_key
 from lightning_mm.checkpoint.source import open_source
 from lightning_mm.diffusers.model import read_diffusers_config
 from lightning_mm.diffusers.weights import WEIGHTS_INDEX_NAME, WEIGHTS_NAME
+from lightning_mm.errors import ConfigError
 
 __all__ = ["DEFAULT_PREFIX", "dcp_to_diffusers"]
 
@@ -52,19 +53,19 @@ def dcp_to_diffusers(
         else None
     )
     if config_dict is None:
-        raise ValueError(f"config: {config} is neither a diffusers model directory nor its config.json")
+        raise ConfigError(f"config: {config} is neither a diffusers model directory nor its config.json")
     if dtype is not None and dtype not in _DTYPES:
-        raise ValueError(f"dtype must be one of {sorted(_DTYPES)}, got {dtype!r}")
+        raise ConfigError(f"dtype must be one of {sorted(_DTYPES)}, got {dtype!r}")
     cast = _DTYPES.get(dtype) if dtype else None
     check_output(out, force, kind="hf")
     source = open_source(src)
     start = model_key(prefix)
     stored = {k[len(start) :]: k for k in source.shapes if k.startswith(start)}
     if not stored:
-        raise ValueError(f"{src}: no model weights under {prefix!r}")
+        raise ConfigError(f"{src}: no model weights under {prefix!r}")
     adapters = sorted(n for n in stored if ".lora_A." in n or ".lora_B." in n)
     if adapters:  # PEFT's layout (`<t>.base_layer.weight`, `<t>.lora_A.default.weight`): not a diffusers model's
-        raise ValueError(
+        raise ConfigError(
             f"{src}: holds LoRA adapters ({len(adapters)}, e.g. {adapters[0]!r}); writing them as a diffusers model "
             "directory (merged or as a PEFT adapter) is not implemented; train without `lora` to export here"
         )

@@ -28,6 +28,7 @@ from torch import nn
 
 from lightning_mm.core.flops import Block, Op, StepFlops, attention, linear, training_flops
 from lightning_mm.core.recompute import is_recomputed
+from lightning_mm.errors import DataError
 from lightning_mm.hf.flops import TowerTraining, UnsupportedFlopsModel
 
 __all__ = ["WAN_CLASS_NAMES", "WanFlopCounter"]
@@ -99,7 +100,7 @@ class WanFlopCounter:
     def video_tokens(self, latent_shape: Sequence[int]) -> tuple[int, int]:
         """``(samples, video tokens per sample)`` of a latent batch ``(B, C, F, H, W)``."""
         if len(latent_shape) != 5:
-            raise ValueError(f"a Wan FLOP count needs the latent shape (B, C, F, H, W), got {tuple(latent_shape)}")
+            raise DataError(f"a Wan FLOP count needs the latent shape (B, C, F, H, W), got {tuple(latent_shape)}")
         batch, _, frames, height, width = (int(n) for n in latent_shape)
         pt, ph, pw = (int(n) for n in self.config.patch_size)
         return batch, (frames // pt) * (height // ph) * (width // pw)
@@ -116,7 +117,7 @@ class WanFlopCounter:
         video, text, image = batch * length, batch * int(text_tokens), batch * int(image_tokens)
         i2v = c.added_kv_proj_dim is not None and image_tokens > 0
         if image_tokens and not i2v:
-            raise ValueError("image tokens given, but this Wan model has no image cross-attention (added_kv_proj_dim)")
+            raise DataError("image tokens given, but this Wan model has no image cross-attention (added_kv_proj_dim)")
 
         def mlp(stream: str, rows: int, sizes: Sequence[int], normed: bool = False) -> StepFlops:
             """A stream's linear layers; ``normed``: after a norm of its own (whose affine weights train with it)."""

@@ -20,6 +20,8 @@ from dataclasses import dataclass, field
 import torch
 from torch import Tensor
 
+from lightning_mm.errors import ConfigError, DataError
+
 __all__ = ["FlowMatchSample", "WanFlowMatchSchedule", "draw", "draw_generator"]
 
 
@@ -54,18 +56,18 @@ class WanFlowMatchSchedule:
     def __post_init__(self) -> None:
         n = self.num_train_timesteps
         if not isinstance(n, int) or isinstance(n, bool) or n < 1:
-            raise ValueError(f"num_train_timesteps must be a positive integer, got {n!r}")
+            raise ConfigError(f"num_train_timesteps must be a positive integer, got {n!r}")
         if not self.shift > 0:
-            raise ValueError(f"shift must be > 0, got {self.shift!r}")
+            raise ConfigError(f"shift must be > 0, got {self.shift!r}")
         if not 0 <= self.sigma_min < self.sigma_max <= 1:
-            raise ValueError(f"need 0 <= sigma_min < sigma_max <= 1, got {self.sigma_min}, {self.sigma_max}")
+            raise ConfigError(f"need 0 <= sigma_min < sigma_max <= 1, got {self.sigma_min}, {self.sigma_max}")
         if not 0 <= self.min_timestep_boundary < self.max_timestep_boundary <= 1:
-            raise ValueError(
+            raise ConfigError(
                 "min_timestep_boundary and max_timestep_boundary must satisfy 0 <= min < max <= 1, got "
                 f"{self.min_timestep_boundary}, {self.max_timestep_boundary}"
             )
         if int(self.min_timestep_boundary * n) >= int(self.max_timestep_boundary * n):
-            raise ValueError(
+            raise ConfigError(
                 f"the timestep boundaries [{self.min_timestep_boundary}, {self.max_timestep_boundary}) "
                 f"hold no timestep index of {n}"
             )
@@ -90,7 +92,7 @@ class WanFlowMatchSchedule:
     def sample(self, latents: Tensor, noise: Tensor, index: int) -> FlowMatchSample:
         """Noise ``latents`` at timestep ``index`` with ``noise`` (same shape)."""
         if noise.shape != latents.shape:
-            raise ValueError(f"noise {list(noise.shape)} and latents {list(latents.shape)} differ in shape")
+            raise DataError(f"noise {list(noise.shape)} and latents {list(latents.shape)} differ in shape")
         sigma = self.sigmas[index].to(latents.device, latents.dtype)
         noisy = (1 - sigma) * latents + sigma * noise
         timestep = self.timesteps[index].to(latents.device).expand(latents.shape[0]).clone()

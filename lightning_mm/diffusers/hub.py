@@ -10,6 +10,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any, ClassVar
 
+from lightning_mm.errors import DependencyError
 from lightning_mm.hf.hub import ModelHub, ModelHubError
 
 __all__ = ["DiffusersHub", "ModelHubError", "diffusers_installed"]
@@ -20,7 +21,7 @@ def diffusers_installed() -> None:
     try:
         import diffusers  # noqa: F401
     except ImportError as err:
-        raise ImportError(
+        raise DependencyError(
             f"diffusers models need the `diffusers` package ({err}); install it with "
             "`pip install 'lightning-mm[diffusers]'`"
         ) from None

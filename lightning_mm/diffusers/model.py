@@ -41,6 +41,7 @@ from torch import nn
 from lightning_mm._names import did_you_mean
 from lightning_mm.diffusers.hub import DiffusersHub
 from lightning_mm.diffusers.weights import diffusers_load_plan, read_diffusers_weights
+from lightning_mm.errors import ConfigError
 from lightning_mm.hf.config_fields import checked_fields
 from lightning_mm.hf.loading import load_into_meta_model
 from lightning_mm.hf.mixins import FSDP2Mixin, WeightInitMixin
@@ -52,7 +53,7 @@ __all__ = ["DiffusersModel", "DiffusersModelConfig", "DiffusersModelConfigError"
 log = logging.getLogger(__name__)
 
 
-class DiffusersModelConfigError(ValueError):
+class DiffusersModelConfigError(ConfigError):
     """A DiffusersModel config that cannot be used as written."""
 
 

@@ -16,8 +16,8 @@ from torch import nn
 
 from lightning_mm._compat import keys_to_ignore_on_load_unexpected
 from lightning_mm._tied import names_by_tensor
+from lightning_mm.checkpoint.errors import CheckpointMismatchError
 from lightning_mm.hf.pretrained_index import (
-    CheckpointError,
     LoadEntry,
     LoadPlan,
     SafetensorsIndex,
@@ -71,7 +71,7 @@ def diffusers_load_plan(model: nn.Module, index: SafetensorsIndex) -> LoadPlan:
         entries.append(LoadEntry(tuple(names), sources[0], tensor_id in params, tuple(sources[1:])))
     problems = strict_load_problems(missing, unexpected, misshapen)
     if problems:
-        raise CheckpointError(
+        raise CheckpointMismatchError(
             f"diffusers checkpoint {index.directory} does not fit {type(model).__name__} (strict "
             "loading):\n  - " + "\n  - ".join(problems)
         )

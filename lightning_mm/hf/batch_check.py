@@ -70,6 +70,7 @@ import torch
 from torch import nn
 
 from lightning_mm._compat import attn_implementation
+from lightning_mm.errors import DataError
 
 __all__ = [
     "BatchCheckError",
@@ -83,7 +84,7 @@ __all__ = [
 ]
 
 
-class BatchCheckError(ValueError):
+class BatchCheckError(DataError):
     """A batch that the model would not consume as given (a key it ignores, images without placeholders, ...)."""
 
 

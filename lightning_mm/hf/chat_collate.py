@@ -7,6 +7,8 @@ from typing import Any
 
 import torch
 
+from lightning_mm.errors import DataError
+
 __all__ = ["ChatCollator", "TOKEN_KEYS", "VISION_KEYS"]
 
 IGNORE_INDEX = -100
@@ -65,7 +67,7 @@ class ChatCollator:
         keys = set().union(*(s.keys() for s in samples))
         unknown = keys - set(TOKEN_KEYS) - set(VISION_KEYS)
         if unknown:
-            raise ValueError(f"samples have keys the collate function does not know how to batch: {sorted(unknown)}")
+            raise DataError(f"samples have keys the collate function does not know how to batch: {sorted(unknown)}")
         width = max(len(s["input_ids"]) for s in samples)
         if self.multiple:
             width = -(-width // self.multiple) * self.multiple
@@ -104,7 +106,7 @@ def _padded_cat(parts: list[torch.Tensor]) -> torch.Tensor:
     if len({p.shape[1:] for p in parts}) == 1:
         return torch.cat(parts, dim=0)
     if len({p.ndim for p in parts}) != 1:
-        raise ValueError(f"samples' vision tensors have different ranks: {[tuple(p.shape) for p in parts]}")
+        raise DataError(f"samples' vision tensors have different ranks: {[tuple(p.shape) for p in parts]}")
     size = [max(p.shape[d] for p in parts) for d in range(1, parts[0].ndim)]
     out = parts[0].new_zeros((sum(p.shape[0] for p in parts), *size))
     row = 0

@@ -36,6 +36,8 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
+from lightning_mm.errors import DataError
+
 __all__ = [
     "COUNTING_PROCESSORS",
     "GRID_IMAGE_PROCESSORS",
@@ -71,7 +73,7 @@ class SizeOnly:
 
     def resize(self, size: Sequence[int], *args: Any, **kwargs: Any) -> SizeOnly:
         if size[0] <= 0 or size[1] <= 0:
-            raise ValueError("height and width must be > 0")  # PIL's Image.resize
+            raise DataError("height and width must be > 0")  # PIL's Image.resize
         return SizeOnly(size[0], size[1])
 
     def convert(self, *args: Any, **kwargs: Any) -> SizeOnly:
@@ -126,7 +128,7 @@ def video_layout(builder: Any, path: Any) -> Any:
     t = builder.template
     processor = builder.video_processor
     if t.video is None or processor is None:
-        raise ValueError("the builder takes no videos")
+        raise DataError("the builder takes no videos")
     count, width, height = sampled_frames(path, builder.video_fps, builder.video_maxlen)
     bounded = builder.bound_frame(SizeOnly(width, height))
     kept = processor.kept_frames(count, builder.metadata_fps)

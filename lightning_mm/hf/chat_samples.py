@@ -35,6 +35,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from lightning_mm.errors import ConfigError, DataError
+
 __all__ = [
     "TEMPLATES",
     "OWN_TEMPLATE_FAMILIES",
@@ -55,7 +57,7 @@ _THOUGHT = ("<think>", "</think>")
 _TOKEN_KEYS = ("input_ids", "attention_mask", "mm_token_type_ids", "token_type_ids")
 
 
-class SampleError(ValueError):
+class SampleError(DataError):
     """One record cannot be turned into a sample (the message says why)."""
 
 
@@ -128,7 +130,7 @@ def template_for(name: Any, model_type: str | None) -> TemplateSpec:
         for spec in (*TEMPLATES.values(), *OWN_TEMPLATE_FAMILIES.values()):
             if model_type in spec.model_types and not spec.reasoning:
                 return spec
-        raise ValueError(
+        raise ConfigError(
             f"no template is built in here for {model_type!r} models; supported: {supported} (and "
             f"template: null for {own} models)"
         )
@@ -146,14 +148,14 @@ def template_for(name: Any, model_type: str | None) -> TemplateSpec:
             ),
             "",
         )
-        raise ValueError(f"template {name!r} is {known}; supported: {supported}{hint}")
+        raise ConfigError(f"template {name!r} is {known}; supported: {supported}{hint}")
     spec = TEMPLATES[name]
     if model_type not in spec.model_types:
         fits = [t for t, s in TEMPLATES.items() if model_type in s.model_types]
         if any(model_type in s.model_types for s in OWN_TEMPLATE_FAMILIES.values()):
             fits.append("null (its own chat template)")
         hint = f" (for {model_type} use {', '.join(fits)})" if fits else f"; supported templates: {supported}"
-        raise ValueError(
+        raise ConfigError(
             f"template {name!r} is for {', '.join(spec.model_types)} models, but the model is {model_type!r}{hint}"
         )
     return spec

@@ -28,6 +28,7 @@ from torch import nn
 
 from lightning_mm._names import listing
 from lightning_mm.checkpoint import hf_weights
+from lightning_mm.errors import ConfigError
 from lightning_mm.hf.export import HFLayout, hf_layout
 from lightning_mm.hf.records import hf_records
 
@@ -88,19 +89,19 @@ def plan_weights(root: nn.Module, fqns: Sequence[str]) -> HFWeights:
     if not records:
         return HFWeights({fqn: fqn for fqn in fqns})
     if len(records) > 1:
-        raise ValueError(
+        raise ConfigError(
             "checkpoint_format='hf' saves one Transformers model; this module holds "
             f"{len(records)} ({', '.join(r['architecture'] for r in records)})"
         )
     record = records[0]
     if "lora" in record:
-        raise ValueError(
+        raise ConfigError(
             "checkpoint_format='hf' does not save LoRA adapters; use 'torch_dcp' and export with "
             "`lightning-mm convert dcp-to-hf --merge-lora`"
         )
     layout = hf_layout(json.loads(record["config"]), f"the {record['architecture']} model")
     if layout.converted:
-        raise ValueError(
+        raise ConfigError(
             f"checkpoint_format='hf': save_pretrained converts the tensors of {record['architecture']} "
             "(e.g. fused experts); use 'torch_dcp' and export with `lightning-mm convert dcp-to-hf`"
         )
@@ -108,7 +109,7 @@ def plan_weights(root: nn.Module, fqns: Sequence[str]) -> HFWeights:
     name_of = {f"{prefix}{name}": key for key, names in layout.keys.items() for name in names}
     outside = [fqn for fqn in fqns if fqn not in name_of]
     if outside:
-        raise ValueError(
+        raise ConfigError(
             f"checkpoint_format='hf': {len(outside)} model tensor(s) are outside the "
             f"{record['architecture']} model (prefix {prefix!r}) and have no Hugging Face name: "
             f"{listing(outside, 10)}; use 'torch_dcp'"
@@ -121,7 +122,7 @@ def plan_weights(root: nn.Module, fqns: Sequence[str]) -> HFWeights:
             taken.add(name_of[fqn])
     absent = sorted(set(layout.keys) - taken)
     if absent:
-        raise ValueError(
+        raise ConfigError(
             f"checkpoint_format='hf': the model state lacks {len(absent)} tensor(s) that save_pretrained "
             f"writes: {listing(absent, 10)}"
         )

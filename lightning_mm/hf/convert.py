@@ -44,6 +44,7 @@ from lightning_mm.checkpoint.manifest import (
 from lightning_mm.checkpoint.safe import check_weights_only, load_weights_only
 from lightning_mm.checkpoint.source import open_source, single_process_quiet
 from lightning_mm.checkpoint.writer import write_file
+from lightning_mm.errors import ConfigError, MissingFileError
 from lightning_mm.hf.export import HFLayout, hf_layout
 from lightning_mm.hf.records import choose_record
 
@@ -59,7 +60,7 @@ _DTYPES = {
 }
 
 
-class ConvertError(ValueError):
+class ConvertError(ConfigError):
     """Bad input to a converter (a size, a config file, a directory); the message names it."""
 
 
@@ -184,7 +185,7 @@ def _hf_config(
         path = Path(config)
         path = path / "config.json" if path.is_dir() else path
         if not path.is_file():
-            raise FileNotFoundError(f"--config: no config.json at {config}")
+            raise MissingFileError(f"--config: no config.json at {config}")
         return (prefix if prefix is not None else "model."), read_config_json(path), {}, str(path)
     record = choose_record((source_meta.get(EXTRA_KEY) or {}).get("hf") or [], prefix, source)
     return record["prefix"], json.loads(record["config"]), record, source
@@ -208,7 +209,7 @@ def _file_keys(stored: dict[str, str], layout: HFLayout, src: str | Path) -> dic
 def _check_keys_match(src: str | Path, layout: HFLayout, missing: list[str], unexpected: list[str]) -> None:
     """The checkpoint's model keys and the model's must be the same: any ``missing`` or ``unexpected`` is an error."""
     if missing or unexpected:
-        raise ValueError(
+        raise ConvertError(
             f"{src}: the checkpoint's model keys do not match {layout.config.architectures[0]}'s: "
             f"{len(missing)} missing {missing[:20]}, {len(unexpected)} not in the model {unexpected[:20]}"
         )
@@ -248,7 +249,7 @@ def dcp_to_hf(
     cast = None
     if dtype is not None:
         if dtype not in _DTYPES:
-            raise ValueError(f"--dtype must be one of {sorted(_DTYPES)}, got {dtype!r}")
+            raise ConvertError(f"--dtype must be one of {sorted(_DTYPES)}, got {dtype!r}")
         cast = _DTYPES[dtype]
     source = open_source(src)
     prefix, hf_config, record, origin = _hf_config(source.meta, str(src), prefix, config)
@@ -257,7 +258,7 @@ def dcp_to_hf(
     stored = {k[len(start) :]: k for k in source.shapes if k.startswith(start)}
     if not stored:
         available = sorted({k.split(SEP, 1)[1].split(".", 1)[0] for k in source.shapes if k.startswith("state_dict")})
-        raise ValueError(f"{src}: no model key starts with {prefix!r} (top-level modules: {available})")
+        raise ConvertError(f"{src}: no model key starts with {prefix!r} (top-level modules: {available})")
     layout = hf_layout(hf_config, origin)
     if layout.converted:
         return _write_converted(source, stored, layout, src, out, cast, max_shard_size, pretrained)
@@ -387,19 +388,19 @@ class _HFTensors:
             if file.suffix == ".safetensors":
                 for name, dtype, shape in _safetensors_header(file):
                     if dtype not in DTYPES:
-                        raise ValueError(f"{file}: tensor {name} has unsupported dtype {dtype}")
+                        raise ConvertError(f"{file}: tensor {name} has unsupported dtype {dtype}")
                     self._add(name, file, shape, DTYPES[dtype])
             else:
                 tensors = load_weights_only(file, mmap=True)
                 if not isinstance(tensors, dict):
-                    raise ValueError(f"{file}: expected a dict of tensors, found {type(tensors).__name__}")
+                    raise ConvertError(f"{file}: expected a dict of tensors, found {type(tensors).__name__}")
                 self._bins[file] = tensors
                 for name, t in tensors.items():
                     self._add(name, file, tuple(t.shape), t.dtype)
 
     def _add(self, name: str, file: Path, shape: tuple[int, ...], dtype: torch.dtype) -> None:
         if name in self._where:
-            raise ValueError(f"{self.dir}: tensor {name} is in both {self._where[name].name} and {file.name}")
+            raise ConvertError(f"{self.dir}: tensor {name} is in both {self._where[name].name} and {file.name}")
         self._where[name], self.shapes[name], self.dtypes[name] = file, shape, dtype
 
     def _weight_files(self) -> list[Path]:
@@ -411,12 +412,12 @@ class _HFTensors:
                 files = [self.dir / f for f in shard_files(weight_map)]
                 missing = [str(f) for f in files if not f.is_file() and not f.is_symlink()]
                 if missing:
-                    raise FileNotFoundError(f"{index} names missing files: {missing}")
+                    raise MissingFileError(f"{index} names missing files: {missing}")
                 return [model_file(self.dir, f.name, CheckpointIntegrityError) for f in files]
         for name in ("model.safetensors", "pytorch_model.bin"):
             if (self.dir / name).is_file() or (self.dir / name).is_symlink():
                 return [model_file(self.dir, name, CheckpointIntegrityError)]
-        raise FileNotFoundError(
+        raise MissingFileError(
             f"{self.dir}: no Hugging Face weights (model.safetensors, its index, or pytorch_model.bin)"
         )
 
@@ -478,7 +479,7 @@ def hf_to_dcp(hf_dir: str | Path, dst: str | Path, prefix: str = "model.", force
     check_output(dst, force, kind="dcp")
     config_file = hf_dir / "config.json"
     if not config_file.is_file() and not config_file.is_symlink():
-        raise FileNotFoundError(f"{hf_dir}: no config.json (is this a Hugging Face model directory?)")
+        raise MissingFileError(f"{hf_dir}: no config.json (is this a Hugging Face model directory?)")
     model_file(hf_dir, "config.json", CheckpointIntegrityError)
     config = read_config_json(config_file)
     hf = _HFTensors(hf_dir)
@@ -487,7 +488,7 @@ def hf_to_dcp(hf_dir: str | Path, dst: str | Path, prefix: str = "model.", force
     for name in hf.shapes:
         target, converter = rename(name) if rename is not None else (name, None)
         if converter is not None:
-            raise ValueError(
+            raise ConvertError(
                 f"{hf_dir}: weight {name} needs a tensor conversion ({converter}) on load, which "
                 "hf-to-dcp does not do; load this model with TransformersModel(init_from_hf_path=...)"
             )

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from lightning_mm.errors import InputTypeError
 from lightning_mm.hf.hub import ModelHub, ModelHubError
 from lightning_mm.hf.mixins import FSDP2Mixin, WeightInitMixin
 
@@ -48,7 +49,7 @@ def derived_adapter(base: type) -> type:
     from transformers import PreTrainedModel
 
     if not (isinstance(base, type) and issubclass(base, PreTrainedModel)):
-        raise TypeError(f"derived_adapter needs a transformers.PreTrainedModel subclass, got {base!r}")
+        raise InputTypeError(f"derived_adapter needs a transformers.PreTrainedModel subclass, got {base!r}")
     if issubclass(base, FSDP2Mixin) and issubclass(base, WeightInitMixin):
         return base
     cls = _CACHE.get(base)

@@ -17,6 +17,7 @@ from typing import Any
 import torch
 
 from lightning_mm._tied import names_by_tensor
+from lightning_mm.errors import ConfigError
 
 __all__ = ["HFLayout", "hf_layout"]
 
@@ -73,7 +74,7 @@ def _model_class(config: dict[str, Any], where: str) -> type:
     try:
         return ModelHub.resolve(None, config)[1]
     except ModelHubError as err:
-        raise ValueError(f"{where}: cannot build the Hugging Face model of this config ({err})") from None
+        raise ConfigError(f"{where}: cannot build the Hugging Face model of this config ({err})") from None
 
 
 def hf_layout(config: dict[str, Any], where: str) -> HFLayout:
@@ -83,9 +84,9 @@ def hf_layout(config: dict[str, Any], where: str) -> HFLayout:
     from transformers.modeling_utils import remove_tied_weights_from_state_dict
 
     if not isinstance(config, dict):
-        raise ValueError(f"{where}: the model config must be a JSON object, got {type(config).__name__}")
+        raise ConfigError(f"{where}: the model config must be a JSON object, got {type(config).__name__}")
     if not config.get("model_type") or not isinstance(config["model_type"], str):
-        raise ValueError(f"{where}: the model config has no 'model_type' string")
+        raise ConfigError(f"{where}: the model config has no 'model_type' string")
     cls = _model_class(config, where)
     fields = {k: v for k, v in json.loads(json.dumps(config)).items() if k != "model_type"}
     try:
@@ -94,7 +95,7 @@ def hf_layout(config: dict[str, Any], where: str) -> HFLayout:
             model = cls(hf_config)
     except Exception as err:  # Transformers validates fields in its own ways (e.g. huggingface_hub's strict fields)
         message = " ".join(str(err).split())
-        raise ValueError(
+        raise ConfigError(
             f"{where}: cannot build {cls.__name__} from this config ({type(err).__name__}: "
             f"{message[:300]}); check its fields' types"
         ) from err

@@ -34,6 +34,7 @@ from torch import Tensor, nn
 
 from lightning_mm.core.flops import Block, Op, StepFlops, attention, linear, lora_ops, training_flops, window_lengths
 from lightning_mm.core.packing import is_packed, segment_ids
+from lightning_mm.errors import ConfigError, DataError
 
 __all__ = [
     "COUNTED_MODEL_TYPES",
@@ -91,7 +92,7 @@ _PROJECTOR_PREFIXES = ("multi_modal_projector.", "connector.")
 COUNTED_MODEL_TYPES = _TEXT_TYPES + _VLM_TYPES
 
 
-class UnsupportedFlopsModel(ValueError):
+class UnsupportedFlopsModel(ConfigError):
     """The counter has no formula for this model's architecture."""
 
 
@@ -149,7 +150,7 @@ def sample_lengths(batch: Mapping[str, Any]) -> list[int]:
     """The real lengths of the sequences of a batch's ``input_ids``: packed samples, unpadded rows."""
     ids = batch.get("input_ids")
     if not isinstance(ids, Tensor) or ids.ndim != 2:
-        raise ValueError("a FLOP count needs the batch's 2-D `input_ids`")
+        raise DataError("a FLOP count needs the batch's 2-D `input_ids`")
     mask = batch.get("attention_mask")
     if isinstance(mask, Tensor):
         return [int(n) for n in mask.reshape(ids.shape[0], -1).sum(-1).tolist()]
@@ -511,9 +512,7 @@ class FlopCounter:
             pixels = pixels.flatten(0, 1)
             pixels = pixels[pixels.flatten(1).ne(0).any(-1)]  # the model drops the all-zero padding images
         if pixels.ndim != 4:
-            raise ValueError(
-                f"a FLOP count of {self.config.model_type!r} needs 4-D `pixel_values`, got {pixels.ndim}-D"
-            )
+            raise DataError(f"a FLOP count of {self.config.model_type!r} needs 4-D `pixel_values`, got {pixels.ndim}-D")
         v, class_token, used = self._vit_spec()
         tower = self.vision
         size = v.patch_size
@@ -566,7 +565,7 @@ class FlopCounter:
             return [], [], []
         sizes = batch.get("image_sizes")
         if pixels.ndim != 4 or not isinstance(sizes, Tensor):
-            raise ValueError("a FLOP count of 'mistral3' needs 4-D `pixel_values` and `image_sizes`")
+            raise DataError("a FLOP count of 'mistral3' needs 4-D `pixel_values` and `image_sizes`")
         c = self.config
         v, _, used = self._vit_spec()
         tower = self.vision

@@ -26,11 +26,12 @@ from typing import Any, ClassVar, cast
 
 from lightning_mm._names import nearest
 from lightning_mm._transformers_class import transformers_class
+from lightning_mm.errors import ConfigError, LightningMMError
 
 __all__ = ["ModelHub", "ModelHubError"]
 
 
-class ModelHubError(KeyError):
+class ModelHubError(LightningMMError, KeyError):
     """A model key that no adapter is registered for, or a conflicting registration."""
 
     def __str__(self) -> str:  # KeyError would show the message with quotes around it
@@ -76,7 +77,7 @@ class ModelHub:
         A key that is already taken by another class is an error unless ``override=True``.
         """
         if not keys or not all(isinstance(k, str) and k.strip() for k in keys):
-            raise ValueError(f"ModelHub.register needs one or more non-empty string keys, got {keys!r}")
+            raise ConfigError(f"ModelHub.register needs one or more non-empty string keys, got {keys!r}")
 
         def decorate(model_cls: type) -> type:
             for key in keys:

@@ -17,6 +17,8 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+from lightning_mm.errors import DataError
+
 __all__ = [
     "ConversationTemplate",
     "TEMPLATES",
@@ -79,7 +81,7 @@ def conversation_text(
         if role == "human":
             value = value.replace(IMAGE_PLACEHOLDER, image_token)
         elif role != "gpt":
-            raise ValueError(f"role {role!r} is not allowed here (system only as the first turn; human, gpt)")
+            raise DataError(f"role {role!r} is not allowed here (system only as the first turn; human, gpt)")
         pieces.append(f"{template.turn_start}{ROLE_NAMES[role]}\n{value}{template.turn_end}\n")
         roles.append(role)
     return "".join(pieces), roles
@@ -95,7 +97,7 @@ def assistant_labels(
     """
     starts = [i for i, token in enumerate(input_ids) if token == turn_start_id]
     if len(starts) != len(roles):
-        raise ValueError(f"the text has {len(starts)} turn-start tokens for {len(roles)} turns")
+        raise DataError(f"the text has {len(starts)} turn-start tokens for {len(roles)} turns")
     labels = [IGNORE_INDEX] * len(input_ids)
     ends = [*starts[1:], len(input_ids)]
     for role, start, end in zip(roles, starts, ends):

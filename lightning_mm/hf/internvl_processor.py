@@ -20,12 +20,14 @@ from typing import Any
 from transformers import AutoImageProcessor, AutoTokenizer, GotOcr2ImageProcessorPil, InternVLProcessor
 from transformers.processing_utils import ProcessorMixin
 
+from lightning_mm.errors import ConfigError
+
 __all__ = ["InternVLImageTextProcessor", "load_internvl_processor", "ProcessorDirectoryError"]
 
 _MAX_CONFIG_BYTES = 1 << 20
 
 
-class ProcessorDirectoryError(ValueError):
+class ProcessorDirectoryError(ConfigError):
     """A model directory whose processor files cannot be used (the message names the file)."""
 
 

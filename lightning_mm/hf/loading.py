@@ -28,7 +28,9 @@ from torch.distributed.tensor import DTensor
 from lightning_mm._compat import local_offsets
 from lightning_mm._dtensor import local_tensor
 from lightning_mm._safetensors import DTYPES
-from lightning_mm.hf.pretrained_index import CheckpointError, LoadEntry, LoadPlan, TensorInfo
+from lightning_mm.checkpoint.errors import CheckpointIntegrityError, CheckpointMismatchError
+from lightning_mm.errors import StateError
+from lightning_mm.hf.pretrained_index import LoadEntry, LoadPlan, TensorInfo
 
 __all__ = ["load_local_shards", "load_into_meta_model", "local_region", "read_region"]
 
@@ -49,7 +51,7 @@ def _readinto(f: BufferedReader, start: int, out: torch.Tensor) -> None:
     while done < len(view):
         n = f.readinto(view[done:])
         if not n:
-            raise CheckpointError(f"{getattr(f, 'name', 'file')}: unexpected end of file")
+            raise CheckpointIntegrityError(f"{getattr(f, 'name', 'file')}: unexpected end of file")
         done += n
 
 
@@ -118,7 +120,7 @@ def _fill(
             other = torch.empty_like(local)
             read_region(plan.directory, files, duplicate, offsets, sizes, other)
             if not torch.equal(other, local):
-                raise CheckpointError(
+                raise CheckpointMismatchError(
                     f"{entry.names} are one tied weight, but checkpoint tensors '{entry.source.key}' and "
                     f"'{duplicate.key}' differ; set tie_word_embeddings=False in the config to keep them apart"
                 )
@@ -151,7 +153,7 @@ def load_local_shards(model: nn.Module, plan: LoadPlan) -> int:
     state = model.state_dict(keep_vars=True)
     absent = [e.names[0] for e in plan.entries if e.names[0] not in state]
     if absent:
-        raise RuntimeError(f"the model no longer has tensors the load plan was made for: {absent[:10]}")
+        raise StateError(f"the model no longer has tensors the load plan was made for: {absent[:10]}")
     from lightning_mm.core.expert_parallel import expert_row_offset
 
     with _open_files(plan) as files:
@@ -183,11 +185,13 @@ def load_into_meta_model(model: nn.Module, plan: LoadPlan, device: torch.device 
                 _fill(plan, files, entry, current)
                 continue
             if not entry.is_parameter:
-                raise CheckpointError(f"buffer {entry.names[0]} is on the meta device and cannot be filled in place")
+                raise CheckpointMismatchError(
+                    f"buffer {entry.names[0]} is on the meta device and cannot be filled in place"
+                )
             value = torch.empty(current.shape, dtype=current.dtype, device="cpu")
             _fill(plan, files, entry, value)
             param = nn.Parameter(value.to(device), requires_grad=current.requires_grad)
             _set_parameter(model, entry.names, param)
     left = [name for name, p in model.named_parameters() if p.is_meta]
     if left:
-        raise CheckpointError(f"parameters left on the meta device after loading {plan.directory}: {left[:10]}")
+        raise CheckpointMismatchError(f"parameters left on the meta device after loading {plan.directory}: {left[:10]}")

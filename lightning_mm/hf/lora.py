@@ -54,6 +54,7 @@ from torch import nn
 
 from lightning_mm._dtensor import local_tensor
 from lightning_mm._module_paths import enclosing
+from lightning_mm.errors import ConfigError, StateError
 from lightning_mm.hf.config_fields import checked_fields
 from lightning_mm.hf.pending_weights import pending_pretrained, set_pending_lora
 
@@ -73,7 +74,7 @@ _INITS = (True, False, "gaussian")
 _PEFT_PREFIX = "base_model.model."
 
 
-class LoRAConfigError(ValueError):
+class LoRAConfigError(ConfigError):
     """A LoRA setting that cannot be used as written."""
 
 
@@ -273,7 +274,7 @@ def initial_adapters(config: LoRAConfig, targets: list[_Target]) -> dict[str, to
         inject_adapter_in_model(config.peft_config([t.path for t in targets]), skeleton, adapter_name=ADAPTER_NAME)
     values = {n: p.detach().clone() for n, p in skeleton.named_parameters() if ".lora_" in n}
     if any(v.is_meta for v in values.values()):
-        raise RuntimeError("initial_adapters() ran inside a meta-device context; call it outside")
+        raise StateError("initial_adapters() ran inside a meta-device context; call it outside")
     return values
 
 

@@ -25,6 +25,8 @@ from torch import nn
 
 from lightning_mm._rank_zero import is_rank_zero
 from lightning_mm._transformers_class import transformers_class
+from lightning_mm.checkpoint.errors import CheckpointMismatchError
+from lightning_mm.errors import ConfigError
 from lightning_mm.hf.lora import ADAPTER_NAME
 from lightning_mm.hf.records import lora_record  # what checkpoints record of the adapters
 
@@ -43,7 +45,7 @@ _PEFT_PREFIX = "base_model.model."
 def _peft_config(model: nn.Module) -> Any:
     configs = getattr(model, "peft_config", None)
     if not isinstance(configs, Mapping) or ADAPTER_NAME not in configs:
-        raise ValueError(f"{type(model).__name__} has no LoRA adapters (built without a `lora` setting)")
+        raise ConfigError(f"{type(model).__name__} has no LoRA adapters (built without a `lora` setting)")
     return configs[ADAPTER_NAME]
 
 
@@ -102,7 +104,7 @@ def _hf_class(model: nn.Module) -> type:
     """The Transformers class a (possibly adapted) model is an instance of."""
     cls = transformers_class(type(model))
     if cls is None:
-        raise ValueError(f"{type(model).__name__} is not a transformers model")
+        raise ConfigError(f"{type(model).__name__} is not a transformers model")
     return cls
 
 
@@ -128,7 +130,7 @@ def merge_lora_state_dict(
     wrapped = LoraModel(base, peft_config, ADAPTER_NAME)
     result = wrapped.model.load_state_dict(dict(state), strict=False, assign=True)
     if result.unexpected_keys:
-        raise ValueError(
+        raise CheckpointMismatchError(
             f"the checkpoint has weights {result.unexpected_keys[:5]} that "
             f"{model_class.__name__} with these adapters lacks"
         )
@@ -137,7 +139,7 @@ def merge_lora_state_dict(
         wrapped.model.tie_weights()
         left = [n for n, p in wrapped.model.named_parameters() if p.is_meta]
     if left:
-        raise ValueError(f"the checkpoint has no values for {left[:5]}")
+        raise CheckpointMismatchError(f"the checkpoint has no values for {left[:5]}")
     # The base model, a model_class (PEFT annotates it nn.Module): Transformers' tie_weights / save_pretrained.
     merged: Any = wrapped.merge_and_unload()
     if getattr(hf_config, "tie_word_embeddings", False) or getattr(
@@ -155,7 +157,7 @@ def save_merged_model(model: nn.Module, directory: str | Path) -> Path:
     """Write ``model`` with its adapters merged as a Transformers directory (every rank calls; rank 0 writes)."""
     record = lora_record(model)
     if record is None:
-        raise ValueError(f"{type(model).__name__} has no LoRA adapters (built without a `lora` setting)")
+        raise ConfigError(f"{type(model).__name__} has no LoRA adapters (built without a `lora` setting)")
     state = _full_state(model)
     if is_rank_zero():
         merge_lora_state_dict(state, model.config, record, _hf_class(model), directory)
@@ -203,11 +205,11 @@ def dcp_to_hf_merged(
     check_output(out, force, kind="hf")
     casts = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
     if dtype is not None and dtype not in casts:
-        raise ValueError(f"--dtype must be one of {sorted(casts)}, got {dtype!r}")
+        raise ConfigError(f"--dtype must be one of {sorted(casts)}, got {dtype!r}")
     source = open_source(src)
     record = choose_record((source.meta.get(EXTRA_KEY) or {}).get("hf") or [], prefix, str(src))
     if not record.get("lora"):
-        raise ValueError(f"{src}: the checkpoint's model has no LoRA adapters; convert it without --merge-lora")
+        raise ConfigError(f"{src}: the checkpoint's model has no LoRA adapters; convert it without --merge-lora")
     start = model_key(record["prefix"])
     keys = [k for k in source.shapes if k.startswith(start)]
     state = {k[len(start) :]: t for k, t in source.read_full(keys).items()}
@@ -215,7 +217,7 @@ def dcp_to_hf_merged(
     architecture = record.get("architecture") or (config_dict.get("architectures") or [None])[0]
     model_class = getattr(transformers, str(architecture), None)
     if model_class is None:
-        raise ValueError(f"{src}: unknown Transformers architecture {architecture!r}")
+        raise ConfigError(f"{src}: unknown Transformers architecture {architecture!r}")
     fields = {k: v for k, v in config_dict.items() if k != "model_type"}
     hf_config = transformers.AutoConfig.for_model(config_dict["model_type"], **fields)
     with tempfile.TemporaryDirectory(dir=out.parent, prefix=f".{out.name}.partial-") as tmp:

@@ -32,6 +32,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
+from lightning_mm.errors import ConfigError
+
 if TYPE_CHECKING:
     from lightning_mm.hf.qwen_video import QwenVideoProcessor
 
@@ -177,7 +179,7 @@ class MindSpeedSampleBuilder:
         self.video_min_pixels = int(video_min_pixels)
         self.video_token_id = self.tokenizer.convert_tokens_to_ids(template.video_token)
         if self.tokenizer.eos_token_id is None and template.efficient_eos:
-            raise ValueError("the tokenizer has no EOS token, which the template's labels need")
+            raise ConfigError("the tokenizer has no EOS token, which the template's labels need")
 
     # ------------------------------------------------------------------------------------------ images
     def bound_image(self, image: Any) -> Any:
@@ -200,7 +202,9 @@ class MindSpeedSampleBuilder:
 
         t = self.template
         if t.video is None or self.video_processor is None:
-            raise ValueError(f"videos are not supported here with this template ({t.no_video or 'no video processor'})")
+            raise ConfigError(
+                f"videos are not supported here with this template ({t.no_video or 'no video processor'})"
+            )
         decoded = [decode_video(p, self.video_fps, self.video_maxlen) for p in paths]
         frames = [[self.bound_frame(f) for f in d.frames] for d in decoded]
         out = self.video_processor(frames, metadata_fps=self.metadata_fps)

@@ -17,6 +17,7 @@ from lightning_mm._compat import clear_hf_init_flags, share_experts_kernels_with
 from lightning_mm._dtensor import local_tensor
 from lightning_mm.core.norms import is_norm
 from lightning_mm.core.torch_init import init_module_like_constructor, zero_row
+from lightning_mm.errors import StateError
 from lightning_mm.hf.pending_weights import pending_lora, pending_pretrained
 
 if TYPE_CHECKING:
@@ -202,7 +203,7 @@ def _tie_hf_weights(model: nn.Module) -> None:
     from torch.distributed.tensor import DTensor
 
     if any(isinstance(p, DTensor) for p in model.parameters()):
-        raise RuntimeError(
+        raise StateError(
             f"{type(model).__name__}: tied weights {untied} are not tied after sharding; tie them before "
             "sharding (they must share one parameter object)"
         )

@@ -33,6 +33,7 @@ from torch import Tensor, nn
 
 from lightning_mm._compat import attn_implementation
 from lightning_mm.core.packing import is_packed, segment_ids
+from lightning_mm.errors import ConfigError, DataError
 
 __all__ = [
     "PackedMasks",
@@ -74,7 +75,7 @@ def packed_block_masks(model: nn.Module, batch: Mapping[str, Any]) -> PackedMask
     text: Any = config.get_text_config()
     attention = str(attn_implementation(text) or attn_implementation(config) or "")
     if attention not in ("sdpa", "eager"):
-        raise ValueError(
+        raise ConfigError(
             f"{type(model).__name__}: packed rows with images need attn_implementation 'sdpa' or 'eager' here, got "
             f"{attention!r}"
         )
@@ -118,7 +119,7 @@ def _take(grid: Tensor | None, cursor: int, tokens: int, merge: int) -> tuple[Te
         count += int(grid[cursor].prod()) // merge**2
         cursor += 1
     if count != tokens:
-        raise ValueError(f"a packed sample holds {tokens} placeholder tokens, which do not match its grid rows")
+        raise DataError(f"a packed sample holds {tokens} placeholder tokens, which do not match its grid rows")
     return grid[start:cursor], cursor
 
 

@@ -45,6 +45,7 @@ from torch import Tensor, nn
 
 from lightning_mm.core.module_state import add_input_hook, replace_forward
 from lightning_mm.core.packing import is_packed, segment_ids
+from lightning_mm.errors import DataError
 
 __all__ = [
     "PER_SAMPLE_CLASSES",
@@ -110,7 +111,7 @@ def _boundaries_hook(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str,
     if any(kwargs.get(k) is not None for k in ("attention_mask", "cache", "past_key_values")):
         return None  # positions that skip padding (generate's left-padded prompts) or a cached decode: one sample
     if positions.ndim != 2 or positions.shape[0] != 1:
-        raise ValueError(
+        raise DataError(
             f"{type(module).__name__}: a packed batch must be one row of 2-D text position_ids here, got shape "
             f"{tuple(positions.shape)}"
         )
@@ -127,10 +128,10 @@ def _per_sample(module: nn.Module, forward: Callable[..., Any]) -> Callable[...,
         if bounds is None:
             return forward(hidden_states, *args, **kwargs)
         if args or kwargs.get("cache") is not None or kwargs.get("attention_mask") is not None:
-            raise ValueError(f"{name}: a packed row runs without a cache and without an attention_mask")
+            raise DataError(f"{name}: a packed row runs without a cache and without an attention_mask")
         edges = [int(e) for e in bounds.tolist()]
         if hidden_states.shape[0] != 1 or edges[0] != 0 or edges[-1] != hidden_states.shape[1]:
-            raise ValueError(
+            raise DataError(
                 f"{name}: cu_seq_lens_q {edges} do not cover the packed row of shape {tuple(hidden_states.shape)}"
             )
         parts = [forward(hidden_states[:, lo:hi], **kwargs) for lo, hi in zip(edges, edges[1:])]

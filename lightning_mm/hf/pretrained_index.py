@@ -30,6 +30,7 @@ from lightning_mm._files import model_file
 from lightning_mm._names import listing
 from lightning_mm._tied import names_by_tensor
 from lightning_mm._transformers_class import transformers_class
+from lightning_mm.checkpoint.errors import CheckpointError, CheckpointIntegrityError, CheckpointMismatchError
 
 __all__ = [
     "CheckpointError",
@@ -44,10 +45,6 @@ __all__ = [
 log = logging.getLogger(__name__)
 
 _SHOWN = 20
-
-
-class CheckpointError(ValueError):
-    """A checkpoint that does not fit the model (missing, unexpected or misshapen weights) or cannot be read."""
 
 
 def _listing(names: list[str]) -> str:
@@ -88,14 +85,14 @@ def read_safetensors_header(path: Path) -> dict[str, TensorInfo]:
     with open(path, "rb") as f:
         prefix = f.read(8)
         if len(prefix) != 8:
-            raise CheckpointError(f"{path}: too short to be a safetensors file")
+            raise CheckpointIntegrityError(f"{path}: too short to be a safetensors file")
         length = int.from_bytes(prefix, "little")
         if length > size - 8:
-            raise CheckpointError(f"{path}: header length {length} exceeds the file size {size}")
+            raise CheckpointIntegrityError(f"{path}: header length {length} exceeds the file size {size}")
         try:
             header = json.loads(f.read(length))
         except (json.JSONDecodeError, UnicodeDecodeError) as err:
-            raise CheckpointError(f"{path}: the safetensors header is not valid JSON ({err})") from None
+            raise CheckpointIntegrityError(f"{path}: the safetensors header is not valid JSON ({err})") from None
     data_start = 8 + length
     tensors = {}
     for key, meta in header.items():
@@ -104,14 +101,14 @@ def read_safetensors_header(path: Path) -> dict[str, TensorInfo]:
         try:
             dtype, shape, (begin, end) = meta["dtype"], tuple(int(d) for d in meta["shape"]), meta["data_offsets"]
         except (KeyError, TypeError, ValueError):
-            raise CheckpointError(f"{path}: malformed header entry for '{key}'") from None
+            raise CheckpointIntegrityError(f"{path}: malformed header entry for '{key}'") from None
         numel = 1
         for d in shape:
             numel *= d
         size_of = _safetensors.itemsize(dtype)
         expected = numel * size_of if size_of is not None else end - begin
         if not (0 <= begin <= end and data_start + end <= size and end - begin == expected):
-            raise CheckpointError(
+            raise CheckpointIntegrityError(
                 f"{path}: tensor '{key}' has data offsets {[begin, end]} that do not fit its "
                 f"{dtype} shape {list(shape)} or the file size"
             )
@@ -134,17 +131,17 @@ class SafetensorsIndex:
         that every tensor the index lists is in the file it names; ``layout`` names what is read, in errors."""
         root = Path(directory)
         if not root.is_dir():
-            raise CheckpointError(f"init_from_hf_path: '{root}' is not a directory")
+            raise CheckpointIntegrityError(f"init_from_hf_path: '{root}' is not a directory")
         index_file = root / f"{weights_name}.index.json"
         if index_file.is_file() or index_file.is_symlink():
-            model_file(root, index_file.name, CheckpointError)
-            weight_map = _safetensors.read_weight_map(index_file, CheckpointError)
+            model_file(root, index_file.name, CheckpointIntegrityError)
+            weight_map = _safetensors.read_weight_map(index_file, CheckpointIntegrityError)
             files = sorted(_safetensors.shard_files(weight_map))
         elif (root / weights_name).is_file() or (root / weights_name).is_symlink():
             weight_map, files = None, [weights_name]
         else:
             others = sorted(p.name for p in root.iterdir() if p.suffix in (".bin", ".pt", ".pth", ".safetensors"))
-            raise CheckpointError(
+            raise CheckpointIntegrityError(
                 f"{root}: no {weights_name} or {index_file.name}"
                 + (f" (found {', '.join(others)}; only {layout} are read)" if others else "")
             )
@@ -152,16 +149,18 @@ class SafetensorsIndex:
         for name in files:
             path = root / name
             if not path.is_file() and not path.is_symlink():
-                raise CheckpointError(f"{index_file}: lists '{name}', which does not exist in {root}")
-            model_file(root, name, CheckpointError)  # a link only into the directory, or a hub snapshot's blobs
+                raise CheckpointIntegrityError(f"{index_file}: lists '{name}', which does not exist in {root}")
+            model_file(
+                root, name, CheckpointIntegrityError
+            )  # a link only into the directory, or a hub snapshot's blobs
             for key, info in read_safetensors_header(path).items():
                 if key in tensors:
-                    raise CheckpointError(f"{root}: tensor '{key}' is in both {tensors[key].file} and {name}")
+                    raise CheckpointIntegrityError(f"{root}: tensor '{key}' is in both {tensors[key].file} and {name}")
                 tensors[key] = info
         if weight_map is not None:
             listed_elsewhere = sorted(k for k, f in weight_map.items() if k not in tensors or tensors[k].file != f)
             if listed_elsewhere:
-                raise CheckpointError(
+                raise CheckpointIntegrityError(
                     f"{index_file}: the index and the files disagree on {len(listed_elsewhere)} tensor(s): "
                     f"{_listing(listed_elsewhere)}"
                 )
@@ -421,7 +420,7 @@ def build_load_plan(model: nn.Module, index: SafetensorsIndex) -> LoadPlan:
             f"{_listing(needs_conversion)}"
         )
     if problems:
-        raise CheckpointError(
+        raise CheckpointMismatchError(
             f"checkpoint {index.directory} does not fit {type(model).__name__} (strict loading):\n  - "
             + "\n  - ".join(problems)
         )

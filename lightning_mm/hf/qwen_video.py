@@ -28,6 +28,8 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
+from lightning_mm.errors import ConfigError, DataError
+
 __all__ = ["VIDEO_FAMILIES", "QwenVideoSettings", "QwenVideoProcessor", "load_video_settings"]
 
 _CLIP_MEAN = (0.48145466, 0.4578275, 0.40821073)
@@ -102,7 +104,7 @@ def _saved_settings(model_dir: Path) -> tuple[dict[str, Any], str]:
         if file.is_file():
             data = json.loads(file.read_text(encoding="utf-8"))
             if not isinstance(data, dict):
-                raise ValueError(f"{file}: expected a JSON object")
+                raise ConfigError(f"{file}: expected a JSON object")
             return data, str(file)
     return {}, "the class defaults"
 
@@ -111,7 +113,7 @@ def load_video_settings(model_dir: str | Path, model_type: str) -> QwenVideoSett
     """The settings of the video processor Transformers would load for ``model_type`` from ``model_dir``."""
     kind = VIDEO_FAMILIES.get(model_type)
     if kind is None:
-        raise ValueError(f"no Qwen-VL video processor for model_type {model_type!r}")
+        raise ConfigError(f"no Qwen-VL video processor for model_type {model_type!r}")
     data, source = _saved_settings(Path(model_dir))
     settings = _DEFAULTS[kind]
     changes: dict[str, Any] = {}
@@ -143,11 +145,11 @@ def load_video_settings(model_dir: str | Path, model_type: str) -> QwenVideoSett
             changes[key] = data[key]
     resample = data.get("resample", _BICUBIC)
     if resample != _BICUBIC:
-        raise ValueError(f"{source}: video resample {resample!r} is not supported here (only bicubic, 3)")
+        raise ConfigError(f"{source}: video resample {resample!r} is not supported here (only bicubic, 3)")
     if kind == "qwen2_vl" and changes.get("do_sample_frames"):
-        raise ValueError(f"{source}: do_sample_frames is not supported here for Qwen2-VL's video processor")
+        raise ConfigError(f"{source}: do_sample_frames is not supported here for Qwen2-VL's video processor")
     if data.get("do_center_crop"):
-        raise ValueError(f"{source}: do_center_crop is not supported here for videos")
+        raise ConfigError(f"{source}: do_center_crop is not supported here for videos")
     return replace(settings, **changes)
 
 
@@ -155,7 +157,7 @@ def load_video_settings(model_dir: str | Path, model_type: str) -> QwenVideoSett
 def smart_resize_qwen2(height: int, width: int, factor: int, min_pixels: int, max_pixels: int) -> tuple[int, int]:
     """Qwen2-VL's ``smart_resize``: multiples of ``factor`` near the aspect ratio, within the pixel bounds."""
     if max(height, width) / min(height, width) > 200:
-        raise ValueError(
+        raise DataError(
             f"absolute aspect ratio must be smaller than 200, got {max(height, width) / min(height, width)}"
         )
     h_bar, w_bar = round(height / factor) * factor, round(width / factor) * factor
@@ -174,12 +176,12 @@ def smart_resize_qwen3(
 ) -> tuple[int, int]:
     """Qwen3-VL's video ``smart_resize``: the bounds count all frames (rounded to the temporal patch)."""
     if frames < temporal:
-        raise ValueError(f"t:{frames} must be larger than temporal_factor:{temporal}")
+        raise DataError(f"t:{frames} must be larger than temporal_factor:{temporal}")
     if height < factor or width < factor:
         scale = max(factor / height, factor / width)
         height, width = int(height * scale), int(width * scale)
     if max(height, width) / min(height, width) > 200:
-        raise ValueError(
+        raise DataError(
             f"absolute aspect ratio must be smaller than 200, got {max(height, width) / min(height, width)}"
         )
     h_bar, w_bar = round(height / factor) * factor, round(width / factor) * factor
@@ -250,7 +252,7 @@ class QwenVideoProcessor:
         s = self.settings
         height, width = self.resized_size(frames, height, width)
         if height % (s.patch_size * s.merge_size) or width % (s.patch_size * s.merge_size):
-            raise ValueError(f"frames of {height}x{width} do not split into merged patches of {s.patch_size}")
+            raise DataError(f"frames of {height}x{width} do not split into merged patches of {s.patch_size}")
         return -(-frames // s.temporal_patch_size), height // s.patch_size, width // s.patch_size
 
     def _resize(self, video: Any) -> Any:

@@ -11,6 +11,7 @@ from torch import nn
 
 from lightning_mm._module_paths import enclosing
 from lightning_mm._transformers_class import transformers_class
+from lightning_mm.errors import ConfigError
 
 __all__ = ["hf_records", "choose_record", "lora_record"]
 
@@ -79,14 +80,14 @@ def lora_record(module: nn.Module) -> dict[str, Any] | None:
 def choose_record(records: list[dict[str, Any]], prefix: str | None, source: str) -> dict[str, Any]:
     """The record of ``prefix``, or the only one when ``prefix`` is None; a clear error otherwise."""
     if not records:
-        raise ValueError(
+        raise ConfigError(
             f"{source} records no Hugging Face model: dcp-to-hf needs a checkpoint of a LightningModule whose model "
             "is a transformers PreTrainedModel (e.g. built with TransformersModel), or pass --config with the "
             "model's config.json"
         )
     if prefix is None:
         if len(records) > 1:
-            raise ValueError(
+            raise ConfigError(
                 f"{source} holds {len(records)} Hugging Face models; choose one with --prefix "
                 f"({', '.join(r['prefix'] for r in records)})"
             )
@@ -94,6 +95,6 @@ def choose_record(records: list[dict[str, Any]], prefix: str | None, source: str
     for record in records:
         if record["prefix"] == prefix:
             return record
-    raise ValueError(
+    raise ConfigError(
         f"{source} has no Hugging Face model at prefix {prefix!r} (recorded: {', '.join(r['prefix'] for r in records)})"
     )

@@ -57,6 +57,7 @@ from lightning_mm._compat import set_attn_implementation
 from lightning_mm._files import model_file
 from lightning_mm._module_paths import enclosing
 from lightning_mm._names import did_you_mean
+from lightning_mm.errors import ConfigError, StateError
 from lightning_mm.hf.batch_check import install_batch_check
 from lightning_mm.hf.config_fields import checked_fields
 from lightning_mm.hf.derived_adapters import resolve_model_class
@@ -72,7 +73,7 @@ __all__ = ["TransformersModel", "TransformersModelConfig", "TransformersModelCon
 log = logging.getLogger(__name__)
 
 
-class TransformersModelConfigError(ValueError):
+class TransformersModelConfigError(ConfigError):
     """A TransformersModel config that cannot be used as written."""
 
 
@@ -260,7 +261,7 @@ class PendingPretrained:
         self._guard = model.register_forward_pre_hook(self._refuse)
 
     def _refuse(self, module: nn.Module, *_: Any) -> None:
-        raise RuntimeError(
+        raise StateError(
             f"{type(module).__name__} was built on the meta device and its pretrained weights from "
             f"{self.plan.directory} were never loaded: the strategy must call `load_after_sharding()` after "
             "sharding (MMFSDP2Strategy does), or build the model outside the meta-device context"

@@ -20,10 +20,12 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from lightning_mm.errors import DataError
+
 __all__ = ["DecodedVideo", "VideoError", "sample_indices", "probe_video", "sampled_frames", "decode_video"]
 
 
-class VideoError(ValueError):
+class VideoError(DataError):
     """A video file that cannot be decoded or sampled."""
 
 

@@ -47,6 +47,7 @@ from lightning_mm.core.vision_balance import (
     gather_grids,
     plan_route,
 )
+from lightning_mm.errors import ConfigError
 
 __all__ = [
     "VisionBalanceError",
@@ -62,7 +63,7 @@ MERGED_OUTPUTS = ("pooler_output", "deepstack_features")
 """The tower outputs sent back to the owning ranks: one row per merged group of each image."""
 
 
-class VisionBalanceError(ValueError):
+class VisionBalanceError(ConfigError):
     """``encoder_dp_balance`` cannot be used with this model or this call."""
 
 

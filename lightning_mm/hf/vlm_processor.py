@@ -18,12 +18,14 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from lightning_mm.errors import ConfigError
+
 __all__ = ["LoadedProcessor", "load_vlm_processor", "ProcessorLoadError"]
 
 log = logging.getLogger(__name__)
 
 
-class ProcessorLoadError(ValueError):
+class ProcessorLoadError(ConfigError):
     """The model directory holds no usable processor."""
 
 

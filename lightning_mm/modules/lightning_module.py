@@ -17,6 +17,7 @@ from lightning_mm.core.flops import StepFlops
 from lightning_mm.core.grad_clip import total_grad_norm
 from lightning_mm.core.optimizer import group_by_sharding
 from lightning_mm.core.recompute import is_recomputed
+from lightning_mm.errors import ConfigError, InputKeyError, InputTypeError, StateError
 from lightning_mm.hf.batch_check import BatchCheck, has_batch_check
 from lightning_mm.hf.flops import FlopCounter, UnsupportedFlopsModel
 from lightning_mm.modules.seed_functions import SeedFunctions, resolve_callable
@@ -118,15 +119,15 @@ class MMLightningModule(L.LightningModule):
     ) -> None:
         super().__init__()
         if lr_decay_style not in _DECAY_STYLES:
-            raise ValueError(f"lr_decay_style must be one of {_DECAY_STYLES}, got {lr_decay_style!r}")
+            raise ConfigError(f"lr_decay_style must be one of {_DECAY_STYLES}, got {lr_decay_style!r}")
         if lr <= 0 or min_lr < 0 or min_lr > lr:
-            raise ValueError(f"need 0 <= min_lr <= lr and lr > 0, got lr={lr}, min_lr={min_lr}")
+            raise ConfigError(f"need 0 <= min_lr <= lr and lr > 0, got lr={lr}, min_lr={min_lr}")
         if warmup_steps < 0:
-            raise ValueError(f"warmup_steps must be >= 0, got {warmup_steps}")
+            raise ConfigError(f"warmup_steps must be >= 0, got {warmup_steps}")
         if not isinstance(enable_chunk_loss, bool):
-            raise ValueError(f"enable_chunk_loss must be true or false, got {enable_chunk_loss!r}")
+            raise ConfigError(f"enable_chunk_loss must be true or false, got {enable_chunk_loss!r}")
         if isinstance(chunk_loss_size, bool) or not isinstance(chunk_loss_size, int) or chunk_loss_size <= 0:
-            raise ValueError(f"chunk_loss_size must be a positive number of tokens, got {chunk_loss_size!r}")
+            raise ConfigError(f"chunk_loss_size must be a positive number of tokens, got {chunk_loss_size!r}")
         self._seed = SeedFunctions(
             model_provider=resolve_callable(model_provider, "model_provider"),
             get_batch=resolve_callable(get_batch, "get_batch"),
@@ -143,7 +144,7 @@ class MMLightningModule(L.LightningModule):
         self.log_grad_norm = log_grad_norm
         self.log_throughput = log_throughput
         if peak_tflops is not None and (isinstance(peak_tflops, bool) or not float(peak_tflops) > 0):
-            raise ValueError(f"peak_tflops must be a positive number of TFLOP/s per device, got {peak_tflops!r}")
+            raise ConfigError(f"peak_tflops must be a positive number of TFLOP/s per device, got {peak_tflops!r}")
         self.peak_tflops = None if peak_tflops is None else float(peak_tflops)
         self._flop_counter: FlopCounter | bool | None = None  # None: not looked for yet; False: none
         self.enable_chunk_loss = enable_chunk_loss
@@ -171,7 +172,7 @@ class MMLightningModule(L.LightningModule):
         if self._seed.forward_step is not None:
             return self._seed.forward_step(iter([batch]), self.model)
         if self.model is None:
-            raise RuntimeError(f"{type(self).__name__}.model is not built (configure_model has not run)")
+            raise StateError(f"{type(self).__name__}.model is not built (configure_model has not run)")
         if isinstance(batch, Mapping):
             if not has_batch_check(self.model):  # a TransformersModel checks its own calls
                 self._batch_check(self.model, batch, self._batch_check_context())
@@ -195,14 +196,14 @@ class MMLightningModule(L.LightningModule):
             return output["loss"]
         if getattr(output, "loss", None) is not None:
             return output.loss
-        raise TypeError(
+        raise InputTypeError(
             f"{type(self).__name__}.loss_func cannot find a loss in a {type(output).__name__}; override loss_func"
         )
 
     def sharding_target(self) -> nn.Module:
         """The module the FSDP2 config's paths are relative to (``MMFSDP2Strategy`` asks): ``self.model``."""
         if self.model is None:
-            raise RuntimeError("MMLightningModule.model_provider() did not build a model (self.model is None)")
+            raise StateError("MMLightningModule.model_provider() did not build a model (self.model is None)")
         return self.model
 
     # ------------------------------------------------------------------------ context parallelism
@@ -223,7 +224,7 @@ class MMLightningModule(L.LightningModule):
         if self.model is None:
             model = self.model_provider()
             if not isinstance(model, nn.Module):
-                raise TypeError(f"model_provider() must return an nn.Module, got {type(model).__name__}")
+                raise InputTypeError(f"model_provider() must return an nn.Module, got {type(model).__name__}")
             if self.enable_chunk_loss:
                 from lightning_mm.hf.chunk_loss import chunk_loss_target, enable_chunk_loss
 
@@ -373,7 +374,7 @@ class MMLightningModule(L.LightningModule):
     def configure_optimizers(self) -> Any:
         params = [p for p in self.parameters() if p.requires_grad]
         if not params:
-            raise ValueError(f"{type(self).__name__} has no trainable parameters")
+            raise ConfigError(f"{type(self).__name__} has no trainable parameters")
         # Sharded and unsharded (ignored-module) parameters in groups of their own: each group can take the fused step.
         optimizer = torch.optim.AdamW(
             group_by_sharding(params), lr=self.lr, weight_decay=self.weight_decay, betas=self.betas
@@ -392,15 +393,15 @@ def _split_loss(result: Any, owner: str) -> tuple[torch.Tensor, dict[str, Any]]:
     extras: dict[str, Any] = {}
     if isinstance(result, tuple):  # (loss, {extras}) as MindSpeed loss functions often return
         if len(result) != 2 or not isinstance(result[1], Mapping):
-            raise TypeError(f"{owner}: a loss tuple must be (loss, {{name: value}}), got {len(result)} items")
+            raise InputTypeError(f"{owner}: a loss tuple must be (loss, {{name: value}}), got {len(result)} items")
         result, extras = result[0], dict(result[1])
     if isinstance(result, Mapping):
         if "loss" not in result:
-            raise KeyError(f"{owner}: a loss mapping must have a 'loss' key, got {sorted(result)}")
+            raise InputKeyError(f"{owner}: a loss mapping must have a 'loss' key, got {sorted(result)}")
         extras.update({k: v for k, v in result.items() if k != "loss"})
         result = result["loss"]
     if not isinstance(result, torch.Tensor) or result.numel() != 1:
-        raise TypeError(f"{owner}: the loss must be a scalar tensor, got {type(result).__name__}")
+        raise InputTypeError(f"{owner}: the loss must be a scalar tensor, got {type(result).__name__}")
     return result, extras
 
 

@@ -7,6 +7,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+from lightning_mm.errors import ConfigError, DependencyError, InputTypeError
+
 __all__ = ["SeedFunctions", "resolve_callable"]
 
 
@@ -25,22 +27,22 @@ def resolve_callable(value: Callable[..., Any] | str | None, name: str) -> Calla
     if value is None or callable(value):
         return value
     if not isinstance(value, str) or not value.strip():
-        raise TypeError(f"`{name}` must be a callable or an import path string, got {type(value).__name__}")
+        raise InputTypeError(f"`{name}` must be a callable or an import path string, got {type(value).__name__}")
     path = value.strip()
     module_name, sep, attr = path.partition(":")
     if not sep:
         module_name, _, attr = path.rpartition(".")
     if not module_name or not attr:
-        raise ValueError(f"`{name}`: {path!r} is not an import path like 'package.module.function'")
+        raise ConfigError(f"`{name}`: {path!r} is not an import path like 'package.module.function'")
     try:
         module = importlib.import_module(module_name)
     except ImportError as err:
-        raise ImportError(f"`{name}`: cannot import module '{module_name}' of {path!r}: {err}") from err
+        raise DependencyError(f"`{name}`: cannot import module '{module_name}' of {path!r}: {err}") from err
     target: Any = module
     for part in attr.split("."):
         if not hasattr(target, part):
-            raise ImportError(f"`{name}`: module '{module_name}' has no attribute '{attr}' ({path!r})")
+            raise DependencyError(f"`{name}`: module '{module_name}' has no attribute '{attr}' ({path!r})")
         target = getattr(target, part)
     if not callable(target):
-        raise TypeError(f"`{name}`: {path!r} is not callable")
+        raise InputTypeError(f"`{name}`: {path!r} is not callable")
     return target

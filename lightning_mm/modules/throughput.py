@@ -32,6 +32,7 @@ from typing_extensions import override
 
 from lightning_mm._compat import throughput_meters
 from lightning_mm.core.flops import StepFlops, peak_tflops
+from lightning_mm.errors import ConfigError
 from lightning_mm.hf.flops import target_tokens
 
 __all__ = ["MMThroughputMonitor", "TokenThroughput", "device_peak_tflops"]
@@ -116,7 +117,7 @@ class MMThroughputMonitor(ThroughputMonitor):
     def __init__(self, *args: Any, peak_tflops: float | None = None, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         if peak_tflops is not None and not peak_tflops > 0:
-            raise ValueError(f"peak_tflops must be a positive number of TFLOP/s per device, got {peak_tflops!r}")
+            raise ConfigError(f"peak_tflops must be a positive number of TFLOP/s per device, got {peak_tflops!r}")
         self.peak_tflops = peak_tflops
 
     @override

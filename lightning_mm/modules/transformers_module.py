@@ -18,6 +18,7 @@ from typing import Any
 from torch import nn
 from typing_extensions import override
 
+from lightning_mm.errors import ConfigError
 from lightning_mm.hf.transformers_model import TransformersModel, TransformersModelConfig
 from lightning_mm.modules.lightning_module import MMLightningModule
 
@@ -37,7 +38,7 @@ class MMTransformersModule(MMLightningModule):
 
     def __init__(self, transformers_model: dict[str, Any], **kwargs: Any) -> None:
         if kwargs.get("model_provider") is not None:
-            raise ValueError(
+            raise ConfigError(
                 "MMTransformersModule builds its model from `transformers_model`; do not also give `model_provider`"
             )
         super().__init__(**kwargs)

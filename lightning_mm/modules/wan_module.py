@@ -39,6 +39,7 @@ from lightning_mm.diffusers.flops import WanFlopCounter
 from lightning_mm.diffusers.flow_matching import FlowMatchSample, WanFlowMatchSchedule, draw, draw_generator
 from lightning_mm.diffusers.model import DiffusersModel, DiffusersModelConfig
 from lightning_mm.diffusers.wan_diffusion import WanDiffusion, mindspeed_fsdp2_config
+from lightning_mm.errors import ConfigError, DataError, InputKeyError, InputTypeError, StateError
 from lightning_mm.hf.flops import UnsupportedFlopsModel
 from lightning_mm.modules.lightning_module import MMLightningModule
 
@@ -74,7 +75,7 @@ class MMWanModule(MMLightningModule):
         **kwargs: Any,
     ) -> None:
         if kwargs.get("model_provider") is not None:
-            raise ValueError("MMWanModule builds its model from `diffusers_model`; do not also give `model_provider`")
+            raise ConfigError("MMWanModule builds its model from `diffusers_model`; do not also give `model_provider`")
         if fsdp2_config is not None and not hasattr(fsdp2_config, "sub_modules_to_wrap"):
             fsdp2_config = mindspeed_fsdp2_config(fsdp2_config)
         super().__init__(fsdp2_config=fsdp2_config, **kwargs)
@@ -83,19 +84,19 @@ class MMWanModule(MMLightningModule):
         schedule = dict(schedule or {})
         scheduler_id = schedule.pop("model_id", "wan_flow_match_scheduler")
         if scheduler_id != "wan_flow_match_scheduler":
-            raise ValueError(
+            raise ConfigError(
                 f"MMWanModule `schedule.model_id`: only 'wan_flow_match_scheduler' is implemented, got {scheduler_id!r}"
             )
         known = [f.name for f in fields(WanFlowMatchSchedule) if f.init]
         for key in schedule:
             if key not in known:
-                raise ValueError(
+                raise ConfigError(
                     f"MMWanModule `schedule.{key}`: not a key of the Wan flow-matching schedule"
                     + did_you_mean(str(key), known)
                 )
         self.schedule = WanFlowMatchSchedule(**schedule)
         if not isinstance(noise_seed, int) or isinstance(noise_seed, bool):
-            raise ValueError(f"MMWanModule `noise_seed` must be an integer, got {noise_seed!r}")
+            raise ConfigError(f"MMWanModule `noise_seed` must be an integer, got {noise_seed!r}")
         self.noise_seed = noise_seed
         self._draw_position: tuple[str, int, int] = ("", -1, 0)  # (stage, step, micro-batches drawn in it)
         self._wan_flops: WanFlopCounter | bool | None = None  # None: not looked for yet; False: none
@@ -119,7 +120,7 @@ class MMWanModule(MMLightningModule):
 
             predictor = getattr(self.model, "predictor", None)
             if predictor is None:
-                raise ValueError(
+                raise ConfigError(
                     f"MMWanModule: context parallelism needs a model with a Wan `predictor`, got "
                     f"{type(self.model).__name__}"
                 )
@@ -181,13 +182,13 @@ class MMWanModule(MMLightningModule):
         if self._seed.get_batch is not None:
             batch = super().get_batch(batch)
         if not isinstance(batch, Mapping):
-            raise TypeError(
+            raise InputTypeError(
                 f"MMWanModule: a batch must be a mapping with keys {list(_REQUIRED)}, got {type(batch).__name__}"
             )
         unknown = sorted(set(batch) - set(WAN_BATCH_KEYS))
         missing = [k for k in _REQUIRED if k not in batch]
         if unknown or missing:
-            raise KeyError(
+            raise InputKeyError(
                 f"MMWanModule: batch keys {sorted(batch)}: "
                 + "; ".join(
                     ([f"missing {missing}"] if missing else [])
@@ -196,7 +197,7 @@ class MMWanModule(MMLightningModule):
             )
         latents = batch["latents"]
         if not isinstance(latents, torch.Tensor) or latents.ndim != 5:
-            raise ValueError(
+            raise DataError(
                 f"MMWanModule: `latents` must be a (batch, channels, frames, height, width) tensor, got "
                 f"{getattr(latents, 'shape', type(latents).__name__)}"
             )
@@ -217,7 +218,7 @@ class MMWanModule(MMLightningModule):
         if self._seed.forward_step is not None or not isinstance(batch, Mapping):
             return super().forward_step(batch)
         if self.model is None:
-            raise RuntimeError("MMWanModule.model is not built (configure_model has not run)")
+            raise StateError("MMWanModule.model is not built (configure_model has not run)")
         return self.model(**{k: v for k, v in batch.items() if k != FLOW_KEY})
 
     @override
@@ -226,5 +227,7 @@ class MMWanModule(MMLightningModule):
             return super().loss_func(output, batch)
         flow = batch.get(FLOW_KEY) if isinstance(batch, Mapping) else None
         if not isinstance(flow, FlowMatchSample):
-            raise TypeError("MMWanModule.loss_func needs the batch's flow-matching draw (the `flow` key of get_batch)")
+            raise InputTypeError(
+                "MMWanModule.loss_func needs the batch's flow-matching draw (the `flow` key of get_batch)"
+            )
         return self.schedule.loss(output, flow)

@@ -23,7 +23,7 @@ import lightning_mm.hf  # noqa: F401 - registers the `hf` and `lora` checkpoint 
 from lightning_mm import checkpoint as ckpt
 from lightning_mm._compat import attached_trainer
 from lightning_mm.checkpoint import hf_weights
-from lightning_mm.errors import ConfigError
+from lightning_mm.errors import ConfigError, InputTypeError
 from lightning_mm.hf.checkpoint_format import HF_FORMATS, plan_weights
 from lightning_mm.strategies.async_save import AsyncSaver
 
@@ -107,18 +107,18 @@ class StrategyCheckpoints:
         self.checkpoint_format = checkpoint_format
         self.save_dtype = hf_weights.check_dtype(save_ckpt_dtype)
         if save_ckpt_dtype is not None and checkpoint_format not in HF_FORMATS:
-            raise ValueError(
+            raise ConfigError(
                 f"save_ckpt_dtype={save_ckpt_dtype!r} casts the Hugging Face weights of a checkpoint: it needs "
                 f"checkpoint_format 'hf' or 'torch_dcp+hf', not {checkpoint_format!r}"
             )
         self.save_ckpt_dtype = save_ckpt_dtype
         if storage_options is not None and not isinstance(storage_options, Mapping):
-            raise TypeError(f"storage_options must be a dict, got {type(storage_options).__name__}")
+            raise InputTypeError(f"storage_options must be a dict, got {type(storage_options).__name__}")
         self.storage_options = dict(storage_options) if storage_options is not None else None
         if not isinstance(async_save, bool):
-            raise TypeError(f"async_save must be True or False, got {async_save!r}")
+            raise InputTypeError(f"async_save must be True or False, got {async_save!r}")
         if async_save and checkpoint_format in HF_FORMATS:
-            raise ValueError(
+            raise ConfigError(
                 f"async_save=True cannot write checkpoint_format={checkpoint_format!r} in the background (its Hugging "
                 "Face weights are read from the live model); use 'torch_dcp' or 'torch'"
             )
@@ -137,7 +137,7 @@ class StrategyCheckpoints:
     @checkpoint_format.setter
     def checkpoint_format(self, value: str) -> None:
         if value not in CHECKPOINT_FORMATS:
-            raise ValueError(f"checkpoint_format must be one of {CHECKPOINT_FORMATS}, got {value!r}")
+            raise ConfigError(f"checkpoint_format must be one of {CHECKPOINT_FORMATS}, got {value!r}")
         self._format = value
 
     @property
@@ -149,12 +149,12 @@ class StrategyCheckpoints:
         """Before a save or load: the strategy writes its checkpoints itself (a CheckpointIO plugin other than
         Lightning's default cannot take part) and loads them ``weights_only``."""
         if io is not None and type(io) is not TorchCheckpointIO:
-            raise TypeError(
+            raise InputTypeError(
                 f"MMFSDP2Strategy writes its checkpoints itself (checkpoint_format={self.checkpoint_format!r}); the "
                 f"{type(io).__name__} plugin cannot be used with it"
             )
         if weights_only is False:
-            raise ValueError(
+            raise ConfigError(
                 "MMFSDP2Strategy loads checkpoints weights_only (no pickled code is run); "
                 "weights_only=False is not supported"
             )
@@ -179,7 +179,7 @@ class StrategyCheckpoints:
                     "symbolic links); use save_last: true"
                 )
             if self.checkpoint_format != "torch_dcp":
-                raise ValueError(
+                raise ConfigError(
                     f"ModelCheckpoint({shown}): checkpoint_format={self.checkpoint_format!r} cannot be written to "
                     "a URL; checkpoints at URLs are 'torch_dcp' directories"
                 )
@@ -199,7 +199,7 @@ class StrategyCheckpoints:
         """Write ``checkpoint`` at ``target`` (a path or URL, the same on every rank); visible once complete."""
         url = ckpt.remote.is_url(target)
         if storage_options is not None and not url:
-            raise TypeError(
+            raise InputTypeError(
                 "MMFSDP2Strategy writes its checkpoints itself; `storage_options` is only used for checkpoints at "
                 "URLs (s3://...)"
             )
@@ -250,7 +250,7 @@ class StrategyCheckpoints:
     ) -> None:
         """``checkpoint_format`` ``"hf"`` (the weights only, as safetensors) or ``"torch_dcp+hf"`` (both)."""
         if isinstance(path, str):
-            raise ValueError(
+            raise ConfigError(
                 f"{path}: checkpoint_format={self.checkpoint_format!r} cannot be written to a URL; checkpoints at "
                 "URLs are 'torch_dcp' directories"
             )

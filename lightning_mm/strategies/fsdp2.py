@@ -40,6 +40,7 @@ from lightning_mm.core.layout import config_layout
 from lightning_mm.core.optimizer import FusedSteps
 from lightning_mm.core.plan import ShardingPlan
 from lightning_mm.core.sharded_run import PlannedRun, ShardedRun, data_parallel_sampler_kwargs, plan_run
+from lightning_mm.errors import InputTypeError, StateError
 from lightning_mm.strategies import setup_checks, stopping
 from lightning_mm.strategies.checkpoints import StrategyCheckpoints
 from lightning_mm.strategies.cp_setup import ContextParallelSetup
@@ -175,7 +176,7 @@ class MMFSDP2Strategy(ParallelStrategy):
         self._runs = stopping.StrategyRuns(stop_timeout)
         self._context_parallel = ContextParallelSetup(context_parallel_size, context_parallel_algo)
         if not isinstance(stop_on_nonfinite, bool):
-            raise TypeError(f"stop_on_nonfinite must be True or False, got {stop_on_nonfinite!r}")
+            raise InputTypeError(f"stop_on_nonfinite must be True or False, got {stop_on_nonfinite!r}")
         self.stop_on_nonfinite = stop_on_nonfinite
 
     # ------------------------------------------------------------------------------------ properties
@@ -219,7 +220,7 @@ class MMFSDP2Strategy(ParallelStrategy):
     @property
     def device_mesh(self) -> DeviceMesh:
         if self.sharded_run.mesh is None:
-            raise RuntimeError("The device mesh exists once the processes are initialised (`setup_environment`).")
+            raise StateError("The device mesh exists once the processes are initialised (`setup_environment`).")
         return self.sharded_run.mesh
 
     @property

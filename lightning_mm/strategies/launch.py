@@ -30,6 +30,7 @@ from typing_extensions import override
 from lightning_mm._compat import _Launcher, _SubprocessScriptLauncher, last_checkpoints
 from lightning_mm.checkpoint.errors import CheckpointNotFoundError
 from lightning_mm.checkpoint.remote import is_url
+from lightning_mm.errors import ConfigError
 
 __all__ = [
     "dangling_last_link",
@@ -79,7 +80,7 @@ def check_ckpt_path(function: Callable, args: tuple, kwargs: dict, trainer: pl.T
             if isinstance(cb, ModelCheckpoint) and is_url(str(cb.dirpath))
         )
         if remote:
-            raise ValueError(
+            raise ConfigError(
                 f'ckpt_path="last" with ModelCheckpoint(dirpath={remote[0]!r}): Lightning looks for '
                 f'"last" on local paths only; pass the URL itself, ckpt_path="{remote[0]}/last.ckpt"'
             )

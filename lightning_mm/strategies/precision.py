@@ -23,6 +23,7 @@ from lightning_mm._compat import attached_trainer
 from lightning_mm.core import finite
 from lightning_mm.core.grad_clip import clip_grads_with_norm_, total_grad_norm
 from lightning_mm.core.precision_policy import SUPPORTED_PRECISION, TRUE_DTYPES, check_supported_precision
+from lightning_mm.errors import InputTypeError
 
 __all__ = ["MMFSDP2Precision", "SUPPORTED_PRECISION", "as_mm_precision"]
 
@@ -149,7 +150,7 @@ def as_mm_precision(plugin: Precision | None) -> MMFSDP2Precision | None:
     if plugin is None or isinstance(plugin, MMFSDP2Precision):
         return plugin
     if type(plugin).__name__ not in _STOCK_PRECISION:
-        raise TypeError(
+        raise InputTypeError(
             f"MMFSDP2Strategy handles precision itself and cannot use {type(plugin).__name__}; pass "
             "Trainer(precision=...) or MMFSDP2Precision"
         )

@@ -14,6 +14,7 @@ from torch import nn
 from torch.optim import Optimizer
 
 from lightning_mm.core.optimizer import FusedSteps
+from lightning_mm.errors import InputTypeError
 
 __all__ = ["convert_sync_batchnorm", "refuse_unsupported_callbacks", "choose_fused_optimizer_steps"]
 
@@ -36,7 +37,7 @@ def convert_sync_batchnorm(layer_sync: Any, root: nn.Module, device: torch.devic
     """``Trainer(sync_batchnorm=True)``: convert the BatchNorm layers before sharding, as DDP and FSDP do."""
     converted = layer_sync.apply(root)
     if converted is not root:
-        raise TypeError(
+        raise InputTypeError(
             f"{type(layer_sync).__name__} replaced the LightningModule itself; MMFSDP2Strategy can only convert "
             "layers inside it"
         )

@@ -53,6 +53,8 @@ from typing import Any
 from lightning.fabric.plugins.environments import LightningEnvironment
 from lightning.pytorch.utilities.exceptions import SIGTERMException
 
+from lightning_mm.errors import ConfigError, InputTypeError
+
 __all__ = [
     "RunGuard",
     "SIGNAL_EXIT_STATUS",
@@ -76,10 +78,10 @@ _LAUNCHED: list[subprocess.Popen] = []  # every rank process this process launch
 def check_stop_timeout(value: Any) -> float:
     """``value`` as seconds, when it is a positive finite number a thread can wait for; a clear error otherwise."""
     if isinstance(value, bool) or not isinstance(value, numbers.Real):
-        raise TypeError(f"stop_timeout must be a number of seconds, got {value!r}")
+        raise InputTypeError(f"stop_timeout must be a number of seconds, got {value!r}")
     seconds = float(value)
     if not (math.isfinite(seconds) and 0 < seconds <= threading.TIMEOUT_MAX):
-        raise ValueError(
+        raise ConfigError(
             f"stop_timeout must be a positive, finite number of seconds (at most "
             f"{threading.TIMEOUT_MAX:g}), got {value!r}"
         )
