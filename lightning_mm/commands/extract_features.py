@@ -1,0 +1,258 @@
+"""``lightning-mm extract-features``: MindSpeed MM's Wan 2.1 text-to-video feature extraction
+(``examples/wan2.1/feature_extract/feature_extraction.sh``, ``mindspeed_mm/tools/feature_extraction/
+get_wan_feature.py``) in one process, writing the features ``dataset_type: feature`` trains on.
+
+    lightning-mm extract-features --data data.json --model model_t2v.json --output OUT [--device cuda]
+
+``--data``: a data config as the Wan raw-video path reads it (``dataset_param.basic_parameters.data_path``: the
+records, JSON lines or a JSON list, each with the video ``path``, relative to ``data_folder`` and inside it, and its
+caption ``cap``; ``preprocess_parameters`` ``num_frames``, ``frame_interval``, ``max_height``, ``max_width``;
+``tokenizer_config``: ``from_pretrained`` and ``model_max_length``; ``enable_text_preprocessing`` with
+``text_preprocess_methods`` ``whitespace_clean``). ``--model``: MindSpeed MM's feature-extraction ``model.json``
+(``ae.from_pretrained``: the diffusers ``AutoencoderKLWan`` directory, ``text_encoder.from_pretrained``: the
+``UMT5EncoderModel`` directory); ``--vae``, ``--text-encoder`` and ``--tokenizer`` name or override them. Paths in
+the configs are relative to the working directory, as MindSpeed MM reads them.
+
+Frames are decoded, resized and centre-cropped as the raw-video training path does
+(:func:`~lightning_mm.datamodules.wan_video.decode_model_frames`); the features are those of
+:mod:`lightning_mm.diffusers.feature_extraction`. Every output file (``OUT/features/*.pt``, ``OUT/data.jsonl``) must
+not exist yet: an existing one is refused, naming it, before any work. ``task: i2v`` (first-frame and CLIP image
+conditioning) is refused.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+from lightning_mm.errors import ConfigError
+
+__all__ = ["main", "ExtractionPlan", "plan_extraction", "run_extraction"]
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="lightning-mm extract-features", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--data", required=True, help="the data config (MindSpeed MM's data.json)")
+    parser.add_argument("--model", default=None, help="MindSpeed MM's feature-extraction model.json (ae, text_encoder)")
+    parser.add_argument("--vae", default=None, help="AutoencoderKLWan save_pretrained directory (default: ae)")
+    parser.add_argument("--text-encoder", default=None, help="UMT5EncoderModel directory (default: text_encoder)")
+    parser.add_argument("--tokenizer", default=None, help="tokenizer directory (default: tokenizer_config)")
+    parser.add_argument("--output", required=True, help="output directory (features/ and data.jsonl are written)")
+    parser.add_argument("--device", default="cpu", help="torch device of the encoders (default cpu)")
+    return parser
+
+
+class ExtractionPlan:
+    """What one run reads and writes, all checked before any work."""
+
+    def __init__(self) -> None:
+        self.records: list[dict[str, Any]] = []
+        self.videos: list[Path] = []
+        self.captions: list[str] = []
+        self.names: list[str] = []
+        self.num_frames = self.frame_interval = self.height = self.width = 0
+        self.max_length = 0
+        self.clean_text = False
+        self.vae = self.text_encoder = self.tokenizer = Path()
+
+
+def _fail(source: str, key: str, message: str) -> ConfigError:
+    return ConfigError(f"{source}: `{key}`: {message}")
+
+
+def _read_json(path: Path, what: str) -> Mapping[str, Any]:
+    try:
+        value = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, ValueError) as err:
+        raise ConfigError(f"{what} {path}: not a readable JSON file ({err})") from None
+    if not isinstance(value, Mapping):
+        raise ConfigError(f"{what} {path}: must hold a JSON object")
+    return value
+
+
+def _positive(pre: Mapping[str, Any], key: str, source: str, default: int | None = None) -> int:
+    value = pre.get(key, default)
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise _fail(source, f"dataset_param.preprocess_parameters.{key}", f"expected an integer >= 1, got {value!r}")
+    return value
+
+
+def _records(path: Path) -> list[tuple[int, Any]]:
+    text = path.read_text(encoding="utf-8")
+    if text.lstrip().startswith("["):
+        try:
+            return list(enumerate(json.loads(text), start=1))
+        except ValueError as err:
+            raise ConfigError(f"{path}: not a JSON list ({err})") from None
+    out = []
+    for number, line in enumerate(text.splitlines(), start=1):
+        if not line.strip():
+            continue
+        try:
+            out.append((number, json.loads(line)))
+        except ValueError as err:
+            raise ConfigError(f"{path}:{number}: not JSON ({err})") from None
+    return out
+
+
+def plan_extraction(
+    data: Path,
+    model: Path | None,
+    output: Path,
+    vae: str | None = None,
+    text_encoder: str | None = None,
+    tokenizer: str | None = None,
+) -> ExtractionPlan:
+    """Read and check the configs, the records and the outputs; raises naming the key, line or file."""
+    from lightning_mm.diffusers.feature_extraction import check_outputs, feature_file_name
+
+    plan = ExtractionPlan()
+    source = str(data)
+    config = _read_json(data, "--data")
+    param = config.get("dataset_param")
+    if not isinstance(param, Mapping):
+        raise _fail(source, "dataset_param", "missing")
+    model_config = _read_json(model, "--model") if model is not None else {}
+    task = model_config.get("task", "t2v")
+    if task != "t2v":
+        raise ConfigError(
+            f"{model}: `task: {task}`: only text-to-video features are extracted here (image-to-video's first-frame "
+            "and CLIP image conditioning are not)"
+        )
+    basic = param.get("basic_parameters")
+    if not isinstance(basic, Mapping) or not isinstance(basic.get("data_path"), str):
+        raise _fail(source, "dataset_param.basic_parameters.data_path", "missing: the records (video `path`, `cap`)")
+    data_path = Path(basic["data_path"]).resolve()
+    folder = Path(basic.get("data_folder") or data_path.parent).resolve()
+    if not data_path.is_file():
+        raise _fail(source, "dataset_param.basic_parameters.data_path", f"'{data_path}' does not exist")
+    if not folder.is_dir():
+        raise _fail(source, "dataset_param.basic_parameters.data_folder", f"'{folder}' is not a directory")
+    pre = param.get("preprocess_parameters")
+    if not isinstance(pre, Mapping):
+        raise _fail(source, "dataset_param.preprocess_parameters", "missing: num_frames, max_height, max_width")
+    plan.num_frames = _positive(pre, "num_frames", source)
+    plan.frame_interval = _positive(pre, "frame_interval", source, 1)
+    plan.height = _positive(pre, "max_height", source)
+    plan.width = _positive(pre, "max_width", source)
+    tok = param.get("tokenizer_config") or {}
+    if not isinstance(tok, Mapping):
+        raise _fail(source, "dataset_param.tokenizer_config", "expected an object")
+    plan.max_length = tok.get("model_max_length", 512)
+    if isinstance(plan.max_length, bool) or not isinstance(plan.max_length, int) or plan.max_length < 1:
+        raise _fail(source, "dataset_param.tokenizer_config.model_max_length", f"got {plan.max_length!r}")
+    plan.clean_text = bool(param.get("enable_text_preprocessing", False))
+    methods = param.get("text_preprocess_methods")
+    if plan.clean_text and methods is not None:
+        names = [
+            m.get("method") if isinstance(m, Mapping) else m
+            for m in (methods if isinstance(methods, list) else [methods])
+        ]
+        if names != ["whitespace_clean"]:
+            raise _fail(source, "dataset_param.text_preprocess_methods", f"{names}: only whitespace_clean is done here")
+    sections = (
+        ("--vae", vae, model_config.get("ae"), "ae.from_pretrained"),
+        ("--text-encoder", text_encoder, model_config.get("text_encoder"), "text_encoder.from_pretrained"),
+        ("--tokenizer", tokenizer, tok, "dataset_param.tokenizer_config.from_pretrained"),
+    )
+    paths = []
+    for flag, given, section, key in sections:
+        value = given if given is not None else (section or {}).get("from_pretrained")
+        if not isinstance(value, str):
+            raise ConfigError(f"{flag}: not given and no `{key}` in the configs")
+        paths.append(Path(value))
+    plan.vae, plan.text_encoder, plan.tokenizer = paths
+    seen: dict[str, str] = {}
+    for number, record in _records(data_path):
+        where = f"{data_path}:{number}"
+        if not isinstance(record, dict) or not isinstance(record.get("path"), str) or not record["path"]:
+            raise ConfigError(f"{where}: a record needs the video `path`")
+        caption = record.get("cap")
+        if isinstance(caption, list) and len(caption) == 1:
+            caption = caption[0]
+        if not isinstance(caption, str):
+            raise ConfigError(f"{where}: `cap` must be one caption (a string), got {caption!r}")
+        video = (folder / record["path"]).resolve()
+        if not video.is_relative_to(folder):
+            raise ConfigError(f"{where}: `path` {record['path']!r} resolves outside {folder}")
+        if not video.is_file():
+            raise ConfigError(f"{where}: video {record['path']!r} does not exist in {folder}")
+        name = feature_file_name(record["path"])
+        if name in seen:
+            raise ConfigError(f"{where}: its feature file {name} is also that of {seen[name]} (same video name)")
+        seen[name] = where
+        plan.records.append(record)
+        plan.videos.append(video)
+        plan.captions.append(caption)
+        plan.names.append(name)
+    if not plan.records:
+        raise ConfigError(f"{data_path}: no records")
+    check_outputs(output, ["data.jsonl", *(f"features/{n}" for n in plan.names)])
+    return plan
+
+
+def run_extraction(plan: ExtractionPlan, output: Path, device: str = "cpu") -> Path:
+    """Encode every record and write its features, then ``OUT/data.jsonl``; returns that file."""
+    from lightning_mm.datamodules.records import DataError
+    from lightning_mm.datamodules.wan_video import decode_model_frames, probe_video
+    from lightning_mm.diffusers.feature_extraction import (
+        WanFeatureEncoders,
+        check_outputs,
+        save_features,
+        whitespace_clean,
+    )
+
+    for video in plan.videos:  # a bad clip fails before anything is written
+        problem = probe_video(video, plan.num_frames, plan.frame_interval)
+        if problem is not None:
+            raise DataError(f"{video}: {problem}")
+    encoders = WanFeatureEncoders.load(plan.vae, plan.text_encoder, plan.tokenizer, plan.max_length, device)
+    features = output / "features"
+    features.mkdir(parents=True, exist_ok=True)
+    lines = []
+    for record, video, caption, name in zip(plan.records, plan.videos, plan.captions, plan.names):
+        frames = decode_model_frames(video, plan.num_frames, plan.frame_interval, plan.height, plan.width)
+        prompt, mask = encoders.encode_text(whitespace_clean(caption) if plan.clean_text else caption)
+        (path,) = check_outputs(output, [f"features/{name}"])
+        save_features(path, {"video": encoders.encode_video(frames), "prompt_ids": prompt, "prompt_mask": mask})
+        kept = {k: v for k, v in record.items() if k not in ("path", "file")}
+        lines.append(json.dumps({**kept, "source_path": record["path"], "file": f"features/{name}"}))
+    (jsonl,) = check_outputs(output, ["data.jsonl"])
+    with open(jsonl, "x", encoding="utf-8") as handle:
+        handle.write("\n".join(lines) + "\n")
+    return jsonl
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = _parser().parse_args(list(sys.argv[1:] if argv is None else argv))
+    from lightning_mm.commands.failure import one_line, traceback_requested, user_error
+
+    output = Path(args.output)
+    try:
+        plan = plan_extraction(
+            Path(args.data),
+            Path(args.model) if args.model else None,
+            output,
+            args.vae,
+            args.text_encoder,
+            args.tokenizer,
+        )
+        jsonl = run_extraction(plan, output, args.device)
+    except Exception as error:  # the user's to fix: one line (see lightning_mm.commands.failure); a bug: traceback
+        cause = None if traceback_requested() else user_error(error)
+        if cause is None:
+            raise
+        print(f"lightning-mm extract-features: error: {one_line(cause)}", file=sys.stderr)
+        return 1
+    print(f"wrote {len(plan.records)} feature file(s) and {jsonl}")
+    print(
+        "train on them with a data config of `dataset_type: feature`, `basic_parameters.data_path: "
+        f"{jsonl}`, `data_folder: {jsonl.parent}`"
+    )
+    return 0
