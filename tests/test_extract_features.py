@@ -39,7 +39,9 @@ def _workdir(root: Path) -> dict[str, Path]:
     for name in CAPTIONS:
         _write_clip(clips / name, 7, 48, 64)
     records = [{"path": name, "cap": cap, "resolution": {"h": 48}} for name, cap in CAPTIONS.items()]
-    (clips / "data.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
+    # MindSpeed MM's data_storage_mode combine: data.txt lines `video folder,annotation JSON list`
+    (clips / "anno.json").write_text(json.dumps(records))
+    (root / "data.txt").write_text(f"{clips},{clips / 'anno.json'}\n")
     torch.manual_seed(0)
     AutoencoderKLWan(**VAE).save_pretrained(root / "vae")
     config = UMT5Config(vocab_size=len(WORDS), d_model=16, d_kv=8, d_ff=32, num_layers=2, num_heads=2)
@@ -49,7 +51,7 @@ def _workdir(root: Path) -> dict[str, Path]:
     data = {
         "dataset_param": {
             "dataset_type": "t2v",
-            "basic_parameters": {"data_path": str(clips / "data.jsonl"), "data_folder": str(clips)},
+            "basic_parameters": {"data_path": str(root / "data.txt"), "data_storage_mode": "combine"},
             "preprocess_parameters": {"num_frames": 5, "frame_interval": 1, "max_height": 32, "max_width": 32},
             "use_text_processer": True,
             "enable_text_preprocessing": True,
@@ -186,12 +188,10 @@ def test_existing_outputs_and_i2v_are_refused_before_any_work(
     i2v.write_text(json.dumps({**json.loads(extracted["model"].read_text()), "task": "i2v"}))
     assert main(["extract-features", "--data", str(extracted["data"]), "--model", str(i2v), "--output", str(out)]) == 1
     assert "`task: i2v`: only text-to-video features" in capsys.readouterr().err
-    records = extracted["clips"] / "data.jsonl"
     data = json.loads(extracted["data"].read_text())
     escape = tmp_path / "escape.jsonl"
     escape.write_text(json.dumps({"path": "../../x.mp4", "cap": "a"}) + "\n")
-    data["dataset_param"]["basic_parameters"]["data_path"] = str(escape)
-    data["dataset_param"]["basic_parameters"]["data_folder"] = str(records.parent)
+    data["dataset_param"]["basic_parameters"] = {"data_path": str(escape), "data_folder": str(extracted["clips"])}
     (tmp_path / "escape.json").write_text(json.dumps(data))
     argv = ["extract-features", "--data", str(tmp_path / "escape.json"), "--model", str(extracted["model"])]
     assert main([*argv, "--output", str(tmp_path / "o2")]) == 1

@@ -101,6 +101,45 @@ def _records(path: Path) -> list[tuple[int, Any]]:
     return out
 
 
+def _combine(path: Path) -> list[tuple[Path, Path]]:
+    """The ``(annotation file, video folder)`` of each ``folder,annotation.json`` line of MindSpeed MM's
+    ``data_storage_mode: combine`` ``data.txt`` (relative paths from the working directory, as MindSpeed MM's)."""
+    out = []
+    for number, line in enumerate(path.read_text(encoding="utf-8").splitlines(), start=1):
+        if not line.strip():
+            continue
+        parts = line.strip().split(",")
+        if len(parts) != 2:
+            raise ConfigError(f"{path}:{number}: expected `video folder,annotation file`, got {line.strip()!r}")
+        folder, annotation = Path(parts[0]).resolve(), Path(parts[1]).resolve()
+        if not folder.is_dir():
+            raise ConfigError(f"{path}:{number}: '{folder}' is not a directory")
+        if not annotation.is_file():
+            raise ConfigError(f"{path}:{number}: '{annotation}' does not exist")
+        out.append((annotation, folder))
+    return out
+
+
+_AE_APPLIED = {"model_id": "wan_video_vae", "from_pretrained": None, "norm_latents": True, "do_sample": False}
+_AE_NOTED = ("dtype", "enable_tiling", "tiling_param", "norm_mode")
+
+
+def _check_ae(ae: Any, source: str) -> None:
+    """MindSpeed MM's ``ae`` keys: the ones that change the latents must be as done here (the mode of the latent
+    distribution, normalised with the VAE config's mean and std); tiling and the dtype are noted as not applied."""
+    if not isinstance(ae, Mapping):
+        return
+    for key, value in ae.items():
+        if key in _AE_APPLIED:
+            wanted = _AE_APPLIED[key]
+            if wanted is not None and value != wanted:
+                raise _fail(source, f"ae.{key}", f"{value!r}: only {wanted!r} is done here")
+        elif key in _AE_NOTED:
+            print(f"note: {source}: `ae.{key}` is not applied (the VAE runs untiled, in its saved dtype)")
+        else:
+            raise _fail(source, f"ae.{key}", "not applied by extract-features (t2v only)")
+
+
 def plan_extraction(
     data: Path,
     model: Path | None,
@@ -129,11 +168,18 @@ def plan_extraction(
     if not isinstance(basic, Mapping) or not isinstance(basic.get("data_path"), str):
         raise _fail(source, "dataset_param.basic_parameters.data_path", "missing: the records (video `path`, `cap`)")
     data_path = Path(basic["data_path"]).resolve()
-    folder = Path(basic.get("data_folder") or data_path.parent).resolve()
     if not data_path.is_file():
         raise _fail(source, "dataset_param.basic_parameters.data_path", f"'{data_path}' does not exist")
-    if not folder.is_dir():
-        raise _fail(source, "dataset_param.basic_parameters.data_folder", f"'{folder}' is not a directory")
+    mode = basic.get("data_storage_mode", "combine" if data_path.suffix == ".txt" else None)
+    if mode == "combine":  # MindSpeed MM's data.txt: `folder,annotation.json` lines
+        sources = _combine(data_path)
+    elif mode is None:
+        folder = Path(basic.get("data_folder") or data_path.parent).resolve()
+        if not folder.is_dir():
+            raise _fail(source, "dataset_param.basic_parameters.data_folder", f"'{folder}' is not a directory")
+        sources = [(data_path, folder)]
+    else:
+        raise _fail(source, "dataset_param.basic_parameters.data_storage_mode", f"{mode!r}: only 'combine' is read")
     pre = param.get("preprocess_parameters")
     if not isinstance(pre, Mapping):
         raise _fail(source, "dataset_param.preprocess_parameters", "missing: num_frames, max_height, max_width")
@@ -169,8 +215,8 @@ def plan_extraction(
         paths.append(Path(value))
     plan.vae, plan.text_encoder, plan.tokenizer = paths
     seen: dict[str, str] = {}
-    for number, record in _records(data_path):
-        where = f"{data_path}:{number}"
+    for annotation, folder, number, record in ((a, f, n, r) for a, f in sources for n, r in _records(a)):
+        where = f"{annotation}:{number}"
         if not isinstance(record, dict) or not isinstance(record.get("path"), str) or not record["path"]:
             raise ConfigError(f"{where}: a record needs the video `path`")
         caption = record.get("cap")
@@ -193,6 +239,7 @@ def plan_extraction(
         plan.names.append(name)
     if not plan.records:
         raise ConfigError(f"{data_path}: no records")
+    _check_ae(model_config.get("ae"), str(model))
     check_outputs(output, ["data.jsonl", *(f"features/{n}" for n in plan.names)])
     return plan
 
