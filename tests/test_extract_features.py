@@ -17,6 +17,7 @@ from tests.wan_scenarios import TINY_WAN
 WORDS = ["<pad>", "</s>", "<unk>", "a", "red", "clip", "of", "the", "sea", "slow"]
 CAPTIONS = {"one.mp4": "a red  clip\tof the sea", "dir/two.v2.mp4": "the slow sea"}
 MAX_LENGTH = 6
+ROOT = Path(__file__).resolve().parents[1]
 
 
 def _tokenizer(path: Path) -> None:
@@ -197,3 +198,18 @@ def test_existing_outputs_and_i2v_are_refused_before_any_work(
     assert main([*argv, "--output", str(tmp_path / "o2")]) == 1
     assert "escape.jsonl:1: `path` '../../x.mp4' resolves outside" in capsys.readouterr().err
     assert not (tmp_path / "o2").exists()
+
+
+def test_migrate_names_the_command_for_mindspeeds_wan_feature_extraction_launch(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    from lightning_mm.cli import main
+
+    script = ROOT / "tests" / "data" / "mindspeed_corpus" / "examples" / "wan2.1" / "feature_extract"
+    assert main(["migrate", str(script / "feature_extraction.sh")]) == 1
+    err = capsys.readouterr().err
+    assert "refused (feature-extraction)" in err
+    assert (
+        "run `lightning-mm extract-features --data ./examples/wan2.1/feature_extract/data.json --model "
+        "./examples/wan2.1/feature_extract/model_t2v.json --output OUT`" in err
+    )

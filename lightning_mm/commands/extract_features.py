@@ -31,7 +31,19 @@ from typing import Any
 
 from lightning_mm.errors import ConfigError
 
-__all__ = ["main", "ExtractionPlan", "plan_extraction", "run_extraction"]
+__all__ = ["main", "ExtractionPlan", "plan_extraction", "run_extraction", "ENTRY_SCRIPT", "command_for_launch"]
+
+ENTRY_SCRIPT = "get_wan_feature.py"
+"""MindSpeed MM's Wan feature-extraction entry script, the launch this command stands for."""
+
+
+def command_for_launch(flags: Mapping[str, str | None]) -> str:
+    """What ``migrate`` says of a ``get_wan_feature.py`` launch with these flags: the command line to run instead."""
+    data, model = flags.get("--mm-data") or "DATA_JSON", flags.get("--mm-model") or "MODEL_JSON"
+    return (
+        f"run `lightning-mm extract-features --data {data} --model {model} --output OUT` from the launch directory "
+        "instead (one process; text-to-video only, `task: i2v` is refused)"
+    )
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -187,6 +199,12 @@ def plan_extraction(
     plan.frame_interval = _positive(pre, "frame_interval", source, 1)
     plan.height = _positive(pre, "max_height", source)
     plan.width = _positive(pre, "max_width", source)
+    others = sorted(k for k in pre if k not in ("num_frames", "frame_interval", "max_height", "max_width"))
+    if others:
+        print(
+            f"note: {source}: `dataset_param.preprocess_parameters` {others} are not applied (frames from the start, "
+            "short-side resized and centre-cropped, as the raw-video training path)"
+        )
     tok = param.get("tokenizer_config") or {}
     if not isinstance(tok, Mapping):
         raise _fail(source, "dataset_param.tokenizer_config", "expected an object")
