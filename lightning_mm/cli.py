@@ -30,6 +30,10 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "plan": ("lightning_mm.commands.plan", "print the resolved sharding plan and per-rank memory, no processes"),
     "migrate": ("lightning_mm.commands.migrate", "turn a MindSpeed MM / Megatron launch into a LightningCLI YAML"),
     "convert": ("lightning_mm.commands.convert", "checkpoints: dcp-to-torch, dcp-to-hf, hf-to-dcp (one process)"),
+    "extract-features": (
+        "lightning_mm.commands.extract_features",
+        "Wan text-to-video features (VAE latents, text embeddings) from videos, as MindSpeed MM's extraction",
+    ),
 }
 _TRAINING = ("fit", "validate", "test", "predict")
 _READS_CLASS_PATHS = (*_TRAINING, "plan")

@@ -29,9 +29,9 @@ REASONS: dict[str, str] = {
     "recipe is not built here: HunyuanVideo 1.5, LTX-2, Wan VACE's control-video conditioning",
     "invalid": "the file is not valid YAML / JSON as MindSpeed MM ships it",
     "feature-extraction": "MindSpeed MM's feature extraction (VAE latents and text-encoder embeddings written to disk "
-    "before training): lightning-mm reads those features (dataset_type feature) and encodes raw videos with a frozen "
-    "VAE while training (basic_parameters.vae_path), but has no command that writes them; it would need the job's "
-    "text encoder (UMT5) and tokenizer and a writer of MindSpeed MM's .pt / data.jsonl layout",
+    "before training) is not a training job: lightning-mm reads those features (dataset_type feature); Wan 2.1's "
+    "text-to-video extraction is the command `lightning-mm extract-features`, run by hand; the others (i2v, VACE, "
+    "HunyuanVideo, Sora, Lumina) are not written here",
 }
 """Reason code -> what it covers. Kept short on purpose: anything else either migrates or is a bug."""
 
