@@ -6,10 +6,6 @@ and so are the exceptions that jsonargparse collects while it tries the members 
 by class path fails that way: the message of the error from our ``__init__`` ends up as one line among many in
 jsonargparse's). Anything else is a bug and keeps its traceback.
 
-Until the MindSpeed MM translation layer (``_TRANSLATION_LAYER_PENDING``) raises the error family too, a
-``ValueError`` / ``LookupError`` / ``OSError`` / ``TypeError`` raised in one of its files, or an exception class
-defined in one of them, is also taken for ours.
-
 Imports nothing heavy: it runs before Lightning is imported.
 """
 
@@ -18,7 +14,6 @@ from __future__ import annotations
 import os
 from collections.abc import Iterator
 from pathlib import Path
-from types import TracebackType
 
 from lightning_mm.errors import LightningMMError
 
@@ -26,25 +21,6 @@ __all__ = ["TRACEBACK_ENV", "user_error", "one_line", "traceback_requested"]
 
 TRACEBACK_ENV = "LIGHTNING_MM_TRACEBACK"
 _PACKAGE_DIR = Path(__file__).resolve().parents[1]
-_PENDING_BUILTINS = (ValueError, LookupError, OSError, TypeError)
-_TRANSLATION_LAYER_PENDING = frozenset(
-    {  # files (under lightning_mm/) that still raise bare builtins; removed once they raise the error family
-        "commands/migrate.py",
-        "commands/native_route.py",
-        "commands/launch_script.py",
-        "commands/launch_kinds.py",
-        "commands/refusals.py",
-        "commands/newer_keys.py",
-        "commands/mindspeed_diffusion.py",
-        "commands/global_batch.py",
-        "core/native_config.py",
-        "hf/mindspeed_model.py",
-        "datamodules/mindspeed_data.py",
-        "datamodules/mindspeed_hf.py",
-        "datamodules/mindspeed_keys.py",
-        "datamodules/mindspeed_multimodal.py",
-    }
-)
 _WRAPPERS = ("jsonargparse",)  # libraries that keep the exceptions they swallow in local variables
 _MAX_SEARCHED = 200
 
@@ -54,38 +30,8 @@ def traceback_requested() -> bool:
     return os.environ.get(TRACEBACK_ENV, "") not in ("", "0")
 
 
-def _last_frame_file(tb: TracebackType | None) -> str | None:
-    last = None
-    while tb is not None:
-        last, tb = tb, tb.tb_next
-    return None if last is None else last.tb_frame.f_code.co_filename
-
-
-def _raised_in_pending_file(error: BaseException) -> bool:
-    filename = _last_frame_file(error.__traceback__)
-    if filename is None:
-        return False
-    try:
-        path = Path(filename).resolve()
-        return (
-            path.is_relative_to(_PACKAGE_DIR)
-            and path.relative_to(_PACKAGE_DIR).as_posix() in _TRANSLATION_LAYER_PENDING
-        )
-    except OSError:
-        return False
-
-
-def _defined_in_pending_file(kind: type) -> bool:
-    module = kind.__module__.split(".")
-    return module[0] == "lightning_mm" and "/".join(module[1:]) + ".py" in _TRANSLATION_LAYER_PENDING
-
-
 def _is_ours(error: BaseException) -> bool:
-    if isinstance(error, LightningMMError):
-        return True
-    if any(_defined_in_pending_file(kind) for kind in type(error).__mro__):  # e.g. MigrateError raised by _yaml.py
-        return True
-    return isinstance(error, _PENDING_BUILTINS) and _raised_in_pending_file(error)
+    return isinstance(error, LightningMMError)
 
 
 def _swallowed(error: BaseException) -> Iterator[BaseException]:

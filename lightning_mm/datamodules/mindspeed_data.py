@@ -27,6 +27,7 @@ from lightning_mm._yaml import load_mapping, short_repr
 from lightning_mm.datamodules.data_config import DataConfigError
 from lightning_mm.datamodules.mindspeed_keys import check_keys, strict_or_warn
 from lightning_mm.datamodules.records import DataReport
+from lightning_mm.errors import MissingFileError
 from lightning_mm.mindspeed.keys import KeyReader
 
 __all__ = ["MindSpeedDataConfig", "read_data_file", "parse_section", "build_datasets"]
@@ -88,7 +89,7 @@ def read_data_file(path: str | os.PathLike) -> MindSpeedDataConfig | None:
 
     path = Path(path)
     if not path.is_file():
-        raise FileNotFoundError(f"data config not found: {path}")
+        raise MissingFileError(f"data config not found: {path}")
     found = data_section(load_mapping(path, error=DataConfigError))
     if found is None:
         return None

@@ -25,7 +25,7 @@ from typing import Any
 
 import torch
 
-from lightning_mm.errors import LightningMMError
+from lightning_mm.errors import ConfigError, LightningMMError, MissingFileError
 
 __all__ = [
     "FeatureOutputError",
@@ -89,9 +89,9 @@ def text_encoder_class(path: Path) -> str:
     try:
         architectures = json.loads(config.read_text(encoding="utf-8")).get("architectures") or []
     except (OSError, ValueError) as err:
-        raise FileNotFoundError(f"{config}: not a readable config.json ({err})") from None
+        raise MissingFileError(f"{config}: not a readable config.json ({err})") from None
     if len(architectures) != 1 or architectures[0] not in TEXT_ENCODERS:
-        raise ValueError(f"{config}: architectures {architectures}: the Wan text encoder is one of {TEXT_ENCODERS}")
+        raise ConfigError(f"{config}: architectures {architectures}: the Wan text encoder is one of {TEXT_ENCODERS}")
     return str(architectures[0])
 
 
@@ -116,7 +116,7 @@ class WanFeatureEncoders:
 
         for what, path in (("--vae", vae), ("--text-encoder", text_encoder), ("--tokenizer", tokenizer)):
             if not path.is_dir():
-                raise FileNotFoundError(f"{what} {path}: not a save_pretrained directory")
+                raise MissingFileError(f"{what} {path}: not a save_pretrained directory")
         target = torch.device(device)
         loaded_vae = AutoencoderKLWan.from_pretrained(vae, local_files_only=True).to(target).eval()
         encoder_class = getattr(transformers, text_encoder_class(text_encoder))

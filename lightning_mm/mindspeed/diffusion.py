@@ -20,6 +20,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
+from lightning_mm.mindspeed.keys import MindSpeedConfigError
+
 __all__ = [
     "WAN_MODULE",
     "WAN_LORA_TARGETS",
@@ -135,7 +137,7 @@ def wan_module_config(config: Mapping[str, Any], source: str, weights: str | Non
     predictor = config["predictor"]
     model_id = predictor.get("model_id")
     if model_id not in _PREDICTOR_IDS:
-        raise ValueError(f"{source}: predictor.model_id {model_id!r}: only Wan's `wandit` is built in here")
+        raise MindSpeedConfigError(f"{source}: predictor.model_id {model_id!r}: only Wan's `wandit` is built in here")
     out.mapped.append(
         f"predictor.model_id {model_id} -> {WAN_MODULE} with diffusers' WanTransformer3DModel (DiffusersModel)"
     )

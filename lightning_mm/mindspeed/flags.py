@@ -10,6 +10,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from lightning_mm.errors import ConfigError
 from lightning_mm.mindspeed.files import load_yaml
 from lightning_mm.mindspeed.keys import MindSpeedConfigError, expected_number, read_number
 from lightning_mm.mindspeed.launch_script import read_text_file
@@ -17,6 +18,7 @@ from lightning_mm.mindspeed.report import MigrationReport
 
 __all__ = [
     "FLAGS",
+    "UnreadFlagValue",
     "FlagState",
     "MEGATRON_MODEL_FLAGS",
     "SEED_FUNCTIONS",
@@ -24,8 +26,14 @@ __all__ = [
     "TRANSFORMERS_MODULE",
 ]
 
+
 # MMFSDP2Strategy's __init__ arguments, listed here so that migrating never imports Lightning
 # (tests/test_migrate.py checks the list against the class).
+class UnreadFlagValue(ConfigError):
+    """A flag's value that is not a number (e.g. a shell variable the reader could not evaluate): the report names
+    the flag NOT mapped, where a number out of its range is a :class:`MindSpeedConfigError`."""
+
+
 STRATEGY_ARGS = frozenset(
     {
         "fsdp2_config",
@@ -96,7 +104,7 @@ def _number(value: str | None, flag: str) -> float:
     try:
         float(value)  # type: ignore[arg-type]
     except (TypeError, ValueError):
-        raise ValueError(f"{flag} needs a number, got {value!r}") from None
+        raise UnreadFlagValue(f"{flag} needs a number, got {value!r}") from None
     low, high, integer = _RANGES.get(flag, (None, None, False))
     number = read_number(value, integer, low, high)
     if number is None:  # refused, not merely left out

@@ -220,7 +220,7 @@ def split_words(text: str) -> list[str]:
                 current, in_word = [], False
             continue
         if match.group(2) is not None:
-            raise ValueError("No closing quotation" if piece in "'\"" else "No escaped character")
+            raise MindSpeedConfigError("No closing quotation" if piece in "'\"" else "No escaped character")
         in_word = True
         if piece[0] == "'":
             current.append(piece[1:-1])

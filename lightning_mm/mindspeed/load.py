@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal
 
 from lightning_mm.core.config import FSDP2Config
+from lightning_mm.errors import MissingFileError
 from lightning_mm.mindspeed.keys import MindSpeedConfigError
 
 if TYPE_CHECKING:
@@ -92,7 +93,7 @@ def data_file_format(path: str | os.PathLike, error: type[Exception]) -> Literal
 
     path = Path(path)
     if not path.is_file():
-        raise FileNotFoundError(f"data config not found: {path}")
+        raise MissingFileError(f"data config not found: {path}")
     return "mindspeed" if data_section(load_mapping(path, error=error)) is not None else "lightning-mm"
 
 
@@ -139,7 +140,7 @@ def fsdp2_config(value: FSDP2Config | Mapping[str, Any] | str | os.PathLike | No
     if isinstance(value, (str, os.PathLike)):
         path = Path(value)
         if not path.is_file():
-            raise FileNotFoundError(f"FSDP2 config file not found: {path}")
+            raise MissingFileError(f"FSDP2 config file not found: {path}")
         value, source = load_mapping(path, error=FSDP2ConfigError), str(path)
     if isinstance(value, Mapping) and native_layout(value) is not None:
         return fsdp2_config_from_native(value, source)
