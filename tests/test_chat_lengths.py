@@ -28,7 +28,7 @@ from lightning_mm.datamodules.token_budget import sample_lengths
 from lightning_mm.hf.chat_lengths import chat_sample_length, counts_lengths
 from lightning_mm.hf.chat_samples import SampleError
 from tests import test_families_data as families
-from tests.tiny_vlms import write_tiny_vlm
+from tests.helpers.tiny_vlms import write_tiny_vlm
 
 MAX_PIXELS = 64 * 64
 MIN_PIXELS = 32 * 32

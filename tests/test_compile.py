@@ -131,8 +131,9 @@ def test_inductor_matches_eager_for_a_transformers_and_a_custom_model():
 
 def test_two_ranks_compiled_blocks_train_like_plain_transformers_with_a_bounded_number_of_graphs(tmp_path):
     sys.path.insert(0, str(ROOT))
-    from tests import compile_scenarios, scenario_kit
-    from tests.compile_scenarios import write_model
+    from tests.helpers import scenario_kit
+    from tests.scenarios import compile_scenarios
+    from tests.scenarios.compile_scenarios import write_model
 
     write_model(tmp_path / "qwen3")
     write_model(tmp_path / "qwen3_moe", moe=True)

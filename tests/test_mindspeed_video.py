@@ -1,6 +1,6 @@
 """Video samples of MindSpeed MM's Qwen-VL templates equal MindSpeed MM's own (its FSDP2 route, commit 57069cd5).
 
-The reference (``tests/mindspeed_reference.py``, the video part) re-tells MindSpeed MM's
+The reference (``tests/helpers/mindspeed_reference.py``, the video part) re-tells MindSpeed MM's
 ``mindspeed_mm/fsdp/data/data_utils/func_utils/mm_plugin.py`` (``MMPluginMixin._get_video_sample_indices``,
 ``Qwen2VLPlugin._regularize_videos`` with its even-frame rule and ``fps_per_video``, ``_preprocess_image`` of each
 frame with the video bounds, the plugins' ``_get_mm_inputs`` and ``process_messages`` for ``<video>``) and, since
@@ -23,10 +23,10 @@ import numpy as np
 import pytest
 import torch
 
-from tests.mindspeed_reference import ref_get_video_sample_indices
-from tests.mindspeed_reference import reference as _ms_reference
+from tests.helpers.mindspeed_reference import ref_get_video_sample_indices
+from tests.helpers.mindspeed_reference import reference as _ms_reference
+from tests.helpers.tiny_vlms import write_tiny_vlm
 from tests.test_native_route import _tiny_qwen3_5
-from tests.tiny_vlms import write_tiny_vlm
 
 MAX_PIXELS = 64 * 64
 MIN_PIXELS = 32 * 32

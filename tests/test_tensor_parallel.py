@@ -1,5 +1,6 @@
 """Tensor parallelism (issue #39): TP 2 x FSDP2 2 on 4 gloo ranks trains a tiny real Qwen3 as one-process plain
-Transformers does (the harness of ``tests/parity.py``), gradient clipping on; and what is refused before compute."""
+Transformers does (the harness of ``tests/helpers/parity.py``), gradient clipping on; and what is refused before
+compute."""
 
 from __future__ import annotations
 
@@ -11,10 +12,18 @@ from transformers import Qwen3Config, Qwen3ForCausalLM
 
 from lightning_mm.core.config import FSDP2Config, FSDP2ConfigError
 from lightning_mm.core.plan import build_plan, describe_rank_shapes, rank_shapes
-from tests import parity_scenarios
-from tests.hf_scenarios import FAMILIES, VOCAB, save_tiny_checkpoints
-from tests.parity import TP_CASES, TP_RESUME, global_losses, global_steps, reference_run, relative_errors, weight_errors
-from tests.scenario_kit import run
+from tests.helpers.parity import (
+    TP_CASES,
+    TP_RESUME,
+    global_losses,
+    global_steps,
+    reference_run,
+    relative_errors,
+    weight_errors,
+)
+from tests.helpers.scenario_kit import run
+from tests.scenarios import parity_scenarios
+from tests.scenarios.hf_scenarios import FAMILIES, VOCAB, save_tiny_checkpoints
 from tests.test_parity import FP32_LOSS, _part, _ranks
 
 # Final weights within relative 1e-5 per tensor (measured: 3e-6): 6 steps, too few for AdamW to amplify the rounding
