@@ -1,4 +1,4 @@
-"""MindSpeed MM ``dataset_type: huggingface`` data for more VLM families (``examples/tiny_families.py``).
+"""MindSpeed MM ``dataset_type: huggingface`` data for more VLM families (``lightning_mm/testing/tiny_families.py``).
 
 Each sample of a family with a MindSpeed MM template (GLM-4.1V, GLM-4.5V, Qwen2.5-Omni) is compared, bit for bit,
 with MindSpeed MM's sample (``tests/helpers/mindspeed_reference.py``, a re-telling of its code). Each sample of a family
@@ -26,12 +26,12 @@ import pytest
 import torch
 from PIL import Image
 
-from examples.tiny_families import write_tiny_family
 from lightning_mm import MMDataModule
 from lightning_mm.datamodules.data_config import DataConfigError
 from lightning_mm.hf.batch_check import BatchCheckError, check_batch, expected_image_tokens, has_batch_check
 from lightning_mm.hf.chat_collate import ChatCollator
 from lightning_mm.modules import TransformersModel
+from lightning_mm.testing.tiny_families import write_tiny_family
 from tests.helpers.mindspeed_reference import reference as mindspeed_reference
 from tests.scenarios.families_scenarios import CASES as PARITY_CASES
 

@@ -2,10 +2,10 @@
 
 Each sample is compared, bit for bit, with MindSpeed MM's sample of the same record
 (``tests/helpers/mindspeed_reference.py``, a re-telling of its code; more cases in ``tests/test_mindspeed_samples.py``)
-on tiny Qwen2.5-VL and Qwen3-VL directories (``tests/helpers/tiny_vlms.py``); a ``chat_template`` file's samples with
-what the model's processor gives for that template (``apply_chat_template`` then ``processor(text=..., images=...)``),
-the assistant-only labels computed independently here from the character offsets of the assistant contents in the
-processor's (expanded) text.
+on tiny Qwen2.5-VL and Qwen3-VL directories (``lightning_mm/testing/tiny_vlms.py``); a ``chat_template`` file's samples
+with what the model's processor gives for that template (``apply_chat_template`` then ``processor(text=...,
+images=...)``), the assistant-only labels computed independently here from the character offsets of the assistant
+contents in the processor's (expanded) text.
 """
 
 from __future__ import annotations
@@ -23,9 +23,9 @@ from PIL import Image
 from lightning_mm import MMDataModule
 from lightning_mm.datamodules.data_config import DataConfigError
 from lightning_mm.datamodules.records import DataError
+from lightning_mm.testing.tiny_vlms import FAMILIES, write_tiny_vlm
 from tests.helpers.mindspeed_reference import reference as mindspeed_reference
 from tests.helpers.scenario_kit import read_results, run
-from tests.helpers.tiny_vlms import FAMILIES, write_tiny_vlm
 from tests.scenarios import hfdata_scenarios
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -825,7 +825,7 @@ def test_mindspeed_fsdp_trainer_keys(models, tmp_path, monkeypatch):
 
 
 def test_chat_template_file_replaces_the_models(models, tmp_path, monkeypatch):
-    from tests.helpers.tiny_vlms import QWEN2_5_VL_CHAT_TEMPLATE
+    from lightning_mm.testing.tiny_vlms import QWEN2_5_VL_CHAT_TEMPLATE
 
     family = "qwen2_5_vl"
     custom = QWEN2_5_VL_CHAT_TEMPLATE.replace("You are a helpful assistant.", "You are a tiny model.")

@@ -458,7 +458,7 @@ def _save_stand_in(family: str, directory: Path) -> Path:
 
         tiny_hf_model(family).save_pretrained(directory)
     elif family == "qwen3_5_moe":
-        from tests.helpers.tiny_qwen3_5 import tiny_qwen3_5_moe
+        from lightning_mm.testing.tiny_qwen3_5 import tiny_qwen3_5_moe
 
         tiny_qwen3_5_moe(directory, num_experts=16)  # the 397B's expert_parallel_size 16 divides them
     elif family == "qwen3_5":

@@ -9,9 +9,10 @@ The reference (``tests/helpers/mindspeed_reference.py``) RE-TELLS MindSpeed MM's
 uses only the tiny models' tokenizer and image processor as Transformers loads them (``AutoTokenizer``,
 ``AutoImageProcessor``), never this project's code. Each sample built through ``MMDataModule(data_config=...)`` is
 compared with it: input ids, labels, pixel values and image grids, for each template on a tiny model of its family
-(``tests/helpers/tiny_vlms.py``, ``examples/tiny_families.py``): a picture above ``image_max_pixels``, one below the
-image processor's own minimum and narrower than 28 pixels, several images, several turns, system prompts (default,
-column, turn with white space), existing thoughts, the label modes, and cuts at small ``cutoff_len``.
+(``lightning_mm/testing/tiny_vlms.py``, ``lightning_mm/testing/tiny_families.py``): a picture above
+``image_max_pixels``, one below the image processor's own minimum and narrower than 28 pixels, several images, several
+turns, system prompts (default, column, turn with white space), existing thoughts, the label modes, and cuts at small
+``cutoff_len``.
 """
 
 from __future__ import annotations
@@ -24,8 +25,9 @@ import pytest
 import torch
 from PIL import Image
 
-from examples.tiny_families import write_tiny_family
 from lightning_mm import MMDataModule
+from lightning_mm.testing.tiny_families import write_tiny_family
+from lightning_mm.testing.tiny_vlms import write_tiny_vlm
 from tests.helpers.mindspeed_reference import (
     IGNORE_INDEX,
     IMAGE_PLACEHOLDER,
@@ -38,7 +40,6 @@ from tests.helpers.mindspeed_reference import (
     ref_sharegpt,
 )
 from tests.helpers.mindspeed_reference import reference as _ms_reference
-from tests.helpers.tiny_vlms import write_tiny_vlm
 
 
 def reference(model: Path, name: str, record: dict, data: Path, **overrides: Any) -> dict[str, torch.Tensor]:

@@ -65,7 +65,7 @@ def test_shipped_qwen3_5_122b_config_plans_at_its_world_size(tmp_path):
     import transformers
 
     from lightning_mm.commands.plan import main as plan_main
-    from tests.helpers.tiny_qwen3_5 import tiny_qwen3_5_moe
+    from lightning_mm.testing.tiny_qwen3_5 import tiny_qwen3_5_moe
 
     model_dir = tiny_qwen3_5_moe(tmp_path / "hf")
     native = yaml.safe_load((DATA / QWEN3_5_122B).read_text())

@@ -23,9 +23,9 @@ import numpy as np
 import pytest
 import torch
 
+from lightning_mm.testing.tiny_vlms import write_tiny_vlm
 from tests.helpers.mindspeed_reference import ref_get_video_sample_indices
 from tests.helpers.mindspeed_reference import reference as _ms_reference
-from tests.helpers.tiny_vlms import write_tiny_vlm
 from tests.test_native_route import _tiny_qwen3_5
 
 MAX_PIXELS = 64 * 64
@@ -85,7 +85,7 @@ RECORDS = {
 @pytest.fixture(scope="module")
 def models(tmp_path_factory) -> dict[str, Path]:
     root = tmp_path_factory.mktemp("video")
-    from examples.tiny_families import write_tiny_family
+    from lightning_mm.testing.tiny_families import write_tiny_family
 
     out = {f: write_tiny_vlm(root / f, f) for f in ("qwen2_5_vl", "qwen3_vl")}
     out["qwen2_5_omni_thinker"] = write_tiny_family(root / "omni", "qwen2_5_omni_thinker")
@@ -215,8 +215,8 @@ def test_video_patches_equal_the_image_processors_on_a_still_clip(family, models
 
 
 def test_glm_videos_are_refused_by_name(tmp_path, monkeypatch):
-    from examples.tiny_families import write_tiny_family
     from lightning_mm.datamodules.records import DataError
+    from lightning_mm.testing.tiny_families import write_tiny_family
 
     model = write_tiny_family(tmp_path / "glm4v", "glm4v")
     with pytest.raises(DataError, match="GLM4VPlugin.*total_frames"):

@@ -412,7 +412,7 @@ def _tiny_qwen3_vl_moe(directory: Path) -> Path:
     import torch
     import transformers
 
-    from tests.helpers.tiny_vlms import write_tiny_vlm
+    from lightning_mm.testing.tiny_vlms import write_tiny_vlm
 
     write_tiny_vlm(directory, "qwen3_vl", seed=3, init_std=0.3, min_pixels=32 * 32, max_pixels=64 * 64)
     dense = transformers.AutoConfig.from_pretrained(directory)
@@ -470,7 +470,7 @@ def _tiny_qwen3_5(directory: Path) -> Path:
     import torch
     import transformers
 
-    from tests.helpers.tiny_vlms import write_tiny_vlm
+    from lightning_mm.testing.tiny_vlms import write_tiny_vlm
 
     write_tiny_vlm(directory, "qwen3_vl", seed=3, init_std=0.3, min_pixels=32 * 32, max_pixels=64 * 64)
     dense = transformers.AutoConfig.from_pretrained(directory)

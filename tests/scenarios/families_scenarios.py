@@ -3,8 +3,8 @@
     python tests/scenarios/families_scenarios.py train OUTDIR     (tests/helpers/scenario_kit.py)
 
 Trains each case of ``CASES`` with the parity harness of ``tests/scenarios/parity_scenarios.py``: ``TransformersModel``
-from ``OUTDIR/ckpts/<case family>`` (a tiny ``examples/tiny_families.py`` directory; no adapter: the derived default
-plan), on batches of MindSpeed MM ``dataset_type: huggingface`` samples that the data path builds from
+from ``OUTDIR/ckpts/<case family>`` (a tiny ``lightning_mm/testing/tiny_families.py`` directory; no adapter: the derived
+default plan), on batches of MindSpeed MM ``dataset_type: huggingface`` samples that the data path builds from
 ``OUTDIR/data`` with the model's own processor (:class:`DataPathSamples`). The pytest side trains plain
 Transformers on the same samples in one process and compares per step. Nothing is mocked.
 """
@@ -59,7 +59,7 @@ def prepare(out: Path) -> None:
     (``OUTDIR/data``)."""
     from PIL import Image
 
-    from examples.tiny_families import write_tiny_family
+    from lightning_mm.testing.tiny_families import write_tiny_family
 
     data = out / "data"
     data.mkdir(parents=True, exist_ok=True)

@@ -10,8 +10,9 @@ with the ``tokenizers`` library that holds the family's real special tokens, the
 (Transformers' PIL one, small sizes) and a chat template that renders system, user and assistant turns as the
 family's real one does (the tool-calling branches of the real templates are left out). The processor is saved by
 its own ``save_pretrained`` where Transformers can build it without torchvision, else part by part (as
-``examples/tiny_vlms.py`` does for Qwen-VL). The tokenizer's vocabulary is small and the model's ``vocab_size``
-matches it, so the ids of the special tokens are real ids of the model. No network: everything is generated here.
+``lightning_mm/testing/tiny_vlms.py`` does for Qwen-VL). The tokenizer's vocabulary is small and the model's
+``vocab_size`` matches it, so the ids of the special tokens are real ids of the model. No network: everything is
+generated here.
 """
 
 from __future__ import annotations
@@ -272,7 +273,7 @@ def _gemma3(path: Path, init_std: float) -> Any:
     Gemma3Processor(
         image_processor=image, tokenizer=tokenizer, image_seq_length=4, chat_template=spec["chat_template"]
     ).save_pretrained(path)
-    ids = {
+    ids: dict[str, Any] = {
         name: tokenizer.convert_tokens_to_ids(token)
         for name, token in (
             ("image_token_id", "<image_soft_token>"),
@@ -325,11 +326,12 @@ def _idefics3(path: Path, init_std: float) -> Any:
         initializer_range=init_std,
     )
     vision = dict(_SIGLIP, image_size=32, patch_size=8, initializer_range=init_std)
-    return transformers.Idefics3Config(
+    # Idefics3Config takes these through PretrainedConfig's **kwargs, which its annotations leave out
+    return transformers.Idefics3Config(  # type: ignore[call-arg]
         text_config=text,
         vision_config=vision,
         scale_factor=2,
-        image_token_id=tokenizer.convert_tokens_to_ids("<image>"),
+        image_token_id=_token_id(tokenizer, "<image>"),
         pad_token_id=tokenizer.pad_token_id,
         initializer_range=init_std,
     )
@@ -380,7 +382,7 @@ def _mistral3(path: Path, init_std: float) -> Any:
         text_config=text,
         vision_config=vision,
         spatial_merge_size=2,
-        image_token_index=tokenizer.convert_tokens_to_ids("[IMG]"),
+        image_token_index=_token_id(tokenizer, "[IMG]"),
         tie_word_embeddings=False,
     )
 
@@ -400,7 +402,7 @@ def _glm4v(path: Path, init_std: float, family: str = "glm4v") -> Any:
     ).save_pretrained(path)
     (path / "chat_template.jinja").write_text(spec["chat_template"])
     _write_json(path / "processor_config.json", {"processor_class": spec["processor"]})
-    ids = {
+    ids: dict[str, Any] = {
         name: tokenizer.convert_tokens_to_ids(token)
         for name, token in (
             ("image_token_id", "<|image|>"),
@@ -470,7 +472,7 @@ def _qwen2_5_omni_thinker(path: Path, init_std: float) -> Any:
     _write_json(path / "preprocessor_config.json", {**audio.to_dict(), **image.to_dict()})
     (path / "chat_template.jinja").write_text(spec["chat_template"])
     _write_json(path / "processor_config.json", {"processor_class": spec["processor"]})
-    ids = {
+    ids: dict[str, Any] = {
         name: tokenizer.convert_tokens_to_ids(token)
         for name, token in (
             ("image_token_index", "<|IMAGE|>"),
@@ -548,6 +550,13 @@ def write_tiny_family(directory: str | Path, family: str, seed: int = 0, init_st
                 param.normal_(0.0, init_std)
     model.save_pretrained(path)
     return path
+
+
+def _token_id(tokenizer: Any, token: str) -> int:
+    """The id of one token (``convert_tokens_to_ids`` of a string is an int)."""
+    token_id = tokenizer.convert_tokens_to_ids(token)
+    assert isinstance(token_id, int), token
+    return token_id
 
 
 def _write_json(path: Path, data: dict) -> None:

@@ -179,7 +179,8 @@ def _config(family: str, tokenizer: Any, init_std: float) -> Any:
             patch_size=14,
             projection_dim=32,
         )
-        config = transformers.LlavaConfig(
+        # LlavaConfig takes these through PretrainedConfig's **kwargs, which its annotations leave out
+        config = transformers.LlavaConfig(  # type: ignore[call-arg]
             text_config=text,
             vision_config=vision,
             initializer_range=init_std,
@@ -188,7 +189,7 @@ def _config(family: str, tokenizer: Any, init_std: float) -> Any:
         config.architectures = [FAMILIES[family]["model"]]
         return config
 
-    ids = {
+    ids: dict[str, Any] = {
         name: tokenizer.convert_tokens_to_ids(token)
         for name, token in (
             ("image_token_id", "<|image_pad|>"),
@@ -205,6 +206,7 @@ def _config(family: str, tokenizer: Any, init_std: float) -> Any:
         bos_token_id=None,
         initializer_range=init_std,
     )
+    cls: Any  # the Qwen-VL config class of the family
     if family == "qwen2_5_vl":
         cls = transformers.Qwen2_5_VLConfig
         text["rope_parameters"] = {"rope_type": "default", "rope_theta": 10000.0, "mrope_section": [1, 1, 2]}
@@ -290,8 +292,7 @@ def write_tiny_vlm(
         tok_config = json.loads(config_file.read_text())
         tok_config["tokenizer_class"] = "Qwen2Tokenizer"
         config_file.write_text(json.dumps(tok_config, indent=1))
-        image = Qwen2VLImageProcessorPil(**spec["image"], min_pixels=min_pixels, max_pixels=max_pixels)
-        image.save_pretrained(path)
+        Qwen2VLImageProcessorPil(**spec["image"], min_pixels=min_pixels, max_pixels=max_pixels).save_pretrained(path)
         (path / "chat_template.jinja").write_text(spec["chat_template"])
         (path / "processor_config.json").write_text(json.dumps({"processor_class": spec["processor"]}, indent=1))
     torch.manual_seed(seed)
