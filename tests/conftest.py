@@ -3,7 +3,15 @@ from pathlib import Path
 
 import pytest
 
+from tests.helpers import tiers
 from tests.helpers.scenario_kit import read_results, run
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    """The two tiers (``tests/helpers/tiers.py``): tests that start processes are marked ``multiprocess``
+    automatically at collection, and a test that starts one unmarked fails."""
+    if not config.pluginmanager.has_plugin("lightning_mm_tiers"):
+        config.pluginmanager.register(tiers, "lightning_mm_tiers")
 
 
 @pytest.fixture

@@ -92,6 +92,7 @@ def _close(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor], rtol: float, 
         torch.testing.assert_close(a[name], b[name], rtol=rtol, atol=atol, msg=name)
 
 
+@pytest.mark.multiprocess  # inductor compiles its kernels with g++ in subprocesses
 def test_inductor_matches_eager_for_a_transformers_and_a_custom_model():
     """Inductor fuses and reorders the float operations of each block (its reductions and GELU/SiLU
     approximations are computed in another order than eager's kernels), so fp32 results differ in the last bits
