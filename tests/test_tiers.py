@@ -163,6 +163,13 @@ def test_the_named_upstream_deprecations_pass() -> None:
         warnings.warn_explicit(
             "`is_gradient_checkpointing` is deprecated", FutureWarning, "f.py", 1, "transformers.modeling_utils"
         )
+        warnings.warn_explicit(
+            "`isinstance(treespec, LeafSpec)` is deprecated, use",
+            FutureWarning,
+            "f.py",
+            1,
+            "lightning.pytorch.utilities._pytree",
+        )
     assert seen == []
 
 
