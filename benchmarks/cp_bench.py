@@ -124,7 +124,7 @@ def main() -> None:
     if dist.get_rank() == 0:
         Path(args.out).parent.mkdir(parents=True, exist_ok=True)
         Path(args.out).write_text(json.dumps({"world_size": dist.get_world_size(), "rows": rows}, indent=1))
-    # Leave without interpreter teardown: a finished gloo run can abort in it (see tests/scenario_exit.py).
+    # Leave without interpreter teardown: a finished gloo run can abort in it (see tests/helpers/scenario_exit.py).
     dist.barrier()
     sys.stdout.flush()
     os._exit(0)

@@ -206,7 +206,7 @@ def main() -> None:
                 f"{r['step_s']:.3f} [{r['step_q1_s']:.3f}, {r['step_q3_s']:.3f}] | "
                 f"{r['step_s'] / base['step_s']:.2f} | {rounds} |"
             )
-    from tests.scenario_exit import exit_cleanly
+    from tests.helpers.scenario_exit import exit_cleanly
 
     exit_cleanly()
 

@@ -248,7 +248,7 @@ def main() -> None:
                 f"{r['step_s'] / base['step_s']:.2f} | {r['tokens_per_s']:,.0f} | "
                 f"{r['tokens_per_s'] / base['tokens_per_s']:.2f} |"
             )
-    from tests.scenario_exit import exit_cleanly
+    from tests.helpers.scenario_exit import exit_cleanly
 
     exit_cleanly()
 

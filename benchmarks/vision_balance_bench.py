@@ -229,7 +229,7 @@ def main() -> None:
         print(text)
         if args.out:
             Path(args.out).write_text(text + "\n")
-    # Leave without interpreter teardown: a finished gloo run can abort in it (see tests/scenario_exit.py).
+    # Leave without interpreter teardown: a finished gloo run can abort in it (see tests/helpers/scenario_exit.py).
     dist.barrier()
     sys.stdout.flush()
     os._exit(0)

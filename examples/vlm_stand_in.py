@@ -3,9 +3,9 @@
 MindSpeed MM's examples expect a downloaded checkpoint (``./ckpt/hf_path/<model>``) and a data file in its
 ``mllm_format_llava_instruct_data.json`` shape. :func:`write_job_inputs` writes both under ``root`` with no network:
 the model directory (``config.json``, safetensors weights, tokenizer, image processor and the family's chat template)
-comes from :func:`examples.tiny_vlms.write_tiny_vlm`; the data are PNG pictures of a coloured shape at several sizes
-with one- and two-turn conversations about them (``{"messages": [...], "images": [...]}``, the keys of the data
-config's ``attr`` section).
+comes from :func:`lightning_mm.testing.tiny_vlms.write_tiny_vlm`; the data are PNG pictures of a coloured shape at
+several sizes with one- and two-turn conversations about them (``{"messages": [...], "images": [...]}``, the keys of the
+data config's ``attr`` section).
 """
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ from pathlib import Path
 
 from PIL import Image, ImageDraw
 
-from examples.tiny_vlms import write_tiny_vlm
+from lightning_mm.testing.tiny_vlms import write_tiny_vlm
 
 __all__ = ["write_job_inputs", "QUESTION"]
 

@@ -8,8 +8,8 @@ import pytest
 import torch
 
 from lightning_mm.hf.batch_check import BatchCheck, BatchCheckError, check_batch, forward_keys
-from tests.hf_scenarios import FamilyData, model_inputs, tiny_hf_model
-from tests.qwen3_vl_family import Qwen3VLData, tiny_qwen3_vl
+from tests.helpers.qwen3_vl_family import Qwen3VLData, tiny_qwen3_vl
+from tests.scenarios.hf_scenarios import FamilyData, model_inputs, tiny_hf_model
 
 VIDEO_TOKEN = 6
 
@@ -174,7 +174,7 @@ def test_fit_stops_before_the_first_step_and_a_correct_batch_trains(tmp_path):
 
     from lightning_mm import MMLightningModule
     from lightning_mm.modules import TransformersModel
-    from tests.hf_scenarios import FAMILIES
+    from tests.scenarios.hf_scenarios import FAMILIES
 
     def provider() -> torch.nn.Module:
         return TransformersModel({"hf_config": {"model_type": "llava", **FAMILIES["llava"][1]}})

@@ -19,10 +19,10 @@ from lightning_mm import MMLightningModule
 from lightning_mm.hf import batch_check
 from lightning_mm.hf.batch_check import BatchCheckError, has_batch_check, install_batch_check
 from lightning_mm.modules import TransformersModel
-from tests import batch_check_scenarios
-from tests.batch_check_scenarios import BROKEN, VISION, LlavaData, llava, seed_forward_step
-from tests.hf_scenarios import IMAGE_TOKEN, FamilyData, model_inputs, tiny_hf_model
-from tests.scenario_kit import read_results, run
+from tests.helpers.scenario_kit import read_results, run
+from tests.scenarios import batch_check_scenarios
+from tests.scenarios.batch_check_scenarios import BROKEN, VISION, LlavaData, llava, seed_forward_step
+from tests.scenarios.hf_scenarios import IMAGE_TOKEN, FamilyData, model_inputs, tiny_hf_model
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -112,13 +112,13 @@ def test_positional_input_ids_are_checked():
 
 
 def _qwen3_vl() -> torch.nn.Module:
-    from tests.qwen3_vl_family import CONFIG
+    from tests.helpers.qwen3_vl_family import CONFIG
 
     return TransformersModel({"hf_config": {"model_type": "qwen3_vl", **CONFIG}})
 
 
 def _generate_inputs(family: str) -> dict[str, torch.Tensor]:
-    from tests.qwen3_vl_family import Qwen3VLData
+    from tests.helpers.qwen3_vl_family import Qwen3VLData
 
     data = Qwen3VLData() if family == "qwen3_vl" else FamilyData(family)
     batch = model_inputs(torch.utils.data.default_collate([data[0], data[1]]))

@@ -22,13 +22,13 @@ import pytest
 import torch
 from PIL import Image
 
-from examples.tiny_families import write_tiny_family
 from lightning_mm import MMDataModule
 from lightning_mm.datamodules.token_budget import sample_lengths
 from lightning_mm.hf.chat_lengths import chat_sample_length, counts_lengths
 from lightning_mm.hf.chat_samples import SampleError
+from lightning_mm.testing.tiny_families import write_tiny_family
+from lightning_mm.testing.tiny_vlms import write_tiny_vlm
 from tests import test_families_data as families
-from tests.tiny_vlms import write_tiny_vlm
 
 MAX_PIXELS = 64 * 64
 MIN_PIXELS = 32 * 32

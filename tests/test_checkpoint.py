@@ -338,7 +338,7 @@ def test_convert_cli_reports_bad_input_clearly(tmp_path, capsys):
 def test_hf_to_dcp_renames_keys_as_transformers_does_on_load(tmp_path):
     # LLaVA checkpoints keep `language_model.model.*`-style keys that Transformers renames when loading; the DCP
     # checkpoint must use the module's keys so that a strict resume accepts it.
-    from tests.hf_scenarios import save_tiny_checkpoints, tiny_hf_model
+    from tests.scenarios.hf_scenarios import save_tiny_checkpoints, tiny_hf_model
 
     path = save_tiny_checkpoints(tmp_path / "hf", ["llava"])["llava"]
     convert.hf_to_dcp(path, tmp_path / "llava.ckpt")

@@ -1,4 +1,4 @@
-"""Checkpoints through real Lightning jobs on CPU (gloo): see tests/ckpt_scenarios.py.
+"""Checkpoints through real Lightning jobs on CPU (gloo): see tests/scenarios/ckpt_scenarios.py.
 
 One module-scoped pipeline (4 launches, two of them on 2 ranks) produces everything these tests assert on:
 1 rank (a checkpoint to reshard, strict/non-strict), 2 ranks killed mid-save, 2 ranks (exact resume, ModelCheckpoint
@@ -16,8 +16,8 @@ import torch
 
 from lightning_mm.checkpoint import open_source
 from lightning_mm.commands import convert as convert_cmd
-from tests import ckpt_scenarios
-from tests.scenario_kit import run
+from tests.helpers.scenario_kit import run
+from tests.scenarios import ckpt_scenarios
 
 
 def _json(work: Path, name: str, rank: int = 0) -> dict:
@@ -52,7 +52,7 @@ def work(tmp_path_factory: pytest.TempPathFactory) -> Path:
     assert convert_cmd.main(["dcp-to-torch", str(work / "all" / "step=6.ckpt"), str(work / "step6.pt")]) == 0
     assert convert_cmd.main(["dcp-to-hf", str(work / "llama.ckpt"), str(work / "hf_out")]) == 0
     assert convert_cmd.main(["hf-to-dcp", str(work / "hf_out"), str(work / "llama_back.ckpt")]) == 0
-    from tests.ckpt_scenarios import tiny_llama_config
+    from tests.scenarios.ckpt_scenarios import tiny_llama_config
 
     torch.manual_seed(11)
     hf_model = LlamaForCausalLM(tiny_llama_config())

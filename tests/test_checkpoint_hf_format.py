@@ -1,6 +1,6 @@
 """Hugging Face safetensors as a checkpoint format (``checkpoint_format="hf"`` / ``"torch_dcp+hf"``).
 
-One 2-rank launch (tests/ckpt_remote_scenarios.py ``hf``) trains a tiny Qwen3 and saves it as ``hf`` (through
+One 2-rank launch (tests/scenarios/ckpt_remote_scenarios.py ``hf``) trains a tiny Qwen3 and saves it as ``hf`` (through
 ModelCheckpoint), resumes weights-only from that, saves ``torch_dcp+hf`` in bf16 and resumes exactly from it. Here:
 the directories load with plain ``transformers.AutoModelForCausalLM.from_pretrained`` and hold the trained
 weights under ``save_pretrained``'s names; the resumed states equal the saved ones.
@@ -18,8 +18,8 @@ from safetensors import safe_open
 
 from lightning_mm import MMFSDP2Strategy
 from lightning_mm.checkpoint import CheckpointIntegrityError, open_source
-from tests import ckpt_remote_scenarios
-from tests.scenario_kit import run
+from tests.helpers.scenario_kit import run
+from tests.scenarios import ckpt_remote_scenarios
 
 
 @pytest.fixture(scope="module")
@@ -44,7 +44,7 @@ def _safetensors_keys(directory: Path) -> set[str]:
 def test_an_hf_checkpoint_loads_with_from_pretrained_and_holds_the_trained_weights(work, tmp_path):
     from transformers import AutoModelForCausalLM, Qwen3ForCausalLM
 
-    from tests.ckpt_remote_scenarios import tiny_qwen3_config
+    from tests.scenarios.ckpt_remote_scenarios import tiny_qwen3_config
 
     directory = work / "hf" / "step=2.ckpt"
     model = AutoModelForCausalLM.from_pretrained(directory)
@@ -117,7 +117,7 @@ def test_the_names_are_save_pretrained_ones_and_what_has_none_is_refused():
     from transformers import Qwen3ForCausalLM
 
     from lightning_mm.hf.checkpoint_format import plan_weights
-    from tests.ckpt_remote_scenarios import tiny_qwen3_config
+    from tests.scenarios.ckpt_remote_scenarios import tiny_qwen3_config
 
     root = nn.Module()
     root.model = Qwen3ForCausalLM(tiny_qwen3_config())
@@ -142,7 +142,7 @@ def test_a_tiny_vlm_in_the_hf_format_loads_with_from_pretrained(family, tmp_path
 
     from lightning_mm.hf.checkpoint_format import plan_weights
     from lightning_mm.hf.convert import side_files
-    from tests.tiny_vlms import FAMILIES, write_tiny_vlm
+    from lightning_mm.testing.tiny_vlms import FAMILIES, write_tiny_vlm
 
     source = write_tiny_vlm(tmp_path / "source", family)
     cls = getattr(transformers, FAMILIES[family]["model"])

@@ -1,8 +1,8 @@
 """Checkpoint integrity (issue #12): foreign, missing, truncated or altered files; references outside the
 checkpoint; full disks and corrupted files as clear errors; leftover partials.
 
-One 2-rank run (tests/integrity_scenarios.py, ~10 s) writes two checkpoints of the same FSDP2 model (runs ``a``
-and ``b``) and, on a small tmpfs when one can be mounted, meets a full disk. The tests attack copies of those
+One 2-rank run (tests/scenarios/integrity_scenarios.py, ~10 s) writes two checkpoints of the same FSDP2 model (runs
+``a`` and ``b``) and, on a small tmpfs when one can be mounted, meets a full disk. The tests attack copies of those
 checkpoints in this process.
 """
 
@@ -29,8 +29,8 @@ from lightning_mm.checkpoint import atomic, manifest, store
 from lightning_mm.checkpoint.errors import CheckpointError, CheckpointIntegrityError, CheckpointWriteError
 from lightning_mm.commands import convert as convert_cmd
 from lightning_mm.hf import convert
-from tests import integrity_scenarios
-from tests.scenario_kit import run
+from tests.helpers.scenario_kit import run
+from tests.scenarios import integrity_scenarios
 
 ROOT = Path(__file__).resolve().parents[1]
 EXTRA = {"format_version": 1, "kind": "training", "world_size": 1, "rng_point": "next_batch", "hf": []}

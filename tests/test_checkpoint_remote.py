@@ -1,8 +1,8 @@
 """Checkpoints at fsspec URLs: an S3 API server on localhost (moto, started once for this module) and ``memory://``.
 
-The 2-rank jobs are in tests/ckpt_remote_scenarios.py (one killed mid-save, one that saves with ModelCheckpoint,
-resumes from URLs and resumes after the crash); the fault cases run here, in this process, on what they wrote and on
-``memory://`` checkpoints of a plain module.
+The 2-rank jobs are in tests/scenarios/ckpt_remote_scenarios.py (one killed mid-save, one that saves with
+ModelCheckpoint, resumes from URLs and resumes after the crash); the fault cases run here, in this process, on what they
+wrote and on ``memory://`` checkpoints of a plain module.
 """
 
 from __future__ import annotations
@@ -19,8 +19,8 @@ from torch import nn
 
 from lightning_mm.checkpoint import CheckpointIntegrityError, remote, store
 from lightning_mm.checkpoint.errors import CheckpointNotFoundError
-from tests import ckpt_remote_scenarios
-from tests.scenario_kit import run
+from tests.helpers.scenario_kit import run
+from tests.scenarios import ckpt_remote_scenarios
 
 SECRET = "sEcReT-lightning-mm-remote-7f3a9c"  # must never reach an object or a log
 BUCKET = "ckpts"

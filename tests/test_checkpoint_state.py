@@ -1,6 +1,6 @@
 """Optimiser state across checkpoint layouts, strategies and world sizes; Hugging Face export; inference mode.
 
-Two launches of tests/ckptstate_scenarios.py (a tiny LLaVA whose vision tower's last layer gets no gradient):
+Two launches of tests/scenarios/ckptstate_scenarios.py (a tiny LLaVA whose vision tower's last layer gets no gradient):
 2 ranks (plain Lightning DDP and mm_fsdp2, uninterrupted and resumed), then 1 rank (2 -> 1). Plain Lightning DDP
 and plain torch are the references. The Hugging Face export is compared with ``save_pretrained`` in this process.
 """
@@ -23,9 +23,9 @@ from lightning_mm import MMFSDP2Strategy
 from lightning_mm.checkpoint import CheckpointKeyError, open_source, store
 from lightning_mm.hf.convert import dcp_to_hf
 from lightning_mm.hf.records import hf_records
-from tests import ckptstate_scenarios
-from tests.hf_scenarios import FamilyData, model_inputs, tiny_hf_model
-from tests.scenario_kit import run
+from tests.helpers.scenario_kit import run
+from tests.scenarios import ckptstate_scenarios
+from tests.scenarios.hf_scenarios import FamilyData, model_inputs, tiny_hf_model
 from tests.test_checkpoint import EXTRA, Net, _trained
 
 RESUMED = slice(3, 6)  # the steps after the checkpoint at step 3
@@ -250,7 +250,7 @@ def test_dcp_to_hf_writes_what_save_pretrained_writes(family, tmp_path):
 def test_dcp_to_hf_converts_tensors_as_save_pretrained_does(tmp_path):
     """Qwen3-MoE keeps its experts fused in memory and saves them one tensor per expert: the converted directory
     holds save_pretrained's files and loads back to the same logits."""
-    from tests.moe_models import tiny_moe_model
+    from tests.helpers.moe_models import tiny_moe_model
 
     model = tiny_moe_model("qwen3_moe", seed=5)
     root = torch.nn.Module()

@@ -8,9 +8,10 @@
   with a plain Transformers model;
 * the largest allocation during forward and backward (torch's profiler, CPU memory events) stays below a
   ``tokens x vocab`` float32 tensor with the chunked loss, and reaches it without;
-* 2 ranks (``tests/chunkloss_scenarios.py``, one launch): MMFSDP2Strategy with the chunked loss equals, step by
-  step, the one-process plain Transformers reference of ``tests/parity.py`` (output layer as a unit, tied with the
-  embeddings, in the root; Qwen2.5-VL), and LoRA on the head against the same adapters unchunked in one process.
+* 2 ranks (``tests/scenarios/chunkloss_scenarios.py``, one launch): MMFSDP2Strategy with the chunked loss equals,
+  step by step, the one-process plain Transformers reference of ``tests/helpers/parity.py`` (output layer as a unit,
+  tied with the embeddings, in the root; Qwen2.5-VL), and LoRA on the head against the same adapters unchunked in one
+  process.
 """
 
 from __future__ import annotations
@@ -22,9 +23,7 @@ import pytest
 import torch
 
 from lightning_mm.core.chunked_loss import ChunkedLossError, linear_cross_entropy
-from tests import chunkloss_scenarios
-from tests.hf_scenarios import FAMILIES, save_tiny_checkpoints
-from tests.parity import (
+from tests.helpers.parity import (
     batch_of,
     global_losses,
     global_steps,
@@ -33,7 +32,9 @@ from tests.parity import (
     relative_errors,
     weight_errors,
 )
-from tests.scenario_kit import run
+from tests.helpers.scenario_kit import run
+from tests.scenarios import chunkloss_scenarios
+from tests.scenarios.hf_scenarios import FAMILIES, save_tiny_checkpoints
 
 TIGHT = 1e-6
 FP32_LOSS, FP32_WEIGHTS, NOISE_SHARE = 1e-5, 3e-4, 1e-2  # tests/test_parity.py's fp32 tolerances
@@ -239,7 +240,7 @@ def trained(ckpts) -> Path:
 
 
 def _scenario_cases():
-    from tests.chunkloss_scenarios import CASES
+    from tests.scenarios.chunkloss_scenarios import CASES
 
     return CASES
 
@@ -248,8 +249,8 @@ def _lora_reference(case, steps, ckpts: Path) -> tuple[list[float], dict[str, to
     """The LoRA case's reference: the same adapters unchunked (PEFT on plain Transformers), one process, the same
     AdamW over the same global batches (each micro-batch: the mean of the ranks' losses)."""
     from lightning_mm.modules import TransformersModel
-    from tests.chunkloss_scenarios import model_config
-    from tests.parity import LR
+    from tests.helpers.parity import LR
+    from tests.scenarios.chunkloss_scenarios import model_config
 
     threads = torch.get_num_threads()
     torch.set_num_threads(1)

@@ -1,6 +1,6 @@
 """Every byte checked on load, and saves in the background (issue #27, items 1 and 2).
 
-Two 2-rank launches of tests/ckpt_verify_scenarios.py (``crash``, then ``main``) produce what the distributed
+Two 2-rank launches of tests/scenarios/ckpt_verify_scenarios.py (``crash``, then ``main``) produce what the distributed
 tests assert on; the rest runs in this process.
 """
 
@@ -23,8 +23,8 @@ from torch import nn
 from lightning_mm import MMFSDP2Strategy
 from lightning_mm.checkpoint import digest, manifest, store, zip_manifest
 from lightning_mm.checkpoint.errors import CheckpointIntegrityError
-from tests import ckpt_verify_scenarios
-from tests.scenario_kit import read_results, run
+from tests.helpers.scenario_kit import read_results, run
+from tests.scenarios import ckpt_verify_scenarios
 
 EXTRA = {"format_version": 1, "kind": "training", "world_size": 1, "rng_point": "next_batch", "hf": []}
 

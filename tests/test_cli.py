@@ -52,7 +52,7 @@ def parse_plan_bytes(text: str) -> dict[str, int]:
 def assert_plan_command_matches_the_run(config: str, probe: Path) -> None:
     """The plan ``lightning-mm plan --config CONFIG`` builds equals the plan each rank of the run applied."""
     from lightning_mm.commands.plan import planned_cli_config
-    from tests.probes import plan_record
+    from tests.helpers.probes import plan_record
 
     here = os.getcwd()
     os.chdir(ROOT)  # the config's own paths are relative to the repository root, as in `run`
@@ -77,9 +77,9 @@ def test_captioning_demo_fits_from_yaml_and_plan_matches_the_sharded_model(tmp_p
             "15",
             "--trainer.logger.init_args.save_dir",
             str(tmp_path),
-            "--trainer.callbacks+=tests.probes.MemoryProbe",
+            "--trainer.callbacks+=tests.helpers.probes.MemoryProbe",
             f"--trainer.callbacks.path={probe}",
-            "--trainer.callbacks+=tests.probes.PlanProbe",
+            "--trainer.callbacks+=tests.helpers.probes.PlanProbe",
             f"--trainer.callbacks.path={tmp_path / 'plan'}",
         ]
     )
@@ -128,7 +128,7 @@ def test_migration_example_reuses_the_seed_functions_through_import_paths(tmp_pa
             "20",
             "--trainer.logger.init_args.save_dir",
             str(tmp_path),
-            "--trainer.callbacks+=tests.probes.PlanProbe",
+            "--trainer.callbacks+=tests.helpers.probes.PlanProbe",
             f"--trainer.callbacks.path={tmp_path / 'plan'}",
         ]
     )

@@ -1,13 +1,13 @@
 """Gradient clipping over DTensors against torch's public ``get_total_norm`` / ``clip_grads_with_norm_`` (2 gloo
-ranks, ``tests/clip_scenarios.py``). torch's functions are used there per mesh group, since they refuse mixed
+ranks, ``tests/scenarios/clip_scenarios.py``). torch's functions are used there per mesh group, since they refuse mixed
 lists; the figures behind keeping this project's arithmetic are in benchmarks/README.md."""
 
 from pathlib import Path
 
 import pytest
 
-from tests import clip_scenarios
-from tests.scenario_kit import read_results, run
+from tests.helpers.scenario_kit import read_results, run
+from tests.scenarios import clip_scenarios
 
 ROOT = Path(__file__).resolve().parents[1]
 

@@ -92,6 +92,7 @@ def _close(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor], rtol: float, 
         torch.testing.assert_close(a[name], b[name], rtol=rtol, atol=atol, msg=name)
 
 
+@pytest.mark.multiprocess  # inductor compiles its kernels with g++ in subprocesses
 def test_inductor_matches_eager_for_a_transformers_and_a_custom_model():
     """Inductor fuses and reorders the float operations of each block (its reductions and GELU/SiLU
     approximations are computed in another order than eager's kernels), so fp32 results differ in the last bits
@@ -131,8 +132,9 @@ def test_inductor_matches_eager_for_a_transformers_and_a_custom_model():
 
 def test_two_ranks_compiled_blocks_train_like_plain_transformers_with_a_bounded_number_of_graphs(tmp_path):
     sys.path.insert(0, str(ROOT))
-    from tests import compile_scenarios, scenario_kit
-    from tests.compile_scenarios import write_model
+    from tests.helpers import scenario_kit
+    from tests.scenarios import compile_scenarios
+    from tests.scenarios.compile_scenarios import write_model
 
     write_model(tmp_path / "qwen3")
     write_model(tmp_path / "qwen3_moe", moe=True)

@@ -1,4 +1,4 @@
-"""Lightning conformance on 2 real CPU ranks (tests/conformance_scenarios.py), in the style of Lightning's own
+"""Lightning conformance on 2 real CPU ranks (tests/scenarios/conformance_scenarios.py), in the style of Lightning's own
 strategy tests: callbacks the strategy must honour or refuse, and how a run stops when one rank is signalled."""
 
 from __future__ import annotations
@@ -12,8 +12,8 @@ from pathlib import Path
 
 import pytest
 
-from tests import conformance_scenarios
-from tests.scenario_kit import read_results, run, start
+from tests.helpers.scenario_kit import read_results, run, start
+from tests.scenarios import conformance_scenarios
 
 STOP_TIMEOUT = 5  # MMFSDP2Strategy(stop_timeout=5) in the sigterm scenario
 MARGIN = 25  # process start-up and teardown on a loaded 2-core machine

@@ -1,5 +1,6 @@
 """Ulysses context parallelism: the plan and its errors in-process; training on 2 and 4 real gloo ranks against the
-same model without context parallelism and against a one-process Transformers model (``tests/cp_scenarios.py``).
+same model without context parallelism and against a one-process Transformers model
+(``tests/scenarios/cp_scenarios.py``).
 """
 
 from __future__ import annotations
@@ -11,8 +12,11 @@ from typing import Any
 import pytest
 import torch
 
-from tests import cp_scenarios
-from tests.cp_scenarios import (
+from tests.helpers.packing_families import tiny_packing_model
+from tests.helpers.parity import LR, NOISE, Reference, weight_errors
+from tests.helpers.scenario_kit import run
+from tests.scenarios import cp_scenarios
+from tests.scenarios.cp_scenarios import (
     BAD_CASE,
     CASES,
     FOUR_RANK_CASES,
@@ -22,10 +26,7 @@ from tests.cp_scenarios import (
     TinyAttentionLM,
     batch_of,
 )
-from tests.hf_scenarios import save_tiny_checkpoints, tiny_hf_model
-from tests.packing_families import tiny_packing_model
-from tests.parity import LR, NOISE, Reference, weight_errors
-from tests.scenario_kit import run
+from tests.scenarios.hf_scenarios import save_tiny_checkpoints, tiny_hf_model
 
 ROOT = Path(__file__).resolve().parents[1]
 TOL = 1e-5
@@ -247,8 +248,8 @@ def _global_steps(ranks: list[dict[str, Any]], part: int, cp: int) -> tuple[list
 
 
 def tiny_packing_model_arch(family: str) -> str | None:
-    """The architecture of a ``tests/packing_families.py`` family, or ``None``."""
-    from tests.packing_families import FAMILIES as PACKING
+    """The architecture of a ``tests/helpers/packing_families.py`` family, or ``None``."""
+    from tests.helpers.packing_families import FAMILIES as PACKING
 
     return type(tiny_packing_model(family)).__name__ if family in PACKING else None
 
@@ -262,7 +263,7 @@ def _reference(
     """Plain Transformers in one process: per step, the mean over the data-parallel groups of their losses."""
     import transformers
 
-    from tests.hf_scenarios import FAMILIES
+    from tests.scenarios.hf_scenarios import FAMILIES
 
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
@@ -473,11 +474,11 @@ trainer:
 model:
   class_path: lightning_mm.MMLightningModule
   init_args:
-    model_provider: tests.cp_scenarios.{provider}
+    model_provider: tests.scenarios.cp_scenarios.{provider}
 data:
   class_path: lightning_mm.MMDataModule
   init_args:
-    train_valid_test_datasets_provider: tests.cp_scenarios.qwen3_datasets
+    train_valid_test_datasets_provider: tests.scenarios.cp_scenarios.qwen3_datasets
 """)
     return path
 

@@ -14,7 +14,7 @@ from PIL import Image
 
 from lightning_mm.commands import convert as convert_cmd
 from lightning_mm.hf.records import hf_records
-from tests.hf_scenarios import IMAGE_TOKEN, VOCAB, tiny_hf_model
+from tests.scenarios.hf_scenarios import IMAGE_TOKEN, VOCAB, tiny_hf_model
 
 _WORDS = ["<pad>", "<s>", "</s>", "<unk>", "<x>", "<image>"] + [f"w{i}" for i in range(6, VOCAB)]
 

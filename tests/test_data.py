@@ -418,7 +418,7 @@ def test_sections_that_are_not_mappings_are_errors(dataset_dir, extra, message):
 
 
 def test_an_image_that_fails_to_decode_at_load_time_is_replaced_and_counted(dataset_dir):
-    from tests.hostile_files import write_corrupt_png
+    from tests.helpers.hostile_files import write_corrupt_png
 
     write_corrupt_png(dataset_dir / "img" / "corrupt.png")
     lines = [*GOOD, {"image": "img/corrupt.png", "text": "a red circle"}]
@@ -443,7 +443,7 @@ def test_an_image_that_fails_to_decode_at_load_time_is_replaced_and_counted(data
 
 def test_images_that_all_fail_to_decode_end_in_an_error_not_a_scan(dataset_dir, monkeypatch):
     from lightning_mm.datamodules import replacing
-    from tests.hostile_files import write_corrupt_png
+    from tests.helpers.hostile_files import write_corrupt_png
 
     write_corrupt_png(dataset_dir / "img" / "corrupt.png")
     lines = [{"image": "img/corrupt.png", "text": "a red circle"}] * 5

@@ -10,7 +10,7 @@
 * Models the derivation cannot decide: an error naming the YAML keys.
 * Two of them (Idefics3, Mistral 3) trained on 2 ranks with the derived plan against one-process plain
   Transformers per step: plain, reentrant recomputation, frozen tower, and a checkpoint resumed by a new Trainer
-  (``tests/derive_scenarios.py``, one launch; the parity harness of ``tests/parity.py``).
+  (``tests/scenarios/derive_scenarios.py``, one launch; the parity harness of ``tests/helpers/parity.py``).
 """
 
 from __future__ import annotations
@@ -32,10 +32,11 @@ from lightning_mm.hf.hub import ModelHub, ModelHubError
 from lightning_mm.hf.pending_weights import pending_pretrained
 from lightning_mm.hf.plan_source import default_plan_summary
 from lightning_mm.modules import TransformersModel
-from tests import derive_models, derive_scenarios, qwen3_vl_family
-from tests.hf_scenarios import FAMILIES
-from tests.moe_models import MOE_FAMILIES
-from tests.scenario_kit import run
+from tests.helpers import derive_models, qwen3_vl_family
+from tests.helpers.moe_models import MOE_FAMILIES
+from tests.helpers.scenario_kit import run
+from tests.scenarios import derive_scenarios
+from tests.scenarios.hf_scenarios import FAMILIES
 
 ROOT = Path(__file__).resolve().parents[1]
 EXPECTED = json.loads((ROOT / "tests" / "derived_plan_expected.json").read_text())
@@ -198,11 +199,11 @@ def test_plan_command_prints_the_derived_plan(tmp_path):
         "trainer": {"accelerator": "cpu", "devices": 2, "strategy": "mm_fsdp2", "logger": False},
         "model": {
             "class_path": "lightning_mm.MMLightningModule",
-            "init_args": {"model_provider": "tests.derive_models.gemma3_provider"},
+            "init_args": {"model_provider": "tests.helpers.derive_models.gemma3_provider"},
         },
         "data": {
             "class_path": "lightning_mm.MMDataModule",
-            "init_args": {"train_valid_test_datasets_provider": "tests.qwen3_vl_family.datasets_provider"},
+            "init_args": {"train_valid_test_datasets_provider": "tests.helpers.qwen3_vl_family.datasets_provider"},
         },
     }
     path = tmp_path / "cfg.yaml"
@@ -317,13 +318,13 @@ def trained(tmp_path_factory) -> Path:
     return out
 
 
-from tests.derive_scenarios import CASES, LOAD_ONLY  # noqa: E402
+from tests.scenarios.derive_scenarios import CASES, LOAD_ONLY  # noqa: E402
 
 
 @pytest.mark.parametrize("case", CASES, ids=lambda c: c.name)
 def test_derived_plan_training_matches_plain_transformers(trained, case):
     from tests import test_parity
-    from tests.parity import global_losses, global_steps
+    from tests.helpers.parity import global_losses, global_steps
 
     derive_models.register_parity_families()
     ranks = test_parity._ranks(trained, case.name)

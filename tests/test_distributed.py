@@ -1,11 +1,11 @@
-"""2-rank CPU (gloo) tests: each config field is observed taking effect. See tests/dist_scenarios.py."""
+"""2-rank CPU (gloo) tests: each config field is observed taking effect. See tests/scenarios/dist_scenarios.py."""
 
 import math
 
 import pytest
 
-from tests import dist_scenarios
-from tests.scenario_kit import run
+from tests.helpers.scenario_kit import run
+from tests.scenarios import dist_scenarios
 
 
 def test_seed_yaml_verbatim_trains_and_every_field_takes_effect(scenario):

@@ -1,9 +1,10 @@
 """Expert parallelism and aligned parameter groups on 4 CPU ranks against one-process Transformers (issue #15).
 
-One launch (``tests/ep_scenarios.py``) trains every case of ``EP_CASES``, and the resume chain of ``CHAIN_STAGES``
-(each stage resumes the last one's checkpoint with other expert-parallel settings, formats and CPU offload), with
-``Trainer(devices=4)`` and real gloo collectives; the references are plain Transformers models trained here with the
-same AdamW over the same global batches (``tests/parity.py``). fp32: relative 1e-5 per micro-batch loss.
+One launch (``tests/scenarios/ep_scenarios.py``) trains every case of ``EP_CASES``, and the resume chain of
+``CHAIN_STAGES`` (each stage resumes the last one's checkpoint with other expert-parallel settings, formats and CPU
+offload), with ``Trainer(devices=4)`` and real gloo collectives; the references are plain Transformers models trained
+here with the same AdamW over the same global batches (``tests/helpers/parity.py``). fp32: relative 1e-5 per micro-batch
+loss.
 """
 
 from __future__ import annotations
@@ -15,11 +16,11 @@ from typing import Any
 import pytest
 import torch
 
-from tests import ep_scenarios
-from tests.ep_scenarios import CHAIN, CHAIN_STAGES, DEVICES, EP_CASES, EP_CP_CASES, chain_checkpoint
-from tests.moe_models import register_moe_families, save_moe_checkpoints
-from tests.parity import global_losses, global_steps, reference_run, relative_errors, weight_errors
-from tests.scenario_kit import run
+from tests.helpers.moe_models import register_moe_families, save_moe_checkpoints
+from tests.helpers.parity import global_losses, global_steps, reference_run, relative_errors, weight_errors
+from tests.helpers.scenario_kit import run
+from tests.scenarios import ep_scenarios
+from tests.scenarios.ep_scenarios import CHAIN, CHAIN_STAGES, DEVICES, EP_CASES, EP_CP_CASES, chain_checkpoint
 
 ROOT = Path(__file__).resolve().parents[1]
 FP32_LOSS = 1e-5
@@ -215,7 +216,7 @@ def test_ep2_checkpoint_converts_to_transformers_layout(runs, chain, tmp_path):
 
 def test_rank_whose_experts_get_no_token_takes_part_in_backward(runs):
     """No token routed to the last rank's experts: the launch finishes (it deadlocked) and results are exact."""
-    from tests.ep_scenarios import IDLE_RANK
+    from tests.scenarios.ep_scenarios import IDLE_RANK
 
     ranks = [r["parts"][0] for r in _ranks(runs[0], IDLE_RANK.name)]
     for r, data in enumerate(ranks):
@@ -338,10 +339,10 @@ def test_nested_scheduler_states_are_regrouped_but_not_their_milestones():
 
 # ---------------------------------------------------------------------------------------------------------------
 # A custom MoE model's own dispatch (FSDP2Mixin.expert_parallel_forward) and a training step in which some ranks'
-# experts receive no token (tests/ep_custom_scenarios.py; same launch).
+# experts receive no token (tests/scenarios/ep_custom_scenarios.py; same launch).
 @pytest.mark.parametrize("name", ["custom_moe-ep2", "custom_moe-ep2-whole"])
 def test_custom_moe_dispatch_hook_trains_as_one_process_without_ep(runs, name):
-    from tests.ep_custom_scenarios import CUSTOM_CASES, LAYERS, custom_reference
+    from tests.scenarios.ep_custom_scenarios import CUSTOM_CASES, LAYERS, custom_reference
 
     case = {c.name: c for c in CUSTOM_CASES}[name]
     ranks = [r["parts"][0] for r in _ranks(runs[0], name)]
@@ -358,7 +359,7 @@ def test_training_with_ranks_whose_experts_get_no_token(runs):
     """All routers zero: every token picks the same two experts, so in the first step two of the four EP ranks
     receive no token in every MoE layer. The launch finishes (a rank skipping the all-to-all's backward
     deadlocked against FSDP's reduce-scatter) and the losses equal one-process Transformers'."""
-    from tests.ep_custom_scenarios import ZERO_ROUTER
+    from tests.scenarios.ep_custom_scenarios import ZERO_ROUTER
 
     out, _ = runs
     case = ZERO_ROUTER
@@ -380,7 +381,7 @@ def test_training_with_ranks_whose_experts_get_no_token(runs):
 def test_routed_forward_with_each_transformers_experts_kernel(runs, impl, routing):
     """The routed forward and backward equal the unsplit experts module's with each of Transformers' experts
     implementations, with a rank whose experts get no token ("idle") and without ("busy")."""
-    from tests.ep_custom_scenarios import ROUTED_KERNELS
+    from tests.scenarios.ep_custom_scenarios import ROUTED_KERNELS
 
     for r, data in enumerate(_ranks(runs[0], ROUTED_KERNELS.name)):
         result = data["parts"][0][f"{impl}-{routing}"]
@@ -396,7 +397,7 @@ def test_hub_layout_per_expert_weights_load_sliced_under_ep(runs, name):
     `from_pretrained` of the same files."""
     import re
 
-    from tests.ep_custom_scenarios import HUB_LAYOUT_CASES
+    from tests.scenarios.ep_custom_scenarios import HUB_LAYOUT_CASES
 
     out, _ = runs
     case = {c.name: c for c in HUB_LAYOUT_CASES}[name]

@@ -11,8 +11,8 @@ from pathlib import Path
 import pytest
 import torch
 
+from tests.scenarios.wan_scenarios import TINY_WAN
 from tests.test_wan_video import VAE, _write_clip
-from tests.wan_scenarios import TINY_WAN
 
 WORDS = ["<pad>", "</s>", "<unk>", "a", "red", "clip", "of", "the", "sea", "slow"]
 CAPTIONS = {"one.mp4": "a red  clip\tof the sea", "dir/two.v2.mp4": "the slow sea"}

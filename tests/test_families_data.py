@@ -1,7 +1,7 @@
-"""MindSpeed MM ``dataset_type: huggingface`` data for more VLM families (``examples/tiny_families.py``).
+"""MindSpeed MM ``dataset_type: huggingface`` data for more VLM families (``lightning_mm/testing/tiny_families.py``).
 
 Each sample of a family with a MindSpeed MM template (GLM-4.1V, GLM-4.5V, Qwen2.5-Omni) is compared, bit for bit,
-with MindSpeed MM's sample (``tests/mindspeed_reference.py``, a re-telling of its code). Each sample of a family
+with MindSpeed MM's sample (``tests/helpers/mindspeed_reference.py``, a re-telling of its code). Each sample of a family
 with its own chat template (Gemma 3, Idefics3: ``template: null``) is compared with what the model's own processor
 gives for the same conversation through its own ``apply_chat_template(tokenize=True, return_dict=True)`` (input
 ids, pixel values and every image metadata key), the images bounded as MindSpeed MM's ``BasePlugin`` bounds them;
@@ -10,9 +10,9 @@ expanded text (byte-level BPE decodes exactly), each assistant turn is found the
 a token is trained when its first character lies inside an assistant turn. Then the collated batch runs forward and
 backward through the model ``TransformersModel`` builds (no adapter: the derived one; the same loss as plain
 Transformers), and the batch check accepts it and counts its images. Last, a 2-rank FSDP2 run on such batches
-(``tests/families_scenarios.py``: Gemma 3, GLM-4.1V, GLM-4.5V and the Qwen2.5-Omni thinker plain with trainable
-towers, Gemma 3 with non-reentrant recomputation, GLM-4.1V with a frozen tower) is compared per step with plain
-Transformers in one process.
+(``tests/scenarios/families_scenarios.py``: Gemma 3, GLM-4.1V, GLM-4.5V and the Qwen2.5-Omni thinker plain with
+trainable towers, Gemma 3 with non-reentrant recomputation, GLM-4.1V with a frozen tower) is compared per step with
+plain Transformers in one process.
 """
 
 from __future__ import annotations
@@ -26,14 +26,14 @@ import pytest
 import torch
 from PIL import Image
 
-from examples.tiny_families import write_tiny_family
 from lightning_mm import MMDataModule
 from lightning_mm.datamodules.data_config import DataConfigError
 from lightning_mm.hf.batch_check import BatchCheckError, check_batch, expected_image_tokens, has_batch_check
 from lightning_mm.hf.chat_collate import ChatCollator
 from lightning_mm.modules import TransformersModel
-from tests.families_scenarios import CASES as PARITY_CASES
-from tests.mindspeed_reference import reference as mindspeed_reference
+from lightning_mm.testing.tiny_families import write_tiny_family
+from tests.helpers.mindspeed_reference import reference as mindspeed_reference
+from tests.scenarios.families_scenarios import CASES as PARITY_CASES
 
 THOUGHT = "<think>\n\n</think>\n\n"  # the empty thought of MindSpeed MM's reasoning templates
 # family -> MindSpeed template (None: the model's own chat template), how an assistant turn opens and closes in the
@@ -186,7 +186,7 @@ def _reference(
     enable_thinking: bool = True,
 ) -> dict[str, torch.Tensor]:
     spec = FAMILIES[family]
-    if spec["template"] is not None:  # a MindSpeed MM template: its own sample (tests/mindspeed_reference.py)
+    if spec["template"] is not None:  # a MindSpeed MM template: its own sample (tests/helpers/mindspeed_reference.py)
         flags = dict(train_on_prompt=train_on_prompt, mask_history=mask_history, enable_thinking=enable_thinking)
         return mindspeed_reference(model, spec["template"], record, data, MAX_PIXELS, 1024, **flags)
     processor = _reference_processor(model)
@@ -360,8 +360,8 @@ def test_mistral3_takes_a_pixtral_batch_and_its_processor_is_refused_by_name(tmp
 # ----------------------------------------------------------------------------------------------- 2-rank parity
 @pytest.fixture(scope="module")
 def trained(tmp_path_factory) -> Path:
-    from tests import families_scenarios
-    from tests.scenario_kit import run
+    from tests.helpers.scenario_kit import run
+    from tests.scenarios import families_scenarios
 
     out = tmp_path_factory.mktemp("families_parity")
     families_scenarios.prepare(out)
@@ -371,8 +371,9 @@ def trained(tmp_path_factory) -> Path:
 
 @pytest.mark.parametrize("case", PARITY_CASES, ids=lambda c: c.name)
 def test_two_rank_training_on_data_path_batches_equals_plain_transformers(trained, case):
-    from tests import families_scenarios, test_parity
-    from tests.parity import global_losses, global_steps
+    from tests import test_parity
+    from tests.helpers.parity import global_losses, global_steps
+    from tests.scenarios import families_scenarios
 
     families_scenarios.register(trained)
     part = test_parity._part(test_parity._ranks(trained, case.name), 0)

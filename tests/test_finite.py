@@ -1,7 +1,7 @@
 """A non-finite loss or gradient norm stops training on every rank before the optimizer step applies it.
 
-In-process: the precision plugin on one device (fast). Two ranks: tests/finite_scenarios.py, started here as two
-processes (as an external launcher starts them) so that each rank's exit status is seen.
+In-process: the precision plugin on one device (fast). Two ranks: tests/scenarios/finite_scenarios.py, started here as
+two processes (as an external launcher starts them) so that each rank's exit status is seen.
 """
 
 from __future__ import annotations
@@ -19,8 +19,8 @@ from lightning_mm.checkpoint import open_source
 from lightning_mm.core.finite import NonFiniteError, check_step, rank_flags
 from lightning_mm.core.grad_clip import total_grad_norm
 from lightning_mm.strategies.precision import MMFSDP2Precision
-from tests import finite_scenarios
-from tests.scenario_kit import run
+from tests.helpers.scenario_kit import run
+from tests.scenarios import finite_scenarios
 from tests.test_module import Regression
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -321,7 +321,7 @@ def test_recompute_is_hardware_flops_only(family: str, reentrant: bool) -> None:
     if family == "qwen3_lora":  # the inputs now take a gradient: counted as a trained embedding
         counter = FlopCounter(counter.config, counter.language, counter.vision, embed_trains=True, head_trains=False)
     plain = _measured(model, batch)
-    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": reentrant})
+    model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": reentrant})
     replayed = _measured(model, batch)
     counted = counter(batch)
     _assert_close(counted.model, plain)

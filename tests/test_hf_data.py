@@ -1,10 +1,11 @@
 """MindSpeed MM ``dataset_type: huggingface`` data configs through ``MMDataModule(data_config=...)``.
 
-Each sample is compared, bit for bit, with MindSpeed MM's sample of the same record (``tests/mindspeed_reference.py``,
-a re-telling of its code; more cases in ``tests/test_mindspeed_samples.py``) on tiny Qwen2.5-VL and Qwen3-VL
-directories (``tests/tiny_vlms.py``); a ``chat_template`` file's samples with what the model's processor gives for
-that template (``apply_chat_template`` then ``processor(text=..., images=...)``), the assistant-only labels computed
-independently here from the character offsets of the assistant contents in the processor's (expanded) text.
+Each sample is compared, bit for bit, with MindSpeed MM's sample of the same record
+(``tests/helpers/mindspeed_reference.py``, a re-telling of its code; more cases in ``tests/test_mindspeed_samples.py``)
+on tiny Qwen2.5-VL and Qwen3-VL directories (``lightning_mm/testing/tiny_vlms.py``); a ``chat_template`` file's samples
+with what the model's processor gives for that template (``apply_chat_template`` then ``processor(text=...,
+images=...)``), the assistant-only labels computed independently here from the character offsets of the assistant
+contents in the processor's (expanded) text.
 """
 
 from __future__ import annotations
@@ -22,10 +23,10 @@ from PIL import Image
 from lightning_mm import MMDataModule
 from lightning_mm.datamodules.data_config import DataConfigError
 from lightning_mm.datamodules.records import DataError
-from tests import hfdata_scenarios
-from tests.mindspeed_reference import reference as mindspeed_reference
-from tests.scenario_kit import read_results, run
-from tests.tiny_vlms import FAMILIES, write_tiny_vlm
+from lightning_mm.testing.tiny_vlms import FAMILIES, write_tiny_vlm
+from tests.helpers.mindspeed_reference import reference as mindspeed_reference
+from tests.helpers.scenario_kit import read_results, run
+from tests.scenarios import hfdata_scenarios
 
 ROOT = Path(__file__).resolve().parents[1]
 TEMPLATE = {"qwen2_5_vl": "qwen2vl", "qwen3_vl": "qwen3_vl_nothink"}
@@ -187,8 +188,8 @@ def _reference(
     system: str | None = None,
     **flags: Any,
 ) -> dict[str, torch.Tensor]:
-    """MindSpeed MM's sample (``tests/mindspeed_reference.py``, a re-telling of its code) for the family's template
-    (:data:`TEMPLATE`, by the model's ``model_type``) or ``template``."""
+    """MindSpeed MM's sample (``tests/helpers/mindspeed_reference.py``, a re-telling of its code) for the family's
+    template (:data:`TEMPLATE`, by the model's ``model_type``) or ``template``."""
     model_type = json.loads((model / "config.json").read_text())["model_type"]
     name = template or {**TEMPLATE, "qwen3_5": "qwen3_vl_nothink"}[model_type]
     record = dict(record, system=system) if system else record
@@ -824,7 +825,7 @@ def test_mindspeed_fsdp_trainer_keys(models, tmp_path, monkeypatch):
 
 
 def test_chat_template_file_replaces_the_models(models, tmp_path, monkeypatch):
-    from tests.tiny_vlms import QWEN2_5_VL_CHAT_TEMPLATE
+    from lightning_mm.testing.tiny_vlms import QWEN2_5_VL_CHAT_TEMPLATE
 
     family = "qwen2_5_vl"
     custom = QWEN2_5_VL_CHAT_TEMPLATE.replace("You are a helpful assistant.", "You are a tiny model.")

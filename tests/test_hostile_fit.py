@@ -1,5 +1,6 @@
 """A 2-rank fit over data with an image that passes the up-front check and fails to decode (issue #12, point 6);
-2-rank runs with a rank that hangs, stopped by a signal within ``stop_timeout`` (tests/hostile_scenarios.py)."""
+2-rank runs with a rank that hangs, stopped by a signal within ``stop_timeout``
+(tests/scenarios/hostile_scenarios.py)."""
 
 import contextlib
 import os
@@ -13,9 +14,9 @@ from pathlib import Path
 
 import pytest
 
-from tests import hostile_scenarios
-from tests.hostile_files import write_captioning_data
-from tests.scenario_kit import kill_job, read_results, run, start
+from tests.helpers.hostile_files import write_captioning_data
+from tests.helpers.scenario_kit import kill_job, read_results, run, start
+from tests.scenarios import hostile_scenarios
 
 
 def test_a_corrupt_pixel_stream_is_skipped_and_counted_in_a_two_rank_fit(tmp_path):
@@ -28,7 +29,7 @@ def test_a_corrupt_pixel_stream_is_skipped_and_counted_in_a_two_rank_fit(tmp_pat
 
 
 # --------------------------------------------------------------------------- a stop that always stops (issue #14, 1)
-STOP_TIMEOUT = 3.0  # tests/hostile_scenarios.py STOP_TIMEOUT
+STOP_TIMEOUT = 3.0  # tests/scenarios/hostile_scenarios.py STOP_TIMEOUT
 MARGIN = 6.0  # the watcher's poll, killing and reaping the ranks, on a loaded 2-core machine
 
 

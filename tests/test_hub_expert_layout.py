@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.moe_models import tiny_moe_model
+from tests.helpers.moe_models import tiny_moe_model
 
 
 @pytest.fixture(scope="module")

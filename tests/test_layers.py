@@ -25,6 +25,7 @@ LAYERS: list[tuple[str, int]] = [
     ("lightning_mm.checkpoint", 2),
     ("lightning_mm.hf", 3),
     ("lightning_mm.diffusers", 3),
+    ("lightning_mm.testing", 3),  # tiny random models for the examples and tests (Transformers, no Lightning)
     ("lightning_mm.mindspeed", 4),
     ("lightning_mm.strategies", 5),
     ("lightning_mm.modules", 5),

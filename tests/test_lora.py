@@ -1,6 +1,6 @@
 """LoRA fine-tuning with PEFT: settings checked before training, and 2-rank training against a PEFT reference.
 
-The 2-rank checks run in one launch of tests/lora_scenarios.py (see ``all_runs``).
+The 2-rank checks run in one launch of tests/scenarios/lora_scenarios.py (see ``all_runs``).
 """
 
 from __future__ import annotations
@@ -12,9 +12,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests import lora_scenarios
-from tests.hf_scenarios import save_tiny_checkpoints
-from tests.scenario_kit import read_results, run, scenario_env
+from tests.helpers.scenario_kit import read_results, run, scenario_env
+from tests.scenarios import lora_scenarios
+from tests.scenarios.hf_scenarios import save_tiny_checkpoints
 
 ROOT = Path(__file__).resolve().parents[1]
 LORA = {"rank": 4, "alpha": 8, "target_modules": ["model.layers.{*}.self_attn.q_proj"]}
@@ -239,7 +239,7 @@ def test_exports_of_an_adapted_tied_output_layer(ckpts, tmp_path):
     from peft import PeftModel
 
     from lightning_mm.hf.lora_export import save_lora_adapters, save_merged_model
-    from tests.hf_scenarios import FamilyData, model_inputs
+    from tests.scenarios.hf_scenarios import FamilyData, model_inputs
 
     model = _build(ckpts, "llama_tied", target_modules=["lm_head", "model.layers.{0}.mlp"])
     with torch.no_grad():

@@ -57,7 +57,7 @@ def test_half_precision_storage_halves_bytes():
 
 def test_bytes_two_ranks_hold_equal_the_accounting(scenario):
     """A regression in sharding (a unit left whole, an ignored module sharded, a lost optimiser state) shows here."""
-    from tests import dist_scenarios
+    from tests.scenarios import dist_scenarios
 
     for r in scenario(dist_scenarios.memory_accounting):
         assert r["measured"] == {k: r["expected"][k] for k in ("params", "grads", "optimizer")}

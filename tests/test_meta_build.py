@@ -25,9 +25,9 @@ import yaml
 from lightning_mm.core.init_context import meta_parameters
 from lightning_mm.hf.derived_adapters import resolve_model_class
 from lightning_mm.hf.meta_build import build_on_meta
-from tests.derive_models import ARCHITECTURES, hf_config
-from tests.hf_scenarios import FAMILIES
-from tests.moe_models import MOE_FAMILIES
+from tests.helpers.derive_models import ARCHITECTURES, hf_config
+from tests.helpers.moe_models import MOE_FAMILIES
+from tests.scenarios.hf_scenarios import FAMILIES
 
 ROOT = Path(__file__).resolve().parents[1]
 CAP = 4 * 2**30  # bytes of address space for the planning process (the model is 1.5 TB)
@@ -81,7 +81,7 @@ def _config(tmp_path: Path, trainer: dict) -> Path:
         },
         "data": {
             "class_path": "lightning_mm.MMDataModule",
-            "init_args": {"train_valid_test_datasets_provider": "tests.qwen3_vl_family.datasets_provider"},
+            "init_args": {"train_valid_test_datasets_provider": "tests.helpers.qwen3_vl_family.datasets_provider"},
         },
     }
     path = tmp_path / "cfg.yaml"
@@ -129,7 +129,7 @@ import torch
 from torch import nn
 from lightning_mm.core.init_context import meta_parameters
 from lightning_mm.diffusers.model import DiffusersModel
-from tests.wan_scenarios import TINY_WAN
+from tests.scenarios.wan_scenarios import TINY_WAN
 
 
 class Custom(nn.Module):  # a model_provider's own module: one 512 GB embedding, a computed buffer

@@ -26,7 +26,7 @@ from lightning_mm.mindspeed.model_config import (
     MindSpeedModelError,
     transformers_model_config,
 )
-from tests.hf_scenarios import IMAGE_TOKEN, VOCAB, tiny_hf_model
+from tests.scenarios.hf_scenarios import IMAGE_TOKEN, VOCAB, tiny_hf_model
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -77,7 +77,7 @@ def _tiny(family: str) -> torch.nn.Module:
             )
             return transformers.Qwen3VLForConditionalGeneration(config)
         if family == "qwen3_vl_moe":
-            from tests.moe_models import tiny_moe_model
+            from tests.helpers.moe_models import tiny_moe_model
 
             return tiny_moe_model("qwen3_vl_moe")
         return tiny_hf_model(family)

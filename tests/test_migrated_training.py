@@ -3,7 +3,7 @@
 * An LLM: the corpus ships none, so a minimal MindSpeed MM launch script for a Qwen3 causal LM is written (the
   flags of MindSpeed MM's FSDP2 launches, a Transformers-route model.json naming the model directory, MindSpeed MM's
   FSDP2 YAML keys, and an entry script whose ``train_valid_test_datasets_provider`` gives the tokens:
-  tests/migrated_llm_entry.py), migrated and fitted; the reference is plain Transformers' Qwen3ForCausalLM.
+  tests/helpers/migrated_llm_entry.py), migrated and fitted; the reference is plain Transformers' Qwen3ForCausalLM.
   (MindSpeed MM's data configs serve only its VLM templates here: none is built in for a text-only Qwen3.)
 
 The packed migrated config trains in the dense Qwen3.5 launch of tests/test_native_route.py (the same model), the
@@ -40,7 +40,7 @@ GPT_ARGS="
     --train-iters 2 \\
     --seed 42
 "
-torchrun $DISTRIBUTED_ARGS tests/migrated_llm_entry.py \\
+torchrun $DISTRIBUTED_ARGS tests/helpers/migrated_llm_entry.py \\
     $GPT_ARGS \\
     --mm-model {model} \\
     --distributed-backend nccl
@@ -77,8 +77,8 @@ def test_a_migrated_qwen3_llm_launch_trains_like_plain_transformers(tmp_path):
     import transformers
 
     from lightning_mm.commands.migrate import migrate_file
-    from tests import native_scenarios
-    from tests.scenario_kit import run
+    from tests.helpers.scenario_kit import run
+    from tests.scenarios import native_scenarios
     from tests.test_native_route import _assert_equals_plain_transformers
 
     model_dir = _tiny_qwen3_llm(tmp_path / "hf")
@@ -98,7 +98,7 @@ def test_a_migrated_qwen3_llm_launch_trains_like_plain_transformers(tmp_path):
     config = yaml.safe_load(yaml.safe_dump(result.config))
     data = config["data"]["init_args"]
     assert data["train_valid_test_datasets_provider"] == (
-        "tests.migrated_llm_entry.train_valid_test_datasets_provider"
+        "tests.helpers.migrated_llm_entry.train_valid_test_datasets_provider"
     ), data
     assert config["model"]["init_args"]["transformers_model"]["init_from_hf_path"] == str(model_dir)
     config["trainer"].update(
@@ -110,7 +110,7 @@ def test_a_migrated_qwen3_llm_launch_trains_like_plain_transformers(tmp_path):
         enable_model_summary=False,
         num_sanity_val_steps=0,
         default_root_dir=str(tmp_path / "run"),
-        callbacks=[{"class_path": "tests.native_scenarios.Recorder", "init_args": {"outdir": str(tmp_path)}}],
+        callbacks=[{"class_path": "tests.scenarios.native_scenarios.Recorder", "init_args": {"outdir": str(tmp_path)}}],
     )
     assert config["trainer"]["devices"] == 2 and config["trainer"]["max_steps"] == 2
     config["model"]["init_args"].update(log_grad_norm=False)

@@ -240,7 +240,7 @@ def test_wan_lora_scripts_become_mmwanmodules_diffusers_lora(results, tree):
     from diffusers import WanTransformer3DModel
 
     from lightning_mm.diffusers import DiffusersModel
-    from tests.wan_scenarios import TINY_WAN
+    from tests.scenarios.wan_scenarios import TINY_WAN
 
     every = [
         f"blocks.{{*}}.{m}"
@@ -340,7 +340,7 @@ def test_a_migrated_megatron_route_qwen2_5_vl_job_builds_its_transformers_twin(t
     ``--hf-path``: the model section builds Transformers' Qwen2.5-VL class from that directory, with the towers the
     model.json freezes frozen (its vision encoder and projector: every ``model.visual.*`` parameter)."""
     from lightning_mm.modules.transformers_module import MMTransformersModule
-    from tests.hf_scenarios import tiny_hf_model
+    from tests.scenarios.hf_scenarios import tiny_hf_model
 
     reference = tiny_hf_model("qwen2_5_vl")
     reference.save_pretrained(tree / "tiny_qwen2_5_vl")
@@ -449,15 +449,15 @@ _STAND_INS = (
 
 def _save_stand_in(family: str, directory: Path) -> Path:
     if family == "glm4v_moe" or family == "mistral3":
-        from tests.derive_models import tiny_model
+        from tests.helpers.derive_models import tiny_model
 
         tiny_model(family).save_pretrained(directory)
     elif family in ("internvl", "qwen2_5_vl"):
-        from tests.hf_scenarios import tiny_hf_model
+        from tests.scenarios.hf_scenarios import tiny_hf_model
 
         tiny_hf_model(family).save_pretrained(directory)
     elif family == "qwen3_5_moe":
-        from tests.tiny_qwen3_5 import tiny_qwen3_5_moe
+        from lightning_mm.testing.tiny_qwen3_5 import tiny_qwen3_5_moe
 
         tiny_qwen3_5_moe(directory, num_experts=16)  # the 397B's expert_parallel_size 16 divides them
     elif family == "qwen3_5":
@@ -465,17 +465,17 @@ def _save_stand_in(family: str, directory: Path) -> Path:
 
         _tiny_qwen3_5(directory)
     elif family == "qwen3_vl":
-        from tests.qwen3_vl_family import save_qwen3_vl
+        from tests.helpers.qwen3_vl_family import save_qwen3_vl
 
         save_qwen3_vl(directory)
     elif family == "qwen3_vl_moe":
-        from tests.moe_models import tiny_moe_model
+        from tests.helpers.moe_models import tiny_moe_model
 
         tiny_moe_model("qwen3_vl_moe").save_pretrained(directory)
     else:
         from diffusers import WanTransformer3DModel
 
-        from tests.wan_scenarios import TINY_WAN
+        from tests.scenarios.wan_scenarios import TINY_WAN
 
         WanTransformer3DModel(**TINY_WAN).save_pretrained(directory)
     return directory
@@ -545,9 +545,9 @@ def test_module_path_rules_name_modules_of_the_transformers_class(tmp_path):
     covers is kept as written, and a translated pattern that names no module is still refused by plan, naming it."""
     from lightning_mm.commands.plan import plan_from_cli_config
     from lightning_mm.mindspeed.module_paths import FAMILIES, translate
-    from tests.derive_models import tiny_model
-    from tests.hf_scenarios import tiny_hf_model
-    from tests.qwen3_vl_family import tiny_qwen3_vl
+    from tests.helpers.derive_models import tiny_model
+    from tests.helpers.qwen3_vl_family import tiny_qwen3_vl
+    from tests.scenarios.hf_scenarios import tiny_hf_model
 
     models = {"mistral3": tiny_model("mistral3"), "internvl": tiny_hf_model("internvl")}
     models["qwen2_5_vl"] = tiny_hf_model("qwen2_5_vl")

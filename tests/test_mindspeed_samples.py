@@ -1,6 +1,6 @@
 """Samples of MindSpeed MM's named templates equal MindSpeed MM's own (its FSDP2 route, commit 57069cd5).
 
-The reference (``tests/mindspeed_reference.py``) RE-TELLS MindSpeed MM's code, function by function, from
+The reference (``tests/helpers/mindspeed_reference.py``) RE-TELLS MindSpeed MM's code, function by function, from
 ``mindspeed_mm/fsdp/data/data_utils/func_utils/`` (``convert.py``: ``SharegptDatasetConverter``,
 ``SupervisedDatasetProcessor._encode_data_example``, ``infer_seqlen``; ``template.py``: the registered slots,
 ``Template._encode``, ``_convert_elements_to_ids``, ``ReasoningTemplate.encode_multiturn``; ``mm_plugin.py``:
@@ -9,9 +9,10 @@ The reference (``tests/mindspeed_reference.py``) RE-TELLS MindSpeed MM's code, f
 uses only the tiny models' tokenizer and image processor as Transformers loads them (``AutoTokenizer``,
 ``AutoImageProcessor``), never this project's code. Each sample built through ``MMDataModule(data_config=...)`` is
 compared with it: input ids, labels, pixel values and image grids, for each template on a tiny model of its family
-(``tests/tiny_vlms.py``, ``examples/tiny_families.py``): a picture above ``image_max_pixels``, one below the image
-processor's own minimum and narrower than 28 pixels, several images, several turns, system prompts (default, column,
-turn with white space), existing thoughts, the label modes, and cuts at small ``cutoff_len``.
+(``lightning_mm/testing/tiny_vlms.py``, ``lightning_mm/testing/tiny_families.py``): a picture above
+``image_max_pixels``, one below the image processor's own minimum and narrower than 28 pixels, several images, several
+turns, system prompts (default, column, turn with white space), existing thoughts, the label modes, and cuts at small
+``cutoff_len``.
 """
 
 from __future__ import annotations
@@ -24,9 +25,10 @@ import pytest
 import torch
 from PIL import Image
 
-from examples.tiny_families import write_tiny_family
 from lightning_mm import MMDataModule
-from tests.mindspeed_reference import (
+from lightning_mm.testing.tiny_families import write_tiny_family
+from lightning_mm.testing.tiny_vlms import write_tiny_vlm
+from tests.helpers.mindspeed_reference import (
     IGNORE_INDEX,
     IMAGE_PLACEHOLDER,
     REF_PLUGINS,
@@ -37,8 +39,7 @@ from tests.mindspeed_reference import (
     ref_process_messages,
     ref_sharegpt,
 )
-from tests.mindspeed_reference import reference as _ms_reference
-from tests.tiny_vlms import write_tiny_vlm
+from tests.helpers.mindspeed_reference import reference as _ms_reference
 
 
 def reference(model: Path, name: str, record: dict, data: Path, **overrides: Any) -> dict[str, torch.Tensor]:

@@ -65,7 +65,7 @@ def test_shipped_qwen3_5_122b_config_plans_at_its_world_size(tmp_path):
     import transformers
 
     from lightning_mm.commands.plan import main as plan_main
-    from tests.tiny_qwen3_5 import tiny_qwen3_5_moe
+    from lightning_mm.testing.tiny_qwen3_5 import tiny_qwen3_5_moe
 
     model_dir = tiny_qwen3_5_moe(tmp_path / "hf")
     native = yaml.safe_load((DATA / QWEN3_5_122B).read_text())
@@ -193,7 +193,7 @@ def test_a_bare_lora_target_names_every_module_ending_with_it_as_mindspeed_mm_do
     whose path is ``q_proj`` or ends with ``.q_proj``; targets under ``freeze`` are left out (its Megatron route's
     lora_patch skips frozen targets); a name that matches nothing stays an error."""
     from lightning_mm.hf.lora import LoRAConfig, LoRAConfigError, resolve_targets
-    from tests.hf_scenarios import tiny_hf_model
+    from tests.scenarios.hf_scenarios import tiny_hf_model
 
     model = tiny_hf_model("qwen2")
     config = LoRAConfig(target_modules=["q_proj", "self_attn.o_proj"])
@@ -267,8 +267,8 @@ def test_migrated_job_runs_as_2_nodes_x_2_processes_keeping_its_global_batch(tmp
     accumulation 2), run as 2 nodes x 2 processes on this machine (torchrun --nnodes 2, twice): Lightning sees 4
     ranks on 2 nodes, and the accumulation is recomputed to 1 so that each step still trains on 8 samples. The
     launch lines migrate prints for a 2-node config name both counts."""
-    from tests import native_scenarios
-    from tests.scenario_kit import run
+    from tests.helpers.scenario_kit import run
+    from tests.scenarios import native_scenarios
 
     script, root = _qwen3vl_job(tmp_path)
     out = tmp_path / "config.yaml"
@@ -293,7 +293,7 @@ def test_migrated_job_runs_as_2_nodes_x_2_processes_keeping_its_global_batch(tmp
         if "ModelCheckpoint" in callback["class_path"]:
             callback["init_args"].update(dirpath=str(tmp_path / "save"), every_n_train_steps=2)
     config["trainer"]["callbacks"].append(
-        {"class_path": "tests.native_scenarios.JobShape", "init_args": {"outdir": str(tmp_path)}}
+        {"class_path": "tests.scenarios.native_scenarios.JobShape", "init_args": {"outdir": str(tmp_path)}}
     )
     config["trainer"]["strategy"]["init_args"].pop("process_group_backend", None)
     out.write_text(yaml.safe_dump(config, sort_keys=False))

@@ -1,6 +1,6 @@
 """Video samples of MindSpeed MM's Qwen-VL templates equal MindSpeed MM's own (its FSDP2 route, commit 57069cd5).
 
-The reference (``tests/mindspeed_reference.py``, the video part) re-tells MindSpeed MM's
+The reference (``tests/helpers/mindspeed_reference.py``, the video part) re-tells MindSpeed MM's
 ``mindspeed_mm/fsdp/data/data_utils/func_utils/mm_plugin.py`` (``MMPluginMixin._get_video_sample_indices``,
 ``Qwen2VLPlugin._regularize_videos`` with its even-frame rule and ``fps_per_video``, ``_preprocess_image`` of each
 frame with the video bounds, the plugins' ``_get_mm_inputs`` and ``process_messages`` for ``<video>``) and, since
@@ -23,10 +23,10 @@ import numpy as np
 import pytest
 import torch
 
-from tests.mindspeed_reference import ref_get_video_sample_indices
-from tests.mindspeed_reference import reference as _ms_reference
+from lightning_mm.testing.tiny_vlms import write_tiny_vlm
+from tests.helpers.mindspeed_reference import ref_get_video_sample_indices
+from tests.helpers.mindspeed_reference import reference as _ms_reference
 from tests.test_native_route import _tiny_qwen3_5
-from tests.tiny_vlms import write_tiny_vlm
 
 MAX_PIXELS = 64 * 64
 MIN_PIXELS = 32 * 32
@@ -85,7 +85,7 @@ RECORDS = {
 @pytest.fixture(scope="module")
 def models(tmp_path_factory) -> dict[str, Path]:
     root = tmp_path_factory.mktemp("video")
-    from examples.tiny_families import write_tiny_family
+    from lightning_mm.testing.tiny_families import write_tiny_family
 
     out = {f: write_tiny_vlm(root / f, f) for f in ("qwen2_5_vl", "qwen3_vl")}
     out["qwen2_5_omni_thinker"] = write_tiny_family(root / "omni", "qwen2_5_omni_thinker")
@@ -215,8 +215,8 @@ def test_video_patches_equal_the_image_processors_on_a_still_clip(family, models
 
 
 def test_glm_videos_are_refused_by_name(tmp_path, monkeypatch):
-    from examples.tiny_families import write_tiny_family
     from lightning_mm.datamodules.records import DataError
+    from lightning_mm.testing.tiny_families import write_tiny_family
 
     model = write_tiny_family(tmp_path / "glm4v", "glm4v")
     with pytest.raises(DataError, match="GLM4VPlugin.*total_frames"):

@@ -193,7 +193,7 @@ def test_throughput_monitor_is_lightnings_and_the_users_own_wins(tmp_path):
 
 
 def test_ddp_fit_with_seed_callables_in_megatron_form(scenario):
-    from tests import dist_scenarios
+    from tests.scenarios import dist_scenarios
 
     r0, r1 = scenario(dist_scenarios.ddp_module)
     assert r0["strategy"] == "DDPStrategy"

@@ -226,7 +226,7 @@ def test_parallel_section_and_whole_config_give_the_migrated_fsdp2_config(tmp_pa
 def test_equal_plans_from_the_native_and_the_18_key_forms(tmp_path):
     """Both forms build the same sharding plan on a tiny Qwen3-VL-MoE (the architecture of the config)."""
     from lightning_mm.core.plan import build_plan
-    from tests.moe_models import tiny_moe_model
+    from tests.helpers.moe_models import tiny_moe_model
 
     model = tiny_moe_model("qwen3_vl_moe")
     parallel = {**_native("st__finetune_qwen3vl_30B__qwen3vl_30B_config_v1.yaml")["parallel"]}
@@ -354,7 +354,7 @@ def test_lightning_mm_plan_for_the_configs_world_size(name, tmp_path, capsys):
     """``lightning-mm plan`` of the migrated config at the launch script's world size, on the meta device, with a
     tiny Qwen3-VL-MoE stand-in of the 30B checkpoint (the same module paths)."""
     from lightning_mm.commands.plan import plan_from_cli_config
-    from tests.moe_models import tiny_moe_model
+    from tests.helpers.moe_models import tiny_moe_model
 
     model_dir = tmp_path / "hf"
     tiny_moe_model("qwen3_vl_moe").save_pretrained(model_dir)
@@ -421,7 +421,7 @@ def _tiny_qwen3_vl_moe(directory: Path) -> Path:
     import torch
     import transformers
 
-    from tests.tiny_vlms import write_tiny_vlm
+    from lightning_mm.testing.tiny_vlms import write_tiny_vlm
 
     write_tiny_vlm(directory, "qwen3_vl", seed=3, init_std=0.3, min_pixels=32 * 32, max_pixels=64 * 64)
     dense = transformers.AutoConfig.from_pretrained(directory)
@@ -479,7 +479,7 @@ def _tiny_qwen3_5(directory: Path) -> Path:
     import torch
     import transformers
 
-    from tests.tiny_vlms import write_tiny_vlm
+    from lightning_mm.testing.tiny_vlms import write_tiny_vlm
 
     write_tiny_vlm(directory, "qwen3_vl", seed=3, init_std=0.3, min_pixels=32 * 32, max_pixels=64 * 64)
     dense = transformers.AutoConfig.from_pretrained(directory)
@@ -558,8 +558,8 @@ def _fit(native: dict, tmp_path: Path, capsys, also: tuple[tuple[dict, Path], ..
     """``lightning-mm migrate`` the native config, then ``lightning-mm fit`` it on 2 CPU ranks: (report, config).
     ``also``: more native configs, each migrated into and recording to its folder, fitted after it in the same
     launch (one model shared by several checks)."""
-    from tests import native_scenarios
-    from tests.scenario_kit import run
+    from tests.helpers.scenario_kit import run
+    from tests.scenarios import native_scenarios
 
     written = [_migrated(native, tmp_path, capsys)] + [_migrated(n, folder, capsys) for n, folder in also]
     run(native_scenarios.fit_config, tmp_path, args={"config": os.pathsep.join(str(out) for _, _, out in written)})
@@ -586,7 +586,7 @@ def _migrated(native: dict, tmp_path: Path, capsys) -> tuple[str, dict, Path]:
         enable_model_summary=False,
         num_sanity_val_steps=0,
         default_root_dir=str(tmp_path / "run"),
-        callbacks=[{"class_path": "tests.native_scenarios.Recorder", "init_args": {"outdir": str(tmp_path)}}],
+        callbacks=[{"class_path": "tests.scenarios.native_scenarios.Recorder", "init_args": {"outdir": str(tmp_path)}}],
     )
     config["model"]["init_args"].update(log_grad_norm=False)
     config["model"]["init_args"]["transformers_model"]["trust_remote_code"] = False  # a Transformers class

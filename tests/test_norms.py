@@ -39,11 +39,11 @@ def classes(tmp_path_factory: pytest.TempPathFactory) -> dict[str, nn.Module]:
     import transformers
     from diffusers import WanTransformer3DModel
 
-    from examples.tiny_families import FAMILIES, write_tiny_family
-    from examples.tiny_vlms import FAMILIES as VLMS
-    from examples.tiny_vlms import write_tiny_vlm
-    from tests.tiny_qwen3_5 import tiny_qwen3_5_moe
-    from tests.wan_scenarios import TINY_WAN
+    from lightning_mm.testing.tiny_families import FAMILIES, write_tiny_family
+    from lightning_mm.testing.tiny_qwen3_5 import tiny_qwen3_5_moe
+    from lightning_mm.testing.tiny_vlms import FAMILIES as VLMS
+    from lightning_mm.testing.tiny_vlms import write_tiny_vlm
+    from tests.scenarios.wan_scenarios import TINY_WAN
 
     tmp = tmp_path_factory.mktemp("norms")
     directories: list[Path] = [write_tiny_vlm(tmp / f, f) for f in VLMS]

@@ -6,8 +6,8 @@
   group after a failed run.
 * In a fresh interpreter: Lightning's accelerator connector is not patched, and a CPU Trainer is the same with and
   without ``import lightning_mm``.
-* In a subprocess with the TEST DOUBLE of tests/fake_npu_backend.py (PrivateUse1 renamed to ``npu`` plus a Python
-  ``torch.npu``): what needs an ``npu`` device type to exist. It covers availability and counting,
+* In a subprocess with the TEST DOUBLE of tests/helpers/fake_npu_backend.py (PrivateUse1 renamed to ``npu`` plus
+  a Python ``torch.npu``): what needs an ``npu`` device type to exist. It covers availability and counting,
   ``strategy="single_npu"`` (its device from ``Trainer(devices=...)``, mixed precision autocasting on ``npu``),
   ``auto`` staying Lightning's choice, setup_device/get_device_stats/teardown reaching ``torch.npu``, the parallel
   devices and backend of MMFSDP2Strategy on NPUs, and ``lightning-mm env``. It does NOT cover anything that allocates
@@ -46,7 +46,7 @@ def _python(
         # lightning_mm first: transformers (imported by it) probes for torch_npu once, at import, and would take
         # the double's stand-in for the real torch_npu.
         code = (
-            f"import lightning_mm\nfrom tests.fake_npu_backend import install\nfake = install({fake_npu})\n"
+            f"import lightning_mm\nfrom tests.helpers.fake_npu_backend import install\nfake = install({fake_npu})\n"
             + textwrap.dedent(code)
         )
     path = [str(ROOT)] + ([str(extra_path)] if extra_path else [])

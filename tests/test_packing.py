@@ -23,9 +23,9 @@ from torch import nn
 from lightning_mm.core.packing import IGNORE_INDEX, PackedCollator, block_causal_mask, packed_lengths, segment_ids
 from lightning_mm.hf.batch_check import BatchCheckError
 from lightning_mm.hf.chat_collate import TOKEN_KEYS, ChatCollator
-from tests import packing_families, qwen3_vl_family
-from tests.hf_scenarios import IMAGE_TOKEN, VOCAB, tiny_hf_model
-from tests.moe_models import tiny_moe_model
+from tests.helpers import packing_families, qwen3_vl_family
+from tests.helpers.moe_models import tiny_moe_model
+from tests.scenarios.hf_scenarios import IMAGE_TOKEN, VOCAB, tiny_hf_model
 
 PATCH = 3 * 2 * 14 * 14
 VISION_START, VISION_END, VIDEO_TOKEN = 7, 8, 6
@@ -480,8 +480,8 @@ def test_two_rank_fsdp2_packed_qwen3_5_equals_plain_transformers(tmp_path: Path)
     """The per-sample Gated DeltaNet path under FSDP2 (sharded linear-attention units, recomputed decoder layers) on
     2 gloo ranks: the step's loss and gathered gradients equal plain Transformers on the padded samples; also under
     context parallel 2 (the layer on the whole sequence gathered over the group), packed and padded."""
-    from tests import packing_scenarios
-    from tests.scenario_kit import run
+    from tests.helpers.scenario_kit import run
+    from tests.scenarios import packing_scenarios
 
     reference = plain_model("qwen3_5")
     reference.save_pretrained(tmp_path / "qwen3_5")

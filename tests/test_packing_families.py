@@ -2,10 +2,10 @@
 32x32 images), Idefics3 (one row of images and crops per sample, with ``pixel_attention_mask``) and Mistral 3 (Pixtral
 images of different sizes, with ``image_sizes``).
 
-The samples are the data path's own (``examples/tiny_families.py`` models, MindSpeed MM ``huggingface`` data through
-the model's processor and chat template, as tests/test_families_data.py builds and checks them); Mistral 3's, whose
-processor needs torchvision, are laid out as MindSpeed MM's Pixtral plugin does with Transformers' PIL Pixtral image
-processor. A packed row of three samples (images of different sizes and counts) trains in the model
+The samples are the data path's own (``lightning_mm/testing/tiny_families.py`` models, MindSpeed MM ``huggingface`` data
+through the model's processor and chat template, as tests/test_families_data.py builds and checks them); Mistral 3's,
+whose processor needs torchvision, are laid out as MindSpeed MM's Pixtral plugin does with Transformers' PIL Pixtral
+image processor. A packed row of three samples (images of different sizes and counts) trains in the model
 ``TransformersModel`` builds exactly as plain Transformers on the same samples padded (loss and every gradient, fp32,
 relative 1e-5). Gemma 3 (a sliding-window and a full-attention layer, sdpa and eager) takes the row with the
 per-sample masks of ``packed_block_masks``, its images seeing themselves both ways.
@@ -21,9 +21,9 @@ import pytest
 import torch
 from PIL import Image
 
-from examples.tiny_families import write_tiny_family
 from lightning_mm.core.packing import PackedCollator, packed_lengths
 from lightning_mm.hf.chat_collate import ChatCollator
+from lightning_mm.testing.tiny_families import write_tiny_family
 from tests import test_families_data as family_data
 from tests.test_packing import _assert_grads_equal
 

@@ -1,4 +1,4 @@
-"""Numerical parity with plain Transformers + torch (issue #11): the harness of ``tests/parity.py``.
+"""Numerical parity with plain Transformers + torch (issue #11): the harness of ``tests/helpers/parity.py``.
 
 Three launches: every training case on 2 ranks (``train``), checkpoint and resume on 2 ranks (``resume``), and
 the resumed run on 1 process (``resume_one``). Dense Qwen3-VL runs in the first two: reentrant recomputation with
@@ -16,9 +16,7 @@ from typing import Any
 import pytest
 import torch
 
-from tests import parity_scenarios
-from tests.hf_scenarios import save_tiny_checkpoints
-from tests.parity import (
+from tests.helpers.parity import (
     CASES,
     QWEN3_VL,
     RECOMPUTE,
@@ -32,8 +30,10 @@ from tests.parity import (
     relative_errors,
     weight_errors,
 )
-from tests.qwen3_vl_family import save_qwen3_vl
-from tests.scenario_kit import run
+from tests.helpers.qwen3_vl_family import save_qwen3_vl
+from tests.helpers.scenario_kit import run
+from tests.scenarios import parity_scenarios
+from tests.scenarios.hf_scenarios import save_tiny_checkpoints
 
 ROOT = Path(__file__).resolve().parents[1]
 FP32_LOSS = 1e-5

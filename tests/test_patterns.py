@@ -54,7 +54,7 @@ def test_malformed(pattern):
 
 
 def test_huge_range_is_checked_against_the_model_without_being_expanded():
-    from tests.limits import bounded
+    from tests.helpers.limits import bounded
 
     with bounded(extra_bytes=512 << 20, seconds=20):
         segments = parse_pattern("model.layers.{0-999999999}")

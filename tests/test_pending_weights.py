@@ -14,7 +14,7 @@ from lightning_mm.core.init_context import meta_parameters
 from lightning_mm.hf import pending_weights
 from lightning_mm.hf.pending_weights import pending_lora, pending_pretrained
 from lightning_mm.modules import TransformersModel
-from tests.hf_scenarios import save_tiny_checkpoints
+from tests.scenarios.hf_scenarios import save_tiny_checkpoints
 
 LORA = {"rank": 4, "alpha": 8, "target_modules": ["model.layers.{*}.self_attn.q_proj"]}
 

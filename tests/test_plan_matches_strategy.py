@@ -1,7 +1,7 @@
 """`lightning-mm plan` prints the plan the strategy applies: one resolution (``MMFSDP2Strategy.plan_for``).
 
-The example configs are compared in tests/test_cli.py, inside their real fits (``tests.probes.PlanProbe``); here a
-plain LightningModule whose config paths are relative to its ``sharding_target()``.
+The example configs are compared in tests/test_cli.py, inside their real fits (``tests.helpers.probes.PlanProbe``); here
+a plain LightningModule whose config paths are relative to its ``sharding_target()``.
 """
 
 import pytest
@@ -10,10 +10,10 @@ import torch
 from lightning_mm import MMFSDP2Strategy
 from lightning_mm.core.init_context import meta_parameters
 from lightning_mm.strategies.precision import MMFSDP2Precision
-from tests import plan_match_scenarios
-from tests.plan_match_scenarios import CONFIG, PRECISION, PlainWithTarget
-from tests.probes import plan_record
-from tests.scenario_kit import read_results, run
+from tests.helpers.probes import plan_record
+from tests.helpers.scenario_kit import read_results, run
+from tests.scenarios import plan_match_scenarios
+from tests.scenarios.plan_match_scenarios import CONFIG, PRECISION, PlainWithTarget
 
 
 def planned_offline() -> dict:

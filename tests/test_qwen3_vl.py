@@ -17,8 +17,8 @@ from lightning_mm.core.config import FSDP2Config
 from lightning_mm.core.init_context import meta_parameters
 from lightning_mm.core.plan import build_plan
 from lightning_mm.modules import FSDP2Mixin, ModelHub, TransformersModel, WeightInitMixin
-from tests.hf_scenarios import model_inputs
-from tests.qwen3_vl_family import ARCH, CONFIG, Qwen3VLData, hf_config, save_qwen3_vl
+from tests.helpers.qwen3_vl_family import ARCH, CONFIG, Qwen3VLData, hf_config, save_qwen3_vl
+from tests.scenarios.hf_scenarios import model_inputs
 
 CPU = torch.device("cpu")
 ROOT = Path(__file__).resolve().parents[1]
@@ -178,11 +178,11 @@ def test_plan_command_prints_the_default_plan(tmp_path):
         "trainer": {"accelerator": "cpu", "devices": 2, "strategy": "mm_fsdp2", "logger": False},
         "model": {
             "class_path": "lightning_mm.MMLightningModule",
-            "init_args": {"model_provider": "tests.qwen3_vl_family.tiny_model_provider"},
+            "init_args": {"model_provider": "tests.helpers.qwen3_vl_family.tiny_model_provider"},
         },
         "data": {
             "class_path": "lightning_mm.MMDataModule",
-            "init_args": {"train_valid_test_datasets_provider": "tests.qwen3_vl_family.datasets_provider"},
+            "init_args": {"train_valid_test_datasets_provider": "tests.helpers.qwen3_vl_family.datasets_provider"},
         },
     }
     path = tmp_path / "cfg.yaml"

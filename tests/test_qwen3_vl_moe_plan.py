@@ -12,7 +12,7 @@ from lightning_mm.core.config import FSDP2Config
 from lightning_mm.core.init_context import meta_parameters
 from lightning_mm.core.plan import build_plan
 from lightning_mm.hf.adapters import MMQwen3VLForConditionalGeneration, MMQwen3VLMoeForConditionalGeneration
-from tests.moe_models import MOE_FAMILIES
+from tests.helpers.moe_models import MOE_FAMILIES
 
 VISION_UNITS = [
     "model.visual.patch_embed",
@@ -73,7 +73,7 @@ def test_plan_command_prints_the_vision_units(tmp_path):
         },
         "data": {
             "class_path": "lightning_mm.MMDataModule",
-            "init_args": {"train_valid_test_datasets_provider": "tests.qwen3_vl_family.datasets_provider"},
+            "init_args": {"train_valid_test_datasets_provider": "tests.helpers.qwen3_vl_family.datasets_provider"},
         },
     }
     path = tmp_path / "cfg.yaml"

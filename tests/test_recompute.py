@@ -15,7 +15,7 @@ from lightning_mm.core import apply
 from lightning_mm.core.config import FSDP2Config, FSDP2ConfigError
 from lightning_mm.core.plan import build_plan
 from lightning_mm.core.recompute import RecomputeError
-from tests.hf_scenarios import FamilyData, model_inputs, tiny_hf_model
+from tests.scenarios.hf_scenarios import FamilyData, model_inputs, tiny_hf_model
 
 CASES = {
     # family: (recompute_modules, freeze)

@@ -1,8 +1,8 @@
 """``trainer.fit`` again in the same processes after fits that failed once the process group existed (setup, the
-first step; on both ranks or on one): every later fit runs, none hangs. See tests/refit_scenarios.py."""
+first step; on both ranks or on one): every later fit runs, none hangs. See tests/scenarios/refit_scenarios.py."""
 
-from tests import refit_scenarios
-from tests.scenario_kit import read_results, run
+from tests.helpers.scenario_kit import read_results, run
+from tests.scenarios import refit_scenarios
 
 PEER_LOST = "Connection closed by peer"  # gloo's error on the rank whose peer failed alone
 

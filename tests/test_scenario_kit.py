@@ -1,6 +1,6 @@
-"""The one protocol of the multi-rank scenario scripts and the one launcher (tests/scenario_kit.py): every script
-follows it, no test starts a scenario any other way, and the kit's own argv parsing and command lines (no process is
-started here)."""
+"""The one protocol of the multi-rank scenario scripts and the one launcher (tests/helpers/scenario_kit.py): every
+script follows it, no test starts a scenario any other way, and the kit's own argv parsing and command lines (no process
+is started here)."""
 
 from __future__ import annotations
 
@@ -10,11 +10,12 @@ from pathlib import Path
 
 import pytest
 
-from tests import scenario_kit
-from tests.scenario_kit import ROOT, command, parse_argv, scenario
+from tests.helpers import scenario_kit
+from tests.helpers.scenario_kit import ROOT, command, parse_argv, scenario
 
 TESTS = ROOT / "tests"
-SCRIPTS = sorted(TESTS.glob("*_scenarios.py"))
+SCENARIOS = TESTS / "scenarios"
+SCRIPTS = sorted(SCENARIOS.glob("*_scenarios.py"))
 HELPERS = {"ep_custom_scenarios.py"}  # scenario code imported by another script, without a command line of its own
 
 
@@ -93,9 +94,9 @@ def test_argv_is_scenario_workdir_and_key_value_args() -> None:
 
 
 def test_command_lines_of_the_launchers() -> None:
-    from tests import ckpt_scenarios, clip_scenarios
+    from tests.scenarios import ckpt_scenarios, clip_scenarios
 
-    script = str(TESTS / "ckpt_scenarios.py")
+    script = str(SCENARIOS / "ckpt_scenarios.py")
     assert command(ckpt_scenarios.crash, "/w") == [sys.executable, script, "crash", "/w"]
     assert command(ckpt_scenarios.crash, "/w", args={"a": 1, "b": Path("/x")}) == [
         *[sys.executable, script, "crash", "/w"],
@@ -103,7 +104,7 @@ def test_command_lines_of_the_launchers() -> None:
     ]
     assert command(clip_scenarios.clip, "/w", launcher="torchrun", nproc=4) == [
         *[sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=4"],
-        *[str(TESTS / "clip_scenarios.py"), "clip", "/w"],
+        *[str(SCENARIOS / "clip_scenarios.py"), "clip", "/w"],
     ]
     assert command("main", "/w", script="/s.py") == [sys.executable, "/s.py", "main", "/w"]
     with pytest.raises(ValueError, match="launcher 'mpirun'"):

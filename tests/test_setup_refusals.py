@@ -1,14 +1,14 @@
 """Every combination a checkpoint save refuses is refused at the strategy's setup, before the first step
-(one 2-rank launch of tests/setup_refusal_scenarios.py; each fit saves after every step, so a refusal left to the
-save would come after one batch)."""
+(one 2-rank launch of tests/scenarios/setup_refusal_scenarios.py; each fit saves after every step, so a refusal left to
+the save would come after one batch)."""
 
 from __future__ import annotations
 
 import pytest
 
 from lightning_mm import MMFSDP2Strategy
-from tests import setup_refusal_scenarios
-from tests.scenario_kit import read_results, run
+from tests.helpers.scenario_kit import read_results, run
+from tests.scenarios import setup_refusal_scenarios
 
 EXPECTED = {
     "hf_lora": "checkpoint_format='hf' does not save LoRA adapters; use 'torch_dcp' and export with "

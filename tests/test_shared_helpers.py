@@ -287,8 +287,8 @@ def test_local_tensor_of_a_plain_tensor_is_the_tensor():
 
 def test_local_tensor_of_a_dtensor_is_its_local_shard(tmp_path):
     """On a real 1-rank gloo mesh, in a subprocess (no process group inside the test process)."""
-    from tests import dtensor_scenarios
-    from tests.scenario_kit import read_results, run
+    from tests.helpers.scenario_kit import read_results, run
+    from tests.scenarios import dtensor_scenarios
 
     run(dtensor_scenarios.local_tensor_of_a_dtensor, tmp_path, timeout=120)
     assert read_results(tmp_path, "local_tensor_of_a_dtensor", ranks=1) == [{"plain_tensor": True, "equal": True}]

@@ -1,5 +1,6 @@
 """Tensor parallelism (issue #39): TP 2 x FSDP2 2 on 4 gloo ranks trains a tiny real Qwen3 as one-process plain
-Transformers does (the harness of ``tests/parity.py``), gradient clipping on; and what is refused before compute."""
+Transformers does (the harness of ``tests/helpers/parity.py``), gradient clipping on; and what is refused before
+compute."""
 
 from __future__ import annotations
 
@@ -11,10 +12,8 @@ from transformers import Qwen3Config, Qwen3ForCausalLM
 
 from lightning_mm.core.config import FSDP2Config, FSDP2ConfigError
 from lightning_mm.core.plan import build_plan, describe_rank_shapes, rank_shapes
-from tests import parity_scenarios
-from tests.hf_scenarios import FAMILIES, SEQ, VOCAB, save_tiny_checkpoints
-from tests.moe_models import MOE_MODULES, register_moe_families, tiny_moe_model
-from tests.parity import (
+from tests.helpers.moe_models import MOE_MODULES, register_moe_families, tiny_moe_model
+from tests.helpers.parity import (
     QWEN3_KV4,
     SP_PLAN,
     TP_CASES,
@@ -25,7 +24,9 @@ from tests.parity import (
     relative_errors,
     weight_errors,
 )
-from tests.scenario_kit import run
+from tests.helpers.scenario_kit import run
+from tests.scenarios import parity_scenarios
+from tests.scenarios.hf_scenarios import FAMILIES, SEQ, VOCAB, save_tiny_checkpoints
 from tests.test_parity import FP32_LOSS, FP32_WEIGHTS, _part, _ranks
 
 # Final weights within relative 1e-5 per tensor (measured: 3e-6): 6 steps, too few for AdamW to amplify the rounding

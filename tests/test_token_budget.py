@@ -1,6 +1,6 @@
 """Token-budget batches (issue #25): the batch plan in-process; training on 2 and 4 gloo ranks
-(``tests/packing_scenarios.py``): the same steps on every rank in every epoch, mid-epoch resume exact, also after
-a change of world size."""
+(``tests/scenarios/packing_scenarios.py``): the same steps on every rank in every epoch, mid-epoch resume exact, also
+after a change of world size."""
 
 from __future__ import annotations
 
@@ -13,9 +13,9 @@ import torch
 from lightning_mm.core.token_budget import RankSchedule, TokenBudgetError, batch_cost, plan_batches
 from lightning_mm.datamodules.replacing import ReplacingDataset
 from lightning_mm.datamodules.token_budget import TokenBudgetLoader, vocab_size_of
-from tests import packing_scenarios
-from tests.packing_scenarios import BUFFER, EPOCHS, MAX_TOKENS, RESUME_STEP, SAMPLES, SEED, skewed_lengths
-from tests.scenario_kit import read_results, run
+from tests.helpers.scenario_kit import read_results, run
+from tests.scenarios import packing_scenarios
+from tests.scenarios.packing_scenarios import BUFFER, EPOCHS, MAX_TOKENS, RESUME_STEP, SAMPLES, SEED, skewed_lengths
 
 
 def _plan(epoch: int) -> list[list[int]]:

@@ -27,7 +27,7 @@ from lightning_mm.modules import (
     TransformersModelConfigError,
     WeightInitMixin,
 )
-from tests.hf_scenarios import FAMILIES, FamilyData, model_inputs, save_tiny_checkpoints
+from tests.scenarios.hf_scenarios import FAMILIES, FamilyData, model_inputs, save_tiny_checkpoints
 
 BUILTIN = {
     "LlamaForCausalLM": "llama",

@@ -1,6 +1,6 @@
 """Transformers integration on 2 CPU ranks (gloo): every built-in family loaded shard by shard and trained.
 
-One launch of tests/hf_scenarios.py covers all families (see ``scenario_all``); the tests below assert on what
+One launch of tests/scenarios/hf_scenarios.py covers all families (see ``scenario_all``); the tests below assert on what
 each rank recorded. The InternVL example runs in a second launch.
 """
 
@@ -13,9 +13,9 @@ from pathlib import Path
 
 import pytest
 
-from tests import hf_scenarios
-from tests.hf_scenarios import FAMILIES, save_tiny_checkpoints
-from tests.scenario_kit import read_results, run, scenario_env
+from tests.helpers.scenario_kit import read_results, run, scenario_env
+from tests.scenarios import hf_scenarios
+from tests.scenarios.hf_scenarios import FAMILIES, save_tiny_checkpoints
 
 ROOT = Path(__file__).resolve().parents[1]
 

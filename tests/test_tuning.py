@@ -1,14 +1,14 @@
 """The strategy's tuned default (see benchmarks/README.md): what it changes, and that results do not change.
 
-One 2-rank launch of tests/tuning_scenarios.py; no timing is asserted anywhere.
+One 2-rank launch of tests/scenarios/tuning_scenarios.py; no timing is asserted anywhere.
 """
 
 from pathlib import Path
 
 import pytest
 
-from tests import tuning_scenarios
-from tests.scenario_kit import read_results, run
+from tests.helpers.scenario_kit import read_results, run
+from tests.scenarios import tuning_scenarios
 
 ROOT = Path(__file__).resolve().parents[1]
 

@@ -1,6 +1,6 @@
 """Vision data-parallel balancing (``encoder_dp_balance``): the cost model, the assignment, the config keys, and
 the exactness of balanced training against the unbalanced run on 2 and 4 gloo ranks
-(``tests/vision_balance_scenarios.py``)."""
+(``tests/scenarios/vision_balance_scenarios.py``)."""
 
 from __future__ import annotations
 
@@ -20,8 +20,8 @@ from lightning_mm.core.vision_balance import (
     load_spread,
     plan_route,
 )
-from tests import vision_balance_scenarios
-from tests.scenario_kit import read_results, run
+from tests.helpers.scenario_kit import read_results, run
+from tests.scenarios import vision_balance_scenarios
 
 REL = 1e-5
 
@@ -133,7 +133,7 @@ def test_the_plan_shows_whether_the_vision_tower_is_balanced():
 
 def test_a_model_without_a_grid_tower_is_refused_naming_the_key():
     from lightning_mm.hf.vision_balance import enable_from_config, find_vision_towers
-    from tests.hf_scenarios import tiny_hf_model
+    from tests.scenarios.hf_scenarios import tiny_hf_model
 
     assert [n for n, _ in find_vision_towers(tiny_hf_model("qwen2_5_vl"))] == ["model.visual"]
     config = FSDP2Config.from_dict({"encoder_dp_balance": True}, source="job.yaml")

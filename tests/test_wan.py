@@ -1,6 +1,6 @@
 """Wan 2.x video diffusion transformers through diffusers (issue #30).
 
-The 2-rank run (``tests/wan_scenarios.py``: MindSpeed MM's Wan 2.1 FSDP2 YAML with recomputation, a checkpoint
+The 2-rank run (``tests/scenarios/wan_scenarios.py``: MindSpeed MM's Wan 2.1 FSDP2 YAML with recomputation, a checkpoint
 after the first epoch and a resumed second epoch) equals a one-process diffusers ``WanTransformer3DModel`` trained
 with the same samples, timesteps and noise, step by step; its checkpoint converts to a directory diffusers'
 ``from_pretrained`` loads. The rest: the schedule against MindSpeed MM's formulas, meta-device building and strict
@@ -19,8 +19,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests import scenario_kit, wan_scenarios
-from tests.wan_scenarios import TINY_WAN, YAML, reference_losses, write_workdir
+from tests.helpers import scenario_kit
+from tests.scenarios import wan_scenarios
+from tests.scenarios.wan_scenarios import TINY_WAN, YAML, reference_losses, write_workdir
 
 ROOT = Path(__file__).resolve().parents[1]
 WAN22_YAML = ROOT / "tests" / "data" / "wan" / "wan2.2_A14B_fsdp2_config.yaml"
@@ -369,7 +370,7 @@ def test_the_loss_is_logged_per_step_to_a_csv_logger(work: Path, tmp_path: Path)
 
     from lightning_mm.datamodules import MMDataModule
     from lightning_mm.modules.wan_module import MMWanModule
-    from tests.wan_scenarios import LR, NOISE_SEED
+    from tests.scenarios.wan_scenarios import LR, NOISE_SEED
 
     steps = 3
     module = MMWanModule({"init_from_path": str(work / "model")}, noise_seed=NOISE_SEED, lr=LR, log_grad_norm=False)

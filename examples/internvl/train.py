@@ -9,16 +9,18 @@
 3. ``MMFSDP2Strategy`` shards it with MindSpeed MM-style ``fsdp2_config.yaml`` beside this file; each rank reads only
    its own shards of the checkpoint's weights.
 
-No hub download: a small InternVL configuration is built here and saved with ``save_pretrained`` (standing in for
-a downloaded InternVL 3.5 checkpoint) the first time. Data are synthetic: an image of one of four kinds, then a
-caption that depends on the kind, so the loss falls within a few dozen steps.
+No hub download: a small InternVL (``lightning_mm.testing.tiny_internvl``, the tests' own) is built and saved with
+``save_pretrained`` (standing in for a downloaded InternVL 3.5 checkpoint) the first time. Data are synthetic: an
+image of one of four kinds, then a caption that depends on the kind, so the loss falls within a few dozen steps.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import sys
+from collections.abc import Callable
 from copy import deepcopy
 from pathlib import Path
 from types import SimpleNamespace
@@ -35,50 +37,16 @@ import model as _adapter  # noqa: E402,F401  (steps 1 and 2: the adapter, regist
 
 from lightning_mm import MMDataModule, MMFSDP2Strategy, MMLightningModule  # noqa: E402
 from lightning_mm.modules import TransformersModel  # noqa: E402
+from lightning_mm.testing.tiny_internvl import TILE, TOKENS_PER_TILE, build_tiny_internvl  # noqa: E402
 
-VOCAB, SEQ, IMAGE_TOKEN = 256, 16, 3
-
-
-def build_tiny_internvl(path: Path) -> None:
-    """A small InternVL (InternViT-style vision tower + Qwen2 decoder), randomly initialised, saved to ``path``."""
-    from transformers import InternVLConfig, InternVLForConditionalGeneration
-
-    torch.manual_seed(0)
-    config = InternVLConfig(
-        vision_config=dict(
-            hidden_size=64,
-            intermediate_size=128,
-            num_hidden_layers=2,
-            num_attention_heads=4,
-            image_size=[28, 28],
-            patch_size=[14, 14],
-        ),
-        text_config=dict(
-            model_type="qwen2",
-            vocab_size=VOCAB,
-            hidden_size=64,
-            intermediate_size=128,
-            num_hidden_layers=4,
-            num_attention_heads=4,
-            num_key_value_heads=2,
-            max_position_embeddings=128,
-            bos_token_id=1,
-            eos_token_id=2,
-            pad_token_id=0,
-        ),
-        image_token_id=IMAGE_TOKEN,
-        downsample_ratio=0.5,
-        tie_word_embeddings=False,
-    )
-    config.architectures = ["InternVLForConditionalGeneration"]
-    InternVLForConditionalGeneration(config).save_pretrained(path)
+SEQ = 16  # caption tokens after the image's
 
 
 class Captions(torch.utils.data.Dataset):
-    """A 28x28 image of one of four kinds (one image token after pixel shuffle), then its caption."""
+    """A one-tile image of one of four kinds (its image tokens after pixel shuffle), then its caption."""
 
-    def __init__(self, n: int = 512) -> None:
-        self.n = n
+    def __init__(self, n: int, vocab_size: int, image_token_id: int) -> None:
+        self.n, self.vocab, self.image_token = n, vocab_size, image_token_id
 
     def __len__(self) -> int:
         return self.n
@@ -86,17 +54,24 @@ class Captions(torch.utils.data.Dataset):
     def __getitem__(self, i: int) -> dict[str, torch.Tensor]:
         kind = i % 4
         g = torch.Generator().manual_seed(i)
-        image = torch.randn(3, 28, 28, generator=g) * 0.5 + (kind - 1.5)
-        caption = (torch.arange(SEQ - 2) * (1 + kind) + 10 + 7 * kind) % (VOCAB - 10) + 10
-        ids = torch.cat([torch.tensor([1, IMAGE_TOKEN]), caption])
+        image = torch.randn(3, TILE, TILE, generator=g) * 0.5 + (kind - 1.5)
+        caption = (torch.arange(SEQ) * (1 + kind) + 10 + 7 * kind) % (self.vocab - 10) + 10
+        caption[caption == self.image_token] += 1
+        ids = torch.cat([torch.full((TOKENS_PER_TILE,), self.image_token), caption])
         labels = ids.clone()
-        labels[:2] = -100
+        labels[:TOKENS_PER_TILE] = -100
         return {"pixel_values": image, "input_ids": ids, "attention_mask": torch.ones_like(ids), "labels": labels}
 
 
-def train_valid_test_datasets_provider():
-    """MindSpeed MM's provider: (train, valid, test)."""
-    return Captions(512), Captions(64), None
+def datasets_provider(hf_path: Path) -> Callable[[], tuple[Captions, Captions, None]]:
+    """MindSpeed MM's provider, ``() -> (train, valid, test)``, for the model directory's vocabulary and image token."""
+    config = json.loads((hf_path / "config.json").read_text())
+    vocab, image_token = config["text_config"]["vocab_size"], config["image_token_id"]
+
+    def train_valid_test_datasets_provider() -> tuple[Captions, Captions, None]:
+        return Captions(512, vocab, image_token), Captions(64, vocab, image_token), None
+
+    return train_valid_test_datasets_provider
 
 
 class InternVLModule(MMLightningModule):
@@ -152,7 +127,7 @@ def main() -> None:
         enable_checkpointing=False,
     )
     module = InternVLModule(args, lr=3e-3, warmup_steps=3, lr_decay_style="cosine", min_lr=3e-4)
-    data = MMDataModule(train_valid_test_datasets_provider=train_valid_test_datasets_provider, batch_size=8)
+    data = MMDataModule(train_valid_test_datasets_provider=datasets_provider(hf_path), batch_size=8)
     trainer.fit(module, datamodule=data)
     if trainer.is_global_zero:
         metrics = {k: round(float(v), 4) for k, v in trainer.callback_metrics.items()}

@@ -7,9 +7,10 @@ between ranks in a way no placement shows (the local experts of an expert-parall
 experts) name the extra process groups their terms are summed over (``sum_over``).
 
 torch's public ``get_total_norm`` / ``clip_grads_with_norm_`` were measured against this module on 2 gloo ranks
-(``tests/clip_scenarios.py``, figures in benchmarks/README.md): both refuse the same mixed lists, so the grouping
-by mesh would stay here anyway; per group they are not exact (fp32 norms up to 5e-7 relative off, bf16 gradients
-up to 2e-3, as each per-tensor norm is rounded to the gradient's dtype), so this module keeps its own arithmetic.
+(``tests/scenarios/clip_scenarios.py``, figures in benchmarks/README.md): both refuse the same mixed lists, so the
+grouping by mesh would stay here anyway; per group they are not exact (fp32 norms up to 5e-7 relative off, bf16
+gradients up to 2e-3, as each per-tensor norm is rounded to the gradient's dtype), so this module keeps its own
+arithmetic.
 """
 
 from __future__ import annotations

@@ -330,7 +330,10 @@ class MMLightningModule(L.LightningModule):
     def _recomputed(self, model: nn.Module) -> tuple[bool, bool, bool]:
         """Whether the language and vision blocks recompute (:func:`~lightning_mm.core.recompute.is_recomputed`,
         or Transformers' gradient checkpointing), and whether reentrantly (the strategy's ``use_reentrant``)."""
-        language = vision = bool(getattr(model, "is_gradient_checkpointing", False))
+        checkpointing = getattr(model, "is_activation_checkpointing", None)
+        if checkpointing is None:  # Transformers 5 before the rename (is_gradient_checkpointing is deprecated after it)
+            checkpointing = getattr(model, "is_gradient_checkpointing", False)
+        language = vision = bool(checkpointing)
         for name, module in model.named_modules():
             if is_recomputed(module):
                 if ".visual." in f".{name}." or ".vision_" in f".{name}":
