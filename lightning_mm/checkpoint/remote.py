@@ -43,7 +43,7 @@ from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadat
 
 from lightning_mm._compat import fsspec_storage
 from lightning_mm._files import is_plain_file_name
-from lightning_mm.checkpoint import atomic, digest
+from lightning_mm.checkpoint import atomic, digest, formats
 from lightning_mm.checkpoint import manifest as manifests
 from lightning_mm.checkpoint.errors import (
     CheckpointIntegrityError,
@@ -216,11 +216,7 @@ def save(
 ) -> None:
     """Write a ``torch_dcp`` checkpoint to ``url`` (see the module docstring); every rank calls this, as
     :func:`.writer.save`."""
-    if fmt != "torch_dcp":
-        raise ValueError(
-            f"{url}: checkpoint_format={fmt!r} cannot be written to a URL; checkpoints at URLs are "
-            "'torch_dcp' directories"
-        )
+    formats.checkpoint_format(fmt).refuse_url(url)  # the formats written at URLs are torch_dcp directories
     store = RemoteStore(url, storage_options)
     checkpoint = copy_loops(checkpoint)
     ranks = gather_to_rank_zero({"rng": rng, "combined_loader": pop_loader_states(checkpoint)})

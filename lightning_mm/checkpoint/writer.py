@@ -1,48 +1,101 @@
-"""Writing a checkpoint (:func:`save`): a ``torch_dcp`` directory (DCP shards from every rank, ``meta.pt`` and
-``manifest.json`` from rank 0) or a ``torch`` file (rank 0), next to its final path and renamed into place when
-complete; in the background when an executor is given (the state staged first, into the buffers of a
-:class:`Staging` kept between saves). :func:`write_file` writes one synced ``torch.save`` file."""
+"""Writing a checkpoint (:func:`save`) in one of the storage layouts (:class:`StorageFormat`: a ``torch_dcp``
+directory of DCP shards from every rank, :mod:`.dcp_format`; a ``torch`` file from rank 0, :mod:`.torch_format`),
+next to its final path and renamed into place when complete; in the background when an executor is given (the
+state staged first, into the buffers of a :class:`Staging` kept between saves). :func:`write_file` writes one
+synced ``torch.save`` file."""
 
 from __future__ import annotations
 
 import contextlib
 import io
 import os
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from concurrent.futures import Executor, Future
 from pathlib import Path
 from typing import Any, cast
 
 import torch
-import torch.distributed.checkpoint as dcp
-from torch.distributed.checkpoint import FileSystemWriter
 from torch.distributed.checkpoint.api import CheckpointException
-from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
 
 from lightning_mm._rank_zero import rank_zero_warn
-from lightning_mm.checkpoint import atomic, manifest, zip_manifest
+from lightning_mm.checkpoint import atomic, formats, zip_manifest
 from lightning_mm.checkpoint.errors import write_error
-from lightning_mm.checkpoint.layout import EXTRA_KEY, META_FILE, pop_loader_states, split_tensors
+from lightning_mm.checkpoint.layout import EXTRA_KEY, pop_loader_states, split_tensors
 from lightning_mm.checkpoint.rank_agreement import (
     barrier,
     broadcast_from_rank_zero,
     gather_to_rank_zero,
-    is_distributed,
     raise_on_every_rank,
 )
 from lightning_mm.checkpoint.safe import check_weights_only
-from lightning_mm.checkpoint.source import single_process_quiet
 from lightning_mm.checkpoint.state import copy_loops
 
-__all__ = ["FORMATS", "Staging", "save", "write_file"]
+__all__ = ["FORMATS", "Staging", "StorageFormat", "save", "write_file"]
 
 FORMATS = ("torch_dcp", "torch")
+"""The storage layouts of the checkpoint I/O (each a :class:`StorageFormat` registered in :mod:`.formats`)."""
+
+
+class StorageFormat(formats.CheckpointFormat):
+    """A format that :func:`save` writes itself: what is written where (a directory or one file) and how.
+
+    :func:`save` does what every layout shares (the ranks' RNG and dataloader positions gathered, the meta checked
+    for ``weights_only``, the partial sibling, the background staging, the commit); the hooks below are the layout.
+    """
+
+    directory: bool
+    """The checkpoint is a directory (else one file)."""
+
+    def write(
+        self,
+        checkpoint: dict[str, Any],
+        path: Path | str,
+        extra: dict[str, Any],
+        rng: dict[str, Any] | None,
+        *,
+        module: Any = None,
+        dtype: str | None = None,
+        storage_options: Mapping[str, Any] | None = None,
+        background: Executor | None = None,
+        group: Any = None,
+        staging: Staging | None = None,
+    ) -> Future | None:
+        if isinstance(path, str):
+            self.refuse_url(path)
+            from lightning_mm.checkpoint import remote
+
+            remote.save(checkpoint, path, self.name, extra, rng, storage_options)
+            return None
+        return save(checkpoint, path, self, extra, rng, background=background, group=group, staging=staging)
+
+    def annotate(self, extra: dict[str, Any]) -> None:
+        """Add what this layout records to the checkpoint's ``meta[EXTRA_KEY]``."""
+
+    def payload(self, checkpoint: dict[str, Any], meta: dict[str, Any], rank0: bool) -> Any:
+        """What :meth:`write_partial` writes besides the tensors (rank 0's; None on the others)."""
+        raise NotImplementedError
+
+    def write_partial(
+        self,
+        partial: Path,
+        tensors: dict[str, Any],
+        payload: Any,
+        rank0: bool,
+        group: Any,
+        also_write: Callable[[Path], list[Path]] | None,
+    ) -> dict[str, Any]:
+        """Write this rank's part into ``partial``; return the manifest entries of the files it wrote."""
+        raise NotImplementedError
+
+    def seal(self, partial: Path, payload: Any, entries: list[dict[str, Any]]) -> None:
+        """On rank 0, once every rank has written its part (``entries``: each rank's :meth:`write_partial`):
+        complete ``partial`` before its commit (e.g. the meta and the manifest)."""
 
 
 def save(
     checkpoint: dict[str, Any],
     path: Path,
-    fmt: str,
+    fmt: str | StorageFormat,
     extra: dict[str, Any],
     rng: dict[str, Any] | None,
     also_write: Callable[[Path], list[Path]] | None = None,
@@ -66,19 +119,17 @@ def save(
     allocating new ones; its previous write must be complete (the caller waits for it first). Without, each save
     stages into new buffers.
     """
-    if fmt not in FORMATS:
-        raise ValueError(f"checkpoint_format must be one of {FORMATS}, got {fmt!r}")
+    layout = fmt if isinstance(fmt, StorageFormat) else _storage_format(fmt)
     checkpoint = copy_loops(checkpoint)
     ranks = gather_to_rank_zero({"rng": rng, "combined_loader": pop_loader_states(checkpoint)})
     rank0 = ranks is not None
     error = None
-    if rank0 and path.exists() and not path.is_symlink() and (path.is_dir() != (fmt == "torch_dcp")):
+    if rank0 and path.exists() and not path.is_symlink() and (path.is_dir() != layout.directory):
         kind = "directory" if path.is_dir() else "file"
-        error = f"cannot write a {fmt} checkpoint to {path}: a {kind} of the other format is there"
+        error = f"cannot write a {layout.name} checkpoint to {path}: a {kind} of the other format is there"
     meta, tensors = split_tensors(checkpoint)
-    meta[EXTRA_KEY] = {**extra, "format": fmt, "ranks": ranks}
-    if fmt == "torch_dcp":
-        meta[EXTRA_KEY]["manifest"] = manifest.MANIFEST_FILE  # a later load insists on it
+    meta[EXTRA_KEY] = {**extra, "format": layout.name, "ranks": ranks}
+    layout.annotate(meta[EXTRA_KEY])
     if rank0 and error is None:
         try:
             check_weights_only(meta)
@@ -97,15 +148,9 @@ def save(
             )
         path.parent.mkdir(parents=True, exist_ok=True)
     barrier()
-    if fmt == "torch_dcp":
-        payload: Any = meta
-    else:
-        payload = None
-        if rank0:
-            payload = dict(checkpoint)
-            payload[EXTRA_KEY] = meta[EXTRA_KEY]
+    payload = layout.payload(checkpoint, meta, rank0)
     if background is None:
-        _write(path, partial, fmt, tensors, payload, rank0, group, also_write)
+        _write(path, partial, layout, tensors, payload, rank0, group, also_write)
         return None
     if also_write is not None:  # it reads the live model: not safe beside training
         raise ValueError("a background save cannot also write Hugging Face weights (checkpoint_format with 'hf')")
@@ -115,7 +160,7 @@ def save(
     else:
         tensors = staging.stage(tensors)
     payload = _serialised(payload) if rank0 else None
-    return background.submit(_write, path, partial, fmt, tensors, payload, rank0, group)
+    return background.submit(_write, path, partial, layout, tensors, payload, rank0, group)
 
 
 class Staging:
@@ -169,46 +214,37 @@ def _serialised(obj: Any) -> bytes:
     return buffer.getvalue()
 
 
+def _storage_format(name: str) -> StorageFormat:
+    """The storage layout registered as ``name``."""
+    layouts = {n: f for n in formats.format_names() if isinstance(f := formats.checkpoint_format(n), StorageFormat)}
+    if name not in layouts:
+        raise ValueError(f"checkpoint_format must be one of {tuple(layouts)}, got {name!r}")
+    return layouts[name]
+
+
 def _write(
     path: Path,
     partial: Path,
-    fmt: str,
+    layout: StorageFormat,
     tensors: dict[str, Any],
     payload: Any,
     rank0: bool,
     group: Any,
     also_write: Callable[[Path], list[Path]] | None = None,
 ) -> None:
-    """The write of :func:`save`: DCP shards (every rank) or the file (rank 0), the manifest, the commit."""
+    """The write of :func:`save`: this rank's part, the layout's seal on rank 0, the commit."""
     failure, original, hashed = None, None, {}
     try:
-        if fmt == "torch_dcp":
-            writer = FileSystemWriter(partial, sync_files=True)
-            writer.fs = files = manifest.RecordingFileSystem()  # each rank hashes the files it wrote
-            with single_process_quiet():
-                dcp.save(
-                    tensors,
-                    storage_writer=writer,
-                    planner=DefaultSavePlanner(flatten_state_dict=False),
-                    process_group=group,
-                    no_dist=not is_distributed(),
-                )
-            hashed = manifest.file_entries(files.written)
-            if also_write is not None:
-                hashed.update(manifest.file_entries(also_write(partial)))
-        elif rank0:
-            write_file(payload, partial, with_manifest=True)
+        hashed = layout.write_partial(partial, tensors, payload, rank0, group, also_write)
     except (Exception, CheckpointException) as error:
         failure, original = write_error(error, path), error
     results = gather_to_rank_zero((failure, hashed), group)
     if rank0:
         assert results is not None  # rank 0 holds every rank's result
         failure = next((f for f, _ in results if f is not None), None)
-        if failure is None and fmt == "torch_dcp":
-            try:  # the manifest comes last: it binds every file written before it to this checkpoint
-                write_file(payload, partial / META_FILE)
-                manifest.write_manifest(partial, [h for _, h in results], [".metadata", META_FILE])
-                atomic.fsync_dir(partial)
+        if failure is None:
+            try:
+                layout.seal(partial, payload, [h for _, h in results])
             except Exception as error:
                 failure, original = write_error(error, path), error
         if failure is not None:
