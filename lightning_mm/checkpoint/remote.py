@@ -45,6 +45,7 @@ from lightning_mm._compat import fsspec_storage
 from lightning_mm._files import is_plain_file_name
 from lightning_mm.checkpoint import atomic, digest, formats
 from lightning_mm.checkpoint import manifest as manifests
+from lightning_mm.checkpoint.dcp_format import NoEmptyFiles
 from lightning_mm.checkpoint.errors import (
     CheckpointIntegrityError,
     CheckpointNotFoundError,
@@ -193,7 +194,7 @@ def _writer(url: str, options: Mapping[str, Any]) -> Any:
     """DCP's FsspecWriter that notes the files this rank wrote."""
     fsspec_writer, _ = fsspec_storage()
 
-    class Writer(fsspec_writer):  # type: ignore[misc, valid-type]
+    class Writer(NoEmptyFiles, fsspec_writer):  # type: ignore[misc, valid-type]
         written: set[str] = set()
 
         def write_data(self, plan: Any, planner: Any) -> Any:
