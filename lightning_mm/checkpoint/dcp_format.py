@@ -14,16 +14,15 @@ from typing import Any, ClassVar
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint import FileSystemWriter
 from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
-from torch.distributed.checkpoint.planner import SavePlan, SavePlanner
-from torch.futures import Future
 
 from lightning_mm.checkpoint import atomic, manifest
+from lightning_mm.checkpoint.dcp_writers import NoEmptyFiles
 from lightning_mm.checkpoint.layout import META_FILE
 from lightning_mm.checkpoint.rank_agreement import is_distributed
 from lightning_mm.checkpoint.source import CheckpointSource, open_directory, single_process_quiet
 from lightning_mm.checkpoint.writer import StorageFormat, write_file
 
-__all__ = ["DCPFormat", "NoEmptyFiles"]
+__all__ = ["DCPFormat"]
 
 
 class DCPFormat(StorageFormat):
@@ -74,22 +73,6 @@ class DCPFormat(StorageFormat):
 
     def recognise(self, path: Path) -> bool:
         return path.is_dir()
-
-
-class NoEmptyFiles:
-    """A DCP storage writer (mixed in before it) that writes no file for a rank with nothing to write.
-
-    DCP's file writers open one file per rank (per thread) whatever its plan holds: a rank whose plan is empty
-    (``checkpoint_format="hf"``, whose DCP part holds no model or optimiser tensors; a replicated tensor that DCP
-    writes from one rank only) would leave a 0-byte ``__<rank>_0.distcp``, which nothing reads.
-    """
-
-    def write_data(self, plan: SavePlan, planner: SavePlanner) -> Future:
-        if not plan.items:
-            done: Future = Future()
-            done.set_result([])
-            return done
-        return super().write_data(plan, planner)  # type: ignore[misc]
 
 
 class _Writer(NoEmptyFiles, FileSystemWriter):

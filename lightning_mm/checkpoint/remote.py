@@ -45,7 +45,7 @@ from lightning_mm._compat import fsspec_storage
 from lightning_mm._files import is_plain_file_name
 from lightning_mm.checkpoint import atomic, digest, formats
 from lightning_mm.checkpoint import manifest as manifests
-from lightning_mm.checkpoint.dcp_format import NoEmptyFiles
+from lightning_mm.checkpoint.dcp_writers import NoEmptyFiles
 from lightning_mm.checkpoint.errors import (
     CheckpointIntegrityError,
     CheckpointNotFoundError,
