@@ -18,6 +18,7 @@ from safetensors import safe_open
 
 from lightning_mm import MMFSDP2Strategy
 from lightning_mm.checkpoint import CheckpointIntegrityError, open_source
+from lightning_mm.checkpoint.hf_weights import INDEX_FILE
 from tests.helpers.scenario_kit import run
 from tests.scenarios import ckpt_remote_scenarios
 
@@ -86,6 +87,20 @@ def test_torch_dcp_plus_hf_holds_bf16_safetensors_and_resumes_exactly_from_its_d
         for name, entries in saved["state"].items():
             for k, v in entries.items():
                 assert torch.equal(back["state"][name][k], v), (name, k)
+
+
+def test_hf_format_folders_hold_exactly_their_files_and_none_is_empty(work):
+    """A rank with nothing to write through DCP writes no shard file: an ``hf`` checkpoint keeps no model or
+    optimiser tensors in DCP, so it holds no ``.distcp`` file at all (it held one 0-byte file per rank)."""
+    hf_side = {"config.json", "generation_config.json", "model-00001-of-00001.safetensors", INDEX_FILE}
+    for directory, distcp in (
+        (work / "hf" / "step=2.ckpt", set()),
+        (work / "both.ckpt", {"__0_0.distcp", "__1_0.distcp"}),
+    ):
+        sizes = {p.name: p.stat().st_size for p in directory.iterdir()}
+        assert sorted(name for name, size in sizes.items() if size == 0) == [], directory
+        assert set(sizes) == {".metadata", "meta.pt", "manifest.json", *hf_side, *distcp}, directory
+        assert set(json.loads((directory / "manifest.json").read_text())["files"]) == set(sizes) - {"manifest.json"}
 
 
 def test_an_altered_safetensors_file_of_an_hf_checkpoint_is_refused(work, tmp_path):

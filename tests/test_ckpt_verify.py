@@ -469,6 +469,51 @@ def test_background_saves_refill_their_staging_buffers_and_each_loads_back_exact
     assert not torch.equal(expected[0]["0.weight"], expected[1]["0.weight"])
 
 
+class _Opaque:
+    """A hyper-parameter that a weights_only load refuses."""
+
+
+@pytest.mark.parametrize("background", [False, True], ids=["sync", "async"])
+def test_a_save_refuses_what_cannot_be_written_before_anything_is_staged(tmp_path, background):
+    """Issue #38 (8): a background save agrees on its refusals (a checkpoint of the other layout at the path, a meta
+    that would not load weights_only) on the loop thread, as a synchronous save does, with the same one-line error,
+    before anything is staged or written; only the gather of the ranks' entries and the write go to the thread."""
+    state = {"epoch": 0, "global_step": 1, "state_dict": {"w": torch.ones(4)}}
+    (tmp_path / "file.ckpt").write_bytes(b"x")
+    with _Recording() as executor:
+        with pytest.raises(
+            ValueError, match=r"cannot write a torch_dcp checkpoint to .*file.ckpt: a file of the other"
+        ):
+            store.save(
+                state, tmp_path / "file.ckpt", "torch_dcp", EXTRA, None, background=executor if background else None
+            )
+        unsafe = {**state, "hyper_parameters": {"thing": _Opaque()}}
+        with pytest.raises(ValueError, match=r"could not be loaded safely \(weights_only\): hyper_parameters.thing \("):
+            store.save(
+                unsafe, tmp_path / "h.ckpt", "torch_dcp", EXTRA, None, background=executor if background else None
+            )
+    assert executor.staged == [] and sorted(p.name for p in tmp_path.iterdir()) == ["file.ckpt"]
+
+
+def test_staging_refills_one_buffer_per_key_and_follows_changed_layouts():
+    """Issue #38 (8): staging copies into buffers allocated once (the same staged tensors at the next save, their
+    contents the new state, isolated from later changes); a key whose shape changes gets a new buffer, a key no
+    longer saved frees its own."""
+    from lightning_mm.checkpoint.writer import Staging
+
+    state = {"a": torch.arange(6.0), "b": torch.ones(2, 3)}
+    with Staging() as staging:
+        first = staging.stage(state)
+        state["a"].add_(10.0)
+        assert torch.equal(first["a"], torch.arange(6.0))  # a copy, not a view of the live tensor
+        second = staging.stage(state)
+        assert second["a"] is first["a"] and torch.equal(second["a"], torch.arange(6.0) + 10.0)
+        state = {"a": torch.zeros(3)}
+        third = staging.stage(state)
+        assert third["a"] is not first["a"] and torch.equal(third["a"], torch.zeros(3)) and set(third) == {"a"}
+        assert set(staging._slots) == {"a"}
+
+
 def test_sigterm_during_a_background_write_lets_it_complete_and_exits_143(tmp_path):
     proc = run(ckpt_verify_scenarios.sigterm, tmp_path, expect_ok=False)
     assert proc.returncode == 143, proc.stderr[-3000:]  # the status of a SIGTERM, not an abort at exit

@@ -10,6 +10,8 @@
   ``torch`` file, inside it; :mod:`.digest`: the hashes, every byte checked on load); :mod:`.errors`: the exceptions.
 * :mod:`.remote`: ``torch_dcp`` checkpoints at fsspec URLs (staging prefix, committed by the manifest last);
   :mod:`.hf_weights`: model weights as Hugging Face safetensors inside a checkpoint (DCP's HF storage).
+* :mod:`.formats`: the formats behind one interface (write, read, recognise) and their registry; the storage
+  layouts registered here are :mod:`.dcp_format` (``torch_dcp``) and :mod:`.torch_format` (``torch``).
 * :mod:`.rng`: per-rank RNG states; :mod:`.records`: what other layers add to a checkpoint (a registry of record
   providers; the Hugging Face one, :func:`lightning_mm.hf.records.hf_records`, is registered by
   ``lightning_mm.hf`` on import); :mod:`.consolidate`: ``dcp-to-torch``. Conversion to and from Hugging Face
@@ -18,6 +20,7 @@
 
 from lightning_mm.checkpoint import remote
 from lightning_mm.checkpoint.atomic import remove
+from lightning_mm.checkpoint.dcp_format import DCPFormat
 from lightning_mm.checkpoint.errors import (
     CheckpointError,
     CheckpointIntegrityError,
@@ -25,6 +28,7 @@ from lightning_mm.checkpoint.errors import (
     CheckpointNotFoundError,
     CheckpointWriteError,
 )
+from lightning_mm.checkpoint.formats import CheckpointFormat, checkpoint_format, format_names, register_format
 from lightning_mm.checkpoint.layout import (
     EXTRA_KEY,
     FORMAT_VERSION,
@@ -40,8 +44,12 @@ from lightning_mm.checkpoint.safe import UnsafeCheckpointError
 from lightning_mm.checkpoint.source import CheckpointSource, open_source
 from lightning_mm.checkpoint.state import OPTIMIZER_NAMES_KEY, model_state, optimizer_param_names, optimizer_state
 from lightning_mm.checkpoint.store import Loaded, load
+from lightning_mm.checkpoint.torch_format import TorchFormat
 from lightning_mm.checkpoint.writer import FORMATS, save
 from lightning_mm.core.grad_mode import outside_inference_mode
+
+register_format(DCPFormat())  # the storage layouts, in this order: a directory is read as torch_dcp
+register_format(TorchFormat())
 
 __all__ = [
     "EXTRA_KEY",
@@ -52,6 +60,7 @@ __all__ = [
     "MANIFEST_FILE",
     "META_FILE",
     "CheckpointError",
+    "CheckpointFormat",
     "CheckpointIntegrityError",
     "CheckpointKeyError",
     "CheckpointMismatchError",
@@ -61,7 +70,9 @@ __all__ = [
     "Loaded",
     "UnsafeCheckpointError",
     "capture_rng",
+    "checkpoint_format",
     "collect_records",
+    "format_names",
     "load",
     "model_state",
     "open_source",
@@ -69,6 +80,7 @@ __all__ = [
     "optimizer_param_names",
     "optimizer_state",
     "outside_inference_mode",
+    "register_format",
     "register_record_provider",
     "remote",
     "remove",

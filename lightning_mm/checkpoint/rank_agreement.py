@@ -5,11 +5,19 @@ from __future__ import annotations
 
 from typing import Any
 
+import torch
 import torch.distributed as dist
 
 from lightning_mm.errors import ConfigError
 
-__all__ = ["is_distributed", "broadcast_from_rank_zero", "gather_to_rank_zero", "barrier", "raise_on_every_rank"]
+__all__ = [
+    "is_distributed",
+    "broadcast_from_rank_zero",
+    "gather_to_rank_zero",
+    "barrier",
+    "raise_on_every_rank",
+    "raise_first_on_every_rank",
+]
 
 
 def is_distributed() -> bool:
@@ -46,3 +54,22 @@ def raise_on_every_rank(error: str | None) -> None:
     error = broadcast_from_rank_zero(error)
     if error:
         raise ConfigError(error)
+
+
+def raise_first_on_every_rank(error: str | None, group: Any = None) -> None:
+    """Raise on every rank of ``group`` the error of the first rank that found one (each rank checks its own
+    part); one small collective when none did (a flag reduced over a gloo ``group``; objects over the default)."""
+    if not is_distributed():
+        if error:
+            raise ConfigError(error)
+        return
+    if group is not None:
+        flag = torch.tensor([1 if error else 0])
+        dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=group)
+        if not flag.item():
+            return
+    errors: list[Any] = [None] * dist.get_world_size(group)
+    dist.all_gather_object(errors, error, group=group)
+    first = next((e for e in errors if e), None)
+    if first:
+        raise ConfigError(first)

@@ -43,8 +43,9 @@ from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadat
 
 from lightning_mm._compat import fsspec_storage
 from lightning_mm._files import is_plain_file_name
-from lightning_mm.checkpoint import atomic, digest
+from lightning_mm.checkpoint import atomic, digest, formats
 from lightning_mm.checkpoint import manifest as manifests
+from lightning_mm.checkpoint.dcp_writers import NoEmptyFiles
 from lightning_mm.checkpoint.errors import (
     CheckpointIntegrityError,
     CheckpointNotFoundError,
@@ -67,7 +68,7 @@ from lightning_mm.checkpoint.safe import (
 )
 from lightning_mm.checkpoint.source import CheckpointSource, single_process_quiet
 from lightning_mm.checkpoint.state import copy_loops
-from lightning_mm.errors import ConfigError, InputTypeError, OutputExistsError
+from lightning_mm.errors import InputTypeError, OutputExistsError
 
 __all__ = ["is_url", "RemoteStore", "save", "open_source", "remove", "download", "upload"]
 
@@ -194,7 +195,7 @@ def _writer(url: str, options: Mapping[str, Any]) -> Any:
     """DCP's FsspecWriter that notes the files this rank wrote."""
     fsspec_writer, _ = fsspec_storage()
 
-    class Writer(fsspec_writer):  # type: ignore[misc, valid-type]
+    class Writer(NoEmptyFiles, fsspec_writer):  # type: ignore[misc, valid-type]
         written: set[str] = set()
 
         def write_data(self, plan: Any, planner: Any) -> Any:
@@ -217,11 +218,7 @@ def save(
 ) -> None:
     """Write a ``torch_dcp`` checkpoint to ``url`` (see the module docstring); every rank calls this, as
     :func:`.writer.save`."""
-    if fmt != "torch_dcp":
-        raise ConfigError(
-            f"{url}: checkpoint_format={fmt!r} cannot be written to a URL; checkpoints at URLs are "
-            "'torch_dcp' directories"
-        )
+    formats.checkpoint_format(fmt).refuse_url(url)  # the formats written at URLs are torch_dcp directories
     store = RemoteStore(url, storage_options)
     checkpoint = copy_loops(checkpoint)
     ranks = gather_to_rank_zero({"rng": rng, "combined_loader": pop_loader_states(checkpoint)})

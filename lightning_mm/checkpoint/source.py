@@ -20,13 +20,13 @@ from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 from torch.distributed.tensor import DTensor, distribute_tensor
 
 from lightning_mm._rank_zero import rank_zero_warn
-from lightning_mm.checkpoint import digest, hf_weights, manifest, zip_manifest
+from lightning_mm.checkpoint import digest, formats, hf_weights, manifest, zip_manifest
 from lightning_mm.checkpoint.errors import CheckpointIntegrityError, CheckpointNotFoundError
 from lightning_mm.checkpoint.layout import EXTRA_KEY, META_FILE, model_key, split_tensors
 from lightning_mm.checkpoint.rank_agreement import is_distributed
 from lightning_mm.checkpoint.safe import SafeFileSystemReader, SafeLoadPlanner, load_weights_only, read_dcp_metadata
 
-__all__ = ["CheckpointSource", "open_source", "open_agreed", "single_process_quiet"]
+__all__ = ["CheckpointSource", "open_source", "open_agreed", "open_directory", "open_file", "single_process_quiet"]
 
 
 @dataclass
@@ -106,6 +106,7 @@ def _copy_full_into(full: torch.Tensor, dest: torch.Tensor) -> None:
 def open_source(path: str | Path, full_check: bool = False, share: tuple[int, int] | None = None) -> CheckpointSource:
     """Open a checkpoint written by this project (a DCP directory or a consolidated file), safely.
 
+    The format is the first registered one that recognises ``path`` (:func:`.formats.recognise`), which reads it.
     Every byte is checked against the checkpoint's manifest first (:func:`.manifest.verify`,
     :func:`.zip_manifest.verify`); ``full_check`` also checks the SHA-256 of a version 1 manifest (otherwise checked
     by sample only). ``share=(rank, world_size)``: this rank hashes only its share of the files (or records), the
@@ -115,31 +116,42 @@ def open_source(path: str | Path, full_check: bool = False, share: tuple[int, in
     path = Path(path)
     if not path.exists():
         raise CheckpointNotFoundError(f"checkpoint not found: {path}")
-    if path.is_dir():
-        if not (path / META_FILE).is_file() or not (path / ".metadata").is_file():
-            raise CheckpointNotFoundError(
-                f"{path} is not a complete torch_dcp checkpoint (it needs both .metadata and {META_FILE})"
-            )
-        hashed = None
-        if share is not None:
-            found = manifest.read_manifest(path)
-            sizes = {name: entry["size"] for name, entry in (found or {}).get("files", {}).items()}
-            hashed = digest.assign(sizes, *share, prefer=manifest.shard_rank)
-        listed = manifest.verify(path, full=full_check, hashed=hashed)
-        metadata = read_dcp_metadata(path)
-        meta = load_weights_only(manifest.inside(path, path / META_FILE))
-        _check_listed(path, listed, metadata, meta, full_check)
-        shapes, dtypes = {}, {}
-        for key, item in metadata.state_dict_metadata.items():
-            if isinstance(item, TensorStorageMetadata):
-                shapes[key], dtypes[key] = tuple(item.size), item.properties.dtype
-        record = (meta.get(EXTRA_KEY) or {}).get(hf_weights.RECORD_KEY) if isinstance(meta, dict) else None
-        if record is not None and not any(k.startswith(model_key("")) for k in shapes):  # checkpoint_format="hf"
-            hf_shapes, hf_dtypes, names = hf_weights.weights_view(path, record, (listed or {}).get("files"))
-            return CheckpointSource(
-                path, meta, {**shapes, **hf_shapes}, {**dtypes, **hf_dtypes}, is_dcp=True, hf_names=names
-            )
-        return CheckpointSource(path, meta, shapes, dtypes, is_dcp=True)
+    fmt = formats.recognise(path)
+    if fmt is None:
+        raise CheckpointNotFoundError(f"{path} is not a checkpoint (neither a file nor a directory)")
+    return fmt.read(path, full_check, share)
+
+
+def open_directory(path: Path, full_check: bool = False, share: tuple[int, int] | None = None) -> CheckpointSource:
+    """:func:`open_source` of a ``torch_dcp`` directory (also one holding Hugging Face weights)."""
+    if not (path / META_FILE).is_file() or not (path / ".metadata").is_file():
+        raise CheckpointNotFoundError(
+            f"{path} is not a complete torch_dcp checkpoint (it needs both .metadata and {META_FILE})"
+        )
+    hashed = None
+    if share is not None:
+        found = manifest.read_manifest(path)
+        sizes = {name: entry["size"] for name, entry in (found or {}).get("files", {}).items()}
+        hashed = digest.assign(sizes, *share, prefer=manifest.shard_rank)
+    listed = manifest.verify(path, full=full_check, hashed=hashed)
+    metadata = read_dcp_metadata(path)
+    meta = load_weights_only(manifest.inside(path, path / META_FILE))
+    _check_listed(path, listed, metadata, meta, full_check)
+    shapes, dtypes = {}, {}
+    for key, item in metadata.state_dict_metadata.items():
+        if isinstance(item, TensorStorageMetadata):
+            shapes[key], dtypes[key] = tuple(item.size), item.properties.dtype
+    record = (meta.get(EXTRA_KEY) or {}).get(hf_weights.RECORD_KEY) if isinstance(meta, dict) else None
+    if record is not None and not any(k.startswith(model_key("")) for k in shapes):  # checkpoint_format="hf"
+        hf_shapes, hf_dtypes, names = hf_weights.weights_view(path, record, (listed or {}).get("files"))
+        return CheckpointSource(
+            path, meta, {**shapes, **hf_shapes}, {**dtypes, **hf_dtypes}, is_dcp=True, hf_names=names
+        )
+    return CheckpointSource(path, meta, shapes, dtypes, is_dcp=True)
+
+
+def open_file(path: Path, share: tuple[int, int] | None = None) -> CheckpointSource:
+    """:func:`open_source` of a ``torch`` file."""
     zip_manifest.verify(path, digest.assign(zip_manifest.sizes(path), *share) if share is not None else None)
     full = load_weights_only(path, mmap=True)
     if not isinstance(full, dict):

@@ -8,12 +8,17 @@ the checkpoint I/O, and below the Lightning layer; it does not import Lightning.
 
 Importing it (which any import of its modules does first) registers the Hugging Face checkpoint record (``hf``: the
 architecture and config of each Transformers model, what ``dcp-to-hf`` reads) and the LoRA record (``lora``: the
-adapters' settings, checked when a checkpoint is loaded) with the checkpoint I/O's record providers.
+adapters' settings, checked when a checkpoint is loaded) with the checkpoint I/O's record providers, and the
+checkpoint formats that write Hugging Face weights (``hf``, ``torch_dcp+hf``) with its formats.
 """
 
+from lightning_mm.checkpoint.formats import register_format
 from lightning_mm.checkpoint.records import register_record_provider
+from lightning_mm.hf.checkpoint_format import DCPWithHFFormat, HFFormat
 from lightning_mm.hf.lora import check_resumed_lora, lora_records
 from lightning_mm.hf.records import hf_records
 
 register_record_provider("hf", hf_records)
 register_record_provider("lora", lora_records, check=check_resumed_lora)  # adapters' settings, checked on resume
+register_format(HFFormat())
+register_format(DCPWithHFFormat())

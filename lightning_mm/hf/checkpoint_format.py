@@ -10,7 +10,12 @@ state-dict names (plain safetensors, resumable, not a ``from_pretrained`` direct
 several Transformers models in one module, LoRA adapters (``dcp-to-hf --merge-lora`` exports those), models whose
 ``save_pretrained`` converts tensors (fused experts), and model tensors outside the Transformers model.
 
-The writing itself is :mod:`lightning_mm.checkpoint.hf_weights` (DCP's Hugging Face storage).
+The formats are :class:`HFFormat` (``hf``) and :class:`DCPWithHFFormat` (``torch_dcp+hf``), registered with the
+checkpoint I/O's formats (:mod:`lightning_mm.checkpoint.formats`) when :mod:`lightning_mm.hf` is imported. Both are
+``torch_dcp`` directories with the weights written beside the DCP files, so the checkpoint I/O's ``torch_dcp``
+format reads and recognises them (the safetensors weights through :mod:`lightning_mm.checkpoint.hf_weights`,
+which knows no Transformers). The writing itself is :mod:`lightning_mm.checkpoint.hf_weights` (DCP's Hugging Face
+storage).
 """
 
 from __future__ import annotations
@@ -18,9 +23,10 @@ from __future__ import annotations
 import json
 import shutil
 from collections.abc import Callable, Mapping, Sequence
+from concurrent.futures import Executor, Future
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any, ClassVar
 
 import torch
 import torch.distributed as dist
@@ -28,11 +34,17 @@ from torch import nn
 
 from lightning_mm._names import listing
 from lightning_mm.checkpoint import hf_weights
+from lightning_mm.checkpoint.formats import CheckpointFormat, checkpoint_format
+from lightning_mm.checkpoint.layout import KIND_WEIGHTS
+from lightning_mm.checkpoint.writer import save
 from lightning_mm.errors import ConfigError
 from lightning_mm.hf.export import HFLayout, hf_layout
 from lightning_mm.hf.records import hf_records
 
-__all__ = ["HF_FORMATS", "HFWeights", "plan_weights"]
+if TYPE_CHECKING:
+    from lightning_mm.checkpoint.source import CheckpointSource
+
+__all__ = ["HF_FORMATS", "DCPWithHFFormat", "HFFormat", "HFWeights", "plan_weights"]
 
 HF_FORMATS = ("hf", "torch_dcp+hf")
 
@@ -127,3 +139,59 @@ def plan_weights(root: nn.Module, fqns: Sequence[str]) -> HFWeights:
             f"writes: {listing(absent, 10)}"
         )
     return HFWeights(keys, layout, record.get("pretrained"))
+
+
+class _HFWeightsFormat(CheckpointFormat):
+    """A ``torch_dcp`` directory with the model weights beside it as Hugging Face safetensors (see the module
+    docstring); :attr:`training_state`: with the model and optimiser state in DCP as well."""
+
+    casts_weights: ClassVar[bool] = True
+    in_background: ClassVar[bool] = False  # the weights are read from the live model
+    training_state: ClassVar[bool]
+
+    def write(
+        self,
+        checkpoint: dict[str, Any],
+        path: Path | str,
+        extra: dict[str, Any],
+        rng: dict[str, Any] | None,
+        *,
+        module: Any = None,
+        dtype: str | None = None,
+        storage_options: Mapping[str, Any] | None = None,
+        background: Executor | None = None,
+        group: Any = None,
+        staging: Any = None,
+    ) -> Future | None:
+        if isinstance(path, str):
+            self.refuse_url(path)
+        assert isinstance(path, Path)  # refuse_url raised for a URL
+        state = checkpoint.get("state_dict") or {}
+        weights = plan_weights(module, list(state))
+        extra = {**extra, hf_weights.RECORD_KEY: weights.record(dtype)}
+        if not self.training_state:
+            checkpoint = {k: v for k, v in checkpoint.items() if k not in ("state_dict", "optimizer_states")}
+            extra["kind"] = KIND_WEIGHTS
+        also_write = weights.writer(state, hf_weights.check_dtype(dtype))
+        return save(checkpoint, path, "torch_dcp", extra, rng, also_write, background, group, staging)
+
+    def read(self, path: Path, full_check: bool = False, share: tuple[int, int] | None = None) -> CheckpointSource:
+        return checkpoint_format("torch_dcp").read(path, full_check, share)
+
+    def refuse_module(self, module: Any, fqns: Callable[[], Sequence[str]]) -> None:
+        plan_weights(module, list(fqns()))
+
+
+class HFFormat(_HFWeightsFormat):
+    """``checkpoint_format="hf"``: the model weights only, as safetensors (a ``from_pretrained`` directory for a
+    Transformers model); resumable weights-only."""
+
+    name: ClassVar[str] = "hf"
+    training_state: ClassVar[bool] = False
+
+
+class DCPWithHFFormat(_HFWeightsFormat):
+    """``checkpoint_format="torch_dcp+hf"``: the full ``torch_dcp`` training state plus the safetensors weights."""
+
+    name: ClassVar[str] = "torch_dcp+hf"
+    training_state: ClassVar[bool] = True

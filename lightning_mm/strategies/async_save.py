@@ -15,9 +15,11 @@ the future completes, nothing of the checkpoint is visible, and:
   linking (:meth:`AsyncSaver.hide_links`), and pointed at the checkpoint once that is in place. So ``last`` always
   names a complete checkpoint, also after a kill during the write.
 
-The state is staged into buffers kept from one save to the next (:class:`.writer.Staging`): a save refills the
-copies the previous one wrote from (complete by then: each save waits for the one before) instead of allocating
-new ones. They live as long as the parameters and optimiser state they copy.
+The state is staged into buffers kept from one save to the next (:class:`.writer.Staging`, one per checkpoint key):
+a save refills the copies the previous one wrote from (complete by then: each save waits for the one before) instead
+of allocating new ones. They live as long as this saver (the run). Before the copy, the ranks agree on the save's
+refusals in one collective on the save's group; the gather of the ranks' entries, the partial and the write follow
+in the background.
 
 A failed run (an error, SIGTERM) gives a pending write up to ``stop_timeout`` to complete (then finishes it) and
 otherwise abandons it: its partial stays hidden and is removed by a later save once this process is gone.

@@ -3,10 +3,12 @@
 ``MMFSDP2Strategy.save_checkpoint`` / ``load_checkpoint`` / ``remove_checkpoint`` and the state-dict hooks call
 :class:`StrategyCheckpoints`, which holds the checkpoint options (format, Hugging Face weights and their dtype,
 storage options of URLs, background saving) and the state between calls (the save being written in the
-background, the RNG state a resumed run restores before its next batch). The formats themselves are
-:mod:`lightning_mm.checkpoint`: ``torch_dcp`` directories or consolidated ``torch`` files, written atomically,
-loaded strictly (keys listed) and safely (``weights_only``), resharded to any world size; remote ones through
-:mod:`lightning_mm.checkpoint.remote`; Hugging Face weights through :mod:`lightning_mm.hf.checkpoint_format`.
+background, the RNG state a resumed run restores before its next batch). The formats themselves are objects of
+one interface (:class:`lightning_mm.checkpoint.CheckpointFormat`: write, read, recognise), looked up by name in the
+checkpoint I/O's registry: ``torch_dcp`` directories or consolidated ``torch`` files (:mod:`lightning_mm.checkpoint`),
+written atomically, loaded strictly (keys listed) and safely (``weights_only``), resharded to any world size; remote
+ones through :mod:`lightning_mm.checkpoint.remote`; Hugging Face weights (``hf``, ``torch_dcp+hf``) through
+:mod:`lightning_mm.hf.checkpoint_format`, registered by :mod:`lightning_mm.hf`. Nothing here names a format.
 """
 
 from __future__ import annotations
@@ -19,12 +21,11 @@ from lightning.fabric.plugins import CheckpointIO, TorchCheckpointIO
 from lightning.pytorch.trainer.states import TrainerFn, TrainerStatus
 from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 
-import lightning_mm.hf  # noqa: F401 - registers the `hf` and `lora` checkpoint records (what dcp-to-hf reads)
+import lightning_mm.hf  # noqa: F401 - registers the `hf` and `lora` checkpoint records and the `hf` formats
 from lightning_mm import checkpoint as ckpt
 from lightning_mm._compat import attached_trainer
-from lightning_mm.checkpoint import hf_weights
+from lightning_mm.checkpoint import CheckpointFormat, hf_weights
 from lightning_mm.errors import ConfigError, InputTypeError
-from lightning_mm.hf.checkpoint_format import HF_FORMATS, plan_weights
 from lightning_mm.strategies.async_save import AsyncSaver
 
 if TYPE_CHECKING:
@@ -39,8 +40,8 @@ if TYPE_CHECKING:
 
 __all__ = ["CHECKPOINT_FORMATS", "ResumeRNG", "ShardedStrategy", "StrategyCheckpoints"]
 
-CHECKPOINT_FORMATS = (*ckpt.FORMATS, *HF_FORMATS)
-"""The values of ``MMFSDP2Strategy(checkpoint_format=...)``."""
+CHECKPOINT_FORMATS = ckpt.format_names()
+"""The values of ``MMFSDP2Strategy(checkpoint_format=...)`` (the registered formats)."""
 
 
 class ShardedStrategy(Protocol):
@@ -105,11 +106,12 @@ class StrategyCheckpoints:
         strict_loading: bool | None,
     ) -> None:
         self.checkpoint_format = checkpoint_format
-        self.save_dtype = hf_weights.check_dtype(save_ckpt_dtype)
-        if save_ckpt_dtype is not None and checkpoint_format not in HF_FORMATS:
+        hf_weights.check_dtype(save_ckpt_dtype)
+        if save_ckpt_dtype is not None and not self.format.casts_weights:
+            casting = " or ".join(repr(n) for n in ckpt.format_names() if ckpt.checkpoint_format(n).casts_weights)
             raise ConfigError(
                 f"save_ckpt_dtype={save_ckpt_dtype!r} casts the Hugging Face weights of a checkpoint: it needs "
-                f"checkpoint_format 'hf' or 'torch_dcp+hf', not {checkpoint_format!r}"
+                f"checkpoint_format {casting}, not {checkpoint_format!r}"
             )
         self.save_ckpt_dtype = save_ckpt_dtype
         if storage_options is not None and not isinstance(storage_options, Mapping):
@@ -117,7 +119,7 @@ class StrategyCheckpoints:
         self.storage_options = dict(storage_options) if storage_options is not None else None
         if not isinstance(async_save, bool):
             raise InputTypeError(f"async_save must be True or False, got {async_save!r}")
-        if async_save and checkpoint_format in HF_FORMATS:
+        if async_save and not self.format.in_background:
             raise ConfigError(
                 f"async_save=True cannot write checkpoint_format={checkpoint_format!r} in the background (its Hugging "
                 "Face weights are read from the live model); use 'torch_dcp' or 'torch'"
@@ -136,14 +138,16 @@ class StrategyCheckpoints:
 
     @checkpoint_format.setter
     def checkpoint_format(self, value: str) -> None:
-        if value not in CHECKPOINT_FORMATS:
-            raise ConfigError(f"checkpoint_format must be one of {CHECKPOINT_FORMATS}, got {value!r}")
+        self.format = ckpt.checkpoint_format(value)  # a ValueError naming the formats for an unknown one
         self._format = value
+
+    format: CheckpointFormat
+    """The format object of :attr:`checkpoint_format`."""
 
     @property
     def full(self) -> bool:
         """Whether state dicts are gathered on rank 0 (``torch``) rather than kept as each rank's shards."""
-        return self.checkpoint_format == "torch"
+        return self.format.full
 
     def check_call(self, io: CheckpointIO | None, weights_only: bool | None = None) -> None:
         """Before a save or load: the strategy writes its checkpoints itself (a CheckpointIO plugin other than
@@ -178,19 +182,14 @@ class StrategyCheckpoints:
                     f"ModelCheckpoint({shown}): save_last='link' needs a local directory (an object store has no "
                     "symbolic links); use save_last: true"
                 )
-            if self.checkpoint_format != "torch_dcp":
-                raise ConfigError(
-                    f"ModelCheckpoint({shown}): checkpoint_format={self.checkpoint_format!r} cannot be written to "
-                    "a URL; checkpoints at URLs are 'torch_dcp' directories"
-                )
+            self.format.refuse_url(f"ModelCheckpoint({shown})")
 
     def refuse_unsavable_model(self, strategy: ShardedStrategy) -> None:
         """At the setup of a fit, once the model is sharded: with Hugging Face weights in the format, a model they
         cannot be written for (LoRA adapters, several Transformers models, tensors outside the model, tensors that
         ``save_pretrained`` converts) is refused now, with the error its first save would raise. A format
         changed later, between saves, is checked when it is saved."""
-        if self.checkpoint_format in HF_FORMATS:
-            plan_weights(strategy.lightning_module, list(strategy.lightning_module_state_dict()))
+        self.format.refuse_module(strategy.lightning_module, lambda: list(strategy.lightning_module_state_dict()))
 
     # ---------------------------------------------------------------------------------------------- save
     def save(
@@ -218,24 +217,24 @@ class StrategyCheckpoints:
         if self.full and "optimizer_states" in checkpoint:  # what the indices stand for
             extra[ckpt.OPTIMIZER_NAMES_KEY] = ckpt.optimizer_param_names(lm, strategy.optimizers)
         rng = ckpt.capture_rng(strategy.root_device)
-        if self.checkpoint_format in HF_FORMATS:
-            self._save_with_hf_weights(lm, checkpoint, path, extra, rng)
-        elif isinstance(path, str):  # a URL
+        fmt, dtype = self.format, self.save_ckpt_dtype
+        if isinstance(path, str):  # a URL
             if self.async_save and not self._warned_async_url:
                 self._warned_async_url = True
                 rank_zero_warn(f"async_save: {path} is at a URL; checkpoints at URLs are written synchronously")
             options = storage_options if storage_options is not None else self.storage_options
-            ckpt.remote.save(checkpoint, path, self.checkpoint_format, extra, rng, options)
+            fmt.write(checkpoint, path, extra, rng, module=lm, dtype=dtype, storage_options=options)
         elif self.async_save and _fitting(lm):
             self.saver.start(
                 path,
                 strategy.is_global_zero,
-                lambda executor, group, staging: ckpt.save(
+                lambda executor, group, staging: fmt.write(
                     checkpoint,
                     path,
-                    self.checkpoint_format,
                     extra,
                     rng,
+                    module=lm,
+                    dtype=dtype,
                     background=executor,
                     group=group,
                     staging=staging,
@@ -243,24 +242,7 @@ class StrategyCheckpoints:
                 strategy.timeout,
             )
         else:
-            ckpt.save(checkpoint, path, self.checkpoint_format, extra, rng)
-
-    def _save_with_hf_weights(
-        self, lm: Any, checkpoint: dict[str, Any], path: Path | str, extra: dict[str, Any], rng: Any
-    ) -> None:
-        """``checkpoint_format`` ``"hf"`` (the weights only, as safetensors) or ``"torch_dcp+hf"`` (both)."""
-        if isinstance(path, str):
-            raise ConfigError(
-                f"{path}: checkpoint_format={self.checkpoint_format!r} cannot be written to a URL; checkpoints at "
-                "URLs are 'torch_dcp' directories"
-            )
-        state = checkpoint.get("state_dict") or {}
-        weights = plan_weights(lm, list(state))
-        extra[hf_weights.RECORD_KEY] = weights.record(self.save_ckpt_dtype)
-        if self.checkpoint_format == "hf":
-            checkpoint = {k: v for k, v in checkpoint.items() if k not in ("state_dict", "optimizer_states")}
-            extra["kind"] = ckpt.KIND_WEIGHTS
-        ckpt.save(checkpoint, path, "torch_dcp", extra, rng, also_write=weights.writer(state, self.save_dtype))
+            fmt.write(checkpoint, path, extra, rng, module=lm, dtype=dtype)
 
     def wait(self) -> None:
         """Wait until the save written in the background is in place; raise what it raised (none: nothing)."""
