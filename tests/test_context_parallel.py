@@ -453,12 +453,13 @@ def test_native_ring_attention_size_maps_to_kv_allgather() -> None:
     """MindSpeed MM's native ``parallel.ring_attention_size`` (ring attention, NPU-only there;
     mindspeed_mm/fsdp/params/parallel_args.py) is context parallelism with ``kv_allgather`` here; together with
     ``ulysses_parallel_size`` (hybrid) it is refused naming both keys."""
-    from lightning_mm.core.config import FSDP2Config, FSDP2ConfigError
+    from lightning_mm.core.config import FSDP2ConfigError
+    from lightning_mm.mindspeed.load import fsdp2_config
 
-    config = FSDP2Config.load({"fully_shard_parallel_size": "auto", "ring_attention_size": 2})
+    config = fsdp2_config({"fully_shard_parallel_size": "auto", "ring_attention_size": 2})
     assert (config.context_parallel_size, config.context_parallel_algo) == (2, "kv_allgather")
     with pytest.raises(FSDP2ConfigError, match="ring_attention_size: 2 with ulysses_parallel_size 2: hybrid"):
-        FSDP2Config.load({"ring_attention_size": 2, "ulysses_parallel_size": 2})
+        fsdp2_config({"ring_attention_size": 2, "ulysses_parallel_size": 2})
 
 
 def _plan_config(tmp_path: Path, cp: int, provider: str = "qwen3_provider") -> Path:

@@ -153,7 +153,7 @@ REFUSALS: list[tuple[str, str, list[str]]] = [
     ),
     (
         "diffusion.md",
-        "`migrate` refuses it (`feature-extraction`)",
+        "is refused, and `migrate` still refuses the launch script (`feature-extraction`)",
         ["tests/test_mindspeed_corpus.py::test_each_refusal_names_its_file_and_a_documented_reason"],
     ),
     (
@@ -382,6 +382,80 @@ REFUSALS: list[tuple[str, str, list[str]]] = [
         "is refused at the call",
         ["tests/test_doc_refusals.py::test_a_balanced_tower_called_with_tensor_arguments_or_other_outputs_is_refused"],
     ),
+    (
+        "cli.md",
+        "every error lightning-mm raises for bad input is a `lightning_mm.errors.LightningMMError`",
+        [
+            "tests/test_error_family.py::test_every_exception_class_derives_from_lightning_mm_error",
+            "tests/test_error_family.py::test_the_documented_example_is_true",
+            "tests/test_error_family.py::test_one_checkpoint_error_hierarchy",
+        ],
+    ),
+    (
+        "cli.md",
+        "A MindSpeed MM file given as `--config`",
+        ["tests/test_plan_command.py::test_plan_refuses_a_mindspeed_file_and_says_to_migrate_it"],
+    ),
+    (
+        "migration.md",
+        "`lightning-mm plan --config` refuses a MindSpeed MM file with the `migrate` command to run first",
+        ["tests/test_plan_command.py::test_plan_refuses_a_mindspeed_file_and_says_to_migrate_it"],
+    ),
+    (
+        "migration.md",
+        "`launch_kinds` / `refusals` (what is refused and why)",
+        [
+            "tests/test_mindspeed_corpus.py::test_every_file_migrates_or_is_refused_as_expected",
+            "tests/test_mindspeed_corpus.py::test_each_refusal_names_its_file_and_a_documented_reason",
+        ],
+    ),
+    (
+        "migration.md",
+        "and `plan` refuses it by name",
+        ["tests/test_mindspeed_corpus.py::test_module_path_rules_name_modules_of_the_transformers_class"],
+    ),
+    (
+        "diffusion.md",
+        "a video outside its folder is refused",
+        ["tests/test_extract_features.py::test_existing_outputs_and_i2v_are_refused_before_any_work"],
+    ),
+    (
+        "diffusion.md",
+        "`norm_latents: false` or `do_sample: true` is an error",
+        ["tests/test_doc_refusals.py::test_extract_features_refuses_latents_it_does_not_compute"],
+    ),
+    (
+        "diffusion.md",
+        "No output file is overwritten: an existing one is refused",
+        ["tests/test_extract_features.py::test_existing_outputs_and_i2v_are_refused_before_any_work"],
+    ),
+    (
+        "parallelism.md",
+        "`hybrid_cp_algo` is refused",
+        [
+            "tests/test_context_parallel.py::test_algorithm_names_and_the_yaml_key",
+            "tests/test_context_parallel.py::test_native_ring_attention_size_maps_to_kv_allgather",
+        ],
+    ),
+    (
+        "parallelism.md",
+        "Without EP a model plan that splits experts is refused",
+        ["tests/test_tensor_parallel.py::test_refuses_moe_experts_without_expert_parallelism"],
+    ),
+    (
+        "parallelism.md",
+        "DoRA and adapter dropout are refused",
+        ["tests/test_tensor_parallel.py::test_refuses_lora_settings_that_cannot_follow_the_split"],
+    ),
+    (
+        "parallelism.md",
+        "a `sequence_parallel` module must lie in a decoder layer",
+        [
+            "tests/test_tensor_parallel.py::test_refuses_an_incomplete_sequence_parallel_plan",
+            "tests/test_doc_refusals.py::test_a_sequence_that_tensor_parallelism_cannot_split_is_refused_naming_the_key",
+            "tests/test_tensor_parallel.py::test_refuses_sequence_parallelism_with_experts_or_lora",
+        ],
+    ),
 ]
 
 GAPS: list[tuple[str, str, str]] = [
@@ -532,3 +606,27 @@ def test_a_balanced_tower_called_with_tensor_arguments_or_other_outputs_is_refus
     out = BaseModelOutputWithPooling(last_hidden_state=torch.zeros(4, 3), attentions=(torch.zeros(1, 4, 4),))
     with pytest.raises(VisionBalanceError, match="output `attentions` is not one of the merged per-image features"):
         _send_back(out, None, [], True, 2, None)  # type: ignore[arg-type]
+
+
+def test_extract_features_refuses_latents_it_does_not_compute() -> None:
+    """docs/diffusion.md: ``norm_latents: false`` or ``do_sample: true`` is an error (the latents differ)."""
+    from lightning_mm.errors import ConfigError
+    from lightning_mm.mindspeed.feature_extraction import _check_ae
+
+    _check_ae({"norm_latents": True, "do_sample": False}, "model.json")
+    for key, value in (("norm_latents", False), ("do_sample", True)):
+        with pytest.raises(ConfigError, match=rf"`ae.{key}`"):
+            _check_ae({key: value}, "model.json")
+
+
+def test_a_sequence_that_tensor_parallelism_cannot_split_is_refused_naming_the_key() -> None:
+    """docs/parallelism.md: under sequence parallelism the sequence length must divide by ``tensor_parallel_size``."""
+    import torch
+    from torch import nn
+
+    from lightning_mm.core.tensor_parallel import TensorParallelError, _check_sequence
+
+    check = _check_sequence("model.layers.0.input_layernorm", 2)
+    check(nn.Identity(), (torch.zeros(1, 4, 8),))
+    with pytest.raises(TensorParallelError, match="must divide by tensor_parallel_size 2"):
+        check(nn.Identity(), (torch.zeros(1, 3, 8),))
