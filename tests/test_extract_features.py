@@ -6,6 +6,7 @@ diffusers / Transformers models saved locally."""
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 
 import pytest
@@ -119,7 +120,9 @@ def test_features_equal_the_vae_and_the_text_encoder_called_directly(extracted: 
         torch.testing.assert_close(got["video"], latents[0], rtol=1e-5, atol=1e-6)
         torch.testing.assert_close(got["prompt_ids"], text[0], rtol=1e-5, atol=1e-6)
         assert torch.equal(got["prompt_mask"], tokens.attention_mask[0])
-    assert records[1]["source_path"] == "dir/two.v2.mp4" and 0 < int(got["prompt_mask"].sum()) < MAX_LENGTH
+    # As MindSpeed MM's `_write_data_info`: `path` is the data.txt folder joined to the annotation's path
+    assert records[1]["path"] == os.path.join(str(extracted["clips"]), "dir/two.v2.mp4")
+    assert 0 < int(got["prompt_mask"].sum()) < MAX_LENGTH
 
 
 def _loss_and_grads(root: Path, data: Path) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:

@@ -66,13 +66,15 @@ def run_extraction(plan: ExtractionPlan, output: Path, device: str = "cpu") -> P
     features = output / "features"
     features.mkdir(parents=True, exist_ok=True)
     lines = []
-    for record, video, caption, name in zip(plan.records, plan.videos, plan.captions, plan.names):
+    for record, video, caption, name, source in zip(
+        plan.records, plan.videos, plan.captions, plan.names, plan.source_paths
+    ):
         frames = decode_model_frames(video, plan.num_frames, plan.frame_interval, plan.height, plan.width)
         prompt, mask = encoders.encode_text(whitespace_clean(caption) if plan.clean_text else caption)
         (path,) = check_outputs(output, [f"features/{name}"])
         save_features(path, {"video": encoders.encode_video(frames), "prompt_ids": prompt, "prompt_mask": mask})
-        kept = {k: v for k, v in record.items() if k not in ("path", "file")}
-        lines.append(json.dumps({**kept, "source_path": record["path"], "file": f"features/{name}"}))
+        # As MindSpeed MM's `_write_data_info`: the record, its (joined) source `path`, `file` the feature file.
+        lines.append(json.dumps({**record, "path": source, "file": f"features/{name}"}))
     (jsonl,) = check_outputs(output, ["data.jsonl"])
     with open(jsonl, "x", encoding="utf-8") as handle:
         handle.write("\n".join(lines) + "\n")

@@ -6,6 +6,7 @@ answer to a ``get_wan_feature.py`` launch names that command (upstream:
 from __future__ import annotations
 
 import json
+import os
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
@@ -35,6 +36,9 @@ class ExtractionPlan:
         self.videos: list[Path] = []
         self.captions: list[str] = []
         self.names: list[str] = []
+        self.source_paths: list[str] = []
+        """Each record's ``path`` in the written ``data.jsonl``: MindSpeed MM's ``DataFileReader`` joins the
+        ``data.txt`` folder to it in combine mode (``os.path.join``), and ``_write_data_info`` keeps it."""
         self.num_frames = self.frame_interval = self.height = self.width = 0
         self.max_length = 0
         self.clean_text = False
@@ -80,10 +84,11 @@ def _records(path: Path) -> list[tuple[int, Any]]:
     return out
 
 
-def _combine(path: Path) -> list[tuple[Path, Path]]:
-    """The ``(annotation file, video folder)`` of each ``folder,annotation.json`` line of MindSpeed MM's
-    ``data_storage_mode: combine`` ``data.txt`` (relative paths from the working directory, as MindSpeed MM's)."""
-    out = []
+def _combine(path: Path) -> list[tuple[Path, Path, str | None]]:
+    """The ``(annotation file, video folder, folder as written)`` of each ``folder,annotation.json`` line of
+    MindSpeed MM's ``data_storage_mode: combine`` ``data.txt`` (relative paths from the working directory, as
+    MindSpeed MM's)."""
+    out: list[tuple[Path, Path, str | None]] = []
     for number, line in enumerate(path.read_text(encoding="utf-8").splitlines(), start=1):
         if not line.strip():
             continue
@@ -95,7 +100,7 @@ def _combine(path: Path) -> list[tuple[Path, Path]]:
             raise ConfigError(f"{path}:{number}: '{folder}' is not a directory")
         if not annotation.is_file():
             raise ConfigError(f"{path}:{number}: '{annotation}' does not exist")
-        out.append((annotation, folder))
+        out.append((annotation, folder, parts[0]))
     return out
 
 
@@ -156,7 +161,7 @@ def plan_extraction(
         folder = Path(basic.get("data_folder") or data_path.parent).resolve()
         if not folder.is_dir():
             raise _fail(source, "dataset_param.basic_parameters.data_folder", f"'{folder}' is not a directory")
-        sources = [(data_path, folder)]
+        sources = [(data_path, folder, None)]
     else:
         raise _fail(source, "dataset_param.basic_parameters.data_storage_mode", f"{mode!r}: only 'combine' is read")
     pre = param.get("preprocess_parameters")
@@ -200,7 +205,7 @@ def plan_extraction(
         paths.append(Path(value))
     plan.vae, plan.text_encoder, plan.tokenizer = paths
     seen: dict[str, str] = {}
-    for annotation, folder, number, record in ((a, f, n, r) for a, f in sources for n, r in _records(a)):
+    for annotation, folder, written, number, record in ((a, f, w, n, r) for a, f, w in sources for n, r in _records(a)):
         where = f"{annotation}:{number}"
         if not isinstance(record, dict) or not isinstance(record.get("path"), str) or not record["path"]:
             raise ConfigError(f"{where}: a record needs the video `path`")
@@ -222,6 +227,7 @@ def plan_extraction(
         plan.videos.append(video)
         plan.captions.append(caption)
         plan.names.append(name)
+        plan.source_paths.append(record["path"] if written is None else os.path.join(written, record["path"]))
     if not plan.records:
         raise ConfigError(f"{data_path}: no records")
     _check_ae(model_config.get("ae"), str(model))
