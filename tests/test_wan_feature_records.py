@@ -10,6 +10,7 @@ import json
 import os
 from pathlib import Path
 
+import pytest
 import torch
 
 from tests.wan_scenarios import TINY_WAN
@@ -133,3 +134,27 @@ def test_mindspeeds_i2v_features_train_as_its_wan_dit_consumes_them(tmp_path: Pa
     for name, param in module.named_parameters():
         if param.grad is not None:
             assert torch.allclose(grads[name], param.grad, rtol=1e-5, atol=1e-7), name
+
+
+def test_two_keys_for_one_sample_key_are_an_error(tmp_path: Path) -> None:
+    """MindSpeed MM's ``i2v_clip_feature`` and this project's ``image_embeds`` both give ``image_embeds``: a file
+    with both is refused, naming it, rather than one silently winning."""
+    from lightning_mm.datamodules import MMDataModule
+    from lightning_mm.errors import DataError
+
+    out = tmp_path / "features_out"
+    (out / "features").mkdir(parents=True)
+    samples = _samples("/data/videos")[:1]
+    _write_data_info(out, samples)
+    data = {
+        "video": torch.zeros(4, 1, 2, 2),
+        "prompt_ids": torch.zeros(3, 16),
+        "i2v_clip_feature": torch.zeros(3, 16),
+        "image_embeds": torch.ones(3, 16),
+    }
+    torch.save(data, out / "features" / _safe_filename(samples[0]["path"]))
+    dm = MMDataModule.from_config(_feature_config(tmp_path, out), batch_size=1)
+    dm.setup("fit")
+    with pytest.raises(DataError):
+        next(iter(dm.train_dataloader()))
+    assert "both give `image_embeds`" in dm.reports["train"].problems[0]

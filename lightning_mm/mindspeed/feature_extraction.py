@@ -146,7 +146,8 @@ def plan_extraction(
     if task != "t2v":
         raise ConfigError(
             f"{model}: `task: {task}`: only text-to-video features are extracted here (image-to-video's first-frame "
-            "and CLIP image conditioning are not)"
+            "and CLIP image conditioning are not; i2v features made by MindSpeed MM's get_wan_feature.py train "
+            "here as written)"
         )
     basic = param.get("basic_parameters")
     if not isinstance(basic, Mapping) or not isinstance(basic.get("data_path"), str):
