@@ -24,7 +24,7 @@ def command_for_launch(flags: Mapping[str, str | None]) -> str:
     data, model = flags.get("--mm-data") or "DATA_JSON", flags.get("--mm-model") or "MODEL_JSON"
     return (
         f"run `lightning-mm extract-features --data {data} --model {model} --output OUT` from the launch directory "
-        "instead (one process; text-to-video only, `task: i2v` is refused)"
+        "instead (one process)"
     )
 
 
@@ -43,6 +43,8 @@ class ExtractionPlan:
         self.max_length = 0
         self.clean_text = False
         self.vae = self.text_encoder = self.tokenizer = Path()
+        self.task = "t2v"
+        self.image_encoder: Path | None = None
 
 
 def _fail(source: str, key: str, message: str) -> ConfigError:
@@ -108,6 +110,21 @@ _AE_APPLIED = {"model_id": "wan_video_vae", "from_pretrained": None, "norm_laten
 _AE_NOTED = ("dtype", "enable_tiling", "tiling_param", "norm_mode")
 
 
+def _check_i2v(processor: Any, source: str) -> str | None:
+    """``ae.i2v_processor``: ``wan_i2v_processor`` with its ``image_encoder`` directory (``None`` when not given)."""
+    if not isinstance(processor, Mapping):
+        raise _fail(source, "ae.i2v_processor", "expected an object (processor_id, image_encoder)")
+    for key, value in processor.items():
+        if key == "processor_id" and value != "wan_i2v_processor":
+            raise _fail(source, "ae.i2v_processor.processor_id", f"{value!r}: only 'wan_i2v_processor' is done here")
+        elif key == "i2v_vae_encode_tiling":
+            print(f"note: {source}: `ae.i2v_processor.{key}` is not applied (the VAE runs untiled)")
+        elif key not in ("processor_id", "image_encoder"):
+            raise _fail(source, f"ae.i2v_processor.{key}", "not applied by extract-features")
+    encoder = processor.get("image_encoder")
+    return encoder if isinstance(encoder, str) else None
+
+
 def _check_ae(ae: Any, source: str) -> None:
     """MindSpeed MM's ``ae`` keys: the ones that change the latents must be as done here (the mode of the latent
     distribution, normalised with the VAE config's mean and std); tiling and the dtype are noted as not applied."""
@@ -118,6 +135,8 @@ def _check_ae(ae: Any, source: str) -> None:
             wanted = _AE_APPLIED[key]
             if wanted is not None and value != wanted:
                 raise _fail(source, f"ae.{key}", f"{value!r}: only {wanted!r} is done here")
+        elif key == "i2v_processor":
+            continue  # read with `task: i2v`
         elif key in _AE_NOTED:
             print(f"note: {source}: `ae.{key}` is not applied (the VAE runs untiled, in its saved dtype)")
         else:
@@ -131,6 +150,7 @@ def plan_extraction(
     vae: str | None = None,
     text_encoder: str | None = None,
     tokenizer: str | None = None,
+    image_encoder: str | None = None,
 ) -> ExtractionPlan:
     """Read and check the configs, the records and the outputs; raises naming the key, line or file."""
     from lightning_mm.diffusers.feature_extraction import check_outputs, feature_file_name
@@ -142,13 +162,17 @@ def plan_extraction(
     if not isinstance(param, Mapping):
         raise _fail(source, "dataset_param", "missing")
     model_config = _read_json(model, "--model") if model is not None else {}
-    task = model_config.get("task", "t2v")
-    if task != "t2v":
-        raise ConfigError(
-            f"{model}: `task: {task}`: only text-to-video features are extracted here (image-to-video's first-frame "
-            "and CLIP image conditioning are not; i2v features made by MindSpeed MM's get_wan_feature.py train "
-            "here as written)"
-        )
+    plan.task = model_config.get("task", "t2v")
+    if plan.task not in ("t2v", "i2v"):
+        raise ConfigError(f"{model}: `task: {plan.task}`: only t2v and i2v (Wan 2.1) features are extracted here")
+    if plan.task == "i2v":
+        ae = model_config.get("ae") or {}
+        processor = ae.get("i2v_processor") if isinstance(ae, Mapping) else None
+        configured = _check_i2v(processor, str(model)) if processor is not None else None
+        encoder = image_encoder if image_encoder is not None else configured
+        if encoder is None:
+            raise ConfigError("--image-encoder: not given and no `ae.i2v_processor.image_encoder` in the configs")
+        plan.image_encoder = Path(encoder)
     basic = param.get("basic_parameters")
     if not isinstance(basic, Mapping) or not isinstance(basic.get("data_path"), str):
         raise _fail(source, "dataset_param.basic_parameters.data_path", "missing: the records (video `path`, `cap`)")
