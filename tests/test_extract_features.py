@@ -285,3 +285,20 @@ def test_i2v_features_equal_clip_and_the_vae_called_directly(tmp_path: Path) -> 
         torch.testing.assert_close(got["i2v_clip_feature"], image[0], rtol=1e-5, atol=1e-6)
         torch.testing.assert_close(got["i2v_vae_feature"], torch.cat([mask, latents], dim=1)[0], rtol=1e-5, atol=1e-6)
         assert got["video"].shape[1] == 2  # 5 frames, 4x in time
+    # The written data.jsonl loads as dataset_type: feature with the i2v batch keys
+    from lightning_mm.datamodules import MMDataModule
+
+    features = {
+        "dataset_param": {
+            "dataset_type": "feature",
+            "basic_parameters": {"data_path": str(work["out"] / "data.jsonl"), "data_folder": str(work["out"])},
+        },
+        "dataloader_param": {"dataloader_mode": "sampler", "shuffle": False},
+    }
+    (tmp_path / "features.json").write_text(json.dumps(features))
+    dm = MMDataModule.from_config(tmp_path / "features.json", batch_size=1)
+    dm.setup("fit")
+    batch = next(iter(dm.train_dataloader()))
+    first = torch.load(work["out"] / records[0]["file"], weights_only=True)
+    assert torch.equal(batch["image_embeds"][0], first["i2v_clip_feature"])
+    assert torch.equal(batch["condition_latents"][0], first["i2v_vae_feature"])

@@ -1,5 +1,5 @@
-"""``lightning-mm extract-features``: MindSpeed MM's Wan 2.1 text-to-video feature extraction
-(``examples/wan2.1/feature_extract/feature_extraction.sh``, ``mindspeed_mm/tools/feature_extraction/
+"""``lightning-mm extract-features``: MindSpeed MM's Wan 2.1 text- and image-to-video feature
+extraction (``examples/wan2.1/feature_extract/feature_extraction.sh``, ``mindspeed_mm/tools/feature_extraction/
 get_wan_feature.py``) in one process, writing the features ``dataset_type: feature`` trains on.
 
     lightning-mm extract-features --data data.json --model model_t2v.json --output OUT [--device cuda]

@@ -1,4 +1,4 @@
-"""Wan feature extraction (text-to-video) as MindSpeed MM's ``mindspeed_mm/tools/feature_extraction/
+"""Wan feature extraction (text- and image-to-video) as MindSpeed MM's ``mindspeed_mm/tools/feature_extraction/
 get_wan_feature.py`` (with ``get_sora_feature.py``'s ``FeatureExtractor``) writes it, without Lightning.
 
 Per sample, ``OUT/features/<name>.pt`` is a ``torch.save`` dict with MindSpeed MM's keys: ``video`` (the frozen
