@@ -158,6 +158,11 @@ REFUSALS: list[tuple[str, str, list[str]]] = [
     ),
     (
         "diffusion.md",
+        "tasks are refused by name",
+        ["tests/test_extract_features.py::test_existing_outputs_and_other_tasks_are_refused_before_any_work"],
+    ),
+    (
+        "diffusion.md",
         "Wan VACE is refused (`not-implemented`)",
         ["tests/test_mindspeed_corpus.py::test_every_file_migrates_or_is_refused_as_expected"],
     ),

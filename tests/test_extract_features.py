@@ -6,6 +6,7 @@ diffusers / Transformers models saved locally."""
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 
 import pytest
@@ -119,7 +120,9 @@ def test_features_equal_the_vae_and_the_text_encoder_called_directly(extracted: 
         torch.testing.assert_close(got["video"], latents[0], rtol=1e-5, atol=1e-6)
         torch.testing.assert_close(got["prompt_ids"], text[0], rtol=1e-5, atol=1e-6)
         assert torch.equal(got["prompt_mask"], tokens.attention_mask[0])
-    assert records[1]["source_path"] == "dir/two.v2.mp4" and 0 < int(got["prompt_mask"].sum()) < MAX_LENGTH
+    # As MindSpeed MM's `_write_data_info`: `path` is the data.txt folder joined to the annotation's path
+    assert records[1]["path"] == os.path.join(str(extracted["clips"]), "dir/two.v2.mp4")
+    assert 0 < int(got["prompt_mask"].sum()) < MAX_LENGTH
 
 
 def _loss_and_grads(root: Path, data: Path) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
@@ -173,7 +176,7 @@ def test_a_training_step_on_the_features_equals_one_on_the_raw_videos(extracted:
         assert torch.allclose(grads[name], ref, rtol=1e-5, atol=1e-6 * scale), name
 
 
-def test_existing_outputs_and_i2v_are_refused_before_any_work(
+def test_existing_outputs_and_other_tasks_are_refused_before_any_work(
     extracted: dict[str, Path], tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
     from lightning_mm.cli import main
@@ -188,7 +191,10 @@ def test_existing_outputs_and_i2v_are_refused_before_any_work(
     i2v = tmp_path / "model_i2v.json"
     i2v.write_text(json.dumps({**json.loads(extracted["model"].read_text()), "task": "i2v"}))
     assert main(["extract-features", "--data", str(extracted["data"]), "--model", str(i2v), "--output", str(out)]) == 1
-    assert "`task: i2v`: only text-to-video features" in capsys.readouterr().err
+    assert "--image-encoder: not given and no `ae.i2v_processor.image_encoder`" in capsys.readouterr().err
+    i2v.write_text(json.dumps({**json.loads(extracted["model"].read_text()), "task": "ti2v"}))
+    assert main(["extract-features", "--data", str(extracted["data"]), "--model", str(i2v), "--output", str(out)]) == 1
+    assert "`task: ti2v`: only t2v and i2v (Wan 2.1)" in capsys.readouterr().err
     data = json.loads(extracted["data"].read_text())
     escape = tmp_path / "escape.jsonl"
     escape.write_text(json.dumps({"path": "../../x.mp4", "cap": "a"}) + "\n")
@@ -213,3 +219,86 @@ def test_migrate_names_the_command_for_mindspeeds_wan_feature_extraction_launch(
         "run `lightning-mm extract-features --data ./examples/wan2.1/feature_extract/data.json --model "
         "./examples/wan2.1/feature_extract/model_t2v.json --output OUT`" in err
     )
+
+
+def test_i2v_features_equal_clip_and_the_vae_called_directly(tmp_path: Path) -> None:
+    """``task: i2v`` as MindSpeed MM's ``get_wan_feature.py`` with ``wan_i2v_processor.py``
+    (``mindspeed_mm/utils/extra_processor/wan_i2v_processor.py``) and its Wan 2.1 recipe's first-frame pipelines
+    (``examples/wan2.1/feature_extract/data.json``), re-told here: the first frame short-side resized
+    (``shortsideresize``, bilinear, antialiased) and scaled to [0, 1]; for CLIP resized to its image size (the
+    recipe's 224 for Wan's CLIP; bicubic) and normalised, ``hidden_states[-2]``; for the VAE resized to
+    ``max_height`` x ``max_width`` (bilinear), normalised to [-1, 1], followed by ``num_frames - 1`` zero frames and
+    encoded, after the mask (upstream's ``h // 8`` is the VAE's spatial factor, 4 in this tiny VAE)."""
+    import av
+    import torch.nn.functional as F
+    from diffusers import AutoencoderKLWan
+    from transformers import CLIPVisionConfig, CLIPVisionModel
+
+    from lightning_mm.cli import main
+
+    work = _workdir(tmp_path)
+    vae_config = {**VAE, "dim_mult": [1, 2, 2], "temperal_downsample": [True, True]}  # 4x in time, as Wan's
+    AutoencoderKLWan(**vae_config).save_pretrained(tmp_path / "vae_i2v")
+    clip_config = CLIPVisionConfig(
+        hidden_size=16, intermediate_size=32, num_hidden_layers=3, num_attention_heads=2, image_size=32, patch_size=8
+    )
+    CLIPVisionModel(clip_config).save_pretrained(tmp_path / "image_encoder")
+    model = json.loads(work["model"].read_text())
+    model["task"] = "i2v"
+    model["ae"] = {
+        "from_pretrained": str(tmp_path / "vae_i2v"),
+        "i2v_processor": {
+            "processor_id": "wan_i2v_processor",
+            "image_encoder": str(tmp_path / "image_encoder"),
+            "i2v_vae_encode_tiling": False,
+        },
+    }
+    (tmp_path / "model_i2v.json").write_text(json.dumps(model))
+    argv = ["extract-features", "--data", str(work["data"]), "--model", str(tmp_path / "model_i2v.json")]
+    assert main([*argv, "--output", str(work["out"])]) == 0
+    vae = AutoencoderKLWan.from_pretrained(tmp_path / "vae_i2v").eval()
+    clip = CLIPVisionModel.from_pretrained(tmp_path / "image_encoder").eval()
+    records = [json.loads(line) for line in (work["out"] / "data.jsonl").read_text().splitlines()]
+    mean, std = (torch.tensor(VAE[k]).view(1, 4, 1, 1, 1) for k in ("latents_mean", "latents_std"))
+    clip_mean = torch.tensor([0.48145466, 0.4578275, 0.40821073]).view(1, 3, 1, 1)
+    clip_std = torch.tensor([0.26862954, 0.26130258, 0.27577711]).view(1, 3, 1, 1)
+    for record, name in zip(records, CAPTIONS):
+        got = torch.load(work["out"] / record["file"], weights_only=True)
+        assert sorted(got) == ["i2v_clip_feature", "i2v_vae_feature", "prompt_ids", "prompt_mask", "video"]
+        with av.open(str(work["clips"] / name)) as container:
+            pixels = next(container.decode(video=0)).to_ndarray(format="rgb24")
+        frame = torch.from_numpy(pixels).permute(2, 0, 1)[None].float()
+        h, w = frame.shape[-2:]
+        size = (32, int(32 / h * w)) if h / w < 1 else (int(32 / w * h), 32)  # shortsideresize to (32, 32)
+        first = F.interpolate(frame, size=size, mode="bilinear", align_corners=False, antialias=True) / 255.0
+        clip_in = F.interpolate(first, size=(32, 32), mode="bicubic", align_corners=False, antialias=False)
+        vae_in = F.interpolate(first, size=(32, 32), mode="bilinear", align_corners=False, antialias=False)
+        vae_in = torch.cat([((vae_in - 0.5) / 0.5).unsqueeze(2), torch.zeros(1, 3, 4, 32, 32)], dim=2)
+        with torch.no_grad():
+            image = clip((clip_in - clip_mean) / clip_std, output_hidden_states=True).hidden_states[-2]
+            latents = (vae.encode(vae_in).latent_dist.mode() - mean) / std
+        bs, t, lh, lw = 1, 5, 32 // 4, 32 // 4
+        mask = torch.ones(bs, t, lh, lw)
+        mask[:, 1:] = 0
+        mask = torch.concat([torch.repeat_interleave(mask[:, 0:1], repeats=4, dim=1), mask[:, 1:]], dim=1)
+        mask = mask.view(bs, mask.shape[1] // 4, 4, lh, lw).transpose(1, 2)
+        torch.testing.assert_close(got["i2v_clip_feature"], image[0], rtol=1e-5, atol=1e-6)
+        torch.testing.assert_close(got["i2v_vae_feature"], torch.cat([mask, latents], dim=1)[0], rtol=1e-5, atol=1e-6)
+        assert got["video"].shape[1] == 2  # 5 frames, 4x in time
+    # The written data.jsonl loads as dataset_type: feature with the i2v batch keys
+    from lightning_mm.datamodules import MMDataModule
+
+    features = {
+        "dataset_param": {
+            "dataset_type": "feature",
+            "basic_parameters": {"data_path": str(work["out"] / "data.jsonl"), "data_folder": str(work["out"])},
+        },
+        "dataloader_param": {"dataloader_mode": "sampler", "shuffle": False},
+    }
+    (tmp_path / "features.json").write_text(json.dumps(features))
+    dm = MMDataModule.from_config(tmp_path / "features.json", batch_size=1)
+    dm.setup("fit")
+    batch = next(iter(dm.train_dataloader()))
+    first = torch.load(work["out"] / records[0]["file"], weights_only=True)
+    assert torch.equal(batch["image_embeds"][0], first["i2v_clip_feature"])
+    assert torch.equal(batch["condition_latents"][0], first["i2v_vae_feature"])

@@ -199,10 +199,19 @@ def test_video_records_are_checked(tmp_path: Path) -> None:
 
     path = _video_config(tmp_path)
     data = json.loads(path.read_text())
-    del data["dataset_param"]["basic_parameters"]["vae_path"]
+    data["dataset_param"]["basic_parameters"]["vae_path"] = 3
     path.write_text(json.dumps(data))
     with pytest.raises(DataConfigError, match="basic_parameters.vae_path`: missing"):
         MMDataModule.from_config(path).setup("fit")
+    # Without vae_path a record's `path` is MindSpeed MM's metadata (the source video), not read: the text-only
+    # feature file then has no latents, which the error names.
+    del data["dataset_param"]["basic_parameters"]["vae_path"]
+    path.write_text(json.dumps(data))
+    dm = MMDataModule.from_config(path, batch_size=1)
+    dm.setup("fit")
+    with pytest.raises(DataError, match="no feature record could be read"):
+        next(iter(dm.train_dataloader()))
+    assert "record's `path` is a video to encode" in dm.reports["train"].problems[0]
     # Too short for num_frames: a bad record when the dataset is set up (here the only one), not mid-epoch.
     with pytest.raises(DataError, match=r"data.jsonl:1: video 'clip.mp4': 7 frame\(s\), num_frames 9 .* needs 9"):
         MMDataModule.from_config(_video_config(tmp_path, num_frames=9), batch_size=1).setup("fit")

@@ -1,5 +1,5 @@
-"""``lightning-mm extract-features``: MindSpeed MM's Wan 2.1 text-to-video feature extraction
-(``examples/wan2.1/feature_extract/feature_extraction.sh``, ``mindspeed_mm/tools/feature_extraction/
+"""``lightning-mm extract-features``: MindSpeed MM's Wan 2.1 text- and image-to-video feature
+extraction (``examples/wan2.1/feature_extract/feature_extraction.sh``, ``mindspeed_mm/tools/feature_extraction/
 get_wan_feature.py``) in one process, writing the features ``dataset_type: feature`` trains on.
 
     lightning-mm extract-features --data data.json --model model_t2v.json --output OUT [--device cuda]
@@ -16,8 +16,9 @@ the configs are relative to the working directory, as MindSpeed MM reads them.
 Frames are decoded, resized and centre-cropped as the raw-video training path does
 (:func:`~lightning_mm.datamodules.wan_video.decode_model_frames`); the features are those of
 :mod:`lightning_mm.diffusers.feature_extraction`. Every output file (``OUT/features/*.pt``, ``OUT/data.jsonl``) must
-not exist yet: an existing one is refused, naming it, before any work. ``task: i2v`` (first-frame and CLIP image
-conditioning) is refused.
+not exist yet: an existing one is refused, naming it, before any work. ``task: i2v`` adds the first-frame CLIP
+and VAE features (``i2v_clip_feature``, ``i2v_vae_feature``) of MindSpeed MM's ``wan_i2v_processor.py``, with the
+``CLIPVisionModel`` of ``ae.i2v_processor.image_encoder`` (or ``--image-encoder``).
 """
 
 from __future__ import annotations
@@ -42,6 +43,7 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("--vae", default=None, help="AutoencoderKLWan save_pretrained directory (default: ae)")
     parser.add_argument("--text-encoder", default=None, help="UMT5EncoderModel directory (default: text_encoder)")
     parser.add_argument("--tokenizer", default=None, help="tokenizer directory (default: tokenizer_config)")
+    parser.add_argument("--image-encoder", default=None, help="i2v: CLIPVisionModel directory (default: ae)")
     parser.add_argument("--output", required=True, help="output directory (features/ and data.jsonl are written)")
     parser.add_argument("--device", default="cpu", help="torch device of the encoders (default cpu)")
     return parser
@@ -50,10 +52,11 @@ def _parser() -> argparse.ArgumentParser:
 def run_extraction(plan: ExtractionPlan, output: Path, device: str = "cpu") -> Path:
     """Encode every record and write its features, then ``OUT/data.jsonl``; returns that file."""
     from lightning_mm.datamodules.records import DataError
-    from lightning_mm.datamodules.wan_video import decode_model_frames, probe_video
+    from lightning_mm.datamodules.wan_video import decode_model_frames, probe_video, read_frames
     from lightning_mm.diffusers.feature_extraction import (
         WanFeatureEncoders,
         check_outputs,
+        first_frame_inputs,
         save_features,
         whitespace_clean,
     )
@@ -62,17 +65,27 @@ def run_extraction(plan: ExtractionPlan, output: Path, device: str = "cpu") -> P
         problem = probe_video(video, plan.num_frames, plan.frame_interval)
         if problem is not None:
             raise DataError(f"{video}: {problem}")
-    encoders = WanFeatureEncoders.load(plan.vae, plan.text_encoder, plan.tokenizer, plan.max_length, device)
+    encoders = WanFeatureEncoders.load(
+        plan.vae, plan.text_encoder, plan.tokenizer, plan.max_length, device, plan.image_encoder
+    )
     features = output / "features"
     features.mkdir(parents=True, exist_ok=True)
     lines = []
-    for record, video, caption, name in zip(plan.records, plan.videos, plan.captions, plan.names):
+    for record, video, caption, name, source in zip(
+        plan.records, plan.videos, plan.captions, plan.names, plan.source_paths
+    ):
         frames = decode_model_frames(video, plan.num_frames, plan.frame_interval, plan.height, plan.width)
         prompt, mask = encoders.encode_text(whitespace_clean(caption) if plan.clean_text else caption)
         (path,) = check_outputs(output, [f"features/{name}"])
-        save_features(path, {"video": encoders.encode_video(frames), "prompt_ids": prompt, "prompt_mask": mask})
-        kept = {k: v for k, v in record.items() if k not in ("path", "file")}
-        lines.append(json.dumps({**kept, "source_path": record["path"], "file": f"features/{name}"}))
+        data = {"video": encoders.encode_video(frames), "prompt_ids": prompt, "prompt_mask": mask}
+        if plan.task == "i2v":  # MindSpeed MM's wan_i2v_processor.py, on the first frame
+            clip_size = encoders.image_encoder.config.image_size
+            pixels, first = first_frame_inputs(read_frames(video, 1)[0], plan.height, plan.width, clip_size)
+            data["i2v_clip_feature"] = encoders.encode_image(pixels)
+            data["i2v_vae_feature"] = encoders.encode_condition(first, plan.num_frames)
+        save_features(path, data)
+        # As MindSpeed MM's `_write_data_info`: the record, its (joined) source `path`, `file` the feature file.
+        lines.append(json.dumps({**record, "path": source, "file": f"features/{name}"}))
     (jsonl,) = check_outputs(output, ["data.jsonl"])
     with open(jsonl, "x", encoding="utf-8") as handle:
         handle.write("\n".join(lines) + "\n")
@@ -92,6 +105,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             args.vae,
             args.text_encoder,
             args.tokenizer,
+            args.image_encoder,
         )
         jsonl = run_extraction(plan, output, args.device)
     except Exception as error:  # the user's to fix: one line (see lightning_mm.commands.failure); a bug: traceback

@@ -2,18 +2,23 @@
 text embeddings, one ``.pt`` file per sample.
 
 ``basic_parameters.data_path`` is a JSON-lines file whose records name their feature file in ``file`` (relative to
-``basic_parameters.data_folder``, inside which it must resolve); other record keys (the caption, the source video)
-are metadata and not read. Each feature file is a ``torch.save`` dict, loaded with ``weights_only=True``, with
-MindSpeed MM's keys ``video`` (the VAE latents, ``(C, F, H, W)``), ``prompt_ids`` (the text encoder's embeddings,
-``(L, D)``) and optionally ``prompt_mask`` ``(L,)``; image-to-video features add ``image_embeds`` and
+``basic_parameters.data_folder``, inside which it must resolve); other record keys (the caption ``cap``, the source
+video ``path`` that MindSpeed MM's ``_write_data_info`` keeps, absolute in ``data_storage_mode: combine``) are
+metadata and not read, as MindSpeed MM's ``FeatureDataset`` (``mindspeed_mm/data/datasets/feature_dataset.py``)
+reads only ``file``. Each feature file is a ``torch.save`` dict, loaded with ``weights_only=True``, with MindSpeed
+MM's keys ``video`` (the VAE latents, ``(C, F, H, W)``), ``prompt_ids`` (the text encoder's embeddings, ``(L, D)``)
+and optionally ``prompt_mask`` ``(L,)``; image-to-video features add MindSpeed MM's ``i2v_clip_feature`` (the CLIP
+image encoder's ``hidden_states[-2]``, diffusers' ``encoder_hidden_states_image``) and ``i2v_vae_feature`` (the
+first-frame mask and latents concatenated on the channels, which MindSpeed MM's ``WanDiT`` and diffusers'
+``WanTransformer3DModel`` concatenate to the noisy latents), read as the batch keys ``image_embeds`` and
 ``condition_latents``. A sample is ``{"latents", "prompt_embeds", ...}``, the batch keys of
 :class:`~lightning_mm.modules.wan_module.MMWanModule`. Another key in a feature file is an error naming it.
 
 The features were made by MindSpeed MM's feature extraction with the ``preprocess_parameters`` and
 ``tokenizer_config`` of the config (frames, resolution, tokenizer); those keys are accepted and logged as not
-applied here. A record may name a raw video in ``path`` (relative to ``data_folder``) besides its ``file``, which
-then holds the text features only: the video is decoded and encoded by the frozen ``AutoencoderKLWan`` saved at
-``basic_parameters.vae_path`` (a key of this project) with ``preprocess_parameters`` ``num_frames``,
+applied here. With ``basic_parameters.vae_path`` (a key of this project) a record's ``path`` instead names a raw
+video (relative to ``data_folder``) and its ``file`` holds the text features only: the video is decoded and encoded
+by the frozen ``AutoencoderKLWan`` saved at ``vae_path`` with ``preprocess_parameters`` ``num_frames``,
 ``frame_interval``, ``max_height`` and ``max_width`` (:mod:`lightning_mm.datamodules.wan_video`).
 
 Bad records are found when the dataset is set up and skipped with their ``file:line`` in the split's
@@ -53,6 +58,8 @@ FEATURE_KEYS = {
     "prompt_embeds": "prompt_embeds",
     "image_embeds": "image_embeds",
     "condition_latents": "condition_latents",
+    "i2v_clip_feature": "image_embeds",
+    "i2v_vae_feature": "condition_latents",
 }
 """A feature file's key (MindSpeed MM's names, or the batch names) -> the sample key."""
 
@@ -125,7 +132,12 @@ class WanFeatureDataset(ReplacingDataset):
         unknown = sorted(str(k) for k in data if k not in FEATURE_KEYS)
         if unknown:
             raise DataError(f"{path}: unknown feature key(s) {unknown} (known: {sorted(FEATURE_KEYS)})")
-        sample = {FEATURE_KEYS[k]: v for k, v in data.items() if v is not None}
+        sample: dict[str, torch.Tensor] = {}
+        for key, value in data.items():
+            if value is not None and FEATURE_KEYS[key] in sample:
+                raise DataError(f"{path}: `{key}` and another key both give `{FEATURE_KEYS[key]}`")
+            if value is not None:
+                sample[FEATURE_KEYS[key]] = value
         video = self.videos[record]
         if video is not None:
             if "latents" in sample:
@@ -134,7 +146,10 @@ class WanFeatureDataset(ReplacingDataset):
             sample["latents"] = self.video.latents(video)
         for key in ("latents", "prompt_embeds"):
             if not isinstance(sample.get(key), torch.Tensor):
-                raise DataError(f"{path}: no `{key}` tensor (MindSpeed MM's `video` / `prompt_ids`)")
+                raise DataError(
+                    f"{path}: no `{key}` tensor (MindSpeed MM's `video` / `prompt_ids`; a record's `path` is a video "
+                    "to encode only with basic_parameters.vae_path)"
+                )
         if sample["latents"].ndim != 4 or sample["prompt_embeds"].ndim != 2:
             raise DataError(
                 f"{path}: latents must be (C, F, H, W) and prompt embeddings (L, D), got "
@@ -175,7 +190,7 @@ def _video_settings(
         raise _fail(
             source,
             dp + "basic_parameters.vae_path",
-            "missing: records name videos (`path`), which are encoded by the AutoencoderKLWan saved there",
+            "missing or not a path: records name videos (`path`), encoded by the AutoencoderKLWan saved there",
         )
     pre = param.get("preprocess_parameters")
     if not isinstance(pre, Mapping):
@@ -268,6 +283,7 @@ def build_feature_datasets(
         raise _fail(source, dp + "basic_parameters.data_path", f"'{data_path}' does not exist")
     if not folder.is_dir():
         raise _fail(source, dp + "basic_parameters.data_folder", f"'{folder}' is not a directory")
+    encodes_videos = "vae_path" in basic
     report = DataReport("train")
     paths: list[Path] = []
     records: list[Mapping[str, Any]] = []
@@ -287,7 +303,8 @@ def build_feature_datasets(
             report.problems.append(f"{data_path}:{number}: no `file` (the feature file of the record)")
             continue
         path = (folder / file).resolve()
-        video = record.get("path")
+        # Without vae_path, `path` is MindSpeed MM's metadata (the source video), not read.
+        video = record.get("path") if encodes_videos else None
         video_path = (folder / video).resolve() if isinstance(video, str) and video else None
         if video is not None and video_path is None:
             report.problems.append(f"{data_path}:{number}: `path` must name a video file, got {video!r}")

@@ -1,4 +1,4 @@
-"""Wan feature extraction (text-to-video) as MindSpeed MM's ``mindspeed_mm/tools/feature_extraction/
+"""Wan feature extraction (text- and image-to-video) as MindSpeed MM's ``mindspeed_mm/tools/feature_extraction/
 get_wan_feature.py`` (with ``get_sora_feature.py``'s ``FeatureExtractor``) writes it, without Lightning.
 
 Per sample, ``OUT/features/<name>.pt`` is a ``torch.save`` dict with MindSpeed MM's keys: ``video`` (the frozen
@@ -11,8 +11,13 @@ holds each source record with ``file: features/<name>.pt``: the records of ``dat
 
 Text as MindSpeed MM's ``T2VDataset`` tokenizes it: ``whitespace_clean`` (runs of white space as one space,
 stripped) when ``enable_text_preprocessing``, then the tokenizer with ``padding="max_length"``, truncation and
-``max_length`` = ``model_max_length``. Image-to-video features (``first_frame`` conditioning, CLIP image embeddings)
-are not extracted here.
+``max_length`` = ``model_max_length``.
+
+Image-to-video (``task: i2v``) adds MindSpeed MM's ``wan_i2v_processor.py`` keys from the video's first frame, as
+its Wan 2.1 recipe's ``first_frame_clip`` / ``first_frame_vae`` pipelines prepare it (:func:`first_frame_inputs`):
+``i2v_clip_feature``, the ``CLIPVisionModel``'s ``hidden_states[-2]`` ``(N, D)``, and ``i2v_vae_feature``, the
+first frame followed by black frames encoded as the video is, after the first-frame mask on four channels
+``(4 + C, F, H, W)``.
 """
 
 from __future__ import annotations
@@ -36,7 +41,41 @@ __all__ = [
     "whitespace_clean",
     "check_outputs",
     "save_features",
+    "CLIP_MEAN",
+    "CLIP_STD",
+    "first_frame_inputs",
 ]
+
+CLIP_MEAN = (0.48145466, 0.4578275, 0.40821073)
+CLIP_STD = (0.26862954, 0.26130258, 0.27577711)
+"""The ``norm_fun`` of MindSpeed MM's Wan 2.1 ``first_frame_clip`` pipeline (OpenAI CLIP's)."""
+
+
+def _resize(image: torch.Tensor, size: tuple[int, int], mode: str, antialias: bool) -> torch.Tensor:
+    """MindSpeed MM's ``ResizeVideo``: unchanged when already ``size``, else ``F.interpolate``."""
+    if tuple(image.shape[-2:]) == size:
+        return image
+    return torch.nn.functional.interpolate(image, size=size, mode=mode, align_corners=False, antialias=antialias)
+
+
+def first_frame_inputs(
+    frame: torch.Tensor, height: int, width: int, clip_size: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``uint8 (H, W, 3)`` first frame -> ``(CLIP pixel values (1, 3, clip_size, clip_size), VAE frame (3, height,
+    width) in [-1, 1])``, as MindSpeed MM's Wan 2.1 i2v feature extraction: ``video_and_first_frame`` (short-side
+    ``ResizeVideo`` to ``(height, width)``, bilinear, antialiased; ``ToTensorVideo``), then ``first_frame_clip``
+    (resized to ``clip_size`` square, bicubic; ``CLIP_MEAN`` / ``CLIP_STD``) and ``first_frame_vae`` (resized to
+    ``(height, width)``, bilinear; mean and std 0.5)."""
+    h, w = frame.shape[:2]
+    if h / w < height / width:  # MindSpeed MM's shortsideresize
+        size = (height, int(height / h * w))
+    else:
+        size = (int(width / w * h), width)
+    image = _resize(frame.permute(2, 0, 1)[None].float(), size, "bilinear", True) / 255.0
+    clip = _resize(image, (clip_size, clip_size), "bicubic", False)
+    mean, std = (torch.tensor(v).view(1, 3, 1, 1) for v in (CLIP_MEAN, CLIP_STD))
+    vae = _resize(image, (height, width), "bilinear", False)
+    return (clip - mean) / std, ((vae - 0.5) / 0.5)[0]
 
 
 class FeatureOutputError(LightningMMError, FileExistsError):
@@ -105,17 +144,26 @@ class WanFeatureEncoders:
     text_encoder: Any
     max_length: int
     device: torch.device
+    image_encoder: Any = None
 
     @classmethod
     def load(
-        cls, vae: Path, text_encoder: Path, tokenizer: Path, max_length: int, device: str = "cpu"
+        cls,
+        vae: Path,
+        text_encoder: Path,
+        tokenizer: Path,
+        max_length: int,
+        device: str = "cpu",
+        image_encoder: Path | None = None,
     ) -> WanFeatureEncoders:
-        """Load the three from their directories (local files only, no remote code)."""
+        """Load the three (and the i2v ``CLIPVisionModel``) from their directories (local files only, no remote
+        code)."""
         import transformers
         from diffusers import AutoencoderKLWan
 
-        for what, path in (("--vae", vae), ("--text-encoder", text_encoder), ("--tokenizer", tokenizer)):
-            if not path.is_dir():
+        given = (("--vae", vae), ("--text-encoder", text_encoder), ("--tokenizer", tokenizer))
+        for what, path in (*given, ("--image-encoder", image_encoder)):
+            if path is not None and not path.is_dir():
                 raise MissingFileError(f"{what} {path}: not a save_pretrained directory")
         target = torch.device(device)
         loaded_vae = AutoencoderKLWan.from_pretrained(vae, local_files_only=True).to(target).eval()
@@ -124,13 +172,43 @@ class WanFeatureEncoders:
         loaded_tokenizer = transformers.AutoTokenizer.from_pretrained(
             tokenizer, local_files_only=True, trust_remote_code=False
         )
+        image: Any = None
+        if image_encoder is not None:
+            image = transformers.CLIPVisionModel.from_pretrained(image_encoder, local_files_only=True)
+            image = image.to(target).eval().requires_grad_(False)
         return cls(
             loaded_vae.requires_grad_(False),
             loaded_tokenizer,
             encoder.to(target).eval().requires_grad_(False),
             max_length,
             target,
+            image,
         )
+
+    @torch.no_grad()
+    def encode_image(self, pixels: torch.Tensor) -> torch.Tensor:
+        """CLIP pixel values ``(1, 3, S, S)`` -> the image encoder's ``hidden_states[-2]`` ``(N, D)`` (float32)."""
+        dtype = next(self.image_encoder.parameters()).dtype
+        out = self.image_encoder(pixel_values=pixels.to(self.device, dtype), output_hidden_states=True)
+        return out.hidden_states[-2][0].float().cpu()
+
+    @torch.no_grad()
+    def encode_condition(self, first: torch.Tensor, num_frames: int) -> torch.Tensor:
+        """``wan_i2v_processor.py``'s ``i2v_vae_feature``: the first frame ``(3, H, W)`` then ``num_frames - 1``
+        black frames, encoded as :meth:`encode_video`, after the mask (1 on the first frame's latent frame) on
+        four channels ``(4 + C, F, H', W')``. The mask's frames are the VAE's temporal factor (4 in Wan: the 4 that
+        MindSpeed MM writes)."""
+        video = torch.cat([first[:, None], first.new_zeros(3, num_frames - 1, *first.shape[1:])], dim=1)
+        latents = self.encode_video(video)
+        factor = 2 ** sum(bool(t) for t in self.vae.config.temperal_downsample)
+        _, frames, h, w = latents.shape
+        mask = torch.ones(num_frames, h, w)
+        mask[1:] = 0
+        mask = torch.cat([mask[0:1].repeat_interleave(factor, dim=0), mask[1:]], dim=0)
+        if mask.shape[0] != frames * factor:
+            raise ConfigError(f"num_frames {num_frames}: expected 1 + a multiple of the VAE's temporal factor {factor}")
+        mask = mask.view(frames, factor, h, w).transpose(0, 1)
+        return torch.cat([mask.to(latents.dtype), latents], dim=0)
 
     @torch.no_grad()
     def encode_video(self, video: torch.Tensor) -> torch.Tensor:

@@ -6,6 +6,7 @@ answer to a ``get_wan_feature.py`` launch names that command (upstream:
 from __future__ import annotations
 
 import json
+import os
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
@@ -23,7 +24,7 @@ def command_for_launch(flags: Mapping[str, str | None]) -> str:
     data, model = flags.get("--mm-data") or "DATA_JSON", flags.get("--mm-model") or "MODEL_JSON"
     return (
         f"run `lightning-mm extract-features --data {data} --model {model} --output OUT` from the launch directory "
-        "instead (one process; text-to-video only, `task: i2v` is refused)"
+        "instead (one process)"
     )
 
 
@@ -35,10 +36,15 @@ class ExtractionPlan:
         self.videos: list[Path] = []
         self.captions: list[str] = []
         self.names: list[str] = []
+        self.source_paths: list[str] = []
+        """Each record's ``path`` in the written ``data.jsonl``: MindSpeed MM's ``DataFileReader`` joins the
+        ``data.txt`` folder to it in combine mode (``os.path.join``), and ``_write_data_info`` keeps it."""
         self.num_frames = self.frame_interval = self.height = self.width = 0
         self.max_length = 0
         self.clean_text = False
         self.vae = self.text_encoder = self.tokenizer = Path()
+        self.task = "t2v"
+        self.image_encoder: Path | None = None
 
 
 def _fail(source: str, key: str, message: str) -> ConfigError:
@@ -80,10 +86,11 @@ def _records(path: Path) -> list[tuple[int, Any]]:
     return out
 
 
-def _combine(path: Path) -> list[tuple[Path, Path]]:
-    """The ``(annotation file, video folder)`` of each ``folder,annotation.json`` line of MindSpeed MM's
-    ``data_storage_mode: combine`` ``data.txt`` (relative paths from the working directory, as MindSpeed MM's)."""
-    out = []
+def _combine(path: Path) -> list[tuple[Path, Path, str | None]]:
+    """The ``(annotation file, video folder, folder as written)`` of each ``folder,annotation.json`` line of
+    MindSpeed MM's ``data_storage_mode: combine`` ``data.txt`` (relative paths from the working directory, as
+    MindSpeed MM's)."""
+    out: list[tuple[Path, Path, str | None]] = []
     for number, line in enumerate(path.read_text(encoding="utf-8").splitlines(), start=1):
         if not line.strip():
             continue
@@ -95,12 +102,27 @@ def _combine(path: Path) -> list[tuple[Path, Path]]:
             raise ConfigError(f"{path}:{number}: '{folder}' is not a directory")
         if not annotation.is_file():
             raise ConfigError(f"{path}:{number}: '{annotation}' does not exist")
-        out.append((annotation, folder))
+        out.append((annotation, folder, parts[0]))
     return out
 
 
 _AE_APPLIED = {"model_id": "wan_video_vae", "from_pretrained": None, "norm_latents": True, "do_sample": False}
 _AE_NOTED = ("dtype", "enable_tiling", "tiling_param", "norm_mode")
+
+
+def _check_i2v(processor: Any, source: str) -> str | None:
+    """``ae.i2v_processor``: ``wan_i2v_processor`` with its ``image_encoder`` directory (``None`` when not given)."""
+    if not isinstance(processor, Mapping):
+        raise _fail(source, "ae.i2v_processor", "expected an object (processor_id, image_encoder)")
+    for key, value in processor.items():
+        if key == "processor_id" and value != "wan_i2v_processor":
+            raise _fail(source, "ae.i2v_processor.processor_id", f"{value!r}: only 'wan_i2v_processor' is done here")
+        elif key == "i2v_vae_encode_tiling":
+            print(f"note: {source}: `ae.i2v_processor.{key}` is not applied (the VAE runs untiled)")
+        elif key not in ("processor_id", "image_encoder"):
+            raise _fail(source, f"ae.i2v_processor.{key}", "not applied by extract-features")
+    encoder = processor.get("image_encoder")
+    return encoder if isinstance(encoder, str) else None
 
 
 def _check_ae(ae: Any, source: str) -> None:
@@ -113,6 +135,8 @@ def _check_ae(ae: Any, source: str) -> None:
             wanted = _AE_APPLIED[key]
             if wanted is not None and value != wanted:
                 raise _fail(source, f"ae.{key}", f"{value!r}: only {wanted!r} is done here")
+        elif key == "i2v_processor":
+            continue  # read with `task: i2v`
         elif key in _AE_NOTED:
             print(f"note: {source}: `ae.{key}` is not applied (the VAE runs untiled, in its saved dtype)")
         else:
@@ -126,6 +150,7 @@ def plan_extraction(
     vae: str | None = None,
     text_encoder: str | None = None,
     tokenizer: str | None = None,
+    image_encoder: str | None = None,
 ) -> ExtractionPlan:
     """Read and check the configs, the records and the outputs; raises naming the key, line or file."""
     from lightning_mm.diffusers.feature_extraction import check_outputs, feature_file_name
@@ -137,12 +162,17 @@ def plan_extraction(
     if not isinstance(param, Mapping):
         raise _fail(source, "dataset_param", "missing")
     model_config = _read_json(model, "--model") if model is not None else {}
-    task = model_config.get("task", "t2v")
-    if task != "t2v":
-        raise ConfigError(
-            f"{model}: `task: {task}`: only text-to-video features are extracted here (image-to-video's first-frame "
-            "and CLIP image conditioning are not)"
-        )
+    plan.task = model_config.get("task", "t2v")
+    if plan.task not in ("t2v", "i2v"):
+        raise ConfigError(f"{model}: `task: {plan.task}`: only t2v and i2v (Wan 2.1) features are extracted here")
+    if plan.task == "i2v":
+        ae = model_config.get("ae") or {}
+        processor = ae.get("i2v_processor") if isinstance(ae, Mapping) else None
+        configured = _check_i2v(processor, str(model)) if processor is not None else None
+        encoder = image_encoder if image_encoder is not None else configured
+        if encoder is None:
+            raise ConfigError("--image-encoder: not given and no `ae.i2v_processor.image_encoder` in the configs")
+        plan.image_encoder = Path(encoder)
     basic = param.get("basic_parameters")
     if not isinstance(basic, Mapping) or not isinstance(basic.get("data_path"), str):
         raise _fail(source, "dataset_param.basic_parameters.data_path", "missing: the records (video `path`, `cap`)")
@@ -156,7 +186,7 @@ def plan_extraction(
         folder = Path(basic.get("data_folder") or data_path.parent).resolve()
         if not folder.is_dir():
             raise _fail(source, "dataset_param.basic_parameters.data_folder", f"'{folder}' is not a directory")
-        sources = [(data_path, folder)]
+        sources = [(data_path, folder, None)]
     else:
         raise _fail(source, "dataset_param.basic_parameters.data_storage_mode", f"{mode!r}: only 'combine' is read")
     pre = param.get("preprocess_parameters")
@@ -200,7 +230,7 @@ def plan_extraction(
         paths.append(Path(value))
     plan.vae, plan.text_encoder, plan.tokenizer = paths
     seen: dict[str, str] = {}
-    for annotation, folder, number, record in ((a, f, n, r) for a, f in sources for n, r in _records(a)):
+    for annotation, folder, written, number, record in ((a, f, w, n, r) for a, f, w in sources for n, r in _records(a)):
         where = f"{annotation}:{number}"
         if not isinstance(record, dict) or not isinstance(record.get("path"), str) or not record["path"]:
             raise ConfigError(f"{where}: a record needs the video `path`")
@@ -222,6 +252,7 @@ def plan_extraction(
         plan.videos.append(video)
         plan.captions.append(caption)
         plan.names.append(name)
+        plan.source_paths.append(record["path"] if written is None else os.path.join(written, record["path"]))
     if not plan.records:
         raise ConfigError(f"{data_path}: no records")
     _check_ae(model_config.get("ae"), str(model))
