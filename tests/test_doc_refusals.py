@@ -153,7 +153,7 @@ REFUSALS: list[tuple[str, str, list[str]]] = [
     ),
     (
         "diffusion.md",
-        "is refused, and `migrate` still refuses the launch script (`feature-extraction`)",
+        "and `migrate` still refuses the launch script (`feature-extraction`)",
         ["tests/test_mindspeed_corpus.py::test_each_refusal_names_its_file_and_a_documented_reason"],
     ),
     (
@@ -422,7 +422,7 @@ REFUSALS: list[tuple[str, str, list[str]]] = [
     (
         "diffusion.md",
         "a video outside its folder is refused",
-        ["tests/test_extract_features.py::test_existing_outputs_and_i2v_are_refused_before_any_work"],
+        ["tests/test_extract_features.py::test_existing_outputs_and_other_tasks_are_refused_before_any_work"],
     ),
     (
         "diffusion.md",
@@ -432,7 +432,7 @@ REFUSALS: list[tuple[str, str, list[str]]] = [
     (
         "diffusion.md",
         "No output file is overwritten: an existing one is refused",
-        ["tests/test_extract_features.py::test_existing_outputs_and_i2v_are_refused_before_any_work"],
+        ["tests/test_extract_features.py::test_existing_outputs_and_other_tasks_are_refused_before_any_work"],
     ),
     (
         "parallelism.md",

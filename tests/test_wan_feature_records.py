@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.wan_scenarios import TINY_WAN
+from tests.scenarios.wan_scenarios import TINY_WAN
 
 
 def _safe_filename(file_path: str) -> str:
