@@ -279,8 +279,8 @@ def test_a_processor_that_normalises_by_zero_is_a_config_error_naming_its_file(d
 
 def test_any_exception_while_tokenizing_one_record_is_a_bad_record(dataset_dir):
     """A tokenizer's own error for one text (here a RuntimeError) is that record's problem, with file:line."""
+    from lightning_mm.data.mm_dataset import load_tokenizer
     from lightning_mm.data.records import read_records
-    from lightning_mm.datamodules.mm_dataset import load_tokenizer
 
     real = load_tokenizer(dataset_dir / "tok")
 

@@ -1,2 +1,3 @@
-"""Datasets without Lightning: records, the native data config, chat and Wan video samples (below the
-translation layer ``lightning_mm.mindspeed`` and the Lightning data module ``lightning_mm.datamodules``)."""
+"""Datasets without Lightning: records and their report, this project's data config and its multimodal dataset, the
+replacing Dataset base, Wan video decoding. Below the translation layer (:mod:`lightning_mm.mindspeed`, whose data
+readers build on them) and the Lightning data module (:mod:`lightning_mm.datamodules`)."""

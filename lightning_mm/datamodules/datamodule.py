@@ -215,8 +215,8 @@ class MMDataModule(L.LightningDataModule):
                 )
 
     def _from_config(self) -> dict[str, Any]:
+        from lightning_mm.data.mm_dataset import MMCollator, MMDataset, load_processor, load_tokenizer
         from lightning_mm.data.records import DataError, read_records
-        from lightning_mm.datamodules.mm_dataset import MMCollator, MMDataset, load_processor, load_tokenizer
 
         config = self.config
         assert config is not None
