@@ -266,6 +266,8 @@ def test_only_the_translation_layer_names_mindspeed_keys():
 def test_the_key_check_sees_a_mindspeed_key():
     assert _names_in("`gpt_args.lr`") == {"gpt_args"} and _names_in("--mm-data-x gpt_argsx") == set()
     assert any("gpt_args" in s for s in _string_literals(PACKAGE / "mindspeed" / "load.py"))
+    assert _names_in("`dataset_param.basic_parameters`") == {"dataset_param", "basic_parameters"}
+    assert any("dataset_param" in s for s in _string_literals(PACKAGE / "mindspeed" / "data_config.py"))
 
 
 def test_the_translation_layer_imports_no_lightning_layer():
