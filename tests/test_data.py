@@ -9,8 +9,8 @@ from PIL import Image
 from torch.utils.data import DataLoader, TensorDataset
 
 from lightning_mm import MMDataModule
-from lightning_mm.datamodules.data_config import DataConfigError
-from lightning_mm.datamodules.records import DataError
+from lightning_mm.data.data_config import DataConfigError
+from lightning_mm.data.records import DataError
 
 
 # ------------------------------------------------------------------------------------------- providers
@@ -279,8 +279,8 @@ def test_a_processor_that_normalises_by_zero_is_a_config_error_naming_its_file(d
 
 def test_any_exception_while_tokenizing_one_record_is_a_bad_record(dataset_dir):
     """A tokenizer's own error for one text (here a RuntimeError) is that record's problem, with file:line."""
-    from lightning_mm.datamodules.mm_dataset import load_tokenizer
-    from lightning_mm.datamodules.records import read_records
+    from lightning_mm.data.mm_dataset import load_tokenizer
+    from lightning_mm.data.records import read_records
 
     real = load_tokenizer(dataset_dir / "tok")
 
@@ -350,7 +350,7 @@ def test_a_json_list_file_with_bad_bytes_is_a_bad_record_not_a_crash(dataset_dir
 
 
 def test_an_overlong_line_is_a_bad_record_and_is_not_kept(dataset_dir, monkeypatch):
-    from lightning_mm.datamodules import records
+    from lightning_mm.data import records
 
     monkeypatch.setattr(records, "MAX_LINE_BYTES", 64)
     good = [json.dumps(g).encode() for g in GOOD[:1]]
@@ -442,7 +442,7 @@ def test_an_image_that_fails_to_decode_at_load_time_is_replaced_and_counted(data
 
 
 def test_images_that_all_fail_to_decode_end_in_an_error_not_a_scan(dataset_dir, monkeypatch):
-    from lightning_mm.datamodules import replacing
+    from lightning_mm.data import replacing
     from tests.helpers.hostile_files import write_corrupt_png
 
     write_corrupt_png(dataset_dir / "img" / "corrupt.png")

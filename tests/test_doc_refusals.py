@@ -580,8 +580,8 @@ def test_a_resume_under_another_token_budget_plan_is_refused() -> None:
 
 
 def test_tool_turns_and_the_qwen3_6_nothink_template_are_refused() -> None:
-    from lightning_mm.datamodules.chat_dataset import ChatAttr, _turns
     from lightning_mm.hf.chat_samples import template_for
+    from lightning_mm.mindspeed.chat_dataset import ChatAttr, _turns
 
     attr = ChatAttr(
         "messages", "from", "value", "human", "gpt", "observation", "function_call", "system", None, None, None

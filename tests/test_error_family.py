@@ -32,8 +32,8 @@ _ALLOWED_RAISES: dict[tuple[str, str], str] = {
     ("checkpoint/atomic.py", "_exchange"): "re-raises the errno of a failed renameat2 system call as OSError",
     ("core/vision_balance.py", "assign_images"): "internal invariant: one cost per image, computed by the caller",
     ("core/vision_balance.py", "_all_to_all"): "internal invariant: the route and the rows sent come from one plan",
-    ("datamodules/replacing.py", "ReplacingDataset.sample"): "abstract method: subclasses implement it",
-    ("datamodules/replacing.py", "ReplacingDataset.limit_replacements"): "internal invariant: one length per record",
+    ("data/replacing.py", "ReplacingDataset.sample"): "abstract method: subclasses implement it",
+    ("data/replacing.py", "ReplacingDataset.limit_replacements"): "internal invariant: one length per record",
     ("hf/loading.py", "_fill"): "internal invariant: the load plan and the local shard were computed together",
     ("modules/lightning_module.py", "MMLightningModule.model_provider"): "abstract hook: override it or pass one",
     ("core/module_state.py", "move_buffer"): "internal invariant: callers move buffers they listed on the module",
@@ -48,7 +48,7 @@ _ALLOWED_RAISES: dict[tuple[str, str], str] = {
         "control flow of the shell-arithmetic reader: caught by it, the expression is then named as not evaluated"
     ),
     ("mindspeed/refusals.py", "Refused.__init__"): "a refusal code missing from the documented table (a bug)",
-    ("datamodules/records.py", "_token_ids"): (
+    ("data/records.py", "_token_ids"): (
         "caught at once with the tokenizer's own errors; the bad-record report names the builtin type"
     ),
 }

@@ -92,7 +92,7 @@ def test_features_equal_the_vae_and_the_text_encoder_called_directly(extracted: 
     from diffusers import AutoencoderKLWan
     from transformers import AutoTokenizer, UMT5EncoderModel
 
-    from lightning_mm.datamodules.wan_video import decode_model_frames
+    from lightning_mm.data.wan_video import decode_model_frames
 
     root, out = extracted["data"].parent, extracted["out"]
     vae = AutoencoderKLWan.from_pretrained(root / "vae").eval()

@@ -27,7 +27,7 @@ import torch
 from PIL import Image
 
 from lightning_mm import MMDataModule
-from lightning_mm.datamodules.data_config import DataConfigError
+from lightning_mm.data.data_config import DataConfigError
 from lightning_mm.hf.batch_check import BatchCheckError, check_batch, expected_image_tokens, has_batch_check
 from lightning_mm.hf.chat_collate import ChatCollator
 from lightning_mm.modules import TransformersModel

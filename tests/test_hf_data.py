@@ -21,8 +21,8 @@ import torch
 from PIL import Image
 
 from lightning_mm import MMDataModule
-from lightning_mm.datamodules.data_config import DataConfigError
-from lightning_mm.datamodules.records import DataError
+from lightning_mm.data.data_config import DataConfigError
+from lightning_mm.data.records import DataError
 from lightning_mm.testing.tiny_vlms import FAMILIES, write_tiny_vlm
 from tests.helpers.mindspeed_reference import reference as mindspeed_reference
 from tests.helpers.scenario_kit import read_results, run
@@ -434,7 +434,7 @@ def test_the_data_section_of_a_launch_yaml(models, tmp_path, monkeypatch):
 
 def test_no_effect_keys_are_logged(models, tmp_path, monkeypatch, caplog):
     family = "qwen2_5_vl"
-    with caplog.at_level(logging.INFO, logger="lightning.pytorch.utilities.rank_zero"):
+    with caplog.at_level(logging.INFO, logger="lightning_mm"):
         _module(tmp_path, monkeypatch, _config(models[family], family))
     text = caplog.text
     for key in ("cache_dir", "preprocessing_batch_size", "preprocessing_num_workers"):
@@ -560,7 +560,7 @@ def test_neat_packing_packs_rows_of_up_to_cutoff_len_tokens(models, tmp_path, mo
 
 
 def test_native_layout_is_detected_and_unchanged(tmp_path):
-    from lightning_mm.datamodules.mindspeed_data import read_data_file
+    from lightning_mm.mindspeed.data_config import read_data_file
 
     (tmp_path / "data.yaml").write_text("data_root: .\ntrain: train.jsonl\n")
     assert read_data_file(tmp_path / "data.yaml") is None

@@ -18,10 +18,10 @@ import pytest
 import torch
 from PIL import Image
 
-from lightning_mm.datamodules.data_config import DataConfigError
-from lightning_mm.datamodules.mindspeed_multimodal import build_multimodal_datasets
-from lightning_mm.datamodules.records import DataError
+from lightning_mm.data.data_config import DataConfigError
+from lightning_mm.data.records import DataError
 from lightning_mm.hf.internvl_processor import load_internvl_processor
+from lightning_mm.mindspeed.multimodal_data import build_multimodal_datasets
 from lightning_mm.testing.tiny_internvl import MEAN, STD, TILE, TOKENS_PER_TILE, build_tiny_internvl
 
 SYSTEM = "你是书生·万象，英文名是InternVL，是由上海人工智能实验室、清华大学及多家合作单位联合开发的多模态大语言模型。"

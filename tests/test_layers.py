@@ -2,10 +2,10 @@
 
 Every ``import`` in ``lightning_mm`` (module level and inside functions) is read from the source. From the bottom:
 0. leaf helpers (``lightning_mm._*``, ``errors``, ``npu_probe``), 1. the FSDP2 core (``core``), 2. checkpoint I/O
-(``checkpoint``), 3. the Hugging Face integration (``hf``, ``diffusers``), 4. the MindSpeed MM translation layer
-(``mindspeed``, issue #36), 5. the Lightning layer (``strategies``, ``modules``, ``datamodules``, ``accelerators``),
-6. commands, the CLI and the package root. A module may import its own layer
-and those below; no module takes part in an import cycle, and neither does any sub-package.
+(``checkpoint``), 3. the Hugging Face integration and the Lightning-free datasets (``hf``, ``diffusers``, ``data``),
+4. the MindSpeed MM translation layer (``mindspeed``, issue #36), 5. the Lightning layer (``strategies``,
+``modules``, ``datamodules``, ``accelerators``), 6. commands, the CLI and the package root. A module may import its
+own layer and those below; no module takes part in an import cycle, and neither does any sub-package.
 """
 
 from __future__ import annotations
@@ -26,6 +26,7 @@ LAYERS: list[tuple[str, int]] = [
     ("lightning_mm.hf", 3),
     ("lightning_mm.diffusers", 3),
     ("lightning_mm.testing", 3),  # tiny random models for the examples and tests (Transformers, no Lightning)
+    ("lightning_mm.data", 3),
     ("lightning_mm.mindspeed", 4),
     ("lightning_mm.strategies", 5),
     ("lightning_mm.modules", 5),
@@ -145,6 +146,7 @@ def test_the_checker_sees_a_wrong_import_and_a_cycle():
         ("lightning_mm.checkpoint", ("lightning", "lightning.pytorch", "transformers", "peft")),
         ("lightning_mm.hf", ("lightning", "lightning.pytorch")),
         ("lightning_mm.diffusers", ("lightning", "lightning.pytorch")),
+        ("lightning_mm.data", ("lightning", "lightning.pytorch")),
         ("lightning_mm.mindspeed", ("lightning", "lightning.pytorch")),
     ],
 )
@@ -186,10 +188,9 @@ def test_public_paths_named_in_the_readme_still_import(path):
 # MindSpeed MM's own names, chosen so that none of them is also a lightning-mm key or a word of ordinary code: its
 # Megatron flags (``--mm-data``...), its single YAML's sections (``gpt_args``, ``lora_args``), its model.json's
 # towers (``image_encoder``, ``text_decoder``), its native route's ``parallel:`` keys (``fully_shard_parallel_size``,
-# ``ulysses_parallel_size``, ``fsdp_plan``, ``ep_plan``, ``recompute_plan``) and entry scripts. Keys that lightning-mm
-# shares (``init_from_hf_path``, ``sub_modules_to_wrap``, ``model_id``) are left out, and so are the data config's
-# (``dataset_param``, ``basic_parameters``...): the DataModule's MindSpeed MM datasets are still built in
-# ``lightning_mm/datamodules/mindspeed_*.py`` and ``wan_data.py``, whose readers use this layer's key reader.
+# ``ulysses_parallel_size``, ``fsdp_plan``, ``ep_plan``, ``recompute_plan``), its data config's sections and keys
+# (``dataset_param``, ``basic_parameters``, ``data_folder``...) and entry scripts. Keys that lightning-mm shares
+# (``init_from_hf_path``, ``sub_modules_to_wrap``, ``model_id``) are left out.
 MINDSPEED_NAMES = (
     "gpt_args",
     "lora_args",
@@ -211,6 +212,16 @@ MINDSPEED_NAMES = (
     "recompute_plan",
     "pretrain_transformers.py",
     "pretrain_vlm.py",
+    "dataset_param",
+    "dataloader_param",
+    "val_dataset_param",
+    "basic_parameters",
+    "preprocess_parameters",
+    "collate_param",
+    "dataloader_mode",
+    "sampler_type",
+    "data_folder",
+    "data_path",
 )
 TRANSLATION = "lightning_mm.mindspeed"
 # Modules outside the translation layer that still name one of MINDSPEED_NAMES, each with why (issue #36: none may
@@ -256,6 +267,8 @@ def test_only_the_translation_layer_names_mindspeed_keys():
 def test_the_key_check_sees_a_mindspeed_key():
     assert _names_in("`gpt_args.lr`") == {"gpt_args"} and _names_in("--mm-data-x gpt_argsx") == set()
     assert any("gpt_args" in s for s in _string_literals(PACKAGE / "mindspeed" / "load.py"))
+    assert _names_in("`dataset_param.basic_parameters`") == {"dataset_param", "basic_parameters"}
+    assert any("dataset_param" in s for s in _string_literals(PACKAGE / "mindspeed" / "data_config.py"))
 
 
 def test_the_translation_layer_imports_no_lightning_layer():

@@ -215,7 +215,7 @@ def test_video_patches_equal_the_image_processors_on_a_still_clip(family, models
 
 
 def test_glm_videos_are_refused_by_name(tmp_path, monkeypatch):
-    from lightning_mm.datamodules.records import DataError
+    from lightning_mm.data.records import DataError
     from lightning_mm.testing.tiny_families import write_tiny_family
 
     model = write_tiny_family(tmp_path / "glm4v", "glm4v")
@@ -224,15 +224,15 @@ def test_glm_videos_are_refused_by_name(tmp_path, monkeypatch):
 
 
 def test_videos_with_the_models_own_chat_template_are_refused(models, tmp_path, monkeypatch):
-    from lightning_mm.datamodules.records import DataError
+    from lightning_mm.data.records import DataError
 
     with pytest.raises(DataError, match="only with MindSpeed MM's templates"):
         _dataset(tmp_path, monkeypatch, models["qwen2_5_vl"], None, [RECORDS["small clip"]], VIDEO)
 
 
 def test_bad_video_records_and_keys_are_named(models, tmp_path, monkeypatch):
-    from lightning_mm.datamodules.data_config import DataConfigError
-    from lightning_mm.datamodules.records import DataError
+    from lightning_mm.data.data_config import DataConfigError
+    from lightning_mm.data.records import DataError
 
     model = models["qwen2_5_vl"]
     bad = _record([("user", "<video><video>"), ("assistant", "x")], ["small.mp4"])

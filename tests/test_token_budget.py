@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from lightning_mm.core.token_budget import RankSchedule, TokenBudgetError, batch_cost, plan_batches
-from lightning_mm.datamodules.replacing import ReplacingDataset
+from lightning_mm.data.replacing import ReplacingDataset
 from lightning_mm.datamodules.token_budget import TokenBudgetLoader, vocab_size_of
 from tests.helpers.scenario_kit import read_results, run
 from tests.scenarios import packing_scenarios

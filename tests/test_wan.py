@@ -270,9 +270,9 @@ def test_mindspeed_wan_yamls_as_written(work: Path) -> None:
 
 # ------------------------------------------------------------------------------------ data and batches
 def test_feature_data_through_the_mindspeed_data_config(work: Path, tmp_path: Path) -> None:
+    from lightning_mm.data.data_config import DataConfigError
+    from lightning_mm.data.records import DataError
     from lightning_mm.datamodules import MMDataModule
-    from lightning_mm.datamodules.data_config import DataConfigError
-    from lightning_mm.datamodules.records import DataError
 
     dm = MMDataModule.from_config(work / "data.json", batch_size=2)
     dm.setup("fit")
@@ -293,7 +293,7 @@ def test_feature_data_through_the_mindspeed_data_config(work: Path, tmp_path: Pa
     with pytest.raises(DataConfigError, match="data_pth"):
         MMDataModule.from_config(tmp_path / "data.json").setup("fit")
     torch.save({"video": torch.zeros(4, 1, 2, 2), "prompt_ids": torch.zeros(2, 16), "extra": 1}, tmp_path / "x.pt")
-    from lightning_mm.datamodules.wan_data import WanFeatureDataset
+    from lightning_mm.mindspeed.feature_data import WanFeatureDataset
 
     with pytest.raises(DataError, match=r"unknown feature key\(s\) \['extra'\]"):
         WanFeatureDataset([tmp_path / "x.pt"], strict=True)[0]
@@ -347,7 +347,7 @@ def test_image_to_video_inputs_reach_the_model() -> None:
 def test_diffusers_is_imported_only_when_used() -> None:
     code = (
         "import sys, lightning_mm, lightning_mm.diffusers, lightning_mm.modules.wan_module, "
-        "lightning_mm.datamodules.wan_data\nprint('diffusers' in sys.modules)"
+        "lightning_mm.mindspeed.feature_data\nprint('diffusers' in sys.modules)"
     )
     out = subprocess.run(
         [sys.executable, "-c", code],

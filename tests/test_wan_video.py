@@ -73,8 +73,8 @@ def test_grouped_batches_give_every_rank_the_same_steps() -> None:
 
 
 def test_the_grouping_keys_are_checked(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    from lightning_mm.data.data_config import DataConfigError
     from lightning_mm.datamodules import MMDataModule
-    from lightning_mm.datamodules.data_config import DataConfigError
 
     monkeypatch.chdir(tmp_path)
     _write_features(tmp_path / "sora_features", SIZES, with_size=False)  # keys from the latents' shapes instead
@@ -166,8 +166,8 @@ def test_a_video_record_is_decoded_resized_and_encoded_by_the_frozen_vae(tmp_pat
     import imageio.v3 as iio
     from diffusers import AutoencoderKLWan
 
+    from lightning_mm.data.wan_video import read_frames
     from lightning_mm.datamodules import MMDataModule
-    from lightning_mm.datamodules.wan_video import read_frames
 
     dm = MMDataModule.from_config(_video_config(tmp_path), batch_size=1)
     dm.setup("fit")
@@ -193,9 +193,9 @@ def test_a_video_record_is_decoded_resized_and_encoded_by_the_frozen_vae(tmp_pat
 
 
 def test_video_records_are_checked(tmp_path: Path) -> None:
+    from lightning_mm.data.data_config import DataConfigError
+    from lightning_mm.data.records import DataError
     from lightning_mm.datamodules import MMDataModule
-    from lightning_mm.datamodules.data_config import DataConfigError
-    from lightning_mm.datamodules.records import DataError
 
     path = _video_config(tmp_path)
     data = json.loads(path.read_text())
@@ -238,8 +238,8 @@ def _bad_video_config(tmp_path: Path, strict: bool = False) -> Path:
 def test_bad_video_records_are_counted_and_skipped_when_the_dataset_is_set_up(tmp_path: Path) -> None:
     """Empty, undecodable and too-short clips are found by the probe at setup, with file and line; the epoch then
     reads only good records. In strict mode they are an error at setup."""
+    from lightning_mm.data.records import DataError
     from lightning_mm.datamodules import MMDataModule
-    from lightning_mm.datamodules.records import DataError
 
     dm = MMDataModule.from_config(_bad_video_config(tmp_path), batch_size=1)
     with pytest.warns(UserWarning, match="3 skipped"):
@@ -276,7 +276,7 @@ def test_a_video_that_fails_when_read_is_replaced_and_counted(tmp_path: Path) ->
 
 def test_resizing_frame_by_frame_is_the_whole_clip_resize_bit_for_bit() -> None:
     """The banded, per-frame resize equals MindSpeed MM's whole-clip ``interpolate`` (bilinear, antialiased)."""
-    from lightning_mm.datamodules.wan_video import to_model_frames
+    from lightning_mm.data.wan_video import to_model_frames
 
     torch.manual_seed(0)
     for frames, height, width in (((3, 48, 64, 3), 32, 32), ((2, 217, 301, 3), 40, 56), ((2, 20, 30, 3), 32, 48)):
@@ -294,7 +294,7 @@ def test_resizing_frame_by_frame_is_the_whole_clip_resize_bit_for_bit() -> None:
 
 _PEAK = """
 import resource, sys, torch
-from lightning_mm.datamodules.wan_video import decode_model_frames
+from lightning_mm.data.wan_video import decode_model_frames
 decode_model_frames(sys.argv[2], 2, 1, 16, 16)  # codecs and allocator warmed up on a small clip
 before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
 out = decode_model_frames(sys.argv[1], 4, 1, 32, 32)
@@ -325,7 +325,7 @@ def test_a_4k_clip_read_into_a_small_sample_stays_within_a_frames_memory(tmp_pat
 
 
 def test_frames_larger_than_the_documented_limit_are_refused(tmp_path: Path) -> None:
-    from lightning_mm.datamodules.wan_video import MAX_SOURCE_SIDE, _too_large, probe_video
+    from lightning_mm.data.wan_video import MAX_SOURCE_SIDE, _too_large, probe_video
 
     assert MAX_SOURCE_SIDE == 8192
     assert _too_large(3840, 2160) is None

@@ -10,7 +10,7 @@ import yaml
 from lightning_mm import FSDP2Config
 from lightning_mm._yaml import MAX_ALIASES, MAX_BYTES, load_config, load_mapping
 from lightning_mm.core.config import FSDP2ConfigError
-from lightning_mm.datamodules.data_config import DataConfig, DataConfigError
+from lightning_mm.data.data_config import DataConfig, DataConfigError
 from tests.helpers.limits import bounded
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -28,9 +28,9 @@ class MMDataModule(L.LightningDataModule):
       each a Dataset, a DataLoader or ``None`` (absent split). Datasets are wrapped in DataLoaders with the
       settings below; DataLoaders are used as they are.
     * ``data_config`` (or :meth:`from_config`) names a ``data.json``/YAML file describing sources, preprocessing
-      and loading (see :mod:`lightning_mm.datamodules.data_config`), or a MindSpeed MM data config
+      and loading (see :mod:`lightning_mm.data.data_config`), or a MindSpeed MM data config
       (``dataset_param`` + ``dataloader_param``, at the top or under ``data:``; see
-      :mod:`lightning_mm.datamodules.mindspeed_data`); bad records are skipped, counted and reported with file and
+      :mod:`lightning_mm.mindspeed.data_config`); bad records are skipped, counted and reported with file and
       line, or raise in strict mode.
 
     Lightning replaces the samplers so that every data-parallel rank sees distinct samples (FSDP and HSDP alike).
@@ -96,7 +96,7 @@ class MMDataModule(L.LightningDataModule):
         }
         self.mindspeed_config = None
         if data_config is not None:
-            from lightning_mm.datamodules.data_config import DataConfig, DataConfigError
+            from lightning_mm.data.data_config import DataConfig, DataConfigError
             from lightning_mm.mindspeed.load import data_file_format
 
             # One entry tells the format: a MindSpeed MM data config (dataset_param/dataloader_param, at the top or
@@ -105,7 +105,7 @@ class MMDataModule(L.LightningDataModule):
                 self.config = DataConfig.from_file(data_config)
                 settings.update({k: getattr(self.config.loader, k) for k in settings})
             else:
-                from lightning_mm.datamodules.mindspeed_data import read_data_file
+                from lightning_mm.mindspeed.data_config import read_data_file
 
                 self.mindspeed_config = read_data_file(data_config)
                 assert self.mindspeed_config is not None  # the format was told above
@@ -116,9 +116,7 @@ class MMDataModule(L.LightningDataModule):
         if self.config is not None and overridden:
             rank_zero_info(f"MMDataModule: {overridden} override the `loader` section of {self.config.source}")
         if self.mindspeed_config is not None and overridden:
-            rank_zero_info(
-                f"MMDataModule: {overridden} override the `dataloader_param` of {self.mindspeed_config.source}"
-            )
+            rank_zero_info(f"MMDataModule: {overridden} override {self.mindspeed_config.loader_section}")
         settings.update(overridden)
         self._splits: dict[str, Any] | None = None
         if self.provider is None and self.config is None and self.mindspeed_config is None:
@@ -133,7 +131,7 @@ class MMDataModule(L.LightningDataModule):
         self.collate_fn = collate_fn
         self._user_collate = collate_fn is not None
         if self.mindspeed_config is not None and self.mindspeed_config.dataset_type == "huggingface":
-            from lightning_mm.datamodules.mindspeed_hf import packing_settings
+            from lightning_mm.mindspeed.hf_data import packing_settings
 
             ms_packing, max_tokens_per_rank = packing_settings(
                 self.mindspeed_config.dataset_param,
@@ -187,7 +185,7 @@ class MMDataModule(L.LightningDataModule):
             self._splits = self._from_config()
             return
         if self.mindspeed_config is not None:
-            from lightning_mm.datamodules.mindspeed_data import build_datasets
+            from lightning_mm.mindspeed.data_config import build_datasets
 
             self._splits, collate, self.reports = build_datasets(self.mindspeed_config)
             if self.collate_fn is None:
@@ -217,8 +215,8 @@ class MMDataModule(L.LightningDataModule):
                 )
 
     def _from_config(self) -> dict[str, Any]:
-        from lightning_mm.datamodules.mm_dataset import MMCollator, MMDataset, load_processor, load_tokenizer
-        from lightning_mm.datamodules.records import DataError, read_records
+        from lightning_mm.data.mm_dataset import MMCollator, MMDataset, load_processor, load_tokenizer
+        from lightning_mm.data.records import DataError, read_records
 
         config = self.config
         assert config is not None

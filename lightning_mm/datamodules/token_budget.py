@@ -11,7 +11,7 @@ first step, instead of a collective that waits for a step another rank never run
 Each batch is checked as it is built (:func:`~lightning_mm.core.token_budget.check_token_ids`,
 :func:`~lightning_mm.core.token_budget.check_batch`): token ids are integers in ``[0, vocab_size)``, no sample is
 longer than its planned length (a ``sample_lengths()`` that under-reports is an error naming the sample), and a
-record that replaces one that failed to load (:mod:`lightning_mm.datamodules.replacing`, which picks one no longer
+record that replaces one that failed to load (:mod:`lightning_mm.data.replacing`, which picks one no longer
 than the failed one when it can) keeps the batch within the budget, else an error naming the sample.
 
 The loader is an iterable-style one (Lightning adds no sampler to it: the plan already
@@ -44,7 +44,7 @@ from lightning_mm.core.token_budget import (
     plan_digest,
     plan_fingerprint,
 )
-from lightning_mm.datamodules.replacing import ReplacingDataset
+from lightning_mm.data.replacing import ReplacingDataset
 
 __all__ = ["TokenBudgetLoader", "sample_lengths", "vocab_size_of"]
 

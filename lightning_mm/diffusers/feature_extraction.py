@@ -7,7 +7,7 @@ Per sample, ``OUT/features/<name>.pt`` is a ``torch.save`` dict with MindSpeed M
 and ``prompt_mask`` (the tokenizer's attention mask, ``(L,)``); ``<name>`` is MindSpeed MM's
 ``_generate_safe_filename`` of the source video (its base name, dots as underscores, ``.pt``). ``OUT/data.jsonl``
 holds each source record with ``file: features/<name>.pt``: the records of ``dataset_type: feature``
-(:mod:`lightning_mm.datamodules.wan_data`).
+(:mod:`lightning_mm.mindspeed.feature_data`).
 
 Text as MindSpeed MM's ``T2VDataset`` tokenizes it: ``whitespace_clean`` (runs of white space as one space,
 stripped) when ``enable_text_preprocessing``, then the tokenizer with ``padding="max_length"``, truncation and

@@ -13,7 +13,7 @@ from typing import Any
 
 from lightning_mm.errors import ConfigError
 
-__all__ = ["ENTRY_SCRIPT", "ExtractionPlan", "command_for_launch", "plan_extraction"]
+__all__ = ["ENTRY_SCRIPT", "ExtractionPlan", "command_for_launch", "plan_extraction", "training_hint"]
 
 ENTRY_SCRIPT = "get_wan_feature.py"
 """MindSpeed MM's Wan feature-extraction entry script, the launch this command stands for."""
@@ -258,3 +258,11 @@ def plan_extraction(
     _check_ae(model_config.get("ae"), str(model))
     check_outputs(output, ["data.jsonl", *(f"features/{n}" for n in plan.names)])
     return plan
+
+
+def training_hint(jsonl: Path) -> str:
+    """How a data config trains on the features listed in ``jsonl`` (printed after the extraction)."""
+    return (
+        "train on them with a data config of `dataset_type: feature`, `basic_parameters.data_path: "
+        f"{jsonl}`, `data_folder: {jsonl.parent}`"
+    )

@@ -109,7 +109,7 @@ class DataPathSamples(torch.utils.data.Dataset):
     ``tests/scenarios/hf_scenarios.py``)."""
 
     def __init__(self, name: str, out: Path, n: int) -> None:
-        from lightning_mm.datamodules.mindspeed_hf import build_huggingface_datasets
+        from lightning_mm.mindspeed.hf_data import build_huggingface_datasets
 
         spec = json.loads((out / "data" / f"{name}.json").read_text())
         splits, self.collate, _ = build_huggingface_datasets(

@@ -3,7 +3,7 @@
 Every key of ``preprocess_parameters``, ``basic_parameters`` and ``attr`` (MindSpeed MM's ``ProcessorArguments``,
 ``DataArguments`` and ``DatasetAttr``) is honoured, accepted as having no effect here (logged once, with why), or
 refused by name (see :data:`_NO_EFFECT` and :data:`_FIXED`); an unknown key suggests the nearest. The records and
-their Dataset are in :mod:`lightning_mm.datamodules.chat_dataset`.
+their Dataset are in :mod:`lightning_mm.mindspeed.chat_dataset`.
 """
 
 from __future__ import annotations
@@ -12,14 +12,14 @@ from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
-from lightning.pytorch.utilities.rank_zero import rank_zero_info
 from torch.utils.data import Dataset
 
+from lightning_mm._rank_zero import rank_zero_info
 from lightning_mm._yaml import load_mapping, short_repr
-from lightning_mm.datamodules.chat_dataset import ChatAttr, ChatDataset, read_chat_records
-from lightning_mm.datamodules.data_config import DataConfigError
-from lightning_mm.datamodules.mindspeed_keys import check_keys, strict_or_warn
-from lightning_mm.datamodules.records import DataError, DataReport
+from lightning_mm.data.data_config import DataConfigError
+from lightning_mm.data.records import DataError, DataReport
+from lightning_mm.mindspeed.chat_dataset import ChatAttr, ChatDataset, read_chat_records
+from lightning_mm.mindspeed.data_keys import check_keys, strict_or_warn
 from lightning_mm.mindspeed.keys import KeyReader
 
 __all__ = ["build_huggingface_datasets", "packing_settings"]

@@ -3,7 +3,7 @@ the ``dataset_type: huggingface`` datasets built with the model's own processor.
 
 A file is a MindSpeed MM data config when its top level has ``dataset_param`` or ``dataloader_param`` (its
 ``data.json``), or when it has a ``data:`` mapping that does (its single-YAML launch file; the other sections of such
-a file are not read here). Anything else is the native layout (:mod:`lightning_mm.datamodules.data_config`).
+a file are not read here). Anything else is the native layout (:mod:`lightning_mm.data.data_config`).
 
 Relative paths resolve as MindSpeed MM resolves them: against the current working directory (its examples run from
 the repository root), taken when the data module is built. That holds for ``model_name_or_path``, ``dataset``,
@@ -21,13 +21,12 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from lightning.pytorch.utilities.rank_zero import rank_zero_info
-
+from lightning_mm._rank_zero import rank_zero_info
 from lightning_mm._yaml import load_mapping, short_repr
-from lightning_mm.datamodules.data_config import DataConfigError
-from lightning_mm.datamodules.mindspeed_keys import check_keys, strict_or_warn
-from lightning_mm.datamodules.records import DataReport
+from lightning_mm.data.data_config import DataConfigError
+from lightning_mm.data.records import DataReport
 from lightning_mm.errors import MissingFileError
+from lightning_mm.mindspeed.data_keys import check_keys, strict_or_warn
 from lightning_mm.mindspeed.keys import KeyReader
 
 __all__ = ["MindSpeedDataConfig", "read_data_file", "parse_section", "build_datasets"]
@@ -81,6 +80,11 @@ class MindSpeedDataConfig:
     ``sampler_type: LengthGroupedSampler`` with ``group_data`` / ``group_frame``
     (:mod:`lightning_mm.datamodules.grouped_sampler`); ``None``: Lightning's distributed sampler."""
 
+    @property
+    def loader_section(self) -> str:
+        """The loader settings' place, for messages: ``the `dataloader_param` of <source>``."""
+        return f"the `dataloader_param` of {self.source}"
+
 
 def read_data_file(path: str | os.PathLike) -> MindSpeedDataConfig | None:
     """The MindSpeed MM data config in ``path``, or ``None`` when the file is this project's own data config (the
@@ -121,8 +125,8 @@ def parse_section(
             f"{short_repr(dataset_type)} is not supported here (supported: huggingface, multimodal, feature)",
         )
     # The huggingface type's keys are checked here; the multimodal type (InternVL) checks its own dataset_param
-    # and collate_param keys (lightning_mm.datamodules.mindspeed_multimodal).
-    multimodal = dataset_type in ("multimodal", "feature")  # feature: Wan latents (datamodules.wan_data)
+    # and collate_param keys (lightning_mm.mindspeed.multimodal_data).
+    multimodal = dataset_type in ("multimodal", "feature")  # feature: Wan latents (mindspeed.feature_data)
     dataset_param = (
         dict(raw_dataset) if multimodal else check_keys(raw_dataset, _DATASET_KEYS, prefix + "dataset_param.", source)
     )
@@ -249,7 +253,7 @@ def build_datasets(
             raise _fail(
                 config.source, config.prefix + "allow_outside_data_root", "not supported with dataset_type: multimodal"
             )
-        from lightning_mm.datamodules.mindspeed_multimodal import build_multimodal_datasets
+        from lightning_mm.mindspeed.multimodal_data import build_multimodal_datasets
 
         splits, collate, reports = build_multimodal_datasets(
             config.dataset_param, config.collate_param, config.base_dir, config.source, config.strict
@@ -258,7 +262,7 @@ def build_datasets(
             strict_or_warn(report, config.strict, config.source)
         return splits, collate, reports
     if config.dataset_type == "feature":
-        from lightning_mm.datamodules.wan_data import build_feature_datasets
+        from lightning_mm.mindspeed.feature_data import build_feature_datasets
 
         return build_feature_datasets(
             config.dataset_param,
@@ -268,7 +272,7 @@ def build_datasets(
             config.strict,
             prefix=config.prefix,
         )
-    from lightning_mm.datamodules.mindspeed_hf import build_huggingface_datasets
+    from lightning_mm.mindspeed.hf_data import build_huggingface_datasets
 
     return build_huggingface_datasets(
         config.dataset_param,

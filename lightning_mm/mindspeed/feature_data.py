@@ -19,15 +19,15 @@ The features were made by MindSpeed MM's feature extraction with the ``preproces
 applied here. With ``basic_parameters.vae_path`` (a key of this project) a record's ``path`` instead names a raw
 video (relative to ``data_folder``) and its ``file`` holds the text features only: the video is decoded and encoded
 by the frozen ``AutoencoderKLWan`` saved at ``vae_path`` with ``preprocess_parameters`` ``num_frames``,
-``frame_interval``, ``max_height`` and ``max_width`` (:mod:`lightning_mm.datamodules.wan_video`).
+``frame_interval``, ``max_height`` and ``max_width`` (:mod:`lightning_mm.data.wan_video`).
 
 Bad records are found when the dataset is set up and skipped with their ``file:line`` in the split's
-:class:`~lightning_mm.datamodules.records.DataReport` (an error in strict mode), as on the other data paths: a line
+:class:`~lightning_mm.data.records.DataReport` (an error in strict mode), as on the other data paths: a line
 that is not JSON, a feature file or video that is missing or outside ``data_folder``, and a video that the probe
-of :func:`~lightning_mm.datamodules.wan_video.probe_video` refuses (empty, undecodable, fewer frames than
+of :func:`~lightning_mm.data.wan_video.probe_video` refuses (empty, undecodable, fewer frames than
 ``num_frames`` needs, frames larger than ``MAX_SOURCE_SIDE``). A record that still fails when it is read (a stream
 corrupt past its first frame, a feature file changed since) is replaced by the next good one and counted
-(:class:`~lightning_mm.datamodules.replacing.ReplacingDataset`), so every rank keeps its number of batches.
+(:class:`~lightning_mm.data.replacing.ReplacingDataset`), so every rank keeps its number of batches.
 """
 
 from __future__ import annotations
@@ -39,14 +39,14 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from lightning.pytorch.utilities.rank_zero import rank_zero_info
 
+from lightning_mm._rank_zero import rank_zero_info
 from lightning_mm.checkpoint.safe import load_weights_only
-from lightning_mm.datamodules.data_config import DataConfigError
-from lightning_mm.datamodules.mindspeed_keys import check_keys, strict_or_warn
-from lightning_mm.datamodules.records import DataError, DataReport
-from lightning_mm.datamodules.replacing import ReplacingDataset
+from lightning_mm.data.data_config import DataConfigError
+from lightning_mm.data.records import DataError, DataReport
+from lightning_mm.data.replacing import ReplacingDataset
 from lightning_mm.errors import ConfigError
+from lightning_mm.mindspeed.data_keys import check_keys, strict_or_warn
 
 __all__ = ["FEATURE_KEYS", "WanFeatureDataset", "build_feature_datasets", "collate_features"]
 
@@ -160,7 +160,7 @@ class WanFeatureDataset(ReplacingDataset):
 
 @dataclass
 class VideoSettings:
-    """How a record's video becomes latents (:mod:`lightning_mm.datamodules.wan_video`)."""
+    """How a record's video becomes latents (:mod:`lightning_mm.data.wan_video`)."""
 
     vae: Any  # FrozenWanVAE
     num_frames: int
@@ -170,12 +170,12 @@ class VideoSettings:
 
     def probe(self, video: Path) -> str | None:
         """Why ``video`` cannot give the frames (``None``: it can), :func:`~.wan_video.probe_video`."""
-        from lightning_mm.datamodules.wan_video import probe_video
+        from lightning_mm.data.wan_video import probe_video
 
         return probe_video(video, self.num_frames, self.frame_interval)
 
     def latents(self, video: Path) -> torch.Tensor:
-        from lightning_mm.datamodules.wan_video import decode_model_frames
+        from lightning_mm.data.wan_video import decode_model_frames
 
         frames = decode_model_frames(video, self.num_frames, self.frame_interval, self.height, self.width)
         return self.vae.encode(frames)
@@ -184,7 +184,7 @@ class VideoSettings:
 def _video_settings(
     param: Mapping[str, Any], basic: Mapping[str, Any], base_dir: Path, dp: str, source: str
 ) -> VideoSettings:
-    from lightning_mm.datamodules.wan_video import FrozenWanVAE
+    from lightning_mm.data.wan_video import FrozenWanVAE
 
     if not isinstance(basic.get("vae_path"), str):
         raise _fail(

@@ -8,9 +8,9 @@ from typing import Any
 import torch
 from PIL import Image
 
-from lightning_mm.datamodules.data_config import DataConfigError, PreprocessConfig
-from lightning_mm.datamodules.records import DataReport, Record
-from lightning_mm.datamodules.replacing import ReplacingDataset
+from lightning_mm.data.data_config import DataConfigError, PreprocessConfig
+from lightning_mm.data.records import DataReport, Record
+from lightning_mm.data.replacing import ReplacingDataset
 from lightning_mm.errors import ConfigError
 
 __all__ = ["MMDataset", "MMCollator", "load_tokenizer", "load_processor"]
@@ -62,7 +62,7 @@ class MMDataset(ReplacingDataset):
 
     An image that passed the up-front check (``PIL.Image.verify``, headers and checksums) can still fail to
     decode (a corrupt pixel stream): then the next record whose image decodes takes its place, counted and warned
-    about (:mod:`lightning_mm.datamodules.replacing`), or a :class:`DataError` naming the record in strict mode.
+    about (:mod:`lightning_mm.data.replacing`), or a :class:`DataError` naming the record in strict mode.
     """
 
     failed_in_a_row = "images in a row failed to decode"

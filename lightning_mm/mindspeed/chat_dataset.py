@@ -16,8 +16,8 @@ from typing import Any
 from PIL import Image
 
 from lightning_mm._yaml import short_repr
-from lightning_mm.datamodules.records import DataReport, iter_raw_records
-from lightning_mm.datamodules.replacing import ReplacingDataset
+from lightning_mm.data.records import DataReport, iter_raw_records
+from lightning_mm.data.replacing import ReplacingDataset
 from lightning_mm.errors import DataError
 
 __all__ = ["ChatRecord", "ChatAttr", "ChatDataset", "read_chat_records"]
@@ -211,7 +211,7 @@ class ChatDataset(ReplacingDataset):
 
     A record that fails there (an image that does not decode, text the tokenizer rejects, any exception from the
     processor) is replaced by the next good one, counted with ``file:line`` and warned about, or raises
-    :class:`DataError` in strict mode (:mod:`lightning_mm.datamodules.replacing`).
+    :class:`DataError` in strict mode (:mod:`lightning_mm.data.replacing`).
     """
 
     def __init__(
