@@ -10,6 +10,10 @@ import torch.distributed as dist
 __all__ = ["is_rank_zero", "rank_zero_info", "rank_zero_warn"]
 
 log = logging.getLogger("lightning_mm")
+log.setLevel(logging.INFO)
+if not logging.getLogger().hasHandlers():  # as Lightning does for its own logger: INFO shows unless the app logs
+    log.addHandler(logging.StreamHandler())
+    log.propagate = False
 
 
 def is_rank_zero() -> bool:

@@ -358,3 +358,18 @@ def test_dcp_to_hf_key_mismatches_are_reported_by_one_check():
         "lm_head.weight": "k1",
         "b": "k2",
     }
+
+
+def test_info_messages_of_the_layers_below_lightning_are_shown_like_lightnings():
+    """``rank_zero_info`` (the data readers' "no effect here" notes, checkpoint notes) reaches stderr in a process
+    that configured no logging, as Lightning's own INFO messages do; an application that configured logging gets
+    them through its own handlers, once."""
+    import subprocess
+    import sys
+
+    code = "from lightning_mm._rank_zero import rank_zero_info; rank_zero_info('a note for the user')"
+    shown = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, timeout=120)
+    assert "a note for the user" in shown.stderr
+    configured = "import logging; logging.basicConfig(format='app: %(message)s'); " + code
+    app = subprocess.run([sys.executable, "-c", configured], capture_output=True, text=True, check=True, timeout=120)
+    assert app.stderr.splitlines() == ["app: a note for the user"]
