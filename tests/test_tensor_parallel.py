@@ -68,6 +68,10 @@ def test_tp2_fsdp2_trains_as_plain_transformers(trained, case):
     assert layout["q_proj"][2] == [8, 32] and layout["o_proj"][2] == [16, 16]
     if "vision_qkv" in layout:  # replicated over tp: only FSDP2's shard dimension, half of 96 rows
         assert layout["vision_qkv"][0] == ["shard"] and layout["vision_qkv"][2] == [48, 32]
+    if case.model.get("enable_chunk_loss"):  # column-parallel output layer: 128 vocabulary rows / tp 2 / shard 2
+        assert layout["lm_head"][0] == ["shard", "tp"] and layout["lm_head"][2] == [VOCAB // 4, 32]
+    else:  # replicated over tp: sharded by FSDP2 alone
+        assert layout["lm_head"][0] == ["shard"]
     if "experts" in layout:  # 4 of 8 experts per EP rank, sharded by FSDP2 over ep_replicate: 2 rows each
         assert layout["experts"][0] == ["ep_replicate"] and layout["experts"][2][0] == 2
     # Sequence parallelism: the decoder layers' norms see half of each 16-token sequence; otherwise all of it.
@@ -86,6 +90,17 @@ def test_tp2_fsdp2_trains_as_plain_transformers(trained, case):
     assert worst[0][1] <= WEIGHTS.get(case.name, WEIGHTS.get(case.family, TP_WEIGHTS)), (
         f"final weights differ from the reference: {worst}"
     )
+
+
+def test_vocab_parallel_cross_entropy_equals_torchs(trained):
+    """The chunked loss's vocabulary-parallel cross-entropy on the 2 gloo ranks of each TP group (half of the
+    vocabulary each, ``-100`` targets among them) equals ``torch.nn.functional.cross_entropy`` of the whole logits:
+    the loss, the hidden states' gradient (all-reduced) and each rank's rows of the weight and bias gradients."""
+    out, _ = trained
+    ranks = [r["parts"][0] for r in _ranks(out, "vocab-parallel-ce", 4)]
+    assert all(0 < r["owned"] for r in ranks)  # each rank owns some of the targets
+    for rank in ranks:
+        assert max(rank["errors"].values()) <= FP32_LOSS, rank["errors"]
 
 
 @pytest.mark.parametrize(("tp", "part"), [(1, 1), (4, 2)])
@@ -194,7 +209,7 @@ def test_per_rank_shapes():
             r"`tp_plan`: 'model.layers.\*.mlp.nothing': matches no",
         ),
         ({"tp_plan": {"model.layers.*.input_layernorm": "colwise"}}, "is a Qwen3RMSNorm, not an nn.Linear"),
-        ({"tp_plan": {"lm_head": "colwise"}}, r"'lm_head' is the model's output layer: .* vocabulary-parallel"),
+        ({"tp_plan": {"lm_head": "colwise"}}, r"'lm_head' is the model's output layer: .* `enable_chunk_loss`"),
         ({"compile_modules": ["model.layers.{*}"]}, "`compile_modules`: not supported with tensor_parallel_size"),
     ],
 )
@@ -282,17 +297,48 @@ def test_refuses_a_fused_projection():
         build_plan(config, model, 4)
 
 
-def test_refuses_the_chunked_loss():
-    from lightning_mm import MMFSDP2Strategy
+def _chunked_qwen3(**overrides) -> Qwen3ForCausalLM:
     from lightning_mm.hf.chunk_loss import enable_chunk_loss
+
+    model = _qwen3(**overrides)
+    enable_chunk_loss(model, 16)
+    return model
+
+
+def test_chunked_loss_makes_the_output_layer_column_parallel():
+    """With the chunked loss the output layer is split by vocabulary rows over tp (the strategy plans it: no longer
+    refused), 128 rows / tp 2 / shard 2 per rank; without it the same YAML entry is refused (above)."""
+    from lightning_mm import MMFSDP2Strategy
     from lightning_mm.strategies.precision import MMFSDP2Precision
 
-    model = _qwen3()
-    enable_chunk_loss(model, 16)
+    model = _chunked_qwen3()
     strategy = MMFSDP2Strategy({"sharding_size": "auto", "tensor_parallel_size": 2})
     strategy.precision_plugin = MMFSDP2Precision("32-true")
-    with pytest.raises(FSDP2ConfigError, match="`tensor_parallel_size`: 2 with the chunked loss"):
-        strategy.plan_for(model, 4)
+    plan = strategy.plan_for(model, 4).plan
+    assert dict(plan.tp_plan)["lm_head"] == "colwise"
+    shapes = {key: local for key, _, local in rank_shapes(model, plan)}
+    assert shapes["lm_head.weight"] == (VOCAB // 4, 32)
+    yaml = FSDP2Config(sharding_size="auto", tensor_parallel_size=2, tp_plan={"lm_head": "colwise"})
+    assert dict(build_plan(yaml, _chunked_qwen3(), 4).tp_plan) == {"lm_head": "colwise"}
+
+
+@pytest.mark.parametrize(
+    ("overrides", "keys", "match"),
+    [
+        (
+            {"tie_word_embeddings": True},
+            {},
+            r"`tensor_parallel_size`: the chunked loss's output layer 'lm_head' shares its weight with "
+            r"'model.embed_tokens.weight' \(`tie_word_embeddings`\)",
+        ),
+        ({}, {"tp_plan": {"lm_head": "rowwise"}}, "'lm_head' is the output layer of the chunked loss .* not rowwise"),
+        ({"vocab_size": 127}, {}, r"`tensor_parallel_size`: 2 does not divide the vocabulary \(127 rows of 'lm_head'"),
+    ],
+)
+def test_refuses_what_the_vocabulary_parallel_loss_cannot_split(overrides, keys, match):
+    config = FSDP2Config(sharding_size="auto", tensor_parallel_size=2, **keys)
+    with pytest.raises(FSDP2ConfigError, match=match):
+        build_plan(config, _chunked_qwen3(**overrides), 4)
 
 
 def _lora_qwen3(**settings) -> Qwen3ForCausalLM:

@@ -17,26 +17,62 @@ of targets that are not ``ignore_index``, or by ``num_items`` when given.
 
 Weights must be plain tensors: under FSDP2 call this inside the forward of the module that owns the weight, where
 it is unsharded (:mod:`lightning_mm.hf.chunk_loss` does so for Transformers models).
+
+Vocabulary-parallel (``group``): under tensor parallelism the output layer is column-parallel, each rank of ``group``
+holding the rows ``vocab_start .. vocab_start + local vocab`` of the weight (and bias) and the whole hidden states.
+Per chunk each rank forms the logits of its shard; their maximum is all-reduced (MAX), then their sum of
+exponentials and the target logit (taken by the rank whose shard holds the target, zero elsewhere) are all-reduced
+(SUM, one collective): every rank gets the exact loss of the whole vocabulary. The gradient of the weight (and bias)
+is that of the rank's shard; the gradient of the hidden states, a partial sum over the shards, is all-reduced over
+``group`` once after the last chunk. No rank forms more than ``chunk_size x local vocab`` logits. This is the
+chunked path's own computation rather than torch's ``loss_parallel``: that context manager computes the
+cross-entropy of whole DTensor logits (the ``[tokens, vocab / tp]`` tensor this module exists to avoid) and its
+gradient through autograd, where this function has its gradients ready in the forward.
 """
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Sequence
 from typing import Any
 
 import torch
+import torch.distributed as dist
 from torch import Tensor
 
 from lightning_mm.core.context_parallel import shift_labels
 from lightning_mm.errors import ConfigError, StateError
 
-__all__ = ["IGNORE_INDEX", "ChunkedLossError", "linear_cross_entropy", "shift_labels", "check_chunk_size"]
+__all__ = [
+    "IGNORE_INDEX",
+    "ChunkedLossError",
+    "linear_cross_entropy",
+    "shift_labels",
+    "check_chunk_size",
+    "mark_chunked_head",
+    "is_chunked_head",
+]
 
 IGNORE_INDEX = -100
 
 
 class ChunkedLossError(ConfigError):
     """Inputs the chunked loss cannot compute with."""
+
+
+#: The output layers whose loss is chunked (:func:`mark_chunked_head`): under tensor parallelism the plan splits them
+#: by vocabulary (column-parallel) and the chunked loss computes the vocabulary-parallel cross-entropy.
+_CHUNKED_HEADS: weakref.WeakSet[torch.nn.Module] = weakref.WeakSet()
+
+
+def mark_chunked_head(head: torch.nn.Module) -> None:
+    """Record that ``head``'s loss is chunked (:mod:`lightning_mm.hf.chunk_loss` calls this)."""
+    _CHUNKED_HEADS.add(head)
+
+
+def is_chunked_head(module: torch.nn.Module) -> bool:
+    """Whether ``module`` is an output layer whose loss :func:`linear_cross_entropy` computes."""
+    return module in _CHUNKED_HEADS
 
 
 def check_chunk_size(value: Any, key: str = "chunk_loss_size") -> int:
@@ -54,6 +90,8 @@ def linear_cross_entropy(
     chunk_size: int = 1024,
     ignore_index: int = IGNORE_INDEX,
     num_items: Tensor | float | None = None,
+    group: Any = None,
+    vocab_start: int = 0,
 ) -> Tensor:
     """``cross_entropy(sum_i hidden_i @ weight_i.T + bias, targets)``, ``chunk_size`` tokens at a time.
 
@@ -66,6 +104,9 @@ def linear_cross_entropy(
         chunk_size: tokens per chunk.
         ignore_index: the target that marks a token without loss.
         num_items: the normaliser; by default the number of targets that are not ``ignore_index``.
+        group: vocabulary-parallel: the process group over which the vocabulary is split (``weight`` and ``bias``
+            are this rank's rows of it, ``hidden`` and ``targets`` the same on every rank of the group).
+        vocab_start: vocabulary-parallel: the index of this rank's first row of the vocabulary.
 
     Returns:
         The scalar float32 loss: the sum of the token losses over the normaliser. Its gradients with respect to
@@ -98,8 +139,9 @@ def linear_cross_entropy(
     tensors = [*inputs, *weights, *([bias] if bias is not None else [])]
     grad_on = torch.is_grad_enabled()
     needs = tuple(grad_on and t.requires_grad for t in tensors)
+    parallel = (group, vocab_start) if group is not None else None
     return _LinearCrossEntropy.apply(
-        flat_targets, denominator, chunk_size, ignore_index, len(inputs), bias is not None, needs, *tensors
+        flat_targets, denominator, chunk_size, ignore_index, len(inputs), bias is not None, needs, parallel, *tensors
     )
 
 
@@ -126,6 +168,7 @@ class _LinearCrossEntropy(torch.autograd.Function):
         terms: int,
         has_bias: bool,
         needs: tuple[bool, ...],
+        parallel: tuple[Any, int] | None,
         *tensors: Tensor,
     ) -> Tensor:
         xs, ws = tensors[:terms], tensors[terms : 2 * terms]
@@ -146,7 +189,11 @@ class _LinearCrossEntropy(torch.autograd.Function):
             rows = slice(start, start + chunk_size)
             target = targets[rows]
             valid = target != ignore_index
-            safe = torch.where(valid, target, 0).unsqueeze(1)
+            owned = valid
+            if parallel is not None:  # the targets of this rank's vocabulary shard, as local indices
+                target = target - parallel[1]
+                owned = valid & (target >= 0) & (target < vocab)
+            safe = torch.where(owned, target, 0).unsqueeze(1)
             logits = torch.mm(xs[0][rows], ws[0].t())
             for x, w in zip(xs[1:], ws[1:]):
                 logits.addmm_(x[rows], w.t())
@@ -154,10 +201,16 @@ class _LinearCrossEntropy(torch.autograd.Function):
             logits = logits.to(acc)  # Transformers' loss upcasts the logits; no copy when they are float32
             if bias is not None:
                 logits.add_(bias)
-            picked = logits.gather(1, safe).squeeze(1)
+            picked = torch.where(owned, logits.gather(1, safe).squeeze(1), 0)
             peak = logits.amax(dim=1, keepdim=True)
+            if parallel is not None:
+                dist.all_reduce(peak, dist.ReduceOp.MAX, group=parallel[0])
             logits.sub_(peak).exp_()  # in place: one chunk x vocab buffer throughout
             sums = logits.sum(dim=1)
+            if parallel is not None:  # the sum of exponentials and the target logit (from its owner) at once
+                reduced = torch.stack([sums, picked])
+                dist.all_reduce(reduced, group=parallel[0])
+                sums, picked = reduced[0], reduced[1]
             token_loss = peak.squeeze(1) + sums.log() - picked
             total += torch.where(valid, token_loss, 0).sum()
             if not any_grad:
@@ -165,7 +218,7 @@ class _LinearCrossEntropy(torch.autograd.Function):
                 continue
             # d loss / d logits = (softmax - one_hot(target)) * scale on valid rows, 0 elsewhere.
             logits.div_(sums.unsqueeze(1))
-            logits.scatter_add_(1, safe, torch.full_like(safe, -1, dtype=logits.dtype))
+            logits.scatter_add_(1, safe, torch.where(owned, -1.0, 0.0).to(logits.dtype).unsqueeze(1))
             logits.mul_((valid.to(logits.dtype) * scale).unsqueeze(1))
             if grad_b is not None:
                 grad_b.add_(logits.sum(dim=0))
@@ -177,6 +230,10 @@ class _LinearCrossEntropy(torch.autograd.Function):
                 if gw is not None:
                     gw.addmm_(grad.t(), x[rows])
             del grad  # freed before the next chunk's product
+        if parallel is not None:  # each shard's part of the hidden states' gradient, summed over the vocabulary
+            for gx in grad_x:
+                if gx is not None:
+                    dist.all_reduce(gx, group=parallel[0])
         grads = [*grad_x, *grad_w]
         if bias is not None:
             grads.append(grad_b.to(bias.dtype) if grad_b is not None else None)
@@ -192,4 +249,4 @@ class _LinearCrossEntropy(torch.autograd.Function):
         for g in grads:
             if g is not None:
                 g.mul_(grad_output)
-        return (None,) * 7 + tuple(grads)
+        return (None,) * 8 + tuple(grads)

@@ -15,6 +15,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from lightning_mm.core.chunked_loss import is_chunked_head
 from lightning_mm.core.config import TP_STYLES, FSDP2Config, FSDP2ConfigError
 from lightning_mm.core.layout import ParallelLayout
 
@@ -80,7 +81,12 @@ def resolve_tp_plan(
     ``own``: ``plan`` is the model's own ``base_model_tp_plan`` (not the YAML's): a pattern of it that matches
     nothing is skipped (a MoE model's plan also names the dense MLP of layers it may not have). ``experts``: the
     MoE modules of expert parallelism, which split the experts themselves: the plan's entries for them (and for
-    modules inside them) are left out."""
+    modules inside them) are left out.
+
+    An output layer whose loss is chunked (``enable_chunk_loss``) is made column-parallel (its vocabulary split over
+    the ``tp`` ranks: the chunked loss computes the vocabulary-parallel cross-entropy); refused for it: another
+    style, LoRA adapters on it, and a weight tied to the input embeddings. Another output layer cannot be
+    ``colwise`` (the loss would get a shard of the vocabulary)."""
     where = f" in {source}" if source else ""
 
     def fail(pattern: str, message: str) -> TensorParallelError:
@@ -96,6 +102,7 @@ def resolve_tp_plan(
 
     modules = dict(target.named_modules())
     heads = _output_layers(modules.values())
+    chunked = [p for p, m in modules.items() if p and is_chunked_head(m) and any(m is h for h in heads)]
     tensors = [n for n, _ in target.named_parameters()] if experts else []  # entries such as `experts.down_proj`
     resolved: dict[str, str] = {}
     for pattern, style in plan.items():
@@ -114,6 +121,14 @@ def resolve_tp_plan(
             if expert(path):
                 continue
             module = modules[path]
+            if path in chunked:
+                if style != "colwise":
+                    raise fail(
+                        pattern,
+                        f"'{path}' is the output layer of the chunked loss (enable_chunk_loss): under tensor "
+                        f"parallelism it is column-parallel (vocabulary-parallel cross-entropy), not {style}",
+                    )
+                continue  # added below, checked there
             if path.endswith(".base_layer") or ".lora_" in path:
                 raise fail(pattern, f"'{path}' is part of a LoRA layer; name the adapted layer itself")
             adapted = lora_styles(path, module, style)
@@ -126,7 +141,8 @@ def resolve_tp_plan(
                 raise fail(
                     pattern,
                     f"'{path}' is the model's output layer: split by columns it would hand the loss a shard of the "
-                    "vocabulary; vocabulary-parallel cross-entropy is not supported yet",
+                    "vocabulary; the vocabulary-parallel cross-entropy is that of the chunked loss: set "
+                    "`enable_chunk_loss`",
                 )
             if style in ("colwise", "rowwise") and type(module) is not nn.Linear:
                 raise fail(pattern, f"'{path}' is a {type(module).__name__}, not an nn.Linear; {style} cannot split it")
@@ -137,9 +153,46 @@ def resolve_tp_plan(
                     "would mix them; tensor parallelism does not cover it yet",
                 )
             resolved[path] = style
+    for path in chunked:
+        resolved[path] = _vocab_parallel_head(target, path, modules[path], where)
     if "sequence_parallel" in resolved.values():
         resolved.update(_sequence_parallel_region(target, resolved, where))
     return resolved
+
+
+def _vocab_parallel_head(target: nn.Module, path: str, head: nn.Module, where: str) -> str:
+    """The style of the chunked loss's output layer at ``path``: ``colwise`` (split by vocabulary rows), after
+    refusing what the vocabulary-parallel chunked loss cannot split."""
+
+    def fail(message: str) -> TensorParallelError:
+        return TensorParallelError(
+            f"FSDP2 config key `tensor_parallel_size`{where}: the chunked loss's output layer '{path}' {message}"
+        )
+
+    if _lora_parts(head) is not None:
+        raise fail("has LoRA adapters; the vocabulary-parallel chunked loss splits a plain nn.Linear only")
+    if type(head) is not nn.Linear:
+        raise fail(f"is a {type(head).__name__}; the vocabulary-parallel chunked loss splits an nn.Linear only")
+    for name, param in target.named_parameters(remove_duplicate=False):
+        if param is head.weight and not name.startswith(f"{path}."):
+            raise fail(
+                f"shares its weight with '{name}' (`tie_word_embeddings`); column-parallel it would split the input "
+                "embeddings too: untie them, or turn off `enable_chunk_loss`"
+            )
+    return "colwise"
+
+
+def _shard_vocabulary(tp_mesh: Any) -> Any:
+    """A ``distribute_module`` partition function: the output layer's weight and bias split by rows (the
+    vocabulary) over ``tp_mesh``, with no input or output hooks (the chunked loss computes from the shards)."""
+    from torch.distributed.tensor import Shard, distribute_tensor
+
+    def partition(_: str, module: nn.Module, mesh: Any) -> None:
+        for name, param in list(module.named_parameters(recurse=False)):
+            sharded = nn.Parameter(distribute_tensor(param, mesh, [Shard(0)]), requires_grad=param.requires_grad)
+            module.register_parameter(name, sharded)
+
+    return partition
 
 
 SP_ENTER, SP_EXIT, SP_REGION = "sequence_parallel_enter", "sequence_parallel_exit", "sequence_parallel_region"
@@ -330,7 +383,18 @@ def apply_tensor_parallel(target: nn.Module, resolved: Mapping[str, str], tp_mes
     for path, style in resolved.items():
         if style in (SP_ENTER, SP_REGION):  # before PrepareModuleInput's own hook: the whole input
             target.get_submodule(path).register_forward_pre_hook(_check_sequence(path, tp_mesh.size()))
-    plan = {path: style_of(style) for path, style in resolved.items() if style not in (SP_EXIT, SP_GATHER)}
+    heads = {
+        path for path, style in resolved.items() if style == "colwise" and is_chunked_head(target.get_submodule(path))
+    }
+    for path in heads:  # vocabulary-parallel: the chunked loss reads the shards itself (no input/output layouts)
+        from torch.distributed.tensor import distribute_module
+
+        distribute_module(target.get_submodule(path), tp_mesh, _shard_vocabulary(tp_mesh))
+    plan = {
+        path: style_of(style)
+        for path, style in resolved.items()
+        if style not in (SP_EXIT, SP_GATHER) and path not in heads
+    }
     for path, style in resolved.items():
         if style == SP_GATHER:
             target.get_submodule(path).register_forward_pre_hook(_gather_sequence(path, tp_mesh), with_kwargs=True)
@@ -383,4 +447,13 @@ def plan_tensor_parallel(
                 "or set tensor_parallel_size: 1"
             )
     own = config.tp_plan is None
-    return tuple(resolve_tp_plan(model, plan, config.source, own=own, experts=experts).items())
+    resolved = resolve_tp_plan(model, plan, config.source, own=own, experts=experts)
+    for path, style in resolved.items():
+        head = model.get_submodule(path)
+        rows = getattr(head, "out_features", 0)
+        if style == "colwise" and is_chunked_head(head) and rows % layout.tp:
+            raise TensorParallelError(
+                f"FSDP2 config key `tensor_parallel_size`{where}: {layout.tp} does not divide the vocabulary "
+                f"({rows} rows of '{path}'), which the chunked loss's column-parallel output layer splits"
+            )
+    return tuple(resolved.items())

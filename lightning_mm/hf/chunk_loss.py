@@ -15,9 +15,12 @@
 Inside the output layer's call the weight is the one FSDP2 has gathered (whether the layer is a unit of its own,
 grouped with tied input embeddings, or part of the root), its pre-backward hook is registered on the loss, and the
 gradient of the hidden states reaches the decoder through FSDP2's post-backward hook as before: sharding is
-untouched. Tied embeddings are the same parameter, so their gradients add up as in the full computation; LoRA on
-the head (PEFT's ``lora.Linear``) adds one linear term per active adapter. The model's output then carries the
-loss in ``loss`` and ``logits=None``.
+untouched. Under tensor parallelism the output layer is column-parallel (``core.tensor_parallel`` splits its rows,
+the vocabulary, over the ``tp`` ranks) and the loss is the exact vocabulary-parallel cross-entropy of
+:func:`~lightning_mm.core.chunked_loss.linear_cross_entropy` over the ``tp`` group. Tied embeddings are the
+same parameter, so their gradients add up as in the full computation; LoRA on the head (PEFT's ``lora.Linear``)
+adds one linear term per active adapter. The model's output then carries the loss in ``loss`` and
+``logits=None``.
 
 The normalisation is Transformers' ``ForCausalLMLoss``: labels shifted by one (``shift_labels`` when given), the
 sum of the token losses over the number of targets that are not ``-100`` (or over ``num_items_in_batch``), per
@@ -33,7 +36,13 @@ from typing import Any, Protocol, cast
 
 from torch import Tensor, nn
 
-from lightning_mm.core.chunked_loss import IGNORE_INDEX, ChunkedLossError, check_chunk_size, linear_cross_entropy
+from lightning_mm.core.chunked_loss import (
+    IGNORE_INDEX,
+    ChunkedLossError,
+    check_chunk_size,
+    linear_cross_entropy,
+    mark_chunked_head,
+)
 from lightning_mm.core.context_parallel import shift_labels
 
 __all__ = ["ChunkedLossError", "enable_chunk_loss", "chunk_loss_size", "chunk_loss_target", "head_terms"]
@@ -97,7 +106,14 @@ class _ChunkLoss:
         if call is None or call.hidden is not None or not args or not isinstance(args[0], Tensor):
             return None
         call.hidden = args[0]
-        return (args[0][..., :0, :], *args[1:])  # the layer itself runs on no positions
+        empty = args[0][..., :0, :]  # the layer itself runs on no positions
+        weight = getattr(head, "weight", None)
+        if _is_dtensor(weight) and not _is_dtensor(empty):  # vocabulary-parallel: a DTensor input for its forward
+            from torch.distributed.tensor import DTensor, Replicate
+
+            mesh = cast(DTensor, weight).device_mesh
+            empty = DTensor.from_local(empty, mesh, [Replicate()] * mesh.ndim, run_check=False)
+        return (empty, *args[1:])
 
     def compute(self, head: nn.Module, args: tuple, output: Any) -> Any:
         call = self.call
@@ -113,6 +129,7 @@ class _ChunkLoss:
                 "and models that drop positions before the head are not supported with it)"
             )
         xs, ws, bias = head_terms(head, hidden)
+        ws, bias, group, vocab_start = _vocab_shards(self.model_name, ws, bias)
         call.loss = linear_cross_entropy(
             xs,
             ws,
@@ -121,6 +138,8 @@ class _ChunkLoss:
             chunk_size=self.chunk_size,
             ignore_index=call.ignore_index,
             num_items=call.num_items,
+            group=group,
+            vocab_start=vocab_start,
         )
         return call.loss
 
@@ -143,6 +162,41 @@ class _ChunkLoss:
         output["loss"] = call.loss
         output["logits"] = None
         return output
+
+
+def _is_dtensor(t: Any) -> bool:
+    from torch.distributed.tensor import DTensor
+
+    return isinstance(t, DTensor)
+
+
+def _vocab_shards(
+    model_name: str, ws: list[Tensor], bias: Tensor | None
+) -> tuple[list[Tensor], Tensor | None, Any, int]:
+    """Plain weights: unchanged. A column-parallel output layer (tensor parallelism, its weight a DTensor split by
+    rows over a 1-D ``tp`` mesh): the local shards of its weight and bias, the mesh's process group and the index of
+    the rank's first vocabulary row (the vocabulary-parallel cross-entropy of ``linear_cross_entropy``)."""
+    if not _is_dtensor(ws[0]):
+        return ws, bias, None, 0
+    from torch.distributed.tensor import DTensor, Shard
+
+    weight = cast(DTensor, ws[0])
+    mesh = weight.device_mesh
+    for t in [*ws, *([bias] if bias is not None else [])]:
+        if not (isinstance(t, DTensor) and t.device_mesh == mesh and mesh.ndim == 1 and t.placements == (Shard(0),)):
+            raise ChunkedLossError(
+                f"{model_name}: the output layer's weights are split {getattr(t, 'placements', 'not at all')}; the "
+                "vocabulary-parallel chunked loss needs every weight of the layer split by rows over one tensor-"
+                "parallel mesh (a column-parallel layer without LoRA)"
+            )
+    rows, size = weight.shape[0], mesh.size()
+    if rows % size:
+        raise ChunkedLossError(
+            f"{model_name}: a vocabulary of {rows} does not divide over {size} tensor-parallel ranks"
+        )
+    local = [cast(DTensor, w).to_local() for w in ws]
+    local_bias = cast(DTensor, bias).to_local() if bias is not None else None
+    return local, local_bias, mesh.get_group(), mesh.get_local_rank() * (rows // size)
 
 
 class _LoraLinear(Protocol):
@@ -252,6 +306,7 @@ def enable_chunk_loss(model: nn.Module, chunk_size: int = 1024) -> None:
             )
     _check_head(head)  # an unsupported head fails now, not at the first step
     _ENABLED[model] = _ChunkLoss(model, head, chunk_size)
+    mark_chunked_head(head)  # under tensor parallelism the plan splits it by vocabulary
 
 
 def chunk_loss_size(model: nn.Module) -> int | None:

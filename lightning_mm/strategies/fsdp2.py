@@ -340,15 +340,6 @@ class MMFSDP2Strategy(ParallelStrategy):
         planned = plan_run(
             self.given_config, root, world_size, precision, keep_unsharded_for_backward=keep, read=self.sharded_run.read
         )
-        if planned.plan.tensor_parallel_size > 1:
-            from lightning_mm.hf.chunk_loss import chunk_loss_size
-
-            if any(chunk_loss_size(m) is not None for m in planned.target.modules()):
-                raise planned.config.key_error(
-                    "tensor_parallel_size",
-                    f"{planned.plan.tensor_parallel_size} with the chunked loss (enable_chunk_loss) is not "
-                    "supported yet; turn one of them off",
-                )
         return planned
 
     @override

@@ -62,6 +62,9 @@ class Case:
     lora: dict[str, Any] | None = None
     """``TransformersModel``'s ``lora`` block (targets: ``nn.Linear`` paths); the reference adapts the same layers
     with PEFT's ``get_peft_model`` after ``torch.manual_seed(0)``."""
+    model: dict[str, Any] = field(default_factory=dict)
+    """More ``TransformersModel`` keys (e.g. ``enable_chunk_loss``); the reference is plain Transformers whatever
+    they say."""
 
 
 def _recompute(family: str, reentrant: bool) -> dict[str, Any]:
@@ -149,6 +152,15 @@ TP_CASES = [
                 "model.layers.{1}.mlp.down_proj",
             ],
         },
+    ),
+    # The chunked loss (chunks of 12 of the 30 targets per rank): the output layer column-parallel (the vocabulary
+    # split over tp), the loss the vocabulary-parallel cross-entropy; the reference: Transformers' own loss.
+    Case(
+        "qwen3-tp2-chunked-loss",
+        "qwen3",
+        {"tensor_parallel_size": 2},
+        clip=0.05,
+        model={"enable_chunk_loss": True, "chunk_loss_size": 12},
     ),
 ]
 # Saved at TP 2 x FSDP2 2 after 3 steps, resumed at TP 1 x FSDP2 4 (the same 4 ranks; DCP reshards).

@@ -78,7 +78,7 @@ def _fit(
                 return TorchLayersLM()
             lora = {"lora": case.lora} if case.lora is not None else {}
             return TransformersModel(
-                {"init_from_hf_path": str(ckptdir / case.family), "freeze": list(case.freeze), **lora}
+                {"init_from_hf_path": str(ckptdir / case.family), "freeze": list(case.freeze), **lora, **case.model}
             )
 
         def get_batch(self, batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
@@ -195,6 +195,9 @@ def _attention_layout(module: Any) -> dict[str, list[Any]]:
     experts = next((m for name, m in modules.items() if name.endswith("layers.0.mlp.experts")), None)
     if experts is not None:
         weights["experts"] = next(experts.parameters())
+    head = next((m for name, m in modules.items() if name.endswith("lm_head")), None)
+    if head is not None and hasattr(head.weight, "device_mesh"):
+        weights["lm_head"] = head.weight
     return {
         name: [list(p.device_mesh.mesh_dim_names), [str(x) for x in p.placements], list(p.to_local().shape)]
         for name, p in weights.items()
@@ -301,6 +304,52 @@ def _save_every_expert(case: Case, outdir: Path, module: Any, ep: int) -> None:
         torch.save(final, outdir / f"{case.name}.pt")
 
 
+def _vocab_parallel_ce(outdir: Path, name: str) -> None:
+    """``linear_cross_entropy`` vocabulary-parallel on the 2 ranks of each TP group ({0, 1}, {2, 3}): each holds
+    half of a 10-row vocabulary (weight and bias), the same hidden states and targets (``-100`` among them, chunks
+    of 5 of 21 tokens, the last uneven); recorded: the relative errors of the loss and of the gradients of the
+    hidden states and of this rank's weight and bias rows against ``torch.nn.functional.cross_entropy`` of the
+    whole logits (fp32)."""
+    import torch.distributed as dist
+
+    from lightning_mm.core.chunked_loss import linear_cross_entropy
+
+    rank = dist.get_rank()
+    groups = [dist.new_group([0, 1]), dist.new_group([2, 3])]  # every rank creates both
+    index = rank % 2
+    torch.manual_seed(rank // 2)  # the same data within a TP group
+    vocab, k = 10, 8
+    hidden = torch.randn(3, 7, k)
+    weight, bias = torch.randn(vocab, k), torch.randn(vocab)
+    targets = torch.randint(0, vocab, (3, 7))
+    targets[0, :3] = -100
+    targets[2, 6] = -100
+    ref = [t.clone().requires_grad_() for t in (hidden, weight, bias)]
+    expected = torch.nn.functional.cross_entropy(
+        (ref[0] @ ref[1].t() + ref[2]).reshape(-1, vocab), targets.reshape(-1), ignore_index=-100
+    )
+    expected.backward()
+    rows = slice(index * vocab // 2, (index + 1) * vocab // 2)
+    mine = [hidden.clone().requires_grad_(), weight[rows].clone().requires_grad_(), bias[rows].clone().requires_grad_()]
+    loss = linear_cross_entropy(
+        mine[0], mine[1], targets, bias=mine[2], chunk_size=5, group=groups[rank // 2], vocab_start=rows.start
+    )
+    loss.backward()
+
+    def error(a: torch.Tensor, b: torch.Tensor) -> float:
+        return float((a - b).abs().max() / b.abs().max())
+
+    assert ref[0].grad is not None and ref[1].grad is not None and ref[2].grad is not None
+    errors = {
+        "loss": error(loss.detach(), expected.detach()),
+        "hidden": error(mine[0].grad, ref[0].grad),
+        "weight": error(mine[1].grad, ref[1].grad[rows]),
+        "bias": error(mine[2].grad, ref[2].grad[rows]),
+    }
+    owned = ((targets >= rows.start) & (targets < rows.stop)).sum().item()
+    _dump(Case(name, TORCH_LAYERS), outdir, rank, {"parts": [{"errors": errors, "owned": owned}], "error": None})
+
+
 @scenario
 def tensor_parallel(outdir: Path, ckptdir: str) -> None:
     """``TP_CASES`` on 4 ranks (TP 2 x FSDP 2); each rank also records how its q_proj and o_proj weights are laid
@@ -326,6 +375,11 @@ def tensor_parallel(outdir: Path, ckptdir: str) -> None:
                 _save_every_expert(case, outdir, module, case.fsdp2["expert_parallel_size"])
 
         _guarded(case, outdir, run)
+    import torch.distributed as dist
+
+    name = "vocab-parallel-ce"  # after a case: the Trainer has started the 4 ranks
+    if dist.is_initialized() and (not only or name in only.split(",")):
+        _guarded(Case(name, TORCH_LAYERS), outdir, lambda: _vocab_parallel_ce(outdir, name))
 
     def resume_across_layouts(case: Case = TP_RESUME) -> None:
         # A global batch of 4 in every layout: 2 per data-parallel rank at TP 2 (2 groups), 1 at TP 1 (4 ranks), 4
