@@ -449,6 +449,14 @@ REFUSALS: list[tuple[str, str, list[str]]] = [
     ),
     (
         "parallelism.md",
+        "Refused by name (`tensor_parallel_size`): an output layer",
+        [
+            "tests/test_tensor_parallel.py::test_refuses_what_the_vocabulary_parallel_loss_cannot_split",
+            "tests/test_tensor_parallel.py::test_refused_before_compute",
+        ],
+    ),
+    (
+        "parallelism.md",
         "DoRA and adapter dropout are refused",
         ["tests/test_tensor_parallel.py::test_refuses_lora_settings_that_cannot_follow_the_split"],
     ),
