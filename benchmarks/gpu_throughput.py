@@ -37,10 +37,10 @@ init) with the same mixed precision and wrapping:
   token, the key/value all-gather and its reduce-scatter). Its MFU counts the FLOPs of ``2 x seq`` sequences.
 
 Throughput is measured over the timed steps between two ``torch.cuda.synchronize()`` calls. MFU comes from the
-FLOP counter that ``MMLightningModule`` logs ``train/mfu`` with (``lightning_mm.hf.flops.FlopCounter`` on the
-Transformers ``LlamaConfig`` of the same shape: every matmul of forward and backward, the output layer included,
+FLOP counter that ``MMLightningModule`` logs ``train/mfu`` with (``lightning_mm.hf.transformers_flops.FlopCounter`` on
+the Transformers ``LlamaConfig`` of the same shape: every matmul of forward and backward, the output layer included,
 attention over the whole sequence without halving for causality, as torchtitan counts it) and the dense bf16 peak
-of ``lightning_mm.core.flops.PEAK_TFLOPS`` for the device name (H100, H200, B200, A100; ``--peak-tflops`` to
+of ``lightning_mm.core.flop_formulas.PEAK_TFLOPS`` for the device name (H100, H200, B200, A100; ``--peak-tflops`` to
 override, and for any other device). Target: mm_fsdp2 >= 0.98 x plain.
 
 ``--device cpu --tiny`` runs the same code on 2 CPU processes with a tiny model (a check of the script only; its
@@ -90,7 +90,7 @@ def flops_per_step(cfg: LlamaConfig, batch: int, seq: int) -> int:
     import torch
     import transformers
 
-    from lightning_mm.hf.flops import FlopCounter
+    from lightning_mm.hf.transformers_flops import FlopCounter
 
     config = transformers.LlamaConfig(
         vocab_size=cfg.vocab_size,
@@ -463,7 +463,7 @@ def summarize(ranks: list[dict[str, Any]], args: argparse.Namespace) -> dict[str
     cfg = LlamaConfig(**info["config"])
     world = info["world"]
     tokens = args.steps * args.batch * args.seq * world  # global tokens in the timed steps
-    from lightning_mm.core.flops import peak_tflops
+    from lightning_mm.core.flop_formulas import peak_tflops
 
     step_flops = flops_per_step(cfg, args.batch, args.seq)  # per GPU
     flops_per_token = step_flops / (args.batch * args.seq)

@@ -162,7 +162,7 @@ def expected_bytes(sizes_name: str) -> dict[str, Any]:
 
     from lightning_mm import FSDP2Config
     from lightning_mm.core.memory import per_rank_memory
-    from lightning_mm.core.plan import build_plan
+    from lightning_mm.core.sharding_plan import build_plan
 
     sizes = default_sizes(sizes_name)
     out = {}

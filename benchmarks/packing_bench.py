@@ -36,8 +36,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import common  # noqa: E402
 
-from lightning_mm.core.packing import IGNORE_INDEX, PackedCollator  # noqa: E402
-from lightning_mm.core.token_budget import plan_batches  # noqa: E402
+from lightning_mm.core.packed_rows import IGNORE_INDEX, PackedCollator  # noqa: E402
+from lightning_mm.core.token_budget_plan import plan_batches  # noqa: E402
 from lightning_mm.hf.chat_collate import ChatCollator  # noqa: E402
 
 VOCAB = 4096

@@ -38,7 +38,7 @@ ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
-from lightning_mm.hf.vision_balance import balance_state, enable_vision_balance  # noqa: E402
+from lightning_mm.hf.vision_tower_balance import balance_state, enable_vision_balance  # noqa: E402
 
 PATCH = 3 * 2 * 14 * 14
 IMAGE_TOKEN, VIDEO_TOKEN, VISION_START, VISION_END = 5, 6, 7, 8

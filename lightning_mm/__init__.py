@@ -7,8 +7,8 @@ registries. Nothing else in Lightning or torch changes; torch_npu is not importe
 
 Importing this package does not import Lightning: the names are registered the moment Lightning itself is imported
 (at once if it already is). Lightning offers no entry point for strategy or accelerator names, so this uses Python's
-import machinery (``lightning_mm/_import_watch.py``): right after ``lightning.pytorch`` (with ``lightning``) has been
-imported, and before any code can ask the registries, ``lightning_mm.strategies`` and ``lightning_mm.accelerators``
+import machinery (``lightning_mm/_utils/import_watch.py``): right after ``lightning.pytorch`` (with ``lightning``) has
+been imported, and before any code can ask the registries, ``lightning_mm.strategies`` and ``lightning_mm.accelerators``
 are imported and register their classes. A process that never imports Lightning (``lightning-mm --help``,
 ``migrate``, ``convert``, ``env``, or one that uses only ``lightning_mm.core``) therefore never imports Lightning or
 Transformers either, and one that does always finds the names.
@@ -22,7 +22,7 @@ from __future__ import annotations
 import importlib
 from typing import TYPE_CHECKING, Any
 
-from lightning_mm._import_watch import call_once_imported
+from lightning_mm._utils.import_watch import call_once_imported
 
 __version__ = "0.1.0"
 __all__ = [

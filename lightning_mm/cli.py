@@ -27,9 +27,15 @@ __all__ = ["main", "COMMANDS"]
 # name -> (module, one-line help). A module is listed here once it exists.
 COMMANDS: dict[str, tuple[str, str]] = {
     "env": ("lightning_mm.commands.env", "versions, accelerators and backends of this machine (for bug reports)"),
-    "plan": ("lightning_mm.commands.plan", "print the resolved sharding plan and per-rank memory, no processes"),
+    "plan": (
+        "lightning_mm.commands.plan_command",
+        "print the resolved sharding plan and per-rank memory, no processes",
+    ),
     "migrate": ("lightning_mm.commands.migrate", "turn a MindSpeed MM / Megatron launch into a LightningCLI YAML"),
-    "convert": ("lightning_mm.commands.convert", "checkpoints: dcp-to-torch, dcp-to-hf, hf-to-dcp (one process)"),
+    "convert": (
+        "lightning_mm.commands.convert_command",
+        "checkpoints: dcp-to-torch, dcp-to-hf, hf-to-dcp (one process)",
+    ),
     "extract-features": (
         "lightning_mm.commands.extract_features",
         "Wan text-to-video features (VAE latents, text embeddings) from videos, as MindSpeed MM's extraction",

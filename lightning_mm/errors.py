@@ -7,7 +7,8 @@ traceback). Each class also subclasses the built-in type that callers catch, so 
 e.g. ``class FSDP2ConfigError(ConfigError)`` (a ``LightningMMError`` and a ``ValueError``).
 
 The family, by concern (modules add their own subclasses of these, e.g.
-:class:`~lightning_mm.core.config.FSDP2ConfigError`; checkpoints have theirs in :mod:`lightning_mm.checkpoint.errors`):
+:class:`~lightning_mm.core.config.FSDP2ConfigError`; checkpoints have theirs in
+:mod:`lightning_mm.checkpoint.checkpoint_errors`):
 
 * :class:`ConfigError` (``ValueError``): a setting or argument with a bad value.
 * :class:`InputTypeError` (``TypeError``): a setting, argument or batch of the wrong type.

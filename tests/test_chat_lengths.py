@@ -23,7 +23,7 @@ import torch
 from PIL import Image
 
 from lightning_mm import MMDataModule
-from lightning_mm.datamodules.token_budget import sample_lengths
+from lightning_mm.datamodules.token_budget_loader import sample_lengths
 from lightning_mm.hf.chat_lengths import chat_sample_length, counts_lengths
 from lightning_mm.hf.chat_samples import SampleError
 from lightning_mm.testing.tiny_families import write_tiny_family

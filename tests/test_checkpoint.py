@@ -17,7 +17,7 @@ import torch
 from torch import nn
 
 from lightning_mm.checkpoint import atomic, consolidate, manifest, store
-from lightning_mm.checkpoint.layout import (
+from lightning_mm.checkpoint.checkpoint_layout import (
     MARKER,
     CheckpointKeyError,
     fill_tensors,
@@ -28,9 +28,9 @@ from lightning_mm.checkpoint.layout import (
 )
 from lightning_mm.checkpoint.rng import capture_rng, restore_rng
 from lightning_mm.checkpoint.safe import UnsafeCheckpointError, check_weights_only, read_dcp_metadata
-from lightning_mm.commands import convert as convert_cmd
-from lightning_mm.hf import convert
-from lightning_mm.hf.records import hf_records
+from lightning_mm.commands import convert_command as convert_cmd
+from lightning_mm.hf import dcp_conversion as convert
+from lightning_mm.hf.checkpoint_records import hf_records
 
 EXTRA = {"format_version": 1, "kind": "training", "world_size": 1, "rng_point": "next_batch", "hf": []}
 
@@ -353,7 +353,8 @@ def test_hf_to_dcp_renames_keys_as_transformers_does_on_load(tmp_path):
 
 
 def test_checkpoint_records_come_from_registered_providers():
-    from lightning_mm.checkpoint import collect_records, records, register_record_provider
+    from lightning_mm.checkpoint import collect_records, register_record_provider
+    from lightning_mm.checkpoint import record_providers as records
 
     assert records._providers["hf"] is hf_records  # registered by importing lightning_mm.hf
     wrapper = nn.Module()

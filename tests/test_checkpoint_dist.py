@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from lightning_mm.checkpoint import open_source
-from lightning_mm.commands import convert as convert_cmd
+from lightning_mm.commands import convert_command as convert_cmd
 from tests.helpers.scenario_kit import run
 from tests.scenarios import ckpt_scenarios
 

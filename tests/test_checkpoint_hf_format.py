@@ -156,7 +156,7 @@ def test_a_tiny_vlm_in_the_hf_format_loads_with_from_pretrained(family, tmp_path
     from torch import nn
 
     from lightning_mm.hf.checkpoint_format import plan_weights
-    from lightning_mm.hf.convert import side_files
+    from lightning_mm.hf.dcp_conversion import side_files
     from lightning_mm.testing.tiny_vlms import FAMILIES, write_tiny_vlm
 
     source = write_tiny_vlm(tmp_path / "source", family)

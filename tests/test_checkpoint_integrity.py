@@ -26,9 +26,9 @@ import torch
 from torch import nn
 
 from lightning_mm.checkpoint import atomic, manifest, store
-from lightning_mm.checkpoint.errors import CheckpointError, CheckpointIntegrityError, CheckpointWriteError
-from lightning_mm.commands import convert as convert_cmd
-from lightning_mm.hf import convert
+from lightning_mm.checkpoint.checkpoint_errors import CheckpointError, CheckpointIntegrityError, CheckpointWriteError
+from lightning_mm.commands import convert_command as convert_cmd
+from lightning_mm.hf import dcp_conversion as convert
 from tests.helpers.scenario_kit import run
 from tests.scenarios import integrity_scenarios
 

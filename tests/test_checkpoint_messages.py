@@ -16,7 +16,7 @@ from torch import nn
 
 from lightning_mm import MMFSDP2Strategy
 from lightning_mm.checkpoint import store
-from lightning_mm.checkpoint.errors import CheckpointIntegrityError, CheckpointNotFoundError
+from lightning_mm.checkpoint.checkpoint_errors import CheckpointIntegrityError, CheckpointNotFoundError
 
 EXTRA = {"format_version": 1, "kind": "training", "world_size": 1, "rng_point": "next_batch", "hf": []}
 

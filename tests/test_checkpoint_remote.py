@@ -18,7 +18,7 @@ import torch
 from torch import nn
 
 from lightning_mm.checkpoint import CheckpointIntegrityError, remote, store
-from lightning_mm.checkpoint.errors import CheckpointNotFoundError
+from lightning_mm.checkpoint.checkpoint_errors import CheckpointNotFoundError
 from tests.helpers.scenario_kit import run
 from tests.scenarios import ckpt_remote_scenarios
 
@@ -224,7 +224,7 @@ def test_url_detection():
 
 
 def test_convert_reads_and_writes_urls(tmp_path):
-    from lightning_mm.commands import convert as convert_cmd
+    from lightning_mm.commands import convert_command as convert_cmd
 
     model, _, checkpoint = _trained()
     remote.save(checkpoint, "memory://mm-convert/a.ckpt", "torch_dcp", {"kind": "training"}, None)
@@ -302,7 +302,7 @@ def test_a_remote_checkpoint_carries_a_version_2_manifest_and_any_changed_byte_f
     """Issue #38 (7): every object's whole digest is recorded and checked on every load (also full_check=False),
     so that a converter reading it gives no "checked by sample only" warning."""
     from lightning_mm.checkpoint import digest
-    from lightning_mm.commands import convert as convert_cmd
+    from lightning_mm.commands import convert_command as convert_cmd
 
     url, path = "memory://mm-every-byte/a.ckpt", "/mm-every-byte/a.ckpt/__0_0.distcp"
     remote.save(_one_mib_checkpoint(), url, "torch_dcp", {"kind": "training"}, None)

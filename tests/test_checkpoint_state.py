@@ -21,8 +21,8 @@ from torch.distributed.checkpoint.state_dict import StateDictOptions, get_optimi
 
 from lightning_mm import MMFSDP2Strategy
 from lightning_mm.checkpoint import CheckpointKeyError, open_source, store
-from lightning_mm.hf.convert import dcp_to_hf
-from lightning_mm.hf.records import hf_records
+from lightning_mm.hf.checkpoint_records import hf_records
+from lightning_mm.hf.dcp_conversion import dcp_to_hf
 from tests.helpers.scenario_kit import run
 from tests.scenarios import ckptstate_scenarios
 from tests.scenarios.hf_scenarios import FamilyData, model_inputs, tiny_hf_model

@@ -22,7 +22,7 @@ from torch import nn
 
 from lightning_mm import MMFSDP2Strategy
 from lightning_mm.checkpoint import digest, manifest, store, zip_manifest
-from lightning_mm.checkpoint.errors import CheckpointIntegrityError
+from lightning_mm.checkpoint.checkpoint_errors import CheckpointIntegrityError
 from tests.helpers.scenario_kit import read_results, run
 from tests.scenarios import ckpt_verify_scenarios
 

@@ -51,7 +51,7 @@ def parse_plan_bytes(text: str) -> dict[str, int]:
 
 def assert_plan_command_matches_the_run(config: str, probe: Path) -> None:
     """The plan ``lightning-mm plan --config CONFIG`` builds equals the plan each rank of the run applied."""
-    from lightning_mm.commands.plan import planned_cli_config
+    from lightning_mm.commands.plan_command import planned_cli_config
     from tests.helpers.probes import plan_record
 
     here = os.getcwd()

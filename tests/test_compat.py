@@ -209,7 +209,8 @@ def _third_party_private_imports(tree: ast.AST) -> list[str]:
 def _package_private_imports(tree: ast.AST, where: str) -> list[str]:
     """Private names (functions, classes, constants) of one lightning-mm module used by another: imported
     (``from lightning_mm.x import _y``) or read through an imported module (``store._y``). A private *module*
-    (``lightning_mm._yaml``) is fine, so is ``import public as _alias``; so are the Lightning names the compat fence
+    (``lightning_mm._utils.yaml_io``) is fine, so is ``import public as _alias``; so are the Lightning names the
+    compat fence
     re-exports under their own names (``from lightning_mm._compat import _PATH``)."""
     package = where.rpartition(".")[0]
     found, modules = [], {}
@@ -293,8 +294,8 @@ def test_the_scan_finds_each_kind_of_leak(leak):
 @pytest.mark.parametrize(
     "fine",
     [
-        "from lightning_mm import _safetensors",  # a private module
-        "from lightning_mm._dtensor import local_tensor as _local",  # a public name under a private alias
+        "from lightning_mm._utils import safetensors_index as _safetensors",  # a private module
+        "from lightning_mm._utils.distributed import local_tensor as _local",  # a public name under a private alias
         "from lightning_mm._compat import _PATH, _SubprocessScriptLauncher",  # the fence's re-exported names
         "from lightning_mm.checkpoint.store import write_file",
         "from lightning_mm.hf.lora import __all__",

@@ -13,7 +13,7 @@ from torch import nn
 from lightning_mm.core.apply import apply_compile, apply_recompute
 from lightning_mm.core.compile import CompileError
 from lightning_mm.core.config import FSDP2Config, FSDP2ConfigError
-from lightning_mm.core.plan import build_plan
+from lightning_mm.core.sharding_plan import build_plan
 
 ROOT = Path(__file__).resolve().parents[1]
 

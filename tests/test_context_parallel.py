@@ -133,7 +133,7 @@ def test_algorithm_names_and_the_yaml_key() -> None:
     algorithm; the FSDP2 YAML key ``context_parallel_algo`` and the strategy argument are one setting."""
     from lightning_mm.core.config import FSDP2Config, FSDP2ConfigError
     from lightning_mm.core.context_parallel import ContextParallelError, context_parallel_plan
-    from lightning_mm.core.layout import config_layout
+    from lightning_mm.core.parallel_layout import config_layout
 
     plan = context_parallel_plan(4, 2, "megatron_cp_algo")
     assert plan.algo == "kv_allgather" and (plan.padded_length(15), plan.local_length(15)) == (16, 8)
@@ -487,7 +487,7 @@ data:
 def test_lightning_mm_plan_shows_the_kv_allgather_layout(tmp_path: Path) -> None:
     """``lightning-mm plan`` with ``context_parallel_algo: megatron_cp_algo`` in the FSDP2 YAML: a model with 3 heads
     plans at CP 2 and CP 4 (Ulysses refuses both), the zig-zag layout and the padding to ``2C`` are shown."""
-    from lightning_mm.commands.plan import plan_from_cli_config
+    from lightning_mm.commands.plan_command import plan_from_cli_config
 
     path = _plan_config(tmp_path, 4, "qwen3_3heads_provider")
     text = path.read_text().replace(
@@ -502,7 +502,7 @@ def test_lightning_mm_plan_shows_the_kv_allgather_layout(tmp_path: Path) -> None
 
 
 def test_lightning_mm_plan_shows_the_cp_mesh_and_activations_per_rank(tmp_path: Path) -> None:
-    from lightning_mm.commands.plan import plan_from_cli_config
+    from lightning_mm.commands.plan_command import plan_from_cli_config
     from lightning_mm.core.context_parallel import ContextParallelError
 
     text = plan_from_cli_config(["--config", str(_plan_config(tmp_path, 2))], seq_length=4096)
@@ -520,10 +520,10 @@ def test_gated_deltanet_models_are_accepted_other_stateful_layers_refused(tmp_pa
     tests/test_packing.py::test_two_rank_fsdp2_packed_qwen3_5_equals_plain_transformers): ``lightning-mm plan`` and
     the routing check accept them; layers with other sequence state (Mamba, ...) are still refused by class and
     path before any step."""
-    from lightning_mm.commands.plan import plan_from_cli_config
+    from lightning_mm.commands.plan_command import plan_from_cli_config
     from lightning_mm.core.context_parallel import ContextParallelError
     from lightning_mm.hf.cp_attention import check_routable
-    from lightning_mm.hf.packing import install_packed_inputs
+    from lightning_mm.hf.packed_inputs import install_packed_inputs
     from tests.test_packing import _meta
 
     assert "mesh (dp=2 x cp=2)" in plan_from_cli_config(

@@ -12,8 +12,8 @@ import pytest
 import torch
 from PIL import Image
 
-from lightning_mm.commands import convert as convert_cmd
-from lightning_mm.hf.records import hf_records
+from lightning_mm.commands import convert_command as convert_cmd
+from lightning_mm.hf.checkpoint_records import hf_records
 from tests.scenarios.hf_scenarios import IMAGE_TOKEN, VOCAB, tiny_hf_model
 
 _WORDS = ["<pad>", "<s>", "</s>", "<unk>", "<x>", "<image>"] + [f"w{i}" for i in range(6, VOCAB)]
@@ -137,7 +137,7 @@ def _fail(capsys, *args: str) -> str:
 
 
 def test_no_converter_writes_into_its_source_or_over_an_output(pretrained, tmp_path, capsys):
-    from lightning_mm.hf import convert
+    from lightning_mm.hf import dcp_conversion as convert
 
     root, hf_dir, _ = pretrained
     ck = convert.hf_to_dcp(hf_dir, tmp_path / "ck")
@@ -205,7 +205,7 @@ def test_max_shard_size_must_be_a_positive_finite_size(pretrained, tmp_path, cap
 
 
 def test_valid_sizes_parse():
-    from lightning_mm.hf.convert import parse_size
+    from lightning_mm.hf.dcp_conversion import parse_size
 
     assert parse_size("5GB") == 5 * 10**9 and parse_size("2GiB") == 2 * 2**30 and parse_size("1024") == 1024
     assert parse_size("1.5 kb") == 1500 and parse_size("1e3") == 1000
@@ -238,7 +238,7 @@ def test_malformed_config_json_is_one_line_naming_the_file(pretrained, tmp_path,
 
 
 def test_a_full_disk_is_one_line_and_leaves_no_partial(pretrained, tmp_path, capsys, monkeypatch):
-    from lightning_mm.hf import convert
+    from lightning_mm.hf import dcp_conversion as convert
 
     root, _, _ = pretrained
 

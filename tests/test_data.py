@@ -10,7 +10,7 @@ from torch.utils.data import DataLoader, TensorDataset
 
 from lightning_mm import MMDataModule
 from lightning_mm.data.data_config import DataConfigError
-from lightning_mm.data.records import DataError
+from lightning_mm.data.record_files import DataError
 
 
 # ------------------------------------------------------------------------------------------- providers
@@ -280,7 +280,7 @@ def test_a_processor_that_normalises_by_zero_is_a_config_error_naming_its_file(d
 def test_any_exception_while_tokenizing_one_record_is_a_bad_record(dataset_dir):
     """A tokenizer's own error for one text (here a RuntimeError) is that record's problem, with file:line."""
     from lightning_mm.data.mm_dataset import load_tokenizer
-    from lightning_mm.data.records import read_records
+    from lightning_mm.data.record_files import read_records
 
     real = load_tokenizer(dataset_dir / "tok")
 
@@ -350,7 +350,7 @@ def test_a_json_list_file_with_bad_bytes_is_a_bad_record_not_a_crash(dataset_dir
 
 
 def test_an_overlong_line_is_a_bad_record_and_is_not_kept(dataset_dir, monkeypatch):
-    from lightning_mm.data import records
+    from lightning_mm.data import record_files as records
 
     monkeypatch.setattr(records, "MAX_LINE_BYTES", 64)
     good = [json.dumps(g).encode() for g in GOOD[:1]]

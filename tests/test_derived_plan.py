@@ -25,10 +25,10 @@ import transformers
 
 from lightning_mm.core.config import FSDP2Config
 from lightning_mm.core.init_context import meta_parameters
-from lightning_mm.core.plan import build_plan
+from lightning_mm.core.sharding_plan import build_plan
 from lightning_mm.hf.default_plans import PlanDerivationError, derive_fsdp2_plan
 from lightning_mm.hf.derived_adapters import derived_adapter, is_derived, resolve_model_class
-from lightning_mm.hf.hub import ModelHub, ModelHubError
+from lightning_mm.hf.model_hub import ModelHub, ModelHubError
 from lightning_mm.hf.pending_weights import pending_pretrained
 from lightning_mm.hf.plan_source import default_plan_summary
 from lightning_mm.modules import TransformersModel
@@ -193,7 +193,7 @@ def test_the_plan_summary_says_where_the_default_plan_came_from():
 def test_plan_command_prints_the_derived_plan(tmp_path):
     import yaml
 
-    from lightning_mm.commands.plan import plan_from_cli_config
+    from lightning_mm.commands.plan_command import plan_from_cli_config
 
     config = {
         "trainer": {"accelerator": "cpu", "devices": 2, "strategy": "mm_fsdp2", "logger": False},

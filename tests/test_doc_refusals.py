@@ -572,8 +572,8 @@ def test_resuming_another_models_checkpoint_is_refused_naming_both(tmp_path: Pat
 
 
 def test_a_resume_under_another_token_budget_plan_is_refused() -> None:
-    from lightning_mm.core.token_budget import TokenBudgetError
-    from lightning_mm.datamodules.token_budget import TokenBudgetLoader
+    from lightning_mm.core.token_budget_plan import TokenBudgetError
+    from lightning_mm.datamodules.token_budget_loader import TokenBudgetLoader
 
     def loader(seed: int = 0, max_tokens: int = 8) -> TokenBudgetLoader:
         lengths = [3, 5, 2, 4, 6, 1]
@@ -609,7 +609,7 @@ def test_a_balanced_tower_called_with_tensor_arguments_or_other_outputs_is_refus
     import torch
     from transformers.modeling_outputs import BaseModelOutputWithPooling
 
-    from lightning_mm.hf.vision_balance import VisionBalanceError, _balanced, _send_back
+    from lightning_mm.hf.vision_tower_balance import VisionBalanceError, _balanced, _send_back
 
     tower = _balanced(lambda *args, **kwargs: None, None)  # type: ignore[arg-type]
     with pytest.raises(VisionBalanceError, match=r"called with tensor arguments \['pixel_mask'\]"):
@@ -624,7 +624,7 @@ def test_a_balanced_tower_called_with_tensor_arguments_or_other_outputs_is_refus
 def test_extract_features_refuses_latents_it_does_not_compute() -> None:
     """docs/diffusion.md: ``norm_latents: false`` or ``do_sample: true`` is an error (the latents differ)."""
     from lightning_mm.errors import ConfigError
-    from lightning_mm.mindspeed.feature_extraction import _check_ae
+    from lightning_mm.mindspeed.feature_launch import _check_ae
 
     _check_ae({"norm_latents": True, "do_sample": False}, "model.json")
     for key, value in (("norm_latents", False), ("do_sample", True)):

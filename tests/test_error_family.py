@@ -30,8 +30,11 @@ _ALLOWED_RAISES: dict[tuple[str, str], str] = {
     ("hf/derived_adapters.py", "__getattr__"): "the module __getattr__ protocol: AttributeError for an unknown name",
     ("_compat.py", "local_offsets"): "an internal caller passed a DTensor layout the sharding never produces",
     ("checkpoint/atomic.py", "_exchange"): "re-raises the errno of a failed renameat2 system call as OSError",
-    ("core/vision_balance.py", "assign_images"): "internal invariant: one cost per image, computed by the caller",
-    ("core/vision_balance.py", "_all_to_all"): "internal invariant: the route and the rows sent come from one plan",
+    ("core/vision_work_balance.py", "assign_images"): "internal invariant: one cost per image, computed by the caller",
+    (
+        "core/vision_work_balance.py",
+        "_all_to_all",
+    ): "internal invariant: the route and the rows sent come from one plan",
     ("data/replacing.py", "ReplacingDataset.sample"): "abstract method: subclasses implement it",
     ("data/replacing.py", "ReplacingDataset.limit_replacements"): "internal invariant: one length per record",
     ("hf/loading.py", "_fill"): "internal invariant: the load plan and the local shard were computed together",
@@ -48,14 +51,14 @@ _ALLOWED_RAISES: dict[tuple[str, str], str] = {
         "control flow of the shell-arithmetic reader: caught by it, the expression is then named as not evaluated"
     ),
     ("mindspeed/refusals.py", "Refused.__init__"): "a refusal code missing from the documented table (a bug)",
-    ("data/records.py", "_token_ids"): (
+    ("data/record_files.py", "_token_ids"): (
         "caught at once with the tokenizer's own errors; the bad-record report names the builtin type"
     ),
 }
 
 # exception classes defined in the package that are deliberately not part of the family, with the reason
 _ALLOWED_CLASSES: dict[tuple[str, str], str] = {
-    ("_yaml.py", "_Limit"): "private control flow of the YAML loader, turned into ConfigFileError before it leaves",
+    ("_utils/yaml_io.py", "_Limit"): "private control flow of the YAML loader, turned into ConfigFileError before it leaves",
     ("checkpoint/atomic.py", "_Raced"): "private control flow of the atomic commit, never leaves the module",
 }
 
@@ -146,7 +149,7 @@ def test_the_documented_example_is_true() -> None:
 
 def test_one_checkpoint_error_hierarchy(tmp_path: Path) -> None:
     from lightning_mm import checkpoint
-    from lightning_mm.checkpoint import errors
+    from lightning_mm.checkpoint import checkpoint_errors as errors
     from lightning_mm.errors import LightningMMError
     from lightning_mm.hf import pretrained_index
 
@@ -168,7 +171,7 @@ def _raise_in(error: BaseException) -> BaseException:
 
 def test_the_cli_recognises_its_errors_by_type() -> None:
     from lightning_mm.commands.failure import user_error
-    from lightning_mm.core.vision_balance import assign_images
+    from lightning_mm.core.vision_work_balance import assign_images
     from lightning_mm.errors import ConfigError, LightningMMError
 
     class ForeignModuleError(LightningMMError, ValueError):

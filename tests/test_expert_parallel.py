@@ -197,7 +197,7 @@ def test_cpu_offload_covers_the_experts(chain):
 def test_ep2_checkpoint_converts_to_transformers_layout(runs, chain, tmp_path):
     import transformers
 
-    from lightning_mm.hf.convert import dcp_to_hf
+    from lightning_mm.hf.dcp_conversion import dcp_to_hf
 
     out, ckpts = runs
     stages, _, error = chain

@@ -1,4 +1,5 @@
-"""The FLOP counter (lightning_mm.core.flops, lightning_mm.hf.flops) against torch's FlopCounterMode.
+"""The FLOP counter (lightning_mm.core.flop_formulas, lightning_mm.hf.transformers_flops) against torch's
+FlopCounterMode.
 
 Tiny random models of the real Transformers classes, one forward and backward each, counted by
 ``torch.utils.flop_counter.FlopCounterMode`` (matrix products, convolutions, attention through its matmuls: the
@@ -16,8 +17,14 @@ import torch
 import transformers
 from torch.utils.flop_counter import FlopCounterMode
 
-from lightning_mm.core.flops import Block, attention, linear, peak_tflops, training_flops, window_lengths
-from lightning_mm.hf.flops import FlopCounter, TowerTraining, UnsupportedFlopsModel, sample_lengths, target_tokens
+from lightning_mm.core.flop_formulas import Block, attention, linear, peak_tflops, training_flops, window_lengths
+from lightning_mm.hf.transformers_flops import (
+    FlopCounter,
+    TowerTraining,
+    UnsupportedFlopsModel,
+    sample_lengths,
+    target_tokens,
+)
 
 TEXT = dict(
     vocab_size=256,
@@ -693,7 +700,7 @@ def test_wan_matches_flop_counter_mode(variant: str) -> None:
     import peft
     from diffusers import WanTransformer3DModel
 
-    from lightning_mm.diffusers.flops import WanFlopCounter
+    from lightning_mm.diffusers.wan_flops import WanFlopCounter
 
     torch.manual_seed(0)
     extra = dict(added_kv_proj_dim=24, image_dim=20) if variant == "i2v" else {}

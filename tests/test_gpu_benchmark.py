@@ -86,7 +86,7 @@ def test_cpu_path_runs_every_contender_and_writes_json_and_markdown(tmp_path):
     # MFU through the project's FLOP counter (the one MMLightningModule logs with), against the peak given
     from transformers import LlamaConfig
 
-    from lightning_mm.hf.flops import FlopCounter
+    from lightning_mm.hf.transformers_flops import FlopCounter
 
     tiny = LlamaConfig(
         vocab_size=512,

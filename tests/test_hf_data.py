@@ -22,7 +22,7 @@ from PIL import Image
 
 from lightning_mm import MMDataModule
 from lightning_mm.data.data_config import DataConfigError
-from lightning_mm.data.records import DataError
+from lightning_mm.data.record_files import DataError
 from lightning_mm.testing.tiny_vlms import FAMILIES, write_tiny_vlm
 from tests.helpers.mindspeed_reference import reference as mindspeed_reference
 from tests.helpers.scenario_kit import read_results, run
@@ -542,7 +542,7 @@ def test_config_errors_name_the_file_and_key(key, value, message, models, tmp_pa
 
 def test_neat_packing_packs_rows_of_up_to_cutoff_len_tokens(models, tmp_path, monkeypatch):
     """MindSpeed MM's ``neat_packing`` with ``cutoff_len`` -> MMDataModule(packing=True, max_tokens_per_rank)."""
-    from lightning_mm.core.packing import packed_lengths
+    from lightning_mm.core.packed_rows import packed_lengths
 
     config = _config(models["qwen2_5_vl"], "qwen2_5_vl", basic={"neat_packing": True, "cutoff_len": 96})
     module = _module(tmp_path, monkeypatch, config)
@@ -560,7 +560,7 @@ def test_neat_packing_packs_rows_of_up_to_cutoff_len_tokens(models, tmp_path, mo
 
 
 def test_native_layout_is_detected_and_unchanged(tmp_path):
-    from lightning_mm.mindspeed.data_config import read_data_file
+    from lightning_mm.mindspeed.mindspeed_data import read_data_file
 
     (tmp_path / "data.yaml").write_text("data_root: .\ntrain: train.jsonl\n")
     assert read_data_file(tmp_path / "data.yaml") is None

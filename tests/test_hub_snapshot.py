@@ -2,7 +2,8 @@
 
 A Hugging Face hub-cache snapshot (``models--org--name/snapshots/<rev>/<file> -> ../../blobs/<hash>``, the layout
 ``huggingface_hub`` downloads) loads in both; a link that leaves the snapshot's cache folder (or, for any other
-directory, the directory) is refused by both, with the message of the one rule (``lightning_mm._files.model_file``).
+directory, the directory) is refused by both, with the message of the one rule
+(``lightning_mm._utils.model_files.model_file``).
 """
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ import torch
 import transformers
 
 from lightning_mm.checkpoint.consolidate import dcp_to_torch
-from lightning_mm.commands import convert as convert_cmd
+from lightning_mm.commands import convert_command as convert_cmd
 from lightning_mm.core.init_context import meta_parameters
 from lightning_mm.hf.pending_weights import pending_pretrained
 from lightning_mm.modules import TransformersModel

@@ -19,7 +19,7 @@ import torch
 from PIL import Image
 
 from lightning_mm.data.data_config import DataConfigError
-from lightning_mm.data.records import DataError
+from lightning_mm.data.record_files import DataError
 from lightning_mm.hf.internvl_processor import load_internvl_processor
 from lightning_mm.mindspeed.multimodal_data import build_multimodal_datasets
 from lightning_mm.testing.tiny_internvl import MEAN, STD, TILE, TOKENS_PER_TILE, build_tiny_internvl

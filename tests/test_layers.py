@@ -134,7 +134,7 @@ def test_no_subpackage_cycle():
 
 
 def test_the_checker_sees_a_wrong_import_and_a_cycle():
-    assert layer_of("lightning_mm.core.plan") < layer_of("lightning_mm.strategies.fsdp2")
+    assert layer_of("lightning_mm.core.sharding_plan") < layer_of("lightning_mm.strategies.fsdp2")
     assert _cycle({"a": {"b"}, "b": {"c"}, "c": {"a"}}) == ["a", "b", "c", "a"]
     assert _cycle({"a": {"b"}, "b": set()}) is None
 
@@ -175,7 +175,7 @@ def test_lower_layers_load_without_lightning(package, absent):
         "lightning_mm.modules.FSDP2Mixin",
         "lightning_mm.strategies.MMFSDP2Strategy",
         "lightning_mm.modules.wan_module.MMWanModule",
-        "lightning_mm.diffusers.export.dcp_to_diffusers",
+        "lightning_mm.diffusers.wan_export.dcp_to_diffusers",
     ],
 )
 def test_public_paths_named_in_the_readme_still_import(path):
@@ -268,7 +268,7 @@ def test_the_key_check_sees_a_mindspeed_key():
     assert _names_in("`gpt_args.lr`") == {"gpt_args"} and _names_in("--mm-data-x gpt_argsx") == set()
     assert any("gpt_args" in s for s in _string_literals(PACKAGE / "mindspeed" / "load.py"))
     assert _names_in("`dataset_param.basic_parameters`") == {"dataset_param", "basic_parameters"}
-    assert any("dataset_param" in s for s in _string_literals(PACKAGE / "mindspeed" / "data_config.py"))
+    assert any("dataset_param" in s for s in _string_literals(PACKAGE / "mindspeed" / "mindspeed_data.py"))
 
 
 def test_the_translation_layer_imports_no_lightning_layer():
@@ -281,3 +281,18 @@ def test_the_translation_layer_imports_no_lightning_layer():
         if layer_of(dst) > layer_of(TRANSLATION)
     ]
     assert not wrong, wrong
+
+
+def test_no_two_modules_share_a_name():
+    """A module's name says which layer it belongs to: no file name (``__init__.py`` aside) is used twice in the
+    package (issue #41: ``packing``, ``records``, ``plan``, ... existed in several layers)."""
+    seen: dict[str, list[str]] = {}
+    for path in PACKAGE.rglob("*.py"):
+        if path.name != "__init__.py":
+            seen.setdefault(path.name, []).append(str(path.relative_to(PACKAGE)))
+    assert {name: paths for name, paths in seen.items() if len(paths) > 1} == {}
+
+
+def test_the_package_root_holds_no_small_private_modules():
+    """Private helpers live in ``lightning_mm/_utils/`` grouped by concern; the root keeps the compat fence only."""
+    assert sorted(p.name for p in PACKAGE.glob("_*.py") if p.name != "__init__.py") == ["_compat.py"]

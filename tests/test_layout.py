@@ -1,4 +1,5 @@
-"""The parallel layout (lightning_mm.core.layout): sizes checked once against the world and the model, errors naming
+"""The parallel layout (lightning_mm.core.parallel_layout): sizes checked once against the world and the model, errors
+naming
 the key; the YAML keys and the strategy's alias."""
 
 from __future__ import annotations
@@ -7,7 +8,7 @@ import pytest
 from transformers import Qwen3Config
 
 from lightning_mm.core.config import FSDP2Config, FSDP2ConfigError
-from lightning_mm.core.layout import LayoutError, config_layout, parallel_layout
+from lightning_mm.core.parallel_layout import LayoutError, config_layout, parallel_layout
 
 
 def test_layout_sizes_and_mesh_names():
@@ -67,7 +68,7 @@ def test_yaml_keys_and_the_strategy_alias(tmp_path):
 
 
 def test_every_device_mesh_is_built_by_the_layout():
-    """One mesh builder: no module but core/layout.py calls init_device_mesh or constructs a DeviceMesh."""
+    """One mesh builder: no module but core/parallel_layout.py calls init_device_mesh or constructs a DeviceMesh."""
     from pathlib import Path
 
     package = Path(__file__).resolve().parents[1] / "lightning_mm"
@@ -76,4 +77,4 @@ def test_every_device_mesh_is_built_by_the_layout():
         for path in sorted(package.rglob("*.py"))
         if any(call in path.read_text(encoding="utf-8") for call in ("init_device_mesh(", "DeviceMesh("))
     ]
-    assert builders == ["core/layout.py"]
+    assert builders == ["core/parallel_layout.py"]

@@ -204,7 +204,7 @@ def test_plan_and_memory_show_trainable_and_frozen_parameters(ckpts):
     from lightning_mm.core.config import FSDP2Config
     from lightning_mm.core.init_context import meta_parameters
     from lightning_mm.core.memory import per_rank_memory
-    from lightning_mm.core.plan import build_plan
+    from lightning_mm.core.sharding_plan import build_plan
     from lightning_mm.modules import TransformersModel
 
     def plan_of(lora):

@@ -9,7 +9,7 @@ from torch import nn
 
 from lightning_mm import FSDP2Config
 from lightning_mm.core.memory import local_numel, per_rank_memory
-from lightning_mm.core.plan import build_plan
+from lightning_mm.core.sharding_plan import build_plan
 
 
 class Small(nn.Module):

@@ -196,7 +196,7 @@ def test_the_memory_check_compares_a_ranks_shards_with_the_free_memory_of_their_
     from lightning_mm.core import memory_check
     from lightning_mm.core.config import FSDP2Config
     from lightning_mm.core.memory import per_rank_memory
-    from lightning_mm.core.plan import build_plan
+    from lightning_mm.core.sharding_plan import build_plan
 
     config = CONFIGS["llama_tied"]
     model = build_on_meta(resolve_model_class(None, config)[1], config)

@@ -167,7 +167,7 @@ def test_freeze_flags_freeze_what_mindspeed_freezes(tmp_path, family, model_id, 
 
 
 def test_every_model_id_maps_to_a_builtin_modelhub_key():
-    from lightning_mm.hf.hub import ModelHub
+    from lightning_mm.hf.model_hub import ModelHub
 
     assert set(FREEZE_PATHS) == set(MODEL_IDS.values()) | set(DERIVED_MODEL_IDS)
     available = set(ModelHub.available())

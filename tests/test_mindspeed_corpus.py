@@ -488,7 +488,7 @@ def test_every_migrated_launch_script_plans_at_its_world_size(results, tmp_path)
     its model in place of the directory it names. The FSDP2 YAMLs of InternVL 3.5 (remote-code names), Magistral
     (``language_model.embed_tokens``) and Qwen2.5-VL-72B (Megatron names) plan through migrate's module-path
     translation (lightning_mm/mindspeed/module_paths.py)."""
-    from lightning_mm.commands.plan import plan_from_cli_config
+    from lightning_mm.commands.plan_command import plan_from_cli_config
 
     stand_ins: dict[str, Path] = {}
     planned = []
@@ -543,7 +543,7 @@ def test_module_path_rules_name_modules_of_the_transformers_class(tmp_path):
     Magistral's Transformers 4.57 properties and Qwen2.5-VL's / Qwen3-VL's Megatron towers, read from the upstream
     files the module names) points at a module of the tiny Transformers model of that family; a pattern no rule
     covers is kept as written, and a translated pattern that names no module is still refused by plan, naming it."""
-    from lightning_mm.commands.plan import plan_from_cli_config
+    from lightning_mm.commands.plan_command import plan_from_cli_config
     from lightning_mm.mindspeed.module_paths import FAMILIES, translate
     from tests.helpers.derive_models import tiny_model
     from tests.helpers.qwen3_vl_family import tiny_qwen3_vl

@@ -199,7 +199,7 @@ def test_cutoff_len_cuts_each_turn_in_proportion_as_mindspeed_mm(name, flags, mo
 
 def test_a_cut_through_an_image_is_refused_by_name(models, tmp_path, monkeypatch):
     """MindSpeed MM would build a sample whose image tokens do not match its pixels (the model then fails)."""
-    from lightning_mm.data.records import DataError
+    from lightning_mm.data.record_files import DataError
 
     model = models["qwen2_5_vl"]
     dataset, _ = _dataset(tmp_path, monkeypatch, model, "qwen2vl", [RECORDS["large picture"]], {"cutoff_len": 24})

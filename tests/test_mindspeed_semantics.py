@@ -64,7 +64,7 @@ def test_shipped_qwen3_5_122b_config_plans_at_its_world_size(tmp_path):
     migrated file is planned as written (its ``ckpt_path`` included)."""
     import transformers
 
-    from lightning_mm.commands.plan import main as plan_main
+    from lightning_mm.commands.plan_command import main as plan_main
     from lightning_mm.testing.tiny_qwen3_5 import tiny_qwen3_5_moe
 
     model_dir = tiny_qwen3_5_moe(tmp_path / "hf")
@@ -454,7 +454,7 @@ def test_a_native_config_at_its_launch_world_size_records_mindspeeds_global_batc
 
 
 def test_a_global_batch_that_another_world_size_cannot_keep_is_refused_with_the_arithmetic():
-    from lightning_mm._global_batch import accumulation_for
+    from lightning_mm._utils.global_batch_math import accumulation_for
     from lightning_mm.errors import ConfigError
 
     assert accumulation_for(8, 2, 2) == 2 and accumulation_for(8, 2, 4) == 1 and accumulation_for(8, 1, 4, 2) == 4

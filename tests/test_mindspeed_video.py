@@ -215,7 +215,7 @@ def test_video_patches_equal_the_image_processors_on_a_still_clip(family, models
 
 
 def test_glm_videos_are_refused_by_name(tmp_path, monkeypatch):
-    from lightning_mm.data.records import DataError
+    from lightning_mm.data.record_files import DataError
     from lightning_mm.testing.tiny_families import write_tiny_family
 
     model = write_tiny_family(tmp_path / "glm4v", "glm4v")
@@ -224,7 +224,7 @@ def test_glm_videos_are_refused_by_name(tmp_path, monkeypatch):
 
 
 def test_videos_with_the_models_own_chat_template_are_refused(models, tmp_path, monkeypatch):
-    from lightning_mm.data.records import DataError
+    from lightning_mm.data.record_files import DataError
 
     with pytest.raises(DataError, match="only with MindSpeed MM's templates"):
         _dataset(tmp_path, monkeypatch, models["qwen2_5_vl"], None, [RECORDS["small clip"]], VIDEO)
@@ -232,7 +232,7 @@ def test_videos_with_the_models_own_chat_template_are_refused(models, tmp_path, 
 
 def test_bad_video_records_and_keys_are_named(models, tmp_path, monkeypatch):
     from lightning_mm.data.data_config import DataConfigError
-    from lightning_mm.data.records import DataError
+    from lightning_mm.data.record_files import DataError
 
     model = models["qwen2_5_vl"]
     bad = _record([("user", "<video><video>"), ("assistant", "x")], ["small.mp4"])
@@ -400,7 +400,7 @@ def test_video_lengths_equal_the_built_samples_and_decode_no_frame(name, video, 
     one and two clips, odd frame counts, a clip with an image, several turns; uncut, and cut by ``cutoff_len`` in the
     last turns (``infer_seqlen``) of the longest record."""
     import lightning_mm.hf.video_frames as video_frames
-    from lightning_mm.datamodules.token_budget import sample_lengths
+    from lightning_mm.datamodules.token_budget_loader import sample_lengths
 
     records = [*RECORDS.values(), LONG]
     model = models[FAMILY_OF[name]]

@@ -18,7 +18,7 @@ import lightning_mm
 from lightning_mm.core import module_state
 from lightning_mm.core.apply import apply_compile, apply_recompute, model_unit_sharding
 from lightning_mm.core.config import FSDP2Config
-from lightning_mm.core.plan import build_plan, plan_in_use
+from lightning_mm.core.sharding_plan import build_plan, plan_in_use
 
 PACKAGE = Path(lightning_mm.__file__).parent
 SCANNED = ("core", "hf", "modules", "diffusers")

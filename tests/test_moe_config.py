@@ -8,7 +8,7 @@ import torch
 from lightning_mm import FSDP2Config
 from lightning_mm.core.config import FSDP2ConfigError
 from lightning_mm.core.init_context import meta_parameters
-from lightning_mm.core.plan import build_plan
+from lightning_mm.core.sharding_plan import build_plan
 from tests.helpers.moe_models import MOE_MODULES, tiny_moe_model
 
 EXPERTS = MOE_MODULES["qwen3_moe"]

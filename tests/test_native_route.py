@@ -225,7 +225,7 @@ def test_parallel_section_and_whole_config_give_the_migrated_fsdp2_config(tmp_pa
 
 def test_equal_plans_from_the_native_and_the_18_key_forms(tmp_path):
     """Both forms build the same sharding plan on a tiny Qwen3-VL-MoE (the architecture of the config)."""
-    from lightning_mm.core.plan import build_plan
+    from lightning_mm.core.sharding_plan import build_plan
     from tests.helpers.moe_models import tiny_moe_model
 
     model = tiny_moe_model("qwen3_vl_moe")
@@ -353,7 +353,7 @@ def test_migrating_a_native_config_imports_neither_lightning_nor_transformers():
 def test_lightning_mm_plan_for_the_configs_world_size(name, tmp_path, capsys):
     """``lightning-mm plan`` of the migrated config at the launch script's world size, on the meta device, with a
     tiny Qwen3-VL-MoE stand-in of the 30B checkpoint (the same module paths)."""
-    from lightning_mm.commands.plan import plan_from_cli_config
+    from lightning_mm.commands.plan_command import plan_from_cli_config
     from tests.helpers.moe_models import tiny_moe_model
 
     model_dir = tmp_path / "hf"
@@ -815,7 +815,7 @@ def tiny_qwen3_5(tmp_path_factory) -> Path:
 def test_lightning_mm_plan_for_the_dense_qwen3_5_configs(name, tiny_qwen3_5, tmp_path, capsys):
     """``lightning-mm plan`` of the migrated dense Qwen3.5 / Qwen3.6 configs at the launch script's world size, on
     the meta device, with the tiny Qwen3.5 stand-in (a derived class: no ModelHub adapter)."""
-    from lightning_mm.commands.plan import plan_from_cli_config
+    from lightning_mm.commands.plan_command import plan_from_cli_config
 
     _, written = _migrate(name, tmp_path, capsys)
     config = yaml.safe_load(written.replace("<RUN>", str(tmp_path.resolve())).replace("<DATA>", str(DATA)))

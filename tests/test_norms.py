@@ -62,7 +62,7 @@ def classes(tmp_path_factory: pytest.TempPathFactory) -> dict[str, nn.Module]:
 
 
 def test_the_plan_the_default_plans_and_initialisation_ask_the_same_function() -> None:
-    from lightning_mm.core import plan
+    from lightning_mm.core import sharding_plan as plan
     from lightning_mm.hf import default_plans, mixins
 
     assert plan.is_norm is default_plans.is_norm is mixins.is_norm is is_norm

@@ -5,7 +5,7 @@ without an image), built by ``TransformersModel`` from a saved checkpoint, the p
 equal plain Transformers' on the same samples as a padded batch (its own positions and masks), and each
 sample's loss taken from the packed logits equals that sample run alone (fp32, relative 1e-5); also with LoRA
 and recomputed layers. A custom model that keeps samples apart with
-:func:`~lightning_mm.core.packing.block_causal_mask` equals its per-sample runs. The batch check refuses packed
+:func:`~lightning_mm.core.packed_rows.block_causal_mask` equals its per-sample runs. The batch check refuses packed
 batches that Transformers would get wrong.
 """
 
@@ -20,7 +20,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from lightning_mm.core.packing import IGNORE_INDEX, PackedCollator, block_causal_mask, packed_lengths, segment_ids
+from lightning_mm.core.packed_rows import IGNORE_INDEX, PackedCollator, block_causal_mask, packed_lengths, segment_ids
 from lightning_mm.hf.batch_check import BatchCheckError
 from lightning_mm.hf.chat_collate import TOKEN_KEYS, ChatCollator
 from tests.helpers import packing_families, qwen3_vl_family
@@ -233,7 +233,7 @@ def test_first_token_of_a_sample_is_never_a_target() -> None:
 
 
 def test_packing_refuses_padded_samples_and_unknown_keys() -> None:
-    from lightning_mm.core.packing import PackingError
+    from lightning_mm.core.packed_rows import PackingError
 
     with pytest.raises(PackingError, match="sample 0 has padding"):
         PackedCollator()([{"input_ids": [1, 2], "labels": [1, 2], "attention_mask": [1, 0]}])
@@ -308,7 +308,7 @@ def test_custom_model_packed_equals_its_samples_alone() -> None:
 # ------------------------------------------------------------------------------------- batch check
 def test_batch_check_refuses_packed_batches_transformers_would_get_wrong(tmp_path: Path) -> None:
     from lightning_mm.hf.batch_check import check_batch
-    from lightning_mm.hf.packing import packed_forward_inputs
+    from lightning_mm.hf.packed_inputs import packed_forward_inputs
 
     text = built_model("qwen3", tmp_path / "qwen3", "sdpa")
     packed = PackedCollator()(samples_of("qwen3"))
@@ -406,7 +406,7 @@ def test_packing_is_refused_by_layer_class_and_path_for_layers_with_sequence_sta
     """The batch check's allow-list: Mamba, a short convolution, a Gated DeltaNet without its per-sample path and
     an unknown mixer are refused by class and module path before the model computes; installed, Qwen3.5 passes."""
     from lightning_mm.hf.batch_check import check_batch
-    from lightning_mm.hf.packing import install_packed_inputs, packed_forward_inputs
+    from lightning_mm.hf.packed_inputs import install_packed_inputs, packed_forward_inputs
 
     small = dict(vocab_size=VOCAB, hidden_size=32, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2)
     small["intermediate_size"] = 64
@@ -441,7 +441,7 @@ def test_packing_is_refused_by_layer_class_and_path_for_layers_with_sequence_sta
 def test_per_sample_path_leaves_left_padded_generation_alone() -> None:
     """Positions that skip a left-padded prompt's padding (as ``generate`` computes them) restart within a row but
     are one sample: Qwen3-Next with its per-sample path generates as plain Transformers does."""
-    from lightning_mm.hf.packing import install_packed_inputs
+    from lightning_mm.hf.packed_inputs import install_packed_inputs
 
     ids = torch.tensor([[0, 0, 11, 12, 13], [21, 22, 23, 24, 25]])
     mask = torch.tensor([[0, 0, 1, 1, 1], [1, 1, 1, 1, 1]])

@@ -21,7 +21,7 @@ import pytest
 import torch
 from PIL import Image
 
-from lightning_mm.core.packing import PackedCollator, packed_lengths
+from lightning_mm.core.packed_rows import PackedCollator, packed_lengths
 from lightning_mm.hf.chat_collate import ChatCollator
 from lightning_mm.testing.tiny_families import write_tiny_family
 from tests import test_families_data as family_data
@@ -139,7 +139,7 @@ def test_batch_check_refuses_a_packed_gemma3_row_without_its_per_sample_masks(tm
     import transformers
 
     from lightning_mm.hf.batch_check import BatchCheckError, check_batch
-    from lightning_mm.hf.packing import PackedMasks, packed_forward_inputs
+    from lightning_mm.hf.packed_inputs import PackedMasks, packed_forward_inputs
 
     model_dir = write_tiny_family(tmp_path / "gemma3", "gemma3")
     plain = transformers.Gemma3ForConditionalGeneration.from_pretrained(model_dir).train()  # no packing hook

@@ -97,7 +97,7 @@ def _paths(root: nn.Module) -> list[str]:
 def test_reading_a_pattern_agrees_with_resolving_it(pattern):
     # The default plan of a Hugging Face model filters its units by the user's ignored_modules without resolving
     # them a second time: what the strings say must be what resolution gives, for every module of the model.
-    from lightning_mm._module_paths import is_under, is_under_any
+    from lightning_mm._utils.modules import is_under, is_under_any
     from lightning_mm.core.patterns import names_inside, names_or_contains
 
     root = tree()

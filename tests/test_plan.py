@@ -7,8 +7,8 @@ from torch import nn
 from lightning_mm import FSDP2Config
 from lightning_mm.core.config import FSDP2ConfigError
 from lightning_mm.core.init_context import meta_parameters
-from lightning_mm.core.plan import build_plan
 from lightning_mm.core.precision_policy import resolve_precision_policy
+from lightning_mm.core.sharding_plan import build_plan
 from lightning_mm.strategies.precision import MMFSDP2Precision
 
 

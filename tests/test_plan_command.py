@@ -5,7 +5,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from lightning_mm.commands.plan import plan_from_cli_config, world_size_of
+from lightning_mm.commands.plan_command import plan_from_cli_config, world_size_of
 from lightning_mm.errors import ConfigError
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -52,7 +52,7 @@ def test_planning_a_cli_config_leaves_the_process_seed_and_environment_alone(tmp
 
     import torch
 
-    from lightning_mm.commands.plan import _load_cli
+    from lightning_mm.commands.plan_command import _load_cli
 
     config = hsdp_config(tmp_path, devices=8)
     config.write_text(yaml.safe_dump({**yaml.safe_load(config.read_text()), "seed_everything": 1234}))
@@ -80,7 +80,7 @@ def test_planning_a_cli_config_leaves_the_process_seed_and_environment_alone(tmp
 def test_plan_refuses_a_mindspeed_file_and_says_to_migrate_it(tmp_path, name, text, kind):
     """The format is told by lightning_mm.mindspeed.load (issue #36): a MindSpeed MM file given to `plan --config`
     is one sentence naming it and the `migrate` command, before anything is built."""
-    from lightning_mm.commands.plan import main
+    from lightning_mm.commands.plan_command import main
     from lightning_mm.mindspeed.keys import MindSpeedConfigError
 
     path = tmp_path / name

@@ -15,7 +15,7 @@ from safetensors import safe_open
 from lightning_mm.core.apply import materialize_and_init
 from lightning_mm.core.config import FSDP2Config
 from lightning_mm.core.init_context import meta_parameters
-from lightning_mm.core.plan import build_plan
+from lightning_mm.core.sharding_plan import build_plan
 from lightning_mm.modules import FSDP2Mixin, ModelHub, TransformersModel, WeightInitMixin
 from tests.helpers.qwen3_vl_family import ARCH, CONFIG, Qwen3VLData, hf_config, save_qwen3_vl
 from tests.scenarios.hf_scenarios import model_inputs
@@ -172,7 +172,7 @@ def test_eager_and_deferred_loads_equal_from_pretrained(ckpt):
 
 
 def test_plan_command_prints_the_default_plan(tmp_path):
-    from lightning_mm.commands.plan import plan_from_cli_config
+    from lightning_mm.commands.plan_command import plan_from_cli_config
 
     config = {
         "trainer": {"accelerator": "cpu", "devices": 2, "strategy": "mm_fsdp2", "logger": False},

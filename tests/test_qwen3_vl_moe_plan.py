@@ -10,7 +10,7 @@ import yaml
 
 from lightning_mm.core.config import FSDP2Config
 from lightning_mm.core.init_context import meta_parameters
-from lightning_mm.core.plan import build_plan
+from lightning_mm.core.sharding_plan import build_plan
 from lightning_mm.hf.adapters import MMQwen3VLForConditionalGeneration, MMQwen3VLMoeForConditionalGeneration
 from tests.helpers.moe_models import MOE_FAMILIES
 
@@ -63,7 +63,7 @@ def test_the_vision_units_are_dense_qwen3_vls():
 
 
 def test_plan_command_prints_the_vision_units(tmp_path):
-    from lightning_mm.commands.plan import plan_from_cli_config
+    from lightning_mm.commands.plan_command import plan_from_cli_config
 
     config = {
         "trainer": {"accelerator": "cpu", "devices": 2, "strategy": "mm_fsdp2", "logger": False},

@@ -13,8 +13,8 @@ from torch import nn
 
 from lightning_mm.core import apply
 from lightning_mm.core.config import FSDP2Config, FSDP2ConfigError
-from lightning_mm.core.plan import build_plan
 from lightning_mm.core.recompute import RecomputeError
+from lightning_mm.core.sharding_plan import build_plan
 from tests.scenarios.hf_scenarios import FamilyData, model_inputs, tiny_hf_model
 
 CASES = {

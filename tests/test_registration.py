@@ -147,7 +147,7 @@ def test_commands_that_do_not_train_import_neither_lightning_nor_transformers(tm
 # ------------------------------------------------------------------------------ the import watch itself
 _WATCH_SCENARIO = """
 import json, os, sys
-from lightning_mm._import_watch import call_once_imported
+from lightning_mm._utils.import_watch import call_once_imported
 calls, tries = [], []
 
 def callback():

@@ -10,12 +10,18 @@ import pytest
 import torch
 from torch import nn
 
-from lightning_mm import _safetensors
-from lightning_mm._dtensor import local_tensor
-from lightning_mm._files import is_plain_file_name
-from lightning_mm._module_paths import ROOT, enclosing, is_under
-from lightning_mm._names import KEY_SHOWN, did_you_mean, find_unknown_key, listing, nearest
-from lightning_mm._tied import names_by_tensor, parameter_names_by_tensor, tied_parameter_names
+from lightning_mm._utils import safetensors_index as _safetensors
+from lightning_mm._utils.distributed import local_tensor
+from lightning_mm._utils.model_files import is_plain_file_name
+from lightning_mm._utils.modules import (
+    ROOT,
+    enclosing,
+    is_under,
+    names_by_tensor,
+    parameter_names_by_tensor,
+    tied_parameter_names,
+)
+from lightning_mm._utils.suggestions import KEY_SHOWN, did_you_mean, find_unknown_key, listing, nearest
 
 
 # ----------------------------------------------------------------------------------------------- _names
@@ -182,7 +188,7 @@ def _hf_dir(path: Path, tensors: dict[str, torch.Tensor]) -> Path:
 def test_every_reader_reads_the_dtypes_that_were_missing_from_one_table(tmp_path, dtype):
     """Sliced loading had no F8 and no U16/U32/U64 (it read them through ``safe_open``), hf_to_dcp refused
     U16/U32/U64: both now read what the header check accepts, with the same values."""
-    from lightning_mm.hf.convert import _HFTensors
+    from lightning_mm.hf.dcp_conversion import _HFTensors
     from lightning_mm.hf.loading import read_region
     from lightning_mm.hf.pretrained_index import SafetensorsIndex
 
@@ -230,8 +236,8 @@ def test_read_weight_map(tmp_path):
 def test_both_index_readers_refuse_what_one_of_them_accepted(tmp_path, weight_map, match):
     """``init_from_hf_path``'s reader followed any file name of the index (an absolute path, '..') and failed with
     AttributeError on a weight_map that is not a mapping; hf_to_dcp refused both. Both refuse them now."""
-    from lightning_mm.checkpoint.errors import CheckpointIntegrityError
-    from lightning_mm.hf.convert import _HFTensors
+    from lightning_mm.checkpoint.checkpoint_errors import CheckpointIntegrityError
+    from lightning_mm.hf.dcp_conversion import _HFTensors
     from lightning_mm.hf.pretrained_index import CheckpointError, SafetensorsIndex
 
     other = _hf_dir(tmp_path / "other", {"w": torch.zeros(2)})
@@ -297,8 +303,8 @@ def test_local_tensor_of_a_dtensor_is_its_local_shard(tmp_path):
 # ---------------------------------------------------------------------------------- _transformers_class
 def test_transformers_class_is_the_model_class_behind_adapters_and_wrappers():
     transformers = pytest.importorskip("transformers")
-    from lightning_mm._transformers_class import transformers_class
-    from lightning_mm.hf.records import _architecture
+    from lightning_mm._utils.modules import transformers_class
+    from lightning_mm.hf.checkpoint_records import _architecture
 
     class Adapter(transformers.LlamaForCausalLM):
         pass
@@ -320,8 +326,8 @@ def test_a_remote_code_model_is_named_by_its_own_class_not_by_a_generic_base():
     ``transformers_modules.*``) was recorded as 'PreTrainedModel'; the load plan's copy wanted a model class from
     ``transformers.models``, and so do all now."""
     transformers = pytest.importorskip("transformers")
-    from lightning_mm._transformers_class import transformers_class
-    from lightning_mm.hf.records import _architecture
+    from lightning_mm._utils.modules import transformers_class
+    from lightning_mm.hf.checkpoint_records import _architecture
 
     remote = type("RemoteForCausalLM", (transformers.PreTrainedModel,), {"__module__": "transformers_modules.x"})
     assert transformers_class(remote) is None
@@ -341,7 +347,7 @@ def test_npu_device_names_who_needs_an_npu_device():
 def test_dcp_to_hf_key_mismatches_are_reported_by_one_check():
     from types import SimpleNamespace
 
-    from lightning_mm.hf.convert import _check_keys_match, _file_keys
+    from lightning_mm.hf.dcp_conversion import _check_keys_match, _file_keys
 
     layout = SimpleNamespace(
         config=SimpleNamespace(architectures=["LlamaForCausalLM"]),
@@ -367,7 +373,7 @@ def test_info_messages_of_the_layers_below_lightning_are_shown_like_lightnings()
     import subprocess
     import sys
 
-    code = "from lightning_mm._rank_zero import rank_zero_info; rank_zero_info('a note for the user')"
+    code = "from lightning_mm._utils.distributed import rank_zero_info; rank_zero_info('a note for the user')"
     shown = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, timeout=120)
     assert "a note for the user" in shown.stderr
     configured = "import logging; logging.basicConfig(format='app: %(message)s'); " + code

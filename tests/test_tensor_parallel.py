@@ -11,7 +11,7 @@ import torch
 from transformers import Qwen3Config, Qwen3ForCausalLM
 
 from lightning_mm.core.config import FSDP2Config, FSDP2ConfigError
-from lightning_mm.core.plan import build_plan, describe_rank_shapes, rank_shapes
+from lightning_mm.core.sharding_plan import build_plan, describe_rank_shapes, rank_shapes
 from tests.helpers.moe_models import MOE_MODULES, register_moe_families, tiny_moe_model
 from tests.helpers.parity import (
     QWEN3_KV4,
@@ -138,7 +138,7 @@ def test_hf_export_of_the_tp2_checkpoint_equals_the_unsharded_weights(trained, t
     writes the weights the one-process reference has after the same steps, under Transformers' names."""
     from safetensors.torch import load_file
 
-    from lightning_mm.commands.convert import main as convert_main
+    from lightning_mm.commands.convert_command import main as convert_main
 
     out, ckpts = trained
     case = TP_RESUME

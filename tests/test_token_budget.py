@@ -10,9 +10,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from lightning_mm.core.token_budget import RankSchedule, TokenBudgetError, batch_cost, plan_batches
+from lightning_mm.core.token_budget_plan import RankSchedule, TokenBudgetError, batch_cost, plan_batches
 from lightning_mm.data.replacing import ReplacingDataset
-from lightning_mm.datamodules.token_budget import TokenBudgetLoader, vocab_size_of
+from lightning_mm.datamodules.token_budget_loader import TokenBudgetLoader, vocab_size_of
 from tests.helpers.scenario_kit import read_results, run
 from tests.scenarios import packing_scenarios
 from tests.scenarios.packing_scenarios import BUFFER, EPOCHS, MAX_TOKENS, RESUME_STEP, SAMPLES, SEED, skewed_lengths
@@ -97,7 +97,7 @@ def test_the_vocabulary_is_the_model_input_embeddings() -> None:
 
 @pytest.mark.parametrize("bad", [2.5, -1.0, "3", True])
 def test_sample_lengths_must_be_token_counts(bad: object) -> None:
-    from lightning_mm.datamodules.token_budget import sample_lengths
+    from lightning_mm.datamodules.token_budget_loader import sample_lengths
 
     with pytest.raises(TokenBudgetError, match=r"sample_lengths\(\) gave .* for sample 1"):
         sample_lengths(_Ids([[1], [2, 3]], reported=[1, bad]))  # type: ignore[list-item]

@@ -16,7 +16,7 @@ from torch import nn
 
 from lightning_mm.core.config import FSDP2Config
 from lightning_mm.core.init_context import meta_parameters
-from lightning_mm.core.plan import build_plan
+from lightning_mm.core.sharding_plan import build_plan
 from lightning_mm.hf.pending_weights import pending_pretrained
 from lightning_mm.hf.pretrained_index import CheckpointError
 from lightning_mm.modules import (

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from lightning_mm.core.config import FSDP2Config, FSDP2ConfigError
-from lightning_mm.core.vision_balance import (
+from lightning_mm.core.vision_work_balance import (
     CostCalibration,
     VisionCost,
     assign_images,
@@ -119,7 +119,7 @@ def test_config_keys_default_off_and_validate():
 
 
 def test_the_plan_shows_whether_the_vision_tower_is_balanced():
-    from lightning_mm.core.plan import build_plan
+    from lightning_mm.core.sharding_plan import build_plan
 
     def line(**keys: object) -> str:
         text = build_plan(FSDP2Config.from_dict(keys), torch.nn.Sequential(torch.nn.Linear(2, 2)), 2).describe()
@@ -132,7 +132,7 @@ def test_the_plan_shows_whether_the_vision_tower_is_balanced():
 
 
 def test_a_model_without_a_grid_tower_is_refused_naming_the_key():
-    from lightning_mm.hf.vision_balance import enable_from_config, find_vision_towers
+    from lightning_mm.hf.vision_tower_balance import enable_from_config, find_vision_towers
     from tests.scenarios.hf_scenarios import tiny_hf_model
 
     assert [n for n, _ in find_vision_towers(tiny_hf_model("qwen2_5_vl"))] == ["model.visual"]

@@ -165,8 +165,8 @@ def test_the_checkpoint_converts_to_a_directory_diffusers_loads(
 ) -> None:
     from diffusers import FlowMatchEulerDiscreteScheduler, WanTransformer3DModel
 
-    from lightning_mm.commands.convert import main as convert
-    from lightning_mm.diffusers.export import dcp_to_diffusers
+    from lightning_mm.commands.convert_command import main as convert
+    from lightning_mm.diffusers.wan_export import dcp_to_diffusers
 
     out = tmp_path / "wan"
     assert convert(["dcp-to-diffusers", str(run / "final.ckpt"), str(out), "--config", str(work / "model")]) == 0
@@ -254,7 +254,7 @@ def test_meta_building_defers_loading_and_loading_is_strict(work: Path) -> None:
 
 def test_mindspeed_wan_yamls_as_written(work: Path) -> None:
     from lightning_mm.core.config import FSDP2Config, FSDP2ConfigError
-    from lightning_mm.core.plan import build_plan
+    from lightning_mm.core.sharding_plan import build_plan
     from lightning_mm.diffusers import DiffusersModel, WanDiffusion
     from lightning_mm.diffusers.wan_diffusion import mindspeed_fsdp2_config
 
@@ -271,7 +271,7 @@ def test_mindspeed_wan_yamls_as_written(work: Path) -> None:
 # ------------------------------------------------------------------------------------ data and batches
 def test_feature_data_through_the_mindspeed_data_config(work: Path, tmp_path: Path) -> None:
     from lightning_mm.data.data_config import DataConfigError
-    from lightning_mm.data.records import DataError
+    from lightning_mm.data.record_files import DataError
     from lightning_mm.datamodules import MMDataModule
 
     dm = MMDataModule.from_config(work / "data.json", batch_size=2)

@@ -194,7 +194,7 @@ def test_a_video_record_is_decoded_resized_and_encoded_by_the_frozen_vae(tmp_pat
 
 def test_video_records_are_checked(tmp_path: Path) -> None:
     from lightning_mm.data.data_config import DataConfigError
-    from lightning_mm.data.records import DataError
+    from lightning_mm.data.record_files import DataError
     from lightning_mm.datamodules import MMDataModule
 
     path = _video_config(tmp_path)
@@ -238,7 +238,7 @@ def _bad_video_config(tmp_path: Path, strict: bool = False) -> Path:
 def test_bad_video_records_are_counted_and_skipped_when_the_dataset_is_set_up(tmp_path: Path) -> None:
     """Empty, undecodable and too-short clips are found by the probe at setup, with file and line; the epoch then
     reads only good records. In strict mode they are an error at setup."""
-    from lightning_mm.data.records import DataError
+    from lightning_mm.data.record_files import DataError
     from lightning_mm.datamodules import MMDataModule
 
     dm = MMDataModule.from_config(_bad_video_config(tmp_path), batch_size=1)

@@ -1,4 +1,4 @@
-"""The one config-file loader (lightning_mm/_yaml.py) through both configs that use it: hostile files are short
+"""The one config-file loader (lightning_mm/_utils/yaml_io.py) through both configs that use it: hostile files are short
 errors naming the file, ordinary files (anchors and aliases included) load as PyYAML's safe loader reads them."""
 
 import json
@@ -8,7 +8,7 @@ import pytest
 import yaml
 
 from lightning_mm import FSDP2Config
-from lightning_mm._yaml import MAX_ALIASES, MAX_BYTES, load_config, load_mapping
+from lightning_mm._utils.yaml_io import MAX_ALIASES, MAX_BYTES, load_config, load_mapping
 from lightning_mm.core.config import FSDP2ConfigError
 from lightning_mm.data.data_config import DataConfig, DataConfigError
 from tests.helpers.limits import bounded

@@ -169,7 +169,7 @@ def main() -> None:
     prepare(out)
 
     from lightning_mm.datamodules import MMDataModule
-    from lightning_mm.diffusers.export import dcp_to_diffusers
+    from lightning_mm.diffusers.wan_export import dcp_to_diffusers
     from lightning_mm.modules.wan_module import MMWanModule
 
     module = MMWanModule(

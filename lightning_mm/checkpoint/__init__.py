@@ -13,23 +13,21 @@
 * :mod:`.formats`: the formats behind one interface (write, read, recognise) and their registry; the storage
   layouts registered here are :mod:`.dcp_format` (``torch_dcp``) and :mod:`.torch_format` (``torch``).
 * :mod:`.rng`: per-rank RNG states; :mod:`.records`: what other layers add to a checkpoint (a registry of record
-  providers; the Hugging Face one, :func:`lightning_mm.hf.records.hf_records`, is registered by
+  providers; the Hugging Face one, :func:`lightning_mm.hf.checkpoint_records.hf_records`, is registered by
   ``lightning_mm.hf`` on import); :mod:`.consolidate`: ``dcp-to-torch``. Conversion to and from Hugging Face
-  directories is in :mod:`lightning_mm.hf.convert`.
+  directories is in :mod:`lightning_mm.hf.dcp_conversion`.
 """
 
 from lightning_mm.checkpoint import remote
 from lightning_mm.checkpoint.atomic import remove
-from lightning_mm.checkpoint.dcp_format import DCPFormat
-from lightning_mm.checkpoint.errors import (
+from lightning_mm.checkpoint.checkpoint_errors import (
     CheckpointError,
     CheckpointIntegrityError,
     CheckpointMismatchError,
     CheckpointNotFoundError,
     CheckpointWriteError,
 )
-from lightning_mm.checkpoint.formats import CheckpointFormat, checkpoint_format, format_names, register_format
-from lightning_mm.checkpoint.layout import (
+from lightning_mm.checkpoint.checkpoint_layout import (
     EXTRA_KEY,
     FORMAT_VERSION,
     KIND_TRAINING,
@@ -37,8 +35,10 @@ from lightning_mm.checkpoint.layout import (
     META_FILE,
     CheckpointKeyError,
 )
+from lightning_mm.checkpoint.dcp_format import DCPFormat
+from lightning_mm.checkpoint.formats import CheckpointFormat, checkpoint_format, format_names, register_format
 from lightning_mm.checkpoint.manifest import MANIFEST_FILE
-from lightning_mm.checkpoint.records import collect_records, register_record_provider
+from lightning_mm.checkpoint.record_providers import collect_records, register_record_provider
 from lightning_mm.checkpoint.rng import capture_rng, restore_rng
 from lightning_mm.checkpoint.safe import UnsafeCheckpointError
 from lightning_mm.checkpoint.source import CheckpointSource, open_source

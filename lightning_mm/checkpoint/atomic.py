@@ -36,7 +36,7 @@ import uuid
 from pathlib import Path, PurePath
 from typing import TypeVar
 
-from lightning_mm.checkpoint.errors import CheckpointWriteError
+from lightning_mm.checkpoint.checkpoint_errors import CheckpointWriteError
 
 __all__ = [
     "partial_path",

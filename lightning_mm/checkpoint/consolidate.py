@@ -9,8 +9,8 @@ from pathlib import Path
 from torch.distributed.checkpoint.api import CheckpointException
 
 from lightning_mm.checkpoint import atomic
-from lightning_mm.checkpoint.errors import write_error
-from lightning_mm.checkpoint.layout import EXTRA_KEY, SEP, fill_tensors
+from lightning_mm.checkpoint.checkpoint_errors import write_error
+from lightning_mm.checkpoint.checkpoint_layout import EXTRA_KEY, SEP, fill_tensors
 from lightning_mm.checkpoint.source import open_source
 from lightning_mm.checkpoint.writer import write_file
 from lightning_mm.errors import MissingFileError, OutputExistsError

@@ -16,8 +16,8 @@ from torch.distributed.checkpoint import FileSystemWriter
 from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
 
 from lightning_mm.checkpoint import atomic, manifest
+from lightning_mm.checkpoint.checkpoint_layout import META_FILE
 from lightning_mm.checkpoint.dcp_writers import NoEmptyFiles
-from lightning_mm.checkpoint.layout import META_FILE
 from lightning_mm.checkpoint.rank_agreement import is_distributed
 from lightning_mm.checkpoint.source import CheckpointSource, open_directory, single_process_quiet
 from lightning_mm.checkpoint.writer import StorageFormat, write_file

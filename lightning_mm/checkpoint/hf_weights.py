@@ -25,8 +25,8 @@ from torch.distributed.checkpoint import HuggingFaceStorageReader, HuggingFaceSt
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner, DefaultSavePlanner
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
-from lightning_mm.checkpoint.errors import CheckpointIntegrityError, CheckpointMismatchError
-from lightning_mm.checkpoint.layout import model_key
+from lightning_mm.checkpoint.checkpoint_errors import CheckpointIntegrityError, CheckpointMismatchError
+from lightning_mm.checkpoint.checkpoint_layout import model_key
 from lightning_mm.errors import ConfigError
 
 __all__ = ["RECORD_KEY", "DTYPES", "SHARDED_DIR", "INDEX_FILE", "check_dtype", "write", "weights_view", "read_into"]

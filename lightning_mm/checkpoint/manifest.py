@@ -43,9 +43,9 @@ from typing import Any
 
 from torch.distributed.checkpoint.filesystem import FileSystem
 
-from lightning_mm._files import is_plain_file_name
+from lightning_mm._utils.model_files import is_plain_file_name
 from lightning_mm.checkpoint import digest
-from lightning_mm.checkpoint.errors import CheckpointIntegrityError
+from lightning_mm.checkpoint.checkpoint_errors import CheckpointIntegrityError
 
 __all__ = [
     "MANIFEST_FILE",

@@ -16,8 +16,8 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from lightning_mm.checkpoint.errors import CheckpointMismatchError
-from lightning_mm.checkpoint.layout import CheckpointKeyError
+from lightning_mm.checkpoint.checkpoint_errors import CheckpointMismatchError
+from lightning_mm.checkpoint.checkpoint_layout import CheckpointKeyError
 
 __all__ = ["PARAM_NAMES", "to_index_keyed", "is_index_keyed", "saved_names", "group_param_names"]
 

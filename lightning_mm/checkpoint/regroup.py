@@ -9,8 +9,8 @@ from typing import Any
 
 import torch
 
-from lightning_mm._rank_zero import rank_zero_info, rank_zero_warn
-from lightning_mm.checkpoint.layout import CheckpointKeyError
+from lightning_mm._utils.distributed import rank_zero_info, rank_zero_warn
+from lightning_mm.checkpoint.checkpoint_layout import CheckpointKeyError
 from lightning_mm.checkpoint.optim_keys import PARAM_NAMES
 from lightning_mm.core.optimizer import IMPLEMENTATION_KEYS
 

@@ -42,17 +42,17 @@ from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
 from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
 
 from lightning_mm._compat import fsspec_storage
-from lightning_mm._files import is_plain_file_name
+from lightning_mm._utils.model_files import is_plain_file_name
 from lightning_mm.checkpoint import atomic, digest, formats
 from lightning_mm.checkpoint import manifest as manifests
-from lightning_mm.checkpoint.dcp_writers import NoEmptyFiles
-from lightning_mm.checkpoint.errors import (
+from lightning_mm.checkpoint.checkpoint_errors import (
     CheckpointIntegrityError,
     CheckpointNotFoundError,
     CheckpointWriteError,
     write_error,
 )
-from lightning_mm.checkpoint.layout import EXTRA_KEY, META_FILE, pop_loader_states, split_tensors
+from lightning_mm.checkpoint.checkpoint_layout import EXTRA_KEY, META_FILE, pop_loader_states, split_tensors
+from lightning_mm.checkpoint.dcp_writers import NoEmptyFiles
 from lightning_mm.checkpoint.manifest import MANIFEST_FILE
 from lightning_mm.checkpoint.rank_agreement import (
     broadcast_from_rank_zero,

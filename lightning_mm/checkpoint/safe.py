@@ -20,7 +20,7 @@ from torch.distributed.checkpoint import FileSystemReader
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
 from torch.distributed.checkpoint.metadata import Metadata
 
-from lightning_mm.checkpoint.errors import CheckpointError, CheckpointIntegrityError, CheckpointNotFoundError
+from lightning_mm.checkpoint.checkpoint_errors import CheckpointError, CheckpointIntegrityError, CheckpointNotFoundError
 from lightning_mm.checkpoint.manifest import check_name, inside
 from lightning_mm.errors import InputTypeError
 

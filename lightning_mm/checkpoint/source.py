@@ -19,10 +19,10 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 from torch.distributed.tensor import DTensor, distribute_tensor
 
-from lightning_mm._rank_zero import rank_zero_warn
+from lightning_mm._utils.distributed import rank_zero_warn
 from lightning_mm.checkpoint import digest, formats, hf_weights, manifest, zip_manifest
-from lightning_mm.checkpoint.errors import CheckpointIntegrityError, CheckpointNotFoundError
-from lightning_mm.checkpoint.layout import EXTRA_KEY, META_FILE, model_key, split_tensors
+from lightning_mm.checkpoint.checkpoint_errors import CheckpointIntegrityError, CheckpointNotFoundError
+from lightning_mm.checkpoint.checkpoint_layout import EXTRA_KEY, META_FILE, model_key, split_tensors
 from lightning_mm.checkpoint.rank_agreement import is_distributed
 from lightning_mm.checkpoint.safe import SafeFileSystemReader, SafeLoadPlanner, load_weights_only, read_dcp_metadata
 

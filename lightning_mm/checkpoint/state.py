@@ -14,8 +14,8 @@ from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_
 from torch.distributed.tensor import DTensor
 
 from lightning_mm._compat import unwrap_optimizer
-from lightning_mm._rank_zero import is_rank_zero
-from lightning_mm._tied import tied_parameter_names
+from lightning_mm._utils.distributed import is_rank_zero
+from lightning_mm._utils.modules import tied_parameter_names
 from lightning_mm.checkpoint.optim_keys import group_param_names, to_index_keyed
 
 __all__ = [

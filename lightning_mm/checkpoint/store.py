@@ -39,9 +39,9 @@ from torch import nn
 from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict, set_optimizer_state_dict
 
 from lightning_mm._compat import unwrap_optimizer
-from lightning_mm._rank_zero import rank_zero_warn
-from lightning_mm.checkpoint.errors import CheckpointMismatchError
-from lightning_mm.checkpoint.layout import (
+from lightning_mm._utils.distributed import rank_zero_warn
+from lightning_mm.checkpoint.checkpoint_errors import CheckpointMismatchError
+from lightning_mm.checkpoint.checkpoint_layout import (
     EXTRA_KEY,
     FORMAT_VERSION,
     KIND_TRAINING,
@@ -60,7 +60,7 @@ from lightning_mm.checkpoint.rank_agreement import (
     is_distributed,
     raise_on_every_rank,
 )
-from lightning_mm.checkpoint.records import check_records
+from lightning_mm.checkpoint.record_providers import check_records
 from lightning_mm.checkpoint.regroup import merge_param_groups, remap_scheduler
 from lightning_mm.checkpoint.source import CheckpointSource, open_agreed, open_source, single_process_quiet
 from lightning_mm.checkpoint.state import (

@@ -7,7 +7,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any, ClassVar
 
-from lightning_mm.checkpoint.layout import EXTRA_KEY
+from lightning_mm.checkpoint.checkpoint_layout import EXTRA_KEY
 from lightning_mm.checkpoint.source import CheckpointSource, open_file
 from lightning_mm.checkpoint.writer import StorageFormat, write_file
 

@@ -19,10 +19,10 @@ import torch.distributed as dist
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.tensor import DTensor
 
-from lightning_mm._rank_zero import rank_zero_warn
+from lightning_mm._utils.distributed import rank_zero_warn
 from lightning_mm.checkpoint import atomic, formats, zip_manifest
-from lightning_mm.checkpoint.errors import write_error
-from lightning_mm.checkpoint.layout import EXTRA_KEY, pop_loader_states, split_tensors
+from lightning_mm.checkpoint.checkpoint_errors import write_error
+from lightning_mm.checkpoint.checkpoint_layout import EXTRA_KEY, pop_loader_states, split_tensors
 from lightning_mm.checkpoint.rank_agreement import (
     barrier,
     broadcast_from_rank_zero,

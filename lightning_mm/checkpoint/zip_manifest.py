@@ -34,7 +34,7 @@ from pathlib import Path
 from typing import Any
 
 from lightning_mm.checkpoint import digest
-from lightning_mm.checkpoint.errors import CheckpointIntegrityError
+from lightning_mm.checkpoint.checkpoint_errors import CheckpointIntegrityError
 
 __all__ = ["RECORD", "MAX_RECORDS", "RECORD_BYTES", "append", "verify", "layout", "records", "sizes"]
 

@@ -15,7 +15,7 @@ the configs are relative to the working directory, as MindSpeed MM reads them.
 
 Frames are decoded, resized and centre-cropped as the raw-video training path does
 (:func:`~lightning_mm.data.wan_video.decode_model_frames`); the features are those of
-:mod:`lightning_mm.diffusers.feature_extraction`. Every output file (``OUT/features/*.pt``, ``OUT/data.jsonl``) must
+:mod:`lightning_mm.diffusers.wan_features`. Every output file (``OUT/features/*.pt``, ``OUT/data.jsonl``) must
 not exist yet: an existing one is refused, naming it, before any work. ``task: i2v`` adds the first-frame CLIP
 and VAE features (``i2v_clip_feature``, ``i2v_vae_feature``) of MindSpeed MM's ``wan_i2v_processor.py``, with the
 ``CLIPVisionModel`` of ``ae.i2v_processor.image_encoder`` (or ``--image-encoder``).
@@ -29,7 +29,7 @@ import sys
 from collections.abc import Sequence
 from pathlib import Path
 
-from lightning_mm.mindspeed.feature_extraction import ExtractionPlan, plan_extraction, training_hint
+from lightning_mm.mindspeed.feature_launch import ExtractionPlan, plan_extraction, training_hint
 
 __all__ = ["main", "run_extraction"]
 
@@ -51,9 +51,9 @@ def _parser() -> argparse.ArgumentParser:
 
 def run_extraction(plan: ExtractionPlan, output: Path, device: str = "cpu") -> Path:
     """Encode every record and write its features, then ``OUT/data.jsonl``; returns that file."""
-    from lightning_mm.data.records import DataError
+    from lightning_mm.data.record_files import DataError
     from lightning_mm.data.wan_video import decode_model_frames, probe_video, read_frames
-    from lightning_mm.diffusers.feature_extraction import (
+    from lightning_mm.diffusers.wan_features import (
         WanFeatureEncoders,
         check_outputs,
         first_frame_inputs,

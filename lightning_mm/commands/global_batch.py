@@ -16,7 +16,7 @@ import lightning.pytorch as pl
 from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.utilities import rank_zero_info
 
-from lightning_mm._global_batch import accumulation_for
+from lightning_mm._utils.global_batch_math import accumulation_for
 from lightning_mm.errors import ConfigError
 
 __all__ = ["GlobalBatchSize", "accumulation_for"]

@@ -17,7 +17,7 @@ from typing import Any
 from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.cli import LightningCLI
 
-from lightning_mm._names import listing
+from lightning_mm._utils.suggestions import listing
 from lightning_mm.errors import ConfigError
 
 __all__ = [

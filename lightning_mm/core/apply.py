@@ -1,4 +1,4 @@
-"""Doing the sharding: apply a :class:`~lightning_mm.core.plan.ShardingPlan` to a model with torch.
+"""Doing the sharding: apply a :class:`~lightning_mm.core.sharding_plan.ShardingPlan` to a model with torch.
 
 :func:`apply_plan` is the whole of it, as torchtitan's ``parallelize``: a short sequence of one function per
 concern (recomputation, the ignored modules, expert parallelism, ``fully_shard`` of the units and then the root,
@@ -24,16 +24,16 @@ from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionP
 from torch.distributed.tensor import DTensor
 
 from lightning_mm._compat import fsdp_state, is_rng_supported_mesh
-from lightning_mm._dtensor import local_tensor as _local
-from lightning_mm._names import listing
+from lightning_mm._utils.distributed import local_tensor as _local
+from lightning_mm._utils.suggestions import listing
 from lightning_mm.core import expert_parallel
 from lightning_mm.core.compile import compiled_forward, is_compiled
 from lightning_mm.core.config import FSDP2Config
 from lightning_mm.core.ignored import IgnoredModules
-from lightning_mm.core.layout import LayoutMeshes, device_mesh
 from lightning_mm.core.module_state import describe_module_changes, move_buffer, replace_forward, set_fsdp2_config
-from lightning_mm.core.plan import ShardingPlan, mesh_layout, plan_in_use
+from lightning_mm.core.parallel_layout import LayoutMeshes, device_mesh
 from lightning_mm.core.recompute import checkpointed_forward, is_recomputed
+from lightning_mm.core.sharding_plan import ShardingPlan, mesh_layout, plan_in_use
 from lightning_mm.core.tensor_parallel import apply_tensor_parallel
 from lightning_mm.core.torch_init import init_like_constructors
 from lightning_mm.errors import LightningMMError
@@ -147,7 +147,7 @@ def model_unit_sharding(
     :func:`apply_fully_shard` does). ``target.fsdp2_config`` is set before the call, as in MindSpeed MM
     (:func:`~lightning_mm.core.module_state.set_fsdp2_config`). With ``plan`` (built from ``config`` for
     ``target``), a ``build_plan`` inside the call (``FSDP2Mixin._fully_shard`` through ``super()``) returns that
-    plan rather than resolving the patterns again (:func:`~lightning_mm.core.plan.plan_in_use`)."""
+    plan rather than resolving the patterns again (:func:`~lightning_mm.core.sharding_plan.plan_in_use`)."""
     custom = getattr(target, "_fully_shard", None)
     if not callable(custom) or getattr(custom, "shards_plan_units", False):
         return None

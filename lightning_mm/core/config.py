@@ -16,8 +16,8 @@ from typing import Any, Literal
 
 import torch
 
-from lightning_mm._names import find_unknown_key
-from lightning_mm._yaml import load_mapping, short_repr
+from lightning_mm._utils.suggestions import find_unknown_key
+from lightning_mm._utils.yaml_io import load_mapping, short_repr
 from lightning_mm.errors import ConfigError, MissingFileError
 
 __all__ = ["FSDP2Config", "FSDP2ConfigError", "parse_dtype"]
@@ -193,7 +193,7 @@ class FSDP2Config(_ExplicitKeys):
 
     @classmethod
     def from_yaml(cls, path: str | os.PathLike) -> FSDP2Config:
-        """Read a YAML file with the project's bounded safe loader (:mod:`lightning_mm._yaml`) and validate it.
+        """Read a YAML file with the project's bounded safe loader (:mod:`lightning_mm._utils.yaml_io`) and validate it.
 
         An empty file (or one with only comments) means "all defaults"; any other top level that is not a
         mapping, a duplicate key, non-UTF-8 bytes or an alias bomb is an error naming the file.
@@ -260,7 +260,8 @@ class FSDP2Config(_ExplicitKeys):
         """The error to raise for this config's ``key`` (``None``: the config as a whole), naming its file.
 
         ``FSDP2 config key `KEY` in FILE: MESSAGE`` (``FSDP2 config in FILE: MESSAGE`` without a key; no ``in FILE``
-        for a config built in Python). Validation here and planning (:func:`lightning_mm.core.plan.build_plan`) word
+        for a config built in Python). Validation here and planning
+        (:func:`lightning_mm.core.sharding_plan.build_plan`) word
         every config error so.
         """
         where = f" in {self.source}" if self.source else ""

@@ -188,7 +188,7 @@ def shift_labels(labels: Tensor, ignore_index: int = IGNORE_INDEX) -> Tensor:
 # ---------------------------------------------------------------------------------------------------- doing
 def build_context_parallel_mesh(plan: ContextParallelPlan, device_type: str) -> Any:
     """The ``(dp, cp)`` device mesh of ``plan`` (an explicit mesh on ``device_type``, CPU included)."""
-    from lightning_mm.core.layout import device_mesh
+    from lightning_mm.core.parallel_layout import device_mesh
 
     return device_mesh(device_type, plan.mesh_shape, plan.mesh_dim_names)
 

@@ -1,6 +1,6 @@
 """Doing expert parallelism: split each MoE module's experts over an EP group and route tokens to them.
 
-The layout comes from the plan (:class:`~lightning_mm.core.plan.ExpertPlan`). Ranks form a
+The layout comes from the plan (:class:`~lightning_mm.core.sharding_plan.ExpertPlan`). Ranks form a
 ``(ep_replicate, ep)`` mesh: the ``ep`` ranks of one row hold one share of the experts each (``num_experts / ep``,
 consecutive), and the ranks of one ``ep_replicate`` column hold the same experts. Each MoE module keeps only its
 local experts (a slice of the leading experts dimension of every parameter); its forward sends each token to the
@@ -33,11 +33,10 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import CPUOffloadPolicy, fully_shard
 
-from lightning_mm._collectives import average_in_place
-from lightning_mm._dtensor import local_tensor
-from lightning_mm.core import layout
+from lightning_mm._utils.distributed import average_in_place, local_tensor
+from lightning_mm.core import parallel_layout as layout
 from lightning_mm.core.module_state import expert_row_offset, keep_local_experts, replace_forward
-from lightning_mm.core.plan import ShardingPlan, ep_mesh_layout
+from lightning_mm.core.sharding_plan import ShardingPlan, ep_mesh_layout
 from lightning_mm.errors import LightningMMError
 
 __all__ = [

@@ -10,8 +10,8 @@ is here, and every other place asks :class:`IgnoredModules` rather than working 
 * the averaging of their trainable parameters' gradients over the ranks (:meth:`IgnoredModules.all_reduce_gradients`).
 
 Which paths are ignored (and so whole on every rank, in the memory estimate too) is the plan's data:
-``plan.ignored_modules`` and :meth:`~lightning_mm.core.plan.ShardingPlan.is_ignored`. Rank 0's initial values reach
-the other ranks with every other plain tensor that was materialised
+``plan.ignored_modules`` and :meth:`~lightning_mm.core.sharding_plan.ShardingPlan.is_ignored`. Rank 0's initial
+values reach the other ranks with every other plain tensor that was materialised
 (:func:`~lightning_mm.core.apply.broadcast_replicated`). Lightning-free.
 """
 
@@ -22,9 +22,9 @@ from typing import Any
 import torch
 from torch import nn
 
-from lightning_mm._collectives import average_in_place
+from lightning_mm._utils.distributed import average_in_place
 from lightning_mm.core.module_state import add_input_hook
-from lightning_mm.core.plan import ShardingPlan
+from lightning_mm.core.sharding_plan import ShardingPlan
 
 __all__ = ["IgnoredModules"]
 

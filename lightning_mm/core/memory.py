@@ -13,7 +13,7 @@ from dataclasses import dataclass
 
 from torch import nn
 
-from lightning_mm.core.plan import ShardingPlan
+from lightning_mm.core.sharding_plan import ShardingPlan
 
 __all__ = ["RankMemory", "per_rank_memory", "local_numel"]
 

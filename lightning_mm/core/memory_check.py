@@ -18,7 +18,7 @@ import torch
 from torch import nn
 
 from lightning_mm.core.memory import per_rank_memory
-from lightning_mm.core.plan import ShardingPlan
+from lightning_mm.core.sharding_plan import ShardingPlan
 from lightning_mm.errors import LightningMMError
 
 __all__ = ["ModelTooLargeError", "available_bytes", "check_parameters_fit"]

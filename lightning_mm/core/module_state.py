@@ -34,7 +34,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from lightning_mm._names import listing
+from lightning_mm._utils.suggestions import listing
 
 __all__ = [
     "ModuleChange",

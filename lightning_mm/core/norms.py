@@ -1,4 +1,4 @@
-"""The one test for "is a normalisation layer", used by the sharding plan (:mod:`lightning_mm.core.plan`: norms
+"""The one test for "is a normalisation layer", used by the sharding plan (:mod:`lightning_mm.core.sharding_plan`: norms
 beside the wrapped blocks join the aligned unit), the default plans (:mod:`lightning_mm.hf.default_plans`: a norm
 stays in the root unit) and weight initialisation (:mod:`lightning_mm.hf.mixins`: torch's norms get weight one,
 bias zero)."""

@@ -14,8 +14,8 @@ from dataclasses import dataclass
 
 from torch import nn
 
-from lightning_mm._module_paths import is_under
-from lightning_mm._names import nearest
+from lightning_mm._utils.modules import is_under
+from lightning_mm._utils.suggestions import nearest
 from lightning_mm.errors import ConfigError
 
 __all__ = [

@@ -2,7 +2,7 @@
 
 :class:`ShardedRun` owns what a run decides and what applying it leaves behind: which FSDP2 config is in force (the
 strategy's, the LightningModule's, or the default), the model's own defaults merged in, the precision policy, the
-:class:`~lightning_mm.core.plan.ShardingPlan`, the applied sharding (ignored modules, experts, norm groups,
+:class:`~lightning_mm.core.sharding_plan.ShardingPlan`, the applied sharding (ignored modules, experts, norm groups,
 prefetch) and the views checkpoints take of local experts. ``MMFSDP2Strategy`` is the Lightning lifecycle around
 one ``ShardedRun``; ``lightning-mm plan`` calls the same :func:`plan_run`, so the plan it prints is the plan the
 strategy builds.
@@ -21,10 +21,10 @@ from torch.distributed.fsdp import FSDPModule
 
 from lightning_mm.core import apply
 from lightning_mm.core.config import FSDP2Config
-from lightning_mm.core.layout import LayoutMeshes, config_layout
 from lightning_mm.core.memory_check import check_parameters_fit
-from lightning_mm.core.plan import ShardingPlan, build_plan
+from lightning_mm.core.parallel_layout import LayoutMeshes, config_layout
 from lightning_mm.core.precision_policy import PrecisionPolicy, resolve_precision_policy
+from lightning_mm.core.sharding_plan import ShardingPlan, build_plan
 from lightning_mm.errors import ConfigError, StateError
 
 if TYPE_CHECKING:
@@ -143,7 +143,7 @@ class ShardedRun:
         """The run's FSDP2 mesh over ``world_size`` ranks: ``config``'s ``sharding_size`` (HSDP when it is smaller
         than the data-parallel ranks; the config in force, :meth:`config_for`) over the ranks that
         ``tensor_parallel_size`` leaves, on ``device_type`` devices; kept as :attr:`mesh`. The layout is checked
-        here (:func:`~lightning_mm.core.layout.config_layout`; ``context_parallel_size``: the strategy's alias)
+        here (:func:`~lightning_mm.core.parallel_layout.config_layout`; ``context_parallel_size``: the strategy's alias)
         and its mesh builder kept as :attr:`meshes`, which every feature takes its mesh from."""
         self.meshes = LayoutMeshes(config_layout(config, world_size, context_parallel_size), device_type)
         self.mesh = self.meshes.data_parallel

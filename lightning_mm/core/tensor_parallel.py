@@ -17,7 +17,7 @@ from torch import nn
 
 from lightning_mm.core.chunked_loss import is_chunked_head
 from lightning_mm.core.config import TP_STYLES, FSDP2Config, FSDP2ConfigError
-from lightning_mm.core.layout import ParallelLayout
+from lightning_mm.core.parallel_layout import ParallelLayout
 
 __all__ = [
     "STYLES",

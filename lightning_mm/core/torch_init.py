@@ -25,7 +25,7 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 
 from lightning_mm._compat import local_offsets, reset_torch_layer
-from lightning_mm._dtensor import local_tensor
+from lightning_mm._utils.distributed import local_tensor
 
 __all__ = ["init_like_constructors", "init_module_like_constructor", "zero_row"]
 

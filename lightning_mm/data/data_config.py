@@ -18,7 +18,7 @@ Example::
                                     # '..', symlinks leading out); false: such a record is a bad record
 
 Every key is checked: an unknown key or a path that does not exist fails before training, naming the key. The
-file is read by the project's bounded safe loader (:mod:`lightning_mm._yaml`): duplicate keys, a top level that
+file is read by the project's bounded safe loader (:mod:`lightning_mm._utils.yaml_io`): duplicate keys, a top level that
 is not a mapping, non-UTF-8 bytes and alias bombs are errors naming the file.
 """
 
@@ -31,8 +31,8 @@ from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
-from lightning_mm._names import find_unknown_key
-from lightning_mm._yaml import load_mapping, short_repr
+from lightning_mm._utils.suggestions import find_unknown_key
+from lightning_mm._utils.yaml_io import load_mapping, short_repr
 from lightning_mm.errors import ConfigError, MissingFileError
 
 __all__ = ["DataConfig", "PreprocessConfig", "LoaderConfig", "DataConfigError", "check_mapping_keys"]

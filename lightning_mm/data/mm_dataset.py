@@ -9,7 +9,7 @@ import torch
 from PIL import Image
 
 from lightning_mm.data.data_config import DataConfigError, PreprocessConfig
-from lightning_mm.data.records import DataReport, Record
+from lightning_mm.data.record_files import DataReport, Record
 from lightning_mm.data.replacing import ReplacingDataset
 from lightning_mm.errors import ConfigError
 

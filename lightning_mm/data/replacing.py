@@ -7,7 +7,7 @@ number of batches and no collective waits on a missing one. Token-budget batches
 loader then calls :meth:`ReplacingDataset.limit_replacements` so that a replacement is taken among the records no
 longer than the one it replaces (by those lengths; any good record only when none is), and the batch keeps its budget.
 The failed record is counted once in the split's
-:class:`~lightning_mm.data.records.DataReport` with its ``file:line``, warned about, and not read again in this
+:class:`~lightning_mm.data.record_files.DataReport` with its ``file:line``, warned about, and not read again in this
 process; :data:`MAX_FAILURES_IN_A_ROW` failures for one index are a :class:`DataError` (something systematic, not one
 bad file), and so is the first failure in strict mode. With ``num_workers > 0`` this happens in the worker
 processes: each warns, but the main process's report does not see their counts.
@@ -21,7 +21,7 @@ from typing import Any
 
 from torch.utils.data import Dataset
 
-from lightning_mm.data.records import DataError, DataReport
+from lightning_mm.data.record_files import DataError, DataReport
 
 __all__ = ["ReplacingDataset", "MAX_FAILURES_IN_A_ROW"]
 

@@ -29,7 +29,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from lightning_mm.data.records import DataError
+from lightning_mm.data.record_files import DataError
 
 __all__ = ["MAX_SOURCE_SIDE", "read_frames", "probe_video", "decode_model_frames", "to_model_frames", "FrozenWanVAE"]
 

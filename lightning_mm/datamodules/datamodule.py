@@ -30,17 +30,17 @@ class MMDataModule(L.LightningDataModule):
     * ``data_config`` (or :meth:`from_config`) names a ``data.json``/YAML file describing sources, preprocessing
       and loading (see :mod:`lightning_mm.data.data_config`), or a MindSpeed MM data config
       (``dataset_param`` + ``dataloader_param``, at the top or under ``data:``; see
-      :mod:`lightning_mm.mindspeed.data_config`); bad records are skipped, counted and reported with file and
+      :mod:`lightning_mm.mindspeed.mindspeed_data`); bad records are skipped, counted and reported with file and
       line, or raise in strict mode.
 
     Lightning replaces the samplers so that every data-parallel rank sees distinct samples (FSDP and HSDP alike).
 
     Token-budget batches (``max_tokens_per_rank``): the training batches hold at most that many tokens per rank
     instead of ``batch_size`` samples, formed by sorting and first-fit filling within buffers of
-    ``packing_buffer_size`` samples (:mod:`lightning_mm.core.token_budget`); deterministic for ``seed``; every
+    ``packing_buffer_size`` samples (:mod:`lightning_mm.core.token_budget_plan`); deterministic for ``seed``; every
     data-parallel rank runs the same number of steps; resumable mid-epoch (also on another number of ranks).
     ``packing=True`` packs each batch's samples into one row without padding
-    (:class:`~lightning_mm.core.packing.PackedCollator`: samples never attend to each other, positions restart
+    (:class:`~lightning_mm.core.packed_rows.PackedCollator`: samples never attend to each other, positions restart
     per sample, no target crosses a boundary); without it batches are padded as usual and the budget counts the
     padding. Validation and test loaders keep ``batch_size``. MindSpeed MM's ``neat_packing`` (with
     ``cutoff_len`` as the budget) maps here.
@@ -105,7 +105,7 @@ class MMDataModule(L.LightningDataModule):
                 self.config = DataConfig.from_file(data_config)
                 settings.update({k: getattr(self.config.loader, k) for k in settings})
             else:
-                from lightning_mm.mindspeed.data_config import read_data_file
+                from lightning_mm.mindspeed.mindspeed_data import read_data_file
 
                 self.mindspeed_config = read_data_file(data_config)
                 assert self.mindspeed_config is not None  # the format was told above
@@ -148,7 +148,7 @@ class MMDataModule(L.LightningDataModule):
         self._check_loader_batch_size("given to MMDataModule")
 
     def _check_token_budget(self, batch_size: int | None) -> None:
-        from lightning_mm.core.packing import PackedCollator
+        from lightning_mm.core.packed_rows import PackedCollator
 
         budget = self.max_tokens_per_rank
         if budget is not None and (isinstance(budget, bool) or not isinstance(budget, int) or budget < 1):
@@ -168,7 +168,7 @@ class MMDataModule(L.LightningDataModule):
             )
         if self.packing and self._user_collate and not isinstance(self.collate_fn, PackedCollator):
             raise ConfigError(
-                "MMDataModule: packing=True packs with lightning_mm.core.packing.PackedCollator; a "
+                "MMDataModule: packing=True packs with lightning_mm.core.packed_rows.PackedCollator; a "
                 "collate_fn given with it must be one (e.g. PackedCollator(stack_keys=['images']))"
             )
 
@@ -185,7 +185,7 @@ class MMDataModule(L.LightningDataModule):
             self._splits = self._from_config()
             return
         if self.mindspeed_config is not None:
-            from lightning_mm.mindspeed.data_config import build_datasets
+            from lightning_mm.mindspeed.mindspeed_data import build_datasets
 
             self._splits, collate, self.reports = build_datasets(self.mindspeed_config)
             if self.collate_fn is None:
@@ -216,7 +216,7 @@ class MMDataModule(L.LightningDataModule):
 
     def _from_config(self) -> dict[str, Any]:
         from lightning_mm.data.mm_dataset import MMCollator, MMDataset, load_processor, load_tokenizer
-        from lightning_mm.data.records import DataError, read_records
+        from lightning_mm.data.record_files import DataError, read_records
 
         config = self.config
         assert config is not None
@@ -285,8 +285,8 @@ class MMDataModule(L.LightningDataModule):
         )
 
     def _token_budget_loader(self, data: Any, max_tokens: int) -> DataLoader:
-        from lightning_mm.core.packing import PackedCollator
-        from lightning_mm.datamodules.token_budget import TokenBudgetLoader, sample_lengths, vocab_size_of
+        from lightning_mm.core.packed_rows import PackedCollator
+        from lightning_mm.datamodules.token_budget_loader import TokenBudgetLoader, sample_lengths, vocab_size_of
 
         if isinstance(data, IterableDataset) or not hasattr(data, "__getitem__") or not hasattr(data, "__len__"):
             raise ConfigError(

@@ -6,8 +6,8 @@ Part of the Hugging Face layer (no Lightning). ``diffusers`` (the optional extra
 imported only when a diffusers model is built or resolved, never by ``import lightning_mm``.
 """
 
+from lightning_mm.diffusers.diffusers_hub import DiffusersHub
 from lightning_mm.diffusers.flow_matching import WanFlowMatchSchedule
-from lightning_mm.diffusers.hub import DiffusersHub
 from lightning_mm.diffusers.model import DiffusersModel, DiffusersModelConfig, DiffusersModelConfigError
 from lightning_mm.diffusers.wan_diffusion import WanDiffusion
 

@@ -17,7 +17,7 @@ import torch
 from diffusers.models import WanTransformer3DModel
 from torch import nn
 
-from lightning_mm._dtensor import local_tensor
+from lightning_mm._utils.distributed import local_tensor
 from lightning_mm.core.torch_init import init_like_constructors
 from lightning_mm.hf.mixins import FSDP2Mixin, WeightInitMixin
 from lightning_mm.hf.pending_weights import pending_pretrained

@@ -3,7 +3,7 @@
 The config (a dict, or an object whose attributes are the keys) has these keys:
 
 ``model_id``
-    The :class:`~lightning_mm.diffusers.hub.DiffusersHub` key (optional: else the config's ``_class_name``).
+    The :class:`~lightning_mm.diffusers.diffusers_hub.DiffusersHub` key (optional: else the config's ``_class_name``).
 ``init_from_path``
     A diffusers ``save_pretrained`` directory of the model (``config.json`` and ``diffusion_pytorch_model``
     safetensors): its config and weights are loaded (strictly).
@@ -38,8 +38,8 @@ from typing import Any
 import torch
 from torch import nn
 
-from lightning_mm._names import did_you_mean
-from lightning_mm.diffusers.hub import DiffusersHub
+from lightning_mm._utils.suggestions import did_you_mean
+from lightning_mm.diffusers.diffusers_hub import DiffusersHub
 from lightning_mm.diffusers.weights import diffusers_load_plan, read_diffusers_weights
 from lightning_mm.errors import ConfigError
 from lightning_mm.hf.config_fields import checked_fields

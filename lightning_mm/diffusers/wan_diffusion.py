@@ -83,7 +83,7 @@ class WanDiffusion(nn.Module, FSDP2Mixin):
 def mindspeed_fsdp2_config(config: str | os.PathLike | Mapping[str, Any]) -> dict[str, Any]:
     """A MindSpeed MM Wan ``fsdp2_config.yaml`` (a path, read safely, or its mapping) with its module paths
     mapped onto :class:`WanDiffusion` (see the module docstring). Other keys are kept as written."""
-    from lightning_mm._yaml import load_mapping
+    from lightning_mm._utils.yaml_io import load_mapping
 
     raw = load_mapping(config) if isinstance(config, (str, os.PathLike)) else dict(config)
     out = dict(raw)

@@ -15,8 +15,8 @@ from pathlib import Path
 from torch import nn
 
 from lightning_mm._compat import keys_to_ignore_on_load_unexpected
-from lightning_mm._tied import names_by_tensor
-from lightning_mm.checkpoint.errors import CheckpointMismatchError
+from lightning_mm._utils.modules import names_by_tensor
+from lightning_mm.checkpoint.checkpoint_errors import CheckpointMismatchError
 from lightning_mm.hf.pretrained_index import (
     LoadEntry,
     LoadPlan,

@@ -26,15 +26,15 @@ tokens are missing from ``input_ids`` fail only deep in the model, or not at all
   ``mm_token_type_ids`` or 3-D ``position_ids``; ``mm_token_type_ids`` must mark exactly the image (1) and video
   (2) placeholder tokens.
 
-* Packed rows (``position_ids`` that restart within a row, :mod:`lightning_mm.core.packing`): Transformers keeps the
+* Packed rows (``position_ids`` that restart within a row, :mod:`lightning_mm.core.packed_rows`): Transformers keeps the
   samples apart only without an ``attention_mask`` (it then derives a block-diagonal mask from the positions), so a
   packed row with one is refused, as is one without ``use_cache=False`` (with a key/value cache, created by default,
   Transformers assumes one sequence per row); a Qwen-VL model needs 4-D ``position_ids`` (text row first, then the
-  M-RoPE rows computed per sample: :func:`lightning_mm.hf.packing.packed_forward_inputs`), since from 2-D ones its
+  M-RoPE rows computed per sample: :func:`lightning_mm.hf.packed_inputs.packed_forward_inputs`), since from 2-D ones its
   decoder would attend across samples or fall back to 1-D image positions (3-D M-RoPE positions alone do not mark
   where samples start: Transformers, and this check, see one sample per row). A packed row with ``token_type_ids``
   (Gemma 3's bidirectional image masks) needs the per-sample masks of
-  :func:`lightning_mm.hf.packing.packed_block_masks` as its ``attention_mask``, and is refused for other models.
+  :func:`lightning_mm.hf.packed_inputs.packed_block_masks` as its ``attention_mask``, and is refused for other models.
   The varlen keys ``cu_seq_lens_q/k`` and
   ``max_length_q/k`` are read only by flash-attention: with another attention implementation they are refused (sdpa
   and eager would swallow them and attend across samples). Every layer of the language model must be of a kind that
@@ -309,7 +309,7 @@ _VARLEN_KEYS = ("cu_seq_lens_q", "cu_seq_lens_k", "max_length_q", "max_length_k"
 
 def _restarts_among_real_tokens(positions: torch.Tensor, mask: Any) -> bool:
     """Whether the positions of the tokens that ``mask`` keeps restart within a row (samples packed together)."""
-    from lightning_mm.core.packing import segment_ids
+    from lightning_mm.core.packed_rows import segment_ids
 
     if not isinstance(mask, torch.Tensor) or mask.ndim != 2:
         return True
@@ -324,7 +324,7 @@ def _restarts_among_real_tokens(positions: torch.Tensor, mask: Any) -> bool:
 
 
 def _check_packing(model: nn.Module, batch: Mapping[str, Any]) -> None:
-    from lightning_mm.core.packing import is_packed
+    from lightning_mm.core.packed_rows import is_packed
 
     name = type(model).__name__.removeprefix("FSDP")
     varlen = [k for k in _VARLEN_KEYS if batch.get(k) is not None]
@@ -338,7 +338,7 @@ def _check_packing(model: nn.Module, batch: Mapping[str, Any]) -> None:
     positions = _tensor(batch, "position_ids")
     if positions is None or positions.is_meta or not is_packed(positions):
         return
-    from lightning_mm.hf.packing import BLOCK_MASK_MODELS, PackedMasks
+    from lightning_mm.hf.packed_inputs import BLOCK_MASK_MODELS, PackedMasks
 
     mask = batch.get("attention_mask")
     config: Any = model.config  # a Transformers config
@@ -348,13 +348,14 @@ def _check_packing(model: nn.Module, batch: Mapping[str, Any]) -> None:
             f"the batch is packed and has token_type_ids, from which {name} builds masks over a whole row (e.g. "
             "each image's tokens seeing each other) that are not proven to keep packed samples apart"
             + (
-                ": TransformersModel computes its per-sample masks (lightning_mm.hf.packing.packed_forward_inputs)"
+                ": TransformersModel computes its per-sample masks "
+                "(lightning_mm.hf.packed_inputs.packed_forward_inputs)"
                 if block_masks
                 else ": train this model unpacked"
             )
         )
     if isinstance(mask, PackedMasks):
-        pass  # the per-sample masks of lightning_mm.hf.packing.packed_block_masks
+        pass  # the per-sample masks of lightning_mm.hf.packed_inputs.packed_block_masks
     elif mask is not None:
         if not _restarts_among_real_tokens(positions, mask):
             return  # positions that skip padding (generate's left-padded prompts): one sample per row
@@ -369,7 +370,7 @@ def _check_packing(model: nn.Module, batch: Mapping[str, Any]) -> None:
         raise BatchCheckError(
             f"the batch is packed (position_ids restart within a row) but the call does not set use_cache=False: "
             f"{name} would create a key/value cache, and Transformers keeps packed samples apart only without one "
-            "(TransformersModel sets it; for another model call lightning_mm.hf.packing.packed_forward_inputs)"
+            "(TransformersModel sets it; for another model call lightning_mm.hf.packed_inputs.packed_forward_inputs)"
         )
     if (
         _inner(model) is not None
@@ -379,8 +380,9 @@ def _check_packing(model: nn.Module, batch: Mapping[str, Any]) -> None:
         raise BatchCheckError(
             f"the batch is packed, but {name} computes M-RoPE positions and needs 4-D position_ids for a packed "
             f"row (the text positions, then the M-RoPE positions of each sample), got shape {tuple(positions.shape)}"
-            ": TransformersModel computes them (lightning_mm.hf.packing.install_packed_inputs); for another model "
-            "call lightning_mm.hf.packing.packed_forward_inputs(model, batch)"
+            ": TransformersModel computes them (lightning_mm.hf.packed_inputs.install_packed_inputs); for another "
+            "model "
+            "call lightning_mm.hf.packed_inputs.packed_forward_inputs(model, batch)"
         )
     from lightning_mm.hf.packing_layers import packing_refusal
 

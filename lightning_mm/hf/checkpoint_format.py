@@ -3,7 +3,7 @@ safetensors of a checkpoint, and the side files that make the checkpoint directo
 
 For a LightningModule holding one Transformers model (``TransformersModel``, an ``MMLightningModule`` whose
 ``model_provider`` returns a ``PreTrainedModel``), the names are the ones ``save_pretrained`` writes
-(:func:`lightning_mm.hf.export.hf_layout`: tied weights once, Transformers' save-time renames applied) and
+(:func:`lightning_mm.hf.hf_file_layout.hf_layout`: tied weights once, Transformers' save-time renames applied) and
 ``config.json`` (with the saved ``dtype``), ``generation_config.json`` and the tokenizer/processor files of the
 pretrained directory it was loaded from are written beside them. A module without a Transformers model keeps its
 state-dict names (plain safetensors, resumable, not a ``from_pretrained`` directory). Refused with a clear error:
@@ -32,14 +32,14 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from lightning_mm._names import listing
+from lightning_mm._utils.suggestions import listing
 from lightning_mm.checkpoint import hf_weights
+from lightning_mm.checkpoint.checkpoint_layout import KIND_WEIGHTS
 from lightning_mm.checkpoint.formats import CheckpointFormat, checkpoint_format
-from lightning_mm.checkpoint.layout import KIND_WEIGHTS
 from lightning_mm.checkpoint.writer import save
 from lightning_mm.errors import ConfigError
-from lightning_mm.hf.export import HFLayout, hf_layout
-from lightning_mm.hf.records import hf_records
+from lightning_mm.hf.checkpoint_records import hf_records
+from lightning_mm.hf.hf_file_layout import HFLayout, hf_layout
 
 if TYPE_CHECKING:
     from lightning_mm.checkpoint.source import CheckpointSource
@@ -83,7 +83,7 @@ class HFWeights:
 
 def _copy_side_files(pretrained: str | None, directory: Path) -> list[Path]:
     """The tokenizer and processor files of the pretrained directory (top-level ones), copied beside the weights."""
-    from lightning_mm.hf.convert import side_files
+    from lightning_mm.hf.dcp_conversion import side_files
 
     if pretrained is None or not Path(pretrained).is_dir():
         return []

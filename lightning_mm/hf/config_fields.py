@@ -6,7 +6,7 @@ import dataclasses
 from collections.abc import Mapping
 from typing import Any
 
-from lightning_mm._names import find_unknown_key
+from lightning_mm._utils.suggestions import find_unknown_key
 
 __all__ = ["checked_fields"]
 

@@ -11,7 +11,7 @@
   ``AttentionInterface``: an all-to-all to (whole sequence, ``heads / C``), the configured ``eager`` or ``sdpa``
   attention with a causal + padding mask of the whole sequence, and the inverse all-to-all. Every model whose
   decoder attention calls ``ALL_ATTENTION_FUNCTIONS`` is routed;
-* a packed row (``position_ids`` restarting per sample, :mod:`lightning_mm.core.packing`) splits like any
+* a packed row (``position_ids`` restarting per sample, :mod:`lightning_mm.core.packed_rows`) splits like any
   sequence: the attention's mask of the whole sequence is then also block-diagonal over its samples;
 * a layer with state along the sequence of :data:`~lightning_mm.hf.packing_layers.PER_SAMPLE_CLASSES` (Gated
   DeltaNet: Qwen3.5, Qwen3.5-MoE, Qwen3-Next) gets a wrapped ``forward``
@@ -60,7 +60,7 @@ from lightning_mm.core.context_parallel import (
     split_sequence,
 )
 from lightning_mm.core.module_state import replace_forward
-from lightning_mm.core.packing import is_packed, segment_ids
+from lightning_mm.core.packed_rows import is_packed, segment_ids
 from lightning_mm.core.ring_attention import (
     kv_allgather_attention,
     zigzag_causal_mask,

@@ -40,8 +40,8 @@ from typing import Any, cast
 from torch import nn
 
 from lightning_mm._compat import no_split_modules, tied_weights_keys
-from lightning_mm._module_paths import is_under, is_under_any
-from lightning_mm._names import listing
+from lightning_mm._utils.modules import is_under, is_under_any
+from lightning_mm._utils.suggestions import listing
 from lightning_mm.core.config import FSDP2ConfigError
 from lightning_mm.core.norms import is_norm
 from lightning_mm.core.patterns import PatternError, names_inside, names_or_contains, resolve_patterns

@@ -20,8 +20,8 @@ from __future__ import annotations
 from typing import Any
 
 from lightning_mm.errors import InputTypeError
-from lightning_mm.hf.hub import ModelHub, ModelHubError
 from lightning_mm.hf.mixins import FSDP2Mixin, WeightInitMixin
+from lightning_mm.hf.model_hub import ModelHub, ModelHubError
 
 __all__ = ["derived_adapter", "transformers_architecture", "resolve_model_class", "is_derived", "DERIVED"]
 

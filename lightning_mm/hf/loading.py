@@ -26,9 +26,9 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 
 from lightning_mm._compat import local_offsets
-from lightning_mm._dtensor import local_tensor
-from lightning_mm._safetensors import DTYPES
-from lightning_mm.checkpoint.errors import CheckpointIntegrityError, CheckpointMismatchError
+from lightning_mm._utils.distributed import local_tensor
+from lightning_mm._utils.safetensors_index import DTYPES
+from lightning_mm.checkpoint.checkpoint_errors import CheckpointIntegrityError, CheckpointMismatchError
 from lightning_mm.errors import StateError
 from lightning_mm.hf.pretrained_index import LoadEntry, LoadPlan, TensorInfo
 

@@ -52,8 +52,8 @@ from typing import Any, Literal, cast
 import torch
 from torch import nn
 
-from lightning_mm._dtensor import local_tensor
-from lightning_mm._module_paths import enclosing
+from lightning_mm._utils.distributed import local_tensor
+from lightning_mm._utils.modules import enclosing
 from lightning_mm.errors import ConfigError, StateError
 from lightning_mm.hf.config_fields import checked_fields
 from lightning_mm.hf.pending_weights import pending_pretrained, set_pending_lora
@@ -445,13 +445,13 @@ the function evaluated from the weights is the same, and changing it between run
 ``lora_ga_config``: a resume reads the values), ``seed``, and bookkeeping (``task_type``, ``inference_mode``,
 ``base_model_name_or_path``, ``revision``, ``peft_version``, the Megatron layer settings)."""
 
-_RECORD = "lora"  # the checkpoint record's name (``lightning_mm.checkpoint.records``)
+_RECORD = "lora"  # the checkpoint record's name (``lightning_mm.checkpoint.record_providers``)
 
 
 def lora_records(root: nn.Module) -> dict[str, dict[str, Any]]:
     """``{module path: its adapters' FUNCTION_SETTINGS}`` for every top-most module with LoRA adapters (a
     ``peft_config``), as JSON-able data: what a checkpoint records to check a resume (``{}`` without adapters)."""
-    from lightning_mm.hf.records import lora_record
+    from lightning_mm.hf.checkpoint_records import lora_record
 
     out: dict[str, dict[str, Any]] = {}
     for name, module in root.named_modules():

@@ -23,12 +23,12 @@ from typing import Any
 import torch
 from torch import nn
 
-from lightning_mm._rank_zero import is_rank_zero
-from lightning_mm._transformers_class import transformers_class
-from lightning_mm.checkpoint.errors import CheckpointMismatchError
+from lightning_mm._utils.distributed import is_rank_zero
+from lightning_mm._utils.modules import transformers_class
+from lightning_mm.checkpoint.checkpoint_errors import CheckpointMismatchError
 from lightning_mm.errors import ConfigError
+from lightning_mm.hf.checkpoint_records import lora_record  # what checkpoints record of the adapters
 from lightning_mm.hf.lora import ADAPTER_NAME
-from lightning_mm.hf.records import lora_record  # what checkpoints record of the adapters
 
 __all__ = [
     "lora_record",
@@ -167,9 +167,9 @@ def save_merged_model(model: nn.Module, directory: str | Path) -> Path:
 
 def checkpoint_lora(src: str | Path, prefix: str | None = None) -> dict[str, Any] | None:
     """The ``LoraConfig`` a checkpoint recorded for its Hugging Face model, or ``None`` (no adapters, no record)."""
-    from lightning_mm.checkpoint.layout import EXTRA_KEY
+    from lightning_mm.checkpoint.checkpoint_layout import EXTRA_KEY
     from lightning_mm.checkpoint.source import open_source
-    from lightning_mm.hf.records import choose_record
+    from lightning_mm.hf.checkpoint_records import choose_record
 
     try:
         record = choose_record((open_source(src).meta.get(EXTRA_KEY) or {}).get("hf") or [], prefix, str(src))
@@ -196,10 +196,10 @@ def dcp_to_hf_merged(
     import transformers
 
     from lightning_mm.checkpoint import atomic
+    from lightning_mm.checkpoint.checkpoint_layout import EXTRA_KEY, model_key
     from lightning_mm.checkpoint.consolidate import check_output
-    from lightning_mm.checkpoint.layout import EXTRA_KEY, model_key
     from lightning_mm.checkpoint.source import open_source
-    from lightning_mm.hf.records import choose_record
+    from lightning_mm.hf.checkpoint_records import choose_record
 
     out = Path(out_dir)
     check_output(out, force, kind="hf")

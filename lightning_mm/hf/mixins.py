@@ -14,7 +14,7 @@ import torch
 from torch import nn
 
 from lightning_mm._compat import clear_hf_init_flags, share_experts_kernels_with_base
-from lightning_mm._dtensor import local_tensor
+from lightning_mm._utils.distributed import local_tensor
 from lightning_mm.core.norms import is_norm
 from lightning_mm.core.torch_init import init_module_like_constructor, zero_row
 from lightning_mm.errors import StateError
@@ -112,7 +112,7 @@ class FSDP2Mixin:
         """
         from torch.distributed.fsdp import fully_shard
 
-        from lightning_mm.core.plan import build_plan
+        from lightning_mm.core.sharding_plan import build_plan
 
         assert isinstance(self, nn.Module) and fsdp2_kwargs is not None and fsdp2_config is not None
         plan = build_plan(fsdp2_config, self, fsdp2_kwargs["mesh"].size())

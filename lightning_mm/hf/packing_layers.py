@@ -44,7 +44,7 @@ import torch
 from torch import Tensor, nn
 
 from lightning_mm.core.module_state import add_input_hook, replace_forward
-from lightning_mm.core.packing import is_packed, segment_ids
+from lightning_mm.core.packed_rows import is_packed, segment_ids
 from lightning_mm.errors import DataError
 
 __all__ = [
@@ -254,7 +254,7 @@ def packing_refusal(model: nn.Module) -> str | None:
         return (
             f"layer {full} ({name}) carries state along the sequence, and its per-sample path is not "
             "installed: build the model with TransformersModel, or call "
-            "lightning_mm.hf.packing.install_packed_inputs(model)"
+            "lightning_mm.hf.packed_inputs.install_packed_inputs(model)"
         )
     if layer.kind == "state":
         return _state_refusal(full, name)

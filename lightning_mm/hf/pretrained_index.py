@@ -24,13 +24,12 @@ from torch import nn
 if TYPE_CHECKING:
     from transformers import PreTrainedModel
 
-from lightning_mm import _safetensors
 from lightning_mm._compat import keys_to_ignore_on_load_unexpected
-from lightning_mm._files import model_file
-from lightning_mm._names import listing
-from lightning_mm._tied import names_by_tensor
-from lightning_mm._transformers_class import transformers_class
-from lightning_mm.checkpoint.errors import CheckpointError, CheckpointIntegrityError, CheckpointMismatchError
+from lightning_mm._utils import safetensors_index as _safetensors
+from lightning_mm._utils.model_files import model_file
+from lightning_mm._utils.modules import names_by_tensor, transformers_class
+from lightning_mm._utils.suggestions import listing
+from lightning_mm.checkpoint.checkpoint_errors import CheckpointError, CheckpointIntegrityError, CheckpointMismatchError
 
 __all__ = [
     "CheckpointError",

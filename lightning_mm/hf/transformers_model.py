@@ -54,9 +54,9 @@ import torch
 from torch import nn
 
 from lightning_mm._compat import set_attn_implementation
-from lightning_mm._files import model_file
-from lightning_mm._module_paths import enclosing
-from lightning_mm._names import did_you_mean
+from lightning_mm._utils.model_files import model_file
+from lightning_mm._utils.modules import enclosing
+from lightning_mm._utils.suggestions import did_you_mean
 from lightning_mm.errors import ConfigError, StateError
 from lightning_mm.hf.batch_check import install_batch_check
 from lightning_mm.hf.config_fields import checked_fields
@@ -64,7 +64,7 @@ from lightning_mm.hf.derived_adapters import resolve_model_class
 from lightning_mm.hf.loading import load_into_meta_model, load_local_shards
 from lightning_mm.hf.meta_build import build_on_meta
 from lightning_mm.hf.mixins import FSDP2Mixin, WeightInitMixin
-from lightning_mm.hf.packing import install_packed_inputs
+from lightning_mm.hf.packed_inputs import install_packed_inputs
 from lightning_mm.hf.pending_weights import set_pending_pretrained
 from lightning_mm.hf.pretrained_index import LoadPlan, SafetensorsIndex, build_load_plan
 

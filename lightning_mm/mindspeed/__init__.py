@@ -2,5 +2,5 @@
 
 Lightning-free; above :mod:`lightning_mm.core`, :mod:`lightning_mm.checkpoint`, :mod:`lightning_mm.hf`,
 :mod:`lightning_mm.diffusers` and :mod:`lightning_mm.data`. The entry is :mod:`lightning_mm.mindspeed.load`; the data
-config readers (:mod:`~lightning_mm.mindspeed.data_config` and the datasets it builds) are the DataModule's.
+config readers (:mod:`~lightning_mm.mindspeed.mindspeed_data` and the datasets it builds) are the DataModule's.
 """

@@ -15,8 +15,8 @@ from typing import Any
 
 from PIL import Image
 
-from lightning_mm._yaml import short_repr
-from lightning_mm.data.records import DataReport, iter_raw_records
+from lightning_mm._utils.yaml_io import short_repr
+from lightning_mm.data.record_files import DataReport, iter_raw_records
 from lightning_mm.data.replacing import ReplacingDataset
 from lightning_mm.errors import DataError
 

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 from typing import Any
 
-from lightning_mm._rank_zero import rank_zero_info, rank_zero_warn
+from lightning_mm._utils.distributed import rank_zero_info, rank_zero_warn
 from lightning_mm.data.data_config import check_mapping_keys
-from lightning_mm.data.records import DataError, DataReport
+from lightning_mm.data.record_files import DataError, DataReport
 
 __all__ = ["check_keys", "strict_or_warn"]
 

@@ -22,7 +22,7 @@ by the frozen ``AutoencoderKLWan`` saved at ``vae_path`` with ``preprocess_param
 ``frame_interval``, ``max_height`` and ``max_width`` (:mod:`lightning_mm.data.wan_video`).
 
 Bad records are found when the dataset is set up and skipped with their ``file:line`` in the split's
-:class:`~lightning_mm.data.records.DataReport` (an error in strict mode), as on the other data paths: a line
+:class:`~lightning_mm.data.record_files.DataReport` (an error in strict mode), as on the other data paths: a line
 that is not JSON, a feature file or video that is missing or outside ``data_folder``, and a video that the probe
 of :func:`~lightning_mm.data.wan_video.probe_video` refuses (empty, undecodable, fewer frames than
 ``num_frames`` needs, frames larger than ``MAX_SOURCE_SIDE``). A record that still fails when it is read (a stream
@@ -40,10 +40,10 @@ from typing import Any
 
 import torch
 
-from lightning_mm._rank_zero import rank_zero_info
+from lightning_mm._utils.distributed import rank_zero_info
 from lightning_mm.checkpoint.safe import load_weights_only
 from lightning_mm.data.data_config import DataConfigError
-from lightning_mm.data.records import DataError, DataReport
+from lightning_mm.data.record_files import DataError, DataReport
 from lightning_mm.data.replacing import ReplacingDataset
 from lightning_mm.errors import ConfigError
 from lightning_mm.mindspeed.data_keys import check_keys, strict_or_warn

@@ -6,7 +6,7 @@ import json
 from pathlib import Path
 from typing import Any
 
-from lightning_mm._yaml import load_mapping
+from lightning_mm._utils.yaml_io import load_mapping
 from lightning_mm.mindspeed.keys import MindSpeedConfigError
 from lightning_mm.mindspeed.launch_script import read_text_file
 

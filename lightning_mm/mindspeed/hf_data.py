@@ -14,10 +14,10 @@ from typing import Any
 
 from torch.utils.data import Dataset
 
-from lightning_mm._rank_zero import rank_zero_info
-from lightning_mm._yaml import load_mapping, short_repr
+from lightning_mm._utils.distributed import rank_zero_info
+from lightning_mm._utils.yaml_io import load_mapping, short_repr
 from lightning_mm.data.data_config import DataConfigError
-from lightning_mm.data.records import DataError, DataReport
+from lightning_mm.data.record_files import DataError, DataReport
 from lightning_mm.mindspeed.chat_dataset import ChatAttr, ChatDataset, read_chat_records
 from lightning_mm.mindspeed.data_keys import check_keys, strict_or_warn
 from lightning_mm.mindspeed.keys import KeyReader

@@ -14,8 +14,8 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from lightning_mm._names import find_unknown_key
-from lightning_mm._yaml import short_repr
+from lightning_mm._utils.suggestions import find_unknown_key
+from lightning_mm._utils.yaml_io import short_repr
 from lightning_mm.errors import LightningMMError
 
 __all__ = ["MindSpeedConfigError", "KeyReader", "expected_number", "read_number", "shown_bound"]

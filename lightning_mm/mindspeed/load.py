@@ -89,7 +89,7 @@ def data_section(content: Mapping[str, Any]) -> tuple[Mapping[str, Any], str] | 
 def data_file_format(path: str | os.PathLike, error: type[Exception]) -> Literal["mindspeed", "lightning-mm"]:
     """``MMDataModule(data_config=path)``: a MindSpeed MM data config (see :func:`data_section`) or this project's
     own; a file that is not YAML with a mapping at the top is ``error`` naming it."""
-    from lightning_mm._yaml import load_mapping
+    from lightning_mm._utils.yaml_io import load_mapping
 
     path = Path(path)
     if not path.is_file():
@@ -101,7 +101,7 @@ def require_lightning_mm_config(path: str | os.PathLike, command: str) -> None:
     """``lightning-mm <command> --config path``: a file of MindSpeed MM's (a launch script, its single or
     native-route YAML, a component config) is an error telling to migrate it first; this project's own config, or a
     file that cannot be read here, is left to LightningCLI."""
-    from lightning_mm._yaml import load_mapping
+    from lightning_mm._utils.yaml_io import load_mapping
 
     path = Path(path)
     if not path.is_file():
@@ -132,7 +132,7 @@ def fsdp2_config(value: FSDP2Config | Mapping[str, Any] | str | os.PathLike | No
     """``MMFSDP2Strategy(fsdp2_config=...)``: this project's FSDP2 config (a config, a dict, a YAML path; ``None``
     is the defaults) or MindSpeed MM's native ``parallel:`` section, whole native config or its file
     (:func:`~lightning_mm.mindspeed.native_parallel.fsdp2_config_from_native`)."""
-    from lightning_mm._yaml import load_mapping
+    from lightning_mm._utils.yaml_io import load_mapping
     from lightning_mm.core.config import FSDP2ConfigError
     from lightning_mm.mindspeed.native_parallel import fsdp2_config_from_native, native_layout
 

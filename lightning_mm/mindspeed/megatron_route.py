@@ -263,7 +263,7 @@ def _map_combined(state: FlagState, world: int | None) -> None:
         )
         cp = values.get("cp", 1)
         if world:
-            from lightning_mm._global_batch import accumulation_for
+            from lightning_mm._utils.global_batch_math import accumulation_for
             from lightning_mm.errors import ConfigError
 
             try:

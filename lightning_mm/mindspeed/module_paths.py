@@ -21,7 +21,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from lightning_mm._yaml import ConfigFileError, load_mapping
+from lightning_mm._utils.yaml_io import ConfigFileError, load_mapping
 
 __all__ = ["PATH_KEYS", "PathMap", "FAMILIES", "family_of", "translate", "translate_keys", "translate_fsdp2_config"]
 

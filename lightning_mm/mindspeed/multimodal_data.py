@@ -34,10 +34,10 @@ import torch
 from PIL import Image
 from torch.utils.data import ConcatDataset, Dataset
 
-from lightning_mm._names import find_unknown_key
-from lightning_mm._yaml import short_repr
+from lightning_mm._utils.suggestions import find_unknown_key
+from lightning_mm._utils.yaml_io import short_repr
 from lightning_mm.data.data_config import DataConfigError
-from lightning_mm.data.records import DataError, DataReport, iter_raw_records
+from lightning_mm.data.record_files import DataError, DataReport, iter_raw_records
 from lightning_mm.data.replacing import ReplacingDataset
 from lightning_mm.hf.internvl_conversation import (
     IGNORE_INDEX,

@@ -42,8 +42,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from lightning_mm._names import find_unknown_key
-from lightning_mm._yaml import short_repr
+from lightning_mm._utils.suggestions import find_unknown_key
+from lightning_mm._utils.yaml_io import short_repr
 from lightning_mm.core.config import FSDP2Config, FSDP2ConfigError
 from lightning_mm.mindspeed.keys import KeyReader
 

@@ -13,13 +13,13 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 from torch import nn
 
 from lightning_mm._compat import attached_trainer, should_update_logs
-from lightning_mm.core.flops import StepFlops
+from lightning_mm.core.flop_formulas import StepFlops
 from lightning_mm.core.grad_clip import total_grad_norm
 from lightning_mm.core.optimizer import group_by_sharding
 from lightning_mm.core.recompute import is_recomputed
 from lightning_mm.errors import ConfigError, InputKeyError, InputTypeError, StateError
 from lightning_mm.hf.batch_check import BatchCheck, has_batch_check
-from lightning_mm.hf.flops import FlopCounter, UnsupportedFlopsModel
+from lightning_mm.hf.transformers_flops import FlopCounter, UnsupportedFlopsModel
 from lightning_mm.modules.seed_functions import SeedFunctions, resolve_callable
 from lightning_mm.modules.throughput import MMThroughputMonitor
 from lightning_mm.strategies.precision import MMFSDP2Precision
@@ -74,7 +74,7 @@ class MMLightningModule(L.LightningModule):
             norm clipping under ``MMFSDP2Strategy``).
         log_throughput: add Lightning's ``ThroughputMonitor`` (unless the Trainer has one already).
         peak_tflops: the device's peak in TFLOP/s for ``train/mfu`` (``None``: the dense bf16 peak of the table in
-            :mod:`lightning_mm.core.flops` for an H100, H200, B200, A100 or Ascend 910B/910C; no MFU on CPU).
+            :mod:`lightning_mm.core.flop_formulas` for an H100, H200, B200, A100 or Ascend 910B/910C; no MFU on CPU).
         enable_chunk_loss: compute the default loss (the Transformers model's own, from ``labels``) in chunks of
             ``chunk_loss_size`` tokens from the final hidden states and the output layer's weight, without the
             ``[tokens, vocab]`` logits; loss and gradients equal the unchunked loss
@@ -91,7 +91,8 @@ class MMLightningModule(L.LightningModule):
     rank, the global ``train/samples_per_sec`` and ``train/items_per_sec`` (the device rates times the world size).
     For a Transformers model the monitor also logs ``train/tokens_per_sec`` and ``train/target_tokens_per_sec``
     (and per device), ``train/tflops_per_device``, ``train/hardware_tflops_per_device`` and, where a peak is known,
-    ``train/mfu`` and ``train/hfu``, from the FLOPs :class:`~lightning_mm.hf.flops.FlopCounter` counts for each batch
+    ``train/mfu`` and ``train/hfu``, from the FLOPs :class:`~lightning_mm.hf.transformers_flops.FlopCounter` counts
+    for each batch
     (:mod:`lightning_mm.modules.throughput`; docs/hf-models.md). Set ``flops_per_batch`` yourself (e.g. with
     ``lightning.fabric.utilities.throughput.measure_flops``) for another model; it then wins.
     """
@@ -301,7 +302,8 @@ class MMLightningModule(L.LightningModule):
         ]
 
     def step_flops(self, batch: Any) -> StepFlops | None:
-        """The FLOPs of a training step over ``batch`` (:class:`~lightning_mm.hf.flops.FlopCounter`), ``None``
+        """The FLOPs of a training step over ``batch`` (:class:`~lightning_mm.hf.transformers_flops.FlopCounter`),
+        ``None``
         for a model without a formula or a batch without ``input_ids``; sets ``flops_per_batch`` to its model FLOPs
         unless it was set otherwise."""
         counter = self._counter()

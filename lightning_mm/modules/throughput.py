@@ -5,10 +5,11 @@ per-stage ``Throughput`` meters are :class:`TokenThroughput`: Lightning's metric
 
 * ``tokens_per_sec`` / ``device/tokens_per_sec``: the batches' tokens (non-padding ``input_ids``), and
   ``target_tokens_per_sec`` / ``device/target_tokens_per_sec``: those trained on (``labels != -100``);
-* ``tflops_per_device``: model FLOPs (:mod:`lightning_mm.hf.flops`: forward and backward as trained, recomputation
+* ``tflops_per_device``: model FLOPs (:mod:`lightning_mm.hf.transformers_flops`: forward and backward as trained,
+recomputation
   left out) per second per device, in TFLOP/s, and ``hardware_tflops_per_device`` (with recomputation);
 * ``mfu`` (model FLOPs) and ``hfu`` (hardware FLOPs) as fractions of the device's dense bf16 peak
-  (:data:`lightning_mm.core.flops.PEAK_TFLOPS`, or the ``peak_tflops`` given); absent when no peak is known
+  (:data:`lightning_mm.core.flop_formulas.PEAK_TFLOPS`, or the ``peak_tflops`` given); absent when no peak is known
   (a CPU, an unlisted device) and none is given.
 
 The counts are those of rank 0's batches, taken as every rank's (Lightning's convention). Under context
@@ -31,9 +32,9 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_only
 from typing_extensions import override
 
 from lightning_mm._compat import throughput_meters
-from lightning_mm.core.flops import StepFlops, peak_tflops
+from lightning_mm.core.flop_formulas import StepFlops, peak_tflops
 from lightning_mm.errors import ConfigError
-from lightning_mm.hf.flops import target_tokens
+from lightning_mm.hf.transformers_flops import target_tokens
 
 __all__ = ["MMThroughputMonitor", "TokenThroughput", "device_peak_tflops"]
 

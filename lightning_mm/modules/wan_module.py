@@ -33,14 +33,14 @@ from torch import nn
 from typing_extensions import override
 
 from lightning_mm._compat import attached_trainer
-from lightning_mm._names import did_you_mean
-from lightning_mm.core.flops import StepFlops
-from lightning_mm.diffusers.flops import WanFlopCounter
+from lightning_mm._utils.suggestions import did_you_mean
+from lightning_mm.core.flop_formulas import StepFlops
 from lightning_mm.diffusers.flow_matching import FlowMatchSample, WanFlowMatchSchedule, draw, draw_generator
 from lightning_mm.diffusers.model import DiffusersModel, DiffusersModelConfig
 from lightning_mm.diffusers.wan_diffusion import WanDiffusion, mindspeed_fsdp2_config
+from lightning_mm.diffusers.wan_flops import WanFlopCounter
 from lightning_mm.errors import ConfigError, DataError, InputKeyError, InputTypeError, StateError
-from lightning_mm.hf.flops import UnsupportedFlopsModel
+from lightning_mm.hf.transformers_flops import UnsupportedFlopsModel
 from lightning_mm.modules.lightning_module import MMLightningModule
 
 __all__ = ["MMWanModule", "WAN_BATCH_KEYS"]
@@ -137,7 +137,7 @@ class MMWanModule(MMLightningModule):
     # ----------------------------------------------------------------------------------------- FLOPs
     @override
     def step_flops(self, batch: Any) -> StepFlops | None:
-        """The FLOPs of a training step over ``batch`` (:class:`~lightning_mm.diffusers.flops.WanFlopCounter`:
+        """The FLOPs of a training step over ``batch`` (:class:`~lightning_mm.diffusers.wan_flops.WanFlopCounter`:
         its ``latents`` shape and ``prompt_embeds`` / ``image_embeds`` lengths), ``None`` for a model without a Wan
         ``predictor`` or when ``flops_per_batch`` is the user's own; sets ``flops_per_batch`` to its model FLOPs."""
         counter = self._wan_counter()

@@ -18,7 +18,7 @@ from lightning_mm.core.context_parallel import (
     canonical_algorithm,
     context_parallel_plan,
 )
-from lightning_mm.core.layout import LayoutMeshes, context_parallel_algorithm
+from lightning_mm.core.parallel_layout import LayoutMeshes, context_parallel_algorithm
 
 __all__ = ["ContextParallelSetup"]
 

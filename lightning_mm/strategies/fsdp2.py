@@ -36,10 +36,10 @@ from lightning_mm._compat import _PATH, _sync_ddp_if_available, attached_trainer
 from lightning_mm.core.config import FSDP2Config
 from lightning_mm.core.grad_mode import leave_inference_mode, outside_inference_mode
 from lightning_mm.core.init_context import meta_parameters
-from lightning_mm.core.layout import config_layout
 from lightning_mm.core.optimizer import FusedSteps
-from lightning_mm.core.plan import ShardingPlan
+from lightning_mm.core.parallel_layout import config_layout
 from lightning_mm.core.sharded_run import PlannedRun, ShardedRun, data_parallel_sampler_kwargs, plan_run
+from lightning_mm.core.sharding_plan import ShardingPlan
 from lightning_mm.errors import InputTypeError, StateError
 from lightning_mm.strategies import setup_checks, stopping
 from lightning_mm.strategies.checkpoints import StrategyCheckpoints
@@ -380,7 +380,7 @@ class MMFSDP2Strategy(ParallelStrategy):
         self._context_parallel.apply(root, planned.target)
         self.sharded_run.apply(root, planned, self.device_mesh, self.root_device)
         if planned.config.encoder_dp_balance:  # after recomputation and sharding: the outermost tower forward
-            from lightning_mm.hf.vision_balance import enable_from_config
+            from lightning_mm.hf.vision_tower_balance import enable_from_config
 
             enable_from_config(planned.target, planned.config)
         if isinstance(self.precision_plugin, MMFSDP2Precision):  # gradient norms: local experts summed over EP

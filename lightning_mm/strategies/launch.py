@@ -5,7 +5,8 @@ Lightning resolves ``ckpt_path="last"`` to the newest ``last*.ckpt`` of the Mode
 ``OnExceptionCheckpoint`` path). When none exists it warns and starts from scratch, which is right before the first
 run. A ``last`` link whose checkpoint was deleted is another matter: Lightning cannot follow it, warns the same
 way, and a resumed run silently trains from step 0. :func:`dangling_last_link` finds that case; the launchers here
-refuse it in one line (:class:`~lightning_mm.checkpoint.errors.CheckpointNotFoundError`) before anything starts.
+refuse it in one line (:class:`~lightning_mm.checkpoint.checkpoint_errors.CheckpointNotFoundError`) before anything
+starts.
 
 Lightning calls ``strategy.launcher.launch(trainer_fn, *args, trainer=...)`` first in each of those calls, with
 ``ckpt_path`` among the arguments, which is the only place where the value given by the user can be seen. The
@@ -28,7 +29,7 @@ from lightning.pytorch.callbacks import ModelCheckpoint, OnExceptionCheckpoint
 from typing_extensions import override
 
 from lightning_mm._compat import _Launcher, _SubprocessScriptLauncher, last_checkpoints
-from lightning_mm.checkpoint.errors import CheckpointNotFoundError
+from lightning_mm.checkpoint.checkpoint_errors import CheckpointNotFoundError
 from lightning_mm.checkpoint.remote import is_url
 from lightning_mm.errors import ConfigError
 

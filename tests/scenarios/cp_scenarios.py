@@ -136,7 +136,7 @@ def qwen3_3heads_provider() -> torch.nn.Module:
 
 def packed_collate(samples: list[dict[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
     """The samples packed into one row by the project's ``PackedCollator``, with their indices."""
-    from lightning_mm.core.packing import PackedCollator
+    from lightning_mm.core.packed_rows import PackedCollator
 
     indices = torch.stack([s["index"] for s in samples])
     batch = PackedCollator()([{k: v for k, v in s.items() if k != "index"} for s in samples])

@@ -59,7 +59,7 @@ def sliced_load(name: str, fsdp2: dict, outdir: Path, ckptdir: Path) -> None:
     from lightning_mm.core.apply import apply_plan, build_device_mesh
     from lightning_mm.core.config import FSDP2Config
     from lightning_mm.core.init_context import meta_parameters
-    from lightning_mm.core.plan import build_plan
+    from lightning_mm.core.sharding_plan import build_plan
     from lightning_mm.modules import TransformersModel
     from tests.helpers.derive_models import ARCHITECTURES
 

@@ -466,7 +466,7 @@ def memory_accounting(outdir: str) -> None:
     """Bytes of parameters, gradients and AdamW state each rank really holds, next to ``per_rank_memory``."""
     from lightning_mm import FSDP2Config
     from lightning_mm.core.memory import per_rank_memory
-    from lightning_mm.core.plan import build_plan
+    from lightning_mm.core.sharding_plan import build_plan
 
     config = {"sharding_size": "auto", "sub_modules_to_wrap": ["layers.{*}", "head"], "ignored_modules": ["vision"]}
     with torch.device("meta"):

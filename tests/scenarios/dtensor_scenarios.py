@@ -16,13 +16,14 @@ from tests.helpers.scenario_kit import scenario, write_result  # noqa: E402
 
 @scenario
 def local_tensor_of_a_dtensor(workdir: Path) -> None:
-    """``lightning_mm._dtensor.local_tensor`` of a DTensor sharded over a 1-rank mesh: a plain tensor, the whole."""
+    """``lightning_mm._utils.distributed.local_tensor`` of a DTensor sharded over a 1-rank mesh: a plain tensor, the
+    whole."""
     import torch
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor import Shard, distribute_tensor
 
-    from lightning_mm._dtensor import local_tensor
+    from lightning_mm._utils.distributed import local_tensor
 
     dist.init_process_group("gloo", init_method="tcp://127.0.0.1:0", rank=0, world_size=1)
     full = torch.arange(6.0).reshape(3, 2)

@@ -241,7 +241,7 @@ def _family(family: str, ckptdir: str, outdir: str, resume: bool) -> None:
             result["merged_has_lora_keys"] = any("lora" in n or "base_layer" in n for n in merged.state_dict())
     trainer.strategy.barrier()
     if rank == 0:
-        from lightning_mm.commands.convert import main as convert_main
+        from lightning_mm.commands.convert_command import main as convert_main
 
         result["convert_unmerged_rc"] = convert_main(
             ["dcp-to-hf", str(work / "ckpt" / "step=4.ckpt"), str(work / "unmerged")]

@@ -30,7 +30,7 @@ ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 
 from lightning_mm import MMDataModule, MMFSDP2Strategy  # noqa: E402
-from lightning_mm.core.packing import IGNORE_INDEX, block_causal_mask, segment_ids  # noqa: E402
+from lightning_mm.core.packed_rows import IGNORE_INDEX, block_causal_mask, segment_ids  # noqa: E402
 from tests.helpers import scenario_kit  # noqa: E402
 from tests.helpers.scenario_kit import scenario  # noqa: E402
 
@@ -184,7 +184,7 @@ def context_parallel_step(outdir: str, model_dir: str) -> None:
     from torch.distributed.tensor import DTensor
 
     from lightning_mm import MMLightningModule
-    from lightning_mm.core.packing import PackedCollator
+    from lightning_mm.core.packed_rows import PackedCollator
     from lightning_mm.modules import TransformersModel
     from tests.test_packing import samples_of
 
@@ -240,7 +240,7 @@ def fsdp2_step(
     from torch.distributed.tensor import DTensor
 
     from lightning_mm import MMLightningModule
-    from lightning_mm.core.packing import PackedCollator
+    from lightning_mm.core.packed_rows import PackedCollator
     from lightning_mm.modules import TransformersModel
     from tests.test_packing import samples_of
 
@@ -313,7 +313,7 @@ def mismatch(outdir: Path, case: str) -> None:
     all fail before their first step, within seconds."""
     import time
 
-    from lightning_mm.core.token_budget import TokenBudgetError
+    from lightning_mm.core.token_budget_plan import TokenBudgetError
 
     samples = {"fewer": lambda rank: SAMPLES - rank, "empty": lambda rank: SAMPLES * (1 - rank)}[case]
     start, error = time.monotonic(), None

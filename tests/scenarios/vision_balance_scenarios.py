@@ -5,7 +5,7 @@
 Each case trains a tiny random model of a real Transformers VLM class (Qwen2.5-VL with window attention, Qwen3-VL
 with deepstack features), FSDP2-sharded (each vision block, the tower, each decoder layer, the root), for
 ``STEPS`` steps twice from the same weights over the same batches: without balancing (the reference) and with the
-tower's forward balanced (:func:`lightning_mm.hf.vision_balance.enable_vision_balance`). Each rank's batch is a
+tower's forward balanced (:func:`lightning_mm.hf.vision_tower_balance.enable_vision_balance`). Each rank's batch is a
 row of several samples' images (as packing and token budgets give): rank 0 holds the large images, so the
 balanced run moves images between ranks. Variants: recomputation of the vision blocks and decoder layers, a frozen
 tower, and a cost model calibrated on the first calls. Every rank writes, per case, the global loss of each step
@@ -40,11 +40,11 @@ ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 
 from lightning_mm.core.module_state import replace_forward  # noqa: E402
-from lightning_mm.core.packing import PackedCollator  # noqa: E402
+from lightning_mm.core.packed_rows import PackedCollator  # noqa: E402
 from lightning_mm.core.recompute import checkpointed_forward  # noqa: E402
-from lightning_mm.core.vision_balance import VisionCost, load_spread  # noqa: E402
-from lightning_mm.hf.packing import install_packed_inputs  # noqa: E402
-from lightning_mm.hf.vision_balance import balance_state, enable_vision_balance  # noqa: E402
+from lightning_mm.core.vision_work_balance import VisionCost, load_spread  # noqa: E402
+from lightning_mm.hf.packed_inputs import install_packed_inputs  # noqa: E402
+from lightning_mm.hf.vision_tower_balance import balance_state, enable_vision_balance  # noqa: E402
 from tests.helpers import scenario_kit  # noqa: E402
 from tests.helpers.qwen3_vl_family import VISION_END, VISION_START, tiny_qwen3_vl  # noqa: E402
 from tests.helpers.scenario_kit import scenario  # noqa: E402

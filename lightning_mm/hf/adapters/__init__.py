@@ -1,7 +1,7 @@
 """Adapters registered in :class:`~lightning_mm.modules.ModelHub` out of the box.
 
 Each is the Transformers class plus ``FSDP2Mixin`` and ``WeightInitMixin`` (MindSpeed MM's recipe); its ``hub_keys``
-(architecture name and ``model_type``) are the keys :class:`~lightning_mm.hf.hub.ModelHub` registers it under on
+(architecture name and ``model_type``) are the keys :class:`~lightning_mm.hf.model_hub.ModelHub` registers it under on
 first lookup (``BUILTIN_ADAPTERS``; the adapters do not import the hub). Their default sharding plan (no
 ``sub_modules_to_wrap`` needed in the YAML) is derived from the model's own metadata like any Transformers
 model's (:func:`lightning_mm.hf.default_plans.derive_fsdp2_plan`): every decoder layer and vision block, the

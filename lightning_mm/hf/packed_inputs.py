@@ -1,4 +1,4 @@
-"""Packed batches (:mod:`lightning_mm.core.packing`) as the forward inputs of a Transformers model.
+"""Packed batches (:mod:`lightning_mm.core.packed_rows`) as the forward inputs of a Transformers model.
 
 A text model (Qwen3, Llama, ...) takes a packed row almost as it is: given ``position_ids`` that restart per
 sample, no ``attention_mask`` and no key/value cache (``use_cache=False``: with a cache, which Transformers
@@ -32,7 +32,7 @@ import torch
 from torch import Tensor, nn
 
 from lightning_mm._compat import attn_implementation
-from lightning_mm.core.packing import is_packed, segment_ids
+from lightning_mm.core.packed_rows import is_packed, segment_ids
 from lightning_mm.errors import ConfigError, DataError
 
 __all__ = [

@@ -2,7 +2,7 @@
 
 One table and one index parser for every reader (the header check and sliced loading of ``init_from_hf_path``,
 ``hf_to_dcp``), so that a file one of them accepts the others accept too. Imports nothing from ``lightning_mm``
-but the leaf :mod:`lightning_mm._files`.
+but the leaf :mod:`lightning_mm._utils.model_files`.
 """
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ from pathlib import Path
 
 import torch
 
-from lightning_mm._files import is_plain_file_name
+from lightning_mm._utils.model_files import is_plain_file_name
 from lightning_mm.errors import ConfigError
 
 __all__ = ["DTYPES", "itemsize", "read_weight_map", "shard_files"]

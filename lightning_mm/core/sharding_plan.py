@@ -15,13 +15,12 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
-from lightning_mm._module_paths import ROOT, enclosing, is_under_any
-from lightning_mm._module_paths import is_under as _is_under
-from lightning_mm._names import listing
-from lightning_mm._tied import parameter_names_by_tensor
+from lightning_mm._utils.modules import ROOT, enclosing, is_under_any, parameter_names_by_tensor
+from lightning_mm._utils.modules import is_under as _is_under
+from lightning_mm._utils.suggestions import listing
 from lightning_mm.core.config import FSDP2Config, FSDP2ConfigError
-from lightning_mm.core.layout import ParallelLayout, config_layout, data_parallel_mesh_layout, ep_mesh_layout
 from lightning_mm.core.norms import is_norm
+from lightning_mm.core.parallel_layout import ParallelLayout, config_layout, data_parallel_mesh_layout, ep_mesh_layout
 from lightning_mm.core.patterns import PatternError, resolve_patterns
 from lightning_mm.core.precision_policy import PrecisionPolicy
 from lightning_mm.core.recompute import RecomputeError, check_recomputable, uses_kv_cache
@@ -43,7 +42,7 @@ __all__ = [
 
 mesh_layout = data_parallel_mesh_layout
 """Mesh shape and dimension names: ``(shard,)`` for FSDP, ``(replicate, shard)`` for HSDP (see
-:mod:`lightning_mm.core.layout`)."""
+:mod:`lightning_mm.core.parallel_layout`)."""
 
 
 @dataclass(frozen=True)
@@ -153,7 +152,7 @@ class ShardingPlan:
 
     @property
     def layout(self) -> ParallelLayout:
-        """The parallel layout the plan was checked against (:mod:`lightning_mm.core.layout`)."""
+        """The parallel layout the plan was checked against (:mod:`lightning_mm.core.parallel_layout`)."""
         ep = self.experts.expert_parallel_size if self.experts is not None else 1
         tp, cp = self.tensor_parallel_size, self.context_parallel_size
         return ParallelLayout(self.world_size, self.sharding_size, tp, cp, ep)

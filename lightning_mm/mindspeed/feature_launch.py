@@ -153,7 +153,7 @@ def plan_extraction(
     image_encoder: str | None = None,
 ) -> ExtractionPlan:
     """Read and check the configs, the records and the outputs; raises naming the key, line or file."""
-    from lightning_mm.diffusers.feature_extraction import check_outputs, feature_file_name
+    from lightning_mm.diffusers.wan_features import check_outputs, feature_file_name
 
     plan = ExtractionPlan()
     source = str(data)

@@ -16,7 +16,7 @@ Megatron-route flag) the images of all ranks are dealt out again before the towe
 * :class:`CostCalibration` fits ``linear`` and ``quadratic`` on the first calls from the measured tower times of
   every rank (gathered, so every rank fits the same numbers).
 
-The Transformers hook that uses these is :mod:`lightning_mm.hf.vision_balance`. Lightning-free.
+The Transformers hook that uses these is :mod:`lightning_mm.hf.vision_tower_balance`. Lightning-free.
 """
 
 from __future__ import annotations

@@ -15,8 +15,8 @@ from pathlib import Path
 import torch
 
 from lightning_mm.checkpoint import atomic
+from lightning_mm.checkpoint.checkpoint_layout import model_key
 from lightning_mm.checkpoint.consolidate import check_output, writing
-from lightning_mm.checkpoint.layout import model_key
 from lightning_mm.checkpoint.source import open_source
 from lightning_mm.diffusers.model import read_diffusers_config
 from lightning_mm.diffusers.weights import WEIGHTS_INDEX_NAME, WEIGHTS_NAME

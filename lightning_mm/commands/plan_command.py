@@ -116,8 +116,8 @@ def plan_from_cli_config(
             "  prefetch order: decided at the first training step (--trace-order shows it from one batch on the "
             "meta device; it sets up the data module)"
         )
-    from lightning_mm.core.layout import config_layout
-    from lightning_mm.core.plan import describe_rank_shapes
+    from lightning_mm.core.parallel_layout import config_layout
+    from lightning_mm.core.sharding_plan import describe_rank_shapes
 
     layout = config_layout(config, world, strategy.context_parallel_size, strategy._context_parallel.algo_argument)
     text = plan.describe() + "\n" + order + "\n" + memory.describe() + "\n" + describe_rank_shapes(target, plan)

@@ -16,7 +16,7 @@ from typing import Any
 
 import torch
 
-from lightning_mm._tied import names_by_tensor
+from lightning_mm._utils.modules import names_by_tensor
 from lightning_mm.errors import ConfigError
 
 __all__ = ["HFLayout", "hf_layout"]
@@ -69,7 +69,7 @@ def _model_class(config: dict[str, Any], where: str) -> type:
     cls = getattr(transformers, architecture, None) if isinstance(architecture, str) else None
     if isinstance(cls, type) and issubclass(cls, transformers.PreTrainedModel):
         return cls
-    from lightning_mm.hf.hub import ModelHub, ModelHubError
+    from lightning_mm.hf.model_hub import ModelHub, ModelHubError
 
     try:
         return ModelHub.resolve(None, config)[1]

@@ -6,7 +6,7 @@ forward (:func:`lightning_mm.core.module_state.replace_forward`; the model's own
 the tower with this rank's ``pixel_values`` and ``grid_thw`` then:
 
 1. gathers every rank's grids and computes the same route on every rank
-   (:func:`~lightning_mm.core.vision_balance.plan_route`);
+   (:func:`~lightning_mm.core.vision_work_balance.plan_route`);
 2. sends each image's patches (whole images) to the rank that encodes it (one all-to-all);
 3. runs the tower's own forward once on the images this rank received (a rank that received none encodes a
    one-merge-group dummy image and sends none of its result, so every rank calls the (possibly FSDP-sharded)
@@ -38,7 +38,7 @@ import torch.distributed as dist
 from torch import nn
 
 from lightning_mm.core.module_state import replace_forward
-from lightning_mm.core.vision_balance import (
+from lightning_mm.core.vision_work_balance import (
     CostCalibration,
     ImageRoute,
     VisionCost,

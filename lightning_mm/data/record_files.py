@@ -20,8 +20,8 @@ from typing import Any
 
 from PIL import Image
 
-from lightning_mm._names import listing
-from lightning_mm._yaml import short_repr
+from lightning_mm._utils.suggestions import listing
+from lightning_mm._utils.yaml_io import short_repr
 from lightning_mm.errors import DataError
 
 __all__ = ["Record", "DataReport", "DataError", "read_records", "iter_raw_records", "MAX_LINE_BYTES"]

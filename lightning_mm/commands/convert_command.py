@@ -158,8 +158,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             return _convert_urls(args, src, dst)
         if args.command == "dcp-to-diffusers":
             _check_paths(src, dst)
-            from lightning_mm.diffusers.export import dcp_to_diffusers
-            from lightning_mm.hf.convert import parse_size
+            from lightning_mm.diffusers.wan_export import dcp_to_diffusers
+            from lightning_mm.hf.dcp_conversion import parse_size
 
             out = dcp_to_diffusers(
                 args.src,
@@ -174,7 +174,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             return 0
         _check_paths(src, dst)
         from lightning_mm.checkpoint import consolidate
-        from lightning_mm.hf import convert
+        from lightning_mm.hf import dcp_conversion as convert
 
         notes: list[str] = []
         if args.command == "dcp-to-torch":

@@ -21,10 +21,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from lightning_mm._rank_zero import rank_zero_info
-from lightning_mm._yaml import load_mapping, short_repr
+from lightning_mm._utils.distributed import rank_zero_info
+from lightning_mm._utils.yaml_io import load_mapping, short_repr
 from lightning_mm.data.data_config import DataConfigError
-from lightning_mm.data.records import DataReport
+from lightning_mm.data.record_files import DataReport
 from lightning_mm.errors import MissingFileError
 from lightning_mm.mindspeed.data_keys import check_keys, strict_or_warn
 from lightning_mm.mindspeed.keys import KeyReader

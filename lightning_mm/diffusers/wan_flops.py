@@ -2,7 +2,7 @@
 
 :class:`WanFlopCounter` reads the model's config, which of its weights train (all, a frozen part, LoRA adapters
 from PEFT) and whether its blocks recompute, and counts a batch from its latent shape ``(B, C, F, H, W)`` and the
-text (and, for image-to-video, image) token counts with the formulas of :mod:`lightning_mm.core.flops`:
+text (and, for image-to-video, image) token counts with the formulas of :mod:`lightning_mm.core.flop_formulas`:
 
 * the patch embedding (a ``Conv3d`` whose stride is its kernel: a linear layer per video token; its input, the
   noisy latent, takes no gradient, so its backward is its weight's gradient only);
@@ -13,7 +13,7 @@ text (and, for image-to-video, image) token counts with the formulas of :mod:`li
   text, ``L x T`` attention; image-to-video adds ``add_k``/``add_v`` over the image tokens and ``L x I``
   attention) and the FFN; then ``proj_out``;
 * backward: 3x forward for a trained layer, 2x for a frozen one a gradient flows through, 1x where none does
-  (:func:`~lightning_mm.core.flops.training_flops`); LoRA's ``A``/``B`` beside their frozen base layers;
+  (:func:`~lightning_mm.core.flop_formulas.training_flops`); LoRA's ``A``/``B`` beside their frozen base layers;
   recomputation of the blocks in ``StepFlops.hardware`` only.
 """
 
@@ -26,10 +26,10 @@ from typing import Any
 
 from torch import nn
 
-from lightning_mm.core.flops import Block, Op, StepFlops, attention, linear, training_flops
+from lightning_mm.core.flop_formulas import Block, Op, StepFlops, attention, linear, training_flops
 from lightning_mm.core.recompute import is_recomputed
 from lightning_mm.errors import DataError
-from lightning_mm.hf.flops import TowerTraining, UnsupportedFlopsModel
+from lightning_mm.hf.transformers_flops import TowerTraining, UnsupportedFlopsModel
 
 __all__ = ["WAN_CLASS_NAMES", "WanFlopCounter"]
 

@@ -9,8 +9,7 @@ from typing import Any
 
 from torch import nn
 
-from lightning_mm._module_paths import enclosing
-from lightning_mm._transformers_class import transformers_class
+from lightning_mm._utils.modules import enclosing, transformers_class
 from lightning_mm.errors import ConfigError
 
 __all__ = ["hf_records", "choose_record", "lora_record"]

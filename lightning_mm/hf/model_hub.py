@@ -24,8 +24,8 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any, ClassVar, cast
 
-from lightning_mm._names import nearest
-from lightning_mm._transformers_class import transformers_class
+from lightning_mm._utils.modules import transformers_class
+from lightning_mm._utils.suggestions import nearest
 from lightning_mm.errors import ConfigError, LightningMMError
 
 __all__ = ["ModelHub", "ModelHubError"]

@@ -1,15 +1,15 @@
 """The training DataLoader of token-budget batches (``MMDataModule(max_tokens_per_rank=...)``).
 
-The epoch's batches come from :func:`~lightning_mm.core.token_budget.plan_batches` (the same list on every rank,
+The epoch's batches come from :func:`~lightning_mm.core.token_budget_plan.plan_batches` (the same list on every rank,
 from the samples' lengths) and are dealt to the data-parallel ranks by
-:class:`~lightning_mm.core.token_budget.RankSchedule`: every rank runs the same number of steps, known before the
+:class:`~lightning_mm.core.token_budget_plan.RankSchedule`: every rank runs the same number of steps, known before the
 epoch. At the start of each epoch the ranks compare their plans with one small collective (an all-gather of the
 batch count, the steps and a digest of the plan and of the lengths it came from): ranks whose datasets differ get a
-:class:`~lightning_mm.core.token_budget.TokenBudgetError` naming every rank's counts, on every rank, before the
+:class:`~lightning_mm.core.token_budget_plan.TokenBudgetError` naming every rank's counts, on every rank, before the
 first step, instead of a collective that waits for a step another rank never runs.
 
-Each batch is checked as it is built (:func:`~lightning_mm.core.token_budget.check_token_ids`,
-:func:`~lightning_mm.core.token_budget.check_batch`): token ids are integers in ``[0, vocab_size)``, no sample is
+Each batch is checked as it is built (:func:`~lightning_mm.core.token_budget_plan.check_token_ids`,
+:func:`~lightning_mm.core.token_budget_plan.check_batch`): token ids are integers in ``[0, vocab_size)``, no sample is
 longer than its planned length (a ``sample_lengths()`` that under-reports is an error naming the sample), and a
 record that replaces one that failed to load (:mod:`lightning_mm.data.replacing`, which picks one no longer
 than the failed one when it can) keeps the batch within the budget, else an error naming the sample.
@@ -21,7 +21,7 @@ DataLoader returns them in order.
 Mid-epoch resume: the loader's state (Lightning's stateful-loader interface, saved in the checkpoint) is the
 epoch, the global batches consumed and a fingerprint of the plan; a resumed run starts at the next unseen global
 batch without loading the skipped ones, also with another number of data-parallel ranks (see
-:mod:`lightning_mm.core.token_budget`). A checkpoint whose plan differs (other lengths, seed, budget, buffer or
+:mod:`lightning_mm.core.token_budget_plan`). A checkpoint whose plan differs (other lengths, seed, budget, buffer or
 packing) is refused.
 """
 
@@ -35,7 +35,7 @@ import torch
 import torch.distributed as dist
 from torch.utils.data import DataLoader, Dataset, IterableDataset, get_worker_info
 
-from lightning_mm.core.token_budget import (
+from lightning_mm.core.token_budget_plan import (
     RankSchedule,
     TokenBudgetError,
     check_batch,

@@ -19,8 +19,8 @@ from typing import Any
 
 import torch
 
-from lightning_mm._names import listing
-from lightning_mm.checkpoint.errors import CheckpointError, CheckpointMismatchError
+from lightning_mm._utils.suggestions import listing
+from lightning_mm.checkpoint.checkpoint_errors import CheckpointError, CheckpointMismatchError
 
 __all__ = [
     "MARKER",

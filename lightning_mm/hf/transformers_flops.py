@@ -4,7 +4,7 @@
 Qwen3-MoE, Qwen3-Next; the Qwen2.5-VL, Qwen3-VL (-MoE), Qwen3.5 (-MoE), GLM-4.1V and GLM-4.5V VLMs and the
 Qwen2.5-Omni thinker (with its audio tower); InternVL, LLaVA, Gemma 3, Idefics3, SmolVLM, Mistral 3 over their ViT
 towers), which of its weights train (all, a frozen tower, LoRA adapters from PEFT) and whether its blocks recompute,
-and counts each batch with the formulas of :mod:`lightning_mm.core.flops`:
+and counts each batch with the formulas of :mod:`lightning_mm.core.flop_formulas`:
 
 Counted ``model_type`` s: :data:`COUNTED_MODEL_TYPES`; any other is an :class:`UnsupportedFlopsModel` error.
 
@@ -32,8 +32,17 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from lightning_mm.core.flops import Block, Op, StepFlops, attention, linear, lora_ops, training_flops, window_lengths
-from lightning_mm.core.packing import is_packed, segment_ids
+from lightning_mm.core.flop_formulas import (
+    Block,
+    Op,
+    StepFlops,
+    attention,
+    linear,
+    lora_ops,
+    training_flops,
+    window_lengths,
+)
+from lightning_mm.core.packed_rows import is_packed, segment_ids
 from lightning_mm.errors import ConfigError, DataError
 
 __all__ = [

@@ -21,12 +21,11 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint import FileSystemWriter
 from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
 
-from lightning_mm._files import model_file
-from lightning_mm._safetensors import DTYPES, read_weight_map, shard_files
+from lightning_mm._utils.model_files import model_file
+from lightning_mm._utils.safetensors_index import DTYPES, read_weight_map, shard_files
 from lightning_mm.checkpoint import atomic
-from lightning_mm.checkpoint.consolidate import check_output, writing
-from lightning_mm.checkpoint.errors import CheckpointIntegrityError
-from lightning_mm.checkpoint.layout import (
+from lightning_mm.checkpoint.checkpoint_errors import CheckpointIntegrityError
+from lightning_mm.checkpoint.checkpoint_layout import (
     EXTRA_KEY,
     FORMAT_VERSION,
     KIND_WEIGHTS,
@@ -35,6 +34,7 @@ from lightning_mm.checkpoint.layout import (
     SEP,
     model_key,
 )
+from lightning_mm.checkpoint.consolidate import check_output, writing
 from lightning_mm.checkpoint.manifest import (
     MANIFEST_FILE,
     RecordingFileSystem,
@@ -45,8 +45,8 @@ from lightning_mm.checkpoint.safe import check_weights_only, load_weights_only
 from lightning_mm.checkpoint.source import open_source, single_process_quiet
 from lightning_mm.checkpoint.writer import write_file
 from lightning_mm.errors import ConfigError, MissingFileError
-from lightning_mm.hf.export import HFLayout, hf_layout
-from lightning_mm.hf.records import choose_record
+from lightning_mm.hf.checkpoint_records import choose_record
+from lightning_mm.hf.hf_file_layout import HFLayout, hf_layout
 
 __all__ = ["dcp_to_hf", "hf_to_dcp", "parse_size", "read_config_json", "side_files", "ConvertError"]
 
@@ -239,7 +239,8 @@ def dcp_to_hf(
     The tokenizer, processor, chat template and generation config files (:func:`side_files`) are copied from
     ``pretrained_dir``, or else from the pretrained directory the checkpoint records (``init_from_hf_path``) when
     it still exists; ``notes`` receives a line when neither is there. A failed write (e.g. a full disk) leaves no
-    partial directory and raises :class:`~lightning_mm.checkpoint.errors.CheckpointWriteError` naming the output.
+    partial directory and raises :class:`~lightning_mm.checkpoint.checkpoint_errors.CheckpointWriteError` naming the
+    output.
     """
 
     out = Path(out_dir)
@@ -449,7 +450,7 @@ def _checkpoint_renamer(config: dict[str, Any]) -> Any:
     the renamed keys are the module's, and so the ones a resume checks against.
     """
     from lightning_mm.hf.derived_adapters import resolve_model_class
-    from lightning_mm.hf.hub import ModelHubError
+    from lightning_mm.hf.model_hub import ModelHubError
 
     try:
         _, model_cls, _ = resolve_model_class(None, config)

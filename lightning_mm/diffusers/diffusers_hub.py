@@ -11,7 +11,7 @@ from collections.abc import Mapping
 from typing import Any, ClassVar
 
 from lightning_mm.errors import DependencyError
-from lightning_mm.hf.hub import ModelHub, ModelHubError
+from lightning_mm.hf.model_hub import ModelHub, ModelHubError
 
 __all__ = ["DiffusersHub", "ModelHubError", "diffusers_installed"]
 
