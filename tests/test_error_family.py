@@ -58,7 +58,7 @@ _ALLOWED_RAISES: dict[tuple[str, str], str] = {
 
 # exception classes defined in the package that are deliberately not part of the family, with the reason
 _ALLOWED_CLASSES: dict[tuple[str, str], str] = {
-    ("_utils/yaml_io.py", "_Limit"): "private control flow of the YAML loader, turned into ConfigFileError before it leaves",
+    ("_utils/yaml_io.py", "_Limit"): "private control flow of the YAML loader, turned into ConfigFileError",
     ("checkpoint/atomic.py", "_Raced"): "private control flow of the atomic commit, never leaves the module",
 }
 
