@@ -60,7 +60,11 @@ def test_tp2_fsdp2_trains_as_plain_transformers(trained, case):
     ranks = _ranks(out, case.name, 4)
     # TP ranks (0, 1) and (2, 3) read the same samples; the two data-parallel groups different ones.
     indices = [r["parts"][0]["indices"] for r in ranks]
-    assert indices[0] == indices[1] and indices[2] == indices[3] and indices[0] != indices[2]
+    cp = case.fsdp2.get("context_parallel_size", 1)
+    if cp > 1:  # TP 2 x CP 2: one data-parallel group, all 4 ranks read the same samples
+        assert indices[0] == indices[1] == indices[2] == indices[3]
+    else:
+        assert indices[0] == indices[1] and indices[2] == indices[3] and indices[0] != indices[2]
     layout = ranks[0]["parts"][0]["layout"]
     # 2-D DTensors on (shard, tp): q_proj's rows split over tp then over FSDP2's shard dimension, o_proj's columns
     # over tp and its rows over shard.
@@ -76,7 +80,8 @@ def test_tp2_fsdp2_trains_as_plain_transformers(trained, case):
         assert layout["experts"][0] == ["ep_replicate"] and layout["experts"][2][0] == 2
     # Sequence parallelism: the decoder layers' norms see half of each 16-token sequence; otherwise all of it.
     sp = "sequence_parallel" in (case.fsdp2.get("tp_plan") or {}).values()
-    assert ranks[0]["parts"][0]["norm_sequence"] == ([SEQ // 2] if sp else [SEQ])
+    # Context parallelism: each rank of a CP group holds half of each sequence.
+    assert ranks[0]["parts"][0]["norm_sequence"] == ([SEQ // 2] if sp or cp > 1 else [SEQ])
     part = _part(ranks, 0)
     steps = global_steps(case, part)
     ref = reference_run(case, steps, ckpts / case.family)
@@ -210,7 +215,7 @@ def test_per_rank_shapes():
         ),
         ({"tp_plan": {"model.layers.*.input_layernorm": "colwise"}}, "is a Qwen3RMSNorm, not an nn.Linear"),
         ({"tp_plan": {"lm_head": "colwise"}}, r"'lm_head' is the model's output layer: .* `enable_chunk_loss`"),
-        ({"compile_modules": ["model.layers.{*}"]}, "`compile_modules`: not supported with tensor_parallel_size"),
+        ({"ignored_modules": ["model.layers.0"]}, "`ignored_modules`: not supported with tensor_parallel_size"),
     ],
 )
 def test_refused_before_compute(keys, match):
@@ -368,3 +373,19 @@ def test_lora_adapters_follow_their_base_layers_placement():
 def test_refuses_lora_settings_that_cannot_follow_the_split(settings, match):
     with pytest.raises(FSDP2ConfigError, match=match):
         build_plan(FSDP2Config(sharding_size="auto", tensor_parallel_size=2), _lora_qwen3(**settings), 4)
+
+
+def test_tensor_parallelism_with_ulysses_is_refused_naming_the_key():
+    """TP composes with context parallelism by KV all-gather (it splits no heads); Ulysses, which scatters the heads
+    that TP has already split, is refused before the processes start."""
+    from lightning_mm.core.context_parallel import context_parallel_plan
+    from lightning_mm.core.parallel_layout import LayoutError, config_layout
+
+    keys = {"sharding_size": "auto", "tensor_parallel_size": 2, "context_parallel_size": 2}
+    with pytest.raises(LayoutError, match="`context_parallel_size`: 2 with tensor_parallel_size 2 .*'ulysses'"):
+        config_layout(FSDP2Config(**keys), 4)
+    layout = config_layout(FSDP2Config(**keys, context_parallel_algo="kv_allgather"), 8)
+    assert (layout.tp, layout.cp, layout.samplers, layout.cp_algo) == (2, 2, 2, "kv_allgather")
+    plan = context_parallel_plan(8, 2, "kv_allgather", tp=2)  # every other rank: TP's ranks are consecutive
+    assert plan.groups() == [[0, 2], [1, 3], [4, 6], [5, 7]]
+    assert [plan.data_parallel_rank(r) for r in range(8)] == [0, 0, 0, 0, 1, 1, 1, 1]

@@ -171,10 +171,10 @@ def parallel_layout(
             f"FSDP2 config key `sharding_size`{where}: {shard} does not divide the world size {world_size}{per} "
             "(use 'auto' or a divisor)"
         )
-    if tp > 1 and cp > 1:
+    if world_size % (tp * cp):
         raise LayoutError(
-            f"FSDP2 config key `context_parallel_size`{where}: {cp} with tensor_parallel_size {tp} is not supported "
-            "yet (tensor parallelism composes with FSDP2, HSDP and expert parallelism); set one of them to 1"
+            f"FSDP2 config key `context_parallel_size`{where}: {cp} x tensor_parallel_size {tp} does not divide the "
+            f"world size {world_size}"
         )
     return ParallelLayout(world_size, shard, tp, cp, ep)
 
@@ -221,7 +221,15 @@ def config_layout(
         config.expert_parallel_size,
         config.source,
     )
-    return replace(layout, cp_algo=context_parallel_algorithm(config, context_parallel_algo))
+    algo = context_parallel_algorithm(config, context_parallel_algo)
+    if layout.tp > 1 and layout.cp > 1 and algo != "kv_allgather":
+        where = f" in {config.source}" if config.source else ""
+        raise LayoutError(
+            f"FSDP2 config key `context_parallel_size`{where}: {layout.cp} with tensor_parallel_size {layout.tp} "
+            f"and context_parallel_algo {algo!r} is not supported yet (tensor parallelism composes with "
+            "context_parallel_algo kv_allgather); set one of them to 1 or use kv_allgather"
+        )
+    return replace(layout, cp_algo=algo)
 
 
 # --------------------------------------------------------------------------------------------------- meshes
@@ -276,8 +284,12 @@ class LayoutMeshes:
 
     @property
     def context_parallel(self) -> DeviceMesh:
-        """The ``(dp, cp)`` mesh of context parallelism."""
-        shape, names = cp_mesh_layout(self.layout.world_size, self.layout.cp)
+        """The ``(dp, cp)`` mesh of context parallelism (with tensor parallelism a sub-mesh of ``(dp, cp, tp)``)."""
+        lay = self.layout
+        if lay.tp > 1:  # every tp-th rank: (dp, cp, tp), tp innermost as in the world mesh
+            shape3 = (lay.world_size // (lay.cp * lay.tp), lay.cp, lay.tp)
+            return self._get("cp", lambda: device_mesh(self.device_type, shape3, ("dp", "cp", "tp"))[("dp", "cp")])
+        shape, names = cp_mesh_layout(lay.world_size, lay.cp)
         return self._get("cp", lambda: device_mesh(self.device_type, shape, names))
 
     @property
