@@ -444,6 +444,11 @@ REFUSALS: list[tuple[str, str, list[str]]] = [
     ),
     (
         "parallelism.md",
+        "Ulysses with TP (it would scatter the heads",
+        ["tests/test_tensor_parallel.py::test_tensor_parallelism_with_ulysses_is_refused_naming_the_key"],
+    ),
+    (
+        "parallelism.md",
         "Without EP a model plan that splits experts is refused",
         ["tests/test_tensor_parallel.py::test_refuses_moe_experts_without_expert_parallelism"],
     ),
