@@ -444,8 +444,10 @@ REFUSALS: list[tuple[str, str, list[str]]] = [
     ),
     (
         "parallelism.md",
-        "Ulysses with TP (it would scatter the heads",
-        ["tests/test_tensor_parallel.py::test_tensor_parallelism_with_ulysses_is_refused_naming_the_key"],
+        "Ulysses with TP needs each rank's heads",
+        [
+            "tests/test_tensor_parallel.py::test_context_parallel_groups_with_tensor_parallelism_and_ulysses_heads_per_rank"
+        ],
     ),
     (
         "parallelism.md",

@@ -137,6 +137,17 @@ class ParallelLayout:
                     f"FSDP2 config key `tensor_parallel_size`: {self.tp} does not divide {where}'s {attr} {value} "
                     "(tensor parallelism splits it evenly over the ranks); choose a divisor"
                 )
+        if self.cp == 1 or self.cp_algo != "ulysses":
+            return
+        for attr in ("num_attention_heads", "num_key_value_heads"):
+            value = getattr(model_config, attr, None)
+            if isinstance(value, int) and (value // self.tp) % self.cp:
+                raise LayoutError(
+                    f"FSDP2 config key `context_parallel_size`: {self.cp} does not divide {where}'s {attr} {value} / "
+                    f"tensor_parallel_size {self.tp} = {value // self.tp} heads per rank (Ulysses scatters each "
+                    "rank's heads over its context-parallel group); choose a divisor or context_parallel_algo "
+                    "kv_allgather"
+                )
 
 
 def _positive(value: Any, key: str, where: str) -> int:
@@ -221,15 +232,7 @@ def config_layout(
         config.expert_parallel_size,
         config.source,
     )
-    algo = context_parallel_algorithm(config, context_parallel_algo)
-    if layout.tp > 1 and layout.cp > 1 and algo != "kv_allgather":
-        where = f" in {config.source}" if config.source else ""
-        raise LayoutError(
-            f"FSDP2 config key `context_parallel_size`{where}: {layout.cp} with tensor_parallel_size {layout.tp} "
-            f"and context_parallel_algo {algo!r} is not supported yet (tensor parallelism composes with "
-            "context_parallel_algo kv_allgather); set one of them to 1 or use kv_allgather"
-        )
-    return replace(layout, cp_algo=algo)
+    return replace(layout, cp_algo=context_parallel_algorithm(config, context_parallel_algo))
 
 
 # --------------------------------------------------------------------------------------------------- meshes

@@ -142,6 +142,13 @@ TP_CASES = [
         {"tensor_parallel_size": 2, "context_parallel_size": 2, "context_parallel_algo": "kv_allgather"},
         clip=0.05,
     ),
+    # Ulysses over the CP group of every other rank: each rank's 2 heads (of 4, TP 2) scattered over CP 2.
+    Case(
+        "qwen3_kv4-tp2-cp2-ulysses",
+        "qwen3_kv4",
+        {"tensor_parallel_size": 2, "context_parallel_size": 2, "context_parallel_algo": "ulysses"},
+        clip=0.05,
+    ),
     # Sequence parallelism: the decoder layers' norms split along the sequence (a YAML tp_plan in Transformers'
     # notation: Qwen3's own plan plus `sequence_parallel` norms).
     Case(
