@@ -395,6 +395,8 @@ def test_context_parallel_groups_with_tensor_parallelism_and_ulysses_heads_per_r
     plan = context_parallel_plan(8, 2, "kv_allgather", tp=2)  # every other rank: TP's ranks are consecutive
     assert plan.groups() == [[0, 2], [1, 3], [4, 6], [5, 7]]
     assert [plan.data_parallel_rank(r) for r in range(8)] == [0, 0, 0, 0, 1, 1, 1, 1]
+    assert "(each group ranks 2 apart); groups: [0,2], [1,3], [4,6], [5,7]" in plan.describe()
+    assert "dp x cp = 4 ranks (tensor_parallel_size 2 inside)" in plan.describe()
     two_kv = Qwen3Config(num_attention_heads=4, num_key_value_heads=2, intermediate_size=64)
     layout.check_model(two_kv)  # KV all-gather: 1 key/value head per rank is fine
     ulysses = config_layout(FSDP2Config(**keys), 4)

@@ -119,12 +119,21 @@ class ContextParallelPlan:
             return line
         mesh = " x ".join(f"{n}={s}" for n, s in zip(self.mesh_dim_names, self.mesh_shape))
         groups = ", ".join("[" + ",".join(map(str, g)) + "]" for g in self.groups()[:4])
-        more = " ..." if self.data_parallel_size > 4 else ""
+        more = " ..." if len(self.groups()) > 4 else ""
         lines = [
             f"context parallel: {self.algo}, mesh ({mesh}); groups sharing samples: {groups}{more}",
             f"  FSDP shards parameters over dp x cp = {self.world_size} ranks; the sampler runs over "
             f"{self.data_parallel_size} data-parallel rank(s)",
         ]
+        if self.tp > 1:
+            lines[0] = (
+                f"context parallel: {self.algo}, mesh ({mesh}) (each group ranks {self.tp} apart); "
+                f"groups: {groups}{more}"
+            )
+            lines[1] = (
+                f"  FSDP shards parameters over dp x cp = {self.world_size // self.tp} ranks (tensor_parallel_size "
+                f"{self.tp} inside); the sampler runs over {self.data_parallel_size} data-parallel rank(s)"
+            )
         if self.algo == "kv_allgather":
             c = self.size
             lines.append(
