@@ -87,6 +87,11 @@ def test_tp2_fsdp2_trains_as_plain_transformers(trained, case):
         assert layout["experts"][0] == ["ep_replicate"] and layout["experts"][2][0] == 2
     # Sequence parallelism: the decoder layers' norms see half of each 16-token sequence; otherwise all of it.
     sp = "sequence_parallel" in (case.fsdp2.get("tp_plan") or {}).values()
+    # compile_modules: both decoder layers' forwards are the compiled ones (and only they).
+    compiled = ranks[0]["parts"][0]["compiled"]
+    assert [c.rsplit("model.", 1)[-1] for c in compiled] == (
+        ["layers.0", "layers.1"] if case.fsdp2.get("compile_modules") else []
+    )
     # Context parallelism: each rank of a CP group holds half of each sequence.
     assert ranks[0]["parts"][0]["norm_sequence"] == ([SEQ // 2] if sp or cp > 1 else [SEQ])
     part = _part(ranks, 0)
