@@ -444,6 +444,13 @@ REFUSALS: list[tuple[str, str, list[str]]] = [
     ),
     (
         "parallelism.md",
+        "Ulysses with TP needs each rank's heads",
+        [
+            "tests/test_tensor_parallel.py::test_context_parallel_groups_with_tensor_parallelism_and_ulysses_heads_per_rank"
+        ],
+    ),
+    (
+        "parallelism.md",
         "Without EP a model plan that splits experts is refused",
         ["tests/test_tensor_parallel.py::test_refuses_moe_experts_without_expert_parallelism"],
     ),

@@ -30,7 +30,7 @@ def test_layout_sizes_and_mesh_names():
         (dict(expert_parallel_size=8), "expert_parallel_size"),
         (dict(tensor_parallel_size=0), "tensor_parallel_size"),
         (dict(sharding_size=4, tensor_parallel_size=2), "sharding_size"),  # 4 data-parallel ranks... of 2
-        (dict(tensor_parallel_size=2, context_parallel_size=2), "context_parallel_size"),
+        (dict(tensor_parallel_size=2, context_parallel_size=4), "context_parallel_size"),  # 2 x 4 ranks of 4
     ],
 )
 def test_layout_errors_name_the_key(kwargs, key):

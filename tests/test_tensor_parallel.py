@@ -36,7 +36,14 @@ TP_WEIGHTS = 1e-5
 # 2-rank parity suite (the losses and norms still agree to 1e-5 per step).
 # Qwen3-MoE's: that of the expert-parallel suite (tests/test_expert_parallel.py); LoRA's adapters (B starts at zero,
 # so AdamW's first steps are sign-like on small gradients) measured 4.5e-5.
-WEIGHTS = {"qwen2_5_vl": FP32_WEIGHTS, "qwen3_moe": FP32_WEIGHTS, "qwen3-tp2-lora-recompute": FP32_WEIGHTS}
+# TP 2 x CP 2 by Ulysses (two all-to-alls per attention, sums in another order): measured 1.7e-5 (its losses and
+# norms agree to 1e-5 per step).
+WEIGHTS = {
+    "qwen2_5_vl": FP32_WEIGHTS,
+    "qwen3_moe": FP32_WEIGHTS,
+    "qwen3-tp2-lora-recompute": FP32_WEIGHTS,
+    "qwen3_kv4-tp2-cp2-ulysses": FP32_WEIGHTS,
+}
 
 
 @pytest.fixture(scope="module")
@@ -60,7 +67,11 @@ def test_tp2_fsdp2_trains_as_plain_transformers(trained, case):
     ranks = _ranks(out, case.name, 4)
     # TP ranks (0, 1) and (2, 3) read the same samples; the two data-parallel groups different ones.
     indices = [r["parts"][0]["indices"] for r in ranks]
-    assert indices[0] == indices[1] and indices[2] == indices[3] and indices[0] != indices[2]
+    cp = case.fsdp2.get("context_parallel_size", 1)
+    if cp > 1:  # TP 2 x CP 2: one data-parallel group, all 4 ranks read the same samples
+        assert indices[0] == indices[1] == indices[2] == indices[3]
+    else:
+        assert indices[0] == indices[1] and indices[2] == indices[3] and indices[0] != indices[2]
     layout = ranks[0]["parts"][0]["layout"]
     # 2-D DTensors on (shard, tp): q_proj's rows split over tp then over FSDP2's shard dimension, o_proj's columns
     # over tp and its rows over shard.
@@ -76,7 +87,13 @@ def test_tp2_fsdp2_trains_as_plain_transformers(trained, case):
         assert layout["experts"][0] == ["ep_replicate"] and layout["experts"][2][0] == 2
     # Sequence parallelism: the decoder layers' norms see half of each 16-token sequence; otherwise all of it.
     sp = "sequence_parallel" in (case.fsdp2.get("tp_plan") or {}).values()
-    assert ranks[0]["parts"][0]["norm_sequence"] == ([SEQ // 2] if sp else [SEQ])
+    # compile_modules: both decoder layers' forwards are the compiled ones (and only they).
+    compiled = ranks[0]["parts"][0]["compiled"]
+    assert [c.rsplit("model.", 1)[-1] for c in compiled] == (
+        ["layers.0", "layers.1"] if case.fsdp2.get("compile_modules") else []
+    )
+    # Context parallelism: each rank of a CP group holds half of each sequence.
+    assert ranks[0]["parts"][0]["norm_sequence"] == ([SEQ // 2] if sp or cp > 1 else [SEQ])
     part = _part(ranks, 0)
     steps = global_steps(case, part)
     ref = reference_run(case, steps, ckpts / case.family)
@@ -210,7 +227,7 @@ def test_per_rank_shapes():
         ),
         ({"tp_plan": {"model.layers.*.input_layernorm": "colwise"}}, "is a Qwen3RMSNorm, not an nn.Linear"),
         ({"tp_plan": {"lm_head": "colwise"}}, r"'lm_head' is the model's output layer: .* `enable_chunk_loss`"),
-        ({"compile_modules": ["model.layers.{*}"]}, "`compile_modules`: not supported with tensor_parallel_size"),
+        ({"ignored_modules": ["model.layers.0"]}, "`ignored_modules`: not supported with tensor_parallel_size"),
     ],
 )
 def test_refused_before_compute(keys, match):
@@ -368,3 +385,26 @@ def test_lora_adapters_follow_their_base_layers_placement():
 def test_refuses_lora_settings_that_cannot_follow_the_split(settings, match):
     with pytest.raises(FSDP2ConfigError, match=match):
         build_plan(FSDP2Config(sharding_size="auto", tensor_parallel_size=2), _lora_qwen3(**settings), 4)
+
+
+def test_context_parallel_groups_with_tensor_parallelism_and_ulysses_heads_per_rank():
+    """With TP a context-parallel group takes every ``tp``-th rank; Ulysses scatters each rank's ``heads / tp``
+    heads over it, so those must divide by ``context_parallel_size`` (refused naming the key); KV all-gather splits
+    no heads."""
+    from lightning_mm.core.context_parallel import context_parallel_plan
+    from lightning_mm.core.parallel_layout import LayoutError, config_layout
+
+    keys = {"sharding_size": "auto", "tensor_parallel_size": 2, "context_parallel_size": 2}
+    layout = config_layout(FSDP2Config(**keys, context_parallel_algo="kv_allgather"), 8)
+    assert (layout.tp, layout.cp, layout.samplers, layout.cp_algo) == (2, 2, 2, "kv_allgather")
+    plan = context_parallel_plan(8, 2, "kv_allgather", tp=2)  # every other rank: TP's ranks are consecutive
+    assert plan.groups() == [[0, 2], [1, 3], [4, 6], [5, 7]]
+    assert [plan.data_parallel_rank(r) for r in range(8)] == [0, 0, 0, 0, 1, 1, 1, 1]
+    assert "(each group ranks 2 apart); groups: [0,2], [1,3], [4,6], [5,7]" in plan.describe()
+    assert "dp x cp = 4 ranks (tensor_parallel_size 2 inside)" in plan.describe()
+    two_kv = Qwen3Config(num_attention_heads=4, num_key_value_heads=2, intermediate_size=64)
+    layout.check_model(two_kv)  # KV all-gather: 1 key/value head per rank is fine
+    ulysses = config_layout(FSDP2Config(**keys), 4)
+    ulysses.check_model(Qwen3Config(**{**two_kv.to_dict(), "num_key_value_heads": 4}))
+    with pytest.raises(LayoutError, match="`context_parallel_size`: 2 does not divide .*num_key_value_heads 2 / "):
+        ulysses.check_model(two_kv)

@@ -137,6 +137,7 @@ def plan_from_cli_config(
             layout.cp_algo,
             seq_length,
             handled=bool(getattr(module, "handles_context_parallel", False)),
+            tp=layout.tp,
         )
     return text
 

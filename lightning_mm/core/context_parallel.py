@@ -63,6 +63,9 @@ class ContextParallelPlan:
     size: int
     algo: str = "ulysses"
     """``ulysses`` (heads scattered) or ``kv_allgather`` (keys/values gathered, zig-zag chunks)."""
+    tp: int = 1
+    """``tensor_parallel_size``: the ``tp`` consecutive ranks innermost; a context-parallel group takes every
+    ``tp``-th rank (ranks ``r`` with the same ``r // (C tp)`` and ``r % tp``)."""
 
     @property
     def enabled(self) -> bool:
@@ -70,7 +73,7 @@ class ContextParallelPlan:
 
     @property
     def data_parallel_size(self) -> int:
-        return self.world_size // self.size
+        return self.world_size // (self.size * self.tp)
 
     @property
     def mesh_shape(self) -> tuple[int, int]:
@@ -81,11 +84,17 @@ class ContextParallelPlan:
         return ("dp", "cp")
 
     def groups(self) -> list[list[int]]:
-        """The context-parallel groups: ``C`` consecutive ranks each."""
-        return [list(range(d * self.size, (d + 1) * self.size)) for d in range(self.data_parallel_size)]
+        """The context-parallel groups: ``C`` consecutive ranks each (every ``tp``-th rank with tensor
+        parallelism)."""
+        block = self.size * self.tp
+        return [
+            [d * block + c * self.tp + t for c in range(self.size)]
+            for d in range(self.data_parallel_size)
+            for t in range(self.tp)
+        ]
 
     def data_parallel_rank(self, rank: int) -> int:
-        return rank // self.size
+        return rank // (self.size * self.tp)
 
     @property
     def multiple(self) -> int:
@@ -110,12 +119,21 @@ class ContextParallelPlan:
             return line
         mesh = " x ".join(f"{n}={s}" for n, s in zip(self.mesh_dim_names, self.mesh_shape))
         groups = ", ".join("[" + ",".join(map(str, g)) + "]" for g in self.groups()[:4])
-        more = " ..." if self.data_parallel_size > 4 else ""
+        more = " ..." if len(self.groups()) > 4 else ""
         lines = [
             f"context parallel: {self.algo}, mesh ({mesh}); groups sharing samples: {groups}{more}",
             f"  FSDP shards parameters over dp x cp = {self.world_size} ranks; the sampler runs over "
             f"{self.data_parallel_size} data-parallel rank(s)",
         ]
+        if self.tp > 1:
+            lines[0] = (
+                f"context parallel: {self.algo}, mesh ({mesh}) (each group ranks {self.tp} apart); "
+                f"groups: {groups}{more}"
+            )
+            lines[1] = (
+                f"  FSDP shards parameters over dp x cp = {self.world_size // self.tp} ranks (tensor_parallel_size "
+                f"{self.tp} inside); the sampler runs over {self.data_parallel_size} data-parallel rank(s)"
+            )
         if self.algo == "kv_allgather":
             c = self.size
             lines.append(
@@ -155,7 +173,7 @@ def activation_bytes_estimate(
     return int(34 * seq_len * batch * hidden_size * num_layers * bytes_per_value / 2)
 
 
-def context_parallel_plan(world_size: int, size: int, algo: str = "ulysses") -> ContextParallelPlan:
+def context_parallel_plan(world_size: int, size: int, algo: str = "ulysses", tp: int = 1) -> ContextParallelPlan:
     """Check ``size`` and ``algo`` against ``world_size``; every problem is a :class:`ContextParallelError`."""
     if not isinstance(size, int) or size < 1:
         raise ContextParallelError(f"context_parallel_size must be a positive integer, got {size!r}")
@@ -165,7 +183,11 @@ def context_parallel_plan(world_size: int, size: int, algo: str = "ulysses") -> 
             f"context_parallel_size {size} does not divide the world size {world_size}: each context-parallel "
             f"group needs {size} ranks"
         )
-    return ContextParallelPlan(world_size, size, algo)
+    if world_size % (size * tp):
+        raise ContextParallelError(
+            f"context_parallel_size {size} x tensor_parallel_size {tp} does not divide the world size {world_size}"
+        )
+    return ContextParallelPlan(world_size, size, algo, tp)
 
 
 def check_heads(num_heads: int, num_kv_heads: int | None, size: int, where: str) -> None:

@@ -137,6 +137,17 @@ class ParallelLayout:
                     f"FSDP2 config key `tensor_parallel_size`: {self.tp} does not divide {where}'s {attr} {value} "
                     "(tensor parallelism splits it evenly over the ranks); choose a divisor"
                 )
+        if self.cp == 1 or self.cp_algo != "ulysses":
+            return
+        for attr in ("num_attention_heads", "num_key_value_heads"):
+            value = getattr(model_config, attr, None)
+            if isinstance(value, int) and (value // self.tp) % self.cp:
+                raise LayoutError(
+                    f"FSDP2 config key `context_parallel_size`: {self.cp} does not divide {where}'s {attr} {value} / "
+                    f"tensor_parallel_size {self.tp} = {value // self.tp} heads per rank (Ulysses scatters each "
+                    "rank's heads over its context-parallel group); choose a divisor or context_parallel_algo "
+                    "kv_allgather"
+                )
 
 
 def _positive(value: Any, key: str, where: str) -> int:
@@ -171,10 +182,10 @@ def parallel_layout(
             f"FSDP2 config key `sharding_size`{where}: {shard} does not divide the world size {world_size}{per} "
             "(use 'auto' or a divisor)"
         )
-    if tp > 1 and cp > 1:
+    if world_size % (tp * cp):
         raise LayoutError(
-            f"FSDP2 config key `context_parallel_size`{where}: {cp} with tensor_parallel_size {tp} is not supported "
-            "yet (tensor parallelism composes with FSDP2, HSDP and expert parallelism); set one of them to 1"
+            f"FSDP2 config key `context_parallel_size`{where}: {cp} x tensor_parallel_size {tp} does not divide the "
+            f"world size {world_size}"
         )
     return ParallelLayout(world_size, shard, tp, cp, ep)
 
@@ -276,8 +287,12 @@ class LayoutMeshes:
 
     @property
     def context_parallel(self) -> DeviceMesh:
-        """The ``(dp, cp)`` mesh of context parallelism."""
-        shape, names = cp_mesh_layout(self.layout.world_size, self.layout.cp)
+        """The ``(dp, cp)`` mesh of context parallelism (with tensor parallelism a sub-mesh of ``(dp, cp, tp)``)."""
+        lay = self.layout
+        if lay.tp > 1:  # every tp-th rank: (dp, cp, tp), tp innermost as in the world mesh
+            shape3 = (lay.world_size // (lay.cp * lay.tp), lay.cp, lay.tp)
+            return self._get("cp", lambda: device_mesh(self.device_type, shape3, ("dp", "cp", "tp"))[("dp", "cp")])
+        shape, names = cp_mesh_layout(lay.world_size, lay.cp)
         return self._get("cp", lambda: device_mesh(self.device_type, shape, names))
 
     @property

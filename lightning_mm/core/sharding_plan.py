@@ -680,7 +680,7 @@ def build_plan(
     notes += _setting_notes(model, config, recompute)
     compiled = _resolve(model, config, "compile_modules")
     _check_compiled(compiled, groups, experts, config)
-    tp_plan = plan_tensor_parallel(config, model, layout, compiled, experts.moe_modules if experts is not None else ())
+    tp_plan = plan_tensor_parallel(config, model, layout, experts.moe_modules if experts is not None else ())
     # Children before parents: a parent's fully_shard must see its children already sharded.
     groups.sort(key=lambda g: -max(m.count(".") + 1 for m in g))
     counts, root_params, ignored_params, trainable = _count_params(

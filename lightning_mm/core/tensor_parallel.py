@@ -414,7 +414,6 @@ def plan_tensor_parallel(
     config: FSDP2Config,
     model: nn.Module,
     layout: ParallelLayout,
-    compiled: list[str],
     experts: tuple[str, ...] = (),
 ) -> tuple[tuple[str, str], ...]:
     """The resolved tensor-parallel plan of a run (``()`` without tensor parallelism): the YAML ``tp_plan`` or the
@@ -436,16 +435,11 @@ def plan_tensor_parallel(
         if getattr(hf_config, "num_attention_heads", None) is not None:
             layout.check_model(hf_config, path or type(model).__name__)
             break
-    refused = [
-        ("compile_modules", compiled),
-        ("ignored_modules", config.ignored_modules),
-    ]
-    for key, value in refused:
-        if value:
-            raise TensorParallelError(
-                f"FSDP2 config key `{key}`{where}: not supported with tensor_parallel_size {layout.tp} yet; remove it "
-                "or set tensor_parallel_size: 1"
-            )
+    if config.ignored_modules:
+        raise TensorParallelError(
+            f"FSDP2 config key `ignored_modules`{where}: not supported with tensor_parallel_size {layout.tp} yet; "
+            "remove it or set tensor_parallel_size: 1"
+        )
     own = config.tp_plan is None
     resolved = resolve_tp_plan(model, plan, config.source, own=own, experts=experts)
     for path, style in resolved.items():

@@ -431,12 +431,13 @@ def context_parallel_summary(
     algo: str = "ulysses",
     seq_len: int | None = None,
     handled: bool = False,
+    tp: int = 1,
 ) -> str:
     """The context-parallel part of ``lightning-mm plan``: the mesh, the checks of :func:`check_routable`, and
     with ``seq_len`` the tokens and (estimated, 16-bit) decoder activation memory per rank for one sequence.
     ``handled``: the LightningModule runs its own context-parallel attention (``handles_context_parallel``, e.g.
     MMWanModule), so a model that is not a Transformers one is no error."""
-    plan = context_parallel_plan(world_size, size, algo)
+    plan = context_parallel_plan(world_size, size, algo, tp)
     model = find_hf_model(target)
     activations = None
     if model is not None:

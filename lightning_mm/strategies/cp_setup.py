@@ -44,7 +44,7 @@ class ContextParallelSetup:
         the layout's mesh builder (every rank calls this)."""
         self.size = meshes.layout.cp
         self.algo = context_parallel_algorithm(config, self.algo_argument)
-        self.plan = context_parallel_plan(meshes.layout.world_size, self.size, self.algo)
+        self.plan = context_parallel_plan(meshes.layout.world_size, self.size, self.algo, meshes.layout.tp)
         if self.enabled:
             self.mesh = meshes.context_parallel
             self.group = self.mesh.get_group("cp")

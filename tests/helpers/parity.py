@@ -127,6 +127,28 @@ TP_CASES = [
         {"tensor_parallel_size": 2, "recompute_modules": ["model.layers.{*}"], "use_reentrant": False},
         clip=0.05,
     ),
+    # Compiled decoder layers (torch.compile, one graph each): the TP'd linears' DTensor hooks traced into the graphs.
+    Case(
+        "qwen3-tp2-compile",
+        "qwen3",
+        {"tensor_parallel_size": 2, "compile_modules": ["model.layers.{*}"]},
+        clip=0.05,
+    ),
+    # Context parallelism, KV all-gather, over every other rank (CP groups (0, 2) and (1, 3)): TP splits the heads
+    # locally, the keys/values of the local heads are gathered over the CP group; all 4 ranks read the same samples.
+    Case(
+        "qwen3-tp2-cp2-kv-allgather",
+        "qwen3",
+        {"tensor_parallel_size": 2, "context_parallel_size": 2, "context_parallel_algo": "kv_allgather"},
+        clip=0.05,
+    ),
+    # Ulysses over the CP group of every other rank: each rank's 2 heads (of 4, TP 2) scattered over CP 2.
+    Case(
+        "qwen3_kv4-tp2-cp2-ulysses",
+        "qwen3_kv4",
+        {"tensor_parallel_size": 2, "context_parallel_size": 2, "context_parallel_algo": "ulysses"},
+        clip=0.05,
+    ),
     # Sequence parallelism: the decoder layers' norms split along the sequence (a YAML tp_plan in Transformers'
     # notation: Qwen3's own plan plus `sequence_parallel` norms).
     Case(

@@ -354,6 +354,7 @@ def _vocab_parallel_ce(outdir: Path, name: str) -> None:
 def tensor_parallel(outdir: Path, ckptdir: str) -> None:
     """``TP_CASES`` on 4 ranks (TP 2 x FSDP 2); each rank also records how its q_proj and o_proj weights are laid
     out (mesh dimension names, placements, local shape)."""
+    from lightning_mm.core.compile import is_compiled
     from tests.helpers.moe_models import register_moe_families
 
     ckptdir = Path(ckptdir)
@@ -370,6 +371,7 @@ def tensor_parallel(outdir: Path, ckptdir: str) -> None:
             )
             record["layout"] = _attention_layout(module)
             record["norm_sequence"] = sorted(set(lengths))
+            record["compiled"] = [p for p, m in module.named_modules() if is_compiled(getattr(m, "forward", None))]
             _finish(case, outdir, [record], trainer, module)
             if case.fsdp2.get("expert_parallel_size", 1) > 1:
                 _save_every_expert(case, outdir, module, case.fsdp2["expert_parallel_size"])
