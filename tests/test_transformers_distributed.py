@@ -134,7 +134,7 @@ def test_internvl_example_trains_end_to_end(tmp_path):
     assert train_loss < math.log(256) - 0.5  # below chance over the 256-token vocabulary
     plan = proc.stdout + proc.stderr
     expected = (
-        "ignored (104,896 params, whole on every rank, trainable ones' gradients all-reduced): model.vision_tower"
+        "ignored (36,448 params, whole on every rank, trainable ones' gradients all-reduced): model.vision_tower"
     )
     assert expected in plan
     assert "recomputed (reentrant): model.language_model.layers.0" in plan
