@@ -133,8 +133,6 @@ def test_internvl_example_trains_end_to_end(tmp_path):
     train_loss = float(metrics.split("'train/loss': ")[1].split(",")[0])
     assert train_loss < math.log(256) - 0.5  # below chance over the 256-token vocabulary
     plan = proc.stdout + proc.stderr
-    expected = (
-        "ignored (36,448 params, whole on every rank, trainable ones' gradients all-reduced): model.vision_tower"
-    )
+    expected = "ignored (36,448 params, whole on every rank, trainable ones' gradients all-reduced): model.vision_tower"
     assert expected in plan
     assert "recomputed (reentrant): model.language_model.layers.0" in plan
