@@ -76,6 +76,10 @@ def test_strategy_refuses_a_bad_algorithm_at_construction() -> None:
     with pytest.raises(ContextParallelError, match="not supported"):
         MMFSDP2Strategy(context_parallel_algo="ring")
     assert MMFSDP2Strategy(context_parallel_size=2).context_parallel_size == 2
+    # the argument as given (None: the YAML decides), which `lightning-mm plan` passes on to the layout
+    assert MMFSDP2Strategy(context_parallel_size=2).requested_context_parallel_algo is None
+    given = MMFSDP2Strategy(context_parallel_size=2, context_parallel_algo="megatron_cp_algo")
+    assert (given.requested_context_parallel_algo, given.context_parallel_algo) == ("megatron_cp_algo", "kv_allgather")
 
 
 def test_zigzag_layout_balances_causal_work() -> None:

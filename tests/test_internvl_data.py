@@ -175,7 +175,7 @@ def _tiles_per_image(root: Path, record: dict, max_patches: int) -> list[int]:
     most = max_patches // len(names) if len(names) > 1 else max_patches
     return [
         processor.image_processor.get_number_of_image_patches(
-            *Image.open(root / "images" / n).size[::-1],
+            *_image_size(root / "images" / n)[::-1],
             {"crop_to_patches": True, "max_patches": most, "min_patches": 1},
         )
         for n in names
@@ -590,3 +590,8 @@ def test_the_data_module_reads_a_multimodal_data_json(tiny, tmp_path, monkeypatc
     assert set(batch) == set(expected)
     for key in expected:
         assert torch.equal(batch[key], expected[key]), key
+
+
+def _image_size(path: Path) -> tuple[int, int]:
+    with Image.open(path) as image:  # closed at once (no unclosed-file ResourceWarning)
+        return image.size

@@ -119,7 +119,7 @@ def plan_from_cli_config(
     from lightning_mm.core.parallel_layout import config_layout
     from lightning_mm.core.sharding_plan import describe_rank_shapes
 
-    layout = config_layout(config, world, strategy.context_parallel_size, strategy._context_parallel.algo_argument)
+    layout = config_layout(config, world, strategy.context_parallel_size, strategy.requested_context_parallel_algo)
     text = plan.describe() + "\n" + order + "\n" + memory.describe() + "\n" + describe_rank_shapes(target, plan)
     from lightning_mm.hf.plan_source import default_plan_summary
 

@@ -218,6 +218,11 @@ class MMFSDP2Strategy(ParallelStrategy):
         return self._context_parallel.algo
 
     @property
+    def requested_context_parallel_algo(self) -> str | None:
+        """The ``context_parallel_algo`` argument as given (``None``: the FSDP2 YAML's, or the default, decides)."""
+        return self._context_parallel.algo_argument
+
+    @property
     def device_mesh(self) -> DeviceMesh:
         if self.sharded_run.mesh is None:
             raise StateError("The device mesh exists once the processes are initialised (`setup_environment`).")
