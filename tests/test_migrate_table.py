@@ -21,6 +21,7 @@ EXPECTED = {
     "--weight-decay": ("0.1", "model.init_args.weight_decay", 0.1),
     "--adam-beta1": ("0.8", "model.init_args.betas", [0.8, 0.999]),
     "--adam-beta2": ("0.95", "model.init_args.betas", [0.9, 0.95]),
+    "--adam-eps": ("1e-5", "model.init_args.eps", 1e-5),
     "--lr-decay-style": ("linear", "model.init_args.lr_decay_style", "linear"),
     "--lr-warmup-iters": ("7", "model.init_args.warmup_steps", 7),
     "--train-iters": ("90", "trainer.max_steps", 90),

@@ -107,6 +107,7 @@ def test_shipped_qwen3_5_122b_config_plans_at_its_world_size(tmp_path):
         ("gradient_accumulation_steps", 2.5, "`training.gradient_accumulation_steps`: expected an integer >= 1"),
         ("clip_grad", -1.0, "`training.clip_grad`: expected a number >= 0, got -1.0"),
         ("adam_beta2", 1.0, "`training.adam_beta2`: expected a number >= 0 and < 1, got 1.0"),
+        ("adam_eps", 0, "`training.adam_eps`: expected a number > 0, got 0"),
         ("seed", -1, "`training.seed`: expected an integer >= 0 and <= 4294967295, got -1"),
     ],
 )
@@ -128,6 +129,16 @@ def test_native_numbers_written_as_strings_are_read_as_mindspeed_mm_reads_them(t
     native["training"].update(lr="1e-5", train_iters=100, lr_warmup_ratio=0.25)  # YAML reads 1e-5 as a string
     config = migrate_native(DATA / QWEN3_5_122B, native, base_dir=tmp_path).config
     assert config["model"]["init_args"]["lr"] == 1e-5 and config["model"]["init_args"]["warmup_steps"] == 25
+
+
+def test_native_adam_eps_becomes_the_modules_eps(tmp_path):
+    from lightning_mm.mindspeed.native_route import migrate_native
+
+    native = yaml.safe_load((DATA / QWEN3_5_122B).read_text())
+    native["training"]["adam_eps"] = 1e-5
+    result = migrate_native(DATA / QWEN3_5_122B, native, base_dir=tmp_path)
+    assert result.config["model"]["init_args"]["eps"] == 1e-5
+    assert any(line.startswith("training.adam_eps -> model.init_args.eps") for line in result.mapped), result.mapped
 
 
 @pytest.mark.parametrize(

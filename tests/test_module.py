@@ -48,6 +48,8 @@ def test_constructor_validation_and_import_paths():
         MMLightningModule(lr_decay_style="wsd")
     with pytest.raises(ValueError, match="min_lr"):
         MMLightningModule(lr=1e-4, min_lr=1e-3)
+    with pytest.raises(ValueError, match=r"eps must be a positive number .AdamW's denominator term., got 0"):
+        MMLightningModule(eps=0)
     with pytest.raises(ImportError, match="cannot import module"):
         MMLightningModule(model_provider="no_such_module.model_provider")
     module = MMLightningModule(model_provider="examples.migration.pretrain_custom.model_provider")
@@ -199,3 +201,13 @@ def test_ddp_fit_with_seed_callables_in_megatron_form(scenario):
     assert r0["strategy"] == "DDPStrategy"
     assert r0["losses"][-1] < r0["losses"][0]
     assert "train/doubled" in r0["logged"] and "train/grad_norm" in r0["logged"]
+
+
+def test_the_default_optimizer_is_adamw_with_the_given_settings():
+    """``eps`` (MindSpeed MM's ``--adam-eps`` / ``training.adam_eps``) reaches AdamW with the other settings."""
+    module = Regression(lr=2e-3, weight_decay=0.1, betas=(0.8, 0.95), eps=1e-5)
+    module.configure_model()
+    optimizer = module.configure_optimizers()
+    assert isinstance(optimizer, torch.optim.AdamW)
+    group = optimizer.param_groups[0]
+    assert (group["lr"], group["weight_decay"], group["betas"], group["eps"]) == (2e-3, 0.1, (0.8, 0.95), 1e-5)

@@ -86,6 +86,7 @@ _RANGES: dict[str, tuple[float | None, float | None, bool]] = {
     "--weight-decay": (0, None, False),
     "--adam-beta1": (0, 1, False),
     "--adam-beta2": (0, 1, False),
+    "--adam-eps": (0, None, False),
     "--lr-warmup-iters": (0, None, True),
     "--lr-warmup-fraction": (0, 1, False),
     "--clip-grad": (0, None, False),
@@ -450,6 +451,7 @@ FLAGS: dict[str, _Handler] = {
     "--weight-decay": _to("model.init_args.weight_decay"),
     "--adam-beta1": _keep(),
     "--adam-beta2": _keep(),
+    "--adam-eps": _to("model.init_args.eps"),
     "--lr-decay-style": _choice(
         "model.init_args.lr_decay_style",
         ("cosine", "linear", "constant"),

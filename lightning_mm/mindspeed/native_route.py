@@ -515,13 +515,7 @@ def _optimizer(out: _Out, training: Mapping[str, Any]) -> None:
         out.map("training.adam_beta1, training.adam_beta2", f"{module}.betas", betas)
         out.handled.update({"training.adam_beta1", "training.adam_beta2"})
     if has("adam_eps"):
-        eps = out.number("training.adam_eps", low=0, low_open=True)
-        if eps == 1e-8:
-            out.note("training.adam_eps", "1e-8, AdamW's default here")
-        else:
-            out.refuse(
-                "training.adam_eps", f"{eps}: MMLightningModule's AdamW uses eps 1e-8; override configure_optimizers"
-            )
+        out.map("training.adam_eps", f"{module}.eps", out.number("training.adam_eps", low=0, low_open=True))
     optimizer = training.get("optimizer", "adamw")
     if optimizer == "adamw":
         out.note("training.optimizer", "adamw: MMLightningModule's AdamW")

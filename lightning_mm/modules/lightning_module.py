@@ -66,7 +66,7 @@ class MMLightningModule(L.LightningModule):
     Args:
         model_provider, get_batch, forward_step, loss_func: MindSpeed MM's functions, instead of overriding.
         fsdp2_config: the FSDP2 config the ``mm_fsdp2`` strategy uses when it is given none itself.
-        lr, weight_decay, betas: AdamW settings of the default optimiser.
+        lr, weight_decay, betas, eps: AdamW settings of the default optimiser (``eps``: its denominator term).
         warmup_steps: linear warmup length in optimizer steps.
         lr_decay_style: ``constant``, ``cosine`` or ``linear`` decay to ``min_lr`` over the Trainer's total steps.
         min_lr: the floor of the decay.
@@ -109,6 +109,7 @@ class MMLightningModule(L.LightningModule):
         lr: float = 1e-4,
         weight_decay: float = 0.0,
         betas: tuple[float, float] = (0.9, 0.999),
+        eps: float = 1e-8,
         warmup_steps: int = 0,
         lr_decay_style: str = "constant",
         min_lr: float = 0.0,
@@ -125,6 +126,8 @@ class MMLightningModule(L.LightningModule):
             raise ConfigError(f"need 0 <= min_lr <= lr and lr > 0, got lr={lr}, min_lr={min_lr}")
         if warmup_steps < 0:
             raise ConfigError(f"warmup_steps must be >= 0, got {warmup_steps}")
+        if isinstance(eps, bool) or not isinstance(eps, (int, float)) or not eps > 0:
+            raise ConfigError(f"eps must be a positive number (AdamW's denominator term), got {eps!r}")
         if not isinstance(enable_chunk_loss, bool):
             raise ConfigError(f"enable_chunk_loss must be true or false, got {enable_chunk_loss!r}")
         if isinstance(chunk_loss_size, bool) or not isinstance(chunk_loss_size, int) or chunk_loss_size <= 0:
@@ -139,6 +142,7 @@ class MMLightningModule(L.LightningModule):
         self.lr = lr
         self.weight_decay = weight_decay
         self.betas = cast("tuple[float, float]", tuple(betas))  # the annotation's pair; a config's list as a tuple
+        self.eps = float(eps)
         self.warmup_steps = warmup_steps
         self.lr_decay_style = lr_decay_style
         self.min_lr = min_lr
@@ -382,7 +386,7 @@ class MMLightningModule(L.LightningModule):
             raise ConfigError(f"{type(self).__name__} has no trainable parameters")
         # Sharded and unsharded (ignored-module) parameters in groups of their own: each group can take the fused step.
         optimizer = torch.optim.AdamW(
-            group_by_sharding(params), lr=self.lr, weight_decay=self.weight_decay, betas=self.betas
+            group_by_sharding(params), lr=self.lr, weight_decay=self.weight_decay, betas=self.betas, eps=self.eps
         )
         if self.warmup_steps == 0 and self.lr_decay_style == "constant":
             return optimizer
