@@ -121,12 +121,14 @@ def reference_losses(
     lora_shape: tuple[int, float] = (LORA["rank"], LORA["alpha"]),  # type: ignore[assignment]
     noise_seed: int = NOISE_SEED,
     i2v: bool = False,
+    order: list[list[int]] | None = None,
 ) -> tuple[list[float], dict[str, torch.Tensor]]:
     """The one-process diffusers run: per step the mean of the data-parallel ranks' losses, and the final weights
     (``data_ranks`` 1: context parallelism over both ranks, one sample a step). ``grads`` receives the first step's
     gradients. ``lora``: PEFT's adapters (``lora_shape``: rank and alpha, seed 0) on the transformer, the rest
     frozen. ``noise_seed``: the run's seed of timesteps and noise. ``i2v``: the features are image-to-video ones
-    (:func:`write_i2v_workdir`), conditioned as MindSpeed MM's Wan i2v training does (:func:`i2v_inputs`)."""
+    (:func:`write_i2v_workdir`), conditioned as MindSpeed MM's Wan i2v training does (:func:`i2v_inputs`).
+    ``order``: per step, each data-parallel rank's sample (a shuffling sampler's; default :func:`sample_of`)."""
     from diffusers import WanTransformer3DModel
 
     from lightning_mm.diffusers.flow_matching import WanFlowMatchSchedule, draw, draw_generator
@@ -149,6 +151,7 @@ def reference_losses(
         optimizer.zero_grad()
         for rank in range(data_ranks):
             index = sample_of(step, rank) if data_ranks == 2 else step % SAMPLES
+            index = order[step][rank] if order is not None else index
             data = torch.load(work / "features" / f"{index}.pt", weights_only=True)
             latents = data["video"][None]
             text = (data["prompt_ids"] * data["prompt_mask"][:, None])[None]
@@ -236,9 +239,10 @@ MIGRATED_STEPS = 2
 def write_migrated(work: Path, tree: Path, outdir: Path) -> None:
     """``lightning-mm migrate`` each :data:`MIGRATED` script from ``tree`` (a copy of the corpus, as a MindSpeed MM
     checkout), written to ``WORKDIR/migrated_<name>.yaml`` with the tiny stand-ins: the model directory, the feature
-    data, 2 CPU ranks, fp32, :data:`MIGRATED_STEPS` steps, the reference's lr and no weight decay or clipping (the
-    diffusers reference has neither), the recording callback in place of the job's. Everything else (the model
-    section, LoRA, schedule, FSDP2 YAML, strategy) is as migrated."""
+    data (i2v: the migrated config's own data config, the corpus' ``feature_data.json``, pointed at the tiny i2v
+    features by :func:`point_data_config`), 2 CPU ranks, fp32, :data:`MIGRATED_STEPS` steps, the reference's lr and
+    no weight decay or clipping (the diffusers reference has neither), the recording callback in place of the job's.
+    Everything else (the model section, LoRA, schedule, FSDP2 YAML, strategy) is as migrated."""
     import os
 
     import yaml
@@ -286,7 +290,11 @@ def write_migrated(work: Path, tree: Path, outdir: Path) -> None:
                 }
             ],
         )
-        config["data"]["init_args"].update(data_config=str(home / "data.json"), num_workers=0)
+        if name == "i2v":  # the corpus' own feature_data.json (shuffled, grouped), pointed at the tiny features
+            point_data_config(Path(config["data"]["init_args"]["data_config"]), home / "features")
+        else:
+            config["data"]["init_args"]["data_config"] = str(home / "data.json")
+        config["data"]["init_args"]["num_workers"] = 0
         (work / f"migrated_{name}.yaml").write_text(yaml.safe_dump(config, sort_keys=False))
 
 
@@ -299,7 +307,7 @@ I2V_IMAGE_TOKENS = 3  # MindSpeed MM's clip_token_len (257) in small
 
 
 def migrated_work(work: Path, name: str) -> Path:
-    """The stand-ins' directory (``model/``, ``features/``, ``data.json``) of the migrated job ``name``."""
+    """The stand-ins' directory (``model/``, ``features/``) of the migrated job ``name``."""
     return work / "i2v" if name == "i2v" else work
 
 
@@ -331,14 +339,30 @@ def write_i2v_workdir(work: Path) -> None:
         torch.save(sample, features / f"{i}.pt")
         lines.append(json.dumps({"file": f"{i}.pt", "cap": f"clip {i}"}))
     (features / "data.jsonl").write_text("\n".join(lines) + "\n")
-    data = {
-        "dataset_param": {
-            "dataset_type": "feature",
-            "basic_parameters": {"data_path": str(features / "data.jsonl"), "data_folder": str(features)},
-        },
-        "dataloader_param": {"dataloader_mode": "sampler", "shuffle": False, "drop_last": True},
+
+
+def point_data_config(path: Path, features: Path) -> None:
+    """Point the MindSpeed MM feature data config ``path`` (a copy) at ``features`` (its ``data.jsonl`` and
+    feature files), as a user points it at their features; the rest of the file is kept as written."""
+    data = json.loads(path.read_text())
+    data["dataset_param"]["basic_parameters"] = {
+        "data_path": str(features / "data.jsonl"),
+        "data_folder": str(features),
     }
-    (work / "data.json").write_text(json.dumps(data, indent=2))
+    path.write_text(json.dumps(data, indent=2))
+
+
+def sample_index(features: Path, first: list[float]) -> int:
+    """The sample whose latents begin with ``first`` (what :class:`MigratedRecorder` records per step)."""
+    found = [
+        i
+        for i in range(SAMPLES)
+        if torch.equal(
+            torch.load(features / f"{i}.pt", weights_only=True)["video"].flatten()[: len(first)], torch.tensor(first)
+        )
+    ]
+    assert len(found) == 1, (first, found)
+    return found[0]
 
 
 def i2v_inputs(noisy: torch.Tensor, data: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
@@ -370,10 +394,12 @@ class MigratedRecorder(L.Callback):
     def __init__(self, outdir: str, name: str) -> None:
         self.outdir, self.name = Path(outdir), name
         self.losses: list[float] = []
+        self.firsts: list[list[float]] = []
 
     def on_train_batch_end(self, trainer: Any, pl_module: Any, outputs: Any, batch: Any, batch_idx: int) -> None:
         loss = outputs["loss"] if isinstance(outputs, dict) else outputs
         self.losses.append(float(loss.detach()))
+        self.firsts.append(batch["latents"].flatten()[:4].tolist())  # which sample: see sample_index
 
     def on_before_optimizer_step(self, trainer: Any, pl_module: Any, optimizer: Any) -> None:
         if trainer.global_step == 0:  # full_tensor is a collective: every rank
@@ -390,7 +416,7 @@ class MigratedRecorder(L.Callback):
     def on_train_end(self, trainer: Any, pl_module: Any) -> None:
         final = _full(pl_module.model)
         trainable = sorted(f"model.{n}" for n, p in pl_module.model.named_parameters() if p.requires_grad)
-        info = {"losses": self.losses, "trainable": trainable}
+        info = {"losses": self.losses, "trainable": trainable, "firsts": self.firsts}
         (self.outdir / f"migrated_{self.name}.rank{trainer.global_rank}.json").write_text(json.dumps(info))
         if trainer.global_rank == 0:
             torch.save(final, self.outdir / f"migrated_{self.name}_final.pt")
