@@ -21,6 +21,11 @@ PROMISE = re.compile(r"\b(refused|refuses|is an error|raises)\b")
 REFUSALS: list[tuple[str, str, list[str]]] = [
     # (page, fragment of the sentence, test node ids)
     (
+        "diffusion.md",
+        "is refused naming the keys, before diffusers runs it",
+        ["tests/test_wan.py::test_wan_inputs_the_model_cannot_take_are_refused_naming_the_keys"],
+    ),
+    (
         "checkpoints.md",
         "a `last` link whose checkpoint was deleted is refused before anything starts",
         [

@@ -133,17 +133,25 @@ def test_lora_on_two_ranks_equals_a_one_process_peft_reference(run: Path, work: 
 
 @pytest.mark.parametrize("name", sorted(wan_scenarios.MIGRATED))
 def test_migrated_wan_configs_train_like_the_diffusers_reference(run: Path, work: Path, name: str) -> None:
-    """The corpus' Wan 2.1 t2v launch scripts, migrated (``pretrain_fsdp2.sh``: full weights with MindSpeed MM's
+    """The corpus' Wan 2.1 launch scripts, migrated (t2v ``pretrain_fsdp2.sh``: full weights with MindSpeed MM's
     FSDP2 YAML; ``finetune_lora.sh``: ``--lora-r 16 --lora-alpha 16`` on the blocks' attention and feed-forward
-    linears) and run by ``lightning-mm fit --config`` on 2 gloo ranks with the tiny model and features: the losses
+    linears; i2v ``pretrain.sh``: the tiny i2v model and MindSpeed MM's i2v features, conditioned as its WanDiT
+    does) and run by ``lightning-mm fit --config`` on 2 gloo ranks with the tiny model and features: the losses
     and the first step's gradients equal the one-process diffusers reference (PEFT's adapters for LoRA) to
     relative 1e-5, and LoRA trains the adapters only."""
     ranks = [json.loads((run / f"migrated_{name}.rank{r}.json").read_text()) for r in range(2)]
     steps = wan_scenarios.MIGRATED_STEPS
     losses = [(ranks[0]["losses"][s] + ranks[1]["losses"][s]) / 2 for s in range(steps)]
     grads: dict[str, torch.Tensor] = {}
-    lora = name == "lora"
-    expected, weights = reference_losses(work, steps, grads=grads, lora=lora, lora_shape=(16, 16.0), noise_seed=0)
+    lora, i2v = name == "lora", name == "i2v"
+    home = wan_scenarios.migrated_work(work, name)
+    order = None
+    if i2v:  # the corpus' feature_data.json as written: LengthGroupedSampler, shuffled; the reference follows it
+        order = [[wan_scenarios.sample_index(home / "features", r["firsts"][s]) for r in ranks] for s in range(steps)]
+        assert len({i for step in order for i in step}) == 2 * steps, order  # each sample once in the epoch
+    expected, weights = reference_losses(
+        home, steps, grads=grads, lora=lora, lora_shape=(16, 16.0), noise_seed=0, i2v=i2v, order=order
+    )
     assert all(_close(a, b) for a, b in zip(losses, expected)), (losses, expected)
     got = torch.load(run / f"migrated_{name}_grads.pt", weights_only=True)
     assert sorted(got) == sorted(grads)
@@ -342,6 +350,54 @@ def test_image_to_video_inputs_reach_the_model() -> None:
         return_dict=False,
     )[0]
     assert torch.allclose(loss, module.schedule.loss(expected, inputs["flow"]))
+
+
+def test_wan_inputs_the_model_cannot_take_are_refused_naming_the_keys() -> None:
+    """Image-to-video batches meet the checkpoint's config before diffusers runs them: a batch without image
+    embeddings, or with text embeddings not 512 long (diffusers' Wan attention takes the last 512 context positions
+    as the text, MindSpeed MM's ``text_len``), trained an i2v model silently on the wrong tokens; image features for a
+    text-to-video model, or latent plus condition channels other than ``in_channels``, failed inside diffusers."""
+    from lightning_mm.diffusers import DiffusersModel, WanDiffusion
+    from lightning_mm.errors import DataError
+    from tests.scenarios.wan_scenarios import TINY_WAN_I2V
+
+    torch.manual_seed(0)
+    i2v, t2v = (WanDiffusion(DiffusersModel({"model_id": "wan", "config": c})) for c in (TINY_WAN_I2V, TINY_WAN))
+    latents, timestep = torch.randn(1, 4, 1, 4, 4), torch.tensor([500.0])
+    text, image, condition = torch.randn(1, 512, 16), torch.randn(1, 3, 16), torch.randn(1, 8, 1, 4, 4)
+    assert i2v(latents, timestep, text, image, condition).shape == latents.shape
+    assert t2v(latents, timestep, torch.randn(1, 7, 16)).shape == latents.shape
+    with pytest.raises(DataError, match=r"no `image_embeds`, but the model is image-to-video \(image_dim 16\)"):
+        i2v(latents, timestep, text, None, condition)
+    with pytest.raises(DataError, match=r"`prompt_embeds` has 300 positions; with `image_embeds` they must be 512"):
+        i2v(latents, timestep, text[:, :300], image, condition)
+    with pytest.raises(DataError, match=r"`latents` 4 \(no `condition_latents`\) = 4 channels.*in_channels is 12"):
+        i2v(latents, timestep, text, image)
+    with pytest.raises(DataError, match=r"`latents` 4 \+ `condition_latents` 8 = 12 channels.*in_channels is 4"):
+        t2v(latents, timestep, text, image, condition)
+    with pytest.raises(DataError, match=r"`image_embeds` .* given, but the model has no image embedder"):
+        t2v(latents, timestep, text, image)
+
+
+def test_migrate_names_the_i2v_split_of_the_text_and_image_tokens() -> None:
+    """The corpus' Wan 2.1 i2v model.json: ``clip_token_len`` (where MindSpeed MM's WanDiT splits image from text
+    tokens) is named in the report, not left as unknown; an i2v ``text_len`` other than 512, which diffusers' split
+    cannot follow, is NOT mapped with the reason."""
+    from lightning_mm.mindspeed.diffusion import wan_module_config
+
+    path = ROOT / "tests/data/mindspeed_corpus/examples/wan2.1/1.3b/i2v/pretrain_model.json"
+    config = json.loads(path.read_text())
+    out = wan_module_config(config, str(path), "weights", "--load")
+    assert not out.unmapped, out.unmapped
+    assert any(n.startswith("predictor.clip_token_len 257: the image tokens are") for n in out.notes), out.notes
+    config["predictor"]["text_len"] = 256
+    out = wan_module_config(config, str(path), "weights", "--load")
+    assert [u for u in out.unmapped if "text_len" in u] == [
+        "predictor.text_len 256: model_type i2v needs text_len 512 here: diffusers' Wan attention takes the last 512 "
+        "context positions as the text and those before as the image"
+    ]
+    config["predictor"]["model_type"] = "t2v"  # a t2v model has no image tokens to split off
+    assert not wan_module_config(config, str(path), "weights", "--load").unmapped
 
 
 def test_diffusers_is_imported_only_when_used() -> None:

@@ -23,6 +23,7 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
+from lightning_mm.diffusers.wan_inputs import check_wan_inputs
 from lightning_mm.hf.mixins import FSDP2Mixin
 
 __all__ = ["MINDSPEED_WAN_PATHS", "WanDiffusion", "mindspeed_fsdp2_config"]
@@ -67,7 +68,15 @@ class WanDiffusion(nn.Module, FSDP2Mixin):
     ) -> Tensor:
         """The predicted velocity for ``hidden_states`` (noisy latents ``(B, C, F, H, W)``). Image-to-video models
         take the ``condition`` latents (mask and first-frame latents, concatenated on the channels, as diffusers'
-        Wan i2v pipeline builds them) and the image embeddings ``encoder_hidden_states_image``."""
+        Wan i2v pipeline builds them) and the image embeddings ``encoder_hidden_states_image``; inputs the
+        predictor's config cannot take so are refused first (:func:`~.wan_inputs.check_wan_inputs`)."""
+        check_wan_inputs(
+            getattr(self.predictor, "config", None),
+            hidden_states,
+            encoder_hidden_states,
+            encoder_hidden_states_image,
+            condition,
+        )
         if condition is not None:
             hidden_states = torch.cat([hidden_states, condition.to(hidden_states.dtype)], dim=1)
         out = self.predictor(

@@ -160,6 +160,8 @@ def wan_module_config(config: Mapping[str, Any], source: str, weights: str | Non
             out.notes.append(f"{name} {value}: t2v / i2v differ here only in the checkpoint's config and batch keys")
         elif key == "from_pretrained":
             out.notes.append(f"{name} {value}: MindSpeed MM's own weights file; the diffusers directory is used")
+        elif key in _I2V_KEYS:
+            _i2v_key(out, name, key, value, predictor.get("model_type"))
         elif key in _SHAPE_KEYS:
             out.notes.append(f"{name}: a shape key; the shape comes from the diffusers directory's config.json")
         elif key in _RUNTIME:
@@ -217,3 +219,26 @@ def wan_module_config(config: Mapping[str, Any], source: str, weights: str | Non
         else:
             out.unmapped.append(f"{key}: unknown to lightning-mm migrate")
     return out
+
+
+_I2V_KEYS = ("clip_token_len", "text_len")
+_IMAGE_TYPES = ("i2v", "flf2v")
+_TEXT_CONTEXT = 512  # diffusers' Wan attention: the last 512 context positions are the text, those before the image
+
+
+def _i2v_key(out: DiffusionMigration, name: str, key: str, value: Any, model_type: Any) -> None:
+    """``predictor.clip_token_len`` / ``text_len``: where ``wandit`` splits its cross-attention context into image and
+    text tokens. diffusers' ``WanTransformer3DModel`` splits it at the last 512 positions, so an image-to-video job
+    whose ``text_len`` is not 512 cannot train here as MindSpeed MM trains it (NOT mapped, with the reason)."""
+    if key == "clip_token_len":
+        out.notes.append(
+            f"{name} {value}: the image tokens are the rows of each feature file's i2v_clip_feature; diffusers "
+            f"splits them from the text by the text's {_TEXT_CONTEXT} positions"
+        )
+    elif model_type in _IMAGE_TYPES and value != _TEXT_CONTEXT:
+        out.unmapped.append(
+            f"{name} {value}: model_type {model_type} needs text_len {_TEXT_CONTEXT} here: diffusers' Wan "
+            f"attention takes the last {_TEXT_CONTEXT} context positions as the text and those before as the image"
+        )
+    else:
+        out.notes.append(f"{name}: a shape key; the shape comes from the diffusers directory's config.json")

@@ -13,7 +13,8 @@ first step's gradients) and ``cp_final.pt``. Then 2 epochs with LoRA (:data:`LOR
 attention and feed-forward linears, what ``migrate`` makes of MindSpeed MM's Wan ``finetune_lora*.sh``):
 ``lora_losses``, ``lora_grads.pt`` (the first step's gradients), ``lora_final.pt`` and ``lora.ckpt``. Last, the
 configs ``migrate`` wrote for the corpus' Wan t2v scripts (:data:`MIGRATED`, :func:`write_migrated`: full weights
-with MindSpeed MM's FSDP2 YAML, and LoRA), each run as ``lightning-mm fit --config`` does (:class:`MigratedRecorder`).
+with MindSpeed MM's FSDP2 YAML, and LoRA) and its Wan 2.1 i2v script (the i2v stand-ins in ``WORKDIR/i2v``,
+:func:`write_i2v_workdir`), each run as ``lightning-mm fit --config`` does (:class:`MigratedRecorder`).
 Real gloo collectives; nothing mocked.
 
 :func:`reference_losses` is the one-process diffusers reference: the same model directory, AdamW, the same
@@ -119,11 +120,15 @@ def reference_losses(
     lora: bool = False,
     lora_shape: tuple[int, float] = (LORA["rank"], LORA["alpha"]),  # type: ignore[assignment]
     noise_seed: int = NOISE_SEED,
+    i2v: bool = False,
+    order: list[list[int]] | None = None,
 ) -> tuple[list[float], dict[str, torch.Tensor]]:
     """The one-process diffusers run: per step the mean of the data-parallel ranks' losses, and the final weights
     (``data_ranks`` 1: context parallelism over both ranks, one sample a step). ``grads`` receives the first step's
     gradients. ``lora``: PEFT's adapters (``lora_shape``: rank and alpha, seed 0) on the transformer, the rest
-    frozen. ``noise_seed``: the run's seed of timesteps and noise."""
+    frozen. ``noise_seed``: the run's seed of timesteps and noise. ``i2v``: the features are image-to-video ones
+    (:func:`write_i2v_workdir`), conditioned as MindSpeed MM's Wan i2v training does (:func:`i2v_inputs`).
+    ``order``: per step, each data-parallel rank's sample (a shuffling sampler's; default :func:`sample_of`)."""
     from diffusers import WanTransformer3DModel
 
     from lightning_mm.diffusers.flow_matching import WanFlowMatchSchedule, draw, draw_generator
@@ -146,11 +151,13 @@ def reference_losses(
         optimizer.zero_grad()
         for rank in range(data_ranks):
             index = sample_of(step, rank) if data_ranks == 2 else step % SAMPLES
+            index = order[step][rank] if order is not None else index
             data = torch.load(work / "features" / f"{index}.pt", weights_only=True)
             latents = data["video"][None]
             text = (data["prompt_ids"] * data["prompt_mask"][:, None])[None]
             flow = draw(schedule, latents, draw_generator(noise_seed, "train", step, 0, rank))
-            out = model(flow.noisy, flow.timestep, text, return_dict=False)[0]
+            noisy, image = i2v_inputs(flow.noisy, data) if i2v else (flow.noisy, None)
+            out = model(noisy, flow.timestep, text, encoder_hidden_states_image=image, return_dict=False)[0]
             loss = schedule.loss(out, flow) / data_ranks
             loss.backward()
             total += float(loss.detach())
@@ -223,6 +230,7 @@ def _fit(
 MIGRATED = {
     "t2v": "examples/wan2.1/14b/t2v/pretrain_fsdp2.sh",  # MindSpeed MM's Wan FSDP2 YAML, full weights
     "lora": "examples/wan2.1/1.3b/t2v/finetune_lora.sh",  # --lora-r 16 --lora-alpha 16, ffn.*, proj_*
+    "i2v": "examples/wan2.1/1.3b/i2v/pretrain.sh",  # Wan 2.1 i2v (pretrain_sora.py, task i2v), full weights
 }
 """The corpus' Wan launch scripts (tests/data/mindspeed_corpus) whose migrated configs the run trains."""
 MIGRATED_STEPS = 2
@@ -231,9 +239,10 @@ MIGRATED_STEPS = 2
 def write_migrated(work: Path, tree: Path, outdir: Path) -> None:
     """``lightning-mm migrate`` each :data:`MIGRATED` script from ``tree`` (a copy of the corpus, as a MindSpeed MM
     checkout), written to ``WORKDIR/migrated_<name>.yaml`` with the tiny stand-ins: the model directory, the feature
-    data, 2 CPU ranks, fp32, :data:`MIGRATED_STEPS` steps, the reference's lr and no weight decay or clipping (the
-    diffusers reference has neither), the recording callback in place of the job's. Everything else (the model
-    section, LoRA, schedule, FSDP2 YAML, strategy) is as migrated."""
+    data (i2v: the migrated config's own data config, the corpus' ``feature_data.json``, pointed at the tiny i2v
+    features by :func:`point_data_config`), 2 CPU ranks, fp32, :data:`MIGRATED_STEPS` steps, the reference's lr and
+    no weight decay or clipping (the diffusers reference has neither), the recording callback in place of the job's.
+    Everything else (the model section, LoRA, schedule, FSDP2 YAML, strategy) is as migrated."""
     import os
 
     import yaml
@@ -247,10 +256,13 @@ def write_migrated(work: Path, tree: Path, outdir: Path) -> None:
         results = {name: migrate_file(Path(script))[0] for name, script in MIGRATED.items()}
     finally:
         os.chdir(before)
+    if "i2v" in MIGRATED:
+        write_i2v_workdir(work / "i2v")
     for name, result in results.items():
+        home = migrated_work(work, name)
         config = yaml.safe_load(yaml.safe_dump(result.config))
         init = config["model"]["init_args"]
-        init["diffusers_model"]["init_from_path"] = str(work / "model")
+        init["diffusers_model"]["init_from_path"] = str(home / "model")
         init.update(lr=LR, min_lr=LR, weight_decay=0.0, log_grad_norm=False, log_throughput=False)
         if "fsdp2_config" in init:
             init["fsdp2_config"] = {
@@ -278,8 +290,90 @@ def write_migrated(work: Path, tree: Path, outdir: Path) -> None:
                 }
             ],
         )
-        config["data"]["init_args"].update(data_config=str(work / "data.json"), num_workers=0)
+        if name == "i2v":  # the corpus' own feature_data.json (shuffled, grouped), pointed at the tiny features
+            point_data_config(Path(config["data"]["init_args"]["data_config"]), home / "features")
+        else:
+            config["data"]["init_args"]["data_config"] = str(home / "data.json")
+        config["data"]["init_args"]["num_workers"] = 0
         (work / f"migrated_{name}.yaml").write_text(yaml.safe_dump(config, sort_keys=False))
+
+
+TINY_WAN_I2V = {**TINY_WAN, "in_channels": 12, "image_dim": 16, "added_kv_proj_dim": 24}
+"""Wan 2.1 i2v in small (Wan2.1-I2V: ``in_channels`` 36 = 16 noisy latent channels + MindSpeed MM's 4 first-frame
+mask channels + 16 first-frame latent channels; ``image_dim`` 1280, the CLIP features; ``added_kv_proj_dim`` the
+inner dimension, the cross-attention's image keys and values): 4 + 4 + 4 channels, inner dimension 2 x 12."""
+I2V_TEXT_LEN = 512  # MindSpeed MM's text_len; diffusers' Wan i2v attention takes the last 512 positions as the text
+I2V_IMAGE_TOKENS = 3  # MindSpeed MM's clip_token_len (257) in small
+
+
+def migrated_work(work: Path, name: str) -> Path:
+    """The stand-ins' directory (``model/``, ``features/``) of the migrated job ``name``."""
+    return work / "i2v" if name == "i2v" else work
+
+
+def write_i2v_workdir(work: Path) -> None:
+    """The tiny i2v model (seeded) and image-to-video features with MindSpeed MM's keys, as its feature extraction
+    (``mindspeed_mm/tools/feature_extraction/get_sora_feature.py`` with ``wan_i2v_processor.py``) writes them:
+    ``video`` ``(C, F, H, W)``, ``prompt_ids`` ``(512, D)`` and ``prompt_mask`` (padded to ``text_len``),
+    ``i2v_clip_feature`` ``(N, image_dim)`` and ``i2v_vae_feature``, the first-frame mask (ones on the first latent
+    frame, on 4 channels) and the first frame's latents concatenated on the channels ``(4 + C, F, H, W)``."""
+    from diffusers import WanTransformer3DModel
+
+    torch.manual_seed(0)
+    WanTransformer3DModel(**TINY_WAN_I2V).save_pretrained(work / "model")
+    features = work / "features"
+    features.mkdir(parents=True)
+    generator = torch.Generator().manual_seed(2)
+    _, frames, height, width = LATENT_SHAPE
+    mask = torch.zeros(4, frames, height, width)
+    mask[:, 0] = 1
+    lines = []
+    for i in range(SAMPLES):
+        sample = {
+            "video": torch.randn(LATENT_SHAPE, generator=generator),
+            "prompt_ids": torch.randn(I2V_TEXT_LEN, TINY_WAN["text_dim"], generator=generator),
+            "prompt_mask": torch.tensor([1] * (TEXT_LEN - i % 2) + [0] * (I2V_TEXT_LEN - TEXT_LEN + i % 2)),
+            "i2v_clip_feature": torch.randn(I2V_IMAGE_TOKENS, TINY_WAN_I2V["image_dim"], generator=generator),
+            "i2v_vae_feature": torch.cat([mask, torch.randn(LATENT_SHAPE, generator=generator)]),
+        }
+        torch.save(sample, features / f"{i}.pt")
+        lines.append(json.dumps({"file": f"{i}.pt", "cap": f"clip {i}"}))
+    (features / "data.jsonl").write_text("\n".join(lines) + "\n")
+
+
+def point_data_config(path: Path, features: Path) -> None:
+    """Point the MindSpeed MM feature data config ``path`` (a copy) at ``features`` (its ``data.jsonl`` and
+    feature files), as a user points it at their features; the rest of the file is kept as written."""
+    data = json.loads(path.read_text())
+    data["dataset_param"]["basic_parameters"] = {
+        "data_path": str(features / "data.jsonl"),
+        "data_folder": str(features),
+    }
+    path.write_text(json.dumps(data, indent=2))
+
+
+def sample_index(features: Path, first: list[float]) -> int:
+    """The sample whose latents begin with ``first`` (what :class:`MigratedRecorder` records per step)."""
+    found = [
+        i
+        for i in range(SAMPLES)
+        if torch.equal(
+            torch.load(features / f"{i}.pt", weights_only=True)["video"].flatten()[: len(first)], torch.tensor(first)
+        )
+    ]
+    assert len(found) == 1, (first, found)
+    return found[0]
+
+
+def i2v_inputs(noisy: torch.Tensor, data: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+    """The reference's i2v conditioning of one sample's noisy latents ``(1, C, F, H, W)``, re-told from MindSpeed MM's
+    ``WanDiT.forward`` (``mindspeed_mm/models/predictor/dits/wan_dit.py``, ``model_type`` i2v): the noise is drawn on
+    the video latents alone (``SoraModel.forward``'s ``q_sample(latents)``), then ``x = torch.cat([x,
+    i2v_vae_feature], dim=1)`` before the patch embedding, and the CLIP feature's embedding (``img_emb``) goes before
+    the text's (``torch.cat([clip_embedding, prompt_emb], dim=1)``; diffusers' ``encoder_hidden_states_image``,
+    which ``WanTransformer3DModel`` puts in front of the text in the same way). The loss is to the video latents'
+    velocity only."""
+    return torch.cat([noisy, data["i2v_vae_feature"][None]], dim=1), data["i2v_clip_feature"][None]
 
 
 def _full(module: torch.nn.Module, trainable_only: bool = False) -> dict[str, torch.Tensor]:
@@ -300,10 +394,12 @@ class MigratedRecorder(L.Callback):
     def __init__(self, outdir: str, name: str) -> None:
         self.outdir, self.name = Path(outdir), name
         self.losses: list[float] = []
+        self.firsts: list[list[float]] = []
 
     def on_train_batch_end(self, trainer: Any, pl_module: Any, outputs: Any, batch: Any, batch_idx: int) -> None:
         loss = outputs["loss"] if isinstance(outputs, dict) else outputs
         self.losses.append(float(loss.detach()))
+        self.firsts.append(batch["latents"].flatten()[:4].tolist())  # which sample: see sample_index
 
     def on_before_optimizer_step(self, trainer: Any, pl_module: Any, optimizer: Any) -> None:
         if trainer.global_step == 0:  # full_tensor is a collective: every rank
@@ -320,7 +416,7 @@ class MigratedRecorder(L.Callback):
     def on_train_end(self, trainer: Any, pl_module: Any) -> None:
         final = _full(pl_module.model)
         trainable = sorted(f"model.{n}" for n, p in pl_module.model.named_parameters() if p.requires_grad)
-        info = {"losses": self.losses, "trainable": trainable}
+        info = {"losses": self.losses, "trainable": trainable, "firsts": self.firsts}
         (self.outdir / f"migrated_{self.name}.rank{trainer.global_rank}.json").write_text(json.dumps(info))
         if trainer.global_rank == 0:
             torch.save(final, self.outdir / f"migrated_{self.name}_final.pt")
