@@ -523,7 +523,9 @@ def test_a_native_plan_given_to_the_strategy_ignores_only_what_it_lists(tmp_path
     MindSpeed MM shards. ``FSDPPlanConfig.ignored_modules`` defaults to ``[]`` (mindspeed_mm/fsdp/params/
     parallel_args.py) and ``get_fsdp_modules`` (mindspeed_mm/fsdp/distributed/fully_shard_parallel.py) wraps every
     module whose name matches an ``apply_modules`` pattern and is not ignored; this project's default would ignore
-    the frozen tower, whose blocks the plan wraps (a contradiction it refuses)."""
+    the frozen tower, whose blocks the plan wraps (a contradiction it refuses). The same units written as a
+    launch-route FSDP2 YAML (``sub_modules_to_wrap``), given directly, plan the same: MindSpeed MM's
+    ``get_ignored_params`` (mindspeed_mm/models/transformers/base_model.py) ignores nothing the YAML does not list."""
     from tests.helpers.moe_models import tiny_moe_model
 
     name = "qwen3vl__qwen3vl_30B_config_v1.yaml"
@@ -542,10 +544,16 @@ def test_a_native_plan_given_to_the_strategy_ignores_only_what_it_lists(tmp_path
             "init_args": {"transformers_model": transformers_model},
         },
     }
+    # the same plan as a launch-route FSDP2 YAML (MindSpeed MM's Qwen3-VL units), given directly: the default plan
+    # never ignores a frozen tower whose modules the YAML wraps (lightning_mm/hf/default_plans.py)
+    launch_yaml = tmp_path / "fsdp2_config.yaml"
+    launch_yaml.write_text(yaml.safe_dump({"sub_modules_to_wrap": native["parallel"]["fsdp_plan"]["apply_modules"]}))
+    launch = yaml.safe_load(yaml.safe_dump(direct))
+    launch["trainer"]["strategy"]["init_args"]["fsdp2_config"] = str(launch_yaml)
     migrated = _migrated(name, tmp_path)
     migrated["model"]["init_args"]["transformers_model"].update(transformers_model, trust_remote_code=False)
     migrated["trainer"]["callbacks"] = []
-    for config in (direct, migrated):
+    for config in (direct, launch, migrated):
         plan, model = _plan_of(config, tmp_path)
         assert not any(p.requires_grad for p in model.model.visual.parameters())
         mindspeed_units = [  # get_fsdp_modules with no ignored module
