@@ -328,7 +328,12 @@ def _check_single_yaml(result, root: Path) -> None:
     }
     assert config["model"]["init_args"]["lr"] == 1e-5
     assert config["data"]["init_args"] == {"batch_size": 2, "data_config": str(root / "examples" / "job.yaml")}
-    assert config["trainer"]["strategy"]["init_args"]["fsdp2_config"] == str(root / "examples" / "fsdp2_config.yaml")
+    # the YAML's keys inline, with MindSpeed MM's ignored_modules default (lightning_mm/mindspeed/ignored_default.py)
+    assert config["trainer"]["strategy"]["init_args"]["fsdp2_config"] == {
+        "sharding_size": "auto",
+        "ignored_modules": [],
+    }
+    assert f"{root / 'examples' / 'fsdp2_config.yaml'} ignored_modules: not set" in "\n".join(result.mapped)
     unmapped = "\n".join(result.unmapped)
     for reported in ("gpt_args.seq_length: 1024", "MM_TOOL_PATH", "top-level section `extra_section`"):
         assert reported in unmapped, (reported, unmapped)

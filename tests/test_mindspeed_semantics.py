@@ -471,3 +471,106 @@ def test_a_global_batch_that_another_world_size_cannot_keep_is_refused_with_the_
     assert accumulation_for(8, 2, 2) == 2 and accumulation_for(8, 2, 4) == 1 and accumulation_for(8, 1, 4, 2) == 4
     with pytest.raises(ConfigError, match=r"global batch size 8 cannot be kept on 3 ranks: micro batch 2 x 3 "):
         accumulation_for(8, 2, 3)
+
+
+# ------------------------------------------------------------------------------ a frozen tower is MindSpeed MM's
+def _plan_of(config: dict, tmp_path: Path, world: int = 2) -> tuple:
+    """The plan ``lightning-mm plan --config`` resolves (the strategy's own ``plan_for``), and its model."""
+    from lightning_mm.commands.plan_command import planned_cli_config
+
+    path = tmp_path / "plan.yaml"
+    path.write_text(yaml.safe_dump(config))
+    _, _, planned, _, _ = planned_cli_config(["--config", str(path)], world)
+    return planned.plan, planned.target
+
+
+def _mindspeed_match(pattern: str, name: str) -> bool:
+    """MindSpeed's ``module_name_match`` as its patterns are written here: the whole name, ``{*}`` one index."""
+    return re.fullmatch(re.escape(pattern).replace(r"\{\*\}", r"\d+"), name) is not None
+
+
+def test_a_frozen_glm4_5v_tower_is_sharded_as_mindspeed_mm_shards_it(tmp_path, monkeypatch):
+    """MindSpeed MM's GLM-4.5V launch (examples/glm4.5v: model.json freezes the vision encoder and projector, and
+    fsdp2_config.yaml lists no ``ignored_modules``), migrated and planned as ``lightning-mm plan`` plans it. MindSpeed
+    MM ignores only what the YAML lists (``get_ignored_params`` in mindspeed_mm/models/transformers/base_model.py:
+    none), and ``Glm4VFSDP2Minxin._fully_shard`` (mindspeed_mm/models/transformers/glm4v_moe/glm4_5v.py) shards each
+    vision block, the merger, ``model.visual``, ``embed_tokens``, each decoder layer and ``lm_head``, frozen or not.
+    This project's default would keep the fully frozen tower out of FSDP: migrate states ``ignored_modules: []``."""
+    import shutil
+
+    from lightning_mm.mindspeed.load import migrate_file
+    from tests.helpers.derive_models import tiny_model
+
+    corpus = Path(__file__).resolve().parent / "data" / "mindspeed_corpus" / "examples" / "glm4.5v"
+    shutil.copytree(corpus, tmp_path / "examples" / "glm4.5v")
+    monkeypatch.chdir(tmp_path)
+    result, _ = migrate_file(Path("examples/glm4.5v/finetune_glm4_5v_106B.sh"))
+    config = yaml.safe_load(yaml.safe_dump(result.config))
+    tiny_model("glm4v_moe").save_pretrained(tmp_path / "hf")
+    config["model"]["init_args"]["transformers_model"].update(init_from_hf_path=str(tmp_path / "hf"))
+    plan, model = _plan_of(config, tmp_path)
+
+    visual = model.model.visual
+    assert not any(p.requires_grad for p in visual.parameters())  # the migrated freeze froze the whole tower
+    mindspeed_units = [f"model.visual.blocks.{i}" for i in range(len(visual.blocks))] + ["model.visual.merger"]
+    layers = model.model.language_model.layers
+    mindspeed_units += ["model.language_model.embed_tokens", "lm_head"]
+    mindspeed_units += [f"model.language_model.layers.{i}" for i in range(len(layers))]
+    assert plan.ignored_modules == ()  # MindSpeed MM: the YAML lists none
+    units = {path for unit in plan.units for path in unit.modules}
+    assert set(mindspeed_units) <= units, sorted(set(mindspeed_units) - units)
+    # the rest of model.visual (MindSpeed MM's model.visual unit) is sharded too: no parameter is kept whole
+    assert not plan.ignored_params
+    assert "fsdp2_config.yaml ignored_modules: not set -> trainer.strategy.init_args.fsdp2_config" in result.report()
+    alone, _ = migrate_file(Path("examples/glm4.5v/fsdp2_config.yaml"))  # no model: kept as written, with a note
+    kept = alone.config["trainer"]["strategy"]["init_args"]["fsdp2_config"]
+    assert kept == str(tmp_path / "examples" / "glm4.5v" / "fsdp2_config.yaml")
+    assert any("sets no ignored_modules: kept as written" in note for note in alone.notes)
+
+
+def test_a_native_plan_given_to_the_strategy_ignores_only_what_it_lists(tmp_path):
+    """MindSpeed MM's native Qwen3-VL config (``freeze: [model.visual]``, ``fsdp_plan`` without
+    ``ignored_modules``), given as it is to ``MMFSDP2Strategy(fsdp2_config=...)`` and migrated: both plan what
+    MindSpeed MM shards. ``FSDPPlanConfig.ignored_modules`` defaults to ``[]`` (mindspeed_mm/fsdp/params/
+    parallel_args.py) and ``get_fsdp_modules`` (mindspeed_mm/fsdp/distributed/fully_shard_parallel.py) wraps every
+    module whose name matches an ``apply_modules`` pattern and is not ignored; this project's default would ignore
+    the frozen tower, whose blocks the plan wraps (a contradiction it refuses). The same units written as a
+    launch-route FSDP2 YAML (``sub_modules_to_wrap``), given directly, plan the same: MindSpeed MM's
+    ``get_ignored_params`` (mindspeed_mm/models/transformers/base_model.py) ignores nothing the YAML does not list."""
+    from tests.helpers.moe_models import tiny_moe_model
+
+    name = "qwen3vl__qwen3vl_30B_config_v1.yaml"
+    native = yaml.safe_load((DATA / name).read_text())
+    assert "ignored_modules" not in native["parallel"]["fsdp_plan"] and native["model"]["freeze"] == ["model.visual"]
+    tiny_moe_model("qwen3_vl_moe").save_pretrained(tmp_path / "hf")
+    transformers_model = {"init_from_hf_path": str(tmp_path / "hf"), "freeze": ["model.visual"]}
+    direct = {
+        "seed_everything": 0,
+        "trainer": {
+            "devices": 2,
+            "strategy": {"class_path": "lightning_mm.MMFSDP2Strategy", "init_args": {"fsdp2_config": str(DATA / name)}},
+        },
+        "model": {
+            "class_path": "lightning_mm.modules.transformers_module.MMTransformersModule",
+            "init_args": {"transformers_model": transformers_model},
+        },
+    }
+    # the same plan as a launch-route FSDP2 YAML (MindSpeed MM's Qwen3-VL units), given directly: the default plan
+    # never ignores a frozen tower whose modules the YAML wraps (lightning_mm/hf/default_plans.py)
+    launch_yaml = tmp_path / "fsdp2_config.yaml"
+    launch_yaml.write_text(yaml.safe_dump({"sub_modules_to_wrap": native["parallel"]["fsdp_plan"]["apply_modules"]}))
+    launch = yaml.safe_load(yaml.safe_dump(direct))
+    launch["trainer"]["strategy"]["init_args"]["fsdp2_config"] = str(launch_yaml)
+    migrated = _migrated(name, tmp_path)
+    migrated["model"]["init_args"]["transformers_model"].update(transformers_model, trust_remote_code=False)
+    migrated["trainer"]["callbacks"] = []
+    for config in (direct, launch, migrated):
+        plan, model = _plan_of(config, tmp_path)
+        assert not any(p.requires_grad for p in model.model.visual.parameters())
+        mindspeed_units = [  # get_fsdp_modules with no ignored module
+            n
+            for n, _ in model.named_modules()
+            if any(_mindspeed_match(p, n) for p in native["parallel"]["fsdp_plan"]["apply_modules"])
+        ]
+        assert plan.ignored_modules == ()
+        assert sorted(path for unit in plan.units for path in unit.modules) == sorted(mindspeed_units)

@@ -13,7 +13,8 @@ where the YAML leaves them unset). The rules:
 * **Towers**: the sub-models built from one of the config's sub-configs other than the text model's
   (``vision_config``, ``audio_config``: ``model.visual``, ``model.vision_tower``, ``model.audio_tower``), or the
   paths of the class attribute ``fsdp2_vision_towers``. A tower whose parameters are all frozen goes to
-  ``ignored_modules`` (kept whole on every rank, it never communicates) and nothing inside it is a unit.
+  ``ignored_modules`` (kept whole on every rank, it never communicates) and nothing inside it is a unit, unless the
+  YAML's own ``sub_modules_to_wrap`` shards it or a module inside it.
 * **The rest**: walking down from the root through every module that holds a unit or a tower, each other child
   with parameters is a unit of its own (the items of a list: one each), except a norm, which stays in the root
   unit. This finds the projector between a tower and the decoder (``multi_modal_projector``, Idefics3's
@@ -304,11 +305,15 @@ def _cannot_decide(model: nn.Module, why: str, keys: str = "`sub_modules_to_wrap
     )
 
 
-def derive_fsdp2_plan(model: nn.Module, ignored: Sequence[str] | None = None) -> DerivedPlan:
+def derive_fsdp2_plan(
+    model: nn.Module, ignored: Sequence[str] | None = None, wrapped: Sequence[str] = ()
+) -> DerivedPlan:
     """The default plan of a Hugging Face model (see the module docstring for the rules).
 
     ``ignored``: the ``ignored_modules`` the user set (patterns allowed); then no unit lies inside them and no
-    ``ignored_modules`` default is given. Raises :class:`PlanDerivationError` where the metadata does not decide.
+    ``ignored_modules`` default is given. ``wrapped``: the ``sub_modules_to_wrap`` the user set; a frozen tower
+    that one of them names, or names a module inside, is not ignored by default (the user shards it, as MindSpeed
+    MM does with such a YAML). Raises :class:`PlanDerivationError` where the metadata does not decide.
     """
     name = type(model).__name__
     classes = _no_split(model)
@@ -328,7 +333,10 @@ def derive_fsdp2_plan(model: nn.Module, ignored: Sequence[str] | None = None) ->
     user_ignored = ignored is not None
     towers = tower_paths(model)
     declared = ["fsdp2_vision_towers"] if getattr(type(model), "fsdp2_vision_towers", None) is not None else []
-    ignore = list(ignored) if ignored is not None else frozen_vision_towers(model)  # patterns, or paths
+    if ignored is not None:
+        ignore = list(ignored)  # patterns
+    else:  # paths: the frozen towers the user's own units do not shard
+        ignore = [t for t in frozen_vision_towers(model) if not any(names_inside(w, t) for w in wrapped)]
     blocks = [b for b in blocks if not _inside(b, ignore)]
     for tower in towers:
         if not any(names_inside(i, tower) or names_or_contains(i, tower) for i in ignore) and not any(

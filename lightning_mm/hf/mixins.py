@@ -57,7 +57,8 @@ class FSDP2Mixin:
         metadata (:func:`lightning_mm.hf.default_plans.derive_fsdp2_plan`): each decoder layer and vision
         block is a unit, input and output embeddings are units (grouped when tied), and a frozen vision tower is
         ignored. ``explicit`` holds the keys the user's YAML sets (see ``FSDP2Config.with_model_defaults``): the
-        default units leave out the modules it ignores. A model whose metadata does not decide a plan raises
+        default units leave out the modules it ignores, and a frozen tower its ``sub_modules_to_wrap`` shards is not
+        ignored by default. A model whose metadata does not decide a plan raises
         :class:`~lightning_mm.hf.default_plans.PlanDerivationError` (naming the keys to set) unless the YAML sets
         ``sub_modules_to_wrap``.
         """
@@ -66,7 +67,11 @@ class FSDP2Mixin:
 
             explicit = explicit or {}
             try:
-                plan = derive_fsdp2_plan(self, ignored=explicit.get("ignored_modules"))  # type: ignore[arg-type]
+                plan = derive_fsdp2_plan(
+                    self,  # type: ignore[arg-type]
+                    ignored=explicit.get("ignored_modules"),
+                    wrapped=explicit.get("sub_modules_to_wrap") or (),
+                )
             except PlanDerivationError:
                 if "sub_modules_to_wrap" in explicit:  # the YAML names the units; the experts are still found
                     experts = moe_module_paths(self)  # type: ignore[arg-type]

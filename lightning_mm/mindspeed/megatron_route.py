@@ -358,6 +358,7 @@ def _map_model(state: FlagState, launch: Launch, functions: set[str]) -> None:
     if "mm_model" not in state.values:
         if state.values.get("builtin_model"):
             out.unmapped.append("no --mm-model (model.json): set model.init_args.transformers_model by hand")
+        _note_ignored_modules(state)
         return
     shown, path, section = state.values["mm_model"]
     if "model_provider" in functions:
@@ -421,6 +422,32 @@ def _map_module_paths(state: FlagState, family: str | None, megatron: bool) -> N
         init_args["fsdp2_config"] = keys
     state.out.mapped += mapped
     state.out.unmapped += unmapped
+    _map_ignored_modules(state)
+
+
+def _map_ignored_modules(state: FlagState) -> None:
+    """The strategy's FSDP2 config (MindSpeed MM's FSDP2 YAML) of a Transformers model with MindSpeed MM's
+    ``ignored_modules`` default stated (:mod:`.ignored_default`): this project's default plan, which would keep a
+    frozen tower out of FSDP, is the Transformers models' (a custom model's default plan is empty)."""
+    from lightning_mm.mindspeed.ignored_default import with_ignored_default
+
+    init_args = state.cfg["trainer"].get("strategy", {}).get("init_args", {})
+    if "fsdp2_config" not in init_args:
+        return
+    value, mapped, unmapped = with_ignored_default(init_args["fsdp2_config"])
+    init_args["fsdp2_config"] = value
+    state.out.mapped += mapped
+    state.out.unmapped += unmapped
+
+
+def _note_ignored_modules(state: FlagState) -> None:
+    """No model config: the strategy's FSDP2 YAML is kept, with a note on ``ignored_modules``
+    (:mod:`.ignored_default`)."""
+    from lightning_mm.mindspeed.ignored_default import note_without_model
+
+    note = note_without_model(state.cfg["trainer"].get("strategy", {}).get("init_args", {}).get("fsdp2_config"))
+    if note is not None:
+        state.out.notes.append(note)
 
 
 _LIST_FLAGS = ("--lora-target-modules",)

@@ -22,6 +22,7 @@ from pathlib import Path
 from typing import Any
 
 from lightning_mm._utils.yaml_io import ConfigFileError, load_mapping
+from lightning_mm.mindspeed.ignored_default import WHY, states_ignored_modules
 
 __all__ = ["PATH_KEYS", "PathMap", "FAMILIES", "family_of", "translate", "translate_keys", "translate_fsdp2_config"]
 
@@ -227,12 +228,9 @@ def translate_fsdp2_config(
     new, lines = translate_keys(keys, paths, where)
     if not lines:
         return None, [], []
-    if "ignored_modules" not in new:  # MindSpeed MM ignores what the YAML lists; here a frozen tower is by default
+    if not states_ignored_modules(new):  # MindSpeed MM ignores what the YAML lists; here a frozen tower is by default
         new["ignored_modules"] = []
-        lines.append(
-            f"{where} ignored_modules: not set -> [] (MindSpeed MM ignores only the modules its YAML lists; "
-            "lightning-mm's default would ignore a frozen vision tower, whose blocks this YAML may wrap)"
-        )
+        lines.append(f"{where} ignored_modules: not set -> [] ({WHY})")
     head = (
         f"{where}: module paths of MindSpeed MM's {paths.name} -> the Transformers class's "
         f"(from {paths.source}); written inline in trainer.strategy.init_args.fsdp2_config, the file is unchanged"

@@ -25,7 +25,9 @@ recompute switch and plan that its ``features`` section may carry too, maps onto
   attention's zig-zag layout and results; keys and values all-gathered; NPU-only in MindSpeed MM, any device here)
 
 MindSpeed MM's defaults are kept where they differ from this project's: ``fully_shard_parallel_size: auto``,
-``num_to_backward_prefetch: 0`` and ``use_reentrant: false`` are written when the section leaves them out.
+``num_to_backward_prefetch: 0``, ``use_reentrant: false`` and ``ignored_modules: []`` (nothing ignored; this
+project's default would ignore a fully frozen vision tower: :mod:`lightning_mm.mindspeed.ignored_default`) are
+written when the section leaves them out.
 Keys that change what is computed and that this project cannot honour (``tp_plan.sequence_parallel``;
 ``ring_attention_size`` together with ``ulysses_parallel_size``; a fixed ``data_parallel_size``...) are
 ``refused``; keys that only tune speed or NPU kernels and have no counterpart (``pregather``, ``hook_modules``,
@@ -298,6 +300,11 @@ def _map_fsdp_plan(section: Mapping[str, Any], prefix: str, read: _Reader, out: 
     if "ignored_modules" in plan:
         fsdp2["ignored_modules"] = read.patterns(plan["ignored_modules"], "ignored_modules")
         mapped("fsdp_plan.ignored_modules", "fsdp2_config.ignored_modules")
+    else:  # FSDPPlanConfig's default ([]): nothing ignored, where this project's default would ignore a frozen tower
+        from lightning_mm.mindspeed.ignored_default import WHY
+
+        fsdp2["ignored_modules"] = []
+        mapped("fsdp_plan.ignored_modules (default [])", f"fsdp2_config.ignored_modules: [] ({WHY})")
     for key in _SAME:
         if key in plan and plan[key] is not None:
             fsdp2[key] = plan[key]
