@@ -123,7 +123,7 @@ def test_every_flag_a_migrated_script_writes_is_named_in_its_report(results):
         missing = _flags_written((CORPUS / name).read_text()) - named
         assert not missing, f"{name}: flags written but not named in the report: {sorted(missing)}"
         checked += 1
-    assert checked == 41
+    assert checked == 45
 
 
 def test_shell_the_reader_cannot_run_is_named_and_keeps_the_rest(results):
@@ -444,6 +444,7 @@ _STAND_INS = (
     ("examples/qwen3vl/finetune_qwen3vl_32B", "qwen3_vl"),
     ("examples/qwen3vl/", "qwen3_vl_moe"),
     ("examples/wan2.", "wan"),
+    ("examples/vace/", "wan_vace"),
 )
 
 
@@ -472,6 +473,12 @@ def _save_stand_in(family: str, directory: Path) -> Path:
         from tests.helpers.moe_models import tiny_moe_model
 
         tiny_moe_model("qwen3_vl_moe").save_pretrained(directory)
+    elif family == "wan_vace":
+        from diffusers import WanVACETransformer3DModel
+
+        from tests.scenarios.wan_scenarios import TINY_VACE
+
+        WanVACETransformer3DModel(**TINY_VACE).save_pretrained(directory)
     else:
         from diffusers import WanTransformer3DModel
 
@@ -502,7 +509,7 @@ def test_every_migrated_launch_script_plans_at_its_world_size(results, tmp_path)
             stand_ins[family] = _save_stand_in(family, tmp_path / "stand_ins" / family)
         config = yaml.safe_load(yaml.safe_dump(result.config))
         init = config["model"]["init_args"]
-        if family == "wan":
+        if family in ("wan", "wan_vace"):
             init["diffusers_model"]["init_from_path"] = str(stand_ins[family])
         else:
             init["transformers_model"].update(init_from_hf_path=str(stand_ins[family]), trust_remote_code=False)
@@ -535,7 +542,7 @@ def test_every_migrated_launch_script_plans_at_its_world_size(results, tmp_path)
         assert f"world size {world}" in text, (name, text)
         planned.append(name)
     assert not failed, "\n".join(f"{k}: {v}" for k, v in failed.items())
-    assert len(planned) == 41, planned  # every migrated launch script (docs/migration.md)
+    assert len(planned) == 45, planned  # every migrated launch script (docs/migration.md)
 
 
 def test_module_path_rules_name_modules_of_the_transformers_class(tmp_path):

@@ -168,6 +168,49 @@ def test_migrated_wan_configs_train_like_the_diffusers_reference(run: Path, work
         assert error <= 1e-3, (key, error)
 
 
+VACE_SCHEDULES = {"vace": {}, "vace_high": {"max_timestep_boundary": 0.358, "min_timestep_boundary": 0.0}}
+"""The ``diffusion`` sections of the two VACE model.json files beyond the defaults (read independently here)."""
+
+
+@pytest.mark.parametrize("name", sorted(wan_scenarios.MIGRATED_VACE))
+def test_migrated_vace_configs_train_like_the_diffusers_reference(run: Path, work: Path, name: str) -> None:
+    """The corpus' Wan VACE launch scripts (``examples/vace/1.3B/pretrain_fsdp.sh``, and the Wan 2.2 high-noise
+    expert's ``A14B_wan2.2/pretrain_fsdp_high.sh`` with its timestep boundaries), migrated and run by
+    ``lightning-mm fit --config`` on 2 gloo ranks with a tiny ``WanVACETransformer3DModel`` and VACE features
+    (``vace_context``): the losses and the first step's gradients equal a one-process diffusers reference to
+    relative 1e-5, and only what MindSpeed MM's ``VACEModel.freeze`` trains (``vace_dit``: diffusers'
+    ``vace_patch_embedding`` and ``vace_blocks``) is trainable; the Wan part stays as loaded."""
+    ranks = [json.loads((run / f"migrated_{name}.rank{r}.json").read_text()) for r in range(2)]
+    steps = wan_scenarios.MIGRATED_STEPS
+    losses = [(ranks[0]["losses"][s] + ranks[1]["losses"][s]) / 2 for s in range(steps)]
+    grads: dict[str, torch.Tensor] = {}
+    expected, weights, trained = wan_scenarios.vace_reference_losses(
+        work,
+        steps,
+        VACE_SCHEDULES[name],
+        betas=(0.9, 0.95),
+        eps=1e-5,
+        grads=grads,  # the scripts' --adam-*
+    )
+    assert all(_close(a, b) for a, b in zip(losses, expected)), (losses, expected)
+    assert ranks[0]["trainable"] == trained == sorted(grads)
+    assert any(".vace_blocks.1." in n for n in trained) and "model.predictor.vace_patch_embedding.weight" in trained
+    assert not any(n.startswith(("model.predictor.blocks.", "model.predictor.proj_out")) for n in trained)
+    got = torch.load(run / f"migrated_{name}_grads.pt", weights_only=True)
+    assert sorted(got) == trained
+    scale = max(ref.abs().max().item() for ref in grads.values())
+    for key, ref in grads.items():  # before Adam, which would hide a scale error
+        assert torch.allclose(got[key], ref, rtol=1e-5, atol=1e-6 * scale), key
+    final = torch.load(run / f"migrated_{name}_final.pt", weights_only=True)
+    assert sorted(final) == sorted(weights)
+    for key, ref in weights.items():
+        if key in trained:  # Adam's sign-like first step: 1e-3 of each tensor's norm (see the LoRA test)
+            error = ((final[key] - ref).norm() / ref.norm().clamp_min(1e-12)).item()
+            assert error <= 1e-3, (key, error)
+        else:
+            assert torch.equal(final[key], ref), key  # frozen: as loaded
+
+
 def test_the_checkpoint_converts_to_a_directory_diffusers_loads(
     run: Path, work: Path, tmp_path: Path, capsys: pytest.CaptureFixture
 ) -> None:

@@ -12,6 +12,10 @@ The config (a dict, or an object whose attributes are the keys) has these keys:
     ``model_id``); without a path the weights are initialised as the constructor does.
 ``freeze``
     Module paths (FSDP2 YAML pattern syntax) whose parameters get ``requires_grad=False``.
+``trainable``
+    Module paths (the same syntax) that alone train: every parameter outside them gets ``requires_grad=False``
+    (Wan VACE's recipe: ``[vace_patch_embedding, vace_blocks]``, the Wan blocks frozen). Not together with
+    ``freeze`` or ``lora``.
 ``lora``
     LoRA fine-tuning with PEFT, the keys of :mod:`lightning_mm.hf.lora` (``rank``, ``alpha``, ``target_modules``
     as diffusers module paths such as ``blocks.{*}.attn1.to_q``, ``dropout``, ``init_lora_weights``,
@@ -65,6 +69,7 @@ class DiffusersModelConfig:
     init_from_path: str | None = None
     config: dict[str, Any] = field(default_factory=dict)
     freeze: list[str] = field(default_factory=list)
+    trainable: list[str] = field(default_factory=list)
     lora: Any = None
 
     def __post_init__(self) -> None:
@@ -89,6 +94,14 @@ class DiffusersModelConfig:
             self.freeze = [self.freeze]
         if not isinstance(self.freeze, (list, tuple)) or not all(isinstance(p, str) and p.strip() for p in self.freeze):
             raise fail("freeze", f"expected a list of module path patterns, got {self.freeze!r}")
+        if isinstance(self.trainable, str):
+            self.trainable = [self.trainable]
+        if not isinstance(self.trainable, (list, tuple)) or not all(
+            isinstance(p, str) and p.strip() for p in self.trainable
+        ):
+            raise fail("trainable", f"expected a list of module path patterns, got {self.trainable!r}")
+        if self.trainable and (self.freeze or self.lora is not None):
+            raise fail("trainable", "give either `trainable` (all else frozen) or `freeze` / `lora`, not both")
         if self.lora is not None:  # checked now, before any model is built
             from lightning_mm.hf.lora import LoRAConfig
 
@@ -158,6 +171,19 @@ def _freeze(model: nn.Module, patterns: list[str]) -> None:
         model.get_submodule(path).requires_grad_(False)
 
 
+def _train_only(model: nn.Module, patterns: list[str]) -> None:
+    """Freeze every parameter outside the modules ``patterns`` resolve to."""
+    from lightning_mm.core.patterns import PatternError, resolve_patterns
+
+    try:
+        paths = resolve_patterns(model, patterns, "trainable")
+    except PatternError as err:
+        raise DiffusersModelConfigError(f"DiffusersModel config {err}") from None
+    model.requires_grad_(False)
+    for path in paths:
+        model.get_submodule(path).requires_grad_(True)
+
+
 def DiffusersModel(config: Any) -> nn.Module:  # noqa: N802 - a factory named like TransformersModel
     """Build the adapted diffusers model ``config`` describes (see the module docstring for the keys).
 
@@ -192,6 +218,8 @@ def DiffusersModel(config: Any) -> nn.Module:  # noqa: N802 - a factory named li
         load_into_meta_model(model, diffusers_load_plan(model, index))
     if cfg.freeze:
         _freeze(model, cfg.freeze)
+    if cfg.trainable:
+        _train_only(model, cfg.trainable)
     if cfg.lora is not None:
         from lightning_mm.hf.lora import apply_lora
 

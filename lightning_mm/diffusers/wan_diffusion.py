@@ -9,7 +9,10 @@ is no ``ae`` or ``text_encoder`` here.
 :func:`mindspeed_fsdp2_config` reads such a YAML as written and maps the names of MindSpeed MM's own Wan DiT that
 diffusers calls otherwise: ``predictor.head`` (norm, projection and modulation table) is diffusers' ``proj_out``
 (its norm has no parameters, its modulation table ``scale_shift_table`` belongs to the predictor and stays with
-the root unit). ``ignored_modules`` naming ``ae`` / ``text_encoder``, which precomputed features leave out, are
+the root unit). MindSpeed MM's VACE model (``VACEModel``) holds the Wan DiT as ``predictor.wan_dit`` and its control
+branch as ``predictor.vace_dit`` (``vace_blocks``, ``vace_patch_embedding``); diffusers' ``WanVACETransformer3DModel``
+holds both at its top level, so those two prefixes are dropped (``predictor.wan_dit.head`` is ``predictor.proj_out``).
+``ignored_modules`` naming ``ae`` / ``text_encoder``, which precomputed features leave out, are
 dropped with a logged line.
 """
 
@@ -26,12 +29,23 @@ from torch import Tensor, nn
 from lightning_mm.diffusers.wan_inputs import check_wan_inputs
 from lightning_mm.hf.mixins import FSDP2Mixin
 
-__all__ = ["MINDSPEED_WAN_PATHS", "WanDiffusion", "mindspeed_fsdp2_config"]
+__all__ = ["MINDSPEED_VACE_PREFIXES", "MINDSPEED_WAN_PATHS", "WanDiffusion", "mindspeed_fsdp2_config"]
 
 log = logging.getLogger(__name__)
 
 MINDSPEED_WAN_PATHS: dict[str, str] = {"predictor.head": "predictor.proj_out"}
 """MindSpeed MM's Wan DiT module paths -> the diffusers ``WanTransformer3DModel`` ones (under ``predictor``)."""
+MINDSPEED_VACE_PREFIXES: tuple[str, ...] = ("predictor.wan_dit.", "predictor.vace_dit.")
+"""MindSpeed MM's VACE model's sub-model prefixes; diffusers' ``WanVACETransformer3DModel`` has both at its top."""
+
+
+def _mapped_path(pattern: str) -> str:
+    for prefix in MINDSPEED_VACE_PREFIXES:
+        if pattern.startswith(prefix):
+            pattern = "predictor." + pattern[len(prefix) :]
+            break
+    return MINDSPEED_WAN_PATHS.get(pattern, pattern)
+
 
 _PATH_KEYS = ("sub_modules_to_wrap", "recompute_modules", "ignored_modules")
 _ABSENT_COMPONENTS = ("ae", "text_encoder")
@@ -65,11 +79,16 @@ class WanDiffusion(nn.Module, FSDP2Mixin):
         encoder_hidden_states: Tensor,
         encoder_hidden_states_image: Tensor | None = None,
         condition: Tensor | None = None,
+        control: Tensor | None = None,
+        control_scale: float = 1.0,
     ) -> Tensor:
         """The predicted velocity for ``hidden_states`` (noisy latents ``(B, C, F, H, W)``). Image-to-video models
         take the ``condition`` latents (mask and first-frame latents, concatenated on the channels, as diffusers'
-        Wan i2v pipeline builds them) and the image embeddings ``encoder_hidden_states_image``; inputs the
-        predictor's config cannot take so are refused first (:func:`~.wan_inputs.check_wan_inputs`)."""
+        Wan i2v pipeline builds them) and the image embeddings ``encoder_hidden_states_image``. A VACE model
+        (``WanVACETransformer3DModel``) takes the ``control`` latents (its ``control_hidden_states``) and
+        ``control_scale``, the weight of each VACE block's hint (its ``control_hidden_states_scale``, the same
+        for every block, as MindSpeed MM's ``vace_scale``). Inputs the predictor's config cannot take so are refused
+        first (:func:`~.wan_inputs.check_wan_inputs`)."""
         check_wan_inputs(
             getattr(self.predictor, "config", None),
             hidden_states,
@@ -79,12 +98,20 @@ class WanDiffusion(nn.Module, FSDP2Mixin):
         )
         if condition is not None:
             hidden_states = torch.cat([hidden_states, condition.to(hidden_states.dtype)], dim=1)
+        extra: dict[str, Any] = {}
+        if control is not None:
+            layers = len(self.predictor.config.vace_layers)
+            extra["control_hidden_states"] = control.to(hidden_states.dtype)
+            extra["control_hidden_states_scale"] = torch.full(
+                (layers,), float(control_scale), dtype=hidden_states.dtype, device=hidden_states.device
+            )
         out = self.predictor(
             hidden_states=hidden_states,
             timestep=timestep,
             encoder_hidden_states=encoder_hidden_states,
             encoder_hidden_states_image=encoder_hidden_states_image,
             return_dict=False,
+            **extra,
         )
         return out[0]
 
@@ -109,7 +136,7 @@ def mindspeed_fsdp2_config(config: str | os.PathLike | Mapping[str, Any]) -> dic
                     pattern,
                 )
                 continue
-            new = MINDSPEED_WAN_PATHS.get(pattern, pattern) if isinstance(pattern, str) else pattern
+            new = _mapped_path(pattern) if isinstance(pattern, str) else pattern
             if new != pattern:
                 log.info("fsdp2_config `%s`: MindSpeed MM's '%s' is diffusers' '%s'", key, pattern, new)
             mapped.append(new)

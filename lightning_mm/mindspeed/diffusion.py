@@ -12,6 +12,13 @@ the data path here needs.
 MindSpeed MM's LoRA flags on a Wan job (``finetune_lora*.sh``: ``--lora-target-modules proj_q proj_k proj_v proj_out
 ffn.0 ffn.2``, PEFT suffix names of its ``wandit`` modules) become ``diffusers_model.lora`` with the same linears
 under diffusers' names (:func:`wan_lora_targets`).
+
+Wan VACE (``predictor.model_id: vace``, MindSpeed MM's ``VACEModel``: the Wan DiT ``wan_dit`` and the control branch
+``vace_dit``) becomes diffusers' ``WanVACETransformer3DModel`` the same way (its directory's ``config.json`` names the
+class and gives ``vace_layers`` / ``vace_in_channels``), trained as ``VACEModel.freeze`` does: the Wan part frozen,
+the VACE part (diffusers' ``vace_patch_embedding`` and ``vace_blocks``) trained: ``diffusers_model.trainable``. The
+``vace_dit`` section's shape keys are reported as not applicable like the predictor's; its ``vace_pretrained`` (a
+MindSpeed MM weights file of the VACE part) is not read: the diffusers directory holds both parts.
 """
 
 from __future__ import annotations
@@ -25,6 +32,7 @@ from lightning_mm.mindspeed.keys import MindSpeedConfigError
 __all__ = [
     "WAN_MODULE",
     "WAN_LORA_TARGETS",
+    "VACE_TRAINABLE",
     "DiffusionMigration",
     "is_diffusion_model",
     "wan_lora_targets",
@@ -41,7 +49,11 @@ _SCHEDULE_KEYS = (
     "min_timestep_boundary",
     "max_timestep_boundary",
 )
-_PREDICTOR_IDS = ("wandit",)
+_PREDICTOR_IDS = ("wandit", "vace")
+VACE_TRAINABLE = ["vace_patch_embedding", "vace_blocks"]
+"""The modules of diffusers' ``WanVACETransformer3DModel`` that MindSpeed MM's ``VACEModel`` trains (its
+``vace_dit``: ``vace_patch_embedding`` and ``vace_blocks``, each block's ``before_proj`` / ``after_proj`` being
+diffusers' ``proj_in`` / ``proj_out``); everything else (``wan_dit``) is frozen."""
 _SHAPE_KEYS = (
     "patch_size",
     "text_len",
@@ -60,6 +72,7 @@ _SHAPE_KEYS = (
     "eps",
     "max_seq_len",
 )
+_VACE_SHAPE_KEYS = (*_SHAPE_KEYS, "vace_layers")
 _RUNTIME = {
     "pipeline_num_layers": "Megatron pipeline stages; not used with FSDP2",
     "attention_async_offload": "an NPU attention offload of MindSpeed MM's DiT",
@@ -137,15 +150,25 @@ def wan_module_config(config: Mapping[str, Any], source: str, weights: str | Non
     predictor = config["predictor"]
     model_id = predictor.get("model_id")
     if model_id not in _PREDICTOR_IDS:
-        raise MindSpeedConfigError(f"{source}: predictor.model_id {model_id!r}: only Wan's `wandit` is built in here")
+        raise MindSpeedConfigError(
+            f"{source}: predictor.model_id {model_id!r}: only Wan's `wandit` and Wan VACE's `vace` are built in here"
+        )
+    vace = model_id == "vace"
+    diffusers_class = "WanVACETransformer3DModel" if vace else "WanTransformer3DModel"
     out.mapped.append(
-        f"predictor.model_id {model_id} -> {WAN_MODULE} with diffusers' WanTransformer3DModel (DiffusersModel)"
+        f"predictor.model_id {model_id} -> {WAN_MODULE} with diffusers' {diffusers_class} (DiffusersModel)"
     )
+    if vace:
+        args["diffusers_model"]["trainable"] = list(VACE_TRAINABLE)
+        out.mapped.append(
+            "predictor.model_id vace: MindSpeed MM's VACEModel.freeze (wan_dit frozen, vace_dit trained) -> "
+            f"model.init_args.diffusers_model.trainable {VACE_TRAINABLE}"
+        )
     if weights:
         args["diffusers_model"]["init_from_path"] = weights
         out.mapped.append(
             f"{origin} -> model.init_args.diffusers_model.init_from_path ({weights}): it must be the diffusers "
-            "`transformer` directory (WanTransformer3DModel.save_pretrained), not MindSpeed MM's converted weights"
+            f"`transformer` directory ({diffusers_class}.save_pretrained), not MindSpeed MM's converted weights"
         )
     else:
         out.unmapped.append(
@@ -166,6 +189,8 @@ def wan_module_config(config: Mapping[str, Any], source: str, weights: str | Non
             out.notes.append(f"{name}: a shape key; the shape comes from the diffusers directory's config.json")
         elif key in _RUNTIME:
             (out.unmapped if key == "FPDT" and value else out.notes).append(f"{name}: {_RUNTIME[key]}")
+        elif key == "vace_dit" and vace and isinstance(value, Mapping):
+            _vace_section(value, out)
         else:
             out.unmapped.append(f"{name}: unknown to lightning-mm migrate")
     diffusion = config.get("diffusion") or {}
@@ -207,7 +232,10 @@ def wan_module_config(config: Mapping[str, Any], source: str, weights: str | Non
             ]
     task = config.get("task")
     if task is not None:
-        out.notes.append(f"task {task}: the task follows the checkpoint and the batch keys (i2v: image_embeds)")
+        out.notes.append(
+            f"task {task}: the task follows the checkpoint and the batch keys (i2v: image_embeds; vace: "
+            "control_latents, the feature files' vace_context)"
+        )
     known = {"predictor", "diffusion", "load_video_features", "load_text_features", "ae", "text_encoder", "task"}
     for key, value in config.items():
         if key in known:
@@ -242,3 +270,26 @@ def _i2v_key(out: DiffusionMigration, name: str, key: str, value: Any, model_typ
         )
     else:
         out.notes.append(f"{name}: a shape key; the shape comes from the diffusers directory's config.json")
+
+
+def _vace_section(section: Mapping[str, Any], out: DiffusionMigration) -> None:
+    """What becomes of ``predictor.vace_dit``'s keys (the VACE branch's shape comes from the diffusers config)."""
+    for key, value in section.items():
+        name = f"predictor.vace_dit.{key}"
+        if key in _VACE_SHAPE_KEYS:
+            out.notes.append(
+                f"{name}: a shape key; the shape comes from the diffusers directory's config.json "
+                "(vace_layers, vace_in_channels)"
+            )
+        elif key in _RUNTIME:
+            out.notes.append(f"{name}: {_RUNTIME[key]}")
+        elif key == "vace_pretrained":
+            if value is None:
+                out.notes.append(f"{name}: null: the VACE weights come from the diffusers directory")
+            else:
+                out.unmapped.append(
+                    f"{name} {value}: MindSpeed MM's own weights of the VACE part are not read; the diffusers "
+                    "directory (WanVACETransformer3DModel) holds both parts"
+                )
+        else:
+            out.unmapped.append(f"{name}: unknown to lightning-mm migrate")

@@ -11,8 +11,15 @@ and optionally ``prompt_mask`` ``(L,)``; image-to-video features add MindSpeed M
 image encoder's ``hidden_states[-2]``, diffusers' ``encoder_hidden_states_image``) and ``i2v_vae_feature`` (the
 first-frame mask and latents concatenated on the channels, which MindSpeed MM's ``WanDiT`` and diffusers'
 ``WanTransformer3DModel`` concatenate to the noisy latents), read as the batch keys ``image_embeds`` and
-``condition_latents``. A sample is ``{"latents", "prompt_embeds", ...}``, the batch keys of
-:class:`~lightning_mm.modules.wan_module.MMWanModule`. Another key in a feature file is an error naming it.
+``condition_latents``. Wan VACE features (MindSpeed MM's ``get_vace_feature.py``, whose files hold ``video``,
+``prompt_ids``, ``prompt_mask`` and ``vace_context``: the inactive and reactive control-video latents and the 8x8
+mask, 96 channels) add ``vace_context``, read as the batch key ``control_latents``; MindSpeed MM's
+``FeatureDataset`` passes it on among the "remaining keys" of a feature file and ``VACEModel.forward`` takes it.
+A data config whose ``preprocess_parameters.video_processor_type`` is ``VACEVideoProcessor`` (MindSpeed MM's VACE
+``feature_data.json``) names VACE features: each file must hold ``vace_context`` (the first one is checked when the
+dataset is set up; a later one without it is a bad record). A sample is ``{"latents", "prompt_embeds", ...}``,
+the batch keys of :class:`~lightning_mm.modules.wan_module.MMWanModule`. Another key in a feature file is an
+error naming it.
 
 The features were made by MindSpeed MM's feature extraction with the ``preprocess_parameters`` and
 ``tokenizer_config`` of the config (frames, resolution, tokenizer); those keys are accepted and logged as not
@@ -60,6 +67,8 @@ FEATURE_KEYS = {
     "condition_latents": "condition_latents",
     "i2v_clip_feature": "image_embeds",
     "i2v_vae_feature": "condition_latents",
+    "vace_context": "control_latents",
+    "control_latents": "control_latents",
 }
 """A feature file's key (MindSpeed MM's names, or the batch names) -> the sample key."""
 
@@ -73,6 +82,8 @@ _DATASET_KEYS = (
 )
 _BASIC_KEYS = ("data_path", "data_folder", "vae_path")
 _VIDEO_KEYS = ("num_frames", "max_height", "max_width")
+VACE_PROCESSOR = "VACEVideoProcessor"
+"""The ``preprocess_parameters.video_processor_type`` of MindSpeed MM's VACE data configs: VACE features."""
 _NOT_APPLIED = ("preprocess_parameters", "use_text_processer", "enable_text_preprocessing", "tokenizer_config")
 
 
@@ -94,8 +105,10 @@ class WanFeatureDataset(ReplacingDataset):
         where: list[str] | None = None,
         report: DataReport | None = None,
         strict: bool = False,
+        vace: bool = False,
     ) -> None:
         self.paths = list(paths)
+        self.vace = vace
         super().__init__(list(range(len(self.paths))), report if report is not None else DataReport("train"), strict)
         self.json_records = list(records) if records is not None else [{} for _ in self.paths]
         self.videos = list(videos) if videos is not None else [None] * len(self.paths)
@@ -144,6 +157,13 @@ class WanFeatureDataset(ReplacingDataset):
                 raise DataError(f"{path}: has video latents but its record names the video {video.name!r} too")
             assert self.video is not None
             sample["latents"] = self.video.latents(video)
+        if self.vace and not isinstance(sample.get("control_latents"), torch.Tensor):
+            raise DataError(
+                f"{path}: no `vace_context` tensor (the VACE control latents; the data config's "
+                f"video_processor_type {VACE_PROCESSOR} names VACE features)"
+            )
+        if "control_latents" in sample and sample["control_latents"].ndim != 4:
+            raise DataError(f"{path}: `vace_context` must be (C, F, H, W), got {list(sample['control_latents'].shape)}")
         for key in ("latents", "prompt_embeds"):
             if not isinstance(sample.get(key), torch.Tensor):
                 raise DataError(
@@ -256,6 +276,18 @@ def collate_features(samples: list[dict[str, torch.Tensor]]) -> dict[str, torch.
     return out
 
 
+def _check_vace_file(path: Path) -> None:
+    """The first feature file of a VACE data config holds ``vace_context`` (else nothing of it trains as VACE)."""
+    data = load_weights_only(path)
+    if not isinstance(data, Mapping) or not isinstance(
+        data.get("vace_context", data.get("control_latents")), torch.Tensor
+    ):
+        raise DataError(
+            f"{path}: no `vace_context` tensor (the VACE control latents of MindSpeed MM's get_vace_feature.py; "
+            f"the data config's video_processor_type {VACE_PROCESSOR} names VACE features)"
+        )
+
+
 def _fail(source: str, key: str, message: str) -> DataConfigError:
     return DataConfigError(f"{source}: `{key}`: {message}")
 
@@ -335,6 +367,10 @@ def build_feature_datasets(
         raise DataError(f"{source}: no usable feature record in {data_path}:\n{report.summary()}")
     for key in not_applied:
         rank_zero_info(f"{source}: `{dp}{key}` is not applied: the text (and video) features are precomputed")
-    dataset = WanFeatureDataset(paths, records, videos, settings, where, report, strict)
+    pre = param.get("preprocess_parameters")
+    vace = isinstance(pre, Mapping) and pre.get("video_processor_type") == VACE_PROCESSOR
+    dataset = WanFeatureDataset(paths, records, videos, settings, where, report, strict, vace)
+    if vace:
+        _check_vace_file(paths[0])
     splits = {"train": dataset, "val": None, "test": None}
     return splits, collate_features, {"train": report}

@@ -76,14 +76,6 @@ MODEL_ID_REFUSALS: dict[str, tuple[str, str]] = {
         "not-implemented",
         "HunyuanVideo 1.5 (diffusers' HunyuanVideo15Transformer3DModel; its training recipe is not built here)",
     ),
-    "vace": (
-        "not-implemented",
-        "Wan VACE (diffusers has WanVACETransformer3DModel, the recipe is not built: MindSpeed MM trains only the "
-        "VACE blocks (vace_dit) with the Wan blocks frozen, on the 96-channel `vace_context` features (inactive and "
-        "reactive control latents, the 8x8 mask) that the feature data and MMWanModule do not take, from its own "
-        "converted weights (vace_converter.py) and FSDP2 YAML paths (predictor.vace_dit) with no diffusers mapping "
-        "here)",
-    ),
 }
 """A ``model_id`` (top level or of a tower) -> (reason code, the model's name)."""
 

@@ -14,7 +14,9 @@ Batch keys: ``latents`` ``(B, C, F, H, W)`` and ``prompt_embeds`` ``(B, L, D)``,
 ``(B, L)`` (embeddings past the mask are zeroed, as diffusers' Wan pipeline pads them), and for image-to-video
 ``image_embeds`` (CLIP features) and ``condition_latents`` (mask and first-frame latents concatenated on the
 channels; diffusers' Wan i2v attention takes the last 512 text positions as the prompt, so its ``prompt_embeds``
-are 512 long, as Wan's pipeline pads them). Any other key is an error. With
+are 512 long, as Wan's pipeline pads them); a Wan VACE model (diffusers' ``WanVACETransformer3DModel``) needs
+``control_latents`` ``(B, 96, F, H, W)`` (MindSpeed MM's ``vace_context``: inactive and reactive video latents and
+the 8x8 mask, its ``control_hidden_states``), which only a VACE model takes. Any other key is an error. With
 ``MMFSDP2Strategy(context_parallel_size=C)`` the video tokens are split over the ``C`` ranks of each group
 (Ulysses: :mod:`lightning_mm.diffusers.wan_context_parallel`). Passing MindSpeed MM's ``get_batch`` /
 ``forward_step`` / ``loss_func`` replaces the matching hook, as for every ``MMLightningModule``.
@@ -45,7 +47,7 @@ from lightning_mm.modules.lightning_module import MMLightningModule
 
 __all__ = ["MMWanModule", "WAN_BATCH_KEYS"]
 
-WAN_BATCH_KEYS = ("latents", "prompt_embeds", "prompt_mask", "image_embeds", "condition_latents")
+WAN_BATCH_KEYS = ("latents", "prompt_embeds", "prompt_mask", "image_embeds", "condition_latents", "control_latents")
 _REQUIRED = ("latents", "prompt_embeds")
 FLOW_KEY = "flow"
 
@@ -61,6 +63,8 @@ class MMWanModule(MMLightningModule):
             ``min_timestep_boundary``, ``max_timestep_boundary``); a ``model_id`` other than
             ``wan_flow_match_scheduler`` is an error.
         noise_seed: the seed of the timesteps and noise.
+        control_scale: a VACE model's weight of each VACE block's hint (MindSpeed MM's ``vace_scale``, 1.0 in its
+            training); an error for another model.
         fsdp2_config: an FSDP2 YAML path or mapping; MindSpeed MM's Wan YAMLs are read as written
             (:func:`~lightning_mm.diffusers.wan_diffusion.mindspeed_fsdp2_config` maps their paths).
         **kwargs: the other arguments of :class:`MMLightningModule` (``lr``, ``warmup_steps``...).
@@ -72,6 +76,7 @@ class MMWanModule(MMLightningModule):
         schedule: Mapping[str, Any] | None = None,
         noise_seed: int = 0,
         fsdp2_config: Any = None,
+        control_scale: float = 1.0,
         **kwargs: Any,
     ) -> None:
         if kwargs.get("model_provider") is not None:
@@ -98,6 +103,9 @@ class MMWanModule(MMLightningModule):
         if not isinstance(noise_seed, int) or isinstance(noise_seed, bool):
             raise ConfigError(f"MMWanModule `noise_seed` must be an integer, got {noise_seed!r}")
         self.noise_seed = noise_seed
+        if isinstance(control_scale, bool) or not isinstance(control_scale, (int, float)):
+            raise ConfigError(f"MMWanModule `control_scale` must be a number, got {control_scale!r}")
+        self.control_scale = float(control_scale)
         self._draw_position: tuple[str, int, int] = ("", -1, 0)  # (stage, step, micro-batches drawn in it)
         self._wan_flops: WanFlopCounter | bool | None = None  # None: not looked for yet; False: none
 
@@ -123,6 +131,11 @@ class MMWanModule(MMLightningModule):
                 raise ConfigError(
                     f"MMWanModule: context parallelism needs a model with a Wan `predictor`, got "
                     f"{type(self.model).__name__}"
+                )
+            if getattr(getattr(predictor, "config", None), "vace_layers", None) is not None:
+                raise ConfigError(
+                    "MMWanModule: context parallelism is not implemented for Wan VACE (the control branch's tokens "
+                    "are not split); use context_parallel_size 1"
                 )
             enable_wan_context_parallel(predictor, group)
 
@@ -210,8 +223,32 @@ class MMWanModule(MMLightningModule):
             inputs["encoder_hidden_states_image"] = batch["image_embeds"]
         if batch.get("condition_latents") is not None:
             inputs["condition"] = batch["condition_latents"]
+        self._check_control(batch.get("control_latents"))
+        if batch.get("control_latents") is not None:
+            inputs["control"] = batch["control_latents"]
+            inputs["control_scale"] = self.control_scale
         inputs[FLOW_KEY] = flow
         return inputs
+
+    def _check_control(self, control: Any) -> None:
+        """A VACE model needs ``control_latents``; another model must not get them."""
+        predictor = getattr(self.model, "predictor", None)
+        config = getattr(predictor, "config", None)
+        if config is None:
+            return
+        vace = getattr(config, "vace_layers", None) is not None
+        if vace and not isinstance(control, torch.Tensor):
+            raise InputKeyError(
+                f"MMWanModule: the model is {type(predictor).__name__} (Wan VACE): a batch needs `control_latents` "
+                "(MindSpeed MM's `vace_context` features)"
+            )
+        if not vace and control is not None:
+            raise InputKeyError(
+                f"MMWanModule: `control_latents` (VACE control features) given, but the model is "
+                f"{type(predictor).__name__}, which takes none"
+            )
+        if not vace and self.control_scale != 1.0:
+            raise ConfigError(f"MMWanModule `control_scale`: {type(predictor).__name__} is not a VACE model")
 
     @override
     def forward_step(self, batch: Any) -> Any:

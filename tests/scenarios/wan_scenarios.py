@@ -14,7 +14,9 @@ attention and feed-forward linears, what ``migrate`` makes of MindSpeed MM's Wan
 ``lora_losses``, ``lora_grads.pt`` (the first step's gradients), ``lora_final.pt`` and ``lora.ckpt``. Last, the
 configs ``migrate`` wrote for the corpus' Wan t2v scripts (:data:`MIGRATED`, :func:`write_migrated`: full weights
 with MindSpeed MM's FSDP2 YAML, and LoRA) and its Wan 2.1 i2v script (the i2v stand-ins in ``WORKDIR/i2v``,
-:func:`write_i2v_workdir`), each run as ``lightning-mm fit --config`` does (:class:`MigratedRecorder`).
+:func:`write_i2v_workdir`), each run as ``lightning-mm fit --config`` does (:class:`MigratedRecorder`), and those
+of its Wan VACE scripts (:data:`MIGRATED_VACE`: the tiny ``WanVACETransformer3DModel`` in ``vace_model/`` and
+MindSpeed MM's VACE features with ``vace_context`` in ``vace_features/``, ``vace_data.json``).
 Real gloo collectives; nothing mocked.
 
 :func:`reference_losses` is the one-process diffusers reference: the same model directory, AdamW, the same
@@ -50,6 +52,13 @@ TINY_WAN = dict(
     num_layers=2,
     rope_max_seq_len=32,
 )
+TINY_VACE = dict(
+    TINY_WAN,
+    num_layers=3,
+    vace_layers=[0, 2],  # every other Wan block, as the 1.3B recipe's [0, 2, ..., 28]
+    vace_in_channels=2 * TINY_WAN["in_channels"] + 64,  # inactive and reactive latents, the 8x8 mask
+)
+VACE_CONTEXT_SHAPE = (TINY_VACE["vace_in_channels"], 3, 8, 8)  # MindSpeed MM's vace_context: latents' F, H, W
 SAMPLES = 4  # one epoch: 2 steps of 2 samples (one per rank)
 LATENT_SHAPE = (4, 3, 8, 8)  # (C, F, H, W): 3 x 4 x 4 = 48 video tokens after the (1, 2, 2) patches
 TEXT_LEN = 5
@@ -99,6 +108,90 @@ def write_workdir(work: Path) -> None:
         "dataloader_param": {"dataloader_mode": "sampler", "shuffle": False, "drop_last": True},
     }
     (work / "data.json").write_text(json.dumps(data, indent=2))
+    write_vace_workdir(work)
+
+
+def write_vace_workdir(work: Path) -> None:
+    """The tiny VACE model (seeded, ``vace_model/``) and VACE features as MindSpeed MM's ``get_vace_feature.py``
+    writes them (``video``, ``prompt_ids``, ``prompt_mask``, ``vace_context``; ``vace_features/``), named by
+    ``vace_data.json``, whose ``video_processor_type`` is MindSpeed MM's VACE one."""
+    from diffusers import WanVACETransformer3DModel
+
+    torch.manual_seed(2)
+    WanVACETransformer3DModel(**TINY_VACE).save_pretrained(work / "vace_model")
+    features = work / "vace_features"
+    features.mkdir()
+    generator = torch.Generator().manual_seed(3)
+    lines = []
+    for i in range(SAMPLES):
+        sample = {
+            "video": torch.randn(LATENT_SHAPE, generator=generator),
+            "prompt_ids": torch.randn(TEXT_LEN, TINY_WAN["text_dim"], generator=generator),
+            "prompt_mask": torch.tensor([1] * (TEXT_LEN - i % 2) + [0] * (i % 2)),
+            "vace_context": torch.randn(VACE_CONTEXT_SHAPE, generator=generator),
+        }
+        torch.save(sample, features / f"{i}.pt")
+        lines.append(json.dumps({"file": f"{i}.pt", "cap": f"clip {i}"}))
+    (features / "data.jsonl").write_text("\n".join(lines) + "\n")
+    data = {
+        "dataset_param": {
+            "dataset_type": "feature",
+            "basic_parameters": {"data_path": str(features / "data.jsonl"), "data_folder": str(features)},
+            "preprocess_parameters": {"video_processor_type": "VACEVideoProcessor", "num_frames": 9},
+        },
+        "dataloader_param": {"dataloader_mode": "sampler", "shuffle": False, "drop_last": True},
+    }
+    (work / "vace_data.json").write_text(json.dumps(data, indent=2))
+
+
+VACE_REFERENCE_TRAINED = ("vace_patch_embedding.", "vace_blocks.")
+"""The parameters MindSpeed MM's ``VACEModel.freeze`` leaves trainable (its ``vace_dit``), by diffusers' names."""
+
+
+def vace_reference_losses(
+    work: Path,
+    steps: int,
+    schedule_args: dict[str, Any],
+    betas: tuple[float, float],
+    eps: float,
+    grads: dict | None = None,
+) -> tuple[list[float], dict[str, torch.Tensor], list[str]]:
+    """The one-process diffusers VACE run: ``WanVACETransformer3DModel`` with the Wan part frozen, AdamW on the rest,
+    the same samples per rank and step, timesteps and noise as the 2-rank run (seed 0, the migrated config's). Returns
+    the mean loss per step, the final weights and the trained parameter names (``grads``: the first step's)."""
+    from diffusers import WanVACETransformer3DModel
+
+    from lightning_mm.diffusers.flow_matching import WanFlowMatchSchedule, draw, draw_generator
+
+    model = WanVACETransformer3DModel.from_pretrained(work / "vace_model")
+    for name, param in model.named_parameters():
+        param.requires_grad_(name.startswith(VACE_REFERENCE_TRAINED))
+    model.train()
+    trained = [p for p in model.parameters() if p.requires_grad]
+    optimizer = torch.optim.AdamW(trained, lr=LR, betas=betas, eps=eps, weight_decay=0.0)
+    schedule = WanFlowMatchSchedule(**schedule_args)
+    losses = []
+    for step in range(steps):
+        total = 0.0
+        optimizer.zero_grad()
+        for rank in range(2):
+            data = torch.load(work / "vace_features" / f"{sample_of(step, rank)}.pt", weights_only=True)
+            text = (data["prompt_ids"] * data["prompt_mask"][:, None])[None]
+            flow = draw(schedule, data["video"][None], draw_generator(0, "train", step, 0, rank))
+            out = model(
+                flow.noisy, flow.timestep, text, control_hidden_states=data["vace_context"][None], return_dict=False
+            )[0]
+            loss = schedule.loss(out, flow) / 2
+            loss.backward()
+            total += float(loss.detach())
+        if step == 0 and grads is not None:
+            grads.update(
+                {f"model.predictor.{k}": v.grad.clone() for k, v in model.named_parameters() if v.grad is not None}
+            )
+        optimizer.step()
+        losses.append(total)
+    names = sorted(f"model.predictor.{k}" for k, v in model.named_parameters() if v.requires_grad)
+    return losses, {f"model.predictor.{k}": v.detach().clone() for k, v in model.named_parameters()}, names
 
 
 def sample_of(step: int, rank: int) -> int:
@@ -233,16 +326,22 @@ MIGRATED = {
     "i2v": "examples/wan2.1/1.3b/i2v/pretrain.sh",  # Wan 2.1 i2v (pretrain_sora.py, task i2v), full weights
 }
 """The corpus' Wan launch scripts (tests/data/mindspeed_corpus) whose migrated configs the run trains."""
+MIGRATED_VACE = {
+    "vace": "examples/vace/1.3B/pretrain_fsdp.sh",  # Wan 2.1 VACE: VACE blocks trained, Wan frozen
+    "vace_high": "examples/vace/A14B_wan2.2/pretrain_fsdp_high.sh",  # Wan 2.2 VACE's expert: timesteps [0, 0.358)
+}
+"""The corpus' Wan VACE launch scripts whose migrated configs the run trains (with ``vace_model``/``vace_data``)."""
 MIGRATED_STEPS = 2
 
 
 def write_migrated(work: Path, tree: Path, outdir: Path) -> None:
-    """``lightning-mm migrate`` each :data:`MIGRATED` script from ``tree`` (a copy of the corpus, as a MindSpeed MM
-    checkout), written to ``WORKDIR/migrated_<name>.yaml`` with the tiny stand-ins: the model directory, the feature
-    data (i2v: the migrated config's own data config, the corpus' ``feature_data.json``, pointed at the tiny i2v
-    features by :func:`point_data_config`), 2 CPU ranks, fp32, :data:`MIGRATED_STEPS` steps, the reference's lr and
-    no weight decay or clipping (the diffusers reference has neither), the recording callback in place of the job's.
-    Everything else (the model section, LoRA, schedule, FSDP2 YAML, strategy) is as migrated."""
+    """``lightning-mm migrate`` each :data:`MIGRATED` and :data:`MIGRATED_VACE` script from ``tree`` (a copy of the
+    corpus, as a MindSpeed MM checkout), written to ``WORKDIR/migrated_<name>.yaml`` with the tiny stand-ins: the
+    model directory, the feature data (i2v: the migrated config's own data config, the corpus' ``feature_data.json``,
+    pointed at the tiny i2v features by :func:`point_data_config`), 2 CPU ranks (an FSDP2 YAML's sharding_size too),
+    fp32, :data:`MIGRATED_STEPS` steps, the reference's lr and no weight decay or clipping (the diffusers reference
+    has neither), the recording callback in place of the job's. Everything else (the model section, what trains,
+    LoRA, schedule, FSDP2 YAML, strategy, Adam's betas) is as migrated."""
     import os
 
     import yaml
@@ -253,7 +352,7 @@ def write_migrated(work: Path, tree: Path, outdir: Path) -> None:
     before = Path.cwd()
     os.chdir(tree)
     try:
-        results = {name: migrate_file(Path(script))[0] for name, script in MIGRATED.items()}
+        results = {name: migrate_file(Path(script))[0] for name, script in {**MIGRATED, **MIGRATED_VACE}.items()}
     finally:
         os.chdir(before)
     if "i2v" in MIGRATED:
@@ -262,7 +361,8 @@ def write_migrated(work: Path, tree: Path, outdir: Path) -> None:
         home = migrated_work(work, name)
         config = yaml.safe_load(yaml.safe_dump(result.config))
         init = config["model"]["init_args"]
-        init["diffusers_model"]["init_from_path"] = str(home / "model")
+        vace = name in MIGRATED_VACE
+        init["diffusers_model"]["init_from_path"] = str(work / "vace_model" if vace else home / "model")
         init.update(lr=LR, min_lr=LR, weight_decay=0.0, log_grad_norm=False, log_throughput=False)
         if "fsdp2_config" in init:
             init["fsdp2_config"] = {
@@ -270,6 +370,8 @@ def write_migrated(work: Path, tree: Path, outdir: Path) -> None:
                 "param_dtype": "fp32",
                 "reduce_dtype": "fp32",
             }
+            if "sharding_size" in init["fsdp2_config"]:  # the VACE YAML's 8 ranks: the 2 of this run
+                init["fsdp2_config"]["sharding_size"] = 2
         config["trainer"].update(
             accelerator="cpu",
             devices=2,
@@ -293,7 +395,8 @@ def write_migrated(work: Path, tree: Path, outdir: Path) -> None:
         if name == "i2v":  # the corpus' own feature_data.json (shuffled, grouped), pointed at the tiny features
             point_data_config(Path(config["data"]["init_args"]["data_config"]), home / "features")
         else:
-            config["data"]["init_args"]["data_config"] = str(home / "data.json")
+            data = work / "vace_data.json" if vace else home / "data.json"
+            config["data"]["init_args"]["data_config"] = str(data)
         config["data"]["init_args"]["num_workers"] = 0
         (work / f"migrated_{name}.yaml").write_text(yaml.safe_dump(config, sort_keys=False))
 
@@ -463,7 +566,7 @@ def fit_resume_cp(outdir: Path, work: str) -> None:
         torch.save(lora_final, outdir / "lora_final.pt")
     from lightning_mm.commands.train import run_lightning_cli
 
-    for name in MIGRATED:  # the migrated corpus configs, as `lightning-mm fit --config` runs them
+    for name in {**MIGRATED, **MIGRATED_VACE}:  # the migrated corpus configs, as `lightning-mm fit --config` runs them
         run_lightning_cli(["fit", "--config", str(work / f"migrated_{name}.yaml")])
     (outdir / f"wan.rank{trainer.global_rank}.json").write_text(
         json.dumps(
