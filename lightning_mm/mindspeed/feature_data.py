@@ -11,8 +11,12 @@ and optionally ``prompt_mask`` ``(L,)``; image-to-video features add MindSpeed M
 image encoder's ``hidden_states[-2]``, diffusers' ``encoder_hidden_states_image``) and ``i2v_vae_feature`` (the
 first-frame mask and latents concatenated on the channels, which MindSpeed MM's ``WanDiT`` and diffusers'
 ``WanTransformer3DModel`` concatenate to the noisy latents), read as the batch keys ``image_embeds`` and
-``condition_latents``. A sample is ``{"latents", "prompt_embeds", ...}``, the batch keys of
-:class:`~lightning_mm.modules.wan_module.MMWanModule`. Another key in a feature file is an error naming it.
+``condition_latents``. HunyuanVideo 1.5's features (two text encoders) hold ``prompt_ids`` and ``prompt_mask`` as
+lists, the MLLM's and byT5's outputs each with a leading axis of 1, as MindSpeed MM's ``get_sora_feature.py`` saves
+them; they are read as ``prompt_embeds`` / ``prompt_mask`` and ``prompt_embeds_2`` / ``prompt_mask_2``, the batch
+keys of :class:`~lightning_mm.modules.hunyuan15_module.MMHunyuan15Module`. A sample is ``{"latents",
+"prompt_embeds", ...}``, the batch keys of :class:`~lightning_mm.modules.wan_module.MMWanModule`. Another key in a
+feature file is an error naming it.
 
 The features were made by MindSpeed MM's feature extraction with the ``preprocess_parameters`` and
 ``tokenizer_config`` of the config (frames, resolution, tokenizer); those keys are accepted and logged as not
@@ -60,6 +64,9 @@ FEATURE_KEYS = {
     "condition_latents": "condition_latents",
     "i2v_clip_feature": "image_embeds",
     "i2v_vae_feature": "condition_latents",
+    "prompt_ids_2": "prompt_embeds_2",
+    "prompt_mask_2": "prompt_mask_2",
+    "prompt_embeds_2": "prompt_embeds_2",
 }
 """A feature file's key (MindSpeed MM's names, or the batch names) -> the sample key."""
 
@@ -133,6 +140,7 @@ class WanFeatureDataset(ReplacingDataset):
         if unknown:
             raise DataError(f"{path}: unknown feature key(s) {unknown} (known: {sorted(FEATURE_KEYS)})")
         sample: dict[str, torch.Tensor] = {}
+        data = _split_text_encoders(dict(data), path)
         for key, value in data.items():
             if value is not None and FEATURE_KEYS[key] in sample:
                 raise DataError(f"{path}: `{key}` and another key both give `{FEATURE_KEYS[key]}`")
@@ -156,6 +164,23 @@ class WanFeatureDataset(ReplacingDataset):
                 f"{list(sample['latents'].shape)} and {list(sample['prompt_embeds'].shape)}"
             )
         return sample
+
+
+def _split_text_encoders(data: dict[str, Any], path: Path) -> dict[str, Any]:
+    """Two text encoders' features (HunyuanVideo 1.5: MindSpeed MM's ``get_sora_feature.py`` saves ``prompt_ids``
+    and ``prompt_mask`` as lists, one entry per encoder, each with a leading axis of 1) as ``prompt_ids`` /
+    ``prompt_ids_2`` and ``prompt_mask`` / ``prompt_mask_2``."""
+    for key in ("prompt_ids", "prompt_mask"):
+        value = data.get(key)
+        if not isinstance(value, (list, tuple)):
+            continue
+        if len(value) != 2 or not all(isinstance(v, torch.Tensor) and v.ndim >= 1 and v.shape[0] == 1 for v in value):
+            raise DataError(
+                f"{path}: `{key}` is a list: it must hold two text encoders' tensors (MLLM, byT5), each with a "
+                f"leading axis of 1, got {[getattr(v, 'shape', type(v).__name__) for v in value]}"
+            )
+        data[key], data[f"{key}_2"] = value[0][0], value[1][0]
+    return data
 
 
 @dataclass
