@@ -196,7 +196,7 @@ def _map_entry_script(state: FlagState, launch: Launch, import_root: Path | None
         out.notes.append(
             f"{launch.script}: MindSpeed MM's own entry script; its model_provider, forward_step and "
             "datasets provider become lightning-mm's module for the model config (MMTransformersModule, or "
-            "MMWanModule for a Wan model.json) and MMDataModule(data_config)"
+            "MMWanModule / MMHunyuan15Module for a Wan / HunyuanVideo 1.5 model.json) and MMDataModule(data_config)"
         )
         return set()
     if defined is None:
