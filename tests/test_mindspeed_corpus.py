@@ -123,7 +123,7 @@ def test_every_flag_a_migrated_script_writes_is_named_in_its_report(results):
         missing = _flags_written((CORPUS / name).read_text()) - named
         assert not missing, f"{name}: flags written but not named in the report: {sorted(missing)}"
         checked += 1
-    assert checked == 42
+    assert checked == 43
 
 
 def test_shell_the_reader_cannot_run_is_named_and_keeps_the_rest(results):
@@ -542,7 +542,7 @@ def test_every_migrated_launch_script_plans_at_its_world_size(results, tmp_path)
         assert f"world size {world}" in text, (name, text)
         planned.append(name)
     assert not failed, "\n".join(f"{k}: {v}" for k, v in failed.items())
-    assert len(planned) == 42, planned  # every migrated launch script (docs/migration.md)
+    assert len(planned) == 43, planned  # every migrated launch script (docs/migration.md)
 
 
 def test_module_path_rules_name_modules_of_the_transformers_class(tmp_path):

@@ -1,12 +1,14 @@
 """``Hunyuan15Diffusion``: the module MindSpeed MM's HunyuanVideo 1.5 FSDP2 YAML is written against
 (``predictor.double_blocks.{*}``), holding diffusers' ``HunyuanVideo15Transformer3DModel`` as ``predictor``.
 
-Its call is the text-to-video training call of MindSpeed MM's ``HunyuanVideo15DiT`` (``mindspeed_mm/models/
-predictor/dits/hunyuan_video_15_dit.py``, ``task_type: t2v``): the noisy latents ``(B, C, F, H, W)`` get ``C + 1``
-zero channels (the empty first-frame condition and its mask) before the patch embedding, the MLLM text states go
-through the token refiner with their mask, the byT5 glyph states (``encoder_hidden_states_2``) through the byT5
-projection; there is no image. diffusers' model always takes image tokens: as its ``HunyuanVideo15Pipeline`` does for
-text-to-video, they are zeros (729 SigLIP tokens), which the model masks out, as MindSpeed MM leaves them out.
+Its call is the training call of MindSpeed MM's ``HunyuanVideo15DiT`` (``mindspeed_mm/models/predictor/dits/
+hunyuan_video_15_dit.py``): the noisy latents ``(B, C, F, H, W)`` get ``C + 1`` condition channels before the patch
+embedding (image-to-video: the first frame's latents and its mask, MindSpeed MM's ``cond_latents``; text-to-video:
+zeros), the MLLM text states go through the token refiner with their mask, the byT5 glyph states
+(``encoder_hidden_states_2``) through the byT5 projection, and image-to-video's SigLIP states (``image_embeds``,
+MindSpeed MM's ``vision_states``) through the image projection. diffusers' model always takes image tokens: for
+text-to-video they are zeros (729 SigLIP tokens), which the model masks out, as its ``HunyuanVideo15Pipeline`` does
+and as MindSpeed MM's t2v DiT, which has no image projection, leaves them out.
 
 :func:`mindspeed_hunyuan15_fsdp2_config` reads MindSpeed MM's ``examples/hunyuanvideo_1.5/fsdp2_config.yaml`` as
 written and maps its module paths: MindSpeed MM's ``predictor.double_blocks`` are diffusers'
@@ -44,7 +46,7 @@ _ABSENT_COMPONENTS = ("ae", "text_encoder")
 
 
 class Hunyuan15Diffusion(nn.Module, FSDP2Mixin):
-    """The HunyuanVideo 1.5 denoiser as ``predictor``, and its text-to-video training call."""
+    """The HunyuanVideo 1.5 denoiser as ``predictor``, and its training call."""
 
     def __init__(self, predictor: nn.Module) -> None:
         super().__init__()
@@ -71,17 +73,23 @@ class Hunyuan15Diffusion(nn.Module, FSDP2Mixin):
         encoder_attention_mask: Tensor,
         encoder_hidden_states_2: Tensor,
         encoder_attention_mask_2: Tensor,
+        condition: Tensor | None = None,
+        image_embeds: Tensor | None = None,
     ) -> Tensor:
-        """The predicted velocity for the noisy latents ``hidden_states``."""
+        """The predicted velocity for the noisy latents ``hidden_states`` (text-to-video without ``condition`` and
+        ``image_embeds``)."""
         b, c, f, h, w = hidden_states.shape
-        condition = torch.zeros((b, c + 1, f, h, w), device=hidden_states.device, dtype=hidden_states.dtype)
-        image = torch.zeros(
-            (b, T2V_IMAGE_TOKENS, int(self.predictor.config.image_embed_dim)),
-            device=hidden_states.device,
-            dtype=encoder_hidden_states.dtype,
-        )
+        if condition is None:
+            condition = torch.zeros((b, c + 1, f, h, w), device=hidden_states.device, dtype=hidden_states.dtype)
+        image = image_embeds
+        if image is None:
+            image = torch.zeros(
+                (b, T2V_IMAGE_TOKENS, int(self.predictor.config.image_embed_dim)),
+                device=hidden_states.device,
+                dtype=encoder_hidden_states.dtype,
+            )
         out = self.predictor(
-            hidden_states=torch.cat([hidden_states, condition], dim=1),
+            hidden_states=torch.cat([hidden_states, condition.to(hidden_states.dtype)], dim=1),
             timestep=timestep,
             encoder_hidden_states=encoder_hidden_states,
             encoder_attention_mask=encoder_attention_mask,

@@ -14,7 +14,9 @@ first-frame mask and latents concatenated on the channels, which MindSpeed MM's 
 ``condition_latents``. HunyuanVideo 1.5's features (two text encoders) hold ``prompt_ids`` and ``prompt_mask`` as
 lists, the MLLM's and byT5's outputs each with a leading axis of 1, as MindSpeed MM's ``get_sora_feature.py`` saves
 them; they are read as ``prompt_embeds`` / ``prompt_mask`` and ``prompt_embeds_2`` / ``prompt_mask_2``, the batch
-keys of :class:`~lightning_mm.modules.hunyuan15_module.MMHunyuan15Module`. A sample is ``{"latents",
+keys of :class:`~lightning_mm.modules.hunyuan15_module.MMHunyuan15Module`; its image-to-video features add
+``cond_latents`` and ``vision_states`` (the first frame's latents and mask, its SigLIP states), read as
+``condition_latents`` and ``image_embeds``. A sample is ``{"latents",
 "prompt_embeds", ...}``, the batch keys of :class:`~lightning_mm.modules.wan_module.MMWanModule`. Another key in a
 feature file is an error naming it.
 
@@ -67,6 +69,8 @@ FEATURE_KEYS = {
     "prompt_ids_2": "prompt_embeds_2",
     "prompt_mask_2": "prompt_mask_2",
     "prompt_embeds_2": "prompt_embeds_2",
+    "cond_latents": "condition_latents",
+    "vision_states": "image_embeds",
 }
 """A feature file's key (MindSpeed MM's names, or the batch names) -> the sample key."""
 

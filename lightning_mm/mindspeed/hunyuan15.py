@@ -1,4 +1,4 @@
-"""MindSpeed MM's HunyuanVideo 1.5 text-to-video ``model.json`` (``examples/hunyuanvideo_1.5/t2v``) as an
+"""MindSpeed MM's HunyuanVideo 1.5 ``model.json`` (``examples/hunyuanvideo_1.5/t2v`` and ``i2v``) as an
 :class:`~lightning_mm.modules.hunyuan15_module.MMHunyuan15Module` config, the diffusers path of this project.
 
 Read, never imported: no torch, no diffusers. ``predictor`` (``hunyuanvideo15dit``) becomes diffusers'
@@ -8,8 +8,9 @@ and the keys that select an architecture diffusers' class does not have (single-
 meanflow embeddings, a text projection other than the token refiner, no byT5 glyph branch) are NOT mapped.
 ``diffusion`` (``hunyuanvideo_15_diffusion``) becomes the module's ``schedule`` (``num_train_timesteps``,
 ``train_timestep_shift``, ``snr``); ``shift``, ``reverse`` and ``solver`` are the sampler's. ``ae`` and
-``text_encoder`` are the frozen encoders of online feature extraction: the data path here reads the features
-MindSpeed MM's ``get_hunyuan15_feature.py`` writes.
+``text_encoder`` (and ``ae.i2v_processor``, i2v's SigLIP encoder) are the frozen encoders of online feature
+extraction: the data path here reads the features MindSpeed MM's ``get_hunyuan15_feature.py`` writes. ``task``
+(``t2v``, ``i2v``) selects the batch keys (i2v: ``condition_latents``, ``image_embeds``).
 """
 
 from __future__ import annotations
@@ -55,18 +56,19 @@ _ARCHITECTURE: dict[str, Any] = {
     "text_states_dim_2": None,
     "text_pool_type": None,
     "glyph_byT5_v2": True,
-    "vision_projection": "linear-none",
     "is_reshape_temporal_channels": False,
     "use_cond_type_embedding": True,
 }
 """The architecture keys of MindSpeed MM's ``HunyuanVideo15DiT`` and the value diffusers' class is built with."""
 _DENSE_ATTENTION = ("flash", "flash2", "torch")
+_TASKS = {"t2v": "linear-none", "i2v": "linear"}
+"""A task -> MindSpeed MM's ``vision_projection`` for it (t2v: none; diffusers' model masks out its zero image)."""
 
 
 def hunyuan15_module_config(
     config: Mapping[str, Any], source: str, weights: str | None, origin: str
 ) -> DiffusionMigration:
-    """The MMHunyuan15Module config of a HunyuanVideo 1.5 t2v model.json; ``weights`` is the diffusers transformer
+    """The MMHunyuan15Module config of a HunyuanVideo 1.5 model.json; ``weights`` is the diffusers transformer
     directory (from ``origin``: ``--load`` or ``--hf-path``), or None when the job names none."""
     out = DiffusionMigration(model={"class_path": HUNYUAN15_MODULE, "init_args": {"diffusers_model": {}}})
     args = out.model["init_args"]
@@ -91,9 +93,19 @@ def hunyuan15_module_config(
             "predictor: no weights directory (no --load, no `migrate --hf-path`); set "
             "model.init_args.diffusers_model.init_from_path"
         )
+    task = config.get("task", "t2v")
+    if task not in _TASKS:
+        raise MindSpeedConfigError(f"{source}: task {task!r}: HunyuanVideo 1.5 trains t2v or i2v")
     for key, value in predictor.items():
         name = f"predictor.{key}"
         if key == "model_id":
+            continue
+        if key in ("vision_projection", "task_type"):
+            expected = _TASKS[task] if key == "vision_projection" else task
+            if value == expected:
+                out.notes.append(f"{name} {value}: as diffusers' HunyuanVideo15Transformer3DModel runs task {task}")
+            else:
+                out.unmapped.append(f"{name} {value}: task {task} needs {expected!r} here")
             continue
         if key == "from_pretrained":
             out.notes.append(f"{name} {value}: MindSpeed MM's own weights file; the diffusers directory is used")
@@ -172,7 +184,12 @@ def _map_features(config: Mapping[str, Any], out: DiffusionMigration) -> None:
                 for name, _ in _walk(tower, f"{prefix}.")
             ]
     if config.get("task", "t2v") == "t2v":
-        out.notes.append("task t2v: text-to-video (the first-frame condition channels are zeros)")
+        out.notes.append("task t2v: text-to-video (the first-frame condition channels and image tokens are zeros)")
+    else:
+        out.notes.append(
+            "task i2v: image-to-video; the features add cond_latents and vision_states (MindSpeed MM's "
+            "hunyuanvideo_15_i2v_processor), read as the batch keys condition_latents and image_embeds"
+        )
     known = {"predictor", "diffusion", "load_video_features", "load_text_features", "ae", "text_encoder", "task"}
     for key, value in config.items():
         if key in known:

@@ -123,15 +123,6 @@ def refuse_model_ids(config: Mapping[str, Any], source: str, sections: tuple[str
             if model_id in MODEL_ID_REFUSALS:
                 code, name = MODEL_ID_REFUSALS[model_id]
                 raise Refused(source, code, f"{name} ({where}: {model_id})")
-            if model_id == "hunyuanvideo15dit" and isinstance(node, Mapping) and node.get("task", "t2v") != "t2v":
-                raise Refused(source, "not-implemented", HUNYUAN15_I2V.format(task=node.get("task")))
-
-
-HUNYUAN15_I2V = (
-    "HunyuanVideo 1.5 image-to-video (task {task}): text-to-video trains here (MMHunyuan15Module); the first-frame "
-    "condition latents and SigLIP vision states that MindSpeed MM's hunyuanvideo_15_i2v_processor adds are not read"
-)
-"""The refusal of a HunyuanVideo 1.5 model.json whose ``task`` is not ``t2v``."""
 
 
 def refuse_yaml(config: Mapping[str, Any], source: str) -> None:

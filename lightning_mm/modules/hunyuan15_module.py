@@ -1,5 +1,5 @@
-"""MMHunyuan15Module: MindSpeed MM's HunyuanVideo 1.5 text-to-video training step (flow matching on precomputed
-features) as an ``MMLightningModule``.
+"""MMHunyuan15Module: MindSpeed MM's HunyuanVideo 1.5 training step (text- and image-to-video, flow matching on
+precomputed features) as an ``MMLightningModule``.
 
 The data gives each sample's video latents and its two text encoders' states (MindSpeed MM's feature extraction,
 ``get_hunyuan15_feature.py``: the VAE, the MLLM text encoder and the byT5 glyph encoder ran beforehand). A step, as
@@ -12,10 +12,12 @@ MindSpeed MM's ``SoraModel`` with ``hunyuanvideo_15_diffusion`` and ``hunyuanvid
   :class:`~lightning_mm.diffusers.hunyuan15_diffusion.Hunyuan15Diffusion`) predicts the velocity;
 * ``loss_func``: the mean squared error to ``noise - x0``.
 
-Batch keys (all required): ``latents`` ``(B, C, F, H, W)``, ``prompt_embeds`` ``(B, L, D)`` and ``prompt_mask``
-``(B, L)`` (the MLLM's states), ``prompt_embeds_2`` ``(B, L2, D2)`` and ``prompt_mask_2`` ``(B, L2)`` (byT5's). Any
-other key is an error. Passing MindSpeed MM's ``get_batch`` / ``forward_step`` / ``loss_func`` replaces the matching
-hook, as for every ``MMLightningModule``.
+Batch keys: ``latents`` ``(B, C, F, H, W)``, ``prompt_embeds`` ``(B, L, D)`` and ``prompt_mask`` ``(B, L)`` (the
+MLLM's states), ``prompt_embeds_2`` ``(B, L2, D2)`` and ``prompt_mask_2`` ``(B, L2)`` (byT5's); for image-to-video
+also ``condition_latents`` ``(B, C + 1, F, H, W)`` (the first frame's latents and its mask, MindSpeed MM's
+``cond_latents``) and ``image_embeds`` ``(B, N, E)`` (its SigLIP states, MindSpeed MM's ``vision_states``), both or
+neither. Any other key is an error. Passing MindSpeed MM's ``get_batch`` / ``forward_step`` / ``loss_func``
+replaces the matching hook, as for every ``MMLightningModule``.
 """
 
 from __future__ import annotations
@@ -40,13 +42,23 @@ from lightning_mm.modules.lightning_module import MMLightningModule
 
 __all__ = ["HUNYUAN15_BATCH_KEYS", "MMHunyuan15Module"]
 
-HUNYUAN15_BATCH_KEYS = ("latents", "prompt_embeds", "prompt_mask", "prompt_embeds_2", "prompt_mask_2")
+HUNYUAN15_BATCH_KEYS = (
+    "latents",
+    "prompt_embeds",
+    "prompt_mask",
+    "prompt_embeds_2",
+    "prompt_mask_2",
+    "condition_latents",
+    "image_embeds",
+)
+_REQUIRED = HUNYUAN15_BATCH_KEYS[:5]
+_IMAGE_KEYS = ("condition_latents", "image_embeds")
 FLOW_KEY = "flow"
 _SCHEDULER_ID = "hunyuanvideo_15_diffusion"
 
 
 class MMHunyuan15Module(MMLightningModule):
-    """Train a HunyuanVideo 1.5 diffusers transformer (text-to-video) with MindSpeed MM's flow-matching recipe.
+    """Train a HunyuanVideo 1.5 diffusers transformer (t2v, i2v) with MindSpeed MM's flow-matching recipe.
 
     Args:
         diffusers_model: the :func:`~lightning_mm.diffusers.DiffusersModel` config (``init_from_path``, ``config``,
@@ -119,11 +131,12 @@ class MMHunyuan15Module(MMLightningModule):
             batch = super().get_batch(batch)
         if not isinstance(batch, Mapping):
             raise InputTypeError(
-                f"MMHunyuan15Module: a batch must be a mapping with keys {list(HUNYUAN15_BATCH_KEYS)}, got "
-                f"{type(batch).__name__}"
+                f"MMHunyuan15Module: a batch must be a mapping with keys {list(_REQUIRED)}, got {type(batch).__name__}"
             )
         unknown = sorted(set(batch) - set(HUNYUAN15_BATCH_KEYS))
-        missing = [k for k in HUNYUAN15_BATCH_KEYS if k not in batch]
+        missing = [k for k in _REQUIRED if k not in batch]
+        if (_IMAGE_KEYS[0] in batch) != (_IMAGE_KEYS[1] in batch):
+            missing += [k for k in _IMAGE_KEYS if k not in batch]
         if unknown or missing:
             raise InputKeyError(
                 f"MMHunyuan15Module: batch keys {sorted(batch)}: "
@@ -147,8 +160,19 @@ class MMHunyuan15Module(MMLightningModule):
                     f"MMHunyuan15Module: `{text}` must be (batch, length, dim) and `{mask}` (batch, length), got "
                     f"{getattr(states, 'shape', None)} and {getattr(valid, 'shape', None)}"
                 )
+        image = batch.get("condition_latents")
+        if image is not None and (
+            not isinstance(image, torch.Tensor)
+            or tuple(image.shape) != (latents.shape[0], latents.shape[1] + 1, *latents.shape[2:])
+        ):
+            raise DataError(
+                "MMHunyuan15Module: `condition_latents` must be (batch, channels + 1, frames, height, width) for "
+                f"`latents` {tuple(latents.shape)}, got {getattr(image, 'shape', type(image).__name__)}"
+            )
         flow = hunyuan15_draw(self.schedule, latents, self._generator())
+        extra = {} if image is None else {"condition": image, "image_embeds": batch["image_embeds"]}
         return {
+            **extra,
             "hidden_states": flow.noisy,
             "timestep": flow.timestep,
             "encoder_hidden_states": batch["prompt_embeds"],

@@ -1,20 +1,22 @@
-"""HunyuanVideo 1.5 text-to-video through diffusers on 2 ranks (``tests/test_hunyuan15.py``): the corpus' launch
-script as ``migrate`` writes it, run as ``lightning-mm fit --config`` runs it.
+"""HunyuanVideo 1.5 through diffusers on 2 ranks (``tests/test_hunyuan15.py``): the corpus' t2v and i2v launch
+scripts as ``migrate`` writes them, run as ``lightning-mm fit --config`` runs them.
 
     python tests/scenarios/hunyuan15_scenarios.py fit_migrated OUTDIR --arg work=WORKDIR   (tests/helpers/scenario_kit)
 
 ``WORKDIR`` holds the tiny diffusers ``HunyuanVideo15Transformer3DModel`` (``model/``, from ``save_pretrained``), the
-features in MindSpeed MM's layout (``features/``: ``video``, and ``prompt_ids`` / ``prompt_mask`` as lists of the MLLM's
-and byT5's outputs, as ``get_sora_feature.py`` saves them for two text encoders; ``data.json``: ``dataset_type:
-feature``) written by :func:`write_workdir`, and ``migrated.yaml``, the config ``migrate`` wrote for
-``examples/hunyuanvideo_1.5/t2v/pretrain_hunyuanvideo_15.sh`` with the tiny stand-ins (:func:`write_migrated`). Each
-rank writes its loss per step; rank 0 the first step's gradients and the final weights (:class:`Recorder`).
+features in MindSpeed MM's layout (``features_<task>/``: ``video``, and ``prompt_ids`` / ``prompt_mask`` as lists of the
+MLLM's and byT5's outputs, as ``get_sora_feature.py`` saves them for two text encoders; i2v adds its i2v processor's
+``cond_latents`` and ``vision_states``; ``data_<task>.json``: ``dataset_type: feature``) written by
+:func:`write_workdir`, and ``migrated_<task>.yaml``, the configs ``migrate`` wrote for :data:`SCRIPTS` with the tiny
+stand-ins (:func:`write_migrated`). Each rank writes its loss per step; rank 0 the first step's gradients and the
+final weights (:class:`Recorder`).
 
 :func:`reference_losses` is the one-process diffusers reference: the same model directory, AdamW, samples per rank and
 step, and its own re-telling of MindSpeed MM's ``Hunyuan_15_FlowMatchDiscreteScheduler.q_sample`` /
-``training_losses`` (``mindspeed_mm/models/diffusion/hunyuan_video_15_scheduler.py``) and of the t2v call of
-diffusers' ``HunyuanVideo15Pipeline`` (zero condition channels, 729 zero image tokens), with the noise and timestep
-drawn from :func:`lightning_mm.diffusers.flow_matching.draw_generator`.
+``training_losses`` (``mindspeed_mm/models/diffusion/hunyuan_video_15_scheduler.py``) and of the transformer call of
+diffusers' ``HunyuanVideo15Pipeline`` (t2v: zero condition channels, 729 zero image tokens; i2v: the condition
+latents and image states), with the noise and timestep drawn from
+:func:`lightning_mm.diffusers.flow_matching.draw_generator`.
 """
 
 from __future__ import annotations
@@ -51,7 +53,8 @@ LATENT_SHAPE = (4, 2, 4, 4)  # (C, F, H, W): 32 video tokens
 TEXT_LEN, GLYPH_LEN = 6, 5
 LR = 1e-3
 STEPS = 2
-SCRIPT = "examples/hunyuanvideo_1.5/t2v/pretrain_hunyuanvideo_15.sh"
+SCRIPTS = {task: f"examples/hunyuanvideo_1.5/{task}/pretrain_hunyuanvideo_15.sh" for task in ("t2v", "i2v")}
+IMAGE_TOKENS = 3  # i2v's SigLIP states (729 in the real model)
 
 
 def write_workdir(work: Path) -> None:
@@ -60,9 +63,14 @@ def write_workdir(work: Path) -> None:
 
     torch.manual_seed(0)
     HunyuanVideo15Transformer3DModel(**TINY_HUNYUAN15).save_pretrained(work / "model")
-    features = work / "features"
+    for task in SCRIPTS:
+        _write_features(work, task)
+
+
+def _write_features(work: Path, task: str) -> None:
+    features = work / f"features_{task}"
     features.mkdir()
-    generator = torch.Generator().manual_seed(1)
+    generator = torch.Generator().manual_seed(1 if task == "t2v" else 2)
     lines = []
     for i in range(SAMPLES):
         sample = {
@@ -76,6 +84,12 @@ def write_workdir(work: Path) -> None:
                 torch.tensor([[1] * (i % 3) + [0] * (GLYPH_LEN - i % 3)]),  # sample 0: no glyph text
             ],
         }
+        if task == "i2v":  # hunyuanvideo_15_i2v_processor: first-frame latents and mask; SigLIP's last hidden state
+            condition = torch.zeros(LATENT_SHAPE[0] + 1, *LATENT_SHAPE[1:])
+            condition[:-1, :1] = sample["video"][:, :1]
+            condition[-1, 0] = 1
+            sample["cond_latents"] = condition
+            sample["vision_states"] = torch.randn(IMAGE_TOKENS, TINY_HUNYUAN15["image_embed_dim"], generator=generator)
         torch.save(sample, features / f"{i}.pt")
         lines.append(json.dumps({"file": f"{i}.pt", "cap": f"clip {i}"}))
     (features / "data.jsonl").write_text("\n".join(lines) + "\n")
@@ -86,29 +100,36 @@ def write_workdir(work: Path) -> None:
         },
         "dataloader_param": {"dataloader_mode": "sampler", "shuffle": False, "drop_last": True},
     }
-    (work / "data.json").write_text(json.dumps(data, indent=2))
+    (work / f"data_{task}.json").write_text(json.dumps(data, indent=2))
 
 
 def write_migrated(work: Path, tree: Path, outdir: Path) -> None:
-    """``lightning-mm migrate`` :data:`SCRIPT` from ``tree`` (a copy of the corpus, as a MindSpeed MM checkout),
-    written to ``WORKDIR/migrated.yaml`` with the tiny stand-ins: the model directory, the feature data, 2 CPU ranks
-    (the YAML's ``sharding_size`` 8 of the 8-NPU job becomes 2), fp32, :data:`STEPS` steps, the reference's lr and no
-    weight decay, the recording callback in place of the job's. Everything else (the model section, schedule, FSDP2
-    YAML with its recomputation, strategy) is as migrated."""
+    """``lightning-mm migrate`` each of :data:`SCRIPTS` from ``tree`` (a copy of the corpus, as a MindSpeed MM
+    checkout), written to ``WORKDIR/migrated_<task>.yaml`` with the tiny stand-ins: the model directory, the
+    feature data, 2 CPU ranks (the YAML's ``sharding_size`` 8 of the 8-NPU job becomes 2), fp32, :data:`STEPS`
+    steps, the reference's lr and no weight decay, the recording callback in place of the job's. Everything else
+    (the model section, schedule, task, FSDP2 YAML with its recomputation, strategy) is as migrated."""
     import os
 
     import yaml
 
     from lightning_mm.commands.migrate import migrate_file
-    from lightning_mm.diffusers.hunyuan15_diffusion import mindspeed_hunyuan15_fsdp2_config
 
     before = Path.cwd()
     os.chdir(tree)
     try:
-        result = migrate_file(Path(SCRIPT))[0]
+        results = {task: migrate_file(Path(script))[0] for task, script in SCRIPTS.items()}
     finally:
         os.chdir(before)
-    config = yaml.safe_load(yaml.safe_dump(result.config))
+    for task, result in results.items():
+        _write_config(yaml.safe_load(yaml.safe_dump(result.config)), task, work, outdir)
+
+
+def _write_config(config: dict[str, Any], task: str, work: Path, outdir: Path) -> None:
+    import yaml
+
+    from lightning_mm.diffusers.hunyuan15_diffusion import mindspeed_hunyuan15_fsdp2_config
+
     init = config["model"]["init_args"]
     init["diffusers_model"]["init_from_path"] = str(work / "model")
     init.update(lr=LR, min_lr=LR, weight_decay=0.0, log_grad_norm=False, log_throughput=False)
@@ -130,13 +151,16 @@ def write_migrated(work: Path, tree: Path, outdir: Path) -> None:
         enable_progress_bar=False,
         enable_model_summary=False,
         num_sanity_val_steps=0,
-        default_root_dir=str(work / "run"),
+        default_root_dir=str(work / f"run_{task}"),
         callbacks=[
-            {"class_path": "tests.scenarios.hunyuan15_scenarios.Recorder", "init_args": {"outdir": str(outdir)}}
+            {
+                "class_path": "tests.scenarios.hunyuan15_scenarios.Recorder",
+                "init_args": {"outdir": str(outdir), "name": task},
+            }
         ],
     )
-    config["data"]["init_args"].update(data_config=str(work / "data.json"), num_workers=0)
-    (work / "migrated.yaml").write_text(yaml.safe_dump(config, sort_keys=False))
+    config["data"]["init_args"].update(data_config=str(work / f"data_{task}.json"), num_workers=0)
+    (work / f"migrated_{task}.yaml").write_text(yaml.safe_dump(config, sort_keys=False))
 
 
 def _reference_draw(
@@ -157,10 +181,10 @@ def _reference_draw(
 
 
 def reference_losses(
-    work: Path, steps: int, grads: dict | None = None, noise_seed: int = 0
+    work: Path, steps: int, task: str, grads: dict | None = None, noise_seed: int = 0
 ) -> tuple[list[float], dict[str, torch.Tensor]]:
-    """The one-process diffusers run (see the module docstring): per step the mean of the 2 data-parallel ranks'
-    losses, and the final weights; ``grads`` receives the first step's gradients."""
+    """The one-process diffusers run of ``task`` (see the module docstring): per step the mean of the 2
+    data-parallel ranks' losses, and the final weights; ``grads`` receives the first step's gradients."""
     from diffusers import HunyuanVideo15Transformer3DModel
 
     from lightning_mm.diffusers.flow_matching import draw_generator
@@ -173,18 +197,23 @@ def reference_losses(
         total = 0.0
         optimizer.zero_grad()
         for rank in range(2):
-            data = torch.load(work / "features" / f"{2 * (step % 2) + rank}.pt", weights_only=True)
+            data = torch.load(work / f"features_{task}" / f"{2 * (step % 2) + rank}.pt", weights_only=True)
             latents = data["video"][None]
             noisy, timesteps, noise = _reference_draw(latents, draw_generator(noise_seed, "train", step, 0, rank))
             b, c, f, h, w = latents.shape
+            if task == "i2v":  # the pipeline's image latents (first frame) and mask, and the image's SigLIP states
+                condition, image = data["cond_latents"][None], data["vision_states"][None]
+            else:
+                condition = torch.cat([torch.zeros(b, c, f, h, w), torch.zeros(b, 1, f, h, w)], dim=1)
+                image = torch.zeros(b, 729, TINY_HUNYUAN15["image_embed_dim"])
             out = model(
-                hidden_states=torch.cat([noisy, torch.zeros(b, c, f, h, w), torch.zeros(b, 1, f, h, w)], dim=1),
+                hidden_states=torch.cat([noisy, condition], dim=1),
                 timestep=timesteps,
                 encoder_hidden_states=data["prompt_ids"][0],
                 encoder_attention_mask=data["prompt_mask"][0],
                 encoder_hidden_states_2=data["prompt_ids"][1],
                 encoder_attention_mask_2=data["prompt_mask"][1],
-                image_embeds=torch.zeros(b, 729, TINY_HUNYUAN15["image_embed_dim"]),
+                image_embeds=image,
                 return_dict=False,
             )[0]
             loss = torch.nn.functional.mse_loss(out, noise - latents) / 2
@@ -200,11 +229,11 @@ def reference_losses(
 
 
 class Recorder(L.Callback):
-    """Each rank's loss per step and the FSDP2 plan (``OUTDIR/rank{R}.json``); on rank 0 the first step's gradients
-    (``grads.pt``) and the final weights (``final.pt``)."""
+    """Each rank's loss per step and the FSDP2 plan (``OUTDIR/<name>.rank{R}.json``); on rank 0 the first step's
+    gradients (``<name>_grads.pt``) and the final weights (``<name>_final.pt``)."""
 
-    def __init__(self, outdir: str) -> None:
-        self.outdir = Path(outdir)
+    def __init__(self, outdir: str, name: str) -> None:
+        self.outdir, self.name = Path(outdir), name
         self.losses: list[float] = []
 
     def on_train_batch_end(self, trainer: Any, pl_module: Any, outputs: Any, batch: Any, batch_idx: int) -> None:
@@ -221,7 +250,7 @@ class Recorder(L.Callback):
                 if p.grad is not None
             }
             if trainer.global_rank == 0:
-                torch.save(grads, self.outdir / "grads.pt")
+                torch.save(grads, self.outdir / f"{self.name}_grads.pt")
 
     def on_train_end(self, trainer: Any, pl_module: Any) -> None:
         from torch.distributed.tensor import DTensor
@@ -235,16 +264,17 @@ class Recorder(L.Callback):
             "recompute": list(trainer.strategy.plan.recompute_modules),
         }
         info = {"losses": self.losses, "plan": plan}
-        (self.outdir / f"rank{trainer.global_rank}.json").write_text(json.dumps(info))
+        (self.outdir / f"{self.name}.rank{trainer.global_rank}.json").write_text(json.dumps(info))
         if trainer.global_rank == 0:
-            torch.save(final, self.outdir / "final.pt")
+            torch.save(final, self.outdir / f"{self.name}_final.pt")
 
 
 @scenario(exit_cleanly=False)
 def fit_migrated(outdir: Path, work: str) -> None:
     from lightning_mm.commands.train import run_lightning_cli
 
-    run_lightning_cli(["fit", "--config", str(Path(work) / "migrated.yaml")])
+    for task in SCRIPTS:
+        run_lightning_cli(["fit", "--config", str(Path(work) / f"migrated_{task}.yaml")])
 
 
 if __name__ == "__main__":
