@@ -123,7 +123,7 @@ def test_every_flag_a_migrated_script_writes_is_named_in_its_report(results):
         missing = _flags_written((CORPUS / name).read_text()) - named
         assert not missing, f"{name}: flags written but not named in the report: {sorted(missing)}"
         checked += 1
-    assert checked == 45
+    assert checked == 47
 
 
 def test_shell_the_reader_cannot_run_is_named_and_keeps_the_rest(results):
@@ -431,6 +431,7 @@ def test_multi_node_launch_values_reach_the_launch_lines_or_are_named_not_mapped
 # locally): the first matching script-path prefix wins.
 _STAND_INS = (
     ("examples/glm4.5v/", "glm4v_moe"),
+    ("examples/hunyuanvideo_1.5/", "hunyuan15"),
     ("examples/internvl3.5/", "internvl"),
     ("examples/magistral-2509/", "mistral3"),
     ("examples/qwen2.5vl/", "qwen2_5_vl"),
@@ -479,6 +480,12 @@ def _save_stand_in(family: str, directory: Path) -> Path:
         from tests.scenarios.wan_scenarios import TINY_VACE
 
         WanVACETransformer3DModel(**TINY_VACE).save_pretrained(directory)
+    elif family == "hunyuan15":
+        from diffusers import HunyuanVideo15Transformer3DModel
+
+        from tests.scenarios.hunyuan15_scenarios import TINY_HUNYUAN15
+
+        HunyuanVideo15Transformer3DModel(**TINY_HUNYUAN15).save_pretrained(directory)
     else:
         from diffusers import WanTransformer3DModel
 
@@ -509,7 +516,7 @@ def test_every_migrated_launch_script_plans_at_its_world_size(results, tmp_path)
             stand_ins[family] = _save_stand_in(family, tmp_path / "stand_ins" / family)
         config = yaml.safe_load(yaml.safe_dump(result.config))
         init = config["model"]["init_args"]
-        if family in ("wan", "wan_vace"):
+        if family in ("wan", "wan_vace", "hunyuan15"):
             init["diffusers_model"]["init_from_path"] = str(stand_ins[family])
         else:
             init["transformers_model"].update(init_from_hf_path=str(stand_ins[family]), trust_remote_code=False)
@@ -542,7 +549,7 @@ def test_every_migrated_launch_script_plans_at_its_world_size(results, tmp_path)
         assert f"world size {world}" in text, (name, text)
         planned.append(name)
     assert not failed, "\n".join(f"{k}: {v}" for k, v in failed.items())
-    assert len(planned) == 45, planned  # every migrated launch script (docs/migration.md)
+    assert len(planned) == 47, planned  # every migrated launch script (docs/migration.md)
 
 
 def test_module_path_rules_name_modules_of_the_transformers_class(tmp_path):

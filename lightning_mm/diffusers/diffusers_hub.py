@@ -2,7 +2,8 @@
 
 A diffusers ``config.json`` names its class in ``_class_name`` (``WanTransformer3DModel``); :meth:`DiffusersHub.resolve`
 looks a model up by an explicit ``model_id`` first, then by that name. The built-in adapters
-(:mod:`lightning_mm.diffusers.adapters`, which imports ``diffusers``) are registered on the first lookup.
+(:mod:`lightning_mm.diffusers.adapters` and :mod:`lightning_mm.diffusers.hunyuan15_adapter`, which import ``diffusers``)
+are registered on the first lookup.
 """
 
 from __future__ import annotations
@@ -37,8 +38,9 @@ class DiffusersHub(ModelHub):
     def _builtin_adapters(cls) -> tuple[type, ...]:
         diffusers_installed()
         from lightning_mm.diffusers.adapters import BUILTIN_ADAPTERS
+        from lightning_mm.diffusers.hunyuan15_adapter import HUNYUAN15_ADAPTERS
 
-        return tuple(BUILTIN_ADAPTERS)
+        return (*BUILTIN_ADAPTERS, *HUNYUAN15_ADAPTERS)
 
     @classmethod
     def resolve_diffusers(cls, model_id: str | None, config: Mapping[str, Any]) -> tuple[str, type]:

@@ -3,23 +3,27 @@ text embeddings, one ``.pt`` file per sample.
 
 ``basic_parameters.data_path`` is a JSON-lines file whose records name their feature file in ``file`` (relative to
 ``basic_parameters.data_folder``, inside which it must resolve); other record keys (the caption ``cap``, the source
-video ``path`` that MindSpeed MM's ``_write_data_info`` keeps, absolute in ``data_storage_mode: combine``) are
-metadata and not read, as MindSpeed MM's ``FeatureDataset`` (``mindspeed_mm/data/datasets/feature_dataset.py``)
-reads only ``file``. Each feature file is a ``torch.save`` dict, loaded with ``weights_only=True``, with MindSpeed
-MM's keys ``video`` (the VAE latents, ``(C, F, H, W)``), ``prompt_ids`` (the text encoder's embeddings, ``(L, D)``)
-and optionally ``prompt_mask`` ``(L,)``; image-to-video features add MindSpeed MM's ``i2v_clip_feature`` (the CLIP
-image encoder's ``hidden_states[-2]``, diffusers' ``encoder_hidden_states_image``) and ``i2v_vae_feature`` (the
-first-frame mask and latents concatenated on the channels, which MindSpeed MM's ``WanDiT`` and diffusers'
-``WanTransformer3DModel`` concatenate to the noisy latents), read as the batch keys ``image_embeds`` and
-``condition_latents``. Wan VACE features (MindSpeed MM's ``get_vace_feature.py``, whose files hold ``video``,
-``prompt_ids``, ``prompt_mask`` and ``vace_context``: the inactive and reactive control-video latents and the 8x8
-mask, 96 channels) add ``vace_context``, read as the batch key ``control_latents``; MindSpeed MM's
-``FeatureDataset`` passes it on among the "remaining keys" of a feature file and ``VACEModel.forward`` takes it.
-A data config whose ``preprocess_parameters.video_processor_type`` is ``VACEVideoProcessor`` (MindSpeed MM's VACE
-``feature_data.json``) names VACE features: each file must hold ``vace_context`` (the first one is checked when the
-dataset is set up; a later one without it is a bad record). A sample is ``{"latents", "prompt_embeds", ...}``,
-the batch keys of :class:`~lightning_mm.modules.wan_module.MMWanModule`. Another key in a feature file is an
-error naming it.
+video ``path`` that MindSpeed MM's ``_write_data_info`` keeps, absolute in ``data_storage_mode: combine``) are metadata
+and not read, as MindSpeed MM's ``FeatureDataset`` (``mindspeed_mm/data/datasets/feature_dataset.py``) reads only
+``file``. Each feature file is a ``torch.save`` dict, loaded with ``weights_only=True``, with MindSpeed MM's keys
+``video`` (the VAE latents, ``(C, F, H, W)``), ``prompt_ids`` (the text encoder's embeddings, ``(L, D)``) and optionally
+``prompt_mask`` ``(L,)``; image-to-video features add MindSpeed MM's ``i2v_clip_feature`` (the CLIP image encoder's
+``hidden_states[-2]``, diffusers' ``encoder_hidden_states_image``) and ``i2v_vae_feature`` (the first-frame mask and
+latents concatenated on the channels, which MindSpeed MM's ``WanDiT`` and diffusers' ``WanTransformer3DModel``
+concatenate to the noisy latents), read as the batch keys ``image_embeds`` and ``condition_latents``. Wan VACE features
+(MindSpeed MM's ``get_vace_feature.py``, whose files hold ``video``, ``prompt_ids``, ``prompt_mask`` and
+``vace_context``: the inactive and reactive control-video latents and the 8x8 mask, 96 channels) add ``vace_context``,
+read as the batch key ``control_latents``; MindSpeed MM's ``FeatureDataset`` passes it on among the "remaining keys" of
+a feature file and ``VACEModel.forward`` takes it. A data config whose ``preprocess_parameters.video_processor_type`` is
+``VACEVideoProcessor`` (MindSpeed MM's VACE ``feature_data.json``) names VACE features: each file must hold
+``vace_context`` (the first one is checked when the dataset is set up; a later one without it is a bad record).
+HunyuanVideo 1.5's features (two text encoders) hold ``prompt_ids`` and ``prompt_mask`` as lists, the MLLM's and byT5's
+outputs each with a leading axis of 1, as MindSpeed MM's ``get_sora_feature.py`` saves them; they are read as
+``prompt_embeds`` / ``prompt_mask`` and ``prompt_embeds_2`` / ``prompt_mask_2``, the batch keys of
+:class:`~lightning_mm.modules.hunyuan15_module.MMHunyuan15Module`; its image-to-video features add ``cond_latents`` and
+``vision_states`` (the first frame's latents and mask, its SigLIP states), read as ``condition_latents`` and
+``image_embeds``. A sample is ``{"latents", "prompt_embeds", ...}``, the batch keys of
+:class:`~lightning_mm.modules.wan_module.MMWanModule`. Another key in a feature file is an error naming it.
 
 The features were made by MindSpeed MM's feature extraction with the ``preprocess_parameters`` and
 ``tokenizer_config`` of the config (frames, resolution, tokenizer); those keys are accepted and logged as not
@@ -69,6 +73,11 @@ FEATURE_KEYS = {
     "i2v_vae_feature": "condition_latents",
     "vace_context": "control_latents",
     "control_latents": "control_latents",
+    "prompt_ids_2": "prompt_embeds_2",
+    "prompt_mask_2": "prompt_mask_2",
+    "prompt_embeds_2": "prompt_embeds_2",
+    "cond_latents": "condition_latents",
+    "vision_states": "image_embeds",
 }
 """A feature file's key (MindSpeed MM's names, or the batch names) -> the sample key."""
 
@@ -146,6 +155,7 @@ class WanFeatureDataset(ReplacingDataset):
         if unknown:
             raise DataError(f"{path}: unknown feature key(s) {unknown} (known: {sorted(FEATURE_KEYS)})")
         sample: dict[str, torch.Tensor] = {}
+        data = _split_text_encoders(dict(data), path)
         for key, value in data.items():
             if value is not None and FEATURE_KEYS[key] in sample:
                 raise DataError(f"{path}: `{key}` and another key both give `{FEATURE_KEYS[key]}`")
@@ -176,6 +186,23 @@ class WanFeatureDataset(ReplacingDataset):
                 f"{list(sample['latents'].shape)} and {list(sample['prompt_embeds'].shape)}"
             )
         return sample
+
+
+def _split_text_encoders(data: dict[str, Any], path: Path) -> dict[str, Any]:
+    """Two text encoders' features (HunyuanVideo 1.5: MindSpeed MM's ``get_sora_feature.py`` saves ``prompt_ids``
+    and ``prompt_mask`` as lists, one entry per encoder, each with a leading axis of 1) as ``prompt_ids`` /
+    ``prompt_ids_2`` and ``prompt_mask`` / ``prompt_mask_2``."""
+    for key in ("prompt_ids", "prompt_mask"):
+        value = data.get(key)
+        if not isinstance(value, (list, tuple)):
+            continue
+        if len(value) != 2 or not all(isinstance(v, torch.Tensor) and v.ndim >= 1 and v.shape[0] == 1 for v in value):
+            raise DataError(
+                f"{path}: `{key}` is a list: it must hold two text encoders' tensors (MLLM, byT5), each with a "
+                f"leading axis of 1, got {[getattr(v, 'shape', type(v).__name__) for v in value]}"
+            )
+        data[key], data[f"{key}_2"] = value[0][0], value[1][0]
+    return data
 
 
 @dataclass

@@ -72,10 +72,6 @@ MODEL_ID_REFUSALS: dict[str, tuple[str, str]] = {
     "step3_vl": ("no-twin", "Step3-VL (remote code)"),
     "mimo_v25": ("no-twin", "MiMo-V2.5"),
     "mimo_v2_5": ("no-twin", "MiMo-V2.5"),
-    "hunyuanvideo15dit": (
-        "not-implemented",
-        "HunyuanVideo 1.5 (diffusers' HunyuanVideo15Transformer3DModel; its training recipe is not built here)",
-    ),
 }
 """A ``model_id`` (top level or of a tower) -> (reason code, the model's name)."""
 

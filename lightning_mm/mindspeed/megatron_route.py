@@ -196,7 +196,7 @@ def _map_entry_script(state: FlagState, launch: Launch, import_root: Path | None
         out.notes.append(
             f"{launch.script}: MindSpeed MM's own entry script; its model_provider, forward_step and "
             "datasets provider become lightning-mm's module for the model config (MMTransformersModule, or "
-            "MMWanModule for a Wan model.json) and MMDataModule(data_config)"
+            "MMWanModule / MMHunyuan15Module for a Wan / HunyuanVideo 1.5 model.json) and MMDataModule(data_config)"
         )
         return set()
     if defined is None:
@@ -489,8 +489,10 @@ def _hf_dir(state: FlagState) -> tuple[str | None, str]:
 
 
 def _map_diffusion_model(state: FlagState, shown: str, section: Mapping[str, Any], source: str) -> None:
-    """A Wan model.json: MMWanModule (the diffusers path) with the weights of ``--load`` / ``--hf-path``."""
+    """A Wan (or HunyuanVideo 1.5) model.json: MMWanModule (MMHunyuan15Module), the diffusers path, with the weights
+    of ``--load`` / ``--hf-path``."""
     from lightning_mm.mindspeed.diffusion import wan_module_config
+    from lightning_mm.mindspeed.hunyuan15 import HUNYUAN15_PREDICTOR, hunyuan15_module_config
 
     out, cfg = state.out, state.cfg
     weights, origin = None, ""
@@ -502,7 +504,8 @@ def _map_diffusion_model(state: FlagState, shown: str, section: Mapping[str, Any
         out.mapped = [m for m in out.mapped if not m.startswith("--load ")]
         out.unmapped = [u for u in out.unmapped if not u.startswith("--load ")]
     try:
-        converted = wan_module_config(section, source, weights, origin)
+        hunyuan = section["predictor"].get("model_id") == HUNYUAN15_PREDICTOR
+        converted = (hunyuan15_module_config if hunyuan else wan_module_config)(section, source, weights, origin)
     except ValueError as err:
         raise MindSpeedConfigError(str(err)) from None
     init_args = {**cfg["model"].get("init_args", {}), **converted.model["init_args"]}
@@ -516,8 +519,9 @@ def _map_diffusion_model(state: FlagState, shown: str, section: Mapping[str, Any
             for m in out.mapped
         ]
         out.notes.append(
-            "--fsdp2-config-path: given to MMWanModule(fsdp2_config=...), which reads MindSpeed MM's Wan YAMLs "
-            "as written (predictor.* paths mapped to diffusers' names)"
+            f"--fsdp2-config-path: given to {converted.model['class_path'].rsplit('.', 1)[1]}(fsdp2_config=...), "
+            f"which reads MindSpeed MM's {'HunyuanVideo 1.5' if hunyuan else 'Wan'} YAMLs as written (predictor.* "
+            "paths mapped to diffusers' names)"
         )
     cfg["model"] = {"class_path": converted.model["class_path"], "init_args": init_args}
     out.mapped += [f"{shown} {m}" for m in converted.mapped]

@@ -26,7 +26,7 @@ REASONS: dict[str, str] = {
     "megatron-model": "a model trained with MindSpeed MM's own Megatron (mcore) modules and tensor/pipeline "
     "parallelism rather than FSDP2",
     "not-implemented": "a model or training feature whose library class exists (diffusers) but whose training "
-    "recipe is not built here: HunyuanVideo 1.5, LTX-2",
+    "recipe is not built here: HunyuanVideo 1.5's prompt templates (online text encoding), LTX-2",
     "invalid": "the file is not valid YAML / JSON as MindSpeed MM ships it",
     "feature-extraction": "MindSpeed MM's feature extraction (VAE latents and text-encoder embeddings written to disk "
     "before training) is not a training job: lightning-mm reads those features (dataset_type feature); Wan 2.1's "
