@@ -1,7 +1,8 @@
-"""MindSpeed MM's Wan 2.1 feature-extraction launch read: its ``data.json`` and ``model.json`` (``ae``,
-``text_encoder``) become an :class:`ExtractionPlan` that ``lightning-mm extract-features`` runs, and ``migrate``'s
-answer to a ``get_wan_feature.py`` launch names that command (upstream:
-``mindspeed_mm/tools/feature_extraction/get_wan_feature.py``). Lightning-free."""
+"""MindSpeed MM's Wan 2.1 and VACE feature-extraction launches read: their ``data.json`` and ``model.json``
+(``ae``, ``text_encoder``) become an :class:`ExtractionPlan` (a VACE data config, ``dataset_type: vace``, a
+:class:`~lightning_mm.mindspeed.vace_extraction.VaceExtractionPlan`) that ``lightning-mm extract-features`` runs,
+and ``migrate``'s answer to a ``get_wan_feature.py`` / ``get_vace_feature.py`` launch names that command
+(upstream: ``mindspeed_mm/tools/feature_extraction/``). Lightning-free."""
 
 from __future__ import annotations
 
@@ -12,15 +13,20 @@ from pathlib import Path
 from typing import Any
 
 from lightning_mm.errors import ConfigError
+from lightning_mm.mindspeed.vace_extraction import VaceExtractionPlan, is_vace, plan_vace_extraction
 
-__all__ = ["ENTRY_SCRIPT", "ExtractionPlan", "command_for_launch", "plan_extraction", "training_hint"]
+__all__ = ["ENTRY_SCRIPT", "ENTRY_SCRIPTS", "ExtractionPlan", "command_for_launch", "plan_extraction", "training_hint"]
 
 ENTRY_SCRIPT = "get_wan_feature.py"
 """MindSpeed MM's Wan feature-extraction entry script, the launch this command stands for."""
 
+ENTRY_SCRIPTS = (ENTRY_SCRIPT, "get_vace_feature.py")
+"""The feature-extraction entry scripts this command stands for: Wan 2.1's and Wan VACE's."""
+
 
 def command_for_launch(flags: Mapping[str, str | None]) -> str:
-    """What ``migrate`` says of a ``get_wan_feature.py`` launch with these flags: the command line to run instead."""
+    """What ``migrate`` says of a ``get_wan_feature.py`` or ``get_vace_feature.py`` launch with these flags: the
+    command line to run instead."""
     data, model = flags.get("--mm-data") or "DATA_JSON", flags.get("--mm-model") or "MODEL_JSON"
     return (
         f"run `lightning-mm extract-features --data {data} --model {model} --output OUT` from the launch directory "
@@ -151,7 +157,7 @@ def plan_extraction(
     text_encoder: str | None = None,
     tokenizer: str | None = None,
     image_encoder: str | None = None,
-) -> ExtractionPlan:
+) -> ExtractionPlan | VaceExtractionPlan:
     """Read and check the configs, the records and the outputs; raises naming the key, line or file."""
     from lightning_mm.diffusers.wan_features import check_outputs, feature_file_name
 
@@ -162,6 +168,10 @@ def plan_extraction(
     if not isinstance(param, Mapping):
         raise _fail(source, "dataset_param", "missing")
     model_config = _read_json(model, "--model") if model is not None else {}
+    if is_vace(config):
+        if image_encoder is not None:
+            raise ConfigError("--image-encoder: VACE features have no image encoder")
+        return plan_vace_extraction(config, source, model_config, str(model), output, vae, text_encoder, tokenizer)
     plan.task = model_config.get("task", "t2v")
     if plan.task not in ("t2v", "i2v"):
         raise ConfigError(f"{model}: `task: {plan.task}`: only t2v and i2v (Wan 2.1) features are extracted here")
