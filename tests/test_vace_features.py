@@ -67,7 +67,7 @@ def _workdir(root: Path) -> dict[str, Path]:
     _clip(data / "videos" / "v1.mp4", 9, 40, 72, 1)
     _clip(data / "src_videos" / "s1.mp4", 9, 40, 72, 2)
     _clip(data / "src_video_mask" / "m1.mp4", 10, 40, 72, 0, mask=True)
-    _clip(data / "videos" / "v2.mp4", 13, 48, 48, 3)
+    _clip(data / "videos" / "v2.mp4", 13, 64, 32, 3)  # taller than wide: upstream keeps its first 32 rows
     pixels = np.random.default_rng(4).integers(0, 255, (24, 20, 3), dtype=np.uint8)
     Image.fromarray(pixels).save(data / "src_ref_images" / "r1.png")
     records = [
@@ -309,9 +309,9 @@ def test_bad_vace_records_and_configs_are_refused_before_any_work(
     mask_only = [{**good[0], "src_video": None}]
     assert _run(extracted, out, _bad(extracted, tmp_path, mask_only)) == 1
     assert "bad/data.json:1: `src_video_mask` without `src_video`" in capsys.readouterr().err
-    wrong_mask = [{**good[0], "src_video_mask": "videos/v2.mp4"}]  # 48 x 48, the control video is 72 x 40
+    wrong_mask = [{**good[0], "src_video_mask": "videos/v2.mp4"}]  # 32 x 64, the control video is 72 x 40
     assert _run(extracted, out, _bad(extracted, tmp_path, wrong_mask)) == 1
-    assert "bad/data.json:1: `src_video_mask` is 48x48, its `src_video` 72x40" in capsys.readouterr().err
+    assert "bad/data.json:1: `src_video_mask` is 32x64, its `src_video` 72x40" in capsys.readouterr().err
     assert _run(extracted, out, _bad(extracted, tmp_path, good, num_frames=16)) == 1
     assert "`dataset_param.preprocess_parameters.num_frames`: 16: must be 4k + 1" in capsys.readouterr().err
     assert _run(extracted, out, _bad(extracted, tmp_path, good, max_hxw=1000)) == 1
