@@ -316,6 +316,26 @@ def test_bad_vace_records_and_configs_are_refused_before_any_work(
     assert "`dataset_param.preprocess_parameters.num_frames`: 16: must be 4k + 1" in capsys.readouterr().err
     assert _run(extracted, out, _bad(extracted, tmp_path, good, max_hxw=1000)) == 1
     assert "`dataset_param.preprocess_parameters.max_hxw`: 1000" in capsys.readouterr().err
+    same_caption = [good[0], {**good[1], "cap": good[0]["cap"]}]
+    assert _run(extracted, out, _bad(extracted, tmp_path, same_caption)) == 1
+    assert "bad/data.json:2: its feature file" in capsys.readouterr().err
+    _clip(extracted["dataset"] / "videos" / "short.mp4", 1, 32, 32, 5)
+    short = [{**good[1], "video": "videos/short.mp4"}]
+    assert _run(extracted, out, _bad(extracted, tmp_path, short)) == 1
+    assert "bad/data.json:1: `video`: 1 frame(s) (0.062 s): too short for one latent frame" in capsys.readouterr().err
+    data = _bad(extracted, tmp_path, good)
+    config = json.loads(data.read_text())
+    config["dataset_param"]["preprocess_parameters"]["train_pipeline"]["video"][0]["trans_type"] = "ResizeVideo"
+    data.write_text(json.dumps(config))
+    assert _run(extracted, out, data) == 1
+    assert "`dataset_param.preprocess_parameters.train_pipeline.video`: ['ResizeVideo'," in capsys.readouterr().err
+    (tmp_path / "vae4").mkdir()
+    (tmp_path / "vae4" / "config.json").write_text(json.dumps({"dim_mult": [1, 2], "temperal_downsample": [True]}))
+    argv = ["extract-features", "--data", str(extracted["data"]), "--model", str(extracted["model"])]
+    from lightning_mm.cli import main
+
+    assert main([*argv, "--vae", str(tmp_path / "vae4"), "--output", str(out)]) == 1
+    assert "vae4/config.json: a 2x temporal, 2x spatial VAE" in capsys.readouterr().err
     assert not out.exists()  # nothing written
 
 

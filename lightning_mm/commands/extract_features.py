@@ -29,8 +29,8 @@ import sys
 from collections.abc import Sequence
 from pathlib import Path
 
-from lightning_mm.mindspeed.feature_launch import ExtractionPlan, plan_extraction, training_hint
-from lightning_mm.mindspeed.vace_extraction import VaceExtractionPlan
+from lightning_mm.mindspeed.feature_launch import ExtractionPlan, training_hint
+from lightning_mm.mindspeed.vace_extraction import VaceExtractionPlan, plan_any_extraction
 
 __all__ = ["main", "run_extraction", "run_vace_extraction"]
 
@@ -128,7 +128,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     output = Path(args.output)
     try:
-        plan = plan_extraction(
+        plan = plan_any_extraction(
             Path(args.data),
             Path(args.model) if args.model else None,
             output,

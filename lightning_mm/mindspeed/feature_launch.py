@@ -1,6 +1,7 @@
 """MindSpeed MM's Wan 2.1 and VACE feature-extraction launches read: their ``data.json`` and ``model.json``
 (``ae``, ``text_encoder``) become an :class:`ExtractionPlan` (a VACE data config, ``dataset_type: vace``, a
-:class:`~lightning_mm.mindspeed.vace_extraction.VaceExtractionPlan`) that ``lightning-mm extract-features`` runs,
+:class:`~lightning_mm.mindspeed.vace_extraction.VaceExtractionPlan`, read there) that ``lightning-mm
+extract-features`` runs,
 and ``migrate``'s answer to a ``get_wan_feature.py`` / ``get_vace_feature.py`` launch names that command
 (upstream: ``mindspeed_mm/tools/feature_extraction/``). Lightning-free."""
 
@@ -13,7 +14,6 @@ from pathlib import Path
 from typing import Any
 
 from lightning_mm.errors import ConfigError
-from lightning_mm.mindspeed.vace_extraction import VaceExtractionPlan, is_vace, plan_vace_extraction
 
 __all__ = ["ENTRY_SCRIPT", "ENTRY_SCRIPTS", "ExtractionPlan", "command_for_launch", "plan_extraction", "training_hint"]
 
@@ -157,7 +157,7 @@ def plan_extraction(
     text_encoder: str | None = None,
     tokenizer: str | None = None,
     image_encoder: str | None = None,
-) -> ExtractionPlan | VaceExtractionPlan:
+) -> ExtractionPlan:
     """Read and check the configs, the records and the outputs; raises naming the key, line or file."""
     from lightning_mm.diffusers.wan_features import check_outputs, feature_file_name
 
@@ -168,10 +168,6 @@ def plan_extraction(
     if not isinstance(param, Mapping):
         raise _fail(source, "dataset_param", "missing")
     model_config = _read_json(model, "--model") if model is not None else {}
-    if is_vace(config):
-        if image_encoder is not None:
-            raise ConfigError("--image-encoder: VACE features have no image encoder")
-        return plan_vace_extraction(config, source, model_config, str(model), output, vae, text_encoder, tokenizer)
     plan.task = model_config.get("task", "t2v")
     if plan.task not in ("t2v", "i2v"):
         raise ConfigError(f"{model}: `task: {plan.task}`: only t2v and i2v (Wan 2.1) features are extracted here")

@@ -14,7 +14,7 @@ from typing import Any
 
 from lightning_mm.errors import ConfigError
 
-__all__ = ["VACE_KEYS", "VaceRecord", "VaceExtractionPlan", "is_vace", "plan_vace_extraction"]
+__all__ = ["VACE_KEYS", "VaceRecord", "VaceExtractionPlan", "is_vace", "plan_vace_extraction", "plan_any_extraction"]
 
 VACE_KEYS = ("video", "src_video", "src_video_mask", "src_ref_images")
 """The path keys of a VACE record, joined to the ``data.txt`` folder (``DataFileReader``'s ``vace`` mode)."""
@@ -402,3 +402,25 @@ def plan_vace_extraction(
         _frames(entry, frames, source)
     check_outputs(output, ["data.jsonl", *(f"features/{e.name}" for e in plan.records)])
     return plan
+
+
+def plan_any_extraction(
+    data: Path,
+    model: Path | None,
+    output: Path,
+    vae: str | None = None,
+    text_encoder: str | None = None,
+    tokenizer: str | None = None,
+    image_encoder: str | None = None,
+) -> Any:
+    """The plan of ``extract-features``: a VACE data config (:func:`is_vace`) gives a :class:`VaceExtractionPlan`,
+    any other Wan 2.1's :class:`~lightning_mm.mindspeed.feature_launch.ExtractionPlan`."""
+    from lightning_mm.mindspeed.feature_launch import _read_json, plan_extraction
+
+    config = _read_json(data, "--data")
+    if not is_vace(config):
+        return plan_extraction(data, model, output, vae, text_encoder, tokenizer, image_encoder)
+    if image_encoder is not None:
+        raise ConfigError("--image-encoder: VACE features have no image encoder")
+    model_config = _read_json(model, "--model") if model is not None else {}
+    return plan_vace_extraction(config, str(data), model_config, str(model), output, vae, text_encoder, tokenizer)
