@@ -58,6 +58,9 @@ __all__ = [
 MASK_PATCH = 8
 """The mask's pixel patch side in ``get_vace_feature.py`` (``P=8, Q=8``): the Wan VAE's spatial factor."""
 
+MAX_SIDE = 8192
+"""The largest width or height of a source clip (8K, as the raw-video path's ``MAX_SOURCE_SIDE``)."""
+
 MAX_HXW = (480 * 832, 720 * 1280)
 """The ``max_hxw`` values ``VACEVideoProcessor`` accepts (others are its ``NotImplementedError``)."""
 
@@ -115,6 +118,8 @@ def clip_timing(path: Path) -> ClipTiming:
         raise DataError(f"{path}: not a readable video ({err})") from err
     if not packets or fps <= 0 or base <= 0:
         raise DataError(f"{path}: no frames with time stamps and a frame rate")
+    if min(height, width) < 1 or max(height, width) > MAX_SIDE:
+        raise DataError(f"{path}: {width}x{height} frames; the largest source side is {MAX_SIDE} pixels")
     starts = [pts * base for pts, _ in packets]
     ends = [*starts[1:], starts[-1] + (packets[-1][1] * base or 1.0 / fps)]
     return ClipTiming(fps, np.array(list(zip(starts, ends)), dtype=np.float32), height, width)
