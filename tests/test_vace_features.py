@@ -33,7 +33,7 @@ VAE = dict(  # Wan's factors: 8x in space (three downsamplings), 4x in time
     latents_mean=[0.1, -0.2, 0.0, 0.3],
     latents_std=[0.5, 2.0, 1.0, 1.5],
 )
-CAPTIONS = ["a red  clip of\tthe sea", "the slow sea"]
+CAPTIONS = ["a red  clip of\tthe sea", "the slow sea", "the sea"]
 
 
 def _clip(path: Path, frames: int, height: int, width: int, seed: int, mask: bool = False) -> None:
@@ -83,6 +83,14 @@ def _workdir(root: Path) -> dict[str, Path]:
             "cap": CAPTIONS[1],
             "src_video": None,
             "src_ref_images": None,
+            "src_video_mask": None,
+        },
+        # a control video without a mask (all ones: all reactive); no reference images as an empty list
+        {
+            "video": "videos/v1.mp4",
+            "cap": CAPTIONS[2],
+            "src_video": "src_videos/s1.mp4",
+            "src_ref_images": [],
             "src_video_mask": None,
         },
     ]
@@ -140,13 +148,15 @@ def _decord_like(path: Path) -> tuple[float, np.ndarray, torch.Tensor]:
     return fps, stamps, torch.stack(frames)
 
 
-def _frame_ids(fps: float, stamps: np.ndarray, h: int, w: int) -> tuple[list[int], int, int]:
-    """``VACEVideoProcessor._get_frameid_bbox_default`` with the recipe's values (max_hxw 480 * 832, num_frames 17,
-    train_fps 24, vae_stride [4, 8, 8] x vae_patch_size [1, 2, 2])."""
-    seq_len = (480 * 832 / (16 * 16)) * (1 + (17 - 1) / 4)
+def _frame_ids_at(
+    fps: float, stamps: np.ndarray, h: int, w: int, max_hxw: int, num_frames: int
+) -> tuple[list[int], int, int]:
+    """``VACEVideoProcessor._get_frameid_bbox_default`` (``keep_last: false``) with train_fps 24 and
+    vae_stride [4, 8, 8] x vae_patch_size [1, 2, 2]."""
+    seq_len = (max_hxw / (16 * 16)) * (1 + (num_frames - 1) / 4)
     target_fps = min(fps, 24)
     duration = stamps[-1].mean()
-    area_z = min(seq_len, 480 * 832 / (16 * 16), (h // 16) * (w // 16))
+    area_z = min(seq_len, max_hxw / (16 * 16), (h // 16) * (w // 16))
     target_frame = min((int(duration * target_fps) - 1) // 4 + 1, int(seq_len / area_z))
     target_area_z = min(area_z, int(seq_len / target_frame))
     target_height = round(np.sqrt(target_area_z * h / w))
@@ -155,6 +165,11 @@ def _frame_ids(fps: float, stamps: np.ndarray, h: int, w: int) -> tuple[list[int
     timestamps = np.linspace(0.0, target_frame / target_fps, target_frame)
     hits = (timestamps[:, None] >= stamps[None, :, 0]) & (timestamps[:, None] < stamps[None, :, 1])
     return np.argmax(hits, axis=1).tolist(), target_height * 16, target_width * 16
+
+
+def _frame_ids(fps: float, stamps: np.ndarray, h: int, w: int) -> tuple[list[int], int, int]:
+    """The recipe's values: max_hxw 480 * 832, num_frames 17."""
+    return _frame_ids_at(fps, stamps, h, w, 480 * 832, 17)
 
 
 def _video(frames: torch.Tensor, ids: list[int], size: tuple[int, int], h: int, w: int) -> torch.Tensor:
@@ -200,7 +215,7 @@ def _expected(work: dict[str, Path], record: dict[str, Any]) -> dict[str, torch.
         with torch.no_grad():
             return (vae.encode(x).latent_dist.mode() - mean) / std
 
-    readers = [data / record[k] for k in ("src_video", "src_video_mask", "video") if record[k]]
+    readers = [data / record[k] for k in ("src_video", "src_video_mask", "video") if isinstance(record[k], str)]
     decoded = [_decord_like(p) for p in readers]
     fps, stamps, first = decoded[0]
     length = min(len(d[2]) for d in decoded)
@@ -213,7 +228,8 @@ def _expected(work: dict[str, Path], record: dict[str, Any]) -> dict[str, torch.
         ref_latents = encode(torch.cat(refs, dim=2))
         latents = torch.concat([ref_latents, latents], dim=2)
     src = clips[0] if record["src_video"] else torch.zeros_like(video)
-    mask = torch.clamp((clips[1][:, :1] + 1) / 2, min=0, max=1) if record["src_video_mask"] else torch.ones_like(src)
+    has_mask = isinstance(record["src_video_mask"], str)
+    mask = torch.clamp((clips[1][:, :1] + 1) / 2, min=0, max=1) if has_mask else torch.ones_like(src)
     inactive, reactive = encode(src * (1 - mask) + 0 * mask), encode(src * mask + 0 * (1 - mask))
     context = torch.concat((inactive, reactive), dim=1)
     # rearrange(mask[0, 0], "T (H P) (W Q) -> 1 (P Q) T H W", P=8, Q=8): pixel_unshuffle's channel order
@@ -250,9 +266,9 @@ def test_vace_features_equal_mindspeeds_get_vace_feature_computation(extracted: 
         name = hashlib.md5(source["cap"].encode("UTF-8")).hexdigest() + ".pt"
         joined = copy.deepcopy(source)
         for key in ("video", "src_video", "src_video_mask"):
-            joined[key] = f"{data}/{source[key]}" if source[key] else None
+            joined[key] = f"{data}/{source[key]}" if isinstance(source[key], str) else None
         joined["src_ref_images"] = (
-            [f"{data}/{p}" for p in source["src_ref_images"]] if source["src_ref_images"] else None
+            [f"{data}/{p}" for p in source["src_ref_images"]] if source["src_ref_images"] else source["src_ref_images"]
         )
         assert record == {**joined, "file": f"features/{name}"}
         got = torch.load(out / "features" / name, weights_only=True)
@@ -362,3 +378,43 @@ def test_basic_clean_is_mindspeeds_or_refused_without_ftfy(
 
         text = " a &amp;amp; b\u00c3\u00a9 "
         assert basic_clean(text) == html.unescape(html.unescape(ftfy.fix_text(text))).strip()
+
+
+def _adjust_last(stamps: np.ndarray, h: int, w: int, max_hxw: int, num_frames: int) -> tuple[list[int], int, int]:
+    """``VACEVideoProcessor._get_frameid_bbox_adjust_last`` (``keep_last: true``, its default), vae_stride
+    [4, 8, 8] x vae_patch_size [1, 2, 2]."""
+    seq_len = (max_hxw / (16 * 16)) * (1 + (num_frames - 1) / 4)
+    duration = stamps[-1].mean()
+    area_z = min(seq_len, max_hxw / (16 * 16), (h // 16) * (w // 16))
+    target_frame = min((len(stamps) - 1) // 4 + 1, int(seq_len / area_z))
+    target_area_z = min(area_z, int(seq_len / target_frame))
+    target_height = round(np.sqrt(target_area_z * h / w))
+    target_width = int(target_area_z / target_height)
+    target_frame = (target_frame - 1) * 4 + 1
+    timestamps = np.linspace(0.0, duration, target_frame)
+    hits = (timestamps[:, None] >= stamps[None, :, 0]) & (timestamps[:, None] <= stamps[None, :, 1])
+    return np.argmax(hits, axis=1).tolist(), target_height * 16, target_width * 16
+
+
+@pytest.mark.parametrize(
+    ("frames", "fps", "h", "w", "max_hxw", "num_frames"),
+    [
+        (100, 30.0, 720, 1280, 480 * 832, 81),
+        (40, 24.0, 1080, 1920, 720 * 1280, 17),
+        (250, 25.0, 832, 480, 480 * 832, 81),
+    ],
+)
+def test_frames_and_size_are_vace_video_processors_for_real_clip_sizes(
+    frames: int, fps: float, h: int, w: int, max_hxw: int, num_frames: int
+) -> None:
+    from lightning_mm.diffusers.vace_features import ClipTiming, vace_target
+
+    starts = np.arange(frames) / fps
+    stamps = np.stack([starts, starts + 1 / fps], axis=1).astype(np.float32)
+    timing = ClipTiming(fps, stamps, h, w)
+    ids, size = vace_target(timing, frames, max_hxw, num_frames, 24, (4, 16, 16), keep_last=True)
+    want_ids, th, tw = _adjust_last(stamps, h, w, max_hxw, num_frames)
+    assert (ids, size) == (want_ids, (th, tw))
+    ids, size = vace_target(timing, frames, max_hxw, num_frames, 24, (4, 16, 16), keep_last=False)
+    want_ids, th, tw = _frame_ids_at(fps, stamps, h, w, max_hxw, num_frames)
+    assert (ids, size) == (want_ids, (th, tw)) and len(ids) % 4 == 1
