@@ -402,6 +402,7 @@ def _adjust_last(stamps: np.ndarray, h: int, w: int, max_hxw: int, num_frames: i
         (100, 30.0, 720, 1280, 480 * 832, 81),
         (40, 24.0, 1080, 1920, 720 * 1280, 17),
         (250, 25.0, 832, 480, 480 * 832, 81),
+        (13, 24.0, 480, 832, 480 * 832, 81),  # short: the frame count follows the clip
     ],
 )
 def test_frames_and_size_are_vace_video_processors_for_real_clip_sizes(

@@ -1,4 +1,4 @@
-"""``lightning-mm extract-features``: MindSpeed MM's Wan 2.1 text- and image-to-video feature
+"""``lightning-mm extract-features``: MindSpeed MM's Wan 2.1 text- and image-to-video and Wan VACE feature
 extraction (``examples/wan2.1/feature_extract/feature_extraction.sh``, ``mindspeed_mm/tools/feature_extraction/
 get_wan_feature.py``) in one process, writing the features ``dataset_type: feature`` trains on.
 
@@ -19,6 +19,11 @@ Frames are decoded, resized and centre-cropped as the raw-video training path do
 not exist yet: an existing one is refused, naming it, before any work. ``task: i2v`` adds the first-frame CLIP
 and VAE features (``i2v_clip_feature``, ``i2v_vae_feature``) of MindSpeed MM's ``wan_i2v_processor.py``, with the
 ``CLIPVisionModel`` of ``ae.i2v_processor.image_encoder`` (or ``--image-encoder``).
+
+A VACE data config (``dataset_type: vace``, MindSpeed MM's ``examples/vace/feature_extract/``) writes what its
+``get_vace_feature.py`` writes: per record ``OUT/features/<MD5 of cap>.pt`` with ``video``, ``vace_context`` (the
+control video's inactive / reactive latents and the mask's 8 x 8 patches), ``prompt_ids`` and ``prompt_mask``
+(:mod:`lightning_mm.diffusers.vace_features`; the configs read by :mod:`lightning_mm.mindspeed.vace_extraction`).
 """
 
 from __future__ import annotations
