@@ -443,6 +443,16 @@ REFUSALS: list[tuple[str, str, list[str]]] = [
         ["tests/test_extract_features.py::test_existing_outputs_and_other_tasks_are_refused_before_any_work"],
     ),
     (
+        "diffusion.md",
+        "and two records with the same caption (one feature file) are refused, naming the file, line and key",
+        ["tests/test_vace_features.py::test_bad_vace_records_and_configs_are_refused_before_any_work"],
+    ),
+    (
+        "diffusion.md",
+        "The launch script stays refused by `migrate` (`feature-extraction`), which names this command",
+        ["tests/test_vace_features.py::test_migrate_names_the_command_for_mindspeeds_vace_feature_extraction_launch"],
+    ),
+    (
         "parallelism.md",
         "`hybrid_cp_algo` is refused",
         [

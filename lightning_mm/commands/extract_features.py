@@ -1,4 +1,4 @@
-"""``lightning-mm extract-features``: MindSpeed MM's Wan 2.1 text- and image-to-video feature
+"""``lightning-mm extract-features``: MindSpeed MM's Wan 2.1 text- and image-to-video and Wan VACE feature
 extraction (``examples/wan2.1/feature_extract/feature_extraction.sh``, ``mindspeed_mm/tools/feature_extraction/
 get_wan_feature.py``) in one process, writing the features ``dataset_type: feature`` trains on.
 
@@ -19,6 +19,11 @@ Frames are decoded, resized and centre-cropped as the raw-video training path do
 not exist yet: an existing one is refused, naming it, before any work. ``task: i2v`` adds the first-frame CLIP
 and VAE features (``i2v_clip_feature``, ``i2v_vae_feature``) of MindSpeed MM's ``wan_i2v_processor.py``, with the
 ``CLIPVisionModel`` of ``ae.i2v_processor.image_encoder`` (or ``--image-encoder``).
+
+A VACE data config (``dataset_type: vace``, MindSpeed MM's ``examples/vace/feature_extract/``) writes what its
+``get_vace_feature.py`` writes: per record ``OUT/features/<MD5 of cap>.pt`` with ``video``, ``vace_context`` (the
+control video's inactive / reactive latents and the mask's 8 x 8 patches), ``prompt_ids`` and ``prompt_mask``
+(:mod:`lightning_mm.diffusers.vace_features`; the configs read by :mod:`lightning_mm.mindspeed.vace_extraction`).
 """
 
 from __future__ import annotations
@@ -29,9 +34,10 @@ import sys
 from collections.abc import Sequence
 from pathlib import Path
 
-from lightning_mm.mindspeed.feature_launch import ExtractionPlan, plan_extraction, training_hint
+from lightning_mm.mindspeed.feature_launch import ExtractionPlan, training_hint
+from lightning_mm.mindspeed.vace_extraction import VaceExtractionPlan, plan_any_extraction
 
-__all__ = ["main", "run_extraction"]
+__all__ = ["main", "run_extraction", "run_vace_extraction"]
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -47,6 +53,35 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("--output", required=True, help="output directory (features/ and data.jsonl are written)")
     parser.add_argument("--device", default="cpu", help="torch device of the encoders (default cpu)")
     return parser
+
+
+def run_vace_extraction(plan: VaceExtractionPlan, output: Path, device: str = "cpu") -> Path:
+    """MindSpeed MM's ``get_vace_feature.py``: each record's ``video``, ``vace_context``, ``prompt_ids`` and
+    ``prompt_mask`` to ``OUT/features/<md5 of cap>.pt``, then ``OUT/data.jsonl``; returns that file."""
+    from lightning_mm.diffusers.vace_features import basic_clean, record_pixels, vace_context
+    from lightning_mm.diffusers.wan_features import WanFeatureEncoders, check_outputs, save_features, whitespace_clean
+
+    encoders = WanFeatureEncoders.load(plan.vae, plan.text_encoder, plan.tokenizer, plan.max_length, device)
+    cleaners = {"basic_clean": basic_clean, "whitespace_clean": whitespace_clean}
+    (output / "features").mkdir(parents=True, exist_ok=True)
+    lines = []
+    for entry in plan.records:
+        pixels = record_pixels(
+            entry.video, entry.src_video, entry.mask, entry.refs, entry.ids, entry.size, entry.width, plan.pipeline
+        )
+        caption = entry.caption
+        for method in plan.text_methods:
+            caption = cleaners[method](caption)
+        prompt, mask = encoders.encode_text(caption)
+        visual = vace_context(encoders.encode_video, pixels)
+        (path,) = check_outputs(output, [f"features/{entry.name}"])
+        save_features(path, {"video": visual["video"], "prompt_ids": prompt, "prompt_mask": mask, **visual})
+        # As `VACEFeatureExtractor._write_data_info`: the record with its joined paths, `file` the feature file.
+        lines.append(json.dumps({**entry.record, "file": f"features/{entry.name}"}, ensure_ascii=False))
+    (jsonl,) = check_outputs(output, ["data.jsonl"])
+    with open(jsonl, "x", encoding="utf-8") as handle:
+        handle.write("\n".join(lines) + "\n")
+    return jsonl
 
 
 def run_extraction(plan: ExtractionPlan, output: Path, device: str = "cpu") -> Path:
@@ -98,7 +133,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     output = Path(args.output)
     try:
-        plan = plan_extraction(
+        plan = plan_any_extraction(
             Path(args.data),
             Path(args.model) if args.model else None,
             output,
@@ -107,7 +142,10 @@ def main(argv: Sequence[str] | None = None) -> int:
             args.tokenizer,
             args.image_encoder,
         )
-        jsonl = run_extraction(plan, output, args.device)
+        if isinstance(plan, VaceExtractionPlan):
+            jsonl = run_vace_extraction(plan, output, args.device)
+        else:
+            jsonl = run_extraction(plan, output, args.device)
     except Exception as error:  # the user's to fix: one line (see lightning_mm.commands.failure); a bug: traceback
         cause = None if traceback_requested() else user_error(error)
         if cause is None:

@@ -1,7 +1,9 @@
-"""MindSpeed MM's Wan 2.1 feature-extraction launch read: its ``data.json`` and ``model.json`` (``ae``,
-``text_encoder``) become an :class:`ExtractionPlan` that ``lightning-mm extract-features`` runs, and ``migrate``'s
-answer to a ``get_wan_feature.py`` launch names that command (upstream:
-``mindspeed_mm/tools/feature_extraction/get_wan_feature.py``). Lightning-free."""
+"""MindSpeed MM's Wan 2.1 and VACE feature-extraction launches read: their ``data.json`` and ``model.json``
+(``ae``, ``text_encoder``) become an :class:`ExtractionPlan` (a VACE data config, ``dataset_type: vace``, a
+:class:`~lightning_mm.mindspeed.vace_extraction.VaceExtractionPlan`, read there) that ``lightning-mm
+extract-features`` runs,
+and ``migrate``'s answer to a ``get_wan_feature.py`` / ``get_vace_feature.py`` launch names that command
+(upstream: ``mindspeed_mm/tools/feature_extraction/``). Lightning-free."""
 
 from __future__ import annotations
 
@@ -13,14 +15,18 @@ from typing import Any
 
 from lightning_mm.errors import ConfigError
 
-__all__ = ["ENTRY_SCRIPT", "ExtractionPlan", "command_for_launch", "plan_extraction", "training_hint"]
+__all__ = ["ENTRY_SCRIPT", "ENTRY_SCRIPTS", "ExtractionPlan", "command_for_launch", "plan_extraction", "training_hint"]
 
 ENTRY_SCRIPT = "get_wan_feature.py"
 """MindSpeed MM's Wan feature-extraction entry script, the launch this command stands for."""
 
+ENTRY_SCRIPTS = (ENTRY_SCRIPT, "get_vace_feature.py")
+"""The feature-extraction entry scripts this command stands for: Wan 2.1's and Wan VACE's."""
+
 
 def command_for_launch(flags: Mapping[str, str | None]) -> str:
-    """What ``migrate`` says of a ``get_wan_feature.py`` launch with these flags: the command line to run instead."""
+    """What ``migrate`` says of a ``get_wan_feature.py`` or ``get_vace_feature.py`` launch with these flags: the
+    command line to run instead."""
     data, model = flags.get("--mm-data") or "DATA_JSON", flags.get("--mm-model") or "MODEL_JSON"
     return (
         f"run `lightning-mm extract-features --data {data} --model {model} --output OUT` from the launch directory "

@@ -64,9 +64,9 @@ def migrate_script(
     text = read_text_file(path, "a launch script")
     refuse_script_text(text, source)
     launch = parse_script(text, source)
-    from lightning_mm.mindspeed.feature_launch import ENTRY_SCRIPT, command_for_launch
+    from lightning_mm.mindspeed.feature_launch import ENTRY_SCRIPTS, command_for_launch
 
-    if launch.script and Path(launch.script).name == ENTRY_SCRIPT:  # Wan's: lightning-mm extract-features
+    if launch.script and Path(launch.script).name in ENTRY_SCRIPTS:  # Wan's, VACE's: lightning-mm extract-features
         raise Refused(source, "feature-extraction", command_for_launch(dict(launch.flags)))
     refuse_entry_script(launch.script, source)
     if base_dir is not None:

@@ -30,8 +30,8 @@ REASONS: dict[str, str] = {
     "invalid": "the file is not valid YAML / JSON as MindSpeed MM ships it",
     "feature-extraction": "MindSpeed MM's feature extraction (VAE latents and text-encoder embeddings written to disk "
     "before training) is not a training job: lightning-mm reads those features (dataset_type feature); Wan 2.1's "
-    "text-to-video extraction is the command `lightning-mm extract-features`, run by hand; the others (i2v, VACE, "
-    "HunyuanVideo, Sora, Lumina) are not written here",
+    "text- and image-to-video and Wan VACE's extraction is the command `lightning-mm extract-features`, run by hand; "
+    "the others (HunyuanVideo, Sora, Lumina) are not written here",
 }
 """Reason code -> what it covers. Kept short on purpose: anything else either migrates or is a bug."""
 
