@@ -131,12 +131,12 @@ def is_diffusion_model(config: Mapping[str, Any]) -> bool:
     return isinstance(config.get("predictor"), Mapping)
 
 
-def _walk(node: Mapping[str, Any], prefix: str) -> list[tuple[str, Any]]:
+def config_items(node: Mapping[str, Any], prefix: str) -> list[tuple[str, Any]]:
     out: list[tuple[str, Any]] = []
     for key, value in node.items():
         name = f"{prefix}{key}"
         if isinstance(value, Mapping) and value:
-            out += _walk(value, f"{name}.")
+            out += config_items(value, f"{name}.")
         else:
             out.append((name, value))
     return out
@@ -228,7 +228,7 @@ def wan_module_config(config: Mapping[str, Any], source: str, weights: str | Non
         if isinstance(config.get(section), Mapping):
             out.notes += [
                 f"{name}: the frozen encoder of online feature extraction; not part of the trained model here"
-                for name, _ in _walk(config[section], f"{section}.")
+                for name, _ in config_items(config[section], f"{section}.")
             ]
     task = config.get("task")
     if task is not None:

@@ -57,7 +57,7 @@ def _fail(source: str, key: str, message: str) -> ConfigError:
     return ConfigError(f"{source}: `{key}`: {message}")
 
 
-def _read_json(path: Path, what: str) -> Mapping[str, Any]:
+def read_json_config(path: Path, what: str) -> Mapping[str, Any]:
     try:
         value = json.loads(path.read_text(encoding="utf-8"))
     except (OSError, ValueError) as err:
@@ -74,7 +74,7 @@ def _positive(pre: Mapping[str, Any], key: str, source: str, default: int | None
     return value
 
 
-def _records(path: Path) -> list[tuple[int, Any]]:
+def annotation_records(path: Path) -> list[tuple[int, Any]]:
     text = path.read_text(encoding="utf-8")
     if text.lstrip().startswith("["):
         try:
@@ -92,7 +92,7 @@ def _records(path: Path) -> list[tuple[int, Any]]:
     return out
 
 
-def _combine(path: Path) -> list[tuple[Path, Path, str | None]]:
+def combine_lines(path: Path) -> list[tuple[Path, Path, str | None]]:
     """The ``(annotation file, video folder, folder as written)`` of each ``folder,annotation.json`` line of
     MindSpeed MM's ``data_storage_mode: combine`` ``data.txt`` (relative paths from the working directory, as
     MindSpeed MM's)."""
@@ -131,7 +131,7 @@ def _check_i2v(processor: Any, source: str) -> str | None:
     return encoder if isinstance(encoder, str) else None
 
 
-def _check_ae(ae: Any, source: str) -> None:
+def check_ae_keys(ae: Any, source: str) -> None:
     """MindSpeed MM's ``ae`` keys: the ones that change the latents must be as done here (the mode of the latent
     distribution, normalised with the VAE config's mean and std); tiling and the dtype are noted as not applied."""
     if not isinstance(ae, Mapping):
@@ -163,11 +163,11 @@ def plan_extraction(
 
     plan = ExtractionPlan()
     source = str(data)
-    config = _read_json(data, "--data")
+    config = read_json_config(data, "--data")
     param = config.get("dataset_param")
     if not isinstance(param, Mapping):
         raise _fail(source, "dataset_param", "missing")
-    model_config = _read_json(model, "--model") if model is not None else {}
+    model_config = read_json_config(model, "--model") if model is not None else {}
     plan.task = model_config.get("task", "t2v")
     if plan.task not in ("t2v", "i2v"):
         raise ConfigError(f"{model}: `task: {plan.task}`: only t2v and i2v (Wan 2.1) features are extracted here")
@@ -187,7 +187,7 @@ def plan_extraction(
         raise _fail(source, "dataset_param.basic_parameters.data_path", f"'{data_path}' does not exist")
     mode = basic.get("data_storage_mode", "combine" if data_path.suffix == ".txt" else None)
     if mode == "combine":  # MindSpeed MM's data.txt: `folder,annotation.json` lines
-        sources = _combine(data_path)
+        sources = combine_lines(data_path)
     elif mode is None:
         folder = Path(basic.get("data_folder") or data_path.parent).resolve()
         if not folder.is_dir():
@@ -236,7 +236,9 @@ def plan_extraction(
         paths.append(Path(value))
     plan.vae, plan.text_encoder, plan.tokenizer = paths
     seen: dict[str, str] = {}
-    for annotation, folder, written, number, record in ((a, f, w, n, r) for a, f, w in sources for n, r in _records(a)):
+    for annotation, folder, written, number, record in (
+        (a, f, w, n, r) for a, f, w in sources for n, r in annotation_records(a)
+    ):
         where = f"{annotation}:{number}"
         if not isinstance(record, dict) or not isinstance(record.get("path"), str) or not record["path"]:
             raise ConfigError(f"{where}: a record needs the video `path`")
@@ -261,7 +263,7 @@ def plan_extraction(
         plan.source_paths.append(record["path"] if written is None else os.path.join(written, record["path"]))
     if not plan.records:
         raise ConfigError(f"{data_path}: no records")
-    _check_ae(model_config.get("ae"), str(model))
+    check_ae_keys(model_config.get("ae"), str(model))
     check_outputs(output, ["data.jsonl", *(f"features/{n}" for n in plan.names)])
     return plan
 

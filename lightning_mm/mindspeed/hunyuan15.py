@@ -9,7 +9,9 @@ meanflow embeddings, a text projection other than the token refiner, no byT5 gly
 ``diffusion`` (``hunyuanvideo_15_diffusion``) becomes the module's ``schedule`` (``num_train_timesteps``,
 ``train_timestep_shift``, ``snr``); ``shift``, ``reverse`` and ``solver`` are the sampler's. ``ae`` and
 ``text_encoder`` (and ``ae.i2v_processor``, i2v's SigLIP encoder) are the frozen encoders of online feature
-extraction: the data path here reads the features MindSpeed MM's ``get_hunyuan15_feature.py`` writes. ``task``
+extraction: the data path here reads precomputed features in the layout MindSpeed MM's training reads with
+``load_video_features`` / ``load_text_features: true`` (its ``get_hunyuan15_feature.py`` at the pinned commit stops at
+its VAE step: ``.latent_dist`` of the tensor ``AutoencoderKLConv3D.encode`` returns). ``task``
 (``t2v``, ``i2v``) selects the batch keys (i2v: ``condition_latents``, ``image_embeds``).
 """
 
@@ -18,7 +20,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
-from lightning_mm.mindspeed.diffusion import DiffusionMigration, _walk
+from lightning_mm.mindspeed.diffusion import DiffusionMigration, config_items
 from lightning_mm.mindspeed.keys import MindSpeedConfigError
 
 __all__ = ["HUNYUAN15_MODULE", "HUNYUAN15_PREDICTOR", "hunyuan15_module_config"]
@@ -170,8 +172,10 @@ def _map_features(config: Mapping[str, Any], out: DiffusionMigration) -> None:
         else:
             out.unmapped.append(
                 f"{key}: false: online encoding (the VAE, the MLLM and byT5 text encoders) is not done here; "
-                "precompute features with MindSpeed MM's get_hunyuan15_feature.py and name them in a "
-                "`dataset_type: feature` data config"
+                "give precomputed features in MindSpeed MM's feature layout (what its training reads with "
+                "load_video_features/load_text_features true) in a `dataset_type: feature` data config (its "
+                "get_hunyuan15_feature.py at 57069cd5 stops at its VAE step, and lightning-mm extract-features "
+                "does not write HunyuanVideo 1.5's)"
             )
     for section in ("ae", "text_encoder"):
         value = config.get(section)
@@ -181,7 +185,7 @@ def _map_features(config: Mapping[str, Any], out: DiffusionMigration) -> None:
         for prefix, tower in towers:
             out.notes += [
                 f"{name}: the frozen encoder of feature extraction; not part of the trained model here"
-                for name, _ in _walk(tower, f"{prefix}.")
+                for name, _ in config_items(tower, f"{prefix}.")
             ]
     if config.get("task", "t2v") == "t2v":
         out.notes.append("task t2v: text-to-video (the first-frame condition channels and image tokens are zeros)")

@@ -66,7 +66,12 @@ MODEL_ID_REFUSALS: dict[str, tuple[str, str]] = {
     # MindSpeed MM's own models (or remote code) with no Transformers / diffusers twin here
     "bagel": ("no-twin", "Bagel"),
     "FLUX": ("not-implemented", "FLUX (diffusers' FluxTransformer2DModel; no recipe here)"),
-    "ltx2": ("not-implemented", "LTX-2 (diffusers' LTX2 classes; its audio-video recipe is not built here)"),
+    "ltx2": (
+        "not-implemented",
+        "LTX-2 (diffusers' LTX2 classes; its recipe is not built here: the frozen Gemma embedding connectors that "
+        "`text_encoder_path` runs on the stored prompt embeddings, which diffusers' single-file conversion drops, "
+        "and the joint audio-video training)",
+    ),
     "kimi_k25": ("no-twin", "Kimi-K2.5 (remote code)"),
     "kimi_k3": ("no-twin", "Kimi-K3 (remote code)"),
     "step3_vl": ("no-twin", "Step3-VL (remote code)"),

@@ -303,7 +303,7 @@ def plan_vace_extraction(
 ) -> VaceExtractionPlan:
     """Read and check a VACE data config, the model config and the records; raises naming the key, line or file."""
     from lightning_mm.diffusers.wan_features import check_outputs
-    from lightning_mm.mindspeed.feature_launch import _check_ae, _combine, _records
+    from lightning_mm.mindspeed.feature_launch import annotation_records, check_ae_keys, combine_lines
 
     plan = VaceExtractionPlan()
     param = config["dataset_param"]
@@ -383,11 +383,11 @@ def plan_vace_extraction(
     plan.vae, plan.text_encoder, plan.tokenizer = paths
     if model_config.get("task", "vace") != "vace":
         raise ConfigError(f"{model_source}: `task: {model_config.get('task')}`: a VACE data config extracts `vace`")
-    _check_ae(model_config.get("ae"), model_source)
+    check_ae_keys(model_config.get("ae"), model_source)
     _check_vae(plan.vae)
     seen: dict[str, str] = {}
-    for annotation, folder, written in _combine(data_path):
-        for number, record in _records(annotation):
+    for annotation, folder, written in combine_lines(data_path):
+        for number, record in annotation_records(annotation):
             entry = _record(record, f"{annotation}:{number}", folder, written or str(folder))
             if entry.name in seen:
                 raise ConfigError(
@@ -415,12 +415,12 @@ def plan_any_extraction(
 ) -> Any:
     """The plan of ``extract-features``: a VACE data config (:func:`is_vace`) gives a :class:`VaceExtractionPlan`,
     any other Wan 2.1's :class:`~lightning_mm.mindspeed.feature_launch.ExtractionPlan`."""
-    from lightning_mm.mindspeed.feature_launch import _read_json, plan_extraction
+    from lightning_mm.mindspeed.feature_launch import plan_extraction, read_json_config
 
-    config = _read_json(data, "--data")
+    config = read_json_config(data, "--data")
     if not is_vace(config):
         return plan_extraction(data, model, output, vae, text_encoder, tokenizer, image_encoder)
     if image_encoder is not None:
         raise ConfigError("--image-encoder: VACE features have no image encoder")
-    model_config = _read_json(model, "--model") if model is not None else {}
+    model_config = read_json_config(model, "--model") if model is not None else {}
     return plan_vace_extraction(config, str(data), model_config, str(model), output, vae, text_encoder, tokenizer)

@@ -1,8 +1,9 @@
 """MMHunyuan15Module: MindSpeed MM's HunyuanVideo 1.5 training step (text- and image-to-video, flow matching on
 precomputed features) as an ``MMLightningModule``.
 
-The data gives each sample's video latents and its two text encoders' states (MindSpeed MM's feature extraction,
-``get_hunyuan15_feature.py``: the VAE, the MLLM text encoder and the byT5 glyph encoder ran beforehand). A step, as
+The data gives each sample's video latents and its two text encoders' states (precomputed, in the layout MindSpeed
+MM's training reads with ``load_video_features`` / ``load_text_features: true``: the VAE, the MLLM text encoder and
+the byT5 glyph encoder ran beforehand). A step, as
 MindSpeed MM's ``SoraModel`` with ``hunyuanvideo_15_diffusion`` and ``hunyuanvideo15dit``:
 
 * ``get_batch``: Gaussian noise, then one timestep per sample (:func:`~lightning_mm.diffusers.hunyuan15_flow.
