@@ -649,12 +649,12 @@ def test_a_balanced_tower_called_with_tensor_arguments_or_other_outputs_is_refus
 def test_extract_features_refuses_latents_it_does_not_compute() -> None:
     """docs/diffusion.md: ``norm_latents: false`` or ``do_sample: true`` is an error (the latents differ)."""
     from lightning_mm.errors import ConfigError
-    from lightning_mm.mindspeed.feature_launch import _check_ae
+    from lightning_mm.mindspeed.feature_launch import check_ae_keys
 
-    _check_ae({"norm_latents": True, "do_sample": False}, "model.json")
+    check_ae_keys({"norm_latents": True, "do_sample": False}, "model.json")
     for key, value in (("norm_latents", False), ("do_sample", True)):
         with pytest.raises(ConfigError, match=rf"`ae.{key}`"):
-            _check_ae({key: value}, "model.json")
+            check_ae_keys({key: value}, "model.json")
 
 
 def test_a_sequence_that_tensor_parallelism_cannot_split_is_refused_naming_the_key() -> None:
