@@ -24,22 +24,15 @@ replaces the matching hook, as for every ``MMLightningModule``.
 from __future__ import annotations
 
 from collections.abc import Mapping
-from copy import deepcopy
-from dataclasses import fields
 from typing import Any
 
 import torch
-from torch import nn
 from typing_extensions import override
 
-from lightning_mm._compat import attached_trainer
-from lightning_mm._utils.suggestions import did_you_mean
-from lightning_mm.diffusers.flow_matching import draw_generator
 from lightning_mm.diffusers.hunyuan15_diffusion import Hunyuan15Diffusion, mindspeed_hunyuan15_fsdp2_config
 from lightning_mm.diffusers.hunyuan15_flow import Hunyuan15FlowSample, Hunyuan15FlowSchedule, hunyuan15_draw
-from lightning_mm.diffusers.model import DiffusersModel, DiffusersModelConfig
-from lightning_mm.errors import ConfigError, DataError, InputKeyError, InputTypeError, StateError
-from lightning_mm.modules.lightning_module import MMLightningModule
+from lightning_mm.errors import DataError, InputKeyError, InputTypeError
+from lightning_mm.modules.flow_module import FLOW_KEY, MMFlowMatchingModule
 
 __all__ = ["HUNYUAN15_BATCH_KEYS", "MMHunyuan15Module"]
 
@@ -54,11 +47,9 @@ HUNYUAN15_BATCH_KEYS = (
 )
 _REQUIRED = HUNYUAN15_BATCH_KEYS[:5]
 _IMAGE_KEYS = ("condition_latents", "image_embeds")
-FLOW_KEY = "flow"
-_SCHEDULER_ID = "hunyuanvideo_15_diffusion"
 
 
-class MMHunyuan15Module(MMLightningModule):
+class MMHunyuan15Module(MMFlowMatchingModule):
     """Train a HunyuanVideo 1.5 diffusers transformer (t2v, i2v) with MindSpeed MM's flow-matching recipe.
 
     Args:
@@ -73,57 +64,12 @@ class MMHunyuan15Module(MMLightningModule):
         **kwargs: the other arguments of :class:`MMLightningModule` (``lr``, ``warmup_steps``...).
     """
 
-    def __init__(
-        self,
-        diffusers_model: Mapping[str, Any],
-        schedule: Mapping[str, Any] | None = None,
-        noise_seed: int = 0,
-        fsdp2_config: Any = None,
-        **kwargs: Any,
-    ) -> None:
-        if kwargs.get("model_provider") is not None:
-            raise ConfigError(
-                "MMHunyuan15Module builds its model from `diffusers_model`; do not also give `model_provider`"
-            )
-        if fsdp2_config is not None and not hasattr(fsdp2_config, "sub_modules_to_wrap"):
-            fsdp2_config = mindspeed_hunyuan15_fsdp2_config(fsdp2_config)
-        super().__init__(fsdp2_config=fsdp2_config, **kwargs)
-        DiffusersModelConfig.from_any(deepcopy(dict(diffusers_model)))  # a bad key fails now, naming it
-        self.diffusers_model = deepcopy(dict(diffusers_model))
-        schedule = dict(schedule or {})
-        scheduler_id = schedule.pop("model_id", _SCHEDULER_ID)
-        if scheduler_id != _SCHEDULER_ID:
-            raise ConfigError(
-                f"MMHunyuan15Module `schedule.model_id`: only {_SCHEDULER_ID!r} is implemented, got {scheduler_id!r}"
-            )
-        known = [f.name for f in fields(Hunyuan15FlowSchedule)]
-        for key in schedule:
-            if key not in known:
-                raise ConfigError(
-                    f"MMHunyuan15Module `schedule.{key}`: not a key of the HunyuanVideo 1.5 training schedule"
-                    + did_you_mean(str(key), known)
-                )
-        self.schedule = Hunyuan15FlowSchedule(**schedule)
-        if not isinstance(noise_seed, int) or isinstance(noise_seed, bool):
-            raise ConfigError(f"MMHunyuan15Module `noise_seed` must be an integer, got {noise_seed!r}")
-        self.noise_seed = noise_seed
-        self._draw_position: tuple[str, int, int] = ("", -1, 0)  # (stage, step, micro-batches drawn in it)
-
-    @override
-    def model_provider(self) -> nn.Module:
-        if self._seed.model_provider is not None:
-            return super().model_provider()
-        return Hunyuan15Diffusion(DiffusersModel(deepcopy(self.diffusers_model)))
-
-    def _generator(self) -> torch.Generator:
-        trainer = attached_trainer(self)
-        stage = "none" if trainer is None else getattr(trainer.state.stage, "value", str(trainer.state.stage))
-        step = 0 if trainer is None else int(trainer.global_step)
-        last_stage, last_step, count = self._draw_position
-        count = count + 1 if (stage, step) == (last_stage, last_step) else 0
-        self._draw_position = (stage, step, count)
-        rank = 0 if trainer is None else int(trainer.global_rank)
-        return draw_generator(self.noise_seed, stage, step, count, rank)
+    scheduler_id = "hunyuanvideo_15_diffusion"
+    schedule_class = Hunyuan15FlowSchedule
+    schedule_name = "the HunyuanVideo 1.5 training schedule"
+    sample_class = Hunyuan15FlowSample
+    wrapper = Hunyuan15Diffusion
+    fsdp2_paths = staticmethod(mindspeed_hunyuan15_fsdp2_config)
 
     @override
     def get_batch(self, batch: Any) -> dict[str, Any]:
@@ -182,22 +128,3 @@ class MMHunyuan15Module(MMLightningModule):
             "encoder_attention_mask_2": batch["prompt_mask_2"],
             FLOW_KEY: flow,
         }
-
-    @override
-    def forward_step(self, batch: Any) -> Any:
-        if self._seed.forward_step is not None or not isinstance(batch, Mapping):
-            return super().forward_step(batch)
-        if self.model is None:
-            raise StateError("MMHunyuan15Module.model is not built (configure_model has not run)")
-        return self.model(**{k: v for k, v in batch.items() if k != FLOW_KEY})
-
-    @override
-    def loss_func(self, output: Any, batch: Any) -> Any:
-        if self._seed.loss_func is not None:
-            return super().loss_func(output, batch)
-        flow = batch.get(FLOW_KEY) if isinstance(batch, Mapping) else None
-        if not isinstance(flow, Hunyuan15FlowSample):
-            raise InputTypeError(
-                "MMHunyuan15Module.loss_func needs the batch's flow-matching draw (the `flow` key of get_batch)"
-            )
-        return self.schedule.loss(output, flow)

@@ -25,8 +25,6 @@ the 8x8 mask, its ``control_hidden_states``), which only a VACE model takes. Any
 from __future__ import annotations
 
 from collections.abc import Mapping
-from copy import deepcopy
-from dataclasses import fields
 from typing import Any
 
 import torch
@@ -34,25 +32,22 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_info
 from torch import nn
 from typing_extensions import override
 
-from lightning_mm._compat import attached_trainer
-from lightning_mm._utils.suggestions import did_you_mean
 from lightning_mm.core.flop_formulas import StepFlops
-from lightning_mm.diffusers.flow_matching import FlowMatchSample, WanFlowMatchSchedule, draw, draw_generator
-from lightning_mm.diffusers.model import DiffusersModel, DiffusersModelConfig
+from lightning_mm.diffusers.flow_matching import FlowMatchSample, WanFlowMatchSchedule, draw
 from lightning_mm.diffusers.wan_diffusion import WanDiffusion, mindspeed_fsdp2_config
 from lightning_mm.diffusers.wan_flops import WanFlopCounter
-from lightning_mm.errors import ConfigError, DataError, InputKeyError, InputTypeError, StateError
+from lightning_mm.errors import ConfigError, DataError, InputKeyError, InputTypeError
 from lightning_mm.hf.transformers_flops import UnsupportedFlopsModel
+from lightning_mm.modules.flow_module import FLOW_KEY, MMFlowMatchingModule
 from lightning_mm.modules.lightning_module import MMLightningModule
 
 __all__ = ["MMWanModule", "WAN_BATCH_KEYS"]
 
 WAN_BATCH_KEYS = ("latents", "prompt_embeds", "prompt_mask", "image_embeds", "condition_latents", "control_latents")
 _REQUIRED = ("latents", "prompt_embeds")
-FLOW_KEY = "flow"
 
 
-class MMWanModule(MMLightningModule):
+class MMWanModule(MMFlowMatchingModule):
     """Train a Wan 2.x diffusers transformer with MindSpeed MM's flow-matching recipe.
 
     Args:
@@ -70,6 +65,13 @@ class MMWanModule(MMLightningModule):
         **kwargs: the other arguments of :class:`MMLightningModule` (``lr``, ``warmup_steps``...).
     """
 
+    scheduler_id = "wan_flow_match_scheduler"
+    schedule_class = WanFlowMatchSchedule
+    schedule_name = "the Wan flow-matching schedule"
+    sample_class = FlowMatchSample
+    wrapper = WanDiffusion
+    fsdp2_paths = staticmethod(mindspeed_fsdp2_config)
+
     def __init__(
         self,
         diffusers_model: Mapping[str, Any],
@@ -79,41 +81,11 @@ class MMWanModule(MMLightningModule):
         control_scale: float = 1.0,
         **kwargs: Any,
     ) -> None:
-        if kwargs.get("model_provider") is not None:
-            raise ConfigError("MMWanModule builds its model from `diffusers_model`; do not also give `model_provider`")
-        if fsdp2_config is not None and not hasattr(fsdp2_config, "sub_modules_to_wrap"):
-            fsdp2_config = mindspeed_fsdp2_config(fsdp2_config)
-        super().__init__(fsdp2_config=fsdp2_config, **kwargs)
-        DiffusersModelConfig.from_any(deepcopy(dict(diffusers_model)))  # a bad key fails now, naming it
-        self.diffusers_model = deepcopy(dict(diffusers_model))
-        schedule = dict(schedule or {})
-        scheduler_id = schedule.pop("model_id", "wan_flow_match_scheduler")
-        if scheduler_id != "wan_flow_match_scheduler":
-            raise ConfigError(
-                f"MMWanModule `schedule.model_id`: only 'wan_flow_match_scheduler' is implemented, got {scheduler_id!r}"
-            )
-        known = [f.name for f in fields(WanFlowMatchSchedule) if f.init]
-        for key in schedule:
-            if key not in known:
-                raise ConfigError(
-                    f"MMWanModule `schedule.{key}`: not a key of the Wan flow-matching schedule"
-                    + did_you_mean(str(key), known)
-                )
-        self.schedule = WanFlowMatchSchedule(**schedule)
-        if not isinstance(noise_seed, int) or isinstance(noise_seed, bool):
-            raise ConfigError(f"MMWanModule `noise_seed` must be an integer, got {noise_seed!r}")
-        self.noise_seed = noise_seed
+        super().__init__(diffusers_model, schedule, noise_seed, fsdp2_config, **kwargs)
         if isinstance(control_scale, bool) or not isinstance(control_scale, (int, float)):
             raise ConfigError(f"MMWanModule `control_scale` must be a number, got {control_scale!r}")
         self.control_scale = float(control_scale)
-        self._draw_position: tuple[str, int, int] = ("", -1, 0)  # (stage, step, micro-batches drawn in it)
         self._wan_flops: WanFlopCounter | bool | None = None  # None: not looked for yet; False: none
-
-    @override
-    def model_provider(self) -> nn.Module:
-        if self._seed.model_provider is not None:
-            return super().model_provider()
-        return WanDiffusion(DiffusersModel(deepcopy(self.diffusers_model)))
 
     handles_context_parallel = True
     """Under ``MMFSDP2Strategy(context_parallel_size=C)`` the video tokens are split over the ``C`` ranks of a
@@ -138,14 +110,6 @@ class MMWanModule(MMLightningModule):
                     "are not split); use context_parallel_size 1"
                 )
             enable_wan_context_parallel(predictor, group)
-
-    def _data_parallel_rank(self) -> int:
-        """This rank's data-parallel rank: the ranks of a context-parallel group draw the same noise."""
-        trainer = attached_trainer(self)
-        if trainer is None:
-            return 0
-        cp = int(getattr(trainer.strategy, "context_parallel_size", 1) or 1)
-        return int(trainer.global_rank) // cp
 
     # ----------------------------------------------------------------------------------------- FLOPs
     @override
@@ -180,15 +144,6 @@ class MMWanModule(MMLightningModule):
         return self._wan_flops if isinstance(self._wan_flops, WanFlopCounter) else None
 
     # ----------------------------------------------------------------------------------------- the step
-    def _generator(self) -> torch.Generator:
-        trainer = attached_trainer(self)
-        stage = "none" if trainer is None else getattr(trainer.state.stage, "value", str(trainer.state.stage))
-        step = 0 if trainer is None else int(trainer.global_step)
-        last_stage, last_step, count = self._draw_position
-        count = count + 1 if (stage, step) == (last_stage, last_step) else 0
-        self._draw_position = (stage, step, count)
-        return draw_generator(self.noise_seed, stage, step, count, self._data_parallel_rank())
-
     @override
     def get_batch(self, batch: Any) -> dict[str, Any]:
         """The model inputs of a batch: noisy latents, timesteps, text (and image) conditions, and the draw."""
@@ -249,22 +204,3 @@ class MMWanModule(MMLightningModule):
             )
         if not vace and self.control_scale != 1.0:
             raise ConfigError(f"MMWanModule `control_scale`: {type(predictor).__name__} is not a VACE model")
-
-    @override
-    def forward_step(self, batch: Any) -> Any:
-        if self._seed.forward_step is not None or not isinstance(batch, Mapping):
-            return super().forward_step(batch)
-        if self.model is None:
-            raise StateError("MMWanModule.model is not built (configure_model has not run)")
-        return self.model(**{k: v for k, v in batch.items() if k != FLOW_KEY})
-
-    @override
-    def loss_func(self, output: Any, batch: Any) -> Any:
-        if self._seed.loss_func is not None:
-            return super().loss_func(output, batch)
-        flow = batch.get(FLOW_KEY) if isinstance(batch, Mapping) else None
-        if not isinstance(flow, FlowMatchSample):
-            raise InputTypeError(
-                "MMWanModule.loss_func needs the batch's flow-matching draw (the `flow` key of get_batch)"
-            )
-        return self.schedule.loss(output, flow)
