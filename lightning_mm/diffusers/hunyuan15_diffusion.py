@@ -18,19 +18,16 @@ absent with precomputed features) are dropped with a logged line.
 
 from __future__ import annotations
 
-import logging
 import os
 from collections.abc import Mapping
 from typing import Any
 
 import torch
-from torch import Tensor, nn
+from torch import Tensor
 
-from lightning_mm.hf.mixins import FSDP2Mixin
+from lightning_mm.diffusers.predictor_wrapper import PredictorWrapper, map_fsdp2_paths
 
 __all__ = ["MINDSPEED_HUNYUAN15_PATHS", "T2V_IMAGE_TOKENS", "Hunyuan15Diffusion", "mindspeed_hunyuan15_fsdp2_config"]
-
-log = logging.getLogger(__name__)
 
 MINDSPEED_HUNYUAN15_PATHS: dict[str, str] = {
     "predictor.double_blocks.{*}": "predictor.transformer_blocks.{*}",
@@ -38,32 +35,17 @@ MINDSPEED_HUNYUAN15_PATHS: dict[str, str] = {
 }
 """MindSpeed MM's HunyuanVideo 1.5 DiT module paths -> the diffusers ones (under ``predictor``)."""
 
+
+def _mapped_path(pattern: str) -> str:
+    return MINDSPEED_HUNYUAN15_PATHS.get(pattern, pattern)
+
+
 T2V_IMAGE_TOKENS = 729
 """The zero image tokens of a text-to-video call (``HunyuanVideo15Pipeline.vision_num_semantic_tokens``)."""
 
-_PATH_KEYS = ("sub_modules_to_wrap", "recompute_modules", "ignored_modules")
-_ABSENT_COMPONENTS = ("ae", "text_encoder")
 
-
-class Hunyuan15Diffusion(nn.Module, FSDP2Mixin):
+class Hunyuan15Diffusion(PredictorWrapper):
     """The HunyuanVideo 1.5 denoiser as ``predictor``, and its training call."""
-
-    def __init__(self, predictor: nn.Module) -> None:
-        super().__init__()
-        # An adapted diffusers model: its init_weights / load_after_sharding / default_fsdp2_config are called by name.
-        self.predictor: Any = predictor
-
-    def default_fsdp2_config(self, explicit: Mapping[str, Any] | None = None) -> dict[str, Any]:
-        """The predictor's defaults, with paths under ``predictor``."""
-        inner = self.predictor.default_fsdp2_config(explicit) if hasattr(self.predictor, "default_fsdp2_config") else {}
-        return {k: [f"predictor.{p}" for p in v] if k in _PATH_KEYS else v for k, v in inner.items()}
-
-    @torch.no_grad()
-    def init_weights(self) -> None:
-        self.predictor.init_weights()
-
-    def load_after_sharding(self) -> None:
-        self.predictor.load_after_sharding()
 
     def forward(
         self,
@@ -104,22 +86,4 @@ class Hunyuan15Diffusion(nn.Module, FSDP2Mixin):
 def mindspeed_hunyuan15_fsdp2_config(config: str | os.PathLike | Mapping[str, Any]) -> dict[str, Any]:
     """MindSpeed MM's HunyuanVideo 1.5 ``fsdp2_config.yaml`` (a path, read safely, or its mapping) with its module
     paths mapped onto :class:`Hunyuan15Diffusion` (see the module docstring). Other keys are kept as written."""
-    from lightning_mm._utils.yaml_io import load_mapping
-
-    raw = load_mapping(config) if isinstance(config, (str, os.PathLike)) else dict(config)
-    out = dict(raw)
-    for key in _PATH_KEYS:
-        value = raw.get(key)
-        if not isinstance(value, list):
-            continue
-        mapped = []
-        for pattern in value:
-            if key == "ignored_modules" and pattern in _ABSENT_COMPONENTS:
-                log.info("fsdp2_config `ignored_modules`: '%s' is not part of Hunyuan15Diffusion: dropped", pattern)
-                continue
-            new = MINDSPEED_HUNYUAN15_PATHS.get(pattern, pattern) if isinstance(pattern, str) else pattern
-            if new != pattern:
-                log.info("fsdp2_config `%s`: MindSpeed MM's '%s' is diffusers' '%s'", key, pattern, new)
-            mapped.append(new)
-        out[key] = mapped
-    return out
+    return map_fsdp2_paths(config, _mapped_path, "Hunyuan15Diffusion")

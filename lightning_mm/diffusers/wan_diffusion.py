@@ -18,20 +18,17 @@ dropped with a logged line.
 
 from __future__ import annotations
 
-import logging
 import os
 from collections.abc import Mapping
 from typing import Any
 
 import torch
-from torch import Tensor, nn
+from torch import Tensor
 
+from lightning_mm.diffusers.predictor_wrapper import PredictorWrapper, map_fsdp2_paths
 from lightning_mm.diffusers.wan_inputs import check_wan_inputs
-from lightning_mm.hf.mixins import FSDP2Mixin
 
 __all__ = ["MINDSPEED_VACE_PREFIXES", "MINDSPEED_WAN_PATHS", "WanDiffusion", "mindspeed_fsdp2_config"]
-
-log = logging.getLogger(__name__)
 
 MINDSPEED_WAN_PATHS: dict[str, str] = {"predictor.head": "predictor.proj_out"}
 """MindSpeed MM's Wan DiT module paths -> the diffusers ``WanTransformer3DModel`` ones (under ``predictor``)."""
@@ -47,30 +44,8 @@ def _mapped_path(pattern: str) -> str:
     return MINDSPEED_WAN_PATHS.get(pattern, pattern)
 
 
-_PATH_KEYS = ("sub_modules_to_wrap", "recompute_modules", "ignored_modules")
-_ABSENT_COMPONENTS = ("ae", "text_encoder")
-
-
-class WanDiffusion(nn.Module, FSDP2Mixin):
+class WanDiffusion(PredictorWrapper):
     """The Wan denoiser as ``predictor``, and its call on noisy latents."""
-
-    def __init__(self, predictor: nn.Module) -> None:
-        super().__init__()
-        # An adapted diffusers model: its init_weights / load_after_sharding / default_fsdp2_config are called by
-        # name (nn.Module's attribute type, Tensor | Module, would not allow the calls).
-        self.predictor: Any = predictor
-
-    def default_fsdp2_config(self, explicit: Mapping[str, Any] | None = None) -> dict[str, Any]:
-        """The predictor's defaults, with paths under ``predictor``."""
-        inner = self.predictor.default_fsdp2_config(explicit) if hasattr(self.predictor, "default_fsdp2_config") else {}
-        return {k: [f"predictor.{p}" for p in v] if k in _PATH_KEYS else v for k, v in inner.items()}
-
-    @torch.no_grad()
-    def init_weights(self) -> None:
-        self.predictor.init_weights()
-
-    def load_after_sharding(self) -> None:
-        self.predictor.load_after_sharding()
 
     def forward(
         self,
@@ -119,26 +94,4 @@ class WanDiffusion(nn.Module, FSDP2Mixin):
 def mindspeed_fsdp2_config(config: str | os.PathLike | Mapping[str, Any]) -> dict[str, Any]:
     """A MindSpeed MM Wan ``fsdp2_config.yaml`` (a path, read safely, or its mapping) with its module paths
     mapped onto :class:`WanDiffusion` (see the module docstring). Other keys are kept as written."""
-    from lightning_mm._utils.yaml_io import load_mapping
-
-    raw = load_mapping(config) if isinstance(config, (str, os.PathLike)) else dict(config)
-    out = dict(raw)
-    for key in _PATH_KEYS:
-        value = raw.get(key)
-        if not isinstance(value, list):
-            continue
-        mapped = []
-        for pattern in value:
-            if key == "ignored_modules" and pattern in _ABSENT_COMPONENTS:
-                log.info(
-                    "fsdp2_config `ignored_modules`: '%s' is not part of WanDiffusion (features are "
-                    "precomputed): dropped",
-                    pattern,
-                )
-                continue
-            new = _mapped_path(pattern) if isinstance(pattern, str) else pattern
-            if new != pattern:
-                log.info("fsdp2_config `%s`: MindSpeed MM's '%s' is diffusers' '%s'", key, pattern, new)
-            mapped.append(new)
-        out[key] = mapped
-    return out
+    return map_fsdp2_paths(config, _mapped_path, "WanDiffusion")
