@@ -26,13 +26,27 @@ from typing import Any
 
 from lightning_mm._utils.yaml_io import ConfigFileError, load_mapping
 
-__all__ = ["WHY", "note_without_model", "states_ignored_modules", "with_ignored_default"]
+__all__ = ["WHY", "fsdp2_keys", "note_without_model", "states_ignored_modules", "with_ignored_default"]
 
 WHY = (
     "MindSpeed MM ignores only the modules its FSDP2 config lists; lightning-mm's default would keep a fully "
     "frozen vision tower out of FSDP, which MindSpeed MM shards"
 )
 """Why ``migrate`` writes ``ignored_modules: []``, as reports say it."""
+
+
+def fsdp2_keys(fsdp2_config: Any) -> tuple[dict[str, Any] | None, str, str | None]:
+    """The keys of a migrated strategy's ``fsdp2_config`` (inlined keys, or a YAML path read safely): (the keys, or
+    None when there is no such file or it cannot be read; where they come from; the reading error, if any)."""
+    if isinstance(fsdp2_config, Mapping):
+        return dict(fsdp2_config), "fsdp2_config", None
+    path = Path(str(fsdp2_config))
+    if not path.is_file():
+        return None, str(path), None
+    try:
+        return load_mapping(path), str(path), None
+    except ConfigFileError as err:
+        return None, str(path), str(err)
 
 
 def states_ignored_modules(keys: Mapping[str, Any]) -> bool:
@@ -47,17 +61,13 @@ def with_ignored_default(fsdp2_config: Any) -> tuple[Any, list[str], list[str]]:
     (yet) is kept, with a line saying what to write in it."""
     if fsdp2_config is None:
         return None, [], []
-    if isinstance(fsdp2_config, Mapping):
-        keys, where = dict(fsdp2_config), "fsdp2_config"
-    else:
-        path = Path(str(fsdp2_config))
-        if not path.is_file():
-            return fsdp2_config, [], [f"{path}: write `ignored_modules: []` in it unless it lists modules ({WHY})"]
-        try:
-            keys = load_mapping(path)
-        except ConfigFileError as err:
-            return fsdp2_config, [], [str(err)]
-        where = str(path)
+    keys, where, error = fsdp2_keys(fsdp2_config)
+    if keys is None:
+        return (
+            fsdp2_config,
+            [],
+            [error or f"{where}: write `ignored_modules: []` in it unless it lists modules ({WHY})"],
+        )
     if states_ignored_modules(keys):
         return fsdp2_config, [], []
     keys["ignored_modules"] = []

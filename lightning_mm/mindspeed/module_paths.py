@@ -18,11 +18,9 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
-from lightning_mm._utils.yaml_io import ConfigFileError, load_mapping
-from lightning_mm.mindspeed.ignored_default import WHY, states_ignored_modules
+from lightning_mm.mindspeed.ignored_default import WHY, fsdp2_keys, states_ignored_modules
 
 __all__ = ["PATH_KEYS", "PathMap", "FAMILIES", "family_of", "translate", "translate_keys", "translate_fsdp2_config"]
 
@@ -214,17 +212,13 @@ def translate_fsdp2_config(
     paths = family_of(family, megatron)
     if paths is None or fsdp2_config is None:
         return None, [], []
-    if isinstance(fsdp2_config, Mapping):
-        keys, where = dict(fsdp2_config), "fsdp2_config"
-    else:
-        path = Path(str(fsdp2_config))
-        if not path.is_file():
-            return None, [], [f"{path}: write its module paths in {paths.name}'s Transformers names ({paths.source})"]
-        try:
-            keys = load_mapping(path)
-        except ConfigFileError as err:
-            return None, [], [str(err)]
-        where = str(path)
+    keys, where, error = fsdp2_keys(fsdp2_config)
+    if keys is None:
+        return (
+            None,
+            [],
+            [error or f"{where}: write its module paths in {paths.name}'s Transformers names ({paths.source})"],
+        )
     new, lines = translate_keys(keys, paths, where)
     if not lines:
         return None, [], []
