@@ -236,17 +236,27 @@ def wan_module_config(config: Mapping[str, Any], source: str, weights: str | Non
             f"task {task}: the task follows the checkpoint and the batch keys (i2v: image_embeds; vace: "
             "control_latents, the feature files' vace_context)"
         )
-    known = {"predictor", "diffusion", "load_video_features", "load_text_features", "ae", "text_encoder", "task"}
+    name_other_keys(
+        config, out, {"encoder_offload_interval": "offloads the online encoders; they are not part of the model here"}
+    )
+    return out
+
+
+_SECTIONS = {"predictor", "diffusion", "load_video_features", "load_text_features", "ae", "text_encoder", "task"}
+
+
+def name_other_keys(config: Mapping[str, Any], out: DiffusionMigration, notes: Mapping[str, str]) -> None:
+    """Name the top-level keys of a diffusion model.json beyond its sections: ``patch`` entries (Megatron patches),
+    the keys of ``notes`` (key -> why it has no effect here) as notes, any other key as NOT mapped."""
     for key, value in config.items():
-        if key in known:
+        if key in _SECTIONS:
             continue
         if key == "patch" and isinstance(value, Mapping):
             out.notes += [f"patch.{name}: a MindSpeed MM patch of Megatron internals; not applicable" for name in value]
-        elif key == "encoder_offload_interval":
-            out.notes.append(f"{key}: offloads the online encoders; they are not part of the model here")
+        elif key in notes:
+            out.notes.append(f"{key}: {notes[key]}")
         else:
             out.unmapped.append(f"{key}: unknown to lightning-mm migrate")
-    return out
 
 
 _I2V_KEYS = ("clip_token_len", "text_len")

@@ -20,7 +20,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
-from lightning_mm.mindspeed.diffusion import DiffusionMigration, config_items
+from lightning_mm.mindspeed.diffusion import DiffusionMigration, config_items, name_other_keys
 from lightning_mm.mindspeed.keys import MindSpeedConfigError
 
 __all__ = ["HUNYUAN15_MODULE", "HUNYUAN15_PREDICTOR", "hunyuan15_module_config"]
@@ -194,11 +194,4 @@ def _map_features(config: Mapping[str, Any], out: DiffusionMigration) -> None:
             "task i2v: image-to-video; the features add cond_latents and vision_states (MindSpeed MM's "
             "hunyuanvideo_15_i2v_processor), read as the batch keys condition_latents and image_embeds"
         )
-    known = {"predictor", "diffusion", "load_video_features", "load_text_features", "ae", "text_encoder", "task"}
-    for key, value in config.items():
-        if key in known:
-            continue
-        if key == "patch" and isinstance(value, Mapping):
-            out.notes += [f"patch.{name}: a MindSpeed MM patch of Megatron internals; not applicable" for name in value]
-        else:
-            out.unmapped.append(f"{key}: unknown to lightning-mm migrate")
+    name_other_keys(config, out, {})
