@@ -131,6 +131,26 @@ def _check_i2v(processor: Any, source: str) -> str | None:
     return encoder if isinstance(encoder, str) else None
 
 
+def component_paths(
+    model_config: Mapping[str, Any], tokenizer_config: Any, vae: Any, text_encoder: Any, tokenizer: Any
+) -> tuple[Path, Path, Path]:
+    """The VAE, text encoder and tokenizer directories of an extraction: each the command-line flag's value when
+    given, else the ``from_pretrained`` of the model config's ``ae`` / ``text_encoder`` or of the data config's
+    ``tokenizer_config``; neither is an error naming both."""
+    sections = (
+        ("--vae", vae, model_config.get("ae"), "ae.from_pretrained"),
+        ("--text-encoder", text_encoder, model_config.get("text_encoder"), "text_encoder.from_pretrained"),
+        ("--tokenizer", tokenizer, tokenizer_config, "dataset_param.tokenizer_config.from_pretrained"),
+    )
+    paths = []
+    for flag, given, section, key in sections:
+        value = given if given is not None else (section if isinstance(section, Mapping) else {}).get("from_pretrained")
+        if not isinstance(value, str):
+            raise ConfigError(f"{flag}: not given and no `{key}` in the configs")
+        paths.append(Path(value))
+    return paths[0], paths[1], paths[2]
+
+
 def check_ae_keys(ae: Any, source: str) -> None:
     """MindSpeed MM's ``ae`` keys: the ones that change the latents must be as done here (the mode of the latent
     distribution, normalised with the VAE config's mean and std); tiling and the dtype are noted as not applied."""
@@ -223,18 +243,7 @@ def plan_extraction(
         ]
         if names != ["whitespace_clean"]:
             raise _fail(source, "dataset_param.text_preprocess_methods", f"{names}: only whitespace_clean is done here")
-    sections = (
-        ("--vae", vae, model_config.get("ae"), "ae.from_pretrained"),
-        ("--text-encoder", text_encoder, model_config.get("text_encoder"), "text_encoder.from_pretrained"),
-        ("--tokenizer", tokenizer, tok, "dataset_param.tokenizer_config.from_pretrained"),
-    )
-    paths = []
-    for flag, given, section, key in sections:
-        value = given if given is not None else (section or {}).get("from_pretrained")
-        if not isinstance(value, str):
-            raise ConfigError(f"{flag}: not given and no `{key}` in the configs")
-        paths.append(Path(value))
-    plan.vae, plan.text_encoder, plan.tokenizer = paths
+    plan.vae, plan.text_encoder, plan.tokenizer = component_paths(model_config, tok, vae, text_encoder, tokenizer)
     seen: dict[str, str] = {}
     for annotation, folder, written, number, record in (
         (a, f, w, n, r) for a, f, w in sources for n, r in annotation_records(a)

@@ -303,7 +303,12 @@ def plan_vace_extraction(
 ) -> VaceExtractionPlan:
     """Read and check a VACE data config, the model config and the records; raises naming the key, line or file."""
     from lightning_mm.diffusers.wan_features import check_outputs
-    from lightning_mm.mindspeed.feature_launch import annotation_records, check_ae_keys, combine_lines
+    from lightning_mm.mindspeed.feature_launch import (
+        annotation_records,
+        check_ae_keys,
+        combine_lines,
+        component_paths,
+    )
 
     plan = VaceExtractionPlan()
     param = config["dataset_param"]
@@ -369,18 +374,7 @@ def plan_vace_extraction(
         print(f"note: {source}: `{_PRE}` {noted} have no effect (nor in MindSpeed MM's VACEVideoProcessor)")
     print(f"note: {source}: `{_PRE}.video_reader_type` DecordVideo: clips are read with PyAV here")
     tok = _text(param, source, plan)
-    sections = (
-        ("--vae", vae, model_config.get("ae"), "ae.from_pretrained"),
-        ("--text-encoder", text_encoder, model_config.get("text_encoder"), "text_encoder.from_pretrained"),
-        ("--tokenizer", tokenizer, tok, "dataset_param.tokenizer_config.from_pretrained"),
-    )
-    paths = []
-    for flag, given, section, key in sections:
-        value = given if given is not None else (section or {}).get("from_pretrained")
-        if not isinstance(value, str):
-            raise ConfigError(f"{flag}: not given and no `{key}` in the configs")
-        paths.append(Path(value))
-    plan.vae, plan.text_encoder, plan.tokenizer = paths
+    plan.vae, plan.text_encoder, plan.tokenizer = component_paths(model_config, tok, vae, text_encoder, tokenizer)
     if model_config.get("task", "vace") != "vace":
         raise ConfigError(f"{model_source}: `task: {model_config.get('task')}`: a VACE data config extracts `vace`")
     check_ae_keys(model_config.get("ae"), model_source)
