@@ -22,6 +22,11 @@ REFUSALS: list[tuple[str, str, list[str]]] = [
     # (page, fragment of the sentence, test node ids)
     (
         "diffusion.md",
+        "Context parallelism is not implemented for VACE: a context_parallel_size above 1 is refused",
+        ["tests/test_wan.py::test_fitting_wan_vace_with_context_parallelism_is_refused"],
+    ),
+    (
+        "diffusion.md",
         "is refused naming the keys, before diffusers runs it",
         ["tests/test_wan.py::test_wan_inputs_the_model_cannot_take_are_refused_naming_the_keys"],
     ),

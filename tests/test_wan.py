@@ -136,21 +136,25 @@ def test_migrated_wan_configs_train_like_the_diffusers_reference(run: Path, work
     """The corpus' Wan 2.1 launch scripts, migrated (t2v ``pretrain_fsdp2.sh``: full weights with MindSpeed MM's
     FSDP2 YAML; ``finetune_lora.sh``: ``--lora-r 16 --lora-alpha 16`` on the blocks' attention and feed-forward
     linears; i2v ``pretrain.sh``: the tiny i2v model and MindSpeed MM's i2v features, conditioned as its WanDiT
-    does) and run by ``lightning-mm fit --config`` on 2 gloo ranks with the tiny model and features: the losses
-    and the first step's gradients equal the one-process diffusers reference (PEFT's adapters for LoRA) to
-    relative 1e-5, and LoRA trains the adapters only."""
+    does; 14B i2v ``finetune_lora.sh``: LoRA on the i2v model, ``ffn.2 ffn.0 proj_q proj_k proj_v proj_out``, which
+    as MindSpeed MM's PEFT suffixes leave the cross-attention's image keys and values ``k_img`` / ``v_img``
+    (diffusers' ``attn2.add_k_proj`` / ``add_v_proj``) without adapters; its 8 ranks with context parallelism 1
+    need no override beyond the 2 ranks) and run by ``lightning-mm fit --config`` on 2 gloo ranks with the tiny
+    model and features: the losses and the first step's gradients equal the one-process diffusers reference
+    (PEFT's adapters for LoRA, the script's ``--lora-r`` / ``--lora-alpha``) to relative 1e-5, and LoRA trains
+    the adapters only."""
     ranks = [json.loads((run / f"migrated_{name}.rank{r}.json").read_text()) for r in range(2)]
     steps = wan_scenarios.MIGRATED_STEPS
     losses = [(ranks[0]["losses"][s] + ranks[1]["losses"][s]) / 2 for s in range(steps)]
     grads: dict[str, torch.Tensor] = {}
-    lora, i2v = name == "lora", name == "i2v"
+    lora, i2v = name in ("lora", "i2v_lora"), name in ("i2v", "i2v_lora")
     home = wan_scenarios.migrated_work(work, name)
     order = None
     if i2v:  # the corpus' feature_data.json as written: LengthGroupedSampler, shuffled; the reference follows it
         order = [[wan_scenarios.sample_index(home / "features", r["firsts"][s]) for r in ranks] for s in range(steps)]
         assert len({i for step in order for i in step}) == 2 * steps, order  # each sample once in the epoch
     expected, weights = reference_losses(
-        home, steps, grads=grads, lora=lora, lora_shape=(16, 16.0), noise_seed=0, i2v=i2v, order=order
+        home, steps, grads=grads, lora=lora, lora_shape=_script_lora_shape(name), noise_seed=0, i2v=i2v, order=order
     )
     assert all(_close(a, b) for a, b in zip(losses, expected)), (losses, expected)
     got = torch.load(run / f"migrated_{name}_grads.pt", weights_only=True)
@@ -161,11 +165,39 @@ def test_migrated_wan_configs_train_like_the_diffusers_reference(run: Path, work
     adapters = sorted(n for n in weights if ".lora_A." in n or ".lora_B." in n)
     assert ranks[0]["trainable"] == (adapters if lora else sorted(weights))
     assert len(adapters) == (2 * 2 * 10 if lora else 0)  # A, B x 2 blocks x 10 linears
+    if i2v:  # the image keys and values exist; no script names them (k_img / v_img): LoRA leaves them frozen
+        image_kv = [f"model.predictor.blocks.{b}.attn2.add_{k}_proj." for b in (0, 1) for k in "kv"]
+        assert all(f"{m}weight" in weights for m in image_kv)
+        assert not lora or not [n for n in ranks[0]["trainable"] if n.startswith(tuple(image_kv))]
     final = torch.load(run / f"migrated_{name}_final.pt", weights_only=True)
     assert sorted(final) == sorted(weights)
     for key, ref in weights.items():  # Adam's sign-like first step: 1e-3 of each tensor's norm (see the LoRA test)
         error = ((final[key] - ref).norm() / ref.norm().clamp_min(1e-12)).item()
         assert error <= 1e-3, (key, error)
+
+
+def _script_lora_shape(name: str) -> tuple[int, float]:
+    """The LoRA rank and alpha the corpus script of the migrated job ``name`` passes (``--lora-r`` /
+    ``--lora-alpha``), read from the script itself; (16, 16.0) where it has none (the reference ignores it then)."""
+    import re
+
+    text = (ROOT / "tests/data/mindspeed_corpus" / wan_scenarios.MIGRATED[name]).read_text()
+    rank, alpha = (re.search(rf"--lora-{flag}\s+(\d+)", text) for flag in ("r", "alpha"))
+    return (int(rank.group(1)), float(alpha.group(1))) if rank and alpha else (16, 16.0)
+
+
+def test_fitting_wan_vace_with_context_parallelism_is_refused(run: Path) -> None:
+    """``MMFSDP2Strategy(context_parallel_size=2)`` with the tiny Wan VACE model: ``MMWanModule.configure_model``
+    refuses it on every rank, before any step (the control branch's tokens are not split)."""
+    errors = [(run / f"vace_cp.rank{r}.txt").read_text() for r in range(2)]
+    assert (
+        errors
+        == [
+            "MMWanModule: context parallelism is not implemented for Wan VACE (the control branch's tokens are not "
+            "split); use context_parallel_size 1"
+        ]
+        * 2
+    ), errors
 
 
 VACE_SCHEDULES = {"vace": {}, "vace_high": {"max_timestep_boundary": 0.358, "min_timestep_boundary": 0.0}}

@@ -324,6 +324,7 @@ MIGRATED = {
     "t2v": "examples/wan2.1/14b/t2v/pretrain_fsdp2.sh",  # MindSpeed MM's Wan FSDP2 YAML, full weights
     "lora": "examples/wan2.1/1.3b/t2v/finetune_lora.sh",  # --lora-r 16 --lora-alpha 16, ffn.*, proj_*
     "i2v": "examples/wan2.1/1.3b/i2v/pretrain.sh",  # Wan 2.1 i2v (pretrain_sora.py, task i2v), full weights
+    "i2v_lora": "examples/wan2.1/14b/i2v/finetune_lora.sh",  # Wan 2.1 i2v LoRA: --lora-r 16 --lora-alpha 16
 }
 """The corpus' Wan launch scripts (tests/data/mindspeed_corpus) whose migrated configs the run trains."""
 MIGRATED_VACE = {
@@ -332,6 +333,9 @@ MIGRATED_VACE = {
 }
 """The corpus' Wan VACE launch scripts whose migrated configs the run trains (with ``vace_model``/``vace_data``)."""
 MIGRATED_STEPS = 2
+I2V_MIGRATED = ("i2v", "i2v_lora")
+"""The :data:`MIGRATED` jobs of Wan 2.1 i2v: the tiny i2v model and features (``WORKDIR/i2v``), the corpus' own
+``feature_data.json`` pointed at them."""
 
 
 def write_migrated(work: Path, tree: Path, outdir: Path) -> None:
@@ -355,8 +359,7 @@ def write_migrated(work: Path, tree: Path, outdir: Path) -> None:
         results = {name: migrate_file(Path(script))[0] for name, script in {**MIGRATED, **MIGRATED_VACE}.items()}
     finally:
         os.chdir(before)
-    if "i2v" in MIGRATED:
-        write_i2v_workdir(work / "i2v")
+    write_i2v_workdir(work / "i2v")
     for name, result in results.items():
         home = migrated_work(work, name)
         config = yaml.safe_load(yaml.safe_dump(result.config))
@@ -392,7 +395,7 @@ def write_migrated(work: Path, tree: Path, outdir: Path) -> None:
                 }
             ],
         )
-        if name == "i2v":  # the corpus' own feature_data.json (shuffled, grouped), pointed at the tiny features
+        if name in I2V_MIGRATED:  # the corpus' own feature_data.json (shuffled, grouped), pointed at the tiny features
             point_data_config(Path(config["data"]["init_args"]["data_config"]), home / "features")
         else:
             data = work / "vace_data.json" if vace else home / "data.json"
@@ -411,7 +414,7 @@ I2V_IMAGE_TOKENS = 3  # MindSpeed MM's clip_token_len (257) in small
 
 def migrated_work(work: Path, name: str) -> Path:
     """The stand-ins' directory (``model/``, ``features/``) of the migrated job ``name``."""
-    return work / "i2v" if name == "i2v" else work
+    return work / "i2v" if name in I2V_MIGRATED else work
 
 
 def write_i2v_workdir(work: Path) -> None:
@@ -579,6 +582,38 @@ def fit_resume_cp(outdir: Path, work: str) -> None:
             }
         )
     )
+
+    (outdir / f"vace_cp.rank{trainer.global_rank}.txt").write_text(vace_context_parallel_error(work))  # last: it fails
+
+
+def vace_context_parallel_error(work: Path) -> str:
+    """The error of fitting the tiny VACE model (``vace_model``, ``vace_data.json``) with
+    ``MMFSDP2Strategy(context_parallel_size=2)``, which ``MMWanModule.configure_model`` refuses before any step."""
+    import lightning as L
+
+    from lightning_mm import MMFSDP2Strategy
+    from lightning_mm.datamodules import MMDataModule
+    from lightning_mm.errors import ConfigError
+    from lightning_mm.modules.wan_module import MMWanModule
+
+    module = MMWanModule({"init_from_path": str(work / "vace_model")}, lr=LR, log_grad_norm=False)
+    trainer = L.Trainer(
+        accelerator="cpu",
+        devices=2,
+        max_steps=1,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        num_sanity_val_steps=0,
+        default_root_dir=work / "run_vace_cp",
+        strategy=MMFSDP2Strategy(context_parallel_size=2),
+    )
+    try:
+        trainer.fit(module, datamodule=MMDataModule.from_config(work / "vace_data.json", batch_size=1))
+    except ConfigError as error:
+        return str(error)
+    return "no error"
 
 
 if __name__ == "__main__":
